@@ -1,0 +1,1 @@
+//! tessera-actors: the supervisor tree and its actors; planners are pure code.

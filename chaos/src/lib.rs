@@ -1,0 +1,1 @@
+//! tessera-chaos: seeded fault plans, injectors and invariant checkers.

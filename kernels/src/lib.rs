@@ -1,0 +1,14 @@
+//! tessera-kernels: tensors, dtypes and the CPU math of training — GEMM, every layer's forward
+//! and backward side by side, the model stack over one flat parameter buffer, and optimizer math.
+//!
+//! Everything here is deterministic: no reduction depends on thread scheduling, so the same
+//! inputs give the same bits on every run.
+
+pub mod dtype;
+pub mod gemm;
+pub mod gradcheck;
+pub mod layer;
+pub mod model;
+pub mod ops;
+pub mod optim;
+pub mod tensor;

@@ -1,0 +1,701 @@
+//! The transformer stack (GPT-2 and LLaMA styles) over one flat parameter buffer: the
+//! parameter layout, the blocks as [`Layer`]s, the tied LM head with fused cross-entropy, and
+//! activation recomputation.
+//!
+//! The flat buffer is cut into *units*: unit 0 holds the embeddings and the final norm (the LM
+//! head is tied to `wte`, so it lives there too), unit `1 + l` holds block `l`. A unit is the
+//! grain at which ZeRO-3 gathers parameters; [`UnitAccess`] is how the caller hands them in.
+
+use std::ops::Range;
+
+use crate::gemm::matmul;
+use crate::layer::{Acts, Dims, Init, Layer, ParamLayout, ParamSpec};
+use crate::ops::{attention, crossentropy, embedding, gelu, layernorm, linear, residual, rmsnorm, rope, swiglu};
+
+/// Which block design the model uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// GPT-2: learned positions, LayerNorm, GELU(tanh) MLP, biases.
+    Gpt,
+    /// LLaMA: RoPE, RMSNorm, SwiGLU MLP, no biases.
+    Llama,
+}
+
+/// Shape of a model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub vocab_size: usize,
+    pub max_seq_len: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub d_model: usize,
+    /// Hidden width of the MLP (4·d for GPT, ~8/3·d for LLaMA).
+    pub d_ff: usize,
+    pub rope_theta: f32,
+    pub norm_eps: f32,
+}
+
+impl ModelConfig {
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_head
+    }
+
+    /// Checks the shape is buildable; the error says which dimension is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        let c = self;
+        if c.vocab_size == 0 || c.max_seq_len == 0 || c.n_layer == 0 || c.n_head == 0 || c.d_ff == 0 {
+            return Err(format!("model dimensions must be positive: {c:?}"));
+        }
+        if c.d_model % c.n_head != 0 {
+            return Err(format!("d_model {} is not divisible by n_head {}", c.d_model, c.n_head));
+        }
+        if c.arch == Arch::Llama && c.head_dim() % 2 != 0 {
+            return Err(format!("RoPE needs an even head dimension, got {}", c.head_dim()));
+        }
+        Ok(())
+    }
+
+    /// Training FLOPs per token (forward + backward): 6·N for the matrices plus attention,
+    /// 12·L·d·T (the PaLM/llm.c estimate; the embedding table counts through the tied head).
+    pub fn flops_per_token(&self, num_params: usize, seq_len: usize) -> f64 {
+        let attn = 12.0 * self.n_layer as f64 * self.d_model as f64 * seq_len as f64;
+        6.0 * num_params as f64 + attn
+    }
+}
+
+/// Hands the parameters (and gradient accumulators) of one unit to the model.
+pub trait UnitAccess {
+    /// Parameters of unit `u` and its gradient accumulator (backward adds into it).
+    fn unit(&mut self, u: usize) -> (&[f32], &mut [f32]);
+    /// Called when the backward pass no longer needs unit `u` (its gradients are final).
+    fn grads_ready(&mut self, _u: usize) {}
+}
+
+/// [`UnitAccess`] over whole flat buffers (`grads` may be empty for forward-only use).
+pub struct FlatAccess<'a> {
+    pub params: &'a [f32],
+    pub grads: &'a mut [f32],
+    pub units: &'a [Range<usize>],
+}
+
+impl UnitAccess for FlatAccess<'_> {
+    /// An empty `grads` (forward-only use) hands out empty gradient slices.
+    fn unit(&mut self, u: usize) -> (&[f32], &mut [f32]) {
+        let r = self.units[u].clone();
+        let g = if self.grads.is_empty() { &mut self.grads[..] } else { &mut self.grads[r.clone()] };
+        (&self.params[r], g)
+    }
+}
+
+/// Reusable activation memory of a model, sized on first use.
+#[derive(Debug, Default)]
+pub struct Workspace {
+    /// Residual stream: `xs[l]` is the input of block `l`, `xs[L]` the final stream.
+    xs: Vec<Vec<f32>>,
+    blocks: Vec<Acts>,
+    head: Acts,
+    dx: Vec<f32>,
+    dx_prev: Vec<f32>,
+}
+
+impl Workspace {
+    /// Bytes of activation memory currently held.
+    pub fn bytes(&self) -> usize {
+        let xs: usize = self.xs.iter().map(|x| x.capacity() * 4).sum();
+        let blocks: usize = self.blocks.iter().map(Acts::bytes).sum();
+        xs + blocks + self.head.bytes() + (self.dx.capacity() + self.dx_prev.capacity()) * 4
+    }
+}
+
+/// A built model: its layout, units and layers. Holds no parameters.
+pub struct Model {
+    pub cfg: ModelConfig,
+    layout: ParamLayout,
+    units: Vec<Range<usize>>,
+    blocks: Vec<Box<dyn Layer>>,
+    /// Unit-0-relative ranges.
+    embed: EmbedParams,
+    /// Recompute each block's activations in backward instead of keeping them.
+    pub checkpoint_activations: bool,
+}
+
+#[derive(Clone, Debug)]
+struct EmbedParams {
+    wte: Range<usize>,
+    wpe: Option<Range<usize>>,
+    norm_w: Range<usize>,
+    norm_b: Option<Range<usize>>,
+}
+
+fn rel(r: Range<usize>, base: usize) -> Range<usize> {
+    r.start - base..r.end - base
+}
+
+impl Model {
+    pub fn new(cfg: ModelConfig) -> Result<Self, String> {
+        cfg.validate()?;
+        let mut layout = ParamLayout::new();
+        let (v, c, l) = (cfg.vocab_size, cfg.d_model, cfg.n_layer);
+        let wte = layout.push("wte.weight".into(), &[v, c], Init::Normal(0.02), true);
+        let (wpe, norm_w, norm_b) = match cfg.arch {
+            Arch::Gpt => {
+                let wpe = layout.push("wpe.weight".into(), &[cfg.max_seq_len, c], Init::Normal(0.01), true);
+                let w = layout.push("ln_f.weight".into(), &[c], Init::Ones, false);
+                let b = layout.push("ln_f.bias".into(), &[c], Init::Zeros, false);
+                (Some(wpe), w, Some(b))
+            }
+            Arch::Llama => (None, layout.push("norm_f.weight".into(), &[c], Init::Ones, false), None),
+        };
+        let mut units = vec![0..layout.total()];
+        let embed = EmbedParams { wte, wpe, norm_w, norm_b };
+        let mut blocks: Vec<Box<dyn Layer>> = Vec::with_capacity(l);
+        let proj_std = 0.02 / (2.0 * l as f32).sqrt();
+        for i in 0..l {
+            let start = layout.total();
+            let block: Box<dyn Layer> = match cfg.arch {
+                Arch::Gpt => Box::new(GptBlock::new(&cfg, i, &mut layout, proj_std)),
+                Arch::Llama => Box::new(LlamaBlock::new(&cfg, i, &mut layout, proj_std)),
+            };
+            units.push(start..layout.total());
+            blocks.push(block);
+        }
+        Ok(Model { cfg, layout, units, blocks, embed, checkpoint_activations: false })
+    }
+
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// Ranges of the flat buffer, one per unit (embeddings+head, then each block).
+    pub fn units(&self) -> &[Range<usize>] {
+        &self.units
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.layout.total()
+    }
+
+    /// GPT-2 initialisation (N(0, 0.02), output projections scaled by 1/√(2L)), seeded.
+    pub fn init_params(&self, seed: u64) -> Vec<f32> {
+        self.layout.init(seed)
+    }
+
+    fn dims(&self, b: usize, t: usize) -> Dims {
+        Dims { b, t, c: self.cfg.d_model }
+    }
+
+    fn check_batch(&self, tokens: &[u32], b: usize, t: usize) {
+        assert!(t <= self.cfg.max_seq_len, "sequence length {t} exceeds the model's {}", self.cfg.max_seq_len);
+        assert_eq!(tokens.len(), b * t, "tokens must be b*t");
+    }
+
+    /// Forward through the embeddings and every block; leaves the final stream in `ws.xs[L]`.
+    fn forward_stack(&self, acc: &mut dyn UnitAccess, tokens: &[u32], d: Dims, ws: &mut Workspace, keep: bool) {
+        let l = self.blocks.len();
+        ws.xs.resize_with(l + 1, Vec::new);
+        ws.blocks.resize_with(l.max(1), Acts::default);
+        let nc = d.n() * d.c;
+        ws.xs.iter_mut().for_each(|x| x.resize(nc, 0.0));
+        {
+            let (p0, _) = acc.unit(0);
+            let e = &self.embed;
+            let wpe = e.wpe.clone().map(|r| &p0[r]);
+            embedding::embedding_forward(&mut ws.xs[0], tokens, &p0[e.wte.clone()], wpe, d.b, d.t, d.c);
+        }
+        for (i, block) in self.blocks.iter().enumerate() {
+            let (p, _) = acc.unit(i + 1);
+            let (head, tail) = ws.xs.split_at_mut(i + 1);
+            // With recomputation every block shares one scratch `Acts`: only inputs are kept.
+            let acts = if keep { &mut ws.blocks[i] } else { &mut ws.blocks[0] };
+            block.forward(p, &head[i], d, acts, &mut tail[0]);
+        }
+    }
+
+    /// Final norm → tied LM head → softmax cross-entropy. With `dloss`, also runs the head's
+    /// backward, accumulating into unit 0's gradients and leaving d(stream) in `ws.dx`.
+    /// Returns the mean loss over the `b*t` positions.
+    fn head(&self, acc: &mut dyn UnitAccess, targets: &[u32], d: Dims, ws: &mut Workspace, dloss: Option<f32>) -> f32 {
+        let (n, c, v) = (d.n(), d.c, self.cfg.vocab_size);
+        let e = &self.embed;
+        let (p0, g0) = acc.unit(0);
+        let x = &ws.xs[self.blocks.len()];
+        let h = &mut ws.head;
+        let mut xn = h.take(0, n * c);
+        let mut mean = h.take(1, n);
+        let mut rstd = h.take(2, n);
+        match e.norm_b.clone() {
+            Some(b) => layernorm::layernorm_forward(&mut xn, &mut mean, &mut rstd, x, &p0[e.norm_w.clone()], &p0[b], n, c),
+            None => rmsnorm::rmsnorm_forward(&mut xn, &mut rstd, x, &p0[e.norm_w.clone()], n, c, self.cfg.norm_eps),
+        }
+        let wte = &p0[e.wte.clone()];
+        let mut logits = h.take(3, n * v);
+        let mut probs = h.take(4, n * v);
+        let mut losses = h.take(5, n);
+        matmul(&mut logits, &xn, wte, n, c, v, false, true, 0.0);
+        let loss = crossentropy::crossentropy_forward(&mut losses, &mut probs, &logits, targets, n, v);
+        if let Some(dloss) = dloss {
+            // Reuse the logits buffer for d(logits).
+            logits.fill(0.0);
+            crossentropy::crossentropy_backward(&mut logits, &probs, targets, n, v, dloss);
+            let mut dxn = h.take(6, n * c);
+            matmul(&mut dxn, &logits, wte, n, v, c, false, false, 0.0);
+            matmul(&mut g0[e.wte.clone()], &logits, &xn, v, n, c, true, false, 1.0);
+            ws.dx.clear();
+            ws.dx.resize(n * c, 0.0);
+            let (gw, gb) = split_two(g0, e.norm_w.clone(), e.norm_b.clone());
+            match gb {
+                Some(gb) => layernorm::layernorm_backward(&mut ws.dx, gw, gb, &dxn, x, &p0[e.norm_w.clone()], &mean, &rstd, n, c),
+                None => rmsnorm::rmsnorm_backward(&mut ws.dx, gw, &dxn, x, &p0[e.norm_w.clone()], &rstd, n, c),
+            }
+            h.put(6, dxn);
+        }
+        for (i, buf) in [xn, mean, rstd, logits, probs, losses].into_iter().enumerate() {
+            h.put(i, buf);
+        }
+        loss
+    }
+
+    /// One micro-batch: forward, loss, backward. Gradients of `dloss · mean loss` are
+    /// *accumulated* into the units' gradient buffers. Returns the mean loss.
+    ///
+    /// # Panics
+    /// If `tokens`/`targets` are not `b*t` long or `t` exceeds the model's context.
+    pub fn forward_backward(
+        &self,
+        acc: &mut dyn UnitAccess,
+        tokens: &[u32],
+        targets: &[u32],
+        b: usize,
+        t: usize,
+        dloss: f32,
+        ws: &mut Workspace,
+    ) -> f32 {
+        self.check_batch(tokens, b, t);
+        let d = self.dims(b, t);
+        let keep = !self.checkpoint_activations;
+        self.forward_stack(acc, tokens, d, ws, keep);
+        let loss = self.head(acc, targets, d, ws, Some(dloss));
+        ws.dx_prev.resize(d.n() * d.c, 0.0);
+        for (i, block) in self.blocks.iter().enumerate().rev() {
+            let (p, g) = acc.unit(i + 1);
+            let acts = if keep { &mut ws.blocks[i] } else { &mut ws.blocks[0] };
+            if !keep {
+                // Recompute this block's activations from its saved input.
+                let mut y = std::mem::take(&mut ws.dx_prev);
+                block.forward(p, &ws.xs[i], d, acts, &mut y);
+                ws.dx_prev = y;
+            }
+            block.backward(p, g, &ws.xs[i], &ws.dx, d, acts, &mut ws.dx_prev);
+            std::mem::swap(&mut ws.dx, &mut ws.dx_prev);
+            acc.grads_ready(i + 1);
+        }
+        let (_, g0) = acc.unit(0);
+        let e = &self.embed;
+        let (gwte, gwpe) = split_two(g0, e.wte.clone(), e.wpe.clone());
+        embedding::embedding_backward(gwte, gwpe, &ws.dx, tokens, b, t, d.c);
+        acc.grads_ready(0);
+        loss
+    }
+
+    /// Mean loss of one batch, forward only.
+    pub fn loss(&self, acc: &mut dyn UnitAccess, tokens: &[u32], targets: &[u32], b: usize, t: usize, ws: &mut Workspace) -> f32 {
+        self.check_batch(tokens, b, t);
+        let d = self.dims(b, t);
+        self.forward_stack(acc, tokens, d, ws, false);
+        self.head(acc, targets, d, ws, None)
+    }
+
+    /// Logits `[v]` of the last position of one sequence (for sampling).
+    pub fn next_token_logits(&self, params: &[f32], tokens: &[u32], ws: &mut Workspace) -> Vec<f32> {
+        let t = tokens.len();
+        self.check_batch(tokens, 1, t);
+        let d = self.dims(1, t);
+        let mut acc = FlatAccess { params, grads: &mut [], units: &self.units };
+        self.forward_stack(&mut acc, tokens, d, ws, false);
+        let (c, v) = (d.c, self.cfg.vocab_size);
+        let x_last = &ws.xs[self.blocks.len()][(t - 1) * c..t * c];
+        let e = &self.embed;
+        let p0 = &params[self.units[0].clone()];
+        let mut xn = vec![0.0; c];
+        let (mut mean, mut rstd) = (vec![0.0; 1], vec![0.0; 1]);
+        match e.norm_b.clone() {
+            Some(b) => layernorm::layernorm_forward(&mut xn, &mut mean, &mut rstd, x_last, &p0[e.norm_w.clone()], &p0[b], 1, c),
+            None => rmsnorm::rmsnorm_forward(&mut xn, &mut rstd, x_last, &p0[e.norm_w.clone()], 1, c, self.cfg.norm_eps),
+        }
+        let mut logits = vec![0.0; v];
+        matmul(&mut logits, &xn, &p0[e.wte.clone()], 1, c, v, false, true, 0.0);
+        logits
+    }
+
+    /// Parameter specs of block `l` with offsets relative to its unit.
+    pub fn block_specs(&self, l: usize) -> &[ParamSpec] {
+        self.blocks[l].param_specs()
+    }
+}
+
+/// Two disjoint mutable views of `g` (the second optional).
+fn split_two(g: &mut [f32], a: Range<usize>, b: Option<Range<usize>>) -> (&mut [f32], Option<&mut [f32]>) {
+    match b {
+        None => (&mut g[a], None),
+        Some(b) => {
+            assert!(a.end <= b.start, "ranges must be ordered and disjoint");
+            let (lo, hi) = g.split_at_mut(b.start);
+            (&mut lo[a], Some(&mut hi[..b.end - b.start]))
+        }
+    }
+}
+
+/// Mutable views of several ordered, disjoint ranges of `g`.
+fn split_many<'a, const K: usize>(mut g: &'a mut [f32], ranges: [&Range<usize>; K]) -> [&'a mut [f32]; K] {
+    let mut base = 0;
+    let mut out: [&mut [f32]; K] = std::array::from_fn(|_| <&mut [f32]>::default());
+    for (k, r) in ranges.into_iter().enumerate() {
+        assert!(r.start >= base, "ranges must be ordered and disjoint");
+        let (_, rest) = std::mem::take(&mut g).split_at_mut(r.start - base);
+        let (mine, rest) = rest.split_at_mut(r.end - r.start);
+        out[k] = mine;
+        g = rest;
+        base = r.end;
+    }
+    out
+}
+
+/// Pre-LN GPT-2 block:
+/// `x2 = x + proj(attn(ln1(x)))`, `y = x2 + fcproj(gelu(fc(ln2(x2))))`.
+struct GptBlock {
+    specs: Vec<ParamSpec>,
+    nh: usize,
+    ff: usize,
+    p: [Range<usize>; 12],
+}
+
+// Indices into GptBlock::p.
+const LN1_W: usize = 0;
+const LN1_B: usize = 1;
+const QKV_W: usize = 2;
+const QKV_B: usize = 3;
+const PROJ_W: usize = 4;
+const PROJ_B: usize = 5;
+const LN2_W: usize = 6;
+const LN2_B: usize = 7;
+const FC_W: usize = 8;
+const FC_B: usize = 9;
+const FCP_W: usize = 10;
+const FCP_B: usize = 11;
+
+/// Appends a block's parameters to `layout`; returns their unit-relative specs and ranges.
+fn push_block<const K: usize>(
+    layout: &mut ParamLayout,
+    items: [(String, Vec<usize>, Init, bool); K],
+) -> (Vec<ParamSpec>, [Range<usize>; K]) {
+    let base = layout.total();
+    let ranges = items.map(|(name, shape, init, decay)| rel(layout.push(name, &shape, init, decay), base));
+    let specs = layout.specs()[layout.specs().len() - K..].iter().map(|s| ParamSpec { offset: s.offset - base, ..s.clone() }).collect();
+    (specs, ranges)
+}
+
+impl GptBlock {
+    fn new(cfg: &ModelConfig, i: usize, layout: &mut ParamLayout, proj_std: f32) -> Self {
+        let (c, f) = (cfg.d_model, cfg.d_ff);
+        let n = |s: &str| format!("h.{i}.{s}");
+        let w = Init::Normal(0.02);
+        let (specs, p) = push_block(
+            layout,
+            [
+                (n("ln_1.weight"), vec![c], Init::Ones, false),
+                (n("ln_1.bias"), vec![c], Init::Zeros, false),
+                (n("attn.c_attn.weight"), vec![c, 3 * c], w, true),
+                (n("attn.c_attn.bias"), vec![3 * c], Init::Zeros, false),
+                (n("attn.c_proj.weight"), vec![c, c], Init::Normal(proj_std), true),
+                (n("attn.c_proj.bias"), vec![c], Init::Zeros, false),
+                (n("ln_2.weight"), vec![c], Init::Ones, false),
+                (n("ln_2.bias"), vec![c], Init::Zeros, false),
+                (n("mlp.c_fc.weight"), vec![c, f], w, true),
+                (n("mlp.c_fc.bias"), vec![f], Init::Zeros, false),
+                (n("mlp.c_proj.weight"), vec![f, c], Init::Normal(proj_std), true),
+                (n("mlp.c_proj.bias"), vec![c], Init::Zeros, false),
+            ],
+        );
+        GptBlock { specs, nh: cfg.n_head, ff: f, p }
+    }
+}
+
+// Saved-activation slots of a GPT block.
+const A_LN1: usize = 0;
+const A_LN1_MEAN: usize = 1;
+const A_LN1_RSTD: usize = 2;
+const A_QKV: usize = 3;
+const A_ATT: usize = 4;
+const A_ATTY: usize = 5;
+const A_X2: usize = 6;
+const A_LN2: usize = 7;
+const A_LN2_MEAN: usize = 8;
+const A_LN2_RSTD: usize = 9;
+const A_FC: usize = 10;
+const A_GELU: usize = 11;
+const A_TMP: usize = 12;
+// Backward scratch.
+const B_D1: usize = 13;
+const B_D2: usize = 14;
+const B_DQKV: usize = 15;
+
+impl Layer for GptBlock {
+    fn kind(&self) -> &'static str {
+        "gpt-block"
+    }
+
+    fn param_specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    fn forward(&self, p: &[f32], x: &[f32], d: Dims, a: &mut Acts, y: &mut [f32]) {
+        let (n, c, f, (b, t)) = (d.n(), d.c, self.ff, (d.b, d.t));
+        let w = |k: usize| &p[self.p[k].clone()];
+        let mut ln1 = a.take(A_LN1, n * c);
+        let mut m1 = a.take(A_LN1_MEAN, n);
+        let mut r1 = a.take(A_LN1_RSTD, n);
+        layernorm::layernorm_forward(&mut ln1, &mut m1, &mut r1, x, w(LN1_W), w(LN1_B), n, c);
+        let mut qkv = a.take(A_QKV, n * 3 * c);
+        linear::linear_forward(&mut qkv, &ln1, w(QKV_W), Some(w(QKV_B)), n, c, 3 * c);
+        let mut att = a.take(A_ATT, b * self.nh * t * t);
+        let mut atty = a.take(A_ATTY, n * c);
+        attention::attention_forward(&mut atty, &mut att, &qkv, b, t, c, self.nh);
+        let mut tmp = a.take(A_TMP, n * c);
+        linear::linear_forward(&mut tmp, &atty, w(PROJ_W), Some(w(PROJ_B)), n, c, c);
+        let mut x2 = a.take(A_X2, n * c);
+        residual::residual_forward(&mut x2, x, &tmp);
+        let mut ln2 = a.take(A_LN2, n * c);
+        let mut m2 = a.take(A_LN2_MEAN, n);
+        let mut r2 = a.take(A_LN2_RSTD, n);
+        layernorm::layernorm_forward(&mut ln2, &mut m2, &mut r2, &x2, w(LN2_W), w(LN2_B), n, c);
+        let mut fc = a.take(A_FC, n * f);
+        linear::linear_forward(&mut fc, &ln2, w(FC_W), Some(w(FC_B)), n, c, f);
+        let mut gl = a.take(A_GELU, n * f);
+        gelu::gelu_forward(&mut gl, &fc);
+        linear::linear_forward(&mut tmp, &gl, w(FCP_W), Some(w(FCP_B)), n, f, c);
+        residual::residual_forward(y, &x2, &tmp);
+        for (slot, buf) in [
+            (A_LN1, ln1),
+            (A_LN1_MEAN, m1),
+            (A_LN1_RSTD, r1),
+            (A_QKV, qkv),
+            (A_ATT, att),
+            (A_ATTY, atty),
+            (A_TMP, tmp),
+            (A_X2, x2),
+            (A_LN2, ln2),
+            (A_LN2_MEAN, m2),
+            (A_LN2_RSTD, r2),
+            (A_FC, fc),
+            (A_GELU, gl),
+        ] {
+            a.put(slot, buf);
+        }
+    }
+
+    fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, a: &mut Acts, dx: &mut [f32]) {
+        let (n, c, f, (b, t)) = (d.n(), d.c, self.ff, (d.b, d.t));
+        let w = |k: usize| &p[self.p[k].clone()];
+        let r = &self.p;
+        let [g_ln1w, g_ln1b, g_qkvw, g_qkvb, g_pw, g_pb, g_ln2w, g_ln2b, g_fcw, g_fcb, g_fcpw, g_fcpb] =
+            split_many(g, [&r[0], &r[1], &r[2], &r[3], &r[4], &r[5], &r[6], &r[7], &r[8], &r[9], &r[10], &r[11]]);
+        // MLP branch: y = x2 + fcproj(gelu(fc(ln2(x2)))); dy flows to x2 and to the branch.
+        let mut d_gl = a.take(B_D1, n * f);
+        d_gl.fill(0.0);
+        linear::linear_backward(&mut d_gl, g_fcpw, Some(g_fcpb), dy, a.buf(A_GELU, n * f), w(FCP_W), n, f, c);
+        let mut d_fc = a.take(B_D2, n * f);
+        d_fc.fill(0.0);
+        gelu::gelu_backward(&mut d_fc, a.buf(A_FC, n * f), &d_gl);
+        let mut d_ln = a.take(B_DQKV, n * 3 * c);
+        d_ln[..n * c].fill(0.0);
+        linear::linear_backward(&mut d_ln[..n * c], g_fcw, Some(g_fcb), &d_fc, a.buf(A_LN2, n * c), w(FC_W), n, c, f);
+        // d(x2) = dy + LN2 backward.
+        let mut dx2 = std::mem::take(&mut d_gl);
+        dx2.truncate(n * c);
+        dx2.copy_from_slice(dy);
+        let (m2, r2) = (a.take(A_LN2_MEAN, n), a.take(A_LN2_RSTD, n));
+        layernorm::layernorm_backward(&mut dx2, g_ln2w, g_ln2b, &d_ln[..n * c], a.buf(A_X2, n * c), w(LN2_W), &m2, &r2, n, c);
+        a.put(A_LN2_MEAN, m2);
+        a.put(A_LN2_RSTD, r2);
+        // Attention branch: x2 = x + proj(attn(qkv(ln1(x)))).
+        let mut d_atty = std::mem::take(&mut d_fc);
+        d_atty.truncate(n * c);
+        d_atty.fill(0.0);
+        linear::linear_backward(&mut d_atty, g_pw, Some(g_pb), &dx2, a.buf(A_ATTY, n * c), w(PROJ_W), n, c, c);
+        d_ln.fill(0.0);
+        let (qkv, att) = (a.take(A_QKV, n * 3 * c), a.take(A_ATT, b * self.nh * t * t));
+        attention::attention_backward(&mut d_ln, &d_atty, &qkv, &att, b, t, c, self.nh);
+        let mut d_ln1 = d_atty;
+        d_ln1.fill(0.0);
+        linear::linear_backward(&mut d_ln1, g_qkvw, Some(g_qkvb), &d_ln, a.buf(A_LN1, n * c), w(QKV_W), n, c, 3 * c);
+        dx.copy_from_slice(&dx2);
+        let (m1, r1) = (a.take(A_LN1_MEAN, n), a.take(A_LN1_RSTD, n));
+        layernorm::layernorm_backward(dx, g_ln1w, g_ln1b, &d_ln1, x, w(LN1_W), &m1, &r1, n, c);
+        for (slot, buf) in [(A_QKV, qkv), (A_ATT, att), (A_LN1_MEAN, m1), (A_LN1_RSTD, r1), (B_D1, dx2), (B_D2, d_ln1), (B_DQKV, d_ln)] {
+            a.put(slot, buf);
+        }
+    }
+}
+
+/// LLaMA block:
+/// `x2 = x + wo(attn(rope(wqkv(rms1(x)))))`, `y = x2 + w_down(silu(w_gate(h)) * w_up(h))`, `h = rms2(x2)`.
+struct LlamaBlock {
+    specs: Vec<ParamSpec>,
+    nh: usize,
+    ff: usize,
+    theta: f32,
+    eps: f32,
+    p: [Range<usize>; 7],
+}
+
+const L_N1: usize = 0;
+const L_QKV: usize = 1;
+const L_WO: usize = 2;
+const L_N2: usize = 3;
+const L_GATE: usize = 4;
+const L_UP: usize = 5;
+const L_DOWN: usize = 6;
+
+impl LlamaBlock {
+    fn new(cfg: &ModelConfig, i: usize, layout: &mut ParamLayout, proj_std: f32) -> Self {
+        let (c, f) = (cfg.d_model, cfg.d_ff);
+        let n = |s: &str| format!("h.{i}.{s}");
+        let w = Init::Normal(0.02);
+        let (specs, p) = push_block(
+            layout,
+            [
+                (n("attn_norm.weight"), vec![c], Init::Ones, false),
+                (n("attn.wqkv.weight"), vec![c, 3 * c], w, true),
+                (n("attn.wo.weight"), vec![c, c], Init::Normal(proj_std), true),
+                (n("mlp_norm.weight"), vec![c], Init::Ones, false),
+                (n("mlp.w_gate.weight"), vec![c, f], w, true),
+                (n("mlp.w_up.weight"), vec![c, f], w, true),
+                (n("mlp.w_down.weight"), vec![f, c], Init::Normal(proj_std), true),
+            ],
+        );
+        LlamaBlock { specs, nh: cfg.n_head, ff: f, theta: cfg.rope_theta, eps: cfg.norm_eps, p }
+    }
+}
+
+// Saved-activation slots of a LLaMA block.
+const LA_H1: usize = 0;
+const LA_R1: usize = 1;
+const LA_QKV: usize = 2;
+const LA_ATT: usize = 3;
+const LA_ATTY: usize = 4;
+const LA_X2: usize = 5;
+const LA_H2: usize = 6;
+const LA_R2: usize = 7;
+const LA_GATE: usize = 8;
+const LA_UP: usize = 9;
+const LA_SW: usize = 10;
+const LA_TMP: usize = 11;
+const LB_D1: usize = 12;
+const LB_D2: usize = 13;
+const LB_D3: usize = 14;
+const LB_DQKV: usize = 15;
+
+impl Layer for LlamaBlock {
+    fn kind(&self) -> &'static str {
+        "llama-block"
+    }
+
+    fn param_specs(&self) -> &[ParamSpec] {
+        &self.specs
+    }
+
+    fn forward(&self, p: &[f32], x: &[f32], d: Dims, a: &mut Acts, y: &mut [f32]) {
+        let (n, c, f, (b, t)) = (d.n(), d.c, self.ff, (d.b, d.t));
+        let w = |k: usize| &p[self.p[k].clone()];
+        let mut h1 = a.take(LA_H1, n * c);
+        let mut r1 = a.take(LA_R1, n);
+        rmsnorm::rmsnorm_forward(&mut h1, &mut r1, x, w(L_N1), n, c, self.eps);
+        let mut qkv = a.take(LA_QKV, n * 3 * c);
+        linear::linear_forward(&mut qkv, &h1, w(L_QKV), None, n, c, 3 * c);
+        rope::rope_forward(&mut qkv, b, t, c, self.nh, self.theta);
+        let mut att = a.take(LA_ATT, b * self.nh * t * t);
+        let mut atty = a.take(LA_ATTY, n * c);
+        attention::attention_forward(&mut atty, &mut att, &qkv, b, t, c, self.nh);
+        let mut tmp = a.take(LA_TMP, n * c);
+        linear::linear_forward(&mut tmp, &atty, w(L_WO), None, n, c, c);
+        let mut x2 = a.take(LA_X2, n * c);
+        residual::residual_forward(&mut x2, x, &tmp);
+        let mut h2 = a.take(LA_H2, n * c);
+        let mut r2 = a.take(LA_R2, n);
+        rmsnorm::rmsnorm_forward(&mut h2, &mut r2, &x2, w(L_N2), n, c, self.eps);
+        let mut gate = a.take(LA_GATE, n * f);
+        let mut up = a.take(LA_UP, n * f);
+        linear::linear_forward(&mut gate, &h2, w(L_GATE), None, n, c, f);
+        linear::linear_forward(&mut up, &h2, w(L_UP), None, n, c, f);
+        let mut sw = a.take(LA_SW, n * f);
+        swiglu::swiglu_forward(&mut sw, &gate, &up);
+        linear::linear_forward(&mut tmp, &sw, w(L_DOWN), None, n, f, c);
+        residual::residual_forward(y, &x2, &tmp);
+        for (slot, buf) in [
+            (LA_H1, h1),
+            (LA_R1, r1),
+            (LA_QKV, qkv),
+            (LA_ATT, att),
+            (LA_ATTY, atty),
+            (LA_TMP, tmp),
+            (LA_X2, x2),
+            (LA_H2, h2),
+            (LA_R2, r2),
+            (LA_GATE, gate),
+            (LA_UP, up),
+            (LA_SW, sw),
+        ] {
+            a.put(slot, buf);
+        }
+    }
+
+    fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, a: &mut Acts, dx: &mut [f32]) {
+        let (n, c, f, (b, t)) = (d.n(), d.c, self.ff, (d.b, d.t));
+        let w = |k: usize| &p[self.p[k].clone()];
+        let r = &self.p;
+        let [g_n1, g_qkv, g_wo, g_n2, g_gate, g_up, g_down] = split_many(g, [&r[0], &r[1], &r[2], &r[3], &r[4], &r[5], &r[6]]);
+        // MLP branch.
+        let mut d_sw = a.take(LB_D1, n * f);
+        d_sw.fill(0.0);
+        linear::linear_backward(&mut d_sw, g_down, None, dy, a.buf(LA_SW, n * f), w(L_DOWN), n, f, c);
+        let mut d_gate = a.take(LB_D2, n * f);
+        let mut d_up = a.take(LB_D3, n * f);
+        d_gate.fill(0.0);
+        d_up.fill(0.0);
+        let (gate, up) = (a.take(LA_GATE, n * f), a.take(LA_UP, n * f));
+        swiglu::swiglu_backward(&mut d_gate, &mut d_up, &d_sw, &gate, &up);
+        a.put(LA_GATE, gate);
+        a.put(LA_UP, up);
+        let mut d_h = a.take(LB_DQKV, n * 3 * c);
+        d_h[..n * c].fill(0.0);
+        let h2 = a.take(LA_H2, n * c);
+        linear::linear_backward(&mut d_h[..n * c], g_gate, None, &d_gate, &h2, w(L_GATE), n, c, f);
+        linear::linear_backward(&mut d_h[..n * c], g_up, None, &d_up, &h2, w(L_UP), n, c, f);
+        a.put(LA_H2, h2);
+        let mut dx2 = std::mem::take(&mut d_sw);
+        dx2.truncate(n * c);
+        dx2.copy_from_slice(dy);
+        let r2 = a.take(LA_R2, n);
+        rmsnorm::rmsnorm_backward(&mut dx2, g_n2, &d_h[..n * c], a.buf(LA_X2, n * c), w(L_N2), &r2, n, c);
+        a.put(LA_R2, r2);
+        // Attention branch.
+        let mut d_atty = std::mem::take(&mut d_gate);
+        d_atty.truncate(n * c);
+        d_atty.fill(0.0);
+        linear::linear_backward(&mut d_atty, g_wo, None, &dx2, a.buf(LA_ATTY, n * c), w(L_WO), n, c, c);
+        d_h.fill(0.0);
+        let (qkv, att) = (a.take(LA_QKV, n * 3 * c), a.take(LA_ATT, b * self.nh * t * t));
+        attention::attention_backward(&mut d_h, &d_atty, &qkv, &att, b, t, c, self.nh);
+        rope::rope_backward(&mut d_h, b, t, c, self.nh, self.theta);
+        let mut d_h1 = d_atty;
+        d_h1.fill(0.0);
+        linear::linear_backward(&mut d_h1, g_qkv, None, &d_h, a.buf(LA_H1, n * c), w(L_QKV), n, c, 3 * c);
+        dx.copy_from_slice(&dx2);
+        let r1 = a.take(LA_R1, n);
+        rmsnorm::rmsnorm_backward(dx, g_n1, &d_h1, x, w(L_N1), &r1, n, c);
+        for (slot, buf) in [(LA_QKV, qkv), (LA_ATT, att), (LA_R1, r1), (LB_D1, dx2), (LB_D2, d_h1), (LB_D3, d_up), (LB_DQKV, d_h)] {
+            a.put(slot, buf);
+        }
+    }
+}

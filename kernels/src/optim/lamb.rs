@@ -1,0 +1,116 @@
+//! LAMB per DeepSpeed's FusedLamb (eps outside the square root), with per-tensor trust ratios.
+//!
+//! Per element of tensor `t` (decay `wd_t` = `weight_decay` if decay applies to `t`, else 0):
+//! ```text
+//! m ← β1·m + (1−β1)·g
+//! v ← β2·v + (1−β2)·g·g
+//! u ← m / (√v + eps) + wd_t·p                       (no bias correction inside u)
+//! ```
+//! then per tensor `ratio_t = ‖p_t‖ / ‖u_t‖` (norms of the weights *before* the update),
+//! clamped to `[min_coeff, max_coeff]` (first to max, then to min), or 1 when either norm is 0,
+//! and finally `p ← p − step_size·ratio_t·u` with `step_size = lr·√bc2 / bc1` (`lr` without
+//! bias correction). Norms come from [`super::norm`], so they are identical for any sharding.
+
+use super::adam::{bias_corrections, check_beta, check_nonneg};
+use super::OptimError;
+
+/// LAMB hyper-parameters; [`Default`] is DeepSpeed FusedLamb's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LambParams {
+    pub lr: f32,
+    pub betas: (f32, f32),
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub bias_correction: bool,
+    pub max_coeff: f32,
+    pub min_coeff: f32,
+}
+
+impl Default for LambParams {
+    fn default() -> Self {
+        Self { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, bias_correction: true, max_coeff: 10.0, min_coeff: 0.01 }
+    }
+}
+
+impl LambParams {
+    /// Range checks (betas in [0, 1), non-negative lr/eps/decay, 0 <= min_coeff <= max_coeff).
+    pub fn validate(&self) -> Result<(), OptimError> {
+        const NAME: &str = "lamb";
+        check_nonneg(NAME, "lr", self.lr)?;
+        check_beta(NAME, "betas.0", self.betas.0)?;
+        check_beta(NAME, "betas.1", self.betas.1)?;
+        check_nonneg(NAME, "eps", self.eps)?;
+        check_nonneg(NAME, "weight_decay", self.weight_decay)?;
+        check_nonneg(NAME, "min_coeff", self.min_coeff)?;
+        check_nonneg(NAME, "max_coeff", self.max_coeff)?;
+        if self.max_coeff < self.min_coeff {
+            return Err(OptimError::InvalidParam {
+                optimizer: NAME,
+                name: "max_coeff",
+                value: f64::from(self.max_coeff),
+                expected: "max_coeff >= min_coeff",
+            });
+        }
+        Ok(())
+    }
+
+    /// The f32 scalars of one step at learning rate `lr` and 1-based step `step`.
+    pub(crate) fn coeffs(&self, lr: f32, step: u64) -> LambCoeffs {
+        let (b1, b2) = (f64::from(self.betas.0), f64::from(self.betas.1));
+        let (bc1, bc2) = bias_corrections(b1, b2, step, self.bias_correction);
+        LambCoeffs {
+            beta1: self.betas.0,
+            one_minus_beta1: (1.0 - b1) as f32,
+            beta2: self.betas.1,
+            one_minus_beta2: (1.0 - b2) as f32,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+            step_size: (f64::from(lr) * bc2.sqrt() / bc1) as f32,
+        }
+    }
+
+    /// Trust ratio of one tensor from its weight and update norms (DeepSpeed's clamp order).
+    pub fn trust_ratio(&self, w_norm: f64, u_norm: f64) -> f32 {
+        if w_norm == 0.0 || u_norm == 0.0 {
+            return 1.0;
+        }
+        let mut r = (w_norm / u_norm) as f32;
+        if r > self.max_coeff {
+            r = self.max_coeff;
+        }
+        if r < self.min_coeff {
+            r = self.min_coeff;
+        }
+        r
+    }
+}
+
+/// Per-step f32 scalars of the LAMB kernels.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LambCoeffs {
+    beta1: f32,
+    one_minus_beta1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    pub step_size: f32,
+}
+
+// Phase 1: m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g·g;  u ← m/(√v + eps) + wd·p.
+pub(crate) fn lamb_moments_kernel(c: &LambCoeffs, decay: bool, p: &[f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut [f32]) {
+    let wd = if decay { c.weight_decay } else { 0.0 };
+    let elems = p.iter().zip(g).zip(m.iter_mut()).zip(v.iter_mut()).zip(u.iter_mut());
+    for ((((&p, &g), m), v), u) in elems {
+        *m = c.beta1 * *m + c.one_minus_beta1 * g;
+        *v = c.beta2 * *v + c.one_minus_beta2 * g * g;
+        *u = *m / (v.sqrt() + c.eps) + wd * p;
+    }
+}
+
+// Phase 2: p ← p − (step_size·ratio)·u  (DeepSpeed multiplies step_size·ratio·u left to right).
+pub(crate) fn lamb_apply_kernel(step_size: f32, ratio: f32, p: &mut [f32], u: &[f32]) {
+    for (p, &u) in p.iter_mut().zip(u) {
+        *p -= step_size * ratio * u;
+    }
+}

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Check a Tessera GPT-2 export against Hugging Face transformers.
+
+Usage: check_export.py EXPORT_DIR [REFERENCE_JSON]
+
+EXPORT_DIR is what `tessera::checkpoint::export_hf_gpt2` wrote (model.safetensors, config.json).
+REFERENCE_JSON (default EXPORT_DIR/reference.json) is {"tokens": [...], "loss": x} where x is the
+mean cross-entropy Tessera computed for predicting tokens[t+1] from tokens[:t+1] -- exactly what
+GPT2LMHeadModel(input_ids=tokens, labels=tokens).loss computes.
+
+Loads the directory with GPT2LMHeadModel.from_pretrained, fails if any weight is missing or
+unexpected, and checks the loss agrees within 1e-4 relative. Exit 0 on success (or SKIP when
+transformers/torch are not installed), 1 on mismatch or error.
+"""
+import json
+import math
+import os
+import sys
+
+REL_TOL = 1e-4
+# Buffers GPT-2 rebuilds itself (causal mask) -- their absence is not an export error.
+IGNORED_MISSING_SUFFIXES = (".attn.bias", ".attn.masked_bias", "lm_head.weight")
+
+
+def fail(msg):
+    print(f"FAIL: {msg}")
+    sys.exit(1)
+
+
+def load_reference(path):
+    try:
+        with open(path) as f:
+            ref = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"cannot read reference {path}: {e}")
+    tokens, loss = ref.get("tokens"), ref.get("loss")
+    if not isinstance(tokens, list) or len(tokens) < 2 or not all(isinstance(t, int) for t in tokens):
+        fail(f"{path}: key 'tokens' must be a list of at least 2 integers")
+    if not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        fail(f"{path}: key 'loss' must be a finite number, found {loss!r}")
+    return tokens, float(loss)
+
+
+def check_loading_info(info):
+    missing = [k for k in info.get("missing_keys", []) if not k.endswith(IGNORED_MISSING_SUFFIXES)]
+    unexpected = list(info.get("unexpected_keys", []))
+    mismatched = list(info.get("mismatched_keys", []))
+    if missing or unexpected or mismatched:
+        fail(f"weights did not load cleanly: missing={missing} unexpected={unexpected} mismatched={mismatched}")
+
+
+def main():
+    if len(sys.argv) not in (2, 3):
+        print(__doc__)
+        sys.exit(1)
+    export_dir = sys.argv[1]
+    ref_path = sys.argv[2] if len(sys.argv) == 3 else os.path.join(export_dir, "reference.json")
+    try:
+        import torch
+        from transformers import GPT2LMHeadModel
+    except ImportError:
+        print("SKIP: transformers not installed")
+        sys.exit(0)
+    tokens, expected = load_reference(ref_path)
+    try:
+        model, info = GPT2LMHeadModel.from_pretrained(export_dir, output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 -- report any loader failure as a check failure
+        fail(f"GPT2LMHeadModel.from_pretrained({export_dir!r}) failed: {e}")
+    check_loading_info(info)
+    model = model.float().eval()
+    ids = torch.tensor([tokens], dtype=torch.long)
+    with torch.no_grad():
+        loss = float(model(input_ids=ids, labels=ids).loss)
+    rel = abs(loss - expected) / max(abs(expected), 1e-12)
+    if not rel <= REL_TOL:
+        fail(f"loss mismatch: transformers {loss:.7f} vs tessera {expected:.7f} (rel {rel:.2e} > {REL_TOL:g})")
+    print(f"OK: transformers loss {loss:.7f} matches tessera {expected:.7f} (rel {rel:.2e})")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Generates the PyTorch reference fixtures for Tessera's model tests (run once; outputs committed).
+
+For a 2-layer GPT-2-style model and a 2-layer LLaMA-style model (tiny shapes), this builds the
+model from explicit tensors named exactly as Tessera names them (linear weights laid out
+[in, out] like Hugging Face's GPT-2 Conv1D), runs forward + cross-entropy + backward in float64
+and writes params, tokens, targets, the loss and every gradient to a safetensors file (f32).
+
+Usage: python3 scripts/gen_fixtures.py [OUT_DIR]   (default kernels/tests/fixtures)
+Needs: torch, safetensors.
+"""
+import math
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+torch.manual_seed(20261129)
+DT = torch.float64
+
+
+def rand(*shape, std=0.1, mean=0.0):
+    return (torch.randn(*shape, dtype=DT) * std + mean)
+
+
+def attention(qkv, B, T, C, NH):
+    q, k, v = qkv.split(C, dim=2)
+    hd = C // NH
+    q = q.view(B, T, NH, hd).transpose(1, 2)
+    k = k.view(B, T, NH, hd).transpose(1, 2)
+    v = v.view(B, T, NH, hd).transpose(1, 2)
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+
+def rope(x, B, T, C, NH, theta):
+    """HF LLaMA rotate_half convention on x [B, T, C] viewed as [B, T, NH, hd]."""
+    hd = C // NH
+    inv = theta ** (-torch.arange(0, hd // 2, dtype=DT) * 2.0 / hd)
+    ang = torch.arange(T, dtype=DT)[:, None] * inv[None, :]  # [T, hd/2]
+    cos = torch.cat([ang.cos(), ang.cos()], dim=-1)[None, :, None, :]
+    sin = torch.cat([ang.sin(), ang.sin()], dim=-1)[None, :, None, :]
+    x = x.view(B, T, NH, hd)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    rot = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rot * sin).reshape(B, T, C)
+
+
+def rmsnorm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def gpt(P, tokens, B, T, C, NH, L):
+    x = P["wte.weight"][tokens] + P["wpe.weight"][:T][None]
+    for i in range(L):
+        p = lambda s: P[f"h.{i}.{s}"]
+        h = torch.nn.functional.layer_norm(x, (C,), p("ln_1.weight"), p("ln_1.bias"), 1e-5)
+        qkv = h @ p("attn.c_attn.weight") + p("attn.c_attn.bias")
+        x = x + attention(qkv, B, T, C, NH) @ p("attn.c_proj.weight") + p("attn.c_proj.bias")
+        h = torch.nn.functional.layer_norm(x, (C,), p("ln_2.weight"), p("ln_2.bias"), 1e-5)
+        h = torch.nn.functional.gelu(h @ p("mlp.c_fc.weight") + p("mlp.c_fc.bias"), approximate="tanh")
+        x = x + h @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
+    x = torch.nn.functional.layer_norm(x, (C,), P["ln_f.weight"], P["ln_f.bias"], 1e-5)
+    return x @ P["wte.weight"].T
+
+
+def llama(P, tokens, B, T, C, NH, L, theta=10000.0, eps=1e-5):
+    x = P["wte.weight"][tokens]
+    for i in range(L):
+        p = lambda s: P[f"h.{i}.{s}"]
+        h = rmsnorm(x, p("attn_norm.weight"), eps)
+        qkv = h @ p("attn.wqkv.weight")
+        q, k, v = qkv.split(C, dim=2)
+        qkv = torch.cat([rope(q, B, T, C, NH, theta), rope(k, B, T, C, NH, theta), v], dim=2)
+        x = x + attention(qkv, B, T, C, NH) @ p("attn.wo.weight")
+        h = rmsnorm(x, p("mlp_norm.weight"), eps)
+        h = torch.nn.functional.silu(h @ p("mlp.w_gate.weight")) * (h @ p("mlp.w_up.weight"))
+        x = x + h @ p("mlp.w_down.weight")
+    x = rmsnorm(x, P["norm_f.weight"], eps)
+    return x @ P["wte.weight"].T
+
+
+def make(arch, V=64, maxT=16, C=32, NH=4, L=2, B=3, T=12, F=None):
+    P = {"wte.weight": rand(V, C, std=0.3)}
+    if arch == "gpt":
+        F = F or 4 * C
+        P["wpe.weight"] = rand(maxT, C, std=0.1)
+        P["ln_f.weight"] = rand(C, mean=1.0)
+        P["ln_f.bias"] = rand(C)
+        for i in range(L):
+            P.update({
+                f"h.{i}.ln_1.weight": rand(C, mean=1.0), f"h.{i}.ln_1.bias": rand(C),
+                f"h.{i}.attn.c_attn.weight": rand(C, 3 * C, std=0.2), f"h.{i}.attn.c_attn.bias": rand(3 * C),
+                f"h.{i}.attn.c_proj.weight": rand(C, C, std=0.2), f"h.{i}.attn.c_proj.bias": rand(C),
+                f"h.{i}.ln_2.weight": rand(C, mean=1.0), f"h.{i}.ln_2.bias": rand(C),
+                f"h.{i}.mlp.c_fc.weight": rand(C, F, std=0.2), f"h.{i}.mlp.c_fc.bias": rand(F),
+                f"h.{i}.mlp.c_proj.weight": rand(F, C, std=0.2), f"h.{i}.mlp.c_proj.bias": rand(C),
+            })
+    else:
+        F = F or 88
+        P["norm_f.weight"] = rand(C, mean=1.0)
+        for i in range(L):
+            P.update({
+                f"h.{i}.attn_norm.weight": rand(C, mean=1.0),
+                f"h.{i}.attn.wqkv.weight": rand(C, 3 * C, std=0.2),
+                f"h.{i}.attn.wo.weight": rand(C, C, std=0.2),
+                f"h.{i}.mlp_norm.weight": rand(C, mean=1.0),
+                f"h.{i}.mlp.w_gate.weight": rand(C, F, std=0.2),
+                f"h.{i}.mlp.w_up.weight": rand(C, F, std=0.2),
+                f"h.{i}.mlp.w_down.weight": rand(F, C, std=0.2),
+            })
+    # Round to f32 first so both sides start from the same numbers.
+    P = {k: v.float().double().requires_grad_(True) for k, v in P.items()}
+    tokens = torch.randint(0, V, (B, T))
+    targets = torch.randint(0, V, (B, T))
+    logits = (gpt if arch == "gpt" else llama)(P, tokens, B, T, C, NH, L)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+    loss.backward()
+    out = {k: v.detach().float().contiguous() for k, v in P.items()}
+    out.update({"grad." + k: v.grad.float().contiguous() for k, v in P.items()})
+    out["tokens"] = tokens.reshape(-1).to(torch.int32)
+    out["targets"] = targets.reshape(-1).to(torch.int32)
+    out["loss"] = loss.detach().float().reshape(1)
+    meta = {"arch": arch, "vocab_size": str(V), "max_seq_len": str(maxT), "d_model": str(C),
+            "n_head": str(NH), "n_layer": str(L), "d_ff": str(F), "batch": str(B), "seq_len": str(T),
+            "torch": torch.__version__, "generator": "scripts/gen_fixtures.py"}
+    return out, meta
+
+
+def main():
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "kernels", "tests", "fixtures")
+    os.makedirs(out_dir, exist_ok=True)
+    for arch in ("gpt", "llama"):
+        tensors, meta = make(arch)
+        path = os.path.join(out_dir, f"{arch}2l.safetensors")
+        save_file(tensors, path, metadata=meta)
+        print(f"wrote {path}: loss {tensors['loss'].item():.6f}, {len(tensors)} tensors")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+//! Tests of checkpoint save/load: round trip, pruning, corruption, fallback, atomicity, errors.
+
+use std::fs;
+use std::path::Path;
+
+use super::fsio::FAIL_WRITE_OF;
+use super::*;
+
+fn tensor(name: &str, shape: &[usize], seed: u32) -> NamedTensor {
+    let n: usize = shape.iter().product();
+    let data = (0..n)
+        .map(|i| {
+            let x = (i as u32).wrapping_mul(2654435761).wrapping_add(seed.wrapping_mul(97));
+            f32::from_bits(0x3f00_0000 | (x >> 9)) - 0.75
+        })
+        .collect();
+    NamedTensor { name: name.to_string(), shape: shape.to_vec(), data }
+}
+
+fn sample_state(step: u64) -> CheckpointState {
+    let seed = step as u32;
+    let mut odd = tensor("h.0.ln_1.bias", &[5], seed + 3);
+    odd.data[0] = -0.0;
+    odd.data[1] = f32::from_bits(0x7fc0_1234); // NaN with payload must survive bit-exactly
+    odd.data[2] = f32::MIN_POSITIVE / 8.0; // subnormal
+    CheckpointState {
+        step,
+        config_hash: "cfg-abc123".into(),
+        model: "gpt2-tiny".into(),
+        data_cursor: serde_json::json!({"epoch": 1, "offset": 4096 + step}),
+        rng: serde_json::json!({"seed": 42, "counter": step * 7}),
+        extra: serde_json::json!({"loss_scale": 65536.0, "lr_step": step}),
+        params: vec![tensor("wte.weight", &[7, 4], seed), tensor("h.0.ln_1.weight", &[4], seed + 1), odd],
+        optim: vec![tensor("exp_avg/wte.weight", &[7, 4], seed + 5), tensor("flat", &[13], seed + 6)],
+    }
+}
+
+fn bits(ts: &[NamedTensor]) -> Vec<(String, Vec<usize>, Vec<u32>)> {
+    ts.iter().map(|t| (t.name.clone(), t.shape.clone(), t.data.iter().map(|x| x.to_bits()).collect())).collect()
+}
+
+fn assert_same_state(a: &CheckpointState, b: &CheckpointState) {
+    assert_eq!(bits(&a.params), bits(&b.params));
+    assert_eq!(bits(&a.optim), bits(&b.optim));
+    assert_eq!((a.step, &a.config_hash, &a.model), (b.step, &b.config_hash, &b.model));
+    assert_eq!((&a.data_cursor, &a.rng, &a.extra), (&b.data_cursor, &b.rng, &b.extra));
+}
+
+fn step_names(root: &Path) -> Vec<String> {
+    let mut v: Vec<String> =
+        fs::read_dir(root).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n != LATEST_FILE).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn round_trip_is_bit_exact_and_manifest_matches_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ckpt");
+    let state = sample_state(12);
+    let dir = save(&root, &state, 0).unwrap();
+    assert_eq!(dir, root.join("step_00000012"));
+    assert_eq!(fs::read_to_string(root.join(LATEST_FILE)).unwrap().trim(), "step_00000012");
+    let loaded = load(&dir).unwrap();
+    assert_same_state(&state, &loaded);
+    assert_eq!(named_params_blake3(&state.params), named_params_blake3(&loaded.params));
+
+    let manifest: serde_json::Value = serde_json::from_slice(&fs::read(dir.join(MANIFEST_FILE)).unwrap()).unwrap();
+    assert_eq!(manifest["format_version"], FORMAT_VERSION);
+    for file in [PARAMS_FILE, OPTIM_FILE] {
+        let bytes = fs::read(dir.join(file)).unwrap();
+        assert_eq!(manifest["files"][file]["bytes"], bytes.len() as u64);
+        assert_eq!(manifest["files"][file]["blake3"], blake3::hash(&bytes).to_hex().as_str());
+    }
+    assert_eq!(manifest["params"][0]["name"], "wte.weight");
+    assert_eq!(manifest["params"][0]["shape"], serde_json::json!([7, 4]));
+}
+
+#[test]
+fn params_file_is_standard_safetensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = sample_state(1);
+    let dir = save(tmp.path(), &state, 0).unwrap();
+    let bytes = fs::read(dir.join(PARAMS_FILE)).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let view = st.tensor("wte.weight").unwrap();
+    assert_eq!(view.shape(), &[7, 4]);
+    assert_eq!(&view.data()[..4], &state.params[0].data[0].to_le_bytes());
+}
+
+#[test]
+fn params_blake3_matches_definition_and_is_sensitive() {
+    let a = [1.0f32, -2.5];
+    let b = [0.25f32];
+    let mut manual = Vec::new();
+    manual.extend_from_slice(b"x");
+    a.iter().for_each(|v| manual.extend_from_slice(&v.to_le_bytes()));
+    manual.extend_from_slice(b"y");
+    b.iter().for_each(|v| manual.extend_from_slice(&v.to_le_bytes()));
+    let expect = blake3::hash(&manual).to_hex().to_string();
+    assert_eq!(params_blake3(&[("x", &a), ("y", &b)]), expect);
+    assert_ne!(params_blake3(&[("y", &b), ("x", &a)]), expect);
+    let a2 = [f32::from_bits(1.0f32.to_bits() ^ 1), -2.5];
+    assert_ne!(params_blake3(&[("x", &a2), ("y", &b)]), expect);
+}
+
+#[test]
+fn keep_last_prunes_oldest_and_zero_keeps_all() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("r");
+    for step in 1..=5 {
+        save(&root, &sample_state(step), 2).unwrap();
+    }
+    assert_eq!(step_names(&root), vec!["step_00000004", "step_00000005"]);
+    let all = tmp.path().join("all");
+    for step in 1..=3 {
+        save(&all, &sample_state(step), 0).unwrap();
+    }
+    assert_eq!(list_checkpoints(&all).unwrap().len(), 3);
+    assert_eq!(list_checkpoints(&all).unwrap()[0].0, 3);
+}
+
+#[test]
+fn truncated_params_errors_and_latest_valid_falls_back() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    save(root, &sample_state(1), 0).unwrap();
+    let newest = save(root, &sample_state(2), 0).unwrap();
+    let params = newest.join(PARAMS_FILE);
+    let len = fs::metadata(&params).unwrap().len();
+    fs::OpenOptions::new().write(true).open(&params).unwrap().set_len(len - 10).unwrap();
+
+    let err = load(&newest).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, CheckpointError::SizeMismatch { found_bytes, .. } if found_bytes == len - 10));
+    assert!(msg.contains("params.safetensors") && msg.contains(&len.to_string()), "{msg}");
+
+    let latest = load_latest_valid(root).unwrap();
+    let (dir, state) = latest.found.unwrap();
+    assert_eq!((dir, state.step), (root.join("step_00000001"), 1));
+    assert_eq!(latest.skipped.len(), 1);
+    assert_eq!(latest.skipped[0].dir, newest);
+    assert!(latest.skipped[0].error.to_string().contains("params.safetensors"));
+}
+
+#[test]
+fn corrupted_byte_gives_hash_mismatch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save(tmp.path(), &sample_state(3), 0).unwrap();
+    let optim = dir.join(OPTIM_FILE);
+    let mut bytes = fs::read(&optim).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    fs::write(&optim, &bytes).unwrap();
+    let err = load(&dir).unwrap_err();
+    let found_hash = blake3::hash(&bytes).to_hex().to_string();
+    match &err {
+        CheckpointError::HashMismatch { path, expected, found } => {
+            assert_eq!(path, &optim);
+            assert_eq!(found, &found_hash);
+            assert_ne!(expected, found);
+        }
+        other => panic!("expected hash mismatch, got {other}"),
+    }
+    assert!(err.to_string().contains("optim.safetensors"));
+}
+
+#[test]
+fn leftover_tmp_dir_is_ignored_then_cleaned() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    save(root, &sample_state(1), 0).unwrap();
+    let stale = root.join(".tmp-step_00000009-99999");
+    fs::create_dir(&stale).unwrap();
+    fs::write(stale.join(PARAMS_FILE), b"half written").unwrap();
+    assert_eq!(list_checkpoints(root).unwrap().len(), 1);
+    let latest = load_latest_valid(root).unwrap();
+    assert_eq!(latest.found.unwrap().1.step, 1);
+    assert!(latest.skipped.is_empty());
+    save(root, &sample_state(2), 0).unwrap();
+    assert!(!stale.exists());
+    assert_eq!(step_names(root), vec!["step_00000001", "step_00000002"]);
+}
+
+#[test]
+fn injected_disk_full_cleans_temp_and_keeps_previous() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    save(root, &sample_state(1), 0).unwrap();
+    FAIL_WRITE_OF.with(|f| *f.borrow_mut() = Some(OPTIM_FILE.to_string()));
+    let res = save(root, &sample_state(2), 0);
+    FAIL_WRITE_OF.with(|f| *f.borrow_mut() = None);
+    let err = res.unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains(".tmp-step_00000002") && msg.contains(OPTIM_FILE), "{msg}");
+    assert!(matches!(&err, CheckpointError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull));
+    assert_eq!(step_names(root), vec!["step_00000001"]);
+    assert_eq!(fs::read_to_string(root.join(LATEST_FILE)).unwrap().trim(), "step_00000001");
+    assert_eq!(load_latest_valid(root).unwrap().found.unwrap().1.step, 1);
+}
+
+#[test]
+fn missing_parent_and_file_root_give_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("no_such_parent").join("ckpt");
+    let msg = save(&root, &sample_state(1), 0).unwrap_err().to_string();
+    assert!(msg.contains("no_such_parent") && msg.contains("parent directory"), "{msg}");
+    let file_root = tmp.path().join("a_file");
+    fs::write(&file_root, b"x").unwrap();
+    let msg = save(&file_root, &sample_state(1), 0).unwrap_err().to_string();
+    assert!(msg.contains("a_file") && msg.contains("not a directory"), "{msg}");
+}
+
+#[test]
+fn read_only_root_gives_error_naming_path() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ro");
+    fs::create_dir(&root).unwrap();
+    fs::set_permissions(&root, fs::Permissions::from_mode(0o555)).unwrap();
+    if fs::write(root.join("probe"), b"x").is_ok() {
+        eprintln!("SKIP read_only_root: running with privileges that ignore directory permissions");
+        return;
+    }
+    let err = save(&root, &sample_state(1), 0).unwrap_err();
+    fs::set_permissions(&root, fs::Permissions::from_mode(0o755)).unwrap();
+    assert!(err.to_string().contains(&root.display().to_string()), "{err}");
+    assert!(step_names(&root).is_empty());
+}
+
+#[test]
+fn same_step_twice_replaces_atomically() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    save(root, &sample_state(3), 0).unwrap();
+    let mut second = sample_state(3);
+    second.params[0].data[0] = 123.0;
+    let dir = save(root, &second, 0).unwrap();
+    assert_same_state(&second, &load(&dir).unwrap());
+    assert_eq!(step_names(root), vec!["step_00000003"]);
+}
+
+#[test]
+fn crash_during_replace_is_recovered() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let dir = save(root, &sample_state(3), 0).unwrap();
+    let aside = root.join(".old-step_00000003-4242");
+    fs::rename(&dir, &aside).unwrap(); // as if we crashed between the two renames
+    let latest = load_latest_valid(root).unwrap();
+    assert_eq!(latest.found.unwrap().0, aside);
+    save(root, &sample_state(4), 0).unwrap();
+    assert_eq!(step_names(root), vec!["step_00000003", "step_00000004"]);
+    assert_eq!(load(&root.join("step_00000003")).unwrap().step, 3);
+}
+
+#[test]
+fn latest_pointer_is_preferred_over_higher_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    save(root, &sample_state(5), 0).unwrap();
+    save(root, &sample_state(3), 0).unwrap(); // resumed from an earlier point
+    assert_eq!(load_latest_valid(root).unwrap().found.unwrap().1.step, 3);
+    fs::remove_file(root.join(LATEST_FILE)).unwrap();
+    assert_eq!(load_latest_valid(root).unwrap().found.unwrap().1.step, 5);
+}
+
+#[test]
+fn resolve_resume_accepts_root_or_step_dir() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("r");
+    save(&root, &sample_state(1), 0).unwrap();
+    let d2 = save(&root, &sample_state(2), 0).unwrap();
+    assert_eq!(resolve_resume(&root).unwrap().state.step, 2);
+    assert_eq!(resolve_resume(&root.join("step_00000001")).unwrap().state.step, 1);
+    fs::write(d2.join(PARAMS_FILE), b"junk").unwrap();
+    let r = resolve_resume(&root).unwrap();
+    assert_eq!((r.state.step, r.skipped.len()), (1, 1));
+    assert!(resolve_resume(&d2).is_err());
+    let empty = tmp.path().join("empty");
+    fs::create_dir(&empty).unwrap();
+    assert!(matches!(resolve_resume(&empty), Err(CheckpointError::NotFound { .. })));
+    assert!(matches!(resolve_resume(&tmp.path().join("nope")), Err(CheckpointError::NotFound { .. })));
+}
+
+#[test]
+fn manifest_version_and_step_are_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save(tmp.path(), &sample_state(7), 0).unwrap();
+    let mpath = dir.join(MANIFEST_FILE);
+    let original = fs::read_to_string(&mpath).unwrap();
+    let mut m: serde_json::Value = serde_json::from_str(&original).unwrap();
+    m["format_version"] = serde_json::json!(99);
+    fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let err = load(&dir).unwrap_err();
+    assert!(matches!(err, CheckpointError::FormatVersion { found: 99, .. }), "{err}");
+    let mut m: serde_json::Value = serde_json::from_str(&original).unwrap();
+    m["step"] = serde_json::json!(8);
+    fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let msg = load(&dir).unwrap_err().to_string();
+    assert!(msg.contains("manifest.json") && msg.contains("step"), "{msg}");
+    fs::write(&mpath, b"{not json").unwrap();
+    assert!(matches!(load(&dir), Err(CheckpointError::Manifest { .. })));
+}
+
+#[test]
+fn invalid_state_is_rejected_before_writing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut bad = sample_state(1);
+    bad.params[0].shape = vec![3, 3];
+    let msg = save(tmp.path(), &bad, 0).unwrap_err().to_string();
+    assert!(msg.contains("wte.weight") && msg.contains("[3, 3]"), "{msg}");
+    let mut dup = sample_state(1);
+    dup.optim[1].name = dup.optim[0].name.clone();
+    assert!(matches!(save(tmp.path(), &dup, 0), Err(CheckpointError::InvalidState(_))));
+    assert!(list_checkpoints(tmp.path()).unwrap().is_empty());
+}
+
+#[test]
+fn empty_optimizer_state_round_trips() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut state = sample_state(1);
+    state.optim.clear();
+    let dir = save(tmp.path(), &state, 0).unwrap();
+    assert_same_state(&state, &load(&dir).unwrap());
+}

@@ -1,0 +1,219 @@
+//! What each `tessera` subcommand does, callable from tests as well as from `main`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tessera_kernels::model::{Arch, Model, Workspace};
+use tessera_kernels::tensor::Rng;
+
+use crate::checkpoint::{self, CheckpointState, Gpt2ExportConfig};
+use crate::config::{self, Config, ResolveContext};
+use crate::data::Codec;
+use crate::engine::{self, TrainOptions};
+use crate::zoo;
+
+/// Flags shared by `train` and `config check`; each becomes a `--set` override applied after
+/// the user's own `--set`s, so flags win.
+#[derive(Args, Clone, Debug, Default)]
+pub struct CommonArgs {
+    /// Model preset (`tessera models` lists them).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Training data: a text file, a directory, or llm.c .bin shards.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// A Hugging Face tokenizer.json (byte-level when absent).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Optimizer steps to run.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Output directory (checkpoints, summary.json, monitors).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Number of workers.
+    #[arg(long)]
+    pub world: Option<usize>,
+    /// Override any config key by dotted path, e.g. `--set zero_optimization.stage=2`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
+impl CommonArgs {
+    fn overrides(&self) -> Vec<String> {
+        let mut o = self.set.clone();
+        let json_str = |s: &str| serde_json::Value::String(s.to_string()).to_string();
+        if let Some(m) = &self.model {
+            o.push(format!("tessera.model={}", json_str(m)));
+        }
+        if let Some(d) = &self.data {
+            o.push(format!("tessera.data={}", json_str(&d.display().to_string())));
+        }
+        if let Some(t) = &self.tokenizer {
+            o.push(format!("tessera.tokenizer={}", json_str(&t.display().to_string())));
+        }
+        if let Some(s) = self.steps {
+            o.push(format!("tessera.steps={s}"));
+        }
+        if let Some(p) = &self.output {
+            o.push(format!("tessera.output_dir={}", json_str(&p.display().to_string())));
+        }
+        if let Some(s) = self.seed {
+            o.push(format!("tessera.seed={s}"));
+        }
+        if let Some(w) = self.world {
+            o.push(format!("tessera.world={w}"));
+        }
+        o
+    }
+}
+
+fn hidden_size_of(name: &str) -> Option<usize> {
+    zoo::preset(name).ok().map(|c| c.d_model)
+}
+
+/// Loads and resolves a config file with the command-line flags applied.
+pub fn load_config(path: &Path, common: &CommonArgs) -> Result<Config> {
+    let ctx =
+        ResolveContext { world_size: common.world, steps: common.steps, hidden_size_for_model: Some(hidden_size_of), ..Default::default() };
+    Ok(config::load(path, &common.overrides(), &ctx)?)
+}
+
+fn print_warnings(cfg: &Config) {
+    for w in &cfg.warnings {
+        eprintln!("warning: {w}");
+    }
+}
+
+/// `tessera train`.
+pub fn train(config_path: &Path, common: &CommonArgs, resume: Option<PathBuf>, progress: bool) -> Result<()> {
+    let cfg = load_config(config_path, common)?;
+    print_warnings(&cfg);
+    let out = engine::train(&cfg, &TrainOptions { resume, progress })?;
+    println!("{}", out.summary.render());
+    println!("wrote {}/summary.json and {}/loss.svg", out.output_dir.display(), out.output_dir.display());
+    Ok(())
+}
+
+/// `tessera config check`.
+pub fn config_check(path: &Path, common: &CommonArgs) -> Result<()> {
+    let cfg = load_config(path, common)?;
+    print!("{}", config::render_check(&cfg));
+    print_warnings(&cfg);
+    Ok(())
+}
+
+/// `tessera models`.
+pub fn list_models() {
+    for p in zoo::presets() {
+        println!("{:<12} {}", p.name, p.about);
+    }
+}
+
+/// A model rebuilt from a checkpoint: the preset named in the manifest with the vocabulary
+/// read off `wte.weight`; parameters copied into a flat buffer in layout order.
+pub fn model_from_checkpoint(ck: &CheckpointState) -> Result<(Model, Vec<f32>)> {
+    let mut mcfg = zoo::preset(&ck.model).map_err(anyhow::Error::msg)?;
+    let wte = ck.params.iter().find(|t| t.name == "wte.weight").context("checkpoint has no `wte.weight`")?;
+    mcfg.vocab_size = *wte.shape.first().context("`wte.weight` has no shape")?;
+    let model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
+    let mut flat = vec![0.0; model.num_params()];
+    for spec in model.layout().specs() {
+        let t = ck.params.iter().find(|t| t.name == spec.name).with_context(|| format!("checkpoint lacks `{}`", spec.name))?;
+        if t.shape != spec.shape {
+            bail!("checkpoint tensor `{}` has shape {:?}, model `{}` expects {:?}", spec.name, t.shape, ck.model, spec.shape);
+        }
+        flat[spec.range()].copy_from_slice(&t.data);
+    }
+    Ok((model, flat))
+}
+
+fn load_checkpoint(path: &Path) -> Result<CheckpointState> {
+    let r = checkpoint::resolve_resume(path).with_context(|| format!("loading checkpoint {}", path.display()))?;
+    for s in &r.skipped {
+        eprintln!("warning: skipped checkpoint {}: {}", s.dir.display(), s.error);
+    }
+    Ok(r.state)
+}
+
+/// Options of `tessera generate`.
+pub struct GenerateOpts {
+    pub checkpoint: PathBuf,
+    pub prompt: String,
+    pub tokens: usize,
+    pub temperature: f32,
+    pub top_k: usize,
+    pub seed: u64,
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// Samples one token from logits with temperature and top-k.
+pub fn sample(logits: &mut [f32], temperature: f32, top_k: usize, rng: &mut Rng) -> u32 {
+    if temperature <= 0.0 {
+        return logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
+    }
+    let mut idx: Vec<usize> = (0..logits.len()).collect();
+    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    if top_k > 0 {
+        idx.truncate(top_k);
+    }
+    let max = logits[idx[0]];
+    let weights: Vec<f64> = idx.iter().map(|&i| f64::from((logits[i] - max) / temperature).exp()).collect();
+    let mut r = f64::from(rng.next_f32()) * weights.iter().sum::<f64>();
+    for (k, w) in weights.iter().enumerate() {
+        r -= w;
+        if r <= 0.0 {
+            return idx[k] as u32;
+        }
+    }
+    idx[idx.len() - 1] as u32
+}
+
+/// `tessera generate`.
+pub fn generate(o: &GenerateOpts) -> Result<()> {
+    let ck = load_checkpoint(&o.checkpoint)?;
+    let (model, params) = model_from_checkpoint(&ck)?;
+    let codec = Codec::open(o.tokenizer.as_deref()).context("opening the tokenizer")?;
+    if codec.vocab_size() > model.cfg.vocab_size {
+        bail!("tokenizer vocabulary ({}) is larger than the model's ({})", codec.vocab_size(), model.cfg.vocab_size);
+    }
+    let mut tokens = codec.encode(&o.prompt).context("encoding the prompt")?;
+    if tokens.is_empty() {
+        bail!("the prompt encodes to no tokens; give --prompt some text");
+    }
+    let mut rng = Rng::new(o.seed);
+    let mut ws = Workspace::default();
+    let ctx = model.cfg.max_seq_len;
+    for _ in 0..o.tokens {
+        let window = &tokens[tokens.len().saturating_sub(ctx)..];
+        let mut logits = model.next_token_logits(&params, window, &mut ws);
+        tokens.push(sample(&mut logits, o.temperature, o.top_k, &mut rng));
+    }
+    println!("{}", codec.decode(&tokens));
+    Ok(())
+}
+
+/// `tessera export`: Hugging Face GPT-2 safetensors + config.json, and `reference.json` (the
+/// loss Tessera computes on a fixed token sequence) for `scripts/check_export.py`.
+pub fn export(checkpoint_dir: &Path, out: &Path) -> Result<()> {
+    let ck = load_checkpoint(checkpoint_dir)?;
+    let (model, params) = model_from_checkpoint(&ck)?;
+    let c = &model.cfg;
+    if c.arch != Arch::Gpt {
+        bail!("export writes the GPT-2 layout; model `{}` is {:?}-style", ck.model, c.arch);
+    }
+    let hf = Gpt2ExportConfig::new(c.vocab_size, c.max_seq_len, c.d_model, c.n_layer, c.n_head);
+    let t = c.max_seq_len.min(64);
+    let tokens: Vec<u32> = (0..=t).map(|i| ((i * 37 + 11) % c.vocab_size) as u32).collect();
+    let mut ws = Workspace::default();
+    let mut unused = Vec::new();
+    let mut acc = tessera_kernels::model::FlatAccess { params: &params, grads: &mut unused, units: model.units() };
+    let loss = model.loss(&mut acc, &tokens[..t], &tokens[1..], 1, t, &mut ws);
+    checkpoint::export_hf_gpt2(out, &ck.params, &hf, Some((&tokens, loss))).with_context(|| format!("exporting to {}", out.display()))?;
+    println!("wrote {}/model.safetensors, config.json and reference.json (loss {loss:.6} on {} tokens)", out.display(), tokens.len());
+    println!("check with: python3 scripts/check_export.py {}", out.display());
+    Ok(())
+}

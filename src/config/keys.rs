@@ -1,0 +1,354 @@
+//! The key table: the single source of truth for which DeepSpeed (and `tessera`) keys exist,
+//! their JSON type, and whether Tessera honours them yet. It drives unknown-key detection,
+//! "not honoured" warnings, `tessera config check` and docs/config.md.
+
+/// JSON type of a key, used to validate and normalise values before typed parsing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyKind {
+    /// An object whose children are listed in the table.
+    Section,
+    /// Any JSON value; accepted as-is and not looked into.
+    Opaque,
+    Bool,
+    /// Non-negative integer (hjson-style `5e8` accepted).
+    UInt,
+    /// Signed integer.
+    Int,
+    Float,
+    Str,
+    /// Array of numbers (e.g. `betas`).
+    FloatList,
+}
+
+impl KeyKind {
+    /// Human name used in the docs and in error messages.
+    pub fn describe(self) -> &'static str {
+        match self {
+            KeyKind::Section => "object",
+            KeyKind::Opaque => "any",
+            KeyKind::Bool => "bool",
+            KeyKind::UInt => "integer ≥ 0",
+            KeyKind::Int => "integer",
+            KeyKind::Float => "number",
+            KeyKind::Str => "string",
+            KeyKind::FloatList => "array of numbers",
+        }
+    }
+}
+
+/// One known key: its dotted path, type, whether Tessera honours it, and a note.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyInfo {
+    pub path: &'static str,
+    pub kind: KeyKind,
+    pub honoured: bool,
+    pub note: &'static str,
+}
+
+const fn k(path: &'static str, kind: KeyKind, honoured: bool, note: &'static str) -> KeyInfo {
+    KeyInfo { path, kind, honoured, note }
+}
+
+use KeyKind::{Bool, Float, FloatList, Int, Opaque, Section, Str, UInt};
+const H: bool = true;
+const N: bool = false;
+
+static BATCH_AND_OPTIMIZER: &[KeyInfo] = &[
+    k("train_batch_size", UInt, H, "= micro batch × grad-accum × world; derived when missing"),
+    k("train_micro_batch_size_per_gpu", UInt, H, "per worker; derived when missing"),
+    k("gradient_accumulation_steps", UInt, H, "derived when missing (1 if only one batch key is set)"),
+    k("optimizer", Section, H, "missing section = AdamW with the command-line/default lr"),
+    k("optimizer.type", Str, H, "Adam, AdamW, Lamb, Lion, SGD (case-insensitive)"),
+    k("optimizer.params", Section, H, "keys checked per optimizer type"),
+    k("optimizer.params.lr", Float, H, "all; default 1e-3"),
+    k("optimizer.params.betas", FloatList, H, "Adam, AdamW, Lamb, Lion; default [0.9, 0.999]"),
+    k("optimizer.params.eps", Float, H, "Adam, AdamW, Lamb; default 1e-8"),
+    k("optimizer.params.weight_decay", Float, H, "all; default 0"),
+    k("optimizer.params.adam_w_mode", Bool, H, "Adam; default true (decoupled decay, as DeepSpeed); AdamW forces true"),
+    k("optimizer.params.bias_correction", Bool, H, "Adam, AdamW, Lamb; default true"),
+    k("optimizer.params.max_coeff", Float, H, "Lamb; default 10.0"),
+    k("optimizer.params.min_coeff", Float, H, "Lamb; default 0.01"),
+    k("optimizer.params.momentum", Float, H, "SGD; default 0"),
+    k("optimizer.params.dampening", Float, H, "SGD; default 0"),
+    k("optimizer.params.nesterov", Bool, H, "SGD; default false"),
+    k("optimizer.params.torch_adam", Bool, N, "Adam, AdamW; Tessera has a single Adam implementation"),
+    k("optimizer.params.amsgrad", Bool, N, "Adam, AdamW, Lamb; true is rejected"),
+    k("optimizer.params.eps_inside_sqrt", Bool, N, "Lamb; true is rejected"),
+    k("optimizer.params.set_grad_none", Bool, N, "Adam, AdamW, Lion; no effect in Tessera"),
+    k("optimizer.params.fp32_optimizer_states", Bool, N, "Adam, AdamW (CPU Adam); states are always f32"),
+    k("optimizer.params.max_grad_norm", Float, N, "rejected, as DeepSpeed does: use gradient_clipping"),
+    k("optimizer.legacy_fusion", Bool, N, ""),
+    k("scheduler", Section, H, "missing section = constant lr"),
+    k("scheduler.type", Str, H, "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"),
+    k("scheduler.params", Section, H, "keys checked per scheduler type"),
+    k("scheduler.params.warmup_min_lr", Float, H, "WarmupLR, WarmupDecayLR; default 0"),
+    k("scheduler.params.warmup_max_lr", Float, H, "WarmupLR (default: optimizer lr), WarmupDecayLR (default 0.001)"),
+    k("scheduler.params.warmup_num_steps", UInt, H, "Warmup*; default 1000; values below 2 act as 2"),
+    k("scheduler.params.warmup_type", Str, H, "Warmup*; log | linear; default log"),
+    k("scheduler.params.total_num_steps", UInt, H, "WarmupDecayLR, WarmupCosineLR; required"),
+    k("scheduler.params.warmup_min_ratio", Float, H, "WarmupCosineLR; default 0"),
+    k("scheduler.params.cos_min_ratio", Float, H, "WarmupCosineLR; default 0.0001"),
+    k("scheduler.params.cycle_min_lr", Float, H, "OneCycle; required"),
+    k("scheduler.params.cycle_max_lr", Float, H, "OneCycle; required"),
+    k("scheduler.params.decay_lr_rate", Float, H, "OneCycle; default 0"),
+    k("scheduler.params.cycle_first_step_size", UInt, H, "OneCycle; default 2000"),
+    k("scheduler.params.cycle_second_step_size", UInt, H, "OneCycle; default cycle_first_step_size"),
+    k("scheduler.params.cycle_first_stair_count", UInt, H, "OneCycle; default 0 (no stairs)"),
+    k("scheduler.params.cycle_second_stair_count", UInt, H, "OneCycle; default cycle_first_stair_count"),
+    k("scheduler.params.decay_step_size", UInt, H, "OneCycle; default 0 (no decay)"),
+    k("scheduler.params.cycle_momentum", Bool, H, "OneCycle; default true"),
+    k("scheduler.params.cycle_min_mom", Float, H, "OneCycle; default 0.8"),
+    k("scheduler.params.cycle_max_mom", Float, H, "OneCycle; default 0.9"),
+    k("scheduler.params.decay_mom_rate", Float, H, "OneCycle; default 0"),
+    k("scheduler.params.lr_range_test_min_lr", Float, H, "LRRangeTest; default 1e-3"),
+    k("scheduler.params.lr_range_test_step_size", UInt, H, "LRRangeTest; default 2000"),
+    k("scheduler.params.lr_range_test_step_rate", Float, H, "LRRangeTest; default 1.0"),
+    k("scheduler.params.lr_range_test_staircase", Bool, H, "LRRangeTest; default false"),
+];
+
+static PRECISION_AND_MISC: &[KeyInfo] = &[
+    k("fp16", Section, H, ""),
+    k("fp16.enabled", Bool, H, "default false; exclusive with bf16.enabled"),
+    k("fp16.auto_cast", Bool, H, "default false"),
+    k("fp16.loss_scale", Float, H, "0 = dynamic (default)"),
+    k("fp16.initial_scale_power", UInt, H, "dynamic scale starts at 2^this; default 16"),
+    k("fp16.loss_scale_window", UInt, H, "default 1000"),
+    k("fp16.hysteresis", UInt, H, "default 2"),
+    k("fp16.consecutive_hysteresis", Bool, H, "default false"),
+    k("fp16.min_loss_scale", UInt, H, "default 1"),
+    k("fp16.fp16_master_weights_and_grads", Bool, N, ""),
+    k("bf16", Section, H, "legacy name `bfloat16` accepted"),
+    k("bf16.enabled", Bool, H, "default false"),
+    k("bf16.immediate_grad_update", Bool, N, ""),
+    k("bf16.check_grad_overflow", Bool, N, ""),
+    k("bf16.check_overflow", Bool, N, "older name of check_grad_overflow"),
+    k("bf16.bf16_master_weights_and_grads", Bool, N, ""),
+    k("bf16.bf16_optimizer_states", Bool, N, ""),
+    k("amp", Opaque, N, "NVIDIA Apex AMP"),
+    k("torch_autocast", Opaque, N, ""),
+    k("gradient_clipping", Float, H, "max global grad norm; 0 = off; default 1.0 (DeepSpeed's)"),
+    k("steps_per_print", UInt, H, "default 10"),
+    k("wall_clock_breakdown", Bool, H, "default false"),
+    k("memory_breakdown", Bool, N, ""),
+    k("activation_checkpointing", Section, H, "present = activation recomputation on"),
+    k("activation_checkpointing.partition_activations", Bool, N, ""),
+    k("activation_checkpointing.contiguous_memory_optimization", Bool, N, ""),
+    k("activation_checkpointing.cpu_checkpointing", Bool, N, ""),
+    k("activation_checkpointing.number_checkpoints", UInt, N, ""),
+    k("activation_checkpointing.synchronize_checkpoint_boundary", Bool, N, ""),
+    k("activation_checkpointing.profile", Bool, N, ""),
+    k("tensorboard", Section, H, ""),
+    k("tensorboard.enabled", Bool, H, "default false"),
+    k("tensorboard.output_path", Str, H, "default \"\" (= tessera.output_dir)"),
+    k("tensorboard.job_name", Str, H, "default \"DeepSpeedJobName\""),
+    k("csv_monitor", Section, H, ""),
+    k("csv_monitor.enabled", Bool, H, "default false"),
+    k("csv_monitor.output_path", Str, H, "default \"\" (= tessera.output_dir)"),
+    k("csv_monitor.job_name", Str, H, "default \"DeepSpeedJobName\""),
+    k("wandb", Section, N, "no network logging"),
+    k("wandb.enabled", Bool, N, ""),
+    k("wandb.group", Str, N, ""),
+    k("wandb.team", Str, N, ""),
+    k("wandb.project", Str, N, ""),
+    k("comet", Section, N, "no network logging"),
+    k("comet.enabled", Bool, N, ""),
+    k("comet.samples_log_interval", UInt, N, ""),
+    k("comet.project", Str, N, ""),
+    k("comet.workspace", Str, N, ""),
+    k("comet.api_key", Str, N, ""),
+    k("comet.experiment_name", Str, N, ""),
+    k("comet.experiment_key", Str, N, ""),
+    k("comet.online", Bool, N, ""),
+    k("comet.mode", Str, N, ""),
+    k("aio", Section, N, "async I/O for NVMe offload; parsed only"),
+    k("aio.block_size", UInt, N, "default 1048576"),
+    k("aio.queue_depth", UInt, N, "default 8"),
+    k("aio.intra_op_parallelism", UInt, N, "default 1"),
+    k("aio.single_submit", Bool, N, "default false"),
+    k("aio.overlap_events", Bool, N, "default true"),
+    k("aio.use_gds", Bool, N, "default false"),
+];
+
+static ZERO: &[KeyInfo] = &[
+    k("zero_optimization", Section, H, "legacy `true`/`false` form accepted"),
+    k("zero_optimization.stage", UInt, H, "0–3; stages 1–3 partition across --world workers"),
+    k("zero_optimization.contiguous_gradients", Bool, H, "default true"),
+    k("zero_optimization.reduce_scatter", Bool, N, "default true"),
+    k("zero_optimization.reduce_bucket_size", UInt, H, "default 5e8"),
+    k("zero_optimization.use_multi_rank_bucket_allreduce", Bool, N, ""),
+    k("zero_optimization.allgather_partitions", Bool, N, ""),
+    k("zero_optimization.allgather_bucket_size", UInt, N, "default 5e8"),
+    k("zero_optimization.overlap_comm", Bool, H, "default: true at stage 3, else false"),
+    k("zero_optimization.load_from_fp32_weights", Bool, N, ""),
+    k("zero_optimization.elastic_checkpoint", Bool, N, "deprecated in DeepSpeed"),
+    k("zero_optimization.offload_optimizer", Section, N, "optimizer states stay in worker memory"),
+    k("zero_optimization.offload_optimizer.device", Str, N, "none | cpu | nvme"),
+    k("zero_optimization.offload_optimizer.nvme_path", Str, N, ""),
+    k("zero_optimization.offload_optimizer.buffer_count", UInt, N, "default 4"),
+    k("zero_optimization.offload_optimizer.pin_memory", Bool, N, "default true"),
+    k("zero_optimization.offload_optimizer.pipeline_read", Bool, N, ""),
+    k("zero_optimization.offload_optimizer.pipeline_write", Bool, N, ""),
+    k("zero_optimization.offload_optimizer.fast_init", Bool, N, "default false"),
+    k("zero_optimization.offload_optimizer.ratio", Float, N, "0..1; default 1.0; < 1 needs stage 3"),
+    k("zero_optimization.offload_optimizer.super_offload", Bool, N, ""),
+    k("zero_optimization.offload_optimizer.cpuadam_cores_perc", Float, N, ""),
+    k("zero_optimization.offload_param", Section, N, "parameters stay in worker memory"),
+    k("zero_optimization.offload_param.device", Str, N, "none | cpu | nvme"),
+    k("zero_optimization.offload_param.nvme_path", Str, N, ""),
+    k("zero_optimization.offload_param.buffer_count", UInt, N, "default 5"),
+    k("zero_optimization.offload_param.buffer_size", UInt, N, "default 1e8"),
+    k("zero_optimization.offload_param.max_in_cpu", UInt, N, "default 1e9"),
+    k("zero_optimization.offload_param.pin_memory", Bool, N, "default true"),
+    k("zero_optimization.zenflow", Opaque, N, ""),
+    k("zero_optimization.sub_group_size", UInt, N, "default 1e9"),
+    k("zero_optimization.stage3_prefetch_bucket_size", UInt, H, "default 5e7"),
+    k("zero_optimization.stage3_param_persistence_threshold", UInt, H, "default 1e5"),
+    k("zero_optimization.stage3_model_persistence_threshold", UInt, N, ""),
+    k("zero_optimization.stage3_max_live_parameters", UInt, H, "default 1e9"),
+    k("zero_optimization.stage3_max_reuse_distance", UInt, H, "default 1e9"),
+    k("zero_optimization.stage3_gather_16bit_weights_on_model_save", Bool, N, "checkpoints are always gathered"),
+    k("zero_optimization.stage3_module_granularity_threshold", UInt, N, ""),
+    k("zero_optimization.stage3_use_all_reduce_for_fetch_params", Bool, N, ""),
+    k("zero_optimization.stage3_allgather_sequential", Bool, N, ""),
+    k("zero_optimization.ignore_unused_parameters", Bool, N, ""),
+    k("zero_optimization.legacy_stage1", Bool, N, ""),
+    k("zero_optimization.round_robin_gradients", Bool, N, ""),
+    k("zero_optimization.zero_hpz_partition_size", UInt, N, "ZeRO++"),
+    k("zero_optimization.zero_quantized_weights", Bool, N, "ZeRO++"),
+    k("zero_optimization.zero_quantized_nontrainable_weights", Bool, N, "ZeRO++"),
+    k("zero_optimization.zero_quantized_gradients", Bool, N, "ZeRO++"),
+    k("zero_optimization.zeropp_loco_param", Opaque, N, "ZeRO++"),
+    k("zero_optimization.mics_shard_size", Int, N, "MiCS"),
+    k("zero_optimization.mics_hierarchical_params_gather", Bool, N, "MiCS"),
+    k("zero_optimization.memory_efficient_linear", Bool, N, ""),
+    k("zero_optimization.pipeline_loading_checkpoint", Bool, N, ""),
+    k("zero_optimization.override_module_apply", Bool, N, ""),
+    k("zero_optimization.log_trace_cache_warnings", Bool, N, ""),
+    k("zero_optimization.enable_sanity_checks", Bool, N, ""),
+    k("zero_optimization.save_muon_momentum_buffer_in_memory", Bool, N, ""),
+    k("zero_optimization.leaf_module", Opaque, N, ""),
+];
+
+static OTHER_DEEPSPEED: &[KeyInfo] = &[
+    k("allgather_size", UInt, N, "legacy; read only with \"zero_optimization\": true"),
+    k("communication_data_type", Str, N, ""),
+    k("seq_parallel_communication_data_type", Str, N, ""),
+    k("prescale_gradients", Bool, N, ""),
+    k("gradient_predivide_factor", Float, N, ""),
+    k("gradient_allreduce_op", Str, N, ""),
+    k("disable_allgather", Bool, N, ""),
+    k("dump_state", Bool, N, ""),
+    k("vocabulary_size", UInt, N, ""),
+    k("graph_harvesting", Bool, N, ""),
+    k("dataloader_drop_last", Bool, N, ""),
+    k("log_level", Str, N, ""),
+    k("managed_gradient_accumulation", Bool, N, ""),
+    k("sparse_gradients", Bool, N, ""),
+    k("zero_allow_untested_optimizer", Bool, N, ""),
+    k("zero_force_ds_cpu_optimizer", Bool, N, ""),
+    k("sequence_parallel_size", UInt, N, ""),
+    k("use_data_before_expert_parallelism", Bool, N, "MoE"),
+    k("expert_parallel", Opaque, N, "MoE"),
+    k("flops_profiler", Opaque, N, ""),
+    k("autotuning", Opaque, N, ""),
+    k("elasticity", Opaque, N, "Tessera's own elastic runtime is configured elsewhere"),
+    k("pipeline", Opaque, N, "pipeline parallelism"),
+    k("sparse_attention", Opaque, N, ""),
+    k("eigenvalue", Opaque, N, ""),
+    k("progressive_layer_drop", Opaque, N, ""),
+    k("checkpoint", Opaque, N, "Tessera checkpoints via tessera.checkpoint_interval"),
+    k("data_types", Opaque, N, ""),
+    k("comms_logger", Opaque, N, ""),
+    k("hybrid_engine", Opaque, N, ""),
+    k("curriculum_learning", Opaque, N, ""),
+    k("data_efficiency", Opaque, N, ""),
+    k("compression_training", Opaque, N, ""),
+    k("quantize_training", Opaque, N, ""),
+    k("weight_quantization", Opaque, N, ""),
+    k("nebula", Opaque, N, ""),
+    k("datastates_ckpt", Opaque, N, ""),
+    k("compile", Opaque, N, ""),
+    k("timers", Opaque, N, ""),
+    k("tensor_parallel", Opaque, N, ""),
+];
+
+static TESSERA: &[KeyInfo] = &[
+    k("tessera", Section, H, "Tessera's own keys"),
+    k("tessera.model", Str, H, "model preset; default \"gpt-tiny\""),
+    k("tessera.data", Str, H, "training data path; default: built-in synthetic data"),
+    k("tessera.tokenizer", Str, H, "tokenizer path; optional"),
+    k("tessera.seq_len", UInt, H, "default: the model preset's"),
+    k("tessera.steps", UInt, H, "optimizer steps; default 200"),
+    k("tessera.seed", UInt, H, "default 1234"),
+    k("tessera.eval_interval", UInt, H, "default 50"),
+    k("tessera.eval_iters", UInt, H, "default 8"),
+    k("tessera.checkpoint_interval", UInt, H, "default 0 = only at the end"),
+    k("tessera.keep_last", UInt, H, "checkpoints kept; default 3"),
+    k("tessera.output_dir", Str, H, "default \"runs/latest\""),
+    k("tessera.jsonl_monitor", Bool, H, "default true"),
+    k("tessera.world", UInt, H, "number of workers; default 1 (command line wins)"),
+    k("tessera.activation_checkpointing", Bool, H, "default false; recompute activations"),
+];
+
+/// Every known key, in documentation order.
+pub fn key_table() -> &'static [KeyInfo] {
+    use std::sync::OnceLock;
+    static ALL: OnceLock<Vec<KeyInfo>> = OnceLock::new();
+    ALL.get_or_init(|| [BATCH_AND_OPTIMIZER, ZERO, PRECISION_AND_MISC, OTHER_DEEPSPEED, TESSERA].concat())
+}
+
+/// The table entry for an exact dotted path.
+pub fn lookup(path: &str) -> Option<&'static KeyInfo> {
+    key_table().iter().find(|k| k.path == path)
+}
+
+/// Direct child key names of a section path (`""` = top level).
+pub(crate) fn children(section: &str) -> Vec<&'static str> {
+    key_table()
+        .iter()
+        .filter_map(|k| match section {
+            "" => Some(k.path).filter(|p| !p.contains('.')),
+            s => k.path.strip_prefix(s).and_then(|rest| rest.strip_prefix('.')).filter(|rest| !rest.contains('.')),
+        })
+        .collect()
+}
+
+/// Whether `path` is honoured, taking every enclosing section into account.
+pub fn effectively_honoured(path: &str) -> bool {
+    let mut prefix = String::new();
+    for part in path.split('.') {
+        prefix = crate::config::value::join(&prefix, part);
+        if lookup(&prefix).is_some_and(|k| !k.honoured) {
+            return false;
+        }
+    }
+    lookup(path).is_some()
+}
+
+/// Levenshtein edit distance between two strings (by chars).
+pub(crate) fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// The candidate closest to `word`, when it is close enough to be a plausible typo
+/// (distance ≤ max(2, len/3)) or one contains the other.
+pub(crate) fn nearest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    let limit = 2.max(word.chars().count() / 3);
+    let lower = word.to_lowercase();
+    candidates
+        .iter()
+        .map(|c| (edit_distance(&lower, &c.to_lowercase()), *c))
+        .filter(|(d, c)| *d <= limit || (lower.len() >= 4 && c.contains(lower.as_str())))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}

@@ -1,0 +1,324 @@
+//! Typed DeepSpeed sections other than optimizer/scheduler: ZeRO (with offload), precision
+//! (fp16 loss scaling, bf16), activation checkpointing, monitors, aio and the `tessera`
+//! section, each with DeepSpeed's defaults.
+
+use serde_json::Value;
+
+use crate::config::error::{ConfigErrorKind, KindResult};
+use crate::config::reader::Obj;
+
+/// Where ZeRO offloads tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OffloadDevice {
+    None,
+    Cpu,
+    Nvme,
+}
+
+/// `zero_optimization.offload_optimizer`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OffloadOptimizerConfig {
+    pub device: OffloadDevice,
+    pub nvme_path: Option<String>,
+    pub pin_memory: bool,
+    pub ratio: f32,
+    pub buffer_count: u64,
+    pub fast_init: bool,
+}
+
+/// `zero_optimization.offload_param`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OffloadParamConfig {
+    pub device: OffloadDevice,
+    pub nvme_path: Option<String>,
+    pub pin_memory: bool,
+    pub buffer_count: u64,
+    pub buffer_size: u64,
+    pub max_in_cpu: u64,
+}
+
+/// `zero_optimization`, with DeepSpeed's defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ZeroConfig {
+    pub stage: u8,
+    pub reduce_bucket_size: u64,
+    pub allgather_bucket_size: u64,
+    pub contiguous_gradients: bool,
+    /// DeepSpeed default: true at stage 3, else false.
+    pub overlap_comm: bool,
+    pub reduce_scatter: bool,
+    pub stage3_prefetch_bucket_size: u64,
+    pub stage3_param_persistence_threshold: u64,
+    pub stage3_max_live_parameters: u64,
+    pub stage3_max_reuse_distance: u64,
+    pub offload_optimizer: Option<OffloadOptimizerConfig>,
+    pub offload_param: Option<OffloadParamConfig>,
+}
+
+pub(crate) fn parse_zero(root: &Value) -> KindResult<ZeroConfig> {
+    let z = Obj::at(root, "zero_optimization")?;
+    let stage = z.u64("stage", 0)?;
+    let stage = u8::try_from(stage)
+        .ok()
+        .filter(|s| *s <= 3)
+        .ok_or_else(|| ConfigErrorKind::invalid("zero_optimization.stage", &Value::from(stage), "0, 1, 2 or 3"))?;
+    let offload_optimizer = parse_offload_optimizer(root, stage)?;
+    Ok(ZeroConfig {
+        stage,
+        reduce_bucket_size: z.u64("reduce_bucket_size", 500_000_000)?,
+        allgather_bucket_size: z.u64("allgather_bucket_size", 500_000_000)?,
+        contiguous_gradients: z.bool("contiguous_gradients", true)?,
+        overlap_comm: z.bool("overlap_comm", stage == 3)?,
+        reduce_scatter: z.bool("reduce_scatter", true)?,
+        stage3_prefetch_bucket_size: z.u64("stage3_prefetch_bucket_size", 50_000_000)?,
+        stage3_param_persistence_threshold: z.u64("stage3_param_persistence_threshold", 100_000)?,
+        stage3_max_live_parameters: z.u64("stage3_max_live_parameters", 1_000_000_000)?,
+        stage3_max_reuse_distance: z.u64("stage3_max_reuse_distance", 1_000_000_000)?,
+        offload_optimizer,
+        offload_param: parse_offload_param(root)?,
+    })
+}
+
+fn device(o: &Obj<'_>) -> KindResult<OffloadDevice> {
+    match o.string("device", "none")?.as_str() {
+        "none" => Ok(OffloadDevice::None),
+        "cpu" => Ok(OffloadDevice::Cpu),
+        "nvme" => Ok(OffloadDevice::Nvme),
+        other => Err(ConfigErrorKind::invalid(&o.path("device"), &Value::String(other.to_string()), "\"none\", \"cpu\" or \"nvme\"")),
+    }
+}
+
+fn parse_offload_optimizer(root: &Value, stage: u8) -> KindResult<Option<OffloadOptimizerConfig>> {
+    let o = Obj::at(root, "zero_optimization.offload_optimizer")?;
+    if !o.present() {
+        return Ok(None);
+    }
+    let ratio = o.f32("ratio", 1.0)?;
+    if !(0.0..=1.0).contains(&ratio) {
+        return Err(ConfigErrorKind::invalid(&o.path("ratio"), &Value::from(ratio), "a number in [0, 1]"));
+    }
+    if ratio < 1.0 && stage != 3 {
+        let why = "partial optimizer offload (ratio < 1) needs ZeRO stage 3, as in DeepSpeed";
+        return Err(ConfigErrorKind::unsupported(&o.path("ratio"), &Value::from(ratio), why));
+    }
+    Ok(Some(OffloadOptimizerConfig {
+        device: device(&o)?,
+        nvme_path: o.opt_string("nvme_path")?,
+        pin_memory: o.bool("pin_memory", true)?,
+        ratio,
+        buffer_count: o.u64("buffer_count", 4)?,
+        fast_init: o.bool("fast_init", false)?,
+    }))
+}
+
+fn parse_offload_param(root: &Value) -> KindResult<Option<OffloadParamConfig>> {
+    let o = Obj::at(root, "zero_optimization.offload_param")?;
+    if !o.present() {
+        return Ok(None);
+    }
+    Ok(Some(OffloadParamConfig {
+        device: device(&o)?,
+        nvme_path: o.opt_string("nvme_path")?,
+        pin_memory: o.bool("pin_memory", true)?,
+        buffer_count: o.u64("buffer_count", 5)?,
+        buffer_size: o.u64("buffer_size", 100_000_000)?,
+        max_in_cpu: o.u64("max_in_cpu", 1_000_000_000)?,
+    }))
+}
+
+/// fp16 mixed precision with DeepSpeed's loss-scaling parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fp16Config {
+    pub auto_cast: bool,
+    /// 0 = dynamic loss scaling.
+    pub loss_scale: f32,
+    /// The dynamic scale starts at 2^initial_scale_power.
+    pub initial_scale_power: u32,
+    pub loss_scale_window: u64,
+    pub hysteresis: u32,
+    pub consecutive_hysteresis: bool,
+    pub min_loss_scale: f32,
+}
+
+/// Training precision.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Precision {
+    F32,
+    Bf16,
+    Fp16(Fp16Config),
+}
+
+pub(crate) fn parse_precision(root: &Value) -> KindResult<Precision> {
+    let fp16 = Obj::at(root, "fp16")?;
+    let bf16 = Obj::at(root, "bf16")?;
+    let (fp16_on, bf16_on) = (fp16.bool("enabled", false)?, bf16.bool("enabled", false)?);
+    if fp16_on && bf16_on {
+        return Err(ConfigErrorKind::PrecisionConflict);
+    }
+    if bf16_on {
+        return Ok(Precision::Bf16);
+    }
+    if !fp16_on {
+        return Ok(Precision::F32);
+    }
+    let small = |key: &str, default: u64| -> KindResult<u32> {
+        let n = fp16.u64(key, default)?;
+        u32::try_from(n).map_err(|_| ConfigErrorKind::invalid(&fp16.path(key), &Value::from(n), "an integer below 2^32"))
+    };
+    let cfg = Fp16Config {
+        auto_cast: fp16.bool("auto_cast", false)?,
+        loss_scale: fp16.non_negative_f32("loss_scale", 0.0)?,
+        initial_scale_power: small("initial_scale_power", 16)?,
+        loss_scale_window: fp16.u64("loss_scale_window", 1000)?,
+        hysteresis: small("hysteresis", 2)?,
+        consecutive_hysteresis: fp16.bool("consecutive_hysteresis", false)?,
+        min_loss_scale: fp16.u64("min_loss_scale", 1)? as f32,
+    };
+    if cfg.loss_scale == 0.0 && (cfg.loss_scale_window == 0 || cfg.min_loss_scale <= 0.0) {
+        let why = "dynamic loss scaling (loss_scale = 0) needs loss_scale_window > 0 and min_loss_scale > 0";
+        return Err(ConfigErrorKind::unsupported("fp16", &Value::Bool(true), why));
+    }
+    Ok(Precision::Fp16(cfg))
+}
+
+/// DeepSpeed's `activation_checkpointing` fields (only recomputation itself is honoured).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ActivationCheckpointingConfig {
+    pub partition_activations: bool,
+    pub contiguous_memory_optimization: bool,
+    pub cpu_checkpointing: bool,
+    pub number_checkpoints: Option<u64>,
+    pub synchronize_checkpoint_boundary: bool,
+    pub profile: bool,
+}
+
+/// The section's fields, and whether the section is present.
+pub(crate) fn parse_activation(root: &Value) -> KindResult<(bool, ActivationCheckpointingConfig)> {
+    let a = Obj::at(root, "activation_checkpointing")?;
+    let cfg = ActivationCheckpointingConfig {
+        partition_activations: a.bool("partition_activations", false)?,
+        contiguous_memory_optimization: a.bool("contiguous_memory_optimization", false)?,
+        cpu_checkpointing: a.bool("cpu_checkpointing", false)?,
+        number_checkpoints: a.opt_u64("number_checkpoints")?,
+        synchronize_checkpoint_boundary: a.bool("synchronize_checkpoint_boundary", false)?,
+        profile: a.bool("profile", false)?,
+    };
+    Ok((a.present(), cfg))
+}
+
+/// One DeepSpeed file monitor (`tensorboard`, `csv_monitor`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MonitorTarget {
+    pub enabled: bool,
+    /// "" = Tessera's output directory.
+    pub output_path: String,
+    pub job_name: String,
+}
+
+/// The monitors Tessera honours (wandb and comet are accepted with a warning).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MonitorConfig {
+    pub tensorboard: MonitorTarget,
+    pub csv_monitor: MonitorTarget,
+}
+
+pub(crate) fn parse_monitors(root: &Value) -> KindResult<MonitorConfig> {
+    let target = |name: &str| -> KindResult<MonitorTarget> {
+        let m = Obj::at(root, name)?;
+        Ok(MonitorTarget {
+            enabled: m.bool("enabled", false)?,
+            output_path: m.string("output_path", "")?,
+            job_name: m.string("job_name", "DeepSpeedJobName")?,
+        })
+    };
+    Ok(MonitorConfig { tensorboard: target("tensorboard")?, csv_monitor: target("csv_monitor")? })
+}
+
+/// DeepSpeed's `aio` section (parsed, not honoured yet).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AioConfig {
+    pub block_size: u64,
+    pub queue_depth: u64,
+    pub intra_op_parallelism: u64,
+    pub single_submit: bool,
+    pub overlap_events: bool,
+    pub use_gds: bool,
+}
+
+pub(crate) fn parse_aio(root: &Value) -> KindResult<AioConfig> {
+    let a = Obj::at(root, "aio")?;
+    Ok(AioConfig {
+        block_size: a.u64("block_size", 1_048_576)?,
+        queue_depth: a.u64("queue_depth", 8)?,
+        intra_op_parallelism: a.u64("intra_op_parallelism", 1)?,
+        single_submit: a.bool("single_submit", false)?,
+        overlap_events: a.bool("overlap_events", true)?,
+        use_gds: a.bool("use_gds", false)?,
+    })
+}
+
+/// Tessera's own keys (the `"tessera"` section).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TesseraConfig {
+    pub model: String,
+    pub data: Option<String>,
+    pub tokenizer: Option<String>,
+    pub seq_len: Option<usize>,
+    pub steps: u64,
+    pub seed: u64,
+    pub eval_interval: u64,
+    pub eval_iters: u64,
+    /// 0 = checkpoint only at the end.
+    pub checkpoint_interval: u64,
+    pub keep_last: u64,
+    pub output_dir: String,
+    pub jsonl_monitor: bool,
+    /// Number of workers (the command line's world size wins).
+    pub world: usize,
+    pub activation_checkpointing: bool,
+}
+
+impl Default for TesseraConfig {
+    fn default() -> Self {
+        TesseraConfig {
+            model: "gpt-tiny".into(),
+            data: None,
+            tokenizer: None,
+            seq_len: None,
+            steps: 200,
+            seed: 1234,
+            eval_interval: 50,
+            eval_iters: 8,
+            checkpoint_interval: 0,
+            keep_last: 3,
+            output_dir: "runs/latest".into(),
+            jsonl_monitor: true,
+            world: 1,
+            activation_checkpointing: false,
+        }
+    }
+}
+
+pub(crate) fn parse_tessera(root: &Value) -> KindResult<TesseraConfig> {
+    let t = Obj::at(root, "tessera")?;
+    let d = TesseraConfig::default();
+    let usize_of =
+        |key: &str, n: u64| usize::try_from(n).map_err(|_| ConfigErrorKind::invalid(&t.path(key), &Value::from(n), "a smaller integer"));
+    let seq_len = t.opt_u64("seq_len")?.map(|n| usize_of("seq_len", n)).transpose()?;
+    Ok(TesseraConfig {
+        model: t.string("model", &d.model)?,
+        data: t.opt_string("data")?,
+        tokenizer: t.opt_string("tokenizer")?,
+        seq_len,
+        steps: t.u64("steps", d.steps)?,
+        seed: t.u64("seed", d.seed)?,
+        eval_interval: t.u64("eval_interval", d.eval_interval)?,
+        eval_iters: t.u64("eval_iters", d.eval_iters)?,
+        checkpoint_interval: t.u64("checkpoint_interval", d.checkpoint_interval)?,
+        keep_last: t.u64("keep_last", d.keep_last)?,
+        output_dir: t.string("output_dir", &d.output_dir)?,
+        jsonl_monitor: t.bool("jsonl_monitor", d.jsonl_monitor)?,
+        world: usize_of("world", t.positive_u64("world", 1)?)?,
+        activation_checkpointing: t.bool("activation_checkpointing", false)?,
+    })
+}

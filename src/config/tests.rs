@@ -1,0 +1,436 @@
+//! Tests of the config layer: founding config, batch rule, numbers, legacy keys, "auto",
+//! did-you-mean, precision, overrides, hashing and the generated docs.
+
+use serde_json::{json, Value};
+
+use super::*;
+
+const FOUNDING: &str = r#"{"train_batch_size": 32, "gradient_accumulation_steps": 1,
+  "optimizer": {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+  "weight_decay": 0.01}}, "zero_optimization": {"stage": 3,
+  "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}"#;
+
+fn world(n: usize) -> ResolveContext {
+    ResolveContext::with_world(n)
+}
+
+fn load_value(v: Value, ctx: &ResolveContext) -> Result<Config, ConfigError> {
+    from_value(v, &[], ctx)
+}
+
+fn err_of(v: Value, ctx: &ResolveContext) -> ConfigError {
+    match load_value(v, ctx) {
+        Ok(cfg) => panic!("expected an error, got {cfg:?}"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn founding_config_loads_on_one_worker() {
+    let cfg = from_str_named(FOUNDING, "founding.json", &[], &world(1)).expect("loads");
+    assert_eq!((cfg.train_batch_size, cfg.micro_batch_per_gpu), (32, 32));
+    assert_eq!((cfg.gradient_accumulation_steps, cfg.world_size), (1, 1));
+    let OptimizerConfig::Adam { lr, adam_w_mode, weight_decay, betas, .. } = cfg.optimizer else {
+        panic!("expected Adam, got {:?}", cfg.optimizer);
+    };
+    assert_eq!((lr, adam_w_mode, weight_decay, betas), (3e-5, true, 0.01, (0.9, 0.999)));
+    assert_eq!(cfg.zero.stage, 3);
+    assert!(cfg.zero.overlap_comm, "DeepSpeed turns overlap_comm on at stage 3");
+    let off = cfg.zero.offload_optimizer.as_ref().map(|o| o.device);
+    assert_eq!(off, Some(OffloadDevice::Cpu));
+    for key in ["zero_optimization.offload_optimizer", "zero_optimization.offload_param"] {
+        assert!(cfg.warnings.iter().any(|w| w.contains(&format!("`{key}`"))), "no warning names {key}: {:?}", cfg.warnings);
+    }
+    assert_eq!(cfg.warnings.len(), 2, "{:?}", cfg.warnings);
+    assert_eq!(cfg.precision, Precision::F32);
+    assert_eq!(cfg.gradient_clipping, 1.0);
+    assert_eq!(cfg.tessera, TesseraConfig::default());
+    assert_eq!(cfg.resolved["train_micro_batch_size_per_gpu"], json!(32));
+}
+
+#[test]
+fn batch_values_are_derived_like_deepspeed() {
+    let derive = |v: Value, w: usize| {
+        let cfg = load_value(v, &world(w)).expect("loads");
+        (cfg.train_batch_size, cfg.micro_batch_per_gpu, cfg.gradient_accumulation_steps)
+    };
+    let t = "train_batch_size";
+    let m = "train_micro_batch_size_per_gpu";
+    let g = "gradient_accumulation_steps";
+    assert_eq!(derive(json!({t: 32, m: 4}), 2), (32, 4, 4));
+    assert_eq!(derive(json!({t: 32, g: 2}), 2), (32, 8, 2));
+    assert_eq!(derive(json!({m: 4, g: 3}), 2), (24, 4, 3));
+    assert_eq!(derive(json!({t: 32}), 4), (32, 8, 1));
+    assert_eq!(derive(json!({m: 5}), 3), (15, 5, 1));
+    assert_eq!(derive(json!({t: 24, m: 4, g: 3}), 2), (24, 4, 3));
+}
+
+#[test]
+fn batch_errors_show_the_numbers() {
+    let e = err_of(
+        json!({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2}),
+        &world(3),
+    );
+    let text = e.to_string();
+    assert!(matches!(e.kind, ConfigErrorKind::BatchMismatch { .. }), "{text}");
+    for n in ["(30)", "(4)", "(2)", "(3)", "= 24"] {
+        assert!(text.contains(n), "{n} missing from: {text}");
+    }
+    let e = err_of(json!({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}), &world(2));
+    assert!(matches!(e.kind, ConfigErrorKind::BatchNotDivisible { divisor: 8, .. }), "{e}");
+    let e = err_of(json!({"train_batch_size": 7}), &world(2));
+    assert!(e.to_string().contains("not divisible"), "{e}");
+    let e = err_of(json!({"gradient_accumulation_steps": 2}), &world(1));
+    assert!(matches!(e.kind, ConfigErrorKind::BatchMissing), "{e}");
+    let e = err_of(json!({"train_batch_size": 0}), &world(1));
+    assert!(e.to_string().contains("positive"), "{e}");
+}
+
+#[test]
+fn hjson_style_integers_are_accepted_and_non_integers_rejected() {
+    for v in [json!("5e8"), json!(5e8), json!(5.0e8), json!("500000000")] {
+        let cfg = load_value(
+            json!({"train_batch_size": 8,
+            "zero_optimization": {"stage3_prefetch_bucket_size": v}}),
+            &world(1),
+        )
+        .expect("loads");
+        assert_eq!(cfg.zero.stage3_prefetch_bucket_size, 500_000_000);
+        let stored = &cfg.resolved["zero_optimization"]["stage3_prefetch_bucket_size"];
+        assert_eq!(stored, &json!(500_000_000u64));
+    }
+    let e = err_of(
+        json!({"train_batch_size": 8,
+        "zero_optimization": {"stage3_prefetch_bucket_size": "2.5e-1"}}),
+        &world(1),
+    );
+    let text = e.to_string();
+    assert!(text.contains("zero_optimization.stage3_prefetch_bucket_size"), "{text}");
+    assert!(text.contains("\"2.5e-1\"") && text.contains("not an integer"), "{text}");
+    assert!(text.starts_with("<inline>: "), "{text}");
+}
+
+#[test]
+fn legacy_keys_are_rewritten() {
+    let cfg = load_value(
+        json!({"train_batch_size": 8, "bfloat16": {"enabled": true},
+        "cpu_offload": true, "zero_optimization": {"stage": 2, "cpu_offload_param": true,
+        "cpu_offload_use_pin_memory": false, "prefetch_bucket_size": 1000}}),
+        &world(1),
+    )
+    .expect("loads");
+    assert_eq!(cfg.precision, Precision::Bf16);
+    let opt = cfg.zero.offload_optimizer.as_ref().expect("offload_optimizer");
+    assert_eq!((opt.device, opt.pin_memory), (OffloadDevice::Cpu, false));
+    let param = cfg.zero.offload_param.as_ref().expect("offload_param");
+    assert_eq!((param.device, param.pin_memory), (OffloadDevice::Cpu, false));
+    assert_eq!(cfg.zero.stage3_prefetch_bucket_size, 1000);
+    assert!(cfg.resolved.get("bfloat16").is_none() && cfg.resolved.get("cpu_offload").is_none());
+    assert!(cfg.warnings.iter().any(|w| w.contains("legacy key `bfloat16`")), "{:?}", cfg.warnings);
+
+    let cfg = load_value(
+        json!({"train_batch_size": 8, "zero_optimization": true,
+        "allgather_size": "1e6"}),
+        &world(1),
+    )
+    .expect("loads");
+    assert_eq!((cfg.zero.stage, cfg.zero.allgather_bucket_size), (1, 1_000_000));
+    let cfg = load_value(json!({"train_batch_size": 8, "zero_optimization": false}), &world(1));
+    assert_eq!(cfg.expect("loads").zero.stage, 0);
+    let cfg = load_value(
+        json!({"train_batch_size": 8,
+        "zero_optimization": {"cpu_offload": true}}),
+        &world(1),
+    )
+    .expect("loads");
+    assert!(cfg.zero.offload_optimizer.is_some());
+
+    let e = err_of(
+        json!({"train_batch_size": 8, "zero_optimization":
+        {"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}}),
+        &world(1),
+    );
+    assert!(e.to_string().contains("keep only one"), "{e}");
+}
+
+fn hidden_of(model: &str) -> Option<usize> {
+    (model == "gpt-tiny").then_some(64)
+}
+
+#[test]
+fn auto_values_resolve_from_context_and_defaults() {
+    let ctx = ResolveContext {
+        world_size: Some(2),
+        hidden_size_for_model: Some(hidden_of),
+        lr: Some(0.02),
+        micro_batch: Some(4),
+        warmup_steps: Some(5),
+        ..Default::default()
+    };
+    let cfg = load_value(
+        json!({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+            "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto",
+            "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
+        "tessera": {"steps": 50}}),
+        &ctx,
+    )
+    .expect("loads");
+    assert_eq!((cfg.train_batch_size, cfg.micro_batch_per_gpu, cfg.gradient_accumulation_steps), (8, 4, 1));
+    assert_eq!(cfg.optimizer.lr(), 0.02);
+    assert_eq!(cfg.resolved["optimizer"]["params"]["betas"], json!([0.9, 0.999]));
+    let Some(SchedulerConfig::WarmupDecayLr(s)) = &cfg.scheduler else {
+        panic!("scheduler: {:?}", cfg.scheduler);
+    };
+    assert_eq!((s.warmup_max_lr, s.warmup_num_steps, s.total_num_steps), (0.02, 5, 50));
+    let z = &cfg.zero;
+    let buckets = (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold);
+    assert_eq!(buckets, (4096, 3686, 640));
+    assert_eq!(cfg.gradient_clipping, 1.0);
+}
+
+#[test]
+fn unresolved_autos_are_listed_in_one_error() {
+    let e = err_of(
+        json!({"train_batch_size": 8,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}},
+        "zero_optimization": {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"},
+        "tessera": {"seed": "auto"}}),
+        &world(1),
+    );
+    let ConfigErrorKind::UnresolvedAuto { paths } = &e.kind else {
+        panic!("expected UnresolvedAuto, got {e}");
+    };
+    let want = [
+        "scheduler.params.warmup_num_steps",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "tessera.seed",
+    ];
+    assert_eq!(paths, &want, "{e}");
+    let e = err_of(
+        json!({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": 2}),
+        &world(1),
+    );
+    let ConfigErrorKind::UnresolvedAuto { paths } = &e.kind else {
+        panic!("expected UnresolvedAuto, got {e}");
+    };
+    assert_eq!(paths, &["train_batch_size", "train_micro_batch_size_per_gpu"], "{e}");
+    // "auto" in a key Tessera does not honour is left as written.
+    let cfg = load_value(
+        json!({"train_batch_size": 8,
+        "zero_optimization": {"sub_group_size": "auto"}}),
+        &world(1),
+    );
+    assert!(cfg.is_ok(), "{cfg:?}");
+}
+
+#[test]
+fn misspelt_keys_get_a_suggestion() {
+    let cases = [
+        (
+            json!({"zero_optimization": {"stage3_prefetch_bucket_sise": 1}}),
+            "zero_optimization.stage3_prefetch_bucket_sise",
+            "stage3_prefetch_bucket_size",
+        ),
+        (json!({"optimizer": {"type": "Adam", "params": {"weight_decai": 0.1}}}), "optimizer.params.weight_decai", "weight_decay"),
+        (json!({"optimiser": {}}), "optimiser", "optimizer"),
+        (json!({"tessera": {"stpes": 3}}), "tessera.stpes", "steps"),
+    ];
+    for (mut v, path, hint) in cases {
+        v["train_batch_size"] = json!(8);
+        let e = err_of(v, &world(1));
+        let text = e.to_string();
+        assert!(text.contains(&format!("unknown key `{path}`")), "{text}");
+        assert!(text.contains(&format!("did you mean `{hint}`?")), "{text}");
+    }
+    let e = err_of(json!({"train_batch_size": 8, "zzz_unrelated": 1}), &world(1));
+    assert!(!e.to_string().contains("did you mean"), "{e}");
+}
+
+#[test]
+fn optimizer_params_are_checked_per_type() {
+    let e = err_of(
+        json!({"train_batch_size": 8,
+        "optimizer": {"type": "Adam", "params": {"momentum": 0.9}}}),
+        &world(1),
+    );
+    let text = e.to_string();
+    assert!(text.contains("optimizer.params.momentum") && text.contains("not a parameter of Adam"), "{text}");
+    let e = err_of(json!({"train_batch_size": 8, "optimizer": {"type": "OneBitAdam"}}), &world(1));
+    assert!(e.to_string().contains("`OneBitAdam`") && e.to_string().contains("not support"), "{e}");
+    let e = err_of(json!({"train_batch_size": 8, "optimizer": {"type": "Lamp"}}), &world(1));
+    assert!(e.to_string().contains("did you mean `Lamb`?"), "{e}");
+    let e = err_of(
+        json!({"train_batch_size": 8,
+        "optimizer": {"type": "adam", "params": {"max_grad_norm": 1.0}}}),
+        &world(1),
+    );
+    assert!(e.to_string().contains("gradient_clipping"), "{e}");
+    let cfg = load_value(
+        json!({"train_batch_size": 8, "optimizer": {"type": "sgd",
+        "params": {"lr": 0.1, "momentum": 0.9, "nesterov": true}}}),
+        &world(1),
+    )
+    .expect("loads");
+    assert!(matches!(cfg.optimizer, OptimizerConfig::Sgd { nesterov: true, .. }));
+    let cfg = load_value(
+        json!({"train_batch_size": 8, "optimizer": {"type": "ADAM",
+        "params": {"adam_w_mode": false}}}),
+        &world(1),
+    )
+    .expect("loads");
+    assert!(matches!(cfg.optimizer, OptimizerConfig::Adam { adam_w_mode: false, lr, .. } if lr == 1e-3));
+}
+
+#[test]
+fn missing_optimizer_is_adamw_with_context_lr() {
+    let ctx = ResolveContext { lr: Some(0.5), ..world(1) };
+    let cfg = load_value(json!({"train_batch_size": 8}), &ctx).expect("loads");
+    assert!(matches!(cfg.optimizer, OptimizerConfig::Adam { adam_w_mode: true, lr, .. } if lr == 0.5));
+    assert_eq!(cfg.scheduler, None);
+}
+
+#[test]
+fn precision_sections() {
+    let e = err_of(
+        json!({"train_batch_size": 8, "fp16": {"enabled": true},
+        "bf16": {"enabled": true}}),
+        &world(1),
+    );
+    assert!(matches!(e.kind, ConfigErrorKind::PrecisionConflict), "{e}");
+    let cfg = load_value(
+        json!({"train_batch_size": 8, "fp16": {"enabled": true,
+        "initial_scale_power": 12, "hysteresis": 3}}),
+        &world(1),
+    )
+    .expect("loads");
+    let Precision::Fp16(f) = cfg.precision else { panic!("{:?}", cfg.precision) };
+    assert_eq!((f.loss_scale, f.initial_scale_power, f.hysteresis), (0.0, 12, 3));
+    assert_eq!((f.loss_scale_window, f.min_loss_scale, f.consecutive_hysteresis), (1000, 1.0, false));
+}
+
+#[test]
+fn set_overrides_edit_the_raw_json() {
+    let sets: Vec<String> = [
+        "zero_optimization.stage=2",
+        "tessera.model=gpt-small",
+        "fp16.enabled=true",
+        "tessera.seed=7",
+        "optimizer.params.betas=[0.8, 0.95]",
+    ]
+    .map(String::from)
+    .to_vec();
+    let cfg = from_str_named(FOUNDING, "f.json", &sets, &world(1)).expect("loads");
+    assert_eq!(cfg.zero.stage, 2);
+    assert_eq!((cfg.tessera.model.as_str(), cfg.tessera.seed), ("gpt-small", 7));
+    assert!(matches!(cfg.precision, Precision::Fp16(_)));
+    assert!(matches!(cfg.optimizer, OptimizerConfig::Adam { betas: (0.8, 0.95), .. }));
+    let bad = ["train_batch_size.x=1".to_string()];
+    let e = from_str_named(FOUNDING, "f.json", &bad, &world(1)).expect_err("fails");
+    assert!(e.to_string().contains("`train_batch_size` is a number, not an object"), "{e}");
+    let e = from_str_named(FOUNDING, "f.json", &["novalue".to_string()], &world(1)).expect_err("fails");
+    assert!(matches!(e.kind, ConfigErrorKind::Override { .. }), "{e}");
+}
+
+#[test]
+fn hash_is_stable_under_key_reordering() {
+    let a = from_str_named(FOUNDING, "a", &[], &world(1)).expect("loads");
+    let reordered = r#"{"zero_optimization": {"offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "cpu"}, "stage": 3}, "optimizer": {"params":
+        {"weight_decay": 0.01, "eps": 1e-8, "betas": [0.9, 0.999], "lr": 3e-5}, "type": "AdamW"},
+        "gradient_accumulation_steps": 1, "train_batch_size": 32}"#;
+    let b = from_str_named(reordered, "b", &[], &world(1)).expect("loads");
+    assert_eq!(a.hash, b.hash);
+    assert_eq!(a.hash.len(), 64);
+    let c = from_str_named(FOUNDING, "c", &["tessera.seed=1".to_string()], &world(1)).expect("loads");
+    assert_ne!(a.hash, c.hash);
+}
+
+#[test]
+fn syntax_errors_give_line_and_column() {
+    let e = from_str_named("{\n  \"train_batch_size\": 8,\n  oops\n}", "bad.json", &[], &world(1)).expect_err("fails");
+    assert!(e.to_string().starts_with("bad.json:3:3: invalid JSON"), "{e}");
+    let e = from_str_named(r#"{"fp16": {}, "fp16": {}}"#, "dup.json", &[], &world(1)).expect_err("fails");
+    assert!(e.to_string().contains("duplicate key `fp16`"), "{e}");
+    let missing = Path::new("/nonexistent/tessera.json");
+    let e = load(missing, &[], &world(1)).expect_err("fails");
+    assert!(e.to_string().starts_with("/nonexistent/tessera.json: cannot read"), "{e}");
+}
+
+#[test]
+fn schedulers_parse_with_deepspeed_defaults() {
+    let mut warnings = Vec::new();
+    let root = json!({"scheduler": {"type": "warmupdecaylr", "params": {"total_num_steps": 100,
+        "warmup_type": "cubic"}}});
+    let s = optim::parse_scheduler(&root, &mut warnings).expect("parses");
+    let Some(SchedulerConfig::WarmupDecayLr(d)) = s else { panic!("{s:?}") };
+    assert_eq!((d.warmup_min_lr, d.warmup_max_lr, d.warmup_num_steps), (0.0, 0.001, 1000));
+    assert_eq!(d.warmup_type, crate::schedule::WarmupType::Log);
+    assert!(warnings.iter().any(|w| w.contains("scheduler.params.warmup_type")), "{warnings:?}");
+    let root = json!({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1,
+        "cycle_max_lr": 1.0, "cycle_first_step_size": 30, "cycle_first_stair_count": 3}}});
+    let Ok(Some(SchedulerConfig::OneCycle(c))) = optim::parse_scheduler(&root, &mut warnings) else {
+        panic!("OneCycle did not parse");
+    };
+    assert_eq!((c.cycle_second_step_size, c.cycle_second_stair_count), (30, 3));
+    let root = json!({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1}}});
+    let e = optim::parse_scheduler(&root, &mut warnings).expect_err("needs cycle_max_lr");
+    assert!(e.to_string().contains("scheduler.params.cycle_max_lr"), "{e}");
+    let root = json!({"scheduler": {"type": "WarmupCosine"}});
+    let e = optim::parse_scheduler(&root, &mut warnings).expect_err("unknown type");
+    assert!(e.to_string().contains("did you mean `WarmupCosineLR`?"), "{e}");
+}
+
+#[test]
+fn check_rendering_lists_present_keys() {
+    let cfg = from_str_named(FOUNDING, "founding.json", &[], &world(1)).expect("loads");
+    let text = render_check(&cfg);
+    assert!(text.contains(&cfg.hash) && text.contains("\"train_micro_batch_size_per_gpu\": 32"), "{text}");
+    let line = |key: &str| text.lines().find(|l| l.starts_with(&format!("{key} "))).map(str::to_string);
+    let offload = line("zero_optimization.offload_param.device").unwrap_or_default();
+    assert!(offload.contains("not yet"), "{text}");
+    assert!(line("zero_optimization.stage").unwrap_or_default().contains("honoured"), "{text}");
+    assert!(line("fp16").is_none(), "only present keys are listed: {text}");
+}
+
+#[test]
+fn key_table_is_well_formed() {
+    let table = key_table();
+    for (i, k) in table.iter().enumerate() {
+        assert!(table[..i].iter().all(|o| o.path != k.path), "duplicate {}", k.path);
+        if let Some((parent, _)) = k.path.rsplit_once('.') {
+            let p = lookup(parent).unwrap_or_else(|| panic!("{} has no parent entry", k.path));
+            assert_eq!(p.kind, KeyKind::Section, "{parent} must be a section");
+        }
+    }
+    for (path, _) in AUTO_RULES {
+        assert!(effectively_honoured(path), "auto rule for unhonoured {path}");
+    }
+}
+
+/// docs/config.md must equal `render_markdown_table()`.
+#[test]
+fn docs_in_sync() {
+    let file = Path::new(file!());
+    let here = if file.is_absolute() { file.to_path_buf() } else { Path::new(env!("CARGO_MANIFEST_DIR")).join(file) };
+    let root = here.ancestors().nth(3).expect("repository root");
+    let doc = root.join("docs").join("config.md");
+    let want = render_markdown_table();
+    if std::env::var_os("TESSERA_REGEN_DOCS").is_some() {
+        std::fs::write(&doc, &want).expect("write docs/config.md");
+    }
+    let have = std::fs::read_to_string(&doc).unwrap_or_default();
+    assert!(
+        have == want,
+        "{} is out of date with the key table; regenerate it with \
+         `TESSERA_REGEN_DOCS=1 cargo test --lib config::tests::docs_in_sync`",
+        doc.display()
+    );
+}

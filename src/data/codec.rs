@@ -1,0 +1,104 @@
+//! Text <-> token conversion: raw bytes (vocab 256) or a Hugging Face
+//! `tokenizer.json` loaded through the `tokenizers` crate.
+
+use std::path::Path;
+
+use tokenizers::Tokenizer;
+
+use super::DataError;
+
+/// Size of the byte-level vocabulary.
+pub const BYTE_VOCAB_SIZE: usize = 256;
+
+/// Turns text into token ids and back.
+pub enum Codec {
+    /// One token per byte.
+    Bytes,
+    /// A Hugging Face tokenizer (boxed: it is large).
+    Hf(Box<Tokenizer>),
+}
+
+impl std::fmt::Debug for Codec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Codec::Bytes => write!(f, "Codec::Bytes"),
+            Codec::Hf(t) => write!(f, "Codec::Hf(vocab {})", t.get_vocab_size(true)),
+        }
+    }
+}
+
+/// Decodes byte tokens to text; ids above 255 and invalid UTF-8 become U+FFFD.
+pub fn decode_bytes(tokens: &[u32]) -> String {
+    let mut out = String::with_capacity(tokens.len());
+    let mut run: Vec<u8> = Vec::new();
+    for &t in tokens {
+        match u8::try_from(t) {
+            Ok(b) => run.push(b),
+            Err(_) => {
+                out.push_str(&String::from_utf8_lossy(&run));
+                run.clear();
+                out.push(char::REPLACEMENT_CHARACTER);
+            }
+        }
+    }
+    out.push_str(&String::from_utf8_lossy(&run));
+    out
+}
+
+impl Codec {
+    /// `Bytes` when `tokenizer` is `None`, else the tokenizer loaded from that file.
+    pub fn open(tokenizer: Option<&Path>) -> Result<Self, DataError> {
+        match tokenizer {
+            None => Ok(Codec::Bytes),
+            Some(path) => Self::from_tokenizer_file(path),
+        }
+    }
+
+    /// Loads a Hugging Face `tokenizer.json`.
+    pub fn from_tokenizer_file(path: &Path) -> Result<Self, DataError> {
+        if !path.exists() {
+            return Err(DataError::Missing { path: path.to_path_buf() });
+        }
+        Tokenizer::from_file(path)
+            .map(|t| Codec::Hf(Box::new(t)))
+            .map_err(|e| DataError::Tokenizer { path: path.to_path_buf(), message: e.to_string() })
+    }
+
+    /// Number of distinct token ids (including a tokenizer's added tokens).
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Codec::Bytes => BYTE_VOCAB_SIZE,
+            Codec::Hf(t) => t.get_vocab_size(true),
+        }
+    }
+
+    /// Encodes `text` without adding special tokens.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
+        match self {
+            Codec::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            Codec::Hf(t) => t
+                .encode(text, false)
+                .map(|enc| enc.get_ids().to_vec())
+                .map_err(|e| DataError::Encode { what: format!("{} bytes of text", text.len()), message: e.to_string() }),
+        }
+    }
+
+    /// Decodes ids to text, lossily: unknown ids are dropped by the tokenizer, and
+    /// if its decoder fails the raw token strings are concatenated instead.
+    pub fn decode(&self, tokens: &[u32]) -> String {
+        match self {
+            Codec::Bytes => decode_bytes(tokens),
+            Codec::Hf(t) => {
+                t.decode(tokens, false).unwrap_or_else(|_| tokens.iter().filter_map(|&id| t.id_to_token(id)).collect::<String>())
+            }
+        }
+    }
+
+    /// Short description for `Dataset::source`.
+    pub fn describe(&self) -> String {
+        match self {
+            Codec::Bytes => "byte-level".to_string(),
+            Codec::Hf(t) => format!("tokenizer.json, vocab {}", t.get_vocab_size(true)),
+        }
+    }
+}

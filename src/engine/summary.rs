@@ -1,0 +1,78 @@
+//! The end-of-run summary: what a user reads at the end and what tests compare
+//! (`params_blake3` is the bit-for-bit fingerprint of the parameters).
+
+use std::path::Path;
+
+use serde::Serialize;
+
+/// Written as `summary.json` in the output directory.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    pub model: String,
+    pub num_params: usize,
+    pub steps: u64,
+    pub skipped_steps: u64,
+    pub final_loss: f64,
+    pub val_loss: Option<f64>,
+    pub initial_val_loss: Option<f64>,
+    pub tokens: u64,
+    pub tokens_per_s: f64,
+    pub wall_s: f64,
+    /// Share of the measured GEMM peak reached by training steps (when measured).
+    pub flops_per_token: f64,
+    pub params_blake3: String,
+    pub peak_rss_bytes: u64,
+    pub world_size: usize,
+    pub zero_stage: u8,
+    pub precision: String,
+    pub config_hash: String,
+    pub last_checkpoint: Option<String>,
+}
+
+impl Summary {
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, text + "\n")?;
+        std::fs::rename(&tmp, path)
+    }
+
+    /// A few lines for the terminal.
+    pub fn render(&self) -> String {
+        let val = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+        format!(
+            "── summary ──────────────────────────────────────────\n\
+             model          {} ({:.2}M params, {}, ZeRO-{}, world {})\n\
+             steps          {} ({} skipped)\n\
+             train loss     {:.4}\n\
+             val loss       {} (from {})\n\
+             throughput     {:.0} tokens/s over {:.1} s\n\
+             peak RSS       {:.1} MiB\n\
+             params_blake3  {}\n",
+            self.model,
+            self.num_params as f64 / 1e6,
+            self.precision,
+            self.zero_stage,
+            self.world_size,
+            self.steps,
+            self.skipped_steps,
+            self.final_loss,
+            val(self.val_loss),
+            val(self.initial_val_loss),
+            self.tokens_per_s,
+            self.wall_s,
+            self.peak_rss_bytes as f64 / (1024.0 * 1024.0),
+            self.params_blake3,
+        )
+    }
+}
+
+/// Peak resident set size of this process (VmHWM), 0 where /proc is unavailable.
+pub fn peak_rss_bytes() -> u64 {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}

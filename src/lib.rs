@@ -1,0 +1,12 @@
+//! tessera: the user-facing crate — DeepSpeed JSON config, the training engine, the model zoo,
+//! data, checkpoints, monitors and the `tessera` CLI.
+
+pub mod bridge;
+pub mod checkpoint;
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod engine;
+pub mod monitor;
+pub mod schedule;
+pub mod zoo;

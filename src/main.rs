@@ -1,0 +1,119 @@
+//! The `tessera` command line: a thin layer over the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use tessera::cli;
+
+#[derive(Parser)]
+#[command(name = "tessera", version, about = "Elastic, deterministic distributed training, configured by DeepSpeed JSON")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Train a model as the config says.
+    Train(TrainArgs),
+    /// Sample text from a checkpoint.
+    Generate(GenerateArgs),
+    /// Write a checkpoint as Hugging Face GPT-2 safetensors + config.json.
+    Export(ExportArgs),
+    /// Inspect configs.
+    #[command(subcommand)]
+    Config(ConfigCmd),
+    /// List the model presets.
+    Models,
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// DeepSpeed JSON config.
+    #[arg(long)]
+    config: PathBuf,
+    #[command(flatten)]
+    common: cli::CommonArgs,
+    /// Continue from this checkpoint (a step directory or a checkpoints root).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Checkpoint directory (a step directory or a checkpoints root).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Text to continue.
+    #[arg(long, default_value = "It is a truth universally acknowledged")]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    tokens: usize,
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// Sample from the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1234)]
+    seed: u64,
+    /// The tokenizer.json the model was trained with (byte-level if absent).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// Checkpoint directory (a step directory or a checkpoints root).
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Output directory for model.safetensors and config.json.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum ConfigCmd {
+    /// Print the resolved config and which keys Tessera honours.
+    Check {
+        file: PathBuf,
+        #[command(flatten)]
+        common: cli::CommonArgs,
+    },
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Train(a) => cli::train(&a.config, &a.common, a.resume, !a.no_progress),
+        Cmd::Generate(a) => cli::generate(&cli::GenerateOpts {
+            checkpoint: a.checkpoint,
+            prompt: a.prompt,
+            tokens: a.tokens,
+            temperature: a.temperature,
+            top_k: a.top_k,
+            seed: a.seed,
+            tokenizer: a.tokenizer,
+        }),
+        Cmd::Export(a) => cli::export(&a.checkpoint, &a.out),
+        Cmd::Config(ConfigCmd::Check { file, common }) => cli::config_check(&file, &common),
+        Cmd::Models => {
+            cli::list_models();
+            Ok(())
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,57 @@
+//! Helpers: run the real `tessera` binary in a temporary directory.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_tessera"))
+}
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn run(args: &[&str], cwd: &Path) -> Output {
+    let out = Command::new(bin()).args(args).current_dir(cwd).output().expect("spawning tessera");
+    out
+}
+
+pub fn ok(args: &[&str], cwd: &Path) -> String {
+    let out = run(args, cwd);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "tessera {args:?} failed:\n{text}");
+    text
+}
+
+pub fn fails(args: &[&str], cwd: &Path) -> String {
+    let out = run(args, cwd);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "tessera {args:?} should have failed:\n{text}");
+    text
+}
+
+pub fn summary(dir: &Path) -> serde_json::Value {
+    let p = dir.join("summary.json");
+    let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()));
+    serde_json::from_str(&text).expect("summary.json is JSON")
+}
+
+/// Flags for a seconds-long run of gpt-tiny: short sequences, a small batch.
+pub const FAST: &[&str] = &[
+    "--set",
+    "train_batch_size=8",
+    "--set",
+    "train_micro_batch_size_per_gpu=2",
+    "--set",
+    "tessera.seq_len=32",
+    "--set",
+    "tessera.eval_iters=2",
+    "--set",
+    "tessera.eval_interval=0",
+];
+
+pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("writing test file");
+    p
+}

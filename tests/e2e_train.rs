@@ -1,0 +1,104 @@
+//! Training runs through the CLI: the shipped config, resume bit-exactness, generate, export.
+
+use crate::common::*;
+
+fn train_args<'a>(config: &'a str, out: &'a str, steps: &'a str) -> Vec<&'a str> {
+    let mut a = vec!["train", "--config", config, "--output", out, "--steps", steps, "--no-progress"];
+    a.extend_from_slice(FAST);
+    a
+}
+
+#[test]
+fn shipped_config_trains_and_writes_summary_and_monitors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let text = ok(&train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "8"), tmp.path());
+    assert!(text.contains("summary"), "{text}");
+    let s = summary(&out);
+    for key in ["steps", "final_loss", "val_loss", "tokens_per_s", "wall_s", "params_blake3", "peak_rss_bytes"] {
+        assert!(s.get(key).is_some(), "summary.json lacks {key}: {s}");
+    }
+    assert_eq!(s["steps"], 8);
+    assert!(s["val_loss"].as_f64().unwrap() < s["initial_val_loss"].as_f64().unwrap(), "validation loss did not fall: {s}");
+    assert!(out.join("loss.svg").exists());
+    assert!(out.join("metrics.jsonl").exists());
+    assert!(out.join("csv").read_dir().unwrap().count() > 0, "csv monitor wrote nothing");
+    let tb = out.join("tensorboard").read_dir().unwrap().count();
+    assert!(tb > 0, "tensorboard monitor wrote nothing");
+}
+
+#[test]
+fn resume_is_bit_exact() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let (straight, split) = (tmp.path().join("straight"), tmp.path().join("split"));
+    ok(&train_args(cfg.to_str().unwrap(), straight.to_str().unwrap(), "12"), tmp.path());
+    ok(&train_args(cfg.to_str().unwrap(), split.to_str().unwrap(), "6"), tmp.path());
+    let ckpt = split.join("checkpoints");
+    let mut a = train_args(cfg.to_str().unwrap(), split.to_str().unwrap(), "12");
+    a.extend_from_slice(&["--resume", ckpt.to_str().unwrap()]);
+    ok(&a, tmp.path());
+    let (s1, s2) = (summary(&straight), summary(&split));
+    assert_eq!(s1["params_blake3"], s2["params_blake3"], "12 straight steps differ from 6 + resume + 6");
+    assert_eq!(s1["final_loss"], s2["final_loss"]);
+}
+
+#[test]
+fn precisions_train_and_differ() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let mut hashes = Vec::new();
+    for (name, set) in [("f32", None), ("bf16", Some("bf16.enabled=true")), ("fp16", Some("fp16.enabled=true"))] {
+        let out = tmp.path().join(name);
+        let mut a = train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "4");
+        if let Some(s) = set {
+            a.extend_from_slice(&["--set", s]);
+        }
+        ok(&a, tmp.path());
+        let s = summary(&out);
+        assert!(s["final_loss"].as_f64().unwrap().is_finite());
+        assert_eq!(s["precision"], name);
+        hashes.push(s["params_blake3"].clone());
+    }
+    assert_ne!(hashes[0], hashes[1], "bf16 storage must change the numbers");
+    assert_ne!(hashes[0], hashes[2], "fp16 storage must change the numbers");
+}
+
+#[test]
+fn generate_and_export_from_a_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    ok(&train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "2"), tmp.path());
+    let ckpt = out.join("checkpoints");
+    let text = ok(&["generate", "--checkpoint", ckpt.to_str().unwrap(), "--prompt", "Emma", "--tokens", "20"], tmp.path());
+    assert!(text.starts_with("Emma"), "{text}");
+    let export = tmp.path().join("hf");
+    ok(&["export", "--checkpoint", ckpt.to_str().unwrap(), "--out", export.to_str().unwrap()], tmp.path());
+    for f in ["model.safetensors", "config.json", "reference.json"] {
+        assert!(export.join(f).exists(), "export lacks {f}");
+    }
+}
+
+#[test]
+fn founding_config_loads_and_names_what_is_not_honoured() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/founding.json");
+    let out = tmp.path().join("run");
+    let args = [
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--no-progress",
+        "--set",
+        "tessera.seq_len=16",
+    ];
+    let text = ok(&args, tmp.path());
+    assert!(text.contains("offload_optimizer"), "warning should name offload_optimizer:\n{text}");
+    assert!(text.contains("offload_param"), "warning should name offload_param:\n{text}");
+}

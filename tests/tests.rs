@@ -1,0 +1,5 @@
+//! End-to-end tests: the `tessera` binary run as a user would run it.
+
+mod common;
+mod e2e_train;
+mod regression;

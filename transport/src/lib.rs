@@ -1,0 +1,4 @@
+//! tessera-transport: how workers exchange tensors — the deterministic reduction tree, and
+//! collectives and point-to-point between workers (in-process, QUIC, NCCL backends).
+
+pub mod tree;
