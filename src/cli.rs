@@ -89,13 +89,14 @@ fn print_warnings(cfg: &Config) {
 }
 
 /// `tessera train`.
-pub fn train(config_path: &Path, common: &CommonArgs, resume: Option<PathBuf>, progress: bool) -> Result<()> {
+/// Returns whether the run finished (false when Ctrl-C stopped it).
+pub fn train(config_path: &Path, common: &CommonArgs, opts: TrainOptions) -> Result<bool> {
     let cfg = load_config(config_path, common)?;
     print_warnings(&cfg);
-    let out = engine::train(&cfg, &TrainOptions { resume, progress })?;
+    let out = engine::train(&cfg, &opts)?;
     println!("{}", out.summary.render());
     println!("wrote {}/summary.json and {}/loss.svg", out.output_dir.display(), out.output_dir.display());
-    Ok(())
+    Ok(!out.interrupted)
 }
 
 /// `tessera config check`.

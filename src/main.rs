@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand};
 use tessera::cli;
+use tessera::engine::TrainOptions;
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Elastic, deterministic distributed training, configured by DeepSpeed JSON")]
@@ -42,6 +43,10 @@ struct TrainArgs {
     /// Hide the progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Prepare step N, abandon it, and run it again (exercises the step transaction; the result
+    /// must be unchanged). Repeatable.
+    #[arg(long = "abandon-step", value_name = "N")]
+    abandon_steps: Vec<u64>,
 }
 
 #[derive(Args)]
@@ -87,9 +92,17 @@ enum ConfigCmd {
     },
 }
 
-fn run(cli: Cli) -> Result<()> {
+/// Exit status of a run that Ctrl-C stopped (128 + SIGINT), as shells report it.
+const EXIT_INTERRUPTED: u8 = 130;
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let done = ExitCode::SUCCESS;
     match cli.cmd {
-        Cmd::Train(a) => cli::train(&a.config, &a.common, a.resume, !a.no_progress),
+        Cmd::Train(a) => {
+            let opts = TrainOptions { resume: a.resume, progress: !a.no_progress, abandon_steps: a.abandon_steps };
+            let finished = cli::train(&a.config, &a.common, opts)?;
+            Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })
+        }
         Cmd::Generate(a) => cli::generate(&cli::GenerateOpts {
             checkpoint: a.checkpoint,
             prompt: a.prompt,
@@ -98,19 +111,20 @@ fn run(cli: Cli) -> Result<()> {
             top_k: a.top_k,
             seed: a.seed,
             tokenizer: a.tokenizer,
-        }),
-        Cmd::Export(a) => cli::export(&a.checkpoint, &a.out),
-        Cmd::Config(ConfigCmd::Check { file, common }) => cli::config_check(&file, &common),
+        })
+        .map(|()| done),
+        Cmd::Export(a) => cli::export(&a.checkpoint, &a.out).map(|()| done),
+        Cmd::Config(ConfigCmd::Check { file, common }) => cli::config_check(&file, &common).map(|()| done),
         Cmd::Models => {
             cli::list_models();
-            Ok(())
+            Ok(done)
         }
     }
 }
 
 fn main() -> ExitCode {
     match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

@@ -2,4 +2,5 @@
 
 mod common;
 mod e2e_train;
+mod e2e_zero;
 mod regression;

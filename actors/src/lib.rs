@@ -1,1 +1,31 @@
 //! tessera-actors: the supervisor tree and its actors; planners are pure code.
+//!
+//! ```text
+//! ClusterSupervisor        membership, plan epoch, step transactions (prepare → commit | abandon)
+//! └─ NodeSupervisor        one per host/process; reports worker deaths as membership events
+//!    └─ DeviceWorker       one per rank; runs its WorkerCompute on a dedicated OS thread
+//!       ├─ ParamShard      ZeRO-3 parameter shard metadata (range, bytes, last commit)
+//!       └─ OptimShard      optimizer-state shard metadata
+//! ```
+//! Control plane: actor messages carrying handles and small values. Data plane: the compute's
+//! buffers and collectives (`tessera_transport`). [`Cluster`] is the synchronous driver.
+
+pub mod cluster;
+pub mod compute;
+pub mod driver;
+pub mod error;
+pub mod node;
+pub mod plan;
+pub mod shard;
+pub mod signal;
+pub mod worker;
+
+#[cfg(test)]
+mod tests;
+
+pub use compute::{ComputeError, MemoryReport, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
+pub use driver::{Cluster, ClusterOptions, StepResult, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};
+pub use error::{ActorError, FailureCause, RankFailure};
+pub use plan::{assign_blocks, partition};
+pub use shard::{ShardKind, ShardStatus};
+pub use signal::install_ctrl_c;

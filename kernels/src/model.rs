@@ -147,7 +147,8 @@ impl Model {
             }
             Arch::Llama => (None, layout.push("norm_f.weight".into(), &[c], Init::Ones, false), None),
         };
-        let mut units = vec![0..layout.total()];
+        let mut units = Vec::with_capacity(l + 1);
+        units.push(0..layout.total());
         let embed = EmbedParams { wte, wpe, norm_w, norm_b };
         let mut blocks: Vec<Box<dyn Layer>> = Vec::with_capacity(l);
         let proj_std = 0.02 / (2.0 * l as f32).sqrt();
@@ -261,6 +262,7 @@ impl Model {
     ///
     /// # Panics
     /// If `tokens`/`targets` are not `b*t` long or `t` exceeds the model's context.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_backward(
         &self,
         acc: &mut dyn UnitAccess,

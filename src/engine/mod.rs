@@ -1,11 +1,16 @@
-//! The training engine: turns a resolved [`Config`] into steps. A step runs the global batch's
-//! `M` micro-batches, sums their gradients with the fixed tree of
-//! [`tessera_transport::tree`], unscales/clips them, and applies the optimizer to fp32 masters.
+//! The training engine: turns a resolved [`Config`](crate::config::Config) into steps. A step is
+//! a transaction over `world` ranks (ZeRO stages 0–3, see [`zero`]): the global batch's `M`
+//! micro-batches are split into aligned dyadic blocks, their gradients combined by the fixed tree
+//! of [`tessera_transport::tree`], and the optimizer applied to fp32 masters on commit.
 
+mod plan;
 mod precision;
 mod run;
+mod store;
 mod summary;
+pub mod zero;
 
+pub use plan::Plan;
 pub use precision::Precision16;
 pub use run::{train, TrainOptions, TrainOutcome};
-pub use summary::{peak_rss_bytes, Summary};
+pub use summary::{peak_rss_bytes, MemoryBytes, Summary};

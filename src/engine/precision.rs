@@ -29,11 +29,4 @@ impl Precision16 {
     pub fn round(self, x: &mut [f32]) {
         round_to(self.dtype(), x);
     }
-
-    /// The working parameters for the masters.
-    pub fn working_params(self, master: &[f32], out: &mut Vec<f32>) {
-        out.clear();
-        out.extend_from_slice(master);
-        self.round(out);
-    }
 }

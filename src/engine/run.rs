@@ -1,24 +1,27 @@
-//! The training loop: data → micro-batches → tree-summed gradients → optimizer, with
-//! evaluation, checkpoints, monitors, a progress bar and the final summary.
+//! The training driver: builds the plan and the ranks, starts the actor tree, runs steps as
+//! transactions, and around them evaluation, checkpoints, monitors, the progress bar and the
+//! final summary.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use tessera_kernels::model::{FlatAccess, Model, Workspace};
-use tessera_kernels::optim::{
-    clip_coefficient, global_grad_norm, FlatLayout, LocalReduce, LossScaler, OptimizerShard, StepContext, StepOutcome,
-};
-use tessera_transport::tree::TreeSum;
+use tessera_actors::compute::{MemoryReport, ShardInfo, ShardSpec, WorkerCompute};
+use tessera_actors::{Cluster, ClusterOptions};
+use tessera_kernels::model::{FlatAccess, Workspace};
+use tessera_transport::local::LocalGroup;
 
-use super::precision::Precision16;
+use super::plan::Plan;
 use super::summary::{peak_rss_bytes, Summary};
+use super::zero::{RankState, ZeroWorker};
+use crate::bridge;
 use crate::checkpoint::{self, CheckpointState, NamedTensor};
 use crate::config::Config;
 use crate::data::{self, Dataset, Sampler, SamplerState};
-use crate::monitor::{self, Event, Monitor};
-use crate::{bridge, schedule, zoo};
+use crate::monitor::{self, Event, Monitor, MonitorSet};
 
 /// What `tessera train` was asked to do beyond the config.
 #[derive(Clone, Debug, Default)]
@@ -27,6 +30,9 @@ pub struct TrainOptions {
     pub resume: Option<PathBuf>,
     /// Show the progress bar (off for tests and non-interactive runs).
     pub progress: bool,
+    /// Steps to prepare and then abandon once before running them again (exercises the step
+    /// transaction; the result must not change).
+    pub abandon_steps: Vec<u64>,
 }
 
 /// What a finished run leaves behind.
@@ -34,332 +40,27 @@ pub struct TrainOptions {
 pub struct TrainOutcome {
     pub summary: Summary,
     pub output_dir: PathBuf,
-}
-
-/// Everything mutable across steps.
-struct State {
-    master: Vec<f32>,
-    working: Vec<f32>,
-    optim: OptimizerShard,
-    scaler: Option<LossScaler>,
-    sampler: Sampler,
-    step: u64,
-    /// Optimizer steps actually applied (the LR schedule's clock).
-    applied: u64,
-    skipped: u64,
-}
-
-/// Fixed per-run facts.
-struct Plan {
-    model: Model,
-    precision: Precision16,
-    micro: usize,
-    seq_len: usize,
-    /// Micro-batches per step (global batch / micro-batch; independent of world size).
-    micro_batches: usize,
-    flat: FlatLayout,
-    decay: Vec<bool>,
-    base_lr: f32,
-}
-
-fn build_plan(cfg: &Config, data: &Dataset) -> Result<Plan> {
-    let mut mcfg = zoo::preset(&cfg.tessera.model).map_err(anyhow::Error::msg)?;
-    mcfg.vocab_size = data.vocab_size;
-    let seq_len = cfg.tessera.seq_len.unwrap_or(mcfg.max_seq_len);
-    if seq_len == 0 || seq_len > mcfg.max_seq_len {
-        bail!("tessera.seq_len = {seq_len} is out of range: the model `{}` takes 1..={}", cfg.tessera.model, mcfg.max_seq_len);
-    }
-    let mut model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
-    model.checkpoint_activations = cfg.activation_checkpointing;
-    let flat = FlatLayout::new(model.layout().segments()).context("parameter layout")?;
-    let micro_batches = cfg.train_batch_size / cfg.micro_batch_per_gpu;
-    Ok(Plan {
-        decay: model.layout().decay_flags(),
-        precision: bridge::precision(&cfg.precision),
-        micro: cfg.micro_batch_per_gpu,
-        seq_len,
-        micro_batches,
-        flat,
-        base_lr: bridge::base_lr(&cfg.optimizer),
-        model,
-    })
-}
-
-fn fresh_state(cfg: &Config, plan: &Plan, data: &Dataset) -> Result<State> {
-    let master = plan.model.init_params(cfg.tessera.seed);
-    let mut working = Vec::new();
-    plan.precision.working_params(&master, &mut working);
-    let kind = bridge::optimizer_kind(&cfg.optimizer);
-    kind.validate().context("optimizer parameters")?;
-    Ok(State {
-        optim: OptimizerShard::new(kind, master.len()),
-        master,
-        working,
-        scaler: bridge::loss_scaler(&cfg.precision)?,
-        sampler: Sampler::new(data.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?,
-        step: 0,
-        applied: 0,
-        skipped: 0,
-    })
-}
-
-/// Per-step results.
-struct StepStats {
-    loss: f64,
-    grad_norm: f64,
-    lr: f32,
-    skipped: bool,
-    /// Forward+backward, reduction and optimizer time, seconds.
-    times_s: [f64; 3],
-}
-
-/// One step: every micro-batch's gradient, summed by the fixed tree; then the optimizer.
-fn train_step(cfg: &Config, plan: &Plan, st: &mut State, ws: &mut Workspace, pool: &mut Vec<Vec<f32>>) -> Result<StepStats> {
-    let (mb, t, m) = (plan.micro, plan.seq_len, plan.micro_batches);
-    let scale = st.scaler.as_ref().map_or(1.0, LossScaler::scale);
-    let dloss = scale / m as f32;
-    let mut inputs = vec![0u32; mb * t];
-    let mut targets = vec![0u32; mb * t];
-    let mut tree = TreeSum::new();
-    let mut loss_sum = 0.0f64;
-    let t0 = Instant::now();
-    for i in 0..m {
-        st.sampler.fill(st.sampler.cursor() + (i * mb) as u64, mb, &mut inputs, &mut targets);
-        let mut grads = pool.pop().unwrap_or_default();
-        grads.clear();
-        grads.resize(st.master.len(), 0.0);
-        let mut acc = FlatAccess { params: &st.working, grads: &mut grads, units: plan.model.units() };
-        loss_sum += f64::from(plan.model.forward_backward(&mut acc, &inputs, &targets, mb, t, dloss, ws));
-        plan.precision.round(&mut grads);
-        tree.push_leaf(grads).context("gradient tree")?;
-    }
-    st.sampler.advance((m * mb) as u64);
-    let t1 = Instant::now();
-    let mut grads = tree.finish().context("empty batch")?;
-    let t2 = Instant::now();
-    let lr = cfg.scheduler.as_ref().map_or(plan.base_lr, |s| schedule::lr_at(s, plan.base_lr, st.applied));
-    let outcome = finish_grads(cfg, plan, st, &mut grads, scale)?;
-    let skipped = matches!(outcome, GradOutcome::Overflow);
-    let grad_norm = match outcome {
-        GradOutcome::Ready(n) => n,
-        GradOutcome::Overflow => f64::INFINITY,
-    };
-    if !skipped {
-        let ctx = StepContext { shard_range: 0..st.master.len(), layout: &plan.flat, decay: &plan.decay };
-        st.optim.step(&mut st.master, &grads, lr, &ctx, &mut LocalReduce).context("optimizer step")?;
-        plan.precision.working_params(&st.master, &mut st.working);
-        st.applied += 1;
-    } else {
-        st.skipped += 1;
-    }
-    pool.push(grads);
-    st.step += 1;
-    let t3 = Instant::now();
-    let times_s = [(t1 - t0).as_secs_f64(), (t2 - t1).as_secs_f64(), (t3 - t2).as_secs_f64()];
-    Ok(StepStats { loss: loss_sum / m as f64, grad_norm, lr, skipped, times_s })
-}
-
-enum GradOutcome {
-    Ready(f64),
-    Overflow,
-}
-
-/// Unscales (fp16), checks for overflow, measures the global norm and clips.
-fn finish_grads(cfg: &Config, plan: &Plan, st: &mut State, grads: &mut [f32], scale: f32) -> Result<GradOutcome> {
-    if let Some(scaler) = st.scaler.as_mut() {
-        let overflow = tessera_kernels::optim::mixed::unscale_and_check(grads, 1.0 / scale);
-        if let StepOutcome::SkippedOverflow { .. } = scaler.update(overflow).context("loss scaler")? {
-            return Ok(GradOutcome::Overflow);
-        }
-    }
-    let norm = global_grad_norm(&plan.flat, grads, 0..grads.len(), &mut LocalReduce).context("gradient norm")?;
-    if let Some(coef) = clip_coefficient(norm, f64::from(cfg.gradient_clipping)) {
-        grads.iter_mut().for_each(|g| *g *= coef);
-    }
-    Ok(GradOutcome::Ready(norm))
-}
-
-/// Mean validation loss over the fixed validation batches.
-fn evaluate(plan: &Plan, params: &[f32], batches: &[data::TokenBatch], ws: &mut Workspace) -> f64 {
-    let mut unused = Vec::new();
-    let total: f64 = batches
-        .iter()
-        .map(|(x, y)| {
-            let mut acc = FlatAccess { params, grads: &mut unused, units: plan.model.units() };
-            f64::from(plan.model.loss(&mut acc, x, y, plan.micro, plan.seq_len, ws))
-        })
-        .sum();
-    total / batches.len().max(1) as f64
-}
-
-fn progress_bar(cfg: &Config, enabled: bool) -> ProgressBar {
-    if !enabled {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(cfg.tessera.steps);
-    let style = ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30.cyan/blue}] {msg} eta {eta}")
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> ");
-    pb.set_style(style);
-    pb
-}
-
-/// Runs a whole training job as the config says.
-pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
-    let started = Instant::now();
-    let data_path = cfg.tessera.data.as_ref().map_or_else(data::default_corpus_path, PathBuf::from);
-    let dataset = data::load(&data_path, cfg.tessera.tokenizer.as_deref().map(Path::new), data::DEFAULT_VAL_FRACTION)
-        .with_context(|| format!("loading data from {}", data_path.display()))?;
-    let plan = build_plan(cfg, &dataset)?;
-    let out_dir = PathBuf::from(&cfg.tessera.output_dir);
-    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
-    let ckpt_root = out_dir.join("checkpoints");
-    let mut st = match &opts.resume {
-        Some(dir) => resume_state(cfg, &plan, &dataset, dir)?,
-        None => fresh_state(cfg, &plan, &dataset)?,
-    };
-    let val =
-        data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
-    let mut monitors = bridge::monitors(cfg, &out_dir)?;
-    let pb = progress_bar(cfg, opts.progress);
-    pb.set_position(st.step);
-    let mut ws = Workspace::default();
-    let mut pool = Vec::new();
-    let tokens_per_step = (plan.micro_batches * plan.micro * plan.seq_len) as u64;
-    let initial_val = (st.step == 0).then(|| evaluate(&plan, &st.working, &val, &mut ws));
-    let mut curve: (Vec<(u64, f64)>, Vec<(u64, f64)>) = (Vec::new(), Vec::new());
-    if let Some(v) = initial_val {
-        curve.1.push((0, v));
-    }
-    let (mut last_loss, mut last_val) = (f64::NAN, initial_val);
-    let (mut train_s, mut steps_run, mut breakdown) = (0.0f64, 0u64, [0.0f64; 3]);
-    let mut last_ckpt = None;
-    pb.println(format!(
-        "training {} ({:.2}M params) on {} | batch {} = {} micro-batches × {} × {} tokens | {} steps",
-        cfg.tessera.model,
-        plan.model.num_params() as f64 / 1e6,
-        dataset.source,
-        cfg.train_batch_size,
-        plan.micro_batches,
-        plan.micro,
-        plan.seq_len,
-        cfg.tessera.steps
-    ));
-    while st.step < cfg.tessera.steps {
-        let t0 = Instant::now();
-        let s = train_step(cfg, &plan, &mut st, &mut ws, &mut pool)?;
-        train_s += t0.elapsed().as_secs_f64();
-        steps_run += 1;
-        breakdown.iter_mut().zip(s.times_s).for_each(|(a, b)| *a += b);
-        last_loss = s.loss;
-        curve.0.push((st.step, s.loss));
-        let samples = st.step * (plan.micro_batches * plan.micro) as u64;
-        let mut events =
-            vec![Event::new("Train/Samples/train_loss", s.loss, samples), Event::new("Train/Samples/lr", f64::from(s.lr), samples)];
-        if let Some(sc) = &st.scaler {
-            events.push(Event::new("Train/Samples/loss_scale", f64::from(sc.scale()), samples));
-        }
-        let tps = (steps_run * tokens_per_step) as f64 / train_s.max(1e-9);
-        pb.set_message(format!("loss {:.4} | {:.0} tok/s", s.loss, tps));
-        pb.set_position(st.step);
-        if cfg.steps_per_print > 0 && st.step % cfg.steps_per_print as u64 == 0 {
-            pb.println(format!(
-                "step {:>6} | loss {:.4} | lr {:.3e} | grad norm {:.3} | {:.0} tok/s{}",
-                st.step,
-                s.loss,
-                s.lr,
-                s.grad_norm,
-                tps,
-                if s.skipped { " | skipped (overflow)" } else { "" }
-            ));
-            if cfg.wall_clock_breakdown {
-                let n = steps_run as f64;
-                pb.println(format!(
-                    "  time/step: fwd+bwd {:.1} ms | tree reduce {:.1} ms | optimizer {:.1} ms",
-                    breakdown[0] / n * 1e3,
-                    breakdown[1] / n * 1e3,
-                    breakdown[2] / n * 1e3
-                ));
-            }
-        }
-        let eval_now = cfg.tessera.eval_interval > 0 && st.step % cfg.tessera.eval_interval == 0;
-        if eval_now || st.step == cfg.tessera.steps {
-            let v = evaluate(&plan, &st.working, &val, &mut ws);
-            last_val = Some(v);
-            curve.1.push((st.step, v));
-            events.push(Event::new("Train/Samples/val_loss", v, samples));
-            pb.println(format!("step {:>6} | val loss {v:.4}", st.step));
-        }
-        monitors.write(&events).context("writing monitors")?;
-        let ckpt_now = cfg.tessera.checkpoint_interval > 0 && st.step % cfg.tessera.checkpoint_interval == 0;
-        if ckpt_now || st.step == cfg.tessera.steps {
-            last_ckpt = Some(save_checkpoint(cfg, &plan, &st, &ckpt_root)?);
-        }
-    }
-    pb.finish_and_clear();
-    monitors.flush().context("flushing monitors")?;
-    let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &st.master[s.range()])).collect();
-    let summary = Summary {
-        model: cfg.tessera.model.clone(),
-        num_params: plan.model.num_params(),
-        steps: st.step,
-        skipped_steps: st.skipped,
-        final_loss: last_loss,
-        val_loss: last_val,
-        initial_val_loss: initial_val,
-        tokens: steps_run * tokens_per_step,
-        tokens_per_s: (steps_run * tokens_per_step) as f64 / train_s.max(1e-9),
-        wall_s: started.elapsed().as_secs_f64(),
-        flops_per_token: plan.model.cfg.flops_per_token(plan.model.num_params(), plan.seq_len),
-        params_blake3: checkpoint::params_blake3(&names),
-        peak_rss_bytes: peak_rss_bytes(),
-        world_size: cfg.world_size,
-        zero_stage: cfg.zero.stage,
-        precision: format!("{:?}", plan.precision).to_lowercase(),
-        config_hash: cfg.hash.clone(),
-        last_checkpoint: last_ckpt.map(|p: PathBuf| p.display().to_string()),
-    };
-    summary.write(&out_dir.join("summary.json")).context("writing summary.json")?;
-    monitor::write_loss_curve_svg(&out_dir.join("loss.svg"), &[("train", &curve.0), ("val", &curve.1)]).context("writing loss.svg")?;
-    Ok(TrainOutcome { summary, output_dir: out_dir })
+    /// Whether Ctrl-C stopped the run early.
+    pub interrupted: bool,
 }
 
 const OPTIM_PREFIX: &str = "optim";
 
-fn save_checkpoint(cfg: &Config, plan: &Plan, st: &State, root: &Path) -> Result<PathBuf> {
-    let params = plan
-        .model
-        .layout()
-        .specs()
-        .iter()
-        .map(|s| NamedTensor { name: s.name.clone(), shape: s.shape.clone(), data: st.master[s.range()].to_vec() })
-        .collect();
-    let optim = st
-        .optim
-        .state_buffers()
-        .into_iter()
-        .map(|(name, buf)| NamedTensor { name: format!("{OPTIM_PREFIX}.{name}"), shape: vec![buf.len()], data: buf.to_vec() })
-        .collect();
-    let state = CheckpointState {
-        step: st.step,
-        config_hash: cfg.hash.clone(),
-        model: cfg.tessera.model.clone(),
-        data_cursor: st.sampler.state().to_json(),
-        rng: serde_json::json!({ "seed": cfg.tessera.seed }),
-        extra: serde_json::json!({
-            "optimizer_steps": st.optim.step_count(),
-            "applied_steps": st.applied,
-            "skipped_steps": st.skipped,
-            "loss_scaler": st.scaler.as_ref().map(bridge::scaler_to_json),
-        }),
-        params,
-        optim,
-    };
-    checkpoint::save(root, &state, cfg.tessera.keep_last as usize)
-        .with_context(|| format!("saving checkpoint of step {} under {}", st.step, root.display()))
+/// Where training starts: fresh or from a checkpoint, as full-length buffers.
+struct Start {
+    step: u64,
+    master: Vec<f32>,
+    optim: Option<(u64, Vec<(String, Vec<f32>)>)>,
+    applied: u64,
+    skipped: u64,
+    scaler: Option<serde_json::Value>,
 }
 
-fn resume_state(cfg: &Config, plan: &Plan, data: &Dataset, dir: &Path) -> Result<State> {
+fn fresh_start(cfg: &Config, plan: &Plan) -> Start {
+    Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), optim: None, applied: 0, skipped: 0, scaler: None }
+}
+
+fn resume_start(cfg: &Config, plan: &Plan, dir: &Path) -> Result<Start> {
     let resolved = checkpoint::resolve_resume(dir).with_context(|| format!("resuming from {}", dir.display()))?;
     for s in &resolved.skipped {
         eprintln!("warning: skipped checkpoint {}: {}", s.dir.display(), s.error);
@@ -368,7 +69,7 @@ fn resume_state(cfg: &Config, plan: &Plan, data: &Dataset, dir: &Path) -> Result
     if ck.model != cfg.tessera.model {
         bail!("checkpoint {} holds model `{}` but the config asks for `{}`", path.display(), ck.model, cfg.tessera.model);
     }
-    let mut st = fresh_state(cfg, plan, data)?;
+    let mut master = vec![0.0; plan.total()];
     for spec in plan.model.layout().specs() {
         let t = ck
             .params
@@ -384,11 +85,8 @@ fn resume_state(cfg: &Config, plan: &Plan, data: &Dataset, dir: &Path) -> Result
                 spec.shape
             );
         }
-        st.master[spec.range()].copy_from_slice(&t.data);
+        master[spec.range()].copy_from_slice(&t.data);
     }
-    plan.precision.working_params(&st.master, &mut st.working);
-    let bufs: Vec<(&str, Vec<f32>)> =
-        ck.optim.iter().filter_map(|t| t.name.strip_prefix(&format!("{OPTIM_PREFIX}.")).map(|n| (n, t.data.clone()))).collect();
     let extra = &ck.extra;
     let get = |k: &str| {
         extra
@@ -396,14 +94,341 @@ fn resume_state(cfg: &Config, plan: &Plan, data: &Dataset, dir: &Path) -> Result
             .and_then(serde_json::Value::as_u64)
             .with_context(|| format!("checkpoint {}: manifest extra lacks `{k}`", path.display()))
     };
-    st.optim.load_state(get("optimizer_steps")?, &bufs).with_context(|| format!("checkpoint {}: optimizer state", path.display()))?;
-    st.applied = get("applied_steps")?;
-    st.skipped = get("skipped_steps")?;
-    if let (Some(sc), Some(v)) = (st.scaler.as_mut(), extra.get("loss_scaler")) {
-        bridge::scaler_from_json(sc, v).with_context(|| format!("checkpoint {}: loss scaler state", path.display()))?;
+    let bufs =
+        ck.optim.iter().filter_map(|t| t.name.strip_prefix(&format!("{OPTIM_PREFIX}.")).map(|n| (n.to_string(), t.data.clone()))).collect();
+    let cursor = SamplerState::from_json(&ck.data_cursor).with_context(|| format!("checkpoint {}: data cursor", path.display()))?;
+    if cursor.cursor != plan.first_sample(ck.step, 0) {
+        bail!(
+            "checkpoint {}: data cursor {} does not match step {} of this batch geometry ({} samples per step)",
+            path.display(),
+            cursor.cursor,
+            ck.step,
+            plan.micro_batches * plan.micro
+        );
     }
-    let sampler_state = SamplerState::from_json(&ck.data_cursor).with_context(|| format!("checkpoint {}: data cursor", path.display()))?;
-    st.sampler.restore(sampler_state);
-    st.step = ck.step;
-    Ok(st)
+    Ok(Start {
+        step: ck.step,
+        master,
+        optim: Some((get("optimizer_steps")?, bufs)),
+        applied: get("applied_steps")?,
+        skipped: get("skipped_steps")?,
+        scaler: extra.get("loss_scaler").cloned().filter(|v| !v.is_null()),
+    })
+}
+
+/// One `RankState` per rank, cut from the full-length start buffers.
+fn rank_states(cfg: &Config, plan: &Plan, start: &Start) -> Result<Vec<Arc<Mutex<RankState>>>> {
+    (0..plan.world)
+        .map(|r| {
+            let mut scaler = bridge::loss_scaler(&cfg.precision)?;
+            if let (Some(sc), Some(v)) = (scaler.as_mut(), &start.scaler) {
+                bridge::scaler_from_json(sc, v)?;
+            }
+            let mut st = RankState::new(plan, r, &start.master, scaler);
+            st.applied = start.applied;
+            st.skipped = start.skipped;
+            if let Some((steps, bufs)) = &start.optim {
+                let range = plan.optim_range(r);
+                let mine: Vec<(&str, Vec<f32>)> =
+                    bufs.iter().map(|(n, b)| (n.as_str(), b.get(range.clone()).map(<[f32]>::to_vec).unwrap_or_default())).collect();
+                st.optim.load_state(*steps, &mine).context("checkpoint optimizer state")?;
+            }
+            Ok(Arc::new(Mutex::new(st)))
+        })
+        .collect()
+}
+
+/// Full-length masters and optimizer buffers, gathered from the ranks (between steps).
+fn assemble(plan: &Plan, states: &[Arc<Mutex<RankState>>]) -> (Vec<f32>, Vec<(String, Vec<f32>)>, RankCounters) {
+    let lock = |r: usize| states[r].lock().unwrap_or_else(|p| p.into_inner());
+    let owners: Vec<usize> = if plan.stage == 0 { vec![0] } else { (0..plan.world).collect() };
+    let mut master = Vec::with_capacity(plan.total());
+    let mut bufs: Vec<(String, Vec<f32>)> = Vec::new();
+    for &r in &owners {
+        let st = lock(r);
+        master.extend_from_slice(&st.master);
+        for (i, (name, b)) in st.optim.state_buffers().into_iter().enumerate() {
+            if bufs.len() <= i {
+                bufs.push((name.to_string(), Vec::with_capacity(plan.total())));
+            }
+            bufs[i].1.extend_from_slice(b);
+        }
+    }
+    let st = lock(0);
+    let counters = RankCounters {
+        optimizer_steps: st.optim.step_count(),
+        applied: st.applied,
+        skipped: st.skipped,
+        scaler: st.scaler.as_ref().map(bridge::scaler_to_json),
+    };
+    (master, bufs, counters)
+}
+
+struct RankCounters {
+    optimizer_steps: u64,
+    applied: u64,
+    skipped: u64,
+    scaler: Option<serde_json::Value>,
+}
+
+fn save_checkpoint(cfg: &Config, plan: &Plan, states: &[Arc<Mutex<RankState>>], step: u64, root: &Path) -> Result<PathBuf> {
+    let (master, bufs, c) = assemble(plan, states);
+    let params = plan
+        .model
+        .layout()
+        .specs()
+        .iter()
+        .map(|s| NamedTensor { name: s.name.clone(), shape: s.shape.clone(), data: master[s.range()].to_vec() })
+        .collect();
+    let optim = bufs
+        .into_iter()
+        .map(|(name, data)| NamedTensor { name: format!("{OPTIM_PREFIX}.{name}"), shape: vec![data.len()], data })
+        .collect();
+    let state = CheckpointState {
+        step,
+        config_hash: cfg.hash.clone(),
+        model: cfg.tessera.model.clone(),
+        data_cursor: SamplerState { seed: cfg.tessera.seed, cursor: plan.first_sample(step, 0) }.to_json(),
+        rng: serde_json::json!({ "seed": cfg.tessera.seed }),
+        extra: serde_json::json!({
+            "optimizer_steps": c.optimizer_steps,
+            "applied_steps": c.applied,
+            "skipped_steps": c.skipped,
+            "loss_scaler": c.scaler,
+            "world_size": plan.world,
+            "zero_stage": plan.stage,
+        }),
+        params,
+        optim,
+    };
+    checkpoint::save(root, &state, cfg.tessera.keep_last as usize)
+        .with_context(|| format!("saving checkpoint of step {step} under {}", root.display()))
+}
+
+/// Mean validation loss over the fixed validation batches, on the working (rounded) params.
+fn evaluate(plan: &Plan, states: &[Arc<Mutex<RankState>>], batches: &[data::TokenBatch], ws: &mut Workspace) -> f64 {
+    let (mut params, _, _) = assemble(plan, states);
+    plan.precision.round(&mut params);
+    let total: f64 = batches
+        .iter()
+        .map(|(x, y)| {
+            let mut acc = FlatAccess { params: &params, grads: &mut [], units: plan.model.units() };
+            f64::from(plan.model.loss(&mut acc, x, y, plan.micro, plan.seq_len, ws))
+        })
+        .sum();
+    total / batches.len().max(1) as f64
+}
+
+fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(total);
+    let style = ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30.cyan/blue}] {msg} eta {eta}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    pb.set_style(style);
+    pb
+}
+
+fn shard_infos(plan: &Plan, states: &[Arc<Mutex<RankState>>]) -> Vec<ShardInfo> {
+    (0..plan.world)
+        .map(|r| {
+            let m: MemoryReport = states[r].lock().unwrap_or_else(|p| p.into_inner()).memory(r);
+            ShardInfo {
+                rank: r,
+                params: (plan.stage == 3).then(|| ShardSpec { range: plan.ranges[r].clone(), bytes: m.param_bytes }),
+                optim: (plan.stage >= 1).then(|| ShardSpec { range: plan.ranges[r].clone(), bytes: m.optim_bytes }),
+            }
+        })
+        .collect()
+}
+
+/// Everything the step loop needs.
+struct Run<'a> {
+    cfg: &'a Config,
+    plan: Arc<Plan>,
+    states: Vec<Arc<Mutex<RankState>>>,
+    cluster: Cluster,
+    val: Vec<data::TokenBatch>,
+    monitors: MonitorSet,
+    ws: Workspace,
+    out_dir: PathBuf,
+    step: u64,
+}
+
+/// Running totals for the summary and the loss curve.
+#[derive(Default)]
+struct Tally {
+    steps_run: u64,
+    train_s: f64,
+    bytes_sent: u64,
+    last_loss: f64,
+    last_val: Option<f64>,
+    initial_val: Option<f64>,
+    train_curve: Vec<(u64, f64)>,
+    val_curve: Vec<(u64, f64)>,
+    last_ckpt: Option<PathBuf>,
+    abandoned: u64,
+}
+
+fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Dataset)> {
+    let data_path = cfg.tessera.data.as_ref().map_or_else(data::default_corpus_path, PathBuf::from);
+    let dataset = data::load(&data_path, cfg.tessera.tokenizer.as_deref().map(Path::new), data::DEFAULT_VAL_FRACTION)
+        .with_context(|| format!("loading data from {}", data_path.display()))?;
+    let plan = Arc::new(Plan::new(cfg, &dataset)?);
+    let out_dir = PathBuf::from(&cfg.tessera.output_dir);
+    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
+    let start = match &opts.resume {
+        Some(dir) => resume_start(cfg, &plan, dir)?,
+        None => fresh_start(cfg, &plan),
+    };
+    let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?);
+    let val =
+        data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
+    let states = rank_states(cfg, &plan, &start)?;
+    let comms = LocalGroup::new(plan.world);
+    let workers: Vec<Box<dyn WorkerCompute>> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(r, comm)| {
+            Box::new(ZeroWorker::new(r, Arc::clone(&plan), Arc::clone(&sampler), Box::new(comm), Arc::clone(&states[r])))
+                as Box<dyn WorkerCompute>
+        })
+        .collect();
+    let copts = ClusterOptions { abandon_steps: opts.abandon_steps.clone(), ..ClusterOptions::default() };
+    let cluster = Cluster::start(workers, shard_infos(&plan, &states), copts).context("starting the actor tree")?;
+    let monitors = bridge::monitors(cfg, &out_dir)?;
+    let run = Run { cfg, plan, states, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step };
+    Ok((run, dataset))
+}
+
+impl Run<'_> {
+    /// One committed step plus its logging, evaluation and checkpoint.
+    fn step_once(&mut self, pb: &ProgressBar, t: &mut Tally) -> Result<()> {
+        let (cfg, plan) = (self.cfg, Arc::clone(&self.plan));
+        let t0 = Instant::now();
+        let res = self.cluster.run_step(self.step).with_context(|| format!("step {}", self.step))?;
+        t.train_s += t0.elapsed().as_secs_f64();
+        t.steps_run += 1;
+        t.abandoned += res.abandoned_attempts.len() as u64;
+        self.step += 1;
+        let loss = res.loss_sum / plan.micro_batches as f64;
+        t.bytes_sent += res.per_rank.iter().map(|p| p.bytes_sent).max().unwrap_or(0);
+        let norm = res.grad_norm.unwrap_or(f64::NAN);
+        let overflow = res.overflow;
+        t.last_loss = loss;
+        t.train_curve.push((self.step, loss));
+        let samples = plan.first_sample(self.step, 0);
+        let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, self.step.saturating_sub(1)));
+        let mut events =
+            vec![Event::new("Train/Samples/train_loss", loss, samples), Event::new("Train/Samples/lr", f64::from(lr), samples)];
+        let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
+        pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
+        pb.set_position(self.step);
+        if cfg.steps_per_print > 0 && self.step % cfg.steps_per_print == 0 {
+            let skipped = if overflow { " | skipped (overflow)" } else { "" };
+            pb.println(format!("step {:>6} | loss {loss:.4} | lr {lr:.3e} | grad norm {norm:.3} | {tps:.0} tok/s{skipped}", self.step));
+            if cfg.wall_clock_breakdown {
+                let slowest = res.compute_s_max;
+                pb.println(format!(
+                    "  time: step {:.1} ms | slowest prepare {:.1} ms | sent {} KiB/rank",
+                    t0.elapsed().as_secs_f64() * 1e3,
+                    slowest * 1e3,
+                    t.bytes_sent / t.steps_run.max(1) / 1024
+                ));
+            }
+        }
+        let last = self.step == cfg.tessera.steps;
+        if (cfg.tessera.eval_interval > 0 && self.step % cfg.tessera.eval_interval == 0) || last {
+            let v = evaluate(&plan, &self.states, &self.val, &mut self.ws);
+            t.last_val = Some(v);
+            t.val_curve.push((self.step, v));
+            events.push(Event::new("Train/Samples/val_loss", v, samples));
+            pb.println(format!("step {:>6} | val loss {v:.4}", self.step));
+        }
+        self.monitors.write(&events).context("writing monitors")?;
+        if (cfg.tessera.checkpoint_interval > 0 && self.step % cfg.tessera.checkpoint_interval == 0) || last {
+            t.last_ckpt = Some(save_checkpoint(cfg, &plan, &self.states, self.step, &self.out_dir.join("checkpoints"))?);
+        }
+        Ok(())
+    }
+
+    fn summary(&self, t: &Tally, started: Instant) -> Result<Summary> {
+        let plan = &self.plan;
+        let (master, _, c) = assemble(plan, &self.states);
+        let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &master[s.range()])).collect();
+        let tokens = t.steps_run * plan.tokens_per_step();
+        let memory = self.cluster.memory().context("asking the ranks for their memory")?;
+        Ok(Summary {
+            model: self.cfg.tessera.model.clone(),
+            num_params: plan.total(),
+            steps: self.step,
+            skipped_steps: c.skipped,
+            abandoned_attempts: t.abandoned,
+            final_loss: t.last_loss,
+            val_loss: t.last_val,
+            initial_val_loss: t.initial_val,
+            tokens,
+            tokens_per_s: tokens as f64 / t.train_s.max(1e-9),
+            wall_s: started.elapsed().as_secs_f64(),
+            flops_per_token: plan.model.cfg.flops_per_token(plan.total(), plan.seq_len),
+            params_blake3: checkpoint::params_blake3(&names),
+            peak_rss_bytes: peak_rss_bytes(),
+            world_size: plan.world,
+            zero_stage: plan.stage,
+            precision: format!("{:?}", plan.precision).to_lowercase(),
+            config_hash: self.cfg.hash.clone(),
+            bytes_sent_per_rank_per_step: t.bytes_sent / t.steps_run.max(1),
+            model_state_bytes_per_rank: memory.iter().map(super::summary::MemoryBytes::from).collect(),
+            last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
+        })
+    }
+}
+
+/// Runs a whole training job as the config says.
+pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
+    let started = Instant::now();
+    let (mut run, dataset) = start_run(cfg, opts)?;
+    let stop = tessera_actors::install_ctrl_c().context("installing the Ctrl-C handler")?;
+    let pb = progress_bar(cfg.tessera.steps, opts.progress);
+    pb.set_position(run.step);
+    let plan = Arc::clone(&run.plan);
+    pb.println(format!(
+        "training {} ({:.2}M params) on {} | world {} | ZeRO-{} | batch {} = {} micro-batches × {} × {} tokens | {} steps",
+        cfg.tessera.model,
+        plan.total() as f64 / 1e6,
+        dataset.source,
+        plan.world,
+        plan.stage,
+        cfg.train_batch_size,
+        plan.micro_batches,
+        plan.micro,
+        plan.seq_len,
+        cfg.tessera.steps
+    ));
+    let mut t = Tally::default();
+    if run.step == 0 {
+        let v = evaluate(&plan, &run.states, &run.val, &mut run.ws);
+        t.initial_val = Some(v);
+        t.val_curve.push((0, v));
+    }
+    let mut interrupted = false;
+    while run.step < cfg.tessera.steps {
+        if stop.load(Ordering::SeqCst) {
+            interrupted = true;
+            pb.println(format!("interrupted: stopping after step {}; the last checkpoint is intact", run.step));
+            break;
+        }
+        run.step_once(&pb, &mut t)?;
+    }
+    pb.finish_and_clear();
+    run.monitors.flush().context("flushing monitors")?;
+    let summary = run.summary(&t, started)?;
+    summary.write(&run.out_dir.join("summary.json")).context("writing summary.json")?;
+    monitor::write_loss_curve_svg(&run.out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
+        .context("writing loss.svg")?;
+    let Run { cluster, out_dir, .. } = run;
+    cluster.shutdown().context("stopping the actor tree")?;
+    Ok(TrainOutcome { summary, output_dir: out_dir, interrupted })
 }

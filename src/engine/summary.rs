@@ -5,6 +5,28 @@ use std::path::Path;
 
 use serde::Serialize;
 
+/// The model states one rank holds.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemoryBytes {
+    pub rank: usize,
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer_states: u64,
+    pub total: u64,
+}
+
+impl From<&tessera_actors::compute::MemoryReport> for MemoryBytes {
+    fn from(m: &tessera_actors::compute::MemoryReport) -> Self {
+        MemoryBytes {
+            rank: m.rank,
+            params: m.param_bytes,
+            grads: m.grad_bytes,
+            optimizer_states: m.optim_bytes,
+            total: m.param_bytes + m.grad_bytes + m.optim_bytes,
+        }
+    }
+}
+
 /// Written as `summary.json` in the output directory.
 #[derive(Clone, Debug, Serialize)]
 pub struct Summary {
@@ -12,6 +34,8 @@ pub struct Summary {
     pub num_params: usize,
     pub steps: u64,
     pub skipped_steps: u64,
+    /// Step attempts prepared and then abandoned (each was run again).
+    pub abandoned_attempts: u64,
     pub final_loss: f64,
     pub val_loss: Option<f64>,
     pub initial_val_loss: Option<f64>,
@@ -26,6 +50,10 @@ pub struct Summary {
     pub zero_stage: u8,
     pub precision: String,
     pub config_hash: String,
+    /// Bytes the busiest rank sent through collectives per step (mean over the run).
+    pub bytes_sent_per_rank_per_step: u64,
+    /// Model states each rank holds, by kind (ZeRO's Ψ accounting).
+    pub model_state_bytes_per_rank: Vec<MemoryBytes>,
     pub last_checkpoint: Option<String>,
 }
 
@@ -43,7 +71,7 @@ impl Summary {
         format!(
             "── summary ──────────────────────────────────────────\n\
              model          {} ({:.2}M params, {}, ZeRO-{}, world {})\n\
-             steps          {} ({} skipped)\n\
+             steps          {} ({} skipped, {} abandoned and rerun)\n\
              train loss     {:.4}\n\
              val loss       {} (from {})\n\
              throughput     {:.0} tokens/s over {:.1} s\n\
@@ -56,6 +84,7 @@ impl Summary {
             self.world_size,
             self.steps,
             self.skipped_steps,
+            self.abandoned_attempts,
             self.final_loss,
             val(self.val_loss),
             val(self.initial_val_loss),

@@ -1,4 +1,6 @@
 //! tessera-transport: how workers exchange tensors — the deterministic reduction tree, and
 //! collectives and point-to-point between workers (in-process, QUIC, NCCL backends).
 
+pub mod collective;
+pub mod local;
 pub mod tree;

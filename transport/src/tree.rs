@@ -12,6 +12,9 @@ pub struct TreeSum {
     /// (first leaf, level, partial sum): strictly decreasing levels from bottom to top.
     stack: Vec<(usize, u32, Vec<f32>)>,
     next_leaf: usize,
+    /// Applied to every inner node after its addition (e.g. rounding to bf16, so that a node
+    /// has the same bits whether it is held in a 16-bit or an f32 buffer).
+    round: Option<fn(&mut [f32])>,
 }
 
 /// Errors of misuse: a block that is not aligned or not the next in order.
@@ -33,6 +36,11 @@ pub fn add_assign(left: &mut [f32], right: &[f32]) {
 impl TreeSum {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A tree whose inner nodes are passed through `round` after each addition.
+    pub fn with_rounding(round: fn(&mut [f32])) -> Self {
+        TreeSum { round: Some(round), ..Self::default() }
     }
 
     /// Number of leaves covered so far.
@@ -68,6 +76,9 @@ impl TreeSum {
             }
             let (_, _, mut left) = self.stack.pop().expect("checked non-empty");
             add_assign(&mut left, &sum);
+            if let Some(round) = self.round {
+                round(&mut left);
+            }
             sum = left;
             node_first = top_first;
             lvl += 1;
@@ -82,6 +93,9 @@ impl TreeSum {
         let (_, _, mut acc) = self.stack.pop()?;
         while let Some((_, _, mut left)) = self.stack.pop() {
             add_assign(&mut left, &acc);
+            if let Some(round) = self.round {
+                round(&mut left);
+            }
             acc = left;
         }
         Some(acc)

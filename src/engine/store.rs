@@ -1,0 +1,90 @@
+//! `Store`: a vector of values kept in the run's storage type (f32, bf16 or fp16 bits), so that
+//! the bytes a rank reports holding are the bytes it really holds.
+
+use half::{bf16, f16};
+use tessera_kernels::dtype::DType;
+
+/// Values in the storage type. Reads widen to f32; writes round to the storage type.
+#[derive(Debug, Clone)]
+pub enum Store {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl Store {
+    pub fn zeros(dtype: DType, len: usize) -> Self {
+        match dtype {
+            DType::F32 => Store::F32(vec![0.0; len]),
+            DType::BF16 => Store::Bf16(vec![bf16::ZERO; len]),
+            DType::F16 => Store::F16(vec![f16::ZERO; len]),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Store::F32(v) => v.len(),
+            Store::Bf16(v) => v.len(),
+            Store::F16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> u64 {
+        let per = match self {
+            Store::F32(_) => 4,
+            Store::Bf16(_) | Store::F16(_) => 2,
+        };
+        (self.len() * per) as u64
+    }
+
+    /// `out = self[start .. start + out.len()]`, widened to f32.
+    pub fn read(&self, start: usize, out: &mut [f32]) {
+        let end = start + out.len();
+        match self {
+            Store::F32(v) => out.copy_from_slice(&v[start..end]),
+            Store::Bf16(v) => out.iter_mut().zip(&v[start..end]).for_each(|(o, x)| *o = x.to_f32()),
+            Store::F16(v) => out.iter_mut().zip(&v[start..end]).for_each(|(o, x)| *o = x.to_f32()),
+        }
+    }
+
+    /// `self[start ..] = src`, rounded to the storage type (round to nearest even).
+    pub fn write(&mut self, start: usize, src: &[f32]) {
+        let end = start + src.len();
+        match self {
+            Store::F32(v) => v[start..end].copy_from_slice(src),
+            Store::Bf16(v) => v[start..end].iter_mut().zip(src).for_each(|(o, x)| *o = bf16::from_f32(*x)),
+            Store::F16(v) => v[start..end].iter_mut().zip(src).for_each(|(o, x)| *o = f16::from_f32(*x)),
+        }
+    }
+
+    /// The whole store widened to f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.len()];
+        self.read(0, &mut out);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_kernels::dtype::round_to;
+
+    #[test]
+    fn writes_round_like_the_kernels_and_bytes_follow_the_type() {
+        let x: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin() * 1000.0 + 1.0 / 3.0).collect();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let mut s = Store::zeros(dtype, x.len());
+            s.write(0, &x);
+            let mut want = x.clone();
+            round_to(dtype, &mut want);
+            assert_eq!(s.to_f32(), want, "{dtype:?}");
+            assert_eq!(s.bytes(), (x.len() * dtype.size_bytes()) as u64);
+        }
+    }
+}
