@@ -102,3 +102,25 @@ fn founding_config_loads_and_names_what_is_not_honoured() {
     assert!(text.contains("offload_optimizer"), "warning should name offload_optimizer:\n{text}");
     assert!(text.contains("offload_param"), "warning should name offload_param:\n{text}");
 }
+
+#[test]
+fn fp16_overflow_skips_steps_and_lowers_the_scale() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let mut a = train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "6");
+    // 2^19 times the loss overflows fp16 gradients until the dynamic scaler has halved it enough.
+    a.extend_from_slice(&["--set", "fp16.enabled=true", "--set", "fp16.initial_scale_power=19", "--set", "fp16.hysteresis=1"]);
+    ok(&a, tmp.path());
+    let s = summary(&out);
+    let skipped = s["skipped_steps"].as_u64().unwrap();
+    assert!(skipped >= 1 && skipped < 6, "expected some overflow-skipped steps, got {skipped}: {s}");
+    let log = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let scales: Vec<f64> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["tag"] == "Train/Samples/loss_scale")
+        .filter_map(|v| v["value"].as_f64())
+        .collect();
+    assert!(scales.len() == 6 && scales[5] < scales[0], "the loss scale should fall: {scales:?}");
+}

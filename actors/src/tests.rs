@@ -27,6 +27,8 @@ enum Fault {
     FailOnce(u64),
     /// `prepare` of this step panics.
     Panic(u64),
+    /// `commit` of this step returns an error.
+    FailCommit(u64),
     /// `prepare` of this step blocks until the sender is dropped (or 10 s pass).
     Hang(u64, Receiver<()>),
 }
@@ -78,6 +80,9 @@ impl WorkerCompute for Fake {
     }
 
     fn commit(&mut self, step: u64) -> Result<(), String> {
+        if matches!(self.fault, Fault::FailCommit(s) if s == step) {
+            return Err(format!("injected commit failure at step {step}"));
+        }
         let Some((staged_step, value)) = self.staged.take() else { return Err(format!("nothing staged for step {step}")) };
         if staged_step != step {
             return Err(format!("staged step {staged_step}, asked to commit {step}"));
@@ -328,4 +333,23 @@ fn inconsistent_setups_are_rejected() {
     assert!(matches!(err, Some(ActorError::Setup(ref m)) if m.contains("shards[0] describes rank 1")), "{err:?}");
     assert!(matches!(Cluster::start(Vec::new(), Vec::new(), ClusterOptions::default()), Err(ActorError::Setup(_))));
     assert_eq!(w.alive.load(Ordering::SeqCst), 0, "rejected computes are dropped");
+}
+
+#[test]
+fn a_failed_commit_leaves_the_cluster_refusing_steps() {
+    let w = World::new(2);
+    let faults = vec![Fault::None, Fault::FailCommit(2)];
+    let mut cluster = Cluster::start(w.workers(faults), shards(2), quick(ClusterOptions::default())).expect("start");
+    cluster.run_step(1).expect("step 1");
+    let err = cluster.run_step(2).expect_err("rank 1 cannot commit");
+    let failures = match &err {
+        ActorError::CommitFailed { step: 2, failures } => failures.clone(),
+        other => panic!("unexpected error {other}"),
+    };
+    assert_eq!(failures, vec![RankFailure { rank: 1, cause: FailureCause::Returned("injected commit failure at step 2".into()) }]);
+    let mut commits = w.with(|l| l.commits.clone());
+    commits.sort();
+    assert_eq!(commits, vec![(0, 1), (0, 2), (1, 1)], "rank 0 committed step 2, rank 1 did not");
+    assert!(matches!(cluster.run_step(3), Err(ActorError::Inconsistent { step: 2 })));
+    cluster.shutdown().expect("shutdown");
 }

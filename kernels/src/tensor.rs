@@ -1,6 +1,7 @@
 //! Small owned `f32` tensors, the deterministic splittable PRNG used for initialisation and
 //! dropout/sampling streams, and the deterministic vector helpers shared by the kernels
-//! (lane-ordered sums, fixed-order row reductions, a vectorisable `exp`).
+//! (lane-ordered sums, fixed-order row and column reductions, a vectorisable `exp`, and the
+//! AVX-512 dispatch that elementwise kernels use).
 
 use rayon::prelude::*;
 use thiserror::Error;
@@ -166,6 +167,7 @@ impl Rng {
 
 /// Σ x in a fixed lane order: 8 interleaved partial sums combined pairwise. Vectorises, and gives
 /// the same bits on every run (it never depends on threads).
+#[inline]
 pub fn sum_f32(x: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let mut chunks = x.chunks_exact(8);
@@ -181,6 +183,7 @@ pub fn sum_f32(x: &[f32]) -> f32 {
 }
 
 /// Σ a·b in the same fixed lane order as [`sum_f32`].
+#[inline]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "dot_f32 length mismatch");
     let mut acc = [0f32; 8];
@@ -198,6 +201,7 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// max x (NaN-propagating is not guaranteed; callers feed finite values or check afterwards).
+#[inline]
 pub fn max_f32(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 8];
     let mut chunks = x.chunks_exact(8);
@@ -236,6 +240,69 @@ pub fn reduce_rows(dst: &mut [f32], n: usize, row_fn: impl Fn(usize, &mut [f32])
         dst.iter_mut().zip(p).for_each(|(d, v)| *d += v);
     }
 }
+
+/// Whether this CPU runs AVX-512F (detected once, then a cached load).
+#[inline]
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Defines `fn $name(args) -> ret` that runs the `#[inline(always)]` function `$body` compiled
+/// with AVX-512F when the CPU has it, else for the baseline target. Only the vector width
+/// changes: Rust never contracts `a*b + c` into an FMA or reassociates, so every lane executes
+/// the same IEEE operations and both paths give identical bits.
+macro_rules! simd_dispatch {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:path) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            if $crate::tensor::has_avx512() {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn wide($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                // SAFETY: `wide` only needs AVX-512F, which the CPU was just found to have.
+                return unsafe { wide($($arg),*) };
+            }
+            $body($($arg),*)
+        }
+    };
+}
+pub(crate) use simd_dispatch;
+
+/// Columns per task in [`reduce_cols`] (a multiple of every vector width).
+const REDUCE_COLS_BLOCK: usize = 64;
+
+/// dst[j] += Σ_r row_r[j] for r = 0, 1, …, n−1 in that order, where `row_fn(r, j0, acc)` adds
+/// row r's values of columns `j0..j0 + acc.len()` into `acc`. Blocks of [`REDUCE_COLS_BLOCK`]
+/// columns are independent parallel tasks that each sum every row into a zeroed local
+/// accumulator and then add it to `dst`, so the result is bit-identical for any thread count,
+/// and nothing is allocated.
+pub fn reduce_cols(dst: &mut [f32], n: usize, row_fn: impl Fn(usize, usize, &mut [f32]) + Sync) {
+    dst.par_chunks_mut(REDUCE_COLS_BLOCK).enumerate().for_each(|(bi, d)| {
+        let mut acc = [0f32; REDUCE_COLS_BLOCK];
+        let acc = &mut acc[..d.len()];
+        (0..n).for_each(|r| row_fn(r, bi * REDUCE_COLS_BLOCK, acc));
+        add_assign(d, acc);
+    });
+}
+
+#[inline(always)]
+fn add_assign_body(dst: &mut [f32], src: &[f32]) {
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+}
+
+simd_dispatch!(
+    /// dst[i] += src[i] over the common length.
+    pub fn add_assign(dst: &mut [f32], src: &[f32]) => add_assign_body
+);
 
 /// e^x in f32 with ≲2 ulp error, branch-free so loops over it vectorise. Inputs below −87.33
 /// give 0, inputs above 88.37 saturate at e^88.37 (≈2.5e38), NaN stays NaN.
@@ -369,6 +436,42 @@ mod tests {
             let s: f64 = (0..n).map(|r| m[r * c + j] as f64).sum::<f64>() + 1.0;
             assert!((a[j] as f64 - s).abs() < 1e-3, "{j}: {} vs {s}", a[j]);
         }
+    }
+
+    #[test]
+    fn reduce_cols_sums_rows_in_order_for_any_thread_count() {
+        let (n, c) = (300, 150); // 150 columns: two full blocks and a partial one
+        let mut rng = Rng::new(8);
+        let mut m = vec![0f32; n * c];
+        rng.fill_normal(&mut m, 1.0);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let mut dst = vec![0.5f32; c];
+                reduce_cols(&mut dst, n, |r, j0, acc| add_assign(acc, &m[r * c + j0..][..acc.len()]));
+                dst
+            })
+        };
+        let a = run(1);
+        for threads in [2, 3] {
+            assert_eq!(run(threads), a, "threads={threads}");
+        }
+        for j in 0..c {
+            // The same order by hand: rows summed from zero, then added to dst.
+            let col: f32 = (0..n).fold(0.0, |s, r| s + m[r * c + j]);
+            assert_eq!(a[j].to_bits(), (0.5 + col).to_bits(), "column {j}");
+        }
+    }
+
+    #[test]
+    fn add_assign_matches_scalar_bits() {
+        let mut rng = Rng::new(12);
+        let (mut x, mut y) = (vec![0f32; 1001], vec![0f32; 1001]);
+        rng.fill_normal(&mut x, 1.0);
+        rng.fill_normal(&mut y, 1e-3);
+        let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        add_assign(&mut x, &y);
+        assert_eq!(x, want);
     }
 
     #[test]

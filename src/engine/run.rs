@@ -323,6 +323,10 @@ impl Run<'_> {
         let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, self.step.saturating_sub(1)));
         let mut events =
             vec![Event::new("Train/Samples/train_loss", loss, samples), Event::new("Train/Samples/lr", f64::from(lr), samples)];
+        let scale = self.states[0].lock().unwrap_or_else(|p| p.into_inner()).scaler.as_ref().map(|s| s.scale());
+        if let Some(scale) = scale {
+            events.push(Event::new("Train/Samples/loss_scale", f64::from(scale), samples));
+        }
         let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
         pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
         pb.set_position(self.step);

@@ -3,4 +3,5 @@
 
 pub mod collective;
 pub mod local;
+pub mod quic;
 pub mod tree;

@@ -16,7 +16,7 @@ use std::thread::LocalKey;
 use rayon::prelude::*;
 
 use crate::gemm::{gemm_strided, MatMut, MatRef};
-use crate::tensor::{dot_f32, exp_f32, max_f32, sum_f32};
+use crate::tensor::{add_assign, dot_f32, exp_f32, max_f32, simd_dispatch, sum_f32};
 
 /// Query rows per causal block.
 const BLOCK: usize = 64;
@@ -69,12 +69,8 @@ fn head_forward(o: &mut [f32], p: &mut [f32], hv: &HeadViews, t: usize, hd: usiz
         let s_blk = MatMut::new(&mut p[r0 * t..], r1 - r0, r1, t, 1);
         gemm_strided(s_blk, hv.q.rows(r0, r1), hv.k.rows(0, r1).t(), 0.0, scale, false);
         for i in r0..r1 {
-            let row = &mut p[i * t..][..t];
-            let (live, masked) = row.split_at_mut(i + 1);
-            let m = max_f32(live);
-            live.iter_mut().for_each(|s| *s = exp_f32(*s - m));
-            let inv = 1.0 / sum_f32(live);
-            live.iter_mut().for_each(|s| *s *= inv);
+            let (live, masked) = p[i * t..][..t].split_at_mut(i + 1);
+            softmax_in_place(live);
             masked.fill(0.0);
         }
         let p_blk = MatRef::new(&p[r0 * t..], r1 - r0, r1, t, 1);
@@ -82,6 +78,26 @@ fn head_forward(o: &mut [f32], p: &mut [f32], hv: &HeadViews, t: usize, hd: usiz
         gemm_strided(o_blk, p_blk, hv.v.rows(0, r1), 0.0, 1.0, false);
     }
 }
+
+/// s ← softmax(s) = e^(s − max s) / Σ e^(s − max s).
+#[inline(always)]
+fn softmax_in_place_body(s: &mut [f32]) {
+    let m = max_f32(s);
+    s.iter_mut().for_each(|v| *v = exp_f32(*v - m));
+    let inv = 1.0 / sum_f32(s);
+    s.iter_mut().for_each(|v| *v *= inv);
+}
+
+simd_dispatch!(fn softmax_in_place(s: &mut [f32]) => softmax_in_place_body);
+
+/// d ← p ⊙ (d − Σ p·d)   (softmax backward of one row).
+#[inline(always)]
+fn softmax_backward_row_body(d: &mut [f32], p: &[f32]) {
+    let s = dot_f32(p, d);
+    d.iter_mut().zip(p).for_each(|(d, &pv)| *d = pv * (*d - s));
+}
+
+simd_dispatch!(fn softmax_backward_row(d: &mut [f32], p: &[f32]) => softmax_backward_row_body);
 
 /// out[b, t, h·hd..] = Σ_{s ≤ t} softmax_s(q_t·k_s / √hd) · v_s   per (b, head);
 /// att[b, h, t, s] keeps the probabilities (0 for s > t) for the backward pass.
@@ -117,10 +133,8 @@ fn head_backward(g: &mut [f32], ds: &mut [f32], p: &[f32], d_o: MatRef, hv: &Hea
         let dp_blk = MatMut::new(&mut ds[r0 * t..], r1 - r0, r1, t, 1);
         gemm_strided(dp_blk, d_o.rows(r0, r1), hv.v.rows(0, r1).t(), 0.0, 1.0, false);
         for i in r0..r1 {
-            let (pr, dr) = (&p[i * t..][..=i], &mut ds[i * t..][..r1]);
-            let (live, masked) = dr.split_at_mut(i + 1);
-            let s = dot_f32(pr, live);
-            live.iter_mut().zip(pr).for_each(|(d, &pv)| *d = pv * (*d - s));
+            let (live, masked) = ds[i * t..][..r1].split_at_mut(i + 1);
+            softmax_backward_row(live, &p[i * t..][..=i]);
             masked.fill(0.0);
         }
         let ds_blk = MatRef::new(&ds[r0 * t..], r1 - r0, r1, t, 1);
@@ -161,7 +175,7 @@ pub fn attention_backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], att: &[f3
             for (j, dst) in row.chunks_exact_mut(hd).enumerate() {
                 let (part, h) = (j / nh, j % nh);
                 let src = &g_heads[(((bb * nh + h) * 3 + part) * t + tt) * hd..][..hd];
-                dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+                add_assign(dst, src);
             }
         });
     });

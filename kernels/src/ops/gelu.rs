@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use crate::tensor::tanh_f32;
+use crate::tensor::{simd_dispatch, tanh_f32};
 
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
@@ -12,27 +12,37 @@ const GELU_COEF: f32 = 0.044_715;
 /// out = ½·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))   elementwise (shapes equal).
 pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
     assert_eq!(out.len(), inp.len(), "gelu_forward: out and inp differ in length");
-    out.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).for_each(|(o, x)| {
-        for (o, &x) in o.iter_mut().zip(x) {
-            let u = SQRT_2_OVER_PI * (x + GELU_COEF * x * x * x);
-            *o = 0.5 * x * (1.0 + tanh_f32(u));
-        }
-    });
+    out.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK)).for_each(|(o, x)| forward_chunk(o, x));
 }
+
+#[inline(always)]
+fn forward_chunk_body(out: &mut [f32], inp: &[f32]) {
+    for (o, &x) in out.iter_mut().zip(inp) {
+        let u = SQRT_2_OVER_PI * (x + GELU_COEF * x * x * x);
+        *o = 0.5 * x * (1.0 + tanh_f32(u));
+    }
+}
+
+simd_dispatch!(fn forward_chunk(out: &mut [f32], inp: &[f32]) => forward_chunk_body);
 
 /// With u = √(2/π)(x + 0.044715x³), th = tanh(u):
 /// dinp += dout · [½(1 + th) + ½x(1 − th²)·√(2/π)(1 + 3·0.044715x²)]
 pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
     assert!(dinp.len() == inp.len() && dout.len() == inp.len(), "gelu_backward: dinp, inp and dout differ in length");
-    dinp.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK).zip(dout.par_chunks(CHUNK))).for_each(|(di, (x, d))| {
-        for ((di, &x), &d) in di.iter_mut().zip(x).zip(d) {
-            let u = SQRT_2_OVER_PI * (x + GELU_COEF * x * x * x);
-            let th = tanh_f32(u);
-            let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_COEF * x * x);
-            *di += d * (0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * du);
-        }
-    });
+    dinp.par_chunks_mut(CHUNK).zip(inp.par_chunks(CHUNK).zip(dout.par_chunks(CHUNK))).for_each(|(di, (x, d))| backward_chunk(di, x, d));
 }
+
+#[inline(always)]
+fn backward_chunk_body(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
+    for ((di, &x), &d) in dinp.iter_mut().zip(inp).zip(dout) {
+        let u = SQRT_2_OVER_PI * (x + GELU_COEF * x * x * x);
+        let th = tanh_f32(u);
+        let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_COEF * x * x);
+        *di += d * (0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * du);
+    }
+}
+
+simd_dispatch!(fn backward_chunk(dinp: &mut [f32], inp: &[f32], dout: &[f32]) => backward_chunk_body);
 
 #[cfg(test)]
 mod tests {
@@ -49,6 +59,20 @@ mod tests {
         for (o, w) in out.iter().zip(want) {
             assert!((o - w).abs() < 2e-6, "{o} vs {w}");
         }
+    }
+
+    #[test]
+    fn dispatched_paths_match_the_baseline_bits() {
+        let x = randn(3, 4099, 3.0);
+        let d = randn(4, 4099, 1.0);
+        let (mut a, mut b) = (vec![0f32; x.len()], vec![0f32; x.len()]);
+        forward_chunk(&mut a, &x);
+        forward_chunk_body(&mut b, &x);
+        assert_eq!(a, b);
+        let (mut da, mut db) = (d.clone(), d.clone());
+        backward_chunk(&mut da, &x, &d);
+        backward_chunk_body(&mut db, &x, &d);
+        assert_eq!(da, db);
     }
 
     #[test]

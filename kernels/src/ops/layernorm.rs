@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::tensor::{dot_f32, reduce_rows, sum_f32};
+use crate::tensor::{add_assign, dot_f32, reduce_cols, simd_dispatch, sum_f32};
 
 /// PyTorch's default LayerNorm epsilon.
 pub const LAYERNORM_EPS: f32 = 1e-5;
@@ -24,23 +24,31 @@ pub fn layernorm_forward(
     assert!(mean.len() == n && rstd.len() == n, "layernorm_forward: mean/rstd must be [N]");
     assert!(weight.len() == c && bias.len() == c, "layernorm_forward: weight/bias must be [C]");
     out.par_chunks_mut(c).zip(inp.par_chunks(c)).zip(mean.par_iter_mut().zip(rstd.par_iter_mut())).for_each(|((o, x), (m, rs))| {
-        let mu = sum_f32(x) / c as f32;
-        // Two-pass variance: exact centring before squaring.
-        let mut acc = [0f32; 8];
-        x.iter().enumerate().for_each(|(i, v)| acc[i % 8] += (v - mu) * (v - mu));
-        let var = sum_f32(&acc) / c as f32;
-        let r = 1.0 / (var + LAYERNORM_EPS).sqrt();
-        for (((o, x), w), b) in o.iter_mut().zip(x).zip(weight).zip(bias) {
-            *o = (x - mu) * r * w + b;
-        }
-        *m = mu;
-        *rs = r;
+        (*m, *rs) = forward_row(o, x, weight, bias);
     });
 }
 
+/// One row of [`layernorm_forward`]; returns (μ, rstd).
+#[inline(always)]
+fn forward_row_body(o: &mut [f32], x: &[f32], weight: &[f32], bias: &[f32]) -> (f32, f32) {
+    let c = x.len();
+    let mu = sum_f32(x) / c as f32;
+    // Two-pass variance: exact centring before squaring.
+    let mut acc = [0f32; 8];
+    x.iter().enumerate().for_each(|(i, v)| acc[i % 8] += (v - mu) * (v - mu));
+    let var = sum_f32(&acc) / c as f32;
+    let r = 1.0 / (var + LAYERNORM_EPS).sqrt();
+    for (((o, x), w), b) in o.iter_mut().zip(x).zip(weight).zip(bias) {
+        *o = (x - mu) * r * w + b;
+    }
+    (mu, r)
+}
+
+simd_dispatch!(fn forward_row(o: &mut [f32], x: &[f32], weight: &[f32], bias: &[f32]) -> (f32, f32) => forward_row_body);
+
 /// With x̂ = (x−μ)·rstd and g = dout·w:
 ///   dinp += rstd · (g − mean(g) − x̂ · mean(g·x̂))
-///   dweight += Σ_rows dout·x̂,   dbias += Σ_rows dout   (fixed-order row chunks)
+///   dweight += Σ_rows dout·x̂,   dbias += Σ_rows dout   (rows in order per column block)
 /// Shapes as in [`layernorm_forward`].
 pub fn layernorm_backward(
     dinp: &mut [f32],
@@ -61,27 +69,42 @@ pub fn layernorm_backward(
         || (vec![0f32; c], vec![0f32; c]),
         |(g, xh), (r, di)| {
             let (x, d) = (&inp[r * c..][..c], &dout[r * c..][..c]);
-            let (mu, rs) = (mean[r], rstd[r]);
-            for i in 0..c {
-                xh[i] = (x[i] - mu) * rs;
-                g[i] = d[i] * weight[i];
-            }
-            let g_mean = sum_f32(g) / c as f32;
-            let gx_mean = dot_f32(g, xh) / c as f32;
-            for i in 0..c {
-                di[i] += rs * (g[i] - g_mean - xh[i] * gx_mean);
-            }
+            backward_row(di, g, xh, x, d, weight, mean[r], rstd[r]);
         },
     );
-    reduce_rows(dbias, n, |r, p| p.iter_mut().zip(&dout[r * c..][..c]).for_each(|(p, d)| *p += d));
-    reduce_rows(dweight, n, |r, p| {
-        let (x, d) = (&inp[r * c..][..c], &dout[r * c..][..c]);
-        let (mu, rs) = (mean[r], rstd[r]);
-        for i in 0..c {
-            p[i] += d[i] * (x[i] - mu) * rs;
-        }
+    reduce_cols(dbias, n, |r, j0, acc| add_assign(acc, &dout[r * c + j0..][..acc.len()]));
+    reduce_cols(dweight, n, |r, j0, acc| {
+        let w = acc.len();
+        dweight_row(acc, &inp[r * c + j0..][..w], &dout[r * c + j0..][..w], mean[r], rstd[r]);
     });
 }
+
+/// One row of the input gradient; `g`, `xh` are scratch of the row's length.
+#[inline(always)]
+fn backward_row_body(di: &mut [f32], g: &mut [f32], xh: &mut [f32], x: &[f32], d: &[f32], weight: &[f32], mu: f32, rs: f32) {
+    let c = x.len();
+    for i in 0..c {
+        xh[i] = (x[i] - mu) * rs;
+        g[i] = d[i] * weight[i];
+    }
+    let g_mean = sum_f32(g) / c as f32;
+    let gx_mean = dot_f32(g, xh) / c as f32;
+    for i in 0..c {
+        di[i] += rs * (g[i] - g_mean - xh[i] * gx_mean);
+    }
+}
+
+simd_dispatch!(fn backward_row(di: &mut [f32], g: &mut [f32], xh: &mut [f32], x: &[f32], d: &[f32], weight: &[f32], mu: f32, rs: f32) => backward_row_body);
+
+/// acc += d·(x − μ)·rstd   (one row's dweight contribution over a column block).
+#[inline(always)]
+fn dweight_row_body(acc: &mut [f32], x: &[f32], d: &[f32], mu: f32, rs: f32) {
+    for ((a, x), d) in acc.iter_mut().zip(x).zip(d) {
+        *a += d * (x - mu) * rs;
+    }
+}
+
+simd_dispatch!(fn dweight_row(acc: &mut [f32], x: &[f32], d: &[f32], mu: f32, rs: f32) => dweight_row_body);
 
 #[cfg(test)]
 mod tests {

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use crate::gemm::matmul;
-use crate::tensor::reduce_rows;
+use crate::tensor::{add_assign, reduce_cols};
 
 /// out[n×oc] = inp[n×ic] · weight[ic×oc] (+ bias[oc] broadcast over rows). Overwrites `out`.
 pub fn linear_forward(out: &mut [f32], inp: &[f32], weight: &[f32], bias: Option<&[f32]>, n: usize, ic: usize, oc: usize) {
@@ -20,7 +20,7 @@ pub fn linear_forward(out: &mut [f32], inp: &[f32], weight: &[f32], bias: Option
 }
 
 /// dinp[n×ic] += dout · weightᵀ,  dweight[ic×oc] += inpᵀ · dout,  dbias[oc] += Σ_rows dout.
-/// All three accumulate; the bias sum runs over fixed-order row chunks.
+/// All three accumulate; the bias sum adds rows in order per column block (thread-independent).
 pub fn linear_backward(
     dinp: &mut [f32],
     dweight: &mut [f32],
@@ -37,7 +37,7 @@ pub fn linear_backward(
     if let Some(dbias) = dbias {
         assert_eq!(dbias.len(), oc, "linear_backward: dbias must be [OC]");
         assert_eq!(dout.len(), n * oc, "linear_backward: dout must be [N, OC]");
-        reduce_rows(dbias, n, |r, p| p.iter_mut().zip(&dout[r * oc..][..oc]).for_each(|(p, d)| *p += d));
+        reduce_cols(dbias, n, |r, j0, acc| add_assign(acc, &dout[r * oc + j0..][..acc.len()]));
     }
 }
 

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::tensor::{dot_f32, reduce_rows};
+use crate::tensor::{dot_f32, reduce_cols};
 
 /// rstd = 1/√(mean(x²) + ε),  out = x · rstd · w   per row.
 /// Shapes: out, inp [N, C]; rstd [N] (saved for backward); weight [C].
@@ -21,7 +21,7 @@ pub fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], inp: &[f32], weight: &
 }
 
 /// With g = dout·w:  dinp += rstd · (g − x · rstd² · mean(g·x))
-///                   dweight += Σ_rows dout · x · rstd   (fixed-order row chunks)
+///                   dweight += Σ_rows dout · x · rstd   (rows in order per column block)
 /// Shapes as in [`rmsnorm_forward`].
 pub fn rmsnorm_backward(
     dinp: &mut [f32],
@@ -48,11 +48,12 @@ pub fn rmsnorm_backward(
             }
         },
     );
-    reduce_rows(dweight, n, |r, p| {
-        let (x, d) = (&inp[r * c..][..c], &dout[r * c..][..c]);
+    reduce_cols(dweight, n, |r, j0, acc| {
+        let w = acc.len();
+        let (x, d) = (&inp[r * c + j0..][..w], &dout[r * c + j0..][..w]);
         let rs = rstd[r];
-        for i in 0..c {
-            p[i] += d[i] * x[i] * rs;
+        for i in 0..w {
+            acc[i] += d[i] * x[i] * rs;
         }
     });
 }
