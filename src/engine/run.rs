@@ -46,11 +46,14 @@ pub struct TrainOutcome {
 
 const OPTIM_PREFIX: &str = "optim";
 
+/// Optimizer state buffers by name, full length (world-size independent, as checkpointed).
+type OptimBuffers = Vec<(String, Vec<f32>)>;
+
 /// Where training starts: fresh or from a checkpoint, as full-length buffers.
 struct Start {
     step: u64,
     master: Vec<f32>,
-    optim: Option<(u64, Vec<(String, Vec<f32>)>)>,
+    optim: Option<(u64, OptimBuffers)>,
     applied: u64,
     skipped: u64,
     scaler: Option<serde_json::Value>,
@@ -139,11 +142,11 @@ fn rank_states(cfg: &Config, plan: &Plan, start: &Start) -> Result<Vec<Arc<Mutex
 }
 
 /// Full-length masters and optimizer buffers, gathered from the ranks (between steps).
-fn assemble(plan: &Plan, states: &[Arc<Mutex<RankState>>]) -> (Vec<f32>, Vec<(String, Vec<f32>)>, RankCounters) {
+fn assemble(plan: &Plan, states: &[Arc<Mutex<RankState>>]) -> (Vec<f32>, OptimBuffers, RankCounters) {
     let lock = |r: usize| states[r].lock().unwrap_or_else(|p| p.into_inner());
     let owners: Vec<usize> = if plan.stage == 0 { vec![0] } else { (0..plan.world).collect() };
     let mut master = Vec::with_capacity(plan.total());
-    let mut bufs: Vec<(String, Vec<f32>)> = Vec::new();
+    let mut bufs: OptimBuffers = Vec::new();
     for &r in &owners {
         let st = lock(r);
         master.extend_from_slice(&st.master);

@@ -110,6 +110,9 @@ impl NormAllReduce for CommReduce<'_> {
     }
 }
 
+/// The gradient sum of one aligned dyadic block of micro-batches: (first leaf, level, values).
+type BlockSum = (usize, u32, Vec<f32>);
+
 /// What `prepare` leaves for `commit`: the reduced, clipped gradient sits in `RankState::grads`.
 struct Staged {
     step: u64,
@@ -139,7 +142,7 @@ impl ZeroWorker {
     }
 
     /// Forward/backward of every leaf of this rank; returns (loss sum, block sums).
-    fn compute_blocks(&mut self, step: u64, scale: f32, params: &Store) -> Result<(f64, Vec<(usize, u32, Vec<f32>)>), String> {
+    fn compute_blocks(&mut self, step: u64, scale: f32, params: &Store) -> Result<(f64, Vec<BlockSum>), String> {
         let plan = Arc::clone(&self.plan);
         let (mb, t) = (plan.micro, plan.seq_len);
         let dloss = scale / plan.micro_batches as f32;
@@ -177,11 +180,11 @@ impl ZeroWorker {
     }
 
     /// Sends every block sum's slices to their owners; the owner combines its range with the tree.
-    fn reduce_to_owner(&mut self, sums: &[(usize, u32, Vec<f32>)]) -> Result<Vec<f32>, String> {
+    fn reduce_to_owner(&mut self, sums: &[BlockSum]) -> Result<Vec<f32>, String> {
         let plan = &self.plan;
         let rounds = plan.blocks.iter().map(Vec::len).max().unwrap_or(0);
         let mine = plan.ranges[self.rank].clone();
-        let mut received: Vec<(usize, u32, Vec<f32>)> = Vec::new();
+        let mut received: Vec<BlockSum> = Vec::new();
         for j in 0..rounds {
             let send: Vec<&[f32]> = match sums.get(j) {
                 Some((_, _, s)) => plan.ranges.iter().map(|r| &s[r.clone()]).collect(),

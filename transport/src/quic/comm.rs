@@ -231,8 +231,7 @@ impl QuicComm {
             (Some(conn), false) => conn.clone(),
             _ => return Err(CollectiveError::PeerGone { op, peer: to }),
         };
-        let sent = self.rt.block_on(tokio::time::timeout_at(deadline.into(), write_stream(&conn, control, payload)));
-        match sent {
+        match self.block_until(deadline, write_stream(&conn, control, payload)) {
             Ok(Ok(())) => {
                 self.streams_sent[to] += 1;
                 Ok(())
@@ -402,12 +401,11 @@ impl QuicComm {
     /// Leaves the group: announces the streams sent to each peer, waits (bounded) for each to
     /// confirm it has them all, then closes the connections.
     fn leave(&mut self) {
-        let grace = Duration::from_millis(self.timeout_ms.min(10_000));
-        let deadline = Instant::now() + grace;
+        let deadline = Instant::now() + Duration::from_millis(self.timeout_ms.min(10_000));
         for (peer, conn) in self.conns.iter().enumerate() {
             if let Some(conn) = conn {
                 let bye = Control::Bye { streams: self.streams_sent[peer] };
-                let _ = self.rt.block_on(tokio::time::timeout(grace, write_stream(conn, &bye, &[])));
+                let _ = self.block_until(deadline, write_stream(conn, &bye, &[]));
             }
         }
         let mut st = self.shared.lock();
@@ -416,11 +414,18 @@ impl QuicComm {
             st = self.shared.cv.wait_timeout(st, wait).unwrap_or_else(std::sync::PoisonError::into_inner).0;
         }
         drop(st);
+        let _context = self.rt.enter();
         for conn in self.conns.iter().flatten() {
             conn.close(VarInt::from_u32(0), b"bye");
         }
         let endpoint = self.endpoint.clone();
-        let _ = self.rt.block_on(tokio::time::timeout(Duration::from_millis(500), endpoint.wait_idle()));
+        let _ = self.block_until(Instant::now() + Duration::from_millis(500), async move { endpoint.wait_idle().await });
+        self.conns.clear();
+    }
+
+    /// Runs `f` on the runtime from the caller's thread; `Err` when `deadline` passes first.
+    fn block_until<F: std::future::Future>(&self, deadline: Instant, f: F) -> Result<F::Output, tokio::time::error::Elapsed> {
+        self.rt.block_on(async move { tokio::time::timeout_at(deadline.into(), f).await })
     }
 }
 
@@ -584,9 +589,9 @@ impl Collective for QuicComm {
             self.send_data(to, Key::Coll { seq: call.seq, step: 0 }, send[to], op.name(), call.start, call.deadline)?;
         }
         let mut recv = Vec::with_capacity(world);
-        for from in 0..world {
+        for (from, mine) in send.iter().enumerate() {
             match from == self.rank {
-                true => recv.push(send[from].to_vec()),
+                true => recv.push(mine.to_vec()),
                 false => recv.push(self.recv_data::<f32>(
                     from,
                     Key::Coll { seq: call.seq, step: 0 },
@@ -638,5 +643,13 @@ impl Collective for QuicComm {
         self.enter(Op::Barrier, OpDesc { op: Op::Barrier as u8, lens: vec![], ends: vec![] })?;
         self.stats.record(Traffic::default());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+impl QuicComm {
+    /// The raw connection to `peer`, for tests that misbehave on the wire.
+    pub(crate) fn conns_for_test(&self, peer: usize) -> Connection {
+        self.conns[peer].clone().expect("a connected peer")
     }
 }

@@ -173,7 +173,7 @@ async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, elem: u8, elems: u64) -> 
     let Some(size) = elem_bytes(elem) else {
         return Err(FrameError::Malformed { detail: format!("unknown element type {elem}") });
     };
-    let total = elems.checked_mul(size as u64).unwrap_or(u64::MAX);
+    let total = elems.saturating_mul(size as u64);
     if total > MESSAGE_BYTES_MAX {
         return Err(FrameError::Oversized { what: "payload", bytes: total, limit: MESSAGE_BYTES_MAX });
     }
