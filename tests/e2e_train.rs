@@ -29,19 +29,40 @@ fn shipped_config_trains_and_writes_summary_and_monitors() {
 }
 
 #[test]
-fn resume_is_bit_exact() {
+fn resume_is_bit_exact_across_world_sizes_and_stages() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = repo().join("configs/gpt-tiny.json");
     let (straight, split) = (tmp.path().join("straight"), tmp.path().join("split"));
+    // 12 steps with the config's 4 workers under ZeRO-3 …
     ok(&train_args(cfg.to_str().unwrap(), straight.to_str().unwrap(), "12"), tmp.path());
-    ok(&train_args(cfg.to_str().unwrap(), split.to_str().unwrap(), "6"), tmp.path());
+    // … equal 6 steps with 2 workers under ZeRO-1, then 6 more resumed by 1 worker under ZeRO-0.
+    let mut first = train_args(cfg.to_str().unwrap(), split.to_str().unwrap(), "6");
+    first.extend_from_slice(&["--world", "2", "--set", "zero_optimization.stage=1"]);
+    ok(&first, tmp.path());
     let ckpt = split.join("checkpoints");
-    let mut a = train_args(cfg.to_str().unwrap(), split.to_str().unwrap(), "12");
-    a.extend_from_slice(&["--resume", ckpt.to_str().unwrap()]);
-    ok(&a, tmp.path());
+    let mut second = train_args(cfg.to_str().unwrap(), split.to_str().unwrap(), "12");
+    second.extend_from_slice(&["--resume", ckpt.to_str().unwrap(), "--world", "1", "--set", "zero_optimization.stage=0"]);
+    ok(&second, tmp.path());
     let (s1, s2) = (summary(&straight), summary(&split));
+    assert_eq!(s2["tokens"].as_u64().unwrap() * 2, s1["tokens"].as_u64().unwrap(), "the resumed run should have run only the last 6 steps");
+    assert!(s2["initial_val_loss"].is_null(), "a resumed run starts from the checkpoint, not from initialisation");
     assert_eq!(s1["params_blake3"], s2["params_blake3"], "12 straight steps differ from 6 + resume + 6");
     assert_eq!(s1["final_loss"], s2["final_loss"]);
+}
+
+#[test]
+fn a_fresh_run_refuses_to_overwrite_checkpoints_and_resume_checks_the_seed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    ok(&train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "2"), tmp.path());
+    let text = fails(&train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "2"), tmp.path());
+    assert!(text.contains("already holds checkpoints") && text.contains("--resume"), "{text}");
+    let ckpt = out.join("checkpoints");
+    let mut a = train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "4");
+    a.extend_from_slice(&["--resume", ckpt.to_str().unwrap(), "--seed", "99"]);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("seed"), "{text}");
 }
 
 #[test]

@@ -5,6 +5,8 @@
 
 use std::ops::Range;
 
+use tessera_transport::tree::aligned_blocks;
+
 /// Splits `0..total` into `world` contiguous ranges, one per rank, in rank order.
 ///
 /// Every boundary is a multiple of `align` except `total` itself (callers pass
@@ -60,22 +62,6 @@ fn leaf_bounds(m: usize, weights: &[f64]) -> Vec<usize> {
     }
     bounds.push(m);
     bounds
-}
-
-/// Cuts `lo..hi` into the largest aligned dyadic blocks inside it, left to right.
-fn aligned_blocks(lo: usize, hi: usize) -> Vec<(usize, u32)> {
-    let mut out = Vec::new();
-    let mut first = lo;
-    while first < hi {
-        // Largest level the start is aligned to (any level for 0), then shrink until it fits.
-        let mut level = if first == 0 { usize::BITS - 1 } else { first.trailing_zeros() };
-        while level > 0 && (1usize << level) > hi - first {
-            level -= 1;
-        }
-        out.push((first, level));
-        first += 1usize << level;
-    }
-    out
 }
 
 #[cfg(test)]

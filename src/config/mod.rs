@@ -128,7 +128,7 @@ fn build(mut root: Value, source: &str, overrides: &[String], ctx: &ResolveConte
         optimizer,
         scheduler,
         precision: sections::parse_precision(&root)?,
-        gradient_clipping: top.non_negative_f32("gradient_clipping", 1.0)?,
+        gradient_clipping: top.non_negative_f32("gradient_clipping", 0.0)?,
         zero: sections::parse_zero(&root)?,
         activation_checkpointing: tessera.activation_checkpointing || ac_present,
         activation_checkpointing_config,

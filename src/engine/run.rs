@@ -100,6 +100,23 @@ fn resume_start(cfg: &Config, plan: &Plan, dir: &Path) -> Result<Start> {
     let bufs =
         ck.optim.iter().filter_map(|t| t.name.strip_prefix(&format!("{OPTIM_PREFIX}.")).map(|n| (n.to_string(), t.data.clone()))).collect();
     let cursor = SamplerState::from_json(&ck.data_cursor).with_context(|| format!("checkpoint {}: data cursor", path.display()))?;
+    if cursor.seed != cfg.tessera.seed {
+        bail!(
+            "checkpoint {} was trained with seed {} but this run has tessera.seed = {}: the data order would change; pass --seed {}",
+            path.display(),
+            cursor.seed,
+            cfg.tessera.seed,
+            cursor.seed
+        );
+    }
+    if ck.step >= cfg.tessera.steps {
+        bail!(
+            "checkpoint {} is at step {}, and this run stops at step {}: ask for more with --steps",
+            path.display(),
+            ck.step,
+            cfg.tessera.steps
+        );
+    }
     if cursor.cursor != plan.first_sample(ck.step, 0) {
         bail!(
             "checkpoint {}: data cursor {} does not match step {} of this batch geometry ({} samples per step)",
@@ -117,6 +134,20 @@ fn resume_start(cfg: &Config, plan: &Plan, dir: &Path) -> Result<Start> {
         skipped: get("skipped_steps")?,
         scaler: extra.get("loss_scaler").cloned().filter(|v| !v.is_null()),
     })
+}
+
+/// A fresh run never writes over another run's checkpoints: nothing is lost by accident.
+fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
+    let found = checkpoint::list_checkpoints(ckpt_root).unwrap_or_default();
+    if let Some((step, dir)) = found.first() {
+        bail!(
+            "{} already holds checkpoints (newest: step {step}, {}); continue with --resume {} or start elsewhere with --output DIR",
+            ckpt_root.display(),
+            dir.display(),
+            ckpt_root.display()
+        );
+    }
+    Ok(())
 }
 
 /// One `RankState` per rank, cut from the full-length start buffers.
@@ -273,6 +304,8 @@ struct Tally {
     val_curve: Vec<(u64, f64)>,
     last_ckpt: Option<PathBuf>,
     abandoned: u64,
+    /// Each rank's `bytes_sent_total` after the previous step.
+    rank_bytes: Vec<u64>,
 }
 
 fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Dataset)> {
@@ -284,7 +317,10 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
     let start = match &opts.resume {
         Some(dir) => resume_start(cfg, &plan, dir)?,
-        None => fresh_start(cfg, &plan),
+        None => {
+            refuse_to_overwrite(&out_dir.join("checkpoints"))?;
+            fresh_start(cfg, &plan)
+        }
     };
     let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?);
     let val =
@@ -317,13 +353,18 @@ impl Run<'_> {
         t.abandoned += res.abandoned_attempts.len() as u64;
         self.step += 1;
         let loss = res.loss_sum / plan.micro_batches as f64;
-        t.bytes_sent += res.per_rank.iter().map(|p| p.bytes_sent).max().unwrap_or(0);
+        // Prepare and commit traffic of the busiest rank (the commit shares parameters).
+        let totals: Vec<u64> = self.states.iter().map(|st| st.lock().unwrap_or_else(|p| p.into_inner()).bytes_sent_total).collect();
+        t.bytes_sent += totals.iter().zip(&t.rank_bytes).map(|(now, before)| now - before).max().unwrap_or(0);
+        t.rank_bytes = totals;
         let norm = res.grad_norm.unwrap_or(f64::NAN);
         let overflow = res.overflow;
         t.last_loss = loss;
         t.train_curve.push((self.step, loss));
         let samples = plan.first_sample(self.step, 0);
-        let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, self.step.saturating_sub(1)));
+        // The rate the commit used: the schedule's clock counts applied (not skipped) steps.
+        let applied = self.states[0].lock().unwrap_or_else(|p| p.into_inner()).applied;
+        let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, applied.saturating_sub(1)));
         let mut events =
             vec![Event::new("Train/Samples/train_loss", loss, samples), Event::new("Train/Samples/lr", f64::from(lr), samples)];
         let scale = self.states[0].lock().unwrap_or_else(|p| p.into_inner()).scaler.as_ref().map(|s| s.scale());
@@ -414,7 +455,7 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
         plan.seq_len,
         cfg.tessera.steps
     ));
-    let mut t = Tally::default();
+    let mut t = Tally { rank_bytes: vec![0; plan.world], ..Tally::default() };
     if run.step == 0 {
         let v = evaluate(&plan, &run.states, &run.val, &mut run.ws);
         t.initial_val = Some(v);
@@ -424,7 +465,10 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
     while run.step < cfg.tessera.steps {
         if stop.load(Ordering::SeqCst) {
             interrupted = true;
-            pb.println(format!("interrupted: stopping after step {}; the last checkpoint is intact", run.step));
+            // Between steps the ranks hold a committed state: keep it.
+            let path = save_checkpoint(cfg, &plan, &run.states, run.step, &run.out_dir.join("checkpoints"))?;
+            pb.println(format!("interrupted: stopped after step {}; saved {}", run.step, path.display()));
+            t.last_ckpt = Some(path);
             break;
         }
         run.step_once(&pb, &mut t)?;

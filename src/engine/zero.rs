@@ -46,6 +46,9 @@ pub struct RankState {
     /// Optimizer steps applied (the LR schedule's clock) and steps skipped on overflow.
     pub applied: u64,
     pub skipped: u64,
+    /// Bytes this rank has sent through collectives so far (prepare and commit), for the
+    /// driver's per-step communication figures.
+    pub bytes_sent_total: u64,
 }
 
 impl RankState {
@@ -69,6 +72,7 @@ impl RankState {
             scaler,
             applied: 0,
             skipped: 0,
+            bytes_sent_total: 0,
         }
     }
 
@@ -273,6 +277,7 @@ impl WorkerCompute for ZeroWorker {
         }
         debug_assert_eq!(g.len(), mine.len());
         self.staged = Some(Staged { step: order.step, overflow });
+        st.bytes_sent_total = self.comm.stats().bytes_sent;
         let after = self.comm.stats();
         Ok(Prepared {
             loss_sum,
@@ -322,6 +327,7 @@ impl WorkerCompute for ZeroWorker {
         }
         self.publish_params(&mut st)?;
         st.applied += 1;
+        st.bytes_sent_total = self.comm.stats().bytes_sent;
         Ok(())
     }
 

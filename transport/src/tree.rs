@@ -102,14 +102,15 @@ impl TreeSum {
     }
 }
 
-/// Splits `0..m` leaves into aligned dyadic blocks `(first, level)` of at most `2^max_level`
-/// leaves, in order (the canonical blocks a planner hands to workers).
-pub fn dyadic_blocks(m: usize, max_level: u32) -> Vec<(usize, u32)> {
+/// Cuts leaves `lo..hi` into the largest aligned dyadic blocks `(first, level)` that fit inside
+/// it, left to right: the blocks a planner hands to the worker that owns `lo..hi`.
+pub fn aligned_blocks(lo: usize, hi: usize) -> Vec<(usize, u32)> {
     let mut out = Vec::new();
-    let mut first = 0;
-    while first < m {
-        let mut level = max_level.min(first.trailing_zeros());
-        while level > 0 && first + (1usize << level) > m.next_power_of_two() {
+    let mut first = lo;
+    while first < hi {
+        // Largest level the start is aligned to (any level for 0), then shrink until it fits.
+        let mut level = if first == 0 { usize::BITS - 1 } else { first.trailing_zeros() };
+        while level > 0 && (1usize << level) > hi - first {
             level -= 1;
         }
         out.push((first, level));
@@ -164,18 +165,20 @@ mod tests {
     fn any_dyadic_block_assignment_gives_the_same_bits() {
         for m in 1..40 {
             let want = by_leaves(m);
-            for max_level in 0..6 {
+            // Workers own contiguous runs of `run` leaves, each cut into aligned blocks.
+            for run in 1..=m {
                 let mut t = TreeSum::new();
-                for (first, level) in dyadic_blocks(m, max_level) {
-                    // A worker sums its block with the same tree.
-                    let mut inner = TreeSum::new();
-                    let end = (first + (1 << level)).min(m);
-                    for i in first..end {
-                        inner.push_block(i - first, 0, leaf(i)).unwrap();
+                for lo in (0..m).step_by(run) {
+                    for (first, level) in aligned_blocks(lo, (lo + run).min(m)) {
+                        // A worker sums its block with the same tree.
+                        let mut inner = TreeSum::new();
+                        for i in first..first + (1 << level) {
+                            inner.push_block(i - first, 0, leaf(i)).unwrap();
+                        }
+                        t.push_block(first, level, inner.finish().unwrap()).unwrap();
                     }
-                    t.push_block(first, level, inner.finish().unwrap()).unwrap();
                 }
-                assert_eq!(t.finish().unwrap(), want, "m = {m}, max level {max_level}");
+                assert_eq!(t.finish().unwrap(), want, "m = {m}, runs of {run}");
             }
         }
     }
