@@ -3,39 +3,16 @@
 
 use std::net::{SocketAddr, UdpSocket};
 
+use tessera_chaos::exercise::run_exercise;
 use tessera_chaos::proxy::{FaultProxy, LinkFaults};
-use tessera_transport::collective::Collective;
 use tessera_transport::local::LocalGroup;
 use tessera_transport::quic::{cluster_init, ClusterSpec, NodeTls, QuicComm};
-use tessera_transport::tree::TreeSum;
 
 const WORLD: usize = 3;
-const LEN: usize = 50_000;
-
-fn input(rank: usize) -> Vec<f32> {
-    (0..LEN).map(|i| ((i * 7 + rank * 13) % 101) as f32 / 7.0 + rank as f32 * 1e5).collect()
-}
-
-/// all_reduce, all_gather and the world-size-independent tree reduction, on one rank.
-fn work(comm: &mut dyn Collective) -> Vec<Vec<f32>> {
-    let rank = comm.rank();
-    let mut sum = input(rank);
-    comm.all_reduce_sum(&mut sum).unwrap();
-    let ranges = tessera_transport::collective::even_ranges(LEN, WORLD);
-    let mut gathered = vec![0.0; LEN];
-    comm.all_gather(&input(rank)[ranges[rank].clone()], &ranges, &mut gathered).unwrap();
-    let mut tree = TreeSum::new();
-    let mut slices = vec![Vec::new(); WORLD];
-    comm.gather_slices(&input(rank), &ranges, &mut slices).unwrap();
-    for (r, s) in slices.into_iter().enumerate() {
-        tree.push_block(r, 0, s).unwrap();
-    }
-    vec![sum, gathered, tree.finish().unwrap()]
-}
 
 fn run_local() -> Vec<Vec<Vec<f32>>> {
     let comms = LocalGroup::new(WORLD);
-    let handles: Vec<_> = comms.into_iter().map(|mut c| std::thread::spawn(move || work(&mut c))).collect();
+    let handles: Vec<_> = comms.into_iter().map(|mut c| std::thread::spawn(move || run_exercise(&mut c).unwrap())).collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
@@ -63,7 +40,7 @@ fn collectives_over_faulty_quic_links_match_the_local_backend_bit_for_bit() {
             std::thread::spawn(move || {
                 let tls = NodeTls::load(&dir, &name).unwrap();
                 let mut comm = QuicComm::connect_socket(socket, r, &spec, &tls, 30_000).unwrap();
-                work(&mut comm)
+                run_exercise(&mut comm).unwrap()
             })
         })
         .collect();
