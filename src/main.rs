@@ -28,6 +28,23 @@ enum Cmd {
     Config(ConfigCmd),
     /// List the model presets.
     Models,
+    /// One rank of `train --nprocs` (started by the parent process, not by hand).
+    #[command(hide = true)]
+    Worker(WorkerArgs),
+}
+
+#[derive(Args)]
+struct WorkerArgs {
+    #[arg(long)]
+    rank: usize,
+    #[arg(long)]
+    world: usize,
+    /// The parent's control address (127.0.0.1:PORT).
+    #[arg(long)]
+    control: std::net::SocketAddr,
+    /// The run's `procs` directory (resolved config and certificates).
+    #[arg(long)]
+    dir: PathBuf,
 }
 
 #[derive(Args)]
@@ -47,6 +64,10 @@ struct TrainArgs {
     /// must be unchanged). Repeatable.
     #[arg(long = "abandon-step", value_name = "N")]
     abandon_steps: Vec<u64>,
+    /// Run N worker processes on this machine whose ranks exchange tensors over QUIC with
+    /// mutual TLS (sets the world size to N).
+    #[arg(long, value_name = "N", conflicts_with = "world")]
+    nprocs: Option<usize>,
 }
 
 #[derive(Args)]
@@ -98,8 +119,13 @@ const EXIT_INTERRUPTED: u8 = 130;
 fn run(cli: Cli) -> Result<ExitCode> {
     let done = ExitCode::SUCCESS;
     match cli.cmd {
-        Cmd::Train(a) => {
-            let opts = TrainOptions { resume: a.resume, progress: !a.no_progress, abandon_steps: a.abandon_steps };
+        Cmd::Train(mut a) => {
+            let processes = a.nprocs.is_some();
+            if let Some(n) = a.nprocs {
+                anyhow::ensure!(n >= 1, "--nprocs must be at least 1");
+                a.common.world = Some(n);
+            }
+            let opts = TrainOptions { resume: a.resume, progress: !a.no_progress, abandon_steps: a.abandon_steps, processes };
             let finished = cli::train(&a.config, &a.common, opts)?;
             Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })
         }
@@ -118,6 +144,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Models => {
             cli::list_models();
             Ok(done)
+        }
+        Cmd::Worker(a) => {
+            let args = tessera::engine::WorkerArgs { rank: a.rank, world: a.world, control: a.control, dir: a.dir };
+            tessera::engine::run_worker(&args).map(|()| done)
         }
     }
 }

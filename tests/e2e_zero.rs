@@ -1,6 +1,7 @@
 //! ZeRO across in-process workers: every stage and world size reproduces the one-worker
-//! parameters bit for bit; model states per rank follow the ZeRO formulas; an abandoned step
-//! changes nothing; Ctrl-C stops cleanly and leaves the last checkpoint loadable.
+//! parameters bit for bit; model states per rank follow the ZeRO formulas; reduce buckets,
+//! persistent units and a bound on live parameters change traffic and memory but no bit; an
+//! abandoned step changes nothing; Ctrl-C stops cleanly and leaves the last checkpoint loadable.
 
 use std::path::Path;
 use std::process::Command;
@@ -65,7 +66,11 @@ fn model_states_per_rank_follow_the_zero_formulas() {
     let tmp = tempfile::tempdir().unwrap();
     let n = 4.0;
     for stage in 0..=3u8 {
-        let s = zero_run(tmp.path(), &format!("mem{stage}"), 4, stage, &["--set", "bf16.enabled=true"]);
+        // gpt-tiny's unit 0 (49,408 parameters) is below DeepSpeed's default persistence threshold
+        // (1e5), so stage 3 would keep it whole on every rank; threshold 0 partitions every unit,
+        // which is what the 16Ψ/N formula assumes (persistent copies are checked separately).
+        let no_persist = "zero_optimization.stage3_param_persistence_threshold=0";
+        let s = zero_run(tmp.path(), &format!("mem{stage}"), 4, stage, &["--set", "bf16.enabled=true", "--set", no_persist]);
         let psi = s["num_params"].as_f64().unwrap();
         // Mixed-precision Adam, in bytes: 2Ψ params, 2Ψ grads, 12Ψ fp32 master + two moments.
         let (p, g, o) = match stage {
@@ -88,6 +93,85 @@ fn model_states_per_rank_follow_the_zero_formulas() {
         let want_total = 4.0 * (p + g + o);
         assert!((total - want_total).abs() <= 4.0 * pad, "stage {stage}: total {total} vs {want_total}");
     }
+}
+
+/// gpt-tiny over bytes: unit 0 (embeddings, final norm, tied head) has 49,408 parameters and
+/// each of the 4 blocks 198,272.
+const UNIT0: u64 = 49_408;
+const BLOCK: u64 = 198_272;
+
+fn bytes_per_step(s: &serde_json::Value) -> u64 {
+    s["bytes_sent_per_rank_per_step"].as_u64().unwrap()
+}
+
+fn param_bytes(s: &serde_json::Value) -> Vec<u64> {
+    s["model_state_bytes_per_rank"].as_array().unwrap().iter().map(|r| r["params"].as_u64().unwrap()).collect()
+}
+
+#[test]
+fn reduce_buckets_change_no_bit_and_no_byte() {
+    let tmp = tempfile::tempdir().unwrap();
+    let whole = zero_run(tmp.path(), "whole", 3, 2, &[]);
+    let bucketed = zero_run(tmp.path(), "bucketed", 3, 2, &["--set", "zero_optimization.reduce_bucket_size=20000"]);
+    assert_eq!(whole["params_blake3"], bucketed["params_blake3"]);
+    // The same values move, only in more messages (the lib test counts the all-to-alls).
+    assert_eq!(bytes_per_step(&whole), bytes_per_step(&bucketed));
+}
+
+#[test]
+fn persistent_units_are_held_whole_and_not_gathered() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = zero_run(tmp.path(), "one", 1, 0, &[])["params_blake3"].clone();
+    let set = |t: &'static str| ["--set", t];
+    let none = zero_run(tmp.path(), "none", 4, 3, &set("zero_optimization.stage3_param_persistence_threshold=0"));
+    let unit0 = zero_run(tmp.path(), "unit0", 4, 3, &[]);
+    let all = zero_run(tmp.path(), "all", 4, 3, &set("zero_optimization.stage3_param_persistence_threshold=1000000"));
+    for s in [&none, &unit0, &all] {
+        assert_eq!(s["params_blake3"], want);
+    }
+    // The default threshold keeps unit 0 on every rank: rank 0 owns it anyway, the others hold
+    // one more copy (f32: 4 bytes a parameter). With every unit persistent, each rank holds Ψ.
+    let (p_none, p_unit0) = (param_bytes(&none), param_bytes(&unit0));
+    assert_eq!(p_unit0[0], p_none[0]);
+    for r in 1..4 {
+        assert_eq!(p_unit0[r] - p_none[r], 4 * UNIT0, "rank {r}");
+    }
+    let psi = none["num_params"].as_u64().unwrap();
+    assert_eq!(psi, UNIT0 + 4 * BLOCK);
+    assert!(param_bytes(&all).iter().all(|&b| b == 4 * psi), "{:?}", param_bytes(&all));
+    // Unit 0 was gathered once a step; now its new values are all-gathered once at commit: the
+    // same traffic. Persistent blocks are no longer gathered at every use: far less traffic.
+    assert_eq!(bytes_per_step(&unit0), bytes_per_step(&none));
+    assert!(bytes_per_step(&all) * 2 < bytes_per_step(&none), "{} vs {}", bytes_per_step(&all), bytes_per_step(&none));
+}
+
+#[test]
+fn bounded_live_parameters_regather_unit_0_with_the_same_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let no_persist = "zero_optimization.stage3_param_persistence_threshold=0";
+    let base = zero_run(tmp.path(), "base", 4, 3, &["--set", no_persist]);
+    // 200,000 holds one block (198,272) but not unit 0 beside it (247,680): unit 0 is released
+    // whenever a block is gathered. A short reuse distance forces the same decision.
+    let live = zero_run(tmp.path(), "live", 4, 3, &["--set", no_persist, "--set", "zero_optimization.stage3_max_live_parameters=200000"]);
+    let reuse = zero_run(tmp.path(), "reuse", 4, 3, &["--set", no_persist, "--set", "zero_optimization.stage3_max_reuse_distance=1000"]);
+    assert_eq!(live["params_blake3"], base["params_blake3"]);
+    assert_eq!(reuse["params_blake3"], base["params_blake3"]);
+    assert!(bytes_per_step(&live) > bytes_per_step(&base), "{} vs {}", bytes_per_step(&live), bytes_per_step(&base));
+    assert_eq!(bytes_per_step(&reuse), bytes_per_step(&live));
+    // A bound below a unit's size cannot be met: refused before training, naming the unit.
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("refused");
+    let text = fails(
+        &["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--steps", "1", "--world", "2"]
+            .into_iter()
+            .chain(["--set", no_persist, "--set", "zero_optimization.stage3_max_live_parameters=100000", "--no-progress"])
+            .collect::<Vec<_>>(),
+        tmp.path(),
+    );
+    assert!(
+        text.contains("stage3_max_live_parameters = 100000") && text.contains("unit 1 (transformer block 0), which has 198272"),
+        "{text}"
+    );
 }
 
 #[test]

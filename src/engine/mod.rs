@@ -3,13 +3,18 @@
 //! micro-batches are split into aligned dyadic blocks, their gradients combined by the fixed tree
 //! of [`tessera_transport::tree`], and the optimizer applied to fp32 masters on commit.
 
+mod child;
 mod plan;
 mod precision;
+mod ranks;
+mod remote;
 mod run;
 mod store;
 mod summary;
+mod wire;
 pub mod zero;
 
+pub use child::{run_worker, WorkerArgs};
 pub use plan::Plan;
 pub use precision::Precision16;
 pub use run::{train, TrainOptions, TrainOutcome};

@@ -1,5 +1,7 @@
-//! The run's plan: the model, the batch geometry, the ZeRO partition of the flat buffer and the
-//! assignment of micro-batch blocks to ranks. Built once from the config; shared read-only.
+//! The run's plan: the model, the batch geometry, the ZeRO partition of the flat buffer, the
+//! assignment of micro-batch blocks to ranks and the ZeRO communication policy (reduce buckets,
+//! stage-3 persistent units, how long gathered units stay live). Built once from the config;
+//! shared read-only, so every rank takes the same decisions.
 
 use std::ops::Range;
 
@@ -9,7 +11,7 @@ use tessera_kernels::model::Model;
 use tessera_kernels::optim::{FlatLayout, OptimizerKind, NORM_BLOCK};
 
 use super::precision::Precision16;
-use crate::config::Config;
+use crate::config::{Config, ZeroConfig};
 use crate::data::Dataset;
 use crate::schedule::SchedulerConfig;
 use crate::{bridge, zoo};
@@ -35,6 +37,62 @@ pub struct Plan {
     /// Max global gradient norm (0 = no clipping).
     pub clip: f32,
     pub schedule: Option<SchedulerConfig>,
+    /// Gradients move to their owners in all-to-alls of at most this many elements
+    /// (`zero_optimization.reduce_bucket_size`).
+    pub reduce_bucket_elems: usize,
+    /// Per unit: kept whole by every rank and never gathered (stage 3 with several ranks, unit
+    /// smaller than `stage3_param_persistence_threshold`). Its optimizer state stays partitioned.
+    pub persistent: Vec<bool>,
+    /// Whether a gathered unit 0 stays live for the whole step (else it is released whenever a
+    /// block is gathered and gathered again at its next use), from `stage3_max_live_parameters`
+    /// and `stage3_max_reuse_distance`.
+    pub keep_unit0: bool,
+}
+
+/// Where stage 3 keeps and releases units.
+struct UnitPolicy {
+    persistent: Vec<bool>,
+    keep_unit0: bool,
+}
+
+fn unit_name(u: usize) -> String {
+    if u == 0 {
+        "unit 0 (embeddings, final norm and tied head)".to_string()
+    } else {
+        format!("unit {u} (transformer block {})", u - 1)
+    }
+}
+
+fn to_elems(v: u64) -> usize {
+    usize::try_from(v).unwrap_or(usize::MAX)
+}
+
+/// Decides, from the plan alone, which units persist and whether unit 0 stays live.
+/// Gathering happens only at stage 3 with several ranks; otherwise every unit is local.
+fn unit_policy(units: &[Range<usize>], zero: &ZeroConfig, gathers: bool) -> Result<UnitPolicy> {
+    let threshold = to_elems(zero.stage3_param_persistence_threshold);
+    let persistent: Vec<bool> = units.iter().map(|u| gathers && u.len() < threshold).collect();
+    if !gathers {
+        return Ok(UnitPolicy { persistent, keep_unit0: true });
+    }
+    let max_live = to_elems(zero.stage3_max_live_parameters);
+    for (u, range) in units.iter().enumerate() {
+        if !persistent[u] && range.len() > max_live {
+            bail!(
+                "zero_optimization.stage3_max_live_parameters = {max_live} is smaller than {}, which has {n} parameters \
+                 and is gathered whole at stage 3: raise the bound to at least {n}, or make the unit persistent \
+                 (stage3_param_persistence_threshold > {n})",
+                unit_name(u),
+                n = range.len()
+            );
+        }
+    }
+    let gathered_blocks = || units.iter().zip(&persistent).skip(1).filter(|(_, p)| !**p).map(|(r, _)| r.len());
+    // Between two uses of unit 0 (embeddings, then the head) every gathered block is fetched once.
+    let reuse_distance: usize = gathered_blocks().sum();
+    let fits = units[0].len() + gathered_blocks().max().unwrap_or(0) <= max_live;
+    let keep_unit0 = persistent[0] || (fits && reuse_distance <= to_elems(zero.stage3_max_reuse_distance));
+    Ok(UnitPolicy { persistent, keep_unit0 })
 }
 
 impl Plan {
@@ -53,6 +111,10 @@ impl Plan {
         let optimizer = bridge::optimizer_kind(&cfg.optimizer);
         optimizer.validate().context("optimizer parameters")?;
         let stage = cfg.zero.stage;
+        if cfg.zero.reduce_bucket_size == 0 {
+            bail!("zero_optimization.reduce_bucket_size = 0: a gradient bucket needs at least one element");
+        }
+        let policy = unit_policy(model.units(), &cfg.zero, stage == 3 && world > 1)?;
         Ok(Plan {
             decay: model.layout().decay_flags(),
             precision: bridge::precision(&cfg.precision),
@@ -68,6 +130,9 @@ impl Plan {
             stage,
             clip: cfg.gradient_clipping,
             schedule: cfg.scheduler.clone(),
+            reduce_bucket_elems: to_elems(cfg.zero.reduce_bucket_size),
+            persistent: policy.persistent,
+            keep_unit0: policy.keep_unit0,
             model,
         })
     }
@@ -83,6 +148,36 @@ impl Plan {
         } else {
             self.ranges[r].clone()
         }
+    }
+
+    /// Whether stage-3 ranks gather units from each other's shards.
+    pub fn gathers(&self) -> bool {
+        self.stage == 3 && self.world > 1
+    }
+
+    /// The flat ranges whose working parameters rank `r` holds, sorted and disjoint: the whole
+    /// buffer (stages 0–2), or its shard plus every persistent unit (stage 3).
+    pub fn param_ranges(&self, r: usize) -> Vec<Range<usize>> {
+        if self.stage < 3 {
+            return std::iter::once(0..self.total()).collect();
+        }
+        let units = self.model.units().iter().zip(&self.persistent).filter(|(_, p)| **p).map(|(u, _)| u.clone());
+        let mut all: Vec<Range<usize>> = std::iter::once(self.ranges[r].clone()).chain(units).filter(|x| !x.is_empty()).collect();
+        all.sort_by_key(|x| x.start);
+        let mut merged: Vec<Range<usize>> = Vec::new();
+        for x in all {
+            match merged.last_mut() {
+                Some(last) if x.start <= last.end => last.end = last.end.max(x.end),
+                _ => merged.push(x),
+            }
+        }
+        merged
+    }
+
+    /// The successive ranges of the flat buffer that one gradient all-to-all moves.
+    pub fn reduce_buckets(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        let (total, b) = (self.total(), self.reduce_bucket_elems.max(1));
+        (0..total.div_ceil(b)).map(move |k| k * b..((k + 1) * b).min(total))
     }
 
     /// Leaves (micro-batch indices) of rank `r`, in order.

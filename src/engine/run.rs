@@ -4,19 +4,20 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use tessera_actors::compute::{MemoryReport, ShardInfo, ShardSpec, WorkerCompute};
+use tessera_actors::compute::{ShardInfo, ShardSpec, WorkerCompute};
 use tessera_actors::{Cluster, ClusterOptions};
 use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
 
 use super::plan::Plan;
+use super::ranks::{rank_states, Ranks, Start};
 use super::summary::{peak_rss_bytes, Summary};
-use super::zero::{RankState, ZeroWorker};
+use super::zero::ZeroWorker;
 use crate::bridge;
 use crate::checkpoint::{self, CheckpointState, NamedTensor};
 use crate::config::Config;
@@ -33,6 +34,9 @@ pub struct TrainOptions {
     /// Steps to prepare and then abandon once before running them again (exercises the step
     /// transaction; the result must not change).
     pub abandon_steps: Vec<u64>,
+    /// Run each of the `world` ranks in its own worker process (QUIC between them, see
+    /// `engine::remote`) instead of as threads of this process.
+    pub processes: bool,
 }
 
 /// What a finished run leaves behind.
@@ -45,19 +49,6 @@ pub struct TrainOutcome {
 }
 
 const OPTIM_PREFIX: &str = "optim";
-
-/// Optimizer state buffers by name, full length (world-size independent, as checkpointed).
-type OptimBuffers = Vec<(String, Vec<f32>)>;
-
-/// Where training starts: fresh or from a checkpoint, as full-length buffers.
-struct Start {
-    step: u64,
-    master: Vec<f32>,
-    optim: Option<(u64, OptimBuffers)>,
-    applied: u64,
-    skipped: u64,
-    scaler: Option<serde_json::Value>,
-}
 
 fn fresh_start(cfg: &Config, plan: &Plan) -> Start {
     Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), optim: None, applied: 0, skipped: 0, scaler: None }
@@ -150,63 +141,8 @@ fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// One `RankState` per rank, cut from the full-length start buffers.
-fn rank_states(cfg: &Config, plan: &Plan, start: &Start) -> Result<Vec<Arc<Mutex<RankState>>>> {
-    (0..plan.world)
-        .map(|r| {
-            let mut scaler = bridge::loss_scaler(&cfg.precision)?;
-            if let (Some(sc), Some(v)) = (scaler.as_mut(), &start.scaler) {
-                bridge::scaler_from_json(sc, v)?;
-            }
-            let mut st = RankState::new(plan, r, &start.master, scaler);
-            st.applied = start.applied;
-            st.skipped = start.skipped;
-            if let Some((steps, bufs)) = &start.optim {
-                let range = plan.optim_range(r);
-                let mine: Vec<(&str, Vec<f32>)> =
-                    bufs.iter().map(|(n, b)| (n.as_str(), b.get(range.clone()).map(<[f32]>::to_vec).unwrap_or_default())).collect();
-                st.optim.load_state(*steps, &mine).context("checkpoint optimizer state")?;
-            }
-            Ok(Arc::new(Mutex::new(st)))
-        })
-        .collect()
-}
-
-/// Full-length masters and optimizer buffers, gathered from the ranks (between steps).
-fn assemble(plan: &Plan, states: &[Arc<Mutex<RankState>>]) -> (Vec<f32>, OptimBuffers, RankCounters) {
-    let lock = |r: usize| states[r].lock().unwrap_or_else(|p| p.into_inner());
-    let owners: Vec<usize> = if plan.stage == 0 { vec![0] } else { (0..plan.world).collect() };
-    let mut master = Vec::with_capacity(plan.total());
-    let mut bufs: OptimBuffers = Vec::new();
-    for &r in &owners {
-        let st = lock(r);
-        master.extend_from_slice(&st.master);
-        for (i, (name, b)) in st.optim.state_buffers().into_iter().enumerate() {
-            if bufs.len() <= i {
-                bufs.push((name.to_string(), Vec::with_capacity(plan.total())));
-            }
-            bufs[i].1.extend_from_slice(b);
-        }
-    }
-    let st = lock(0);
-    let counters = RankCounters {
-        optimizer_steps: st.optim.step_count(),
-        applied: st.applied,
-        skipped: st.skipped,
-        scaler: st.scaler.as_ref().map(bridge::scaler_to_json),
-    };
-    (master, bufs, counters)
-}
-
-struct RankCounters {
-    optimizer_steps: u64,
-    applied: u64,
-    skipped: u64,
-    scaler: Option<serde_json::Value>,
-}
-
-fn save_checkpoint(cfg: &Config, plan: &Plan, states: &[Arc<Mutex<RankState>>], step: u64, root: &Path) -> Result<PathBuf> {
-    let (master, bufs, c) = assemble(plan, states);
+fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &Path) -> Result<PathBuf> {
+    let (master, bufs, c) = ranks.assemble(plan)?;
     let params = plan
         .model
         .layout()
@@ -240,8 +176,8 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, states: &[Arc<Mutex<RankState>>], 
 }
 
 /// Mean validation loss over the fixed validation batches, on the working (rounded) params.
-fn evaluate(plan: &Plan, states: &[Arc<Mutex<RankState>>], batches: &[data::TokenBatch], ws: &mut Workspace) -> f64 {
-    let (mut params, _, _) = assemble(plan, states);
+fn evaluate(plan: &Plan, ranks: &Ranks, batches: &[data::TokenBatch], ws: &mut Workspace) -> Result<f64> {
+    let (mut params, _, _) = ranks.assemble(plan)?;
     plan.precision.round(&mut params);
     let total: f64 = batches
         .iter()
@@ -250,7 +186,7 @@ fn evaluate(plan: &Plan, states: &[Arc<Mutex<RankState>>], batches: &[data::Toke
             f64::from(plan.model.loss(&mut acc, x, y, plan.micro, plan.seq_len, ws))
         })
         .sum();
-    total / batches.len().max(1) as f64
+    Ok(total / batches.len().max(1) as f64)
 }
 
 fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
@@ -265,15 +201,15 @@ fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
     pb
 }
 
-fn shard_infos(plan: &Plan, states: &[Arc<Mutex<RankState>>]) -> Vec<ShardInfo> {
-    (0..plan.world)
-        .map(|r| {
-            let m: MemoryReport = states[r].lock().unwrap_or_else(|p| p.into_inner()).memory(r);
-            ShardInfo {
-                rank: r,
-                params: (plan.stage == 3).then(|| ShardSpec { range: plan.ranges[r].clone(), bytes: m.param_bytes }),
-                optim: (plan.stage >= 1).then(|| ShardSpec { range: plan.ranges[r].clone(), bytes: m.optim_bytes }),
-            }
+fn shard_infos(plan: &Plan, ranks: &Ranks) -> Vec<ShardInfo> {
+    ranks
+        .memory()
+        .into_iter()
+        .enumerate()
+        .map(|(r, m)| ShardInfo {
+            rank: r,
+            params: (plan.stage == 3).then(|| ShardSpec { range: plan.ranges[r].clone(), bytes: m.param_bytes }),
+            optim: (plan.stage >= 1).then(|| ShardSpec { range: plan.ranges[r].clone(), bytes: m.optim_bytes }),
         })
         .collect()
 }
@@ -282,7 +218,9 @@ fn shard_infos(plan: &Plan, states: &[Arc<Mutex<RankState>>]) -> Vec<ShardInfo> 
 struct Run<'a> {
     cfg: &'a Config,
     plan: Arc<Plan>,
-    states: Vec<Arc<Mutex<RankState>>>,
+    /// Declared before `cluster`: on an error, worker processes are killed before the actor
+    /// tree is stopped, which releases any compute thread waiting on them.
+    ranks: Ranks,
     cluster: Cluster,
     val: Vec<data::TokenBatch>,
     monitors: MonitorSet,
@@ -325,20 +263,25 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?);
     let val =
         data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
-    let states = rank_states(cfg, &plan, &start)?;
-    let comms = LocalGroup::new(plan.world);
-    let workers: Vec<Box<dyn WorkerCompute>> = comms
-        .into_iter()
-        .enumerate()
-        .map(|(r, comm)| {
-            Box::new(ZeroWorker::new(r, Arc::clone(&plan), Arc::clone(&sampler), Box::new(comm), Arc::clone(&states[r])))
-                as Box<dyn WorkerCompute>
-        })
-        .collect();
+    let (ranks, workers) = if opts.processes {
+        let (procs, workers) = super::remote::launch(cfg, &plan, &start, &out_dir).context("starting the worker processes")?;
+        (Ranks::Remote(procs), workers)
+    } else {
+        let states = rank_states(cfg, &plan, &start)?;
+        let workers = LocalGroup::new(plan.world)
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                Box::new(ZeroWorker::new(r, Arc::clone(&plan), Arc::clone(&sampler), Box::new(comm), Arc::clone(&states[r])))
+                    as Box<dyn WorkerCompute>
+            })
+            .collect();
+        (Ranks::InProcess(states), workers)
+    };
     let copts = ClusterOptions { abandon_steps: opts.abandon_steps.clone(), ..ClusterOptions::default() };
-    let cluster = Cluster::start(workers, shard_infos(&plan, &states), copts).context("starting the actor tree")?;
+    let cluster = Cluster::start(workers, shard_infos(&plan, &ranks), copts).context("starting the actor tree")?;
     let monitors = bridge::monitors(cfg, &out_dir)?;
-    let run = Run { cfg, plan, states, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step };
+    let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step };
     Ok((run, dataset))
 }
 
@@ -354,7 +297,7 @@ impl Run<'_> {
         self.step += 1;
         let loss = res.loss_sum / plan.micro_batches as f64;
         // Prepare and commit traffic of the busiest rank (the commit shares parameters).
-        let totals: Vec<u64> = self.states.iter().map(|st| st.lock().unwrap_or_else(|p| p.into_inner()).bytes_sent_total).collect();
+        let totals = self.ranks.bytes_sent_totals();
         t.bytes_sent += totals.iter().zip(&t.rank_bytes).map(|(now, before)| now - before).max().unwrap_or(0);
         t.rank_bytes = totals;
         let norm = res.grad_norm.unwrap_or(f64::NAN);
@@ -363,11 +306,10 @@ impl Run<'_> {
         t.train_curve.push((self.step, loss));
         let samples = plan.first_sample(self.step, 0);
         // The rate the commit used: the schedule's clock counts applied (not skipped) steps.
-        let applied = self.states[0].lock().unwrap_or_else(|p| p.into_inner()).applied;
+        let (applied, scale) = self.ranks.applied_and_scale();
         let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, applied.saturating_sub(1)));
         let mut events =
             vec![Event::new("Train/Samples/train_loss", loss, samples), Event::new("Train/Samples/lr", f64::from(lr), samples)];
-        let scale = self.states[0].lock().unwrap_or_else(|p| p.into_inner()).scaler.as_ref().map(|s| s.scale());
         if let Some(scale) = scale {
             events.push(Event::new("Train/Samples/loss_scale", f64::from(scale), samples));
         }
@@ -389,7 +331,7 @@ impl Run<'_> {
         }
         let last = self.step == cfg.tessera.steps;
         if (cfg.tessera.eval_interval > 0 && self.step % cfg.tessera.eval_interval == 0) || last {
-            let v = evaluate(&plan, &self.states, &self.val, &mut self.ws);
+            let v = evaluate(&plan, &self.ranks, &self.val, &mut self.ws)?;
             t.last_val = Some(v);
             t.val_curve.push((self.step, v));
             events.push(Event::new("Train/Samples/val_loss", v, samples));
@@ -397,14 +339,14 @@ impl Run<'_> {
         }
         self.monitors.write(&events).context("writing monitors")?;
         if (cfg.tessera.checkpoint_interval > 0 && self.step % cfg.tessera.checkpoint_interval == 0) || last {
-            t.last_ckpt = Some(save_checkpoint(cfg, &plan, &self.states, self.step, &self.out_dir.join("checkpoints"))?);
+            t.last_ckpt = Some(save_checkpoint(cfg, &plan, &self.ranks, self.step, &self.out_dir.join("checkpoints"))?);
         }
         Ok(())
     }
 
     fn summary(&self, t: &Tally, started: Instant) -> Result<Summary> {
         let plan = &self.plan;
-        let (master, _, c) = assemble(plan, &self.states);
+        let (master, _, c) = self.ranks.assemble(plan)?;
         let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &master[s.range()])).collect();
         let tokens = t.steps_run * plan.tokens_per_step();
         let memory = self.cluster.memory().context("asking the ranks for their memory")?;
@@ -457,7 +399,7 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
     ));
     let mut t = Tally { rank_bytes: vec![0; plan.world], ..Tally::default() };
     if run.step == 0 {
-        let v = evaluate(&plan, &run.states, &run.val, &mut run.ws);
+        let v = evaluate(&plan, &run.ranks, &run.val, &mut run.ws)?;
         t.initial_val = Some(v);
         t.val_curve.push((0, v));
     }
@@ -466,7 +408,7 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
         if stop.load(Ordering::SeqCst) {
             interrupted = true;
             // Between steps the ranks hold a committed state: keep it.
-            let path = save_checkpoint(cfg, &plan, &run.states, run.step, &run.out_dir.join("checkpoints"))?;
+            let path = save_checkpoint(cfg, &plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"))?;
             pb.println(format!("interrupted: stopped after step {}; saved {}", run.step, path.display()));
             t.last_ckpt = Some(path);
             break;
@@ -479,7 +421,8 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
     summary.write(&run.out_dir.join("summary.json")).context("writing summary.json")?;
     monitor::write_loss_curve_svg(&run.out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
         .context("writing loss.svg")?;
-    let Run { cluster, out_dir, .. } = run;
+    let Run { cluster, ranks, out_dir, .. } = run;
     cluster.shutdown().context("stopping the actor tree")?;
+    ranks.close().context("stopping the worker processes")?;
     Ok(TrainOutcome { summary, output_dir: out_dir, interrupted })
 }

@@ -1,0 +1,183 @@
+//! Where the driver's ranks live and how it reads their state between steps: threads of this
+//! process sharing `RankState`s ([`Ranks::InProcess`]) or worker processes reached over their
+//! control connections ([`Ranks::Remote`], see [`super::remote`]). Also the start state and how
+//! it is cut per rank, which both kinds use.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use anyhow::{Context, Result};
+use tessera_actors::compute::MemoryReport;
+
+use super::plan::Plan;
+use super::remote::Procs;
+use super::zero::RankState;
+use crate::bridge;
+use crate::config::Config;
+
+/// Optimizer state buffers by name, full length (world-size independent, as checkpointed).
+pub type OptimBuffers = Vec<(String, Vec<f32>)>;
+
+/// Where training starts: fresh or from a checkpoint, as full-length buffers.
+pub struct Start {
+    pub step: u64,
+    pub master: Vec<f32>,
+    pub optim: Option<(u64, OptimBuffers)>,
+    pub applied: u64,
+    pub skipped: u64,
+    pub scaler: Option<serde_json::Value>,
+}
+
+/// Counters kept alike by every rank (read from rank 0).
+pub struct RankCounters {
+    pub optimizer_steps: u64,
+    pub applied: u64,
+    pub skipped: u64,
+    pub scaler: Option<serde_json::Value>,
+}
+
+/// One rank's share of the start state besides the masters: its cut of the optimizer buffers.
+pub struct StartCut {
+    pub optim: Option<(u64, OptimBuffers)>,
+    pub applied: u64,
+    pub skipped: u64,
+    pub scaler: Option<serde_json::Value>,
+}
+
+impl Start {
+    /// Rank `r`'s cut: the optimizer buffers over `plan.optim_range(r)`.
+    pub fn cut(&self, plan: &Plan, r: usize) -> StartCut {
+        let range = plan.optim_range(r);
+        let optim = self.optim.as_ref().map(|(steps, bufs)| {
+            (*steps, bufs.iter().map(|(n, b)| (n.clone(), b.get(range.clone()).map(<[f32]>::to_vec).unwrap_or_default())).collect())
+        });
+        StartCut { optim, applied: self.applied, skipped: self.skipped, scaler: self.scaler.clone() }
+    }
+}
+
+/// The part of the flat buffer whose masters a rank is sent to start: today the whole buffer,
+/// because what `RankState::new` reads beyond the rank's own ranges depends on the ZeRO-3 unit
+/// policy (persistent units are held whole by every rank). A start-up cost only: N × 4Ψ bytes
+/// over loopback.
+pub fn master_window(plan: &Plan, _r: usize) -> std::ops::Range<usize> {
+    0..plan.total()
+}
+
+/// Rank `r`'s state from full-length masters (only [`master_window`] is read) and its cut.
+pub fn rank_state(cfg: &Config, plan: &Plan, r: usize, master: &[f32], cut: &StartCut) -> Result<RankState> {
+    let mut scaler = bridge::loss_scaler(&cfg.precision)?;
+    if let (Some(sc), Some(v)) = (scaler.as_mut(), &cut.scaler) {
+        bridge::scaler_from_json(sc, v)?;
+    }
+    let mut st = RankState::new(plan, r, master, scaler);
+    st.applied = cut.applied;
+    st.skipped = cut.skipped;
+    if let Some((steps, bufs)) = &cut.optim {
+        let mine: Vec<(&str, Vec<f32>)> = bufs.iter().map(|(n, b)| (n.as_str(), b.clone())).collect();
+        st.optim.load_state(*steps, &mine).context("checkpoint optimizer state")?;
+    }
+    Ok(st)
+}
+
+/// One `RankState` per rank, cut from the full-length start buffers.
+pub fn rank_states(cfg: &Config, plan: &Plan, start: &Start) -> Result<Vec<Arc<Mutex<RankState>>>> {
+    (0..plan.world).map(|r| Ok(Arc::new(Mutex::new(rank_state(cfg, plan, r, &start.master, &start.cut(plan, r))?)))).collect()
+}
+
+/// The ranks of a run, as the driver sees them between steps.
+pub enum Ranks {
+    InProcess(Vec<Arc<Mutex<RankState>>>),
+    Remote(Procs),
+}
+
+fn lock(st: &Mutex<RankState>) -> MutexGuard<'_, RankState> {
+    st.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The ranks whose masters, concatenated in rank order, make the full buffer.
+fn owners(plan: &Plan) -> Vec<usize> {
+    if plan.stage == 0 {
+        vec![0]
+    } else {
+        (0..plan.world).collect()
+    }
+}
+
+impl Ranks {
+    /// Full-length masters and optimizer buffers, gathered from the ranks (between steps).
+    pub fn assemble(&self, plan: &Plan) -> Result<(Vec<f32>, OptimBuffers, RankCounters)> {
+        let mut master = Vec::with_capacity(plan.total());
+        let mut bufs: OptimBuffers = Vec::new();
+        let mut append = |m: &[f32], optim: Vec<(&str, &[f32])>| {
+            master.extend_from_slice(m);
+            for (i, (name, b)) in optim.into_iter().enumerate() {
+                if bufs.len() <= i {
+                    bufs.push((name.to_string(), Vec::with_capacity(plan.total())));
+                }
+                bufs[i].1.extend_from_slice(b);
+            }
+        };
+        let counters = match self {
+            Ranks::InProcess(states) => {
+                for r in owners(plan) {
+                    let st = lock(&states[r]);
+                    append(&st.master, st.optim.state_buffers());
+                }
+                let st = lock(&states[0]);
+                RankCounters {
+                    optimizer_steps: st.optim.step_count(),
+                    applied: st.applied,
+                    skipped: st.skipped,
+                    scaler: st.scaler.as_ref().map(bridge::scaler_to_json),
+                }
+            }
+            Ranks::Remote(procs) => {
+                let mut first = None;
+                for r in owners(plan) {
+                    let (m, optim, c) = procs.export(r, plan)?;
+                    append(&m, optim.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect());
+                    first.get_or_insert(c);
+                }
+                first.context("no rank exported its state")?
+            }
+        };
+        Ok((master, bufs, counters))
+    }
+
+    /// Every rank's collective bytes sent so far.
+    pub fn bytes_sent_totals(&self) -> Vec<u64> {
+        match self {
+            Ranks::InProcess(states) => states.iter().map(|st| lock(st).bytes_sent_total).collect(),
+            Ranks::Remote(procs) => procs.snapshots().iter().map(|s| s.bytes_sent_total).collect(),
+        }
+    }
+
+    /// Rank 0's applied-step count and loss scale (alike on every rank).
+    pub fn applied_and_scale(&self) -> (u64, Option<f32>) {
+        match self {
+            Ranks::InProcess(states) => {
+                let st = lock(&states[0]);
+                (st.applied, st.scaler.as_ref().map(|s| s.scale()))
+            }
+            Ranks::Remote(procs) => {
+                let s = procs.snapshots().first().copied().unwrap_or_default();
+                (s.applied, s.scale_bits.map(f32::from_bits))
+            }
+        }
+    }
+
+    /// Every rank's memory report, in rank order.
+    pub fn memory(&self) -> Vec<MemoryReport> {
+        match self {
+            Ranks::InProcess(states) => states.iter().enumerate().map(|(r, st)| lock(st).memory(r)).collect(),
+            Ranks::Remote(procs) => procs.snapshots().iter().enumerate().map(|(r, s)| s.memory.report(r)).collect(),
+        }
+    }
+
+    /// Ends the ranks: worker processes leave their group and exit (checked); threads need nothing.
+    pub fn close(self) -> Result<()> {
+        match self {
+            Ranks::InProcess(_) => Ok(()),
+            Ranks::Remote(procs) => procs.close(),
+        }
+    }
+}

@@ -1,0 +1,341 @@
+//! The control protocol between `tessera train --nprocs N` and its worker processes: the
+//! messages, their framing on a local TCP stream, and bounded reads.
+//!
+//! A frame is a little-endian `u32` length and that many bytes of JSON (serde), at most
+//! [`FRAME_BYTES_MAX`]; a message that does not parse as the expected enum is an error, never a
+//! panic. Floating-point values travel as their bit patterns so that NaN and infinities survive.
+//! Bulk state (the start state sent to a worker, the masters and optimizer buffers a worker
+//! exports between steps) is the one exception to "small messages": a header frame announces
+//! each buffer's length and a CRC32C, then the raw little-endian `f32` bytes follow on the same
+//! stream (a TCP connection is one ordered stream; control replies never interleave with them
+//! because each rank's exchange is strictly request → reply).
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use tessera_actors::compute::{MemoryReport, Prepared, StepOrder};
+
+/// Largest control frame accepted (bytes).
+pub const FRAME_BYTES_MAX: usize = 1 << 20;
+/// How often a blocked read wakes up to check its deadline and liveness (ms).
+pub const POLL_MS: u64 = 100;
+
+/// Why a control exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("the peer closed the control connection")]
+    Closed,
+    #[error("no {what} within {waited_ms} ms")]
+    Timeout { what: String, waited_ms: u64 },
+    #[error("control connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("control frame of {bytes} bytes exceeds the limit of {FRAME_BYTES_MAX}")]
+    TooLarge { bytes: usize },
+    #[error("malformed control message (expected {expected}): {detail}")]
+    Malformed { expected: &'static str, detail: String },
+    #[error("bulk buffer `{name}`: {detail}")]
+    Bulk { name: String, detail: String },
+}
+
+/// A rank's bytes held, as [`MemoryReport`] without the rank.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WireMemory {
+    pub param_bytes: u64,
+    pub grad_bytes: u64,
+    pub optim_bytes: u64,
+}
+
+impl WireMemory {
+    pub fn from_report(m: &MemoryReport) -> Self {
+        WireMemory { param_bytes: m.param_bytes, grad_bytes: m.grad_bytes, optim_bytes: m.optim_bytes }
+    }
+
+    pub fn report(&self, rank: usize) -> MemoryReport {
+        MemoryReport { rank, param_bytes: self.param_bytes, grad_bytes: self.grad_bytes, optim_bytes: self.optim_bytes }
+    }
+}
+
+/// What a worker holds after each reply: enough for the driver's per-step figures.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Snapshot {
+    pub memory: WireMemory,
+    pub applied: u64,
+    pub skipped: u64,
+    /// The loss scale's f32 bits, when a loss scaler runs.
+    pub scale_bits: Option<u32>,
+    pub bytes_sent_total: u64,
+}
+
+/// [`Prepared`] with floats as bits.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WirePrepared {
+    pub loss_sum_bits: u64,
+    pub micro_batches: u64,
+    pub grad_norm_bits: Option<u64>,
+    pub overflow: bool,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub compute_s_bits: u64,
+}
+
+impl WirePrepared {
+    pub fn new(p: &Prepared) -> Self {
+        WirePrepared {
+            loss_sum_bits: p.loss_sum.to_bits(),
+            micro_batches: p.micro_batches as u64,
+            grad_norm_bits: p.grad_norm.map(f64::to_bits),
+            overflow: p.overflow,
+            bytes_sent: p.bytes_sent,
+            bytes_received: p.bytes_received,
+            compute_s_bits: p.compute_s.to_bits(),
+        }
+    }
+
+    pub fn prepared(&self) -> Prepared {
+        Prepared {
+            loss_sum: f64::from_bits(self.loss_sum_bits),
+            micro_batches: self.micro_batches as usize,
+            grad_norm: self.grad_norm_bits.map(f64::from_bits),
+            overflow: self.overflow,
+            bytes_sent: self.bytes_sent,
+            bytes_received: self.bytes_received,
+            compute_s: f64::from_bits(self.compute_s_bits),
+        }
+    }
+}
+
+/// One bulk buffer announced in a header: its name, length in f32 values and CRC32C of its bytes.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct BulkDesc {
+    pub name: String,
+    pub len: u64,
+    pub crc32c: u32,
+}
+
+/// The counters that travel with a rank's state (start state and export).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct StateCounters {
+    /// Optimizer steps (`None` in a start state: a fresh optimizer).
+    pub optimizer_steps: Option<u64>,
+    pub applied: u64,
+    pub skipped: u64,
+    pub scaler: Option<serde_json::Value>,
+}
+
+/// Parent → worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ToWorker {
+    /// Every rank's QUIC address, in rank order.
+    Mesh {
+        addrs: Vec<String>,
+    },
+    /// The start state: `master_start` is where the master window begins in the flat buffer;
+    /// the buffers follow as bulk (first `master`, then the optimizer buffers of the rank's range).
+    Start {
+        master_start: u64,
+        counters: StateCounters,
+        buffers: Vec<BulkDesc>,
+    },
+    Prepare {
+        step: u64,
+        epoch: u64,
+        attempt: u32,
+    },
+    Commit {
+        step: u64,
+    },
+    Abandon {
+        step: u64,
+    },
+    /// Send masters + optimizer buffers (bulk) and counters.
+    Export,
+    /// Leave the QUIC group and exit.
+    Shutdown,
+}
+
+/// Worker → parent.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ToParent {
+    Hello {
+        rank: u64,
+        pid: u32,
+        quic_addr: String,
+        config_hash: String,
+    },
+    Ready {
+        snapshot: Snapshot,
+    },
+    Prepared {
+        prepared: WirePrepared,
+        snapshot: Snapshot,
+    },
+    Committed {
+        snapshot: Snapshot,
+    },
+    Abandoned,
+    /// Followed by the bulk buffers (first `master`, then optimizer buffers).
+    Exported {
+        counters: StateCounters,
+        buffers: Vec<BulkDesc>,
+    },
+    /// The request failed on the worker (the step is then abandoned by the driver).
+    Failed {
+        error: String,
+    },
+}
+
+impl ToWorker {
+    pub fn prepare(order: &StepOrder) -> Self {
+        ToWorker::Prepare { step: order.step, epoch: order.epoch, attempt: order.attempt }
+    }
+}
+
+/// Writes one message frame.
+pub fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> Result<(), WireError> {
+    let body = serde_json::to_vec(msg).map_err(|e| WireError::Malformed { expected: "a serialisable message", detail: e.to_string() })?;
+    if body.len() > FRAME_BYTES_MAX {
+        return Err(WireError::TooLarge { bytes: body.len() });
+    }
+    let mut frame = Vec::with_capacity(body.len() + 4);
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&body);
+    stream.write_all(&frame)?;
+    stream.flush()?;
+    Ok(())
+}
+
+/// When a read gives up: a deadline, and a liveness check run on every poll (`Err` stops it).
+pub struct Wait<'a> {
+    pub what: &'a str,
+    pub deadline: Option<Instant>,
+    pub alive: &'a dyn Fn() -> Result<(), WireError>,
+}
+
+impl Wait<'_> {
+    fn tick(&self, started: Instant) -> Result<(), WireError> {
+        (self.alive)()?;
+        match self.deadline {
+            Some(d) if Instant::now() >= d => {
+                Err(WireError::Timeout { what: self.what.to_string(), waited_ms: started.elapsed().as_millis() as u64 })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Fills `buf` completely, polling every [`POLL_MS`] (the stream's read timeout is set here).
+fn read_full(stream: &mut TcpStream, buf: &mut [u8], wait: &Wait<'_>) -> Result<(), WireError> {
+    stream.set_read_timeout(Some(Duration::from_millis(POLL_MS)))?;
+    let started = Instant::now();
+    let mut got = 0;
+    while got < buf.len() {
+        match stream.read(&mut buf[got..]) {
+            Ok(0) => return Err(WireError::Closed),
+            Ok(n) => got += n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => wait.tick(started)?,
+            Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted) => return Err(WireError::Closed),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Reads one message frame and parses it as `T`.
+pub fn recv<T: DeserializeOwned>(stream: &mut TcpStream, expected: &'static str, wait: &Wait<'_>) -> Result<T, WireError> {
+    let mut len = [0u8; 4];
+    read_full(stream, &mut len, wait)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > FRAME_BYTES_MAX {
+        return Err(WireError::TooLarge { bytes: len });
+    }
+    let mut body = vec![0u8; len];
+    read_full(stream, &mut body, wait)?;
+    serde_json::from_slice(&body).map_err(|e| WireError::Malformed { expected, detail: e.to_string() })
+}
+
+/// Describes `bufs` for a header (name, length, CRC32C).
+pub fn describe(bufs: &[(&str, &[f32])]) -> Vec<BulkDesc> {
+    bufs.iter()
+        .map(|(name, b)| BulkDesc { name: name.to_string(), len: b.len() as u64, crc32c: crc32c::crc32c(bytemuck::cast_slice(b)) })
+        .collect()
+}
+
+/// Writes the raw bytes of `bufs` (after their header).
+pub fn send_bulk(stream: &mut TcpStream, bufs: &[&[f32]]) -> Result<(), WireError> {
+    for b in bufs {
+        stream.write_all(bytemuck::cast_slice(b))?;
+    }
+    stream.flush()?;
+    Ok(())
+}
+
+/// Reads the buffers a header announced; `len_max` bounds each (the receiver knows its plan).
+pub fn recv_bulk(stream: &mut TcpStream, descs: &[BulkDesc], len_max: usize, wait: &Wait<'_>) -> Result<Vec<Vec<f32>>, WireError> {
+    descs
+        .iter()
+        .map(|d| {
+            let bulk = |detail: String| WireError::Bulk { name: d.name.clone(), detail };
+            let len = usize::try_from(d.len)
+                .ok()
+                .filter(|&n| n <= len_max)
+                .ok_or_else(|| bulk(format!("{} values, at most {len_max} expected", d.len)))?;
+            let mut v = vec![0.0f32; len];
+            read_full(stream, bytemuck::cast_slice_mut(&mut v), wait)?;
+            let crc = crc32c::crc32c(bytemuck::cast_slice(&v));
+            if crc != d.crc32c {
+                return Err(bulk(format!("CRC32C {crc:#010x}, header says {:#010x}", d.crc32c)));
+            }
+            Ok(v)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let a = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
+        let (b, _) = l.accept().expect("accept");
+        (a, b)
+    }
+
+    fn wait(ms: u64) -> Wait<'static> {
+        Wait { what: "a test message", deadline: Some(Instant::now() + Duration::from_millis(ms)), alive: &|| Ok(()) }
+    }
+
+    #[test]
+    fn messages_and_bulk_round_trip_with_nan_intact() {
+        let (mut a, mut b) = pair();
+        let p = Prepared { loss_sum: f64::NAN, grad_norm: Some(f64::INFINITY), micro_batches: 3, ..Prepared::default() };
+        send(&mut a, &ToParent::Prepared { prepared: WirePrepared::new(&p), snapshot: Snapshot::default() }).expect("send");
+        let data = [1.5f32, -0.0, f32::NAN];
+        send(&mut a, &ToParent::Exported { counters: StateCounters::default(), buffers: describe(&[("master", &data)]) }).expect("send");
+        send_bulk(&mut a, &[&data]).expect("bulk");
+        let Ok(ToParent::Prepared { prepared, .. }) = recv(&mut b, "a reply", &wait(5000)) else { panic!("not Prepared") };
+        let back = prepared.prepared();
+        assert!(back.loss_sum.is_nan() && back.grad_norm == Some(f64::INFINITY) && back.micro_batches == 3);
+        let Ok(ToParent::Exported { buffers, .. }) = recv(&mut b, "a reply", &wait(5000)) else { panic!("not Exported") };
+        let got = recv_bulk(&mut b, &buffers, 16, &wait(5000)).expect("bulk");
+        assert_eq!(bytemuck::cast_slice::<f32, u32>(&got[0]), bytemuck::cast_slice::<f32, u32>(&data));
+    }
+
+    #[test]
+    fn malformed_oversized_and_silent_peers_are_errors() {
+        let (mut a, mut b) = pair();
+        a.write_all(&5u32.to_le_bytes()).and_then(|()| a.write_all(b"nope!")).expect("write");
+        assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(5000)), Err(WireError::Malformed { .. })));
+        a.write_all(&(FRAME_BYTES_MAX as u32 + 1).to_le_bytes()).expect("write");
+        assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(5000)), Err(WireError::TooLarge { .. })));
+        assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(300)), Err(WireError::Timeout { .. })));
+        let descs = vec![BulkDesc { name: "m".into(), len: 1000, crc32c: 0 }];
+        assert!(matches!(recv_bulk(&mut b, &descs, 10, &wait(300)), Err(WireError::Bulk { .. })));
+        drop(a);
+        assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(5000)), Err(WireError::Closed)));
+    }
+}
