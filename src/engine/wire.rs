@@ -245,15 +245,38 @@ fn read_full(stream: &mut TcpStream, buf: &mut [u8], wait: &Wait<'_>) -> Result<
 
 /// Reads one message frame and parses it as `T`.
 pub fn recv<T: DeserializeOwned>(stream: &mut TcpStream, expected: &'static str, wait: &Wait<'_>) -> Result<T, WireError> {
-    let mut len = [0u8; 4];
-    read_full(stream, &mut len, wait)?;
-    let len = u32::from_le_bytes(len) as usize;
+    let mut prefix = [0u8; 4];
+    read_full(stream, &mut prefix, wait)?;
+    let len = frame_len(prefix)?;
+    let mut body = vec![0u8; len];
+    read_full(stream, &mut body, wait)?;
+    decode_body(&body, expected)
+}
+
+/// The body length a frame's 4-byte prefix announces, checked against [`FRAME_BYTES_MAX`].
+fn frame_len(prefix: [u8; 4]) -> Result<usize, WireError> {
+    let len = u32::from_le_bytes(prefix) as usize;
     if len > FRAME_BYTES_MAX {
         return Err(WireError::TooLarge { bytes: len });
     }
-    let mut body = vec![0u8; len];
-    read_full(stream, &mut body, wait)?;
-    serde_json::from_slice(&body).map_err(|e| WireError::Malformed { expected, detail: e.to_string() })
+    Ok(len)
+}
+
+/// Parses a frame body (JSON) as `T`.
+fn decode_body<T: DeserializeOwned>(body: &[u8], expected: &'static str) -> Result<T, WireError> {
+    serde_json::from_slice(body).map_err(|e| WireError::Malformed { expected, detail: e.to_string() })
+}
+
+/// Decodes one frame from the front of `bytes` exactly as [`recv`] does from a stream (a short
+/// input is [`WireError::Closed`]); returns the message and the bytes after it. For the fuzzers
+/// (`fuzz/` includes this file by path, so the engine itself never calls it).
+#[doc(hidden)]
+#[allow(dead_code)]
+pub fn decode_for_fuzz<'a, T: DeserializeOwned>(bytes: &'a [u8], expected: &'static str) -> Result<(T, &'a [u8]), WireError> {
+    let (prefix, rest) = bytes.split_first_chunk::<4>().ok_or(WireError::Closed)?;
+    let len = frame_len(*prefix)?;
+    let (body, rest) = rest.split_at_checked(len).ok_or(WireError::Closed)?;
+    Ok((decode_body(body, expected)?, rest))
 }
 
 /// Describes `bufs` for a header (name, length, CRC32C).
@@ -337,5 +360,19 @@ mod tests {
         assert!(matches!(recv_bulk(&mut b, &descs, 10, &wait(300)), Err(WireError::Bulk { .. })));
         drop(a);
         assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(5000)), Err(WireError::Closed)));
+    }
+
+    #[test]
+    fn slice_decoding_matches_the_stream_rules() {
+        let body = br#"{"Prepare":{"step":4,"epoch":1,"attempt":0}}"#;
+        let mut bytes = (body.len() as u32).to_le_bytes().to_vec();
+        bytes.extend_from_slice(body);
+        bytes.push(7);
+        let (msg, rest) = decode_for_fuzz::<ToWorker>(&bytes, "a request").expect("decodes");
+        assert!(matches!(msg, ToWorker::Prepare { step: 4, epoch: 1, attempt: 0 }) && rest == [7]);
+        assert!(matches!(decode_for_fuzz::<ToWorker>(&bytes[..10], "a request"), Err(WireError::Closed)));
+        let huge = (FRAME_BYTES_MAX as u32 + 1).to_le_bytes();
+        assert!(matches!(decode_for_fuzz::<ToWorker>(&huge, "a request"), Err(WireError::TooLarge { .. })));
+        assert!(matches!(decode_for_fuzz::<ToParent>(&bytes, "a reply"), Err(WireError::Malformed { .. })));
     }
 }

@@ -26,6 +26,8 @@ pub const FRAME_BYTES_MAX: usize = 1 << 20;
 pub const CHUNK_BYTES_MAX: usize = 1 << 20;
 /// Largest payload of one message, in bytes (16 GiB).
 pub const MESSAGE_BYTES_MAX: u64 = 1 << 34;
+/// Most payload memory reserved before any chunk arrived (larger payloads grow as chunks come).
+const PREALLOC_BYTES_MAX: usize = 1 << 26;
 
 /// Element type of a payload: 0 = f32, 1 = f64.
 pub const ELEM_F32: u8 = 0;
@@ -177,43 +179,44 @@ async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, elem: u8, elems: u64) -> 
     if total > MESSAGE_BYTES_MAX {
         return Err(FrameError::Oversized { what: "payload", bytes: total, limit: MESSAGE_BYTES_MAX });
     }
-    let n = elems as usize;
     match elem {
-        ELEM_F32 => {
-            let mut v = vec![0f32; n];
-            read_chunks(r, bytemuck::cast_slice_mut(&mut v), size).await?;
-            Ok(Payload::F32(v))
-        }
-        _ => {
-            let mut v = vec![0f64; n];
-            read_chunks(r, bytemuck::cast_slice_mut(&mut v), size).await?;
-            Ok(Payload::F64(v))
-        }
+        ELEM_F32 => Ok(Payload::F32(read_chunks(r, elems).await?)),
+        _ => Ok(Payload::F64(read_chunks(r, elems).await?)),
     }
 }
 
-/// Fills `dst` from checksummed chunks.
-async fn read_chunks<R: AsyncRead + Unpin>(r: &mut R, dst: &mut [u8], size: usize) -> Result<(), FrameError> {
-    let mut at = 0;
+/// How many elements to reserve before the first chunk of a `total_bytes` payload arrives.
+fn reserve_elems(total_bytes: usize, size: usize) -> usize {
+    total_bytes.min(PREALLOC_BYTES_MAX) / size
+}
+
+/// Reads `elems` values of `T` from checksummed chunks, straight into the (aligned) result.
+/// The result grows only as chunks arrive (at most [`PREALLOC_BYTES_MAX`] reserved up front), so a
+/// header announcing a huge payload cannot make the receiver allocate memory it never fills.
+async fn read_chunks<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
+    let size = std::mem::size_of::<T>();
+    let total_bytes = elems as usize * size; // ≤ MESSAGE_BYTES_MAX, checked by the caller
+    let mut out: Vec<T> = Vec::with_capacity(reserve_elems(total_bytes, size));
     let mut index = 0u64;
-    while at < dst.len() {
+    while out.len() * size < total_bytes {
         let len = read_u32(r, "a chunk length").await? as usize;
         let want = read_u32(r, "a chunk checksum").await?;
-        let left = dst.len() - at;
+        let left = total_bytes - out.len() * size;
         if len == 0 || len > CHUNK_BYTES_MAX || len > left || len % size != 0 {
             let detail = format!("length {len} (limit {CHUNK_BYTES_MAX}, {left} bytes left, element size {size})");
             return Err(FrameError::BadChunk { index, detail });
         }
-        let chunk = &mut dst[at..at + len];
+        let at = out.len();
+        out.resize(at + len / size, T::zeroed());
+        let chunk: &mut [u8] = bytemuck::cast_slice_mut(&mut out[at..]);
         read_exact(r, chunk, "a chunk").await?;
         let got = crc32c::crc32c(chunk);
         if got != want {
             return Err(FrameError::Checksum { index, got, want });
         }
-        at += len;
         index += 1;
     }
-    Ok(())
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -302,5 +305,20 @@ mod tests {
         assert!(matches!(decode(&longer), Err(FrameError::Trailing { extra: 1 })));
         let bad_elem = Control::Data { key: Key::Desc { seq: 0 }, elem: 9, elems: 1 };
         assert!(matches!(decode(&encode(&bad_elem, &[0; 4])), Err(FrameError::Malformed { .. })));
+    }
+
+    /// Found by `fuzz/` (quic_frame): a header-only message announcing gigabytes of f32 values made
+    /// the receiver allocate gigabytes before reading a single chunk.
+    #[test]
+    fn a_huge_announced_payload_without_chunks_allocates_little() {
+        let huge = Control::Data { key: Key::Coll { seq: 1, step: 0 }, elem: ELEM_F32, elems: MESSAGE_BYTES_MAX / 4 };
+        let mut wire = encode(&huge, &[]);
+        assert!(matches!(decode(&wire), Err(FrameError::Truncated { what: "a chunk length" })));
+        wire.extend_from_slice(&8u32.to_le_bytes());
+        wire.extend_from_slice(&crc32c::crc32c(&[0; 8]).to_le_bytes());
+        wire.extend_from_slice(&[0; 8]);
+        assert!(matches!(decode(&wire), Err(FrameError::Truncated { what: "a chunk length" })));
+        assert_eq!(reserve_elems(MESSAGE_BYTES_MAX as usize, 4) * 4, PREALLOC_BYTES_MAX);
+        assert_eq!(reserve_elems(12, 4), 3);
     }
 }
