@@ -9,7 +9,7 @@ use tessera_kernels::tensor::Rng;
 
 use crate::checkpoint::{self, CheckpointState, Gpt2ExportConfig};
 use crate::config::{self, Config, ResolveContext};
-use crate::data::Codec;
+use crate::data::{self, Codec};
 use crate::engine::{self, TrainOptions};
 use crate::zoo;
 
@@ -173,11 +173,34 @@ pub fn sample(logits: &mut [f32], temperature: f32, top_k: usize, rng: &mut Rng)
     idx[idx.len() - 1] as u32
 }
 
+/// The tokenizer to decode a checkpoint's tokens with: the one it was trained with (recorded in
+/// the manifest) unless `given`, which must then be the same file (by blake3).
+fn tokenizer_for(ck: &CheckpointState, given: Option<&Path>) -> Result<Option<PathBuf>> {
+    let recorded = ck.extra.get("tokenizer").cloned().unwrap_or_default();
+    let Some(given) = given else {
+        let path = recorded.get("path").and_then(serde_json::Value::as_str).map(PathBuf::from);
+        if let Some(p) = &path {
+            if !p.exists() {
+                bail!(
+                    "the checkpoint was trained with {}, which is gone; pass --tokenizer with a copy of it",
+                    data::describe_record(&recorded)
+                );
+            }
+        }
+        return Ok(path);
+    };
+    let now = data::tokenizer_record(Some(given))?;
+    if recorded.get("blake3") != now.get("blake3") {
+        bail!("--tokenizer {} is not what the checkpoint was trained with ({})", given.display(), data::describe_record(&recorded));
+    }
+    Ok(Some(given.to_path_buf()))
+}
+
 /// `tessera generate`.
 pub fn generate(o: &GenerateOpts) -> Result<()> {
     let ck = load_checkpoint(&o.checkpoint)?;
     let (model, params) = model_from_checkpoint(&ck)?;
-    let codec = Codec::open(o.tokenizer.as_deref()).context("opening the tokenizer")?;
+    let codec = Codec::open(tokenizer_for(&ck, o.tokenizer.as_deref())?.as_deref()).context("opening the tokenizer")?;
     if codec.vocab_size() > model.cfg.vocab_size {
         bail!("tokenizer vocabulary ({}) is larger than the model's ({})", codec.vocab_size(), model.cfg.vocab_size);
     }

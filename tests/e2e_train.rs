@@ -145,3 +145,41 @@ fn fp16_overflow_skips_steps_and_lowers_the_scale() {
         .collect();
     assert!(scales.len() == 6 && scales[5] < scales[0], "the loss scale should fall: {scales:?}");
 }
+
+/// A tiny byte-level BPE: "hello" is one token, " wo" merges, the rest are single letters.
+const TINY_BPE: &str = r#"{
+  "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+  "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+  "post_processor": null,
+  "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+  "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+    "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+    "vocab": {"h": 0, "e": 1, "l": 2, "o": 3, "Ġ": 4, "w": 5, "r": 6, "d": 7, "Ċ": 8,
+              "he": 9, "ll": 10, "hell": 11, "hello": 12, "Ġw": 13, "Ġwo": 14},
+    "merges": ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o"]}
+}"#;
+
+#[test]
+fn the_training_tokenizer_is_recorded_and_enforced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let tok = write(tmp.path(), "tokenizer.json", TINY_BPE);
+    let data = write(tmp.path(), "hello.txt", &"hello world\nhello hello world\n".repeat(400));
+    let out = tmp.path().join("run");
+    let mut a = train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "2");
+    a.extend_from_slice(&["--data", data.to_str().unwrap(), "--tokenizer", tok.to_str().unwrap()]);
+    ok(&a, tmp.path());
+    let ckpt = out.join("checkpoints");
+    // Without --tokenizer, generate decodes with the recorded one: only the tokenizer's letters.
+    let text = ok(&["generate", "--checkpoint", ckpt.to_str().unwrap(), "--prompt", "hello", "--tokens", "12"], tmp.path());
+    let first = text.lines().next().unwrap_or_default();
+    assert!(first.starts_with("hello") && first.chars().all(|c| "helowrd \n".contains(c)), "{text}");
+    // Another tokenizer (same vocabulary size, two ids swapped) is refused by generate and resume.
+    let other = write(tmp.path(), "other.json", &TINY_BPE.replace(r#""r": 6, "d": 7"#, r#""r": 7, "d": 6"#));
+    let text = fails(&["generate", "--checkpoint", ckpt.to_str().unwrap(), "--tokenizer", other.to_str().unwrap()], tmp.path());
+    assert!(text.contains("not what the checkpoint was trained with"), "{text}");
+    let mut r = train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "4");
+    r.extend_from_slice(&["--data", data.to_str().unwrap(), "--tokenizer", other.to_str().unwrap(), "--resume", ckpt.to_str().unwrap()]);
+    let text = fails(&r, tmp.path());
+    assert!(text.contains("was trained on tokenizer"), "{text}");
+}

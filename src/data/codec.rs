@@ -102,3 +102,21 @@ impl Codec {
         }
     }
 }
+
+/// What a checkpoint records about the token source: `null` for byte-level text, else the
+/// tokenizer file's absolute path and blake3 (so `generate` and `--resume` use the same one).
+pub fn tokenizer_record(tokenizer: Option<&Path>) -> Result<serde_json::Value, DataError> {
+    let Some(path) = tokenizer else { return Ok(serde_json::Value::Null) };
+    let bytes =
+        std::fs::read(path).map_err(|source| DataError::Io { path: path.to_path_buf(), action: "reading the tokenizer", source })?;
+    let abs = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    Ok(serde_json::json!({ "path": abs.display().to_string(), "blake3": blake3::hash(&bytes).to_hex().to_string() }))
+}
+
+/// Describes a [`tokenizer_record`] for error messages.
+pub fn describe_record(v: &serde_json::Value) -> String {
+    match v.get("path").and_then(serde_json::Value::as_str) {
+        Some(p) => format!("tokenizer {p}"),
+        None => "byte-level tokens (no tokenizer)".to_string(),
+    }
+}

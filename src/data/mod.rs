@@ -17,7 +17,7 @@ mod tests;
 
 use std::path::PathBuf;
 
-pub use codec::{decode_bytes, Codec, BYTE_VOCAB_SIZE};
+pub use codec::{decode_bytes, describe_record, tokenizer_record, Codec, BYTE_VOCAB_SIZE};
 pub use error::DataError;
 pub use load::load;
 pub use sampler::{val_batches, Sampler, SamplerState, TokenBatch};

@@ -63,6 +63,16 @@ fn resume_start(cfg: &Config, plan: &Plan, dir: &Path) -> Result<Start> {
     if ck.model != cfg.tessera.model {
         bail!("checkpoint {} holds model `{}` but the config asks for `{}`", path.display(), ck.model, cfg.tessera.model);
     }
+    let (was, now) =
+        (ck.extra.get("tokenizer").cloned().unwrap_or_default(), data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?);
+    if was.get("blake3") != now.get("blake3") {
+        bail!(
+            "checkpoint {} was trained on {}, but this run uses {}",
+            path.display(),
+            data::describe_record(&was),
+            data::describe_record(&now)
+        );
+    }
     let mut master = vec![0.0; plan.total()];
     for spec in plan.model.layout().specs() {
         let t = ck
@@ -167,6 +177,7 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
             "loss_scaler": c.scaler,
             "world_size": plan.world,
             "zero_stage": plan.stage,
+            "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
         }),
         params,
         optim,
