@@ -20,10 +20,6 @@ pub fn precision(p: &Precision) -> Precision16 {
     }
 }
 
-pub fn base_lr(o: &OptimizerConfig) -> f32 {
-    o.lr()
-}
-
 pub fn optimizer_kind(o: &OptimizerConfig) -> OptimizerKind {
     match *o {
         OptimizerConfig::Adam { lr, betas, eps, weight_decay, adam_w_mode, bias_correction } => {

@@ -146,18 +146,9 @@ fn fp16_overflow_skips_steps_and_lowers_the_scale() {
     assert!(scales.len() == 6 && scales[5] < scales[0], "the loss scale should fall: {scales:?}");
 }
 
-/// A tiny byte-level BPE: "hello" is one token, " wo" merges, the rest are single letters.
-const TINY_BPE: &str = r#"{
-  "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
-  "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-  "post_processor": null,
-  "decoder": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-  "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-    "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-    "vocab": {"h": 0, "e": 1, "l": 2, "o": 3, "Ġ": 4, "w": 5, "r": 6, "d": 7, "Ċ": 8,
-              "he": 9, "ll": 10, "hell": 11, "hello": 12, "Ġw": 13, "Ġwo": 14},
-    "merges": ["h e", "l l", "he ll", "hell o", "Ġ w", "Ġw o"]}
-}"#;
+/// A tiny byte-level BPE: "hello" is one token, " wo" merges, the rest are single letters
+/// (shared with the data module's tests).
+const TINY_BPE: &str = include_str!("fixtures/tiny_bpe.json");
 
 #[test]
 fn the_training_tokenizer_is_recorded_and_enforced() {

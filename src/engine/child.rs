@@ -92,10 +92,12 @@ fn recv_start(stream: &mut TcpStream, cfg: &crate::config::Config, plan: &Plan, 
     rank_state(cfg, plan, rank, &master, &cut)
 }
 
-/// Sends this rank's masters, optimizer buffers and counters.
-fn export(stream: &mut TcpStream, st: &RankState) -> Result<(), WireError> {
+/// Sends this rank's masters, its optimizer buffers when asked, and counters.
+fn export(stream: &mut TcpStream, st: &RankState, optim: bool) -> Result<(), WireError> {
     let mut bufs: Vec<(&str, &[f32])> = vec![("master", &st.master)];
-    bufs.extend(st.optim.state_buffers());
+    if optim {
+        bufs.extend(st.optim.state_buffers());
+    }
     let counters = StateCounters {
         optimizer_steps: Some(st.optim.step_count()),
         applied: st.applied,
@@ -122,8 +124,8 @@ fn serve_one(msg: ToWorker, stream: &mut TcpStream, worker: &mut ZeroWorker, sta
             worker.abandon(step);
             ToParent::Abandoned
         }
-        ToWorker::Export => {
-            export(stream, &state.lock().unwrap_or_else(|p| p.into_inner()))?;
+        ToWorker::Export { optim } => {
+            export(stream, &state.lock().unwrap_or_else(|p| p.into_inner()), optim)?;
             return Ok(true);
         }
         ToWorker::Shutdown => return Ok(false),

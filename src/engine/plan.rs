@@ -125,7 +125,7 @@ impl Plan {
             ranges: partition(model.num_params(), world, NORM_BLOCK),
             blocks: assign_blocks(micro_batches, &vec![1.0; world]),
             flat,
-            base_lr: bridge::base_lr(&cfg.optimizer),
+            base_lr: cfg.optimizer.lr(),
             world,
             stage,
             clip: cfg.gradient_clipping,

@@ -103,8 +103,9 @@ fn owners(plan: &Plan) -> Vec<usize> {
 }
 
 impl Ranks {
-    /// Full-length masters and optimizer buffers, gathered from the ranks (between steps).
-    pub fn assemble(&self, plan: &Plan) -> Result<(Vec<f32>, OptimBuffers, RankCounters)> {
+    /// Full-length masters and, with `with_optim`, optimizer buffers (empty otherwise: evaluation
+    /// and the final hash need only the masters), gathered from the ranks between steps.
+    pub fn assemble(&self, plan: &Plan, with_optim: bool) -> Result<(Vec<f32>, OptimBuffers, RankCounters)> {
         let mut master = Vec::with_capacity(plan.total());
         let mut bufs: OptimBuffers = Vec::new();
         let mut append = |m: &[f32], optim: Vec<(&str, &[f32])>| {
@@ -120,7 +121,7 @@ impl Ranks {
             Ranks::InProcess(states) => {
                 for r in owners(plan) {
                     let st = lock(&states[r]);
-                    append(&st.master, st.optim.state_buffers());
+                    append(&st.master, if with_optim { st.optim.state_buffers() } else { Vec::new() });
                 }
                 let st = lock(&states[0]);
                 RankCounters {
@@ -133,7 +134,7 @@ impl Ranks {
             Ranks::Remote(procs) => {
                 let mut first = None;
                 for r in owners(plan) {
-                    let (m, optim, c) = procs.export(r, plan)?;
+                    let (m, optim, c) = procs.export(r, plan, with_optim)?;
                     append(&m, optim.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect());
                     first.get_or_insert(c);
                 }

@@ -151,13 +151,13 @@ impl Procs {
         self.links.iter().map(|l| lock_link(l).snapshot).collect()
     }
 
-    /// Rank `r`'s masters, optimizer buffers and counters.
-    pub fn export(&self, r: usize, plan: &Plan) -> Result<(Vec<f32>, OptimBuffers, RankCounters)> {
+    /// Rank `r`'s masters, its optimizer buffers when `with_optim` (else none), and counters.
+    pub fn export(&self, r: usize, plan: &Plan, with_optim: bool) -> Result<(Vec<f32>, OptimBuffers, RankCounters)> {
         let alive = self.alive_check();
         let wait = Wait { what: "exported state", deadline: Some(Instant::now() + Duration::from_millis(REPLY_TIMEOUT_MS)), alive: &alive };
         let mut link = lock_link(&self.links[r]);
         let ctx = || format!("exporting the state of rank {r}");
-        wire::send(&mut link.stream, &ToWorker::Export).with_context(ctx)?;
+        wire::send(&mut link.stream, &ToWorker::Export { optim: with_optim }).with_context(ctx)?;
         let (counters, descs) = match wire::recv(&mut link.stream, "Exported", &wait).with_context(ctx)? {
             ToParent::Exported { counters, buffers } => (counters, buffers),
             ToParent::Failed { error } => bail!("rank {r} could not export its state: {error}"),

@@ -152,7 +152,7 @@ fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
 }
 
 fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &Path) -> Result<PathBuf> {
-    let (master, bufs, c) = ranks.assemble(plan)?;
+    let (master, bufs, c) = ranks.assemble(plan, true)?;
     let params = plan
         .model
         .layout()
@@ -188,7 +188,7 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
 
 /// Mean validation loss over the fixed validation batches, on the working (rounded) params.
 fn evaluate(plan: &Plan, ranks: &Ranks, batches: &[data::TokenBatch], ws: &mut Workspace) -> Result<f64> {
-    let (mut params, _, _) = ranks.assemble(plan)?;
+    let (mut params, _, _) = ranks.assemble(plan, false)?;
     plan.precision.round(&mut params);
     let total: f64 = batches
         .iter()
@@ -357,7 +357,7 @@ impl Run<'_> {
 
     fn summary(&self, t: &Tally, started: Instant) -> Result<Summary> {
         let plan = &self.plan;
-        let (master, _, c) = self.ranks.assemble(plan)?;
+        let (master, _, c) = self.ranks.assemble(plan, false)?;
         let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &master[s.range()])).collect();
         let tokens = t.steps_run * plan.tokens_per_step();
         let memory = self.cluster.memory().context("asking the ranks for their memory")?;

@@ -150,8 +150,10 @@ pub enum ToWorker {
     Abandon {
         step: u64,
     },
-    /// Send masters + optimizer buffers (bulk) and counters.
-    Export,
+    /// Send masters (and, with `optim`, the optimizer buffers) as bulk, and counters.
+    Export {
+        optim: bool,
+    },
     /// Leave the QUIC group and exit.
     Shutdown,
 }
