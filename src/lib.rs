@@ -7,6 +7,7 @@ pub mod cli;
 pub mod config;
 pub mod data;
 pub mod engine;
+pub mod gpu;
 pub mod monitor;
 pub mod schedule;
 pub mod zoo;

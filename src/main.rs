@@ -28,6 +28,9 @@ enum Cmd {
     Config(ConfigCmd),
     /// List the model presets.
     Models,
+    /// The GPU path: correctness checks and throughput benchmarks (needs NVIDIA GPUs).
+    #[command(subcommand)]
+    Gpu(GpuCmd),
     /// One rank of `train --nprocs` (started by the parent process, not by hand).
     #[command(hide = true)]
     Worker(WorkerArgs),
@@ -104,6 +107,17 @@ struct ExportArgs {
 }
 
 #[derive(Subcommand)]
+enum GpuCmd {
+    /// Every CUDA kernel and the whole GPT model against the CPU reference, on fresh random inputs.
+    Check {
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+    },
+    /// GPT-2 training throughput: one process per GPU, NCCL, ZeRO 0–3 (synthetic tokens, bf16).
+    Bench(tessera::gpu::BenchArgs),
+}
+
+#[derive(Subcommand)]
 enum ConfigCmd {
     /// Print the resolved config and which keys Tessera honours.
     Check {
@@ -145,6 +159,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             cli::list_models();
             Ok(done)
         }
+        Cmd::Gpu(GpuCmd::Check { seed }) => Ok(if tessera::gpu::check(seed)? { done } else { ExitCode::FAILURE }),
+        Cmd::Gpu(GpuCmd::Bench(a)) => tessera::gpu::bench(&a).map(|()| done),
         Cmd::Worker(a) => {
             let args = tessera::engine::WorkerArgs { rank: a.rank, world: a.world, control: a.control, dir: a.dir };
             tessera::engine::run_worker(&args).map(|()| done)

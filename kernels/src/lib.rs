@@ -4,6 +4,7 @@
 //! Everything here is deterministic: no reduction depends on thread scheduling, so the same
 //! inputs give the same bits on every run.
 
+pub mod cuda;
 pub mod dtype;
 pub mod gemm;
 pub mod gradcheck;

@@ -3,5 +3,6 @@
 
 pub mod collective;
 pub mod local;
+pub mod nccl;
 pub mod quic;
 pub mod tree;

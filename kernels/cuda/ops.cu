@@ -1,0 +1,684 @@
+// kernels/cuda/ops.cu — every non-GEMM, non-attention kernel of the GPU GPT-2 (see
+// kernels/src/cuda/ops.rs for the Rust wrappers and the exact contracts).
+//
+// Determinism: no float atomics anywhere; every reduction runs in an order fixed by the shapes
+// alone (per-thread sequential loops, then fixed shuffle/shared-memory trees, or sequential
+// passes over partials in ascending order).
+//
+// Matching the CPU: the module is compiled with --use_fast_math (which contracts a*b+c into FMAs
+// and makes '/' and sqrtf approximate), so arithmetic that mirrors a CPU formula goes through the
+// explicit round-to-nearest intrinsics below, which are never contracted or approximated. The CPU
+// reference (Rust, no FMA contraction) then matches bit for bit wherever the operation order is
+// the same (elementwise kernels, AdamW, embedding backward), and to a few ulp where only the
+// reduction order differs (row sums inside LayerNorm).
+
+#define FADD(a, b) __fadd_rn((a), (b))
+#define FSUB(a, b) __fsub_rn((a), (b))
+#define FMUL(a, b) __fmul_rn((a), (b))
+#define FDIV(a, b) __fdiv_rn((a), (b))
+
+// ---------------------------------------------------------------------------------------------
+// Small helpers
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float bf_lo(u32 u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf_hi(u32 u) { return __uint_as_float(u & 0xffff0000u); }
+
+// 8 bf16 (one 16-byte load) to 8 floats.
+__device__ __forceinline__ void unpack8(uint4 u, float* f) {
+    f[0] = bf_lo(u.x); f[1] = bf_hi(u.x);
+    f[2] = bf_lo(u.y); f[3] = bf_hi(u.y);
+    f[4] = bf_lo(u.z); f[5] = bf_hi(u.z);
+    f[6] = bf_lo(u.w); f[7] = bf_hi(u.w);
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    uint4 u;
+    u.x = pack_bf16x2(f[0], f[1]);
+    u.y = pack_bf16x2(f[2], f[3]);
+    u.z = pack_bf16x2(f[4], f[5]);
+    u.w = pack_bf16x2(f[6], f[7]);
+    return u;
+}
+
+__device__ __forceinline__ void load8f(const float* p, float* f) {
+    float4 a = reinterpret_cast<const float4*>(p)[0];
+    float4 b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+__device__ __forceinline__ void store8f(float* p, const float* f) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+}
+
+__device__ __forceinline__ double warp_sum_f64(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Block-wide reductions (blockDim.x a multiple of 32, at most 1024). Every thread gets the
+// result. `sh` holds 32 entries; the leading barrier makes back-to-back calls safe.
+__device__ float block_max(float v, float* sh) {
+    v = warp_max(v);
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    v = (l < (int)(blockDim.x >> 5)) ? sh[l] : -TESSERA_INF;
+    return warp_max(v);
+}
+
+__device__ double block_sum_f64(double v, double* sh) {
+    v = warp_sum_f64(v);
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    v = (l < (int)(blockDim.x >> 5)) ? sh[l] : 0.0;
+    return warp_sum_f64(v);
+}
+
+// e^x exactly as the CPU's `tensor::exp_f32` (Cody–Waite reduction + degree-7 Taylor).
+__device__ __forceinline__ float cpu_exp(float x) {
+    const float LOG2E = __int_as_float(0x3fb8aa3b);
+    const float LN2_HI = __int_as_float(0x3f317200);
+    const float LN2_LO = __int_as_float(0x35bfbe8e);
+    const float MAGIC = 12582912.0f;
+    float xc = x < -87.33f ? -87.33f : x;
+    xc = xc > 88.37f ? 88.37f : xc;
+    const float kf = FADD(FMUL(xc, LOG2E), MAGIC);
+    const float nf = FSUB(kf, MAGIC);
+    const float r = FSUB(FSUB(xc, FMUL(nf, LN2_HI)), FMUL(nf, LN2_LO));
+    float p = __int_as_float(0x39500d01);                 // 1/5040
+    p = FADD(__int_as_float(0x3ab60b61), FMUL(r, p));     // 1/720
+    p = FADD(__int_as_float(0x3c088889), FMUL(r, p));     // 1/120
+    p = FADD(__int_as_float(0x3d2aaaab), FMUL(r, p));     // 1/24
+    p = FADD(__int_as_float(0x3e2aaaab), FMUL(r, p));     // 1/6
+    p = FADD(0.5f, FMUL(r, p));
+    p = FADD(1.0f, FMUL(r, p));
+    p = FADD(1.0f, FMUL(r, p));
+    const u32 n_bits = __float_as_uint(kf) - __float_as_uint(MAGIC);
+    const float scale = __uint_as_float((n_bits + 127u) << 23);
+    const float y = FMUL(p, scale);
+    return x < -87.33f ? 0.0f : y;
+}
+
+// tanh as the CPU's `tensor::tanh_f32`: 1 − 2/(e^{2x} + 1).
+__device__ __forceinline__ float cpu_tanh(float x) {
+    return FSUB(1.0f, FDIV(2.0f, FADD(cpu_exp(FMUL(2.0f, x)), 1.0f)));
+}
+
+#define GELU_S2PI __int_as_float(0x3f4c422a)  // 0.797_884_6f
+#define GELU_C __int_as_float(0x3d372713)     // 0.044_715f
+#define GELU_3C __int_as_float(0x3e095d4e)    // 3 * 0.044_715f (rounded to f32, as Rust folds it)
+
+// ops::gelu forward body: u = S·(x + ((C·x)·x)·x); out = (½·x)·(1 + tanh u).
+__device__ __forceinline__ float gelu_f(float x) {
+    const float u = FMUL(GELU_S2PI, FADD(x, FMUL(FMUL(FMUL(GELU_C, x), x), x)));
+    return FMUL(FMUL(0.5f, x), FADD(1.0f, cpu_tanh(u)));
+}
+
+// ops::gelu backward body with dinp = 0: d·(½(1+th) + ((½x)(1−th²))·du).
+__device__ __forceinline__ float gelu_grad_f(float x, float d) {
+    const float u = FMUL(GELU_S2PI, FADD(x, FMUL(FMUL(FMUL(GELU_C, x), x), x)));
+    const float th = cpu_tanh(u);
+    const float du = FMUL(GELU_S2PI, FADD(1.0f, FMUL(FMUL(GELU_3C, x), x)));
+    const float a = FMUL(0.5f, FADD(1.0f, th));
+    const float b = FMUL(FMUL(FMUL(0.5f, x), FSUB(1.0f, FMUL(th, th))), du);
+    return FMUL(d, FADD(a, b));
+}
+
+// Index of this thread in a 1-D grid, 64-bit.
+__device__ __forceinline__ u64 gtid() { return (u64)blockIdx.x * blockDim.x + threadIdx.x; }
+
+// ---------------------------------------------------------------------------------------------
+// Embedding
+// ---------------------------------------------------------------------------------------------
+
+// x[r, :] = wte[tokens[r]] + wpe[r mod t]. One thread per 8 elements (vec: c % 8 == 0 and all
+// pointers 16-byte aligned) or per element. A token ≥ vocab yields NaN rows (no stray read).
+extern "C" __global__ void embedding_fwd(float* __restrict__ x, const u32* __restrict__ tokens, const bf16* __restrict__ wte,
+                                         const bf16* __restrict__ wpe, u64 rows, int t, int c, u32 vocab, int vec) {
+    const u64 i = gtid();
+    if (vec) {
+        const u64 e = i * 8;
+        if (e >= rows * (u64)c) return;
+        const u64 r = e / (u64)c;
+        const int j = (int)(e - r * (u64)c);
+        const int ti = (int)(r % (u64)t);
+        const u32 tok = tokens[r];
+        float o[8];
+        if (tok >= vocab) {
+#pragma unroll
+            for (int k = 0; k < 8; k++) o[k] = __int_as_float(0x7fc00000);
+        } else {
+            float a[8], b[8];
+            unpack8(*reinterpret_cast<const uint4*>(wte + (u64)tok * c + j), a);
+            unpack8(*reinterpret_cast<const uint4*>(wpe + (u64)ti * c + j), b);
+#pragma unroll
+            for (int k = 0; k < 8; k++) o[k] = FADD(a[k], b[k]);
+        }
+        store8f(x + e, o);
+    } else {
+        if (i >= rows * (u64)c) return;
+        const u64 r = i / (u64)c;
+        const int j = (int)(i - r * (u64)c);
+        const int ti = (int)(r % (u64)t);
+        const u32 tok = tokens[r];
+        x[i] = tok >= vocab ? __int_as_float(0x7fc00000) : FADD(bf2f(wte[(u64)tok * c + j]), bf2f(wpe[(u64)ti * c + j]));
+    }
+}
+
+// dwte[uniq[u], j] += dx[p, j] for p in positions[offsets[u]..offsets[u+1]] (ascending), added one
+// at a time onto the existing value exactly like the CPU. grid (U, ceil(c/blockDim)).
+extern "C" __global__ void embedding_bwd_wte(float* __restrict__ dwte, const float* __restrict__ dx, const u32* __restrict__ uniq,
+                                             const u32* __restrict__ offsets, const u32* __restrict__ positions, int c, u32 vocab) {
+    const u32 u = blockIdx.x;
+    const int j = blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= c) return;
+    const u32 tok = uniq[u];
+    if (tok >= vocab) return;  // the host index never produces this; guard against a bad buffer
+    const u32 p0 = offsets[u], p1 = offsets[u + 1];
+    float* dst = dwte + (u64)tok * c + j;
+    float acc = *dst;
+    for (u32 q = p0; q < p1; q++) acc = FADD(acc, dx[(u64)positions[q] * c + j]);
+    *dst = acc;
+}
+
+// dwpe[ti, j] += Σ_bi dx[bi*t + ti, j], bi ascending, onto the existing value. One thread per (ti, j).
+extern "C" __global__ void embedding_bwd_wpe(float* __restrict__ dwpe, const float* __restrict__ dx, int b, int t, int c) {
+    const u64 i = gtid();
+    if (i >= (u64)t * c) return;
+    const u64 tc = (u64)t * c;
+    float acc = dwpe[i];
+    for (int bi = 0; bi < b; bi++) acc = FADD(acc, dx[(u64)bi * tc + i]);
+    dwpe[i] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm (one warp per row; blockDim = 32 * rows-per-block)
+//
+// Row sums follow the CPU's `tensor::sum_f32` / `dot_f32` order exactly: lane l < 8 of the warp
+// sums the terms i ≡ l (mod 8) in ascending order, then the eight partials combine as
+// ((a0+a4)+(a1+a5))+((a2+a6)+(a3+a7)). With the per-element math in the CPU's operation order,
+// mean, rstd and dx then equal the CPU's f32 results bit for bit. The sequential part is short
+// (c/8 dependent adds, reads hitting L1) and every row of a step runs in about one wave.
+// ---------------------------------------------------------------------------------------------
+
+#define LN_EPS 1e-5f
+#define LN_MAXV 8  // register path: c % 128 == 0 and c <= 1024 (each lane holds c/128 float4)
+
+template <typename F>
+__device__ __forceinline__ float cpu_row_sum(int c, F term) {
+    const int lane = threadIdx.x & 31;
+    float a = 0.0f;
+    if (lane < 8) {
+#pragma unroll 4
+        for (int i = lane; i < c; i += 8) a = FADD(a, term(i));
+    }
+    a = FADD(a, __shfl_xor_sync(0xffffffffu, a, 4));  // lane l<4: a_l + a_{l+4}
+    a = FADD(a, __shfl_xor_sync(0xffffffffu, a, 1));  // lane 0: (a0+a4)+(a1+a5); lane 2: (a2+a6)+(a3+a7)
+    a = FADD(a, __shfl_xor_sync(0xffffffffu, a, 2));  // lane 0: the CPU's combination
+    return __shfl_sync(0xffffffffu, a, 0);
+}
+
+// μ and rstd of one row exactly as ops::layernorm::forward_row_body.
+__device__ __forceinline__ void ln_stats(const float* __restrict__ xr, int c, float& mu, float& r) {
+    mu = FDIV(cpu_row_sum(c, [&](int i) { return xr[i]; }), (float)c);
+    const float m = mu;
+    const float var = FDIV(cpu_row_sum(c, [&](int i) {
+                               const float d = FSUB(xr[i], m);
+                               return FMUL(d, d);
+                           }),
+                           (float)c);
+    r = FDIV(1.0f, __fsqrt_rn(FADD(var, LN_EPS)));
+}
+
+__device__ __forceinline__ float ln_out(float x, float mu, float r, float w, float b) {
+    return FADD(FMUL(FMUL(FSUB(x, mu), r), w), b);
+}
+
+extern "C" __global__ void layernorm_fwd_vec(bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                             const float* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n) return;  // warp-uniform
+    const int nv = c >> 7;
+    const float* xrow = x + (u64)row * c;
+    const float4* xr = reinterpret_cast<const float4*>(xrow);
+    float4 xv[LN_MAXV];
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++)
+        if (k < nv) xv[k] = xr[k * 32 + lane];  // also warms L1 for the row sums
+    float mu, r;
+    ln_stats(xrow, c, mu, r);
+    const uint2* w2 = reinterpret_cast<const uint2*>(w);
+    const uint2* b2 = reinterpret_cast<const uint2*>(b);
+    uint2* o2 = reinterpret_cast<uint2*>(out + (u64)row * c);
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        if (k < nv) {
+            const int q = k * 32 + lane;
+            const uint2 wv = w2[q], bv = b2[q];
+            uint2 o;
+            o.x = pack_bf16x2(ln_out(xv[k].x, mu, r, bf_lo(wv.x), bf_lo(bv.x)), ln_out(xv[k].y, mu, r, bf_hi(wv.x), bf_hi(bv.x)));
+            o.y = pack_bf16x2(ln_out(xv[k].z, mu, r, bf_lo(wv.y), bf_lo(bv.y)), ln_out(xv[k].w, mu, r, bf_hi(wv.y), bf_hi(bv.y)));
+            o2[q] = o;
+        }
+    }
+    if (lane == 0) {
+        mean[row] = mu;
+        rstd[row] = r;
+    }
+}
+
+// Any c.
+extern "C" __global__ void layernorm_fwd_gen(bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                             const float* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n) return;
+    const float* xr = x + (u64)row * c;
+    float mu, r;
+    ln_stats(xr, c, mu, r);
+    bf16* orow = out + (u64)row * c;
+    for (int j = lane; j < c; j += 32) orow[j] = f2bf(ln_out(xr[j], mu, r, bf2f(w[j]), bf2f(b[j])));
+    if (lane == 0) {
+        mean[row] = mu;
+        rstd[row] = r;
+    }
+}
+
+// mean(g) and mean(g·x̂) of one row, g = dout·w, x̂ = (x−μ)·rs, as ops::layernorm::backward_row_body.
+__device__ __forceinline__ void ln_bwd_means(const float* __restrict__ xr, const bf16* __restrict__ dr, const bf16* __restrict__ w, int c, float mu,
+                                             float rs, float& gm, float& gxm) {
+    gm = FDIV(cpu_row_sum(c, [&](int i) { return FMUL(bf2f(dr[i]), bf2f(w[i])); }), (float)c);
+    gxm = FDIV(cpu_row_sum(c, [&](int i) { return FMUL(FMUL(bf2f(dr[i]), bf2f(w[i])), FMUL(FSUB(xr[i], mu), rs)); }), (float)c);
+}
+
+// dx += rs·((g − mean(g)) − x̂·mean(g·x̂)).
+__device__ __forceinline__ float ln_dx(float dxo, float x, float d, float w, float mu, float rs, float gm, float gxm) {
+    const float xh = FMUL(FSUB(x, mu), rs);
+    const float g = FMUL(d, w);
+    return FADD(dxo, FMUL(rs, FSUB(FSUB(g, gm), FMUL(xh, gxm))));
+}
+
+extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, const bf16* __restrict__ dout, const float* __restrict__ x,
+                                                const bf16* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, int n,
+                                                int c) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n) return;
+    const int nv = c >> 7;
+    const float mu = mean[row], rs = rstd[row];
+    const float* xrow = x + (u64)row * c;
+    const bf16* drow = dout + (u64)row * c;
+    const float4* xr = reinterpret_cast<const float4*>(xrow);
+    const uint2* dr = reinterpret_cast<const uint2*>(drow);
+    const uint2* w2 = reinterpret_cast<const uint2*>(w);
+    float4 xv[LN_MAXV];
+    uint2 dv[LN_MAXV];
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        if (k < nv) {
+            xv[k] = xr[k * 32 + lane];
+            dv[k] = dr[k * 32 + lane];
+        }
+    }
+    float gm, gxm;
+    ln_bwd_means(xrow, drow, w, c, mu, rs, gm, gxm);
+    float4* dxr = reinterpret_cast<float4*>(dx + (u64)row * c);
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        if (k < nv) {
+            const int q = k * 32 + lane;
+            const uint2 wv = w2[q];
+            float4 o = dxr[q];
+            o.x = ln_dx(o.x, xv[k].x, bf_lo(dv[k].x), bf_lo(wv.x), mu, rs, gm, gxm);
+            o.y = ln_dx(o.y, xv[k].y, bf_hi(dv[k].x), bf_hi(wv.x), mu, rs, gm, gxm);
+            o.z = ln_dx(o.z, xv[k].z, bf_lo(dv[k].y), bf_lo(wv.y), mu, rs, gm, gxm);
+            o.w = ln_dx(o.w, xv[k].w, bf_hi(dv[k].y), bf_hi(wv.y), mu, rs, gm, gxm);
+            dxr[q] = o;
+        }
+    }
+}
+
+extern "C" __global__ void layernorm_bwd_dx_gen(float* __restrict__ dx, const bf16* __restrict__ dout, const float* __restrict__ x,
+                                                const bf16* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, int n,
+                                                int c) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n) return;
+    const float mu = mean[row], rs = rstd[row];
+    const float* xr = x + (u64)row * c;
+    const bf16* dr = dout + (u64)row * c;
+    float gm, gxm;
+    ln_bwd_means(xr, dr, w, c, mu, rs, gm, gxm);
+    float* dxr = dx + (u64)row * c;
+    for (int j = lane; j < c; j += 32) dxr[j] = ln_dx(dxr[j], xr[j], bf2f(dr[j]), bf2f(w[j]), mu, rs, gm, gxm);
+}
+
+// Column partial sums, pass 1: row block rb = blockIdx.y owns rows [rb*rows_per, min(+rows_per, n))
+// and sums them in ascending order into scratch[rb, j] (dweight part) and
+// scratch[nb + rb, j] (dbias part), nb = gridDim.y. Threads over columns.
+extern "C" __global__ void layernorm_bwd_dwdb_partial(float* __restrict__ scratch, const bf16* __restrict__ dout, const float* __restrict__ x,
+                                                      const float* __restrict__ mean, const float* __restrict__ rstd, int n, int c,
+                                                      int rows_per) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= c) return;
+    const int rb = blockIdx.y, nb = gridDim.y;
+    const int r0 = rb * rows_per;
+    const int r1 = min(r0 + rows_per, n);
+    float aw = 0.0f, ab = 0.0f;
+    for (int r = r0; r < r1; r++) {
+        const u64 o = (u64)r * c + j;
+        const float d = bf2f(dout[o]);
+        aw = FADD(aw, FMUL(FMUL(d, FSUB(x[o], mean[r])), rstd[r]));
+        ab = FADD(ab, d);
+    }
+    scratch[(u64)rb * c + j] = aw;
+    scratch[(u64)(nb + rb) * c + j] = ab;
+}
+
+// bias_grad pass 1: scratch[rb, j] = Σ_{rows of rb, ascending} dy[r, j].
+extern "C" __global__ void bias_grad_partial(float* __restrict__ scratch, const bf16* __restrict__ dy, int n, int f, int rows_per) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= f) return;
+    const int rb = blockIdx.y;
+    const int r0 = rb * rows_per;
+    const int r1 = min(r0 + rows_per, n);
+    float a = 0.0f;
+    for (int r = r0; r < r1; r++) a = FADD(a, bf2f(dy[(u64)r * f + j]));
+    scratch[(u64)rb * f + j] = a;
+}
+
+// Pass 2: dst[j] += Σ_{rb ascending} partials[rb, j].
+extern "C" __global__ void colsum_finish(float* __restrict__ dst, const float* __restrict__ partials, int nb, int c) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= c) return;
+    float s = 0.0f;
+    for (int rb = 0; rb < nb; rb++) s = FADD(s, partials[(u64)rb * c + j]);
+    dst[j] = FADD(dst[j], s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise kernels: one thread per 8 consecutive elements. `vec` (set by the host when every
+// pointer is 16-byte aligned and, for the bias kernels, f % 8 == 0) selects 16-byte accesses for
+// full groups; otherwise (and for the tail) elements go one at a time.
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void bias_add(bf16* __restrict__ y, const bf16* __restrict__ bias, u64 len, int f, int vec) {
+    const u64 e = gtid() * 8;
+    if (e >= len) return;
+    if (vec && e + 8 <= len) {
+        const int j = (int)(e % (u64)f);
+        float a[8], b[8];
+        unpack8(*reinterpret_cast<const uint4*>(y + e), a);
+        unpack8(*reinterpret_cast<const uint4*>(bias + j), b);
+#pragma unroll
+        for (int k = 0; k < 8; k++) a[k] = FADD(a[k], b[k]);
+        *reinterpret_cast<uint4*>(y + e) = pack8(a);
+    } else {
+        const u64 end = min(e + 8, len);
+        for (u64 i = e; i < end; i++) y[i] = f2bf(FADD(bf2f(y[i]), bf2f(bias[i % (u64)f])));
+    }
+}
+
+extern "C" __global__ void bias_gelu_fwd(bf16* __restrict__ pre, bf16* __restrict__ out, const bf16* __restrict__ bias, u64 len, int f, int vec) {
+    const u64 e = gtid() * 8;
+    if (e >= len) return;
+    if (vec && e + 8 <= len) {
+        const int j = (int)(e % (u64)f);
+        float a[8], b[8];
+        unpack8(*reinterpret_cast<const uint4*>(pre + e), a);
+        unpack8(*reinterpret_cast<const uint4*>(bias + j), b);
+        uint4 p;
+        p.x = pack_bf16x2(FADD(a[0], b[0]), FADD(a[1], b[1]));
+        p.y = pack_bf16x2(FADD(a[2], b[2]), FADD(a[3], b[3]));
+        p.z = pack_bf16x2(FADD(a[4], b[4]), FADD(a[5], b[5]));
+        p.w = pack_bf16x2(FADD(a[6], b[6]), FADD(a[7], b[7]));
+        *reinterpret_cast<uint4*>(pre + e) = p;
+        unpack8(p, a);  // the rounded pre-activation, as stored
+#pragma unroll
+        for (int k = 0; k < 8; k++) a[k] = gelu_f(a[k]);
+        *reinterpret_cast<uint4*>(out + e) = pack8(a);
+    } else {
+        const u64 end = min(e + 8, len);
+        for (u64 i = e; i < end; i++) {
+            const bf16 p = f2bf(FADD(bf2f(pre[i]), bf2f(bias[i % (u64)f])));
+            pre[i] = p;
+            out[i] = f2bf(gelu_f(bf2f(p)));
+        }
+    }
+}
+
+extern "C" __global__ void gelu_bwd(bf16* __restrict__ dpre, const bf16* __restrict__ dout, const bf16* __restrict__ pre, u64 len, int vec) {
+    const u64 e = gtid() * 8;
+    if (e >= len) return;
+    if (vec && e + 8 <= len) {
+        float d[8], x[8];
+        unpack8(*reinterpret_cast<const uint4*>(dout + e), d);
+        unpack8(*reinterpret_cast<const uint4*>(pre + e), x);
+#pragma unroll
+        for (int k = 0; k < 8; k++) d[k] = gelu_grad_f(x[k], d[k]);
+        *reinterpret_cast<uint4*>(dpre + e) = pack8(d);
+    } else {
+        const u64 end = min(e + 8, len);
+        for (u64 i = e; i < end; i++) dpre[i] = f2bf(gelu_grad_f(bf2f(pre[i]), bf2f(dout[i])));
+    }
+}
+
+// out = x + (y + bias); out may alias x (no __restrict__ on those two).
+extern "C" __global__ void residual_bias_add(float* out, const float* x, const bf16* __restrict__ y, const bf16* __restrict__ bias, u64 len, int f,
+                                             int vec) {
+    const u64 e = gtid() * 8;
+    if (e >= len) return;
+    if (vec && e + 8 <= len) {
+        const int j = (int)(e % (u64)f);
+        float a[8], yv[8], b[8];
+        load8f(x + e, a);
+        unpack8(*reinterpret_cast<const uint4*>(y + e), yv);
+        unpack8(*reinterpret_cast<const uint4*>(bias + j), b);
+#pragma unroll
+        for (int k = 0; k < 8; k++) a[k] = FADD(a[k], FADD(yv[k], b[k]));
+        store8f(out + e, a);
+    } else {
+        const u64 end = min(e + 8, len);
+        for (u64 i = e; i < end; i++) out[i] = FADD(x[i], FADD(bf2f(y[i]), bf2f(bias[i % (u64)f])));
+    }
+}
+
+extern "C" __global__ void cast_f32_bf16(bf16* __restrict__ out, const float* __restrict__ x, u64 len, int vec) {
+    const u64 e = gtid() * 8;
+    if (e >= len) return;
+    if (vec && e + 8 <= len) {
+        float a[8];
+        load8f(x + e, a);
+        *reinterpret_cast<uint4*>(out + e) = pack8(a);
+    } else {
+        const u64 end = min(e + 8, len);
+        for (u64 i = e; i < end; i++) out[i] = f2bf(x[i]);
+    }
+}
+
+extern "C" __global__ void cast_bf16_f32(float* __restrict__ out, const bf16* __restrict__ x, u64 len, int vec) {
+    const u64 e = gtid() * 8;
+    if (e >= len) return;
+    if (vec && e + 8 <= len) {
+        float a[8];
+        unpack8(*reinterpret_cast<const uint4*>(x + e), a);
+        store8f(out + e, a);
+    } else {
+        const u64 end = min(e + 8, len);
+        for (u64 i = e; i < end; i++) out[i] = bf2f(x[i]);
+    }
+}
+
+extern "C" __global__ void add_f32(float* dst, const float* src, u64 len, int vec) {
+    const u64 e = gtid() * 8;
+    if (e >= len) return;
+    if (vec && e + 8 <= len) {
+        float a[8], b[8];
+        load8f(dst + e, a);
+        load8f(src + e, b);
+#pragma unroll
+        for (int k = 0; k < 8; k++) a[k] = FADD(a[k], b[k]);
+        store8f(dst + e, a);
+    } else {
+        const u64 end = min(e + 8, len);
+        for (u64 i = e; i < end; i++) dst[i] = FADD(dst[i], src[i]);
+    }
+}
+
+extern "C" __global__ void scale_f32(float* __restrict__ dst, float a, u64 len, int vec) {
+    const u64 e = gtid() * 8;
+    if (e >= len) return;
+    if (vec && e + 8 <= len) {
+        float v[8];
+        load8f(dst + e, v);
+#pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = FMUL(v[k], a);
+        store8f(dst + e, v);
+    } else {
+        const u64 end = min(e + 8, len);
+        for (u64 i = e; i < end; i++) dst[i] = FMUL(dst[i], a);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy: one block per row (blockDim 1024). Max in f32, Σe in f64 (like the CPU), loss
+// and 1/Σ rounded to f32 once; then, if dscale != 0, the row is overwritten with
+// bf16((e·inv)·dscale − [j = target]·dscale), padding columns v..vp with 0.
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void crossentropy_fwd_bwd(float* __restrict__ losses, bf16* __restrict__ logits, const u32* __restrict__ targets, int v,
+                                                int vp, float dscale, int vec) {
+    __shared__ float shf[32];
+    __shared__ double shd[32];
+    const int row = blockIdx.x;
+    bf16* lr = logits + (u64)row * vp;
+    const u32 tg = targets[row];
+    const bool bad = tg >= (u32)v;
+    const float lt = bad ? 0.0f : bf2f(lr[tg]);  // read before the barriers that precede any write
+    const int groups = vec ? (vp >> 3) : 0;
+    // Pass 1: max over columns < v.
+    float m = -TESSERA_INF;
+    if (vec) {
+        for (int q = threadIdx.x; q < groups; q += blockDim.x) {
+            float a[8];
+            unpack8(reinterpret_cast<const uint4*>(lr)[q], a);
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                if (q * 8 + k < v) m = fmaxf(m, a[k]);
+        }
+    } else {
+        for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, bf2f(lr[j]));
+    }
+    m = block_max(m, shf);
+    // Pass 2: z = Σ exp(l − m) in f64.
+    double z = 0.0;
+    if (vec) {
+        for (int q = threadIdx.x; q < groups; q += blockDim.x) {
+            float a[8];
+            unpack8(reinterpret_cast<const uint4*>(lr)[q], a);
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                if (q * 8 + k < v) z += (double)cpu_exp(FSUB(a[k], m));
+        }
+    } else {
+        for (int j = threadIdx.x; j < v; j += blockDim.x) z += (double)cpu_exp(FSUB(bf2f(lr[j]), m));
+    }
+    z = block_sum_f64(z, shd);  // ends with every thread past the barrier: all reads done
+    if (threadIdx.x == 0) {
+        const double lse = log(z) + (double)m;
+        losses[row] = bad ? __int_as_float(0x7fc00000) : (float)(lse - (double)lt);
+    }
+    if (dscale == 0.0f) return;
+    const float inv = (float)(1.0 / z);
+    if (vec) {
+        for (int q = threadIdx.x; q < groups; q += blockDim.x) {
+            float a[8];
+            unpack8(reinterpret_cast<const uint4*>(lr)[q], a);
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const int j = q * 8 + k;
+                float d = 0.0f;
+                if (j < v) {
+                    d = FMUL(FMUL(cpu_exp(FSUB(a[k], m)), inv), dscale);
+                    if ((u32)j == tg) d = FSUB(d, dscale);
+                }
+                a[k] = d;
+            }
+            reinterpret_cast<uint4*>(lr)[q] = pack8(a);
+        }
+    } else {
+        for (int j = threadIdx.x; j < vp; j += blockDim.x) {
+            float d = 0.0f;
+            if (j < v) {
+                d = FMUL(FMUL(cpu_exp(FSUB(bf2f(lr[j]), m)), inv), dscale);
+                if ((u32)j == tg) d = FSUB(d, dscale);
+            }
+            lr[j] = f2bf(d);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sum of squares per block of `block` elements, exactly as optim::norm::sumsq_f64: lane l (of 8)
+// sums x[i]² in f64 for i ≡ l (mod 8) relative to the block start, ascending; lanes combine as
+// ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)). Eight consecutive threads serve one block.
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void sum_squares_blocks(double* __restrict__ out, const float* __restrict__ x, u64 len, u64 block, u64 nblocks) {
+    const u64 i = gtid();
+    const u64 k = i >> 3;
+    const u32 l = (u32)(i & 7);
+    double acc = 0.0;
+    if (k < nblocks) {
+        const u64 start = k * block;
+        const u64 end = min(start + block, len);
+        u64 p = start + l;
+        for (; p + 24 < end; p += 32) {
+            const double a = (double)x[p], b = (double)x[p + 8], c = (double)x[p + 16], d = (double)x[p + 24];
+            acc += a * a;
+            acc += b * b;
+            acc += c * c;
+            acc += d * d;
+        }
+        for (; p < end; p += 8) {
+            const double a = (double)x[p];
+            acc += a * a;
+        }
+    }
+    // The whole warp takes part (blockDim is a multiple of 32 and 8 | 32).
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+    if (l == 0 && k < nblocks) out[k] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdamW (optim::adam::adam_elems, AdamW mode), one thread per element.
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void adamw(float* __restrict__ master, bf16* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
+                                 float* __restrict__ v, const unsigned char* __restrict__ decay, u64 len, float lerp_w, float beta2,
+                                 float one_minus_beta2, float step_size, float bc2_sqrt, float eps, float decoupled_factor, float grad_scale) {
+    const u64 i = gtid();
+    if (i >= len) return;
+    const float g = FMUL(grad[i], grad_scale);
+    const float factor = decay[i] ? decoupled_factor : 1.0f;
+    const float pd = FMUL(master[i], factor);
+    const float m0 = m[i];
+    const float m1 = lerp_w < 0.5f ? FADD(m0, FMUL(lerp_w, FSUB(g, m0))) : FSUB(g, FMUL(FSUB(g, m0), FSUB(1.0f, lerp_w)));
+    const float v1 = FADD(FMUL(v[i], beta2), FMUL(FMUL(one_minus_beta2, g), g));
+    const float denom = FADD(FDIV(__fsqrt_rn(v1), bc2_sqrt), eps);
+    const float p1 = FSUB(pd, FMUL(step_size, FDIV(m1, denom)));
+    m[i] = m1;
+    v[i] = v1;
+    master[i] = p1;
+    param[i] = f2bf(p1);
+}

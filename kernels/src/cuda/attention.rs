@@ -1,0 +1,281 @@
+//! Fused causal attention on the GPU (kernels/cuda/attention.cu): FlashAttention-2 style forward
+//! and a deterministic backward (no atomics; fixed loop orders), bf16 in/out with f32 accumulation
+//! on tensor cores (mma.sync m16n8k16).
+//!
+//! Layout as in [`crate::ops::attention`]: `qkv` [B, T, 3C] (q | k | v, head h at cols h·hd of
+//! each part), `y` and `dy` [B, T, C], `lse` and `delta` [B, NH, T] f32. Head dim 64 only.
+#![allow(clippy::too_many_arguments)]
+
+use std::time::Instant;
+
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
+
+use super::{bf16, drv, CheckRow, DPtr, Gpu, GpuError, Result};
+
+/// The only head dimension the kernels support.
+pub const HEAD_DIM: usize = 64;
+/// Rows per tile (queries per CTA in the forward and dQ kernels, keys per CTA in dK/dV).
+pub const TILE: usize = 64;
+const THREADS: u32 = 128;
+
+/// Validates the shape; returns hd.
+fn check_shape(what: &str, b: usize, t: usize, c: usize, nh: usize) -> Result<usize> {
+    if nh == 0 || c == 0 || c % nh != 0 {
+        return Err(GpuError::Invalid(format!("{what}: C={c} must be a positive multiple of nh={nh}")));
+    }
+    let hd = c / nh;
+    if hd != HEAD_DIM {
+        return Err(GpuError::Invalid(format!("{what}: head dim C/nh = {c}/{nh} = {hd} is not supported (only {HEAD_DIM})")));
+    }
+    if b * nh > 65535 {
+        return Err(GpuError::Invalid(format!("{what}: B·nh = {b}·{nh} = {} exceeds the grid limit of 65535", b * nh)));
+    }
+    if t > i32::MAX as usize || 3 * c > i32::MAX as usize {
+        return Err(GpuError::Invalid(format!("{what}: T={t} or 3C={} exceeds the kernels' 32-bit row/column indices", 3 * c)));
+    }
+    Ok(hd)
+}
+
+fn check_len<T>(what: &str, name: &str, p: &DPtr<T>, want: usize, shape: &str) -> Result<()> {
+    if p.len != want {
+        return Err(GpuError::Invalid(format!("{what}: `{name}` has {} elements, expected {want} ({shape})", p.len)));
+    }
+    Ok(())
+}
+
+fn check_align<T>(what: &str, name: &str, p: &DPtr<T>, align: u64) -> Result<()> {
+    if p.raw % align != 0 {
+        return Err(GpuError::Invalid(format!("{what}: `{name}` at {:#x} is not {align}-byte aligned", p.raw)));
+    }
+    Ok(())
+}
+
+fn tiles_cfg(t: usize, b: usize, nh: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (t.div_ceil(TILE) as u32, (b * nh) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn scales(hd: usize) -> (f32, f32) {
+    let scale = 1.0 / (hd as f32).sqrt();
+    (scale, scale * std::f32::consts::LOG2_E)
+}
+
+/// y = softmax(q kᵀ/√hd + causal mask) v per head; saves the per-row log-sum-exp (natural log, of the scaled scores) for backward.
+pub fn attention_forward(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    y: DPtr<bf16>,
+    lse: DPtr<f32>, /* [b, nh, t] */
+    qkv: DPtr<bf16>,
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) -> Result<()> {
+    const W: &str = "attention_forward";
+    let hd = check_shape(W, b, t, c, nh)?;
+    check_len(W, "y", &y, b * t * c, "[B, T, C]")?;
+    check_len(W, "lse", &lse, b * nh * t, "[B, nh, T]")?;
+    check_len(W, "qkv", &qkv, b * t * 3 * c, "[B, T, 3C]")?;
+    check_align(W, "qkv", &qkv, 16)?;
+    check_align(W, "y", &y, 4)?;
+    if b == 0 || t == 0 {
+        return Ok(());
+    }
+    let (_, scale_log2) = scales(hd);
+    let (t_i, c_i, nh_i) = (t as i32, c as i32, nh as i32);
+    let f = gpu.func("attention", "attn_fwd")?;
+    let mut lb = stream.launch_builder(&f);
+    lb.arg(&y.raw).arg(&lse.raw).arg(&qkv.raw).arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale_log2);
+    // SAFETY: lengths and alignment checked above; the kernel stays inside [B, T, ·] rows.
+    unsafe { lb.launch(tiles_cfg(t, b, nh)) }.map_err(drv("launching attn_fwd"))?;
+    Ok(())
+}
+
+/// Writes (not accumulates) dqkv [b, t, 3c]. `delta` is scratch [b, nh, t] (f32) for rowsum(dy∘y).
+///
+/// `delta` is computed as rowsum(P∘dP) (equal to rowsum(dy∘o) for the exact f32 output o) in the
+/// dQ kernel's pass over the keys: taking it from the bf16 `y` costs ~1e-3 absolute error on dq
+/// and dk through the cancellation in dP − delta. `y` is checked (length) but not read.
+pub fn attention_backward(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dqkv: DPtr<bf16>,
+    delta: DPtr<f32>,
+    dy: DPtr<bf16>,
+    qkv: DPtr<bf16>,
+    y: DPtr<bf16>,
+    lse: DPtr<f32>,
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) -> Result<()> {
+    const W: &str = "attention_backward";
+    let hd = check_shape(W, b, t, c, nh)?;
+    check_len(W, "dqkv", &dqkv, b * t * 3 * c, "[B, T, 3C]")?;
+    check_len(W, "delta", &delta, b * nh * t, "[B, nh, T]")?;
+    check_len(W, "dy", &dy, b * t * c, "[B, T, C]")?;
+    check_len(W, "qkv", &qkv, b * t * 3 * c, "[B, T, 3C]")?;
+    check_len(W, "y", &y, b * t * c, "[B, T, C]")?;
+    check_len(W, "lse", &lse, b * nh * t, "[B, nh, T]")?;
+    check_align(W, "qkv", &qkv, 16)?;
+    check_align(W, "dy", &dy, 16)?;
+    check_align(W, "y", &y, 4)?;
+    check_align(W, "dqkv", &dqkv, 4)?;
+    if b == 0 || t == 0 {
+        return Ok(());
+    }
+    let (scale, scale_log2) = scales(hd);
+    let (t_i, c_i, nh_i) = (t as i32, c as i32, nh as i32);
+
+    // dQ and delta = rowsum(P∘dP) first (one pass over keys), then dK/dV, which read delta.
+    let f = gpu.func("attention", "attn_bwd_dq")?;
+    let mut lb = stream.launch_builder(&f);
+    lb.arg(&dqkv.raw).arg(&delta.raw).arg(&dy.raw).arg(&qkv.raw).arg(&lse.raw);
+    lb.arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale).arg(&scale_log2);
+    // SAFETY: lengths and alignment checked above; rows ≥ T are never read or written.
+    unsafe { lb.launch(tiles_cfg(t, b, nh)) }.map_err(drv("launching attn_bwd_dq"))?;
+
+    let f = gpu.func("attention", "attn_bwd_dkdv")?;
+    let mut lb = stream.launch_builder(&f);
+    lb.arg(&dqkv.raw).arg(&dy.raw).arg(&qkv.raw).arg(&lse.raw).arg(&delta.raw);
+    lb.arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale).arg(&scale_log2);
+    // SAFETY: as above; dQ columns (written by attn_bwd_dq) are not touched.
+    unsafe { lb.launch(tiles_cfg(t, b, nh)) }.map_err(drv("launching attn_bwd_dkdv"))?;
+    Ok(())
+}
+
+fn round_bf16(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+fn to_f32(v: &[bf16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
+}
+
+/// Columns `part*c .. part*c + c` of every row of a [rows, 3c] matrix.
+fn part_cols(m: &[f32], c: usize, part: usize) -> Vec<f32> {
+    m.chunks_exact(3 * c).flat_map(|row| row[part * c..(part + 1) * c].iter().copied()).collect()
+}
+
+/// GPU vs CPU (`crate::ops::attention` in f32 on the same bf16-rounded inputs) on fresh random inputs (seeded by `seed`), for a few shapes including t not a multiple of your tile and t=1024: rows for y, dq, dk, dv.
+pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
+    use crate::gradcheck::randn;
+    use crate::ops::attention as cpu;
+
+    const FLOOR: f64 = 1e-2;
+    const TOL: f64 = 2e-2;
+    let shapes: [(usize, usize, usize, usize); 5] = [(2, 1, 128, 2), (2, 77, 128, 2), (1, 200, 192, 3), (3, 64, 64, 1), (1, 1024, 128, 2)];
+    let stream = gpu.stream.clone();
+    let mut rows = Vec::new();
+    for (si, &(b, t, c, nh)) in shapes.iter().enumerate() {
+        let s = seed.wrapping_mul(1000).wrapping_add(si as u64 * 2);
+        let qkv_h = round_bf16(&randn(s, b * t * 3 * c, 1.0));
+        let dy_h = round_bf16(&randn(s + 1, b * t * c, 1.0));
+        let qkv_f = to_f32(&qkv_h);
+        let dy_f = to_f32(&dy_h);
+
+        let mut y_cpu = vec![0f32; b * t * c];
+        let mut att = vec![0f32; b * nh * t * t];
+        cpu::attention_forward(&mut y_cpu, &mut att, &qkv_f, b, t, c, nh);
+        let mut dqkv_cpu = vec![0f32; b * t * 3 * c];
+        cpu::attention_backward(&mut dqkv_cpu, &dy_f, &qkv_f, &att, b, t, c, nh);
+
+        let qkv = gpu.upload(&qkv_h)?;
+        let dy = gpu.upload(&dy_h)?;
+        let y = gpu.alloc::<bf16>(b * t * c)?;
+        let lse = gpu.alloc::<f32>(b * nh * t)?;
+        let delta = gpu.alloc::<f32>(b * nh * t)?;
+        // Poisoned with NaN bits so an element the backward fails to write shows as non-finite.
+        let mut dqkv = gpu.alloc::<bf16>(b * t * 3 * c)?;
+        gpu.write(&mut dqkv, 0, &vec![bf16::NAN; b * t * 3 * c])?;
+
+        attention_forward(gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), b, t, c, nh)?;
+        attention_backward(gpu, &stream, dqkv.ptr(), delta.ptr(), dy.ptr(), qkv.ptr(), y.ptr(), lse.ptr(), b, t, c, nh)?;
+        let y_gpu = to_f32(&gpu.download(y.ptr())?);
+        let dqkv_gpu = to_f32(&gpu.download(dqkv.ptr())?);
+
+        // lse from the CPU probabilities: p_ii = exp(s_ii − lse_i), so lse_i = s_ii − ln p_ii.
+        let hd = c / nh;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut lse_cpu = vec![0f32; b * nh * t];
+        for bi in 0..b {
+            for h in 0..nh {
+                for i in 0..t {
+                    let row = &qkv_f[(bi * t + i) * 3 * c..][..3 * c];
+                    let sii: f64 = (0..hd).map(|d| row[h * hd + d] as f64 * row[c + h * hd + d] as f64).sum::<f64>() * scale;
+                    let p = att[((bi * nh + h) * t + i) * t + i] as f64;
+                    lse_cpu[(bi * nh + h) * t + i] = (sii - p.ln()) as f32;
+                }
+            }
+        }
+        let lse_gpu = gpu.download(lse.ptr())?;
+
+        let tag = format!("[b={b} t={t} c={c} nh={nh}]");
+        rows.push(CheckRow::compare(format!("attention_forward y {tag}"), &y_gpu, &y_cpu, FLOOR, TOL));
+        rows.push(CheckRow::compare(format!("attention_forward lse {tag}"), &lse_gpu, &lse_cpu, FLOOR, 1e-3));
+        for (part, name) in ["dq", "dk", "dv"].iter().enumerate() {
+            rows.push(CheckRow::compare(
+                format!("attention_backward {name} {tag}"),
+                &part_cols(&dqkv_gpu, c, part),
+                &part_cols(&dqkv_cpu, c, part),
+                FLOOR,
+                TOL,
+            ));
+        }
+
+        // Determinism: a second run must give the same bits (tolerance 0).
+        if si == shapes.len() - 1 {
+            attention_forward(gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), b, t, c, nh)?;
+            attention_backward(gpu, &stream, dqkv.ptr(), delta.ptr(), dy.ptr(), qkv.ptr(), y.ptr(), lse.ptr(), b, t, c, nh)?;
+            let y2 = to_f32(&gpu.download(y.ptr())?);
+            let d2 = to_f32(&gpu.download(dqkv.ptr())?);
+            rows.push(CheckRow::compare(format!("attention_forward rerun bit-identical {tag}"), &y2, &y_gpu, FLOOR, 0.0));
+            rows.push(CheckRow::compare(format!("attention_backward rerun bit-identical {tag}"), &d2, &dqkv_gpu, FLOOR, 0.0));
+        }
+    }
+    Ok(rows)
+}
+
+/// Times forward and backward (CUDA events or stream sync + Instant over ≥20 reps after warm-up) at (b,t,c,nh) and returns (fwd_ms, bwd_ms).
+pub fn bench(gpu: &Gpu, b: usize, t: usize, c: usize, nh: usize) -> Result<(f64, f64)> {
+    check_shape("attention bench", b, t, c, nh)?;
+    const REPS: usize = 20;
+    // Cheap deterministic inputs in about N(0, 1) range (a hash, not a quality RNG).
+    let gen = |n: usize, salt: u64| -> Vec<bf16> {
+        (0..n as u64)
+            .map(|i| {
+                let mut z = (i ^ salt.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z ^= z >> 31;
+                bf16::from_f32(((z >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 3.4)
+            })
+            .collect()
+    };
+    let qkv = gpu.upload(&gen(b * t * 3 * c, 1))?;
+    let dy = gpu.upload(&gen(b * t * c, 2))?;
+    let y = gpu.alloc::<bf16>(b * t * c)?;
+    let lse = gpu.alloc::<f32>(b * nh * t)?;
+    let delta = gpu.alloc::<f32>(b * nh * t)?;
+    let dqkv = gpu.alloc::<bf16>(b * t * 3 * c)?;
+    let stream = gpu.stream.clone();
+    let fwd = || attention_forward(gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), b, t, c, nh);
+    let bwd = || attention_backward(gpu, &stream, dqkv.ptr(), delta.ptr(), dy.ptr(), qkv.ptr(), y.ptr(), lse.ptr(), b, t, c, nh);
+    for _ in 0..3 {
+        fwd()?;
+        bwd()?;
+    }
+    gpu.sync()?;
+    let t0 = Instant::now();
+    for _ in 0..REPS {
+        fwd()?;
+    }
+    gpu.sync()?;
+    let fwd_ms = t0.elapsed().as_secs_f64() * 1e3 / REPS as f64;
+    let t0 = Instant::now();
+    for _ in 0..REPS {
+        bwd()?;
+    }
+    gpu.sync()?;
+    let bwd_ms = t0.elapsed().as_secs_f64() * 1e3 / REPS as f64;
+    Ok((fwd_ms, bwd_ms))
+}

@@ -1,0 +1,696 @@
+//! GPT-2 forward and backward on the GPU: bf16 parameters and activations, an f32 residual stream,
+//! f32 gradients, cuBLAS GEMMs with f32 accumulation, fused flash attention, fused softmax
+//! cross-entropy. The same parameter layout as the CPU [`Model`] (weights stored `[in, out]`,
+//! tensors in the same order), padded per unit so ZeRO can split every unit evenly across ranks.
+//!
+//! Where the parameters come from and where the gradients go is the caller's business
+//! ([`UnitHooks`]): plain data parallelism hands out one full buffer, ZeRO-3 gathers each unit
+//! just before use (prefetching on a communication stream) and reduce-scatters its gradient as
+//! soon as the unit's backward is done.
+//!
+//! Each micro-batch's gradient is written into a zeroed buffer (GEMMs with β = 0, the few
+//! accumulating kernels add into zeros), so the result is a pure function of that micro-batch:
+//! micro-batches are then combined by the caller's fixed tree, which is what makes 1 and 2 GPUs
+//! give the same bits.
+
+use std::ops::Range;
+
+use cudarc::driver::CudaStream;
+
+use super::blas::{Dt, Mat};
+use super::{attention, bf16, ops, Buf, CheckRow, DPtr, Gpu, GpuError, Result};
+use crate::model::{Arch, Model, ModelConfig};
+
+/// Units are padded to a multiple of `world × ALIGN` elements: every rank's piece of every unit
+/// starts on a gradient-norm block boundary (the optimizer's `NORM_BLOCK`).
+pub const ALIGN: usize = crate::optim::NORM_BLOCK;
+
+/// The GPU's flat layout: the CPU layout with each unit padded so it splits evenly over `world`.
+#[derive(Clone, Debug)]
+pub struct GpuLayout {
+    /// Unit ranges in the CPU (unpadded) flat buffer.
+    pub cpu_units: Vec<Range<usize>>,
+    /// Unit ranges in the padded GPU flat buffer.
+    pub units: Vec<Range<usize>>,
+    pub world: usize,
+    pub total: usize,
+    /// Unit-local ranges of the 4 embedding-unit tensors (wte, wpe, ln_f.weight, ln_f.bias).
+    pub embed: [Range<usize>; 4],
+    /// Unit-local ranges of a block's 12 tensors (identical for every block).
+    pub block: [Range<usize>; 12],
+    /// Weight-decay flag per padded element (padding: no decay; it stays zero either way).
+    decay_tensors: Vec<(Range<usize>, bool)>,
+}
+
+impl GpuLayout {
+    pub fn new(model: &Model, world: usize) -> Result<GpuLayout> {
+        if model.cfg.arch != Arch::Gpt {
+            return Err(GpuError::Invalid("the GPU path runs the GPT architecture; LLaMA blocks run on the CPU (`--device cpu`)".into()));
+        }
+        assert!(world >= 1);
+        let cpu_units = model.units().to_vec();
+        let specs = model.layout().specs();
+        let quantum = world * ALIGN;
+        let mut units = Vec::with_capacity(cpu_units.len());
+        let mut off = 0;
+        for u in &cpu_units {
+            let len = (u.end - u.start).div_ceil(quantum) * quantum;
+            units.push(off..off + len);
+            off += len;
+        }
+        let local = |u: usize, name: &str| -> Result<Range<usize>> {
+            let s = specs.iter().find(|s| s.name == name).ok_or_else(|| GpuError::Invalid(format!("model has no tensor `{name}`")))?;
+            let base = cpu_units[u].start;
+            Ok(s.offset - base..s.offset - base + s.numel())
+        };
+        let embed = [local(0, "wte.weight")?, local(0, "wpe.weight")?, local(0, "ln_f.weight")?, local(0, "ln_f.bias")?];
+        let names = [
+            "ln_1.weight",
+            "ln_1.bias",
+            "attn.c_attn.weight",
+            "attn.c_attn.bias",
+            "attn.c_proj.weight",
+            "attn.c_proj.bias",
+            "ln_2.weight",
+            "ln_2.bias",
+            "mlp.c_fc.weight",
+            "mlp.c_fc.bias",
+            "mlp.c_proj.weight",
+            "mlp.c_proj.bias",
+        ];
+        let mut block: [Range<usize>; 12] = Default::default();
+        for (i, n) in names.iter().enumerate() {
+            block[i] = local(1, &format!("h.0.{n}"))?;
+        }
+        let mut decay_tensors = Vec::new();
+        for s in specs {
+            let u = cpu_units.iter().position(|r| r.contains(&s.offset)).expect("every tensor lies in a unit");
+            let g = units[u].start + (s.offset - cpu_units[u].start);
+            decay_tensors.push((g..g + s.numel(), s.decay));
+        }
+        Ok(GpuLayout { cpu_units, units, world, total: off, embed, block, decay_tensors })
+    }
+
+    /// Rank `r`'s piece of unit `u`, as a range of the padded flat buffer.
+    pub fn piece(&self, u: usize, r: usize) -> Range<usize> {
+        let len = (self.units[u].end - self.units[u].start) / self.world;
+        let s = self.units[u].start + r * len;
+        s..s + len
+    }
+
+    /// Elements each rank owns (the same for every rank).
+    pub fn shard_len(&self) -> usize {
+        self.total / self.world
+    }
+
+    /// Where unit `u`'s piece starts inside a rank's shard.
+    pub fn shard_offset(&self, u: usize) -> usize {
+        self.units[..u].iter().map(|r| (r.end - r.start) / self.world).sum()
+    }
+
+    /// CPU flat buffer → padded GPU layout (padding zero).
+    pub fn pad<T: Copy + Default>(&self, cpu: &[T]) -> Vec<T> {
+        let mut out = vec![T::default(); self.total];
+        for (c, g) in self.cpu_units.iter().zip(&self.units) {
+            out[g.start..g.start + c.len()].copy_from_slice(&cpu[c.clone()]);
+        }
+        out
+    }
+
+    /// Padded GPU layout → CPU flat buffer.
+    pub fn unpad<T: Copy + Default>(&self, gpu: &[T]) -> Vec<T> {
+        let n = self.cpu_units.last().map_or(0, |u| u.end);
+        let mut out = vec![T::default(); n];
+        for (c, g) in self.cpu_units.iter().zip(&self.units) {
+            out[c.clone()].copy_from_slice(&gpu[g.start..g.start + c.len()]);
+        }
+        out
+    }
+
+    /// 1 where weight decay applies, per element of the padded buffer.
+    pub fn decay_mask(&self) -> Vec<u8> {
+        let mut m = vec![0u8; self.total];
+        for (r, d) in &self.decay_tensors {
+            if *d {
+                m[r.clone()].fill(1);
+            }
+        }
+        m
+    }
+}
+
+/// Tensors of one block (views into a unit's buffer).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockW<T> {
+    pub ln1_w: DPtr<T>,
+    pub ln1_b: DPtr<T>,
+    pub qkv_w: DPtr<T>,
+    pub qkv_b: DPtr<T>,
+    pub proj_w: DPtr<T>,
+    pub proj_b: DPtr<T>,
+    pub ln2_w: DPtr<T>,
+    pub ln2_b: DPtr<T>,
+    pub fc_w: DPtr<T>,
+    pub fc_b: DPtr<T>,
+    pub fc2_w: DPtr<T>,
+    pub fc2_b: DPtr<T>,
+}
+
+impl<T> BlockW<T> {
+    pub fn at(unit: DPtr<T>, l: &GpuLayout) -> Self {
+        let v = |i: usize| unit.slice(l.block[i].clone());
+        BlockW {
+            ln1_w: v(0),
+            ln1_b: v(1),
+            qkv_w: v(2),
+            qkv_b: v(3),
+            proj_w: v(4),
+            proj_b: v(5),
+            ln2_w: v(6),
+            ln2_b: v(7),
+            fc_w: v(8),
+            fc_b: v(9),
+            fc2_w: v(10),
+            fc2_b: v(11),
+        }
+    }
+}
+
+/// Tensors of the embedding unit.
+#[derive(Clone, Copy, Debug)]
+pub struct EmbedW<T> {
+    pub wte: DPtr<T>,
+    pub wpe: DPtr<T>,
+    pub lnf_w: DPtr<T>,
+    pub lnf_b: DPtr<T>,
+}
+
+impl<T> EmbedW<T> {
+    pub fn at(unit: DPtr<T>, l: &GpuLayout) -> Self {
+        let v = |i: usize| unit.slice(l.embed[i].clone());
+        EmbedW { wte: v(0), wpe: v(1), lnf_w: v(2), lnf_b: v(3) }
+    }
+}
+
+/// Forward or backward use of a unit's parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Forward,
+    Backward,
+}
+
+/// Supplies parameters and takes gradients, unit by unit (unit 0 = embeddings + final norm,
+/// unit `1 + l` = block `l`). All pointers refer to the padded unit (see [`GpuLayout`]).
+pub trait UnitHooks {
+    /// Unit `u`'s bf16 parameters, usable by work enqueued next on the compute stream.
+    fn params(&mut self, u: usize, phase: Phase) -> Result<DPtr<bf16>>;
+    /// The compute stream has enqueued its last read of unit `u`'s parameters for `phase`.
+    fn params_done(&mut self, u: usize, phase: Phase) -> Result<()>;
+    /// Where unit `u`'s f32 gradient for this micro-batch goes (zeroed by the caller).
+    fn grads(&mut self, u: usize) -> Result<DPtr<f32>>;
+    /// Unit `u`'s gradient for this micro-batch is complete once the compute stream reaches here.
+    fn grads_done(&mut self, u: usize) -> Result<()>;
+}
+
+/// Shape of a run.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub b: usize,
+    pub t: usize,
+    pub c: usize,
+    pub nh: usize,
+    pub l: usize,
+    pub v: usize,
+    pub f: usize,
+}
+
+impl Shape {
+    pub fn new(cfg: &ModelConfig, b: usize, t: usize) -> Result<Shape> {
+        if t > cfg.max_seq_len {
+            return Err(GpuError::Invalid(format!("sequence length {t} exceeds the model's context {}", cfg.max_seq_len)));
+        }
+        if cfg.d_model / cfg.n_head != 64 {
+            return Err(GpuError::Invalid(format!(
+                "the GPU attention kernel needs head dimension 64; d_model {} / n_head {} = {}",
+                cfg.d_model,
+                cfg.n_head,
+                cfg.d_model / cfg.n_head
+            )));
+        }
+        Ok(Shape { b, t, c: cfg.d_model, nh: cfg.n_head, l: cfg.n_layer, v: cfg.vocab_size, f: cfg.d_ff })
+    }
+    pub fn n(&self) -> usize {
+        self.b * self.t
+    }
+}
+
+/// Saved activations of one block.
+struct LayerActs {
+    ln1: Buf<bf16>,
+    m1: Buf<f32>,
+    r1: Buf<f32>,
+    qkv: Buf<bf16>,
+    atty: Buf<bf16>,
+    lse: Buf<f32>,
+    x2: Buf<f32>,
+    ln2: Buf<bf16>,
+    m2: Buf<f32>,
+    r2: Buf<f32>,
+    pre: Buf<bf16>,
+    gl: Buf<bf16>,
+}
+
+/// Every activation and scratch buffer of one micro-batch shape, allocated once.
+pub struct Workspace {
+    pub shape: Shape,
+    pub layout: GpuLayout,
+    tmp: Buf<bf16>,
+    xs: Vec<Buf<f32>>,
+    layers: Vec<LayerActs>,
+    xf: Buf<bf16>,
+    mf: Buf<f32>,
+    rf: Buf<f32>,
+    logits: Buf<bf16>,
+    /// Per-position losses of the last micro-batch.
+    pub losses: Buf<f32>,
+    dx: Buf<f32>,
+    dres: Buf<bf16>,
+    dbig1: Buf<bf16>,
+    dbig2: Buf<bf16>,
+    dln: Buf<bf16>,
+    dqkv: Buf<bf16>,
+    datt: Buf<bf16>,
+    delta: Buf<f32>,
+    ln_scratch: Buf<f32>,
+    bias_scratch: Buf<f32>,
+    tokens: Buf<u32>,
+    targets: Buf<u32>,
+    uniq: Buf<u32>,
+    offsets: Buf<u32>,
+    positions: Buf<u32>,
+}
+
+impl Workspace {
+    pub fn new(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<Workspace> {
+        let (n, c, f) = (s.n(), s.c, s.f);
+        let bht = s.b * s.nh * s.t;
+        let mut layers = Vec::with_capacity(s.l);
+        for _ in 0..s.l {
+            layers.push(LayerActs {
+                ln1: gpu.alloc(n * c)?,
+                m1: gpu.alloc(n)?,
+                r1: gpu.alloc(n)?,
+                qkv: gpu.alloc(n * 3 * c)?,
+                atty: gpu.alloc(n * c)?,
+                lse: gpu.alloc(bht)?,
+                x2: gpu.alloc(n * c)?,
+                ln2: gpu.alloc(n * c)?,
+                m2: gpu.alloc(n)?,
+                r2: gpu.alloc(n)?,
+                pre: gpu.alloc(n * f)?,
+                gl: gpu.alloc(n * f)?,
+            });
+        }
+        let xs = (0..=s.l).map(|_| gpu.alloc(n * c)).collect::<Result<Vec<_>>>()?;
+        let scratch_cols = (3 * c).max(f).max(c);
+        Ok(Workspace {
+            shape: s,
+            layout: layout.clone(),
+            tmp: gpu.alloc(n * c)?,
+            xs,
+            layers,
+            xf: gpu.alloc(n * c)?,
+            mf: gpu.alloc(n)?,
+            rf: gpu.alloc(n)?,
+            logits: gpu.alloc(n * s.v)?,
+            losses: gpu.alloc(n)?,
+            dx: gpu.alloc(n * c)?,
+            dres: gpu.alloc(n * c)?,
+            dbig1: gpu.alloc(n * f.max(3 * c))?,
+            dbig2: gpu.alloc(n * f)?,
+            dln: gpu.alloc(n * c)?,
+            dqkv: gpu.alloc(n * 3 * c)?,
+            datt: gpu.alloc(n * c)?,
+            delta: gpu.alloc(bht)?,
+            ln_scratch: gpu.alloc(ops::layernorm_backward_scratch(n, c))?,
+            bias_scratch: gpu.alloc(ops::bias_grad_scratch(n, scratch_cols))?,
+            tokens: gpu.alloc(n)?,
+            targets: gpu.alloc(n)?,
+            uniq: gpu.alloc(n)?,
+            offsets: gpu.alloc(n + 1)?,
+            positions: gpu.alloc(n)?,
+        })
+    }
+
+    /// Device bytes held by activations and scratch.
+    pub fn bytes(&self) -> usize {
+        let b16 = |b: &Buf<bf16>| b.len() * 2;
+        let b32 = |b: &Buf<f32>| b.len() * 4;
+        let u32b = |b: &Buf<u32>| b.len() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|a| {
+                b16(&a.ln1)
+                    + b32(&a.m1)
+                    + b32(&a.r1)
+                    + b16(&a.qkv)
+                    + b16(&a.atty)
+                    + b32(&a.lse)
+                    + b32(&a.x2)
+                    + b16(&a.ln2)
+                    + b32(&a.m2)
+                    + b32(&a.r2)
+                    + b16(&a.pre)
+                    + b16(&a.gl)
+            })
+            .sum();
+        layers
+            + b16(&self.tmp)
+            + self.xs.iter().map(b32).sum::<usize>()
+            + b16(&self.xf)
+            + b32(&self.mf)
+            + b32(&self.rf)
+            + b16(&self.logits)
+            + b32(&self.losses)
+            + b32(&self.dx)
+            + b16(&self.dres)
+            + b16(&self.dbig1)
+            + b16(&self.dbig2)
+            + b16(&self.dln)
+            + b16(&self.dqkv)
+            + b16(&self.datt)
+            + b32(&self.delta)
+            + b32(&self.ln_scratch)
+            + b32(&self.bias_scratch)
+            + u32b(&self.tokens)
+            + u32b(&self.targets)
+            + u32b(&self.uniq)
+            + u32b(&self.offsets)
+            + u32b(&self.positions)
+    }
+}
+
+fn bf(p: DPtr<bf16>) -> Mat {
+    Mat::new(p.raw, Dt::Bf16)
+}
+fn bft(p: DPtr<bf16>) -> Mat {
+    Mat::tr(p.raw, Dt::Bf16)
+}
+fn f32m(p: DPtr<f32>) -> Mat {
+    Mat::new(p.raw, Dt::F32)
+}
+
+/// One micro-batch: forward, mean cross-entropy, backward. Gradients of `dloss × mean loss` go
+/// to the hooks' buffers; per-position losses stay in `ws.losses` (read them with
+/// [`mean_loss`]). `tokens`/`targets` are `b·t` host ids.
+pub fn forward_backward(
+    gpu: &Gpu,
+    hooks: &mut dyn UnitHooks,
+    ws: &mut Workspace,
+    tokens: &[u32],
+    targets: &[u32],
+    dloss: f32,
+) -> Result<()> {
+    let s = ws.shape;
+    let (n, c, v) = (s.n(), s.c, s.v);
+    if tokens.len() != n || targets.len() != n {
+        return Err(GpuError::Invalid(format!("micro-batch of {} tokens / {} targets, expected b·t = {n}", tokens.len(), targets.len())));
+    }
+    if let Some(&bad) = tokens.iter().chain(targets).find(|&&x| x as usize >= v) {
+        return Err(GpuError::Invalid(format!("token id {bad} is outside the vocabulary of {v}")));
+    }
+    let st: &CudaStream = &gpu.stream;
+    let idx = ops::TokenIndex::new(tokens, v);
+    gpu.write(&mut ws.tokens, 0, tokens)?;
+    gpu.write(&mut ws.targets, 0, targets)?;
+    gpu.write(&mut ws.uniq, 0, &idx.uniq)?;
+    gpu.write(&mut ws.offsets, 0, &idx.offsets)?;
+    gpu.write(&mut ws.positions, 0, &idx.positions)?;
+    let uniq = ws.uniq.slice(0..idx.uniq.len());
+    let offsets = ws.offsets.slice(0..idx.offsets.len());
+
+    // ---- forward ----
+    let p0 = hooks.params(0, Phase::Forward)?;
+    let lay = &ws.layout.clone();
+    let e = EmbedW::at(p0, lay);
+    ops::embedding_forward(gpu, st, ws.xs[0].ptr(), ws.tokens.ptr(), e.wte, e.wpe, s.b, s.t, c)?;
+    for l in 0..s.l {
+        let p = hooks.params(1 + l, Phase::Forward)?;
+        let w = BlockW::at(p, lay);
+        block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), &ws.layers[l], s, ws.tmp.ptr())?;
+        hooks.params_done(1 + l, Phase::Forward)?;
+    }
+    // ---- head ----
+    let x_last = ws.xs[s.l].ptr();
+    ops::layernorm_forward(gpu, st, ws.xf.ptr(), ws.mf.ptr(), ws.rf.ptr(), x_last, e.lnf_w, e.lnf_b, n, c)?;
+    gpu.blas.matmul(bf(ws.logits.ptr()), bf(ws.xf.ptr()), bft(e.wte), n, c, v, 1.0, 0.0)?;
+    ops::crossentropy(gpu, st, ws.losses.ptr(), ws.logits.ptr(), ws.targets.ptr(), n, v, v, dloss / n as f32)?;
+    // ---- backward ----
+    let g0 = hooks.grads(0)?;
+    let ge = EmbedW::at(g0, lay);
+    // d(xf) = dlogits · wte ; d(wte) = dlogitsᵀ · xf
+    gpu.blas.matmul(bf(ws.dln.ptr()), bf(ws.logits.ptr()), bf(e.wte), n, v, c, 1.0, 0.0)?;
+    gpu.blas.matmul(f32m(ge.wte), bft(ws.logits.ptr()), bf(ws.xf.ptr()), v, n, c, 1.0, 0.0)?;
+    gpu.zero(ws.dx.ptr(), st)?;
+    ops::layernorm_backward(
+        gpu,
+        st,
+        ws.dx.ptr(),
+        ge.lnf_w,
+        ge.lnf_b,
+        ws.dln.ptr(),
+        x_last,
+        e.lnf_w,
+        ws.mf.ptr(),
+        ws.rf.ptr(),
+        ws.ln_scratch.ptr(),
+        n,
+        c,
+    )?;
+    for l in (0..s.l).rev() {
+        let p = hooks.params(1 + l, Phase::Backward)?;
+        let w = BlockW::at(p, lay);
+        let g = hooks.grads(1 + l)?;
+        let gw = BlockW::at(g, lay);
+        block_backward(gpu, st, &w, &gw, ws.xs[l].ptr(), &ws.layers[l], s, &mut Scratch::of(ws))?;
+        hooks.params_done(1 + l, Phase::Backward)?;
+        hooks.grads_done(1 + l)?;
+    }
+    ops::embedding_backward(gpu, st, ge.wte, ge.wpe, ws.dx.ptr(), uniq, offsets, ws.positions.ptr(), s.b, s.t, c)?;
+    hooks.params_done(0, Phase::Backward)?;
+    hooks.grads_done(0)?;
+    Ok(())
+}
+
+/// Forward only: fills `ws.losses` (no gradients, no backward).
+pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, tokens: &[u32], targets: &[u32]) -> Result<()> {
+    let s = ws.shape;
+    let (n, c, v) = (s.n(), s.c, s.v);
+    if tokens.len() != n || targets.len() != n {
+        return Err(GpuError::Invalid(format!("batch of {} tokens, expected {n}", tokens.len())));
+    }
+    let st: &CudaStream = &gpu.stream;
+    let lay = &ws.layout.clone();
+    gpu.write(&mut ws.tokens, 0, tokens)?;
+    gpu.write(&mut ws.targets, 0, targets)?;
+    let p0 = hooks.params(0, Phase::Forward)?;
+    let e = EmbedW::at(p0, lay);
+    ops::embedding_forward(gpu, st, ws.xs[0].ptr(), ws.tokens.ptr(), e.wte, e.wpe, s.b, s.t, c)?;
+    for l in 0..s.l {
+        let p = hooks.params(1 + l, Phase::Forward)?;
+        block_forward(gpu, st, &BlockW::at(p, lay), ws.xs[l].ptr(), ws.xs[l + 1].ptr(), &ws.layers[l], s, ws.tmp.ptr())?;
+        hooks.params_done(1 + l, Phase::Forward)?;
+    }
+    ops::layernorm_forward(gpu, st, ws.xf.ptr(), ws.mf.ptr(), ws.rf.ptr(), ws.xs[s.l].ptr(), e.lnf_w, e.lnf_b, n, c)?;
+    gpu.blas.matmul(bf(ws.logits.ptr()), bf(ws.xf.ptr()), bft(e.wte), n, c, v, 1.0, 0.0)?;
+    ops::crossentropy(gpu, st, ws.losses.ptr(), ws.logits.ptr(), ws.targets.ptr(), n, v, v, 0.0)?;
+    hooks.params_done(0, Phase::Forward)?;
+    Ok(())
+}
+
+/// Mean of `ws.losses` (waits for the compute stream).
+pub fn mean_loss(gpu: &Gpu, ws: &Workspace) -> Result<f32> {
+    let l = gpu.download(ws.losses.ptr())?;
+    let sum: f64 = l.iter().map(|&x| x as f64).sum();
+    Ok((sum / l.len() as f64) as f32)
+}
+
+/// One block forward; `tmp` is a bf16 `[n, c]` scratch for the two projection outputs.
+#[allow(clippy::too_many_arguments)]
+fn block_forward(
+    gpu: &Gpu,
+    st: &CudaStream,
+    w: &BlockW<bf16>,
+    x: DPtr<f32>,
+    y: DPtr<f32>,
+    a: &LayerActs,
+    s: Shape,
+    tmp: DPtr<bf16>,
+) -> Result<()> {
+    let (n, c, f) = (s.n(), s.c, s.f);
+    ops::layernorm_forward(gpu, st, a.ln1.ptr(), a.m1.ptr(), a.r1.ptr(), x, w.ln1_w, w.ln1_b, n, c)?;
+    gpu.blas.matmul(bf(a.qkv.ptr()), bf(a.ln1.ptr()), bf(w.qkv_w), n, c, 3 * c, 1.0, 0.0)?;
+    ops::bias_add(gpu, st, a.qkv.ptr(), w.qkv_b, n, 3 * c)?;
+    attention::attention_forward(gpu, st, a.atty.ptr(), a.lse.ptr(), a.qkv.ptr(), s.b, s.t, c, s.nh)?;
+    gpu.blas.matmul(bf(tmp), bf(a.atty.ptr()), bf(w.proj_w), n, c, c, 1.0, 0.0)?;
+    ops::residual_bias_add(gpu, st, a.x2.ptr(), x, tmp, w.proj_b, n, c)?;
+    ops::layernorm_forward(gpu, st, a.ln2.ptr(), a.m2.ptr(), a.r2.ptr(), a.x2.ptr(), w.ln2_w, w.ln2_b, n, c)?;
+    gpu.blas.matmul(bf(a.pre.ptr()), bf(a.ln2.ptr()), bf(w.fc_w), n, c, f, 1.0, 0.0)?;
+    ops::bias_gelu_forward(gpu, st, a.pre.ptr(), a.gl.ptr(), w.fc_b, n, f)?;
+    gpu.blas.matmul(bf(tmp), bf(a.gl.ptr()), bf(w.fc2_w), n, f, c, 1.0, 0.0)?;
+    ops::residual_bias_add(gpu, st, y, a.x2.ptr(), tmp, w.fc2_b, n, c)?;
+    Ok(())
+}
+
+struct Scratch {
+    dx: DPtr<f32>,
+    dres: DPtr<bf16>,
+    dbig1: DPtr<bf16>,
+    dbig2: DPtr<bf16>,
+    dln: DPtr<bf16>,
+    dqkv: DPtr<bf16>,
+    datt: DPtr<bf16>,
+    delta: DPtr<f32>,
+    ln_scratch: DPtr<f32>,
+    bias_scratch: DPtr<f32>,
+}
+
+impl Scratch {
+    fn of(ws: &Workspace) -> Scratch {
+        Scratch {
+            dx: ws.dx.ptr(),
+            dres: ws.dres.ptr(),
+            dbig1: ws.dbig1.ptr(),
+            dbig2: ws.dbig2.ptr(),
+            dln: ws.dln.ptr(),
+            dqkv: ws.dqkv.ptr(),
+            datt: ws.datt.ptr(),
+            delta: ws.delta.ptr(),
+            ln_scratch: ws.ln_scratch.ptr(),
+            bias_scratch: ws.bias_scratch.ptr(),
+        }
+    }
+}
+
+/// Backward of one block. `k.dx` holds d(block output) on entry and d(block input) on exit.
+#[allow(clippy::too_many_arguments)]
+fn block_backward(
+    gpu: &Gpu,
+    st: &CudaStream,
+    w: &BlockW<bf16>,
+    g: &BlockW<f32>,
+    x: DPtr<f32>,
+    a: &LayerActs,
+    s: Shape,
+    k: &mut Scratch,
+) -> Result<()> {
+    let (n, c, f) = (s.n(), s.c, s.f);
+    let dbig1 = k.dbig1.slice(0..n * f);
+    let dbig2 = k.dbig2.slice(0..n * f);
+    // MLP branch.
+    ops::cast_f32_to_bf16(gpu, st, k.dres, k.dx)?;
+    gpu.blas.matmul(f32m(g.fc2_w), bft(a.gl.ptr()), bf(k.dres), f, n, c, 1.0, 0.0)?;
+    ops::bias_grad(gpu, st, g.fc2_b, k.dres, k.bias_scratch, n, c)?;
+    gpu.blas.matmul(bf(dbig1), bf(k.dres), bft(w.fc2_w), n, c, f, 1.0, 0.0)?;
+    ops::gelu_backward(gpu, st, dbig2, dbig1, a.pre.ptr(), n * f)?;
+    gpu.blas.matmul(f32m(g.fc_w), bft(a.ln2.ptr()), bf(dbig2), c, n, f, 1.0, 0.0)?;
+    ops::bias_grad(gpu, st, g.fc_b, dbig2, k.bias_scratch, n, f)?;
+    gpu.blas.matmul(bf(k.dln), bf(dbig2), bft(w.fc_w), n, f, c, 1.0, 0.0)?;
+    ops::layernorm_backward(gpu, st, k.dx, g.ln2_w, g.ln2_b, k.dln, a.x2.ptr(), w.ln2_w, a.m2.ptr(), a.r2.ptr(), k.ln_scratch, n, c)?;
+    // Attention branch.
+    ops::cast_f32_to_bf16(gpu, st, k.dres, k.dx)?;
+    gpu.blas.matmul(f32m(g.proj_w), bft(a.atty.ptr()), bf(k.dres), c, n, c, 1.0, 0.0)?;
+    ops::bias_grad(gpu, st, g.proj_b, k.dres, k.bias_scratch, n, c)?;
+    gpu.blas.matmul(bf(k.datt), bf(k.dres), bft(w.proj_w), n, c, c, 1.0, 0.0)?;
+    attention::attention_backward(gpu, st, k.dqkv, k.delta, k.datt, a.qkv.ptr(), a.atty.ptr(), a.lse.ptr(), s.b, s.t, c, s.nh)?;
+    gpu.blas.matmul(f32m(g.qkv_w), bft(a.ln1.ptr()), bf(k.dqkv), c, n, 3 * c, 1.0, 0.0)?;
+    ops::bias_grad(gpu, st, g.qkv_b, k.dqkv, k.bias_scratch, n, 3 * c)?;
+    gpu.blas.matmul(bf(k.dln), bf(k.dqkv), bft(w.qkv_w), n, 3 * c, c, 1.0, 0.0)?;
+    ops::layernorm_backward(gpu, st, k.dx, g.ln1_w, g.ln1_b, k.dln, x, w.ln1_w, a.m1.ptr(), a.r1.ptr(), k.ln_scratch, n, c)?;
+    Ok(())
+}
+
+/// Hooks over one full (replicated) parameter buffer and one full gradient buffer, both in the
+/// padded layout: single GPU, data parallelism, ZeRO-1/2 parameters.
+pub struct Replicated<'a> {
+    pub layout: &'a GpuLayout,
+    pub params: DPtr<bf16>,
+    pub grads: DPtr<f32>,
+}
+
+impl UnitHooks for Replicated<'_> {
+    fn params(&mut self, u: usize, _: Phase) -> Result<DPtr<bf16>> {
+        Ok(self.params.slice(self.layout.units[u].clone()))
+    }
+    fn params_done(&mut self, _: usize, _: Phase) -> Result<()> {
+        Ok(())
+    }
+    fn grads(&mut self, u: usize) -> Result<DPtr<f32>> {
+        Ok(self.grads.slice(self.layout.units[u].clone()))
+    }
+    fn grads_done(&mut self, _: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The whole GPU model against the CPU model (f32) on a small GPT with random parameters
+/// (biases and gains perturbed too) rounded to bf16: loss and every tensor's gradient. Both
+/// sides see the same bf16 parameters; the GPU keeps activations in bf16, so gradients agree to
+/// bf16 accuracy relative to each tensor's scale.
+pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
+    use crate::model::FlatAccess;
+    use crate::tensor::Rng;
+    let (b, t) = (2, 96);
+    let cfg = ModelConfig {
+        arch: Arch::Gpt,
+        vocab_size: 384,
+        max_seq_len: 128,
+        n_layer: 2,
+        n_head: 2,
+        d_model: 128,
+        d_ff: 512,
+        rope_theta: 10000.0,
+        norm_eps: 1e-5,
+    };
+    let model = Model::new(cfg.clone()).map_err(GpuError::Invalid)?;
+    let mut params = model.init_params(seed);
+    let mut noise = vec![0f32; params.len()];
+    Rng::derive(seed, &[0x9e0]).fill_normal(&mut noise, 0.02);
+    for (p, n) in params.iter_mut().zip(&noise) {
+        *p = bf16::from_f32(*p + n).to_f32();
+    }
+    let mut rng = Rng::derive(seed, &[0x70c]);
+    let seq: Vec<u32> = (0..b * (t + 1)).map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32).collect();
+    let (mut tokens, mut targets) = (Vec::new(), Vec::new());
+    for r in 0..b {
+        tokens.extend_from_slice(&seq[r * (t + 1)..r * (t + 1) + t]);
+        targets.extend_from_slice(&seq[r * (t + 1) + 1..(r + 1) * (t + 1)]);
+    }
+    // CPU reference.
+    let mut grads = vec![0f32; params.len()];
+    let mut cws = crate::model::Workspace::default();
+    let cpu_loss = {
+        let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
+        model.forward_backward(&mut acc, &tokens, &targets, b, t, 1.0, &mut cws)
+    };
+    // GPU.
+    let layout = GpuLayout::new(&model, 1)?;
+    let shape = Shape::new(&cfg, b, t)?;
+    let pbf: Vec<bf16> = layout.pad(&params).iter().map(|&x| bf16::from_f32(x)).collect();
+    let dparams = gpu.upload(&pbf)?;
+    let dgrads = gpu.alloc::<f32>(layout.total)?;
+    let mut ws = Workspace::new(gpu, shape, &layout)?;
+    let mut hooks = Replicated { layout: &layout, params: dparams.ptr(), grads: dgrads.ptr() };
+    forward_backward(gpu, &mut hooks, &mut ws, &tokens, &targets, 1.0)?;
+    let gpu_loss = mean_loss(gpu, &ws)?;
+    let g = layout.unpad(&gpu.download(dgrads.ptr())?);
+    let mut rows = vec![CheckRow::compare("model loss", &[gpu_loss], &[cpu_loss], 0.0, 1e-2)];
+    for spec in model.layout().specs() {
+        let r = spec.range();
+        let cpu = &grads[r.clone()];
+        let rms = (cpu.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / cpu.len() as f64).sqrt();
+        rows.push(CheckRow::compare(format!("model grad {}", spec.name), &g[r], cpu, rms.max(1e-12), 5e-2));
+    }
+    Ok(rows)
+}

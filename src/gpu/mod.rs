@@ -1,0 +1,255 @@
+//! The GPU path: `tessera gpu check` (every kernel and the whole model against the CPU
+//! reference) and `tessera gpu bench` (GPT-2 training throughput on 1..N GPUs, one process per
+//! GPU, NCCL between them, ZeRO 0–3), the figures `docs/PERFORMANCE.md` records next to the
+//! PyTorch and DeepSpeed peers.
+
+pub mod zero;
+
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tessera_kernels::cuda::{self, gpt, Gpu};
+use tessera_kernels::model::{Model, ModelConfig};
+use tessera_kernels::tensor::Rng;
+use tessera_transport::nccl::{NcclComm, NcclId};
+
+use crate::zoo;
+
+/// Environment variables a `gpu bench` parent hands its rank processes.
+const ENV_RANK: &str = "TESSERA_GPU_RANK";
+const ENV_WORLD: &str = "TESSERA_GPU_WORLD";
+const ENV_NCCL_ID: &str = "TESSERA_NCCL_ID";
+
+/// Runs every GPU correctness check; returns whether all passed.
+pub fn check(seed: u64) -> Result<bool> {
+    let gpu = Gpu::open(0)?;
+    println!("GPU 0: {} ({}), NVRTC {:?}", gpu.name, gpu.arch(), cuda::nvrtc_version()?);
+    let t = Instant::now();
+    gpu.compile_all()?;
+    println!("kernels compiled (or loaded from the cache) in {:.2} s", t.elapsed().as_secs_f64());
+    let mut all_ok = true;
+    type CheckFn = fn(&Gpu, u64) -> cuda::Result<Vec<cuda::CheckRow>>;
+    let checks: [(&str, CheckFn); 3] =
+        [("ops", cuda::ops::check), ("attention", cuda::attention::check), ("model (2-layer GPT vs CPU f32)", gpt::check)];
+    for (name, f) in checks {
+        println!("— {name}");
+        match f(&gpu, seed) {
+            Ok(rows) => {
+                for r in rows {
+                    all_ok &= r.pass();
+                    println!("  {r}");
+                }
+            }
+            Err(e) => {
+                all_ok = false;
+                println!("  FAIL: {e}");
+            }
+        }
+    }
+    println!("{}", if all_ok { "all GPU checks passed" } else { "SOME GPU CHECKS FAILED" });
+    Ok(all_ok)
+}
+
+#[derive(Args, Clone, Debug)]
+pub struct BenchArgs {
+    /// Model preset (`tessera models`).
+    #[arg(long, default_value = "gpt2-small")]
+    pub model: String,
+    /// Override the preset's vocabulary (the peers use 50304, a multiple of 128).
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// Override the number of layers.
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 16)]
+    pub micro_batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 1024)]
+    pub seq: usize,
+    /// Micro-batches per optimizer step, over all GPUs (default: one per GPU).
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
+    /// ZeRO stage 0–3.
+    #[arg(long, default_value_t = 2)]
+    pub zero: u8,
+    /// GPUs (one process each).
+    #[arg(long, default_value_t = 1)]
+    pub nprocs: usize,
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+    /// Steps not timed (warm-up).
+    #[arg(long, default_value_t = 10)]
+    pub warmup: usize,
+    #[arg(long, default_value_t = 3e-4)]
+    pub lr: f32,
+    /// Global gradient-norm clip (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub clip: f32,
+    #[arg(long, default_value_t = 1234)]
+    pub seed: u64,
+}
+
+/// One JSON line of results (rank 0 prints it).
+fn report(a: &BenchArgs, model: &Model, world: usize, times: &[f64], losses: &[f32], mem: usize, hash: &str) -> String {
+    let mut steady: Vec<f64> = times.iter().skip(a.warmup.min(times.len().saturating_sub(1))).copied().collect();
+    steady.sort_by(|x, y| x.partial_cmp(y).expect("finite times"));
+    let med = steady[steady.len() / 2];
+    let m = a.micro_batches.unwrap_or(world);
+    let tokens = (a.micro_batch * a.seq * m) as f64;
+    let tok_s = tokens / med;
+    let fpt = model.cfg.flops_per_token(model.num_params(), a.seq);
+    let mfu = tok_s * fpt / (989e12 * world as f64);
+    serde_json::json!({
+        "system": "tessera", "zero": a.zero, "world": world, "params_M": (model.num_params() as f64 / 1e6 * 10.0).round() / 10.0,
+        "mb": a.micro_batch, "seq": a.seq, "micro_batches": m,
+        "step_ms_median": (med * 1e4).round() / 10.0, "tok_per_s": tok_s.round(), "mfu_vs_989T": (mfu * 1000.0).round() / 1000.0,
+        "device_GiB": (mem as f64 / (1u64 << 30) as f64 * 100.0).round() / 100.0,
+        "loss_first": losses.first(), "loss_last": losses.last(), "params_blake3": hash,
+    })
+    .to_string()
+}
+
+fn bench_model(a: &BenchArgs) -> Result<Model> {
+    let mut cfg: ModelConfig = zoo::preset(&a.model).map_err(anyhow::Error::msg)?;
+    if let Some(v) = a.vocab {
+        cfg.vocab_size = v;
+    }
+    if let Some(l) = a.layers {
+        cfg.n_layer = l;
+    }
+    if a.seq > cfg.max_seq_len {
+        bail!("--seq {} exceeds the model's context {}", a.seq, cfg.max_seq_len);
+    }
+    Model::new(cfg).map_err(anyhow::Error::msg)
+}
+
+/// `tessera gpu bench`: the parent spawns one process per GPU (or runs the single rank itself).
+pub fn bench(a: &BenchArgs) -> Result<()> {
+    if let Ok(rank) = std::env::var(ENV_RANK) {
+        let rank: usize = rank.parse().with_context(|| format!("{ENV_RANK}={rank}: expected a rank number"))?;
+        let world: usize = std::env::var(ENV_WORLD)?.parse().context(ENV_WORLD)?;
+        let id = NcclId::from_hex(&std::env::var(ENV_NCCL_ID).context(ENV_NCCL_ID)?)?;
+        return bench_rank(a, rank, world, Some(id));
+    }
+    if a.nprocs <= 1 {
+        return bench_rank(a, 0, 1, None);
+    }
+    let n = cuda::device_count()?;
+    if a.nprocs > n {
+        bail!("--nprocs {} needs {} GPUs; this machine has {n}", a.nprocs, a.nprocs);
+    }
+    // The communicator id is created here and handed to every rank (the control plane of a
+    // single-host launch is the process environment).
+    let id = NcclId::new()?;
+    let exe = std::env::current_exe()?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut children: Vec<Child> = Vec::new();
+    for r in 0..a.nprocs {
+        let child = Command::new(&exe)
+            .args(&args)
+            .env(ENV_RANK, r.to_string())
+            .env(ENV_WORLD, a.nprocs.to_string())
+            .env(ENV_NCCL_ID, id.to_hex())
+            .stdin(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting GPU rank {r}"))?;
+        children.push(child);
+    }
+    wait_all(children, Duration::from_secs(900))
+}
+
+/// Waits for every rank; the first failure kills the others (no orphans), bounded overall.
+fn wait_all(mut children: Vec<Child>, limit: Duration) -> Result<()> {
+    let start = Instant::now();
+    let mut failed: Option<String> = None;
+    let mut done = vec![false; children.len()];
+    while done.iter().any(|d| !d) {
+        for (r, c) in children.iter_mut().enumerate() {
+            if done[r] {
+                continue;
+            }
+            if let Some(st) = c.try_wait()? {
+                done[r] = true;
+                if !st.success() && failed.is_none() {
+                    failed = Some(format!("GPU rank {r} failed ({st})"));
+                }
+            }
+        }
+        if failed.is_some() || start.elapsed() > limit {
+            for (r, c) in children.iter_mut().enumerate() {
+                if !done[r] {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    done[r] = true;
+                }
+            }
+            if failed.is_none() {
+                failed = Some(format!("GPU ranks did not finish within {} s", limit.as_secs()));
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    match failed {
+        Some(f) => bail!(f),
+        None => Ok(()),
+    }
+}
+
+/// Synthetic tokens of global micro-batch `i` at `step` (uniform ids, as the peers use).
+fn batch(seed: u64, step: usize, i: usize, b: usize, t: usize, v: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut rng = Rng::derive(seed, &[step as u64, i as u64]);
+    let (mut x, mut y) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
+    for _ in 0..b {
+        let row: Vec<u32> = (0..=t).map(|_| (rng.next_u64() % v as u64) as u32).collect();
+        x.extend_from_slice(&row[..t]);
+        y.extend_from_slice(&row[1..]);
+    }
+    (x, y)
+}
+
+fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> Result<()> {
+    let model = bench_model(a)?;
+    let gpu: Arc<Gpu> = Gpu::open(rank)?;
+    gpu.compile_all()?;
+    let comm = match id {
+        Some(id) if world > 1 => Some(NcclComm::new(gpu.clone(), rank, world, &id)?),
+        _ => None,
+    };
+    let m = a.micro_batches.unwrap_or(world);
+    if m % world != 0 {
+        bail!("--micro-batches {m} must be a multiple of the GPU count {world} (each GPU takes an aligned block)");
+    }
+    let m_local = m / world;
+    let shape = gpt::Shape::new(&model.cfg, a.micro_batch, a.seq)?;
+    let init = model.init_params(a.seed);
+    let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: a.clip };
+    let mut r = zero::Rank::new(gpu.clone(), comm, &model, a.zero, shape, &init, adam, m_local)?;
+    r.sync()?;
+    let mut times = Vec::with_capacity(a.steps);
+    let mut losses = Vec::with_capacity(a.steps);
+    for step in 0..a.steps {
+        let mbs: Vec<_> =
+            (0..m_local).map(|j| batch(a.seed, step, rank * m_local + j, a.micro_batch, a.seq, model.cfg.vocab_size)).collect();
+        let t0 = Instant::now();
+        let (loss, _) = r.step(&mbs, a.lr, 1.0 / m as f32)?;
+        r.sync()?;
+        times.push(t0.elapsed().as_secs_f64());
+        losses.push(loss);
+        if rank == 0 && (step % 10 == 0 || step + 1 == a.steps) {
+            eprintln!("step {step:>4}  loss {loss:.4}  {:.1} ms", times[step] * 1e3);
+        }
+    }
+    let masters = r.masters()?;
+    let hash = blake3::hash(bytemuck::cast_slice(&masters)).to_hex().to_string();
+    if rank == 0 {
+        let line = report(a, &model, world, &times, &losses, r.device_bytes(), &hash);
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}")?;
+    }
+    Ok(())
+}
