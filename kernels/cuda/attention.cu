@@ -9,6 +9,18 @@
 // Each warp owns 16 rows of the tile (the M=16 of the mma). Tiles past T are zero-filled in
 // shared memory and masked, so any T >= 1 works.
 //
+// Two variants of every kernel (same parameters): the default one feeds P and dS to the tensor
+// cores as plain bf16 (one mma per product, as FlashAttention does) and takes delta = rowsum(dy o y)
+// from the bf16 output; the `_precise` one (selected on the Rust side by TESSERA_ATTN_PRECISE=1)
+// feeds them as two bf16 halves (hi + lo remainder, two mmas per product) and computes delta as
+// rowsum(P o dP) in f32 during the dQ pass, which keeps the outputs at f32-reference accuracy.
+//
+// K/V (forward, dQ) and Q/dY/lse/delta (dK/dV) tiles are double-buffered in shared memory and
+// loaded with cp.async: tile i+1 streams in while tile i is computed. One barrier per tile: at the
+// top of iteration i every thread has waited for its own copies of tile i, and the barrier makes
+// them visible to all and guarantees that nobody still reads the other buffer (tile i-1), which the
+// prefetch of tile i+1 issued right after it overwrites.
+//
 // Determinism: no atomics. Each output element is written by exactly one thread, and every
 // reduction (over key tiles, query tiles, the 4 lanes of a quad, a warp) runs in a fixed order.
 //
@@ -109,7 +121,7 @@ __device__ __forceinline__ void att_split(u32& hi, u32& lo, float x0, float x1) 
     hi = att_pack(x0, x1);
     lo = att_pack(x0 - __uint_as_float(hi << 16), x1 - __uint_as_float(hi & 0xffff0000u));
 }
-__device__ __forceinline__ void att_c_to_a(u32* hi, u32* lo, const float (*c)[4], int kc) {
+__device__ __forceinline__ void att_c_to_a_split(u32* hi, u32* lo, const float (*c)[4], int kc) {
     att_split(hi[0], lo[0], c[2 * kc][0], c[2 * kc][1]);
     att_split(hi[1], lo[1], c[2 * kc][2], c[2 * kc][3]);
     att_split(hi[2], lo[2], c[2 * kc + 1][0], c[2 * kc + 1][1]);
@@ -130,16 +142,30 @@ __device__ __forceinline__ void att_gemm_abt(float (*acc)[4], const u32 (*a)[4],
     }
 }
 
-// acc[16x64] += (A_hi + A_lo)(chunk kc: 16x16) * s[16kc..16kc+15][0..63] for one 16-wide k chunk.
-__device__ __forceinline__ void att_gemm_ab_chunk(float (*acc)[4], const u32* a_hi, const u32* a_lo, const bf16* s, int kc, int lane) {
+// acc[16x64] += A(chunk kc: 16x16) * s[16kc..16kc+15][0..63] for one 16-wide k chunk, with A taken
+// from the f32 accumulator c (columns 16kc..16kc+15): as one bf16 (PRECISE = false) or as the pair
+// hi + lo (PRECISE = true, two mmas).
+template <bool PRECISE>
+__device__ __forceinline__ void att_gemm_cb_chunk(float (*acc)[4], const float (*c)[4], const bf16* s, int kc, int lane) {
+    u32 hi[4], lo[4];
+    if (PRECISE) {
+        att_c_to_a_split(hi, lo, c, kc);
+    } else {
+        hi[0] = att_pack(c[2 * kc][0], c[2 * kc][1]);
+        hi[1] = att_pack(c[2 * kc][2], c[2 * kc][3]);
+        hi[2] = att_pack(c[2 * kc + 1][0], c[2 * kc + 1][1]);
+        hi[3] = att_pack(c[2 * kc + 1][2], c[2 * kc + 1][3]);
+    }
 #pragma unroll
     for (int np = 0; np < 4; np++) {
         u32 b[4];
         att_load_b_kn(b, s, kc * 16, np * 16, lane);
-        att_mma(acc[2 * np], a_hi, b[0], b[1]);
-        att_mma(acc[2 * np + 1], a_hi, b[2], b[3]);
-        att_mma(acc[2 * np], a_lo, b[0], b[1]);
-        att_mma(acc[2 * np + 1], a_lo, b[2], b[3]);
+        att_mma(acc[2 * np], hi, b[0], b[1]);
+        att_mma(acc[2 * np + 1], hi, b[2], b[3]);
+        if (PRECISE) {
+            att_mma(acc[2 * np], lo, b[0], b[1]);
+            att_mma(acc[2 * np + 1], lo, b[2], b[3]);
+        }
     }
 }
 
@@ -153,6 +179,30 @@ __device__ __forceinline__ void att_load_tile(bf16* s, const bf16* __restrict__ 
         uint4 v = {0u, 0u, 0u, 0u};
         if (row0 + r < t) v = *(const uint4*)(g + (size_t)(row0 + r) * ldg + ch * 8);
         *(uint4*)(s + r * ATT_LD + ch * 8) = v;
+    }
+}
+
+// cp.async: 16 (cg, bypassing L1) or 4 (ca) bytes global -> shared; with n = 0 nothing is read and
+// the destination is zero-filled (src must still be a valid address).
+__device__ __forceinline__ void att_cp16(u32 dst, const void* src, int n) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void att_cp4(u32 dst, const void* src, int n) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void att_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void att_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// att_load_tile through cp.async (not visible until att_cp_commit, att_cp_wait_all, __syncthreads).
+// Rows >= t are zero-filled, their source clamped to row 0 (valid: t >= 1).
+__device__ __forceinline__ void att_load_tile_async(bf16* s, const bf16* __restrict__ g, int row0, int t, int ldg) {
+#pragma unroll
+    for (int k = 0; k < ATT_TILE * 8 / ATT_THREADS; k++) {
+        int idx = threadIdx.x + k * ATT_THREADS;
+        int r = idx >> 3, ch = idx & 7;
+        bool ok = row0 + r < t;
+        const bf16* src = g + (size_t)(ok ? row0 + r : 0) * ldg + ch * 8;
+        att_cp16(att_smem_addr(s + r * ATT_LD + ch * 8), src, ok ? 16 : 0);
     }
 }
 
@@ -182,11 +232,11 @@ __device__ __forceinline__ void att_store_rows(bf16* __restrict__ dst, const flo
 // ---------------------------------------------------------------------------------------------
 // Forward: grid (ceil(T/64), B*NH), 128 threads. y [B,T,C], lse [B,NH,T].
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_fwd(bf16* __restrict__ y, float* __restrict__ lse,
-                                                                   const bf16* __restrict__ qkv, int t, int c, int nh,
-                                                                   float scale_log2) {
-    __shared__ __align__(16) bf16 sK[ATT_TILE * ATT_LD];
-    __shared__ __align__(16) bf16 sV[ATT_TILE * ATT_LD];
+template <bool PRECISE>
+__device__ __forceinline__ void attn_fwd_body(bf16* __restrict__ y, float* __restrict__ lse, const bf16* __restrict__ qkv, int t, int c,
+                                              int nh, float scale_log2) {
+    __shared__ __align__(16) bf16 sK[2][ATT_TILE * ATT_LD];
+    __shared__ __align__(16) bf16 sV[2][ATT_TILE * ATT_LD];
 
     const int qt = gridDim.x - 1 - blockIdx.x;  // heaviest (most key tiles) first
     const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
@@ -194,12 +244,15 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_fwd(bf16* __restr
     const int ld = 3 * c;
     const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
 
-    // Q fragments of this warp's 16 rows, staged through sK.
+    // Key tile 0 streams into buffer 0 while Q (this warp's 16 rows) is staged through buffer 1.
+    att_load_tile_async(sK[0], base + c, 0, t, ld);
+    att_load_tile_async(sV[0], base + 2 * c, 0, t, ld);
+    att_cp_commit();
     u32 qf[4][4];
-    att_load_tile(sK, base, qt * ATT_TILE, t, ld);
+    att_load_tile(sK[1], base, qt * ATT_TILE, t, ld);
     __syncthreads();
 #pragma unroll
-    for (int kc = 0; kc < 4; kc++) att_load_a(qf[kc], sK, warp * 16, kc * 16, lane);
+    for (int kc = 0; kc < 4; kc++) att_load_a(qf[kc], sK[1], warp * 16, kc * 16, lane);
 
     float o[8][4];
     att_zero(o);
@@ -207,14 +260,20 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_fwd(bf16* __restr
     const int ra = qt * ATT_TILE + warp * 16 + g;  // this thread's rows: ra and ra + 8
 
     for (int kt = 0; kt <= qt; kt++) {
-        __syncthreads();  // everyone is done with the previous sK/sV (and the Q staging)
-        att_load_tile(sK, base + c, kt * ATT_TILE, t, ld);
-        att_load_tile(sV, base + 2 * c, kt * ATT_TILE, t, ld);
-        __syncthreads();
+        const int cur = kt & 1;
+        att_cp_wait_all();  // this thread's copies of tile kt have landed
+        __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1 (tile kt-1 / Q)
+        if (kt < qt) {
+            att_load_tile_async(sK[cur ^ 1], base + c, (kt + 1) * ATT_TILE, t, ld);
+            att_load_tile_async(sV[cur ^ 1], base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
+        }
+        att_cp_commit();
+        const bf16* k_s = sK[cur];
+        const bf16* v_s = sV[cur];
 
         float s[8][4];
         att_zero(s);
-        att_gemm_abt(s, qf, sK, lane);
+        att_gemm_abt(s, qf, k_s, lane);
 
         // Scale, causal/length mask, tile row max.
         float mx[2] = {-TESSERA_INF, -TESSERA_INF};
@@ -255,11 +314,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_fwd(bf16* __restr
         }
         // O += P V
 #pragma unroll
-        for (int kc = 0; kc < 4; kc++) {
-            u32 hi[4], lo[4];
-            att_c_to_a(hi, lo, s, kc);
-            att_gemm_ab_chunk(o, hi, lo, sV, kc, lane);
-        }
+        for (int kc = 0; kc < 4; kc++) att_gemm_cb_chunk<PRECISE>(o, s, v_s, kc, lane);
     }
 
     // Row sums: each lane of a quad holds a quarter of the columns.
@@ -284,20 +339,30 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_fwd(bf16* __restr
     }
 }
 
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attn_fwd(bf16* __restrict__ y, float* __restrict__ lse, const bf16* __restrict__ qkv, int t, int c, int nh, float scale_log2) {
+    attn_fwd_body<false>(y, lse, qkv, t, c, nh, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attn_fwd_precise(bf16* __restrict__ y, float* __restrict__ lse, const bf16* __restrict__ qkv, int t, int c, int nh, float scale_log2) {
+    attn_fwd_body<true>(y, lse, qkv, t, c, nh, scale_log2);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward, second kernel (after attn_bwd_dq, which writes delta): dK, dV for one 64-key tile
-// (grid.x) of one (b, head) (grid.y). Each warp owns 16 keys; loops over query tiles from the diagonal to the end in order:
+// (grid.x) of one (b, head) (grid.y). Each warp owns 16 keys; loops over query tiles from the
+// diagonal to the end in order:
 //   S^T = K Q^T, P^T = exp(S^T*scale - lse), dP^T = V dY^T, dS^T = P^T o (dP^T - delta),
 //   dV += P^T dY, dK += dS^T Q (times scale at the end).
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv(bf16* __restrict__ dqkv, const bf16* __restrict__ dy,
-                                                                        const bf16* __restrict__ qkv, const float* __restrict__ lse,
-                                                                        const float* __restrict__ delta, int t, int c, int nh,
-                                                                        float scale, float scale_log2) {
-    __shared__ __align__(16) bf16 sQ[ATT_TILE * ATT_LD];
-    __shared__ __align__(16) bf16 sDY[ATT_TILE * ATT_LD];
-    __shared__ float sL[ATT_TILE];  // lse * log2(e) of the tile's query rows
-    __shared__ float sD[ATT_TILE];  // delta of the tile's query rows
+template <bool PRECISE>
+__device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, const bf16* __restrict__ dy, const bf16* __restrict__ qkv,
+                                                   const float* __restrict__ lse, const float* __restrict__ delta, int t, int c, int nh,
+                                                   float scale, float scale_log2) {
+    __shared__ __align__(16) bf16 sQ[2][ATT_TILE * ATT_LD];
+    __shared__ __align__(16) bf16 sDY[2][ATT_TILE * ATT_LD];
+    __shared__ __align__(16) float sL[2][ATT_TILE];  // lse (natural log) of the tile's query rows
+    __shared__ __align__(16) float sD[2][ATT_TILE];  // delta of the tile's query rows
 
     const int kt = blockIdx.x;  // heaviest (most query tiles) first
     const int nq = gridDim.x;
@@ -309,15 +374,29 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv(bf16* __
     const float* lse_bh = lse + (size_t)bh * t;
     const float* delta_bh = delta + (size_t)bh * t;
 
-    // K and V fragments (A operands) of this warp's 16 keys, staged through sQ / sDY.
+    // Query tile kt (with its lse and delta) -> buffer 0, asynchronously.
+    auto prefetch = [&](int qt, int buf) {
+        att_load_tile_async(sQ[buf], base, qt * ATT_TILE, t, ld);
+        att_load_tile_async(sDY[buf], dybase, qt * ATT_TILE, t, c);
+        if (threadIdx.x < ATT_TILE) {
+            int i = qt * ATT_TILE + threadIdx.x;
+            bool ok = i < t;
+            att_cp4(att_smem_addr(&sL[buf][threadIdx.x]), lse_bh + (ok ? i : 0), ok ? 4 : 0);
+            att_cp4(att_smem_addr(&sD[buf][threadIdx.x]), delta_bh + (ok ? i : 0), ok ? 4 : 0);
+        }
+    };
+    prefetch(kt, 0);
+    att_cp_commit();
+
+    // K and V fragments (A operands) of this warp's 16 keys, staged through buffer 1.
     u32 kf[4][4], vf[4][4];
-    att_load_tile(sQ, base + c, kt * ATT_TILE, t, ld);
-    att_load_tile(sDY, base + 2 * c, kt * ATT_TILE, t, ld);
+    att_load_tile(sQ[1], base + c, kt * ATT_TILE, t, ld);
+    att_load_tile(sDY[1], base + 2 * c, kt * ATT_TILE, t, ld);
     __syncthreads();
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) {
-        att_load_a(kf[kc], sQ, warp * 16, kc * 16, lane);
-        att_load_a(vf[kc], sDY, warp * 16, kc * 16, lane);
+        att_load_a(kf[kc], sQ[1], warp * 16, kc * 16, lane);
+        att_load_a(vf[kc], sDY[1], warp * 16, kc * 16, lane);
     }
 
     float dk[8][4], dv[8][4];
@@ -326,21 +405,21 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv(bf16* __
     const int ja = kt * ATT_TILE + warp * 16 + g;  // this thread's keys: ja and ja + 8
 
     for (int qt = kt; qt < nq; qt++) {
-        __syncthreads();
-        att_load_tile(sQ, base, qt * ATT_TILE, t, ld);
-        att_load_tile(sDY, dybase, qt * ATT_TILE, t, c);
-        if (threadIdx.x < ATT_TILE) {
-            int i = qt * ATT_TILE + threadIdx.x;
-            sL[threadIdx.x] = i < t ? lse_bh[i] * ATT_LOG2E : 0.f;
-            sD[threadIdx.x] = i < t ? delta_bh[i] : 0.f;
-        }
-        __syncthreads();
+        const int cur = (qt - kt) & 1;
+        att_cp_wait_all();  // this thread's copies of tile qt have landed
+        __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1
+        if (qt + 1 < nq) prefetch(qt + 1, cur ^ 1);
+        att_cp_commit();
+        const bf16* q_s = sQ[cur];
+        const bf16* dy_s = sDY[cur];
+        const float* l_s = sL[cur];
+        const float* d_s = sD[cur];
 
         float s[8][4], dp[8][4];
         att_zero(s);
         att_zero(dp);
-        att_gemm_abt(s, kf, sQ, lane);    // S^T [keys x queries]
-        att_gemm_abt(dp, vf, sDY, lane);  // dP^T [keys x queries]
+        att_gemm_abt(s, kf, q_s, lane);    // S^T [keys x queries]
+        att_gemm_abt(dp, vf, dy_s, lane);  // dP^T [keys x queries]
 
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
@@ -350,18 +429,15 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv(bf16* __
                 int i = qt * ATT_TILE + li;
                 int j = ja + (e >> 1) * 8;
                 // i >= j and i < t imply j < t.
-                float p = (i >= j && i < t) ? exp2f(s[nt][e] * scale_log2 - sL[li]) : 0.f;
+                float p = (i >= j && i < t) ? exp2f(s[nt][e] * scale_log2 - l_s[li] * ATT_LOG2E) : 0.f;
                 s[nt][e] = p;
-                dp[nt][e] = p * (dp[nt][e] - sD[li]);
+                dp[nt][e] = p * (dp[nt][e] - d_s[li]);
             }
         }
 #pragma unroll
-        for (int kc = 0; kc < 4; kc++) {  // 16-query chunks
-            u32 hi[4], lo[4];
-            att_c_to_a(hi, lo, s, kc);
-            att_gemm_ab_chunk(dv, hi, lo, sDY, kc, lane);  // dV += P^T dY
-            att_c_to_a(hi, lo, dp, kc);
-            att_gemm_ab_chunk(dk, hi, lo, sQ, kc, lane);  // dK += dS^T Q
+        for (int kc = 0; kc < 4; kc++) {                         // 16-query chunks
+            att_gemm_cb_chunk<PRECISE>(dv, s, dy_s, kc, lane);  // dV += P^T dY
+            att_gemm_cb_chunk<PRECISE>(dk, dp, q_s, kc, lane);  // dK += dS^T Q
         }
     }
 
@@ -370,22 +446,37 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv(bf16* __
     att_store_rows(out + 2 * c, dv, 1.f, ja, t, ld, lane);
 }
 
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attn_bwd_dkdv(bf16* __restrict__ dqkv, const bf16* __restrict__ dy, const bf16* __restrict__ qkv, const float* __restrict__ lse,
+                  const float* __restrict__ delta, int t, int c, int nh, float scale, float scale_log2) {
+    attn_bwd_dkdv_body<false>(dqkv, dy, qkv, lse, delta, t, c, nh, scale, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attn_bwd_dkdv_precise(bf16* __restrict__ dqkv, const bf16* __restrict__ dy, const bf16* __restrict__ qkv, const float* __restrict__ lse,
+                          const float* __restrict__ delta, int t, int c, int nh, float scale, float scale_log2) {
+    attn_bwd_dkdv_body<true>(dqkv, dy, qkv, lse, delta, t, c, nh, scale, scale_log2);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Backward, first kernel: dQ and delta for one 64-query tile (grid.x) of one (b, head) (grid.y).
-// Each warp owns 16 queries; one pass over key tiles 0..=diagonal in order:
-//   S = Q K^T, P = exp(S*scale - lse), dP = dY V^T, E = P o dP,
-//   delta += rowsum(E), A += E K, B += P K;
-// then dS = P o (dP - delta) gives dQ = scale * (A - delta o B) without a second pass.
-// delta = rowsum(P o dP) (= rowsum(dY o O) for the f32 O) is written for the dK/dV kernel; taking
-// it from the bf16 y instead costs ~1e-3 absolute error on dQ and dK through the cancellation in
-// dP - delta.
+// Each warp owns 16 queries; one pass over key tiles 0..=diagonal in order.
+//
+// Default (PRECISE = false), as FlashAttention-2: delta = rowsum(dY o y) from the bf16 output y,
+// computed first for the tile's own rows (and written for the dK/dV kernel); then
+//   S = Q K^T, P = exp(S*scale - lse), dP = dY V^T, dS = P o (dP - delta), dQ += dS K
+// with dS fed to the tensor cores as one bf16.
+//
+// PRECISE: y is not read. Per key tile: E = P o dP, delta += rowsum(E), A += E K, B += P K (E and
+// P as bf16 pairs); then dS = P o (dP - delta) gives dQ = scale * (A - delta o B) without a second
+// pass. delta = rowsum(P o dP) (= rowsum(dY o O) for the f32 O) is written for the dK/dV kernel.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq(bf16* __restrict__ dqkv, float* __restrict__ delta,
-                                                                      const bf16* __restrict__ dy, const bf16* __restrict__ qkv,
-                                                                      const float* __restrict__ lse, int t, int c, int nh, float scale,
-                                                                      float scale_log2) {
-    __shared__ __align__(16) bf16 sK[ATT_TILE * ATT_LD];
-    __shared__ __align__(16) bf16 sV[ATT_TILE * ATT_LD];
+template <bool PRECISE>
+__device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float* __restrict__ delta, const bf16* __restrict__ dy,
+                                                 const bf16* __restrict__ qkv, const bf16* __restrict__ y, const float* __restrict__ lse,
+                                                 int t, int c, int nh, float scale, float scale_log2) {
+    __shared__ __align__(16) bf16 sK[2][ATT_TILE * ATT_LD];
+    __shared__ __align__(16) bf16 sV[2][ATT_TILE * ATT_LD];
+    __shared__ float sDelta[ATT_TILE];
 
     const int qt = gridDim.x - 1 - blockIdx.x;  // heaviest first
     const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
@@ -393,41 +484,76 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq(bf16* __re
     const int ld = 3 * c;
     const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
     const bf16* dybase = dy + (size_t)bi * t * c + h * ATT_HD;
+    float* delta_bh = delta + (size_t)bh * t;
 
-    u32 qf[4][4], dyf[4][4];
-    att_load_tile(sK, base, qt * ATT_TILE, t, ld);
-    att_load_tile(sV, dybase, qt * ATT_TILE, t, c);
+    // Key tile 0 -> buffer 0 asynchronously; Q and dY of this tile staged through buffer 1.
+    att_load_tile_async(sK[0], base + c, 0, t, ld);
+    att_load_tile_async(sV[0], base + 2 * c, 0, t, ld);
+    att_cp_commit();
+    att_load_tile(sK[1], base, qt * ATT_TILE, t, ld);
+    att_load_tile(sV[1], dybase, qt * ATT_TILE, t, c);
+    if (!PRECISE) {
+        // delta of row qt*64 + tid/2: two adjacent lanes each sum 32 columns (u32 = 2 bf16 loads,
+        // y is only 4-byte aligned), then combine. Fixed order: deterministic.
+        const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+        const int i = qt * ATT_TILE + r;
+        float acc = 0.f;
+        if (i < t) {
+            const u32* dyr = (const u32*)(dybase + (size_t)i * c + half * 32);
+            const u32* yr = (const u32*)(y + (size_t)bi * t * c + h * ATT_HD + (size_t)i * c + half * 32);
+#pragma unroll
+            for (int k = 0; k < 16; k++) {
+                u32 a = dyr[k], b = yr[k];
+                acc = fmaf(__uint_as_float(a << 16), __uint_as_float(b << 16), acc);
+                acc = fmaf(__uint_as_float(a & 0xffff0000u), __uint_as_float(b & 0xffff0000u), acc);
+            }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        if (half == 0) {
+            sDelta[r] = acc;
+            if (i < t) delta_bh[i] = acc;
+        }
+    }
     __syncthreads();
+    u32 qf[4][4], dyf[4][4];
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) {
-        att_load_a(qf[kc], sK, warp * 16, kc * 16, lane);
-        att_load_a(dyf[kc], sV, warp * 16, kc * 16, lane);
+        att_load_a(qf[kc], sK[1], warp * 16, kc * 16, lane);
+        att_load_a(dyf[kc], sV[1], warp * 16, kc * 16, lane);
     }
 
     const int ra = qt * ATT_TILE + warp * 16 + g;  // rows ra and ra + 8
-    float lr[2];
+    float lr[2], dl[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int i = ra + r * 8;
         lr[r] = i < t ? lse[(size_t)bh * t + i] * ATT_LOG2E : 0.f;
+        dl[r] = PRECISE ? 0.f : sDelta[warp * 16 + g + r * 8];
     }
 
-    float acc_e[8][4], acc_p[8][4];  // A = (P o dP) K and B = P K
+    // PRECISE: acc_e = A = (P o dP) K, acc_p = B = P K. Default: acc_e = dS K (acc_p unused).
+    float acc_e[8][4], acc_p[8][4];
     att_zero(acc_e);
     att_zero(acc_p);
-    float rs[2] = {0.f, 0.f};  // this lane's part of rowsum(P o dP)
+    float rs[2] = {0.f, 0.f};  // PRECISE: this lane's part of rowsum(P o dP)
 
     for (int kt = 0; kt <= qt; kt++) {
-        __syncthreads();
-        att_load_tile(sK, base + c, kt * ATT_TILE, t, ld);
-        att_load_tile(sV, base + 2 * c, kt * ATT_TILE, t, ld);
-        __syncthreads();
+        const int cur = kt & 1;
+        att_cp_wait_all();  // this thread's copies of tile kt have landed
+        __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1 (tile kt-1 / Q, dY)
+        if (kt < qt) {
+            att_load_tile_async(sK[cur ^ 1], base + c, (kt + 1) * ATT_TILE, t, ld);
+            att_load_tile_async(sV[cur ^ 1], base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
+        }
+        att_cp_commit();
+        const bf16* k_s = sK[cur];
+        const bf16* v_s = sV[cur];
 
         float s[8][4], dp[8][4];
         att_zero(s);
         att_zero(dp);
-        att_gemm_abt(s, qf, sK, lane);    // S = Q K^T
-        att_gemm_abt(dp, dyf, sV, lane);  // dP = dY V^T
+        att_gemm_abt(s, qf, k_s, lane);    // S = Q K^T
+        att_gemm_abt(dp, dyf, v_s, lane);  // dP = dY V^T
 
 #pragma unroll
         for (int nt = 0; nt < 8; nt++) {
@@ -438,34 +564,47 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq(bf16* __re
                 int i = ra + r * 8;
                 float p = (j <= i && i < t) ? exp2f(s[nt][e] * scale_log2 - lr[r]) : 0.f;
                 s[nt][e] = p;
-                dp[nt][e] *= p;
-                rs[r] += dp[nt][e];
+                if (PRECISE) {
+                    dp[nt][e] *= p;
+                    rs[r] += dp[nt][e];
+                } else {
+                    dp[nt][e] = p * (dp[nt][e] - dl[r]);
+                }
             }
         }
 #pragma unroll
-        for (int kc = 0; kc < 4; kc++) {  // 16-key chunks
-            u32 hi[4], lo[4];
-            att_c_to_a(hi, lo, dp, kc);
-            att_gemm_ab_chunk(acc_e, hi, lo, sK, kc, lane);  // A += (P o dP) K
-            att_c_to_a(hi, lo, s, kc);
-            att_gemm_ab_chunk(acc_p, hi, lo, sK, kc, lane);  // B += P K
+        for (int kc = 0; kc < 4; kc++) {                              // 16-key chunks
+            att_gemm_cb_chunk<PRECISE>(acc_e, dp, k_s, kc, lane);     // A += (P o dP) K, or dQ += dS K
+            if (PRECISE) att_gemm_cb_chunk<true>(acc_p, s, k_s, kc, lane);  // B += P K
         }
     }
 
+    if (PRECISE) {
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
-        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
-    }
+        for (int r = 0; r < 2; r++) {
+            rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
+            rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
+        }
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
+        for (int nt = 0; nt < 8; nt++) {
 #pragma unroll
-        for (int e = 0; e < 4; e++) acc_e[nt][e] -= rs[e >> 1] * acc_p[nt][e];
+            for (int e = 0; e < 4; e++) acc_e[nt][e] -= rs[e >> 1] * acc_p[nt][e];
+        }
+        if (q == 0) {
+            if (ra < t) delta_bh[ra] = rs[0];
+            if (ra + 8 < t) delta_bh[ra + 8] = rs[1];
+        }
     }
     att_store_rows(dqkv + (size_t)bi * t * ld + h * ATT_HD, acc_e, scale, ra, t, ld, lane);
-    if (q == 0) {
-        float* drow = delta + (size_t)bh * t;
-        if (ra < t) drow[ra] = rs[0];
-        if (ra + 8 < t) drow[ra + 8] = rs[1];
-    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attn_bwd_dq(bf16* __restrict__ dqkv, float* __restrict__ delta, const bf16* __restrict__ dy, const bf16* __restrict__ qkv,
+                const bf16* __restrict__ y, const float* __restrict__ lse, int t, int c, int nh, float scale, float scale_log2) {
+    attn_bwd_dq_body<false>(dqkv, delta, dy, qkv, y, lse, t, c, nh, scale, scale_log2);
+}
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+    attn_bwd_dq_precise(bf16* __restrict__ dqkv, float* __restrict__ delta, const bf16* __restrict__ dy, const bf16* __restrict__ qkv,
+                        const bf16* __restrict__ y, const float* __restrict__ lse, int t, int c, int nh, float scale, float scale_log2) {
+    attn_bwd_dq_body<true>(dqkv, delta, dy, qkv, y, lse, t, c, nh, scale, scale_log2);
 }

@@ -81,50 +81,26 @@ __device__ double block_sum_f64(double v, double* sh) {
     return warp_sum_f64(v);
 }
 
-// e^x exactly as the CPU's `tensor::exp_f32` (Cody–Waite reduction + degree-7 Taylor).
-__device__ __forceinline__ float cpu_exp(float x) {
-    const float LOG2E = __int_as_float(0x3fb8aa3b);
-    const float LN2_HI = __int_as_float(0x3f317200);
-    const float LN2_LO = __int_as_float(0x35bfbe8e);
-    const float MAGIC = 12582912.0f;
-    float xc = x < -87.33f ? -87.33f : x;
-    xc = xc > 88.37f ? 88.37f : xc;
-    const float kf = FADD(FMUL(xc, LOG2E), MAGIC);
-    const float nf = FSUB(kf, MAGIC);
-    const float r = FSUB(FSUB(xc, FMUL(nf, LN2_HI)), FMUL(nf, LN2_LO));
-    float p = __int_as_float(0x39500d01);                 // 1/5040
-    p = FADD(__int_as_float(0x3ab60b61), FMUL(r, p));     // 1/720
-    p = FADD(__int_as_float(0x3c088889), FMUL(r, p));     // 1/120
-    p = FADD(__int_as_float(0x3d2aaaab), FMUL(r, p));     // 1/24
-    p = FADD(__int_as_float(0x3e2aaaab), FMUL(r, p));     // 1/6
-    p = FADD(0.5f, FMUL(r, p));
-    p = FADD(1.0f, FMUL(r, p));
-    p = FADD(1.0f, FMUL(r, p));
-    const u32 n_bits = __float_as_uint(kf) - __float_as_uint(MAGIC);
-    const float scale = __uint_as_float((n_bits + 127u) << 23);
-    const float y = FMUL(p, scale);
-    return x < -87.33f ? 0.0f : y;
-}
-
-// tanh as the CPU's `tensor::tanh_f32`: 1 − 2/(e^{2x} + 1).
-__device__ __forceinline__ float cpu_tanh(float x) {
-    return FSUB(1.0f, FDIV(2.0f, FADD(cpu_exp(FMUL(2.0f, x)), 1.0f)));
-}
-
 #define GELU_S2PI __int_as_float(0x3f4c422a)  // 0.797_884_6f
 #define GELU_C __int_as_float(0x3d372713)     // 0.044_715f
 #define GELU_3C __int_as_float(0x3e095d4e)    // 3 * 0.044_715f (rounded to f32, as Rust folds it)
 
+// tanh for the GELU kernels: 1 − 2/(e^{2x} + 1) with the hardware exponential and a fast
+// reciprocal (a few ulp from the CPU's exp polynomial; the GELU outputs are bf16, whose ulp is
+// 2^-8, and the form keeps the absolute error ~1e-7 where tanh → −1). An exact port of the CPU's
+// tanh made the GELU kernels compute-bound.
+__device__ __forceinline__ float fast_tanh(float x) { return 1.0f - __fdividef(2.0f, __expf(2.0f * x) + 1.0f); }
+
 // ops::gelu forward body: u = S·(x + ((C·x)·x)·x); out = (½·x)·(1 + tanh u).
 __device__ __forceinline__ float gelu_f(float x) {
     const float u = FMUL(GELU_S2PI, FADD(x, FMUL(FMUL(FMUL(GELU_C, x), x), x)));
-    return FMUL(FMUL(0.5f, x), FADD(1.0f, cpu_tanh(u)));
+    return FMUL(FMUL(0.5f, x), FADD(1.0f, fast_tanh(u)));
 }
 
 // ops::gelu backward body with dinp = 0: d·(½(1+th) + ((½x)(1−th²))·du).
 __device__ __forceinline__ float gelu_grad_f(float x, float d) {
     const float u = FMUL(GELU_S2PI, FADD(x, FMUL(FMUL(FMUL(GELU_C, x), x), x)));
-    const float th = cpu_tanh(u);
+    const float th = fast_tanh(u);
     const float du = FMUL(GELU_S2PI, FADD(1.0f, FMUL(FMUL(GELU_3C, x), x)));
     const float a = FMUL(0.5f, FADD(1.0f, th));
     const float b = FMUL(FMUL(FMUL(0.5f, x), FSUB(1.0f, FMUL(th, th))), du);
@@ -253,8 +229,23 @@ extern "C" __global__ void layernorm_fwd_vec(bf16* __restrict__ out, float* __re
 #pragma unroll
     for (int k = 0; k < LN_MAXV; k++)
         if (k < nv) xv[k] = xr[k * 32 + lane];  // also warms L1 for the row sums
-    float mu, r;
-    ln_stats(xrow, c, mu, r);
+    // Register path: the row is in registers; sums go lane-parallel, then a fixed xor tree
+    // (deterministic; differs from the CPU's sequential order by a few ulp).
+    float acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++)
+        if (k < nv) acc += (xv[k].x + xv[k].y) + (xv[k].z + xv[k].w);
+    const float mu = warp_sum(acc) / (float)c;
+    acc = 0.0f;
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        if (k < nv) {
+            const float a = xv[k].x - mu, bb = xv[k].y - mu, cc = xv[k].z - mu, dd = xv[k].w - mu;
+            acc += (a * a + bb * bb) + (cc * cc + dd * dd);
+        }
+    }
+    const float var = warp_sum(acc) / (float)c;
+    const float r = 1.0f / __fsqrt_rn(var + LN_EPS);
     const uint2* w2 = reinterpret_cast<const uint2*>(w);
     const uint2* b2 = reinterpret_cast<const uint2*>(b);
     uint2* o2 = reinterpret_cast<uint2*>(out + (u64)row * c);
@@ -306,9 +297,9 @@ __device__ __forceinline__ float ln_dx(float dxo, float x, float d, float w, flo
     return FADD(dxo, FMUL(rs, FSUB(FSUB(g, gm), FMUL(xh, gxm))));
 }
 
-extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, const bf16* __restrict__ dout, const float* __restrict__ x,
-                                                const bf16* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, int n,
-                                                int c) {
+extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, bf16* __restrict__ dxb, const bf16* __restrict__ dout,
+                                                const float* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ mean,
+                                                const float* __restrict__ rstd, int n, int c) {
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= n) return;
@@ -328,9 +319,22 @@ extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, const bf
             dv[k] = dr[k * 32 + lane];
         }
     }
-    float gm, gxm;
-    ln_bwd_means(xrow, drow, w, c, mu, rs, gm, gxm);
+    // Register path: g = dout·w and x̂ from registers, lane-parallel sums + fixed xor tree.
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        if (k < nv) {
+            const uint2 wv = w2[k * 32 + lane];
+            const float g0 = bf_lo(dv[k].x) * bf_lo(wv.x), g1 = bf_hi(dv[k].x) * bf_hi(wv.x);
+            const float g2 = bf_lo(dv[k].y) * bf_lo(wv.y), g3 = bf_hi(dv[k].y) * bf_hi(wv.y);
+            sg += (g0 + g1) + (g2 + g3);
+            sgx += (g0 * ((xv[k].x - mu) * rs) + g1 * ((xv[k].y - mu) * rs)) + (g2 * ((xv[k].z - mu) * rs) + g3 * ((xv[k].w - mu) * rs));
+        }
+    }
+    const float gm = warp_sum(sg) / (float)c;
+    const float gxm = warp_sum(sgx) / (float)c;
     float4* dxr = reinterpret_cast<float4*>(dx + (u64)row * c);
+    uint2* dxb2 = dxb ? reinterpret_cast<uint2*>(dxb + (u64)row * c) : nullptr;
 #pragma unroll
     for (int k = 0; k < LN_MAXV; k++) {
         if (k < nv) {
@@ -342,11 +346,12 @@ extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, const bf
             o.z = ln_dx(o.z, xv[k].z, bf_lo(dv[k].y), bf_lo(wv.y), mu, rs, gm, gxm);
             o.w = ln_dx(o.w, xv[k].w, bf_hi(dv[k].y), bf_hi(wv.y), mu, rs, gm, gxm);
             dxr[q] = o;
+            if (dxb2) dxb2[q] = make_uint2(pack_bf16x2(o.x, o.y), pack_bf16x2(o.z, o.w));
         }
     }
 }
 
-extern "C" __global__ void layernorm_bwd_dx_gen(float* __restrict__ dx, const bf16* __restrict__ dout, const float* __restrict__ x,
+extern "C" __global__ void layernorm_bwd_dx_gen(float* __restrict__ dx, bf16* __restrict__ dxb, const bf16* __restrict__ dout, const float* __restrict__ x,
                                                 const bf16* __restrict__ w, const float* __restrict__ mean, const float* __restrict__ rstd, int n,
                                                 int c) {
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -358,7 +363,12 @@ extern "C" __global__ void layernorm_bwd_dx_gen(float* __restrict__ dx, const bf
     float gm, gxm;
     ln_bwd_means(xr, dr, w, c, mu, rs, gm, gxm);
     float* dxr = dx + (u64)row * c;
-    for (int j = lane; j < c; j += 32) dxr[j] = ln_dx(dxr[j], xr[j], bf2f(dr[j]), bf2f(w[j]), mu, rs, gm, gxm);
+    bf16* dxbr = dxb ? dxb + (u64)row * c : nullptr;
+    for (int j = lane; j < c; j += 32) {
+        const float o = ln_dx(dxr[j], xr[j], bf2f(dr[j]), bf2f(w[j]), mu, rs, gm, gxm);
+        dxr[j] = o;
+        if (dxbr) dxbr[j] = f2bf(o);
+    }
 }
 
 // Column partial sums, pass 1: row block rb = blockIdx.y owns rows [rb*rows_per, min(+rows_per, n))
@@ -383,6 +393,33 @@ extern "C" __global__ void layernorm_bwd_dwdb_partial(float* __restrict__ scratc
     scratch[(u64)(nb + rb) * c + j] = ab;
 }
 
+// Same, 4 columns per thread (c % 4 == 0, x 16-byte and dout 8-byte aligned): per column the
+// rows still go in ascending order with the same operations, so the partials are bit-identical.
+extern "C" __global__ void layernorm_bwd_dwdb_partial4(float* __restrict__ scratch, const bf16* __restrict__ dout, const float* __restrict__ x,
+                                                       const float* __restrict__ mean, const float* __restrict__ rstd, int n, int c,
+                                                       int rows_per) {
+    const int j4 = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j4 * 4 >= c) return;
+    const int rb = blockIdx.y, nb = gridDim.y;
+    const int r0 = rb * rows_per;
+    const int r1 = min(r0 + rows_per, n);
+    float aw[4] = {0.f, 0.f, 0.f, 0.f}, ab[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int r = r0; r < r1; r++) {
+        const float4 xv = reinterpret_cast<const float4*>(x + (u64)r * c)[j4];
+        const uint2 dv = reinterpret_cast<const uint2*>(dout + (u64)r * c)[j4];
+        const float mu = mean[r], rs = rstd[r];
+        const float d[4] = {bf_lo(dv.x), bf_hi(dv.x), bf_lo(dv.y), bf_hi(dv.y)};
+        const float xx[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            aw[k] = FADD(aw[k], FMUL(FMUL(d[k], FSUB(xx[k], mu)), rs));
+            ab[k] = FADD(ab[k], d[k]);
+        }
+    }
+    reinterpret_cast<float4*>(scratch + (u64)rb * c)[j4] = make_float4(aw[0], aw[1], aw[2], aw[3]);
+    reinterpret_cast<float4*>(scratch + (u64)(nb + rb) * c)[j4] = make_float4(ab[0], ab[1], ab[2], ab[3]);
+}
+
 // bias_grad pass 1: scratch[rb, j] = Σ_{rows of rb, ascending} dy[r, j].
 extern "C" __global__ void bias_grad_partial(float* __restrict__ scratch, const bf16* __restrict__ dy, int n, int f, int rows_per) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x;
@@ -393,6 +430,24 @@ extern "C" __global__ void bias_grad_partial(float* __restrict__ scratch, const 
     float a = 0.0f;
     for (int r = r0; r < r1; r++) a = FADD(a, bf2f(dy[(u64)r * f + j]));
     scratch[(u64)rb * f + j] = a;
+}
+
+// Same sums, 8 columns per thread with 16-byte loads (f % 8 == 0, dy 16-byte aligned): each
+// column's rows are still added in ascending order, so the partials are bit-identical.
+extern "C" __global__ void bias_grad_partial8(float* __restrict__ scratch, const bf16* __restrict__ dy, int n, int f, int rows_per) {
+    const int j8 = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j8 * 8 >= f) return;
+    const int rb = blockIdx.y;
+    const int r0 = rb * rows_per;
+    const int r1 = min(r0 + rows_per, n);
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int r = r0; r < r1; r++) {
+        float v[8];
+        unpack8(reinterpret_cast<const uint4*>(dy + (u64)r * f)[j8], v);
+#pragma unroll
+        for (int k = 0; k < 8; k++) a[k] = FADD(a[k], v[k]);
+    }
+    store8f(scratch + (u64)rb * f + (u64)j8 * 8, a);
 }
 
 // Pass 2: dst[j] += Σ_{rb ascending} partials[rb, j].
@@ -468,6 +523,49 @@ extern "C" __global__ void gelu_bwd(bf16* __restrict__ dpre, const bf16* __restr
     } else {
         const u64 end = min(e + 8, len);
         for (u64 i = e; i < end; i++) dpre[i] = f2bf(gelu_grad_f(bf2f(pre[i]), bf2f(dout[i])));
+    }
+}
+
+// The same pair without storing the biased pre-activation: forward reads the GEMM output `pre`
+// (unbiased) and writes only out = bf16(gelu(bf16(pre + bias))); backward recomputes
+// bf16(pre + bias) the same way. Bit-identical to bias_gelu_fwd + gelu_bwd, one write fewer.
+extern "C" __global__ void bias_gelu_fwd_out(const bf16* __restrict__ pre, bf16* __restrict__ out, const bf16* __restrict__ bias, u64 len, int f,
+                                             int vec) {
+    const u64 e = gtid() * 8;
+    if (e >= len) return;
+    if (vec && e + 8 <= len) {
+        const int j = (int)(e % (u64)f);
+        float a[8], b[8];
+        unpack8(*reinterpret_cast<const uint4*>(pre + e), a);
+        unpack8(*reinterpret_cast<const uint4*>(bias + j), b);
+#pragma unroll
+        for (int k = 0; k < 8; k++) a[k] = gelu_f(bf2f(f2bf(FADD(a[k], b[k]))));
+        *reinterpret_cast<uint4*>(out + e) = pack8(a);
+    } else {
+        const u64 end = min(e + 8, len);
+        for (u64 i = e; i < end; i++) out[i] = f2bf(gelu_f(bf2f(f2bf(FADD(bf2f(pre[i]), bf2f(bias[i % (u64)f]))))));
+    }
+}
+
+extern "C" __global__ void gelu_bwd_bias(bf16* __restrict__ dpre, const bf16* __restrict__ dout, const bf16* __restrict__ pre,
+                                         const bf16* __restrict__ bias, u64 len, int f, int vec) {
+    const u64 e = gtid() * 8;
+    if (e >= len) return;
+    if (vec && e + 8 <= len) {
+        const int j = (int)(e % (u64)f);
+        float d[8], x[8], b[8];
+        unpack8(*reinterpret_cast<const uint4*>(dout + e), d);
+        unpack8(*reinterpret_cast<const uint4*>(pre + e), x);
+        unpack8(*reinterpret_cast<const uint4*>(bias + j), b);
+#pragma unroll
+        for (int k = 0; k < 8; k++) d[k] = gelu_grad_f(bf2f(f2bf(FADD(x[k], b[k]))), d[k]);
+        *reinterpret_cast<uint4*>(dpre + e) = pack8(d);
+    } else {
+        const u64 end = min(e + 8, len);
+        for (u64 i = e; i < end; i++) {
+            const float xb = bf2f(f2bf(FADD(bf2f(pre[i]), bf2f(bias[i % (u64)f]))));
+            dpre[i] = f2bf(gelu_grad_f(xb, bf2f(dout[i])));
+        }
     }
 }
 
@@ -549,10 +647,25 @@ extern "C" __global__ void scale_f32(float* __restrict__ dst, float a, u64 len, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Cross-entropy: one block per row (blockDim 1024). Max in f32, Σe in f64 (like the CPU), loss
-// and 1/Σ rounded to f32 once; then, if dscale != 0, the row is overwritten with
-// bf16((e·inv)·dscale − [j = target]·dscale), padding columns v..vp with 0.
+// Cross-entropy: one block per row. Pass 1 reads the row once with an online softmax: each thread
+// keeps a running max and a sum of e^(l − max) in f32, rescaled whenever its max grows (once per
+// group of 8); the threads' sums are rescaled to the row max and added in f64 through a fixed
+// tree. Loss = log Σ + max − logit[target]. Pass 2 (when dscale != 0) reads the row again (from
+// L2) and overwrites it with bf16((e^(l − max)/Σ)·dscale − [j = target]·dscale), padding
+// columns v..vp with 0. Fixed shapes → fixed order → the same bits every run; against the CPU's
+// f64 two-pass reference the loss agrees to ~1e-7 relative.
 // ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void ce_online(float& m, float& z, const float* a, int cnt) {
+    float gm = -TESSERA_INF;
+    for (int k = 0; k < cnt; k++) gm = fmaxf(gm, a[k]);
+    if (gm == -TESSERA_INF) return;
+    if (gm > m) {
+        z = (m == -TESSERA_INF) ? 0.0f : z * __expf(m - gm);
+        m = gm;
+    }
+    for (int k = 0; k < cnt; k++) z += __expf(a[k] - m);
+}
 
 extern "C" __global__ void crossentropy_fwd_bwd(float* __restrict__ losses, bf16* __restrict__ logits, const u32* __restrict__ targets, int v,
                                                 int vp, float dscale, int vec) {
@@ -563,66 +676,50 @@ extern "C" __global__ void crossentropy_fwd_bwd(float* __restrict__ losses, bf16
     const u32 tg = targets[row];
     const bool bad = tg >= (u32)v;
     const float lt = bad ? 0.0f : bf2f(lr[tg]);  // read before the barriers that precede any write
-    const int groups = vec ? (vp >> 3) : 0;
-    // Pass 1: max over columns < v.
-    float m = -TESSERA_INF;
-    if (vec) {
-        for (int q = threadIdx.x; q < groups; q += blockDim.x) {
-            float a[8];
-            unpack8(reinterpret_cast<const uint4*>(lr)[q], a);
-#pragma unroll
-            for (int k = 0; k < 8; k++)
-                if (q * 8 + k < v) m = fmaxf(m, a[k]);
-        }
-    } else {
-        for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, bf2f(lr[j]));
+    const int full = vec ? (v >> 3) : 0;           // groups of 8 entirely below v
+    float m = -TESSERA_INF, z = 0.0f;
+    for (int q = threadIdx.x; q < full; q += blockDim.x) {
+        float a[8];
+        unpack8(reinterpret_cast<const uint4*>(lr)[q], a);
+        ce_online(m, z, a, 8);
     }
-    m = block_max(m, shf);
-    // Pass 2: z = Σ exp(l − m) in f64.
-    double z = 0.0;
-    if (vec) {
-        for (int q = threadIdx.x; q < groups; q += blockDim.x) {
-            float a[8];
-            unpack8(reinterpret_cast<const uint4*>(lr)[q], a);
-#pragma unroll
-            for (int k = 0; k < 8; k++)
-                if (q * 8 + k < v) z += (double)cpu_exp(FSUB(a[k], m));
-        }
-    } else {
-        for (int j = threadIdx.x; j < v; j += blockDim.x) z += (double)cpu_exp(FSUB(bf2f(lr[j]), m));
+    for (int j = full * 8 + threadIdx.x; j < v; j += blockDim.x) {
+        float a = bf2f(lr[j]);
+        ce_online(m, z, &a, 1);
     }
-    z = block_sum_f64(z, shd);  // ends with every thread past the barrier: all reads done
+    const float rm = block_max(m, shf);
+    const double zt = (m == -TESSERA_INF) ? 0.0 : (double)z * (double)__expf(m - rm);
+    const double zs = block_sum_f64(zt, shd);  // every thread is past the barrier: all reads done
     if (threadIdx.x == 0) {
-        const double lse = log(z) + (double)m;
+        const double lse = log(zs) + (double)rm;
         losses[row] = bad ? __int_as_float(0x7fc00000) : (float)(lse - (double)lt);
     }
     if (dscale == 0.0f) return;
-    const float inv = (float)(1.0 / z);
-    if (vec) {
-        for (int q = threadIdx.x; q < groups; q += blockDim.x) {
-            float a[8];
-            unpack8(reinterpret_cast<const uint4*>(lr)[q], a);
+    const float inv = (float)(1.0 / zs);
+    const float sc = inv * dscale;
+    const int groups = vec ? (vp >> 3) : 0;
+    for (int q = threadIdx.x; q < groups; q += blockDim.x) {
+        float a[8];
+        unpack8(reinterpret_cast<const uint4*>(lr)[q], a);
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                const int j = q * 8 + k;
-                float d = 0.0f;
-                if (j < v) {
-                    d = FMUL(FMUL(cpu_exp(FSUB(a[k], m)), inv), dscale);
-                    if ((u32)j == tg) d = FSUB(d, dscale);
-                }
-                a[k] = d;
-            }
-            reinterpret_cast<uint4*>(lr)[q] = pack8(a);
-        }
-    } else {
-        for (int j = threadIdx.x; j < vp; j += blockDim.x) {
+        for (int k = 0; k < 8; k++) {
+            const int j = q * 8 + k;
             float d = 0.0f;
             if (j < v) {
-                d = FMUL(FMUL(cpu_exp(FSUB(bf2f(lr[j]), m)), inv), dscale);
-                if ((u32)j == tg) d = FSUB(d, dscale);
+                d = __expf(a[k] - rm) * sc;
+                if ((u32)j == tg) d -= dscale;
             }
-            lr[j] = f2bf(d);
+            a[k] = d;
         }
+        reinterpret_cast<uint4*>(lr)[q] = pack8(a);
+    }
+    for (int j = groups * 8 + threadIdx.x; j < vp; j += blockDim.x) {
+        float d = 0.0f;
+        if (j < v) {
+            d = __expf(bf2f(lr[j]) - rm) * sc;
+            if ((u32)j == tg) d -= dscale;
+        }
+        lr[j] = f2bf(d);
     }
 }
 

@@ -119,6 +119,7 @@ fn gpu_ops_timing() {
             &gpu,
             s,
             dx.ptr(),
+            None,
             dw.ptr(),
             db.ptr(),
             xb.ptr(),

@@ -92,6 +92,10 @@ pub struct BenchArgs {
     pub clip: f32,
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
+    /// After the timed steps, run one more with GPU timing marks and print where the time goes
+    /// (rank 0, to stderr).
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// One JSON line of results (rank 0 prints it).
@@ -242,6 +246,23 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
         losses.push(loss);
         if rank == 0 && (step % 10 == 0 || step + 1 == a.steps) {
             eprintln!("step {step:>4}  loss {loss:.4}  {:.1} ms", times[step] * 1e3);
+        }
+    }
+    if a.profile {
+        let mbs: Vec<_> =
+            (0..m_local).map(|j| batch(a.seed, a.steps, rank * m_local + j, a.micro_batch, a.seq, model.cfg.vocab_size)).collect();
+        gpu.profile(true)?;
+        r.step(&mbs, a.lr, 1.0 / m as f32)?;
+        r.sync()?;
+        let rows = gpu.profile_report()?;
+        if rank == 0 {
+            let total: f64 = rows.iter().map(|r| r.1).sum();
+            eprintln!("profile of one step (GPU time between marks on the compute stream, rank 0): {total:.2} ms");
+            let mut sorted = rows.clone();
+            sorted.sort_by(|x, y| y.1.partial_cmp(&x.1).expect("finite"));
+            for (what, ms, count) in sorted {
+                eprintln!("  {what:<24} {ms:>8.3} ms  {:>5.1} %  ×{count}", 100.0 * ms / total);
+            }
         }
     }
     let masters = r.masters()?;

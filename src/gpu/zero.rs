@@ -188,6 +188,7 @@ impl Rank {
             let g = self.gbufs[slot].ptr();
             // (The previous step's reductions finished before its optimizer ran on this stream.)
             self.gpu.zero(g, &self.gpu.stream)?;
+            self.gpu.mark("zero grads");
             let mut ws = self.ws.take().expect("workspace present between micro-batches");
             let gpu = self.gpu.clone();
             let res = {
@@ -219,10 +220,12 @@ impl Rank {
                 self.reduce_unit(u, full)?;
             }
         }
+        self.gpu.mark("micro-batch tree");
         // Optimizer input: this rank's reduced pieces.
         if self.world > 1 {
             self.order(&self.cstream.clone(), &self.gpu.stream.clone())?;
         }
+        self.gpu.mark("wait for reductions");
         let gshard: DPtr<f32> = match &self.gshard {
             Some(b) => b.ptr(),
             None => {
@@ -231,6 +234,7 @@ impl Rank {
             }
         };
         let norm = if self.adam.clip > 0.0 { Some(self.grad_norm(gshard)?) } else { None };
+        self.gpu.mark("gradient norm");
         let scale = match norm {
             Some(n) if n > self.adam.clip as f64 => (self.adam.clip as f64 / (n + 1e-6)) as f32,
             _ => 1.0,
@@ -256,11 +260,10 @@ impl Rank {
                 &hp,
                 scale,
             )?;
-        }
-        if self.world > 1 && (self.stage == 1 || self.stage == 2) {
-            // Gather the updated bf16 parameters unit by unit; the next forward waits per unit.
-            self.order(&self.gpu.stream.clone(), &self.cstream.clone())?;
-            for u in 0..self.layout.units.len() {
+            if self.world > 1 && (self.stage == 1 || self.stage == 2) {
+                // Gather this unit's updated bf16 parameters while the optimizer moves on to the
+                // next unit; the next forward waits per unit.
+                self.order(&self.gpu.stream, &self.cstream)?;
                 let unit = self.params.slice(self.layout.units[u].clone());
                 let mine = self.params.slice(self.layout.piece(u, self.rank));
                 self.comm().all_gather_bf16(mine, unit, &self.cstream)?;
@@ -268,6 +271,7 @@ impl Rank {
                 self.ready[u] = Some(ev);
             }
         }
+        self.gpu.mark("adamw");
         let losses = self.gpu.download(self.losses.slice(0..m_local * n))?;
         let loss = losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len() as f64;
         Ok((loss as f32, norm))
@@ -487,5 +491,109 @@ impl UnitHooks for Hooks<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// Helpers for the training driver (`gpu::train`): evaluation, small host-side gathers, and
+/// the optimizer state in the CPU checkpoint layout.
+impl Rank {
+    /// Mean loss of one batch of this rank's micro-batch shape, forward only (evaluation) on the
+    /// current bf16 parameters. At stage 3 with several ranks the parameters are gathered unit by
+    /// unit, so every rank must call this together, with batches in the same order.
+    pub fn forward_loss(&mut self, tokens: &[u32], targets: &[u32]) -> Result<f32> {
+        let mut ws = self.ws.take().expect("workspace present between steps");
+        let gpu = self.gpu.clone();
+        // Forward only: no gradient is written; the hooks still need a buffer to name.
+        let grads = self.gbufs[0].ptr();
+        let res = {
+            let mut hooks = Hooks { r: self, grads, overlap: false, use_idx: 0, uses: Vec::new() };
+            hooks.begin().and_then(|_| gpt::forward_loss(&gpu, &mut hooks, &mut ws, tokens, targets).map_err(anyhow::Error::from))
+        };
+        let loss = res.and_then(|_| gpt::mean_loss(&gpu, &ws).map_err(anyhow::Error::from));
+        self.ws = Some(ws);
+        loss
+    }
+
+    /// Every rank's `values` (the same count on each), rank-major: `out[r·k + i]` is rank `r`'s
+    /// `values[i]`. One rank: `values` itself. A collective: every rank must call it together.
+    pub fn gather_host(&mut self, values: &[f64]) -> Result<Vec<f64>> {
+        if self.world == 1 || values.is_empty() {
+            return Ok(values.to_vec());
+        }
+        // f64 values travel as pairs of f32 words (a gather moves bits, it adds nothing).
+        let words: Vec<f32> = values
+            .iter()
+            .flat_map(|v| {
+                let b = v.to_bits();
+                [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
+            })
+            .collect();
+        let send = self.gpu.upload(&words)?;
+        let recv = self.gpu.alloc::<f32>(words.len() * self.world)?;
+        self.order(&self.gpu.stream.clone(), &self.cstream.clone())?;
+        self.comm().all_gather_f32(send.ptr(), recv.ptr(), &self.cstream)?;
+        self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
+        let flat = self.gpu.download(recv.ptr())?;
+        Ok(flat.chunks_exact(2).map(|w| f64::from_bits(u64::from(w[0].to_bits()) | (u64::from(w[1].to_bits()) << 32))).collect())
+    }
+
+    /// Optimizer steps taken so far (Adam's bias-correction clock).
+    pub fn optimizer_steps(&self) -> u64 {
+        self.step
+    }
+
+    /// The Adam moments (`exp_avg`, `exp_avg_sq`) in the CPU layout, full length, gathered from
+    /// every rank (a collective at stages 1–3 with several ranks).
+    pub fn moments(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (m, v) = (self.m.ptr(), self.v.ptr());
+        Ok((self.gather_cpu_layout(m)?, self.gather_cpu_layout(v)?))
+    }
+
+    /// A shard-shaped f32 buffer (this rank's optimizer pieces) of every rank → the CPU layout.
+    fn gather_cpu_layout(&mut self, shard: DPtr<f32>) -> Result<Vec<f32>> {
+        let own = self.gpu.download(shard)?;
+        if self.world == 1 || self.stage == 0 {
+            return Ok(self.layout.unpad(&self.layout_full_from_shards(&[own])));
+        }
+        let all = self.gpu.alloc::<f32>(shard.len * self.world)?;
+        self.order(&self.gpu.stream.clone(), &self.cstream.clone())?;
+        self.comm().all_gather_f32(shard, all.ptr(), &self.cstream)?;
+        self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
+        let flat = self.gpu.download(all.ptr())?;
+        let n = shard.len;
+        let shards: Vec<Vec<f32>> = (0..self.world).map(|r| flat[r * n..(r + 1) * n].to_vec()).collect();
+        Ok(self.layout.unpad(&self.layout_full_from_shards(&shards)))
+    }
+
+    /// Restores the Adam moments (CPU layout, full length, as a checkpoint holds them) and the
+    /// optimizer step count: this rank keeps its pieces.
+    pub fn load_moments(&mut self, m: &[f32], v: &[f32], steps: u64) -> Result<()> {
+        let n = self.layout.cpu_units.last().map_or(0, |u| u.end);
+        for (name, b) in [("exp_avg", m), ("exp_avg_sq", v)] {
+            if b.len() != n {
+                bail!("optimizer buffer `{name}` has {} values; the model has {n} parameters", b.len());
+            }
+        }
+        let opt_rank = if self.stage == 0 { 0 } else { self.rank };
+        let cut = |full: &[f32]| -> Vec<f32> {
+            let padded = self.layout.pad(full);
+            let mut out = Vec::with_capacity(self.layout.shard_len());
+            for u in 0..self.layout.units.len() {
+                out.extend_from_slice(&padded[self.layout.piece(u, opt_rank)]);
+            }
+            out
+        };
+        let (mh, vh) = (cut(m), cut(v));
+        self.gpu.write(&mut self.m, 0, &mh)?;
+        self.gpu.write(&mut self.v, 0, &vh)?;
+        self.gpu.sync()?;
+        self.step = steps;
+        Ok(())
+    }
+
+    /// Every rank's [`Rank::device_bytes`], in rank order (a collective with several ranks).
+    pub fn device_bytes_per_rank(&mut self) -> Result<Vec<usize>> {
+        let mine = self.device_bytes() as f64;
+        Ok(self.gather_host(&[mine])?.into_iter().map(|b| b as usize).collect())
     }
 }

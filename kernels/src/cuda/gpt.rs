@@ -435,6 +435,7 @@ pub fn forward_backward(
     let lay = &ws.layout.clone();
     let e = EmbedW::at(p0, lay);
     ops::embedding_forward(gpu, st, ws.xs[0].ptr(), ws.tokens.ptr(), e.wte, e.wpe, s.b, s.t, c)?;
+    gpu.mark("embedding");
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
         let w = BlockW::at(p, lay);
@@ -444,19 +445,26 @@ pub fn forward_backward(
     // ---- head ----
     let x_last = ws.xs[s.l].ptr();
     ops::layernorm_forward(gpu, st, ws.xf.ptr(), ws.mf.ptr(), ws.rf.ptr(), x_last, e.lnf_w, e.lnf_b, n, c)?;
+    gpu.mark("head layernorm");
     gpu.blas.matmul(bf(ws.logits.ptr()), bf(ws.xf.ptr()), bft(e.wte), n, c, v, 1.0, 0.0)?;
+    gpu.mark("head gemm logits");
     ops::crossentropy(gpu, st, ws.losses.ptr(), ws.logits.ptr(), ws.targets.ptr(), n, v, v, dloss / n as f32)?;
+    gpu.mark("head cross-entropy");
     // ---- backward ----
     let g0 = hooks.grads(0)?;
     let ge = EmbedW::at(g0, lay);
     // d(xf) = dlogits · wte ; d(wte) = dlogitsᵀ · xf
     gpu.blas.matmul(bf(ws.dln.ptr()), bf(ws.logits.ptr()), bf(e.wte), n, v, c, 1.0, 0.0)?;
+    gpu.mark("head gemm dgrad");
     gpu.blas.matmul(f32m(ge.wte), bft(ws.logits.ptr()), bf(ws.xf.ptr()), v, n, c, 1.0, 0.0)?;
+    gpu.mark("head gemm wgrad");
     gpu.zero(ws.dx.ptr(), st)?;
+    gpu.mark("zero");
     ops::layernorm_backward(
         gpu,
         st,
         ws.dx.ptr(),
+        Some(ws.dres.ptr()),
         ge.lnf_w,
         ge.lnf_b,
         ws.dln.ptr(),
@@ -468,6 +476,7 @@ pub fn forward_backward(
         n,
         c,
     )?;
+    gpu.mark("head layernorm bwd");
     for l in (0..s.l).rev() {
         let p = hooks.params(1 + l, Phase::Backward)?;
         let w = BlockW::at(p, lay);
@@ -478,6 +487,7 @@ pub fn forward_backward(
         hooks.grads_done(1 + l)?;
     }
     ops::embedding_backward(gpu, st, ge.wte, ge.wpe, ws.dx.ptr(), uniq, offsets, ws.positions.ptr(), s.b, s.t, c)?;
+    gpu.mark("embedding bwd");
     hooks.params_done(0, Phase::Backward)?;
     hooks.grads_done(0)?;
     Ok(())
@@ -530,16 +540,27 @@ fn block_forward(
 ) -> Result<()> {
     let (n, c, f) = (s.n(), s.c, s.f);
     ops::layernorm_forward(gpu, st, a.ln1.ptr(), a.m1.ptr(), a.r1.ptr(), x, w.ln1_w, w.ln1_b, n, c)?;
+    gpu.mark("fwd layernorm");
     gpu.blas.matmul(bf(a.qkv.ptr()), bf(a.ln1.ptr()), bf(w.qkv_w), n, c, 3 * c, 1.0, 0.0)?;
+    gpu.mark("fwd gemm qkv");
     ops::bias_add(gpu, st, a.qkv.ptr(), w.qkv_b, n, 3 * c)?;
+    gpu.mark("fwd bias");
     attention::attention_forward(gpu, st, a.atty.ptr(), a.lse.ptr(), a.qkv.ptr(), s.b, s.t, c, s.nh)?;
+    gpu.mark("fwd attention");
     gpu.blas.matmul(bf(tmp), bf(a.atty.ptr()), bf(w.proj_w), n, c, c, 1.0, 0.0)?;
+    gpu.mark("fwd gemm proj");
     ops::residual_bias_add(gpu, st, a.x2.ptr(), x, tmp, w.proj_b, n, c)?;
+    gpu.mark("fwd residual");
     ops::layernorm_forward(gpu, st, a.ln2.ptr(), a.m2.ptr(), a.r2.ptr(), a.x2.ptr(), w.ln2_w, w.ln2_b, n, c)?;
+    gpu.mark("fwd layernorm");
     gpu.blas.matmul(bf(a.pre.ptr()), bf(a.ln2.ptr()), bf(w.fc_w), n, c, f, 1.0, 0.0)?;
-    ops::bias_gelu_forward(gpu, st, a.pre.ptr(), a.gl.ptr(), w.fc_b, n, f)?;
+    gpu.mark("fwd gemm fc");
+    ops::bias_gelu_forward_out(gpu, st, a.pre.ptr(), a.gl.ptr(), w.fc_b, n, f)?;
+    gpu.mark("fwd bias+gelu");
     gpu.blas.matmul(bf(tmp), bf(a.gl.ptr()), bf(w.fc2_w), n, f, c, 1.0, 0.0)?;
+    gpu.mark("fwd gemm fc2");
     ops::residual_bias_add(gpu, st, y, a.x2.ptr(), tmp, w.fc2_b, n, c)?;
+    gpu.mark("fwd residual");
     Ok(())
 }
 
@@ -588,26 +609,55 @@ fn block_backward(
     let (n, c, f) = (s.n(), s.c, s.f);
     let dbig1 = k.dbig1.slice(0..n * f);
     let dbig2 = k.dbig2.slice(0..n * f);
-    // MLP branch.
-    ops::cast_f32_to_bf16(gpu, st, k.dres, k.dx)?;
+    // MLP branch (k.dres = bf16 copy of d(block output), written by the LayerNorm backward that produced k.dx).
     gpu.blas.matmul(f32m(g.fc2_w), bft(a.gl.ptr()), bf(k.dres), f, n, c, 1.0, 0.0)?;
+    gpu.mark("bwd gemm wgrad");
     ops::bias_grad(gpu, st, g.fc2_b, k.dres, k.bias_scratch, n, c)?;
+    gpu.mark("bwd bias grad");
     gpu.blas.matmul(bf(dbig1), bf(k.dres), bft(w.fc2_w), n, c, f, 1.0, 0.0)?;
-    ops::gelu_backward(gpu, st, dbig2, dbig1, a.pre.ptr(), n * f)?;
+    gpu.mark("bwd gemm dgrad");
+    ops::gelu_backward_bias(gpu, st, dbig2, dbig1, a.pre.ptr(), w.fc_b, n, f)?;
+    gpu.mark("bwd gelu");
     gpu.blas.matmul(f32m(g.fc_w), bft(a.ln2.ptr()), bf(dbig2), c, n, f, 1.0, 0.0)?;
+    gpu.mark("bwd gemm wgrad");
     ops::bias_grad(gpu, st, g.fc_b, dbig2, k.bias_scratch, n, f)?;
+    gpu.mark("bwd bias grad");
     gpu.blas.matmul(bf(k.dln), bf(dbig2), bft(w.fc_w), n, f, c, 1.0, 0.0)?;
-    ops::layernorm_backward(gpu, st, k.dx, g.ln2_w, g.ln2_b, k.dln, a.x2.ptr(), w.ln2_w, a.m2.ptr(), a.r2.ptr(), k.ln_scratch, n, c)?;
-    // Attention branch.
-    ops::cast_f32_to_bf16(gpu, st, k.dres, k.dx)?;
+    gpu.mark("bwd gemm dgrad");
+    ops::layernorm_backward(
+        gpu,
+        st,
+        k.dx,
+        Some(k.dres),
+        g.ln2_w,
+        g.ln2_b,
+        k.dln,
+        a.x2.ptr(),
+        w.ln2_w,
+        a.m2.ptr(),
+        a.r2.ptr(),
+        k.ln_scratch,
+        n,
+        c,
+    )?;
+    gpu.mark("bwd layernorm");
+    // Attention branch (k.dres = bf16 copy of d(x2) from the LN2 backward).
     gpu.blas.matmul(f32m(g.proj_w), bft(a.atty.ptr()), bf(k.dres), c, n, c, 1.0, 0.0)?;
+    gpu.mark("bwd gemm wgrad");
     ops::bias_grad(gpu, st, g.proj_b, k.dres, k.bias_scratch, n, c)?;
+    gpu.mark("bwd bias grad");
     gpu.blas.matmul(bf(k.datt), bf(k.dres), bft(w.proj_w), n, c, c, 1.0, 0.0)?;
+    gpu.mark("bwd gemm dgrad");
     attention::attention_backward(gpu, st, k.dqkv, k.delta, k.datt, a.qkv.ptr(), a.atty.ptr(), a.lse.ptr(), s.b, s.t, c, s.nh)?;
+    gpu.mark("bwd attention");
     gpu.blas.matmul(f32m(g.qkv_w), bft(a.ln1.ptr()), bf(k.dqkv), c, n, 3 * c, 1.0, 0.0)?;
+    gpu.mark("bwd gemm wgrad");
     ops::bias_grad(gpu, st, g.qkv_b, k.dqkv, k.bias_scratch, n, 3 * c)?;
+    gpu.mark("bwd bias grad");
     gpu.blas.matmul(bf(k.dln), bf(k.dqkv), bft(w.qkv_w), n, 3 * c, c, 1.0, 0.0)?;
-    ops::layernorm_backward(gpu, st, k.dx, g.ln1_w, g.ln1_b, k.dln, x, w.ln1_w, a.m1.ptr(), a.r1.ptr(), k.ln_scratch, n, c)?;
+    gpu.mark("bwd gemm dgrad");
+    ops::layernorm_backward(gpu, st, k.dx, Some(k.dres), g.ln1_w, g.ln1_b, k.dln, x, w.ln1_w, a.m1.ptr(), a.r1.ptr(), k.ln_scratch, n, c)?;
+    gpu.mark("bwd layernorm");
     Ok(())
 }
 
@@ -686,11 +736,21 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let gpu_loss = mean_loss(gpu, &ws)?;
     let g = layout.unpad(&gpu.download(dgrads.ptr())?);
     let mut rows = vec![CheckRow::compare("model loss", &[gpu_loss], &[cpu_loss], 0.0, 1e-2)];
+    // Per tensor, what bf16 activations promise: the norm-wise error rms(gpu − cpu)/rms(cpu)
+    // ≤ 2e-2 (measured ~5e-3), and no element off by more than 1.5e-1 of |cpu| + rms(cpu)
+    // (an indexing bug gives O(1)).
+    let rms = |x: &mut dyn Iterator<Item = f64>| {
+        let (s, n) = x.fold((0f64, 0usize), |(s, n), v| (s + v * v, n + 1));
+        (s / n.max(1) as f64).sqrt()
+    };
     for spec in model.layout().specs() {
         let r = spec.range();
-        let cpu = &grads[r.clone()];
-        let rms = (cpu.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / cpu.len() as f64).sqrt();
-        rows.push(CheckRow::compare(format!("model grad {}", spec.name), &g[r], cpu, rms.max(1e-12), 5e-2));
+        let (cpu, gg) = (&grads[r.clone()], &g[r]);
+        let rc = rms(&mut cpu.iter().map(|&x| x as f64)).max(1e-12);
+        let mut row = CheckRow::compare(format!("model grad {} rms-rel", spec.name), gg, cpu, rc, 2e-2);
+        row.max_rel = rms(&mut gg.iter().zip(cpu).map(|(&a, &b)| a as f64 - b as f64)) / rc;
+        rows.push(row);
+        rows.push(CheckRow::compare(format!("model grad {} max-rel, floor rms", spec.name), gg, cpu, rc, 1.5e-1));
     }
     Ok(rows)
 }

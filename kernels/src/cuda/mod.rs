@@ -160,6 +160,8 @@ pub struct Gpu {
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
     funcs: Mutex<HashMap<(String, String), CudaFunction>>,
     pub blas: blas::Blas,
+    /// Timing marks on the compute stream while profiling ([`Gpu::profile`]).
+    marks: Mutex<Option<Vec<(&'static str, CudaEvent)>>>,
 }
 
 impl Gpu {
@@ -179,7 +181,58 @@ impl Gpu {
         let name = ctx.name().map_err(drv("reading the device name"))?;
         let cc = ctx.compute_capability().map_err(drv("reading the compute capability"))?;
         let blas = blas::Blas::new(&stream)?;
-        Ok(Arc::new(Gpu { ordinal, ctx, stream, name, cc, modules: Mutex::new(HashMap::new()), funcs: Mutex::new(HashMap::new()), blas }))
+        Ok(Arc::new(Gpu {
+            ordinal,
+            ctx,
+            stream,
+            name,
+            cc,
+            modules: Mutex::new(HashMap::new()),
+            funcs: Mutex::new(HashMap::new()),
+            blas,
+            marks: Mutex::new(None),
+        }))
+    }
+
+    /// Starts (or with `false`, stops and discards) recording timing marks.
+    pub fn profile(&self, on: bool) -> Result<()> {
+        let mut m = self.marks.lock().expect("profiler poisoned");
+        *m = if on { Some(Vec::new()) } else { None };
+        drop(m);
+        if on {
+            self.mark("start");
+        }
+        Ok(())
+    }
+
+    /// While profiling, records an event on the compute stream: the GPU time since the previous
+    /// mark is attributed to `what` (marks follow the work they name). Free when not profiling.
+    pub fn mark(&self, what: &'static str) {
+        let mut m = self.marks.lock().expect("profiler poisoned");
+        if let Some(v) = m.as_mut() {
+            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            if let Ok(ev) = self.stream.record_event(flags) {
+                v.push((what, ev));
+            }
+        }
+    }
+
+    /// Stops profiling and returns (what, total ms, count) in first-seen order.
+    pub fn profile_report(&self) -> Result<Vec<(&'static str, f64, usize)>> {
+        self.sync()?;
+        let marks = self.marks.lock().expect("profiler poisoned").take().unwrap_or_default();
+        let mut out: Vec<(&'static str, f64, usize)> = Vec::new();
+        for w in marks.windows(2) {
+            let ms = w[0].1.elapsed_ms(&w[1].1).map_err(drv("reading profiler events"))? as f64;
+            match out.iter_mut().find(|(n, _, _)| *n == w[1].0) {
+                Some(e) => {
+                    e.1 += ms;
+                    e.2 += 1;
+                }
+                None => out.push((w[1].0, ms, 1)),
+            }
+        }
+        Ok(out)
     }
 
     /// `sm_90` for an H200.
