@@ -8,6 +8,7 @@ pub mod config;
 pub mod data;
 pub mod engine;
 pub mod gpu;
+pub mod launch;
 pub mod monitor;
 pub mod schedule;
 pub mod zoo;

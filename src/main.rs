@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use tessera::cli;
 use tessera::engine::TrainOptions;
 
@@ -34,6 +34,106 @@ enum Cmd {
     /// One rank of `train --nprocs` (started by the parent process, not by hand).
     #[command(hide = true)]
     Worker(WorkerArgs),
+    /// Train with ranks on other hosts: wait for N `tessera agent`s to join, then run the
+    /// training (as `train --nprocs N`, with the agents as the worker processes).
+    Coordinator(CoordinatorArgs),
+    /// One rank on this host: join a coordinator (`--join`, or torchrun/Slurm's MASTER_ADDR,
+    /// MASTER_PORT, RANK, WORLD_SIZE) and train until it says stop.
+    Agent(AgentCliArgs),
+    /// Start agents on the hosts of a DeepSpeed hostfile (ssh; localhost directly) and
+    /// coordinate them from here.
+    Launch(LaunchArgs),
+}
+
+/// What `coordinator` and `launch` share with `train`.
+#[derive(Args)]
+struct DriverArgs {
+    /// DeepSpeed JSON config.
+    #[arg(long)]
+    config: PathBuf,
+    #[command(flatten)]
+    common: cli::CommonArgs,
+    /// Continue from this checkpoint (a step directory or a checkpoints root).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    no_progress: bool,
+    /// How long to wait for every agent to join (seconds).
+    #[arg(long, value_name = "SECS", default_value_t = tessera::engine::JOIN_TIMEOUT_MS / 1000)]
+    join_timeout: u64,
+    /// A cluster directory made beforehand (CA and node-<rank> certificates, present on every
+    /// host): no keys are sent to the agents.
+    #[arg(long, value_name = "DIR")]
+    certs: Option<PathBuf>,
+}
+
+impl DriverArgs {
+    fn split(self) -> (PathBuf, cli::CommonArgs, TrainOptions, tessera::launch::DriverOpts) {
+        let opts = TrainOptions { resume: self.resume, progress: !self.no_progress, abandon_steps: Vec::new(), processes: true };
+        let d = tessera::launch::DriverOpts { join_timeout_ms: self.join_timeout.saturating_mul(1000), certs: self.certs };
+        (self.config, self.common, opts, d)
+    }
+}
+
+#[derive(Args)]
+struct CoordinatorArgs {
+    #[command(flatten)]
+    driver: DriverArgs,
+    /// Where agents join, ADDR:PORT (default 0.0.0.0:$MASTER_PORT).
+    #[arg(long)]
+    listen: Option<String>,
+    /// How many agents (the world size; default $WORLD_SIZE).
+    #[arg(long)]
+    nodes: Option<usize>,
+}
+
+#[derive(Args)]
+struct AgentCliArgs {
+    /// The coordinator, HOST:PORT (default $MASTER_ADDR:$MASTER_PORT).
+    #[arg(long)]
+    join: Option<String>,
+    /// This agent's name in the coordinator's messages (default <hostname>-<pid>).
+    #[arg(long)]
+    name: Option<String>,
+    /// Take this rank (default: $RANK or $SLURM_PROCID without --join, else any free rank).
+    #[arg(long)]
+    rank: Option<usize>,
+    /// The IP the other ranks reach this agent at (default: the local address of the
+    /// connection to the coordinator).
+    #[arg(long)]
+    advertise: Option<std::net::IpAddr>,
+    /// The UDP port of this agent's QUIC socket (0 = any).
+    #[arg(long, default_value_t = 0)]
+    quic_port: u16,
+    /// A cluster directory with ca.pem and node-<rank>.{pem,key} (when the coordinator runs
+    /// with --certs).
+    #[arg(long, value_name = "DIR")]
+    certs: Option<PathBuf>,
+    /// How long to keep trying to reach the coordinator (seconds).
+    #[arg(long, value_name = "SECS", default_value_t = tessera::engine::AGENT_CONNECT_TIMEOUT_MS / 1000)]
+    connect_timeout: u64,
+}
+
+#[derive(Args)]
+struct LaunchArgs {
+    #[command(flatten)]
+    driver: DriverArgs,
+    /// DeepSpeed hostfile: `HOST slots=N` per line.
+    #[arg(long)]
+    hostfile: PathBuf,
+    /// Where agents join (default 127.0.0.1:0 when every host is local, else 0.0.0.0:0).
+    #[arg(long)]
+    listen: Option<String>,
+    /// The address remote agents dial (default: this machine's address on the route to each).
+    #[arg(long)]
+    coordinator_addr: Option<std::net::IpAddr>,
+    /// tessera's path on the remote hosts (default: this executable's path).
+    #[arg(long)]
+    remote_exe: Option<String>,
+    /// The ssh program for remote hosts.
+    #[arg(long, default_value = "ssh")]
+    ssh: String,
 }
 
 #[derive(Args)]
@@ -71,6 +171,17 @@ struct TrainArgs {
     /// mutual TLS (sets the world size to N).
     #[arg(long, value_name = "N", conflicts_with = "world")]
     nprocs: Option<usize>,
+    /// Where to train: `cpu` (threads, or worker processes with --nprocs) or `cuda` (NVIDIA GPUs:
+    /// one process per GPU, NCCL between them; the world size is the GPU count).
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
+}
+
+/// `train --device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Device {
+    Cpu,
+    Cuda,
 }
 
 #[derive(Args)]
@@ -139,6 +250,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 anyhow::ensure!(n >= 1, "--nprocs must be at least 1");
                 a.common.world = Some(n);
             }
+            if a.device == Device::Cuda {
+                if !a.abandon_steps.is_empty() {
+                    let steps: Vec<String> = a.abandon_steps.iter().map(u64::to_string).collect();
+                    anyhow::bail!(
+                        "--abandon-step {}: `--device cuda` has no step transaction to abandon; drop the flag or use --device cpu",
+                        steps.join(", ")
+                    );
+                }
+                let opts = tessera::gpu::train::GpuTrainOptions { resume: a.resume, progress: !a.no_progress };
+                let finished = tessera::gpu::train::train(&a.config, &a.common, &opts)?;
+                return Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) });
+            }
             let opts = TrainOptions { resume: a.resume, progress: !a.no_progress, abandon_steps: a.abandon_steps, processes };
             let finished = cli::train(&a.config, &a.common, opts)?;
             Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })
@@ -164,6 +287,35 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Worker(a) => {
             let args = tessera::engine::WorkerArgs { rank: a.rank, world: a.world, control: a.control, dir: a.dir };
             tessera::engine::run_worker(&args).map(|()| done)
+        }
+        Cmd::Coordinator(a) => {
+            let (config, common, opts, d) = a.driver.split();
+            let finished = tessera::launch::coordinator(&config, &common, opts, a.listen.as_deref(), a.nodes, &d)?;
+            Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })
+        }
+        Cmd::Agent(a) => {
+            let flags = tessera::launch::AgentFlags {
+                join: a.join,
+                name: a.name,
+                rank: a.rank,
+                advertise: a.advertise,
+                quic_port: a.quic_port,
+                certs: a.certs,
+                connect_timeout_ms: a.connect_timeout.saturating_mul(1000),
+            };
+            tessera::launch::agent(&flags).map(|()| done)
+        }
+        Cmd::Launch(a) => {
+            let (config, common, opts, d) = a.driver.split();
+            let l = tessera::launch::LaunchOpts {
+                hostfile: a.hostfile,
+                listen: a.listen,
+                coordinator_addr: a.coordinator_addr,
+                remote_exe: a.remote_exe,
+                ssh: a.ssh,
+            };
+            let finished = tessera::launch::launch(&config, &common, opts, &l, &d)?;
+            Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })
         }
     }
 }

@@ -28,6 +28,11 @@ const fn gpt(vocab_size: usize, max_seq_len: usize, n_layer: usize, n_head: usiz
 pub fn presets() -> Vec<Preset> {
     vec![
         Preset { name: "gpt-tiny", about: "GPT-2 style, 4 layers, d=128, ctx 128 (~0.8M params; CI-sized)", cfg: gpt(256, 128, 4, 4, 128) },
+        Preset {
+            name: "gpt-mini-gpu",
+            about: "GPT-2 style, 2 layers, d=128, 2 heads of 64, ctx 128 (~0.4M params; the smallest shape `--device cuda` runs)",
+            cfg: gpt(256, 128, 2, 2, 128),
+        },
         Preset { name: "gpt-10m", about: "GPT-2 style, 6 layers, d=384, ctx 256 (~10.7M params)", cfg: gpt(256, 256, 6, 6, 384) },
         Preset {
             name: "gpt2-small",
@@ -74,6 +79,9 @@ mod tests {
         let count = |n: &str| Model::new(preset(n).unwrap()).unwrap().num_params();
         assert!((700_000..1_000_000).contains(&count("gpt-tiny")));
         assert!((10_000_000..11_500_000).contains(&count("gpt-10m")));
+        let mini = preset("gpt-mini-gpu").unwrap();
+        assert_eq!(mini.d_model / mini.n_head, 64, "the GPU attention kernel needs head dimension 64");
+        assert!((300_000..600_000).contains(&count("gpt-mini-gpu")));
         // GPT-2 124M: 124,439,808 parameters with the tied head.
         assert_eq!(count("gpt2-small"), 124_439_808);
         assert!(preset("gpt-huge").unwrap_err().contains("gpt-tiny"));

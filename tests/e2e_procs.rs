@@ -1,7 +1,8 @@
 //! Ranks as worker processes (`train --nprocs N`, QUIC with mTLS between them): the same bits
 //! as one in-process worker for ZeRO-1 and ZeRO-3, resume across process counts, and a worker
 //! killed mid-run ends the run with an error naming its rank, in bounded time, leaving no
-//! worker process behind; workers of a killed parent exit on their own.
+//! worker process behind; workers of a killed parent exit on their own. The same with agents:
+//! `tessera coordinator` + `tessera agent`, and `tessera launch` with a localhost hostfile.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -171,4 +172,260 @@ fn workers_exit_when_their_parent_is_killed() {
     parent.kill().unwrap();
     parent.wait().unwrap();
     assert!(within(Duration::from_secs(30), || workers_of(&out).is_empty()), "orphan workers: {:?}", workers_of(&out));
+}
+
+// ── Agents: `tessera coordinator` + `tessera agent`, and `tessera launch --hostfile` ──────────
+
+/// `args` with `train` replaced by `coordinator --listen 127.0.0.1:0 --nodes N`.
+fn coordinator_args(out: &Path, nodes: usize, stage: u8, steps: u64) -> Vec<String> {
+    let mut a = args(out, &[], stage, steps);
+    a[0] = "coordinator".into();
+    a.extend(["--listen".into(), "127.0.0.1:0".into(), "--nodes".into(), nodes.to_string()]);
+    a
+}
+
+/// Starts a coordinator and reads its listen address off its first line of stderr; the rest
+/// of its stderr is collected by a thread (joined by [`finish`]).
+fn spawn_coordinator(dir: &Path, a: &[String]) -> (std::process::Child, String, std::thread::JoinHandle<String>) {
+    use std::io::{BufRead, BufReader, Read};
+    let mut c = Command::new(bin()).args(a).current_dir(dir).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawning");
+    let mut err = BufReader::new(c.stderr.take().unwrap());
+    let mut first = String::new();
+    err.read_line(&mut first).unwrap();
+    let addr = first.split(" at ").nth(1).and_then(|s| s.split_whitespace().next()).map(str::to_string);
+    let addr = addr.unwrap_or_else(|| panic!("no address in {first:?}"));
+    let rest = std::thread::spawn(move || {
+        let mut s = first;
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    (c, addr, rest)
+}
+
+/// Waits (≤ 90 s) for a process; returns (success, stdout + the collected stderr).
+fn finish(mut c: std::process::Child, err: std::thread::JoinHandle<String>) -> (bool, String) {
+    use std::io::Read;
+    if !within(Duration::from_secs(90), || c.try_wait().unwrap().is_some()) {
+        let _ = c.kill();
+        panic!("the coordinator did not finish within 90 s");
+    }
+    let ok = c.wait().unwrap().success();
+    let mut out = String::new();
+    let _ = c.stdout.take().unwrap().read_to_string(&mut out);
+    (ok, out + &err.join().unwrap())
+}
+
+fn spawn_agent(dir: &Path, join: &str, name: &str, extra: &[&str]) -> std::process::Child {
+    Command::new(bin())
+        .args(["agent", "--join", join, "--name", name])
+        .args(extra)
+        .current_dir(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning an agent")
+}
+
+/// Waits (≤ 30 s) for an agent to end; returns (success, its output).
+fn agent_result(mut c: std::process::Child) -> (bool, String) {
+    if !within(Duration::from_secs(30), || c.try_wait().unwrap().is_some()) {
+        let _ = c.kill();
+    }
+    let out = c.wait_with_output().unwrap();
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+#[test]
+fn agents_joining_a_coordinator_give_the_bits_of_in_process_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let inproc = train(tmp.path(), "w3", &["--world", "3"], 1, 3, &[]);
+    let out = tmp.path().join("co");
+    let (coord, addr, err) = spawn_coordinator(tmp.path(), &coordinator_args(&out, 3, 1, 3));
+    // One agent asks for rank 0 explicitly; the others take the free ranks in join order.
+    let agents: Vec<_> = [("a0", &[][..]), ("a1", &["--rank", "0"][..]), ("a2", &[][..])]
+        .iter()
+        .map(|(name, extra)| spawn_agent(tmp.path(), &addr, name, extra))
+        .collect();
+    let (ok, text) = finish(coord, err);
+    assert!(ok, "the coordinator failed:\n{text}");
+    for (i, a) in agents.into_iter().enumerate() {
+        let (ok, atext) = agent_result(a);
+        assert!(ok, "agent a{i} failed:\n{atext}");
+        if i == 1 {
+            assert!(atext.contains("agent a1: rank 0 of 3"), "a1 asked for rank 0:\n{atext}");
+        }
+    }
+    let s = summary(&out);
+    assert_eq!(s["world_size"], 3);
+    assert_eq!(s["params_blake3"], inproc["params_blake3"], "3 agents differ from 3 in-process ranks");
+    assert_eq!(s["val_loss"], inproc["val_loss"]);
+    assert!(s["bytes_sent_per_rank_per_step"].as_u64().unwrap() > 0, "ranks exchanged tensors");
+    assert!(!out.join("procs").exists(), "the run's keys outlived the agents");
+}
+
+#[test]
+fn launch_with_a_localhost_hostfile_gives_the_same_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let inproc = train(tmp.path(), "w3", &["--world", "3"], 3, 3, &[]);
+    let hostfile = write(tmp.path(), "hostfile", "# three agents here\n\nlocalhost slots=3  # this machine\n");
+    let out = tmp.path().join("la");
+    let mut a = args(&out, &[], 3, 3);
+    a[0] = "launch".into();
+    a.extend(["--hostfile".into(), hostfile.display().to_string()]);
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    let text = ok(&refs, tmp.path());
+    assert!(text.contains("agent localhost-2: rank 2 of 3"), "ranks follow the hostfile:\n{text}");
+    let s = summary(&out);
+    assert_eq!(s["params_blake3"], inproc["params_blake3"], "launched agents differ from 3 in-process ranks");
+    let bad = write(tmp.path(), "bad", "localhost slots=1\nnode2 slots=two\n");
+    let mut b = args(&tmp.path().join("bad-run"), &[], 0, 1);
+    b[0] = "launch".into();
+    b.extend(["--hostfile".into(), bad.display().to_string()]);
+    let refs: Vec<&str> = b.iter().map(String::as_str).collect();
+    let text = fails(&refs, tmp.path());
+    assert!(text.contains(&format!("{}:2: slots=two is not a whole number", bad.display())), "{text}");
+}
+
+/// Pids of live processes whose parent is `parent`.
+fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|e| {
+            let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let mut rest = stat.rsplit(')').next()?.split_whitespace();
+            let (state, ppid) = (rest.next()?, rest.next()?.parse::<u32>().ok()?);
+            (ppid == parent && state != "Z").then_some(pid)
+        })
+        .collect()
+}
+
+#[test]
+fn a_killed_agent_ends_the_launched_run_naming_its_rank_and_leaves_no_orphans() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hostfile = write(tmp.path(), "hostfile", "localhost slots=3\n");
+    let out = tmp.path().join("run");
+    let mut a = args(&out, &[], 3, 100_000);
+    a[0] = "launch".into();
+    a.extend(["--hostfile".into(), hostfile.display().to_string(), "--set".into(), "tessera.checkpoint_interval=1".into()]);
+    let mut launch = Command::new(bin()).args(&a).current_dir(tmp.path()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let lpid = launch.id();
+    let up = within(Duration::from_secs(60), || children_of(lpid).len() == 3 && out.join("checkpoints/latest").exists());
+    if !up {
+        let _ = launch.kill();
+        panic!("no checkpoint and 3 agents within 60 s");
+    }
+    // Ranks follow the hostfile: the agent started with `--rank 1`.
+    let victim = children_of(lpid)
+        .into_iter()
+        .find(|p| std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default().split(|b| *b == 0).any(|w| w == b"localhost-1"))
+        .expect("the agent of rank 1");
+    assert!(Command::new("kill").args(["-KILL", &victim.to_string()]).status().unwrap().success());
+    if !within(Duration::from_secs(60), || launch.try_wait().unwrap().is_some()) {
+        let _ = launch.kill();
+        panic!("launch did not exit within 60 s of an agent's death");
+    }
+    let output = launch.wait_with_output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(!output.status.success(), "the run should fail:\n{text}");
+    assert!(text.contains(&format!("agent of rank 1 (localhost-1 at 127.0.0.1, pid {victim}) was killed by signal 9")), "{text}");
+    assert!(children_of(lpid).is_empty(), "orphan agents: {:?}", children_of(lpid));
+}
+
+#[test]
+fn a_coordinator_names_who_joined_when_the_others_do_not_come() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut a = coordinator_args(&tmp.path().join("co"), 2, 0, 1);
+    a.extend(["--join-timeout".into(), "2".into()]);
+    let started = Instant::now();
+    let (coord, addr, err) = spawn_coordinator(tmp.path(), &a);
+    let agent = spawn_agent(tmp.path(), &addr, "lonely", &[]);
+    let (ok, text) = finish(coord, err);
+    assert!(!ok, "the run should fail:\n{text}");
+    assert!(text.contains("only 1 of 2 agents joined") && text.contains("agent lonely at 127.0.0.1"), "{text}");
+    assert!(started.elapsed() < Duration::from_secs(30), "the join wait is bounded");
+    let (ok, atext) = agent_result(agent);
+    assert!(!ok, "the agent should fail once the coordinator gives up:\n{atext}");
+    // An agent with nobody to join gives up within its connect timeout, naming the address.
+    let lost = spawn_agent(tmp.path(), &addr, "late", &["--connect-timeout", "1"]);
+    let (ok, ltext) = agent_result(lost);
+    assert!(!ok && ltext.contains(&format!("could not reach the coordinator at {addr}")), "{ltext}");
+}
+
+#[test]
+fn pre_distributed_certificates_keep_the_keys_on_their_hosts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let inproc = train(tmp.path(), "w2", &["--world", "2"], 2, 2, &[]);
+    let certs = tmp.path().join("cluster");
+    tessera_transport::quic::cluster_init(&certs, &["node-0", "node-1"]).unwrap();
+    let certs_s = certs.display().to_string();
+    let out = tmp.path().join("co");
+    let mut a = coordinator_args(&out, 2, 2, 2);
+    a.extend(["--certs".into(), certs_s.clone()]);
+    let (coord, addr, err) = spawn_coordinator(tmp.path(), &a);
+    let agents: Vec<_> = (0..2).map(|i| spawn_agent(tmp.path(), &addr, &format!("c{i}"), &["--certs", &certs_s])).collect();
+    let (ok, text) = finish(coord, err);
+    assert!(ok, "the coordinator failed:\n{text}");
+    for a in agents {
+        let (ok, atext) = agent_result(a);
+        assert!(ok, "an agent failed:\n{atext}");
+    }
+    assert_eq!(summary(&out)["params_blake3"], inproc["params_blake3"], "agents with their own certificates differ");
+    assert!(!out.join("procs").exists(), "no key directory is made with --certs");
+    // Without the directory, an agent cannot get a key, and the coordinator says why.
+    let mut a = coordinator_args(&tmp.path().join("co2"), 1, 0, 1);
+    a.extend(["--certs".into(), certs_s]);
+    let (coord, addr, err) = spawn_coordinator(tmp.path(), &a);
+    let agent = spawn_agent(tmp.path(), &addr, "keyless", &[]);
+    let (ok, text) = finish(coord, err);
+    assert!(!ok && text.contains("keyless") && text.contains("start the agent with --certs DIR"), "{text}");
+    assert!(!agent_result(agent).0, "the keyless agent should fail");
+}
+
+#[test]
+fn agents_exit_when_their_coordinator_is_killed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("co");
+    let mut a = coordinator_args(&out, 2, 1, 100_000);
+    a.extend(["--set".into(), "tessera.checkpoint_interval=1".into()]);
+    let (mut coord, addr, err) = spawn_coordinator(tmp.path(), &a);
+    let agents: Vec<_> = (0..2).map(|i| spawn_agent(tmp.path(), &addr, &format!("k{i}"), &[])).collect();
+    if !within(Duration::from_secs(60), || out.join("checkpoints/latest").exists()) {
+        let _ = coord.kill();
+        panic!("no checkpoint within 60 s");
+    }
+    coord.kill().unwrap();
+    coord.wait().unwrap();
+    drop(err);
+    let started = Instant::now();
+    for a in agents {
+        let (ok, text) = agent_result(a);
+        assert!(!ok && text.contains("error: agent k"), "an agent of a killed coordinator should fail on its own:\n{text}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(20), "agents took {:?} to notice", started.elapsed());
+}
+
+#[test]
+fn launch_starts_remote_agents_through_ssh() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let inproc = train(tmp.path(), "w3", &["--world", "3"], 1, 2, &[]);
+    // A stand-in for ssh: records how it was called, then runs the remote command here.
+    let log = tmp.path().join("ssh.log");
+    let fake = write(tmp.path(), "fakessh", &format!("#!/bin/sh\necho \"$@\" >> '{}'\nshift 3\nexec sh -c \"$1\"\n", log.display()));
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let hostfile = write(tmp.path(), "hostfile", "node-a slots=2\nlocalhost slots=1\n");
+    let out = tmp.path().join("la");
+    let mut a = args(&out, &[], 1, 2);
+    a[0] = "launch".into();
+    a.extend(
+        ["--hostfile", hostfile.to_str().unwrap(), "--ssh", fake.to_str().unwrap(), "--coordinator-addr", "127.0.0.1"].map(String::from),
+    );
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    let text = ok(&refs, tmp.path());
+    assert!(text.contains("agent node-a-1: rank 1 of 3") && text.contains("agent localhost-0: rank 2 of 3"), "{text}");
+    let calls = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(calls.lines().count(), 2, "one ssh per remote agent:\n{calls}");
+    assert!(calls.lines().all(|l| l.starts_with("-o BatchMode=yes node-a cd ") && l.contains("agent")), "{calls}");
+    assert_eq!(summary(&out)["params_blake3"], inproc["params_blake3"], "agents started through ssh differ");
 }

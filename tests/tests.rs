@@ -1,6 +1,8 @@
 //! End-to-end tests: the `tessera` binary run as a user would run it.
 
 mod common;
+mod e2e_gpu;
+mod e2e_hosts;
 mod e2e_procs;
 mod e2e_train;
 mod e2e_zero;

@@ -1,8 +1,10 @@
 //! Test hosts in network namespaces: `TestNet::new(n)` makes `n` namespaces, each with one veth
 //! interface on a shared bridge and its own IPv4 address, so processes started with
 //! [`TestNet::command`] talk over a real (virtual) network. Links can be cut
-//! ([`TestNet::set_link`]) and throttled ([`TestNet::throttle`], `tc … tbf`). Everything is
-//! removed on drop. Needs root and iproute2; [`TestNet::new`] says why when it cannot.
+//! ([`TestNet::set_link`]) and throttled ([`TestNet::throttle`], `tc … tbf`). The test process
+//! itself can join the network ([`TestNet::attach_root`]: a veth from the root namespace to the
+//! bridge), e.g. to run a coordinator or a fault proxy in-process. Everything is removed on
+//! drop. Needs root and iproute2; [`TestNet::new`] says why when it cannot.
 
 use std::net::Ipv4Addr;
 use std::process::Command;
@@ -12,6 +14,8 @@ pub struct TestNet {
     prefix: String,
     hosts: usize,
     subnet: u8,
+    /// The root namespace's veth onto the bridge, once attached.
+    root_link: Option<String>,
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -28,7 +32,7 @@ impl TestNet {
     /// different one per concurrent test).
     pub fn new(hosts: usize, subnet: u8) -> Result<TestNet, String> {
         let prefix = format!("tsr{}s{subnet}", std::process::id());
-        let net = TestNet { prefix, hosts, subnet };
+        let net = TestNet { prefix, hosts, subnet, root_link: None };
         // On error `net` is dropped here, which removes whatever was made.
         net.build()?;
         Ok(net)
@@ -65,6 +69,27 @@ impl TestNet {
             ip(&["-n", &ns, "link", "set", &inner, "up"])?;
         }
         Ok(())
+    }
+
+    /// The root namespace's address on the bridge (after [`TestNet::attach_root`]).
+    pub fn root_addr(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, 231, self.subnet, 254)
+    }
+
+    /// Connects the root namespace (this process) to the bridge at [`TestNet::root_addr`], so
+    /// sockets of the test process reach the hosts and back. Removed on drop.
+    pub fn attach_root(&mut self) -> Result<Ipv4Addr, String> {
+        if self.root_link.is_some() {
+            return Ok(self.root_addr());
+        }
+        let (br, name) = (self.bridge_ns(), format!("{}r", self.prefix));
+        ip(&["link", "add", &name, "type", "veth", "peer", "name", "vroot", "netns", &br])?;
+        self.root_link = Some(name.clone());
+        ip(&["-n", &br, "link", "set", "vroot", "master", "br0"])?;
+        ip(&["-n", &br, "link", "set", "vroot", "up"])?;
+        ip(&["addr", "add", &format!("{}/24", self.root_addr()), "dev", &name])?;
+        ip(&["link", "set", &name, "up"])?;
+        Ok(self.root_addr())
     }
 
     /// A command that runs `program` inside host `i`'s namespace.
@@ -113,6 +138,9 @@ impl TestNet {
 
 impl Drop for TestNet {
     fn drop(&mut self) {
+        if let Some(name) = &self.root_link {
+            let _ = ip(&["link", "del", name]);
+        }
         for i in 0..self.hosts {
             let _ = ip(&["netns", "del", &self.host_ns(i)]);
         }

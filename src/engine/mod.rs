@@ -14,8 +14,9 @@ mod summary;
 mod wire;
 pub mod zero;
 
-pub use child::{run_worker, WorkerArgs};
+pub use child::{run_agent, run_worker, AgentArgs, WorkerArgs, AGENT_CONNECT_TIMEOUT_MS};
 pub use plan::Plan;
 pub use precision::Precision16;
+pub use remote::{assign_ranks, set_rendezvous, take_rendezvous, Launched, Rendezvous, JOIN_TIMEOUT_MS};
 pub use run::{train, TrainOptions, TrainOutcome};
 pub use summary::{peak_rss_bytes, MemoryBytes, Summary};

@@ -1,9 +1,14 @@
-//! Ranks as worker processes (`tessera train --nprocs N`): the parent keeps the driver and the
-//! actor tree; each rank's `WorkerCompute` is a [`RemoteCompute`] proxy that forwards prepare,
-//! commit and abandon to its worker process (`tessera worker`, see [`super::child`]) over a
-//! local TCP control connection ([`super::wire`]) and returns the worker's reply. The workers
-//! run real `ZeroWorker`s whose collectives are a `QuicComm` with mutual TLS: ranks exchange
-//! tensors directly, never through the parent.
+//! Ranks as worker processes: the driver keeps the actor tree; each rank's `WorkerCompute` is a
+//! [`RemoteCompute`] proxy that forwards prepare, commit and abandon over a TCP control
+//! connection ([`super::wire`]) and returns the worker's reply. The workers run real
+//! `ZeroWorker`s whose collectives are a `QuicComm` with mutual TLS: ranks exchange tensors
+//! directly, never through the driver. The ranks come from one of two places:
+//!
+//! - `tessera train --nprocs N`: the parent spawns N `tessera worker` processes on this machine
+//!   (QUIC on 127.0.0.1, keys in the run's `procs` directory).
+//! - `tessera coordinator` / `tessera launch`: N agents (`tessera agent`, any host) join the
+//!   coordinator's listener ([`Rendezvous`], handed over with [`set_rendezvous`] before
+//!   training starts); see "Agents" below.
 //!
 //! # Start-up ([`launch`])
 //! 1. The parent writes the resolved config and a fresh cluster PKI (`cluster_init`: CA and
@@ -15,6 +20,20 @@
 //! 3. The parent sends each worker its cut of the start state (bulk) — fresh or resumed, the
 //!    parent decides; the worker builds its `RankState`, connects the QUIC mesh and says `Ready`.
 //!
+//! # Agents
+//! The coordinator waits (bounded by the rendezvous' join timeout; the error names who joined)
+//! until N agents said `Join`. Ranks are given in join order, except that an agent started with
+//! a rank (`--rank`, torchrun's `RANK`, Slurm's `SLURM_PROCID`) gets that one. Each agent then
+//! receives `Assign`: its rank, the resolved config, and its node certificate and private key
+//! with the cluster CA. **Keys travel over the control connection in clear**: this is a
+//! trusted-launch design (like torchrun's rendezvous) for a private cluster network; where that
+//! is not acceptable, distribute a `cluster_init` directory beforehand and run the coordinator
+//! and agents with `--certs DIR` — then no key leaves its host. From `Hello` on, an agent is
+//! served exactly as a spawned worker, plus two checks: the BLAKE3 of its training and
+//! validation tokens must equal the coordinator's (hosts may hold different files at the same
+//! path), and its QUIC address is the local address of its control connection (or the one it
+//! advertises), so the mesh forms over the network the agents reached the coordinator by.
+//!
 //! # Between steps
 //! Evaluation, checkpoints and the final hash need full buffers: `Export` asks an owner rank for
 //! its masters and optimizer buffers, which come back as raw f32 bulk after a header (the one
@@ -22,14 +41,18 @@
 //! ride on every reply as a small [`Snapshot`].
 //!
 //! # Failure
-//! Every wait is bounded. A monitor thread polls the workers; when one exits unexpectedly, it
-//! records which rank and how, and kills the others at once (as torchrun does), so every proxy
-//! sees its connection close and the step fails with an error naming the dead rank. Dropping
-//! [`Procs`] kills and reaps every worker; workers also exit when their control connection
-//! closes or the parent process disappears. `<output>/procs` (config, CA and node keys) lives
-//! only as long as the workers.
+//! Every wait is bounded. A monitor thread watches the ranks: spawned workers by their exit
+//! status, agents by their control connection (closed = gone; idle agents are pinged every
+//! [`PING_MS`] and must answer within [`PONG_TIMEOUT_MS`]) and, under `tessera launch`, the
+//! processes it started. On the first loss it records which rank and how, and ends the others
+//! at once (kills spawned workers; shuts the agents' control connections, which ends each agent
+//! after its current request), so every proxy fails and the step fails with an error naming the
+//! dead rank. Dropping [`Procs`] kills and reaps every spawned or launched process; workers also
+//! exit when their control connection closes or the parent process disappears, agents when the
+//! coordinator is silent for `AGENT_IDLE_TIMEOUT_MS`. `<output>/procs` (config, CA and node
+//! keys) lives only as long as the ranks.
 
-use std::net::{TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,7 +66,7 @@ use tessera_actors::DEFAULT_STEP_TIMEOUT_MS;
 
 use super::plan::Plan;
 use super::ranks::{master_window, OptimBuffers, RankCounters, Start};
-use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError};
+use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError, WireTls};
 use crate::config::Config;
 
 /// Bound on the workers' start-up: connecting, loading data, building the QUIC mesh (ms).
@@ -52,33 +75,110 @@ pub const STARTUP_TIMEOUT_MS: u64 = 120_000;
 pub const REPLY_TIMEOUT_MS: u64 = DEFAULT_STEP_TIMEOUT_MS;
 /// Bound on the workers' exit after `Shutdown` (ms).
 pub const EXIT_TIMEOUT_MS: u64 = 15_000;
+/// Default bound on the wait for every agent to join (ms).
+pub const JOIN_TIMEOUT_MS: u64 = 120_000;
+/// Bound on a new connection's first message (`Join`) (ms).
+const JOIN_MESSAGE_TIMEOUT_MS: u64 = 10_000;
+/// How often the coordinator pings an idle agent (ms).
+pub const PING_MS: u64 = 5_000;
+/// Bound on an agent's answer to a ping (ms).
+pub const PONG_TIMEOUT_MS: u64 = 10_000;
 /// How often the monitor polls the workers (ms).
 const MONITOR_POLL_MS: u64 = 50;
+/// How long the monitor waits for a launched agent's exit status after its connection closed (ms).
+const EXIT_GRACE_MS: u64 = 500;
 
 /// The node name of rank `r` in the cluster PKI.
 pub fn node_name(r: usize) -> String {
     format!("node-{r}")
 }
 
-/// What the workers share with the parent: their processes and the first failure seen.
+/// A process `tessera launch` started for the run (a local agent, or the ssh client that runs a
+/// remote one): watched while the run lasts, killed if it outlives it.
+pub struct Launched {
+    /// E.g. "agent host1-0 (ssh host1)".
+    pub label: String,
+    pub child: Child,
+}
+
+/// Where a coordinator's ranks come from: `nodes` agents joining at `listener`.
+pub struct Rendezvous {
+    pub listener: TcpListener,
+    pub nodes: usize,
+    pub join_timeout_ms: u64,
+    /// A pre-distributed cluster directory (`ca.pem`, `node-<r>.{pem,key}`): no keys are sent.
+    pub certs: Option<PathBuf>,
+    /// Processes started for the agents (empty for a bare coordinator); shared with the caller,
+    /// which reaps what is left after the run.
+    pub launched: Arc<Mutex<Vec<Launched>>>,
+}
+
+/// The rendezvous the next [`launch`] uses instead of spawning workers (set by `tessera
+/// coordinator` and `tessera launch` before training starts; taken by the launch).
+static RENDEZVOUS: Mutex<Option<Rendezvous>> = Mutex::new(None);
+
+/// Makes the next multi-process run (`TrainOptions::processes`) wait for agents at `r` instead
+/// of spawning `tessera worker` processes.
+pub fn set_rendezvous(r: Rendezvous) {
+    *RENDEZVOUS.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+}
+
+/// Takes back a rendezvous that no run used (e.g. the run failed before starting its ranks).
+pub fn take_rendezvous() -> Option<Rendezvous> {
+    RENDEZVOUS.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// A joined agent after the start: its rank's description and a second handle on its control
+/// connection (to notice it closing, and to shut it).
+struct Agent {
+    rank: usize,
+    /// "agent of rank 1 (a1 at 10.0.0.2, pid 42)".
+    who: String,
+    pid: u32,
+    probe: TcpStream,
+}
+
+/// What the ranks share with the driver: their processes or connections and the first loss.
 struct Shared {
     children: Mutex<Vec<(usize, Child)>>,
+    agents: Mutex<Vec<Agent>>,
+    launched: Arc<Mutex<Vec<Launched>>>,
     /// Set by the parent before it ends the workers itself: exits are then expected.
     closing: AtomicBool,
-    /// The first unexpected worker exit, e.g. "rank 1 (pid 42) was killed by signal 9".
-    died: Mutex<Option<String>>,
+    /// The first unexpected loss: the rank and e.g. "worker process of rank 1 (pid 42) was
+    /// killed by signal 9".
+    died: Mutex<Option<(usize, String)>>,
+}
+
+fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Shared {
-    fn died(&self) -> Option<String> {
-        self.died.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    fn new(launched: Arc<Mutex<Vec<Launched>>>) -> Self {
+        Shared {
+            children: Mutex::new(Vec::new()),
+            agents: Mutex::new(Vec::new()),
+            launched,
+            closing: AtomicBool::new(false),
+            died: Mutex::new(None),
+        }
+    }
+
+    fn died(&self) -> Option<(usize, String)> {
+        relock(&self.died).clone()
+    }
+
+    fn why(&self) -> Option<String> {
+        self.died().map(|(_, why)| why)
     }
 
     fn children(&self) -> MutexGuard<'_, Vec<(usize, Child)>> {
-        self.children.lock().unwrap_or_else(|p| p.into_inner())
+        relock(&self.children)
     }
 
-    /// Kills and reaps every worker still running.
+    /// Kills and reaps every spawned or launched process still running; shuts every agent's
+    /// control connection (the agent leaves after its current request).
     fn kill_all(&self) {
         for (_, c) in self.children().iter_mut() {
             if let Ok(None) = c.try_wait() {
@@ -86,6 +186,42 @@ impl Shared {
                 let _ = c.wait();
             }
         }
+        for a in relock(&self.agents).iter() {
+            let _ = a.probe.shutdown(Shutdown::Both);
+        }
+        for l in relock(&self.launched).iter_mut() {
+            if let Ok(None) = l.child.try_wait() {
+                let _ = l.child.kill();
+                let _ = l.child.wait();
+            }
+        }
+    }
+
+    /// Records the first loss (later ones are consequences) and ends the other ranks.
+    fn lost(&self, rank: usize, why: String) {
+        {
+            let mut died = relock(&self.died);
+            if died.is_some() {
+                return;
+            }
+            eprintln!("error: {why}; stopping the other ranks");
+            *died = Some((rank, why));
+        }
+        self.kill_all();
+    }
+
+    /// A launched process that ended unexpectedly, described by the rank whose agent it ran
+    /// when known (a local agent is its own process).
+    fn launched_exit(&self) -> Option<(usize, String)> {
+        let agents = relock(&self.agents);
+        relock(&self.launched).iter_mut().find_map(|l| {
+            let status = l.child.try_wait().ok().flatten()?;
+            let pid = l.child.id();
+            Some(match agents.iter().find(|a| a.pid == pid) {
+                Some(a) => (a.rank, format!("{} {}", a.who, describe_exit(status))),
+                None => (usize::MAX, format!("{} (pid {pid}) {}", l.label, describe_exit(status))),
+            })
+        })
     }
 }
 
@@ -95,17 +231,17 @@ struct Link {
     snapshot: Snapshot,
 }
 
-/// The worker processes of a run (rank order); dropping it kills and reaps them.
+/// The ranks of a multi-process run (rank order); dropping it ends them.
 pub struct Procs {
     links: Vec<Arc<Mutex<Link>>>,
     shared: Arc<Shared>,
     monitor: Option<JoinHandle<()>>,
-    /// `<output>/procs`: the resolved config and the run's keys, removed when the workers end.
-    dir: PathBuf,
+    /// `<output>/procs`: the resolved config and the run's keys, removed when the ranks end.
+    dir: Option<PathBuf>,
 }
 
 fn lock_link(l: &Mutex<Link>) -> MutexGuard<'_, Link> {
-    l.lock().unwrap_or_else(|p| p.into_inner())
+    relock(l)
 }
 
 /// Describes an exit status: "exited with status 1" or "was killed by signal 9".
@@ -118,21 +254,77 @@ fn describe_exit(status: std::process::ExitStatus) -> String {
     }
 }
 
-/// Polls the workers; on the first unexpected exit records it and kills the rest.
-fn monitor(shared: Arc<Shared>) {
+/// Whether the peer of `probe` closed the connection (peeks: never consumes a reply). Blocks up
+/// to the stream's read timeout ([`wire::POLL_MS`], the value every read sets).
+fn closed(probe: &TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    match probe.peek(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted),
+    }
+}
+
+/// Pings the agent of `link` and waits for its `Pong`.
+fn ping(link: &mut Link) -> Result<(), WireError> {
+    let wait =
+        Wait { what: "an answer to a ping", deadline: Some(Instant::now() + Duration::from_millis(PONG_TIMEOUT_MS)), alive: &|| Ok(()) };
+    wire::send(&mut link.stream, &ToWorker::Ping)?;
+    match wire::recv(&mut link.stream, "Pong", &wait)? {
+        ToParent::Pong => Ok(()),
+        other => Err(WireError::Malformed { expected: "Pong", detail: format!("{other:?}") }),
+    }
+}
+
+/// Watches the ranks; on the first unexpected loss records it and ends the rest.
+fn monitor(shared: Arc<Shared>, links: Vec<Arc<Mutex<Link>>>) {
+    let mut last_ping = Instant::now();
     loop {
         std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS));
         if shared.closing.load(Ordering::SeqCst) {
             return;
         }
         let dead = shared.children().iter_mut().find_map(|(r, c)| match c.try_wait() {
-            Ok(Some(status)) => Some(format!("rank {r} (pid {}) {}", c.id(), describe_exit(status))),
+            Ok(Some(status)) => Some((*r, format!("worker process of rank {r} (pid {}) {}", c.id(), describe_exit(status)))),
             _ => None,
         });
-        if let Some(why) = dead {
-            eprintln!("error: worker process of {why}; stopping the other workers");
-            *shared.died.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
-            shared.kill_all();
+        let dead = dead.or_else(|| shared.launched_exit()).or_else(|| {
+            // Each peek waits up to POLL_MS: this is also the monitor's pace with agents.
+            let gone = relock(&shared.agents)
+                .iter()
+                .find(|a| closed(&a.probe))
+                .map(|a| (a.rank, format!("{} closed its control connection", a.who)));
+            // A process closes its sockets just before it can be reaped: when `tessera launch`
+            // started the agent, wait briefly for its exit status, which says more.
+            gone.map(|g| {
+                let deadline = Instant::now() + Duration::from_millis(EXIT_GRACE_MS);
+                loop {
+                    match shared.launched_exit() {
+                        Some(exit) => break exit,
+                        None if Instant::now() < deadline && !relock(&shared.launched).is_empty() => {
+                            std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS / 5))
+                        }
+                        None => break g,
+                    }
+                }
+            })
+        });
+        let dead = dead.or_else(|| {
+            if links.is_empty() || last_ping.elapsed() < Duration::from_millis(PING_MS) {
+                return None;
+            }
+            last_ping = Instant::now();
+            let agents = relock(&shared.agents);
+            links.iter().zip(agents.iter()).find_map(|(l, a)| {
+                // A link in use is answering a request: that is its sign of life.
+                let mut link = l.try_lock().ok()?;
+                ping(&mut link).err().map(|e| (a.rank, format!("{} did not answer a ping: {e}", a.who)))
+            })
+        });
+        if let Some((rank, why)) = dead {
+            if !shared.closing.load(Ordering::SeqCst) {
+                shared.lost(rank, why);
+            }
             return;
         }
     }
@@ -140,8 +332,8 @@ fn monitor(shared: Arc<Shared>) {
 
 impl Procs {
     fn alive_check(&self) -> impl Fn() -> Result<(), WireError> + '_ {
-        move || match self.shared.died() {
-            Some(why) => Err(WireError::Io(std::io::Error::other(format!("worker process of {why}")))),
+        move || match self.shared.why() {
+            Some(why) => Err(WireError::Io(std::io::Error::other(why))),
             None => Ok(()),
         }
     }
@@ -179,14 +371,16 @@ impl Procs {
         Ok((master, optim, c))
     }
 
-    /// Asks every worker to leave and waits (bounded) for each to exit with status 0.
+    /// Asks every rank to leave and waits (bounded) for each to end cleanly: a spawned worker
+    /// exits with status 0; an agent closes its control connection (and, when `tessera launch`
+    /// started it, its process exits with status 0).
     pub fn close(mut self) -> Result<()> {
         self.shared.closing.store(true, Ordering::SeqCst);
         if let Some(m) = self.monitor.take() {
             let _ = m.join();
         }
-        if let Some(why) = self.shared.died() {
-            bail!("worker process of {why}");
+        if let Some(why) = self.shared.why() {
+            bail!("{why}");
         }
         for l in &self.links {
             let _ = wire::send(&mut lock_link(l).stream, &ToWorker::Shutdown);
@@ -207,8 +401,31 @@ impl Procs {
                 None => failures.push(format!("rank {r} did not exit within {EXIT_TIMEOUT_MS} ms (killed)")),
             }
         }
+        let agents: Vec<(usize, String)> = relock(&self.shared.agents).iter().map(|a| (a.rank, a.who.clone())).collect();
+        for (r, who) in agents {
+            let wait = Wait { what: "the end of the control connection", deadline: Some(deadline), alive: &|| Ok(()) };
+            match wire::recv::<ToParent>(&mut lock_link(&self.links[r]).stream, "nothing more", &wait) {
+                Err(WireError::Closed) => {}
+                Err(e) => failures.push(format!("{who} did not leave: {e}")),
+                Ok(m) => failures.push(format!("{who} answered Shutdown with {m:?}")),
+            }
+        }
+        for l in relock(&self.shared.launched).iter_mut() {
+            let status = loop {
+                match l.child.try_wait() {
+                    Ok(Some(s)) => break Some(s),
+                    Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS)),
+                    _ => break None,
+                }
+            };
+            match status {
+                Some(s) if s.success() => {}
+                Some(s) => failures.push(format!("{} {}", l.label, describe_exit(s))),
+                None => failures.push(format!("{} did not exit within {EXIT_TIMEOUT_MS} ms (killed)", l.label)),
+            }
+        }
         if !failures.is_empty() {
-            bail!("worker processes did not leave cleanly: {}", failures.join("; "));
+            bail!("the ranks did not leave cleanly: {}", failures.join("; "));
         }
         Ok(())
     }
@@ -221,7 +438,9 @@ impl Drop for Procs {
         if let Some(m) = self.monitor.take() {
             let _ = m.join();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
@@ -233,12 +452,12 @@ pub struct RemoteCompute {
 }
 
 impl RemoteCompute {
-    /// Sends `msg` and waits (bounded) for the reply; I/O failures name the dead worker if known.
+    /// Sends `msg` and waits (bounded) for the reply; I/O failures name the lost rank if known.
     fn call(&self, msg: &ToWorker, expected: &'static str) -> Result<(ToParent, MutexGuard<'_, Link>), String> {
         let mut link = lock_link(&self.link);
         let shared = Arc::clone(&self.shared);
-        let alive = move || match shared.died() {
-            Some(why) => Err(WireError::Io(std::io::Error::other(format!("stopped after worker process of {why}")))),
+        let alive = move || match shared.why() {
+            Some(why) => Err(WireError::Io(std::io::Error::other(format!("stopped after {why}")))),
             None => Ok(()),
         };
         let wait = Wait { what: expected, deadline: Some(Instant::now() + Duration::from_millis(REPLY_TIMEOUT_MS)), alive: &alive };
@@ -249,16 +468,16 @@ impl RemoteCompute {
         }
     }
 
-    /// The error for a failed exchange: the worker's exit, once the monitor has seen it.
+    /// The error for a failed exchange: the rank's loss, once the monitor has seen it.
     fn lost(&self, e: WireError) -> String {
-        let deadline = Instant::now() + Duration::from_millis(10 * MONITOR_POLL_MS);
+        let deadline = Instant::now() + Duration::from_millis(20 * MONITOR_POLL_MS);
         while self.shared.died().is_none() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS / 5));
         }
         match self.shared.died() {
-            Some(why) if why.starts_with(&format!("rank {} ", self.rank)) => format!("worker process of {why}"),
-            Some(why) => format!("worker process of rank {} stopped after worker process of {why}", self.rank),
-            None => format!("worker process of rank {}: {e}", self.rank),
+            Some((r, why)) if r == self.rank => why,
+            Some((_, why)) => format!("rank {} stopped after {why}", self.rank),
+            None => format!("rank {}: {e}", self.rank),
         }
     }
 }
@@ -287,8 +506,8 @@ impl WorkerCompute for RemoteCompute {
     }
 
     fn abandon(&mut self, step: u64) {
-        // Nothing to report through this interface: a lost worker fails the next call. After a
-        // worker died (already reported by the monitor) abandoning is expected to fail.
+        // Nothing to report through this interface: a lost rank fails the next call. After a
+        // rank was lost (already reported by the monitor) abandoning is expected to fail.
         if let Err(e) = self.call(&ToWorker::Abandon { step }, "Abandoned") {
             if self.shared.died().is_none() {
                 eprintln!("warning: abandoning step {step}: {e}");
@@ -301,17 +520,19 @@ impl WorkerCompute for RemoteCompute {
     }
 }
 
-/// The worker processes and their proxies for `Cluster::start`.
+/// The ranks and their proxies for `Cluster::start`.
 pub type Started = (Procs, Vec<Box<dyn WorkerCompute>>);
 
-/// Writes the resolved config and the PKI into `dir` (emptied first).
-fn prepare_dir(cfg: &Config, world: usize, dir: &Path) -> Result<()> {
+/// Writes the resolved config (when `with_config`) and the PKI into `dir` (emptied first).
+fn prepare_dir(cfg: &Config, world: usize, dir: &Path, with_config: bool) -> Result<()> {
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let text = serde_json::to_string_pretty(&cfg.resolved).context("serialising the resolved config")?;
-    std::fs::write(dir.join("config.json"), text).with_context(|| format!("writing {}/config.json", dir.display()))?;
+    if with_config {
+        let text = serde_json::to_string_pretty(&cfg.resolved).context("serialising the resolved config")?;
+        std::fs::write(dir.join("config.json"), text).with_context(|| format!("writing {}/config.json", dir.display()))?;
+    }
     let names: Vec<String> = (0..world).map(node_name).collect();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     tessera_transport::quic::cluster_init(&dir.join("pki"), &refs)
@@ -389,41 +610,70 @@ fn send_start(stream: &mut TcpStream, plan: &Plan, start: &Start, r: usize) -> R
     Ok(())
 }
 
-/// Starts `plan.world` worker processes for `cfg` from `start` (see the module doc).
+/// Starts `plan.world` ranks for `cfg` from `start` (see the module doc): agents joining the
+/// rendezvous set by [`set_rendezvous`], if any, else spawned `tessera worker` processes.
 pub fn launch(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path) -> Result<Started> {
+    match take_rendezvous() {
+        Some(rdv) => launch_agents(cfg, plan, start, out_dir, rdv),
+        None => launch_workers(cfg, plan, start, out_dir),
+    }
+}
+
+/// Spawns `plan.world` local worker processes.
+fn launch_workers(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path) -> Result<Started> {
     let world = plan.world;
     let dir = out_dir.join("procs");
-    prepare_dir(cfg, world, &dir)?;
+    let shared = Arc::new(Shared::new(Arc::new(Mutex::new(Vec::new()))));
+    // From here on, dropping `procs` kills whatever was started and removes `dir`.
+    let mut procs = Procs { links: Vec::new(), shared: Arc::clone(&shared), monitor: None, dir: Some(dir.clone()) };
+    prepare_dir(cfg, world, &dir, true)?;
     let exe: PathBuf = std::env::current_exe().context("finding the tessera executable")?;
     let listener = TcpListener::bind("127.0.0.1:0").context("binding the control listener")?;
     let control = listener.local_addr().context("control listener address")?.to_string();
-    let shared = Arc::new(Shared { children: Mutex::new(Vec::new()), closing: AtomicBool::new(false), died: Mutex::new(None) });
-    // From here on, dropping `procs` kills whatever was started.
-    let mut procs = Procs { links: Vec::new(), shared: Arc::clone(&shared), monitor: None, dir: dir.clone() };
     for r in 0..world {
         let child = spawn_worker(&exe, r, world, &control, &dir)?;
         shared.children().push((r, child));
     }
     let conns = accept_workers(&listener, cfg, &shared, world)?;
+    let who: Vec<String> = (0..world).map(|r| format!("worker process of rank {r}")).collect();
+    start_ranks(&mut procs, conns, plan, start, &who)?;
+    finish(procs, Vec::new())
+}
+
+/// Sends every rank the addresses and its start state, waits for each to be `Ready`, and fills
+/// `procs.links` (rank order). `who[r]` names rank `r` in errors.
+fn start_ranks(procs: &mut Procs, conns: Vec<(TcpStream, String)>, plan: &Plan, start: &Start, who: &[String]) -> Result<()> {
     let addrs: Vec<String> = conns.iter().map(|(_, a)| a.clone()).collect();
     let mut streams: Vec<TcpStream> = conns.into_iter().map(|(s, _)| s).collect();
     for (r, s) in streams.iter_mut().enumerate() {
-        wire::send(s, &ToWorker::Mesh { addrs: addrs.clone() }).with_context(|| format!("sending rank {r} the addresses"))?;
-        send_start(s, plan, start, r).with_context(|| format!("sending rank {r} its start state"))?;
+        wire::send(s, &ToWorker::Mesh { addrs: addrs.clone() }).with_context(|| format!("sending {} the addresses", who[r]))?;
+        send_start(s, plan, start, r).with_context(|| format!("sending {} its start state", who[r]))?;
     }
     let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
+    let shared = Arc::clone(&procs.shared);
+    let alive = move || match shared.launched_exit() {
+        Some((_, why)) => Err(WireError::Io(std::io::Error::other(why))),
+        None => Ok(()),
+    };
     for (r, mut stream) in streams.into_iter().enumerate() {
-        let wait = Wait { what: "Ready", deadline: Some(deadline), alive: &|| Ok(()) };
-        let snapshot = match wire::recv(&mut stream, "Ready", &wait).with_context(|| format!("waiting for rank {r} to start"))? {
+        let wait = Wait { what: "Ready", deadline: Some(deadline), alive: &alive };
+        let snapshot = match wire::recv(&mut stream, "Ready", &wait).with_context(|| format!("waiting for {} to start", who[r]))? {
             ToParent::Ready { snapshot } => snapshot,
-            ToParent::Failed { error } => bail!("worker process of rank {r} failed to start: {error}"),
-            other => bail!("rank {r} answered its start state with {other:?}"),
+            ToParent::Failed { error } => bail!("{} failed to start: {error}", who[r]),
+            other => bail!("{} answered its start state with {other:?}", who[r]),
         };
         procs.links.push(Arc::new(Mutex::new(Link { stream, snapshot })));
     }
+    Ok(())
+}
+
+/// Starts the monitor (pinging `agents` links, when given) and makes the proxies.
+fn finish(mut procs: Procs, ping_links: Vec<Arc<Mutex<Link>>>) -> Result<Started> {
+    let shared = Arc::clone(&procs.shared);
     let m = Arc::clone(&shared);
-    procs.monitor =
-        Some(std::thread::Builder::new().name("tessera-procs".into()).spawn(move || monitor(m)).context("starting the monitor")?);
+    procs.monitor = Some(
+        std::thread::Builder::new().name("tessera-procs".into()).spawn(move || monitor(m, ping_links)).context("starting the monitor")?,
+    );
     let computes = procs
         .links
         .iter()
@@ -431,4 +681,232 @@ pub fn launch(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path) -> Resul
         .map(|(rank, link)| Box::new(RemoteCompute { rank, link: Arc::clone(link), shared: Arc::clone(&shared) }) as Box<dyn WorkerCompute>)
         .collect();
     Ok((procs, computes))
+}
+
+/// An agent that said `Join`.
+struct Joined {
+    stream: TcpStream,
+    name: String,
+    pid: u32,
+    peer: SocketAddr,
+    rank: Option<usize>,
+}
+
+impl Joined {
+    fn who(&self) -> String {
+        format!("agent {} at {} (pid {})", self.name, self.peer.ip(), self.pid)
+    }
+}
+
+/// Ranks for agents that asked for `requested[i]` (or any): asked-for ranks first, the others
+/// fill the free ranks in join order. `names[i]` names agent `i` in errors.
+pub fn assign_ranks(requested: &[Option<usize>], names: &[String], world: usize) -> Result<Vec<usize>> {
+    if requested.len() != world {
+        bail!("{} agents for {world} ranks", requested.len());
+    }
+    let mut owner: Vec<Option<usize>> = vec![None; world];
+    for (i, r) in requested.iter().enumerate() {
+        let Some(r) = *r else { continue };
+        match owner.get(r) {
+            None => bail!("agent {} asked for rank {r}, but the world has {world} ranks (0..{})", names[i], world.saturating_sub(1)),
+            Some(Some(j)) => bail!("agents {} and {} both asked for rank {r}", names[*j], names[i]),
+            Some(None) => owner[r] = Some(i),
+        }
+    }
+    let mut free = (0..world).filter(|r| owner[*r].is_none());
+    let mut ranks = vec![0; world];
+    for (i, r) in requested.iter().enumerate() {
+        ranks[i] = match r {
+            Some(r) => *r,
+            None => free.next().context("no free rank left")?,
+        };
+    }
+    Ok(ranks)
+}
+
+/// Reads a new connection's `Join` and checks it against the run.
+fn read_join(mut stream: TcpStream, peer: SocketAddr, nodes: usize) -> Result<Joined> {
+    stream.set_nonblocking(false).context("control connection")?;
+    let _ = stream.set_nodelay(true);
+    let wait = Wait { what: "Join", deadline: Some(Instant::now() + Duration::from_millis(JOIN_MESSAGE_TIMEOUT_MS)), alive: &|| Ok(()) };
+    let (name, pid, rank, world, version) =
+        match wire::recv(&mut stream, "Join", &wait).with_context(|| format!("reading the Join of a connection from {peer}"))? {
+            ToParent::Join { name, pid, rank, world, version } => (name, pid, rank, world, version),
+            other => bail!("a connection from {peer} opened with {other:?} instead of Join"),
+        };
+    let mine = env!("CARGO_PKG_VERSION");
+    if version != mine {
+        bail!("agent {name} at {peer} runs tessera {version}, the coordinator {mine}");
+    }
+    if let Some(w) = world.filter(|w| *w != nodes as u64) {
+        bail!("agent {name} at {peer} was started for a world of {w} ranks, the coordinator waits for {nodes}");
+    }
+    Ok(Joined { stream, name, pid, peer, rank: rank.map(|r| r as usize) })
+}
+
+/// Waits (bounded by the rendezvous' timeout) for `rdv.nodes` agents to join; pings those that
+/// wait meanwhile and fails at once when one leaves or a launched process ends.
+fn gather_agents(rdv: &Rendezvous, shared: &Shared) -> Result<Vec<Joined>> {
+    let listener = &rdv.listener;
+    listener.set_nonblocking(true).context("control listener")?;
+    let at = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "the control listener".into());
+    let started = Instant::now();
+    let deadline = started + Duration::from_millis(rdv.join_timeout_ms);
+    let mut joined: Vec<Joined> = Vec::new();
+    let mut last_ping = Instant::now();
+    let list = |j: &[Joined]| match j.is_empty() {
+        true => "none".to_string(),
+        false => j.iter().map(Joined::who).collect::<Vec<_>>().join(", "),
+    };
+    while joined.len() < rdv.nodes {
+        if let Some((_, why)) = shared.launched_exit() {
+            bail!("{why} before every agent joined ({} of {} joined: {})", joined.len(), rdv.nodes, list(&joined));
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "only {} of {} agents joined {at} within {} ms (joined: {})",
+                joined.len(),
+                rdv.nodes,
+                rdv.join_timeout_ms,
+                list(&joined)
+            );
+        }
+        if last_ping.elapsed() >= Duration::from_millis(PING_MS) {
+            last_ping = Instant::now();
+            for j in joined.iter_mut() {
+                let mut link = Link { stream: j.stream.try_clone().context("control connection")?, snapshot: Snapshot::default() };
+                ping(&mut link).with_context(|| format!("{} left before every agent joined", j.who()))?;
+            }
+        }
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let j = read_join(stream, peer, rdv.nodes)?;
+                eprintln!("coordinator: {} joined ({} of {})", j.who(), joined.len() + 1, rdv.nodes);
+                joined.push(j);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS)),
+            Err(e) => return Err(e).with_context(|| format!("accepting an agent's control connection on {at}")),
+        }
+    }
+    Ok(joined)
+}
+
+/// The PEM texts of rank `r`'s identity in the cluster directory `pki`.
+fn node_pem(pki: &Path, r: usize) -> Result<WireTls> {
+    let read = |name: String| std::fs::read_to_string(pki.join(&name)).with_context(|| format!("reading {}/{name}", pki.display()));
+    Ok(WireTls {
+        ca_pem: read("ca.pem".into())?,
+        cert_pem: read(format!("{}.pem", node_name(r)))?,
+        key_pem: read(format!("{}.key", node_name(r)))?,
+    })
+}
+
+/// Runs the coordinator's side of the agents' start-up (see the module doc).
+fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path, rdv: Rendezvous) -> Result<Started> {
+    let world = plan.world;
+    if rdv.nodes != world {
+        bail!("the coordinator waits for {} agents, but the config resolves to world {world}", rdv.nodes);
+    }
+    let shared = Arc::new(Shared::new(Arc::clone(&rdv.launched)));
+    let mut procs = Procs { links: Vec::new(), shared: Arc::clone(&shared), monitor: None, dir: None };
+    let pki = match &rdv.certs {
+        Some(certs) => {
+            for r in 0..world {
+                tessera_transport::quic::NodeTls::load(certs, &node_name(r))
+                    .with_context(|| format!("--certs {}: the identity of rank {r}", certs.display()))?;
+            }
+            None
+        }
+        None => {
+            let dir = out_dir.join("procs");
+            // From here on, dropping `procs` removes the keys.
+            procs.dir = Some(dir.clone());
+            prepare_dir(cfg, world, &dir, false)?;
+            Some(dir.join("pki"))
+        }
+    };
+    let data_blake3 = super::child::data_blake3(&super::child::load_dataset(cfg)?);
+    let config = serde_json::to_string(&cfg.resolved).context("serialising the resolved config")?;
+    let joined = gather_agents(&rdv, &shared)?;
+    drop(rdv.listener);
+    let names: Vec<String> = joined.iter().map(|j| j.name.clone()).collect();
+    let ranks = assign_ranks(&joined.iter().map(|j| j.rank).collect::<Vec<_>>(), &names, world)?;
+    let mut slots: Vec<Option<(Joined, String)>> = (0..world).map(|_| None).collect();
+    for (j, r) in joined.into_iter().zip(ranks) {
+        let who = format!("agent of rank {r} ({} at {}, pid {})", j.name, j.peer.ip(), j.pid);
+        slots[r] = Some((j, who));
+    }
+    let mut members: Vec<(Joined, String)> = slots.into_iter().map(|s| s.context("a rank without an agent")).collect::<Result<_>>()?;
+    for (r, (j, who)) in members.iter_mut().enumerate() {
+        let tls = pki.as_deref().map(|p| node_pem(p, r)).transpose()?;
+        let msg = ToWorker::Assign { rank: r as u64, world: world as u64, config: config.clone(), tls };
+        wire::send(&mut j.stream, &msg).with_context(|| format!("sending {who} its rank"))?;
+    }
+    let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
+    let launched_alive = {
+        let shared = Arc::clone(&shared);
+        move || match shared.launched_exit() {
+            Some((_, why)) => Err(WireError::Io(std::io::Error::other(why))),
+            None => Ok(()),
+        }
+    };
+    let mut conns = Vec::with_capacity(world);
+    for (r, (j, who)) in members.iter_mut().enumerate() {
+        let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &launched_alive };
+        let (rank, quic_addr, hash, data) = match wire::recv(&mut j.stream, "Hello", &wait).with_context(|| format!("waiting for {who}"))? {
+            ToParent::Hello { rank, quic_addr, config_hash, data_blake3, .. } => (rank as usize, quic_addr, config_hash, data_blake3),
+            ToParent::Failed { error } => bail!("{who} could not start: {error}"),
+            other => bail!("{who} answered its assignment with {other:?}"),
+        };
+        if rank != r {
+            bail!("{who} says it is rank {rank}");
+        }
+        if hash != cfg.hash {
+            bail!("{who} resolved the config to hash {hash}, the coordinator has {}", cfg.hash);
+        }
+        if data.as_deref() != Some(data_blake3.as_str()) {
+            bail!(
+                "{who} loaded different training data (tokens BLAKE3 {}, the coordinator's {data_blake3}): every host needs the same data at the path the config names",
+                data.as_deref().unwrap_or("none")
+            );
+        }
+        conns.push((j.stream.try_clone().context("control connection")?, quic_addr));
+    }
+    let who: Vec<String> = members.iter().map(|(_, w)| w.clone()).collect();
+    let mesh: Vec<String> = conns.iter().enumerate().map(|(r, (_, a))| format!("rank {r} at {a}")).collect();
+    eprintln!("coordinator: QUIC mesh: {}", mesh.join(", "));
+    {
+        let mut agents = relock(&shared.agents);
+        for (r, (j, w)) in members.iter().enumerate() {
+            agents.push(Agent { rank: r, who: w.clone(), pid: j.pid, probe: j.stream.try_clone().context("control connection")? });
+        }
+    }
+    drop(members);
+    start_ranks(&mut procs, conns, plan, start, &who)?;
+    let ping_links = procs.links.clone();
+    finish(procs, ping_links)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("a{i}")).collect()
+    }
+
+    #[test]
+    fn ranks_follow_requests_then_join_order() {
+        assert_eq!(assign_ranks(&[None, None, None], &names(3), 3).unwrap(), vec![0, 1, 2]);
+        assert_eq!(assign_ranks(&[None, Some(0), None], &names(3), 3).unwrap(), vec![1, 0, 2]);
+        assert_eq!(assign_ranks(&[Some(2), Some(1), Some(0)], &names(3), 3).unwrap(), vec![2, 1, 0]);
+    }
+
+    #[test]
+    fn bad_rank_requests_are_named() {
+        let e = assign_ranks(&[Some(1), None, Some(1)], &names(3), 3).unwrap_err().to_string();
+        assert!(e.contains("a0") && e.contains("a2") && e.contains("rank 1"), "{e}");
+        let e = assign_ranks(&[Some(3), None, None], &names(3), 3).unwrap_err().to_string();
+        assert!(e.contains("a0") && e.contains("rank 3") && e.contains("3 ranks"), "{e}");
+    }
 }

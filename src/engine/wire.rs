@@ -1,5 +1,13 @@
-//! The control protocol between `tessera train --nprocs N` and its worker processes: the
-//! messages, their framing on a local TCP stream, and bounded reads.
+//! The control protocol between the driver (`tessera train --nprocs N`, `tessera coordinator`)
+//! and its worker processes or agents: the messages, their framing on a TCP stream, and bounded
+//! reads.
+//!
+//! A spawned worker opens with `Hello`. An agent (`tessera agent`, possibly on another host)
+//! first says `Join`; once every agent has joined the coordinator answers each with `Assign`
+//! (its rank, the resolved config and, unless the cluster keys were pre-distributed, its node
+//! certificate and key), and the agent then continues exactly as a spawned worker (`Hello`,
+//! `Mesh`, `Start`, `Ready`, requests). Between requests the coordinator pings idle agents
+//! (`Ping` → `Pong`) so that an agent can bound its wait for the next request.
 //!
 //! A frame is a little-endian `u32` length and that many bytes of JSON (serde), at most
 //! [`FRAME_BYTES_MAX`]; a message that does not parse as the expected enum is an error, never a
@@ -125,9 +133,35 @@ pub struct StateCounters {
     pub scaler: Option<serde_json::Value>,
 }
 
+/// A node's TLS identity as PEM texts, sent to an agent in `Assign` (trusted launch: the
+/// control connection is the channel that hands out keys; see `engine::remote`).
+#[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WireTls {
+    pub ca_pem: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl std::fmt::Debug for WireTls {
+    /// Never prints the private key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WireTls").field("ca_pem", &self.ca_pem.len()).field("cert_pem", &self.cert_pem.len()).finish_non_exhaustive()
+    }
+}
+
 /// Parent → worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum ToWorker {
+    /// To an agent after every agent joined: its rank of `world`, the resolved config (JSON
+    /// text) and its TLS identity (`None` when the agents hold a pre-distributed cluster dir).
+    Assign {
+        rank: u64,
+        world: u64,
+        config: String,
+        tls: Option<WireTls>,
+    },
+    /// Are you there? (answered with `Pong`; sent only between requests).
+    Ping,
     /// Every rank's QUIC address, in rank order.
     Mesh {
         addrs: Vec<String>,
@@ -161,12 +195,26 @@ pub enum ToWorker {
 /// Worker → parent.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum ToParent {
+    /// An agent's first message: who it is, and the rank and world size it was told to take
+    /// (torchrun/Slurm variables or `--rank`), if any.
+    Join {
+        name: String,
+        pid: u32,
+        rank: Option<u64>,
+        world: Option<u64>,
+        version: String,
+    },
     Hello {
         rank: u64,
         pid: u32,
         quic_addr: String,
         config_hash: String,
+        /// BLAKE3 of the training and validation tokens the worker loaded (agents send it; the
+        /// coordinator refuses an agent whose data differs from its own).
+        #[serde(default)]
+        data_blake3: Option<String>,
     },
+    Pong,
     Ready {
         snapshot: Snapshot,
     },

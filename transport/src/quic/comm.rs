@@ -159,6 +159,7 @@ impl QuicComm {
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         server.transport_config(Arc::new(transport_config()));
         let deadline = Instant::now() + Duration::from_millis(connect_timeout_ms);
+        super::net::size_socket_buffers(&socket);
         let (endpoint, conns) = rt.block_on(async {
             let runtime = Arc::new(quinn::TokioRuntime);
             let endpoint =

@@ -22,6 +22,38 @@ pub const IDLE_TIMEOUT_MS: u32 = 15_000;
 /// Keep-alive period, well under the idle timeout, so idle groups stay connected.
 pub const KEEP_ALIVE_MS: u64 = 2_000;
 
+/// UDP socket buffers asked for (each way). Linux's defaults (~208 KiB) drop datagrams whenever
+/// a receiver falls a few milliseconds behind a sender filling a 16 MiB stream window, and every
+/// drop costs a loss-recovery round and a congestion-window cut. The kernel caps the request at
+/// `net.core.{r,w}mem_max` (4 MiB on a stock host); as root the cap is lifted (`*BUFFORCE`).
+pub const SOCKET_BUFFER_BYTES: usize = 16 << 20;
+
+/// Enlarges `socket`'s send and receive buffers towards [`SOCKET_BUFFER_BYTES`]: forced when
+/// the process may (root), else as far as the system maximum allows. Best effort: a refusal
+/// leaves the defaults, which only costs throughput.
+pub fn size_socket_buffers(socket: &std::net::UdpSocket) {
+    use std::os::fd::AsRawFd;
+    let fd = socket.as_raw_fd();
+    let want = SOCKET_BUFFER_BYTES as libc::c_int;
+    for (force, plain) in [(libc::SO_RCVBUFFORCE, libc::SO_RCVBUF), (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF)] {
+        let set = |opt: libc::c_int| {
+            // SAFETY: a valid fd and a c_int option value of the right size.
+            unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::SOL_SOCKET,
+                    opt,
+                    &want as *const libc::c_int as *const libc::c_void,
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            }
+        };
+        if set(force) != 0 {
+            set(plain);
+        }
+    }
+}
+
 /// Why building the mesh failed.
 #[derive(Debug, thiserror::Error)]
 pub enum QuicError {

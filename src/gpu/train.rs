@@ -1,0 +1,711 @@
+//! `tessera train --device cuda`: the training loop of the CPU path ([`crate::engine`]) on
+//! NVIDIA GPUs, one process per GPU ([`super::zero::Rank`], NCCL between them), with the same
+//! config semantics.
+//!
+//! What is shared with the CPU path, so a GPU run and a CPU run of one config see the same
+//! numbers wherever the hardware allows:
+//! - the model preset with the data's vocabulary, `tessera.seq_len`, the batch triple
+//!   (`train_batch_size` / `train_micro_batch_size_per_gpu` → `M` micro-batches per step, rank
+//!   `r` of `N` takes the aligned block `r·M/N .. (r+1)·M/N`), via [`Plan`];
+//! - the data sampler: global micro-batch `i` of step `s` holds the same tokens as on the CPU;
+//! - the LR schedule ([`crate::schedule::lr_at`] on the applied-step clock), `gradient_clipping`,
+//!   `zero_optimization.stage`, `tessera.steps`, evaluation on the same validation batches
+//!   (`tessera.eval_interval`, `eval_iters`), the monitors, `loss.svg`, `summary.json` (the
+//!   keys that apply, plus the device figures) and checkpoints in the CPU format: fp32 masters
+//!   as the parameters and the Adam moments as `optim.exp_avg` / `optim.exp_avg_sq` in the CPU
+//!   layout, so `generate`, `export` and `--resume` work across devices both ways.
+//!
+//! What differs: parameters and activations are bf16 (fp32 masters and moments), whatever the
+//! precision section says (fp16 is refused); ZeRO's bucket and stage-3 tuning keys have no
+//! effect (the GPU reduces and gathers unit by unit); activation checkpointing is not applied.
+//!
+//! Processes: with `N > 1` GPUs this process (the parent) validates the run, creates the NCCL
+//! id and starts itself once per GPU with the rank in the environment (as `gpu bench` does);
+//! rank 0 writes every output. Ctrl-C reaches every rank; the ranks agree to stop after the
+//! same step (the flag travels with the per-step loss gather), save a checkpoint and the
+//! summary, and the parent reports the interruption.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use tessera_kernels::cuda::{self, gpt, Gpu};
+use tessera_kernels::model::Arch;
+use tessera_transport::nccl::{NcclComm, NcclId};
+
+use super::zero::{AdamW, Rank};
+use super::{wait_all, ENV_NCCL_ID, ENV_RANK, ENV_WORLD};
+use crate::checkpoint::{self, CheckpointState, NamedTensor};
+use crate::cli::{self, CommonArgs};
+use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision};
+use crate::data::{self, Dataset, Sampler, SamplerState, TokenBatch};
+use crate::engine::{peak_rss_bytes, Plan};
+use crate::monitor::{self, Event, Monitor, MonitorSet};
+use crate::{bridge, zoo};
+
+const OPTIM_PREFIX: &str = "optim";
+/// Adam's checkpointed buffers, as the CPU optimizer names them.
+const ADAM_BUFFERS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+
+/// What `tessera train --device cuda` was asked to do beyond the config.
+#[derive(Clone, Debug, Default)]
+pub struct GpuTrainOptions {
+    /// A checkpoint directory (a step directory or the checkpoint root) to continue from.
+    pub resume: Option<PathBuf>,
+    /// Show the progress bar.
+    pub progress: bool,
+}
+
+/// `tessera train --device cuda`: the GPU count is the config's world size (`--nprocs N`,
+/// `--world N` or `tessera.world`). Returns whether the run finished (false when Ctrl-C
+/// stopped it).
+pub fn train(config_path: &Path, common: &CommonArgs, opts: &GpuTrainOptions) -> Result<bool> {
+    let cfg = cli::load_config(config_path, common)?;
+    let child = rank_from_env()?;
+    let notes = check_supported(&cfg)?;
+    let world = cfg.world_size;
+    if let Some((rank, env_world, id)) = child {
+        if env_world != world {
+            bail!("GPU rank {rank} was started for {env_world} ranks ({ENV_WORLD}), but its config resolves to tessera.world = {world}");
+        }
+        // A rank never reports the interruption itself: the parent does (exit status 130).
+        run_rank(&cfg, opts, rank, world, Some(id))?;
+        return Ok(true);
+    }
+    for w in cfg.warnings.iter().chain(&notes) {
+        eprintln!("warning: {w}");
+    }
+    let count = cuda::device_count()?;
+    if count == 0 {
+        bail!("the CUDA driver reports no GPU on this machine: `--device cuda` needs an NVIDIA GPU; use `--device cpu` here");
+    }
+    if world > count {
+        bail!(
+            "tessera.world = {world} asks for {world} GPUs (one rank per GPU); this machine has {count}: \
+             pass --nprocs N (or --world N) with N ≤ {count}; the batch rule then sets the gradient accumulation"
+        );
+    }
+    if world == 1 {
+        return Ok(!run_rank(&cfg, opts, 0, 1, None)?);
+    }
+    // Validate everything a rank would (data, batch geometry, resume, output directory) once,
+    // here, so a mistake is reported once and before any GPU is touched.
+    prepare(&cfg, opts, true)?;
+    let stop = tessera_actors::install_ctrl_c().context("installing the Ctrl-C handler")?;
+    let id = NcclId::new()?;
+    let exe = std::env::current_exe().context("locating the tessera executable")?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut children: Vec<Child> = Vec::with_capacity(world);
+    for r in 0..world {
+        let spawned = Command::new(&exe)
+            .args(&args)
+            .env(ENV_RANK, r.to_string())
+            .env(ENV_WORLD, world.to_string())
+            .env(ENV_NCCL_ID, id.to_hex())
+            .stdin(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting GPU rank {r}"));
+        match spawned {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                for c in &mut children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(e);
+            }
+        }
+    }
+    wait_all(children, Duration::MAX)?;
+    Ok(!stop.load(Ordering::SeqCst))
+}
+
+/// `(rank, world, NCCL id)` when this process is a rank started by a parent.
+fn rank_from_env() -> Result<Option<(usize, usize, NcclId)>> {
+    let Ok(rank) = std::env::var(ENV_RANK) else { return Ok(None) };
+    let rank: usize = rank.parse().with_context(|| format!("{ENV_RANK}={rank}: expected a rank number"))?;
+    let world = std::env::var(ENV_WORLD).with_context(|| format!("{ENV_RANK} is set but {ENV_WORLD} is not"))?;
+    let world: usize = world.parse().with_context(|| format!("{ENV_WORLD}={world}: expected a rank count"))?;
+    let id = NcclId::from_hex(&std::env::var(ENV_NCCL_ID).with_context(|| format!("{ENV_RANK} is set but {ENV_NCCL_ID} is not"))?)?;
+    Ok(Some((rank, world, id)))
+}
+
+fn offload_name(d: OffloadDevice) -> &'static str {
+    match d {
+        OffloadDevice::None => "none",
+        OffloadDevice::Cpu => "cpu",
+        OffloadDevice::Nvme => "nvme",
+    }
+}
+
+/// Refuses what the GPU path does not implement (naming the key and its value); returns notes
+/// on keys it treats differently from the CPU path.
+pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
+    let name = &cfg.tessera.model;
+    let m = zoo::preset(name).map_err(anyhow::Error::msg)?;
+    if m.arch != Arch::Gpt {
+        bail!("tessera.model = \"{name}\" is a LLaMA-style model; `--device cuda` runs GPT-2-style models only: use --device cpu");
+    }
+    if m.n_head == 0 || m.d_model % m.n_head != 0 || m.d_model / m.n_head != 64 {
+        bail!(
+            "tessera.model = \"{name}\" has head dimension {} (d_model {} / n_head {}); the GPU attention kernel needs 64: \
+             pick a preset with 64-wide heads (gpt-mini-gpu, gpt-10m, gpt2-small; see `tessera models`) or use --device cpu",
+            m.d_model.checked_div(m.n_head).unwrap_or(0),
+            m.d_model,
+            m.n_head
+        );
+    }
+    let mut notes = Vec::new();
+    match cfg.precision {
+        Precision::Fp16(_) => bail!(
+            "fp16.enabled = true: `--device cuda` trains in bf16 (bf16 parameters and activations, fp32 masters, no loss \
+             scaling); set bf16.enabled=true instead, or use --device cpu"
+        ),
+        Precision::F32 => notes.push(
+            "no bf16/fp16 section (fp32 on the CPU path): `--device cuda` trains with bf16 parameters and activations and \
+             fp32 masters, as bf16.enabled=true does"
+                .to_string(),
+        ),
+        Precision::Bf16 => {}
+    }
+    match cfg.optimizer {
+        OptimizerConfig::Adam { adam_w_mode: false, .. } => bail!(
+            "optimizer.params.adam_w_mode = false (Adam with an L2 penalty): the GPU optimizer is AdamW (decoupled weight \
+             decay); use optimizer.type = \"AdamW\" or --device cpu"
+        ),
+        OptimizerConfig::Adam { bias_correction: false, .. } => bail!(
+            "optimizer.params.bias_correction = false: the GPU optimizer always applies Adam's bias correction; drop the key \
+             or use --device cpu"
+        ),
+        OptimizerConfig::Adam { .. } => {}
+        ref other => {
+            let t = match other {
+                OptimizerConfig::Lamb { .. } => "Lamb",
+                OptimizerConfig::Lion { .. } => "Lion",
+                _ => "SGD",
+            };
+            bail!("optimizer.type = \"{t}\": `--device cuda` implements Adam/AdamW only; use --device cpu for {t}");
+        }
+    }
+    if let Some(o) = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device != OffloadDevice::None) {
+        bail!(
+            "zero_optimization.offload_optimizer.device = \"{}\": `--device cuda` keeps the optimizer on the GPU (no offload); \
+             drop the section or use --device cpu",
+            offload_name(o.device)
+        );
+    }
+    if let Some(o) = cfg.zero.offload_param.as_ref().filter(|o| o.device != OffloadDevice::None) {
+        bail!(
+            "zero_optimization.offload_param.device = \"{}\": `--device cuda` keeps parameters on the GPU (no offload); drop \
+             the section or use --device cpu",
+            offload_name(o.device)
+        );
+    }
+    if cfg.activation_checkpointing {
+        notes.push("activation checkpointing is not applied on the GPU (activations are kept; the numbers are unchanged)".into());
+    }
+    Ok(notes)
+}
+
+/// Where training starts, as full-length buffers in the CPU layout.
+struct Start {
+    step: u64,
+    master: Vec<f32>,
+    /// (optimizer steps, exp_avg, exp_avg_sq) from a checkpoint.
+    moments: Option<(u64, Vec<f32>, Vec<f32>)>,
+    applied: u64,
+    skipped: u64,
+}
+
+/// Data, plan and start state, validated.
+struct Prepared {
+    dataset: Dataset,
+    plan: Plan,
+    start: Start,
+}
+
+fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared> {
+    let data_path = cfg.tessera.data.as_ref().map_or_else(data::default_corpus_path, PathBuf::from);
+    let dataset = data::load(&data_path, cfg.tessera.tokenizer.as_deref().map(Path::new), data::DEFAULT_VAL_FRACTION)
+        .with_context(|| format!("loading data from {}", data_path.display()))?;
+    let plan = Plan::new(cfg, &dataset)?;
+    let world = cfg.world_size.max(1);
+    if plan.micro_batches % world != 0 {
+        bail!(
+            "train_batch_size {} / train_micro_batch_size_per_gpu {} = {} micro-batches per step do not split evenly over {world} \
+             GPUs (each GPU takes an aligned block): make the micro-batch count a multiple of {world}",
+            cfg.train_batch_size,
+            plan.micro,
+            plan.micro_batches
+        );
+    }
+    gpt::Shape::new(&plan.model.cfg, plan.micro, plan.seq_len)?;
+    let out_dir = PathBuf::from(&cfg.tessera.output_dir);
+    let start = match &opts.resume {
+        Some(dir) => resume_start(cfg, &plan, dir, lead)?,
+        None => {
+            if lead {
+                refuse_to_overwrite(&out_dir.join("checkpoints"))?;
+            }
+            Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), moments: None, applied: 0, skipped: 0 }
+        }
+    };
+    Ok(Prepared { dataset, plan, start })
+}
+
+/// A fresh run never writes over another run's checkpoints (as on the CPU path).
+fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
+    let found = checkpoint::list_checkpoints(ckpt_root).unwrap_or_default();
+    if let Some((step, dir)) = found.first() {
+        bail!(
+            "{} already holds checkpoints (newest: step {step}, {}); continue with --resume {} or start elsewhere with --output DIR",
+            ckpt_root.display(),
+            dir.display(),
+            ckpt_root.display()
+        );
+    }
+    Ok(())
+}
+
+/// The checkpoint's masters, Adam moments and counters, with the CPU path's checks (model,
+/// tokenizer, seed, step range, data cursor).
+fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, lead: bool) -> Result<Start> {
+    let resolved = checkpoint::resolve_resume(dir).with_context(|| format!("resuming from {}", dir.display()))?;
+    if lead {
+        for s in &resolved.skipped {
+            eprintln!("warning: skipped checkpoint {}: {}", s.dir.display(), s.error);
+        }
+    }
+    let (path, ck) = (resolved.dir, resolved.state);
+    if ck.model != cfg.tessera.model {
+        bail!("checkpoint {} holds model `{}` but the config asks for `{}`", path.display(), ck.model, cfg.tessera.model);
+    }
+    let was = ck.extra.get("tokenizer").cloned().unwrap_or_default();
+    let now = data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?;
+    if was.get("blake3") != now.get("blake3") {
+        bail!(
+            "checkpoint {} was trained on {}, but this run uses {}",
+            path.display(),
+            data::describe_record(&was),
+            data::describe_record(&now)
+        );
+    }
+    let mut master = vec![0.0; plan.total()];
+    for spec in plan.model.layout().specs() {
+        let t = ck
+            .params
+            .iter()
+            .find(|t| t.name == spec.name)
+            .with_context(|| format!("checkpoint {} lacks parameter `{}`", path.display(), spec.name))?;
+        if t.data.len() != spec.numel() {
+            bail!(
+                "checkpoint {}: parameter `{}` has {} values, the model expects {:?}",
+                path.display(),
+                spec.name,
+                t.data.len(),
+                spec.shape
+            );
+        }
+        master[spec.range()].copy_from_slice(&t.data);
+    }
+    let get = |k: &str| {
+        ck.extra
+            .get(k)
+            .and_then(serde_json::Value::as_u64)
+            .with_context(|| format!("checkpoint {}: manifest extra lacks `{k}`", path.display()))
+    };
+    let cursor = SamplerState::from_json(&ck.data_cursor).with_context(|| format!("checkpoint {}: data cursor", path.display()))?;
+    if cursor.seed != cfg.tessera.seed {
+        bail!(
+            "checkpoint {} was trained with seed {} but this run has tessera.seed = {}: the data order would change; pass --seed {}",
+            path.display(),
+            cursor.seed,
+            cfg.tessera.seed,
+            cursor.seed
+        );
+    }
+    if ck.step >= cfg.tessera.steps {
+        bail!(
+            "checkpoint {} is at step {}, and this run stops at step {}: ask for more with --steps",
+            path.display(),
+            ck.step,
+            cfg.tessera.steps
+        );
+    }
+    if cursor.cursor != plan.first_sample(ck.step, 0) {
+        bail!(
+            "checkpoint {}: data cursor {} does not match step {} of this batch geometry ({} samples per step)",
+            path.display(),
+            cursor.cursor,
+            ck.step,
+            plan.micro_batches * plan.micro
+        );
+    }
+    let buffer = |name: &str| -> Result<Vec<f32>> {
+        let full = format!("{OPTIM_PREFIX}.{name}");
+        let t = ck.optim.iter().find(|t| t.name == full).with_context(|| {
+            let held: Vec<&str> = ck.optim.iter().map(|t| t.name.as_str()).collect();
+            format!(
+                "checkpoint {} has no Adam state `{full}` (it holds [{}]): it was trained with another optimizer; the GPU path \
+                 resumes Adam/AdamW checkpoints",
+                path.display(),
+                held.join(", ")
+            )
+        })?;
+        if t.data.len() != plan.total() {
+            bail!("checkpoint {}: `{full}` has {} values, the model has {} parameters", path.display(), t.data.len(), plan.total());
+        }
+        Ok(t.data.clone())
+    };
+    let moments = (get("optimizer_steps")?, buffer(ADAM_BUFFERS[0])?, buffer(ADAM_BUFFERS[1])?);
+    Ok(Start { step: ck.step, master, moments: Some(moments), applied: get("applied_steps")?, skipped: get("skipped_steps")? })
+}
+
+fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(total);
+    let style = ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30.cyan/blue}] {msg} eta {eta}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    pb.set_style(style);
+    pb
+}
+
+/// Mean validation loss over the fixed validation batches (the CPU path's), on the bf16
+/// working parameters.
+fn evaluate(r: &mut Rank, batches: &[TokenBatch]) -> Result<f64> {
+    let mut total = 0f64;
+    for (x, y) in batches {
+        total += f64::from(r.forward_loss(x, y).context("evaluating on the validation batches")?);
+    }
+    Ok(total / batches.len().max(1) as f64)
+}
+
+/// Written as `summary.json` by rank 0: the CPU summary's keys that apply on the GPU, plus the
+/// device figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuSummary {
+    pub model: String,
+    pub num_params: usize,
+    pub steps: u64,
+    pub skipped_steps: u64,
+    pub final_loss: f64,
+    pub val_loss: Option<f64>,
+    pub initial_val_loss: Option<f64>,
+    pub tokens: u64,
+    pub tokens_per_s: f64,
+    pub wall_s: f64,
+    pub flops_per_token: f64,
+    /// Fingerprint of the fp32 masters in the CPU layout (as the CPU path computes it).
+    pub params_blake3: String,
+    /// Host memory of rank 0.
+    pub peak_rss_bytes: u64,
+    pub world_size: usize,
+    pub zero_stage: u8,
+    pub precision: String,
+    pub config_hash: String,
+    pub last_checkpoint: Option<String>,
+    /// "cuda".
+    pub device: String,
+    /// The GPU model (rank 0's).
+    pub gpu: String,
+    /// Device memory each rank allocated (parameters, gradients, optimizer, activations).
+    pub device_bytes_per_rank: Vec<u64>,
+}
+
+impl GpuSummary {
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, text + "\n")?;
+        std::fs::rename(&tmp, path)
+    }
+
+    pub fn render(&self) -> String {
+        let val = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+        let max_dev = self.device_bytes_per_rank.iter().copied().max().unwrap_or(0);
+        format!(
+            "── summary ──────────────────────────────────────────\n\
+             model          {} ({:.2}M params, {}, ZeRO-{}, {} × {})\n\
+             steps          {}\n\
+             train loss     {:.4}\n\
+             val loss       {} (from {})\n\
+             throughput     {:.0} tokens/s over {:.1} s\n\
+             device memory  {:.1} MiB per rank\n\
+             params_blake3  {}\n",
+            self.model,
+            self.num_params as f64 / 1e6,
+            self.precision,
+            self.zero_stage,
+            self.world_size,
+            self.gpu,
+            self.steps,
+            self.final_loss,
+            val(self.val_loss),
+            val(self.initial_val_loss),
+            self.tokens_per_s,
+            self.wall_s,
+            max_dev as f64 / (1024.0 * 1024.0),
+            self.params_blake3,
+        )
+    }
+}
+
+/// Running totals for the summary and the loss curve.
+#[derive(Default)]
+struct Tally {
+    steps_run: u64,
+    train_s: f64,
+    last_loss: f64,
+    last_val: Option<f64>,
+    initial_val: Option<f64>,
+    train_curve: Vec<(u64, f64)>,
+    val_curve: Vec<(u64, f64)>,
+    last_ckpt: Option<PathBuf>,
+}
+
+/// One rank's run; rank 0 (`lead`) writes every output.
+struct RankRun<'a> {
+    cfg: &'a Config,
+    plan: Plan,
+    r: Rank,
+    lead: bool,
+    world: usize,
+    step: u64,
+    applied: u64,
+    skipped: u64,
+    out_dir: PathBuf,
+}
+
+impl RankRun<'_> {
+    /// Saves a checkpoint of the current state in the CPU format (every rank takes part in
+    /// the gathers; rank 0 writes). Returns the masters and, on rank 0, the checkpoint path.
+    fn save_checkpoint(&mut self) -> Result<(Vec<f32>, Option<PathBuf>)> {
+        let master = self.r.masters().context("gathering the masters for a checkpoint")?;
+        let (m, v) = self.r.moments().context("gathering the Adam moments for a checkpoint")?;
+        if !self.lead {
+            return Ok((master, None));
+        }
+        let (cfg, plan) = (self.cfg, &self.plan);
+        let params = plan
+            .model
+            .layout()
+            .specs()
+            .iter()
+            .map(|s| NamedTensor { name: s.name.clone(), shape: s.shape.clone(), data: master[s.range()].to_vec() })
+            .collect();
+        let optim = ADAM_BUFFERS
+            .iter()
+            .zip([m, v])
+            .map(|(name, data)| NamedTensor { name: format!("{OPTIM_PREFIX}.{name}"), shape: vec![data.len()], data })
+            .collect();
+        let state = CheckpointState {
+            step: self.step,
+            config_hash: cfg.hash.clone(),
+            model: cfg.tessera.model.clone(),
+            data_cursor: SamplerState { seed: cfg.tessera.seed, cursor: plan.first_sample(self.step, 0) }.to_json(),
+            rng: serde_json::json!({ "seed": cfg.tessera.seed }),
+            extra: serde_json::json!({
+                "optimizer_steps": self.r.optimizer_steps(),
+                "applied_steps": self.applied,
+                "skipped_steps": self.skipped,
+                "loss_scaler": serde_json::Value::Null,
+                "world_size": self.world,
+                "zero_stage": plan.stage,
+                "device": "cuda",
+                "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
+            }),
+            params,
+            optim,
+        };
+        let root = self.out_dir.join("checkpoints");
+        let path = checkpoint::save(&root, &state, cfg.tessera.keep_last as usize)
+            .with_context(|| format!("saving checkpoint of step {} under {}", self.step, root.display()))?;
+        Ok((master, Some(path)))
+    }
+}
+
+/// Runs rank `rank` of `world`; returns whether Ctrl-C stopped the run.
+fn run_rank(cfg: &Config, opts: &GpuTrainOptions, rank: usize, world: usize, id: Option<NcclId>) -> Result<bool> {
+    let started = Instant::now();
+    let lead = rank == 0;
+    let Prepared { dataset, plan, start } = prepare(cfg, opts, lead && id.is_none())?;
+    let m = plan.micro_batches;
+    let m_local = m / world;
+    let out_dir = PathBuf::from(&cfg.tessera.output_dir);
+    if lead {
+        std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
+    }
+    let gpu = Gpu::open(rank)?;
+    gpu.compile_all()?;
+    let comm = match id {
+        Some(id) if world > 1 => Some(NcclComm::new(gpu.clone(), rank, world, &id)?),
+        _ => None,
+    };
+    let shape = gpt::Shape::new(&plan.model.cfg, plan.micro, plan.seq_len)?;
+    let OptimizerConfig::Adam { betas, eps, weight_decay, .. } = cfg.optimizer else {
+        bail!("the GPU path runs Adam/AdamW only (checked before)");
+    };
+    let adam = AdamW { betas, eps, weight_decay, clip: plan.clip };
+    let mut r = Rank::new(gpu.clone(), comm, &plan.model, plan.stage, shape, &start.master, adam, m_local)?;
+    if let Some((steps, mm, vv)) = &start.moments {
+        r.load_moments(mm, vv, *steps).context("restoring the Adam moments from the checkpoint")?;
+    }
+    r.sync()?;
+    let sampler = Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?;
+    let val =
+        data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
+    let mut monitors = if lead { bridge::monitors(cfg, &out_dir)? } else { MonitorSet::new() };
+    let stop = tessera_actors::install_ctrl_c().context("installing the Ctrl-C handler")?;
+    let steps = cfg.tessera.steps;
+    let pb = progress_bar(steps, opts.progress && lead);
+    pb.set_position(start.step);
+    if lead {
+        pb.println(format!(
+            "training {} ({:.2}M params) on {} | {world} × {} | ZeRO-{} | bf16 | batch {} = {} micro-batches × {} × {} tokens | {} steps",
+            cfg.tessera.model,
+            plan.total() as f64 / 1e6,
+            dataset.source,
+            gpu.name,
+            plan.stage,
+            cfg.train_batch_size,
+            m,
+            plan.micro,
+            plan.seq_len,
+            steps
+        ));
+    }
+    // Evaluation gathers parameters at stage 3 with several ranks: then every rank evaluates.
+    let evaluates = lead || (plan.stage == 3 && world > 1);
+    let mut run =
+        RankRun { cfg, plan, r, lead, world, step: start.step, applied: start.applied, skipped: start.skipped, out_dir: out_dir.clone() };
+    drop(start);
+    let mut t = Tally::default();
+    if run.step == 0 && evaluates {
+        let v = evaluate(&mut run.r, &val)?;
+        t.initial_val = Some(v);
+        t.val_curve.push((0, v));
+    }
+    let n = run.plan.micro * run.plan.seq_len;
+    let mut interrupted = false;
+    // The masters of the checkpoint just saved (the summary hashes them without a new gather).
+    let mut saved: Option<(u64, Vec<f32>)> = None;
+    while run.step < steps {
+        let step = run.step;
+        let plan = &run.plan;
+        let mbs: Vec<TokenBatch> = (0..m_local)
+            .map(|j| {
+                let (mut x, mut y) = (vec![0u32; n], vec![0u32; n]);
+                sampler.fill(plan.first_sample(step, rank * m_local + j), plan.micro, &mut x, &mut y);
+                (x, y)
+            })
+            .collect();
+        // The rate of update number `applied + 1` (the schedule's clock counts applied steps).
+        let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, run.applied));
+        let t0 = Instant::now();
+        let (local_loss, norm) = run.r.step(&mbs, lr, 1.0 / m as f32).with_context(|| format!("step {step}"))?;
+        let asked = if stop.load(Ordering::SeqCst) { 1.0 } else { 0.0 };
+        let all = run.r.gather_host(&[f64::from(local_loss), asked]).context("gathering the step's losses")?;
+        t.train_s += t0.elapsed().as_secs_f64();
+        t.steps_run += 1;
+        run.step += 1;
+        run.applied += 1;
+        let loss = all.chunks_exact(2).map(|c| c[0]).sum::<f64>() / world as f64;
+        let stopping = all.chunks_exact(2).any(|c| c[1] != 0.0);
+        t.last_loss = loss;
+        t.train_curve.push((run.step, loss));
+        let plan = &run.plan;
+        let samples = plan.first_sample(run.step, 0);
+        let mut events =
+            vec![Event::new("Train/Samples/train_loss", loss, samples), Event::new("Train/Samples/lr", f64::from(lr), samples)];
+        let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
+        if lead {
+            pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
+            pb.set_position(run.step);
+            if cfg.steps_per_print > 0 && run.step % cfg.steps_per_print == 0 {
+                let norm = norm.unwrap_or(f64::NAN);
+                pb.println(format!("step {:>6} | loss {loss:.4} | lr {lr:.3e} | grad norm {norm:.3} | {tps:.0} tok/s", run.step));
+                if cfg.wall_clock_breakdown {
+                    pb.println(format!("  time: step {:.1} ms", t0.elapsed().as_secs_f64() * 1e3));
+                }
+            }
+        }
+        let last = run.step == steps;
+        let eval_due = (cfg.tessera.eval_interval > 0 && run.step % cfg.tessera.eval_interval == 0) || last;
+        if eval_due && evaluates {
+            let v = evaluate(&mut run.r, &val)?;
+            t.last_val = Some(v);
+            t.val_curve.push((run.step, v));
+            events.push(Event::new("Train/Samples/val_loss", v, samples));
+            if lead {
+                pb.println(format!("step {:>6} | val loss {v:.4}", run.step));
+            }
+        }
+        if lead {
+            monitors.write(&events).context("writing monitors")?;
+        }
+        let interval = cfg.tessera.checkpoint_interval > 0 && run.step % cfg.tessera.checkpoint_interval == 0;
+        if interval || last || stopping {
+            let (master, path) = run.save_checkpoint()?;
+            saved = Some((run.step, master));
+            if path.is_some() {
+                t.last_ckpt = path;
+            }
+        }
+        if stopping && !last {
+            interrupted = true;
+            if let (true, Some(p)) = (lead, &t.last_ckpt) {
+                pb.println(format!("interrupted: stopped after step {}; saved {}", run.step, p.display()));
+            }
+            break;
+        }
+    }
+    pb.finish_and_clear();
+    let master = match saved {
+        Some((s, m)) if s == run.step => m,
+        _ => run.r.masters().context("gathering the masters for the summary")?,
+    };
+    let device_bytes = run.r.device_bytes_per_rank().context("gathering the device memory figures")?;
+    if !lead {
+        return Ok(interrupted);
+    }
+    monitors.flush().context("flushing monitors")?;
+    let plan = &run.plan;
+    let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &master[s.range()])).collect();
+    let tokens = t.steps_run * plan.tokens_per_step();
+    let summary = GpuSummary {
+        model: cfg.tessera.model.clone(),
+        num_params: plan.total(),
+        steps: run.step,
+        skipped_steps: run.skipped,
+        final_loss: t.last_loss,
+        val_loss: t.last_val,
+        initial_val_loss: t.initial_val,
+        tokens,
+        tokens_per_s: tokens as f64 / t.train_s.max(1e-9),
+        wall_s: started.elapsed().as_secs_f64(),
+        flops_per_token: plan.model.cfg.flops_per_token(plan.total(), plan.seq_len),
+        params_blake3: checkpoint::params_blake3(&names),
+        peak_rss_bytes: peak_rss_bytes(),
+        world_size: world,
+        zero_stage: plan.stage,
+        precision: "bf16".into(),
+        config_hash: cfg.hash.clone(),
+        last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
+        device: "cuda".into(),
+        gpu: gpu.name.clone(),
+        device_bytes_per_rank: device_bytes.iter().map(|&b| b as u64).collect(),
+    };
+    summary.write(&out_dir.join("summary.json")).context("writing summary.json")?;
+    monitor::write_loss_curve_svg(&out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
+        .context("writing loss.svg")?;
+    println!("{}", summary.render());
+    println!("wrote {}/summary.json and {}/loss.svg", out_dir.display(), out_dir.display());
+    Ok(interrupted)
+}

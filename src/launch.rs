@@ -1,0 +1,515 @@
+//! Multi-host runs: `tessera coordinator` (the driver, waiting for agents), `tessera agent` (one
+//! rank on any host) and `tessera launch` (agents on the hosts of a DeepSpeed hostfile, started
+//! over ssh, with the coordinator in this process). The protocol and the agents' life are
+//! described in `engine::remote`; this module reads hostfiles and the torchrun/Slurm variables
+//! and starts the processes.
+//!
+//! # Hostfile (DeepSpeed's format)
+//! One host per line, `HOST slots=N` (N agents on that host); `#` starts a comment; blank lines
+//! are ignored. A host listed twice, a missing or zero `slots`, or anything else on a line is an
+//! error naming `file:line`. `localhost`, `127.*` and `::1` are started directly (no ssh); any
+//! other host runs `cd <this directory> && exec <this tessera> agent --join …` through
+//! `ssh -o BatchMode=yes HOST`, so every host needs tessera and the data at the same paths.
+//! Ranks follow the file: the first host's agents are ranks 0..slots, and so on.
+//!
+//! # torchrun / Slurm variables (`tessera agent` without `--join`)
+//! `MASTER_ADDR` and `MASTER_PORT` name the coordinator; the rank is `RANK`, else
+//! `SLURM_PROCID`; the world size `WORLD_SIZE`, else `SLURM_NTASKS` (checked against the
+//! coordinator's). `tessera coordinator` takes `--nodes` from `WORLD_SIZE` and `--listen` from
+//! `0.0.0.0:$MASTER_PORT` when they are not given.
+
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::cli::{self, CommonArgs};
+use crate::engine::{self, AgentArgs, Launched, Rendezvous, TrainOptions};
+
+/// The environment variables torchrun and Slurm set that this module reads (launch removes them
+/// from the agents it starts, whose ranks come from the coordinator).
+pub const RANK_ENV: &[&str] = &["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "LOCAL_RANK"];
+
+/// Bound on the launched agents' exit once the run is over (ms).
+const REAP_TIMEOUT_MS: u64 = 15_000;
+
+/// One line of a hostfile.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostEntry {
+    pub host: String,
+    pub slots: usize,
+    /// 1-based line number in the file.
+    pub line: usize,
+}
+
+/// Parses a DeepSpeed hostfile; `source` names it in errors (`source:line: …`).
+pub fn parse_hostfile(text: &str, source: &str) -> Result<Vec<HostEntry>> {
+    let mut hosts: Vec<HostEntry> = Vec::new();
+    for (i, raw) in text.lines().enumerate() {
+        let line = i + 1;
+        let content = raw.split('#').next().unwrap_or("").trim();
+        if content.is_empty() {
+            continue;
+        }
+        let at = |what: String| anyhow::anyhow!("{source}:{line}: {what} (expected `HOST slots=N`, got {:?})", raw.trim());
+        let mut words = content.split_whitespace();
+        let host = words.next().ok_or_else(|| at("no host".into()))?;
+        if host.contains('=') {
+            return Err(at(format!("{host:?} is not a host name")));
+        }
+        let slots = match words.next() {
+            None => return Err(at(format!("host {host} has no slots"))),
+            Some(w) => {
+                let n = w.strip_prefix("slots=").ok_or_else(|| at(format!("unknown field {w:?}")))?;
+                n.parse::<usize>().map_err(|_| at(format!("slots={n} is not a whole number")))?
+            }
+        };
+        if slots == 0 {
+            return Err(at(format!("host {host} has slots=0")));
+        }
+        if let Some(w) = words.next() {
+            return Err(at(format!("unexpected {w:?} after slots")));
+        }
+        if let Some(prev) = hosts.iter().find(|h| h.host == host) {
+            return Err(at(format!("host {host} is already listed on line {}", prev.line)));
+        }
+        hosts.push(HostEntry { host: host.to_string(), slots, line });
+    }
+    if hosts.is_empty() {
+        bail!("{source}: no hosts (expected lines of `HOST slots=N`)");
+    }
+    Ok(hosts)
+}
+
+/// Reads and parses a hostfile.
+pub fn read_hostfile(path: &Path) -> Result<Vec<HostEntry>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading the hostfile {}", path.display()))?;
+    parse_hostfile(&text, &path.display().to_string())
+}
+
+/// Whether `host` is this machine without ssh: `localhost`, `127.*`, `::1`.
+pub fn is_local(host: &str) -> bool {
+    host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The first of `names` that is set, parsed as a whole number, with its name.
+fn env_number(get: &dyn Fn(&str) -> Option<String>, names: &[&'static str]) -> Result<Option<(usize, &'static str)>> {
+    for name in names {
+        if let Some(v) = get(name) {
+            let n = v.trim().parse::<usize>().map_err(|_| anyhow::anyhow!("{name}={v:?} is not a whole number"))?;
+            return Ok(Some((n, *name)));
+        }
+    }
+    Ok(None)
+}
+
+/// `HOST:PORT` with IPv6 literals bracketed.
+fn host_port(host: &str, port: u16) -> String {
+    match host.parse::<IpAddr>() {
+        Ok(IpAddr::V6(_)) => format!("[{host}]:{port}"),
+        _ => format!("{host}:{port}"),
+    }
+}
+
+/// What the torchrun/Slurm variables say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvJoin {
+    /// `MASTER_ADDR:MASTER_PORT`.
+    pub join: String,
+    /// `RANK`, else `SLURM_PROCID`.
+    pub rank: Option<usize>,
+    /// `WORLD_SIZE`, else `SLURM_NTASKS`.
+    pub world: Option<usize>,
+}
+
+/// Where the torchrun/Slurm variables say to join; `None` when neither `MASTER_ADDR` nor
+/// `MASTER_PORT` is set.
+pub fn join_from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<EnvJoin>> {
+    let (addr, port) = match (get("MASTER_ADDR"), get("MASTER_PORT")) {
+        (None, None) => return Ok(None),
+        (Some(_), None) => bail!("MASTER_ADDR is set but MASTER_PORT is not: both name the coordinator"),
+        (None, Some(_)) => bail!("MASTER_PORT is set but MASTER_ADDR is not: both name the coordinator"),
+        (Some(a), Some(p)) => (a, p),
+    };
+    let port: u16 = port.trim().parse().map_err(|_| anyhow::anyhow!("MASTER_PORT={port:?} is not a port number"))?;
+    if addr.trim().is_empty() {
+        bail!("MASTER_ADDR is empty");
+    }
+    let rank = env_number(get, &["RANK", "SLURM_PROCID"])?;
+    let world = env_number(get, &["WORLD_SIZE", "SLURM_NTASKS"])?;
+    if let (Some((r, rn)), Some((w, wn))) = (rank, world) {
+        if r >= w {
+            bail!("{rn}={r} is not a rank of {wn}={w}");
+        }
+    }
+    if world.is_some_and(|(w, _)| w == 0) {
+        bail!("the world size in the environment is 0");
+    }
+    Ok(Some(EnvJoin { join: host_port(addr.trim(), port), rank: rank.map(|r| r.0), world: world.map(|w| w.0) }))
+}
+
+/// The command-line flags of `tessera agent`.
+#[derive(Debug, Clone, Default)]
+pub struct AgentFlags {
+    pub join: Option<String>,
+    pub name: Option<String>,
+    pub rank: Option<usize>,
+    pub advertise: Option<IpAddr>,
+    pub quic_port: u16,
+    pub certs: Option<PathBuf>,
+    pub connect_timeout_ms: u64,
+}
+
+/// This host's name (for agents' default names).
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "agent".to_string())
+}
+
+/// Resolves `tessera agent`'s arguments: `--join` (and `--rank`) as given, else the
+/// torchrun/Slurm variables read through `get`; the default name is `<hostname>-<pid>`.
+pub fn agent_args(f: &AgentFlags, get: &dyn Fn(&str) -> Option<String>) -> Result<AgentArgs> {
+    let (join, rank, world) = match &f.join {
+        Some(j) => (j.clone(), f.rank, None),
+        None => match join_from_env(get)? {
+            Some(e) => (e.join, f.rank.or(e.rank), e.world),
+            None => bail!("tessera agent needs --join HOST:PORT, or MASTER_ADDR and MASTER_PORT in the environment (torchrun, Slurm)"),
+        },
+    };
+    if let (Some(r), Some(w)) = (rank, world) {
+        if r >= w {
+            bail!("rank {r} is not a rank of a world of {w}");
+        }
+    }
+    let name = f.name.clone().unwrap_or_else(|| format!("{}-{}", hostname(), std::process::id()));
+    Ok(AgentArgs {
+        join,
+        name,
+        rank,
+        world,
+        advertise: f.advertise,
+        quic_port: f.quic_port,
+        certs: f.certs.clone(),
+        connect_timeout_ms: f.connect_timeout_ms,
+    })
+}
+
+/// `tessera agent`.
+pub fn agent(f: &AgentFlags) -> Result<()> {
+    let args = agent_args(f, &|k| std::env::var(k).ok())?;
+    engine::run_agent(&args)
+}
+
+/// The rendezvous settings shared by `tessera coordinator` and `tessera launch`.
+#[derive(Debug, Clone)]
+pub struct DriverOpts {
+    pub join_timeout_ms: u64,
+    /// A pre-distributed cluster directory (no keys are sent to the agents).
+    pub certs: Option<PathBuf>,
+}
+
+/// `--nodes`, else `WORLD_SIZE` from `get`; checked against `--world`.
+pub fn resolve_nodes(nodes: Option<usize>, world: Option<usize>, get: &dyn Fn(&str) -> Option<String>) -> Result<usize> {
+    let n = match nodes {
+        Some(n) => n,
+        None => match env_number(get, &["WORLD_SIZE"])? {
+            Some((n, _)) => n,
+            None => bail!("how many agents? give --nodes N (or WORLD_SIZE in the environment)"),
+        },
+    };
+    if n == 0 {
+        bail!("the coordinator needs at least one agent (--nodes 0)");
+    }
+    if let Some(w) = world.filter(|w| *w != n) {
+        bail!("--world {w} disagrees with {n} agents: the world size is the number of agents");
+    }
+    Ok(n)
+}
+
+/// Trains with the ranks joining at `listener` (after `launched` were started for them).
+fn drive(
+    config: &Path,
+    common: &CommonArgs,
+    mut opts: TrainOptions,
+    listener: TcpListener,
+    nodes: usize,
+    d: &DriverOpts,
+    launched: Arc<Mutex<Vec<Launched>>>,
+) -> Result<bool> {
+    let mut common = common.clone();
+    common.world = Some(nodes);
+    opts.processes = true;
+    engine::set_rendezvous(Rendezvous { listener, nodes, join_timeout_ms: d.join_timeout_ms, certs: d.certs.clone(), launched });
+    let res = cli::train(config, &common, opts);
+    // A run that failed before starting its ranks leaves the rendezvous unused.
+    drop(engine::take_rendezvous());
+    res
+}
+
+/// `tessera coordinator`: waits for `nodes` agents at `listen` and trains.
+pub fn coordinator(
+    config: &Path,
+    common: &CommonArgs,
+    opts: TrainOptions,
+    listen: Option<&str>,
+    nodes: Option<usize>,
+    d: &DriverOpts,
+) -> Result<bool> {
+    let get = |k: &str| std::env::var(k).ok();
+    let nodes = resolve_nodes(nodes, common.world, &get)?;
+    let listen = match (listen, get("MASTER_PORT")) {
+        (Some(l), _) => l.to_string(),
+        (None, Some(p)) => format!("0.0.0.0:{}", p.trim()),
+        (None, None) => bail!("where should agents join? give --listen ADDR:PORT (or MASTER_PORT in the environment)"),
+    };
+    let listener = TcpListener::bind(&listen).with_context(|| format!("listening for agents on {listen}"))?;
+    let at = listener.local_addr().context("the listener's address")?;
+    eprintln!("coordinator: waiting for {nodes} agents at {at} (join with `tessera agent --join {at}`)");
+    drive(config, common, opts, listener, nodes, d, Arc::new(Mutex::new(Vec::new())))
+}
+
+/// Quotes `s` for a POSIX shell.
+pub fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// The local address this machine uses to reach `host` (no packet is sent).
+fn route_to(host: &str) -> Result<IpAddr> {
+    let addr: SocketAddr = (host, 9).to_socket_addrs().with_context(|| format!("resolving host {host}"))?.next().context("no address")?;
+    let any: SocketAddr = if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
+    let s = UdpSocket::bind(any).context("a probe socket")?;
+    s.connect(addr).with_context(|| format!("finding the route to {host}"))?;
+    Ok(s.local_addr().context("the probe's address")?.ip())
+}
+
+/// The options of `tessera launch`.
+#[derive(Debug, Clone)]
+pub struct LaunchOpts {
+    pub hostfile: PathBuf,
+    /// The coordinator's listen address; default 127.0.0.1:0 when every host is local, else
+    /// 0.0.0.0:0.
+    pub listen: Option<String>,
+    /// The address remote agents dial; default the local address on the route to each host.
+    pub coordinator_addr: Option<IpAddr>,
+    /// tessera's path on the remote hosts (default: this executable's path).
+    pub remote_exe: Option<String>,
+    /// The ssh program.
+    pub ssh: String,
+}
+
+/// `tessera launch`: starts `slots` agents per hostfile line and coordinates them from here.
+pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &LaunchOpts, d: &DriverOpts) -> Result<bool> {
+    use std::os::unix::process::CommandExt;
+    let hosts = read_hostfile(&l.hostfile)?;
+    let nodes: usize = hosts.iter().map(|h| h.slots).sum();
+    let nodes = resolve_nodes(Some(nodes), common.world, &|_| None)?;
+    let all_local = hosts.iter().all(|h| is_local(&h.host));
+    let listen = l.listen.clone().unwrap_or_else(|| if all_local { "127.0.0.1:0" } else { "0.0.0.0:0" }.to_string());
+    let listener = TcpListener::bind(&listen).with_context(|| format!("listening for agents on {listen}"))?;
+    let at = listener.local_addr().context("the listener's address")?;
+    let exe = std::env::current_exe().context("finding the tessera executable")?;
+    let cwd = std::env::current_dir().context("the current directory")?;
+    let launched: Arc<Mutex<Vec<Launched>>> = Arc::new(Mutex::new(Vec::new()));
+    let reap = |launched: &Mutex<Vec<Launched>>, bound_ms: u64| {
+        let deadline = Instant::now() + Duration::from_millis(bound_ms);
+        for l in launched.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+            while matches!(l.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if let Ok(None) = l.child.try_wait() {
+                eprintln!("launch: {} still running after the run; killing it", l.label);
+                let _ = l.child.kill();
+            }
+            let _ = l.child.wait();
+        }
+    };
+    let started = (|| -> Result<()> {
+        for h in &hosts {
+            let local = is_local(&h.host);
+            // Local agents of a hostfile with remote hosts must be reachable from those hosts:
+            // they join (and so bind their QUIC socket) on the route to the first remote host.
+            let via = match local {
+                true => hosts.iter().find(|r| !is_local(&r.host)).unwrap_or(h),
+                false => h,
+            };
+            let join_ip = match (l.coordinator_addr, at.ip()) {
+                (Some(ip), _) => ip,
+                (None, ip) if !ip.is_unspecified() => ip,
+                (None, _) if is_local(&via.host) => IpAddr::from([127, 0, 0, 1]),
+                (None, _) => route_to(&via.host).with_context(|| {
+                    format!("{}:{}: the address {} can reach this machine at", l.hostfile.display(), via.line, via.host)
+                })?,
+            };
+            let join = SocketAddr::new(join_ip, at.port()).to_string();
+            for i in 0..h.slots {
+                let name: String = format!("{}-{i}", h.host)
+                    .chars()
+                    .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '-' })
+                    .collect();
+                // Ranks follow the hostfile, as DeepSpeed's launcher numbers them.
+                let rank = launched.lock().unwrap_or_else(|p| p.into_inner()).len();
+                let mut agent_args = vec![
+                    "agent".to_string(),
+                    "--join".into(),
+                    join.clone(),
+                    "--name".into(),
+                    name.clone(),
+                    "--rank".into(),
+                    rank.to_string(),
+                ];
+                if let Some(c) = &d.certs {
+                    agent_args.extend(["--certs".to_string(), c.display().to_string()]);
+                }
+                let (mut cmd, label) = if local {
+                    let mut c = Command::new(&exe);
+                    c.args(&agent_args).current_dir(&cwd);
+                    (c, format!("agent {name} (local)"))
+                } else {
+                    let remote_exe = l.remote_exe.clone().unwrap_or_else(|| exe.display().to_string());
+                    let mut line = format!("cd {} && exec {}", shell_quote(&cwd.display().to_string()), shell_quote(&remote_exe));
+                    for a in &agent_args {
+                        line.push(' ');
+                        line.push_str(&shell_quote(a));
+                    }
+                    let mut c = Command::new(&l.ssh);
+                    c.args(["-o", "BatchMode=yes", &h.host, &line]);
+                    (c, format!("agent {name} (ssh {})", h.host))
+                };
+                for v in RANK_ENV {
+                    cmd.env_remove(v);
+                }
+                // Own process group: a terminal's Ctrl-C reaches only this process, which stops
+                // between steps and then ends the agents.
+                let child = cmd
+                    .stdin(Stdio::null())
+                    .process_group(0)
+                    .spawn()
+                    .with_context(|| format!("starting {label} ({})", if local { exe.display().to_string() } else { l.ssh.clone() }))?;
+                launched.lock().unwrap_or_else(|p| p.into_inner()).push(Launched { label, child });
+            }
+        }
+        Ok(())
+    })();
+    if let Err(e) = started {
+        reap(&launched, 0);
+        return Err(e);
+    }
+    eprintln!("launch: started {nodes} agents on {} hosts; coordinating at {at}", hosts.len());
+    let res = drive(config, common, opts, listener, nodes, d, Arc::clone(&launched));
+    reap(&launched, if res.is_ok() { REAP_TIMEOUT_MS } else { 0 });
+    res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k: &str| m.get(k).cloned()
+    }
+
+    #[test]
+    fn hostfiles_parse_with_comments_and_blank_lines() {
+        let text = "# cluster\n\nworker-1 slots=4   # big box\n  10.0.0.2 slots=1\nlocalhost\tslots=2\n";
+        let h = parse_hostfile(text, "hf").unwrap();
+        let got: Vec<(&str, usize, usize)> = h.iter().map(|e| (e.host.as_str(), e.slots, e.line)).collect();
+        assert_eq!(got, vec![("worker-1", 4, 3), ("10.0.0.2", 1, 4), ("localhost", 2, 5)]);
+    }
+
+    #[test]
+    fn bad_hostfile_lines_are_named_by_file_and_line() {
+        for (text, line, what) in [
+            ("a slots=1\nb\n", 2, "no slots"),
+            ("a slots=x\n", 1, "not a whole number"),
+            ("a slots=0\n", 1, "slots=0"),
+            ("a slots=1\n\na slots=2\n", 3, "already listed on line 1"),
+            ("a gpus=2\n", 1, "unknown field"),
+            ("a slots=1 b\n", 1, "unexpected"),
+            ("slots=2\n", 1, "not a host name"),
+        ] {
+            let e = parse_hostfile(text, "hosts.txt").unwrap_err().to_string();
+            assert!(e.starts_with(&format!("hosts.txt:{line}: ")) && e.contains(what), "{text:?}: {e}");
+        }
+        assert!(parse_hostfile("# nothing\n\n", "h").unwrap_err().to_string().contains("no hosts"));
+    }
+
+    #[test]
+    fn local_hosts_are_recognised() {
+        assert!(is_local("localhost") && is_local("127.0.0.1") && is_local("127.1.2.3") && is_local("::1"));
+        assert!(!is_local("10.0.0.1") && !is_local("node1") && !is_local("localhost.example"));
+    }
+
+    fn ej(join: &str, rank: Option<usize>, world: Option<usize>) -> EnvJoin {
+        EnvJoin { join: join.to_string(), rank, world }
+    }
+
+    #[test]
+    fn torchrun_and_slurm_variables_resolve() {
+        assert_eq!(join_from_env(&env(&[])).unwrap(), None);
+        let t = env(&[("MASTER_ADDR", "10.1.2.3"), ("MASTER_PORT", "29500"), ("RANK", "2"), ("WORLD_SIZE", "4")]);
+        assert_eq!(join_from_env(&t).unwrap(), Some(ej("10.1.2.3:29500", Some(2), Some(4))));
+        let s = env(&[("MASTER_ADDR", "head"), ("MASTER_PORT", "7000"), ("SLURM_PROCID", "1"), ("SLURM_NTASKS", "3")]);
+        assert_eq!(join_from_env(&s).unwrap(), Some(ej("head:7000", Some(1), Some(3))));
+        // torchrun's variables win over Slurm's; IPv6 literals are bracketed.
+        let both = env(&[("MASTER_ADDR", "fd00::1"), ("MASTER_PORT", "1"), ("RANK", "0"), ("SLURM_PROCID", "5"), ("WORLD_SIZE", "2")]);
+        assert_eq!(join_from_env(&both).unwrap(), Some(ej("[fd00::1]:1", Some(0), Some(2))));
+        let no_rank = env(&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1")]);
+        assert_eq!(join_from_env(&no_rank).unwrap(), Some(ej("h:1", None, None)));
+    }
+
+    #[test]
+    fn bad_variables_are_named() {
+        for (pairs, what) in [
+            (&[("MASTER_ADDR", "h")][..], "MASTER_PORT is not"),
+            (&[("MASTER_PORT", "1")][..], "MASTER_ADDR is not"),
+            (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "x")][..], "MASTER_PORT=\"x\""),
+            (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("RANK", "-1")][..], "RANK=\"-1\""),
+            (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("RANK", "3"), ("WORLD_SIZE", "3")][..], "RANK=3 is not a rank of WORLD_SIZE=3"),
+            (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("SLURM_PROCID", "4"), ("SLURM_NTASKS", "2")][..], "SLURM_PROCID=4"),
+        ] {
+            let e = join_from_env(&env(pairs)).unwrap_err().to_string();
+            assert!(e.contains(what), "{pairs:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn agent_flags_win_over_the_environment() {
+        let t = env(&[("MASTER_ADDR", "10.1.2.3"), ("MASTER_PORT", "29500"), ("RANK", "2"), ("WORLD_SIZE", "4")]);
+        let f = AgentFlags { name: Some("n".into()), ..AgentFlags::default() };
+        let a = agent_args(&f, &t).unwrap();
+        assert_eq!((a.join.as_str(), a.rank, a.world, a.name.as_str()), ("10.1.2.3:29500", Some(2), Some(4), "n"));
+        // --join ignores the variables (a launcher's own RANK must not leak into its agents).
+        let f = AgentFlags { join: Some("127.0.0.1:5".into()), ..AgentFlags::default() };
+        let a = agent_args(&f, &t).unwrap();
+        assert_eq!((a.join.as_str(), a.rank, a.world), ("127.0.0.1:5", None, None));
+        assert!(!a.name.is_empty());
+        let e = agent_args(&AgentFlags::default(), &env(&[])).unwrap_err().to_string();
+        assert!(e.contains("--join") && e.contains("MASTER_ADDR"), "{e}");
+        let f = AgentFlags { rank: Some(7), ..AgentFlags::default() };
+        assert!(agent_args(&f, &t).unwrap_err().to_string().contains("rank 7"));
+    }
+
+    #[test]
+    fn nodes_come_from_the_flag_or_world_size() {
+        assert_eq!(resolve_nodes(Some(3), None, &env(&[("WORLD_SIZE", "5")])).unwrap(), 3);
+        assert_eq!(resolve_nodes(None, None, &env(&[("WORLD_SIZE", "5")])).unwrap(), 5);
+        assert!(resolve_nodes(None, None, &env(&[])).unwrap_err().to_string().contains("--nodes"));
+        assert!(resolve_nodes(Some(3), Some(2), &env(&[])).unwrap_err().to_string().contains("--world 2"));
+        assert!(resolve_nodes(Some(0), None, &env(&[])).is_err());
+    }
+
+    #[test]
+    fn shell_quoting_survives_quotes() {
+        assert_eq!(shell_quote("a b"), "'a b'");
+        assert_eq!(shell_quote("it's"), r"'it'\''s'");
+    }
+}
