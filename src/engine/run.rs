@@ -54,9 +54,12 @@ fn fresh_start(cfg: &Config, plan: &Plan) -> Start {
     Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), optim: None, applied: 0, skipped: 0, scaler: None }
 }
 
-fn resume_start(cfg: &Config, plan: &Plan, dir: &Path) -> Result<Start> {
+/// Where a resumed run starts: the checkpoint's masters, optimizer buffers and counters, checked
+/// against the config (model, tokenizer, seed, step range, data cursor). `verbose`: print the
+/// checkpoints skipped as damaged (the CPU driver and the GPU path's rank 0).
+pub(crate) fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Result<Start> {
     let resolved = checkpoint::resolve_resume(dir).with_context(|| format!("resuming from {}", dir.display()))?;
-    for s in &resolved.skipped {
+    for s in resolved.skipped.iter().filter(|_| verbose) {
         eprintln!("warning: skipped checkpoint {}: {}", s.dir.display(), s.error);
     }
     let (path, ck) = (resolved.dir, resolved.state);
@@ -138,7 +141,7 @@ fn resume_start(cfg: &Config, plan: &Plan, dir: &Path) -> Result<Start> {
 }
 
 /// A fresh run never writes over another run's checkpoints: nothing is lost by accident.
-fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
+pub(crate) fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
     let found = checkpoint::list_checkpoints(ckpt_root).unwrap_or_default();
     if let Some((step, dir)) = found.first() {
         bail!(
@@ -265,7 +268,7 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
     let start = match &opts.resume {
-        Some(dir) => resume_start(cfg, &plan, dir)?,
+        Some(dir) => resume_start(cfg, &plan, dir, true)?,
         None => {
             refuse_to_overwrite(&out_dir.join("checkpoints"))?;
             fresh_start(cfg, &plan)

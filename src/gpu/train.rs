@@ -43,7 +43,7 @@ use crate::checkpoint::{self, CheckpointState, NamedTensor};
 use crate::cli::{self, CommonArgs};
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision};
 use crate::data::{self, Dataset, Sampler, SamplerState, TokenBatch};
-use crate::engine::{peak_rss_bytes, Plan};
+use crate::engine::{self, peak_rss_bytes, Plan};
 use crate::monitor::{self, Event, Monitor, MonitorSet};
 use crate::{bridge, zoo};
 
@@ -249,7 +249,7 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
         Some(dir) => resume_start(cfg, &plan, dir, lead)?,
         None => {
             if lead {
-                refuse_to_overwrite(&out_dir.join("checkpoints"))?;
+                engine::refuse_to_overwrite(&out_dir.join("checkpoints"))?;
             }
             Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), moments: None, applied: 0, skipped: 0 }
         }
@@ -257,112 +257,33 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
     Ok(Prepared { dataset, plan, start })
 }
 
-/// A fresh run never writes over another run's checkpoints (as on the CPU path).
-fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
-    let found = checkpoint::list_checkpoints(ckpt_root).unwrap_or_default();
-    if let Some((step, dir)) = found.first() {
-        bail!(
-            "{} already holds checkpoints (newest: step {step}, {}); continue with --resume {} or start elsewhere with --output DIR",
-            ckpt_root.display(),
-            dir.display(),
-            ckpt_root.display()
-        );
-    }
-    Ok(())
-}
-
 /// The checkpoint's masters, Adam moments and counters, with the CPU path's checks (model,
-/// tokenizer, seed, step range, data cursor).
+/// tokenizer, seed, step range, data cursor): the CPU driver's resume, then the Adam buffers.
 fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, lead: bool) -> Result<Start> {
-    let resolved = checkpoint::resolve_resume(dir).with_context(|| format!("resuming from {}", dir.display()))?;
-    if lead {
-        for s in &resolved.skipped {
-            eprintln!("warning: skipped checkpoint {}: {}", s.dir.display(), s.error);
-        }
-    }
-    let (path, ck) = (resolved.dir, resolved.state);
-    if ck.model != cfg.tessera.model {
-        bail!("checkpoint {} holds model `{}` but the config asks for `{}`", path.display(), ck.model, cfg.tessera.model);
-    }
-    let was = ck.extra.get("tokenizer").cloned().unwrap_or_default();
-    let now = data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?;
-    if was.get("blake3") != now.get("blake3") {
-        bail!(
-            "checkpoint {} was trained on {}, but this run uses {}",
-            path.display(),
-            data::describe_record(&was),
-            data::describe_record(&now)
-        );
-    }
-    let mut master = vec![0.0; plan.total()];
-    for spec in plan.model.layout().specs() {
-        let t = ck
-            .params
-            .iter()
-            .find(|t| t.name == spec.name)
-            .with_context(|| format!("checkpoint {} lacks parameter `{}`", path.display(), spec.name))?;
-        if t.data.len() != spec.numel() {
-            bail!(
-                "checkpoint {}: parameter `{}` has {} values, the model expects {:?}",
-                path.display(),
-                spec.name,
-                t.data.len(),
-                spec.shape
-            );
-        }
-        master[spec.range()].copy_from_slice(&t.data);
-    }
-    let get = |k: &str| {
-        ck.extra
-            .get(k)
-            .and_then(serde_json::Value::as_u64)
-            .with_context(|| format!("checkpoint {}: manifest extra lacks `{k}`", path.display()))
-    };
-    let cursor = SamplerState::from_json(&ck.data_cursor).with_context(|| format!("checkpoint {}: data cursor", path.display()))?;
-    if cursor.seed != cfg.tessera.seed {
-        bail!(
-            "checkpoint {} was trained with seed {} but this run has tessera.seed = {}: the data order would change; pass --seed {}",
-            path.display(),
-            cursor.seed,
-            cfg.tessera.seed,
-            cursor.seed
-        );
-    }
-    if ck.step >= cfg.tessera.steps {
-        bail!(
-            "checkpoint {} is at step {}, and this run stops at step {}: ask for more with --steps",
-            path.display(),
-            ck.step,
-            cfg.tessera.steps
-        );
-    }
-    if cursor.cursor != plan.first_sample(ck.step, 0) {
-        bail!(
-            "checkpoint {}: data cursor {} does not match step {} of this batch geometry ({} samples per step)",
-            path.display(),
-            cursor.cursor,
-            ck.step,
-            plan.micro_batches * plan.micro
-        );
-    }
+    let st = engine::resume_start(cfg, plan, dir, lead)?;
+    let (steps, bufs) = st.optim.context("the checkpoint has no optimizer state")?;
     let buffer = |name: &str| -> Result<Vec<f32>> {
-        let full = format!("{OPTIM_PREFIX}.{name}");
-        let t = ck.optim.iter().find(|t| t.name == full).with_context(|| {
-            let held: Vec<&str> = ck.optim.iter().map(|t| t.name.as_str()).collect();
+        let (_, data) = bufs.iter().find(|(n, _)| n == name).with_context(|| {
+            let held: Vec<&str> = bufs.iter().map(|(n, _)| n.as_str()).collect();
             format!(
-                "checkpoint {} has no Adam state `{full}` (it holds [{}]): it was trained with another optimizer; the GPU path \
-                 resumes Adam/AdamW checkpoints",
-                path.display(),
+                "checkpoint {} has no Adam state `{OPTIM_PREFIX}.{name}` (it holds [{}]): it was trained with another optimizer; the GPU \
+                 path resumes Adam/AdamW checkpoints",
+                dir.display(),
                 held.join(", ")
             )
         })?;
-        if t.data.len() != plan.total() {
-            bail!("checkpoint {}: `{full}` has {} values, the model has {} parameters", path.display(), t.data.len(), plan.total());
+        if data.len() != plan.total() {
+            bail!(
+                "checkpoint {}: `{OPTIM_PREFIX}.{name}` has {} values, the model has {} parameters",
+                dir.display(),
+                data.len(),
+                plan.total()
+            );
         }
-        Ok(t.data.clone())
+        Ok(data.clone())
     };
-    let moments = (get("optimizer_steps")?, buffer(ADAM_BUFFERS[0])?, buffer(ADAM_BUFFERS[1])?);
-    Ok(Start { step: ck.step, master, moments: Some(moments), applied: get("applied_steps")?, skipped: get("skipped_steps")? })
+    let moments = (steps, buffer(ADAM_BUFFERS[0])?, buffer(ADAM_BUFFERS[1])?);
+    Ok(Start { step: st.step, master: st.master, moments: Some(moments), applied: st.applied, skipped: st.skipped })
 }
 
 fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
