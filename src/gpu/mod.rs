@@ -33,12 +33,9 @@ pub fn check(seed: u64) -> Result<bool> {
     gpu.compile_all()?;
     println!("kernels compiled (or loaded from the cache) in {:.2} s", t.elapsed().as_secs_f64());
     let mut all_ok = true;
-    type CheckFn = fn(&Gpu, u64) -> cuda::Result<Vec<cuda::CheckRow>>;
-    let checks: [(&str, CheckFn); 3] =
-        [("ops", cuda::ops::check), ("attention", cuda::attention::check), ("model (2-layer GPT vs CPU f32)", gpt::check)];
-    for (name, f) in checks {
+    let mut report = |name: &str, rows: Result<Vec<cuda::CheckRow>>| {
         println!("— {name}");
-        match f(&gpu, seed) {
+        match rows {
             Ok(rows) => {
                 for r in rows {
                     all_ok &= r.pass();
@@ -47,23 +44,14 @@ pub fn check(seed: u64) -> Result<bool> {
             }
             Err(e) => {
                 all_ok = false;
-                println!("  FAIL: {e}");
+                println!("  FAIL: {e:#}");
             }
         }
-    }
-    println!("— GPT-2 124M: the first training steps on the GPU (bf16) against the CPU model (f32)");
-    match check_gpt2_steps(gpu.clone(), seed) {
-        Ok(rows) => {
-            for r in rows {
-                all_ok &= r.pass();
-                println!("  {r}");
-            }
-        }
-        Err(e) => {
-            all_ok = false;
-            println!("  FAIL: {e:#}");
-        }
-    }
+    };
+    report("ops", cuda::ops::check(&gpu, seed).map_err(Into::into));
+    report("attention", cuda::attention::check(&gpu, seed).map_err(Into::into));
+    report("model (2-layer GPT vs CPU f32)", gpt::check(&gpu, seed).map_err(Into::into));
+    report("GPT-2 124M: the first training steps on the GPU (bf16) against the CPU model (f32)", check_gpt2_steps(gpu.clone(), seed));
     println!("{}", if all_ok { "all GPU checks passed" } else { "SOME GPU CHECKS FAILED" });
     Ok(all_ok)
 }
