@@ -10,5 +10,6 @@ pub mod engine;
 pub mod gpu;
 pub mod launch;
 pub mod monitor;
+pub mod offload;
 pub mod schedule;
 pub mod zoo;

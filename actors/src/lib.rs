@@ -9,15 +9,21 @@
 //! ```
 //! Control plane: actor messages carrying handles and small values. Data plane: the compute's
 //! buffers and collectives (`tessera_transport`). [`Cluster`] is the synchronous driver.
+//!
+//! Elastic training (docs/ELASTIC.md): [`membership`] is the sans-IO coordinator of plan epochs and
+//! step commits, [`replan`] the re-planning after membership changes, [`sim`] its seeded simulator.
 
 pub mod cluster;
 pub mod compute;
 pub mod driver;
 pub mod error;
+pub mod membership;
 pub mod node;
 pub mod plan;
+pub mod replan;
 pub mod shard;
 pub mod signal;
+pub mod sim;
 pub mod worker;
 
 #[cfg(test)]
@@ -26,6 +32,8 @@ mod tests;
 pub use compute::{ComputeError, MemoryReport, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
 pub use driver::{Cluster, ClusterOptions, StepResult, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};
 pub use error::{ActorError, FailureCause, RankFailure};
+pub use membership::{Coordinator, EpochPlan, MembershipConfig, WorkerId};
 pub use plan::{assign_blocks, partition};
+pub use replan::{blocks_for_speeds, leaf_counts_for_speeds, replan_partition, OldShard, Replanned, Transfer};
 pub use shard::{ShardKind, ShardStatus};
 pub use signal::install_ctrl_c;

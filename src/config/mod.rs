@@ -5,6 +5,7 @@
 
 mod auto;
 mod batch;
+mod elastic;
 mod error;
 mod keys;
 mod legacy;
@@ -25,6 +26,7 @@ use serde_json::{json, Value};
 
 pub use auto::{AutoDefaults, AutoSource, ResolveContext, AUTO_RULES};
 pub use batch::Batch;
+pub use elastic::{compute_elastic_batch, ElasticBatch, ElasticityConfig, ELASTICITY_VERSION};
 pub use error::{ConfigError, ConfigErrorKind};
 pub use keys::{effectively_honoured, key_table, lookup, KeyInfo, KeyKind};
 pub use legacy::LEGACY_KEYS;
@@ -63,6 +65,8 @@ pub struct Config {
     pub wall_clock_breakdown: bool,
     pub monitors: MonitorConfig,
     pub aio: AioConfig,
+    /// DeepSpeed's `elasticity` section, when present. Enabled, it chose the batch triple.
+    pub elasticity: Option<ElasticityConfig>,
     pub tessera: TesseraConfig,
     /// Legacy rewrites, keys accepted but not honoured yet, and other notices.
     pub warnings: Vec<String>,
@@ -113,7 +117,14 @@ fn build(mut root: Value, source: &str, overrides: &[String], ctx: &ResolveConte
         return Err(ConfigErrorKind::invalid("tessera.world", &json!(0), "at least 1 worker"));
     }
     tessera.world = world;
-    let batch = batch::derive(&root, world)?;
+    let elasticity = elastic::parse_elasticity(&root)?;
+    let batch = match elasticity.as_ref().filter(|e| e.enabled) {
+        Some(e) => {
+            let (elastic, micro, accum) = elastic::elastic_batch_triple(&root, e, world)?;
+            Batch { train_batch_size: elastic.train_batch_size, micro_batch_per_gpu: micro, gradient_accumulation_steps: accum }
+        }
+        None => batch::derive(&root, world)?,
+    };
     fill_resolved(&mut root, &batch, ctx.world_size);
     let optimizer = optim::parse_optimizer(&root, ctx)?;
     let scheduler = optim::parse_scheduler(&root, &mut warnings)?;
@@ -136,12 +147,23 @@ fn build(mut root: Value, source: &str, overrides: &[String], ctx: &ResolveConte
         wall_clock_breakdown: top.bool("wall_clock_breakdown", false)?,
         monitors: sections::parse_monitors(&root)?,
         aio: sections::parse_aio(&root)?,
+        elasticity,
         tessera,
         warnings,
         present_keys: walk.present,
         hash: value::canonical_hash(&root),
         resolved: root,
     })
+}
+
+/// The world sizes this run's global batch can be kept with: DeepSpeed's elastic list when
+/// `elasticity.enabled`, else only the configured world size (the batch triple fixes it).
+pub fn elastic_world_sizes(cfg: &Config) -> Vec<usize> {
+    match cfg.elasticity.as_ref().filter(|e| e.enabled) {
+        // `build` already computed it once, so it cannot fail here.
+        Some(e) => compute_elastic_batch(e).map(|b| b.world_sizes).unwrap_or_default(),
+        None => vec![cfg.world_size],
+    }
 }
 
 /// Write the completed batch triple (and a command-line world size) into the resolved JSON.

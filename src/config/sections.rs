@@ -24,6 +24,10 @@ pub struct OffloadOptimizerConfig {
     pub ratio: f32,
     pub buffer_count: u64,
     pub fast_init: bool,
+    /// Read the next swapped chunk while the optimizer steps the current one (NVMe).
+    pub pipeline_read: bool,
+    /// Write a stepped chunk back while the optimizer steps the next one (NVMe).
+    pub pipeline_write: bool,
 }
 
 /// `zero_optimization.offload_param`.
@@ -51,6 +55,8 @@ pub struct ZeroConfig {
     pub stage3_param_persistence_threshold: u64,
     pub stage3_max_live_parameters: u64,
     pub stage3_max_reuse_distance: u64,
+    /// Elements per optimizer sub-group: the chunk swapped in and out with NVMe offload.
+    pub sub_group_size: u64,
     pub offload_optimizer: Option<OffloadOptimizerConfig>,
     pub offload_param: Option<OffloadParamConfig>,
 }
@@ -74,6 +80,7 @@ pub(crate) fn parse_zero(root: &Value) -> KindResult<ZeroConfig> {
         stage3_param_persistence_threshold: z.u64("stage3_param_persistence_threshold", 100_000)?,
         stage3_max_live_parameters: z.u64("stage3_max_live_parameters", 1_000_000_000)?,
         stage3_max_reuse_distance: z.u64("stage3_max_reuse_distance", 1_000_000_000)?,
+        sub_group_size: z.u64("sub_group_size", 1_000_000_000)?,
         offload_optimizer,
         offload_param: parse_offload_param(root)?,
     })
@@ -108,6 +115,8 @@ fn parse_offload_optimizer(root: &Value, stage: u8) -> KindResult<Option<Offload
         ratio,
         buffer_count: o.u64("buffer_count", 4)?,
         fast_init: o.bool("fast_init", false)?,
+        pipeline_read: o.bool("pipeline_read", false)?,
+        pipeline_write: o.bool("pipeline_write", false)?,
     }))
 }
 
@@ -234,11 +243,12 @@ pub(crate) fn parse_monitors(root: &Value) -> KindResult<MonitorConfig> {
     Ok(MonitorConfig { tensorboard: target("tensorboard")?, csv_monitor: target("csv_monitor")? })
 }
 
-/// DeepSpeed's `aio` section (parsed, not honoured yet).
+/// DeepSpeed's `aio` section: how NVMe offload reads and writes its swap files.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AioConfig {
     pub block_size: u64,
     pub queue_depth: u64,
+    /// Threads that split one read or write (`thread_count`, older name `intra_op_parallelism`).
     pub intra_op_parallelism: u64,
     pub single_submit: bool,
     pub overlap_events: bool,
@@ -247,10 +257,19 @@ pub struct AioConfig {
 
 pub(crate) fn parse_aio(root: &Value) -> KindResult<AioConfig> {
     let a = Obj::at(root, "aio")?;
+    let (block_size, queue_depth) = (a.u64("block_size", 1_048_576)?, a.u64("queue_depth", 8)?);
+    let threads = match (a.opt_u64("thread_count")?, a.opt_u64("intra_op_parallelism")?) {
+        (Some(t), Some(i)) if t != i => {
+            let why = "`thread_count` is DeepSpeed's newer name for `intra_op_parallelism`: set one, or both alike";
+            return Err(ConfigErrorKind::unsupported(&a.path("thread_count"), &Value::from(t), why));
+        }
+        (Some(t), _) | (None, Some(t)) => t,
+        (None, None) => 1,
+    };
     Ok(AioConfig {
-        block_size: a.u64("block_size", 1_048_576)?,
-        queue_depth: a.u64("queue_depth", 8)?,
-        intra_op_parallelism: a.u64("intra_op_parallelism", 1)?,
+        block_size,
+        queue_depth,
+        intra_op_parallelism: threads,
         single_submit: a.bool("single_submit", false)?,
         overlap_events: a.bool("overlap_events", true)?,
         use_gds: a.bool("use_gds", false)?,
@@ -276,6 +295,9 @@ pub struct TesseraConfig {
     /// Number of workers (the command line's world size wins).
     pub world: usize,
     pub activation_checkpointing: bool,
+    /// Per-rank budget, in bytes, for the model states a rank keeps resident ("device"
+    /// memory); offloaded states do not count. None = unbounded.
+    pub device_memory_bytes_max: Option<u64>,
 }
 
 impl Default for TesseraConfig {
@@ -295,6 +317,7 @@ impl Default for TesseraConfig {
             jsonl_monitor: true,
             world: 1,
             activation_checkpointing: false,
+            device_memory_bytes_max: None,
         }
     }
 }
@@ -320,5 +343,6 @@ pub(crate) fn parse_tessera(root: &Value) -> KindResult<TesseraConfig> {
         jsonl_monitor: t.bool("jsonl_monitor", d.jsonl_monitor)?,
         world: usize_of("world", t.positive_u64("world", 1)?)?,
         activation_checkpointing: t.bool("activation_checkpointing", false)?,
+        device_memory_bytes_max: t.opt_u64("device_memory_bytes_max")?,
     })
 }

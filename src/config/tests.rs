@@ -38,10 +38,8 @@ fn founding_config_loads_on_one_worker() {
     assert!(cfg.zero.overlap_comm, "DeepSpeed turns overlap_comm on at stage 3");
     let off = cfg.zero.offload_optimizer.as_ref().map(|o| o.device);
     assert_eq!(off, Some(OffloadDevice::Cpu));
-    for key in ["zero_optimization.offload_optimizer", "zero_optimization.offload_param"] {
-        assert!(cfg.warnings.iter().any(|w| w.contains(&format!("`{key}`"))), "no warning names {key}: {:?}", cfg.warnings);
-    }
-    assert_eq!(cfg.warnings.len(), 2, "{:?}", cfg.warnings);
+    // CPU offload of the optimizer states and (stage 3) the parameter shard is honoured.
+    assert!(cfg.warnings.is_empty(), "{:?}", cfg.warnings);
     assert_eq!(cfg.precision, Precision::F32);
     assert_eq!(cfg.gradient_clipping, 0.0, "DeepSpeed does not clip unless asked");
     assert_eq!(cfg.tessera, TesseraConfig::default());
@@ -225,7 +223,7 @@ fn unresolved_autos_are_listed_in_one_error() {
     // "auto" in a key Tessera does not honour is left as written.
     let cfg = load_value(
         json!({"train_batch_size": 8,
-        "zero_optimization": {"sub_group_size": "auto"}}),
+        "zero_optimization": {"stage3_model_persistence_threshold": "auto"}}),
         &world(1),
     );
     assert!(cfg.is_ok(), "{cfg:?}");
@@ -395,7 +393,7 @@ fn check_rendering_lists_present_keys() {
     assert!(text.contains(&cfg.hash) && text.contains("\"train_micro_batch_size_per_gpu\": 32"), "{text}");
     let line = |key: &str| text.lines().find(|l| l.starts_with(&format!("{key} "))).map(str::to_string);
     let offload = line("zero_optimization.offload_param.device").unwrap_or_default();
-    assert!(offload.contains("not yet"), "{text}");
+    assert!(offload.contains("honoured") && !offload.contains("not yet"), "{text}");
     assert!(line("zero_optimization.stage").unwrap_or_default().contains("honoured"), "{text}");
     assert!(line("fp16").is_none(), "only present keys are listed: {text}");
 }

@@ -365,7 +365,9 @@ pub fn run_agent(a: &AgentArgs) -> Result<()> {
     };
     wire::send(&mut stream, &join).with_context(|| format!("agent {name}: joining {}", a.join))?;
     let (rank, world, config, tls) = recv_assign(&mut stream, name)?;
-    eprintln!("agent {name}: rank {rank} of {world} (coordinator {})", a.join);
+    // One write (shorter than PIPE_BUF), so agents sharing a terminal or pipe never interleave.
+    let line = format!("agent {name}: rank {rank} of {world} (coordinator {})\n", a.join);
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
     let m = match agent_member(a, local_ip, rank, world, &config, tls) {
         Ok(m) => m,
         Err(e) => {

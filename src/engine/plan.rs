@@ -13,6 +13,7 @@ use tessera_kernels::optim::{FlatLayout, OptimizerKind, NORM_BLOCK};
 use super::precision::Precision16;
 use crate::config::{Config, ZeroConfig};
 use crate::data::Dataset;
+use crate::offload::{OffloadPlan, OffloadedBytes, ResidentBytes, Tier};
 use crate::schedule::SchedulerConfig;
 use crate::{bridge, zoo};
 
@@ -47,6 +48,8 @@ pub struct Plan {
     /// block is gathered and gathered again at its next use), from `stage3_max_live_parameters`
     /// and `stage3_max_reuse_distance`.
     pub keep_unit0: bool,
+    /// Where model states live (offload) and the per-rank device budget.
+    pub offload: OffloadPlan,
 }
 
 /// Where stage 3 keeps and releases units.
@@ -115,7 +118,8 @@ impl Plan {
             bail!("zero_optimization.reduce_bucket_size = 0: a gradient bucket needs at least one element");
         }
         let policy = unit_policy(model.units(), &cfg.zero, stage == 3 && world > 1)?;
-        Ok(Plan {
+        let offload = OffloadPlan::new(cfg)?;
+        let plan = Plan {
             decay: model.layout().decay_flags(),
             precision: bridge::precision(&cfg.precision),
             optimizer,
@@ -133,8 +137,61 @@ impl Plan {
             reduce_bucket_elems: to_elems(cfg.zero.reduce_bucket_size),
             persistent: policy.persistent,
             keep_unit0: policy.keep_unit0,
+            offload,
             model,
-        })
+        };
+        for r in 0..plan.world {
+            plan.offload.check_budget(r, plan.resident_bytes(r), plan.model_state_bytes(r))?;
+        }
+        let buffers = 1 + plan.optimizer.state_names().len();
+        plan.offload.check_space((0..plan.world).map(|r| plan.offload.swap_bytes(plan.optim_range(r).len(), buffers)).sum())?;
+        Ok(plan)
+    }
+
+    /// Bytes of each kind of model state rank `r` holds, wherever they live (`RankState::memory`
+    /// counts the same, less what is offloaded).
+    pub fn model_state_bytes(&self, r: usize) -> ResidentBytes {
+        let d = self.precision.dtype().size_bytes() as u64;
+        let held = |ranges: &[Range<usize>]| ranges.iter().map(|x| x.len() as u64).sum::<u64>();
+        let grads = if self.stage <= 1 { self.total() } else { self.ranges[r].len() };
+        let buffers = 1 + self.optimizer.state_names().len() as u64;
+        ResidentBytes {
+            params: held(&self.param_ranges(r)) * d,
+            grads: grads as u64 * d,
+            optim: self.optim_range(r).len() as u64 * 4 * buffers,
+        }
+    }
+
+    /// Bytes of rank `r`'s parameter shard that `offload_param` moves out (stage 3).
+    fn offloaded_param_bytes(&self, r: usize) -> u64 {
+        if self.stage == 3 && self.offload.param != Tier::Device {
+            self.ranges[r].len() as u64 * self.precision.dtype().size_bytes() as u64
+        } else {
+            0
+        }
+    }
+
+    /// What rank `r` keeps resident: its model states less what is offloaded.
+    pub fn resident_bytes(&self, r: usize) -> ResidentBytes {
+        let all = self.model_state_bytes(r);
+        let optim = if self.offload.optimizer == Tier::Device { all.optim } else { 0 };
+        ResidentBytes { params: all.params - self.offloaded_param_bytes(r), grads: all.grads, optim }
+    }
+
+    /// What rank `r` keeps outside its device budget, by tier.
+    pub fn offloaded_bytes(&self, r: usize) -> OffloadedBytes {
+        let mut out = OffloadedBytes { rank: r, host: 0, nvme: 0 };
+        let optim = self.model_state_bytes(r).optim;
+        match self.offload.optimizer {
+            Tier::Device => {}
+            Tier::Host => out.host += optim,
+            Tier::Nvme => out.nvme += optim,
+        }
+        match self.offload.param {
+            Tier::Nvme => out.nvme += self.offloaded_param_bytes(r),
+            _ => out.host += self.offloaded_param_bytes(r),
+        }
+        out
     }
 
     pub fn total(&self) -> usize {

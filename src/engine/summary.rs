@@ -54,6 +54,8 @@ pub struct Summary {
     pub bytes_sent_per_rank_per_step: u64,
     /// Model states each rank holds, by kind (ZeRO's Ψ accounting).
     pub model_state_bytes_per_rank: Vec<MemoryBytes>,
+    /// Model states each rank keeps outside its device budget (offload), by tier.
+    pub offloaded_bytes_per_rank: Vec<crate::offload::OffloadedBytes>,
     pub last_checkpoint: Option<String>,
 }
 

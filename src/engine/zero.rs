@@ -31,13 +31,14 @@ use std::time::Instant;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::dtype::{round_to, DType};
 use tessera_kernels::model::{UnitAccess, Workspace};
-use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, OptimizerShard, StepContext, StepOutcome};
+use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, StepContext, StepOutcome};
 use tessera_transport::collective::Collective;
 use tessera_transport::tree::TreeSum;
 
 use super::plan::Plan;
 use super::store::Store;
 use crate::data::Sampler;
+use crate::offload::{self, Masters, OptimState, Tier};
 
 /// The persistent state of one rank: what a checkpoint saves and memory accounting counts.
 pub struct RankState {
@@ -46,9 +47,15 @@ pub struct RankState {
     pub params: ParamStore,
     /// Reduced gradients in the storage type: the whole buffer (stages 0–1) or `ranges[r]`.
     pub grads: Store,
-    /// fp32 masters of `plan.optim_range(r)`.
-    pub master: Vec<f32>,
-    pub optim: OptimizerShard,
+    /// fp32 masters of `plan.optim_range(r)`, in the tier `offload_optimizer` names.
+    pub master: Masters,
+    /// Optimizer moments of the same range, in the same tier.
+    pub optim: OptimState,
+    /// Whether `offload_param` keeps the stage-3 parameter shard out of the device budget.
+    pub params_offloaded: bool,
+    /// An NVMe swap file that could not be set up at start (the states then stay in memory and
+    /// the rank reports this before its first step).
+    pub offload_error: Option<String>,
     pub scaler: Option<LossScaler>,
     /// Optimizer steps applied (the LR schedule's clock) and steps skipped on overflow.
     pub applied: u64,
@@ -66,6 +73,8 @@ pub struct ParamStore {
     /// (flat range, offset in `store`), sorted by flat start.
     segs: Vec<(Range<usize>, usize)>,
     store: Store,
+    /// Bytes of the stage-3 shard among them (what `offload_param` moves to the host tier).
+    pub shard_bytes: u64,
 }
 
 impl ParamStore {
@@ -81,7 +90,7 @@ impl ParamStore {
         for (r, off) in &segs {
             store.write(*off, &full[r.clone()]);
         }
-        ParamStore { segs, store }
+        ParamStore { segs, store, shard_bytes: 0 }
     }
 
     pub fn bytes(&self) -> u64 {
@@ -128,11 +137,22 @@ impl RankState {
         let total = plan.total();
         let opt = plan.optim_range(rank);
         let g_len = if plan.stage <= 1 { total } else { plan.ranges[rank].len() };
+        let site = offload::state::site(&plan.offload, rank);
+        let (master, e1) = Masters::new(full_master[opt.clone()].to_vec(), plan.offload.optimizer, site.as_ref());
+        let (optim, e2) = OptimState::new(plan.optimizer, opt.len(), plan.offload.optimizer, site.as_ref());
         RankState {
-            params: ParamStore::new(dtype, &plan.param_ranges(rank), full_master),
+            params: {
+                let mut p = ParamStore::new(dtype, &plan.param_ranges(rank), full_master);
+                if plan.stage == 3 {
+                    p.shard_bytes = (plan.ranges[rank].len() * dtype.size_bytes()) as u64;
+                }
+                p
+            },
             grads: Store::zeros(dtype, g_len),
-            master: full_master[opt.clone()].to_vec(),
-            optim: OptimizerShard::new(plan.optimizer, opt.len()),
+            master,
+            optim,
+            params_offloaded: plan.stage == 3 && plan.offload.param != Tier::Device,
+            offload_error: e1.or(e2),
             scaler,
             applied: 0,
             skipped: 0,
@@ -141,14 +161,12 @@ impl RankState {
         }
     }
 
+    /// The model states this rank keeps resident ("device" memory): offloaded parts are not
+    /// counted (`Plan::offloaded_bytes` reports them).
     pub fn memory(&self, rank: usize) -> MemoryReport {
-        let optim: usize = self.optim.state_buffers().iter().map(|(_, b)| b.len()).sum();
-        MemoryReport {
-            rank,
-            param_bytes: self.params.bytes(),
-            grad_bytes: self.grads.bytes(),
-            optim_bytes: ((self.master.len() + optim) * 4) as u64,
-        }
+        let optim = if self.optim.tier() == Tier::Device { self.master.bytes() + self.optim.bytes() } else { 0 };
+        let shard = if self.params_offloaded { self.params.shard_bytes } else { 0 };
+        MemoryReport { rank, param_bytes: self.params.bytes() - shard, grad_bytes: self.grads.bytes(), optim_bytes: optim }
     }
 }
 
@@ -315,19 +333,18 @@ impl ZeroWorker {
         Ok((norm, false))
     }
 
-    /// Parameters after the optimizer: share them as the stage requires.
+    /// Parameters after the optimizer, which has written this rank's new masters (rounded to
+    /// the storage type) into its own range of `st.params`: share them as the stage requires.
     fn publish_params(&mut self, st: &mut RankState) -> Result<(), String> {
         let plan = &self.plan;
         match plan.stage {
-            0 => st.params.write(0, &st.master),
-            3 => {
-                st.params.write(plan.ranges[self.rank].start, &st.master)?;
-                self.share_persistent_units(st)
-            }
+            0 => Ok(()),
+            3 => self.share_persistent_units(st),
             _ => {
+                let own = plan.ranges[self.rank].clone();
                 let mut full = vec![0.0; plan.total()];
-                let mut mine = st.master.clone();
-                plan.precision.round(&mut mine);
+                let mut mine = vec![0.0; own.len()];
+                st.params.read(own.start, &mut mine)?;
                 self.comm.all_gather(&mine, &plan.ranges, &mut full).map_err(|e| e.to_string())?;
                 st.params.write(0, &full)
             }
@@ -337,13 +354,13 @@ impl ZeroWorker {
     /// Stage 3: every rank's copy of each persistent unit takes the owners' new values.
     fn share_persistent_units(&mut self, st: &mut RankState) -> Result<(), String> {
         let plan = Arc::clone(&self.plan);
-        let own = plan.ranges[self.rank].clone();
         for (u, unit) in plan.model.units().iter().enumerate().filter(|(u, _)| plan.persistent[*u]) {
             let parts: Vec<Range<usize>> = plan.ranges.iter().map(|r| clamp_to(r, unit)).collect();
             let mine = &parts[self.rank];
-            // The owned part of the unit lies inside this rank's shard, hence inside its masters.
-            let at = (mine.start + unit.start).saturating_sub(own.start);
-            let mut vals = if mine.is_empty() { Vec::new() } else { st.master[at..at + mine.len()].to_vec() };
+            // The owned part of the unit lies inside this rank's shard, whose new values the
+            // optimizer has written to the parameters (rounding again changes nothing).
+            let mut vals = vec![0.0; mine.len()];
+            st.params.read(mine.start + unit.start, &mut vals)?;
             plan.precision.round(&mut vals);
             let mut buf = vec![0.0; unit.len()];
             self.comm.all_gather(&vals, &parts, &mut buf).map_err(|e| format!("sharing persistent unit {u}: {e}"))?;
@@ -359,6 +376,12 @@ impl WorkerCompute for ZeroWorker {
         let before = self.comm.stats();
         let state = Arc::clone(&self.state);
         let mut st = lock(&state);
+        if let Some(e) = &st.offload_error {
+            return Err(format!("rank {}: setting up NVMe offload failed at start: {e}", self.rank));
+        }
+        // Copies made for readers between steps (evaluation, checkpoints) go now.
+        st.master.release();
+        st.optim.release();
         let scale = st.scaler.as_ref().map_or(1.0, LossScaler::scale);
         let (loss_sum, sums) = self.compute_blocks(order.step, scale, &st.params)?;
         let mut g = self.reduce_to_owner(&sums)?;
@@ -414,16 +437,19 @@ impl WorkerCompute for ZeroWorker {
             0 | 1 => st.grads.read(range.start, &mut g),
             _ => st.grads.read(0, &mut g),
         }
+        let start = range.start;
         let ctx = StepContext { shard_range: range, layout: &plan.flat, decay: &plan.decay };
-        let RankState { master, optim, .. } = &mut *st;
+        let RankState { master, optim, params, .. } = &mut *st;
+        let mut publish = |off: usize, vals: &[f32]| params.write(start + off, vals);
         if plan.stage == 0 {
-            optim.step(master, &g, lr, &ctx, &mut LocalReduce).map_err(|e| e.to_string())?;
+            optim.step(master, &g, lr, &ctx, &mut LocalReduce, &mut publish)?;
         } else {
             let mut reducer = CommReduce(&mut *self.comm, None);
-            optim.step(master, &g, lr, &ctx, &mut reducer).map_err(|e| e.to_string())?;
+            let res = optim.step(master, &g, lr, &ctx, &mut reducer, &mut publish);
             if let Some(e) = reducer.1 {
                 return Err(e);
             }
+            res?;
         }
         self.publish_params(&mut st)?;
         st.applied += 1;
@@ -587,7 +613,7 @@ mod tests {
             .collect();
         handles.into_iter().for_each(|h| h.join().expect("rank thread"));
         let owners = if stage == 0 { 1 } else { world };
-        let master = (0..owners).flat_map(|r| lock(&states[r]).master.clone()).collect();
+        let master = (0..owners).flat_map(|r| lock(&states[r]).master.to_vec()).collect();
         (master, states.iter().map(|s| lock(s).ops_total).collect())
     }
 

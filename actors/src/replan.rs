@@ -1,0 +1,433 @@
+//! Re-planning after a membership change, as pure functions: the new partition of the flat
+//! buffer that keeps each survivor's range where it can (so few bytes move), the transfer list
+//! that realises it, and micro-batch blocks sized from measured worker speeds.
+//!
+//! Both are deterministic functions of their arguments: every member computes the same plan.
+
+use std::ops::Range;
+
+use tessera_transport::tree::aligned_blocks;
+
+/// One member's range of the flat buffer in the plan being replaced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OldShard<K> {
+    /// The member that holds this range.
+    pub member: K,
+    /// The range it holds (element indices of the flat buffer).
+    pub range: Range<usize>,
+    /// Whether the holder can still send it (a survivor, or a draining worker that has not
+    /// left yet). A dead holder's range cannot be copied from anyone: it is orphaned.
+    pub alive: bool,
+}
+
+/// A copy of `range` from its old holder to its new owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transfer<K> {
+    pub range: Range<usize>,
+    pub from: K,
+    pub to: K,
+}
+
+/// The result of [`replan_partition`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replanned<K> {
+    /// The new members in rank order (survivors keep their relative order; joiners take the
+    /// places of dead members first, then go last).
+    pub members: Vec<K>,
+    /// `ranges[r]` is owned by `members[r]`: contiguous, in rank order, covering `0..total`.
+    pub ranges: Vec<Range<usize>>,
+    /// Copies from live old holders to new owners (only what the new owner does not hold).
+    pub transfers: Vec<Transfer<K>>,
+    /// Pieces of new ranges whose old holder is dead or that nobody held: they must be
+    /// restored from a checkpoint.
+    pub orphaned: Vec<Range<usize>>,
+}
+
+impl<K> Replanned<K> {
+    /// Elements copied between members.
+    pub fn moved(&self) -> usize {
+        self.transfers.iter().map(|t| t.range.len()).sum()
+    }
+}
+
+fn overlap(a: &Range<usize>, b: &Range<usize>) -> usize {
+    a.end.min(b.end).saturating_sub(a.start.max(b.start))
+}
+
+/// Computes the new partition of `0..total` over `new_members` (any order; duplicates are
+/// ignored) given the old one, moving as few elements as it can.
+///
+/// Every boundary is a multiple of `align` (except `total`), and the `ceil(total / align)`
+/// blocks are dealt out as evenly as [`crate::plan::partition`] deals them (counts differ by at
+/// most one). Within that, the rank order and which ranks take the extra blocks are chosen to
+/// maximise the elements each member already holds (a dynamic programme over ranks), so:
+/// an unchanged membership over a balanced old partition moves nothing, and the elements moved
+/// never exceed what `partition` in the same rank order would move. `align == 0` counts as 1.
+pub fn replan_partition<K: Clone + Eq>(total: usize, align: usize, old: &[OldShard<K>], new_members: &[K]) -> Replanned<K> {
+    let align = align.max(1);
+    let mut unique: Vec<K> = Vec::new();
+    for m in new_members {
+        if !unique.contains(m) {
+            unique.push(m.clone());
+        }
+    }
+    let candidates = [member_order(old, &unique, true), member_order(old, &unique, false)];
+    let mut best: Option<Replanned<K>> = None;
+    for members in candidates {
+        let kept: Vec<Option<Range<usize>>> =
+            members.iter().map(|m| old.iter().find(|s| s.member == *m && s.alive).map(|s| s.range.clone())).collect();
+        let ranges = balanced_ranges(total, align, &kept);
+        let plan = transfers_for(old, members, ranges);
+        if best.as_ref().is_none_or(|b| plan.moved() + len_sum(&plan.orphaned) < b.moved() + len_sum(&b.orphaned)) {
+            best = Some(plan);
+        }
+    }
+    best.unwrap_or(Replanned { members: Vec::new(), ranges: Vec::new(), transfers: Vec::new(), orphaned: Vec::new() })
+}
+
+fn len_sum(r: &[Range<usize>]) -> usize {
+    r.iter().map(Range::len).sum()
+}
+
+/// Survivors in the order of their old ranges; joiners either fill dead members' places
+/// (`fill_holes`) or go last.
+fn member_order<K: Clone + Eq>(old: &[OldShard<K>], new: &[K], fill_holes: bool) -> Vec<K> {
+    let mut by_start: Vec<&OldShard<K>> = old.iter().collect();
+    by_start.sort_by_key(|s| (s.range.start, s.range.end));
+    let survivor = |m: &K| old.iter().any(|s| s.member == *m);
+    let mut joiners = new.iter().filter(|m| !survivor(m)).cloned();
+    let mut order = Vec::with_capacity(new.len());
+    for shard in by_start {
+        if new.contains(&shard.member) {
+            if !order.contains(&shard.member) {
+                order.push(shard.member.clone());
+            }
+        } else if fill_holes {
+            order.extend(joiners.next());
+        }
+    }
+    order.extend(joiners);
+    order
+}
+
+/// Balanced aligned ranges in rank order, choosing which ranks take the extra block so the
+/// total overlap with `kept[r]` is largest (ties: earlier ranks take extras, as `partition`).
+fn balanced_ranges(total: usize, align: usize, kept: &[Option<Range<usize>>]) -> Vec<Range<usize>> {
+    let n = kept.len();
+    if n == 0 {
+        return Vec::new();
+    }
+    let blocks = total.div_ceil(align);
+    let (base, extra) = (blocks / n, blocks % n);
+    let range_of = |first_block: usize, count: usize| (first_block * align).min(total)..((first_block + count) * align).min(total);
+    let gain = |r: usize, first_block: usize, count: usize| kept[r].as_ref().map_or(0, |k| overlap(k, &range_of(first_block, count)));
+    // best[r][x]: the largest overlap of ranks r.. given x extras used by ranks ..r.
+    let mut best = vec![vec![0usize; extra + 1]; n + 1];
+    let mut take = vec![vec![false; extra + 1]; n + 1];
+    for r in (0..n).rev() {
+        for x in 0..=extra.min(r) {
+            let first = r * base + x;
+            let remaining_ranks = n - r;
+            let remaining_extras = extra - x;
+            let no = (remaining_extras < remaining_ranks).then(|| gain(r, first, base) + best[r + 1][x]);
+            let yes = (remaining_extras > 0).then(|| gain(r, first, base + 1) + best[r + 1][x + 1]);
+            let (value, took) = match (yes, no) {
+                (Some(y), Some(n)) if y >= n => (y, true),
+                (_, Some(n)) => (n, false),
+                (Some(y), None) => (y, true),
+                (None, None) => (0, false),
+            };
+            best[r][x] = value;
+            take[r][x] = took;
+        }
+    }
+    let mut ranges = Vec::with_capacity(n);
+    let mut x = 0;
+    for (r, row) in take.iter().enumerate().take(n) {
+        let count = base + usize::from(row[x]);
+        ranges.push(range_of(r * base + x, count));
+        x += usize::from(row[x]);
+    }
+    ranges
+}
+
+/// What each new owner must copy from old holders, and what nobody alive holds.
+fn transfers_for<K: Clone + Eq>(old: &[OldShard<K>], members: Vec<K>, ranges: Vec<Range<usize>>) -> Replanned<K> {
+    let mut transfers = Vec::new();
+    let mut orphaned: Vec<Range<usize>> = Vec::new();
+    for (member, range) in members.iter().zip(&ranges) {
+        // Walk the new range in order, piece by piece, by the old holders' ranges.
+        let mut pos = range.start;
+        while pos < range.end {
+            let holder = old.iter().find(|s| s.range.start <= pos && pos < s.range.end);
+            let end = match holder {
+                Some(s) => s.range.end.min(range.end),
+                None => old.iter().map(|s| s.range.start).filter(|&st| st > pos).min().unwrap_or(range.end).min(range.end),
+            };
+            match holder {
+                Some(s) if s.member == *member => {}
+                Some(s) if s.alive => transfers.push(Transfer { range: pos..end, from: s.member.clone(), to: member.clone() }),
+                _ => match orphaned.last_mut() {
+                    Some(last) if last.end == pos => last.end = end,
+                    _ => orphaned.push(pos..end),
+                },
+            }
+            pos = end;
+        }
+    }
+    Replanned { members, ranges, transfers, orphaned }
+}
+
+/// Integer micro-batch counts that minimise the step's makespan `max_r count_r / speed_r`
+/// with `sum = micro_batches`, given each worker's measured throughput (micro-batches per
+/// second). Speeds that are not finite and positive count as 0 (such a worker gets nothing);
+/// if none is positive, all workers weigh the same. Ties go to the earlier worker.
+pub fn leaf_counts_for_speeds(micro_batches: usize, speeds: &[f64]) -> Vec<usize> {
+    let clean: Vec<f64> = speeds.iter().map(|&s| if s.is_finite() && s > 0.0 { s } else { 0.0 }).collect();
+    let clean = if clean.iter().all(|&s| s == 0.0) { vec![1.0; speeds.len()] } else { clean };
+    let mut counts = vec![0usize; speeds.len()];
+    if speeds.is_empty() {
+        return counts;
+    }
+    // Start from the proportional floor (never above the optimum), then add one leaf at a time
+    // where it finishes earliest: the greedy is optimal for this makespan.
+    let total: f64 = clean.iter().sum();
+    for (c, s) in counts.iter_mut().zip(&clean) {
+        *c = ((micro_batches as f64) * s / total).floor() as usize;
+    }
+    let mut assigned: usize = counts.iter().sum();
+    while assigned > micro_batches {
+        // Float rounding overshoot (not expected): take back from the largest finish time.
+        let r = (0..counts.len())
+            .filter(|&r| counts[r] > 0)
+            .max_by(|&a, &b| finish(counts[a], clean[a]).total_cmp(&finish(counts[b], clean[b])));
+        let Some(r) = r else { break };
+        counts[r] -= 1;
+        assigned -= 1;
+    }
+    while assigned < micro_batches {
+        let r = (0..counts.len())
+            .filter(|&r| clean[r] > 0.0)
+            .min_by(|&a, &b| finish(counts[a] + 1, clean[a]).total_cmp(&finish(counts[b] + 1, clean[b])).then(a.cmp(&b)));
+        let Some(r) = r else { break };
+        counts[r] += 1;
+        assigned += 1;
+    }
+    counts
+}
+
+fn finish(count: usize, speed: f64) -> f64 {
+    count as f64 / speed
+}
+
+/// Aligned dyadic micro-batch blocks per worker (in worker order, contiguous), sized by
+/// [`leaf_counts_for_speeds`]: a slower worker gets fewer micro-batches. Pushing the workers'
+/// block sums into one `TreeSum` in worker order gives the bits of pushing every leaf, so the
+/// result does not depend on the speeds (same contract as [`crate::plan::assign_blocks`]).
+pub fn blocks_for_speeds(micro_batches: usize, speeds: &[f64]) -> Vec<Vec<(usize, u32)>> {
+    let mut first = 0;
+    leaf_counts_for_speeds(micro_batches, speeds)
+        .into_iter()
+        .map(|c| {
+            let blocks = aligned_blocks(first, first + c);
+            first += c;
+            blocks
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::partition;
+    use tessera_kernels::tensor::Rng;
+    use tessera_transport::tree::TreeSum;
+
+    const CASES: usize = 500;
+
+    fn old_from(parts: &[Range<usize>], ids: &[u32], dead: &[u32]) -> Vec<OldShard<u32>> {
+        ids.iter().zip(parts).map(|(&m, r)| OldShard { member: m, range: r.clone(), alive: !dead.contains(&m) }).collect()
+    }
+
+    /// Elements `partition` in the same rank order would copy or orphan.
+    fn naive_cost(total: usize, align: usize, old: &[OldShard<u32>], members: &[u32]) -> usize {
+        let ranges = partition(total, members.len(), align);
+        let plan = transfers_for(old, members.to_vec(), ranges);
+        plan.moved() + len_sum(&plan.orphaned)
+    }
+
+    #[test]
+    fn replan_owns_every_element_once_aligned_balanced_and_moves_little() {
+        let mut rng = Rng::new(21);
+        for case in 0..CASES {
+            let align = [1, 4, 16, 1000][case % 4];
+            let total = rng.gen_range(3000) as usize;
+            let old_n = 1 + rng.gen_range(8) as usize;
+            let ids: Vec<u32> = (0..old_n as u32).collect();
+            let parts = partition(total, old_n, align);
+            let dead: Vec<u32> = ids.iter().copied().filter(|_| rng.gen_range(4) == 0).collect();
+            let leaving: Vec<u32> = ids.iter().copied().filter(|m| !dead.contains(m) && rng.gen_range(5) == 0).collect();
+            let joiners: Vec<u32> = (0..rng.gen_range(3) as u32).map(|j| 100 + j).collect();
+            let mut new: Vec<u32> = ids.iter().copied().filter(|m| !dead.contains(m) && !leaving.contains(m)).collect();
+            new.extend(&joiners);
+            let old = old_from(&parts, &ids, &dead);
+            let plan = replan_partition(total, align, &old, &new);
+            let ctx = format!("case {case}: total {total} align {align} old {parts:?} dead {dead:?} leaving {leaving:?} new {new:?}");
+            assert_eq!(plan.members.len(), new.len(), "{ctx}");
+            assert!(new.iter().all(|m| plan.members.contains(m)), "{ctx}: {:?}", plan.members);
+            if new.is_empty() {
+                assert!(plan.ranges.is_empty(), "{ctx}");
+                continue;
+            }
+            let mut next = 0;
+            for r in &plan.ranges {
+                assert_eq!(r.start, next, "contiguous: {ctx}: {:?}", plan.ranges);
+                assert!(r.end == total || r.end % align == 0, "aligned: {ctx}: {:?}", plan.ranges);
+                next = r.end;
+            }
+            assert_eq!(next, total, "covers: {ctx}: {:?}", plan.ranges);
+            let counts: Vec<usize> = plan.ranges.iter().map(|r| r.len().div_ceil(align)).collect();
+            let (lo, hi) = (counts.iter().min().copied().unwrap_or(0), counts.iter().max().copied().unwrap_or(0));
+            assert!(hi - lo <= 1, "balanced: {ctx}: {counts:?}");
+            // Every element of every new range is kept, copied once from a live holder, or orphaned.
+            let mut owner_ok = vec![0u8; total];
+            for (m, r) in plan.members.iter().zip(&plan.ranges) {
+                for i in r.clone() {
+                    let kept = old.iter().any(|s| s.member == *m && s.range.contains(&i));
+                    owner_ok[i] += u8::from(kept);
+                }
+            }
+            for t in &plan.transfers {
+                let src = old.iter().find(|s| s.member == t.from).expect("source is an old holder");
+                assert!(src.alive && src.range.start <= t.range.start && t.range.end <= src.range.end, "{ctx}: {t:?}");
+                let dst = plan.members.iter().position(|m| *m == t.to).expect("destination is a member");
+                assert!(plan.ranges[dst].start <= t.range.start && t.range.end <= plan.ranges[dst].end, "{ctx}: {t:?}");
+                t.range.clone().for_each(|i| owner_ok[i] += 1);
+            }
+            for o in &plan.orphaned {
+                o.clone().for_each(|i| owner_ok[i] += 1);
+            }
+            assert!(owner_ok.iter().all(|&c| c == 1), "each element sourced once: {ctx}: {plan:?}");
+            let orphan_need: usize = old.iter().filter(|s| !s.alive).map(|s| s.range.len()).sum();
+            assert_eq!(len_sum(&plan.orphaned), orphan_need, "exactly the dead ranges are restored: {ctx}");
+            let cost = plan.moved() + len_sum(&plan.orphaned);
+            let order = member_order(&old, &new, false);
+            assert!(cost <= naive_cost(total, align, &old, &order), "{ctx}: {cost} > naive");
+            let order = member_order(&old, &new, true);
+            assert!(cost <= naive_cost(total, align, &old, &order), "{ctx}: {cost} > naive (holes)");
+            if dead.is_empty() && leaving.is_empty() && joiners.is_empty() {
+                assert_eq!(plan.ranges, parts, "unchanged membership: {ctx}");
+                assert!(plan.transfers.is_empty() && plan.orphaned.is_empty(), "nothing moves: {ctx}");
+            }
+        }
+    }
+
+    #[test]
+    fn replan_examples() {
+        // One of four leaves: its block goes to a neighbour; everyone else keeps what it had.
+        let parts = partition(16, 4, 1);
+        let old = old_from(&parts, &[0, 1, 2, 3], &[]);
+        let plan = replan_partition(16, 1, &old, &[0, 1, 3]);
+        assert_eq!(plan.members, vec![0, 1, 3]);
+        assert_eq!(plan.ranges, vec![0..5, 5..11, 11..16], "the extra element goes where it overlaps most");
+        assert_eq!(
+            plan.transfers,
+            vec![
+                Transfer { range: 4..5, from: 1, to: 0 },
+                Transfer { range: 8..11, from: 2, to: 1 },
+                Transfer { range: 11..12, from: 2, to: 3 }
+            ]
+        );
+        assert_eq!(plan.moved(), 5, "{plan:?}");
+        // A dead member's range cannot be copied: it is restored.
+        let old = old_from(&parts, &[0, 1, 2, 3], &[2]);
+        let plan = replan_partition(16, 1, &old, &[0, 1, 3]);
+        assert_eq!(plan.orphaned, std::iter::once(8..12).collect::<Vec<_>>());
+        // A joiner takes the place of a dead member.
+        let plan = replan_partition(16, 1, &old, &[0, 1, 3, 9]);
+        assert_eq!(plan.members, vec![0, 1, 9, 3]);
+        assert_eq!((plan.moved(), plan.orphaned.clone()), (0, std::iter::once(8..12).collect::<Vec<_>>()));
+        // Unchanged membership moves nothing.
+        let old = old_from(&parts, &[0, 1, 2, 3], &[]);
+        assert_eq!(replan_partition(16, 1, &old, &[3, 2, 1, 0]).moved(), 0);
+        // Fresh start: nobody held anything.
+        let plan = replan_partition::<u32>(10, 4, &[], &[5, 6]);
+        assert_eq!((plan.ranges.clone(), plan.orphaned.clone()), (vec![0..8, 8..10], std::iter::once(0..10).collect::<Vec<_>>()));
+    }
+
+    fn leaf(i: usize) -> Vec<f32> {
+        (0..3).map(|j| 1.0 / (1.0 + 3.0 * i as f32 + j as f32) + (i % 5) as f32 * 1.0e7 - 3.3e6).collect()
+    }
+
+    #[test]
+    fn speed_blocks_cover_in_order_and_keep_the_bits() {
+        let mut rng = Rng::new(5);
+        for _ in 0..CASES {
+            let m = 1 + rng.gen_range(64) as usize;
+            let n = 1 + rng.gen_range(6) as usize;
+            let speeds: Vec<f64> = (0..n).map(|_| if rng.gen_range(6) == 0 { 0.0 } else { 0.05 + rng.next_f64() * 10.0 }).collect();
+            let plan = blocks_for_speeds(m, &speeds);
+            assert_eq!(plan.len(), n);
+            let mut next = 0;
+            let mut global = TreeSum::new();
+            for &(first, level) in plan.iter().flatten() {
+                assert_eq!(first, next, "in order: {plan:?}");
+                assert_eq!(first % (1usize << level), 0, "aligned: {plan:?}");
+                let end = first + (1usize << level);
+                assert!(end <= m);
+                let mut own = TreeSum::new();
+                (first..end).for_each(|i| own.push_leaf(leaf(i)).expect("in order"));
+                global.push_block(first, level, own.finish().expect("non-empty")).expect("blocks in order");
+                next = end;
+            }
+            assert_eq!(next, m, "{speeds:?}");
+            let mut by_leaf = TreeSum::new();
+            (0..m).for_each(|i| by_leaf.push_leaf(leaf(i)).expect("in order"));
+            let (got, want) = (global.finish().expect("m >= 1"), by_leaf.finish().expect("m >= 1"));
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "bits: m {m} speeds {speeds:?}");
+        }
+    }
+
+    #[test]
+    fn speed_counts_are_monotone_and_minimise_the_makespan() {
+        let mut rng = Rng::new(9);
+        for _ in 0..CASES {
+            let m = rng.gen_range(14) as usize;
+            let n = 1 + rng.gen_range(3) as usize;
+            let speeds: Vec<f64> = (0..n).map(|_| 0.1 + (rng.gen_range(8) as f64) * 0.5).collect();
+            let counts = leaf_counts_for_speeds(m, &speeds);
+            assert_eq!(counts.iter().sum::<usize>(), m);
+            for a in 0..n {
+                for b in 0..n {
+                    if speeds[a] < speeds[b] {
+                        assert!(counts[a] <= counts[b], "slower gets no more: {speeds:?} {counts:?}");
+                    }
+                }
+            }
+            let makespan = |c: &[usize]| c.iter().zip(&speeds).map(|(&c, &s)| c as f64 / s).fold(0.0, f64::max);
+            // Brute force over every split of m among n workers.
+            let mut best = f64::INFINITY;
+            let mut c = vec![0usize; n];
+            loop {
+                if c.iter().sum::<usize>() == m {
+                    best = best.min(makespan(&c));
+                }
+                let mut i = 0;
+                while i < n && c[i] == m {
+                    c[i] = 0;
+                    i += 1;
+                }
+                if i == n {
+                    break;
+                }
+                c[i] += 1;
+            }
+            assert!(makespan(&counts) <= best + 1e-12, "optimal: {speeds:?} {counts:?} {best}");
+        }
+        assert_eq!(leaf_counts_for_speeds(8, &[1.0, 1.0]), vec![4, 4]);
+        assert_eq!(leaf_counts_for_speeds(8, &[3.0, 1.0]), vec![6, 2]);
+        assert_eq!(leaf_counts_for_speeds(5, &[f64::NAN, 2.0]), vec![0, 5]);
+        assert_eq!(leaf_counts_for_speeds(3, &[0.0, -1.0]), vec![2, 1]);
+        assert_eq!(blocks_for_speeds(8, &[3.0, 1.0]), vec![vec![(0, 2), (4, 1)], vec![(6, 1)]]);
+    }
+}
