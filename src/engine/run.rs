@@ -203,7 +203,8 @@ fn evaluate(plan: &Plan, ranks: &Ranks, batches: &[data::TokenBatch], ws: &mut W
     Ok(total / batches.len().max(1) as f64)
 }
 
-fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
+/// The training progress bar (hidden when `enabled` is false), shared with the GPU path.
+pub(crate) fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
     if !enabled {
         return ProgressBar::hidden();
     }

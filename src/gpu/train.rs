@@ -31,7 +31,6 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use tessera_kernels::cuda::{self, gpt, Gpu};
 use tessera_kernels::model::Arch;
@@ -286,18 +285,6 @@ fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, lead: bool) -> Result<Sta
     Ok(Start { step: st.step, master: st.master, moments: Some(moments), applied: st.applied, skipped: st.skipped })
 }
 
-fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
-    if !enabled {
-        return ProgressBar::hidden();
-    }
-    let pb = ProgressBar::new(total);
-    let style = ProgressStyle::with_template("{spinner} step {pos}/{len} [{bar:30.cyan/blue}] {msg} eta {eta}")
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> ");
-    pb.set_style(style);
-    pb
-}
-
 /// Mean validation loss over the fixed validation batches (the CPU path's), on the bf16
 /// working parameters.
 fn evaluate(r: &mut Rank, batches: &[TokenBatch]) -> Result<f64> {
@@ -485,7 +472,7 @@ fn run_rank(cfg: &Config, opts: &GpuTrainOptions, rank: usize, world: usize, id:
     let mut monitors = if lead { bridge::monitors(cfg, &out_dir)? } else { MonitorSet::new() };
     let stop = tessera_actors::install_ctrl_c().context("installing the Ctrl-C handler")?;
     let steps = cfg.tessera.steps;
-    let pb = progress_bar(steps, opts.progress && lead);
+    let pb = engine::progress_bar(steps, opts.progress && lead);
     pb.set_position(start.step);
     if lead {
         pb.println(format!(

@@ -44,6 +44,52 @@ use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
 
+/// The collective operations, with stable codes: backends that exchange call descriptors (QUIC,
+/// NCCL) send `op as u64` and name a peer's call with [`CollectiveOp::name_of_code`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollectiveOp {
+    AllReduce = 0,
+    AllReduceF64,
+    ReduceScatter,
+    AllGather,
+    GatherSlices,
+    Broadcast,
+    AllToAll,
+    Barrier,
+}
+
+impl CollectiveOp {
+    pub const ALL: [CollectiveOp; 8] = [
+        CollectiveOp::AllReduce,
+        CollectiveOp::AllReduceF64,
+        CollectiveOp::ReduceScatter,
+        CollectiveOp::AllGather,
+        CollectiveOp::GatherSlices,
+        CollectiveOp::Broadcast,
+        CollectiveOp::AllToAll,
+        CollectiveOp::Barrier,
+    ];
+
+    /// The trait method's name, as errors report it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllReduce => "all_reduce_sum",
+            CollectiveOp::AllReduceF64 => "all_reduce_sum_f64",
+            CollectiveOp::ReduceScatter => "reduce_scatter_sum",
+            CollectiveOp::AllGather => "all_gather",
+            CollectiveOp::GatherSlices => "gather_slices",
+            CollectiveOp::Broadcast => "broadcast",
+            CollectiveOp::AllToAll => "all_to_all",
+            CollectiveOp::Barrier => "barrier",
+        }
+    }
+
+    /// The name of the operation with code `c` (a peer's descriptor), or "an unknown operation".
+    pub fn name_of_code(c: u64) -> &'static str {
+        Self::ALL.get(c as usize).map_or("an unknown operation", |op| op.name())
+    }
+}
+
 /// Default bound on any wait of a collective or `recv`, in milliseconds (5 minutes: long enough
 /// for a peer writing a checkpoint, short enough that a hung job is noticed).
 pub const DEFAULT_TIMEOUT_MS: u64 = 300_000;

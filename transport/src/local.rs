@@ -15,6 +15,7 @@
 //! Ranks must each run on their own OS thread (they block); they may use rayon inside, but must
 //! not themselves be tasks of one rayon pool smaller than the world.
 
+use crate::collective::CollectiveOp as Op;
 use crate::collective::{
     chain_broadcast_traffic, check_ranges, even_ranges, gather_slices_traffic, ring_all_gather_traffic, ring_all_reduce_traffic,
     ring_reduce_scatter_traffic, AbortHandle, Collective, CollectiveError, CommStats, Traffic, DEFAULT_TIMEOUT_MS,
@@ -27,32 +28,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 /// The collective a rank is in; all ranks of a session must agree.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Op {
-    AllReduce,
-    AllReduceF64,
-    ReduceScatter,
-    AllGather,
-    GatherSlices,
-    Broadcast,
-    AllToAll,
-    Barrier,
-}
-
 impl Op {
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce_sum",
-            Op::AllReduceF64 => "all_reduce_sum_f64",
-            Op::ReduceScatter => "reduce_scatter_sum",
-            Op::AllGather => "all_gather",
-            Op::GatherSlices => "gather_slices",
-            Op::Broadcast => "broadcast",
-            Op::AllToAll => "all_to_all",
-            Op::Barrier => "barrier",
-        }
-    }
-
     /// Closing rounds after `join`: all-reduce publishes its reduced chunk in a second round.
     fn syncs(self) -> u32 {
         match self {

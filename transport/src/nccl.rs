@@ -72,6 +72,7 @@
 //! receiving wait for each other until the timeout (use `all_to_all` for exchanges). Sends to
 //! oneself are buffered on the host.
 
+use crate::collective::CollectiveOp as Op;
 use crate::collective::{
     chain_broadcast_traffic, check_ranges, even_ranges, gather_slices_traffic, ring_all_gather_traffic, ring_all_reduce_traffic,
     ring_reduce_scatter_traffic, AbortHandle, Collective, CollectiveError, CommStats, Traffic, DEFAULT_TIMEOUT_MS,
@@ -352,40 +353,6 @@ fn cu(stream: &CudaStream) -> sys::cudaStream_t {
 }
 
 /// The host collectives, named as in every backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Op {
-    AllReduce = 1,
-    AllReduceF64,
-    ReduceScatter,
-    AllGather,
-    GatherSlices,
-    Broadcast,
-    AllToAll,
-    Barrier,
-}
-
-impl Op {
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce_sum",
-            Op::AllReduceF64 => "all_reduce_sum_f64",
-            Op::ReduceScatter => "reduce_scatter_sum",
-            Op::AllGather => "all_gather",
-            Op::GatherSlices => "gather_slices",
-            Op::Broadcast => "broadcast",
-            Op::AllToAll => "all_to_all",
-            Op::Barrier => "barrier",
-        }
-    }
-
-    fn from_code(c: u64) -> &'static str {
-        [Op::AllReduce, Op::AllReduceF64, Op::ReduceScatter, Op::AllGather, Op::GatherSlices, Op::Broadcast, Op::AllToAll, Op::Barrier]
-            .into_iter()
-            .find(|o| *o as u64 == c)
-            .map_or("an unknown operation", Op::name)
-    }
-}
-
 /// Descriptor fields (then one length per rank, for all-to-all).
 const D_OP: usize = 0;
 const D_LEN: usize = 1;
@@ -815,7 +782,8 @@ impl NcclComm {
         let flat = run(self).map_err(|e| self.fail(e))?;
         let rows: Vec<Vec<u64>> = flat.chunks(words).map(<[u64]>::to_vec).collect();
         if let Some(r) = rows.iter().position(|row| row[D_OP] != rows[0][D_OP]) {
-            let detail = format!("rank {r} called {} but rank 0 called {}", Op::from_code(rows[r][D_OP]), Op::from_code(rows[0][D_OP]));
+            let detail =
+                format!("rank {r} called {} but rank 0 called {}", Op::name_of_code(rows[r][D_OP]), Op::name_of_code(rows[0][D_OP]));
             return Err(CollectiveError::Mismatch { op: op.name(), detail });
         }
         Ok(rows)
@@ -1231,11 +1199,9 @@ mod tests {
 
     #[test]
     fn op_codes_round_trip() {
-        for op in
-            [Op::AllReduce, Op::AllReduceF64, Op::ReduceScatter, Op::AllGather, Op::GatherSlices, Op::Broadcast, Op::AllToAll, Op::Barrier]
-        {
-            assert_eq!(Op::from_code(op as u64), op.name());
+        for op in Op::ALL {
+            assert_eq!(Op::name_of_code(op as u64), op.name());
         }
-        assert_eq!(Op::from_code(0), "an unknown operation");
+        assert_eq!(Op::name_of_code(Op::ALL.len() as u64), "an unknown operation");
     }
 }

@@ -4,6 +4,7 @@
 use super::frame::{Control, Key, OpDesc, Payload, ELEM_F32, ELEM_F64};
 use super::net::{broadcast_abort, build_mesh, serve_peer, transport_config, write_stream, ClusterSpec, Delivery, QuicError, Shared};
 use super::pki::NodeTls;
+use crate::collective::CollectiveOp as Op;
 use crate::collective::{
     chain_broadcast_traffic, check_ranges, even_ranges, gather_slices_traffic, ring_all_gather_traffic, ring_all_reduce_traffic,
     ring_reduce_scatter_traffic, AbortHandle, Collective, CollectiveError, CommStats, Traffic, DEFAULT_TIMEOUT_MS,
@@ -16,40 +17,6 @@ use std::time::{Duration, Instant};
 
 /// Elements per broadcast piece (4 MiB of f32): the chain forwards piece k while piece k+1 arrives.
 const PIECE_ELEMS: usize = 1 << 20;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Op {
-    AllReduce = 0,
-    AllReduceF64,
-    ReduceScatter,
-    AllGather,
-    GatherSlices,
-    Broadcast,
-    AllToAll,
-    Barrier,
-}
-
-const OPS: [Op; 8] =
-    [Op::AllReduce, Op::AllReduceF64, Op::ReduceScatter, Op::AllGather, Op::GatherSlices, Op::Broadcast, Op::AllToAll, Op::Barrier];
-
-impl Op {
-    fn name(self) -> &'static str {
-        match self {
-            Op::AllReduce => "all_reduce_sum",
-            Op::AllReduceF64 => "all_reduce_sum_f64",
-            Op::ReduceScatter => "reduce_scatter_sum",
-            Op::AllGather => "all_gather",
-            Op::GatherSlices => "gather_slices",
-            Op::Broadcast => "broadcast",
-            Op::AllToAll => "all_to_all",
-            Op::Barrier => "barrier",
-        }
-    }
-
-    fn code_name(code: u8) -> &'static str {
-        OPS.get(code as usize).map_or("an unknown operation", |op| op.name())
-    }
-}
 
 /// An element type carried in payloads and summed in rank order.
 trait Elem: bytemuck::Pod + AddAssign {
@@ -322,7 +289,11 @@ impl QuicComm {
             }
         }
         if let Some(r) = all.iter().position(|d| d.op != all[0].op) {
-            let detail = format!("rank {r} called {} but rank 0 called {}", Op::code_name(all[r].op), Op::code_name(all[0].op));
+            let detail = format!(
+                "rank {r} called {} but rank 0 called {}",
+                Op::name_of_code(u64::from(all[r].op)),
+                Op::name_of_code(u64::from(all[0].op))
+            );
             return Err(mismatch(op, detail));
         }
         Ok((call, all))
