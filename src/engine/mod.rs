@@ -18,6 +18,6 @@ pub use child::{run_agent, run_worker, AgentArgs, WorkerArgs, AGENT_CONNECT_TIME
 pub use plan::Plan;
 pub use precision::Precision16;
 pub use remote::{assign_ranks, set_rendezvous, take_rendezvous, Launched, Rendezvous, JOIN_TIMEOUT_MS};
-pub(crate) use run::{progress_bar, refuse_to_overwrite, resume_start};
+pub(crate) use run::{checkpoint_tensors, progress_bar, refuse_to_overwrite, resume_start};
 pub use run::{train, TrainOptions, TrainOutcome};
 pub use summary::{peak_rss_bytes, MemoryBytes, Summary};

@@ -154,8 +154,13 @@ pub(crate) fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
     Ok(())
 }
 
-fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &Path) -> Result<PathBuf> {
-    let (master, bufs, c) = ranks.assemble(plan, true)?;
+/// A checkpoint's tensors: the masters under their parameter names, and the full-length optimizer
+/// buffers under `optim.<name>` (shared with the GPU path, so both write the same format).
+pub(crate) fn checkpoint_tensors(
+    plan: &Plan,
+    master: &[f32],
+    bufs: impl IntoIterator<Item = (String, Vec<f32>)>,
+) -> (Vec<NamedTensor>, Vec<NamedTensor>) {
     let params = plan
         .model
         .layout()
@@ -167,6 +172,12 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
         .into_iter()
         .map(|(name, data)| NamedTensor { name: format!("{OPTIM_PREFIX}.{name}"), shape: vec![data.len()], data })
         .collect();
+    (params, optim)
+}
+
+fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &Path) -> Result<PathBuf> {
+    let (master, bufs, c) = ranks.assemble(plan, true)?;
+    let (params, optim) = checkpoint_tensors(plan, &master, bufs);
     let state = CheckpointState {
         step,
         config_hash: cfg.hash.clone(),

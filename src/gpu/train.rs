@@ -38,7 +38,7 @@ use tessera_transport::nccl::{NcclComm, NcclId};
 
 use super::zero::{AdamW, Rank};
 use super::{wait_all, ENV_NCCL_ID, ENV_RANK, ENV_WORLD};
-use crate::checkpoint::{self, CheckpointState, NamedTensor};
+use crate::checkpoint::{self, CheckpointState};
 use crate::cli::{self, CommonArgs};
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision};
 use crate::data::{self, Dataset, Sampler, SamplerState, TokenBatch};
@@ -401,18 +401,7 @@ impl RankRun<'_> {
             return Ok((master, None));
         }
         let (cfg, plan) = (self.cfg, &self.plan);
-        let params = plan
-            .model
-            .layout()
-            .specs()
-            .iter()
-            .map(|s| NamedTensor { name: s.name.clone(), shape: s.shape.clone(), data: master[s.range()].to_vec() })
-            .collect();
-        let optim = ADAM_BUFFERS
-            .iter()
-            .zip([m, v])
-            .map(|(name, data)| NamedTensor { name: format!("{OPTIM_PREFIX}.{name}"), shape: vec![data.len()], data })
-            .collect();
+        let (params, optim) = engine::checkpoint_tensors(plan, &master, ADAM_BUFFERS.iter().map(|n| n.to_string()).zip([m, v]));
         let state = CheckpointState {
             step: self.step,
             config_hash: cfg.hash.clone(),

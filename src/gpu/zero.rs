@@ -223,7 +223,7 @@ impl Rank {
         self.gpu.mark("micro-batch tree");
         // Optimizer input: this rank's reduced pieces.
         if self.world > 1 {
-            self.order(&self.cstream.clone(), &self.gpu.stream.clone())?;
+            self.order(&self.cstream, &self.gpu.stream)?;
         }
         self.gpu.mark("wait for reductions");
         let gshard: DPtr<f32> = match &self.gshard {
@@ -304,7 +304,7 @@ impl Rank {
         ops::sum_squares_blocks(&self.gpu, &self.gpu.stream, self.norm_partials.ptr(), gshard, gpt::ALIGN)?;
         let nb = self.norm_partials.len();
         let all = if self.world > 1 && self.stage > 0 {
-            self.order(&self.gpu.stream.clone(), &self.cstream.clone())?;
+            self.order(&self.gpu.stream, &self.cstream)?;
             // f64 partials travel as pairs of f32 words (a gather moves bits, it adds nothing).
             self.comm().all_gather_f32(self.norm_partials.ptr().cast(), self.norm_all.ptr().cast(), &self.cstream)?;
             self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
@@ -333,7 +333,7 @@ impl Rank {
             return Ok(self.layout.unpad(&self.layout_full_from_shards(&[shard])));
         }
         let all = self.gpu.alloc::<f32>(self.master.len() * self.world)?;
-        self.order(&self.gpu.stream.clone(), &self.cstream.clone())?;
+        self.order(&self.gpu.stream, &self.cstream)?;
         self.comm().all_gather_f32(self.master.ptr(), all.ptr(), &self.cstream)?;
         self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
         let flat = self.gpu.download(all.ptr())?;
@@ -402,7 +402,7 @@ impl Hooks<'_> {
         self.uses = (1..=l).map(|u| (u, Phase::Forward)).chain((1..=l).rev().map(|u| (u, Phase::Backward))).collect();
         self.use_idx = 0;
         // Gathers read the parameter shard the last optimizer step wrote.
-        self.r.order(&self.r.gpu.stream.clone(), &self.r.cstream.clone())?;
+        self.r.order(&self.r.gpu.stream, &self.r.cstream)?;
         let u0 = self.r.u0.as_ref().expect("stage 3 has a unit-0 buffer").ptr();
         self.gather(0, u0)?;
         self.r.ready[0] = Some(record(&self.r.cstream)?);
@@ -471,7 +471,7 @@ impl UnitHooks for Hooks<'_> {
         self.use_idx += 1;
         if k + 2 < self.uses.len() {
             // Slot k % 2 is free once the compute stream is past this use.
-            self.r.order(&self.r.gpu.stream.clone(), &self.r.cstream.clone()).map_err(|e| cuda::GpuError::Invalid(e.to_string()))?;
+            self.r.order(&self.r.gpu.stream, &self.r.cstream).map_err(|e| cuda::GpuError::Invalid(e.to_string()))?;
             self.gather_use(k + 2).map_err(|e| cuda::GpuError::Invalid(e.to_string()))?;
         }
         Ok(())
@@ -530,7 +530,7 @@ impl Rank {
             .collect();
         let send = self.gpu.upload(&words)?;
         let recv = self.gpu.alloc::<f32>(words.len() * self.world)?;
-        self.order(&self.gpu.stream.clone(), &self.cstream.clone())?;
+        self.order(&self.gpu.stream, &self.cstream)?;
         self.comm().all_gather_f32(send.ptr(), recv.ptr(), &self.cstream)?;
         self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
         let flat = self.gpu.download(recv.ptr())?;
@@ -556,7 +556,7 @@ impl Rank {
             return Ok(self.layout.unpad(&self.layout_full_from_shards(&[own])));
         }
         let all = self.gpu.alloc::<f32>(shard.len * self.world)?;
-        self.order(&self.gpu.stream.clone(), &self.cstream.clone())?;
+        self.order(&self.gpu.stream, &self.cstream)?;
         self.comm().all_gather_f32(shard, all.ptr(), &self.cstream)?;
         self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
         let flat = self.gpu.download(all.ptr())?;

@@ -263,7 +263,8 @@ struct LayerActs {
 /// Every activation and scratch buffer of one micro-batch shape, allocated once.
 pub struct Workspace {
     pub shape: Shape,
-    pub layout: GpuLayout,
+    /// Shared, so the model functions can hold it while they write into the workspace.
+    pub layout: std::sync::Arc<GpuLayout>,
     tmp: Buf<bf16>,
     xs: Vec<Buf<f32>>,
     layers: Vec<LayerActs>,
@@ -315,7 +316,7 @@ impl Workspace {
         let scratch_cols = (3 * c).max(f).max(c);
         Ok(Workspace {
             shape: s,
-            layout: layout.clone(),
+            layout: std::sync::Arc::new(layout.clone()),
             tmp: gpu.alloc(n * c)?,
             xs,
             layers,
@@ -432,7 +433,8 @@ pub fn forward_backward(
 
     // ---- forward ----
     let p0 = hooks.params(0, Phase::Forward)?;
-    let lay = &ws.layout.clone();
+    let layout = ws.layout.clone(); // an Arc: holding it does not borrow `ws`
+    let lay = &*layout;
     let e = EmbedW::at(p0, lay);
     ops::embedding_forward(gpu, st, ws.xs[0].ptr(), ws.tokens.ptr(), e.wte, e.wpe, s.b, s.t, c)?;
     gpu.mark("embedding");
@@ -501,7 +503,8 @@ pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, to
         return Err(GpuError::Invalid(format!("batch of {} tokens, expected {n}", tokens.len())));
     }
     let st: &CudaStream = &gpu.stream;
-    let lay = &ws.layout.clone();
+    let layout = ws.layout.clone(); // an Arc: holding it does not borrow `ws`
+    let lay = &*layout;
     gpu.write(&mut ws.tokens, 0, tokens)?;
     gpu.write(&mut ws.targets, 0, targets)?;
     let p0 = hooks.params(0, Phase::Forward)?;
