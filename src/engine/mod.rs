@@ -4,6 +4,7 @@
 //! of [`tessera_transport::tree`], and the optimizer applied to fp32 masters on commit.
 
 mod child;
+mod lane;
 mod plan;
 mod precision;
 mod ranks;

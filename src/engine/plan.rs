@@ -50,6 +50,35 @@ pub struct Plan {
     pub keep_unit0: bool,
     /// Where model states live (offload) and the per-rank device budget.
     pub offload: OffloadPlan,
+    /// Collectives run on a communication thread beside the compute
+    /// (`zero_optimization.overlap_comm`).
+    pub overlap_comm: bool,
+    /// Stage 3: elements of the units ahead of use that may be gathered in advance
+    /// (`stage3_prefetch_bucket_size`; 0 = gather each unit when it is used).
+    pub prefetch_elems: usize,
+    /// Stage 3: bound on gathered elements live at once, prefetched ones included
+    /// (`stage3_max_live_parameters`).
+    pub max_live_elems: usize,
+}
+
+/// What a rank sends to the partition owners in one micro-batch slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotSend {
+    /// The micro-batch computed in this slot.
+    pub leaf: usize,
+    /// The aligned dyadic block `(first, level)` it belongs to.
+    pub block: (usize, u32),
+    /// Whether the values are the whole block's tree sum (stages 0–1, sent with the block's
+    /// last micro-batch) or this one micro-batch's gradient (stages 2–3).
+    pub block_sum: bool,
+}
+
+/// One use of a unit's parameters by `Model::forward_backward`, or the moment its gradients
+/// are final (`UnitAccess::grads_ready`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnitEvent {
+    Use(usize),
+    Ready(usize),
 }
 
 /// Where stage 3 keeps and releases units.
@@ -138,6 +167,9 @@ impl Plan {
             persistent: policy.persistent,
             keep_unit0: policy.keep_unit0,
             offload,
+            overlap_comm: cfg.zero.overlap_comm,
+            prefetch_elems: to_elems(cfg.zero.stage3_prefetch_bucket_size),
+            max_live_elems: to_elems(cfg.zero.stage3_max_live_parameters),
             model,
         };
         for r in 0..plan.world {
@@ -245,6 +277,47 @@ impl Plan {
     /// The most leaves any rank has: ZeRO-3 ranks run this many slots in lockstep.
     pub fn max_leaves(&self) -> usize {
         (0..self.world).map(|r| self.leaves(r).len()).max().unwrap_or(0)
+    }
+
+    /// Micro-batch slots of a step: every rank runs this many in lockstep (a rank with fewer
+    /// micro-batches replays the communication of the missing ones without computing).
+    pub fn slots(&self) -> usize {
+        self.max_leaves()
+    }
+
+    /// Whether gradients travel to their owners once per micro-batch (stages 2–3, as
+    /// DeepSpeed's ZeRO-2 reduces at every micro-step: no full-length gradient is kept) or
+    /// once per block as the block's tree sum (stages 0–1, whose gradients are full-length).
+    pub fn reduces_per_micro_batch(&self) -> bool {
+        self.stage >= 2
+    }
+
+    /// What rank `r` sends in slot `s`, if anything.
+    pub fn slot_send(&self, r: usize, s: usize) -> Option<SlotSend> {
+        let leaf = *self.leaves(r).get(s)?;
+        let block = *self.blocks[r].iter().find(|&&(first, level)| first <= leaf && leaf < first + (1 << level))?;
+        let last = (block.0 + (1 << block.1)).min(self.micro_batches) - 1;
+        let block_sum = !self.reduces_per_micro_batch();
+        (!block_sum || leaf == last).then_some(SlotSend { leaf, block, block_sum })
+    }
+
+    /// Whether any rank sends gradients in slot `s` (else the slot has no gradient traffic).
+    pub fn slot_active(&self, s: usize) -> bool {
+        (0..self.world).any(|r| self.slot_send(r, s).is_some())
+    }
+
+    /// The unit events of one `Model::forward_backward`, in order: the embeddings and every
+    /// block forward, the head (unit 0 again; forward and backward), every block backward, the
+    /// embeddings backward. `zero::tests` checks it against the model's real calls.
+    pub fn micro_batch_events(&self) -> Vec<UnitEvent> {
+        let l = self.model.units().len() - 1;
+        let mut ev: Vec<UnitEvent> = (0..=l).map(UnitEvent::Use).collect();
+        ev.push(UnitEvent::Use(0));
+        for u in (1..=l).rev() {
+            ev.extend([UnitEvent::Use(u), UnitEvent::Ready(u)]);
+        }
+        ev.extend([UnitEvent::Use(0), UnitEvent::Ready(0)]);
+        ev
     }
 
     /// First sample index of micro-batch `i` of step `step`: batches depend on nothing else.

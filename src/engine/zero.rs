@@ -1,7 +1,7 @@
 //! A rank of a ZeRO data-parallel run: [`ZeroWorker`] is the compute a `DeviceWorker` actor
-//! drives. It computes its micro-batch blocks, sends their gradient sums to the partition owners
-//! (who combine them with the fixed micro-batch tree), and on commit applies the optimizer to the
-//! fp32 masters it owns and shares the new parameters.
+//! drives. It computes its micro-batches, sends their gradients to the partition owners as the
+//! backward produces them (who combine them with the fixed micro-batch tree), and on commit
+//! applies the optimizer to the fp32 masters it owns and shares the new parameters.
 //!
 //! What each stage keeps per rank (Ψ parameters, N ranks, 16-bit storage):
 //!
@@ -14,16 +14,28 @@
 //!
 //! Stage 3 keeps *persistent* units (smaller than `stage3_param_persistence_threshold`) whole on
 //! every rank besides its shard: they are never gathered, their optimizer state stays
-//! partitioned, and the commit all-gathers their new values. Gradients reach their owners in
-//! all-to-alls of at most `reduce_bucket_size` elements; the owner combines whole ranges with the
-//! tree, which is elementwise, so bucketing never changes a bit.
+//! partitioned, and the commit all-gathers their new values.
+//!
+//! Gradients reach their owners in all-to-alls of fixed buckets of at most `reduce_bucket_size`
+//! elements, each sent as soon as the backward has finished every unit it covers (units finish
+//! from the end of the flat buffer towards its start). Stages 2–3 send every micro-batch's
+//! gradient (as DeepSpeed's ZeRO-2 reduces at every micro-step), so a rank holds a unit's
+//! gradient only from its backward until its buckets leave, never a full-length one unless the
+//! bucket is that large; the owner combines each sender's micro-batches with the block's tree.
+//! Stages 0–1, whose gradients are full-length anyway, add each unit's gradient to the unit's
+//! block tree and send the block's sum with its last micro-batch. Collectives run in one
+//! ordered lane per rank ([`super::lane`]): on a communication thread with `overlap_comm` (the
+//! exchanges then run while the backward goes on) or stage-3 prefetch (`stage3_prefetch_bucket_size`:
+//! the next units' gathers are queued ahead of use, [`gather_schedule`]). The tree is
+//! elementwise, so neither bucketing, nor unit-by-unit sending, nor overlap changes a bit.
 //!
 //! Numerics are the same for every stage and world size: a leaf (one micro-batch's gradient) and
 //! every node of the tree are rounded to the storage type; the final gradient is unscaled,
 //! clipped by the global norm (block-aligned partials, see `tessera_kernels::optim::norm`) and
-//! rounded again. Transient memory (activations, leaf gradients, the gathered units) is not part
-//! of the model states above: a leaf gradient is a full-length f32 buffer while it is computed.
+//! rounded again. Transient memory (activations, the gradients in flight, the gathered units) is
+//! not part of the model states above.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -35,7 +47,8 @@ use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllR
 use tessera_transport::collective::Collective;
 use tessera_transport::tree::TreeSum;
 
-use super::plan::Plan;
+use super::lane::{Lane, Ticket};
+use super::plan::{Plan, UnitEvent};
 use super::store::Store;
 use crate::data::Sampler;
 use crate::offload::{self, Masters, OptimState, Tier};
@@ -187,12 +200,12 @@ fn tree(dtype: DType) -> TreeSum {
 }
 
 /// Lamb's per-tensor norms summed across ranks.
-struct CommReduce<'a>(&'a mut dyn Collective, Option<String>);
+struct CommReduce<'a>(&'a mut Lane, Option<String>);
 
 impl NormAllReduce for CommReduce<'_> {
     fn all_reduce_sum(&mut self, v: &mut [f64]) {
-        if let Err(e) = self.0.all_reduce_sum_f64(v) {
-            self.1.get_or_insert(e.to_string());
+        if let Err(e) = all_reduce_f64(self.0, "the optimizer's norm all-reduce", v) {
+            self.1.get_or_insert(e);
         }
     }
 }
@@ -211,109 +224,96 @@ pub struct ZeroWorker {
     rank: usize,
     plan: Arc<Plan>,
     sampler: Arc<Sampler>,
-    comm: Box<dyn Collective>,
+    lane: Lane,
     state: Arc<Mutex<RankState>>,
     staged: Option<Staged>,
     ws: Workspace,
 }
 
-fn lock(state: &Mutex<RankState>) -> MutexGuard<'_, RankState> {
+fn lock<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic elsewhere never leaves the state half-written in a way we could repair here;
     // recover the guard and let the transaction protocol discard the step.
     state.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// `out ← Σ_r out_r` in f64 across the group, through the lane.
+fn all_reduce_f64(lane: &mut Lane, what: &'static str, out: &mut [f64]) -> Result<(), String> {
+    let mut v = out.to_vec();
+    v = lane.call(what, move |c| c.all_reduce_sum_f64(&mut v).map(|()| v).map_err(|e| e.to_string()))??;
+    out.copy_from_slice(&v);
+    Ok(())
+}
+
+/// All-gathers `mine` (this rank's `ranges[rank]` part) into a buffer of `len`, through the lane.
+fn all_gather(lane: &mut Lane, what: &'static str, mine: Vec<f32>, ranges: Vec<Range<usize>>, len: usize) -> Result<Vec<f32>, String> {
+    lane.call(what, move |c| {
+        let mut out = vec![0.0; len];
+        c.all_gather(&mine, &ranges, &mut out).map(|()| out).map_err(|e| format!("{what}: {e}"))
+    })?
+}
+
 impl ZeroWorker {
+    /// Rank `rank`'s compute over `comm`. Its collectives run on a communication thread when
+    /// the plan overlaps communication (`overlap_comm`) or prefetches stage-3 units.
     pub fn new(rank: usize, plan: Arc<Plan>, sampler: Arc<Sampler>, comm: Box<dyn Collective>, state: Arc<Mutex<RankState>>) -> Self {
-        ZeroWorker { rank, plan, sampler, comm, state, staged: None, ws: Workspace::default() }
+        let threaded = plan.overlap_comm || (plan.gathers() && plan.prefetch_elems > 0);
+        let lane = Lane::new(comm, threaded);
+        ZeroWorker { rank, plan, sampler, lane, state, staged: None, ws: Workspace::default() }
     }
 
-    /// Forward/backward of every leaf of this rank; returns (loss sum, block sums).
-    fn compute_blocks(&mut self, step: u64, scale: f32, params: &ParamStore) -> Result<(f64, Vec<BlockSum>), String> {
+    /// Forward/backward of this rank's micro-batches, slot by slot, with their gradients
+    /// travelling to the partition owners as the backward produces them; returns (loss sum,
+    /// this rank's reduced range combined by the micro-batch tree, not yet unscaled).
+    fn compute_and_reduce(&mut self, step: u64, scale: f32, params: &ParamStore) -> Result<(f64, Vec<f32>), String> {
         let plan = Arc::clone(&self.plan);
         let (mb, t) = (plan.micro, plan.seq_len);
         let dloss = scale / plan.micro_batches as f32;
-        let dtype = plan.precision.dtype();
         let mut inputs = vec![0u32; mb * t];
         let mut targets = vec![0u32; mb * t];
-        let gathered = plan.gathers();
-        let mut acc = ParamAccess::new(&plan, params, if gathered { Some((&mut *self.comm, self.rank)) } else { None });
+        let leaves = plan.leaves(self.rank);
+        let owner = Arc::new(Mutex::new(OwnerSums::new(&plan, self.rank)));
+        let ZeroWorker { rank, sampler, lane, ws, .. } = self;
+        let mut acc = StepAccess::new(Arc::clone(&plan), *rank, params, lane, Arc::clone(&owner));
         let mut loss = 0.0f64;
-        let mut sums = Vec::new();
-        let mut slots = 0;
-        for &(first, level) in &plan.blocks[self.rank] {
-            let mut block = tree(dtype);
-            for i in first..(first + (1 << level)).min(plan.micro_batches) {
-                self.sampler.fill(plan.first_sample(step, i), mb, &mut inputs, &mut targets);
-                acc.grads = vec![0.0; plan.total()];
-                loss += f64::from(plan.model.forward_backward(&mut acc, &inputs, &targets, mb, t, dloss, &mut self.ws));
-                let mut leaf = std::mem::take(&mut acc.grads);
-                plan.precision.round(&mut leaf);
-                block.push_block(i - first, 0, leaf).map_err(|e| e.to_string())?;
-                slots += 1;
-            }
-            sums.push((first, level, block.finish().ok_or("empty micro-batch block")?));
-        }
-        // ZeRO-3 ranks with fewer leaves still serve their shards to the others' gathers.
-        if gathered {
-            for _ in slots..plan.max_leaves() {
-                acc.replay_one_micro_batch();
-            }
-        }
-        match acc.error.take() {
-            Some(e) => Err(e),
-            None => Ok((loss, sums)),
-        }
-    }
-
-    /// Sends round `j`'s block sum (if this rank has one) to the owners, bucket by bucket: each
-    /// bucket of the flat buffer is one all-to-all of its slice per owner. Returns, per sender,
-    /// the values it sent for this rank's range.
-    fn exchange_round(&mut self, sum: Option<&[f32]>) -> Result<Vec<Vec<f32>>, String> {
-        let plan = Arc::clone(&self.plan);
-        let mut from_each = vec![Vec::new(); plan.world];
-        for bucket in plan.reduce_buckets() {
-            let send: Vec<&[f32]> = match sum {
-                Some(s) => plan.ranges.iter().map(|r| &s[bucket.clone()][clamp_to(r, &bucket)]).collect(),
-                None => vec![&[][..]; plan.world],
-            };
-            let got = self.comm.all_to_all(&send).map_err(|e| e.to_string())?;
-            for (acc, data) in from_each.iter_mut().zip(got) {
-                acc.extend_from_slice(&data);
-            }
-        }
-        Ok(from_each)
-    }
-
-    /// Sends every block sum's slices to their owners; the owner combines its range with the tree.
-    fn reduce_to_owner(&mut self, sums: &[BlockSum]) -> Result<Vec<f32>, String> {
-        let plan = Arc::clone(&self.plan);
-        let rounds = plan.blocks.iter().map(Vec::len).max().unwrap_or(0);
-        let mine = plan.ranges[self.rank].clone();
-        let mut received: Vec<BlockSum> = Vec::new();
-        for j in 0..rounds {
-            let got = self.exchange_round(sums.get(j).map(|(_, _, s)| &s[..]))?;
-            for (from, data) in got.into_iter().enumerate() {
-                if let Some(&(first, level)) = plan.blocks[from].get(j) {
-                    if data.len() != mine.len() {
-                        return Err(format!("rank {from} sent {} gradient values for block {first}, expected {}", data.len(), mine.len()));
-                    }
-                    received.push((first, level, data));
+        for s in 0..plan.slots() {
+            match leaves.get(s) {
+                Some(&i) => {
+                    sampler.fill(plan.first_sample(step, i), mb, &mut inputs, &mut targets);
+                    acc.begin_slot(s, true);
+                    loss += f64::from(plan.model.forward_backward(&mut acc, &inputs, &targets, mb, t, dloss, ws));
                 }
+                // A rank with fewer micro-batches still serves its shards to the others'
+                // gathers and joins their gradient exchanges, with nothing of its own to send.
+                None if plan.gathers() || plan.slot_active(s) => {
+                    acc.begin_slot(s, false);
+                    acc.replay();
+                }
+                None => continue,
+            }
+            acc.end_slot();
+            if acc.error.is_some() {
+                break;
             }
         }
-        received.sort_by_key(|&(first, _, _)| first);
-        let mut t = tree(plan.precision.dtype());
-        for (first, level, data) in received {
-            t.push_block(first, level, data).map_err(|e| e.to_string())?;
+        let (error, tickets) = acc.finish();
+        // Every queued exchange is waited for, also after an error, so none is left running.
+        let mut first_err = error;
+        for ticket in tickets {
+            if let Err(e) = ticket.wait().and_then(|r| r) {
+                first_err.get_or_insert(e);
+            }
         }
-        Ok(t.finish().unwrap_or_else(|| vec![0.0; mine.len()]))
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        let sums = std::mem::replace(&mut *lock(&owner), OwnerSums::new(&plan, self.rank));
+        Ok((loss, sums.finish(&plan)?))
     }
 
     /// Unscales, measures the global norm, clips and rounds this rank's reduced range.
     /// Returns (global norm, overflow).
     fn finish_gradient(&mut self, g: &mut [f32], scale: f32, clip: f64) -> Result<(f64, bool), String> {
-        let plan = &self.plan;
+        let plan = Arc::clone(&self.plan);
         if scale != 1.0 {
             let inv = 1.0 / scale;
             g.iter_mut().for_each(|x| *x *= inv);
@@ -321,7 +321,7 @@ impl ZeroWorker {
         let mine = plan.ranges[self.rank].clone();
         let mut partials = vec![0.0f64; plan.flat.slots()];
         plan.flat.partial_sumsq(g, mine, &mut partials).map_err(|e| e.to_string())?;
-        self.comm.all_reduce_sum_f64(&mut partials).map_err(|e| e.to_string())?;
+        all_reduce_f64(&mut self.lane, "the gradient-norm all-reduce", &mut partials)?;
         let norm = plan.flat.global_norm(&partials);
         if !norm.is_finite() {
             return Ok((norm, true));
@@ -336,16 +336,15 @@ impl ZeroWorker {
     /// Parameters after the optimizer, which has written this rank's new masters (rounded to
     /// the storage type) into its own range of `st.params`: share them as the stage requires.
     fn publish_params(&mut self, st: &mut RankState) -> Result<(), String> {
-        let plan = &self.plan;
+        let plan = Arc::clone(&self.plan);
         match plan.stage {
             0 => Ok(()),
             3 => self.share_persistent_units(st),
             _ => {
                 let own = plan.ranges[self.rank].clone();
-                let mut full = vec![0.0; plan.total()];
                 let mut mine = vec![0.0; own.len()];
                 st.params.read(own.start, &mut mine)?;
-                self.comm.all_gather(&mine, &plan.ranges, &mut full).map_err(|e| e.to_string())?;
+                let full = all_gather(&mut self.lane, "the parameter all-gather", mine, plan.ranges.clone(), plan.total())?;
                 st.params.write(0, &full)
             }
         }
@@ -362,20 +361,16 @@ impl ZeroWorker {
             let mut vals = vec![0.0; mine.len()];
             st.params.read(mine.start + unit.start, &mut vals)?;
             plan.precision.round(&mut vals);
-            let mut buf = vec![0.0; unit.len()];
-            self.comm.all_gather(&vals, &parts, &mut buf).map_err(|e| format!("sharing persistent unit {u}: {e}"))?;
+            let buf =
+                all_gather(&mut self.lane, "sharing a persistent unit", vals, parts, unit.len()).map_err(|e| format!("unit {u}: {e}"))?;
             st.params.write(unit.start, &buf)?;
         }
         Ok(())
     }
-}
 
-impl WorkerCompute for ZeroWorker {
-    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, String> {
+    fn prepare_inner(&mut self, order: &StepOrder, st: &mut RankState) -> Result<Prepared, String> {
         let t0 = Instant::now();
-        let before = self.comm.stats();
-        let state = Arc::clone(&self.state);
-        let mut st = lock(&state);
+        let before = self.lane.stats()?;
         if let Some(e) = &st.offload_error {
             return Err(format!("rank {}: setting up NVMe offload failed at start: {e}", self.rank));
         }
@@ -383,24 +378,19 @@ impl WorkerCompute for ZeroWorker {
         st.master.release();
         st.optim.release();
         let scale = st.scaler.as_ref().map_or(1.0, LossScaler::scale);
-        let (loss_sum, sums) = self.compute_blocks(order.step, scale, &st.params)?;
-        let mut g = self.reduce_to_owner(&sums)?;
-        drop(sums);
+        let (loss_sum, mut g) = self.compute_and_reduce(order.step, scale, &st.params)?;
         let clip = f64::from(self.plan_clip());
         let (norm, overflow) = self.finish_gradient(&mut g, scale, clip)?;
         let plan = Arc::clone(&self.plan);
-        let mine = plan.ranges[self.rank].clone();
         match plan.stage {
             0 | 1 => {
-                let mut full = vec![0.0; plan.total()];
-                self.comm.all_gather(&g, &plan.ranges, &mut full).map_err(|e| e.to_string())?;
+                let full = all_gather(&mut self.lane, "the gradient all-gather", g, plan.ranges.clone(), plan.total())?;
                 st.grads.write(0, &full);
             }
             _ => st.grads.write(0, &g),
         }
-        debug_assert_eq!(g.len(), mine.len());
         self.staged = Some(Staged { step: order.step, overflow });
-        let after = self.comm.stats();
+        let after = self.lane.stats()?;
         (st.bytes_sent_total, st.ops_total) = (after.bytes_sent, after.ops);
         Ok(Prepared {
             loss_sum,
@@ -413,13 +403,11 @@ impl WorkerCompute for ZeroWorker {
         })
     }
 
-    fn commit(&mut self, step: u64) -> Result<(), String> {
+    fn commit_inner(&mut self, step: u64, st: &mut RankState) -> Result<(), String> {
         let staged = match self.staged.take() {
             Some(s) if s.step == step => s,
             other => return Err(format!("rank {}: commit of step {step} but staged {:?}", self.rank, other.map(|s| s.step))),
         };
-        let state = Arc::clone(&self.state);
-        let mut st = lock(&state);
         if let Some(sc) = st.scaler.as_mut() {
             if let StepOutcome::SkippedOverflow { .. } = sc.update(staged.overflow).map_err(|e| e.to_string())? {
                 st.skipped += 1;
@@ -439,23 +427,42 @@ impl WorkerCompute for ZeroWorker {
         }
         let start = range.start;
         let ctx = StepContext { shard_range: range, layout: &plan.flat, decay: &plan.decay };
-        let RankState { master, optim, params, .. } = &mut *st;
+        let RankState { master, optim, params, .. } = st;
         let mut publish = |off: usize, vals: &[f32]| params.write(start + off, vals);
         if plan.stage == 0 {
             optim.step(master, &g, lr, &ctx, &mut LocalReduce, &mut publish)?;
         } else {
-            let mut reducer = CommReduce(&mut *self.comm, None);
+            let mut reducer = CommReduce(&mut self.lane, None);
             let res = optim.step(master, &g, lr, &ctx, &mut reducer, &mut publish);
             if let Some(e) = reducer.1 {
                 return Err(e);
             }
             res?;
         }
-        self.publish_params(&mut st)?;
+        self.publish_params(st)?;
         st.applied += 1;
-        let stats = self.comm.stats();
+        let stats = self.lane.stats()?;
         (st.bytes_sent_total, st.ops_total) = (stats.bytes_sent, stats.ops);
         Ok(())
+    }
+}
+
+impl WorkerCompute for ZeroWorker {
+    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, String> {
+        let state = Arc::clone(&self.state);
+        let mut st = lock(&state);
+        let res = self.prepare_inner(order, &mut st);
+        if res.is_err() {
+            // Nothing this step queued may still be running when the error is reported.
+            let _ = self.lane.drain();
+        }
+        res
+    }
+
+    fn commit(&mut self, step: u64) -> Result<(), String> {
+        let state = Arc::clone(&self.state);
+        let mut st = lock(&state);
+        self.commit_inner(step, &mut st)
     }
 
     fn abandon(&mut self, _step: u64) {
@@ -478,83 +485,480 @@ impl ZeroWorker {
     }
 }
 
-/// Parameters of one unit for compute: read from this rank's store (stages 0–2, persistent
-/// units) or gathered from every rank's shard (stage 3). Of the blocks, only the one in use is
-/// held; unit 0 (embeddings and the tied head, used at both ends) stays for the whole step
-/// when `Plan::keep_unit0`, else it is released whenever a block is gathered.
-struct ParamAccess<'a> {
-    plan: &'a Plan,
+/// The owner's side of the gradient exchange: what each sender sent for this rank's range in
+/// the current slot, each sender's current block (stages 2–3 receive it micro-batch by
+/// micro-batch and combine it with the block's tree), and the finished block sums. Updated by
+/// the exchange jobs on the communication lane, in slot order.
+struct OwnerSums {
+    mine: Range<usize>,
+    dtype: DType,
+    current: Vec<Option<Vec<f32>>>,
+    blocks: Vec<Option<TreeSum>>,
+    done: Vec<BlockSum>,
+}
+
+impl OwnerSums {
+    fn new(plan: &Plan, rank: usize) -> Self {
+        let w = plan.world;
+        OwnerSums {
+            mine: plan.ranges[rank].clone(),
+            dtype: plan.precision.dtype(),
+            current: vec![None; w],
+            blocks: (0..w).map(|_| None).collect(),
+            done: Vec::new(),
+        }
+    }
+
+    /// One bucket's all-to-all of slot `slot` arrived (`got[r]` from rank `r`); `last` marks the
+    /// slot's final bucket, after which every sender's values for this range are complete.
+    fn receive(&mut self, plan: &Plan, slot: usize, bucket: &Range<usize>, got: Vec<Vec<f32>>, last: bool) -> Result<(), String> {
+        let part = clamp_to(bucket, &self.mine);
+        for (r, data) in got.into_iter().enumerate() {
+            let want = if plan.slot_send(r, slot).is_some() { part.len() } else { 0 };
+            if data.len() != want {
+                return Err(format!(
+                    "rank {r} sent {} gradient values for flat {}..{} in slot {slot}, expected {want}",
+                    data.len(),
+                    bucket.start,
+                    bucket.end
+                ));
+            }
+            if want > 0 {
+                let buf = self.current[r].get_or_insert_with(|| vec![0.0; self.mine.len()]);
+                buf[part.clone()].copy_from_slice(&data);
+            }
+        }
+        if !last {
+            return Ok(());
+        }
+        for r in 0..plan.world {
+            let Some(send) = plan.slot_send(r, slot) else { continue };
+            let vals = self.current[r].take().unwrap_or_else(|| vec![0.0; self.mine.len()]);
+            let (first, level) = send.block;
+            if send.block_sum {
+                self.done.push((first, level, vals));
+                continue;
+            }
+            if send.leaf == first {
+                self.blocks[r] = Some(tree(self.dtype));
+            }
+            let t =
+                self.blocks[r].as_mut().ok_or_else(|| format!("rank {r}'s micro-batch {} arrived before its block began", send.leaf))?;
+            t.push_block(send.leaf - first, 0, vals).map_err(|e| e.to_string())?;
+            if send.leaf + 1 == (first + (1 << level)).min(plan.micro_batches) {
+                let sum = self.blocks[r].take().and_then(TreeSum::finish).ok_or("empty micro-batch block")?;
+                self.done.push((first, level, sum));
+            }
+        }
+        Ok(())
+    }
+
+    /// The blocks combined by the micro-batch tree, in leaf order.
+    fn finish(mut self, plan: &Plan) -> Result<Vec<f32>, String> {
+        self.done.sort_by_key(|&(first, _, _)| first);
+        let covered: usize = self.done.iter().map(|&(first, level, _)| (first + (1 << level)).min(plan.micro_batches) - first).sum();
+        if covered != plan.micro_batches {
+            return Err(format!("the gradient sums received cover {covered} of {} micro-batches", plan.micro_batches));
+        }
+        let mut t = tree(self.dtype);
+        for (first, level, data) in self.done {
+            t.push_block(first, level, data).map_err(|e| e.to_string())?;
+        }
+        Ok(t.finish().unwrap_or_else(|| vec![0.0; self.mine.len()]))
+    }
+}
+
+/// A step's parameters and gradients as the model sees them ([`UnitAccess`]).
+///
+/// Parameters: read from this rank's store (stages 0–2, persistent units) or gathered from
+/// every rank's shard (stage 3). Of the blocks only the one in use is held; unit 0
+/// (embeddings and the tied head, used at both ends) stays for the whole step when
+/// `Plan::keep_unit0`, else it is released whenever a block is gathered. The step's gathers
+/// are known in advance ([`gather_schedule`]): with `stage3_prefetch_bucket_size` the next ones
+/// are queued on the communication lane while the current unit computes, as long as the
+/// elements in flight stay within that size and everything live within
+/// `stage3_max_live_parameters`.
+///
+/// Gradients: a micro-batch's gradient exists unit by unit, from the unit's first backward
+/// use until `grads_ready`; then it is rounded to the storage type and either sent (stages 2–3)
+/// or added to the unit's block tree (stages 0–1, sent as the block sum with the block's last
+/// micro-batch). Sending goes by the fixed buckets of `reduce_bucket_size` elements, each an
+/// all-to-all of its slice per owner, issued as soon as every unit it covers is ready — with
+/// `overlap_comm` it runs while the backward goes on. Every rank issues the same collectives
+/// in the same order (idle slots replay the unit events), so the lane keeps the group in step.
+struct StepAccess<'a> {
+    plan: Arc<Plan>,
+    rank: usize,
     store: &'a ParamStore,
-    comm: Option<(&'a mut dyn Collective, usize)>,
+    lane: &'a mut Lane,
+    owner: Arc<Mutex<OwnerSums>>,
+    events: Vec<UnitEvent>,
+    // Parameters.
     cache: Vec<Option<Vec<f32>>>,
     held_block: Option<usize>,
-    /// The current leaf's gradient buffer (full length), or empty when replaying.
-    grads: Vec<f32>,
+    /// The step's gathers ([`gather_schedule`]); the next to use and the next to queue.
+    gathers: Vec<Gather>,
+    next_gather: usize,
+    issued: usize,
+    inflight: VecDeque<Ticket<Result<Vec<f32>, String>>>,
+    /// Index of the next parameter use in the step.
+    use_pos: usize,
+    // Gradients of the current slot.
+    slot: usize,
+    computing: bool,
+    event_pos: usize,
+    grads: Vec<Option<Vec<f32>>>,
+    trees: Vec<Option<TreeSum>>,
+    pieces: Vec<Option<Vec<f32>>>,
+    buckets: Vec<Range<usize>>,
+    next_bucket: usize,
+    tickets: Vec<Ticket<Result<(), String>>>,
     error: Option<String>,
 }
 
-impl<'a> ParamAccess<'a> {
-    fn new(plan: &'a Plan, store: &'a ParamStore, comm: Option<(&'a mut dyn Collective, usize)>) -> Self {
-        let n = plan.model.units().len();
-        ParamAccess { plan, store, comm, cache: vec![None; n], held_block: None, grads: Vec::new(), error: None }
-    }
+/// One stage-3 gather of a step: unit `unit` for its use number `use_at`, queued on the
+/// communication lane at use number `issue_at` (≤ `use_at`; earlier = prefetched).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gather {
+    pub unit: usize,
+    pub use_at: usize,
+    pub issue_at: usize,
+}
 
-    fn load(&mut self, u: usize) -> Vec<f32> {
-        let unit = self.plan.model.units()[u].clone();
-        let mut buf = vec![0.0; unit.len()];
-        let res = match &mut self.comm {
-            Some((comm, rank)) if !self.plan.persistent[u] => {
-                let parts: Vec<Range<usize>> = self.plan.ranges.iter().map(|r| clamp_to(r, &unit)).collect();
-                let own = &parts[*rank];
-                let mut mine = vec![0.0; own.len()];
-                self.store
-                    .read(own.start + unit.start, &mut mine)
-                    .and_then(|()| comm.all_gather(&mine, &parts, &mut buf).map_err(|e| e.to_string()))
-            }
-            _ => self.store.read(unit.start, &mut buf),
-        };
-        if let Err(e) = res {
-            self.error.get_or_insert(format!("loading unit {u}: {e}"));
-        }
-        buf
+/// The step's stage-3 gathers, in order: every use of a non-persistent unit that is not held
+/// at that moment under the release policy of [`StepAccess`] (see [`release`]), each queued as
+/// early as `stage3_prefetch_bucket_size` (elements queued ahead and not yet used) and
+/// `stage3_max_live_parameters` (elements held, counting those queued ahead) allow. A pure
+/// function of the plan, so every rank queues the same collectives at the same points.
+pub fn gather_schedule(plan: &Plan) -> Vec<Gather> {
+    if !plan.gathers() {
+        return Vec::new();
     }
-
-    /// Releases what must go before unit `u` is loaded: the previous block, and unit 0 too
-    /// when it may not stay live next to a block (or a block next to it).
-    fn release_for(&mut self, u: usize) {
-        if u != 0 {
-            if let Some(prev) = self.held_block.replace(u) {
-                self.cache[prev] = None;
-            }
-            if !self.plan.keep_unit0 {
-                self.cache[0] = None;
-            }
-        } else if !self.plan.keep_unit0 {
-            if let Some(prev) = self.held_block.take() {
-                self.cache[prev] = None;
+    let units = plan.model.units();
+    let uses: Vec<usize> = (0..plan.slots())
+        .flat_map(|_| plan.micro_batch_events())
+        .filter_map(|e| match e {
+            UnitEvent::Use(u) => Some(u),
+            UnitEvent::Ready(_) => None,
+        })
+        .collect();
+    // Which uses gather, under the release policy.
+    let mut cached = vec![false; units.len()];
+    let mut held: Option<usize> = None;
+    let mut live_at = Vec::with_capacity(uses.len());
+    let mut out = Vec::new();
+    for (j, &u) in uses.iter().enumerate() {
+        if !cached[u] {
+            release(plan, &mut cached, &mut held, u, |c, x| c[x] = false);
+            cached[u] = true;
+            if !plan.persistent[u] {
+                out.push(Gather { unit: u, use_at: j, issue_at: j });
             }
         }
+        live_at.push(cached.iter().zip(units).filter(|(c, _)| **c).map(|(_, r)| r.len()).sum::<usize>());
     }
+    // When each is queued: after use `j`, the next gathers go ahead while they fit.
+    let mut next = 0;
+    let mut ahead = 0usize;
+    for (j, &live) in live_at.iter().enumerate() {
+        while next < out.len() && out[next].use_at <= j {
+            // Used now: queued at its use unless queued earlier; no longer ahead.
+            if out[next].issue_at < out[next].use_at {
+                ahead -= units[out[next].unit].len();
+            }
+            next += 1;
+        }
+        let mut k = next;
+        while k < out.len() && out[k].issue_at < out[k].use_at {
+            k += 1;
+        }
+        while k < out.len() {
+            let len = units[out[k].unit].len();
+            if ahead + len > plan.prefetch_elems || live + ahead + len > plan.max_live_elems {
+                break;
+            }
+            out[k].issue_at = j;
+            ahead += len;
+            k += 1;
+        }
+    }
+    out
+}
 
-    /// The sequence of unit uses of one `forward_backward`, without compute (idle ZeRO-3 slots).
-    fn replay_one_micro_batch(&mut self) {
-        let l = self.plan.model.units().len() - 1;
-        let seq = std::iter::once(0).chain(1..=l).chain(std::iter::once(0)).chain((1..=l).rev()).chain(std::iter::once(0));
-        for u in seq.collect::<Vec<_>>() {
-            let _ = self.unit(u);
+/// The release policy: what goes before unit `u` is loaded — the previous block, and unit 0
+/// too when it may not stay live next to a block (or a block next to it).
+fn release<C>(plan: &Plan, cache: &mut C, held: &mut Option<usize>, u: usize, drop_unit: impl Fn(&mut C, usize)) {
+    if u != 0 {
+        if let Some(prev) = held.replace(u) {
+            drop_unit(cache, prev);
+        }
+        if !plan.keep_unit0 {
+            drop_unit(cache, 0);
+        }
+    } else if !plan.keep_unit0 {
+        if let Some(prev) = held.take() {
+            drop_unit(cache, prev);
         }
     }
 }
 
-impl UnitAccess for ParamAccess<'_> {
-    fn unit(&mut self, u: usize) -> (&[f32], &mut [f32]) {
-        if self.cache[u].is_none() {
-            self.release_for(u);
-            self.cache[u] = Some(self.load(u));
+impl<'a> StepAccess<'a> {
+    fn new(plan: Arc<Plan>, rank: usize, store: &'a ParamStore, lane: &'a mut Lane, owner: Arc<Mutex<OwnerSums>>) -> Self {
+        let n = plan.model.units().len();
+        let buckets: Vec<Range<usize>> = plan.reduce_buckets().collect();
+        StepAccess {
+            events: plan.micro_batch_events(),
+            gathers: gather_schedule(&plan),
+            rank,
+            store,
+            lane,
+            owner,
+            cache: vec![None; n],
+            held_block: None,
+            next_gather: 0,
+            issued: 0,
+            inflight: VecDeque::new(),
+            use_pos: 0,
+            slot: 0,
+            computing: false,
+            event_pos: 0,
+            grads: vec![None; n],
+            trees: (0..n).map(|_| None).collect(),
+            pieces: vec![None; n],
+            next_bucket: buckets.len(),
+            buckets,
+            tickets: Vec::new(),
+            error: None,
+            plan,
         }
-        let range = self.plan.model.units()[u].clone();
-        let grads = if self.grads.is_empty() { &mut self.grads[..] } else { &mut self.grads[range] };
+    }
+
+    fn fail(&mut self, e: String) {
+        self.error.get_or_insert(e);
+    }
+
+    fn begin_slot(&mut self, slot: usize, computing: bool) {
+        self.slot = slot;
+        self.computing = computing;
+        self.event_pos = 0;
+        self.next_bucket = self.buckets.len();
+    }
+
+    /// Checks that the slot saw every unit event and sent every bucket.
+    fn end_slot(&mut self) {
+        if self.event_pos != self.events.len() {
+            let e = format!("slot {}: the model made {} of the {} unit calls planned", self.slot, self.event_pos, self.events.len());
+            self.fail(e);
+        }
+        self.grads.iter_mut().for_each(|g| *g = None);
+        self.pieces.iter_mut().for_each(|p| *p = None);
+    }
+
+    /// The unit events of one micro-batch without compute (a slot this rank has no
+    /// micro-batch for): gathers are served and exchanges joined, with nothing to send.
+    fn replay(&mut self) {
+        for ev in self.events.clone() {
+            match ev {
+                UnitEvent::Use(u) if self.plan.gathers() => {
+                    let _ = self.unit(u);
+                }
+                UnitEvent::Use(_) => {
+                    self.event_pos += 1;
+                    self.use_pos += 1;
+                }
+                UnitEvent::Ready(u) => self.grads_ready(u),
+            }
+        }
+    }
+
+    /// The error, if any, and every exchange still to wait for.
+    fn finish(mut self) -> (Option<String>, Vec<Ticket<Result<(), String>>>) {
+        // Prefetched gathers nobody used (after an error) are waited for too.
+        for t in self.inflight.drain(..) {
+            let _ = t.wait();
+        }
+        (self.error, self.tickets)
+    }
+
+    /// Checks that the model's next call is `ev`, as the plan's event list says.
+    fn expect_event(&mut self, ev: UnitEvent) -> usize {
+        let pos = self.event_pos;
+        if self.events.get(pos) != Some(&ev) {
+            let e = format!("slot {}: the model's unit call {pos} was {ev:?}, the plan expected {:?}", self.slot, self.events.get(pos));
+            self.fail(e);
+        }
+        self.event_pos += 1;
+        pos
+    }
+
+    /// Queues the gather of `self.gathers[self.issued]`.
+    fn issue_gather(&mut self) {
+        let u = self.gathers[self.issued].unit;
+        let unit = self.plan.model.units()[u].clone();
+        let parts: Vec<Range<usize>> = self.plan.ranges.iter().map(|r| clamp_to(r, &unit)).collect();
+        let own = parts[self.rank].clone();
+        let mut mine = vec![0.0; own.len()];
+        let read = self.store.read(own.start + unit.start, &mut mine);
+        let len = unit.len();
+        let ticket = self.lane.submit("a stage-3 parameter gather", move |c| {
+            read?;
+            let mut buf = vec![0.0; len];
+            c.all_gather(&mine, &parts, &mut buf).map(|()| buf).map_err(|e| e.to_string())
+        });
+        self.inflight.push_back(ticket);
+        self.issued += 1;
+    }
+
+    /// Queues the gathers the schedule puts at the current use.
+    fn prefetch(&mut self) {
+        while self.issued < self.gathers.len() && self.gathers[self.issued].issue_at <= self.use_pos {
+            self.issue_gather();
+        }
+    }
+
+    /// Parameters of unit `u` for use number `self.use_pos`.
+    fn load(&mut self, u: usize) -> Vec<f32> {
+        let unit = self.plan.model.units()[u].clone();
+        if !self.plan.gathers() || self.plan.persistent[u] {
+            let mut buf = vec![0.0; unit.len()];
+            if let Err(e) = self.store.read(unit.start, &mut buf) {
+                self.fail(format!("loading unit {u}: {e}"));
+            }
+            return buf;
+        }
+        let planned = self.gathers.get(self.next_gather).copied();
+        if planned.map(|g| (g.use_at, g.unit)) != Some((self.use_pos, u)) {
+            self.fail(format!("use {} of unit {u} is not the planned gather {planned:?}", self.use_pos));
+            return vec![0.0; unit.len()];
+        }
+        self.prefetch();
+        self.next_gather += 1;
+        let Some(ticket) = self.inflight.pop_front() else {
+            self.fail(format!("the gather of unit {u} was not queued"));
+            return vec![0.0; unit.len()];
+        };
+        match ticket.wait().and_then(|r| r) {
+            Ok(buf) => buf,
+            Err(e) => {
+                self.fail(format!("gathering unit {u}: {e}"));
+                vec![0.0; unit.len()]
+            }
+        }
+    }
+
+    /// Sends every bucket whose units are all ready (they become ready from the end of the
+    /// flat buffer towards its start).
+    fn send_ready_buckets(&mut self, ready_from: usize) {
+        while self.next_bucket > 0 && self.buckets[self.next_bucket - 1].start >= ready_from {
+            self.next_bucket -= 1;
+            let k = self.next_bucket;
+            self.send_bucket(k);
+        }
+    }
+
+    fn send_bucket(&mut self, k: usize) {
+        let bucket = self.buckets[k].clone();
+        let plan = Arc::clone(&self.plan);
+        let sends: Vec<Vec<f32>> = match plan.slot_send(self.rank, self.slot).filter(|_| self.computing) {
+            None => vec![Vec::new(); plan.world],
+            Some(_) => plan
+                .ranges
+                .iter()
+                .map(|r| {
+                    let lo = r.start.clamp(bucket.start, bucket.end);
+                    let hi = r.end.clamp(bucket.start, bucket.end);
+                    self.values(lo..hi)
+                })
+                .collect(),
+        };
+        // Units wholly above the bucket's start have nothing left to send.
+        for (u, unit) in plan.model.units().iter().enumerate() {
+            if unit.start >= bucket.start {
+                self.pieces[u] = None;
+            }
+        }
+        let (owner, slot, last) = (Arc::clone(&self.owner), self.slot, k == 0);
+        let ticket = self.lane.submit("a gradient bucket exchange", move |c| {
+            let refs: Vec<&[f32]> = sends.iter().map(Vec::as_slice).collect();
+            let got = c.all_to_all(&refs).map_err(|e| e.to_string())?;
+            lock(&owner).receive(&plan, slot, &bucket, got, last)
+        });
+        if self.plan.overlap_comm {
+            self.tickets.push(ticket);
+        } else if let Err(e) = ticket.wait().and_then(|r| r) {
+            self.fail(e);
+        }
+    }
+
+    /// This slot's values to send over flat `range`, from the ready units' pieces.
+    fn values(&mut self, range: Range<usize>) -> Vec<f32> {
+        let mut out = Vec::with_capacity(range.len());
+        for (u, unit) in self.plan.model.units().iter().enumerate() {
+            let (lo, hi) = (range.start.max(unit.start), range.end.min(unit.end));
+            if lo >= hi {
+                continue;
+            }
+            match &self.pieces[u] {
+                Some(p) => out.extend_from_slice(&p[lo - unit.start..hi - unit.start]),
+                None => {
+                    self.error.get_or_insert(format!("unit {u}'s gradient was not ready when flat {lo}..{hi} was sent"));
+                    out.resize(out.len() + hi - lo, 0.0);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl UnitAccess for StepAccess<'_> {
+    fn unit(&mut self, u: usize) -> (&[f32], &mut [f32]) {
+        let pos = self.expect_event(UnitEvent::Use(u));
+        if self.cache[u].is_none() {
+            let plan = Arc::clone(&self.plan);
+            release(&plan, &mut self.cache, &mut self.held_block, u, |c, x| c[x] = None);
+            let vals = self.load(u);
+            self.cache[u] = Some(vals);
+        }
+        self.prefetch();
+        self.use_pos += 1;
+        // Forward uses (the first `units` calls) need no gradient buffer.
+        let backward = pos >= self.plan.model.units().len();
+        let len = self.plan.model.units()[u].len();
+        let grads = if backward && self.computing { &mut self.grads[u].get_or_insert_with(|| vec![0.0; len])[..] } else { &mut [][..] };
         (self.cache[u].as_deref().unwrap_or(&[]), grads)
+    }
+
+    fn grads_ready(&mut self, u: usize) {
+        self.expect_event(UnitEvent::Ready(u));
+        let plan = Arc::clone(&self.plan);
+        if self.computing {
+            let mut g = self.grads[u].take().unwrap_or_else(|| vec![0.0; plan.model.units()[u].len()]);
+            plan.precision.round(&mut g);
+            let leaf = plan.leaves(self.rank)[self.slot];
+            let block = plan.blocks[self.rank].iter().copied().find(|&(f, l)| f <= leaf && leaf < f + (1 << l));
+            match (plan.reduces_per_micro_batch(), block) {
+                (true, _) => self.pieces[u] = Some(g),
+                (false, Some((first, level))) => {
+                    if leaf == first {
+                        self.trees[u] = Some(tree(plan.precision.dtype()));
+                    }
+                    let pushed = match self.trees[u].as_mut() {
+                        Some(t) => t.push_block(leaf - first, 0, g).map_err(|e| e.to_string()),
+                        None => Err(format!("unit {u}: micro-batch {leaf} before its block began")),
+                    };
+                    if let Err(e) = pushed {
+                        self.fail(e);
+                    }
+                    if leaf + 1 == (first + (1 << level)).min(plan.micro_batches) {
+                        self.pieces[u] = self.trees[u].take().and_then(TreeSum::finish);
+                    }
+                }
+                (false, None) => self.fail(format!("micro-batch {leaf} is in none of rank {}'s blocks", self.rank)),
+            }
+        }
+        if plan.slot_active(self.slot) {
+            self.send_ready_buckets(plan.model.units()[u].start);
+        }
     }
 }
 
@@ -563,7 +967,9 @@ mod tests {
     use super::*;
     use crate::config::{from_str_named, Config, ResolveContext};
     use crate::data::Dataset;
-    use tessera_transport::local::LocalGroup;
+    use tessera_kernels::model::FlatAccess;
+    use tessera_transport::collective::{AbortHandle, CollectiveError, CommStats};
+    use tessera_transport::local::{LocalComm, LocalGroup};
 
     /// gpt-tiny over bytes: unit 0 holds 49,408 parameters, each of the 4 blocks 198,272.
     const UNIT0: usize = 49_408;
@@ -593,7 +999,24 @@ mod tests {
 
     /// Runs two committed steps on `world` threads; returns the full masters and each rank's ops.
     fn two_steps(world: usize, stage: u8, sets: &[&str]) -> (Vec<f32>, Vec<u64>) {
-        let plan = Arc::new(plan(world, stage, sets));
+        two_steps_with(world, stage, sets, None, |c| Box::new(c))
+    }
+
+    /// As [`two_steps`] with the micro-batch blocks sized by `speeds` (as the elastic planner
+    /// does for uneven workers) and each rank's collective wrapped by `wrap`.
+    fn two_steps_with(
+        world: usize,
+        stage: u8,
+        sets: &[&str],
+        speeds: Option<&[f64]>,
+        wrap: impl Fn(LocalComm) -> Box<dyn Collective>,
+    ) -> (Vec<f32>, Vec<u64>) {
+        let mut plan = plan(world, stage, sets);
+        if let Some(speeds) = speeds {
+            plan.blocks = tessera_actors::plan::assign_blocks(plan.micro_batches, speeds);
+            assert!((0..world).any(|r| plan.leaves(r).len() < plan.slots()), "speeds {speeds:?} gave even blocks {:?}", plan.blocks);
+        }
+        let plan = Arc::new(plan);
         let (_, data) = setup(world, stage, sets);
         let sampler = Arc::new(Sampler::new(data.train, plan.seq_len, 7).expect("sampler"));
         let init = plan.model.init_params(7);
@@ -602,7 +1025,7 @@ mod tests {
             .into_iter()
             .enumerate()
             .map(|(r, comm)| {
-                let mut w = ZeroWorker::new(r, Arc::clone(&plan), Arc::clone(&sampler), Box::new(comm), Arc::clone(&states[r]));
+                let mut w = ZeroWorker::new(r, Arc::clone(&plan), Arc::clone(&sampler), wrap(comm), Arc::clone(&states[r]));
                 std::thread::spawn(move || {
                     for step in 0..2 {
                         w.prepare(&StepOrder { step, epoch: 0, attempt: 0 }).expect("prepare");
@@ -622,14 +1045,230 @@ mod tests {
         let (whole, ops_whole) = two_steps(2, 2, &[]);
         let (bucketed, ops_bucketed) = two_steps(2, 2, &["zero_optimization.reduce_bucket_size=50000"]);
         assert_eq!(whole, bucketed, "bucketing changed the parameters");
-        // 842,496 parameters make 17 buckets of 50,000 instead of one all-to-all per round; each
-        // rank has one block of 2 micro-batches per step, so one round per step, two steps.
+        // 842,496 parameters make 17 buckets of 50,000 instead of one all-to-all per exchange;
+        // stage 2 exchanges every micro-batch: 2 per rank and step, two steps.
         let buckets = (UNIT0 + 4 * BLOCK).div_ceil(50_000) as u64;
         for (a, b) in ops_whole.iter().zip(&ops_bucketed) {
-            assert_eq!(b - a, 2 * (buckets - 1), "ops {ops_whole:?} vs {ops_bucketed:?}");
+            assert_eq!(b - a, 2 * 2 * (buckets - 1), "ops {ops_whole:?} vs {ops_bucketed:?}");
+        }
+        // Stage 1 sends each rank's block sum once, with its last micro-batch.
+        let (_, ops_whole) = two_steps(2, 1, &[]);
+        let (_, ops_bucketed) = two_steps(2, 1, &["zero_optimization.reduce_bucket_size=50000"]);
+        for (a, b) in ops_whole.iter().zip(&ops_bucketed) {
+            assert_eq!(b - a, 2 * (buckets - 1), "stage 1 ops {ops_whole:?} vs {ops_bucketed:?}");
         }
         let (one, _) = two_steps(1, 0, &[]);
         assert_eq!(one, whole, "world 2 stage 2 differs from one worker");
+    }
+
+    /// Records `Use`/`Ready` events of the model's calls.
+    struct Recorder<'a> {
+        flat: FlatAccess<'a>,
+        events: Vec<UnitEvent>,
+    }
+
+    impl UnitAccess for Recorder<'_> {
+        fn unit(&mut self, u: usize) -> (&[f32], &mut [f32]) {
+            self.events.push(UnitEvent::Use(u));
+            self.flat.unit(u)
+        }
+        fn grads_ready(&mut self, u: usize) {
+            self.events.push(UnitEvent::Ready(u));
+        }
+    }
+
+    #[test]
+    fn the_plans_unit_events_are_the_models_calls() {
+        for recompute in ["false", "true"] {
+            let mut p = plan(2, 3, &[&format!("activation_checkpointing.partition_activations={recompute}")]);
+            p.model.checkpoint_activations = recompute == "true";
+            let params = p.model.init_params(1);
+            let mut grads = vec![0.0; params.len()];
+            let mut rec = Recorder { flat: FlatAccess { params: &params, grads: &mut grads, units: p.model.units() }, events: Vec::new() };
+            let tokens: Vec<u32> = (0..16).collect();
+            p.model.forward_backward(&mut rec, &tokens, &tokens, 1, 16, 1.0, &mut Workspace::default());
+            assert_eq!(rec.events, p.micro_batch_events(), "activation recomputation {recompute}");
+        }
+    }
+
+    /// Every combination of overlap, prefetch and bucket size gives the one-worker bits.
+    #[test]
+    fn overlap_and_prefetch_change_no_bit() {
+        let (one, _) = two_steps(1, 0, &[]);
+        let off = "zero_optimization.overlap_comm=false";
+        let on = "zero_optimization.overlap_comm=true";
+        let small = "zero_optimization.reduce_bucket_size=70000";
+        let no_persist = "zero_optimization.stage3_param_persistence_threshold=0";
+        // Uneven blocks (a rank with 3 micro-batches beside one with 1, which replays the
+        // communication of two slots without computing) exercise the idle slots.
+        let uneven: &[f64] = &[3.0, 1.0];
+        for (world, stage, sets, speeds) in [
+            (2, 1, vec![on, small], None),
+            (2, 1, vec![on, small], Some(uneven)),
+            (4, 1, vec![on], None),
+            (2, 2, vec![on, small], None),
+            (2, 2, vec![off, small], Some(uneven)),
+            (4, 2, vec![on, small], None),
+            (4, 3, vec![off, "zero_optimization.stage3_prefetch_bucket_size=0"], None),
+            (2, 3, vec![on, small, no_persist, "zero_optimization.stage3_prefetch_bucket_size=400000"], None),
+            (2, 3, vec![on, small, no_persist, "zero_optimization.stage3_prefetch_bucket_size=400000"], Some(uneven)),
+            (2, 3, vec![off, no_persist, "zero_optimization.stage3_prefetch_bucket_size=1000000000"], None),
+            (4, 3, vec![on, small, no_persist, "zero_optimization.stage3_max_live_parameters=300000"], None),
+        ] {
+            let (got, _) = two_steps_with(world, stage, &sets, speeds, |c| Box::new(c));
+            assert_eq!(got, one, "world {world} stage {stage} with {sets:?}, speeds {speeds:?} differs from one worker");
+        }
+    }
+
+    #[test]
+    fn the_gather_schedule_prefetches_within_its_bounds() {
+        let no_persist = "zero_optimization.stage3_param_persistence_threshold=0";
+        let units = |p: &Plan| p.model.units().iter().map(|r| r.len()).collect::<Vec<_>>();
+        // Without prefetch every gather is queued at its use.
+        let p = plan(2, 3, &[no_persist, "zero_optimization.stage3_prefetch_bucket_size=0"]);
+        let none = gather_schedule(&p);
+        assert!(none.iter().all(|g| g.issue_at == g.use_at), "{none:?}");
+        // Per slot (2 slots, 4 blocks): unit 0 once (kept), blocks 1-4 forward, 4 stays held
+        // across the head, 3-1 backward; the next slot starts with block 1 still held.
+        let order: Vec<usize> = none.iter().map(|g| g.unit).collect();
+        assert_eq!(order, [0, 1, 2, 3, 4, 3, 2, 1, 2, 3, 4, 3, 2, 1]);
+        for (prefetch, max_live) in [(BLOCK, 1_000_000_000), (2 * BLOCK, 1_000_000_000), (10 * BLOCK, UNIT0 + 3 * BLOCK)] {
+            let sets = [
+                no_persist.to_string(),
+                format!("zero_optimization.stage3_prefetch_bucket_size={prefetch}"),
+                format!("zero_optimization.stage3_max_live_parameters={max_live}"),
+            ];
+            let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
+            let p = plan(2, 3, &sets);
+            let sched = gather_schedule(&p);
+            let sizes = units(&p);
+            assert_eq!(
+                sched.iter().map(|g| (g.unit, g.use_at)).collect::<Vec<_>>(),
+                none.iter().map(|g| (g.unit, g.use_at)).collect::<Vec<_>>()
+            );
+            assert!(sched.iter().any(|g| g.issue_at < g.use_at), "prefetch {prefetch} queued nothing ahead");
+            assert!(sched.windows(2).all(|w| w[0].issue_at <= w[1].issue_at), "gathers are queued in order");
+            // At every use, what is queued ahead and not yet used fits the prefetch size.
+            let last = sched.last().map_or(0, |g| g.use_at);
+            for j in 0..=last {
+                let ahead: usize = sched.iter().filter(|g| g.issue_at <= j && j < g.use_at).map(|g| sizes[g.unit]).sum();
+                assert!(ahead <= prefetch, "use {j}: {ahead} elements ahead > {prefetch}");
+                assert!(ahead + UNIT0 <= max_live, "use {j}: {ahead} ahead beside unit 0 exceed {max_live}");
+            }
+        }
+        // A prefetch size below one block queues nothing ahead.
+        let p = plan(2, 3, &[no_persist, "zero_optimization.stage3_prefetch_bucket_size=1000"]);
+        assert_eq!(gather_schedule(&p), none);
+    }
+
+    /// Which thread ran each collective.
+    struct ThreadLog {
+        inner: LocalComm,
+        log: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl ThreadLog {
+        fn note(&self) {
+            let name = std::thread::current().name().unwrap_or("?").to_string();
+            lock(&self.log).push(name);
+        }
+    }
+
+    impl Collective for ThreadLog {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn world(&self) -> usize {
+            self.inner.world()
+        }
+        fn timeout_ms(&self) -> u64 {
+            self.inner.timeout_ms()
+        }
+        fn set_timeout_ms(&mut self, t: u64) {
+            self.inner.set_timeout_ms(t)
+        }
+        fn stats(&self) -> CommStats {
+            self.inner.stats()
+        }
+        fn abort_handle(&self) -> AbortHandle {
+            self.inner.abort_handle()
+        }
+        fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
+            self.note();
+            self.inner.all_reduce_sum(buf)
+        }
+        fn all_reduce_sum_f64(&mut self, buf: &mut [f64]) -> Result<(), CollectiveError> {
+            self.note();
+            self.inner.all_reduce_sum_f64(buf)
+        }
+        fn reduce_scatter_sum(&mut self, input: &[f32], ranges: &[Range<usize>], out: &mut [f32]) -> Result<(), CollectiveError> {
+            self.note();
+            self.inner.reduce_scatter_sum(input, ranges, out)
+        }
+        fn all_gather(&mut self, shard: &[f32], ranges: &[Range<usize>], out: &mut [f32]) -> Result<(), CollectiveError> {
+            self.note();
+            self.inner.all_gather(shard, ranges, out)
+        }
+        fn gather_slices_with(
+            &mut self,
+            input: &[f32],
+            ranges: &[Range<usize>],
+            visit: &mut dyn FnMut(usize, &[f32]),
+        ) -> Result<(), CollectiveError> {
+            self.note();
+            self.inner.gather_slices_with(input, ranges, visit)
+        }
+        fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
+            self.note();
+            self.inner.broadcast(buf, root)
+        }
+        fn all_to_all(&mut self, send: &[&[f32]]) -> Result<Vec<Vec<f32>>, CollectiveError> {
+            self.note();
+            self.inner.all_to_all(send)
+        }
+        fn send(&mut self, to: usize, tag: u64, data: &[f32]) -> Result<(), CollectiveError> {
+            self.note();
+            self.inner.send(to, tag, data)
+        }
+        fn recv(&mut self, from: usize, tag: u64) -> Result<Vec<f32>, CollectiveError> {
+            self.note();
+            self.inner.recv(from, tag)
+        }
+        fn barrier(&mut self) -> Result<(), CollectiveError> {
+            self.note();
+            self.inner.barrier()
+        }
+    }
+
+    /// `overlap_comm` (and stage-3 prefetch) move every collective to the rank's communication
+    /// thread; without them the rank's own thread runs them between its computations.
+    #[test]
+    fn overlap_comm_runs_the_collectives_on_the_communication_thread() {
+        for (stage, sets, threaded) in [
+            (2, vec!["zero_optimization.overlap_comm=true"], true),
+            (2, vec!["zero_optimization.overlap_comm=false"], false),
+            (3, vec!["zero_optimization.overlap_comm=false", "zero_optimization.stage3_prefetch_bucket_size=0"], false),
+            (3, vec!["zero_optimization.overlap_comm=false", "zero_optimization.stage3_prefetch_bucket_size=1000000"], true),
+        ] {
+            let logs: Vec<Arc<Mutex<Vec<String>>>> = (0..2).map(|_| Arc::default()).collect();
+            let ls = logs.clone();
+            two_steps_with(2, stage, &sets, None, move |c| {
+                let log = Arc::clone(&ls[c.rank()]);
+                Box::new(ThreadLog { inner: c, log })
+            });
+            for (r, log) in logs.iter().enumerate() {
+                let names = lock(log);
+                assert!(!names.is_empty());
+                let on_comm = names.iter().filter(|n| **n == format!("tessera-comm-{r}")).count();
+                let want = if threaded { names.len() } else { 0 };
+                assert_eq!(
+                    on_comm,
+                    want,
+                    "stage {stage} {sets:?}: rank {r} ran {on_comm} of {} collectives on its communication thread",
+                    names.len()
+                );
+            }
+        }
     }
 
     #[test]
