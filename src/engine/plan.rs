@@ -177,6 +177,9 @@ impl Plan {
         }
         let buffers = 1 + plan.optimizer.state_names().len();
         plan.offload.check_space((0..plan.world).map(|r| plan.offload.swap_bytes(plan.optim_range(r).len(), buffers)).sum())?;
+        let es = plan.precision.dtype().size_bytes() as u64;
+        let block = plan.offload.aio.block as u64;
+        plan.offload.check_param_space((0..plan.world).map(|r| (plan.ranges[r].len() as u64 * es).div_ceil(block).max(1) * block).sum())?;
         Ok(plan)
     }
 

@@ -51,7 +51,7 @@ use super::lane::{Lane, Ticket};
 use super::plan::{Plan, UnitEvent};
 use super::store::Store;
 use crate::data::Sampler;
-use crate::offload::{self, Masters, OptimState, Tier};
+use crate::offload::{self, AioOptions, AlignedBuf, Masters, OptimState, SwapFile, Tier};
 
 /// The persistent state of one rank: what a checkpoint saves and memory accounting counts.
 pub struct RankState {
@@ -80,61 +80,243 @@ pub struct RankState {
     pub ops_total: u64,
 }
 
-/// Working parameters of one rank: disjoint flat ranges of the buffer, packed in order in one
-/// `Store` (so its bytes are the bytes really held).
+/// Working parameters of one rank: disjoint flat ranges of the buffer, each held in memory
+/// (packed in order in one `Store`, so its bytes are the bytes really held) or, with
+/// `offload_param.device = nvme`, the stage-3 shard's ranges in a swap file.
 pub struct ParamStore {
-    /// (flat range, offset in `store`), sorted by flat start.
-    segs: Vec<(Range<usize>, usize)>,
+    /// (flat range, where it is held), sorted by flat start.
+    segs: Vec<(Range<usize>, Held)>,
     store: Store,
-    /// Bytes of the stage-3 shard among them (what `offload_param` moves to the host tier).
+    swap: Option<ParamSwap>,
+    /// Bytes of the stage-3 shard among them (what `offload_param` moves out of the budget).
     pub shard_bytes: u64,
 }
 
+#[derive(Clone, Copy, Debug)]
+enum Held {
+    /// At this offset of `store`.
+    Memory(usize),
+    /// At this element offset of the swap file.
+    Swap(usize),
+}
+
+/// A swap file of parameters in the storage type (little-endian f32, bf16 or fp16 bits), read
+/// and written through block-aligned buffers (O_DIRECT where the filesystem allows).
+struct ParamSwap {
+    file: SwapFile,
+    dtype: DType,
+    elems: usize,
+}
+
+impl ParamSwap {
+    fn elem_bytes(&self) -> usize {
+        self.dtype.size_bytes()
+    }
+
+    /// The block-aligned byte window covering elements `start..start + len`, and the offset of
+    /// element `start` inside it.
+    fn window(&self, start: usize, len: usize) -> (u64, usize, usize) {
+        let (es, block) = (self.elem_bytes(), self.file.block());
+        let (b0, b1) = (start * es, (start + len) * es);
+        let a0 = b0 / block * block;
+        let a1 = b1.div_ceil(block) * block;
+        (a0 as u64, a1 - a0, b0 - a0)
+    }
+
+    fn io_error(&self, what: &str, off: u64, e: std::io::Error) -> String {
+        format!("{what} parameter swap file {} at byte {off}: {e}", self.file.path().display())
+    }
+
+    fn read(&self, start: usize, out: &mut [f32]) -> Result<(), String> {
+        let (off, len, skip) = self.window(start, out.len());
+        let mut buf = AlignedBuf::new(len, self.file.block());
+        self.file.read_at(off, &mut buf, len).map_err(|e| self.io_error("reading", off, e))?;
+        decode(self.dtype, &buf.bytes()[skip..skip + out.len() * self.elem_bytes()], out);
+        Ok(())
+    }
+
+    fn write(&self, start: usize, src: &[f32]) -> Result<(), String> {
+        let (off, len, skip) = self.window(start, src.len());
+        let block = self.file.block();
+        let mut buf = AlignedBuf::new(len, block);
+        let end = skip + src.len() * self.elem_bytes();
+        // Partial first and last blocks keep their other elements: read them first.
+        if skip != 0 {
+            self.read_block(off, &mut buf, 0)?;
+        }
+        if end % block != 0 && (end / block != 0 || skip == 0) {
+            self.read_block(off, &mut buf, end / block * block)?;
+        }
+        encode(self.dtype, src, &mut buf.bytes_mut()[skip..end]);
+        self.file.write_at(off, &mut buf, len).map_err(|e| self.io_error("writing", off, e))
+    }
+
+    /// Reads the block at byte `at` of the window starting at `off` into the same place of `buf`.
+    fn read_block(&self, off: u64, buf: &mut AlignedBuf, at: usize) -> Result<(), String> {
+        let block = self.file.block();
+        let mut one = AlignedBuf::new(block, block);
+        let pos = off + at as u64;
+        self.file.read_at(pos, &mut one, block).map_err(|e| self.io_error("reading", pos, e))?;
+        buf.bytes_mut()[at..at + block].copy_from_slice(one.bytes());
+        Ok(())
+    }
+}
+
+/// Little-endian values of the storage type → f32.
+fn decode(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::F32 => out.iter_mut().zip(bytes.chunks_exact(4)).for_each(|(o, b)| *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        DType::BF16 => out.iter_mut().zip(bytes.chunks_exact(2)).for_each(|(o, b)| *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        DType::F16 => out.iter_mut().zip(bytes.chunks_exact(2)).for_each(|(o, b)| *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+    }
+}
+
+/// f32 → little-endian values of the storage type, rounded like `Store::write`.
+fn encode(dtype: DType, src: &[f32], bytes: &mut [u8]) {
+    match dtype {
+        DType::F32 => bytes.chunks_exact_mut(4).zip(src).for_each(|(b, x)| b.copy_from_slice(&x.to_le_bytes())),
+        DType::BF16 => bytes.chunks_exact_mut(2).zip(src).for_each(|(b, x)| b.copy_from_slice(&half::bf16::from_f32(*x).to_le_bytes())),
+        DType::F16 => bytes.chunks_exact_mut(2).zip(src).for_each(|(b, x)| b.copy_from_slice(&half::f16::from_f32(*x).to_le_bytes())),
+    }
+}
+
+/// `ranges` minus `cut` (both sorted, disjoint), in order.
+fn subtract(ranges: &[Range<usize>], cut: &[Range<usize>]) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    for r in ranges {
+        let mut lo = r.start;
+        for c in cut.iter().filter(|c| c.start < r.end && c.end > r.start) {
+            if c.start > lo {
+                out.push(lo..c.start);
+            }
+            lo = lo.max(c.end);
+        }
+        if lo < r.end {
+            out.push(lo..r.end);
+        }
+    }
+    out
+}
+
 impl ParamStore {
-    /// Holds `ranges` (sorted, disjoint) of `full`, rounded to `dtype`.
+    /// Holds `ranges` (sorted, disjoint) of `full` in memory, rounded to `dtype`.
     pub fn new(dtype: DType, ranges: &[Range<usize>], full: &[f32]) -> ParamStore {
-        let mut segs = Vec::with_capacity(ranges.len());
-        let mut len = 0;
-        for r in ranges {
-            segs.push((r.clone(), len));
-            len += r.len();
-        }
-        let mut store = Store::zeros(dtype, len);
-        for (r, off) in &segs {
-            store.write(*off, &full[r.clone()]);
-        }
-        ParamStore { segs, store, shard_bytes: 0 }
+        let segs: Vec<(Range<usize>, bool)> = ranges.iter().map(|r| (r.clone(), false)).collect();
+        Self::build(dtype, &segs, full, None).unwrap_or_else(|e| unreachable!("memory-only store: {e}"))
     }
 
-    pub fn bytes(&self) -> u64 {
-        self.store.bytes()
+    /// Holds `memory` in memory and `swapped` in a new swap file at `path` (both sorted,
+    /// disjoint, not overlapping each other), rounded to `dtype`. Fails naming the file.
+    fn with_swap(
+        dtype: DType,
+        memory: &[Range<usize>],
+        swapped: &[Range<usize>],
+        full: &[f32],
+        path: std::path::PathBuf,
+        aio: &AioOptions,
+    ) -> Result<ParamStore, String> {
+        let elems: usize = swapped.iter().map(Range::len).sum();
+        let bytes = (elems * dtype.size_bytes()) as u64;
+        let file = SwapFile::create(path.clone(), bytes, aio)
+            .map_err(|e| format!("creating parameter swap file {} ({bytes} bytes): {e}", path.display()))?;
+        let mut segs: Vec<(Range<usize>, bool)> =
+            memory.iter().map(|r| (r.clone(), false)).chain(swapped.iter().map(|r| (r.clone(), true))).collect();
+        segs.sort_by_key(|(r, _)| r.start);
+        Self::build(dtype, &segs, full, Some(ParamSwap { file, dtype, elems }))
     }
 
-    /// Where flat `[start, start + len)` sits in the store: it must lie inside one held range.
-    fn offset(&self, start: usize, len: usize) -> Result<usize, String> {
-        if len == 0 {
-            return Ok(0);
-        }
-        self.segs
+    fn build(dtype: DType, ranges: &[(Range<usize>, bool)], full: &[f32], swap: Option<ParamSwap>) -> Result<ParamStore, String> {
+        let (mut mem, mut sw) = (0, 0);
+        let segs: Vec<(Range<usize>, Held)> = ranges
             .iter()
-            .find(|(r, _)| r.start <= start && start + len <= r.end)
-            .map(|(r, off)| off + start - r.start)
-            .ok_or_else(|| format!("parameters {start}..{} are not held by this rank", start + len))
+            .map(|(r, swapped)| {
+                let held = if *swapped { Held::Swap(sw) } else { Held::Memory(mem) };
+                *(if *swapped { &mut sw } else { &mut mem }) += r.len();
+                (r.clone(), held)
+            })
+            .collect();
+        let mut p = ParamStore { segs, store: Store::zeros(dtype, mem), swap, shard_bytes: 0 };
+        for (r, _) in ranges {
+            p.write(r.start, &full[r.clone()])?;
+        }
+        Ok(p)
+    }
+
+    /// Bytes held, in memory and in the swap file.
+    pub fn bytes(&self) -> u64 {
+        self.store.bytes() + self.swap.as_ref().map_or(0, |s| (s.elems * s.elem_bytes()) as u64)
+    }
+
+    /// Bytes held in the swap file.
+    pub fn swapped_bytes(&self) -> u64 {
+        self.swap.as_ref().map_or(0, |s| (s.elems * s.elem_bytes()) as u64)
+    }
+
+    /// The held pieces covering flat `[start, start + len)`, in order, as (offset into the
+    /// caller's slice, length, where held); fails if part of it is not held by this rank.
+    fn pieces(&self, start: usize, len: usize) -> Result<Vec<(usize, usize, Held)>, String> {
+        let end = start + len;
+        let mut out = Vec::new();
+        let mut at = start;
+        for (r, held) in self.segs.iter().filter(|(r, _)| r.start < end && r.end > start) {
+            if r.start > at {
+                break;
+            }
+            let hi = r.end.min(end);
+            let inner = at - r.start;
+            let h = match *held {
+                Held::Memory(o) => Held::Memory(o + inner),
+                Held::Swap(o) => Held::Swap(o + inner),
+            };
+            out.push((at - start, hi - at, h));
+            at = hi;
+        }
+        if at < end {
+            return Err(format!("parameters {start}..{end} are not held by this rank"));
+        }
+        Ok(out)
     }
 
     /// `out = params[start .. start + out.len()]` (flat indices), widened to f32.
     pub fn read(&self, start: usize, out: &mut [f32]) -> Result<(), String> {
-        let off = self.offset(start, out.len())?;
-        self.store.read(off, out);
+        for (o, n, held) in self.pieces(start, out.len())? {
+            match (held, &self.swap) {
+                (Held::Memory(off), _) => self.store.read(off, &mut out[o..o + n]),
+                (Held::Swap(off), Some(sw)) => sw.read(off, &mut out[o..o + n])?,
+                (Held::Swap(_), None) => return Err("a swapped parameter range has no swap file".into()),
+            }
+        }
         Ok(())
     }
 
     /// `params[start ..] = src` (flat indices), rounded to the storage type.
     pub fn write(&mut self, start: usize, src: &[f32]) -> Result<(), String> {
-        let off = self.offset(start, src.len())?;
-        self.store.write(off, src);
+        for (o, n, held) in self.pieces(start, src.len())? {
+            match (held, &self.swap) {
+                (Held::Memory(off), _) => self.store.write(off, &src[o..o + n]),
+                (Held::Swap(off), Some(sw)) => sw.write(off, &src[o..o + n])?,
+                (Held::Swap(_), None) => return Err("a swapped parameter range has no swap file".into()),
+            }
+        }
         Ok(())
     }
+}
+
+/// Rank `rank`'s working parameters: in memory, or with `offload_param.device = nvme` its
+/// stage-3 shard (less the persistent units, which every rank holds whole in memory) in a swap
+/// file under `nvme_path`, one per rank, removed when the run ends.
+fn param_store(plan: &Plan, rank: usize, full: &[f32]) -> Result<ParamStore, String> {
+    let dtype = plan.precision.dtype();
+    let held = plan.param_ranges(rank);
+    let (Tier::Nvme, Some(dir), 3) = (plan.offload.param, plan.offload.param_dir.as_ref(), plan.stage) else {
+        return Ok(ParamStore::new(dtype, &held, full));
+    };
+    let units = plan.model.units();
+    let persistent: Vec<Range<usize>> = units.iter().zip(&plan.persistent).filter(|(_, p)| **p).map(|(u, _)| u.clone()).collect();
+    let swapped = subtract(std::slice::from_ref(&plan.ranges[rank]), &persistent);
+    let memory = subtract(&held, &swapped);
+    let path = dir.join(format!("tessera-{}-rank{rank}-params.swp", std::process::id()));
+    ParamStore::with_swap(dtype, &memory, &swapped, full, path, &plan.offload.aio)
 }
 
 /// The part of `r` inside `within`, relative to `within.start` (empty when they do not meet).
@@ -153,11 +335,21 @@ impl RankState {
         let site = offload::state::site(&plan.offload, rank);
         let (master, e1) = Masters::new(full_master[opt.clone()].to_vec(), plan.offload.optimizer, site.as_ref());
         let (optim, e2) = OptimState::new(plan.optimizer, opt.len(), plan.offload.optimizer, site.as_ref());
+        let mut e3 = None;
         RankState {
             params: {
-                let mut p = ParamStore::new(dtype, &plan.param_ranges(rank), full_master);
+                let mut p = match param_store(plan, rank, full_master) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        e3 = Some(e);
+                        ParamStore::new(dtype, &plan.param_ranges(rank), full_master)
+                    }
+                };
                 if plan.stage == 3 {
-                    p.shard_bytes = (plan.ranges[rank].len() * dtype.size_bytes()) as u64;
+                    p.shard_bytes = match p.swapped_bytes() {
+                        0 => (plan.ranges[rank].len() * dtype.size_bytes()) as u64,
+                        swapped => swapped,
+                    };
                 }
                 p
             },
@@ -165,7 +357,7 @@ impl RankState {
             master,
             optim,
             params_offloaded: plan.stage == 3 && plan.offload.param != Tier::Device,
-            offload_error: e1.or(e2),
+            offload_error: e1.or(e2).or(e3),
             scaler,
             applied: 0,
             skipped: 0,
@@ -1322,6 +1514,68 @@ mod tests {
             ),
             ""
         );
+    }
+
+    /// A store with part of its ranges in a swap file reads and writes exactly like one held
+    /// in memory, across segment and block boundaries, in every storage type.
+    #[test]
+    fn a_param_store_with_a_swap_file_matches_one_in_memory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let aio = AioOptions { block: 4096, ..AioOptions::default() };
+        let full: Vec<f32> = (0..20_000).map(|i| ((i as f32) * 0.731).sin() * 3.0 + 1.0 / 3.0).collect();
+        let memory = [100..900, 5000..5100];
+        let swapped = [900..5000, 7000..19_000];
+        let all = [100..5100, 7000..19_000];
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let path = dir.path().join(format!("p-{dtype:?}.swp"));
+            let mut sw = ParamStore::with_swap(dtype, &memory, &swapped, &full, path.clone(), &aio).expect("swap store");
+            let mut mem = ParamStore::new(dtype, &all, &full);
+            assert!(path.exists());
+            assert_eq!(sw.bytes(), mem.bytes());
+            assert_eq!(sw.swapped_bytes(), (16_100 * dtype.size_bytes()) as u64);
+            // Writes straddling memory/swap boundaries and partial blocks.
+            for (k, (start, len)) in [(850, 100), (4990, 110), (7001, 3), (9000, 4096), (18_990, 10), (100, 5000)].into_iter().enumerate() {
+                let vals: Vec<f32> = (0..len).map(|i| (i as f32 + k as f32 * 0.1).cos() * 7.0).collect();
+                sw.write(start, &vals).expect("swap write");
+                mem.write(start, &vals).expect("memory write");
+            }
+            for (start, len) in [(100, 5000), (7000, 12_000), (899, 2), (4999, 2), (12_345, 1)] {
+                let (mut a, mut b) = (vec![0.0; len], vec![0.0; len]);
+                sw.read(start, &mut a).expect("swap read");
+                mem.read(start, &mut b).expect("memory read");
+                assert_eq!(a, b, "{dtype:?} {start}+{len}");
+            }
+            assert!(sw.read(5050, &mut [0.0; 100]).unwrap_err().contains("5050..5150"));
+            drop(sw);
+            assert!(!path.exists(), "the swap file is removed with the store");
+        }
+    }
+
+    /// `offload_param.device = nvme` keeps stage 3 bit-identical; a missing path is refused.
+    #[test]
+    fn parameter_shards_on_nvme_keep_stage_3_bit_identical() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (one, _) = two_steps(1, 0, &[]);
+        let path = format!("zero_optimization.offload_param.nvme_path={}", dir.path().display());
+        for persist in ["0", "100000"] {
+            let sets = [
+                "zero_optimization.offload_param.device=nvme",
+                path.as_str(),
+                &format!("zero_optimization.stage3_param_persistence_threshold={persist}"),
+                "aio.block_size=4096",
+            ];
+            let (two, _) = two_steps(2, 3, &sets);
+            assert_eq!(one, two, "stage 3 with parameters on NVMe, persistence threshold {persist}");
+        }
+        assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "swap files are removed at the end");
+        let e = plan_error(2, 3, &["zero_optimization.offload_param.device=nvme"]);
+        assert!(e.contains("zero_optimization.offload_param.nvme_path"), "{e}");
+        let e = plan_error(
+            2,
+            3,
+            &["zero_optimization.offload_param.device=nvme", "zero_optimization.offload_param.nvme_path=/nonexistent/tessera"],
+        );
+        assert!(e.contains("/nonexistent/tessera"), "{e}");
     }
 
     #[test]

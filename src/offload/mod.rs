@@ -17,6 +17,11 @@
 //!   and the previous one's write overlap the current step ([`state::OptimState::step`]).
 //! * `offload_param.device = cpu` (stage 3): the rank's parameter shard lives in host-tier
 //!   memory; units are fetched from it before use (a read, then the gather), as without offload.
+//! * `offload_param.device = nvme` (stage 3): the shard (less the small persistent units every
+//!   rank holds whole) lives in one swap file per rank under `offload_param.nvme_path`, in the
+//!   storage type; each gather reads the rank's piece of the unit from it — ahead of use when
+//!   stage-3 prefetch queues the gather early — and the optimizer's new values are written back
+//!   at commit (`engine::zero::ParamStore`).
 //!
 //! Numerics never change: Adam, Lion and SGD are elementwise, so stepping sub-groups one by one
 //! gives the same bits; Lamb (per-tensor norms over the shard) steps the shard as one sub-group.
@@ -52,6 +57,8 @@ pub struct OffloadPlan {
     /// Swap-file directory of the optimizer states (`Tier::Nvme`).
     pub optimizer_dir: Option<PathBuf>,
     pub param: Tier,
+    /// Swap-file directory of the stage-3 parameter shards (`param` = `Tier::Nvme`).
+    pub param_dir: Option<PathBuf>,
     pub aio: AioOptions,
     pub pipeline_read: bool,
     pub pipeline_write: bool,
@@ -67,6 +74,7 @@ impl Default for OffloadPlan {
             optimizer: Tier::Device,
             optimizer_dir: None,
             param: Tier::Device,
+            param_dir: None,
             aio: AioOptions::default(),
             pipeline_read: false,
             pipeline_write: false,
@@ -162,10 +170,15 @@ impl OffloadPlan {
                 );
             }
             if plan.param == Tier::Nvme {
-                bail!("zero_optimization.offload_param.device = \"nvme\" is not implemented; use \"cpu\", or offload the optimizer states to NVMe");
+                let key = "zero_optimization.offload_param";
+                let Some(path) = p.nvme_path.as_deref().filter(|p| !p.is_empty()) else {
+                    bail!("{key}.device = \"nvme\" needs {key}.nvme_path (a writable directory for the parameter swap files)");
+                };
+                check_dir(&format!("{key}.nvme_path"), Path::new(path))?;
+                plan.param_dir = Some(PathBuf::from(path));
             }
         }
-        if plan.optimizer == Tier::Nvme {
+        if plan.optimizer == Tier::Nvme || plan.param == Tier::Nvme {
             if a.block_size == 0 || a.block_size % 4096 != 0 || !a.block_size.is_power_of_two() || a.block_size > 1 << 30 {
                 bail!("aio.block_size = {}: NVMe offload needs a power of two from 4096 to 2^30 bytes", a.block_size);
             }
@@ -197,6 +210,21 @@ impl OffloadPlan {
         }
         let block = self.aio.block as u64;
         buffers as u64 * (elems as u64 * 4).div_ceil(block).max(1) * block
+    }
+
+    /// Refuses to start when `offload_param.nvme_path` has less free space than the parameter
+    /// swap files need (`needed` bytes over every rank).
+    pub fn check_param_space(&self, needed: u64) -> Result<()> {
+        let Some(dir) = &self.param_dir else { return Ok(()) };
+        let free = free_bytes(dir)?;
+        if needed > free {
+            bail!(
+                "zero_optimization.offload_param.nvme_path = \"{}\" has {free} bytes free, but the parameter swap files \
+                 (every rank's stage-3 shard in the storage type, in whole aio.block_size blocks) need {needed}",
+                dir.display()
+            );
+        }
+        Ok(())
     }
 
     /// Refuses to start when `nvme_path` has less free space than the swap files need.
