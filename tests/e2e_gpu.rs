@@ -72,20 +72,132 @@ fn device_cuda_refuses_unsupported_options_naming_the_key() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = write(tmp.path(), "gpu.json", CONFIG);
     let (cfg, out) = (cfg.to_str().unwrap().to_string(), tmp.path().join("run").to_str().unwrap().to_string());
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["--model", "llama-tiny"], "tessera.model = \"llama-tiny\" is a LLaMA-style model"),
         (&["--model", "gpt-tiny"], "has head dimension 32"),
         (&["--set", "bf16.enabled=false", "--set", "fp16.enabled=true"], "fp16.enabled = true"),
         (&["--set", "optimizer.type=\"Lamb\""], "optimizer.type = \"Lamb\""),
         (&["--set", "optimizer.type=\"Adam\"", "--set", "optimizer.params.adam_w_mode=false"], "optimizer.params.adam_w_mode = false"),
         (&["--set", "optimizer.params.bias_correction=false"], "optimizer.params.bias_correction = false"),
-        (&["--set", "zero_optimization.offload_optimizer={\"device\": \"cpu\"}"], "zero_optimization.offload_optimizer.device = \"cpu\""),
+        (
+            &["--set", "zero_optimization.offload_optimizer={\"device\": \"nvme\", \"nvme_path\": \"/tmp\"}"],
+            "zero_optimization.offload_optimizer.device = \"nvme\"",
+        ),
+        (
+            &["--set", "zero_optimization.stage=0", "--set", "zero_optimization.offload_optimizer={\"device\": \"cpu\"}"],
+            "needs ZeRO stage 1, 2 or 3",
+        ),
+        (
+            &["--set", "zero_optimization.offload_param={\"device\": \"cpu\"}", "--set", "zero_optimization.stage=3"],
+            "offload_param.device = \"cpu\"",
+        ),
         (&["--abandon-step", "3"], "--abandon-step 3"),
     ];
     for (extra, want) in cases {
         let text = exits_1(&cuda_args(&cfg, &out, extra), tmp.path());
         assert!(text.contains(want), "{extra:?}: expected the error to say `{want}`:\n{text}");
         assert!(text.contains("--device cpu"), "{extra:?}: the error should point to --device cpu:\n{text}");
+    }
+}
+
+/// `tessera.device_memory_bytes_max` applies to the GPU trainer, checked before any GPU is
+/// touched: states over the budget are refused with the needed and available bytes and the
+/// offload hint; with the optimizer offloaded the same budget passes (the run then needs a GPU).
+#[test]
+fn device_cuda_checks_the_device_budget_at_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write(tmp.path(), "gpu.json", CONFIG);
+    let (cfg, out) = (cfg.to_str().unwrap().to_string(), tmp.path().join("run").to_str().unwrap().to_string());
+    // gpt-mini-gpu at ZeRO-2 on one GPU with 2 micro-batches holds about 9 MB of model states
+    // on the device, about 4 MB of them without the optimizer.
+    let budget = ["--set", "tessera.device_memory_bytes_max=6000000"];
+    let text = exits_1(&cuda_args(&cfg, &out, &budget), tmp.path());
+    for want in
+        ["each GPU rank needs", "bytes of device memory for its model states", "tessera.device_memory_bytes_max = 6000000", "bytes over"]
+    {
+        assert!(text.contains(want), "expected `{want}` in:\n{text}");
+    }
+    assert!(text.contains("offload_optimizer.device = \"cpu\" moves the"), "no offload hint:\n{text}");
+    let offload = ["--set", "zero_optimization.offload_optimizer={\"device\": \"cpu\"}"];
+    let args: Vec<&str> = budget.iter().chain(&offload).copied().collect();
+    if gpu_count().is_ok_and(|n| n > 0) {
+        println!("the offloaded run under the budget is trained by gpu_optimizer_offload_gives_the_same_bits");
+        return;
+    }
+    let text = exits_1(&cuda_args(&cfg, &out, &args), tmp.path());
+    assert!(!text.contains("device_memory_bytes_max"), "the offloaded run should fit the budget:\n{text}");
+    assert!(text.contains("--device cpu"), "expected the no-GPU message:\n{text}");
+    // A budget nothing fits names the offload that is already on.
+    let tiny = ["--set", "tessera.device_memory_bytes_max=1000", "--set", "zero_optimization.offload_optimizer={\"device\": \"cpu\"}"];
+    let text = exits_1(&cuda_args(&cfg, &out, &tiny), tmp.path());
+    assert!(text.contains("the optimizer is already offloaded"), "{text}");
+}
+
+/// Optimizer offload on the GPU (the masters and moments in host memory, AdamW on CPU threads)
+/// gives the parameters of the GPU optimizer bit for bit: all of the optimizer (ZeRO-1, 2, 3)
+/// or part of it (`ratio`, ZeRO-3), resumed from an offloaded checkpoint, on 2 GPUs; and it trains
+/// under a device budget the run without offload exceeds.
+#[test]
+fn gpu_optimizer_offload_gives_the_same_bits() {
+    let n = match gpu_count() {
+        Ok(n) if n >= 1 => n,
+        Ok(_) => {
+            println!("skipped: no CUDA device on this machine");
+            return;
+        }
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write(tmp.path(), "gpu.json", CONFIG);
+    let cfg = cfg.to_str().unwrap();
+    let dir = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
+    let base = dir("base");
+    ok(&cuda_args(cfg, &base, &[]), tmp.path());
+    let b = summary(Path::new(&base));
+    assert!(b["offload"].is_null(), "{b}");
+    let offload = |ratio: &str| format!("zero_optimization.offload_optimizer={{\"device\": \"cpu\", \"ratio\": {ratio}}}");
+    // (A ratio below 1 is DeepSpeed's partial offload, a ZeRO-3 feature.)
+    for (name, ratio, stage) in [("off-1", "1.0", "2"), ("off-z1", "1.0", "1"), ("off-z3", "1.0", "3"), ("off-half", "0.5", "3")] {
+        let out = dir(name);
+        let stage = format!("zero_optimization.stage={stage}");
+        let text = ok(&cuda_args(cfg, &out, &["--set", &offload(ratio), "--set", &stage]), tmp.path());
+        assert!(text.contains("optimizer offloaded to host memory"), "{text}");
+        let s = summary(Path::new(&out));
+        assert_eq!(b["params_blake3"], s["params_blake3"], "{name}: offload changed the parameters");
+        assert!(s["offloaded_bytes_per_rank"][0]["host"].as_u64().unwrap() > 0, "{s}");
+        assert!(s["offload"]["cpu_step_ms"].as_f64().unwrap() > 0.0, "{s}");
+        let dev = |x: &serde_json::Value| x["model_state_bytes_per_rank"][0]["optimizer_states"].as_u64().unwrap();
+        assert!(dev(&s) < dev(&b), "{name}: the GPU still holds the whole optimizer: {s}");
+    }
+    // 10 offloaded steps, then resumed (moments restored into host memory) for 10 more.
+    let split = dir("off-split");
+    let o = offload("1.0");
+    ok(&cuda_args(cfg, &split, &["--set", &o, "--steps", "10"]), tmp.path());
+    let ck = format!("{split}/checkpoints");
+    ok(&cuda_args(cfg, &split, &["--set", &o, "--resume", &ck]), tmp.path());
+    assert_eq!(b["params_blake3"], summary(Path::new(&split))["params_blake3"], "offloaded 10 + resume + 10 differ");
+    // Under a budget the non-offloaded run exceeds, the offloaded one trains.
+    let budget = "tessera.device_memory_bytes_max=6000000";
+    let text = exits_1(&cuda_args(cfg, &dir("over"), &["--set", budget]), tmp.path());
+    assert!(text.contains("tessera.device_memory_bytes_max = 6000000"), "{text}");
+    let under = dir("under");
+    ok(&cuda_args(cfg, &under, &["--set", budget, "--set", &o]), tmp.path());
+    assert_eq!(b["params_blake3"], summary(Path::new(&under))["params_blake3"]);
+    if n < 2 {
+        println!("skipped the 2-GPU offload runs: this machine has {n} GPU");
+        return;
+    }
+    for stage in ["1", "2", "3"] {
+        let two = dir(&format!("off-two-{stage}"));
+        let set = format!("zero_optimization.stage={stage}");
+        let ratio = if stage == "3" { "0.75" } else { "1.0" };
+        ok(&cuda_args(cfg, &two, &["--nprocs", "2", "--set", &set, "--set", &offload(ratio)]), tmp.path());
+        let s = summary(Path::new(&two));
+        assert_eq!(s["world_size"], 2);
+        assert_eq!(b["params_blake3"], s["params_blake3"], "2 GPUs with offload (ZeRO-{stage}) differ from 1 GPU without");
     }
 }
 

@@ -3,6 +3,7 @@
 //! GPU, NCCL between them, ZeRO 0–3), the figures `docs/PERFORMANCE.md` records next to the
 //! PyTorch and DeepSpeed peers.
 
+pub mod offload;
 pub mod train;
 pub mod zero;
 
@@ -52,6 +53,11 @@ pub fn check(seed: u64) -> Result<bool> {
     report("attention", cuda::attention::check(&gpu, seed).map_err(Into::into));
     report("model (2-layer GPT vs CPU f32)", gpt::check(&gpu, seed).map_err(Into::into));
     report("GPT-2 124M: the first training steps on the GPU (bf16) against the CPU model (f32)", check_gpt2_steps(gpu.clone(), seed));
+    report("optimizer offload: the GPU adamw kernel against the host step, bit for bit", check_adamw_offload(&gpu, seed));
+    report(
+        "optimizer offload: training with the optimizer on the host against the GPU optimizer, bit for bit",
+        check_offload_training(gpu.clone(), seed),
+    );
     println!("{}", if all_ok { "all GPU checks passed" } else { "SOME GPU CHECKS FAILED" });
     Ok(all_ok)
 }
@@ -71,7 +77,7 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
     let init = model.init_params(seed);
     let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: 0.0 };
     let shape = gpt::Shape::new(&model.cfg, b, t)?;
-    let mut rank = zero::Rank::new(gpu, None, &model, 0, shape, &init, adam, 1)?;
+    let mut rank = zero::Rank::new(gpu, None, &model, 0, shape, &init, adam, 1, None)?;
     let (mut p, mut m, mut v) = (init.clone(), vec![0f32; init.len()], vec![0f32; init.len()]);
     let decay = model.layout().specs().iter().flat_map(|s| std::iter::repeat_n(s.decay, s.numel())).collect::<Vec<bool>>();
     let mut ws = Workspace::default();
@@ -105,6 +111,174 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
             0.0,
             1e-2,
         ));
+    }
+    Ok(rows)
+}
+
+/// A bit-for-bit comparison as a check row: `max_rel` carries the number of differing elements
+/// (the tolerance is 0) and the name says where the first one is.
+fn bits_row(name: String, gpu: &[u32], host: &[u32]) -> cuda::CheckRow {
+    let diff: Vec<usize> = (0..gpu.len().min(host.len())).filter(|&i| gpu[i] != host[i]).collect();
+    let len_ok = gpu.len() == host.len();
+    let detail = match diff.first() {
+        _ if !len_ok => format!(": lengths differ (GPU {}, host {})", gpu.len(), host.len()),
+        None => format!(": all {} identical", gpu.len()),
+        Some(&i) => format!(": {} of {} differ; first at {i}: GPU {:#010x}, host {:#010x}", diff.len(), gpu.len(), gpu[i], host[i]),
+    };
+    cuda::CheckRow {
+        name: format!("{name}{detail}"),
+        max_abs: 0.0,
+        max_rel: if len_ok { diff.len() as f64 } else { f64::INFINITY },
+        tol: 0.0,
+        non_finite: false,
+    }
+}
+
+fn f32_bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The GPU `adamw` kernel against the host step of optimizer offload on the same inputs, bit
+/// for bit: normal values, and elements built to hit subnormals (subnormal gradients, moments
+/// and results), at both lerp forms of m (β1 < 0.5 and ≥ 0.5). Where they differ, the last row
+/// says whether the GPU then matches IEEE arithmetic without flushing (which would mean the
+/// kernel does not flush subnormals as `src/gpu/offload.rs` assumes).
+fn check_adamw_offload(gpu: &Gpu, seed: u64) -> Result<Vec<cuda::CheckRow>> {
+    use tessera_kernels::cuda::{bf16, ops};
+    let len = 1 << 20;
+    let mut rng = Rng::derive(seed, &[0x0ff1_0ad0]);
+    let mut normal = |std: f32, n: usize| {
+        let mut v = vec![0f32; n];
+        rng.fill_normal(&mut v, std);
+        v
+    };
+    let mut master = normal(0.02, len);
+    let mut grad = normal(1e-2, len);
+    let mut m0 = normal(1e-3, len);
+    let mut v0: Vec<f32> = normal(1e-3, len).iter().map(|x| x * x).collect();
+    // Every 16th element: values at the subnormal edge (tiny gradients whose squares underflow,
+    // subnormal gradients and moments, zeros of both signs).
+    let tiny = [1e-39f32, -1e-39, 1e-20, -3e-21, 0.0, -0.0, 1e-44, 2e-38];
+    for (k, i) in (0..len).step_by(16).enumerate() {
+        grad[i] = tiny[k % tiny.len()];
+        m0[i] = tiny[(k / 8) % tiny.len()];
+        v0[i] = tiny[(k / 64) % tiny.len()].abs();
+        if k % 5 == 0 {
+            master[i] = tiny[(k / 3) % tiny.len()];
+        }
+    }
+    let decay: Vec<u8> = (0..len).map(|i| u8::from((i / 4096) % 2 == 0)).collect();
+    let mut rows = Vec::new();
+    for (betas, grad_scale, step) in [((0.9f32, 0.95f32), 0.37f32, 7u64), ((0.3, 0.999), 1.0, 1)] {
+        let hp = ops::AdamStep::new(6e-4, betas, 1e-8, 0.1, step);
+        let s = &gpu.stream;
+        let (d_master, d_grad, d_m, d_v, d_decay) =
+            (gpu.upload(&master)?, gpu.upload(&grad)?, gpu.upload(&m0)?, gpu.upload(&v0)?, gpu.upload(&decay)?);
+        let d_param = gpu.alloc::<bf16>(len)?;
+        ops::adamw(gpu, s, d_master.ptr(), d_param.ptr(), d_grad.ptr(), d_m.ptr(), d_v.ptr(), d_decay.ptr(), &hp, grad_scale)?;
+        let (g_master, g_m, g_v, g_param) =
+            (gpu.download(d_master.ptr())?, gpu.download(d_m.ptr())?, gpu.download(d_v.ptr())?, gpu.download(d_param.ptr())?);
+        let (mut p, mut m, mut v, mut out) = (master.clone(), m0.clone(), v0.clone(), vec![bf16::ZERO; len]);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(offload::default_threads(1)).build()?;
+        offload::adamw_host_par(&pool, &hp, grad_scale, &mut p, &mut m, &mut v, &grad, &decay, &mut out);
+        let tag = format!("β1 {}, grad scale {grad_scale}, step {step}", betas.0);
+        rows.push(bits_row(format!("adamw GPU vs host, masters ({tag})"), &f32_bits(&g_master), &f32_bits(&p)));
+        rows.push(bits_row(format!("adamw GPU vs host, exp_avg ({tag})"), &f32_bits(&g_m), &f32_bits(&m)));
+        rows.push(bits_row(format!("adamw GPU vs host, exp_avg_sq ({tag})"), &f32_bits(&g_v), &f32_bits(&v)));
+        let pb = |x: &[bf16]| x.iter().map(|b| u32::from(b.to_bits())).collect::<Vec<u32>>();
+        rows.push(bits_row(format!("adamw GPU vs host, bf16 params ({tag})"), &pb(&g_param), &pb(&out)));
+        // Diagnosis of any difference: the same expression in plain IEEE f32 (no flushing).
+        let bad: Vec<usize> = (0..len)
+            .filter(|&i| {
+                g_master[i].to_bits() != p[i].to_bits() || g_m[i].to_bits() != m[i].to_bits() || g_v[i].to_bits() != v[i].to_bits()
+            })
+            .collect();
+        if !bad.is_empty() {
+            let ieee = |i: usize| -> (f32, f32, f32) {
+                let g = grad[i] * grad_scale;
+                let pd = master[i] * if decay[i] != 0 { hp.decoupled_factor } else { 1.0 };
+                let m1 = if hp.lerp_w < 0.5 { m0[i] + hp.lerp_w * (g - m0[i]) } else { g - (g - m0[i]) * (1.0 - hp.lerp_w) };
+                let v1 = v0[i] * hp.beta2 + hp.one_minus_beta2 * g * g;
+                let denom = v1.sqrt() / hp.bc2_sqrt + hp.eps;
+                (pd - hp.step_size * (m1 / denom), m1, v1)
+            };
+            let like_ieee = bad.iter().filter(|&&i| {
+                let (a, b, c) = ieee(i);
+                (a.to_bits(), b.to_bits(), c.to_bits()) == (g_master[i].to_bits(), g_m[i].to_bits(), g_v[i].to_bits())
+            });
+            let n_ieee = like_ieee.count();
+            let subnormal_site = bad.iter().filter(|&&i| i % 16 == 0).count();
+            rows.push(cuda::CheckRow {
+                name: format!(
+                    "adamw diagnosis ({tag}): {} elements differ, {subnormal_site} of them at the subnormal test sites; the GPU equals \
+                     unflushed IEEE f32 at {n_ieee} of them{}",
+                    bad.len(),
+                    if n_ieee == bad.len() {
+                        " — the kernel does not flush subnormals: drop the ftz() calls in src/gpu/offload.rs"
+                    } else {
+                        ""
+                    }
+                ),
+                max_abs: 0.0,
+                max_rel: bad.len() as f64,
+                tol: 0.0,
+                non_finite: false,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// Training with the optimizer offloaded (all of it, and half of each piece) against the GPU
+/// optimizer, bit for bit: a small GPT (gpt-mini-gpu), one GPU, 3 micro-batches per step (an
+/// uneven micro-batch tree, finished unit by unit in the last backward), 3 steps, ZeRO-2 and
+/// ZeRO-3, with and without clipping; the masters, both moments and an evaluation loss after
+/// the steps (which reads the parameters copied back) must be identical.
+fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
+    let (b, t, steps, m_local) = (4usize, 128usize, 3usize, 3usize);
+    let mut cfg = zoo::preset("gpt-mini-gpu").map_err(anyhow::Error::msg)?;
+    cfg.vocab_size = 256;
+    let model = Model::new(cfg).map_err(anyhow::Error::msg)?;
+    let init = model.init_params(seed);
+    let shape = gpt::Shape::new(&model.cfg, b, t)?;
+    let v = model.cfg.vocab_size;
+    /// Masters, exp_avg, exp_avg_sq, an evaluation loss and the host optimizer's figures.
+    type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, f32, Option<offload::OffloadStats>);
+    let run = |stage: u8, clip: f32, offload: Option<f64>| -> Result<Outcome> {
+        let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip };
+        let off = offload.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(1) });
+        let mut r = zero::Rank::new(gpu.clone(), None, &model, stage, shape, &init, adam, m_local, off)?;
+        for step in 0..steps {
+            let mbs: Vec<_> = (0..m_local).map(|j| batch(seed, step, j, b, t, v)).collect();
+            r.step(&mbs, 2e-3, 1.0 / m_local as f32)?;
+        }
+        let (x, y) = batch(seed, 99, 0, b, t, v);
+        let loss = r.forward_loss(&x, &y)?;
+        let (mm, vv) = r.moments()?;
+        Ok((r.masters()?, mm, vv, loss, r.offload_stats()))
+    };
+    let mut rows = Vec::new();
+    for (stage, clip) in [(2u8, 1.0f32), (2, 0.0), (3, 1.0)] {
+        let base = run(stage, clip, None)?;
+        for ratio in [1.0, 0.5] {
+            let o = run(stage, clip, Some(ratio))?;
+            let tag = format!("ZeRO-{stage}, clip {clip}, ratio {ratio}");
+            rows.push(bits_row(format!("offload vs GPU optimizer, masters ({tag})"), &f32_bits(&o.0), &f32_bits(&base.0)));
+            rows.push(bits_row(format!("offload vs GPU optimizer, exp_avg ({tag})"), &f32_bits(&o.1), &f32_bits(&base.1)));
+            rows.push(bits_row(format!("offload vs GPU optimizer, exp_avg_sq ({tag})"), &f32_bits(&o.2), &f32_bits(&base.2)));
+            let hidden = o.4.map_or(String::new(), |s| {
+                format!(
+                    " [host step {:.2} ms/step, {:.0}% hidden]",
+                    s.cpu_step_s * 1e3 / s.steps.max(1) as f64,
+                    100.0 * s.hidden_fraction()
+                )
+            });
+            rows.push(bits_row(
+                format!("offload vs GPU optimizer, eval loss after the steps ({tag}){hidden}"),
+                &[o.3.to_bits()],
+                &[base.3.to_bits()],
+            ));
+        }
     }
     Ok(rows)
 }
@@ -151,10 +325,32 @@ pub struct BenchArgs {
     /// (rank 0, to stderr).
     #[arg(long)]
     pub profile: bool,
+    /// Offload this share (0–1) of each rank's optimizer to host memory, stepped by CPU threads
+    /// (`zero_optimization.offload_optimizer` with device "cpu" and this ratio); needs --zero ≥ 1.
+    #[arg(long)]
+    pub offload_ratio: Option<f64>,
+    /// Refuse to start when a rank's model states on the GPU exceed this many bytes
+    /// (`tessera.device_memory_bytes_max`).
+    #[arg(long)]
+    pub budget_bytes: Option<u64>,
+    /// Make the compute stream wait for every collective as it is issued
+    /// (`zero_optimization.overlap_comm = false`); by default they overlap the compute.
+    #[arg(long)]
+    pub no_overlap: bool,
 }
 
 /// One JSON line of results (rank 0 prints it).
-fn report(a: &BenchArgs, model: &Model, world: usize, times: &[f64], losses: &[f32], mem: usize, hash: &str) -> String {
+#[allow(clippy::too_many_arguments)]
+fn report(
+    a: &BenchArgs,
+    model: &Model,
+    world: usize,
+    times: &[f64],
+    losses: &[f32],
+    mem: usize,
+    hash: &str,
+    extra: serde_json::Value,
+) -> String {
     let mut steady: Vec<f64> = times.iter().skip(a.warmup.min(times.len().saturating_sub(1))).copied().collect();
     steady.sort_by(|x, y| x.partial_cmp(y).expect("finite times"));
     let med = steady[steady.len() / 2];
@@ -163,14 +359,17 @@ fn report(a: &BenchArgs, model: &Model, world: usize, times: &[f64], losses: &[f
     let tok_s = tokens / med;
     let fpt = model.cfg.flops_per_token(model.num_params(), a.seq);
     let mfu = tok_s * fpt / (989e12 * world as f64);
-    serde_json::json!({
+    let mut out = serde_json::json!({
         "system": "tessera", "zero": a.zero, "world": world, "params_M": (model.num_params() as f64 / 1e6 * 10.0).round() / 10.0,
         "mb": a.micro_batch, "seq": a.seq, "micro_batches": m,
         "step_ms_median": (med * 1e4).round() / 10.0, "tok_per_s": tok_s.round(), "mfu_vs_989T": (mfu * 1000.0).round() / 1000.0,
         "device_GiB": (mem as f64 / (1u64 << 30) as f64 * 100.0).round() / 100.0,
         "loss_first": losses.first(), "loss_last": losses.last(), "params_blake3": hash,
-    })
-    .to_string()
+    });
+    if let (Some(o), serde_json::Value::Object(e)) = (out.as_object_mut(), extra) {
+        o.extend(e);
+    }
+    out.to_string()
 }
 
 fn bench_model(a: &BenchArgs) -> Result<Model> {
@@ -198,6 +397,7 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
     if a.nprocs <= 1 {
         return bench_rank(a, 0, 1, None);
     }
+    bench_budget(a, &bench_model(a)?, a.nprocs)?;
     let n = cuda::device_count()?;
     if a.nprocs > n {
         bail!("--nprocs {} needs {} GPUs; this machine has {n}", a.nprocs, a.nprocs);
@@ -271,8 +471,29 @@ fn batch(seed: u64, step: usize, i: usize, b: usize, t: usize, v: usize) -> (Vec
     (x, y)
 }
 
+/// The model states a bench rank will hold, refused over `--budget-bytes` (before any GPU is
+/// touched).
+fn bench_budget(a: &BenchArgs, model: &Model, world: usize) -> Result<zero::StateBytes> {
+    let m = a.micro_batches.unwrap_or(world);
+    if m % world != 0 || m == 0 {
+        bail!("--micro-batches {m} must be a positive multiple of the GPU count {world} (each GPU takes an aligned block)");
+    }
+    let states = zero::planned_state_bytes(model, a.zero, world, m / world, a.offload_ratio)?;
+    if let Some(max) = a.budget_bytes {
+        let hint = if a.offload_ratio.is_some() {
+            "the optimizer is offloaded already".to_string()
+        } else {
+            let all = zero::planned_state_bytes(model, a.zero, world, m / world, Some(1.0))?;
+            format!("--offload-ratio 1 (the optimizer in host memory) brings them to {} bytes", all.device.total())
+        };
+        crate::offload::check_resident("each GPU rank", states.device, max, &hint)?;
+    }
+    Ok(states)
+}
+
 fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> Result<()> {
     let model = bench_model(a)?;
+    bench_budget(a, &model, world)?;
     let gpu: Arc<Gpu> = Gpu::open(rank)?;
     gpu.compile_all()?;
     let comm = match id {
@@ -287,11 +508,18 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     let shape = gpt::Shape::new(&model.cfg, a.micro_batch, a.seq)?;
     let init = model.init_params(a.seed);
     let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: a.clip };
-    let mut r = zero::Rank::new(gpu.clone(), comm, &model, a.zero, shape, &init, adam, m_local)?;
+    let offload = a.offload_ratio.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(world) });
+    let states = bench_budget(a, &model, world)?;
+    let mut r = zero::Rank::new(gpu.clone(), comm, &model, a.zero, shape, &init, adam, m_local, offload)?;
+    r.overlap = !a.no_overlap;
     r.sync()?;
     let mut times = Vec::with_capacity(a.steps);
     let mut losses = Vec::with_capacity(a.steps);
+    let mut warm_stats = None;
     for step in 0..a.steps {
+        if step == a.warmup.min(a.steps.saturating_sub(1)) {
+            warm_stats = r.offload_stats();
+        }
         let mbs: Vec<_> =
             (0..m_local).map(|j| batch(a.seed, step, rank * m_local + j, a.micro_batch, a.seq, model.cfg.vocab_size)).collect();
         let t0 = Instant::now();
@@ -323,7 +551,24 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     let masters = r.masters()?;
     let hash = blake3::hash(bytemuck::cast_slice(&masters)).to_hex().to_string();
     if rank == 0 {
-        let line = report(a, &model, world, &times, &losses, r.device_bytes(), &hash);
+        let gib = |b: u64| (b as f64 / (1u64 << 30) as f64 * 1000.0).round() / 1000.0;
+        let (free, total) = gpu.ctx.mem_get_info().map_err(cuda::drv("reading the device memory in use"))?;
+        let mut extra = serde_json::json!({
+            "state_GiB": gib(states.device.total()), "host_state_GiB": gib(states.host_optim),
+            "used_GiB": gib((total - free) as u64), "offload_ratio": a.offload_ratio,
+        });
+        if let (Some(end), Some(o)) = (r.offload_stats(), extra.as_object_mut()) {
+            // The timed steps only (the figures at the end of the warm-up are subtracted).
+            let w = warm_stats.unwrap_or_default();
+            let steps = end.steps.saturating_sub(w.steps).max(1) as f64;
+            let (cpu, exposed) = ((end.cpu_step_s - w.cpu_step_s) / steps, (end.exposed_s - w.exposed_s) / steps);
+            let hidden = if cpu > 0.0 { (1.0 - exposed / cpu).clamp(0.0, 1.0) } else { 0.0 };
+            o.insert("cpu_threads".into(), end.threads.into());
+            o.insert("host_adam_ms".into(), ((cpu * 1e4).round() / 10.0).into());
+            o.insert("exposed_ms".into(), ((exposed * 1e4).round() / 10.0).into());
+            o.insert("hidden".into(), ((hidden * 1000.0).round() / 1000.0).into());
+        }
+        let line = report(a, &model, world, &times, &losses, r.device_bytes(), &hash, extra);
         let mut out = std::io::stdout().lock();
         writeln!(out, "{line}")?;
     }

@@ -36,14 +36,16 @@ use tessera_kernels::cuda::{self, gpt, Gpu};
 use tessera_kernels::model::Arch;
 use tessera_transport::nccl::{NcclComm, NcclId};
 
-use super::zero::{AdamW, Rank};
+use super::offload::{self, OffloadStats};
+use super::zero::{self, AdamW, OffloadOptions, Rank, StateBytes};
 use super::{wait_all, ENV_NCCL_ID, ENV_RANK, ENV_WORLD};
 use crate::checkpoint::{self, CheckpointState};
 use crate::cli::{self, CommonArgs};
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision};
 use crate::data::{self, Dataset, Sampler, SamplerState, TokenBatch};
-use crate::engine::{self, peak_rss_bytes, Plan};
+use crate::engine::{self, peak_rss_bytes, MemoryBytes, Plan};
 use crate::monitor::{self, Event, Monitor, MonitorSet};
+use crate::offload::OffloadedBytes;
 use crate::{bridge, zoo};
 
 const OPTIM_PREFIX: &str = "optim";
@@ -72,12 +74,15 @@ pub fn train(config_path: &Path, common: &CommonArgs, opts: &GpuTrainOptions) ->
             bail!("GPU rank {rank} was started for {env_world} ranks ({ENV_WORLD}), but its config resolves to tessera.world = {world}");
         }
         // A rank never reports the interruption itself: the parent does (exit status 130).
-        run_rank(&cfg, opts, rank, world, Some(id))?;
+        run_rank(&cfg, opts, rank, world, Some(id), None)?;
         return Ok(true);
     }
     for w in cfg.warnings.iter().chain(&notes) {
         eprintln!("warning: {w}");
     }
+    // Validate everything a rank would (data, batch geometry, the device budget, resume, output
+    // directory) once, here, so a mistake is reported once and before any GPU is touched.
+    let prepared = prepare(&cfg, opts, true)?;
     let count = cuda::device_count()?;
     if count == 0 {
         bail!("the CUDA driver reports no GPU on this machine: `--device cuda` needs an NVIDIA GPU; use `--device cpu` here");
@@ -89,11 +94,9 @@ pub fn train(config_path: &Path, common: &CommonArgs, opts: &GpuTrainOptions) ->
         );
     }
     if world == 1 {
-        return Ok(!run_rank(&cfg, opts, 0, 1, None)?);
+        return Ok(!run_rank(&cfg, opts, 0, 1, None, Some(prepared))?);
     }
-    // Validate everything a rank would (data, batch geometry, resume, output directory) once,
-    // here, so a mistake is reported once and before any GPU is touched.
-    prepare(&cfg, opts, true)?;
+    drop(prepared);
     let stop = tessera_actors::install_ctrl_c().context("installing the Ctrl-C handler")?;
     let id = NcclId::new()?;
     let exe = std::env::current_exe().context("locating the tessera executable")?;
@@ -191,11 +194,26 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
         }
     }
     if let Some(o) = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device != OffloadDevice::None) {
-        bail!(
-            "zero_optimization.offload_optimizer.device = \"{}\": `--device cuda` keeps the optimizer on the GPU (no offload); \
-             drop the section or use --device cpu",
-            offload_name(o.device)
-        );
+        if o.device == OffloadDevice::Nvme {
+            bail!(
+                "zero_optimization.offload_optimizer.device = \"nvme\": `--device cuda` offloads the optimizer to host memory \
+                 only; use \"cpu\" (host memory), or --device cpu for NVMe swap files"
+            );
+        }
+        if cfg.zero.stage == 0 {
+            bail!(
+                "zero_optimization.offload_optimizer.device = \"{}\" needs ZeRO stage 1, 2 or 3 (the optimizer shard moves to the \
+                 host); this run has zero_optimization.stage = 0: set a stage, or use --device cpu",
+                offload_name(o.device)
+            );
+        }
+        if !(0.0..=1.0).contains(&o.ratio) {
+            bail!(
+                "zero_optimization.offload_optimizer.ratio = {}: expected the share of the optimizer to offload, from 0 to 1 \
+                 (or use --device cpu)",
+                o.ratio
+            );
+        }
     }
     if let Some(o) = cfg.zero.offload_param.as_ref().filter(|o| o.device != OffloadDevice::None) {
         bail!(
@@ -225,13 +243,52 @@ struct Prepared {
     dataset: Dataset,
     plan: Plan,
     start: Start,
+    /// Optimizer offload to host memory, if asked.
+    offload: Option<OffloadOptions>,
+    /// The model states each rank holds (the budget was checked against them).
+    states: StateBytes,
+}
+
+/// `offload_optimizer.device = "cpu"`: the share offloaded and the host threads per rank.
+fn offload_options(cfg: &Config) -> Option<OffloadOptions> {
+    let o = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device == OffloadDevice::Cpu)?;
+    Some(OffloadOptions { ratio: f64::from(o.ratio), threads: offload::default_threads(cfg.world_size) })
+}
+
+/// `tessera.device_memory_bytes_max` against what a GPU rank holds (the same check and message
+/// as the CPU path's, with the GPU's counts: bf16 parameters and stage 3's gather buffers, f32
+/// gradient buffers of the micro-batch tree and the reduced shard, fp32 masters, moments and
+/// decay mask of the pieces not offloaded).
+fn check_gpu_budget(cfg: &Config, states: &StateBytes, offload: Option<OffloadOptions>, full_optim: u64) -> Result<()> {
+    let Some(max) = cfg.tessera.device_memory_bytes_max else { return Ok(()) };
+    let hint = match offload {
+        None => format!(
+            "zero_optimization.offload_optimizer.device = \"cpu\" moves the {full_optim} bytes of fp32 masters and moments to host \
+             memory; a higher ZeRO stage or more GPUs also shrink each rank's share"
+        ),
+        Some(o) if o.ratio < 1.0 => format!(
+            "offload_optimizer.ratio = {} keeps {} bytes of optimizer state on the GPU: a higher ratio (up to 1) moves more to the host",
+            o.ratio, states.device.optim
+        ),
+        Some(_) => "the optimizer is already offloaded: use a higher ZeRO stage, more GPUs or fewer micro-batches per GPU (each level \
+                    of the micro-batch tree holds a full gradient buffer)"
+            .to_string(),
+    };
+    crate::offload::check_resident("each GPU rank", states.device, max, &hint)
 }
 
 fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared> {
     let data_path = cfg.tessera.data.as_ref().map_or_else(data::default_corpus_path, PathBuf::from);
     let dataset = data::load(&data_path, cfg.tessera.tokenizer.as_deref().map(Path::new), data::DEFAULT_VAL_FRACTION)
         .with_context(|| format!("loading data from {}", data_path.display()))?;
-    let plan = Plan::new(cfg, &dataset)?;
+    // The budget and the offload share are checked below with the GPU's own counts; the CPU
+    // plan's checks of them (CPU layout and dtypes) do not apply here.
+    let mut cpu_cfg = cfg.clone();
+    cpu_cfg.tessera.device_memory_bytes_max = None;
+    if let Some(o) = cpu_cfg.zero.offload_optimizer.as_mut() {
+        o.ratio = 1.0;
+    }
+    let plan = Plan::new(&cpu_cfg, &dataset)?;
     let world = cfg.world_size.max(1);
     if plan.micro_batches % world != 0 {
         bail!(
@@ -243,6 +300,11 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
         );
     }
     gpt::Shape::new(&plan.model.cfg, plan.micro, plan.seq_len)?;
+    let offload = offload_options(cfg);
+    let m_local = plan.micro_batches / world;
+    let states = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, offload.map(|o| o.ratio))?;
+    let full_optim = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, None)?.device.optim;
+    check_gpu_budget(cfg, &states, offload, full_optim)?;
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
     let start = match &opts.resume {
         Some(dir) => resume_start(cfg, &plan, dir, lead)?,
@@ -253,7 +315,7 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
             Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), moments: None, applied: 0, skipped: 0 }
         }
     };
-    Ok(Prepared { dataset, plan, start })
+    Ok(Prepared { dataset, plan, start, offload, states })
 }
 
 /// The checkpoint's masters, Adam moments and counters, with the CPU path's checks (model,
@@ -325,6 +387,42 @@ pub struct GpuSummary {
     pub gpu: String,
     /// Device memory each rank allocated (parameters, gradients, optimizer, activations).
     pub device_bytes_per_rank: Vec<u64>,
+    /// Model states each rank holds on its GPU, by kind (what `tessera.device_memory_bytes_max`
+    /// bounds): bf16 parameters (with stage 3's gather buffers), f32 gradient buffers, fp32
+    /// masters + moments (+ decay mask) not offloaded.
+    pub model_state_bytes_per_rank: Vec<MemoryBytes>,
+    /// Model states each rank keeps in host memory (optimizer offload; `nvme` is always 0 here).
+    pub offloaded_bytes_per_rank: Vec<OffloadedBytes>,
+    /// Optimizer offload figures of rank 0, when offloaded.
+    pub offload: Option<GpuOffloadSummary>,
+}
+
+/// What the host optimizer did (rank 0).
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuOffloadSummary {
+    /// `offload_optimizer.ratio`: the share of each unit's optimizer piece stepped on the host.
+    pub ratio: f64,
+    pub cpu_threads: usize,
+    /// Page-locked staging buffers (gradients in, bf16 parameters out).
+    pub pinned_bytes: u64,
+    /// Mean per step: host AdamW compute, and the part of it not hidden behind the GPU.
+    pub cpu_step_ms: f64,
+    pub exposed_ms: f64,
+    pub hidden_fraction: f64,
+}
+
+impl GpuOffloadSummary {
+    fn new(ratio: f64, pinned_bytes: u64, st: &OffloadStats) -> Self {
+        let per = |s: f64| s * 1e3 / st.steps.max(1) as f64;
+        GpuOffloadSummary {
+            ratio,
+            cpu_threads: st.threads,
+            pinned_bytes,
+            cpu_step_ms: per(st.cpu_step_s),
+            exposed_ms: per(st.exposed_s),
+            hidden_fraction: st.hidden_fraction(),
+        }
+    }
 }
 
 impl GpuSummary {
@@ -338,6 +436,27 @@ impl GpuSummary {
     pub fn render(&self) -> String {
         let val = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
         let max_dev = self.device_bytes_per_rank.iter().copied().max().unwrap_or(0);
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let states = self.model_state_bytes_per_rank.first().map_or(String::new(), |m| {
+            format!(
+                "model states   {:.1} MiB per rank on the GPU (params {:.1}, grads {:.1}, optimizer {:.1})\n",
+                mib(m.total),
+                mib(m.params),
+                mib(m.grads),
+                mib(m.optimizer_states)
+            )
+        });
+        let off = match (&self.offload, self.offloaded_bytes_per_rank.first()) {
+            (Some(o), Some(b)) => format!(
+                "offload        {:.1} MiB per rank in host memory (ratio {}), {} CPU threads: host AdamW {:.1} ms/step, {:.0}% hidden\n",
+                mib(b.host),
+                o.ratio,
+                o.cpu_threads,
+                o.cpu_step_ms,
+                100.0 * o.hidden_fraction
+            ),
+            _ => String::new(),
+        };
         format!(
             "── summary ──────────────────────────────────────────\n\
              model          {} ({:.2}M params, {}, ZeRO-{}, {} × {})\n\
@@ -346,7 +465,7 @@ impl GpuSummary {
              val loss       {} (from {})\n\
              throughput     {:.0} tokens/s over {:.1} s\n\
              device memory  {:.1} MiB per rank\n\
-             params_blake3  {}\n",
+             {states}{off}params_blake3  {}\n",
             self.model,
             self.num_params as f64 / 1e6,
             self.precision,
@@ -428,11 +547,23 @@ impl RankRun<'_> {
     }
 }
 
-/// Runs rank `rank` of `world`; returns whether Ctrl-C stopped the run.
-fn run_rank(cfg: &Config, opts: &GpuTrainOptions, rank: usize, world: usize, id: Option<NcclId>) -> Result<bool> {
+/// Runs rank `rank` of `world` (with what the parent already prepared, when it is this
+/// process); returns whether Ctrl-C stopped the run.
+fn run_rank(
+    cfg: &Config,
+    opts: &GpuTrainOptions,
+    rank: usize,
+    world: usize,
+    id: Option<NcclId>,
+    prepared: Option<Prepared>,
+) -> Result<bool> {
     let started = Instant::now();
     let lead = rank == 0;
-    let Prepared { dataset, plan, start } = prepare(cfg, opts, lead && id.is_none())?;
+    let prepared = match prepared {
+        Some(p) => p,
+        None => prepare(cfg, opts, lead && id.is_none())?,
+    };
+    let Prepared { dataset, plan, start, offload, states } = prepared;
     let m = plan.micro_batches;
     let m_local = m / world;
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
@@ -450,7 +581,11 @@ fn run_rank(cfg: &Config, opts: &GpuTrainOptions, rank: usize, world: usize, id:
         bail!("the GPU path runs Adam/AdamW only (checked before)");
     };
     let adam = AdamW { betas, eps, weight_decay, clip: plan.clip };
-    let mut r = Rank::new(gpu.clone(), comm, &plan.model, plan.stage, shape, &start.master, adam, m_local)?;
+    let mut r = Rank::new(gpu.clone(), comm, &plan.model, plan.stage, shape, &start.master, adam, m_local, offload)?;
+    r.overlap = plan.overlap_comm;
+    if r.state_bytes() != states {
+        bail!("GPU rank {rank}: the model states allocated ({:?}) differ from those planned at start ({states:?})", r.state_bytes());
+    }
     if let Some((steps, mm, vv)) = &start.moments {
         r.load_moments(mm, vv, *steps).context("restoring the Adam moments from the checkpoint")?;
     }
@@ -464,8 +599,16 @@ fn run_rank(cfg: &Config, opts: &GpuTrainOptions, rank: usize, world: usize, id:
     let pb = engine::progress_bar(steps, opts.progress && lead);
     pb.set_position(start.step);
     if lead {
+        let off = offload.map_or(String::new(), |o| {
+            format!(
+                " | optimizer offloaded to host memory (ratio {}, {} CPU threads per rank; {:.1} MiB of model states on the GPU)",
+                o.ratio,
+                o.threads,
+                states.device.total() as f64 / (1u64 << 20) as f64
+            )
+        });
         pb.println(format!(
-            "training {} ({:.2}M params) on {} | {world} × {} | ZeRO-{} | bf16 | batch {} = {} micro-batches × {} × {} tokens | {} steps",
+            "training {} ({:.2}M params) on {} | {world} × {} | ZeRO-{} | bf16 | batch {} = {} micro-batches × {} × {} tokens | {} steps{off}",
             cfg.tessera.model,
             plan.total() as f64 / 1e6,
             dataset.source,
@@ -569,6 +712,26 @@ fn run_rank(cfg: &Config, opts: &GpuTrainOptions, rank: usize, world: usize, id:
         _ => run.r.masters().context("gathering the masters for the summary")?,
     };
     let device_bytes = run.r.device_bytes_per_rank().context("gathering the device memory figures")?;
+    let sb = run.r.state_bytes();
+    let d = sb.device;
+    let figures = run
+        .r
+        .gather_host(&[d.params as f64, d.grads as f64, d.optim as f64, sb.host_optim as f64])
+        .context("gathering the model-state figures")?;
+    let model_states: Vec<MemoryBytes> = figures
+        .chunks_exact(4)
+        .enumerate()
+        .map(|(r, c)| {
+            let (params, grads, optimizer_states) = (c[0] as u64, c[1] as u64, c[2] as u64);
+            MemoryBytes { rank: r, params, grads, optimizer_states, total: params + grads + optimizer_states }
+        })
+        .collect();
+    let offloaded: Vec<OffloadedBytes> =
+        figures.chunks_exact(4).enumerate().map(|(r, c)| OffloadedBytes { rank: r, host: c[3] as u64, nvme: 0 }).collect();
+    let offload_summary = match (run.r.offload_ratio(), run.r.offload_stats()) {
+        (Some(ratio), Some(st)) => Some(GpuOffloadSummary::new(ratio, sb.host_staging, &st)),
+        _ => None,
+    };
     if !lead {
         return Ok(interrupted);
     }
@@ -598,6 +761,9 @@ fn run_rank(cfg: &Config, opts: &GpuTrainOptions, rank: usize, world: usize, id:
         device: "cuda".into(),
         gpu: gpu.name.clone(),
         device_bytes_per_rank: device_bytes.iter().map(|&b| b as u64).collect(),
+        model_state_bytes_per_rank: model_states,
+        offloaded_bytes_per_rank: offloaded,
+        offload: offload_summary,
     };
     summary.write(&out_dir.join("summary.json")).context("writing summary.json")?;
     monitor::write_loss_curve_svg(&out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])

@@ -13,10 +13,20 @@
 //!   unit stays gathered from the start of the forward to the end of the backward (it is used
 //!   at both ends). The gradient buffer is full-length, as in stage 2.
 //!
+//! The last micro-batch's gradient is finished unit by unit: as the backward completes a unit,
+//! that unit's share of the micro-batch tree's adds runs, then its reduction (so reductions
+//! overlap the rest of the backward with or without gradient accumulation).
+//!
+//! Optimizer offload ([`OffloadOptions`], `src/gpu/offload.rs`): the masters and moments of
+//! the host part of each unit's piece live in host memory and are stepped by CPU threads as
+//! each unit's reduced gradient reaches the host; the new bf16 parameters come back per unit
+//! and are gathered as without offload.
+//!
 //! Determinism: a rank's micro-batches are combined by a fixed binary tree, ranks hold aligned
 //! blocks of micro-batches, and with two ranks NCCL's sum is one IEEE add — so one GPU running
 //! two micro-batches and two GPUs running one each produce the same bits (tested on the device).
 
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,6 +35,9 @@ use tessera_kernels::cuda::gpt::{self, GpuLayout, Phase, Shape, UnitHooks, Works
 use tessera_kernels::cuda::{self, bf16, ops, Buf, CudaEvent, CudaStream, DPtr, Gpu};
 use tessera_kernels::model::Model;
 use tessera_transport::nccl::NcclComm;
+
+use super::offload::{self, HostState, OffloadStats, Split, Staging, StepOrder};
+use crate::offload::ResidentBytes;
 
 /// Bound on any wait for the communication stream.
 const COMM_TIMEOUT: Duration = Duration::from_secs(300);
@@ -39,8 +52,118 @@ pub struct AdamW {
     pub clip: f32,
 }
 
+/// ZeRO-Offload of the optimizer to host memory (`offload_optimizer.device = "cpu"`).
+#[derive(Clone, Copy, Debug)]
+pub struct OffloadOptions {
+    /// Share of each unit's optimizer piece stepped on the host (`offload_optimizer.ratio`).
+    pub ratio: f64,
+    /// CPU threads of the host step.
+    pub threads: usize,
+}
+
+/// A rank's model states by kind, as the device holds them, and what offload keeps on the host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateBytes {
+    /// On the device: bf16 parameters (with stage 3's gather buffers), f32 gradients (the
+    /// micro-batch tree's buffers and the reduced shard), fp32 masters + moments + decay mask.
+    pub device: ResidentBytes,
+    /// fp32 masters and moments (and their decay mask) in host memory.
+    pub host_optim: u64,
+    /// Page-locked staging buffers (gradient in, bf16 parameters out).
+    pub host_staging: u64,
+}
+
+/// The model-state bytes a rank of this geometry will hold, before anything is allocated
+/// (the budget check at start uses it; [`Rank::state_bytes`] counts the same).
+pub fn planned_state_bytes(model: &Model, stage: u8, world: usize, m_local: usize, ratio: Option<f64>) -> Result<StateBytes> {
+    let opt_world = if stage == 0 { 1 } else { world.max(1) };
+    let layout = GpuLayout::new(model, opt_world)?;
+    let split = Split::new((0..layout.units.len()).map(|u| layout.piece(u, 0).len()).collect(), ratio.unwrap_or(0.0));
+    let levels = tree_levels(m_local) as u64;
+    let (total, shard) = (layout.total as u64, layout.shard_len() as u64);
+    let params = if stage == 3 {
+        let blk = layout.units.get(1).map_or(0, |r| r.len()) as u64;
+        (shard + layout.units[0].len() as u64 + 2 * blk) * 2
+    } else {
+        total * 2
+    };
+    let gshard = if stage >= 1 && world > 1 { shard } else { 0 };
+    let staged: u64 = split.host.iter().filter(|&&h| h > 0).map(|&h| h as u64 * 6).sum();
+    Ok(StateBytes {
+        device: ResidentBytes { params, grads: (levels * total + gshard) * 4, optim: split.dev_total as u64 * 13 },
+        host_optim: split.host_total as u64 * 13,
+        host_staging: staged,
+    })
+}
+
+/// Buffers the micro-batch tree holds at once for `m_local` micro-batches: ⌊log2 M⌋ + 1.
+fn tree_levels(m_local: usize) -> usize {
+    usize::BITS as usize - m_local.max(1).leading_zeros() as usize
+}
+
+/// The host side of optimizer offload.
+struct Offload {
+    /// Lent to the worker thread during a step; `None` only if a step failed.
+    host: Option<HostState>,
+    /// Per unit (host part non-empty): page-locked staging, lent to the worker during a step.
+    staging: Vec<Option<Staging>>,
+    /// Copy streams: gradients device → host, parameters host → device.
+    d2h: Arc<CudaStream>,
+    h2d: Arc<CudaStream>,
+    /// During a step: hands each unit's staging (gradient copy enqueued) to the worker.
+    tx: Option<Sender<Staging>>,
+    ratio: f64,
+    stats: OffloadStats,
+}
+
+/// What the issuing thread keeps of one step's host pipeline.
+struct Pipe {
+    scale: Sender<f32>,
+    done: Receiver<Result<Staging, String>>,
+    expected: usize,
+}
+
+/// The last micro-batch's tree adds `(dst slot, src slot)`, done unit by unit in its backward,
+/// and the slot that then holds the rank's summed gradient.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Tail {
+    merges: Vec<(usize, usize)>,
+    fin: usize,
+}
+
+/// The adds the micro-batch tree does once leaf `slot` (the last micro-batch) is pushed on
+/// `stack` ((level, slot) pairs): equal levels merge, then everything collapses — the order of
+/// [`Rank::step`]'s whole-buffer adds for the earlier micro-batches.
+fn tail_plan(stack: &[(u32, usize)], slot: usize) -> Tail {
+    let mut st = stack.to_vec();
+    st.push((0, slot));
+    let mut merges = Vec::new();
+    while st.len() >= 2 && st[st.len() - 1].0 == st[st.len() - 2].0 {
+        let (lv, top) = st.pop().expect("len ≥ 2");
+        let below = st.last_mut().expect("len ≥ 1");
+        merges.push((below.1, top));
+        below.0 = lv + 1;
+    }
+    while st.len() >= 2 {
+        let (_, top) = st.pop().expect("len ≥ 2");
+        merges.push((st.last().expect("len ≥ 1").1, top));
+    }
+    Tail { merges, fin: st[0].1 }
+}
+
+/// Which optimizer buffer.
+#[derive(Clone, Copy)]
+enum Which {
+    Master,
+    ExpAvg,
+    ExpAvgSq,
+}
+
 pub struct Rank {
     pub gpu: Arc<Gpu>,
+    /// `zero_optimization.overlap_comm`: collectives on the communication stream overlap the
+    /// compute stream (default). Off: the compute stream waits for each one as it is issued.
+    pub overlap: bool,
     comm: Option<NcclComm>,
     cstream: Arc<CudaStream>,
     pub rank: usize,
@@ -52,7 +175,8 @@ pub struct Rank {
     /// Stage 3 only: the gathered embedding unit and two rotating block buffers.
     u0: Option<Buf<bf16>>,
     pool: Vec<Buf<bf16>>,
-    /// Optimizer shard (stage ≥ 1) or everything (stage 0): fp32 masters and moments.
+    /// Optimizer shard (stage ≥ 1) or everything (stage 0): fp32 masters and moments — the
+    /// device parts of the pieces ([`Split`]; all of them without offload).
     master: Buf<f32>,
     m: Buf<f32>,
     v: Buf<f32>,
@@ -72,6 +196,9 @@ pub struct Rank {
     pool_ready: std::collections::HashMap<usize, CudaEvent>,
     /// Per-position losses of this step's micro-batches (copied out of the workspace).
     losses: Buf<f32>,
+    /// Which part of each unit's piece is stepped on the host.
+    split: Split,
+    off: Option<Offload>,
 }
 
 impl Rank {
@@ -86,10 +213,17 @@ impl Rank {
         init: &[f32],
         adam: AdamW,
         m_local: usize,
+        offload: Option<OffloadOptions>,
     ) -> Result<Rank> {
         let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
         if stage > 3 {
             bail!("zero_optimization.stage = {stage}: expected 0, 1, 2 or 3");
+        }
+        if offload.is_some() && stage == 0 {
+            bail!("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (the optimizer shard is what moves to the host); this run has stage 0");
+        }
+        if let Some(o) = offload.filter(|o| !(0.0..=1.0).contains(&o.ratio)) {
+            bail!("zero_optimization.offload_optimizer.ratio = {}: expected a share from 0 to 1", o.ratio);
         }
         // Stage 0 shards nothing: one piece holds every unit.
         let opt_world = if stage == 0 { 1 } else { world };
@@ -114,13 +248,45 @@ impl Rank {
         } else {
             (None, Vec::new())
         };
-        let master = gpu.upload(&master_h)?;
-        let m = gpu.alloc::<f32>(shard_len)?;
-        let v = gpu.alloc::<f32>(shard_len)?;
-        let decay = gpu.upload(&mask_h)?;
+        let split =
+            Split::new((0..layout.units.len()).map(|u| layout.piece(u, opt_rank).len()).collect(), offload.map_or(0.0, |o| o.ratio));
+        let (master_host, master_dev) = split.cut(&master_h);
+        let (mask_host, mask_dev) = split.cut(&mask_h);
+        let master = gpu.upload(&master_dev)?;
+        let m = gpu.alloc::<f32>(split.dev_total)?;
+        let v = gpu.alloc::<f32>(split.dev_total)?;
+        let decay = gpu.upload(&mask_dev)?;
+        let off = match offload {
+            None => None,
+            Some(o) => {
+                let threads = o.threads.max(1);
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .thread_name(move |i| format!("tessera-cpu-adam-{rank}-{i}"))
+                    .build()
+                    .context("starting the host optimizer's threads")?;
+                let n = split.host_total;
+                let host = HostState { master: master_host, m: vec![0.0; n], v: vec![0.0; n], decay: mask_host, pool, threads };
+                let mut staging = Vec::with_capacity(split.units());
+                for (u, &h) in split.host.iter().enumerate() {
+                    staging.push(if h > 0 { Some(Staging::new(&gpu, u, h)?) } else { None });
+                }
+                let d2h = gpu.ctx.new_stream().map_err(cuda::drv("creating the device → host copy stream"))?;
+                let h2d = gpu.ctx.new_stream().map_err(cuda::drv("creating the host → device copy stream"))?;
+                Some(Offload {
+                    host: Some(host),
+                    staging,
+                    d2h,
+                    h2d,
+                    tx: None,
+                    ratio: o.ratio,
+                    stats: OffloadStats { threads, ..Default::default() },
+                })
+            }
+        };
         let gshard = if stage >= 1 && world > 1 { Some(gpu.alloc::<f32>(shard_len)?) } else { None };
         // The micro-batch tree holds at most ⌊log2 M⌋ + 1 partial sums at once.
-        let levels = usize::BITS as usize - m_local.max(1).leading_zeros() as usize;
+        let levels = tree_levels(m_local);
         let mut gbufs = Vec::new();
         for _ in 0..levels {
             gbufs.push(gpu.alloc::<f32>(layout.total)?);
@@ -135,6 +301,7 @@ impl Rank {
         Ok(Rank {
             gpu,
             comm,
+            overlap: true,
             cstream,
             rank,
             world,
@@ -157,11 +324,21 @@ impl Rank {
             ready: (0..n_units).map(|_| None).collect(),
             pool_ready: std::collections::HashMap::new(),
             losses,
+            split,
+            off,
         })
     }
 
     fn comm(&self) -> &NcclComm {
         self.comm.as_ref().expect("collectives are only issued when world > 1")
+    }
+
+    /// Without overlap, the compute stream waits for the collective just issued.
+    fn comm_issued(&self) -> Result<()> {
+        if !self.overlap && self.world > 1 {
+            self.order(&self.cstream, &self.gpu.stream)?;
+        }
+        Ok(())
     }
 
     /// Makes `to` wait for everything enqueued so far on `from`.
@@ -179,26 +356,81 @@ impl Rank {
         if m_local == 0 || m_local * self.ws_n() > self.losses.len() {
             bail!("rank {} was given {m_local} micro-batches; it was built for {}", self.rank, self.losses.len() / self.ws_n());
         }
-        let overlap = m_local == 1 && self.world > 1;
+        let hp = ops::AdamStep::new(lr, self.adam.betas, self.adam.eps, self.adam.weight_decay, self.step + 1);
+        let Some(off) = self.off.as_mut() else { return self.step_inner(mbs, dloss, &hp, None) };
+        let mut host = off.host.take().context("the host optimizer state was lost in an earlier failed step")?;
+        let split = self.split.clone();
+        let expected = split.host.iter().filter(|&&h| h > 0).count();
+        let (unit_tx, unit_rx) = mpsc::channel();
+        let (scale_tx, scale_rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel();
+        off.tx = Some(unit_tx);
+        if self.adam.clip <= 0.0 {
+            // No clipping: each unit can be stepped as soon as its gradient arrives.
+            let _ = scale_tx.send(1.0);
+        }
+        let (res, stats) = std::thread::scope(|s| {
+            let (host, split) = (&mut host, &split);
+            let order = StepOrder { hp, expected };
+            let worker = std::thread::Builder::new()
+                .name(format!("tessera-offload-{}", self.rank))
+                .spawn_scoped(s, move || offload::worker(host, split, order, unit_rx, scale_rx, done_tx));
+            let res = match &worker {
+                Ok(_) => self.step_inner(mbs, dloss, &hp, Some(Pipe { scale: scale_tx, done: done_rx, expected })),
+                Err(e) => Err(anyhow::anyhow!("starting the host optimizer thread: {e}")),
+            };
+            // Ends the worker if the step stopped early (it waits for units that will not come).
+            if let Some(o) = self.off.as_mut() {
+                o.tx = None;
+            }
+            let stats = worker.ok().map(|h| h.join());
+            (res, stats)
+        });
+        let off = self.off.as_mut().expect("offload state present");
+        off.host = Some(host);
+        match stats {
+            Some(Ok(st)) => off.stats.add(&st),
+            Some(Err(_)) => bail!("rank {}: the host optimizer thread panicked", self.rank),
+            None => {}
+        }
+        res
+    }
+
+    fn step_inner(
+        &mut self,
+        mbs: &[(Vec<u32>, Vec<u32>)],
+        dloss: f32,
+        hp: &ops::AdamStep,
+        pipe: Option<Pipe>,
+    ) -> Result<(f32, Option<f64>)> {
+        let m_local = mbs.len();
         let mut stack: Vec<(u32, usize)> = Vec::new();
         let mut free: Vec<usize> = (0..self.gbufs.len()).rev().collect();
         let n = self.ws_n();
+        let mut fin = 0;
         for (i, (tok, tgt)) in mbs.iter().enumerate() {
             let slot = free.pop().context("micro-batch tree ran out of buffers")?;
             let g = self.gbufs[slot].ptr();
-            // (The previous step's reductions finished before its optimizer ran on this stream.)
+            // (The previous step's reductions and copies finished before it returned.)
             self.gpu.zero(g, &self.gpu.stream)?;
             self.gpu.mark("zero grads");
+            // The last micro-batch finishes the tree, the reduction and the copy to the host
+            // unit by unit during its backward.
+            let tail = (i + 1 == m_local).then(|| tail_plan(&stack, slot));
             let mut ws = self.ws.take().expect("workspace present between micro-batches");
             let gpu = self.gpu.clone();
             let res = {
-                let mut hooks = Hooks { r: self, grads: g, overlap, use_idx: 0, uses: Vec::new() };
+                let mut hooks = Hooks { r: self, grads: g, tail: tail.as_ref(), use_idx: 0, uses: Vec::new() };
                 hooks.begin().and_then(|_| gpt::forward_backward(&gpu, &mut hooks, &mut ws, tok, tgt, dloss).map_err(anyhow::Error::from))
             };
             let copied = gpu.copy(self.losses.slice(i * n..(i + 1) * n).cast(), ws.losses.ptr().cast(), &gpu.stream);
             self.ws = Some(ws);
             res?;
             copied?;
+            if let Some(t) = tail {
+                fin = t.fin;
+                break;
+            }
             stack.push((0, slot));
             while stack.len() >= 2 && stack[stack.len() - 1].0 == stack[stack.len() - 2].0 {
                 let (lv, top) = stack.pop().expect("len ≥ 2");
@@ -208,18 +440,7 @@ impl Rank {
                 stack.last_mut().expect("len ≥ 1").0 = lv + 1;
             }
         }
-        while stack.len() >= 2 {
-            let (_, top) = stack.pop().expect("len ≥ 2");
-            let (_, below) = *stack.last().expect("len ≥ 1");
-            ops::add_f32(&self.gpu, &self.gpu.stream, self.gbufs[below].ptr(), self.gbufs[top].ptr())?;
-            free.push(top);
-        }
-        let full = self.gbufs[stack[0].1].ptr();
-        if self.world > 1 && !overlap {
-            for u in (0..self.layout.units.len()).rev() {
-                self.reduce_unit(u, full)?;
-            }
-        }
+        let full = self.gbufs[fin].ptr();
         self.gpu.mark("micro-batch tree");
         // Optimizer input: this rank's reduced pieces.
         if self.world > 1 {
@@ -239,42 +460,155 @@ impl Rank {
             Some(n) if n > self.adam.clip as f64 => (self.adam.clip as f64 / (n + 1e-6)) as f32,
             _ => 1.0,
         };
+        if let (Some(p), true) = (&pipe, self.adam.clip > 0.0) {
+            // A worker that already stopped reports why through `done`.
+            let _ = p.scale.send(scale);
+        }
         self.step += 1;
-        let hp = ops::AdamStep::new(lr, self.adam.betas, self.adam.eps, self.adam.weight_decay, self.step);
         let opt_rank = if self.stage == 0 { 0 } else { self.rank };
+        let gathers = self.world > 1 && (self.stage == 1 || self.stage == 2);
         for u in 0..self.layout.units.len() {
             let off = self.layout.shard_offset(u);
             let piece = self.layout.piece(u, opt_rank);
-            let len = piece.len();
-            let sh = off..off + len;
-            let param = if self.stage == 3 { self.params.slice(sh.clone()) } else { self.params.slice(piece.clone()) };
-            ops::adamw(
-                &self.gpu,
-                &self.gpu.stream,
-                self.master.slice(sh.clone()),
-                param,
-                gshard.slice(sh.clone()),
-                self.m.slice(sh.clone()),
-                self.v.slice(sh.clone()),
-                self.decay.slice(sh.clone()),
-                &hp,
-                scale,
-            )?;
-            if self.world > 1 && (self.stage == 1 || self.stage == 2) {
+            let (len, h) = (piece.len(), self.split.host[u]);
+            if len > h {
+                // The device part of the piece: [h, len).
+                let sh = off + h..off + len;
+                let dr = self.split.dev_range(u);
+                let param = if self.stage == 3 { self.params.slice(sh.clone()) } else { self.params.slice(piece.start + h..piece.end) };
+                ops::adamw(
+                    &self.gpu,
+                    &self.gpu.stream,
+                    self.master.slice(dr.clone()),
+                    param,
+                    gshard.slice(sh),
+                    self.m.slice(dr.clone()),
+                    self.v.slice(dr.clone()),
+                    self.decay.slice(dr),
+                    hp,
+                    scale,
+                )?;
+            }
+            if gathers && h == 0 {
                 // Gather this unit's updated bf16 parameters while the optimizer moves on to the
                 // next unit; the next forward waits per unit.
                 self.order(&self.gpu.stream, &self.cstream)?;
-                let unit = self.params.slice(self.layout.units[u].clone());
-                let mine = self.params.slice(self.layout.piece(u, self.rank));
-                self.comm().all_gather_bf16(mine, unit, &self.cstream)?;
-                let ev = self.cstream.record_event(None).map_err(cuda::drv("recording an event"))?;
-                self.ready[u] = Some(ev);
+                self.gather_unit(u)?;
             }
         }
         self.gpu.mark("adamw");
+        if let Some(p) = pipe {
+            self.land_host_units(p, gathers)?;
+        }
         let losses = self.gpu.download(self.losses.slice(0..m_local * n))?;
         let loss = losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len() as f64;
         Ok((loss as f32, norm))
+    }
+
+    /// All-gathers unit `u`'s bf16 parameters on the communication stream (after what it was
+    /// ordered behind) and records the unit's ready event.
+    fn gather_unit(&mut self, u: usize) -> Result<()> {
+        let unit = self.params.slice(self.layout.units[u].clone());
+        let mine = self.params.slice(self.layout.piece(u, self.rank));
+        self.comm().all_gather_bf16(mine, unit, &self.cstream)?;
+        self.ready[u] = Some(record(&self.cstream)?);
+        self.comm_issued()
+    }
+
+    /// Takes each unit the host stepped (in the order it stepped them, the same on every rank),
+    /// copies its new bf16 parameters host → device and gathers them (stages 1–2 with several
+    /// ranks); the next forward waits per unit.
+    fn land_host_units(&mut self, p: Pipe, gathers: bool) -> Result<()> {
+        // The device parts' kernels were enqueued above: the gathers also wait for them.
+        let dev_done = record(&self.gpu.stream)?;
+        // Every gradient is on the host once the copy stream is idle: from then on, the time
+        // until the host step ends is not hidden behind the GPU.
+        if let Some(o) = &self.off {
+            o.d2h.synchronize().map_err(cuda::drv("waiting for the gradient copies to the host"))?;
+        }
+        let arrived = std::time::Instant::now();
+        for _ in 0..p.expected {
+            let st = match p.done.recv_timeout(offload::HOST_STEP_TIMEOUT) {
+                Ok(Ok(st)) => st,
+                Ok(Err(e)) => bail!("rank {}: the host optimizer step failed: {e}", self.rank),
+                Err(RecvTimeoutError::Timeout) => bail!(
+                    "rank {}: the host optimizer step of a unit did not finish within {} s",
+                    self.rank,
+                    offload::HOST_STEP_TIMEOUT.as_secs()
+                ),
+                Err(RecvTimeoutError::Disconnected) => {
+                    bail!("rank {}: the host optimizer thread stopped before the step was done", self.rank)
+                }
+            };
+            let u = st.u;
+            let h = self.split.host[u];
+            let dst = if self.stage == 3 {
+                let off = self.layout.shard_offset(u);
+                off..off + h
+            } else {
+                let start = self.layout.piece(u, if self.stage == 0 { 0 } else { self.rank }).start;
+                start..start + h
+            };
+            let o = self.off.as_mut().expect("a pipe implies offload");
+            {
+                let mut view = self.params.inner_mut().slice_mut(dst);
+                o.h2d.memcpy_htod(&st.param, &mut view).map_err(cuda::drv(format!("copying unit {u}'s parameters host → device")))?;
+            }
+            let ev = record(&o.h2d)?;
+            let mut st = st;
+            st.param_free = Some(offload::blocking_event(&o.h2d)?);
+            o.staging[u] = Some(st);
+            if gathers {
+                self.cstream.wait(&ev).map_err(cuda::drv("waiting for a parameter copy"))?;
+                self.cstream.wait(&dev_done).map_err(cuda::drv("waiting for the device optimizer"))?;
+                self.gather_unit(u)?;
+            } else if self.stage != 3 {
+                self.ready[u] = Some(ev);
+            }
+        }
+        if let Some(o) = self.off.as_mut() {
+            o.stats.exposed_s += arrived.elapsed().as_secs_f64();
+        }
+        if self.stage == 3 {
+            // The next forward's gathers read the parameter shard the copies wrote.
+            let o = self.off.as_ref().expect("a pipe implies offload");
+            let ev = record(&o.h2d)?;
+            self.cstream.wait(&ev).map_err(cuda::drv("waiting for the parameter copies"))?;
+        }
+        self.gpu.mark("host optimizer");
+        Ok(())
+    }
+
+    /// Offload: copies the host part of unit `u`'s reduced gradient (final once `src` reaches
+    /// here) to its staging buffer on the copy stream and hands it to the worker.
+    fn send_grad(&mut self, u: usize, fin: usize) -> Result<()> {
+        let h = self.split.host[u];
+        let opt_rank = if self.stage == 0 { 0 } else { self.rank };
+        let src_stream = if self.world > 1 { &self.cstream } else { &self.gpu.stream };
+        let Some(o) = self.off.as_mut() else { return Ok(()) };
+        if h == 0 || o.tx.is_none() {
+            return Ok(());
+        }
+        let mut st = o.staging[u].take().with_context(|| format!("unit {u}'s host staging buffers were lost in an earlier failed step"))?;
+        let ev = record(src_stream)?;
+        o.d2h.wait(&ev).map_err(cuda::drv("waiting for a reduction"))?;
+        let copied = match &self.gshard {
+            Some(b) => {
+                let off = self.layout.shard_offset(u);
+                o.d2h.memcpy_dtoh(&b.inner().slice(off..off + h), &mut st.grad)
+            }
+            None => {
+                let start = self.layout.piece(u, opt_rank).start;
+                o.d2h.memcpy_dtoh(&self.gbufs[fin].inner().slice(start..start + h), &mut st.grad)
+            }
+        };
+        copied.map_err(cuda::drv(format!("copying unit {u}'s gradient device → host")))?;
+        st.grad_ready = Some(offload::blocking_event(&o.d2h)?);
+        let tx = o.tx.as_ref().expect("checked above");
+        if tx.send(st).is_err() {
+            bail!("rank {}: the host optimizer thread stopped (unit {u}'s gradient had nowhere to go)", self.rank);
+        }
+        Ok(())
     }
 
     fn ws_n(&self) -> usize {
@@ -294,7 +628,7 @@ impl Rank {
             let len = self.layout.units[u].len() / self.world;
             self.comm().reduce_scatter_f32(unit, gs.slice(off..off + len), &self.cstream)?;
         }
-        Ok(())
+        self.comm_issued()
     }
 
     /// Global L2 norm of the reduced gradient: per-block partial sums of squares (blocks of
@@ -328,18 +662,26 @@ impl Rank {
 
     /// The fp32 master parameters in the CPU layout (gathered from every rank).
     pub fn masters(&mut self) -> Result<Vec<f32>> {
-        let shard = self.gpu.download(self.master.ptr())?;
-        if self.world == 1 || self.stage == 0 {
-            return Ok(self.layout.unpad(&self.layout_full_from_shards(&[shard])));
-        }
-        let all = self.gpu.alloc::<f32>(self.master.len() * self.world)?;
-        self.order(&self.gpu.stream, &self.cstream)?;
-        self.comm().all_gather_f32(self.master.ptr(), all.ptr(), &self.cstream)?;
-        self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
-        let flat = self.gpu.download(all.ptr())?;
-        let n = self.master.len();
-        let shards: Vec<Vec<f32>> = (0..self.world).map(|r| flat[r * n..(r + 1) * n].to_vec()).collect();
-        Ok(self.layout.unpad(&self.layout_full_from_shards(&shards)))
+        let shard = self.shard_vec(Which::Master)?;
+        self.gather_cpu_layout(shard)
+    }
+
+    /// This rank's optimizer shard of one buffer (pieces unit after unit), joining the host and
+    /// device parts.
+    fn shard_vec(&self, which: Which) -> Result<Vec<f32>> {
+        let dev = self.gpu.download(match which {
+            Which::Master => self.master.ptr(),
+            Which::ExpAvg => self.m.ptr(),
+            Which::ExpAvgSq => self.v.ptr(),
+        })?;
+        let Some(o) = &self.off else { return Ok(dev) };
+        let host = o.host.as_ref().context("the host optimizer state was lost in an earlier failed step")?;
+        let h = match which {
+            Which::Master => &host.master,
+            Which::ExpAvg => &host.m,
+            Which::ExpAvgSq => &host.v,
+        };
+        Ok(self.split.join(h, &dev))
     }
 
     fn layout_full_from_shards(&self, shards: &[Vec<f32>]) -> Vec<f32> {
@@ -365,20 +707,38 @@ impl Rank {
 
     /// Bytes of device memory this rank allocated (parameters, optimizer, gradients, activations).
     pub fn device_bytes(&self) -> usize {
-        let b16 = |b: &Buf<bf16>| b.len() * 2;
-        let b32 = |b: &Buf<f32>| b.len() * 4;
-        b16(&self.params)
-            + self.u0.as_ref().map_or(0, b16)
-            + self.pool.iter().map(b16).sum::<usize>()
-            + b32(&self.master)
-            + b32(&self.m)
-            + b32(&self.v)
-            + self.decay.len()
-            + self.gshard.as_ref().map_or(0, b32)
-            + self.gbufs.iter().map(b32).sum::<usize>()
+        let st = self.state_bytes().device;
+        st.total() as usize
             + (self.norm_partials.len() + self.norm_all.len()) * 8
             + self.losses.len() * 4
             + self.ws.as_ref().map_or(0, Workspace::bytes)
+    }
+
+    /// The model states this rank holds, by kind and place (what [`planned_state_bytes`] predicts).
+    pub fn state_bytes(&self) -> StateBytes {
+        let b16 = |b: &Buf<bf16>| (b.len() * 2) as u64;
+        let b32 = |b: &Buf<f32>| (b.len() * 4) as u64;
+        let params = b16(&self.params) + self.u0.as_ref().map_or(0, b16) + self.pool.iter().map(b16).sum::<u64>();
+        let grads = self.gshard.as_ref().map_or(0, b32) + self.gbufs.iter().map(b32).sum::<u64>();
+        let optim = b32(&self.master) + b32(&self.m) + b32(&self.v) + self.decay.len() as u64;
+        let (host_optim, host_staging) = match &self.off {
+            Some(o) => (
+                o.host.as_ref().map_or(0, |h| (h.master.len() + h.m.len() + h.v.len()) as u64 * 4 + h.decay.len() as u64),
+                o.staging.iter().flatten().map(|s| s.bytes() as u64).sum(),
+            ),
+            None => (0, 0),
+        };
+        StateBytes { device: ResidentBytes { params, grads, optim }, host_optim, host_staging }
+    }
+
+    /// The host optimizer's figures so far (offload only).
+    pub fn offload_stats(&self) -> Option<OffloadStats> {
+        self.off.as_ref().map(|o| o.stats)
+    }
+
+    /// `offload_optimizer.ratio` (offload only).
+    pub fn offload_ratio(&self) -> Option<f64> {
+        self.off.as_ref().map(|o| o.ratio)
     }
 }
 
@@ -386,7 +746,8 @@ impl Rank {
 struct Hooks<'a> {
     r: &'a mut Rank,
     grads: DPtr<f32>,
-    overlap: bool,
+    /// The last micro-batch of a step: the tree's adds, reduction and host copy per unit.
+    tail: Option<&'a Tail>,
     /// Stage 3: index of the next block use, and the uses in order (unit, phase).
     use_idx: usize,
     uses: Vec<(usize, Phase)>,
@@ -421,7 +782,7 @@ impl Hooks<'_> {
         } else {
             self.r.comm().all_gather_bf16(mine, dst, &self.r.cstream)?;
         }
-        Ok(())
+        self.r.comm_issued()
     }
 
     /// Gathers block use `k` into pool slot `k % 2` and records its ready event.
@@ -437,6 +798,34 @@ impl Hooks<'_> {
 
 fn record(s: &CudaStream) -> Result<CudaEvent> {
     Ok(s.record_event(None).map_err(cuda::drv("recording an event"))?)
+}
+
+impl Hooks<'_> {
+    /// Unit `u`'s gradient of the last micro-batch is complete: the tree's adds over the unit
+    /// (the same adds, in the same order, as over the whole buffer), then its reduction (stage 1:
+    /// every unit's, after the whole backward) and the copy of its host part to the host.
+    fn finish_unit(&mut self, u: usize, tail: &Tail) -> Result<()> {
+        let r = &mut *self.r;
+        let unit = r.layout.units[u].clone();
+        for &(dst, src) in &tail.merges {
+            ops::add_f32(&r.gpu, &r.gpu.stream, r.gbufs[dst].slice(unit.clone()), r.gbufs[src].slice(unit.clone()))?;
+        }
+        let fin = r.gbufs[tail.fin].ptr();
+        if r.world == 1 {
+            return r.send_grad(u, tail.fin);
+        }
+        if r.stage != 1 {
+            r.reduce_unit(u, fin)?;
+            r.send_grad(u, tail.fin)?;
+        } else if u == 0 {
+            // Stage 1 reduces after the whole backward.
+            for uu in (0..r.layout.units.len()).rev() {
+                r.reduce_unit(uu, fin)?;
+                r.send_grad(uu, tail.fin)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl UnitHooks for Hooks<'_> {
@@ -482,15 +871,8 @@ impl UnitHooks for Hooks<'_> {
     }
 
     fn grads_done(&mut self, u: usize) -> tessera_kernels::cuda::Result<()> {
-        if self.overlap && (self.r.stage != 1) {
-            self.r.reduce_unit(u, self.grads).map_err(|e| cuda::GpuError::Invalid(e.to_string()))?;
-        } else if self.overlap && self.r.stage == 1 && u == 0 {
-            // Stage 1 reduces after the whole backward.
-            for uu in (0..self.r.layout.units.len()).rev() {
-                self.r.reduce_unit(uu, self.grads).map_err(|e| cuda::GpuError::Invalid(e.to_string()))?;
-            }
-        }
-        Ok(())
+        let Some(tail) = self.tail else { return Ok(()) };
+        self.finish_unit(u, tail).map_err(|e| cuda::GpuError::Invalid(format!("{e:#}")))
     }
 }
 
@@ -506,7 +888,7 @@ impl Rank {
         // Forward only: no gradient is written; the hooks still need a buffer to name.
         let grads = self.gbufs[0].ptr();
         let res = {
-            let mut hooks = Hooks { r: self, grads, overlap: false, use_idx: 0, uses: Vec::new() };
+            let mut hooks = Hooks { r: self, grads, tail: None, use_idx: 0, uses: Vec::new() };
             hooks.begin().and_then(|_| gpt::forward_loss(&gpu, &mut hooks, &mut ws, tokens, targets).map_err(anyhow::Error::from))
         };
         let loss = res.and_then(|_| gpt::mean_loss(&gpu, &ws).map_err(anyhow::Error::from));
@@ -545,22 +927,22 @@ impl Rank {
     /// The Adam moments (`exp_avg`, `exp_avg_sq`) in the CPU layout, full length, gathered from
     /// every rank (a collective at stages 1–3 with several ranks).
     pub fn moments(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
-        let (m, v) = (self.m.ptr(), self.v.ptr());
+        let (m, v) = (self.shard_vec(Which::ExpAvg)?, self.shard_vec(Which::ExpAvgSq)?);
         Ok((self.gather_cpu_layout(m)?, self.gather_cpu_layout(v)?))
     }
 
-    /// A shard-shaped f32 buffer (this rank's optimizer pieces) of every rank → the CPU layout.
-    fn gather_cpu_layout(&mut self, shard: DPtr<f32>) -> Result<Vec<f32>> {
-        let own = self.gpu.download(shard)?;
+    /// A shard-shaped f32 vector (this rank's optimizer pieces) of every rank → the CPU layout.
+    fn gather_cpu_layout(&mut self, own: Vec<f32>) -> Result<Vec<f32>> {
         if self.world == 1 || self.stage == 0 {
             return Ok(self.layout.unpad(&self.layout_full_from_shards(&[own])));
         }
-        let all = self.gpu.alloc::<f32>(shard.len * self.world)?;
+        let n = own.len();
+        let send = self.gpu.upload(&own)?;
+        let all = self.gpu.alloc::<f32>(n * self.world)?;
         self.order(&self.gpu.stream, &self.cstream)?;
-        self.comm().all_gather_f32(shard, all.ptr(), &self.cstream)?;
+        self.comm().all_gather_f32(send.ptr(), all.ptr(), &self.cstream)?;
         self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
         let flat = self.gpu.download(all.ptr())?;
-        let n = shard.len;
         let shards: Vec<Vec<f32>> = (0..self.world).map(|r| flat[r * n..(r + 1) * n].to_vec()).collect();
         Ok(self.layout.unpad(&self.layout_full_from_shards(&shards)))
     }
@@ -583,10 +965,14 @@ impl Rank {
             }
             out
         };
-        let (mh, vh) = (cut(m), cut(v));
-        self.gpu.write(&mut self.m, 0, &mh)?;
-        self.gpu.write(&mut self.v, 0, &vh)?;
+        let ((mh, md), (vh, vd)) = (self.split.cut(&cut(m)), self.split.cut(&cut(v)));
+        self.gpu.write(&mut self.m, 0, &md)?;
+        self.gpu.write(&mut self.v, 0, &vd)?;
         self.gpu.sync()?;
+        if let Some(o) = self.off.as_mut() {
+            let host = o.host.as_mut().context("the host optimizer state was lost in an earlier failed step")?;
+            (host.m, host.v) = (mh, vh);
+        }
         self.step = steps;
         Ok(())
     }
@@ -595,5 +981,58 @@ impl Rank {
     pub fn device_bytes_per_rank(&mut self) -> Result<Vec<usize>> {
         let mine = self.device_bytes() as f64;
         Ok(self.gather_host(&[mine])?.into_iter().map(|b| b as usize).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{tail_plan, tree_levels};
+
+    /// The micro-batch tree as [`super::Rank::step`] runs it over whole buffers, on symbolic
+    /// sums: (expression in each slot, the slot holding the result).
+    fn whole_buffer_tree(m: usize, levels: usize, tail_from: Option<usize>) -> String {
+        let mut slots: Vec<String> = vec![String::new(); levels];
+        let mut stack: Vec<(u32, usize)> = Vec::new();
+        let mut free: Vec<usize> = (0..levels).rev().collect();
+        for i in 0..m {
+            let slot = free.pop().expect("enough buffers");
+            slots[slot] = format!("g{i}");
+            if tail_from == Some(i) {
+                let t = tail_plan(&stack, slot);
+                for (dst, src) in t.merges {
+                    slots[dst] = format!("({}+{})", slots[dst], slots[src]);
+                }
+                return slots[t.fin].clone();
+            }
+            stack.push((0, slot));
+            while stack.len() >= 2 && stack[stack.len() - 1].0 == stack[stack.len() - 2].0 {
+                let (lv, top) = stack.pop().unwrap();
+                let (_, below) = *stack.last().unwrap();
+                slots[below] = format!("({}+{})", slots[below], slots[top]);
+                free.push(top);
+                stack.last_mut().unwrap().0 = lv + 1;
+            }
+        }
+        while stack.len() >= 2 {
+            let (_, top) = stack.pop().unwrap();
+            let (_, below) = *stack.last().unwrap();
+            slots[below] = format!("({}+{})", slots[below], slots[top]);
+        }
+        slots[stack[0].1].clone()
+    }
+
+    /// Finishing the last micro-batch with the tail plan (unit by unit on the device) adds the
+    /// same partial sums in the same order as the whole-buffer tree.
+    #[test]
+    fn the_last_micro_batch_finishes_the_same_tree() {
+        assert_eq!(tree_levels(1), 1);
+        assert_eq!(tree_levels(8), 4);
+        for m in 1..=17 {
+            let levels = tree_levels(m);
+            let whole = whole_buffer_tree(m, levels, None);
+            let tail = whole_buffer_tree(m, levels, Some(m - 1));
+            assert_eq!(whole, tail, "M = {m}");
+        }
+        assert_eq!(whole_buffer_tree(3, 2, Some(2)), "((g0+g1)+g2)");
     }
 }

@@ -263,16 +263,25 @@ impl OffloadPlan {
         }
         let hint =
             if hints.is_empty() { "every offload is already on: use more ranks or a higher stage".to_string() } else { hints.join("; ") };
-        bail!(
-            "rank {rank} needs {} bytes of device memory for its model states (params {}, grads {}, fp32 masters and moments {}) \
-             but tessera.device_memory_bytes_max = {max} ({} bytes over); {hint}",
-            resident.total(),
-            resident.params,
-            resident.grads,
-            resident.optim,
-            resident.total() - max
-        )
+        check_resident(&format!("rank {rank}"), resident, max, &hint)
     }
+}
+
+/// Refuses `resident` model states over the budget `max`, naming both figures, each kind and
+/// `hint` (what would bring them under). `who` names the rank(s), e.g. "rank 2".
+pub fn check_resident(who: &str, resident: ResidentBytes, max: u64, hint: &str) -> Result<()> {
+    if resident.total() <= max {
+        return Ok(());
+    }
+    bail!(
+        "{who} needs {} bytes of device memory for its model states (params {}, grads {}, fp32 masters and moments {}) \
+         but tessera.device_memory_bytes_max = {max} ({} bytes over); {hint}",
+        resident.total(),
+        resident.params,
+        resident.grads,
+        resident.optim,
+        resident.total() - max
+    )
 }
 
 #[cfg(test)]

@@ -588,6 +588,11 @@ pub fn sum_squares_blocks(gpu: &Gpu, s: &CudaStream, out: DPtr<f64>, x: DPtr<f32
     launch!(gpu, s, "sum_squares_blocks", cfg; out.raw, x.raw, len, blk, nb)
 }
 
+/// Page-locked host memory and event flags, for the host-side AdamW of optimizer offload
+/// (`src/gpu/offload.rs`), which stages gradients and parameters through such memory and waits
+/// for the copies with blocking events.
+pub use cudarc::driver::{sys::CUevent_flags as EventFlags, PinnedHostSlice};
+
 /// Scalar hyper-parameters of one AdamW step, computed on the host like the CPU optimizer
 /// (`optim::adam::AdamParams::coeffs`, AdamW mode with bias correction): f64 → f32 once.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -1,0 +1,459 @@
+//! ZeRO-Offload on the GPU (`zero_optimization.offload_optimizer.device = "cpu"` with
+//! `--device cuda`): the rank's fp32 masters and Adam moments live in host memory and the AdamW
+//! step runs on CPU cores, unit by unit, as each unit's reduced gradient arrives.
+//!
+//! The pipeline of one step (driven by [`super::zero::Rank::step`]):
+//! 1. during the backward of the last micro-batch, as unit `u`'s gradient is final (after the
+//!    micro-batch tree's adds for that unit and its reduce-scatter), its host part is copied
+//!    device → host into a page-locked staging buffer on a copy stream (`d2h`);
+//! 2. a worker thread waits for each unit's copy, then runs [`adamw_host`] over the unit's host
+//!    part on a pool of CPU threads, writing the new fp32 masters and moments in place and the
+//!    bf16 parameters into a page-locked staging buffer — with `gradient_clipping` off this
+//!    overlaps the rest of the backward; with clipping on it starts once the global norm (on the
+//!    GPU, from the device gradient shard) is known, and overlaps the copies and gathers of the
+//!    units stepped before;
+//! 3. the new bf16 parameters go host → device on a second copy stream (`h2d`) and are
+//!    all-gathered on the communication stream as without offload; the next forward waits per
+//!    unit (events).
+//!
+//! `offload_optimizer.ratio` (DeepSpeed's partial offload): the first `ratio` of each unit's
+//! piece is stepped on the host, the rest by the GPU kernel as without offload ([`Split`]).
+//!
+//! Same bits: [`adamw_host`] evaluates the GPU `adamw` kernel's expression (kernels/cuda/ops.cu)
+//! in the same order with the same f32 roundings. The kernel's module is compiled with
+//! `--use_fast_math`, so its explicit round-to-nearest operations (`__fadd_rn`, `__fmul_rn`,
+//! `__fdiv_rn`, `__fsqrt_rn`: never contracted into FMAs) flush subnormal inputs and results to
+//! sign-preserving zero; the host step does the same after every operation ([`ftz`]). Rust
+//! never contracts `a * b + c`, so no FMA appears on the host either. `tessera gpu check`
+//! compares the two bit for bit on random inputs, subnormal cases included.
+
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use rayon::prelude::*;
+use tessera_kernels::cuda::ops::{AdamStep, EventFlags, PinnedHostSlice};
+use tessera_kernels::cuda::{self, CudaEvent, CudaStream, Gpu};
+
+/// Elements per task of the host step (a few hundred KiB of each stream per task).
+const CHUNK: usize = 1 << 15;
+
+/// Flush a subnormal to a zero of the same sign (the GPU's `.ftz` arithmetic).
+#[inline(always)]
+pub fn ftz(x: f32) -> f32 {
+    let b = x.to_bits();
+    f32::from_bits(if b & 0x7fff_ffff < 0x0080_0000 { b & 0x8000_0000 } else { b })
+}
+
+/// The scalars of one AdamW step as the kernel receives them (flushed as the kernel reads them).
+#[derive(Clone, Copy, Debug)]
+struct Coeffs {
+    lerp_w: f32,
+    one_minus_lerp_w: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+    decoupled_factor: f32,
+    grad_scale: f32,
+}
+
+impl Coeffs {
+    fn new(hp: &AdamStep, grad_scale: f32) -> Coeffs {
+        let lerp_w = ftz(hp.lerp_w);
+        Coeffs {
+            lerp_w,
+            // FSUB(1.0f, lerp_w), evaluated per element by the kernel: a constant here.
+            one_minus_lerp_w: ftz(1.0 - lerp_w),
+            beta2: ftz(hp.beta2),
+            one_minus_beta2: ftz(hp.one_minus_beta2),
+            step_size: ftz(hp.step_size),
+            bc2_sqrt: ftz(hp.bc2_sqrt),
+            eps: ftz(hp.eps),
+            decoupled_factor: ftz(hp.decoupled_factor),
+            grad_scale: ftz(grad_scale),
+        }
+    }
+}
+
+/// The kernel's body for one element, operation by operation (`F*` = one rounding + flush).
+#[inline(always)]
+fn elem<const SMALL_W: bool>(c: &Coeffs, master: &mut f32, m: &mut f32, v: &mut f32, grad: f32, decay: u8) -> bf16 {
+    let g = ftz(ftz(grad) * c.grad_scale);
+    let factor = if decay != 0 { c.decoupled_factor } else { 1.0 };
+    let pd = ftz(ftz(*master) * factor);
+    let m0 = ftz(*m);
+    let m1 = if SMALL_W { ftz(m0 + ftz(c.lerp_w * ftz(g - m0))) } else { ftz(g - ftz(ftz(g - m0) * c.one_minus_lerp_w)) };
+    let v1 = ftz(ftz(ftz(*v) * c.beta2) + ftz(ftz(c.one_minus_beta2 * g) * g));
+    let denom = ftz(ftz(ftz(v1.sqrt()) / c.bc2_sqrt) + c.eps);
+    let p1 = ftz(pd - ftz(c.step_size * ftz(m1 / denom)));
+    *m = m1;
+    *v = v1;
+    *master = p1;
+    bf16::from_f32(p1)
+}
+
+#[inline(always)]
+fn run<const SMALL_W: bool>(c: &Coeffs, master: &mut [f32], m: &mut [f32], v: &mut [f32], grad: &[f32], decay: &[u8], param: &mut [bf16]) {
+    let n = master.len();
+    let (m, v, grad, decay, param) = (&mut m[..n], &mut v[..n], &grad[..n], &decay[..n], &mut param[..n]);
+    for i in 0..n {
+        param[i] = elem::<SMALL_W>(c, &mut master[i], &mut m[i], &mut v[i], grad[i], decay[i]);
+    }
+}
+
+/// One AdamW step over a run of elements on this thread, bit-identical to the GPU `adamw`
+/// kernel ([`tessera_kernels::cuda::ops::adamw`]) with the same arguments: `param` receives the
+/// bf16 rounding of the new masters.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_host(
+    hp: &AdamStep,
+    grad_scale: f32,
+    master: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    grad: &[f32],
+    decay: &[u8],
+    param: &mut [bf16],
+) {
+    let n = master.len();
+    assert!(m.len() == n && v.len() == n && grad.len() == n && decay.len() == n && param.len() == n, "adamw_host: lengths differ");
+    let c = Coeffs::new(hp, grad_scale);
+    if c.lerp_w < 0.5 {
+        run::<true>(&c, master, m, v, grad, decay, param)
+    } else {
+        run::<false>(&c, master, m, v, grad, decay, param)
+    }
+}
+
+/// [`adamw_host`] split into chunks over `pool`'s threads (elementwise: the same bits).
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_host_par(
+    pool: &rayon::ThreadPool,
+    hp: &AdamStep,
+    grad_scale: f32,
+    master: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    grad: &[f32],
+    decay: &[u8],
+    param: &mut [bf16],
+) {
+    let n = master.len();
+    assert!(m.len() == n && v.len() == n && grad.len() == n && decay.len() == n && param.len() == n, "adamw_host_par: lengths differ");
+    pool.install(|| {
+        master
+            .par_chunks_mut(CHUNK)
+            .zip(m.par_chunks_mut(CHUNK))
+            .zip(v.par_chunks_mut(CHUNK))
+            .zip(grad.par_chunks(CHUNK))
+            .zip(decay.par_chunks(CHUNK))
+            .zip(param.par_chunks_mut(CHUNK))
+            .for_each(|(((((p, m), v), g), d), b)| adamw_host(hp, grad_scale, p, m, v, g, d, b));
+    });
+}
+
+/// Where each unit's optimizer piece is stepped: its first `host[u]` elements on the host, the
+/// rest on the GPU. Pieces are laid out unit after unit in both places.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Split {
+    /// Per unit: the piece's length, its host part's length, and where each part starts in the
+    /// host and the device arrays.
+    pub piece: Vec<usize>,
+    pub host: Vec<usize>,
+    pub host_off: Vec<usize>,
+    pub dev_off: Vec<usize>,
+    pub host_total: usize,
+    pub dev_total: usize,
+}
+
+impl Split {
+    /// `ratio` of every piece on the host (rounded to whole elements); 0 = nothing offloaded.
+    pub fn new(piece: Vec<usize>, ratio: f64) -> Split {
+        let r = ratio.clamp(0.0, 1.0);
+        let host: Vec<usize> = piece.iter().map(|&p| ((p as f64 * r).round() as usize).min(p)).collect();
+        let (mut host_off, mut dev_off) = (Vec::with_capacity(piece.len()), Vec::with_capacity(piece.len()));
+        let (mut h, mut d) = (0, 0);
+        for (&p, &hl) in piece.iter().zip(&host) {
+            host_off.push(h);
+            dev_off.push(d);
+            h += hl;
+            d += p - hl;
+        }
+        Split { piece, host, host_off, dev_off, host_total: h, dev_total: d }
+    }
+
+    pub fn units(&self) -> usize {
+        self.piece.len()
+    }
+
+    /// Unit `u`'s host part in the host arrays.
+    pub fn host_range(&self, u: usize) -> std::ops::Range<usize> {
+        self.host_off[u]..self.host_off[u] + self.host[u]
+    }
+
+    /// Unit `u`'s device part in the device arrays.
+    pub fn dev_range(&self, u: usize) -> std::ops::Range<usize> {
+        self.dev_off[u]..self.dev_off[u] + self.piece[u] - self.host[u]
+    }
+
+    /// A shard-shaped vector (pieces unit after unit) cut into its host and device parts.
+    pub fn cut<T: Copy>(&self, shard: &[T]) -> (Vec<T>, Vec<T>) {
+        let (mut h, mut d) = (Vec::with_capacity(self.host_total), Vec::with_capacity(self.dev_total));
+        let mut at = 0;
+        for (&p, &hl) in self.piece.iter().zip(&self.host) {
+            h.extend_from_slice(&shard[at..at + hl]);
+            d.extend_from_slice(&shard[at + hl..at + p]);
+            at += p;
+        }
+        (h, d)
+    }
+
+    /// The inverse of [`Split::cut`].
+    pub fn join<T: Copy>(&self, host: &[T], dev: &[T]) -> Vec<T> {
+        let mut out = Vec::with_capacity(self.host_total + self.dev_total);
+        for u in 0..self.units() {
+            out.extend_from_slice(&host[self.host_range(u)]);
+            out.extend_from_slice(&dev[self.dev_range(u)]);
+        }
+        out
+    }
+}
+
+/// The host side's figures of one or more steps.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct OffloadStats {
+    pub steps: u64,
+    /// CPU threads of the host step.
+    pub threads: usize,
+    /// Seconds of host AdamW compute (wall time of the parallel step, summed over units).
+    pub cpu_step_s: f64,
+    /// Seconds from every gradient being on the host (the GPU's backward, reductions and
+    /// copies done) to the last unit stepped: the host step's time not hidden behind the GPU.
+    pub exposed_s: f64,
+}
+
+impl OffloadStats {
+    /// Share of the host step hidden behind GPU work.
+    pub fn hidden_fraction(&self) -> f64 {
+        if self.cpu_step_s <= 0.0 {
+            0.0
+        } else {
+            (1.0 - self.exposed_s / self.cpu_step_s).clamp(0.0, 1.0)
+        }
+    }
+
+    pub fn add(&mut self, o: &OffloadStats) {
+        self.steps += o.steps;
+        self.cpu_step_s += o.cpu_step_s;
+        self.exposed_s += o.exposed_s;
+    }
+}
+
+/// The host-resident optimizer state of a rank's pieces (their host parts).
+pub struct HostState {
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub decay: Vec<u8>,
+    pub pool: rayon::ThreadPool,
+    pub threads: usize,
+}
+
+/// Page-locked staging of one unit's host part: the reduced gradient in, the bf16 parameters
+/// out. They travel between the issuing thread and the worker with the unit's turn.
+///
+/// (cudarc's own events on page-locked memory are only recorded when it tracks streams, which
+/// the GPU path turns off: the copies are awaited through the events here.)
+pub struct Staging {
+    pub u: usize,
+    pub grad: PinnedHostSlice<f32>,
+    pub param: PinnedHostSlice<bf16>,
+    /// Recorded after the copy of the gradient into `grad`.
+    pub grad_ready: Option<CudaEvent>,
+    /// Recorded after the last copy out of `param` (the parameters of the previous step).
+    pub param_free: Option<CudaEvent>,
+}
+
+/// An event on `s` that a host thread can wait on without spinning.
+pub fn blocking_event(s: &CudaStream) -> cuda::Result<CudaEvent> {
+    s.record_event(Some(EventFlags::CU_EVENT_BLOCKING_SYNC)).map_err(cuda::drv("recording a copy event"))
+}
+
+impl Staging {
+    pub fn new(gpu: &Gpu, u: usize, len: usize) -> cuda::Result<Staging> {
+        // Flags 0: cached page-locked memory (write-combined memory reads slowly on the CPU).
+        // SAFETY: the contents are only read after a device copy has filled them (gradients) or
+        // after the host step has written them (parameters).
+        let grad = unsafe { gpu.ctx.alloc_pinned_with_flags::<f32>(len.max(1), 0) }
+            .map_err(cuda::drv(format!("allocating {} bytes of page-locked host memory for unit {u}'s gradient", len * 4)))?;
+        let param = unsafe { gpu.ctx.alloc_pinned_with_flags::<bf16>(len.max(1), 0) }
+            .map_err(cuda::drv(format!("allocating {} bytes of page-locked host memory for unit {u}'s parameters", len * 2)))?;
+        Ok(Staging { u, grad, param, grad_ready: None, param_free: None })
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.grad.num_bytes() + self.param.num_bytes()
+    }
+}
+
+/// CPU threads for one rank's host step: this machine's cores shared by the `local_ranks` GPU
+/// ranks on it.
+pub fn default_threads(local_ranks: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / local_ranks.max(1)).max(1)
+}
+
+/// What the worker is told for one step.
+pub struct StepOrder {
+    pub hp: AdamStep,
+    /// Units whose host part is non-empty: how many staging buffers will arrive.
+    pub expected: usize,
+}
+
+/// The worker of one step: steps each unit's host part as its staging buffer arrives (in
+/// arrival order) and sends it back with the new bf16 parameters. `scale` delivers the
+/// gradient-clipping coefficient before the first unit is stepped. Returns its figures.
+pub fn worker(
+    host: &mut HostState,
+    split: &Split,
+    order: StepOrder,
+    units: Receiver<Staging>,
+    scale: Receiver<f32>,
+    done: Sender<Result<Staging, String>>,
+) -> OffloadStats {
+    let mut st = OffloadStats { steps: 1, threads: host.threads, ..OffloadStats::default() };
+    let mut coeff: Option<f32> = None;
+    for _ in 0..order.expected {
+        let Ok(mut s) = units.recv() else { return st };
+        let u = s.u;
+        let res = (|| -> Result<(), String> {
+            if let Some(ev) = s.grad_ready.take() {
+                ev.synchronize().map_err(|e| format!("waiting for unit {u}'s gradient copy to the host: {e:?}"))?;
+            }
+            if let Some(ev) = s.param_free.take() {
+                ev.synchronize().map_err(|e| format!("waiting for unit {u}'s previous parameter copy to the GPU: {e:?}"))?;
+            }
+            let grad = s.grad.as_slice().map_err(|e| format!("reading unit {u}'s gradient staging: {e:?}"))?;
+            let k = match coeff {
+                Some(k) => k,
+                None => *coeff.insert(scale.recv().map_err(|_| "the step ended before the clipping coefficient was known".to_string())?),
+            };
+            let param = s.param.as_mut_slice().map_err(|e| format!("reading unit {u}'s parameter staging: {e:?}"))?;
+            let r = split.host_range(u);
+            let t = Instant::now();
+            adamw_host_par(
+                &host.pool,
+                &order.hp,
+                k,
+                &mut host.master[r.clone()],
+                &mut host.m[r.clone()],
+                &mut host.v[r.clone()],
+                &grad[..r.len()],
+                &host.decay[r.clone()],
+                &mut param[..r.len()],
+            );
+            st.cpu_step_s += t.elapsed().as_secs_f64();
+            Ok(())
+        })();
+        let failed = res.is_err();
+        if done.send(res.map(|()| s)).is_err() || failed {
+            return st;
+        }
+    }
+    st
+}
+
+/// How long the issuing thread waits for one unit's host step before giving up.
+pub const HOST_STEP_TIMEOUT: Duration = Duration::from_secs(300);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_kernels::optim::{AdamParams, FlatLayout, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
+    use tessera_kernels::tensor::Rng;
+
+    fn randv(seed: u64, key: u64, len: usize, std: f32) -> Vec<f32> {
+        let mut v = vec![0f32; len];
+        Rng::derive(seed, &[key]).fill_normal(&mut v, std);
+        v
+    }
+
+    /// With no subnormal anywhere, the host step is the CPU optimizer's AdamW (the same
+    /// operation order), and its bf16 output is the rounding of the new masters; at both lerp
+    /// forms of m (β1 < 0.5 and ≥ 0.5).
+    #[test]
+    fn host_adamw_matches_the_cpu_optimizer_on_normal_values() {
+        let len = 10_000;
+        let (lr, eps, wd, grad_scale) = (6e-4f32, 1e-8f32, 0.1f32, 0.5f32);
+        let master = randv(1, 0, len, 0.02);
+        let grad = randv(1, 1, len, 1e-2);
+        let m0 = randv(1, 2, len, 1e-3);
+        let v0: Vec<f32> = randv(1, 3, len, 1e-3).iter().map(|x| x * x).collect();
+        // Two tensors: the first decays, the second does not.
+        let cut = 6_000;
+        let decay: Vec<u8> = (0..len).map(|i| u8::from(i < cut)).collect();
+        let layout = FlatLayout::new(vec![0..cut, cut..len]).unwrap();
+        let flags = [true, false];
+        let ctx = StepContext { shard_range: 0..len, layout: &layout, decay: &flags };
+        let g_scaled: Vec<f32> = grad.iter().map(|g| g * grad_scale).collect();
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for betas in [(0.9f32, 0.95f32), (0.3, 0.999)] {
+            let params = AdamParams { lr, betas, eps, weight_decay: wd, adam_w_mode: true, bias_correction: true };
+            let mut shard = OptimizerShard::new(OptimizerKind::Adam(params), len);
+            // Step the CPU optimizer to step 3 from the same moments.
+            shard.load_state(2, &[("exp_avg", m0.clone()), ("exp_avg_sq", v0.clone())]).unwrap();
+            let mut p_cpu = master.clone();
+            shard.step(&mut p_cpu, &g_scaled, lr, &ctx, &mut LocalReduce).unwrap();
+            let hp = AdamStep::new(lr, betas, eps, wd, 3);
+            let (mut p, mut m, mut v) = (master.clone(), m0.clone(), v0.clone());
+            let mut out = vec![bf16::ZERO; len];
+            adamw_host_par(&pool, &hp, grad_scale, &mut p, &mut m, &mut v, &grad, &decay, &mut out);
+            let bufs = shard.state_buffers();
+            assert_eq!(bits(&p), bits(&p_cpu), "masters, betas {betas:?}");
+            assert_eq!(bits(&m), bits(bufs[0].1), "exp_avg, betas {betas:?}");
+            assert_eq!(bits(&v), bits(bufs[1].1), "exp_avg_sq, betas {betas:?}");
+            assert!(out.iter().zip(&p).all(|(b, x)| *b == bf16::from_f32(*x)));
+            assert_ne!(bits(&p), bits(&master), "the step changed nothing");
+        }
+    }
+
+    /// Subnormal inputs read as zeros and subnormal results become zeros, as the GPU's
+    /// fast-math arithmetic does.
+    #[test]
+    fn subnormals_are_flushed_like_the_gpu() {
+        assert_eq!(ftz(1e-40).to_bits(), 0);
+        assert_eq!(ftz(-1e-40).to_bits(), 0x8000_0000);
+        assert_eq!(ftz(f32::MIN_POSITIVE), f32::MIN_POSITIVE);
+        assert!(ftz(f32::NAN).is_nan());
+        assert_eq!(ftz(f32::INFINITY), f32::INFINITY);
+        let hp = AdamStep::new(1e-3, (0.9, 0.999), 1e-8, 0.0, 1);
+        // A subnormal gradient is a zero gradient: m and v stay exactly zero.
+        let (mut p, mut m, mut v, mut out) = ([0.5f32], [0f32], [0f32], [bf16::ZERO]);
+        adamw_host(&hp, 1.0, &mut p, &mut m, &mut v, &[1e-39], &[0], &mut out);
+        assert_eq!((m[0].to_bits(), v[0].to_bits(), p[0]), (0, 0, 0.5));
+        // A tiny gradient whose square underflows: v is flushed to zero, m is not.
+        let (mut p, mut m, mut v) = ([0.5f32], [0f32], [0f32]);
+        adamw_host(&hp, 1.0, &mut p, &mut m, &mut v, &[1e-20], &[0], &mut out);
+        assert_eq!(v[0].to_bits(), 0);
+        assert!(m[0] > 0.0);
+    }
+
+    #[test]
+    fn split_cuts_and_joins_pieces() {
+        let s = Split::new(vec![8, 4, 0, 6], 0.5);
+        assert_eq!(s.host, vec![4, 2, 0, 3]);
+        assert_eq!((s.host_total, s.dev_total), (9, 9));
+        let shard: Vec<u32> = (0..18).collect();
+        let (h, d) = s.cut(&shard);
+        assert_eq!(h, vec![0, 1, 2, 3, 8, 9, 12, 13, 14]);
+        assert_eq!(d, vec![4, 5, 6, 7, 10, 11, 15, 16, 17]);
+        assert_eq!(s.join(&h, &d), shard);
+        let all = Split::new(vec![8, 4], 1.0);
+        assert_eq!((all.host_total, all.dev_total, all.dev_range(1)), (12, 0, 0..0));
+        let none = Split::new(vec![8, 4], 0.0);
+        assert_eq!((none.host_total, none.dev_total, none.dev_range(1)), (0, 12, 8..12));
+    }
+}
