@@ -61,6 +61,24 @@ pub struct Plan {
     pub max_live_elems: usize,
 }
 
+/// `ranges` minus `cut` (both sorted, disjoint), in order.
+pub fn subtract(ranges: &[Range<usize>], cut: &[Range<usize>]) -> Vec<Range<usize>> {
+    let mut out = Vec::new();
+    for r in ranges {
+        let mut lo = r.start;
+        for c in cut.iter().filter(|c| c.start < r.end && c.end > r.start) {
+            if c.start > lo {
+                out.push(lo..c.start);
+            }
+            lo = lo.max(c.end);
+        }
+        if lo < r.end {
+            out.push(lo..r.end);
+        }
+    }
+    out
+}
+
 /// What a rank sends to the partition owners in one micro-batch slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotSend {
@@ -148,6 +166,20 @@ impl Plan {
         }
         let policy = unit_policy(model.units(), &cfg.zero, stage == 3 && world > 1)?;
         let offload = OffloadPlan::new(cfg)?;
+        if offload.param == Tier::Nvme && stage == 3 && world > 1 {
+            let ranges = partition(model.num_params(), world, NORM_BLOCK);
+            for (u, unit) in model.units().iter().enumerate().filter(|(u, _)| !policy.persistent[*u]) {
+                let piece = ranges.iter().map(|r| r.end.min(unit.end).saturating_sub(r.start.max(unit.start))).max().unwrap_or(0);
+                if piece > offload.param_buffer_elems {
+                    bail!(
+                        "zero_optimization.offload_param.buffer_size = {} is smaller than a rank's piece of {} ({piece} elements), \
+                         which is read from NVMe into one buffer: raise it to at least {piece}",
+                        offload.param_buffer_elems,
+                        unit_name(u)
+                    );
+                }
+            }
+        }
         let plan = Plan {
             decay: model.layout().decay_flags(),
             precision: bridge::precision(&cfg.precision),
@@ -206,26 +238,67 @@ impl Plan {
         }
     }
 
+    /// With `offload_param.device = nvme`: the flat ranges of rank `r`'s stage-3 shard kept in
+    /// its swap file — the shard less the persistent units (held whole in memory by every rank)
+    /// and less its first `offload_param.max_in_cpu` elements (kept in host memory). Empty
+    /// otherwise.
+    pub fn param_swap_ranges(&self, r: usize) -> Vec<Range<usize>> {
+        if self.offload.param != Tier::Nvme || self.stage != 3 {
+            return Vec::new();
+        }
+        let persistent: Vec<Range<usize>> =
+            self.model.units().iter().zip(&self.persistent).filter(|(_, p)| **p).map(|(u, _)| u.clone()).collect();
+        let mut swapped = subtract(std::slice::from_ref(&self.ranges[r]), &persistent);
+        let mut keep = self.offload.param_max_in_cpu;
+        while keep > 0 && !swapped.is_empty() {
+            let first = swapped[0].clone();
+            if first.len() <= keep {
+                keep -= first.len();
+                swapped.remove(0);
+            } else {
+                swapped[0] = first.start + keep..first.end;
+                keep = 0;
+            }
+        }
+        swapped
+    }
+
     /// What rank `r` keeps resident: its model states less what is offloaded.
     pub fn resident_bytes(&self, r: usize) -> ResidentBytes {
         let all = self.model_state_bytes(r);
-        let optim = if self.offload.optimizer == Tier::Device { all.optim } else { 0 };
-        ResidentBytes { params: all.params - self.offloaded_param_bytes(r), grads: all.grads, optim }
+        ResidentBytes {
+            params: all.params - self.offloaded_param_bytes(r),
+            grads: all.grads,
+            optim: all.optim - self.offloaded_optim_bytes(r),
+        }
+    }
+
+    /// Bytes of rank `r`'s fp32 masters and optimizer moments out of its budget: all of them
+    /// on NVMe, the first `offload_optimizer.ratio` of its shard (whole elements) in the host
+    /// tier, none on the device.
+    pub fn offloaded_optim_bytes(&self, r: usize) -> u64 {
+        let buffers = 1 + self.optimizer.state_names().len() as u64;
+        let elems = self.optim_range(r).len() as u64;
+        match self.offload.optimizer {
+            Tier::Device => 0,
+            Tier::Nvme => elems * 4 * buffers,
+            Tier::Host => (elems as f64 * self.offload.optimizer_ratio).floor() as u64 * 4 * buffers,
+        }
     }
 
     /// What rank `r` keeps outside its device budget, by tier.
     pub fn offloaded_bytes(&self, r: usize) -> OffloadedBytes {
         let mut out = OffloadedBytes { rank: r, host: 0, nvme: 0 };
-        let optim = self.model_state_bytes(r).optim;
+        let optim = self.offloaded_optim_bytes(r);
         match self.offload.optimizer {
             Tier::Device => {}
             Tier::Host => out.host += optim,
             Tier::Nvme => out.nvme += optim,
         }
-        match self.offload.param {
-            Tier::Nvme => out.nvme += self.offloaded_param_bytes(r),
-            _ => out.host += self.offloaded_param_bytes(r),
-        }
+        let swapped = self.param_swap_ranges(r).iter().map(|x| x.len() as u64).sum::<u64>() * self.precision.dtype().size_bytes() as u64;
+        let swapped = swapped.min(self.offloaded_param_bytes(r));
+        out.nvme += swapped;
+        out.host += self.offloaded_param_bytes(r) - swapped;
         out
     }
 

@@ -66,6 +66,8 @@ pub struct RankState {
     pub optim: OptimState,
     /// Whether `offload_param` keeps the stage-3 parameter shard out of the device budget.
     pub params_offloaded: bool,
+    /// Bytes of the masters and moments out of the device budget (`Plan::offloaded_optim_bytes`).
+    pub optim_offloaded: u64,
     /// An NVMe swap file that could not be set up at start (the states then stay in memory and
     /// the rank reports this before its first step).
     pub offload_error: Option<String>,
@@ -178,24 +180,6 @@ fn encode(dtype: DType, src: &[f32], bytes: &mut [u8]) {
         DType::BF16 => bytes.chunks_exact_mut(2).zip(src).for_each(|(b, x)| b.copy_from_slice(&half::bf16::from_f32(*x).to_le_bytes())),
         DType::F16 => bytes.chunks_exact_mut(2).zip(src).for_each(|(b, x)| b.copy_from_slice(&half::f16::from_f32(*x).to_le_bytes())),
     }
-}
-
-/// `ranges` minus `cut` (both sorted, disjoint), in order.
-fn subtract(ranges: &[Range<usize>], cut: &[Range<usize>]) -> Vec<Range<usize>> {
-    let mut out = Vec::new();
-    for r in ranges {
-        let mut lo = r.start;
-        for c in cut.iter().filter(|c| c.start < r.end && c.end > r.start) {
-            if c.start > lo {
-                out.push(lo..c.start);
-            }
-            lo = lo.max(c.end);
-        }
-        if lo < r.end {
-            out.push(lo..r.end);
-        }
-    }
-    out
 }
 
 impl ParamStore {
@@ -311,10 +295,8 @@ fn param_store(plan: &Plan, rank: usize, full: &[f32]) -> Result<ParamStore, Str
     let (Tier::Nvme, Some(dir), 3) = (plan.offload.param, plan.offload.param_dir.as_ref(), plan.stage) else {
         return Ok(ParamStore::new(dtype, &held, full));
     };
-    let units = plan.model.units();
-    let persistent: Vec<Range<usize>> = units.iter().zip(&plan.persistent).filter(|(_, p)| **p).map(|(u, _)| u.clone()).collect();
-    let swapped = subtract(std::slice::from_ref(&plan.ranges[rank]), &persistent);
-    let memory = subtract(&held, &swapped);
+    let swapped = plan.param_swap_ranges(rank);
+    let memory = super::plan::subtract(&held, &swapped);
     let path = dir.join(format!("tessera-{}-rank{rank}-params.swp", std::process::id()));
     ParamStore::with_swap(dtype, &memory, &swapped, full, path, &plan.offload.aio)
 }
@@ -346,10 +328,7 @@ impl RankState {
                     }
                 };
                 if plan.stage == 3 {
-                    p.shard_bytes = match p.swapped_bytes() {
-                        0 => (plan.ranges[rank].len() * dtype.size_bytes()) as u64,
-                        swapped => swapped,
-                    };
+                    p.shard_bytes = (plan.ranges[rank].len() * dtype.size_bytes()) as u64;
                 }
                 p
             },
@@ -357,6 +336,7 @@ impl RankState {
             master,
             optim,
             params_offloaded: plan.stage == 3 && plan.offload.param != Tier::Device,
+            optim_offloaded: plan.offloaded_optim_bytes(rank),
             offload_error: e1.or(e2).or(e3),
             scaler,
             applied: 0,
@@ -369,7 +349,7 @@ impl RankState {
     /// The model states this rank keeps resident ("device" memory): offloaded parts are not
     /// counted (`Plan::offloaded_bytes` reports them).
     pub fn memory(&self, rank: usize) -> MemoryReport {
-        let optim = if self.optim.tier() == Tier::Device { self.master.bytes() + self.optim.bytes() } else { 0 };
+        let optim = (self.master.bytes() + self.optim.bytes()).saturating_sub(self.optim_offloaded);
         let shard = if self.params_offloaded { self.params.shard_bytes } else { 0 };
         MemoryReport { rank, param_bytes: self.params.bytes() - shard, grad_bytes: self.grads.bytes(), optim_bytes: optim }
     }
@@ -866,7 +846,10 @@ pub fn gather_schedule(plan: &Plan) -> Vec<Gather> {
         }
         while k < out.len() {
             let len = units[out[k].unit].len();
-            if ahead + len > plan.prefetch_elems || live + ahead + len > plan.max_live_elems {
+            // Pieces read from NVMe wait in `offload_param.buffer_count` buffers, one of them
+            // the current unit's.
+            let buffers_full = plan.offload.param == Tier::Nvme && k - next + 1 >= plan.offload.param_buffer_count;
+            if ahead + len > plan.prefetch_elems || live + ahead + len > plan.max_live_elems || buffers_full {
                 break;
             }
             out[k].issue_at = j;
@@ -1551,22 +1534,88 @@ mod tests {
         }
     }
 
+    /// `offload_optimizer.ratio` keeps that share of the masters and moments out of the budget:
+    /// a budget between the two splits refuses the smaller ratio and admits the larger.
+    #[test]
+    fn a_partial_optimizer_offload_moves_its_share_out_of_the_budget() {
+        let cpu = "zero_optimization.offload_optimizer.device=cpu";
+        let ratio = |r: f64| format!("zero_optimization.offload_optimizer.ratio={r}");
+        let (r3, r7) = (ratio(0.3), ratio(0.7));
+        let p3 = plan(2, 3, &[cpu, &r3]);
+        let p7 = plan(2, 3, &[cpu, &r7]);
+        let all = p3.model_state_bytes(0).optim;
+        let off3 = p3.offloaded_bytes(0).host;
+        assert!((off3 as f64 - 0.3 * all as f64).abs() <= 16.0, "{off3} of {all}");
+        assert_eq!(p3.resident_bytes(0).optim + off3, all);
+        let (need3, need7) = (p3.resident_bytes(0).total(), p7.resident_bytes(0).total());
+        assert!(need7 < need3);
+        let budget = format!("tessera.device_memory_bytes_max={}", (need3 + need7) / 2);
+        let e = plan_error(2, 3, &[cpu, &r3, &budget]);
+        assert!(e.contains("tessera.device_memory_bytes_max") && e.contains(&need3.to_string()), "{e}");
+        assert_eq!(plan_error(2, 3, &[cpu, &r7, &budget]), "");
+        // The split is accounting of one machine's memory: the bits do not change.
+        let (one, _) = two_steps(1, 0, &[]);
+        assert_eq!(two_steps(2, 3, &[cpu, &r3]).0, one);
+        let e = plan_error(
+            2,
+            3,
+            &["zero_optimization.offload_optimizer.device=nvme", "zero_optimization.offload_optimizer.nvme_path=/tmp", &r3],
+        );
+        assert!(e.contains("ratio = 0.3"), "{e}");
+    }
+
     /// `offload_param.device = nvme` keeps stage 3 bit-identical; a missing path is refused.
     #[test]
     fn parameter_shards_on_nvme_keep_stage_3_bit_identical() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (one, _) = two_steps(1, 0, &[]);
         let path = format!("zero_optimization.offload_param.nvme_path={}", dir.path().display());
-        for persist in ["0", "100000"] {
+        for (persist, in_cpu) in [("0", "0"), ("100000", "0"), ("0", "150000")] {
             let sets = [
                 "zero_optimization.offload_param.device=nvme",
                 path.as_str(),
                 &format!("zero_optimization.stage3_param_persistence_threshold={persist}"),
+                &format!("zero_optimization.offload_param.max_in_cpu={in_cpu}"),
+                "zero_optimization.offload_param.buffer_count=2",
                 "aio.block_size=4096",
             ];
             let (two, _) = two_steps(2, 3, &sets);
-            assert_eq!(one, two, "stage 3 with parameters on NVMe, persistence threshold {persist}");
+            assert_eq!(one, two, "stage 3 with parameters on NVMe, persistence threshold {persist}, max_in_cpu {in_cpu}");
+            // The shard leaves the budget: max_in_cpu of it in host memory, the rest on NVMe.
+            let p = plan(2, 3, &sets);
+            let off = p.offloaded_bytes(1);
+            let shard = p.ranges[1].len() as u64 * 4;
+            assert_eq!(off.host + off.nvme, shard);
+            assert_eq!(off.host, shard.min(in_cpu.parse::<u64>().unwrap() * 4), "{off:?}");
         }
+        // Two buffers: the current unit's and one read ahead.
+        let p = plan(
+            2,
+            3,
+            &[
+                "zero_optimization.offload_param.device=nvme",
+                path.as_str(),
+                "zero_optimization.offload_param.buffer_count=2",
+                "zero_optimization.stage3_param_persistence_threshold=0",
+            ],
+        );
+        let sched = gather_schedule(&p);
+        for g in &sched {
+            let ahead = sched.iter().filter(|h| h.issue_at <= g.use_at && g.use_at < h.use_at).count();
+            assert!(ahead <= 1, "at use {}: {ahead} gathers read ahead with 2 buffers", g.use_at);
+        }
+        assert!(sched.iter().any(|g| g.issue_at < g.use_at));
+        let e = plan_error(
+            2,
+            3,
+            &[
+                "zero_optimization.offload_param.device=nvme",
+                path.as_str(),
+                "zero_optimization.offload_param.buffer_size=1000",
+                "zero_optimization.stage3_param_persistence_threshold=0",
+            ],
+        );
+        assert!(e.contains("buffer_size = 1000") && e.contains("unit 0"), "{e}");
         assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0, "swap files are removed at the end");
         let e = plan_error(2, 3, &["zero_optimization.offload_param.device=nvme"]);
         assert!(e.contains("zero_optimization.offload_param.nvme_path"), "{e}");

@@ -21,7 +21,12 @@
 //!   rank holds whole) lives in one swap file per rank under `offload_param.nvme_path`, in the
 //!   storage type; each gather reads the rank's piece of the unit from it — ahead of use when
 //!   stage-3 prefetch queues the gather early — and the optimizer's new values are written back
-//!   at commit (`engine::zero::ParamStore`).
+//!   at commit (`engine::zero::ParamStore`). `max_in_cpu` elements of each shard stay in host
+//!   memory; `buffer_count` × `buffer_size` bound the pieces read ahead (and a piece larger than
+//!   `buffer_size` is refused at start).
+//! * `offload_optimizer.ratio` < 1 with `device = cpu` (ZeRO-3, as in DeepSpeed): that share of
+//!   the masters and moments is host-tier, the rest resident — accounting of one machine's
+//!   memory on a CPU rank; on a GPU rank (`src/gpu/offload.rs`) the host really steps that share.
 //!
 //! Numerics never change: Adam, Lion and SGD are elementwise, so stepping sub-groups one by one
 //! gives the same bits; Lamb (per-tensor norms over the shard) steps the shard as one sub-group.
@@ -56,9 +61,18 @@ pub struct OffloadPlan {
     pub optimizer: Tier,
     /// Swap-file directory of the optimizer states (`Tier::Nvme`).
     pub optimizer_dir: Option<PathBuf>,
+    /// `offload_optimizer.ratio`: the share of each rank's optimizer states in the host tier
+    /// (`optimizer` = `Tier::Host`; the rest stays resident).
+    pub optimizer_ratio: f64,
     pub param: Tier,
     /// Swap-file directory of the stage-3 parameter shards (`param` = `Tier::Nvme`).
     pub param_dir: Option<PathBuf>,
+    /// `offload_param.buffer_count` / `buffer_size` (elements): parameter pieces read from NVMe
+    /// and not yet used may occupy at most this many buffers of this size.
+    pub param_buffer_count: usize,
+    pub param_buffer_elems: usize,
+    /// `offload_param.max_in_cpu` (elements): this much of each shard stays in memory.
+    pub param_max_in_cpu: usize,
     pub aio: AioOptions,
     pub pipeline_read: bool,
     pub pipeline_write: bool,
@@ -73,8 +87,12 @@ impl Default for OffloadPlan {
         OffloadPlan {
             optimizer: Tier::Device,
             optimizer_dir: None,
+            optimizer_ratio: 1.0,
             param: Tier::Device,
             param_dir: None,
+            param_buffer_count: 5,
+            param_buffer_elems: 100_000_000,
+            param_max_in_cpu: 1_000_000_000,
             aio: AioOptions::default(),
             pipeline_read: false,
             pipeline_write: false,
@@ -149,8 +167,14 @@ impl OffloadPlan {
         let mut plan = OffloadPlan { budget: cfg.tessera.device_memory_bytes_max, ..OffloadPlan::default() };
         if let Some(o) = &zero.offload_optimizer {
             plan.optimizer = tier_of(o.device);
-            if plan.optimizer != Tier::Device && o.ratio < 1.0 {
-                bail!("{key}.ratio = {}: partial optimizer offload is not implemented; use 1.0 (offload all)", o.ratio);
+            if plan.optimizer == Tier::Nvme && o.ratio < 1.0 {
+                bail!(
+                    "{key}.ratio = {}: partial offload splits the states between device and host memory; with device = \"nvme\" use 1.0",
+                    o.ratio
+                );
+            }
+            if plan.optimizer == Tier::Host {
+                plan.optimizer_ratio = f64::from(o.ratio);
             }
             (plan.pipeline_read, plan.pipeline_write) = (o.pipeline_read, o.pipeline_write);
             if plan.optimizer == Tier::Nvme {
@@ -176,6 +200,16 @@ impl OffloadPlan {
                 };
                 check_dir(&format!("{key}.nvme_path"), Path::new(path))?;
                 plan.param_dir = Some(PathBuf::from(path));
+                if p.buffer_count == 0 || p.buffer_size == 0 {
+                    bail!(
+                        "{key}.buffer_count = {} and buffer_size = {}: NVMe parameter offload needs at least one buffer of one element",
+                        p.buffer_count,
+                        p.buffer_size
+                    );
+                }
+                plan.param_buffer_count = usize::try_from(p.buffer_count).unwrap_or(usize::MAX);
+                plan.param_buffer_elems = usize::try_from(p.buffer_size).unwrap_or(usize::MAX);
+                plan.param_max_in_cpu = usize::try_from(p.max_in_cpu).unwrap_or(usize::MAX);
             }
         }
         if plan.optimizer == Tier::Nvme || plan.param == Tier::Nvme {
