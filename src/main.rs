@@ -43,6 +43,29 @@ enum Cmd {
     /// Start agents on the hosts of a DeepSpeed hostfile (ssh; localhost directly) and
     /// coordinate them from here.
     Launch(LaunchArgs),
+    /// Fault injection: run a training scenario fault-free and with faults, compare the bits.
+    #[command(subcommand)]
+    Chaos(ChaosCmd),
+}
+
+#[derive(Subcommand)]
+enum ChaosCmd {
+    /// Run a scenario (JSON: config, process count, faults) without and with its faults; exits
+    /// non-zero unless both runs end with equal params_blake3.
+    Run {
+        /// The scenario file.
+        #[arg(long)]
+        scenario: PathBuf,
+        /// Picks the ranks (and other choices) the scenario leaves "random".
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Where both runs and report.json go.
+        #[arg(long, default_value = "runs/chaos")]
+        output: PathBuf,
+        /// Hide the progress bar.
+        #[arg(long)]
+        no_progress: bool,
+    },
 }
 
 /// What `coordinator` and `launch` share with `train`.
@@ -138,16 +161,20 @@ struct LaunchArgs {
 
 #[derive(Args)]
 struct WorkerArgs {
-    #[arg(long)]
-    rank: usize,
-    #[arg(long)]
-    world: usize,
+    #[arg(long, required_unless_present = "join")]
+    rank: Option<usize>,
+    #[arg(long, required_unless_present = "join")]
+    world: Option<usize>,
     /// The parent's control address (127.0.0.1:PORT).
-    #[arg(long)]
-    control: std::net::SocketAddr,
+    #[arg(long, required_unless_present = "join")]
+    control: Option<std::net::SocketAddr>,
     /// The run's `procs` directory (resolved config and certificates).
     #[arg(long)]
     dir: PathBuf,
+    /// Join the running elastic job whose `procs` directory is --dir (its control address is
+    /// in DIR/control); it becomes a member at the next step boundary.
+    #[arg(long, conflicts_with_all = ["rank", "world", "control"])]
+    join: bool,
 }
 
 #[derive(Args)]
@@ -284,10 +311,14 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Gpu(GpuCmd::Check { seed }) => Ok(if tessera::gpu::check(seed)? { done } else { ExitCode::FAILURE }),
         Cmd::Gpu(GpuCmd::Bench(a)) => tessera::gpu::bench(&a).map(|()| done),
-        Cmd::Worker(a) => {
-            let args = tessera::engine::WorkerArgs { rank: a.rank, world: a.world, control: a.control, dir: a.dir };
-            tessera::engine::run_worker(&args).map(|()| done)
-        }
+        Cmd::Worker(a) => match (a.join, a.rank, a.world, a.control) {
+            (true, ..) => tessera::engine::run_joiner(&a.dir).map(|()| done),
+            (false, Some(rank), Some(world), Some(control)) => {
+                let args = tessera::engine::WorkerArgs { rank, world, control, dir: a.dir };
+                tessera::engine::run_worker(&args).map(|()| done)
+            }
+            _ => anyhow::bail!("tessera worker needs --rank, --world and --control (or --join)"),
+        },
         Cmd::Coordinator(a) => {
             let (config, common, opts, d) = a.driver.split();
             let finished = tessera::launch::coordinator(&config, &common, opts, a.listen.as_deref(), a.nodes, &d)?;
@@ -304,6 +335,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 connect_timeout_ms: a.connect_timeout.saturating_mul(1000),
             };
             tessera::launch::agent(&flags).map(|()| done)
+        }
+        Cmd::Chaos(ChaosCmd::Run { scenario, seed, output, no_progress }) => {
+            use tessera_chaos::{plan::Scenario, runner};
+            let sc = Scenario::load(&scenario)?;
+            let base = scenario.parent().map(PathBuf::from).unwrap_or_default();
+            let exe = std::env::current_exe()?;
+            let opts = runner::ChaosOptions { exe, scenario: sc, base, seed, output: output.clone(), progress: !no_progress };
+            let report = runner::run(&opts)?;
+            print!("{}", report.render());
+            println!("report: {}", output.join("report.json").display());
+            Ok(if report.equal { done } else { ExitCode::FAILURE })
         }
         Cmd::Launch(a) => {
             let (config, common, opts, d) = a.driver.split();

@@ -137,6 +137,87 @@ pub(crate) fn parse_elasticity(root: &Value) -> KindResult<Option<ElasticityConf
     }))
 }
 
+/// The elastic runtime (`tessera.elastic`, or DeepSpeed's `elasticity.enabled`): what a
+/// multi-process run (`train --nprocs N`) does when workers die, hang, leave or join
+/// (`engine::elastic`). Off by default: the first worker lost then ends the run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ElasticRun {
+    pub enabled: bool,
+    /// How often a worker sends a heartbeat on its side connection (ms).
+    pub heartbeat_ms: u64,
+    /// A worker silent this long is dead (a SIGSTOPped or wedged process) (ms).
+    pub heartbeat_timeout_ms: u64,
+    /// Bound on one worker reply (a whole prepare or commit) (ms).
+    pub step_timeout_ms: u64,
+    /// Below this many live workers the run waits (up to `join_wait_ms`) for joins.
+    pub min_workers: usize,
+    /// Joins beyond this many members wait.
+    pub max_workers: usize,
+    /// Ring successors that hold an in-memory copy of each rank's committed shard (0 = restore
+    /// lost shards from the newest checkpoint and replay the steps since).
+    pub replicas: usize,
+    /// Worker ids kept ready for processes that join after the start (one certificate each).
+    pub max_joins: usize,
+    /// A SIGTERMed worker hands its shard over at the next step boundary; if none comes within
+    /// this bound it exits and is treated as lost (ms).
+    pub drain_grace_ms: u64,
+    /// How long a run below `min_workers` waits for joins before it fails (ms).
+    pub join_wait_ms: u64,
+}
+
+impl Default for ElasticRun {
+    fn default() -> Self {
+        ElasticRun {
+            enabled: false,
+            heartbeat_ms: 100,
+            heartbeat_timeout_ms: 2_000,
+            step_timeout_ms: 600_000,
+            min_workers: 1,
+            max_workers: 64,
+            replicas: 1,
+            max_joins: 8,
+            drain_grace_ms: 30_000,
+            join_wait_ms: 60_000,
+        }
+    }
+}
+
+/// Reads `tessera.elastic` (and DeepSpeed's `elasticity`: `enabled` switches the runtime on,
+/// `min_gpus`/`max_gpus` bound the members) from a resolved config.
+pub fn elastic_run(cfg: &crate::config::Config) -> Result<ElasticRun, crate::config::ConfigError> {
+    let tag = |kind| crate::config::ConfigError { file: cfg.source.clone(), kind };
+    let e = Obj::at(&cfg.resolved, "tessera.elastic").map_err(tag)?;
+    let d = ElasticRun::default();
+    let ds = cfg.elasticity.as_ref().filter(|x| x.enabled);
+    let usize_of =
+        |key: &str, default: usize| -> KindResult<usize> { Ok(usize::try_from(e.u64(key, default as u64)?).unwrap_or(usize::MAX)) };
+    let read = || -> KindResult<ElasticRun> {
+        let r = ElasticRun {
+            enabled: e.bool("enabled", ds.is_some())?,
+            heartbeat_ms: e.positive_u64("heartbeat_ms", d.heartbeat_ms)?,
+            heartbeat_timeout_ms: e.positive_u64("heartbeat_timeout_ms", d.heartbeat_timeout_ms)?,
+            step_timeout_ms: e.positive_u64("step_timeout_ms", d.step_timeout_ms)?,
+            min_workers: usize_of("min_workers", ds.map_or(d.min_workers, |x| x.min_gpus))?.max(1),
+            max_workers: usize_of("max_workers", ds.map_or(d.max_workers, |x| x.max_gpus))?,
+            replicas: usize_of("replicas", d.replicas)?,
+            max_joins: usize_of("max_joins", d.max_joins)?,
+            drain_grace_ms: e.u64("drain_grace_ms", d.drain_grace_ms)?,
+            join_wait_ms: e.u64("join_wait_ms", d.join_wait_ms)?,
+        };
+        if r.heartbeat_timeout_ms < 2 * r.heartbeat_ms {
+            let why =
+                format!("must be at least twice tessera.elastic.heartbeat_ms ({}) so one late heartbeat is not a death", r.heartbeat_ms);
+            return Err(ConfigErrorKind::unsupported(&e.path("heartbeat_timeout_ms"), &Value::from(r.heartbeat_timeout_ms), &why));
+        }
+        if r.max_workers < r.min_workers {
+            let why = format!("must not be below tessera.elastic.min_workers ({})", r.min_workers);
+            return Err(ConfigErrorKind::unsupported(&e.path("max_workers"), &Value::from(r.max_workers), &why));
+        }
+        Ok(r)
+    };
+    read().map_err(tag)
+}
+
 fn positive(path: &str, v: &Value) -> KindResult<usize> {
     v.as_u64()
         .filter(|&n| n > 0)

@@ -300,6 +300,17 @@ static TESSERA: &[KeyInfo] = &[
     k("tessera.jsonl_monitor", Bool, H, "default true"),
     k("tessera.world", UInt, H, "number of workers; default 1 (command line wins)"),
     k("tessera.activation_checkpointing", Bool, H, "default false; recompute activations"),
+    k("tessera.elastic", Section, H, "elastic runtime of `train --nprocs N` (docs/ELASTIC.md); `elasticity.enabled` also switches it on"),
+    k("tessera.elastic.enabled", Bool, H, "default false (= elasticity.enabled): a lost worker ends the run"),
+    k("tessera.elastic.heartbeat_ms", UInt, H, "worker heartbeat period; default 100"),
+    k("tessera.elastic.heartbeat_timeout_ms", UInt, H, "a worker silent this long is dead (hung, SIGSTOPped); default 2000"),
+    k("tessera.elastic.step_timeout_ms", UInt, H, "bound on one worker reply; default 600000"),
+    k("tessera.elastic.min_workers", UInt, H, "below it the run waits for joins; default elasticity.min_gpus or 1"),
+    k("tessera.elastic.max_workers", UInt, H, "joins beyond it wait; default elasticity.max_gpus or 64"),
+    k("tessera.elastic.replicas", UInt, H, "ring successors holding each rank's shard in memory; 0 = restore from the newest checkpoint and replay; default 1"),
+    k("tessera.elastic.max_joins", UInt, H, "processes that may join after the start (one certificate each); default 8"),
+    k("tessera.elastic.drain_grace_ms", UInt, H, "a SIGTERMed worker hands over its shard within it, else it is lost; default 30000"),
+    k("tessera.elastic.join_wait_ms", UInt, H, "how long a run below min_workers waits for joins; default 60000"),
     k("tessera.device_memory_bytes_max", UInt, H, "per-rank budget for resident model states (params, grads, fp32 masters and moments, as model_state_bytes_per_rank counts them; offloaded states excluded, activations not counted); a run over it is refused at start. GPU ranks count their device states: bf16 params (+ stage-3 gather buffers), f32 gradient buffers (micro-batch tree + reduced shard), fp32 masters, moments and decay mask not offloaded; default: none"),
 ];
 

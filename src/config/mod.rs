@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 
 pub use auto::{AutoDefaults, AutoSource, ResolveContext, AUTO_RULES};
 pub use batch::Batch;
-pub use elastic::{compute_elastic_batch, ElasticBatch, ElasticityConfig, ELASTICITY_VERSION};
+pub use elastic::{compute_elastic_batch, elastic_run, ElasticBatch, ElasticRun, ElasticityConfig, ELASTICITY_VERSION};
 pub use error::{ConfigError, ConfigErrorKind};
 pub use keys::{effectively_honoured, key_table, lookup, KeyInfo, KeyKind};
 pub use legacy::LEGACY_KEYS;

@@ -81,7 +81,7 @@ pub struct AgentArgs {
     pub connect_timeout_ms: u64,
 }
 
-fn snapshot(st: &RankState, rank: usize) -> Snapshot {
+pub(super) fn snapshot(st: &RankState, rank: usize) -> Snapshot {
     Snapshot {
         memory: wire::WireMemory::from_report(&st.memory(rank)),
         applied: st.applied,
@@ -131,18 +131,19 @@ fn plan_of(cfg: &Config, world: usize) -> Result<(Arc<Plan>, Arc<Sampler>, Datas
 }
 
 /// Loads the config and plan the parent resolved into `<dir>/config.json`.
-fn load_plan(a: &WorkerArgs) -> Result<(Config, Arc<Plan>, Arc<Sampler>)> {
+fn load_plan(a: &WorkerArgs) -> Result<(Config, Arc<Plan>, Arc<Sampler>, Dataset)> {
     let path = a.dir.join("config.json");
     let ctx = ResolveContext { world_size: Some(a.world), ..Default::default() };
     let cfg = config::load(&path, &[], &ctx).with_context(|| format!("loading {}", path.display()))?;
-    let (plan, sampler, _) = plan_of(&cfg, a.world)?;
-    Ok((cfg, plan, sampler))
+    let (plan, sampler, dataset) = plan_of(&cfg, a.world)?;
+    Ok((cfg, plan, sampler, dataset))
 }
 
-/// Receives the start state and builds this rank's state from it.
-fn recv_start(stream: &mut TcpStream, cfg: &Config, plan: &Plan, rank: usize, wait: &Wait<'_>) -> Result<RankState> {
-    let (master_start, counters, descs) = match wire::recv(stream, "Start", wait)? {
-        ToWorker::Start { master_start, counters, buffers } => (master_start, counters, buffers),
+/// Receives the start state and builds this rank's state from it; also the committed steps
+/// the state holds.
+pub(super) fn recv_start(stream: &mut TcpStream, cfg: &Config, plan: &Plan, rank: usize, wait: &Wait<'_>) -> Result<(RankState, u64)> {
+    let (master_start, counters, descs, step) = match wire::recv(stream, "Start", wait)? {
+        ToWorker::Start { master_start, counters, buffers, step } => (master_start, counters, buffers, step),
         other => bail!("expected the start state, got {other:?}"),
     };
     let window = master_window(plan, rank);
@@ -155,11 +156,11 @@ fn recv_start(stream: &mut TcpStream, cfg: &Config, plan: &Plan, rank: usize, wa
     master[window].copy_from_slice(&bufs.remove(0));
     let optim = counters.optimizer_steps.map(|steps| (steps, descs[1..].iter().map(|d| d.name.clone()).zip(bufs).collect()));
     let cut = StartCut { optim, applied: counters.applied, skipped: counters.skipped, scaler: counters.scaler };
-    rank_state(cfg, plan, rank, &master, &cut)
+    Ok((rank_state(cfg, plan, rank, &master, &cut)?, step))
 }
 
 /// Sends this rank's masters, its optimizer buffers when asked, and counters.
-fn export(stream: &mut TcpStream, st: &RankState, optim: bool) -> Result<(), WireError> {
+pub(super) fn export(stream: &mut TcpStream, st: &RankState, optim: bool) -> Result<(), WireError> {
     let mut bufs: Vec<(&str, &[f32])> = vec![("master", &st.master)];
     if optim {
         bufs.extend(st.optim.state_buffers());
@@ -214,6 +215,9 @@ struct Member {
     /// The address the other ranks dial (the socket's, unless advertised otherwise).
     quic_addr: SocketAddr,
     data_blake3: Option<String>,
+    dataset: Dataset,
+    /// The parent's control address (spawned workers): an elastic run's side connection.
+    control: Option<SocketAddr>,
 }
 
 /// How a rank waits for its driver's next request.
@@ -242,15 +246,23 @@ fn serve(stream: &mut TcpStream, m: Member, idle: &Idle<'_>) -> Result<()> {
     let deadline = Some(Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS));
     let wait = Wait { what: "the start-up messages", deadline, alive };
     let addrs = match wire::recv(stream, "Mesh", &wait)? {
-        ToWorker::Mesh { addrs } => addrs,
+        ToWorker::Mesh { addrs, .. } => addrs,
         other => bail!("rank {rank}: expected the addresses, got {other:?}"),
     };
     let addrs = addrs.iter().map(|s| s.parse::<SocketAddr>().with_context(|| format!("address {s:?}"))).collect::<Result<Vec<_>>>()?;
-    let state = recv_start(stream, &m.cfg, &m.plan, rank, &wait).with_context(|| format!("rank {rank}: start state"))?;
-    let state = Arc::new(Mutex::new(state));
+    let (state, at) = recv_start(stream, &m.cfg, &m.plan, rank, &wait).with_context(|| format!("rank {rank}: start state"))?;
     let spec = ClusterSpec { addrs, names: (0..m.world).map(node_name).collect() };
     let comm =
         QuicComm::connect_socket(m.socket, rank, &spec, &m.tls, MESH_TIMEOUT_MS).with_context(|| format!("rank {rank}: QUIC mesh"))?;
+    let er = config::elastic_run(&m.cfg)?;
+    if let Some(control) = m.control.filter(|_| er.enabled) {
+        let ready = snapshot(&state, rank);
+        let setup =
+            super::elastic_worker::Setup { id: rank as u64, control, cfg: m.cfg, er, dataset: m.dataset, sampler: m.sampler, tls: m.tls };
+        wire::send(stream, &ToParent::Ready { snapshot: ready })?;
+        return super::elastic_worker::serve_started(stream, setup, rank, m.plan, state, Box::new(comm), at, alive);
+    }
+    let state = Arc::new(Mutex::new(state));
     let mut worker = ZeroWorker::new(rank, Arc::clone(&m.plan), m.sampler, Box::new(comm), Arc::clone(&state));
     let ready = snapshot(&state.lock().unwrap_or_else(|p| p.into_inner()), rank);
     wire::send(stream, &ToParent::Ready { snapshot: ready })?;
@@ -278,11 +290,12 @@ pub fn run_worker(a: &WorkerArgs) -> Result<()> {
     let mut stream = TcpStream::connect_timeout(&a.control, Duration::from_millis(STARTUP_TIMEOUT_MS))
         .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
     let _ = stream.set_nodelay(true);
-    let (cfg, plan, sampler) = load_plan(a).with_context(|| format!("rank {rank}"))?;
+    let (cfg, plan, sampler, dataset) = load_plan(a).with_context(|| format!("rank {rank}"))?;
     let socket = UdpSocket::bind("127.0.0.1:0").context("binding the QUIC socket")?;
     let quic_addr = socket.local_addr().context("QUIC socket address")?;
     let tls = NodeTls::load(&a.dir.join("pki"), &node_name(rank))?;
-    let m = Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None };
+    let m =
+        Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset, control: Some(a.control) };
     serve(&mut stream, m, &Idle { alive: &alive, bound_ms: None, close_is_error: false })
 }
 
@@ -346,7 +359,19 @@ fn agent_member(a: &AgentArgs, local_ip: IpAddr, rank: usize, world: usize, conf
     let socket = UdpSocket::bind((bind, a.quic_port)).with_context(|| format!("binding the QUIC socket on {bind} port {}", a.quic_port))?;
     let port = socket.local_addr().context("QUIC socket address")?.port();
     let data_blake3 = Some(data_blake3(&dataset));
-    Ok(Member { rank, world, cfg, plan, sampler, tls, socket, quic_addr: SocketAddr::new(advertised, port), data_blake3 })
+    Ok(Member {
+        rank,
+        world,
+        cfg,
+        plan,
+        sampler,
+        tls,
+        socket,
+        quic_addr: SocketAddr::new(advertised, port),
+        data_blake3,
+        dataset,
+        control: None,
+    })
 }
 
 /// `tessera agent`: joins the coordinator, runs the rank it is given, and returns when the

@@ -4,6 +4,8 @@
 //! of [`tessera_transport::tree`], and the optimizer applied to fp32 masters on commit.
 
 mod child;
+mod elastic;
+mod elastic_worker;
 mod lane;
 mod plan;
 mod precision;
@@ -16,9 +18,11 @@ mod wire;
 pub mod zero;
 
 pub use child::{run_agent, run_worker, AgentArgs, WorkerArgs, AGENT_CONNECT_TIMEOUT_MS};
+pub use elastic::{now_ms, EVENTS_FILE};
+pub use elastic_worker::run_joiner;
 pub use plan::Plan;
 pub use precision::Precision16;
 pub use remote::{assign_ranks, set_rendezvous, take_rendezvous, Launched, Rendezvous, JOIN_TIMEOUT_MS};
-pub(crate) use run::{checkpoint_tensors, progress_bar, refuse_to_overwrite, resume_start};
+pub(crate) use run::{checkpoint_tensors, log_line, progress_bar, refuse_to_overwrite, resume_start};
 pub use run::{train, TrainOptions, TrainOutcome};
-pub use summary::{peak_rss_bytes, MemoryBytes, Summary};
+pub use summary::{peak_rss_bytes, ElasticSummary, MemoryBytes, Summary};

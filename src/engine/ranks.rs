@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use anyhow::{Context, Result};
 use tessera_actors::compute::MemoryReport;
 
+use super::elastic::Fleet;
 use super::plan::Plan;
 use super::remote::Procs;
 use super::zero::RankState;
@@ -87,6 +88,8 @@ pub fn rank_states(cfg: &Config, plan: &Plan, start: &Start) -> Result<Vec<Arc<M
 pub enum Ranks {
     InProcess(Vec<Arc<Mutex<RankState>>>),
     Remote(Procs),
+    /// Worker processes of an elastic run (`super::elastic`): the members of the current epoch.
+    Elastic(Box<Fleet>),
 }
 
 fn lock(st: &Mutex<RankState>) -> MutexGuard<'_, RankState> {
@@ -131,6 +134,15 @@ impl Ranks {
                     scaler: st.scaler.as_ref().map(bridge::scaler_to_json),
                 }
             }
+            Ranks::Elastic(fleet) => {
+                let mut first = None;
+                for r in owners(plan) {
+                    let (m, optim, c) = fleet.export(r, plan, with_optim)?;
+                    append(&m, optim.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect());
+                    first.get_or_insert(c);
+                }
+                first.context("no rank exported its state")?
+            }
             Ranks::Remote(procs) => {
                 let mut first = None;
                 for r in owners(plan) {
@@ -149,6 +161,7 @@ impl Ranks {
         match self {
             Ranks::InProcess(states) => states.iter().map(|st| lock(st).bytes_sent_total).collect(),
             Ranks::Remote(procs) => procs.snapshots().iter().map(|s| s.bytes_sent_total).collect(),
+            Ranks::Elastic(fleet) => fleet.snapshots().iter().map(|s| s.bytes_sent_total).collect(),
         }
     }
 
@@ -163,6 +176,10 @@ impl Ranks {
                 let s = procs.snapshots().first().copied().unwrap_or_default();
                 (s.applied, s.scale_bits.map(f32::from_bits))
             }
+            Ranks::Elastic(fleet) => {
+                let s = fleet.snapshots().first().copied().unwrap_or_default();
+                (s.applied, s.scale_bits.map(f32::from_bits))
+            }
         }
     }
 
@@ -171,6 +188,7 @@ impl Ranks {
         match self {
             Ranks::InProcess(states) => states.iter().enumerate().map(|(r, st)| lock(st).memory(r)).collect(),
             Ranks::Remote(procs) => procs.snapshots().iter().enumerate().map(|(r, s)| s.memory.report(r)).collect(),
+            Ranks::Elastic(fleet) => fleet.snapshots().iter().enumerate().map(|(r, s)| s.memory.report(r)).collect(),
         }
     }
 
@@ -179,6 +197,7 @@ impl Ranks {
         match self {
             Ranks::InProcess(_) => Ok(()),
             Ranks::Remote(procs) => procs.close(),
+            Ranks::Elastic(fleet) => fleet.close(),
         }
     }
 }

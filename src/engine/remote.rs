@@ -245,7 +245,7 @@ fn lock_link(l: &Mutex<Link>) -> MutexGuard<'_, Link> {
 }
 
 /// Describes an exit status: "exited with status 1" or "was killed by signal 9".
-fn describe_exit(status: std::process::ExitStatus) -> String {
+pub(super) fn describe_exit(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(c), _) => format!("exited with status {c}"),
@@ -523,8 +523,9 @@ impl WorkerCompute for RemoteCompute {
 /// The ranks and their proxies for `Cluster::start`.
 pub type Started = (Procs, Vec<Box<dyn WorkerCompute>>);
 
-/// Writes the resolved config (when `with_config`) and the PKI into `dir` (emptied first).
-fn prepare_dir(cfg: &Config, world: usize, dir: &Path, with_config: bool) -> Result<()> {
+/// Writes the resolved config (when `with_config`) and the PKI (node names `node-0..ids`) into
+/// `dir` (emptied first).
+pub(super) fn prepare_dir(cfg: &Config, ids: usize, dir: &Path, with_config: bool) -> Result<()> {
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
     }
@@ -533,14 +534,14 @@ fn prepare_dir(cfg: &Config, world: usize, dir: &Path, with_config: bool) -> Res
         let text = serde_json::to_string_pretty(&cfg.resolved).context("serialising the resolved config")?;
         std::fs::write(dir.join("config.json"), text).with_context(|| format!("writing {}/config.json", dir.display()))?;
     }
-    let names: Vec<String> = (0..world).map(node_name).collect();
+    let names: Vec<String> = (0..ids).map(node_name).collect();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     tessera_transport::quic::cluster_init(&dir.join("pki"), &refs)
         .with_context(|| format!("creating certificates in {}", dir.display()))?;
     Ok(())
 }
 
-fn spawn_worker(exe: &Path, r: usize, world: usize, control: &str, dir: &Path) -> Result<Child> {
+pub(super) fn spawn_worker(exe: &Path, r: usize, world: usize, control: &str, dir: &Path) -> Result<Child> {
     use std::os::unix::process::CommandExt;
     Command::new(exe)
         .args(["worker", "--rank", &r.to_string(), "--world", &world.to_string(), "--control", control])
@@ -591,7 +592,7 @@ fn accept_workers(listener: &TcpListener, cfg: &Config, shared: &Shared, world: 
 }
 
 /// Sends rank `r` its cut of the start state (header + bulk).
-fn send_start(stream: &mut TcpStream, plan: &Plan, start: &Start, r: usize) -> Result<()> {
+pub(super) fn send_start(stream: &mut TcpStream, plan: &Plan, start: &Start, r: usize) -> Result<()> {
     let window = master_window(plan, r);
     let cut = start.cut(plan, r);
     let mut bufs: Vec<(&str, &[f32])> = vec![("master", &start.master[window.clone()])];
@@ -604,7 +605,7 @@ fn send_start(stream: &mut TcpStream, plan: &Plan, start: &Start, r: usize) -> R
         skipped: cut.skipped,
         scaler: cut.scaler.clone(),
     };
-    let msg = ToWorker::Start { master_start: window.start as u64, counters, buffers: wire::describe(&bufs) };
+    let msg = ToWorker::Start { master_start: window.start as u64, counters, buffers: wire::describe(&bufs), step: start.step };
     wire::send(stream, &msg)?;
     wire::send_bulk(stream, &bufs.iter().map(|(_, b)| *b).collect::<Vec<_>>())?;
     Ok(())
@@ -646,7 +647,8 @@ fn start_ranks(procs: &mut Procs, conns: Vec<(TcpStream, String)>, plan: &Plan, 
     let addrs: Vec<String> = conns.iter().map(|(_, a)| a.clone()).collect();
     let mut streams: Vec<TcpStream> = conns.into_iter().map(|(s, _)| s).collect();
     for (r, s) in streams.iter_mut().enumerate() {
-        wire::send(s, &ToWorker::Mesh { addrs: addrs.clone() }).with_context(|| format!("sending {} the addresses", who[r]))?;
+        wire::send(s, &ToWorker::Mesh { addrs: addrs.clone(), names: Vec::new() })
+            .with_context(|| format!("sending {} the addresses", who[r]))?;
         send_start(s, plan, start, r).with_context(|| format!("sending {} its start state", who[r]))?;
     }
     let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);

@@ -10,17 +10,18 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_actors::compute::{ShardInfo, ShardSpec, WorkerCompute};
-use tessera_actors::{Cluster, ClusterOptions};
+use tessera_actors::{Cluster, ClusterOptions, StepResult};
 use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
 
+use super::elastic::Fleet;
 use super::plan::Plan;
 use super::ranks::{rank_states, Ranks, Start};
-use super::summary::{peak_rss_bytes, Summary};
+use super::summary::{peak_rss_bytes, ElasticSummary, Summary};
 use super::zero::ZeroWorker;
 use crate::bridge;
 use crate::checkpoint::{self, CheckpointState, NamedTensor};
-use crate::config::Config;
+use crate::config::{self, Config, ElasticRun};
 use crate::data::{self, Dataset, Sampler, SamplerState};
 use crate::monitor::{self, Event, Monitor, MonitorSet};
 
@@ -50,6 +51,19 @@ pub struct TrainOutcome {
 
 const OPTIM_PREFIX: &str = "optim";
 
+/// How long an elastic run waits, after an operation failed, for the loss that caused it to
+/// be noticed (ms).
+const SETTLE_MS: u64 = 500;
+
+/// The actor tree's options: the step timeout is the elastic one when the run is elastic.
+fn cluster_options(opts: &TrainOptions, elastic: Option<&ElasticRunState>) -> ClusterOptions {
+    let mut c = ClusterOptions { abandon_steps: opts.abandon_steps.clone(), ..ClusterOptions::default() };
+    if let Some(e) = elastic {
+        c.step_timeout_ms = e.er.step_timeout_ms;
+    }
+    c
+}
+
 fn fresh_start(cfg: &Config, plan: &Plan) -> Start {
     Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), optim: None, applied: 0, skipped: 0, scaler: None }
 }
@@ -58,6 +72,21 @@ fn fresh_start(cfg: &Config, plan: &Plan) -> Start {
 /// against the config (model, tokenizer, seed, step range, data cursor). `verbose`: print the
 /// checkpoints skipped as damaged (the CPU driver and the GPU path's rank 0).
 pub(crate) fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Result<Start> {
+    let (start, path) = checkpoint_start(cfg, plan, dir, verbose)?;
+    if start.step >= cfg.tessera.steps {
+        bail!(
+            "checkpoint {} is at step {}, and this run stops at step {}: ask for more with --steps",
+            path.display(),
+            start.step,
+            cfg.tessera.steps
+        );
+    }
+    Ok(start)
+}
+
+/// The state a checkpoint holds (see [`resume_start`], without the check against the run's
+/// length) and the step directory it came from.
+fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Result<(Start, PathBuf)> {
     let resolved = checkpoint::resolve_resume(dir).with_context(|| format!("resuming from {}", dir.display()))?;
     for s in resolved.skipped.iter().filter(|_| verbose) {
         eprintln!("warning: skipped checkpoint {}: {}", s.dir.display(), s.error);
@@ -113,14 +142,6 @@ pub(crate) fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool)
             cursor.seed
         );
     }
-    if ck.step >= cfg.tessera.steps {
-        bail!(
-            "checkpoint {} is at step {}, and this run stops at step {}: ask for more with --steps",
-            path.display(),
-            ck.step,
-            cfg.tessera.steps
-        );
-    }
     if cursor.cursor != plan.first_sample(ck.step, 0) {
         bail!(
             "checkpoint {}: data cursor {} does not match step {} of this batch geometry ({} samples per step)",
@@ -130,14 +151,35 @@ pub(crate) fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool)
             plan.micro_batches * plan.micro
         );
     }
-    Ok(Start {
+    let start = Start {
         step: ck.step,
         master,
         optim: Some((get("optimizer_steps")?, bufs)),
         applied: get("applied_steps")?,
         skipped: get("skipped_steps")?,
         scaler: extra.get("loss_scaler").cloned().filter(|v| !v.is_null()),
-    })
+    };
+    Ok((start, path))
+}
+
+/// An elastic run's restore path: the newest valid checkpoint under `root` at or before step
+/// `at` (damaged ones are skipped), else where the run started (`resume`, or the seeded
+/// initial state). Returns the state and a description of it.
+fn restore_from_disk(cfg: &Config, plan: &Plan, root: &Path, resume: Option<&Path>, at: u64) -> Result<(Start, String)> {
+    for (step, dir) in checkpoint::list_checkpoints(root).unwrap_or_default().into_iter().filter(|(s, _)| *s <= at) {
+        match checkpoint_start(cfg, plan, &dir, false) {
+            Ok((start, _)) if start.step == step => return Ok((start, format!("checkpoint {}", dir.display()))),
+            Ok((start, _)) => eprintln!("warning: checkpoint {} holds step {}, not {step}; skipped", dir.display(), start.step),
+            Err(e) => eprintln!("warning: skipped checkpoint {}: {e:#}", dir.display()),
+        }
+    }
+    match resume {
+        Some(dir) => {
+            let (start, path) = checkpoint_start(cfg, plan, dir, false)?;
+            Ok((start, format!("checkpoint {} (where the run resumed)", path.display())))
+        }
+        None => Ok((fresh_start(cfg, plan), "the seeded initial state (step 0)".to_string())),
+    }
 }
 
 /// A fresh run never writes over another run's checkpoints: nothing is lost by accident.
@@ -214,6 +256,16 @@ fn evaluate(plan: &Plan, ranks: &Ranks, batches: &[data::TokenBatch], ws: &mut W
     Ok(total / batches.len().max(1) as f64)
 }
 
+/// A log line above the progress bar, or on standard output when the bar is hidden
+/// (`--no-progress`, or output that is not a terminal), so that logs reach files too.
+pub(crate) fn log_line(pb: &ProgressBar, line: String) {
+    if pb.is_hidden() {
+        println!("{line}");
+    } else {
+        pb.println(line);
+    }
+}
+
 /// The training progress bar (hidden when `enabled` is false), shared with the GPU path.
 pub(crate) fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
     if !enabled {
@@ -253,6 +305,16 @@ struct Run<'a> {
     ws: Workspace,
     out_dir: PathBuf,
     step: u64,
+    /// Set when the ranks are an elastic fleet (`Ranks::Elastic`).
+    elastic: Option<ElasticRunState>,
+}
+
+/// What an elastic run keeps besides its ranks.
+struct ElasticRunState {
+    er: ElasticRun,
+    /// Where the run started from (`--resume`), the restore path of last resort.
+    resume: Option<PathBuf>,
+    stats: ElasticSummary,
 }
 
 /// Running totals for the summary and the loss curve.
@@ -289,7 +351,22 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?);
     let val =
         data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
-    let (ranks, workers) = if opts.processes {
+    let er = config::elastic_run(cfg)?;
+    let rendezvous = super::remote::take_rendezvous();
+    let elastic_fleet = opts.processes && er.enabled && rendezvous.is_none();
+    if er.enabled && !elastic_fleet {
+        let why = if opts.processes { "coordinator and agents" } else { "ranks that are threads of one process (use --nprocs N)" };
+        eprintln!("warning: tessera.elastic applies to `train --nprocs N`; this run has {why}: the first rank lost ends it");
+    }
+    if let Some(r) = rendezvous {
+        super::remote::set_rendezvous(r);
+    }
+    let mut elastic = None;
+    let (ranks, workers) = if elastic_fleet {
+        let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir).context("starting the worker processes")?;
+        elastic = Some(ElasticRunState { er, resume: opts.resume.clone(), stats: ElasticSummary::default() });
+        (Ranks::Elastic(Box::new(fleet)), workers)
+    } else if opts.processes {
         let (procs, workers) = super::remote::launch(cfg, &plan, &start, &out_dir).context("starting the worker processes")?;
         (Ranks::Remote(procs), workers)
     } else {
@@ -304,27 +381,35 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
             .collect();
         (Ranks::InProcess(states), workers)
     };
-    let copts = ClusterOptions { abandon_steps: opts.abandon_steps.clone(), ..ClusterOptions::default() };
+    let copts = cluster_options(opts, elastic.as_ref());
     let cluster = Cluster::start(workers, shard_infos(&plan, &ranks), copts).context("starting the actor tree")?;
     let monitors = bridge::monitors(cfg, &out_dir)?;
-    let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step };
+    let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic };
     Ok((run, dataset))
 }
 
 impl Run<'_> {
     /// One committed step plus its logging, evaluation and checkpoint.
-    fn step_once(&mut self, pb: &ProgressBar, t: &mut Tally) -> Result<()> {
-        let (cfg, plan) = (self.cfg, Arc::clone(&self.plan));
+    fn step_once(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
+        let cfg = self.cfg;
         let t0 = Instant::now();
-        let res = self.cluster.run_step(self.step).with_context(|| format!("step {}", self.step))?;
+        let res = match self.elastic.is_some() {
+            true => self.elastic_run_step(pb, t, dataset)?,
+            false => self.cluster.run_step(self.step).with_context(|| format!("step {}", self.step))?,
+        };
+        self.step += 1;
+        if self.elastic.is_some() {
+            self.elastic_replicate(pb, t, dataset)?;
+        }
         t.train_s += t0.elapsed().as_secs_f64();
         t.steps_run += 1;
         t.abandoned += res.abandoned_attempts.len() as u64;
-        self.step += 1;
+        // After a recovery the plan is the new epoch's.
+        let plan = Arc::clone(&self.plan);
         let loss = res.loss_sum / plan.micro_batches as f64;
         // Prepare and commit traffic of the busiest rank (the commit shares parameters).
         let totals = self.ranks.bytes_sent_totals();
-        t.bytes_sent += totals.iter().zip(&t.rank_bytes).map(|(now, before)| now - before).max().unwrap_or(0);
+        t.bytes_sent += totals.iter().zip(&t.rank_bytes).map(|(now, before)| now.saturating_sub(*before)).max().unwrap_or(0);
         t.rank_bytes = totals;
         let norm = res.grad_norm.unwrap_or(f64::NAN);
         let overflow = res.overflow;
@@ -344,35 +429,193 @@ impl Run<'_> {
         pb.set_position(self.step);
         if cfg.steps_per_print > 0 && self.step % cfg.steps_per_print == 0 {
             let skipped = if overflow { " | skipped (overflow)" } else { "" };
-            pb.println(format!("step {:>6} | loss {loss:.4} | lr {lr:.3e} | grad norm {norm:.3} | {tps:.0} tok/s{skipped}", self.step));
+            log_line(pb, format!("step {:>6} | loss {loss:.4} | lr {lr:.3e} | grad norm {norm:.3} | {tps:.0} tok/s{skipped}", self.step));
             if cfg.wall_clock_breakdown {
                 let slowest = res.compute_s_max;
-                pb.println(format!(
-                    "  time: step {:.1} ms | slowest prepare {:.1} ms | sent {} KiB/rank",
-                    t0.elapsed().as_secs_f64() * 1e3,
-                    slowest * 1e3,
-                    t.bytes_sent / t.steps_run.max(1) / 1024
-                ));
+                log_line(
+                    pb,
+                    format!(
+                        "  time: step {:.1} ms | slowest prepare {:.1} ms | sent {} KiB/rank",
+                        t0.elapsed().as_secs_f64() * 1e3,
+                        slowest * 1e3,
+                        t.bytes_sent / t.steps_run.max(1) / 1024
+                    ),
+                );
             }
         }
         let last = self.step == cfg.tessera.steps;
         if (cfg.tessera.eval_interval > 0 && self.step % cfg.tessera.eval_interval == 0) || last {
-            let v = evaluate(&plan, &self.ranks, &self.val, &mut self.ws)?;
+            let v = self.with_recovery(pb, t, dataset, |run| evaluate(&run.plan, &run.ranks, &run.val, &mut run.ws))?;
             t.last_val = Some(v);
             t.val_curve.push((self.step, v));
             events.push(Event::new("Train/Samples/val_loss", v, samples));
-            pb.println(format!("step {:>6} | val loss {v:.4}", self.step));
+            log_line(pb, format!("step {:>6} | val loss {v:.4}", self.step));
         }
         self.monitors.write(&events).context("writing monitors")?;
         if (cfg.tessera.checkpoint_interval > 0 && self.step % cfg.tessera.checkpoint_interval == 0) || last {
-            t.last_ckpt = Some(save_checkpoint(cfg, &plan, &self.ranks, self.step, &self.out_dir.join("checkpoints"))?);
+            let saved = self.with_recovery(pb, t, dataset, |run| {
+                save_checkpoint(cfg, &run.plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"))
+            });
+            match (saved, self.elastic.as_mut()) {
+                (Ok(path), _) => t.last_ckpt = Some(path),
+                (Err(e), Some(el)) => {
+                    // An elastic run outlives a failing disk: the previous checkpoint stays the
+                    // restore point.
+                    el.stats.checkpoints_failed += 1;
+                    log_line(pb, format!("warning: checkpoint of step {} not written: {e:#}; the run goes on", self.step));
+                }
+                (Err(e), None) => return Err(e),
+            }
         }
         Ok(())
     }
 
-    fn summary(&self, t: &Tally, started: Instant) -> Result<Summary> {
+    /// Whether an elastic run has a membership change to handle (waiting up to `settle_ms`
+    /// for the monitor to notice a loss).
+    fn change_pending(&self, settle_ms: u64) -> bool {
+        matches!(&self.ranks, Ranks::Elastic(f) if f.pending(settle_ms))
+    }
+
+    /// Runs `f`; when it fails because of a membership change (elastic runs), recovers and
+    /// runs it again.
+    fn with_recovery<T>(
+        &mut self,
+        pb: &ProgressBar,
+        t: &mut Tally,
+        dataset: &Dataset,
+        mut f: impl FnMut(&mut Self) -> Result<T>,
+    ) -> Result<T> {
+        loop {
+            match f(self) {
+                Ok(v) => return Ok(v),
+                Err(e) if self.change_pending(SETTLE_MS) => {
+                    log_line(pb, format!("elastic: {e:#}; recovering"));
+                    self.recover(pb, t, dataset)?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Runs step `self.step` until it commits, forming new epochs at the step boundary when
+    /// members were lost, asked to drain, or joined.
+    fn elastic_run_step(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<StepResult> {
+        loop {
+            if self.change_pending(0) {
+                self.recover(pb, t, dataset)?;
+                continue;
+            }
+            match self.cluster.run_step(self.step) {
+                Ok(res) => return Ok(res),
+                Err(e) if self.change_pending(SETTLE_MS) => {
+                    if let Some(el) = self.elastic.as_mut() {
+                        el.stats.steps_rerun += 1;
+                    }
+                    log_line(pb, format!("elastic: step {} abandoned: {e}", self.step));
+                    self.recover(pb, t, dataset)?;
+                }
+                Err(e) => return Err(e).with_context(|| format!("step {}", self.step)),
+            }
+        }
+    }
+
+    /// After a commit: the ranks replicate their shards (a loss meanwhile is recovered from).
+    fn elastic_replicate(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
+        let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
+        if let Err(e) = fleet.replicate(self.step) {
+            if !self.change_pending(SETTLE_MS) {
+                return Err(e);
+            }
+            log_line(pb, format!("elastic: {e:#}; recovering"));
+            self.recover(pb, t, dataset)?;
+        }
+        if let Ranks::Elastic(fleet) = &self.ranks {
+            fleet.committed(self.step);
+        }
+        Ok(())
+    }
+
+    /// Forms a new epoch from the survivors and joiners at the boundary of `self.step`
+    /// committed steps, restarts the actor tree on it, and replays any committed steps the
+    /// restored state lacks (see `engine::elastic`).
+    fn recover(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
+        let began = super::elastic::now_ms();
+        let mut state_at = self.step;
+        loop {
+            let (cfg, root) = (self.cfg, self.out_dir.join("checkpoints"));
+            let resume = self.elastic.as_ref().and_then(|e| e.resume.clone());
+            let plan_now = Arc::clone(&self.plan);
+            let restore = move |at: u64| restore_from_disk(cfg, &plan_now, &root, resume.as_deref(), at);
+            let Ranks::Elastic(fleet) = &mut self.ranks else { bail!("only an elastic run can recover") };
+            let rec = fleet.reconfigure(state_at, dataset, &restore)?;
+            self.plan = Arc::clone(&rec.plan);
+            let copts = cluster_options(&TrainOptions::default(), self.elastic.as_ref());
+            let cluster = Cluster::start(rec.computes, shard_infos(&self.plan, &self.ranks), copts).context("restarting the actor tree")?;
+            if let Err(e) = std::mem::replace(&mut self.cluster, cluster).shutdown() {
+                eprintln!("warning: stopping the previous epoch's actor tree: {e}");
+            }
+            t.rank_bytes = vec![0; self.plan.world];
+            let from_memory = rec.step == state_at;
+            if let Some(el) = self.elastic.as_mut() {
+                let s = &mut el.stats;
+                s.recoveries += 1;
+                s.workers_lost += rec.losses as u64;
+                s.workers_joined += rec.joined as u64;
+                s.workers_drained += rec.drained as u64;
+                if from_memory {
+                    s.restored_from_memory += 1;
+                } else {
+                    s.restored_from_checkpoint += 1;
+                }
+            }
+            log_line(
+                pb,
+                format!(
+                    "elastic: {} worker(s) from step {} ({}){}",
+                    self.plan.world,
+                    rec.step,
+                    rec.source,
+                    if from_memory { String::new() } else { format!("; replaying steps {}..{}", rec.step, self.step) }
+                ),
+            );
+            let mut at = rec.step;
+            let mut broken = false;
+            while at < self.step {
+                match self.cluster.run_step(at) {
+                    Ok(_) => {
+                        at += 1;
+                        if let Some(el) = self.elastic.as_mut() {
+                            el.stats.steps_replayed += 1;
+                        }
+                        let Ranks::Elastic(fleet) = &self.ranks else { break };
+                        if let Err(e) = fleet.replicate(at) {
+                            if !self.change_pending(SETTLE_MS) {
+                                return Err(e);
+                            }
+                            broken = true;
+                            break;
+                        }
+                    }
+                    Err(_) if self.change_pending(SETTLE_MS) => {
+                        broken = true;
+                        break;
+                    }
+                    Err(e) => return Err(e).with_context(|| format!("replaying step {at}")),
+                }
+            }
+            if !broken {
+                if let Ranks::Elastic(fleet) = &self.ranks {
+                    fleet.resumed(began, self.step);
+                }
+                return Ok(());
+            }
+            state_at = at;
+        }
+    }
+
+    fn summary(&mut self, t: &mut Tally, started: Instant, pb: &ProgressBar, dataset: &Dataset) -> Result<Summary> {
+        let (master, _, c) = self.with_recovery(pb, t, dataset, |run| run.ranks.assemble(&run.plan, false))?;
         let plan = &self.plan;
-        let (master, _, c) = self.ranks.assemble(plan, false)?;
         let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &master[s.range()])).collect();
         let tokens = t.steps_run * plan.tokens_per_step();
         let memory = self.cluster.memory().context("asking the ranks for their memory")?;
@@ -399,6 +642,7 @@ impl Run<'_> {
             model_state_bytes_per_rank: memory.iter().map(super::summary::MemoryBytes::from).collect(),
             offloaded_bytes_per_rank: (0..plan.world).map(|r| plan.offloaded_bytes(r)).collect(),
             last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
+            elastic: self.elastic.as_ref().map(|e| e.stats.clone()),
         })
     }
 }
@@ -411,22 +655,25 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
     let pb = progress_bar(cfg.tessera.steps, opts.progress);
     pb.set_position(run.step);
     let plan = Arc::clone(&run.plan);
-    pb.println(format!(
-        "training {} ({:.2}M params) on {} | world {} | ZeRO-{} | batch {} = {} micro-batches × {} × {} tokens | {} steps",
-        cfg.tessera.model,
-        plan.total() as f64 / 1e6,
-        dataset.source,
-        plan.world,
-        plan.stage,
-        cfg.train_batch_size,
-        plan.micro_batches,
-        plan.micro,
-        plan.seq_len,
-        cfg.tessera.steps
-    ));
+    log_line(
+        &pb,
+        format!(
+            "training {} ({:.2}M params) on {} | world {} | ZeRO-{} | batch {} = {} micro-batches × {} × {} tokens | {} steps",
+            cfg.tessera.model,
+            plan.total() as f64 / 1e6,
+            dataset.source,
+            plan.world,
+            plan.stage,
+            cfg.train_batch_size,
+            plan.micro_batches,
+            plan.micro,
+            plan.seq_len,
+            cfg.tessera.steps
+        ),
+    );
     let mut t = Tally { rank_bytes: vec![0; plan.world], ..Tally::default() };
     if run.step == 0 {
-        let v = evaluate(&plan, &run.ranks, &run.val, &mut run.ws)?;
+        let v = run.with_recovery(&pb, &mut t, &dataset, |run| evaluate(&run.plan, &run.ranks, &run.val, &mut run.ws))?;
         t.initial_val = Some(v);
         t.val_curve.push((0, v));
     }
@@ -435,16 +682,18 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
         if stop.load(Ordering::SeqCst) {
             interrupted = true;
             // Between steps the ranks hold a committed state: keep it.
-            let path = save_checkpoint(cfg, &plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"))?;
-            pb.println(format!("interrupted: stopped after step {}; saved {}", run.step, path.display()));
+            let path = run.with_recovery(&pb, &mut t, &dataset, |run| {
+                save_checkpoint(cfg, &run.plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"))
+            })?;
+            log_line(&pb, format!("interrupted: stopped after step {}; saved {}", run.step, path.display()));
             t.last_ckpt = Some(path);
             break;
         }
-        run.step_once(&pb, &mut t)?;
+        run.step_once(&pb, &mut t, &dataset)?;
     }
     pb.finish_and_clear();
     run.monitors.flush().context("flushing monitors")?;
-    let summary = run.summary(&t, started)?;
+    let summary = run.summary(&mut t, started, &pb, &dataset)?;
     summary.write(&run.out_dir.join("summary.json")).context("writing summary.json")?;
     monitor::write_loss_curve_svg(&run.out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
         .context("writing loss.svg")?;

@@ -57,6 +57,29 @@ pub struct Summary {
     /// Model states each rank keeps outside its device budget (offload), by tier.
     pub offloaded_bytes_per_rank: Vec<crate::offload::OffloadedBytes>,
     pub last_checkpoint: Option<String>,
+    /// What an elastic run went through (absent when elasticity is off).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<ElasticSummary>,
+}
+
+/// An elastic run's membership changes and the work they cost.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ElasticSummary {
+    /// Plan epochs formed after the start.
+    pub recoveries: u64,
+    pub workers_lost: u64,
+    pub workers_joined: u64,
+    pub workers_drained: u64,
+    /// Step attempts abandoned because a member was lost (each ran again).
+    pub steps_rerun: u64,
+    /// Committed steps recomputed after a restore from a checkpoint (same bits).
+    pub steps_replayed: u64,
+    /// Recoveries that took the state from the members' memory (shards and replicas).
+    pub restored_from_memory: u64,
+    /// Recoveries that loaded a checkpoint and replayed.
+    pub restored_from_checkpoint: u64,
+    /// Checkpoints that could not be written (the run went on).
+    pub checkpoints_failed: u64,
 }
 
 impl Summary {

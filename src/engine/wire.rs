@@ -162,9 +162,12 @@ pub enum ToWorker {
     },
     /// Are you there? (answered with `Pong`; sent only between requests).
     Ping,
-    /// Every rank's QUIC address, in rank order.
+    /// Every rank's QUIC address, in rank order, and (elastic epochs) their node names; empty
+    /// names mean `node-<rank>`.
     Mesh {
         addrs: Vec<String>,
+        #[serde(default)]
+        names: Vec<String>,
     },
     /// The start state: `master_start` is where the master window begins in the flat buffer;
     /// the buffers follow as bulk (first `master`, then the optimizer buffers of the rank's range).
@@ -172,6 +175,9 @@ pub enum ToWorker {
         master_start: u64,
         counters: StateCounters,
         buffers: Vec<BulkDesc>,
+        /// The steps this state has committed (the next step to run).
+        #[serde(default)]
+        step: u64,
     },
     Prepare {
         step: u64,
@@ -190,6 +196,32 @@ pub enum ToWorker {
     },
     /// Leave the QUIC group and exit.
     Shutdown,
+    /// Elastic: to a joining worker, the id (node name `node-<id>`) it runs under.
+    Admit {
+        id: u64,
+    },
+    /// Elastic: leave the current group and bind a fresh QUIC socket for `epoch`, where this
+    /// worker is `rank` of `world` (answered with `EpochAddr`; `Mesh`, `Start`, `Ready` follow).
+    Epoch {
+        epoch: u64,
+        rank: u64,
+        world: u64,
+    },
+    /// Elastic: after the commit that brought the state to `step` committed steps, send this
+    /// rank's shard to its ring successors and keep theirs (answered with `Replicated`).
+    Replicate {
+        step: u64,
+    },
+    /// Elastic: what this worker holds (answered with `Status`).
+    Status,
+    /// Elastic: export the replica of rank `owner` of the current epoch, as `Export` does.
+    ExportReplica {
+        owner: u64,
+    },
+    /// Elastic, on the side connection: abort the collectives of `epoch` (a member was lost).
+    Abort {
+        epoch: u64,
+    },
 }
 
 /// Worker → parent.
@@ -234,6 +266,30 @@ pub enum ToParent {
     /// The request failed on the worker (the step is then abandoned by the driver).
     Failed {
         error: String,
+    },
+    /// Elastic: the first message of a worker that joins a running job.
+    Enlist {
+        pid: u32,
+        config_hash: String,
+    },
+    /// Elastic: the first message of a worker's side connection (heartbeats, drain, abort).
+    Side {
+        id: u64,
+    },
+    /// Elastic, on the side connection: still alive.
+    Heartbeat,
+    /// Elastic, on the side connection: got SIGTERM; hand my shard over and let me go.
+    Draining,
+    /// Elastic: the QUIC address bound for the new epoch.
+    EpochAddr {
+        quic_addr: String,
+    },
+    Replicated,
+    /// Elastic: the committed steps this worker's state holds (`None`: a commit failed half-way,
+    /// the state is not usable) and the replicas it keeps: (owner rank, committed steps).
+    Status {
+        at: Option<u64>,
+        replicas: Vec<(u64, u64)>,
     },
 }
 

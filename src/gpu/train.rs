@@ -607,7 +607,7 @@ fn run_rank(
                 states.device.total() as f64 / (1u64 << 20) as f64
             )
         });
-        say(&pb, format!(
+        engine::log_line(&pb, format!(
             "training {} ({:.2}M params) on {} | {world} × {} | ZeRO-{} | bf16 | batch {} = {} micro-batches × {} × {} tokens | {} steps{off}",
             cfg.tessera.model,
             plan.total() as f64 / 1e6,
@@ -670,9 +670,12 @@ fn run_rank(
             pb.set_position(run.step);
             if cfg.steps_per_print > 0 && run.step % cfg.steps_per_print == 0 {
                 let norm = norm.unwrap_or(f64::NAN);
-                say(&pb, format!("step {:>6} | loss {loss:.4} | lr {lr:.3e} | grad norm {norm:.3} | {tps:.0} tok/s", run.step));
+                engine::log_line(
+                    &pb,
+                    format!("step {:>6} | loss {loss:.4} | lr {lr:.3e} | grad norm {norm:.3} | {tps:.0} tok/s", run.step),
+                );
                 if cfg.wall_clock_breakdown {
-                    say(&pb, format!("  time: step {:.1} ms", t0.elapsed().as_secs_f64() * 1e3));
+                    engine::log_line(&pb, format!("  time: step {:.1} ms", t0.elapsed().as_secs_f64() * 1e3));
                 }
             }
         }
@@ -684,7 +687,7 @@ fn run_rank(
             t.val_curve.push((run.step, v));
             events.push(Event::new("Train/Samples/val_loss", v, samples));
             if lead {
-                say(&pb, format!("step {:>6} | val loss {v:.4}", run.step));
+                engine::log_line(&pb, format!("step {:>6} | val loss {v:.4}", run.step));
             }
         }
         if lead {
@@ -701,7 +704,7 @@ fn run_rank(
         if stopping && !last {
             interrupted = true;
             if let (true, Some(p)) = (lead, &t.last_ckpt) {
-                say(&pb, format!("interrupted: stopped after step {}; saved {}", run.step, p.display()));
+                engine::log_line(&pb, format!("interrupted: stopped after step {}; saved {}", run.step, p.display()));
             }
             break;
         }
@@ -771,14 +774,4 @@ fn run_rank(
     println!("{}", summary.render());
     println!("wrote {}/summary.json and {}/loss.svg", out_dir.display(), out_dir.display());
     Ok(interrupted)
-}
-
-/// A log line above the progress bar, or on standard output when the bar is hidden
-/// (`--no-progress`, or output that is not a terminal), so that logs reach files too.
-fn say(pb: &indicatif::ProgressBar, line: String) {
-    if pb.is_hidden() {
-        println!("{line}");
-    } else {
-        pb.println(line);
-    }
 }

@@ -1,0 +1,983 @@
+//! Elastic multi-process runs (`train --nprocs N` with `tessera.elastic.enabled`, or DeepSpeed's
+//! `elasticity.enabled`): workers may die, hang, leave (SIGTERM) or join while the job keeps
+//! running, and the result is the bits of the fault-free run. The worker side is
+//! [`super::elastic_worker`]; without elasticity [`super::remote`] runs the workers and the
+//! first loss ends the run.
+//!
+//! # Membership
+//! Each worker process has an id (`node-<id>` in the cluster PKI; the first N are the initial
+//! ranks, `tessera.elastic.max_joins` more are made at the start for processes that join later).
+//! A plan **epoch** fixes the members in rank order; a new epoch is formed only at a step
+//! boundary. Besides its control connection, every worker keeps a side connection: heartbeats
+//! every `heartbeat_ms`, `Draining` after SIGTERM, and the driver's `Abort`.
+//!
+//! # Detection (the monitor thread, every [`MONITOR_POLL_MS`])
+//! A worker is lost when its process exits (spawned workers), its control or side connection
+//! closes, it sends no heartbeat for `heartbeat_timeout_ms` (a SIGSTOPped or wedged process), or
+//! it does not answer a request within `step_timeout_ms`. A lost worker is fenced (its id is
+//! never readmitted), killed (SIGKILL: a stopped process cannot come back as a zombie member),
+//! and every other member's QUIC group of the current epoch is aborted, so collectives waiting
+//! on it fail at once and the step is abandoned.
+//!
+//! # Recovery ([`Fleet::reconfigure`], at the step boundary `t` = steps committed)
+//! 1. Every surviving member reports its `Status`: the committed steps its state holds and the
+//!    replicas it keeps. After every committed step each rank sent its shard (fp32 masters and
+//!    optimizer buffers of its range) to its `replicas` ring successors (`Replicate`), so a lost
+//!    rank's shard at `t` is normally held by a survivor.
+//! 2. If every survivor is at `t` and every lost range has a replica at `t`, the full state at
+//!    `t` is gathered from the survivors' shards and the replicas (no step is recomputed).
+//!    Otherwise (adjacent ranks lost together, a commit that failed half-way, `replicas = 0`)
+//!    the newest valid checkpoint at or before `t` is loaded (damaged ones are skipped; step 0
+//!    is the seeded start) and the driver replays the steps after it: determinism makes them
+//!    reproduce the committed bits, so no committed step is lost.
+//! 3. The members of the new epoch are the survivors (minus workers that asked to drain) in their
+//!    old order, then admitted joiners, at least `min_workers` (waiting up to `join_wait_ms` for
+//!    joins) and at most `max_workers`. The plan for the new world is the ordinary
+//!    [`Plan`] (balanced `partition`, blocks over the same M micro-batches): the state moves
+//!    through the driver as a start state anyway, so minimal-movement re-planning
+//!    (`tessera_actors::replan`) would save nothing on this path.
+//! 4. Each member gets `Epoch` (it leaves the old group and binds a fresh QUIC socket), the new
+//!    addresses and node names, and its cut of the state; it joins the new mesh and says
+//!    `Ready`. Draining workers are then told to leave (they exit with status 0). The new
+//!    epoch replicates at once, so it is protected before its first step.
+//!
+//! A loss during any of this starts the recovery again from the last formed epoch. Events
+//! (losses, drains, joins, epochs, committed steps) go to `<output>/elastic_events.jsonl`, with
+//! wall-clock milliseconds, for `tessera chaos` and for people.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+
+use super::plan::Plan;
+use super::ranks::{OptimBuffers, RankCounters, Start};
+use super::remote::{describe_exit, node_name, prepare_dir, send_start, spawn_worker, EXIT_TIMEOUT_MS, STARTUP_TIMEOUT_MS};
+use super::wire::{self, Snapshot, ToParent, ToWorker, Wait, WireError};
+use crate::config::{Config, ElasticRun};
+use crate::data::Dataset;
+
+/// The driver's event log, under the output directory.
+pub const EVENTS_FILE: &str = "elastic_events.jsonl";
+/// How often the monitor looks at the workers (ms).
+const MONITOR_POLL_MS: u64 = 10;
+/// How often the acceptor looks for new connections (ms).
+const ACCEPT_POLL_MS: u64 = 20;
+/// Bound on a new connection's first message (ms).
+const FIRST_MESSAGE_MS: u64 = 5_000;
+
+fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Wall-clock milliseconds since the Unix epoch (the event log's clock).
+pub fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A worker's signs of life, fed by its side connection.
+struct Beat {
+    pid: u32,
+    last: Mutex<Instant>,
+    closed: AtomicBool,
+    draining: AtomicBool,
+}
+
+impl Beat {
+    fn new(pid: u32) -> Arc<Beat> {
+        Arc::new(Beat { pid, last: Mutex::new(Instant::now()), closed: AtomicBool::new(false), draining: AtomicBool::new(false) })
+    }
+}
+
+/// A loss not yet recovered from.
+#[derive(Debug, Clone)]
+struct Loss {
+    id: u64,
+    why: String,
+}
+
+/// A worker that joined and waits for the next epoch.
+struct Joiner {
+    id: u64,
+    pid: u32,
+    stream: TcpStream,
+}
+
+/// What the driver's threads share.
+struct Shared {
+    er: ElasticRun,
+    cfg_hash: String,
+    /// Ids with a certificate: `0..ids`.
+    ids: u64,
+    next_id: AtomicU64,
+    closing: AtomicBool,
+    epoch: AtomicU64,
+    children: Mutex<Vec<(u64, Child)>>,
+    beats: Mutex<BTreeMap<u64, Arc<Beat>>>,
+    sides: Mutex<BTreeMap<u64, TcpStream>>,
+    /// The current epoch's member ids.
+    members: Mutex<Vec<u64>>,
+    losses: Mutex<Vec<Loss>>,
+    fenced: Mutex<BTreeSet<u64>>,
+    /// Ids told to leave (their exit is not a loss).
+    leaving: Mutex<BTreeSet<u64>>,
+    joiners: Mutex<Vec<Joiner>>,
+    events: Mutex<File>,
+}
+
+impl Shared {
+    fn event(&self, mut v: serde_json::Value) {
+        v["t_ms"] = json!(now_ms());
+        let mut f = relock(&self.events);
+        let _ = writeln!(f, "{v}");
+        let _ = f.flush();
+    }
+
+    fn is_fenced(&self, id: u64) -> bool {
+        relock(&self.fenced).contains(&id)
+    }
+
+    fn pid_of(&self, id: u64) -> Option<u32> {
+        relock(&self.beats).get(&id).map(|b| b.pid)
+    }
+
+    /// Records that worker `id` is lost (once), kills it and aborts the current epoch's group.
+    fn loss(&self, id: u64, why: &str) {
+        if !relock(&self.fenced).insert(id) {
+            return;
+        }
+        let pid = self.pid_of(id);
+        eprintln!("elastic: lost {why}");
+        relock(&self.losses).push(Loss { id, why: why.to_string() });
+        self.event(json!({"event": "lost", "id": id, "pid": pid, "why": why}));
+        let mut spawned = false;
+        for (_, c) in relock(&self.children).iter_mut().filter(|(cid, _)| *cid == id) {
+            spawned = true;
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if let (false, Some(pid)) = (spawned, pid) {
+            // A joiner is not our child: SIGKILL it by pid so a stopped one cannot come back.
+            // SAFETY: kill(2) with a pid we were told by that process; no memory is touched.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+            }
+        }
+        relock(&self.beats).remove(&id);
+        if let Some(s) = relock(&self.sides).remove(&id) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        relock(&self.joiners).retain(|j| j.id != id);
+        self.abort_epoch();
+    }
+
+    /// Aborts the current epoch's collectives on every member.
+    fn abort_epoch(&self) {
+        let epoch = self.epoch.load(Ordering::SeqCst);
+        let members = relock(&self.members).clone();
+        let mut sides = relock(&self.sides);
+        for id in members {
+            if let Some(s) = sides.get_mut(&id) {
+                let _ = wire::send(s, &ToWorker::Abort { epoch });
+            }
+        }
+    }
+
+    fn draining(&self, id: u64) -> bool {
+        relock(&self.beats).get(&id).is_some_and(|b| b.draining.load(Ordering::SeqCst))
+    }
+}
+
+/// Watches exits and heartbeats (see the module doc).
+fn monitor(shared: Arc<Shared>) {
+    let timeout = Duration::from_millis(shared.er.heartbeat_timeout_ms);
+    while !shared.closing.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS));
+        let leaving = relock(&shared.leaving).clone();
+        let fenced = relock(&shared.fenced).clone();
+        let exited: Vec<(u64, String)> = relock(&shared.children)
+            .iter_mut()
+            .filter(|(id, _)| !leaving.contains(id) && !fenced.contains(id))
+            .filter_map(|(id, c)| {
+                let status = c.try_wait().ok().flatten()?;
+                Some((*id, format!("worker {id} (pid {}): the process {}", c.id(), describe_exit(status))))
+            })
+            .collect();
+        let beats: Vec<(u64, Arc<Beat>)> = relock(&shared.beats).iter().map(|(id, b)| (*id, Arc::clone(b))).collect();
+        let silent = beats.into_iter().filter(|(id, _)| !leaving.contains(id)).filter_map(|(id, b)| {
+            if b.closed.load(Ordering::SeqCst) {
+                return Some((id, format!("worker {id} (pid {}): its side connection closed", b.pid)));
+            }
+            let quiet = relock(&b.last).elapsed();
+            (quiet > timeout)
+                .then(|| (id, format!("worker {id} (pid {}): no heartbeat for {} ms (hung or stopped)", b.pid, quiet.as_millis())))
+        });
+        let lost: Vec<(u64, String)> = exited.into_iter().chain(silent).collect();
+        for (id, why) in lost {
+            if !shared.closing.load(Ordering::SeqCst) {
+                shared.loss(id, &why);
+            }
+        }
+    }
+}
+
+/// Reads a worker's side connection: heartbeats and drain requests.
+fn side_reader(shared: Arc<Shared>, id: u64, mut stream: TcpStream, beat: Arc<Beat>) {
+    loop {
+        let wait = Wait { what: "heartbeats", deadline: None, alive: &|| Ok(()) };
+        match wire::recv::<ToParent>(&mut stream, "Heartbeat", &wait) {
+            Ok(ToParent::Heartbeat) => *relock(&beat.last) = Instant::now(),
+            Ok(ToParent::Draining) => {
+                if !beat.draining.swap(true, Ordering::SeqCst) {
+                    eprintln!("elastic: worker {id} got SIGTERM; it leaves at the next step boundary");
+                    shared.event(json!({"event": "drain_requested", "id": id, "pid": beat.pid}));
+                }
+            }
+            Ok(_) => {}
+            Err(_) => {
+                beat.closed.store(true, Ordering::SeqCst);
+                return;
+            }
+        }
+    }
+}
+
+/// Serves a new connection: a side connection (`Side`) or a worker joining (`Enlist`).
+fn admit(shared: &Arc<Shared>, mut stream: TcpStream) -> Result<()> {
+    stream.set_nonblocking(false)?;
+    let _ = stream.set_nodelay(true);
+    let wait =
+        Wait { what: "a first message", deadline: Some(Instant::now() + Duration::from_millis(FIRST_MESSAGE_MS)), alive: &|| Ok(()) };
+    match wire::recv::<ToParent>(&mut stream, "Side or Enlist", &wait)? {
+        ToParent::Side { id } => {
+            if shared.is_fenced(id) || id >= shared.next_id.load(Ordering::SeqCst) {
+                return Ok(());
+            }
+            let beat = Arc::clone(relock(&shared.beats).entry(id).or_insert_with(|| Beat::new(0)));
+            *relock(&beat.last) = Instant::now();
+            relock(&shared.sides).insert(id, stream.try_clone()?);
+            let s = Arc::clone(shared);
+            std::thread::Builder::new().name(format!("tessera-side-{id}")).spawn(move || side_reader(s, id, stream, beat))?;
+        }
+        ToParent::Enlist { pid, config_hash } => {
+            if shared.closing.load(Ordering::SeqCst) {
+                wire::send(&mut stream, &ToWorker::Shutdown)?;
+                return Ok(());
+            }
+            if config_hash != shared.cfg_hash {
+                let error = format!("the joining worker resolved the config to hash {config_hash}, the run has {}", shared.cfg_hash);
+                wire::send(&mut stream, &ToParent::Failed { error })?;
+                return Ok(());
+            }
+            let id = shared.next_id.fetch_add(1, Ordering::SeqCst);
+            if id >= shared.ids {
+                let error = format!("no worker identity left for a join (tessera.elastic.max_joins allows {})", shared.ids);
+                wire::send(&mut stream, &ToParent::Failed { error })?;
+                return Ok(());
+            }
+            wire::send(&mut stream, &ToWorker::Admit { id })?;
+            relock(&shared.beats).insert(id, Beat::new(pid));
+            relock(&shared.joiners).push(Joiner { id, pid, stream });
+            eprintln!("elastic: worker {id} (pid {pid}) joined; it becomes a member at the next step boundary");
+            shared.event(json!({"event": "join_requested", "id": id, "pid": pid}));
+        }
+        other => bail!("a connection opened with {other:?}"),
+    }
+    Ok(())
+}
+
+fn acceptor(shared: Arc<Shared>, listener: TcpListener) {
+    if listener.set_nonblocking(true).is_err() {
+        return;
+    }
+    while !shared.closing.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                if let Err(e) = admit(&shared, stream) {
+                    eprintln!("elastic: a connection from {peer}: {e:#}");
+                }
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(ACCEPT_POLL_MS)),
+        }
+    }
+}
+
+/// A member's control connection and its latest snapshot.
+struct Link {
+    stream: TcpStream,
+    snapshot: Snapshot,
+}
+
+/// A member of the current epoch.
+struct Member {
+    id: u64,
+    pid: u32,
+    link: Mutex<Link>,
+}
+
+/// Why a request to a member failed.
+enum Failure {
+    /// The member is lost (already recorded): recovery starts again.
+    Lost,
+    /// The member answered with an error.
+    Refused(String),
+}
+
+/// The elastic ranks of a run.
+pub struct Fleet {
+    cfg: Config,
+    shared: Arc<Shared>,
+    members: Vec<Arc<Member>>,
+    epoch: u64,
+    plan: Arc<Plan>,
+    /// Joined workers taken for an epoch that did not form yet (kept for the next attempt).
+    admitted: Vec<Arc<Member>>,
+    threads: Vec<JoinHandle<()>>,
+    dir: PathBuf,
+}
+
+/// A new epoch, ready to run steps from `step`.
+pub struct Reconfigured {
+    pub plan: Arc<Plan>,
+    pub computes: Vec<Box<dyn WorkerCompute>>,
+    /// The committed steps of the state the epoch starts from (below the driver's count when it
+    /// came from a checkpoint: the driver replays the steps in between).
+    pub step: u64,
+    /// Where the state came from, for people.
+    pub source: String,
+    /// Losses recovered from.
+    pub losses: usize,
+    /// Workers that drained and joined.
+    pub drained: usize,
+    pub joined: usize,
+}
+
+/// A surviving member at a recovery: its old rank, the member, the committed steps its state
+/// holds (`None`: unusable) and its replicas (owner rank, committed steps).
+type Alive = (usize, Arc<Member>, Option<u64>, Vec<(u64, u64)>);
+
+/// Loads the state at or before a step from checkpoints (the driver's restore path).
+pub type Restore<'a> = dyn Fn(u64) -> Result<(Start, String)> + 'a;
+
+impl Fleet {
+    /// Spawns `plan.world` workers (ids `0..world`) and starts them from `start`.
+    pub fn launch(
+        cfg: &Config,
+        er: &ElasticRun,
+        plan: &Arc<Plan>,
+        start: &Start,
+        out_dir: &Path,
+    ) -> Result<(Fleet, Vec<Box<dyn WorkerCompute>>)> {
+        let world = plan.world;
+        let dir = out_dir.join("procs");
+        let ids = world + er.max_joins;
+        let events =
+            File::create(out_dir.join(EVENTS_FILE)).with_context(|| format!("creating {}", out_dir.join(EVENTS_FILE).display()))?;
+        let shared = Arc::new(Shared {
+            er: er.clone(),
+            cfg_hash: cfg.hash.clone(),
+            ids: ids as u64,
+            next_id: AtomicU64::new(world as u64),
+            closing: AtomicBool::new(false),
+            epoch: AtomicU64::new(0),
+            children: Mutex::new(Vec::new()),
+            beats: Mutex::new(BTreeMap::new()),
+            sides: Mutex::new(BTreeMap::new()),
+            members: Mutex::new(Vec::new()),
+            losses: Mutex::new(Vec::new()),
+            fenced: Mutex::new(BTreeSet::new()),
+            leaving: Mutex::new(BTreeSet::new()),
+            joiners: Mutex::new(Vec::new()),
+            events: Mutex::new(events),
+        });
+        let mut fleet = Fleet {
+            cfg: cfg.clone(),
+            shared: Arc::clone(&shared),
+            members: Vec::new(),
+            epoch: 0,
+            plan: Arc::clone(plan),
+            admitted: Vec::new(),
+            threads: Vec::new(),
+            dir: dir.clone(),
+        };
+        prepare_dir(cfg, ids, &dir, true)?;
+        let exe = std::env::current_exe().context("finding the tessera executable")?;
+        let listener = TcpListener::bind("127.0.0.1:0").context("binding the control listener")?;
+        let control = listener.local_addr().context("control listener address")?.to_string();
+        std::fs::write(dir.join("control"), &control).with_context(|| format!("writing {}/control", dir.display()))?;
+        for r in 0..world {
+            let child = spawn_worker(&exe, r, world, &control, &dir)?;
+            relock(&shared.children).push((r as u64, child));
+        }
+        let conns = accept_hellos(&listener, cfg, &shared, world)?;
+        let addrs: Vec<String> = conns.iter().map(|(_, a, _)| a.clone()).collect();
+        let mut members = Vec::with_capacity(world);
+        for (r, (mut stream, _, pid)) in conns.into_iter().enumerate() {
+            wire::send(&mut stream, &ToWorker::Mesh { addrs: addrs.clone(), names: Vec::new() })
+                .with_context(|| format!("sending worker {r} the addresses"))?;
+            send_start(&mut stream, plan, start, r).with_context(|| format!("sending worker {r} its start state"))?;
+            members.push(Arc::new(Member { id: r as u64, pid, link: Mutex::new(Link { stream, snapshot: Snapshot::default() }) }));
+        }
+        let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
+        for (r, m) in members.iter().enumerate() {
+            let mut link = relock(&m.link);
+            let wait = Wait { what: "Ready", deadline: Some(deadline), alive: &|| Ok(()) };
+            link.snapshot =
+                match wire::recv(&mut link.stream, "Ready", &wait).with_context(|| format!("waiting for worker {r} to start"))? {
+                    ToParent::Ready { snapshot } => snapshot,
+                    ToParent::Failed { error } => bail!("worker {r} failed to start: {error}"),
+                    other => bail!("worker {r} answered its start state with {other:?}"),
+                };
+            relock(&shared.beats).insert(r as u64, Beat::new(m.pid));
+        }
+        *relock(&shared.members) = members.iter().map(|m| m.id).collect();
+        fleet.members = members;
+        let s = Arc::clone(&shared);
+        fleet.threads.push(std::thread::Builder::new().name("tessera-accept".into()).spawn(move || acceptor(s, listener))?);
+        let s = Arc::clone(&shared);
+        fleet.threads.push(std::thread::Builder::new().name("tessera-monitor".into()).spawn(move || monitor(s))?);
+        fleet.log_epoch(start.step, "start");
+        let computes = fleet.computes();
+        Ok((fleet, computes))
+    }
+
+    fn log_epoch(&self, step: u64, source: &str) {
+        let members: Vec<_> = self.members.iter().enumerate().map(|(r, m)| json!({"rank": r, "id": m.id, "pid": m.pid})).collect();
+        self.shared.event(
+            json!({"event": "epoch", "epoch": self.epoch, "step": step, "world": self.members.len(), "members": members, "source": source}),
+        );
+    }
+
+    fn computes(&self) -> Vec<Box<dyn WorkerCompute>> {
+        self.members
+            .iter()
+            .enumerate()
+            .map(|(rank, m)| {
+                Box::new(ElasticCompute { rank, member: Arc::clone(m), shared: Arc::clone(&self.shared) }) as Box<dyn WorkerCompute>
+            })
+            .collect()
+    }
+
+    /// Records a committed step in the event log.
+    pub fn committed(&self, step: u64) {
+        self.shared.event(json!({"event": "step", "step": step, "epoch": self.epoch, "world": self.members.len()}));
+    }
+
+    /// Logs that training runs again after a recovery that began at `began_ms`.
+    pub fn resumed(&self, began_ms: u64, step: u64) {
+        self.shared.event(json!({"event": "resumed", "step": step, "epoch": self.epoch, "began_ms": began_ms}));
+    }
+
+    /// Whether the next step boundary must form a new epoch: a loss, a drain request, or a
+    /// join with room for it. Waits up to `settle_ms` for a loss to be noticed (after a step
+    /// failed, the monitor may still be looking).
+    pub fn pending(&self, settle_ms: u64) -> bool {
+        let deadline = Instant::now() + Duration::from_millis(settle_ms);
+        loop {
+            let lost = !relock(&self.shared.losses).is_empty();
+            let draining = self.members.iter().any(|m| self.shared.draining(m.id));
+            let waiting = !relock(&self.shared.joiners).is_empty() || !self.admitted.is_empty();
+            let joins = waiting && self.members.len() < self.shared.er.max_workers;
+            if lost || draining || joins || Instant::now() >= deadline {
+                return lost || draining || joins;
+            }
+            std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS));
+        }
+    }
+
+    /// Sends `msg` to `m` and waits (bounded by the step timeout) for its reply.
+    fn request(&self, m: &Member, link: &mut Link, msg: &ToWorker, expected: &'static str) -> Result<ToParent, Failure> {
+        request(&self.shared, m, link, msg, expected)
+    }
+
+    /// Masters, optimizer buffers and counters of one range (`Export` or `ExportReplica`).
+    fn export_from(&self, m: &Member, msg: &ToWorker, want: usize) -> Result<(Vec<f32>, OptimBuffers, RankCounters), Failure> {
+        let mut link = relock(&m.link);
+        let (counters, descs) = match self.request(m, &mut link, msg, "Exported")? {
+            ToParent::Exported { counters, buffers } => (counters, buffers),
+            ToParent::Failed { error } => return Err(Failure::Refused(error)),
+            other => return Err(Failure::Refused(format!("answered {msg:?} with {other:?}"))),
+        };
+        if descs.first().is_none_or(|d| d.len != want as u64) {
+            return Err(Failure::Refused(format!("exported {:?} master values, the range holds {want}", descs.first().map(|d| d.len))));
+        }
+        let wait = Wait {
+            what: "exported state",
+            deadline: Some(Instant::now() + Duration::from_millis(self.shared.er.step_timeout_ms)),
+            alive: &|| Ok(()),
+        };
+        let mut bufs = match wire::recv_bulk(&mut link.stream, &descs, want, &wait) {
+            Ok(b) => b,
+            Err(e) => {
+                self.shared.loss(m.id, &format!("worker {} (pid {}): exporting its state: {e}", m.id, m.pid));
+                return Err(Failure::Lost);
+            }
+        };
+        let master = bufs.remove(0);
+        let optim = descs[1..].iter().map(|d| d.name.clone()).zip(bufs).collect();
+        let c = RankCounters {
+            optimizer_steps: counters.optimizer_steps.unwrap_or(0),
+            applied: counters.applied,
+            skipped: counters.skipped,
+            scaler: counters.scaler,
+        };
+        Ok((master, optim, c))
+    }
+
+    /// Rank `r`'s masters, its optimizer buffers when `with_optim`, and counters.
+    pub fn export(&self, r: usize, plan: &Plan, with_optim: bool) -> Result<(Vec<f32>, OptimBuffers, RankCounters)> {
+        let m = self.members.get(r).with_context(|| format!("no rank {r} in epoch {}", self.epoch))?;
+        match self.export_from(m, &ToWorker::Export { optim: with_optim }, plan.optim_range(r).len()) {
+            Ok(x) => Ok(x),
+            Err(Failure::Lost) => bail!("exporting the state of rank {r}: worker {} was lost", m.id),
+            Err(Failure::Refused(e)) => bail!("exporting the state of rank {r} (worker {}): {e}", m.id),
+        }
+    }
+
+    /// Every member's latest snapshot, in rank order.
+    pub fn snapshots(&self) -> Vec<Snapshot> {
+        self.members.iter().map(|m| relock(&m.link).snapshot).collect()
+    }
+
+    /// After the commit that made `step` committed steps: every rank sends its shard to its ring
+    /// successors. Fails when a member is lost or refuses.
+    pub fn replicate(&self, step: u64) -> Result<()> {
+        let mut links: Vec<MutexGuard<'_, Link>> = self.members.iter().map(|m| relock(&m.link)).collect();
+        for (m, link) in self.members.iter().zip(links.iter_mut()) {
+            if let Err(e) = wire::send(&mut link.stream, &ToWorker::Replicate { step }) {
+                self.shared.loss(m.id, &format!("worker {} (pid {}): sending Replicate: {e}", m.id, m.pid));
+                bail!("replicating step {step}: worker {} lost", m.id);
+            }
+        }
+        let mut errors = Vec::new();
+        for (m, link) in self.members.iter().zip(links.iter_mut()) {
+            match recv_reply(&self.shared, m, link, "Replicated") {
+                Ok(ToParent::Replicated) => {}
+                Ok(ToParent::Failed { error }) => {
+                    self.shared.abort_epoch();
+                    errors.push(format!("worker {}: {error}", m.id));
+                }
+                Ok(other) => errors.push(format!("worker {} answered Replicate with {other:?}", m.id)),
+                Err(_) => errors.push(format!("worker {} lost", m.id)),
+            }
+        }
+        match errors.is_empty() {
+            true => Ok(()),
+            false => bail!("replicating the shards of step {step}: {}", errors.join("; ")),
+        }
+    }
+
+    /// Forms a new epoch at the boundary of `t` committed steps (see the module doc).
+    pub fn reconfigure(&mut self, t: u64, dataset: &Dataset, restore: &Restore<'_>) -> Result<Reconfigured> {
+        let attempts = self.shared.ids as usize + 2;
+        let (mut losses, mut drained, mut joined) = (0, 0, 0);
+        for _ in 0..attempts {
+            losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
+            if let Some(mut r) = self.try_reconfigure(t, dataset, restore)? {
+                losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
+                drained += r.drained;
+                joined += r.joined;
+                (r.losses, r.drained, r.joined) = (losses, drained, joined);
+                return Ok(r);
+            }
+        }
+        bail!("gave up forming a new epoch after {attempts} attempts: workers kept failing")
+    }
+
+    fn try_reconfigure(&mut self, t: u64, dataset: &Dataset, restore: &Restore<'_>) -> Result<Option<Reconfigured>> {
+        let old = Arc::clone(&self.plan);
+        let shared = Arc::clone(&self.shared);
+        // 1. Who is left and what they hold.
+        let mut alive: Vec<Alive> = Vec::new();
+        for (r, m) in self.members.iter().enumerate().filter(|(_, m)| !shared.is_fenced(m.id)) {
+            let mut link = relock(&m.link);
+            match self.request(m, &mut link, &ToWorker::Status, "Status") {
+                Ok(ToParent::Status { at, replicas }) => alive.push((r, Arc::clone(m), at, replicas)),
+                Ok(other) => bail!("worker {} answered Status with {other:?}", m.id),
+                Err(_) => return Ok(None),
+            }
+        }
+        // 2. Where the state at `t` comes from.
+        let fast = !alive.is_empty() && alive.iter().all(|(_, _, at, _)| *at == Some(t));
+        let owners: Vec<usize> = if old.stage == 0 { vec![0] } else { (0..old.world).collect() };
+        let sources: Option<Vec<(usize, Arc<Member>, bool)>> = fast
+            .then(|| {
+                owners
+                    .iter()
+                    .map(|&o| {
+                        if old.stage == 0 {
+                            return alive.first().map(|a| (o, Arc::clone(&a.1), false));
+                        }
+                        if let Some(a) = alive.iter().find(|a| a.0 == o) {
+                            return Some((o, Arc::clone(&a.1), false));
+                        }
+                        alive.iter().find(|a| a.3.contains(&(o as u64, t))).map(|a| (o, Arc::clone(&a.1), true))
+                    })
+                    .collect()
+            })
+            .flatten();
+        let (start, source) = match sources {
+            Some(src) => {
+                let mut master = Vec::with_capacity(old.total());
+                let mut bufs: OptimBuffers = Vec::new();
+                let mut counters: Option<RankCounters> = None;
+                let mut from_replicas = Vec::new();
+                for (o, m, replica) in src {
+                    let msg = if replica { ToWorker::ExportReplica { owner: o as u64 } } else { ToWorker::Export { optim: true } };
+                    let want = old.optim_range(o).len();
+                    let (mm, ob, c) = match self.export_from(&m, &msg, want) {
+                        Ok(x) => x,
+                        Err(Failure::Lost) => return Ok(None),
+                        Err(Failure::Refused(e)) => bail!("worker {} could not hand over the shard of rank {o}: {e}", m.id),
+                    };
+                    if replica {
+                        from_replicas.push(format!("rank {o} from worker {}", m.id));
+                    }
+                    master.extend_from_slice(&mm);
+                    for (i, (name, b)) in ob.into_iter().enumerate() {
+                        match bufs.get_mut(i) {
+                            Some((_, v)) => v.extend_from_slice(&b),
+                            None => bufs.push((name, b)),
+                        }
+                    }
+                    counters.get_or_insert(c);
+                }
+                let c = counters.context("no shard was exported")?;
+                let source = match from_replicas.is_empty() {
+                    true => format!("memory: the members' shards at step {t}"),
+                    false => format!("memory: replicas ({}) at step {t}", from_replicas.join(", ")),
+                };
+                let start = Start {
+                    step: t,
+                    master,
+                    optim: Some((c.optimizer_steps, bufs)),
+                    applied: c.applied,
+                    skipped: c.skipped,
+                    scaler: c.scaler,
+                };
+                (start, source)
+            }
+            None => restore(t)?,
+        };
+        // 3. The members of the new epoch.
+        let draining: Vec<Arc<Member>> = alive.iter().filter(|a| shared.draining(a.1.id)).map(|a| Arc::clone(&a.1)).collect();
+        let staying: Vec<Arc<Member>> = alive.iter().filter(|a| !shared.draining(a.1.id)).map(|a| Arc::clone(&a.1)).collect();
+        let wait_until = Instant::now() + Duration::from_millis(shared.er.join_wait_ms);
+        let mut said = false;
+        let next = loop {
+            for j in relock(&shared.joiners).drain(..) {
+                let link = Mutex::new(Link { stream: j.stream, snapshot: Snapshot::default() });
+                self.admitted.push(Arc::new(Member { id: j.id, pid: j.pid, link }));
+            }
+            self.admitted.retain(|m| !shared.is_fenced(m.id));
+            let room = shared.er.max_workers.saturating_sub(staying.len());
+            let next: Vec<Arc<Member>> = staying.iter().chain(self.admitted.iter().take(room)).cloned().collect();
+            if next.len() >= shared.er.min_workers {
+                break next;
+            }
+            if Instant::now() >= wait_until {
+                bail!(
+                    "only {} worker(s) left and none joined within {} ms; tessera.elastic.min_workers = {}",
+                    next.len(),
+                    shared.er.join_wait_ms,
+                    shared.er.min_workers
+                );
+            }
+            if !said {
+                said = true;
+                eprintln!(
+                    "elastic: {} worker(s), waiting up to {} ms for joins (min_workers = {})",
+                    next.len(),
+                    shared.er.join_wait_ms,
+                    shared.er.min_workers
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        if next.iter().any(|m| shared.is_fenced(m.id)) {
+            return Ok(None);
+        }
+        let joined = next.iter().filter(|m| !self.members.iter().any(|o| o.id == m.id)).count();
+        // 4. The new plan and epoch.
+        let world = next.len();
+        let mut cfg = self.cfg.clone();
+        cfg.world_size = world;
+        let plan = Arc::new(Plan::new(&cfg, dataset).with_context(|| format!("planning {world} ranks"))?);
+        let epoch = self.epoch + 1;
+        shared.epoch.store(epoch, Ordering::SeqCst);
+        *relock(&shared.members) = next.iter().map(|m| m.id).collect();
+        let mut addrs = Vec::with_capacity(world);
+        for (r, m) in next.iter().enumerate() {
+            let mut link = relock(&m.link);
+            let msg = ToWorker::Epoch { epoch, rank: r as u64, world: world as u64 };
+            match self.request(m, &mut link, &msg, "EpochAddr") {
+                Ok(ToParent::EpochAddr { quic_addr }) => addrs.push(quic_addr),
+                Ok(ToParent::Failed { error }) => {
+                    shared.loss(m.id, &format!("worker {} could not start epoch {epoch}: {error}", m.id));
+                    return Ok(None);
+                }
+                Ok(other) => bail!("worker {} answered Epoch with {other:?}", m.id),
+                Err(_) => return Ok(None),
+            }
+        }
+        let names: Vec<String> = next.iter().map(|m| node_name(m.id as usize)).collect();
+        for (r, m) in next.iter().enumerate() {
+            let mut link = relock(&m.link);
+            let sent = wire::send(&mut link.stream, &ToWorker::Mesh { addrs: addrs.clone(), names: names.clone() })
+                .map_err(anyhow::Error::from)
+                .and_then(|()| send_start(&mut link.stream, &plan, &start, r));
+            if let Err(e) = sent {
+                shared.loss(m.id, &format!("worker {} (pid {}): sending its state: {e:#}", m.id, m.pid));
+                return Ok(None);
+            }
+        }
+        for m in &next {
+            let mut link = relock(&m.link);
+            match recv_reply(&shared, m, &mut link, "Ready") {
+                Ok(ToParent::Ready { snapshot }) => link.snapshot = snapshot,
+                Ok(ToParent::Failed { error }) => {
+                    shared.loss(m.id, &format!("worker {} could not join epoch {epoch}: {error}", m.id));
+                    return Ok(None);
+                }
+                Ok(other) => bail!("worker {} answered its epoch state with {other:?}", m.id),
+                Err(_) => return Ok(None),
+            }
+        }
+        // 5. Draining workers leave; the new epoch takes over.
+        for d in &draining {
+            relock(&shared.leaving).insert(d.id);
+            relock(&shared.beats).remove(&d.id);
+            let _ = wire::send(&mut relock(&d.link).stream, &ToWorker::Shutdown);
+            let status = wait_exit(&shared, d.id);
+            eprintln!("elastic: worker {} drained and left ({status})", d.id);
+            shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status}));
+        }
+        self.admitted.retain(|a| !next.iter().any(|m| m.id == a.id));
+        self.members = next;
+        self.epoch = epoch;
+        self.plan = Arc::clone(&plan);
+        self.log_epoch(start.step, &source);
+        eprintln!("elastic: epoch {epoch}: {world} worker(s), state from {source}");
+        if self.replicate(start.step).is_err() {
+            return Ok(None);
+        }
+        let computes = self.computes();
+        Ok(Some(Reconfigured { plan, computes, step: start.step, source, losses: 0, drained: draining.len(), joined }))
+    }
+
+    /// Asks every member (and waiting joiner) to leave and waits (bounded) for each to end
+    /// cleanly.
+    pub fn close(mut self) -> Result<()> {
+        self.shared.closing.store(true, Ordering::SeqCst);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        let mut failures = Vec::new();
+        let joiners: Vec<Joiner> = std::mem::take(&mut *relock(&self.shared.joiners));
+        for m in &self.members {
+            let _ = wire::send(&mut relock(&m.link).stream, &ToWorker::Shutdown);
+        }
+        for mut j in joiners {
+            let _ = wire::send(&mut j.stream, &ToWorker::Shutdown);
+        }
+        for m in &self.admitted {
+            let _ = wire::send(&mut relock(&m.link).stream, &ToWorker::Shutdown);
+        }
+        for m in &self.members {
+            relock(&self.shared.leaving).insert(m.id);
+            let status = wait_exit(&self.shared, m.id);
+            if !status.contains("status 0") && !status.contains("left") {
+                failures.push(format!("worker {}: {status}", m.id));
+            }
+        }
+        if !failures.is_empty() {
+            bail!("the workers did not leave cleanly: {}", failures.join("; "));
+        }
+        Ok(())
+    }
+}
+
+/// Waits (bounded) for worker `id` to end: its exit status when spawned, else its control
+/// connection closing.
+fn wait_exit(shared: &Shared, id: u64) -> String {
+    let deadline = Instant::now() + Duration::from_millis(EXIT_TIMEOUT_MS);
+    let mut children = relock(&shared.children);
+    let Some((_, c)) = children.iter_mut().find(|(cid, _)| *cid == id) else { return "left".into() };
+    loop {
+        match c.try_wait() {
+            Ok(Some(s)) => return describe_exit(s),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS)),
+            _ => {
+                let _ = c.kill();
+                let _ = c.wait();
+                return format!("did not exit within {EXIT_TIMEOUT_MS} ms (killed)");
+            }
+        }
+    }
+}
+
+/// Reads one reply of `m` (bounded by the step timeout; a fenced member fails at once). A
+/// transport failure is a loss.
+fn recv_reply(shared: &Arc<Shared>, m: &Member, link: &mut Link, expected: &'static str) -> Result<ToParent, Failure> {
+    let id = m.id;
+    let s = Arc::clone(shared);
+    let alive = move || match s.is_fenced(id) {
+        true => Err(WireError::Io(std::io::Error::other("lost"))),
+        false => Ok(()),
+    };
+    let ms = shared.er.step_timeout_ms;
+    let wait = Wait { what: expected, deadline: Some(Instant::now() + Duration::from_millis(ms)), alive: &alive };
+    match wire::recv(&mut link.stream, expected, &wait) {
+        Ok(r) => Ok(r),
+        Err(e) => {
+            let why = match e {
+                WireError::Timeout { .. } => format!("worker {id} (pid {}): no {expected} within {ms} ms", m.pid),
+                e => format!("worker {id} (pid {}): control connection: {e}", m.pid),
+            };
+            shared.loss(id, &why);
+            Err(Failure::Lost)
+        }
+    }
+}
+
+/// Whether `TESSERA_ELASTIC_TRACE` asks for a trace of the driver's requests on stderr.
+pub(super) fn tracing() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("TESSERA_ELASTIC_TRACE").is_some())
+}
+
+fn request(shared: &Arc<Shared>, m: &Member, link: &mut Link, msg: &ToWorker, expected: &'static str) -> Result<ToParent, Failure> {
+    if tracing() {
+        eprintln!("[{}] driver -> worker {}: {msg:?}", now_ms() % 100_000, m.id);
+    }
+    if shared.is_fenced(m.id) {
+        return Err(Failure::Lost);
+    }
+    if let Err(e) = wire::send(&mut link.stream, msg) {
+        shared.loss(m.id, &format!("worker {} (pid {}): control connection: {e}", m.id, m.pid));
+        return Err(Failure::Lost);
+    }
+    recv_reply(shared, m, link, expected)
+}
+
+impl Drop for Fleet {
+    fn drop(&mut self) {
+        self.shared.closing.store(true, Ordering::SeqCst);
+        for (_, c) in relock(&self.shared.children).iter_mut() {
+            if let Ok(None) = c.try_wait() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Accepts one control connection per initial worker and reads its Hello; returns streams,
+/// QUIC addresses and pids in rank order.
+fn accept_hellos(listener: &TcpListener, cfg: &Config, shared: &Shared, world: usize) -> Result<Vec<(TcpStream, String, u32)>> {
+    listener.set_nonblocking(true).context("control listener")?;
+    let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
+    let mut got: Vec<Option<(TcpStream, String, u32)>> = (0..world).map(|_| None).collect();
+    while got.iter().any(Option::is_none) {
+        if let Some((id, status)) = relock(&shared.children).iter_mut().find_map(|(id, c)| c.try_wait().ok().flatten().map(|s| (*id, s))) {
+            bail!("worker {id} {} during start-up", describe_exit(status));
+        }
+        if Instant::now() >= deadline {
+            bail!("workers did not connect within {STARTUP_TIMEOUT_MS} ms");
+        }
+        let mut stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(ACCEPT_POLL_MS));
+                continue;
+            }
+            Err(e) => return Err(e).context("accepting a worker's control connection"),
+        };
+        stream.set_nonblocking(false).context("control connection")?;
+        let _ = stream.set_nodelay(true);
+        let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &|| Ok(()) };
+        let (rank, quic_addr, hash, pid) = match wire::recv(&mut stream, "Hello", &wait).context("reading a worker's Hello")? {
+            ToParent::Hello { rank, quic_addr, config_hash, pid, .. } => (rank as usize, quic_addr, config_hash, pid),
+            other => bail!("a worker opened with {other:?} instead of Hello"),
+        };
+        if hash != cfg.hash {
+            bail!("worker {rank} resolved the config to hash {hash}, the parent has {}", cfg.hash);
+        }
+        match got.get_mut(rank) {
+            Some(slot @ None) => *slot = Some((stream, quic_addr, pid)),
+            _ => bail!("a worker said it is rank {rank}: not a free rank of {world}"),
+        }
+    }
+    Ok(got.into_iter().flatten().collect())
+}
+
+/// The driver's proxy of one member's compute in the current epoch.
+struct ElasticCompute {
+    rank: usize,
+    member: Arc<Member>,
+    shared: Arc<Shared>,
+}
+
+impl ElasticCompute {
+    fn call(&self, msg: &ToWorker, expected: &'static str) -> Result<(ToParent, MutexGuard<'_, Link>), String> {
+        let mut link = relock(&self.member.link);
+        match request(&self.shared, &self.member, &mut link, msg, expected) {
+            Ok(ToParent::Failed { error }) => {
+                // Peers may wait on this rank inside a collective: let them go.
+                self.shared.abort_epoch();
+                Err(format!("rank {} (worker {}): {error}", self.rank, self.member.id))
+            }
+            Ok(reply) => Ok((reply, link)),
+            Err(_) => {
+                let why = relock(&self.shared.losses).iter().rev().find(|l| l.id == self.member.id).map(|l| l.why.clone());
+                Err(why.unwrap_or_else(|| format!("rank {} (worker {}) was lost", self.rank, self.member.id)))
+            }
+        }
+    }
+}
+
+impl WorkerCompute for ElasticCompute {
+    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, String> {
+        match self.call(&ToWorker::prepare(order), "Prepared")? {
+            (ToParent::Prepared { prepared, snapshot }, mut link) => {
+                link.snapshot = snapshot;
+                Ok(prepared.prepared())
+            }
+            (other, _) => Err(format!("rank {} answered Prepare with {other:?}", self.rank)),
+        }
+    }
+
+    fn commit(&mut self, step: u64) -> Result<(), String> {
+        match self.call(&ToWorker::Commit { step }, "Committed")? {
+            (ToParent::Committed { snapshot }, mut link) => {
+                link.snapshot = snapshot;
+                Ok(())
+            }
+            (other, _) => Err(format!("rank {} answered Commit with {other:?}", self.rank)),
+        }
+    }
+
+    fn abandon(&mut self, step: u64) {
+        if !self.shared.is_fenced(self.member.id) {
+            let _ = self.call(&ToWorker::Abandon { step }, "Abandoned");
+        }
+    }
+
+    fn memory(&self) -> MemoryReport {
+        relock(&self.member.link).snapshot.memory.report(self.rank)
+    }
+}

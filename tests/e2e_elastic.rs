@@ -1,0 +1,89 @@
+//! Elastic training (`train --nprocs N` with `tessera.elastic.enabled`), through the chaos
+//! harness (`tessera chaos run`): workers killed, hung (SIGSTOP), drained (SIGTERM) and joining
+//! mid-run; the faulted run must end with the fault-free run's `params_blake3` and every step
+//! committed.
+
+use std::path::Path;
+
+use crate::common::*;
+
+/// A gpt-tiny scenario: 4 processes, `steps` steps of 12 one-sequence micro-batches of 32
+/// tokens, heartbeats timing out after 1 s; `faults` is the JSON list.
+fn scenario(dir: &Path, steps: u64, faults: &str) -> std::path::PathBuf {
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let text = format!(
+        r#"{{"config": "{}", "nprocs": 4, "steps": {steps}, "timeout_s": 300,
+            "set": ["train_batch_size=12", "train_micro_batch_size_per_gpu=1", "tessera.seq_len=32",
+                    "tessera.eval_iters=1", "tessera.eval_interval=0", "tessera.checkpoint_interval=4",
+                    "scheduler.params.warmup_min_ratio=0.5", "tessera.elastic.heartbeat_timeout_ms=1000"],
+            "faults": {faults}}}"#,
+        cfg.display()
+    );
+    write(dir, "scenario.json", &text)
+}
+
+/// Runs the scenario with `seed`; returns the report.
+fn chaos(dir: &Path, faults: &str, steps: u64, seed: u64) -> serde_json::Value {
+    let s = scenario(dir, steps, faults);
+    let out = dir.join("chaos");
+    let text = ok(
+        &[
+            "chaos",
+            "run",
+            "--scenario",
+            s.to_str().unwrap(),
+            "--seed",
+            &seed.to_string(),
+            "--output",
+            out.to_str().unwrap(),
+            "--no-progress",
+        ],
+        dir,
+    );
+    assert!(text.contains("result: EQUAL"), "{text}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["equal"], true, "{text}");
+    assert_eq!(report["faulted"]["params_blake3"], report["clean"]["params_blake3"], "{text}");
+    assert_eq!(report["faulted"]["steps"], steps, "committed steps lost:\n{text}");
+    report
+}
+
+#[test]
+fn five_kills_and_two_joins_keep_the_fault_free_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let faults = r#"[{"at_step": 1, "kind": "kill"}, {"at_step": 2, "kind": "join"}, {"at_step": 3, "kind": "kill"},
+        {"at_step": 5, "kind": "kill"}, {"at_step": 6, "kind": "join"}, {"at_step": 8, "kind": "kill"},
+        {"at_step": 10, "kind": "kill"}]"#;
+    let r = chaos(tmp.path(), faults, 12, 7);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["workers_lost"], 5, "{r:#}");
+    assert_eq!(el["workers_joined"], 2, "{r:#}");
+    assert_eq!(r["faults"].as_array().unwrap().len(), 7, "{r:#}");
+    for f in r["faults"].as_array().unwrap() {
+        assert!(f["detection_ms"].is_u64(), "fault not noticed: {f}");
+        assert!(f["recovery_ms"].is_u64(), "no recovery after: {f}");
+    }
+    assert!(el["restored_from_memory"].as_u64().unwrap() >= 1, "replicas were never used: {r:#}");
+}
+
+#[test]
+fn a_stopped_worker_is_declared_dead_and_replaced_by_its_replica() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = chaos(tmp.path(), r#"[{"at_step": 2, "kind": "stop", "rank": 1, "duration_ms": 20000}]"#, 6, 1);
+    let f = &r["faults"][0];
+    assert!(f["detection_ms"].is_u64() && f["recovery_ms"].is_u64(), "{r:#}");
+    assert_eq!(r["faulted"]["elastic"]["workers_lost"], 1, "{r:#}");
+    assert_eq!(r["faulted"]["elastic"]["restored_from_memory"], 1, "{r:#}");
+}
+
+#[test]
+fn a_sigterm_drains_the_worker_and_the_run_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = chaos(tmp.path(), r#"[{"at_step": 2, "kind": "term", "rank": 2}]"#, 6, 1);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["workers_drained"], 1, "{r:#}");
+    assert_eq!(el["workers_lost"], 0, "a drained worker is not a loss: {r:#}");
+    assert_eq!(el["steps_rerun"], 0, "a drain happens at a step boundary: {r:#}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
+    assert!(log.contains(r#""event":"drained""#) && log.contains("exited with status 0"), "{log}");
+}
