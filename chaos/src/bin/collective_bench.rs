@@ -1,9 +1,18 @@
 //! Collective bandwidth and small-message latency between processes on loopback: QUIC (mTLS,
 //! `QuicComm`) against a plain TCP ring moving the same bytes, in the same invocation.
 //!
-//! `collective_bench [--procs 2,4] [--mib 64] [--reps 5]` — the parent spawns one child process
-//! per rank for each world size and prints a table. Bus bandwidth follows NCCL's convention:
-//! all-gather `(N−1)/N · bytes / s`, all-reduce `2(N−1)/N · bytes / s`.
+//! `collective_bench [--procs 2,4] [--mib 64] [--reps 5] [--only quic|tcp]` — the parent spawns
+//! one child process per rank for each world size and prints a table. Bus bandwidth follows
+//! NCCL's convention: all-gather `(N−1)/N · bytes / s`, all-reduce `2(N−1)/N · bytes / s`. Each
+//! row also gives the CPU time all ranks spent per call (user + system, from `/proc/self/stat`,
+//! averaged over the timed repetitions), a measure of cost that load from other programs on the
+//! machine disturbs much less than wall time. `--only` runs one transport (for profiling).
+//!
+//! The TCP ring is a plain, fair implementation of the same algorithms: blocking sockets with
+//! `TCP_NODELAY`, each ring step writing from the tensor in place on a helper thread while the
+//! caller reads into the tensor in place (all-gather) or reads 256 KiB chunks and adds them in
+//! (reduce-scatter) — the same chunk size and the same number of memory passes as `QuicComm`
+//! minus what QUIC itself adds. The all-reduce works on a byte buffer holding the f32 values.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -18,11 +27,40 @@ const PINGS: usize = 2000;
 const PING_BYTES: usize = 64;
 /// Bound on any socket wait in the TCP peer.
 const TCP_TIMEOUT_MS: u64 = 60_000;
+/// Bytes the TCP ring reads at a time in its reducing steps (`QuicComm` adds 256 KiB chunks too).
+const TCP_CHUNK_BYTES: usize = 256 << 10;
+/// Clock ticks per second of `/proc/self/stat` (`USER_HZ`, 100 on every Linux target).
+const USER_HZ: f64 = 100.0;
+
+/// Which transports a run measures.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Only {
+    Both,
+    Quic,
+    Tcp,
+}
+
+impl Only {
+    fn quic(self) -> bool {
+        self != Only::Tcp
+    }
+    fn tcp(self) -> bool {
+        self != Only::Quic
+    }
+    fn flag(self) -> &'static str {
+        match self {
+            Only::Both => "both",
+            Only::Quic => "quic",
+            Only::Tcp => "tcp",
+        }
+    }
+}
 
 struct Args {
     procs: Vec<usize>,
     mib: usize,
     reps: usize,
+    only: Only,
     child: Option<ChildArgs>,
 }
 
@@ -35,7 +73,7 @@ struct ChildArgs {
 }
 
 fn parse() -> Result<Args, String> {
-    let mut a = Args { procs: vec![2, 4], mib: 64, reps: 5, child: None };
+    let mut a = Args { procs: vec![2, 4], mib: 64, reps: 5, only: Only::Both, child: None };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut it = argv.iter();
     let addrs =
@@ -55,6 +93,14 @@ fn parse() -> Result<Args, String> {
             }
             "--mib" => a.mib = num(it.next(), "--mib")?,
             "--reps" => a.reps = num(it.next(), "--reps")?,
+            "--only" => {
+                a.only = match it.next().map(String::as_str) {
+                    Some("quic") => Only::Quic,
+                    Some("tcp") => Only::Tcp,
+                    Some("both") => Only::Both,
+                    other => return Err(format!("--only takes quic, tcp or both, not {other:?}")),
+                }
+            }
             "--child" => {
                 let v: Vec<&String> = it.by_ref().take(5).collect();
                 let [rank, world, certs, q, t] = v[..] else { return Err("--child RANK WORLD CERTS QUIC_ADDRS TCP_ADDRS".into()) };
@@ -111,57 +157,118 @@ impl TcpRing {
         Ok(TcpRing { rank, world, next, prev })
     }
 
-    /// One ring step: send `out` to the next rank while receiving `inp` from the previous.
+    /// One ring step: writes `out` to the next rank on a helper thread while reading `inp` from
+    /// the previous one.
     fn step(&mut self, out: &[u8], inp: &mut [u8]) -> std::io::Result<()> {
-        let mut next = self.next.try_clone()?;
-        let payload = out.to_vec();
-        let sender = std::thread::spawn(move || next.write_all(&payload));
-        self.prev.read_exact(inp)?;
-        sender.join().map_err(|_| std::io::Error::other("sender panicked"))?
+        let next = &self.next;
+        std::thread::scope(|s| {
+            let sender = s.spawn(move || (&mut &*next).write_all(out));
+            self.prev.read_exact(inp)?;
+            sender.join().map_err(|_| std::io::Error::other("sender panicked"))?
+        })
     }
 
-    /// Ring all-gather of equal chunks (in place in `buf`).
+    /// One reducing ring step: writes `out` while reading the previous rank's part chunk by chunk
+    /// into `tmp` and adding it into `acc` (f32 values, little-endian bytes).
+    fn step_add(&mut self, out: &[u8], acc: &mut [u8], tmp: &mut [u8]) -> std::io::Result<()> {
+        let next = &self.next;
+        std::thread::scope(|s| {
+            let sender = s.spawn(move || (&mut &*next).write_all(out));
+            for a in acc.chunks_mut(tmp.len()) {
+                let t = &mut tmp[..a.len()];
+                self.prev.read_exact(t)?;
+                add_f32_le(a, t);
+            }
+            sender.join().map_err(|_| std::io::Error::other("sender panicked"))?
+        })
+    }
+
+    /// The byte range of part `k` of a buffer of `len` bytes cut into `world` equal parts.
+    fn part(&self, k: usize, len: usize) -> std::ops::Range<usize> {
+        let chunk = len / self.world;
+        k * chunk..(k + 1) * chunk
+    }
+
+    /// Ring all-gather of equal parts, in place in `buf`.
     fn all_gather(&mut self, buf: &mut [u8]) -> std::io::Result<()> {
-        let chunk = buf.len() / self.world;
-        let mut tmp = vec![0u8; chunk];
-        for s in 0..self.world - 1 {
-            let send = (self.rank + self.world - s) % self.world;
-            let recv = (self.rank + self.world - s - 1) % self.world;
-            let out = buf[send * chunk..(send + 1) * chunk].to_vec();
-            self.step(&out, &mut tmp)?;
-            buf[recv * chunk..(recv + 1) * chunk].copy_from_slice(&tmp);
+        let n = self.world;
+        for s in 0..n - 1 {
+            let (send, recv) = ((self.rank + n - s) % n, (self.rank + 2 * n - s - 1) % n);
+            let (out, inp) = split_pair(buf, self.part(send, buf.len()), self.part(recv, buf.len()));
+            self.step(out, inp)?;
         }
         Ok(())
     }
 
-    /// Ring reduce-scatter (f32 sums) then all-gather: the classic ring all-reduce.
-    fn all_reduce(&mut self, buf: &mut [f32]) -> std::io::Result<()> {
-        let chunk = buf.len() / self.world;
-        let mut tmp = vec![0u8; chunk * 4];
-        for s in 0..self.world - 1 {
-            let send = (self.rank + self.world - s) % self.world;
-            let recv = (self.rank + self.world - s - 1) % self.world;
-            let out: Vec<u8> = buf[send * chunk..(send + 1) * chunk].iter().flat_map(|x| x.to_le_bytes()).collect();
-            self.step(&out, &mut tmp)?;
-            for (d, b) in buf[recv * chunk..(recv + 1) * chunk].iter_mut().zip(tmp.chunks_exact(4)) {
-                *d += f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            }
+    /// Ring reduce-scatter (f32 sums) then ring all-gather, in place in `buf` (f32 values as
+    /// little-endian bytes): the classic ring all-reduce.
+    fn all_reduce(&mut self, buf: &mut [u8], tmp: &mut Vec<u8>) -> std::io::Result<()> {
+        let n = self.world;
+        tmp.resize(TCP_CHUNK_BYTES, 0);
+        for s in 0..n - 1 {
+            let (send, recv) = ((self.rank + n - s) % n, (self.rank + 2 * n - s - 1) % n);
+            let (out, acc) = split_pair(buf, self.part(send, buf.len()), self.part(recv, buf.len()));
+            self.step_add(out, acc, tmp)?;
         }
-        let mut bytes: Vec<u8> = buf.iter().flat_map(|x| x.to_le_bytes()).collect();
-        self.all_gather(&mut bytes)
+        // Rank r now holds the full sum of part r + 1; the gather starts from there.
+        for s in 0..n - 1 {
+            let (send, recv) = ((self.rank + 1 + n - s) % n, (self.rank + 2 * n - s) % n);
+            let (out, inp) = split_pair(buf, self.part(send, buf.len()), self.part(recv, buf.len()));
+            self.step(out, inp)?;
+        }
+        Ok(())
     }
 }
 
-fn best_s(reps: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<f64, String> {
+/// `acc += x` over f32 values stored as little-endian bytes.
+fn add_f32_le(acc: &mut [u8], x: &[u8]) {
+    for (a, b) in acc.chunks_exact_mut(4).zip(x.chunks_exact(4)) {
+        let sum = f32::from_le_bytes([a[0], a[1], a[2], a[3]]) + f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        a.copy_from_slice(&sum.to_le_bytes());
+    }
+}
+
+/// `(&buf[a], &mut buf[b])` for disjoint ranges.
+fn split_pair(buf: &mut [u8], a: std::ops::Range<usize>, b: std::ops::Range<usize>) -> (&[u8], &mut [u8]) {
+    if a.end <= b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.len()])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.len()], &mut lo[b])
+    }
+}
+
+/// CPU seconds (user + system, all threads) this process has used so far.
+fn cpu_s() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command name (which ends with the last ')'): utime and stime are the
+    // 12th and 13th of them (fields 14 and 15 of the line).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = rest.split_whitespace().skip(11).take(2).filter_map(|x| x.parse().ok()).collect();
+    f.iter().sum::<u64>() as f64 / USER_HZ
+}
+
+/// Wall time of the best of `reps` calls (after a warm-up), and this process's CPU time per call.
+struct Timing {
+    best_s: f64,
+    cpu_s: f64,
+}
+
+fn measure(reps: usize, mut f: impl FnMut() -> Result<(), String>) -> Result<Timing, String> {
     f()?; // warm-up
     let mut best = f64::INFINITY;
+    let cpu0 = cpu_s();
     for _ in 0..reps {
         let t = Instant::now();
         f()?;
         best = best.min(t.elapsed().as_secs_f64());
     }
-    Ok(best)
+    Ok(Timing { best_s: best, cpu_s: (cpu_s() - cpu0) / reps.max(1) as f64 })
 }
+
+/// A transport left out of the run (`--only`): no figures.
+const SKIPPED: Timing = Timing { best_s: f64::NAN, cpu_s: f64::NAN };
 
 fn percentile(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -169,7 +276,9 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 }
 
 /// Runs on each rank; rank 0 prints one result line per measurement.
-fn child(c: &ChildArgs, mib: usize, reps: usize) -> Result<(), String> {
+/// Runs on each rank: every rank prints its CPU time per call; rank 0 also prints bandwidth and
+/// latency. Each result is checked, so that neither transport can win by skipping work.
+fn child(c: &ChildArgs, mib: usize, reps: usize, only: Only) -> Result<(), String> {
     let names: Vec<String> = (0..c.world).map(|r| format!("rank{r}")).collect();
     let tls = NodeTls::load(std::path::Path::new(&c.certs), &names[c.rank]).map_err(|e| e.to_string())?;
     let spec = ClusterSpec { addrs: c.addrs.clone(), names };
@@ -177,16 +286,52 @@ fn child(c: &ChildArgs, mib: usize, reps: usize) -> Result<(), String> {
     let mut tcp = TcpRing::connect(c.rank, c.world, &c.tcp).map_err(|e| format!("tcp ring: {e}"))?;
     let n = mib * 1024 * 1024 / 4 / c.world * c.world;
     let bytes = (n * 4) as f64;
-    let (w, f) = (c.world as f64, (c.world as f64 - 1.0) / c.world as f64);
+    let f = (c.world as f64 - 1.0) / c.world as f64;
     let ranges = even_ranges(n, c.world);
+    let calls = reps as i32 + 1; // with the warm-up
+    let wrong = |what: &str| Err(format!("rank {}: wrong {what} result", c.rank));
+
     let mut out = vec![0.0f32; n];
-    let shard = vec![1.0f32; ranges[c.rank].len()];
-    let ag_q = best_s(reps, || q.all_gather(&shard, &ranges, &mut out).map_err(|e| e.to_string()))?;
+    let shard = vec![c.rank as f32; ranges[c.rank].len()];
+    let ag_q = match only.quic() {
+        true => measure(reps, || q.all_gather(&shard, &ranges, &mut out).map_err(|e| e.to_string()))?,
+        false => SKIPPED,
+    };
+    if only.quic() && !ranges.iter().enumerate().all(|(r, range)| out[range.clone()].iter().all(|&v| v == r as f32)) {
+        return wrong("QUIC all_gather");
+    }
     let mut raw = vec![0u8; n * 4];
-    let ag_t = best_s(reps, || tcp.all_gather(&mut raw).map_err(|e| e.to_string()))?;
+    raw[tcp.part(c.rank, n * 4)].fill(c.rank as u8 + 1);
+    let ag_t = match only.tcp() {
+        true => measure(reps, || tcp.all_gather(&mut raw).map_err(|e| e.to_string()))?,
+        false => SKIPPED,
+    };
+    if only.tcp() && !(0..c.world).all(|r| raw[tcp.part(r, n * 4)].iter().all(|&b| b == r as u8 + 1)) {
+        return wrong("TCP all_gather");
+    }
+    drop((out, raw));
+
+    let want = (c.world as f32).powi(calls); // ones summed over the ranks, once per call
     let mut buf = vec![1.0f32; n];
-    let ar_q = best_s(reps, || q.all_reduce_sum(&mut buf).map_err(|e| e.to_string()))?;
-    let ar_t = best_s(reps, || tcp.all_reduce(&mut buf).map_err(|e| e.to_string()))?;
+    let ar_q = match only.quic() {
+        true => measure(reps, || q.all_reduce_sum(&mut buf).map_err(|e| e.to_string()))?,
+        false => SKIPPED,
+    };
+    if only.quic() && !buf.iter().all(|&v| v == want) {
+        return wrong("QUIC all_reduce");
+    }
+    drop(buf);
+    let mut tbuf: Vec<u8> = std::iter::repeat_n(1.0f32.to_le_bytes(), n).flatten().collect();
+    let mut tmp = Vec::new();
+    let ar_t = match only.tcp() {
+        true => measure(reps, || tcp.all_reduce(&mut tbuf, &mut tmp).map_err(|e| e.to_string()))?,
+        false => SKIPPED,
+    };
+    if only.tcp() && !tbuf.chunks_exact(4).all(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) == want) {
+        return wrong("TCP all_reduce");
+    }
+    drop(tbuf);
+
     let (mut lat_q, mut lat_t) = (Vec::with_capacity(PINGS), Vec::with_capacity(PINGS));
     if c.world >= 2 && c.rank < 2 {
         let peer = 1 - c.rank;
@@ -194,6 +339,9 @@ fn child(c: &ChildArgs, mib: usize, reps: usize) -> Result<(), String> {
         let mut byte_msg = [0u8; PING_BYTES];
         let mut tcp_pair = if c.rank == 0 { tcp.next.try_clone() } else { tcp.prev.try_clone() }.map_err(|e| e.to_string())?;
         for i in 0..PINGS as u64 {
+            if !only.quic() {
+                break;
+            }
             let t = Instant::now();
             if c.rank == 0 {
                 q.send(peer, i, &msg).map_err(|e| e.to_string())?;
@@ -206,6 +354,9 @@ fn child(c: &ChildArgs, mib: usize, reps: usize) -> Result<(), String> {
         }
         // TCP ping-pong on the 0 → 1 ring link (rank 1 answers on its `prev` stream).
         for _ in 0..PINGS {
+            if !only.tcp() {
+                break;
+            }
             let t = Instant::now();
             if c.rank == 0 {
                 tcp_pair.write_all(&byte_msg).map_err(|e| e.to_string())?;
@@ -218,31 +369,36 @@ fn child(c: &ChildArgs, mib: usize, reps: usize) -> Result<(), String> {
         }
     }
     q.barrier().map_err(|e| e.to_string())?;
+    println!("RESULT cpu all_gather {} {} {}", c.world, ag_q.cpu_s, ag_t.cpu_s);
+    println!("RESULT cpu all_reduce {} {} {}", c.world, ar_q.cpu_s, ar_t.cpu_s);
     if c.rank == 0 {
         let gbs = |factor: f64, s: f64| factor * bytes / s / 1e9;
-        let _ = w;
-        println!("RESULT all_gather {} {:.3} {:.3}", c.world, gbs(f, ag_q), gbs(f, ag_t));
-        println!("RESULT all_reduce {} {:.3} {:.3}", c.world, gbs(2.0 * f, ar_q), gbs(2.0 * f, ar_t));
-        if !lat_q.is_empty() {
-            let us = |v: &mut Vec<f64>, p| percentile(v, p) * 1e6;
-            println!(
-                "RESULT latency {} {:.1} {:.1} {:.1} {:.1}",
-                c.world,
-                us(&mut lat_q, 0.5),
-                us(&mut lat_q, 0.99),
-                us(&mut lat_t, 0.5),
-                us(&mut lat_t, 0.99)
-            );
-        }
+        println!("RESULT bw all_gather {} {:.3} {:.3}", c.world, gbs(f, ag_q.best_s), gbs(f, ag_t.best_s));
+        println!("RESULT bw all_reduce {} {:.3} {:.3}", c.world, gbs(2.0 * f, ar_q.best_s), gbs(2.0 * f, ar_t.best_s));
+        let us = |v: &mut Vec<f64>, p| if v.is_empty() { f64::NAN } else { percentile(v, p) * 1e6 };
+        println!(
+            "RESULT latency {} {:.1} {:.1} {:.1} {:.1}",
+            c.world,
+            us(&mut lat_q, 0.5),
+            us(&mut lat_q, 0.99),
+            us(&mut lat_t, 0.5),
+            us(&mut lat_t, 0.99)
+        );
     }
     Ok(())
 }
 
+/// One table row: bandwidth from rank 0, CPU seconds per call summed over the ranks.
+struct Row {
+    op: String,
+    world: usize,
+    bw: (f64, f64),
+    cpu: (f64, f64),
+}
+
 fn parent(a: &Args) -> Result<(), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    println!("collectives between processes on loopback, {} MiB per call, best of {} (after a warm-up)", a.mib, a.reps);
-    println!("| op | procs | QUIC bus GB/s | TCP ring bus GB/s | QUIC / TCP |");
-    println!("|---|---|---|---|---|");
+    let mut rows: Vec<Row> = Vec::new();
     let mut latency = Vec::new();
     for &world in &a.procs {
         let certs = std::env::temp_dir().join(format!("tessera-bench-certs-{}-{world}", std::process::id()));
@@ -259,6 +415,8 @@ fn parent(a: &Args) -> Result<(), String> {
                         &a.mib.to_string(),
                         "--reps",
                         &a.reps.to_string(),
+                        "--only",
+                        a.only.flag(),
                         "--child",
                         &r.to_string(),
                         &world.to_string(),
@@ -271,24 +429,52 @@ fn parent(a: &Args) -> Result<(), String> {
                     .map_err(|e| e.to_string())
             })
             .collect::<Result<_, _>>()?;
-        for c in children {
-            let out = c.wait_with_output().map_err(|e| e.to_string())?;
+        // Every child is waited for (their own waits are bounded), so none is left behind.
+        let outputs: Vec<_> = children.into_iter().map(|c| c.wait_with_output()).collect();
+        let _ = std::fs::remove_dir_all(&certs);
+        let first = rows.len();
+        for out in outputs {
+            let out = out.map_err(|e| e.to_string())?;
             if !out.status.success() {
-                return Err(format!("a rank of world {world} failed"));
+                return Err(format!("a rank of world {world} failed ({})", out.status));
             }
             for line in String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.strip_prefix("RESULT ")) {
                 let f: Vec<&str> = line.split_whitespace().collect();
+                let num = |s: &str| s.parse::<f64>().unwrap_or(f64::NAN);
                 match f[..] {
                     ["latency", w, q50, q99, t50, t99] => latency.push(format!("| {w} | {q50} | {q99} | {t50} | {t99} |")),
-                    [op, w, qg, tg] => {
-                        let (qv, tv): (f64, f64) = (qg.parse().unwrap_or(0.0), tg.parse().unwrap_or(0.0));
-                        println!("| {op} | {w} | {qg} | {tg} | {:.0} % |", 100.0 * qv / tv.max(1e-12));
+                    [kind, op, _, qv, tv] => {
+                        let at = match rows[first..].iter().position(|r| r.op == op) {
+                            Some(i) => first + i,
+                            None => {
+                                rows.push(Row { op: op.to_string(), world, bw: (0.0, 0.0), cpu: (0.0, 0.0) });
+                                rows.len() - 1
+                            }
+                        };
+                        match kind {
+                            "bw" => rows[at].bw = (num(qv), num(tv)),
+                            _ => rows[at].cpu = (rows[at].cpu.0 + num(qv), rows[at].cpu.1 + num(tv)),
+                        }
                     }
                     _ => {}
                 }
             }
         }
-        let _ = std::fs::remove_dir_all(&certs);
+    }
+    println!("collectives between processes on loopback, {} MiB per call, best of {} (after a warm-up)", a.mib, a.reps);
+    println!("| op | procs | QUIC bus GB/s | TCP ring bus GB/s | QUIC / TCP | QUIC CPU ms/call | TCP CPU ms/call |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {:.3} | {:.3} | {:.0} % | {:.0} | {:.0} |",
+            r.op,
+            r.world,
+            r.bw.0,
+            r.bw.1,
+            100.0 * r.bw.0 / r.bw.1,
+            r.cpu.0 * 1e3,
+            r.cpu.1 * 1e3
+        );
     }
     println!("\nsmall messages ({PING_BYTES} B, one way = half a round trip, {PINGS} round trips between ranks 0 and 1), µs:");
     println!("| procs | QUIC p50 | QUIC p99 | TCP p50 | TCP p99 |");
@@ -299,7 +485,7 @@ fn parent(a: &Args) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let result = parse().and_then(|a| match &a.child {
-        Some(c) => child(c, a.mib, a.reps),
+        Some(c) => child(c, a.mib, a.reps, a.only),
         None => parent(&a),
     });
     match result {

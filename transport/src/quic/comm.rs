@@ -1,18 +1,27 @@
 //! [`QuicComm`]: one rank's [`Collective`] handle over QUIC — operation descriptors, the
 //! algorithms, timeouts, abort and the graceful leave.
 
-use super::frame::{Control, Key, OpDesc, Payload, ELEM_F32, ELEM_F64};
-use super::net::{broadcast_abort, build_mesh, serve_peer, transport_config, write_stream, ClusterSpec, Delivery, QuicError, Shared};
+use super::frame::{
+    read_payload_into, read_payload_vec, read_payload_visit, Control, FrameError, Key, OpDesc, Payload, ELEM_F32, ELEM_F64,
+};
+use super::net::{
+    broadcast_abort, build_mesh, endpoint_config, reject, runtime_workers, serve_peer, size_socket_buffers, transport_config,
+    tune_allocator, write_stream, ClusterSpec, Delivery, Fail, GsoSplit, QuicError, Shared,
+};
 use super::pki::NodeTls;
 use crate::collective::CollectiveOp as Op;
 use crate::collective::{
     chain_broadcast_traffic, check_ranges, even_ranges, gather_slices_traffic, ring_all_gather_traffic, ring_all_reduce_traffic,
     ring_reduce_scatter_traffic, AbortHandle, Collective, CollectiveError, CommStats, Traffic, DEFAULT_TIMEOUT_MS,
 };
-use quinn::{Connection, Endpoint, VarInt};
+use quinn::{Connection, Endpoint, Runtime, VarInt};
 use std::collections::HashMap;
+use std::future::Future;
 use std::ops::{AddAssign, Range};
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 /// Elements per broadcast piece (4 MiB of f32): the chain forwards piece k while piece k+1 arrives.
@@ -55,6 +64,25 @@ fn ends_of(ranges: &[Range<usize>]) -> Vec<u64> {
     ranges.iter().map(|r| r.end as u64).collect()
 }
 
+/// `(&buf[a], &mut buf[b])` for disjoint ranges `a` and `b` (either may be empty).
+fn split_pair<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut [T]) {
+    if a.end <= b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.len()])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.len()], &mut lo[b])
+    }
+}
+
+/// Buffers a rank reuses across calls, per element type: the reduced slice it owns and one
+/// payload chunk being added in.
+#[derive(Default)]
+struct Scratch<T> {
+    owned: Vec<T>,
+    chunk: Vec<T>,
+}
+
 /// One collective in progress: its number, operation and deadline.
 #[derive(Clone, Copy)]
 struct Call {
@@ -64,9 +92,156 @@ struct Call {
     deadline: Instant,
 }
 
+type Step<'a> = Pin<Box<dyn Future<Output = Result<(), Fail>> + 'a>>;
+
+/// Runs `futs` concurrently; the first failure ends them all.
+async fn all_ok(mut futs: Vec<Step<'_>>) -> Result<(), Fail> {
+    std::future::poll_fn(|cx| {
+        let mut i = 0;
+        while i < futs.len() {
+            match futs[i].as_mut().poll(cx) {
+                Poll::Ready(Ok(())) => drop(futs.swap_remove(i)),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => i += 1,
+            }
+        }
+        match futs.is_empty() {
+            true => Poll::Ready(Ok(())),
+            false => Poll::Pending,
+        }
+    })
+    .await
+}
+
+/// Sends one message on a new stream to `to`; counted in `streams_sent` once written.
+async fn tx_msg(shared: &Shared, conn: Option<&Connection>, to: usize, control: &Control, payload: &[u8]) -> Result<(), Fail> {
+    let conn = conn.filter(|_| shared.lock().gone[to].is_none()).ok_or(Fail::Gone(to))?;
+    match write_stream(conn, control, payload).await {
+        Ok(()) => {
+            shared.streams_sent[to].fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        }
+        Err(_) => Err(Fail::Gone(to)),
+    }
+}
+
+async fn tx<T: Elem>(shared: &Shared, conn: Option<&Connection>, to: usize, key: Key, data: &[T]) -> Result<(), Fail> {
+    let control = Control::Data { key, elem: T::ELEM, elems: data.len() as u64 };
+    tx_msg(shared, conn, to, &control, bytemuck::cast_slice(data)).await
+}
+
+/// The header of `from`'s message `key` announced `elems` values of type `elem`; `want` of `T`
+/// were expected.
+fn check_header<T: Elem>(from: usize, key: Key, elem: u8, elems: u64, want: Option<usize>) -> Result<(), Fail> {
+    if elem != T::ELEM {
+        return Err(Fail::Mismatch(format!("rank {from} sent the wrong kind of message for {key:?}")));
+    }
+    match want {
+        Some(n) if elems != n as u64 => Err(Fail::Mismatch(format!("rank {from} sent {elems} elements where {n} were expected"))),
+        _ => Ok(()),
+    }
+}
+
+/// A message filed whole (point-to-point, or sent to oneself) as values of `T`.
+fn take_data<T: Elem>(from: usize, key: Key, d: Delivery, want: Option<usize>) -> Result<Vec<T>, Fail> {
+    let v = match d {
+        Delivery::Data(p) => T::take(p),
+        Delivery::Desc(_) | Delivery::Stream { .. } => None,
+    };
+    match (v, want) {
+        (None, _) => Err(Fail::Mismatch(format!("rank {from} sent the wrong kind of message for {key:?}"))),
+        (Some(v), Some(n)) if v.len() != n => Err(Fail::Mismatch(format!("rank {from} sent {} elements where {n} were expected", v.len()))),
+        (Some(v), _) => Ok(v),
+    }
+}
+
+/// Reads the rest of `from`'s collective stream with `read` (after `check`), then counts it as
+/// done. A bad frame closes the connection (logged); a failed read reports the peer as gone.
+async fn read_stream<'a, R, F: Future<Output = Result<R, FrameError>> + 'a>(
+    shared: &Shared,
+    conn: Option<&Connection>,
+    from: usize,
+    check: Result<(), Fail>,
+    read: F,
+) -> Result<R, Fail> {
+    let r = match check {
+        Ok(()) => read.await,
+        Err(e) => {
+            shared.stream_done(from);
+            return Err(e);
+        }
+    };
+    match r {
+        Ok(v) => {
+            shared.stream_done(from);
+            Ok(v)
+        }
+        Err(FrameError::Io(e)) => {
+            shared.peer_gone(from, format!("stream failed: {e}"));
+            Err(Fail::Gone(from))
+        }
+        Err(e) => {
+            if let Some(conn) = conn {
+                reject(shared, conn, from, &e.to_string());
+            }
+            Err(Fail::Gone(from))
+        }
+    }
+}
+
+/// Receives `from`'s message `key` straight into `dest` (exactly `dest.len()` values).
+async fn rx_into<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usize, key: Key, dest: &mut [T]) -> Result<(), Fail> {
+    match shared.wait_for(from, key).await? {
+        Delivery::Stream { elem, elems, mut stream } => {
+            let check = check_header::<T>(from, key, elem, elems, Some(dest.len()));
+            read_stream(shared, conn, from, check, read_payload_into(&mut stream, dest)).await
+        }
+        d => {
+            dest.copy_from_slice(&take_data::<T>(from, key, d, Some(dest.len()))?);
+            Ok(())
+        }
+    }
+}
+
+/// Receives `from`'s message `key` of `want` values chunk by chunk through `chunk`, handing each
+/// piece to `f(offset, values)` in order.
+async fn rx_visit<T: Elem>(
+    shared: &Shared,
+    conn: Option<&Connection>,
+    from: usize,
+    key: Key,
+    want: usize,
+    chunk: &mut Vec<T>,
+    mut f: impl FnMut(usize, &[T]),
+) -> Result<(), Fail> {
+    match shared.wait_for(from, key).await? {
+        Delivery::Stream { elem, elems, mut stream } => {
+            let check = check_header::<T>(from, key, elem, elems, Some(want));
+            read_stream(shared, conn, from, check, read_payload_visit(&mut stream, want, chunk, f)).await
+        }
+        d => {
+            f(0, &take_data::<T>(from, key, d, Some(want))?);
+            Ok(())
+        }
+    }
+}
+
+/// Receives `from`'s message `key` into a new vector, whatever its length.
+async fn rx_vec<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usize, key: Key) -> Result<Vec<T>, Fail> {
+    match shared.wait_for(from, key).await? {
+        Delivery::Stream { elem, elems, mut stream } => {
+            let check = check_header::<T>(from, key, elem, elems, None);
+            read_stream(shared, conn, from, check, read_payload_vec(&mut stream, elems)).await
+        }
+        d => take_data::<T>(from, key, d, None),
+    }
+}
+
 /// One rank's handle on a QUIC group. Owns a tokio runtime (two worker threads) that drives the
-/// endpoint and one reader task per peer; the synchronous trait methods block the caller on
-/// that runtime (`block_on` for sends) and on the inbox's condition variable (for receives).
+/// endpoint and one reader task per peer. The synchronous trait methods run each step of an
+/// algorithm on the caller's thread with `block_on`: the step's sends and receives as one
+/// future, so a rank always reads while it writes (no deadlock however large the messages), and
+/// a collective's payload is read from its QUIC stream straight into the destination tensor.
 /// Dropping it leaves the group gracefully: each peer confirms it has every message sent.
 pub struct QuicComm {
     rank: usize,
@@ -76,12 +251,11 @@ pub struct QuicComm {
     seq: u64,
     p2p_sent: HashMap<(usize, u64), u64>,
     p2p_next: HashMap<(usize, u64), u64>,
-    streams_sent: Vec<u64>,
     shared: Arc<Shared>,
     conns: Vec<Option<Connection>>,
     endpoint: Endpoint,
-    scratch_f32: Vec<f32>,
-    scratch_f64: Vec<f64>,
+    scratch_f32: Scratch<f32>,
+    scratch_f64: Scratch<f64>,
     rt: tokio::runtime::Runtime,
 }
 
@@ -114,8 +288,9 @@ impl QuicComm {
             let detail = format!("{} addresses, {} names, rank {rank}", world, spec.names.len());
             return Err(QuicError::Spec { rank, detail });
         }
+        tune_allocator();
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(runtime_workers())
             .thread_name(format!("tessera-quic-{rank}"))
             .enable_all()
             .build()
@@ -126,11 +301,12 @@ impl QuicComm {
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         server.transport_config(Arc::new(transport_config()));
         let deadline = Instant::now() + Duration::from_millis(connect_timeout_ms);
-        super::net::size_socket_buffers(&socket);
+        size_socket_buffers(&socket);
         let (endpoint, conns) = rt.block_on(async {
             let runtime = Arc::new(quinn::TokioRuntime);
-            let endpoint =
-                Endpoint::new(quinn::EndpointConfig::default(), Some(server), socket, runtime).map_err(|e| endpoint_err(e.to_string()))?;
+            let socket = Arc::new(GsoSplit(runtime.wrap_udp_socket(socket).map_err(|e| endpoint_err(e.to_string()))?));
+            let endpoint = Endpoint::new_with_abstract_socket(endpoint_config(), Some(server), socket, runtime)
+                .map_err(|e| endpoint_err(e.to_string()))?;
             let conns = build_mesh(&endpoint, rank, spec, tls, deadline).await?;
             Ok::<_, QuicError>((endpoint, conns))
         })?;
@@ -148,12 +324,11 @@ impl QuicComm {
             seq: 0,
             p2p_sent: HashMap::new(),
             p2p_next: HashMap::new(),
-            streams_sent: vec![0; world],
             shared,
             conns,
             endpoint,
-            scratch_f32: Vec::new(),
-            scratch_f64: Vec::new(),
+            scratch_f32: Scratch::default(),
+            scratch_f64: Scratch::default(),
             rt,
         })
     }
@@ -184,84 +359,34 @@ impl QuicComm {
         }
     }
 
-    /// Sends one message to `to`, waiting until it is handed to QUIC (bounded by `deadline`).
-    fn send_msg(
-        &mut self,
-        to: usize,
-        control: &Control,
-        payload: &[u8],
-        op: &'static str,
-        start: Instant,
-        deadline: Instant,
-    ) -> Result<(), CollectiveError> {
-        self.aborted(op)?;
-        let conn = match (&self.conns[to], self.shared.lock().gone[to].is_some()) {
-            (Some(conn), false) => conn.clone(),
-            _ => return Err(CollectiveError::PeerGone { op, peer: to }),
-        };
-        match self.block_until(deadline, write_stream(&conn, control, payload)) {
-            Ok(Ok(())) => {
-                self.streams_sent[to] += 1;
-                Ok(())
-            }
-            Ok(Err(_)) => self.aborted(op).and(Err(CollectiveError::PeerGone { op, peer: to })),
-            Err(_) => Err(self.time_out(op, start)),
-        }
+    fn conn(&self, peer: usize) -> Option<&Connection> {
+        self.conns.get(peer).and_then(Option::as_ref)
     }
 
-    fn send_data<T: Elem>(
-        &mut self,
-        to: usize,
-        key: Key,
-        data: &[T],
-        op: &'static str,
-        start: Instant,
-        deadline: Instant,
-    ) -> Result<(), CollectiveError> {
-        let control = Control::Data { key, elem: T::ELEM, elems: data.len() as u64 };
-        self.send_msg(to, &control, bytemuck::cast_slice(data), op, start, deadline)
-    }
-
-    /// Waits for the message `key` from `from`.
-    fn wait(&self, from: usize, key: Key, op: &'static str, start: Instant, deadline: Instant) -> Result<Delivery, CollectiveError> {
-        let mut st = self.shared.lock();
-        loop {
-            if let Some(reason) = &st.aborted {
-                return Err(CollectiveError::Aborted { op, reason: reason.clone() });
-            }
-            if let Some(d) = st.msgs.remove(&(from, key)) {
-                return Ok(d);
-            }
-            if st.gone[from].is_some() {
-                return Err(CollectiveError::PeerGone { op, peer: from });
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                drop(st);
-                return Err(self.time_out(op, start));
-            }
-            st = self.shared.cv.wait_timeout(st, deadline - now).unwrap_or_else(std::sync::PoisonError::into_inner).0;
-        }
-    }
-
-    fn recv_data<T: Elem>(
+    /// Runs one step (`f`: its sends and receives) on the caller's thread until it completes,
+    /// the group is aborted, or `deadline` passes (which aborts the group).
+    fn drive<R>(
         &self,
-        from: usize,
-        key: Key,
-        want: Option<usize>,
         op: &'static str,
         start: Instant,
         deadline: Instant,
-    ) -> Result<Vec<T>, CollectiveError> {
-        let bad = |detail: String| Err(CollectiveError::Mismatch { op, detail });
-        let v = match self.wait(from, key, op, start, deadline)? {
-            Delivery::Data(p) => T::take(p),
-            Delivery::Desc(_) => None,
-        };
-        match (v, want) {
-            (None, _) => bad(format!("rank {from} sent the wrong kind of message for {key:?}")),
-            (Some(v), Some(n)) if v.len() != n => bad(format!("rank {from} sent {} elements where {n} were expected", v.len())),
-            (Some(v), _) => Ok(v),
+        f: impl Future<Output = Result<R, Fail>>,
+    ) -> Result<R, CollectiveError> {
+        self.aborted(op)?;
+        let shared = &self.shared;
+        let r = self.rt.block_on(async {
+            tokio::select! {
+                biased;
+                reason = shared.until_aborted() => Some(Err(Fail::Aborted(reason))),
+                r = tokio::time::timeout_at(deadline.into(), f) => r.ok(),
+            }
+        });
+        match r {
+            None => Err(self.time_out(op, start)),
+            Some(Ok(v)) => Ok(v),
+            Some(Err(Fail::Aborted(reason))) => Err(CollectiveError::Aborted { op, reason }),
+            Some(Err(Fail::Gone(peer))) => self.aborted(op).and(Err(CollectiveError::PeerGone { op, peer })),
+            Some(Err(Fail::Mismatch(detail))) => Err(CollectiveError::Mismatch { op, detail }),
         }
     }
 
@@ -272,22 +397,25 @@ impl QuicComm {
         let start = Instant::now();
         let call = Call { seq: self.seq, op, start, deadline: start + Duration::from_millis(self.timeout_ms) };
         self.seq += 1;
+        let (rank, world, shared) = (self.rank, self.world, &*self.shared);
         let control = Control::Desc { seq: call.seq, desc: desc.clone() };
-        for s in 1..self.world {
-            let to = (self.rank + s) % self.world;
-            self.send_msg(to, &control, &[], op.name(), start, call.deadline)?;
-        }
-        let mut all = Vec::with_capacity(self.world);
-        for from in 0..self.world {
-            if from == self.rank {
-                all.push(desc.clone());
-                continue;
+        let sends: Vec<Step> =
+            (1..world).map(|s| (rank + s) % world).map(|to| Box::pin(tx_msg(shared, self.conn(to), to, &control, &[])) as Step).collect();
+        let recvs = async {
+            let mut all = Vec::with_capacity(world);
+            for from in 0..world {
+                if from == rank {
+                    all.push(desc.clone());
+                    continue;
+                }
+                match shared.wait_for(from, Key::Desc { seq: call.seq }).await? {
+                    Delivery::Desc(d) => all.push(d),
+                    _ => return Err(Fail::Mismatch(format!("rank {from} sent data instead of a descriptor"))),
+                }
             }
-            match self.wait(from, Key::Desc { seq: call.seq }, op.name(), start, call.deadline)? {
-                Delivery::Desc(d) => all.push(d),
-                Delivery::Data(_) => return Err(mismatch(op, format!("rank {from} sent data instead of a descriptor"))),
-            }
-        }
+            Ok(all)
+        };
+        let all = self.drive(op.name(), start, call.deadline, async { tokio::try_join!(all_ok(sends), recvs).map(|(_, all)| all) })?;
         if let Some(r) = all.iter().position(|d| d.op != all[0].op) {
             let detail = format!(
                 "rank {r} called {} but rank 0 called {}",
@@ -300,7 +428,9 @@ impl QuicComm {
     }
 
     /// `out ← Σ_q input_q[ranges[rank]]` in rank order: every rank sends each owner its slice
-    /// directly (see the module doc for why this is not a summing ring).
+    /// directly (see the module doc for why this is not a summing ring), all sends at once, while
+    /// it receives the peers' slices in rank order, adding each chunk in as it arrives (rank 0's
+    /// slice lands in `out` directly).
     fn reduce_to_owner<T: Elem>(
         &mut self,
         call: Call,
@@ -308,54 +438,59 @@ impl QuicComm {
         input: &[T],
         ranges: &[Range<usize>],
         out: &mut [T],
+        chunk: &mut Vec<T>,
     ) -> Result<(), CollectiveError> {
-        let op = call.op.name();
-        for s in 1..self.world {
-            let to = (self.rank + s) % self.world;
-            self.send_data(to, Key::Coll { seq: call.seq, step }, &input[ranges[to].clone()], op, call.start, call.deadline)?;
-        }
-        let mine = ranges[self.rank].clone();
-        for from in 0..self.world {
-            let theirs;
-            let slice = if from == self.rank {
-                &input[mine.clone()]
-            } else {
-                theirs = self.recv_data::<T>(from, Key::Coll { seq: call.seq, step }, Some(mine.len()), op, call.start, call.deadline)?;
-                &theirs[..]
-            };
-            match from {
-                0 => out.copy_from_slice(slice),
-                _ => add_into(out, slice),
+        let (rank, world, shared) = (self.rank, self.world, &*self.shared);
+        let key = Key::Coll { seq: call.seq, step };
+        let sends: Vec<Step> = (1..world)
+            .map(|s| (rank + s) % world)
+            .map(|to| Box::pin(tx(shared, self.conn(to), to, key, &input[ranges[to].clone()])) as Step)
+            .collect();
+        let mine = &input[ranges[rank].clone()];
+        let recvs = async {
+            for from in 0..world {
+                match (from == rank, from == 0) {
+                    (true, true) => out.copy_from_slice(mine),
+                    (true, false) => add_into(out, mine),
+                    (false, true) => rx_into(shared, self.conn(from), from, key, out).await?,
+                    (false, false) => {
+                        let n = out.len();
+                        let add = |at: usize, x: &[T]| add_into(&mut out[at..at + x.len()], x);
+                        rx_visit(shared, self.conn(from), from, key, n, chunk, add).await?
+                    }
+                }
             }
-        }
-        Ok(())
+            Ok(())
+        };
+        self.drive(call.op.name(), call.start, call.deadline, async { tokio::try_join!(all_ok(sends), recvs).map(|_| ()) })
     }
 
     /// Ring all-gather in place: `out[ranges[rank]]` holds this rank's part; at step `s` it
-    /// forwards part `rank − s` to `rank + 1` and receives part `rank − s − 1` from `rank − 1`.
+    /// forwards part `rank − s` to `rank + 1` while it receives part `rank − s − 1` from
+    /// `rank − 1` straight into `out`.
     fn ring_gather<T: Elem>(&mut self, call: Call, step0: u32, ranges: &[Range<usize>], out: &mut [T]) -> Result<(), CollectiveError> {
-        let (n, op) = (self.world, call.op.name());
-        let (next, prev) = ((self.rank + 1) % n, (self.rank + n - 1) % n);
+        let (n, rank, shared) = (self.world, self.rank, &*self.shared);
+        let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
         for s in 0..n.saturating_sub(1) {
             let key = Key::Coll { seq: call.seq, step: step0 + s as u32 };
-            let (send_part, recv_part) = ((self.rank + n - s) % n, (self.rank + 2 * n - s - 1) % n);
-            self.send_data(next, key, &out[ranges[send_part].clone()], op, call.start, call.deadline)?;
-            let part = ranges[recv_part].clone();
-            let v = self.recv_data::<T>(prev, key, Some(part.len()), op, call.start, call.deadline)?;
-            out[part].copy_from_slice(&v);
+            let (send_part, recv_part) = ((rank + n - s) % n, (rank + 2 * n - s - 1) % n);
+            let (src, dst) = split_pair(out, ranges[send_part].clone(), ranges[recv_part].clone());
+            let send = tx(shared, self.conn(next), next, key, src);
+            let recv = rx_into(shared, self.conn(prev), prev, key, dst);
+            self.drive(call.op.name(), call.start, call.deadline, async { tokio::try_join!(send, recv).map(|_| ()) })?;
         }
         Ok(())
     }
 
-    fn all_reduce_generic<T: Elem>(&mut self, buf: &mut [T], op: Op, scratch: &mut Vec<T>) -> Result<(), CollectiveError> {
+    fn all_reduce_generic<T: Elem>(&mut self, buf: &mut [T], op: Op, scratch: &mut Scratch<T>) -> Result<(), CollectiveError> {
         let (call, descs) = self.enter(op, OpDesc { op: op as u8, lens: vec![buf.len() as u64], ends: vec![] })?;
         same(op, &descs, "a buffer of length", |d| d.lens.first().copied())?;
         let ranges = even_ranges(buf.len(), self.world);
         let mine = ranges[self.rank].clone();
-        scratch.clear();
-        scratch.resize(mine.len(), T::zeroed());
-        self.reduce_to_owner(call, 0, buf, &ranges, scratch)?;
-        buf[mine].copy_from_slice(scratch);
+        scratch.owned.clear();
+        scratch.owned.resize(mine.len(), T::zeroed());
+        self.reduce_to_owner(call, 0, buf, &ranges, &mut scratch.owned, &mut scratch.chunk)?;
+        buf[mine].copy_from_slice(&scratch.owned);
         self.ring_gather(call, 1, &ranges, buf)?;
         self.stats.record(ring_all_reduce_traffic(buf.len(), self.world, self.rank, T::BYTES));
         Ok(())
@@ -376,16 +511,13 @@ impl QuicComm {
         let deadline = Instant::now() + Duration::from_millis(self.timeout_ms.min(10_000));
         for (peer, conn) in self.conns.iter().enumerate() {
             if let Some(conn) = conn {
-                let bye = Control::Bye { streams: self.streams_sent[peer] };
+                let bye = Control::Bye { streams: self.shared.streams_sent[peer].load(Ordering::Relaxed) };
                 let _ = self.block_until(deadline, write_stream(conn, &bye, &[]));
             }
         }
-        let mut st = self.shared.lock();
-        while (0..self.world).any(|p| self.conns[p].is_some() && !st.bye_acked[p] && st.gone[p].is_none()) && Instant::now() < deadline {
-            let wait = deadline.saturating_duration_since(Instant::now());
-            st = self.shared.cv.wait_timeout(st, wait).unwrap_or_else(std::sync::PoisonError::into_inner).0;
-        }
-        drop(st);
+        let (shared, conns, world) = (&*self.shared, &self.conns, self.world);
+        let all_acked = shared.until(|st| (0..world).all(|p| conns[p].is_none() || st.bye_acked[p] || st.gone[p].is_some()).then_some(()));
+        let _ = self.block_until(deadline, all_acked);
         let _context = self.rt.enter();
         for conn in self.conns.iter().flatten() {
             conn.close(VarInt::from_u32(0), b"bye");
@@ -472,7 +604,10 @@ impl Collective for QuicComm {
         if let Some(r) = (0..self.world).find(|&r| descs[r].lens.get(1) != Some(&(ranges[r].len() as u64))) {
             return Err(mismatch(op, format!("rank {r} passed an output of {:?} for {} elements", descs[r].lens.get(1), ranges[r].len())));
         }
-        self.reduce_to_owner(call, 0, input, ranges, out)?;
+        let mut scratch = std::mem::take(&mut self.scratch_f32);
+        let r = self.reduce_to_owner(call, 0, input, ranges, out, &mut scratch.chunk);
+        self.scratch_f32 = scratch;
+        r?;
         self.stats.record(ring_reduce_scatter_traffic(ranges, self.rank, 4));
         Ok(())
     }
@@ -500,27 +635,32 @@ impl Collective for QuicComm {
         let op = Op::GatherSlices;
         let (call, descs) = self.enter(op, OpDesc { op: op as u8, lens: vec![input.len() as u64], ends: ends_of(ranges) })?;
         self.check_ranged(op, &descs, "an input of length", ranges, input.len())?;
-        for s in 1..self.world {
-            let to = (self.rank + s) % self.world;
-            self.send_data(to, Key::Coll { seq: call.seq, step: 0 }, &input[ranges[to].clone()], op.name(), call.start, call.deadline)?;
-        }
-        let mine = ranges[self.rank].clone();
-        // Received in rank order whatever the arrival order: the inbox holds early arrivals.
-        for from in 0..self.world {
-            if from == self.rank {
-                visit(from, &input[mine.clone()]);
-            } else {
-                let v = self.recv_data::<f32>(
-                    from,
-                    Key::Coll { seq: call.seq, step: 0 },
-                    Some(mine.len()),
-                    op.name(),
-                    call.start,
-                    call.deadline,
-                )?;
-                visit(from, &v);
+        let mut scratch = std::mem::take(&mut self.scratch_f32);
+        let (rank, world, shared) = (self.rank, self.world, &*self.shared);
+        let key = Key::Coll { seq: call.seq, step: 0 };
+        let sends: Vec<Step> = (1..world)
+            .map(|s| (rank + s) % world)
+            .map(|to| Box::pin(tx(shared, self.conn(to), to, key, &input[ranges[to].clone()])) as Step)
+            .collect();
+        let mine = ranges[rank].clone();
+        let slice = &mut scratch.owned;
+        // Received in rank order whatever the arrival order: later streams wait in QUIC's buffers.
+        let recvs = async {
+            for from in 0..world {
+                if from == rank {
+                    visit(from, &input[mine.clone()]);
+                } else {
+                    slice.clear();
+                    slice.resize(mine.len(), 0.0);
+                    rx_into(shared, self.conn(from), from, key, slice).await?;
+                    visit(from, slice);
+                }
             }
-        }
+            Ok(())
+        };
+        let r = self.drive(op.name(), call.start, call.deadline, async { tokio::try_join!(all_ok(sends), recvs).map(|_| ()) });
+        self.scratch_f32 = scratch;
+        r?;
         self.stats.record(gather_slices_traffic(ranges, self.rank, 4));
         Ok(())
     }
@@ -531,21 +671,34 @@ impl Collective for QuicComm {
         same(op, &descs, "root", |d| d.lens.get(1).copied())?;
         same(op, &descs, "a buffer of length", |d| d.lens.first().copied())?;
         self.check_rank(op.name(), "root", root)?;
-        let n = self.world;
-        let pos = (self.rank + n - root) % n;
-        let (next, prev) = ((self.rank + 1) % n, (self.rank + n - 1) % n);
-        for (k, lo) in (0..buf.len()).step_by(PIECE_ELEMS).enumerate() {
-            let piece = lo..(lo + PIECE_ELEMS).min(buf.len());
-            let key = Key::Coll { seq: call.seq, step: k as u32 };
-            if pos > 0 {
-                let v = self.recv_data::<f32>(prev, key, Some(piece.len()), op.name(), call.start, call.deadline)?;
-                buf[piece.clone()].copy_from_slice(&v);
-            }
-            if pos + 1 < n {
-                self.send_data(next, key, &buf[piece], op.name(), call.start, call.deadline)?;
+        let (n, rank, shared) = (self.world, self.rank, &*self.shared);
+        let pos = (rank + n - root) % n;
+        let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+        let len = buf.len();
+        let piece = |k: usize| (k * PIECE_ELEMS).min(len)..((k + 1) * PIECE_ELEMS).min(len);
+        let pieces = len.div_ceil(PIECE_ELEMS);
+        let key = |k: usize| Key::Coll { seq: call.seq, step: k as u32 };
+        // Step k receives piece k from the previous rank while forwarding piece k − 1.
+        for k in 0..=pieces {
+            let (recv_k, send_k) = ((pos > 0 && k < pieces).then_some(k), (pos + 1 < n && k > 0).then(|| k - 1));
+            let (done, rest) = buf.split_at_mut(piece(k).start);
+            let send = async {
+                match send_k {
+                    Some(j) => tx(shared, self.conn(next), next, key(j), &done[piece(j)]).await,
+                    None => Ok(()),
+                }
+            };
+            let recv = async {
+                match recv_k {
+                    Some(j) => rx_into(shared, self.conn(prev), prev, key(j), &mut rest[..piece(j).len()]).await,
+                    None => Ok(()),
+                }
+            };
+            if recv_k.is_some() || send_k.is_some() {
+                self.drive(op.name(), call.start, call.deadline, async { tokio::try_join!(send, recv).map(|_| ()) })?;
             }
         }
-        self.stats.record(chain_broadcast_traffic(buf.len(), n, root, self.rank, 4));
+        self.stats.record(chain_broadcast_traffic(len, n, root, self.rank, 4));
         Ok(())
     }
 
@@ -556,24 +709,21 @@ impl Collective for QuicComm {
         if let Some(r) = descs.iter().position(|d| d.lens.first() != Some(&(world as u64))) {
             return Err(mismatch(op, format!("rank {r} passed {:?} send buffers for a world of {world}", descs[r].lens.first())));
         }
-        for s in 1..world {
-            let to = (self.rank + s) % world;
-            self.send_data(to, Key::Coll { seq: call.seq, step: 0 }, send[to], op.name(), call.start, call.deadline)?;
-        }
-        let mut recv = Vec::with_capacity(world);
-        for (from, mine) in send.iter().enumerate() {
-            match from == self.rank {
-                true => recv.push(mine.to_vec()),
-                false => recv.push(self.recv_data::<f32>(
-                    from,
-                    Key::Coll { seq: call.seq, step: 0 },
-                    None,
-                    op.name(),
-                    call.start,
-                    call.deadline,
-                )?),
+        let (rank, shared) = (self.rank, &*self.shared);
+        let key = Key::Coll { seq: call.seq, step: 0 };
+        let sends: Vec<Step> =
+            (1..world).map(|s| (rank + s) % world).map(|to| Box::pin(tx(shared, self.conn(to), to, key, send[to])) as Step).collect();
+        let recvs = async {
+            let mut recv = Vec::with_capacity(world);
+            for (from, mine) in send.iter().enumerate() {
+                match from == rank {
+                    true => recv.push(mine.to_vec()),
+                    false => recv.push(rx_vec::<f32>(shared, self.conn(from), from, key).await?),
+                }
             }
-        }
+            Ok(recv)
+        };
+        let recv = self.drive(op.name(), call.start, call.deadline, async { tokio::try_join!(all_ok(sends), recvs).map(|(_, r)| r) })?;
         let others =
             |lens: &mut dyn Iterator<Item = usize>| lens.enumerate().filter(|&(r, _)| r != self.rank).map(|(_, n)| n as u64 * 4).sum();
         let bytes_sent = others(&mut send.iter().map(|s| s.len()));
@@ -589,10 +739,11 @@ impl Collective for QuicComm {
         let key = Key::P2p { tag, n };
         if to == self.rank {
             self.shared.lock().msgs.insert((to, key), Delivery::Data(Payload::F32(data.to_vec())));
-            self.shared.cv.notify_all();
+            self.shared.changed();
         } else {
             let start = Instant::now();
-            self.send_data(to, key, data, "send", start, start + Duration::from_millis(self.timeout_ms))?;
+            let deadline = start + Duration::from_millis(self.timeout_ms);
+            self.drive("send", start, deadline, tx(&self.shared, self.conn(to), to, key, data))?;
         }
         self.p2p_sent.insert((to, tag), n + 1);
         let bytes_sent = if to == self.rank { 0 } else { data.len() as u64 * 4 };
@@ -604,7 +755,10 @@ impl Collective for QuicComm {
         self.check_rank("recv", "source", from)?;
         let n = *self.p2p_next.get(&(from, tag)).unwrap_or(&0);
         let start = Instant::now();
-        let data = self.recv_data::<f32>(from, Key::P2p { tag, n }, None, "recv", start, start + Duration::from_millis(self.timeout_ms))?;
+        let key = Key::P2p { tag, n };
+        let data = self.drive("recv", start, start + Duration::from_millis(self.timeout_ms), async {
+            take_data::<f32>(from, key, self.shared.wait_for(from, key).await?, None)
+        })?;
         self.p2p_next.insert((from, tag), n + 1);
         let bytes_received = if from == self.rank { 0 } else { data.len() as u64 * 4 };
         self.stats.record(Traffic { bytes_sent: 0, bytes_received });

@@ -11,8 +11,9 @@
 //! end of stream (any trailing byte is an error)
 //! ```
 //!
-//! Payload bytes are read straight into the destination `Vec<f32>`/`Vec<f64>` (so they are
-//! aligned), and the byte order is the host's: the backend assumes little-endian hosts (x86-64,
+//! Payload bytes are read straight into their destination — the caller's tensor
+//! ([`read_payload_into`]), a reused chunk buffer ([`read_payload_visit`]) or a new
+//! `Vec<f32>`/`Vec<f64>` — so they are aligned and copied once; the byte order is the host's: the backend assumes little-endian hosts (x86-64,
 //! aarch64). QUIC's AEAD already protects against tampering on the wire; the per-chunk CRC32C
 //! catches framing bugs and memory corruption between the socket and the tensor.
 
@@ -22,8 +23,13 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Largest accepted control header, in bytes.
 pub const FRAME_BYTES_MAX: usize = 1 << 20;
-/// Largest payload chunk, in bytes (the sender uses exactly this size but for the last chunk).
+/// Largest payload chunk accepted, in bytes.
 pub const CHUNK_BYTES_MAX: usize = 1 << 20;
+/// Payload chunk the sender writes (all but the last chunk have exactly this size): 256 KiB stays
+/// in a core's L2 cache between computing its checksum and copying it, on both sides.
+pub const SEND_CHUNK_BYTES: usize = 256 << 10;
+/// Messages up to this size (header, one chunk prefix and payload) are written in one piece.
+pub const COALESCE_BYTES_MAX: usize = 16 << 10;
 /// Largest payload of one message, in bytes (16 GiB).
 pub const MESSAGE_BYTES_MAX: u64 = 1 << 34;
 /// Most payload memory reserved before any chunk arrived (larger payloads grow as chunks come).
@@ -98,14 +104,6 @@ pub enum FrameError {
     Io(#[from] std::io::Error),
 }
 
-fn elem_bytes(elem: u8) -> Option<usize> {
-    match elem {
-        ELEM_F32 => Some(4),
-        ELEM_F64 => Some(8),
-        _ => None,
-    }
-}
-
 /// Serialises a control header (rkyv).
 pub fn encode_control(control: &Control) -> Vec<u8> {
     // Serialising plain owned data into a growable buffer cannot fail.
@@ -122,19 +120,38 @@ pub fn decode_control(bytes: &[u8]) -> Result<Control, FrameError> {
     rkyv::from_bytes::<Control, rancor::Error>(&aligned).map_err(|e| FrameError::Malformed { detail: e.to_string() })
 }
 
-/// Writes one message: its header and, for `Control::Data`, `payload` in checksummed chunks.
+/// Writes one message: its header and, for `Control::Data`, `payload` in checksummed chunks of
+/// [`SEND_CHUNK_BYTES`]. A message of at most [`COALESCE_BYTES_MAX`] goes out in a single write
+/// (one QUIC packet on the wire), so a small message never waits for a second wake-up of the
+/// connection. A large payload is written chunk by chunk: each chunk's checksum is computed right
+/// before QUIC copies it, while it is still in the core's cache.
 pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, control: &Control, payload: &[u8]) -> std::io::Result<()> {
     let header = encode_control(control);
-    w.write_all(&(header.len() as u32).to_le_bytes()).await?;
-    w.write_all(&header).await?;
-    for chunk in payload.chunks(CHUNK_BYTES_MAX) {
-        let mut prefix = [0u8; 8];
-        prefix[..4].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
-        prefix[4..].copy_from_slice(&crc32c::crc32c(chunk).to_le_bytes());
-        w.write_all(&prefix).await?;
+    let small = 4 + header.len() + 8 + payload.len() <= COALESCE_BYTES_MAX;
+    let mut head = Vec::with_capacity(4 + header.len() + if small { 8 + payload.len() } else { 0 });
+    head.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    head.extend_from_slice(&header);
+    if small {
+        for chunk in payload.chunks(SEND_CHUNK_BYTES) {
+            head.extend_from_slice(&chunk_prefix(chunk));
+            head.extend_from_slice(chunk);
+        }
+        return w.write_all(&head).await;
+    }
+    w.write_all(&head).await?;
+    for chunk in payload.chunks(SEND_CHUNK_BYTES) {
+        w.write_all(&chunk_prefix(chunk)).await?;
         w.write_all(chunk).await?;
     }
     Ok(())
+}
+
+/// `[u32 LE length][u32 LE crc32c]` of one payload chunk.
+fn chunk_prefix(chunk: &[u8]) -> [u8; 8] {
+    let mut prefix = [0u8; 8];
+    prefix[..4].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
+    prefix[4..].copy_from_slice(&crc32c::crc32c(chunk).to_le_bytes());
+    prefix
 }
 
 async fn read_exact<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8], what: &'static str) -> Result<(), FrameError> {
@@ -153,36 +170,76 @@ async fn read_u32<R: AsyncRead + Unpin>(r: &mut R, what: &'static str) -> Result
 
 /// Reads one whole message (header, payload, end of stream), validating everything.
 pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Control, Option<Payload>), FrameError> {
+    let control = read_header(r).await?;
+    let payload = read_body(r, &control).await?;
+    Ok((control, payload))
+}
+
+/// Reads what follows `control`'s header: the payload of a `Data` message into a new vector,
+/// then the end of the stream.
+pub async fn read_body<R: AsyncRead + Unpin>(r: &mut R, control: &Control) -> Result<Option<Payload>, FrameError> {
+    let payload = match control {
+        Control::Data { elem, elems, .. } => Some(read_payload(r, *elem, *elems).await?),
+        _ => None,
+    };
+    read_end(r).await?;
+    Ok(payload)
+}
+
+/// Reads and validates a message's control header; a `Data` payload follows (read it with
+/// [`read_body`], [`read_payload_into`], [`read_payload_visit`] or [`read_payload_vec`]).
+pub async fn read_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Control, FrameError> {
     let header_len = read_u32(r, "the header length").await? as usize;
     if header_len > FRAME_BYTES_MAX {
         return Err(FrameError::Oversized { what: "control header", bytes: header_len as u64, limit: FRAME_BYTES_MAX as u64 });
     }
     let mut header = vec![0u8; header_len];
     read_exact(r, &mut header, "the control header").await?;
-    let control = decode_control(&header)?;
-    let payload = match &control {
-        Control::Data { elem, elems, .. } => Some(read_payload(r, *elem, *elems).await?),
-        _ => None,
-    };
+    decode_control(&header)
+}
+
+/// Checks that the stream ends here (any further byte is an error).
+pub async fn read_end<R: AsyncRead + Unpin>(r: &mut R) -> Result<(), FrameError> {
     let mut extra = [0u8; 64];
     match r.read(&mut extra).await? {
-        0 => Ok((control, payload)),
+        0 => Ok(()),
         n => Err(FrameError::Trailing { extra: n }),
     }
 }
 
 async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, elem: u8, elems: u64) -> Result<Payload, FrameError> {
-    let Some(size) = elem_bytes(elem) else {
-        return Err(FrameError::Malformed { detail: format!("unknown element type {elem}") });
-    };
-    let total = elems.saturating_mul(size as u64);
-    if total > MESSAGE_BYTES_MAX {
-        return Err(FrameError::Oversized { what: "payload", bytes: total, limit: MESSAGE_BYTES_MAX });
-    }
     match elem {
-        ELEM_F32 => Ok(Payload::F32(read_chunks(r, elems).await?)),
-        _ => Ok(Payload::F64(read_chunks(r, elems).await?)),
+        ELEM_F32 => Ok(Payload::F32(read_chunks_vec(r, elems).await?)),
+        ELEM_F64 => Ok(Payload::F64(read_chunks_vec(r, elems).await?)),
+        _ => Err(FrameError::Malformed { detail: format!("unknown element type {elem}") }),
     }
+}
+
+/// Reads a payload of exactly `dest.len()` values straight into `dest`, then the end of the stream.
+/// The caller has checked the header's element type and count against `dest`.
+pub async fn read_payload_into<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, dest: &mut [T]) -> Result<(), FrameError> {
+    read_chunks(r, dest.len(), &mut IntoSlice(dest)).await?;
+    read_end(r).await
+}
+
+/// Reads a payload of `elems` values chunk by chunk through `buf` (at most one chunk in memory,
+/// reused across calls), handing each checked chunk to `f(offset, values)`; then the end of the stream.
+pub async fn read_payload_visit<R: AsyncRead + Unpin, T: bytemuck::Pod>(
+    r: &mut R,
+    elems: usize,
+    buf: &mut Vec<T>,
+    f: impl FnMut(usize, &[T]),
+) -> Result<(), FrameError> {
+    read_chunks(r, elems, &mut Visit { buf, f }).await?;
+    read_end(r).await
+}
+
+/// Reads a payload of `elems` values into a new vector (bounded by [`MESSAGE_BYTES_MAX`]), then
+/// the end of the stream.
+pub async fn read_payload_vec<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
+    let v = read_chunks_vec(r, elems).await?;
+    read_end(r).await?;
+    Ok(v)
 }
 
 /// How many elements to reserve before the first chunk of a `total_bytes` payload arrives.
@@ -190,33 +247,88 @@ fn reserve_elems(total_bytes: usize, size: usize) -> usize {
     total_bytes.min(PREALLOC_BYTES_MAX) / size
 }
 
-/// Reads `elems` values of `T` from checksummed chunks, straight into the (aligned) result.
-/// The result grows only as chunks arrive (at most [`PREALLOC_BYTES_MAX`] reserved up front), so a
-/// header announcing a huge payload cannot make the receiver allocate memory it never fills.
-async fn read_chunks<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
+/// Reads `elems` values of `T` into a new (aligned) vector. It grows only as chunks arrive (at
+/// most [`PREALLOC_BYTES_MAX`] reserved up front), so a header announcing a huge payload cannot
+/// make the receiver allocate memory it never fills.
+async fn read_chunks_vec<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
     let size = std::mem::size_of::<T>();
-    let total_bytes = elems as usize * size; // ≤ MESSAGE_BYTES_MAX, checked by the caller
-    let mut out: Vec<T> = Vec::with_capacity(reserve_elems(total_bytes, size));
-    let mut index = 0u64;
-    while out.len() * size < total_bytes {
+    let total = elems.saturating_mul(size as u64);
+    if total > MESSAGE_BYTES_MAX {
+        return Err(FrameError::Oversized { what: "payload", bytes: total, limit: MESSAGE_BYTES_MAX });
+    }
+    let mut grow = Grow(Vec::with_capacity(reserve_elems(total as usize, size)));
+    read_chunks(r, elems as usize, &mut grow).await?;
+    Ok(grow.0)
+}
+
+/// Where the chunks of a payload land.
+trait Sink<T> {
+    /// The `n` values starting at value `at` of the payload, to be filled by the next chunk.
+    fn slot(&mut self, at: usize, n: usize) -> &mut [T];
+    /// The chunk in `slot(at, n)` has arrived and passed its checksum.
+    fn filled(&mut self, at: usize, n: usize);
+}
+
+struct IntoSlice<'a, T>(&'a mut [T]);
+
+impl<T> Sink<T> for IntoSlice<'_, T> {
+    fn slot(&mut self, at: usize, n: usize) -> &mut [T] {
+        &mut self.0[at..at + n]
+    }
+    fn filled(&mut self, _: usize, _: usize) {}
+}
+
+struct Grow<T>(Vec<T>);
+
+impl<T: bytemuck::Pod> Sink<T> for Grow<T> {
+    fn slot(&mut self, at: usize, n: usize) -> &mut [T] {
+        self.0.resize(at + n, T::zeroed());
+        &mut self.0[at..]
+    }
+    fn filled(&mut self, _: usize, _: usize) {}
+}
+
+struct Visit<'a, T, F> {
+    buf: &'a mut Vec<T>,
+    f: F,
+}
+
+impl<T: bytemuck::Pod, F: FnMut(usize, &[T])> Sink<T> for Visit<'_, T, F> {
+    fn slot(&mut self, _: usize, n: usize) -> &mut [T] {
+        self.buf.resize(n, T::zeroed());
+        &mut self.buf[..n]
+    }
+    fn filled(&mut self, at: usize, n: usize) {
+        (self.f)(at, &self.buf[..n]);
+    }
+}
+
+/// Reads the checksummed chunks of a payload of `elems` values of `T` into `sink`. Every chunk
+/// is validated (non-empty, ≤ [`CHUNK_BYTES_MAX`], within the announced size, whole values)
+/// before a byte of it is read, and its checksum before it is handed on.
+async fn read_chunks<R: AsyncRead + Unpin, T: bytemuck::Pod, S: Sink<T>>(r: &mut R, elems: usize, sink: &mut S) -> Result<(), FrameError> {
+    let size = std::mem::size_of::<T>();
+    let (mut at, mut index) = (0usize, 0u64);
+    while at < elems {
         let len = read_u32(r, "a chunk length").await? as usize;
         let want = read_u32(r, "a chunk checksum").await?;
-        let left = total_bytes - out.len() * size;
+        let left = (elems - at) * size;
         if len == 0 || len > CHUNK_BYTES_MAX || len > left || len % size != 0 {
             let detail = format!("length {len} (limit {CHUNK_BYTES_MAX}, {left} bytes left, element size {size})");
             return Err(FrameError::BadChunk { index, detail });
         }
-        let at = out.len();
-        out.resize(at + len / size, T::zeroed());
-        let chunk: &mut [u8] = bytemuck::cast_slice_mut(&mut out[at..]);
+        let n = len / size;
+        let chunk: &mut [u8] = bytemuck::cast_slice_mut(sink.slot(at, n));
         read_exact(r, chunk, "a chunk").await?;
         let got = crc32c::crc32c(chunk);
         if got != want {
             return Err(FrameError::Checksum { index, got, want });
         }
+        sink.filled(at, n);
+        at += n;
         index += 1;
     }
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]
@@ -305,6 +417,93 @@ mod tests {
         assert!(matches!(decode(&longer), Err(FrameError::Trailing { extra: 1 })));
         let bad_elem = Control::Data { key: Key::Desc { seq: 0 }, elem: 9, elems: 1 };
         assert!(matches!(decode(&encode(&bad_elem, &[0; 4])), Err(FrameError::Malformed { .. })));
+    }
+
+    /// Splits a wire message after its header, as a receiver that reads the header first sees it.
+    fn after_header(wire: &[u8]) -> (Control, &[u8]) {
+        let mut r = wire;
+        let control = block_on(read_header(&mut r)).expect("a valid header");
+        (control, r)
+    }
+
+    #[test]
+    fn payloads_read_into_place_and_by_chunk_match_the_sent_values() {
+        let n = SEND_CHUNK_BYTES / 4 * 5 + 7; // six chunks, the last partial
+        let (_, v, wire) = data_message(n);
+        let (_, mut body) = after_header(&wire);
+        let mut dest = vec![0f32; n];
+        block_on(read_payload_into(&mut body, &mut dest)).unwrap();
+        assert_eq!(dest, v);
+
+        let (_, mut body) = after_header(&wire);
+        let (mut seen, mut chunk) = (vec![f32::NAN; n], Vec::new());
+        let mut pieces = 0;
+        block_on(read_payload_visit(&mut body, n, &mut chunk, |at, x| {
+            seen[at..at + x.len()].copy_from_slice(x);
+            pieces += 1;
+        }))
+        .unwrap();
+        assert_eq!((seen, pieces), (v.clone(), 6));
+        assert!(chunk.len() <= CHUNK_BYTES_MAX / 4);
+
+        let (_, mut body) = after_header(&wire);
+        assert_eq!(block_on(read_payload_vec::<_, f32>(&mut body, n as u64)).unwrap(), v);
+    }
+
+    #[test]
+    fn payloads_read_into_place_are_still_validated() {
+        let (_, _, wire) = data_message(SEND_CHUNK_BYTES / 4 + 3);
+        let mut flipped = wire.clone();
+        *flipped.last_mut().unwrap() ^= 0x80;
+        let (_, mut body) = after_header(&flipped);
+        let mut dest = vec![0f32; SEND_CHUNK_BYTES / 4 + 3];
+        assert!(matches!(block_on(read_payload_into(&mut body, &mut dest)), Err(FrameError::Checksum { index: 1, .. })));
+        let mut longer = wire.clone();
+        longer.extend_from_slice(&[1, 2]);
+        let (_, mut body) = after_header(&longer);
+        assert!(matches!(block_on(read_payload_into(&mut body, &mut dest)), Err(FrameError::Trailing { extra: 2 })));
+        let (_, mut body) = after_header(&wire[..wire.len() - 5]);
+        assert!(matches!(block_on(read_payload_into(&mut body, &mut dest)), Err(FrameError::Truncated { .. })));
+        // A chunk longer than what is left of the payload is refused before it is read.
+        let (_, mut body) = after_header(&wire);
+        let mut short = vec![0f32; 10];
+        assert!(matches!(block_on(read_payload_into(&mut body, &mut short)), Err(FrameError::BadChunk { index: 0, .. })));
+        let (_, mut body) = after_header(&wire);
+        let huge = MESSAGE_BYTES_MAX / 4 + 1;
+        assert!(matches!(block_on(read_payload_vec::<_, f32>(&mut body, huge)), Err(FrameError::Oversized { .. })));
+    }
+
+    /// Counts the writes a message takes.
+    struct CountingWriter(Vec<u8>, usize);
+
+    impl AsyncWrite for CountingWriter {
+        fn poll_write(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            b: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            self.0.extend_from_slice(b);
+            self.1 += 1;
+            std::task::Poll::Ready(Ok(b.len()))
+        }
+        fn poll_flush(self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    #[test]
+    fn a_small_message_is_one_write_and_a_large_one_is_chunked() {
+        let (c, v, wire) = data_message(16);
+        let mut w = CountingWriter(Vec::new(), 0);
+        block_on(write_message(&mut w, &c, bytemuck::cast_slice(&v))).unwrap();
+        assert_eq!((w.0, w.1), (wire, 1));
+        let (c, v, wire) = data_message(SEND_CHUNK_BYTES / 4 * 2);
+        let mut w = CountingWriter(Vec::new(), 0);
+        block_on(write_message(&mut w, &c, bytemuck::cast_slice(&v))).unwrap();
+        assert_eq!((w.0, w.1), (wire, 1 + 2 * 2));
     }
 
     /// Found by `fuzz/` (quic_frame): a header-only message announcing gigabytes of f32 values made

@@ -1,12 +1,12 @@
 //! The QUIC backend: ranks in different processes or hosts exchange tensors over QUIC (quinn)
-//! with mutual TLS (rustls, ring) against a cluster CA, implementing [`Collective`].
+//! with mutual TLS (rustls, ring) against a cluster CA, implementing [`Collective`](crate::collective::Collective).
 //!
 //! # Pieces
 //! - [`pki`]: [`cluster_init`] writes the cluster CA and one certificate per node name;
 //!   [`NodeTls`] loads a node's identity and builds rustls configs that *require* a client
 //!   certificate signed by the cluster CA (a foreign CA's certificate fails the handshake).
 //! - [`frame`]: one message per unidirectional stream; an rkyv control header checked with
-//!   bytecheck, then raw f32/f64 bytes in chunks with a CRC32C each. Limits are named
+//!   bytecheck, then raw f32/f64 bytes in chunks with a CRC32C each, read into place. Limits are named
 //!   ([`frame::FRAME_BYTES_MAX`], [`frame::CHUNK_BYTES_MAX`], [`frame::MESSAGE_BYTES_MAX`]); a
 //!   malformed, oversized or checksum-failing frame closes that peer's connection with a logged
 //!   reason (stderr) and the peer is reported as gone — never a panic.
@@ -16,19 +16,27 @@
 //!   `names[rank]`, then answers; the dialer's TLS checks the acceptor's name by SNI.
 //!
 //! # Runtime
-//! The trait is synchronous. Each `QuicComm` owns a multi-thread tokio runtime with two worker
-//! threads that drive the endpoint, one reader task per peer and one task per incoming stream;
-//! readers file complete messages into an inbox (mutex + condvar) keyed by (sender, key). The
-//! caller's thread sends with `Runtime::block_on` (returning once QUIC has the bytes) and
-//! receives by waiting on the condvar. Every wait is bounded by the handle's `timeout_ms`; a
-//! timeout aborts the group and tells the peers (an `Abort` message), as does
-//! [`AbortHandle::abort`](crate::collective::AbortHandle::abort).
+//! The trait is synchronous. Each `QuicComm` owns a multi-thread tokio runtime
+//! ([`net::runtime_workers`]: one worker thread on hosts with fewer than 4 cores, else two) that
+//! drives the endpoint, one reader task per peer and one task per incoming stream. A reader
+//! task reads each stream's header; it files a collective's payload as the open stream, and
+//! every other message (descriptors, point-to-point data, control) whole, in an inbox keyed by
+//! (sender, key). The caller's thread runs each step of an algorithm — its sends and its
+//! receives together — as one future with `Runtime::block_on`, so a rank always reads while it
+//! writes (no deadlock whatever the message sizes), and it reads a collective's payload from
+//! the QUIC stream straight into the destination tensor (or, when reducing, chunk by chunk into
+//! a reused 256 KiB buffer that is added in at once). Waiting on the inbox is a `Notify`, not a
+//! blocked thread. Every wait is bounded by the handle's `timeout_ms`; a timeout aborts the
+//! group and tells the peers (an `Abort` message), as does
+//! [`AbortHandle::abort`](crate::collective::AbortHandle::abort), which also ends any step in
+//! progress.
 //!
 //! # Algorithms and accounting
 //! Every collective opens with a descriptor round (each rank sends its operation, lengths and
 //! ranges to every peer) so that all ranks judge disagreement on the same data and report
 //! `Mismatch` alike; this round is the barrier. Then:
-//! - all-gather: a ring (step `s`: forward part `r−s` to `r+1`); bytes exactly as modelled.
+//! - all-gather: a ring (step `s`: forward part `r−s` to `r+1` while part `r−s−1` arrives from
+//!   `r−1`); bytes exactly as modelled.
 //! - reduce-scatter: every rank sends each owner its slice directly and the owner sums in rank
 //!   order. A summing ring cannot honour the rank-order determinism rule (the chain for part
 //!   `k` would start at rank `k+1`), and the direct exchange sends exactly the ring's bytes
@@ -41,18 +49,18 @@
 //!
 //! Stats follow [`crate::collective`]'s model exactly (the same functions as the in-process
 //! backend). Leaving (drop) announces how many streams were sent to each peer and waits for
-//! each to confirm it filed them, so buffered sends are never lost.
+//! each to confirm it has received (and, for collective payloads, read) them all, so buffered
+//! sends are never lost.
 //!
-//! # Transport tuning (bulk tensors on a LAN)
-//! - Stream receive window 16 MiB, connection window and send buffer 64 MiB: one large tensor
-//!   streams at full rate up to ~10 Gb/s × 10 ms RTT without waiting for window updates, and a
-//!   ring step plus point-to-point traffic fit at once. Memory is bounded by these per peer.
-//! - 1024 concurrent unidirectional streams (one per message in flight), no bidirectional.
-//! - Congestion control: Cubic with a 1 MiB initial window. Cubic is quinn's mature default and
-//!   fills a low-loss datacenter link quickly; quinn's BBR is marked experimental, and our
-//!   traffic is not latency-sensitive enough to need BBR's queue control.
-//! - MTU discovery up to 8952 bytes (jumbo frames where the path allows, 1452 otherwise),
-//!   keep-alive every 2 s and a 15 s idle timeout, which is how a silent dead peer is noticed.
+//! # Transport tuning (bulk tensors)
+//! The settings and the reason for each are documented on [`net::transport_config`]: 64 KiB
+//! packets where the path allows (path-MTU discovery up to 65 507 bytes, with
+//! [`net::GsoSplit`] cutting segmentation-offload batches that a single `sendmsg` cannot carry),
+//! 16 MiB stream / 64 MiB connection windows, one stream per message, Cubic with a 1 MiB
+//! initial window, keep-alive every 2 s and a 15 s idle timeout (how a silent dead peer is
+//! noticed). [`net::tune_allocator`] keeps glibc from trimming and re-faulting the heap that
+//! quinn's per-packet buffers cycle through. Measurements: `docs/PERFORMANCE.md`, section
+//! "QUIC collectives between processes".
 //!
 //! Hosts must be little-endian (payloads are the in-memory bytes).
 
