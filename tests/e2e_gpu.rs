@@ -34,6 +34,21 @@ fn gpu_count() -> Result<usize, String> {
     tessera_kernels::cuda::device_count().map_err(|e| e.to_string())
 }
 
+/// The number of GPUs, or `None` after printing why the test is skipped.
+fn gpus_or_skip() -> Option<usize> {
+    match gpu_count() {
+        Ok(n) if n >= 1 => Some(n),
+        Ok(_) => {
+            println!("skipped: no CUDA device on this machine");
+            None
+        }
+        Err(e) => {
+            println!("skipped: {e}");
+            None
+        }
+    }
+}
+
 fn cuda_args<'a>(config: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut a = vec!["train", "--config", config, "--device", "cuda", "--output", out, "--no-progress"];
     a.extend_from_slice(extra);
@@ -139,17 +154,7 @@ fn device_cuda_checks_the_device_budget_at_start() {
 /// under a device budget the run without offload exceeds.
 #[test]
 fn gpu_optimizer_offload_gives_the_same_bits() {
-    let n = match gpu_count() {
-        Ok(n) if n >= 1 => n,
-        Ok(_) => {
-            println!("skipped: no CUDA device on this machine");
-            return;
-        }
-        Err(e) => {
-            println!("skipped: {e}");
-            return;
-        }
-    };
+    let Some(n) = gpus_or_skip() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let cfg = write(tmp.path(), "gpu.json", CONFIG);
     let cfg = cfg.to_str().unwrap();
@@ -203,17 +208,7 @@ fn gpu_optimizer_offload_gives_the_same_bits() {
 
 #[test]
 fn gpu_training_learns_resumes_and_matches_across_gpu_counts() {
-    let n = match gpu_count() {
-        Ok(n) if n >= 1 => n,
-        Ok(_) => {
-            println!("skipped: no CUDA device on this machine");
-            return;
-        }
-        Err(e) => {
-            println!("skipped: {e}");
-            return;
-        }
-    };
+    let Some(n) = gpus_or_skip() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let cfg = write(tmp.path(), "gpu.json", CONFIG);
     let cfg = cfg.to_str().unwrap();

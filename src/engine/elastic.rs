@@ -62,7 +62,7 @@ use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
 
 use super::plan::Plan;
 use super::ranks::{OptimBuffers, RankCounters, Start};
-use super::remote::{describe_exit, node_name, prepare_dir, send_start, spawn_worker, EXIT_TIMEOUT_MS, STARTUP_TIMEOUT_MS};
+use super::remote::{self, describe_exit, node_name, prepare_dir, send_start, spawn_worker, EXIT_TIMEOUT_MS, STARTUP_TIMEOUT_MS};
 use super::wire::{self, Snapshot, ToParent, ToWorker, Wait, WireError};
 use crate::config::{Config, ElasticRun};
 use crate::data::Dataset;
@@ -717,18 +717,31 @@ impl Fleet {
         shared.epoch.store(epoch, Ordering::SeqCst);
         *relock(&shared.members) = next.iter().map(|m| m.id).collect();
         let mut addrs = Vec::with_capacity(world);
+        // Members that answered `Epoch` owe a final `Ready`/`Failed`; if the formation stops
+        // half-way those answers are settled before anything else is asked of them.
+        let mut owing: Vec<(Arc<Member>, bool)> = Vec::with_capacity(world);
         for (r, m) in next.iter().enumerate() {
             let mut link = relock(&m.link);
             let msg = ToWorker::Epoch { epoch, rank: r as u64, world: world as u64 };
-            match self.request(m, &mut link, &msg, "EpochAddr") {
-                Ok(ToParent::EpochAddr { quic_addr }) => addrs.push(quic_addr),
+            let failed = match self.request(m, &mut link, &msg, "EpochAddr") {
+                Ok(ToParent::EpochAddr { quic_addr }) => {
+                    addrs.push(quic_addr);
+                    owing.push((Arc::clone(m), false));
+                    continue;
+                }
                 Ok(ToParent::Failed { error }) => {
                     shared.loss(m.id, &format!("worker {} could not start epoch {epoch}: {error}", m.id));
-                    return Ok(None);
+                    None
                 }
-                Ok(other) => bail!("worker {} answered Epoch with {other:?}", m.id),
-                Err(_) => return Ok(None),
-            }
+                Ok(other) => Some(format!("worker {} answered Epoch with {other:?}", m.id)),
+                Err(_) => None,
+            };
+            drop(link);
+            self.settle_epoch(&owing);
+            return match failed {
+                Some(e) => Err(anyhow::anyhow!(e)),
+                None => Ok(None),
+            };
         }
         let names: Vec<String> = next.iter().map(|m| node_name(m.id as usize)).collect();
         for (r, m) in next.iter().enumerate() {
@@ -736,22 +749,34 @@ impl Fleet {
             let sent = wire::send(&mut link.stream, &ToWorker::Mesh { addrs: addrs.clone(), names: names.clone() })
                 .map_err(anyhow::Error::from)
                 .and_then(|()| send_start(&mut link.stream, &plan, &start, r));
+            owing[r].1 = true;
             if let Err(e) = sent {
                 shared.loss(m.id, &format!("worker {} (pid {}): sending its state: {e:#}", m.id, m.pid));
+                drop(link);
+                self.settle_epoch(&owing);
                 return Ok(None);
             }
         }
-        for m in &next {
+        for (k, m) in next.iter().enumerate() {
             let mut link = relock(&m.link);
-            match recv_reply(&shared, m, &mut link, "Ready") {
-                Ok(ToParent::Ready { snapshot }) => link.snapshot = snapshot,
+            let failed = match recv_reply(&shared, m, &mut link, "Ready") {
+                Ok(ToParent::Ready { snapshot }) => {
+                    link.snapshot = snapshot;
+                    continue;
+                }
                 Ok(ToParent::Failed { error }) => {
                     shared.loss(m.id, &format!("worker {} could not join epoch {epoch}: {error}", m.id));
-                    return Ok(None);
+                    None
                 }
-                Ok(other) => bail!("worker {} answered its epoch state with {other:?}", m.id),
-                Err(_) => return Ok(None),
-            }
+                Ok(other) => Some(format!("worker {} answered its epoch state with {other:?}", m.id)),
+                Err(_) => None,
+            };
+            drop(link);
+            self.settle_epoch(&owing[k + 1..]);
+            return match failed {
+                Some(e) => Err(anyhow::anyhow!(e)),
+                None => Ok(None),
+            };
         }
         // 5. Draining workers leave; the new epoch takes over.
         for d in &draining {
@@ -773,6 +798,28 @@ impl Fleet {
         }
         let computes = self.computes();
         Ok(Some(Reconfigured { plan, computes, step: start.step, source, losses: 0, drained: draining.len(), joined }))
+    }
+
+    /// After an epoch formation that stopped half-way: each member in `owing` answered `Epoch`
+    /// and still owes its final `Ready` or `Failed`. One not yet sent the addresses (`false`)
+    /// is woken with a `Ping`, which ends its wait for them (it answers `Failed`); one that got
+    /// them answers once its mesh forms or times out. Those answers are read and dropped, so
+    /// the next request's reply is its own; a member that does not answer is lost.
+    fn settle_epoch(&self, owing: &[(Arc<Member>, bool)]) {
+        for (m, mesh_sent) in owing {
+            if self.shared.is_fenced(m.id) {
+                continue;
+            }
+            let mut link = relock(&m.link);
+            if !mesh_sent {
+                if let Err(e) = wire::send(&mut link.stream, &ToWorker::Ping) {
+                    self.shared.loss(m.id, &format!("worker {} (pid {}): control connection: {e}", m.id, m.pid));
+                    continue;
+                }
+            }
+            // A lost member is recorded by `recv_reply`; any answer is stale.
+            let _ = recv_reply(&self.shared, m, &mut link, "the abandoned epoch's answer");
+        }
     }
 
     /// Asks every member (and waiting joiner) to leave and waits (bounded) for each to end
@@ -886,43 +933,15 @@ impl Drop for Fleet {
     }
 }
 
-/// Accepts one control connection per initial worker and reads its Hello; returns streams,
-/// QUIC addresses and pids in rank order.
+/// [`remote::accept_hellos`] for the first epoch's workers: (stream, QUIC address, pid) in
+/// rank order.
 fn accept_hellos(listener: &TcpListener, cfg: &Config, shared: &Shared, world: usize) -> Result<Vec<(TcpStream, String, u32)>> {
-    listener.set_nonblocking(true).context("control listener")?;
-    let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
-    let mut got: Vec<Option<(TcpStream, String, u32)>> = (0..world).map(|_| None).collect();
-    while got.iter().any(Option::is_none) {
-        if let Some((id, status)) = relock(&shared.children).iter_mut().find_map(|(id, c)| c.try_wait().ok().flatten().map(|s| (*id, s))) {
-            bail!("worker {id} {} during start-up", describe_exit(status));
-        }
-        if Instant::now() >= deadline {
-            bail!("workers did not connect within {STARTUP_TIMEOUT_MS} ms");
-        }
-        let mut stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(ACCEPT_POLL_MS));
-                continue;
-            }
-            Err(e) => return Err(e).context("accepting a worker's control connection"),
-        };
-        stream.set_nonblocking(false).context("control connection")?;
-        let _ = stream.set_nodelay(true);
-        let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &|| Ok(()) };
-        let (rank, quic_addr, hash, pid) = match wire::recv(&mut stream, "Hello", &wait).context("reading a worker's Hello")? {
-            ToParent::Hello { rank, quic_addr, config_hash, pid, .. } => (rank as usize, quic_addr, config_hash, pid),
-            other => bail!("a worker opened with {other:?} instead of Hello"),
-        };
-        if hash != cfg.hash {
-            bail!("worker {rank} resolved the config to hash {hash}, the parent has {}", cfg.hash);
-        }
-        match got.get_mut(rank) {
-            Some(slot @ None) => *slot = Some((stream, quic_addr, pid)),
-            _ => bail!("a worker said it is rank {rank}: not a free rank of {world}"),
-        }
-    }
-    Ok(got.into_iter().flatten().collect())
+    let exited = || {
+        relock(&shared.children)
+            .iter_mut()
+            .find_map(|(id, c)| c.try_wait().ok().flatten().map(|s| format!("worker {id} {}", describe_exit(s))))
+    };
+    remote::accept_hellos(listener, cfg, world, &exited)
 }
 
 /// The driver's proxy of one member's compute in the current epoch.

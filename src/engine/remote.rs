@@ -553,14 +553,21 @@ pub(super) fn spawn_worker(exe: &Path, r: usize, world: usize, control: &str, di
         .with_context(|| format!("starting the worker process of rank {r} ({})", exe.display()))
 }
 
-/// Accepts one control connection per rank and reads its Hello; returns streams and addresses.
-fn accept_workers(listener: &TcpListener, cfg: &Config, shared: &Shared, world: usize) -> Result<Vec<(TcpStream, String)>> {
+/// Accepts one control connection per rank of `world` and reads its Hello, within the start-up
+/// timeout; `exited` names a started process that died meanwhile (the start then fails with
+/// it). Returns (stream, QUIC address, pid) in rank order.
+pub(super) fn accept_hellos(
+    listener: &TcpListener,
+    cfg: &Config,
+    world: usize,
+    exited: &dyn Fn() -> Option<String>,
+) -> Result<Vec<(TcpStream, String, u32)>> {
     listener.set_nonblocking(true).context("control listener")?;
     let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
-    let mut got: Vec<Option<(TcpStream, String)>> = (0..world).map(|_| None).collect();
+    let mut got: Vec<Option<(TcpStream, String, u32)>> = (0..world).map(|_| None).collect();
     while got.iter().any(Option::is_none) {
-        if let Some((r, status)) = shared.children().iter_mut().find_map(|(r, c)| c.try_wait().ok().flatten().map(|s| (*r, s))) {
-            bail!("worker process of rank {r} {} during start-up", describe_exit(status));
+        if let Some(who) = exited() {
+            bail!("{who} during start-up");
         }
         if Instant::now() >= deadline {
             bail!("workers did not connect within {STARTUP_TIMEOUT_MS} ms");
@@ -576,19 +583,30 @@ fn accept_workers(listener: &TcpListener, cfg: &Config, shared: &Shared, world: 
         stream.set_nonblocking(false).context("control connection")?;
         let _ = stream.set_nodelay(true);
         let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &|| Ok(()) };
-        let (rank, quic_addr, hash) = match wire::recv(&mut stream, "Hello", &wait).context("reading a worker's Hello")? {
-            ToParent::Hello { rank, quic_addr, config_hash, .. } => (rank as usize, quic_addr, config_hash),
+        let (rank, quic_addr, hash, pid) = match wire::recv(&mut stream, "Hello", &wait).context("reading a worker's Hello")? {
+            ToParent::Hello { rank, quic_addr, config_hash, pid, .. } => (rank as usize, quic_addr, config_hash, pid),
             other => bail!("a worker opened with {other:?} instead of Hello"),
         };
         if hash != cfg.hash {
             bail!("worker of rank {rank} resolved the config to hash {hash}, the parent has {}", cfg.hash);
         }
         match got.get_mut(rank) {
-            Some(slot @ None) => *slot = Some((stream, quic_addr)),
+            Some(slot @ None) => *slot = Some((stream, quic_addr, pid)),
             _ => bail!("a worker said it is rank {rank}: not a free rank of {world}"),
         }
     }
     Ok(got.into_iter().flatten().collect())
+}
+
+/// [`accept_hellos`] for spawned workers or agents: returns streams and addresses.
+fn accept_workers(listener: &TcpListener, cfg: &Config, shared: &Shared, world: usize) -> Result<Vec<(TcpStream, String)>> {
+    let exited = || {
+        shared
+            .children()
+            .iter_mut()
+            .find_map(|(r, c)| c.try_wait().ok().flatten().map(|s| format!("worker process of rank {r} {}", describe_exit(s))))
+    };
+    Ok(accept_hellos(listener, cfg, world, &exited)?.into_iter().map(|(s, a, _)| (s, a)).collect())
 }
 
 /// Sends rank `r` its cut of the start state (header + bulk).

@@ -103,6 +103,12 @@ fn run<const SMALL_W: bool>(c: &Coeffs, master: &mut [f32], m: &mut [f32], v: &m
     }
 }
 
+/// Panics naming `what` unless every buffer has the masters' length.
+fn same_lengths(what: &str, master: &[f32], m: &[f32], v: &[f32], grad: &[f32], decay: &[u8], param: &[bf16]) {
+    let n = master.len();
+    assert!(m.len() == n && v.len() == n && grad.len() == n && decay.len() == n && param.len() == n, "{what}: lengths differ");
+}
+
 /// One AdamW step over a run of elements on this thread, bit-identical to the GPU `adamw`
 /// kernel ([`tessera_kernels::cuda::ops::adamw`]) with the same arguments: `param` receives the
 /// bf16 rounding of the new masters.
@@ -117,8 +123,7 @@ pub fn adamw_host(
     decay: &[u8],
     param: &mut [bf16],
 ) {
-    let n = master.len();
-    assert!(m.len() == n && v.len() == n && grad.len() == n && decay.len() == n && param.len() == n, "adamw_host: lengths differ");
+    same_lengths("adamw_host", master, m, v, grad, decay, param);
     let c = Coeffs::new(hp, grad_scale);
     if c.lerp_w < 0.5 {
         run::<true>(&c, master, m, v, grad, decay, param)
@@ -140,8 +145,7 @@ pub fn adamw_host_par(
     decay: &[u8],
     param: &mut [bf16],
 ) {
-    let n = master.len();
-    assert!(m.len() == n && v.len() == n && grad.len() == n && decay.len() == n && param.len() == n, "adamw_host_par: lengths differ");
+    same_lengths("adamw_host_par", master, m, v, grad, decay, param);
     pool.install(|| {
         master
             .par_chunks_mut(CHUNK)
