@@ -276,13 +276,13 @@ fn admit(shared: &Arc<Shared>, mut stream: TcpStream) -> Result<()> {
             }
             if config_hash != shared.cfg_hash {
                 let error = format!("the joining worker resolved the config to hash {config_hash}, the run has {}", shared.cfg_hash);
-                wire::send(&mut stream, &ToParent::Failed { error })?;
+                wire::send(&mut stream, &ToWorker::Refused { error })?;
                 return Ok(());
             }
             let id = shared.next_id.fetch_add(1, Ordering::SeqCst);
             if id >= shared.ids {
                 let error = format!("no worker identity left for a join (tessera.elastic.max_joins allows {})", shared.ids);
-                wire::send(&mut stream, &ToParent::Failed { error })?;
+                wire::send(&mut stream, &ToWorker::Refused { error })?;
                 return Ok(());
             }
             wire::send(&mut stream, &ToWorker::Admit { id })?;

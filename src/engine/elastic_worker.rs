@@ -466,6 +466,7 @@ pub fn run_joiner(dir: &Path) -> Result<()> {
     let id = match wire::recv(&mut stream, "Admit", &wait).context("waiting to be admitted")? {
         ToWorker::Admit { id } => id,
         ToWorker::Shutdown => bail!("the driver is finishing and takes no more workers"),
+        ToWorker::Refused { error } => bail!("the driver refused the join: {error}"),
         other => bail!("expected Admit, got {other:?}"),
     };
     let tls = NodeTls::load(&dir.join("pki"), &node_name(id as usize))?;

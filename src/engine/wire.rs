@@ -200,6 +200,10 @@ pub enum ToWorker {
     Admit {
         id: u64,
     },
+    /// Elastic: to a joining worker, why it is not admitted (it exits with this error).
+    Refused {
+        error: String,
+    },
     /// Elastic: leave the current group and bind a fresh QUIC socket for `epoch`, where this
     /// worker is `rank` of `world` (answered with `EpochAddr`; `Mesh`, `Start`, `Ready` follow).
     Epoch {
