@@ -516,22 +516,13 @@ impl Fleet {
             deadline: Some(Instant::now() + Duration::from_millis(self.shared.er.step_timeout_ms)),
             alive: &|| Ok(()),
         };
-        let mut bufs = match wire::recv_bulk(&mut link.stream, &descs, want, &wait) {
-            Ok(b) => b,
+        match wire::recv_bulk(&mut link.stream, &descs, want, &wait) {
+            Ok(bufs) => Ok(remote::exported(&descs, bufs, counters)),
             Err(e) => {
                 self.shared.loss(m.id, &format!("worker {} (pid {}): exporting its state: {e}", m.id, m.pid));
-                return Err(Failure::Lost);
+                Err(Failure::Lost)
             }
-        };
-        let master = bufs.remove(0);
-        let optim = descs[1..].iter().map(|d| d.name.clone()).zip(bufs).collect();
-        let c = RankCounters {
-            optimizer_steps: counters.optimizer_steps.unwrap_or(0),
-            applied: counters.applied,
-            skipped: counters.skipped,
-            scaler: counters.scaler,
-        };
-        Ok((master, optim, c))
+        }
     }
 
     /// Rank `r`'s masters, its optimizer buffers when `with_optim`, and counters.

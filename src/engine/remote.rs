@@ -359,16 +359,8 @@ impl Procs {
         if descs.first().is_none_or(|d| d.len != want as u64) {
             bail!("rank {r} exported {:?} master values, its range holds {want}", descs.first().map(|d| d.len));
         }
-        let mut bufs = wire::recv_bulk(&mut link.stream, &descs, want, &wait).with_context(ctx)?;
-        let master = bufs.remove(0);
-        let optim = descs[1..].iter().map(|d| d.name.clone()).zip(bufs).collect();
-        let c = RankCounters {
-            optimizer_steps: counters.optimizer_steps.unwrap_or(0),
-            applied: counters.applied,
-            skipped: counters.skipped,
-            scaler: counters.scaler,
-        };
-        Ok((master, optim, c))
+        let bufs = wire::recv_bulk(&mut link.stream, &descs, want, &wait).with_context(ctx)?;
+        Ok(exported(&descs, bufs, counters))
     }
 
     /// Asks every rank to leave and waits (bounded) for each to end cleanly: a spawned worker
@@ -607,6 +599,24 @@ fn accept_workers(listener: &TcpListener, cfg: &Config, shared: &Shared, world: 
             .find_map(|(r, c)| c.try_wait().ok().flatten().map(|s| format!("worker process of rank {r} {}", describe_exit(s))))
     };
     Ok(accept_hellos(listener, cfg, world, &exited)?.into_iter().map(|(s, a, _)| (s, a)).collect())
+}
+
+/// An `Exported` answer as (masters, named optimizer buffers, counters): the bulk buffers
+/// arrive in the order `descs` names them, masters first.
+pub(super) fn exported(
+    descs: &[wire::BulkDesc],
+    mut bufs: Vec<Vec<f32>>,
+    counters: StateCounters,
+) -> (Vec<f32>, OptimBuffers, RankCounters) {
+    let master = bufs.remove(0);
+    let optim = descs[1..].iter().map(|d| d.name.clone()).zip(bufs).collect();
+    let c = RankCounters {
+        optimizer_steps: counters.optimizer_steps.unwrap_or(0),
+        applied: counters.applied,
+        skipped: counters.skipped,
+        scaler: counters.scaler,
+    };
+    (master, optim, c)
 }
 
 /// Sends rank `r` its cut of the start state (header + bulk).
