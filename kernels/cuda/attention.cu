@@ -24,8 +24,13 @@
 // Determinism: no atomics. Each output element is written by exactly one thread, and every
 // reduction (over key tiles, query tiles, the 4 lanes of a quad, a warp) runs in a fixed order.
 //
-// Softmax runs in the log2 domain: x = s * scale * log2(e), p = exp2(x - m). The saved lse is the
-// natural log-sum-exp of the scaled scores: lse = (m + log2(l)) * ln(2).
+// Softmax runs in the log2 domain: x = s * scale * log2(e), p = exp2(x - m), each as one FFMA
+// and one exp2. The saved lse is in the same units, the base-2 log-sum-exp of x: lse = m + log2(l)
+// (the natural log-sum-exp of the scaled scores is lse * ln 2).
+//
+// Masks cost instructions on every element, so only the tiles that need them apply them: the
+// diagonal tile (keys above the row) and, in the dK/dV pass, a last query tile cut by T. Every
+// other tile is entirely valid.
 
 #define ATT_HD 64        // head dim (the only one supported)
 #define ATT_TILE 64      // rows per tile (queries or keys)
@@ -86,30 +91,44 @@ __device__ __forceinline__ void att_ldsm_x4_t(u32* r, u32 addr) {
 // Fragment loaders from a shared tile s[row][col] (row stride ATT_LD bf16)
 // ---------------------------------------------------------------------------------------------
 
+// Shared-memory addresses are 32-bit (the shared state space) and built from a tile's base, this
+// lane's offset (computed once per kernel, below) and a compile-time offset that the assembler
+// folds into the ldmatrix instruction: no address arithmetic in the inner loops.
+#define ATT_OFF(r, col) ((u32)(((r) * ATT_LD + (col)) * 2))
+#define ATT_BUF_BYTES ((u32)(ATT_TILE * ATT_LD * 2))
+
+// This lane's byte offsets for the two ldmatrix x4 address patterns (lanes 8i..8i+7 address the
+// 8 rows of matrix i):
+//   a:  row (lane & 7) + ((lane >> 3) & 1) * 8, col (lane >> 4) * 8   (A fragments, and B from [k][n])
+//   nk: row (lane & 7) + (lane >> 4) * 8,       col ((lane >> 3) & 1) * 8   (B from [n][k])
+struct AttLane {
+    u32 a, nk;
+};
+__device__ __forceinline__ AttLane att_lane(int lane) {
+    AttLane L;
+    L.a = ATT_OFF((lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
+    L.nk = ATT_OFF((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
+    return L;
+}
+
 // A fragment of the 16x16 block at (r0, c0) of a row-major tile (A[m][k] = s[r0+m][c0+k]).
 // Matrices: 0 = rows r0..+7 / cols c0..+7 (a[0]), 1 = rows +8 (a[1]), 2 = cols +8 (a[2]), 3 = both (a[3]).
-__device__ __forceinline__ void att_load_a(u32* a, const bf16* s, int r0, int c0, int lane) {
-    int row = r0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-    int col = c0 + (lane >> 4) * 8;
-    att_ldsm_x4(a, att_smem_addr(s + row * ATT_LD + col));
+__device__ __forceinline__ void att_load_a(u32* a, u32 tile, int r0, int c0, const AttLane& L) {
+    att_ldsm_x4(a, tile + L.a + ATT_OFF(r0, c0));
 }
 
 // B fragments for two n-tiles (n0..n0+7 and n0+8..n0+15) and k0..k0+15 when the tile is stored
 // [n][k] (B[k][n] = s[n][k], e.g. K rows for S = Q K^T). b[0], b[1] = n-tile n0; b[2], b[3] = n0+8.
 // Matrices: 0 = rows n0..+7 / cols k0..+7, 1 = cols k0+8, 2 = rows n0+8, 3 = both.
-__device__ __forceinline__ void att_load_b_nk(u32* b, const bf16* s, int n0, int k0, int lane) {
-    int row = n0 + (lane & 7) + (lane >> 4) * 8;
-    int col = k0 + ((lane >> 3) & 1) * 8;
-    att_ldsm_x4(b, att_smem_addr(s + row * ATT_LD + col));
+__device__ __forceinline__ void att_load_b_nk(u32* b, u32 tile, int n0, int k0, const AttLane& L) {
+    att_ldsm_x4(b, tile + L.nk + ATT_OFF(n0, k0));
 }
 
 // B fragments for two n-tiles and k0..k0+15 when the tile is stored [k][n] (B[k][n] = s[k][n],
 // e.g. V rows for O = P V), transposed by ldmatrix. b[0], b[1] = n-tile n0; b[2], b[3] = n0+8.
 // Matrices: 0 = rows k0..+7 / cols n0..+7, 1 = rows k0+8, 2 = cols n0+8, 3 = both.
-__device__ __forceinline__ void att_load_b_kn(u32* b, const bf16* s, int k0, int n0, int lane) {
-    int row = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-    int col = n0 + (lane >> 4) * 8;
-    att_ldsm_x4_t(b, att_smem_addr(s + row * ATT_LD + col));
+__device__ __forceinline__ void att_load_b_kn(u32* b, u32 tile, int k0, int n0, const AttLane& L) {
+    att_ldsm_x4_t(b, tile + L.a + ATT_OFF(k0, n0));
 }
 
 // Converts a 16x64 f32 accumulator (8 n-tiles of C fragments, row-major in registers) into the A
@@ -129,13 +148,13 @@ __device__ __forceinline__ void att_c_to_a_split(u32* hi, u32* lo, const float (
 }
 
 // acc[16x64] += A[16x64] * B where B[k][n] = s[n][k] (s holds 64 rows n, 64 cols k): acc = A s^T.
-__device__ __forceinline__ void att_gemm_abt(float (*acc)[4], const u32 (*a)[4], const bf16* s, int lane) {
+__device__ __forceinline__ void att_gemm_abt(float (*acc)[4], const u32 (*a)[4], u32 s, const AttLane& L) {
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) {
 #pragma unroll
         for (int np = 0; np < 4; np++) {
             u32 b[4];
-            att_load_b_nk(b, s, np * 16, kc * 16, lane);
+            att_load_b_nk(b, s, np * 16, kc * 16, L);
             att_mma(acc[2 * np], a[kc], b[0], b[1]);
             att_mma(acc[2 * np + 1], a[kc], b[2], b[3]);
         }
@@ -146,7 +165,7 @@ __device__ __forceinline__ void att_gemm_abt(float (*acc)[4], const u32 (*a)[4],
 // from the f32 accumulator c (columns 16kc..16kc+15): as one bf16 (PRECISE = false) or as the pair
 // hi + lo (PRECISE = true, two mmas).
 template <bool PRECISE>
-__device__ __forceinline__ void att_gemm_cb_chunk(float (*acc)[4], const float (*c)[4], const bf16* s, int kc, int lane) {
+__device__ __forceinline__ void att_gemm_cb_chunk(float (*acc)[4], const float (*c)[4], u32 s, int kc, const AttLane& L) {
     u32 hi[4], lo[4];
     if (PRECISE) {
         att_c_to_a_split(hi, lo, c, kc);
@@ -159,7 +178,7 @@ __device__ __forceinline__ void att_gemm_cb_chunk(float (*acc)[4], const float (
 #pragma unroll
     for (int np = 0; np < 4; np++) {
         u32 b[4];
-        att_load_b_kn(b, s, kc * 16, np * 16, lane);
+        att_load_b_kn(b, s, kc * 16, np * 16, L);
         att_mma(acc[2 * np], hi, b[0], b[1]);
         att_mma(acc[2 * np + 1], hi, b[2], b[3]);
         if (PRECISE) {
@@ -193,16 +212,24 @@ __device__ __forceinline__ void att_cp4(u32 dst, const void* src, int n) {
 __device__ __forceinline__ void att_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void att_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
-// att_load_tile through cp.async (not visible until att_cp_commit, att_cp_wait_all, __syncthreads).
-// Rows >= t are zero-filled, their source clamped to row 0 (valid: t >= 1).
-__device__ __forceinline__ void att_load_tile_async(bf16* s, const bf16* __restrict__ g, int row0, int t, int ldg) {
+// att_load_tile through cp.async into the tile at shared address `tile` (not visible until
+// att_cp_commit, att_cp_wait_all, __syncthreads). Thread tid copies 16-byte chunk tid % 8 of rows
+// tid / 8 + 16k, k = 0..3. A tile entirely inside T (uniform) is copied without row checks; in a
+// tile cut by T, rows >= t are zero-filled, their source clamped to g (valid: t >= 1).
+__device__ __forceinline__ void att_load_tile_async(u32 tile, const bf16* __restrict__ g, int row0, int t, int ldg) {
+    static_assert(ATT_TILE * 8 == 4 * ATT_THREADS, "4 chunks per thread");
+    const int r = threadIdx.x >> 3, ch = threadIdx.x & 7;
+    const bf16* src = g + (size_t)(row0 + r) * ldg + ch * 8;
+    const u32 dst = tile + ATT_OFF(r, ch * 8);
+    if (row0 + ATT_TILE <= t) {
 #pragma unroll
-    for (int k = 0; k < ATT_TILE * 8 / ATT_THREADS; k++) {
-        int idx = threadIdx.x + k * ATT_THREADS;
-        int r = idx >> 3, ch = idx & 7;
-        bool ok = row0 + r < t;
-        const bf16* src = g + (size_t)(ok ? row0 + r : 0) * ldg + ch * 8;
-        att_cp16(att_smem_addr(s + r * ATT_LD + ch * 8), src, ok ? 16 : 0);
+        for (int k = 0; k < 4; k++) att_cp16(dst + ATT_OFF(16 * k, 0), src + (size_t)(16 * k) * ldg, 16);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const bool ok = row0 + r + 16 * k < t;
+            att_cp16(dst + ATT_OFF(16 * k, 0), ok ? src + (size_t)(16 * k) * ldg : g, ok ? 16 : 0);
+        }
     }
 }
 
@@ -229,6 +256,59 @@ __device__ __forceinline__ void att_store_rows(bf16* __restrict__ dst, const flo
     }
 }
 
+// Causal and length mask of one score tile (rows ra and ra + 8 of this thread, keys
+// col0 + 0..63): raw scores of keys past the row or past T become -inf (probability 0).
+__device__ __forceinline__ void att_mask(float (*s)[4], int col0, int ra, int t, int lane) {
+    const int q = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int col = col0 + nt * 8 + 2 * q + (e & 1);
+            const int row = ra + (e >> 1) * 8;
+            if (!(col <= row && col < t)) s[nt][e] = -TESSERA_INF;
+        }
+    }
+}
+
+// Online softmax over one tile of raw scores s (rows ra, ra + 8): m (running max, log2 units)
+// and l (running sum) are updated, o is rescaled, and s becomes P = exp2(s * scale_log2 - m).
+// max(s) * scale_log2 equals max(s * scale_log2) (the scale is positive), so the scores are
+// scaled only inside the exponent's FFMA. Key 0 is valid for every row, so m is finite after
+// the first tile.
+__device__ __forceinline__ void att_softmax_tile(float (*s)[4], float (*o)[4], float* m, float* l, float scale_log2) {
+    float mx[2] = {-TESSERA_INF, -TESSERA_INF};
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[nt][0], s[nt][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[nt][2], s[nt][3]));
+    }
+    float corr[2], nm[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        const float mnew = fmaxf(m[r], mx[r] * scale_log2);
+        corr[r] = exp2f(m[r] - mnew);
+        m[r] = mnew;
+        nm[r] = -mnew;
+        l[r] *= corr[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const float p = exp2f(fmaf(s[nt][e], scale_log2, nm[e >> 1]));
+            s[nt][e] = p;
+            l[e >> 1] += p;
+        }
+        o[nt][0] *= corr[0];
+        o[nt][1] *= corr[0];
+        o[nt][2] *= corr[1];
+        o[nt][3] *= corr[1];
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward: grid (ceil(T/64), B*NH), 128 threads. y [B,T,C], lse [B,NH,T].
 // ---------------------------------------------------------------------------------------------
@@ -244,15 +324,18 @@ __device__ __forceinline__ void attn_fwd_body(bf16* __restrict__ y, float* __res
     const int ld = 3 * c;
     const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
 
+    const AttLane L = att_lane(lane);
+    const u32 aK = att_smem_addr(sK[0]), aV = att_smem_addr(sV[0]);  // buffer i at + i·ATT_BUF_BYTES
+
     // Key tile 0 streams into buffer 0 while Q (this warp's 16 rows) is staged through buffer 1.
-    att_load_tile_async(sK[0], base + c, 0, t, ld);
-    att_load_tile_async(sV[0], base + 2 * c, 0, t, ld);
+    att_load_tile_async(aK, base + c, 0, t, ld);
+    att_load_tile_async(aV, base + 2 * c, 0, t, ld);
     att_cp_commit();
     u32 qf[4][4];
     att_load_tile(sK[1], base, qt * ATT_TILE, t, ld);
     __syncthreads();
 #pragma unroll
-    for (int kc = 0; kc < 4; kc++) att_load_a(qf[kc], sK[1], warp * 16, kc * 16, lane);
+    for (int kc = 0; kc < 4; kc++) att_load_a(qf[kc], aK + ATT_BUF_BYTES, warp * 16, kc * 16, L);
 
     float o[8][4];
     att_zero(o);
@@ -263,58 +346,23 @@ __device__ __forceinline__ void attn_fwd_body(bf16* __restrict__ y, float* __res
         const int cur = kt & 1;
         att_cp_wait_all();  // this thread's copies of tile kt have landed
         __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1 (tile kt-1 / Q)
+        const u32 now = cur * ATT_BUF_BYTES, next = (cur ^ 1) * ATT_BUF_BYTES;
         if (kt < qt) {
-            att_load_tile_async(sK[cur ^ 1], base + c, (kt + 1) * ATT_TILE, t, ld);
-            att_load_tile_async(sV[cur ^ 1], base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
+            att_load_tile_async(aK + next, base + c, (kt + 1) * ATT_TILE, t, ld);
+            att_load_tile_async(aV + next, base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
         }
         att_cp_commit();
-        const bf16* k_s = sK[cur];
-        const bf16* v_s = sV[cur];
+        const u32 k_s = aK + now, v_s = aV + now;
 
         float s[8][4];
         att_zero(s);
-        att_gemm_abt(s, qf, k_s, lane);
+        att_gemm_abt(s, qf, k_s, L);
 
-        // Scale, causal/length mask, tile row max.
-        float mx[2] = {-TESSERA_INF, -TESSERA_INF};
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int col = kt * ATT_TILE + nt * 8 + 2 * q + (e & 1);
-                int row = ra + (e >> 1) * 8;
-                float v = (col <= row && col < t) ? s[nt][e] * scale_log2 : -TESSERA_INF;
-                s[nt][e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
-            }
-        }
-        // Online softmax update. Key 0 is valid for every row, so m is finite after tile 0.
-        float corr[2];
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            float mnew = fmaxf(m[r], mx[r]);
-            corr[r] = exp2f(m[r] - mnew);
-            m[r] = mnew;
-            l[r] *= corr[r];
-        }
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float p = exp2f(s[nt][e] - m[e >> 1]);
-                s[nt][e] = p;
-                l[e >> 1] += p;
-            }
-            o[nt][0] *= corr[0];
-            o[nt][1] *= corr[0];
-            o[nt][2] *= corr[1];
-            o[nt][3] *= corr[1];
-        }
+        if (kt == qt) att_mask(s, kt * ATT_TILE, ra, t, lane);  // the diagonal tile
+        att_softmax_tile(s, o, m, l, scale_log2);
         // O += P V
 #pragma unroll
-        for (int kc = 0; kc < 4; kc++) att_gemm_cb_chunk<PRECISE>(o, s, v_s, kc, lane);
+        for (int kc = 0; kc < 4; kc++) att_gemm_cb_chunk<PRECISE>(o, s, v_s, kc, L);
     }
 
     // Row sums: each lane of a quad holds a quarter of the columns.
@@ -334,8 +382,8 @@ __device__ __forceinline__ void attn_fwd_body(bf16* __restrict__ y, float* __res
     att_store_rows(y + (size_t)bi * t * c + h * ATT_HD, o, 1.f, ra, t, c, lane);
     if (q == 0) {
         float* lrow = lse + (size_t)bh * t;
-        if (ra < t) lrow[ra] = (m[0] + __log2f(l[0])) * ATT_LN2;
-        if (ra + 8 < t) lrow[ra + 8] = (m[1] + __log2f(l[1])) * ATT_LN2;
+        if (ra < t) lrow[ra] = m[0] + __log2f(l[0]);
+        if (ra + 8 < t) lrow[ra + 8] = m[1] + __log2f(l[1]);
     }
 }
 
@@ -346,6 +394,57 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attn_fwd_precise(bf16* __restrict__ y, float* __restrict__ lse, const bf16* __restrict__ qkv, int t, int c, int nh, float scale_log2) {
     attn_fwd_body<true>(y, lse, qkv, t, c, nh, scale_log2);
+}
+
+// dK/dV pass, one (keys × queries) tile: s = S^T and dp = dP^T in, P^T and dS^T out:
+// P^T = exp2(S^T * scale_log2 - lse) (lse in log2 units, per query), dS^T = P^T o (dP^T - delta).
+// MASK: zero where the query is before the key or past T (the diagonal or a cut last tile).
+template <bool MASK>
+__device__ __forceinline__ void att_dkdv_probs(float (*s)[4], float (*dp)[4], const float* l_s, const float* d_s, int q0, int ja, int t,
+                                               float scale_log2, int lane) {
+    const int q = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int li = nt * 8 + 2 * q + (e & 1);
+            float p = exp2f(fmaf(s[nt][e], scale_log2, -l_s[li]));
+            if (MASK) {
+                const int i = q0 + li, j = ja + (e >> 1) * 8;
+                if (!(i >= j && i < t)) p = 0.f;  // i >= j and i < t imply j < t
+            }
+            s[nt][e] = p;
+            dp[nt][e] = p * (dp[nt][e] - d_s[li]);
+        }
+    }
+}
+
+// dQ pass, one (queries × keys) tile: s = S and dp = dP in. P = exp2(S * scale_log2 - lse);
+// default: dp becomes dS = P o (dP - delta); PRECISE: dp becomes P o dP and rs gathers its row
+// sums. MASK: zero where the key is past the row, or the row past T (the diagonal tile).
+template <bool MASK, bool PRECISE>
+__device__ __forceinline__ void att_dq_probs(float (*s)[4], float (*dp)[4], const float* lr, const float* dl, float* rs, int k0, int ra, int t,
+                                             float scale_log2, int lane) {
+    const int q = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = e >> 1;
+            float p = exp2f(fmaf(s[nt][e], scale_log2, -lr[r]));
+            if (MASK) {
+                const int j = k0 + nt * 8 + 2 * q + (e & 1), i = ra + r * 8;
+                if (!(j <= i && i < t)) p = 0.f;
+            }
+            s[nt][e] = p;
+            if (PRECISE) {
+                dp[nt][e] *= p;
+                rs[r] += dp[nt][e];
+            } else {
+                dp[nt][e] = p * (dp[nt][e] - dl[r]);
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -374,10 +473,13 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, cons
     const float* lse_bh = lse + (size_t)bh * t;
     const float* delta_bh = delta + (size_t)bh * t;
 
+    const AttLane L = att_lane(lane);
+    const u32 aQ = att_smem_addr(sQ[0]), aDY = att_smem_addr(sDY[0]);  // buffer i at + i·ATT_BUF_BYTES
+
     // Query tile kt (with its lse and delta) -> buffer 0, asynchronously.
     auto prefetch = [&](int qt, int buf) {
-        att_load_tile_async(sQ[buf], base, qt * ATT_TILE, t, ld);
-        att_load_tile_async(sDY[buf], dybase, qt * ATT_TILE, t, c);
+        att_load_tile_async(aQ + buf * ATT_BUF_BYTES, base, qt * ATT_TILE, t, ld);
+        att_load_tile_async(aDY + buf * ATT_BUF_BYTES, dybase, qt * ATT_TILE, t, c);
         if (threadIdx.x < ATT_TILE) {
             int i = qt * ATT_TILE + threadIdx.x;
             bool ok = i < t;
@@ -395,8 +497,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, cons
     __syncthreads();
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) {
-        att_load_a(kf[kc], sQ[1], warp * 16, kc * 16, lane);
-        att_load_a(vf[kc], sDY[1], warp * 16, kc * 16, lane);
+        att_load_a(kf[kc], aQ + ATT_BUF_BYTES, warp * 16, kc * 16, L);
+        att_load_a(vf[kc], aDY + ATT_BUF_BYTES, warp * 16, kc * 16, L);
     }
 
     float dk[8][4], dv[8][4];
@@ -410,34 +512,26 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, cons
         __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1
         if (qt + 1 < nq) prefetch(qt + 1, cur ^ 1);
         att_cp_commit();
-        const bf16* q_s = sQ[cur];
-        const bf16* dy_s = sDY[cur];
+        const u32 q_s = aQ + cur * ATT_BUF_BYTES, dy_s = aDY + cur * ATT_BUF_BYTES;
         const float* l_s = sL[cur];
         const float* d_s = sD[cur];
 
         float s[8][4], dp[8][4];
         att_zero(s);
         att_zero(dp);
-        att_gemm_abt(s, kf, q_s, lane);    // S^T [keys x queries]
-        att_gemm_abt(dp, vf, dy_s, lane);  // dP^T [keys x queries]
+        att_gemm_abt(s, kf, q_s, L);    // S^T [keys x queries]
+        att_gemm_abt(dp, vf, dy_s, L);  // dP^T [keys x queries]
 
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int li = nt * 8 + 2 * q + (e & 1);
-                int i = qt * ATT_TILE + li;
-                int j = ja + (e >> 1) * 8;
-                // i >= j and i < t imply j < t.
-                float p = (i >= j && i < t) ? exp2f(s[nt][e] * scale_log2 - l_s[li] * ATT_LOG2E) : 0.f;
-                s[nt][e] = p;
-                dp[nt][e] = p * (dp[nt][e] - d_s[li]);
-            }
+        // The diagonal tile, or a last tile cut by T, needs the mask; the others are all valid.
+        if (qt == kt || (qt + 1) * ATT_TILE > t) {
+            att_dkdv_probs<true>(s, dp, l_s, d_s, qt * ATT_TILE, ja, t, scale_log2, lane);
+        } else {
+            att_dkdv_probs<false>(s, dp, l_s, d_s, qt * ATT_TILE, ja, t, scale_log2, lane);
         }
 #pragma unroll
         for (int kc = 0; kc < 4; kc++) {                         // 16-query chunks
-            att_gemm_cb_chunk<PRECISE>(dv, s, dy_s, kc, lane);  // dV += P^T dY
-            att_gemm_cb_chunk<PRECISE>(dk, dp, q_s, kc, lane);  // dK += dS^T Q
+            att_gemm_cb_chunk<PRECISE>(dv, s, dy_s, kc, L);  // dV += P^T dY
+            att_gemm_cb_chunk<PRECISE>(dk, dp, q_s, kc, L);  // dK += dS^T Q
         }
     }
 
@@ -486,9 +580,12 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
     const bf16* dybase = dy + (size_t)bi * t * c + h * ATT_HD;
     float* delta_bh = delta + (size_t)bh * t;
 
+    const AttLane L = att_lane(lane);
+    const u32 aK = att_smem_addr(sK[0]), aV = att_smem_addr(sV[0]);  // buffer i at + i·ATT_BUF_BYTES
+
     // Key tile 0 -> buffer 0 asynchronously; Q and dY of this tile staged through buffer 1.
-    att_load_tile_async(sK[0], base + c, 0, t, ld);
-    att_load_tile_async(sV[0], base + 2 * c, 0, t, ld);
+    att_load_tile_async(aK, base + c, 0, t, ld);
+    att_load_tile_async(aV, base + 2 * c, 0, t, ld);
     att_cp_commit();
     att_load_tile(sK[1], base, qt * ATT_TILE, t, ld);
     att_load_tile(sV[1], dybase, qt * ATT_TILE, t, c);
@@ -518,8 +615,8 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
     u32 qf[4][4], dyf[4][4];
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) {
-        att_load_a(qf[kc], sK[1], warp * 16, kc * 16, lane);
-        att_load_a(dyf[kc], sV[1], warp * 16, kc * 16, lane);
+        att_load_a(qf[kc], aK + ATT_BUF_BYTES, warp * 16, kc * 16, L);
+        att_load_a(dyf[kc], aV + ATT_BUF_BYTES, warp * 16, kc * 16, L);
     }
 
     const int ra = qt * ATT_TILE + warp * 16 + g;  // rows ra and ra + 8
@@ -527,7 +624,7 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int i = ra + r * 8;
-        lr[r] = i < t ? lse[(size_t)bh * t + i] * ATT_LOG2E : 0.f;
+        lr[r] = i < t ? lse[(size_t)bh * t + i] : 0.f;  // log2 units
         dl[r] = PRECISE ? 0.f : sDelta[warp * 16 + g + r * 8];
     }
 
@@ -541,41 +638,29 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
         const int cur = kt & 1;
         att_cp_wait_all();  // this thread's copies of tile kt have landed
         __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1 (tile kt-1 / Q, dY)
+        const u32 now = cur * ATT_BUF_BYTES, next = (cur ^ 1) * ATT_BUF_BYTES;
         if (kt < qt) {
-            att_load_tile_async(sK[cur ^ 1], base + c, (kt + 1) * ATT_TILE, t, ld);
-            att_load_tile_async(sV[cur ^ 1], base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
+            att_load_tile_async(aK + next, base + c, (kt + 1) * ATT_TILE, t, ld);
+            att_load_tile_async(aV + next, base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
         }
         att_cp_commit();
-        const bf16* k_s = sK[cur];
-        const bf16* v_s = sV[cur];
+        const u32 k_s = aK + now, v_s = aV + now;
 
         float s[8][4], dp[8][4];
         att_zero(s);
         att_zero(dp);
-        att_gemm_abt(s, qf, k_s, lane);    // S = Q K^T
-        att_gemm_abt(dp, dyf, v_s, lane);  // dP = dY V^T
+        att_gemm_abt(s, qf, k_s, L);    // S = Q K^T
+        att_gemm_abt(dp, dyf, v_s, L);  // dP = dY V^T
 
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int j = kt * ATT_TILE + nt * 8 + 2 * q + (e & 1);
-                int r = e >> 1;
-                int i = ra + r * 8;
-                float p = (j <= i && i < t) ? exp2f(s[nt][e] * scale_log2 - lr[r]) : 0.f;
-                s[nt][e] = p;
-                if (PRECISE) {
-                    dp[nt][e] *= p;
-                    rs[r] += dp[nt][e];
-                } else {
-                    dp[nt][e] = p * (dp[nt][e] - dl[r]);
-                }
-            }
+        if (kt == qt) {  // the diagonal tile: keys past the row (and rows past T) masked
+            att_dq_probs<true, PRECISE>(s, dp, lr, dl, rs, kt * ATT_TILE, ra, t, scale_log2, lane);
+        } else {
+            att_dq_probs<false, PRECISE>(s, dp, lr, dl, rs, kt * ATT_TILE, ra, t, scale_log2, lane);
         }
 #pragma unroll
         for (int kc = 0; kc < 4; kc++) {                              // 16-key chunks
-            att_gemm_cb_chunk<PRECISE>(acc_e, dp, k_s, kc, lane);     // A += (P o dP) K, or dQ += dS K
-            if (PRECISE) att_gemm_cb_chunk<true>(acc_p, s, k_s, kc, lane);  // B += P K
+            att_gemm_cb_chunk<PRECISE>(acc_e, dp, k_s, kc, L);     // A += (P o dP) K, or dQ += dS K
+            if (PRECISE) att_gemm_cb_chunk<true>(acc_p, s, k_s, kc, L);  // B += P K
         }
     }
 

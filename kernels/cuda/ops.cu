@@ -450,13 +450,28 @@ extern "C" __global__ void bias_grad_partial8(float* __restrict__ scratch, const
     store8f(scratch + (u64)rb * f + (u64)j8 * 8, a);
 }
 
-// Pass 2: dst[j] += Σ_{rb ascending} partials[rb, j].
-extern "C" __global__ void colsum_finish(float* __restrict__ dst, const float* __restrict__ partials, int nb, int c) {
-    const int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= c) return;
+// Pass 2: dst[j] += Σ_rb partials[rb, j]. A block covers 32 columns with COLSUM_WARPS warps;
+// warp w sums the partial rows rb ≡ w (mod COLSUM_WARPS) in ascending order, and the warps'
+// sums combine by a fixed pairwise tree ((w0+w1)+(w2+w3))+((w4+w5)+(w6+w7)) — a fixed order,
+// so the same bits every run, with eight independent chains of loads in flight per column.
+#define COLSUM_WARPS 8
+extern "C" __global__ void __launch_bounds__(32 * COLSUM_WARPS)
+    colsum_finish(float* __restrict__ dst, const float* __restrict__ partials, int nb, int c) {
+    __shared__ float sh[COLSUM_WARPS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j = blockIdx.x * 32 + lane;
     float s = 0.0f;
-    for (int rb = 0; rb < nb; rb++) s = FADD(s, partials[(u64)rb * c + j]);
-    dst[j] = FADD(dst[j], s);
+    if (j < c) {
+#pragma unroll 4
+        for (int rb = warp; rb < nb; rb += COLSUM_WARPS) s = FADD(s, partials[(u64)rb * c + j]);
+    }
+    sh[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && j < c) {
+        const float a = FADD(FADD(sh[0][lane], sh[1][lane]), FADD(sh[2][lane], sh[3][lane]));
+        const float b = FADD(FADD(sh[4][lane], sh[5][lane]), FADD(sh[6][lane], sh[7][lane]));
+        dst[j] = FADD(dst[j], FADD(a, b));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -26,6 +26,23 @@ const ENV_RANK: &str = "TESSERA_GPU_RANK";
 const ENV_WORLD: &str = "TESSERA_GPU_WORLD";
 const ENV_NCCL_ID: &str = "TESSERA_NCCL_ID";
 
+/// Prints which cuBLASLt fused GEMMs this GPU's library runs for GPT-2 124M's shapes (micro-batch
+/// 16 × 1024), and which fusions a default workspace uses (`TESSERA_GPU_FUSE` narrows them).
+fn fusion_report(gpu: &Gpu) -> Result<()> {
+    let model = Model::new(zoo::preset("gpt2-small").map_err(anyhow::Error::msg)?).map_err(anyhow::Error::msg)?;
+    let layout = gpt::GpuLayout::new(&model, 1)?;
+    let shape = gpt::Shape::new(&model.cfg, 16, 1024)?;
+    println!("— cuBLASLt fused GEMMs for GPT-2 124M (micro-batch 16 × 1024)");
+    let rows = gpt::fusion_support(gpu, shape, &layout)?;
+    if rows.is_empty() {
+        println!("  cuBLASLt not loaded: every GEMM runs through cuBLAS with separate elementwise kernels");
+    }
+    for (what, ok) in rows {
+        println!("  {what:<48} {}", if ok { "supported" } else { "not supported" });
+    }
+    Ok(())
+}
+
 /// Runs every GPU correctness check; returns whether all passed.
 pub fn check(seed: u64) -> Result<bool> {
     let gpu: Arc<Gpu> = Gpu::open(0)?;
@@ -33,6 +50,7 @@ pub fn check(seed: u64) -> Result<bool> {
     let t = Instant::now();
     gpu.compile_all()?;
     println!("kernels compiled (or loaded from the cache) in {:.2} s", t.elapsed().as_secs_f64());
+    fusion_report(&gpu)?;
     let mut all_ok = true;
     let mut report = |name: &str, rows: Result<Vec<cuda::CheckRow>>| {
         println!("— {name}");
@@ -556,6 +574,7 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
         let mut extra = serde_json::json!({
             "state_GiB": gib(states.device.total()), "host_state_GiB": gib(states.host_optim),
             "used_GiB": gib((total - free) as u64), "offload_ratio": a.offload_ratio,
+            "fusions": r.fusions(),
         });
         if let (Some(end), Some(o)) = (r.offload_stats(), extra.as_object_mut()) {
             // The timed steps only (the figures at the end of the warm-up are subtracted).

@@ -712,6 +712,12 @@ impl Rank {
             + (self.norm_partials.len() + self.norm_all.len()) * 8
             + self.losses.len() * 4
             + self.ws.as_ref().map_or(0, Workspace::bytes)
+            + self.gpu.lt.as_ref().map_or(0, |lt| lt.bytes())
+    }
+
+    /// The cuBLASLt fusions this rank's model uses (`bias,gelu,…` or `none`).
+    pub fn fusions(&self) -> String {
+        self.ws.as_ref().map_or_else(|| "none".into(), |w| w.fusions.describe())
     }
 
     /// The model states this rank holds, by kind and place (what [`planned_state_bytes`] predicts).

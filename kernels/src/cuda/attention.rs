@@ -3,7 +3,7 @@
 //! on tensor cores (mma.sync m16n8k16).
 //!
 //! Layout as in [`crate::ops::attention`]: `qkv` [B, T, 3C] (q | k | v, head h at cols h·hd of
-//! each part), `y` and `dy` [B, T, C], `lse` and `delta` [B, NH, T] f32. Head dim 64 only.
+//! each part), `y` and `dy` [B, T, C], `lse` and `delta` [B, NH, T] f32 (`lse` in log2 units). Head dim 64 only.
 //!
 //! Precision: by default P and dS go through the tensor cores as plain bf16 (one mma per product)
 //! and the backward takes delta = rowsum(dy∘y) from the bf16 `y`, as FlashAttention-2 / PyTorch
@@ -93,7 +93,8 @@ fn scales(hd: usize) -> (f32, f32) {
     (scale, scale * std::f32::consts::LOG2_E)
 }
 
-/// y = softmax(q kᵀ/√hd + causal mask) v per head; saves the per-row log-sum-exp (natural log, of the scaled scores) for backward.
+/// y = softmax(q kᵀ/√hd + causal mask) v per head; saves the per-row log-sum-exp of the scaled
+/// scores for backward, in log2 units (`lse · ln 2` is the natural log-sum-exp).
 pub fn attention_forward(
     gpu: &Gpu,
     stream: &CudaStream,
@@ -329,7 +330,8 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
                 }
             }
         }
-        let lse_gpu = gpu.download(lse.ptr())?;
+        // The kernels keep lse in log2 units.
+        let lse_gpu: Vec<f32> = gpu.download(lse.ptr())?.iter().map(|&l| l * std::f32::consts::LN_2).collect();
 
         let tag = format!("[b={b} t={t} c={c} nh={nh}]{vtag}");
         let outputs: [(String, Vec<f32>, Vec<f32>); 4] = [

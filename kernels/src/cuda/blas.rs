@@ -11,7 +11,7 @@ use cudarc::driver::CudaStream;
 use super::{GpuError, Result};
 
 /// Element type of a GEMM operand.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dt {
     Bf16,
     F32,

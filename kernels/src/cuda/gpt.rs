@@ -18,6 +18,7 @@ use std::ops::Range;
 use cudarc::driver::CudaStream;
 
 use super::blas::{Dt, Mat};
+use super::lt::{Epilogue, Gemm};
 use super::{attention, bf16, ops, Buf, CheckRow, DPtr, Gpu, GpuError, Result};
 use crate::model::{Arch, Model, ModelConfig};
 
@@ -244,6 +245,153 @@ impl Shape {
     }
 }
 
+/// Which cuBLASLt epilogue fusions a [`Workspace`] uses (each replaces one elementwise pass).
+/// Chosen once when the workspace is made: of the set `TESSERA_GPU_FUSE` asks for
+/// ([`Fusions::DEFAULT`] when unset; `all`; `none`/`0`; or a comma list of the names below),
+/// what the GPU's cuBLASLt supports for the model's shapes. Forward and backward of a
+/// micro-batch always use the same set. docs/PERFORMANCE.md has what each one saves on H200.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fusions {
+    /// qkv GEMM adds its bias (no `bias_add` pass).
+    pub bias: bool,
+    /// fc GEMM adds its bias and applies GELU, keeping the biased pre-activation (no GELU pass).
+    pub gelu: bool,
+    /// fc2's input-gradient GEMM applies GELU' (no GELU backward pass); needs `gelu`.
+    pub dgelu: bool,
+    /// weight-gradient GEMMs sum their bias gradient (no bias-gradient passes).
+    pub bgrad: bool,
+}
+
+impl Fusions {
+    pub const NAMES: [&'static str; 4] = ["bias", "gelu", "dgelu", "bgrad"];
+
+    /// Names of the fusions in use, comma-separated (`none` for none).
+    pub fn describe(&self) -> String {
+        let on = [self.bias, self.gelu, self.dgelu, self.bgrad];
+        let v: Vec<&str> = Self::NAMES.iter().zip(on).filter(|(_, o)| *o).map(|(n, _)| *n).collect();
+        if v.is_empty() {
+            "none".into()
+        } else {
+            v.join(",")
+        }
+    }
+
+    /// Every fusion.
+    pub const ALL: Fusions = Fusions { bias: true, gelu: true, dgelu: true, bgrad: true };
+    /// The fusions that paid on H200 (GPT-2 124M): `bgrad` slows the weight-gradient GEMMs
+    /// more than the bias-gradient kernels it removes cost.
+    pub const DEFAULT: Fusions = Fusions { bias: true, gelu: true, dgelu: true, bgrad: false };
+
+    /// What `TESSERA_GPU_FUSE` asks for ([`Fusions::DEFAULT`] when unset or empty).
+    pub fn requested() -> Result<Fusions> {
+        let Ok(v) = std::env::var("TESSERA_GPU_FUSE") else { return Ok(Fusions::DEFAULT) };
+        let v = v.trim();
+        if v.is_empty() {
+            return Ok(Fusions::DEFAULT);
+        }
+        if v == "all" {
+            return Ok(Fusions::ALL);
+        }
+        let mut f = Fusions::default();
+        if v == "0" || v == "none" {
+            return Ok(f);
+        }
+        for name in v.split(',').map(str::trim) {
+            match name {
+                "bias" => f.bias = true,
+                "gelu" => f.gelu = true,
+                "dgelu" => f.dgelu = true,
+                "bgrad" => f.bgrad = true,
+                other => {
+                    return Err(GpuError::Invalid(format!(
+                        "TESSERA_GPU_FUSE: unknown fusion `{other}` (expected `all`, `none` or a comma list of {})",
+                        Self::NAMES.join(", ")
+                    )))
+                }
+            }
+        }
+        Ok(f)
+    }
+
+    /// The requested fusions that cuBLASLt can run for shape `s`: each fused GEMM is planned
+    /// once (nothing runs) with operands of the alignment the model gives them: activations at
+    /// the start of their own allocations, a block's parameters and gradients at their offset
+    /// in a unit (units start 256-byte aligned).
+    fn probe(gpu: &Gpu, want: Fusions, s: Shape, layout: &GpuLayout) -> Result<Fusions> {
+        let Some(lt) = gpu.lt.as_ref() else { return Ok(Fusions::default()) };
+        let probes = Probes::new(gpu, s, layout)?;
+        let bias = want.bias && probes.qkv_bias(lt);
+        let gelu = want.gelu && probes.fc_gelu(lt);
+        let dgelu = gelu && want.dgelu && probes.dgelu(lt);
+        let bgrad = want.bgrad && probes.bgrad(lt);
+        Ok(Fusions { bias, gelu, dgelu, bgrad })
+    }
+}
+
+/// cuBLASLt support of each fused GEMM for a shape (`tessera gpu check` prints it).
+pub fn fusion_support(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<Vec<(&'static str, bool)>> {
+    let Some(lt) = gpu.lt.as_ref() else { return Ok(Vec::new()) };
+    let p = Probes::new(gpu, s, layout)?;
+    Ok(vec![
+        ("qkv GEMM + bias (bf16)", p.qkv_bias(lt)),
+        ("fc GEMM + bias + GELU, pre-activation kept", p.fc_gelu(lt)),
+        ("fc2 input-gradient GEMM + GELU'", p.dgelu(lt)),
+        ("weight-gradient GEMMs + bias gradient", p.bgrad(lt)),
+    ])
+}
+
+/// Operands for planning the fused GEMMs of one block (pointers only matter for alignment).
+struct Probes {
+    _buf: Buf<f32>,
+    base: u64,
+    s: Shape,
+    offsets: [usize; 12],
+}
+
+impl Probes {
+    fn new(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<Probes> {
+        let buf = gpu.alloc::<f32>(1024)?;
+        let offsets = std::array::from_fn(|i| layout.block[i].start);
+        Ok(Probes { base: buf.ptr().raw, _buf: buf, s, offsets })
+    }
+    /// An activation (own allocation: 256-byte aligned).
+    fn act(&self, dt: Dt) -> Mat {
+        Mat::new(self.base, dt)
+    }
+    /// Block tensor `i` as bf16 parameter / f32 gradient.
+    fn p16(&self, i: usize) -> u64 {
+        self.base + ((self.offsets[i] * 2) % 256) as u64
+    }
+    fn g32(&self, i: usize) -> u64 {
+        self.base + ((self.offsets[i] * 4) % 256) as u64
+    }
+    fn ok(lt: &super::lt::Lt, c: Mat, a: Mat, b: Mat, (m, k, n): (usize, usize, usize), residual: Option<Mat>, epilogue: Epilogue) -> bool {
+        lt.supports(&Gemm { c, a, b, m, k, n, residual, epilogue })
+    }
+    fn qkv_bias(&self, lt: &super::lt::Lt) -> bool {
+        let (n, c) = (self.s.n(), self.s.c);
+        let e = Epilogue::Bias { bias: self.p16(3) };
+        Self::ok(lt, self.act(Dt::Bf16), self.act(Dt::Bf16), Mat::new(self.p16(2), Dt::Bf16), (n, c, 3 * c), None, e)
+    }
+    fn fc_gelu(&self, lt: &super::lt::Lt) -> bool {
+        let (n, c, f) = (self.s.n(), self.s.c, self.s.f);
+        let e = Epilogue::GeluAuxBias { bias: self.p16(9), pre: self.base };
+        Self::ok(lt, self.act(Dt::Bf16), self.act(Dt::Bf16), Mat::new(self.p16(8), Dt::Bf16), (n, c, f), None, e)
+    }
+    fn dgelu(&self, lt: &super::lt::Lt) -> bool {
+        let (n, c, f) = (self.s.n(), self.s.c, self.s.f);
+        let e = Epilogue::DGelu { pre: self.base };
+        Self::ok(lt, self.act(Dt::Bf16), self.act(Dt::Bf16), Mat::tr(self.p16(10), Dt::Bf16), (n, c, f), None, e)
+    }
+    fn bgrad(&self, lt: &super::lt::Lt) -> bool {
+        let (n, c, f) = (self.s.n(), self.s.c, self.s.f);
+        [(2, 3, c, 3 * c), (4, 5, c, c), (8, 9, c, f), (10, 11, f, c)].into_iter().all(|(w, b, rows, cols)| {
+            let e = Epilogue::BgradB { dbias: self.g32(b) };
+            Self::ok(lt, Mat::new(self.g32(w), Dt::F32), Mat::tr(self.base, Dt::Bf16), self.act(Dt::Bf16), (rows, n, cols), None, e)
+        })
+    }
+}
+
 /// Saved activations of one block.
 struct LayerActs {
     ln1: Buf<bf16>,
@@ -263,6 +411,8 @@ struct LayerActs {
 /// Every activation and scratch buffer of one micro-batch shape, allocated once.
 pub struct Workspace {
     pub shape: Shape,
+    /// The cuBLASLt fusions this workspace's forward and backward use.
+    pub fusions: Fusions,
     /// Shared, so the model functions can hold it while they write into the workspace.
     pub layout: std::sync::Arc<GpuLayout>,
     tmp: Buf<bf16>,
@@ -292,7 +442,14 @@ pub struct Workspace {
 }
 
 impl Workspace {
+    /// A workspace with the fusions `TESSERA_GPU_FUSE` asks for ([`Fusions::DEFAULT`]) that
+    /// cuBLASLt supports here.
     pub fn new(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<Workspace> {
+        Self::with_fusions(gpu, s, layout, Fusions::requested()?)
+    }
+
+    /// A workspace with the fusions of `want` that cuBLASLt supports here.
+    pub fn with_fusions(gpu: &Gpu, s: Shape, layout: &GpuLayout, want: Fusions) -> Result<Workspace> {
         let (n, c, f) = (s.n(), s.c, s.f);
         let bht = s.b * s.nh * s.t;
         let mut layers = Vec::with_capacity(s.l);
@@ -314,10 +471,14 @@ impl Workspace {
         }
         let xs = (0..=s.l).map(|_| gpu.alloc(n * c)).collect::<Result<Vec<_>>>()?;
         let scratch_cols = (3 * c).max(f).max(c);
+        let tmp = gpu.alloc(n * c)?;
+        let dx: Buf<f32> = gpu.alloc(n * c)?;
+        let fusions = Fusions::probe(gpu, want, s, layout)?;
         Ok(Workspace {
             shape: s,
+            fusions,
             layout: std::sync::Arc::new(layout.clone()),
-            tmp: gpu.alloc(n * c)?,
+            tmp,
             xs,
             layers,
             xf: gpu.alloc(n * c)?,
@@ -325,7 +486,7 @@ impl Workspace {
             rf: gpu.alloc(n)?,
             logits: gpu.alloc(n * s.v)?,
             losses: gpu.alloc(n)?,
-            dx: gpu.alloc(n * c)?,
+            dx,
             dres: gpu.alloc(n * c)?,
             dbig1: gpu.alloc(n * f.max(3 * c))?,
             dbig2: gpu.alloc(n * f)?,
@@ -422,14 +583,8 @@ pub fn forward_backward(
         return Err(GpuError::Invalid(format!("token id {bad} is outside the vocabulary of {v}")));
     }
     let st: &CudaStream = &gpu.stream;
-    let idx = ops::TokenIndex::new(tokens, v);
     gpu.write(&mut ws.tokens, 0, tokens)?;
     gpu.write(&mut ws.targets, 0, targets)?;
-    gpu.write(&mut ws.uniq, 0, &idx.uniq)?;
-    gpu.write(&mut ws.offsets, 0, &idx.offsets)?;
-    gpu.write(&mut ws.positions, 0, &idx.positions)?;
-    let uniq = ws.uniq.slice(0..idx.uniq.len());
-    let offsets = ws.offsets.slice(0..idx.offsets.len());
 
     // ---- forward ----
     let p0 = hooks.params(0, Phase::Forward)?;
@@ -441,7 +596,7 @@ pub fn forward_backward(
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
         let w = BlockW::at(p, lay);
-        block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), &ws.layers[l], s, ws.tmp.ptr())?;
+        block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), &ws.layers[l], s, ws.tmp.ptr(), ws.fusions)?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     // ---- head ----
@@ -452,6 +607,14 @@ pub fn forward_backward(
     gpu.mark("head gemm logits");
     ops::crossentropy(gpu, st, ws.losses.ptr(), ws.logits.ptr(), ws.targets.ptr(), n, v, v, dloss / n as f32)?;
     gpu.mark("head cross-entropy");
+    // The embedding backward's token index, sorted on the host while the GPU runs the forward
+    // (the copies are ordered on the stream after it, before the backward that reads them).
+    let idx = ops::TokenIndex::new(tokens, v);
+    gpu.write(&mut ws.uniq, 0, &idx.uniq)?;
+    gpu.write(&mut ws.offsets, 0, &idx.offsets)?;
+    gpu.write(&mut ws.positions, 0, &idx.positions)?;
+    let uniq = ws.uniq.slice(0..idx.uniq.len());
+    let offsets = ws.offsets.slice(0..idx.offsets.len());
     // ---- backward ----
     let g0 = hooks.grads(0)?;
     let ge = EmbedW::at(g0, lay);
@@ -484,7 +647,7 @@ pub fn forward_backward(
         let w = BlockW::at(p, lay);
         let g = hooks.grads(1 + l)?;
         let gw = BlockW::at(g, lay);
-        block_backward(gpu, st, &w, &gw, ws.xs[l].ptr(), &ws.layers[l], s, &mut Scratch::of(ws))?;
+        block_backward(gpu, st, &w, &gw, ws.xs[l].ptr(), &ws.layers[l], s, &mut Scratch::of(ws), ws.fusions)?;
         hooks.params_done(1 + l, Phase::Backward)?;
         hooks.grads_done(1 + l)?;
     }
@@ -512,7 +675,7 @@ pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, to
     ops::embedding_forward(gpu, st, ws.xs[0].ptr(), ws.tokens.ptr(), e.wte, e.wpe, s.b, s.t, c)?;
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
-        block_forward(gpu, st, &BlockW::at(p, lay), ws.xs[l].ptr(), ws.xs[l + 1].ptr(), &ws.layers[l], s, ws.tmp.ptr())?;
+        block_forward(gpu, st, &BlockW::at(p, lay), ws.xs[l].ptr(), ws.xs[l + 1].ptr(), &ws.layers[l], s, ws.tmp.ptr(), ws.fusions)?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     ops::layernorm_forward(gpu, st, ws.xf.ptr(), ws.mf.ptr(), ws.rf.ptr(), ws.xs[s.l].ptr(), e.lnf_w, e.lnf_b, n, c)?;
@@ -529,7 +692,26 @@ pub fn mean_loss(gpu: &Gpu, ws: &Workspace) -> Result<f32> {
     Ok((sum / l.len() as f64) as f32)
 }
 
+/// `gpu.lt`, which a workspace with any fusion on has (its fusions were planned there).
+fn lt(gpu: &Gpu) -> &super::lt::Lt {
+    gpu.lt.as_ref().expect("a workspace uses cuBLASLt fusions only where cuBLASLt was loaded")
+}
+
+/// `c = a·b` (row-major `[m,k]·[k,n]`) with an epilogue and optional residual, through cuBLASLt.
+#[allow(clippy::too_many_arguments)]
+fn gemm_lt(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize, residual: Option<Mat>, epilogue: Epilogue) -> Result<()> {
+    lt(gpu).run(&Gemm { c, a, b, m, k, n, residual, epilogue })
+}
+
 /// One block forward; `tmp` is a bf16 `[n, c]` scratch for the two projection outputs.
+///
+/// ```text
+/// ln1 = LN(x); qkv = ln1·Wqkv + bqkv; atty = attention(qkv)
+/// x2 = x + atty·Wproj + bproj; ln2 = LN(x2)
+/// pre = ln2·Wfc + bfc; gl = gelu(pre); y = x2 + gl·Wfc2 + bfc2
+/// ```
+/// Unfused, `pre` holds `ln2·Wfc` without its bias (the GELU kernels add it); with the `gelu`
+/// fusion it holds the biased pre-activation, as cuBLASLt's GELU epilogue keeps it.
 #[allow(clippy::too_many_arguments)]
 fn block_forward(
     gpu: &Gpu,
@@ -540,14 +722,20 @@ fn block_forward(
     a: &LayerActs,
     s: Shape,
     tmp: DPtr<bf16>,
+    fu: Fusions,
 ) -> Result<()> {
     let (n, c, f) = (s.n(), s.c, s.f);
     ops::layernorm_forward(gpu, st, a.ln1.ptr(), a.m1.ptr(), a.r1.ptr(), x, w.ln1_w, w.ln1_b, n, c)?;
     gpu.mark("fwd layernorm");
-    gpu.blas.matmul(bf(a.qkv.ptr()), bf(a.ln1.ptr()), bf(w.qkv_w), n, c, 3 * c, 1.0, 0.0)?;
-    gpu.mark("fwd gemm qkv");
-    ops::bias_add(gpu, st, a.qkv.ptr(), w.qkv_b, n, 3 * c)?;
-    gpu.mark("fwd bias");
+    if fu.bias {
+        gemm_lt(gpu, bf(a.qkv.ptr()), bf(a.ln1.ptr()), bf(w.qkv_w), n, c, 3 * c, None, Epilogue::Bias { bias: w.qkv_b.raw })?;
+        gpu.mark("fwd gemm qkv+bias");
+    } else {
+        gpu.blas.matmul(bf(a.qkv.ptr()), bf(a.ln1.ptr()), bf(w.qkv_w), n, c, 3 * c, 1.0, 0.0)?;
+        gpu.mark("fwd gemm qkv");
+        ops::bias_add(gpu, st, a.qkv.ptr(), w.qkv_b, n, 3 * c)?;
+        gpu.mark("fwd bias");
+    }
     attention::attention_forward(gpu, st, a.atty.ptr(), a.lse.ptr(), a.qkv.ptr(), s.b, s.t, c, s.nh)?;
     gpu.mark("fwd attention");
     gpu.blas.matmul(bf(tmp), bf(a.atty.ptr()), bf(w.proj_w), n, c, c, 1.0, 0.0)?;
@@ -556,10 +744,16 @@ fn block_forward(
     gpu.mark("fwd residual");
     ops::layernorm_forward(gpu, st, a.ln2.ptr(), a.m2.ptr(), a.r2.ptr(), a.x2.ptr(), w.ln2_w, w.ln2_b, n, c)?;
     gpu.mark("fwd layernorm");
-    gpu.blas.matmul(bf(a.pre.ptr()), bf(a.ln2.ptr()), bf(w.fc_w), n, c, f, 1.0, 0.0)?;
-    gpu.mark("fwd gemm fc");
-    ops::bias_gelu_forward_out(gpu, st, a.pre.ptr(), a.gl.ptr(), w.fc_b, n, f)?;
-    gpu.mark("fwd bias+gelu");
+    if fu.gelu {
+        let e = Epilogue::GeluAuxBias { bias: w.fc_b.raw, pre: a.pre.ptr().raw };
+        gemm_lt(gpu, bf(a.gl.ptr()), bf(a.ln2.ptr()), bf(w.fc_w), n, c, f, None, e)?;
+        gpu.mark("fwd gemm fc+bias+gelu");
+    } else {
+        gpu.blas.matmul(bf(a.pre.ptr()), bf(a.ln2.ptr()), bf(w.fc_w), n, c, f, 1.0, 0.0)?;
+        gpu.mark("fwd gemm fc");
+        ops::bias_gelu_forward_out(gpu, st, a.pre.ptr(), a.gl.ptr(), w.fc_b, n, f)?;
+        gpu.mark("fwd bias+gelu");
+    }
     gpu.blas.matmul(bf(tmp), bf(a.gl.ptr()), bf(w.fc2_w), n, f, c, 1.0, 0.0)?;
     gpu.mark("fwd gemm fc2");
     ops::residual_bias_add(gpu, st, y, a.x2.ptr(), tmp, w.fc2_b, n, c)?;
@@ -598,6 +792,9 @@ impl Scratch {
 }
 
 /// Backward of one block. `k.dx` holds d(block output) on entry and d(block input) on exit.
+/// Each linear layer's weight gradient is `dW = inpᵀ·dY`, its bias gradient `Σ_rows dY` (fused
+/// into the weight-gradient GEMM with `bgrad`), its input gradient `dY·Wᵀ`; fc's `dY` is
+/// `d(gl) ∘ gelu'(pre)` (GELU' fused into fc2's input-gradient GEMM with `dgelu`).
 #[allow(clippy::too_many_arguments)]
 fn block_backward(
     gpu: &Gpu,
@@ -608,23 +805,28 @@ fn block_backward(
     a: &LayerActs,
     s: Shape,
     k: &mut Scratch,
+    fu: Fusions,
 ) -> Result<()> {
     let (n, c, f) = (s.n(), s.c, s.f);
     let dbig1 = k.dbig1.slice(0..n * f);
     let dbig2 = k.dbig2.slice(0..n * f);
     // MLP branch (k.dres = bf16 copy of d(block output), written by the LayerNorm backward that produced k.dx).
-    gpu.blas.matmul(f32m(g.fc2_w), bft(a.gl.ptr()), bf(k.dres), f, n, c, 1.0, 0.0)?;
-    gpu.mark("bwd gemm wgrad");
-    ops::bias_grad(gpu, st, g.fc2_b, k.dres, k.bias_scratch, n, c)?;
-    gpu.mark("bwd bias grad");
-    gpu.blas.matmul(bf(dbig1), bf(k.dres), bft(w.fc2_w), n, c, f, 1.0, 0.0)?;
-    gpu.mark("bwd gemm dgrad");
-    ops::gelu_backward_bias(gpu, st, dbig2, dbig1, a.pre.ptr(), w.fc_b, n, f)?;
-    gpu.mark("bwd gelu");
-    gpu.blas.matmul(f32m(g.fc_w), bft(a.ln2.ptr()), bf(dbig2), c, n, f, 1.0, 0.0)?;
-    gpu.mark("bwd gemm wgrad");
-    ops::bias_grad(gpu, st, g.fc_b, dbig2, k.bias_scratch, n, f)?;
-    gpu.mark("bwd bias grad");
+    weight_grad(gpu, st, g.fc2_w, Some(g.fc2_b), a.gl.ptr(), k.dres, k.bias_scratch, f, n, c, fu.bgrad)?;
+    if fu.dgelu {
+        // dbig2 = (dres·Wfc2ᵀ) ∘ gelu'(pre) in one GEMM.
+        gemm_lt(gpu, bf(dbig2), bf(k.dres), bft(w.fc2_w), n, c, f, None, Epilogue::DGelu { pre: a.pre.ptr().raw })?;
+        gpu.mark("bwd gemm dgrad+dgelu");
+    } else {
+        gpu.blas.matmul(bf(dbig1), bf(k.dres), bft(w.fc2_w), n, c, f, 1.0, 0.0)?;
+        gpu.mark("bwd gemm dgrad");
+        if fu.gelu {
+            ops::gelu_backward(gpu, st, dbig2, dbig1, a.pre.ptr(), n * f)?; // pre holds the bias
+        } else {
+            ops::gelu_backward_bias(gpu, st, dbig2, dbig1, a.pre.ptr(), w.fc_b, n, f)?;
+        }
+        gpu.mark("bwd gelu");
+    }
+    weight_grad(gpu, st, g.fc_w, Some(g.fc_b), a.ln2.ptr(), dbig2, k.bias_scratch, c, n, f, fu.bgrad)?;
     gpu.blas.matmul(bf(k.dln), bf(dbig2), bft(w.fc_w), n, f, c, 1.0, 0.0)?;
     gpu.mark("bwd gemm dgrad");
     ops::layernorm_backward(
@@ -645,22 +847,51 @@ fn block_backward(
     )?;
     gpu.mark("bwd layernorm");
     // Attention branch (k.dres = bf16 copy of d(x2) from the LN2 backward).
-    gpu.blas.matmul(f32m(g.proj_w), bft(a.atty.ptr()), bf(k.dres), c, n, c, 1.0, 0.0)?;
-    gpu.mark("bwd gemm wgrad");
-    ops::bias_grad(gpu, st, g.proj_b, k.dres, k.bias_scratch, n, c)?;
-    gpu.mark("bwd bias grad");
+    weight_grad(gpu, st, g.proj_w, Some(g.proj_b), a.atty.ptr(), k.dres, k.bias_scratch, c, n, c, fu.bgrad)?;
     gpu.blas.matmul(bf(k.datt), bf(k.dres), bft(w.proj_w), n, c, c, 1.0, 0.0)?;
     gpu.mark("bwd gemm dgrad");
     attention::attention_backward(gpu, st, k.dqkv, k.delta, k.datt, a.qkv.ptr(), a.atty.ptr(), a.lse.ptr(), s.b, s.t, c, s.nh)?;
     gpu.mark("bwd attention");
-    gpu.blas.matmul(f32m(g.qkv_w), bft(a.ln1.ptr()), bf(k.dqkv), c, n, 3 * c, 1.0, 0.0)?;
-    gpu.mark("bwd gemm wgrad");
-    ops::bias_grad(gpu, st, g.qkv_b, k.dqkv, k.bias_scratch, n, 3 * c)?;
-    gpu.mark("bwd bias grad");
+    weight_grad(gpu, st, g.qkv_w, Some(g.qkv_b), a.ln1.ptr(), k.dqkv, k.bias_scratch, c, n, 3 * c, fu.bgrad)?;
     gpu.blas.matmul(bf(k.dln), bf(k.dqkv), bft(w.qkv_w), n, 3 * c, c, 1.0, 0.0)?;
     gpu.mark("bwd gemm dgrad");
     ops::layernorm_backward(gpu, st, k.dx, Some(k.dres), g.ln1_w, g.ln1_b, k.dln, x, w.ln1_w, a.m1.ptr(), a.r1.ptr(), k.ln_scratch, n, c)?;
     gpu.mark("bwd layernorm");
+    Ok(())
+}
+
+/// `dw[rows, cols] = inpᵀ·dy` (`inp` `[n, rows]`, `dy` `[n, cols]`) and, given `db`, the bias
+/// gradient `db = Σ_rows dy`: summed by the GEMM itself with `fused`, else by the bias-gradient
+/// kernel.
+#[allow(clippy::too_many_arguments)]
+fn weight_grad(
+    gpu: &Gpu,
+    st: &CudaStream,
+    dw: DPtr<f32>,
+    db: Option<DPtr<f32>>,
+    inp: DPtr<bf16>,
+    dy: DPtr<bf16>,
+    scratch: DPtr<f32>,
+    rows: usize,
+    n: usize,
+    cols: usize,
+    fused: bool,
+) -> Result<()> {
+    match db {
+        Some(db) if fused => {
+            assert_eq!(db.len, cols, "bias gradient length");
+            gemm_lt(gpu, f32m(dw), bft(inp), bf(dy), rows, n, cols, None, Epilogue::BgradB { dbias: db.raw })?;
+            gpu.mark("bwd gemm wgrad+bias grad");
+        }
+        _ => {
+            gpu.blas.matmul(f32m(dw), bft(inp), bf(dy), rows, n, cols, 1.0, 0.0)?;
+            gpu.mark("bwd gemm wgrad");
+            if let Some(db) = db {
+                ops::bias_grad(gpu, st, db, dy, scratch, n, cols)?;
+                gpu.mark("bwd bias grad");
+            }
+        }
+    }
     Ok(())
 }
 
@@ -727,33 +958,43 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
         model.forward_backward(&mut acc, &tokens, &targets, b, t, 1.0, &mut cws)
     };
-    // GPU.
+    // GPU: unfused, with the default fusions and with all of them (each set cuBLASLt runs here, once).
     let layout = GpuLayout::new(&model, 1)?;
     let shape = Shape::new(&cfg, b, t)?;
     let pbf: Vec<bf16> = layout.pad(&params).iter().map(|&x| bf16::from_f32(x)).collect();
     let dparams = gpu.upload(&pbf)?;
     let dgrads = gpu.alloc::<f32>(layout.total)?;
-    let mut ws = Workspace::new(gpu, shape, &layout)?;
-    let mut hooks = Replicated { layout: &layout, params: dparams.ptr(), grads: dgrads.ptr() };
-    forward_backward(gpu, &mut hooks, &mut ws, &tokens, &targets, 1.0)?;
-    let gpu_loss = mean_loss(gpu, &ws)?;
-    let g = layout.unpad(&gpu.download(dgrads.ptr())?);
-    let mut rows = vec![CheckRow::compare("model loss", &[gpu_loss], &[cpu_loss], 0.0, 1e-2)];
-    // Per tensor, what bf16 activations promise: the norm-wise error rms(gpu − cpu)/rms(cpu)
-    // ≤ 2e-2 (measured ~5e-3), and no element off by more than 1.5e-1 of |cpu| + rms(cpu)
-    // (an indexing bug gives O(1)).
-    let rms = |x: &mut dyn Iterator<Item = f64>| {
-        let (s, n) = x.fold((0f64, 0usize), |(s, n), v| (s + v * v, n + 1));
-        (s / n.max(1) as f64).sqrt()
-    };
-    for spec in model.layout().specs() {
-        let r = spec.range();
-        let (cpu, gg) = (&grads[r.clone()], &g[r]);
-        let rc = rms(&mut cpu.iter().map(|&x| x as f64)).max(1e-12);
-        let mut row = CheckRow::compare(format!("model grad {} rms-rel", spec.name), gg, cpu, rc, 2e-2);
-        row.max_rel = rms(&mut gg.iter().zip(cpu).map(|(&a, &b)| a as f64 - b as f64)) / rc;
-        rows.push(row);
-        rows.push(CheckRow::compare(format!("model grad {} max-rel, floor rms", spec.name), gg, cpu, rc, 1.5e-1));
+    let mut rows = Vec::new();
+    let mut seen = Vec::new();
+    for want in [Fusions::default(), Fusions::DEFAULT, Fusions::ALL] {
+        let mut ws = Workspace::with_fusions(gpu, shape, &layout, want)?;
+        if seen.contains(&ws.fusions) {
+            continue;
+        }
+        seen.push(ws.fusions);
+        let tag = format!("[fused: {}]", ws.fusions.describe());
+        gpu.zero(dgrads.ptr(), &gpu.stream)?;
+        let mut hooks = Replicated { layout: &layout, params: dparams.ptr(), grads: dgrads.ptr() };
+        forward_backward(gpu, &mut hooks, &mut ws, &tokens, &targets, 1.0)?;
+        let gpu_loss = mean_loss(gpu, &ws)?;
+        let g = layout.unpad(&gpu.download(dgrads.ptr())?);
+        rows.push(CheckRow::compare(format!("model loss {tag}"), &[gpu_loss], &[cpu_loss], 0.0, 1e-2));
+        // Per tensor, what bf16 activations promise: the norm-wise error rms(gpu − cpu)/rms(cpu)
+        // ≤ 2e-2 (measured ~5e-3), and no element off by more than 1.5e-1 of |cpu| + rms(cpu)
+        // (an indexing bug gives O(1)).
+        let rms = |x: &mut dyn Iterator<Item = f64>| {
+            let (s, n) = x.fold((0f64, 0usize), |(s, n), v| (s + v * v, n + 1));
+            (s / n.max(1) as f64).sqrt()
+        };
+        for spec in model.layout().specs() {
+            let r = spec.range();
+            let (cpu, gg) = (&grads[r.clone()], &g[r]);
+            let rc = rms(&mut cpu.iter().map(|&x| x as f64)).max(1e-12);
+            let mut row = CheckRow::compare(format!("model grad {} rms-rel {tag}", spec.name), gg, cpu, rc, 2e-2);
+            row.max_rel = rms(&mut gg.iter().zip(cpu).map(|(&a, &b)| a as f64 - b as f64)) / rc;
+            rows.push(row);
+            rows.push(CheckRow::compare(format!("model grad {} max-rel, floor rms {tag}", spec.name), gg, cpu, rc, 1.5e-1));
+        }
     }
     Ok(rows)
 }

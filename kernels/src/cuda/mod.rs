@@ -18,6 +18,7 @@
 pub mod attention;
 pub mod blas;
 pub mod gpt;
+pub mod lt;
 pub mod ops;
 
 use std::collections::HashMap;
@@ -160,6 +161,8 @@ pub struct Gpu {
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
     funcs: Mutex<HashMap<(String, String), CudaFunction>>,
     pub blas: blas::Blas,
+    /// cuBLASLt (fused-epilogue GEMMs) on the compute stream; `None` without libcublasLt.
+    pub lt: Option<lt::Lt>,
     /// Timing marks on the compute stream while profiling ([`Gpu::profile`]).
     marks: Mutex<Option<Vec<(&'static str, CudaEvent)>>>,
 }
@@ -181,6 +184,7 @@ impl Gpu {
         let name = ctx.name().map_err(drv("reading the device name"))?;
         let cc = ctx.compute_capability().map_err(drv("reading the compute capability"))?;
         let blas = blas::Blas::new(&stream)?;
+        let lt = lt::Lt::new(&stream)?;
         Ok(Arc::new(Gpu {
             ordinal,
             ctx,
@@ -190,6 +194,7 @@ impl Gpu {
             modules: Mutex::new(HashMap::new()),
             funcs: Mutex::new(HashMap::new()),
             blas,
+            lt,
             marks: Mutex::new(None),
         }))
     }

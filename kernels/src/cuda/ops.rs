@@ -80,6 +80,19 @@ pub fn colsum_rows_per(n: usize) -> usize {
     32usize.max(n.div_ceil(4096))
 }
 
+/// Warps per block of `colsum_finish` (must equal COLSUM_WARPS in ops.cu): warp w sums the
+/// partial rows ≡ w (mod 8), the warps combine by a fixed pairwise tree.
+pub const COLSUM_WARPS: usize = 8;
+
+/// `colsum_finish` over `c` columns: 32 columns per block of [`COLSUM_WARPS`] warps.
+fn colsum_finish_cfg(c: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (u32::try_from(c.div_ceil(32)).expect("columns fit the grid"), 1, 1),
+        block_dim: (32 * COLSUM_WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Number of row blocks (partials) of the column sums over `n` rows.
 pub fn colsum_blocks(n: usize) -> usize {
     n.div_ceil(colsum_rows_per(n))
@@ -321,7 +334,7 @@ pub fn layernorm_backward(
     }
     let (pw, pb) = (scratch.slice(0..nb * c), scratch.slice(nb * c..2 * nb * c));
     let nb_i = nb as i32;
-    let cfg = grid_1d(c, COL_THREADS);
+    let cfg = colsum_finish_cfg(c);
     launch!(gpu, s, "colsum_finish", cfg; dw.raw, pw.raw, nb_i, c_i)?;
     launch!(gpu, s, "colsum_finish", cfg; db.raw, pb.raw, nb_i, c_i)
 }
@@ -478,7 +491,7 @@ pub fn bias_grad(gpu: &Gpu, s: &CudaStream, db: DPtr<f32>, dy: DPtr<bf16>, scrat
         };
         launch!(gpu, s, "bias_grad_partial", cfg; scratch.raw, dy.raw, n_i, f_i, rows_per)?;
     }
-    let cfg = grid_1d(f, COL_THREADS);
+    let cfg = colsum_finish_cfg(f);
     launch!(gpu, s, "colsum_finish", cfg; db.raw, scratch.raw, nb_i, f_i)
 }
 
@@ -699,8 +712,10 @@ fn row_bf(name: String, gpu: &[bf16], cpu_f32: &[f32]) -> CheckRow {
     CheckRow::compare(name, &bf_to_f32(gpu), &round_bf(cpu_f32), BF16_FLOOR, BF16_TOL)
 }
 
-/// dst[j] + Σ_r term(r, j) in the GPU's two-pass order (row blocks of [`colsum_rows_per`] rows
-/// summed ascending from 0, partials summed ascending from 0, then added to dst) — f32 on the host.
+/// dst[j] + Σ_r term(r, j) in the GPU's two-pass order — f32 on the host: row blocks of
+/// [`colsum_rows_per`] rows summed ascending from 0; then partial rows ≡ w (mod
+/// [`COLSUM_WARPS`]) summed ascending per w, combined ((w0+w1)+(w2+w3))+((w4+w5)+(w6+w7)), added
+/// to dst.
 fn colsum_blocked_ref(dst: &[f32], n: usize, c: usize, term: impl Fn(usize, usize) -> f32) -> Vec<f32> {
     let rows_per = colsum_rows_per(n);
     let nb = colsum_blocks(n);
@@ -714,11 +729,11 @@ fn colsum_blocked_ref(dst: &[f32], n: usize, c: usize, term: impl Fn(usize, usiz
     }
     (0..c)
         .map(|j| {
-            let mut s = 0f32;
-            for rb in 0..nb {
-                s += partials[rb * c + j];
+            let mut w = [0f32; COLSUM_WARPS];
+            for (rb, p) in partials.chunks_exact(c).enumerate() {
+                w[rb % COLSUM_WARPS] += p[j];
             }
-            dst[j] + s
+            dst[j] + (((w[0] + w[1]) + (w[2] + w[3])) + ((w[4] + w[5]) + (w[6] + w[7])))
         })
         .collect()
 }
