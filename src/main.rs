@@ -93,7 +93,8 @@ struct DriverArgs {
 
 impl DriverArgs {
     fn split(self) -> (PathBuf, cli::CommonArgs, TrainOptions, tessera::launch::DriverOpts) {
-        let opts = TrainOptions { resume: self.resume, progress: !self.no_progress, abandon_steps: Vec::new(), processes: true };
+        let opts =
+            TrainOptions { resume: self.resume, progress: !self.no_progress, abandon_steps: Vec::new(), processes: true, worker_net: None };
         let d = tessera::launch::DriverOpts { join_timeout_ms: self.join_timeout.saturating_mul(1000), certs: self.certs };
         (self.config, self.common, opts, d)
     }
@@ -202,6 +203,10 @@ struct TrainArgs {
     /// one process per GPU, NCCL between them; the world size is the GPU count).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
+    /// (`tessera chaos run`) A worker-net file: each elastic worker in its own network
+    /// namespace, the driver on their bridge (docs/ELASTIC.md).
+    #[arg(long, value_name = "FILE", hide = true, requires = "nprocs")]
+    worker_net: Option<PathBuf>,
 }
 
 /// `train --device`.
@@ -278,6 +283,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 a.common.world = Some(n);
             }
             if a.device == Device::Cuda {
+                if let Some(p) = &a.worker_net {
+                    anyhow::bail!("--worker-net {}: worker namespaces are for elastic CPU `--nprocs` runs, not --device cuda", p.display());
+                }
                 if !a.abandon_steps.is_empty() {
                     let steps: Vec<String> = a.abandon_steps.iter().map(u64::to_string).collect();
                     anyhow::bail!(
@@ -289,7 +297,13 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 let finished = tessera::gpu::train::train(&a.config, &a.common, &opts)?;
                 return Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) });
             }
-            let opts = TrainOptions { resume: a.resume, progress: !a.no_progress, abandon_steps: a.abandon_steps, processes };
+            let opts = TrainOptions {
+                resume: a.resume,
+                progress: !a.no_progress,
+                abandon_steps: a.abandon_steps,
+                processes,
+                worker_net: a.worker_net,
+            };
             let finished = cli::train(&a.config, &a.common, opts)?;
             Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })
         }
@@ -345,7 +359,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let report = runner::run(&opts)?;
             print!("{}", report.render());
             println!("report: {}", output.join("report.json").display());
-            Ok(if report.equal { done } else { ExitCode::FAILURE })
+            Ok(if report.passed() { done } else { ExitCode::FAILURE })
         }
         Cmd::Launch(a) => {
             let (config, common, opts, d) = a.driver.split();

@@ -107,31 +107,24 @@ impl TestNet {
     /// Caps host `i`'s egress with a token bucket (`tc qdisc … tbf`).
     pub fn throttle(&self, i: usize, rate_mbit: u32) -> Result<(), String> {
         let rate = format!("{rate_mbit}mbit");
+        self.tc(i, &["qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", &rate, "burst", "256kb", "latency", "400ms"])
+    }
+
+    /// Removes host `i`'s bandwidth cap (back to the default queue).
+    pub fn unthrottle(&self, i: usize) -> Result<(), String> {
+        self.tc(i, &["qdisc", "del", "dev", "eth0", "root"])
+    }
+
+    fn tc(&self, i: usize, args: &[&str]) -> Result<(), String> {
         let out = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &self.host_ns(i),
-                "tc",
-                "qdisc",
-                "replace",
-                "dev",
-                "eth0",
-                "root",
-                "tbf",
-                "rate",
-                &rate,
-                "burst",
-                "256kb",
-                "latency",
-                "400ms",
-            ])
+            .args(["netns", "exec", &self.host_ns(i), "tc"])
+            .args(args)
             .output()
             .map_err(|e| format!("running tc: {e}"))?;
         if out.status.success() {
             Ok(())
         } else {
-            Err(format!("tc tbf failed: {}", String::from_utf8_lossy(&out.stderr).trim()))
+            Err(format!("tc {} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
         }
     }
 }

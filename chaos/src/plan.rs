@@ -18,16 +18,41 @@
 //! ```
 //!
 //! A fault fires once the run has committed `at_step` steps, or `at_ms` after the faulted run
-//! started (exactly one of the two). `rank` (kill, stop, term) is a rank of the plan epoch in
-//! force when the fault fires, or `"random"` (the default): the seed picks one of the members
-//! then. `stop` sends SIGSTOP and, after `duration_ms` (default 5000), SIGCONT — a stop longer
-//! than the run's heartbeat timeout is a hang the run must detect. `fail_writes` makes the
-//! checkpoint folder unwritable for `duration_ms`; `corrupt_checkpoint` flips bytes in the newest
-//! checkpoint's tensors.
+//! started (exactly one of the two). `rank` (every fault aimed at a worker) is a rank of the plan
+//! epoch in force when the fault fires, or `"random"` (the default): the seed picks one of the
+//! members then. `stop` sends SIGSTOP and, after `duration_ms` (default 5000), SIGCONT — a stop
+//! longer than the run's heartbeat timeout is a hang the run must detect. `fail_writes` makes
+//! the checkpoint folder unwritable for `duration_ms` (default 5000); `corrupt_checkpoint` flips
+//! bytes in the newest checkpoint's tensors.
+//!
+//! Network faults need every worker in its own network namespace (the harness makes them; root
+//! and iproute2): `partition` sets the worker's link down, `throttle` caps its egress with
+//! `tc … tbf` at `rate_mbit`, and `delay` (`delay_ms`, `jitter_ms`), `loss`, `reorder`
+//! (`reorder_ms`, default 20) and `duplicate` (each with a `probability`) act on every QUIC
+//! datagram the worker sends or receives, through the seeded fault proxy in front of its QUIC
+//! socket. `disk_full` fills the checkpoint folder (a small tmpfs the harness mounts; root).
+//! For these, `duration_ms` is optional: without it the fault lasts until the run ends.
+//!
+//! ```json
+//! {"at_step": 2, "kind": "partition", "rank": 1, "duration_ms": 4000},
+//! {"at_step": 0, "kind": "delay", "rank": 2, "delay_ms": 2, "jitter_ms": 3},
+//! {"at_step": 3, "kind": "loss", "probability": 0.02, "duration_ms": 3000},
+//! {"at_step": 4, "kind": "throttle", "rate_mbit": 40, "duration_ms": 2000},
+//! {"at_step": 5, "kind": "disk_full", "duration_ms": 2500}
+//! ```
 
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+
+use crate::proxy::LinkFaults;
+
+/// Bound on a link fault's `delay_ms`, `jitter_ms` and `reorder_ms`.
+pub const LINK_DELAY_MS_MAX: u64 = 10_000;
+/// Default hold-back of a reordered datagram (ms).
+pub const REORDER_MS_DEFAULT: u64 = 20;
+/// Default duration of `stop` and `fail_writes` (ms).
+pub const DURATION_MS_DEFAULT: u64 = 5_000;
 
 /// What to inject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -45,6 +70,20 @@ pub enum FaultKind {
     CorruptCheckpoint,
     /// Make writes in the checkpoint folder fail for `duration_ms`.
     FailWrites,
+    /// Set a worker's network link down (for `duration_ms`, or for good).
+    Partition,
+    /// Delay (and jitter) every QUIC datagram of a worker.
+    Delay,
+    /// Drop a share of a worker's QUIC datagrams.
+    Loss,
+    /// Hold back a share of a worker's QUIC datagrams so later ones overtake them.
+    Reorder,
+    /// Send a share of a worker's QUIC datagrams twice.
+    Duplicate,
+    /// Cap a worker's egress bandwidth (`tc … tbf`).
+    Throttle,
+    /// Fill the checkpoint folder's file system: checkpoint writes fail with ENOSPC.
+    DiskFull,
 }
 
 impl FaultKind {
@@ -56,12 +95,42 @@ impl FaultKind {
             FaultKind::Join => "join",
             FaultKind::CorruptCheckpoint => "corrupt_checkpoint",
             FaultKind::FailWrites => "fail_writes",
+            FaultKind::Partition => "partition",
+            FaultKind::Delay => "delay",
+            FaultKind::Loss => "loss",
+            FaultKind::Reorder => "reorder",
+            FaultKind::Duplicate => "duplicate",
+            FaultKind::Throttle => "throttle",
+            FaultKind::DiskFull => "disk_full",
         }
     }
 
     /// Whether the fault targets a worker of the run.
     pub fn targets_rank(self) -> bool {
-        matches!(self, FaultKind::Kill | FaultKind::Stop | FaultKind::Term)
+        matches!(self, FaultKind::Kill | FaultKind::Stop | FaultKind::Term) || self.needs_net()
+    }
+
+    /// Whether the fault needs the workers in network namespaces.
+    pub fn needs_net(self) -> bool {
+        self.on_link() || matches!(self, FaultKind::Partition | FaultKind::Throttle)
+    }
+
+    /// Whether the fault acts through the fault proxy in front of a worker's QUIC socket.
+    pub fn on_link(self) -> bool {
+        matches!(self, FaultKind::Delay | FaultKind::Loss | FaultKind::Reorder | FaultKind::Duplicate)
+    }
+
+    /// The optional fields this kind takes (`kind`, `at_step`, `at_ms` and, for faults aimed at a
+    /// worker, `rank` go with every kind).
+    fn fields(self) -> &'static [&'static str] {
+        match self {
+            FaultKind::Stop | FaultKind::FailWrites | FaultKind::Partition | FaultKind::DiskFull => &["duration_ms"],
+            FaultKind::Delay => &["duration_ms", "delay_ms", "jitter_ms"],
+            FaultKind::Loss | FaultKind::Duplicate => &["duration_ms", "probability"],
+            FaultKind::Reorder => &["duration_ms", "probability", "reorder_ms"],
+            FaultKind::Throttle => &["duration_ms", "rate_mbit"],
+            FaultKind::Kill | FaultKind::Term | FaultKind::Join | FaultKind::CorruptCheckpoint => &[],
+        }
     }
 }
 
@@ -80,7 +149,7 @@ impl Default for Target {
 }
 
 /// One fault as the scenario file states it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FaultSpec {
     pub kind: FaultKind,
@@ -92,10 +161,98 @@ pub struct FaultSpec {
     pub rank: Target,
     #[serde(default)]
     pub duration_ms: Option<u64>,
+    /// `delay`: the fixed one-way delay of every datagram.
+    #[serde(default)]
+    pub delay_ms: Option<u64>,
+    /// `delay`: extra uniform random delay in `0..=jitter_ms`.
+    #[serde(default)]
+    pub jitter_ms: Option<u64>,
+    /// `loss`, `reorder`, `duplicate`: the share of datagrams hit.
+    #[serde(default)]
+    pub probability: Option<f64>,
+    /// `reorder`: how long a reordered datagram is held back.
+    #[serde(default)]
+    pub reorder_ms: Option<u64>,
+    /// `throttle`: the egress cap.
+    #[serde(default)]
+    pub rate_mbit: Option<u32>,
+}
+
+impl FaultSpec {
+    /// The optional fields given, by name.
+    fn given(&self) -> Vec<&'static str> {
+        let mut g = Vec::new();
+        for (name, set) in [
+            ("duration_ms", self.duration_ms.is_some()),
+            ("delay_ms", self.delay_ms.is_some()),
+            ("jitter_ms", self.jitter_ms.is_some()),
+            ("probability", self.probability.is_some()),
+            ("reorder_ms", self.reorder_ms.is_some()),
+            ("rate_mbit", self.rate_mbit.is_some()),
+        ] {
+            if set {
+                g.push(name);
+            }
+        }
+        g
+    }
+
+    /// Checks the kind's own fields; `Err` says what is wrong.
+    fn check_fields(&self) -> Result<(), String> {
+        let allowed = self.kind.fields();
+        if let Some(f) = self.given().into_iter().find(|f| !allowed.contains(f)) {
+            let takes = match allowed.is_empty() {
+                true => "no optional fields".to_string(),
+                false => allowed.join(", "),
+            };
+            return Err(format!("a {} fault takes no {f} (it takes {takes})", self.kind.name()));
+        }
+        let ms = |name: &str, v: Option<u64>| match v {
+            Some(v) if v > LINK_DELAY_MS_MAX => Err(format!("{name} {v} is above the limit of {LINK_DELAY_MS_MAX} ms")),
+            _ => Ok(()),
+        };
+        ms("delay_ms", self.delay_ms)?;
+        ms("jitter_ms", self.jitter_ms)?;
+        ms("reorder_ms", self.reorder_ms)?;
+        match self.kind {
+            FaultKind::Delay if self.delay_ms.unwrap_or(0) == 0 && self.jitter_ms.unwrap_or(0) == 0 => {
+                Err("give delay_ms or jitter_ms (milliseconds, above 0)".into())
+            }
+            FaultKind::Loss | FaultKind::Reorder | FaultKind::Duplicate => match self.probability {
+                None => Err("give probability (the share of datagrams hit, above 0)".into()),
+                Some(p) if !(p > 0.0 && p <= 1.0) => Err(format!("probability {p} is not in (0, 1]")),
+                Some(p) if self.kind == FaultKind::Loss && p >= 1.0 => {
+                    Err("probability 1 drops every datagram: that is a partition (kind \"partition\")".into())
+                }
+                _ => Ok(()),
+            },
+            FaultKind::Throttle => match self.rate_mbit {
+                None | Some(0) => Err("give rate_mbit (the egress cap in Mbit/s, at least 1)".into()),
+                _ => Ok(()),
+            },
+            _ => Ok(()),
+        }
+    }
+
+    /// What this fault does to a link (zero for faults that are not link faults).
+    fn link_faults(&self) -> LinkFaults {
+        let p = self.probability.unwrap_or(0.0);
+        match self.kind {
+            FaultKind::Delay => {
+                LinkFaults { delay_ms: self.delay_ms.unwrap_or(0), jitter_ms: self.jitter_ms.unwrap_or(0), ..Default::default() }
+            }
+            FaultKind::Loss => LinkFaults { loss: p, ..Default::default() },
+            FaultKind::Reorder => {
+                LinkFaults { reorder: p, reorder_ms: self.reorder_ms.unwrap_or(REORDER_MS_DEFAULT), ..Default::default() }
+            }
+            FaultKind::Duplicate => LinkFaults { duplicate: p, ..Default::default() },
+            _ => LinkFaults::default(),
+        }
+    }
 }
 
 /// A scenario file.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scenario {
     /// The DeepSpeed config, relative to the scenario file's folder (or absolute).
@@ -121,15 +278,20 @@ pub enum Trigger {
 }
 
 /// A fault with its randomness resolved by the seed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Fault {
     pub kind: FaultKind,
     pub trigger: Trigger,
     /// A fixed rank, or `None`: pick with `draw` among the members when the fault fires.
     pub rank: Option<usize>,
-    /// The seed's draw for this fault.
+    /// The seed's draw for this fault (also the seed of a link fault's proxy).
     pub draw: u64,
-    pub duration_ms: u64,
+    /// How long the fault lasts; `None`: until the run ends.
+    pub duration_ms: Option<u64>,
+    /// What a link fault does to the worker's datagrams.
+    pub link: LinkFaults,
+    /// A throttle's cap (Mbit/s).
+    pub rate_mbit: u32,
 }
 
 impl Fault {
@@ -191,9 +353,15 @@ impl Scenario {
                 Target::Rank(_) if !f.kind.targets_rank() => return Err(bad(format!("{which}: a {} fault takes no rank", f.kind.name()))),
                 _ => {}
             }
-            if f.duration_ms.is_some() && !matches!(f.kind, FaultKind::Stop | FaultKind::FailWrites) {
-                return Err(bad(format!("{which}: only stop and fail_writes take duration_ms")));
-            }
+            f.check_fields().map_err(|e| bad(format!("{which}: {e}")))?;
+        }
+        let has = |k: FaultKind| s.faults.iter().any(|f| f.kind == k);
+        if has(FaultKind::DiskFull) && has(FaultKind::FailWrites) {
+            return Err(bad(
+                "disk_full and fail_writes cannot share a scenario: disk_full mounts a file system on the checkpoint folder, \
+                 and fail_writes replaces that folder"
+                    .into(),
+            ));
         }
         Ok(s)
     }
@@ -215,7 +383,12 @@ impl Scenario {
                     Target::Named(_) => None,
                 },
                 draw: splitmix(&mut state),
-                duration_ms: f.duration_ms.unwrap_or(5_000),
+                duration_ms: match f.kind {
+                    FaultKind::Stop | FaultKind::FailWrites => Some(f.duration_ms.unwrap_or(DURATION_MS_DEFAULT)),
+                    _ => f.duration_ms,
+                },
+                link: f.link_faults(),
+                rate_mbit: f.rate_mbit.unwrap_or(0),
             })
             .collect();
         out.sort_by_key(|f| match f.trigger {
@@ -223,6 +396,21 @@ impl Scenario {
             Trigger::Ms(ms) => (1, ms),
         });
         out
+    }
+
+    /// Whether any fault needs the workers in network namespaces.
+    pub fn needs_net(&self) -> bool {
+        self.faults.iter().any(|f| f.kind.needs_net())
+    }
+
+    /// Whether any fault acts through the workers' fault proxies.
+    pub fn needs_links(&self) -> bool {
+        self.faults.iter().any(|f| f.kind.on_link())
+    }
+
+    /// How many workers join during the run (each needs a namespace of its own).
+    pub fn joins(&self) -> usize {
+        self.faults.iter().filter(|f| f.kind == FaultKind::Join).count()
     }
 }
 
@@ -262,5 +450,64 @@ mod tests {
         assert!(e.contains("explode"), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [], "extra": 1}"#);
         assert!(e.contains("extra"), "{e}");
+    }
+
+    #[test]
+    fn network_and_disk_faults_parse_with_their_fields() {
+        let text = r#"{"config": "c.json", "nprocs": 3, "steps": 8, "faults": [
+            {"at_step": 2, "kind": "partition", "rank": 1, "duration_ms": 4000},
+            {"at_step": 0, "kind": "delay", "rank": 2, "delay_ms": 2, "jitter_ms": 3},
+            {"at_step": 3, "kind": "loss", "probability": 0.02, "duration_ms": 3000},
+            {"at_step": 3, "kind": "reorder", "probability": 0.1},
+            {"at_step": 3, "kind": "duplicate", "probability": 0.05},
+            {"at_step": 4, "kind": "throttle", "rate_mbit": 40, "duration_ms": 2000},
+            {"at_step": 5, "kind": "disk_full", "duration_ms": 2500},
+            {"at_step": 6, "kind": "partition"}]}"#;
+        let s = Scenario::parse(text, Path::new("s.json")).expect("valid");
+        assert!(s.needs_net() && s.needs_links());
+        let f = s.resolve(1);
+        let kinds: Vec<&str> = f.iter().map(|f| f.kind.name()).collect();
+        assert_eq!(kinds, ["delay", "partition", "loss", "reorder", "duplicate", "throttle", "disk_full", "partition"]);
+        assert_eq!(f[0].link, LinkFaults { delay_ms: 2, jitter_ms: 3, ..Default::default() });
+        assert_eq!(f[0].duration_ms, None, "a link fault without a duration lasts the run");
+        assert_eq!(f[1].duration_ms, Some(4000));
+        assert_eq!(f[2].link.loss, 0.02);
+        assert_eq!((f[3].link.reorder, f[3].link.reorder_ms), (0.1, REORDER_MS_DEFAULT));
+        assert_eq!(f[4].link.duplicate, 0.05);
+        assert_eq!(f[5].rate_mbit, 40);
+        assert!(f[6].link.is_clean() && f[7].duration_ms.is_none());
+        let plain = Scenario::parse(OK, Path::new("s.json")).unwrap();
+        assert!(!plain.needs_net() && !plain.needs_links());
+        assert_eq!(plain.resolve(0)[0].duration_ms, Some(100));
+        assert_eq!(plain.joins(), 1);
+    }
+
+    #[test]
+    fn bad_network_and_disk_faults_say_which_field_is_wrong() {
+        let p = Path::new("s.json");
+        let err = |fault: &str| {
+            let text = format!(r#"{{"config": "c", "nprocs": 2, "steps": 5, "faults": [{fault}]}}"#);
+            Scenario::parse(&text, p).expect_err("invalid").to_string()
+        };
+        let e = err(r#"{"kind": "loss", "at_step": 1}"#);
+        assert!(e.contains("faults[0] (loss)") && e.contains("give probability"), "{e}");
+        let e = err(r#"{"kind": "loss", "at_step": 1, "probability": 1.0}"#);
+        assert!(e.contains("partition"), "{e}");
+        let e = err(r#"{"kind": "duplicate", "at_step": 1, "probability": 1.5}"#);
+        assert!(e.contains("1.5") && e.contains("(0, 1]"), "{e}");
+        let e = err(r#"{"kind": "delay", "at_step": 1}"#);
+        assert!(e.contains("delay_ms or jitter_ms"), "{e}");
+        let e = err(r#"{"kind": "delay", "at_step": 1, "delay_ms": 20000}"#);
+        assert!(e.contains("20000") && e.contains("limit"), "{e}");
+        let e = err(r#"{"kind": "throttle", "at_step": 1}"#);
+        assert!(e.contains("rate_mbit"), "{e}");
+        let e = err(r#"{"kind": "kill", "at_step": 1, "duration_ms": 5}"#);
+        assert!(e.contains("a kill fault takes no duration_ms") && e.contains("no optional fields"), "{e}");
+        let e = err(r#"{"kind": "partition", "at_step": 1, "probability": 0.5}"#);
+        assert!(e.contains("takes no probability") && e.contains("duration_ms"), "{e}");
+        let e = err(r#"{"kind": "disk_full", "at_step": 1, "rank": 0}"#);
+        assert!(e.contains("takes no rank"), "{e}");
+        let e = err(r#"{"kind": "disk_full", "at_step": 1}, {"kind": "fail_writes", "at_step": 2}"#);
+        assert!(e.contains("disk_full and fail_writes"), "{e}");
     }
 }

@@ -3,12 +3,22 @@
 //!
 //! Both runs are `tessera train --nprocs N` with the elastic runtime on. The harness follows
 //! the faulted run through its event log (`<output>/elastic_events.jsonl`: plan epochs with each
-//! member's rank and pid, committed steps, losses, drains, joins, and when training resumed)
-//! and fires each fault when its trigger is met: signals go to the pid of the targeted rank of
-//! the epoch in force, a join starts `tessera worker --join`, checkpoint faults touch the run's
-//! checkpoint folder. The report gives, per fault, when it was injected, when the run noticed
-//! (the matching loss, drain or join event) and when it was training again, and the summary of
-//! both runs. The runs must end with equal `params_blake3` and every step committed.
+//! member's rank and pid, committed steps, losses, drains, joins, checkpoints written or not, and
+//! when training resumed) and fires each fault when its trigger is met: signals go to the pid of
+//! the targeted rank of the epoch in force, a join starts `tessera worker --join`, checkpoint
+//! faults touch the run's checkpoint folder, and network faults act on the targeted worker's
+//! namespace (link down, `tc … tbf`) or on its fault link (delay, loss, reordering,
+//! duplication). Faults with a duration are undone when it ends.
+//!
+//! With network faults in the scenario, the faulted run's workers each live in a network
+//! namespace of their own ([`crate::hosts`]); with `disk_full`, its checkpoint folder is a small
+//! tmpfs ([`crate::disk`]). Both need root; without it the harness refuses such a scenario
+//! before running anything. The fault-free run always runs on loopback.
+//!
+//! The report gives, per fault, when it was injected and undone, when the run noticed (the
+//! matching loss, drain, join or failed checkpoint) and when it was training (or checkpointing)
+//! again, and the summary of both runs. The runs must end with equal `params_blake3` and every
+//! step committed, and the checkpoint folder must hold nothing half-written.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
@@ -19,10 +29,19 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 
+use crate::disk::{self, Disk};
+use crate::hosts::{self, Hosts};
 use crate::plan::{Fault, FaultKind, Scenario, Trigger};
+use crate::proxy::ProxyStats;
 
 /// The event log the elastic driver writes (`engine::elastic::EVENTS_FILE`).
 pub const EVENTS_FILE: &str = "elastic_events.jsonl";
+/// How often the harness reads the event log and fires or undoes faults (ms).
+const POLL_MS: u64 = 20;
+/// Bound on a joiner's exit after its run ended (ms).
+const JOINER_EXIT_MS: u64 = 15_000;
+/// Default bound on each run (s).
+const RUN_TIMEOUT_S: u64 = 600;
 
 /// What a chaos run needs.
 pub struct ChaosOptions {
@@ -61,11 +80,17 @@ pub struct FaultReport {
     pub kind: &'static str,
     /// What was hit: "rank 2 (worker 2, pid 1234)", "new worker (pid 99)", a checkpoint path.
     pub target: String,
+    /// From the faulted run's start to the injection.
     pub injected_ms: u64,
-    /// From injection to the run noticing it (a loss, drain or join event).
+    /// From the faulted run's start to the fault's end (`None`: it lasted until the run ended).
+    pub until_ms: Option<u64>,
+    /// From injection to the run noticing it (a loss, drain, join or failed checkpoint event).
     pub detection_ms: Option<u64>,
-    /// From noticing to training again (the next epoch's first step running).
+    /// From noticing to training again (the next epoch's first step running), or for
+    /// checkpoint faults to the next checkpoint written.
     pub recovery_ms: Option<u64>,
+    /// For link faults: what the worker's fault link did over the worker's life.
+    pub link: Option<ProxyStats>,
     pub note: String,
 }
 
@@ -91,18 +116,50 @@ pub struct Report {
     pub faults: Vec<FaultReport>,
     /// Steps of the faulted run committed / expected (a lost committed step would show here).
     pub steps_expected: u64,
+    /// Where the faulted run's workers ran (network namespaces), when not on loopback.
+    pub network: Option<String>,
+    /// The faulted run's checkpoint file system, when `disk_full` needed one.
+    pub checkpoint_disk: Option<String>,
+    /// Half-written files or folders left in the faulted run's checkpoint folder (must be none).
+    pub checkpoint_leftovers: Vec<String>,
+    /// Equal `params_blake3` and every step committed.
     pub equal: bool,
 }
 
 impl Report {
+    /// Whether the scenario passed: the fault-free bits, every step, nothing half-written.
+    pub fn passed(&self) -> bool {
+        self.equal && self.checkpoint_leftovers.is_empty()
+    }
+
     /// The report as people read it.
     pub fn render(&self) -> String {
         let mut s = String::new();
         let ms = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |v| format!("{v} ms"));
-        s.push_str(&format!("chaos run, seed {}\n\nfaults injected: {}\n", self.seed, self.faults.len()));
-        s.push_str(&format!("  {:<19} {:<40} {:>12} {:>12}  note\n", "fault", "target", "detection", "recovery"));
+        s.push_str(&format!("chaos run, seed {}\n", self.seed));
+        if let Some(n) = &self.network {
+            s.push_str(&format!("workers: {n}\n"));
+        }
+        if let Some(d) = &self.checkpoint_disk {
+            s.push_str(&format!("checkpoints: {d}\n"));
+        }
+        s.push_str(&format!("\nfaults injected: {}\n", self.faults.len()));
+        s.push_str(&format!(
+            "  {:<18} {:>9} {:>9} {:<44} {:>10} {:>10}  note\n",
+            "fault", "at", "until", "target", "detection", "recovery"
+        ));
         for f in &self.faults {
-            s.push_str(&format!("  {:<19} {:<40} {:>12} {:>12}  {}\n", f.kind, f.target, ms(f.detection_ms), ms(f.recovery_ms), f.note));
+            let until = f.until_ms.map_or_else(|| "end".to_string(), |v| format!("{v} ms"));
+            s.push_str(&format!(
+                "  {:<18} {:>9} {:>9} {:<44} {:>10} {:>10}  {}\n",
+                f.kind,
+                format!("{} ms", f.injected_ms),
+                until,
+                f.target,
+                ms(f.detection_ms),
+                ms(f.recovery_ms),
+                f.note
+            ));
         }
         let el = &self.faulted.elastic;
         let get = |k: &str| el.get(k).and_then(Value::as_u64).unwrap_or(0);
@@ -129,16 +186,20 @@ impl Report {
                 s.push_str(&format!("the {name} run failed: {e}\n"));
             }
         }
-        s.push_str(match self.equal {
-            true => "result: EQUAL — the faulted run gives the fault-free bits; no committed step lost\n",
-            false => "result: DIFFERENT\n",
+        if !self.checkpoint_leftovers.is_empty() {
+            s.push_str(&format!("half-written checkpoint leftovers: {}\n", self.checkpoint_leftovers.join(", ")));
+        }
+        s.push_str(match (self.equal, self.checkpoint_leftovers.is_empty()) {
+            (true, true) => "result: EQUAL — the faulted run gives the fault-free bits; no committed step lost\n",
+            (true, false) => "result: FAILED — the bits are equal, but a checkpoint was left half-written\n",
+            (false, _) => "result: DIFFERENT\n",
         });
         s
     }
 }
 
 /// The training command line of one run.
-fn train_args(o: &ChaosOptions, out: &Path) -> Vec<String> {
+fn train_args(o: &ChaosOptions, out: &Path, net: Option<&Path>) -> Vec<String> {
     let cfg = match o.scenario.config.is_absolute() {
         true => o.scenario.config.clone(),
         false => o.base.join(&o.scenario.config),
@@ -149,6 +210,9 @@ fn train_args(o: &ChaosOptions, out: &Path) -> Vec<String> {
     a.extend(["--set".into(), "tessera.elastic.enabled=true".into()]);
     for s in &o.scenario.set {
         a.extend(["--set".into(), s.clone()]);
+    }
+    if let Some(net) = net {
+        a.extend(["--worker-net".into(), net.display().to_string()]);
     }
     a
 }
@@ -193,6 +257,11 @@ impl Events {
         self.of("step").filter_map(|e| e["step"].as_u64()).max().unwrap_or(0)
     }
 
+    /// The pid of the process that joined as worker `id`.
+    fn join_pid(&self, id: u64) -> Option<u32> {
+        self.of("join_requested").find(|e| e["id"].as_u64() == Some(id)).and_then(|e| e["pid"].as_u64()).map(|p| p as u32)
+    }
+
     /// The members of the newest epoch: (rank, id, pid).
     fn members(&self) -> Vec<(usize, u64, u32)> {
         self.of("epoch")
@@ -212,26 +281,301 @@ fn signal(pid: u32, sig: libc::c_int) {
     }
 }
 
-/// A fault in flight: what to undo later.
-enum Undo {
-    Cont { pid: u32, at: Instant },
-    Writes { root: PathBuf, held: PathBuf, at: Instant },
+/// "for 2000 ms" or "until the run ends".
+fn lasts(duration_ms: Option<u64>) -> String {
+    duration_ms.map_or_else(|| "until the run ends".to_string(), |ms| format!("for {ms} ms"))
 }
 
-/// Runs one training job; injects `faults` when given. Returns the run's report, the reports
-/// of the faults and the joiners it started.
-fn run_one(o: &ChaosOptions, name: &str, faults: &[Fault], pb: &ProgressBar) -> Result<(RunReport, Vec<FaultReport>), ChaosError> {
-    let out = o.output.join(name);
-    if out.exists() {
-        std::fs::remove_dir_all(&out).map_err(io(format!("clearing {}", out.display())))?;
+/// What ends a fault with a duration.
+enum Undo {
+    Cont { pid: u32 },
+    Writes { root: PathBuf, held: PathBuf },
+    LinkUp { host: usize },
+    Unthrottle { host: usize },
+    LinkClear { id: u64 },
+    DiskFree,
+}
+
+/// A fault in force: its number in the report, when it ends and how.
+struct Active {
+    fault: usize,
+    at: Instant,
+    undo: Undo,
+}
+
+/// What the faulted run has besides its process (none for the fault-free run).
+#[derive(Default)]
+struct Env {
+    hosts: Option<Hosts>,
+    disk: Option<Disk>,
+}
+
+/// One injected fault as the run goes: the report, the worker id it hit (the pid, for a join)
+/// and when (wall-clock ms).
+struct Fired {
+    kind: FaultKind,
+    report: FaultReport,
+    id: Option<u64>,
+    at_ms: u64,
+    /// When the fault was undone (wall-clock ms; `None`: it lasted until the run ended).
+    undone_ms: Option<u64>,
+    duration_ms: Option<u64>,
+}
+
+/// A run with faults being injected into it.
+struct Faulting<'a> {
+    o: &'a ChaosOptions,
+    out: PathBuf,
+    env: &'a mut Env,
+    fired: Vec<Fired>,
+    active: Vec<Active>,
+    joiners: Vec<Child>,
+}
+
+impl Faulting<'_> {
+    /// Ends faults whose time is up (all of them with `all`).
+    fn undo_due(&mut self, all: bool) {
+        let now = Instant::now();
+        let (due, keep): (Vec<Active>, Vec<Active>) = std::mem::take(&mut self.active).into_iter().partition(|a| all || now >= a.at);
+        self.active = keep;
+        for a in due {
+            let result = match a.undo {
+                Undo::Cont { pid } => {
+                    signal(pid, libc::SIGCONT);
+                    Ok(())
+                }
+                Undo::Writes { root, held } => {
+                    let _ = std::fs::remove_file(&root);
+                    std::fs::rename(&held, &root).map_err(|e| format!("putting {} back: {e}", root.display()))
+                }
+                Undo::LinkUp { host } => self.env.hosts.as_ref().map_or(Ok(()), |h| h.set_link(host, true)),
+                Undo::Unthrottle { host } => self.env.hosts.as_ref().map_or(Ok(()), |h| h.unthrottle(host)),
+                Undo::LinkClear { id } => self.env.hosts.as_mut().map_or(Ok(()), |h| h.clear_link(id, a.fault)),
+                Undo::DiskFree => {
+                    if let Some(d) = &self.env.disk {
+                        d.free();
+                    }
+                    Ok(())
+                }
+            };
+            let f = &mut self.fired[a.fault];
+            if !all {
+                f.undone_ms = Some(now_ms());
+            }
+            if let Err(e) = result {
+                f.report.note.push_str(&format!("; undoing it failed: {e}"));
+            }
+        }
     }
-    std::fs::create_dir_all(&out).map_err(io(format!("creating {}", out.display())))?;
+
+    /// Keeps a full disk full: a failed checkpoint frees its temporary files.
+    fn top_up(&mut self) {
+        let filling = self.active.iter().any(|a| matches!(a.undo, Undo::DiskFree))
+            || self.fired.iter().any(|f| f.kind == FaultKind::DiskFull && f.duration_ms.is_none());
+        if let (true, Some(d)) = (filling, &self.env.disk) {
+            let _ = d.fill();
+        }
+    }
+
+    fn schedule(&mut self, fault: usize, duration_ms: Option<u64>, undo: Undo) {
+        if let Some(ms) = duration_ms {
+            self.active.push(Active { fault, at: Instant::now() + Duration::from_millis(ms), undo });
+        }
+    }
+
+    /// Injects one fault into the epoch whose members are `members` (rank, id, pid).
+    fn inject(&mut self, f: &Fault, members: &[(usize, u64, u32)], events: &Events) -> Result<(), ChaosError> {
+        let n = self.fired.len();
+        let mut report = FaultReport {
+            kind: f.kind.name(),
+            target: String::new(),
+            injected_ms: 0,
+            until_ms: None,
+            detection_ms: None,
+            recovery_ms: None,
+            link: None,
+            note: String::new(),
+        };
+        let id = match f.kind {
+            k if k.targets_rank() => {
+                let rank = f.rank_in(members.len());
+                let Some(&(rank, id, pid)) = members.iter().find(|m| m.0 == rank) else {
+                    report.target = format!("rank {rank}");
+                    report.note = format!("skipped: the run has {} member(s)", members.len());
+                    self.push(f, report, None);
+                    return Ok(());
+                };
+                report.target = format!("rank {rank} (worker {id}, pid {pid})");
+                let host = match (k.needs_net(), &self.env.hosts) {
+                    (false, _) => None,
+                    (true, Some(h)) => {
+                        let join_pid = |id: u64| events.join_pid(id);
+                        match h.host_of(id, join_pid) {
+                            Some(host) => {
+                                report.target = format!("rank {rank} (worker {id}, pid {pid}, {})", h.addr(host));
+                                Some(host)
+                            }
+                            None => {
+                                report.note = format!("skipped: no test host is known for worker {id}");
+                                self.push(f, report, Some(id));
+                                return Ok(());
+                            }
+                        }
+                    }
+                    (true, None) => return Err(ChaosError::Run(format!("a {} fault without the test network", k.name()))),
+                };
+                self.hit_worker(f, n, &mut report, id, pid, host)?;
+                Some(id)
+            }
+            FaultKind::Join => Some(self.start_joiner(&mut report)?),
+            FaultKind::CorruptCheckpoint | FaultKind::FailWrites | FaultKind::DiskFull => {
+                self.hit_checkpoints(f, n, &mut report)?;
+                None
+            }
+            _ => return Err(ChaosError::Run(format!("no injector for {}", f.kind.name()))),
+        };
+        self.push(f, report, id);
+        Ok(())
+    }
+
+    /// Starts `tessera worker --join` (on the next free test host when the workers live in
+    /// namespaces); returns its pid.
+    fn start_joiner(&mut self, report: &mut FaultReport) -> Result<u64, ChaosError> {
+        let (mut cmd, host) = match &self.env.hosts {
+            Some(h) => {
+                let (cmd, host) = h.join_command(&self.o.exe).map_err(ChaosError::Run)?;
+                report.note = format!("on {}", h.addr(host));
+                (cmd, Some(host))
+            }
+            None => (Command::new(&self.o.exe), None),
+        };
+        let child = cmd
+            .args(["worker", "--join", "--dir"])
+            .arg(self.out.join("procs"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(io("starting a joining worker"))?;
+        let pid = child.id();
+        report.target = format!("new worker (pid {pid})");
+        if let (Some(h), Some(host)) = (self.env.hosts.as_mut(), host) {
+            h.joined(pid, host);
+        }
+        self.joiners.push(child);
+        Ok(u64::from(pid))
+    }
+
+    /// A fault aimed at the checkpoint folder.
+    fn hit_checkpoints(&mut self, f: &Fault, n: usize, report: &mut FaultReport) -> Result<(), ChaosError> {
+        let root = self.out.join("checkpoints");
+        match f.kind {
+            FaultKind::CorruptCheckpoint => match newest_checkpoint(&root) {
+                Some(dir) => {
+                    report.target = dir.display().to_string();
+                    report.note = corrupt(&dir);
+                }
+                None => {
+                    report.target = root.display().to_string();
+                    report.note = "skipped: no checkpoint yet".into();
+                }
+            },
+            FaultKind::FailWrites => {
+                let held = self.out.join("checkpoints.held");
+                let _ = std::fs::create_dir_all(&root);
+                // A file where the folder was: every write under it fails (even for root).
+                std::fs::rename(&root, &held).map_err(io(format!("moving {} away", root.display())))?;
+                std::fs::write(&root, b"chaos: writes fail here\n").map_err(io(format!("blocking {}", root.display())))?;
+                self.schedule(n, f.duration_ms, Undo::Writes { root: root.clone(), held });
+                report.target = root.display().to_string();
+                report.note = format!("unwritable {}", lasts(f.duration_ms));
+            }
+            FaultKind::DiskFull => {
+                let d = self.env.disk.as_ref().ok_or_else(|| ChaosError::Run("a disk_full fault without its file system".into()))?;
+                let (path, bytes) = d.fill().map_err(ChaosError::Run)?;
+                report.target = path.display().to_string();
+                report.note = format!("{} KiB written: the {} MiB file system full {}", bytes >> 10, d.bytes() >> 20, lasts(f.duration_ms));
+                self.schedule(n, f.duration_ms, Undo::DiskFree);
+            }
+            k => return Err(ChaosError::Run(format!("{} is not a checkpoint fault", k.name()))),
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, f: &Fault, report: FaultReport, id: Option<u64>) {
+        self.fired.push(Fired { kind: f.kind, report, id, at_ms: now_ms(), undone_ms: None, duration_ms: f.duration_ms });
+    }
+
+    /// A fault aimed at worker `id` (process `pid`, on test host `host` for network faults).
+    fn hit_worker(
+        &mut self,
+        f: &Fault,
+        n: usize,
+        report: &mut FaultReport,
+        id: u64,
+        pid: u32,
+        host: Option<usize>,
+    ) -> Result<(), ChaosError> {
+        let hosts = || self.env.hosts.as_ref().zip(host).ok_or_else(|| ChaosError::Run("no test host".into()));
+        match f.kind {
+            FaultKind::Kill => signal(pid, libc::SIGKILL),
+            FaultKind::Term => signal(pid, libc::SIGTERM),
+            FaultKind::Stop => {
+                signal(pid, libc::SIGSTOP);
+                self.schedule(n, f.duration_ms, Undo::Cont { pid });
+                report.note = format!("stopped {}", lasts(f.duration_ms));
+            }
+            FaultKind::Partition => {
+                let (h, host) = hosts()?;
+                h.set_link(host, false).map_err(ChaosError::Run)?;
+                self.schedule(n, f.duration_ms, Undo::LinkUp { host });
+                report.note = match f.duration_ms {
+                    Some(ms) => format!("link down for {ms} ms"),
+                    None => "link down for good".into(),
+                };
+            }
+            FaultKind::Throttle => {
+                let (h, host) = hosts()?;
+                h.throttle(host, f.rate_mbit).map_err(ChaosError::Run)?;
+                self.schedule(n, f.duration_ms, Undo::Unthrottle { host });
+                report.note = format!("egress capped at {} Mbit/s (tc tbf) {}", f.rate_mbit, lasts(f.duration_ms));
+            }
+            k if k.on_link() => {
+                let h = self.env.hosts.as_mut().ok_or_else(|| ChaosError::Run("no test host".into()))?;
+                h.add_link(id, n, f.link, f.draw).map_err(ChaosError::Run)?;
+                self.schedule(n, f.duration_ms, Undo::LinkClear { id });
+                let l = f.link;
+                let what = match k {
+                    FaultKind::Delay => format!("delay {} ms + jitter 0..={} ms", l.delay_ms, l.jitter_ms),
+                    FaultKind::Loss => format!("{:.1}% of datagrams dropped", l.loss * 100.0),
+                    FaultKind::Reorder => format!("{:.1}% of datagrams held back {} ms", l.reorder * 100.0, l.reorder_ms),
+                    _ => format!("{:.1}% of datagrams sent twice", l.duplicate * 100.0),
+                };
+                report.note = format!("{what} {}", lasts(f.duration_ms));
+            }
+            k => return Err(ChaosError::Run(format!("no injector for {}", k.name()))),
+        }
+        Ok(())
+    }
+}
+
+/// Runs one training job; injects `faults` when given (into the surroundings `env`). Returns the
+/// run's report and the reports of the faults.
+fn run_one(
+    o: &ChaosOptions,
+    name: &str,
+    faults: &[Fault],
+    env: &mut Env,
+    pb: &ProgressBar,
+) -> Result<(RunReport, Vec<FaultReport>), ChaosError> {
+    let out = o.output.join(name);
     let log = std::fs::File::create(o.output.join(format!("{name}.log"))).map_err(io("creating the run's log"))?;
     let log2 = log.try_clone().map_err(io("the run's log"))?;
     let started = Instant::now();
     let start_ms = now_ms();
+    let net = env.hosts.as_ref().map(|h| h.file.clone());
     let mut child = Command::new(&o.exe)
-        .args(train_args(o, &out))
+        .args(train_args(o, &out, net.as_deref()))
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log2)
@@ -240,12 +584,10 @@ fn run_one(o: &ChaosOptions, name: &str, faults: &[Fault], pb: &ProgressBar) -> 
     pb.set_length(o.scenario.steps);
     pb.set_position(0);
     pb.set_message(name.to_string());
-    let timeout = Duration::from_secs(o.scenario.timeout_s.unwrap_or(600));
+    let timeout = Duration::from_secs(o.scenario.timeout_s.unwrap_or(RUN_TIMEOUT_S));
     let mut events = Events::new(out.join(EVENTS_FILE));
     let mut pending: VecDeque<Fault> = faults.iter().cloned().collect();
-    let mut reports: Vec<(FaultReport, Option<u64>, u64)> = Vec::new(); // (report, worker id, injected at)
-    let mut undo: Vec<Undo> = Vec::new();
-    let mut joiners: Vec<Child> = Vec::new();
+    let mut run = Faulting { o, out: out.clone(), env, fired: Vec::new(), active: Vec::new(), joiners: Vec::new() };
     let status = loop {
         if let Some(s) = child.try_wait().map_err(io("waiting for the run"))? {
             break s;
@@ -253,6 +595,7 @@ fn run_one(o: &ChaosOptions, name: &str, faults: &[Fault], pb: &ProgressBar) -> 
         if started.elapsed() > timeout {
             let _ = child.kill();
             let _ = child.wait();
+            run.undo_due(true);
             return Err(ChaosError::Run(format!("the {name} run did not finish within {} s", timeout.as_secs())));
         }
         events.poll();
@@ -266,166 +609,122 @@ fn run_one(o: &ChaosOptions, name: &str, faults: &[Fault], pb: &ProgressBar) -> 
         let members = events.members();
         if due && !members.is_empty() {
             let f = pending.pop_front().ok_or_else(|| ChaosError::Run("no fault due".into()))?;
-            let (report, id) = inject(o, &out, &f, &members, &mut undo, &mut joiners)?;
-            pb.println(format!("  injected {} into {}", report.kind, report.target));
-            reports.push((report, id, now_ms()));
+            if let Err(e) = run.inject(&f, &members, &events) {
+                let _ = child.kill();
+                let _ = child.wait();
+                run.undo_due(true);
+                return Err(e);
+            }
+            if let Some(r) = run.fired.last() {
+                pb.println(format!("  injected {} into {}", r.report.kind, r.report.target));
+            }
         }
-        undo.retain(|u| match u {
-            Undo::Cont { pid, at } if Instant::now() >= *at => {
-                signal(*pid, libc::SIGCONT);
-                false
-            }
-            Undo::Writes { root, held, at } if Instant::now() >= *at => {
-                let _ = std::fs::remove_file(root);
-                let _ = std::fs::rename(held, root);
-                false
-            }
-            _ => true,
-        });
-        std::thread::sleep(Duration::from_millis(20));
+        run.undo_due(false);
+        run.top_up();
+        std::thread::sleep(Duration::from_millis(POLL_MS));
     };
-    for u in undo {
-        if let Undo::Writes { root, held, .. } = u {
-            let _ = std::fs::remove_file(&root);
-            let _ = std::fs::rename(&held, &root);
-        }
-    }
+    run.undo_due(true);
+    reap(std::mem::take(&mut run.joiners));
+    events.poll();
+    let report = run_report(o, name, status, started.elapsed().as_secs_f64());
+    let hosts = run.env.hosts.as_ref();
+    // A loss belongs to the newest fault on that worker injected before it.
+    let aimed: Vec<(Option<u64>, u64)> = run.fired.iter().map(|f| (f.id.filter(|_| f.kind.targets_rank()), f.at_ms)).collect();
+    let faults = run
+        .fired
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let next = aimed.iter().skip(i + 1).filter(|(id, _)| id.is_some() && *id == aimed[i].0).map(|(_, at)| *at).min();
+            timings(f, &events, start_ms, hosts, next.unwrap_or(u64::MAX))
+        })
+        .collect();
+    Ok((report, faults))
+}
+
+/// Waits (bounded) for the joiners to leave with their run, then kills what is left.
+fn reap(joiners: Vec<Child>) {
     for mut j in joiners {
-        // A joiner leaves with the run; reap it (bounded).
-        let deadline = Instant::now() + Duration::from_secs(15);
+        let deadline = Instant::now() + Duration::from_millis(JOINER_EXIT_MS);
         while matches!(j.try_wait(), Ok(None)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
         let _ = j.kill();
         let _ = j.wait();
     }
-    events.poll();
-    let wall_s = started.elapsed().as_secs_f64();
-    let mut run = RunReport { ok: status.success(), wall_s, ..RunReport::default() };
+}
+
+/// A finished run's figures from its exit status, log and `summary.json`.
+fn run_report(o: &ChaosOptions, name: &str, status: std::process::ExitStatus, wall_s: f64) -> RunReport {
+    let mut report = RunReport { ok: status.success(), wall_s, ..RunReport::default() };
     if !status.success() {
         let text = std::fs::read_to_string(o.output.join(format!("{name}.log"))).unwrap_or_default();
         let tail: Vec<&str> = text.lines().rev().take(6).collect();
-        run.error = Some(format!("{status}; log tail: {}", tail.into_iter().rev().collect::<Vec<_>>().join(" | ")));
+        report.error = Some(format!("{status}; log tail: {}", tail.into_iter().rev().collect::<Vec<_>>().join(" | ")));
     }
-    if let Ok(text) = std::fs::read_to_string(out.join("summary.json")) {
+    if let Ok(text) = std::fs::read_to_string(o.output.join(name).join("summary.json")) {
         let v: Value = serde_json::from_str(&text).unwrap_or_default();
-        run.steps = v["steps"].as_u64().unwrap_or(0);
-        run.params_blake3 = v["params_blake3"].as_str().unwrap_or("").to_string();
-        run.tokens_per_s = v["tokens_per_s"].as_f64().unwrap_or(0.0);
-        run.elastic = v["elastic"].clone();
+        report.steps = v["steps"].as_u64().unwrap_or(0);
+        report.params_blake3 = v["params_blake3"].as_str().unwrap_or("").to_string();
+        report.tokens_per_s = v["tokens_per_s"].as_f64().unwrap_or(0.0);
+        report.elastic = v["elastic"].clone();
     }
-    let faults = reports.into_iter().map(|(r, id, at)| timings(r, id, at, &events, start_ms)).collect();
-    Ok((run, faults))
+    report
 }
 
-/// Fills detection and recovery times from the event log.
-fn timings(mut r: FaultReport, id: Option<u64>, at: u64, events: &Events, start_ms: u64) -> FaultReport {
+/// Fills detection and recovery times from the event log (and a link fault's proxy figures);
+/// a loss of the worker at or after `next_ms` (when the next fault on it was injected) belongs
+/// to that fault.
+fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next_ms: u64) -> FaultReport {
+    let (mut r, at) = (f.report, f.at_ms);
     r.injected_ms = at.saturating_sub(start_ms);
+    r.until_ms = f.undone_ms.map(|u| u.saturating_sub(start_ms));
     let after = |e: &&Value| e["t_ms"].as_u64().unwrap_or(0) >= at;
-    let noticed = match (r.kind, id) {
-        ("kill" | "stop", Some(id)) => events.of("lost").filter(after).find(|e| e["id"].as_u64() == Some(id)).cloned(),
-        ("term", Some(id)) => events
-            .of("drain_requested")
-            .filter(after)
-            .find(|e| e["id"].as_u64() == Some(id))
-            .cloned()
-            .or_else(|| events.of("lost").filter(after).find(|e| e["id"].as_u64() == Some(id)).cloned()),
-        ("join", _) => events.of("join_requested").find(|e| e["pid"].as_u64() == id).cloned(),
+    let mine = |e: &&Value| e["t_ms"].as_u64().unwrap_or(0) < next_ms;
+    let lost = |id: u64| events.of("lost").filter(after).filter(mine).find(|e| e["id"].as_u64() == Some(id)).cloned();
+    let noticed = match (f.kind, f.id) {
+        (FaultKind::Term, Some(id)) => {
+            events.of("drain_requested").filter(after).find(|e| e["id"].as_u64() == Some(id)).cloned().or_else(|| lost(id))
+        }
+        (FaultKind::Join, _) => events.of("join_requested").find(|e| e["pid"].as_u64() == f.id).cloned(),
+        (k, Some(id)) if k.targets_rank() => lost(id),
+        (FaultKind::FailWrites | FaultKind::DiskFull, _) => events.of("checkpoint_failed").find(after).cloned(),
         _ => None,
     };
     if let Some(n) = noticed {
         let t = n["t_ms"].as_u64().unwrap_or(at);
         r.detection_ms = Some(t.saturating_sub(at));
-        if n["event"] == "lost" && r.kind == "term" {
+        if n["event"] == "lost" && f.kind == FaultKind::Term {
             r.note = "left after the drain grace period (lost)".into();
         }
-        let back = events.of("resumed").find(|e| e["t_ms"].as_u64().unwrap_or(0) >= t);
+        let back = match n["event"].as_str() {
+            Some("checkpoint_failed") => events.of("checkpoint").find(|e| e["t_ms"].as_u64().unwrap_or(0) >= t),
+            _ => events.of("resumed").find(|e| e["t_ms"].as_u64().unwrap_or(0) >= t),
+        };
         r.recovery_ms = back.and_then(|b| b["t_ms"].as_u64()).map(|b| b.saturating_sub(t));
-    } else if r.kind == "stop" {
-        r.note = "not noticed: it resumed within the heartbeat timeout".into();
+        if n["event"] == "lost" && !matches!(f.kind, FaultKind::Kill | FaultKind::Stop | FaultKind::Partition | FaultKind::Term) {
+            r.note.push_str("; the worker was lost");
+        }
+    } else {
+        match f.kind {
+            FaultKind::Stop => r.note = "not noticed: it resumed within the heartbeat timeout".into(),
+            FaultKind::Partition if f.duration_ms.is_some() => {
+                r.note.push_str("; not noticed: the link came back within the heartbeat timeout")
+            }
+            FaultKind::FailWrites | FaultKind::DiskFull => r.note.push_str("; no checkpoint was due while it lasted"),
+            _ => {}
+        }
+    }
+    if let (true, Some(h), Some(id)) = (f.kind.on_link(), hosts, f.id) {
+        r.link = h.link_stats(id);
+        if let Some(s) = r.link {
+            r.note.push_str(&format!(
+                " (worker {id}'s link: {} datagrams relayed, {} dropped, {} reordered, {} duplicated)",
+                s.relayed, s.dropped, s.reordered, s.duplicated
+            ));
+        }
     }
     r
-}
-
-/// Injects one fault; returns its report and the worker id it hit (the pid, for a join).
-fn inject(
-    o: &ChaosOptions,
-    out: &Path,
-    f: &Fault,
-    members: &[(usize, u64, u32)],
-    undo: &mut Vec<Undo>,
-    joiners: &mut Vec<Child>,
-) -> Result<(FaultReport, Option<u64>), ChaosError> {
-    let mut report = FaultReport {
-        kind: f.kind.name(),
-        target: String::new(),
-        injected_ms: 0,
-        detection_ms: None,
-        recovery_ms: None,
-        note: String::new(),
-    };
-    let id = match f.kind {
-        FaultKind::Kill | FaultKind::Stop | FaultKind::Term => {
-            let rank = f.rank_in(members.len());
-            let Some(&(rank, id, pid)) = members.iter().find(|m| m.0 == rank) else {
-                report.target = format!("rank {rank}");
-                report.note = format!("skipped: the run has {} member(s)", members.len());
-                return Ok((report, None));
-            };
-            report.target = format!("rank {rank} (worker {id}, pid {pid})");
-            match f.kind {
-                FaultKind::Kill => signal(pid, libc::SIGKILL),
-                FaultKind::Term => signal(pid, libc::SIGTERM),
-                _ => {
-                    signal(pid, libc::SIGSTOP);
-                    undo.push(Undo::Cont { pid, at: Instant::now() + Duration::from_millis(f.duration_ms) });
-                    report.note = format!("stopped for {} ms", f.duration_ms);
-                }
-            }
-            Some(id)
-        }
-        FaultKind::Join => {
-            let child = Command::new(&o.exe)
-                .args(["worker", "--join", "--dir"])
-                .arg(out.join("procs"))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .map_err(io("starting a joining worker"))?;
-            report.target = format!("new worker (pid {})", child.id());
-            let pid = u64::from(child.id());
-            joiners.push(child);
-            Some(pid)
-        }
-        FaultKind::CorruptCheckpoint => {
-            let root = out.join("checkpoints");
-            match newest_checkpoint(&root) {
-                Some(dir) => {
-                    report.target = dir.display().to_string();
-                    report.note = corrupt(&dir);
-                }
-                None => {
-                    report.target = root.display().to_string();
-                    report.note = "skipped: no checkpoint yet".into();
-                }
-            }
-            None
-        }
-        FaultKind::FailWrites => {
-            let root = out.join("checkpoints");
-            let held = out.join("checkpoints.held");
-            let _ = std::fs::create_dir_all(&root);
-            // A file where the folder was: every write under it fails (even for root).
-            std::fs::rename(&root, &held).map_err(io(format!("moving {} away", root.display())))?;
-            std::fs::write(&root, b"chaos: writes fail here\n").map_err(io(format!("blocking {}", root.display())))?;
-            undo.push(Undo::Writes { root: root.clone(), held, at: Instant::now() + Duration::from_millis(f.duration_ms) });
-            report.target = root.display().to_string();
-            report.note = format!("unwritable for {} ms", f.duration_ms);
-            None
-        }
-    };
-    Ok((report, id))
 }
 
 fn newest_checkpoint(root: &Path) -> Option<PathBuf> {
@@ -461,11 +760,49 @@ fn corrupt(dir: &Path) -> String {
     format!("flipped 64 bytes in {}", hit.join(", "))
 }
 
+/// Clears and makes a run's output folder.
+fn fresh_dir(out: &Path) -> Result<(), ChaosError> {
+    if out.exists() {
+        std::fs::remove_dir_all(out).map_err(io(format!("clearing {}", out.display())))?;
+    }
+    std::fs::create_dir_all(out).map_err(io(format!("creating {}", out.display())))
+}
+
+/// The faulted run's test network, when its faults need one; refuses when this machine cannot
+/// make it.
+fn test_network(o: &ChaosOptions) -> Result<Option<Hosts>, ChaosError> {
+    let s = &o.scenario;
+    if !s.needs_net() {
+        return Ok(None);
+    }
+    let mut kinds: Vec<&str> = s.faults.iter().filter(|f| f.kind.needs_net()).map(|f| f.kind.name()).collect();
+    kinds.dedup();
+    let refuse = |why: String| {
+        ChaosError::Run(format!(
+            "this scenario's network faults ({}) put every worker in a network namespace of its own, which this machine cannot do: {why}",
+            kinds.join(", ")
+        ))
+    };
+    let needs_tc = s.faults.iter().any(|f| f.kind == FaultKind::Throttle);
+    hosts::preflight(needs_tc).map_err(refuse)?;
+    let hosts = Hosts::new(s.nprocs, s.joins(), s.needs_links(), &o.output.join("faulted.net")).map_err(refuse)?;
+    Ok(Some(hosts))
+}
+
 /// Runs the scenario (fault-free, then faulted) and returns the report; `report.json` is
 /// written under the output folder.
 pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
     std::fs::create_dir_all(&o.output).map_err(io(format!("creating {}", o.output.display())))?;
     let faults = o.scenario.resolve(o.seed);
+    let needs_disk = faults.iter().any(|f| f.kind == FaultKind::DiskFull);
+    if needs_disk {
+        // SAFETY: geteuid(2) has no preconditions and touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(ChaosError::Run("disk_full mounts a small file system on the checkpoint folder, which needs root".into()));
+        }
+    }
+    // Before anything runs: a scenario this machine cannot fault is refused at once.
+    let mut faulted_env = Env { hosts: test_network(o)?, disk: None };
     let pb = match o.progress {
         true => {
             let pb = ProgressBar::new(o.scenario.steps);
@@ -477,15 +814,42 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
         }
         false => ProgressBar::hidden(),
     };
-    let (clean, _) = run_one(o, "clean", &[], &pb)?;
-    let (faulted, reports) = run_one(o, "faulted", &faults, &pb)?;
+    fresh_dir(&o.output.join("clean"))?;
+    let (clean, _) = run_one(o, "clean", &[], &mut Env::default(), &pb)?;
+    let faulted_out = o.output.join("faulted");
+    fresh_dir(&faulted_out)?;
+    if needs_disk {
+        let bytes = disk::size_for(disk::dir_bytes(&o.output.join("clean/checkpoints")));
+        faulted_env.disk = Some(Disk::mount(&faulted_out.join("checkpoints"), bytes).map_err(ChaosError::Run)?);
+    }
+    let (faulted, reports) = run_one(o, "faulted", &faults, &mut faulted_env, &pb)?;
     pb.finish_and_clear();
+    let network = faulted_env.hosts.as_ref().map(Hosts::describe);
+    let (checkpoint_disk, checkpoint_leftovers) = match faulted_env.disk.take() {
+        Some(d) => {
+            let what = format!("a {} MiB tmpfs on {}", d.bytes() >> 20, d.root().display());
+            let left = d.leftovers();
+            d.finish().map_err(ChaosError::Run)?;
+            (Some(what), left)
+        }
+        None => (None, Vec::new()),
+    };
     let equal = clean.ok
         && faulted.ok
         && !clean.params_blake3.is_empty()
         && clean.params_blake3 == faulted.params_blake3
         && faulted.steps == o.scenario.steps;
-    let report = Report { seed: o.seed, clean, faulted, faults: reports, steps_expected: o.scenario.steps, equal };
+    let report = Report {
+        seed: o.seed,
+        clean,
+        faulted,
+        faults: reports,
+        steps_expected: o.scenario.steps,
+        network,
+        checkpoint_disk,
+        checkpoint_leftovers,
+        equal,
+    };
     let json = serde_json::to_string_pretty(&report).map_err(|e| ChaosError::Run(e.to_string()))?;
     std::fs::write(o.output.join("report.json"), json).map_err(io("writing report.json"))?;
     Ok(report)

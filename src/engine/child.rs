@@ -251,6 +251,7 @@ fn serve(stream: &mut TcpStream, m: Member, idle: &Idle<'_>) -> Result<()> {
     };
     let addrs = addrs.iter().map(|s| s.parse::<SocketAddr>().with_context(|| format!("address {s:?}"))).collect::<Result<Vec<_>>>()?;
     let (state, at) = recv_start(stream, &m.cfg, &m.plan, rank, &wait).with_context(|| format!("rank {rank}: start state"))?;
+    let addrs = super::worker_net::peer_addrs(addrs, rank)?;
     let spec = ClusterSpec { addrs, names: (0..m.world).map(node_name).collect() };
     let comm =
         QuicComm::connect_socket(m.socket, rank, &spec, &m.tls, MESH_TIMEOUT_MS).with_context(|| format!("rank {rank}: QUIC mesh"))?;
@@ -291,8 +292,10 @@ pub fn run_worker(a: &WorkerArgs) -> Result<()> {
         .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
     let _ = stream.set_nodelay(true);
     let (cfg, plan, sampler, dataset) = load_plan(a).with_context(|| format!("rank {rank}"))?;
-    let socket = UdpSocket::bind("127.0.0.1:0").context("binding the QUIC socket")?;
-    let quic_addr = socket.local_addr().context("QUIC socket address")?;
+    // 127.0.0.1 next to the driver; the namespace's address when the run put us in one.
+    let local_ip = stream.local_addr().context("the control connection's local address")?.ip();
+    super::worker_net::init_worker(&a.dir, rank as u64)?;
+    let (socket, quic_addr) = super::worker_net::bind_quic(local_ip).with_context(|| format!("rank {rank}"))?;
     let tls = NodeTls::load(&a.dir.join("pki"), &node_name(rank))?;
     let m =
         Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset, control: Some(a.control) };

@@ -48,7 +48,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::Write;
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -59,6 +59,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_chaos::link::WorkerNet;
 
 use super::plan::Plan;
 use super::ranks::{OptimBuffers, RankCounters, Start};
@@ -261,6 +262,13 @@ fn admit(shared: &Arc<Shared>, mut stream: TcpStream) -> Result<()> {
     match wire::recv::<ToParent>(&mut stream, "Side or Enlist", &wait)? {
         ToParent::Side { id } => {
             if shared.is_fenced(id) || id >= shared.next_id.load(Ordering::SeqCst) {
+                // A fenced worker never comes back under its id (a new process joins with a
+                // new one); it reads this and leaves.
+                let error = match shared.is_fenced(id) {
+                    true => format!("worker {id} was declared lost and is fenced: it cannot come back under that id"),
+                    false => format!("no worker {id} was admitted"),
+                };
+                wire::send(&mut stream, &ToWorker::Refused { error })?;
                 return Ok(());
             }
             let beat = Arc::clone(relock(&shared.beats).entry(id).or_insert_with(|| Beat::new(0)));
@@ -370,13 +378,15 @@ type Alive = (usize, Arc<Member>, Option<u64>, Vec<(u64, u64)>);
 pub type Restore<'a> = dyn Fn(u64) -> Result<(Start, String)> + 'a;
 
 impl Fleet {
-    /// Spawns `plan.world` workers (ids `0..world`) and starts them from `start`.
+    /// Spawns `plan.world` workers (ids `0..world`) and starts them from `start`; with `net`
+    /// (`--worker-net`) each in its own network namespace (see [`super::worker_net`]).
     pub fn launch(
         cfg: &Config,
         er: &ElasticRun,
         plan: &Arc<Plan>,
         start: &Start,
         out_dir: &Path,
+        net: Option<&WorkerNet>,
     ) -> Result<(Fleet, Vec<Box<dyn WorkerCompute>>)> {
         let world = plan.world;
         let dir = out_dir.join("procs");
@@ -412,11 +422,15 @@ impl Fleet {
         };
         prepare_dir(cfg, ids, &dir, true)?;
         let exe = std::env::current_exe().context("finding the tessera executable")?;
-        let listener = TcpListener::bind("127.0.0.1:0").context("binding the control listener")?;
+        let control_ip = net.map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.control_ip);
+        let listener = TcpListener::bind((control_ip, 0)).with_context(|| format!("binding the control listener on {control_ip}"))?;
         let control = listener.local_addr().context("control listener address")?.to_string();
         std::fs::write(dir.join("control"), &control).with_context(|| format!("writing {}/control", dir.display()))?;
+        if let Some(net) = net {
+            super::worker_net::publish(net, &dir)?;
+        }
         for r in 0..world {
-            let child = spawn_worker(&exe, r, world, &control, &dir)?;
+            let child = spawn_worker(&exe, r, world, &control, &dir, net)?;
             relock(&shared.children).push((r as u64, child));
         }
         let conns = accept_hellos(&listener, cfg, &shared, world)?;
@@ -471,6 +485,14 @@ impl Fleet {
     /// Records a committed step in the event log.
     pub fn committed(&self, step: u64) {
         self.shared.event(json!({"event": "step", "step": step, "epoch": self.epoch, "world": self.members.len()}));
+    }
+
+    /// Records a checkpoint written (`Ok(path)`) or not (`Err(why)`) at `step` committed steps.
+    pub fn checkpointed(&self, step: u64, saved: Result<&Path, String>) {
+        self.shared.event(match saved {
+            Ok(path) => json!({"event": "checkpoint", "step": step, "path": path.display().to_string()}),
+            Err(error) => json!({"event": "checkpoint_failed", "step": step, "error": error}),
+        });
     }
 
     /// Logs that training runs again after a recovery that began at `began_ms`.

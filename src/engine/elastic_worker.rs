@@ -20,7 +20,7 @@
 //! (`Admit`; its node certificate was made at the start for that id) and then waits for the
 //! `Epoch` that makes it a member.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
+use std::net::{SocketAddr, TcpStream};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,6 +43,8 @@ use crate::data::{Dataset, Sampler};
 
 /// Bound on building the QUIC mesh of a new epoch (ms): a member lost meanwhile costs this.
 const EPOCH_MESH_TIMEOUT_MS: u64 = 10_000;
+/// Exit status of a worker the driver declared lost (fenced) or that lost its driver.
+const EXIT_FENCED: i32 = 4;
 /// Tag space of the replica transfers (the step is added).
 const REPLICA_TAG: u64 = 0x5250_0000_0000_0000;
 
@@ -181,8 +183,21 @@ fn start_side(control: SocketAddr, id: u64, er: &ElasticRun, slot: AbortSlot) ->
                         }
                     }
                 }
+                Ok(ToWorker::Refused { error }) => {
+                    eprintln!("worker {id}: the driver refused this worker: {error}; leaving");
+                    std::process::exit(EXIT_FENCED);
+                }
                 Ok(_) => {}
-                Err(_) => return,
+                // The driver keeps the side connection open for as long as it counts on this
+                // worker; it closes it when it declares the worker lost (a partition that
+                // healed, a hang that ended) or when it is gone. Either way this worker must
+                // not go on: it leaves at once, even from inside a collective.
+                Err(e) => {
+                    eprintln!(
+                        "worker {id}: the driver closed the side connection ({e}): declared lost (fenced), or the driver is gone; leaving"
+                    );
+                    std::process::exit(EXIT_FENCED);
+                }
             }
         })
         .context("starting the side reader")?;
@@ -322,14 +337,16 @@ impl Worker {
         let mut cfg = self.s.cfg.clone();
         cfg.world_size = world;
         let plan = Arc::new(Plan::new(&cfg, &self.s.dataset).with_context(|| format!("the plan of epoch {epoch} ({world} ranks)"))?);
-        let socket = UdpSocket::bind((IpAddr::V4(Ipv4Addr::LOCALHOST), 0)).context("binding the QUIC socket")?;
-        let quic_addr = socket.local_addr().context("QUIC socket address")?.to_string();
-        wire::send(stream, &ToParent::EpochAddr { quic_addr })?;
+        // On the control connection's local address: the worker's namespace when it has one.
+        let local_ip = stream.local_addr().context("the control connection's local address")?.ip();
+        let (socket, quic_addr) = super::worker_net::bind_quic(local_ip)?;
+        wire::send(stream, &ToParent::EpochAddr { quic_addr: quic_addr.to_string() })?;
         let (addrs, names) = match wire::recv(stream, "Mesh", wait)? {
             ToWorker::Mesh { addrs, names } => (addrs, names),
             other => bail!("epoch {epoch}: expected the addresses, got {other:?}"),
         };
         let addrs = addrs.iter().map(|s| s.parse::<SocketAddr>().with_context(|| format!("address {s:?}"))).collect::<Result<Vec<_>>>()?;
+        let addrs = super::worker_net::peer_addrs(addrs, rank)?;
         let (state, at) = recv_start(stream, &cfg, &plan, rank, wait).with_context(|| format!("epoch {epoch}: start state"))?;
         let spec = ClusterSpec { addrs, names };
         let comm = QuicComm::connect_socket(socket, rank, &spec, &self.s.tls, EPOCH_MESH_TIMEOUT_MS)
@@ -412,7 +429,10 @@ impl Worker {
             let wait = Wait { what: "a request", deadline: None, alive };
             let msg = match wire::recv(stream, "a request", &wait) {
                 Ok(m) => m,
-                Err(WireError::Closed) => return Ok(()),
+                // The driver ends a worker it still counts on with `Shutdown`.
+                Err(WireError::Closed) => {
+                    bail!("worker {}: the driver closed the control connection without Shutdown: declared lost (fenced), or the driver is gone", self.s.id)
+                }
                 Err(e) => return Err(e).context(format!("worker {}: control connection", self.s.id)),
             };
             if super::elastic::tracing() {
@@ -470,6 +490,7 @@ pub fn run_joiner(dir: &Path) -> Result<()> {
         other => bail!("expected Admit, got {other:?}"),
     };
     let tls = NodeTls::load(&dir.join("pki"), &node_name(id as usize))?;
+    super::worker_net::init_worker(dir, id)?;
     eprintln!("worker {id}: joined the run at {control}; waiting for the next step boundary");
     let s = Setup { id, control, cfg, er, dataset, sampler, tls };
     let mut w = Worker::new(s)?;

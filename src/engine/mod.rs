@@ -15,6 +15,7 @@ mod run;
 mod store;
 mod summary;
 mod wire;
+mod worker_net;
 pub mod zero;
 
 pub use child::{run_agent, run_worker, AgentArgs, WorkerArgs, AGENT_CONNECT_TIMEOUT_MS};

@@ -54,7 +54,7 @@
 
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -533,9 +533,17 @@ pub(super) fn prepare_dir(cfg: &Config, ids: usize, dir: &Path, with_config: boo
     Ok(())
 }
 
-pub(super) fn spawn_worker(exe: &Path, r: usize, world: usize, control: &str, dir: &Path) -> Result<Child> {
+/// Starts the worker process of rank `r` (in its network namespace when `net` gives one).
+pub(super) fn spawn_worker(
+    exe: &Path,
+    r: usize,
+    world: usize,
+    control: &str,
+    dir: &Path,
+    net: Option<&tessera_chaos::link::WorkerNet>,
+) -> Result<Child> {
     use std::os::unix::process::CommandExt;
-    Command::new(exe)
+    super::worker_net::command(exe, net, r)?
         .args(["worker", "--rank", &r.to_string(), "--world", &world.to_string(), "--control", control])
         .arg("--dir")
         .arg(dir)
@@ -660,7 +668,7 @@ fn launch_workers(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path) -> R
     let listener = TcpListener::bind("127.0.0.1:0").context("binding the control listener")?;
     let control = listener.local_addr().context("control listener address")?.to_string();
     for r in 0..world {
-        let child = spawn_worker(&exe, r, world, &control, &dir)?;
+        let child = spawn_worker(&exe, r, world, &control, &dir, None)?;
         shared.children().push((r, child));
     }
     let conns = accept_workers(&listener, cfg, &shared, world)?;

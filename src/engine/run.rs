@@ -38,6 +38,9 @@ pub struct TrainOptions {
     /// Run each of the `world` ranks in its own worker process (QUIC between them, see
     /// `engine::remote`) instead of as threads of this process.
     pub processes: bool,
+    /// A `--worker-net` file: the elastic run's workers each in their own network namespace
+    /// (see `engine::worker_net`; written by `tessera chaos run`).
+    pub worker_net: Option<PathBuf>,
 }
 
 /// What a finished run leaves behind.
@@ -354,6 +357,9 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     let er = config::elastic_run(cfg)?;
     let rendezvous = super::remote::take_rendezvous();
     let elastic_fleet = opts.processes && er.enabled && rendezvous.is_none();
+    if let (Some(path), false) = (&opts.worker_net, elastic_fleet) {
+        bail!("--worker-net {}: worker namespaces are for elastic `train --nprocs N` runs (tessera.elastic.enabled)", path.display());
+    }
     if er.enabled && !elastic_fleet {
         let why = if opts.processes { "coordinator and agents" } else { "ranks that are threads of one process (use --nprocs N)" };
         eprintln!("warning: tessera.elastic applies to `train --nprocs N`; this run has {why}: the first rank lost ends it");
@@ -363,7 +369,8 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     }
     let mut elastic = None;
     let (ranks, workers) = if elastic_fleet {
-        let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir).context("starting the worker processes")?;
+        let net = opts.worker_net.as_deref().map(super::worker_net::load).transpose()?;
+        let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir, net.as_ref()).context("starting the worker processes")?;
         elastic = Some(ElasticRunState { er, resume: opts.resume.clone(), stats: ElasticSummary::default() });
         (Ranks::Elastic(Box::new(fleet)), workers)
     } else if opts.processes {
@@ -456,6 +463,9 @@ impl Run<'_> {
             let saved = self.with_recovery(pb, t, dataset, |run| {
                 save_checkpoint(cfg, &run.plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"))
             });
+            if let Ranks::Elastic(fleet) = &self.ranks {
+                fleet.checkpointed(self.step, saved.as_deref().map_err(|e| format!("{e:#}")));
+            }
             match (saved, self.elastic.as_mut()) {
                 (Ok(path), _) => t.last_ckpt = Some(path),
                 (Err(e), Some(el)) => {

@@ -1,0 +1,86 @@
+//! Where an elastic run's worker processes live on the network, and how each binds its QUIC
+//! socket.
+//!
+//! By default the driver listens on 127.0.0.1 and spawns its workers next to it. With
+//! `tessera train --worker-net FILE` (hidden; written by `tessera chaos run`, format
+//! [`tessera_chaos::link::WorkerNet`]) the driver's control listener binds the file's
+//! `control_ip` and spawned worker `i` runs in network namespace `netns[i]` (`ip netns exec`,
+//! which execs: the child's pid is the worker's). The file is copied to
+//! `<output>/procs/worker_net.json`, where workers and joiners read it.
+//!
+//! A worker binds every epoch's QUIC socket on the local address of its control connection:
+//! 127.0.0.1 next to the driver, its namespace's own address in a namespace — so the mesh runs
+//! over the namespaces' links. With the file's `links` set, the socket is instead put behind the
+//! worker's fault link ([`tessera_chaos::link::WorkerLink`]): the endpoint on the namespace's
+//! loopback, a seeded fault proxy on the namespace address (advertised), and every peer dialled
+//! through the proxy, so all of the worker's QUIC datagrams cross it.
+
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::path::Path;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use anyhow::{Context, Result};
+use tessera_chaos::link::{WorkerLink, WorkerNet, WORKER_NET_FILE};
+
+/// This worker process's fault link, when its run has one (set once, at start-up).
+static LINK: OnceLock<WorkerLink> = OnceLock::new();
+
+/// Reads and checks a `--worker-net` file.
+pub(super) fn load(path: &Path) -> Result<WorkerNet> {
+    WorkerNet::load(path).with_context(|| format!("--worker-net {}", path.display()))
+}
+
+/// The driver side: copies the file where the workers find it.
+pub(super) fn publish(net: &WorkerNet, procs: &Path) -> Result<()> {
+    net.write(&procs.join(WORKER_NET_FILE)).context("copying the worker-net file into the run's procs folder")
+}
+
+/// The command that starts `exe` in spawned worker `id`'s namespace (or right here).
+pub(super) fn command(exe: &Path, net: Option<&WorkerNet>, id: usize) -> Result<Command> {
+    let Some(net) = net else { return Ok(Command::new(exe)) };
+    let ns = net
+        .netns
+        .get(id)
+        .with_context(|| format!("the worker-net file names {} namespace(s); spawned worker {id} needs one of its own", net.netns.len()))?;
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", ns]).arg(exe);
+    Ok(c)
+}
+
+/// The worker side, once its id is known: starts the fault link when the run's `procs` folder
+/// `dir` asks for one.
+pub(super) fn init_worker(dir: &Path, id: u64) -> Result<()> {
+    let path = dir.join(WORKER_NET_FILE);
+    if !path.exists() {
+        return Ok(());
+    }
+    let net = WorkerNet::load(&path).with_context(|| format!("worker {id}"))?;
+    if let Some(links) = &net.links {
+        let link = WorkerLink::start(links, id).with_context(|| format!("worker {id}: starting its fault link"))?;
+        let _ = LINK.set(link);
+    }
+    Ok(())
+}
+
+/// Binds one epoch's QUIC socket for a worker whose control connection leaves from `local_ip`;
+/// returns the socket and the address the other members dial.
+pub(super) fn bind_quic(local_ip: IpAddr) -> Result<(UdpSocket, SocketAddr)> {
+    match LINK.get() {
+        Some(link) => link.bind_epoch(local_ip).with_context(|| format!("binding the QUIC socket behind the fault link on {local_ip}")),
+        None => {
+            let socket = UdpSocket::bind((local_ip, 0)).with_context(|| format!("binding the QUIC socket on {local_ip}"))?;
+            let addr = socket.local_addr().context("QUIC socket address")?;
+            Ok((socket, addr))
+        }
+    }
+}
+
+/// The members' addresses as this worker (rank `own`) dials them: unchanged, or through the
+/// fault link's aliases.
+pub(super) fn peer_addrs(addrs: Vec<SocketAddr>, own: usize) -> Result<Vec<SocketAddr>> {
+    match LINK.get() {
+        Some(link) => link.aliases(&addrs, own).context("the fault link's addresses for the peers"),
+        None => Ok(addrs),
+    }
+}
