@@ -247,6 +247,15 @@ fn gpu_training_learns_resumes_and_matches_across_gpu_counts() {
     let s2 = summary(Path::new(&split));
     assert_eq!(s1["params_blake3"], s2["params_blake3"], "20 straight GPU steps differ from 10 + resume + 10");
 
+    // Activation checkpointing (blocks keep their inputs, the backward recomputes the rest):
+    // the same bits, in less device memory.
+    let ac = dir("recompute");
+    ok(&cuda_args(cfg, &ac, &["--set", "tessera.activation_checkpointing=true"]), tmp.path());
+    let sa = summary(Path::new(&ac));
+    assert_eq!(s1["params_blake3"], sa["params_blake3"], "activation checkpointing changed the parameters");
+    let bytes = |s: &serde_json::Value| s["device_bytes_per_rank"][0].as_u64().unwrap();
+    assert!(bytes(&sa) < bytes(&s1), "recomputation should hold less: {} vs {} bytes", bytes(&sa), bytes(&s1));
+
     // The CPU reads the GPU checkpoint: generate, and resume for 2 more steps.
     let ck = format!("{one}/checkpoints");
     ok(&["generate", "--checkpoint", &ck, "--tokens", "8", "--prompt", "It is"], tmp.path());
@@ -259,13 +268,15 @@ fn gpu_training_learns_resumes_and_matches_across_gpu_counts() {
         println!("skipped the 1 vs 2 GPU comparison: this machine has {n} GPU");
         return;
     }
-    // Two GPUs (one micro-batch each) give the bits of one GPU running both, at stages 2 and 3.
-    for stage in ["2", "3"] {
-        let two = dir(&format!("two-{stage}"));
+    // Two GPUs (one micro-batch each) give the bits of one GPU running both, at stages 2 and 3
+    // (and stage 3 with its gathered units recomputing activations).
+    for (stage, recompute) in [("2", false), ("3", false), ("3", true)] {
+        let two = dir(&format!("two-{stage}-{recompute}"));
         let set = format!("zero_optimization.stage={stage}");
-        ok(&cuda_args(cfg, &two, &["--nprocs", "2", "--set", &set]), tmp.path());
+        let ac = format!("tessera.activation_checkpointing={recompute}");
+        ok(&cuda_args(cfg, &two, &["--nprocs", "2", "--set", &set, "--set", &ac]), tmp.path());
         let s = summary(Path::new(&two));
         assert_eq!(s["world_size"], 2);
-        assert_eq!(s1["params_blake3"], s["params_blake3"], "1 GPU and 2 GPUs (ZeRO-{stage}) differ");
+        assert_eq!(s1["params_blake3"], s["params_blake3"], "1 GPU and 2 GPUs (ZeRO-{stage}, recompute {recompute}) differ");
     }
 }

@@ -95,7 +95,7 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
     let init = model.init_params(seed);
     let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: 0.0 };
     let shape = gpt::Shape::new(&model.cfg, b, t)?;
-    let mut rank = zero::Rank::new(gpu, None, &model, 0, shape, &init, adam, 1, None)?;
+    let mut rank = zero::Rank::new(gpu, None, &model, 0, shape, &init, adam, 1, None, false)?;
     let (mut p, mut m, mut v) = (init.clone(), vec![0f32; init.len()], vec![0f32; init.len()]);
     let decay = model.layout().specs().iter().flat_map(|s| std::iter::repeat_n(s.decay, s.numel())).collect::<Vec<bool>>();
     let mut ws = Workspace::default();
@@ -265,7 +265,7 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
     let run = |stage: u8, clip: f32, offload: Option<f64>| -> Result<Outcome> {
         let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip };
         let off = offload.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(1) });
-        let mut r = zero::Rank::new(gpu.clone(), None, &model, stage, shape, &init, adam, m_local, off)?;
+        let mut r = zero::Rank::new(gpu.clone(), None, &model, stage, shape, &init, adam, m_local, off, false)?;
         for step in 0..steps {
             let mbs: Vec<_> = (0..m_local).map(|j| batch(seed, step, j, b, t, v)).collect();
             r.step(&mbs, 2e-3, 1.0 / m_local as f32)?;
@@ -355,6 +355,10 @@ pub struct BenchArgs {
     /// (`zero_optimization.overlap_comm = false`); by default they overlap the compute.
     #[arg(long)]
     pub no_overlap: bool,
+    /// Activation checkpointing (`activation_checkpointing`): keep only each block's input and
+    /// recompute its activations in the backward.
+    #[arg(long)]
+    pub recompute: bool,
 }
 
 /// One JSON line of results (rank 0 prints it).
@@ -528,7 +532,7 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: a.clip };
     let offload = a.offload_ratio.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(world) });
     let states = bench_budget(a, &model, world)?;
-    let mut r = zero::Rank::new(gpu.clone(), comm, &model, a.zero, shape, &init, adam, m_local, offload)?;
+    let mut r = zero::Rank::new(gpu.clone(), comm, &model, a.zero, shape, &init, adam, m_local, offload, a.recompute)?;
     r.overlap = !a.no_overlap;
     r.sync()?;
     let mut times = Vec::with_capacity(a.steps);
@@ -574,7 +578,7 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
         let mut extra = serde_json::json!({
             "state_GiB": gib(states.device.total()), "host_state_GiB": gib(states.host_optim),
             "used_GiB": gib((total - free) as u64), "offload_ratio": a.offload_ratio,
-            "fusions": r.fusions(),
+            "fusions": r.fusions(), "recompute": a.recompute,
         });
         if let (Some(end), Some(o)) = (r.offload_stats(), extra.as_object_mut()) {
             // The timed steps only (the figures at the end of the warm-up are subtracted).

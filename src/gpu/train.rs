@@ -17,7 +17,9 @@
 //!
 //! What differs: parameters and activations are bf16 (fp32 masters and moments), whatever the
 //! precision section says (fp16 is refused); ZeRO's bucket and stage-3 tuning keys have no
-//! effect (the GPU reduces and gathers unit by unit); activation checkpointing is not applied.
+//! effect (the GPU reduces and gathers unit by unit). Activation checkpointing (the
+//! `activation_checkpointing` section or `tessera.activation_checkpointing`) keeps each block's
+//! input only and recomputes its activations in the backward, with the same bits.
 //!
 //! Processes: with `N > 1` GPUs this process (the parent) validates the run, creates the NCCL
 //! id and starts itself once per GPU with the rank in the environment (as `gpu bench` does);
@@ -221,9 +223,6 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
              the section or use --device cpu",
             offload_name(o.device)
         );
-    }
-    if cfg.activation_checkpointing {
-        notes.push("activation checkpointing is not applied on the GPU (activations are kept; the numbers are unchanged)".into());
     }
     Ok(notes)
 }
@@ -581,7 +580,8 @@ fn run_rank(
         bail!("the GPU path runs Adam/AdamW only (checked before)");
     };
     let adam = AdamW { betas, eps, weight_decay, clip: plan.clip };
-    let mut r = Rank::new(gpu.clone(), comm, &plan.model, plan.stage, shape, &start.master, adam, m_local, offload)?;
+    let mut r =
+        Rank::new(gpu.clone(), comm, &plan.model, plan.stage, shape, &start.master, adam, m_local, offload, cfg.activation_checkpointing)?;
     r.overlap = plan.overlap_comm;
     if r.state_bytes() != states {
         bail!("GPU rank {rank}: the model states allocated ({:?}) differ from those planned at start ({states:?})", r.state_bytes());

@@ -202,7 +202,8 @@ pub struct Rank {
 }
 
 impl Rank {
-    /// Builds rank `rank` of `world` with the initial parameters `init` (CPU layout, f32).
+    /// Builds rank `rank` of `world` with the initial parameters `init` (CPU layout, f32);
+    /// `recompute` turns on activation checkpointing (see [`Workspace::with_options`]).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         gpu: Arc<Gpu>,
@@ -214,6 +215,7 @@ impl Rank {
         adam: AdamW,
         m_local: usize,
         offload: Option<OffloadOptions>,
+        recompute: bool,
     ) -> Result<Rank> {
         let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
         if stage > 3 {
@@ -294,7 +296,7 @@ impl Rank {
         let nblocks = shard_len / gpt::ALIGN;
         let norm_partials = gpu.alloc::<f64>(nblocks)?;
         let norm_all = gpu.alloc::<f64>(nblocks * world)?;
-        let ws = Some(Workspace::new(&gpu, shape, &layout)?);
+        let ws = Some(Workspace::with_options(&gpu, shape, &layout, gpt::Fusions::requested()?, recompute)?);
         let losses = gpu.alloc::<f32>(shape.n() * m_local.max(1))?;
         let cstream = gpu.ctx.new_stream().map_err(cuda::drv("creating the communication stream"))?;
         let n_units = layout.units.len();

@@ -413,6 +413,8 @@ pub struct Workspace {
     pub shape: Shape,
     /// The cuBLASLt fusions this workspace's forward and backward use.
     pub fusions: Fusions,
+    /// Activation checkpointing: one shared set of block activations, recomputed in backward.
+    pub recompute: bool,
     /// Shared, so the model functions can hold it while they write into the workspace.
     pub layout: std::sync::Arc<GpuLayout>,
     tmp: Buf<bf16>,
@@ -445,15 +447,24 @@ impl Workspace {
     /// A workspace with the fusions `TESSERA_GPU_FUSE` asks for ([`Fusions::DEFAULT`]) that
     /// cuBLASLt supports here.
     pub fn new(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<Workspace> {
-        Self::with_fusions(gpu, s, layout, Fusions::requested()?)
+        Self::with_options(gpu, s, layout, Fusions::requested()?, false)
     }
 
     /// A workspace with the fusions of `want` that cuBLASLt supports here.
     pub fn with_fusions(gpu: &Gpu, s: Shape, layout: &GpuLayout, want: Fusions) -> Result<Workspace> {
+        Self::with_options(gpu, s, layout, want, false)
+    }
+
+    /// As [`Workspace::with_fusions`]; with `recompute` (activation checkpointing) the blocks
+    /// keep only their inputs (`xs`) and share one set of activations, which the backward
+    /// recomputes block by block: about a block's activations instead of all of them, for one
+    /// more forward of the blocks (without the last projection). Same bits either way.
+    pub fn with_options(gpu: &Gpu, s: Shape, layout: &GpuLayout, want: Fusions, recompute: bool) -> Result<Workspace> {
         let (n, c, f) = (s.n(), s.c, s.f);
         let bht = s.b * s.nh * s.t;
-        let mut layers = Vec::with_capacity(s.l);
-        for _ in 0..s.l {
+        let kept = if recompute { s.l.min(1) } else { s.l };
+        let mut layers = Vec::with_capacity(kept);
+        for _ in 0..kept {
             layers.push(LayerActs {
                 ln1: gpu.alloc(n * c)?,
                 m1: gpu.alloc(n)?,
@@ -477,6 +488,7 @@ impl Workspace {
         Ok(Workspace {
             shape: s,
             fusions,
+            recompute,
             layout: std::sync::Arc::new(layout.clone()),
             tmp,
             xs,
@@ -502,6 +514,11 @@ impl Workspace {
             offsets: gpu.alloc(n + 1)?,
             positions: gpu.alloc(n)?,
         })
+    }
+
+    /// Block `l`'s activations (the shared set under `recompute`).
+    fn acts(&self, l: usize) -> &LayerActs {
+        &self.layers[if self.recompute { 0 } else { l }]
     }
 
     /// Device bytes held by activations and scratch.
@@ -596,7 +613,7 @@ pub fn forward_backward(
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
         let w = BlockW::at(p, lay);
-        block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), &ws.layers[l], s, ws.tmp.ptr(), ws.fusions)?;
+        block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.tmp.ptr(), ws.fusions, true)?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     // ---- head ----
@@ -647,7 +664,11 @@ pub fn forward_backward(
         let w = BlockW::at(p, lay);
         let g = hooks.grads(1 + l)?;
         let gw = BlockW::at(g, lay);
-        block_backward(gpu, st, &w, &gw, ws.xs[l].ptr(), &ws.layers[l], s, &mut Scratch::of(ws), ws.fusions)?;
+        if ws.recompute {
+            // The block's activations again, from its kept input (its output is not needed).
+            block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.tmp.ptr(), ws.fusions, false)?;
+        }
+        block_backward(gpu, st, &w, &gw, ws.xs[l].ptr(), ws.acts(l), s, &mut Scratch::of(ws), ws.fusions)?;
         hooks.params_done(1 + l, Phase::Backward)?;
         hooks.grads_done(1 + l)?;
     }
@@ -675,7 +696,7 @@ pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, to
     ops::embedding_forward(gpu, st, ws.xs[0].ptr(), ws.tokens.ptr(), e.wte, e.wpe, s.b, s.t, c)?;
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
-        block_forward(gpu, st, &BlockW::at(p, lay), ws.xs[l].ptr(), ws.xs[l + 1].ptr(), &ws.layers[l], s, ws.tmp.ptr(), ws.fusions)?;
+        block_forward(gpu, st, &BlockW::at(p, lay), ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.tmp.ptr(), ws.fusions, true)?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     ops::layernorm_forward(gpu, st, ws.xf.ptr(), ws.mf.ptr(), ws.rf.ptr(), ws.xs[s.l].ptr(), e.lnf_w, e.lnf_b, n, c)?;
@@ -703,7 +724,8 @@ fn gemm_lt(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize, resi
     lt(gpu).run(&Gemm { c, a, b, m, k, n, residual, epilogue })
 }
 
-/// One block forward; `tmp` is a bf16 `[n, c]` scratch for the two projection outputs.
+/// One block forward; `tmp` is a bf16 `[n, c]` scratch for the two projection outputs. With
+/// `full` false (a recomputation for the backward) it stops after the GELU: `y` is not written.
 ///
 /// ```text
 /// ln1 = LN(x); qkv = ln1·Wqkv + bqkv; atty = attention(qkv)
@@ -723,6 +745,7 @@ fn block_forward(
     s: Shape,
     tmp: DPtr<bf16>,
     fu: Fusions,
+    full: bool,
 ) -> Result<()> {
     let (n, c, f) = (s.n(), s.c, s.f);
     ops::layernorm_forward(gpu, st, a.ln1.ptr(), a.m1.ptr(), a.r1.ptr(), x, w.ln1_w, w.ln1_b, n, c)?;
@@ -753,6 +776,9 @@ fn block_forward(
         gpu.mark("fwd gemm fc");
         ops::bias_gelu_forward_out(gpu, st, a.pre.ptr(), a.gl.ptr(), w.fc_b, n, f)?;
         gpu.mark("fwd bias+gelu");
+    }
+    if !full {
+        return Ok(()); // a recomputation for the backward: y is not needed
     }
     gpu.blas.matmul(bf(tmp), bf(a.gl.ptr()), bf(w.fc2_w), n, f, c, 1.0, 0.0)?;
     gpu.mark("fwd gemm fc2");
@@ -966,6 +992,12 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let dgrads = gpu.alloc::<f32>(layout.total)?;
     let mut rows = Vec::new();
     let mut seen = Vec::new();
+    let run = |ws: &mut Workspace| -> Result<(f32, Vec<f32>)> {
+        gpu.zero(dgrads.ptr(), &gpu.stream)?;
+        let mut hooks = Replicated { layout: &layout, params: dparams.ptr(), grads: dgrads.ptr() };
+        forward_backward(gpu, &mut hooks, ws, &tokens, &targets, 1.0)?;
+        Ok((mean_loss(gpu, ws)?, layout.unpad(&gpu.download(dgrads.ptr())?)))
+    };
     for want in [Fusions::default(), Fusions::DEFAULT, Fusions::ALL] {
         let mut ws = Workspace::with_fusions(gpu, shape, &layout, want)?;
         if seen.contains(&ws.fusions) {
@@ -973,11 +1005,7 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         }
         seen.push(ws.fusions);
         let tag = format!("[fused: {}]", ws.fusions.describe());
-        gpu.zero(dgrads.ptr(), &gpu.stream)?;
-        let mut hooks = Replicated { layout: &layout, params: dparams.ptr(), grads: dgrads.ptr() };
-        forward_backward(gpu, &mut hooks, &mut ws, &tokens, &targets, 1.0)?;
-        let gpu_loss = mean_loss(gpu, &ws)?;
-        let g = layout.unpad(&gpu.download(dgrads.ptr())?);
+        let (gpu_loss, g) = run(&mut ws)?;
         rows.push(CheckRow::compare(format!("model loss {tag}"), &[gpu_loss], &[cpu_loss], 0.0, 1e-2));
         // Per tensor, what bf16 activations promise: the norm-wise error rms(gpu − cpu)/rms(cpu)
         // ≤ 2e-2 (measured ~5e-3), and no element off by more than 1.5e-1 of |cpu| + rms(cpu)
@@ -996,5 +1024,14 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
             rows.push(CheckRow::compare(format!("model grad {} max-rel, floor rms {tag}", spec.name), gg, cpu, rc, 1.5e-1));
         }
     }
+    // Activation checkpointing recomputes the same kernels on the same inputs: the same loss and
+    // gradients, bit for bit.
+    let mut ws = Workspace::with_fusions(gpu, shape, &layout, Fusions::DEFAULT)?;
+    let (loss, g) = run(&mut ws)?;
+    let mut rws = Workspace::with_options(gpu, shape, &layout, Fusions::DEFAULT, true)?;
+    let (rloss, rg) = run(&mut rws)?;
+    let tag = format!("[fused: {}]", ws.fusions.describe());
+    rows.push(CheckRow::compare(format!("model loss, activations recomputed = kept (bits) {tag}"), &[rloss], &[loss], 0.0, 0.0));
+    rows.push(CheckRow::compare(format!("model grads, activations recomputed = kept (bits) {tag}"), &rg, &g, 1.0, 0.0));
     Ok(rows)
 }
