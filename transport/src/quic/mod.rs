@@ -29,7 +29,10 @@
 //! blocked thread. Every wait is bounded by the handle's `timeout_ms`; a timeout aborts the
 //! group and tells the peers (an `Abort` message), as does
 //! [`AbortHandle::abort`](crate::collective::AbortHandle::abort), which also ends any step in
-//! progress.
+//! progress — its sends too: a send that QUIC flow control holds back (a peer that stopped
+//! reading) returns `Aborted` at once. Leaving an aborted group waits for no goodbye (the
+//! connections close with [`net::CLOSE_ABORTED`] and the abort's reason, which aborts the
+//! peers' groups too), and an abort during a graceful leave ends its waits.
 //!
 //! # Algorithms and accounting
 //! Every collective opens with a descriptor round (each rank sends its operation, lengths and
