@@ -8,8 +8,12 @@
 //! One host per line, `HOST slots=N` (N agents on that host); `#` starts a comment; blank lines
 //! are ignored. A host listed twice, a missing or zero `slots`, or anything else on a line is an
 //! error naming `file:line`. `localhost`, `127.*` and `::1` are started directly (no ssh); any
-//! other host runs `cd <this directory> && exec <this tessera> agent --join …` through
-//! `ssh -o BatchMode=yes HOST`, so every host needs tessera and the data at the same paths.
+//! other host (`HOST` or `USER@HOST`) runs `cd <this directory> && exec <this tessera> agent
+//! --join …` through `ssh -o BatchMode=yes [SSH OPTIONS] HOST`, so every host needs tessera and
+//! the data at the same paths. The ssh options ([`SshOpts`]: `--ssh-port` like DeepSpeed's
+//! `--ssh_port`, `--ssh-identity`, `--ssh-config`, `--ssh-option KEY=VALUE`) come on top of the
+//! ssh configuration, which stays the place for per-host users, ports and keys
+//! (`~/.ssh/config`, or the `--ssh-config` file).
 //! Ranks follow the file: the first host's agents are ranks 0..slots, and so on.
 //!
 //! # torchrun / Slurm variables (`tessera agent` without `--join`)
@@ -90,9 +94,15 @@ pub fn read_hostfile(path: &Path) -> Result<Vec<HostEntry>> {
     parse_hostfile(&text, &path.display().to_string())
 }
 
-/// Whether `host` is this machine without ssh: `localhost`, `127.*`, `::1`.
+/// Whether `host` is this machine without ssh: `localhost`, `127.*`, `::1` (a host with a
+/// user, `USER@HOST`, always goes through ssh).
 pub fn is_local(host: &str) -> bool {
     host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The host part of a hostfile entry `[USER@]HOST`.
+pub fn host_name(entry: &str) -> &str {
+    entry.rsplit_once('@').map_or(entry, |(_, h)| h)
 }
 
 /// The first of `names` that is set, parsed as a whole number, with its name.
@@ -302,11 +312,67 @@ pub struct LaunchOpts {
     pub remote_exe: Option<String>,
     /// The ssh program.
     pub ssh: String,
+    /// How ssh reaches the remote hosts (port, identity, config file, options).
+    pub ssh_opts: SshOpts,
+}
+
+/// ssh settings of `tessera launch`, on top of what the ssh configuration (`~/.ssh/config`, or
+/// the file given with `config`) says for each host.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SshOpts {
+    /// `-p PORT` (DeepSpeed's `--ssh_port`).
+    pub port: Option<u16>,
+    /// `-i FILE`: the private key to log in with.
+    pub identity: Option<PathBuf>,
+    /// `-F FILE`: an ssh configuration read instead of `~/.ssh/config`.
+    pub config: Option<PathBuf>,
+    /// `-o KEY=VALUE` each, in order (e.g. `User=ubuntu`, `StrictHostKeyChecking=accept-new`).
+    pub options: Vec<String>,
+}
+
+impl SshOpts {
+    /// Checks the options (each `KEY=VALUE`) and the files (they exist).
+    pub fn check(&self) -> Result<()> {
+        for o in &self.options {
+            let key = o.split('=').next().unwrap_or("");
+            if !o.contains('=') || key.trim().is_empty() || key.contains(char::is_whitespace) {
+                bail!("--ssh-option {o:?}: expected KEY=VALUE, e.g. StrictHostKeyChecking=accept-new");
+            }
+        }
+        for (flag, file) in [("--ssh-identity", &self.identity), ("--ssh-config", &self.config)] {
+            if let Some(f) = file.as_ref().filter(|f| !f.is_file()) {
+                bail!("{flag} {}: no such file", f.display());
+            }
+        }
+        Ok(())
+    }
+
+    /// The arguments of `ssh` that run the shell command `line` on `host` (`[USER@]HOST`):
+    /// `-o BatchMode=yes` (never prompt: a missing key fails the start instead of hanging it),
+    /// then port, identity, config file and options as given, then the host and the command.
+    pub fn args(&self, host: &str, line: &str) -> Vec<String> {
+        let mut a: Vec<String> = vec!["-o".into(), "BatchMode=yes".into()];
+        if let Some(p) = self.port {
+            a.extend(["-p".into(), p.to_string()]);
+        }
+        if let Some(i) = &self.identity {
+            a.extend(["-i".into(), i.display().to_string()]);
+        }
+        if let Some(f) = &self.config {
+            a.extend(["-F".into(), f.display().to_string()]);
+        }
+        for o in &self.options {
+            a.extend(["-o".into(), o.clone()]);
+        }
+        a.extend([host.to_string(), line.to_string()]);
+        a
+    }
 }
 
 /// `tessera launch`: starts `slots` agents per hostfile line and coordinates them from here.
 pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &LaunchOpts, d: &DriverOpts) -> Result<bool> {
     use std::os::unix::process::CommandExt;
+    l.ssh_opts.check()?;
     let hosts = read_hostfile(&l.hostfile)?;
     let nodes: usize = hosts.iter().map(|h| h.slots).sum();
     let nodes = resolve_nodes(Some(nodes), common.world, &|_| None)?;
@@ -343,7 +409,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
                 (Some(ip), _) => ip,
                 (None, ip) if !ip.is_unspecified() => ip,
                 (None, _) if is_local(&via.host) => IpAddr::from([127, 0, 0, 1]),
-                (None, _) => route_to(&via.host).with_context(|| {
+                (None, _) => route_to(host_name(&via.host)).with_context(|| {
                     format!("{}:{}: the address {} can reach this machine at", l.hostfile.display(), via.line, via.host)
                 })?,
             };
@@ -379,7 +445,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
                         line.push_str(&shell_quote(a));
                     }
                     let mut c = Command::new(&l.ssh);
-                    c.args(["-o", "BatchMode=yes", &h.host, &line]);
+                    c.args(l.ssh_opts.args(&h.host, &line));
                     (c, format!("agent {name} (ssh {})", h.host))
                 };
                 for v in RANK_ENV {
@@ -505,6 +571,42 @@ mod tests {
         assert!(resolve_nodes(None, None, &env(&[])).unwrap_err().to_string().contains("--nodes"));
         assert!(resolve_nodes(Some(3), Some(2), &env(&[])).unwrap_err().to_string().contains("--world 2"));
         assert!(resolve_nodes(Some(0), None, &env(&[])).is_err());
+    }
+
+    #[test]
+    fn ssh_arguments_carry_port_identity_config_and_options_before_the_host() {
+        let plain = SshOpts::default();
+        assert_eq!(plain.args("h1", "cmd"), ["-o", "BatchMode=yes", "h1", "cmd"]);
+        let o = SshOpts {
+            port: Some(2222),
+            identity: Some(PathBuf::from("/k/id")),
+            config: Some(PathBuf::from("/k/cfg")),
+            options: vec!["User=root".into(), "StrictHostKeyChecking=yes".into()],
+        };
+        let want = [
+            "-o",
+            "BatchMode=yes",
+            "-p",
+            "2222",
+            "-i",
+            "/k/id",
+            "-F",
+            "/k/cfg",
+            "-o",
+            "User=root",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "ubuntu@h2",
+            "cd /x && exec t",
+        ];
+        assert_eq!(o.args("ubuntu@h2", "cd /x && exec t"), want);
+        for bad in ["User", "=x", "Strict HostKeyChecking=no"] {
+            let e = SshOpts { options: vec![bad.into()], ..SshOpts::default() }.check().unwrap_err().to_string();
+            assert!(e.contains("--ssh-option") && e.contains("KEY=VALUE"), "{bad}: {e}");
+        }
+        let e = SshOpts { identity: Some(PathBuf::from("/no/such/key")), ..SshOpts::default() }.check().unwrap_err().to_string();
+        assert!(e.contains("--ssh-identity /no/such/key: no such file"), "{e}");
+        assert_eq!((host_name("u@h"), host_name("h"), is_local("root@localhost")), ("h", "h", false));
     }
 
     #[test]

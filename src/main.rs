@@ -157,6 +157,18 @@ struct LaunchArgs {
     /// The ssh program for remote hosts.
     #[arg(long, default_value = "ssh")]
     ssh: String,
+    /// The port sshd listens on at every remote host (`ssh -p`; DeepSpeed's --ssh_port).
+    #[arg(long, alias = "ssh_port", value_name = "PORT")]
+    ssh_port: Option<u16>,
+    /// The private key ssh logs in with (`ssh -i`).
+    #[arg(long, value_name = "FILE")]
+    ssh_identity: Option<PathBuf>,
+    /// An ssh configuration file read instead of ~/.ssh/config (`ssh -F`).
+    #[arg(long, value_name = "FILE")]
+    ssh_config: Option<PathBuf>,
+    /// An ssh option, KEY=VALUE (`ssh -o`; repeatable), e.g. User=ubuntu.
+    #[arg(long, value_name = "KEY=VALUE")]
+    ssh_option: Vec<String>,
 }
 
 #[derive(Args)]
@@ -355,6 +367,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 coordinator_addr: a.coordinator_addr,
                 remote_exe: a.remote_exe,
                 ssh: a.ssh,
+                ssh_opts: tessera::launch::SshOpts {
+                    port: a.ssh_port,
+                    identity: a.ssh_identity,
+                    config: a.ssh_config,
+                    options: a.ssh_option,
+                },
             };
             let finished = tessera::launch::launch(&config, &common, opts, &l, &d)?;
             Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })

@@ -410,22 +410,36 @@ fn launch_starts_remote_agents_through_ssh() {
     use std::os::unix::fs::PermissionsExt;
     let tmp = tempfile::tempdir().unwrap();
     let inproc = train(tmp.path(), "w3", &["--world", "3"], 1, 2, &[]);
-    // A stand-in for ssh: records how it was called, then runs the remote command here.
+    // A stand-in for ssh: records how it was called, then runs the remote command (its last
+    // argument) here. `tests/e2e_hosts.rs` runs the real OpenSSH.
     let log = tmp.path().join("ssh.log");
-    let fake = write(tmp.path(), "fakessh", &format!("#!/bin/sh\necho \"$@\" >> '{}'\nshift 3\nexec sh -c \"$1\"\n", log.display()));
+    let script = format!("#!/bin/sh\necho \"$@\" >> '{}'\nfor a; do last=$a; done\nexec sh -c \"$last\"\n", log.display());
+    let fake = write(tmp.path(), "fakessh", &script);
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
     let hostfile = write(tmp.path(), "hostfile", "node-a slots=2\nlocalhost slots=1\n");
     let out = tmp.path().join("la");
     let mut a = args(&out, &[], 1, 2);
     a[0] = "launch".into();
     a.extend(
-        ["--hostfile", hostfile.to_str().unwrap(), "--ssh", fake.to_str().unwrap(), "--coordinator-addr", "127.0.0.1"].map(String::from),
+        [
+            "--hostfile",
+            hostfile.to_str().unwrap(),
+            "--ssh",
+            fake.to_str().unwrap(),
+            "--coordinator-addr",
+            "127.0.0.1",
+            "--ssh-port",
+            "2200",
+            "--ssh-option",
+            "User=root",
+        ]
+        .map(String::from),
     );
     let refs: Vec<&str> = a.iter().map(String::as_str).collect();
     let text = ok(&refs, tmp.path());
     assert!(text.contains("agent node-a-1: rank 1 of 3") && text.contains("agent localhost-0: rank 2 of 3"), "{text}");
     let calls = std::fs::read_to_string(&log).unwrap();
     assert_eq!(calls.lines().count(), 2, "one ssh per remote agent:\n{calls}");
-    assert!(calls.lines().all(|l| l.starts_with("-o BatchMode=yes node-a cd ") && l.contains("agent")), "{calls}");
+    assert!(calls.lines().all(|l| l.starts_with("-o BatchMode=yes -p 2200 -o User=root node-a cd ") && l.contains("agent")), "{calls}");
     assert_eq!(summary(&out)["params_blake3"], inproc["params_blake3"], "agents started through ssh differ");
 }
