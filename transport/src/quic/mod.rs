@@ -68,13 +68,15 @@
 //! Hosts must be little-endian (payloads are the in-memory bytes).
 
 pub mod comm;
+pub mod control;
 pub mod frame;
 pub mod net;
 pub mod pki;
 
 pub use comm::QuicComm;
+pub use control::{ControlConn, ControlEndpoint, ControlError};
 pub use net::{transport_config, ClusterSpec, QuicError};
-pub use pki::{cluster_init, ClusterFiles, NodeTls, PkiError};
+pub use pki::{cluster_init, ClientAuth, ClusterCa, ClusterFiles, JoinToken, NodeKey, NodeTls, PkiError, ALPN_CONTROL};
 
 #[cfg(test)]
 mod tests;
