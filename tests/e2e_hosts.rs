@@ -74,14 +74,20 @@ fn piped(mut c: Command) -> Child {
     c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawning tessera")
 }
 
-/// Runs a coordinator (`coord`, with its listen address `join`) and one agent per host with
-/// `agent_extra(i)`; returns the coordinator's output and asserts everyone succeeded.
-fn run_cluster(net: &TestNet, coord: Command, join: &str, agent_extra: &dyn Fn(usize) -> Vec<String>) -> String {
+/// Runs a coordinator (`coord`, with its listen address `join`) that writes its join token to
+/// `token` and, once it has, one agent per host with `agent_extra(i)`; returns the
+/// coordinator's output and asserts everyone succeeded.
+fn run_cluster(net: &TestNet, mut coord: Command, join: &str, token: &Path, agent_extra: &dyn Fn(usize) -> Vec<String>) -> String {
     let bin = bin();
+    coord.args(["--token-file", token.to_str().unwrap()]);
     let mut children = vec![piped(coord)];
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !token.exists() && Instant::now() < deadline && children[0].try_wait().ok().flatten().is_none() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     for i in 0..HOSTS {
         let mut c = net.command(i, bin.to_str().unwrap());
-        c.args(["agent", "--join", join, "--name", &format!("host{i}")]).args(agent_extra(i));
+        c.args(["agent", "--join", join, "--name", &format!("host{i}"), "--token-file", token.to_str().unwrap()]).args(agent_extra(i));
         children.push(piped(c));
     }
     let results = wait_all(children, Duration::from_secs(60));
@@ -113,7 +119,7 @@ fn training_across_namespace_hosts_clean_and_through_a_fault_proxy() {
     let mut coord = net.command(0, bin().to_str().unwrap());
     coord.arg("coordinator").args(run_flags(&tmp.path().join("clean"))).args(["--listen", &join, "--nodes", "3"]);
     let started = Instant::now();
-    let text = run_cluster(&net, coord, &join, &|_| Vec::new());
+    let text = run_cluster(&net, coord, &join, &tmp.path().join("token-clean"), &|_| Vec::new());
     eprintln!("clean: {:?}", started.elapsed());
     for i in 0..HOSTS {
         assert!(text.contains(&format!("{}:", net.addr(i))), "host {i}'s address is not in the mesh:\n{text}");
@@ -134,7 +140,7 @@ fn training_across_namespace_hosts_clean_and_through_a_fault_proxy() {
     let mut coord = Command::new(bin());
     coord.arg("coordinator").args(run_flags(&tmp.path().join("faults"))).args(["--listen", &join, "--nodes", "3"]);
     let started = Instant::now();
-    let text = run_cluster(&net, coord, &join, &|i| match i {
+    let text = run_cluster(&net, coord, &join, &tmp.path().join("token-faults"), &|i| match i {
         0 => ["--rank", "0", "--advertise", &gw.to_string(), "--quic-port", &port.to_string()].map(String::from).to_vec(),
         _ => Vec::new(),
     });

@@ -77,6 +77,8 @@ pub use comm::QuicComm;
 pub use control::{ControlConn, ControlEndpoint, ControlError};
 pub use net::{transport_config, ClusterSpec, QuicError};
 pub use pki::{cluster_init, ClientAuth, ClusterCa, ClusterFiles, JoinToken, NodeKey, NodeTls, PkiError, ALPN_CONTROL};
+/// The TLS library the configs of this module belong to.
+pub use rustls;
 
 #[cfg(test)]
 mod tests;
