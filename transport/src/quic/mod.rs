@@ -10,6 +10,9 @@
 //!   ([`frame::FRAME_BYTES_MAX`], [`frame::CHUNK_BYTES_MAX`], [`frame::MESSAGE_BYTES_MAX`]); a
 //!   malformed, oversized or checksum-failing frame closes that peer's connection with a logged
 //!   reason (stderr) and the peer is reported as gone — never a panic.
+//! - [`control`]: the control plane's connections ([`ControlEndpoint`], [`ControlConn`]): one per
+//!   driver ↔ worker pair, ordered frame lanes (requests; actor messages) and bulk transfers on
+//!   their own streams, with [`pki::JoinToken`] admission for agents without a certificate.
 //! - [`QuicComm`]: rank `r` listens on `addrs[r]`, dials every lower rank and accepts every
 //!   higher one (one connection per pair). The dialer sends `Hello{rank}`; the acceptor checks
 //!   that the client certificate (already verified against the CA) is issued to
