@@ -8,9 +8,24 @@
 //! One host per line, `HOST slots=N` (N agents on that host); `#` starts a comment; blank lines
 //! are ignored. A host listed twice, a missing or zero `slots`, or anything else on a line is an
 //! error naming `file:line`. `localhost`, `127.*` and `::1` are started directly (no ssh); any
-//! other host runs `cd <this directory> && exec <this tessera> agent --join …` through
-//! `ssh -o BatchMode=yes HOST`, so every host needs tessera and the data at the same paths.
+//! other host (`HOST` or `USER@HOST`) runs `cd <this directory> && exec <this tessera> agent
+//! --join …` through `ssh -o BatchMode=yes [SSH OPTIONS] HOST`, so every host needs tessera and
+//! the data at the same paths. The ssh options ([`SshOpts`]: `--ssh-port` like DeepSpeed's
+//! `--ssh_port`, `--ssh-identity`, `--ssh-config`, `--ssh-option KEY=VALUE`) come on top of the
+//! ssh configuration, which stays the place for per-host users, ports and keys
+//! (`~/.ssh/config`, or the `--ssh-config` file).
 //! Ranks follow the file: the first host's agents are ranks 0..slots, and so on.
+//!
+//! # Joining
+//! Without `--certs`, the coordinator makes a CA for the run (in memory), its own certificate
+//! and a join token (`tsr1-<secret>-<SHA-256 of the CA>`), printed on its start line or written
+//! to `--token-file`. An agent given the token (`--token`, `--token -` for standard input,
+//! `--token-file`, or `$TESSERA_JOIN_TOKEN`) verifies the coordinator's TLS chain against the
+//! pinned CA, proves itself with the secret over that encrypted connection and sends a public key
+//! it generated; the coordinator certifies that key for the agent's rank. No private key leaves
+//! its host. `tessera launch` hands its agents the token on standard input (through ssh).
+//! With `--certs DIR` (made by `tessera cluster init`), the agents present their own
+//! certificates (mutual TLS) and nothing is issued.
 //!
 //! # torchrun / Slurm variables (`tessera agent` without `--join`)
 //! `MASTER_ADDR` and `MASTER_PORT` name the coordinator; the rank is `RANK`, else
@@ -18,7 +33,8 @@
 //! coordinator's). `tessera coordinator` takes `--nodes` from `WORLD_SIZE` and `--listen` from
 //! `0.0.0.0:$MASTER_PORT` when they are not given.
 
-use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs, UdpSocket};
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -27,7 +43,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::cli::{self, CommonArgs};
-use crate::engine::{self, AgentArgs, Launched, Rendezvous, TrainOptions};
+use crate::engine::{self, AgentArgs, AgentAuth, AgentCredentials, Launched, Rendezvous, TrainOptions};
+use tessera_transport::quic::{ClientAuth, ClusterCa, ControlEndpoint, JoinToken, NodeTls};
 
 /// The environment variables torchrun and Slurm set that this module reads (launch removes them
 /// from the agents it starts, whose ranks come from the coordinator).
@@ -35,6 +52,10 @@ pub const RANK_ENV: &[&str] = &["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_POR
 
 /// Bound on the launched agents' exit once the run is over (ms).
 const REAP_TIMEOUT_MS: u64 = 15_000;
+/// The environment variable an agent reads its join token from (when no flag gives one).
+pub const TOKEN_ENV: &str = "TESSERA_JOIN_TOKEN";
+/// Longest join token line read from standard input or a file (bytes).
+const TOKEN_BYTES_MAX: usize = 256;
 
 /// One line of a hostfile.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,9 +111,15 @@ pub fn read_hostfile(path: &Path) -> Result<Vec<HostEntry>> {
     parse_hostfile(&text, &path.display().to_string())
 }
 
-/// Whether `host` is this machine without ssh: `localhost`, `127.*`, `::1`.
+/// Whether `host` is this machine without ssh: `localhost`, `127.*`, `::1` (a host with a
+/// user, `USER@HOST`, always goes through ssh).
 pub fn is_local(host: &str) -> bool {
     host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The host part of a hostfile entry `[USER@]HOST`.
+pub fn host_name(entry: &str) -> &str {
+    entry.rsplit_once('@').map_or(entry, |(_, h)| h)
 }
 
 /// The first of `names` that is set, parsed as a whole number, with its name.
@@ -160,7 +187,52 @@ pub struct AgentFlags {
     pub advertise: Option<IpAddr>,
     pub quic_port: u16,
     pub certs: Option<PathBuf>,
+    /// The join token (`-`: read one line from standard input).
+    pub token: Option<String>,
+    /// A file holding the join token (as `tessera coordinator --token-file` writes it).
+    pub token_file: Option<PathBuf>,
     pub connect_timeout_ms: u64,
+}
+
+/// Reads a join token: the first line of `r`, at most [`TOKEN_BYTES_MAX`] bytes.
+fn read_token(r: &mut impl std::io::Read, from: &str) -> Result<String> {
+    use std::io::{BufRead, Read};
+    let mut text = String::new();
+    std::io::BufReader::new(r.take(TOKEN_BYTES_MAX as u64))
+        .read_line(&mut text)
+        .with_context(|| format!("reading the join token from {from}"))?;
+    let line = text.trim().to_string();
+    if line.is_empty() {
+        bail!("{from} holds no join token");
+    }
+    Ok(line)
+}
+
+/// How the agent proves it belongs to the run: `--certs DIR`, else the token from `--token`,
+/// `--token-file` or `$TESSERA_JOIN_TOKEN` (`--token -` was already read from standard input).
+fn agent_credentials(f: &AgentFlags, get: &dyn Fn(&str) -> Option<String>) -> Result<AgentCredentials> {
+    if let Some(dir) = &f.certs {
+        if f.token.is_some() || f.token_file.is_some() {
+            bail!("give --certs DIR or a join token, not both");
+        }
+        return Ok(AgentCredentials::Certs(dir.clone()));
+    }
+    let token = match (&f.token, &f.token_file) {
+        (Some(t), None) => t.clone(),
+        (None, Some(path)) => {
+            let mut file = std::fs::File::open(path).with_context(|| format!("--token-file {}", path.display()))?;
+            read_token(&mut file, &format!("--token-file {}", path.display()))?
+        }
+        (Some(_), Some(_)) => bail!("give --token or --token-file, not both"),
+        (None, None) => match get(TOKEN_ENV) {
+            Some(t) if !t.trim().is_empty() => t.trim().to_string(),
+            _ => bail!(
+                "tessera agent needs the coordinator's join token (--token TOKEN, --token - to read it from standard input, --token-file PATH or ${TOKEN_ENV}) or a cluster directory (--certs DIR)"
+            ),
+        },
+    };
+    JoinToken::parse(&token)?;
+    Ok(AgentCredentials::Token(token))
 }
 
 /// This host's name (for agents' default names).
@@ -196,14 +268,18 @@ pub fn agent_args(f: &AgentFlags, get: &dyn Fn(&str) -> Option<String>) -> Resul
         world,
         advertise: f.advertise,
         quic_port: f.quic_port,
-        certs: f.certs.clone(),
+        credentials: agent_credentials(f, get)?,
         connect_timeout_ms: f.connect_timeout_ms,
     })
 }
 
 /// `tessera agent`.
 pub fn agent(f: &AgentFlags) -> Result<()> {
-    let args = agent_args(f, &|k| std::env::var(k).ok())?;
+    let mut f = f.clone();
+    if f.token.as_deref() == Some("-") {
+        f.token = Some(read_token(&mut std::io::stdin().lock(), "standard input")?);
+    }
+    let args = agent_args(&f, &|k| std::env::var(k).ok())?;
     engine::run_agent(&args)
 }
 
@@ -211,8 +287,59 @@ pub fn agent(f: &AgentFlags) -> Result<()> {
 #[derive(Debug, Clone)]
 pub struct DriverOpts {
     pub join_timeout_ms: u64,
-    /// A pre-distributed cluster directory (no keys are sent to the agents).
+    /// A pre-distributed cluster directory (`ca.pem`, `coordinator.{pem,key}`, `node-<r>.*`):
+    /// agents present their own certificates and nothing is issued.
     pub certs: Option<PathBuf>,
+    /// Write the join token here (mode 0600) instead of printing it.
+    pub token_file: Option<PathBuf>,
+}
+
+/// The coordinator's control endpoint on `listen` and how agents join it: with `--certs`, mutual
+/// TLS with the directory's certificates; otherwise a CA made for this run (in memory), a
+/// certificate for the coordinator and a join token pinning that CA. Returns also the token.
+fn rendezvous_endpoint(listen: &str, d: &DriverOpts) -> Result<(ControlEndpoint, AgentAuth, Option<JoinToken>)> {
+    let addr: SocketAddr = listen
+        .to_socket_addrs()
+        .with_context(|| format!("the listen address {listen:?}"))?
+        .next()
+        .with_context(|| format!("{listen:?} resolves to no address"))?;
+    let (identity, auth, token, client_auth) = match &d.certs {
+        Some(dir) => {
+            let identity = NodeTls::load(dir, engine::COORDINATOR_NAME).with_context(|| {
+                format!("--certs {}: the coordinator's identity (make the directory with `tessera cluster init`)", dir.display())
+            })?;
+            (identity, AgentAuth::Certs { dir: dir.clone() }, None, ClientAuth::Required)
+        }
+        None => {
+            let ca = ClusterCa::generate()?;
+            let identity = ca.issue(engine::COORDINATOR_NAME)?;
+            let token = JoinToken::generate(ca.ca_sha256())?;
+            (identity, AgentAuth::Token { ca: Box::new(ca), token: token.clone() }, Some(token), ClientAuth::Optional)
+        }
+    };
+    let server = engine::control_server_config(&identity, client_auth)?;
+    let endpoint = ControlEndpoint::bind(addr, Some(server)).with_context(|| format!("listening for agents on {listen}"))?;
+    Ok((endpoint, auth, token))
+}
+
+/// How the coordinator's start line tells agents to join, and where the token is.
+fn join_hint(at: SocketAddr, d: &DriverOpts, token: Option<&JoinToken>) -> Result<String> {
+    Ok(match (token, &d.token_file) {
+        (None, _) => format!("`tessera agent --join {at} --certs DIR`"),
+        (Some(t), Some(path)) => {
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(path)
+                .with_context(|| format!("--token-file {}", path.display()))?;
+            writeln!(f, "{}", t.text()).with_context(|| format!("writing the join token to {}", path.display()))?;
+            format!("`tessera agent --join {at} --token-file {}`", path.display())
+        }
+        (Some(t), None) => format!("`tessera agent --join {at} --token {}`", t.text()),
+    })
 }
 
 /// `--nodes`, else `WORLD_SIZE` from `get`; checked against `--world`.
@@ -238,7 +365,7 @@ fn drive(
     config: &Path,
     common: &CommonArgs,
     mut opts: TrainOptions,
-    listener: TcpListener,
+    (endpoint, auth): (ControlEndpoint, AgentAuth),
     nodes: usize,
     d: &DriverOpts,
     launched: Arc<Mutex<Vec<Launched>>>,
@@ -246,7 +373,7 @@ fn drive(
     let mut common = common.clone();
     common.world = Some(nodes);
     opts.processes = true;
-    engine::set_rendezvous(Rendezvous { listener, nodes, join_timeout_ms: d.join_timeout_ms, certs: d.certs.clone(), launched });
+    engine::set_rendezvous(Rendezvous { endpoint, auth, nodes, join_timeout_ms: d.join_timeout_ms, launched });
     let res = cli::train(config, &common, opts);
     // A run that failed before starting its ranks leaves the rendezvous unused.
     drop(engine::take_rendezvous());
@@ -269,10 +396,11 @@ pub fn coordinator(
         (None, Some(p)) => format!("0.0.0.0:{}", p.trim()),
         (None, None) => bail!("where should agents join? give --listen ADDR:PORT (or MASTER_PORT in the environment)"),
     };
-    let listener = TcpListener::bind(&listen).with_context(|| format!("listening for agents on {listen}"))?;
-    let at = listener.local_addr().context("the listener's address")?;
-    eprintln!("coordinator: waiting for {nodes} agents at {at} (join with `tessera agent --join {at}`)");
-    drive(config, common, opts, listener, nodes, d, Arc::new(Mutex::new(Vec::new())))
+    let (endpoint, auth, token) = rendezvous_endpoint(&listen, d)?;
+    let at = endpoint.local_addr()?;
+    let hint = join_hint(at, d, token.as_ref())?;
+    eprintln!("coordinator: waiting for {nodes} agents at {at} (join with {hint})");
+    drive(config, common, opts, (endpoint, auth), nodes, d, Arc::new(Mutex::new(Vec::new())))
 }
 
 /// Quotes `s` for a POSIX shell.
@@ -302,18 +430,74 @@ pub struct LaunchOpts {
     pub remote_exe: Option<String>,
     /// The ssh program.
     pub ssh: String,
+    /// How ssh reaches the remote hosts (port, identity, config file, options).
+    pub ssh_opts: SshOpts,
+}
+
+/// ssh settings of `tessera launch`, on top of what the ssh configuration (`~/.ssh/config`, or
+/// the file given with `config`) says for each host.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SshOpts {
+    /// `-p PORT` (DeepSpeed's `--ssh_port`).
+    pub port: Option<u16>,
+    /// `-i FILE`: the private key to log in with.
+    pub identity: Option<PathBuf>,
+    /// `-F FILE`: an ssh configuration read instead of `~/.ssh/config`.
+    pub config: Option<PathBuf>,
+    /// `-o KEY=VALUE` each, in order (e.g. `User=ubuntu`, `StrictHostKeyChecking=accept-new`).
+    pub options: Vec<String>,
+}
+
+impl SshOpts {
+    /// Checks the options (each `KEY=VALUE`) and the files (they exist).
+    pub fn check(&self) -> Result<()> {
+        for o in &self.options {
+            let key = o.split('=').next().unwrap_or("");
+            if !o.contains('=') || key.trim().is_empty() || key.contains(char::is_whitespace) {
+                bail!("--ssh-option {o:?}: expected KEY=VALUE, e.g. StrictHostKeyChecking=accept-new");
+            }
+        }
+        for (flag, file) in [("--ssh-identity", &self.identity), ("--ssh-config", &self.config)] {
+            if let Some(f) = file.as_ref().filter(|f| !f.is_file()) {
+                bail!("{flag} {}: no such file", f.display());
+            }
+        }
+        Ok(())
+    }
+
+    /// The arguments of `ssh` that run the shell command `line` on `host` (`[USER@]HOST`):
+    /// `-o BatchMode=yes` (never prompt: a missing key fails the start instead of hanging it),
+    /// then port, identity, config file and options as given, then the host and the command.
+    pub fn args(&self, host: &str, line: &str) -> Vec<String> {
+        let mut a: Vec<String> = vec!["-o".into(), "BatchMode=yes".into()];
+        if let Some(p) = self.port {
+            a.extend(["-p".into(), p.to_string()]);
+        }
+        if let Some(i) = &self.identity {
+            a.extend(["-i".into(), i.display().to_string()]);
+        }
+        if let Some(f) = &self.config {
+            a.extend(["-F".into(), f.display().to_string()]);
+        }
+        for o in &self.options {
+            a.extend(["-o".into(), o.clone()]);
+        }
+        a.extend([host.to_string(), line.to_string()]);
+        a
+    }
 }
 
 /// `tessera launch`: starts `slots` agents per hostfile line and coordinates them from here.
 pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &LaunchOpts, d: &DriverOpts) -> Result<bool> {
     use std::os::unix::process::CommandExt;
+    l.ssh_opts.check()?;
     let hosts = read_hostfile(&l.hostfile)?;
     let nodes: usize = hosts.iter().map(|h| h.slots).sum();
     let nodes = resolve_nodes(Some(nodes), common.world, &|_| None)?;
     let all_local = hosts.iter().all(|h| is_local(&h.host));
     let listen = l.listen.clone().unwrap_or_else(|| if all_local { "127.0.0.1:0" } else { "0.0.0.0:0" }.to_string());
-    let listener = TcpListener::bind(&listen).with_context(|| format!("listening for agents on {listen}"))?;
-    let at = listener.local_addr().context("the listener's address")?;
+    let (endpoint, auth, token) = rendezvous_endpoint(&listen, d)?;
+    let at = endpoint.local_addr()?;
     let exe = std::env::current_exe().context("finding the tessera executable")?;
     let cwd = std::env::current_dir().context("the current directory")?;
     let launched: Arc<Mutex<Vec<Launched>>> = Arc::new(Mutex::new(Vec::new()));
@@ -343,7 +527,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
                 (Some(ip), _) => ip,
                 (None, ip) if !ip.is_unspecified() => ip,
                 (None, _) if is_local(&via.host) => IpAddr::from([127, 0, 0, 1]),
-                (None, _) => route_to(&via.host).with_context(|| {
+                (None, _) => route_to(host_name(&via.host)).with_context(|| {
                     format!("{}:{}: the address {} can reach this machine at", l.hostfile.display(), via.line, via.host)
                 })?,
             };
@@ -364,8 +548,11 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
                     "--rank".into(),
                     rank.to_string(),
                 ];
-                if let Some(c) = &d.certs {
-                    agent_args.extend(["--certs".to_string(), c.display().to_string()]);
+                match &d.certs {
+                    Some(c) => agent_args.extend(["--certs".to_string(), c.display().to_string()]),
+                    // The token goes on standard input: never on a command line (`ps`) or in
+                    // an environment that outlives the agent.
+                    None => agent_args.extend(["--token".to_string(), "-".to_string()]),
                 }
                 let (mut cmd, label) = if local {
                     let mut c = Command::new(&exe);
@@ -379,7 +566,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
                         line.push_str(&shell_quote(a));
                     }
                     let mut c = Command::new(&l.ssh);
-                    c.args(["-o", "BatchMode=yes", &h.host, &line]);
+                    c.args(l.ssh_opts.args(&h.host, &line));
                     (c, format!("agent {name} (ssh {})", h.host))
                 };
                 for v in RANK_ENV {
@@ -387,11 +574,16 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
                 }
                 // Own process group: a terminal's Ctrl-C reaches only this process, which stops
                 // between steps and then ends the agents.
-                let child = cmd
-                    .stdin(Stdio::null())
+                cmd.env_remove(TOKEN_ENV);
+                let mut child = cmd
+                    .stdin(if token.is_some() { Stdio::piped() } else { Stdio::null() })
                     .process_group(0)
                     .spawn()
                     .with_context(|| format!("starting {label} ({})", if local { exe.display().to_string() } else { l.ssh.clone() }))?;
+                if let (Some(t), Some(mut stdin)) = (&token, child.stdin.take()) {
+                    // An agent that dies first is noticed by the run; its broken pipe is not news.
+                    let _ = writeln!(stdin, "{}", t.text());
+                }
                 launched.lock().unwrap_or_else(|p| p.into_inner()).push(Launched { label, child });
             }
         }
@@ -402,7 +594,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
         return Err(e);
     }
     eprintln!("launch: started {nodes} agents on {} hosts; coordinating at {at}", hosts.len());
-    let res = drive(config, common, opts, listener, nodes, d, Arc::clone(&launched));
+    let res = drive(config, common, opts, (endpoint, auth), nodes, d, Arc::clone(&launched));
     reap(&launched, if res.is_ok() { REAP_TIMEOUT_MS } else { 0 });
     res
 }
@@ -481,9 +673,43 @@ mod tests {
         }
     }
 
+    const TOKEN: &str = "tsr1-000102030405060708090a0b0c0d0e0f-00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+    #[test]
+    fn agents_take_a_token_from_a_flag_a_file_or_the_environment_or_else_certificates() {
+        let from_env = env(&[(TOKEN_ENV, TOKEN)]);
+        let creds = |f: AgentFlags, get: &dyn Fn(&str) -> Option<String>| agent_credentials(&f, get);
+        assert_eq!(creds(AgentFlags::default(), &from_env).unwrap(), AgentCredentials::Token(TOKEN.into()));
+        let f = AgentFlags { token: Some(TOKEN.into()), ..AgentFlags::default() };
+        assert_eq!(creds(f, &env(&[])).unwrap(), AgentCredentials::Token(TOKEN.into()));
+        let dir = tempfile_dir();
+        let path = dir.join("token");
+        std::fs::write(&path, format!("{TOKEN}\n")).unwrap();
+        let f = AgentFlags { token_file: Some(path.clone()), ..AgentFlags::default() };
+        assert_eq!(creds(f, &env(&[])).unwrap(), AgentCredentials::Token(TOKEN.into()));
+        let f = AgentFlags { certs: Some(dir.clone()), ..AgentFlags::default() };
+        assert_eq!(creds(f, &from_env).unwrap(), AgentCredentials::Certs(dir.clone()));
+        let e = creds(AgentFlags::default(), &env(&[])).unwrap_err().to_string();
+        assert!(e.contains("--token") && e.contains(TOKEN_ENV) && e.contains("--certs"), "{e}");
+        let e = creds(AgentFlags { token: Some("tsr1-xyz".into()), ..AgentFlags::default() }, &env(&[])).unwrap_err().to_string();
+        assert!(e.contains("not a join token"), "{e}");
+        let both = AgentFlags { token: Some(TOKEN.into()), certs: Some(dir.clone()), ..AgentFlags::default() };
+        assert!(creds(both, &env(&[])).unwrap_err().to_string().contains("not both"));
+        let mut line = &b"  tsr1-abc  \nrest"[..];
+        assert_eq!(read_token(&mut line, "x").unwrap(), "tsr1-abc");
+        assert!(read_token(&mut &b"\n"[..], "stdin").unwrap_err().to_string().contains("stdin holds no join token"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn tempfile_dir() -> PathBuf {
+        let d = std::env::temp_dir().join(format!("tessera-launch-test-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
     #[test]
     fn agent_flags_win_over_the_environment() {
-        let t = env(&[("MASTER_ADDR", "10.1.2.3"), ("MASTER_PORT", "29500"), ("RANK", "2"), ("WORLD_SIZE", "4")]);
+        let t = env(&[("MASTER_ADDR", "10.1.2.3"), ("MASTER_PORT", "29500"), ("RANK", "2"), ("WORLD_SIZE", "4"), (TOKEN_ENV, TOKEN)]);
         let f = AgentFlags { name: Some("n".into()), ..AgentFlags::default() };
         let a = agent_args(&f, &t).unwrap();
         assert_eq!((a.join.as_str(), a.rank, a.world, a.name.as_str()), ("10.1.2.3:29500", Some(2), Some(4), "n"));
@@ -492,7 +718,7 @@ mod tests {
         let a = agent_args(&f, &t).unwrap();
         assert_eq!((a.join.as_str(), a.rank, a.world), ("127.0.0.1:5", None, None));
         assert!(!a.name.is_empty());
-        let e = agent_args(&AgentFlags::default(), &env(&[])).unwrap_err().to_string();
+        let e = agent_args(&AgentFlags::default(), &env(&[(TOKEN_ENV, TOKEN)])).unwrap_err().to_string();
         assert!(e.contains("--join") && e.contains("MASTER_ADDR"), "{e}");
         let f = AgentFlags { rank: Some(7), ..AgentFlags::default() };
         assert!(agent_args(&f, &t).unwrap_err().to_string().contains("rank 7"));
@@ -505,6 +731,42 @@ mod tests {
         assert!(resolve_nodes(None, None, &env(&[])).unwrap_err().to_string().contains("--nodes"));
         assert!(resolve_nodes(Some(3), Some(2), &env(&[])).unwrap_err().to_string().contains("--world 2"));
         assert!(resolve_nodes(Some(0), None, &env(&[])).is_err());
+    }
+
+    #[test]
+    fn ssh_arguments_carry_port_identity_config_and_options_before_the_host() {
+        let plain = SshOpts::default();
+        assert_eq!(plain.args("h1", "cmd"), ["-o", "BatchMode=yes", "h1", "cmd"]);
+        let o = SshOpts {
+            port: Some(2222),
+            identity: Some(PathBuf::from("/k/id")),
+            config: Some(PathBuf::from("/k/cfg")),
+            options: vec!["User=root".into(), "StrictHostKeyChecking=yes".into()],
+        };
+        let want = [
+            "-o",
+            "BatchMode=yes",
+            "-p",
+            "2222",
+            "-i",
+            "/k/id",
+            "-F",
+            "/k/cfg",
+            "-o",
+            "User=root",
+            "-o",
+            "StrictHostKeyChecking=yes",
+            "ubuntu@h2",
+            "cd /x && exec t",
+        ];
+        assert_eq!(o.args("ubuntu@h2", "cd /x && exec t"), want);
+        for bad in ["User", "=x", "Strict HostKeyChecking=no"] {
+            let e = SshOpts { options: vec![bad.into()], ..SshOpts::default() }.check().unwrap_err().to_string();
+            assert!(e.contains("--ssh-option") && e.contains("KEY=VALUE"), "{bad}: {e}");
+        }
+        let e = SshOpts { identity: Some(PathBuf::from("/no/such/key")), ..SshOpts::default() }.check().unwrap_err().to_string();
+        assert!(e.contains("--ssh-identity /no/such/key: no such file"), "{e}");
+        assert_eq!((host_name("u@h"), host_name("h"), is_local("root@localhost")), ("h", "h", false));
     }
 
     #[test]

@@ -46,6 +46,23 @@ enum Cmd {
     /// Fault injection: run a training scenario fault-free and with faults, compare the bits.
     #[command(subcommand)]
     Chaos(ChaosCmd),
+    /// Cluster certificates for runs whose agents bring their own (`--certs DIR`).
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Make DIR: a cluster CA, the coordinator's certificate and node-0 .. node-(N-1), each with
+    /// its key. Copy ca.pem and node-<r>.{pem,key} to the host of rank r, ca.pem and
+    /// coordinator.{pem,key} to the coordinator's; ca.key signs nothing later and can be kept
+    /// offline.
+    Init {
+        dir: PathBuf,
+        /// How many node certificates.
+        #[arg(long)]
+        nodes: usize,
+    },
 }
 
 #[derive(Subcommand)]
@@ -85,17 +102,24 @@ struct DriverArgs {
     /// How long to wait for every agent to join (seconds).
     #[arg(long, value_name = "SECS", default_value_t = tessera::engine::JOIN_TIMEOUT_MS / 1000)]
     join_timeout: u64,
-    /// A cluster directory made beforehand (CA and node-<rank> certificates, present on every
-    /// host): no keys are sent to the agents.
+    /// A cluster directory made beforehand (`tessera cluster init`: the CA, the coordinator's
+    /// and the node-<rank> certificates): agents present their own certificates.
     #[arg(long, value_name = "DIR")]
     certs: Option<PathBuf>,
+    /// Write the agents' join token to this file (mode 0600) instead of printing it.
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
 }
 
 impl DriverArgs {
     fn split(self) -> (PathBuf, cli::CommonArgs, TrainOptions, tessera::launch::DriverOpts) {
         let opts =
             TrainOptions { resume: self.resume, progress: !self.no_progress, abandon_steps: Vec::new(), processes: true, worker_net: None };
-        let d = tessera::launch::DriverOpts { join_timeout_ms: self.join_timeout.saturating_mul(1000), certs: self.certs };
+        let d = tessera::launch::DriverOpts {
+            join_timeout_ms: self.join_timeout.saturating_mul(1000),
+            certs: self.certs,
+            token_file: self.token_file,
+        };
         (self.config, self.common, opts, d)
     }
 }
@@ -134,6 +158,13 @@ struct AgentCliArgs {
     /// with --certs).
     #[arg(long, value_name = "DIR")]
     certs: Option<PathBuf>,
+    /// The coordinator's join token (`-`: read it from standard input; default
+    /// $TESSERA_JOIN_TOKEN).
+    #[arg(long, value_name = "TOKEN")]
+    token: Option<String>,
+    /// A file holding the join token (`tessera coordinator --token-file`).
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
     /// How long to keep trying to reach the coordinator (seconds).
     #[arg(long, value_name = "SECS", default_value_t = tessera::engine::AGENT_CONNECT_TIMEOUT_MS / 1000)]
     connect_timeout: u64,
@@ -158,6 +189,18 @@ struct LaunchArgs {
     /// The ssh program for remote hosts.
     #[arg(long, default_value = "ssh")]
     ssh: String,
+    /// The port sshd listens on at every remote host (`ssh -p`; DeepSpeed's --ssh_port).
+    #[arg(long, alias = "ssh_port", value_name = "PORT")]
+    ssh_port: Option<u16>,
+    /// The private key ssh logs in with (`ssh -i`).
+    #[arg(long, value_name = "FILE")]
+    ssh_identity: Option<PathBuf>,
+    /// An ssh configuration file read instead of ~/.ssh/config (`ssh -F`).
+    #[arg(long, value_name = "FILE")]
+    ssh_config: Option<PathBuf>,
+    /// An ssh option, KEY=VALUE (`ssh -o`; repeatable), e.g. User=ubuntu.
+    #[arg(long, value_name = "KEY=VALUE")]
+    ssh_option: Vec<String>,
 }
 
 #[derive(Args)]
@@ -346,6 +389,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 advertise: a.advertise,
                 quic_port: a.quic_port,
                 certs: a.certs,
+                token: a.token,
+                token_file: a.token_file,
                 connect_timeout_ms: a.connect_timeout.saturating_mul(1000),
             };
             tessera::launch::agent(&flags).map(|()| done)
@@ -361,6 +406,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
             println!("report: {}", output.join("report.json").display());
             Ok(if report.passed() { done } else { ExitCode::FAILURE })
         }
+        Cmd::Cluster(ClusterCmd::Init { dir, nodes }) => {
+            let mut names: Vec<String> = (0..nodes).map(|r| format!("node-{r}")).collect();
+            names.push(tessera::engine::COORDINATOR_NAME.to_string());
+            let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+            let files = tessera_transport::quic::cluster_init(&dir, &refs)?;
+            println!("{}: CA, {} and {nodes} node certificates", dir.display(), tessera::engine::COORDINATOR_NAME);
+            drop(files);
+            Ok(done)
+        }
         Cmd::Launch(a) => {
             let (config, common, opts, d) = a.driver.split();
             let l = tessera::launch::LaunchOpts {
@@ -369,6 +423,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 coordinator_addr: a.coordinator_addr,
                 remote_exe: a.remote_exe,
                 ssh: a.ssh,
+                ssh_opts: tessera::launch::SshOpts {
+                    port: a.ssh_port,
+                    identity: a.ssh_identity,
+                    config: a.ssh_config,
+                    options: a.ssh_option,
+                },
             };
             let finished = tessera::launch::launch(&config, &common, opts, &l, &d)?;
             Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })

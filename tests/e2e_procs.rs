@@ -129,6 +129,12 @@ fn wait_for_workers(parent: &mut std::process::Child, out: &Path) -> Vec<u32> {
     }
 }
 
+/// The names of process `pid`'s threads.
+fn thread_names(pid: u32) -> Vec<String> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+    tasks.filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok()).map(|n| n.trim().to_string()).collect()
+}
+
 /// Polls until `f` holds or `bound` passes; returns whether it held.
 fn within(bound: Duration, mut f: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
@@ -147,6 +153,18 @@ fn a_killed_worker_ends_the_run_naming_its_rank_and_leaves_no_orphans() {
     let out = tmp.path().join("run");
     let mut parent = spawn_long_run(tmp.path(), &out);
     let pids = wait_for_workers(&mut parent, &out);
+    // The DeviceWorkers (and their compute threads) live in the worker processes, driven by the
+    // parent's ClusterSupervisor over QUIC; the parent runs no compute thread.
+    for pid in &pids {
+        let names = thread_names(*pid);
+        assert!(
+            names.iter().any(|n| n.starts_with("tessera-rank-")) && names.iter().any(|n| n == "tessera-actors"),
+            "worker {pid}: {names:?}"
+        );
+    }
+    let parent_threads = thread_names(parent.id());
+    assert!(!parent_threads.iter().any(|n| n.starts_with("tessera-rank-")), "the parent runs a compute thread: {parent_threads:?}");
+    assert!(parent_threads.iter().any(|n| n.starts_with("tessera-link-")), "no actor link in the parent: {parent_threads:?}");
     let victim = pids[1];
     let cmd = std::fs::read(format!("/proc/{victim}/cmdline")).unwrap();
     let args: Vec<String> = cmd.split(|b| *b == 0).map(|s| String::from_utf8_lossy(s).into_owned()).collect();
@@ -184,9 +202,17 @@ fn coordinator_args(out: &Path, nodes: usize, stage: u8, steps: u64) -> Vec<Stri
     a
 }
 
-/// Starts a coordinator and reads its listen address off its first line of stderr; the rest
-/// of its stderr is collected by a thread (joined by [`finish`]).
-fn spawn_coordinator(dir: &Path, a: &[String]) -> (std::process::Child, String, std::thread::JoinHandle<String>) {
+/// A started coordinator: where agents join, the join token it printed (none with `--certs`),
+/// and a thread collecting the rest of its stderr (joined by [`finish`]).
+struct Coordinator {
+    child: std::process::Child,
+    addr: String,
+    token: Option<String>,
+    err: std::thread::JoinHandle<String>,
+}
+
+/// Starts a coordinator and reads its listen address and join token off its first line of stderr.
+fn spawn_coordinator(dir: &Path, a: &[String]) -> Coordinator {
     use std::io::{BufRead, BufReader, Read};
     let mut c = Command::new(bin()).args(a).current_dir(dir).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawning");
     let mut err = BufReader::new(c.stderr.take().unwrap());
@@ -194,16 +220,23 @@ fn spawn_coordinator(dir: &Path, a: &[String]) -> (std::process::Child, String, 
     err.read_line(&mut first).unwrap();
     let addr = first.split(" at ").nth(1).and_then(|s| s.split_whitespace().next()).map(str::to_string);
     let addr = addr.unwrap_or_else(|| panic!("no address in {first:?}"));
+    let token = first.split("--token ").nth(1).and_then(|s| s.split(['`', ' ']).next()).map(str::to_string);
     let rest = std::thread::spawn(move || {
         let mut s = first;
         let _ = err.read_to_string(&mut s);
         s
     });
-    (c, addr, rest)
+    Coordinator { child: c, addr, token, err: rest }
 }
 
-/// Waits (≤ 90 s) for a process; returns (success, stdout + the collected stderr).
-fn finish(mut c: std::process::Child, err: std::thread::JoinHandle<String>) -> (bool, String) {
+/// `--token T` for an agent of `c` (nothing for a `--certs` coordinator).
+fn token_args(c: &Coordinator) -> Vec<String> {
+    c.token.iter().flat_map(|t| ["--token".to_string(), t.clone()]).collect()
+}
+
+/// Waits (≤ 90 s) for a coordinator; returns (success, stdout + the collected stderr).
+fn finish(co: Coordinator) -> (bool, String) {
+    let (mut c, err) = (co.child, co.err);
     use std::io::Read;
     if !within(Duration::from_secs(90), || c.try_wait().unwrap().is_some()) {
         let _ = c.kill();
@@ -215,9 +248,10 @@ fn finish(mut c: std::process::Child, err: std::thread::JoinHandle<String>) -> (
     (ok, out + &err.join().unwrap())
 }
 
-fn spawn_agent(dir: &Path, join: &str, name: &str, extra: &[&str]) -> std::process::Child {
+fn spawn_agent(dir: &Path, c: &Coordinator, name: &str, extra: &[&str]) -> std::process::Child {
     Command::new(bin())
-        .args(["agent", "--join", join, "--name", name])
+        .args(["agent", "--join", &c.addr, "--name", name])
+        .args(token_args(c))
         .args(extra)
         .current_dir(dir)
         .stdout(Stdio::piped())
@@ -240,14 +274,29 @@ fn agents_joining_a_coordinator_give_the_bits_of_in_process_ranks() {
     let tmp = tempfile::tempdir().unwrap();
     let inproc = train(tmp.path(), "w3", &["--world", "3"], 1, 3, &[]);
     let out = tmp.path().join("co");
-    let (coord, addr, err) = spawn_coordinator(tmp.path(), &coordinator_args(&out, 3, 1, 3));
+    let coord = spawn_coordinator(tmp.path(), &coordinator_args(&out, 3, 1, 3));
+    let token = coord.token.clone().expect("the coordinator prints a join token");
+    // A stranger with the right CA fingerprint but not the secret is refused; the run goes on.
+    let (_, fingerprint) = token.rsplit_once('-').unwrap();
+    let forged = format!("tsr1-{}-{fingerprint}", "0".repeat(32));
+    let stranger = Command::new(bin())
+        .args(["agent", "--join", &coord.addr, "--name", "stranger", "--token", &forged, "--connect-timeout", "5"])
+        .current_dir(tmp.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, stext) = agent_result(stranger);
+    assert!(!ok, "an agent without the token's secret took part:\n{stext}");
     // One agent asks for rank 0 explicitly; the others take the free ranks in join order.
     let agents: Vec<_> = [("a0", &[][..]), ("a1", &["--rank", "0"][..]), ("a2", &[][..])]
         .iter()
-        .map(|(name, extra)| spawn_agent(tmp.path(), &addr, name, extra))
+        .map(|(name, extra)| spawn_agent(tmp.path(), &coord, name, extra))
         .collect();
-    let (ok, text) = finish(coord, err);
+    let (ok, text) = finish(coord);
     assert!(ok, "the coordinator failed:\n{text}");
+    assert!(text.contains("refused a connection") && text.contains("did not present this run's join token"), "{text}");
+    assert!(!text.contains("stranger at"), "the stranger was counted as joined:\n{text}");
     for (i, a) in agents.into_iter().enumerate() {
         let (ok, atext) = agent_result(a);
         assert!(ok, "agent a{i} failed:\n{atext}");
@@ -338,16 +387,23 @@ fn a_coordinator_names_who_joined_when_the_others_do_not_come() {
     let mut a = coordinator_args(&tmp.path().join("co"), 2, 0, 1);
     a.extend(["--join-timeout".into(), "2".into()]);
     let started = Instant::now();
-    let (coord, addr, err) = spawn_coordinator(tmp.path(), &a);
-    let agent = spawn_agent(tmp.path(), &addr, "lonely", &[]);
-    let (ok, text) = finish(coord, err);
+    let coord = spawn_coordinator(tmp.path(), &a);
+    let (addr, token) = (coord.addr.clone(), coord.token.clone().expect("a token"));
+    let agent = spawn_agent(tmp.path(), &coord, "lonely", &[]);
+    let (ok, text) = finish(coord);
     assert!(!ok, "the run should fail:\n{text}");
     assert!(text.contains("only 1 of 2 agents joined") && text.contains("agent lonely at 127.0.0.1"), "{text}");
     assert!(started.elapsed() < Duration::from_secs(30), "the join wait is bounded");
     let (ok, atext) = agent_result(agent);
     assert!(!ok, "the agent should fail once the coordinator gives up:\n{atext}");
     // An agent with nobody to join gives up within its connect timeout, naming the address.
-    let lost = spawn_agent(tmp.path(), &addr, "late", &["--connect-timeout", "1"]);
+    let lost = Command::new(bin())
+        .args(["agent", "--join", &addr, "--name", "late", "--token", &token, "--connect-timeout", "1"])
+        .current_dir(tmp.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     let (ok, ltext) = agent_result(lost);
     assert!(!ok && ltext.contains(&format!("could not reach the coordinator at {addr}")), "{ltext}");
 }
@@ -357,14 +413,18 @@ fn pre_distributed_certificates_keep_the_keys_on_their_hosts() {
     let tmp = tempfile::tempdir().unwrap();
     let inproc = train(tmp.path(), "w2", &["--world", "2"], 2, 2, &[]);
     let certs = tmp.path().join("cluster");
-    tessera_transport::quic::cluster_init(&certs, &["node-0", "node-1"]).unwrap();
+    let made = ok(&["cluster", "init", certs.to_str().unwrap(), "--nodes", "2"], tmp.path());
+    assert!(made.contains("coordinator and 2 node certificates"), "{made}");
     let certs_s = certs.display().to_string();
     let out = tmp.path().join("co");
     let mut a = coordinator_args(&out, 2, 2, 2);
     a.extend(["--certs".into(), certs_s.clone()]);
-    let (coord, addr, err) = spawn_coordinator(tmp.path(), &a);
-    let agents: Vec<_> = (0..2).map(|i| spawn_agent(tmp.path(), &addr, &format!("c{i}"), &["--certs", &certs_s])).collect();
-    let (ok, text) = finish(coord, err);
+    let coord = spawn_coordinator(tmp.path(), &a);
+    assert!(coord.token.is_none(), "a --certs coordinator issues no token");
+    // Each agent presents the certificate of the rank it asks for (the directory holds both).
+    let agents: Vec<_> =
+        (0..2).map(|i| spawn_agent(tmp.path(), &coord, &format!("c{i}"), &["--certs", &certs_s, "--rank", &i.to_string()])).collect();
+    let (ok, text) = finish(coord);
     assert!(ok, "the coordinator failed:\n{text}");
     for a in agents {
         let (ok, atext) = agent_result(a);
@@ -372,14 +432,21 @@ fn pre_distributed_certificates_keep_the_keys_on_their_hosts() {
     }
     assert_eq!(summary(&out)["params_blake3"], inproc["params_blake3"], "agents with their own certificates differ");
     assert!(!out.join("procs").exists(), "no key directory is made with --certs");
-    // Without the directory, an agent cannot get a key, and the coordinator says why.
+    // Without a certificate or a token an agent does not even try, and says what it needs.
+    let keyless =
+        Command::new(bin()).args(["agent", "--join", "127.0.0.1:9", "--name", "keyless"]).current_dir(tmp.path()).output().unwrap();
+    let ktext = String::from_utf8_lossy(&keyless.stderr);
+    assert!(!keyless.status.success() && ktext.contains("join token") && ktext.contains("--certs DIR"), "{ktext}");
+    // A certificate of another cluster's CA fails the coordinator's mutual TLS.
+    let foreign = tmp.path().join("foreign");
+    crate::common::ok(&["cluster", "init", foreign.to_str().unwrap(), "--nodes", "1"], tmp.path());
     let mut a = coordinator_args(&tmp.path().join("co2"), 1, 0, 1);
-    a.extend(["--certs".into(), certs_s]);
-    let (coord, addr, err) = spawn_coordinator(tmp.path(), &a);
-    let agent = spawn_agent(tmp.path(), &addr, "keyless", &[]);
-    let (ok, text) = finish(coord, err);
-    assert!(!ok && text.contains("keyless") && text.contains("start the agent with --certs DIR"), "{text}");
-    assert!(!agent_result(agent).0, "the keyless agent should fail");
+    a.extend(["--certs".into(), certs_s, "--join-timeout".into(), "3".into()]);
+    let coord = spawn_coordinator(tmp.path(), &a);
+    let agent = spawn_agent(tmp.path(), &coord, "foreigner", &["--certs", foreign.to_str().unwrap(), "--connect-timeout", "2"]);
+    let (ok, text) = finish(coord);
+    assert!(!ok && text.contains("only 0 of 1 agents joined"), "{text}");
+    assert!(!agent_result(agent).0, "the agent with a foreign certificate should fail");
 }
 
 #[test]
@@ -388,15 +455,16 @@ fn agents_exit_when_their_coordinator_is_killed() {
     let out = tmp.path().join("co");
     let mut a = coordinator_args(&out, 2, 1, 100_000);
     a.extend(["--set".into(), "tessera.checkpoint_interval=1".into()]);
-    let (mut coord, addr, err) = spawn_coordinator(tmp.path(), &a);
-    let agents: Vec<_> = (0..2).map(|i| spawn_agent(tmp.path(), &addr, &format!("k{i}"), &[])).collect();
+    let coord = spawn_coordinator(tmp.path(), &a);
+    let agents: Vec<_> = (0..2).map(|i| spawn_agent(tmp.path(), &coord, &format!("k{i}"), &[])).collect();
+    let mut c = coord.child;
     if !within(Duration::from_secs(60), || out.join("checkpoints/latest").exists()) {
-        let _ = coord.kill();
+        let _ = c.kill();
         panic!("no checkpoint within 60 s");
     }
-    coord.kill().unwrap();
-    coord.wait().unwrap();
-    drop(err);
+    c.kill().unwrap();
+    c.wait().unwrap();
+    drop(coord.err);
     let started = Instant::now();
     for a in agents {
         let (ok, text) = agent_result(a);
@@ -410,22 +478,36 @@ fn launch_starts_remote_agents_through_ssh() {
     use std::os::unix::fs::PermissionsExt;
     let tmp = tempfile::tempdir().unwrap();
     let inproc = train(tmp.path(), "w3", &["--world", "3"], 1, 2, &[]);
-    // A stand-in for ssh: records how it was called, then runs the remote command here.
+    // A stand-in for ssh: records how it was called, then runs the remote command (its last
+    // argument) here. `tests/e2e_hosts.rs` runs the real OpenSSH.
     let log = tmp.path().join("ssh.log");
-    let fake = write(tmp.path(), "fakessh", &format!("#!/bin/sh\necho \"$@\" >> '{}'\nshift 3\nexec sh -c \"$1\"\n", log.display()));
+    let script = format!("#!/bin/sh\necho \"$@\" >> '{}'\nfor a; do last=$a; done\nexec sh -c \"$last\"\n", log.display());
+    let fake = write(tmp.path(), "fakessh", &script);
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
     let hostfile = write(tmp.path(), "hostfile", "node-a slots=2\nlocalhost slots=1\n");
     let out = tmp.path().join("la");
     let mut a = args(&out, &[], 1, 2);
     a[0] = "launch".into();
     a.extend(
-        ["--hostfile", hostfile.to_str().unwrap(), "--ssh", fake.to_str().unwrap(), "--coordinator-addr", "127.0.0.1"].map(String::from),
+        [
+            "--hostfile",
+            hostfile.to_str().unwrap(),
+            "--ssh",
+            fake.to_str().unwrap(),
+            "--coordinator-addr",
+            "127.0.0.1",
+            "--ssh-port",
+            "2200",
+            "--ssh-option",
+            "User=root",
+        ]
+        .map(String::from),
     );
     let refs: Vec<&str> = a.iter().map(String::as_str).collect();
     let text = ok(&refs, tmp.path());
     assert!(text.contains("agent node-a-1: rank 1 of 3") && text.contains("agent localhost-0: rank 2 of 3"), "{text}");
     let calls = std::fs::read_to_string(&log).unwrap();
     assert_eq!(calls.lines().count(), 2, "one ssh per remote agent:\n{calls}");
-    assert!(calls.lines().all(|l| l.starts_with("-o BatchMode=yes node-a cd ") && l.contains("agent")), "{calls}");
+    assert!(calls.lines().all(|l| l.starts_with("-o BatchMode=yes -p 2200 -o User=root node-a cd ") && l.contains("agent")), "{calls}");
     assert_eq!(summary(&out)["params_blake3"], inproc["params_blake3"], "agents started through ssh differ");
 }

@@ -24,6 +24,7 @@ use crate::compute::{MemoryReport, Prepared, StepOrder};
 use crate::driver::{ClusterOptions, StepResult};
 use crate::error::{ActorError, FailureCause, RankFailure};
 use crate::node::{NodeArgs, NodeMsg, NodeSupervisor, RankSetup};
+use crate::remote::{RemoteNode, RemoteNodeArgs, RemoteNodeSpec};
 use crate::shard::ShardStatus;
 use crate::worker::{Command, ComputeThreads, Outcome, RunCommand, WorkerMsg, CONTROL_TIMEOUT_MS};
 
@@ -62,9 +63,15 @@ impl ClusterMsg {
 /// Start-up arguments: the ranks of each node, the options, the shared thread registry
 /// (opaque outside the crate).
 pub struct ClusterArgs {
-    pub(crate) nodes: Vec<Vec<RankSetup>>,
+    pub(crate) nodes: Vec<NodeSetup>,
     pub(crate) opts: ClusterOptions,
     pub(crate) threads: Arc<ComputeThreads>,
+}
+
+/// A node of the tree: its ranks in this process, or in another one behind a link.
+pub(crate) enum NodeSetup {
+    Local(Vec<RankSetup>),
+    Remote(RemoteNodeSpec),
 }
 
 /// One member of the plan epoch.
@@ -147,11 +154,18 @@ impl Actor for ClusterSupervisor {
     async fn pre_start(&self, myself: ActorRef<ClusterMsg>, args: ClusterArgs) -> Result<ClusterState, ActorProcessingErr> {
         let mut members = BTreeMap::new();
         let mut node_of = HashMap::new();
-        for (node, ranks) in args.nodes.into_iter().enumerate() {
-            let node_args = NodeArgs { ranks, cluster: myself.clone(), threads: Arc::clone(&args.threads) };
-            let (node_ref, _) = Actor::spawn_linked(None, NodeSupervisor, node_args, myself.get_cell())
-                .await
-                .map_err(|e| format!("node {node} did not start: {e}"))?;
+        for (node, setup) in args.nodes.into_iter().enumerate() {
+            let spawned = match setup {
+                NodeSetup::Local(ranks) => {
+                    let node_args = NodeArgs { ranks, cluster: myself.clone(), threads: Arc::clone(&args.threads) };
+                    Actor::spawn_linked(None, NodeSupervisor, node_args, myself.get_cell()).await
+                }
+                NodeSetup::Remote(spec) => {
+                    let node_args = RemoteNodeArgs { spec, cluster: myself.clone() };
+                    Actor::spawn_linked(None, RemoteNode, node_args, myself.get_cell()).await
+                }
+            };
+            let (node_ref, _) = spawned.map_err(|e| format!("node {node} did not start: {e}"))?;
             node_of.insert(node_ref.get_id(), node);
             let bound = Some(Duration::from_millis(CONTROL_TIMEOUT_MS));
             let workers = match node_ref.call(NodeMsg::Members, bound).await? {

@@ -7,7 +7,9 @@
 //!       ├─ ParamShard      ZeRO-3 parameter shard metadata (range, bytes, last commit)
 //!       └─ OptimShard      optimizer-state shard metadata
 //! ```
-//! Control plane: actor messages carrying handles and small values. Data plane: the compute's
+//! Control plane: actor messages carrying handles and small values; across processes a node's
+//! NodeSupervisor and DeviceWorkers run in the worker process and the ClusterSupervisor talks
+//! to them through stand-ins over a link ([`remote`]). Data plane: the compute's
 //! buffers and collectives (`tessera_transport`). [`Cluster`] is the synchronous driver.
 //!
 //! Elastic training (docs/ELASTIC.md): [`membership`] is the sans-IO coordinator of plan epochs and
@@ -20,6 +22,7 @@ pub mod error;
 pub mod membership;
 pub mod node;
 pub mod plan;
+pub mod remote;
 pub mod replan;
 pub mod shard;
 pub mod signal;
@@ -34,6 +37,7 @@ pub use driver::{Cluster, ClusterOptions, StepResult, DEFAULT_SHUTDOWN_TIMEOUT_M
 pub use error::{ActorError, FailureCause, RankFailure};
 pub use membership::{Coordinator, EpochPlan, MembershipConfig, WorkerId};
 pub use plan::{assign_blocks, partition};
+pub use remote::{ActorCall, ActorEvent, Downlink, NodeHost, RemoteNodeSpec, UpSink, Uplink};
 pub use replan::{blocks_for_speeds, leaf_counts_for_speeds, replan_partition, OldShard, Replanned, Transfer};
 pub use shard::{ShardKind, ShardStatus};
 pub use signal::install_ctrl_c;

@@ -1,5 +1,7 @@
-//! Fuzzes the trainer's parent ↔ worker control framing (`src/engine/wire.rs`): a u32 LE length
-//! (≤ FRAME_BYTES_MAX) and a JSON body, decoded as both message enums, frame after frame.
+//! Fuzzes the driver ↔ worker control protocol (`src/engine/wire.rs`): rkyv `ToWorker` /
+//! `ToParent` messages (actor commands and events included) validated with bytecheck, both as
+//! whole frames (a QUIC lane delivers frames whole) and as TCP frames (u32 LE length ≤
+//! FRAME_BYTES_MAX, then the frame), frame after frame.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -9,25 +11,40 @@ use libfuzzer_sys::fuzz_target;
 #[allow(dead_code)]
 mod wire;
 
-use serde::de::DeserializeOwned;
-use serde::Serialize;
-use wire::{decode_for_fuzz, ToParent, ToWorker, WireError, FRAME_BYTES_MAX};
+use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
+use rkyv::rancor::Error as RkyvError;
+use rkyv::ser::allocator::ArenaHandle;
+use rkyv::util::AlignedVec;
+use wire::{decode, decode_for_fuzz, encode, ToParent, ToWorker, FRAME_BYTES_MAX};
 
-/// Decodes frames of `T` from `data` until one fails; each decoded message must survive a
-/// re-encode (as `send` frames it) and decode again.
-fn decode_all<T: DeserializeOwned + Serialize>(mut data: &[u8], expected: &'static str) {
-    while let Ok((msg, rest)) = decode_for_fuzz::<T>(data, expected) {
-        assert!(rest.len() < data.len(), "a decoded frame consumed no bytes");
-        let body = serde_json::to_vec(&msg).expect("a decoded message serialises");
-        if body.len() <= FRAME_BYTES_MAX {
-            let mut frame = (body.len() as u32).to_le_bytes().to_vec();
-            frame.extend_from_slice(&body);
-            let again: Result<(T, &[u8]), WireError> = decode_for_fuzz(&frame, expected);
-            let (again, tail) = again.expect("a re-encoded message decodes");
-            assert!(tail.is_empty());
-            assert_eq!(serde_json::to_vec(&again).expect("serialises"), body);
+/// A decoded message must re-encode, decode again, and re-encode to the same bytes (compared
+/// as bytes, not with `==`: a NaN loss is a valid message and must keep its bits).
+fn round_trip<T>(msg: &T, expected: &'static str)
+where
+    T: rkyv::Archive + std::fmt::Debug + for<'a> rkyv::Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, RkyvError>>,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<HighValidator<'a, RkyvError>> + rkyv::Deserialize<T, HighDeserializer<RkyvError>>,
+{
+    let bytes = encode(msg);
+    let again: T = decode(&bytes, expected).expect("a re-encoded message decodes");
+    assert_eq!(encode(&again), bytes, "{msg:?} changed on a round trip");
+}
+
+/// The input as one whole frame, then as a stream of TCP frames until one fails.
+fn decode_all<T>(data: &[u8], expected: &'static str)
+where
+    T: rkyv::Archive + std::fmt::Debug + for<'a> rkyv::Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, RkyvError>>,
+    T::Archived: for<'a> rkyv::bytecheck::CheckBytes<HighValidator<'a, RkyvError>> + rkyv::Deserialize<T, HighDeserializer<RkyvError>>,
+{
+    if data.len() <= FRAME_BYTES_MAX {
+        if let Ok(msg) = decode::<T>(data, expected) {
+            round_trip(&msg, expected);
         }
-        data = rest;
+    }
+    let mut rest = data;
+    while let Ok((msg, tail)) = decode_for_fuzz::<T>(rest, expected) {
+        assert!(tail.len() < rest.len(), "a decoded frame consumed no bytes");
+        round_trip(&msg, expected);
+        rest = tail;
     }
 }
 

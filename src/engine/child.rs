@@ -1,37 +1,45 @@
 //! The worker side of a multi-process run: one rank's `ZeroWorker` over a `QuicComm` with mutual
-//! TLS, driven by the driver through its control connection (see [`super::remote`] for the whole
+//! TLS, run by this process's own NodeSupervisor and DeviceWorker, which the driver's
+//! ClusterSupervisor drives over the QUIC control connection (see [`super::remote`] for the whole
 //! design and [`super::wire`] for the protocol). Two ways in:
 //!
 //! - `tessera worker` (hidden, [`run_worker`]): spawned by `tessera train --nprocs N` on the same
-//!   machine. It reads the resolved config and its keys from the run's `procs` directory, binds
-//!   its QUIC socket on 127.0.0.1, and exits when the control connection closes, on `Shutdown`,
-//!   or when its parent process is gone (the parent id changes), so it never outlives its run.
+//!   machine. It reads the resolved config and its keys from the run's `procs` directory, dials
+//!   the parent's control endpoint with its certificate, binds its QUIC socket on 127.0.0.1, and
+//!   exits when the control connection closes, on `Shutdown`, or when its parent process is gone
+//!   (the parent id changes), so it never outlives its run. (An elastic run's worker talks TCP
+//!   to the elastic driver: `serve_elastic`.)
 //! - `tessera agent` ([`run_agent`]): started by hand, by `tessera launch` (ssh) or by a cluster
-//!   scheduler on any host; it dials the coordinator (retrying until it answers, bounded), says
-//!   `Join`, and receives its rank, the resolved config and its TLS identity over the control
-//!   connection (no shared filesystem needed; or `--certs DIR` for a pre-distributed cluster
-//!   dir). Its QUIC socket binds the local address it used to reach the coordinator (or listens
-//!   on every interface and advertises `--advertise IP`). It leaves on `Shutdown` (status 0);
-//!   a control connection that closes without it (the coordinator died or gave up) or a
-//!   coordinator silent for [`AGENT_IDLE_TIMEOUT_MS`] (it pings idle agents much more often)
-//!   ends it with an error.
+//!   scheduler on any host; it dials the coordinator (retrying until it answers, bounded) with a
+//!   join token (it pins the coordinator's CA, sends the token's secret and a public key it
+//!   generated, and receives a certificate for that key) or with its own certificate
+//!   (`--certs DIR`), says `Join`, and receives its rank and the resolved config (no shared
+//!   filesystem needed). Its QUIC socket binds the local address on its route to the coordinator
+//!   (or listens on every interface and advertises `--advertise IP`). It leaves on `Shutdown`
+//!   (status 0); a control connection that closes without it (the coordinator died or gave up)
+//!   or a coordinator silent for [`AGENT_IDLE_TIMEOUT_MS`] (it pings much more often) ends it
+//!   with an error.
 //!
 //! Either way the worker rebuilds the plan from the resolved config (and proves it by the config
-//! hash), receives its start state from the driver, and then answers requests one at a time.
+//! hash), receives its start state from the driver, starts its actors, and then serves: actor
+//! commands on the actor lane (a thread hands them to the DeviceWorker), requests between steps
+//! (`Export`, `Ping`, `Shutdown`) on the request lane.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs, UdpSocket};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use tessera_actors::compute::{StepOrder, WorkerCompute};
-use tessera_transport::quic::{ClusterSpec, NodeTls, QuicComm};
+use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::remote::{ActorEvent, NodeHost, Uplink};
+use tessera_transport::quic::{ClusterSpec, ControlConn, ControlEndpoint, JoinToken, NodeKey, NodeTls, QuicComm, ALPN_CONTROL};
 
 use super::plan::Plan;
 use super::ranks::{master_window, rank_state, StartCut};
-use super::remote::{node_name, STARTUP_TIMEOUT_MS};
-use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError, WirePrepared};
+use super::remote::{node_name, COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
+use super::wire::{self, AssignedIdentity, ControlIo, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError};
 use super::zero::{RankState, ZeroWorker};
 use crate::bridge;
 use crate::config::{self, Config, ResolveContext};
@@ -45,6 +53,8 @@ pub const AGENT_IDLE_TIMEOUT_MS: u64 = 60_000;
 pub const AGENT_CONNECT_TIMEOUT_MS: u64 = 120_000;
 /// Pause between an agent's attempts to reach the coordinator (ms).
 const CONNECT_RETRY_MS: u64 = 250;
+/// Bound on each stage of stopping a worker process's actor tree (ms).
+const NODE_SHUTDOWN_TIMEOUT_MS: u64 = 10_000;
 
 /// Arguments of `tessera worker`.
 #[derive(Debug, Clone)]
@@ -74,9 +84,8 @@ pub struct AgentArgs {
     pub advertise: Option<IpAddr>,
     /// The QUIC UDP port (0 = any free port).
     pub quic_port: u16,
-    /// A cluster directory made by `cluster_init` holding `ca.pem` and `node-<rank>.{pem,key}`;
-    /// needed when the coordinator runs with its own `--certs` and so sends no keys.
-    pub certs: Option<PathBuf>,
+    /// How it proves it belongs to the run: a join token, or a certificate of the cluster.
+    pub credentials: AgentCredentials,
     /// How long to keep trying to reach the coordinator (ms).
     pub connect_timeout_ms: u64,
 }
@@ -141,7 +150,13 @@ fn load_plan(a: &WorkerArgs) -> Result<(Config, Arc<Plan>, Arc<Sampler>, Dataset
 
 /// Receives the start state and builds this rank's state from it; also the committed steps
 /// the state holds.
-pub(super) fn recv_start(stream: &mut TcpStream, cfg: &Config, plan: &Plan, rank: usize, wait: &Wait<'_>) -> Result<(RankState, u64)> {
+pub(super) fn recv_start(
+    stream: &mut (impl ControlIo + ?Sized),
+    cfg: &Config,
+    plan: &Plan,
+    rank: usize,
+    wait: &Wait<'_>,
+) -> Result<(RankState, u64)> {
     let (master_start, counters, descs, step) = match wire::recv(stream, "Start", wait)? {
         ToWorker::Start { master_start, counters, buffers, step } => (master_start, counters, buffers, step),
         other => bail!("expected the start state, got {other:?}"),
@@ -160,7 +175,7 @@ pub(super) fn recv_start(stream: &mut TcpStream, cfg: &Config, plan: &Plan, rank
 }
 
 /// Sends this rank's masters, its optimizer buffers when asked, and counters.
-pub(super) fn export(stream: &mut TcpStream, st: &RankState, optim: bool) -> Result<(), WireError> {
+pub(super) fn export(stream: &mut (impl ControlIo + ?Sized), st: &RankState, optim: bool) -> Result<(), WireError> {
     let mut bufs: Vec<(&str, &[f32])> = vec![("master", &st.master)];
     if optim {
         bufs.extend(st.optim.state_buffers());
@@ -173,34 +188,6 @@ pub(super) fn export(stream: &mut TcpStream, st: &RankState, optim: bool) -> Res
     };
     wire::send(stream, &ToParent::Exported { counters, buffers: wire::describe(&bufs) })?;
     wire::send_bulk(stream, &bufs.iter().map(|(_, b)| *b).collect::<Vec<_>>())
-}
-
-/// Answers one request; returns false on `Shutdown`.
-fn serve_one(msg: ToWorker, stream: &mut TcpStream, worker: &mut ZeroWorker, state: &Mutex<RankState>, rank: usize) -> Result<bool> {
-    let snap = || snapshot(&state.lock().unwrap_or_else(|p| p.into_inner()), rank);
-    let reply = match msg {
-        ToWorker::Prepare { step, epoch, attempt } => match worker.prepare(&StepOrder { step, epoch, attempt }) {
-            Ok(p) => ToParent::Prepared { prepared: WirePrepared::new(&p), snapshot: snap() },
-            Err(error) => ToParent::Failed { error },
-        },
-        ToWorker::Commit { step } => match worker.commit(step) {
-            Ok(()) => ToParent::Committed { snapshot: snap() },
-            Err(error) => ToParent::Failed { error },
-        },
-        ToWorker::Abandon { step } => {
-            worker.abandon(step);
-            ToParent::Abandoned
-        }
-        ToWorker::Export { optim } => {
-            export(stream, &state.lock().unwrap_or_else(|p| p.into_inner()), optim)?;
-            return Ok(true);
-        }
-        ToWorker::Ping => ToParent::Pong,
-        ToWorker::Shutdown => return Ok(false),
-        other => bail!("unexpected request {other:?}"),
-    };
-    wire::send(stream, &reply)?;
-    Ok(true)
 }
 
 /// One rank, ready to say Hello: its config, plan, identity and bound QUIC socket.
@@ -216,8 +203,6 @@ struct Member {
     quic_addr: SocketAddr,
     data_blake3: Option<String>,
     dataset: Dataset,
-    /// The parent's control address (spawned workers): an elastic run's side connection.
-    control: Option<SocketAddr>,
 }
 
 /// How a rank waits for its driver's next request.
@@ -230,10 +215,12 @@ struct Idle<'a> {
     close_is_error: bool,
 }
 
-/// Says Hello, builds the rank from the start state, joins the QUIC mesh and serves requests
-/// until `Shutdown` or the control connection closes.
-fn serve(stream: &mut TcpStream, m: Member, idle: &Idle<'_>) -> Result<()> {
-    let alive = idle.alive;
+/// Says Hello, receives the addresses and the start state, and joins the QUIC mesh.
+fn start_up(
+    stream: &mut (impl ControlIo + ?Sized),
+    m: &mut Member,
+    alive: &dyn Fn() -> Result<(), WireError>,
+) -> Result<(RankState, u64, QuicComm)> {
     let rank = m.rank;
     let hello = ToParent::Hello {
         rank: rank as u64,
@@ -253,34 +240,148 @@ fn serve(stream: &mut TcpStream, m: Member, idle: &Idle<'_>) -> Result<()> {
     let (state, at) = recv_start(stream, &m.cfg, &m.plan, rank, &wait).with_context(|| format!("rank {rank}: start state"))?;
     let addrs = super::worker_net::peer_addrs(addrs, rank)?;
     let spec = ClusterSpec { addrs, names: (0..m.world).map(node_name).collect() };
-    let comm =
-        QuicComm::connect_socket(m.socket, rank, &spec, &m.tls, MESH_TIMEOUT_MS).with_context(|| format!("rank {rank}: QUIC mesh"))?;
+    let socket = m.socket.try_clone().context("the QUIC socket")?;
+    let comm = QuicComm::connect_socket(socket, rank, &spec, &m.tls, MESH_TIMEOUT_MS).with_context(|| format!("rank {rank}: QUIC mesh"))?;
+    Ok((state, at, comm))
+}
+
+/// An elastic run's worker (over the elastic driver's TCP control connection).
+fn serve_elastic(stream: &mut TcpStream, mut m: Member, control: SocketAddr, alive: &dyn Fn() -> Result<(), WireError>) -> Result<()> {
+    let (state, at, comm) = start_up(stream, &mut m, alive)?;
+    let rank = m.rank;
     let er = config::elastic_run(&m.cfg)?;
-    if let Some(control) = m.control.filter(|_| er.enabled) {
-        let ready = snapshot(&state, rank);
-        let setup =
-            super::elastic_worker::Setup { id: rank as u64, control, cfg: m.cfg, er, dataset: m.dataset, sampler: m.sampler, tls: m.tls };
-        wire::send(stream, &ToParent::Ready { snapshot: ready })?;
-        return super::elastic_worker::serve_started(stream, setup, rank, m.plan, state, Box::new(comm), at, alive);
-    }
-    let state = Arc::new(Mutex::new(state));
-    let mut worker = ZeroWorker::new(rank, Arc::clone(&m.plan), m.sampler, Box::new(comm), Arc::clone(&state));
-    let ready = snapshot(&state.lock().unwrap_or_else(|p| p.into_inner()), rank);
+    let ready = snapshot(&state, rank);
+    let setup =
+        super::elastic_worker::Setup { id: rank as u64, control, cfg: m.cfg, er, dataset: m.dataset, sampler: m.sampler, tls: m.tls };
     wire::send(stream, &ToParent::Ready { snapshot: ready })?;
-    loop {
-        let wait = Wait { what: "a request", deadline: idle.bound_ms.map(|ms| Instant::now() + Duration::from_millis(ms)), alive };
-        let msg = match wire::recv(stream, "a request", &wait) {
-            Ok(m) => m,
-            Err(WireError::Closed) if idle.close_is_error => {
-                bail!("the coordinator closed the control connection without Shutdown (it died or gave up)")
+    super::elastic_worker::serve_started(stream, setup, rank, m.plan, state, Box::new(comm), at, alive)
+}
+
+/// A rank's compute that keeps its figures for the actor link: after each call, the snapshot
+/// the next event carries (taken on the compute thread, so the actors never wait on the state).
+struct Figures {
+    inner: ZeroWorker,
+    state: Arc<Mutex<RankState>>,
+    rank: usize,
+    latest: Arc<Mutex<Snapshot>>,
+}
+
+impl Figures {
+    fn note(&self) {
+        let snap = snapshot(&self.state.lock().unwrap_or_else(|p| p.into_inner()), self.rank);
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = snap;
+    }
+}
+
+impl WorkerCompute for Figures {
+    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, String> {
+        let r = self.inner.prepare(order);
+        self.note();
+        r
+    }
+    fn commit(&mut self, step: u64) -> Result<(), String> {
+        let r = self.inner.commit(step);
+        self.note();
+        r
+    }
+    fn abandon(&mut self, step: u64) {
+        self.inner.abandon(step);
+        self.note();
+    }
+    fn memory(&self) -> MemoryReport {
+        self.inner.memory()
+    }
+}
+
+/// This process's actor tree's events, up the control connection's actor lane with the rank's
+/// latest figures.
+struct ConnUplink {
+    conn: ControlConn,
+    latest: Arc<Mutex<Snapshot>>,
+}
+
+impl Uplink for ConnUplink {
+    fn send(&self, event: ActorEvent) -> Result<(), String> {
+        let snapshot = *self.latest.lock().unwrap_or_else(|p| p.into_inner());
+        wire::send_actor(&self.conn, &ToParent::Actor { event, snapshot }).map_err(|e| e.to_string())
+    }
+}
+
+/// Reads the actor lane into the node's actors until `stop` or the connection ends; a message
+/// that is not an actor command closes the connection (a protocol violation).
+fn actor_pump(conn: ControlConn, host: Arc<NodeHost>, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::SeqCst) {
+        match wire::recv_actor::<ToWorker>(&conn, "an actor command") {
+            Ok(None) => {}
+            Ok(Some(ToWorker::Actor { call })) => {
+                if let Err(e) = host.deliver(call) {
+                    conn.abort(&e);
+                    return;
+                }
             }
-            Err(WireError::Closed) => return Ok(()),
-            Err(e) => return Err(e).context(format!("rank {rank}: control connection")),
-        };
-        if !serve_one(msg, stream, &mut worker, &state, rank)? {
-            return Ok(());
+            Ok(Some(other)) => {
+                conn.abort(&format!("{other:?} on the actor lane"));
+                return;
+            }
+            Err(_) => return,
         }
     }
+}
+
+/// A plain run's rank: a NodeSupervisor and DeviceWorker in this process driven by the
+/// driver's ClusterSupervisor over the actor lane, while this thread answers the requests
+/// between steps (export, ping, shutdown).
+fn serve_actors(conn: &mut ControlConn, mut m: Member, idle: &Idle<'_>) -> Result<()> {
+    let alive = idle.alive;
+    let (state, _, comm) = start_up(conn, &mut m, alive)?;
+    let rank = m.rank;
+    let state = Arc::new(Mutex::new(state));
+    let latest = Arc::new(Mutex::new(snapshot(&state.lock().unwrap_or_else(|p| p.into_inner()), rank)));
+    let worker = ZeroWorker::new(rank, Arc::clone(&m.plan), m.sampler, Box::new(comm), Arc::clone(&state));
+    let shard = {
+        let st = state.lock().unwrap_or_else(|p| p.into_inner());
+        super::run::shard_info(&m.plan, rank, &st.memory(rank))
+    };
+    let compute = Figures { inner: worker, state: Arc::clone(&state), rank, latest: Arc::clone(&latest) };
+    let uplink = Arc::new(ConnUplink { conn: conn.clone(), latest: Arc::clone(&latest) });
+    let host = Arc::new(NodeHost::start(vec![(rank, Box::new(compute), shard)], uplink, NODE_SHUTDOWN_TIMEOUT_MS)?);
+    let ready = *latest.lock().unwrap_or_else(|p| p.into_inner());
+    wire::send(conn, &ToParent::Ready { snapshot: ready })?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let pump = {
+        let (conn, host, stop) = (conn.clone(), Arc::clone(&host), Arc::clone(&stop));
+        std::thread::Builder::new()
+            .name("tessera-actor-lane".into())
+            .spawn(move || actor_pump(conn, host, stop))
+            .context("starting the actor lane")?
+    };
+    let served = loop {
+        let wait = Wait { what: "a request", deadline: idle.bound_ms.map(|ms| Instant::now() + Duration::from_millis(ms)), alive };
+        let msg = match wire::recv(conn, "a request", &wait) {
+            Ok(msg) => msg,
+            Err(WireError::Closed) if idle.close_is_error => {
+                break Err(anyhow::anyhow!("the coordinator closed the control connection without Shutdown (it died or gave up)"))
+            }
+            Err(WireError::Closed) => break Ok(()),
+            Err(e) => break Err(anyhow::Error::from(e).context(format!("rank {rank}: control connection"))),
+        };
+        let answered = match msg {
+            ToWorker::Export { optim } => export(conn, &state.lock().unwrap_or_else(|p| p.into_inner()), optim),
+            ToWorker::Ping => wire::send(conn, &ToParent::Pong),
+            ToWorker::Shutdown => break Ok(()),
+            other => break Err(anyhow::anyhow!("rank {rank}: unexpected request {other:?}")),
+        };
+        if let Err(e) = answered {
+            break Err(anyhow::Error::from(e).context(format!("rank {rank}: answering a request")));
+        }
+    };
+    stop.store(true, Ordering::SeqCst);
+    let _ = pump.join();
+    // Stopping the tree joins the compute thread, which drops the QUIC group (leaving it).
+    if let Ok(host) = Arc::try_unwrap(host) {
+        host.shutdown().with_context(|| format!("rank {rank}: stopping its actors"))?;
+    }
+    served
 }
 
 /// `tessera worker`: runs one rank until the parent says stop or goes away.
@@ -288,32 +389,105 @@ pub fn run_worker(a: &WorkerArgs) -> Result<()> {
     let parent = std::os::unix::process::parent_id();
     let alive = move || parent_alive(parent);
     let rank = a.rank;
-    let mut stream = TcpStream::connect_timeout(&a.control, Duration::from_millis(STARTUP_TIMEOUT_MS))
-        .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
-    let _ = stream.set_nodelay(true);
     let (cfg, plan, sampler, dataset) = load_plan(a).with_context(|| format!("rank {rank}"))?;
-    // 127.0.0.1 next to the driver; the namespace's address when the run put us in one.
-    let local_ip = stream.local_addr().context("the control connection's local address")?.ip();
-    super::worker_net::init_worker(&a.dir, rank as u64)?;
-    let (socket, quic_addr) = super::worker_net::bind_quic(local_ip).with_context(|| format!("rank {rank}"))?;
     let tls = NodeTls::load(&a.dir.join("pki"), &node_name(rank))?;
-    let m =
-        Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset, control: Some(a.control) };
-    serve(&mut stream, m, &Idle { alive: &alive, bound_ms: None, close_is_error: false })
+    if config::elastic_run(&cfg)?.enabled {
+        let mut stream = TcpStream::connect_timeout(&a.control, Duration::from_millis(STARTUP_TIMEOUT_MS))
+            .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
+        let _ = stream.set_nodelay(true);
+        // 127.0.0.1 next to the driver; the namespace's address when the run put us in one.
+        let local_ip = stream.local_addr().context("the control connection's local address")?.ip();
+        super::worker_net::init_worker(&a.dir, rank as u64)?;
+        let (socket, quic_addr) = super::worker_net::bind_quic(local_ip).with_context(|| format!("rank {rank}"))?;
+        let m = Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset };
+        return serve_elastic(&mut stream, m, a.control, &alive);
+    }
+    let local: SocketAddr = ([127, 0, 0, 1], 0).into();
+    let (socket, quic_addr) = super::worker_net::bind_quic(local.ip()).with_context(|| format!("rank {rank}"))?;
+    let m = Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset };
+    let endpoint = ControlEndpoint::bind(local, None)?;
+    let client = m.tls.client_config_for(ALPN_CONTROL)?;
+    let mut conn = endpoint
+        .connect(a.control, COORDINATOR_NAME, client, STARTUP_TIMEOUT_MS)
+        .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
+    let served = serve_actors(&mut conn, m, &Idle { alive: &alive, bound_ms: None, close_is_error: false });
+    conn.close("bye");
+    served
 }
 
-/// Dials `join` until it answers or `timeout_ms` passes.
-fn connect_coordinator(join: &str, timeout_ms: u64) -> Result<TcpStream> {
+/// How an agent proves it belongs to the run.
+#[derive(Clone, PartialEq, Eq)]
+pub enum AgentCredentials {
+    /// A join token printed by the coordinator (text form).
+    Token(String),
+    /// A cluster directory with `ca.pem` and this agent's `node-<rank>.{pem,key}`.
+    Certs(PathBuf),
+}
+
+impl std::fmt::Debug for AgentCredentials {
+    /// Never prints the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AgentCredentials::Token(_) => f.write_str("Token(..)"),
+            AgentCredentials::Certs(d) => f.debug_tuple("Certs").field(d).finish(),
+        }
+    }
+}
+
+/// An agent's TLS client config, its token and fresh key (token agents) or its own identity.
+type AgentTls = (tessera_transport::quic::rustls::ClientConfig, Option<JoinToken>, Option<NodeKey>, Option<NodeTls>);
+
+/// The agent's side of the TLS handshake and what its `Join` carries: a token agent pins the
+/// coordinator's CA and sends the token's secret and a fresh public key; a certificate agent
+/// presents `node-<rank>` (its `--rank`, or the only node identity in its directory).
+fn agent_tls(a: &AgentArgs) -> Result<AgentTls> {
+    match &a.credentials {
+        AgentCredentials::Token(text) => {
+            let token = JoinToken::parse(text)?;
+            let key = NodeKey::generate()?;
+            Ok((token.client_config(ALPN_CONTROL)?, Some(token), Some(key), None))
+        }
+        AgentCredentials::Certs(dir) => {
+            let rank = match a.rank {
+                Some(r) => r,
+                None => only_node_in(dir)?,
+            };
+            let tls =
+                NodeTls::load(dir, &node_name(rank)).with_context(|| format!("loading {} from {}", node_name(rank), dir.display()))?;
+            Ok((tls.client_config_for(ALPN_CONTROL)?, None, None, Some(tls)))
+        }
+    }
+}
+
+/// The rank of the one `node-<r>.pem` in `dir`.
+fn only_node_in(dir: &Path) -> Result<usize> {
+    let entries = std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))?;
+    let ranks: Vec<usize> =
+        entries.filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".pem")?.strip_prefix("node-")?.parse().ok()).collect();
+    match ranks.as_slice() {
+        [r] => Ok(*r),
+        [] => bail!("{} holds no node-<rank>.pem", dir.display()),
+        _ => bail!("{} holds the identities of ranks {ranks:?}: give --rank to pick one", dir.display()),
+    }
+}
+
+/// Dials the coordinator at `join` until it answers or `timeout_ms` passes.
+fn connect_coordinator(
+    endpoint: &ControlEndpoint,
+    a: &AgentArgs,
+    client: &tessera_transport::quic::rustls::ClientConfig,
+) -> Result<ControlConn> {
+    let (join, timeout_ms) = (&a.join, a.connect_timeout_ms);
     let deadline = Instant::now() + Duration::from_millis(timeout_ms);
     let mut last = String::from("no attempt made");
     loop {
         match join.to_socket_addrs() {
             Ok(addrs) => {
-                for addr in addrs {
+                for addr in addrs.filter(|x| x.is_ipv4() == endpoint.local_addr().is_ok_and(|l| l.is_ipv4())) {
                     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-                    match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
-                        Ok(s) => return Ok(s),
-                        Err(e) => last = format!("{addr}: {e}"),
+                    match endpoint.connect(addr, COORDINATOR_NAME, client.clone(), left.as_millis() as u64) {
+                        Ok(c) => return Ok(c),
+                        Err(e) => last = e.to_string(),
                     }
                 }
             }
@@ -327,16 +501,16 @@ fn connect_coordinator(join: &str, timeout_ms: u64) -> Result<TcpStream> {
 }
 
 /// Waits for the coordinator's `Assign`, answering its pings meanwhile.
-fn recv_assign(stream: &mut TcpStream, name: &str) -> Result<(usize, usize, String, Option<wire::WireTls>)> {
+fn recv_assign(conn: &mut ControlConn, name: &str) -> Result<(usize, usize, String, Option<AssignedIdentity>)> {
     loop {
         let wait = Wait {
             what: "the coordinator's rank assignment (or a ping)",
             deadline: Some(Instant::now() + Duration::from_millis(AGENT_IDLE_TIMEOUT_MS)),
             alive: &|| Ok(()),
         };
-        match wire::recv(stream, "Assign", &wait).with_context(|| format!("agent {name}: waiting for the other agents to join"))? {
-            ToWorker::Ping => wire::send(stream, &ToParent::Pong)?,
-            ToWorker::Assign { rank, world, config, tls } => return Ok((rank as usize, world as usize, config, tls)),
+        match wire::recv(conn, "Assign", &wait).with_context(|| format!("agent {name}: waiting for the other agents to join"))? {
+            ToWorker::Ping => wire::send(conn, &ToParent::Pong)?,
+            ToWorker::Assign { rank, world, config, identity } => return Ok((rank as usize, world as usize, config, identity)),
             ToWorker::Shutdown => bail!("agent {name}: the coordinator sent it away before the run started"),
             other => bail!("agent {name}: expected a rank assignment, got {other:?}"),
         }
@@ -345,15 +519,11 @@ fn recv_assign(stream: &mut TcpStream, name: &str) -> Result<(usize, usize, Stri
 
 /// Everything an agent does between `Assign` and `Hello` (errors are reported to the
 /// coordinator as `Failed`).
-fn agent_member(a: &AgentArgs, local_ip: IpAddr, rank: usize, world: usize, config: &str, tls: Option<wire::WireTls>) -> Result<Member> {
+fn agent_member(a: &AgentArgs, local_ip: IpAddr, assigned: (usize, usize, &str), tls: NodeTls) -> Result<Member> {
+    let (rank, world, config) = assigned;
     let ctx = ResolveContext { world_size: Some(world), ..Default::default() };
     let cfg = config::from_str_named(config, "the coordinator's resolved config", &[], &ctx)?;
     let (plan, sampler, dataset) = plan_of(&cfg, world)?;
-    let tls = match (tls, &a.certs) {
-        (Some(t), _) => NodeTls::from_pem(&t.ca_pem, &t.cert_pem, &t.key_pem).context("the TLS identity the coordinator sent")?,
-        (None, Some(dir)) => NodeTls::load(dir, &node_name(rank)).with_context(|| format!("loading {} from {}", node_name(rank), dir.display()))?,
-        (None, None) => bail!("the coordinator sends no keys (it runs with --certs); start the agent with --certs DIR holding the cluster's ca.pem and node-<rank> files"),
-    };
     let (bind, advertised) = match a.advertise {
         Some(ip) if ip.is_ipv4() => (IpAddr::V4(Ipv4Addr::UNSPECIFIED), ip),
         Some(ip) => (IpAddr::V6(Ipv6Addr::UNSPECIFIED), ip),
@@ -362,52 +532,70 @@ fn agent_member(a: &AgentArgs, local_ip: IpAddr, rank: usize, world: usize, conf
     let socket = UdpSocket::bind((bind, a.quic_port)).with_context(|| format!("binding the QUIC socket on {bind} port {}", a.quic_port))?;
     let port = socket.local_addr().context("QUIC socket address")?.port();
     let data_blake3 = Some(data_blake3(&dataset));
-    Ok(Member {
-        rank,
-        world,
-        cfg,
-        plan,
-        sampler,
-        tls,
-        socket,
-        quic_addr: SocketAddr::new(advertised, port),
-        data_blake3,
-        dataset,
-        control: None,
-    })
+    Ok(Member { rank, world, cfg, plan, sampler, tls, socket, quic_addr: SocketAddr::new(advertised, port), data_blake3, dataset })
+}
+
+/// The local address this machine uses to reach `peer` (no packet is sent).
+fn route_to(peer: SocketAddr) -> Result<IpAddr> {
+    let any: SocketAddr = if peer.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (Ipv6Addr::UNSPECIFIED, 0).into() };
+    let probe = UdpSocket::bind(any).context("a probe socket")?;
+    probe.connect(peer).with_context(|| format!("finding the route to {peer}"))?;
+    Ok(probe.local_addr().context("the probe's address")?.ip())
 }
 
 /// `tessera agent`: joins the coordinator, runs the rank it is given, and returns when the
 /// coordinator says stop (or fails when it goes away).
 pub fn run_agent(a: &AgentArgs) -> Result<()> {
     let name = &a.name;
-    let mut stream = connect_coordinator(&a.join, a.connect_timeout_ms).with_context(|| format!("agent {name}"))?;
-    let _ = stream.set_nodelay(true);
-    let local_ip = stream.local_addr().context("the control connection's local address")?.ip();
+    let (client, token, key, own) = agent_tls(a).with_context(|| format!("agent {name}"))?;
+    let v6 = a.join.to_socket_addrs().ok().and_then(|mut x| x.next()).is_some_and(|x| x.is_ipv6());
+    let any: SocketAddr = if v6 { (Ipv6Addr::UNSPECIFIED, 0).into() } else { ([0, 0, 0, 0], 0).into() };
+    let endpoint = ControlEndpoint::bind(any, None).with_context(|| format!("agent {name}"))?;
+    let mut conn = connect_coordinator(&endpoint, a, &client).with_context(|| format!("agent {name}"))?;
+    let local_ip = route_to(conn.remote_address())?;
     let join = ToParent::Join {
         name: name.clone(),
         pid: std::process::id(),
         rank: a.rank.map(|r| r as u64),
         world: a.world.map(|w| w as u64),
         version: env!("CARGO_PKG_VERSION").to_string(),
+        token: token.as_ref().map(|t| t.secret.to_vec()),
+        public_key: key.as_ref().map(NodeKey::public_key),
     };
-    wire::send(&mut stream, &join).with_context(|| format!("agent {name}: joining {}", a.join))?;
-    let (rank, world, config, tls) = recv_assign(&mut stream, name)?;
+    wire::send(&mut conn, &join).with_context(|| format!("agent {name}: joining {}", a.join))?;
+    let (rank, world, config, identity) = recv_assign(&mut conn, name)?;
     // One write (shorter than PIPE_BUF), so agents sharing a terminal or pipe never interleave.
     let line = format!("agent {name}: rank {rank} of {world} (coordinator {})\n", a.join);
     let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
-    let m = match agent_member(a, local_ip, rank, world, &config, tls) {
+    let tls = match (own, key, identity, &token) {
+        (Some(tls), ..) => Ok(tls),
+        (None, Some(key), Some(id), Some(token)) => {
+            // The CA sent must be the one the token pins (the handshake already checked that it
+            // signed the coordinator's certificate).
+            let tls = key.identity(&id.ca_pem, &id.cert_pem).context("the certificate the coordinator issued");
+            match tls {
+                Ok(t) if t.ca_sha256() == token.ca_sha256 => Ok(t),
+                Ok(_) => Err(anyhow::anyhow!("the coordinator sent a CA other than the one the join token pins")),
+                Err(e) => Err(e),
+            }
+        }
+        _ => Err(anyhow::anyhow!("the coordinator issued no certificate for this agent's key")),
+    };
+    let m = tls.and_then(|tls| agent_member(a, local_ip, (rank, world, &config), tls));
+    let m = match m {
         Ok(m) => m,
         Err(e) => {
             let error = format!("{e:#}");
-            let _ = wire::send(&mut stream, &ToParent::Failed { error: error.clone() });
+            let _ = wire::send(&mut conn, &ToParent::Failed { error: error.clone() });
+            conn.close("failed");
             bail!("agent {name} (rank {rank}): {error}");
         }
     };
-    let served = serve(&mut stream, m, &Idle { alive: &|| Ok(()), bound_ms: Some(AGENT_IDLE_TIMEOUT_MS), close_is_error: true });
+    let served = serve_actors(&mut conn, m, &Idle { alive: &|| Ok(()), bound_ms: Some(AGENT_IDLE_TIMEOUT_MS), close_is_error: true });
     if let Err(e) = &served {
         // The coordinator may be waiting for this rank: tell it why (best effort).
-        let _ = wire::send(&mut stream, &ToParent::Failed { error: format!("{e:#}") });
+        let _ = wire::send(&mut conn, &ToParent::Failed { error: format!("{e:#}") });
     }
+    conn.close("bye");
     served.with_context(|| format!("agent {name} (rank {rank})"))
 }

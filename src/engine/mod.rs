@@ -18,12 +18,15 @@ mod wire;
 mod worker_net;
 pub mod zero;
 
-pub use child::{run_agent, run_worker, AgentArgs, WorkerArgs, AGENT_CONNECT_TIMEOUT_MS};
+pub use child::{run_agent, run_worker, AgentArgs, AgentCredentials, WorkerArgs, AGENT_CONNECT_TIMEOUT_MS};
 pub use elastic::{now_ms, EVENTS_FILE};
 pub use elastic_worker::run_joiner;
 pub use plan::Plan;
 pub use precision::Precision16;
-pub use remote::{assign_ranks, set_rendezvous, take_rendezvous, Launched, Rendezvous, JOIN_TIMEOUT_MS};
+pub use remote::{
+    assign_ranks, control_server_config, set_rendezvous, take_rendezvous, AgentAuth, Launched, Rendezvous, COORDINATOR_NAME,
+    JOIN_TIMEOUT_MS,
+};
 pub(crate) use run::{checkpoint_tensors, log_line, progress_bar, refuse_to_overwrite, resume_start};
 pub use run::{train, TrainOptions, TrainOutcome};
 pub use summary::{peak_rss_bytes, ElasticSummary, MemoryBytes, Summary};

@@ -87,7 +87,7 @@ pub fn rank_states(cfg: &Config, plan: &Plan, start: &Start) -> Result<Vec<Arc<M
 /// The ranks of a run, as the driver sees them between steps.
 pub enum Ranks {
     InProcess(Vec<Arc<Mutex<RankState>>>),
-    Remote(Procs),
+    Remote(Box<Procs>),
     /// Worker processes of an elastic run (`super::elastic`): the members of the current epoch.
     Elastic(Box<Fleet>),
 }

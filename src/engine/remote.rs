@@ -1,58 +1,75 @@
-//! Ranks as worker processes: the driver keeps the actor tree; each rank's `WorkerCompute` is a
-//! [`RemoteCompute`] proxy that forwards prepare, commit and abandon over a TCP control
-//! connection ([`super::wire`]) and returns the worker's reply. The workers run real
+//! Ranks as worker processes: the driver keeps the ClusterSupervisor; each worker process runs
+//! its own NodeSupervisor and DeviceWorker (`tessera_actors::remote::NodeHost`), and the
+//! supervisor's commands (prepare, commit, abandon, memory, shards) and the workers' reports
+//! cross between them as actor messages over a QUIC control connection ([`ControlConn`]: mutual
+//! TLS, rkyv messages validated on receipt, see [`super::wire`]). The workers run real
 //! `ZeroWorker`s whose collectives are a `QuicComm` with mutual TLS: ranks exchange tensors
 //! directly, never through the driver. The ranks come from one of two places:
 //!
 //! - `tessera train --nprocs N`: the parent spawns N `tessera worker` processes on this machine
 //!   (QUIC on 127.0.0.1, keys in the run's `procs` directory).
 //! - `tessera coordinator` / `tessera launch`: N agents (`tessera agent`, any host) join the
-//!   coordinator's listener ([`Rendezvous`], handed over with [`set_rendezvous`] before
+//!   coordinator's control endpoint ([`Rendezvous`], handed over with [`set_rendezvous`] before
 //!   training starts); see "Agents" below.
 //!
 //! # Start-up ([`launch`])
-//! 1. The parent writes the resolved config and a fresh cluster PKI (`cluster_init`: CA and
-//!    certificates `node-0..N`) into `<output>/procs/`, listens on `127.0.0.1:0` and spawns the
-//!    N workers (each in its own process group, so a terminal's Ctrl-C reaches only the parent,
-//!    which stops between steps, checkpoints and then ends the workers).
-//! 2. Each worker binds its QUIC socket on `127.0.0.1:0` and says `Hello {rank, pid, address,
-//!    config hash}`; the parent checks the hash and broadcasts every address (no port races).
-//! 3. The parent sends each worker its cut of the start state (bulk) — fresh or resumed, the
-//!    parent decides; the worker builds its `RankState`, connects the QUIC mesh and says `Ready`.
+//! 1. The parent writes the resolved config and a fresh cluster PKI (`cluster_init`: CA,
+//!    certificates `node-0..N` and its own, [`COORDINATOR_NAME`]) into `<output>/procs/`,
+//!    serves its control endpoint on `127.0.0.1:0` (UDP) and spawns the N workers (each in its
+//!    own process group, so a terminal's Ctrl-C reaches only the parent, which stops between
+//!    steps, checkpoints and then ends the workers).
+//! 2. Each worker dials it with its `node-<rank>` certificate (the parent's is checked by name),
+//!    binds its data-plane QUIC socket on `127.0.0.1:0` and says `Hello {rank, pid, address,
+//!    config hash}`; the parent checks the certificate's name against the rank, the hash, and
+//!    broadcasts every address (no port races).
+//! 3. The parent sends each worker its cut of the start state (bulk, on its own stream) — fresh
+//!    or resumed, the parent decides; the worker builds its `RankState`, connects the QUIC mesh,
+//!    starts its actors and says `Ready`.
+//! 4. The actor tree starts with one remote node per rank ([`RemoteNodeSpec`]): the driver's
+//!    stand-ins write commands onto each connection's actor lane; a thread per rank (`pump`)
+//!    reads the reports back into the ClusterSupervisor, with the rank's figures ([`Snapshot`]).
 //!
 //! # Agents
 //! The coordinator waits (bounded by the rendezvous' join timeout; the error names who joined)
-//! until N agents said `Join`. Ranks are given in join order, except that an agent started with
-//! a rank (`--rank`, torchrun's `RANK`, Slurm's `SLURM_PROCID`) gets that one. Each agent then
-//! receives `Assign`: its rank, the resolved config, and its node certificate and private key
-//! with the cluster CA. **Keys travel over the control connection in clear**: this is a
-//! trusted-launch design (like torchrun's rendezvous) for a private cluster network; where that
-//! is not acceptable, distribute a `cluster_init` directory beforehand and run the coordinator
-//! and agents with `--certs DIR` — then no key leaves its host. From `Hello` on, an agent is
-//! served exactly as a spawned worker, plus two checks: the BLAKE3 of its training and
-//! validation tokens must equal the coordinator's (hosts may hold different files at the same
-//! path), and its QUIC address is the local address of its control connection (or the one it
-//! advertises), so the mesh forms over the network the agents reached the coordinator by.
+//! until N agents said `Join` and proved they belong ([`AgentAuth`]): with a join token (the
+//! secret of the token the coordinator printed, sent over TLS the agent verified against the CA
+//! the token pins) plus a public key the agent generated, or with a certificate of a
+//! pre-distributed cluster directory (`--certs DIR`, mutual TLS; its name fixes the rank). A
+//! connection that proves neither is refused and logged; the run goes on. Ranks are given in join
+//! order, except that an agent started with a rank (`--rank`, torchrun's `RANK`, Slurm's
+//! `SLURM_PROCID`, or its certificate) gets that one. Each agent then receives `Assign`: its
+//! rank, the resolved config and, for a token agent, a `node-<rank>` certificate over its own key
+//! with the run's CA. No private key ever travels. From `Hello` on, an agent is served exactly as
+//! a spawned worker, plus two checks: the BLAKE3 of its training and validation tokens must equal
+//! the coordinator's (hosts may hold different files at the same path), and its QUIC address is
+//! the local address on its route to the coordinator (or the one it advertises), so the mesh
+//! forms over the network the agents reached the coordinator by.
 //!
 //! # Between steps
-//! Evaluation, checkpoints and the final hash need full buffers: `Export` asks an owner rank for
-//! its masters and optimizer buffers, which come back as raw f32 bulk after a header (the one
-//! control-plane exception). Per-step figures (bytes sent, applied steps, loss scale, memory)
-//! ride on every reply as a small [`Snapshot`].
+//! Evaluation, checkpoints and the final hash need full buffers: `Export` (request lane) asks an
+//! owner rank for its masters and optimizer buffers, which come back as raw f32 bulk on their own
+//! stream after a header. Per-step figures (bytes sent, applied steps, loss scale, memory) ride
+//! on every actor report as a small [`Snapshot`].
 //!
 //! # Failure
 //! Every wait is bounded. A monitor thread watches the ranks: spawned workers by their exit
-//! status, agents by their control connection (closed = gone; idle agents are pinged every
-//! [`PING_MS`] and must answer within [`PONG_TIMEOUT_MS`]) and, under `tessera launch`, the
-//! processes it started. On the first loss it records which rank and how, and ends the others
-//! at once (kills spawned workers; shuts the agents' control connections, which ends each agent
-//! after its current request), so every proxy fails and the step fails with an error naming the
-//! dead rank. Dropping [`Procs`] kills and reaps every spawned or launched process; workers also
-//! exit when their control connection closes or the parent process disappears, agents when the
-//! coordinator is silent for `AGENT_IDLE_TIMEOUT_MS`. `<output>/procs` (config, CA and node
-//! keys) lives only as long as the ranks.
+//! status, agents by their control connection (closed, or silent past the QUIC idle timeout, =
+//! gone; agents are pinged every [`PING_MS`] on the request lane — answered even during a step,
+//! since the compute runs on the DeviceWorker's thread — and must answer within
+//! [`PONG_TIMEOUT_MS`]) and, under `tessera launch`, the processes it started. On the first loss
+//! it records which rank and how, and ends the others at once (kills spawned workers; closes every
+//! control connection), so every link reports its rank lost to the ClusterSupervisor and the step
+//! fails with an error naming the dead rank. Dropping [`Procs`] kills and reaps every spawned or
+//! launched process; workers also exit when their control connection closes or the parent
+//! process disappears, agents when the coordinator is silent for `AGENT_IDLE_TIMEOUT_MS` or its
+//! connection times out. `<output>/procs` (config, CA and node keys) lives only as long as the
+//! ranks.
+//!
+//! The elastic driver (`super::elastic`) still carries the same messages over TCP ([`wire`]'s
+//! `ControlIo` for `TcpStream`), with [`accept_hellos`]; its move to [`ControlConn`] is
+//! mechanical.
 
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -61,12 +78,14 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::remote::{ActorCall, Downlink, RemoteNodeSpec, UpSink};
 use tessera_actors::DEFAULT_STEP_TIMEOUT_MS;
+use tessera_transport::quic::pki::check_cert_names_node;
+use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, JoinToken, NodeTls, ALPN_CONTROL};
 
 use super::plan::Plan;
 use super::ranks::{master_window, OptimBuffers, RankCounters, Start};
-use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError, WireTls};
+use super::wire::{self, AssignedIdentity, ControlIo, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError};
 use crate::config::Config;
 
 /// Bound on the workers' start-up: connecting, loading data, building the QUIC mesh (ms).
@@ -87,6 +106,10 @@ pub const PONG_TIMEOUT_MS: u64 = 10_000;
 const MONITOR_POLL_MS: u64 = 50;
 /// How long the monitor waits for a launched agent's exit status after its connection closed (ms).
 const EXIT_GRACE_MS: u64 = 500;
+/// How long a link whose connection failed waits for the monitor to say which rank was lost (ms).
+const VERDICT_WAIT_MS: u64 = 1_000;
+/// The node name of the driver's own certificate (its control endpoint's identity).
+pub const COORDINATOR_NAME: &str = "coordinator";
 
 /// The node name of rank `r` in the cluster PKI.
 pub fn node_name(r: usize) -> String {
@@ -101,13 +124,24 @@ pub struct Launched {
     pub child: Child,
 }
 
-/// Where a coordinator's ranks come from: `nodes` agents joining at `listener`.
+/// How agents prove they belong to the run.
+pub enum AgentAuth {
+    /// Agents without a certificate present the token's secret over TLS that they verified
+    /// against the CA the token pins, and send their own public key; the coordinator's
+    /// in-memory CA certifies it for the rank they get.
+    Token { ca: Box<ClusterCa>, token: JoinToken },
+    /// A pre-distributed cluster directory: every agent presents its `node-<rank>` certificate
+    /// (mutual TLS); nothing is issued.
+    Certs { dir: PathBuf },
+}
+
+/// Where a coordinator's ranks come from: `nodes` agents joining at `endpoint`.
 pub struct Rendezvous {
-    pub listener: TcpListener,
+    /// The coordinator's control endpoint (QUIC), already serving with its identity.
+    pub endpoint: ControlEndpoint,
+    pub auth: AgentAuth,
     pub nodes: usize,
     pub join_timeout_ms: u64,
-    /// A pre-distributed cluster directory (`ca.pem`, `node-<r>.{pem,key}`): no keys are sent.
-    pub certs: Option<PathBuf>,
     /// Processes started for the agents (empty for a bare coordinator); shared with the caller,
     /// which reaps what is left after the run.
     pub launched: Arc<Mutex<Vec<Launched>>>,
@@ -128,20 +162,27 @@ pub fn take_rendezvous() -> Option<Rendezvous> {
     RENDEZVOUS.lock().unwrap_or_else(|p| p.into_inner()).take()
 }
 
-/// A joined agent after the start: its rank's description and a second handle on its control
-/// connection (to notice it closing, and to shut it).
+/// The TLS server config of a driver's control endpoint: its identity, and whether clients
+/// without a certificate (token agents) may connect.
+pub fn control_server_config(identity: &NodeTls, auth: ClientAuth) -> Result<tessera_transport::quic::rustls::ServerConfig> {
+    identity.server_config_for(ALPN_CONTROL, auth).context("the control endpoint's TLS config")
+}
+
+/// A joined agent after the start: its rank's description and its control connection.
 struct Agent {
     rank: usize,
     /// "agent of rank 1 (a1 at 10.0.0.2, pid 42)".
     who: String,
     pid: u32,
-    probe: TcpStream,
+    conn: ControlConn,
 }
 
 /// What the ranks share with the driver: their processes or connections and the first loss.
 struct Shared {
     children: Mutex<Vec<(usize, Child)>>,
     agents: Mutex<Vec<Agent>>,
+    /// Every rank's control connection, in rank order (once started).
+    conns: Mutex<Vec<ControlConn>>,
     launched: Arc<Mutex<Vec<Launched>>>,
     /// Set by the parent before it ends the workers itself: exits are then expected.
     closing: AtomicBool,
@@ -159,6 +200,7 @@ impl Shared {
         Shared {
             children: Mutex::new(Vec::new()),
             agents: Mutex::new(Vec::new()),
+            conns: Mutex::new(Vec::new()),
             launched,
             closing: AtomicBool::new(false),
             died: Mutex::new(None),
@@ -177,8 +219,8 @@ impl Shared {
         relock(&self.children)
     }
 
-    /// Kills and reaps every spawned or launched process still running; shuts every agent's
-    /// control connection (the agent leaves after its current request).
+    /// Kills and reaps every spawned or launched process still running; closes every control
+    /// connection (an agent leaves after its current request).
     fn kill_all(&self) {
         for (_, c) in self.children().iter_mut() {
             if let Ok(None) = c.try_wait() {
@@ -186,8 +228,11 @@ impl Shared {
                 let _ = c.wait();
             }
         }
+        for c in relock(&self.conns).iter() {
+            c.abort("the run is stopping");
+        }
         for a in relock(&self.agents).iter() {
-            let _ = a.probe.shutdown(Shutdown::Both);
+            a.conn.abort("the run is stopping");
         }
         for l in relock(&self.launched).iter_mut() {
             if let Ok(None) = l.child.try_wait() {
@@ -223,25 +268,36 @@ impl Shared {
             })
         })
     }
-}
 
-/// One worker's control connection and its latest snapshot.
-struct Link {
-    stream: TcpStream,
-    snapshot: Snapshot,
+    /// Why rank `rank`'s link failed with `e`: the loss the monitor saw (waited for briefly), or
+    /// `e` itself.
+    fn cause(&self, rank: usize, e: &str) -> String {
+        let deadline = Instant::now() + Duration::from_millis(VERDICT_WAIT_MS);
+        while self.died().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS / 5));
+        }
+        match self.died() {
+            Some((r, why)) if r == rank => why,
+            Some((_, why)) => format!("rank {rank} stopped after {why}"),
+            None => format!("rank {rank}: {e}"),
+        }
+    }
 }
 
 /// The ranks of a multi-process run (rank order); dropping it ends them.
 pub struct Procs {
-    links: Vec<Arc<Mutex<Link>>>,
+    /// The driver's control endpoint: every connection runs on it.
+    endpoint: Option<ControlEndpoint>,
+    /// Each rank's control connection, for requests between steps (`Export`, `Shutdown`).
+    links: Vec<Arc<Mutex<ControlConn>>>,
+    /// Each rank's latest figures (from `Ready` and every actor event).
+    snapshots: Vec<Arc<Mutex<Snapshot>>>,
     shared: Arc<Shared>,
     monitor: Option<JoinHandle<()>>,
+    /// The threads that read each rank's actor lane.
+    pumps: Arc<Mutex<Vec<JoinHandle<()>>>>,
     /// `<output>/procs`: the resolved config and the run's keys, removed when the ranks end.
     dir: Option<PathBuf>,
-}
-
-fn lock_link(l: &Mutex<Link>) -> MutexGuard<'_, Link> {
-    relock(l)
 }
 
 /// Describes an exit status: "exited with status 1" or "was killed by signal 9".
@@ -254,30 +310,19 @@ pub(super) fn describe_exit(status: std::process::ExitStatus) -> String {
     }
 }
 
-/// Whether the peer of `probe` closed the connection (peeks: never consumes a reply). Blocks up
-/// to the stream's read timeout ([`wire::POLL_MS`], the value every read sets).
-fn closed(probe: &TcpStream) -> bool {
-    let mut b = [0u8; 1];
-    match probe.peek(&mut b) {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted),
-    }
-}
-
-/// Pings the agent of `link` and waits for its `Pong`.
-fn ping(link: &mut Link) -> Result<(), WireError> {
+/// Pings the agent of `conn` and waits for its `Pong`.
+fn ping(conn: &mut ControlConn) -> Result<(), WireError> {
     let wait =
         Wait { what: "an answer to a ping", deadline: Some(Instant::now() + Duration::from_millis(PONG_TIMEOUT_MS)), alive: &|| Ok(()) };
-    wire::send(&mut link.stream, &ToWorker::Ping)?;
-    match wire::recv(&mut link.stream, "Pong", &wait)? {
+    wire::send(conn, &ToWorker::Ping)?;
+    match wire::recv(conn, "Pong", &wait)? {
         ToParent::Pong => Ok(()),
         other => Err(WireError::Malformed { expected: "Pong", detail: format!("{other:?}") }),
     }
 }
 
 /// Watches the ranks; on the first unexpected loss records it and ends the rest.
-fn monitor(shared: Arc<Shared>, links: Vec<Arc<Mutex<Link>>>) {
+fn monitor(shared: Arc<Shared>, links: Vec<Arc<Mutex<ControlConn>>>) {
     let mut last_ping = Instant::now();
     loop {
         std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS));
@@ -289,11 +334,10 @@ fn monitor(shared: Arc<Shared>, links: Vec<Arc<Mutex<Link>>>) {
             _ => None,
         });
         let dead = dead.or_else(|| shared.launched_exit()).or_else(|| {
-            // Each peek waits up to POLL_MS: this is also the monitor's pace with agents.
-            let gone = relock(&shared.agents)
-                .iter()
-                .find(|a| closed(&a.probe))
-                .map(|a| (a.rank, format!("{} closed its control connection", a.who)));
+            let gone = relock(&shared.agents).iter().find_map(|a| {
+                let why = a.conn.closed_reason()?;
+                Some((a.rank, format!("{} closed its control connection ({why})", a.who)))
+            });
             // A process closes its sockets just before it can be reaped: when `tessera launch`
             // started the agent, wait briefly for its exit status, which says more.
             gone.map(|g| {
@@ -340,17 +384,17 @@ impl Procs {
 
     /// The latest snapshot of every rank.
     pub fn snapshots(&self) -> Vec<Snapshot> {
-        self.links.iter().map(|l| lock_link(l).snapshot).collect()
+        self.snapshots.iter().map(|s| *relock(s)).collect()
     }
 
     /// Rank `r`'s masters, its optimizer buffers when `with_optim` (else none), and counters.
     pub fn export(&self, r: usize, plan: &Plan, with_optim: bool) -> Result<(Vec<f32>, OptimBuffers, RankCounters)> {
         let alive = self.alive_check();
         let wait = Wait { what: "exported state", deadline: Some(Instant::now() + Duration::from_millis(REPLY_TIMEOUT_MS)), alive: &alive };
-        let mut link = lock_link(&self.links[r]);
+        let mut link = relock(&self.links[r]);
         let ctx = || format!("exporting the state of rank {r}");
-        wire::send(&mut link.stream, &ToWorker::Export { optim: with_optim }).with_context(ctx)?;
-        let (counters, descs) = match wire::recv(&mut link.stream, "Exported", &wait).with_context(ctx)? {
+        wire::send(&mut *link, &ToWorker::Export { optim: with_optim }).with_context(ctx)?;
+        let (counters, descs) = match wire::recv(&mut *link, "Exported", &wait).with_context(ctx)? {
             ToParent::Exported { counters, buffers } => (counters, buffers),
             ToParent::Failed { error } => bail!("rank {r} could not export its state: {error}"),
             other => bail!("rank {r} answered Export with {other:?}"),
@@ -359,7 +403,7 @@ impl Procs {
         if descs.first().is_none_or(|d| d.len != want as u64) {
             bail!("rank {r} exported {:?} master values, its range holds {want}", descs.first().map(|d| d.len));
         }
-        let bufs = wire::recv_bulk(&mut link.stream, &descs, want, &wait).with_context(ctx)?;
+        let bufs = wire::recv_bulk(&mut *link, &descs, want, &wait).with_context(ctx)?;
         Ok(exported(&descs, bufs, counters))
     }
 
@@ -375,7 +419,7 @@ impl Procs {
             bail!("{why}");
         }
         for l in &self.links {
-            let _ = wire::send(&mut lock_link(l).stream, &ToWorker::Shutdown);
+            let _ = wire::send(&mut *relock(l), &ToWorker::Shutdown);
         }
         let deadline = Instant::now() + Duration::from_millis(EXIT_TIMEOUT_MS);
         let mut failures = Vec::new();
@@ -396,7 +440,7 @@ impl Procs {
         let agents: Vec<(usize, String)> = relock(&self.shared.agents).iter().map(|a| (a.rank, a.who.clone())).collect();
         for (r, who) in agents {
             let wait = Wait { what: "the end of the control connection", deadline: Some(deadline), alive: &|| Ok(()) };
-            match wire::recv::<ToParent>(&mut lock_link(&self.links[r]).stream, "nothing more", &wait) {
+            match wire::recv::<ToParent>(&mut *relock(&self.links[r]), "nothing more", &wait) {
                 Err(WireError::Closed) => {}
                 Err(e) => failures.push(format!("{who} did not leave: {e}")),
                 Ok(m) => failures.push(format!("{who} answered Shutdown with {m:?}")),
@@ -430,93 +474,69 @@ impl Drop for Procs {
         if let Some(m) = self.monitor.take() {
             let _ = m.join();
         }
+        for p in std::mem::take(&mut *relock(&self.pumps)) {
+            let _ = p.join();
+        }
+        drop(self.endpoint.take());
         if let Some(dir) = &self.dir {
             let _ = std::fs::remove_dir_all(dir);
         }
     }
 }
 
-/// The parent-side proxy of rank `rank`'s compute.
-pub struct RemoteCompute {
-    rank: usize,
-    link: Arc<Mutex<Link>>,
-    shared: Arc<Shared>,
-}
+/// The ClusterSupervisor's commands to a rank, onto its connection's actor lane.
+struct ConnDownlink(ControlConn);
 
-impl RemoteCompute {
-    /// Sends `msg` and waits (bounded) for the reply; I/O failures name the lost rank if known.
-    fn call(&self, msg: &ToWorker, expected: &'static str) -> Result<(ToParent, MutexGuard<'_, Link>), String> {
-        let mut link = lock_link(&self.link);
-        let shared = Arc::clone(&self.shared);
-        let alive = move || match shared.why() {
-            Some(why) => Err(WireError::Io(std::io::Error::other(format!("stopped after {why}")))),
-            None => Ok(()),
-        };
-        let wait = Wait { what: expected, deadline: Some(Instant::now() + Duration::from_millis(REPLY_TIMEOUT_MS)), alive: &alive };
-        let res = wire::send(&mut link.stream, msg).and_then(|()| wire::recv(&mut link.stream, expected, &wait));
-        match res {
-            Ok(reply) => Ok((reply, link)),
-            Err(e) => Err(self.lost(e)),
-        }
-    }
-
-    /// The error for a failed exchange: the rank's loss, once the monitor has seen it.
-    fn lost(&self, e: WireError) -> String {
-        let deadline = Instant::now() + Duration::from_millis(20 * MONITOR_POLL_MS);
-        while self.shared.died().is_none() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS / 5));
-        }
-        match self.shared.died() {
-            Some((r, why)) if r == self.rank => why,
-            Some((_, why)) => format!("rank {} stopped after {why}", self.rank),
-            None => format!("rank {}: {e}", self.rank),
-        }
+impl Downlink for ConnDownlink {
+    fn send(&self, call: ActorCall) -> Result<(), String> {
+        wire::send_actor(&self.0, &ToWorker::Actor { call }).map_err(|e| e.to_string())
     }
 }
 
-impl WorkerCompute for RemoteCompute {
-    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, String> {
-        match self.call(&ToWorker::prepare(order), "Prepared")? {
-            (ToParent::Prepared { prepared, snapshot }, mut link) => {
-                link.snapshot = snapshot;
-                Ok(prepared.prepared())
-            }
-            (ToParent::Failed { error }, _) => Err(error),
-            (other, _) => Err(format!("rank {} answered Prepare with {other:?}", self.rank)),
+/// Reads rank `rank`'s actor lane into `sink` until the connection ends or the run closes; a
+/// link that fails (the process died, the connection was lost or a message did not validate)
+/// makes every rank of that node lost, with the cause the monitor found.
+fn pump(rank: usize, conn: ControlConn, sink: UpSink, snapshot: Arc<Mutex<Snapshot>>, shared: Arc<Shared>) {
+    let failed = loop {
+        if shared.closing.load(Ordering::SeqCst) {
+            return;
         }
-    }
-
-    fn commit(&mut self, step: u64) -> Result<(), String> {
-        match self.call(&ToWorker::Commit { step }, "Committed")? {
-            (ToParent::Committed { snapshot }, mut link) => {
-                link.snapshot = snapshot;
-                Ok(())
-            }
-            (ToParent::Failed { error }, _) => Err(error),
-            (other, _) => Err(format!("rank {} answered Commit with {other:?}", self.rank)),
+        if let Some(why) = shared.why() {
+            break why;
         }
-    }
-
-    fn abandon(&mut self, step: u64) {
-        // Nothing to report through this interface: a lost rank fails the next call. After a
-        // rank was lost (already reported by the monitor) abandoning is expected to fail.
-        if let Err(e) = self.call(&ToWorker::Abandon { step }, "Abandoned") {
-            if self.shared.died().is_none() {
-                eprintln!("warning: abandoning step {step}: {e}");
+        match wire::recv_actor::<ToParent>(&conn, "an actor event") {
+            Ok(None) => continue,
+            Ok(Some(ToParent::Actor { event, snapshot: s })) => {
+                // The figures first: the step's result reaches the driver only after them.
+                *relock(&snapshot) = s;
+                match sink.deliver(event) {
+                    Ok(true) => {}
+                    Ok(false) => return, // the actor tree is gone: the run is over
+                    Err(violation) => {
+                        conn.abort(&violation);
+                        break violation;
+                    }
+                }
             }
+            Ok(Some(other)) => {
+                let why = format!("rank {rank} sent {other:?} on its actor lane");
+                conn.abort(&why);
+                break why;
+            }
+            Err(e) => break e.to_string(),
         }
-    }
-
-    fn memory(&self) -> MemoryReport {
-        lock_link(&self.link).snapshot.memory.report(self.rank)
+    };
+    if !shared.closing.load(Ordering::SeqCst) {
+        sink.lost(&shared.cause(rank, &failed));
     }
 }
 
-/// The ranks and their proxies for `Cluster::start`.
-pub type Started = (Procs, Vec<Box<dyn WorkerCompute>>);
+/// The ranks and, for the actor tree, one remote node per rank.
+pub type Started = (Procs, Vec<RemoteNodeSpec>);
 
-/// Writes the resolved config (when `with_config`) and the PKI (node names `node-0..ids`) into
-/// `dir` (emptied first).
+/// Writes the resolved config (when `with_config`) and the PKI (node names `node-0..ids` and
+/// [`COORDINATOR_NAME`], the driver's own identity on its control endpoint) into `dir` (emptied
+/// first).
 pub(super) fn prepare_dir(cfg: &Config, ids: usize, dir: &Path, with_config: bool) -> Result<()> {
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
@@ -526,7 +546,7 @@ pub(super) fn prepare_dir(cfg: &Config, ids: usize, dir: &Path, with_config: boo
         let text = serde_json::to_string_pretty(&cfg.resolved).context("serialising the resolved config")?;
         std::fs::write(dir.join("config.json"), text).with_context(|| format!("writing {}/config.json", dir.display()))?;
     }
-    let names: Vec<String> = (0..ids).map(node_name).collect();
+    let names: Vec<String> = (0..ids).map(node_name).chain([COORDINATOR_NAME.to_string()]).collect();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     tessera_transport::quic::cluster_init(&dir.join("pki"), &refs)
         .with_context(|| format!("creating certificates in {}", dir.display()))?;
@@ -553,8 +573,19 @@ pub(super) fn spawn_worker(
         .with_context(|| format!("starting the worker process of rank {r} ({})", exe.display()))
 }
 
-/// Accepts one control connection per rank of `world` and reads its Hello, within the start-up
-/// timeout; `exited` names a started process that died meanwhile (the start then fails with
+/// The checks of every rank's `Hello`: the config hash and a free rank.
+fn check_hello(cfg: &Config, world: usize, rank: usize, hash: &str, taken: bool) -> Result<()> {
+    if hash != cfg.hash {
+        bail!("worker of rank {rank} resolved the config to hash {hash}, the parent has {}", cfg.hash);
+    }
+    if rank >= world || taken {
+        bail!("a worker said it is rank {rank}: not a free rank of {world}");
+    }
+    Ok(())
+}
+
+/// Accepts one TCP control connection per rank of `world` (the elastic driver's carrier) and
+/// reads its Hello, within the start-up timeout; `exited` names a started process that died meanwhile (the start then fails with
 /// it). Returns (stream, QUIC address, pid) in rank order.
 pub(super) fn accept_hellos(
     listener: &TcpListener,
@@ -598,15 +629,44 @@ pub(super) fn accept_hellos(
     Ok(got.into_iter().flatten().collect())
 }
 
-/// [`accept_hellos`] for spawned workers or agents: returns streams and addresses.
-fn accept_workers(listener: &TcpListener, cfg: &Config, shared: &Shared, world: usize) -> Result<Vec<(TcpStream, String)>> {
+/// Accepts one QUIC control connection per spawned worker and reads its Hello, within the
+/// start-up timeout: each must present the certificate of the rank it claims. Returns
+/// (connection, QUIC address) in rank order; fails at once when a worker process dies.
+fn accept_workers(endpoint: &ControlEndpoint, cfg: &Config, shared: &Shared, world: usize) -> Result<Vec<(ControlConn, String)>> {
     let exited = || {
         shared
             .children()
             .iter_mut()
             .find_map(|(r, c)| c.try_wait().ok().flatten().map(|s| format!("worker process of rank {r} {}", describe_exit(s))))
     };
-    Ok(accept_hellos(listener, cfg, world, &exited)?.into_iter().map(|(s, a, _)| (s, a)).collect())
+    let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
+    let mut got: Vec<Option<(ControlConn, String)>> = (0..world).map(|_| None).collect();
+    while got.iter().any(Option::is_none) {
+        if let Some(who) = exited() {
+            bail!("{who} during start-up");
+        }
+        if Instant::now() >= deadline {
+            bail!("workers did not connect within {STARTUP_TIMEOUT_MS} ms");
+        }
+        let mut conn = match endpoint.accept(MONITOR_POLL_MS) {
+            Ok(Some(c)) => c,
+            Ok(None) => continue,
+            Err(why) => {
+                eprintln!("warning: refused a control connection: {why}");
+                continue;
+            }
+        };
+        let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &|| Ok(()) };
+        let (rank, quic_addr, hash) = match wire::recv(&mut conn, "Hello", &wait).context("reading a worker's Hello")? {
+            ToParent::Hello { rank, quic_addr, config_hash, .. } => (rank as usize, quic_addr, config_hash),
+            other => bail!("a worker opened with {other:?} instead of Hello"),
+        };
+        check_hello(cfg, world, rank, &hash, got.get(rank).is_some_and(Option::is_some))?;
+        let cert = conn.peer_certificate().context("a worker connected without a certificate")?;
+        check_cert_names_node(&cert, &node_name(rank)).map_err(|e| anyhow::anyhow!("a worker claiming rank {rank}: {e}"))?;
+        got[rank] = Some((conn, quic_addr));
+    }
+    Ok(got.into_iter().flatten().collect())
 }
 
 /// An `Exported` answer as (masters, named optimizer buffers, counters): the bulk buffers
@@ -628,7 +688,7 @@ pub(super) fn exported(
 }
 
 /// Sends rank `r` its cut of the start state (header + bulk).
-pub(super) fn send_start(stream: &mut TcpStream, plan: &Plan, start: &Start, r: usize) -> Result<()> {
+pub(super) fn send_start(stream: &mut (impl ControlIo + ?Sized), plan: &Plan, start: &Start, r: usize) -> Result<()> {
     let window = master_window(plan, r);
     let cut = start.cut(plan, r);
     let mut bufs: Vec<(&str, &[f32])> = vec![("master", &start.master[window.clone()])];
@@ -656,22 +716,37 @@ pub fn launch(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path) -> Resul
     }
 }
 
+fn new_procs(shared: &Arc<Shared>, dir: Option<PathBuf>) -> Procs {
+    Procs {
+        endpoint: None,
+        links: Vec::new(),
+        snapshots: Vec::new(),
+        shared: Arc::clone(shared),
+        monitor: None,
+        pumps: Arc::new(Mutex::new(Vec::new())),
+        dir,
+    }
+}
+
 /// Spawns `plan.world` local worker processes.
 fn launch_workers(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path) -> Result<Started> {
     let world = plan.world;
     let dir = out_dir.join("procs");
     let shared = Arc::new(Shared::new(Arc::new(Mutex::new(Vec::new()))));
     // From here on, dropping `procs` kills whatever was started and removes `dir`.
-    let mut procs = Procs { links: Vec::new(), shared: Arc::clone(&shared), monitor: None, dir: Some(dir.clone()) };
+    let mut procs = new_procs(&shared, Some(dir.clone()));
     prepare_dir(cfg, world, &dir, true)?;
+    let identity = NodeTls::load(&dir.join("pki"), COORDINATOR_NAME)?;
+    let local: SocketAddr = ([127, 0, 0, 1], 0).into();
+    let endpoint = ControlEndpoint::bind(local, Some(control_server_config(&identity, ClientAuth::Required)?))?;
+    let control = endpoint.local_addr()?.to_string();
     let exe: PathBuf = std::env::current_exe().context("finding the tessera executable")?;
-    let listener = TcpListener::bind("127.0.0.1:0").context("binding the control listener")?;
-    let control = listener.local_addr().context("control listener address")?.to_string();
     for r in 0..world {
         let child = spawn_worker(&exe, r, world, &control, &dir, None)?;
         shared.children().push((r, child));
     }
-    let conns = accept_workers(&listener, cfg, &shared, world)?;
+    let conns = accept_workers(&endpoint, cfg, &shared, world)?;
+    procs.endpoint = Some(endpoint);
     let who: Vec<String> = (0..world).map(|r| format!("worker process of rank {r}")).collect();
     start_ranks(&mut procs, conns, plan, start, &who)?;
     finish(procs, Vec::new())
@@ -679,13 +754,13 @@ fn launch_workers(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path) -> R
 
 /// Sends every rank the addresses and its start state, waits for each to be `Ready`, and fills
 /// `procs.links` (rank order). `who[r]` names rank `r` in errors.
-fn start_ranks(procs: &mut Procs, conns: Vec<(TcpStream, String)>, plan: &Plan, start: &Start, who: &[String]) -> Result<()> {
+fn start_ranks(procs: &mut Procs, mut conns: Vec<(ControlConn, String)>, plan: &Plan, start: &Start, who: &[String]) -> Result<()> {
     let addrs: Vec<String> = conns.iter().map(|(_, a)| a.clone()).collect();
-    let mut streams: Vec<TcpStream> = conns.into_iter().map(|(s, _)| s).collect();
-    for (r, s) in streams.iter_mut().enumerate() {
-        wire::send(s, &ToWorker::Mesh { addrs: addrs.clone(), names: Vec::new() })
+    *relock(&procs.shared.conns) = conns.iter().map(|(c, _)| c.clone()).collect();
+    for (r, (c, _)) in conns.iter_mut().enumerate() {
+        wire::send(c, &ToWorker::Mesh { addrs: addrs.clone(), names: Vec::new() })
             .with_context(|| format!("sending {} the addresses", who[r]))?;
-        send_start(s, plan, start, r).with_context(|| format!("sending {} its start state", who[r]))?;
+        send_start(c, plan, start, r).with_context(|| format!("sending {} its start state", who[r]))?;
     }
     let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
     let shared = Arc::clone(&procs.shared);
@@ -693,41 +768,58 @@ fn start_ranks(procs: &mut Procs, conns: Vec<(TcpStream, String)>, plan: &Plan, 
         Some((_, why)) => Err(WireError::Io(std::io::Error::other(why))),
         None => Ok(()),
     };
-    for (r, mut stream) in streams.into_iter().enumerate() {
+    for (r, (mut conn, _)) in conns.into_iter().enumerate() {
         let wait = Wait { what: "Ready", deadline: Some(deadline), alive: &alive };
-        let snapshot = match wire::recv(&mut stream, "Ready", &wait).with_context(|| format!("waiting for {} to start", who[r]))? {
+        let snapshot = match wire::recv(&mut conn, "Ready", &wait).with_context(|| format!("waiting for {} to start", who[r]))? {
             ToParent::Ready { snapshot } => snapshot,
             ToParent::Failed { error } => bail!("{} failed to start: {error}", who[r]),
             other => bail!("{} answered its start state with {other:?}", who[r]),
         };
-        procs.links.push(Arc::new(Mutex::new(Link { stream, snapshot })));
+        procs.links.push(Arc::new(Mutex::new(conn)));
+        procs.snapshots.push(Arc::new(Mutex::new(snapshot)));
     }
     Ok(())
 }
 
-/// Starts the monitor (pinging `agents` links, when given) and makes the proxies.
-fn finish(mut procs: Procs, ping_links: Vec<Arc<Mutex<Link>>>) -> Result<Started> {
+/// Starts the monitor (pinging `ping_links`, when given) and makes one remote node per rank,
+/// whose actor lane a pump thread reads once the actor tree has started it.
+fn finish(mut procs: Procs, ping_links: Vec<Arc<Mutex<ControlConn>>>) -> Result<Started> {
     let shared = Arc::clone(&procs.shared);
     let m = Arc::clone(&shared);
     procs.monitor = Some(
         std::thread::Builder::new().name("tessera-procs".into()).spawn(move || monitor(m, ping_links)).context("starting the monitor")?,
     );
-    let computes = procs
-        .links
-        .iter()
+    let conns = relock(&shared.conns).clone();
+    let nodes = conns
+        .into_iter()
         .enumerate()
-        .map(|(rank, link)| Box::new(RemoteCompute { rank, link: Arc::clone(link), shared: Arc::clone(&shared) }) as Box<dyn WorkerCompute>)
+        .map(|(rank, conn)| {
+            let (shared, snapshot, pumps) = (Arc::clone(&shared), Arc::clone(&procs.snapshots[rank]), Arc::clone(&procs.pumps));
+            let downlink = Arc::new(ConnDownlink(conn.clone()));
+            let on_start = Box::new(move |sink: UpSink| {
+                let spawned = std::thread::Builder::new()
+                    .name(format!("tessera-link-{rank}"))
+                    .spawn(move || pump(rank, conn, sink, snapshot, shared));
+                match spawned {
+                    Ok(h) => relock(&pumps).push(h),
+                    Err(e) => eprintln!("error: rank {rank}: cannot start the thread reading its actor lane: {e}"),
+                }
+            });
+            RemoteNodeSpec { ranks: vec![rank], downlink, on_start }
+        })
         .collect();
-    Ok((procs, computes))
+    Ok((procs, nodes))
 }
 
-/// An agent that said `Join`.
+/// An agent that said `Join` and proved it belongs to the run.
 struct Joined {
-    stream: TcpStream,
+    conn: ControlConn,
     name: String,
     pid: u32,
     peer: SocketAddr,
     rank: Option<usize>,
+    /// The agent's own public key, to certify (token agents).
+    public_key: Option<Vec<u8>>,
 }
 
 impl Joined {
@@ -762,16 +854,46 @@ pub fn assign_ranks(requested: &[Option<usize>], names: &[String], world: usize)
     Ok(ranks)
 }
 
-/// Reads a new connection's `Join` and checks it against the run.
-fn read_join(mut stream: TcpStream, peer: SocketAddr, nodes: usize) -> Result<Joined> {
-    stream.set_nonblocking(false).context("control connection")?;
-    let _ = stream.set_nodelay(true);
+/// Why a connection is not an agent of this run (it is refused, the run goes on).
+struct NotAdmitted(String);
+
+/// Reads a new connection's `Join`, authenticates it (`auth`) and checks it against the run.
+/// `Ok(Err(_))`: a stranger, refused; `Err(_)`: an authenticated agent that cannot take part,
+/// which fails the run with the reason.
+fn read_join(mut conn: ControlConn, nodes: usize, auth: &AgentAuth) -> Result<std::result::Result<Joined, NotAdmitted>> {
+    let peer = conn.remote_address();
     let wait = Wait { what: "Join", deadline: Some(Instant::now() + Duration::from_millis(JOIN_MESSAGE_TIMEOUT_MS)), alive: &|| Ok(()) };
-    let (name, pid, rank, world, version) =
-        match wire::recv(&mut stream, "Join", &wait).with_context(|| format!("reading the Join of a connection from {peer}"))? {
-            ToParent::Join { name, pid, rank, world, version } => (name, pid, rank, world, version),
-            other => bail!("a connection from {peer} opened with {other:?} instead of Join"),
-        };
+    let join = match wire::recv(&mut conn, "Join", &wait) {
+        Ok(ToParent::Join { name, pid, rank, world, version, token, public_key }) => (name, pid, rank, world, version, token, public_key),
+        Ok(other) => return Ok(Err(NotAdmitted(format!("{peer} opened with {other:?} instead of Join")))),
+        Err(e) => return Ok(Err(NotAdmitted(format!("{peer}: reading its Join: {e}")))),
+    };
+    let (name, pid, rank, world, version, token, public_key) = join;
+    let mut rank = rank.map(|r| r as usize);
+    match auth {
+        AgentAuth::Token { token: t, .. } => {
+            if !token.as_deref().is_some_and(|s| t.admits(s)) {
+                conn.abort("wrong join token");
+                return Ok(Err(NotAdmitted(format!("{peer} (calling itself {name:?}) did not present this run's join token"))));
+            }
+            if public_key.is_none() {
+                bail!("agent {name} at {peer} sent no public key to certify");
+            }
+        }
+        AgentAuth::Certs { .. } => {
+            // The TLS handshake verified the certificate against the cluster CA; its name is
+            // the agent's rank.
+            let cert = conn.peer_certificate().context("an agent without a certificate passed the handshake")?;
+            let named = (0..nodes).find(|&r| check_cert_names_node(&cert, &node_name(r)).is_ok());
+            match (named, rank) {
+                (None, _) => bail!("agent {name} at {peer} presents a certificate for none of node-0..node-{}", nodes.saturating_sub(1)),
+                (Some(r), Some(asked)) if r != asked => {
+                    bail!("agent {name} at {peer} asks for rank {asked} with the certificate of {}", node_name(r))
+                }
+                (Some(r), _) => rank = Some(r),
+            }
+        }
+    }
     let mine = env!("CARGO_PKG_VERSION");
     if version != mine {
         bail!("agent {name} at {peer} runs tessera {version}, the coordinator {mine}");
@@ -779,15 +901,14 @@ fn read_join(mut stream: TcpStream, peer: SocketAddr, nodes: usize) -> Result<Jo
     if let Some(w) = world.filter(|w| *w != nodes as u64) {
         bail!("agent {name} at {peer} was started for a world of {w} ranks, the coordinator waits for {nodes}");
     }
-    Ok(Joined { stream, name, pid, peer, rank: rank.map(|r| r as usize) })
+    Ok(Ok(Joined { conn, name, pid, peer, rank, public_key }))
 }
 
 /// Waits (bounded by the rendezvous' timeout) for `rdv.nodes` agents to join; pings those that
-/// wait meanwhile and fails at once when one leaves or a launched process ends.
+/// wait meanwhile and fails at once when one leaves or a launched process ends. Connections
+/// that are not agents of this run (no token, a foreign certificate) are refused and logged.
 fn gather_agents(rdv: &Rendezvous, shared: &Shared) -> Result<Vec<Joined>> {
-    let listener = &rdv.listener;
-    listener.set_nonblocking(true).context("control listener")?;
-    let at = listener.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "the control listener".into());
+    let at = rdv.endpoint.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "the control endpoint".into());
     let started = Instant::now();
     let deadline = started + Duration::from_millis(rdv.join_timeout_ms);
     let mut joined: Vec<Joined> = Vec::new();
@@ -812,61 +933,37 @@ fn gather_agents(rdv: &Rendezvous, shared: &Shared) -> Result<Vec<Joined>> {
         if last_ping.elapsed() >= Duration::from_millis(PING_MS) {
             last_ping = Instant::now();
             for j in joined.iter_mut() {
-                let mut link = Link { stream: j.stream.try_clone().context("control connection")?, snapshot: Snapshot::default() };
-                ping(&mut link).with_context(|| format!("{} left before every agent joined", j.who()))?;
+                let who = j.who();
+                ping(&mut j.conn).with_context(|| format!("{who} left before every agent joined"))?;
             }
         }
-        match listener.accept() {
-            Ok((stream, peer)) => {
-                let j = read_join(stream, peer, rdv.nodes)?;
-                eprintln!("coordinator: {} joined ({} of {})", j.who(), joined.len() + 1, rdv.nodes);
-                joined.push(j);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS)),
-            Err(e) => return Err(e).with_context(|| format!("accepting an agent's control connection on {at}")),
+        match rdv.endpoint.accept(MONITOR_POLL_MS) {
+            Ok(Some(conn)) => match read_join(conn, rdv.nodes, &rdv.auth)? {
+                Ok(j) => {
+                    eprintln!("coordinator: {} joined ({} of {})", j.who(), joined.len() + 1, rdv.nodes);
+                    joined.push(j);
+                }
+                Err(NotAdmitted(why)) => eprintln!("coordinator: refused a connection: {why}"),
+            },
+            Ok(None) => {}
+            Err(why) => eprintln!("coordinator: refused a connection: {why}"),
         }
     }
     Ok(joined)
 }
 
-/// The PEM texts of rank `r`'s identity in the cluster directory `pki`.
-fn node_pem(pki: &Path, r: usize) -> Result<WireTls> {
-    let read = |name: String| std::fs::read_to_string(pki.join(&name)).with_context(|| format!("reading {}/{name}", pki.display()));
-    Ok(WireTls {
-        ca_pem: read("ca.pem".into())?,
-        cert_pem: read(format!("{}.pem", node_name(r)))?,
-        key_pem: read(format!("{}.key", node_name(r)))?,
-    })
-}
-
 /// Runs the coordinator's side of the agents' start-up (see the module doc).
-fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path, rdv: Rendezvous) -> Result<Started> {
+fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, _out_dir: &Path, rdv: Rendezvous) -> Result<Started> {
     let world = plan.world;
     if rdv.nodes != world {
         bail!("the coordinator waits for {} agents, but the config resolves to world {world}", rdv.nodes);
     }
     let shared = Arc::new(Shared::new(Arc::clone(&rdv.launched)));
-    let mut procs = Procs { links: Vec::new(), shared: Arc::clone(&shared), monitor: None, dir: None };
-    let pki = match &rdv.certs {
-        Some(certs) => {
-            for r in 0..world {
-                tessera_transport::quic::NodeTls::load(certs, &node_name(r))
-                    .with_context(|| format!("--certs {}: the identity of rank {r}", certs.display()))?;
-            }
-            None
-        }
-        None => {
-            let dir = out_dir.join("procs");
-            // From here on, dropping `procs` removes the keys.
-            procs.dir = Some(dir.clone());
-            prepare_dir(cfg, world, &dir, false)?;
-            Some(dir.join("pki"))
-        }
-    };
+    // From here on, dropping `procs` ends whatever joined.
+    let mut procs = new_procs(&shared, None);
     let data_blake3 = super::child::data_blake3(&super::child::load_dataset(cfg)?);
     let config = serde_json::to_string(&cfg.resolved).context("serialising the resolved config")?;
     let joined = gather_agents(&rdv, &shared)?;
-    drop(rdv.listener);
     let names: Vec<String> = joined.iter().map(|j| j.name.clone()).collect();
     let ranks = assign_ranks(&joined.iter().map(|j| j.rank).collect::<Vec<_>>(), &names, world)?;
     let mut slots: Vec<Option<(Joined, String)>> = (0..world).map(|_| None).collect();
@@ -876,9 +973,15 @@ fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path, rdv: 
     }
     let mut members: Vec<(Joined, String)> = slots.into_iter().map(|s| s.context("a rank without an agent")).collect::<Result<_>>()?;
     for (r, (j, who)) in members.iter_mut().enumerate() {
-        let tls = pki.as_deref().map(|p| node_pem(p, r)).transpose()?;
-        let msg = ToWorker::Assign { rank: r as u64, world: world as u64, config: config.clone(), tls };
-        wire::send(&mut j.stream, &msg).with_context(|| format!("sending {who} its rank"))?;
+        let identity = match (&rdv.auth, &j.public_key) {
+            (AgentAuth::Token { ca, .. }, Some(key)) => {
+                let cert_pem = ca.sign_node_key(&node_name(r), key).with_context(|| format!("certifying the key of {who}"))?;
+                Some(AssignedIdentity { ca_pem: ca.ca_pem(), cert_pem })
+            }
+            _ => None,
+        };
+        let msg = ToWorker::Assign { rank: r as u64, world: world as u64, config: config.clone(), identity };
+        wire::send(&mut j.conn, &msg).with_context(|| format!("sending {who} its rank"))?;
     }
     let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
     let launched_alive = {
@@ -891,7 +994,7 @@ fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path, rdv: 
     let mut conns = Vec::with_capacity(world);
     for (r, (j, who)) in members.iter_mut().enumerate() {
         let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &launched_alive };
-        let (rank, quic_addr, hash, data) = match wire::recv(&mut j.stream, "Hello", &wait).with_context(|| format!("waiting for {who}"))? {
+        let (rank, quic_addr, hash, data) = match wire::recv(&mut j.conn, "Hello", &wait).with_context(|| format!("waiting for {who}"))? {
             ToParent::Hello { rank, quic_addr, config_hash, data_blake3, .. } => (rank as usize, quic_addr, config_hash, data_blake3),
             ToParent::Failed { error } => bail!("{who} could not start: {error}"),
             other => bail!("{who} answered its assignment with {other:?}"),
@@ -908,7 +1011,7 @@ fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path, rdv: 
                 data.as_deref().unwrap_or("none")
             );
         }
-        conns.push((j.stream.try_clone().context("control connection")?, quic_addr));
+        conns.push((j.conn.clone(), quic_addr));
     }
     let who: Vec<String> = members.iter().map(|(_, w)| w.clone()).collect();
     let mesh: Vec<String> = conns.iter().enumerate().map(|(r, (_, a))| format!("rank {r} at {a}")).collect();
@@ -916,10 +1019,11 @@ fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path, rdv: 
     {
         let mut agents = relock(&shared.agents);
         for (r, (j, w)) in members.iter().enumerate() {
-            agents.push(Agent { rank: r, who: w.clone(), pid: j.pid, probe: j.stream.try_clone().context("control connection")? });
+            agents.push(Agent { rank: r, who: w.clone(), pid: j.pid, conn: j.conn.clone() });
         }
     }
     drop(members);
+    procs.endpoint = Some(rdv.endpoint);
     start_ranks(&mut procs, conns, plan, start, &who)?;
     let ping_links = procs.links.clone();
     finish(procs, ping_links)

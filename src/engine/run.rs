@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use tessera_actors::compute::{ShardInfo, ShardSpec, WorkerCompute};
+use tessera_actors::compute::{MemoryReport, ShardInfo, ShardSpec, WorkerCompute};
 use tessera_actors::{Cluster, ClusterOptions, StepResult};
 use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
@@ -283,16 +283,16 @@ pub(crate) fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
 }
 
 fn shard_infos(plan: &Plan, ranks: &Ranks) -> Vec<ShardInfo> {
-    ranks
-        .memory()
-        .into_iter()
-        .enumerate()
-        .map(|(r, m)| ShardInfo {
-            rank: r,
-            params: (plan.stage == 3).then(|| ShardSpec { range: plan.ranges[r].clone(), bytes: m.param_bytes }),
-            optim: (plan.stage >= 1).then(|| ShardSpec { range: plan.ranges[r].clone(), bytes: m.optim_bytes }),
-        })
-        .collect()
+    ranks.memory().iter().enumerate().map(|(r, m)| shard_info(plan, r, m)).collect()
+}
+
+/// Rank `r`'s shards for its DeviceWorker's shard actors, with the bytes `m` reports.
+pub(super) fn shard_info(plan: &Plan, r: usize, m: &MemoryReport) -> ShardInfo {
+    ShardInfo {
+        rank: r,
+        params: (plan.stage == 3).then(|| ShardSpec { range: plan.ranges[r].clone(), bytes: m.param_bytes }),
+        optim: (plan.stage >= 1).then(|| ShardSpec { range: plan.ranges[r].clone(), bytes: m.optim_bytes }),
+    }
 }
 
 /// Everything the step loop needs.
@@ -368,14 +368,21 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         super::remote::set_rendezvous(r);
     }
     let mut elastic = None;
+    if opts.processes && !elastic_fleet {
+        // The ranks' DeviceWorkers live in their processes; the actor tree here drives them
+        // over the control connections (`remote`, `tessera_actors::remote`).
+        let (procs, nodes) = super::remote::launch(cfg, &plan, &start, &out_dir).context("starting the worker processes")?;
+        let ranks = Ranks::Remote(Box::new(procs));
+        let cluster = Cluster::start_remote(nodes, cluster_options(opts, None)).context("starting the actor tree")?;
+        let monitors = bridge::monitors(cfg, &out_dir)?;
+        let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic };
+        return Ok((run, dataset));
+    }
     let (ranks, workers) = if elastic_fleet {
         let net = opts.worker_net.as_deref().map(super::worker_net::load).transpose()?;
         let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir, net.as_ref()).context("starting the worker processes")?;
         elastic = Some(ElasticRunState { er, resume: opts.resume.clone(), stats: ElasticSummary::default() });
         (Ranks::Elastic(Box::new(fleet)), workers)
-    } else if opts.processes {
-        let (procs, workers) = super::remote::launch(cfg, &plan, &start, &out_dir).context("starting the worker processes")?;
-        (Ranks::Remote(procs), workers)
     } else {
         let states = rank_states(cfg, &plan, &start)?;
         let workers = LocalGroup::new(plan.world)

@@ -1,35 +1,49 @@
 //! The control protocol between the driver (`tessera train --nprocs N`, `tessera coordinator`)
-//! and its worker processes or agents: the messages, their framing on a TCP stream, and bounded
-//! reads.
+//! and its worker processes or agents: the messages, their framing, and bounded reads.
 //!
 //! A spawned worker opens with `Hello`. An agent (`tessera agent`, possibly on another host)
-//! first says `Join`; once every agent has joined the coordinator answers each with `Assign`
-//! (its rank, the resolved config and, unless the cluster keys were pre-distributed, its node
-//! certificate and key), and the agent then continues exactly as a spawned worker (`Hello`,
-//! `Mesh`, `Start`, `Ready`, requests). Between requests the coordinator pings idle agents
-//! (`Ping` → `Pong`) so that an agent can bound its wait for the next request.
+//! first says `Join` (with a join token and its own public key, or with the certificate it
+//! holds); once every agent has joined the coordinator answers each with `Assign` (its rank, the
+//! resolved config and, for an agent that came with a token, a certificate for its own key — no
+//! private key ever travels), and the agent then continues exactly as a spawned worker (`Hello`,
+//! `Mesh`, `Start`, `Ready`, requests). Between requests the coordinator pings agents (`Ping`
+//! → `Pong`) so that an agent can bound its wait for the next request. The actor tree's own
+//! messages ([`tessera_actors::remote`]) travel as `ToWorker::Actor` / `ToParent::Actor`.
 //!
-//! A frame is a little-endian `u32` length and that many bytes of JSON (serde), at most
-//! [`FRAME_BYTES_MAX`]; a message that does not parse as the expected enum is an error, never a
-//! panic. Floating-point values travel as their bit patterns so that NaN and infinities survive.
+//! A message is rkyv-encoded and validated with bytecheck on receipt (`decode`): a frame that
+//! does not validate as the expected enum is an error naming what was expected, never a panic.
+//! Frames are at most [`FRAME_BYTES_MAX`]. Two carriers implement [`ControlIo`]:
+//! - a QUIC [`ControlConn`] (mutual TLS, `tessera_transport::quic::control`): frames on its
+//!   request lane, actor messages on its actor lane ([`send_actor`], [`recv_actor`]), bulk state
+//!   on its own stream per transfer — the carrier of plain `--nprocs` runs and of agents;
+//! - a TCP stream (`[u32 LE length][frame]`, bulk bytes inline after their header): the elastic
+//!   driver's, until it moves to QUIC too.
+//!
 //! Bulk state (the start state sent to a worker, the masters and optimizer buffers a worker
 //! exports between steps) is the one exception to "small messages": a header frame announces
-//! each buffer's length and a CRC32C, then the raw little-endian `f32` bytes follow on the same
-//! stream (a TCP connection is one ordered stream; control replies never interleave with them
-//! because each rank's exchange is strictly request → reply).
+//! each buffer's length and a CRC32C, and the receiver checks the lengths against its plan
+//! before reading the raw little-endian `f32` bytes, and the CRC after.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
+use rkyv::bytecheck::CheckBytes;
+use rkyv::rancor::Error as RkyvError;
+use rkyv::ser::allocator::ArenaHandle;
+use rkyv::util::AlignedVec;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder};
+use tessera_actors::remote::{ActorCall, ActorEvent};
+use tessera_transport::quic::control::{ControlError, LANE_ACTORS, LANE_REQUESTS};
+use tessera_transport::quic::ControlConn;
 
 /// Largest control frame accepted (bytes).
 pub const FRAME_BYTES_MAX: usize = 1 << 20;
 /// How often a blocked read wakes up to check its deadline and liveness (ms).
 pub const POLL_MS: u64 = 100;
+/// Bound on writing one bulk transfer (ms).
+pub const BULK_SEND_TIMEOUT_MS: u64 = 600_000;
 
 /// Why a control exchange failed.
 #[derive(Debug, thiserror::Error)]
@@ -46,10 +60,57 @@ pub enum WireError {
     Malformed { expected: &'static str, detail: String },
     #[error("bulk buffer `{name}`: {detail}")]
     Bulk { name: String, detail: String },
+    #[error("control connection: {0}")]
+    Control(String),
+}
+
+impl From<ControlError> for WireError {
+    fn from(e: ControlError) -> Self {
+        match e {
+            ControlError::Closed(_) => WireError::Closed,
+            ControlError::TooLarge { bytes } => WireError::TooLarge { bytes },
+            ControlError::Stopped(why) => WireError::Io(std::io::Error::other(why)),
+            other => WireError::Control(other.to_string()),
+        }
+    }
+}
+
+/// `Option<serde_json::Value>` as JSON text on the wire (rkyv cannot archive a JSON value); a
+/// text that does not parse is refused when the message is decoded.
+pub struct AsJson;
+
+impl rkyv::with::ArchiveWith<serde_json::Value> for AsJson {
+    type Archived = rkyv::string::ArchivedString;
+    type Resolver = rkyv::string::StringResolver;
+    fn resolve_with(field: &serde_json::Value, resolver: Self::Resolver, out: rkyv::Place<Self::Archived>) {
+        // serde_json prints a value the same way every time (maps keep their order).
+        rkyv::string::ArchivedString::resolve_from_str(&field.to_string(), resolver, out);
+    }
+}
+
+impl<S> rkyv::with::SerializeWith<serde_json::Value, S> for AsJson
+where
+    S: rkyv::rancor::Fallible + rkyv::ser::Writer + ?Sized,
+    S::Error: rkyv::rancor::Source,
+    str: rkyv::SerializeUnsized<S>,
+{
+    fn serialize_with(field: &serde_json::Value, s: &mut S) -> Result<Self::Resolver, S::Error> {
+        rkyv::string::ArchivedString::serialize_from_str(&field.to_string(), s)
+    }
+}
+
+impl<D> rkyv::with::DeserializeWith<rkyv::string::ArchivedString, serde_json::Value, D> for AsJson
+where
+    D: rkyv::rancor::Fallible + ?Sized,
+    D::Error: rkyv::rancor::Source,
+{
+    fn deserialize_with(field: &rkyv::string::ArchivedString, _: &mut D) -> Result<serde_json::Value, D::Error> {
+        serde_json::from_str(field.as_str()).map_err(<D::Error as rkyv::rancor::Source>::new)
+    }
 }
 
 /// A rank's bytes held, as [`MemoryReport`] without the rank.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct WireMemory {
     pub param_bytes: u64,
     pub grad_bytes: u64,
@@ -67,7 +128,7 @@ impl WireMemory {
 }
 
 /// What a worker holds after each reply: enough for the driver's per-step figures.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct Snapshot {
     pub memory: WireMemory,
     pub applied: u64,
@@ -78,7 +139,7 @@ pub struct Snapshot {
 }
 
 /// [`Prepared`] with floats as bits.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct WirePrepared {
     pub loss_sum_bits: u64,
     pub micro_batches: u64,
@@ -116,7 +177,7 @@ impl WirePrepared {
 }
 
 /// One bulk buffer announced in a header: its name, length in f32 values and CRC32C of its bytes.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct BulkDesc {
     pub name: String,
     pub len: u64,
@@ -124,41 +185,32 @@ pub struct BulkDesc {
 }
 
 /// The counters that travel with a rank's state (start state and export).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct StateCounters {
     /// Optimizer steps (`None` in a start state: a fresh optimizer).
     pub optimizer_steps: Option<u64>,
     pub applied: u64,
     pub skipped: u64,
+    /// The loss scaler's state (JSON), when one runs.
+    #[rkyv(with = rkyv::with::Map<AsJson>)]
     pub scaler: Option<serde_json::Value>,
 }
 
-/// A node's TLS identity as PEM texts, sent to an agent in `Assign` (trusted launch: the
-/// control connection is the channel that hands out keys; see `engine::remote`).
-#[derive(Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct WireTls {
-    pub ca_pem: String,
-    pub cert_pem: String,
-    pub key_pem: String,
-}
-
-impl std::fmt::Debug for WireTls {
-    /// Never prints the private key.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WireTls").field("ca_pem", &self.ca_pem.len()).field("cert_pem", &self.cert_pem.len()).finish_non_exhaustive()
-    }
-}
-
 /// Parent → worker.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum ToWorker {
     /// To an agent after every agent joined: its rank of `world`, the resolved config (JSON
-    /// text) and its TLS identity (`None` when the agents hold a pre-distributed cluster dir).
+    /// text) and, for an agent that joined with a token, the cluster CA and a certificate for
+    /// `node-<rank>` over the public key it sent (`None` when it came with its own certificate).
     Assign {
         rank: u64,
         world: u64,
         config: String,
-        tls: Option<WireTls>,
+        identity: Option<AssignedIdentity>,
+    },
+    /// A command of the ClusterSupervisor to a DeviceWorker of this process (the actor lane).
+    Actor {
+        call: ActorCall,
     },
     /// Are you there? (answered with `Pong`; sent only between requests).
     Ping,
@@ -166,7 +218,6 @@ pub enum ToWorker {
     /// names mean `node-<rank>`.
     Mesh {
         addrs: Vec<String>,
-        #[serde(default)]
         names: Vec<String>,
     },
     /// The start state: `master_start` is where the master window begins in the flat buffer;
@@ -176,7 +227,6 @@ pub enum ToWorker {
         counters: StateCounters,
         buffers: Vec<BulkDesc>,
         /// The steps this state has committed (the next step to run).
-        #[serde(default)]
         step: u64,
     },
     Prepare {
@@ -229,7 +279,7 @@ pub enum ToWorker {
 }
 
 /// Worker → parent.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum ToParent {
     /// An agent's first message: who it is, and the rank and world size it was told to take
     /// (torchrun/Slurm variables or `--rank`), if any.
@@ -239,6 +289,10 @@ pub enum ToParent {
         rank: Option<u64>,
         world: Option<u64>,
         version: String,
+        /// The join token's secret (an agent without a certificate; checked in constant time).
+        token: Option<Vec<u8>>,
+        /// The agent's own public key (ECDSA P-256, uncompressed) for the coordinator to certify.
+        public_key: Option<Vec<u8>>,
     },
     Hello {
         rank: u64,
@@ -247,10 +301,15 @@ pub enum ToParent {
         config_hash: String,
         /// BLAKE3 of the training and validation tokens the worker loaded (agents send it; the
         /// coordinator refuses an agent whose data differs from its own).
-        #[serde(default)]
         data_blake3: Option<String>,
     },
     Pong,
+    /// What the actor tree of this process tells the ClusterSupervisor (the actor lane), with
+    /// the rank's figures after it.
+    Actor {
+        event: ActorEvent,
+        snapshot: Snapshot,
+    },
     Ready {
         snapshot: Snapshot,
     },
@@ -297,24 +356,166 @@ pub enum ToParent {
     },
 }
 
+/// The certificate a coordinator made for an agent's own key, and the CA that signed it (PEM).
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct AssignedIdentity {
+    pub ca_pem: String,
+    pub cert_pem: String,
+}
+
 impl ToWorker {
     pub fn prepare(order: &StepOrder) -> Self {
         ToWorker::Prepare { step: order.step, epoch: order.epoch, attempt: order.attempt }
     }
 }
 
+/// A carrier of control frames and bulk transfers (see the module doc).
+pub trait ControlIo {
+    /// Sends one frame (≤ [`FRAME_BYTES_MAX`]).
+    fn write_frame(&mut self, frame: Vec<u8>) -> Result<(), WireError>;
+    /// The next frame, waiting as `wait` allows.
+    fn read_frame(&mut self, wait: &Wait<'_>) -> Result<Vec<u8>, WireError>;
+    /// Sends the raw bytes of `bufs` (after their header frame).
+    fn write_bulk(&mut self, bufs: &[&[f32]]) -> Result<(), WireError>;
+    /// Reads buffers of exactly `lens` values (announced by a header and checked by the caller).
+    fn read_bulk(&mut self, lens: &[usize], wait: &Wait<'_>) -> Result<Vec<Vec<f32>>, WireError>;
+}
+
+impl ControlIo for TcpStream {
+    fn write_frame(&mut self, frame: Vec<u8>) -> Result<(), WireError> {
+        let mut out = Vec::with_capacity(frame.len() + 4);
+        out.extend_from_slice(&(frame.len() as u32).to_le_bytes());
+        out.extend_from_slice(&frame);
+        self.write_all(&out)?;
+        self.flush()?;
+        Ok(())
+    }
+
+    fn read_frame(&mut self, wait: &Wait<'_>) -> Result<Vec<u8>, WireError> {
+        let mut prefix = [0u8; 4];
+        read_full(self, &mut prefix, wait)?;
+        let len = frame_len(prefix)?;
+        let mut body = vec![0u8; len];
+        read_full(self, &mut body, wait)?;
+        Ok(body)
+    }
+
+    fn write_bulk(&mut self, bufs: &[&[f32]]) -> Result<(), WireError> {
+        for b in bufs {
+            self.write_all(bytemuck::cast_slice(b))?;
+        }
+        self.flush()?;
+        Ok(())
+    }
+
+    fn read_bulk(&mut self, lens: &[usize], wait: &Wait<'_>) -> Result<Vec<Vec<f32>>, WireError> {
+        lens.iter()
+            .map(|&n| {
+                let mut v = vec![0.0f32; n];
+                read_full(self, bytemuck::cast_slice_mut(&mut v), wait)?;
+                Ok(v)
+            })
+            .collect()
+    }
+}
+
+impl ControlIo for ControlConn {
+    fn write_frame(&mut self, frame: Vec<u8>) -> Result<(), WireError> {
+        Ok(self.send(LANE_REQUESTS, frame)?)
+    }
+
+    fn read_frame(&mut self, wait: &Wait<'_>) -> Result<Vec<u8>, WireError> {
+        let started = Instant::now();
+        loop {
+            if let Some(frame) = self.recv(LANE_REQUESTS, POLL_MS)? {
+                return Ok(frame);
+            }
+            wait.tick(started)?;
+        }
+    }
+
+    fn write_bulk(&mut self, bufs: &[&[f32]]) -> Result<(), WireError> {
+        let bytes: Vec<&[u8]> = bufs.iter().map(|b| bytemuck::cast_slice::<f32, u8>(b)).collect();
+        Ok(self.send_bulk(&bytes, BULK_SEND_TIMEOUT_MS)?)
+    }
+
+    fn read_bulk(&mut self, lens: &[usize], wait: &Wait<'_>) -> Result<Vec<Vec<f32>>, WireError> {
+        let bytes: Vec<usize> = lens.iter().map(|n| n * 4).collect();
+        let alive = || (wait.alive)().map_err(|e| e.to_string());
+        let got = self.recv_bulk(&bytes, POLL_MS, wait.deadline, &alive)?;
+        Ok(got
+            .iter()
+            .map(|b| {
+                let mut v = vec![0.0f32; b.len() / 4];
+                bytemuck::cast_slice_mut::<f32, u8>(&mut v).copy_from_slice(b);
+                v
+            })
+            .collect())
+    }
+}
+
+/// rkyv bytes of `msg`.
+pub fn encode<T>(msg: &T) -> Vec<u8>
+where
+    T: for<'a> rkyv::Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, RkyvError>>,
+{
+    // Serialising plain owned data into a growable buffer cannot fail.
+    match rkyv::to_bytes::<RkyvError>(msg) {
+        Ok(bytes) => bytes.to_vec(),
+        Err(e) => unreachable!("rkyv serialisation of an owned message failed: {e}"),
+    }
+}
+
+/// Validates (bytecheck) and decodes a frame as `T`.
+pub fn decode<T>(frame: &[u8], expected: &'static str) -> Result<T, WireError>
+where
+    T: rkyv::Archive,
+    T::Archived: for<'a> CheckBytes<HighValidator<'a, RkyvError>> + rkyv::Deserialize<T, HighDeserializer<RkyvError>>,
+{
+    let mut aligned = AlignedVec::<16>::with_capacity(frame.len());
+    aligned.extend_from_slice(frame);
+    rkyv::from_bytes::<T, RkyvError>(&aligned).map_err(|e| WireError::Malformed { expected, detail: e.to_string() })
+}
+
 /// Writes one message frame.
-pub fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> Result<(), WireError> {
-    let body = serde_json::to_vec(msg).map_err(|e| WireError::Malformed { expected: "a serialisable message", detail: e.to_string() })?;
+pub fn send<T>(c: &mut (impl ControlIo + ?Sized), msg: &T) -> Result<(), WireError>
+where
+    T: for<'a> rkyv::Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, RkyvError>>,
+{
+    let body = encode(msg);
     if body.len() > FRAME_BYTES_MAX {
         return Err(WireError::TooLarge { bytes: body.len() });
     }
-    let mut frame = Vec::with_capacity(body.len() + 4);
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&body);
-    stream.write_all(&frame)?;
-    stream.flush()?;
-    Ok(())
+    c.write_frame(body)
+}
+
+/// Reads one message frame and decodes it as `T`.
+pub fn recv<T>(c: &mut (impl ControlIo + ?Sized), expected: &'static str, wait: &Wait<'_>) -> Result<T, WireError>
+where
+    T: rkyv::Archive,
+    T::Archived: for<'a> CheckBytes<HighValidator<'a, RkyvError>> + rkyv::Deserialize<T, HighDeserializer<RkyvError>>,
+{
+    decode(&c.read_frame(wait)?, expected)
+}
+
+/// Queues `msg` on the actor lane of `conn` without waiting (actors call it).
+pub fn send_actor<T>(conn: &ControlConn, msg: &T) -> Result<(), WireError>
+where
+    T: for<'a> rkyv::Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, RkyvError>>,
+{
+    Ok(conn.try_send(LANE_ACTORS, encode(msg))?)
+}
+
+/// The next message on the actor lane of `conn`, waiting at most [`POLL_MS`] (`None`: none yet).
+pub fn recv_actor<T>(conn: &ControlConn, expected: &'static str) -> Result<Option<T>, WireError>
+where
+    T: rkyv::Archive,
+    T::Archived: for<'a> CheckBytes<HighValidator<'a, RkyvError>> + rkyv::Deserialize<T, HighDeserializer<RkyvError>>,
+{
+    match conn.recv(LANE_ACTORS, POLL_MS)? {
+        Some(frame) => Ok(Some(decode(&frame, expected)?)),
+        None => Ok(None),
+    }
 }
 
 /// When a read gives up: a deadline, and a liveness check run on every poll (`Err` stops it).
@@ -353,16 +554,6 @@ fn read_full(stream: &mut TcpStream, buf: &mut [u8], wait: &Wait<'_>) -> Result<
     Ok(())
 }
 
-/// Reads one message frame and parses it as `T`.
-pub fn recv<T: DeserializeOwned>(stream: &mut TcpStream, expected: &'static str, wait: &Wait<'_>) -> Result<T, WireError> {
-    let mut prefix = [0u8; 4];
-    read_full(stream, &mut prefix, wait)?;
-    let len = frame_len(prefix)?;
-    let mut body = vec![0u8; len];
-    read_full(stream, &mut body, wait)?;
-    decode_body(&body, expected)
-}
-
 /// The body length a frame's 4-byte prefix announces, checked against [`FRAME_BYTES_MAX`].
 fn frame_len(prefix: [u8; 4]) -> Result<usize, WireError> {
     let len = u32::from_le_bytes(prefix) as usize;
@@ -372,21 +563,20 @@ fn frame_len(prefix: [u8; 4]) -> Result<usize, WireError> {
     Ok(len)
 }
 
-/// Parses a frame body (JSON) as `T`.
-fn decode_body<T: DeserializeOwned>(body: &[u8], expected: &'static str) -> Result<T, WireError> {
-    serde_json::from_slice(body).map_err(|e| WireError::Malformed { expected, detail: e.to_string() })
-}
-
-/// Decodes one frame from the front of `bytes` exactly as [`recv`] does from a stream (a short
-/// input is [`WireError::Closed`]); returns the message and the bytes after it. For the fuzzers
-/// (`fuzz/` includes this file by path, so the engine itself never calls it).
+/// Decodes one TCP-framed message from the front of `bytes` exactly as [`recv`] does from a
+/// stream (a short input is [`WireError::Closed`]); returns the message and the bytes after it.
+/// For the fuzzers (`fuzz/` includes this file by path, so the engine itself never calls it).
 #[doc(hidden)]
 #[allow(dead_code)]
-pub fn decode_for_fuzz<'a, T: DeserializeOwned>(bytes: &'a [u8], expected: &'static str) -> Result<(T, &'a [u8]), WireError> {
+pub fn decode_for_fuzz<'a, T>(bytes: &'a [u8], expected: &'static str) -> Result<(T, &'a [u8]), WireError>
+where
+    T: rkyv::Archive,
+    T::Archived: for<'b> CheckBytes<HighValidator<'b, RkyvError>> + rkyv::Deserialize<T, HighDeserializer<RkyvError>>,
+{
     let (prefix, rest) = bytes.split_first_chunk::<4>().ok_or(WireError::Closed)?;
     let len = frame_len(*prefix)?;
     let (body, rest) = rest.split_at_checked(len).ok_or(WireError::Closed)?;
-    Ok((decode_body(body, expected)?, rest))
+    Ok((decode(body, expected)?, rest))
 }
 
 /// Describes `bufs` for a header (name, length, CRC32C).
@@ -397,33 +587,35 @@ pub fn describe(bufs: &[(&str, &[f32])]) -> Vec<BulkDesc> {
 }
 
 /// Writes the raw bytes of `bufs` (after their header).
-pub fn send_bulk(stream: &mut TcpStream, bufs: &[&[f32]]) -> Result<(), WireError> {
-    for b in bufs {
-        stream.write_all(bytemuck::cast_slice(b))?;
-    }
-    stream.flush()?;
-    Ok(())
+pub fn send_bulk<C: ControlIo + ?Sized>(c: &mut C, bufs: &[&[f32]]) -> Result<(), WireError> {
+    c.write_bulk(bufs)
 }
 
-/// Reads the buffers a header announced; `len_max` bounds each (the receiver knows its plan).
-pub fn recv_bulk(stream: &mut TcpStream, descs: &[BulkDesc], len_max: usize, wait: &Wait<'_>) -> Result<Vec<Vec<f32>>, WireError> {
-    descs
+/// Reads the buffers a header announced; `len_max` bounds each (the receiver knows its plan),
+/// checked before a byte is read; each buffer's CRC32C after.
+pub fn recv_bulk<C: ControlIo + ?Sized>(
+    c: &mut C,
+    descs: &[BulkDesc],
+    len_max: usize,
+    wait: &Wait<'_>,
+) -> Result<Vec<Vec<f32>>, WireError> {
+    let lens = descs
         .iter()
         .map(|d| {
-            let bulk = |detail: String| WireError::Bulk { name: d.name.clone(), detail };
-            let len = usize::try_from(d.len)
+            usize::try_from(d.len)
                 .ok()
                 .filter(|&n| n <= len_max)
-                .ok_or_else(|| bulk(format!("{} values, at most {len_max} expected", d.len)))?;
-            let mut v = vec![0.0f32; len];
-            read_full(stream, bytemuck::cast_slice_mut(&mut v), wait)?;
-            let crc = crc32c::crc32c(bytemuck::cast_slice(&v));
-            if crc != d.crc32c {
-                return Err(bulk(format!("CRC32C {crc:#010x}, header says {:#010x}", d.crc32c)));
-            }
-            Ok(v)
+                .ok_or_else(|| WireError::Bulk { name: d.name.clone(), detail: format!("{} values, at most {len_max} expected", d.len) })
         })
-        .collect()
+        .collect::<Result<Vec<usize>, WireError>>()?;
+    let bufs = c.read_bulk(&lens, wait)?;
+    for (d, v) in descs.iter().zip(&bufs) {
+        let crc = crc32c::crc32c(bytemuck::cast_slice(v));
+        if crc != d.crc32c {
+            return Err(WireError::Bulk { name: d.name.clone(), detail: format!("CRC32C {crc:#010x}, header says {:#010x}", d.crc32c) });
+        }
+    }
+    Ok(bufs)
 }
 
 #[cfg(test)]
@@ -474,15 +666,48 @@ mod tests {
 
     #[test]
     fn slice_decoding_matches_the_stream_rules() {
-        let body = br#"{"Prepare":{"step":4,"epoch":1,"attempt":0}}"#;
+        let body = encode(&ToWorker::Prepare { step: 4, epoch: 1, attempt: 0 });
         let mut bytes = (body.len() as u32).to_le_bytes().to_vec();
-        bytes.extend_from_slice(body);
+        bytes.extend_from_slice(&body);
         bytes.push(7);
         let (msg, rest) = decode_for_fuzz::<ToWorker>(&bytes, "a request").expect("decodes");
         assert!(matches!(msg, ToWorker::Prepare { step: 4, epoch: 1, attempt: 0 }) && rest == [7]);
         assert!(matches!(decode_for_fuzz::<ToWorker>(&bytes[..10], "a request"), Err(WireError::Closed)));
         let huge = (FRAME_BYTES_MAX as u32 + 1).to_le_bytes();
         assert!(matches!(decode_for_fuzz::<ToWorker>(&huge, "a request"), Err(WireError::TooLarge { .. })));
-        assert!(matches!(decode_for_fuzz::<ToParent>(&bytes, "a reply"), Err(WireError::Malformed { .. })));
+    }
+
+    #[test]
+    fn every_message_kind_round_trips_and_a_bad_scaler_text_is_refused() {
+        let counters = StateCounters {
+            optimizer_steps: Some(3),
+            applied: 2,
+            skipped: 1,
+            scaler: Some(serde_json::json!({"scale": 1024.0, "good": 7})),
+        };
+        let call = ActorCall { rank: 2, txn: 9, cmd: tessera_actors::remote::WireCommand::Commit { step: 5 } };
+        let msgs = vec![
+            ToWorker::Assign {
+                rank: 1,
+                world: 3,
+                config: "{}".into(),
+                identity: Some(AssignedIdentity { ca_pem: "ca".into(), cert_pem: "cert".into() }),
+            },
+            ToWorker::Start { master_start: 4, counters: counters.clone(), buffers: describe(&[("master", &[1.0, 2.0])]), step: 6 },
+            ToWorker::Actor { call },
+            ToWorker::Mesh { addrs: vec!["127.0.0.1:5".into()], names: vec!["node-0".into()] },
+        ];
+        for m in &msgs {
+            assert_eq!(&decode::<ToWorker>(&encode(m), "a request").expect("decodes"), m);
+        }
+        let ev = ActorEvent::MemberLost { rank: 1, cause: "gone".into() };
+        let up = ToParent::Actor { event: ev, snapshot: Snapshot { applied: 3, scale_bits: Some(7), ..Snapshot::default() } };
+        assert_eq!(decode::<ToParent>(&encode(&up), "a reply").expect("decodes"), up);
+        // A scaler state whose JSON text does not parse is a malformed message, not a panic.
+        let mut bytes = encode(&ToParent::Exported { counters, buffers: Vec::new() });
+        let at = bytes.windows(5).position(|w| w == b"scale").expect("the JSON text is in the frame");
+        bytes[at - 2] = b'}';
+        assert!(matches!(decode::<ToParent>(&bytes, "a reply"), Err(WireError::Malformed { .. })));
+        assert!(matches!(decode::<ToParent>(&encode(&msgs[0]), "a reply"), Err(WireError::Malformed { expected: "a reply", .. })));
     }
 }

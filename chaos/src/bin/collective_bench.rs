@@ -1,6 +1,10 @@
 //! Collective bandwidth and small-message latency between processes on loopback: QUIC (mTLS,
 //! `QuicComm`) against a plain TCP ring moving the same bytes, in the same invocation.
 //!
+//! `collective_bench --control` measures the control plane instead: round trips of small frames
+//! on a QUIC control connection (`ControlConn`, mutual TLS; request lane and actor lane) against
+//! a TCP stream with the same framing, between two threads of this process on loopback.
+//!
 //! `collective_bench [--procs 2,4] [--mib 64] [--reps 5] [--only quic|tcp]` — the parent spawns
 //! one child process per rank for each world size and prints a table. Bus bandwidth follows
 //! NCCL's convention: all-gather `(N−1)/N · bytes / s`, all-reduce `2(N−1)/N · bytes / s`. Each
@@ -20,7 +24,8 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use tessera_transport::collective::{even_ranges, Collective};
-use tessera_transport::quic::{cluster_init, ClusterSpec, NodeTls, QuicComm};
+use tessera_transport::quic::control::{LANE_ACTORS, LANE_REQUESTS};
+use tessera_transport::quic::{cluster_init, ClientAuth, ClusterSpec, ControlConn, ControlEndpoint, NodeTls, QuicComm, ALPN_CONTROL};
 
 /// Small-message round trips measured for latency.
 const PINGS: usize = 2000;
@@ -57,6 +62,7 @@ impl Only {
 }
 
 struct Args {
+    control: bool,
     procs: Vec<usize>,
     mib: usize,
     reps: usize,
@@ -73,7 +79,7 @@ struct ChildArgs {
 }
 
 fn parse() -> Result<Args, String> {
-    let mut a = Args { procs: vec![2, 4], mib: 64, reps: 5, only: Only::Both, child: None };
+    let mut a = Args { control: false, procs: vec![2, 4], mib: 64, reps: 5, only: Only::Both, child: None };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut it = argv.iter();
     let addrs =
@@ -83,6 +89,7 @@ fn parse() -> Result<Args, String> {
     while let Some(flag) = it.next() {
         match flag.as_str() {
             "--bench" => {}
+            "--control" => a.control = true,
             "--procs" => {
                 a.procs = it
                     .next()
@@ -483,9 +490,124 @@ fn parent(a: &Args) -> Result<(), String> {
     Ok(())
 }
 
+/// Waits for the next frame on `lane` (bounded).
+fn next_frame(c: &ControlConn, lane: usize) -> Result<Vec<u8>, String> {
+    for _ in 0..600 {
+        if let Some(f) = c.recv(lane, 100).map_err(|e| e.to_string())? {
+            return Ok(f);
+        }
+    }
+    Err("no frame within 60 s".into())
+}
+
+/// One-way times (half round trips, µs) of `PINGS` frames of `PING_BYTES` echoed on `lane`.
+fn control_pings(client: &ControlConn, server: &ControlConn, lane: usize, actor: bool) -> Result<Vec<f64>, String> {
+    let echo = server.clone();
+    let echoer = std::thread::spawn(move || -> Result<(), String> {
+        for _ in 0..PINGS + 100 {
+            let f = next_frame(&echo, lane)?;
+            match actor {
+                true => echo.try_send(lane, f).map_err(|e| e.to_string())?,
+                false => echo.send(lane, f).map_err(|e| e.to_string())?,
+            }
+        }
+        Ok(())
+    });
+    let mut times = Vec::with_capacity(PINGS);
+    for i in 0..PINGS + 100 {
+        let msg = vec![i as u8; PING_BYTES];
+        let t = Instant::now();
+        match actor {
+            true => client.try_send(lane, msg.clone()).map_err(|e| e.to_string())?,
+            false => client.send(lane, msg.clone()).map_err(|e| e.to_string())?,
+        }
+        let back = next_frame(client, lane)?;
+        if back != msg {
+            return Err("a control frame came back changed".into());
+        }
+        if i >= 100 {
+            times.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    echoer.join().map_err(|_| "the echo thread panicked".to_string())??;
+    Ok(times)
+}
+
+/// The same round trips over a TCP stream with the TCP control framing (`[u32 LE len][frame]`).
+fn tcp_pings() -> Result<Vec<f64>, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let echoer = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![0u8; 4 + PING_BYTES];
+        for _ in 0..PINGS + 100 {
+            s.read_exact(&mut buf)?;
+            s.write_all(&buf)?;
+        }
+        Ok(())
+    });
+    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_millis(TCP_TIMEOUT_MS))).map_err(|e| e.to_string())?;
+    let mut times = Vec::with_capacity(PINGS);
+    let mut frame = (PING_BYTES as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&[7u8; PING_BYTES]);
+    let mut back = vec![0u8; frame.len()];
+    for i in 0..PINGS + 100 {
+        let t = Instant::now();
+        s.write_all(&frame).and_then(|()| s.read_exact(&mut back)).map_err(|e| e.to_string())?;
+        if i >= 100 {
+            times.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    echoer.join().map_err(|_| "the echo thread panicked".to_string())?.map_err(|e| e.to_string())?;
+    Ok(times)
+}
+
+/// `--control`: control-plane latency (see the module doc).
+fn control_latency() -> Result<(), String> {
+    let certs = std::env::temp_dir().join(format!("tessera-bench-control-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&certs);
+    cluster_init(&certs, &["coordinator", "node-0"]).map_err(|e| e.to_string())?;
+    let load = |n: &str| NodeTls::load(&certs, n).map_err(|e| e.to_string());
+    let (co, node) = (load("coordinator")?, load("node-0")?);
+    let _ = std::fs::remove_dir_all(&certs);
+    let local: SocketAddr = ([127, 0, 0, 1], 0).into();
+    let server_cfg = co.server_config_for(ALPN_CONTROL, ClientAuth::Required).map_err(|e| e.to_string())?;
+    let server = ControlEndpoint::bind(local, Some(server_cfg)).map_err(|e| e.to_string())?;
+    let addr = server.local_addr().map_err(|e| e.to_string())?;
+    let accepter = std::thread::spawn(move || loop {
+        match server.accept(100) {
+            Ok(Some(c)) => return Ok((c, server)),
+            Ok(None) => continue,
+            Err(e) => return Err(e),
+        }
+    });
+    let client_ep = ControlEndpoint::bind(local, None).map_err(|e| e.to_string())?;
+    let client_cfg = node.client_config_for(ALPN_CONTROL).map_err(|e| e.to_string())?;
+    let client = client_ep.connect(addr, "coordinator", client_cfg, 10_000).map_err(|e| e.to_string())?;
+    let (srv, _server) = accepter.join().map_err(|_| "the accepting thread panicked".to_string())??;
+    let mut rows = Vec::new();
+    for (what, mut v) in [
+        ("QUIC control, request lane (send)", control_pings(&client, &srv, LANE_REQUESTS, false)?),
+        ("QUIC control, actor lane (try_send)", control_pings(&client, &srv, LANE_ACTORS, true)?),
+        ("TCP stream, same framing", tcp_pings()?),
+    ] {
+        rows.push(format!("| {what} | {:.1} | {:.1} |", percentile(&mut v, 0.5), percentile(&mut v, 0.99)));
+    }
+    println!("control frames ({PING_BYTES} B, one way = half a round trip, {PINGS} round trips after 100 warm-up, two threads of one process), µs:");
+    println!("| carrier | p50 | p99 |");
+    println!("|---|---|---|");
+    rows.iter().for_each(|r| println!("{r}"));
+    client.close("done");
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let result = parse().and_then(|a| match &a.child {
         Some(c) => child(c, a.mib, a.reps, a.only),
+        None if a.control => control_latency(),
         None => parent(&a),
     });
     match result {

@@ -5,8 +5,8 @@ use super::frame::{
     read_payload_into, read_payload_vec, read_payload_visit, Control, FrameError, Key, OpDesc, Payload, ELEM_F32, ELEM_F64,
 };
 use super::net::{
-    broadcast_abort, build_mesh, endpoint_config, reject, runtime_workers, serve_peer, size_socket_buffers, transport_config,
-    tune_allocator, write_stream, ClusterSpec, Delivery, Fail, GsoSplit, QuicError, Shared,
+    broadcast_abort, build_mesh, close_reason, endpoint_config, reject, runtime_workers, serve_peer, size_socket_buffers, transport_config,
+    tune_allocator, write_stream, ClusterSpec, Delivery, Fail, GsoSplit, QuicError, Shared, CLOSE_ABORTED, CLOSE_BYE,
 };
 use super::pki::NodeTls;
 use crate::collective::CollectiveOp as Op;
@@ -26,6 +26,11 @@ use std::time::{Duration, Instant};
 
 /// Elements per broadcast piece (4 MiB of f32): the chain forwards piece k while piece k+1 arrives.
 const PIECE_ELEMS: usize = 1 << 20;
+/// Bound on a graceful leave (every peer confirming it has every message sent), in ms; the
+/// handle's own timeout when that is shorter.
+const LEAVE_TIMEOUT_MS: u64 = 10_000;
+/// Bound on the wait for the close frames to go out when leaving, in ms.
+const CLOSE_DRAIN_MS: u64 = 500;
 
 /// An element type carried in payloads and summed in rank order.
 trait Elem: bytemuck::Pod + AddAssign {
@@ -506,30 +511,50 @@ impl QuicComm {
     }
 
     /// Leaves the group: announces the streams sent to each peer, waits (bounded) for each to
-    /// confirm it has them all, then closes the connections.
+    /// confirm it has them all, then closes the connections. An aborted group has nothing worth
+    /// delivering: it closes at once (reason `aborted`), and an abort that arrives while the
+    /// group is leaving ends the waits.
     fn leave(&mut self) {
-        let deadline = Instant::now() + Duration::from_millis(self.timeout_ms.min(10_000));
-        for (peer, conn) in self.conns.iter().enumerate() {
-            if let Some(conn) = conn {
-                let bye = Control::Bye { streams: self.shared.streams_sent[peer].load(Ordering::Relaxed) };
-                let _ = self.block_until(deadline, write_stream(conn, &bye, &[]));
+        let deadline = Instant::now() + Duration::from_millis(self.timeout_ms.min(LEAVE_TIMEOUT_MS));
+        let aborted = |c: &Self| c.shared.lock().aborted.is_some();
+        if !aborted(self) {
+            for (peer, conn) in self.conns.iter().enumerate() {
+                if let Some(conn) = conn {
+                    let bye = Control::Bye { streams: self.shared.streams_sent[peer].load(Ordering::Relaxed) };
+                    let _ = self.block_until(deadline, write_stream(conn, &bye, &[]));
+                }
             }
+            let (shared, conns, world) = (&*self.shared, &self.conns, self.world);
+            let all_acked =
+                shared.until(|st| (0..world).all(|p| conns[p].is_none() || st.bye_acked[p] || st.gone[p].is_some()).then_some(()));
+            let _ = self.block_until(deadline, all_acked);
         }
-        let (shared, conns, world) = (&*self.shared, &self.conns, self.world);
-        let all_acked = shared.until(|st| (0..world).all(|p| conns[p].is_none() || st.bye_acked[p] || st.gone[p].is_some()).then_some(()));
-        let _ = self.block_until(deadline, all_acked);
+        let abort_reason = self.shared.lock().aborted.clone();
+        let (code, reason) = match &abort_reason {
+            Some(why) => (CLOSE_ABORTED, close_reason(why)),
+            None => (CLOSE_BYE, "bye"),
+        };
         let _context = self.rt.enter();
         for conn in self.conns.iter().flatten() {
-            conn.close(VarInt::from_u32(0), b"bye");
+            conn.close(VarInt::from_u32(code), reason.as_bytes());
         }
         let endpoint = self.endpoint.clone();
-        let _ = self.block_until(Instant::now() + Duration::from_millis(500), async move { endpoint.wait_idle().await });
+        let idle = async move { endpoint.wait_idle().await };
+        let _ = self.rt.block_on(async move { tokio::time::timeout(Duration::from_millis(CLOSE_DRAIN_MS), idle).await });
         self.conns.clear();
     }
 
-    /// Runs `f` on the runtime from the caller's thread; `Err` when `deadline` passes first.
-    fn block_until<F: std::future::Future>(&self, deadline: Instant, f: F) -> Result<F::Output, tokio::time::error::Elapsed> {
-        self.rt.block_on(async move { tokio::time::timeout_at(deadline.into(), f).await })
+    /// Runs `f` on the runtime from the caller's thread; `None` when `deadline` passes or the
+    /// group is aborted first.
+    fn block_until<F: std::future::Future>(&self, deadline: Instant, f: F) -> Option<F::Output> {
+        let shared = &self.shared;
+        self.rt.block_on(async move {
+            tokio::select! {
+                biased;
+                _ = shared.until_aborted() => None,
+                r = tokio::time::timeout_at(deadline.into(), f) => r.ok(),
+            }
+        })
     }
 }
 

@@ -10,6 +10,9 @@
 //!   ([`frame::FRAME_BYTES_MAX`], [`frame::CHUNK_BYTES_MAX`], [`frame::MESSAGE_BYTES_MAX`]); a
 //!   malformed, oversized or checksum-failing frame closes that peer's connection with a logged
 //!   reason (stderr) and the peer is reported as gone — never a panic.
+//! - [`control`]: the control plane's connections ([`ControlEndpoint`], [`ControlConn`]): one per
+//!   driver ↔ worker pair, ordered frame lanes (requests; actor messages) and bulk transfers on
+//!   their own streams, with [`pki::JoinToken`] admission for agents without a certificate.
 //! - [`QuicComm`]: rank `r` listens on `addrs[r]`, dials every lower rank and accepts every
 //!   higher one (one connection per pair). The dialer sends `Hello{rank}`; the acceptor checks
 //!   that the client certificate (already verified against the CA) is issued to
@@ -29,7 +32,10 @@
 //! blocked thread. Every wait is bounded by the handle's `timeout_ms`; a timeout aborts the
 //! group and tells the peers (an `Abort` message), as does
 //! [`AbortHandle::abort`](crate::collective::AbortHandle::abort), which also ends any step in
-//! progress.
+//! progress — its sends too: a send that QUIC flow control holds back (a peer that stopped
+//! reading) returns `Aborted` at once. Leaving an aborted group waits for no goodbye (the
+//! connections close with [`net::CLOSE_ABORTED`] and the abort's reason, which aborts the
+//! peers' groups too), and an abort during a graceful leave ends its waits.
 //!
 //! # Algorithms and accounting
 //! Every collective opens with a descriptor round (each rank sends its operation, lengths and
@@ -65,13 +71,17 @@
 //! Hosts must be little-endian (payloads are the in-memory bytes).
 
 pub mod comm;
+pub mod control;
 pub mod frame;
 pub mod net;
 pub mod pki;
 
 pub use comm::QuicComm;
+pub use control::{ControlConn, ControlEndpoint, ControlError};
 pub use net::{transport_config, ClusterSpec, QuicError};
-pub use pki::{cluster_init, ClusterFiles, NodeTls, PkiError};
+pub use pki::{cluster_init, ClientAuth, ClusterCa, ClusterFiles, JoinToken, NodeKey, NodeTls, PkiError, ALPN_CONTROL};
+/// The TLS library the configs of this module belong to.
+pub use rustls;
 
 #[cfg(test)]
 mod tests;

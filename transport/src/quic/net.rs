@@ -108,6 +108,22 @@ pub fn tune_allocator() {
     }
 }
 
+/// Application close code of a graceful leave.
+pub const CLOSE_BYE: u32 = 0;
+/// Application close code of a leave from an aborted group (the reason is the abort's).
+pub const CLOSE_ABORTED: u32 = 3;
+/// Longest close reason sent, in bytes (a close frame must fit in one packet).
+pub const CLOSE_REASON_BYTES_MAX: usize = 256;
+
+/// `reason` cut to at most [`CLOSE_REASON_BYTES_MAX`] bytes at a character boundary.
+pub fn close_reason(reason: &str) -> &str {
+    let mut end = reason.len().min(CLOSE_REASON_BYTES_MAX);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason[..end]
+}
+
 /// Why building the mesh failed.
 #[derive(Debug, thiserror::Error)]
 pub enum QuicError {
@@ -466,6 +482,13 @@ pub(crate) async fn serve_peer(shared: Arc<Shared>, conn: Connection, peer: usiz
                 });
             }
             Err(e) => {
+                // A peer that left an aborted group closes with CLOSE_ABORTED and the reason: the
+                // group is aborted here too, even if its `Abort` message was overtaken.
+                if let quinn::ConnectionError::ApplicationClosed(c) = &e {
+                    if c.error_code == VarInt::from_u32(CLOSE_ABORTED) {
+                        shared.abort(&format!("rank {peer}: {}", String::from_utf8_lossy(&c.reason)));
+                    }
+                }
                 shared.peer_gone(peer, format!("connection ended: {e}"));
                 return;
             }
@@ -496,10 +519,14 @@ fn handle(shared: &Arc<Shared>, conn: &Connection, peer: usize, msg: (Control, O
 
 /// Once every stream the leaving peer announced has been received (and read, for collective
 /// payloads), confirms and marks it gone.
+/// An aborted group acknowledges nothing: the peer's leave ends its wait on the abort.
 async fn ack_bye(shared: Arc<Shared>, conn: Connection, peer: usize, streams: u64) {
-    let give_up = Instant::now() + Duration::from_millis(u64::from(IDLE_TIMEOUT_MS));
-    while shared.lock().streams_done[peer] < streams && Instant::now() < give_up {
-        tokio::time::sleep(Duration::from_millis(1)).await;
+    let give_up = Duration::from_millis(u64::from(IDLE_TIMEOUT_MS));
+    let received = shared.until(|st| (st.streams_done[peer] >= streams || st.aborted.is_some()).then_some(()));
+    let _ = tokio::time::timeout(give_up, received).await;
+    if shared.lock().aborted.is_some() {
+        shared.peer_gone(peer, "it left the aborted group".into());
+        return;
     }
     // The peer closes the connection once acknowledged; nothing to do if that already happened.
     let _ = write_stream(&conn, &Control::ByeAck, &[]).await;

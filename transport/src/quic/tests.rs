@@ -5,10 +5,12 @@ use super::*;
 use crate::collective::{even_ranges, Collective, CollectiveError};
 use crate::local::LocalGroup;
 use crate::tree::TreeSum;
+use quinn::Runtime as _;
 use std::net::UdpSocket;
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use tessera_kernels::tensor::Rng;
 
 const TEST_TIMEOUT_MS: u64 = 10_000;
@@ -323,4 +325,77 @@ fn bulk_all_gather_throughput_64_mib_two_ranks() {
         per_rank / s / 1e6,
         2.0 * per_rank / s / 1e6
     );
+}
+
+/// Rank 1 of a two-rank group that completes the handshake (certificate, hello) and then never
+/// reads a stream: once its windows are full, QUIC flow control stops every sender.
+struct SilentPeer {
+    rt: tokio::runtime::Runtime,
+    conn: quinn::Connection,
+    _endpoint: quinn::Endpoint,
+}
+
+/// Rank 0 as a real `QuicComm` and rank 1 as a [`SilentPeer`].
+fn with_silent_peer() -> (QuicComm, SilentPeer) {
+    let dir = temp_dir("silent");
+    cluster_init(&dir, &["node-0", "node-1"]).expect("cluster_init");
+    let (tls0, tls1) = (NodeTls::load(&dir, "node-0").unwrap(), NodeTls::load(&dir, "node-1").unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+    let (s0, s1) = (UdpSocket::bind("127.0.0.1:0").unwrap(), UdpSocket::bind("127.0.0.1:0").unwrap());
+    let spec = ClusterSpec { addrs: vec![s0.local_addr().unwrap(), s1.local_addr().unwrap()], names: names(2) };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let (c0, peer) = std::thread::scope(|s| {
+        let spec0 = spec.clone();
+        let rank0 = s.spawn(move || QuicComm::connect_socket(s0, 0, &spec0, &tls0, TEST_TIMEOUT_MS).expect("rank 0 connects"));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(TEST_TIMEOUT_MS);
+        let (endpoint, conns) = rt.block_on(async {
+            let runtime = Arc::new(quinn::TokioRuntime);
+            let socket = runtime.wrap_udp_socket(s1).unwrap();
+            let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls1.server_config().unwrap()).unwrap();
+            let server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+            let endpoint = quinn::Endpoint::new_with_abstract_socket(net::endpoint_config(), Some(server), socket, runtime).unwrap();
+            let conns = net::build_mesh(&endpoint, 1, &spec, &tls1, deadline).await.expect("rank 1 connects");
+            (endpoint, conns)
+        });
+        let conn = conns[0].clone().expect("a connection to rank 0");
+        (rank0.join().expect("rank 0 panicked"), SilentPeer { rt, conn, _endpoint: endpoint })
+    });
+    (c0, peer)
+}
+
+/// Runs `f` on a thread and waits for it at most `bound`: a wait that never ends fails the test
+/// instead of hanging it.
+fn returns_within<T: Send + 'static>(bound: std::time::Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || drop(tx.send(f())));
+    rx.recv_timeout(bound).unwrap_or_else(|_| panic!("did not return within {bound:?}"))
+}
+
+#[test]
+fn abort_wakes_a_sender_blocked_by_flow_control_and_the_group_closes_at_once() {
+    let (mut c0, peer) = with_silent_peer();
+    c0.set_timeout_ms(600_000); // only the abort can end the send in time
+    let handle = c0.abort_handle();
+    let big = vec![1.0f32; 4 * net::STREAM_WINDOW_BYTES as usize / 4]; // 4 stream windows
+    let sender = std::thread::spawn(move || {
+        let r = c0.send(1, 9, &big);
+        (r, c0)
+    });
+    // Let the send fill the peer's window and block on flow control.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(!sender.is_finished(), "the send finished although the peer reads nothing");
+    handle.abort("the supervisor lost a member");
+    let (r, c0) = returns_within(std::time::Duration::from_secs(60), move || sender.join().expect("sender panicked"));
+    assert!(matches!(&r, Err(CollectiveError::Aborted { op: "send", reason }) if reason.contains("lost a member")), "{r:?}");
+    // Leaving an aborted group waits for no goodbye: the peer sees the connection closed as
+    // aborted, with the reason (a graceful leave would close with "bye" after waiting for its acknowledgement).
+    returns_within(std::time::Duration::from_secs(60), move || drop(c0));
+    let closed = peer.rt.block_on(peer.conn.closed());
+    match closed {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            assert_eq!(c.error_code, quinn::VarInt::from_u32(net::CLOSE_ABORTED), "{c:?}");
+            assert!(String::from_utf8_lossy(&c.reason).contains("lost a member"), "{c:?}");
+        }
+        other => panic!("the connection ended with {other:?}"),
+    }
 }
