@@ -163,6 +163,9 @@ pub struct ElasticRun {
     pub drain_grace_ms: u64,
     /// How long a run below `min_workers` waits for joins before it fails (ms).
     pub join_wait_ms: u64,
+    /// Every this many committed steps each replica's blake3 is compared with its owner's
+    /// shard (0 = never); a mismatch drops the replica and the driver sends a full copy.
+    pub replica_check_interval: u64,
 }
 
 impl Default for ElasticRun {
@@ -178,6 +181,7 @@ impl Default for ElasticRun {
             max_joins: 8,
             drain_grace_ms: 30_000,
             join_wait_ms: 60_000,
+            replica_check_interval: 50,
         }
     }
 }
@@ -203,6 +207,7 @@ pub fn elastic_run(cfg: &crate::config::Config) -> Result<ElasticRun, crate::con
             max_joins: usize_of("max_joins", d.max_joins)?,
             drain_grace_ms: e.u64("drain_grace_ms", d.drain_grace_ms)?,
             join_wait_ms: e.u64("join_wait_ms", d.join_wait_ms)?,
+            replica_check_interval: e.u64("replica_check_interval", d.replica_check_interval)?,
         };
         if r.heartbeat_timeout_ms < 2 * r.heartbeat_ms {
             let why =

@@ -21,9 +21,12 @@
 //!
 //! # Recovery ([`Fleet::reconfigure`], at the step boundary `t` = steps committed)
 //! 1. Every surviving member reports its `Status`: the committed steps its state holds and the
-//!    replicas it keeps. After every committed step each rank sent its shard (fp32 masters and
-//!    optimizer buffers of its range) to its `replicas` ring successors (`Replicate`), so a lost
-//!    rank's shard at `t` is normally held by a survivor.
+//!    replicas it keeps (after applying every update it received). Each rank's shard (fp32
+//!    masters and optimizer buffers of its range) is held by its `replicas` ring successors: a
+//!    full copy when the epoch formed (`Replicate`), then kept in step by the owner's gradient
+//!    and step record ([`super::replica`]), so a lost rank's shard at `t` is normally held by a
+//!    survivor. A member that dropped a replica (an update failed or its digest differed from
+//!    the owner's) says so in its snapshot and the driver sends full copies after that commit.
 //! 2. If every survivor is at `t` and every lost range has a replica at `t`, the full state at
 //!    `t` is gathered from the survivors' shards and the replicas (no step is recomputed).
 //!    Otherwise (adjacent ranks lost together, a commit that failed half-way, `replicas = 0`)
@@ -39,7 +42,7 @@
 //! 4. Each member gets `Epoch` (it leaves the old group and binds a fresh QUIC socket), the new
 //!    addresses and node names, and its cut of the state; it joins the new mesh and says
 //!    `Ready`. Draining workers are then told to leave (they exit with status 0). The new
-//!    epoch replicates at once, so it is protected before its first step.
+//!    epoch's replicas get a full copy at once, so it is protected before its first step.
 //!
 //! A loss during any of this starts the recovery again from the last formed epoch. Events
 //! (losses, drains, joins, epochs, committed steps) go to `<output>/elastic_events.jsonl`, with
@@ -447,6 +450,7 @@ impl Fleet {
         let s = Arc::clone(&shared);
         fleet.threads.push(std::thread::Builder::new().name("tessera-monitor".into()).spawn(move || monitor(s))?);
         fleet.log_epoch(start.step, "start");
+        fleet.replicate(start.step).context("the first full copy of the replicas")?;
         let computes = fleet.computes();
         Ok((fleet, computes))
     }
@@ -540,8 +544,21 @@ impl Fleet {
         self.members.iter().map(|m| relock(&m.link).snapshot).collect()
     }
 
-    /// After the commit that made `step` committed steps: every rank sends its shard to its ring
-    /// successors. Fails when a member is lost or refuses.
+    /// Ids of the members whose latest snapshot says they dropped a replica.
+    pub fn stale_replicas(&self) -> Vec<u64> {
+        self.members.iter().filter(|m| relock(&m.link).snapshot.replica_stale).map(|m| m.id).collect()
+    }
+
+    /// Logs that members `stale` dropped a replica and full copies follow at `step`.
+    pub fn replicas_recopied(&self, step: u64, stale: &[u64]) {
+        eprintln!("elastic: worker(s) {stale:?} dropped a replica (see their log); full copies at step {step}");
+        self.shared.event(json!({"event": "replicas_recopied", "step": step, "epoch": self.epoch, "ids": stale}));
+    }
+
+    /// A full copy of the replicas at `step` committed steps (when an epoch forms, or after a
+    /// member dropped a replica): every rank sends its shard to its ring successors. Between
+    /// full copies the replicas follow the owners' gradients. Fails when a member is lost or
+    /// refuses.
     pub fn replicate(&self, step: u64) -> Result<()> {
         let mut links: Vec<MutexGuard<'_, Link>> = self.members.iter().map(|m| relock(&m.link)).collect();
         for (m, link) in self.members.iter().zip(links.iter_mut()) {

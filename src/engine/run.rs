@@ -399,7 +399,7 @@ impl Run<'_> {
         };
         self.step += 1;
         if self.elastic.is_some() {
-            self.elastic_replicate(pb, t, dataset)?;
+            self.elastic_after_commit(pb, t, dataset)?;
         }
         t.train_s += t0.elapsed().as_secs_f64();
         t.steps_run += 1;
@@ -519,10 +519,10 @@ impl Run<'_> {
         }
     }
 
-    /// After a commit: the ranks replicate their shards (a loss meanwhile is recovered from).
-    fn elastic_replicate(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
-        let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
-        if let Err(e) = fleet.replicate(self.step) {
+    /// After a commit: the replicas followed the owners' gradients during the step; a member
+    /// that dropped one gets a full copy (a loss meanwhile is recovered from).
+    fn elastic_after_commit(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
+        if let Err(e) = self.resync_replicas(self.step) {
             if !self.change_pending(SETTLE_MS) {
                 return Err(e);
             }
@@ -533,6 +533,22 @@ impl Run<'_> {
             fleet.committed(self.step);
         }
         Ok(())
+    }
+
+    /// Sends full replica copies at `step` committed steps when a member reported a replica
+    /// dropped (a failed update or a digest that differed from its owner's).
+    fn resync_replicas(&mut self, step: u64) -> Result<()> {
+        let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
+        let stale = fleet.stale_replicas();
+        if stale.is_empty() {
+            return Ok(());
+        }
+        fleet.replicas_recopied(step, &stale);
+        if let Some(el) = self.elastic.as_mut() {
+            el.stats.replicas_recopied += 1;
+        }
+        let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
+        fleet.replicate(step)
     }
 
     /// Forms a new epoch from the survivors and joiners at the boundary of `self.step`
@@ -587,8 +603,7 @@ impl Run<'_> {
                         if let Some(el) = self.elastic.as_mut() {
                             el.stats.steps_replayed += 1;
                         }
-                        let Ranks::Elastic(fleet) = &self.ranks else { break };
-                        if let Err(e) = fleet.replicate(at) {
+                        if let Err(e) = self.resync_replicas(at) {
                             if !self.change_pending(SETTLE_MS) {
                                 return Err(e);
                             }

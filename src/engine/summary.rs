@@ -80,6 +80,9 @@ pub struct ElasticSummary {
     pub restored_from_checkpoint: u64,
     /// Checkpoints that could not be written (the run went on).
     pub checkpoints_failed: u64,
+    /// Full replica copies sent because a member dropped a replica that had stopped matching
+    /// its owner (a failed update or a differing digest); 0 in a healthy run.
+    pub replicas_recopied: u64,
 }
 
 impl Summary {

@@ -75,6 +75,10 @@ pub struct Snapshot {
     /// The loss scale's f32 bits, when a loss scaler runs.
     pub scale_bits: Option<u32>,
     pub bytes_sent_total: u64,
+    /// Elastic: a replica this worker should hold was dropped since the last full copy (an
+    /// update failed or its digest differed from the owner's): it needs a new full copy.
+    #[serde(default)]
+    pub replica_stale: bool,
 }
 
 /// [`Prepared`] with floats as bits.
@@ -211,8 +215,10 @@ pub enum ToWorker {
         rank: u64,
         world: u64,
     },
-    /// Elastic: after the commit that brought the state to `step` committed steps, send this
-    /// rank's shard to its ring successors and keep theirs (answered with `Replicated`).
+    /// Elastic: a full copy of the replicas at `step` committed steps (when an epoch forms, or
+    /// after a replica was dropped): send this rank's shard to its ring successors and keep
+    /// theirs (answered with `Replicated`). Between full copies the replicas follow the owners'
+    /// gradients (`engine::replica`).
     Replicate {
         step: u64,
     },

@@ -49,6 +49,7 @@ use tessera_transport::tree::TreeSum;
 
 use super::lane::{Lane, Ticket};
 use super::plan::{Plan, UnitEvent};
+use super::replica::{self, FeedConfig, StepRecord, Update};
 use super::store::Store;
 use crate::data::Sampler;
 use crate::offload::{self, AioOptions, AlignedBuf, Masters, OptimState, SwapFile, Tier};
@@ -371,13 +372,20 @@ fn tree(dtype: DType) -> TreeSum {
     }
 }
 
-/// Lamb's per-tensor norms summed across ranks.
-struct CommReduce<'a>(&'a mut Lane, Option<String>);
+/// Lamb's per-tensor norms summed across ranks; the results are kept for the replicas.
+struct CommReduce<'a> {
+    lane: &'a mut Lane,
+    error: Option<String>,
+    results: Vec<Vec<f64>>,
+}
 
 impl NormAllReduce for CommReduce<'_> {
     fn all_reduce_sum(&mut self, v: &mut [f64]) {
-        if let Err(e) = all_reduce_f64(self.0, "the optimizer's norm all-reduce", v) {
-            self.1.get_or_insert(e);
+        match all_reduce_f64(self.lane, "the optimizer's norm all-reduce", v) {
+            Ok(()) => self.results.push(v.to_vec()),
+            Err(e) => {
+                self.error.get_or_insert(e);
+            }
         }
     }
 }
@@ -389,6 +397,23 @@ type BlockSum = (usize, u32, Vec<f32>);
 struct Staged {
     step: u64,
     overflow: bool,
+    /// The replica gradient exchange queued at the end of prepare (elastic runs): what each
+    /// rank sent this one.
+    exchange: Option<Ticket<Result<Vec<Vec<f32>>, String>>>,
+}
+
+/// A rank feeding its ring successors' replicas of its shard ([`super::replica`]).
+struct Feed {
+    cfg: FeedConfig,
+    /// What the last commit produced for the replicas this rank holds, or why it could not.
+    updates: Option<Result<Vec<Update>, String>>,
+}
+
+/// What the optimizer part of a commit did (for the replicas' step records).
+struct StepDone {
+    applied: bool,
+    lr: f32,
+    reductions: Vec<Vec<f64>>,
 }
 
 /// One rank's compute.
@@ -400,6 +425,7 @@ pub struct ZeroWorker {
     state: Arc<Mutex<RankState>>,
     staged: Option<Staged>,
     ws: Workspace,
+    feed: Option<Feed>,
 }
 
 fn lock<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -430,7 +456,22 @@ impl ZeroWorker {
     pub fn new(rank: usize, plan: Arc<Plan>, sampler: Arc<Sampler>, comm: Box<dyn Collective>, state: Arc<Mutex<RankState>>) -> Self {
         let threaded = plan.overlap_comm || (plan.gathers() && plan.prefetch_elems > 0);
         let lane = Lane::new(comm, threaded);
-        ZeroWorker { rank, plan, sampler, lane, state, staged: None, ws: Workspace::default() }
+        ZeroWorker { rank, plan, sampler, lane, state, staged: None, ws: Workspace::default(), feed: None }
+    }
+
+    /// Keeps ring successors' replicas of this rank's shard in step ([`super::replica`]): each
+    /// prepared step sends the final gradient, each commit the step's record, and receives the
+    /// predecessors' ([`ZeroWorker::take_replica_updates`]). Every rank of the group must do
+    /// the same.
+    pub fn with_replica_feed(mut self, cfg: FeedConfig) -> Self {
+        self.feed = (cfg.successors > 0 && self.plan.stage > 0 && self.plan.world > 1).then_some(Feed { cfg, updates: None });
+        self
+    }
+
+    /// The updates of the replicas this rank holds from the last commit (in predecessor order,
+    /// nearest first), or why the exchange failed; `None` without a feed or before a commit.
+    pub fn take_replica_updates(&mut self) -> Option<Result<Vec<Update>, String>> {
+        self.feed.as_mut().and_then(|f| f.updates.take())
     }
 
     /// Forward/backward of this rank's micro-batches, slot by slot, with their gradients
@@ -561,9 +602,12 @@ impl ZeroWorker {
             }
             _ => st.grads.write(0, &g),
         }
-        self.staged = Some(Staged { step: order.step, overflow });
         let after = self.lane.stats()?;
         (st.bytes_sent_total, st.ops_total) = (after.bytes_sent, after.ops);
+        // Queued last (after the counters), so a communication thread runs it while the driver
+        // collects the answers; `commit` waits for it.
+        let exchange = self.feed.as_ref().map(|f| f.cfg).map(|cfg| self.send_replica_gradient(cfg, st, overflow));
+        self.staged = Some(Staged { step: order.step, overflow, exchange });
         Ok(Prepared {
             loss_sum,
             micro_batches: plan.leaves(self.rank).len(),
@@ -580,17 +624,33 @@ impl ZeroWorker {
             Some(s) if s.step == step => s,
             other => return Err(format!("rank {}: commit of step {step} but staged {:?}", self.rank, other.map(|s| s.step))),
         };
-        if let Some(sc) = st.scaler.as_mut() {
-            if let StepOutcome::SkippedOverflow { .. } = sc.update(staged.overflow).map_err(|e| e.to_string())? {
-                st.skipped += 1;
-                return Ok(());
+        let done = self.optimizer_step(staged.overflow, st)?;
+        if let Some(exchange) = staged.exchange {
+            let updates = self.exchange_step_records(step, exchange, done, st);
+            if let Some(f) = self.feed.as_mut() {
+                f.updates = Some(updates);
             }
-        } else if staged.overflow {
+        }
+        let stats = self.lane.stats()?;
+        (st.bytes_sent_total, st.ops_total) = (stats.bytes_sent, stats.ops);
+        Ok(())
+    }
+
+    /// The optimizer part of a commit: the loss scaler's decision, the step on this rank's
+    /// masters, and the new parameters shared as the stage requires.
+    fn optimizer_step(&mut self, overflow: bool, st: &mut RankState) -> Result<StepDone, String> {
+        let lr = self.lr_at(st.applied);
+        let skipped = StepDone { applied: false, lr, reductions: Vec::new() };
+        if let Some(sc) = st.scaler.as_mut() {
+            if let StepOutcome::SkippedOverflow { .. } = sc.update(overflow).map_err(|e| e.to_string())? {
+                st.skipped += 1;
+                return Ok(skipped);
+            }
+        } else if overflow {
             st.skipped += 1;
-            return Ok(());
+            return Ok(skipped);
         }
         let plan = Arc::clone(&self.plan);
-        let lr = self.lr_at(st.applied);
         let range = plan.optim_range(self.rank);
         let mut g = vec![0.0; range.len()];
         match plan.stage {
@@ -601,21 +661,82 @@ impl ZeroWorker {
         let ctx = StepContext { shard_range: range, layout: &plan.flat, decay: &plan.decay };
         let RankState { master, optim, params, .. } = st;
         let mut publish = |off: usize, vals: &[f32]| params.write(start + off, vals);
+        let mut reductions = Vec::new();
         if plan.stage == 0 {
             optim.step(master, &g, lr, &ctx, &mut LocalReduce, &mut publish)?;
         } else {
-            let mut reducer = CommReduce(&mut self.lane, None);
+            let mut reducer = CommReduce { lane: &mut self.lane, error: None, results: Vec::new() };
             let res = optim.step(master, &g, lr, &ctx, &mut reducer, &mut publish);
-            if let Some(e) = reducer.1 {
+            if let Some(e) = reducer.error {
                 return Err(e);
             }
             res?;
+            reductions = reducer.results;
         }
         self.publish_params(st)?;
         st.applied += 1;
-        let stats = self.lane.stats()?;
-        (st.bytes_sent_total, st.ops_total) = (stats.bytes_sent, stats.ops);
-        Ok(())
+        Ok(StepDone { applied: true, lr, reductions })
+    }
+
+    /// End of prepare: queues the all-to-all that sends this rank's final gradient (exactly
+    /// what the optimizer will read; nothing for a step skipped on overflow) to its successors.
+    fn send_replica_gradient(&mut self, cfg: FeedConfig, st: &RankState, overflow: bool) -> Ticket<Result<Vec<Vec<f32>>, String>> {
+        let range = self.plan.optim_range(self.rank);
+        let local = if self.plan.stage <= 1 { range } else { 0..range.len() };
+        let packed = if overflow { Vec::new() } else { replica::pack_gradient(&st.grads, local) };
+        let succ = cfg.successors_of(self.rank, self.plan.world);
+        let world = self.plan.world;
+        self.lane.submit("the replica gradient exchange", move |c| {
+            let sends: Vec<&[f32]> = (0..world).map(|j| if succ.contains(&j) { &packed[..] } else { &[][..] }).collect();
+            c.all_to_all(&sends).map_err(|e| format!("the replica gradient exchange: {e}"))
+        })
+    }
+
+    /// End of commit: sends this rank's step record to its successors and turns what the
+    /// predecessors sent (gradient at prepare, record now) into their replicas' updates.
+    fn exchange_step_records(
+        &mut self,
+        step: u64,
+        exchange: Ticket<Result<Vec<Vec<f32>>, String>>,
+        done: StepDone,
+        st: &RankState,
+    ) -> Result<Vec<Update>, String> {
+        let cfg = self.feed.as_ref().map(|f| f.cfg).ok_or("no replica feed")?;
+        let (rank, world) = (self.rank, self.plan.world);
+        let digest = cfg.digest_due(step + 1).then(|| replica::shard_digest(&st.master, &st.optim.state_buffers()));
+        let record = StepRecord {
+            step,
+            applied: done.applied,
+            lr: done.lr,
+            reductions: done.reductions,
+            optimizer_steps: st.optim.step_count(),
+            digest,
+        };
+        let words = record.encode();
+        let succ = cfg.successors_of(rank, world);
+        let got = self.lane.call("the replica step-record exchange", move |c| {
+            let sends: Vec<&[f32]> = (0..world).map(|j| if succ.contains(&j) { &words[..] } else { &[][..] }).collect();
+            c.all_to_all(&sends).map_err(|e| format!("the replica step-record exchange: {e}"))
+        })??;
+        let mut grads = exchange.wait().and_then(|r| r)?;
+        let dtype = self.plan.precision.dtype();
+        let mut updates = Vec::new();
+        if got.len() != world || grads.len() != world {
+            return Err(format!("the replica exchanges returned {} and {} parts for {world} ranks", got.len(), grads.len()));
+        }
+        for owner in cfg.predecessors_of(rank, world) {
+            let record = StepRecord::decode(&got[owner]).map_err(|e| format!("rank {owner}'s step record: {e}"))?;
+            if record.step != step {
+                return Err(format!("rank {owner} sent the record of step {}, this rank committed step {step}", record.step));
+            }
+            let grad = match record.applied {
+                true => replica::unpack_gradient(dtype, std::mem::take(&mut grads[owner]), self.plan.optim_range(owner).len())
+                    .map_err(|e| format!("rank {owner}: {e}"))?,
+                false => Vec::new(),
+            };
+            updates.push(Update { owner, grad, record });
+        }
+        Ok(updates)
     }
 }
 
@@ -1213,6 +1334,131 @@ mod tests {
         let owners = if stage == 0 { 1 } else { world };
         let master = (0..owners).flat_map(|r| lock(&states[r]).master.to_vec()).collect();
         (master, states.iter().map(|s| lock(s).ops_total).collect())
+    }
+
+    /// What [`replicated_steps`] leaves: each rank's shard digest, the replicas each rank holds
+    /// (owner, replica), one update per owner from the last step, and (applied, skipped) steps.
+    struct Replicated {
+        owners: Vec<[u8; 32]>,
+        held: Vec<Vec<replica::Replica>>,
+        last: Vec<Update>,
+        applied: u64,
+        skipped: u64,
+    }
+
+    /// Runs `steps` committed steps on `world` threads with every rank feeding `k` ring
+    /// successors' replicas (started from a full copy of the initial state, a digest in every
+    /// record, so each step's replica is checked against its owner).
+    fn replicated_steps(world: usize, stage: u8, sets: &[&str], k: usize, steps: u64) -> Replicated {
+        let (cfg, data) = setup(world, stage, sets);
+        let plan = Arc::new(Plan::new(&cfg, &data).expect("test plan"));
+        let sampler = Arc::new(Sampler::new(data.train, plan.seq_len, 7).expect("sampler"));
+        let init = plan.model.init_params(7);
+        let scaler = || crate::bridge::loss_scaler(&cfg.precision).expect("scaler");
+        let states: Vec<_> = (0..world).map(|r| Arc::new(Mutex::new(RankState::new(&plan, r, &init, scaler())))).collect();
+        let feed = FeedConfig { successors: k, check_every: 1 };
+        let handles: Vec<_> = LocalGroup::new(world)
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                let mut held: Vec<replica::Replica> = feed
+                    .predecessors_of(r, world)
+                    .into_iter()
+                    .map(|o| {
+                        let fresh = RankState::new(&plan, o, &init, None);
+                        let bufs: Vec<(&str, Vec<f32>)> = fresh.optim.state_buffers().into_iter().map(|(n, b)| (n, b.to_vec())).collect();
+                        let range = plan.optim_range(o);
+                        replica::Replica::from_copy(o, range.clone(), 0, plan.optimizer, init[range].to_vec(), 0, &bufs).expect("copy")
+                    })
+                    .collect();
+                let (plan, sampler, state) = (Arc::clone(&plan), Arc::clone(&sampler), Arc::clone(&states[r]));
+                std::thread::spawn(move || {
+                    let mut w = ZeroWorker::new(r, Arc::clone(&plan), sampler, Box::new(comm), state).with_replica_feed(feed);
+                    let mut last = Vec::new();
+                    for step in 0..steps {
+                        w.prepare(&StepOrder { step, epoch: 0, attempt: 0 }).expect("prepare");
+                        w.commit(step).expect("commit");
+                        let updates = w.take_replica_updates().expect("a feed").expect("replica updates");
+                        assert_eq!(updates.len(), k.min(world - 1));
+                        last = updates.clone();
+                        for u in updates {
+                            let rep = held.iter_mut().find(|h| h.owner == u.owner).expect("a replica of the owner");
+                            rep.apply(&plan, u).unwrap_or_else(|e| panic!("rank {r}, step {step}: {e}"));
+                        }
+                    }
+                    (held, last)
+                })
+            })
+            .collect();
+        let (held, last): (Vec<_>, Vec<_>) = handles.into_iter().map(|h| h.join().expect("rank thread")).unzip();
+        let owners = states.iter().map(|s| {
+            let st = lock(s);
+            replica::shard_digest(&st.master, &st.optim.state_buffers())
+        });
+        let (applied, skipped) = {
+            let st = lock(&states[0]);
+            (st.applied, st.skipped)
+        };
+        Replicated { owners: owners.collect(), held, last: last.into_iter().flatten().collect(), applied, skipped }
+    }
+
+    /// Replicas fed by the owners' gradients and step records stay bit-identical to the
+    /// owners' shards: ZeRO-1/2/3, f32/bf16/fp16 (with a skipped overflow step), clipping (the
+    /// setup clips at 1.0), LAMB's collective norms, overlap, two successors, an owner whose
+    /// optimizer state is on NVMe. A corrupted
+    /// gradient is caught by the digest.
+    #[test]
+    fn gradient_fed_replicas_stay_bit_identical_to_their_owners() {
+        let on = "zero_optimization.overlap_comm=true";
+        let dir = tempfile::tempdir().expect("tempdir");
+        let nvme = format!("zero_optimization.offload_optimizer.nvme_path={}", dir.path().display());
+        for (world, stage, sets, k) in [
+            (4, 1, vec![], 1),
+            (4, 3, vec!["bf16.enabled=true"], 2),
+            (2, 3, vec!["bf16.enabled=true", on, "zero_optimization.reduce_bucket_size=70000"], 1),
+            (2, 3, vec!["fp16.enabled=true", "fp16.initial_scale_power=18", "fp16.hysteresis=1"], 1),
+            (2, 2, vec!["optimizer.type=Lamb"], 1),
+            // The owner steps its NVMe-tier state sub-group by sub-group; the replica in memory.
+            (
+                2,
+                3,
+                vec![
+                    "zero_optimization.offload_optimizer.device=nvme",
+                    &nvme,
+                    "aio.block_size=4096",
+                    "zero_optimization.sub_group_size=100000",
+                ],
+                1,
+            ),
+        ] {
+            let fp16 = sets.iter().any(|s| s.starts_with("fp16"));
+            let got = replicated_steps(world, stage, &sets, k, if fp16 { 5 } else { 3 });
+            let what = format!("world {world} stage {stage} {sets:?} with {k} successor(s)");
+            for (r, held) in got.held.iter().enumerate() {
+                assert_eq!(held.len(), k.min(world - 1), "{what}");
+                for rep in held {
+                    assert_eq!(rep.digest(), got.owners[rep.owner], "{what}: rank {r}'s replica of rank {}", rep.owner);
+                }
+            }
+            if fp16 {
+                assert!(got.skipped > 0 && got.applied > 0, "{what}: {} skipped, {} applied", got.skipped, got.applied);
+            }
+        }
+        // The check can fail: one flipped gradient bit makes the replica's digest differ.
+        let mut got = replicated_steps(2, 3, &[], 1, 1);
+        let mut u = got.last.remove(0);
+        u.record.step = 0;
+        u.grad[5] = f32::from_bits(u.grad[5].to_bits() ^ 1);
+        let (_, data) = setup(2, 3, &[]);
+        let (cfg, _) = setup(2, 3, &[]);
+        let plan = Plan::new(&cfg, &data).expect("plan");
+        let init = plan.model.init_params(7);
+        let range = plan.optim_range(u.owner);
+        let fresh = RankState::new(&plan, u.owner, &init, None);
+        let bufs: Vec<(&str, Vec<f32>)> = fresh.optim.state_buffers().into_iter().map(|(n, b)| (n, b.to_vec())).collect();
+        let mut rep = replica::Replica::from_copy(u.owner, range.clone(), 0, plan.optimizer, init[range].to_vec(), 0, &bufs).expect("copy");
+        let e = rep.apply(&plan, u).expect_err("a corrupted gradient");
+        assert!(e.contains("blake3"), "{e}");
     }
 
     #[test]
