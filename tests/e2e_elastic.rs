@@ -113,3 +113,23 @@ fn a_diverged_replica_is_caught_by_its_digest_and_copied_again() {
     let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
     assert!(log.contains(r#""event":"replicas_recopied""#), "{log}");
 }
+
+/// A straggler made with real signals (`slow`: SIGSTOP ~70 % of every 50 ms) is measured and
+/// given fewer micro-batches at a step boundary; the bits stay the fault-free ones.
+#[test]
+fn a_slowed_worker_is_given_fewer_micro_batches_and_the_bits_stay() {
+    let tmp = tempfile::tempdir().unwrap();
+    let faults = r#"[{"at_step": 1, "kind": "slow", "rank": 1, "duration_ms": 120000, "period_ms": 50, "duty_percent": 70}]"#;
+    let r = chaos(tmp.path(), faults, 10, 1);
+    assert!(r["faulted"]["elastic"]["rebalances"].as_u64().unwrap() >= 1, "{r:#}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
+    let first = log
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|e| e["event"] == "rebalance")
+        .unwrap_or_else(|| panic!("no rebalance event:\n{log}"));
+    let counts: Vec<u64> = first["micro_batches"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect();
+    assert_eq!(counts.iter().sum::<u64>(), 12, "{first}");
+    assert!(counts[1] < 3 && counts.iter().all(|&c| c >= counts[1]), "the slowed rank 1 should get the fewest: {first}");
+    assert!(r["faults"][0]["detection_ms"].is_u64(), "{r:#}");
+}

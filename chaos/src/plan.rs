@@ -9,6 +9,7 @@
 //!   "faults": [
 //!     {"at_step": 2, "kind": "kill", "rank": "random"},
 //!     {"at_step": 4, "kind": "stop", "rank": 1, "duration_ms": 3000},
+//!     {"at_step": 3, "kind": "slow", "rank": 2, "duration_ms": 8000, "period_ms": 100, "duty_percent": 60},
 //!     {"at_step": 5, "kind": "term"},
 //!     {"at_step": 6, "kind": "join"},
 //!     {"at_ms": 9000, "kind": "corrupt_checkpoint"},
@@ -21,7 +22,12 @@
 //! started (exactly one of the two). `rank` (kill, stop, term) is a rank of the plan epoch in
 //! force when the fault fires, or `"random"` (the default): the seed picks one of the members
 //! then. `stop` sends SIGSTOP and, after `duration_ms` (default 5000), SIGCONT — a stop longer
-//! than the run's heartbeat timeout is a hang the run must detect. `fail_writes` makes the
+//! than the run's heartbeat timeout is a hang the run must detect. `slow` makes a straggler with
+//! real signals: for `duration_ms` (default 5000) the worker is SIGSTOPped for part of every
+//! `period_ms` (default 100) and SIGCONTed for the rest; each period's stopped part is drawn by
+//! the seed around `duty_percent` (default 50) of the period (uniform in ±50 % of it, each
+//! stop at most 90 % of the period), so the worker runs at roughly `100 - duty_percent` % of its
+//! speed; the run should measure it and give it fewer micro-batches. `fail_writes` makes the
 //! checkpoint folder unwritable for `duration_ms`; `corrupt_checkpoint` flips bytes in the newest
 //! checkpoint's tensors.
 
@@ -45,6 +51,8 @@ pub enum FaultKind {
     CorruptCheckpoint,
     /// Make writes in the checkpoint folder fail for `duration_ms`.
     FailWrites,
+    /// SIGSTOP/SIGCONT a worker on a seeded duty cycle for `duration_ms` (a straggler).
+    Slow,
 }
 
 impl FaultKind {
@@ -56,12 +64,13 @@ impl FaultKind {
             FaultKind::Join => "join",
             FaultKind::CorruptCheckpoint => "corrupt_checkpoint",
             FaultKind::FailWrites => "fail_writes",
+            FaultKind::Slow => "slow",
         }
     }
 
     /// Whether the fault targets a worker of the run.
     pub fn targets_rank(self) -> bool {
-        matches!(self, FaultKind::Kill | FaultKind::Stop | FaultKind::Term)
+        matches!(self, FaultKind::Kill | FaultKind::Stop | FaultKind::Term | FaultKind::Slow)
     }
 }
 
@@ -92,7 +101,20 @@ pub struct FaultSpec {
     pub rank: Target,
     #[serde(default)]
     pub duration_ms: Option<u64>,
+    /// `slow`: the length of one stop/continue cycle (ms).
+    #[serde(default)]
+    pub period_ms: Option<u64>,
+    /// `slow`: the mean share of each period the worker is stopped (percent).
+    #[serde(default)]
+    pub duty_percent: Option<u64>,
 }
+
+/// `slow`: default cycle length (ms) and stopped share (percent), and their bounds.
+pub const SLOW_PERIOD_MS: u64 = 100;
+pub const SLOW_DUTY_PERCENT: u64 = 50;
+const SLOW_PERIOD_MIN_MS: u64 = 10;
+const SLOW_PERIOD_MAX_MS: u64 = 60_000;
+const SLOW_DUTY_MAX_PERCENT: u64 = 90;
 
 /// A scenario file.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -130,9 +152,23 @@ pub struct Fault {
     /// The seed's draw for this fault.
     pub draw: u64,
     pub duration_ms: u64,
+    /// `slow`: cycle length (ms) and mean stopped share (percent).
+    pub period_ms: u64,
+    pub duty_percent: u64,
 }
 
 impl Fault {
+    /// `slow`: how long cycle `k` keeps the worker stopped (ms): the seed's draw around
+    /// `duty_percent` of the period (uniform in ±50 % of it), at least 1 ms and at most 90 %
+    /// of the period.
+    pub fn slow_stop_ms(&self, k: u64) -> u64 {
+        let mut state = self.draw ^ k.wrapping_mul(0xA076_1D64_78BD_642F);
+        let u = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
+        let mean = (self.period_ms * self.duty_percent) as f64 / 100.0;
+        let ms = (mean * (0.5 + u)).round() as u64;
+        ms.clamp(1, self.period_ms * SLOW_DUTY_MAX_PERCENT / 100)
+    }
+
     /// The rank this fault hits in a world of `world` members.
     pub fn rank_in(&self, world: usize) -> usize {
         match self.rank {
@@ -191,8 +227,17 @@ impl Scenario {
                 Target::Rank(_) if !f.kind.targets_rank() => return Err(bad(format!("{which}: a {} fault takes no rank", f.kind.name()))),
                 _ => {}
             }
-            if f.duration_ms.is_some() && !matches!(f.kind, FaultKind::Stop | FaultKind::FailWrites) {
-                return Err(bad(format!("{which}: only stop and fail_writes take duration_ms")));
+            if f.duration_ms.is_some() && !matches!(f.kind, FaultKind::Stop | FaultKind::FailWrites | FaultKind::Slow) {
+                return Err(bad(format!("{which}: only stop, slow and fail_writes take duration_ms")));
+            }
+            if (f.period_ms.is_some() || f.duty_percent.is_some()) && f.kind != FaultKind::Slow {
+                return Err(bad(format!("{which}: only slow takes period_ms and duty_percent")));
+            }
+            if let Some(p) = f.period_ms.filter(|p| !(SLOW_PERIOD_MIN_MS..=SLOW_PERIOD_MAX_MS).contains(p)) {
+                return Err(bad(format!("{which}: period_ms {p} is outside {SLOW_PERIOD_MIN_MS}..={SLOW_PERIOD_MAX_MS}")));
+            }
+            if let Some(d) = f.duty_percent.filter(|d| !(1..=SLOW_DUTY_MAX_PERCENT).contains(d)) {
+                return Err(bad(format!("{which}: duty_percent {d} is outside 1..={SLOW_DUTY_MAX_PERCENT}")));
             }
         }
         Ok(s)
@@ -216,6 +261,8 @@ impl Scenario {
                 },
                 draw: splitmix(&mut state),
                 duration_ms: f.duration_ms.unwrap_or(5_000),
+                period_ms: f.period_ms.unwrap_or(SLOW_PERIOD_MS),
+                duty_percent: f.duty_percent.unwrap_or(SLOW_DUTY_PERCENT),
             })
             .collect();
         out.sort_by_key(|f| match f.trigger {
@@ -262,5 +309,26 @@ mod tests {
         assert!(e.contains("explode"), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [], "extra": 1}"#);
         assert!(e.contains("extra"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "kill", "at_step": 1, "period_ms": 100}]}"#);
+        assert!(e.contains("only slow takes period_ms"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "slow", "at_step": 1, "duty_percent": 95}]}"#);
+        assert!(e.contains("duty_percent 95"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "slow", "at_step": 1, "period_ms": 5}]}"#);
+        assert!(e.contains("period_ms 5"), "{e}");
+    }
+
+    #[test]
+    fn a_slow_faults_duty_cycle_is_seeded_and_bounded() {
+        let text = r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [
+            {"kind": "slow", "at_step": 1, "rank": 1, "duration_ms": 2000, "period_ms": 200, "duty_percent": 60}]}"#;
+        let s = Scenario::parse(text, Path::new("s.json")).expect("valid");
+        let f = &s.resolve(3)[0];
+        assert_eq!((f.kind, f.rank, f.period_ms, f.duty_percent, f.duration_ms), (FaultKind::Slow, Some(1), 200, 60, 2000));
+        let stops: Vec<u64> = (0..400).map(|k| f.slow_stop_ms(k)).collect();
+        assert_eq!(stops, (0..400).map(|k| s.resolve(3)[0].slow_stop_ms(k)).collect::<Vec<_>>(), "one seed, one cycle");
+        assert!(stops.iter().all(|&ms| (60..=180).contains(&ms)), "{stops:?}");
+        let mean = stops.iter().sum::<u64>() as f64 / stops.len() as f64;
+        assert!((mean - 120.0).abs() < 10.0, "mean stop {mean} ms of 200");
+        assert_ne!(stops, (0..400).map(|k| s.resolve(4)[0].slow_stop_ms(k)).collect::<Vec<_>>(), "seeds differ");
     }
 }

@@ -6,14 +6,18 @@
 //! member's rank and pid, committed steps, losses, drains, joins, and when training resumed)
 //! and fires each fault when its trigger is met: signals go to the pid of the targeted rank of
 //! the epoch in force, a join starts `tessera worker --join`, checkpoint faults touch the run's
-//! checkpoint folder. The report gives, per fault, when it was injected, when the run noticed
-//! (the matching loss, drain or join event) and when it was training again, and the summary of
-//! both runs. The runs must end with equal `params_blake3` and every step committed.
+//! checkpoint folder, a `slow` fault runs a thread that SIGSTOPs and SIGCONTs the worker on the
+//! seeded duty cycle. The report gives, per fault, when it was injected, when the run noticed
+//! (the matching loss, drain or join event; for `slow`, the first re-assignment of micro-batch
+//! blocks) and when it was training again, and the summary of both runs. The runs must end with equal `params_blake3` and every step committed.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -108,7 +112,8 @@ impl Report {
         let get = |k: &str| el.get(k).and_then(Value::as_u64).unwrap_or(0);
         s.push_str(&format!(
             "\nfaulted run: {} of {} steps committed, {} step attempt(s) rerun, {} committed step(s) replayed from a checkpoint, \
-             {} recoveries ({} from memory, {} from a checkpoint), {} worker(s) lost, {} joined, {} drained, {} checkpoint(s) not written\n",
+             {} recoveries ({} from memory, {} from a checkpoint), {} worker(s) lost, {} joined, {} drained, {} checkpoint(s) not written, \
+             {} rebalance(s) by measured speed\n",
             self.faulted.steps,
             self.steps_expected,
             get("steps_rerun"),
@@ -120,6 +125,7 @@ impl Report {
             get("workers_joined"),
             get("workers_drained"),
             get("checkpoints_failed"),
+            get("rebalances"),
         ));
         s.push_str(&format!("wall time: fault-free {:.1} s, faulted {:.1} s\n", self.clean.wall_s, self.faulted.wall_s));
         s.push_str(&format!("params_blake3 fault-free {}\n", self.clean.params_blake3));
@@ -214,8 +220,49 @@ fn signal(pid: u32, sig: libc::c_int) {
 
 /// A fault in flight: what to undo later.
 enum Undo {
-    Cont { pid: u32, at: Instant },
-    Writes { root: PathBuf, held: PathBuf, at: Instant },
+    Cont {
+        pid: u32,
+        at: Instant,
+    },
+    Writes {
+        root: PathBuf,
+        held: PathBuf,
+        at: Instant,
+    },
+    /// A `slow` duty cycle: set `stop` to end it early; the thread leaves the worker running.
+    Slow {
+        stop: Arc<AtomicBool>,
+        thread: JoinHandle<()>,
+    },
+}
+
+/// When process `pid` started (field 22 of `/proc/<pid>/stat`, clock ticks since boot), so
+/// that a pid the kernel gave to a new process is not taken for the worker.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Runs `f`'s duty cycle on `pid` until its duration is over, `stop` is set or the worker is
+/// gone (its pid no longer names the process it named at the start); ends with it continued.
+fn duty_cycle(pid: u32, f: &Fault, stop: &AtomicBool) {
+    let end = Instant::now() + Duration::from_millis(f.duration_ms);
+    let period = Duration::from_millis(f.period_ms);
+    let born = start_time(pid);
+    let mut k = 0;
+    while !stop.load(Ordering::SeqCst) && Instant::now() < end {
+        if born.is_none() || start_time(pid) != born {
+            return;
+        }
+        let start = Instant::now();
+        signal(pid, libc::SIGSTOP);
+        std::thread::sleep(Duration::from_millis(f.slow_stop_ms(k)));
+        signal(pid, libc::SIGCONT);
+        std::thread::sleep(period.saturating_sub(start.elapsed()));
+        k += 1;
+    }
+    signal(pid, libc::SIGCONT);
 }
 
 /// Runs one training job; injects `faults` when given. Returns the run's report, the reports
@@ -280,14 +327,22 @@ fn run_one(o: &ChaosOptions, name: &str, faults: &[Fault], pb: &ProgressBar) -> 
                 let _ = std::fs::rename(held, root);
                 false
             }
+            Undo::Slow { thread, .. } => !thread.is_finished(),
             _ => true,
         });
         std::thread::sleep(Duration::from_millis(20));
     };
     for u in undo {
-        if let Undo::Writes { root, held, .. } = u {
-            let _ = std::fs::remove_file(&root);
-            let _ = std::fs::rename(&held, &root);
+        match u {
+            Undo::Writes { root, held, .. } => {
+                let _ = std::fs::remove_file(&root);
+                let _ = std::fs::rename(&held, &root);
+            }
+            Undo::Slow { stop, thread } => {
+                stop.store(true, Ordering::SeqCst);
+                let _ = thread.join();
+            }
+            Undo::Cont { .. } => {}
         }
     }
     for mut j in joiners {
@@ -331,6 +386,17 @@ fn timings(mut r: FaultReport, id: Option<u64>, at: u64, events: &Events, start_
             .cloned()
             .or_else(|| events.of("lost").filter(after).find(|e| e["id"].as_u64() == Some(id)).cloned()),
         ("join", _) => events.of("join_requested").find(|e| e["pid"].as_u64() == id).cloned(),
+        ("slow", Some(_)) => {
+            let rb = events.of("rebalance").find(after).cloned();
+            r.note = match &rb {
+                Some(e) => format!("{}; rebalanced at step {}: micro-batches per rank {}", r.note, e["step"], e["micro_batches"]),
+                None => format!("{}; no rebalance", r.note),
+            };
+            if let Some(e) = rb {
+                r.detection_ms = e["t_ms"].as_u64().map(|t| t.saturating_sub(at));
+            }
+            return r;
+        }
         _ => None,
     };
     if let Some(n) = noticed {
@@ -365,7 +431,7 @@ fn inject(
         note: String::new(),
     };
     let id = match f.kind {
-        FaultKind::Kill | FaultKind::Stop | FaultKind::Term => {
+        FaultKind::Kill | FaultKind::Stop | FaultKind::Term | FaultKind::Slow => {
             let rank = f.rank_in(members.len());
             let Some(&(rank, id, pid)) = members.iter().find(|m| m.0 == rank) else {
                 report.target = format!("rank {rank}");
@@ -376,6 +442,16 @@ fn inject(
             match f.kind {
                 FaultKind::Kill => signal(pid, libc::SIGKILL),
                 FaultKind::Term => signal(pid, libc::SIGTERM),
+                FaultKind::Slow => {
+                    let stop = Arc::new(AtomicBool::new(false));
+                    let (s, fault) = (Arc::clone(&stop), f.clone());
+                    let thread = std::thread::Builder::new()
+                        .name("chaos-slow".into())
+                        .spawn(move || duty_cycle(pid, &fault, &s))
+                        .map_err(io("starting the slow fault's thread"))?;
+                    undo.push(Undo::Slow { stop, thread });
+                    report.note = format!("stopped ~{} % of every {} ms for {} ms", f.duty_percent, f.period_ms, f.duration_ms);
+                }
                 _ => {
                     signal(pid, libc::SIGSTOP);
                     undo.push(Undo::Cont { pid, at: Instant::now() + Duration::from_millis(f.duration_ms) });

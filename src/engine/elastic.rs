@@ -62,6 +62,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::replan::{propose_rebalance, Speeds};
 
 use super::plan::Plan;
 use super::ranks::{OptimBuffers, RankCounters, Start};
@@ -78,6 +79,9 @@ const MONITOR_POLL_MS: u64 = 10;
 const ACCEPT_POLL_MS: u64 = 20;
 /// Bound on a new connection's first message (ms).
 const FIRST_MESSAGE_MS: u64 = 5_000;
+/// Steps a member is measured under the current blocks before they may change again; its
+/// speed is their median (`tessera_actors::replan::Speeds`).
+const SPEED_WINDOW_STEPS: usize = 5;
 
 fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -347,6 +351,19 @@ pub struct Fleet {
     admitted: Vec<Arc<Member>>,
     threads: Vec<JoinHandle<()>>,
     dir: PathBuf,
+    /// Each member's measured speed (micro-batches per second of its own compute).
+    speeds: Speeds<u64>,
+}
+
+/// Micro-batch blocks re-assigned by measured speed at a step boundary.
+pub struct Rebalanced {
+    pub plan: Arc<Plan>,
+    /// Micro-batches per rank, before and after.
+    pub before: Vec<usize>,
+    pub after: Vec<usize>,
+    /// Predicted compute of the slowest rank per step (ms), before and after.
+    pub before_ms: f64,
+    pub after_ms: f64,
 }
 
 /// A new epoch, ready to run steps from `step`.
@@ -412,6 +429,7 @@ impl Fleet {
             admitted: Vec::new(),
             threads: Vec::new(),
             dir: dir.clone(),
+            speeds: Speeds::new(SPEED_WINDOW_STEPS),
         };
         prepare_dir(cfg, ids, &dir, true)?;
         let exe = std::env::current_exe().context("finding the tessera executable")?;
@@ -542,6 +560,77 @@ impl Fleet {
     /// Every member's latest snapshot, in rank order.
     pub fn snapshots(&self) -> Vec<Snapshot> {
         self.members.iter().map(|m| relock(&m.link).snapshot).collect()
+    }
+
+    /// A committed step's reports: each member's measured micro-batches and compute seconds.
+    pub fn observe(&mut self, per_rank: &[Prepared]) {
+        for (m, p) in self.members.iter().zip(per_rank) {
+            if tracing() {
+                eprintln!(
+                    "[speed] worker {}: {} of {} micro-batches in {:.1} ms busy, prepare {:.1} ms",
+                    m.id,
+                    p.busy_micro_batches,
+                    p.micro_batches,
+                    p.busy_s * 1e3,
+                    p.compute_s * 1e3
+                );
+            }
+            self.speeds.observe(m.id, p.busy_micro_batches, p.busy_s);
+        }
+    }
+
+    /// At a step boundary (`step` committed steps): when re-assigning the micro-batch blocks by
+    /// the members' measured speeds shortens the predicted step by more than
+    /// `tessera.elastic.rebalance_threshold`, every member takes the new blocks (the state
+    /// partition stays; the bits do not change). A member that cannot is lost (recovery forms
+    /// an epoch with consistent plans); the error says so.
+    pub fn rebalance(&mut self, step: u64, dataset: &Dataset) -> Result<Option<Rebalanced>> {
+        let ids: Vec<u64> = self.members.iter().map(|m| m.id).collect();
+        let Some(speeds) = self.speeds.of(&ids) else { return Ok(None) };
+        let before = self.plan.counts();
+        let threshold = self.shared.er.rebalance_threshold;
+        let Some(rb) = propose_rebalance(self.plan.micro_batches, &before, &speeds, threshold) else { return Ok(None) };
+        let mut cfg = self.cfg.clone();
+        cfg.world_size = self.plan.world;
+        let plan = Plan::new(&cfg, dataset).with_context(|| format!("planning {} ranks", self.plan.world))?;
+        let plan = Arc::new(plan.with_blocks(rb.blocks.clone()).map_err(anyhow::Error::msg)?);
+        let blocks: Vec<Vec<(u64, u32)>> = rb.blocks.iter().map(|b| b.iter().map(|&(f, l)| (f as u64, l)).collect()).collect();
+        let mut links: Vec<MutexGuard<'_, Link>> = self.members.iter().map(|m| relock(&m.link)).collect();
+        for (m, link) in self.members.iter().zip(links.iter_mut()) {
+            if let Err(e) = wire::send(&mut link.stream, &ToWorker::Blocks { blocks: blocks.clone() }) {
+                self.shared.loss(m.id, &format!("worker {} (pid {}): sending new blocks: {e}", m.id, m.pid));
+            }
+        }
+        let mut errors = Vec::new();
+        for (m, link) in self.members.iter().zip(links.iter_mut()) {
+            if self.shared.is_fenced(m.id) {
+                errors.push(format!("worker {} lost", m.id));
+                continue;
+            }
+            match recv_reply(&self.shared, m, link, "Rebalanced") {
+                Ok(ToParent::Rebalanced) => {}
+                Ok(other) => {
+                    let why = format!("worker {} (pid {}) answered new blocks with {other:?}", m.id, m.pid);
+                    self.shared.loss(m.id, &why);
+                    errors.push(why);
+                }
+                Err(_) => errors.push(format!("worker {} lost", m.id)),
+            }
+        }
+        drop(links);
+        if !errors.is_empty() {
+            bail!("re-assigning the micro-batch blocks at step {step}: {}", errors.join("; "));
+        }
+        self.plan = Arc::clone(&plan);
+        self.speeds.restart();
+        let r = Rebalanced { plan, before, after: rb.counts, before_ms: rb.before_s * 1e3, after_ms: rb.after_s * 1e3 };
+        self.shared.event(json!({
+            "event": "rebalance", "step": step, "epoch": self.epoch, "ids": ids,
+            "micro_batches_before": r.before, "micro_batches": r.after,
+            "speeds": speeds.iter().map(|s| (s * 100.0).round() / 100.0).collect::<Vec<_>>(),
+            "predicted_ms_before": (r.before_ms * 10.0).round() / 10.0, "predicted_ms": (r.after_ms * 10.0).round() / 10.0,
+        }));
+        Ok(Some(r))
     }
 
     /// Ids of the members whose latest snapshot says they dropped a replica.
@@ -796,6 +885,9 @@ impl Fleet {
             shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status}));
         }
         self.admitted.retain(|a| !next.iter().any(|m| m.id == a.id));
+        // The new epoch runs the plan's even blocks: its members are measured again.
+        self.speeds.retain(|id| next.iter().any(|m| m.id == *id));
+        self.speeds.restart();
         self.members = next;
         self.epoch = epoch;
         self.plan = Arc::clone(&plan);

@@ -513,6 +513,23 @@ impl Worker {
         Ok(())
     }
 
+    /// Takes new micro-batch blocks for the current epoch (the state partition stays).
+    fn rebalance(&mut self, blocks: Vec<Vec<(u64, u32)>>) -> Result<()> {
+        let world = self.member.as_ref().context("this worker is not a member of any epoch yet")?.plan.world;
+        let blocks = blocks
+            .into_iter()
+            .map(|b| b.into_iter().map(|(f, l)| usize::try_from(f).map(|f| (f, l)).context("a block's first micro-batch")).collect())
+            .collect::<Result<Vec<Vec<(usize, u32)>>>>()?;
+        let mut cfg = self.s.cfg.clone();
+        cfg.world_size = world;
+        let plan = Plan::new(&cfg, &self.s.dataset).with_context(|| format!("the plan of {world} ranks"))?;
+        let plan = Arc::new(plan.with_blocks(blocks).map_err(anyhow::Error::msg)?);
+        let m = self.member()?;
+        m.worker.set_plan(Arc::clone(&plan)).map_err(anyhow::Error::msg)?;
+        m.plan = plan;
+        Ok(())
+    }
+
     /// Leaves the current group and joins the group of `epoch` as `rank` of `world`.
     fn new_epoch(&mut self, stream: &mut TcpStream, epoch: u64, rank: usize, world: usize, wait: &Wait<'_>) -> Result<()> {
         *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
@@ -606,6 +623,10 @@ impl Worker {
                     Err(e) => ToParent::Failed { error: format!("worker {}: {e:#}", self.s.id) },
                 }
             }
+            ToWorker::Blocks { blocks } => match self.rebalance(blocks) {
+                Ok(()) => ToParent::Rebalanced,
+                Err(e) => ToParent::Failed { error: format!("worker {}: new micro-batch blocks: {e:#}", self.s.id) },
+            },
             ToWorker::Ping => ToParent::Pong,
             ToWorker::Shutdown => return Ok(false),
             other => bail!("unexpected request {other:?}"),

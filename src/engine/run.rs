@@ -505,8 +505,21 @@ impl Run<'_> {
                 self.recover(pb, t, dataset)?;
                 continue;
             }
+            if let Err(e) = self.rebalance(pb, dataset) {
+                if !self.change_pending(SETTLE_MS) {
+                    return Err(e);
+                }
+                log_line(pb, format!("elastic: {e:#}; recovering"));
+                self.recover(pb, t, dataset)?;
+                continue;
+            }
             match self.cluster.run_step(self.step) {
-                Ok(res) => return Ok(res),
+                Ok(res) => {
+                    if let Ranks::Elastic(fleet) = &mut self.ranks {
+                        fleet.observe(&res.per_rank);
+                    }
+                    return Ok(res);
+                }
                 Err(e) if self.change_pending(SETTLE_MS) => {
                     if let Some(el) = self.elastic.as_mut() {
                         el.stats.steps_rerun += 1;
@@ -517,6 +530,25 @@ impl Run<'_> {
                 Err(e) => return Err(e).with_context(|| format!("step {}", self.step)),
             }
         }
+    }
+
+    /// At a step boundary: re-assigns the micro-batch blocks by the members' measured speeds
+    /// when that pays (`Fleet::rebalance`); the driver's plan follows.
+    fn rebalance(&mut self, pb: &ProgressBar, dataset: &Dataset) -> Result<()> {
+        let Ranks::Elastic(fleet) = &mut self.ranks else { return Ok(()) };
+        let Some(r) = fleet.rebalance(self.step, dataset)? else { return Ok(()) };
+        self.plan = r.plan;
+        if let Some(el) = self.elastic.as_mut() {
+            el.stats.rebalances += 1;
+        }
+        log_line(
+            pb,
+            format!(
+                "elastic: step {}: micro-batches per rank {:?} -> {:?} by measured speed (predicted compute {:.0} -> {:.0} ms a step)",
+                self.step, r.before, r.after, r.before_ms, r.after_ms
+            ),
+        );
+        Ok(())
     }
 
     /// After a commit: the replicas followed the owners' gradients during the step; a member

@@ -83,6 +83,8 @@ pub struct ElasticSummary {
     /// Full replica copies sent because a member dropped a replica that had stopped matching
     /// its owner (a failed update or a differing digest); 0 in a healthy run.
     pub replicas_recopied: u64,
+    /// Times the micro-batch blocks were re-assigned by measured worker speed (stragglers).
+    pub rebalances: u64,
 }
 
 impl Summary {

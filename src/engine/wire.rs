@@ -91,6 +91,10 @@ pub struct WirePrepared {
     pub bytes_sent: u64,
     pub bytes_received: u64,
     pub compute_s_bits: u64,
+    #[serde(default)]
+    pub busy_s_bits: u64,
+    #[serde(default)]
+    pub busy_micro_batches: u64,
 }
 
 impl WirePrepared {
@@ -103,6 +107,8 @@ impl WirePrepared {
             bytes_sent: p.bytes_sent,
             bytes_received: p.bytes_received,
             compute_s_bits: p.compute_s.to_bits(),
+            busy_s_bits: p.busy_s.to_bits(),
+            busy_micro_batches: p.busy_micro_batches as u64,
         }
     }
 
@@ -115,6 +121,8 @@ impl WirePrepared {
             bytes_sent: self.bytes_sent,
             bytes_received: self.bytes_received,
             compute_s: f64::from_bits(self.compute_s_bits),
+            busy_s: f64::from_bits(self.busy_s_bits),
+            busy_micro_batches: self.busy_micro_batches as usize,
         }
     }
 }
@@ -232,6 +240,12 @@ pub enum ToWorker {
     Abort {
         epoch: u64,
     },
+    /// Elastic, at a step boundary: run the next steps with these micro-batch blocks (per rank
+    /// of the current epoch, `(first, level)`), sized by the measured speeds; the partition of
+    /// the state stays (answered with `Rebalanced`).
+    Blocks {
+        blocks: Vec<Vec<(u64, u32)>>,
+    },
 }
 
 /// Worker → parent.
@@ -295,6 +309,8 @@ pub enum ToParent {
         quic_addr: String,
     },
     Replicated,
+    /// Elastic: the new micro-batch blocks are in force.
+    Rebalanced,
     /// Elastic: the committed steps this worker's state holds (`None`: a commit failed half-way,
     /// the state is not usable) and the replicas it keeps: (owner rank, committed steps).
     Status {

@@ -38,7 +38,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::dtype::{round_to, DType};
@@ -409,6 +409,18 @@ struct Feed {
     updates: Option<Result<Vec<Update>, String>>,
 }
 
+/// What a step's forward/backward left.
+struct Computed {
+    /// Sum of this rank's micro-batch losses.
+    loss: f64,
+    /// This rank's reduced range combined by the micro-batch tree, not yet unscaled.
+    grad: Vec<f32>,
+    /// Seconds spent computing the micro-batches of the slots every rank computes in (without
+    /// the waits on its peers), and their number.
+    busy_s: f64,
+    busy_micro_batches: usize,
+}
+
 /// What the optimizer part of a commit did (for the replicas' step records).
 struct StepDone {
     applied: bool,
@@ -468,6 +480,19 @@ impl ZeroWorker {
         self
     }
 
+    /// Runs the next steps under `plan`, which may assign other micro-batch blocks (speeds
+    /// measured by the driver) but keeps the partition; only at a step boundary.
+    pub fn set_plan(&mut self, plan: Arc<Plan>) -> Result<(), String> {
+        if let Some(s) = &self.staged {
+            return Err(format!("rank {}: new blocks while step {} is prepared", self.rank, s.step));
+        }
+        if plan.world != self.plan.world || plan.stage != self.plan.stage || plan.ranges != self.plan.ranges {
+            return Err(format!("rank {}: a new plan must keep the world, stage and partition", self.rank));
+        }
+        self.plan = plan;
+        Ok(())
+    }
+
     /// The updates of the replicas this rank holds from the last commit (in predecessor order,
     /// nearest first), or why the exchange failed; `None` without a feed or before a commit.
     pub fn take_replica_updates(&mut self) -> Option<Result<Vec<Update>, String>> {
@@ -475,9 +500,8 @@ impl ZeroWorker {
     }
 
     /// Forward/backward of this rank's micro-batches, slot by slot, with their gradients
-    /// travelling to the partition owners as the backward produces them; returns (loss sum,
-    /// this rank's reduced range combined by the micro-batch tree, not yet unscaled).
-    fn compute_and_reduce(&mut self, step: u64, scale: f32, params: &ParamStore) -> Result<(f64, Vec<f32>), String> {
+    /// travelling to the partition owners as the backward produces them.
+    fn compute_and_reduce(&mut self, step: u64, scale: f32, params: &ParamStore) -> Result<Computed, String> {
         let plan = Arc::clone(&self.plan);
         let (mb, t) = (plan.micro, plan.seq_len);
         let dloss = scale / plan.micro_batches as f32;
@@ -488,12 +512,19 @@ impl ZeroWorker {
         let ZeroWorker { rank, sampler, lane, ws, .. } = self;
         let mut acc = StepAccess::new(Arc::clone(&plan), *rank, params, lane, Arc::clone(&owner));
         let mut loss = 0.0f64;
+        let mut busy = Duration::ZERO;
+        // Slots in which every rank computes: the ones measured (see `Prepared::busy_s`).
+        let common = plan.counts().into_iter().min().unwrap_or(0);
         for s in 0..plan.slots() {
             match leaves.get(s) {
                 Some(&i) => {
                     sampler.fill(plan.first_sample(step, i), mb, &mut inputs, &mut targets);
                     acc.begin_slot(s, true);
+                    let (t0, waited) = (Instant::now(), acc.waited);
                     loss += f64::from(plan.model.forward_backward(&mut acc, &inputs, &targets, mb, t, dloss, ws));
+                    if s < common {
+                        busy += t0.elapsed().saturating_sub(acc.waited.saturating_sub(waited));
+                    }
                 }
                 // A rank with fewer micro-batches still serves its shards to the others'
                 // gathers and joins their gradient exchanges, with nothing of its own to send.
@@ -520,7 +551,7 @@ impl ZeroWorker {
             return Err(e);
         }
         let sums = std::mem::replace(&mut *lock(&owner), OwnerSums::new(&plan, self.rank));
-        Ok((loss, sums.finish(&plan)?))
+        Ok(Computed { loss, grad: sums.finish(&plan)?, busy_s: busy.as_secs_f64(), busy_micro_batches: common })
     }
 
     /// Unscales, measures the global norm, clips and rounds this rank's reduced range.
@@ -591,7 +622,8 @@ impl ZeroWorker {
         st.master.release();
         st.optim.release();
         let scale = st.scaler.as_ref().map_or(1.0, LossScaler::scale);
-        let (loss_sum, mut g) = self.compute_and_reduce(order.step, scale, &st.params)?;
+        let Computed { loss: loss_sum, grad: mut g, busy_s, busy_micro_batches } =
+            self.compute_and_reduce(order.step, scale, &st.params)?;
         let clip = f64::from(self.plan_clip());
         let (norm, overflow) = self.finish_gradient(&mut g, scale, clip)?;
         let plan = Arc::clone(&self.plan);
@@ -616,6 +648,8 @@ impl ZeroWorker {
             bytes_sent: after.bytes_sent - before.bytes_sent,
             bytes_received: after.bytes_received - before.bytes_received,
             compute_s: t0.elapsed().as_secs_f64(),
+            busy_s,
+            busy_micro_batches,
         })
     }
 
@@ -907,6 +941,9 @@ struct StepAccess<'a> {
     next_bucket: usize,
     tickets: Vec<Ticket<Result<(), String>>>,
     error: Option<String>,
+    /// Time spent in the lane on the model's behalf (collectives run inline, results waited
+    /// for): waits on peers, not this rank's compute.
+    waited: Duration,
 }
 
 /// One stage-3 gather of a step: unit `unit` for its use number `use_at`, queued on the
@@ -1025,6 +1062,7 @@ impl<'a> StepAccess<'a> {
             buckets,
             tickets: Vec::new(),
             error: None,
+            waited: Duration::ZERO,
             plan,
         }
     }
@@ -1096,11 +1134,13 @@ impl<'a> StepAccess<'a> {
         let mut mine = vec![0.0; own.len()];
         let read = self.store.read(own.start + unit.start, &mut mine);
         let len = unit.len();
+        let t0 = Instant::now();
         let ticket = self.lane.submit("a stage-3 parameter gather", move |c| {
             read?;
             let mut buf = vec![0.0; len];
             c.all_gather(&mine, &parts, &mut buf).map(|()| buf).map_err(|e| e.to_string())
         });
+        self.waited += t0.elapsed();
         self.inflight.push_back(ticket);
         self.issued += 1;
     }
@@ -1133,7 +1173,10 @@ impl<'a> StepAccess<'a> {
             self.fail(format!("the gather of unit {u} was not queued"));
             return vec![0.0; unit.len()];
         };
-        match ticket.wait().and_then(|r| r) {
+        let t0 = Instant::now();
+        let got = ticket.wait().and_then(|r| r);
+        self.waited += t0.elapsed();
+        match got {
             Ok(buf) => buf,
             Err(e) => {
                 self.fail(format!("gathering unit {u}: {e}"));
@@ -1174,6 +1217,7 @@ impl<'a> StepAccess<'a> {
             }
         }
         let (owner, slot, last) = (Arc::clone(&self.owner), self.slot, k == 0);
+        let t0 = Instant::now();
         let ticket = self.lane.submit("a gradient bucket exchange", move |c| {
             let refs: Vec<&[f32]> = sends.iter().map(Vec::as_slice).collect();
             let got = c.all_to_all(&refs).map_err(|e| e.to_string())?;
@@ -1184,6 +1228,7 @@ impl<'a> StepAccess<'a> {
         } else if let Err(e) = ticket.wait().and_then(|r| r) {
             self.fail(e);
         }
+        self.waited += t0.elapsed();
     }
 
     /// This slot's values to send over flat `range`, from the ready units' pieces.
