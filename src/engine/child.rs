@@ -89,6 +89,7 @@ pub(super) fn snapshot(st: &RankState, rank: usize) -> Snapshot {
         scale_bits: st.scaler.as_ref().map(|s| s.scale().to_bits()),
         bytes_sent_total: st.bytes_sent_total,
         replica_stale: false,
+        replica_behind: false,
     }
 }
 

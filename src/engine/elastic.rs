@@ -633,15 +633,21 @@ impl Fleet {
         Ok(Some(r))
     }
 
-    /// Ids of the members whose latest snapshot says they dropped a replica.
-    pub fn stale_replicas(&self) -> Vec<u64> {
-        self.members.iter().filter(|m| relock(&m.link).snapshot.replica_stale).map(|m| m.id).collect()
+    /// Ids of the members whose latest snapshot says they dropped a replica (first), and of
+    /// those whose replicas wait for more updates than they apply (second).
+    pub fn stale_replicas(&self) -> (Vec<u64>, Vec<u64>) {
+        let snaps: Vec<(u64, Snapshot)> = self.members.iter().map(|m| (m.id, relock(&m.link).snapshot)).collect();
+        let ids = |f: fn(&Snapshot) -> bool| snaps.iter().filter(|(_, s)| f(s)).map(|(id, _)| *id).collect();
+        (ids(|s| s.replica_stale), ids(|s| s.replica_behind && !s.replica_stale))
     }
 
-    /// Logs that members `stale` dropped a replica and full copies follow at `step`.
-    pub fn replicas_recopied(&self, step: u64, stale: &[u64]) {
-        eprintln!("elastic: worker(s) {stale:?} dropped a replica (see their log); full copies at step {step}");
-        self.shared.event(json!({"event": "replicas_recopied", "step": step, "epoch": self.epoch, "ids": stale}));
+    /// Logs that full copies follow at `step`: members `dropped` dropped a replica, members
+    /// `behind` had not applied the recent updates.
+    pub fn replicas_recopied(&self, step: u64, dropped: &[u64], behind: &[u64]) {
+        if !dropped.is_empty() {
+            eprintln!("elastic: worker(s) {dropped:?} dropped a replica (see their log); full copies at step {step}");
+        }
+        self.shared.event(json!({"event": "replicas_recopied", "step": step, "epoch": self.epoch, "dropped": dropped, "behind": behind}));
     }
 
     /// A full copy of the replicas at `step` committed steps (when an epoch forms, or after a

@@ -10,12 +10,13 @@
 //!   aborts the current QUIC group so that a collective waiting on a lost peer returns at once;
 //! - keeps replicas of its `replicas` ring predecessors' shards (fp32 masters and optimizer
 //!   buffers): a full copy when an epoch forms (`Replicate`), then kept in step by each
-//!   predecessor's reduced gradient and step record, which its `ZeroWorker` exchanges during
-//!   prepare and commit ([`super::replica`]); the optimizer step on the replicas runs on a
-//!   background thread while the next step computes. A lost rank's committed state is then
-//!   still in memory on a survivor (`ExportReplica`). A replica whose update fails or whose
-//!   digest differs from the owner's is dropped and reported in the next snapshot
-//!   (`replica_stale`); the driver then sends a new full copy;
+//!   predecessor's reduced gradient and step record, which its `ZeroWorker` receives at the end
+//!   of prepare and turns into updates at commit ([`super::replica`]); the optimizer step on the
+//!   replicas runs on a low-priority background thread while the next steps compute. A lost
+//!   rank's committed state is then still in memory on a survivor (`ExportReplica`). A replica
+//!   whose update fails or whose digest differs from the owner's is dropped and reported in the
+//!   next snapshot (`replica_stale`), and so are replicas that fell too far behind
+//!   (`replica_behind`); the driver then sends new full copies;
 //! - answers `Status` (the committed steps its state holds, or none after a commit that failed
 //!   half-way, and which replicas it holds) and moves to a new plan epoch on `Epoch`: it leaves
 //!   the old group, binds a fresh QUIC socket, receives the addresses and node names of the new
@@ -28,6 +29,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::ops::Range;
 use std::path::Path;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, SyncSender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -203,11 +205,13 @@ fn say(line: String) {
     let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), format!("{line}\n").as_bytes());
 }
 
-/// Commits whose replica updates may wait for the background thread before a commit waits
-/// for it (each holds the predecessors' gradients: Ψ/N × 4 bytes per predecessor).
-const REPLICA_QUEUE_STEPS: usize = 4;
+/// Commits whose replica updates may wait for the background thread; with more the replicas
+/// are "behind" and the driver sends full copies instead (each queued commit holds the
+/// predecessors' gradients: Ψ/N × 4 bytes per predecessor).
+const REPLICA_QUEUE_STEPS: usize = 8;
 /// The nice value of the replica thread: it takes the CPU the rank's compute leaves idle (the
-/// step's waits on its peers) and yields to it otherwise; the bounded queue lets it catch up.
+/// step's waits on its peers) and yields to it otherwise. Where no CPU is idle it falls behind,
+/// and a full copy (a transfer, far cheaper than the optimizer steps) catches it up.
 const REPLICA_THREAD_NICE: libc::c_int = 19;
 
 /// What the replica thread and the worker share.
@@ -218,17 +222,29 @@ struct ReplicaShared {
     /// Commits queued or being applied, and what failed since the last look.
     pending: Mutex<(usize, Vec<String>)>,
     idle: Condvar,
+    /// Jobs queued before the replicas were last replaced are skipped, not applied.
+    generation: AtomicU64,
+}
+
+/// One commit's updates for the thread.
+struct ReplicaJob {
+    generation: u64,
+    plan: Arc<Plan>,
+    updates: Vec<Update>,
 }
 
 /// The replicas this worker holds and the thread that applies the owners' steps to them
-/// while the next steps compute (at most [`REPLICA_QUEUE_STEPS`] commits behind).
+/// while the next steps compute (see [`REPLICA_QUEUE_STEPS`]).
 struct Replicas {
     shared: Arc<ReplicaShared>,
     /// Updates to the thread; `None` when it could not be started (updates apply inline).
-    tx: Option<SyncSender<(Arc<Plan>, Vec<Update>)>>,
+    tx: Option<SyncSender<ReplicaJob>>,
     /// A replica was dropped since the last full copy (an update failed or its digest differed
     /// from the owner's): the driver is told in the snapshot and sends a full copy.
     stale: bool,
+    /// More than [`REPLICA_QUEUE_STEPS`] commits wait to be applied: the driver sends a full
+    /// copy rather than have them applied.
+    behind: bool,
 }
 
 fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -261,10 +277,31 @@ fn apply_updates(held: &mut Vec<Replica>, plan: &Plan, updates: Vec<Update>, pro
     }
 }
 
+impl ReplicaShared {
+    /// Runs (or, when the replicas were replaced since it was queued, skips) one job.
+    fn run(&self, job: ReplicaJob) {
+        let mut problems = Vec::new();
+        {
+            let mut held = relock(&self.held);
+            if job.generation == self.generation.load(Ordering::SeqCst) {
+                let t0 = Instant::now();
+                apply_updates(&mut held, &job.plan, job.updates, &mut problems);
+                if super::elastic::tracing() {
+                    say(format!("[replica] applied in {:.2} ms", t0.elapsed().as_secs_f64() * 1e3));
+                }
+            }
+        }
+        let mut p = relock(&self.pending);
+        p.0 = p.0.saturating_sub(1);
+        p.1.extend(problems);
+        self.idle.notify_all();
+    }
+}
+
 impl Replicas {
     fn new() -> Self {
         let shared = Arc::new(ReplicaShared::default());
-        let (tx, rx) = mpsc::sync_channel::<(Arc<Plan>, Vec<Update>)>(REPLICA_QUEUE_STEPS);
+        let (tx, rx) = mpsc::sync_channel::<ReplicaJob>(2 * REPLICA_QUEUE_STEPS + 1);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(1)
             .thread_name(|_| "tessera-replica".into())
@@ -281,18 +318,13 @@ impl Replicas {
             // One long job on the pool's only thread: the optimizer's parallel loops inside it
             // run on that thread too, not on the compute's pool.
             pool.spawn(move || {
-                while let Ok((plan, updates)) = rx.recv() {
-                    let mut problems = Vec::new();
-                    apply_updates(&mut relock(&sh.held), &plan, updates, &mut problems);
-                    let mut p = relock(&sh.pending);
-                    p.0 = p.0.saturating_sub(1);
-                    p.1.extend(problems);
-                    sh.idle.notify_all();
+                while let Ok(job) = rx.recv() {
+                    sh.run(job);
                 }
             });
             tx
         });
-        Replicas { shared, tx, stale: false }
+        Replicas { shared, tx, stale: false, behind: false }
     }
 
     /// Waits (bounded) until at most `most` commits are queued; takes the failures reported.
@@ -317,66 +349,67 @@ impl Replicas {
 
     /// Waits (bounded) for every queued step; the replicas are then current.
     fn settle(&mut self) -> MutexGuard<'_, Vec<Replica>> {
-        self.settle_with(true)
-    }
-
-    fn settle_with(&mut self, report: bool) -> MutexGuard<'_, Vec<Replica>> {
-        if !self.wait_below(0, report) {
+        if !self.wait_below(0, true) {
             // The thread may still hold the lock: take none of its replicas.
             say(format!("elastic worker: the replicas' steps took over {REPLICA_APPLY_TIMEOUT_MS} ms; dropping them"));
             // A new thread and empty replicas; the old thread ends once its queue is closed.
             *self = Replicas::new();
             self.stale = true;
         }
+        self.behind = false;
         relock(&self.shared.held)
     }
 
-    /// Forgets every replica (a new epoch or a full copy follows).
-    fn clear(&mut self) {
-        self.settle_with(false).clear();
-        self.stale = false;
-    }
-
-    /// Replaces the replicas with full copies.
+    /// Replaces the replicas (a new epoch, or full copies): what is queued is skipped.
     fn replace(&mut self, copies: Vec<Replica>) {
-        *self.settle_with(false) = copies;
-        self.stale = false;
+        self.shared.generation.fetch_add(1, Ordering::SeqCst);
+        if !self.wait_below(0, false) {
+            *self = Replicas::new();
+        }
+        *relock(&self.shared.held) = copies;
+        (self.stale, self.behind) = (false, false);
     }
 
-    /// Queues a commit's updates for the background thread (waiting, bounded, while
-    /// [`REPLICA_QUEUE_STEPS`] are queued already).
+    fn clear(&mut self) {
+        self.replace(Vec::new());
+    }
+
+    /// Queues a commit's updates for the background thread; past [`REPLICA_QUEUE_STEPS`]
+    /// waiting, the replicas are `behind`.
     fn queue(&mut self, plan: &Arc<Plan>, updates: Result<Vec<Update>, String>) {
         let updates = match updates {
             Ok(u) => u,
             Err(e) => {
-                let mut held = self.settle();
-                if !held.is_empty() {
-                    held.clear();
-                    drop(held);
+                if !relock(&self.shared.held).is_empty() || relock(&self.shared.pending).0 > 0 {
                     say(format!("elastic worker (pid {}): dropping the replicas (their updates did not arrive: {e})", std::process::id()));
+                    self.clear();
                     self.stale = true;
                 }
                 return;
             }
         };
-        if !self.wait_below(REPLICA_QUEUE_STEPS - 1, true) {
+        if relock(&self.shared.pending).0 >= 2 * REPLICA_QUEUE_STEPS {
+            // No full copy came to catch up: apply what waits rather than queue without end.
             drop(self.settle());
+            self.behind = true;
         }
-        if let Some(tx) = &self.tx {
-            relock(&self.shared.pending).0 += 1;
-            match tx.send((Arc::clone(plan), updates)) {
-                Ok(()) => return,
-                Err(mpsc::SendError((_, u))) => {
-                    relock(&self.shared.pending).0 -= 1;
+        self.wait_below(usize::MAX, true);
+        let job = ReplicaJob { generation: self.shared.generation.load(Ordering::SeqCst), plan: Arc::clone(plan), updates };
+        let queued = {
+            let mut p = relock(&self.shared.pending);
+            p.0 += 1;
+            p.0
+        };
+        self.behind |= queued > REPLICA_QUEUE_STEPS;
+        match &self.tx {
+            Some(tx) => {
+                if let Err(mpsc::SendError(job)) = tx.send(job) {
                     self.tx = None;
-                    return self.queue(plan, Ok(u));
+                    self.shared.run(job);
                 }
             }
+            None => self.shared.run(job),
         }
-        let mut problems = Vec::new();
-        apply_updates(&mut relock(&self.shared.held), plan, updates, &mut problems);
-        relock(&self.shared.pending).1.extend(problems);
-        self.wait_below(0, true);
     }
 }
 
@@ -487,13 +520,7 @@ impl Worker {
 
     /// Sends the replica of `owner` as `Export` would send the owner's own state.
     fn export_replica(&mut self, stream: &mut TcpStream, owner: usize) -> Result<()> {
-        let held = std::mem::take(&mut *self.replicas.settle());
-        let res = self.send_replica(stream, &held, owner);
-        *self.replicas.settle_with(false) = held;
-        res
-    }
-
-    fn send_replica(&self, stream: &mut TcpStream, held: &[Replica], owner: usize) -> Result<()> {
+        let held = self.replicas.settle();
         let Some(r) = held.iter().find(|r| r.owner == owner) else {
             wire::send(stream, &ToParent::Failed { error: format!("no replica of rank {owner} here") })?;
             return Ok(());
@@ -561,8 +588,8 @@ impl Worker {
 
     /// Answers one request; returns false on `Shutdown`.
     fn serve_one(&mut self, msg: ToWorker, stream: &mut TcpStream, alive: &dyn Fn() -> Result<(), WireError>) -> Result<bool> {
-        let stale = self.replicas.stale;
-        let snap = |m: &Member| Snapshot { replica_stale: stale, ..snapshot(&lock(&m.state), m.rank) };
+        let (stale, behind) = (self.replicas.stale, self.replicas.behind);
+        let snap = |m: &Member| Snapshot { replica_stale: stale, replica_behind: behind, ..snapshot(&lock(&m.state), m.rank) };
         let reply = match msg {
             ToWorker::Prepare { step, epoch, attempt } => {
                 let m = self.member()?;
@@ -578,7 +605,8 @@ impl Worker {
                         if let Some(updates) = m.worker.take_replica_updates() {
                             self.replicas.queue(&m.plan, updates);
                         }
-                        let s = Snapshot { replica_stale: self.replicas.stale, ..snapshot(&lock(&m.state), m.rank) };
+                        let (replica_stale, replica_behind) = (self.replicas.stale, self.replicas.behind);
+                        let s = Snapshot { replica_stale, replica_behind, ..snapshot(&lock(&m.state), m.rank) };
                         self.at = Some(step + 1);
                         ToParent::Committed { snapshot: s }
                     }
@@ -704,4 +732,49 @@ pub fn run_joiner(dir: &Path) -> Result<()> {
     let mut w = Worker::new(s)?;
     // A joiner is not the driver's child: it leaves when the control connection closes.
     w.run(&mut stream, &|| Ok(()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{from_str_named, ResolveContext};
+    use crate::engine::replica::StepRecord;
+
+    fn plan() -> Arc<Plan> {
+        let text = r#"{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "tessera": {"model": "gpt-tiny", "seq_len": 16}}"#;
+        let cfg = from_str_named(text, "test.json", &[], &ResolveContext::with_world(2)).expect("config");
+        let tokens: Vec<u32> = (0..2048u32).map(|i| i % 256).collect();
+        let data = Dataset { train: tokens.clone(), val: tokens, vocab_size: 256, source: "synthetic".into() };
+        Arc::new(Plan::new(&cfg, &data).expect("plan"))
+    }
+
+    /// Past the queue bound the replicas are `behind`; a full copy then replaces them and the
+    /// queued updates are skipped, not applied.
+    #[test]
+    fn replicas_that_fall_behind_are_replaced_without_applying_the_queue() {
+        let plan = plan();
+        let mut r = Replicas::new();
+        let bogus = || {
+            let record = StepRecord { step: 0, applied: false, lr: 0.0, reductions: vec![], optimizer_steps: 0, digest: None };
+            Ok(vec![Update { owner: 99, grad: vec![], record }])
+        };
+        {
+            // The thread blocks on the replicas while this holds them.
+            let shared = Arc::clone(&r.shared);
+            let _held = relock(&shared.held);
+            for _ in 0..=REPLICA_QUEUE_STEPS {
+                r.queue(&plan, bogus());
+            }
+            assert!(r.behind, "more than {REPLICA_QUEUE_STEPS} commits waiting");
+            r.shared.generation.fetch_add(1, Ordering::SeqCst);
+        }
+        let copy = Replica::from_copy(0, 0..0, 5, plan.optimizer, vec![], 3, &[("exp_avg", vec![]), ("exp_avg_sq", vec![])]).expect("copy");
+        r.replace(vec![copy]);
+        assert!(!r.behind && !r.stale, "behind {} stale {}", r.behind, r.stale);
+        assert_eq!(r.settle().iter().map(|x| (x.owner, x.at)).collect::<Vec<_>>(), [(0, 5)]);
+        // An update with no replica to apply to is reported (so a skipped one above was not run).
+        r.queue(&plan, bogus());
+        drop(r.settle());
+        assert!(r.stale);
+    }
 }

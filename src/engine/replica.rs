@@ -8,20 +8,23 @@
 //! - at the end of `prepare`, as soon as it is final, the reduced gradient of the owner's range
 //!   exactly as the optimizer will read it (unscaled, clipped, rounded to the storage type; 16-bit
 //!   storage travels as its 16-bit patterns, two to a word), or nothing for a step skipped on
-//!   overflow — [`pack_gradient`];
-//! - during `commit`, after its own optimizer step, a [`StepRecord`]: whether the step was
-//!   applied or skipped (fp16 overflow), the learning rate it used, the results of every norm
-//!   all-reduce the optimizer made (LAMB's per-tensor weight and update norms: the step is
-//!   collective, the replica replays the reduced values), the optimizer's step count after it,
-//!   and every `replica_check_interval` steps the blake3 of the owner's shard after the step.
+//!   overflow — [`pack_gradient`] — behind a [`StepRecord`]: whether the step is applied or
+//!   skipped (the loss scaler skips exactly the steps whose gradient overflowed), the learning
+//!   rate (a function of the applied steps), the optimizer's step count after it, and every
+//!   `replica_check_interval` steps the blake3 of the owner's shard the step starts from;
+//! - LAMB only, during `commit`, after the owner's optimizer step: the results of its norm
+//!   all-reduces (its per-tensor trust ratios need the global weight and update norms; the
+//!   replica replays the reduced values).
 //!
 //! Both travel as all-to-alls in the rank's ordered collective lane, so every rank of the group
 //! exchanges them at the same point of the step (a successor's receive can never wait on a send
-//! that waits on it, whatever the message size). The successor applies the step with the same
-//! optimizer code ([`Replica::apply`], on a background thread that overlaps the next step); the
-//! step count must then agree, and where the record carries a digest the replica's blake3 must be
-//! the owner's. A replica that disagrees is dropped and reported, and the driver sends a fresh full
-//! copy (`docs/ELASTIC.md`).
+//! that waits on it, whatever the message size); the first runs on the communication thread while
+//! the driver collects the prepare answers. The commit checks each record against its own
+//! decision (every rank takes the same). The successor applies the step with the same optimizer
+//! code ([`Replica::apply`], on a background thread); where the record carries a digest the
+//! replica's blake3 must first be the owner's, and the step count must agree after it. A replica
+//! that disagrees is dropped and reported, and the driver sends a fresh full copy
+//! (`docs/ELASTIC.md`).
 //!
 //! Abandoned steps need nothing: the gradient exchange of a prepared step completes on every
 //! rank (all of them issued it) and is only turned into replica updates by the commit.
@@ -66,9 +69,9 @@ impl FeedConfig {
         (1..=self.successors.min(world.saturating_sub(1))).map(|j| (rank + world - j) % world).collect()
     }
 
-    /// Whether the commit that makes `committed` steps carries a digest.
-    pub fn digest_due(&self, committed: u64) -> bool {
-        self.check_every > 0 && committed % self.check_every == 0
+    /// Whether the record of step `step` carries the digest of the state it starts from.
+    pub fn digest_due(&self, step: u64) -> bool {
+        self.check_every > 0 && step % self.check_every == 0
     }
 }
 
@@ -85,7 +88,8 @@ pub struct StepRecord {
     pub reductions: Vec<Vec<f64>>,
     /// The optimizer's step count after the step.
     pub optimizer_steps: u64,
-    /// blake3 of the owner's shard after the step ([`shard_digest`]), when due.
+    /// blake3 of the owner's shard at `step` committed steps, before the step
+    /// ([`shard_digest`]), when due.
     pub digest: Option<[u8; 32]>,
 }
 
@@ -150,26 +154,62 @@ impl StepRecord {
     }
 }
 
-/// The reduced gradient of `range` (indices into `grads`) as it travels: f32 values, or for
-/// 16-bit storage the 16-bit patterns two to a word (lossless: the store holds them).
-pub fn pack_gradient(grads: &Store, range: Range<usize>) -> Vec<f32> {
-    let pack = |bits: &mut dyn Iterator<Item = u16>| {
-        let bits: Vec<u16> = bits.collect();
-        bits.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p.get(1).copied().unwrap_or(0)) << 16))).collect()
+/// The reduced gradient of `range` (indices into `grads`) as it travels, appended to `out`:
+/// f32 values, or for 16-bit storage the 16-bit patterns two to a word (lossless: the store
+/// holds them).
+pub fn pack_gradient(grads: &Store, range: Range<usize>, out: &mut Vec<f32>) {
+    let pairs = |bits: &[u16], out: &mut Vec<f32>| {
+        out.extend(bits.chunks(2).map(|p| f32::from_bits(u32::from(p[0]) | (u32::from(p.get(1).copied().unwrap_or(0)) << 16))));
     };
     match grads {
-        Store::F32(v) => v[range].to_vec(),
-        Store::Bf16(v) => pack(&mut v[range].iter().map(|x| x.to_bits())),
-        Store::F16(v) => pack(&mut v[range].iter().map(|x| x.to_bits())),
+        Store::F32(v) => out.extend_from_slice(&v[range]),
+        Store::Bf16(v) => pairs(bytemuck::cast_slice(&v[range]), out),
+        Store::F16(v) => pairs(bytemuck::cast_slice(&v[range]), out),
+    }
+}
+
+/// Words a packed gradient of `len` values of `dtype` takes.
+pub fn packed_len(dtype: DType, len: usize) -> usize {
+    match dtype {
+        DType::F32 => len,
+        DType::BF16 | DType::F16 => len.div_ceil(2),
+    }
+}
+
+/// One owner's update as it travels: the packed gradient (none for a skipped step), then the
+/// encoded record, then the record's length in words.
+pub fn encode_update(record: &StepRecord, grads: Option<(&Store, Range<usize>)>) -> Vec<f32> {
+    let rec = record.encode();
+    let glen = grads.as_ref().map_or(0, |(s, r)| packed_len(store_dtype(s), r.len()));
+    let mut out = Vec::with_capacity(glen + rec.len() + 1);
+    if let Some((s, r)) = grads {
+        pack_gradient(s, r, &mut out);
+    }
+    out.extend_from_slice(&rec);
+    out.push(f32::from_bits(rec.len() as u32));
+    out
+}
+
+/// [`encode_update`]'s words back to the record and the packed gradient words.
+pub fn decode_update(mut words: Vec<f32>) -> Result<(StepRecord, Vec<f32>), String> {
+    let n = words.pop().ok_or("an empty replica update")?.to_bits() as usize;
+    let at = words.len().checked_sub(n).ok_or_else(|| format!("a replica update of {} words announces a record of {n}", words.len()))?;
+    let record = StepRecord::decode(&words[at..])?;
+    words.truncate(at);
+    Ok((record, words))
+}
+
+fn store_dtype(s: &Store) -> DType {
+    match s {
+        Store::F32(_) => DType::F32,
+        Store::Bf16(_) => DType::BF16,
+        Store::F16(_) => DType::F16,
     }
 }
 
 /// [`pack_gradient`]'s words back to `len` f32 values of storage type `dtype`.
 pub fn unpack_gradient(dtype: DType, words: Vec<f32>, len: usize) -> Result<Vec<f32>, String> {
-    let want = match dtype {
-        DType::F32 => len,
-        DType::BF16 | DType::F16 => len.div_ceil(2),
-    };
+    let want = packed_len(dtype, len);
     if words.len() != want {
         return Err(format!("a replica gradient of {} words, expected {want} for {len} {} values", words.len(), dtype.name()));
     }
@@ -267,8 +307,8 @@ impl Replica {
     }
 
     /// Applies the owner's step `u` exactly as the owner's optimizer did (same kernels, same
-    /// gradient, same scalars, the owner's reduced norms), then checks the step count and, when
-    /// the record carries one, the digest. On an error the replica must be discarded.
+    /// gradient, same scalars, the owner's reduced norms), after checking the digest when the
+    /// record carries one, and then the step count. On an error the replica must be discarded.
     pub fn apply(&mut self, plan: &Plan, u: Update) -> Result<(), String> {
         let owner = self.owner;
         if u.owner != owner {
@@ -277,9 +317,20 @@ impl Replica {
         if u.record.step != self.at {
             return Err(format!("rank {owner}'s update is for step {}, its replica holds {} committed steps", u.record.step, self.at));
         }
+        if let Some(d) = u.record.digest {
+            let mine = self.digest();
+            if mine != d {
+                return Err(format!(
+                    "rank {owner}'s replica at {} committed steps has blake3 {}, the owner's shard {}",
+                    self.at,
+                    hex(&mine),
+                    hex(&d)
+                ));
+            }
+        }
         if u.record.applied {
             if u.grad.len() != self.master.len() {
-                return Err(format!("rank {owner}'s gradient has {} values, its range {} ", u.grad.len(), self.master.len()));
+                return Err(format!("rank {owner}'s gradient has {} values, its range {}", u.grad.len(), self.master.len()));
             }
             let ctx = StepContext { shard_range: self.range.clone(), layout: &plan.flat, decay: &plan.decay };
             let mut replay = Replay { results: u.record.reductions.into_iter(), error: None };
@@ -296,17 +347,6 @@ impl Replica {
                 u.record.step,
                 u.record.optimizer_steps
             ));
-        }
-        if let Some(d) = u.record.digest {
-            let mine = self.digest();
-            if mine != d {
-                return Err(format!(
-                    "rank {owner}'s replica after step {} has blake3 {}, the owner's shard {}",
-                    u.record.step,
-                    hex(&mine),
-                    hex(&d)
-                ));
-            }
         }
         Ok(())
     }
@@ -327,7 +367,7 @@ mod tests {
             step: (7 << 32) + 3,
             applied: true,
             lr: 1.5e-3,
-            reductions: vec![vec![1.0, f64::NAN, -0.0], vec![]],
+            reductions: vec![vec![], vec![1.0, f64::NAN, -0.0]],
             optimizer_steps: 12,
             digest: Some([9; 32]),
         };
@@ -355,13 +395,21 @@ mod tests {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let mut s = Store::zeros(dtype, 9);
             s.write(1, &x);
-            let packed = pack_gradient(&s, 1..8);
+            let mut packed = Vec::new();
+            pack_gradient(&s, 1..8, &mut packed);
             assert_eq!(packed.len(), if dtype == DType::F32 { 7 } else { 4 });
             let mut want = vec![0.0; 7];
             s.read(1, &mut want);
             let got = unpack_gradient(dtype, packed.clone(), 7).expect("unpacks");
             assert_eq!(bytemuck::cast_slice::<f32, u32>(&got), bytemuck::cast_slice::<f32, u32>(&want), "{dtype:?}");
             assert!(unpack_gradient(dtype, packed, 12).is_err());
+            let rec = StepRecord { step: 3, applied: true, lr: 0.5, reductions: vec![], optimizer_steps: 4, digest: None };
+            let (back, words) = decode_update(encode_update(&rec, Some((&s, 1..8)))).expect("an update");
+            assert_eq!(back, rec);
+            assert_eq!(unpack_gradient(dtype, words, 7).expect("unpacks"), got);
+            let (_, none) = decode_update(encode_update(&rec, None)).expect("a skipped step");
+            assert!(none.is_empty());
+            assert!(decode_update(vec![f32::from_bits(99)]).is_err());
         }
     }
 }

@@ -568,16 +568,20 @@ impl Run<'_> {
     }
 
     /// Sends full replica copies at `step` committed steps when a member reported a replica
-    /// dropped (a failed update or a digest that differed from its owner's).
+    /// dropped (a failed update or a digest that differed from its owner's) or its replicas
+    /// behind (more updates waiting than it applied in the background).
     fn resync_replicas(&mut self, step: u64) -> Result<()> {
         let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
-        let stale = fleet.stale_replicas();
-        if stale.is_empty() {
+        let (dropped, behind) = fleet.stale_replicas();
+        if dropped.is_empty() && behind.is_empty() {
             return Ok(());
         }
-        fleet.replicas_recopied(step, &stale);
+        fleet.replicas_recopied(step, &dropped, &behind);
         if let Some(el) = self.elastic.as_mut() {
-            el.stats.replicas_recopied += 1;
+            match dropped.is_empty() {
+                false => el.stats.replicas_recopied += 1,
+                true => el.stats.replica_catch_up_copies += 1,
+            }
         }
         let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
         fleet.replicate(step)

@@ -79,6 +79,10 @@ pub struct Snapshot {
     /// update failed or its digest differed from the owner's): it needs a new full copy.
     #[serde(default)]
     pub replica_stale: bool,
+    /// Elastic: the replicas this worker holds wait for more commits' updates than it applies
+    /// in the background (a busy CPU): a full copy catches them up.
+    #[serde(default)]
+    pub replica_behind: bool,
 }
 
 /// [`Prepared`] with floats as bits.

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::dtype::{round_to, DType};
 use tessera_kernels::model::{UnitAccess, Workspace};
-use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, StepContext, StepOutcome};
+use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, OptimizerKind, StepContext, StepOutcome};
 use tessera_transport::collective::Collective;
 use tessera_transport::tree::TreeSum;
 
@@ -397,10 +397,12 @@ type BlockSum = (usize, u32, Vec<f32>);
 struct Staged {
     step: u64,
     overflow: bool,
-    /// The replica gradient exchange queued at the end of prepare (elastic runs): what each
-    /// rank sent this one.
-    exchange: Option<Ticket<Result<Vec<Vec<f32>>, String>>>,
+    /// The replica update exchange queued at the end of prepare (elastic runs).
+    exchange: Option<Exchange>,
 }
+
+/// An all-to-all in flight: what each rank sent this one.
+type Exchange = Ticket<Result<Vec<Vec<f32>>, String>>;
 
 /// A rank feeding its ring successors' replicas of its shard ([`super::replica`]).
 struct Feed {
@@ -472,9 +474,9 @@ impl ZeroWorker {
     }
 
     /// Keeps ring successors' replicas of this rank's shard in step ([`super::replica`]): each
-    /// prepared step sends the final gradient, each commit the step's record, and receives the
-    /// predecessors' ([`ZeroWorker::take_replica_updates`]). Every rank of the group must do
-    /// the same.
+    /// prepared step sends the step record and the final gradient, and each commit turns the
+    /// predecessors' into updates ([`ZeroWorker::take_replica_updates`]). Every rank of the
+    /// group must do the same.
     pub fn with_replica_feed(mut self, cfg: FeedConfig) -> Self {
         self.feed = (cfg.successors > 0 && self.plan.stage > 0 && self.plan.world > 1).then_some(Feed { cfg, updates: None });
         self
@@ -638,7 +640,7 @@ impl ZeroWorker {
         (st.bytes_sent_total, st.ops_total) = (after.bytes_sent, after.ops);
         // Queued last (after the counters), so a communication thread runs it while the driver
         // collects the answers; `commit` waits for it.
-        let exchange = self.feed.as_ref().map(|f| f.cfg).map(|cfg| self.send_replica_gradient(cfg, st, overflow));
+        let exchange = self.feed.as_ref().map(|f| f.cfg).map(|cfg| self.send_replica_update(cfg, order.step, st, overflow));
         self.staged = Some(Staged { step: order.step, overflow, exchange });
         Ok(Prepared {
             loss_sum,
@@ -660,7 +662,7 @@ impl ZeroWorker {
         };
         let done = self.optimizer_step(staged.overflow, st)?;
         if let Some(exchange) = staged.exchange {
-            let updates = self.exchange_step_records(step, exchange, done, st);
+            let updates = self.finish_replica_updates(step, exchange, done);
             if let Some(f) = self.feed.as_mut() {
                 f.updates = Some(updates);
             }
@@ -712,60 +714,77 @@ impl ZeroWorker {
         Ok(StepDone { applied: true, lr, reductions })
     }
 
-    /// End of prepare: queues the all-to-all that sends this rank's final gradient (exactly
-    /// what the optimizer will read; nothing for a step skipped on overflow) to its successors.
-    fn send_replica_gradient(&mut self, cfg: FeedConfig, st: &RankState, overflow: bool) -> Ticket<Result<Vec<Vec<f32>>, String>> {
+    /// End of prepare: queues the all-to-all that sends this rank's successors its step record
+    /// and its final gradient (exactly what the optimizer will read; nothing for a step skipped
+    /// on overflow). Everything in the record is known now: the step is skipped exactly when
+    /// the gradient overflowed, the learning rate follows the applied steps, and the digest
+    /// (when due) is of the state the step starts from; only LAMB's reduced norms come later.
+    fn send_replica_update(&mut self, cfg: FeedConfig, step: u64, st: &RankState, overflow: bool) -> Exchange {
         let range = self.plan.optim_range(self.rank);
         let local = if self.plan.stage <= 1 { range } else { 0..range.len() };
-        let packed = if overflow { Vec::new() } else { replica::pack_gradient(&st.grads, local) };
+        let record = StepRecord {
+            step,
+            applied: !overflow,
+            lr: self.lr_at(st.applied),
+            reductions: Vec::new(),
+            optimizer_steps: st.optim.step_count() + u64::from(!overflow),
+            digest: cfg.digest_due(step).then(|| replica::shard_digest(&st.master, &st.optim.state_buffers())),
+        };
+        let words = replica::encode_update(&record, (!overflow).then_some((&st.grads, local)));
         let succ = cfg.successors_of(self.rank, self.plan.world);
         let world = self.plan.world;
-        self.lane.submit("the replica gradient exchange", move |c| {
-            let sends: Vec<&[f32]> = (0..world).map(|j| if succ.contains(&j) { &packed[..] } else { &[][..] }).collect();
-            c.all_to_all(&sends).map_err(|e| format!("the replica gradient exchange: {e}"))
+        self.lane.submit("the replica update exchange", move |c| {
+            let sends: Vec<&[f32]> = (0..world).map(|j| if succ.contains(&j) { &words[..] } else { &[][..] }).collect();
+            c.all_to_all(&sends).map_err(|e| format!("the replica update exchange: {e}"))
         })
     }
 
-    /// End of commit: sends this rank's step record to its successors and turns what the
-    /// predecessors sent (gradient at prepare, record now) into their replicas' updates.
-    fn exchange_step_records(
-        &mut self,
-        step: u64,
-        exchange: Ticket<Result<Vec<Vec<f32>>, String>>,
-        done: StepDone,
-        st: &RankState,
-    ) -> Result<Vec<Update>, String> {
+    /// End of commit: turns what the predecessors sent at the end of prepare into their
+    /// replicas' updates, after checking the records against what this commit did (every
+    /// rank takes the same decision). LAMB's reduced norms are exchanged now.
+    fn finish_replica_updates(&mut self, step: u64, exchange: Exchange, done: StepDone) -> Result<Vec<Update>, String> {
         let cfg = self.feed.as_ref().map(|f| f.cfg).ok_or("no replica feed")?;
         let (rank, world) = (self.rank, self.plan.world);
-        let digest = cfg.digest_due(step + 1).then(|| replica::shard_digest(&st.master, &st.optim.state_buffers()));
-        let record = StepRecord {
-            step,
-            applied: done.applied,
-            lr: done.lr,
-            reductions: done.reductions,
-            optimizer_steps: st.optim.step_count(),
-            digest,
-        };
-        let words = record.encode();
-        let succ = cfg.successors_of(rank, world);
-        let got = self.lane.call("the replica step-record exchange", move |c| {
-            let sends: Vec<&[f32]> = (0..world).map(|j| if succ.contains(&j) { &words[..] } else { &[][..] }).collect();
-            c.all_to_all(&sends).map_err(|e| format!("the replica step-record exchange: {e}"))
-        })??;
-        let mut grads = exchange.wait().and_then(|r| r)?;
+        let mut reductions: Vec<Vec<Vec<f64>>> = vec![Vec::new(); world];
+        if matches!(self.plan.optimizer, OptimizerKind::Lamb(_)) {
+            let mine = StepRecord {
+                step,
+                applied: done.applied,
+                lr: done.lr,
+                reductions: done.reductions.clone(),
+                optimizer_steps: 0,
+                digest: None,
+            };
+            let words = mine.encode();
+            let succ = cfg.successors_of(rank, world);
+            let got = self.lane.call("the replica norm exchange", move |c| {
+                let sends: Vec<&[f32]> = (0..world).map(|j| if succ.contains(&j) { &words[..] } else { &[][..] }).collect();
+                c.all_to_all(&sends).map_err(|e| format!("the replica norm exchange: {e}"))
+            })??;
+            for owner in cfg.predecessors_of(rank, world) {
+                let r = got.get(owner).ok_or("the replica norm exchange lost a rank")?;
+                reductions[owner] = StepRecord::decode(r).map_err(|e| format!("rank {owner}'s norms: {e}"))?.reductions;
+            }
+        }
+        let mut got = exchange.wait().and_then(|r| r)?;
+        if got.len() != world {
+            return Err(format!("the replica update exchange returned {} parts for {world} ranks", got.len()));
+        }
         let dtype = self.plan.precision.dtype();
         let mut updates = Vec::new();
-        if got.len() != world || grads.len() != world {
-            return Err(format!("the replica exchanges returned {} and {} parts for {world} ranks", got.len(), grads.len()));
-        }
         for owner in cfg.predecessors_of(rank, world) {
-            let record = StepRecord::decode(&got[owner]).map_err(|e| format!("rank {owner}'s step record: {e}"))?;
-            if record.step != step {
-                return Err(format!("rank {owner} sent the record of step {}, this rank committed step {step}", record.step));
+            let (mut record, words) = replica::decode_update(std::mem::take(&mut got[owner])).map_err(|e| format!("rank {owner}: {e}"))?;
+            if record.step != step || record.applied != done.applied || record.lr.to_bits() != done.lr.to_bits() {
+                return Err(format!(
+                    "rank {owner}'s record (step {}, applied {}, lr {}) disagrees with this rank's commit (step {step}, applied {}, lr {})",
+                    record.step, record.applied, record.lr, done.applied, done.lr
+                ));
             }
+            record.reductions = std::mem::take(&mut reductions[owner]);
             let grad = match record.applied {
-                true => replica::unpack_gradient(dtype, std::mem::take(&mut grads[owner]), self.plan.optim_range(owner).len())
-                    .map_err(|e| format!("rank {owner}: {e}"))?,
+                true => {
+                    replica::unpack_gradient(dtype, words, self.plan.optim_range(owner).len()).map_err(|e| format!("rank {owner}: {e}"))?
+                }
                 false => Vec::new(),
             };
             updates.push(Update { owner, grad, record });
@@ -1382,11 +1401,10 @@ mod tests {
     }
 
     /// What [`replicated_steps`] leaves: each rank's shard digest, the replicas each rank holds
-    /// (owner, replica), one update per owner from the last step, and (applied, skipped) steps.
+    /// and (applied, skipped) steps.
     struct Replicated {
         owners: Vec<[u8; 32]>,
         held: Vec<Vec<replica::Replica>>,
-        last: Vec<Update>,
         applied: u64,
         skipped: u64,
     }
@@ -1419,23 +1437,21 @@ mod tests {
                 let (plan, sampler, state) = (Arc::clone(&plan), Arc::clone(&sampler), Arc::clone(&states[r]));
                 std::thread::spawn(move || {
                     let mut w = ZeroWorker::new(r, Arc::clone(&plan), sampler, Box::new(comm), state).with_replica_feed(feed);
-                    let mut last = Vec::new();
                     for step in 0..steps {
                         w.prepare(&StepOrder { step, epoch: 0, attempt: 0 }).expect("prepare");
                         w.commit(step).expect("commit");
                         let updates = w.take_replica_updates().expect("a feed").expect("replica updates");
                         assert_eq!(updates.len(), k.min(world - 1));
-                        last = updates.clone();
                         for u in updates {
                             let rep = held.iter_mut().find(|h| h.owner == u.owner).expect("a replica of the owner");
                             rep.apply(&plan, u).unwrap_or_else(|e| panic!("rank {r}, step {step}: {e}"));
                         }
                     }
-                    (held, last)
+                    held
                 })
             })
             .collect();
-        let (held, last): (Vec<_>, Vec<_>) = handles.into_iter().map(|h| h.join().expect("rank thread")).unzip();
+        let held: Vec<_> = handles.into_iter().map(|h| h.join().expect("rank thread")).collect();
         let owners = states.iter().map(|s| {
             let st = lock(s);
             replica::shard_digest(&st.master, &st.optim.state_buffers())
@@ -1444,14 +1460,14 @@ mod tests {
             let st = lock(&states[0]);
             (st.applied, st.skipped)
         };
-        Replicated { owners: owners.collect(), held, last: last.into_iter().flatten().collect(), applied, skipped }
+        Replicated { owners: owners.collect(), held, applied, skipped }
     }
 
     /// Replicas fed by the owners' gradients and step records stay bit-identical to the
     /// owners' shards: ZeRO-1/2/3, f32/bf16/fp16 (with a skipped overflow step), clipping (the
     /// setup clips at 1.0), LAMB's collective norms, overlap, two successors, an owner whose
-    /// optimizer state is on NVMe. A corrupted
-    /// gradient is caught by the digest.
+    /// optimizer state is on NVMe. A flipped
+    /// bit is caught by the digest.
     #[test]
     fn gradient_fed_replicas_stay_bit_identical_to_their_owners() {
         let on = "zero_optimization.overlap_comm=true";
@@ -1489,20 +1505,25 @@ mod tests {
                 assert!(got.skipped > 0 && got.applied > 0, "{what}: {} skipped, {} applied", got.skipped, got.applied);
             }
         }
-        // The check can fail: one flipped gradient bit makes the replica's digest differ.
-        let mut got = replicated_steps(2, 3, &[], 1, 1);
-        let mut u = got.last.remove(0);
-        u.record.step = 0;
-        u.grad[5] = f32::from_bits(u.grad[5].to_bits() ^ 1);
-        let (_, data) = setup(2, 3, &[]);
-        let (cfg, _) = setup(2, 3, &[]);
-        let plan = Plan::new(&cfg, &data).expect("plan");
-        let init = plan.model.init_params(7);
-        let range = plan.optim_range(u.owner);
-        let fresh = RankState::new(&plan, u.owner, &init, None);
-        let bufs: Vec<(&str, Vec<f32>)> = fresh.optim.state_buffers().into_iter().map(|(n, b)| (n, b.to_vec())).collect();
-        let mut rep = replica::Replica::from_copy(u.owner, range.clone(), 0, plan.optimizer, init[range].to_vec(), 0, &bufs).expect("copy");
-        let e = rep.apply(&plan, u).expect_err("a corrupted gradient");
+        // The check can fail: a replica with one flipped bit no longer has its owner's digest.
+        let got = replicated_steps(2, 3, &[], 1, 2);
+        let rep = got.held[1][0].clone();
+        let check = |rep: &mut replica::Replica| {
+            let record = StepRecord {
+                step: 2,
+                applied: false,
+                lr: 0.0,
+                reductions: vec![],
+                optimizer_steps: 2,
+                digest: Some(got.owners[rep.owner]),
+            };
+            let plan = plan(2, 3, &[]);
+            rep.apply(&plan, Update { owner: rep.owner, grad: vec![], record })
+        };
+        check(&mut rep.clone()).expect("the replica has its owner's digest");
+        let mut bad = rep;
+        bad.master[5] = f32::from_bits(bad.master[5].to_bits() ^ 1);
+        let e = check(&mut bad).expect_err("a flipped bit");
         assert!(e.contains("blake3"), "{e}");
     }
 
