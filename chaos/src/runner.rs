@@ -63,6 +63,8 @@ fn now_ms() -> u64 {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct FaultReport {
     pub kind: &'static str,
+    /// False for a fault whose trigger never came before the run ended.
+    pub injected: bool,
     /// What was hit: "rank 2 (worker 2, pid 1234)", "new worker (pid 99)", a checkpoint path.
     pub target: String,
     pub injected_ms: u64,
@@ -103,7 +105,8 @@ impl Report {
     pub fn render(&self) -> String {
         let mut s = String::new();
         let ms = |v: Option<u64>| v.map_or_else(|| "-".to_string(), |v| format!("{v} ms"));
-        s.push_str(&format!("chaos run, seed {}\n\nfaults injected: {}\n", self.seed, self.faults.len()));
+        let injected = self.faults.iter().filter(|f| f.injected).count();
+        s.push_str(&format!("chaos run, seed {}\n\nfaults injected: {injected} of {}\n", self.seed, self.faults.len()));
         s.push_str(&format!("  {:<19} {:<40} {:>12} {:>12}  note\n", "fault", "target", "detection", "recovery"));
         for f in &self.faults {
             s.push_str(&format!("  {:<19} {:<40} {:>12} {:>12}  {}\n", f.kind, f.target, ms(f.detection_ms), ms(f.recovery_ms), f.note));
@@ -369,7 +372,17 @@ fn run_one(o: &ChaosOptions, name: &str, faults: &[Fault], pb: &ProgressBar) -> 
         run.tokens_per_s = v["tokens_per_s"].as_f64().unwrap_or(0.0);
         run.elastic = v["elastic"].clone();
     }
-    let faults = reports.into_iter().map(|(r, id, at)| timings(r, id, at, &events, start_ms)).collect();
+    let mut faults: Vec<FaultReport> = reports.into_iter().map(|(r, id, at)| timings(r, id, at, &events, start_ms)).collect();
+    // A fault whose trigger never came is reported, not silently left out.
+    faults.extend(pending.iter().map(|f| FaultReport {
+        kind: f.kind.name(),
+        injected: false,
+        target: String::new(),
+        injected_ms: 0,
+        detection_ms: None,
+        recovery_ms: None,
+        note: format!("not injected: the run ended first ({} steps committed, {} events seen)", events.step(), events.all.len()),
+    }));
     Ok((run, faults))
 }
 
@@ -424,6 +437,7 @@ fn inject(
 ) -> Result<(FaultReport, Option<u64>), ChaosError> {
     let mut report = FaultReport {
         kind: f.kind.name(),
+        injected: true,
         target: String::new(),
         injected_ms: 0,
         detection_ms: None,
