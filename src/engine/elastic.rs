@@ -683,21 +683,29 @@ impl Fleet {
     /// Forms a new epoch at the boundary of `t` committed steps (see the module doc).
     pub fn reconfigure(&mut self, t: u64, dataset: &Dataset, restore: &Restore<'_>) -> Result<Reconfigured> {
         let attempts = self.shared.ids as usize + 2;
-        let (mut losses, mut drained, mut joined) = (0, 0, 0);
+        let mut losses = 0;
+        // (drained, joined) over every epoch formed meanwhile, also ones lost again at once.
+        let mut moved = (0, 0);
         for _ in 0..attempts {
             losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
-            if let Some(mut r) = self.try_reconfigure(t, dataset, restore)? {
+            if let Some(mut r) = self.try_reconfigure(t, dataset, restore, &mut moved)? {
                 losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
-                drained += r.drained;
-                joined += r.joined;
-                (r.losses, r.drained, r.joined) = (losses, drained, joined);
+                (r.losses, r.drained, r.joined) = (losses, moved.0, moved.1);
                 return Ok(r);
             }
         }
         bail!("gave up forming a new epoch after {attempts} attempts: workers kept failing")
     }
 
-    fn try_reconfigure(&mut self, t: u64, dataset: &Dataset, restore: &Restore<'_>) -> Result<Option<Reconfigured>> {
+    /// One attempt; `moved` counts the workers that drained and joined once the epoch formed
+    /// (before its replicas are copied, which a loss can still make fail).
+    fn try_reconfigure(
+        &mut self,
+        t: u64,
+        dataset: &Dataset,
+        restore: &Restore<'_>,
+        moved: &mut (usize, usize),
+    ) -> Result<Option<Reconfigured>> {
         let old = Arc::clone(&self.plan);
         let shared = Arc::clone(&self.shared);
         // 1. Who is left and what they hold.
@@ -899,11 +907,12 @@ impl Fleet {
         self.plan = Arc::clone(&plan);
         self.log_epoch(start.step, &source);
         eprintln!("elastic: epoch {epoch}: {world} worker(s), state from {source}");
+        (moved.0, moved.1) = (moved.0 + draining.len(), moved.1 + joined);
         if self.replicate(start.step).is_err() {
             return Ok(None);
         }
         let computes = self.computes();
-        Ok(Some(Reconfigured { plan, computes, step: start.step, source, losses: 0, drained: draining.len(), joined }))
+        Ok(Some(Reconfigured { plan, computes, step: start.step, source, losses: 0, drained: moved.0, joined: moved.1 }))
     }
 
     /// After an epoch formation that stopped half-way: each member in `owing` answered `Epoch`
