@@ -24,22 +24,32 @@ fn scenario(dir: &Path, steps: u64, faults: &str) -> std::path::PathBuf {
 
 /// Runs the scenario with `seed`; returns the report.
 fn chaos(dir: &Path, faults: &str, steps: u64, seed: u64) -> serde_json::Value {
+    chaos_with(dir, faults, steps, seed, &[], &[])
+}
+
+/// [`chaos`] with more `--set` overrides and environment variables for both runs.
+fn chaos_with(dir: &Path, faults: &str, steps: u64, seed: u64, sets: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
     let s = scenario(dir, steps, faults);
+    if !sets.is_empty() {
+        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&s).unwrap()).unwrap();
+        v["set"].as_array_mut().unwrap().extend(sets.iter().map(|x| serde_json::Value::from(*x)));
+        std::fs::write(&s, v.to_string()).unwrap();
+    }
     let out = dir.join("chaos");
-    let text = ok(
-        &[
-            "chaos",
-            "run",
-            "--scenario",
-            s.to_str().unwrap(),
-            "--seed",
-            &seed.to_string(),
-            "--output",
-            out.to_str().unwrap(),
-            "--no-progress",
-        ],
-        dir,
-    );
+    let args = [
+        "chaos",
+        "run",
+        "--scenario",
+        s.to_str().unwrap(),
+        "--seed",
+        &seed.to_string(),
+        "--output",
+        out.to_str().unwrap(),
+        "--no-progress",
+    ];
+    let run = std::process::Command::new(bin()).args(args).current_dir(dir).envs(env.iter().copied()).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&run.stdout), String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "tessera {args:?} failed:\n{text}");
     assert!(text.contains("result: EQUAL"), "{text}");
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
     assert_eq!(report["equal"], true, "{text}");
@@ -152,4 +162,40 @@ fn network_and_disk_faults_keep_the_fault_free_bits() {
     let faulted_log = std::fs::read_to_string(out.join("faulted.log")).unwrap();
     assert!(faulted_log.contains("No space left on device"), "{faulted_log}");
     assert!(out.join("faulted/checkpoints/step_00000010/manifest.json").exists(), "the last checkpoint is missing");
+}
+
+/// A replica that silently stops matching its owner (one flipped bit, injected) is caught by
+/// the periodic digest check and replaced by a full copy; a later kill restores from it and
+/// the run keeps the fault-free bits.
+#[test]
+fn a_diverged_replica_is_caught_by_its_digest_and_copied_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sets = ["tessera.elastic.replica_check_interval=2"];
+    let env = [("TESSERA_TEST_CORRUPT_REPLICA_AT_STEP", "2")];
+    let r = chaos_with(tmp.path(), r#"[{"at_step": 6, "kind": "kill", "rank": 1}]"#, 8, 1, &sets, &env);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["replicas_recopied"], 1, "{r:#}");
+    assert_eq!(el["restored_from_memory"], 1, "{r:#}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
+    assert!(log.contains(r#""event":"replicas_recopied""#), "{log}");
+}
+
+/// A straggler made with real signals (`slow`: SIGSTOP ~70 % of every 50 ms) is measured and
+/// given fewer micro-batches at a step boundary; the bits stay the fault-free ones.
+#[test]
+fn a_slowed_worker_is_given_fewer_micro_batches_and_the_bits_stay() {
+    let tmp = tempfile::tempdir().unwrap();
+    let faults = r#"[{"at_step": 1, "kind": "slow", "rank": 1, "duration_ms": 120000, "period_ms": 50, "duty_percent": 70}]"#;
+    let r = chaos(tmp.path(), faults, 10, 1);
+    assert!(r["faulted"]["elastic"]["rebalances"].as_u64().unwrap() >= 1, "{r:#}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
+    let first = log
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|e| e["event"] == "rebalance")
+        .unwrap_or_else(|| panic!("no rebalance event:\n{log}"));
+    let counts: Vec<u64> = first["micro_batches"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect();
+    assert_eq!(counts.iter().sum::<u64>(), 12, "{first}");
+    assert!(counts[1] < 3 && counts.iter().all(|&c| c >= counts[1]), "the slowed rank 1 should get the fewest: {first}");
+    assert!(r["faults"][0]["detection_ms"].is_u64(), "{r:#}");
 }

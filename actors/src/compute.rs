@@ -34,6 +34,12 @@ pub struct Prepared {
     pub bytes_received: u64,
     /// Wall-clock seconds spent in `prepare`.
     pub compute_s: f64,
+    /// Seconds this worker spent computing (forward/backward) `busy_micro_batches` of its
+    /// micro-batches, without the time it waited on its peers: its measured speed is their
+    /// ratio. Only micro-batch slots in which every worker computes are measured, so workers
+    /// that share a machine's cores are measured under the same contention.
+    pub busy_s: f64,
+    pub busy_micro_batches: usize,
 }
 
 /// The bytes one rank holds for parameters, gradients and optimizer state.

@@ -86,6 +86,8 @@ pub struct WirePrepared {
     pub bytes_sent: u64,
     pub bytes_received: u64,
     pub compute_s: f64,
+    pub busy_s: f64,
+    pub busy_micro_batches: u64,
 }
 
 /// [`ShardStatus`] on the wire.
@@ -134,6 +136,8 @@ impl WireOutcome {
                 bytes_sent: p.bytes_sent,
                 bytes_received: p.bytes_received,
                 compute_s: p.compute_s,
+                busy_s: p.busy_s,
+                busy_micro_batches: p.busy_micro_batches as u64,
             }),
             Outcome::Prepared(Err(e)) => WireOutcome::PrepareFailed(e),
             Outcome::Committed { step, result: Ok(()) } => WireOutcome::Committed { step },
@@ -172,6 +176,8 @@ impl WireOutcome {
                 bytes_sent: p.bytes_sent,
                 bytes_received: p.bytes_received,
                 compute_s: p.compute_s,
+                busy_s: p.busy_s,
+                busy_micro_batches: p.busy_micro_batches as usize,
             })),
             WireOutcome::PrepareFailed(e) => Outcome::Prepared(Err(e)),
             WireOutcome::Committed { step } => Outcome::Committed { step, result: Ok(()) },

@@ -3,7 +3,10 @@
 //! that realises it, and micro-batch blocks sized from measured worker speeds.
 //!
 //! Both are deterministic functions of their arguments: every member computes the same plan.
+//! [`Speeds`] keeps the smoothed measurements and [`propose_rebalance`] decides when a new
+//! assignment is worth it (stragglers and heterogeneous pools).
 
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
 use tessera_transport::tree::aligned_blocks;
@@ -236,6 +239,156 @@ pub fn blocks_for_speeds(micro_batches: usize, speeds: &[f64]) -> Vec<Vec<(usize
         .collect()
 }
 
+/// Micro-batch counts that minimise the makespan `max_r count_r / speed_r` with every worker
+/// given at least `floor` (when `micro_batches >= floor × workers`, else 0), so a slow worker
+/// keeps being measured. Water-filling: each leaf goes where it finishes earliest (ties to the
+/// earlier worker), which is optimal for this makespan. Speeds as [`leaf_counts_for_speeds`].
+pub fn leaf_counts_with_floor(micro_batches: usize, speeds: &[f64], floor: usize) -> Vec<usize> {
+    let clean: Vec<f64> = speeds.iter().map(|&s| if s.is_finite() && s > 0.0 { s } else { 0.0 }).collect();
+    let clean = if clean.iter().all(|&s| s == 0.0) { vec![1.0; speeds.len()] } else { clean };
+    let floor = if micro_batches >= floor.saturating_mul(speeds.len()) { floor } else { 0 };
+    let mut counts = vec![floor; speeds.len()];
+    for _ in floor * speeds.len()..micro_batches {
+        let r = (0..counts.len())
+            .filter(|&r| clean[r] > 0.0)
+            .min_by(|&a, &b| finish(counts[a] + 1, clean[a]).total_cmp(&finish(counts[b] + 1, clean[b])).then(a.cmp(&b)));
+        let Some(r) = r else { break };
+        counts[r] += 1;
+    }
+    counts
+}
+
+/// The predicted step (seconds of the slowest worker's compute) of `counts` at `speeds`
+/// (micro-batches per second); infinite when a worker with micro-batches has no speed.
+pub fn makespan(counts: &[usize], speeds: &[f64]) -> f64 {
+    counts
+        .iter()
+        .zip(speeds)
+        .filter(|(c, _)| **c > 0)
+        .map(|(&c, &s)| if s.is_finite() && s > 0.0 { c as f64 / s } else { f64::INFINITY })
+        .fold(0.0, f64::max)
+}
+
+/// A re-assignment of the micro-batch blocks by measured speed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rebalance {
+    /// Micro-batches per worker, and their aligned dyadic blocks (contiguous, worker order).
+    pub counts: Vec<usize>,
+    pub blocks: Vec<Vec<(usize, u32)>>,
+    /// Predicted step (seconds of compute of the slowest worker) now and after.
+    pub before_s: f64,
+    pub after_s: f64,
+}
+
+/// The blocks to switch to when re-assigning `micro_batches` by `speeds` (every worker keeps at
+/// least one when there are enough) shortens the predicted step of `current` counts by more
+/// than `threshold` (a fraction of it; `threshold <= 0` never proposes). The bits do not depend
+/// on the blocks (see [`blocks_for_speeds`]).
+pub fn propose_rebalance(micro_batches: usize, current: &[usize], speeds: &[f64], threshold: f64) -> Option<Rebalance> {
+    if threshold <= 0.0 || !threshold.is_finite() || current.len() != speeds.len() || current.is_empty() {
+        return None;
+    }
+    let counts = leaf_counts_with_floor(micro_batches, speeds, 1);
+    let (before_s, after_s) = (makespan(current, speeds), makespan(&counts, speeds));
+    let pays = after_s < before_s * (1.0 - threshold);
+    if counts.as_slice() == current || !pays {
+        return None;
+    }
+    let mut first = 0;
+    let blocks = counts
+        .iter()
+        .map(|&c| {
+            let b = aligned_blocks(first, first + c);
+            first += c;
+            b
+        })
+        .collect();
+    Some(Rebalance { counts, blocks, before_s, after_s })
+}
+
+/// Each member's measured speeds (micro-batches per second of its own compute) over its last
+/// `window` steps under the current blocks. A member's speed is their median: one step that
+/// lost the CPU to another process on a shared machine, or ran alone on it, does not move it,
+/// while a real straggler (slower hardware, a process stopped part of the time) is slow in
+/// most of them.
+#[derive(Debug, Clone)]
+pub struct Speeds<K: Ord> {
+    window: usize,
+    by_member: BTreeMap<K, VecDeque<f64>>,
+}
+
+impl<K: Ord + Clone> Speeds<K> {
+    /// `window` (at least 1): measurements a member needs under the current blocks before its
+    /// speed counts, and how many are kept.
+    pub fn new(window: usize) -> Self {
+        Speeds { window: window.max(1), by_member: BTreeMap::new() }
+    }
+
+    /// One step's report: `micro_batches` computed in `busy_s` seconds (ignored without both).
+    pub fn observe(&mut self, member: K, micro_batches: usize, busy_s: f64) {
+        if micro_batches == 0 || !(busy_s.is_finite() && busy_s > 0.0) {
+            return;
+        }
+        let w = self.by_member.entry(member).or_default();
+        if w.len() == self.window {
+            w.pop_front();
+        }
+        w.push_back(micro_batches as f64 / busy_s);
+    }
+
+    /// The blocks changed: measurements start again.
+    pub fn restart(&mut self) {
+        self.by_member.values_mut().for_each(VecDeque::clear);
+    }
+
+    /// Drops members that are gone.
+    pub fn retain(&mut self, alive: impl Fn(&K) -> bool) {
+        self.by_member.retain(|k, _| alive(k));
+    }
+
+    /// The speeds of `members` in order, once each has a full window of measurements.
+    pub fn of(&self, members: &[K]) -> Option<Vec<f64>> {
+        members.iter().map(|m| self.by_member.get(m).filter(|w| w.len() >= self.window).map(|w| median(w.iter().copied()))).collect()
+    }
+}
+
+/// The median of some finite values (the mean of the middle two for an even count).
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// Checks peer-supplied blocks for `workers` workers over `micro_batches`: each worker's blocks
+/// must be exactly [`aligned_blocks`] of a contiguous run, the runs in worker order covering
+/// `0..micro_batches` (the form under which any assignment gives the same bits).
+pub fn check_blocks(micro_batches: usize, workers: usize, blocks: &[Vec<(usize, u32)>]) -> Result<(), String> {
+    if blocks.len() != workers {
+        return Err(format!("{} workers' blocks for {workers} workers", blocks.len()));
+    }
+    let mut next = 0usize;
+    for (r, b) in blocks.iter().enumerate() {
+        let start = next;
+        for &(first, level) in b {
+            if level >= 63 || first != next || first >= micro_batches {
+                return Err(format!("worker {r}: block ({first}, {level}) after micro-batch {next} of {micro_batches}"));
+            }
+            next = first.saturating_add(1 << level).min(micro_batches);
+        }
+        if *b != aligned_blocks(start, next) {
+            return Err(format!("worker {r}: blocks {b:?} are not the aligned cut of micro-batches {start}..{next}"));
+        }
+    }
+    if next != micro_batches {
+        return Err(format!("the blocks cover {next} of {micro_batches} micro-batches"));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -429,5 +582,110 @@ mod tests {
         assert_eq!(leaf_counts_for_speeds(5, &[f64::NAN, 2.0]), vec![0, 5]);
         assert_eq!(leaf_counts_for_speeds(3, &[0.0, -1.0]), vec![2, 1]);
         assert_eq!(blocks_for_speeds(8, &[3.0, 1.0]), vec![vec![(0, 2), (4, 1)], vec![(6, 1)]]);
+    }
+
+    /// Brute force over every split of `m` leaves with each count >= floor.
+    fn best_makespan(m: usize, speeds: &[f64], floor: usize) -> f64 {
+        fn go(m: usize, speeds: &[f64], floor: usize, acc: &mut Vec<usize>, best: &mut f64) {
+            if acc.len() + 1 == speeds.len() {
+                let used: usize = acc.iter().sum();
+                if m >= used && m - used >= floor {
+                    acc.push(m - used);
+                    *best = best.min(makespan(acc, speeds));
+                    acc.pop();
+                }
+                return;
+            }
+            for c in floor..=m {
+                acc.push(c);
+                go(m, speeds, floor, acc, best);
+                acc.pop();
+            }
+        }
+        let mut best = f64::INFINITY;
+        go(m, speeds, floor, &mut Vec::new(), &mut best);
+        best
+    }
+
+    #[test]
+    fn floored_counts_are_optimal_keep_everyone_measured_and_cover_the_batch() {
+        let mut rng = Rng::new(11);
+        for _ in 0..300 {
+            let n = 1 + rng.gen_range(4) as usize;
+            let m = rng.gen_range(13) as usize;
+            let speeds: Vec<f64> = (0..n).map(|_| 0.2 + rng.gen_range(40) as f64 / 10.0).collect();
+            let c = leaf_counts_with_floor(m, &speeds, 1);
+            assert_eq!(c.iter().sum::<usize>(), m, "{speeds:?} m {m}: {c:?}");
+            let floor = usize::from(m >= n);
+            assert!(c.iter().all(|&x| x >= floor), "{speeds:?} m {m}: {c:?}");
+            let want = best_makespan(m, &speeds, floor);
+            assert!((makespan(&c, &speeds) - want).abs() < 1e-9, "{speeds:?} m {m}: {c:?} vs optimum {want}");
+        }
+    }
+
+    #[test]
+    fn a_rebalance_is_proposed_only_when_it_pays_more_than_the_threshold() {
+        // A worker at 40 % speed holding an even share of 12.
+        let speeds = [10.0, 4.0, 10.0, 10.0];
+        let r = propose_rebalance(12, &[3, 3, 3, 3], &speeds, 0.1).expect("worth it");
+        assert!(r.counts[1] < 3 && r.counts.iter().sum::<usize>() == 12, "{r:?}");
+        assert!(r.after_s < r.before_s * 0.9, "{r:?}");
+        check_blocks(12, 4, &r.blocks).expect("valid blocks");
+        // Already balanced for these speeds: nothing to do; a threshold of 0 turns it off.
+        assert_eq!(propose_rebalance(12, &r.counts, &speeds, 0.1), None);
+        assert_eq!(propose_rebalance(12, &[3, 3, 3, 3], &speeds, 0.0), None);
+        // Equal speeds within noise: the gain is below the threshold.
+        assert_eq!(propose_rebalance(12, &[3, 3, 3, 3], &[10.0, 9.5, 10.0, 10.2], 0.1), None);
+        // One micro-batch each: nothing can move.
+        assert_eq!(propose_rebalance(4, &[1, 1, 1, 1], &speeds, 0.1), None);
+    }
+
+    #[test]
+    fn a_speed_is_the_median_of_a_full_window_under_the_current_blocks() {
+        let mut s: Speeds<u64> = Speeds::new(3);
+        for (mb, busy) in [(4, 2.0), (4, 1.0)] {
+            s.observe(7, mb, busy);
+            s.observe(8, mb, busy * 2.0);
+        }
+        assert_eq!(s.of(&[7, 8]), None, "two of three measurements");
+        s.observe(7, 4, 0.1);
+        s.observe(8, 0, 1.0);
+        assert_eq!(s.of(&[7]), Some(vec![4.0]), "2, 4 and 40 mb/s: one outlier does not count");
+        assert_eq!(s.of(&[7, 8]), None, "an idle report is no measurement");
+        s.observe(8, 3, 1.0);
+        assert_eq!(s.of(&[8, 7]), Some(vec![2.0, 4.0]), "1, 2 and 3 mb/s");
+        for _ in 0..2 {
+            s.observe(7, 1, 1.0);
+        }
+        assert_eq!(s.of(&[7]), Some(vec![1.0]), "only the last three count");
+        s.restart();
+        assert_eq!(s.of(&[7]), None);
+        s.retain(|k| *k == 7);
+        for _ in 0..3 {
+            s.observe(7, 2, 1.0);
+        }
+        assert_eq!(s.of(&[7]), Some(vec![2.0]));
+        assert_eq!(s.of(&[8]), None);
+        assert_eq!(median([4.0, 1.0, 3.0, 2.0].into_iter()), 2.5);
+    }
+
+    #[test]
+    fn only_aligned_contiguous_blocks_covering_the_batch_pass_the_check() {
+        for (m, w) in [(12, 4), (10, 3), (7, 2), (1, 1), (5, 5)] {
+            check_blocks(m, w, &crate::plan::assign_blocks(m, &vec![1.0; w])).expect("even blocks");
+            check_blocks(m, w, &blocks_for_speeds(m, &(1..=w).map(|r| r as f64).collect::<Vec<_>>())).expect("speed blocks");
+        }
+        type Blocks = Vec<Vec<(usize, u32)>>;
+        let bad: [(usize, Blocks, &str); 5] = [
+            (2, vec![vec![(0, 2)], vec![(4, 2)]], "cover 8 of 12"),
+            (2, vec![vec![(0, 1), (2, 1)], vec![(4, 3)]], "not the aligned cut"),
+            (2, vec![vec![(0, 2)], vec![(8, 2)]], "block (8, 2) after micro-batch 4"),
+            (3, vec![vec![(0, 3)], vec![(8, 2)]], "2 workers' blocks for 3"),
+            (2, vec![vec![(0, 70)], vec![]], "block (0, 70)"),
+        ];
+        for (workers, b, want) in bad {
+            let e = check_blocks(12, workers, &b).expect_err(want);
+            assert!(e.contains(want), "{want}: {e}");
+        }
     }
 }

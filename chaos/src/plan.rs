@@ -9,6 +9,7 @@
 //!   "faults": [
 //!     {"at_step": 2, "kind": "kill", "rank": "random"},
 //!     {"at_step": 4, "kind": "stop", "rank": 1, "duration_ms": 3000},
+//!     {"at_step": 3, "kind": "slow", "rank": 2, "duration_ms": 8000, "period_ms": 100, "duty_percent": 60},
 //!     {"at_step": 5, "kind": "term"},
 //!     {"at_step": 6, "kind": "join"},
 //!     {"at_ms": 9000, "kind": "corrupt_checkpoint"},
@@ -21,7 +22,12 @@
 //! started (exactly one of the two). `rank` (every fault aimed at a worker) is a rank of the plan
 //! epoch in force when the fault fires, or `"random"` (the default): the seed picks one of the
 //! members then. `stop` sends SIGSTOP and, after `duration_ms` (default 5000), SIGCONT — a stop
-//! longer than the run's heartbeat timeout is a hang the run must detect. `fail_writes` makes
+//! longer than the run's heartbeat timeout is a hang the run must detect. `slow` makes a
+//! straggler with real signals: for `duration_ms` (default 5000) the worker is SIGSTOPped for part
+//! of every `period_ms` (default 100) and SIGCONTed for the rest; each period's stopped part is
+//! drawn by the seed around `duty_percent` (default 50) of the period (uniform in ±50 % of it,
+//! each stop at most 90 % of the period), so the worker runs at roughly `100 - duty_percent` % of
+//! its speed; the run should measure it and give it fewer micro-batches. `fail_writes` makes
 //! the checkpoint folder unwritable for `duration_ms` (default 5000); `corrupt_checkpoint` flips
 //! bytes in the newest checkpoint's tensors.
 //!
@@ -84,6 +90,8 @@ pub enum FaultKind {
     Throttle,
     /// Fill the checkpoint folder's file system: checkpoint writes fail with ENOSPC.
     DiskFull,
+    /// SIGSTOP/SIGCONT a worker on a seeded duty cycle for `duration_ms` (a straggler).
+    Slow,
 }
 
 impl FaultKind {
@@ -102,12 +110,13 @@ impl FaultKind {
             FaultKind::Duplicate => "duplicate",
             FaultKind::Throttle => "throttle",
             FaultKind::DiskFull => "disk_full",
+            FaultKind::Slow => "slow",
         }
     }
 
     /// Whether the fault targets a worker of the run.
     pub fn targets_rank(self) -> bool {
-        matches!(self, FaultKind::Kill | FaultKind::Stop | FaultKind::Term) || self.needs_net()
+        matches!(self, FaultKind::Kill | FaultKind::Stop | FaultKind::Term | FaultKind::Slow) || self.needs_net()
     }
 
     /// Whether the fault needs the workers in network namespaces.
@@ -129,6 +138,7 @@ impl FaultKind {
             FaultKind::Loss | FaultKind::Duplicate => &["duration_ms", "probability"],
             FaultKind::Reorder => &["duration_ms", "probability", "reorder_ms"],
             FaultKind::Throttle => &["duration_ms", "rate_mbit"],
+            FaultKind::Slow => &["duration_ms", "period_ms", "duty_percent"],
             FaultKind::Kill | FaultKind::Term | FaultKind::Join | FaultKind::CorruptCheckpoint => &[],
         }
     }
@@ -176,6 +186,12 @@ pub struct FaultSpec {
     /// `throttle`: the egress cap.
     #[serde(default)]
     pub rate_mbit: Option<u32>,
+    /// `slow`: the length of one stop/continue cycle (ms).
+    #[serde(default)]
+    pub period_ms: Option<u64>,
+    /// `slow`: the mean share of each period the worker is stopped (percent).
+    #[serde(default)]
+    pub duty_percent: Option<u64>,
 }
 
 impl FaultSpec {
@@ -189,6 +205,8 @@ impl FaultSpec {
             ("probability", self.probability.is_some()),
             ("reorder_ms", self.reorder_ms.is_some()),
             ("rate_mbit", self.rate_mbit.is_some()),
+            ("period_ms", self.period_ms.is_some()),
+            ("duty_percent", self.duty_percent.is_some()),
         ] {
             if set {
                 g.push(name);
@@ -230,6 +248,15 @@ impl FaultSpec {
                 None | Some(0) => Err("give rate_mbit (the egress cap in Mbit/s, at least 1)".into()),
                 _ => Ok(()),
             },
+            FaultKind::Slow => match (self.period_ms, self.duty_percent) {
+                (Some(p), _) if !(SLOW_PERIOD_MIN_MS..=SLOW_PERIOD_MAX_MS).contains(&p) => {
+                    Err(format!("period_ms {p} is outside {SLOW_PERIOD_MIN_MS}..={SLOW_PERIOD_MAX_MS}"))
+                }
+                (_, Some(d)) if !(1..=SLOW_DUTY_MAX_PERCENT).contains(&d) => {
+                    Err(format!("duty_percent {d} is outside 1..={SLOW_DUTY_MAX_PERCENT}"))
+                }
+                _ => Ok(()),
+            },
             _ => Ok(()),
         }
     }
@@ -250,6 +277,13 @@ impl FaultSpec {
         }
     }
 }
+
+/// `slow`: default cycle length (ms) and stopped share (percent), and their bounds.
+pub const SLOW_PERIOD_MS: u64 = 100;
+pub const SLOW_DUTY_PERCENT: u64 = 50;
+const SLOW_PERIOD_MIN_MS: u64 = 10;
+const SLOW_PERIOD_MAX_MS: u64 = 60_000;
+const SLOW_DUTY_MAX_PERCENT: u64 = 90;
 
 /// A scenario file.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -292,9 +326,23 @@ pub struct Fault {
     pub link: LinkFaults,
     /// A throttle's cap (Mbit/s).
     pub rate_mbit: u32,
+    /// `slow`: cycle length (ms) and mean stopped share (percent).
+    pub period_ms: u64,
+    pub duty_percent: u64,
 }
 
 impl Fault {
+    /// `slow`: how long cycle `k` keeps the worker stopped (ms): the seed's draw around
+    /// `duty_percent` of the period (uniform in ±50 % of it), at least 1 ms and at most 90 %
+    /// of the period.
+    pub fn slow_stop_ms(&self, k: u64) -> u64 {
+        let mut state = self.draw ^ k.wrapping_mul(0xA076_1D64_78BD_642F);
+        let u = (splitmix(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
+        let mean = (self.period_ms * self.duty_percent) as f64 / 100.0;
+        let ms = (mean * (0.5 + u)).round() as u64;
+        ms.clamp(1, self.period_ms * SLOW_DUTY_MAX_PERCENT / 100)
+    }
+
     /// The rank this fault hits in a world of `world` members.
     pub fn rank_in(&self, world: usize) -> usize {
         match self.rank {
@@ -384,11 +432,13 @@ impl Scenario {
                 },
                 draw: splitmix(&mut state),
                 duration_ms: match f.kind {
-                    FaultKind::Stop | FaultKind::FailWrites => Some(f.duration_ms.unwrap_or(DURATION_MS_DEFAULT)),
+                    FaultKind::Stop | FaultKind::FailWrites | FaultKind::Slow => Some(f.duration_ms.unwrap_or(DURATION_MS_DEFAULT)),
                     _ => f.duration_ms,
                 },
                 link: f.link_faults(),
                 rate_mbit: f.rate_mbit.unwrap_or(0),
+                period_ms: f.period_ms.unwrap_or(SLOW_PERIOD_MS),
+                duty_percent: f.duty_percent.unwrap_or(SLOW_DUTY_PERCENT),
             })
             .collect();
         out.sort_by_key(|f| match f.trigger {
@@ -450,6 +500,27 @@ mod tests {
         assert!(e.contains("explode"), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [], "extra": 1}"#);
         assert!(e.contains("extra"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "kill", "at_step": 1, "period_ms": 100}]}"#);
+        assert!(e.contains("a kill fault takes no period_ms"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "slow", "at_step": 1, "duty_percent": 95}]}"#);
+        assert!(e.contains("duty_percent 95"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "slow", "at_step": 1, "period_ms": 5}]}"#);
+        assert!(e.contains("period_ms 5"), "{e}");
+    }
+
+    #[test]
+    fn a_slow_faults_duty_cycle_is_seeded_and_bounded() {
+        let text = r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [
+            {"kind": "slow", "at_step": 1, "rank": 1, "duration_ms": 2000, "period_ms": 200, "duty_percent": 60}]}"#;
+        let s = Scenario::parse(text, Path::new("s.json")).expect("valid");
+        let f = &s.resolve(3)[0];
+        assert_eq!((f.kind, f.rank, f.period_ms, f.duty_percent, f.duration_ms), (FaultKind::Slow, Some(1), 200, 60, Some(2000)));
+        let stops: Vec<u64> = (0..400).map(|k| f.slow_stop_ms(k)).collect();
+        assert_eq!(stops, (0..400).map(|k| s.resolve(3)[0].slow_stop_ms(k)).collect::<Vec<_>>(), "one seed, one cycle");
+        assert!(stops.iter().all(|&ms| (60..=180).contains(&ms)), "{stops:?}");
+        let mean = stops.iter().sum::<u64>() as f64 / stops.len() as f64;
+        assert!((mean - 120.0).abs() < 10.0, "mean stop {mean} ms of 200");
+        assert_ne!(stops, (0..400).map(|k| s.resolve(4)[0].slow_stop_ms(k)).collect::<Vec<_>>(), "seeds differ");
     }
 
     #[test]

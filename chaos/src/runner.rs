@@ -6,7 +6,8 @@
 //! member's rank and pid, committed steps, losses, drains, joins, checkpoints written or not, and
 //! when training resumed) and fires each fault when its trigger is met: signals go to the pid of
 //! the targeted rank of the epoch in force, a join starts `tessera worker --join`, checkpoint
-//! faults touch the run's checkpoint folder, and network faults act on the targeted worker's
+//! faults touch the run's checkpoint folder, a `slow` fault runs a thread that SIGSTOPs and
+//! SIGCONTs the worker on the seeded duty cycle, and network faults act on the targeted worker's
 //! namespace (link down, `tc … tbf`) or on its fault link (delay, loss, reordering,
 //! duplication). Faults with a duration are undone when it ends.
 //!
@@ -16,14 +17,19 @@
 //! before running anything. The fault-free run always runs on loopback.
 //!
 //! The report gives, per fault, when it was injected and undone, when the run noticed (the
-//! matching loss, drain, join or failed checkpoint) and when it was training (or checkpointing)
-//! again, and the summary of both runs. The runs must end with equal `params_blake3` and every
-//! step committed, and the checkpoint folder must hold nothing half-written.
+//! matching loss, drain, join or failed checkpoint; for `slow`, the first re-assignment of
+//! micro-batch blocks) and when it was training (or checkpointing) again, and the summary of
+//! both runs; a fault whose trigger never came is listed as not injected. The runs must end
+//! with equal `params_blake3` and every step committed, and the checkpoint folder must hold
+//! nothing half-written.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -31,7 +37,7 @@ use serde_json::Value;
 
 use crate::disk::{self, Disk};
 use crate::hosts::{self, Hosts};
-use crate::plan::{Fault, FaultKind, Scenario, Trigger};
+use crate::plan::{Fault, FaultKind, Scenario, Trigger, DURATION_MS_DEFAULT};
 use crate::proxy::ProxyStats;
 
 /// The event log the elastic driver writes (`engine::elastic::EVENTS_FILE`).
@@ -78,6 +84,8 @@ fn now_ms() -> u64 {
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct FaultReport {
     pub kind: &'static str,
+    /// False when the fault's trigger never came before the run ended.
+    pub injected: bool,
     /// What was hit: "rank 2 (worker 2, pid 1234)", "new worker (pid 99)", a checkpoint path.
     pub target: String,
     /// From the faulted run's start to the injection.
@@ -143,7 +151,8 @@ impl Report {
         if let Some(d) = &self.checkpoint_disk {
             s.push_str(&format!("checkpoints: {d}\n"));
         }
-        s.push_str(&format!("\nfaults injected: {}\n", self.faults.len()));
+        let injected = self.faults.iter().filter(|f| f.injected).count();
+        s.push_str(&format!("\nfaults injected: {injected} of {}\n", self.faults.len()));
         s.push_str(&format!(
             "  {:<18} {:>9} {:>9} {:<44} {:>10} {:>10}  note\n",
             "fault", "at", "until", "target", "detection", "recovery"
@@ -165,7 +174,8 @@ impl Report {
         let get = |k: &str| el.get(k).and_then(Value::as_u64).unwrap_or(0);
         s.push_str(&format!(
             "\nfaulted run: {} of {} steps committed, {} step attempt(s) rerun, {} committed step(s) replayed from a checkpoint, \
-             {} recoveries ({} from memory, {} from a checkpoint), {} worker(s) lost, {} joined, {} drained, {} checkpoint(s) not written\n",
+             {} recoveries ({} from memory, {} from a checkpoint), {} worker(s) lost, {} joined, {} drained, {} checkpoint(s) not written, \
+             {} rebalance(s) by measured speed\n",
             self.faulted.steps,
             self.steps_expected,
             get("steps_rerun"),
@@ -177,6 +187,7 @@ impl Report {
             get("workers_joined"),
             get("workers_drained"),
             get("checkpoints_failed"),
+            get("rebalances"),
         ));
         s.push_str(&format!("wall time: fault-free {:.1} s, faulted {:.1} s\n", self.clean.wall_s, self.faulted.wall_s));
         s.push_str(&format!("params_blake3 fault-free {}\n", self.clean.params_blake3));
@@ -288,12 +299,57 @@ fn lasts(duration_ms: Option<u64>) -> String {
 
 /// What ends a fault with a duration.
 enum Undo {
-    Cont { pid: u32 },
-    Writes { root: PathBuf, held: PathBuf },
-    LinkUp { host: usize },
-    Unthrottle { host: usize },
-    LinkClear { id: u64 },
+    Cont {
+        pid: u32,
+    },
+    Writes {
+        root: PathBuf,
+        held: PathBuf,
+    },
+    LinkUp {
+        host: usize,
+    },
+    Unthrottle {
+        host: usize,
+    },
+    LinkClear {
+        id: u64,
+    },
     DiskFree,
+    /// A `slow` duty cycle: `stop` ends it early; the thread leaves the worker running.
+    Slow {
+        stop: Arc<AtomicBool>,
+        thread: JoinHandle<()>,
+    },
+}
+
+/// When process `pid` started (field 22 of `/proc/<pid>/stat`, clock ticks since boot), so
+/// that a pid the kernel gave to a new process is not taken for the worker.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after it.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Runs `f`'s duty cycle on `pid` until its duration is over, `stop` is set or the worker is
+/// gone (its pid no longer names the process it named at the start); ends with it continued.
+fn duty_cycle(pid: u32, f: &Fault, stop: &AtomicBool) {
+    let end = Instant::now() + Duration::from_millis(f.duration_ms.unwrap_or(DURATION_MS_DEFAULT));
+    let period = Duration::from_millis(f.period_ms);
+    let born = start_time(pid);
+    let mut k = 0;
+    while !stop.load(Ordering::SeqCst) && Instant::now() < end {
+        if born.is_none() || start_time(pid) != born {
+            return;
+        }
+        let start = Instant::now();
+        signal(pid, libc::SIGSTOP);
+        std::thread::sleep(Duration::from_millis(f.slow_stop_ms(k)));
+        signal(pid, libc::SIGCONT);
+        std::thread::sleep(period.saturating_sub(start.elapsed()));
+        k += 1;
+    }
+    signal(pid, libc::SIGCONT);
 }
 
 /// A fault in force: its number in the report, when it ends and how.
@@ -357,6 +413,10 @@ impl Faulting<'_> {
                     }
                     Ok(())
                 }
+                Undo::Slow { stop, thread } => {
+                    stop.store(true, Ordering::SeqCst);
+                    thread.join().map_err(|_| "the duty-cycle thread panicked".to_string())
+                }
             };
             let f = &mut self.fired[a.fault];
             if !all {
@@ -388,6 +448,7 @@ impl Faulting<'_> {
         let n = self.fired.len();
         let mut report = FaultReport {
             kind: f.kind.name(),
+            injected: true,
             target: String::new(),
             injected_ms: 0,
             until_ms: None,
@@ -525,6 +586,16 @@ impl Faulting<'_> {
                 self.schedule(n, f.duration_ms, Undo::Cont { pid });
                 report.note = format!("stopped {}", lasts(f.duration_ms));
             }
+            FaultKind::Slow => {
+                let stop = Arc::new(AtomicBool::new(false));
+                let (s, fault) = (Arc::clone(&stop), f.clone());
+                let thread = std::thread::Builder::new()
+                    .name("chaos-slow".into())
+                    .spawn(move || duty_cycle(pid, &fault, &s))
+                    .map_err(io("starting the slow fault's thread"))?;
+                self.schedule(n, f.duration_ms.or(Some(DURATION_MS_DEFAULT)), Undo::Slow { stop, thread });
+                report.note = format!("stopped ~{} % of every {} ms {}", f.duty_percent, f.period_ms, lasts(f.duration_ms));
+            }
             FaultKind::Partition => {
                 let (h, host) = hosts()?;
                 h.set_link(host, false).map_err(ChaosError::Run)?;
@@ -630,7 +701,7 @@ fn run_one(
     let hosts = run.env.hosts.as_ref();
     // A loss belongs to the newest fault on that worker injected before it.
     let aimed: Vec<(Option<u64>, u64)> = run.fired.iter().map(|f| (f.id.filter(|_| f.kind.targets_rank()), f.at_ms)).collect();
-    let faults = run
+    let mut faults: Vec<FaultReport> = run
         .fired
         .into_iter()
         .enumerate()
@@ -639,6 +710,18 @@ fn run_one(
             timings(f, &events, start_ms, hosts, next.unwrap_or(u64::MAX))
         })
         .collect();
+    // A fault whose trigger never came is reported, not silently left out.
+    faults.extend(pending.iter().map(|f| FaultReport {
+        kind: f.kind.name(),
+        injected: false,
+        target: String::new(),
+        injected_ms: 0,
+        until_ms: None,
+        detection_ms: None,
+        recovery_ms: None,
+        link: None,
+        note: format!("not injected: the run ended first ({} steps committed, {} events seen)", events.step(), events.all.len()),
+    }));
     Ok((report, faults))
 }
 
@@ -682,6 +765,17 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
     let after = |e: &&Value| e["t_ms"].as_u64().unwrap_or(0) >= at;
     let mine = |e: &&Value| e["t_ms"].as_u64().unwrap_or(0) < next_ms;
     let lost = |id: u64| events.of("lost").filter(after).filter(mine).find(|e| e["id"].as_u64() == Some(id)).cloned();
+    if f.kind == FaultKind::Slow {
+        // Noticed when the run re-assigns the micro-batch blocks by measured speed.
+        match events.of("rebalance").find(after) {
+            Some(e) => {
+                r.note = format!("{}; rebalanced at step {}: micro-batches per rank {}", r.note, e["step"], e["micro_batches"]);
+                r.detection_ms = e["t_ms"].as_u64().map(|t| t.saturating_sub(at));
+            }
+            None => r.note.push_str("; no rebalance"),
+        }
+        return r;
+    }
     let noticed = match (f.kind, f.id) {
         (FaultKind::Term, Some(id)) => {
             events.of("drain_requested").filter(after).find(|e| e["id"].as_u64() == Some(id)).cloned().or_else(|| lost(id))

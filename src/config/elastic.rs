@@ -140,7 +140,7 @@ pub(crate) fn parse_elasticity(root: &Value) -> KindResult<Option<ElasticityConf
 /// The elastic runtime (`tessera.elastic`, or DeepSpeed's `elasticity.enabled`): what a
 /// multi-process run (`train --nprocs N`) does when workers die, hang, leave or join
 /// (`engine::elastic`). Off by default: the first worker lost then ends the run.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ElasticRun {
     pub enabled: bool,
     /// How often a worker sends a heartbeat on its side connection (ms).
@@ -163,7 +163,16 @@ pub struct ElasticRun {
     pub drain_grace_ms: u64,
     /// How long a run below `min_workers` waits for joins before it fails (ms).
     pub join_wait_ms: u64,
+    /// Every this many committed steps each replica's blake3 is compared with its owner's
+    /// shard (0 = never); a mismatch drops the replica and the driver sends a full copy.
+    pub replica_check_interval: u64,
+    /// Re-assign the micro-batch blocks by measured speed at a step boundary when that
+    /// shortens the predicted step by more than this fraction (0 = never).
+    pub rebalance_threshold: f64,
 }
+
+/// `tessera.elastic.rebalance_threshold` when absent (or `true`): a 20 % shorter step.
+pub const DEFAULT_REBALANCE_THRESHOLD: f64 = 0.2;
 
 impl Default for ElasticRun {
     fn default() -> Self {
@@ -178,6 +187,8 @@ impl Default for ElasticRun {
             max_joins: 8,
             drain_grace_ms: 30_000,
             join_wait_ms: 60_000,
+            replica_check_interval: 50,
+            rebalance_threshold: DEFAULT_REBALANCE_THRESHOLD,
         }
     }
 }
@@ -203,6 +214,8 @@ pub fn elastic_run(cfg: &crate::config::Config) -> Result<ElasticRun, crate::con
             max_joins: usize_of("max_joins", d.max_joins)?,
             drain_grace_ms: e.u64("drain_grace_ms", d.drain_grace_ms)?,
             join_wait_ms: e.u64("join_wait_ms", d.join_wait_ms)?,
+            replica_check_interval: e.u64("replica_check_interval", d.replica_check_interval)?,
+            rebalance_threshold: rebalance_threshold(&e)?,
         };
         if r.heartbeat_timeout_ms < 2 * r.heartbeat_ms {
             let why =
@@ -216,6 +229,19 @@ pub fn elastic_run(cfg: &crate::config::Config) -> Result<ElasticRun, crate::con
         Ok(r)
     };
     read().map_err(tag)
+}
+
+/// `rebalance_threshold`: a fraction in [0, 1), or `false` (off) / `true` (the default).
+fn rebalance_threshold(e: &Obj<'_>) -> KindResult<f64> {
+    let key = "rebalance_threshold";
+    match e.get(key) {
+        None | Some(Value::Bool(true)) => Ok(DEFAULT_REBALANCE_THRESHOLD),
+        Some(Value::Bool(false)) => Ok(0.0),
+        Some(v) => v
+            .as_f64()
+            .filter(|x| (0.0..1.0).contains(x))
+            .ok_or_else(|| ConfigErrorKind::invalid(&e.path(key), v, "a fraction in [0, 1) (0 or false: never rebalance)")),
+    }
 }
 
 fn positive(path: &str, v: &Value) -> KindResult<usize> {
@@ -423,5 +449,28 @@ mod tests {
         timed["min_time"] = json!(20);
         let cfg = from_value(json!({ "elasticity": timed }), &[], &ctx(2)).expect("loads");
         assert!(cfg.warnings.iter().any(|w| w.contains("elasticity.min_time")), "{:?}", cfg.warnings);
+    }
+
+    #[test]
+    fn the_rebalance_threshold_is_a_fraction_or_off() {
+        let run = |v: Value| {
+            let cfg = from_value(
+                json!({"train_batch_size": 8, "tessera": {"elastic": {"rebalance_threshold": v}}}),
+                &[],
+                &ResolveContext::with_world(2),
+            )
+            .expect("loads");
+            elastic_run(&cfg)
+        };
+        let cfg = from_value(json!({"train_batch_size": 8}), &[], &ResolveContext::with_world(2)).expect("loads");
+        assert_eq!(elastic_run(&cfg).expect("default").rebalance_threshold, DEFAULT_REBALANCE_THRESHOLD);
+        assert_eq!(run(json!(false)).expect("off").rebalance_threshold, 0.0);
+        assert_eq!(run(json!(0)).expect("off").rebalance_threshold, 0.0);
+        assert_eq!(run(json!(true)).expect("on").rebalance_threshold, DEFAULT_REBALANCE_THRESHOLD);
+        assert_eq!(run(json!(0.35)).expect("a fraction").rebalance_threshold, 0.35);
+        for bad in [json!(1.5), json!(-0.1), json!("often")] {
+            let e = run(bad.clone()).expect_err("refused").to_string();
+            assert!(e.contains("tessera.elastic.rebalance_threshold") && e.contains("a fraction in [0, 1)"), "{bad}: {e}");
+        }
     }
 }

@@ -97,6 +97,8 @@ pub(super) fn snapshot(st: &RankState, rank: usize) -> Snapshot {
         skipped: st.skipped,
         scale_bits: st.scaler.as_ref().map(|s| s.scale().to_bits()),
         bytes_sent_total: st.bytes_sent_total,
+        replica_stale: false,
+        replica_behind: false,
     }
 }
 

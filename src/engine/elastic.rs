@@ -21,9 +21,12 @@
 //!
 //! # Recovery ([`Fleet::reconfigure`], at the step boundary `t` = steps committed)
 //! 1. Every surviving member reports its `Status`: the committed steps its state holds and the
-//!    replicas it keeps. After every committed step each rank sent its shard (fp32 masters and
-//!    optimizer buffers of its range) to its `replicas` ring successors (`Replicate`), so a lost
-//!    rank's shard at `t` is normally held by a survivor.
+//!    replicas it keeps (after applying every update it received). Each rank's shard (fp32
+//!    masters and optimizer buffers of its range) is held by its `replicas` ring successors: a
+//!    full copy when the epoch formed (`Replicate`), then kept in step by the owner's gradient
+//!    and step record ([`super::replica`]), so a lost rank's shard at `t` is normally held by a
+//!    survivor. A member that dropped a replica (an update failed or its digest differed from
+//!    the owner's) says so in its snapshot and the driver sends full copies after that commit.
 //! 2. If every survivor is at `t` and every lost range has a replica at `t`, the full state at
 //!    `t` is gathered from the survivors' shards and the replicas (no step is recomputed).
 //!    Otherwise (adjacent ranks lost together, a commit that failed half-way, `replicas = 0`)
@@ -39,7 +42,7 @@
 //! 4. Each member gets `Epoch` (it leaves the old group and binds a fresh QUIC socket), the new
 //!    addresses and node names, and its cut of the state; it joins the new mesh and says
 //!    `Ready`. Draining workers are then told to leave (they exit with status 0). The new
-//!    epoch replicates at once, so it is protected before its first step.
+//!    epoch's replicas get a full copy at once, so it is protected before its first step.
 //!
 //! A loss during any of this starts the recovery again from the last formed epoch. Events
 //! (losses, drains, joins, epochs, committed steps) go to `<output>/elastic_events.jsonl`, with
@@ -59,6 +62,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::replan::{propose_rebalance, Speeds};
 use tessera_chaos::link::WorkerNet;
 
 use super::plan::Plan;
@@ -76,6 +80,9 @@ const MONITOR_POLL_MS: u64 = 10;
 const ACCEPT_POLL_MS: u64 = 20;
 /// Bound on a new connection's first message (ms).
 const FIRST_MESSAGE_MS: u64 = 5_000;
+/// Steps a member is measured under the current blocks before they may change again; its
+/// speed is their median (`tessera_actors::replan::Speeds`).
+const SPEED_WINDOW_STEPS: usize = 5;
 
 fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -352,6 +359,19 @@ pub struct Fleet {
     admitted: Vec<Arc<Member>>,
     threads: Vec<JoinHandle<()>>,
     dir: PathBuf,
+    /// Each member's measured speed (micro-batches per second of its own compute).
+    speeds: Speeds<u64>,
+}
+
+/// Micro-batch blocks re-assigned by measured speed at a step boundary.
+pub struct Rebalanced {
+    pub plan: Arc<Plan>,
+    /// Micro-batches per rank, before and after.
+    pub before: Vec<usize>,
+    pub after: Vec<usize>,
+    /// Predicted compute of the slowest rank per step (ms), before and after.
+    pub before_ms: f64,
+    pub after_ms: f64,
 }
 
 /// A new epoch, ready to run steps from `step`.
@@ -419,6 +439,7 @@ impl Fleet {
             admitted: Vec::new(),
             threads: Vec::new(),
             dir: dir.clone(),
+            speeds: Speeds::new(SPEED_WINDOW_STEPS),
         };
         prepare_dir(cfg, ids, &dir, true)?;
         let exe = std::env::current_exe().context("finding the tessera executable")?;
@@ -461,6 +482,7 @@ impl Fleet {
         let s = Arc::clone(&shared);
         fleet.threads.push(std::thread::Builder::new().name("tessera-monitor".into()).spawn(move || monitor(s))?);
         fleet.log_epoch(start.step, "start");
+        fleet.replicate(start.step).context("the first full copy of the replicas")?;
         let computes = fleet.computes();
         Ok((fleet, computes))
     }
@@ -562,8 +584,98 @@ impl Fleet {
         self.members.iter().map(|m| relock(&m.link).snapshot).collect()
     }
 
-    /// After the commit that made `step` committed steps: every rank sends its shard to its ring
-    /// successors. Fails when a member is lost or refuses.
+    /// A committed step's reports: each member's measured micro-batches and compute seconds.
+    pub fn observe(&mut self, per_rank: &[Prepared]) {
+        for (m, p) in self.members.iter().zip(per_rank) {
+            if tracing() {
+                eprintln!(
+                    "[speed] worker {}: {} of {} micro-batches in {:.1} ms busy, prepare {:.1} ms",
+                    m.id,
+                    p.busy_micro_batches,
+                    p.micro_batches,
+                    p.busy_s * 1e3,
+                    p.compute_s * 1e3
+                );
+            }
+            self.speeds.observe(m.id, p.busy_micro_batches, p.busy_s);
+        }
+    }
+
+    /// At a step boundary (`step` committed steps): when re-assigning the micro-batch blocks by
+    /// the members' measured speeds shortens the predicted step by more than
+    /// `tessera.elastic.rebalance_threshold`, every member takes the new blocks (the state
+    /// partition stays; the bits do not change). A member that cannot is lost (recovery forms
+    /// an epoch with consistent plans); the error says so.
+    pub fn rebalance(&mut self, step: u64, dataset: &Dataset) -> Result<Option<Rebalanced>> {
+        let ids: Vec<u64> = self.members.iter().map(|m| m.id).collect();
+        let Some(speeds) = self.speeds.of(&ids) else { return Ok(None) };
+        let before = self.plan.counts();
+        let threshold = self.shared.er.rebalance_threshold;
+        let Some(rb) = propose_rebalance(self.plan.micro_batches, &before, &speeds, threshold) else { return Ok(None) };
+        let mut cfg = self.cfg.clone();
+        cfg.world_size = self.plan.world;
+        let plan = Plan::new(&cfg, dataset).with_context(|| format!("planning {} ranks", self.plan.world))?;
+        let plan = Arc::new(plan.with_blocks(rb.blocks.clone()).map_err(anyhow::Error::msg)?);
+        let blocks: Vec<Vec<(u64, u32)>> = rb.blocks.iter().map(|b| b.iter().map(|&(f, l)| (f as u64, l)).collect()).collect();
+        let mut links: Vec<MutexGuard<'_, Link>> = self.members.iter().map(|m| relock(&m.link)).collect();
+        for (m, link) in self.members.iter().zip(links.iter_mut()) {
+            if let Err(e) = wire::send(&mut link.stream, &ToWorker::Blocks { blocks: blocks.clone() }) {
+                self.shared.loss(m.id, &format!("worker {} (pid {}): sending new blocks: {e}", m.id, m.pid));
+            }
+        }
+        let mut errors = Vec::new();
+        for (m, link) in self.members.iter().zip(links.iter_mut()) {
+            if self.shared.is_fenced(m.id) {
+                errors.push(format!("worker {} lost", m.id));
+                continue;
+            }
+            match recv_reply(&self.shared, m, link, "Rebalanced") {
+                Ok(ToParent::Rebalanced) => {}
+                Ok(other) => {
+                    let why = format!("worker {} (pid {}) answered new blocks with {other:?}", m.id, m.pid);
+                    self.shared.loss(m.id, &why);
+                    errors.push(why);
+                }
+                Err(_) => errors.push(format!("worker {} lost", m.id)),
+            }
+        }
+        drop(links);
+        if !errors.is_empty() {
+            bail!("re-assigning the micro-batch blocks at step {step}: {}", errors.join("; "));
+        }
+        self.plan = Arc::clone(&plan);
+        self.speeds.restart();
+        let r = Rebalanced { plan, before, after: rb.counts, before_ms: rb.before_s * 1e3, after_ms: rb.after_s * 1e3 };
+        self.shared.event(json!({
+            "event": "rebalance", "step": step, "epoch": self.epoch, "ids": ids,
+            "micro_batches_before": r.before, "micro_batches": r.after,
+            "speeds": speeds.iter().map(|s| (s * 100.0).round() / 100.0).collect::<Vec<_>>(),
+            "predicted_ms_before": (r.before_ms * 10.0).round() / 10.0, "predicted_ms": (r.after_ms * 10.0).round() / 10.0,
+        }));
+        Ok(Some(r))
+    }
+
+    /// Ids of the members whose latest snapshot says they dropped a replica (first), and of
+    /// those whose replicas wait for more updates than they apply (second).
+    pub fn stale_replicas(&self) -> (Vec<u64>, Vec<u64>) {
+        let snaps: Vec<(u64, Snapshot)> = self.members.iter().map(|m| (m.id, relock(&m.link).snapshot)).collect();
+        let ids = |f: fn(&Snapshot) -> bool| snaps.iter().filter(|(_, s)| f(s)).map(|(id, _)| *id).collect();
+        (ids(|s| s.replica_stale), ids(|s| s.replica_behind && !s.replica_stale))
+    }
+
+    /// Logs that full copies follow at `step`: members `dropped` dropped a replica, members
+    /// `behind` had not applied the recent updates.
+    pub fn replicas_recopied(&self, step: u64, dropped: &[u64], behind: &[u64]) {
+        if !dropped.is_empty() {
+            eprintln!("elastic: worker(s) {dropped:?} dropped a replica (see their log); full copies at step {step}");
+        }
+        self.shared.event(json!({"event": "replicas_recopied", "step": step, "epoch": self.epoch, "dropped": dropped, "behind": behind}));
+    }
+
+    /// A full copy of the replicas at `step` committed steps (when an epoch forms, or after a
+    /// member dropped a replica): every rank sends its shard to its ring successors. Between
+    /// full copies the replicas follow the owners' gradients. Fails when a member is lost or
+    /// refuses.
     pub fn replicate(&self, step: u64) -> Result<()> {
         let mut links: Vec<MutexGuard<'_, Link>> = self.members.iter().map(|m| relock(&m.link)).collect();
         for (m, link) in self.members.iter().zip(links.iter_mut()) {
@@ -593,21 +705,29 @@ impl Fleet {
     /// Forms a new epoch at the boundary of `t` committed steps (see the module doc).
     pub fn reconfigure(&mut self, t: u64, dataset: &Dataset, restore: &Restore<'_>) -> Result<Reconfigured> {
         let attempts = self.shared.ids as usize + 2;
-        let (mut losses, mut drained, mut joined) = (0, 0, 0);
+        let mut losses = 0;
+        // (drained, joined) over every epoch formed meanwhile, also ones lost again at once.
+        let mut moved = (0, 0);
         for _ in 0..attempts {
             losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
-            if let Some(mut r) = self.try_reconfigure(t, dataset, restore)? {
+            if let Some(mut r) = self.try_reconfigure(t, dataset, restore, &mut moved)? {
                 losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
-                drained += r.drained;
-                joined += r.joined;
-                (r.losses, r.drained, r.joined) = (losses, drained, joined);
+                (r.losses, r.drained, r.joined) = (losses, moved.0, moved.1);
                 return Ok(r);
             }
         }
         bail!("gave up forming a new epoch after {attempts} attempts: workers kept failing")
     }
 
-    fn try_reconfigure(&mut self, t: u64, dataset: &Dataset, restore: &Restore<'_>) -> Result<Option<Reconfigured>> {
+    /// One attempt; `moved` counts the workers that drained and joined once the epoch formed
+    /// (before its replicas are copied, which a loss can still make fail).
+    fn try_reconfigure(
+        &mut self,
+        t: u64,
+        dataset: &Dataset,
+        restore: &Restore<'_>,
+        moved: &mut (usize, usize),
+    ) -> Result<Option<Reconfigured>> {
         let old = Arc::clone(&self.plan);
         let shared = Arc::clone(&self.shared);
         // 1. Who is left and what they hold.
@@ -801,16 +921,20 @@ impl Fleet {
             shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status}));
         }
         self.admitted.retain(|a| !next.iter().any(|m| m.id == a.id));
+        // The new epoch runs the plan's even blocks: its members are measured again.
+        self.speeds.retain(|id| next.iter().any(|m| m.id == *id));
+        self.speeds.restart();
         self.members = next;
         self.epoch = epoch;
         self.plan = Arc::clone(&plan);
         self.log_epoch(start.step, &source);
         eprintln!("elastic: epoch {epoch}: {world} worker(s), state from {source}");
+        (moved.0, moved.1) = (moved.0 + draining.len(), moved.1 + joined);
         if self.replicate(start.step).is_err() {
             return Ok(None);
         }
         let computes = self.computes();
-        Ok(Some(Reconfigured { plan, computes, step: start.step, source, losses: 0, drained: draining.len(), joined }))
+        Ok(Some(Reconfigured { plan, computes, step: start.step, source, losses: 0, drained: moved.0, joined: moved.1 }))
     }
 
     /// After an epoch formation that stopped half-way: each member in `owing` answered `Epoch`

@@ -8,9 +8,15 @@
 //!   the driver `Draining` once the process got SIGTERM (and exits on its own when no step
 //!   boundary came within `drain_grace_ms`), and another thread reads `Abort { epoch }`, which
 //!   aborts the current QUIC group so that a collective waiting on a lost peer returns at once;
-//! - after every committed step, on `Replicate`, sends its shard (fp32 masters and optimizer
-//!   buffers) to its `replicas` ring successors and keeps the shards of its predecessors: a lost
-//!   rank's committed state is then still in memory on a survivor (`ExportReplica`);
+//! - keeps replicas of its `replicas` ring predecessors' shards (fp32 masters and optimizer
+//!   buffers): a full copy when an epoch forms (`Replicate`), then kept in step by each
+//!   predecessor's reduced gradient and step record, which its `ZeroWorker` receives at the end
+//!   of prepare and turns into updates at commit ([`super::replica`]); the optimizer step on the
+//!   replicas runs on a low-priority background thread while the next steps compute. A lost
+//!   rank's committed state is then still in memory on a survivor (`ExportReplica`). A replica
+//!   whose update fails or whose digest differs from the owner's is dropped and reported in the
+//!   next snapshot (`replica_stale`), and so are replicas that fell too far behind
+//!   (`replica_behind`); the driver then sends new full copies;
 //! - answers `Status` (the committed steps its state holds, or none after a commit that failed
 //!   half-way, and which replicas it holds) and moves to a new plan epoch on `Epoch`: it leaves
 //!   the old group, binds a fresh QUIC socket, receives the addresses and node names of the new
@@ -23,8 +29,10 @@
 use std::net::{SocketAddr, TcpStream};
 use std::ops::Range;
 use std::path::Path;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::mpsc::{self, SyncSender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -35,7 +43,8 @@ use tessera_transport::quic::{ClusterSpec, NodeTls, QuicComm};
 use super::child::{export, recv_start, snapshot};
 use super::plan::Plan;
 use super::remote::{node_name, STARTUP_TIMEOUT_MS};
-use super::wire::{self, StateCounters, ToParent, ToWorker, Wait, WireError, WirePrepared};
+use super::replica::{FeedConfig, Replica, Update, CORRUPT_REPLICA_ENV};
+use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError, WirePrepared};
 use super::zero::{RankState, ZeroWorker};
 use crate::bridge;
 use crate::config::{Config, ElasticRun};
@@ -45,8 +54,10 @@ use crate::data::{Dataset, Sampler};
 const EPOCH_MESH_TIMEOUT_MS: u64 = 10_000;
 /// Exit status of a worker the driver declared lost (fenced) or that lost its driver.
 const EXIT_FENCED: i32 = 4;
-/// Tag space of the replica transfers (the step is added).
+/// Tag space of the full replica copies (the step is added).
 const REPLICA_TAG: u64 = 0x5250_0000_0000_0000;
+/// Bound on waiting for the background replica steps (ms); past it the replicas are dropped.
+const REPLICA_APPLY_TIMEOUT_MS: u64 = 600_000;
 
 /// One collective group shared by the rank's `ZeroWorker` and the replication, used by one
 /// thread at a time (the worker serves one request at a time).
@@ -204,11 +215,217 @@ fn start_side(control: SocketAddr, id: u64, er: &ElasticRun, slot: AbortSlot) ->
     Ok(())
 }
 
-/// A ring predecessor's shard, as of `at` committed steps: master first, then optimizer buffers.
-struct Replica {
-    owner: usize,
-    at: u64,
-    bufs: Vec<(String, Vec<f32>)>,
+/// One line on standard error in a single write (workers share their parent's stderr).
+fn say(line: String) {
+    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), format!("{line}\n").as_bytes());
+}
+
+/// Commits whose replica updates may wait for the background thread; with more the replicas
+/// are "behind" and the driver sends full copies instead (each queued commit holds the
+/// predecessors' gradients: Ψ/N × 4 bytes per predecessor).
+const REPLICA_QUEUE_STEPS: usize = 8;
+/// The nice value of the replica thread: it takes the CPU the rank's compute leaves idle (the
+/// step's waits on its peers) and yields to it otherwise. Where no CPU is idle it falls behind,
+/// and a full copy (a transfer, far cheaper than the optimizer steps) catches it up.
+const REPLICA_THREAD_NICE: libc::c_int = 19;
+
+/// What the replica thread and the worker share.
+#[derive(Default)]
+struct ReplicaShared {
+    /// The replicas (the thread holds the lock while it applies one commit's updates).
+    held: Mutex<Vec<Replica>>,
+    /// Commits queued or being applied, and what failed since the last look.
+    pending: Mutex<(usize, Vec<String>)>,
+    idle: Condvar,
+    /// Jobs queued before the replicas were last replaced are skipped, not applied.
+    generation: AtomicU64,
+}
+
+/// One commit's updates for the thread.
+struct ReplicaJob {
+    generation: u64,
+    plan: Arc<Plan>,
+    updates: Vec<Update>,
+}
+
+/// The replicas this worker holds and the thread that applies the owners' steps to them
+/// while the next steps compute (see [`REPLICA_QUEUE_STEPS`]).
+struct Replicas {
+    shared: Arc<ReplicaShared>,
+    /// Updates to the thread; `None` when it could not be started (updates apply inline).
+    tx: Option<SyncSender<ReplicaJob>>,
+    /// A replica was dropped since the last full copy (an update failed or its digest differed
+    /// from the owner's): the driver is told in the snapshot and sends a full copy.
+    stale: bool,
+    /// More than [`REPLICA_QUEUE_STEPS`] commits wait to be applied: the driver sends a full
+    /// copy rather than have them applied.
+    behind: bool,
+}
+
+fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Applies `updates` to `held`; an update that fails drops its replica and is reported.
+fn apply_updates(held: &mut Vec<Replica>, plan: &Plan, updates: Vec<Update>, problems: &mut Vec<String>) {
+    static CORRUPT_AT: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    let corrupt_at = *CORRUPT_AT.get_or_init(|| std::env::var(CORRUPT_REPLICA_ENV).ok().and_then(|v| v.parse().ok()));
+    for (k, u) in updates.into_iter().enumerate() {
+        let step = u.record.step;
+        match held.iter().position(|r| r.owner == u.owner) {
+            Some(i) => {
+                if let Err(e) = held[i].apply(plan, u) {
+                    problems.push(e);
+                    held.remove(i);
+                } else if k == 0 && corrupt_at == Some(step) {
+                    if let Some(x) = held[i].master.first_mut() {
+                        *x = f32::from_bits(x.to_bits() ^ 1);
+                        say(format!(
+                            "elastic worker: {CORRUPT_REPLICA_ENV}: flipped a bit of rank {}'s replica after step {step}",
+                            held[i].owner
+                        ));
+                    }
+                }
+            }
+            None => problems.push(format!("an update for rank {} but no replica of it here", u.owner)),
+        }
+    }
+}
+
+impl ReplicaShared {
+    /// Runs (or, when the replicas were replaced since it was queued, skips) one job.
+    fn run(&self, job: ReplicaJob) {
+        let mut problems = Vec::new();
+        {
+            let mut held = relock(&self.held);
+            if job.generation == self.generation.load(Ordering::SeqCst) {
+                let t0 = Instant::now();
+                apply_updates(&mut held, &job.plan, job.updates, &mut problems);
+                if super::elastic::tracing() {
+                    say(format!("[replica] applied in {:.2} ms", t0.elapsed().as_secs_f64() * 1e3));
+                }
+            }
+        }
+        let mut p = relock(&self.pending);
+        p.0 = p.0.saturating_sub(1);
+        p.1.extend(problems);
+        self.idle.notify_all();
+    }
+}
+
+impl Replicas {
+    fn new() -> Self {
+        let shared = Arc::new(ReplicaShared::default());
+        let (tx, rx) = mpsc::sync_channel::<ReplicaJob>(2 * REPLICA_QUEUE_STEPS + 1);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .thread_name(|_| "tessera-replica".into())
+            .start_handler(|_| {
+                // SAFETY: setpriority(2) on this thread's own id (Linux: per-thread nice); it
+                // touches no memory. Failing leaves the default priority, which is only slower.
+                unsafe {
+                    libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, REPLICA_THREAD_NICE);
+                }
+            })
+            .build();
+        let tx = pool.ok().map(|pool| {
+            let sh = Arc::clone(&shared);
+            // One long job on the pool's only thread: the optimizer's parallel loops inside it
+            // run on that thread too, not on the compute's pool.
+            pool.spawn(move || {
+                while let Ok(job) = rx.recv() {
+                    sh.run(job);
+                }
+            });
+            tx
+        });
+        Replicas { shared, tx, stale: false, behind: false }
+    }
+
+    /// Waits (bounded) until at most `most` commits are queued; takes the failures reported.
+    fn wait_below(&mut self, most: usize, report: bool) -> bool {
+        let deadline = Instant::now() + Duration::from_millis(REPLICA_APPLY_TIMEOUT_MS);
+        let mut p = relock(&self.shared.pending);
+        while p.0 > most {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            p = self.shared.idle.wait_timeout(p, left).map(|(g, _)| g).unwrap_or_else(|e| e.into_inner().0);
+        }
+        for e in std::mem::take(&mut p.1) {
+            self.stale = true;
+            if report {
+                say(format!("elastic worker (pid {}): replica dropped: {e}", std::process::id()));
+            }
+        }
+        true
+    }
+
+    /// Waits (bounded) for every queued step; the replicas are then current.
+    fn settle(&mut self) -> MutexGuard<'_, Vec<Replica>> {
+        if !self.wait_below(0, true) {
+            // The thread may still hold the lock: take none of its replicas.
+            say(format!("elastic worker: the replicas' steps took over {REPLICA_APPLY_TIMEOUT_MS} ms; dropping them"));
+            // A new thread and empty replicas; the old thread ends once its queue is closed.
+            *self = Replicas::new();
+            self.stale = true;
+        }
+        self.behind = false;
+        relock(&self.shared.held)
+    }
+
+    /// Replaces the replicas (a new epoch, or full copies): what is queued is skipped.
+    fn replace(&mut self, copies: Vec<Replica>) {
+        self.shared.generation.fetch_add(1, Ordering::SeqCst);
+        if !self.wait_below(0, false) {
+            *self = Replicas::new();
+        }
+        *relock(&self.shared.held) = copies;
+        (self.stale, self.behind) = (false, false);
+    }
+
+    fn clear(&mut self) {
+        self.replace(Vec::new());
+    }
+
+    /// Queues a commit's updates for the background thread; past [`REPLICA_QUEUE_STEPS`]
+    /// waiting, the replicas are `behind`.
+    fn queue(&mut self, plan: &Arc<Plan>, updates: Result<Vec<Update>, String>) {
+        let updates = match updates {
+            Ok(u) => u,
+            Err(e) => {
+                if !relock(&self.shared.held).is_empty() || relock(&self.shared.pending).0 > 0 {
+                    say(format!("elastic worker (pid {}): dropping the replicas (their updates did not arrive: {e})", std::process::id()));
+                    self.clear();
+                    self.stale = true;
+                }
+                return;
+            }
+        };
+        if relock(&self.shared.pending).0 >= 2 * REPLICA_QUEUE_STEPS {
+            // No full copy came to catch up: apply what waits rather than queue without end.
+            drop(self.settle());
+            self.behind = true;
+        }
+        self.wait_below(usize::MAX, true);
+        let job = ReplicaJob { generation: self.shared.generation.load(Ordering::SeqCst), plan: Arc::clone(plan), updates };
+        let queued = {
+            let mut p = relock(&self.shared.pending);
+            p.0 += 1;
+            p.0
+        };
+        self.behind |= queued > REPLICA_QUEUE_STEPS;
+        match &self.tx {
+            Some(tx) => {
+                if let Err(mpsc::SendError(job)) = tx.send(job) {
+                    self.tx = None;
+                    self.shared.run(job);
+                }
+            }
+            None => self.shared.run(job),
+        }
+    }
 }
 
 /// The member's current epoch: its rank, plan, state and compute.
@@ -237,7 +454,7 @@ struct Worker {
     member: Option<Member>,
     /// Committed steps of the state (`None`: no state, or a commit failed half-way).
     at: Option<u64>,
-    replicas: Vec<Replica>,
+    replicas: Replicas,
     slot: AbortSlot,
 }
 
@@ -250,7 +467,7 @@ impl Worker {
         install_term_handler();
         let slot: AbortSlot = Arc::new(Mutex::new(None));
         start_side(s.control, s.id, &s.er, Arc::clone(&slot))?;
-        Ok(Worker { s, member: None, at: None, replicas: Vec::new(), slot })
+        Ok(Worker { s, member: None, at: None, replicas: Replicas::new(), slot })
     }
 
     /// Makes `comm` the group of `epoch` (the side reader may abort it from now on).
@@ -258,7 +475,9 @@ impl Worker {
         let comm = SharedComm::new(comm);
         *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((epoch, comm.abort_handle()));
         let state = Arc::new(Mutex::new(state));
-        let worker = ZeroWorker::new(rank, Arc::clone(&plan), Arc::clone(&self.s.sampler), Box::new(comm.clone()), Arc::clone(&state));
+        let feed = FeedConfig { successors: self.s.er.replicas, check_every: self.s.er.replica_check_interval };
+        let worker = ZeroWorker::new(rank, Arc::clone(&plan), Arc::clone(&self.s.sampler), Box::new(comm.clone()), Arc::clone(&state))
+            .with_replica_feed(feed);
         self.member = Some(Member { rank, plan, state, worker, comm });
         self.at = Some(at);
         self.replicas.clear();
@@ -268,13 +487,18 @@ impl Worker {
         self.member.as_mut().context("this worker is not a member of any epoch yet")
     }
 
-    /// Sends this rank's shard to its ring successors and keeps its predecessors'.
+    /// A full copy: sends this rank's shard to its ring successors and replaces the replicas
+    /// with its predecessors' (when an epoch forms, or after a replica was dropped).
     fn replicate(&mut self, step: u64) -> Result<()> {
+        self.replicas.clear();
         let k = self.s.er.replicas;
-        let m = self.member()?;
+        let m = self.member.as_ref().context("this worker is not a member of any epoch yet")?;
         let world = m.plan.world;
         let k = if m.plan.stage == 0 { 0 } else { k.min(world - 1) };
-        let (names, mine) = {
+        if k == 0 {
+            return Ok(());
+        }
+        let (names, mine, optimizer_steps) = {
             let st = lock(&m.state);
             let mut names = vec!["master".to_string()];
             let mut mine: Vec<f32> = st.master.to_vec();
@@ -282,45 +506,69 @@ impl Worker {
                 names.push(n.to_string());
                 mine.extend_from_slice(b);
             }
-            (names, mine)
+            (names, mine, st.optim.step_count())
         };
         let tag = REPLICA_TAG + step;
+        let mut comm = m.comm.clone();
         for j in 1..=k {
-            m.comm.send((m.rank + j) % world, tag, &mine).map_err(|e| anyhow::anyhow!("sending the replica of step {step}: {e}"))?;
+            comm.send((m.rank + j) % world, tag, &mine).map_err(|e| anyhow::anyhow!("sending the replica of step {step}: {e}"))?;
         }
         drop(mine);
         let mut got = Vec::with_capacity(k);
         for j in 1..=k {
             let owner = (m.rank + world - j) % world;
-            let data = m.comm.recv(owner, tag).map_err(|e| anyhow::anyhow!("receiving the replica of rank {owner}: {e}"))?;
-            let len = m.plan.optim_range(owner).len();
+            let data = comm.recv(owner, tag).map_err(|e| anyhow::anyhow!("receiving the replica of rank {owner}: {e}"))?;
+            let range = m.plan.optim_range(owner);
+            let len = range.len();
             if data.len() != len * names.len() {
                 bail!("the replica of rank {owner} has {} values, expected {} × {len}", data.len(), names.len());
             }
-            let bufs = names.iter().zip(data.chunks(len.max(1))).map(|(n, c)| (n.clone(), c.to_vec())).collect();
-            got.push(Replica { owner, at: step, bufs });
+            let mut parts = data.chunks(len.max(1)).map(<[f32]>::to_vec);
+            let master = parts.next().unwrap_or_default();
+            let bufs: Vec<(&str, Vec<f32>)> = names[1..].iter().map(String::as_str).zip(parts).collect();
+            let r = Replica::from_copy(owner, range, step, m.plan.optimizer, master, optimizer_steps, &bufs).map_err(anyhow::Error::msg)?;
+            got.push(r);
         }
-        self.replicas = got;
+        self.replicas.replace(got);
         Ok(())
     }
 
     /// Sends the replica of `owner` as `Export` would send the owner's own state.
     fn export_replica(&mut self, stream: &mut TcpStream, owner: usize) -> Result<()> {
-        let Some(r) = self.replicas.iter().find(|r| r.owner == owner) else {
+        let held = self.replicas.settle();
+        let Some(r) = held.iter().find(|r| r.owner == owner) else {
             wire::send(stream, &ToParent::Failed { error: format!("no replica of rank {owner} here") })?;
             return Ok(());
         };
         let m = self.member.as_ref().context("no member state")?;
         let st = lock(&m.state);
         let counters = StateCounters {
-            optimizer_steps: Some(st.optim.step_count()),
+            optimizer_steps: Some(r.optim.step_count()),
             applied: st.applied,
             skipped: st.skipped,
             scaler: st.scaler.as_ref().map(bridge::scaler_to_json),
         };
-        let bufs: Vec<(&str, &[f32])> = r.bufs.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+        let mut bufs: Vec<(&str, &[f32])> = vec![("master", &r.master)];
+        bufs.extend(r.optim.state_buffers());
         wire::send(stream, &ToParent::Exported { counters, buffers: wire::describe(&bufs) })?;
         wire::send_bulk(stream, &bufs.iter().map(|(_, b)| *b).collect::<Vec<_>>())?;
+        Ok(())
+    }
+
+    /// Takes new micro-batch blocks for the current epoch (the state partition stays).
+    fn rebalance(&mut self, blocks: Vec<Vec<(u64, u32)>>) -> Result<()> {
+        let world = self.member.as_ref().context("this worker is not a member of any epoch yet")?.plan.world;
+        let blocks = blocks
+            .into_iter()
+            .map(|b| b.into_iter().map(|(f, l)| usize::try_from(f).map(|f| (f, l)).context("a block's first micro-batch")).collect())
+            .collect::<Result<Vec<Vec<(usize, u32)>>>>()?;
+        let mut cfg = self.s.cfg.clone();
+        cfg.world_size = world;
+        let plan = Plan::new(&cfg, &self.s.dataset).with_context(|| format!("the plan of {world} ranks"))?;
+        let plan = Arc::new(plan.with_blocks(blocks).map_err(anyhow::Error::msg)?);
+        let m = self.member()?;
+        m.worker.set_plan(Arc::clone(&plan)).map_err(anyhow::Error::msg)?;
+        m.plan = plan;
         Ok(())
     }
 
@@ -357,7 +605,8 @@ impl Worker {
 
     /// Answers one request; returns false on `Shutdown`.
     fn serve_one(&mut self, msg: ToWorker, stream: &mut TcpStream, alive: &dyn Fn() -> Result<(), WireError>) -> Result<bool> {
-        let snap = |m: &Member| snapshot(&lock(&m.state), m.rank);
+        let (stale, behind) = (self.replicas.stale, self.replicas.behind);
+        let snap = |m: &Member| Snapshot { replica_stale: stale, replica_behind: behind, ..snapshot(&lock(&m.state), m.rank) };
         let reply = match msg {
             ToWorker::Prepare { step, epoch, attempt } => {
                 let m = self.member()?;
@@ -367,10 +616,14 @@ impl Worker {
                 }
             }
             ToWorker::Commit { step } => {
-                let m = self.member()?;
+                let m = self.member.as_mut().context("this worker is not a member of any epoch yet")?;
                 match m.worker.commit(step) {
                     Ok(()) => {
-                        let s = snap(m);
+                        if let Some(updates) = m.worker.take_replica_updates() {
+                            self.replicas.queue(&m.plan, updates);
+                        }
+                        let (replica_stale, replica_behind) = (self.replicas.stale, self.replicas.behind);
+                        let s = Snapshot { replica_stale, replica_behind, ..snapshot(&lock(&m.state), m.rank) };
                         self.at = Some(step + 1);
                         ToParent::Committed { snapshot: s }
                     }
@@ -400,10 +653,10 @@ impl Worker {
                 Ok(()) => ToParent::Replicated,
                 Err(e) => ToParent::Failed { error: format!("{e:#}") },
             },
-            ToWorker::Status => ToParent::Status {
-                at: self.at.filter(|_| self.member.is_some()),
-                replicas: self.replicas.iter().map(|r| (r.owner as u64, r.at)).collect(),
-            },
+            ToWorker::Status => {
+                let replicas = self.replicas.settle().iter().map(|r| (r.owner as u64, r.at)).collect();
+                ToParent::Status { at: self.at.filter(|_| self.member.is_some()), replicas }
+            }
             ToWorker::Epoch { epoch, rank, world } => {
                 let deadline = Some(Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS));
                 let wait = Wait { what: "the new epoch's messages", deadline, alive };
@@ -415,6 +668,10 @@ impl Worker {
                     Err(e) => ToParent::Failed { error: format!("worker {}: {e:#}", self.s.id) },
                 }
             }
+            ToWorker::Blocks { blocks } => match self.rebalance(blocks) {
+                Ok(()) => ToParent::Rebalanced,
+                Err(e) => ToParent::Failed { error: format!("worker {}: new micro-batch blocks: {e:#}", self.s.id) },
+            },
             ToWorker::Ping => ToParent::Pong,
             ToWorker::Shutdown => return Ok(false),
             other => bail!("unexpected request {other:?}"),
@@ -496,4 +753,49 @@ pub fn run_joiner(dir: &Path) -> Result<()> {
     let mut w = Worker::new(s)?;
     // A joiner is not the driver's child: it leaves when the control connection closes.
     w.run(&mut stream, &|| Ok(()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{from_str_named, ResolveContext};
+    use crate::engine::replica::StepRecord;
+
+    fn plan() -> Arc<Plan> {
+        let text = r#"{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "tessera": {"model": "gpt-tiny", "seq_len": 16}}"#;
+        let cfg = from_str_named(text, "test.json", &[], &ResolveContext::with_world(2)).expect("config");
+        let tokens: Vec<u32> = (0..2048u32).map(|i| i % 256).collect();
+        let data = Dataset { train: tokens.clone(), val: tokens, vocab_size: 256, source: "synthetic".into() };
+        Arc::new(Plan::new(&cfg, &data).expect("plan"))
+    }
+
+    /// Past the queue bound the replicas are `behind`; a full copy then replaces them and the
+    /// queued updates are skipped, not applied.
+    #[test]
+    fn replicas_that_fall_behind_are_replaced_without_applying_the_queue() {
+        let plan = plan();
+        let mut r = Replicas::new();
+        let bogus = || {
+            let record = StepRecord { step: 0, applied: false, lr: 0.0, reductions: vec![], optimizer_steps: 0, digest: None };
+            Ok(vec![Update { owner: 99, grad: vec![], record }])
+        };
+        {
+            // The thread blocks on the replicas while this holds them.
+            let shared = Arc::clone(&r.shared);
+            let _held = relock(&shared.held);
+            for _ in 0..=REPLICA_QUEUE_STEPS {
+                r.queue(&plan, bogus());
+            }
+            assert!(r.behind, "more than {REPLICA_QUEUE_STEPS} commits waiting");
+            r.shared.generation.fetch_add(1, Ordering::SeqCst);
+        }
+        let copy = Replica::from_copy(0, 0..0, 5, plan.optimizer, vec![], 3, &[("exp_avg", vec![]), ("exp_avg_sq", vec![])]).expect("copy");
+        r.replace(vec![copy]);
+        assert!(!r.behind && !r.stale, "behind {} stale {}", r.behind, r.stale);
+        assert_eq!(r.settle().iter().map(|x| (x.owner, x.at)).collect::<Vec<_>>(), [(0, 5)]);
+        // An update with no replica to apply to is reported (so a skipped one above was not run).
+        r.queue(&plan, bogus());
+        drop(r.settle());
+        assert!(r.stale);
+    }
 }

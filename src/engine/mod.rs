@@ -11,6 +11,7 @@ mod plan;
 mod precision;
 mod ranks;
 mod remote;
+mod replica;
 mod run;
 mod store;
 mod summary;

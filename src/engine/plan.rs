@@ -345,6 +345,19 @@ impl Plan {
         (0..total.div_ceil(b)).map(move |k| k * b..((k + 1) * b).min(total))
     }
 
+    /// This plan with rank `r`'s micro-batch blocks `blocks[r]`, checked to be the aligned cut
+    /// of contiguous runs covering every micro-batch in rank order (so the bits stay the same).
+    pub fn with_blocks(mut self, blocks: Vec<Vec<(usize, u32)>>) -> Result<Plan, String> {
+        tessera_actors::check_blocks(self.micro_batches, self.world, &blocks)?;
+        self.blocks = blocks;
+        Ok(self)
+    }
+
+    /// Micro-batches per rank.
+    pub fn counts(&self) -> Vec<usize> {
+        (0..self.world).map(|r| self.leaves(r).len()).collect()
+    }
+
     /// Leaves (micro-batch indices) of rank `r`, in order.
     pub fn leaves(&self, r: usize) -> Vec<usize> {
         self.blocks[r].iter().flat_map(|&(first, level)| first..(first + (1 << level)).min(self.micro_batches)).collect()

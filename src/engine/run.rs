@@ -413,7 +413,7 @@ impl Run<'_> {
         };
         self.step += 1;
         if self.elastic.is_some() {
-            self.elastic_replicate(pb, t, dataset)?;
+            self.elastic_after_commit(pb, t, dataset)?;
         }
         t.train_s += t0.elapsed().as_secs_f64();
         t.steps_run += 1;
@@ -522,8 +522,21 @@ impl Run<'_> {
                 self.recover(pb, t, dataset)?;
                 continue;
             }
+            if let Err(e) = self.rebalance(pb, dataset) {
+                if !self.change_pending(SETTLE_MS) {
+                    return Err(e);
+                }
+                log_line(pb, format!("elastic: {e:#}; recovering"));
+                self.recover(pb, t, dataset)?;
+                continue;
+            }
             match self.cluster.run_step(self.step) {
-                Ok(res) => return Ok(res),
+                Ok(res) => {
+                    if let Ranks::Elastic(fleet) = &mut self.ranks {
+                        fleet.observe(&res.per_rank);
+                    }
+                    return Ok(res);
+                }
                 Err(e) if self.change_pending(SETTLE_MS) => {
                     if let Some(el) = self.elastic.as_mut() {
                         el.stats.steps_rerun += 1;
@@ -536,10 +549,29 @@ impl Run<'_> {
         }
     }
 
-    /// After a commit: the ranks replicate their shards (a loss meanwhile is recovered from).
-    fn elastic_replicate(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
-        let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
-        if let Err(e) = fleet.replicate(self.step) {
+    /// At a step boundary: re-assigns the micro-batch blocks by the members' measured speeds
+    /// when that pays (`Fleet::rebalance`); the driver's plan follows.
+    fn rebalance(&mut self, pb: &ProgressBar, dataset: &Dataset) -> Result<()> {
+        let Ranks::Elastic(fleet) = &mut self.ranks else { return Ok(()) };
+        let Some(r) = fleet.rebalance(self.step, dataset)? else { return Ok(()) };
+        self.plan = r.plan;
+        if let Some(el) = self.elastic.as_mut() {
+            el.stats.rebalances += 1;
+        }
+        log_line(
+            pb,
+            format!(
+                "elastic: step {}: micro-batches per rank {:?} -> {:?} by measured speed (predicted compute {:.0} -> {:.0} ms a step)",
+                self.step, r.before, r.after, r.before_ms, r.after_ms
+            ),
+        );
+        Ok(())
+    }
+
+    /// After a commit: the replicas followed the owners' gradients during the step; a member
+    /// that dropped one gets a full copy (a loss meanwhile is recovered from).
+    fn elastic_after_commit(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
+        if let Err(e) = self.resync_replicas(self.step) {
             if !self.change_pending(SETTLE_MS) {
                 return Err(e);
             }
@@ -550,6 +582,26 @@ impl Run<'_> {
             fleet.committed(self.step);
         }
         Ok(())
+    }
+
+    /// Sends full replica copies at `step` committed steps when a member reported a replica
+    /// dropped (a failed update or a digest that differed from its owner's) or its replicas
+    /// behind (more updates waiting than it applied in the background).
+    fn resync_replicas(&mut self, step: u64) -> Result<()> {
+        let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
+        let (dropped, behind) = fleet.stale_replicas();
+        if dropped.is_empty() && behind.is_empty() {
+            return Ok(());
+        }
+        fleet.replicas_recopied(step, &dropped, &behind);
+        if let Some(el) = self.elastic.as_mut() {
+            match dropped.is_empty() {
+                false => el.stats.replicas_recopied += 1,
+                true => el.stats.replica_catch_up_copies += 1,
+            }
+        }
+        let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
+        fleet.replicate(step)
     }
 
     /// Forms a new epoch from the survivors and joiners at the boundary of `self.step`
@@ -604,8 +656,7 @@ impl Run<'_> {
                         if let Some(el) = self.elastic.as_mut() {
                             el.stats.steps_replayed += 1;
                         }
-                        let Ranks::Elastic(fleet) = &self.ranks else { break };
-                        if let Err(e) = fleet.replicate(at) {
+                        if let Err(e) = self.resync_replicas(at) {
                             if !self.change_pending(SETTLE_MS) {
                                 return Err(e);
                             }

@@ -80,6 +80,15 @@ pub struct ElasticSummary {
     pub restored_from_checkpoint: u64,
     /// Checkpoints that could not be written (the run went on).
     pub checkpoints_failed: u64,
+    /// Full replica copies sent because a member dropped a replica that had stopped matching
+    /// its owner (a failed update or a differing digest); 0 in a healthy run.
+    pub replicas_recopied: u64,
+    /// Full replica copies sent because a member's replicas had more updates waiting than its
+    /// background thread had applied (no idle CPU for it): a copy costs a transfer, the
+    /// updates would have cost optimizer steps.
+    pub replica_catch_up_copies: u64,
+    /// Times the micro-batch blocks were re-assigned by measured worker speed (stragglers).
+    pub rebalances: u64,
 }
 
 impl Summary {

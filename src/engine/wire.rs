@@ -136,6 +136,12 @@ pub struct Snapshot {
     /// The loss scale's f32 bits, when a loss scaler runs.
     pub scale_bits: Option<u32>,
     pub bytes_sent_total: u64,
+    /// Elastic: a replica this worker should hold was dropped since the last full copy (an
+    /// update failed or its digest differed from the owner's): it needs a new full copy.
+    pub replica_stale: bool,
+    /// Elastic: the replicas this worker holds wait for more commits' updates than it applies
+    /// in the background (a busy CPU): a full copy catches them up.
+    pub replica_behind: bool,
 }
 
 /// [`Prepared`] with floats as bits.
@@ -148,6 +154,8 @@ pub struct WirePrepared {
     pub bytes_sent: u64,
     pub bytes_received: u64,
     pub compute_s_bits: u64,
+    pub busy_s_bits: u64,
+    pub busy_micro_batches: u64,
 }
 
 impl WirePrepared {
@@ -160,6 +168,8 @@ impl WirePrepared {
             bytes_sent: p.bytes_sent,
             bytes_received: p.bytes_received,
             compute_s_bits: p.compute_s.to_bits(),
+            busy_s_bits: p.busy_s.to_bits(),
+            busy_micro_batches: p.busy_micro_batches as u64,
         }
     }
 
@@ -172,6 +182,8 @@ impl WirePrepared {
             bytes_sent: self.bytes_sent,
             bytes_received: self.bytes_received,
             compute_s: f64::from_bits(self.compute_s_bits),
+            busy_s: f64::from_bits(self.busy_s_bits),
+            busy_micro_batches: self.busy_micro_batches as usize,
         }
     }
 }
@@ -261,8 +273,10 @@ pub enum ToWorker {
         rank: u64,
         world: u64,
     },
-    /// Elastic: after the commit that brought the state to `step` committed steps, send this
-    /// rank's shard to its ring successors and keep theirs (answered with `Replicated`).
+    /// Elastic: a full copy of the replicas at `step` committed steps (when an epoch forms, or
+    /// after a replica was dropped): send this rank's shard to its ring successors and keep
+    /// theirs (answered with `Replicated`). Between full copies the replicas follow the owners'
+    /// gradients (`engine::replica`).
     Replicate {
         step: u64,
     },
@@ -275,6 +289,12 @@ pub enum ToWorker {
     /// Elastic, on the side connection: abort the collectives of `epoch` (a member was lost).
     Abort {
         epoch: u64,
+    },
+    /// Elastic, at a step boundary: run the next steps with these micro-batch blocks (per rank
+    /// of the current epoch, `(first, level)`), sized by the measured speeds; the partition of
+    /// the state stays (answered with `Rebalanced`).
+    Blocks {
+        blocks: Vec<Vec<(u64, u32)>>,
     },
 }
 
@@ -348,6 +368,8 @@ pub enum ToParent {
         quic_addr: String,
     },
     Replicated,
+    /// Elastic: the new micro-batch blocks are in force.
+    Rebalanced,
     /// Elastic: the committed steps this worker's state holds (`None`: a commit failed half-way,
     /// the state is not usable) and the replicas it keeps: (owner rank, committed steps).
     Status {

@@ -38,17 +38,18 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::dtype::{round_to, DType};
 use tessera_kernels::model::{UnitAccess, Workspace};
-use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, StepContext, StepOutcome};
+use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, OptimizerKind, StepContext, StepOutcome};
 use tessera_transport::collective::Collective;
 use tessera_transport::tree::TreeSum;
 
 use super::lane::{Lane, Ticket};
 use super::plan::{Plan, UnitEvent};
+use super::replica::{self, FeedConfig, StepRecord, Update};
 use super::store::Store;
 use crate::data::Sampler;
 use crate::offload::{self, AioOptions, AlignedBuf, Masters, OptimState, SwapFile, Tier};
@@ -371,13 +372,20 @@ fn tree(dtype: DType) -> TreeSum {
     }
 }
 
-/// Lamb's per-tensor norms summed across ranks.
-struct CommReduce<'a>(&'a mut Lane, Option<String>);
+/// Lamb's per-tensor norms summed across ranks; the results are kept for the replicas.
+struct CommReduce<'a> {
+    lane: &'a mut Lane,
+    error: Option<String>,
+    results: Vec<Vec<f64>>,
+}
 
 impl NormAllReduce for CommReduce<'_> {
     fn all_reduce_sum(&mut self, v: &mut [f64]) {
-        if let Err(e) = all_reduce_f64(self.0, "the optimizer's norm all-reduce", v) {
-            self.1.get_or_insert(e);
+        match all_reduce_f64(self.lane, "the optimizer's norm all-reduce", v) {
+            Ok(()) => self.results.push(v.to_vec()),
+            Err(e) => {
+                self.error.get_or_insert(e);
+            }
         }
     }
 }
@@ -389,6 +397,37 @@ type BlockSum = (usize, u32, Vec<f32>);
 struct Staged {
     step: u64,
     overflow: bool,
+    /// The replica update exchange queued at the end of prepare (elastic runs).
+    exchange: Option<Exchange>,
+}
+
+/// An all-to-all in flight: what each rank sent this one.
+type Exchange = Ticket<Result<Vec<Vec<f32>>, String>>;
+
+/// A rank feeding its ring successors' replicas of its shard ([`super::replica`]).
+struct Feed {
+    cfg: FeedConfig,
+    /// What the last commit produced for the replicas this rank holds, or why it could not.
+    updates: Option<Result<Vec<Update>, String>>,
+}
+
+/// What a step's forward/backward left.
+struct Computed {
+    /// Sum of this rank's micro-batch losses.
+    loss: f64,
+    /// This rank's reduced range combined by the micro-batch tree, not yet unscaled.
+    grad: Vec<f32>,
+    /// Seconds spent computing the micro-batches of the slots every rank computes in (without
+    /// the waits on its peers), and their number.
+    busy_s: f64,
+    busy_micro_batches: usize,
+}
+
+/// What the optimizer part of a commit did (for the replicas' step records).
+struct StepDone {
+    applied: bool,
+    lr: f32,
+    reductions: Vec<Vec<f64>>,
 }
 
 /// One rank's compute.
@@ -400,6 +439,7 @@ pub struct ZeroWorker {
     state: Arc<Mutex<RankState>>,
     staged: Option<Staged>,
     ws: Workspace,
+    feed: Option<Feed>,
 }
 
 fn lock<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -430,13 +470,40 @@ impl ZeroWorker {
     pub fn new(rank: usize, plan: Arc<Plan>, sampler: Arc<Sampler>, comm: Box<dyn Collective>, state: Arc<Mutex<RankState>>) -> Self {
         let threaded = plan.overlap_comm || (plan.gathers() && plan.prefetch_elems > 0);
         let lane = Lane::new(comm, threaded);
-        ZeroWorker { rank, plan, sampler, lane, state, staged: None, ws: Workspace::default() }
+        ZeroWorker { rank, plan, sampler, lane, state, staged: None, ws: Workspace::default(), feed: None }
+    }
+
+    /// Keeps ring successors' replicas of this rank's shard in step ([`super::replica`]): each
+    /// prepared step sends the step record and the final gradient, and each commit turns the
+    /// predecessors' into updates ([`ZeroWorker::take_replica_updates`]). Every rank of the
+    /// group must do the same.
+    pub fn with_replica_feed(mut self, cfg: FeedConfig) -> Self {
+        self.feed = (cfg.successors > 0 && self.plan.stage > 0 && self.plan.world > 1).then_some(Feed { cfg, updates: None });
+        self
+    }
+
+    /// Runs the next steps under `plan`, which may assign other micro-batch blocks (speeds
+    /// measured by the driver) but keeps the partition; only at a step boundary.
+    pub fn set_plan(&mut self, plan: Arc<Plan>) -> Result<(), String> {
+        if let Some(s) = &self.staged {
+            return Err(format!("rank {}: new blocks while step {} is prepared", self.rank, s.step));
+        }
+        if plan.world != self.plan.world || plan.stage != self.plan.stage || plan.ranges != self.plan.ranges {
+            return Err(format!("rank {}: a new plan must keep the world, stage and partition", self.rank));
+        }
+        self.plan = plan;
+        Ok(())
+    }
+
+    /// The updates of the replicas this rank holds from the last commit (in predecessor order,
+    /// nearest first), or why the exchange failed; `None` without a feed or before a commit.
+    pub fn take_replica_updates(&mut self) -> Option<Result<Vec<Update>, String>> {
+        self.feed.as_mut().and_then(|f| f.updates.take())
     }
 
     /// Forward/backward of this rank's micro-batches, slot by slot, with their gradients
-    /// travelling to the partition owners as the backward produces them; returns (loss sum,
-    /// this rank's reduced range combined by the micro-batch tree, not yet unscaled).
-    fn compute_and_reduce(&mut self, step: u64, scale: f32, params: &ParamStore) -> Result<(f64, Vec<f32>), String> {
+    /// travelling to the partition owners as the backward produces them.
+    fn compute_and_reduce(&mut self, step: u64, scale: f32, params: &ParamStore) -> Result<Computed, String> {
         let plan = Arc::clone(&self.plan);
         let (mb, t) = (plan.micro, plan.seq_len);
         let dloss = scale / plan.micro_batches as f32;
@@ -447,12 +514,19 @@ impl ZeroWorker {
         let ZeroWorker { rank, sampler, lane, ws, .. } = self;
         let mut acc = StepAccess::new(Arc::clone(&plan), *rank, params, lane, Arc::clone(&owner));
         let mut loss = 0.0f64;
+        let mut busy = Duration::ZERO;
+        // Slots in which every rank computes: the ones measured (see `Prepared::busy_s`).
+        let common = plan.counts().into_iter().min().unwrap_or(0);
         for s in 0..plan.slots() {
             match leaves.get(s) {
                 Some(&i) => {
                     sampler.fill(plan.first_sample(step, i), mb, &mut inputs, &mut targets);
                     acc.begin_slot(s, true);
+                    let (t0, waited) = (Instant::now(), acc.waited);
                     loss += f64::from(plan.model.forward_backward(&mut acc, &inputs, &targets, mb, t, dloss, ws));
+                    if s < common {
+                        busy += t0.elapsed().saturating_sub(acc.waited.saturating_sub(waited));
+                    }
                 }
                 // A rank with fewer micro-batches still serves its shards to the others'
                 // gathers and joins their gradient exchanges, with nothing of its own to send.
@@ -479,7 +553,7 @@ impl ZeroWorker {
             return Err(e);
         }
         let sums = std::mem::replace(&mut *lock(&owner), OwnerSums::new(&plan, self.rank));
-        Ok((loss, sums.finish(&plan)?))
+        Ok(Computed { loss, grad: sums.finish(&plan)?, busy_s: busy.as_secs_f64(), busy_micro_batches: common })
     }
 
     /// Unscales, measures the global norm, clips and rounds this rank's reduced range.
@@ -550,7 +624,8 @@ impl ZeroWorker {
         st.master.release();
         st.optim.release();
         let scale = st.scaler.as_ref().map_or(1.0, LossScaler::scale);
-        let (loss_sum, mut g) = self.compute_and_reduce(order.step, scale, &st.params)?;
+        let Computed { loss: loss_sum, grad: mut g, busy_s, busy_micro_batches } =
+            self.compute_and_reduce(order.step, scale, &st.params)?;
         let clip = f64::from(self.plan_clip());
         let (norm, overflow) = self.finish_gradient(&mut g, scale, clip)?;
         let plan = Arc::clone(&self.plan);
@@ -561,9 +636,12 @@ impl ZeroWorker {
             }
             _ => st.grads.write(0, &g),
         }
-        self.staged = Some(Staged { step: order.step, overflow });
         let after = self.lane.stats()?;
         (st.bytes_sent_total, st.ops_total) = (after.bytes_sent, after.ops);
+        // Queued last (after the counters), so a communication thread runs it while the driver
+        // collects the answers; `commit` waits for it.
+        let exchange = self.feed.as_ref().map(|f| f.cfg).map(|cfg| self.send_replica_update(cfg, order.step, st, overflow));
+        self.staged = Some(Staged { step: order.step, overflow, exchange });
         Ok(Prepared {
             loss_sum,
             micro_batches: plan.leaves(self.rank).len(),
@@ -572,6 +650,8 @@ impl ZeroWorker {
             bytes_sent: after.bytes_sent - before.bytes_sent,
             bytes_received: after.bytes_received - before.bytes_received,
             compute_s: t0.elapsed().as_secs_f64(),
+            busy_s,
+            busy_micro_batches,
         })
     }
 
@@ -580,17 +660,33 @@ impl ZeroWorker {
             Some(s) if s.step == step => s,
             other => return Err(format!("rank {}: commit of step {step} but staged {:?}", self.rank, other.map(|s| s.step))),
         };
-        if let Some(sc) = st.scaler.as_mut() {
-            if let StepOutcome::SkippedOverflow { .. } = sc.update(staged.overflow).map_err(|e| e.to_string())? {
-                st.skipped += 1;
-                return Ok(());
+        let done = self.optimizer_step(staged.overflow, st)?;
+        if let Some(exchange) = staged.exchange {
+            let updates = self.finish_replica_updates(step, exchange, done);
+            if let Some(f) = self.feed.as_mut() {
+                f.updates = Some(updates);
             }
-        } else if staged.overflow {
+        }
+        let stats = self.lane.stats()?;
+        (st.bytes_sent_total, st.ops_total) = (stats.bytes_sent, stats.ops);
+        Ok(())
+    }
+
+    /// The optimizer part of a commit: the loss scaler's decision, the step on this rank's
+    /// masters, and the new parameters shared as the stage requires.
+    fn optimizer_step(&mut self, overflow: bool, st: &mut RankState) -> Result<StepDone, String> {
+        let lr = self.lr_at(st.applied);
+        let skipped = StepDone { applied: false, lr, reductions: Vec::new() };
+        if let Some(sc) = st.scaler.as_mut() {
+            if let StepOutcome::SkippedOverflow { .. } = sc.update(overflow).map_err(|e| e.to_string())? {
+                st.skipped += 1;
+                return Ok(skipped);
+            }
+        } else if overflow {
             st.skipped += 1;
-            return Ok(());
+            return Ok(skipped);
         }
         let plan = Arc::clone(&self.plan);
-        let lr = self.lr_at(st.applied);
         let range = plan.optim_range(self.rank);
         let mut g = vec![0.0; range.len()];
         match plan.stage {
@@ -601,21 +697,99 @@ impl ZeroWorker {
         let ctx = StepContext { shard_range: range, layout: &plan.flat, decay: &plan.decay };
         let RankState { master, optim, params, .. } = st;
         let mut publish = |off: usize, vals: &[f32]| params.write(start + off, vals);
+        let mut reductions = Vec::new();
         if plan.stage == 0 {
             optim.step(master, &g, lr, &ctx, &mut LocalReduce, &mut publish)?;
         } else {
-            let mut reducer = CommReduce(&mut self.lane, None);
+            let mut reducer = CommReduce { lane: &mut self.lane, error: None, results: Vec::new() };
             let res = optim.step(master, &g, lr, &ctx, &mut reducer, &mut publish);
-            if let Some(e) = reducer.1 {
+            if let Some(e) = reducer.error {
                 return Err(e);
             }
             res?;
+            reductions = reducer.results;
         }
         self.publish_params(st)?;
         st.applied += 1;
-        let stats = self.lane.stats()?;
-        (st.bytes_sent_total, st.ops_total) = (stats.bytes_sent, stats.ops);
-        Ok(())
+        Ok(StepDone { applied: true, lr, reductions })
+    }
+
+    /// End of prepare: queues the all-to-all that sends this rank's successors its step record
+    /// and its final gradient (exactly what the optimizer will read; nothing for a step skipped
+    /// on overflow). Everything in the record is known now: the step is skipped exactly when
+    /// the gradient overflowed, the learning rate follows the applied steps, and the digest
+    /// (when due) is of the state the step starts from; only LAMB's reduced norms come later.
+    fn send_replica_update(&mut self, cfg: FeedConfig, step: u64, st: &RankState, overflow: bool) -> Exchange {
+        let range = self.plan.optim_range(self.rank);
+        let local = if self.plan.stage <= 1 { range } else { 0..range.len() };
+        let record = StepRecord {
+            step,
+            applied: !overflow,
+            lr: self.lr_at(st.applied),
+            reductions: Vec::new(),
+            optimizer_steps: st.optim.step_count() + u64::from(!overflow),
+            digest: cfg.digest_due(step).then(|| replica::shard_digest(&st.master, &st.optim.state_buffers())),
+        };
+        let words = replica::encode_update(&record, (!overflow).then_some((&st.grads, local)));
+        let succ = cfg.successors_of(self.rank, self.plan.world);
+        let world = self.plan.world;
+        self.lane.submit("the replica update exchange", move |c| {
+            let sends: Vec<&[f32]> = (0..world).map(|j| if succ.contains(&j) { &words[..] } else { &[][..] }).collect();
+            c.all_to_all(&sends).map_err(|e| format!("the replica update exchange: {e}"))
+        })
+    }
+
+    /// End of commit: turns what the predecessors sent at the end of prepare into their
+    /// replicas' updates, after checking the records against what this commit did (every
+    /// rank takes the same decision). LAMB's reduced norms are exchanged now.
+    fn finish_replica_updates(&mut self, step: u64, exchange: Exchange, done: StepDone) -> Result<Vec<Update>, String> {
+        let cfg = self.feed.as_ref().map(|f| f.cfg).ok_or("no replica feed")?;
+        let (rank, world) = (self.rank, self.plan.world);
+        let mut reductions: Vec<Vec<Vec<f64>>> = vec![Vec::new(); world];
+        if matches!(self.plan.optimizer, OptimizerKind::Lamb(_)) {
+            let mine = StepRecord {
+                step,
+                applied: done.applied,
+                lr: done.lr,
+                reductions: done.reductions.clone(),
+                optimizer_steps: 0,
+                digest: None,
+            };
+            let words = mine.encode();
+            let succ = cfg.successors_of(rank, world);
+            let got = self.lane.call("the replica norm exchange", move |c| {
+                let sends: Vec<&[f32]> = (0..world).map(|j| if succ.contains(&j) { &words[..] } else { &[][..] }).collect();
+                c.all_to_all(&sends).map_err(|e| format!("the replica norm exchange: {e}"))
+            })??;
+            for owner in cfg.predecessors_of(rank, world) {
+                let r = got.get(owner).ok_or("the replica norm exchange lost a rank")?;
+                reductions[owner] = StepRecord::decode(r).map_err(|e| format!("rank {owner}'s norms: {e}"))?.reductions;
+            }
+        }
+        let mut got = exchange.wait().and_then(|r| r)?;
+        if got.len() != world {
+            return Err(format!("the replica update exchange returned {} parts for {world} ranks", got.len()));
+        }
+        let dtype = self.plan.precision.dtype();
+        let mut updates = Vec::new();
+        for owner in cfg.predecessors_of(rank, world) {
+            let (mut record, words) = replica::decode_update(std::mem::take(&mut got[owner])).map_err(|e| format!("rank {owner}: {e}"))?;
+            if record.step != step || record.applied != done.applied || record.lr.to_bits() != done.lr.to_bits() {
+                return Err(format!(
+                    "rank {owner}'s record (step {}, applied {}, lr {}) disagrees with this rank's commit (step {step}, applied {}, lr {})",
+                    record.step, record.applied, record.lr, done.applied, done.lr
+                ));
+            }
+            record.reductions = std::mem::take(&mut reductions[owner]);
+            let grad = match record.applied {
+                true => {
+                    replica::unpack_gradient(dtype, words, self.plan.optim_range(owner).len()).map_err(|e| format!("rank {owner}: {e}"))?
+                }
+                false => Vec::new(),
+            };
+            updates.push(Update { owner, grad, record });
+        }
+        Ok(updates)
     }
 }
 
@@ -786,6 +960,9 @@ struct StepAccess<'a> {
     next_bucket: usize,
     tickets: Vec<Ticket<Result<(), String>>>,
     error: Option<String>,
+    /// Time spent in the lane on the model's behalf (collectives run inline, results waited
+    /// for): waits on peers, not this rank's compute.
+    waited: Duration,
 }
 
 /// One stage-3 gather of a step: unit `unit` for its use number `use_at`, queued on the
@@ -904,6 +1081,7 @@ impl<'a> StepAccess<'a> {
             buckets,
             tickets: Vec::new(),
             error: None,
+            waited: Duration::ZERO,
             plan,
         }
     }
@@ -975,11 +1153,13 @@ impl<'a> StepAccess<'a> {
         let mut mine = vec![0.0; own.len()];
         let read = self.store.read(own.start + unit.start, &mut mine);
         let len = unit.len();
+        let t0 = Instant::now();
         let ticket = self.lane.submit("a stage-3 parameter gather", move |c| {
             read?;
             let mut buf = vec![0.0; len];
             c.all_gather(&mine, &parts, &mut buf).map(|()| buf).map_err(|e| e.to_string())
         });
+        self.waited += t0.elapsed();
         self.inflight.push_back(ticket);
         self.issued += 1;
     }
@@ -1012,7 +1192,10 @@ impl<'a> StepAccess<'a> {
             self.fail(format!("the gather of unit {u} was not queued"));
             return vec![0.0; unit.len()];
         };
-        match ticket.wait().and_then(|r| r) {
+        let t0 = Instant::now();
+        let got = ticket.wait().and_then(|r| r);
+        self.waited += t0.elapsed();
+        match got {
             Ok(buf) => buf,
             Err(e) => {
                 self.fail(format!("gathering unit {u}: {e}"));
@@ -1053,6 +1236,7 @@ impl<'a> StepAccess<'a> {
             }
         }
         let (owner, slot, last) = (Arc::clone(&self.owner), self.slot, k == 0);
+        let t0 = Instant::now();
         let ticket = self.lane.submit("a gradient bucket exchange", move |c| {
             let refs: Vec<&[f32]> = sends.iter().map(Vec::as_slice).collect();
             let got = c.all_to_all(&refs).map_err(|e| e.to_string())?;
@@ -1063,6 +1247,7 @@ impl<'a> StepAccess<'a> {
         } else if let Err(e) = ticket.wait().and_then(|r| r) {
             self.fail(e);
         }
+        self.waited += t0.elapsed();
     }
 
     /// This slot's values to send over flat `range`, from the ready units' pieces.
@@ -1213,6 +1398,133 @@ mod tests {
         let owners = if stage == 0 { 1 } else { world };
         let master = (0..owners).flat_map(|r| lock(&states[r]).master.to_vec()).collect();
         (master, states.iter().map(|s| lock(s).ops_total).collect())
+    }
+
+    /// What [`replicated_steps`] leaves: each rank's shard digest, the replicas each rank holds
+    /// and (applied, skipped) steps.
+    struct Replicated {
+        owners: Vec<[u8; 32]>,
+        held: Vec<Vec<replica::Replica>>,
+        applied: u64,
+        skipped: u64,
+    }
+
+    /// Runs `steps` committed steps on `world` threads with every rank feeding `k` ring
+    /// successors' replicas (started from a full copy of the initial state, a digest in every
+    /// record, so each step's replica is checked against its owner).
+    fn replicated_steps(world: usize, stage: u8, sets: &[&str], k: usize, steps: u64) -> Replicated {
+        let (cfg, data) = setup(world, stage, sets);
+        let plan = Arc::new(Plan::new(&cfg, &data).expect("test plan"));
+        let sampler = Arc::new(Sampler::new(data.train, plan.seq_len, 7).expect("sampler"));
+        let init = plan.model.init_params(7);
+        let scaler = || crate::bridge::loss_scaler(&cfg.precision).expect("scaler");
+        let states: Vec<_> = (0..world).map(|r| Arc::new(Mutex::new(RankState::new(&plan, r, &init, scaler())))).collect();
+        let feed = FeedConfig { successors: k, check_every: 1 };
+        let handles: Vec<_> = LocalGroup::new(world)
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                let mut held: Vec<replica::Replica> = feed
+                    .predecessors_of(r, world)
+                    .into_iter()
+                    .map(|o| {
+                        let fresh = RankState::new(&plan, o, &init, None);
+                        let bufs: Vec<(&str, Vec<f32>)> = fresh.optim.state_buffers().into_iter().map(|(n, b)| (n, b.to_vec())).collect();
+                        let range = plan.optim_range(o);
+                        replica::Replica::from_copy(o, range.clone(), 0, plan.optimizer, init[range].to_vec(), 0, &bufs).expect("copy")
+                    })
+                    .collect();
+                let (plan, sampler, state) = (Arc::clone(&plan), Arc::clone(&sampler), Arc::clone(&states[r]));
+                std::thread::spawn(move || {
+                    let mut w = ZeroWorker::new(r, Arc::clone(&plan), sampler, Box::new(comm), state).with_replica_feed(feed);
+                    for step in 0..steps {
+                        w.prepare(&StepOrder { step, epoch: 0, attempt: 0 }).expect("prepare");
+                        w.commit(step).expect("commit");
+                        let updates = w.take_replica_updates().expect("a feed").expect("replica updates");
+                        assert_eq!(updates.len(), k.min(world - 1));
+                        for u in updates {
+                            let rep = held.iter_mut().find(|h| h.owner == u.owner).expect("a replica of the owner");
+                            rep.apply(&plan, u).unwrap_or_else(|e| panic!("rank {r}, step {step}: {e}"));
+                        }
+                    }
+                    held
+                })
+            })
+            .collect();
+        let held: Vec<_> = handles.into_iter().map(|h| h.join().expect("rank thread")).collect();
+        let owners = states.iter().map(|s| {
+            let st = lock(s);
+            replica::shard_digest(&st.master, &st.optim.state_buffers())
+        });
+        let (applied, skipped) = {
+            let st = lock(&states[0]);
+            (st.applied, st.skipped)
+        };
+        Replicated { owners: owners.collect(), held, applied, skipped }
+    }
+
+    /// Replicas fed by the owners' gradients and step records stay bit-identical to the
+    /// owners' shards: ZeRO-1/2/3, f32/bf16/fp16 (with a skipped overflow step), clipping (the
+    /// setup clips at 1.0), LAMB's collective norms, overlap, two successors, an owner whose
+    /// optimizer state is on NVMe. A flipped
+    /// bit is caught by the digest.
+    #[test]
+    fn gradient_fed_replicas_stay_bit_identical_to_their_owners() {
+        let on = "zero_optimization.overlap_comm=true";
+        let dir = tempfile::tempdir().expect("tempdir");
+        let nvme = format!("zero_optimization.offload_optimizer.nvme_path={}", dir.path().display());
+        for (world, stage, sets, k) in [
+            (4, 1, vec![], 1),
+            (4, 3, vec!["bf16.enabled=true"], 2),
+            (2, 3, vec!["bf16.enabled=true", on, "zero_optimization.reduce_bucket_size=70000"], 1),
+            (2, 3, vec!["fp16.enabled=true", "fp16.initial_scale_power=18", "fp16.hysteresis=1"], 1),
+            (2, 2, vec!["optimizer.type=Lamb"], 1),
+            // The owner steps its NVMe-tier state sub-group by sub-group; the replica in memory.
+            (
+                2,
+                3,
+                vec![
+                    "zero_optimization.offload_optimizer.device=nvme",
+                    &nvme,
+                    "aio.block_size=4096",
+                    "zero_optimization.sub_group_size=100000",
+                ],
+                1,
+            ),
+        ] {
+            let fp16 = sets.iter().any(|s| s.starts_with("fp16"));
+            let got = replicated_steps(world, stage, &sets, k, if fp16 { 5 } else { 3 });
+            let what = format!("world {world} stage {stage} {sets:?} with {k} successor(s)");
+            for (r, held) in got.held.iter().enumerate() {
+                assert_eq!(held.len(), k.min(world - 1), "{what}");
+                for rep in held {
+                    assert_eq!(rep.digest(), got.owners[rep.owner], "{what}: rank {r}'s replica of rank {}", rep.owner);
+                }
+            }
+            if fp16 {
+                assert!(got.skipped > 0 && got.applied > 0, "{what}: {} skipped, {} applied", got.skipped, got.applied);
+            }
+        }
+        // The check can fail: a replica with one flipped bit no longer has its owner's digest.
+        let got = replicated_steps(2, 3, &[], 1, 2);
+        let rep = got.held[1][0].clone();
+        let check = |rep: &mut replica::Replica| {
+            let record = StepRecord {
+                step: 2,
+                applied: false,
+                lr: 0.0,
+                reductions: vec![],
+                optimizer_steps: 2,
+                digest: Some(got.owners[rep.owner]),
+            };
+            let plan = plan(2, 3, &[]);
+            rep.apply(&plan, Update { owner: rep.owner, grad: vec![], record })
+        };
+        check(&mut rep.clone()).expect("the replica has its owner's digest");
+        let mut bad = rep;
+        bad.master[5] = f32::from_bits(bad.master[5].to_bits() ^ 1);
+        let e = check(&mut bad).expect_err("a flipped bit");
+        assert!(e.contains("blake3"), "{e}");
     }
 
     #[test]
