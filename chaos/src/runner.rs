@@ -102,6 +102,23 @@ pub struct FaultReport {
     pub note: String,
 }
 
+impl FaultReport {
+    /// A report with only what is known before the run's events are read.
+    fn new(kind: FaultKind, injected: bool, note: String) -> FaultReport {
+        FaultReport {
+            kind: kind.name(),
+            injected,
+            target: String::new(),
+            injected_ms: 0,
+            until_ms: None,
+            detection_ms: None,
+            recovery_ms: None,
+            link: None,
+            note,
+        }
+    }
+}
+
 /// One run's figures.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct RunReport {
@@ -446,17 +463,7 @@ impl Faulting<'_> {
     /// Injects one fault into the epoch whose members are `members` (rank, id, pid).
     fn inject(&mut self, f: &Fault, members: &[(usize, u64, u32)], events: &Events) -> Result<(), ChaosError> {
         let n = self.fired.len();
-        let mut report = FaultReport {
-            kind: f.kind.name(),
-            injected: true,
-            target: String::new(),
-            injected_ms: 0,
-            until_ms: None,
-            detection_ms: None,
-            recovery_ms: None,
-            link: None,
-            note: String::new(),
-        };
+        let mut report = FaultReport::new(f.kind, true, String::new());
         let id = match f.kind {
             k if k.targets_rank() => {
                 let rank = f.rank_in(members.len());
@@ -711,17 +718,8 @@ fn run_one(
         })
         .collect();
     // A fault whose trigger never came is reported, not silently left out.
-    faults.extend(pending.iter().map(|f| FaultReport {
-        kind: f.kind.name(),
-        injected: false,
-        target: String::new(),
-        injected_ms: 0,
-        until_ms: None,
-        detection_ms: None,
-        recovery_ms: None,
-        link: None,
-        note: format!("not injected: the run ended first ({} steps committed, {} events seen)", events.step(), events.all.len()),
-    }));
+    let why = format!("not injected: the run ended first ({} steps committed, {} events seen)", events.step(), events.all.len());
+    faults.extend(pending.iter().map(|f| FaultReport::new(f.kind, false, why.clone())));
     Ok((report, faults))
 }
 
