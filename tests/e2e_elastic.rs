@@ -55,6 +55,12 @@ fn chaos_with(dir: &Path, faults: &str, steps: u64, seed: u64, sets: &[&str], en
     assert_eq!(report["equal"], true, "{text}");
     assert_eq!(report["faulted"]["params_blake3"], report["clean"]["params_blake3"], "{text}");
     assert_eq!(report["faulted"]["steps"], steps, "committed steps lost:\n{text}");
+    // The faulted run as a picture: one bar per member of each epoch, a cross per loss.
+    let svg = std::fs::read_to_string(out.join("timeline.svg")).unwrap_or_else(|e| panic!("timeline.svg: {e}\n{text}"));
+    let epochs = std::fs::read_to_string(out.join("faulted/elastic_events.jsonl")).unwrap().matches(r#""event":"epoch""#).count();
+    assert!(svg.matches(" in epoch ").count() >= epochs, "{epochs} epochs, fewer bars in the timeline");
+    let lost = report["faulted"]["elastic"]["workers_lost"].as_u64().unwrap_or(0) as usize;
+    assert_eq!(svg.matches("declared lost").count(), lost, "one cross per lost worker");
     report
 }
 

@@ -5,8 +5,8 @@
 //! depend on the network, fault plans (`plan`: scenarios of kills, hangs, SIGTERM drains, joins,
 //! checkpoint faults, partitions, link faults, throttles and a full disk, resolved by a seed)
 //! and the runner that injects them into an elastic training run and compares it with the
-//! fault-free one (`runner`, with the faulted run's test network in `hosts` and its checkpoint
-//! file system in `disk`).
+//! fault-free one (`runner`, with the faulted run's test network in `hosts`, its checkpoint
+//! file system in `disk`, and its picture over time in `timeline`).
 
 pub mod disk;
 pub mod exercise;
@@ -16,3 +16,4 @@ pub mod netns;
 pub mod plan;
 pub mod proxy;
 pub mod runner;
+pub mod timeline;

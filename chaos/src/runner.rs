@@ -90,8 +90,11 @@ pub struct FaultReport {
     pub target: String,
     /// From the faulted run's start to the injection.
     pub injected_ms: u64,
-    /// From the faulted run's start to the fault's end (`None`: it lasted until the run ended).
+    /// From the faulted run's start to the fault's end (`None`: it lasted until the run ended,
+    /// or it has no duration).
     pub until_ms: Option<u64>,
+    /// How long the fault was to last (`None`: an instant, like a kill, or until the run ends).
+    pub duration_ms: Option<u64>,
     /// From injection to the run noticing it (a loss, drain, join or failed checkpoint event).
     pub detection_ms: Option<u64>,
     /// From noticing to training again (the next epoch's first step running), or for
@@ -104,13 +107,14 @@ pub struct FaultReport {
 
 impl FaultReport {
     /// A report with only what is known before the run's events are read.
-    fn new(kind: FaultKind, injected: bool, note: String) -> FaultReport {
+    pub(crate) fn new(kind: FaultKind, injected: bool, note: String) -> FaultReport {
         FaultReport {
             kind: kind.name(),
             injected,
             target: String::new(),
             injected_ms: 0,
             until_ms: None,
+            duration_ms: None,
             detection_ms: None,
             recovery_ms: None,
             link: None,
@@ -123,6 +127,8 @@ impl FaultReport {
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct RunReport {
     pub ok: bool,
+    /// When the run started (Unix ms: the event log's clock).
+    pub started_unix_ms: u64,
     pub wall_s: f64,
     pub steps: u64,
     pub params_blake3: String,
@@ -149,6 +155,8 @@ pub struct Report {
     pub checkpoint_leftovers: Vec<String>,
     /// Equal `params_blake3` and every step committed.
     pub equal: bool,
+    /// The faulted run as a picture (`timeline.svg`), when it could be written.
+    pub timeline: Option<PathBuf>,
 }
 
 impl Report {
@@ -207,6 +215,9 @@ impl Report {
             get("rebalances"),
         ));
         s.push_str(&format!("wall time: fault-free {:.1} s, faulted {:.1} s\n", self.clean.wall_s, self.faulted.wall_s));
+        if let Some(t) = &self.timeline {
+            s.push_str(&format!("timeline: {}\n", t.display()));
+        }
         s.push_str(&format!("params_blake3 fault-free {}\n", self.clean.params_blake3));
         s.push_str(&format!("params_blake3 faulted    {}\n", self.faulted.params_blake3));
         for (name, r) in [("fault-free", &self.clean), ("faulted", &self.faulted)] {
@@ -262,10 +273,10 @@ impl Events {
         let Ok(f) = std::fs::File::open(&self.path) else { return };
         let mut r = BufReader::new(f);
         let mut text = String::new();
-        let mut skipped = 0;
+        let (mut skipped, already) = (0, self.read);
         let mut line = String::new();
         while r.read_line(&mut line).unwrap_or(0) > 0 {
-            if skipped < self.read {
+            if skipped < already {
                 skipped += 1;
             } else if line.ends_with('\n') {
                 text.push_str(&line);
@@ -704,7 +715,8 @@ fn run_one(
     run.undo_due(true);
     reap(std::mem::take(&mut run.joiners));
     events.poll();
-    let report = run_report(o, name, status, started.elapsed().as_secs_f64());
+    let mut report = run_report(o, name, status, started.elapsed().as_secs_f64());
+    report.started_unix_ms = start_ms;
     let hosts = run.env.hosts.as_ref();
     // A loss belongs to the newest fault on that worker injected before it.
     let aimed: Vec<(Option<u64>, u64)> = run.fired.iter().map(|f| (f.id.filter(|_| f.kind.targets_rank()), f.at_ms)).collect();
@@ -760,6 +772,7 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
     let (mut r, at) = (f.report, f.at_ms);
     r.injected_ms = at.saturating_sub(start_ms);
     r.until_ms = f.undone_ms.map(|u| u.saturating_sub(start_ms));
+    r.duration_ms = f.duration_ms;
     let after = |e: &&Value| e["t_ms"].as_u64().unwrap_or(0) >= at;
     let mine = |e: &&Value| e["t_ms"].as_u64().unwrap_or(0) < next_ms;
     let lost = |id: u64| events.of("lost").filter(after).filter(mine).find(|e| e["id"].as_u64() == Some(id)).cloned();
@@ -931,6 +944,11 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
         && !clean.params_blake3.is_empty()
         && clean.params_blake3 == faulted.params_blake3
         && faulted.steps == o.scenario.steps;
+    let mut events = Events::new(faulted_out.join(EVENTS_FILE));
+    events.poll();
+    let svg = crate::timeline::render(&events.all, &reports, faulted.started_unix_ms, faulted.wall_s);
+    let path = o.output.join("timeline.svg");
+    let timeline = std::fs::write(&path, svg).ok().map(|_| path);
     let report = Report {
         seed: o.seed,
         clean,
@@ -941,8 +959,32 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
         checkpoint_disk,
         checkpoint_leftovers,
         equal,
+        timeline,
     };
     let json = serde_json::to_string_pretty(&report).map_err(|e| ChaosError::Run(e.to_string()))?;
     std::fs::write(o.output.join("report.json"), json).map_err(io("writing report.json"))?;
     Ok(report)
+}
+
+#[cfg(test)]
+mod events_tests {
+    use super::Events;
+
+    /// Regression: a poll that finds several new lines keeps every one of them (it used to skip
+    /// every other line, counting the lines it had just read as already seen).
+    #[test]
+    fn a_poll_reads_every_new_line_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let line = |i: u64| format!("{{\"event\": \"step\", \"step\": {i}}}\n");
+        std::fs::write(&path, (1..=5).map(line).collect::<String>()).unwrap();
+        let mut e = Events::new(path.clone());
+        e.poll();
+        assert_eq!(e.all.iter().map(|v| v["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3, 4, 5]);
+        let more: String = (6..=9).map(line).collect();
+        std::fs::write(&path, (1..=5).map(line).collect::<String>() + &more + "{\"event\": \"st").unwrap();
+        e.poll();
+        assert_eq!(e.all.iter().map(|v| v["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        assert_eq!(e.step(), 9);
+    }
 }
