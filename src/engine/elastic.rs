@@ -27,9 +27,12 @@
 //!    and step record ([`super::replica`]), so a lost rank's shard at `t` is normally held by a
 //!    survivor. A member that dropped a replica (an update failed or its digest differed from
 //!    the owner's) says so in its snapshot and the driver sends full copies after that commit.
-//! 2. If every survivor is at `t` and every lost range has a replica at `t`, the full state at
-//!    `t` is gathered from the survivors' shards and the replicas (no step is recomputed).
-//!    Otherwise (adjacent ranks lost together, a commit that failed half-way, `replicas = 0`)
+//! 2. The state is read in the layout of the **installed** epoch (the newest one whose every
+//!    member got its first full replica copy): if every one of its ranges is held at `t` by a
+//!    survivor — the owner itself, a replica, or a copy a worker kept of the installed epoch
+//!    while a newer one formed — the full state at `t` is gathered from them (no step is
+//!    recomputed). Otherwise (adjacent ranks lost together, a commit that failed half-way,
+//!    `replicas = 0`)
 //!    the newest valid checkpoint at or before `t` is loaded (damaged ones are skipped; step 0
 //!    is the seeded start) and the driver replays the steps after it: determinism makes them
 //!    reproduce the committed bits, so no committed step is lost.
@@ -41,10 +44,11 @@
 //!    (`tessera_actors::replan`) would save nothing on this path.
 //! 4. Each member gets `Epoch` (it leaves the old group and binds a fresh QUIC socket), the new
 //!    addresses and node names, and its cut of the state; it joins the new mesh and says
-//!    `Ready`. Draining workers are then told to leave (they exit with status 0). The new
-//!    epoch's replicas get a full copy at once, so it is protected before its first step.
+//!    `Ready`. The new epoch's replicas get a full copy at once, which installs it (so it is
+//!    protected before its first step); the workers then drop what they kept of the epoch
+//!    before (`Installed`), and draining workers are told to leave (they exit with status 0).
 //!
-//! A loss during any of this starts the recovery again from the last formed epoch. Events
+//! A loss during any of this starts the recovery again from the installed epoch. Events
 //! (losses, drains, joins, epochs, committed steps) go to `<output>/elastic_events.jsonl`, with
 //! wall-clock milliseconds, for `tessera chaos` and for people.
 
@@ -357,6 +361,11 @@ pub struct Fleet {
     plan: Arc<Plan>,
     /// Joined workers taken for an epoch that did not form yet (kept for the next attempt).
     admitted: Vec<Arc<Member>>,
+    /// Workers that asked to drain and are no members any more: they leave once the epoch
+    /// without them is installed (until then they hold shards of the installed one).
+    leavers: Vec<Arc<Member>>,
+    /// The newest installed epoch (`None` until the first one is).
+    installed: Option<Installed>,
     threads: Vec<JoinHandle<()>>,
     dir: PathBuf,
     /// Each member's measured speed (micro-batches per second of its own compute).
@@ -390,9 +399,56 @@ pub struct Reconfigured {
     pub joined: usize,
 }
 
-/// A surviving member at a recovery: its old rank, the member, the committed steps its state
-/// holds (`None`: unusable) and its replicas (owner rank, committed steps).
-type Alive = (usize, Arc<Member>, Option<u64>, Vec<(u64, u64)>);
+/// A surviving worker at a recovery and what it holds (its `Status`).
+struct Alive {
+    member: Arc<Member>,
+    /// The plan epoch it is a member of.
+    epoch: Option<u64>,
+    /// The committed steps of its own shard (`None`: unusable).
+    at: Option<u64>,
+    /// Its replicas of that epoch: (owner rank, committed steps).
+    replicas: Vec<(u64, u64)>,
+    /// What it kept of the installed epoch `kept_epoch` while a newer one formed.
+    kept_epoch: Option<u64>,
+    kept: Vec<(u64, u64)>,
+}
+
+/// The newest epoch whose every member got its first full replica copy: a loss is restored
+/// from what its members hold (their shards and replicas, kept until a newer epoch is
+/// installed) until then.
+#[derive(Clone)]
+struct Installed {
+    epoch: u64,
+    plan: Arc<Plan>,
+    /// The members' ids in rank order.
+    ids: Vec<u64>,
+}
+
+/// Where a rank's shard comes from at a recovery: (rank, holder, the request that exports it,
+/// whether it is a replica).
+type Source = (usize, Arc<Member>, ToWorker, bool);
+
+/// Where rank `o`'s shard of the installed epoch `inst` at `t` committed steps is in memory:
+/// the owner's own state, a replica of that epoch, or what a worker kept of it while a newer
+/// epoch formed. Returns the holder, the request that exports it and whether it is a replica.
+fn find_shard(inst: &Installed, alive: &[Alive], o: usize, t: u64) -> Option<(Arc<Member>, ToWorker, bool)> {
+    let (epoch, stage0) = (inst.epoch, inst.plan.stage == 0);
+    let current = |a: &&Alive| a.epoch == Some(epoch) && a.at == Some(t);
+    // Stage 0: every rank holds the whole state.
+    let own = alive.iter().filter(current).find(|a| stage0 || inst.ids.get(o) == Some(&a.member.id));
+    if let Some(a) = own {
+        return Some((Arc::clone(&a.member), ToWorker::Export { optim: true }, false));
+    }
+    let replica = alive.iter().filter(current).find(|a| a.replicas.contains(&(o as u64, t)));
+    if let Some(a) = replica {
+        return Some((Arc::clone(&a.member), ToWorker::ExportReplica { owner: o as u64, epoch }, true));
+    }
+    alive.iter().filter(|a| a.kept_epoch == Some(epoch)).find_map(|a| {
+        let held = a.kept.iter().find(|(owner, at)| *at == t && (stage0 || *owner == o as u64))?;
+        let replica = inst.ids.get(held.0 as usize) != Some(&a.member.id);
+        Some((Arc::clone(&a.member), ToWorker::ExportReplica { owner: held.0, epoch }, replica))
+    })
+}
 
 /// Loads the state at or before a step from checkpoints (the driver's restore path).
 pub type Restore<'a> = dyn Fn(u64) -> Result<(Start, String)> + 'a;
@@ -437,6 +493,8 @@ impl Fleet {
             epoch: 0,
             plan: Arc::clone(plan),
             admitted: Vec::new(),
+            leavers: Vec::new(),
+            installed: None,
             threads: Vec::new(),
             dir: dir.clone(),
             speeds: Speeds::new(SPEED_WINDOW_STEPS),
@@ -482,7 +540,15 @@ impl Fleet {
         let s = Arc::clone(&shared);
         fleet.threads.push(std::thread::Builder::new().name("tessera-monitor".into()).spawn(move || monitor(s))?);
         fleet.log_epoch(start.step, "start");
-        fleet.replicate(start.step).context("the first full copy of the replicas")?;
+        match fleet.replicate(start.step) {
+            Ok(()) => {
+                fleet.install();
+            }
+            // A loss is recovered from at the first step boundary (from the start state: no
+            // epoch was installed yet).
+            Err(_) if !relock(&shared.losses).is_empty() => {}
+            Err(e) => return Err(e.context("the first full copy of the replicas")),
+        }
         let computes = fleet.computes();
         Ok((fleet, computes))
     }
@@ -728,45 +794,38 @@ impl Fleet {
         restore: &Restore<'_>,
         moved: &mut (usize, usize),
     ) -> Result<Option<Reconfigured>> {
-        let old = Arc::clone(&self.plan);
         let shared = Arc::clone(&self.shared);
-        // 1. Who is left and what they hold.
+        // 1. Who is left and what they hold (members, and drainers not yet let go).
         let mut alive: Vec<Alive> = Vec::new();
-        for (r, m) in self.members.iter().enumerate().filter(|(_, m)| !shared.is_fenced(m.id)) {
+        let polled: Vec<Arc<Member>> = self.members.iter().chain(&self.leavers).filter(|m| !shared.is_fenced(m.id)).cloned().collect();
+        for m in polled {
             let mut link = relock(&m.link);
-            match self.request(m, &mut link, &ToWorker::Status, "Status") {
-                Ok(ToParent::Status { at, replicas }) => alive.push((r, Arc::clone(m), at, replicas)),
+            match self.request(&m, &mut link, &ToWorker::Status, "Status") {
+                Ok(ToParent::Status { epoch, at, replicas, kept_epoch, kept }) => {
+                    drop(link);
+                    alive.push(Alive { member: Arc::clone(&m), epoch, at, replicas, kept_epoch, kept });
+                }
                 Ok(other) => bail!("worker {} answered Status with {other:?}", m.id),
                 Err(_) => return Ok(None),
             }
         }
-        // 2. Where the state at `t` comes from.
-        let fast = !alive.is_empty() && alive.iter().all(|(_, _, at, _)| *at == Some(t));
-        let owners: Vec<usize> = if old.stage == 0 { vec![0] } else { (0..old.world).collect() };
-        let sources: Option<Vec<(usize, Arc<Member>, bool)>> = fast
-            .then(|| {
-                owners
-                    .iter()
-                    .map(|&o| {
-                        if old.stage == 0 {
-                            return alive.first().map(|a| (o, Arc::clone(&a.1), false));
-                        }
-                        if let Some(a) = alive.iter().find(|a| a.0 == o) {
-                            return Some((o, Arc::clone(&a.1), false));
-                        }
-                        alive.iter().find(|a| a.3.contains(&(o as u64, t))).map(|a| (o, Arc::clone(&a.1), true))
-                    })
-                    .collect()
-            })
-            .flatten();
+        // 2. Where the state at `t` comes from: the installed epoch's shards in memory (owners,
+        // replicas, or shards kept while a later epoch formed), else a checkpoint.
+        let installed = self.installed.clone();
+        let sources: Option<(Installed, Vec<Source>)> = installed.and_then(|inst| {
+            let owners: Vec<usize> = if inst.plan.stage == 0 { vec![0] } else { (0..inst.plan.world).collect() };
+            let found =
+                owners.iter().map(|&o| find_shard(&inst, &alive, o, t).map(|(m, msg, r)| (o, m, msg, r))).collect::<Option<Vec<_>>>()?;
+            Some((inst, found))
+        });
         let (start, source) = match sources {
-            Some(src) => {
+            Some((inst, src)) => {
+                let old = &inst.plan;
                 let mut master = Vec::with_capacity(old.total());
                 let mut bufs: OptimBuffers = Vec::new();
                 let mut counters: Option<RankCounters> = None;
                 let mut from_replicas = Vec::new();
-                for (o, m, replica) in src {
-                    let msg = if replica { ToWorker::ExportReplica { owner: o as u64 } } else { ToWorker::Export { optim: true } };
+                for (o, m, msg, replica) in src {
                     let want = old.optim_range(o).len();
                     let (mm, ob, c) = match self.export_from(&m, &msg, want) {
                         Ok(x) => x,
@@ -786,9 +845,13 @@ impl Fleet {
                     counters.get_or_insert(c);
                 }
                 let c = counters.context("no shard was exported")?;
+                let of = match inst.epoch == self.epoch {
+                    true => String::new(),
+                    false => format!(" of epoch {} (kept while epoch {} formed)", inst.epoch, self.epoch),
+                };
                 let source = match from_replicas.is_empty() {
-                    true => format!("memory: the members' shards at step {t}"),
-                    false => format!("memory: replicas ({}) at step {t}", from_replicas.join(", ")),
+                    true => format!("memory: the members' shards{of} at step {t}"),
+                    false => format!("memory: replicas ({}){of} at step {t}", from_replicas.join(", ")),
                 };
                 let start = Start {
                     step: t,
@@ -803,8 +866,8 @@ impl Fleet {
             None => restore(t)?,
         };
         // 3. The members of the new epoch.
-        let draining: Vec<Arc<Member>> = alive.iter().filter(|a| shared.draining(a.1.id)).map(|a| Arc::clone(&a.1)).collect();
-        let staying: Vec<Arc<Member>> = alive.iter().filter(|a| !shared.draining(a.1.id)).map(|a| Arc::clone(&a.1)).collect();
+        let draining: Vec<Arc<Member>> = alive.iter().filter(|a| shared.draining(a.member.id)).map(|a| Arc::clone(&a.member)).collect();
+        let staying: Vec<Arc<Member>> = alive.iter().filter(|a| !shared.draining(a.member.id)).map(|a| Arc::clone(&a.member)).collect();
         let wait_until = Instant::now() + Duration::from_millis(shared.er.join_wait_ms);
         let mut said = false;
         let next = loop {
@@ -855,7 +918,8 @@ impl Fleet {
         let mut owing: Vec<(Arc<Member>, bool)> = Vec::with_capacity(world);
         for (r, m) in next.iter().enumerate() {
             let mut link = relock(&m.link);
-            let msg = ToWorker::Epoch { epoch, rank: r as u64, world: world as u64 };
+            let installed = self.installed.as_ref().map(|i| i.epoch);
+            let msg = ToWorker::Epoch { epoch, rank: r as u64, world: world as u64, installed };
             let failed = match self.request(m, &mut link, &msg, "EpochAddr") {
                 Ok(ToParent::EpochAddr { quic_addr }) => {
                     addrs.push(quic_addr);
@@ -911,16 +975,11 @@ impl Fleet {
                 None => Ok(None),
             };
         }
-        // 5. Draining workers leave; the new epoch takes over.
-        for d in &draining {
-            relock(&shared.leaving).insert(d.id);
-            relock(&shared.beats).remove(&d.id);
-            let _ = wire::send(&mut relock(&d.link).stream, &ToWorker::Shutdown);
-            let status = wait_exit(&shared, d.id);
-            eprintln!("elastic: worker {} drained and left ({status})", d.id);
-            shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status}));
-        }
+        // 5. The new epoch takes over; its replicas get their first full copy, which installs
+        // it. Until then the workers keep what they hold of the installed epoch and draining
+        // workers stay (they hold some of it): a loss meanwhile is restored from memory.
         self.admitted.retain(|a| !next.iter().any(|m| m.id == a.id));
+        self.leavers = draining;
         // The new epoch runs the plan's even blocks: its members are measured again.
         self.speeds.retain(|id| next.iter().any(|m| m.id == *id));
         self.speeds.restart();
@@ -929,12 +988,43 @@ impl Fleet {
         self.plan = Arc::clone(&plan);
         self.log_epoch(start.step, &source);
         eprintln!("elastic: epoch {epoch}: {world} worker(s), state from {source}");
-        (moved.0, moved.1) = (moved.0 + draining.len(), moved.1 + joined);
+        moved.1 += joined;
         if self.replicate(start.step).is_err() {
             return Ok(None);
         }
+        moved.0 += self.install();
         let computes = self.computes();
         Ok(Some(Reconfigured { plan, computes, step: start.step, source, losses: 0, drained: moved.0, joined: moved.1 }))
+    }
+
+    /// Marks the current epoch installed (every member holds its first full replica copy):
+    /// members drop what they kept of the epoch before, and draining workers leave (exit
+    /// status 0). Returns how many left. A member lost meanwhile is recovered from at the next
+    /// step boundary, from this epoch.
+    fn install(&mut self) -> usize {
+        let ids = self.members.iter().map(|m| m.id).collect();
+        self.installed = Some(Installed { epoch: self.epoch, plan: Arc::clone(&self.plan), ids });
+        self.shared.event(json!({"event": "installed", "epoch": self.epoch}));
+        for m in &self.members {
+            let mut link = relock(&m.link);
+            match self.request(m, &mut link, &ToWorker::Installed { epoch: self.epoch }, "Installed") {
+                Ok(ToParent::Installed) | Err(_) => {}
+                Ok(other) => self.shared.loss(m.id, &format!("worker {} answered Installed with {other:?}", m.id)),
+            }
+        }
+        let leavers = std::mem::take(&mut self.leavers);
+        for d in &leavers {
+            if self.shared.is_fenced(d.id) {
+                continue;
+            }
+            relock(&self.shared.leaving).insert(d.id);
+            relock(&self.shared.beats).remove(&d.id);
+            let _ = wire::send(&mut relock(&d.link).stream, &ToWorker::Shutdown);
+            let status = wait_exit(&self.shared, d.id);
+            eprintln!("elastic: worker {} drained and left ({status})", d.id);
+            self.shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status}));
+        }
+        leavers.iter().filter(|d| !self.shared.is_fenced(d.id)).count()
     }
 
     /// After an epoch formation that stopped half-way: each member in `owing` answered `Epoch`
@@ -974,7 +1064,7 @@ impl Fleet {
         for mut j in joiners {
             let _ = wire::send(&mut j.stream, &ToWorker::Shutdown);
         }
-        for m in &self.admitted {
+        for m in self.admitted.iter().chain(&self.leavers) {
             let _ = wire::send(&mut relock(&m.link).stream, &ToWorker::Shutdown);
         }
         for m in &self.members {

@@ -430,6 +430,7 @@ impl Replicas {
 
 /// The member's current epoch: its rank, plan, state and compute.
 struct Member {
+    epoch: u64,
     rank: usize,
     plan: Arc<Plan>,
     state: Arc<Mutex<RankState>>,
@@ -448,6 +449,17 @@ pub(super) struct Setup {
     pub tls: NodeTls,
 }
 
+/// What a worker held of the last installed epoch (its own shard and its replicas, all at the
+/// same committed step), kept while a newer epoch forms: until every member of the new epoch
+/// holds its first full replica copy, the new epoch's ranges are not protected, and a loss
+/// then is restored from these (the rule of the sans-IO coordinator, `docs/ELASTIC.md`).
+struct Kept {
+    epoch: u64,
+    /// The run's counters at that step (the optimizer's step count is each shard's).
+    counters: StateCounters,
+    shards: Vec<Replica>,
+}
+
 /// An elastic worker.
 struct Worker {
     s: Setup,
@@ -455,8 +467,15 @@ struct Worker {
     /// Committed steps of the state (`None`: no state, or a commit failed half-way).
     at: Option<u64>,
     replicas: Replicas,
+    kept: Option<Kept>,
+    /// The newest epoch the driver said is installed (its first full replica copy done).
+    installed: Option<u64>,
     slot: AbortSlot,
 }
+
+/// Test-only: a worker waits this long (ms) before the first full replica copy of an epoch
+/// after the first, so a test can kill a member while that copy is under way (real signals).
+pub const REPLICATE_DELAY_ENV: &str = "TESSERA_TEST_REPLICATE_DELAY_MS";
 
 fn lock(st: &Mutex<RankState>) -> MutexGuard<'_, RankState> {
     st.lock().unwrap_or_else(|p| p.into_inner())
@@ -467,7 +486,27 @@ impl Worker {
         install_term_handler();
         let slot: AbortSlot = Arc::new(Mutex::new(None));
         start_side(s.control, s.id, &s.er, Arc::clone(&slot))?;
-        Ok(Worker { s, member: None, at: None, replicas: Replicas::new(), slot })
+        Ok(Worker { s, member: None, at: None, replicas: Replicas::new(), kept: None, installed: None, slot })
+    }
+
+    /// What this worker holds of the epoch it is leaving (its shard at `at` and its replicas),
+    /// as the shards kept while the next epoch forms.
+    fn keep(&mut self, m: &Member, at: u64) -> Result<Kept> {
+        let st = lock(&m.state);
+        let bufs: Vec<(&str, Vec<f32>)> = st.optim.state_buffers().into_iter().map(|(n, b)| (n, b.to_vec())).collect();
+        let range = m.plan.optim_range(m.rank);
+        let own = Replica::from_copy(m.rank, range, at, m.plan.optimizer, st.master.to_vec(), st.optim.step_count(), &bufs)
+            .map_err(anyhow::Error::msg)?;
+        let counters = StateCounters {
+            optimizer_steps: None,
+            applied: st.applied,
+            skipped: st.skipped,
+            scaler: st.scaler.as_ref().map(bridge::scaler_to_json),
+        };
+        drop(st);
+        let mut shards = vec![own];
+        shards.extend(std::mem::take(&mut *self.replicas.settle()).into_iter().filter(|r| r.at == at));
+        Ok(Kept { epoch: m.epoch, counters, shards })
     }
 
     /// Makes `comm` the group of `epoch` (the side reader may abort it from now on).
@@ -478,7 +517,7 @@ impl Worker {
         let feed = FeedConfig { successors: self.s.er.replicas, check_every: self.s.er.replica_check_interval };
         let worker = ZeroWorker::new(rank, Arc::clone(&plan), Arc::clone(&self.s.sampler), Box::new(comm.clone()), Arc::clone(&state))
             .with_replica_feed(feed);
-        self.member = Some(Member { rank, plan, state, worker, comm });
+        self.member = Some(Member { epoch, rank, plan, state, worker, comm });
         self.at = Some(at);
         self.replicas.clear();
     }
@@ -490,13 +529,24 @@ impl Worker {
     /// A full copy: sends this rank's shard to its ring successors and replaces the replicas
     /// with its predecessors' (when an epoch forms, or after a replica was dropped).
     fn replicate(&mut self, step: u64) -> Result<()> {
-        self.replicas.clear();
         let k = self.s.er.replicas;
         let m = self.member.as_ref().context("this worker is not a member of any epoch yet")?;
         let world = m.plan.world;
         let k = if m.plan.stage == 0 { 0 } else { k.min(world - 1) };
         if k == 0 {
+            self.replicas.clear();
             return Ok(());
+        }
+        if m.epoch > 0 && self.installed != Some(m.epoch) {
+            static DELAY_MS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+            let delay = *DELAY_MS.get_or_init(|| std::env::var(REPLICATE_DELAY_ENV).ok().and_then(|v| v.parse().ok()));
+            if let Some(ms) = delay {
+                say(format!(
+                    "elastic worker {}: {REPLICATE_DELAY_ENV}: waiting {ms} ms before epoch {}'s first full copy",
+                    self.s.id, m.epoch
+                ));
+                std::thread::sleep(Duration::from_millis(ms));
+            }
         }
         let (names, mine, optimizer_steps) = {
             let st = lock(&m.state);
@@ -533,8 +583,28 @@ impl Worker {
         Ok(())
     }
 
-    /// Sends the replica of `owner` as `Export` would send the owner's own state.
-    fn export_replica(&mut self, stream: &mut TcpStream, owner: usize) -> Result<()> {
+    /// Sends what this worker holds of rank `owner`'s shard in plan epoch `epoch` as `Export`
+    /// would send the owner's own state: a shard kept from that (installed) epoch, or a replica
+    /// of the current one.
+    fn export_replica(&mut self, stream: &mut TcpStream, owner: usize, epoch: u64) -> Result<()> {
+        if let Some(k) = self.kept.as_ref().filter(|k| k.epoch == epoch) {
+            let Some(r) = k.shards.iter().find(|r| r.owner == owner) else {
+                let error = format!("no shard of rank {owner} of epoch {epoch} kept here");
+                wire::send(stream, &ToParent::Failed { error })?;
+                return Ok(());
+            };
+            let counters = StateCounters { optimizer_steps: Some(r.optim.step_count()), ..k.counters.clone() };
+            let mut bufs: Vec<(&str, &[f32])> = vec![("master", &r.master)];
+            bufs.extend(r.optim.state_buffers());
+            wire::send(stream, &ToParent::Exported { counters, buffers: wire::describe(&bufs) })?;
+            wire::send_bulk(stream, &bufs.iter().map(|(_, b)| *b).collect::<Vec<_>>())?;
+            return Ok(());
+        }
+        if self.member.as_ref().map(|m| m.epoch) != Some(epoch) {
+            let error = format!("this worker holds nothing of epoch {epoch}");
+            wire::send(stream, &ToParent::Failed { error })?;
+            return Ok(());
+        }
         let held = self.replicas.settle();
         let Some(r) = held.iter().find(|r| r.owner == owner) else {
             wire::send(stream, &ToParent::Failed { error: format!("no replica of rank {owner} here") })?;
@@ -575,7 +645,21 @@ impl Worker {
     /// Leaves the current group and joins the group of `epoch` as `rank` of `world`.
     fn new_epoch(&mut self, stream: &mut TcpStream, epoch: u64, rank: usize, world: usize, wait: &Wait<'_>) -> Result<()> {
         *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        if let Some(old) = self.member.take() {
+        // Keep what this worker holds of the installed epoch until a newer one is installed:
+        // the epoch it leaves when that is the installed one, else what it kept before.
+        let old = self.member.take();
+        let kept = self.kept.take().filter(|k| Some(k.epoch) == self.installed);
+        self.kept = match (&old, self.at) {
+            (Some(m), Some(at)) if Some(m.epoch) == self.installed => match self.keep(m, at) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    say(format!("elastic worker {}: keeping the shards of epoch {}: {e:#}", self.s.id, m.epoch));
+                    None
+                }
+            },
+            _ => kept,
+        };
+        if let Some(old) = old {
             // Leaving a group waits (bounded) for every peer's goodbye, and a lost peer never
             // sends one: let the old group go in the background.
             let _ = std::thread::Builder::new().name("tessera-leave".into()).spawn(move || drop(old));
@@ -645,9 +729,16 @@ impl Worker {
                 export(stream, &lock(&m.state), optim)?;
                 return Ok(true);
             }
-            ToWorker::ExportReplica { owner } => {
-                self.export_replica(stream, owner as usize)?;
+            ToWorker::ExportReplica { owner, epoch } => {
+                self.export_replica(stream, owner as usize, epoch)?;
                 return Ok(true);
+            }
+            ToWorker::Installed { epoch } => {
+                self.installed = Some(self.installed.map_or(epoch, |i| i.max(epoch)));
+                if self.kept.as_ref().is_some_and(|k| k.epoch < epoch) {
+                    self.kept = None;
+                }
+                ToParent::Installed
             }
             ToWorker::Replicate { step } => match self.replicate(step) {
                 Ok(()) => ToParent::Replicated,
@@ -655,9 +746,19 @@ impl Worker {
             },
             ToWorker::Status => {
                 let replicas = self.replicas.settle().iter().map(|r| (r.owner as u64, r.at)).collect();
-                ToParent::Status { at: self.at.filter(|_| self.member.is_some()), replicas }
+                let kept = self.kept.as_ref().map_or_else(Vec::new, |k| k.shards.iter().map(|r| (r.owner as u64, r.at)).collect());
+                ToParent::Status {
+                    epoch: self.member.as_ref().map(|m| m.epoch),
+                    at: self.at.filter(|_| self.member.is_some()),
+                    replicas,
+                    kept_epoch: self.kept.as_ref().map(|k| k.epoch),
+                    kept,
+                }
             }
-            ToWorker::Epoch { epoch, rank, world } => {
+            ToWorker::Epoch { epoch, rank, world, installed } => {
+                if let Some(i) = installed {
+                    self.installed = Some(self.installed.map_or(i, |x| x.max(i)));
+                }
                 let deadline = Some(Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS));
                 let wait = Wait { what: "the new epoch's messages", deadline, alive };
                 match self.new_epoch(stream, epoch, rank as usize, world as usize, &wait) {

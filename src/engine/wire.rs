@@ -268,10 +268,14 @@ pub enum ToWorker {
     },
     /// Elastic: leave the current group and bind a fresh QUIC socket for `epoch`, where this
     /// worker is `rank` of `world` (answered with `EpochAddr`; `Mesh`, `Start`, `Ready` follow).
+    /// `installed` is the newest epoch whose replicas all got their first full copy: the worker
+    /// keeps what it holds of that epoch (its shard and replicas) until a newer one is
+    /// installed, so a loss while `epoch` forms is restored from memory.
     Epoch {
         epoch: u64,
         rank: u64,
         world: u64,
+        installed: Option<u64>,
     },
     /// Elastic: a full copy of the replicas at `step` committed steps (when an epoch forms, or
     /// after a replica was dropped): send this rank's shard to its ring successors and keep
@@ -282,9 +286,16 @@ pub enum ToWorker {
     },
     /// Elastic: what this worker holds (answered with `Status`).
     Status,
-    /// Elastic: export the replica of rank `owner` of the current epoch, as `Export` does.
+    /// Elastic: export what this worker holds of rank `owner`'s shard in plan epoch `epoch` (a
+    /// replica of the current epoch, or the kept shards of the installed one), as `Export` does.
     ExportReplica {
         owner: u64,
+        epoch: u64,
+    },
+    /// Elastic: every member of `epoch` holds its first full replica copy: the shards kept from
+    /// the epoch before can go (answered with `Installed`).
+    Installed {
+        epoch: u64,
     },
     /// Elastic, on the side connection: abort the collectives of `epoch` (a member was lost).
     Abort {
@@ -370,12 +381,19 @@ pub enum ToParent {
     Replicated,
     /// Elastic: the new micro-batch blocks are in force.
     Rebalanced,
-    /// Elastic: the committed steps this worker's state holds (`None`: a commit failed half-way,
-    /// the state is not usable) and the replicas it keeps: (owner rank, committed steps).
+    /// Elastic: the plan epoch this worker is a member of (`None`: none), the committed steps its
+    /// state holds (`None`: a commit failed half-way, the state is not usable), the replicas it
+    /// keeps: (owner rank, committed steps), and the shards it kept from the installed epoch
+    /// `kept_epoch` while a newer one forms (its own and its replicas, same pairs).
     Status {
+        epoch: Option<u64>,
         at: Option<u64>,
         replicas: Vec<(u64, u64)>,
+        kept_epoch: Option<u64>,
+        kept: Vec<(u64, u64)>,
     },
+    /// Elastic: the kept shards are dropped.
+    Installed,
 }
 
 /// The certificate a coordinator made for an agent's own key, and the CA that signed it (PEM).
