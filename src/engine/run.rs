@@ -365,9 +365,12 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
             "warning: tessera.elastic applies to worker processes (`train --nprocs N`, `tessera coordinator`, `tessera launch`); this run's ranks are threads of one process: the first rank lost ends it"
         );
     }
+    // A plain process run takes the rendezvous in `remote::launch`; an elastic one here.
     let mut rendezvous = rendezvous;
-    if let (false, Some(r)) = (elastic_fleet, rendezvous.take()) {
-        super::remote::set_rendezvous(r);
+    if !elastic_fleet {
+        if let Some(r) = rendezvous.take() {
+            super::remote::set_rendezvous(r);
+        }
     }
     let mut elastic = None;
     if opts.processes && !elastic_fleet {
