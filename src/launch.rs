@@ -327,15 +327,24 @@ fn join_hint(at: SocketAddr, d: &DriverOpts, token: Option<&JoinToken>) -> Resul
     Ok(match (token, &d.token_file) {
         (None, _) => format!("`tessera agent --join {at} --certs DIR`"),
         (Some(t), Some(path)) => {
+            // Written whole to a new private file next to it, then renamed into place: whoever
+            // waits for the file never reads half a token, and an existing file (or a symlink
+            // planted there) is replaced, not written through.
             use std::os::unix::fs::OpenOptionsExt;
+            let mut tmp_name = path.file_name().map(|n| n.to_os_string()).unwrap_or_else(|| "token".into());
+            tmp_name.push(format!(".{}.tmp", std::process::id()));
+            let tmp = path.with_file_name(tmp_name);
+            let _ = std::fs::remove_file(&tmp);
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
                 .mode(0o600)
-                .open(path)
-                .with_context(|| format!("--token-file {}", path.display()))?;
-            writeln!(f, "{}", t.text()).with_context(|| format!("writing the join token to {}", path.display()))?;
+                .open(&tmp)
+                .with_context(|| format!("--token-file {}: creating {}", path.display(), tmp.display()))?;
+            writeln!(f, "{}", t.text()).with_context(|| format!("writing the join token to {}", tmp.display()))?;
+            drop(f);
+            std::fs::rename(&tmp, path)
+                .with_context(|| format!("--token-file {}: renaming {} into place", path.display(), tmp.display()))?;
             format!("`tessera agent --join {at} --token-file {}`", path.display())
         }
         (Some(t), None) => format!("`tessera agent --join {at} --token {}`", t.text()),

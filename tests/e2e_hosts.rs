@@ -351,6 +351,24 @@ fn end_all(procs: Vec<Child>, bound: Duration) -> Vec<(bool, String)> {
     wait_all(procs, bound)
 }
 
+/// Ends its processes (SIGCONT, then as [`end_all`]) if a failing assertion unwinds past it
+/// before they were handed on: no stopped coordinator or stray agent outlives a failed test.
+struct EndOnDrop(Option<Vec<Child>>);
+
+impl Drop for EndOnDrop {
+    fn drop(&mut self) {
+        if let Some(procs) = self.0.take() {
+            for c in &procs {
+                if let Some(pid) = tessera_below(c.id()) {
+                    // SAFETY: kill(2) on a process this test started.
+                    unsafe { libc::kill(pid as libc::pid_t, libc::SIGCONT) };
+                }
+            }
+            let _ = end_all(procs, Duration::from_secs(5));
+        }
+    }
+}
+
 /// Waits (≤ `bound`) for every process, then ends what is left as [`end_all`] does.
 fn end_all_after(procs: Vec<Child>, bound: Duration) -> Vec<(bool, String)> {
     let deadline = Instant::now() + bound;
@@ -418,12 +436,13 @@ fn an_elastic_job_across_namespace_hosts_survives_a_killed_host_and_takes_a_join
         assert!(Instant::now() < deadline && driver.try_wait().ok().flatten().is_none(), "the coordinator wrote no join token");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let mut all = vec![driver];
+    let mut guard = EndOnDrop(Some(vec![driver]));
+    let all = guard.0.as_mut().expect("set above");
     all.extend((0..HOSTS).map(|i| piped(host_agent(&net, i, &join, &token, &["--rank", &i.to_string()]))));
 
     // Mid-run, SIGKILL host 1's worker (rank 1 = worker 1). The driver is held (SIGSTOP) from
     // the first committed step until the kill is done, so the run cannot end before it.
-    wait_event(&out, &mut all, "a committed step", &|e| e["event"] == "step");
+    wait_event(&out, all, "a committed step", &|e| e["event"] == "step");
     let driver_pid = tessera_below(all[0].id()).expect("the coordinator's tessera process") as libc::pid_t;
     let victim = tessera_below(all[2].id()).expect("the tessera process of host 1's agent");
     // SAFETY: kill(2) on processes this test started (through ip netns, and unshare).
@@ -434,14 +453,14 @@ fn an_elastic_job_across_namespace_hosts_survives_a_killed_host_and_takes_a_join
     }
     let committed = events(&out).iter().filter(|e| e["event"] == "step").count() as u64;
     assert!(committed < ELASTIC_STEPS, "the run was over before the kill ({committed} steps)");
-    let lost = wait_event(&out, &mut all, "the loss of worker 1", &|e| e["event"] == "lost");
+    let lost = wait_event(&out, all, "the loss of worker 1", &|e| e["event"] == "lost");
     assert_eq!(lost["id"], 1, "{lost}");
     let why = lost["why"].as_str().unwrap_or_default().to_string();
     assert!(why.contains("no heartbeat") || why.contains("connection closed"), "not found over the network: {why}");
 
     // The run waits for a third worker (min_workers): an agent joins from host 3.
     all.push(piped(host_agent(&net, HOSTS, &join, &token, &[])));
-    let results = end_all_after(all, Duration::from_secs(120));
+    let results = end_all_after(guard.0.take().expect("set above"), Duration::from_secs(120));
     let text = |i: usize| results[i].1.clone();
     assert!(results[0].0, "the coordinator failed:\n{}", text(0));
     for (i, (ok, t)) in results.iter().enumerate().skip(1) {

@@ -296,15 +296,14 @@ fn monitor(shared: Arc<Shared>) {
     }
 }
 
-#[cfg(test)]
 impl Shared {
-    /// The driver's shared state with `world` first-epoch workers (ids `0..world`, `max_joins`
-    /// more) and no fleet behind it: for tests of the acceptor ([`super::elastic_join`]).
-    pub fn for_tests(er: ElasticRun, world: u64, admission: Admission, events: File) -> Shared {
+    /// The driver's shared state at the start of a run: `world` first-epoch workers (ids
+    /// `0..world`; `er.max_joins` more ids for joiners), nothing else known yet.
+    fn new(er: ElasticRun, world: u64, cfg_hash: String, admission: Admission, events: File) -> Shared {
         Shared {
             ids: world + er.max_joins as u64,
             er,
-            cfg_hash: "test".into(),
+            cfg_hash,
             next_id: AtomicU64::new(world),
             known: Mutex::new((0..world).collect()),
             closing: AtomicBool::new(false),
@@ -321,6 +320,15 @@ impl Shared {
             events: Mutex::new(events),
             admission,
         }
+    }
+}
+
+#[cfg(test)]
+impl Shared {
+    /// The driver's shared state with `world` first-epoch workers (ids `0..world`, `max_joins`
+    /// more) and no fleet behind it: for tests of the acceptor ([`super::elastic_join`]).
+    pub fn for_tests(er: ElasticRun, world: u64, admission: Admission, events: File) -> Shared {
+        Shared::new(er, world, "test".into(), admission, events)
     }
 
     /// Fences `id` as a loss would (without a fleet to abort).
@@ -571,26 +579,7 @@ impl Fleet {
         let world = plan.world;
         let path = out_dir.join(EVENTS_FILE);
         let events = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-        let shared = Arc::new(Shared {
-            er: er.clone(),
-            cfg_hash: cfg.hash.clone(),
-            ids: (world + er.max_joins) as u64,
-            next_id: AtomicU64::new(world as u64),
-            known: Mutex::new((0..world as u64).collect()),
-            closing: AtomicBool::new(false),
-            epoch: AtomicU64::new(0),
-            children: Mutex::new(Vec::new()),
-            beats: Mutex::new(BTreeMap::new()),
-            sides: Mutex::new(BTreeMap::new()),
-            controls: Mutex::new(BTreeMap::new()),
-            members: Mutex::new(Vec::new()),
-            losses: Mutex::new(Vec::new()),
-            fenced: Mutex::new(BTreeSet::new()),
-            leaving: Mutex::new(BTreeSet::new()),
-            joiners: Mutex::new(Vec::new()),
-            events: Mutex::new(events),
-            admission,
-        });
+        let shared = Arc::new(Shared::new(er.clone(), world as u64, cfg.hash.clone(), admission, events));
         Ok(Fleet {
             cfg: cfg.clone(),
             shared,

@@ -44,10 +44,17 @@ use super::wire::{self, AssignedIdentity, ToParent, ToWorker, Wait};
 
 /// How often the acceptor looks for new connections (ms).
 pub(super) const ACCEPT_POLL_MS: u64 = 20;
-/// Bound on a new connection's first message (ms).
+/// Bound on the first message of a new connection that presented a certificate of the run's CA
+/// (ms).
 const FIRST_MESSAGE_MS: u64 = 10_000;
-/// Connections being admitted at once; more are turned away (each holds a thread).
-const ADMITTING_MAX: usize = 16;
+/// Bound on the first message of a connection without a certificate (a join with a token, or
+/// anybody who can reach the port), ms: short, so silent connections cannot hold the slots.
+const ANON_FIRST_MESSAGE_MS: u64 = 2_000;
+/// Certified connections being admitted at once; more are turned away (each holds a thread).
+const ADMITTING_MAX: usize = 32;
+/// Connections without a certificate being admitted at once: a pool of their own, so that
+/// strangers filling it cannot turn away members' side connections.
+const ANON_ADMITTING_MAX: usize = 8;
 
 /// What joiners are checked against and given.
 pub(super) struct Admission {
@@ -108,25 +115,31 @@ impl Pidfd {
 }
 
 /// Accepts connections on the driver's control endpoint until the run closes; each is admitted
-/// on a thread of its own (bounded by [`ADMITTING_MAX`]), so a slow joiner holds up nobody.
+/// on a thread of its own, so a slow joiner holds up nobody. Connections with a certificate of
+/// the run's CA (the TLS handshake verified it) and those without one have separate bounds
+/// ([`ADMITTING_MAX`], [`ANON_ADMITTING_MAX`]) and first-message deadlines.
 pub(super) fn acceptor(shared: Arc<Shared>, endpoint: Arc<ControlEndpoint>, early: Vec<(ControlConn, ToParent)>) {
-    let admitting = Arc::new(AtomicUsize::new(0));
+    let (certified, anonymous) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let serve = |conn: ControlConn, first: Option<ToParent>| {
-        if admitting.load(Ordering::SeqCst) >= ADMITTING_MAX {
+        let has_cert = conn.peer_certificate().is_some();
+        let (pool, max, first_ms) =
+            if has_cert { (&certified, ADMITTING_MAX, FIRST_MESSAGE_MS) } else { (&anonymous, ANON_ADMITTING_MAX, ANON_FIRST_MESSAGE_MS) };
+        if pool.fetch_add(1, Ordering::SeqCst) >= max {
+            pool.fetch_sub(1, Ordering::SeqCst);
             conn.abort("too many connections being admitted; try again");
             return;
         }
-        admitting.fetch_add(1, Ordering::SeqCst);
-        let (s, busy) = (Arc::clone(&shared), Arc::clone(&admitting));
+        let (s, busy) = (Arc::clone(&shared), Arc::clone(pool));
+        let busy_on_fail = Arc::clone(pool);
         let spawned = std::thread::Builder::new().name("tessera-admit".into()).spawn(move || {
             let peer = conn.remote_address();
-            if let Err(e) = admit(&s, conn, first) {
+            if let Err(e) = admit(&s, conn, first, first_ms) {
                 eprintln!("elastic: a connection from {peer}: {e:#}");
             }
             busy.fetch_sub(1, Ordering::SeqCst);
         });
         if spawned.is_err() {
-            admitting.fetch_sub(1, Ordering::SeqCst);
+            busy_on_fail.fetch_sub(1, Ordering::SeqCst);
         }
     };
     for (conn, first) in early {
@@ -141,13 +154,13 @@ pub(super) fn acceptor(shared: Arc<Shared>, endpoint: Arc<ControlEndpoint>, earl
     }
 }
 
-/// Serves a new connection whose first message is `first` (else read here): a side
-/// connection or a join.
-fn admit(shared: &Arc<Shared>, mut conn: ControlConn, first: Option<ToParent>) -> Result<()> {
+/// Serves a new connection whose first message is `first` (else read here, within
+/// `first_ms`): a side connection or a join.
+fn admit(shared: &Arc<Shared>, mut conn: ControlConn, first: Option<ToParent>, first_ms: u64) -> Result<()> {
     let first = match first {
         Some(m) => m,
         None => {
-            let deadline = Some(Instant::now() + Duration::from_millis(FIRST_MESSAGE_MS));
+            let deadline = Some(Instant::now() + Duration::from_millis(first_ms));
             let wait = Wait { what: "a first message", deadline, alive: &|| Ok(()) };
             match wire::recv::<ToParent>(&mut conn, "Side or Join", &wait) {
                 Ok(m) => m,
@@ -197,6 +210,12 @@ fn side(shared: &Arc<Shared>, conn: ControlConn, id: u64) -> Result<()> {
     let beat = Arc::clone(relock(&shared.beats).entry(id).or_insert_with(|| Beat::new(0)));
     *relock(&beat.last) = Instant::now();
     relock(&shared.sides).insert(id, conn.clone());
+    if shared.is_fenced(id) {
+        // Fenced between the check above and the insert: the loss did not see this connection.
+        relock(&shared.sides).remove(&id);
+        relock(&shared.beats).remove(&id);
+        return refuse(conn, format!("worker {id} was declared lost and is fenced: it cannot come back under that id"));
+    }
     let s = Arc::clone(shared);
     std::thread::Builder::new().name(format!("tessera-side-{id}")).spawn(move || side_reader(s, id, conn, beat))?;
     Ok(())
@@ -241,10 +260,7 @@ fn join(shared: &Arc<Shared>, mut conn: ControlConn, j: JoinRequest) -> Result<(
         wire::send(&mut conn, &ToWorker::Shutdown)?;
         return Ok(());
     }
-    let mine = env!("CARGO_PKG_VERSION");
-    if j.version != mine {
-        return refuse(conn, format!("{who} runs tessera {}, the driver {mine}", j.version));
-    }
+    // Who it is first (a stranger learns nothing, not even the version), then the version.
     let (id, identity) = match &shared.admission.auth {
         AgentAuth::Token { ca, token } => {
             if !j.token.as_deref().is_some_and(|s| token.admits(s)) {
@@ -252,18 +268,29 @@ fn join(shared: &Arc<Shared>, mut conn: ControlConn, j: JoinRequest) -> Result<(
                 bail!("{who} did not present this run's join token");
             }
             let Some(key) = j.public_key.as_deref() else { return refuse(conn, format!("{who} sent no public key to certify")) };
+            if let Some(e) = version_mismatch(&j.version, &who) {
+                return refuse(conn, e);
+            }
             let Some(id) = shared.take_id() else {
                 let n = shared.er.max_joins;
                 return refuse(conn, format!("no worker identity left for a join (tessera.elastic.max_joins allows {n})"));
             };
-            let cert_pem = ca.sign_node_key(&node_name(id as usize), key).with_context(|| format!("certifying the key of {who}"))?;
-            (id, Some(AssignedIdentity { ca_pem: ca.ca_pem(), cert_pem }))
+            match ca.sign_node_key(&node_name(id as usize), key) {
+                Ok(cert_pem) => (id, Some(AssignedIdentity { ca_pem: ca.ca_pem(), cert_pem })),
+                Err(e) => {
+                    shared.forget(id); // never handed out: fenced, so it cannot turn up later
+                    return refuse(conn, format!("certifying the key of {who}: {e:#}"));
+                }
+            }
         }
         AgentAuth::Certs { .. } => {
             let Some(cert) = conn.peer_certificate() else { return refuse(conn, format!("{who} presents no certificate")) };
             let Some(id) = (0..shared.ids).find(|&k| check_cert_names_node(&cert, &node_name(k as usize)).is_ok()) else {
                 return refuse(conn, format!("{who} presents a certificate for none of node-0..node-{}", shared.ids.saturating_sub(1)));
             };
+            if let Some(e) = version_mismatch(&j.version, &who) {
+                return refuse(conn, e);
+            }
             if shared.is_fenced(id) || !relock(&shared.known).insert(id) {
                 return refuse(conn, format!("{who}: {} is already in this run (or was fenced)", node_name(id as usize)));
             }
@@ -271,14 +298,24 @@ fn join(shared: &Arc<Shared>, mut conn: ControlConn, j: JoinRequest) -> Result<(
         }
     };
     let config = shared.admission.config.clone();
-    wire::send(&mut conn, &ToWorker::Admit { id, config, identity }).with_context(|| format!("admitting {who}"))?;
+    if let Err(e) = wire::send(&mut conn, &ToWorker::Admit { id, config, identity }) {
+        match shared.admission.auth {
+            // A token's id was made for this joiner alone: never used again.
+            AgentAuth::Token { .. } => shared.forget(id),
+            // A node's own id: it may try again.
+            AgentAuth::Certs { .. } => {
+                relock(&shared.known).remove(&id);
+            }
+        }
+        return Err(e).with_context(|| format!("admitting {who}"));
+    }
     if let Err(e) = hello(shared, &mut conn, id, &who) {
         shared.forget(id);
         return refuse(conn, format!("{e:#}"));
     }
     let beat = Arc::clone(relock(&shared.beats).entry(id).or_insert_with(|| Beat::new(j.pid)));
     beat.set_pid(j.pid);
-    if !j.host.is_empty() && j.host == shared.admission.host {
+    if !j.host.is_empty() && j.host == shared.admission.host && runs_this_binary(j.pid) {
         *relock(&beat.local) = Pidfd::open(j.pid);
     }
     relock(&shared.controls).insert(id, conn.clone());
@@ -286,6 +323,26 @@ fn join(shared: &Arc<Shared>, mut conn: ControlConn, j: JoinRequest) -> Result<(
     eprintln!("elastic: worker {id} ({who}) joined; it becomes a member at the next step boundary");
     shared.event(json!({"event": "join_requested", "id": id, "pid": j.pid, "name": j.name}));
     Ok(())
+}
+
+/// Why a joiner running `tessera` version `theirs` cannot join this driver, if it cannot.
+fn version_mismatch(theirs: &str, who: &str) -> Option<String> {
+    let mine = env!("CARGO_PKG_VERSION");
+    (theirs != mine).then(|| format!("{who} runs tessera {theirs}, the driver {mine}"))
+}
+
+/// Whether process `pid` of this host runs the same executable file as this process (device
+/// and inode of `/proc/<pid>/exe`): the driver watches and may SIGKILL a joiner by the pid it
+/// claims, so it must at least be a Tessera process, never any process a peer names.
+fn runs_this_binary(pid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    if pid == 0 {
+        return false;
+    }
+    match (std::fs::metadata(format!("/proc/{pid}/exe")), std::fs::metadata("/proc/self/exe")) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
 }
 
 /// Waits (bounded: loading the data) for a joiner's `Hello` and checks its config and data.

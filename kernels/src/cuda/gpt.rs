@@ -721,8 +721,10 @@ fn lt(gpu: &Gpu) -> &super::lt::Lt {
 /// `c = a·b` (row-major `[m,k]·[k,n]`): through cuBLAS, or through cuBLASLt when its GEMMs are
 /// tuned (`TESSERA_GPU_TUNE`), so the plain GEMMs are tuned too.
 fn gemm(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize) -> Result<()> {
+    let g = Gemm { c, a, b, m, k, n, residual: None, epilogue: Epilogue::None };
     match gpu.lt.as_ref() {
-        Some(l) if l.routes_plain() => l.run(&Gemm { c, a, b, m, k, n, residual: None, epilogue: Epilogue::None }),
+        // A shape or alignment cuBLASLt has no algorithm for stays on cuBLAS.
+        Some(l) if l.routes_plain() && l.supports(&g) => l.run(&g),
         _ => gpu.blas.matmul(c, a, b, m, k, n, 1.0, 0.0),
     }
 }

@@ -9,13 +9,15 @@
 //! order.
 //!
 //! Tuning (on unless `TESSERA_GPU_TUNE=0`): on a GEMM's first run the heuristic's first
-//! [`TUNE_CANDIDATES`] algorithms are timed on that call's own operands (outputs go to scratch
-//! buffers, nothing the model owns is written) and the fastest is kept — but only among those
-//! whose every output is bit-equal to the first algorithm's and whose split-K count and
-//! reduction scheme are the same. Timing may pick differently on another run or rank; the bits
-//! cannot differ, because every algorithm it may pick gave the first one's bits. (Bit-equality
-//! on one call's data is evidence, not proof, of the same summation order; a candidate with a
-//! different split-K or reduction scheme is never taken, whatever its bits.)
+//! [`TUNE_CANDIDATES`] algorithms are timed on that call's own operands (outputs go to zeroed
+//! scratch buffers, nothing the model owns is written) and the fastest is kept — but only among
+//! those whose every output byte equals the first algorithm's and whose split-K count and
+//! reduction scheme are the same. Timing may pick differently on another run or rank; what it
+//! may pick gave the first algorithm's bits on real data. That is strong evidence, not a proof,
+//! of the same summation order, so it is only taken where it is strong: an output of at least
+//! [`TUNE_MIN_ELEMENTS_BF16`] bf16 elements (a different order would show in ~16 of them) or
+//! [`TUNE_MIN_ELEMENTS_F32`] f32 ones (it would show in most); smaller GEMMs keep the first
+//! algorithm. `TESSERA_GPU_TUNE=0` gives the untuned choice everywhere.
 //!
 //! Row-major `C[m,n] = A[m,k]·B[k,n]` is column-major `Cᵀ = Bᵀ·Aᵀ`: cuBLASLt's `A` is our `B`
 //! and its `B` our `A`; a column-major row is our column, so a bias "per row of D" is our bias
@@ -40,6 +42,13 @@ pub const WORKSPACE_BYTES: usize = 32 << 20;
 pub const TUNE_CANDIDATES: usize = 8;
 /// Timed runs per candidate (after one untimed run, whose output is compared).
 const TUNE_REPS: usize = 5;
+/// A GEMM with a bf16 output of fewer elements than this is not tuned: a different summation
+/// order changes an f32 result in its last bits, which survive rounding to bf16 in about one
+/// element in 2^16, so only a large output makes bit-equality good evidence of the same order
+/// (2^20 elements: ~16 differing elements expected if the order differed). f32 outputs show
+/// a different order in most elements; they need [`TUNE_MIN_ELEMENTS_F32`].
+const TUNE_MIN_ELEMENTS_BF16: usize = 1 << 20;
+const TUNE_MIN_ELEMENTS_F32: usize = 1 << 12;
 /// A GEMM whose outputs would need more scratch than this (per copy), or more than
 /// 1/[`TUNE_FREE_FRACTION`] of the device memory free at the time, is not tuned.
 pub const TUNE_SCRATCH_BYTES_MAX: usize = 4 << 30;
@@ -478,6 +487,10 @@ impl Lt {
             Dt::Bf16 => 2usize,
             Dt::F32 => 4,
         };
+        let min = if g.c.dt == Dt::Bf16 { TUNE_MIN_ELEMENTS_BF16 } else { TUNE_MIN_ELEMENTS_F32 };
+        if g.m * g.n < min {
+            return Err(format!("{} output elements are too few for bit-equality to show the summation order", g.m * g.n));
+        }
         let d_bytes = g.m * g.n * esz(g.c.dt);
         let aux_bytes = if matches!(g.epilogue, Epilogue::GeluAuxBias { .. }) { g.m * g.n * 2 } else { 0 };
         let vec_bytes = if matches!(g.epilogue, Epilogue::BgradB { .. }) { g.n * 4 } else { 0 };
@@ -492,8 +505,8 @@ impl Lt {
             let what = what.to_string();
             move |err: cudarc::driver::DriverError| format!("{what}: {err:?}")
         };
-        // SAFETY: scratch is only written by cuBLASLt and read back as bytes.
-        let scratch = unsafe { self.stream.alloc::<u8>(2 * set_bytes) }.map_err(e("allocating tuning scratch"))?;
+        // Zeroed: the padding between the outputs is compared too and is never written.
+        let scratch = self.stream.alloc_zeros::<u8>(2 * set_bytes).map_err(e("allocating tuning scratch"))?;
         let base = super::raw_ptr(&scratch, &self.stream);
         // Output pointers of scratch set `k` (0: the reference, 1: the candidate).
         let redirect = |k: usize| -> Gemm {
