@@ -17,9 +17,10 @@
 //! aarch64). QUIC's AEAD already protects against tampering on the wire; the per-chunk CRC32C
 //! catches framing bugs and memory corruption between the socket and the tensor.
 
+use bytes::Bytes;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 
 /// Largest accepted control header, in bytes.
 pub const FRAME_BYTES_MAX: usize = 1 << 20;
@@ -117,7 +118,11 @@ pub fn encode_control(control: &Control) -> Vec<u8> {
 pub fn decode_control(bytes: &[u8]) -> Result<Control, FrameError> {
     let mut aligned = AlignedVec::<16>::with_capacity(bytes.len());
     aligned.extend_from_slice(bytes);
-    rkyv::from_bytes::<Control, rancor::Error>(&aligned).map_err(|e| FrameError::Malformed { detail: e.to_string() })
+    decode_aligned(&aligned)
+}
+
+fn decode_aligned(aligned: &AlignedVec<16>) -> Result<Control, FrameError> {
+    rkyv::from_bytes::<Control, rancor::Error>(aligned).map_err(|e| FrameError::Malformed { detail: e.to_string() })
 }
 
 /// Writes one message: its header and, for `Control::Data`, `payload` in checksummed chunks of
@@ -154,22 +159,62 @@ fn chunk_prefix(chunk: &[u8]) -> [u8; 8] {
     prefix
 }
 
-async fn read_exact<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8], what: &'static str) -> Result<(), FrameError> {
-    match r.read_exact(buf).await {
-        Ok(_) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(FrameError::Truncated { what }),
-        Err(e) => Err(FrameError::Io(e)),
+/// Where a received message's bytes come from: pieces of the stream in order, each at most as
+/// long as asked for, so that a reader never takes bytes past what it needs.
+///
+/// A QUIC receive stream hands out the buffers its packets were decrypted into
+/// (`RecvStream::read_chunk`), so a payload is copied once, from the packet into its
+/// destination, after its checksum was computed over the packet's bytes. A byte slice (tests,
+/// fuzzing) hands out copies of its front.
+pub trait Pieces {
+    /// The next bytes of the stream, `1..=max` of them (`max > 0`); `None` at its end.
+    fn next_piece(&mut self, max: usize) -> impl std::future::Future<Output = std::io::Result<Option<Bytes>>> + Send;
+}
+
+impl Pieces for quinn::RecvStream {
+    async fn next_piece(&mut self, max: usize) -> std::io::Result<Option<Bytes>> {
+        Ok(self.read_chunk(max, true).await?.map(|c| c.bytes))
     }
 }
 
-async fn read_u32<R: AsyncRead + Unpin>(r: &mut R, what: &'static str) -> Result<u32, FrameError> {
+impl Pieces for &[u8] {
+    async fn next_piece(&mut self, max: usize) -> std::io::Result<Option<Bytes>> {
+        if self.is_empty() {
+            return Ok(None);
+        }
+        let (front, rest) = self.split_at(max.min(self.len()));
+        *self = rest;
+        Ok(Some(Bytes::copy_from_slice(front)))
+    }
+}
+
+/// The next piece of at most `max` bytes, or `Truncated` (naming `what`) at the end of the stream.
+async fn piece<R: Pieces>(r: &mut R, max: usize, what: &'static str) -> Result<Bytes, FrameError> {
+    match r.next_piece(max).await? {
+        Some(p) if !p.is_empty() && p.len() <= max => Ok(p),
+        Some(p) if !p.is_empty() => Err(FrameError::Io(std::io::Error::other(format!("a read returned {} bytes, {max} asked", p.len())))),
+        _ => Err(FrameError::Truncated { what }),
+    }
+}
+
+async fn read_exact<R: Pieces>(r: &mut R, buf: &mut [u8], what: &'static str) -> Result<(), FrameError> {
+    let mut at = 0;
+    while at < buf.len() {
+        let p = piece(r, buf.len() - at, what).await?;
+        buf[at..at + p.len()].copy_from_slice(&p);
+        at += p.len();
+    }
+    Ok(())
+}
+
+async fn read_u32<R: Pieces>(r: &mut R, what: &'static str) -> Result<u32, FrameError> {
     let mut b = [0u8; 4];
     read_exact(r, &mut b, what).await?;
     Ok(u32::from_le_bytes(b))
 }
 
 /// Reads one whole message (header, payload, end of stream), validating everything.
-pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Control, Option<Payload>), FrameError> {
+pub async fn read_message<R: Pieces>(r: &mut R) -> Result<(Control, Option<Payload>), FrameError> {
     let control = read_header(r).await?;
     let payload = read_body(r, &control).await?;
     Ok((control, payload))
@@ -177,7 +222,7 @@ pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Control, O
 
 /// Reads what follows `control`'s header: the payload of a `Data` message into a new vector,
 /// then the end of the stream.
-pub async fn read_body<R: AsyncRead + Unpin>(r: &mut R, control: &Control) -> Result<Option<Payload>, FrameError> {
+pub async fn read_body<R: Pieces>(r: &mut R, control: &Control) -> Result<Option<Payload>, FrameError> {
     let payload = match control {
         Control::Data { elem, elems, .. } => Some(read_payload(r, *elem, *elems).await?),
         _ => None,
@@ -188,26 +233,27 @@ pub async fn read_body<R: AsyncRead + Unpin>(r: &mut R, control: &Control) -> Re
 
 /// Reads and validates a message's control header; a `Data` payload follows (read it with
 /// [`read_body`], [`read_payload_into`], [`read_payload_visit`] or [`read_payload_vec`]).
-pub async fn read_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Control, FrameError> {
+pub async fn read_header<R: Pieces>(r: &mut R) -> Result<Control, FrameError> {
     let header_len = read_u32(r, "the header length").await? as usize;
     if header_len > FRAME_BYTES_MAX {
         return Err(FrameError::Oversized { what: "control header", bytes: header_len as u64, limit: FRAME_BYTES_MAX as u64 });
     }
-    let mut header = vec![0u8; header_len];
-    read_exact(r, &mut header, "the control header").await?;
-    decode_control(&header)
+    let mut header = AlignedVec::<16>::with_capacity(header_len);
+    while header.len() < header_len {
+        header.extend_from_slice(&piece(r, header_len - header.len(), "the control header").await?);
+    }
+    decode_aligned(&header)
 }
 
 /// Checks that the stream ends here (any further byte is an error).
-pub async fn read_end<R: AsyncRead + Unpin>(r: &mut R) -> Result<(), FrameError> {
-    let mut extra = [0u8; 64];
-    match r.read(&mut extra).await? {
-        0 => Ok(()),
-        n => Err(FrameError::Trailing { extra: n }),
+pub async fn read_end<R: Pieces>(r: &mut R) -> Result<(), FrameError> {
+    match r.next_piece(64).await? {
+        None => Ok(()),
+        Some(p) => Err(FrameError::Trailing { extra: p.len() }),
     }
 }
 
-async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, elem: u8, elems: u64) -> Result<Payload, FrameError> {
+async fn read_payload<R: Pieces>(r: &mut R, elem: u8, elems: u64) -> Result<Payload, FrameError> {
     match elem {
         ELEM_F32 => Ok(Payload::F32(read_chunks_vec(r, elems).await?)),
         ELEM_F64 => Ok(Payload::F64(read_chunks_vec(r, elems).await?)),
@@ -216,15 +262,16 @@ async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, elem: u8, elems: u64) -> 
 }
 
 /// Reads a payload of exactly `dest.len()` values straight into `dest`, then the end of the stream.
-/// The caller has checked the header's element type and count against `dest`.
-pub async fn read_payload_into<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, dest: &mut [T]) -> Result<(), FrameError> {
-    read_chunks(r, dest.len(), &mut IntoSlice(dest)).await?;
+/// The caller has checked the header's element type and count against `dest`. A chunk lands in
+/// `dest` only after its checksum passed.
+pub async fn read_payload_into<R: Pieces, T: bytemuck::Pod>(r: &mut R, dest: &mut [T]) -> Result<(), FrameError> {
+    read_chunks::<_, T, _>(r, dest.len(), &mut IntoSlice(bytemuck::cast_slice_mut(dest))).await?;
     read_end(r).await
 }
 
 /// Reads a payload of `elems` values chunk by chunk through `buf` (at most one chunk in memory,
 /// reused across calls), handing each checked chunk to `f(offset, values)`; then the end of the stream.
-pub async fn read_payload_visit<R: AsyncRead + Unpin, T: bytemuck::Pod>(
+pub async fn read_payload_visit<R: Pieces, T: bytemuck::Pod>(
     r: &mut R,
     elems: usize,
     buf: &mut Vec<T>,
@@ -236,7 +283,7 @@ pub async fn read_payload_visit<R: AsyncRead + Unpin, T: bytemuck::Pod>(
 
 /// Reads a payload of `elems` values into a new vector (bounded by [`MESSAGE_BYTES_MAX`]), then
 /// the end of the stream.
-pub async fn read_payload_vec<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
+pub async fn read_payload_vec<R: Pieces, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
     let v = read_chunks_vec(r, elems).await?;
     read_end(r).await?;
     Ok(v)
@@ -249,8 +296,9 @@ fn reserve_elems(total_bytes: usize, size: usize) -> usize {
 
 /// Reads `elems` values of `T` into a new (aligned) vector. It grows only as chunks arrive (at
 /// most [`PREALLOC_BYTES_MAX`] reserved up front), so a header announcing a huge payload cannot
-/// make the receiver allocate memory it never fills.
-async fn read_chunks_vec<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
+/// make the receiver allocate memory it never fills; its memory is written once, by the copy
+/// from the packets (never zero-filled first).
+async fn read_chunks_vec<R: Pieces, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
     let size = std::mem::size_of::<T>();
     let total = elems.saturating_mul(size as u64);
     if total > MESSAGE_BYTES_MAX {
@@ -261,31 +309,53 @@ async fn read_chunks_vec<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, elem
     Ok(grow.0)
 }
 
-/// Where the chunks of a payload land.
+/// Where the checked chunks of a payload land.
 trait Sink<T> {
-    /// The `n` values starting at value `at` of the payload, to be filled by the next chunk.
-    fn slot(&mut self, at: usize, n: usize) -> &mut [T];
-    /// The chunk in `slot(at, n)` has arrived and passed its checksum.
-    fn filled(&mut self, at: usize, n: usize);
+    /// The chunk of `n` values starting at value `at` of the payload has arrived, as `pieces`
+    /// (`n × size_of::<T>()` bytes in all), and passed its checksum.
+    fn put(&mut self, at: usize, n: usize, pieces: &[Bytes]);
 }
 
-struct IntoSlice<'a, T>(&'a mut [T]);
-
-impl<T> Sink<T> for IntoSlice<'_, T> {
-    fn slot(&mut self, at: usize, n: usize) -> &mut [T] {
-        &mut self.0[at..at + n]
+/// Copies `pieces` one after the other into `dest`, which is exactly as long as all of them.
+fn copy_pieces(dest: &mut [u8], pieces: &[Bytes]) {
+    let mut at = 0;
+    for p in pieces {
+        dest[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
     }
-    fn filled(&mut self, _: usize, _: usize) {}
+}
+
+/// The payload's bytes land in a caller's tensor (as bytes).
+struct IntoSlice<'a>(&'a mut [u8]);
+
+impl<T: bytemuck::Pod> Sink<T> for IntoSlice<'_> {
+    fn put(&mut self, at: usize, n: usize, pieces: &[Bytes]) {
+        let size = std::mem::size_of::<T>();
+        copy_pieces(&mut self.0[at * size..(at + n) * size], pieces);
+    }
 }
 
 struct Grow<T>(Vec<T>);
 
 impl<T: bytemuck::Pod> Sink<T> for Grow<T> {
-    fn slot(&mut self, at: usize, n: usize) -> &mut [T] {
-        self.0.resize(at + n, T::zeroed());
-        &mut self.0[at..]
+    fn put(&mut self, at: usize, n: usize, pieces: &[Bytes]) {
+        let size = std::mem::size_of::<T>();
+        assert_eq!(at, self.0.len(), "chunks arrive in order");
+        assert_eq!(pieces.iter().map(Bytes::len).sum::<usize>(), n * size, "a chunk's pieces hold exactly its values");
+        self.0.reserve(n);
+        let dest = self.0.spare_capacity_mut().as_mut_ptr().cast::<u8>();
+        let mut off = 0;
+        for p in pieces {
+            // SAFETY: `reserve(n)` left room for `n` values (`n × size` bytes) after the length;
+            // the pieces add up to exactly that (asserted above), and they do not overlap the
+            // vector's own allocation.
+            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), dest.add(off), p.len()) };
+            off += p.len();
+        }
+        // SAFETY: the `n` values after the old length were just written in full, and every bit
+        // pattern is a valid `T` (Pod).
+        unsafe { self.0.set_len(at + n) };
     }
-    fn filled(&mut self, _: usize, _: usize) {}
 }
 
 struct Visit<'a, T, F> {
@@ -294,21 +364,24 @@ struct Visit<'a, T, F> {
 }
 
 impl<T: bytemuck::Pod, F: FnMut(usize, &[T])> Sink<T> for Visit<'_, T, F> {
-    fn slot(&mut self, _: usize, n: usize) -> &mut [T] {
+    fn put(&mut self, at: usize, n: usize, pieces: &[Bytes]) {
+        // Values are handed on aligned: the pieces are copied into the reused buffer (which
+        // stays in cache), zero-filled only where it grows.
+        self.buf.truncate(n);
         self.buf.resize(n, T::zeroed());
-        &mut self.buf[..n]
-    }
-    fn filled(&mut self, at: usize, n: usize) {
+        copy_pieces(bytemuck::cast_slice_mut(&mut self.buf[..]), pieces);
         (self.f)(at, &self.buf[..n]);
     }
 }
 
 /// Reads the checksummed chunks of a payload of `elems` values of `T` into `sink`. Every chunk
 /// is validated (non-empty, ≤ [`CHUNK_BYTES_MAX`], within the announced size, whole values)
-/// before a byte of it is read, and its checksum before it is handed on.
-async fn read_chunks<R: AsyncRead + Unpin, T: bytemuck::Pod, S: Sink<T>>(r: &mut R, elems: usize, sink: &mut S) -> Result<(), FrameError> {
+/// before a byte of it is read, and its checksum — computed over the received pieces as they
+/// arrive — before it is handed on.
+async fn read_chunks<R: Pieces, T: bytemuck::Pod, S: Sink<T>>(r: &mut R, elems: usize, sink: &mut S) -> Result<(), FrameError> {
     let size = std::mem::size_of::<T>();
     let (mut at, mut index) = (0usize, 0u64);
+    let mut pieces: Vec<Bytes> = Vec::new();
     while at < elems {
         let len = read_u32(r, "a chunk length").await? as usize;
         let want = read_u32(r, "a chunk checksum").await?;
@@ -317,14 +390,19 @@ async fn read_chunks<R: AsyncRead + Unpin, T: bytemuck::Pod, S: Sink<T>>(r: &mut
             let detail = format!("length {len} (limit {CHUNK_BYTES_MAX}, {left} bytes left, element size {size})");
             return Err(FrameError::BadChunk { index, detail });
         }
-        let n = len / size;
-        let chunk: &mut [u8] = bytemuck::cast_slice_mut(sink.slot(at, n));
-        read_exact(r, chunk, "a chunk").await?;
-        let got = crc32c::crc32c(chunk);
-        if got != want {
-            return Err(FrameError::Checksum { index, got, want });
+        pieces.clear();
+        let (mut got, mut crc) = (0usize, 0u32);
+        while got < len {
+            let p = piece(r, len - got, "a chunk").await?;
+            crc = crc32c::crc32c_append(crc, &p);
+            got += p.len();
+            pieces.push(p);
         }
-        sink.filled(at, n);
+        if crc != want {
+            return Err(FrameError::Checksum { index, got: crc, want });
+        }
+        let n = len / size;
+        sink.put(at, n, &pieces);
         at += n;
         index += 1;
     }
@@ -450,6 +528,40 @@ mod tests {
         assert_eq!(block_on(read_payload_vec::<_, f32>(&mut body, n as u64)).unwrap(), v);
     }
 
+    /// A stream that hands out pieces of odd sizes (as QUIC does: one per packet, cut anywhere).
+    struct Dribble<'a>(&'a [u8], usize);
+
+    impl Pieces for Dribble<'_> {
+        async fn next_piece(&mut self, max: usize) -> std::io::Result<Option<Bytes>> {
+            const SIZES: [usize; 6] = [1, 3, 7, 64, 1000, 65_000];
+            self.1 += 1;
+            let mut front = &self.0[..self.0.len().min(SIZES[self.1 % SIZES.len()])];
+            let got = front.next_piece(max).await?;
+            self.0 = &self.0[got.as_ref().map_or(0, Bytes::len)..];
+            Ok(got)
+        }
+    }
+
+    #[test]
+    fn payloads_cut_into_odd_pieces_land_whole_in_every_sink() {
+        let n = SEND_CHUNK_BYTES / 4 * 2 + 5;
+        let (c, v, wire) = data_message(n);
+        assert_eq!(block_on(read_message(&mut Dribble(&wire, 0))).unwrap(), (c, Some(Payload::F32(v.clone()))));
+        let mut r = Dribble(&wire, 1);
+        block_on(read_header(&mut r)).unwrap();
+        let mut dest = vec![0f32; n];
+        block_on(read_payload_into(&mut r, &mut dest)).unwrap();
+        assert_eq!(dest, v);
+        let mut r = Dribble(&wire, 2);
+        block_on(read_header(&mut r)).unwrap();
+        let (mut seen, mut chunk) = (vec![f32::NAN; n], vec![9.0; 3]);
+        block_on(read_payload_visit(&mut r, n, &mut chunk, |at, x| seen[at..at + x.len()].copy_from_slice(x))).unwrap();
+        assert_eq!(seen, v);
+        let mut flipped = wire.clone();
+        flipped[wire.len() - 100] ^= 4; // in the second chunk (the third is 28 bytes)
+        assert!(matches!(block_on(read_message(&mut Dribble(&flipped, 3))), Err(FrameError::Checksum { index: 1, .. })));
+    }
+
     #[test]
     fn payloads_read_into_place_are_still_validated() {
         let (_, _, wire) = data_message(SEND_CHUNK_BYTES / 4 + 3);
@@ -458,6 +570,8 @@ mod tests {
         let (_, mut body) = after_header(&flipped);
         let mut dest = vec![0f32; SEND_CHUNK_BYTES / 4 + 3];
         assert!(matches!(block_on(read_payload_into(&mut body, &mut dest)), Err(FrameError::Checksum { index: 1, .. })));
+        // The failing chunk never landed: only the first one did.
+        assert!(dest[SEND_CHUNK_BYTES / 4..].iter().all(|&x| x == 0.0));
         let mut longer = wire.clone();
         longer.extend_from_slice(&[1, 2]);
         let (_, mut body) = after_header(&longer);

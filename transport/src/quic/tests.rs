@@ -94,6 +94,10 @@ fn every_op<C: Collective>(c: &mut C, len: usize) -> Vec<Vec<u64>> {
     let mut buf = mine.clone();
     c.all_reduce_sum(&mut buf).unwrap();
     out.push(to64(&buf));
+    // A shorter one next, so reused buffers shrink (their old contents must not leak in).
+    let mut short = data(5, rank, len / 2 + 1);
+    c.all_reduce_sum(&mut short).unwrap();
+    out.push(to64(&short));
     let mut buf64: Vec<f64> = mine.iter().map(|&v| f64::from(v) * 1.1).collect();
     c.all_reduce_sum_f64(&mut buf64).unwrap();
     out.push(buf64.iter().map(|v| v.to_bits()).collect());
