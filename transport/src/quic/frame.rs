@@ -155,7 +155,7 @@ pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, control: &Control, 
 fn chunk_prefix(chunk: &[u8]) -> [u8; 8] {
     let mut prefix = [0u8; 8];
     prefix[..4].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
-    prefix[4..].copy_from_slice(&crc32c::crc32c(chunk).to_le_bytes());
+    prefix[4..].copy_from_slice(&super::crc::crc32c(chunk).to_le_bytes());
     prefix
 }
 
@@ -386,7 +386,7 @@ async fn read_chunks<R: Pieces, T: bytemuck::Pod, S: Sink<T>>(r: &mut R, elems: 
         let len = read_u32(r, "a chunk length").await? as usize;
         let want = read_u32(r, "a chunk checksum").await?;
         let left = (elems - at) * size;
-        if len == 0 || len > CHUNK_BYTES_MAX || len > left || len % size != 0 {
+        if len == 0 || len > CHUNK_BYTES_MAX || len > left || !len.is_multiple_of(size) {
             let detail = format!("length {len} (limit {CHUNK_BYTES_MAX}, {left} bytes left, element size {size})");
             return Err(FrameError::BadChunk { index, detail });
         }
@@ -394,7 +394,7 @@ async fn read_chunks<R: Pieces, T: bytemuck::Pod, S: Sink<T>>(r: &mut R, elems: 
         let (mut got, mut crc) = (0usize, 0u32);
         while got < len {
             let p = piece(r, len - got, "a chunk").await?;
-            crc = crc32c::crc32c_append(crc, &p);
+            crc = super::crc::crc32c_append(crc, &p);
             got += p.len();
             pieces.push(p);
         }

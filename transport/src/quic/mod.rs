@@ -10,6 +10,8 @@
 //!   ([`frame::FRAME_BYTES_MAX`], [`frame::CHUNK_BYTES_MAX`], [`frame::MESSAGE_BYTES_MAX`]); a
 //!   malformed, oversized or checksum-failing frame closes that peer's connection with a logged
 //!   reason (stderr) and the peer is reported as gone — never a panic.
+//! - [`crc`]: the chunks' CRC32C — carry-less-multiplication folding on CPUs with 512-bit
+//!   `VPCLMULQDQ`, else the `crc32c` crate; the same checksum either way.
 //! - [`control`]: the control plane's connections ([`ControlEndpoint`], [`ControlConn`]): one per
 //!   driver ↔ worker pair, ordered frame lanes (requests; actor messages) and bulk transfers on
 //!   their own streams, with [`pki::JoinToken`] admission for agents without a certificate.
@@ -72,6 +74,7 @@
 
 pub mod comm;
 pub mod control;
+pub mod crc;
 pub mod frame;
 pub mod net;
 pub mod pki;
