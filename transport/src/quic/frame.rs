@@ -20,7 +20,6 @@
 use bytes::Bytes;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
-use tokio::io::{AsyncWrite, AsyncWriteExt};
 
 /// Largest accepted control header, in bytes.
 pub const FRAME_BYTES_MAX: usize = 1 << 20;
@@ -125,12 +124,34 @@ fn decode_aligned(aligned: &AlignedVec<16>) -> Result<Control, FrameError> {
     rkyv::from_bytes::<Control, rancor::Error>(aligned).map_err(|e| FrameError::Malformed { detail: e.to_string() })
 }
 
+/// Where a message's bytes go: owned buffers handed over whole. A QUIC send stream keeps each
+/// as it is until the peer acknowledges it (`SendStream::write_chunk`), where a written slice
+/// would be copied into a new buffer of its own first.
+pub trait Sends {
+    /// Queues `bytes` after everything sent before.
+    fn send(&mut self, bytes: Bytes) -> impl std::future::Future<Output = std::io::Result<()>> + Send;
+}
+
+impl Sends for quinn::SendStream {
+    async fn send(&mut self, bytes: Bytes) -> std::io::Result<()> {
+        Ok(self.write_chunk(bytes).await?)
+    }
+}
+
+impl Sends for Vec<u8> {
+    async fn send(&mut self, bytes: Bytes) -> std::io::Result<()> {
+        self.extend_from_slice(&bytes);
+        Ok(())
+    }
+}
+
 /// Writes one message: its header and, for `Control::Data`, `payload` in checksummed chunks of
 /// [`SEND_CHUNK_BYTES`]. A message of at most [`COALESCE_BYTES_MAX`] goes out in a single write
 /// (one QUIC packet on the wire), so a small message never waits for a second wake-up of the
-/// connection. A large payload is written chunk by chunk: each chunk's checksum is computed right
-/// before QUIC copies it, while it is still in the core's cache.
-pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, control: &Control, payload: &[u8]) -> std::io::Result<()> {
+/// connection. A large payload goes out chunk by chunk, each chunk with its prefix in one buffer
+/// ([`checked_chunk`]): the payload is copied once on its way to the wire by this code, and
+/// never again by QUIC before it is packetised.
+pub async fn write_message<W: Sends>(w: &mut W, control: &Control, payload: &[u8]) -> std::io::Result<()> {
     let header = encode_control(control);
     let small = 4 + header.len() + 8 + payload.len() <= COALESCE_BYTES_MAX;
     let mut head = Vec::with_capacity(4 + header.len() + if small { 8 + payload.len() } else { 0 });
@@ -141,14 +162,26 @@ pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, control: &Control, 
             head.extend_from_slice(&chunk_prefix(chunk));
             head.extend_from_slice(chunk);
         }
-        return w.write_all(&head).await;
+        return w.send(head.into()).await;
     }
-    w.write_all(&head).await?;
+    w.send(head.into()).await?;
     for chunk in payload.chunks(SEND_CHUNK_BYTES) {
-        w.write_all(&chunk_prefix(chunk)).await?;
-        w.write_all(chunk).await?;
+        w.send(checked_chunk(chunk)).await?;
     }
     Ok(())
+}
+
+/// `[u32 LE length][u32 LE crc32c][chunk]` in a new buffer. The chunk is copied first — the
+/// pass that reads the tensor from memory, which a plain copy does fastest — and its checksum is
+/// then computed over the copy, still in the core's cache.
+fn checked_chunk(chunk: &[u8]) -> Bytes {
+    let mut out = Vec::with_capacity(8 + chunk.len());
+    out.extend_from_slice(&[0; 8]);
+    out.extend_from_slice(chunk);
+    let crc = super::crc::crc32c(&out[8..]);
+    out[..4].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
+    out[4..8].copy_from_slice(&crc.to_le_bytes());
+    out.into()
 }
 
 /// `[u32 LE length][u32 LE crc32c]` of one payload chunk.
@@ -587,24 +620,14 @@ mod tests {
         assert!(matches!(block_on(read_payload_vec::<_, f32>(&mut body, huge)), Err(FrameError::Oversized { .. })));
     }
 
-    /// Counts the writes a message takes.
+    /// Counts the buffers a message takes.
     struct CountingWriter(Vec<u8>, usize);
 
-    impl AsyncWrite for CountingWriter {
-        fn poll_write(
-            mut self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-            b: &[u8],
-        ) -> std::task::Poll<std::io::Result<usize>> {
-            self.0.extend_from_slice(b);
+    impl Sends for CountingWriter {
+        async fn send(&mut self, bytes: Bytes) -> std::io::Result<()> {
+            self.0.extend_from_slice(&bytes);
             self.1 += 1;
-            std::task::Poll::Ready(Ok(b.len()))
-        }
-        fn poll_flush(self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
-        }
-        fn poll_shutdown(self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
+            Ok(())
         }
     }
 
@@ -614,10 +637,10 @@ mod tests {
         let mut w = CountingWriter(Vec::new(), 0);
         block_on(write_message(&mut w, &c, bytemuck::cast_slice(&v))).unwrap();
         assert_eq!((w.0, w.1), (wire, 1));
-        let (c, v, wire) = data_message(SEND_CHUNK_BYTES / 4 * 2);
+        let (c, v, wire) = data_message(SEND_CHUNK_BYTES / 4 * 2 + 1);
         let mut w = CountingWriter(Vec::new(), 0);
         block_on(write_message(&mut w, &c, bytemuck::cast_slice(&v))).unwrap();
-        assert_eq!((w.0, w.1), (wire, 1 + 2 * 2));
+        assert_eq!((w.0, w.1), (wire, 1 + 3)); // the header, then each chunk with its prefix
     }
 
     /// Found by `fuzz/` (quic_frame): a header-only message announcing gigabytes of f32 values made
