@@ -1,9 +1,7 @@
 //! [`QuicComm`]: one rank's [`Collective`] handle over QUIC — operation descriptors, the
 //! algorithms, timeouts, abort and the graceful leave.
 
-use super::frame::{
-    read_payload_into, read_payload_vec, read_payload_visit, Control, FrameError, Key, OpDesc, Payload, ELEM_F32, ELEM_F64,
-};
+use super::frame::{read_payload_add, read_payload_into, read_payload_vec, Control, FrameError, Key, OpDesc, Payload, ELEM_F32, ELEM_F64};
 use super::net::{
     broadcast_abort, build_mesh, close_reason, endpoint_config, reject, runtime_workers, serve_peer, size_socket_buffers, transport_config,
     tune_allocator, write_stream, ClusterSpec, Delivery, Fail, GsoSplit, QuicError, Shared, CLOSE_ABORTED, CLOSE_BYE,
@@ -87,12 +85,11 @@ fn split_pair<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut
     }
 }
 
-/// Buffers a rank reuses across calls, per element type: a slice (an all-reduce's own
-/// contribution kept aside, a gathered slice being visited) and one payload chunk being added in.
+/// A buffer a rank reuses across calls, per element type: a slice (an all-reduce's own
+/// contribution kept aside, a gathered slice being visited).
 #[derive(Default)]
 struct Scratch<T> {
     owned: Vec<T>,
-    chunk: Vec<T>,
 }
 
 /// One collective in progress: its number, operation and deadline.
@@ -215,24 +212,15 @@ async fn rx_into<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usiz
     }
 }
 
-/// Receives `from`'s message `key` of `want` values chunk by chunk through `chunk`, handing each
-/// piece to `f(offset, values)` in order.
-async fn rx_visit<T: Elem>(
-    shared: &Shared,
-    conn: Option<&Connection>,
-    from: usize,
-    key: Key,
-    want: usize,
-    chunk: &mut Vec<T>,
-    mut f: impl FnMut(usize, &[T]),
-) -> Result<(), Fail> {
+/// Receives `from`'s message `key` of exactly `acc.len()` values and adds them into `acc`.
+async fn rx_add<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usize, key: Key, acc: &mut [T]) -> Result<(), Fail> {
     match shared.wait_for(from, key).await? {
         Delivery::Stream { elem, elems, mut stream } => {
-            let check = check_header::<T>(from, key, elem, elems, Some(want));
-            read_stream(shared, conn, from, check, read_payload_visit(&mut stream, want, chunk, f)).await
+            let check = check_header::<T>(from, key, elem, elems, Some(acc.len()));
+            read_stream(shared, conn, from, check, read_payload_add(&mut stream, acc)).await
         }
         d => {
-            f(0, &take_data::<T>(from, key, d, Some(want))?);
+            add_into(acc, &take_data::<T>(from, key, d, Some(acc.len()))?);
             Ok(())
         }
     }
@@ -452,7 +440,6 @@ impl QuicComm {
         parts: &[&[T]],
         own: Option<&[T]>,
         out: &mut [T],
-        chunk: &mut Vec<T>,
     ) -> Result<(), CollectiveError> {
         let (rank, world, shared) = (self.rank, self.world, &*self.shared);
         debug_assert!(own.is_some() || rank == 0, "only rank 0 reduces onto its own contribution");
@@ -469,11 +456,7 @@ impl QuicComm {
                     }
                     (true, false) => add_into(out, own.unwrap_or(&[])),
                     (false, true) => rx_into(shared, self.conn(from), from, key, out).await?,
-                    (false, false) => {
-                        let n = out.len();
-                        let add = |at: usize, x: &[T]| add_into(&mut out[at..at + x.len()], x);
-                        rx_visit(shared, self.conn(from), from, key, n, chunk, add).await?
-                    }
+                    (false, false) => rx_add(shared, self.conn(from), from, key, out).await?,
                 }
             }
             Ok(())
@@ -522,7 +505,7 @@ impl QuicComm {
                 Some(&scratch.owned[..])
             }
         };
-        self.reduce_to_owner(call, 0, &parts, own, out, &mut scratch.chunk)?;
+        self.reduce_to_owner(call, 0, &parts, own, out)?;
         self.ring_gather(call, 1, &ranges, buf)?;
         self.stats.record(ring_all_reduce_traffic(buf.len(), self.world, self.rank, T::BYTES));
         Ok(())
@@ -656,11 +639,8 @@ impl Collective for QuicComm {
         if let Some(r) = (0..self.world).find(|&r| descs[r].lens.get(1) != Some(&(ranges[r].len() as u64))) {
             return Err(mismatch(op, format!("rank {r} passed an output of {:?} for {} elements", descs[r].lens.get(1), ranges[r].len())));
         }
-        let mut scratch = std::mem::take(&mut self.scratch_f32);
         let parts: Vec<&[f32]> = ranges.iter().map(|r| &input[r.clone()]).collect();
-        let r = self.reduce_to_owner(call, 0, &parts, Some(parts[self.rank]), out, &mut scratch.chunk);
-        self.scratch_f32 = scratch;
-        r?;
+        self.reduce_to_owner(call, 0, &parts, Some(parts[self.rank]), out)?;
         self.stats.record(ring_reduce_scatter_traffic(ranges, self.rank, 4));
         Ok(())
     }

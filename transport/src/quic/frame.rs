@@ -314,6 +314,14 @@ pub async fn read_payload_visit<R: Pieces, T: bytemuck::Pod>(
     read_end(r).await
 }
 
+/// Adds a payload of exactly `dest.len()` values into `dest` (`dest[i] += value i`), straight
+/// from the received packets' buffers (no copy of the values), each chunk once its checksum
+/// passed; then the end of the stream. The caller has checked the header against `dest`.
+pub async fn read_payload_add<R: Pieces, T: bytemuck::Pod + std::ops::AddAssign>(r: &mut R, dest: &mut [T]) -> Result<(), FrameError> {
+    read_chunks(r, dest.len(), &mut AddInto(dest)).await?;
+    read_end(r).await
+}
+
 /// Reads a payload of `elems` values into a new vector (bounded by [`MESSAGE_BYTES_MAX`]), then
 /// the end of the stream.
 pub async fn read_payload_vec<R: Pieces, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
@@ -404,6 +412,41 @@ impl<T: bytemuck::Pod, F: FnMut(usize, &[T])> Sink<T> for Visit<'_, T, F> {
         self.buf.resize(n, T::zeroed());
         copy_pieces(bytemuck::cast_slice_mut(&mut self.buf[..]), pieces);
         (self.f)(at, &self.buf[..n]);
+    }
+}
+
+/// Adds each chunk's values into a caller's tensor, reading them unaligned from the pieces (a
+/// value cut between two pieces is put together first).
+struct AddInto<'a, T>(&'a mut [T]);
+
+impl<T: bytemuck::Pod + std::ops::AddAssign> Sink<T> for AddInto<'_, T> {
+    fn put(&mut self, at: usize, n: usize, pieces: &[Bytes]) {
+        let size = std::mem::size_of::<T>();
+        let dest = &mut self.0[at..at + n];
+        let (mut i, mut cut, mut have) = (0usize, [0u8; 16], 0usize);
+        debug_assert!(size <= cut.len());
+        for p in pieces {
+            let mut b: &[u8] = p;
+            if have > 0 {
+                let take = (size - have).min(b.len());
+                cut[have..have + take].copy_from_slice(&b[..take]);
+                (have, b) = (have + take, &b[take..]);
+                if have < size {
+                    continue;
+                }
+                dest[i] += bytemuck::pod_read_unaligned(&cut[..size]);
+                i += 1; // `have` is set below, from what is left of this piece
+            }
+            let whole = b.len() / size;
+            for (d, x) in dest[i..i + whole].iter_mut().zip(b.chunks_exact(size)) {
+                *d += bytemuck::pod_read_unaligned(x);
+            }
+            i += whole;
+            let rest = &b[whole * size..];
+            cut[..rest.len()].copy_from_slice(rest);
+            have = rest.len();
+        }
+        debug_assert!(i == n && have == 0, "a chunk's pieces hold exactly its values");
     }
 }
 
@@ -590,6 +633,19 @@ mod tests {
         let (mut seen, mut chunk) = (vec![f32::NAN; n], vec![9.0; 3]);
         block_on(read_payload_visit(&mut r, n, &mut chunk, |at, x| seen[at..at + x.len()].copy_from_slice(x))).unwrap();
         assert_eq!(seen, v);
+        let mut r = Dribble(&wire, 4);
+        block_on(read_header(&mut r)).unwrap();
+        let mut sum: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        block_on(read_payload_add(&mut r, &mut sum)).unwrap();
+        assert!(sum.iter().zip(&v).enumerate().all(|(i, (&s, &x))| s.to_bits() == (i as f32 + x).to_bits()));
+        let f64s: Vec<f64> = (0..1000).map(|i| i as f64 * 0.25 - 7.0).collect();
+        let c64 = Control::Data { key: Key::Coll { seq: 1, step: 0 }, elem: ELEM_F64, elems: 1000 };
+        let wire64 = encode(&c64, bytemuck::cast_slice(&f64s));
+        let mut r = Dribble(&wire64, 0);
+        block_on(read_header(&mut r)).unwrap();
+        let mut sum64 = vec![1.0f64; 1000];
+        block_on(read_payload_add(&mut r, &mut sum64)).unwrap();
+        assert!(sum64.iter().zip(&f64s).all(|(&s, &x)| s.to_bits() == (1.0 + x).to_bits()));
         let mut flipped = wire.clone();
         flipped[wire.len() - 100] ^= 4; // in the second chunk (the third is 28 bytes)
         assert!(matches!(block_on(read_message(&mut Dribble(&flipped, 3))), Err(FrameError::Checksum { index: 1, .. })));
