@@ -29,8 +29,8 @@
 //! (sender, key). The caller's thread runs each step of an algorithm — its sends and its
 //! receives together — as one future with `Runtime::block_on`, so a rank always reads while it
 //! writes (no deadlock whatever the message sizes), and it reads a collective's payload from
-//! the QUIC stream straight into the destination tensor (or, when reducing, chunk by chunk into
-//! a reused 256 KiB buffer that is added in at once). Waiting on the inbox is a `Notify`, not a
+//! quinn's packet buffers straight into the destination tensor (or, when reducing, adds it in
+//! from those buffers). Waiting on the inbox is a `Notify`, not a
 //! blocked thread. Every wait is bounded by the handle's `timeout_ms`; a timeout aborts the
 //! group and tells the peers (an `Abort` message), as does
 //! [`AbortHandle::abort`](crate::collective::AbortHandle::abort), which also ends any step in
