@@ -57,7 +57,8 @@ for v in "${variants[@]}"; do
     if line=$(env $envs TESSERA_KERNEL_CACHE=/tmp/k-$bin timeout 300 ./.device-bin/$bin gpu bench $B --zero 0 --nprocs 1 --profile 2> "$OUT/prof-$label.txt" | tail -1); then
         echo "$line"
         echo "{\"label\": \"$label\", \"r\": $line}" >> "$results"
-        head -40 "$OUT/prof-$label.txt" | grep -E "^  |profile" | head -34
+        head -40 "$OUT/prof-$label.txt" | grep -E "^  |profile" | grep -v "^  gemm" | head -34
+        grep -A60 "^GEMM tuning" "$OUT/prof-$label.txt" | head -60 || true
     else
         echo "FAILED: $label"; tail -5 "$OUT/prof-$label.txt"
     fi

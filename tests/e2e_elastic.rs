@@ -80,6 +80,37 @@ fn five_kills_and_two_joins_keep_the_fault_free_bits() {
         assert!(f["recovery_ms"].is_u64(), "no recovery after: {f}");
     }
     assert!(el["restored_from_memory"].as_u64().unwrap() >= 1, "replicas were never used: {r:#}");
+    // One loss at a time, also one during a new epoch's first replica copy (a kill right after
+    // a join): always restored from memory.
+    assert_eq!(el["restored_from_checkpoint"], 0, "{r:#}");
+}
+
+/// A member killed while a new epoch's replicas get their first full copy (held open for
+/// 1.5 s by a test knob; the kill is a real SIGKILL from the harness): the new epoch's ranges
+/// are not protected yet, but the workers kept what they held of the installed epoch, so the
+/// recovery restores from memory, replays nothing, and keeps the fault-free bits.
+#[test]
+fn a_loss_during_a_new_epochs_first_replica_copy_restores_from_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Epoch 1 is workers 0, 2, 3; its rank 2 (worker 3) dies during its first full copy. The
+    // installed epoch 0 is still whole in memory: worker 1's shard on worker 2 (its replica),
+    // worker 3's on worker 0.
+    let faults = r#"[{"at_step": 2, "kind": "kill", "rank": 1}, {"at_epoch": 1, "kind": "kill", "rank": 2}]"#;
+    let env = [("TESSERA_TEST_REPLICATE_DELAY_MS", "1500")];
+    let r = chaos_with(tmp.path(), faults, 5, 1, &[], &env);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["workers_lost"], 2, "{r:#}");
+    assert_eq!(el["restored_from_checkpoint"], 0, "{r:#}");
+    assert_eq!(el["restored_from_memory"], 1, "{r:#}");
+    assert_eq!(el["steps_replayed"], 0, "{r:#}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
+    let events: Vec<serde_json::Value> = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let epoch = |e: u64| events.iter().find(|x| x["event"] == "epoch" && x["epoch"] == e).unwrap_or_else(|| panic!("no epoch {e}:\n{log}"));
+    let second_loss = events.iter().filter(|x| x["event"] == "lost").nth(1).unwrap_or_else(|| panic!("one loss only:\n{log}"));
+    assert_eq!(second_loss["id"], 3, "{log}");
+    assert!(events.iter().all(|x| x["event"] != "installed" || x["epoch"] != 1), "epoch 1 was installed:\n{log}");
+    let source = epoch(2)["source"].as_str().unwrap().to_string();
+    assert!(source.starts_with("memory") && source.contains("of epoch 0"), "{source}\n{log}");
 }
 
 #[test]

@@ -2,8 +2,10 @@
 //! a coordinator and an agent per host give the bits of three in-process ranks; then the same
 //! with the seeded UDP fault proxy (`chaos/src/proxy.rs`: delay, jitter, loss, reordering,
 //! duplication) in front of rank 0's QUIC socket, so every packet between rank 0 and the other
-//! hosts crosses it. Needs root and iproute2; without them the test prints why and checks
-//! nothing else.
+//! hosts crosses it. An elastic job across namespace hosts (each agent also in a pid namespace
+//! of its own): one host's agent SIGKILLed mid-run, another joining from a fourth host with the
+//! join token, the fault-free run's bits. Needs root and iproute2; without them the tests print
+//! why and check nothing else.
 //!
 //! The chaos crate's files are compiled in by path (as the fuzzers do with `engine::wire`), so
 //! this test can use the root crate's `tessera` binary.
@@ -286,4 +288,185 @@ fn launch_over_real_ssh_into_namespace_hosts_gives_the_in_process_bits() {
     }
     assert_eq!(summary(&tmp.path().join("ssh-run"))["params_blake3"], want, "agents started over ssh differ from in-process ranks");
     drop(sshd);
+}
+
+// ── An elastic job across namespace hosts ────────────────────────────────────────────────────
+
+/// 10.231.<ELASTIC_SUBNET>.0/24 (77–79: chaos/tests/netns.rs and the tests above).
+const ELASTIC_SUBNET: u8 = 80;
+/// Steps of the elastic run.
+const ELASTIC_STEPS: u64 = 8;
+/// Bound on each wait for the elastic run to get somewhere (a step, a loss).
+const ELASTIC_WAIT: Duration = Duration::from_secs(60);
+
+/// [`run_flags`] for an elastic run of [`ELASTIC_STEPS`] that needs 3 workers (after a loss it
+/// waits for a join) and declares a silent worker lost after 1 s.
+fn elastic_flags(out: &Path) -> Vec<String> {
+    let mut a = run_flags(out);
+    let at = a.iter().position(|x| x == "--steps").expect("--steps") + 1;
+    a[at] = ELASTIC_STEPS.to_string();
+    for set in ["tessera.elastic.enabled=true", "tessera.elastic.min_workers=3", "tessera.elastic.heartbeat_timeout_ms=1000"] {
+        a.extend(["--set".to_string(), set.to_string()]);
+    }
+    a
+}
+
+/// `tessera agent` on host `i`, also in a pid namespace of its own (`unshare --pid`), as on a
+/// machine of its own: the driver can neither watch nor signal its pid, so it has to notice a
+/// loss over the network (heartbeats), and fence it by closing its connections.
+fn host_agent(net: &TestNet, i: usize, join: &str, token: &Path, extra: &[&str]) -> Command {
+    let mut c = net.command(i, "unshare");
+    c.args(["--pid", "--fork", "--kill-child"]).arg(bin());
+    c.args(["agent", "--join", join, "--name", &format!("host{i}"), "--token-file", token.to_str().unwrap()]).args(extra);
+    c
+}
+
+/// The pid (in this namespace) of the live `tessera` process that is `pid` or below it
+/// (`ip netns exec` and `unshare` fork it); zombies do not count.
+fn tessera_below(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) state ...": comm may hold spaces, the state follows its closing parenthesis.
+    let (comm, rest) = stat.split_once('(').and_then(|(_, r)| r.rsplit_once(')'))?;
+    if comm == "tessera" {
+        return (!rest.trim_start().starts_with('Z')).then_some(pid);
+    }
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).ok()?;
+    children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()).find_map(tessera_below)
+}
+
+/// SIGKILLs the `tessera` processes below each of `procs` (`ip netns exec` forks, so killing
+/// the child alone would orphan them) and reaps everything within `bound`.
+fn end_all(procs: Vec<Child>, bound: Duration) -> Vec<(bool, String)> {
+    let deadline = Instant::now() + bound;
+    for c in &procs {
+        while let Some(pid) = tessera_below(c.id()) {
+            // SAFETY: kill(2) on a process this test started.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            if Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    wait_all(procs, bound)
+}
+
+/// Waits (≤ `bound`) for every process, then ends what is left as [`end_all`] does.
+fn end_all_after(procs: Vec<Child>, bound: Duration) -> Vec<(bool, String)> {
+    let deadline = Instant::now() + bound;
+    while Instant::now() < deadline && procs.iter().any(|c| tessera_below(c.id()).is_some()) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    end_all(procs, Duration::from_secs(5))
+}
+
+/// The events the driver logged so far.
+fn events(out: &Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(out.join("elastic_events.jsonl")).unwrap_or_default();
+    text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+/// Waits (≤ [`ELASTIC_WAIT`]) for an event that `pred` accepts while the coordinator (the
+/// first of `procs`) runs; otherwise kills them all and fails with their output.
+fn wait_event(out: &Path, procs: &mut Vec<Child>, what: &str, pred: &dyn Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let deadline = Instant::now() + ELASTIC_WAIT;
+    let why = loop {
+        if let Some(e) = events(out).into_iter().find(|e| pred(e)) {
+            return e;
+        }
+        if procs[0].try_wait().ok().flatten().is_some() {
+            break format!("the coordinator ended before {what}");
+        }
+        if Instant::now() >= deadline {
+            break format!("no {what} within {ELASTIC_WAIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let texts: Vec<String> = end_all(std::mem::take(procs), Duration::from_secs(5)).into_iter().map(|(_, t)| t).collect();
+    panic!("{why}; events: {:?}\noutputs (coordinator first):\n{}", events(out), texts.join("\n-----\n"));
+}
+
+/// An elastic job whose three workers are agents on three namespace hosts (each its own pid
+/// namespace too): the agent of host 1 is SIGKILLed mid-run, the driver finds it by the
+/// heartbeat timeout, and an agent that joins from a fourth host with the join token takes its
+/// place; the run ends with the fault-free run's bits and every step committed.
+#[test]
+fn an_elastic_job_across_namespace_hosts_survives_a_killed_host_and_takes_a_joining_agent() {
+    let net = match TestNet::new(HOSTS + 1, ELASTIC_SUBNET) {
+        Ok(n) => n,
+        Err(why) => {
+            eprintln!("SKIP: cannot make network namespaces here: {why}");
+            return;
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut reference = vec!["train".to_string()];
+    reference.extend(elastic_flags(&tmp.path().join("fault-free")));
+    reference.extend(["--nprocs".to_string(), HOSTS.to_string()]);
+    ok(&reference.iter().map(String::as_str).collect::<Vec<_>>(), tmp.path());
+    let want = summary(&tmp.path().join("fault-free"))["params_blake3"].clone();
+    assert!(want.is_string(), "no params_blake3 in the fault-free run");
+
+    let out = tmp.path().join("elastic");
+    let (join, token) = (format!("{}:47700", net.addr(0)), tmp.path().join("token"));
+    let mut coord = net.command(0, bin().to_str().unwrap());
+    coord.arg("coordinator").args(elastic_flags(&out)).args(["--listen", &join, "--nodes", &HOSTS.to_string()]);
+    coord.args(["--token-file", token.to_str().unwrap()]);
+    let mut driver = piped(coord);
+    let deadline = Instant::now() + ELASTIC_WAIT;
+    while !token.exists() {
+        assert!(Instant::now() < deadline && driver.try_wait().ok().flatten().is_none(), "the coordinator wrote no join token");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut all = vec![driver];
+    all.extend((0..HOSTS).map(|i| piped(host_agent(&net, i, &join, &token, &["--rank", &i.to_string()]))));
+
+    // Mid-run, SIGKILL host 1's worker (rank 1 = worker 1). The driver is held (SIGSTOP) from
+    // the first committed step until the kill is done, so the run cannot end before it.
+    wait_event(&out, &mut all, "a committed step", &|e| e["event"] == "step");
+    let driver_pid = tessera_below(all[0].id()).expect("the coordinator's tessera process") as libc::pid_t;
+    let victim = tessera_below(all[2].id()).expect("the tessera process of host 1's agent");
+    // SAFETY: kill(2) on processes this test started (through ip netns, and unshare).
+    unsafe {
+        assert_eq!(libc::kill(driver_pid, libc::SIGSTOP), 0, "SIGSTOP to the coordinator");
+        assert_eq!(libc::kill(victim as libc::pid_t, libc::SIGKILL), 0, "SIGKILL to pid {victim}");
+        assert_eq!(libc::kill(driver_pid, libc::SIGCONT), 0, "SIGCONT to the coordinator");
+    }
+    let committed = events(&out).iter().filter(|e| e["event"] == "step").count() as u64;
+    assert!(committed < ELASTIC_STEPS, "the run was over before the kill ({committed} steps)");
+    let lost = wait_event(&out, &mut all, "the loss of worker 1", &|e| e["event"] == "lost");
+    assert_eq!(lost["id"], 1, "{lost}");
+    let why = lost["why"].as_str().unwrap_or_default().to_string();
+    assert!(why.contains("no heartbeat") || why.contains("connection closed"), "not found over the network: {why}");
+
+    // The run waits for a third worker (min_workers): an agent joins from host 3.
+    all.push(piped(host_agent(&net, HOSTS, &join, &token, &[])));
+    let results = end_all_after(all, Duration::from_secs(120));
+    let text = |i: usize| results[i].1.clone();
+    assert!(results[0].0, "the coordinator failed:\n{}", text(0));
+    for (i, (ok, t)) in results.iter().enumerate().skip(1) {
+        if i != 2 {
+            assert!(ok, "agent {} failed:\n{t}", i - 1);
+        }
+    }
+    assert!(!results[2].0, "the killed agent exited successfully:\n{}", text(2));
+    assert!(text(4).contains("joins the running job as worker 3"), "{}", text(4));
+
+    let log = events(&out);
+    let lines: Vec<String> = log.iter().filter(|e| e["event"] != "step").map(|e| e.to_string()).collect();
+    eprintln!("elastic across hosts: coordinator:\n{}\njoiner:\n{}\nevents:\n{}", text(0), text(4), lines.join("\n"));
+    let s = summary(&out);
+    assert_eq!(s["params_blake3"], want, "the elastic run across hosts differs from the fault-free run:\n{}", text(0));
+    assert_eq!(s["steps"], ELASTIC_STEPS, "committed steps lost:\n{}", text(0));
+    assert_eq!(s["elastic"]["workers_lost"], 1, "{s:#}");
+    assert_eq!(s["elastic"]["workers_joined"], 1, "{s:#}");
+    let joined = log.iter().find(|e| e["event"] == "join_requested").unwrap_or_else(|| panic!("no join: {log:?}"));
+    assert!(joined["id"] == 3 && joined["name"] == "host3", "{joined}");
+    let after: Vec<u64> = log
+        .iter()
+        .rev()
+        .find(|e| e["event"] == "epoch")
+        .map(|e| e["members"].as_array().unwrap().iter().map(|m| m["id"].as_u64().unwrap()).collect())
+        .unwrap_or_default();
+    assert_eq!(after, vec![0, 2, 3], "the last epoch's members: {log:?}");
 }

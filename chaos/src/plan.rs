@@ -18,8 +18,10 @@
 //! }
 //! ```
 //!
-//! A fault fires once the run has committed `at_step` steps, or `at_ms` after the faulted run
-//! started (exactly one of the two). `rank` (every fault aimed at a worker) is a rank of the plan
+//! A fault fires once the run has committed `at_step` steps, `at_ms` after the faulted run
+//! started, or (`at_epoch`) as soon as the run has formed plan epoch `at_epoch` — while that
+//! epoch's replicas get their first full copy (exactly one of the three). Faults fire in the
+//! order: `at_step` ones by step, then `at_epoch` ones by epoch, then `at_ms` ones by time. `rank` (every fault aimed at a worker) is a rank of the plan
 //! epoch in force when the fault fires, or `"random"` (the default): the seed picks one of the
 //! members then. `stop` sends SIGSTOP and, after `duration_ms` (default 5000), SIGCONT — a stop
 //! longer than the run's heartbeat timeout is a hang the run must detect. `slow` makes a
@@ -168,6 +170,8 @@ pub struct FaultSpec {
     #[serde(default)]
     pub at_ms: Option<u64>,
     #[serde(default)]
+    pub at_epoch: Option<u64>,
+    #[serde(default)]
     pub rank: Target,
     #[serde(default)]
     pub duration_ms: Option<u64>,
@@ -309,6 +313,9 @@ pub enum Trigger {
     Step(u64),
     /// This long after the faulted run started.
     Ms(u64),
+    /// Once the run has formed this plan epoch (logged it; its first full replica copy is
+    /// then under way).
+    Epoch(u64),
 }
 
 /// A fault with its randomness resolved by the seed.
@@ -389,11 +396,15 @@ impl Scenario {
         }
         for (i, f) in s.faults.iter().enumerate() {
             let which = format!("faults[{i}] ({})", f.kind.name());
-            match (f.at_step, f.at_ms) {
-                (Some(_), Some(_)) | (None, None) => return Err(bad(format!("{which}: give exactly one of at_step and at_ms"))),
-                (Some(st), None) if st >= s.steps => {
+            let given = [f.at_step.is_some(), f.at_ms.is_some(), f.at_epoch.is_some()].iter().filter(|g| **g).count();
+            if given != 1 {
+                return Err(bad(format!("{which}: give exactly one of at_step, at_ms and at_epoch")));
+            }
+            match (f.at_step, f.at_epoch) {
+                (Some(st), _) if st >= s.steps => {
                     return Err(bad(format!("{which}: at_step {st} is not before the run's end ({} steps)", s.steps)))
                 }
+                (_, Some(0)) => return Err(bad(format!("{which}: at_epoch 0 is the start (the first epoch after a change is 1)"))),
                 _ => {}
             }
             match &f.rank {
@@ -422,9 +433,10 @@ impl Scenario {
             .iter()
             .map(|f| Fault {
                 kind: f.kind,
-                trigger: match (f.at_step, f.at_ms) {
-                    (Some(s), _) => Trigger::Step(s),
-                    (None, ms) => Trigger::Ms(ms.unwrap_or(0)),
+                trigger: match (f.at_step, f.at_epoch, f.at_ms) {
+                    (Some(s), _, _) => Trigger::Step(s),
+                    (None, Some(e), _) => Trigger::Epoch(e),
+                    (None, None, ms) => Trigger::Ms(ms.unwrap_or(0)),
                 },
                 rank: match f.rank {
                     Target::Rank(r) => Some(r),
@@ -443,7 +455,8 @@ impl Scenario {
             .collect();
         out.sort_by_key(|f| match f.trigger {
             Trigger::Step(s) => (0, s),
-            Trigger::Ms(ms) => (1, ms),
+            Trigger::Epoch(e) => (1, e),
+            Trigger::Ms(ms) => (2, ms),
         });
         out
     }
@@ -470,13 +483,14 @@ mod tests {
 
     const OK: &str = r#"{"config": "c.json", "nprocs": 4, "steps": 10, "faults": [
         {"at_step": 3, "kind": "kill"}, {"at_step": 1, "kind": "stop", "rank": 2, "duration_ms": 100},
-        {"at_ms": 500, "kind": "join"}]}"#;
+        {"at_ms": 500, "kind": "join"}, {"at_epoch": 2, "kind": "kill", "rank": 0}]}"#;
 
     #[test]
     fn scenarios_parse_and_the_seed_decides_random_ranks() {
         let s = Scenario::parse(OK, Path::new("s.json")).expect("valid");
         let a = s.resolve(7);
-        assert_eq!(a.iter().map(|f| f.kind).collect::<Vec<_>>(), [FaultKind::Stop, FaultKind::Kill, FaultKind::Join]);
+        assert_eq!(a.iter().map(|f| f.kind).collect::<Vec<_>>(), [FaultKind::Stop, FaultKind::Kill, FaultKind::Kill, FaultKind::Join]);
+        assert_eq!(a[2].trigger, Trigger::Epoch(2), "steps, then epochs, then times");
         assert_eq!(a[0].rank_in(4), 2, "a fixed rank stays");
         assert_eq!(a, s.resolve(7), "one seed, one plan");
         let draws: Vec<usize> = (0..32).map(|seed| s.resolve(seed)[1].rank_in(4)).collect();
@@ -492,6 +506,10 @@ mod tests {
         assert!(e.contains("faults[0] (kill)") && e.contains("exactly one"), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "kill", "at_step": 5}]}"#);
         assert!(e.contains("at_step 5"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "kill", "at_step": 1, "at_epoch": 1}]}"#);
+        assert!(e.contains("exactly one of at_step, at_ms and at_epoch"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "kill", "at_epoch": 0}]}"#);
+        assert!(e.contains("at_epoch 0"), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "join", "at_step": 1, "rank": 0}]}"#);
         assert!(e.contains("takes no rank"), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "kill", "at_step": 1, "rank": "any"}]}"#);

@@ -693,6 +693,7 @@ fn run_one(
         let due = pending.front().is_some_and(|f| match f.trigger {
             Trigger::Step(s) => events.step() >= s,
             Trigger::Ms(ms) => elapsed >= ms,
+            Trigger::Epoch(e) => events.of("epoch").any(|x| x["epoch"].as_u64().is_some_and(|x| x >= e)),
         });
         // One fault per poll, and only while the run has an epoch to aim at.
         let members = events.members();

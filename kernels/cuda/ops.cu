@@ -217,20 +217,14 @@ __device__ __forceinline__ float ln_out(float x, float mu, float r, float w, flo
     return FADD(FMUL(FMUL(FSUB(x, mu), r), w), b);
 }
 
-extern "C" __global__ void layernorm_fwd_vec(bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                             const float* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
-    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= n) return;  // warp-uniform
-    const int nv = c >> 7;
-    const float* xrow = x + (u64)row * c;
-    const float4* xr = reinterpret_cast<const float4*>(xrow);
-    float4 xv[LN_MAXV];
-#pragma unroll
-    for (int k = 0; k < LN_MAXV; k++)
-        if (k < nv) xv[k] = xr[k * 32 + lane];  // also warms L1 for the row sums
-    // Register path: the row is in registers; sums go lane-parallel, then a fixed xor tree
-    // (deterministic; differs from the CPU's sequential order by a few ulp).
+// LayerNorm of one row held in registers (lane holds xv[k] = columns 4·(k·32 + lane) .. +3):
+// the register path shared by layernorm_fwd_vec and residual_layernorm_fwd_vec, so both give the
+// same bits for the same row.
+__device__ __forceinline__ void ln_row_regs(const float4 (&xv)[LN_MAXV], int nv, int row, int lane, bf16* __restrict__ out,
+                                            float* __restrict__ mean, float* __restrict__ rstd, const bf16* __restrict__ w,
+                                            const bf16* __restrict__ b, int c) {
+    // Sums go lane-parallel, then a fixed xor tree (deterministic; differs from the CPU's
+    // sequential order by a few ulp).
     float acc = 0.0f;
 #pragma unroll
     for (int k = 0; k < LN_MAXV; k++)
@@ -264,6 +258,54 @@ extern "C" __global__ void layernorm_fwd_vec(bf16* __restrict__ out, float* __re
         mean[row] = mu;
         rstd[row] = r;
     }
+}
+
+extern "C" __global__ void layernorm_fwd_vec(bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                             const float* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n) return;  // warp-uniform
+    const int nv = c >> 7;
+    const float4* xr = reinterpret_cast<const float4*>(x + (u64)row * c);
+    float4 xv[LN_MAXV];
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++)
+        if (k < nv) xv[k] = xr[k * 32 + lane];
+    ln_row_regs(xv, nv, row, lane, out, mean, rstd, w, b, c);
+}
+
+// The residual add of a projection and the LayerNorm after it in one pass:
+// xo = x + (y + yb) (f32, as residual_bias_add; xo may alias x), then out = LN(xo)·w + b with
+// mean and rstd, as layernorm_fwd_vec on xo — the same bits as the two kernels, without reading
+// xo back. Same conditions as layernorm_fwd_vec (c % 128 == 0, c <= 128·LN_MAXV, aligned).
+extern "C" __global__ void residual_layernorm_fwd_vec(float* xo, bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                                      const float* x, const bf16* __restrict__ y, const bf16* __restrict__ yb,
+                                                      const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
+    const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= n) return;  // warp-uniform
+    const int nv = c >> 7;
+    const float4* xr = reinterpret_cast<const float4*>(x + (u64)row * c);
+    const uint2* yr = reinterpret_cast<const uint2*>(y + (u64)row * c);
+    const uint2* yb2 = reinterpret_cast<const uint2*>(yb);
+    float4* xor4 = reinterpret_cast<float4*>(xo + (u64)row * c);
+    float4 xv[LN_MAXV];
+#pragma unroll
+    for (int k = 0; k < LN_MAXV; k++) {
+        if (k < nv) {
+            const int q = k * 32 + lane;
+            const float4 a = xr[q];
+            const uint2 yv = yr[q], bv = yb2[q];
+            float4 o;
+            o.x = FADD(a.x, FADD(bf_lo(yv.x), bf_lo(bv.x)));
+            o.y = FADD(a.y, FADD(bf_hi(yv.x), bf_hi(bv.x)));
+            o.z = FADD(a.z, FADD(bf_lo(yv.y), bf_lo(bv.y)));
+            o.w = FADD(a.w, FADD(bf_hi(yv.y), bf_hi(bv.y)));
+            xor4[q] = o;
+            xv[k] = o;
+        }
+    }
+    ln_row_regs(xv, nv, row, lane, out, mean, rstd, w, b, c);
 }
 
 // Any c.
@@ -404,6 +446,9 @@ extern "C" __global__ void layernorm_bwd_dwdb_partial4(float* __restrict__ scrat
     const int r0 = rb * rows_per;
     const int r1 = min(r0 + rows_per, n);
     float aw[4] = {0.f, 0.f, 0.f, 0.f}, ab[4] = {0.f, 0.f, 0.f, 0.f};
+    // Unrolled so several rows' loads are in flight; the adds stay in row order (FADD is never
+    // reassociated), so the bits do not change.
+#pragma unroll 8
     for (int r = r0; r < r1; r++) {
         const float4 xv = reinterpret_cast<const float4*>(x + (u64)r * c)[j4];
         const uint2 dv = reinterpret_cast<const uint2*>(dout + (u64)r * c)[j4];
@@ -441,6 +486,8 @@ extern "C" __global__ void bias_grad_partial8(float* __restrict__ scratch, const
     const int r0 = rb * rows_per;
     const int r1 = min(r0 + rows_per, n);
     float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // Unrolled so several rows' loads are in flight; the adds stay in row order.
+#pragma unroll 8
     for (int r = r0; r < r1; r++) {
         float v[8];
         unpack8(reinterpret_cast<const uint4*>(dy + (u64)r * f)[j8], v);

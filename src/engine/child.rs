@@ -7,8 +7,9 @@
 //!   machine. It reads the resolved config and its keys from the run's `procs` directory, dials
 //!   the parent's control endpoint with its certificate, binds its QUIC socket on 127.0.0.1, and
 //!   exits when the control connection closes, on `Shutdown`, or when its parent process is gone
-//!   (the parent id changes), so it never outlives its run. (An elastic run's worker talks TCP
-//!   to the elastic driver: `serve_elastic`.)
+//!   (the parent id changes), so it never outlives its run. An elastic run's worker serves the
+//!   elastic driver instead (`serve_elastic`, [`super::elastic_worker`]), over the same kind of
+//!   connection plus a side connection.
 //! - `tessera agent` ([`run_agent`]): started by hand, by `tessera launch` (ssh) or by a cluster
 //!   scheduler on any host; it dials the coordinator (retrying until it answers, bounded) with a
 //!   join token (it pins the coordinator's CA, sends the token's secret and a public key it
@@ -18,14 +19,19 @@
 //!   (or listens on every interface and advertises `--advertise IP`). It leaves on `Shutdown`
 //!   (status 0); a control connection that closes without it (the coordinator died or gave up)
 //!   or a coordinator silent for [`AGENT_IDLE_TIMEOUT_MS`] (it pings much more often) ends it
-//!   with an error.
+//!   with an error. With an elastic config the agent serves the elastic driver
+//!   ([`super::elastic_worker`]); one that arrives after the run started is answered `Admit`
+//!   instead of `Assign` and becomes a member at the next step boundary.
+//! - `tessera worker --join --dir <output>/procs` ([`run_joiner`]): joins an elastic
+//!   `train --nprocs` run on this machine as such a late agent, with the join token and the
+//!   address the driver wrote into its `procs` directory.
 //!
 //! Either way the worker rebuilds the plan from the resolved config (and proves it by the config
 //! hash), receives its start state from the driver, starts its actors, and then serves: actor
 //! commands on the actor lane (a thread hands them to the DeviceWorker), requests between steps
 //! (`Export`, `Ping`, `Shutdown`) on the request lane.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream, ToSocketAddrs, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,6 +42,7 @@ use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_actors::remote::{ActorEvent, NodeHost, Uplink};
 use tessera_transport::quic::{ClusterSpec, ControlConn, ControlEndpoint, JoinToken, NodeKey, NodeTls, QuicComm, ALPN_CONTROL};
 
+use super::elastic_worker::{DataNet, Setup, SideDial};
 use super::plan::Plan;
 use super::ranks::{master_window, rank_state, StartCut};
 use super::remote::{node_name, COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
@@ -247,16 +254,23 @@ fn start_up(
     Ok((state, at, comm))
 }
 
-/// An elastic run's worker (over the elastic driver's TCP control connection).
-fn serve_elastic(stream: &mut TcpStream, mut m: Member, control: SocketAddr, alive: &dyn Fn() -> Result<(), WireError>) -> Result<()> {
-    let (state, at, comm) = start_up(stream, &mut m, alive)?;
+/// An elastic run's worker of the first epoch: start-up as any worker's, then the elastic
+/// loop ([`super::elastic_worker`]) with its side connection dialled by `side` and each later
+/// epoch's QUIC socket bound by `data`.
+fn serve_elastic(
+    conn: &mut ControlConn,
+    mut m: Member,
+    side: SideDial,
+    data: DataNet,
+    alive: &dyn Fn() -> Result<(), WireError>,
+) -> Result<()> {
+    let (state, at, comm) = start_up(conn, &mut m, alive)?;
     let rank = m.rank;
     let er = config::elastic_run(&m.cfg)?;
     let ready = snapshot(&state, rank);
-    let setup =
-        super::elastic_worker::Setup { id: rank as u64, control, cfg: m.cfg, er, dataset: m.dataset, sampler: m.sampler, tls: m.tls };
-    wire::send(stream, &ToParent::Ready { snapshot: ready })?;
-    super::elastic_worker::serve_started(stream, setup, rank, m.plan, state, Box::new(comm), at, alive)
+    let setup = Setup { id: rank as u64, side, data, cfg: m.cfg, er, dataset: m.dataset, sampler: m.sampler, tls: m.tls };
+    wire::send(conn, &ToParent::Ready { snapshot: ready })?;
+    super::elastic_worker::serve_started(conn, setup, rank, m.plan, state, Box::new(comm), at, alive)
 }
 
 /// A rank's compute that keeps its figures for the actor link: after each call, the snapshot
@@ -394,15 +408,21 @@ pub fn run_worker(a: &WorkerArgs) -> Result<()> {
     let (cfg, plan, sampler, dataset) = load_plan(a).with_context(|| format!("rank {rank}"))?;
     let tls = NodeTls::load(&a.dir.join("pki"), &node_name(rank))?;
     if config::elastic_run(&cfg)?.enabled {
-        let mut stream = TcpStream::connect_timeout(&a.control, Duration::from_millis(STARTUP_TIMEOUT_MS))
-            .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
-        let _ = stream.set_nodelay(true);
         // 127.0.0.1 next to the driver; the namespace's address when the run put us in one.
-        let local_ip = stream.local_addr().context("the control connection's local address")?.ip();
+        let local_ip = route_to(a.control)?;
+        let endpoint = Arc::new(ControlEndpoint::bind(SocketAddr::new(local_ip, 0), None)?);
+        let client = tls.client_config_for(ALPN_CONTROL)?;
+        let mut conn = endpoint
+            .connect(a.control, COORDINATOR_NAME, client.clone(), STARTUP_TIMEOUT_MS)
+            .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
         super::worker_net::init_worker(&a.dir, rank as u64)?;
         let (socket, quic_addr) = super::worker_net::bind_quic(local_ip).with_context(|| format!("rank {rank}"))?;
         let m = Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset };
-        return serve_elastic(&mut stream, m, a.control, &alive);
+        let side = SideDial { endpoint: Arc::clone(&endpoint), driver: a.control, client };
+        let data = DataNet { bind: local_ip, advertise: local_ip, port: 0 };
+        let served = serve_elastic(&mut conn, m, side, data, &alive);
+        conn.close("bye");
+        return served;
     }
     let local: SocketAddr = ([127, 0, 0, 1], 0).into();
     let (socket, quic_addr) = super::worker_net::bind_quic(local.ip()).with_context(|| format!("rank {rank}"))?;
@@ -502,8 +522,17 @@ fn connect_coordinator(
     }
 }
 
-/// Waits for the coordinator's `Assign`, answering its pings meanwhile.
-fn recv_assign(conn: &mut ControlConn, name: &str) -> Result<(usize, usize, String, Option<AssignedIdentity>)> {
+/// What a driver answers an agent's `Join` with.
+enum Answer {
+    /// A rank of the first epoch: (rank, world, resolved config, identity).
+    Assign(usize, usize, String, Option<AssignedIdentity>),
+    /// A running elastic job takes it as worker `id`: (id, resolved config, identity).
+    Admit(u64, String, Option<AssignedIdentity>),
+}
+
+/// Waits for the coordinator's `Assign` (or, from a running elastic job, `Admit`), answering its
+/// pings meanwhile.
+fn recv_assign(conn: &mut ControlConn, name: &str) -> Result<Answer> {
     loop {
         let wait = Wait {
             what: "the coordinator's rank assignment (or a ping)",
@@ -512,8 +541,12 @@ fn recv_assign(conn: &mut ControlConn, name: &str) -> Result<(usize, usize, Stri
         };
         match wire::recv(conn, "Assign", &wait).with_context(|| format!("agent {name}: waiting for the other agents to join"))? {
             ToWorker::Ping => wire::send(conn, &ToParent::Pong)?,
-            ToWorker::Assign { rank, world, config, identity } => return Ok((rank as usize, world as usize, config, identity)),
+            ToWorker::Assign { rank, world, config, identity } => {
+                return Ok(Answer::Assign(rank as usize, world as usize, config, identity))
+            }
+            ToWorker::Admit { id, config, identity } => return Ok(Answer::Admit(id, config, identity)),
             ToWorker::Shutdown => bail!("agent {name}: the coordinator sent it away before the run started"),
+            ToWorker::Refused { error } => bail!("agent {name}: the driver refused it: {error}"),
             other => bail!("agent {name}: expected a rank assignment, got {other:?}"),
         }
     }
@@ -526,11 +559,7 @@ fn agent_member(a: &AgentArgs, local_ip: IpAddr, assigned: (usize, usize, &str),
     let ctx = ResolveContext { world_size: Some(world), ..Default::default() };
     let cfg = config::from_str_named(config, "the coordinator's resolved config", &[], &ctx)?;
     let (plan, sampler, dataset) = plan_of(&cfg, world)?;
-    let (bind, advertised) = match a.advertise {
-        Some(ip) if ip.is_ipv4() => (IpAddr::V4(Ipv4Addr::UNSPECIFIED), ip),
-        Some(ip) => (IpAddr::V6(Ipv6Addr::UNSPECIFIED), ip),
-        None => (local_ip, local_ip),
-    };
+    let (bind, advertised) = agent_data_ips(a, local_ip);
     let socket = UdpSocket::bind((bind, a.quic_port)).with_context(|| format!("binding the QUIC socket on {bind} port {}", a.quic_port))?;
     let port = socket.local_addr().context("QUIC socket address")?.port();
     let data_blake3 = Some(data_blake3(&dataset));
@@ -545,14 +574,77 @@ fn route_to(peer: SocketAddr) -> Result<IpAddr> {
     Ok(probe.local_addr().context("the probe's address")?.ip())
 }
 
+/// The identity an agent runs under: its own (`--certs`), or its key with the certificate the
+/// coordinator issued for it, under the CA the join token pins.
+fn agent_identity(
+    own: Option<NodeTls>,
+    key: Option<NodeKey>,
+    identity: Option<AssignedIdentity>,
+    token: Option<&JoinToken>,
+) -> Result<NodeTls> {
+    match (own, key, identity, token) {
+        (Some(tls), ..) => Ok(tls),
+        (None, Some(key), Some(id), Some(token)) => {
+            // The CA sent must be the one the token pins (the handshake already checked that it
+            // signed the coordinator's certificate).
+            let tls = key.identity(&id.ca_pem, &id.cert_pem).context("the certificate the coordinator issued")?;
+            match tls.ca_sha256() == token.ca_sha256 {
+                true => Ok(tls),
+                false => bail!("the coordinator sent a CA other than the one the join token pins"),
+            }
+        }
+        _ => bail!("the coordinator issued no certificate for this agent's key"),
+    }
+}
+
+/// Where an agent's data-plane sockets bind and what they advertise: `--advertise IP` on every
+/// interface, else the local address of its route to the coordinator.
+fn agent_data_ips(a: &AgentArgs, local_ip: IpAddr) -> (IpAddr, IpAddr) {
+    match a.advertise {
+        Some(ip) if ip.is_ipv4() => (IpAddr::V4(Ipv4Addr::UNSPECIFIED), ip),
+        Some(ip) => (IpAddr::V6(Ipv6Addr::UNSPECIFIED), ip),
+        None => (local_ip, local_ip),
+    }
+}
+
 /// `tessera agent`: joins the coordinator, runs the rank it is given, and returns when the
 /// coordinator says stop (or fails when it goes away).
 pub fn run_agent(a: &AgentArgs) -> Result<()> {
+    join_and_serve(a, None)
+}
+
+/// `tessera worker --join --dir DIR`: joins the running elastic job whose `procs` directory is
+/// `dir` (on this machine) as a late agent would, with the address and join token found there.
+pub fn run_joiner(dir: &Path) -> Result<()> {
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read_to_string(&path).map(|t| t.trim().to_string()).with_context(|| format!("reading {}", path.display()))
+    };
+    let control = read("control")?;
+    control.parse::<SocketAddr>().with_context(|| format!("{}/control: {control:?} is not an address", dir.display()))?;
+    let token = read(super::elastic::JOIN_TOKEN_FILE)?;
+    JoinToken::parse(&token).with_context(|| format!("{}/{}", dir.display(), super::elastic::JOIN_TOKEN_FILE))?;
+    let a = AgentArgs {
+        join: control,
+        name: format!("joiner-{}", std::process::id()),
+        rank: None,
+        world: None,
+        advertise: None,
+        quic_port: 0,
+        credentials: AgentCredentials::Token(token),
+        connect_timeout_ms: STARTUP_TIMEOUT_MS,
+    };
+    join_and_serve(&a, Some(dir))
+}
+
+/// An agent's life (see the module doc); `procs` is the run's `procs` directory for a
+/// `tessera worker --join` next to its driver (its fault link, when the run has them).
+fn join_and_serve(a: &AgentArgs, procs: Option<&Path>) -> Result<()> {
     let name = &a.name;
     let (client, token, key, own) = agent_tls(a).with_context(|| format!("agent {name}"))?;
     let v6 = a.join.to_socket_addrs().ok().and_then(|mut x| x.next()).is_some_and(|x| x.is_ipv6());
     let any: SocketAddr = if v6 { (Ipv6Addr::UNSPECIFIED, 0).into() } else { ([0, 0, 0, 0], 0).into() };
-    let endpoint = ControlEndpoint::bind(any, None).with_context(|| format!("agent {name}"))?;
+    let endpoint = Arc::new(ControlEndpoint::bind(any, None).with_context(|| format!("agent {name}"))?);
     let mut conn = connect_coordinator(&endpoint, a, &client).with_context(|| format!("agent {name}"))?;
     let local_ip = route_to(conn.remote_address())?;
     let join = ToParent::Join {
@@ -563,41 +655,100 @@ pub fn run_agent(a: &AgentArgs) -> Result<()> {
         version: env!("CARGO_PKG_VERSION").to_string(),
         token: token.as_ref().map(|t| t.secret.to_vec()),
         public_key: key.as_ref().map(NodeKey::public_key),
+        host: super::elastic_join::host_id(),
     };
     wire::send(&mut conn, &join).with_context(|| format!("agent {name}: joining {}", a.join))?;
-    let (rank, world, config, identity) = recv_assign(&mut conn, name)?;
-    // One write (shorter than PIPE_BUF), so agents sharing a terminal or pipe never interleave.
-    let line = format!("agent {name}: rank {rank} of {world} (coordinator {})\n", a.join);
-    let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
-    let tls = match (own, key, identity, &token) {
-        (Some(tls), ..) => Ok(tls),
-        (None, Some(key), Some(id), Some(token)) => {
-            // The CA sent must be the one the token pins (the handshake already checked that it
-            // signed the coordinator's certificate).
-            let tls = key.identity(&id.ca_pem, &id.cert_pem).context("the certificate the coordinator issued");
-            match tls {
-                Ok(t) if t.ca_sha256() == token.ca_sha256 => Ok(t),
-                Ok(_) => Err(anyhow::anyhow!("the coordinator sent a CA other than the one the join token pins")),
+    let served = match recv_assign(&mut conn, name)? {
+        Answer::Assign(rank, world, config, identity) => {
+            // One write (shorter than PIPE_BUF), so agents sharing a terminal or pipe never interleave.
+            let line = format!("agent {name}: rank {rank} of {world} (coordinator {})\n", a.join);
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            let tls = agent_identity(own, key, identity, token.as_ref());
+            let m = tls.and_then(|tls| agent_member(a, local_ip, (rank, world, &config), tls));
+            let m = match m {
+                Ok(m) => m,
+                Err(e) => return fail(&mut conn, format!("agent {name} (rank {rank})"), e),
+            };
+            let elastic: Result<bool> = config::elastic_run(&m.cfg).map(|er| er.enabled).map_err(anyhow::Error::from);
+            let served = match elastic {
+                Ok(true) => {
+                    let (bind, advertise) = agent_data_ips(a, local_ip);
+                    let data = DataNet { bind, advertise, port: a.quic_port };
+                    m.tls.client_config_for(ALPN_CONTROL).map_err(anyhow::Error::from).and_then(|client| {
+                        let side = SideDial { endpoint: Arc::clone(&endpoint), driver: conn.remote_address(), client };
+                        serve_elastic(&mut conn, m, side, data, &|| Ok(()))
+                    })
+                }
+                Ok(false) => {
+                    let idle = Idle { alive: &|| Ok(()), bound_ms: Some(AGENT_IDLE_TIMEOUT_MS), close_is_error: true };
+                    serve_actors(&mut conn, m, &idle)
+                }
                 Err(e) => Err(e),
+            };
+            served.with_context(|| format!("agent {name} (rank {rank})"))
+        }
+        Answer::Admit(id, config, identity) => {
+            let line = format!("agent {name}: joins the running job as worker {id} (driver {})\n", a.join);
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
+            let setup = agent_identity(own, key, identity, token.as_ref())
+                .and_then(|tls| late_setup(a, &endpoint, &mut conn, id, &config, tls, local_ip, procs));
+            match setup {
+                Ok(setup) => super::elastic_worker::serve_joined(&mut conn, setup).with_context(|| format!("agent {name} (worker {id})")),
+                Err(e) => return fail(&mut conn, format!("agent {name} (worker {id})"), e),
             }
         }
-        _ => Err(anyhow::anyhow!("the coordinator issued no certificate for this agent's key")),
     };
-    let m = tls.and_then(|tls| agent_member(a, local_ip, (rank, world, &config), tls));
-    let m = match m {
-        Ok(m) => m,
-        Err(e) => {
-            let error = format!("{e:#}");
-            let _ = wire::send(&mut conn, &ToParent::Failed { error: error.clone() });
-            conn.close("failed");
-            bail!("agent {name} (rank {rank}): {error}");
-        }
-    };
-    let served = serve_actors(&mut conn, m, &Idle { alive: &|| Ok(()), bound_ms: Some(AGENT_IDLE_TIMEOUT_MS), close_is_error: true });
     if let Err(e) = &served {
         // The coordinator may be waiting for this rank: tell it why (best effort).
         let _ = wire::send(&mut conn, &ToParent::Failed { error: format!("{e:#}") });
     }
     conn.close("bye");
-    served.with_context(|| format!("agent {name} (rank {rank})"))
+    served
+}
+
+/// Tells the driver why this agent cannot go on, and fails with it.
+fn fail(conn: &mut ControlConn, who: String, e: anyhow::Error) -> Result<()> {
+    let error = format!("{e:#}");
+    let _ = wire::send(conn, &ToParent::Failed { error: error.clone() });
+    conn.close("failed");
+    bail!("{who}: {error}")
+}
+
+/// A late joiner of an elastic job, between `Admit` and serving: loads the config it was given
+/// and the data, says `Hello` (with the data's BLAKE3) and sets up what the elastic loop needs.
+#[allow(clippy::too_many_arguments)]
+fn late_setup(
+    a: &AgentArgs,
+    endpoint: &Arc<ControlEndpoint>,
+    conn: &mut ControlConn,
+    id: u64,
+    config: &str,
+    tls: NodeTls,
+    local_ip: IpAddr,
+    procs: Option<&Path>,
+) -> Result<Setup> {
+    let cfg = config::from_str_named(config, "the driver's resolved config", &[], &ResolveContext::default())?;
+    let er = config::elastic_run(&cfg)?;
+    if !er.enabled {
+        bail!("the driver admitted this worker to a run that is not elastic");
+    }
+    let dataset = load_dataset(&cfg)?;
+    let sampler =
+        Arc::new(Sampler::new(dataset.train.clone(), Plan::new(&cfg, &dataset)?.seq_len, cfg.tessera.seed).context("training data")?);
+    if let Some(dir) = procs {
+        super::worker_net::init_worker(dir, id)?;
+    }
+    let hello = ToParent::Hello {
+        rank: id,
+        pid: std::process::id(),
+        quic_addr: String::new(),
+        config_hash: cfg.hash.clone(),
+        data_blake3: Some(data_blake3(&dataset)),
+    };
+    wire::send(conn, &hello)?;
+    let client = tls.client_config_for(ALPN_CONTROL)?;
+    let side = SideDial { endpoint: Arc::clone(endpoint), driver: conn.remote_address(), client };
+    let (bind, advertise) = agent_data_ips(a, local_ip);
+    let data = DataNet { bind, advertise, port: a.quic_port };
+    Ok(Setup { id, side, data, cfg, er, dataset, sampler, tls })
 }

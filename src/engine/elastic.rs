@@ -1,19 +1,21 @@
-//! Elastic multi-process runs (`train --nprocs N` with `tessera.elastic.enabled`, or DeepSpeed's
-//! `elasticity.enabled`): workers may die, hang, leave (SIGTERM) or join while the job keeps
-//! running, and the result is the bits of the fault-free run. The worker side is
-//! [`super::elastic_worker`]; without elasticity [`super::remote`] runs the workers and the
-//! first loss ends the run.
+//! Elastic multi-process runs (`train --nprocs N`, `tessera coordinator` or `tessera launch` with
+//! `tessera.elastic.enabled`, or DeepSpeed's `elasticity.enabled`): workers may die, hang, leave
+//! (SIGTERM) or join while the job keeps running, and the result is the bits of the fault-free
+//! run. The worker side is [`super::elastic_worker`], who may connect is
+//! [`super::elastic_join`]; without elasticity [`super::remote`] runs the workers and the first
+//! loss ends the run.
 //!
 //! # Membership
-//! Each worker process has an id (`node-<id>` in the cluster PKI; the first N are the initial
-//! ranks, `tessera.elastic.max_joins` more are made at the start for processes that join later).
-//! A plan **epoch** fixes the members in rank order; a new epoch is formed only at a step
-//! boundary. Besides its control connection, every worker keeps a side connection: heartbeats
-//! every `heartbeat_ms`, `Draining` after SIGTERM, and the driver's `Abort`.
+//! Each worker process has an id (`node-<id>` in the run's PKI; the first N are the initial
+//! ranks, at most `tessera.elastic.max_joins` more are given to processes that join later, each
+//! with a certificate for its own key). A plan **epoch** fixes the members in rank order; a new
+//! epoch is formed only at a step boundary. Every worker talks to the driver over a QUIC control
+//! connection (mutual TLS) and keeps a second one, its side connection: heartbeats every
+//! `heartbeat_ms`, `Draining` after SIGTERM, and the driver's `Abort`.
 //!
 //! # Detection (the monitor thread, every [`MONITOR_POLL_MS`])
-//! A worker is lost when its process exits (spawned workers), its control or side connection
-//! closes, it sends no heartbeat for `heartbeat_timeout_ms` (a SIGSTOPped or wedged process), or
+//! A worker is lost when its process exits (spawned workers, and processes of this host watched
+//! through a pidfd), its side connection closes, it sends no heartbeat for `heartbeat_timeout_ms` (a SIGSTOPped or wedged process), or
 //! it does not answer a request within `step_timeout_ms`. A lost worker is fenced (its id is
 //! never readmitted), killed (SIGKILL: a stopped process cannot come back as a zombie member),
 //! and every other member's QUIC group of the current epoch is aborted, so collectives waiting
@@ -27,9 +29,12 @@
 //!    and step record ([`super::replica`]), so a lost rank's shard at `t` is normally held by a
 //!    survivor. A member that dropped a replica (an update failed or its digest differed from
 //!    the owner's) says so in its snapshot and the driver sends full copies after that commit.
-//! 2. If every survivor is at `t` and every lost range has a replica at `t`, the full state at
-//!    `t` is gathered from the survivors' shards and the replicas (no step is recomputed).
-//!    Otherwise (adjacent ranks lost together, a commit that failed half-way, `replicas = 0`)
+//! 2. The state is read in the layout of the **installed** epoch (the newest one whose every
+//!    member got its first full replica copy): if every one of its ranges is held at `t` by a
+//!    survivor — the owner itself, a replica, or a copy a worker kept of the installed epoch
+//!    while a newer one formed — the full state at `t` is gathered from them (no step is
+//!    recomputed). Otherwise (adjacent ranks lost together, a commit that failed half-way,
+//!    `replicas = 0`)
 //!    the newest valid checkpoint at or before `t` is loaded (damaged ones are skipped; step 0
 //!    is the seeded start) and the driver replays the steps after it: determinism makes them
 //!    reproduce the committed bits, so no committed step is lost.
@@ -41,20 +46,21 @@
 //!    (`tessera_actors::replan`) would save nothing on this path.
 //! 4. Each member gets `Epoch` (it leaves the old group and binds a fresh QUIC socket), the new
 //!    addresses and node names, and its cut of the state; it joins the new mesh and says
-//!    `Ready`. Draining workers are then told to leave (they exit with status 0). The new
-//!    epoch's replicas get a full copy at once, so it is protected before its first step.
+//!    `Ready`. The new epoch's replicas get a full copy at once, which installs it (so it is
+//!    protected before its first step); the workers then drop what they kept of the epoch
+//!    before (`Installed`), and draining workers are told to leave (they exit with status 0).
 //!
-//! A loss during any of this starts the recovery again from the last formed epoch. Events
+//! A loss during any of this starts the recovery again from the installed epoch. Events
 //! (losses, drains, joins, epochs, committed steps) go to `<output>/elastic_events.jsonl`, with
 //! wall-clock milliseconds, for `tessera chaos` and for people.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::Write;
-use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::Child;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -64,27 +70,27 @@ use serde_json::json;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_actors::replan::{propose_rebalance, Speeds};
 use tessera_chaos::link::WorkerNet;
+use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, JoinToken};
 
+use super::elastic_join::{self, Admission, Pidfd};
 use super::plan::Plan;
 use super::ranks::{OptimBuffers, RankCounters, Start};
-use super::remote::{self, describe_exit, node_name, prepare_dir, send_start, spawn_worker, EXIT_TIMEOUT_MS, STARTUP_TIMEOUT_MS};
+use super::remote::{self, describe_exit, node_name, send_start, spawn_worker, AgentAuth, Rendezvous, COORDINATOR_NAME, EXIT_TIMEOUT_MS};
 use super::wire::{self, Snapshot, ToParent, ToWorker, Wait, WireError};
 use crate::config::{Config, ElasticRun};
 use crate::data::Dataset;
 
 /// The driver's event log, under the output directory.
 pub const EVENTS_FILE: &str = "elastic_events.jsonl";
+/// The run's join token in `<output>/procs` (mode 0600), for `tessera worker --join`.
+pub const JOIN_TOKEN_FILE: &str = "join_token";
 /// How often the monitor looks at the workers (ms).
 const MONITOR_POLL_MS: u64 = 10;
-/// How often the acceptor looks for new connections (ms).
-const ACCEPT_POLL_MS: u64 = 20;
-/// Bound on a new connection's first message (ms).
-const FIRST_MESSAGE_MS: u64 = 5_000;
 /// Steps a member is measured under the current blocks before they may change again; its
 /// speed is their median (`tessera_actors::replan::Speeds`).
 const SPEED_WINDOW_STEPS: usize = 5;
 
-fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -93,17 +99,34 @@ pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
-/// A worker's signs of life, fed by its side connection.
-struct Beat {
-    pid: u32,
-    last: Mutex<Instant>,
-    closed: AtomicBool,
-    draining: AtomicBool,
+/// A worker's signs of life, fed by its side connection (and, for a process of this host that
+/// is not our child, its pidfd).
+pub(super) struct Beat {
+    pid: AtomicU32,
+    /// A joiner or agent on this host: watched and killed through its pidfd.
+    pub local: Mutex<Option<Pidfd>>,
+    pub last: Mutex<Instant>,
+    pub closed: AtomicBool,
+    pub draining: AtomicBool,
 }
 
 impl Beat {
-    fn new(pid: u32) -> Arc<Beat> {
-        Arc::new(Beat { pid, last: Mutex::new(Instant::now()), closed: AtomicBool::new(false), draining: AtomicBool::new(false) })
+    pub fn new(pid: u32) -> Arc<Beat> {
+        Arc::new(Beat {
+            pid: AtomicU32::new(pid),
+            local: Mutex::new(None),
+            last: Mutex::new(Instant::now()),
+            closed: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid.load(Ordering::SeqCst)
+    }
+
+    pub fn set_pid(&self, pid: u32) {
+        self.pid.store(pid, Ordering::SeqCst);
     }
 }
 
@@ -115,51 +138,76 @@ struct Loss {
 }
 
 /// A worker that joined and waits for the next epoch.
-struct Joiner {
-    id: u64,
-    pid: u32,
-    stream: TcpStream,
+pub(super) struct Joiner {
+    pub id: u64,
+    pub pid: u32,
+    pub conn: ControlConn,
 }
 
 /// What the driver's threads share.
-struct Shared {
-    er: ElasticRun,
-    cfg_hash: String,
-    /// Ids with a certificate: `0..ids`.
-    ids: u64,
+pub(super) struct Shared {
+    pub er: ElasticRun,
+    pub cfg_hash: String,
+    /// Ids a worker may have: `0..ids` (the first epoch's, then `max_joins` more).
+    pub ids: u64,
     next_id: AtomicU64,
-    closing: AtomicBool,
+    /// Ids given out (never given again).
+    pub known: Mutex<BTreeSet<u64>>,
+    pub closing: AtomicBool,
     epoch: AtomicU64,
     children: Mutex<Vec<(u64, Child)>>,
-    beats: Mutex<BTreeMap<u64, Arc<Beat>>>,
-    sides: Mutex<BTreeMap<u64, TcpStream>>,
+    pub beats: Mutex<BTreeMap<u64, Arc<Beat>>>,
+    pub sides: Mutex<BTreeMap<u64, ControlConn>>,
+    /// Every worker's control connection, closed when it is lost.
+    pub controls: Mutex<BTreeMap<u64, ControlConn>>,
     /// The current epoch's member ids.
     members: Mutex<Vec<u64>>,
     losses: Mutex<Vec<Loss>>,
     fenced: Mutex<BTreeSet<u64>>,
     /// Ids told to leave (their exit is not a loss).
     leaving: Mutex<BTreeSet<u64>>,
-    joiners: Mutex<Vec<Joiner>>,
+    pub joiners: Mutex<Vec<Joiner>>,
     events: Mutex<File>,
+    pub admission: Admission,
 }
 
 impl Shared {
-    fn event(&self, mut v: serde_json::Value) {
+    pub fn event(&self, mut v: serde_json::Value) {
         v["t_ms"] = json!(now_ms());
         let mut f = relock(&self.events);
         let _ = writeln!(f, "{v}");
         let _ = f.flush();
     }
 
-    fn is_fenced(&self, id: u64) -> bool {
+    pub fn is_fenced(&self, id: u64) -> bool {
         relock(&self.fenced).contains(&id)
     }
 
     fn pid_of(&self, id: u64) -> Option<u32> {
-        relock(&self.beats).get(&id).map(|b| b.pid)
+        relock(&self.beats).get(&id).map(|b| b.pid())
     }
 
-    /// Records that worker `id` is lost (once), kills it and aborts the current epoch's group.
+    /// The next free id for a joiner, if `tessera.elastic.max_joins` leaves one.
+    pub fn take_id(&self) -> Option<u64> {
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        (id < self.ids).then(|| {
+            relock(&self.known).insert(id);
+            id
+        })
+    }
+
+    /// Drops a joiner that failed its admission: its id is never used again.
+    pub fn forget(&self, id: u64) {
+        relock(&self.fenced).insert(id);
+        relock(&self.beats).remove(&id);
+        if let Some(s) = relock(&self.sides).remove(&id) {
+            s.abort("not admitted");
+        }
+    }
+
+    /// Records that worker `id` is lost (once), kills it when it can (our child, or a process
+    /// of this host through its pidfd), closes its connections and aborts the current epoch's
+    /// group.
     fn loss(&self, id: u64, why: &str) {
         if !relock(&self.fenced).insert(id) {
             return;
@@ -168,22 +216,26 @@ impl Shared {
         eprintln!("elastic: lost {why}");
         relock(&self.losses).push(Loss { id, why: why.to_string() });
         self.event(json!({"event": "lost", "id": id, "pid": pid, "why": why}));
-        let mut spawned = false;
+        let mut killed = false;
         for (_, c) in relock(&self.children).iter_mut().filter(|(cid, _)| *cid == id) {
-            spawned = true;
+            killed = true;
             let _ = c.kill();
             let _ = c.wait();
         }
-        if let (false, Some(pid)) = (spawned, pid) {
-            // A joiner is not our child: SIGKILL it by pid so a stopped one cannot come back.
-            // SAFETY: kill(2) with a pid we were told by that process; no memory is touched.
-            unsafe {
-                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+        let beat = relock(&self.beats).remove(&id);
+        if let (false, Some(b)) = (killed, &beat) {
+            // A joiner is not our child: a stopped one must not come back.
+            if let Some(fd) = relock(&b.local).as_ref() {
+                fd.kill();
             }
         }
-        relock(&self.beats).remove(&id);
+        // Elsewhere, a worker whose side connection closes leaves on its own.
+        let reason = "declared lost (fenced)";
         if let Some(s) = relock(&self.sides).remove(&id) {
-            let _ = s.shutdown(std::net::Shutdown::Both);
+            s.abort(reason);
+        }
+        if let Some(c) = relock(&self.controls).remove(&id) {
+            c.abort(reason);
         }
         relock(&self.joiners).retain(|j| j.id != id);
         self.abort_epoch();
@@ -193,11 +245,12 @@ impl Shared {
     fn abort_epoch(&self) {
         let epoch = self.epoch.load(Ordering::SeqCst);
         let members = relock(&self.members).clone();
-        let mut sides = relock(&self.sides);
-        for id in members {
-            if let Some(s) = sides.get_mut(&id) {
-                let _ = wire::send(s, &ToWorker::Abort { epoch });
-            }
+        let sides: Vec<ControlConn> = {
+            let sides = relock(&self.sides);
+            members.iter().filter_map(|id| sides.get(id).cloned()).collect()
+        };
+        for mut s in sides {
+            let _ = wire::send(&mut s, &ToWorker::Abort { epoch });
         }
     }
 
@@ -223,12 +276,16 @@ fn monitor(shared: Arc<Shared>) {
             .collect();
         let beats: Vec<(u64, Arc<Beat>)> = relock(&shared.beats).iter().map(|(id, b)| (*id, Arc::clone(b))).collect();
         let silent = beats.into_iter().filter(|(id, _)| !leaving.contains(id)).filter_map(|(id, b)| {
+            if relock(&b.local).as_ref().is_some_and(Pidfd::exited) {
+                return Some((id, format!("worker {id} (pid {}): the process ended", b.pid())));
+            }
             if b.closed.load(Ordering::SeqCst) {
-                return Some((id, format!("worker {id} (pid {}): its side connection closed", b.pid)));
+                return Some((id, format!("worker {id} (pid {}): its side connection closed", b.pid())));
             }
             let quiet = relock(&b.last).elapsed();
-            (quiet > timeout)
-                .then(|| (id, format!("worker {id} (pid {}): no heartbeat for {} ms (hung or stopped)", b.pid, quiet.as_millis())))
+            (quiet > timeout).then(|| {
+                (id, format!("worker {id} (pid {}): no heartbeat for {} ms (hung, stopped or cut off)", b.pid(), quiet.as_millis()))
+            })
         });
         let lost: Vec<(u64, String)> = exited.into_iter().chain(silent).collect();
         for (id, why) in lost {
@@ -239,97 +296,42 @@ fn monitor(shared: Arc<Shared>) {
     }
 }
 
-/// Reads a worker's side connection: heartbeats and drain requests.
-fn side_reader(shared: Arc<Shared>, id: u64, mut stream: TcpStream, beat: Arc<Beat>) {
-    loop {
-        let wait = Wait { what: "heartbeats", deadline: None, alive: &|| Ok(()) };
-        match wire::recv::<ToParent>(&mut stream, "Heartbeat", &wait) {
-            Ok(ToParent::Heartbeat) => *relock(&beat.last) = Instant::now(),
-            Ok(ToParent::Draining) => {
-                if !beat.draining.swap(true, Ordering::SeqCst) {
-                    eprintln!("elastic: worker {id} got SIGTERM; it leaves at the next step boundary");
-                    shared.event(json!({"event": "drain_requested", "id": id, "pid": beat.pid}));
-                }
-            }
-            Ok(_) => {}
-            Err(_) => {
-                beat.closed.store(true, Ordering::SeqCst);
-                return;
-            }
+#[cfg(test)]
+impl Shared {
+    /// The driver's shared state with `world` first-epoch workers (ids `0..world`, `max_joins`
+    /// more) and no fleet behind it: for tests of the acceptor ([`super::elastic_join`]).
+    pub fn for_tests(er: ElasticRun, world: u64, admission: Admission, events: File) -> Shared {
+        Shared {
+            ids: world + er.max_joins as u64,
+            er,
+            cfg_hash: "test".into(),
+            next_id: AtomicU64::new(world),
+            known: Mutex::new((0..world).collect()),
+            closing: AtomicBool::new(false),
+            epoch: AtomicU64::new(0),
+            children: Mutex::new(Vec::new()),
+            beats: Mutex::new(BTreeMap::new()),
+            sides: Mutex::new(BTreeMap::new()),
+            controls: Mutex::new(BTreeMap::new()),
+            members: Mutex::new(Vec::new()),
+            losses: Mutex::new(Vec::new()),
+            fenced: Mutex::new(BTreeSet::new()),
+            leaving: Mutex::new(BTreeSet::new()),
+            joiners: Mutex::new(Vec::new()),
+            events: Mutex::new(events),
+            admission,
         }
     }
-}
 
-/// Serves a new connection: a side connection (`Side`) or a worker joining (`Enlist`).
-fn admit(shared: &Arc<Shared>, mut stream: TcpStream) -> Result<()> {
-    stream.set_nonblocking(false)?;
-    let _ = stream.set_nodelay(true);
-    let wait =
-        Wait { what: "a first message", deadline: Some(Instant::now() + Duration::from_millis(FIRST_MESSAGE_MS)), alive: &|| Ok(()) };
-    match wire::recv::<ToParent>(&mut stream, "Side or Enlist", &wait)? {
-        ToParent::Side { id } => {
-            if shared.is_fenced(id) || id >= shared.next_id.load(Ordering::SeqCst) {
-                // A fenced worker never comes back under its id (a new process joins with a
-                // new one); it reads this and leaves.
-                let error = match shared.is_fenced(id) {
-                    true => format!("worker {id} was declared lost and is fenced: it cannot come back under that id"),
-                    false => format!("no worker {id} was admitted"),
-                };
-                wire::send(&mut stream, &ToWorker::Refused { error })?;
-                return Ok(());
-            }
-            let beat = Arc::clone(relock(&shared.beats).entry(id).or_insert_with(|| Beat::new(0)));
-            *relock(&beat.last) = Instant::now();
-            relock(&shared.sides).insert(id, stream.try_clone()?);
-            let s = Arc::clone(shared);
-            std::thread::Builder::new().name(format!("tessera-side-{id}")).spawn(move || side_reader(s, id, stream, beat))?;
-        }
-        ToParent::Enlist { pid, config_hash } => {
-            if shared.closing.load(Ordering::SeqCst) {
-                wire::send(&mut stream, &ToWorker::Shutdown)?;
-                return Ok(());
-            }
-            if config_hash != shared.cfg_hash {
-                let error = format!("the joining worker resolved the config to hash {config_hash}, the run has {}", shared.cfg_hash);
-                wire::send(&mut stream, &ToWorker::Refused { error })?;
-                return Ok(());
-            }
-            let id = shared.next_id.fetch_add(1, Ordering::SeqCst);
-            if id >= shared.ids {
-                let error = format!("no worker identity left for a join (tessera.elastic.max_joins allows {})", shared.ids);
-                wire::send(&mut stream, &ToWorker::Refused { error })?;
-                return Ok(());
-            }
-            wire::send(&mut stream, &ToWorker::Admit { id })?;
-            relock(&shared.beats).insert(id, Beat::new(pid));
-            relock(&shared.joiners).push(Joiner { id, pid, stream });
-            eprintln!("elastic: worker {id} (pid {pid}) joined; it becomes a member at the next step boundary");
-            shared.event(json!({"event": "join_requested", "id": id, "pid": pid}));
-        }
-        other => bail!("a connection opened with {other:?}"),
-    }
-    Ok(())
-}
-
-fn acceptor(shared: Arc<Shared>, listener: TcpListener) {
-    if listener.set_nonblocking(true).is_err() {
-        return;
-    }
-    while !shared.closing.load(Ordering::SeqCst) {
-        match listener.accept() {
-            Ok((stream, peer)) => {
-                if let Err(e) = admit(&shared, stream) {
-                    eprintln!("elastic: a connection from {peer}: {e:#}");
-                }
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(ACCEPT_POLL_MS)),
-        }
+    /// Fences `id` as a loss would (without a fleet to abort).
+    pub fn fence_for_tests(&self, id: u64) {
+        relock(&self.fenced).insert(id);
     }
 }
 
 /// A member's control connection and its latest snapshot.
 struct Link {
-    stream: TcpStream,
+    stream: ControlConn,
     snapshot: Snapshot,
 }
 
@@ -357,10 +359,46 @@ pub struct Fleet {
     plan: Arc<Plan>,
     /// Joined workers taken for an epoch that did not form yet (kept for the next attempt).
     admitted: Vec<Arc<Member>>,
+    /// Workers that asked to drain and are no members any more: they leave once the epoch
+    /// without them is installed (until then they hold shards of the installed one).
+    leavers: Vec<Arc<Member>>,
+    /// The newest installed epoch (`None` until the first one is).
+    installed: Option<Installed>,
     threads: Vec<JoinHandle<()>>,
-    dir: PathBuf,
+    /// The control endpoint every connection runs on (kept until the threads have stopped).
+    endpoint: Option<Arc<ControlEndpoint>>,
+    /// Processes `tessera launch` started for the agents (reaped by it after the run).
+    launched: Option<Arc<Mutex<Vec<remote::Launched>>>>,
+    /// `<output>/procs` of a `--nprocs` run, removed when the workers end.
+    dir: Option<PathBuf>,
     /// Each member's measured speed (micro-batches per second of its own compute).
     speeds: Speeds<u64>,
+}
+
+/// Writes `<output>/procs` for spawned workers (emptied first): the resolved config, the run
+/// CA's certificate and one identity per first-epoch worker (`node-<r>`; the CA's key stays
+/// in memory), and the join token (mode 0600) with which `tessera worker --join` joins.
+fn prepare_procs(cfg: &Config, world: usize, dir: &Path, ca: &ClusterCa, token: &JoinToken) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let text = serde_json::to_string_pretty(&cfg.resolved).context("serialising the resolved config")?;
+    std::fs::write(dir.join("config.json"), text).with_context(|| format!("writing {}/config.json", dir.display()))?;
+    for r in 0..world {
+        ca.issue_to_dir(&dir.join("pki"), &node_name(r)).with_context(|| format!("the identity of worker {r}"))?;
+    }
+    let path = dir.join(JOIN_TOKEN_FILE);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    writeln!(f, "{}", token.text()).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
 }
 
 /// Micro-batch blocks re-assigned by measured speed at a step boundary.
@@ -390,101 +428,247 @@ pub struct Reconfigured {
     pub joined: usize,
 }
 
-/// A surviving member at a recovery: its old rank, the member, the committed steps its state
-/// holds (`None`: unusable) and its replicas (owner rank, committed steps).
-type Alive = (usize, Arc<Member>, Option<u64>, Vec<(u64, u64)>);
+/// A surviving worker at a recovery and what it holds (its `Status`).
+struct Alive {
+    member: Arc<Member>,
+    /// The plan epoch it is a member of.
+    epoch: Option<u64>,
+    /// The committed steps of its own shard (`None`: unusable).
+    at: Option<u64>,
+    /// Its replicas of that epoch: (owner rank, committed steps).
+    replicas: Vec<(u64, u64)>,
+    /// What it kept of the installed epoch `kept_epoch` while a newer one formed.
+    kept_epoch: Option<u64>,
+    kept: Vec<(u64, u64)>,
+}
+
+/// The newest epoch whose every member got its first full replica copy: a loss is restored
+/// from what its members hold (their shards and replicas, kept until a newer epoch is
+/// installed) until then.
+#[derive(Clone)]
+struct Installed {
+    epoch: u64,
+    plan: Arc<Plan>,
+    /// The members' ids in rank order.
+    ids: Vec<u64>,
+}
+
+/// Where a rank's shard comes from at a recovery: (rank, holder, the request that exports it,
+/// whether it is a replica).
+type Source = (usize, Arc<Member>, ToWorker, bool);
+
+/// Where rank `o`'s shard of the installed epoch `inst` at `t` committed steps is in memory:
+/// the owner's own state, a replica of that epoch, or what a worker kept of it while a newer
+/// epoch formed. Returns the holder, the request that exports it and whether it is a replica.
+fn find_shard(inst: &Installed, alive: &[Alive], o: usize, t: u64) -> Option<(Arc<Member>, ToWorker, bool)> {
+    let (epoch, stage0) = (inst.epoch, inst.plan.stage == 0);
+    let current = |a: &&Alive| a.epoch == Some(epoch) && a.at == Some(t);
+    // Stage 0: every rank holds the whole state.
+    let own = alive.iter().filter(current).find(|a| stage0 || inst.ids.get(o) == Some(&a.member.id));
+    if let Some(a) = own {
+        return Some((Arc::clone(&a.member), ToWorker::Export { optim: true }, false));
+    }
+    let replica = alive.iter().filter(current).find(|a| a.replicas.contains(&(o as u64, t)));
+    if let Some(a) = replica {
+        return Some((Arc::clone(&a.member), ToWorker::ExportReplica { owner: o as u64, epoch }, true));
+    }
+    alive.iter().filter(|a| a.kept_epoch == Some(epoch)).find_map(|a| {
+        let held = a.kept.iter().find(|(owner, at)| *at == t && (stage0 || *owner == o as u64))?;
+        let replica = inst.ids.get(held.0 as usize) != Some(&a.member.id);
+        Some((Arc::clone(&a.member), ToWorker::ExportReplica { owner: held.0, epoch }, replica))
+    })
+}
 
 /// Loads the state at or before a step from checkpoints (the driver's restore path).
 pub type Restore<'a> = dyn Fn(u64) -> Result<(Start, String)> + 'a;
 
+/// Where the first epoch's workers come from.
+pub enum Origin<'a> {
+    /// `train --nprocs N`: spawned here, each in its network namespace with `--worker-net`.
+    Spawn { net: Option<&'a WorkerNet> },
+    /// `tessera coordinator` / `tessera launch`: agents that join the rendezvous.
+    Agents(Box<Rendezvous>),
+}
+
+/// A first-epoch worker after its `Hello`: (connection, QUIC address, pid, pidfd when it is a
+/// process of this host but not our child, who it is in messages).
+type First = (ControlConn, String, u32, Option<Pidfd>, String);
+
 impl Fleet {
-    /// Spawns `plan.world` workers (ids `0..world`) and starts them from `start`; with `net`
-    /// (`--worker-net`) each in its own network namespace (see [`super::worker_net`]).
+    /// Starts the first epoch's `plan.world` workers (ids `0..world`) from `start`: spawned
+    /// (see [`super::worker_net`] for `--worker-net`) or agents joining a rendezvous.
     pub fn launch(
         cfg: &Config,
         er: &ElasticRun,
         plan: &Arc<Plan>,
         start: &Start,
         out_dir: &Path,
-        net: Option<&WorkerNet>,
+        dataset: &Dataset,
+        origin: Origin<'_>,
     ) -> Result<(Fleet, Vec<Box<dyn WorkerCompute>>)> {
         let world = plan.world;
-        let dir = out_dir.join("procs");
-        let ids = world + er.max_joins;
-        let events =
-            File::create(out_dir.join(EVENTS_FILE)).with_context(|| format!("creating {}", out_dir.join(EVENTS_FILE).display()))?;
+        let admission = |auth: AgentAuth| -> Result<Admission> {
+            let config = serde_json::to_string(&cfg.resolved).context("serialising the resolved config")?;
+            Ok(Admission { auth, config, data_blake3: super::child::data_blake3(dataset), host: elastic_join::host_id() })
+        };
+        match origin {
+            Origin::Spawn { net } => {
+                let dir = out_dir.join("procs");
+                let ca = ClusterCa::generate()?;
+                let token = JoinToken::generate(ca.ca_sha256())?;
+                prepare_procs(cfg, world, &dir, &ca, &token)?;
+                let identity = ca.issue(COORDINATOR_NAME)?;
+                let server = remote::control_server_config(&identity, ClientAuth::Optional)?;
+                let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(AgentAuth::Token { ca: Box::new(ca), token })?)?;
+                fleet.dir = Some(dir.clone());
+                let control_ip = net.map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.control_ip);
+                let endpoint = ControlEndpoint::bind(SocketAddr::new(control_ip, 0), Some(server))
+                    .with_context(|| format!("binding the control endpoint on {control_ip}"))?;
+                let control = endpoint.local_addr()?.to_string();
+                std::fs::write(dir.join("control"), &control).with_context(|| format!("writing {}/control", dir.display()))?;
+                if let Some(net) = net {
+                    super::worker_net::publish(net, &dir)?;
+                }
+                let exe = std::env::current_exe().context("finding the tessera executable")?;
+                for r in 0..world {
+                    let child = spawn_worker(&exe, r, world, &control, &dir, net)?;
+                    relock(&fleet.shared.children).push((r as u64, child));
+                }
+                let shared = Arc::clone(&fleet.shared);
+                let exited = || {
+                    relock(&shared.children)
+                        .iter_mut()
+                        .find_map(|(id, c)| c.try_wait().ok().flatten().map(|s| format!("worker {id} {}", describe_exit(s))))
+                };
+                let mut early = Vec::new();
+                let hellos = remote::accept_workers(&endpoint, cfg, &exited, world, Some(&mut early))?;
+                let firsts =
+                    hellos.into_iter().enumerate().map(|(r, h)| (h.conn, h.quic_addr, h.pid, None, format!("worker {r}"))).collect();
+                fleet.start(Arc::new(endpoint), firsts, early, start)
+            }
+            Origin::Agents(rdv) => {
+                let rdv = *rdv;
+                let launched = Arc::clone(&rdv.launched);
+                let started = remote::rendezvous_agents(cfg, plan, &rdv, &|| remote::launched_exited(&launched))?;
+                let Rendezvous { endpoint, auth, .. } = rdv;
+                let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(auth)?)?;
+                fleet.launched = Some(launched);
+                let host = fleet.shared.admission.host.clone();
+                let firsts = started
+                    .into_iter()
+                    .map(|a| {
+                        let local = (!a.host.is_empty() && a.host == host).then(|| Pidfd::open(a.pid)).flatten();
+                        (a.conn, a.quic_addr, a.pid, local, a.who)
+                    })
+                    .collect();
+                fleet.start(Arc::new(endpoint), firsts, Vec::new(), start)
+            }
+        }
+    }
+
+    /// A fleet with no workers yet (dropping it ends whatever it started).
+    fn new(cfg: &Config, er: &ElasticRun, plan: &Arc<Plan>, out_dir: &Path, admission: Admission) -> Result<Fleet> {
+        let world = plan.world;
+        let path = out_dir.join(EVENTS_FILE);
+        let events = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
         let shared = Arc::new(Shared {
             er: er.clone(),
             cfg_hash: cfg.hash.clone(),
-            ids: ids as u64,
+            ids: (world + er.max_joins) as u64,
             next_id: AtomicU64::new(world as u64),
+            known: Mutex::new((0..world as u64).collect()),
             closing: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
             children: Mutex::new(Vec::new()),
             beats: Mutex::new(BTreeMap::new()),
             sides: Mutex::new(BTreeMap::new()),
+            controls: Mutex::new(BTreeMap::new()),
             members: Mutex::new(Vec::new()),
             losses: Mutex::new(Vec::new()),
             fenced: Mutex::new(BTreeSet::new()),
             leaving: Mutex::new(BTreeSet::new()),
             joiners: Mutex::new(Vec::new()),
             events: Mutex::new(events),
+            admission,
         });
-        let mut fleet = Fleet {
+        Ok(Fleet {
             cfg: cfg.clone(),
-            shared: Arc::clone(&shared),
+            shared,
             members: Vec::new(),
             epoch: 0,
             plan: Arc::clone(plan),
             admitted: Vec::new(),
+            leavers: Vec::new(),
+            installed: None,
             threads: Vec::new(),
-            dir: dir.clone(),
+            endpoint: None,
+            launched: None,
+            dir: None,
             speeds: Speeds::new(SPEED_WINDOW_STEPS),
-        };
-        prepare_dir(cfg, ids, &dir, true)?;
-        let exe = std::env::current_exe().context("finding the tessera executable")?;
-        let control_ip = net.map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.control_ip);
-        let listener = TcpListener::bind((control_ip, 0)).with_context(|| format!("binding the control listener on {control_ip}"))?;
-        let control = listener.local_addr().context("control listener address")?.to_string();
-        std::fs::write(dir.join("control"), &control).with_context(|| format!("writing {}/control", dir.display()))?;
-        if let Some(net) = net {
-            super::worker_net::publish(net, &dir)?;
+        })
+    }
+
+    /// Sends the first epoch's workers the addresses and their start state, waits for each to
+    /// be ready, starts the acceptor (side connections, joins; `early` are joins that came
+    /// during the start) and the monitor, and gives the replicas their first full copy.
+    fn start(
+        mut self,
+        endpoint: Arc<ControlEndpoint>,
+        firsts: Vec<First>,
+        early: Vec<(ControlConn, ToParent)>,
+        start: &Start,
+    ) -> Result<(Fleet, Vec<Box<dyn WorkerCompute>>)> {
+        let shared = Arc::clone(&self.shared);
+        let plan = Arc::clone(&self.plan);
+        self.endpoint = Some(Arc::clone(&endpoint));
+        let addrs: Vec<String> = firsts.iter().map(|f| f.1.clone()).collect();
+        let mut members = Vec::with_capacity(firsts.len());
+        let mut who = Vec::with_capacity(firsts.len());
+        for (r, (mut conn, _, pid, local, name)) in firsts.into_iter().enumerate() {
+            wire::send(&mut conn, &ToWorker::Mesh { addrs: addrs.clone(), names: Vec::new() })
+                .with_context(|| format!("sending {name} the addresses"))?;
+            send_start(&mut conn, &plan, start, r).with_context(|| format!("sending {name} its start state"))?;
+            relock(&shared.controls).insert(r as u64, conn.clone());
+            let beat = Beat::new(pid);
+            *relock(&beat.local) = local;
+            relock(&shared.beats).insert(r as u64, beat);
+            members.push(Arc::new(Member { id: r as u64, pid, link: Mutex::new(Link { stream: conn, snapshot: Snapshot::default() }) }));
+            who.push(name);
         }
-        for r in 0..world {
-            let child = spawn_worker(&exe, r, world, &control, &dir, net)?;
-            relock(&shared.children).push((r as u64, child));
-        }
-        let conns = accept_hellos(&listener, cfg, &shared, world)?;
-        let addrs: Vec<String> = conns.iter().map(|(_, a, _)| a.clone()).collect();
-        let mut members = Vec::with_capacity(world);
-        for (r, (mut stream, _, pid)) in conns.into_iter().enumerate() {
-            wire::send(&mut stream, &ToWorker::Mesh { addrs: addrs.clone(), names: Vec::new() })
-                .with_context(|| format!("sending worker {r} the addresses"))?;
-            send_start(&mut stream, plan, start, r).with_context(|| format!("sending worker {r} its start state"))?;
-            members.push(Arc::new(Member { id: r as u64, pid, link: Mutex::new(Link { stream, snapshot: Snapshot::default() }) }));
-        }
-        let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
+        let deadline = Instant::now() + Duration::from_millis(super::remote::STARTUP_TIMEOUT_MS);
         for (r, m) in members.iter().enumerate() {
             let mut link = relock(&m.link);
             let wait = Wait { what: "Ready", deadline: Some(deadline), alive: &|| Ok(()) };
             link.snapshot =
-                match wire::recv(&mut link.stream, "Ready", &wait).with_context(|| format!("waiting for worker {r} to start"))? {
+                match wire::recv(&mut link.stream, "Ready", &wait).with_context(|| format!("waiting for {} to start", who[r]))? {
                     ToParent::Ready { snapshot } => snapshot,
-                    ToParent::Failed { error } => bail!("worker {r} failed to start: {error}"),
-                    other => bail!("worker {r} answered its start state with {other:?}"),
+                    ToParent::Failed { error } => bail!("{} failed to start: {error}", who[r]),
+                    other => bail!("{} answered its start state with {other:?}", who[r]),
                 };
-            relock(&shared.beats).insert(r as u64, Beat::new(m.pid));
+            // Heartbeats are due from now on.
+            if let Some(b) = relock(&shared.beats).get(&m.id) {
+                *relock(&b.last) = Instant::now();
+            }
         }
         *relock(&shared.members) = members.iter().map(|m| m.id).collect();
-        fleet.members = members;
+        self.members = members;
         let s = Arc::clone(&shared);
-        fleet.threads.push(std::thread::Builder::new().name("tessera-accept".into()).spawn(move || acceptor(s, listener))?);
+        self.threads
+            .push(std::thread::Builder::new().name("tessera-accept".into()).spawn(move || elastic_join::acceptor(s, endpoint, early))?);
         let s = Arc::clone(&shared);
-        fleet.threads.push(std::thread::Builder::new().name("tessera-monitor".into()).spawn(move || monitor(s))?);
-        fleet.log_epoch(start.step, "start");
-        fleet.replicate(start.step).context("the first full copy of the replicas")?;
-        let computes = fleet.computes();
-        Ok((fleet, computes))
+        self.threads.push(std::thread::Builder::new().name("tessera-monitor".into()).spawn(move || monitor(s))?);
+        self.log_epoch(start.step, "start");
+        match self.replicate(start.step) {
+            Ok(()) => {
+                self.install();
+            }
+            // A loss is recovered from at the first step boundary (from the start state: no
+            // epoch was installed yet).
+            Err(_) if !relock(&shared.losses).is_empty() => {}
+            Err(e) => return Err(e.context("the first full copy of the replicas")),
+        }
+        let computes = self.computes();
+        Ok((self, computes))
     }
 
     fn log_epoch(&self, step: u64, source: &str) {
@@ -728,45 +912,38 @@ impl Fleet {
         restore: &Restore<'_>,
         moved: &mut (usize, usize),
     ) -> Result<Option<Reconfigured>> {
-        let old = Arc::clone(&self.plan);
         let shared = Arc::clone(&self.shared);
-        // 1. Who is left and what they hold.
+        // 1. Who is left and what they hold (members, and drainers not yet let go).
         let mut alive: Vec<Alive> = Vec::new();
-        for (r, m) in self.members.iter().enumerate().filter(|(_, m)| !shared.is_fenced(m.id)) {
+        let polled: Vec<Arc<Member>> = self.members.iter().chain(&self.leavers).filter(|m| !shared.is_fenced(m.id)).cloned().collect();
+        for m in polled {
             let mut link = relock(&m.link);
-            match self.request(m, &mut link, &ToWorker::Status, "Status") {
-                Ok(ToParent::Status { at, replicas }) => alive.push((r, Arc::clone(m), at, replicas)),
+            match self.request(&m, &mut link, &ToWorker::Status, "Status") {
+                Ok(ToParent::Status { epoch, at, replicas, kept_epoch, kept }) => {
+                    drop(link);
+                    alive.push(Alive { member: Arc::clone(&m), epoch, at, replicas, kept_epoch, kept });
+                }
                 Ok(other) => bail!("worker {} answered Status with {other:?}", m.id),
                 Err(_) => return Ok(None),
             }
         }
-        // 2. Where the state at `t` comes from.
-        let fast = !alive.is_empty() && alive.iter().all(|(_, _, at, _)| *at == Some(t));
-        let owners: Vec<usize> = if old.stage == 0 { vec![0] } else { (0..old.world).collect() };
-        let sources: Option<Vec<(usize, Arc<Member>, bool)>> = fast
-            .then(|| {
-                owners
-                    .iter()
-                    .map(|&o| {
-                        if old.stage == 0 {
-                            return alive.first().map(|a| (o, Arc::clone(&a.1), false));
-                        }
-                        if let Some(a) = alive.iter().find(|a| a.0 == o) {
-                            return Some((o, Arc::clone(&a.1), false));
-                        }
-                        alive.iter().find(|a| a.3.contains(&(o as u64, t))).map(|a| (o, Arc::clone(&a.1), true))
-                    })
-                    .collect()
-            })
-            .flatten();
+        // 2. Where the state at `t` comes from: the installed epoch's shards in memory (owners,
+        // replicas, or shards kept while a later epoch formed), else a checkpoint.
+        let installed = self.installed.clone();
+        let sources: Option<(Installed, Vec<Source>)> = installed.and_then(|inst| {
+            let owners: Vec<usize> = if inst.plan.stage == 0 { vec![0] } else { (0..inst.plan.world).collect() };
+            let found =
+                owners.iter().map(|&o| find_shard(&inst, &alive, o, t).map(|(m, msg, r)| (o, m, msg, r))).collect::<Option<Vec<_>>>()?;
+            Some((inst, found))
+        });
         let (start, source) = match sources {
-            Some(src) => {
+            Some((inst, src)) => {
+                let old = &inst.plan;
                 let mut master = Vec::with_capacity(old.total());
                 let mut bufs: OptimBuffers = Vec::new();
                 let mut counters: Option<RankCounters> = None;
                 let mut from_replicas = Vec::new();
-                for (o, m, replica) in src {
-                    let msg = if replica { ToWorker::ExportReplica { owner: o as u64 } } else { ToWorker::Export { optim: true } };
+                for (o, m, msg, replica) in src {
                     let want = old.optim_range(o).len();
                     let (mm, ob, c) = match self.export_from(&m, &msg, want) {
                         Ok(x) => x,
@@ -786,9 +963,13 @@ impl Fleet {
                     counters.get_or_insert(c);
                 }
                 let c = counters.context("no shard was exported")?;
+                let of = match inst.epoch == self.epoch {
+                    true => String::new(),
+                    false => format!(" of epoch {} (kept while epoch {} formed)", inst.epoch, self.epoch),
+                };
                 let source = match from_replicas.is_empty() {
-                    true => format!("memory: the members' shards at step {t}"),
-                    false => format!("memory: replicas ({}) at step {t}", from_replicas.join(", ")),
+                    true => format!("memory: the members' shards{of} at step {t}"),
+                    false => format!("memory: replicas ({}){of} at step {t}", from_replicas.join(", ")),
                 };
                 let start = Start {
                     step: t,
@@ -803,13 +984,13 @@ impl Fleet {
             None => restore(t)?,
         };
         // 3. The members of the new epoch.
-        let draining: Vec<Arc<Member>> = alive.iter().filter(|a| shared.draining(a.1.id)).map(|a| Arc::clone(&a.1)).collect();
-        let staying: Vec<Arc<Member>> = alive.iter().filter(|a| !shared.draining(a.1.id)).map(|a| Arc::clone(&a.1)).collect();
+        let draining: Vec<Arc<Member>> = alive.iter().filter(|a| shared.draining(a.member.id)).map(|a| Arc::clone(&a.member)).collect();
+        let staying: Vec<Arc<Member>> = alive.iter().filter(|a| !shared.draining(a.member.id)).map(|a| Arc::clone(&a.member)).collect();
         let wait_until = Instant::now() + Duration::from_millis(shared.er.join_wait_ms);
         let mut said = false;
         let next = loop {
             for j in relock(&shared.joiners).drain(..) {
-                let link = Mutex::new(Link { stream: j.stream, snapshot: Snapshot::default() });
+                let link = Mutex::new(Link { stream: j.conn, snapshot: Snapshot::default() });
                 self.admitted.push(Arc::new(Member { id: j.id, pid: j.pid, link }));
             }
             self.admitted.retain(|m| !shared.is_fenced(m.id));
@@ -855,7 +1036,8 @@ impl Fleet {
         let mut owing: Vec<(Arc<Member>, bool)> = Vec::with_capacity(world);
         for (r, m) in next.iter().enumerate() {
             let mut link = relock(&m.link);
-            let msg = ToWorker::Epoch { epoch, rank: r as u64, world: world as u64 };
+            let installed = self.installed.as_ref().map(|i| i.epoch);
+            let msg = ToWorker::Epoch { epoch, rank: r as u64, world: world as u64, installed };
             let failed = match self.request(m, &mut link, &msg, "EpochAddr") {
                 Ok(ToParent::EpochAddr { quic_addr }) => {
                     addrs.push(quic_addr);
@@ -911,16 +1093,11 @@ impl Fleet {
                 None => Ok(None),
             };
         }
-        // 5. Draining workers leave; the new epoch takes over.
-        for d in &draining {
-            relock(&shared.leaving).insert(d.id);
-            relock(&shared.beats).remove(&d.id);
-            let _ = wire::send(&mut relock(&d.link).stream, &ToWorker::Shutdown);
-            let status = wait_exit(&shared, d.id);
-            eprintln!("elastic: worker {} drained and left ({status})", d.id);
-            shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status}));
-        }
+        // 5. The new epoch takes over; its replicas get their first full copy, which installs
+        // it. Until then the workers keep what they hold of the installed epoch and draining
+        // workers stay (they hold some of it): a loss meanwhile is restored from memory.
         self.admitted.retain(|a| !next.iter().any(|m| m.id == a.id));
+        self.leavers = draining;
         // The new epoch runs the plan's even blocks: its members are measured again.
         self.speeds.retain(|id| next.iter().any(|m| m.id == *id));
         self.speeds.restart();
@@ -929,12 +1106,41 @@ impl Fleet {
         self.plan = Arc::clone(&plan);
         self.log_epoch(start.step, &source);
         eprintln!("elastic: epoch {epoch}: {world} worker(s), state from {source}");
-        (moved.0, moved.1) = (moved.0 + draining.len(), moved.1 + joined);
+        moved.1 += joined;
         if self.replicate(start.step).is_err() {
             return Ok(None);
         }
+        moved.0 += self.install();
         let computes = self.computes();
         Ok(Some(Reconfigured { plan, computes, step: start.step, source, losses: 0, drained: moved.0, joined: moved.1 }))
+    }
+
+    /// Marks the current epoch installed (every member holds its first full replica copy):
+    /// members drop what they kept of the epoch before, and draining workers leave (exit
+    /// status 0). Returns how many left. A member lost meanwhile is recovered from at the next
+    /// step boundary, from this epoch.
+    fn install(&mut self) -> usize {
+        let ids = self.members.iter().map(|m| m.id).collect();
+        self.installed = Some(Installed { epoch: self.epoch, plan: Arc::clone(&self.plan), ids });
+        self.shared.event(json!({"event": "installed", "epoch": self.epoch}));
+        for m in &self.members {
+            let mut link = relock(&m.link);
+            match self.request(m, &mut link, &ToWorker::Installed { epoch: self.epoch }, "Installed") {
+                Ok(ToParent::Installed) | Err(_) => {}
+                Ok(other) => self.shared.loss(m.id, &format!("worker {} answered Installed with {other:?}", m.id)),
+            }
+        }
+        let leavers = std::mem::take(&mut self.leavers);
+        for d in &leavers {
+            if self.shared.is_fenced(d.id) {
+                continue;
+            }
+            let conn = relock(&d.link).stream.clone();
+            let status = shutdown_and_wait(&self.shared, d.id, conn);
+            eprintln!("elastic: worker {} drained and left ({status})", d.id);
+            self.shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status}));
+        }
+        leavers.iter().filter(|d| !self.shared.is_fenced(d.id)).count()
     }
 
     /// After an epoch formation that stopped half-way: each member in `owing` answered `Epoch`
@@ -968,20 +1174,21 @@ impl Fleet {
         }
         let mut failures = Vec::new();
         let joiners: Vec<Joiner> = std::mem::take(&mut *relock(&self.shared.joiners));
-        for m in &self.members {
-            let _ = wire::send(&mut relock(&m.link).stream, &ToWorker::Shutdown);
-        }
         for mut j in joiners {
-            let _ = wire::send(&mut j.stream, &ToWorker::Shutdown);
+            let _ = wire::send(&mut j.conn, &ToWorker::Shutdown);
         }
-        for m in &self.admitted {
+        for m in self.admitted.iter().chain(&self.leavers) {
             let _ = wire::send(&mut relock(&m.link).stream, &ToWorker::Shutdown);
         }
-        for m in &self.members {
-            relock(&self.shared.leaving).insert(m.id);
-            let status = wait_exit(&self.shared, m.id);
+        let members: Vec<(u64, ControlConn)> = self.members.iter().map(|m| (m.id, relock(&m.link).stream.clone())).collect();
+        for (id, conn) in &members {
+            relock(&self.shared.leaving).insert(*id);
+            let _ = wire::send(&mut conn.clone(), &ToWorker::Shutdown);
+        }
+        for (id, conn) in members {
+            let status = wait_exit(&self.shared, id, &conn);
             if !status.contains("status 0") && !status.contains("left") {
-                failures.push(format!("worker {}: {status}", m.id));
+                failures.push(format!("worker {id}: {status}"));
             }
         }
         if !failures.is_empty() {
@@ -991,12 +1198,30 @@ impl Fleet {
     }
 }
 
+/// Tells worker `id` to leave (its exit is then not a loss) and waits for it (see [`wait_exit`]).
+fn shutdown_and_wait(shared: &Shared, id: u64, mut conn: ControlConn) -> String {
+    relock(&shared.leaving).insert(id);
+    relock(&shared.beats).remove(&id);
+    let _ = wire::send(&mut conn, &ToWorker::Shutdown);
+    wait_exit(shared, id, &conn)
+}
+
 /// Waits (bounded) for worker `id` to end: its exit status when spawned, else its control
-/// connection closing.
-fn wait_exit(shared: &Shared, id: u64) -> String {
+/// connection `conn` closing ("left").
+fn wait_exit(shared: &Shared, id: u64, conn: &ControlConn) -> String {
     let deadline = Instant::now() + Duration::from_millis(EXIT_TIMEOUT_MS);
     let mut children = relock(&shared.children);
-    let Some((_, c)) = children.iter_mut().find(|(cid, _)| *cid == id) else { return "left".into() };
+    let Some((_, c)) = children.iter_mut().find(|(cid, _)| *cid == id) else {
+        drop(children);
+        while !conn.is_closed() {
+            if Instant::now() >= deadline {
+                conn.abort("did not leave in time");
+                return format!("did not leave within {EXIT_TIMEOUT_MS} ms");
+            }
+            std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS));
+        }
+        return "left".into();
+    };
     loop {
         match c.try_wait() {
             Ok(Some(s)) => return describe_exit(s),
@@ -1066,19 +1291,15 @@ impl Drop for Fleet {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        // Agents and joiners whose connections close leave on their own.
+        for c in relock(&self.shared.controls).values().chain(relock(&self.shared.sides).values()) {
+            c.abort("the run is stopping");
+        }
+        drop(self.endpoint.take());
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
-}
-
-/// [`remote::accept_hellos`] for the first epoch's workers: (stream, QUIC address, pid) in
-/// rank order.
-fn accept_hellos(listener: &TcpListener, cfg: &Config, shared: &Shared, world: usize) -> Result<Vec<(TcpStream, String, u32)>> {
-    let exited = || {
-        relock(&shared.children)
-            .iter_mut()
-            .find_map(|(id, c)| c.try_wait().ok().flatten().map(|s| format!("worker {id} {}", describe_exit(s))))
-    };
-    remote::accept_hellos(listener, cfg, world, &exited)
 }
 
 /// The driver's proxy of one member's compute in the current epoch.

@@ -22,13 +22,17 @@
 //!   the old group, binds a fresh QUIC socket, receives the addresses and node names of the new
 //!   members and its cut of the state, and joins the new mesh.
 //!
-//! A worker that joins a running job (`tessera worker --join`) says `Enlist`, gets its id
-//! (`Admit`; its node certificate was made at the start for that id) and then waits for the
-//! `Epoch` that makes it a member.
+//! A worker that joins a running job (`tessera worker --join`, or `tessera agent` once the run
+//! goes) says `Join`, gets its id, the config and a certificate for its own key (`Admit`, see
+//! [`super::elastic_join`]), says `Hello` once its data is loaded and then waits for the `Epoch`
+//! that makes it a member.
+//!
+//! Both connections to the driver are QUIC control connections ([`ControlConn`], TLS 1.3 with
+//! this worker's `node-<id>` certificate, except the control connection of a joiner that came
+//! with a join token, which is server-authenticated and proven by the token).
 
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::ops::Range;
-use std::path::Path;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, SyncSender};
@@ -38,11 +42,11 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tessera_actors::compute::{StepOrder, WorkerCompute};
 use tessera_transport::collective::{AbortHandle, Collective, CollectiveError, CommStats};
-use tessera_transport::quic::{ClusterSpec, NodeTls, QuicComm};
+use tessera_transport::quic::{rustls, ClusterSpec, ControlConn, ControlEndpoint, NodeTls, QuicComm};
 
 use super::child::{export, recv_start, snapshot};
 use super::plan::Plan;
-use super::remote::{node_name, STARTUP_TIMEOUT_MS};
+use super::remote::{COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
 use super::replica::{FeedConfig, Replica, Update, CORRUPT_REPLICA_ENV};
 use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError, WirePrepared};
 use super::zero::{RankState, ZeroWorker};
@@ -52,6 +56,11 @@ use crate::data::{Dataset, Sampler};
 
 /// Bound on building the QUIC mesh of a new epoch (ms): a member lost meanwhile costs this.
 const EPOCH_MESH_TIMEOUT_MS: u64 = 10_000;
+/// Bound on waiting for a fixed data-plane port (`tessera agent --quic-port`) that the previous
+/// epoch's group still holds while it leaves (ms).
+const EPOCH_BIND_TIMEOUT_MS: u64 = 10_000;
+/// Pause between attempts to bind a fixed data-plane port (ms).
+const EPOCH_BIND_RETRY_MS: u64 = 50;
 /// Exit status of a worker the driver declared lost (fenced) or that lost its driver.
 const EXIT_FENCED: i32 = 4;
 /// Tag space of the full replica copies (the step is added).
@@ -151,23 +160,87 @@ fn install_term_handler() {
 /// The current group's epoch and abort handle, for the side connection's reader.
 type AbortSlot = Arc<Mutex<Option<(u64, AbortHandle)>>>;
 
+/// How a worker dials its side connection: its control endpoint, the driver's address and
+/// this worker's TLS client config (with its `node-<id>` certificate).
+pub(super) struct SideDial {
+    pub endpoint: Arc<ControlEndpoint>,
+    pub driver: SocketAddr,
+    pub client: rustls::ClientConfig,
+}
+
+/// Where each epoch's data-plane QUIC socket binds (`bind`, port `port`, 0 = any) and the
+/// address the other members dial (`advertise`, with the socket's port).
+pub(super) struct DataNet {
+    pub bind: IpAddr,
+    pub advertise: IpAddr,
+    pub port: u16,
+}
+
+impl DataNet {
+    /// Binds one epoch's QUIC socket: behind the worker's fault link when it has one, on a
+    /// fixed port once the previous epoch's group let it go (bounded), else on any port.
+    fn bind(&self) -> Result<(UdpSocket, SocketAddr)> {
+        if self.port == 0 && self.bind == self.advertise {
+            return super::worker_net::bind_quic(self.bind);
+        }
+        let deadline = Instant::now() + Duration::from_millis(EPOCH_BIND_TIMEOUT_MS);
+        loop {
+            match UdpSocket::bind((self.bind, self.port)) {
+                Ok(socket) => {
+                    let port = socket.local_addr().context("QUIC socket address")?.port();
+                    return Ok((socket, SocketAddr::new(self.advertise, port)));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(EPOCH_BIND_RETRY_MS));
+                }
+                Err(e) => return Err(e).with_context(|| format!("binding the QUIC socket on {} port {}", self.bind, self.port)),
+            }
+        }
+    }
+}
+
+/// A worker's side connection and its reader thread. Dropping it (the worker leaves: `Shutdown`,
+/// or an error it reports itself) closes the connection first and waits for the reader, so
+/// neither thread mistakes the worker's own leaving for the driver fencing it, and neither is
+/// inside the control endpoint's runtime when that stops.
+struct SideLink {
+    conn: ControlConn,
+    leaving: Arc<AtomicBool>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for SideLink {
+    fn drop(&mut self) {
+        self.leaving.store(true, Ordering::SeqCst);
+        self.conn.close("leaving");
+        if let Some(r) = self.reader.take() {
+            // It notices `leaving` within one poll of the connection (`wire::POLL_MS`).
+            let _ = r.join();
+        }
+    }
+}
+
 /// Opens the side connection and starts its two threads (heartbeats and drain; aborts).
-fn start_side(control: SocketAddr, id: u64, er: &ElasticRun, slot: AbortSlot) -> Result<()> {
-    let mut stream = TcpStream::connect_timeout(&control, Duration::from_millis(STARTUP_TIMEOUT_MS))
-        .with_context(|| format!("worker {id}: opening the side connection to {control}"))?;
-    let _ = stream.set_nodelay(true);
-    wire::send(&mut stream, &ToParent::Side { id }).with_context(|| format!("worker {id}: side connection"))?;
-    let mut reader = stream.try_clone().context("side connection")?;
+fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) -> Result<SideLink> {
+    let mut conn = side
+        .endpoint
+        .connect(side.driver, COORDINATOR_NAME, side.client.clone(), STARTUP_TIMEOUT_MS)
+        .with_context(|| format!("worker {id}: opening the side connection to {}", side.driver))?;
+    wire::send(&mut conn, &ToParent::Side { id }).with_context(|| format!("worker {id}: side connection"))?;
+    let link_conn = conn.clone();
+    let mut reader = conn.clone();
+    let leaving = Arc::new(AtomicBool::new(false));
     let (beat, grace) = (Duration::from_millis(er.heartbeat_ms), Duration::from_millis(er.drain_grace_ms));
+    let heartbeat_leaving = Arc::clone(&leaving);
     std::thread::Builder::new()
         .name("tessera-heartbeat".into())
         .spawn(move || {
             let mut draining: Option<Instant> = None;
-            loop {
+            while !heartbeat_leaving.load(Ordering::SeqCst) {
                 if draining.is_none() && TERM.load(Ordering::SeqCst) {
                     draining = Some(Instant::now());
                     eprintln!("worker {id}: SIGTERM: handing my shard over at the next step boundary");
-                    if wire::send(&mut stream, &ToParent::Draining).is_err() {
+                    if wire::send(&mut conn, &ToParent::Draining).is_err() {
                         return;
                     }
                 }
@@ -175,18 +248,27 @@ fn start_side(control: SocketAddr, id: u64, er: &ElasticRun, slot: AbortSlot) ->
                     eprintln!("worker {id}: no step boundary within the drain grace period of {} ms; leaving", grace.as_millis());
                     std::process::exit(3);
                 }
-                if wire::send(&mut stream, &ToParent::Heartbeat).is_err() {
+                if wire::send(&mut conn, &ToParent::Heartbeat).is_err() {
                     return;
                 }
                 std::thread::sleep(beat);
             }
         })
         .context("starting the heartbeat thread")?;
-    std::thread::Builder::new()
+    let reader_leaving = Arc::clone(&leaving);
+    let reader = std::thread::Builder::new()
         .name("tessera-side".into())
         .spawn(move || loop {
-            let wait = Wait { what: "the driver's side messages", deadline: None, alive: &|| Ok(()) };
-            match wire::recv::<ToWorker>(&mut reader, "Abort", &wait) {
+            let left = || match reader_leaving.load(Ordering::SeqCst) {
+                true => Err(WireError::Io(std::io::Error::other("leaving"))),
+                false => Ok(()),
+            };
+            let wait = Wait { what: "the driver's side messages", deadline: None, alive: &left };
+            let got = wire::recv::<ToWorker>(&mut reader, "Abort", &wait);
+            if reader_leaving.load(Ordering::SeqCst) {
+                return;
+            }
+            match got {
                 Ok(ToWorker::Abort { epoch }) => {
                     if let Some((e, handle)) = slot.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
                         if *e == epoch {
@@ -212,7 +294,7 @@ fn start_side(control: SocketAddr, id: u64, er: &ElasticRun, slot: AbortSlot) ->
             }
         })
         .context("starting the side reader")?;
-    Ok(())
+    Ok(SideLink { conn: link_conn, leaving, reader: Some(reader) })
 }
 
 /// One line on standard error in a single write (workers share their parent's stderr).
@@ -430,6 +512,7 @@ impl Replicas {
 
 /// The member's current epoch: its rank, plan, state and compute.
 struct Member {
+    epoch: u64,
     rank: usize,
     plan: Arc<Plan>,
     state: Arc<Mutex<RankState>>,
@@ -440,12 +523,24 @@ struct Member {
 /// What the elastic loop starts from.
 pub(super) struct Setup {
     pub id: u64,
-    pub control: SocketAddr,
+    pub side: SideDial,
+    pub data: DataNet,
     pub cfg: Config,
     pub er: ElasticRun,
     pub dataset: Dataset,
     pub sampler: Arc<Sampler>,
     pub tls: NodeTls,
+}
+
+/// What a worker held of the last installed epoch (its own shard and its replicas, all at the
+/// same committed step), kept while a newer epoch forms: until every member of the new epoch
+/// holds its first full replica copy, the new epoch's ranges are not protected, and a loss
+/// then is restored from these (the rule of the sans-IO coordinator, `docs/ELASTIC.md`).
+struct Kept {
+    epoch: u64,
+    /// The run's counters at that step (the optimizer's step count is each shard's).
+    counters: StateCounters,
+    shards: Vec<Replica>,
 }
 
 /// An elastic worker.
@@ -455,8 +550,17 @@ struct Worker {
     /// Committed steps of the state (`None`: no state, or a commit failed half-way).
     at: Option<u64>,
     replicas: Replicas,
+    kept: Option<Kept>,
+    /// The newest epoch the driver said is installed (its first full replica copy done).
+    installed: Option<u64>,
     slot: AbortSlot,
+    /// Dropped last (fields drop in order): the side connection outlives the group.
+    _side: SideLink,
 }
+
+/// Test-only: a worker waits this long (ms) before the first full replica copy of an epoch
+/// after the first, so a test can kill a member while that copy is under way (real signals).
+pub const REPLICATE_DELAY_ENV: &str = "TESSERA_TEST_REPLICATE_DELAY_MS";
 
 fn lock(st: &Mutex<RankState>) -> MutexGuard<'_, RankState> {
     st.lock().unwrap_or_else(|p| p.into_inner())
@@ -466,8 +570,28 @@ impl Worker {
     fn new(s: Setup) -> Result<Self> {
         install_term_handler();
         let slot: AbortSlot = Arc::new(Mutex::new(None));
-        start_side(s.control, s.id, &s.er, Arc::clone(&slot))?;
-        Ok(Worker { s, member: None, at: None, replicas: Replicas::new(), slot })
+        let side = start_side(&s.side, s.id, &s.er, Arc::clone(&slot))?;
+        Ok(Worker { s, member: None, at: None, replicas: Replicas::new(), kept: None, installed: None, slot, _side: side })
+    }
+
+    /// What this worker holds of the epoch it is leaving (its shard at `at` and its replicas),
+    /// as the shards kept while the next epoch forms.
+    fn keep(&mut self, m: &Member, at: u64) -> Result<Kept> {
+        let st = lock(&m.state);
+        let bufs: Vec<(&str, Vec<f32>)> = st.optim.state_buffers().into_iter().map(|(n, b)| (n, b.to_vec())).collect();
+        let range = m.plan.optim_range(m.rank);
+        let own = Replica::from_copy(m.rank, range, at, m.plan.optimizer, st.master.to_vec(), st.optim.step_count(), &bufs)
+            .map_err(anyhow::Error::msg)?;
+        let counters = StateCounters {
+            optimizer_steps: None,
+            applied: st.applied,
+            skipped: st.skipped,
+            scaler: st.scaler.as_ref().map(bridge::scaler_to_json),
+        };
+        drop(st);
+        let mut shards = vec![own];
+        shards.extend(std::mem::take(&mut *self.replicas.settle()).into_iter().filter(|r| r.at == at));
+        Ok(Kept { epoch: m.epoch, counters, shards })
     }
 
     /// Makes `comm` the group of `epoch` (the side reader may abort it from now on).
@@ -478,7 +602,7 @@ impl Worker {
         let feed = FeedConfig { successors: self.s.er.replicas, check_every: self.s.er.replica_check_interval };
         let worker = ZeroWorker::new(rank, Arc::clone(&plan), Arc::clone(&self.s.sampler), Box::new(comm.clone()), Arc::clone(&state))
             .with_replica_feed(feed);
-        self.member = Some(Member { rank, plan, state, worker, comm });
+        self.member = Some(Member { epoch, rank, plan, state, worker, comm });
         self.at = Some(at);
         self.replicas.clear();
     }
@@ -490,13 +614,24 @@ impl Worker {
     /// A full copy: sends this rank's shard to its ring successors and replaces the replicas
     /// with its predecessors' (when an epoch forms, or after a replica was dropped).
     fn replicate(&mut self, step: u64) -> Result<()> {
-        self.replicas.clear();
         let k = self.s.er.replicas;
         let m = self.member.as_ref().context("this worker is not a member of any epoch yet")?;
         let world = m.plan.world;
         let k = if m.plan.stage == 0 { 0 } else { k.min(world - 1) };
         if k == 0 {
+            self.replicas.clear();
             return Ok(());
+        }
+        if m.epoch > 0 && self.installed != Some(m.epoch) {
+            static DELAY_MS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+            let delay = *DELAY_MS.get_or_init(|| std::env::var(REPLICATE_DELAY_ENV).ok().and_then(|v| v.parse().ok()));
+            if let Some(ms) = delay {
+                say(format!(
+                    "elastic worker {}: {REPLICATE_DELAY_ENV}: waiting {ms} ms before epoch {}'s first full copy",
+                    self.s.id, m.epoch
+                ));
+                std::thread::sleep(Duration::from_millis(ms));
+            }
         }
         let (names, mine, optimizer_steps) = {
             let st = lock(&m.state);
@@ -533,8 +668,28 @@ impl Worker {
         Ok(())
     }
 
-    /// Sends the replica of `owner` as `Export` would send the owner's own state.
-    fn export_replica(&mut self, stream: &mut TcpStream, owner: usize) -> Result<()> {
+    /// Sends what this worker holds of rank `owner`'s shard in plan epoch `epoch` as `Export`
+    /// would send the owner's own state: a shard kept from that (installed) epoch, or a replica
+    /// of the current one.
+    fn export_replica(&mut self, stream: &mut ControlConn, owner: usize, epoch: u64) -> Result<()> {
+        if let Some(k) = self.kept.as_ref().filter(|k| k.epoch == epoch) {
+            let Some(r) = k.shards.iter().find(|r| r.owner == owner) else {
+                let error = format!("no shard of rank {owner} of epoch {epoch} kept here");
+                wire::send(stream, &ToParent::Failed { error })?;
+                return Ok(());
+            };
+            let counters = StateCounters { optimizer_steps: Some(r.optim.step_count()), ..k.counters.clone() };
+            let mut bufs: Vec<(&str, &[f32])> = vec![("master", &r.master)];
+            bufs.extend(r.optim.state_buffers());
+            wire::send(stream, &ToParent::Exported { counters, buffers: wire::describe(&bufs) })?;
+            wire::send_bulk(stream, &bufs.iter().map(|(_, b)| *b).collect::<Vec<_>>())?;
+            return Ok(());
+        }
+        if self.member.as_ref().map(|m| m.epoch) != Some(epoch) {
+            let error = format!("this worker holds nothing of epoch {epoch}");
+            wire::send(stream, &ToParent::Failed { error })?;
+            return Ok(());
+        }
         let held = self.replicas.settle();
         let Some(r) = held.iter().find(|r| r.owner == owner) else {
             wire::send(stream, &ToParent::Failed { error: format!("no replica of rank {owner} here") })?;
@@ -573,9 +728,23 @@ impl Worker {
     }
 
     /// Leaves the current group and joins the group of `epoch` as `rank` of `world`.
-    fn new_epoch(&mut self, stream: &mut TcpStream, epoch: u64, rank: usize, world: usize, wait: &Wait<'_>) -> Result<()> {
+    fn new_epoch(&mut self, stream: &mut ControlConn, epoch: u64, rank: usize, world: usize, wait: &Wait<'_>) -> Result<()> {
         *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        if let Some(old) = self.member.take() {
+        // Keep what this worker holds of the installed epoch until a newer one is installed:
+        // the epoch it leaves when that is the installed one, else what it kept before.
+        let old = self.member.take();
+        let kept = self.kept.take().filter(|k| Some(k.epoch) == self.installed);
+        self.kept = match (&old, self.at) {
+            (Some(m), Some(at)) if Some(m.epoch) == self.installed => match self.keep(m, at) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    say(format!("elastic worker {}: keeping the shards of epoch {}: {e:#}", self.s.id, m.epoch));
+                    None
+                }
+            },
+            _ => kept,
+        };
+        if let Some(old) = old {
             // Leaving a group waits (bounded) for every peer's goodbye, and a lost peer never
             // sends one: let the old group go in the background.
             let _ = std::thread::Builder::new().name("tessera-leave".into()).spawn(move || drop(old));
@@ -585,9 +754,8 @@ impl Worker {
         let mut cfg = self.s.cfg.clone();
         cfg.world_size = world;
         let plan = Arc::new(Plan::new(&cfg, &self.s.dataset).with_context(|| format!("the plan of epoch {epoch} ({world} ranks)"))?);
-        // On the control connection's local address: the worker's namespace when it has one.
-        let local_ip = stream.local_addr().context("the control connection's local address")?.ip();
-        let (socket, quic_addr) = super::worker_net::bind_quic(local_ip)?;
+        // On the route to the driver (the worker's namespace when it has one), or as advertised.
+        let (socket, quic_addr) = self.s.data.bind()?;
         wire::send(stream, &ToParent::EpochAddr { quic_addr: quic_addr.to_string() })?;
         let (addrs, names) = match wire::recv(stream, "Mesh", wait)? {
             ToWorker::Mesh { addrs, names } => (addrs, names),
@@ -604,7 +772,7 @@ impl Worker {
     }
 
     /// Answers one request; returns false on `Shutdown`.
-    fn serve_one(&mut self, msg: ToWorker, stream: &mut TcpStream, alive: &dyn Fn() -> Result<(), WireError>) -> Result<bool> {
+    fn serve_one(&mut self, msg: ToWorker, stream: &mut ControlConn, alive: &dyn Fn() -> Result<(), WireError>) -> Result<bool> {
         let (stale, behind) = (self.replicas.stale, self.replicas.behind);
         let snap = |m: &Member| Snapshot { replica_stale: stale, replica_behind: behind, ..snapshot(&lock(&m.state), m.rank) };
         let reply = match msg {
@@ -645,9 +813,16 @@ impl Worker {
                 export(stream, &lock(&m.state), optim)?;
                 return Ok(true);
             }
-            ToWorker::ExportReplica { owner } => {
-                self.export_replica(stream, owner as usize)?;
+            ToWorker::ExportReplica { owner, epoch } => {
+                self.export_replica(stream, owner as usize, epoch)?;
                 return Ok(true);
+            }
+            ToWorker::Installed { epoch } => {
+                self.installed = Some(self.installed.map_or(epoch, |i| i.max(epoch)));
+                if self.kept.as_ref().is_some_and(|k| k.epoch < epoch) {
+                    self.kept = None;
+                }
+                ToParent::Installed
             }
             ToWorker::Replicate { step } => match self.replicate(step) {
                 Ok(()) => ToParent::Replicated,
@@ -655,9 +830,19 @@ impl Worker {
             },
             ToWorker::Status => {
                 let replicas = self.replicas.settle().iter().map(|r| (r.owner as u64, r.at)).collect();
-                ToParent::Status { at: self.at.filter(|_| self.member.is_some()), replicas }
+                let kept = self.kept.as_ref().map_or_else(Vec::new, |k| k.shards.iter().map(|r| (r.owner as u64, r.at)).collect());
+                ToParent::Status {
+                    epoch: self.member.as_ref().map(|m| m.epoch),
+                    at: self.at.filter(|_| self.member.is_some()),
+                    replicas,
+                    kept_epoch: self.kept.as_ref().map(|k| k.epoch),
+                    kept,
+                }
             }
-            ToWorker::Epoch { epoch, rank, world } => {
+            ToWorker::Epoch { epoch, rank, world, installed } => {
+                if let Some(i) = installed {
+                    self.installed = Some(self.installed.map_or(i, |x| x.max(i)));
+                }
                 let deadline = Some(Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS));
                 let wait = Wait { what: "the new epoch's messages", deadline, alive };
                 match self.new_epoch(stream, epoch, rank as usize, world as usize, &wait) {
@@ -681,7 +866,7 @@ impl Worker {
     }
 
     /// Serves requests until `Shutdown` or the control connection closes.
-    fn run(&mut self, stream: &mut TcpStream, alive: &dyn Fn() -> Result<(), WireError>) -> Result<()> {
+    fn run(&mut self, stream: &mut ControlConn, alive: &dyn Fn() -> Result<(), WireError>) -> Result<()> {
         loop {
             let wait = Wait { what: "a request", deadline: None, alive };
             let msg = match wire::recv(stream, "a request", &wait) {
@@ -706,7 +891,7 @@ impl Worker {
 /// state, `comm` its group) and `Ready` was sent.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn serve_started(
-    stream: &mut TcpStream,
+    stream: &mut ControlConn,
     s: Setup,
     rank: usize,
     plan: Arc<Plan>,
@@ -720,39 +905,13 @@ pub(super) fn serve_started(
     w.run(stream, alive)
 }
 
-/// `tessera worker --join --dir DIR`: joins the running job whose `procs` directory is `dir`.
-pub fn run_joiner(dir: &Path) -> Result<()> {
-    let control_file = dir.join("control");
-    let text = std::fs::read_to_string(&control_file).with_context(|| format!("reading {}", control_file.display()))?;
-    let control: SocketAddr =
-        text.trim().parse().with_context(|| format!("{}: {:?} is not an address", control_file.display(), text.trim()))?;
-    let path = dir.join("config.json");
-    let cfg = crate::config::load(&path, &[], &Default::default()).with_context(|| format!("loading {}", path.display()))?;
-    let er = crate::config::elastic_run(&cfg)?;
-    if !er.enabled {
-        bail!("{}: the run is not elastic (tessera.elastic.enabled is false): it takes no joins", path.display());
-    }
-    let dataset = super::child::load_dataset(&cfg)?;
-    let sampler =
-        Arc::new(Sampler::new(dataset.train.clone(), Plan::new(&cfg, &dataset)?.seq_len, cfg.tessera.seed).context("training data")?);
-    let mut stream = TcpStream::connect_timeout(&control, Duration::from_millis(STARTUP_TIMEOUT_MS))
-        .with_context(|| format!("joining the run at {control}"))?;
-    let _ = stream.set_nodelay(true);
-    wire::send(&mut stream, &ToParent::Enlist { pid: std::process::id(), config_hash: cfg.hash.clone() })?;
-    let wait = Wait { what: "Admit", deadline: Some(Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS)), alive: &|| Ok(()) };
-    let id = match wire::recv(&mut stream, "Admit", &wait).context("waiting to be admitted")? {
-        ToWorker::Admit { id } => id,
-        ToWorker::Shutdown => bail!("the driver is finishing and takes no more workers"),
-        ToWorker::Refused { error } => bail!("the driver refused the join: {error}"),
-        other => bail!("expected Admit, got {other:?}"),
-    };
-    let tls = NodeTls::load(&dir.join("pki"), &node_name(id as usize))?;
-    super::worker_net::init_worker(dir, id)?;
-    eprintln!("worker {id}: joined the run at {control}; waiting for the next step boundary");
-    let s = Setup { id, control, cfg, er, dataset, sampler, tls };
+/// A worker that joined a running job (it said `Hello`): serves until `Shutdown` or the
+/// control connection closes (a joiner is not the driver's child: it leaves then).
+pub(super) fn serve_joined(conn: &mut ControlConn, s: Setup) -> Result<()> {
+    let id = s.id;
     let mut w = Worker::new(s)?;
-    // A joiner is not the driver's child: it leaves when the control connection closes.
-    w.run(&mut stream, &|| Ok(()))
+    eprintln!("worker {id}: joined the run; waiting for the next step boundary");
+    w.run(conn, &|| Ok(()))
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 
 mod child;
 mod elastic;
+mod elastic_join;
 mod elastic_worker;
 mod lane;
 mod plan;
@@ -19,9 +20,8 @@ mod wire;
 mod worker_net;
 pub mod zero;
 
-pub use child::{run_agent, run_worker, AgentArgs, AgentCredentials, WorkerArgs, AGENT_CONNECT_TIMEOUT_MS};
+pub use child::{run_agent, run_joiner, run_worker, AgentArgs, AgentCredentials, WorkerArgs, AGENT_CONNECT_TIMEOUT_MS};
 pub use elastic::{now_ms, EVENTS_FILE};
-pub use elastic_worker::run_joiner;
 pub use plan::Plan;
 pub use precision::Precision16;
 pub use remote::{

@@ -65,11 +65,12 @@
 //! connection times out. `<output>/procs` (config, CA and node keys) lives only as long as the
 //! ranks.
 //!
-//! The elastic driver (`super::elastic`) still carries the same messages over TCP ([`wire`]'s
-//! `ControlIo` for `TcpStream`), with [`accept_hellos`]; its move to [`ControlConn`] is
-//! mechanical.
+//! With `tessera.elastic` on, both kinds of runs are driven by `super::elastic` instead, over
+//! the same control endpoint and messages (plus a side connection per worker): spawned workers
+//! start through [`accept_workers`], agents through [`rendezvous_agents`], and a worker lost is
+//! recovered from instead of ending the run.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -584,63 +585,27 @@ fn check_hello(cfg: &Config, world: usize, rank: usize, hash: &str, taken: bool)
     Ok(())
 }
 
-/// Accepts one TCP control connection per rank of `world` (the elastic driver's carrier) and
-/// reads its Hello, within the start-up timeout; `exited` names a started process that died meanwhile (the start then fails with
-/// it). Returns (stream, QUIC address, pid) in rank order.
-pub(super) fn accept_hellos(
-    listener: &TcpListener,
-    cfg: &Config,
-    world: usize,
-    exited: &dyn Fn() -> Option<String>,
-) -> Result<Vec<(TcpStream, String, u32)>> {
-    listener.set_nonblocking(true).context("control listener")?;
-    let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
-    let mut got: Vec<Option<(TcpStream, String, u32)>> = (0..world).map(|_| None).collect();
-    while got.iter().any(Option::is_none) {
-        if let Some(who) = exited() {
-            bail!("{who} during start-up");
-        }
-        if Instant::now() >= deadline {
-            bail!("workers did not connect within {STARTUP_TIMEOUT_MS} ms");
-        }
-        let mut stream = match listener.accept() {
-            Ok((s, _)) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS));
-                continue;
-            }
-            Err(e) => return Err(e).context("accepting a worker's control connection"),
-        };
-        stream.set_nonblocking(false).context("control connection")?;
-        let _ = stream.set_nodelay(true);
-        let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &|| Ok(()) };
-        let (rank, quic_addr, hash, pid) = match wire::recv(&mut stream, "Hello", &wait).context("reading a worker's Hello")? {
-            ToParent::Hello { rank, quic_addr, config_hash, pid, .. } => (rank as usize, quic_addr, config_hash, pid),
-            other => bail!("a worker opened with {other:?} instead of Hello"),
-        };
-        if hash != cfg.hash {
-            bail!("worker of rank {rank} resolved the config to hash {hash}, the parent has {}", cfg.hash);
-        }
-        match got.get_mut(rank) {
-            Some(slot @ None) => *slot = Some((stream, quic_addr, pid)),
-            _ => bail!("a worker said it is rank {rank}: not a free rank of {world}"),
-        }
-    }
-    Ok(got.into_iter().flatten().collect())
+/// A spawned worker's control connection after its `Hello`: its QUIC address and pid.
+pub(super) struct Hello {
+    pub conn: ControlConn,
+    pub quic_addr: String,
+    pub pid: u32,
 }
 
 /// Accepts one QUIC control connection per spawned worker and reads its Hello, within the
-/// start-up timeout: each must present the certificate of the rank it claims. Returns
-/// (connection, QUIC address) in rank order; fails at once when a worker process dies.
-fn accept_workers(endpoint: &ControlEndpoint, cfg: &Config, shared: &Shared, world: usize) -> Result<Vec<(ControlConn, String)>> {
-    let exited = || {
-        shared
-            .children()
-            .iter_mut()
-            .find_map(|(r, c)| c.try_wait().ok().flatten().map(|s| format!("worker process of rank {r} {}", describe_exit(s))))
-    };
+/// start-up timeout: each must present the certificate of the rank it claims. Returns them in
+/// rank order; fails at once when `exited` names a worker process that died. A connection that
+/// opens with `Join` (a worker joining an elastic run early) is set aside in `early` (`None`:
+/// refused), with its first message.
+pub(super) fn accept_workers(
+    endpoint: &ControlEndpoint,
+    cfg: &Config,
+    exited: &dyn Fn() -> Option<String>,
+    world: usize,
+    mut early: Option<&mut Vec<(ControlConn, ToParent)>>,
+) -> Result<Vec<Hello>> {
     let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
-    let mut got: Vec<Option<(ControlConn, String)>> = (0..world).map(|_| None).collect();
+    let mut got: Vec<Option<Hello>> = (0..world).map(|_| None).collect();
     while got.iter().any(Option::is_none) {
         if let Some(who) = exited() {
             bail!("{who} during start-up");
@@ -657,14 +622,21 @@ fn accept_workers(endpoint: &ControlEndpoint, cfg: &Config, shared: &Shared, wor
             }
         };
         let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &|| Ok(()) };
-        let (rank, quic_addr, hash) = match wire::recv(&mut conn, "Hello", &wait).context("reading a worker's Hello")? {
-            ToParent::Hello { rank, quic_addr, config_hash, .. } => (rank as usize, quic_addr, config_hash),
+        let (rank, quic_addr, hash, pid) = match wire::recv(&mut conn, "Hello", &wait).context("reading a worker's Hello")? {
+            ToParent::Hello { rank, quic_addr, config_hash, pid, .. } => (rank as usize, quic_addr, config_hash, pid),
+            join @ ToParent::Join { .. } => match early.as_mut() {
+                Some(e) => {
+                    e.push((conn, join));
+                    continue;
+                }
+                None => bail!("a process tried to join this run, which is not elastic"),
+            },
             other => bail!("a worker opened with {other:?} instead of Hello"),
         };
         check_hello(cfg, world, rank, &hash, got.get(rank).is_some_and(Option::is_some))?;
         let cert = conn.peer_certificate().context("a worker connected without a certificate")?;
         check_cert_names_node(&cert, &node_name(rank)).map_err(|e| anyhow::anyhow!("a worker claiming rank {rank}: {e}"))?;
-        got[rank] = Some((conn, quic_addr));
+        got[rank] = Some(Hello { conn, quic_addr, pid });
     }
     Ok(got.into_iter().flatten().collect())
 }
@@ -745,7 +717,14 @@ fn launch_workers(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path) -> R
         let child = spawn_worker(&exe, r, world, &control, &dir, None)?;
         shared.children().push((r, child));
     }
-    let conns = accept_workers(&endpoint, cfg, &shared, world)?;
+    let exited = || {
+        shared
+            .children()
+            .iter_mut()
+            .find_map(|(r, c)| c.try_wait().ok().flatten().map(|s| format!("worker process of rank {r} {}", describe_exit(s))))
+    };
+    let conns: Vec<(ControlConn, String)> =
+        accept_workers(&endpoint, cfg, &exited, world, None)?.into_iter().map(|h| (h.conn, h.quic_addr)).collect();
     procs.endpoint = Some(endpoint);
     let who: Vec<String> = (0..world).map(|r| format!("worker process of rank {r}")).collect();
     start_ranks(&mut procs, conns, plan, start, &who)?;
@@ -820,6 +799,8 @@ struct Joined {
     rank: Option<usize>,
     /// The agent's own public key, to certify (token agents).
     public_key: Option<Vec<u8>>,
+    /// Its machine and pid namespace (`elastic_join::host_id`).
+    host: String,
 }
 
 impl Joined {
@@ -864,11 +845,13 @@ fn read_join(mut conn: ControlConn, nodes: usize, auth: &AgentAuth) -> Result<st
     let peer = conn.remote_address();
     let wait = Wait { what: "Join", deadline: Some(Instant::now() + Duration::from_millis(JOIN_MESSAGE_TIMEOUT_MS)), alive: &|| Ok(()) };
     let join = match wire::recv(&mut conn, "Join", &wait) {
-        Ok(ToParent::Join { name, pid, rank, world, version, token, public_key }) => (name, pid, rank, world, version, token, public_key),
+        Ok(ToParent::Join { name, pid, rank, world, version, token, public_key, host }) => {
+            (name, pid, rank, world, version, token, public_key, host)
+        }
         Ok(other) => return Ok(Err(NotAdmitted(format!("{peer} opened with {other:?} instead of Join")))),
         Err(e) => return Ok(Err(NotAdmitted(format!("{peer}: reading its Join: {e}")))),
     };
-    let (name, pid, rank, world, version, token, public_key) = join;
+    let (name, pid, rank, world, version, token, public_key, host) = join;
     let mut rank = rank.map(|r| r as usize);
     match auth {
         AgentAuth::Token { token: t, .. } => {
@@ -901,13 +884,13 @@ fn read_join(mut conn: ControlConn, nodes: usize, auth: &AgentAuth) -> Result<st
     if let Some(w) = world.filter(|w| *w != nodes as u64) {
         bail!("agent {name} at {peer} was started for a world of {w} ranks, the coordinator waits for {nodes}");
     }
-    Ok(Ok(Joined { conn, name, pid, peer, rank, public_key }))
+    Ok(Ok(Joined { conn, name, pid, peer, rank, public_key, host }))
 }
 
 /// Waits (bounded by the rendezvous' timeout) for `rdv.nodes` agents to join; pings those that
 /// wait meanwhile and fails at once when one leaves or a launched process ends. Connections
 /// that are not agents of this run (no token, a foreign certificate) are refused and logged.
-fn gather_agents(rdv: &Rendezvous, shared: &Shared) -> Result<Vec<Joined>> {
+fn gather_agents(rdv: &Rendezvous, launched_exit: &dyn Fn() -> Option<String>) -> Result<Vec<Joined>> {
     let at = rdv.endpoint.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "the control endpoint".into());
     let started = Instant::now();
     let deadline = started + Duration::from_millis(rdv.join_timeout_ms);
@@ -918,7 +901,7 @@ fn gather_agents(rdv: &Rendezvous, shared: &Shared) -> Result<Vec<Joined>> {
         false => j.iter().map(Joined::who).collect::<Vec<_>>().join(", "),
     };
     while joined.len() < rdv.nodes {
-        if let Some((_, why)) = shared.launched_exit() {
+        if let Some(why) = launched_exit() {
             bail!("{why} before every agent joined ({} of {} joined: {})", joined.len(), rdv.nodes, list(&joined));
         }
         if Instant::now() >= deadline {
@@ -952,18 +935,34 @@ fn gather_agents(rdv: &Rendezvous, shared: &Shared) -> Result<Vec<Joined>> {
     Ok(joined)
 }
 
-/// Runs the coordinator's side of the agents' start-up (see the module doc).
-fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, _out_dir: &Path, rdv: Rendezvous) -> Result<Started> {
+/// An agent after the rendezvous: its connection, QUIC address and pid, who it is in
+/// messages, and its machine (`elastic_join::host_id`).
+pub(super) struct AgentStart {
+    pub conn: ControlConn,
+    pub quic_addr: String,
+    pub pid: u32,
+    /// "agent of rank 1 (a1 at 10.0.0.2, pid 42)".
+    pub who: String,
+    pub host: String,
+}
+
+/// The coordinator's side of the agents' start-up up to their `Hello` (see the module doc):
+/// waits for `rdv.nodes` agents, gives each its rank, the resolved config and (token agents) a
+/// certificate, and checks what each says back. Returns them in rank order. `launched_exit`
+/// names a launched process that ended (the start then fails with it).
+pub(super) fn rendezvous_agents(
+    cfg: &Config,
+    plan: &Plan,
+    rdv: &Rendezvous,
+    launched_exit: &dyn Fn() -> Option<String>,
+) -> Result<Vec<AgentStart>> {
     let world = plan.world;
     if rdv.nodes != world {
         bail!("the coordinator waits for {} agents, but the config resolves to world {world}", rdv.nodes);
     }
-    let shared = Arc::new(Shared::new(Arc::clone(&rdv.launched)));
-    // From here on, dropping `procs` ends whatever joined.
-    let mut procs = new_procs(&shared, None);
     let data_blake3 = super::child::data_blake3(&super::child::load_dataset(cfg)?);
     let config = serde_json::to_string(&cfg.resolved).context("serialising the resolved config")?;
-    let joined = gather_agents(&rdv, &shared)?;
+    let joined = gather_agents(rdv, launched_exit)?;
     let names: Vec<String> = joined.iter().map(|j| j.name.clone()).collect();
     let ranks = assign_ranks(&joined.iter().map(|j| j.rank).collect::<Vec<_>>(), &names, world)?;
     let mut slots: Vec<Option<(Joined, String)>> = (0..world).map(|_| None).collect();
@@ -984,16 +983,13 @@ fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, _out_dir: &Path, rdv:
         wire::send(&mut j.conn, &msg).with_context(|| format!("sending {who} its rank"))?;
     }
     let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
-    let launched_alive = {
-        let shared = Arc::clone(&shared);
-        move || match shared.launched_exit() {
-            Some((_, why)) => Err(WireError::Io(std::io::Error::other(why))),
-            None => Ok(()),
-        }
+    let alive = || match launched_exit() {
+        Some(why) => Err(WireError::Io(std::io::Error::other(why))),
+        None => Ok(()),
     };
-    let mut conns = Vec::with_capacity(world);
-    for (r, (j, who)) in members.iter_mut().enumerate() {
-        let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &launched_alive };
+    let mut started = Vec::with_capacity(world);
+    for (r, (mut j, who)) in members.into_iter().enumerate() {
+        let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &alive };
         let (rank, quic_addr, hash, data) = match wire::recv(&mut j.conn, "Hello", &wait).with_context(|| format!("waiting for {who}"))? {
             ToParent::Hello { rank, quic_addr, config_hash, data_blake3, .. } => (rank as usize, quic_addr, config_hash, data_blake3),
             ToParent::Failed { error } => bail!("{who} could not start: {error}"),
@@ -1011,18 +1007,38 @@ fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, _out_dir: &Path, rdv:
                 data.as_deref().unwrap_or("none")
             );
         }
-        conns.push((j.conn.clone(), quic_addr));
+        started.push(AgentStart { conn: j.conn, quic_addr, pid: j.pid, who, host: j.host });
     }
-    let who: Vec<String> = members.iter().map(|(_, w)| w.clone()).collect();
-    let mesh: Vec<String> = conns.iter().enumerate().map(|(r, (_, a))| format!("rank {r} at {a}")).collect();
+    let mesh: Vec<String> = started.iter().enumerate().map(|(r, a)| format!("rank {r} at {}", a.quic_addr)).collect();
     eprintln!("coordinator: QUIC mesh: {}", mesh.join(", "));
+    Ok(started)
+}
+
+/// The first launched process (`tessera launch`) that ended, described.
+pub(super) fn launched_exited(launched: &Mutex<Vec<Launched>>) -> Option<String> {
+    relock(launched).iter_mut().find_map(|l| {
+        let status = l.child.try_wait().ok().flatten()?;
+        Some(format!("{} (pid {}) {}", l.label, l.child.id(), describe_exit(status)))
+    })
+}
+
+/// Runs the coordinator's side of the agents' start-up (see the module doc).
+fn launch_agents(cfg: &Config, plan: &Plan, start: &Start, _out_dir: &Path, rdv: Rendezvous) -> Result<Started> {
+    let shared = Arc::new(Shared::new(Arc::clone(&rdv.launched)));
+    // From here on, dropping `procs` ends whatever joined.
+    let mut procs = new_procs(&shared, None);
+    let started = {
+        let s = Arc::clone(&shared);
+        rendezvous_agents(cfg, plan, &rdv, &move || s.launched_exit().map(|(_, why)| why))?
+    };
+    let who: Vec<String> = started.iter().map(|a| a.who.clone()).collect();
     {
         let mut agents = relock(&shared.agents);
-        for (r, (j, w)) in members.iter().enumerate() {
-            agents.push(Agent { rank: r, who: w.clone(), pid: j.pid, conn: j.conn.clone() });
+        for (r, a) in started.iter().enumerate() {
+            agents.push(Agent { rank: r, who: a.who.clone(), pid: a.pid, conn: a.conn.clone() });
         }
     }
-    drop(members);
+    let conns: Vec<(ControlConn, String)> = started.into_iter().map(|a| (a.conn, a.quic_addr)).collect();
     procs.endpoint = Some(rdv.endpoint);
     start_ranks(&mut procs, conns, plan, start, &who)?;
     let ping_links = procs.links.clone();

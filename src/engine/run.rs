@@ -14,7 +14,7 @@ use tessera_actors::{Cluster, ClusterOptions, StepResult};
 use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
 
-use super::elastic::Fleet;
+use super::elastic::{Fleet, Origin};
 use super::plan::Plan;
 use super::ranks::{rank_states, Ranks, Start};
 use super::summary::{peak_rss_bytes, ElasticSummary, Summary};
@@ -356,16 +356,21 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
     let er = config::elastic_run(cfg)?;
     let rendezvous = super::remote::take_rendezvous();
-    let elastic_fleet = opts.processes && er.enabled && rendezvous.is_none();
-    if let (Some(path), false) = (&opts.worker_net, elastic_fleet) {
+    let elastic_fleet = opts.processes && er.enabled;
+    if let (Some(path), false) = (&opts.worker_net, elastic_fleet && rendezvous.is_none()) {
         bail!("--worker-net {}: worker namespaces are for elastic `train --nprocs N` runs (tessera.elastic.enabled)", path.display());
     }
     if er.enabled && !elastic_fleet {
-        let why = if opts.processes { "coordinator and agents" } else { "ranks that are threads of one process (use --nprocs N)" };
-        eprintln!("warning: tessera.elastic applies to `train --nprocs N`; this run has {why}: the first rank lost ends it");
+        eprintln!(
+            "warning: tessera.elastic applies to worker processes (`train --nprocs N`, `tessera coordinator`, `tessera launch`); this run's ranks are threads of one process: the first rank lost ends it"
+        );
     }
-    if let Some(r) = rendezvous {
-        super::remote::set_rendezvous(r);
+    // A plain process run takes the rendezvous in `remote::launch`; an elastic one here.
+    let mut rendezvous = rendezvous;
+    if !elastic_fleet {
+        if let Some(r) = rendezvous.take() {
+            super::remote::set_rendezvous(r);
+        }
     }
     let mut elastic = None;
     if opts.processes && !elastic_fleet {
@@ -380,7 +385,11 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     }
     let (ranks, workers) = if elastic_fleet {
         let net = opts.worker_net.as_deref().map(super::worker_net::load).transpose()?;
-        let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir, net.as_ref()).context("starting the worker processes")?;
+        let origin = match rendezvous {
+            Some(rdv) => Origin::Agents(Box::new(rdv)),
+            None => Origin::Spawn { net: net.as_ref() },
+        };
+        let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir, &dataset, origin).context("starting the workers")?;
         elastic = Some(ElasticRunState { er, resume: opts.resume.clone(), stats: ElasticSummary::default() });
         (Ranks::Elastic(Box::new(fleet)), workers)
     } else {

@@ -12,21 +12,18 @@
 //!
 //! A message is rkyv-encoded and validated with bytecheck on receipt (`decode`): a frame that
 //! does not validate as the expected enum is an error naming what was expected, never a panic.
-//! Frames are at most [`FRAME_BYTES_MAX`]. Two carriers implement [`ControlIo`]:
-//! - a QUIC [`ControlConn`] (mutual TLS, `tessera_transport::quic::control`): frames on its
-//!   request lane, actor messages on its actor lane ([`send_actor`], [`recv_actor`]), bulk state
-//!   on its own stream per transfer — the carrier of plain `--nprocs` runs and of agents;
-//! - a TCP stream (`[u32 LE length][frame]`, bulk bytes inline after their header): the elastic
-//!   driver's, until it moves to QUIC too.
+//! Frames are at most [`FRAME_BYTES_MAX`]. They travel on a QUIC [`ControlConn`] (TLS 1.3,
+//! `tessera_transport::quic::control`; [`ControlIo`] is the carrier interface): requests and
+//! replies on its request lane, actor messages on its actor lane ([`send_actor`],
+//! [`recv_actor`]), bulk state on its own stream per transfer. An elastic worker also keeps a
+//! second connection, its side connection (`Side`, heartbeats, `Draining`, `Abort`).
 //!
 //! Bulk state (the start state sent to a worker, the masters and optimizer buffers a worker
 //! exports between steps) is the one exception to "small messages": a header frame announces
 //! each buffer's length and a CRC32C, and the receiver checks the lengths against its plan
 //! before reading the raw little-endian `f32` bytes, and the CRC after.
 
-use std::io::{ErrorKind, Read, Write};
-use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use rkyv::api::high::{HighDeserializer, HighSerializer, HighValidator};
 use rkyv::bytecheck::CheckBytes;
@@ -258,9 +255,15 @@ pub enum ToWorker {
     },
     /// Leave the QUIC group and exit.
     Shutdown,
-    /// Elastic: to a joining worker, the id (node name `node-<id>`) it runs under.
+    /// Elastic: to a worker or agent that joins a running job (its `Join` proved it belongs):
+    /// the id it runs under (node name `node-<id>`), the resolved config (JSON text) and, for
+    /// one that came with a join token, the CA and a certificate for `node-<id>` over the
+    /// public key it sent. It answers with `Hello` once its data is loaded, then waits for the
+    /// `Epoch` that makes it a member.
     Admit {
         id: u64,
+        config: String,
+        identity: Option<AssignedIdentity>,
     },
     /// Elastic: to a joining worker, why it is not admitted (it exits with this error).
     Refused {
@@ -268,10 +271,14 @@ pub enum ToWorker {
     },
     /// Elastic: leave the current group and bind a fresh QUIC socket for `epoch`, where this
     /// worker is `rank` of `world` (answered with `EpochAddr`; `Mesh`, `Start`, `Ready` follow).
+    /// `installed` is the newest epoch whose replicas all got their first full copy: the worker
+    /// keeps what it holds of that epoch (its shard and replicas) until a newer one is
+    /// installed, so a loss while `epoch` forms is restored from memory.
     Epoch {
         epoch: u64,
         rank: u64,
         world: u64,
+        installed: Option<u64>,
     },
     /// Elastic: a full copy of the replicas at `step` committed steps (when an epoch forms, or
     /// after a replica was dropped): send this rank's shard to its ring successors and keep
@@ -282,9 +289,16 @@ pub enum ToWorker {
     },
     /// Elastic: what this worker holds (answered with `Status`).
     Status,
-    /// Elastic: export the replica of rank `owner` of the current epoch, as `Export` does.
+    /// Elastic: export what this worker holds of rank `owner`'s shard in plan epoch `epoch` (a
+    /// replica of the current epoch, or the kept shards of the installed one), as `Export` does.
     ExportReplica {
         owner: u64,
+        epoch: u64,
+    },
+    /// Elastic: every member of `epoch` holds its first full replica copy: the shards kept from
+    /// the epoch before can go (answered with `Installed`).
+    Installed {
+        epoch: u64,
     },
     /// Elastic, on the side connection: abort the collectives of `epoch` (a member was lost).
     Abort {
@@ -313,6 +327,9 @@ pub enum ToParent {
         token: Option<Vec<u8>>,
         /// The agent's own public key (ECDSA P-256, uncompressed) for the coordinator to certify.
         public_key: Option<Vec<u8>>,
+        /// Which machine and pid namespace it runs in (`engine::elastic_join::host_id`): an
+        /// elastic driver on the same one watches and, when it is lost, kills it by its pid.
+        host: String,
     },
     Hello {
         rank: u64,
@@ -350,11 +367,6 @@ pub enum ToParent {
     Failed {
         error: String,
     },
-    /// Elastic: the first message of a worker that joins a running job.
-    Enlist {
-        pid: u32,
-        config_hash: String,
-    },
     /// Elastic: the first message of a worker's side connection (heartbeats, drain, abort).
     Side {
         id: u64,
@@ -370,12 +382,19 @@ pub enum ToParent {
     Replicated,
     /// Elastic: the new micro-batch blocks are in force.
     Rebalanced,
-    /// Elastic: the committed steps this worker's state holds (`None`: a commit failed half-way,
-    /// the state is not usable) and the replicas it keeps: (owner rank, committed steps).
+    /// Elastic: the plan epoch this worker is a member of (`None`: none), the committed steps its
+    /// state holds (`None`: a commit failed half-way, the state is not usable), the replicas it
+    /// keeps: (owner rank, committed steps), and the shards it kept from the installed epoch
+    /// `kept_epoch` while a newer one forms (its own and its replicas, same pairs).
     Status {
+        epoch: Option<u64>,
         at: Option<u64>,
         replicas: Vec<(u64, u64)>,
+        kept_epoch: Option<u64>,
+        kept: Vec<(u64, u64)>,
     },
+    /// Elastic: the kept shards are dropped.
+    Installed,
 }
 
 /// The certificate a coordinator made for an agent's own key, and the CA that signed it (PEM).
@@ -401,44 +420,6 @@ pub trait ControlIo {
     fn write_bulk(&mut self, bufs: &[&[f32]]) -> Result<(), WireError>;
     /// Reads buffers of exactly `lens` values (announced by a header and checked by the caller).
     fn read_bulk(&mut self, lens: &[usize], wait: &Wait<'_>) -> Result<Vec<Vec<f32>>, WireError>;
-}
-
-impl ControlIo for TcpStream {
-    fn write_frame(&mut self, frame: Vec<u8>) -> Result<(), WireError> {
-        let mut out = Vec::with_capacity(frame.len() + 4);
-        out.extend_from_slice(&(frame.len() as u32).to_le_bytes());
-        out.extend_from_slice(&frame);
-        self.write_all(&out)?;
-        self.flush()?;
-        Ok(())
-    }
-
-    fn read_frame(&mut self, wait: &Wait<'_>) -> Result<Vec<u8>, WireError> {
-        let mut prefix = [0u8; 4];
-        read_full(self, &mut prefix, wait)?;
-        let len = frame_len(prefix)?;
-        let mut body = vec![0u8; len];
-        read_full(self, &mut body, wait)?;
-        Ok(body)
-    }
-
-    fn write_bulk(&mut self, bufs: &[&[f32]]) -> Result<(), WireError> {
-        for b in bufs {
-            self.write_all(bytemuck::cast_slice(b))?;
-        }
-        self.flush()?;
-        Ok(())
-    }
-
-    fn read_bulk(&mut self, lens: &[usize], wait: &Wait<'_>) -> Result<Vec<Vec<f32>>, WireError> {
-        lens.iter()
-            .map(|&n| {
-                let mut v = vec![0.0f32; n];
-                read_full(self, bytemuck::cast_slice_mut(&mut v), wait)?;
-                Ok(v)
-            })
-            .collect()
-    }
 }
 
 impl ControlIo for ControlConn {
@@ -559,23 +540,6 @@ impl Wait<'_> {
     }
 }
 
-/// Fills `buf` completely, polling every [`POLL_MS`] (the stream's read timeout is set here).
-fn read_full(stream: &mut TcpStream, buf: &mut [u8], wait: &Wait<'_>) -> Result<(), WireError> {
-    stream.set_read_timeout(Some(Duration::from_millis(POLL_MS)))?;
-    let started = Instant::now();
-    let mut got = 0;
-    while got < buf.len() {
-        match stream.read(&mut buf[got..]) {
-            Ok(0) => return Err(WireError::Closed),
-            Ok(n) => got += n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => wait.tick(started)?,
-            Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted) => return Err(WireError::Closed),
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Ok(())
-}
-
 /// The body length a frame's 4-byte prefix announces, checked against [`FRAME_BYTES_MAX`].
 fn frame_len(prefix: [u8; 4]) -> Result<usize, WireError> {
     let len = u32::from_le_bytes(prefix) as usize;
@@ -585,8 +549,9 @@ fn frame_len(prefix: [u8; 4]) -> Result<usize, WireError> {
     Ok(len)
 }
 
-/// Decodes one TCP-framed message from the front of `bytes` exactly as [`recv`] does from a
-/// stream (a short input is [`WireError::Closed`]); returns the message and the bytes after it.
+/// Decodes one length-prefixed message (`[u32 LE length ≤ FRAME_BYTES_MAX][frame]`, as a
+/// control lane carries frames) from the front of `bytes` (a short input is
+/// [`WireError::Closed`]); returns the message and the bytes after it.
 /// For the fuzzers (`fuzz/` includes this file by path, so the engine itself never calls it).
 #[doc(hidden)]
 #[allow(dead_code)]
@@ -643,13 +608,31 @@ pub fn recv_bulk<C: ControlIo + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::TcpListener;
+    use std::time::Duration;
+    use tessera_transport::quic::{ClientAuth, ClusterCa, ControlEndpoint, ALPN_CONTROL};
 
-    fn pair() -> (TcpStream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let a = TcpStream::connect(l.local_addr().expect("addr")).expect("connect");
-        let (b, _) = l.accept().expect("accept");
-        (a, b)
+    /// A control connection over loopback with mutual TLS: (endpoints, client side, server side).
+    fn pair() -> ((ControlEndpoint, ControlEndpoint), ControlConn, ControlConn) {
+        let ca = ClusterCa::generate().expect("CA");
+        let (server_id, client_id) = (ca.issue("coordinator").expect("id"), ca.issue("node-0").expect("id"));
+        let local: std::net::SocketAddr = ([127, 0, 0, 1], 0).into();
+        let tls = server_id.server_config_for(ALPN_CONTROL, ClientAuth::Required).expect("tls");
+        let server = ControlEndpoint::bind(local, Some(tls)).expect("bind");
+        let addr = server.local_addr().expect("addr");
+        let client = ControlEndpoint::bind(local, None).expect("bind");
+        let t = std::thread::spawn(move || {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                match server.accept(100) {
+                    Ok(Some(c)) => return (c, server),
+                    _ if Instant::now() < deadline => continue,
+                    _ => panic!("no connection"),
+                }
+            }
+        });
+        let a = client.connect(addr, "coordinator", client_id.client_config_for(ALPN_CONTROL).expect("tls"), 10_000).expect("connect");
+        let (b, server) = t.join().expect("accepting");
+        ((server, client), a, b)
     }
 
     fn wait(ms: u64) -> Wait<'static> {
@@ -658,7 +641,7 @@ mod tests {
 
     #[test]
     fn messages_and_bulk_round_trip_with_nan_intact() {
-        let (mut a, mut b) = pair();
+        let (_endpoints, mut a, mut b) = pair();
         let p = Prepared { loss_sum: f64::NAN, grad_norm: Some(f64::INFINITY), micro_batches: 3, ..Prepared::default() };
         send(&mut a, &ToParent::Prepared { prepared: WirePrepared::new(&p), snapshot: Snapshot::default() }).expect("send");
         let data = [1.5f32, -0.0, f32::NAN];
@@ -674,15 +657,15 @@ mod tests {
 
     #[test]
     fn malformed_oversized_and_silent_peers_are_errors() {
-        let (mut a, mut b) = pair();
-        a.write_all(&5u32.to_le_bytes()).and_then(|()| a.write_all(b"nope!")).expect("write");
+        let (_endpoints, mut a, mut b) = pair();
+        a.write_frame(b"nope!".to_vec()).expect("write");
         assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(5000)), Err(WireError::Malformed { .. })));
-        a.write_all(&(FRAME_BYTES_MAX as u32 + 1).to_le_bytes()).expect("write");
-        assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(5000)), Err(WireError::TooLarge { .. })));
+        let huge = ToParent::Failed { error: "x".repeat(FRAME_BYTES_MAX + 1) };
+        assert!(matches!(send(&mut a, &huge), Err(WireError::TooLarge { .. })));
         assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(300)), Err(WireError::Timeout { .. })));
         let descs = vec![BulkDesc { name: "m".into(), len: 1000, crc32c: 0 }];
         assert!(matches!(recv_bulk(&mut b, &descs, 10, &wait(300)), Err(WireError::Bulk { .. })));
-        drop(a);
+        a.close("bye");
         assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(5000)), Err(WireError::Closed)));
     }
 

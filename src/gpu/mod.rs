@@ -570,6 +570,15 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
             }
         }
     }
+    if rank == 0 {
+        if let Some(lt) = gpu.lt.as_ref().filter(|l| l.tuning()) {
+            let lines = lt.tune_report();
+            eprintln!("GEMM tuning (TESSERA_GPU_TUNE, first call of each shape, rank 0): {} GEMMs", lines.len());
+            for l in lines {
+                eprintln!("  {l}");
+            }
+        }
+    }
     let masters = r.masters()?;
     let hash = blake3::hash(bytemuck::cast_slice(&masters)).to_hex().to_string();
     if rank == 0 {
@@ -579,6 +588,7 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
             "state_GiB": gib(states.device.total()), "host_state_GiB": gib(states.host_optim),
             "used_GiB": gib((total - free) as u64), "offload_ratio": a.offload_ratio,
             "fusions": r.fusions(), "recompute": a.recompute,
+            "gemm_tune": gpu.lt.as_ref().map_or("off", |l| if l.tuning() { "on" } else if l.routes_plain() { "route" } else { "off" }),
         });
         if let (Some(end), Some(o)) = (r.offload_stats(), extra.as_object_mut()) {
             // The timed steps only (the figures at the end of the warm-up are subtracted).

@@ -620,7 +620,7 @@ pub fn forward_backward(
     let x_last = ws.xs[s.l].ptr();
     ops::layernorm_forward(gpu, st, ws.xf.ptr(), ws.mf.ptr(), ws.rf.ptr(), x_last, e.lnf_w, e.lnf_b, n, c)?;
     gpu.mark("head layernorm");
-    gpu.blas.matmul(bf(ws.logits.ptr()), bf(ws.xf.ptr()), bft(e.wte), n, c, v, 1.0, 0.0)?;
+    gemm(gpu, bf(ws.logits.ptr()), bf(ws.xf.ptr()), bft(e.wte), n, c, v)?;
     gpu.mark("head gemm logits");
     ops::crossentropy(gpu, st, ws.losses.ptr(), ws.logits.ptr(), ws.targets.ptr(), n, v, v, dloss / n as f32)?;
     gpu.mark("head cross-entropy");
@@ -636,9 +636,9 @@ pub fn forward_backward(
     let g0 = hooks.grads(0)?;
     let ge = EmbedW::at(g0, lay);
     // d(xf) = dlogits · wte ; d(wte) = dlogitsᵀ · xf
-    gpu.blas.matmul(bf(ws.dln.ptr()), bf(ws.logits.ptr()), bf(e.wte), n, v, c, 1.0, 0.0)?;
+    gemm(gpu, bf(ws.dln.ptr()), bf(ws.logits.ptr()), bf(e.wte), n, v, c)?;
     gpu.mark("head gemm dgrad");
-    gpu.blas.matmul(f32m(ge.wte), bft(ws.logits.ptr()), bf(ws.xf.ptr()), v, n, c, 1.0, 0.0)?;
+    gemm(gpu, f32m(ge.wte), bft(ws.logits.ptr()), bf(ws.xf.ptr()), v, n, c)?;
     gpu.mark("head gemm wgrad");
     gpu.zero(ws.dx.ptr(), st)?;
     gpu.mark("zero");
@@ -700,7 +700,7 @@ pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, to
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     ops::layernorm_forward(gpu, st, ws.xf.ptr(), ws.mf.ptr(), ws.rf.ptr(), ws.xs[s.l].ptr(), e.lnf_w, e.lnf_b, n, c)?;
-    gpu.blas.matmul(bf(ws.logits.ptr()), bf(ws.xf.ptr()), bft(e.wte), n, c, v, 1.0, 0.0)?;
+    gemm(gpu, bf(ws.logits.ptr()), bf(ws.xf.ptr()), bft(e.wte), n, c, v)?;
     ops::crossentropy(gpu, st, ws.losses.ptr(), ws.logits.ptr(), ws.targets.ptr(), n, v, v, 0.0)?;
     hooks.params_done(0, Phase::Forward)?;
     Ok(())
@@ -716,6 +716,15 @@ pub fn mean_loss(gpu: &Gpu, ws: &Workspace) -> Result<f32> {
 /// `gpu.lt`, which a workspace with any fusion on has (its fusions were planned there).
 fn lt(gpu: &Gpu) -> &super::lt::Lt {
     gpu.lt.as_ref().expect("a workspace uses cuBLASLt fusions only where cuBLASLt was loaded")
+}
+
+/// `c = a·b` (row-major `[m,k]·[k,n]`): through cuBLAS, or through cuBLASLt when its GEMMs are
+/// tuned (`TESSERA_GPU_TUNE`), so the plain GEMMs are tuned too.
+fn gemm(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize) -> Result<()> {
+    match gpu.lt.as_ref() {
+        Some(l) if l.routes_plain() => l.run(&Gemm { c, a, b, m, k, n, residual: None, epilogue: Epilogue::None }),
+        _ => gpu.blas.matmul(c, a, b, m, k, n, 1.0, 0.0),
+    }
 }
 
 /// `c = a·b` (row-major `[m,k]·[k,n]`) with an epilogue and optional residual, through cuBLASLt.
@@ -754,25 +763,24 @@ fn block_forward(
         gemm_lt(gpu, bf(a.qkv.ptr()), bf(a.ln1.ptr()), bf(w.qkv_w), n, c, 3 * c, None, Epilogue::Bias { bias: w.qkv_b.raw })?;
         gpu.mark("fwd gemm qkv+bias");
     } else {
-        gpu.blas.matmul(bf(a.qkv.ptr()), bf(a.ln1.ptr()), bf(w.qkv_w), n, c, 3 * c, 1.0, 0.0)?;
+        gemm(gpu, bf(a.qkv.ptr()), bf(a.ln1.ptr()), bf(w.qkv_w), n, c, 3 * c)?;
         gpu.mark("fwd gemm qkv");
         ops::bias_add(gpu, st, a.qkv.ptr(), w.qkv_b, n, 3 * c)?;
         gpu.mark("fwd bias");
     }
     attention::attention_forward(gpu, st, a.atty.ptr(), a.lse.ptr(), a.qkv.ptr(), s.b, s.t, c, s.nh)?;
     gpu.mark("fwd attention");
-    gpu.blas.matmul(bf(tmp), bf(a.atty.ptr()), bf(w.proj_w), n, c, c, 1.0, 0.0)?;
+    gemm(gpu, bf(tmp), bf(a.atty.ptr()), bf(w.proj_w), n, c, c)?;
     gpu.mark("fwd gemm proj");
-    ops::residual_bias_add(gpu, st, a.x2.ptr(), x, tmp, w.proj_b, n, c)?;
-    gpu.mark("fwd residual");
-    ops::layernorm_forward(gpu, st, a.ln2.ptr(), a.m2.ptr(), a.r2.ptr(), a.x2.ptr(), w.ln2_w, w.ln2_b, n, c)?;
-    gpu.mark("fwd layernorm");
+    // x2 = x + (proj + bias) and ln2 = LN(x2) in one pass (the bits of the two kernels).
+    ops::residual_layernorm_forward(gpu, st, a.x2.ptr(), a.ln2.ptr(), a.m2.ptr(), a.r2.ptr(), x, tmp, w.proj_b, w.ln2_w, w.ln2_b, n, c)?;
+    gpu.mark("fwd residual+layernorm");
     if fu.gelu {
         let e = Epilogue::GeluAuxBias { bias: w.fc_b.raw, pre: a.pre.ptr().raw };
         gemm_lt(gpu, bf(a.gl.ptr()), bf(a.ln2.ptr()), bf(w.fc_w), n, c, f, None, e)?;
         gpu.mark("fwd gemm fc+bias+gelu");
     } else {
-        gpu.blas.matmul(bf(a.pre.ptr()), bf(a.ln2.ptr()), bf(w.fc_w), n, c, f, 1.0, 0.0)?;
+        gemm(gpu, bf(a.pre.ptr()), bf(a.ln2.ptr()), bf(w.fc_w), n, c, f)?;
         gpu.mark("fwd gemm fc");
         ops::bias_gelu_forward_out(gpu, st, a.pre.ptr(), a.gl.ptr(), w.fc_b, n, f)?;
         gpu.mark("fwd bias+gelu");
@@ -780,7 +788,7 @@ fn block_forward(
     if !full {
         return Ok(()); // a recomputation for the backward: y is not needed
     }
-    gpu.blas.matmul(bf(tmp), bf(a.gl.ptr()), bf(w.fc2_w), n, f, c, 1.0, 0.0)?;
+    gemm(gpu, bf(tmp), bf(a.gl.ptr()), bf(w.fc2_w), n, f, c)?;
     gpu.mark("fwd gemm fc2");
     ops::residual_bias_add(gpu, st, y, a.x2.ptr(), tmp, w.fc2_b, n, c)?;
     gpu.mark("fwd residual");
@@ -843,7 +851,7 @@ fn block_backward(
         gemm_lt(gpu, bf(dbig2), bf(k.dres), bft(w.fc2_w), n, c, f, None, Epilogue::DGelu { pre: a.pre.ptr().raw })?;
         gpu.mark("bwd gemm dgrad+dgelu");
     } else {
-        gpu.blas.matmul(bf(dbig1), bf(k.dres), bft(w.fc2_w), n, c, f, 1.0, 0.0)?;
+        gemm(gpu, bf(dbig1), bf(k.dres), bft(w.fc2_w), n, c, f)?;
         gpu.mark("bwd gemm dgrad");
         if fu.gelu {
             ops::gelu_backward(gpu, st, dbig2, dbig1, a.pre.ptr(), n * f)?; // pre holds the bias
@@ -853,7 +861,7 @@ fn block_backward(
         gpu.mark("bwd gelu");
     }
     weight_grad(gpu, st, g.fc_w, Some(g.fc_b), a.ln2.ptr(), dbig2, k.bias_scratch, c, n, f, fu.bgrad)?;
-    gpu.blas.matmul(bf(k.dln), bf(dbig2), bft(w.fc_w), n, f, c, 1.0, 0.0)?;
+    gemm(gpu, bf(k.dln), bf(dbig2), bft(w.fc_w), n, f, c)?;
     gpu.mark("bwd gemm dgrad");
     ops::layernorm_backward(
         gpu,
@@ -874,12 +882,12 @@ fn block_backward(
     gpu.mark("bwd layernorm");
     // Attention branch (k.dres = bf16 copy of d(x2) from the LN2 backward).
     weight_grad(gpu, st, g.proj_w, Some(g.proj_b), a.atty.ptr(), k.dres, k.bias_scratch, c, n, c, fu.bgrad)?;
-    gpu.blas.matmul(bf(k.datt), bf(k.dres), bft(w.proj_w), n, c, c, 1.0, 0.0)?;
+    gemm(gpu, bf(k.datt), bf(k.dres), bft(w.proj_w), n, c, c)?;
     gpu.mark("bwd gemm dgrad");
     attention::attention_backward(gpu, st, k.dqkv, k.delta, k.datt, a.qkv.ptr(), a.atty.ptr(), a.lse.ptr(), s.b, s.t, c, s.nh)?;
     gpu.mark("bwd attention");
     weight_grad(gpu, st, g.qkv_w, Some(g.qkv_b), a.ln1.ptr(), k.dqkv, k.bias_scratch, c, n, 3 * c, fu.bgrad)?;
-    gpu.blas.matmul(bf(k.dln), bf(k.dqkv), bft(w.qkv_w), n, 3 * c, c, 1.0, 0.0)?;
+    gemm(gpu, bf(k.dln), bf(k.dqkv), bft(w.qkv_w), n, 3 * c, c)?;
     gpu.mark("bwd gemm dgrad");
     ops::layernorm_backward(gpu, st, k.dx, Some(k.dres), g.ln1_w, g.ln1_b, k.dln, x, w.ln1_w, a.m1.ptr(), a.r1.ptr(), k.ln_scratch, n, c)?;
     gpu.mark("bwd layernorm");
@@ -910,7 +918,7 @@ fn weight_grad(
             gpu.mark("bwd gemm wgrad+bias grad");
         }
         _ => {
-            gpu.blas.matmul(f32m(dw), bft(inp), bf(dy), rows, n, cols, 1.0, 0.0)?;
+            gemm(gpu, f32m(dw), bft(inp), bf(dy), rows, n, cols)?;
             gpu.mark("bwd gemm wgrad");
             if let Some(db) = db {
                 ops::bias_grad(gpu, st, db, dy, scratch, n, cols)?;
@@ -1033,5 +1041,21 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let tag = format!("[fused: {}]", ws.fusions.describe());
     rows.push(CheckRow::compare(format!("model loss, activations recomputed = kept (bits) {tag}"), &[rloss], &[loss], 0.0, 0.0));
     rows.push(CheckRow::compare(format!("model grads, activations recomputed = kept (bits) {tag}"), &rg, &g, 1.0, 0.0));
+    // GEMM tuning only ever picks algorithms that gave the first one's bits: every GEMM through
+    // cuBLASLt, untuned then tuned, the same loss and gradients.
+    if let Some(lt) = gpu.lt.as_ref() {
+        let (route, tune) = super::lt::tune_requested()?;
+        lt.set_tuning(true, false);
+        let plain = run(&mut Workspace::with_fusions(gpu, shape, &layout, Fusions::DEFAULT)?);
+        lt.set_tuning(true, true);
+        let before = lt.tune_report().len();
+        let tuned = run(&mut Workspace::with_fusions(gpu, shape, &layout, Fusions::DEFAULT)?);
+        let picked = lt.tune_report()[before..].iter().filter(|l| !l.ends_with("-> #0") && !l.contains("not tuned")).count();
+        lt.set_tuning(route, tune);
+        let ((ploss, pg), (tloss, tg)) = (plain?, tuned?);
+        let tag = format!("[fused: {}; {picked} GEMMs took another algorithm]", ws.fusions.describe());
+        rows.push(CheckRow::compare(format!("model loss, GEMMs tuned = untuned (bits) {tag}"), &[tloss], &[ploss], 0.0, 0.0));
+        rows.push(CheckRow::compare(format!("model grads, GEMMs tuned = untuned (bits) {tag}"), &tg, &pg, 1.0, 0.0));
+    }
     Ok(rows)
 }

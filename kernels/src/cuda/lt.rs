@@ -5,8 +5,17 @@
 //!
 //! Determinism: the algorithm for a GEMM is the first one cuBLASLt's heuristic returns for its
 //! shape, types, epilogue and operand alignments, asked once and cached; the same call then
-//! runs the same algorithm every time (no autotuning by timing, which could differ between runs
-//! or ranks). cuBLASLt's reductions (split-K included) run in a fixed order.
+//! runs the same algorithm every time. cuBLASLt's reductions (split-K included) run in a fixed
+//! order.
+//!
+//! Tuning (on unless `TESSERA_GPU_TUNE=0`): on a GEMM's first run the heuristic's first
+//! [`TUNE_CANDIDATES`] algorithms are timed on that call's own operands (outputs go to scratch
+//! buffers, nothing the model owns is written) and the fastest is kept — but only among those
+//! whose every output is bit-equal to the first algorithm's and whose split-K count and
+//! reduction scheme are the same. Timing may pick differently on another run or rank; the bits
+//! cannot differ, because every algorithm it may pick gave the first one's bits. (Bit-equality
+//! on one call's data is evidence, not proof, of the same summation order; a candidate with a
+//! different split-K or reduction scheme is never taken, whatever its bits.)
 //!
 //! Row-major `C[m,n] = A[m,k]·B[k,n]` is column-major `Cᵀ = Bᵀ·Aᵀ`: cuBLASLt's `A` is our `B`
 //! and its `B` our `A`; a column-major row is our column, so a bias "per row of D" is our bias
@@ -27,6 +36,14 @@ use super::{drv, GpuError, Result};
 
 /// Workspace cuBLASLt may use per GEMM (NVIDIA's recommendation for Hopper).
 pub const WORKSPACE_BYTES: usize = 32 << 20;
+/// Algorithms asked of the heuristic when tuning.
+pub const TUNE_CANDIDATES: usize = 8;
+/// Timed runs per candidate (after one untimed run, whose output is compared).
+const TUNE_REPS: usize = 5;
+/// A GEMM whose outputs would need more scratch than this (per copy), or more than
+/// 1/[`TUNE_FREE_FRACTION`] of the device memory free at the time, is not tuned.
+pub const TUNE_SCRATCH_BYTES_MAX: usize = 4 << 30;
+const TUNE_FREE_FRACTION: usize = 8;
 
 /// What the GEMM does after the product. Pointers are device addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -154,7 +171,13 @@ struct Plan {
     b: sys::cublasLtMatrixLayout_t,
     c: sys::cublasLtMatrixLayout_t,
     d: sys::cublasLtMatrixLayout_t,
-    algo: sys::cublasLtMatmulAlgo_t,
+    /// The algorithm every run uses: the heuristic's first until tuning picks another.
+    algo: Mutex<sys::cublasLtMatmulAlgo_t>,
+    /// The heuristic's answers in its order (the first is `algo`'s start); more than one only
+    /// when tuning.
+    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
+    /// Whether tuning has looked at this plan (it runs once, on the first call).
+    tuned: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Plan {
@@ -186,8 +209,9 @@ unsafe fn set_pointers(desc: sys::cublasLtMatmulDesc_t, e: &Epilogue) -> Result<
 }
 
 impl Plan {
-    /// Builds the descriptors for `g` and asks the heuristic for an algorithm.
-    fn new(handle: sys::cublasLtHandle_t, g: &Gemm, key: &Key) -> Result<Plan> {
+    /// Builds the descriptors for `g` and asks the heuristic for `want` algorithms (at least
+    /// one must come back).
+    fn new(handle: sys::cublasLtHandle_t, g: &Gemm, key: &Key, want: usize) -> Result<Plan> {
         use sys::cublasLtMatmulDescAttributes_t as A;
         let i64_of = |x: usize| x as i64;
         // cublasOperation_t: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 (an int32 attribute).
@@ -204,7 +228,16 @@ impl Plan {
             (layout(g.b.dt, ar, ac, ald)?, layout(g.a.dt, br, bc, bld)?, layout(cdt, g.n, g.m, g.n)?, layout(g.c.dt, g.n, g.m, g.n)?);
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
             .map_err(lt_err("creating a matmul descriptor"))?;
-        let mut plan = Plan { desc, a: la, b: lb, c: lc, d: ld, algo: unsafe { std::mem::zeroed() } };
+        let mut plan = Plan {
+            desc,
+            a: la,
+            b: lb,
+            c: lc,
+            d: ld,
+            algo: Mutex::new(unsafe { std::mem::zeroed() }),
+            candidates: Vec::new(),
+            tuned: std::sync::atomic::AtomicBool::new(false),
+        };
         // SAFETY: the descriptor is live; every attribute value has the type cuBLASLt documents.
         unsafe {
             set_desc(desc, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(g.b.t))?;
@@ -220,7 +253,7 @@ impl Plan {
             set_pointers(desc, &g.epilogue)?;
         }
         let pref = lt::create_matmul_pref().map_err(lt_err("creating matmul preferences"))?;
-        let chosen = (|| -> Result<sys::cublasLtMatmulHeuristicResult_t> {
+        let chosen = (|| -> Result<Vec<sys::cublasLtMatmulHeuristicResult_t>> {
             use sys::cublasLtMatmulPreferenceAttributes_t as P;
             // SAFETY: `pref` is live; values are u64 / u32 as documented.
             unsafe {
@@ -237,24 +270,42 @@ impl Plan {
                 ] {
                     set(attr, &a as *const u32 as *const c_void, 4)?;
                 }
-                lt::get_matmul_algo_heuristic(handle, desc, la, lb, lc, ld, pref).map_err(lt_err(format!(
-                    "no cuBLASLt algorithm for {:?} m={} k={} n={}",
-                    g.epilogue.code(),
-                    g.m,
-                    g.k,
-                    g.n
-                )))
+                let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> = vec![std::mem::zeroed(); want.max(1)];
+                let mut got: i32 = 0;
+                let status = sys::cublasLtMatmulAlgoGetHeuristic(
+                    handle,
+                    desc,
+                    la,
+                    lb,
+                    lc,
+                    ld,
+                    pref,
+                    results.len() as i32,
+                    results.as_mut_ptr(),
+                    &mut got,
+                );
+                let none = || GpuError::Blas {
+                    what: format!("no cuBLASLt algorithm for {:?} m={} k={} n={}", g.epilogue.code(), g.m, g.k, g.n),
+                    err: format!("{status:?}"),
+                };
+                if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || got < 1 {
+                    return Err(none());
+                }
+                results.truncate(got as usize);
+                results.retain(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && h.workspaceSize <= WORKSPACE_BYTES);
+                if results.is_empty() {
+                    return Err(none());
+                }
+                Ok(results)
             }
         })();
         // SAFETY: created above, destroyed once.
         unsafe {
             let _ = lt::destroy_matmul_pref(pref);
         }
-        let h = chosen?;
-        if h.workspaceSize > WORKSPACE_BYTES {
-            return Err(GpuError::Blas { what: "cuBLASLt heuristic".into(), err: format!("wants {} workspace bytes", h.workspaceSize) });
-        }
-        plan.algo = h.algo;
+        let hs = chosen?;
+        *plan.algo.get_mut().expect("fresh plan") = hs[0].algo;
+        plan.candidates = hs.iter().map(|h| h.algo).collect();
         Ok(plan)
     }
 }
@@ -268,6 +319,13 @@ pub struct Lt {
     plans: Mutex<HashMap<Key, Arc<Plan>>>,
     /// Held from setting a plan's pointers to enqueueing it (plans are shared by same-key calls).
     call: Mutex<()>,
+    /// `TESSERA_GPU_TUNE`: time the heuristic's candidates on each GEMM's first call.
+    tune: std::sync::atomic::AtomicBool,
+    /// The model's plain GEMMs run here too, not through cuBLAS (always when tuning, so those
+    /// are tuned; `TESSERA_GPU_TUNE=route` alone, to compare tuned with untuned bits).
+    route: std::sync::atomic::AtomicBool,
+    /// One line per GEMM tuning looked at (what it chose and why), in order.
+    tune_log: Mutex<Vec<String>>,
 }
 
 // SAFETY: the handle and plans are used from the thread that owns the Gpu's context (one per
@@ -294,11 +352,22 @@ impl Lt {
         if !unsafe { sys::is_culib_present() } {
             return Ok(None);
         }
+        let (route, tune) = tune_requested()?;
         let handle = lt::create_handle().map_err(lt_err("creating a cuBLASLt handle"))?;
         // SAFETY: the workspace is only handed to cuBLASLt, never read as typed data.
         let workspace = unsafe { stream.alloc::<u8>(WORKSPACE_BYTES) }.map_err(drv("allocating the cuBLASLt workspace"))?;
         let workspace_ptr = super::raw_ptr(&workspace, stream);
-        Ok(Some(Lt { handle, stream: stream.clone(), workspace, workspace_ptr, plans: Mutex::new(HashMap::new()), call: Mutex::new(()) }))
+        Ok(Some(Lt {
+            handle,
+            stream: stream.clone(),
+            workspace,
+            workspace_ptr,
+            plans: Mutex::new(HashMap::new()),
+            call: Mutex::new(()),
+            tune: tune.into(),
+            route: route.into(),
+            tune_log: Mutex::new(Vec::new()),
+        }))
     }
 
     /// Device bytes this handle holds (the workspace).
@@ -312,7 +381,8 @@ impl Lt {
         if let Some(p) = plans.get(&key) {
             return Ok(p.clone());
         }
-        let p = Arc::new(Plan::new(self.handle, g, &key)?);
+        let want = if self.tuning() { TUNE_CANDIDATES } else { 1 };
+        let p = Arc::new(Plan::new(self.handle, g, &key, want)?);
         plans.insert(key, p.clone());
         Ok(p)
     }
@@ -322,19 +392,56 @@ impl Lt {
         self.plan(g).is_ok()
     }
 
-    /// Enqueues `g` on the handle's stream.
+    /// Enqueues `g` on the handle's stream (tuning its plan first, once, when tuning is on).
     pub fn run(&self, g: &Gemm) -> Result<()> {
         assert!(!g.c.t, "the output of a GEMM is never stored transposed");
         if let Some(r) = g.residual {
             assert!(!r.t && r.dt == g.c.dt, "a residual input has the output's type and layout");
         }
         let plan = self.plan(g)?;
+        if self.tuning() && !plan.tuned.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            let line = match self.tune_plan(&plan, g) {
+                Ok(l) => l,
+                Err(why) => format!("{} m={} k={} n={}: not tuned ({why})", epilogue_name(&g.epilogue), g.m, g.k, g.n),
+            };
+            self.tune_log.lock().expect("tuning log poisoned").push(line);
+        }
+        let algo = *plan.algo.lock().expect("plan algorithm poisoned");
+        self.enqueue(&plan, g, &algo)
+    }
+
+    /// Whether GEMMs are tuned on their first call.
+    pub fn tuning(&self) -> bool {
+        self.tune.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Whether the model's plain GEMMs run through cuBLASLt.
+    pub fn routes_plain(&self) -> bool {
+        self.route.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Sets tuning and routing (forgetting every plan, so the next calls plan and tune anew):
+    /// `tessera gpu check` compares tuned with untuned bits this way.
+    pub fn set_tuning(&self, route: bool, tune: bool) {
+        let _call = self.call.lock().expect("cuBLASLt call lock poisoned");
+        self.plans.lock().expect("cuBLASLt plan table poisoned").clear();
+        self.route.store(route || tune, std::sync::atomic::Ordering::Release);
+        self.tune.store(tune, std::sync::atomic::Ordering::Release);
+    }
+
+    /// What tuning chose, one line per GEMM (empty when tuning is off).
+    pub fn tune_report(&self) -> Vec<String> {
+        self.tune_log.lock().expect("tuning log poisoned").clone()
+    }
+
+    fn enqueue(&self, plan: &Plan, g: &Gemm, algo: &sys::cublasLtMatmulAlgo_t) -> Result<()> {
         let (alpha, beta) = (1.0f32, if g.residual.is_some() { 1.0f32 } else { 0.0 });
         let cptr = g.residual.map_or(g.c.ptr, |r| r.ptr);
         let _call = self.call.lock().expect("cuBLASLt call lock poisoned");
         // SAFETY: the caller's pointers cover the matrices and vectors described (checked by the
         // model's wrappers); the plan's descriptors match `g` (same key); alpha/beta are f32 as
-        // the scale type requires; the workspace is ours and large enough for the algorithm.
+        // the scale type requires; the workspace is ours and large enough for the algorithm
+        // (candidates wanting more were dropped when the plan was made).
         unsafe {
             set_pointers(plan.desc, &g.epilogue)?;
             lt::matmul(
@@ -350,12 +457,139 @@ impl Lt {
                 plan.c,
                 g.c.ptr as *mut c_void,
                 plan.d,
-                &plan.algo,
+                algo,
                 self.workspace_ptr as *mut c_void,
                 WORKSPACE_BYTES,
                 self.stream.cu_stream() as sys::cudaStream_t,
             )
         }
         .map_err(lt_err(format!("cuBLASLt GEMM {:?} m={} k={} n={}", g.epilogue.code(), g.m, g.k, g.n)))
+    }
+
+    /// Times `plan`'s candidates on `g`'s operands with every output redirected to scratch, and
+    /// keeps the fastest whose outputs are bit-equal to the first candidate's (see the module
+    /// comment). Returns a line for the report; `Err` says why nothing was timed.
+    fn tune_plan(&self, plan: &Plan, g: &Gemm) -> std::result::Result<String, String> {
+        use std::fmt::Write as _;
+        if plan.candidates.len() < 2 {
+            return Err(format!("the heuristic offered {} algorithm", plan.candidates.len()));
+        }
+        let esz = |dt: Dt| match dt {
+            Dt::Bf16 => 2usize,
+            Dt::F32 => 4,
+        };
+        let d_bytes = g.m * g.n * esz(g.c.dt);
+        let aux_bytes = if matches!(g.epilogue, Epilogue::GeluAuxBias { .. }) { g.m * g.n * 2 } else { 0 };
+        let vec_bytes = if matches!(g.epilogue, Epilogue::BgradB { .. }) { g.n * 4 } else { 0 };
+        let pad = |b: usize| b.div_ceil(256) * 256;
+        let set_bytes = pad(d_bytes) + pad(aux_bytes) + pad(vec_bytes);
+        let free = self.stream.context().mem_get_info().map(|(f, _)| f).unwrap_or(0);
+        let cap = TUNE_SCRATCH_BYTES_MAX.min(free / TUNE_FREE_FRACTION);
+        if set_bytes > cap {
+            return Err(format!("outputs need {} MiB of scratch, above {} MiB", set_bytes >> 20, cap >> 20));
+        }
+        let e = |what: &str| {
+            let what = what.to_string();
+            move |err: cudarc::driver::DriverError| format!("{what}: {err:?}")
+        };
+        // SAFETY: scratch is only written by cuBLASLt and read back as bytes.
+        let scratch = unsafe { self.stream.alloc::<u8>(2 * set_bytes) }.map_err(e("allocating tuning scratch"))?;
+        let base = super::raw_ptr(&scratch, &self.stream);
+        // Output pointers of scratch set `k` (0: the reference, 1: the candidate).
+        let redirect = |k: usize| -> Gemm {
+            let o = base + (k * set_bytes) as u64;
+            let (d, aux, vec) = (o, o + pad(d_bytes) as u64, o + (pad(d_bytes) + pad(aux_bytes)) as u64);
+            let epilogue = match g.epilogue {
+                Epilogue::GeluAuxBias { bias, .. } => Epilogue::GeluAuxBias { bias, pre: aux },
+                Epilogue::BgradB { .. } => Epilogue::BgradB { dbias: vec },
+                other => other,
+            };
+            // The residual (C) is read where it is; only D and the epilogue's outputs move.
+            Gemm { c: Mat { ptr: d, ..g.c }, epilogue, ..*g }
+        };
+        let (gref, gcand) = (redirect(0), redirect(1));
+        let read = |k: usize| -> std::result::Result<Vec<u8>, String> {
+            let view = scratch.slice(k * set_bytes..(k + 1) * set_bytes);
+            self.stream.clone_dtoh(&view).map_err(e("reading tuning scratch"))
+        };
+        let config = |a: &sys::cublasLtMatmulAlgo_t| -> (u32, u32) {
+            let get = |attr: sys::cublasLtMatmulAlgoConfigAttributes_t| -> u32 {
+                let (mut v, mut n) = (0u32, 0usize);
+                // SAFETY: both attributes are uint32 per the cuBLASLt documentation.
+                let st = unsafe { sys::cublasLtMatmulAlgoConfigGetAttribute(a, attr, &mut v as *mut u32 as *mut c_void, 4, &mut n) };
+                if st == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                    v
+                } else {
+                    u32::MAX
+                }
+            };
+            use sys::cublasLtMatmulAlgoConfigAttributes_t as C;
+            (get(C::CUBLASLT_ALGO_CONFIG_SPLITK_NUM), get(C::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME))
+        };
+        let time = |gg: &Gemm, algo: &sys::cublasLtMatmulAlgo_t| -> std::result::Result<f32, String> {
+            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let t0 = self.stream.record_event(flags).map_err(e("recording a tuning event"))?;
+            for _ in 0..TUNE_REPS {
+                self.enqueue(plan, gg, algo).map_err(|x| x.to_string())?;
+            }
+            let t1 = self.stream.record_event(flags).map_err(e("recording a tuning event"))?;
+            Ok(t0.elapsed_ms(&t1).map_err(e("timing a candidate"))? / TUNE_REPS as f32)
+        };
+        let first = plan.candidates[0];
+        let first_cfg = config(&first);
+        self.enqueue(plan, &gref, &first).map_err(|x| x.to_string())?;
+        let want = read(0)?;
+        let mut best = (time(&gref, &first)?, 0usize);
+        let mut line = format!("{} m={} k={} n={}: #0 {:.3} ms", epilogue_name(&g.epilogue), g.m, g.k, g.n, best.0);
+        for (i, algo) in plan.candidates.iter().enumerate().skip(1) {
+            if config(algo) != first_cfg {
+                let _ = write!(line, ", #{i} other split-K/reduction");
+                continue;
+            }
+            if let Err(x) = self.enqueue(plan, &gcand, algo) {
+                let _ = write!(line, ", #{i} failed ({x})");
+                continue;
+            }
+            if read(1)? != want {
+                let _ = write!(line, ", #{i} other bits");
+                continue;
+            }
+            let ms = time(&gcand, algo)?;
+            let _ = write!(line, ", #{i} {ms:.3} ms");
+            if ms < best.0 {
+                best = (ms, i);
+            }
+        }
+        *plan.algo.lock().expect("plan algorithm poisoned") = plan.candidates[best.1];
+        let _ = write!(line, " -> #{}", best.1);
+        Ok(line)
+    }
+}
+
+/// The epilogue's name in tuning reports.
+fn epilogue_name(e: &Epilogue) -> &'static str {
+    match e {
+        Epilogue::None => "gemm",
+        Epilogue::Bias { .. } => "gemm+bias",
+        Epilogue::GeluAuxBias { .. } => "gemm+bias+gelu",
+        Epilogue::DGelu { .. } => "gemm+dgelu",
+        Epilogue::BgradB { .. } => "gemm+bgrad",
+    }
+}
+
+/// `TESSERA_GPU_TUNE` as (route plain GEMMs through cuBLASLt, tune): unset, empty, `1` or `on`
+/// both (the default: tuning keeps the bits); `route` routes without tuning; `0` or `off`
+/// neither (plain GEMMs through cuBLAS, the heuristic's first algorithm); anything else is an
+/// error.
+pub fn tune_requested() -> Result<(bool, bool)> {
+    match std::env::var("TESSERA_GPU_TUNE") {
+        Err(_) => Ok((true, true)),
+        Ok(v) => match v.trim() {
+            "" => Ok((true, true)),
+            "0" | "off" => Ok((false, false)),
+            "route" => Ok((true, false)),
+            "1" | "on" => Ok((true, true)),
+            other => Err(GpuError::Invalid(format!("TESSERA_GPU_TUNE: `{other}` is not 0, 1, on, off or route"))),
+        },
     }
 }

@@ -460,6 +460,54 @@ pub fn residual_bias_add(
     launch!(gpu, s, "residual_bias_add", cfg; out.raw, x.raw, y.raw, bias.raw, len, c_i, vec)
 }
 
+/// `xo = x + (y + yb)` (f32; `xo` may be `x`) then `out = LN(xo)·w + b` with mean and rstd: the
+/// residual add of a projection and the LayerNorm after it. One pass (`residual_layernorm_fwd_vec`,
+/// which keeps the row in registers) where [`layernorm_forward`] takes its register path, else
+/// the two kernels; either way the bits of [`residual_bias_add`] then [`layernorm_forward`].
+#[allow(clippy::too_many_arguments)]
+pub fn residual_layernorm_forward(
+    gpu: &Gpu,
+    s: &CudaStream,
+    xo: DPtr<f32>,
+    out: DPtr<bf16>,
+    mean: DPtr<f32>,
+    rstd: DPtr<f32>,
+    x: DPtr<f32>,
+    y: DPtr<bf16>,
+    yb: DPtr<bf16>,
+    w: DPtr<bf16>,
+    b: DPtr<bf16>,
+    n: usize,
+    c: usize,
+) -> Result<()> {
+    let vec = c % 128 == 0
+        && c <= 128 * LN_MAXV
+        && aligned(x, 16)
+        && aligned(xo, 16)
+        && aligned(y, 8)
+        && aligned(yb, 8)
+        && aligned(out, 8)
+        && aligned(w, 8)
+        && aligned(b, 8)
+        && (xo.raw == x.raw || xo.raw + xo.bytes() as u64 <= x.raw || x.raw + x.bytes() as u64 <= xo.raw);
+    if !vec || n == 0 {
+        residual_bias_add(gpu, s, xo, x, y, yb, n, c)?;
+        return layernorm_forward(gpu, s, out, mean, rstd, xo, w, b, n, c);
+    }
+    check_len("residual_layernorm_forward xo [n, c]", xo, n * c);
+    check_len("residual_layernorm_forward x [n, c]", x, n * c);
+    check_len("residual_layernorm_forward y [n, c]", y, n * c);
+    check_len("residual_layernorm_forward y bias [c]", yb, c);
+    check_len("residual_layernorm_forward out [n, c]", out, n * c);
+    check_len("residual_layernorm_forward mean [n]", mean, n);
+    check_len("residual_layernorm_forward rstd [n]", rstd, n);
+    check_len("residual_layernorm_forward weight [c]", w, c);
+    check_len("residual_layernorm_forward bias [c]", b, c);
+    let (n_i, c_i) = (i32_of("n", n), i32_of("c", c));
+    let cfg = ln_cfg(n);
+    launch!(gpu, s, "residual_layernorm_fwd_vec", cfg; xo.raw, out.raw, mean.raw, rstd.raw, x.raw, y.raw, yb.raw, w.raw, b.raw, n_i, c_i)
+}
+
 /// f32 elements of scratch [`bias_grad`] needs: row_blocks · f.
 pub fn bias_grad_scratch(n: usize, f: usize) -> usize {
     colsum_blocks(n) * f
@@ -890,6 +938,50 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         residual_bias_add(gpu, s, d_x.ptr(), d_x.ptr(), d_yc.ptr(), d_bc.ptr(), n, c)?;
         let want: Vec<f32> = (0..n * c).map(|i| x[i] + (yc[i] + bc[i % c])).collect();
         rows.push(row_f32(format!("residual_bias_add out=x [{n}×{c}] (in place)"), &gpu.download(d_x.ptr())?, &want));
+
+        // The fused residual + LayerNorm gives the two kernels' bits (in place, as the model runs it).
+        let lw = round_bf(&randv(seed, 27, c, 0.2).iter().map(|v| v + 1.0).collect::<Vec<_>>());
+        let lb = round_bf(&randv(seed, 28, c, 0.1));
+        let (d_lw, d_lb) = (gpu.upload(&to_bf(&lw))?, gpu.upload(&to_bf(&lb))?);
+        // Every output's bits, concatenated.
+        let two = |fused: bool| -> Result<Vec<u32>> {
+            let d_x = gpu.upload(&x)?;
+            let (d_out, d_mean, d_rstd) = (gpu.alloc::<bf16>(n * c)?, gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?);
+            if fused {
+                residual_layernorm_forward(
+                    gpu,
+                    s,
+                    d_x.ptr(),
+                    d_out.ptr(),
+                    d_mean.ptr(),
+                    d_rstd.ptr(),
+                    d_x.ptr(),
+                    d_yc.ptr(),
+                    d_bc.ptr(),
+                    d_lw.ptr(),
+                    d_lb.ptr(),
+                    n,
+                    c,
+                )?;
+            } else {
+                residual_bias_add(gpu, s, d_x.ptr(), d_x.ptr(), d_yc.ptr(), d_bc.ptr(), n, c)?;
+                layernorm_forward(gpu, s, d_out.ptr(), d_mean.ptr(), d_rstd.ptr(), d_x.ptr(), d_lw.ptr(), d_lb.ptr(), n, c)?;
+            }
+            let mut bits: Vec<u32> = gpu.download(d_x.ptr())?.iter().map(|v| v.to_bits()).collect();
+            bits.extend(gpu.download(d_out.ptr())?.iter().map(|v| v.to_bits() as u32));
+            bits.extend(gpu.download(d_mean.ptr())?.iter().map(|v| v.to_bits()));
+            bits.extend(gpu.download(d_rstd.ptr())?.iter().map(|v| v.to_bits()));
+            Ok(bits)
+        };
+        let same_bits = two(true)? == two(false)?;
+        let flag = |ok: bool| if ok { 0.0f32 } else { 1.0 };
+        rows.push(CheckRow::compare(
+            format!("residual_layernorm_forward = residual_bias_add + layernorm_forward [{n}×{c}] (bits)"),
+            &[flag(same_bits)],
+            &[0.0],
+            0.0,
+            0.0,
+        ));
     }
 
     // ---- casts, add, scale ----

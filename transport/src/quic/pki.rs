@@ -304,6 +304,27 @@ impl ClusterCa {
         NodeTls::from_pem(&self.ca_pem(), &cert.pem(), &keys.serialize_pem())
     }
 
+    /// Issues node `name` a new key and certificate and writes them, with the CA certificate,
+    /// into `dir` (created if missing) as `ca.pem`, `<name>.pem` and `<name>.key` (the key
+    /// with mode 0600): an identity [`NodeTls::load`] reads. The CA's own key is not written.
+    /// For processes a driver starts on its own host; others generate their keys themselves
+    /// ([`ClusterCa::sign_node_key`]).
+    pub fn issue_to_dir(&self, dir: &Path, name: &str) -> Result<(), PkiError> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        check_name(name)?;
+        let keys = generate(&format!("the key of {name}"), KeyPair::generate())?;
+        let cert = generate(&format!("the certificate of {name}"), node_params(name)?.signed_by(&keys, &self.cert, &self.key))?;
+        std::fs::create_dir_all(dir).map_err(|source| PkiError::Io { path: dir.to_path_buf(), source })?;
+        write_new(&dir.join("ca.pem"), &self.ca_pem())?;
+        write_new(&dir.join(format!("{name}.pem")), &cert.pem())?;
+        let key_path = dir.join(format!("{name}.key"));
+        let io = |source| PkiError::Io { path: key_path.clone(), source };
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&key_path).map_err(io)?;
+        f.write_all(keys.serialize_pem().as_bytes()).map_err(io)?;
+        Ok(())
+    }
+
     /// A certificate for node `name` over an ECDSA P-256 public key that the node generated
     /// itself (`public_key`: the uncompressed point, as [`NodeKey::public_key`] gives it); PEM.
     pub fn sign_node_key(&self, name: &str, public_key: &[u8]) -> Result<String, PkiError> {
