@@ -555,7 +555,7 @@ impl NcclComm {
     pub fn all_to_all_f32(&self, send: DPtr<f32>, recv: DPtr<f32>, stream: &CudaStream) -> Result<(), NcclError> {
         let w = self.world;
         assert!(
-            send.len == recv.len && send.len % w == 0,
+            send.len == recv.len && send.len.is_multiple_of(w),
             "all_to_all_f32: send and recv must both have world·k elements; send has {}, recv {}, world {w}",
             send.len,
             recv.len

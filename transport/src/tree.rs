@@ -56,7 +56,7 @@ impl TreeSum {
     /// Pushes the sum of the aligned block `[first, first + 2^level)` (the last block of the
     /// batch may be partial: it is the same tree node with its absent leaves left out).
     pub fn push_block(&mut self, first: usize, level: u32, mut sum: Vec<f32>) -> Result<(), TreeError> {
-        if first % (1usize << level) != 0 {
+        if !first.is_multiple_of(1usize << level) {
             return Err(TreeError::Unaligned { first, level });
         }
         if first != self.next_leaf {

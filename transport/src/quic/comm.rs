@@ -1,9 +1,7 @@
 //! [`QuicComm`]: one rank's [`Collective`] handle over QUIC — operation descriptors, the
 //! algorithms, timeouts, abort and the graceful leave.
 
-use super::frame::{
-    read_payload_into, read_payload_vec, read_payload_visit, Control, FrameError, Key, OpDesc, Payload, ELEM_F32, ELEM_F64,
-};
+use super::frame::{read_payload_add, read_payload_into, read_payload_vec, Control, FrameError, Key, OpDesc, Payload, ELEM_F32, ELEM_F64};
 use super::net::{
     broadcast_abort, build_mesh, close_reason, endpoint_config, reject, runtime_workers, serve_peer, size_socket_buffers, transport_config,
     tune_allocator, write_stream, ClusterSpec, Delivery, Fail, GsoSplit, QuicError, Shared, CLOSE_ABORTED, CLOSE_BYE,
@@ -65,6 +63,13 @@ fn add_into<T: Elem>(acc: &mut [T], x: &[T]) {
     acc.iter_mut().zip(x).for_each(|(a, b)| *a += *b);
 }
 
+/// Makes `v` `n` long, zero-filling only what it never held (its values are about to be
+/// overwritten whole).
+fn set_len<T: bytemuck::Pod>(v: &mut Vec<T>, n: usize) {
+    v.truncate(n);
+    v.resize(n, T::zeroed());
+}
+
 fn ends_of(ranges: &[Range<usize>]) -> Vec<u64> {
     ranges.iter().map(|r| r.end as u64).collect()
 }
@@ -80,12 +85,11 @@ fn split_pair<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut
     }
 }
 
-/// Buffers a rank reuses across calls, per element type: the reduced slice it owns and one
-/// payload chunk being added in.
+/// A buffer a rank reuses across calls, per element type: a slice (an all-reduce's own
+/// contribution kept aside, a gathered slice being visited).
 #[derive(Default)]
 struct Scratch<T> {
     owned: Vec<T>,
-    chunk: Vec<T>,
 }
 
 /// One collective in progress: its number, operation and deadline.
@@ -208,24 +212,15 @@ async fn rx_into<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usiz
     }
 }
 
-/// Receives `from`'s message `key` of `want` values chunk by chunk through `chunk`, handing each
-/// piece to `f(offset, values)` in order.
-async fn rx_visit<T: Elem>(
-    shared: &Shared,
-    conn: Option<&Connection>,
-    from: usize,
-    key: Key,
-    want: usize,
-    chunk: &mut Vec<T>,
-    mut f: impl FnMut(usize, &[T]),
-) -> Result<(), Fail> {
+/// Receives `from`'s message `key` of exactly `acc.len()` values and adds them into `acc`.
+async fn rx_add<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usize, key: Key, acc: &mut [T]) -> Result<(), Fail> {
     match shared.wait_for(from, key).await? {
         Delivery::Stream { elem, elems, mut stream } => {
-            let check = check_header::<T>(from, key, elem, elems, Some(want));
-            read_stream(shared, conn, from, check, read_payload_visit(&mut stream, want, chunk, f)).await
+            let check = check_header::<T>(from, key, elem, elems, Some(acc.len()));
+            read_stream(shared, conn, from, check, read_payload_add(&mut stream, acc)).await
         }
         d => {
-            f(0, &take_data::<T>(from, key, d, Some(want))?);
+            add_into(acc, &take_data::<T>(from, key, d, Some(acc.len()))?);
             Ok(())
         }
     }
@@ -432,37 +427,36 @@ impl QuicComm {
         Ok((call, all))
     }
 
-    /// `out ← Σ_q input_q[ranges[rank]]` in rank order: every rank sends each owner its slice
-    /// directly (see the module doc for why this is not a summing ring), all sends at once, while
-    /// it receives the peers' slices in rank order, adding each chunk in as it arrives (rank 0's
-    /// slice lands in `out` directly).
+    /// `out ← Σ_q x_q` in rank order, where `x_q` is rank `q`'s slice for this rank (`parts[r]`
+    /// is what this rank sends rank `r`; `own` is its own contribution, or `None` when `out`
+    /// already holds it and this is rank 0). Every rank sends each owner its slice directly (see
+    /// the module doc for why this is not a summing ring), all sends at once, while it receives
+    /// the peers' slices in rank order, adding each chunk in as it arrives (rank 0's slice lands
+    /// in `out` directly).
     fn reduce_to_owner<T: Elem>(
         &mut self,
         call: Call,
         step: u32,
-        input: &[T],
-        ranges: &[Range<usize>],
+        parts: &[&[T]],
+        own: Option<&[T]>,
         out: &mut [T],
-        chunk: &mut Vec<T>,
     ) -> Result<(), CollectiveError> {
         let (rank, world, shared) = (self.rank, self.world, &*self.shared);
+        debug_assert!(own.is_some() || rank == 0, "only rank 0 reduces onto its own contribution");
         let key = Key::Coll { seq: call.seq, step };
-        let sends: Vec<Step> = (1..world)
-            .map(|s| (rank + s) % world)
-            .map(|to| Box::pin(tx(shared, self.conn(to), to, key, &input[ranges[to].clone()])) as Step)
-            .collect();
-        let mine = &input[ranges[rank].clone()];
+        let sends: Vec<Step> =
+            (1..world).map(|s| (rank + s) % world).map(|to| Box::pin(tx(shared, self.conn(to), to, key, parts[to])) as Step).collect();
         let recvs = async {
             for from in 0..world {
                 match (from == rank, from == 0) {
-                    (true, true) => out.copy_from_slice(mine),
-                    (true, false) => add_into(out, mine),
-                    (false, true) => rx_into(shared, self.conn(from), from, key, out).await?,
-                    (false, false) => {
-                        let n = out.len();
-                        let add = |at: usize, x: &[T]| add_into(&mut out[at..at + x.len()], x);
-                        rx_visit(shared, self.conn(from), from, key, n, chunk, add).await?
+                    (true, true) => {
+                        if let Some(mine) = own {
+                            out.copy_from_slice(mine);
+                        }
                     }
+                    (true, false) => add_into(out, own.unwrap_or(&[])),
+                    (false, true) => rx_into(shared, self.conn(from), from, key, out).await?,
+                    (false, false) => rx_add(shared, self.conn(from), from, key, out).await?,
                 }
             }
             Ok(())
@@ -492,10 +486,26 @@ impl QuicComm {
         same(op, &descs, "a buffer of length", |d| d.lens.first().copied())?;
         let ranges = even_ranges(buf.len(), self.world);
         let mine = ranges[self.rank].clone();
-        scratch.owned.clear();
-        scratch.owned.resize(mine.len(), T::zeroed());
-        self.reduce_to_owner(call, 0, buf, &ranges, &mut scratch.owned, &mut scratch.chunk)?;
-        buf[mine].copy_from_slice(&scratch.owned);
+        // The sum lands in place in `buf[mine]`. Rank 0 adds onto its own slice; the others
+        // first keep theirs aside, since rank 0's slice is written over it (sums stay in rank order).
+        let (lo, rest) = buf.split_at_mut(mine.start);
+        let (out, hi) = rest.split_at_mut(mine.len());
+        let parts: Vec<&[T]> = ranges
+            .iter()
+            .map(|r| match r.end <= mine.start {
+                true => &lo[r.clone()],
+                false => &hi[r.start.saturating_sub(mine.end)..r.end.saturating_sub(mine.end)],
+            })
+            .collect();
+        let own = match self.rank {
+            0 => None,
+            _ => {
+                set_len(&mut scratch.owned, out.len());
+                scratch.owned.copy_from_slice(out);
+                Some(&scratch.owned[..])
+            }
+        };
+        self.reduce_to_owner(call, 0, &parts, own, out)?;
         self.ring_gather(call, 1, &ranges, buf)?;
         self.stats.record(ring_all_reduce_traffic(buf.len(), self.world, self.rank, T::BYTES));
         Ok(())
@@ -629,10 +639,8 @@ impl Collective for QuicComm {
         if let Some(r) = (0..self.world).find(|&r| descs[r].lens.get(1) != Some(&(ranges[r].len() as u64))) {
             return Err(mismatch(op, format!("rank {r} passed an output of {:?} for {} elements", descs[r].lens.get(1), ranges[r].len())));
         }
-        let mut scratch = std::mem::take(&mut self.scratch_f32);
-        let r = self.reduce_to_owner(call, 0, input, ranges, out, &mut scratch.chunk);
-        self.scratch_f32 = scratch;
-        r?;
+        let parts: Vec<&[f32]> = ranges.iter().map(|r| &input[r.clone()]).collect();
+        self.reduce_to_owner(call, 0, &parts, Some(parts[self.rank]), out)?;
         self.stats.record(ring_reduce_scatter_traffic(ranges, self.rank, 4));
         Ok(())
     }
@@ -675,8 +683,7 @@ impl Collective for QuicComm {
                 if from == rank {
                     visit(from, &input[mine.clone()]);
                 } else {
-                    slice.clear();
-                    slice.resize(mine.len(), 0.0);
+                    set_len(slice, mine.len());
                     rx_into(shared, self.conn(from), from, key, slice).await?;
                     visit(from, slice);
                 }

@@ -11,22 +11,25 @@
 //! end of stream (any trailing byte is an error)
 //! ```
 //!
-//! Payload bytes are read straight into their destination — the caller's tensor
-//! ([`read_payload_into`]), a reused chunk buffer ([`read_payload_visit`]) or a new
-//! `Vec<f32>`/`Vec<f64>` — so they are aligned and copied once; the byte order is the host's: the backend assumes little-endian hosts (x86-64,
-//! aarch64). QUIC's AEAD already protects against tampering on the wire; the per-chunk CRC32C
+//! The sender copies each chunk once, behind its prefix, into a buffer that quinn keeps as it is
+//! ([`Sends`]). The receiver takes the buffers quinn decrypted the packets into ([`Pieces`]),
+//! checks a chunk's CRC32C over them, and only then copies it into its destination — the
+//! caller's tensor ([`read_payload_into`]), a reused buffer ([`read_payload_visit`]) or a new
+//! `Vec<f32>`/`Vec<f64>` — or adds it in place ([`read_payload_add`]). The byte order is the
+//! host's: the backend assumes little-endian hosts (x86-64, aarch64). QUIC's AEAD already protects against tampering on the wire; the per-chunk CRC32C
 //! catches framing bugs and memory corruption between the socket and the tensor.
 
+use bytes::Bytes;
 use rkyv::rancor;
 use rkyv::util::AlignedVec;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Largest accepted control header, in bytes.
 pub const FRAME_BYTES_MAX: usize = 1 << 20;
 /// Largest payload chunk accepted, in bytes.
 pub const CHUNK_BYTES_MAX: usize = 1 << 20;
 /// Payload chunk the sender writes (all but the last chunk have exactly this size): 256 KiB stays
-/// in a core's L2 cache between computing its checksum and copying it, on both sides.
+/// in a core's L2 cache between copying it and computing its checksum, on both sides (1 MiB
+/// chunks measured no cheaper: docs/PERFORMANCE.md).
 pub const SEND_CHUNK_BYTES: usize = 256 << 10;
 /// Messages up to this size (header, one chunk prefix and payload) are written in one piece.
 pub const COALESCE_BYTES_MAX: usize = 16 << 10;
@@ -117,15 +120,41 @@ pub fn encode_control(control: &Control) -> Vec<u8> {
 pub fn decode_control(bytes: &[u8]) -> Result<Control, FrameError> {
     let mut aligned = AlignedVec::<16>::with_capacity(bytes.len());
     aligned.extend_from_slice(bytes);
-    rkyv::from_bytes::<Control, rancor::Error>(&aligned).map_err(|e| FrameError::Malformed { detail: e.to_string() })
+    decode_aligned(&aligned)
+}
+
+fn decode_aligned(aligned: &AlignedVec<16>) -> Result<Control, FrameError> {
+    rkyv::from_bytes::<Control, rancor::Error>(aligned).map_err(|e| FrameError::Malformed { detail: e.to_string() })
+}
+
+/// Where a message's bytes go: owned buffers handed over whole. A QUIC send stream keeps each
+/// as it is until the peer acknowledges it (`SendStream::write_chunk`), where a written slice
+/// would be copied into a new buffer of its own first.
+pub trait Sends {
+    /// Queues `bytes` after everything sent before.
+    fn send(&mut self, bytes: Bytes) -> impl std::future::Future<Output = std::io::Result<()>> + Send;
+}
+
+impl Sends for quinn::SendStream {
+    async fn send(&mut self, bytes: Bytes) -> std::io::Result<()> {
+        Ok(self.write_chunk(bytes).await?)
+    }
+}
+
+impl Sends for Vec<u8> {
+    async fn send(&mut self, bytes: Bytes) -> std::io::Result<()> {
+        self.extend_from_slice(&bytes);
+        Ok(())
+    }
 }
 
 /// Writes one message: its header and, for `Control::Data`, `payload` in checksummed chunks of
 /// [`SEND_CHUNK_BYTES`]. A message of at most [`COALESCE_BYTES_MAX`] goes out in a single write
 /// (one QUIC packet on the wire), so a small message never waits for a second wake-up of the
-/// connection. A large payload is written chunk by chunk: each chunk's checksum is computed right
-/// before QUIC copies it, while it is still in the core's cache.
-pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, control: &Control, payload: &[u8]) -> std::io::Result<()> {
+/// connection. A large payload goes out chunk by chunk, each chunk with its prefix in one buffer
+/// ([`checked_chunk`]): the payload is copied once on its way to the wire by this code, and
+/// never again by QUIC before it is packetised.
+pub async fn write_message<W: Sends>(w: &mut W, control: &Control, payload: &[u8]) -> std::io::Result<()> {
     let header = encode_control(control);
     let small = 4 + header.len() + 8 + payload.len() <= COALESCE_BYTES_MAX;
     let mut head = Vec::with_capacity(4 + header.len() + if small { 8 + payload.len() } else { 0 });
@@ -136,40 +165,92 @@ pub async fn write_message<W: AsyncWrite + Unpin>(w: &mut W, control: &Control, 
             head.extend_from_slice(&chunk_prefix(chunk));
             head.extend_from_slice(chunk);
         }
-        return w.write_all(&head).await;
+        return w.send(head.into()).await;
     }
-    w.write_all(&head).await?;
+    w.send(head.into()).await?;
     for chunk in payload.chunks(SEND_CHUNK_BYTES) {
-        w.write_all(&chunk_prefix(chunk)).await?;
-        w.write_all(chunk).await?;
+        w.send(checked_chunk(chunk)).await?;
     }
     Ok(())
+}
+
+/// `[u32 LE length][u32 LE crc32c][chunk]` in a new buffer. The chunk is copied first — the
+/// pass that reads the tensor from memory, which a plain copy does fastest — and its checksum is
+/// then computed over the copy, still in the core's cache.
+fn checked_chunk(chunk: &[u8]) -> Bytes {
+    let mut out = Vec::with_capacity(8 + chunk.len());
+    out.extend_from_slice(&[0; 8]);
+    out.extend_from_slice(chunk);
+    let crc = super::crc::crc32c(&out[8..]);
+    out[..4].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
+    out[4..8].copy_from_slice(&crc.to_le_bytes());
+    out.into()
 }
 
 /// `[u32 LE length][u32 LE crc32c]` of one payload chunk.
 fn chunk_prefix(chunk: &[u8]) -> [u8; 8] {
     let mut prefix = [0u8; 8];
     prefix[..4].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
-    prefix[4..].copy_from_slice(&crc32c::crc32c(chunk).to_le_bytes());
+    prefix[4..].copy_from_slice(&super::crc::crc32c(chunk).to_le_bytes());
     prefix
 }
 
-async fn read_exact<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8], what: &'static str) -> Result<(), FrameError> {
-    match r.read_exact(buf).await {
-        Ok(_) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Err(FrameError::Truncated { what }),
-        Err(e) => Err(FrameError::Io(e)),
+/// Where a received message's bytes come from: pieces of the stream in order, each at most as
+/// long as asked for, so that a reader never takes bytes past what it needs.
+///
+/// A QUIC receive stream hands out the buffers its packets were decrypted into
+/// (`RecvStream::read_chunk`), so a payload is copied once, from the packet into its
+/// destination, after its checksum was computed over the packet's bytes. A byte slice (tests,
+/// fuzzing) hands out copies of its front.
+pub trait Pieces {
+    /// The next bytes of the stream, `1..=max` of them (`max > 0`); `None` at its end.
+    fn next_piece(&mut self, max: usize) -> impl std::future::Future<Output = std::io::Result<Option<Bytes>>> + Send;
+}
+
+impl Pieces for quinn::RecvStream {
+    async fn next_piece(&mut self, max: usize) -> std::io::Result<Option<Bytes>> {
+        Ok(self.read_chunk(max, true).await?.map(|c| c.bytes))
     }
 }
 
-async fn read_u32<R: AsyncRead + Unpin>(r: &mut R, what: &'static str) -> Result<u32, FrameError> {
+impl Pieces for &[u8] {
+    async fn next_piece(&mut self, max: usize) -> std::io::Result<Option<Bytes>> {
+        if self.is_empty() {
+            return Ok(None);
+        }
+        let (front, rest) = self.split_at(max.min(self.len()));
+        *self = rest;
+        Ok(Some(Bytes::copy_from_slice(front)))
+    }
+}
+
+/// The next piece of at most `max` bytes, or `Truncated` (naming `what`) at the end of the stream.
+async fn piece<R: Pieces>(r: &mut R, max: usize, what: &'static str) -> Result<Bytes, FrameError> {
+    match r.next_piece(max).await? {
+        Some(p) if !p.is_empty() && p.len() <= max => Ok(p),
+        Some(p) if !p.is_empty() => Err(FrameError::Io(std::io::Error::other(format!("a read returned {} bytes, {max} asked", p.len())))),
+        _ => Err(FrameError::Truncated { what }),
+    }
+}
+
+async fn read_exact<R: Pieces>(r: &mut R, buf: &mut [u8], what: &'static str) -> Result<(), FrameError> {
+    let mut at = 0;
+    while at < buf.len() {
+        let p = piece(r, buf.len() - at, what).await?;
+        buf[at..at + p.len()].copy_from_slice(&p);
+        at += p.len();
+    }
+    Ok(())
+}
+
+async fn read_u32<R: Pieces>(r: &mut R, what: &'static str) -> Result<u32, FrameError> {
     let mut b = [0u8; 4];
     read_exact(r, &mut b, what).await?;
     Ok(u32::from_le_bytes(b))
 }
 
 /// Reads one whole message (header, payload, end of stream), validating everything.
-pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Control, Option<Payload>), FrameError> {
+pub async fn read_message<R: Pieces>(r: &mut R) -> Result<(Control, Option<Payload>), FrameError> {
     let control = read_header(r).await?;
     let payload = read_body(r, &control).await?;
     Ok((control, payload))
@@ -177,7 +258,7 @@ pub async fn read_message<R: AsyncRead + Unpin>(r: &mut R) -> Result<(Control, O
 
 /// Reads what follows `control`'s header: the payload of a `Data` message into a new vector,
 /// then the end of the stream.
-pub async fn read_body<R: AsyncRead + Unpin>(r: &mut R, control: &Control) -> Result<Option<Payload>, FrameError> {
+pub async fn read_body<R: Pieces>(r: &mut R, control: &Control) -> Result<Option<Payload>, FrameError> {
     let payload = match control {
         Control::Data { elem, elems, .. } => Some(read_payload(r, *elem, *elems).await?),
         _ => None,
@@ -188,26 +269,27 @@ pub async fn read_body<R: AsyncRead + Unpin>(r: &mut R, control: &Control) -> Re
 
 /// Reads and validates a message's control header; a `Data` payload follows (read it with
 /// [`read_body`], [`read_payload_into`], [`read_payload_visit`] or [`read_payload_vec`]).
-pub async fn read_header<R: AsyncRead + Unpin>(r: &mut R) -> Result<Control, FrameError> {
+pub async fn read_header<R: Pieces>(r: &mut R) -> Result<Control, FrameError> {
     let header_len = read_u32(r, "the header length").await? as usize;
     if header_len > FRAME_BYTES_MAX {
         return Err(FrameError::Oversized { what: "control header", bytes: header_len as u64, limit: FRAME_BYTES_MAX as u64 });
     }
-    let mut header = vec![0u8; header_len];
-    read_exact(r, &mut header, "the control header").await?;
-    decode_control(&header)
+    let mut header = AlignedVec::<16>::with_capacity(header_len);
+    while header.len() < header_len {
+        header.extend_from_slice(&piece(r, header_len - header.len(), "the control header").await?);
+    }
+    decode_aligned(&header)
 }
 
 /// Checks that the stream ends here (any further byte is an error).
-pub async fn read_end<R: AsyncRead + Unpin>(r: &mut R) -> Result<(), FrameError> {
-    let mut extra = [0u8; 64];
-    match r.read(&mut extra).await? {
-        0 => Ok(()),
-        n => Err(FrameError::Trailing { extra: n }),
+pub async fn read_end<R: Pieces>(r: &mut R) -> Result<(), FrameError> {
+    match r.next_piece(64).await? {
+        None => Ok(()),
+        Some(p) => Err(FrameError::Trailing { extra: p.len() }),
     }
 }
 
-async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, elem: u8, elems: u64) -> Result<Payload, FrameError> {
+async fn read_payload<R: Pieces>(r: &mut R, elem: u8, elems: u64) -> Result<Payload, FrameError> {
     match elem {
         ELEM_F32 => Ok(Payload::F32(read_chunks_vec(r, elems).await?)),
         ELEM_F64 => Ok(Payload::F64(read_chunks_vec(r, elems).await?)),
@@ -216,15 +298,16 @@ async fn read_payload<R: AsyncRead + Unpin>(r: &mut R, elem: u8, elems: u64) -> 
 }
 
 /// Reads a payload of exactly `dest.len()` values straight into `dest`, then the end of the stream.
-/// The caller has checked the header's element type and count against `dest`.
-pub async fn read_payload_into<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, dest: &mut [T]) -> Result<(), FrameError> {
-    read_chunks(r, dest.len(), &mut IntoSlice(dest)).await?;
+/// The caller has checked the header's element type and count against `dest`. A chunk lands in
+/// `dest` only after its checksum passed.
+pub async fn read_payload_into<R: Pieces, T: bytemuck::Pod>(r: &mut R, dest: &mut [T]) -> Result<(), FrameError> {
+    read_chunks::<_, T, _>(r, dest.len(), &mut IntoSlice(bytemuck::cast_slice_mut(dest))).await?;
     read_end(r).await
 }
 
 /// Reads a payload of `elems` values chunk by chunk through `buf` (at most one chunk in memory,
 /// reused across calls), handing each checked chunk to `f(offset, values)`; then the end of the stream.
-pub async fn read_payload_visit<R: AsyncRead + Unpin, T: bytemuck::Pod>(
+pub async fn read_payload_visit<R: Pieces, T: bytemuck::Pod>(
     r: &mut R,
     elems: usize,
     buf: &mut Vec<T>,
@@ -234,9 +317,17 @@ pub async fn read_payload_visit<R: AsyncRead + Unpin, T: bytemuck::Pod>(
     read_end(r).await
 }
 
+/// Adds a payload of exactly `dest.len()` values into `dest` (`dest[i] += value i`), straight
+/// from the received packets' buffers (no copy of the values), each chunk once its checksum
+/// passed; then the end of the stream. The caller has checked the header against `dest`.
+pub async fn read_payload_add<R: Pieces, T: bytemuck::Pod + std::ops::AddAssign>(r: &mut R, dest: &mut [T]) -> Result<(), FrameError> {
+    read_chunks(r, dest.len(), &mut AddInto(dest)).await?;
+    read_end(r).await
+}
+
 /// Reads a payload of `elems` values into a new vector (bounded by [`MESSAGE_BYTES_MAX`]), then
 /// the end of the stream.
-pub async fn read_payload_vec<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
+pub async fn read_payload_vec<R: Pieces, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
     let v = read_chunks_vec(r, elems).await?;
     read_end(r).await?;
     Ok(v)
@@ -249,8 +340,9 @@ fn reserve_elems(total_bytes: usize, size: usize) -> usize {
 
 /// Reads `elems` values of `T` into a new (aligned) vector. It grows only as chunks arrive (at
 /// most [`PREALLOC_BYTES_MAX`] reserved up front), so a header announcing a huge payload cannot
-/// make the receiver allocate memory it never fills.
-async fn read_chunks_vec<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
+/// make the receiver allocate memory it never fills; its memory is written once, by the copy
+/// from the packets (never zero-filled first).
+async fn read_chunks_vec<R: Pieces, T: bytemuck::Pod>(r: &mut R, elems: u64) -> Result<Vec<T>, FrameError> {
     let size = std::mem::size_of::<T>();
     let total = elems.saturating_mul(size as u64);
     if total > MESSAGE_BYTES_MAX {
@@ -261,31 +353,53 @@ async fn read_chunks_vec<R: AsyncRead + Unpin, T: bytemuck::Pod>(r: &mut R, elem
     Ok(grow.0)
 }
 
-/// Where the chunks of a payload land.
+/// Where the checked chunks of a payload land.
 trait Sink<T> {
-    /// The `n` values starting at value `at` of the payload, to be filled by the next chunk.
-    fn slot(&mut self, at: usize, n: usize) -> &mut [T];
-    /// The chunk in `slot(at, n)` has arrived and passed its checksum.
-    fn filled(&mut self, at: usize, n: usize);
+    /// The chunk of `n` values starting at value `at` of the payload has arrived, as `pieces`
+    /// (`n × size_of::<T>()` bytes in all), and passed its checksum.
+    fn put(&mut self, at: usize, n: usize, pieces: &[Bytes]);
 }
 
-struct IntoSlice<'a, T>(&'a mut [T]);
-
-impl<T> Sink<T> for IntoSlice<'_, T> {
-    fn slot(&mut self, at: usize, n: usize) -> &mut [T] {
-        &mut self.0[at..at + n]
+/// Copies `pieces` one after the other into `dest`, which is exactly as long as all of them.
+fn copy_pieces(dest: &mut [u8], pieces: &[Bytes]) {
+    let mut at = 0;
+    for p in pieces {
+        dest[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
     }
-    fn filled(&mut self, _: usize, _: usize) {}
+}
+
+/// The payload's bytes land in a caller's tensor (as bytes).
+struct IntoSlice<'a>(&'a mut [u8]);
+
+impl<T: bytemuck::Pod> Sink<T> for IntoSlice<'_> {
+    fn put(&mut self, at: usize, n: usize, pieces: &[Bytes]) {
+        let size = std::mem::size_of::<T>();
+        copy_pieces(&mut self.0[at * size..(at + n) * size], pieces);
+    }
 }
 
 struct Grow<T>(Vec<T>);
 
 impl<T: bytemuck::Pod> Sink<T> for Grow<T> {
-    fn slot(&mut self, at: usize, n: usize) -> &mut [T] {
-        self.0.resize(at + n, T::zeroed());
-        &mut self.0[at..]
+    fn put(&mut self, at: usize, n: usize, pieces: &[Bytes]) {
+        let size = std::mem::size_of::<T>();
+        assert_eq!(at, self.0.len(), "chunks arrive in order");
+        assert_eq!(pieces.iter().map(Bytes::len).sum::<usize>(), n * size, "a chunk's pieces hold exactly its values");
+        self.0.reserve(n);
+        let dest = self.0.spare_capacity_mut().as_mut_ptr().cast::<u8>();
+        let mut off = 0;
+        for p in pieces {
+            // SAFETY: `reserve(n)` left room for `n` values (`n × size` bytes) after the length;
+            // the pieces add up to exactly that (asserted above), and they do not overlap the
+            // vector's own allocation.
+            unsafe { std::ptr::copy_nonoverlapping(p.as_ptr(), dest.add(off), p.len()) };
+            off += p.len();
+        }
+        // SAFETY: the `n` values after the old length were just written in full, and every bit
+        // pattern is a valid `T` (Pod).
+        unsafe { self.0.set_len(at + n) };
     }
-    fn filled(&mut self, _: usize, _: usize) {}
 }
 
 struct Visit<'a, T, F> {
@@ -294,37 +408,80 @@ struct Visit<'a, T, F> {
 }
 
 impl<T: bytemuck::Pod, F: FnMut(usize, &[T])> Sink<T> for Visit<'_, T, F> {
-    fn slot(&mut self, _: usize, n: usize) -> &mut [T] {
+    fn put(&mut self, at: usize, n: usize, pieces: &[Bytes]) {
+        // Values are handed on aligned: the pieces are copied into the reused buffer (which
+        // stays in cache), zero-filled only where it grows.
+        self.buf.truncate(n);
         self.buf.resize(n, T::zeroed());
-        &mut self.buf[..n]
-    }
-    fn filled(&mut self, at: usize, n: usize) {
+        copy_pieces(bytemuck::cast_slice_mut(&mut self.buf[..]), pieces);
         (self.f)(at, &self.buf[..n]);
+    }
+}
+
+/// Adds each chunk's values into a caller's tensor, reading them unaligned from the pieces (a
+/// value cut between two pieces is put together first).
+struct AddInto<'a, T>(&'a mut [T]);
+
+impl<T: bytemuck::Pod + std::ops::AddAssign> Sink<T> for AddInto<'_, T> {
+    fn put(&mut self, at: usize, n: usize, pieces: &[Bytes]) {
+        let size = std::mem::size_of::<T>();
+        let dest = &mut self.0[at..at + n];
+        let (mut i, mut cut, mut have) = (0usize, [0u8; 16], 0usize);
+        debug_assert!(size <= cut.len());
+        for p in pieces {
+            let mut b: &[u8] = p;
+            if have > 0 {
+                let take = (size - have).min(b.len());
+                cut[have..have + take].copy_from_slice(&b[..take]);
+                (have, b) = (have + take, &b[take..]);
+                if have < size {
+                    continue;
+                }
+                dest[i] += bytemuck::pod_read_unaligned(&cut[..size]);
+                i += 1; // `have` is set below, from what is left of this piece
+            }
+            let whole = b.len() / size;
+            for (d, x) in dest[i..i + whole].iter_mut().zip(b.chunks_exact(size)) {
+                *d += bytemuck::pod_read_unaligned(x);
+            }
+            i += whole;
+            let rest = &b[whole * size..];
+            cut[..rest.len()].copy_from_slice(rest);
+            have = rest.len();
+        }
+        debug_assert!(i == n && have == 0, "a chunk's pieces hold exactly its values");
     }
 }
 
 /// Reads the checksummed chunks of a payload of `elems` values of `T` into `sink`. Every chunk
 /// is validated (non-empty, ≤ [`CHUNK_BYTES_MAX`], within the announced size, whole values)
-/// before a byte of it is read, and its checksum before it is handed on.
-async fn read_chunks<R: AsyncRead + Unpin, T: bytemuck::Pod, S: Sink<T>>(r: &mut R, elems: usize, sink: &mut S) -> Result<(), FrameError> {
+/// before a byte of it is read, and its checksum — computed over the received pieces as they
+/// arrive — before it is handed on.
+async fn read_chunks<R: Pieces, T: bytemuck::Pod, S: Sink<T>>(r: &mut R, elems: usize, sink: &mut S) -> Result<(), FrameError> {
     let size = std::mem::size_of::<T>();
     let (mut at, mut index) = (0usize, 0u64);
+    let mut pieces: Vec<Bytes> = Vec::new();
     while at < elems {
         let len = read_u32(r, "a chunk length").await? as usize;
         let want = read_u32(r, "a chunk checksum").await?;
         let left = (elems - at) * size;
-        if len == 0 || len > CHUNK_BYTES_MAX || len > left || len % size != 0 {
+        if len == 0 || len > CHUNK_BYTES_MAX || len > left || !len.is_multiple_of(size) {
             let detail = format!("length {len} (limit {CHUNK_BYTES_MAX}, {left} bytes left, element size {size})");
             return Err(FrameError::BadChunk { index, detail });
         }
-        let n = len / size;
-        let chunk: &mut [u8] = bytemuck::cast_slice_mut(sink.slot(at, n));
-        read_exact(r, chunk, "a chunk").await?;
-        let got = crc32c::crc32c(chunk);
-        if got != want {
-            return Err(FrameError::Checksum { index, got, want });
+        pieces.clear();
+        let (mut got, mut crc) = (0usize, 0u32);
+        while got < len {
+            let p = piece(r, len - got, "a chunk").await?;
+            crc = super::crc::crc32c_append(crc, &p);
+            got += p.len();
+            pieces.push(p);
         }
-        sink.filled(at, n);
+        if crc != want {
+            return Err(FrameError::Checksum { index, got: crc, want });
+        }
+        let n = len / size;
+        sink.put(at, n, &pieces);
         at += n;
         index += 1;
     }
@@ -450,6 +607,53 @@ mod tests {
         assert_eq!(block_on(read_payload_vec::<_, f32>(&mut body, n as u64)).unwrap(), v);
     }
 
+    /// A stream that hands out pieces of odd sizes (as QUIC does: one per packet, cut anywhere).
+    struct Dribble<'a>(&'a [u8], usize);
+
+    impl Pieces for Dribble<'_> {
+        async fn next_piece(&mut self, max: usize) -> std::io::Result<Option<Bytes>> {
+            const SIZES: [usize; 6] = [1, 3, 7, 64, 1000, 65_000];
+            self.1 += 1;
+            let mut front = &self.0[..self.0.len().min(SIZES[self.1 % SIZES.len()])];
+            let got = front.next_piece(max).await?;
+            self.0 = &self.0[got.as_ref().map_or(0, Bytes::len)..];
+            Ok(got)
+        }
+    }
+
+    #[test]
+    fn payloads_cut_into_odd_pieces_land_whole_in_every_sink() {
+        let n = SEND_CHUNK_BYTES / 4 * 2 + 5;
+        let (c, v, wire) = data_message(n);
+        assert_eq!(block_on(read_message(&mut Dribble(&wire, 0))).unwrap(), (c, Some(Payload::F32(v.clone()))));
+        let mut r = Dribble(&wire, 1);
+        block_on(read_header(&mut r)).unwrap();
+        let mut dest = vec![0f32; n];
+        block_on(read_payload_into(&mut r, &mut dest)).unwrap();
+        assert_eq!(dest, v);
+        let mut r = Dribble(&wire, 2);
+        block_on(read_header(&mut r)).unwrap();
+        let (mut seen, mut chunk) = (vec![f32::NAN; n], vec![9.0; 3]);
+        block_on(read_payload_visit(&mut r, n, &mut chunk, |at, x| seen[at..at + x.len()].copy_from_slice(x))).unwrap();
+        assert_eq!(seen, v);
+        let mut r = Dribble(&wire, 4);
+        block_on(read_header(&mut r)).unwrap();
+        let mut sum: Vec<f32> = (0..n).map(|i| i as f32).collect();
+        block_on(read_payload_add(&mut r, &mut sum)).unwrap();
+        assert!(sum.iter().zip(&v).enumerate().all(|(i, (&s, &x))| s.to_bits() == (i as f32 + x).to_bits()));
+        let f64s: Vec<f64> = (0..1000).map(|i| i as f64 * 0.25 - 7.0).collect();
+        let c64 = Control::Data { key: Key::Coll { seq: 1, step: 0 }, elem: ELEM_F64, elems: 1000 };
+        let wire64 = encode(&c64, bytemuck::cast_slice(&f64s));
+        let mut r = Dribble(&wire64, 0);
+        block_on(read_header(&mut r)).unwrap();
+        let mut sum64 = vec![1.0f64; 1000];
+        block_on(read_payload_add(&mut r, &mut sum64)).unwrap();
+        assert!(sum64.iter().zip(&f64s).all(|(&s, &x)| s.to_bits() == (1.0 + x).to_bits()));
+        let mut flipped = wire.clone();
+        flipped[wire.len() - 100] ^= 4; // in the second chunk (the third is 28 bytes)
+        assert!(matches!(block_on(read_message(&mut Dribble(&flipped, 3))), Err(FrameError::Checksum { index: 1, .. })));
+    }
+
     #[test]
     fn payloads_read_into_place_are_still_validated() {
         let (_, _, wire) = data_message(SEND_CHUNK_BYTES / 4 + 3);
@@ -458,6 +662,8 @@ mod tests {
         let (_, mut body) = after_header(&flipped);
         let mut dest = vec![0f32; SEND_CHUNK_BYTES / 4 + 3];
         assert!(matches!(block_on(read_payload_into(&mut body, &mut dest)), Err(FrameError::Checksum { index: 1, .. })));
+        // The failing chunk never landed: only the first one did.
+        assert!(dest[SEND_CHUNK_BYTES / 4..].iter().all(|&x| x == 0.0));
         let mut longer = wire.clone();
         longer.extend_from_slice(&[1, 2]);
         let (_, mut body) = after_header(&longer);
@@ -473,24 +679,14 @@ mod tests {
         assert!(matches!(block_on(read_payload_vec::<_, f32>(&mut body, huge)), Err(FrameError::Oversized { .. })));
     }
 
-    /// Counts the writes a message takes.
+    /// Counts the buffers a message takes.
     struct CountingWriter(Vec<u8>, usize);
 
-    impl AsyncWrite for CountingWriter {
-        fn poll_write(
-            mut self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-            b: &[u8],
-        ) -> std::task::Poll<std::io::Result<usize>> {
-            self.0.extend_from_slice(b);
+    impl Sends for CountingWriter {
+        async fn send(&mut self, bytes: Bytes) -> std::io::Result<()> {
+            self.0.extend_from_slice(&bytes);
             self.1 += 1;
-            std::task::Poll::Ready(Ok(b.len()))
-        }
-        fn poll_flush(self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
-        }
-        fn poll_shutdown(self: std::pin::Pin<&mut Self>, _: &mut std::task::Context<'_>) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
+            Ok(())
         }
     }
 
@@ -500,10 +696,10 @@ mod tests {
         let mut w = CountingWriter(Vec::new(), 0);
         block_on(write_message(&mut w, &c, bytemuck::cast_slice(&v))).unwrap();
         assert_eq!((w.0, w.1), (wire, 1));
-        let (c, v, wire) = data_message(SEND_CHUNK_BYTES / 4 * 2);
+        let (c, v, wire) = data_message(SEND_CHUNK_BYTES / 4 * 2 + 1);
         let mut w = CountingWriter(Vec::new(), 0);
         block_on(write_message(&mut w, &c, bytemuck::cast_slice(&v))).unwrap();
-        assert_eq!((w.0, w.1), (wire, 1 + 2 * 2));
+        assert_eq!((w.0, w.1), (wire, 1 + 3)); // the header, then each chunk with its prefix
     }
 
     /// Found by `fuzz/` (quic_frame): a header-only message announcing gigabytes of f32 values made

@@ -10,6 +10,8 @@
 //!   ([`frame::FRAME_BYTES_MAX`], [`frame::CHUNK_BYTES_MAX`], [`frame::MESSAGE_BYTES_MAX`]); a
 //!   malformed, oversized or checksum-failing frame closes that peer's connection with a logged
 //!   reason (stderr) and the peer is reported as gone — never a panic.
+//! - [`crc`]: the chunks' CRC32C — carry-less-multiplication folding on CPUs with 512-bit
+//!   `VPCLMULQDQ`, else the `crc32c` crate; the same checksum either way.
 //! - [`control`]: the control plane's connections ([`ControlEndpoint`], [`ControlConn`]): one per
 //!   driver ↔ worker pair, ordered frame lanes (requests; actor messages) and bulk transfers on
 //!   their own streams, with [`pki::JoinToken`] admission for agents without a certificate.
@@ -27,8 +29,8 @@
 //! (sender, key). The caller's thread runs each step of an algorithm — its sends and its
 //! receives together — as one future with `Runtime::block_on`, so a rank always reads while it
 //! writes (no deadlock whatever the message sizes), and it reads a collective's payload from
-//! the QUIC stream straight into the destination tensor (or, when reducing, chunk by chunk into
-//! a reused 256 KiB buffer that is added in at once). Waiting on the inbox is a `Notify`, not a
+//! quinn's packet buffers straight into the destination tensor (or, when reducing, adds it in
+//! from those buffers). Waiting on the inbox is a `Notify`, not a
 //! blocked thread. Every wait is bounded by the handle's `timeout_ms`; a timeout aborts the
 //! group and tells the peers (an `Abort` message), as does
 //! [`AbortHandle::abort`](crate::collective::AbortHandle::abort), which also ends any step in
@@ -72,6 +74,7 @@
 
 pub mod comm;
 pub mod control;
+pub mod crc;
 pub mod frame;
 pub mod net;
 pub mod pki;

@@ -94,6 +94,10 @@ fn every_op<C: Collective>(c: &mut C, len: usize) -> Vec<Vec<u64>> {
     let mut buf = mine.clone();
     c.all_reduce_sum(&mut buf).unwrap();
     out.push(to64(&buf));
+    // A shorter one next, so reused buffers shrink (their old contents must not leak in).
+    let mut short = data(5, rank, len / 2 + 1);
+    c.all_reduce_sum(&mut short).unwrap();
+    out.push(to64(&short));
     let mut buf64: Vec<f64> = mine.iter().map(|&v| f64::from(v) * 1.1).collect();
     c.all_reduce_sum_f64(&mut buf64).unwrap();
     out.push(buf64.iter().map(|v| v.to_bits()).collect());
@@ -398,4 +402,33 @@ fn abort_wakes_a_sender_blocked_by_flow_control_and_the_group_closes_at_once() {
         }
         other => panic!("the connection ended with {other:?}"),
     }
+}
+
+/// Both ends prefer TLS 1.3's AES-128-GCM (`pki::provider`), so that is what every connection's
+/// packets are sealed with (quinn does not report the suite: this runs the same configs' handshake
+/// in memory).
+#[test]
+fn mutual_tls_negotiates_aes_128_gcm() {
+    let dir = temp_dir("suite");
+    cluster_init(&dir, &["node-0", "node-1"]).unwrap();
+    let server = Arc::new(NodeTls::load(&dir, "node-0").unwrap().server_config().unwrap());
+    let client = Arc::new(NodeTls::load(&dir, "node-1").unwrap().client_config().unwrap());
+    let mut c = rustls::ClientConnection::new(client, "node-0".try_into().unwrap()).unwrap();
+    let mut s = rustls::ServerConnection::new(server).unwrap();
+    let mut wire = Vec::new();
+    for _ in 0..8 {
+        wire.clear();
+        c.write_tls(&mut wire).unwrap();
+        s.read_tls(&mut &wire[..]).unwrap();
+        s.process_new_packets().unwrap();
+        wire.clear();
+        s.write_tls(&mut wire).unwrap();
+        c.read_tls(&mut &wire[..]).unwrap();
+        c.process_new_packets().unwrap();
+    }
+    assert!(!c.is_handshaking() && !s.is_handshaking(), "the in-memory handshake did not finish");
+    assert!(s.peer_certificates().is_some_and(|certs| !certs.is_empty()), "the client certificate was not required");
+    let aes128 = Some(rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    assert_eq!((c.negotiated_cipher_suite().map(|x| x.suite()), s.negotiated_cipher_suite().map(|x| x.suite())), (aes128, aes128));
+    let _ = std::fs::remove_dir_all(&dir);
 }
