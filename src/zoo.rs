@@ -40,6 +40,11 @@ pub fn presets() -> Vec<Preset> {
             cfg: gpt(50257, 1024, 12, 12, 768),
         },
         Preset {
+            name: "gpt2-1.3b",
+            about: "GPT-2 style ~1.3B: 24 layers, d=2048, 32 heads of 64, ctx 1024, vocab 50257 (GPT-3 XL's width and depth)",
+            cfg: gpt(50257, 1024, 24, 32, 2048),
+        },
+        Preset {
             name: "llama-tiny",
             about: "LLaMA style (RoPE, RMSNorm, SwiGLU), 4 layers, d=128, ctx 128",
             cfg: ModelConfig {
@@ -84,6 +89,9 @@ mod tests {
         assert!((300_000..600_000).contains(&count("gpt-mini-gpu")));
         // GPT-2 124M: 124,439,808 parameters with the tied head.
         assert_eq!(count("gpt2-small"), 124_439_808);
+        let xl = preset("gpt2-1.3b").unwrap();
+        assert_eq!(xl.d_model / xl.n_head, 64, "the GPU attention kernel needs head dimension 64");
+        assert!((1_300_000_000..1_350_000_000).contains(&count("gpt2-1.3b")), "{}", count("gpt2-1.3b"));
         assert!(preset("gpt-huge").unwrap_err().contains("gpt-tiny"));
     }
 }

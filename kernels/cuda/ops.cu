@@ -220,19 +220,20 @@ __device__ __forceinline__ float ln_out(float x, float mu, float r, float w, flo
 // LayerNorm of one row held in registers (lane holds xv[k] = columns 4·(k·32 + lane) .. +3):
 // the register path shared by layernorm_fwd_vec and residual_layernorm_fwd_vec, so both give the
 // same bits for the same row.
-__device__ __forceinline__ void ln_row_regs(const float4 (&xv)[LN_MAXV], int nv, int row, int lane, bf16* __restrict__ out,
+template <int MAXV>
+__device__ __forceinline__ void ln_row_regs(const float4 (&xv)[MAXV], int nv, int row, int lane, bf16* __restrict__ out,
                                             float* __restrict__ mean, float* __restrict__ rstd, const bf16* __restrict__ w,
                                             const bf16* __restrict__ b, int c) {
     // Sums go lane-parallel, then a fixed xor tree (deterministic; differs from the CPU's
     // sequential order by a few ulp).
     float acc = 0.0f;
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++)
+    for (int k = 0; k < MAXV; k++)
         if (k < nv) acc += (xv[k].x + xv[k].y) + (xv[k].z + xv[k].w);
     const float mu = warp_sum(acc) / (float)c;
     acc = 0.0f;
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         if (k < nv) {
             const float a = xv[k].x - mu, bb = xv[k].y - mu, cc = xv[k].z - mu, dd = xv[k].w - mu;
             acc += (a * a + bb * bb) + (cc * cc + dd * dd);
@@ -244,7 +245,7 @@ __device__ __forceinline__ void ln_row_regs(const float4 (&xv)[LN_MAXV], int nv,
     const uint2* b2 = reinterpret_cast<const uint2*>(b);
     uint2* o2 = reinterpret_cast<uint2*>(out + (u64)row * c);
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         if (k < nv) {
             const int q = k * 32 + lane;
             const uint2 wv = w2[q], bv = b2[q];
@@ -260,27 +261,41 @@ __device__ __forceinline__ void ln_row_regs(const float4 (&xv)[LN_MAXV], int nv,
     }
 }
 
-extern "C" __global__ void layernorm_fwd_vec(bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                             const float* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
+template <int MAXV>
+__device__ __forceinline__ void layernorm_fwd_vec_t(bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                                    const float* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ b, int n,
+                                                    int c) {
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= n) return;  // warp-uniform
     const int nv = c >> 7;
     const float4* xr = reinterpret_cast<const float4*>(x + (u64)row * c);
-    float4 xv[LN_MAXV];
+    float4 xv[MAXV];
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++)
+    for (int k = 0; k < MAXV; k++)
         if (k < nv) xv[k] = xr[k * 32 + lane];
-    ln_row_regs(xv, nv, row, lane, out, mean, rstd, w, b, c);
+    ln_row_regs<MAXV>(xv, nv, row, lane, out, mean, rstd, w, b, c);
+}
+
+// The register path: MAXV float4 per lane, c % 128 == 0 and c <= 128·MAXV (LN_MAXV: c <= 1024;
+// the `16` variants: c <= 2048).
+extern "C" __global__ void layernorm_fwd_vec(bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                             const float* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
+    layernorm_fwd_vec_t<LN_MAXV>(out, mean, rstd, x, w, b, n, c);
+}
+extern "C" __global__ void layernorm_fwd_vec16(bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                               const float* __restrict__ x, const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
+    layernorm_fwd_vec_t<2 * LN_MAXV>(out, mean, rstd, x, w, b, n, c);
 }
 
 // The residual add of a projection and the LayerNorm after it in one pass:
 // xo = x + (y + yb) (f32, as residual_bias_add; xo may alias x), then out = LN(xo)·w + b with
 // mean and rstd, as layernorm_fwd_vec on xo — the same bits as the two kernels, without reading
 // xo back. Same conditions as layernorm_fwd_vec (c % 128 == 0, c <= 128·LN_MAXV, aligned).
-extern "C" __global__ void residual_layernorm_fwd_vec(float* xo, bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
-                                                      const float* x, const bf16* __restrict__ y, const bf16* __restrict__ yb,
-                                                      const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
+template <int MAXV>
+__device__ __forceinline__ void residual_layernorm_fwd_vec_t(float* xo, bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                                             const float* x, const bf16* __restrict__ y, const bf16* __restrict__ yb,
+                                                             const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= n) return;  // warp-uniform
@@ -289,9 +304,9 @@ extern "C" __global__ void residual_layernorm_fwd_vec(float* xo, bf16* __restric
     const uint2* yr = reinterpret_cast<const uint2*>(y + (u64)row * c);
     const uint2* yb2 = reinterpret_cast<const uint2*>(yb);
     float4* xor4 = reinterpret_cast<float4*>(xo + (u64)row * c);
-    float4 xv[LN_MAXV];
+    float4 xv[MAXV];
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         if (k < nv) {
             const int q = k * 32 + lane;
             const float4 a = xr[q];
@@ -305,7 +320,18 @@ extern "C" __global__ void residual_layernorm_fwd_vec(float* xo, bf16* __restric
             xv[k] = o;
         }
     }
-    ln_row_regs(xv, nv, row, lane, out, mean, rstd, w, b, c);
+    ln_row_regs<MAXV>(xv, nv, row, lane, out, mean, rstd, w, b, c);
+}
+
+extern "C" __global__ void residual_layernorm_fwd_vec(float* xo, bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                                      const float* x, const bf16* __restrict__ y, const bf16* __restrict__ yb,
+                                                      const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
+    residual_layernorm_fwd_vec_t<LN_MAXV>(xo, out, mean, rstd, x, y, yb, w, b, n, c);
+}
+extern "C" __global__ void residual_layernorm_fwd_vec16(float* xo, bf16* __restrict__ out, float* __restrict__ mean, float* __restrict__ rstd,
+                                                        const float* x, const bf16* __restrict__ y, const bf16* __restrict__ yb,
+                                                        const bf16* __restrict__ w, const bf16* __restrict__ b, int n, int c) {
+    residual_layernorm_fwd_vec_t<2 * LN_MAXV>(xo, out, mean, rstd, x, y, yb, w, b, n, c);
 }
 
 // Any c.
@@ -339,9 +365,10 @@ __device__ __forceinline__ float ln_dx(float dxo, float x, float d, float w, flo
     return FADD(dxo, FMUL(rs, FSUB(FSUB(g, gm), FMUL(xh, gxm))));
 }
 
-extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, bf16* __restrict__ dxb, const bf16* __restrict__ dout,
-                                                const float* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ mean,
-                                                const float* __restrict__ rstd, int n, int c) {
+template <int MAXV>
+__device__ __forceinline__ void layernorm_bwd_dx_vec_t(float* __restrict__ dx, bf16* __restrict__ dxb, const bf16* __restrict__ dout,
+                                                       const float* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ mean,
+                                                       const float* __restrict__ rstd, int n, int c) {
     const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= n) return;
@@ -352,10 +379,10 @@ extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, bf16* __
     const float4* xr = reinterpret_cast<const float4*>(xrow);
     const uint2* dr = reinterpret_cast<const uint2*>(drow);
     const uint2* w2 = reinterpret_cast<const uint2*>(w);
-    float4 xv[LN_MAXV];
-    uint2 dv[LN_MAXV];
+    float4 xv[MAXV];
+    uint2 dv[MAXV];
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         if (k < nv) {
             xv[k] = xr[k * 32 + lane];
             dv[k] = dr[k * 32 + lane];
@@ -364,7 +391,7 @@ extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, bf16* __
     // Register path: g = dout·w and x̂ from registers, lane-parallel sums + fixed xor tree.
     float sg = 0.0f, sgx = 0.0f;
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         if (k < nv) {
             const uint2 wv = w2[k * 32 + lane];
             const float g0 = bf_lo(dv[k].x) * bf_lo(wv.x), g1 = bf_hi(dv[k].x) * bf_hi(wv.x);
@@ -378,7 +405,7 @@ extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, bf16* __
     float4* dxr = reinterpret_cast<float4*>(dx + (u64)row * c);
     uint2* dxb2 = dxb ? reinterpret_cast<uint2*>(dxb + (u64)row * c) : nullptr;
 #pragma unroll
-    for (int k = 0; k < LN_MAXV; k++) {
+    for (int k = 0; k < MAXV; k++) {
         if (k < nv) {
             const int q = k * 32 + lane;
             const uint2 wv = w2[q];
@@ -391,6 +418,17 @@ extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, bf16* __
             if (dxb2) dxb2[q] = make_uint2(pack_bf16x2(o.x, o.y), pack_bf16x2(o.z, o.w));
         }
     }
+}
+
+extern "C" __global__ void layernorm_bwd_dx_vec(float* __restrict__ dx, bf16* __restrict__ dxb, const bf16* __restrict__ dout,
+                                                const float* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ mean,
+                                                const float* __restrict__ rstd, int n, int c) {
+    layernorm_bwd_dx_vec_t<LN_MAXV>(dx, dxb, dout, x, w, mean, rstd, n, c);
+}
+extern "C" __global__ void layernorm_bwd_dx_vec16(float* __restrict__ dx, bf16* __restrict__ dxb, const bf16* __restrict__ dout,
+                                                  const float* __restrict__ x, const bf16* __restrict__ w, const float* __restrict__ mean,
+                                                  const float* __restrict__ rstd, int n, int c) {
+    layernorm_bwd_dx_vec_t<2 * LN_MAXV>(dx, dxb, dout, x, w, mean, rstd, n, c);
 }
 
 extern "C" __global__ void layernorm_bwd_dx_gen(float* __restrict__ dx, bf16* __restrict__ dxb, const bf16* __restrict__ dout, const float* __restrict__ x,

@@ -52,8 +52,24 @@ const COL_THREADS: u32 = 256;
 const COL_THREADS8: u32 = 128;
 /// Threads per block of the cross-entropy kernel (one block per row).
 const CE_THREADS: u32 = 512;
-/// LayerNorm register path: c % 128 == 0 and c ≤ 128·LN_MAXV (must equal LN_MAXV in ops.cu).
+/// LayerNorm register path: c % 128 == 0 and c ≤ 128·LN_MAXV (must equal LN_MAXV in ops.cu);
+/// the kernels named `…16` hold twice as much (c ≤ 256·LN_MAXV).
 const LN_MAXV: usize = 8;
+
+/// Which register-path LayerNorm kernels fit a row of `c` (both give a row's sums in the same
+/// lane-parallel order): `Some(false)` the plain ones (c ≤ 1024), `Some(true)` the `…16` ones
+/// (c ≤ 2048), `None` the generic ones.
+fn ln_wide(c: usize) -> Option<bool> {
+    if c == 0 || c % 128 != 0 {
+        None
+    } else if c <= 128 * LN_MAXV {
+        Some(false)
+    } else if c <= 256 * LN_MAXV {
+        Some(true)
+    } else {
+        None
+    }
+}
 
 fn aligned<T>(p: DPtr<T>, bytes: u64) -> bool {
     p.raw % bytes == 0
@@ -252,11 +268,11 @@ pub fn layernorm_forward(
     assert!(c > 0, "layernorm_forward: c must be > 0");
     let (n_i, c_i) = (i32_of("n", n), i32_of("c", c));
     let cfg = ln_cfg(n);
-    let vec = c % 128 == 0 && c <= 128 * LN_MAXV && aligned(x, 16) && aligned(out, 8) && aligned(w, 8) && aligned(bias, 8);
-    if vec {
-        launch!(gpu, s, "layernorm_fwd_vec", cfg; out.raw, mean.raw, rstd.raw, x.raw, w.raw, bias.raw, n_i, c_i)
-    } else {
-        launch!(gpu, s, "layernorm_fwd_gen", cfg; out.raw, mean.raw, rstd.raw, x.raw, w.raw, bias.raw, n_i, c_i)
+    let aligned_all = aligned(x, 16) && aligned(out, 8) && aligned(w, 8) && aligned(bias, 8);
+    match ln_wide(c).filter(|_| aligned_all) {
+        Some(false) => launch!(gpu, s, "layernorm_fwd_vec", cfg; out.raw, mean.raw, rstd.raw, x.raw, w.raw, bias.raw, n_i, c_i),
+        Some(true) => launch!(gpu, s, "layernorm_fwd_vec16", cfg; out.raw, mean.raw, rstd.raw, x.raw, w.raw, bias.raw, n_i, c_i),
+        None => launch!(gpu, s, "layernorm_fwd_gen", cfg; out.raw, mean.raw, rstd.raw, x.raw, w.raw, bias.raw, n_i, c_i),
     }
 }
 
@@ -303,17 +319,11 @@ pub fn layernorm_backward(
     }
     let (n_i, c_i) = (i32_of("n", n), i32_of("c", c));
     let cfg = ln_cfg(n);
-    let vec = c % 128 == 0
-        && c <= 128 * LN_MAXV
-        && aligned(x, 16)
-        && aligned(dx, 16)
-        && aligned(dout, 8)
-        && aligned(w, 8)
-        && dx_bf16.is_none_or(|b| aligned(b, 8));
-    if vec {
-        launch!(gpu, s, "layernorm_bwd_dx_vec", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?;
-    } else {
-        launch!(gpu, s, "layernorm_bwd_dx_gen", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?;
+    let aligned_all = aligned(x, 16) && aligned(dx, 16) && aligned(dout, 8) && aligned(w, 8) && dx_bf16.is_none_or(|b| aligned(b, 8));
+    match ln_wide(c).filter(|_| aligned_all) {
+        Some(false) => launch!(gpu, s, "layernorm_bwd_dx_vec", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?,
+        Some(true) => launch!(gpu, s, "layernorm_bwd_dx_vec16", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?,
+        None => launch!(gpu, s, "layernorm_bwd_dx_gen", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?,
     }
     let nb = colsum_blocks(n);
     let rows_per = i32_of("rows per block", colsum_rows_per(n));
@@ -480,8 +490,8 @@ pub fn residual_layernorm_forward(
     n: usize,
     c: usize,
 ) -> Result<()> {
-    let vec = c % 128 == 0
-        && c <= 128 * LN_MAXV
+    let wide = ln_wide(c);
+    let vec = wide.is_some()
         && aligned(x, 16)
         && aligned(xo, 16)
         && aligned(y, 8)
@@ -505,7 +515,11 @@ pub fn residual_layernorm_forward(
     check_len("residual_layernorm_forward bias [c]", b, c);
     let (n_i, c_i) = (i32_of("n", n), i32_of("c", c));
     let cfg = ln_cfg(n);
-    launch!(gpu, s, "residual_layernorm_fwd_vec", cfg; xo.raw, out.raw, mean.raw, rstd.raw, x.raw, y.raw, yb.raw, w.raw, b.raw, n_i, c_i)
+    if wide == Some(true) {
+        launch!(gpu, s, "residual_layernorm_fwd_vec16", cfg; xo.raw, out.raw, mean.raw, rstd.raw, x.raw, y.raw, yb.raw, w.raw, b.raw, n_i, c_i)
+    } else {
+        launch!(gpu, s, "residual_layernorm_fwd_vec", cfg; xo.raw, out.raw, mean.raw, rstd.raw, x.raw, y.raw, yb.raw, w.raw, b.raw, n_i, c_i)
+    }
 }
 
 /// f32 elements of scratch [`bias_grad`] needs: row_blocks · f.
@@ -833,8 +847,8 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         rows.push(row_f32(format!("embedding_backward dwpe [{t}×{c}]"), &gpu.download(d_dwpe.ptr())?, &dwpe));
     }
 
-    // ---- layernorm ----
-    {
+    // ---- layernorm (GPT-2's width, and 2048: the wide register path) ----
+    for (n, c) in [(n, c), (1024usize, 2048usize)] {
         let x: Vec<f32> = randv(seed, 10, n * c, 1.0).iter().map(|v| v + 0.3).collect();
         let w = round_bf(&randv(seed, 11, c, 0.2).iter().map(|v| v + 1.0).collect::<Vec<_>>());
         let bias = round_bf(&randv(seed, 12, c, 0.1));
@@ -939,49 +953,56 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         let want: Vec<f32> = (0..n * c).map(|i| x[i] + (yc[i] + bc[i % c])).collect();
         rows.push(row_f32(format!("residual_bias_add out=x [{n}×{c}] (in place)"), &gpu.download(d_x.ptr())?, &want));
 
-        // The fused residual + LayerNorm gives the two kernels' bits (in place, as the model runs it).
-        let lw = round_bf(&randv(seed, 27, c, 0.2).iter().map(|v| v + 1.0).collect::<Vec<_>>());
-        let lb = round_bf(&randv(seed, 28, c, 0.1));
-        let (d_lw, d_lb) = (gpu.upload(&to_bf(&lw))?, gpu.upload(&to_bf(&lb))?);
-        // Every output's bits, concatenated.
-        let two = |fused: bool| -> Result<Vec<u32>> {
-            let d_x = gpu.upload(&x)?;
-            let (d_out, d_mean, d_rstd) = (gpu.alloc::<bf16>(n * c)?, gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?);
-            if fused {
-                residual_layernorm_forward(
-                    gpu,
-                    s,
-                    d_x.ptr(),
-                    d_out.ptr(),
-                    d_mean.ptr(),
-                    d_rstd.ptr(),
-                    d_x.ptr(),
-                    d_yc.ptr(),
-                    d_bc.ptr(),
-                    d_lw.ptr(),
-                    d_lb.ptr(),
-                    n,
-                    c,
-                )?;
-            } else {
-                residual_bias_add(gpu, s, d_x.ptr(), d_x.ptr(), d_yc.ptr(), d_bc.ptr(), n, c)?;
-                layernorm_forward(gpu, s, d_out.ptr(), d_mean.ptr(), d_rstd.ptr(), d_x.ptr(), d_lw.ptr(), d_lb.ptr(), n, c)?;
-            }
-            let mut bits: Vec<u32> = gpu.download(d_x.ptr())?.iter().map(|v| v.to_bits()).collect();
-            bits.extend(gpu.download(d_out.ptr())?.iter().map(|v| v.to_bits() as u32));
-            bits.extend(gpu.download(d_mean.ptr())?.iter().map(|v| v.to_bits()));
-            bits.extend(gpu.download(d_rstd.ptr())?.iter().map(|v| v.to_bits()));
-            Ok(bits)
-        };
-        let same_bits = two(true)? == two(false)?;
-        let flag = |ok: bool| if ok { 0.0f32 } else { 1.0 };
-        rows.push(CheckRow::compare(
-            format!("residual_layernorm_forward = residual_bias_add + layernorm_forward [{n}×{c}] (bits)"),
-            &[flag(same_bits)],
-            &[0.0],
-            0.0,
-            0.0,
-        ));
+        // The fused residual + LayerNorm gives the two kernels' bits (in place, as the model runs
+        // it), at GPT-2's width and on the wide register path.
+        for (n, c) in [(n, c), (1024usize, 2048usize)] {
+            let x = randv(seed, 24, n * c, 1.0);
+            let yc = round_bf(&randv(seed, 25, n * c, 1.0));
+            let bc = round_bf(&randv(seed, 26, c, 0.5));
+            let (d_yc, d_bc) = (gpu.upload(&to_bf(&yc))?, gpu.upload(&to_bf(&bc))?);
+            let lw = round_bf(&randv(seed, 27, c, 0.2).iter().map(|v| v + 1.0).collect::<Vec<_>>());
+            let lb = round_bf(&randv(seed, 28, c, 0.1));
+            let (d_lw, d_lb) = (gpu.upload(&to_bf(&lw))?, gpu.upload(&to_bf(&lb))?);
+            // Every output's bits, concatenated.
+            let two = |fused: bool| -> Result<Vec<u32>> {
+                let d_x = gpu.upload(&x)?;
+                let (d_out, d_mean, d_rstd) = (gpu.alloc::<bf16>(n * c)?, gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?);
+                if fused {
+                    residual_layernorm_forward(
+                        gpu,
+                        s,
+                        d_x.ptr(),
+                        d_out.ptr(),
+                        d_mean.ptr(),
+                        d_rstd.ptr(),
+                        d_x.ptr(),
+                        d_yc.ptr(),
+                        d_bc.ptr(),
+                        d_lw.ptr(),
+                        d_lb.ptr(),
+                        n,
+                        c,
+                    )?;
+                } else {
+                    residual_bias_add(gpu, s, d_x.ptr(), d_x.ptr(), d_yc.ptr(), d_bc.ptr(), n, c)?;
+                    layernorm_forward(gpu, s, d_out.ptr(), d_mean.ptr(), d_rstd.ptr(), d_x.ptr(), d_lw.ptr(), d_lb.ptr(), n, c)?;
+                }
+                let mut bits: Vec<u32> = gpu.download(d_x.ptr())?.iter().map(|v| v.to_bits()).collect();
+                bits.extend(gpu.download(d_out.ptr())?.iter().map(|v| v.to_bits() as u32));
+                bits.extend(gpu.download(d_mean.ptr())?.iter().map(|v| v.to_bits()));
+                bits.extend(gpu.download(d_rstd.ptr())?.iter().map(|v| v.to_bits()));
+                Ok(bits)
+            };
+            let same_bits = two(true)? == two(false)?;
+            let flag = |ok: bool| if ok { 0.0f32 } else { 1.0 };
+            rows.push(CheckRow::compare(
+                format!("residual_layernorm_forward = residual_bias_add + layernorm_forward [{n}×{c}] (bits)"),
+                &[flag(same_bits)],
+                &[0.0],
+                0.0,
+                0.0,
+            ));
+        }
     }
 
     // ---- casts, add, scale ----
