@@ -16,10 +16,12 @@
 //!   all-reduces (its per-tensor trust ratios need the global weight and update norms; the
 //!   replica replays the reduced values).
 //!
-//! Both travel as all-to-alls in the rank's ordered collective lane, so every rank of the group
-//! exchanges them at the same point of the step (a successor's receive can never wait on a send
-//! that waits on it, whatever the message size); the first runs on the communication thread while
-//! the driver collects the prepare answers. The commit checks each record against its own
+//! The first travels as point-to-point messages (record, then gradient; [`feed_tag`]) queued in
+//! the rank's ordered collective lane, all sends before all receives: each lands in the
+//! successor's mailbox as it arrives, so a rank's gradient travels as soon as its own prepare
+//! ends (no wait for the slowest rank, as an all-to-all would) and a ring of them cannot
+//! deadlock; it runs on the communication thread while the driver collects the prepare answers.
+//! The second is an all-to-all in the lane, so every rank exchanges it at the same point. The commit checks each record against its own
 //! decision (every rank takes the same). The successor applies the step with the same optimizer
 //! code ([`Replica::apply`], on a background thread); where the record carries a digest the
 //! replica's blake3 must first be the owner's, and the step count must agree after it. A replica
@@ -48,6 +50,14 @@ const RECORD_MAGIC: u32 = 0x5250_4C31;
 const RECORD_HEAD_WORDS: usize = 16;
 /// Most norm all-reduces one optimizer step may make (LAMB makes one).
 pub const REDUCTIONS_MAX: usize = 16;
+/// Tag space of the point-to-point replica update messages (the step is added; the full
+/// copies use another, `elastic_worker`'s `REPLICA_TAG`).
+const FEED_TAG: u64 = 0x5246_0000_0000_0000;
+
+/// The tag of step `step`'s replica update messages (a record, then the packed gradient).
+pub fn feed_tag(step: u64) -> u64 {
+    FEED_TAG + (step & 0x0000_FFFF_FFFF_FFFF)
+}
 
 /// How a rank feeds its replicas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,37 +183,6 @@ pub fn packed_len(dtype: DType, len: usize) -> usize {
     match dtype {
         DType::F32 => len,
         DType::BF16 | DType::F16 => len.div_ceil(2),
-    }
-}
-
-/// One owner's update as it travels: the packed gradient (none for a skipped step), then the
-/// encoded record, then the record's length in words.
-pub fn encode_update(record: &StepRecord, grads: Option<(&Store, Range<usize>)>) -> Vec<f32> {
-    let rec = record.encode();
-    let glen = grads.as_ref().map_or(0, |(s, r)| packed_len(store_dtype(s), r.len()));
-    let mut out = Vec::with_capacity(glen + rec.len() + 1);
-    if let Some((s, r)) = grads {
-        pack_gradient(s, r, &mut out);
-    }
-    out.extend_from_slice(&rec);
-    out.push(f32::from_bits(rec.len() as u32));
-    out
-}
-
-/// [`encode_update`]'s words back to the record and the packed gradient words.
-pub fn decode_update(mut words: Vec<f32>) -> Result<(StepRecord, Vec<f32>), String> {
-    let n = words.pop().ok_or("an empty replica update")?.to_bits() as usize;
-    let at = words.len().checked_sub(n).ok_or_else(|| format!("a replica update of {} words announces a record of {n}", words.len()))?;
-    let record = StepRecord::decode(&words[at..])?;
-    words.truncate(at);
-    Ok((record, words))
-}
-
-fn store_dtype(s: &Store) -> DType {
-    match s {
-        Store::F32(_) => DType::F32,
-        Store::Bf16(_) => DType::BF16,
-        Store::F16(_) => DType::F16,
     }
 }
 
@@ -403,13 +382,6 @@ mod tests {
             let got = unpack_gradient(dtype, packed.clone(), 7).expect("unpacks");
             assert_eq!(bytemuck::cast_slice::<f32, u32>(&got), bytemuck::cast_slice::<f32, u32>(&want), "{dtype:?}");
             assert!(unpack_gradient(dtype, packed, 12).is_err());
-            let rec = StepRecord { step: 3, applied: true, lr: 0.5, reductions: vec![], optimizer_steps: 4, digest: None };
-            let (back, words) = decode_update(encode_update(&rec, Some((&s, 1..8)))).expect("an update");
-            assert_eq!(back, rec);
-            assert_eq!(unpack_gradient(dtype, words, 7).expect("unpacks"), got);
-            let (_, none) = decode_update(encode_update(&rec, None)).expect("a skipped step");
-            assert!(none.is_empty());
-            assert!(decode_update(vec![f32::from_bits(99)]).is_err());
         }
     }
 }

@@ -44,7 +44,7 @@ use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::dtype::{round_to, DType};
 use tessera_kernels::model::{UnitAccess, Workspace};
 use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, OptimizerKind, StepContext, StepOutcome};
-use tessera_transport::collective::Collective;
+use tessera_transport::collective::{Collective, CollectiveError};
 use tessera_transport::tree::TreeSum;
 
 use super::lane::{Lane, Ticket};
@@ -401,8 +401,9 @@ struct Staged {
     exchange: Option<Exchange>,
 }
 
-/// An all-to-all in flight: what each rank sent this one.
-type Exchange = Ticket<Result<Vec<Vec<f32>>, String>>;
+/// The replica update exchange in flight: what each ring predecessor sent this rank (nearest
+/// first): its encoded step record and its packed gradient (empty for a skipped step).
+type Exchange = Ticket<Result<Vec<(Vec<f32>, Vec<f32>)>, String>>;
 
 /// A rank feeding its ring successors' replicas of its shard ([`super::replica`]).
 struct Feed {
@@ -629,18 +630,25 @@ impl ZeroWorker {
         let clip = f64::from(self.plan_clip());
         let (norm, overflow) = self.finish_gradient(&mut g, scale, clip)?;
         let plan = Arc::clone(&self.plan);
+        let mut fed = None;
         match plan.stage {
             0 | 1 => {
                 let full = all_gather(&mut self.lane, "the gradient all-gather", g, plan.ranges.clone(), plan.total())?;
                 st.grads.write(0, &full);
             }
-            _ => st.grads.write(0, &g),
+            _ => {
+                st.grads.write(0, &g);
+                // The f32 store now holds exactly `g`: the replicas' feed sends `g` itself.
+                if matches!(st.grads, Store::F32(_)) {
+                    fed = Some(g);
+                }
+            }
         }
         let after = self.lane.stats()?;
         (st.bytes_sent_total, st.ops_total) = (after.bytes_sent, after.ops);
         // Queued last (after the counters), so a communication thread runs it while the driver
         // collects the answers; `commit` waits for it.
-        let exchange = self.feed.as_ref().map(|f| f.cfg).map(|cfg| self.send_replica_update(cfg, order.step, st, overflow));
+        let exchange = self.feed.as_ref().map(|f| f.cfg).map(|cfg| self.send_replica_update(cfg, order.step, st, overflow, fed));
         self.staged = Some(Staged { step: order.step, overflow, exchange });
         Ok(Prepared {
             loss_sum,
@@ -714,12 +722,20 @@ impl ZeroWorker {
         Ok(StepDone { applied: true, lr, reductions })
     }
 
-    /// End of prepare: queues the all-to-all that sends this rank's successors its step record
-    /// and its final gradient (exactly what the optimizer will read; nothing for a step skipped
-    /// on overflow). Everything in the record is known now: the step is skipped exactly when
-    /// the gradient overflowed, the learning rate follows the applied steps, and the digest
-    /// (when due) is of the state the step starts from; only LAMB's reduced norms come later.
-    fn send_replica_update(&mut self, cfg: FeedConfig, step: u64, st: &RankState, overflow: bool) -> Exchange {
+    /// End of prepare: queues the messages that send this rank's successors its step record and
+    /// its final gradient (exactly what the optimizer will read; nothing for a step skipped on
+    /// overflow), then receive its predecessors'. Everything in the record is known now: the
+    /// step is skipped exactly when the gradient overflowed, the learning rate follows the
+    /// applied steps, and the digest (when due) is of the state the step starts from; only
+    /// LAMB's reduced norms come later.
+    ///
+    /// Point-to-point messages, not an all-to-all: a send is delivered into the successor's
+    /// mailbox whether or not it is receiving yet (both transports file point-to-point messages
+    /// as they arrive), so no rank waits for the whole group to finish its prepare before its
+    /// gradient travels, and every send precedes every receive, so a ring of them cannot
+    /// deadlock. `fed` is the gradient itself when the store holds it unchanged (f32 at stage
+    /// 2/3): sent from where it lies, without packing a copy.
+    fn send_replica_update(&mut self, cfg: FeedConfig, step: u64, st: &RankState, overflow: bool, fed: Option<Vec<f32>>) -> Exchange {
         let range = self.plan.optim_range(self.rank);
         let local = if self.plan.stage <= 1 { range } else { 0..range.len() };
         let record = StepRecord {
@@ -730,12 +746,32 @@ impl ZeroWorker {
             optimizer_steps: st.optim.step_count() + u64::from(!overflow),
             digest: cfg.digest_due(step).then(|| replica::shard_digest(&st.master, &st.optim.state_buffers())),
         };
-        let words = replica::encode_update(&record, (!overflow).then_some((&st.grads, local)));
-        let succ = cfg.successors_of(self.rank, self.plan.world);
-        let world = self.plan.world;
+        let rec = record.encode();
+        let grad = match (overflow, fed) {
+            (true, _) => Vec::new(),
+            (false, Some(g)) if g.len() == local.len() => g,
+            (false, _) => {
+                let mut out = Vec::with_capacity(replica::packed_len(self.plan.precision.dtype(), local.len()));
+                replica::pack_gradient(&st.grads, local, &mut out);
+                out
+            }
+        };
+        let (succ, pred) = (cfg.successors_of(self.rank, self.plan.world), cfg.predecessors_of(self.rank, self.plan.world));
+        let tag = replica::feed_tag(step);
         self.lane.submit("the replica update exchange", move |c| {
-            let sends: Vec<&[f32]> = (0..world).map(|j| if succ.contains(&j) { &words[..] } else { &[][..] }).collect();
-            c.all_to_all(&sends).map_err(|e| format!("the replica update exchange: {e}"))
+            let fail = |what: &str, peer: usize, e: CollectiveError| format!("the replica update exchange: {what} rank {peer}: {e}");
+            for &to in &succ {
+                c.send(to, tag, &rec).map_err(|e| fail("sending the step record to", to, e))?;
+                c.send(to, tag, &grad).map_err(|e| fail("sending the gradient to", to, e))?;
+            }
+            drop(grad);
+            pred.iter()
+                .map(|&from| {
+                    let r = c.recv(from, tag).map_err(|e| fail("receiving the step record of", from, e))?;
+                    let g = c.recv(from, tag).map_err(|e| fail("receiving the gradient of", from, e))?;
+                    Ok((r, g))
+                })
+                .collect()
         })
     }
 
@@ -766,14 +802,19 @@ impl ZeroWorker {
                 reductions[owner] = StepRecord::decode(r).map_err(|e| format!("rank {owner}'s norms: {e}"))?.reductions;
             }
         }
-        let mut got = exchange.wait().and_then(|r| r)?;
-        if got.len() != world {
-            return Err(format!("the replica update exchange returned {} parts for {world} ranks", got.len()));
+        let t0 = Instant::now();
+        let got = exchange.wait().and_then(|r| r)?;
+        if super::elastic::tracing() {
+            eprintln!("[feed] rank {rank}: step {step}'s replica updates waited for {:.2} ms in commit", t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let preds = cfg.predecessors_of(rank, world);
+        if got.len() != preds.len() {
+            return Err(format!("the replica update exchange returned {} updates for {} predecessors", got.len(), preds.len()));
         }
         let dtype = self.plan.precision.dtype();
         let mut updates = Vec::new();
-        for owner in cfg.predecessors_of(rank, world) {
-            let (mut record, words) = replica::decode_update(std::mem::take(&mut got[owner])).map_err(|e| format!("rank {owner}: {e}"))?;
+        for (owner, (rec, words)) in preds.into_iter().zip(got) {
+            let mut record = StepRecord::decode(&rec).map_err(|e| format!("rank {owner}: {e}"))?;
             if record.step != step || record.applied != done.applied || record.lr.to_bits() != done.lr.to_bits() {
                 return Err(format!(
                     "rank {owner}'s record (step {}, applied {}, lr {}) disagrees with this rank's commit (step {step}, applied {}, lr {})",
