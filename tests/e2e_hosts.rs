@@ -100,6 +100,16 @@ fn run_cluster(net: &TestNet, mut coord: Command, join: &str, token: &Path, agen
     results[0].1.clone()
 }
 
+/// Runs `tessera train FLAGS WORLD_FLAG HOSTS` (in `dir`) as the reference and returns the
+/// `params_blake3` of its summary in `out`.
+fn reference_hash(dir: &Path, flags: Vec<String>, world_flag: &str, out: &Path) -> serde_json::Value {
+    let mut reference = vec!["train".to_string()];
+    reference.extend(flags);
+    reference.extend([world_flag.to_string(), HOSTS.to_string()]);
+    ok(&reference.iter().map(String::as_str).collect::<Vec<_>>(), dir);
+    summary(out)["params_blake3"].clone()
+}
+
 #[test]
 fn training_across_namespace_hosts_clean_and_through_a_fault_proxy() {
     let mut net = match TestNet::new(HOSTS, SUBNET) {
@@ -110,11 +120,7 @@ fn training_across_namespace_hosts_clean_and_through_a_fault_proxy() {
         }
     };
     let tmp = tempfile::tempdir().unwrap();
-    let mut reference = vec!["train".to_string()];
-    reference.extend(run_flags(&tmp.path().join("inproc")));
-    reference.extend(["--world".to_string(), HOSTS.to_string()]);
-    ok(&reference.iter().map(String::as_str).collect::<Vec<_>>(), tmp.path());
-    let want = summary(&tmp.path().join("inproc"))["params_blake3"].clone();
+    let want = reference_hash(tmp.path(), run_flags(&tmp.path().join("inproc")), "--world", &tmp.path().join("inproc"));
 
     // Clean: the coordinator runs on host 0 next to its agent.
     let join = format!("{}:47500", net.addr(0));
@@ -418,11 +424,7 @@ fn an_elastic_job_across_namespace_hosts_survives_a_killed_host_and_takes_a_join
         }
     };
     let tmp = tempfile::tempdir().unwrap();
-    let mut reference = vec!["train".to_string()];
-    reference.extend(elastic_flags(&tmp.path().join("fault-free")));
-    reference.extend(["--nprocs".to_string(), HOSTS.to_string()]);
-    ok(&reference.iter().map(String::as_str).collect::<Vec<_>>(), tmp.path());
-    let want = summary(&tmp.path().join("fault-free"))["params_blake3"].clone();
+    let want = reference_hash(tmp.path(), elastic_flags(&tmp.path().join("fault-free")), "--nprocs", &tmp.path().join("fault-free"));
     assert!(want.is_string(), "no params_blake3 in the fault-free run");
 
     let out = tmp.path().join("elastic");

@@ -130,7 +130,6 @@ pub(super) fn acceptor(shared: Arc<Shared>, endpoint: Arc<ControlEndpoint>, earl
             return;
         }
         let (s, busy) = (Arc::clone(&shared), Arc::clone(pool));
-        let busy_on_fail = Arc::clone(pool);
         let spawned = std::thread::Builder::new().name("tessera-admit".into()).spawn(move || {
             let peer = conn.remote_address();
             if let Err(e) = admit(&s, conn, first, first_ms) {
@@ -139,7 +138,7 @@ pub(super) fn acceptor(shared: Arc<Shared>, endpoint: Arc<ControlEndpoint>, earl
             busy.fetch_sub(1, Ordering::SeqCst);
         });
         if spawned.is_err() {
-            busy_on_fail.fetch_sub(1, Ordering::SeqCst);
+            pool.fetch_sub(1, Ordering::SeqCst);
         }
     };
     for (conn, first) in early {
