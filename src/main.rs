@@ -437,6 +437,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
 }
 
 fn main() -> ExitCode {
+    // Before any thread or large buffer exists: the heap settings every command trains with.
+    tessera_transport::quic::net::tune_allocator();
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(e) => {

@@ -67,7 +67,7 @@
 //! 16 MiB stream / 64 MiB connection windows, one stream per message, Cubic with a 1 MiB
 //! initial window, keep-alive every 2 s and a 15 s idle timeout (how a silent dead peer is
 //! noticed). [`net::tune_allocator`] keeps glibc from trimming and re-faulting the heap that
-//! quinn's per-packet buffers cycle through. Measurements: `docs/PERFORMANCE.md`, section
+//! quinn's per-packet buffers and a step's transient buffers cycle through. Measurements: `docs/PERFORMANCE.md`, section
 //! "QUIC collectives between processes".
 //!
 //! Hosts must be little-endian (payloads are the in-memory bytes).

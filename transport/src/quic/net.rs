@@ -83,26 +83,44 @@ pub fn runtime_workers() -> usize {
     }
 }
 
-/// glibc heap settings applied once per process by [`QuicComm`](super::QuicComm): freed heap
-/// memory is returned to the kernel only beyond 64 MiB at an arena's top (the default is 128 KiB,
-/// raised by glibc's own heuristic to twice its mmap threshold), and allocations below 32 MiB come
-/// from the heap (the most glibc's heuristic would reach by itself).
+/// The variable that leaves glibc's malloc settings alone when set to `0` (for comparisons).
+pub const MALLOC_TUNE_ENV: &str = "TESSERA_MALLOC_TUNE";
+
+/// glibc heap settings, applied once per process (by `tessera`'s `main` for every command and by
+/// [`QuicComm`](super::QuicComm)): allocations below 32 MiB come from the heap (the most glibc's
+/// own heuristic would reach), freed memory at an arena's top goes back to the kernel only
+/// beyond 1 GiB (glibc's default is 128 KiB, raised by its heuristic to twice the mmap
+/// threshold, at most 64 MiB), and a process has at most as many malloc arenas as the host has
+/// cores (glibc's default is 8 per core).
 ///
-/// quinn allocates a buffer per received datagram and per written chunk and frees it once the
-/// data is consumed or acknowledged, a window (tens of MiB) at a time. With glibc's defaults the
-/// heap top is trimmed after every such wave and faulted back in, zeroed, on the next: measured
-/// on the 2-core dev box, ~15 000 page faults per 64 MiB all-gather and 10–15 % of QUIC's CPU time.
-/// The cost of this setting is that a process keeps up to 64 MiB of freed memory per malloc
-/// arena for reuse. Other allocators (and non-glibc targets) are left alone.
+/// A training step allocates and frees its transient buffers (gradient buckets to send, the
+/// pieces received, GEMM outputs, quinn's per-datagram buffers) a wave at a time. With glibc's
+/// defaults the top of the main heap is trimmed after every wave whose free tail passes the
+/// threshold, and a thread that outgrows its arena maps a new 64 MiB heap and unmaps it again
+/// when the wave is freed; every page is then faulted back in, zeroed, on the next step (with a
+/// TLB shoot-down per unmap in a multi-threaded process). Whether a run's waves stay under the
+/// threshold depended on where long-lived allocations happened to sit in the heap, so identical
+/// runs differed by 15 %. Measured on the 2-core dev box (gpt-10m, 4 elastic worker processes,
+/// 100 steps): 6.5 M page faults and 384 tokens/s with the old 64 MiB threshold, 0.84 M and
+/// 464 tokens/s with these settings (`docs/PERFORMANCE.md`, "Allocator"). The cost is that a
+/// process keeps up to 1 GiB of freed memory at its heap top for reuse; buffers of 32 MiB and
+/// more are mapped and unmapped on their own, as before. Other allocators and non-glibc targets
+/// are left alone; `TESSERA_MALLOC_TUNE=0` leaves glibc's defaults in place.
 pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         static ONCE: std::sync::Once = std::sync::Once::new();
         ONCE.call_once(|| {
-            // SAFETY: mallopt only changes glibc's malloc parameters; both values are in range.
+            if std::env::var_os(MALLOC_TUNE_ENV).is_some_and(|v| v == "0") {
+                return;
+            }
+            let arenas = std::thread::available_parallelism().map_or(2, usize::from).max(2);
+            let arenas = libc::c_int::try_from(arenas).unwrap_or(libc::c_int::MAX);
+            // SAFETY: mallopt only changes glibc's malloc parameters; every value is in range.
             unsafe {
                 libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-                libc::mallopt(libc::M_TRIM_THRESHOLD, 64 << 20);
+                libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+                libc::mallopt(libc::M_ARENA_MAX, arenas);
             }
         });
     }
