@@ -451,6 +451,85 @@ extern "C" __global__ void layernorm_bwd_dx_gen(float* __restrict__ dx, bf16* __
     }
 }
 
+// LayerNorm backward in one pass (c % 128 == 0, c <= 4096, x/dx 16-byte and dout/w/dxb 8-byte
+// aligned): block rb = blockIdx.x owns the rows [rb*rows_per, min(+rows_per, n)) of the column
+// sums' row blocks and walks them in ascending order with W = c/128 warps; warp w, lane l owns
+// the float4 group q = 32w + l (columns 4q..4q+3) of every row. Per row it writes what
+// layernorm_bwd_dx_vec writes, with the same bits: each lane's row sums over its groups are formed
+// in the same order (group k = warp k's value, read from shared memory in ascending k), then the
+// same xor tree. In the same pass it accumulates the column partials of
+// layernorm_bwd_dwdb_partial4 (scratch[rb, j] and scratch[nb + rb, j]) and, given `cs`, those of
+// bias_grad_partial8 over the bf16 dx it wrote (cs[rb, j]: the bias gradient of the linear layer
+// whose output gradient that is), each in ascending rows with the same operations: the same bits
+// as those kernels, without reading x and dout (or dxb) a second time. One barrier per row; the
+// next row's loads are issued before it.
+extern "C" __global__ void __launch_bounds__(1024)
+    layernorm_bwd_fused(float* __restrict__ dx, bf16* __restrict__ dxb, float* __restrict__ scratch, float* __restrict__ cs,
+                        const bf16* __restrict__ dout, const float* __restrict__ x, const bf16* __restrict__ w,
+                        const float* __restrict__ mean, const float* __restrict__ rstd, int n, int c, int rows_per) {
+    __shared__ float sh[2][2][32][32];  // [row parity][sum of g, sum of g·x̂][warp = group k][lane]
+    const int nw = blockDim.x >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int q = warp * 32 + lane;
+    const int rb = blockIdx.x, nb = gridDim.x;
+    const int r0 = rb * rows_per;
+    const int r1 = min(r0 + rows_per, n);
+    const uint2 wv = reinterpret_cast<const uint2*>(w)[q];
+    float aw[4] = {0.f, 0.f, 0.f, 0.f}, ab[4] = {0.f, 0.f, 0.f, 0.f}, ac[4] = {0.f, 0.f, 0.f, 0.f};
+    float4 xv = make_float4(0.f, 0.f, 0.f, 0.f), o = xv;
+    uint2 dv = make_uint2(0u, 0u);
+    if (r0 < r1) {
+        xv = reinterpret_cast<const float4*>(x + (u64)r0 * c)[q];
+        dv = reinterpret_cast<const uint2*>(dout + (u64)r0 * c)[q];
+        o = reinterpret_cast<const float4*>(dx + (u64)r0 * c)[q];
+    }
+    for (int r = r0; r < r1; r++) {
+        const int p = (r - r0) & 1;
+        const float mu = mean[r], rs = rstd[r];
+        const float g0 = bf_lo(dv.x) * bf_lo(wv.x), g1 = bf_hi(dv.x) * bf_hi(wv.x);
+        const float g2 = bf_lo(dv.y) * bf_lo(wv.y), g3 = bf_hi(dv.y) * bf_hi(wv.y);
+        sh[p][0][warp][lane] = (g0 + g1) + (g2 + g3);
+        sh[p][1][warp][lane] = (g0 * ((xv.x - mu) * rs) + g1 * ((xv.y - mu) * rs)) + (g2 * ((xv.z - mu) * rs) + g3 * ((xv.w - mu) * rs));
+        float4 xn = xv, on = o;
+        uint2 dn = dv;
+        if (r + 1 < r1) {
+            xn = reinterpret_cast<const float4*>(x + (u64)(r + 1) * c)[q];
+            dn = reinterpret_cast<const uint2*>(dout + (u64)(r + 1) * c)[q];
+            on = reinterpret_cast<const float4*>(dx + (u64)(r + 1) * c)[q];
+        }
+        __syncthreads();  // row r's group sums are in sh[p]; sh[p ^ 1] (row r - 1) is no longer read
+        float sg = 0.0f, sgx = 0.0f;
+        for (int k = 0; k < nw; k++) {
+            sg += sh[p][0][k][lane];
+            sgx += sh[p][1][k][lane];
+        }
+        const float gm = warp_sum(sg) / (float)c;
+        const float gxm = warp_sum(sgx) / (float)c;
+        o.x = ln_dx(o.x, xv.x, bf_lo(dv.x), bf_lo(wv.x), mu, rs, gm, gxm);
+        o.y = ln_dx(o.y, xv.y, bf_hi(dv.x), bf_hi(wv.x), mu, rs, gm, gxm);
+        o.z = ln_dx(o.z, xv.z, bf_lo(dv.y), bf_lo(wv.y), mu, rs, gm, gxm);
+        o.w = ln_dx(o.w, xv.w, bf_hi(dv.y), bf_hi(wv.y), mu, rs, gm, gxm);
+        reinterpret_cast<float4*>(dx + (u64)r * c)[q] = o;
+        const uint2 ob = make_uint2(pack_bf16x2(o.x, o.y), pack_bf16x2(o.z, o.w));
+        if (dxb) reinterpret_cast<uint2*>(dxb + (u64)r * c)[q] = ob;
+        const float d[4] = {bf_lo(dv.x), bf_hi(dv.x), bf_lo(dv.y), bf_hi(dv.y)};
+        const float xx[4] = {xv.x, xv.y, xv.z, xv.w};
+        const float rd[4] = {bf_lo(ob.x), bf_hi(ob.x), bf_lo(ob.y), bf_hi(ob.y)};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            aw[k] = FADD(aw[k], FMUL(FMUL(d[k], FSUB(xx[k], mu)), rs));
+            ab[k] = FADD(ab[k], d[k]);
+            ac[k] = FADD(ac[k], rd[k]);
+        }
+        xv = xn;
+        dv = dn;
+        o = on;
+    }
+    reinterpret_cast<float4*>(scratch + (u64)rb * c)[q] = make_float4(aw[0], aw[1], aw[2], aw[3]);
+    reinterpret_cast<float4*>(scratch + (u64)(nb + rb) * c)[q] = make_float4(ab[0], ab[1], ab[2], ab[3]);
+    if (cs) reinterpret_cast<float4*>(cs + (u64)rb * c)[q] = make_float4(ac[0], ac[1], ac[2], ac[3]);
+}
+
 // Column partial sums, pass 1: row block rb = blockIdx.y owns rows [rb*rows_per, min(+rows_per, n))
 // and sums them in ascending order into scratch[rb, j] (dweight part) and
 // scratch[nb + rb, j] (dbias part), nb = gridDim.y. Threads over columns.
@@ -547,8 +626,16 @@ extern "C" __global__ void __launch_bounds__(32 * COLSUM_WARPS)
     const int j = blockIdx.x * 32 + lane;
     float s = 0.0f;
     if (j < c) {
-#pragma unroll 4
-        for (int rb = warp; rb < nb; rb += COLSUM_WARPS) s = FADD(s, partials[(u64)rb * c + j]);
+        // 16 loads in flight, then their adds in the same ascending order as one at a time.
+        int rb = warp;
+        for (; rb + 15 * COLSUM_WARPS < nb; rb += 16 * COLSUM_WARPS) {
+            float t[16];
+#pragma unroll
+            for (int k = 0; k < 16; k++) t[k] = partials[(u64)(rb + k * COLSUM_WARPS) * c + j];
+#pragma unroll
+            for (int k = 0; k < 16; k++) s = FADD(s, t[k]);
+        }
+        for (; rb < nb; rb += COLSUM_WARPS) s = FADD(s, partials[(u64)rb * c + j]);
     }
     sh[warp][lane] = s;
     __syncthreads();

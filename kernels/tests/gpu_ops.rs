@@ -120,6 +120,7 @@ fn gpu_ops_timing() {
             s,
             dx.ptr(),
             None,
+            None,
             dw.ptr(),
             db.ptr(),
             xb.ptr(),

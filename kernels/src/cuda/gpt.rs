@@ -436,6 +436,9 @@ pub struct Workspace {
     delta: Buf<f32>,
     ln_scratch: Buf<f32>,
     bias_scratch: Buf<f32>,
+    /// The first pass of `dres`'s column sums (its linear layer's bias gradient), written by the
+    /// LayerNorm backward that writes `dres`.
+    dres_sums: Buf<f32>,
     tokens: Buf<u32>,
     targets: Buf<u32>,
     uniq: Buf<u32>,
@@ -508,6 +511,7 @@ impl Workspace {
             delta: gpu.alloc(bht)?,
             ln_scratch: gpu.alloc(ops::layernorm_backward_scratch(n, c))?,
             bias_scratch: gpu.alloc(ops::bias_grad_scratch(n, scratch_cols))?,
+            dres_sums: gpu.alloc(ops::bias_grad_scratch(n, c))?,
             tokens: gpu.alloc(n)?,
             targets: gpu.alloc(n)?,
             uniq: gpu.alloc(n)?,
@@ -562,6 +566,7 @@ impl Workspace {
             + b32(&self.delta)
             + b32(&self.ln_scratch)
             + b32(&self.bias_scratch)
+            + b32(&self.dres_sums)
             + u32b(&self.tokens)
             + u32b(&self.targets)
             + u32b(&self.uniq)
@@ -647,6 +652,7 @@ pub fn forward_backward(
         st,
         ws.dx.ptr(),
         Some(ws.dres.ptr()),
+        Some(ws.dres_sums.ptr()),
         ge.lnf_w,
         ge.lnf_b,
         ws.dln.ptr(),
@@ -808,6 +814,7 @@ struct Scratch {
     delta: DPtr<f32>,
     ln_scratch: DPtr<f32>,
     bias_scratch: DPtr<f32>,
+    dres_sums: DPtr<f32>,
 }
 
 impl Scratch {
@@ -823,6 +830,7 @@ impl Scratch {
             delta: ws.delta.ptr(),
             ln_scratch: ws.ln_scratch.ptr(),
             bias_scratch: ws.bias_scratch.ptr(),
+            dres_sums: ws.dres_sums.ptr(),
         }
     }
 }
@@ -847,7 +855,7 @@ fn block_backward(
     let dbig1 = k.dbig1.slice(0..n * f);
     let dbig2 = k.dbig2.slice(0..n * f);
     // MLP branch (k.dres = bf16 copy of d(block output), written by the LayerNorm backward that produced k.dx).
-    weight_grad(gpu, st, g.fc2_w, Some(g.fc2_b), a.gl.ptr(), k.dres, k.bias_scratch, f, n, c, fu.bgrad)?;
+    weight_grad(gpu, st, g.fc2_w, Some((g.fc2_b, Some(k.dres_sums))), a.gl.ptr(), k.dres, k.bias_scratch, f, n, c, fu.bgrad)?;
     if fu.dgelu {
         // dbig2 = (dres·Wfc2ᵀ) ∘ gelu'(pre) in one GEMM.
         gemm_lt(gpu, bf(dbig2), bf(k.dres), bft(w.fc2_w), n, c, f, None, Epilogue::DGelu { pre: a.pre.ptr().raw })?;
@@ -862,7 +870,7 @@ fn block_backward(
         }
         gpu.mark("bwd gelu");
     }
-    weight_grad(gpu, st, g.fc_w, Some(g.fc_b), a.ln2.ptr(), dbig2, k.bias_scratch, c, n, f, fu.bgrad)?;
+    weight_grad(gpu, st, g.fc_w, Some((g.fc_b, None)), a.ln2.ptr(), dbig2, k.bias_scratch, c, n, f, fu.bgrad)?;
     gemm(gpu, bf(k.dln), bf(dbig2), bft(w.fc_w), n, f, c)?;
     gpu.mark("bwd gemm dgrad");
     ops::layernorm_backward(
@@ -870,6 +878,7 @@ fn block_backward(
         st,
         k.dx,
         Some(k.dres),
+        Some(k.dres_sums),
         g.ln2_w,
         g.ln2_b,
         k.dln,
@@ -883,28 +892,46 @@ fn block_backward(
     )?;
     gpu.mark("bwd layernorm");
     // Attention branch (k.dres = bf16 copy of d(x2) from the LN2 backward).
-    weight_grad(gpu, st, g.proj_w, Some(g.proj_b), a.atty.ptr(), k.dres, k.bias_scratch, c, n, c, fu.bgrad)?;
+    weight_grad(gpu, st, g.proj_w, Some((g.proj_b, Some(k.dres_sums))), a.atty.ptr(), k.dres, k.bias_scratch, c, n, c, fu.bgrad)?;
     gemm(gpu, bf(k.datt), bf(k.dres), bft(w.proj_w), n, c, c)?;
     gpu.mark("bwd gemm dgrad");
     attention::attention_backward(gpu, st, k.dqkv, k.delta, k.datt, a.qkv.ptr(), a.atty.ptr(), a.lse.ptr(), s.b, s.t, c, s.nh)?;
     gpu.mark("bwd attention");
-    weight_grad(gpu, st, g.qkv_w, Some(g.qkv_b), a.ln1.ptr(), k.dqkv, k.bias_scratch, c, n, 3 * c, fu.bgrad)?;
+    weight_grad(gpu, st, g.qkv_w, Some((g.qkv_b, None)), a.ln1.ptr(), k.dqkv, k.bias_scratch, c, n, 3 * c, fu.bgrad)?;
     gemm(gpu, bf(k.dln), bf(k.dqkv), bft(w.qkv_w), n, 3 * c, c)?;
     gpu.mark("bwd gemm dgrad");
-    ops::layernorm_backward(gpu, st, k.dx, Some(k.dres), g.ln1_w, g.ln1_b, k.dln, x, w.ln1_w, a.m1.ptr(), a.r1.ptr(), k.ln_scratch, n, c)?;
+    let (ln1_w, dres) = (w.ln1_w, Some(k.dres));
+    ops::layernorm_backward(
+        gpu,
+        st,
+        k.dx,
+        dres,
+        Some(k.dres_sums),
+        g.ln1_w,
+        g.ln1_b,
+        k.dln,
+        x,
+        ln1_w,
+        a.m1.ptr(),
+        a.r1.ptr(),
+        k.ln_scratch,
+        n,
+        c,
+    )?;
     gpu.mark("bwd layernorm");
     Ok(())
 }
 
 /// `dw[rows, cols] = inpᵀ·dy` (`inp` `[n, rows]`, `dy` `[n, cols]`) and, given `db`, the bias
-/// gradient `db = Σ_rows dy`: summed by the GEMM itself with `fused`, else by the bias-gradient
-/// kernel.
+/// gradient `db = Σ_rows dy`: summed by the GEMM itself with `fused`, else from the first pass of
+/// the column sums where the LayerNorm backward that wrote `dy` left it (`Some` partials), else
+/// by the bias-gradient kernel.
 #[allow(clippy::too_many_arguments)]
 fn weight_grad(
     gpu: &Gpu,
     st: &CudaStream,
     dw: DPtr<f32>,
-    db: Option<DPtr<f32>>,
+    db: Option<(DPtr<f32>, Option<DPtr<f32>>)>,
     inp: DPtr<bf16>,
     dy: DPtr<bf16>,
     scratch: DPtr<f32>,
@@ -914,7 +941,7 @@ fn weight_grad(
     fused: bool,
 ) -> Result<()> {
     match db {
-        Some(db) if fused => {
+        Some((db, _)) if fused => {
             assert_eq!(db.len, cols, "bias gradient length");
             gemm_lt(gpu, f32m(dw), bft(inp), bf(dy), rows, n, cols, None, Epilogue::BgradB { dbias: db.raw })?;
             gpu.mark("bwd gemm wgrad+bias grad");
@@ -922,10 +949,12 @@ fn weight_grad(
         _ => {
             gemm(gpu, f32m(dw), bft(inp), bf(dy), rows, n, cols)?;
             gpu.mark("bwd gemm wgrad");
-            if let Some(db) = db {
-                ops::bias_grad(gpu, st, db, dy, scratch, n, cols)?;
-                gpu.mark("bwd bias grad");
+            match db {
+                Some((db, Some(partials))) => ops::colsum_finish(gpu, st, db, partials, n, cols)?,
+                Some((db, None)) => ops::bias_grad(gpu, st, db, dy, scratch, n, cols)?,
+                None => return Ok(()),
             }
+            gpu.mark("bwd bias grad");
         }
     }
     Ok(())

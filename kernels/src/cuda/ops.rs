@@ -281,14 +281,50 @@ pub fn layernorm_backward_scratch(n: usize, c: usize) -> usize {
     2 * colsum_blocks(n) * c
 }
 
+/// Whether [`layernorm_backward`]'s one-pass kernel (`layernorm_bwd_fused`) fits these buffers
+/// (it runs unless `TESSERA_GPU_LN_FUSED=0`): c % 128 == 0, c ≤ 4096, x/dx/scratch/sums 16-byte and dout/w/dx_bf16 8-byte
+/// aligned.
+#[allow(clippy::too_many_arguments)]
+fn ln_bwd_fits(
+    c: usize,
+    x: DPtr<f32>,
+    dx: DPtr<f32>,
+    dout: DPtr<bf16>,
+    w: DPtr<bf16>,
+    dx_bf16: Option<DPtr<bf16>>,
+    scratch: DPtr<f32>,
+    sums: Option<DPtr<f32>>,
+) -> bool {
+    c > 0
+        && c % 128 == 0
+        && c <= 4096
+        && aligned(x, 16)
+        && aligned(dx, 16)
+        && aligned(dout, 8)
+        && aligned(w, 8)
+        && dx_bf16.is_none_or(|b| aligned(b, 8))
+        && aligned(scratch, 16)
+        && sums.is_none_or(|p| aligned(p, 16))
+}
+
 /// dx += LN backward (f32); dw += Σ_rows dout·x̂, db += Σ_rows dout, the column sums in two
 /// fixed-order passes through `scratch` (≥ [`layernorm_backward_scratch`] elements). With
-/// `dx_bf16`, the updated dx is also written rounded to bf16 there (the next GEMM's input).
+/// `dx_bf16`, the updated dx is also written rounded to bf16 there (the next GEMM's input), and
+/// with `dx_bf16_sums` (≥ [`bias_grad_scratch`]`(n, c)` elements) the first pass of that bf16
+/// tensor's column sums (its linear layer's bias gradient) is written there too: finish it with
+/// [`colsum_finish`]; the bits are [`bias_grad`]'s on the bf16 dx.
+///
+/// Where [`ln_bwd_fits`] holds (and `TESSERA_GPU_LN_FUSED` is not `0`) this is one kernel that reads x, dout and dx once
+/// (`layernorm_bwd_fused`) and gives the bits of the separate kernels; otherwise the dx kernel,
+/// the column-partial kernel and (with `dx_bf16_sums`) `bias_grad`'s first pass run one after
+/// the other.
+#[allow(clippy::too_many_arguments)]
 pub fn layernorm_backward(
     gpu: &Gpu,
     s: &CudaStream,
     dx: DPtr<f32>,
     dx_bf16: Option<DPtr<bf16>>,
+    dx_bf16_sums: Option<DPtr<f32>>,
     dw: DPtr<f32>,
     db: DPtr<f32>,
     dout: DPtr<bf16>,
@@ -299,6 +335,32 @@ pub fn layernorm_backward(
     scratch: DPtr<f32>,
     n: usize,
     c: usize,
+) -> Result<()> {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("TESSERA_GPU_LN_FUSED").is_ok_and(|v| v == "0"));
+    let fused = !off && ln_bwd_fits(c, x, dx, dout, w, dx_bf16, scratch, dx_bf16_sums);
+    layernorm_backward_with(gpu, s, dx, dx_bf16, dx_bf16_sums, dw, db, dout, x, w, mean, rstd, scratch, n, c, fused)
+}
+
+/// [`layernorm_backward`] with the kernel choice given (`fused` needs [`ln_bwd_fits`]).
+#[allow(clippy::too_many_arguments)]
+fn layernorm_backward_with(
+    gpu: &Gpu,
+    s: &CudaStream,
+    dx: DPtr<f32>,
+    dx_bf16: Option<DPtr<bf16>>,
+    dx_bf16_sums: Option<DPtr<f32>>,
+    dw: DPtr<f32>,
+    db: DPtr<f32>,
+    dout: DPtr<bf16>,
+    x: DPtr<f32>,
+    w: DPtr<bf16>,
+    mean: DPtr<f32>,
+    rstd: DPtr<f32>,
+    scratch: DPtr<f32>,
+    n: usize,
+    c: usize,
+    fused: bool,
 ) -> Result<()> {
     check_len("layernorm_backward dx [n, c]", dx, n * c);
     check_len("layernorm_backward dout [n, c]", dout, n * c);
@@ -314,10 +376,29 @@ pub fn layernorm_backward(
     let dxb = dx_bf16.map_or(0u64, |b| b.raw);
     let need = layernorm_backward_scratch(n, c);
     assert!(scratch.len >= need, "layernorm_backward: scratch needs {need} f32 elements, got {}", scratch.len);
+    if let Some(cs) = dx_bf16_sums {
+        assert!(dx_bf16.is_some(), "layernorm_backward: the bf16 dx's column sums need the bf16 dx");
+        let need = bias_grad_scratch(n, c);
+        assert!(cs.len >= need, "layernorm_backward: the bf16 dx's column sums need {need} f32 elements, got {}", cs.len);
+    }
     if n == 0 || c == 0 {
         return Ok(());
     }
     let (n_i, c_i) = (i32_of("n", n), i32_of("c", c));
+    let nb = colsum_blocks(n);
+    let rows_per = i32_of("rows per block", colsum_rows_per(n));
+    let (pw, pb) = (scratch.slice(0..nb * c), scratch.slice(nb * c..2 * nb * c));
+    if fused {
+        assert!(
+            ln_bwd_fits(c, x, dx, dout, w, dx_bf16, scratch, dx_bf16_sums),
+            "layernorm_backward: the one-pass kernel does not fit c={c}"
+        );
+        let cfg = LaunchConfig { grid_dim: (nb as u32, 1, 1), block_dim: ((c / 4) as u32, 1, 1), shared_mem_bytes: 0 };
+        let cs = dx_bf16_sums.map_or(0u64, |p| p.raw);
+        launch!(gpu, s, "layernorm_bwd_fused", cfg; dx.raw, dxb, scratch.raw, cs, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i, rows_per)?;
+        colsum_finish(gpu, s, dw, pw, n, c)?;
+        return colsum_finish(gpu, s, db, pb, n, c);
+    }
     let cfg = ln_cfg(n);
     let aligned_all = aligned(x, 16) && aligned(dx, 16) && aligned(dout, 8) && aligned(w, 8) && dx_bf16.is_none_or(|b| aligned(b, 8));
     match ln_wide(c).filter(|_| aligned_all) {
@@ -325,8 +406,6 @@ pub fn layernorm_backward(
         Some(true) => launch!(gpu, s, "layernorm_bwd_dx_vec16", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?,
         None => launch!(gpu, s, "layernorm_bwd_dx_gen", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?,
     }
-    let nb = colsum_blocks(n);
-    let rows_per = i32_of("rows per block", colsum_rows_per(n));
     if c % 4 == 0 && aligned(x, 16) && aligned(dout, 8) && aligned(scratch, 16) {
         let cfg = LaunchConfig {
             grid_dim: ((c / 4).div_ceil(COL_THREADS8 as usize) as u32, nb as u32, 1),
@@ -342,11 +421,11 @@ pub fn layernorm_backward(
         };
         launch!(gpu, s, "layernorm_bwd_dwdb_partial", cfg; scratch.raw, dout.raw, x.raw, mean.raw, rstd.raw, n_i, c_i, rows_per)?;
     }
-    let (pw, pb) = (scratch.slice(0..nb * c), scratch.slice(nb * c..2 * nb * c));
-    let nb_i = nb as i32;
-    let cfg = colsum_finish_cfg(c);
-    launch!(gpu, s, "colsum_finish", cfg; dw.raw, pw.raw, nb_i, c_i)?;
-    launch!(gpu, s, "colsum_finish", cfg; db.raw, pb.raw, nb_i, c_i)
+    if let (Some(cs), Some(b)) = (dx_bf16_sums, dx_bf16) {
+        bias_grad_partials(gpu, s, cs, b, n, c)?;
+    }
+    colsum_finish(gpu, s, dw, pw, n, c)?;
+    colsum_finish(gpu, s, db, pb, n, c)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -529,32 +608,52 @@ pub fn bias_grad_scratch(n: usize, f: usize) -> usize {
 
 /// db[j] += Σ_r dy[r, j]   (two fixed-order passes through `scratch`, ≥ [`bias_grad_scratch`]).
 pub fn bias_grad(gpu: &Gpu, s: &CudaStream, db: DPtr<f32>, dy: DPtr<bf16>, scratch: DPtr<f32>, n: usize, f: usize) -> Result<()> {
-    check_len("bias_grad dy [n, f]", dy, n * f);
     check_len("bias_grad db [f]", db, f);
+    bias_grad_partials(gpu, s, scratch, dy, n, f)?;
+    colsum_finish(gpu, s, db, scratch, n, f)
+}
+
+/// The first pass of [`bias_grad`]: `scratch[rb, j]` = Σ of dy[r, j] over row block rb's rows
+/// in ascending order ([`colsum_rows_per`] rows a block).
+fn bias_grad_partials(gpu: &Gpu, s: &CudaStream, scratch: DPtr<f32>, dy: DPtr<bf16>, n: usize, f: usize) -> Result<()> {
+    check_len("bias_grad dy [n, f]", dy, n * f);
     let need = bias_grad_scratch(n, f);
     assert!(scratch.len >= need, "bias_grad: scratch needs {need} f32 elements, got {}", scratch.len);
     if n == 0 || f == 0 {
         return Ok(());
     }
     let nb = colsum_blocks(n);
-    let (n_i, f_i, rows_per, nb_i) = (i32_of("n", n), i32_of("f", f), i32_of("rows per block", colsum_rows_per(n)), nb as i32);
+    let (n_i, f_i, rows_per) = (i32_of("n", n), i32_of("f", f), i32_of("rows per block", colsum_rows_per(n)));
     if f % 8 == 0 && aligned(dy, 16) && aligned(scratch, 16) {
         let cfg = LaunchConfig {
             grid_dim: ((f / 8).div_ceil(COL_THREADS8 as usize) as u32, nb as u32, 1),
             block_dim: (COL_THREADS8, 1, 1),
             shared_mem_bytes: 0,
         };
-        launch!(gpu, s, "bias_grad_partial8", cfg; scratch.raw, dy.raw, n_i, f_i, rows_per)?;
+        launch!(gpu, s, "bias_grad_partial8", cfg; scratch.raw, dy.raw, n_i, f_i, rows_per)
     } else {
         let cfg = LaunchConfig {
             grid_dim: (f.div_ceil(COL_THREADS as usize) as u32, nb as u32, 1),
             block_dim: (COL_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        launch!(gpu, s, "bias_grad_partial", cfg; scratch.raw, dy.raw, n_i, f_i, rows_per)?;
+        launch!(gpu, s, "bias_grad_partial", cfg; scratch.raw, dy.raw, n_i, f_i, rows_per)
     }
-    let cfg = colsum_finish_cfg(f);
-    launch!(gpu, s, "colsum_finish", cfg; db.raw, scratch.raw, nb_i, f_i)
+}
+
+/// The second pass of the column sums over `n` rows and `c` columns: dst[j] += Σ_rb
+/// partials[rb, j] in the fixed order of `colsum_finish` ([`COLSUM_WARPS`] interleaved chains,
+/// then a pairwise tree).
+pub fn colsum_finish(gpu: &Gpu, s: &CudaStream, dst: DPtr<f32>, partials: DPtr<f32>, n: usize, c: usize) -> Result<()> {
+    check_len("colsum_finish dst [c]", dst, c);
+    let nb = colsum_blocks(n);
+    assert!(partials.len >= nb * c, "colsum_finish: {nb} × {c} partials needed, got {}", partials.len);
+    if n == 0 || c == 0 {
+        return Ok(());
+    }
+    let (nb_i, c_i) = (i32_of("row blocks", nb), i32_of("c", c));
+    let cfg = colsum_finish_cfg(c);
+    launch!(gpu, s, "colsum_finish", cfg; dst.raw, partials.raw, nb_i, c_i)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -612,7 +711,7 @@ pub fn scale_f32(gpu: &Gpu, s: &CudaStream, dst: DPtr<f32>, a: f32) -> Result<()
 /// are padding, excluded from the softmax, their gradient set to 0). losses[r] = lse −
 /// logit[target] (f64 Σexp and log like the CPU, rounded to f32 once). If `dscale != 0`,
 /// overwrites `logits` IN PLACE with d = (softmax − onehot)·dscale in bf16 (dscale = d(loss)/n for
-/// a mean). A target ≥ v gives a NaN loss. One block of 1024 threads per row.
+/// a mean). A target ≥ v gives a NaN loss. One block of 512 threads per row.
 pub fn crossentropy(
     gpu: &Gpu,
     s: &CudaStream,
@@ -873,6 +972,7 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
             s,
             d_dx.ptr(),
             Some(d_dxb.ptr()),
+            None,
             d_dw.ptr(),
             d_db.ptr(),
             d_dout.ptr(),
@@ -896,6 +996,44 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         let db = colsum_blocked_ref(&db0, n, c, |r, j| dout[r * c + j]);
         rows.push(row_f32(format!("layernorm_backward dweight [{c}] (+=, blocked-order ref)"), &gpu.download(d_dw.ptr())?, &dw));
         rows.push(row_f32(format!("layernorm_backward dbias [{c}] (+=, blocked-order ref)"), &gpu.download(d_db.ptr())?, &db));
+    }
+
+    // The one-pass LayerNorm backward gives the separate kernels' bits (dx, its bf16 copy, dweight,
+    // dbias and the bf16 dx's column sums), at GPT-2's width and on the wide register path.
+    for (n, c) in [(n, c), (1024usize, 2048usize)] {
+        let x = randv(seed, 40, n * c, 1.0);
+        let dout = to_bf(&round_bf(&randv(seed, 41, n * c, 1.0)));
+        let lw = to_bf(&round_bf(&randv(seed, 42, c, 0.2).iter().map(|v| v + 1.0).collect::<Vec<_>>()));
+        let lb = to_bf(&round_bf(&randv(seed, 43, c, 0.1)));
+        let (dx0, dw0, db0, bb0) = (randv(seed, 44, n * c, 0.5), randv(seed, 45, c, 0.5), randv(seed, 46, c, 0.5), randv(seed, 47, c, 0.5));
+        let (d_x, d_w, d_b, d_dout) = (gpu.upload(&x)?, gpu.upload(&lw)?, gpu.upload(&lb)?, gpu.upload(&dout)?);
+        let (d_mean, d_rstd, d_ln) = (gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?, gpu.alloc::<bf16>(n * c)?);
+        layernorm_forward(gpu, s, d_ln.ptr(), d_mean.ptr(), d_rstd.ptr(), d_x.ptr(), d_w.ptr(), d_b.ptr(), n, c)?;
+        let run = |fused: bool| -> Result<Vec<u32>> {
+            let (d_dx, d_dw, d_db, d_bb) = (gpu.upload(&dx0)?, gpu.upload(&dw0)?, gpu.upload(&db0)?, gpu.upload(&bb0)?);
+            let (d_dxb, d_scratch) = (gpu.alloc::<bf16>(n * c)?, gpu.alloc::<f32>(layernorm_backward_scratch(n, c))?);
+            let d_sums = gpu.alloc::<f32>(bias_grad_scratch(n, c))?;
+            let args = (d_dx.ptr(), Some(d_dxb.ptr()), Some(d_sums.ptr()), d_dw.ptr(), d_db.ptr(), d_dout.ptr(), d_x.ptr(), d_w.ptr());
+            let (dx, dxb, sums, dw, db, dout, x, w) = args;
+            layernorm_backward_with(gpu, s, dx, dxb, sums, dw, db, dout, x, w, d_mean.ptr(), d_rstd.ptr(), d_scratch.ptr(), n, c, fused)?;
+            colsum_finish(gpu, s, d_bb.ptr(), d_sums.ptr(), n, c)?;
+            let mut bits: Vec<u32> = gpu.download(d_dx.ptr())?.iter().map(|v| v.to_bits()).collect();
+            bits.extend(gpu.download(d_dxb.ptr())?.iter().map(|v| v.to_bits() as u32));
+            for p in [d_dw.ptr(), d_db.ptr(), d_bb.ptr()] {
+                bits.extend(gpu.download(p)?.iter().map(|v| v.to_bits()));
+            }
+            Ok(bits)
+        };
+        let fits = ln_bwd_fits(c, d_x.ptr(), d_x.ptr(), d_dout.ptr(), d_w.ptr(), Some(d_ln.ptr()), d_x.ptr(), Some(d_x.ptr()));
+        let same_bits = fits && run(true)? == run(false)?;
+        let flag = |ok: bool| if ok { 0.0f32 } else { 1.0 };
+        rows.push(CheckRow::compare(
+            format!("layernorm_backward one pass = dx + column-sum kernels + bias_grad of the bf16 dx [{n}×{c}] (bits)"),
+            &[flag(same_bits)],
+            &[0.0],
+            0.0,
+            0.0,
+        ));
     }
 
     // ---- bias / GELU / residual / bias_grad ----
