@@ -451,8 +451,9 @@ extern "C" __global__ void layernorm_bwd_dx_gen(float* __restrict__ dx, bf16* __
     }
 }
 
-// LayerNorm backward in one pass (c % 128 == 0, c <= 4096, x/dx 16-byte and dout/w/dxb 8-byte
-// aligned): block rb = blockIdx.x owns the rows [rb*rows_per, min(+rows_per, n)) of the column
+// LayerNorm backward in one pass (c % 128 == 0, c <= 2048 — the rows layernorm_bwd_dx_vec(16)
+// takes, whose bits it reproduces —, x/dx/scratch/cs 16-byte and dout/w/dxb 8-byte aligned; the
+// kernel itself works up to c = 4096): block rb = blockIdx.x owns the rows [rb*rows_per, min(+rows_per, n)) of the column
 // sums' row blocks and walks them in ascending order with W = c/128 warps; warp w, lane l owns
 // the float4 group q = 32w + l (columns 4q..4q+3) of every row. Per row it writes what
 // layernorm_bwd_dx_vec writes, with the same bits: each lane's row sums over its groups are formed
@@ -462,7 +463,9 @@ extern "C" __global__ void layernorm_bwd_dx_gen(float* __restrict__ dx, bf16* __
 // bias_grad_partial8 over the bf16 dx it wrote (cs[rb, j]: the bias gradient of the linear layer
 // whose output gradient that is), each in ascending rows with the same operations: the same bits
 // as those kernels, without reading x and dout (or dxb) a second time. One barrier per row; the
-// next row's loads are issued before it.
+// next row's loads are issued before it. The per-element expressions are written exactly as in
+// layernorm_bwd_dx_vec_t so that NVRTC contracts them into the same FMAs (the check rows compare
+// every output bit of both paths).
 extern "C" __global__ void __launch_bounds__(1024)
     layernorm_bwd_fused(float* __restrict__ dx, bf16* __restrict__ dxb, float* __restrict__ scratch, float* __restrict__ cs,
                         const bf16* __restrict__ dout, const float* __restrict__ x, const bf16* __restrict__ w,

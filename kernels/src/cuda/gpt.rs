@@ -900,18 +900,17 @@ fn block_backward(
     weight_grad(gpu, st, g.qkv_w, Some((g.qkv_b, None)), a.ln1.ptr(), k.dqkv, k.bias_scratch, c, n, 3 * c, fu.bgrad)?;
     gemm(gpu, bf(k.dln), bf(k.dqkv), bft(w.qkv_w), n, 3 * c, c)?;
     gpu.mark("bwd gemm dgrad");
-    let (ln1_w, dres) = (w.ln1_w, Some(k.dres));
     ops::layernorm_backward(
         gpu,
         st,
         k.dx,
-        dres,
+        Some(k.dres),
         Some(k.dres_sums),
         g.ln1_w,
         g.ln1_b,
         k.dln,
         x,
-        ln1_w,
+        w.ln1_w,
         a.m1.ptr(),
         a.r1.ptr(),
         k.ln_scratch,

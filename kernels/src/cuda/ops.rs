@@ -282,8 +282,10 @@ pub fn layernorm_backward_scratch(n: usize, c: usize) -> usize {
 }
 
 /// Whether [`layernorm_backward`]'s one-pass kernel (`layernorm_bwd_fused`) fits these buffers
-/// (it runs unless `TESSERA_GPU_LN_FUSED=0`): c % 128 == 0, c ≤ 4096, x/dx/scratch/sums 16-byte and dout/w/dx_bf16 8-byte
-/// aligned.
+/// (it runs unless `TESSERA_GPU_LN_FUSED=0`): the rows the register-path dx kernels take
+/// ([`ln_wide`]: c % 128 == 0, c ≤ 2048 — wider rows go to `layernorm_bwd_dx_gen`, whose row sums
+/// run in another order, so the one pass would not give its bits), x/dx/scratch/sums 16-byte
+/// and dout/w/dx_bf16 8-byte aligned.
 #[allow(clippy::too_many_arguments)]
 fn ln_bwd_fits(
     c: usize,
@@ -295,9 +297,7 @@ fn ln_bwd_fits(
     scratch: DPtr<f32>,
     sums: Option<DPtr<f32>>,
 ) -> bool {
-    c > 0
-        && c % 128 == 0
-        && c <= 4096
+    ln_wide(c).is_some()
         && aligned(x, 16)
         && aligned(dx, 16)
         && aligned(dout, 8)
@@ -314,8 +314,9 @@ fn ln_bwd_fits(
 /// tensor's column sums (its linear layer's bias gradient) is written there too: finish it with
 /// [`colsum_finish`]; the bits are [`bias_grad`]'s on the bf16 dx.
 ///
-/// Where [`ln_bwd_fits`] holds (and `TESSERA_GPU_LN_FUSED` is not `0`) this is one kernel that reads x, dout and dx once
-/// (`layernorm_bwd_fused`) and gives the bits of the separate kernels; otherwise the dx kernel,
+/// Where [`ln_bwd_fits`] holds (and `TESSERA_GPU_LN_FUSED` is not `0`) this is one kernel that
+/// reads x, dout and dx once (`layernorm_bwd_fused`) and gives the bits of the separate kernels
+/// (a `check` row compares them); otherwise the dx kernel,
 /// the column-partial kernel and (with `dx_bf16_sums`) `bias_grad`'s first pass run one after
 /// the other.
 #[allow(clippy::too_many_arguments)]
@@ -999,8 +1000,10 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     }
 
     // The one-pass LayerNorm backward gives the separate kernels' bits (dx, its bf16 copy, dweight,
-    // dbias and the bf16 dx's column sums), at GPT-2's width and on the wide register path.
-    for (n, c) in [(n, c), (1024usize, 2048usize)] {
+    // dbias and the bf16 dx's column sums), at GPT-2's width (also with a ragged last row block)
+    // and on the wide register path.
+    // (4133 rows: a last row block of 5 rows and a column-sum finish with a ragged tail.)
+    for (n, c) in [(n, c), (4133usize, c), (1024usize, 2048usize)] {
         let x = randv(seed, 40, n * c, 1.0);
         let dout = to_bf(&round_bf(&randv(seed, 41, n * c, 1.0)));
         let lw = to_bf(&round_bf(&randv(seed, 42, c, 0.2).iter().map(|v| v + 1.0).collect::<Vec<_>>()));

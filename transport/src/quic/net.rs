@@ -96,16 +96,19 @@ pub const MALLOC_TUNE_ENV: &str = "TESSERA_MALLOC_TUNE";
 /// A training step allocates and frees its transient buffers (gradient buckets to send, the
 /// pieces received, GEMM outputs, quinn's per-datagram buffers) a wave at a time. With glibc's
 /// defaults the top of the main heap is trimmed after every wave whose free tail passes the
-/// threshold, and a thread that outgrows its arena maps a new 64 MiB heap and unmaps it again
-/// when the wave is freed; every page is then faulted back in, zeroed, on the next step (with a
-/// TLB shoot-down per unmap in a multi-threaded process). Whether a run's waves stay under the
+/// threshold, and a thread whose arena outgrows its heap maps a new 64 MiB heap that glibc unmaps
+/// again as soon as it is free (whatever the threshold; fewer arenas make that rarer, they do not
+/// prevent it); every page is then faulted back in, zeroed, on the next step (with a TLB
+/// shoot-down per unmap in a multi-threaded process). Whether a run's waves stay under the
 /// threshold depended on where long-lived allocations happened to sit in the heap, so identical
 /// runs differed by 15 %. Measured on the 2-core dev box (gpt-10m, 4 elastic worker processes,
 /// 100 steps): 6.5 M page faults and 384 tokens/s with the old 64 MiB threshold, 0.84 M and
-/// 464 tokens/s with these settings (`docs/PERFORMANCE.md`, "Allocator"). The cost is that a
-/// process keeps up to 1 GiB of freed memory at its heap top for reuse; buffers of 32 MiB and
-/// more are mapped and unmapped on their own, as before. Other allocators and non-glibc targets
-/// are left alone; `TESSERA_MALLOC_TUNE=0` leaves glibc's defaults in place.
+/// 464 tokens/s with these settings (`docs/PERFORMANCE.md`, "The allocator"). The cost is that
+/// freed memory stays with the process for reuse: up to 1 GiB at the main heap's top, and the
+/// other arenas' heaps (≤ 64 MiB each, one arena per core at most) no longer shrink in place;
+/// buffers of 32 MiB and more are mapped and unmapped on their own, as before. This overrides a
+/// user's `MALLOC_ARENA_MAX`/`MALLOC_TRIM_THRESHOLD_`; `TESSERA_MALLOC_TUNE=0` leaves glibc's
+/// settings (and those variables) in place. Other allocators and non-glibc targets are left alone.
 pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
