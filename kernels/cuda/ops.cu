@@ -453,8 +453,9 @@ extern "C" __global__ void layernorm_bwd_dx_gen(float* __restrict__ dx, bf16* __
 
 // LayerNorm backward in one pass (c % 128 == 0, c <= 2048 — the rows layernorm_bwd_dx_vec(16)
 // takes, whose bits it reproduces —, x/dx/scratch/cs 16-byte and dout/w/dxb 8-byte aligned; the
-// kernel itself works up to c = 4096): block rb = blockIdx.x owns the rows [rb*rows_per, min(+rows_per, n)) of the column
-// sums' row blocks and walks them in ascending order with W = c/128 warps; warp w, lane l owns
+// kernel itself works up to c = 4096): block rb = blockIdx.x owns the rows
+// [rb*rows_per, min(+rows_per, n)) of the column sums' row blocks and walks them in ascending
+// order with W = c/128 warps; warp w, lane l owns
 // the float4 group q = 32w + l (columns 4q..4q+3) of every row. Per row it writes what
 // layernorm_bwd_dx_vec writes, with the same bits: each lane's row sums over its groups are formed
 // in the same order (group k = warp k's value, read from shared memory in ascending k), then the

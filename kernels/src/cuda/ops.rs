@@ -389,6 +389,7 @@ fn layernorm_backward_with(
     let nb = colsum_blocks(n);
     let rows_per = i32_of("rows per block", colsum_rows_per(n));
     let (pw, pb) = (scratch.slice(0..nb * c), scratch.slice(nb * c..2 * nb * c));
+    // First pass: dx (and its bf16 copy) and the column partials; then both sums finish.
     if fused {
         assert!(
             ln_bwd_fits(c, x, dx, dout, w, dx_bf16, scratch, dx_bf16_sums),
@@ -397,33 +398,34 @@ fn layernorm_backward_with(
         let cfg = LaunchConfig { grid_dim: (nb as u32, 1, 1), block_dim: ((c / 4) as u32, 1, 1), shared_mem_bytes: 0 };
         let cs = dx_bf16_sums.map_or(0u64, |p| p.raw);
         launch!(gpu, s, "layernorm_bwd_fused", cfg; dx.raw, dxb, scratch.raw, cs, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i, rows_per)?;
-        colsum_finish(gpu, s, dw, pw, n, c)?;
-        return colsum_finish(gpu, s, db, pb, n, c);
-    }
-    let cfg = ln_cfg(n);
-    let aligned_all = aligned(x, 16) && aligned(dx, 16) && aligned(dout, 8) && aligned(w, 8) && dx_bf16.is_none_or(|b| aligned(b, 8));
-    match ln_wide(c).filter(|_| aligned_all) {
-        Some(false) => launch!(gpu, s, "layernorm_bwd_dx_vec", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?,
-        Some(true) => launch!(gpu, s, "layernorm_bwd_dx_vec16", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?,
-        None => launch!(gpu, s, "layernorm_bwd_dx_gen", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?,
-    }
-    if c % 4 == 0 && aligned(x, 16) && aligned(dout, 8) && aligned(scratch, 16) {
-        let cfg = LaunchConfig {
-            grid_dim: ((c / 4).div_ceil(COL_THREADS8 as usize) as u32, nb as u32, 1),
-            block_dim: (COL_THREADS8, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch!(gpu, s, "layernorm_bwd_dwdb_partial4", cfg; scratch.raw, dout.raw, x.raw, mean.raw, rstd.raw, n_i, c_i, rows_per)?;
     } else {
-        let cfg = LaunchConfig {
-            grid_dim: (c.div_ceil(COL_THREADS as usize) as u32, nb as u32, 1),
-            block_dim: (COL_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch!(gpu, s, "layernorm_bwd_dwdb_partial", cfg; scratch.raw, dout.raw, x.raw, mean.raw, rstd.raw, n_i, c_i, rows_per)?;
-    }
-    if let (Some(cs), Some(b)) = (dx_bf16_sums, dx_bf16) {
-        bias_grad_partials(gpu, s, cs, b, n, c)?;
+        let cfg = ln_cfg(n);
+        let aligned_all = aligned(x, 16) && aligned(dx, 16) && aligned(dout, 8) && aligned(w, 8) && dx_bf16.is_none_or(|b| aligned(b, 8));
+        match ln_wide(c).filter(|_| aligned_all) {
+            Some(false) => launch!(gpu, s, "layernorm_bwd_dx_vec", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?,
+            Some(true) => {
+                launch!(gpu, s, "layernorm_bwd_dx_vec16", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?
+            }
+            None => launch!(gpu, s, "layernorm_bwd_dx_gen", cfg; dx.raw, dxb, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i)?,
+        }
+        if c % 4 == 0 && aligned(x, 16) && aligned(dout, 8) && aligned(scratch, 16) {
+            let cfg = LaunchConfig {
+                grid_dim: ((c / 4).div_ceil(COL_THREADS8 as usize) as u32, nb as u32, 1),
+                block_dim: (COL_THREADS8, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(gpu, s, "layernorm_bwd_dwdb_partial4", cfg; scratch.raw, dout.raw, x.raw, mean.raw, rstd.raw, n_i, c_i, rows_per)?;
+        } else {
+            let cfg = LaunchConfig {
+                grid_dim: (c.div_ceil(COL_THREADS as usize) as u32, nb as u32, 1),
+                block_dim: (COL_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(gpu, s, "layernorm_bwd_dwdb_partial", cfg; scratch.raw, dout.raw, x.raw, mean.raw, rstd.raw, n_i, c_i, rows_per)?;
+        }
+        if let (Some(cs), Some(b)) = (dx_bf16_sums, dx_bf16) {
+            bias_grad_partials(gpu, s, cs, b, n, c)?;
+        }
     }
     colsum_finish(gpu, s, dw, pw, n, c)?;
     colsum_finish(gpu, s, db, pb, n, c)
@@ -1016,9 +1018,24 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
             let (d_dx, d_dw, d_db, d_bb) = (gpu.upload(&dx0)?, gpu.upload(&dw0)?, gpu.upload(&db0)?, gpu.upload(&bb0)?);
             let (d_dxb, d_scratch) = (gpu.alloc::<bf16>(n * c)?, gpu.alloc::<f32>(layernorm_backward_scratch(n, c))?);
             let d_sums = gpu.alloc::<f32>(bias_grad_scratch(n, c))?;
-            let args = (d_dx.ptr(), Some(d_dxb.ptr()), Some(d_sums.ptr()), d_dw.ptr(), d_db.ptr(), d_dout.ptr(), d_x.ptr(), d_w.ptr());
-            let (dx, dxb, sums, dw, db, dout, x, w) = args;
-            layernorm_backward_with(gpu, s, dx, dxb, sums, dw, db, dout, x, w, d_mean.ptr(), d_rstd.ptr(), d_scratch.ptr(), n, c, fused)?;
+            layernorm_backward_with(
+                gpu,
+                s,
+                d_dx.ptr(),
+                Some(d_dxb.ptr()),
+                Some(d_sums.ptr()),
+                d_dw.ptr(),
+                d_db.ptr(),
+                d_dout.ptr(),
+                d_x.ptr(),
+                d_w.ptr(),
+                d_mean.ptr(),
+                d_rstd.ptr(),
+                d_scratch.ptr(),
+                n,
+                c,
+                fused,
+            )?;
             colsum_finish(gpu, s, d_bb.ptr(), d_sums.ptr(), n, c)?;
             let mut bits: Vec<u32> = gpu.download(d_dx.ptr())?.iter().map(|v| v.to_bits()).collect();
             bits.extend(gpu.download(d_dxb.ptr())?.iter().map(|v| v.to_bits() as u32));
