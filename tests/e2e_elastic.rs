@@ -113,6 +113,33 @@ fn a_loss_during_a_new_epochs_first_replica_copy_restores_from_memory() {
     assert!(source.starts_with("memory") && source.contains("of epoch 0"), "{source}\n{log}");
 }
 
+/// A member lost inside the commit window: every rank has prepared a step and none has
+/// committed it (the `kill_in_commit` fault arms rank 1 with SIGUSR1 after 3 steps, and it
+/// SIGKILLs itself when its next `Commit` arrives). The survivors take the step and the lost
+/// owner's replica can too (its update arrived before `Prepared`), so the step counts as
+/// committed: the new epoch starts after it from memory, nothing runs again, and no
+/// checkpoint (the scenario writes one every 4 steps) is used.
+#[test]
+fn a_loss_while_a_step_commits_keeps_the_step_and_restores_from_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = chaos(tmp.path(), r#"[{"at_step": 3, "kind": "kill_in_commit", "rank": 1}]"#, 8, 1);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["workers_lost"], 1, "{r:#}");
+    assert_eq!(el["commits_completed"], 1, "the failed commit did not count: {r:#}");
+    assert_eq!(el["restored_from_checkpoint"], 0, "{r:#}");
+    assert_eq!(el["restored_from_memory"], 1, "{r:#}");
+    assert_eq!(el["steps_replayed"], 0, "{r:#}");
+    assert_eq!(el["steps_rerun"], 0, "{r:#}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
+    let events: Vec<serde_json::Value> = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let epoch = events.iter().find(|x| x["event"] == "epoch" && x["epoch"] == 1).unwrap_or_else(|| panic!("no epoch 1:\n{log}"));
+    let source = epoch["source"].as_str().unwrap();
+    assert!(source.starts_with("memory: replicas") && source.ends_with(&format!("at step {}", epoch["step"])), "{source}\n{log}");
+    // The worker dies at the first commit after the signal: step 3's, or a later one's when
+    // step 3 had committed by the time the signal came.
+    assert!(epoch["step"].as_u64().unwrap() >= 4, "the new epoch should start after the step whose commit failed:\n{log}");
+}
+
 #[test]
 fn a_stopped_worker_is_declared_dead_and_replaced_by_its_replica() {
     let tmp = tempfile::tempdir().unwrap();

@@ -393,7 +393,8 @@ impl ClusterState {
             }
             PhaseKind::Commit => {
                 self.inconsistent_at = Some(step);
-                let _ = job.reply.send(Err(ActorError::CommitFailed { step, failures: phase.failures }));
+                let prepared = Box::new(StepResult::aggregate(step, self.epoch, job.abandoned_attempts, job.prepared));
+                let _ = job.reply.send(Err(ActorError::CommitFailed { step, failures: phase.failures, prepared }));
             }
             // Query phases never serve a step job (`start_query` pairs them with query jobs).
             PhaseKind::Memory | PhaseKind::Shards => {

@@ -1,5 +1,6 @@
 //! The errors of the actor layer: which rank failed, in which phase, and why.
 
+use crate::driver::StepResult;
 use std::fmt;
 
 /// Why one rank did not complete a phase of a step.
@@ -69,8 +70,10 @@ pub enum ActorError {
     #[error("step {step} abandoned: {}", Failures(failures))]
     StepAbandoned { step: u64, failures: Vec<RankFailure> },
     /// A worker failed while committing: some ranks may have committed `step` and others not.
-    #[error("step {step} commit failed (ranks may disagree; restart from the last checkpoint): {}", Failures(failures))]
-    CommitFailed { step: u64, failures: Vec<RankFailure> },
+    /// `prepared` is what the step's prepare reported on every rank: an elastic driver that
+    /// finds every shard at `step + 1` counts the step as committed with it.
+    #[error("step {step} commit failed (ranks may disagree; recover from a consistent state): {}", Failures(failures))]
+    CommitFailed { step: u64, failures: Vec<RankFailure>, prepared: Box<StepResult> },
     /// Members were lost (died or hung); the plan of epoch `epoch` is no longer valid and
     /// steps are refused until a replan (a later issue).
     #[error("plan epoch {epoch} lost ranks {ranks:?}; cannot run steps without replanning")]

@@ -306,6 +306,66 @@ pub fn propose_rebalance(micro_batches: usize, current: &[usize], speeds: &[f64]
     Some(Rebalance { counts, blocks, before_s, after_s })
 }
 
+/// [`propose_rebalance`] that checks its own predictions. Each re-assignment promises a
+/// shorter step; the first measurement under the new blocks says whether it came. One that did
+/// not (measured less than half the threshold's gain) starts a quiet period with no
+/// re-assignment, doubling with each such miss in a row (`base_steps`, 2 × `base_steps`, …, at
+/// most `max_steps`); one that did resets it. Where workers share too few cores a worker's
+/// speed depends on its own share of the work (the one given more runs slower per
+/// micro-batch), so the prediction keeps promising a gain that never comes, and without the
+/// check the blocks moved back and forth every few steps. A real straggler's re-assignment
+/// delivers, and so does the one back when it recovers: both happen at once.
+#[derive(Debug, Clone)]
+pub struct Rebalancer {
+    base_steps: u64,
+    max_steps: u64,
+    /// The last re-assignment not measured yet: (its counts, the makespan measured before it).
+    pending: Option<(Vec<usize>, f64)>,
+    /// Re-assignments in a row that did not deliver.
+    misses: u32,
+    /// No re-assignment before this step.
+    quiet_until: u64,
+}
+
+impl Rebalancer {
+    pub fn new(base_steps: u64, max_steps: u64) -> Self {
+        Rebalancer { base_steps, max_steps, pending: None, misses: 0, quiet_until: 0 }
+    }
+
+    /// A new epoch (other members, other blocks): the history does not apply.
+    pub fn clear(&mut self) {
+        (self.pending, self.misses, self.quiet_until) = (None, 0, 0);
+    }
+
+    /// At step `step`, with `speeds` measured under `current` (the first call after a
+    /// re-assignment measures it): the re-assignment to make, if any (see the type).
+    pub fn propose(&mut self, step: u64, micro_batches: usize, current: &[usize], speeds: &[f64], threshold: f64) -> Option<Rebalance> {
+        if let Some((counts, before_s)) = self.pending.take() {
+            if counts == current {
+                let delivered = makespan(current, speeds) <= before_s * (1.0 - threshold / 2.0);
+                if delivered {
+                    self.misses = 0;
+                } else {
+                    self.misses = self.misses.saturating_add(1);
+                    let quiet = self.base_steps.saturating_mul(1 << (self.misses - 1).min(32)).min(self.max_steps);
+                    self.quiet_until = step.saturating_add(quiet);
+                }
+            }
+        }
+        if step < self.quiet_until {
+            return None;
+        }
+        let rb = propose_rebalance(micro_batches, current, speeds, threshold)?;
+        self.pending = Some((rb.counts.clone(), rb.before_s));
+        Some(rb)
+    }
+
+    /// Re-assignments in a row whose promised gain did not come.
+    pub fn misses(&self) -> u32 {
+        self.misses
+    }
+}
+
 /// Each member's measured speeds (micro-batches per second of its own compute) over its last
 /// `window` steps under the current blocks. A member's speed is their median: one step that
 /// lost the CPU to another process on a shared machine, or ran alone on it, does not move it,
@@ -621,6 +681,47 @@ mod tests {
             let want = best_makespan(m, &speeds, floor);
             assert!((makespan(&c, &speeds) - want).abs() < 1e-9, "{speeds:?} m {m}: {c:?} vs optimum {want}");
         }
+    }
+
+    /// Three workers on two cores: the one given two micro-batches runs each slower than the
+    /// ones given one, so the prediction always promises ~20 % from moving the second one
+    /// elsewhere. Without the check that moves the blocks each time the speeds are measured;
+    /// the rebalancer backs off after each move that did not deliver. A real straggler is
+    /// rebalanced at once, and so is the way back when it recovers.
+    #[test]
+    fn the_rebalancer_backs_off_when_its_predictions_do_not_come_true() {
+        let speeds_under = |counts: &[usize]| -> Vec<f64> { counts.iter().map(|&c| if c >= 2 { 10.5 } else { 13.5 }).collect() };
+        let run = |checked: bool, steps: u64| {
+            let mut rb = Rebalancer::new(20, 640);
+            let mut counts = vec![1, 1, 2];
+            let mut moves = 0;
+            for step in 0..steps {
+                let speeds = speeds_under(&counts);
+                let p = match checked {
+                    true => rb.propose(step, 4, &counts, &speeds, 0.05),
+                    false => propose_rebalance(4, &counts, &speeds, 0.05),
+                };
+                if let Some(p) = p {
+                    assert_eq!(p.counts.iter().sum::<usize>(), 4);
+                    counts = p.counts;
+                    moves += 1;
+                }
+            }
+            moves
+        };
+        assert!(run(false, 1800) >= 900, "the plain proposal should oscillate here (the case this guards against)");
+        // Moves at steps 0, 21, 62, 143, 304, 625 and 1266: each measured a step later as a
+        // miss, then quiet for 20, 40, 80, 160, 320, 640 and 640 steps.
+        assert_eq!(run(true, 1800), 7);
+        // A real straggler: rank 1 at a quarter of the others' speed moves at once.
+        let mut rb = Rebalancer::new(20, 640);
+        let p = rb.propose(0, 12, &[4, 4, 4], &[10.0, 2.5, 10.0], 0.05).expect("a straggler is rebalanced");
+        assert!(p.counts[1] < 4, "{p:?}");
+        // Measured under the new blocks it delivered; once it recovers the way back comes at once.
+        assert!(rb.propose(5, 12, &p.counts, &[10.0, 2.5, 10.0], 0.05).is_none());
+        assert_eq!(rb.misses(), 0);
+        let back = rb.propose(6, 12, &p.counts, &[10.0, 10.0, 10.0], 0.05).expect("back to even counts");
+        assert_eq!(back.counts, vec![4, 4, 4]);
     }
 
     #[test]

@@ -343,7 +343,7 @@ fn a_failed_commit_leaves_the_cluster_refusing_steps() {
     cluster.run_step(1).expect("step 1");
     let err = cluster.run_step(2).expect_err("rank 1 cannot commit");
     let failures = match &err {
-        ActorError::CommitFailed { step: 2, failures } => failures.clone(),
+        ActorError::CommitFailed { step: 2, failures, .. } => failures.clone(),
         other => panic!("unexpected error {other}"),
     };
     assert_eq!(failures, vec![RankFailure { rank: 1, cause: FailureCause::Returned("injected commit failure at step 2".into()) }]);

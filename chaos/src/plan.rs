@@ -8,6 +8,7 @@
 //!   "set": ["tessera.seq_len=32", "tessera.elastic.heartbeat_timeout_ms=1000"],
 //!   "faults": [
 //!     {"at_step": 2, "kind": "kill", "rank": "random"},
+//!     {"at_step": 3, "kind": "kill_in_commit", "rank": 1},
 //!     {"at_step": 4, "kind": "stop", "rank": 1, "duration_ms": 3000},
 //!     {"at_step": 3, "kind": "slow", "rank": 2, "duration_ms": 8000, "period_ms": 100, "duty_percent": 60},
 //!     {"at_step": 5, "kind": "term"},
@@ -29,7 +30,10 @@
 //! of every `period_ms` (default 100) and SIGCONTed for the rest; each period's stopped part is
 //! drawn by the seed around `duty_percent` (default 50) of the period (uniform in ±50 % of it,
 //! each stop at most 90 % of the period), so the worker runs at roughly `100 - duty_percent` % of
-//! its speed; the run should measure it and give it fewer micro-batches. `fail_writes` makes
+//! its speed; the run should measure it and give it fewer micro-batches. `kill_in_commit`
+//! sends SIGUSR1, which arms the worker to SIGKILL itself when the driver's next `Commit`
+//! reaches it (every rank has prepared that step, none has committed it yet); its detection
+//! time counts from the signal, so it includes the rest of the step in flight. `fail_writes` makes
 //! the checkpoint folder unwritable for `duration_ms` (default 5000); `corrupt_checkpoint` flips
 //! bytes in the newest checkpoint's tensors.
 //!
@@ -68,6 +72,10 @@ pub const DURATION_MS_DEFAULT: u64 = 5_000;
 pub enum FaultKind {
     /// SIGKILL a worker.
     Kill,
+    /// SIGUSR1 a worker, which arms it to SIGKILL itself when the driver's next `Commit`
+    /// arrives: a loss inside the commit window (every rank prepared, none committed yet),
+    /// which a signal from outside cannot aim at.
+    KillInCommit,
     /// SIGSTOP a worker for `duration_ms`, then SIGCONT it (if it is still there).
     Stop,
     /// SIGTERM a worker (spot preemption): it should hand its shard over and leave.
@@ -100,6 +108,7 @@ impl FaultKind {
     pub fn name(self) -> &'static str {
         match self {
             FaultKind::Kill => "kill",
+            FaultKind::KillInCommit => "kill_in_commit",
             FaultKind::Stop => "stop",
             FaultKind::Term => "term",
             FaultKind::Join => "join",
@@ -118,7 +127,7 @@ impl FaultKind {
 
     /// Whether the fault targets a worker of the run.
     pub fn targets_rank(self) -> bool {
-        matches!(self, FaultKind::Kill | FaultKind::Stop | FaultKind::Term | FaultKind::Slow) || self.needs_net()
+        matches!(self, FaultKind::Kill | FaultKind::KillInCommit | FaultKind::Stop | FaultKind::Term | FaultKind::Slow) || self.needs_net()
     }
 
     /// Whether the fault needs the workers in network namespaces.
@@ -141,7 +150,7 @@ impl FaultKind {
             FaultKind::Reorder => &["duration_ms", "probability", "reorder_ms"],
             FaultKind::Throttle => &["duration_ms", "rate_mbit"],
             FaultKind::Slow => &["duration_ms", "period_ms", "duty_percent"],
-            FaultKind::Kill | FaultKind::Term | FaultKind::Join | FaultKind::CorruptCheckpoint => &[],
+            FaultKind::Kill | FaultKind::KillInCommit | FaultKind::Term | FaultKind::Join | FaultKind::CorruptCheckpoint => &[],
         }
     }
 }

@@ -198,12 +198,14 @@ impl Report {
         let el = &self.faulted.elastic;
         let get = |k: &str| el.get(k).and_then(Value::as_u64).unwrap_or(0);
         s.push_str(&format!(
-            "\nfaulted run: {} of {} steps committed, {} step attempt(s) rerun, {} committed step(s) replayed from a checkpoint, \
+            "\nfaulted run: {} of {} steps committed, {} step attempt(s) rerun, {} failed commit(s) completed from memory, \
+             {} committed step(s) replayed from a checkpoint, \
              {} recoveries ({} from memory, {} from a checkpoint), {} worker(s) lost, {} joined, {} drained, {} checkpoint(s) not written, \
              {} rebalance(s) by measured speed\n",
             self.faulted.steps,
             self.steps_expected,
             get("steps_rerun"),
+            get("commits_completed"),
             get("steps_replayed"),
             get("recoveries"),
             get("restored_from_memory"),
@@ -598,6 +600,10 @@ impl Faulting<'_> {
         let hosts = || self.env.hosts.as_ref().zip(host).ok_or_else(|| ChaosError::Run("no test host".into()));
         match f.kind {
             FaultKind::Kill => signal(pid, libc::SIGKILL),
+            FaultKind::KillInCommit => {
+                signal(pid, libc::SIGUSR1);
+                report.note = "armed (SIGUSR1): SIGKILL at its next commit".into();
+            }
             FaultKind::Term => signal(pid, libc::SIGTERM),
             FaultKind::Stop => {
                 signal(pid, libc::SIGSTOP);
@@ -808,7 +814,9 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
             _ => events.of("resumed").find(|e| e["t_ms"].as_u64().unwrap_or(0) >= t),
         };
         r.recovery_ms = back.and_then(|b| b["t_ms"].as_u64()).map(|b| b.saturating_sub(t));
-        if n["event"] == "lost" && !matches!(f.kind, FaultKind::Kill | FaultKind::Stop | FaultKind::Partition | FaultKind::Term) {
+        if n["event"] == "lost"
+            && !matches!(f.kind, FaultKind::Kill | FaultKind::KillInCommit | FaultKind::Stop | FaultKind::Partition | FaultKind::Term)
+        {
             r.note.push_str("; the worker was lost");
         }
     } else {

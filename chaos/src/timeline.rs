@@ -48,7 +48,7 @@ fn tick(span: f64, target: f64) -> f64 {
 
 fn fault_color(kind: &str) -> &'static str {
     match kind {
-        "kill" | "partition" => "#d62728",
+        "kill" | "kill_in_commit" | "partition" => "#d62728",
         "stop" | "slow" => "#ff7f0e",
         "term" => "#bcbd22",
         "join" => "#2ca02c",

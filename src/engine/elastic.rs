@@ -68,7 +68,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
-use tessera_actors::replan::{propose_rebalance, Speeds};
+use tessera_actors::replan::{Rebalancer, Speeds};
 use tessera_chaos::link::WorkerNet;
 use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, JoinToken};
 
@@ -89,6 +89,10 @@ const MONITOR_POLL_MS: u64 = 10;
 /// Steps a member is measured under the current blocks before they may change again; its
 /// speed is their median (`tessera_actors::replan::Speeds`).
 const SPEED_WINDOW_STEPS: usize = 5;
+/// The quiet period after a re-assignment whose promised gain did not come, and its bound
+/// (it doubles with each such miss in a row; [`Rebalancer`]).
+const REBALANCE_QUIET_STEPS: u64 = 20;
+const REBALANCE_QUIET_MAX_STEPS: u64 = 640;
 
 pub(super) fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -381,6 +385,9 @@ pub struct Fleet {
     dir: Option<PathBuf>,
     /// Each member's measured speed (micro-batches per second of its own compute).
     speeds: Speeds<u64>,
+    /// Proposes re-assignments by those speeds and backs off when their promised gain does not
+    /// come (workers sharing too few cores, whose speeds follow the blocks).
+    rebalancer: Rebalancer,
 }
 
 /// Writes `<output>/procs` for spawned workers (emptied first): the resolved config, the run
@@ -594,6 +601,7 @@ impl Fleet {
             launched: None,
             dir: None,
             speeds: Speeds::new(SPEED_WINDOW_STEPS),
+            rebalancer: Rebalancer::new(REBALANCE_QUIET_STEPS, REBALANCE_QUIET_MAX_STEPS),
         })
     }
 
@@ -777,14 +785,15 @@ impl Fleet {
     /// At a step boundary (`step` committed steps): when re-assigning the micro-batch blocks by
     /// the members' measured speeds shortens the predicted step by more than
     /// `tessera.elastic.rebalance_threshold`, every member takes the new blocks (the state
-    /// partition stays; the bits do not change). A member that cannot is lost (recovery forms
-    /// an epoch with consistent plans); the error says so.
+    /// partition stays; the bits do not change) — unless the last re-assignment's promised gain
+    /// did not come, which starts a quiet period ([`Rebalancer`]). A member that cannot is lost
+    /// (recovery forms an epoch with consistent plans); the error says so.
     pub fn rebalance(&mut self, step: u64, dataset: &Dataset) -> Result<Option<Rebalanced>> {
         let ids: Vec<u64> = self.members.iter().map(|m| m.id).collect();
         let Some(speeds) = self.speeds.of(&ids) else { return Ok(None) };
         let before = self.plan.counts();
         let threshold = self.shared.er.rebalance_threshold;
-        let Some(rb) = propose_rebalance(self.plan.micro_batches, &before, &speeds, threshold) else { return Ok(None) };
+        let Some(rb) = self.rebalancer.propose(step, self.plan.micro_batches, &before, &speeds, threshold) else { return Ok(None) };
         let mut cfg = self.cfg.clone();
         cfg.world_size = self.plan.world;
         let plan = Plan::new(&cfg, dataset).with_context(|| format!("planning {} ranks", self.plan.world))?;
@@ -875,15 +884,16 @@ impl Fleet {
         }
     }
 
-    /// Forms a new epoch at the boundary of `t` committed steps (see the module doc).
-    pub fn reconfigure(&mut self, t: u64, dataset: &Dataset, restore: &Restore<'_>) -> Result<Reconfigured> {
+    /// Forms a new epoch at the boundary of the first of `at` (committed steps, best first)
+    /// whose state is whole in memory, else from a checkpoint (see the module doc).
+    pub fn reconfigure(&mut self, at: &[u64], dataset: &Dataset, restore: &Restore<'_>) -> Result<Reconfigured> {
         let attempts = self.shared.ids as usize + 2;
         let mut losses = 0;
         // (drained, joined) over every epoch formed meanwhile, also ones lost again at once.
         let mut moved = (0, 0);
         for _ in 0..attempts {
             losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
-            if let Some(mut r) = self.try_reconfigure(t, dataset, restore, &mut moved)? {
+            if let Some(mut r) = self.try_reconfigure(at, dataset, restore, &mut moved)? {
                 losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
                 (r.losses, r.drained, r.joined) = (losses, moved.0, moved.1);
                 return Ok(r);
@@ -893,10 +903,12 @@ impl Fleet {
     }
 
     /// One attempt; `moved` counts the workers that drained and joined once the epoch formed
-    /// (before its replicas are copied, which a loss can still make fail).
+    /// (before its replicas are copied, which a loss can still make fail). `at` lists the
+    /// committed steps whose state may be taken, best first: the first one that every shard
+    /// reaches in memory, else a checkpoint at or before the last one.
     fn try_reconfigure(
         &mut self,
-        t: u64,
+        at: &[u64],
         dataset: &Dataset,
         restore: &Restore<'_>,
         moved: &mut (usize, usize),
@@ -919,14 +931,18 @@ impl Fleet {
         // 2. Where the state at `t` comes from: the installed epoch's shards in memory (owners,
         // replicas, or shards kept while a later epoch formed), else a checkpoint.
         let installed = self.installed.clone();
-        let sources: Option<(Installed, Vec<Source>)> = installed.and_then(|inst| {
+        let sources: Option<(Installed, u64, Vec<Source>)> = installed.and_then(|inst| {
             let owners: Vec<usize> = if inst.plan.stage == 0 { vec![0] } else { (0..inst.plan.world).collect() };
-            let found =
-                owners.iter().map(|&o| find_shard(&inst, &alive, o, t).map(|(m, msg, r)| (o, m, msg, r))).collect::<Option<Vec<_>>>()?;
-            Some((inst, found))
+            at.iter().find_map(|&t| {
+                let found = owners
+                    .iter()
+                    .map(|&o| find_shard(&inst, &alive, o, t).map(|(m, msg, r)| (o, m, msg, r)))
+                    .collect::<Option<Vec<_>>>()?;
+                Some((inst.clone(), t, found))
+            })
         });
         let (start, source) = match sources {
-            Some((inst, src)) => {
+            Some((inst, t, src)) => {
                 let old = &inst.plan;
                 let mut master = Vec::with_capacity(old.total());
                 let mut bufs: OptimBuffers = Vec::new();
@@ -970,7 +986,7 @@ impl Fleet {
                 };
                 (start, source)
             }
-            None => restore(t)?,
+            None => restore(at.iter().copied().min().context("no step to recover at")?)?,
         };
         // 3. The members of the new epoch.
         let draining: Vec<Arc<Member>> = alive.iter().filter(|a| shared.draining(a.member.id)).map(|a| Arc::clone(&a.member)).collect();
@@ -1090,6 +1106,7 @@ impl Fleet {
         // The new epoch runs the plan's even blocks: its members are measured again.
         self.speeds.retain(|id| next.iter().any(|m| m.id == *id));
         self.speeds.restart();
+        self.rebalancer.clear();
         self.members = next;
         self.epoch = epoch;
         self.plan = Arc::clone(&plan);

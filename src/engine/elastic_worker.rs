@@ -149,11 +149,23 @@ extern "C" fn on_term(_: libc::c_int) {
     TERM.store(true, Ordering::SeqCst);
 }
 
-/// Turns SIGTERM into a drain request instead of the default exit.
+/// Set by the SIGUSR1 handler: the chaos harness's `kill_in_commit` fault. The worker then
+/// SIGKILLs itself when the driver's next `Commit` arrives — after every rank answered
+/// `Prepared`, before its own optimizer step: a loss inside the commit window, which a signal
+/// from outside cannot aim at.
+static KILL_IN_COMMIT: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_usr1(_: libc::c_int) {
+    KILL_IN_COMMIT.store(true, Ordering::SeqCst);
+}
+
+/// Turns SIGTERM into a drain request instead of the default exit, and SIGUSR1 into the
+/// armed `kill_in_commit` fault.
 fn install_term_handler() {
-    // SAFETY: `on_term` only stores to an atomic, which is async-signal-safe.
+    // SAFETY: the handlers only store to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGTERM, on_term as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGUSR1, on_usr1 as *const () as libc::sighandler_t);
     }
 }
 
@@ -784,22 +796,33 @@ impl Worker {
                 }
             }
             ToWorker::Commit { step } => {
+                if KILL_IN_COMMIT.load(Ordering::SeqCst) {
+                    say(format!("elastic worker {}: armed by SIGUSR1: SIGKILL on the commit of step {step}", self.s.id));
+                    // SAFETY: raise(3) with SIGKILL on this process: the chaos fault itself.
+                    unsafe {
+                        libc::raise(libc::SIGKILL);
+                    }
+                }
                 let m = self.member.as_mut().context("this worker is not a member of any epoch yet")?;
-                match m.worker.commit(step) {
+                let res = m.worker.commit(step);
+                // The shard reached `step + 1` (its masters and optimizer state took the step)
+                // also when the commit failed later, sharing the parameters with a lost peer:
+                // the replicas' updates arrived in prepare and are applied either way.
+                let stepped = m.worker.stepped() == Some(step);
+                if stepped {
+                    if let Some(updates) = m.worker.take_replica_updates() {
+                        self.replicas.queue(&m.plan, updates);
+                    }
+                }
+                // Otherwise the optimizer may have stepped part of the shard: not a usable state.
+                self.at = stepped.then_some(step + 1);
+                match res {
                     Ok(()) => {
-                        if let Some(updates) = m.worker.take_replica_updates() {
-                            self.replicas.queue(&m.plan, updates);
-                        }
                         let (replica_stale, replica_behind) = (self.replicas.stale, self.replicas.behind);
                         let s = Snapshot { replica_stale, replica_behind, ..snapshot(&lock(&m.state), m.rank) };
-                        self.at = Some(step + 1);
                         ToParent::Committed { snapshot: s }
                     }
-                    Err(error) => {
-                        // The optimizer may have stepped part of the shard: not a usable state.
-                        self.at = None;
-                        ToParent::Failed { error }
-                    }
+                    Err(error) => ToParent::Failed { error },
                 }
             }
             ToWorker::Abandon { step } => {

@@ -10,7 +10,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_actors::compute::{MemoryReport, ShardInfo, ShardSpec, WorkerCompute};
-use tessera_actors::{Cluster, ClusterOptions, StepResult};
+use tessera_actors::error::Failures;
+use tessera_actors::{ActorError, Cluster, ClusterOptions, StepResult};
 use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
 
@@ -516,7 +517,7 @@ impl Run<'_> {
                 Ok(v) => return Ok(v),
                 Err(e) if self.change_pending(SETTLE_MS) => {
                     log_line(pb, format!("elastic: {e:#}; recovering"));
-                    self.recover(pb, t, dataset)?;
+                    self.recover(pb, t, dataset, false)?;
                 }
                 Err(e) => return Err(e),
             }
@@ -528,7 +529,7 @@ impl Run<'_> {
     fn elastic_run_step(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<StepResult> {
         loop {
             if self.change_pending(0) {
-                self.recover(pb, t, dataset)?;
+                self.recover(pb, t, dataset, false)?;
                 continue;
             }
             if let Err(e) = self.rebalance(pb, dataset) {
@@ -536,7 +537,7 @@ impl Run<'_> {
                     return Err(e);
                 }
                 log_line(pb, format!("elastic: {e:#}; recovering"));
-                self.recover(pb, t, dataset)?;
+                self.recover(pb, t, dataset, false)?;
                 continue;
             }
             match self.cluster.run_step(self.step) {
@@ -546,12 +547,27 @@ impl Run<'_> {
                     }
                     return Ok(res);
                 }
+                Err(ActorError::CommitFailed { step, failures, prepared }) if self.change_pending(SETTLE_MS) => {
+                    // Every rank prepared: the survivors' shards and the lost owners' replicas
+                    // may all have taken the step. Then it counts as committed, with what the
+                    // prepare reported (the measured speeds are not taken from it).
+                    log_line(pb, format!("elastic: the commit of step {step} failed: {}; recovering", Failures(&failures)));
+                    if self.recover(pb, t, dataset, true)? {
+                        if let Some(el) = self.elastic.as_mut() {
+                            el.stats.commits_completed += 1;
+                        }
+                        return Ok(*prepared);
+                    }
+                    if let Some(el) = self.elastic.as_mut() {
+                        el.stats.steps_rerun += 1;
+                    }
+                }
                 Err(e) if self.change_pending(SETTLE_MS) => {
                     if let Some(el) = self.elastic.as_mut() {
                         el.stats.steps_rerun += 1;
                     }
                     log_line(pb, format!("elastic: step {} abandoned: {e}", self.step));
-                    self.recover(pb, t, dataset)?;
+                    self.recover(pb, t, dataset, false)?;
                 }
                 Err(e) => return Err(e).with_context(|| format!("step {}", self.step)),
             }
@@ -585,7 +601,7 @@ impl Run<'_> {
                 return Err(e);
             }
             log_line(pb, format!("elastic: {e:#}; recovering"));
-            self.recover(pb, t, dataset)?;
+            self.recover(pb, t, dataset, false)?;
         }
         if let Ranks::Elastic(fleet) = &self.ranks {
             fleet.committed(self.step);
@@ -615,17 +631,26 @@ impl Run<'_> {
 
     /// Forms a new epoch from the survivors and joiners at the boundary of `self.step`
     /// committed steps, restarts the actor tree on it, and replays any committed steps the
-    /// restored state lacks (see `engine::elastic`).
-    fn recover(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
+    /// restored state lacks (see `engine::elastic`). `commit_failed`: the commit of step
+    /// `self.step` failed after every rank prepared it; when every shard reached
+    /// `self.step + 1` in memory the new epoch starts there and this returns true (the step
+    /// is committed; the caller counts it), else the step runs again.
+    fn recover(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset, commit_failed: bool) -> Result<bool> {
         let began = super::elastic::now_ms();
         let mut state_at = self.step;
+        // Whether the commit of step `state_at` failed (its state may be at `state_at + 1`).
+        let mut maybe_committed = commit_failed;
         loop {
             let (cfg, root) = (self.cfg, self.out_dir.join("checkpoints"));
             let resume = self.elastic.as_ref().and_then(|e| e.resume.clone());
             let plan_now = Arc::clone(&self.plan);
             let restore = move |at: u64| restore_from_disk(cfg, &plan_now, &root, resume.as_deref(), at);
             let Ranks::Elastic(fleet) = &mut self.ranks else { bail!("only an elastic run can recover") };
-            let rec = fleet.reconfigure(state_at, dataset, &restore)?;
+            let at: Vec<u64> = match maybe_committed {
+                true => vec![state_at + 1, state_at],
+                false => vec![state_at],
+            };
+            let rec = fleet.reconfigure(&at, dataset, &restore)?;
             self.plan = Arc::clone(&rec.plan);
             let copts = cluster_options(&TrainOptions::default(), self.elastic.as_ref());
             let cluster = Cluster::start(rec.computes, shard_infos(&self.plan, &self.ranks), copts).context("restarting the actor tree")?;
@@ -633,7 +658,7 @@ impl Run<'_> {
                 eprintln!("warning: stopping the previous epoch's actor tree: {e}");
             }
             t.rank_bytes = vec![0; self.plan.world];
-            let from_memory = rec.step == state_at;
+            let from_memory = rec.step >= state_at;
             if let Some(el) = self.elastic.as_mut() {
                 let s = &mut el.stats;
                 s.recoveries += 1;
@@ -658,6 +683,7 @@ impl Run<'_> {
             );
             let mut at = rec.step;
             let mut broken = false;
+            maybe_committed = false;
             while at < self.step {
                 match self.cluster.run_step(at) {
                     Ok(_) => {
@@ -673,7 +699,8 @@ impl Run<'_> {
                             break;
                         }
                     }
-                    Err(_) if self.change_pending(SETTLE_MS) => {
+                    Err(e) if self.change_pending(SETTLE_MS) => {
+                        maybe_committed = matches!(e, ActorError::CommitFailed { .. });
                         broken = true;
                         break;
                     }
@@ -681,10 +708,12 @@ impl Run<'_> {
                 }
             }
             if !broken {
+                // Past `self.step` only when its failed commit reached every shard.
+                let committed = at > self.step;
                 if let Ranks::Elastic(fleet) = &self.ranks {
-                    fleet.resumed(began, self.step);
+                    fleet.resumed(began, at);
                 }
-                return Ok(());
+                return Ok(committed);
             }
             state_at = at;
         }

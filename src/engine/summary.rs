@@ -72,6 +72,10 @@ pub struct ElasticSummary {
     pub workers_drained: u64,
     /// Step attempts abandoned because a member was lost (each ran again).
     pub steps_rerun: u64,
+    /// Steps whose commit failed on a lost member after every rank had prepared them, and
+    /// which still counted as committed: every shard (the lost owners' in their replicas)
+    /// had taken the step, so the new epoch started after it and nothing ran again.
+    pub commits_completed: u64,
     /// Committed steps recomputed after a restore from a checkpoint (same bits).
     pub steps_replayed: u64,
     /// Recoveries that took the state from the members' memory (shards and replicas).

@@ -397,13 +397,18 @@ type BlockSum = (usize, u32, Vec<f32>);
 struct Staged {
     step: u64,
     overflow: bool,
-    /// The replica update exchange queued at the end of prepare (elastic runs).
-    exchange: Option<Exchange>,
+    /// What the ring predecessors sent at the end of prepare (elastic runs): received before
+    /// `Prepared` is answered, so once every rank has prepared, every holder has its owners'
+    /// updates and a loss during the commit cannot leave a replica behind its owner.
+    received: Option<Received>,
 }
 
-/// The replica update exchange in flight: what each ring predecessor sent this rank (nearest
-/// first): its encoded step record and its packed gradient (empty for a skipped step).
-type Exchange = Ticket<Result<Vec<(Vec<f32>, Vec<f32>)>, String>>;
+/// What each ring predecessor sent this rank (nearest first): its encoded step record and its
+/// packed gradient (empty for a skipped step).
+type Received = Vec<(Vec<f32>, Vec<f32>)>;
+
+/// The replica update exchange in flight.
+type Exchange = Ticket<Result<Received, String>>;
 
 /// A rank feeding its ring successors' replicas of its shard ([`super::replica`]).
 struct Feed {
@@ -441,6 +446,10 @@ pub struct ZeroWorker {
     staged: Option<Staged>,
     ws: Workspace,
     feed: Option<Feed>,
+    /// The last step whose optimizer update this rank's masters and optimizer state hold (set
+    /// before the new parameters are shared, so a commit that fails after it still leaves a
+    /// usable shard at `step + 1`).
+    stepped: Option<u64>,
 }
 
 fn lock<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -471,7 +480,7 @@ impl ZeroWorker {
     pub fn new(rank: usize, plan: Arc<Plan>, sampler: Arc<Sampler>, comm: Box<dyn Collective>, state: Arc<Mutex<RankState>>) -> Self {
         let threaded = plan.overlap_comm || (plan.gathers() && plan.prefetch_elems > 0);
         let lane = Lane::new(comm, threaded);
-        ZeroWorker { rank, plan, sampler, lane, state, staged: None, ws: Workspace::default(), feed: None }
+        ZeroWorker { rank, plan, sampler, lane, state, staged: None, ws: Workspace::default(), feed: None, stepped: None }
     }
 
     /// Keeps ring successors' replicas of this rank's shard in step ([`super::replica`]): each
@@ -500,6 +509,14 @@ impl ZeroWorker {
     /// nearest first), or why the exchange failed; `None` without a feed or before a commit.
     pub fn take_replica_updates(&mut self) -> Option<Result<Vec<Update>, String>> {
         self.feed.as_mut().and_then(|f| f.updates.take())
+    }
+
+    /// The last step whose optimizer update this rank's masters and optimizer state took. After
+    /// a failed `commit(t)` this is `Some(t)` when the failure came later (sharing the new
+    /// parameters, which a new epoch rebuilds from the masters anyway): the shard is then a
+    /// consistent state at `t + 1` committed steps, and the replica updates are still there.
+    pub fn stepped(&self) -> Option<u64> {
+        self.stepped
     }
 
     /// Forward/backward of this rank's micro-batches, slot by slot, with their gradients
@@ -646,10 +663,24 @@ impl ZeroWorker {
         }
         let after = self.lane.stats()?;
         (st.bytes_sent_total, st.ops_total) = (after.bytes_sent, after.ops);
-        // Queued last (after the counters), so a communication thread runs it while the driver
-        // collects the answers; `commit` waits for it.
-        let exchange = self.feed.as_ref().map(|f| f.cfg).map(|cfg| self.send_replica_update(cfg, order.step, st, overflow, fed));
-        self.staged = Some(Staged { step: order.step, overflow, exchange });
+        // Queued last (after the counters) and waited for here: `Prepared` means this rank holds
+        // its owners' updates. A loss before that fails the prepare (the step is abandoned and
+        // every shard stays at `step`); a loss after it, while the step commits, leaves every
+        // shard able to reach `step + 1` — the survivors' own, and the lost owner's replica.
+        let received = match self.feed.as_ref().map(|f| f.cfg) {
+            Some(cfg) => {
+                let exchange = self.send_replica_update(cfg, order.step, st, overflow, fed);
+                let t0 = Instant::now();
+                let got = exchange.wait().and_then(|r| r)?;
+                if super::elastic::tracing() {
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    eprintln!("[feed] rank {}: step {}'s replica updates waited for {ms:.2} ms in prepare", self.rank, order.step);
+                }
+                Some(got)
+            }
+            None => None,
+        };
+        self.staged = Some(Staged { step: order.step, overflow, received });
         Ok(Prepared {
             loss_sum,
             micro_batches: plan.leaves(self.rank).len(),
@@ -669,19 +700,27 @@ impl ZeroWorker {
             other => return Err(format!("rank {}: commit of step {step} but staged {:?}", self.rank, other.map(|s| s.step))),
         };
         let done = self.optimizer_step(staged.overflow, st)?;
-        if let Some(exchange) = staged.exchange {
-            let updates = self.finish_replica_updates(step, exchange, done);
+        // The shard is at `step + 1` now; what follows (the replicas' updates, the parameters'
+        // all-gather) may fail on a lost peer without making it unusable.
+        self.stepped = Some(step);
+        let applied = done.applied;
+        if let Some(received) = staged.received {
+            let updates = self.finish_replica_updates(step, received, done);
             if let Some(f) = self.feed.as_mut() {
                 f.updates = Some(updates);
             }
+        }
+        if applied {
+            self.publish_params(st)?;
         }
         let stats = self.lane.stats()?;
         (st.bytes_sent_total, st.ops_total) = (stats.bytes_sent, stats.ops);
         Ok(())
     }
 
-    /// The optimizer part of a commit: the loss scaler's decision, the step on this rank's
-    /// masters, and the new parameters shared as the stage requires.
+    /// The optimizer part of a commit: the loss scaler's decision and the step on this rank's
+    /// masters and optimizer state (the new parameters of its own range are written locally;
+    /// the caller shares them as the stage requires).
     fn optimizer_step(&mut self, overflow: bool, st: &mut RankState) -> Result<StepDone, String> {
         let lr = self.lr_at(st.applied);
         let skipped = StepDone { applied: false, lr, reductions: Vec::new() };
@@ -717,7 +756,6 @@ impl ZeroWorker {
             res?;
             reductions = reducer.results;
         }
-        self.publish_params(st)?;
         st.applied += 1;
         Ok(StepDone { applied: true, lr, reductions })
     }
@@ -778,7 +816,7 @@ impl ZeroWorker {
     /// End of commit: turns what the predecessors sent at the end of prepare into their
     /// replicas' updates, after checking the records against what this commit did (every
     /// rank takes the same decision). LAMB's reduced norms are exchanged now.
-    fn finish_replica_updates(&mut self, step: u64, exchange: Exchange, done: StepDone) -> Result<Vec<Update>, String> {
+    fn finish_replica_updates(&mut self, step: u64, got: Received, done: StepDone) -> Result<Vec<Update>, String> {
         let cfg = self.feed.as_ref().map(|f| f.cfg).ok_or("no replica feed")?;
         let (rank, world) = (self.rank, self.plan.world);
         let mut reductions: Vec<Vec<Vec<f64>>> = vec![Vec::new(); world];
@@ -801,11 +839,6 @@ impl ZeroWorker {
                 let r = got.get(owner).ok_or("the replica norm exchange lost a rank")?;
                 reductions[owner] = StepRecord::decode(r).map_err(|e| format!("rank {owner}'s norms: {e}"))?.reductions;
             }
-        }
-        let t0 = Instant::now();
-        let got = exchange.wait().and_then(|r| r)?;
-        if super::elastic::tracing() {
-            eprintln!("[feed] rank {rank}: step {step}'s replica updates waited for {:.2} ms in commit", t0.elapsed().as_secs_f64() * 1e3);
         }
         let preds = cfg.predecessors_of(rank, world);
         if got.len() != preds.len() {
