@@ -1601,6 +1601,101 @@ mod tests {
         assert!(e.contains("blake3"), "{e}");
     }
 
+    /// A loss inside the commit window, in process: every rank prepares step `at`, then rank
+    /// `lost` leaves (its group handle is dropped, so its peers' collectives fail with
+    /// `PeerGone`) and the others commit. Their commits fail (the parameters cannot be shared)
+    /// after the optimizer step: `stepped()` says the shard took the step and the replica
+    /// updates, received before `Prepared`, are there. Returns each survivor's shard digest
+    /// and the replicas each holds after applying them (the lost rank's entry is empty).
+    fn loss_after_prepared(
+        world: usize,
+        stage: u8,
+        sets: &[&str],
+        at: u64,
+        lost: usize,
+    ) -> (Vec<Option<[u8; 32]>>, Vec<Vec<replica::Replica>>) {
+        let (cfg, data) = setup(world, stage, sets);
+        let plan = Arc::new(Plan::new(&cfg, &data).expect("test plan"));
+        let sampler = Arc::new(Sampler::new(data.train, plan.seq_len, 7).expect("sampler"));
+        let init = plan.model.init_params(7);
+        let scaler = || crate::bridge::loss_scaler(&cfg.precision).expect("scaler");
+        let states: Vec<_> = (0..world).map(|r| Arc::new(Mutex::new(RankState::new(&plan, r, &init, scaler())))).collect();
+        let feed = FeedConfig { successors: 1, check_every: 1 };
+        let prepared = Arc::new(std::sync::Barrier::new(world));
+        let handles: Vec<_> = LocalGroup::new(world)
+            .into_iter()
+            .enumerate()
+            .map(|(r, comm)| {
+                let mut held: Vec<replica::Replica> = feed
+                    .predecessors_of(r, world)
+                    .into_iter()
+                    .map(|o| {
+                        let fresh = RankState::new(&plan, o, &init, None);
+                        let bufs: Vec<(&str, Vec<f32>)> = fresh.optim.state_buffers().into_iter().map(|(n, b)| (n, b.to_vec())).collect();
+                        let range = plan.optim_range(o);
+                        replica::Replica::from_copy(o, range.clone(), 0, plan.optimizer, init[range].to_vec(), 0, &bufs).expect("copy")
+                    })
+                    .collect();
+                let (plan, sampler, state, prepared) =
+                    (Arc::clone(&plan), Arc::clone(&sampler), Arc::clone(&states[r]), Arc::clone(&prepared));
+                std::thread::spawn(move || {
+                    let mut w = ZeroWorker::new(r, Arc::clone(&plan), sampler, Box::new(comm), state).with_replica_feed(feed);
+                    for step in 0..=at {
+                        w.prepare(&StepOrder { step, epoch: 0, attempt: 0 }).expect("prepare");
+                        if step == at {
+                            prepared.wait();
+                            if r == lost {
+                                return Vec::new();
+                            }
+                            let e = w.commit(step).expect_err("sharing the parameters with a lost rank");
+                            assert_eq!(w.stepped(), Some(step), "rank {r}: the shard took the step before the failure ({e})");
+                        } else {
+                            w.commit(step).expect("commit");
+                        }
+                        let updates = w.take_replica_updates().expect("a feed").expect("replica updates");
+                        for u in updates {
+                            let rep = held.iter_mut().find(|h| h.owner == u.owner).expect("a replica of the owner");
+                            rep.apply(&plan, u).unwrap_or_else(|e| panic!("rank {r}, step {step}: {e}"));
+                        }
+                    }
+                    held
+                })
+            })
+            .collect();
+        let held: Vec<_> = handles.into_iter().map(|h| h.join().expect("rank thread")).collect();
+        let owners = (0..world)
+            .map(|r| {
+                (r != lost).then(|| {
+                    let st = lock(&states[r]);
+                    replica::shard_digest(&st.master, &st.optim.state_buffers())
+                })
+            })
+            .collect();
+        (owners, held)
+    }
+
+    /// The state a recovery needs after a loss in the commit window exists in memory at t + 1:
+    /// every survivor's shard and the lost owner's replica on its successor equal a fault-free
+    /// run's shards after step t (ZeRO-1, 2 and 3, whose commits share parameters differently;
+    /// the lost rank in the middle, at the end and at the start of the ring).
+    #[test]
+    fn a_loss_after_prepared_leaves_every_shard_at_the_next_step() {
+        for (world, stage, lost) in [(4, 1, 1), (4, 3, 3), (2, 2, 0)] {
+            let what = format!("world {world}, stage {stage}, rank {lost} lost after preparing step 2");
+            let reference = replicated_steps(world, stage, &[], 1, 3);
+            let (owners, held) = loss_after_prepared(world, stage, &[], 2, lost);
+            for (r, d) in owners.iter().enumerate() {
+                if let Some(d) = d {
+                    assert_eq!(*d, reference.owners[r], "{what}: rank {r}'s own shard");
+                }
+            }
+            let holder = (lost + 1) % world;
+            let rep = held[holder].iter().find(|h| h.owner == lost).unwrap_or_else(|| panic!("{what}: no replica of rank {lost}"));
+            assert_eq!(rep.at, 3, "{what}");
+            assert_eq!(rep.digest(), reference.owners[lost], "{what}: rank {holder}'s replica of the lost rank {lost}");
+        }
+    }
+
     #[test]
     fn small_reduce_buckets_add_all_to_alls_and_change_no_bit() {
         let (whole, ops_whole) = two_steps(2, 2, &[]);
