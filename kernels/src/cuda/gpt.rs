@@ -260,14 +260,18 @@ pub struct Fusions {
     pub dgelu: bool,
     /// weight-gradient GEMMs sum their bias gradient (no bias-gradient passes).
     pub bgrad: bool,
+    /// the projection and fc2 GEMMs add their bias and the f32 residual stream and write the
+    /// new residual stream in f32 (no residual passes; one rounding instead of the bf16 product's
+    /// and the sum's).
+    pub residual: bool,
 }
 
 impl Fusions {
-    pub const NAMES: [&'static str; 4] = ["bias", "gelu", "dgelu", "bgrad"];
+    pub const NAMES: [&'static str; 5] = ["bias", "gelu", "dgelu", "bgrad", "residual"];
 
     /// Names of the fusions in use, comma-separated (`none` for none).
     pub fn describe(&self) -> String {
-        let on = [self.bias, self.gelu, self.dgelu, self.bgrad];
+        let on = [self.bias, self.gelu, self.dgelu, self.bgrad, self.residual];
         let v: Vec<&str> = Self::NAMES.iter().zip(on).filter(|(_, o)| *o).map(|(n, _)| *n).collect();
         if v.is_empty() {
             "none".into()
@@ -277,10 +281,10 @@ impl Fusions {
     }
 
     /// Every fusion.
-    pub const ALL: Fusions = Fusions { bias: true, gelu: true, dgelu: true, bgrad: true };
+    pub const ALL: Fusions = Fusions { bias: true, gelu: true, dgelu: true, bgrad: true, residual: true };
     /// The fusions that paid on H200 (GPT-2 124M): `bgrad` slows the weight-gradient GEMMs
     /// more than the bias-gradient kernels it removes cost.
-    pub const DEFAULT: Fusions = Fusions { bias: true, gelu: true, dgelu: true, bgrad: false };
+    pub const DEFAULT: Fusions = Fusions { bias: true, gelu: true, dgelu: true, bgrad: false, residual: true };
 
     /// What `TESSERA_GPU_FUSE` asks for ([`Fusions::DEFAULT`] when unset or empty).
     pub fn requested() -> Result<Fusions> {
@@ -302,6 +306,7 @@ impl Fusions {
                 "gelu" => f.gelu = true,
                 "dgelu" => f.dgelu = true,
                 "bgrad" => f.bgrad = true,
+                "residual" => f.residual = true,
                 other => {
                     return Err(GpuError::Invalid(format!(
                         "TESSERA_GPU_FUSE: unknown fusion `{other}` (expected `all`, `none` or a comma list of {})",
@@ -324,7 +329,8 @@ impl Fusions {
         let gelu = want.gelu && probes.fc_gelu(lt);
         let dgelu = gelu && want.dgelu && probes.dgelu(lt);
         let bgrad = want.bgrad && probes.bgrad(lt);
-        Ok(Fusions { bias, gelu, dgelu, bgrad })
+        let residual = want.residual && probes.residual(lt);
+        Ok(Fusions { bias, gelu, dgelu, bgrad, residual })
     }
 }
 
@@ -337,6 +343,7 @@ pub fn fusion_support(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<Vec<(&'
         ("fc GEMM + bias + GELU, pre-activation kept", p.fc_gelu(lt)),
         ("fc2 input-gradient GEMM + GELU'", p.dgelu(lt)),
         ("weight-gradient GEMMs + bias gradient", p.bgrad(lt)),
+        ("projection and fc2 GEMMs + bias + f32 residual", p.residual(lt)),
     ])
 }
 
@@ -383,6 +390,14 @@ impl Probes {
         let e = Epilogue::DGelu { pre: self.base };
         Self::ok(lt, self.act(Dt::Bf16), self.act(Dt::Bf16), Mat::tr(self.p16(10), Dt::Bf16), (n, c, f), None, e)
     }
+    fn residual(&self, lt: &super::lt::Lt) -> bool {
+        let (n, c, f) = (self.s.n(), self.s.c, self.s.f);
+        [(4, c), (10, f)].into_iter().all(|(w, k)| {
+            let e = Epilogue::BiasF32 { bias: self.base };
+            let res = Some(self.act(Dt::F32));
+            Self::ok(lt, self.act(Dt::F32), self.act(Dt::Bf16), Mat::new(self.p16(w), Dt::Bf16), (n, k, c), res, e)
+        })
+    }
     fn bgrad(&self, lt: &super::lt::Lt) -> bool {
         let (n, c, f) = (self.s.n(), self.s.c, self.s.f);
         [(2, 3, c, 3 * c), (4, 5, c, c), (8, 9, c, f), (10, 11, f, c)].into_iter().all(|(w, b, rows, cols)| {
@@ -418,6 +433,9 @@ pub struct Workspace {
     /// Shared, so the model functions can hold it while they write into the workspace.
     pub layout: std::sync::Arc<GpuLayout>,
     tmp: Buf<bf16>,
+    /// f32 copies of one block's projection and fc2 biases (the `residual` fusion's GEMMs
+    /// take an f32 bias with their f32 output).
+    bias32: Buf<f32>,
     xs: Vec<Buf<f32>>,
     layers: Vec<LayerActs>,
     xf: Buf<bf16>,
@@ -494,6 +512,7 @@ impl Workspace {
             recompute,
             layout: std::sync::Arc::new(layout.clone()),
             tmp,
+            bias32: gpu.alloc(2 * c)?,
             xs,
             layers,
             xf: gpu.alloc(n * c)?,
@@ -550,6 +569,7 @@ impl Workspace {
             .sum();
         layers
             + b16(&self.tmp)
+            + b32(&self.bias32)
             + self.xs.iter().map(b32).sum::<usize>()
             + b16(&self.xf)
             + b32(&self.mf)
@@ -618,7 +638,7 @@ pub fn forward_backward(
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
         let w = BlockW::at(p, lay);
-        block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.tmp.ptr(), ws.fusions, true)?;
+        block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, (ws.tmp.ptr(), ws.bias32.ptr()), ws.fusions, true)?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     // ---- head ----
@@ -672,7 +692,18 @@ pub fn forward_backward(
         let gw = BlockW::at(g, lay);
         if ws.recompute {
             // The block's activations again, from its kept input (its output is not needed).
-            block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.tmp.ptr(), ws.fusions, false)?;
+            block_forward(
+                gpu,
+                st,
+                &w,
+                ws.xs[l].ptr(),
+                ws.xs[l + 1].ptr(),
+                ws.acts(l),
+                s,
+                (ws.tmp.ptr(), ws.bias32.ptr()),
+                ws.fusions,
+                false,
+            )?;
         }
         block_backward(gpu, st, &w, &gw, ws.xs[l].ptr(), ws.acts(l), s, &mut Scratch::of(ws), ws.fusions)?;
         hooks.params_done(1 + l, Phase::Backward)?;
@@ -702,7 +733,18 @@ pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, to
     ops::embedding_forward(gpu, st, ws.xs[0].ptr(), ws.tokens.ptr(), e.wte, e.wpe, s.b, s.t, c)?;
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
-        block_forward(gpu, st, &BlockW::at(p, lay), ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.tmp.ptr(), ws.fusions, true)?;
+        block_forward(
+            gpu,
+            st,
+            &BlockW::at(p, lay),
+            ws.xs[l].ptr(),
+            ws.xs[l + 1].ptr(),
+            ws.acts(l),
+            s,
+            (ws.tmp.ptr(), ws.bias32.ptr()),
+            ws.fusions,
+            true,
+        )?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     ops::layernorm_forward(gpu, st, ws.xf.ptr(), ws.mf.ptr(), ws.rf.ptr(), ws.xs[s.l].ptr(), e.lnf_w, e.lnf_b, n, c)?;
@@ -741,7 +783,8 @@ fn gemm_lt(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize, resi
     lt(gpu).run(&Gemm { c, a, b, m, k, n, residual, epilogue })
 }
 
-/// One block forward; `tmp` is a bf16 `[n, c]` scratch for the two projection outputs. With
+/// One block forward; `tmp` is a bf16 `[n, c]` scratch for the two projection outputs and
+/// `b32` an f32 `[2c]` one for their biases (the `residual` fusion). With
 /// `full` false (a recomputation for the backward) it stops after the GELU: `y` is not written.
 ///
 /// ```text
@@ -750,7 +793,10 @@ fn gemm_lt(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize, resi
 /// pre = ln2·Wfc + bfc; gl = gelu(pre); y = x2 + gl·Wfc2 + bfc2
 /// ```
 /// Unfused, `pre` holds `ln2·Wfc` without its bias (the GELU kernels add it); with the `gelu`
-/// fusion it holds the biased pre-activation, as cuBLASLt's GELU epilogue keeps it.
+/// fusion it holds the biased pre-activation, as cuBLASLt's GELU epilogue keeps it. With the
+/// `residual` fusion the projection and fc2 GEMMs write `x2` and `y` themselves (f32, the
+/// product, bias and residual summed before one rounding); without it they write bf16 products
+/// to `tmp`, which the residual kernels add.
 #[allow(clippy::too_many_arguments)]
 fn block_forward(
     gpu: &Gpu,
@@ -760,11 +806,12 @@ fn block_forward(
     y: DPtr<f32>,
     a: &LayerActs,
     s: Shape,
-    tmp: DPtr<bf16>,
+    (tmp, b32): (DPtr<bf16>, DPtr<f32>),
     fu: Fusions,
     full: bool,
 ) -> Result<()> {
     let (n, c, f) = (s.n(), s.c, s.f);
+    let (proj_b32, fc2_b32) = (b32.slice(0..c), b32.slice(c..2 * c));
     ops::layernorm_forward(gpu, st, a.ln1.ptr(), a.m1.ptr(), a.r1.ptr(), x, w.ln1_w, w.ln1_b, n, c)?;
     gpu.mark("fwd layernorm");
     if fu.bias {
@@ -778,11 +825,38 @@ fn block_forward(
     }
     attention::attention_forward(gpu, st, a.atty.ptr(), a.lse.ptr(), a.qkv.ptr(), s.b, s.t, c, s.nh)?;
     gpu.mark("fwd attention");
-    gemm(gpu, bf(tmp), bf(a.atty.ptr()), bf(w.proj_w), n, c, c)?;
-    gpu.mark("fwd gemm proj");
-    // x2 = x + (proj + bias) and ln2 = LN(x2) in one pass (the bits of the two kernels).
-    ops::residual_layernorm_forward(gpu, st, a.x2.ptr(), a.ln2.ptr(), a.m2.ptr(), a.r2.ptr(), x, tmp, w.proj_b, w.ln2_w, w.ln2_b, n, c)?;
-    gpu.mark("fwd residual+layernorm");
+    if fu.residual {
+        // x2 = x + atty·Wproj + bproj in f32 from the GEMM, then ln2 = LN(x2).
+        ops::cast_bf16_to_f32(gpu, st, proj_b32, w.proj_b)?;
+        if full {
+            ops::cast_bf16_to_f32(gpu, st, fc2_b32, w.fc2_b)?;
+        }
+        let e = Epilogue::BiasF32 { bias: proj_b32.raw };
+        gemm_lt(gpu, f32m(a.x2.ptr()), bf(a.atty.ptr()), bf(w.proj_w), n, c, c, Some(f32m(x)), e)?;
+        gpu.mark("fwd gemm proj+bias+residual");
+        ops::layernorm_forward(gpu, st, a.ln2.ptr(), a.m2.ptr(), a.r2.ptr(), a.x2.ptr(), w.ln2_w, w.ln2_b, n, c)?;
+        gpu.mark("fwd layernorm");
+    } else {
+        gemm(gpu, bf(tmp), bf(a.atty.ptr()), bf(w.proj_w), n, c, c)?;
+        gpu.mark("fwd gemm proj");
+        // x2 = x + (proj + bias) and ln2 = LN(x2) in one pass (the bits of the two kernels).
+        ops::residual_layernorm_forward(
+            gpu,
+            st,
+            a.x2.ptr(),
+            a.ln2.ptr(),
+            a.m2.ptr(),
+            a.r2.ptr(),
+            x,
+            tmp,
+            w.proj_b,
+            w.ln2_w,
+            w.ln2_b,
+            n,
+            c,
+        )?;
+        gpu.mark("fwd residual+layernorm");
+    }
     if fu.gelu {
         let e = Epilogue::GeluAuxBias { bias: w.fc_b.raw, pre: a.pre.ptr().raw };
         gemm_lt(gpu, bf(a.gl.ptr()), bf(a.ln2.ptr()), bf(w.fc_w), n, c, f, None, e)?;
@@ -796,10 +870,16 @@ fn block_forward(
     if !full {
         return Ok(()); // a recomputation for the backward: y is not needed
     }
-    gemm(gpu, bf(tmp), bf(a.gl.ptr()), bf(w.fc2_w), n, f, c)?;
-    gpu.mark("fwd gemm fc2");
-    ops::residual_bias_add(gpu, st, y, a.x2.ptr(), tmp, w.fc2_b, n, c)?;
-    gpu.mark("fwd residual");
+    if fu.residual {
+        let e = Epilogue::BiasF32 { bias: fc2_b32.raw };
+        gemm_lt(gpu, f32m(y), bf(a.gl.ptr()), bf(w.fc2_w), n, f, c, Some(f32m(a.x2.ptr())), e)?;
+        gpu.mark("fwd gemm fc2+bias+residual");
+    } else {
+        gemm(gpu, bf(tmp), bf(a.gl.ptr()), bf(w.fc2_w), n, f, c)?;
+        gpu.mark("fwd gemm fc2");
+        ops::residual_bias_add(gpu, st, y, a.x2.ptr(), tmp, w.fc2_b, n, c)?;
+        gpu.mark("fwd residual");
+    }
     Ok(())
 }
 

@@ -61,6 +61,9 @@ pub enum Epilogue {
     None,
     /// `out = A·B + bias[n]` (bf16 bias) (+ residual).
     Bias { bias: u64 },
+    /// `out = A·B + bias[n]` with an f32 bias (+ residual): cuBLASLt takes the bias in the
+    /// output's type when that is f32.
+    BiasF32 { bias: u64 },
     /// `pre = A·B + bias[n]` written to `pre` (bf16, `[m, n]`), `out = gelu(pre)` (tanh form).
     GeluAuxBias { bias: u64, pre: u64 },
     /// `out = (A·B) ∘ gelu'(pre)` with `pre` as stored by [`Epilogue::GeluAuxBias`].
@@ -77,13 +80,14 @@ impl Epilogue {
             Epilogue::GeluAuxBias { .. } => 2,
             Epilogue::DGelu { .. } => 3,
             Epilogue::BgradB { .. } => 4,
+            Epilogue::BiasF32 { .. } => 5,
         }
     }
     fn code(&self) -> sys::cublasLtEpilogue_t {
         use sys::cublasLtEpilogue_t as E;
         match self {
             Epilogue::None => E::CUBLASLT_EPILOGUE_DEFAULT,
-            Epilogue::Bias { .. } => E::CUBLASLT_EPILOGUE_BIAS,
+            Epilogue::Bias { .. } | Epilogue::BiasF32 { .. } => E::CUBLASLT_EPILOGUE_BIAS,
             Epilogue::GeluAuxBias { .. } => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
             Epilogue::DGelu { .. } => E::CUBLASLT_EPILOGUE_DGELU,
             Epilogue::BgradB { .. } => E::CUBLASLT_EPILOGUE_BGRADA,
@@ -94,7 +98,7 @@ impl Epilogue {
         match *self {
             Epilogue::None | Epilogue::DGelu { .. } => None,
             Epilogue::Bias { bias } | Epilogue::GeluAuxBias { bias, .. } => Some((bias, Dt::Bf16)),
-            Epilogue::BgradB { dbias } => Some((dbias, Dt::F32)),
+            Epilogue::BgradB { dbias } | Epilogue::BiasF32 { bias: dbias } => Some((dbias, Dt::F32)),
         }
     }
     /// The auxiliary `[m, n]` bf16 matrix (the GELU pre-activation).
@@ -587,6 +591,7 @@ fn epilogue_name(e: &Epilogue) -> &'static str {
         Epilogue::GeluAuxBias { .. } => "gemm+bias+gelu",
         Epilogue::DGelu { .. } => "gemm+dgelu",
         Epilogue::BgradB { .. } => "gemm+bgrad",
+        Epilogue::BiasF32 { .. } => "gemm+bias32",
     }
 }
 
