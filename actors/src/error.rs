@@ -72,7 +72,7 @@ pub enum ActorError {
     /// A worker failed while committing: some ranks may have committed `step` and others not.
     /// `prepared` is what the step's prepare reported on every rank: an elastic driver that
     /// finds every shard at `step + 1` counts the step as committed with it.
-    #[error("step {step} commit failed (ranks may disagree; recover from a consistent state): {}", Failures(failures))]
+    #[error("step {step} commit failed (ranks may disagree: an elastic run recovers from memory at step {step} + 1 or {step}, else from a checkpoint; a plain run resumes from the last checkpoint): {}", Failures(failures))]
     CommitFailed { step: u64, failures: Vec<RankFailure>, prepared: Box<StepResult> },
     /// Members were lost (died or hung); the plan of epoch `epoch` is no longer valid and
     /// steps are refused until a replan (a later issue).

@@ -32,7 +32,8 @@
 //! each stop at most 90 % of the period), so the worker runs at roughly `100 - duty_percent` % of
 //! its speed; the run should measure it and give it fewer micro-batches. `kill_in_commit`
 //! sends SIGUSR1, which arms the worker to SIGKILL itself when the driver's next `Commit`
-//! reaches it (every rank has prepared that step, none has committed it yet); its detection
+//! reaches it (every rank has prepared that step; the others commit it, or fail to where they
+//! share parameters with the lost worker); its detection
 //! time counts from the signal, so it includes the rest of the step in flight. `fail_writes` makes
 //! the checkpoint folder unwritable for `duration_ms` (default 5000); `corrupt_checkpoint` flips
 //! bytes in the newest checkpoint's tensors.
@@ -73,8 +74,8 @@ pub enum FaultKind {
     /// SIGKILL a worker.
     Kill,
     /// SIGUSR1 a worker, which arms it to SIGKILL itself when the driver's next `Commit`
-    /// arrives: a loss inside the commit window (every rank prepared, none committed yet),
-    /// which a signal from outside cannot aim at.
+    /// arrives: a loss inside the commit window (every rank prepared that step), which a
+    /// signal from outside cannot aim at.
     KillInCommit,
     /// SIGSTOP a worker for `duration_ms`, then SIGCONT it (if it is still there).
     Stop,

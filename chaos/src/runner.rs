@@ -826,6 +826,7 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
                 r.note.push_str("; not noticed: the link came back within the heartbeat timeout")
             }
             FaultKind::FailWrites | FaultKind::DiskFull => r.note.push_str("; no checkpoint was due while it lasted"),
+            FaultKind::KillInCommit => r.note.push_str("; no loss followed: no further commit reached the worker"),
             _ => {}
         }
     }

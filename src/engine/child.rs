@@ -264,6 +264,7 @@ fn serve_elastic(
     data: DataNet,
     alive: &dyn Fn() -> Result<(), WireError>,
 ) -> Result<()> {
+    super::elastic_worker::install_signal_handlers();
     let (state, at, comm) = start_up(conn, &mut m, alive)?;
     let rank = m.rank;
     let er = config::elastic_run(&m.cfg)?;
@@ -688,6 +689,7 @@ fn join_and_serve(a: &AgentArgs, procs: Option<&Path>) -> Result<()> {
             served.with_context(|| format!("agent {name} (rank {rank})"))
         }
         Answer::Admit(id, config, identity) => {
+            super::elastic_worker::install_signal_handlers();
             let line = format!("agent {name}: joins the running job as worker {id} (driver {})\n", a.join);
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             let setup = agent_identity(own, key, identity, token.as_ref())

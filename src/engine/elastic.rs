@@ -33,8 +33,11 @@
 //!    member got its first full replica copy): if every one of its ranges is held at `t` by a
 //!    survivor — the owner itself, a replica, or a copy a worker kept of the installed epoch
 //!    while a newer one formed — the full state at `t` is gathered from them (no step is
-//!    recomputed). Otherwise (adjacent ranks lost together, a commit that failed half-way,
-//!    `replicas = 0`)
+//!    recomputed). After a commit that failed on a lost member (every rank had prepared),
+//!    `t + 1` is tried first: the survivors that took the step and the lost owners' replicas
+//!    (their updates arrived before `Prepared`) hold it, and the step then counts as
+//!    committed. Otherwise (adjacent ranks lost together, a LAMB commit that failed inside its
+//!    norm reduction, `replicas = 0`)
 //!    the newest valid checkpoint at or before `t` is loaded (damaged ones are skipped; step 0
 //!    is the seeded start) and the driver replays the steps after it: determinism makes them
 //!    reproduce the committed bits, so no committed step is lost.

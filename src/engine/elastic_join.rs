@@ -182,10 +182,14 @@ fn admit(shared: &Arc<Shared>, mut conn: ControlConn, first: Option<ToParent>, f
     }
 }
 
+/// How long a refusal waits for the peer to read it and close (a peer that does not is cut
+/// off after it).
+const REFUSE_LINGER_MS: u64 = 1_000;
+
 /// Refuses `conn` with `error` (the peer prints it and leaves).
 fn refuse(mut conn: ControlConn, error: String) -> Result<()> {
     let sent = wire::send(&mut conn, &ToWorker::Refused { error: error.clone() });
-    conn.close("refused");
+    conn.close_when_read("refused", REFUSE_LINGER_MS);
     sent?;
     bail!("refused: {error}")
 }

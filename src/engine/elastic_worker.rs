@@ -160,8 +160,9 @@ extern "C" fn on_usr1(_: libc::c_int) {
 }
 
 /// Turns SIGTERM into a drain request instead of the default exit, and SIGUSR1 into the
-/// armed `kill_in_commit` fault.
-fn install_term_handler() {
+/// armed `kill_in_commit` fault. Called as an elastic worker process starts (before its first
+/// message), so neither signal takes its default action (exit) later; idempotent.
+pub(super) fn install_signal_handlers() {
     // SAFETY: the handlers only store to an atomic, which is async-signal-safe.
     unsafe {
         libc::signal(libc::SIGTERM, on_term as *const () as libc::sighandler_t);
@@ -559,7 +560,8 @@ struct Kept {
 struct Worker {
     s: Setup,
     member: Option<Member>,
-    /// Committed steps of the state (`None`: no state, or a commit failed half-way).
+    /// Committed steps of the state (`None`: no state, or a commit failed before the optimizer
+    /// step finished, which may leave the shard half-stepped).
     at: Option<u64>,
     replicas: Replicas,
     kept: Option<Kept>,
@@ -580,7 +582,7 @@ fn lock(st: &Mutex<RankState>) -> MutexGuard<'_, RankState> {
 
 impl Worker {
     fn new(s: Setup) -> Result<Self> {
-        install_term_handler();
+        install_signal_handlers();
         let slot: AbortSlot = Arc::new(Mutex::new(None));
         let side = start_side(&s.side, s.id, &s.er, Arc::clone(&slot))?;
         Ok(Worker { s, member: None, at: None, replicas: Replicas::new(), kept: None, installed: None, slot, _side: side })
@@ -807,7 +809,8 @@ impl Worker {
                 let res = m.worker.commit(step);
                 // The shard reached `step + 1` (its masters and optimizer state took the step)
                 // also when the commit failed later, sharing the parameters with a lost peer:
-                // the replicas' updates arrived in prepare and are applied either way.
+                // the replicas' updates arrived in prepare and are applied either way (LAMB's
+                // need the norms exchanged in commit: without them they are dropped).
                 let stepped = m.worker.stepped() == Some(step);
                 if stepped {
                     if let Some(updates) = m.worker.take_replica_updates() {

@@ -20,7 +20,8 @@
 //! the rank's ordered collective lane, all sends before all receives: each lands in the
 //! successor's mailbox as it arrives, so a rank's gradient travels as soon as its own prepare
 //! ends (no wait for the slowest rank, as an all-to-all would) and a ring of them cannot
-//! deadlock; it runs on the communication thread while the driver collects the prepare answers.
+//! deadlock; the rank answers `Prepared` only once it has received its predecessors' (so a
+//! loss while the step commits cannot leave a replica behind its owner).
 //! The second is an all-to-all in the lane, so every rank exchanges it at the same point. The commit checks each record against its own
 //! decision (every rank takes the same). The successor applies the step with the same optimizer
 //! code ([`Replica::apply`], on a background thread); where the record carries a digest the

@@ -540,36 +540,30 @@ impl Run<'_> {
                 self.recover(pb, t, dataset, false)?;
                 continue;
             }
-            match self.cluster.run_step(self.step) {
+            let e = match self.cluster.run_step(self.step) {
                 Ok(res) => {
                     if let Ranks::Elastic(fleet) = &mut self.ranks {
                         fleet.observe(&res.per_rank);
                     }
                     return Ok(res);
                 }
-                Err(ActorError::CommitFailed { step, failures, prepared }) if self.change_pending(SETTLE_MS) => {
-                    // Every rank prepared: the survivors' shards and the lost owners' replicas
-                    // may all have taken the step. Then it counts as committed, with what the
-                    // prepare reported (the measured speeds are not taken from it).
-                    log_line(pb, format!("elastic: the commit of step {step} failed: {}; recovering", Failures(&failures)));
-                    if self.recover(pb, t, dataset, true)? {
-                        if let Some(el) = self.elastic.as_mut() {
-                            el.stats.commits_completed += 1;
-                        }
-                        return Ok(*prepared);
-                    }
-                    if let Some(el) = self.elastic.as_mut() {
-                        el.stats.steps_rerun += 1;
-                    }
-                }
-                Err(e) if self.change_pending(SETTLE_MS) => {
-                    if let Some(el) = self.elastic.as_mut() {
-                        el.stats.steps_rerun += 1;
-                    }
-                    log_line(pb, format!("elastic: step {} abandoned: {e}", self.step));
-                    self.recover(pb, t, dataset, false)?;
-                }
+                Err(e) if self.change_pending(SETTLE_MS) => e,
                 Err(e) => return Err(e).with_context(|| format!("step {}", self.step)),
+            };
+            if let ActorError::CommitFailed { step, failures, prepared } = e {
+                // Every rank prepared: the survivors' shards and the lost owners' replicas
+                // may all have taken the step. Then it counts as committed, with what the
+                // prepare reported (the measured speeds are not taken from it).
+                log_line(pb, format!("elastic: the commit of step {step} failed: {}; recovering", Failures(&failures)));
+                if self.recover(pb, t, dataset, true)? {
+                    return Ok(*prepared);
+                }
+            } else {
+                log_line(pb, format!("elastic: step {} abandoned: {e}", self.step));
+                self.recover(pb, t, dataset, false)?;
+            }
+            if let Some(el) = self.elastic.as_mut() {
+                el.stats.steps_rerun += 1;
             }
         }
     }
@@ -658,10 +652,13 @@ impl Run<'_> {
                 eprintln!("warning: stopping the previous epoch's actor tree: {e}");
             }
             t.rank_bytes = vec![0; self.plan.world];
-            let from_memory = rec.step >= state_at;
+            let from_memory = rec.source.starts_with("memory");
             if let Some(el) = self.elastic.as_mut() {
                 let s = &mut el.stats;
                 s.recoveries += 1;
+                // A failed commit (of the step being run, or of one being replayed) whose
+                // state every shard reached.
+                s.commits_completed += u64::from(maybe_committed && rec.step == state_at + 1);
                 s.workers_lost += rec.losses as u64;
                 s.workers_joined += rec.joined as u64;
                 s.workers_drained += rec.drained as u64;

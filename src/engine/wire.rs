@@ -383,7 +383,8 @@ pub enum ToParent {
     /// Elastic: the new micro-batch blocks are in force.
     Rebalanced,
     /// Elastic: the plan epoch this worker is a member of (`None`: none), the committed steps its
-    /// state holds (`None`: a commit failed half-way, the state is not usable), the replicas it
+    /// state holds (`None`: a commit failed before its optimizer step finished, the state is not
+    /// usable), the replicas it
     /// keeps: (owner rank, committed steps), and the shards it kept from the installed epoch
     /// `kept_epoch` while a newer one forms (its own and its replicas, same pairs).
     Status {

@@ -512,7 +512,7 @@ impl Workspace {
             recompute,
             layout: std::sync::Arc::new(layout.clone()),
             tmp,
-            bias32: gpu.alloc(2 * c)?,
+            bias32: gpu.alloc(2 * bias32_stride(c))?,
             xs,
             layers,
             xf: gpu.alloc(n * c)?,
@@ -601,6 +601,12 @@ fn bf(p: DPtr<bf16>) -> Mat {
 fn bft(p: DPtr<bf16>) -> Mat {
     Mat::tr(p.raw, Dt::Bf16)
 }
+/// Where the fc2 bias starts in the f32 bias scratch: `c` rounded up to 64 floats, so both
+/// halves are 256-byte aligned as the fusion's probe planned them.
+fn bias32_stride(c: usize) -> usize {
+    c.div_ceil(64) * 64
+}
+
 fn f32m(p: DPtr<f32>) -> Mat {
     Mat::new(p.raw, Dt::F32)
 }
@@ -784,7 +790,7 @@ fn gemm_lt(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize, resi
 }
 
 /// One block forward; `tmp` is a bf16 `[n, c]` scratch for the two projection outputs and
-/// `b32` an f32 `[2c]` one for their biases (the `residual` fusion). With
+/// `b32` an f32 one for their biases (the `residual` fusion; two 256-byte aligned halves). With
 /// `full` false (a recomputation for the backward) it stops after the GELU: `y` is not written.
 ///
 /// ```text
@@ -811,7 +817,8 @@ fn block_forward(
     full: bool,
 ) -> Result<()> {
     let (n, c, f) = (s.n(), s.c, s.f);
-    let (proj_b32, fc2_b32) = (b32.slice(0..c), b32.slice(c..2 * c));
+    let half = bias32_stride(c);
+    let (proj_b32, fc2_b32) = (b32.slice(0..c), b32.slice(half..half + c));
     ops::layernorm_forward(gpu, st, a.ln1.ptr(), a.m1.ptr(), a.r1.ptr(), x, w.ln1_w, w.ln1_b, n, c)?;
     gpu.mark("fwd layernorm");
     if fu.bias {

@@ -460,15 +460,23 @@ impl ControlConn {
     /// Sends what is queued (bounded by [`CLOSE_FLUSH_MS`]), then closes the connection with
     /// `reason`. Later sends fail; the peer's reads end.
     pub fn close(&self, reason: &str) {
-        self.close_with(CLOSE_DONE, reason, true)
+        self.close_with(CLOSE_DONE, reason, true, 0)
+    }
+
+    /// As [`ControlConn::close`] for a last message the peer must see (a refusal): after
+    /// sending what is queued it waits, at most `linger_ms`, for the peer to close the
+    /// connection — it has read everything then. Closing at once can discard stream data the
+    /// peer has not acknowledged yet, and it would see only the close.
+    pub fn close_when_read(&self, reason: &str, linger_ms: u64) {
+        self.close_with(CLOSE_DONE, reason, true, linger_ms)
     }
 
     /// Closes at once, dropping anything queued (the peer is lost or misbehaved).
     pub fn abort(&self, reason: &str) {
-        self.close_with(CLOSE_VIOLATION, reason, false)
+        self.close_with(CLOSE_VIOLATION, reason, false, 0)
     }
 
-    fn close_with(&self, code: u32, reason: &str, flush: bool) {
+    fn close_with(&self, code: u32, reason: &str, flush: bool, linger_ms: u64) {
         relock(&self.inner.out).iter_mut().for_each(|s| *s = None);
         let writers: Vec<_> = std::mem::take(&mut *relock(&self.inner.writers));
         if flush && !self.is_closed() {
@@ -480,6 +488,10 @@ impl ControlConn {
                 })
                 .await
             });
+            if linger_ms > 0 {
+                let conn = self.inner.conn.clone();
+                let _ = self.inner.rt.block_on(async { tokio::time::timeout(Duration::from_millis(linger_ms), conn.closed()).await });
+            }
         }
         self.inner.conn.close(VarInt::from_u32(code), super::net::close_reason(reason).as_bytes());
     }
