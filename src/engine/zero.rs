@@ -1483,43 +1483,63 @@ mod tests {
         skipped: u64,
     }
 
-    /// Runs `steps` committed steps on `world` threads with every rank feeding `k` ring
-    /// successors' replicas (started from a full copy of the initial state, a digest in every
-    /// record, so each step's replica is checked against its owner).
-    fn replicated_steps(world: usize, stage: u8, sets: &[&str], k: usize, steps: u64) -> Replicated {
+    /// What the replica tests start from: `world` ranks' plan, sampler and states, and each
+    /// rank's replicas of its `k` ring predecessors, copied from the initial state.
+    struct ReplicaRig {
+        plan: Arc<Plan>,
+        sampler: Arc<Sampler>,
+        states: Vec<Arc<Mutex<RankState>>>,
+        feed: FeedConfig,
+        held: Vec<Vec<replica::Replica>>,
+    }
+
+    fn replica_rig(world: usize, stage: u8, sets: &[&str], k: usize) -> ReplicaRig {
         let (cfg, data) = setup(world, stage, sets);
         let plan = Arc::new(Plan::new(&cfg, &data).expect("test plan"));
         let sampler = Arc::new(Sampler::new(data.train, plan.seq_len, 7).expect("sampler"));
         let init = plan.model.init_params(7);
         let scaler = || crate::bridge::loss_scaler(&cfg.precision).expect("scaler");
-        let states: Vec<_> = (0..world).map(|r| Arc::new(Mutex::new(RankState::new(&plan, r, &init, scaler())))).collect();
+        let states = (0..world).map(|r| Arc::new(Mutex::new(RankState::new(&plan, r, &init, scaler())))).collect();
         let feed = FeedConfig { successors: k, check_every: 1 };
+        let copy = |o: usize| {
+            let fresh = RankState::new(&plan, o, &init, None);
+            let bufs: Vec<(&str, Vec<f32>)> = fresh.optim.state_buffers().into_iter().map(|(n, b)| (n, b.to_vec())).collect();
+            let range = plan.optim_range(o);
+            replica::Replica::from_copy(o, range.clone(), 0, plan.optimizer, init[range].to_vec(), 0, &bufs).expect("copy")
+        };
+        let held = (0..world).map(|r| feed.predecessors_of(r, world).into_iter().map(copy).collect()).collect();
+        ReplicaRig { plan, sampler, states, feed, held }
+    }
+
+    /// Applies what rank `r`'s commit of `step` produced to the replicas it holds; returns how
+    /// many updates there were.
+    fn apply_fed(w: &mut ZeroWorker, held: &mut [replica::Replica], plan: &Plan, r: usize, step: u64) -> usize {
+        let updates = w.take_replica_updates().expect("a feed").expect("replica updates");
+        let n = updates.len();
+        for u in updates {
+            let rep = held.iter_mut().find(|h| h.owner == u.owner).expect("a replica of the owner");
+            rep.apply(plan, u).unwrap_or_else(|e| panic!("rank {r}, step {step}: {e}"));
+        }
+        n
+    }
+
+    /// Runs `steps` committed steps on `world` threads with every rank feeding `k` ring
+    /// successors' replicas (started from a full copy of the initial state, a digest in every
+    /// record, so each step's replica is checked against its owner).
+    fn replicated_steps(world: usize, stage: u8, sets: &[&str], k: usize, steps: u64) -> Replicated {
+        let ReplicaRig { plan, sampler, states, feed, held } = replica_rig(world, stage, sets, k);
         let handles: Vec<_> = LocalGroup::new(world)
             .into_iter()
+            .zip(held)
             .enumerate()
-            .map(|(r, comm)| {
-                let mut held: Vec<replica::Replica> = feed
-                    .predecessors_of(r, world)
-                    .into_iter()
-                    .map(|o| {
-                        let fresh = RankState::new(&plan, o, &init, None);
-                        let bufs: Vec<(&str, Vec<f32>)> = fresh.optim.state_buffers().into_iter().map(|(n, b)| (n, b.to_vec())).collect();
-                        let range = plan.optim_range(o);
-                        replica::Replica::from_copy(o, range.clone(), 0, plan.optimizer, init[range].to_vec(), 0, &bufs).expect("copy")
-                    })
-                    .collect();
+            .map(|(r, (comm, mut held))| {
                 let (plan, sampler, state) = (Arc::clone(&plan), Arc::clone(&sampler), Arc::clone(&states[r]));
                 std::thread::spawn(move || {
                     let mut w = ZeroWorker::new(r, Arc::clone(&plan), sampler, Box::new(comm), state).with_replica_feed(feed);
                     for step in 0..steps {
                         w.prepare(&StepOrder { step, epoch: 0, attempt: 0 }).expect("prepare");
                         w.commit(step).expect("commit");
-                        let updates = w.take_replica_updates().expect("a feed").expect("replica updates");
-                        assert_eq!(updates.len(), k.min(world - 1));
-                        for u in updates {
-                            let rep = held.iter_mut().find(|h| h.owner == u.owner).expect("a replica of the owner");
-                            rep.apply(&plan, u).unwrap_or_else(|e| panic!("rank {r}, step {step}: {e}"));
-                        }
+                        assert_eq!(apply_fed(&mut w, &mut held, &plan, r, step), k.min(world - 1));
                     }
                     held
                 })
@@ -1614,28 +1634,13 @@ mod tests {
         at: u64,
         lost: usize,
     ) -> (Vec<Option<[u8; 32]>>, Vec<Vec<replica::Replica>>) {
-        let (cfg, data) = setup(world, stage, sets);
-        let plan = Arc::new(Plan::new(&cfg, &data).expect("test plan"));
-        let sampler = Arc::new(Sampler::new(data.train, plan.seq_len, 7).expect("sampler"));
-        let init = plan.model.init_params(7);
-        let scaler = || crate::bridge::loss_scaler(&cfg.precision).expect("scaler");
-        let states: Vec<_> = (0..world).map(|r| Arc::new(Mutex::new(RankState::new(&plan, r, &init, scaler())))).collect();
-        let feed = FeedConfig { successors: 1, check_every: 1 };
+        let ReplicaRig { plan, sampler, states, feed, held } = replica_rig(world, stage, sets, 1);
         let prepared = Arc::new(std::sync::Barrier::new(world));
         let handles: Vec<_> = LocalGroup::new(world)
             .into_iter()
+            .zip(held)
             .enumerate()
-            .map(|(r, comm)| {
-                let mut held: Vec<replica::Replica> = feed
-                    .predecessors_of(r, world)
-                    .into_iter()
-                    .map(|o| {
-                        let fresh = RankState::new(&plan, o, &init, None);
-                        let bufs: Vec<(&str, Vec<f32>)> = fresh.optim.state_buffers().into_iter().map(|(n, b)| (n, b.to_vec())).collect();
-                        let range = plan.optim_range(o);
-                        replica::Replica::from_copy(o, range.clone(), 0, plan.optimizer, init[range].to_vec(), 0, &bufs).expect("copy")
-                    })
-                    .collect();
+            .map(|(r, (comm, mut held))| {
                 let (plan, sampler, state, prepared) =
                     (Arc::clone(&plan), Arc::clone(&sampler), Arc::clone(&states[r]), Arc::clone(&prepared));
                 std::thread::spawn(move || {
@@ -1652,11 +1657,7 @@ mod tests {
                         } else {
                             w.commit(step).expect("commit");
                         }
-                        let updates = w.take_replica_updates().expect("a feed").expect("replica updates");
-                        for u in updates {
-                            let rep = held.iter_mut().find(|h| h.owner == u.owner).expect("a replica of the owner");
-                            rep.apply(&plan, u).unwrap_or_else(|e| panic!("rank {r}, step {step}: {e}"));
-                        }
+                        apply_fed(&mut w, &mut held, &plan, r, step);
                     }
                     held
                 })

@@ -465,6 +465,11 @@ pub struct Workspace {
 }
 
 impl Workspace {
+    /// The block forward's scratch: the bf16 projection outputs and the f32 biases.
+    fn fwd_scratch(&self) -> (DPtr<bf16>, DPtr<f32>) {
+        (self.tmp.ptr(), self.bias32.ptr())
+    }
+
     /// A workspace with the fusions `TESSERA_GPU_FUSE` asks for ([`Fusions::DEFAULT`]) that
     /// cuBLASLt supports here.
     pub fn new(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<Workspace> {
@@ -644,7 +649,7 @@ pub fn forward_backward(
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
         let w = BlockW::at(p, lay);
-        block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, (ws.tmp.ptr(), ws.bias32.ptr()), ws.fusions, true)?;
+        block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.fwd_scratch(), ws.fusions, true)?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     // ---- head ----
@@ -698,18 +703,7 @@ pub fn forward_backward(
         let gw = BlockW::at(g, lay);
         if ws.recompute {
             // The block's activations again, from its kept input (its output is not needed).
-            block_forward(
-                gpu,
-                st,
-                &w,
-                ws.xs[l].ptr(),
-                ws.xs[l + 1].ptr(),
-                ws.acts(l),
-                s,
-                (ws.tmp.ptr(), ws.bias32.ptr()),
-                ws.fusions,
-                false,
-            )?;
+            block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.fwd_scratch(), ws.fusions, false)?;
         }
         block_backward(gpu, st, &w, &gw, ws.xs[l].ptr(), ws.acts(l), s, &mut Scratch::of(ws), ws.fusions)?;
         hooks.params_done(1 + l, Phase::Backward)?;
@@ -739,18 +733,7 @@ pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, to
     ops::embedding_forward(gpu, st, ws.xs[0].ptr(), ws.tokens.ptr(), e.wte, e.wpe, s.b, s.t, c)?;
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
-        block_forward(
-            gpu,
-            st,
-            &BlockW::at(p, lay),
-            ws.xs[l].ptr(),
-            ws.xs[l + 1].ptr(),
-            ws.acts(l),
-            s,
-            (ws.tmp.ptr(), ws.bias32.ptr()),
-            ws.fusions,
-            true,
-        )?;
+        block_forward(gpu, st, &BlockW::at(p, lay), ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.fwd_scratch(), ws.fusions, true)?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     ops::layernorm_forward(gpu, st, ws.xf.ptr(), ws.mf.ptr(), ws.rf.ptr(), ws.xs[s.l].ptr(), e.lnf_w, e.lnf_b, n, c)?;
