@@ -64,6 +64,13 @@ fn chaos_with(dir: &Path, faults: &str, steps: u64, seed: u64, sets: &[&str], en
     report
 }
 
+/// The faulted run's `elastic_events.jsonl` under `dir/chaos`: its text and its events.
+fn faulted_events(dir: &Path) -> (String, Vec<serde_json::Value>) {
+    let log = std::fs::read_to_string(dir.join("chaos/faulted/elastic_events.jsonl")).unwrap();
+    let events = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    (log, events)
+}
+
 #[test]
 fn five_kills_and_two_joins_keep_the_fault_free_bits() {
     let tmp = tempfile::tempdir().unwrap();
@@ -103,8 +110,7 @@ fn a_loss_during_a_new_epochs_first_replica_copy_restores_from_memory() {
     assert_eq!(el["restored_from_checkpoint"], 0, "{r:#}");
     assert_eq!(el["restored_from_memory"], 1, "{r:#}");
     assert_eq!(el["steps_replayed"], 0, "{r:#}");
-    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
-    let events: Vec<serde_json::Value> = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (log, events) = faulted_events(tmp.path());
     let epoch = |e: u64| events.iter().find(|x| x["event"] == "epoch" && x["epoch"] == e).unwrap_or_else(|| panic!("no epoch {e}:\n{log}"));
     let second_loss = events.iter().filter(|x| x["event"] == "lost").nth(1).unwrap_or_else(|| panic!("one loss only:\n{log}"));
     assert_eq!(second_loss["id"], 3, "{log}");
@@ -130,8 +136,7 @@ fn a_loss_while_a_step_commits_keeps_the_step_and_restores_from_memory() {
     assert_eq!(el["restored_from_memory"], 1, "{r:#}");
     assert_eq!(el["steps_replayed"], 0, "{r:#}");
     assert_eq!(el["steps_rerun"], 0, "{r:#}");
-    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
-    let events: Vec<serde_json::Value> = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let (log, events) = faulted_events(tmp.path());
     let epoch = events.iter().find(|x| x["event"] == "epoch" && x["epoch"] == 1).unwrap_or_else(|| panic!("no epoch 1:\n{log}"));
     let source = epoch["source"].as_str().unwrap();
     assert!(source.starts_with("memory: replicas") && source.ends_with(&format!("at step {}", epoch["step"])), "{source}\n{log}");

@@ -115,24 +115,22 @@ fn gpu_ops_timing() {
         ops::layernorm_forward(&gpu, s, xb.ptr(), mean.ptr(), rstd.ptr(), x.ptr(), wc.ptr(), wc.ptr(), n, c).unwrap()
     });
     time("layernorm_backward", n * c * 18, &mut || {
-        ops::layernorm_backward(
-            &gpu,
-            s,
-            dx.ptr(),
-            None,
-            None,
-            dw.ptr(),
-            db.ptr(),
-            xb.ptr(),
-            x.ptr(),
-            wc.ptr(),
-            mean.ptr(),
-            rstd.ptr(),
-            scratch.ptr(),
+        let a = ops::LnBackward {
+            dx: dx.ptr(),
+            dx_bf16: None,
+            dx_bf16_sums: None,
+            dw: dw.ptr(),
+            db: db.ptr(),
+            dout: xb.ptr(),
+            x: x.ptr(),
+            w: wc.ptr(),
+            mean: mean.ptr(),
+            rstd: rstd.ptr(),
+            scratch: scratch.ptr(),
             n,
             c,
-        )
-        .unwrap()
+        };
+        ops::layernorm_backward(&gpu, s, &a).unwrap()
     });
     let h = gpu.alloc::<bf16>(n * f).unwrap();
     let h2 = gpu.alloc::<bf16>(n * f).unwrap();

@@ -439,6 +439,8 @@ pub struct Reconfigured {
     pub step: u64,
     /// Where the state came from, for people.
     pub source: String,
+    /// Whether it came from the members' memory (else from a checkpoint or the seeded start).
+    pub from_memory: bool,
     /// Losses recovered from.
     pub losses: usize,
     /// Workers that drained and joined.
@@ -944,6 +946,7 @@ impl Fleet {
                 Some((inst.clone(), t, found))
             })
         });
+        let from_memory = sources.is_some();
         let (start, source) = match sources {
             Some((inst, t, src)) => {
                 let old = &inst.plan;
@@ -1121,7 +1124,7 @@ impl Fleet {
         }
         moved.0 += self.install();
         let computes = self.computes();
-        Ok(Some(Reconfigured { plan, computes, step: start.step, source, losses: 0, drained: moved.0, joined: moved.1 }))
+        Ok(Some(Reconfigured { plan, computes, step: start.step, source, from_memory, losses: 0, drained: moved.0, joined: moved.1 }))
     }
 
     /// Marks the current epoch installed (every member holds its first full replica copy):

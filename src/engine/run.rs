@@ -652,7 +652,7 @@ impl Run<'_> {
                 eprintln!("warning: stopping the previous epoch's actor tree: {e}");
             }
             t.rank_bytes = vec![0; self.plan.world];
-            let from_memory = rec.source.starts_with("memory");
+            let from_memory = rec.from_memory;
             if let Some(el) = self.elastic.as_mut() {
                 let s = &mut el.stats;
                 s.recoveries += 1;

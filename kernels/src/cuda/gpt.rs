@@ -678,23 +678,8 @@ pub fn forward_backward(
     gpu.mark("head gemm wgrad");
     gpu.zero(ws.dx.ptr(), st)?;
     gpu.mark("zero");
-    ops::layernorm_backward(
-        gpu,
-        st,
-        ws.dx.ptr(),
-        Some(ws.dres.ptr()),
-        Some(ws.dres_sums.ptr()),
-        ge.lnf_w,
-        ge.lnf_b,
-        ws.dln.ptr(),
-        x_last,
-        e.lnf_w,
-        ws.mf.ptr(),
-        ws.rf.ptr(),
-        ws.ln_scratch.ptr(),
-        n,
-        c,
-    )?;
+    let head_ln = Scratch::of(ws).ln_backward((ge.lnf_w, ge.lnf_b), x_last, e.lnf_w, (ws.mf.ptr(), ws.rf.ptr()), n, c);
+    ops::layernorm_backward(gpu, st, &head_ln)?;
     gpu.mark("head layernorm bwd");
     for l in (0..s.l).rev() {
         let p = hooks.params(1 + l, Phase::Backward)?;
@@ -888,6 +873,37 @@ struct Scratch {
 }
 
 impl Scratch {
+    /// A LayerNorm's backward through this scratch: `dx += ` its input gradient from `dln`, with
+    /// the bf16 copy in `dres` and that copy's column sums (the next linear layer's bias
+    /// gradient) in `dres_sums`; `(dw, db)` its parameter gradients, `x`/`w` its input and
+    /// weight, `(mean, rstd)` the forward's row statistics.
+    #[allow(clippy::too_many_arguments)]
+    fn ln_backward(
+        &self,
+        (dw, db): (DPtr<f32>, DPtr<f32>),
+        x: DPtr<f32>,
+        w: DPtr<bf16>,
+        (mean, rstd): (DPtr<f32>, DPtr<f32>),
+        n: usize,
+        c: usize,
+    ) -> ops::LnBackward {
+        ops::LnBackward {
+            dx: self.dx,
+            dx_bf16: Some(self.dres),
+            dx_bf16_sums: Some(self.dres_sums),
+            dw,
+            db,
+            dout: self.dln,
+            x,
+            w,
+            mean,
+            rstd,
+            scratch: self.ln_scratch,
+            n,
+            c,
+        }
+    }
+
     fn of(ws: &Workspace) -> Scratch {
         Scratch {
             dx: ws.dx.ptr(),
@@ -943,23 +959,7 @@ fn block_backward(
     weight_grad(gpu, st, g.fc_w, Some((g.fc_b, None)), a.ln2.ptr(), dbig2, k.bias_scratch, c, n, f, fu.bgrad)?;
     gemm(gpu, bf(k.dln), bf(dbig2), bft(w.fc_w), n, f, c)?;
     gpu.mark("bwd gemm dgrad");
-    ops::layernorm_backward(
-        gpu,
-        st,
-        k.dx,
-        Some(k.dres),
-        Some(k.dres_sums),
-        g.ln2_w,
-        g.ln2_b,
-        k.dln,
-        a.x2.ptr(),
-        w.ln2_w,
-        a.m2.ptr(),
-        a.r2.ptr(),
-        k.ln_scratch,
-        n,
-        c,
-    )?;
+    ops::layernorm_backward(gpu, st, &k.ln_backward((g.ln2_w, g.ln2_b), a.x2.ptr(), w.ln2_w, (a.m2.ptr(), a.r2.ptr()), n, c))?;
     gpu.mark("bwd layernorm");
     // Attention branch (k.dres = bf16 copy of d(x2) from the LN2 backward).
     weight_grad(gpu, st, g.proj_w, Some((g.proj_b, Some(k.dres_sums))), a.atty.ptr(), k.dres, k.bias_scratch, c, n, c, fu.bgrad)?;
@@ -970,23 +970,7 @@ fn block_backward(
     weight_grad(gpu, st, g.qkv_w, Some((g.qkv_b, None)), a.ln1.ptr(), k.dqkv, k.bias_scratch, c, n, 3 * c, fu.bgrad)?;
     gemm(gpu, bf(k.dln), bf(k.dqkv), bft(w.qkv_w), n, 3 * c, c)?;
     gpu.mark("bwd gemm dgrad");
-    ops::layernorm_backward(
-        gpu,
-        st,
-        k.dx,
-        Some(k.dres),
-        Some(k.dres_sums),
-        g.ln1_w,
-        g.ln1_b,
-        k.dln,
-        x,
-        w.ln1_w,
-        a.m1.ptr(),
-        a.r1.ptr(),
-        k.ln_scratch,
-        n,
-        c,
-    )?;
+    ops::layernorm_backward(gpu, st, &k.ln_backward((g.ln1_w, g.ln1_b), x, w.ln1_w, (a.m1.ptr(), a.r1.ptr()), n, c))?;
     gpu.mark("bwd layernorm");
     Ok(())
 }

@@ -281,30 +281,44 @@ pub fn layernorm_backward_scratch(n: usize, c: usize) -> usize {
     2 * colsum_blocks(n) * c
 }
 
-/// Whether [`layernorm_backward`]'s one-pass kernel (`layernorm_bwd_fused`) fits these buffers
-/// (it runs unless `TESSERA_GPU_LN_FUSED=0`): the rows the register-path dx kernels take
-/// ([`ln_wide`]: c % 128 == 0, c ≤ 2048 — wider rows go to `layernorm_bwd_dx_gen`, whose row sums
-/// run in another order, so the one pass would not give its bits), x/dx/scratch/sums 16-byte
-/// and dout/w/dx_bf16 8-byte aligned.
-#[allow(clippy::too_many_arguments)]
-fn ln_bwd_fits(
-    c: usize,
-    x: DPtr<f32>,
-    dx: DPtr<f32>,
-    dout: DPtr<bf16>,
-    w: DPtr<bf16>,
-    dx_bf16: Option<DPtr<bf16>>,
-    scratch: DPtr<f32>,
-    sums: Option<DPtr<f32>>,
-) -> bool {
-    ln_wide(c).is_some()
-        && aligned(x, 16)
-        && aligned(dx, 16)
-        && aligned(dout, 8)
-        && aligned(w, 8)
-        && dx_bf16.is_none_or(|b| aligned(b, 8))
-        && aligned(scratch, 16)
-        && sums.is_none_or(|p| aligned(p, 16))
+/// The operands of [`layernorm_backward`]: `dx += LN backward` with `dout` the gradient of the
+/// LayerNorm's output, `x` its input, `w` its weight, `mean`/`rstd` the forward's row
+/// statistics; `dw`, `db` receive the weight and bias gradients (+=), `scratch` holds the
+/// column partials, and optionally `dx_bf16` gets the updated dx rounded to bf16 and
+/// `dx_bf16_sums` the first pass of that tensor's column sums. `[n, c]` rows.
+#[derive(Clone, Copy)]
+pub struct LnBackward {
+    pub dx: DPtr<f32>,
+    pub dx_bf16: Option<DPtr<bf16>>,
+    pub dx_bf16_sums: Option<DPtr<f32>>,
+    pub dw: DPtr<f32>,
+    pub db: DPtr<f32>,
+    pub dout: DPtr<bf16>,
+    pub x: DPtr<f32>,
+    pub w: DPtr<bf16>,
+    pub mean: DPtr<f32>,
+    pub rstd: DPtr<f32>,
+    pub scratch: DPtr<f32>,
+    pub n: usize,
+    pub c: usize,
+}
+
+impl LnBackward {
+    /// Whether the one-pass kernel (`layernorm_bwd_fused`) fits these buffers (it runs unless
+    /// `TESSERA_GPU_LN_FUSED=0`): the rows the register-path dx kernels take ([`ln_wide`]:
+    /// c % 128 == 0, c ≤ 2048 — wider rows go to `layernorm_bwd_dx_gen`, whose row sums run in
+    /// another order, so the one pass would not give its bits), x/dx/scratch/sums 16-byte and
+    /// dout/w/dx_bf16 8-byte aligned.
+    fn one_pass_fits(&self) -> bool {
+        ln_wide(self.c).is_some()
+            && aligned(self.x, 16)
+            && aligned(self.dx, 16)
+            && aligned(self.dout, 8)
+            && aligned(self.w, 8)
+            && self.dx_bf16.is_none_or(|b| aligned(b, 8))
+            && aligned(self.scratch, 16)
+            && self.dx_bf16_sums.is_none_or(|p| aligned(p, 16))
+    }
 }
 
 /// dx += LN backward (f32); dw += Σ_rows dout·x̂, db += Σ_rows dout, the column sums in two
@@ -314,55 +328,21 @@ fn ln_bwd_fits(
 /// tensor's column sums (its linear layer's bias gradient) is written there too: finish it with
 /// [`colsum_finish`]; the bits are [`bias_grad`]'s on the bf16 dx.
 ///
-/// Where [`ln_bwd_fits`] holds (and `TESSERA_GPU_LN_FUSED` is not `0`) this is one kernel that
+/// Where [`LnBackward::one_pass_fits`] holds (and `TESSERA_GPU_LN_FUSED` is not `0`) this is one kernel that
 /// reads x, dout and dx once (`layernorm_bwd_fused`) and gives the bits of the separate kernels
 /// (a `check` row compares them); otherwise the dx kernel,
 /// the column-partial kernel and (with `dx_bf16_sums`) `bias_grad`'s first pass run one after
 /// the other.
-#[allow(clippy::too_many_arguments)]
-pub fn layernorm_backward(
-    gpu: &Gpu,
-    s: &CudaStream,
-    dx: DPtr<f32>,
-    dx_bf16: Option<DPtr<bf16>>,
-    dx_bf16_sums: Option<DPtr<f32>>,
-    dw: DPtr<f32>,
-    db: DPtr<f32>,
-    dout: DPtr<bf16>,
-    x: DPtr<f32>,
-    w: DPtr<bf16>,
-    mean: DPtr<f32>,
-    rstd: DPtr<f32>,
-    scratch: DPtr<f32>,
-    n: usize,
-    c: usize,
-) -> Result<()> {
+pub fn layernorm_backward(gpu: &Gpu, s: &CudaStream, a: &LnBackward) -> Result<()> {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("TESSERA_GPU_LN_FUSED").is_ok_and(|v| v == "0"));
-    let fused = !off && ln_bwd_fits(c, x, dx, dout, w, dx_bf16, scratch, dx_bf16_sums);
-    layernorm_backward_with(gpu, s, dx, dx_bf16, dx_bf16_sums, dw, db, dout, x, w, mean, rstd, scratch, n, c, fused)
+    layernorm_backward_with(gpu, s, a, !off && a.one_pass_fits())
 }
 
-/// [`layernorm_backward`] with the kernel choice given (`fused` needs [`ln_bwd_fits`]).
-#[allow(clippy::too_many_arguments)]
-fn layernorm_backward_with(
-    gpu: &Gpu,
-    s: &CudaStream,
-    dx: DPtr<f32>,
-    dx_bf16: Option<DPtr<bf16>>,
-    dx_bf16_sums: Option<DPtr<f32>>,
-    dw: DPtr<f32>,
-    db: DPtr<f32>,
-    dout: DPtr<bf16>,
-    x: DPtr<f32>,
-    w: DPtr<bf16>,
-    mean: DPtr<f32>,
-    rstd: DPtr<f32>,
-    scratch: DPtr<f32>,
-    n: usize,
-    c: usize,
-    fused: bool,
-) -> Result<()> {
+/// [`layernorm_backward`] with the kernel choice given (`fused` needs
+/// [`LnBackward::one_pass_fits`]).
+fn layernorm_backward_with(gpu: &Gpu, s: &CudaStream, a: &LnBackward, fused: bool) -> Result<()> {
+    let LnBackward { dx, dx_bf16, dx_bf16_sums, dw, db, dout, x, w, mean, rstd, scratch, n, c } = *a;
     check_len("layernorm_backward dx [n, c]", dx, n * c);
     check_len("layernorm_backward dout [n, c]", dout, n * c);
     check_len("layernorm_backward x [n, c]", x, n * c);
@@ -391,10 +371,7 @@ fn layernorm_backward_with(
     let (pw, pb) = (scratch.slice(0..nb * c), scratch.slice(nb * c..2 * nb * c));
     // First pass: dx (and its bf16 copy) and the column partials; then both sums finish.
     if fused {
-        assert!(
-            ln_bwd_fits(c, x, dx, dout, w, dx_bf16, scratch, dx_bf16_sums),
-            "layernorm_backward: the one-pass kernel does not fit c={c}"
-        );
+        assert!(a.one_pass_fits(), "layernorm_backward: the one-pass kernel does not fit c={c}");
         let cfg = LaunchConfig { grid_dim: (nb as u32, 1, 1), block_dim: ((c / 4) as u32, 1, 1), shared_mem_bytes: 0 };
         let cs = dx_bf16_sums.map_or(0u64, |p| p.raw);
         launch!(gpu, s, "layernorm_bwd_fused", cfg; dx.raw, dxb, scratch.raw, cs, dout.raw, x.raw, w.raw, mean.raw, rstd.raw, n_i, c_i, rows_per)?;
@@ -970,23 +947,22 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         let (d_dout, d_dx, d_dw, d_db) = (gpu.upload(&to_bf(&dout))?, gpu.upload(&dx0)?, gpu.upload(&dw0)?, gpu.upload(&db0)?);
         let d_scratch = gpu.alloc::<f32>(layernorm_backward_scratch(n, c))?;
         let d_dxb = gpu.alloc::<bf16>(n * c)?;
-        layernorm_backward(
-            gpu,
-            s,
-            d_dx.ptr(),
-            Some(d_dxb.ptr()),
-            None,
-            d_dw.ptr(),
-            d_db.ptr(),
-            d_dout.ptr(),
-            d_x.ptr(),
-            d_w.ptr(),
-            d_mean.ptr(),
-            d_rstd.ptr(),
-            d_scratch.ptr(),
+        let a = LnBackward {
+            dx: d_dx.ptr(),
+            dx_bf16: Some(d_dxb.ptr()),
+            dx_bf16_sums: None,
+            dw: d_dw.ptr(),
+            db: d_db.ptr(),
+            dout: d_dout.ptr(),
+            x: d_x.ptr(),
+            w: d_w.ptr(),
+            mean: d_mean.ptr(),
+            rstd: d_rstd.ptr(),
+            scratch: d_scratch.ptr(),
             n,
             c,
-        )?;
+        };
+        layernorm_backward(gpu, s, &a)?;
         let (mut dx, mut dw_seq, mut db_seq) = (dx0.clone(), dw0.clone(), db0.clone());
         crate::ops::layernorm::layernorm_backward(&mut dx, &mut dw_seq, &mut db_seq, &dout, &x, &w, &g_mean, &g_rstd, n, c);
         // Row sums run lane-parallel on the GPU (sequential on the CPU): compare relative to the
@@ -1014,38 +990,39 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         let (d_x, d_w, d_b, d_dout) = (gpu.upload(&x)?, gpu.upload(&lw)?, gpu.upload(&lb)?, gpu.upload(&dout)?);
         let (d_mean, d_rstd, d_ln) = (gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?, gpu.alloc::<bf16>(n * c)?);
         layernorm_forward(gpu, s, d_ln.ptr(), d_mean.ptr(), d_rstd.ptr(), d_x.ptr(), d_w.ptr(), d_b.ptr(), n, c)?;
-        let run = |fused: bool| -> Result<Vec<u32>> {
+        // `None` when the one-pass kernel does not fit the run's own buffers.
+        let run = |fused: bool| -> Result<Option<Vec<u32>>> {
             let (d_dx, d_dw, d_db, d_bb) = (gpu.upload(&dx0)?, gpu.upload(&dw0)?, gpu.upload(&db0)?, gpu.upload(&bb0)?);
             let (d_dxb, d_scratch) = (gpu.alloc::<bf16>(n * c)?, gpu.alloc::<f32>(layernorm_backward_scratch(n, c))?);
             let d_sums = gpu.alloc::<f32>(bias_grad_scratch(n, c))?;
-            layernorm_backward_with(
-                gpu,
-                s,
-                d_dx.ptr(),
-                Some(d_dxb.ptr()),
-                Some(d_sums.ptr()),
-                d_dw.ptr(),
-                d_db.ptr(),
-                d_dout.ptr(),
-                d_x.ptr(),
-                d_w.ptr(),
-                d_mean.ptr(),
-                d_rstd.ptr(),
-                d_scratch.ptr(),
+            let a = LnBackward {
+                dx: d_dx.ptr(),
+                dx_bf16: Some(d_dxb.ptr()),
+                dx_bf16_sums: Some(d_sums.ptr()),
+                dw: d_dw.ptr(),
+                db: d_db.ptr(),
+                dout: d_dout.ptr(),
+                x: d_x.ptr(),
+                w: d_w.ptr(),
+                mean: d_mean.ptr(),
+                rstd: d_rstd.ptr(),
+                scratch: d_scratch.ptr(),
                 n,
                 c,
-                fused,
-            )?;
+            };
+            if fused && !a.one_pass_fits() {
+                return Ok(None);
+            }
+            layernorm_backward_with(gpu, s, &a, fused)?;
             colsum_finish(gpu, s, d_bb.ptr(), d_sums.ptr(), n, c)?;
             let mut bits: Vec<u32> = gpu.download(d_dx.ptr())?.iter().map(|v| v.to_bits()).collect();
             bits.extend(gpu.download(d_dxb.ptr())?.iter().map(|v| v.to_bits() as u32));
             for p in [d_dw.ptr(), d_db.ptr(), d_bb.ptr()] {
                 bits.extend(gpu.download(p)?.iter().map(|v| v.to_bits()));
             }
-            Ok(bits)
+            Ok(Some(bits))
         };
-        let fits = ln_bwd_fits(c, d_x.ptr(), d_x.ptr(), d_dout.ptr(), d_w.ptr(), Some(d_ln.ptr()), d_x.ptr(), Some(d_x.ptr()));
-        let same_bits = fits && run(true)? == run(false)?;
+        let same_bits = matches!((run(true)?, run(false)?), (Some(one), Some(separate)) if one == separate);
         let flag = |ok: bool| if ok { 0.0f32 } else { 1.0 };
         rows.push(CheckRow::compare(
             format!("layernorm_backward one pass = dx + column-sum kernels + bias_grad of the bf16 dx [{n}×{c}] (bits)"),
