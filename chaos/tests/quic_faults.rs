@@ -16,8 +16,10 @@ fn run_local() -> Vec<Vec<Vec<f32>>> {
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-#[test]
-fn collectives_over_faulty_quic_links_match_the_local_backend_bit_for_bit() {
+/// Runs the exercise on `WORLD` ranks asking for `lanes` connections per peer, rank `r` reached
+/// through a fault proxy when `behind_proxy[r]`; checks the bits against the in-process backend
+/// and returns each rank's lanes per peer and the proxies' statistics.
+fn run_through_proxies(behind_proxy: [bool; WORLD], lanes: usize) -> (Vec<Vec<usize>>, Vec<tessera_chaos::proxy::ProxyStats>) {
     let dir = tempfile::tempdir().unwrap();
     let names: Vec<String> = (0..WORLD).map(|r| format!("rank{r}")).collect();
     let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -25,13 +27,14 @@ fn collectives_over_faulty_quic_links_match_the_local_backend_bit_for_bit() {
     let sockets: Vec<UdpSocket> = (0..WORLD).map(|_| UdpSocket::bind("127.0.0.1:0").unwrap()).collect();
     let real: Vec<SocketAddr> = sockets.iter().map(|s| s.local_addr().unwrap()).collect();
     let faults = LinkFaults { delay_ms: 1, jitter_ms: 2, loss: 0.02, reorder: 0.05, reorder_ms: 5, duplicate: 0.02 };
-    let proxies: Vec<FaultProxy> = real
+    let proxies: Vec<Option<FaultProxy>> = real
         .iter()
         .enumerate()
-        .map(|(r, &a)| FaultProxy::start("127.0.0.1:0".parse().unwrap(), a, faults, 100 + r as u64).unwrap())
+        .map(|(r, &a)| behind_proxy[r].then(|| FaultProxy::start("127.0.0.1:0".parse().unwrap(), a, faults, 100 + r as u64).unwrap()))
         .collect();
-    // Every rank dials its peers through their proxies.
-    let spec = ClusterSpec { addrs: proxies.iter().map(FaultProxy::addr).collect(), names: names.clone() };
+    // Every rank dials a proxied peer through its proxy.
+    let addrs = proxies.iter().zip(&real).map(|(p, &a)| p.as_ref().map_or(a, FaultProxy::addr)).collect();
+    let spec = ClusterSpec { addrs, names: names.clone() };
     let handles: Vec<_> = sockets
         .into_iter()
         .enumerate()
@@ -39,14 +42,31 @@ fn collectives_over_faulty_quic_links_match_the_local_backend_bit_for_bit() {
             let (spec, dir, name) = (spec.clone(), dir.path().to_path_buf(), names[r].clone());
             std::thread::spawn(move || {
                 let tls = NodeTls::load(&dir, &name).unwrap();
-                let mut comm = QuicComm::connect_socket(socket, r, &spec, &tls, 30_000).unwrap();
-                run_exercise(&mut comm).unwrap()
+                let mut comm = QuicComm::connect_socket_with_lanes(socket, r, &spec, &tls, 30_000, lanes).unwrap();
+                (run_exercise(&mut comm).unwrap(), comm.lanes())
             })
         })
         .collect();
-    let quic: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let (quic, lanes): (Vec<_>, Vec<_>) = handles.into_iter().map(|h| h.join().unwrap()).unzip();
     assert_eq!(quic, run_local(), "results over faulty QUIC links differ from the in-process backend");
-    let stats: Vec<_> = proxies.iter().map(FaultProxy::stats).collect();
+    (lanes, proxies.iter().flatten().map(FaultProxy::stats).collect())
+}
+
+#[test]
+fn collectives_over_faulty_quic_links_match_the_local_backend_bit_for_bit() {
+    // Several lanes asked for, but a rank reached through a proxy offers one (its other lanes'
+    // ports are not behind the proxy): every datagram crosses a faulty link.
+    let (lanes, stats) = run_through_proxies([true; WORLD], 3);
+    assert!(lanes.iter().enumerate().all(|(r, l)| l.iter().enumerate().all(|(p, &n)| n == usize::from(p != r))), "{lanes:?}");
     assert!(stats.iter().map(|s| s.dropped).sum::<u64>() > 0, "the proxies dropped nothing: {stats:?}");
     assert!(stats.iter().map(|s| s.duplicated).sum::<u64>() > 0, "the proxies duplicated nothing: {stats:?}");
+}
+
+#[test]
+fn lanes_run_beside_a_faulty_link_and_the_bits_stay() {
+    // Rank 0 behind a faulty proxy (one lane with it); ranks 1 and 2 reach each other directly
+    // over 3 lanes.
+    let (lanes, stats) = run_through_proxies([true, false, false], 3);
+    assert_eq!(lanes, vec![vec![0, 1, 1], vec![1, 0, 3], vec![1, 3, 0]]);
+    assert!(stats[0].dropped > 0 && stats[0].relayed > 0, "the proxy saw too little: {stats:?}");
 }

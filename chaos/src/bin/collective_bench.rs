@@ -256,6 +256,34 @@ fn cpu_s() -> f64 {
     f.iter().sum::<u64>() as f64 / USER_HZ
 }
 
+/// CPU seconds of each of this process's threads so far: (thread id, name, seconds).
+fn thread_cpu() -> Vec<(u64, String, f64)> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else { return Vec::new() };
+    let mut v = Vec::new();
+    for e in dir.flatten() {
+        let Ok(tid) = e.file_name().to_string_lossy().parse::<u64>() else { continue };
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        let (Some(open), Some((head, rest))) = (stat.find('('), stat.rsplit_once(')')) else { continue };
+        let name = head[open + 1..].to_string();
+        let f: Vec<u64> = rest.split_whitespace().skip(11).take(2).filter_map(|x| x.parse().ok()).collect();
+        v.push((tid, name, f.iter().sum::<u64>() as f64 / USER_HZ));
+    }
+    v
+}
+
+/// With `COLLECTIVE_BENCH_THREADS=1`: each thread's CPU ms per call since `before`, on stderr
+/// (which thread saturates first: the rank's own, or the runtime's).
+fn report_threads(rank: usize, what: &str, before: &[(u64, String, f64)], calls: usize) {
+    let mut parts = Vec::new();
+    for (tid, name, s) in thread_cpu() {
+        let s0 = before.iter().find(|(t, _, _)| *t == tid).map_or(0.0, |b| b.2);
+        if s - s0 > 0.0 {
+            parts.push(format!("{name}/{tid} {:.0}", (s - s0) * 1e3 / calls.max(1) as f64));
+        }
+    }
+    eprintln!("threads rank {rank} {what} (CPU ms per call): {}", parts.join(", "));
+}
+
 /// Wall time of the best of `reps` calls (after a warm-up), and this process's CPU time per call.
 struct Timing {
     best_s: f64,
@@ -300,10 +328,15 @@ fn child(c: &ChildArgs, mib: usize, reps: usize, only: Only) -> Result<(), Strin
 
     let mut out = vec![0.0f32; n];
     let shard = vec![c.rank as f32; ranges[c.rank].len()];
+    let threads = std::env::var("COLLECTIVE_BENCH_THREADS").is_ok_and(|v| v == "1");
+    let t0 = thread_cpu();
     let ag_q = match only.quic() {
         true => measure(reps, || q.all_gather(&shard, &ranges, &mut out).map_err(|e| e.to_string()))?,
         false => SKIPPED,
     };
+    if threads && only.quic() {
+        report_threads(c.rank, "QUIC all_gather", &t0, reps + 1);
+    }
     if only.quic() && !ranges.iter().enumerate().all(|(r, range)| out[range.clone()].iter().all(|&v| v == r as f32)) {
         return wrong("QUIC all_gather");
     }
@@ -320,10 +353,14 @@ fn child(c: &ChildArgs, mib: usize, reps: usize, only: Only) -> Result<(), Strin
 
     let want = (c.world as f32).powi(calls); // ones summed over the ranks, once per call
     let mut buf = vec![1.0f32; n];
+    let t0 = thread_cpu();
     let ar_q = match only.quic() {
         true => measure(reps, || q.all_reduce_sum(&mut buf).map_err(|e| e.to_string()))?,
         false => SKIPPED,
     };
+    if threads && only.quic() {
+        report_threads(c.rank, "QUIC all_reduce", &t0, reps + 1);
+    }
     if only.quic() && !buf.iter().all(|&v| v == want) {
         return wrong("QUIC all_reduce");
     }
@@ -376,6 +413,18 @@ fn child(c: &ChildArgs, mib: usize, reps: usize, only: Only) -> Result<(), Strin
         }
     }
     q.barrier().map_err(|e| e.to_string())?;
+    if threads {
+        for (peer, lanes) in q.connection_stats().iter().enumerate() {
+            for (lane, st) in lanes.iter().enumerate() {
+                let (p, f) = (&st.path, &st.frame_tx);
+                eprintln!(
+                    "conn rank {} → {peer} lane {lane}: sent {} packets ({} datagrams, {} MB), lost {} ({} B), congestion events {}, cwnd {} B, rtt {:?}, mtu {}; acks sent {}, max_data {}, max_stream_data {}, data_blocked {}, stream_data_blocked {}",
+                    c.rank, p.sent_packets, st.udp_tx.datagrams, st.udp_tx.bytes / 1_000_000, p.lost_packets, p.lost_bytes,
+                    p.congestion_events, p.cwnd, p.rtt, p.current_mtu, f.acks, f.max_data, f.max_stream_data, f.data_blocked, f.stream_data_blocked
+                );
+            }
+        }
+    }
     println!("RESULT cpu all_gather {} {} {}", c.world, ag_q.cpu_s, ag_t.cpu_s);
     println!("RESULT cpu all_reduce {} {} {}", c.world, ar_q.cpu_s, ar_t.cpu_s);
     if c.rank == 0 {

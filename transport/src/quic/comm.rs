@@ -3,8 +3,9 @@
 
 use super::frame::{read_payload_add, read_payload_into, read_payload_vec, Control, FrameError, Key, OpDesc, Payload, ELEM_F32, ELEM_F64};
 use super::net::{
-    broadcast_abort, build_mesh, close_reason, endpoint_config, reject, runtime_workers, serve_peer, size_socket_buffers, transport_config,
-    tune_allocator, write_stream, ClusterSpec, Delivery, Fail, GsoSplit, QuicError, Shared, CLOSE_ABORTED, CLOSE_BYE,
+    broadcast_abort, build_mesh, close_reason, endpoint_config, lanes_wanted, reject, runtime_workers, serve_peer, size_socket_buffers,
+    transport_config, tune_allocator, write_stream, ClusterSpec, Delivery, Fail, GsoSplit, QuicError, Shared, CLOSE_ABORTED, CLOSE_BYE,
+    LANES_MAX,
 };
 use super::pki::NodeTls;
 use crate::collective::CollectiveOp as Op;
@@ -29,9 +30,35 @@ const PIECE_ELEMS: usize = 1 << 20;
 const LEAVE_TIMEOUT_MS: u64 = 10_000;
 /// Bound on the wait for the close frames to go out when leaving, in ms.
 const CLOSE_DRAIN_MS: u64 = 500;
+/// A payload is cut into stripes over a pair's lanes only where each stripe carries at least
+/// this many bytes: below it, a second thread and stream cost more than they save.
+pub const STRIPE_BYTES_MIN: usize = 1 << 20;
+
+/// How many stripes a payload of `bytes` takes when its receiver takes payloads on `lanes`
+/// lanes. Sender and receiver compute it from the same two numbers (the receiver's declared
+/// lanes, the length both sides checked), so they agree on every stripe's range.
+pub fn stripe_count(lanes: usize, bytes: usize) -> usize {
+    lanes.min(bytes / STRIPE_BYTES_MIN).max(1)
+}
+
+/// `buf` cut into `n` contiguous stripes ([`even_ranges`]).
+fn stripes<T>(buf: &[T], n: usize) -> Vec<&[T]> {
+    even_ranges(buf.len(), n).into_iter().map(|r| &buf[r]).collect()
+}
+
+/// `buf` cut into `n` contiguous, disjoint mutable stripes ([`even_ranges`]).
+fn stripes_mut<T>(mut buf: &mut [T], n: usize) -> Vec<&mut [T]> {
+    let mut out = Vec::with_capacity(n);
+    for r in even_ranges(buf.len(), n) {
+        let (head, rest) = std::mem::take(&mut buf).split_at_mut(r.len());
+        out.push(head);
+        buf = rest;
+    }
+    out
+}
 
 /// An element type carried in payloads and summed in rank order.
-trait Elem: bytemuck::Pod + AddAssign {
+trait Elem: bytemuck::Pod + AddAssign + Send + Sync {
     const ELEM: u8;
     const BYTES: u64;
     fn take(p: Payload) -> Option<Vec<Self>>;
@@ -101,7 +128,22 @@ struct Call {
     deadline: Instant,
 }
 
-type Step<'a> = Pin<Box<dyn Future<Output = Result<(), Fail>> + 'a>>;
+type Step<'a> = Pin<Box<dyn Future<Output = Result<(), Fail>> + Send + 'a>>;
+
+/// A step's work per lane: `lanes[k]` runs on lane `k`'s thread (see `QuicComm::drive_lanes`).
+#[derive(Default)]
+struct Lanes<'a> {
+    lanes: Vec<Vec<Step<'a>>>,
+}
+
+impl<'a> Lanes<'a> {
+    fn push(&mut self, lane: usize, step: Step<'a>) {
+        if self.lanes.len() <= lane {
+            self.lanes.resize_with(lane + 1, Vec::new);
+        }
+        self.lanes[lane].push(step);
+    }
+}
 
 /// Runs `futs` concurrently; the first failure ends them all.
 async fn all_ok(mut futs: Vec<Step<'_>>) -> Result<(), Fail> {
@@ -198,9 +240,16 @@ async fn read_stream<'a, R, F: Future<Output = Result<R, FrameError>> + 'a>(
     }
 }
 
-/// Receives `from`'s message `key` straight into `dest` (exactly `dest.len()` values).
-async fn rx_into<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usize, key: Key, dest: &mut [T]) -> Result<(), Fail> {
-    match shared.wait_for(from, key).await? {
+/// Receives `from`'s message `key` on `lane` straight into `dest` (exactly `dest.len()` values).
+async fn rx_into<T: Elem>(
+    shared: &Shared,
+    conn: Option<&Connection>,
+    from: usize,
+    lane: usize,
+    key: Key,
+    dest: &mut [T],
+) -> Result<(), Fail> {
+    match shared.wait_for(from, lane, key).await? {
         Delivery::Stream { elem, elems, mut stream } => {
             let check = check_header::<T>(from, key, elem, elems, Some(dest.len()));
             read_stream(shared, conn, from, check, read_payload_into(&mut stream, dest)).await
@@ -212,9 +261,16 @@ async fn rx_into<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usiz
     }
 }
 
-/// Receives `from`'s message `key` of exactly `acc.len()` values and adds them into `acc`.
-async fn rx_add<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usize, key: Key, acc: &mut [T]) -> Result<(), Fail> {
-    match shared.wait_for(from, key).await? {
+/// Receives `from`'s message `key` on `lane`, exactly `acc.len()` values, and adds them into `acc`.
+async fn rx_add<T: Elem>(
+    shared: &Shared,
+    conn: Option<&Connection>,
+    from: usize,
+    lane: usize,
+    key: Key,
+    acc: &mut [T],
+) -> Result<(), Fail> {
+    match shared.wait_for(from, lane, key).await? {
         Delivery::Stream { elem, elems, mut stream } => {
             let check = check_header::<T>(from, key, elem, elems, Some(acc.len()));
             read_stream(shared, conn, from, check, read_payload_add(&mut stream, acc)).await
@@ -226,9 +282,9 @@ async fn rx_add<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usize
     }
 }
 
-/// Receives `from`'s message `key` into a new vector, whatever its length.
+/// Receives `from`'s message `key` (on the first lane) into a new vector, whatever its length.
 async fn rx_vec<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usize, key: Key) -> Result<Vec<T>, Fail> {
-    match shared.wait_for(from, key).await? {
+    match shared.wait_for(from, 0, key).await? {
         Delivery::Stream { elem, elems, mut stream } => {
             let check = check_header::<T>(from, key, elem, elems, None);
             read_stream(shared, conn, from, check, read_payload_vec(&mut stream, elems)).await
@@ -237,12 +293,16 @@ async fn rx_vec<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usize
     }
 }
 
-/// One rank's handle on a QUIC group. Owns a tokio runtime (two worker threads) that drives the
-/// endpoint and one reader task per peer. The synchronous trait methods run each step of an
-/// algorithm on the caller's thread with `block_on`: the step's sends and receives as one
-/// future, so a rank always reads while it writes (no deadlock however large the messages), and
-/// a collective's payload is read from its QUIC stream straight into the destination tensor.
-/// Dropping it leaves the group gracefully: each peer confirms it has every message sent.
+/// One rank's handle on a QUIC group. Owns a tokio runtime ([`runtime_workers`]) that drives the
+/// endpoint and one reader task per connection. Each pair of ranks talks over one or more
+/// parallel connections (lanes, [`lanes_wanted`]); a collective's large payloads are cut into
+/// one contiguous stripe per lane ([`stripe_count`]). The synchronous trait methods run each
+/// step of an algorithm with `block_on`: the step's sends and receives on a lane as one future,
+/// so a rank always reads while it writes (no deadlock however large the messages), lane 0 on
+/// the caller's thread and each further lane on a scoped thread of its own, and a collective's
+/// payload is read from its QUIC streams straight into the destination tensor. Every element
+/// is summed in rank order whatever the lanes, so the bits do not depend on them. Dropping it
+/// leaves the group gracefully: each peer confirms it has every message sent.
 pub struct QuicComm {
     rank: usize,
     world: usize,
@@ -252,8 +312,14 @@ pub struct QuicComm {
     p2p_sent: HashMap<(usize, u64), u64>,
     p2p_next: HashMap<(usize, u64), u64>,
     shared: Arc<Shared>,
-    conns: Vec<Option<Connection>>,
-    endpoint: Endpoint,
+    /// Each peer's connections, one per lane (empty for this rank).
+    conns: Vec<Vec<Connection>>,
+    /// Lanes this rank receives stripes on: the fewest it has with any peer.
+    recv_lanes: usize,
+    /// Each rank's receive lanes as declared for the current collective.
+    peer_lanes: Vec<usize>,
+    /// One endpoint per lane (endpoint 0 on the rank's address).
+    endpoints: Vec<Endpoint>,
     scratch_f32: Scratch<f32>,
     scratch_f64: Scratch<f64>,
     rt: tokio::runtime::Runtime,
@@ -267,6 +333,9 @@ impl std::fmt::Debug for QuicComm {
 
 impl QuicComm {
     /// Binds `spec.addrs[rank]` and connects to every peer (see [`QuicComm::connect_socket`]).
+    ///
+    /// [`lanes_wanted`] sets how many connections per peer this rank asks for
+    /// (`TESSERA_QUIC_LANES`); a bad value is an error naming it.
     pub fn connect(rank: usize, spec: &ClusterSpec, tls: &NodeTls, connect_timeout_ms: u64) -> Result<Self, QuicError> {
         let addr = *spec.addrs.get(rank).ok_or_else(|| QuicError::Spec { rank, detail: format!("{} addresses", spec.addrs.len()) })?;
         let socket = std::net::UdpSocket::bind(addr).map_err(|e| QuicError::Endpoint { rank, addr, detail: e.to_string() })?;
@@ -276,6 +345,7 @@ impl QuicComm {
     /// Serves on an already bound `socket` and connects with mutual TLS to every peer: rank `r`
     /// dials the ranks below it and accepts those above, each proving its rank with a
     /// certificate for `spec.names[rank]` signed by the cluster CA. Waits ≤ `connect_timeout_ms`.
+    /// Asks each peer for [`lanes_wanted`] lanes.
     pub fn connect_socket(
         socket: std::net::UdpSocket,
         rank: usize,
@@ -283,6 +353,23 @@ impl QuicComm {
         tls: &NodeTls,
         connect_timeout_ms: u64,
     ) -> Result<Self, QuicError> {
+        let lanes = lanes_wanted().map_err(|detail| QuicError::Spec { rank, detail })?;
+        Self::connect_socket_with_lanes(socket, rank, spec, tls, connect_timeout_ms, lanes)
+    }
+
+    /// [`QuicComm::connect_socket`], asking each peer for `lanes` (1 to [`LANES_MAX`])
+    /// connections; a pair uses the smaller of its two ranks' numbers.
+    pub fn connect_socket_with_lanes(
+        socket: std::net::UdpSocket,
+        rank: usize,
+        spec: &ClusterSpec,
+        tls: &NodeTls,
+        connect_timeout_ms: u64,
+        lanes: usize,
+    ) -> Result<Self, QuicError> {
+        if !(1..=LANES_MAX).contains(&lanes) {
+            return Err(QuicError::Spec { rank, detail: format!("{lanes} lanes asked for; expected 1 to {LANES_MAX}") });
+        }
         let world = spec.addrs.len();
         if spec.names.len() != world || rank >= world {
             let detail = format!("{} addresses, {} names, rank {rank}", world, spec.names.len());
@@ -290,7 +377,7 @@ impl QuicComm {
         }
         tune_allocator();
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(runtime_workers())
+            .worker_threads(runtime_workers(lanes))
             .thread_name(format!("tessera-quic-{rank}"))
             .enable_all()
             .build()
@@ -301,21 +388,36 @@ impl QuicComm {
         let mut server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
         server.transport_config(Arc::new(transport_config()));
         let deadline = Instant::now() + Duration::from_millis(connect_timeout_ms);
-        size_socket_buffers(&socket);
-        let (endpoint, conns) = rt.block_on(async {
+        // Lane k of every pair runs through this rank's endpoint k: one UDP socket and one
+        // endpoint driver each, so receiving (the socket reads and the dispatch to connections)
+        // runs in parallel too. Endpoint 0 is the rank's address; the others take free ports on
+        // the same IP, which the hellos announce.
+        let mut sockets = vec![socket];
+        for _ in 1..lanes {
+            let extra = std::net::UdpSocket::bind(std::net::SocketAddr::new(addr.ip(), 0))
+                .map_err(|e| endpoint_err(format!("a lane's socket: {e}")))?;
+            sockets.push(extra);
+        }
+        let (endpoints, conns) = rt.block_on(async {
             let runtime = Arc::new(quinn::TokioRuntime);
-            let socket = Arc::new(GsoSplit(runtime.wrap_udp_socket(socket).map_err(|e| endpoint_err(e.to_string()))?));
-            let endpoint = Endpoint::new_with_abstract_socket(endpoint_config(), Some(server), socket, runtime)
-                .map_err(|e| endpoint_err(e.to_string()))?;
-            let conns = build_mesh(&endpoint, rank, spec, tls, deadline).await?;
-            Ok::<_, QuicError>((endpoint, conns))
+            let mut endpoints = Vec::with_capacity(lanes);
+            for socket in sockets {
+                size_socket_buffers(&socket);
+                let socket = Arc::new(GsoSplit(runtime.wrap_udp_socket(socket).map_err(|e| endpoint_err(e.to_string()))?));
+                let endpoint = Endpoint::new_with_abstract_socket(endpoint_config(), Some(server.clone()), socket, runtime.clone())
+                    .map_err(|e| endpoint_err(e.to_string()))?;
+                endpoints.push(endpoint);
+            }
+            let conns = build_mesh(&endpoints, rank, spec, tls, deadline).await?;
+            Ok::<_, QuicError>((endpoints, conns))
         })?;
         let shared = Arc::new(Shared::new(rank, world));
-        for (peer, conn) in conns.iter().enumerate() {
-            if let Some(conn) = conn {
-                rt.spawn(serve_peer(shared.clone(), conn.clone(), peer));
+        for (peer, lanes) in conns.iter().enumerate() {
+            for (lane, conn) in lanes.iter().enumerate() {
+                rt.spawn(serve_peer(shared.clone(), conn.clone(), peer, lane));
             }
         }
+        let recv_lanes = conns.iter().filter(|l| !l.is_empty()).map(Vec::len).min().unwrap_or(1);
         Ok(QuicComm {
             rank,
             world,
@@ -326,11 +428,19 @@ impl QuicComm {
             p2p_next: HashMap::new(),
             shared,
             conns,
-            endpoint,
+            recv_lanes,
+            peer_lanes: vec![recv_lanes; world],
+            endpoints,
             scratch_f32: Scratch::default(),
             scratch_f64: Scratch::default(),
             rt,
         })
+    }
+
+    /// quinn's statistics of each lane to each peer (none for this rank): packets, losses,
+    /// congestion events, the current window and RTT — for benchmarks and monitoring.
+    pub fn connection_stats(&self) -> Vec<Vec<quinn::ConnectionStats>> {
+        self.conns.iter().map(|lanes| lanes.iter().map(Connection::stats).collect()).collect()
     }
 
     fn aborted(&self, op: &'static str) -> Result<(), CollectiveError> {
@@ -359,8 +469,31 @@ impl QuicComm {
         }
     }
 
+    /// The first lane to `peer`: every message that is not a striped payload travels on it.
     fn conn(&self, peer: usize) -> Option<&Connection> {
-        self.conns.get(peer).and_then(Option::as_ref)
+        self.lane(peer, 0)
+    }
+
+    fn lane(&self, peer: usize, lane: usize) -> Option<&Connection> {
+        self.conns.get(peer).and_then(|l| l.get(lane))
+    }
+
+    /// Lanes each pair uses, by peer (0 for this rank).
+    pub fn lanes(&self) -> Vec<usize> {
+        self.conns.iter().map(Vec::len).collect()
+    }
+
+    /// Adds the sends of `data` to `to` to `lanes`, one stripe per lane of `to`'s.
+    fn tx_striped<'a, T: Elem>(&'a self, lanes: &mut Lanes<'a>, to: usize, key: Key, data: &'a [T]) {
+        let n = stripe_count(self.peer_lanes[to], data.len() * T::BYTES as usize);
+        for (k, part) in stripes(data, n).into_iter().enumerate() {
+            lanes.push(k, Box::pin(tx(&self.shared, self.lane(to, k), to, key, part)));
+        }
+    }
+
+    /// How many stripes this rank receives a payload of `elems` values of `T` in.
+    fn rx_stripes<T: Elem>(&self, elems: usize) -> usize {
+        stripe_count(self.recv_lanes, elems * T::BYTES as usize)
     }
 
     /// Runs one step (`f`: its sends and receives) on the caller's thread until it completes,
@@ -373,20 +506,76 @@ impl QuicComm {
         f: impl Future<Output = Result<R, Fail>>,
     ) -> Result<R, CollectiveError> {
         self.aborted(op)?;
+        let r = self.drive_raw(deadline, f);
+        self.finish(op, start, r)
+    }
+
+    /// `f` on the calling thread until it completes or the group is aborted (`Some`), or until
+    /// `deadline` (`None`).
+    fn drive_raw<R>(&self, deadline: Instant, f: impl Future<Output = Result<R, Fail>>) -> Option<Result<R, Fail>> {
         let shared = &self.shared;
-        let r = self.rt.block_on(async {
+        self.rt.block_on(async {
             tokio::select! {
                 biased;
                 reason = shared.until_aborted() => Some(Err(Fail::Aborted(reason))),
                 r = tokio::time::timeout_at(deadline.into(), f) => r.ok(),
             }
-        });
+        })
+    }
+
+    /// A step's outcome as the caller sees it (a timeout aborts the group).
+    fn finish<R>(&self, op: &'static str, start: Instant, r: Option<Result<R, Fail>>) -> Result<R, CollectiveError> {
         match r {
             None => Err(self.time_out(op, start)),
             Some(Ok(v)) => Ok(v),
             Some(Err(Fail::Aborted(reason))) => Err(CollectiveError::Aborted { op, reason }),
             Some(Err(Fail::Gone(peer))) => self.aborted(op).and(Err(CollectiveError::PeerGone { op, peer })),
             Some(Err(Fail::Mismatch(detail))) => Err(CollectiveError::Mismatch { op, detail }),
+            Some(Err(Fail::Cancelled)) => Err(CollectiveError::Aborted { op, reason: "a lane of the step was cancelled".into() }),
+        }
+    }
+
+    /// Runs one step's work on every lane at once: lane 0 on the caller's thread, each further
+    /// lane on a scoped thread of its own (a lane's sends and receives together, as in
+    /// [`Self::drive`]). The first lane to fail cancels the others; its error is the step's (a
+    /// timeout before any other error).
+    fn drive_lanes(&self, op: &'static str, start: Instant, deadline: Instant, lanes: Lanes<'_>) -> Result<(), CollectiveError> {
+        let mut lanes: Vec<Vec<Step>> = lanes.lanes.into_iter().filter(|l| !l.is_empty()).collect();
+        if lanes.len() <= 1 {
+            return self.drive(op, start, deadline, all_ok(lanes.pop().unwrap_or_default()));
+        }
+        self.aborted(op)?;
+        let (cancel, cancelled) = tokio::sync::watch::channel(false);
+        let run = |steps: Vec<Step>| {
+            let mut cancelled = cancelled.clone();
+            let r = self.drive_raw(deadline, async move {
+                tokio::select! {
+                    biased;
+                    _ = cancelled.wait_for(|c| *c) => Err(Fail::Cancelled),
+                    r = all_ok(steps) => r,
+                }
+            });
+            if !matches!(r, Some(Ok(()))) {
+                cancel.send_replace(true);
+            }
+            r
+        };
+        let results: Vec<Option<Result<(), Fail>>> = std::thread::scope(|s| {
+            let mut it = lanes.into_iter();
+            let first = it.next().unwrap_or_default();
+            let others: Vec<_> = it.map(|steps| s.spawn(|| run(steps))).collect();
+            let mut results = vec![run(first)];
+            // A lane thread cannot panic short of a bug in the futures; treat one as a lost step.
+            results.extend(others.into_iter().map(|h| h.join().unwrap_or(Some(Err(Fail::Cancelled)))));
+            results
+        });
+        if results.iter().any(Option::is_none) {
+            return self.finish(op, start, None);
+        }
+        let first_err = results.into_iter().flatten().find(|r| matches!(r, Err(e) if !matches!(e, Fail::Cancelled)));
+        match first_err {
+            Some(r) => self.finish(op, start, Some(r)),
+            None => Ok(()),
         }
     }
 
@@ -398,6 +587,7 @@ impl QuicComm {
         let call = Call { seq: self.seq, op, start, deadline: start + Duration::from_millis(self.timeout_ms) };
         self.seq += 1;
         let (rank, world, shared) = (self.rank, self.world, &*self.shared);
+        let desc = OpDesc { lanes: self.recv_lanes as u32, ..desc };
         let control = Control::Desc { seq: call.seq, desc: desc.clone() };
         let sends: Vec<Step> =
             (1..world).map(|s| (rank + s) % world).map(|to| Box::pin(tx_msg(shared, self.conn(to), to, &control, &[])) as Step).collect();
@@ -408,7 +598,7 @@ impl QuicComm {
                     all.push(desc.clone());
                     continue;
                 }
-                match shared.wait_for(from, Key::Desc { seq: call.seq }).await? {
+                match shared.wait_for(from, 0, Key::Desc { seq: call.seq }).await? {
                     Delivery::Desc(d) => all.push(d),
                     _ => return Err(Fail::Mismatch(format!("rank {from} sent data instead of a descriptor"))),
                 }
@@ -424,6 +614,18 @@ impl QuicComm {
             );
             return Err(mismatch(op, detail));
         }
+        // A rank receives stripes on lanes 0..lanes of every pair it has: it cannot have more
+        // lanes than its pair with this rank.
+        for (r, d) in all.iter().enumerate() {
+            let pair = if r == self.rank { self.recv_lanes } else { self.conns[r].len() };
+            if d.lanes == 0 || d.lanes as usize > pair {
+                return Err(mismatch(
+                    op,
+                    format!("rank {r} declared {} receive lanes, but its pair with rank {} has {pair}", d.lanes, self.rank),
+                ));
+            }
+        }
+        self.peer_lanes = all.iter().map(|d| d.lanes as usize).collect();
         Ok((call, all))
     }
 
@@ -444,24 +646,39 @@ impl QuicComm {
         let (rank, world, shared) = (self.rank, self.world, &*self.shared);
         debug_assert!(own.is_some() || rank == 0, "only rank 0 reduces onto its own contribution");
         let key = Key::Coll { seq: call.seq, step };
-        let sends: Vec<Step> =
-            (1..world).map(|s| (rank + s) % world).map(|to| Box::pin(tx(shared, self.conn(to), to, key, parts[to])) as Step).collect();
-        let recvs = async {
-            for from in 0..world {
-                match (from == rank, from == 0) {
-                    (true, true) => {
-                        if let Some(mine) = own {
-                            out.copy_from_slice(mine);
+        let mut lanes = Lanes::default();
+        for to in (1..world).map(|s| (rank + s) % world) {
+            self.tx_striped(&mut lanes, to, key, parts[to]);
+        }
+        // Each lane sums its own stripe of `out`, over the ranks in order: every element's sum
+        // runs in rank order whatever the lanes.
+        let n = self.rx_stripes::<T>(out.len());
+        let owns: Vec<Option<&[T]>> = match own {
+            Some(mine) => stripes(mine, n).into_iter().map(Some).collect(),
+            None => vec![None; n],
+        };
+        for (k, (out, own)) in stripes_mut(out, n).into_iter().zip(owns).enumerate() {
+            let conns: Vec<Option<&Connection>> = (0..world).map(|p| self.lane(p, k)).collect();
+            lanes.push(
+                k,
+                Box::pin(async move {
+                    for (from, conn) in conns.into_iter().enumerate() {
+                        match (from == rank, from == 0) {
+                            (true, true) => {
+                                if let Some(mine) = own {
+                                    out.copy_from_slice(mine);
+                                }
+                            }
+                            (true, false) => add_into(out, own.unwrap_or(&[])),
+                            (false, true) => rx_into(shared, conn, from, k, key, out).await?,
+                            (false, false) => rx_add(shared, conn, from, k, key, out).await?,
                         }
                     }
-                    (true, false) => add_into(out, own.unwrap_or(&[])),
-                    (false, true) => rx_into(shared, self.conn(from), from, key, out).await?,
-                    (false, false) => rx_add(shared, self.conn(from), from, key, out).await?,
-                }
-            }
-            Ok(())
-        };
-        self.drive(call.op.name(), call.start, call.deadline, async { tokio::try_join!(all_ok(sends), recvs).map(|_| ()) })
+                    Ok(())
+                }),
+            );
+        }
+        self.drive_lanes(call.op.name(), call.start, call.deadline, lanes)
     }
 
     /// Ring all-gather in place: `out[ranges[rank]]` holds this rank's part; at step `s` it
@@ -474,15 +691,19 @@ impl QuicComm {
             let key = Key::Coll { seq: call.seq, step: step0 + s as u32 };
             let (send_part, recv_part) = ((rank + n - s) % n, (rank + 2 * n - s - 1) % n);
             let (src, dst) = split_pair(out, ranges[send_part].clone(), ranges[recv_part].clone());
-            let send = tx(shared, self.conn(next), next, key, src);
-            let recv = rx_into(shared, self.conn(prev), prev, key, dst);
-            self.drive(call.op.name(), call.start, call.deadline, async { tokio::try_join!(send, recv).map(|_| ()) })?;
+            let mut lanes = Lanes::default();
+            self.tx_striped(&mut lanes, next, key, src);
+            let n = self.rx_stripes::<T>(dst.len());
+            for (k, dst) in stripes_mut(dst, n).into_iter().enumerate() {
+                lanes.push(k, Box::pin(rx_into(shared, self.lane(prev, k), prev, k, key, dst)));
+            }
+            self.drive_lanes(call.op.name(), call.start, call.deadline, lanes)?;
         }
         Ok(())
     }
 
     fn all_reduce_generic<T: Elem>(&mut self, buf: &mut [T], op: Op, scratch: &mut Scratch<T>) -> Result<(), CollectiveError> {
-        let (call, descs) = self.enter(op, OpDesc { op: op as u8, lens: vec![buf.len() as u64], ends: vec![] })?;
+        let (call, descs) = self.enter(op, OpDesc { op: op as u8, lens: vec![buf.len() as u64], ends: vec![], lanes: 0 })?;
         same(op, &descs, "a buffer of length", |d| d.lens.first().copied())?;
         let ranges = even_ranges(buf.len(), self.world);
         let mine = ranges[self.rank].clone();
@@ -528,15 +749,15 @@ impl QuicComm {
         let deadline = Instant::now() + Duration::from_millis(self.timeout_ms.min(LEAVE_TIMEOUT_MS));
         let aborted = |c: &Self| c.shared.lock().aborted.is_some();
         if !aborted(self) {
-            for (peer, conn) in self.conns.iter().enumerate() {
-                if let Some(conn) = conn {
+            for (peer, lanes) in self.conns.iter().enumerate() {
+                if let Some(conn) = lanes.first() {
                     let bye = Control::Bye { streams: self.shared.streams_sent[peer].load(Ordering::Relaxed) };
                     let _ = self.block_until(deadline, write_stream(conn, &bye, &[]));
                 }
             }
             let (shared, conns, world) = (&*self.shared, &self.conns, self.world);
             let all_acked =
-                shared.until(|st| (0..world).all(|p| conns[p].is_none() || st.bye_acked[p] || st.gone[p].is_some()).then_some(()));
+                shared.until(|st| (0..world).all(|p| conns[p].is_empty() || st.bye_acked[p] || st.gone[p].is_some()).then_some(()));
             let _ = self.block_until(deadline, all_acked);
         }
         let abort_reason = self.shared.lock().aborted.clone();
@@ -548,8 +769,12 @@ impl QuicComm {
         for conn in self.conns.iter().flatten() {
             conn.close(VarInt::from_u32(code), reason.as_bytes());
         }
-        let endpoint = self.endpoint.clone();
-        let idle = async move { endpoint.wait_idle().await };
+        let endpoints = self.endpoints.clone();
+        let idle = async move {
+            for endpoint in &endpoints {
+                endpoint.wait_idle().await;
+            }
+        };
         let _ = self.rt.block_on(async move { tokio::time::timeout(Duration::from_millis(CLOSE_DRAIN_MS), idle).await });
         self.conns.clear();
     }
@@ -633,7 +858,7 @@ impl Collective for QuicComm {
 
     fn reduce_scatter_sum(&mut self, input: &[f32], ranges: &[Range<usize>], out: &mut [f32]) -> Result<(), CollectiveError> {
         let op = Op::ReduceScatter;
-        let desc = OpDesc { op: op as u8, lens: vec![input.len() as u64, out.len() as u64], ends: ends_of(ranges) };
+        let desc = OpDesc { op: op as u8, lens: vec![input.len() as u64, out.len() as u64], ends: ends_of(ranges), lanes: 0 };
         let (call, descs) = self.enter(op, desc)?;
         self.check_ranged(op, &descs, "an input of length", ranges, input.len())?;
         if let Some(r) = (0..self.world).find(|&r| descs[r].lens.get(1) != Some(&(ranges[r].len() as u64))) {
@@ -647,7 +872,7 @@ impl Collective for QuicComm {
 
     fn all_gather(&mut self, shard: &[f32], ranges: &[Range<usize>], out: &mut [f32]) -> Result<(), CollectiveError> {
         let op = Op::AllGather;
-        let desc = OpDesc { op: op as u8, lens: vec![out.len() as u64, shard.len() as u64], ends: ends_of(ranges) };
+        let desc = OpDesc { op: op as u8, lens: vec![out.len() as u64, shard.len() as u64], ends: ends_of(ranges), lanes: 0 };
         let (call, descs) = self.enter(op, desc)?;
         self.check_ranged(op, &descs, "an output of length", ranges, out.len())?;
         if let Some(r) = (0..self.world).find(|&r| descs[r].lens.get(1) != Some(&(ranges[r].len() as u64))) {
@@ -666,7 +891,7 @@ impl Collective for QuicComm {
         visit: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<(), CollectiveError> {
         let op = Op::GatherSlices;
-        let (call, descs) = self.enter(op, OpDesc { op: op as u8, lens: vec![input.len() as u64], ends: ends_of(ranges) })?;
+        let (call, descs) = self.enter(op, OpDesc { op: op as u8, lens: vec![input.len() as u64], ends: ends_of(ranges), lanes: 0 })?;
         self.check_ranged(op, &descs, "an input of length", ranges, input.len())?;
         let mut scratch = std::mem::take(&mut self.scratch_f32);
         let (rank, world, shared) = (self.rank, self.world, &*self.shared);
@@ -684,7 +909,7 @@ impl Collective for QuicComm {
                     visit(from, &input[mine.clone()]);
                 } else {
                     set_len(slice, mine.len());
-                    rx_into(shared, self.conn(from), from, key, slice).await?;
+                    rx_into(shared, self.conn(from), from, 0, key, slice).await?;
                     visit(from, slice);
                 }
             }
@@ -699,7 +924,7 @@ impl Collective for QuicComm {
 
     fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
         let op = Op::Broadcast;
-        let (call, descs) = self.enter(op, OpDesc { op: op as u8, lens: vec![buf.len() as u64, root as u64], ends: vec![] })?;
+        let (call, descs) = self.enter(op, OpDesc { op: op as u8, lens: vec![buf.len() as u64, root as u64], ends: vec![], lanes: 0 })?;
         same(op, &descs, "root", |d| d.lens.get(1).copied())?;
         same(op, &descs, "a buffer of length", |d| d.lens.first().copied())?;
         self.check_rank(op.name(), "root", root)?;
@@ -714,20 +939,19 @@ impl Collective for QuicComm {
         for k in 0..=pieces {
             let (recv_k, send_k) = ((pos > 0 && k < pieces).then_some(k), (pos + 1 < n && k > 0).then(|| k - 1));
             let (done, rest) = buf.split_at_mut(piece(k).start);
-            let send = async {
-                match send_k {
-                    Some(j) => tx(shared, self.conn(next), next, key(j), &done[piece(j)]).await,
-                    None => Ok(()),
+            let mut lanes = Lanes::default();
+            if let Some(j) = send_k {
+                self.tx_striped(&mut lanes, next, key(j), &done[piece(j)]);
+            }
+            if let Some(j) = recv_k {
+                let dst = &mut rest[..piece(j).len()];
+                let n = self.rx_stripes::<f32>(dst.len());
+                for (lane, dst) in stripes_mut(dst, n).into_iter().enumerate() {
+                    lanes.push(lane, Box::pin(rx_into(shared, self.lane(prev, lane), prev, lane, key(j), dst)));
                 }
-            };
-            let recv = async {
-                match recv_k {
-                    Some(j) => rx_into(shared, self.conn(prev), prev, key(j), &mut rest[..piece(j).len()]).await,
-                    None => Ok(()),
-                }
-            };
+            }
             if recv_k.is_some() || send_k.is_some() {
-                self.drive(op.name(), call.start, call.deadline, async { tokio::try_join!(send, recv).map(|_| ()) })?;
+                self.drive_lanes(op.name(), call.start, call.deadline, lanes)?;
             }
         }
         self.stats.record(chain_broadcast_traffic(len, n, root, self.rank, 4));
@@ -736,7 +960,7 @@ impl Collective for QuicComm {
 
     fn all_to_all(&mut self, send: &[&[f32]]) -> Result<Vec<Vec<f32>>, CollectiveError> {
         let op = Op::AllToAll;
-        let (call, descs) = self.enter(op, OpDesc { op: op as u8, lens: vec![send.len() as u64], ends: vec![] })?;
+        let (call, descs) = self.enter(op, OpDesc { op: op as u8, lens: vec![send.len() as u64], ends: vec![], lanes: 0 })?;
         let world = self.world;
         if let Some(r) = descs.iter().position(|d| d.lens.first() != Some(&(world as u64))) {
             return Err(mismatch(op, format!("rank {r} passed {:?} send buffers for a world of {world}", descs[r].lens.first())));
@@ -770,7 +994,7 @@ impl Collective for QuicComm {
         let n = *self.p2p_sent.get(&(to, tag)).unwrap_or(&0);
         let key = Key::P2p { tag, n };
         if to == self.rank {
-            self.shared.lock().msgs.insert((to, key), Delivery::Data(Payload::F32(data.to_vec())));
+            self.shared.lock().msgs.insert((to, 0, key), Delivery::Data(Payload::F32(data.to_vec())));
             self.shared.changed();
         } else {
             let start = Instant::now();
@@ -789,7 +1013,7 @@ impl Collective for QuicComm {
         let start = Instant::now();
         let key = Key::P2p { tag, n };
         let data = self.drive("recv", start, start + Duration::from_millis(self.timeout_ms), async {
-            take_data::<f32>(from, key, self.shared.wait_for(from, key).await?, None)
+            take_data::<f32>(from, key, self.shared.wait_for(from, 0, key).await?, None)
         })?;
         self.p2p_next.insert((from, tag), n + 1);
         let bytes_received = if from == self.rank { 0 } else { data.len() as u64 * 4 };
@@ -798,7 +1022,7 @@ impl Collective for QuicComm {
     }
 
     fn barrier(&mut self) -> Result<(), CollectiveError> {
-        self.enter(Op::Barrier, OpDesc { op: Op::Barrier as u8, lens: vec![], ends: vec![] })?;
+        self.enter(Op::Barrier, OpDesc { op: Op::Barrier as u8, lens: vec![], ends: vec![], lanes: 0 })?;
         self.stats.record(Traffic::default());
         Ok(())
     }
@@ -808,6 +1032,6 @@ impl Collective for QuicComm {
 impl QuicComm {
     /// The raw connection to `peer`, for tests that misbehave on the wire.
     pub(crate) fn conns_for_test(&self, peer: usize) -> Connection {
-        self.conns[peer].clone().expect("a connected peer")
+        self.conns[peer].first().cloned().expect("a connected peer")
     }
 }

@@ -62,13 +62,18 @@ pub struct OpDesc {
     pub lens: Vec<u64>,
     /// Range ends, when the operation takes ranges (`ranges[r] = ends[r-1]..ends[r]`).
     pub ends: Vec<u64>,
+    /// Lanes the sender receives large payloads on (the fewest it has with any peer): senders
+    /// cut what they send it into that many stripes (see `comm::stripe_count`).
+    pub lanes: u32,
 }
 
 /// A control message (the header of every stream).
 #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum Control {
-    /// First stream of a connection: the dialer's rank (checked against its certificate).
-    Hello { rank: u32, world: u32 },
+    /// First stream of a connection: the sender's rank (checked against its certificate), and
+    /// which of the pair's `lanes` parallel connections this is (see `net::build_mesh`). The
+    /// acceptor's answer on lane 0 names the UDP ports of its lanes 1.. (empty otherwise).
+    Hello { rank: u32, world: u32, lane: u32, lanes: u32, ports: Vec<u16> },
     /// A tensor payload of `elems` elements of type `elem` follows in chunks.
     Data { key: Key, elem: u8, elems: u64 },
     /// A collective's descriptor (no payload).
@@ -518,7 +523,7 @@ mod tests {
         let n = CHUNK_BYTES_MAX / 4 * 2 + 3; // three chunks, the last partial
         let (c, v, wire) = data_message(n);
         assert_eq!(decode(&wire).unwrap(), (c, Some(Payload::F32(v))));
-        let d = Control::Desc { seq: 3, desc: OpDesc { op: 2, lens: vec![10, 5], ends: vec![3, 10] } };
+        let d = Control::Desc { seq: 3, desc: OpDesc { op: 2, lens: vec![10, 5], ends: vec![3, 10], lanes: 3 } };
         assert_eq!(decode(&encode(&d, &[])).unwrap(), (d, None));
         let f = Control::Data { key: Key::P2p { tag: 9, n: 0 }, elem: ELEM_F64, elems: 2 };
         let x = [1.5f64, -0.0];

@@ -16,21 +16,33 @@
 //!   driver ↔ worker pair, ordered frame lanes (requests; actor messages) and bulk transfers on
 //!   their own streams, with [`pki::JoinToken`] admission for agents without a certificate.
 //! - [`QuicComm`]: rank `r` listens on `addrs[r]`, dials every lower rank and accepts every
-//!   higher one (one connection per pair). The dialer sends `Hello{rank}`; the acceptor checks
+//!   higher one. The dialer sends `Hello{rank}`; the acceptor checks
 //!   that the client certificate (already verified against the CA) is issued to
-//!   `names[rank]`, then answers; the dialer's TLS checks the acceptor's name by SNI.
+//!   `names[rank]`, then answers; the dialer's TLS checks the acceptor's name by SNI. A pair may
+//!   use several connections, *lanes* ([`net::lanes_wanted`], `TESSERA_QUIC_LANES`): the lane-0
+//!   hellos agree on their number and the acceptor announces the UDP ports of its other lanes'
+//!   endpoints (one socket and endpoint driver per lane), each further lane opened and checked
+//!   like the first. A QUIC connection is packetised, sealed and opened by one driver task, so
+//!   one connection moves what one core can; lanes spread that over cores (see
+//!   [`net::lanes_default`] for the measurements).
 //!
 //! # Runtime
 //! The trait is synchronous. Each `QuicComm` owns a multi-thread tokio runtime
-//! ([`net::runtime_workers`]: one worker thread on hosts with fewer than 4 cores, else two) that
-//! drives the endpoint, one reader task per peer and one task per incoming stream. A reader
+//! ([`net::runtime_workers`]: one worker thread on hosts with fewer than 4 cores, else one more
+//! than the lanes) that drives the endpoints, one reader task per connection and one task per
+//! incoming stream. A reader
 //! task reads each stream's header; it files a collective's payload as the open stream, and
 //! every other message (descriptors, point-to-point data, control) whole, in an inbox keyed by
 //! (sender, key). The caller's thread runs each step of an algorithm — its sends and its
 //! receives together — as one future with `Runtime::block_on`, so a rank always reads while it
 //! writes (no deadlock whatever the message sizes), and it reads a collective's payload from
 //! quinn's packet buffers straight into the destination tensor (or, when reducing, adds it in
-//! from those buffers). Waiting on the inbox is a `Notify`, not a
+//! from those buffers). With several lanes, a payload of at least two stripes'
+//! [`comm::STRIPE_BYTES_MIN`] is cut into one contiguous stripe per lane ([`comm::stripe_count`]
+//! of the receiver's declared lanes), and each lane's sends and receives run on a thread of
+//! their own (lane 0 on the caller's, the others on scoped threads); the first lane to fail
+//! cancels the others. Each lane sums its own stripe over the ranks in rank order, so the bits
+//! are those of one lane. Waiting on the inbox is a `Notify`, not a
 //! blocked thread. Every wait is bounded by the handle's `timeout_ms`; a timeout aborts the
 //! group and tells the peers (an `Abort` message), as does
 //! [`AbortHandle::abort`](crate::collective::AbortHandle::abort), which also ends any step in

@@ -6,6 +6,7 @@ use super::pki::{check_cert_names_node, NodeTls, PkiError};
 use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, Connection, Endpoint, RecvStream, UdpPoller, VarInt};
 use std::collections::HashMap;
+use std::future::Future;
 use std::io::IoSliceMut;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -66,19 +67,61 @@ pub fn size_socket_buffers(socket: &std::net::UdpSocket) {
     }
 }
 
-/// Worker threads of a rank's tokio runtime: 2 on hosts with at least 4 cores, else 1.
+/// The variable that sets how many parallel connections (lanes) a rank asks each peer for:
+/// `1` to [`LANES_MAX`]; unset, [`lanes_default`].
+pub const LANES_ENV: &str = "TESSERA_QUIC_LANES";
+/// Most lanes a pair of ranks may use.
+pub const LANES_MAX: usize = 8;
+
+/// Lanes asked for when [`LANES_ENV`] is unset: 4 on hosts with at least 8 cores, else 1.
+///
+/// A QUIC connection is driven by one task: it packetises and seals everything sent on the
+/// connection and opens everything received, so one connection moves at most what one core can
+/// encrypt and copy, however many streams it carries; and an endpoint's one driver reads and
+/// dispatches every datagram of its socket. Measured on the GPU machine's 16 idle cores
+/// (loopback, `collective_bench --procs 2,4 --mib 64`, 2026-12-01): with one lane no thread of a
+/// rank was saturated, yet QUIC moved 28–41 % of the TCP ring's bus bandwidth (the connection
+/// driver, moving between the runtime's workers, was the limit); lanes sharing one endpoint
+/// reached 48–76 %; one endpoint per lane (as now) 63–100 % with 4 lanes (2 lanes 48–69 %,
+/// 6 and 8 lanes no better than 4). On a 2-core host the ranks already share both cores, and
+/// a second lane only adds threads: one lane there (measured: no gain).
+pub fn lanes_default() -> usize {
+    match std::thread::available_parallelism().map_or(1, usize::from) {
+        n if n >= 8 => 4,
+        _ => 1,
+    }
+}
+
+/// The lanes this rank asks for: [`LANES_ENV`] when set (an error names a bad value), else
+/// [`lanes_default`]. A pair uses the smaller of the two ranks' numbers.
+pub fn lanes_wanted() -> Result<usize, String> {
+    match std::env::var(LANES_ENV) {
+        Err(_) => Ok(lanes_default()),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if (1..=LANES_MAX).contains(&n) => Ok(n),
+            _ => Err(format!("{LANES_ENV}={v:?}: expected a number of lanes from 1 to {LANES_MAX}")),
+        },
+    }
+}
+
+/// Worker threads of a rank's tokio runtime for `lanes` connections per peer: 1 on hosts with
+/// fewer than 4 cores; else one more than the lanes (at least 2), at most half the cores.
 ///
 /// The workers run the endpoint driver (UDP receive and dispatch) and one driver per connection
-/// (packetising, AEAD, ACKs); the rank's own thread copies payloads in and out. With two workers
+/// (packetising, AEAD, ACKs); the rank's own threads copy payloads in and out. With two workers
 /// a rank's send- and receive-side connections encrypt and decrypt in parallel, which pays where
-/// cores are free. On a 2-core host several ranks already share the cores: a second worker per
-/// rank then only adds thread hand-offs — measured on the 2-core dev box, one worker halved the
-/// context switches (130 k → 57 k per benchmark run), cut p99 small-message latency from
-/// ~1.3 ms to ~0.13 ms, and used less CPU per bulk call (4 ranks: ~355 against ~400 ms per
-/// 64 MiB all-gather).
-pub fn runtime_workers() -> usize {
+/// cores are free; each further lane's driver wants a worker of its own. On a 2-core host several
+/// ranks already share the cores: a second worker per rank then only adds thread hand-offs —
+/// measured on the 2-core dev box, one worker halved the context switches (130 k → 57 k per
+/// benchmark run), cut p99 small-message latency from ~1.3 ms to ~0.13 ms, and used less CPU per
+/// bulk call (4 ranks: ~355 against ~400 ms per 64 MiB all-gather).
+/// `TESSERA_QUIC_WORKERS` overrides the number (for measurements).
+pub fn runtime_workers(lanes: usize) -> usize {
+    if let Some(n) = std::env::var("TESSERA_QUIC_WORKERS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n >= 1) {
+        return n;
+    }
     match std::thread::available_parallelism().map_or(1, usize::from) {
-        n if n >= 4 => 2,
+        n if n >= 4 => (lanes + 1).max(2).min(n / 2),
         _ => 1,
     }
 }
@@ -188,10 +231,10 @@ pub struct ClusterSpec {
 ///   window and send buffer ([`CONNECTION_WINDOW_BYTES`]) let a ring step and point-to-point
 ///   traffic be in flight together. These also bound the memory a peer can make us hold.
 /// - **Streams.** One unidirectional stream per message ([`STREAMS_MAX`] may be open), none
-///   bidirectional. A ring step is one stream per neighbour and direction: all streams of a
-///   connection are packetised by that connection's one driver task, so splitting a message
-///   over parallel streams adds framing but no parallelism; ranks already send to and receive
-///   from different peers concurrently.
+///   bidirectional. A ring step is one stream per neighbour, direction and lane: all streams of
+///   a connection are packetised by that connection's one driver task, so splitting a message
+///   over parallel streams of one connection adds framing but no parallelism — parallel
+///   connections (lanes, [`lanes_default`]) do.
 /// - **Congestion control: Cubic** with a 1 MiB initial window ([`INITIAL_WINDOW_BYTES`]).
 ///   Cubic is quinn's mature default and fills a low-loss datacenter link within a few RTTs;
 ///   quinn's BBR is marked experimental, and collectives are throughput- not queue-sensitive.
@@ -315,7 +358,8 @@ pub(crate) enum Delivery {
 }
 
 pub(crate) struct Inbox {
-    pub msgs: HashMap<(usize, Key), Delivery>,
+    /// Keyed by (sender, lane, key): the stripes of one message arrive on different lanes.
+    pub msgs: HashMap<(usize, usize, Key), Delivery>,
     pub aborted: Option<String>,
     /// Why a peer is no longer reachable (it left, or its connection was lost or closed).
     pub gone: Vec<Option<String>>,
@@ -341,6 +385,8 @@ pub(crate) enum Fail {
     Aborted(String),
     Gone(usize),
     Mismatch(String),
+    /// Another lane of the same step failed first (its error is the step's).
+    Cancelled,
 }
 
 impl Shared {
@@ -393,17 +439,17 @@ impl Shared {
 
     /// Files a received message; a repeated key is a protocol violation. A complete message
     /// counts as a finished stream; a [`Delivery::Stream`] counts once read ([`Self::stream_done`]).
-    fn deliver(&self, peer: usize, key: Key, d: Delivery) -> Result<(), String> {
+    fn deliver(&self, peer: usize, lane: usize, key: Key, d: Delivery) -> Result<(), String> {
         let mut st = self.lock();
         if !matches!(d, Delivery::Stream { .. }) {
             st.streams_done[peer] += 1;
         }
-        let dup = st.msgs.insert((peer, key), d).is_some();
+        let dup = st.msgs.insert((peer, lane, key), d).is_some();
         drop(st);
         self.changed();
         match dup {
             false => Ok(()),
-            true => Err(format!("duplicate message {key:?}")),
+            true => Err(format!("duplicate message {key:?} on lane {lane}")),
         }
     }
 
@@ -413,9 +459,9 @@ impl Shared {
         self.changed();
     }
 
-    /// Waits (without blocking a thread) for message `key` from `from`; ends early when the
-    /// group is aborted or `from` is gone with nothing left for `key`.
-    pub async fn wait_for(&self, from: usize, key: Key) -> Result<Delivery, Fail> {
+    /// Waits (without blocking a thread) for message `key` from `from` on `lane`; ends early
+    /// when the group is aborted or `from` is gone with nothing left for `key`.
+    pub async fn wait_for(&self, from: usize, lane: usize, key: Key) -> Result<Delivery, Fail> {
         loop {
             let notified = self.notify.notified();
             tokio::pin!(notified);
@@ -425,7 +471,7 @@ impl Shared {
                 if let Some(reason) = &st.aborted {
                     return Err(Fail::Aborted(reason.clone()));
                 }
-                if let Some(d) = st.msgs.remove(&(from, key)) {
+                if let Some(d) = st.msgs.remove(&(from, lane, key)) {
                     return Ok(d);
                 }
                 if st.gone[from].is_some() {
@@ -462,9 +508,10 @@ pub(crate) async fn write_stream(conn: &Connection, control: &Control, payload: 
     s.finish().map_err(|e| e.to_string())
 }
 
-/// Tells every connected peer that the group is aborted (best effort, in the background).
-pub(crate) fn broadcast_abort(rt: &tokio::runtime::Handle, conns: &[Option<Connection>], reason: &str) {
-    for conn in conns.iter().flatten() {
+/// Tells every connected peer that the group is aborted (best effort, in the background), on
+/// each pair's first lane.
+pub(crate) fn broadcast_abort(rt: &tokio::runtime::Handle, conns: &[Vec<Connection>], reason: &str) {
+    for conn in conns.iter().filter_map(|lanes| lanes.first()) {
         let (conn, control) = (conn.clone(), Control::Abort { reason: reason.to_string() });
         rt.spawn(async move { write_stream(&conn, &control, &[]).await });
     }
@@ -477,10 +524,11 @@ pub(crate) fn reject(shared: &Shared, conn: &Connection, peer: usize, why: &str)
     shared.peer_gone(peer, format!("connection closed: {why}"));
 }
 
-/// Accepts the peer's streams until its connection ends; each stream is read by its own task.
-/// A collective's payload is left in its stream for the caller to read into place; every other
-/// message is read whole here.
-pub(crate) async fn serve_peer(shared: Arc<Shared>, conn: Connection, peer: usize) {
+/// Accepts the peer's streams on one of the pair's lanes until that connection ends; each
+/// stream is read by its own task. A collective's payload is left in its stream for the caller
+/// to read into place; every other message is read whole here. Lanes after the first carry
+/// collective payload stripes only. The end of any lane's connection ends the peer.
+pub(crate) async fn serve_peer(shared: Arc<Shared>, conn: Connection, peer: usize, lane: usize) {
     loop {
         match conn.accept_uni().await {
             Ok(mut stream) => {
@@ -489,7 +537,10 @@ pub(crate) async fn serve_peer(shared: Arc<Shared>, conn: Connection, peer: usiz
                     let filed = async {
                         let control = read_header(&mut stream).await?;
                         if let Control::Data { key: key @ Key::Coll { .. }, elem, elems } = control {
-                            return Ok(shared.deliver(peer, key, Delivery::Stream { elem, elems, stream }));
+                            return Ok(shared.deliver(peer, lane, key, Delivery::Stream { elem, elems, stream }));
+                        }
+                        if lane > 0 {
+                            return Ok(Err(format!("unexpected {control:?} on lane {lane}, which carries collective payloads only")));
                         }
                         let payload = read_body(&mut stream, &control).await?;
                         Ok(handle(&shared, &conn, peer, (control, payload)))
@@ -519,8 +570,8 @@ pub(crate) async fn serve_peer(shared: Arc<Shared>, conn: Connection, peer: usiz
 
 fn handle(shared: &Arc<Shared>, conn: &Connection, peer: usize, msg: (Control, Option<Payload>)) -> Result<(), String> {
     match msg {
-        (Control::Data { key, .. }, Some(p)) => shared.deliver(peer, key, Delivery::Data(p)),
-        (Control::Desc { seq, desc }, _) => shared.deliver(peer, Key::Desc { seq }, Delivery::Desc(desc)),
+        (Control::Data { key, .. }, Some(p)) => shared.deliver(peer, 0, key, Delivery::Data(p)),
+        (Control::Desc { seq, desc }, _) => shared.deliver(peer, 0, Key::Desc { seq }, Delivery::Desc(desc)),
         (Control::Abort { reason }, _) => {
             shared.abort(&format!("rank {peer}: {reason}"));
             Ok(())
@@ -554,121 +605,236 @@ async fn ack_bye(shared: Arc<Shared>, conn: Connection, peer: usize, streams: u6
     shared.peer_gone(peer, "it left the group".into());
 }
 
-/// Dials every lower rank and accepts every higher one; returns one connection per peer.
+/// Dials every lower rank and accepts every higher one; returns each peer's connections, one per
+/// lane (none for this rank). Lane `k` of every pair runs between the two ranks' endpoints `k`
+/// (`endpoints.len()` is the number of lanes this rank asks for; endpoint 0 listens on the
+/// rank's address).
+///
+/// A pair agrees on its lanes in the first connection's hellos: the dialer asks for its number,
+/// the acceptor answers with the smaller of that and its own (1 when it is reached at another
+/// address than its socket's, e.g. through a proxy: its other ports may not be reachable), and with the UDP ports of its
+/// endpoints for the other lanes; the dialer then opens each remaining lane from its own
+/// endpoint of that lane to that port, announced by a hello that names the lane and is checked
+/// against the certificate like the first.
 pub(crate) async fn build_mesh(
-    endpoint: &Endpoint,
+    endpoints: &[Endpoint],
     rank: usize,
     spec: &ClusterSpec,
     tls: &NodeTls,
     deadline: Instant,
-) -> Result<Vec<Option<Connection>>, QuicError> {
-    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls.client_config()?)
-        .map_err(|e| QuicError::Pki(PkiError::Tls(e.to_string())))?;
+) -> Result<Vec<Vec<Connection>>, QuicError> {
+    let tls_err = |e: String| QuicError::Pki(PkiError::Tls(e));
+    if endpoints.is_empty() || endpoints.len() > LANES_MAX {
+        return Err(QuicError::Spec { rank, detail: format!("{} endpoints; expected 1 to {LANES_MAX}", endpoints.len()) });
+    }
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls.client_config()?).map_err(|e| tls_err(e.to_string()))?;
     let mut client = quinn::ClientConfig::new(Arc::new(crypto));
     client.transport_config(Arc::new(transport_config()));
-    let (lower, higher) = tokio::join!(dial_lower(endpoint, rank, spec, &client, deadline), accept_higher(endpoint, rank, spec, deadline));
-    let mut conns: Vec<Option<Connection>> = vec![None; spec.addrs.len()];
-    for (peer, conn) in lower?.into_iter().chain(higher?) {
-        conns[peer] = Some(conn);
+    let mut ports = Vec::with_capacity(endpoints.len() - 1);
+    for e in &endpoints[1..] {
+        ports.push(e.local_addr().map_err(|e| QuicError::Spec { rank, detail: format!("a lane's endpoint has no address: {e}") })?.port());
+    }
+    // A rank that others reach at another address than its socket's (`--advertise` behind a
+    // wildcard bind, a proxy, NAT) offers one lane: its other endpoints' ports might not be
+    // reachable that way.
+    let direct = endpoints[0].local_addr().ok() == Some(spec.addrs[rank]);
+    let offer = if direct { endpoints.len() } else { 1 };
+    let (lower, higher) = tokio::join!(
+        dial_lower(endpoints, rank, spec, &client, deadline),
+        accept_higher(endpoints, rank, spec, deadline, &ports[..offer - 1])
+    );
+    let mut conns: Vec<Vec<Connection>> = vec![Vec::new(); spec.addrs.len()];
+    for (peer, lanes) in lower?.into_iter().chain(higher?) {
+        conns[peer] = lanes;
     }
     Ok(conns)
 }
 
-async fn dial_lower(
+/// Dials one connection from `endpoint` to `peer` at `to` (retrying while it may not listen yet).
+async fn dial(
     endpoint: &Endpoint,
+    spec: &ClusterSpec,
+    peer: usize,
+    to: SocketAddr,
+    client: &quinn::ClientConfig,
+    deadline: Instant,
+) -> Result<Connection, String> {
+    loop {
+        let connecting = endpoint.connect_with(client.clone(), to, &spec.names[peer]).map_err(|e| e.to_string())?;
+        let attempt = (Instant::now() + Duration::from_millis(1_000)).min(deadline);
+        match tokio::time::timeout_at(attempt.into(), connecting).await {
+            Ok(Ok(conn)) => return Ok(conn),
+            Ok(Err(e)) => return Err(e.to_string()),
+            Err(_) if Instant::now() >= deadline => return Err("no answer before the deadline".into()),
+            Err(_) => continue, // the peer may not be listening yet
+        }
+    }
+}
+
+async fn dial_lower(
+    endpoints: &[Endpoint],
     rank: usize,
     spec: &ClusterSpec,
     client: &quinn::ClientConfig,
     deadline: Instant,
-) -> Result<Vec<(usize, Connection)>, QuicError> {
+) -> Result<Vec<(usize, Vec<Connection>)>, QuicError> {
     let mut out = Vec::new();
+    let world = spec.addrs.len() as u32;
+    let want = endpoints.len();
     for peer in 0..rank {
         let err = |detail: String| QuicError::Connect { rank, peer, detail };
-        let conn = loop {
-            let connecting = endpoint.connect_with(client.clone(), spec.addrs[peer], &spec.names[peer]).map_err(|e| err(e.to_string()))?;
-            let attempt = (Instant::now() + Duration::from_millis(1_000)).min(deadline);
-            match tokio::time::timeout_at(attempt.into(), connecting).await {
-                Ok(Ok(conn)) => break conn,
-                Ok(Err(e)) => return Err(err(e.to_string())),
-                Err(_) if Instant::now() >= deadline => return Err(err("no answer before the deadline".into())),
-                Err(_) => continue, // the peer may not be listening yet
+        let mut lanes: Vec<Connection> = Vec::new();
+        let (mut agreed, mut ports) = (want, Vec::new());
+        while lanes.len() < agreed {
+            let lane = lanes.len();
+            let to = match lane {
+                0 => spec.addrs[peer],
+                k => SocketAddr::new(spec.addrs[peer].ip(), ports[k - 1]),
+            };
+            let conn = dial(&endpoints[lane], spec, peer, to, client, deadline).await.map_err(err)?;
+            let asked = if lane == 0 { want } else { agreed };
+            let hello = Control::Hello { rank: rank as u32, world, lane: lane as u32, lanes: asked as u32, ports: Vec::new() };
+            write_stream(&conn, &hello, &[]).await.map_err(err)?;
+            // The peer answers only after checking our certificate, rank and lane.
+            let answer = tokio::time::timeout_at(deadline.into(), read_hello(&conn)).await;
+            match answer {
+                Ok(Ok(h)) if h.rank != peer => return Err(err(format!("it answered as rank {}", h.rank))),
+                Ok(Ok(h)) if h.lane != lane || h.lanes == 0 || h.lanes > asked || (lane == 0 && h.ports.len() + 1 < h.lanes) => {
+                    let detail =
+                        format!("it answered lane {} of {} with {} ports to our lane {lane} of {asked}", h.lane, h.lanes, h.ports.len());
+                    return Err(err(detail));
+                }
+                Ok(Ok(h)) if lane == 0 => (agreed, ports) = (h.lanes, h.ports),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(err(e)),
+                Err(_) => return Err(err("no hello before the deadline".into())),
             }
-        };
-        let world = spec.addrs.len() as u32;
-        write_stream(&conn, &Control::Hello { rank: rank as u32, world }, &[]).await.map_err(err)?;
-        // The peer answers only after checking our certificate and rank.
-        let answer = tokio::time::timeout_at(deadline.into(), read_hello(&conn)).await;
-        match answer {
-            Ok(Ok((r, _))) if r == peer => out.push((peer, conn)),
-            Ok(Ok((r, _))) => return Err(err(format!("it answered as rank {r}"))),
-            Ok(Err(e)) => return Err(err(e)),
-            Err(_) => return Err(err("no hello before the deadline".into())),
+            lanes.push(conn);
         }
+        out.push((peer, lanes));
     }
     Ok(out)
 }
 
-async fn read_hello(conn: &Connection) -> Result<(usize, usize), String> {
+/// What a hello says.
+struct Hello {
+    rank: usize,
+    world: usize,
+    lane: usize,
+    lanes: usize,
+    ports: Vec<u16>,
+}
+
+async fn read_hello(conn: &Connection) -> Result<Hello, String> {
     let mut s = conn.accept_uni().await.map_err(|e| e.to_string())?;
     match read_message(&mut s).await.map_err(|e| e.to_string())? {
-        (Control::Hello { rank, world }, _) => Ok((rank as usize, world as usize)),
+        (Control::Hello { rank, world, lane, lanes, ports }, _) => {
+            Ok(Hello { rank: rank as usize, world: world as usize, lane: lane as usize, lanes: lanes as usize, ports })
+        }
         (other, _) => Err(format!("expected a hello, got {other:?}")),
     }
 }
 
+/// The next incoming connection on any of `endpoints`, with the endpoint's index (its lane);
+/// `None` once an endpoint is closed.
+async fn accept_any(endpoints: &[Endpoint]) -> Option<(usize, quinn::Incoming)> {
+    let mut accepts: Vec<_> = endpoints.iter().map(|e| Box::pin(e.accept())).collect();
+    std::future::poll_fn(|cx| {
+        for (lane, a) in accepts.iter_mut().enumerate() {
+            if let Poll::Ready(incoming) = a.as_mut().poll(cx) {
+                return Poll::Ready(incoming.map(|i| (lane, i)));
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
 async fn accept_higher(
-    endpoint: &Endpoint,
+    endpoints: &[Endpoint],
     rank: usize,
     spec: &ClusterSpec,
     deadline: Instant,
-) -> Result<Vec<(usize, Connection)>, QuicError> {
+    ports: &[u16],
+) -> Result<Vec<(usize, Vec<Connection>)>, QuicError> {
     let world = spec.addrs.len();
     let start = Instant::now();
-    let mut out: Vec<(usize, Connection)> = Vec::new();
-    while out.len() < world - 1 - rank {
-        let Ok(Some(incoming)) = tokio::time::timeout_at(deadline.into(), endpoint.accept()).await else {
-            let missing = (rank + 1..world).filter(|p| !out.iter().any(|(q, _)| q == p)).collect();
+    // Each higher peer's lanes so far, and how many the pair agreed on.
+    let mut have: HashMap<usize, (usize, Vec<Connection>)> = HashMap::new();
+    let complete = |have: &HashMap<usize, (usize, Vec<Connection>)>, p: usize| have.get(&p).is_some_and(|(n, l)| l.len() == *n);
+    while !(rank + 1..world).all(|p| complete(&have, p)) {
+        let Ok(Some((lane, incoming))) = tokio::time::timeout_at(deadline.into(), accept_any(endpoints)).await else {
+            let missing = (rank + 1..world).filter(|&p| !complete(&have, p)).collect();
             return Err(QuicError::Accept { rank, missing, waited_ms: start.elapsed().as_millis() as u64 });
         };
-        match tokio::time::timeout_at(deadline.into(), admit(incoming, rank, spec, &out)).await {
-            Ok(Ok(pair)) => out.push(pair),
+        let admitting = Admitting { rank, spec, have: &have, want: ports.len() + 1, lane, ports };
+        match tokio::time::timeout_at(deadline.into(), admit(incoming, admitting)).await {
+            Ok(Ok((peer, agreed, conn))) => have.entry(peer).or_insert_with(|| (agreed, Vec::new())).1.push(conn),
             Ok(Err(why)) => eprintln!("tessera-quic: rank {rank}: refused a peer: {why}"),
             Err(_) => eprintln!("tessera-quic: rank {rank}: a peer did not finish connecting before the deadline"),
         }
     }
-    Ok(out)
+    Ok(have.into_iter().map(|(p, (_, lanes))| (p, lanes)).collect())
+}
+
+/// What [`admit`] checks an incoming connection against.
+struct Admitting<'a> {
+    rank: usize,
+    spec: &'a ClusterSpec,
+    /// Each higher peer's lanes so far, and how many the pair agreed on.
+    have: &'a HashMap<usize, (usize, Vec<Connection>)>,
+    /// Lanes this rank offers (its endpoints, or 1 when it is reached at another address).
+    want: usize,
+    /// The endpoint (lane) the connection arrived on.
+    lane: usize,
+    /// The UDP ports of this rank's endpoints 1..
+    ports: &'a [u16],
 }
 
 /// Completes an incoming handshake (the TLS layer has already checked the CA signature) and
-/// checks that the claimed rank is a higher one, new, and named in the peer's certificate.
-async fn admit(
-    incoming: quinn::Incoming,
-    rank: usize,
-    spec: &ClusterSpec,
-    have: &[(usize, Connection)],
-) -> Result<(usize, Connection), String> {
+/// checks that the claimed rank is a higher one, named in the peer's certificate, and that the
+/// connection is that peer's next lane, arrived on that lane's endpoint: lane 0 of a new peer
+/// (the pair then uses the smaller of the lanes asked for and this rank's), or the next lane of
+/// one already agreed. Returns the peer, the pair's lanes and the connection.
+async fn admit(incoming: quinn::Incoming, a: Admitting<'_>) -> Result<(usize, usize, Connection), String> {
     let conn = incoming.await.map_err(|e| format!("handshake failed: {e}"))?;
     let refuse = |why: String| {
         conn.close(VarInt::from_u32(2), why.as_bytes());
         Err(why)
     };
-    let (peer, world) = match read_hello(&conn).await {
+    let h = match read_hello(&conn).await {
         Ok(h) => h,
         Err(e) => return refuse(format!("no hello: {e}")),
     };
-    if world != spec.addrs.len() || peer <= rank || peer >= world || have.iter().any(|(p, _)| *p == peer) {
-        return refuse(format!("claims rank {peer} of {world}; expected a new rank in {}..{}", rank + 1, spec.addrs.len()));
+    let (peer, world, rank) = (h.rank, h.world, a.rank);
+    if world != a.spec.addrs.len() || peer <= rank || peer >= world {
+        return refuse(format!("claims rank {peer} of {world}; expected a rank in {}..{}", rank + 1, a.spec.addrs.len()));
     }
+    if h.lane != a.lane {
+        return refuse(format!("rank {peer} opened lane {} on this rank's endpoint of lane {}", h.lane, a.lane));
+    }
+    let agreed = match a.have.get(&peer) {
+        None if h.lane == 0 && h.lanes >= 1 => h.lanes.min(a.want),
+        Some((n, lanes)) if h.lane == lanes.len() && h.lane < *n && h.lanes == *n => *n,
+        None => return refuse(format!("rank {peer} opened lane {} of {} before lane 0", h.lane, h.lanes)),
+        Some((n, lanes)) => {
+            return refuse(format!("rank {peer} opened lane {} of {}; expected lane {} of {n}", h.lane, h.lanes, lanes.len()))
+        }
+    };
     let certs = conn.peer_identity().and_then(|id| id.downcast::<Vec<rustls::pki_types::CertificateDer<'static>>>().ok());
     let Some(cert) = certs.as_ref().and_then(|c| c.first()) else {
         return refuse("no client certificate".into());
     };
-    if let Err(why) = check_cert_names_node(cert, &spec.names[peer]) {
+    if let Err(why) = check_cert_names_node(cert, &a.spec.names[peer]) {
         return refuse(format!("claims rank {peer}: {why}"));
     }
-    let hello = Control::Hello { rank: rank as u32, world: world as u32 };
+    let ports = match h.lane {
+        0 => a.ports[..agreed - 1].to_vec(),
+        _ => Vec::new(),
+    };
+    let hello = Control::Hello { rank: rank as u32, world: world as u32, lane: h.lane as u32, lanes: agreed as u32, ports };
     write_stream(&conn, &hello, &[]).await?;
-    Ok((peer, conn))
+    Ok((peer, agreed, conn))
 }
 
 #[cfg(test)]

@@ -28,6 +28,12 @@ fn names(world: usize) -> Vec<String> {
 
 /// Binds `world` loopback sockets and connects a group whose rank `r` uses `tls[r]`.
 fn connect_all(tls: Vec<NodeTls>, timeout_ms: u64) -> Vec<Result<QuicComm, QuicError>> {
+    let lanes = vec![1; tls.len()];
+    connect_all_lanes(tls, timeout_ms, &lanes)
+}
+
+/// [`connect_all`] with rank `r` asking for `lanes[r]` connections per peer.
+fn connect_all_lanes(tls: Vec<NodeTls>, timeout_ms: u64, lanes: &[usize]) -> Vec<Result<QuicComm, QuicError>> {
     let world = tls.len();
     let sockets: Vec<UdpSocket> = (0..world).map(|_| UdpSocket::bind("127.0.0.1:0").expect("bind loopback")).collect();
     let spec = ClusterSpec { addrs: sockets.iter().map(|s| s.local_addr().expect("addr")).collect(), names: names(world) };
@@ -38,7 +44,7 @@ fn connect_all(tls: Vec<NodeTls>, timeout_ms: u64) -> Vec<Result<QuicComm, QuicE
             .enumerate()
             .map(|(rank, (sock, tls))| {
                 let spec = &spec;
-                s.spawn(move || QuicComm::connect_socket(sock, rank, spec, &tls, timeout_ms))
+                s.spawn(move || QuicComm::connect_socket_with_lanes(sock, rank, spec, &tls, timeout_ms, lanes[rank]))
             })
             .collect();
         handles.into_iter().map(|h| h.join().expect("connect thread panicked")).collect()
@@ -46,11 +52,17 @@ fn connect_all(tls: Vec<NodeTls>, timeout_ms: u64) -> Vec<Result<QuicComm, QuicE
 }
 
 fn group(world: usize) -> Vec<QuicComm> {
+    group_lanes(&vec![1; world])
+}
+
+/// A group whose rank `r` asks each peer for `lanes[r]` connections.
+fn group_lanes(lanes: &[usize]) -> Vec<QuicComm> {
+    let world = lanes.len();
     let dir = temp_dir("group");
     let n = names(world);
     cluster_init(&dir, &n.iter().map(String::as_str).collect::<Vec<_>>()).expect("cluster_init");
     let tls = n.iter().map(|name| NodeTls::load(&dir, name).expect("load")).collect();
-    let comms = connect_all(tls, TEST_TIMEOUT_MS).into_iter().map(|c| c.expect("connect")).collect::<Vec<_>>();
+    let comms = connect_all_lanes(tls, TEST_TIMEOUT_MS, lanes).into_iter().map(|c| c.expect("connect")).collect::<Vec<_>>();
     let _ = std::fs::remove_dir_all(&dir);
     comms
         .into_iter()
@@ -153,6 +165,61 @@ fn broadcast_of_several_pieces_and_a_large_all_reduce_match() {
     let want = run(LocalGroup::with_timeout_ms(3, TEST_TIMEOUT_MS), |c| f(c));
     let got = run(group(3), |c| f(c));
     assert!(got == want, "QUIC results differ from the in-process backend");
+}
+
+/// Payloads cut into stripes over several connections per pair (and pairs that agreed on
+/// different numbers of lanes) give the in-process backend's bits: every element is still
+/// summed in rank order.
+#[test]
+fn striped_payloads_over_several_lanes_match_the_local_backend() {
+    // Each rank's part of the all-reduce is ~3.3 MiB (3 stripes), the broadcast's 4 MiB pieces
+    // 3 stripes and a ragged last piece, the uneven ranges parts of every size down to empty.
+    let len = 2_500_000 + 77;
+    let f = |c: &mut dyn Collective| {
+        let (rank, world) = (c.rank(), c.world());
+        let mut a = data(11, rank, len);
+        c.all_reduce_sum(&mut a).unwrap();
+        let mut b = data(12, rank, len);
+        c.broadcast(&mut b, world - 1).unwrap();
+        let ranges = vec![0..0, 0..3, 3..len / 2, len / 2..len][4 - world..].to_vec();
+        let ranges: Vec<Range<usize>> = match world {
+            4 => ranges,
+            _ => even_ranges(len, world),
+        };
+        let mine = data(13, rank, len);
+        let mut rs = vec![0.0; ranges[rank].len()];
+        c.reduce_scatter_sum(&mine, &ranges, &mut rs).unwrap();
+        let mut full = vec![0.0; len];
+        c.all_gather(&mine[ranges[rank].clone()], &ranges, &mut full).unwrap();
+        let mut f64s: Vec<f64> = mine.iter().map(|&v| f64::from(v) / 3.0).collect();
+        c.all_reduce_sum_f64(&mut f64s).unwrap();
+        (bits(&a), bits(&b), bits(&rs), bits(&full), f64s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), c.stats())
+    };
+    for lanes in [vec![3, 3, 3], vec![4, 2, 4, 3]] {
+        let world = lanes.len();
+        let want = run(LocalGroup::with_timeout_ms(world, TEST_TIMEOUT_MS), |c| f(c));
+        let comms = group_lanes(&lanes);
+        for (r, c) in comms.iter().enumerate() {
+            let pairs: Vec<usize> = (0..world).map(|p| if p == r { 0 } else { lanes[p].min(lanes[r]) }).collect();
+            assert_eq!(c.lanes(), pairs, "rank {r}'s lanes with lanes asked {lanes:?}");
+        }
+        let got = run(comms, |c| f(c));
+        for rank in 0..world {
+            assert!(got[rank] == want[rank], "lanes {lanes:?}: rank {rank}'s results differ from the in-process backend");
+        }
+    }
+}
+
+#[test]
+fn a_bad_number_of_lanes_is_refused_before_connecting() {
+    let dir = temp_dir("lanes");
+    cluster_init(&dir, &["node-0"]).unwrap();
+    let tls = NodeTls::load(&dir, "node-0").unwrap();
+    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let spec = ClusterSpec { addrs: vec![sock.local_addr().unwrap()], names: names(1) };
+    let r = QuicComm::connect_socket_with_lanes(sock, 0, &spec, &tls, 1_000, 0);
+    assert!(matches!(&r, Err(QuicError::Spec { detail, .. }) if detail.contains("0 lanes") && detail.contains("1 to 8")), "{r:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -358,10 +425,10 @@ fn with_silent_peer() -> (QuicComm, SilentPeer) {
             let crypto = quinn::crypto::rustls::QuicServerConfig::try_from(tls1.server_config().unwrap()).unwrap();
             let server = quinn::ServerConfig::with_crypto(Arc::new(crypto));
             let endpoint = quinn::Endpoint::new_with_abstract_socket(net::endpoint_config(), Some(server), socket, runtime).unwrap();
-            let conns = net::build_mesh(&endpoint, 1, &spec, &tls1, deadline).await.expect("rank 1 connects");
+            let conns = net::build_mesh(std::slice::from_ref(&endpoint), 1, &spec, &tls1, deadline).await.expect("rank 1 connects");
             (endpoint, conns)
         });
-        let conn = conns[0].clone().expect("a connection to rank 0");
+        let conn = conns[0].first().cloned().expect("a connection to rank 0");
         (rank0.join().expect("rank 0 panicked"), SilentPeer { rt, conn, _endpoint: endpoint })
     });
     (c0, peer)
