@@ -5,14 +5,31 @@ use std::net::{SocketAddr, UdpSocket};
 
 use tessera_chaos::exercise::run_exercise;
 use tessera_chaos::proxy::{FaultProxy, LinkFaults};
+use tessera_transport::collective::Collective;
 use tessera_transport::local::LocalGroup;
 use tessera_transport::quic::{cluster_init, ClusterSpec, NodeTls, QuicComm};
 
 const WORLD: usize = 3;
 
-fn run_local() -> Vec<Vec<Vec<f32>>> {
+/// What one rank produced: the exercise's values, and the large payloads' bits.
+type Outputs = (Vec<Vec<f32>>, Vec<Vec<u32>>);
+
+/// The exercise, then payloads large enough to be cut into stripes over several lanes (an
+/// all-reduce of ~11 MiB, a broadcast of ~10 MiB), as bits.
+fn exercise(c: &mut dyn Collective) -> Outputs {
+    let small = run_exercise(c).unwrap();
+    let rank = c.rank();
+    let mut a: Vec<f32> = (0..3_000_001).map(|i| ((i * 31 + rank * 17) % 1009) as f32 / 13.0 - 30.0).collect();
+    c.all_reduce_sum(&mut a).unwrap();
+    let mut b: Vec<f32> = (0..2_500_000).map(|i| (i % 977) as f32 * (rank as f32 + 0.5)).collect();
+    c.broadcast(&mut b, 1).unwrap();
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    (small, vec![bits(&a), bits(&b)])
+}
+
+fn run_local() -> Vec<Outputs> {
     let comms = LocalGroup::new(WORLD);
-    let handles: Vec<_> = comms.into_iter().map(|mut c| std::thread::spawn(move || run_exercise(&mut c).unwrap())).collect();
+    let handles: Vec<_> = comms.into_iter().map(|mut c| std::thread::spawn(move || exercise(&mut c))).collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
@@ -43,7 +60,7 @@ fn run_through_proxies(behind_proxy: [bool; WORLD], lanes: usize) -> (Vec<Vec<us
             std::thread::spawn(move || {
                 let tls = NodeTls::load(&dir, &name).unwrap();
                 let mut comm = QuicComm::connect_socket_with_lanes(socket, r, &spec, &tls, 30_000, lanes).unwrap();
-                (run_exercise(&mut comm).unwrap(), comm.lanes())
+                (exercise(&mut comm), comm.lanes())
             })
         })
         .collect();
@@ -64,9 +81,10 @@ fn collectives_over_faulty_quic_links_match_the_local_backend_bit_for_bit() {
 
 #[test]
 fn lanes_run_beside_a_faulty_link_and_the_bits_stay() {
-    // Rank 0 behind a faulty proxy (one lane with it); ranks 1 and 2 reach each other directly
-    // over 3 lanes.
-    let (lanes, stats) = run_through_proxies([true, false, false], 3);
-    assert_eq!(lanes, vec![vec![0, 1, 1], vec![1, 0, 3], vec![1, 3, 0]]);
+    // Rank 1 behind a faulty proxy: it offers one lane to rank 2, which dials it through the
+    // proxy; rank 1 dials rank 0 directly and gets 3 lanes, as do ranks 0 and 2. So rank 0
+    // receives 3 stripes per large payload and ranks 1 and 2 one, while the 1–2 link is faulty.
+    let (lanes, stats) = run_through_proxies([false, true, false], 3);
+    assert_eq!(lanes, vec![vec![0, 3, 3], vec![3, 0, 1], vec![3, 1, 0]]);
     assert!(stats[0].dropped > 0 && stats[0].relayed > 0, "the proxy saw too little: {stats:?}");
 }

@@ -130,6 +130,11 @@ struct Call {
 
 type Step<'a> = Pin<Box<dyn Future<Output = Result<(), Fail>> + Send + 'a>>;
 
+/// A lane's steps, parked until its thread (or the caller) takes them.
+fn take_parked<'a>(m: &std::sync::Mutex<Option<Vec<Step<'a>>>>) -> Vec<Step<'a>> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take().unwrap_or_default()
+}
+
 /// A step's work per lane: `lanes[k]` runs on lane `k`'s thread (see `QuicComm::drive_lanes`).
 #[derive(Default)]
 struct Lanes<'a> {
@@ -335,7 +340,8 @@ impl QuicComm {
     /// Binds `spec.addrs[rank]` and connects to every peer (see [`QuicComm::connect_socket`]).
     ///
     /// [`lanes_wanted`] sets how many connections per peer this rank asks for
-    /// (`TESSERA_QUIC_LANES`); a bad value is an error naming it.
+    /// (`TESSERA_QUIC_LANES`, else several on loopback and one across hosts); a bad value is an
+    /// error naming it.
     pub fn connect(rank: usize, spec: &ClusterSpec, tls: &NodeTls, connect_timeout_ms: u64) -> Result<Self, QuicError> {
         let addr = *spec.addrs.get(rank).ok_or_else(|| QuicError::Spec { rank, detail: format!("{} addresses", spec.addrs.len()) })?;
         let socket = std::net::UdpSocket::bind(addr).map_err(|e| QuicError::Endpoint { rank, addr, detail: e.to_string() })?;
@@ -353,7 +359,8 @@ impl QuicComm {
         tls: &NodeTls,
         connect_timeout_ms: u64,
     ) -> Result<Self, QuicError> {
-        let lanes = lanes_wanted().map_err(|detail| QuicError::Spec { rank, detail })?;
+        let addr = socket.local_addr().map_err(|e| QuicError::Endpoint { rank, addr: spec.addrs[rank], detail: e.to_string() })?;
+        let lanes = lanes_wanted(addr).map_err(|detail| QuicError::Spec { rank, detail })?;
         Self::connect_socket_with_lanes(socket, rank, spec, tls, connect_timeout_ms, lanes)
     }
 
@@ -394,8 +401,9 @@ impl QuicComm {
         // the same IP, which the hellos announce.
         let mut sockets = vec![socket];
         for _ in 1..lanes {
-            let extra = std::net::UdpSocket::bind(std::net::SocketAddr::new(addr.ip(), 0))
-                .map_err(|e| endpoint_err(format!("a lane's socket: {e}")))?;
+            let mut any_port = addr; // keeps an IPv6 scope id
+            any_port.set_port(0);
+            let extra = std::net::UdpSocket::bind(any_port).map_err(|e| endpoint_err(format!("a lane's socket: {e}")))?;
             sockets.push(extra);
         }
         let (endpoints, conns) = rt.block_on(async {
@@ -537,8 +545,10 @@ impl QuicComm {
 
     /// Runs one step's work on every lane at once: lane 0 on the caller's thread, each further
     /// lane on a scoped thread of its own (a lane's sends and receives together, as in
-    /// [`Self::drive`]). The first lane to fail cancels the others; its error is the step's (a
-    /// timeout before any other error).
+    /// [`Self::drive`]). The first lane to fail (in time) cancels the others, and its error — a
+    /// timeout included — is the step's. A lane whose thread cannot be started runs on the
+    /// caller's thread with lane 0 (concurrently, as one lane would); a lane that panics cancels
+    /// the others and the panic goes on in the caller once they have stopped.
     fn drive_lanes(&self, op: &'static str, start: Instant, deadline: Instant, lanes: Lanes<'_>) -> Result<(), CollectiveError> {
         let mut lanes: Vec<Vec<Step>> = lanes.lanes.into_iter().filter(|l| !l.is_empty()).collect();
         if lanes.len() <= 1 {
@@ -546,7 +556,22 @@ impl QuicComm {
         }
         self.aborted(op)?;
         let (cancel, cancelled) = tokio::sync::watch::channel(false);
+        // The first failure in time: `Some(None)` for a timeout.
+        let first: std::sync::Mutex<Option<Option<Fail>>> = std::sync::Mutex::new(None);
+        /// Cancels the step's other lanes when dropped before `ok` is set (failure or panic).
+        struct CancelUnlessOk<'a> {
+            cancel: &'a tokio::sync::watch::Sender<bool>,
+            ok: bool,
+        }
+        impl Drop for CancelUnlessOk<'_> {
+            fn drop(&mut self) {
+                if !self.ok {
+                    self.cancel.send_replace(true);
+                }
+            }
+        }
         let run = |steps: Vec<Step>| {
+            let mut guard = CancelUnlessOk { cancel: &cancel, ok: false };
             let mut cancelled = cancelled.clone();
             let r = self.drive_raw(deadline, async move {
                 tokio::select! {
@@ -555,27 +580,42 @@ impl QuicComm {
                     r = all_ok(steps) => r,
                 }
             });
-            if !matches!(r, Some(Ok(()))) {
-                cancel.send_replace(true);
+            let failure = match r {
+                Some(Ok(())) => {
+                    guard.ok = true;
+                    return;
+                }
+                Some(Err(Fail::Cancelled)) => return,
+                Some(Err(e)) => Some(e),
+                None => None,
+            };
+            let mut first = first.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if first.is_none() {
+                *first = Some(failure);
             }
-            r
         };
-        let results: Vec<Option<Result<(), Fail>>> = std::thread::scope(|s| {
-            let mut it = lanes.into_iter();
-            let first = it.next().unwrap_or_default();
-            let others: Vec<_> = it.map(|steps| s.spawn(|| run(steps))).collect();
-            let mut results = vec![run(first)];
-            // A lane thread cannot panic short of a bug in the futures; treat one as a lost step.
-            results.extend(others.into_iter().map(|h| h.join().unwrap_or(Some(Err(Fail::Cancelled)))));
-            results
+        let mut it = lanes.into_iter();
+        let mut inline = it.next().unwrap_or_default();
+        let parked: Vec<std::sync::Mutex<Option<Vec<Step>>>> = it.map(|steps| std::sync::Mutex::new(Some(steps))).collect();
+        let panicked = std::thread::scope(|s| {
+            let mut threads = Vec::with_capacity(parked.len());
+            for (k, steps) in parked.iter().enumerate() {
+                let lane = std::thread::Builder::new().name(format!("tessera-lane-{}", k + 1));
+                match lane.spawn_scoped(s, || run(take_parked(steps))) {
+                    Ok(t) => threads.push(t),
+                    // No thread to be had (a process or cgroup limit): run the lane here.
+                    Err(_) => inline.extend(take_parked(steps)),
+                }
+            }
+            run(inline);
+            threads.into_iter().filter_map(|t| t.join().err()).next()
         });
-        if results.iter().any(Option::is_none) {
-            return self.finish(op, start, None);
+        if let Some(payload) = panicked {
+            std::panic::resume_unwind(payload);
         }
-        let first_err = results.into_iter().flatten().find(|r| matches!(r, Err(e) if !matches!(e, Fail::Cancelled)));
-        match first_err {
-            Some(r) => self.finish(op, start, Some(r)),
+        match first.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner) {
             None => Ok(()),
+            Some(failure) => self.finish(op, start, failure.map(Err)),
         }
     }
 

@@ -19,7 +19,8 @@
 //!   higher one. The dialer sends `Hello{rank}`; the acceptor checks
 //!   that the client certificate (already verified against the CA) is issued to
 //!   `names[rank]`, then answers; the dialer's TLS checks the acceptor's name by SNI. A pair may
-//!   use several connections, *lanes* ([`net::lanes_wanted`], `TESSERA_QUIC_LANES`): the lane-0
+//!   use several connections, *lanes* ([`net::lanes_wanted`]: several between processes of one
+//!   host, one across hosts unless `TESSERA_QUIC_LANES` says otherwise): the lane-0
 //!   hellos agree on their number and the acceptor announces the UDP ports of its other lanes'
 //!   endpoints (one socket and endpoint driver per lane), each further lane opened and checked
 //!   like the first. A QUIC connection is packetised, sealed and opened by one driver task, so
@@ -29,17 +30,18 @@
 //! # Runtime
 //! The trait is synchronous. Each `QuicComm` owns a multi-thread tokio runtime
 //! ([`net::runtime_workers`]: one worker thread on hosts with fewer than 4 cores, else one more
-//! than the lanes) that drives the endpoints, one reader task per connection and one task per
+//! than the lanes asked for, at most half the cores) that drives the endpoints, one reader task per connection and one task per
 //! incoming stream. A reader
 //! task reads each stream's header; it files a collective's payload as the open stream, and
 //! every other message (descriptors, point-to-point data, control) whole, in an inbox keyed by
-//! (sender, key). The caller's thread runs each step of an algorithm — its sends and its
+//! (sender, lane, key). The caller's thread runs each step of an algorithm — its sends and its
 //! receives together — as one future with `Runtime::block_on`, so a rank always reads while it
 //! writes (no deadlock whatever the message sizes), and it reads a collective's payload from
 //! quinn's packet buffers straight into the destination tensor (or, when reducing, adds it in
-//! from those buffers). With several lanes, a payload of at least two stripes'
-//! [`comm::STRIPE_BYTES_MIN`] is cut into one contiguous stripe per lane ([`comm::stripe_count`]
-//! of the receiver's declared lanes), and each lane's sends and receives run on a thread of
+//! from those buffers). With several lanes, a payload is cut into contiguous stripes of at
+//! least [`comm::STRIPE_BYTES_MIN`], as many as the receiver's declared lanes allow
+//! ([`comm::stripe_count`]; a rank declares the fewest lanes it has with any peer, so one peer
+//! with a single lane gives that rank single stripes), and each lane's sends and receives run on a thread of
 //! their own (lane 0 on the caller's, the others on scoped threads); the first lane to fail
 //! cancels the others. Each lane sums its own stripe over the ranks in rank order, so the bits
 //! are those of one lane. Waiting on the inbox is a `Notify`, not a

@@ -73,7 +73,8 @@ pub const LANES_ENV: &str = "TESSERA_QUIC_LANES";
 /// Most lanes a pair of ranks may use.
 pub const LANES_MAX: usize = 8;
 
-/// Lanes asked for when [`LANES_ENV`] is unset: 4 on hosts with at least 8 cores, else 1.
+/// Lanes asked for between processes of one host when [`LANES_ENV`] is unset: 4 on hosts with
+/// at least 8 cores, else 1 (see [`lanes_wanted`]).
 ///
 /// A QUIC connection is driven by one task: it packetises and seals everything sent on the
 /// connection and opens everything received, so one connection moves at most what one core can
@@ -82,7 +83,8 @@ pub const LANES_MAX: usize = 8;
 /// (loopback, `collective_bench --procs 2,4 --mib 64`, 2026-12-01): with one lane no thread of a
 /// rank was saturated, yet QUIC moved 28–41 % of the TCP ring's bus bandwidth (the connection
 /// driver, moving between the runtime's workers, was the limit); lanes sharing one endpoint
-/// reached 48–76 %; one endpoint per lane (as now) 63–100 % with 4 lanes (2 lanes 48–69 %,
+/// reached 48–76 %; one endpoint per lane (as now) 56–95 % with 4 lanes over three rounds (up to
+/// 100 % in other runs; 2 lanes 48–69 %,
 /// 6 and 8 lanes no better than 4). On a 2-core host the ranks already share both cores, and
 /// a second lane only adds threads: one lane there (measured: no gain).
 pub fn lanes_default() -> usize {
@@ -92,11 +94,18 @@ pub fn lanes_default() -> usize {
     }
 }
 
-/// The lanes this rank asks for: [`LANES_ENV`] when set (an error names a bad value), else
-/// [`lanes_default`]. A pair uses the smaller of the two ranks' numbers.
-pub fn lanes_wanted() -> Result<usize, String> {
+/// The lanes a rank listening on `addr` asks for: [`LANES_ENV`] when set (an error names a bad
+/// value); else [`lanes_default`] for a loopback address and 1 for any other. A pair uses the
+/// smaller of its two ranks' numbers.
+///
+/// Lanes after the first run between extra UDP sockets on ports the OS picks, announced in the
+/// hellos. Between processes of one host (loopback) nothing stands in their way; across hosts a
+/// firewall or security group that opens only the data port (`--quic-port`) would block them, so
+/// there lanes are the user's choice (`TESSERA_QUIC_LANES`, with those ports open).
+pub fn lanes_wanted(addr: SocketAddr) -> Result<usize, String> {
     match std::env::var(LANES_ENV) {
-        Err(_) => Ok(lanes_default()),
+        Err(_) if addr.ip().is_loopback() => Ok(lanes_default()),
+        Err(_) => Ok(1),
         Ok(v) => match v.trim().parse::<usize>() {
             Ok(n) if (1..=LANES_MAX).contains(&n) => Ok(n),
             _ => Err(format!("{LANES_ENV}={v:?}: expected a number of lanes from 1 to {LANES_MAX}")),
@@ -229,7 +238,8 @@ pub struct ClusterSpec {
 /// - **Windows.** A 16 MiB stream window ([`STREAM_WINDOW_BYTES`]) keeps one large message
 ///   streaming without waiting for window updates up to ~10 Gb/s × 10 ms; the 64 MiB connection
 ///   window and send buffer ([`CONNECTION_WINDOW_BYTES`]) let a ring step and point-to-point
-///   traffic be in flight together. These also bound the memory a peer can make us hold.
+///   traffic be in flight together. These also bound the memory a peer can make us hold, per
+///   lane (a pair with 4 lanes may hold 4 connection windows).
 /// - **Streams.** One unidirectional stream per message ([`STREAMS_MAX`] may be open), none
 ///   bidirectional. A ring step is one stream per neighbour, direction and lane: all streams of
 ///   a connection are packetised by that connection's one driver task, so splitting a message
@@ -342,7 +352,7 @@ fn sendmsg_parts(len: usize, seg: usize) -> impl Iterator<Item = (std::ops::Rang
     })
 }
 
-/// What a reader task delivered, keyed by (sender, key).
+/// What a reader task delivered, keyed by (sender, lane, key).
 #[derive(Debug)]
 pub(crate) enum Delivery {
     Data(Payload),
@@ -689,7 +699,11 @@ async fn dial_lower(
             let lane = lanes.len();
             let to = match lane {
                 0 => spec.addrs[peer],
-                k => SocketAddr::new(spec.addrs[peer].ip(), ports[k - 1]),
+                k => {
+                    let mut to = spec.addrs[peer]; // keeps an IPv6 scope id
+                    to.set_port(ports[k - 1]);
+                    to
+                }
             };
             let conn = dial(&endpoints[lane], spec, peer, to, client, deadline).await.map_err(err)?;
             let asked = if lane == 0 { want } else { agreed };

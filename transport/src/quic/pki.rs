@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// ALPN protocol id of the Tessera data plane (collectives).
-pub const ALPN: &[u8] = b"tessera/1";
+/// (`/2`: the hellos agree on lanes and collectives declare receive lanes.)
+pub const ALPN: &[u8] = b"tessera/2";
 /// ALPN protocol id of the control plane (driver ↔ workers and agents).
 pub const ALPN_CONTROL: &[u8] = b"tessera-control/1";
 
