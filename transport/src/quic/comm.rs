@@ -245,56 +245,51 @@ async fn read_stream<'a, R, F: Future<Output = Result<R, FrameError>> + 'a>(
     }
 }
 
-/// Receives `from`'s message `key` on `lane` straight into `dest` (exactly `dest.len()` values).
-async fn rx_into<T: Elem>(
-    shared: &Shared,
-    conn: Option<&Connection>,
-    from: usize,
+/// Where a receive reads from: `rank`'s messages on `lane`, whose streams arrive over `conn`.
+#[derive(Clone, Copy)]
+struct Src<'a> {
+    shared: &'a Shared,
+    conn: Option<&'a Connection>,
+    rank: usize,
     lane: usize,
-    key: Key,
-    dest: &mut [T],
-) -> Result<(), Fail> {
-    match shared.wait_for(from, lane, key).await? {
+}
+
+/// Receives `p`'s message `key` straight into `dest` (exactly `dest.len()` values).
+async fn rx_into<T: Elem>(p: Src<'_>, key: Key, dest: &mut [T]) -> Result<(), Fail> {
+    match p.shared.wait_for(p.rank, p.lane, key).await? {
         Delivery::Stream { elem, elems, mut stream } => {
-            let check = check_header::<T>(from, key, elem, elems, Some(dest.len()));
-            read_stream(shared, conn, from, check, read_payload_into(&mut stream, dest)).await
+            let check = check_header::<T>(p.rank, key, elem, elems, Some(dest.len()));
+            read_stream(p.shared, p.conn, p.rank, check, read_payload_into(&mut stream, dest)).await
         }
         d => {
-            dest.copy_from_slice(&take_data::<T>(from, key, d, Some(dest.len()))?);
+            dest.copy_from_slice(&take_data::<T>(p.rank, key, d, Some(dest.len()))?);
             Ok(())
         }
     }
 }
 
-/// Receives `from`'s message `key` on `lane`, exactly `acc.len()` values, and adds them into `acc`.
-async fn rx_add<T: Elem>(
-    shared: &Shared,
-    conn: Option<&Connection>,
-    from: usize,
-    lane: usize,
-    key: Key,
-    acc: &mut [T],
-) -> Result<(), Fail> {
-    match shared.wait_for(from, lane, key).await? {
+/// Receives `p`'s message `key`, exactly `acc.len()` values, and adds them into `acc`.
+async fn rx_add<T: Elem>(p: Src<'_>, key: Key, acc: &mut [T]) -> Result<(), Fail> {
+    match p.shared.wait_for(p.rank, p.lane, key).await? {
         Delivery::Stream { elem, elems, mut stream } => {
-            let check = check_header::<T>(from, key, elem, elems, Some(acc.len()));
-            read_stream(shared, conn, from, check, read_payload_add(&mut stream, acc)).await
+            let check = check_header::<T>(p.rank, key, elem, elems, Some(acc.len()));
+            read_stream(p.shared, p.conn, p.rank, check, read_payload_add(&mut stream, acc)).await
         }
         d => {
-            add_into(acc, &take_data::<T>(from, key, d, Some(acc.len()))?);
+            add_into(acc, &take_data::<T>(p.rank, key, d, Some(acc.len()))?);
             Ok(())
         }
     }
 }
 
-/// Receives `from`'s message `key` (on the first lane) into a new vector, whatever its length.
-async fn rx_vec<T: Elem>(shared: &Shared, conn: Option<&Connection>, from: usize, key: Key) -> Result<Vec<T>, Fail> {
-    match shared.wait_for(from, 0, key).await? {
+/// Receives `p`'s message `key` into a new vector, whatever its length.
+async fn rx_vec<T: Elem>(p: Src<'_>, key: Key) -> Result<Vec<T>, Fail> {
+    match p.shared.wait_for(p.rank, p.lane, key).await? {
         Delivery::Stream { elem, elems, mut stream } => {
-            let check = check_header::<T>(from, key, elem, elems, None);
-            read_stream(shared, conn, from, check, read_payload_vec(&mut stream, elems)).await
+            let check = check_header::<T>(p.rank, key, elem, elems, None);
+            read_stream(p.shared, p.conn, p.rank, check, read_payload_vec(&mut stream, elems)).await
         }
-        d => take_data::<T>(from, key, d, None),
+        d => take_data::<T>(p.rank, key, d, None),
     }
 }
 
@@ -484,6 +479,11 @@ impl QuicComm {
 
     fn lane(&self, peer: usize, lane: usize) -> Option<&Connection> {
         self.conns.get(peer).and_then(|l| l.get(lane))
+    }
+
+    /// Receiving from `peer` on `lane`.
+    fn src(&self, peer: usize, lane: usize) -> Src<'_> {
+        Src { shared: &self.shared, conn: self.lane(peer, lane), rank: peer, lane }
     }
 
     /// Lanes each pair uses, by peer (0 for this rank).
@@ -710,8 +710,8 @@ impl QuicComm {
                                 }
                             }
                             (true, false) => add_into(out, own.unwrap_or(&[])),
-                            (false, true) => rx_into(shared, conn, from, k, key, out).await?,
-                            (false, false) => rx_add(shared, conn, from, k, key, out).await?,
+                            (false, true) => rx_into(Src { shared, conn, rank: from, lane: k }, key, out).await?,
+                            (false, false) => rx_add(Src { shared, conn, rank: from, lane: k }, key, out).await?,
                         }
                     }
                     Ok(())
@@ -725,7 +725,7 @@ impl QuicComm {
     /// forwards part `rank − s` to `rank + 1` while it receives part `rank − s − 1` from
     /// `rank − 1` straight into `out`.
     fn ring_gather<T: Elem>(&mut self, call: Call, step0: u32, ranges: &[Range<usize>], out: &mut [T]) -> Result<(), CollectiveError> {
-        let (n, rank, shared) = (self.world, self.rank, &*self.shared);
+        let (n, rank) = (self.world, self.rank);
         let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
         for s in 0..n.saturating_sub(1) {
             let key = Key::Coll { seq: call.seq, step: step0 + s as u32 };
@@ -735,7 +735,7 @@ impl QuicComm {
             self.tx_striped(&mut lanes, next, key, src);
             let n = self.rx_stripes::<T>(dst.len());
             for (k, dst) in stripes_mut(dst, n).into_iter().enumerate() {
-                lanes.push(k, Box::pin(rx_into(shared, self.lane(prev, k), prev, k, key, dst)));
+                lanes.push(k, Box::pin(rx_into(self.src(prev, k), key, dst)));
             }
             self.drive_lanes(call.op.name(), call.start, call.deadline, lanes)?;
         }
@@ -949,7 +949,7 @@ impl Collective for QuicComm {
                     visit(from, &input[mine.clone()]);
                 } else {
                     set_len(slice, mine.len());
-                    rx_into(shared, self.conn(from), from, 0, key, slice).await?;
+                    rx_into(self.src(from, 0), key, slice).await?;
                     visit(from, slice);
                 }
             }
@@ -968,7 +968,7 @@ impl Collective for QuicComm {
         same(op, &descs, "root", |d| d.lens.get(1).copied())?;
         same(op, &descs, "a buffer of length", |d| d.lens.first().copied())?;
         self.check_rank(op.name(), "root", root)?;
-        let (n, rank, shared) = (self.world, self.rank, &*self.shared);
+        let (n, rank) = (self.world, self.rank);
         let pos = (rank + n - root) % n;
         let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
         let len = buf.len();
@@ -987,7 +987,7 @@ impl Collective for QuicComm {
                 let dst = &mut rest[..piece(j).len()];
                 let n = self.rx_stripes::<f32>(dst.len());
                 for (lane, dst) in stripes_mut(dst, n).into_iter().enumerate() {
-                    lanes.push(lane, Box::pin(rx_into(shared, self.lane(prev, lane), prev, lane, key(j), dst)));
+                    lanes.push(lane, Box::pin(rx_into(self.src(prev, lane), key(j), dst)));
                 }
             }
             if recv_k.is_some() || send_k.is_some() {
@@ -1014,7 +1014,7 @@ impl Collective for QuicComm {
             for (from, mine) in send.iter().enumerate() {
                 match from == rank {
                     true => recv.push(mine.to_vec()),
-                    false => recv.push(rx_vec::<f32>(shared, self.conn(from), from, key).await?),
+                    false => recv.push(rx_vec::<f32>(self.src(from, 0), key).await?),
                 }
             }
             Ok(recv)
