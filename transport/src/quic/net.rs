@@ -708,7 +708,11 @@ async fn dial_lower(
             let conn = dial(&endpoints[lane], spec, peer, to, client, deadline).await.map_err(err)?;
             let asked = if lane == 0 { want } else { agreed };
             let hello = Control::Hello { rank: rank as u32, world, lane: lane as u32, lanes: asked as u32, ports: Vec::new() };
-            write_stream(&conn, &hello, &[]).await.map_err(err)?;
+            // Bounded too: a peer that grants no stream would otherwise hold the connect forever.
+            match tokio::time::timeout_at(deadline.into(), write_stream(&conn, &hello, &[])).await {
+                Ok(r) => r.map_err(err)?,
+                Err(_) => return Err(err("could not send the hello before the deadline".into())),
+            }
             // The peer answers only after checking our certificate, rank and lane.
             let answer = tokio::time::timeout_at(deadline.into(), read_hello(&conn)).await;
             match answer {
