@@ -1,5 +1,5 @@
 //! The QUIC backend: ranks in different processes or hosts exchange tensors over QUIC (quinn)
-//! with mutual TLS (rustls, ring) against a cluster CA, implementing [`Collective`](crate::collective::Collective).
+//! with mutual TLS (rustls; its aws-lc-rs crypto by default, ring with `TESSERA_TLS_PROVIDER=ring`) against a cluster CA, implementing [`Collective`](crate::collective::Collective).
 //!
 //! # Pieces
 //! - [`pki`]: [`cluster_init`] writes the cluster CA and one certificate per node name;

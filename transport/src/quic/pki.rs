@@ -137,16 +137,46 @@ fn read_text(path: &Path) -> Result<String, PkiError> {
     std::fs::read_to_string(path).map_err(|source| PkiError::Io { path: path.to_path_buf(), source })
 }
 
-/// ring's TLS provider with TLS 1.3's AES-128-GCM preferred (ring's default order starts with
-/// AES-256-GCM; AES-256 stays accepted, then ChaCha20-Poly1305). Every byte of a QUIC
-/// connection is sealed and opened with the negotiated AEAD, and AES-128 runs 10 rounds per block
-/// against AES-256's 14 — measured on the 2-core dev box: 2–5 % less QUIC CPU per collective
-/// (docs/PERFORMANCE.md). It is the suite every TLS 1.3 implementation must support (RFC 8446
-/// §9.1) and the one QUIC's Initial packets use.
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    use rustls::crypto::ring::cipher_suite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256};
-    let suites = vec![TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256];
-    Arc::new(rustls::crypto::CryptoProvider { cipher_suites: suites, ..rustls::crypto::ring::default_provider() })
+/// The variable that picks the TLS library's crypto: `aws-lc-rs` (the default) or `ring`.
+pub const TLS_PROVIDER_ENV: &str = "TESSERA_TLS_PROVIDER";
+
+/// The TLS crypto provider of [`TLS_PROVIDER_ENV`] (an error names a bad value), with TLS 1.3's
+/// AES-128-GCM preferred (see [`provider_named`]).
+fn provider() -> Result<Arc<rustls::crypto::CryptoProvider>, PkiError> {
+    match std::env::var(TLS_PROVIDER_ENV) {
+        Ok(v) => provider_named(v.trim()),
+        Err(_) => provider_named("aws-lc-rs"),
+    }
+}
+
+/// The crypto provider `name` (`aws-lc-rs` or `ring`) with TLS 1.3's AES-128-GCM preferred over
+/// AES-256-GCM, then ChaCha20-Poly1305 (both stay accepted).
+///
+/// Every byte of a QUIC connection is sealed and opened with the negotiated AEAD, so its speed
+/// is a large part of the transport's CPU per byte. aws-lc-rs (rustls's default provider) seals
+/// 64 KiB packets with AES-128-GCM ~2.3× as fast as ring on the 2-core dev box (24–26 against
+/// 11–12 GB/s on one core, a scratch benchmark), and QUIC collectives cost 6–20 % less CPU per
+/// call with it (docs/PERFORMANCE.md). AES-128 runs 10 rounds per block against AES-256's 14
+/// (measured with ring: 2–5 % less CPU per collective); it is the suite every TLS 1.3
+/// implementation must support (RFC 8446 §9.1) and the one QUIC's Initial packets use.
+/// Both providers speak the same protocol: ranks may differ in their choice.
+pub fn provider_named(name: &str) -> Result<Arc<rustls::crypto::CryptoProvider>, PkiError> {
+    let p = match name {
+        "aws-lc-rs" => {
+            use rustls::crypto::aws_lc_rs::cipher_suite::{
+                TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256,
+            };
+            let cipher_suites = vec![TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256];
+            rustls::crypto::CryptoProvider { cipher_suites, ..rustls::crypto::aws_lc_rs::default_provider() }
+        }
+        "ring" => {
+            use rustls::crypto::ring::cipher_suite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256};
+            let cipher_suites = vec![TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384, TLS13_CHACHA20_POLY1305_SHA256];
+            rustls::crypto::CryptoProvider { cipher_suites, ..rustls::crypto::ring::default_provider() }
+        }
+        other => return Err(PkiError::Tls(format!("{TLS_PROVIDER_ENV}={other:?}: expected aws-lc-rs or ring"))),
+    };
+    Ok(Arc::new(p))
 }
 
 impl NodeTls {
@@ -189,14 +219,24 @@ impl NodeTls {
     /// agent that proves itself with a join token, see [`JoinToken`]). The chain sent includes
     /// the CA, so a client that pins the CA's fingerprint can verify it.
     pub fn server_config_for(&self, alpn: &[u8], auth: ClientAuth) -> Result<rustls::ServerConfig, PkiError> {
+        self.server_config_with(alpn, auth, provider()?)
+    }
+
+    /// [`NodeTls::server_config_for`] with the crypto of `provider` ([`provider_named`]).
+    pub fn server_config_with(
+        &self,
+        alpn: &[u8],
+        auth: ClientAuth,
+        provider: Arc<rustls::crypto::CryptoProvider>,
+    ) -> Result<rustls::ServerConfig, PkiError> {
         let tls = |e: rustls::Error| PkiError::Tls(e.to_string());
-        let builder = rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider());
+        let builder = rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider.clone());
         let builder = match auth {
             ClientAuth::Required => builder,
             ClientAuth::Optional => builder.allow_unauthenticated(),
         };
         let verifier = builder.build().map_err(|e| PkiError::Tls(e.to_string()))?;
-        let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+        let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(tls)?
             .with_client_cert_verifier(verifier)
@@ -214,8 +254,13 @@ impl NodeTls {
 
     /// As [`NodeTls::client_config`], for protocol `alpn`.
     pub fn client_config_for(&self, alpn: &[u8]) -> Result<rustls::ClientConfig, PkiError> {
+        self.client_config_with(alpn, provider()?)
+    }
+
+    /// [`NodeTls::client_config_for`] with the crypto of `provider` ([`provider_named`]).
+    pub fn client_config_with(&self, alpn: &[u8], provider: Arc<rustls::crypto::CryptoProvider>) -> Result<rustls::ClientConfig, PkiError> {
         let tls = |e: rustls::Error| PkiError::Tls(e.to_string());
-        let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(tls)?
             .with_root_certificates(self.roots()?)
@@ -431,8 +476,8 @@ impl JoinToken {
     /// server only if its chain holds the CA this token pins and that CA signed the server's
     /// certificate for the name dialled.
     pub fn client_config(&self, alpn: &[u8]) -> Result<rustls::ClientConfig, PkiError> {
-        let verifier = Arc::new(PinnedCa { ca_sha256: self.ca_sha256, provider: provider() });
-        let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
+        let verifier = Arc::new(PinnedCa { ca_sha256: self.ca_sha256, provider: provider()? });
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider()?)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| PkiError::Tls(e.to_string()))?
             .dangerous()

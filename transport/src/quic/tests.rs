@@ -471,15 +471,24 @@ fn abort_wakes_a_sender_blocked_by_flow_control_and_the_group_closes_at_once() {
     }
 }
 
-/// Both ends prefer TLS 1.3's AES-128-GCM (`pki::provider`), so that is what every connection's
-/// packets are sealed with (quinn does not report the suite: this runs the same configs' handshake
-/// in memory).
+/// Both ends prefer TLS 1.3's AES-128-GCM (`pki::provider_named`), whichever crypto library
+/// each uses, so that is what every connection's packets are sealed with (quinn does not report
+/// the suite: this runs the same configs' handshake in memory).
 #[test]
-fn mutual_tls_negotiates_aes_128_gcm() {
+fn mutual_tls_negotiates_aes_128_gcm_with_either_crypto_provider() {
+    for (server_side, client_side) in [("aws-lc-rs", "aws-lc-rs"), ("ring", "aws-lc-rs"), ("aws-lc-rs", "ring"), ("ring", "ring")] {
+        handshake_negotiates_aes_128(server_side, client_side);
+    }
+    assert!(matches!(pki::provider_named("openssl"), Err(PkiError::Tls(e)) if e.contains("expected aws-lc-rs or ring")));
+}
+
+fn handshake_negotiates_aes_128(server_side: &str, client_side: &str) {
     let dir = temp_dir("suite");
     cluster_init(&dir, &["node-0", "node-1"]).unwrap();
-    let server = Arc::new(NodeTls::load(&dir, "node-0").unwrap().server_config().unwrap());
-    let client = Arc::new(NodeTls::load(&dir, "node-1").unwrap().client_config().unwrap());
+    let server = NodeTls::load(&dir, "node-0").unwrap();
+    let server = Arc::new(server.server_config_with(pki::ALPN, ClientAuth::Required, pki::provider_named(server_side).unwrap()).unwrap());
+    let client = NodeTls::load(&dir, "node-1").unwrap();
+    let client = Arc::new(client.client_config_with(pki::ALPN, pki::provider_named(client_side).unwrap()).unwrap());
     let mut c = rustls::ClientConnection::new(client, "node-0".try_into().unwrap()).unwrap();
     let mut s = rustls::ServerConnection::new(server).unwrap();
     let mut wire = Vec::new();
