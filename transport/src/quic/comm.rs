@@ -373,6 +373,14 @@ impl QuicComm {
             return Err(QuicError::Spec { rank, detail: format!("{lanes} lanes asked for; expected 1 to {LANES_MAX}") });
         }
         let world = spec.addrs.len();
+        // A rank that the others reach at another address than its socket's (a proxy, NAT,
+        // `--advertise` on a wildcard bind) may reach them through other addresses too (a fault
+        // link dials aliases): its other lanes' sockets would go around that, or nowhere. One lane.
+        let bound = socket.local_addr().ok();
+        let lanes = match (bound, spec.addrs.get(rank)) {
+            (Some(b), Some(&a)) if b == a => lanes,
+            _ => 1,
+        };
         if spec.names.len() != world || rank >= world {
             let detail = format!("{} addresses, {} names, rank {rank}", world, spec.names.len());
             return Err(QuicError::Spec { rank, detail });

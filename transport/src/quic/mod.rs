@@ -19,8 +19,9 @@
 //!   higher one. The dialer sends `Hello{rank}`; the acceptor checks
 //!   that the client certificate (already verified against the CA) is issued to
 //!   `names[rank]`, then answers; the dialer's TLS checks the acceptor's name by SNI. A pair may
-//!   use several connections, *lanes* ([`net::lanes_wanted`]: several between processes of one
-//!   host, one across hosts unless `TESSERA_QUIC_LANES` says otherwise): the lane-0
+//!   use several connections, *lanes* ([`net::lanes_wanted`]: several for a rank on a loopback
+//!   address, one otherwise unless `TESSERA_QUIC_LANES` says so; always one for a rank reached at
+//!   another address than its socket's): the lane-0
 //!   hellos agree on their number and the acceptor announces the UDP ports of its other lanes'
 //!   endpoints (one socket and endpoint driver per lane), each further lane opened and checked
 //!   like the first. A QUIC connection is packetised, sealed and opened by one driver task, so

@@ -104,8 +104,9 @@ pub fn lanes_default() -> usize {
 /// there lanes are the user's choice (`TESSERA_QUIC_LANES`, with those ports open).
 pub fn lanes_wanted(addr: SocketAddr) -> Result<usize, String> {
     match std::env::var(LANES_ENV) {
-        Err(_) if addr.ip().is_loopback() => Ok(lanes_default()),
-        Err(_) => Ok(1),
+        Err(std::env::VarError::NotPresent) if addr.ip().is_loopback() => Ok(lanes_default()),
+        Err(std::env::VarError::NotPresent) => Ok(1),
+        Err(std::env::VarError::NotUnicode(v)) => Err(format!("{LANES_ENV}={v:?}: expected a number of lanes from 1 to {LANES_MAX}")),
         Ok(v) => match v.trim().parse::<usize>() {
             Ok(n) if (1..=LANES_MAX).contains(&n) => Ok(n),
             _ => Err(format!("{LANES_ENV}={v:?}: expected a number of lanes from 1 to {LANES_MAX}")),
@@ -705,7 +706,13 @@ async fn dial_lower(
                     to
                 }
             };
-            let conn = dial(&endpoints[lane], spec, peer, to, client, deadline).await.map_err(err)?;
+            let conn = dial(&endpoints[lane], spec, peer, to, client, deadline).await.map_err(|e| match lane {
+                0 => err(e),
+                // Lanes 1.. use ports the OS picked: a firewall may pass only the data port.
+                _ => err(format!(
+                    "lane {lane} of {agreed} at {to}: {e} (is that port reachable? TESSERA_QUIC_LANES=1 uses the data port alone)"
+                )),
+            })?;
             let asked = if lane == 0 { want } else { agreed };
             let hello = Control::Hello { rank: rank as u32, world, lane: lane as u32, lanes: asked as u32, ports: Vec::new() };
             // Bounded too: a peer that grants no stream would otherwise hold the connect forever.

@@ -145,7 +145,8 @@ pub const TLS_PROVIDER_ENV: &str = "TESSERA_TLS_PROVIDER";
 fn provider() -> Result<Arc<rustls::crypto::CryptoProvider>, PkiError> {
     match std::env::var(TLS_PROVIDER_ENV) {
         Ok(v) => provider_named(v.trim()),
-        Err(_) => provider_named("aws-lc-rs"),
+        Err(std::env::VarError::NotPresent) => provider_named("aws-lc-rs"),
+        Err(std::env::VarError::NotUnicode(v)) => Err(PkiError::Tls(format!("{TLS_PROVIDER_ENV}={v:?}: expected aws-lc-rs or ring"))),
     }
 }
 
@@ -155,7 +156,7 @@ fn provider() -> Result<Arc<rustls::crypto::CryptoProvider>, PkiError> {
 /// Every byte of a QUIC connection is sealed and opened with the negotiated AEAD, so its speed
 /// is a large part of the transport's CPU per byte. aws-lc-rs (rustls's default provider) seals
 /// 64 KiB packets with AES-128-GCM ~2.3× as fast as ring on the 2-core dev box (24–26 against
-/// 11–12 GB/s on one core, a scratch benchmark), and QUIC collectives cost 6–20 % less CPU per
+/// 11–12 GB/s on one core, a scratch benchmark), and QUIC collectives cost 8–22 % less CPU per
 /// call with it (docs/PERFORMANCE.md). AES-128 runs 10 rounds per block against AES-256's 14
 /// (measured with ring: 2–5 % less CPU per collective); it is the suite every TLS 1.3
 /// implementation must support (RFC 8446 §9.1) and the one QUIC's Initial packets use.
@@ -476,8 +477,9 @@ impl JoinToken {
     /// server only if its chain holds the CA this token pins and that CA signed the server's
     /// certificate for the name dialled.
     pub fn client_config(&self, alpn: &[u8]) -> Result<rustls::ClientConfig, PkiError> {
-        let verifier = Arc::new(PinnedCa { ca_sha256: self.ca_sha256, provider: provider()? });
-        let mut cfg = rustls::ClientConfig::builder_with_provider(provider()?)
+        let provider = provider()?;
+        let verifier = Arc::new(PinnedCa { ca_sha256: self.ca_sha256, provider: provider.clone() });
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| PkiError::Tls(e.to_string()))?
             .dangerous()
