@@ -145,6 +145,30 @@ fn a_loss_while_a_step_commits_keeps_the_step_and_restores_from_memory() {
     assert!(epoch["step"].as_u64().unwrap() >= 4, "the new epoch should start after the step whose commit failed:\n{log}");
 }
 
+/// The same loss with LAMB at stage 1: the survivors' commits fail inside the optimizer step,
+/// in the norm all-reduce the lost member never joins, before anything changed (the step is
+/// transactional), so every shard and the lost owner's replica are still at the step before.
+/// The run restores from memory at that step and runs the failed step again; no checkpoint is
+/// used.
+#[test]
+fn a_lamb_loss_while_a_step_commits_restores_from_memory_and_reruns_the_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sets = ["optimizer.type=Lamb", "zero_optimization.stage=1"];
+    let r = chaos_with(tmp.path(), r#"[{"at_step": 3, "kind": "kill_in_commit", "rank": 1}]"#, 8, 1, &sets, &[]);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["workers_lost"], 1, "{r:#}");
+    assert_eq!(el["restored_from_checkpoint"], 0, "{r:#}");
+    assert_eq!(el["restored_from_memory"], 1, "{r:#}");
+    assert_eq!(el["commits_completed"], 0, "no shard took the step: {r:#}");
+    assert_eq!(el["steps_rerun"], 1, "{r:#}");
+    assert_eq!(el["steps_replayed"], 0, "{r:#}");
+    let (log, events) = faulted_events(tmp.path());
+    let epoch = events.iter().find(|x| x["event"] == "epoch" && x["epoch"] == 1).unwrap_or_else(|| panic!("no epoch 1:\n{log}"));
+    let source = epoch["source"].as_str().unwrap();
+    assert!(source.starts_with("memory: replicas") && source.ends_with(&format!("at step {}", epoch["step"])), "{source}\n{log}");
+    assert!(epoch["step"].as_u64().unwrap() >= 3, "{log}");
+}
+
 #[test]
 fn a_stopped_worker_is_declared_dead_and_replaced_by_its_replica() {
     let tmp = tempfile::tempdir().unwrap();

@@ -817,8 +817,14 @@ impl Worker {
                         self.replicas.queue(&m.plan, updates);
                     }
                 }
-                // Otherwise the optimizer may have stepped part of the shard: not a usable state.
-                self.at = stepped.then_some(step + 1);
+                // A commit that failed before the shard changed (LAMB's norm all-reduce with a
+                // lost peer) leaves it at `step`, and its replicas too (no update was made);
+                // otherwise the optimizer may have stepped part of it: not a usable state.
+                self.at = match stepped {
+                    true => Some(step + 1),
+                    false if m.worker.untouched() == Some(step) => self.at.filter(|&a| a == step),
+                    false => None,
+                };
                 match res {
                     Ok(()) => {
                         let (replica_stale, replica_behind) = (self.replicas.stale, self.replicas.behind);

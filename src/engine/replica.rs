@@ -12,17 +12,17 @@
 //!   skipped (the loss scaler skips exactly the steps whose gradient overflowed), the learning
 //!   rate (a function of the applied steps), the optimizer's step count after it, and every
 //!   `replica_check_interval` steps the blake3 of the owner's shard the step starts from;
-//! - LAMB only, during `commit`, after the owner's optimizer step: the results of its norm
-//!   all-reduces (its per-tensor trust ratios need the global weight and update norms; the
-//!   replica replays the reduced values).
+//! - LAMB only: the results of the norm all-reduce inside the optimizer step (the per-tensor
+//!   trust ratios need the global weight and update norms). These are not sent: the all-reduce
+//!   gives every rank the same bits, so the successor replays its own reduced values.
 //!
-//! The first travels as point-to-point messages (record, then gradient; [`feed_tag`]) queued in
+//! The update travels as point-to-point messages (record, then gradient; [`feed_tag`]) queued in
 //! the rank's ordered collective lane, all sends before all receives: each lands in the
 //! successor's mailbox as it arrives, so a rank's gradient travels as soon as its own prepare
 //! ends (no wait for the slowest rank, as an all-to-all would) and a ring of them cannot
 //! deadlock; the rank answers `Prepared` only once it has received its predecessors' (so a
 //! loss while the step commits cannot leave a replica behind its owner).
-//! The second is an all-to-all in the lane, so every rank exchanges it at the same point. The commit checks each record against its own
+//! The commit checks each record against its own
 //! decision (every rank takes the same). The successor applies the step with the same optimizer
 //! code ([`Replica::apply`], on a background thread); where the record carries a digest the
 //! replica's blake3 must first be the owner's, and the step count must agree after it. A replica
@@ -229,19 +229,17 @@ pub struct Update {
 /// Replays recorded all-reduce results in order.
 struct Replay {
     results: std::vec::IntoIter<Vec<f64>>,
-    error: Option<String>,
 }
 
 impl NormAllReduce for Replay {
-    fn all_reduce_sum(&mut self, v: &mut [f64]) {
+    fn all_reduce_sum(&mut self, v: &mut [f64]) -> Result<(), String> {
         match self.results.next() {
-            Some(r) if r.len() == v.len() => v.copy_from_slice(&r),
-            Some(r) => {
-                self.error.get_or_insert(format!("a recorded norm reduction has {} values, the replica's step needs {}", r.len(), v.len()));
+            Some(r) if r.len() == v.len() => {
+                v.copy_from_slice(&r);
+                Ok(())
             }
-            None => {
-                self.error.get_or_insert("the replica's step made more norm reductions than the owner's".into());
-            }
+            Some(r) => Err(format!("a recorded norm reduction has {} values, the replica's step needs {}", r.len(), v.len())),
+            None => Err("the replica's step made more norm reductions than the owner's".into()),
         }
     }
 }
@@ -313,10 +311,13 @@ impl Replica {
                 return Err(format!("rank {owner}'s gradient has {} values, its range {}", u.grad.len(), self.master.len()));
             }
             let ctx = StepContext { shard_range: self.range.clone(), layout: &plan.flat, decay: &plan.decay };
-            let mut replay = Replay { results: u.record.reductions.into_iter(), error: None };
-            self.optim.step(&mut self.master, &u.grad, u.record.lr, &ctx, &mut replay).map_err(|e| format!("rank {owner}'s step: {e}"))?;
-            if let Some(e) = replay.error.or_else(|| (replay.results.len() > 0).then(|| "the owner made more norm reductions".into())) {
-                return Err(format!("rank {owner}'s step {}: {e}", u.record.step));
+            let mut replay = Replay { results: u.record.reductions.into_iter() };
+            let step = u.record.step;
+            self.optim
+                .step(&mut self.master, &u.grad, u.record.lr, &ctx, &mut replay)
+                .map_err(|e| format!("rank {owner}'s step {step}: {e}"))?;
+            if replay.results.len() > 0 {
+                return Err(format!("rank {owner}'s step {step}: the owner made more norm reductions than the replica's step"));
             }
         }
         self.at += 1;

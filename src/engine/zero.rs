@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::dtype::{round_to, DType};
 use tessera_kernels::model::{UnitAccess, Workspace};
-use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, OptimizerKind, StepContext, StepOutcome};
+use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, StepContext, StepOutcome};
 use tessera_transport::collective::{Collective, CollectiveError};
 use tessera_transport::tree::TreeSum;
 
@@ -380,12 +380,13 @@ struct CommReduce<'a> {
 }
 
 impl NormAllReduce for CommReduce<'_> {
-    fn all_reduce_sum(&mut self, v: &mut [f64]) {
+    fn all_reduce_sum(&mut self, v: &mut [f64]) -> Result<(), String> {
         match all_reduce_f64(self.lane, "the optimizer's norm all-reduce", v) {
-            Ok(()) => self.results.push(v.to_vec()),
-            Err(e) => {
-                self.error.get_or_insert(e);
+            Ok(()) => {
+                self.results.push(v.to_vec());
+                Ok(())
             }
+            Err(e) => Err(self.error.get_or_insert(e).clone()),
         }
     }
 }
@@ -450,6 +451,17 @@ pub struct ZeroWorker {
     /// before the new parameters are shared, so a commit that fails after it still leaves a
     /// usable shard at `step + 1`).
     stepped: Option<u64>,
+    /// The last step whose commit failed before the shard changed (a LAMB norm all-reduce
+    /// with a lost peer): the shard is still the consistent state at `step` committed steps.
+    untouched: Option<u64>,
+}
+
+/// Why an optimizer step failed, and what it left.
+enum StepFailure {
+    /// Nothing of the shard changed (the norm all-reduce failed before any write).
+    Untouched(String),
+    /// The shard may be partly stepped: not a usable state.
+    Torn(String),
 }
 
 fn lock<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -480,7 +492,7 @@ impl ZeroWorker {
     pub fn new(rank: usize, plan: Arc<Plan>, sampler: Arc<Sampler>, comm: Box<dyn Collective>, state: Arc<Mutex<RankState>>) -> Self {
         let threaded = plan.overlap_comm || (plan.gathers() && plan.prefetch_elems > 0);
         let lane = Lane::new(comm, threaded);
-        ZeroWorker { rank, plan, sampler, lane, state, staged: None, ws: Workspace::default(), feed: None, stepped: None }
+        ZeroWorker { rank, plan, sampler, lane, state, staged: None, ws: Workspace::default(), feed: None, stepped: None, untouched: None }
     }
 
     /// Keeps ring successors' replicas of this rank's shard in step ([`super::replica`]): each
@@ -517,6 +529,14 @@ impl ZeroWorker {
     /// consistent state at `t + 1` committed steps, and the replica updates are still there.
     pub fn stepped(&self) -> Option<u64> {
         self.stepped
+    }
+
+    /// The last step whose `commit` failed before the shard changed at all: LAMB's norm
+    /// all-reduce inside the optimizer step, with a peer lost. After a failed `commit(t)` this is
+    /// `Some(t)` when so: the shard is still the consistent state at `t` committed steps (and
+    /// its replicas on the successors stay at `t` as well, since no update was produced).
+    pub fn untouched(&self) -> Option<u64> {
+        self.untouched
     }
 
     /// Forward/backward of this rank's micro-batches, slot by slot, with their gradients
@@ -699,7 +719,14 @@ impl ZeroWorker {
             Some(s) if s.step == step => s,
             other => return Err(format!("rank {}: commit of step {step} but staged {:?}", self.rank, other.map(|s| s.step))),
         };
-        let done = self.optimizer_step(staged.overflow, st)?;
+        let done = match self.optimizer_step(staged.overflow, st) {
+            Ok(done) => done,
+            Err(StepFailure::Untouched(e)) => {
+                self.untouched = Some(step);
+                return Err(e);
+            }
+            Err(StepFailure::Torn(e)) => return Err(e),
+        };
         // The shard is at `step + 1` now; what follows (the replicas' updates, the parameters'
         // all-gather) may fail on a lost peer without making it unusable.
         self.stepped = Some(step);
@@ -720,12 +747,17 @@ impl ZeroWorker {
 
     /// The optimizer part of a commit: the loss scaler's decision and the step on this rank's
     /// masters and optimizer state (the new parameters of its own range are written locally;
-    /// the caller shares them as the stage requires).
-    fn optimizer_step(&mut self, overflow: bool, st: &mut RankState) -> Result<StepDone, String> {
+    /// the caller shares them as the stage requires). A failed norm all-reduce (LAMB at stage
+    /// ≥ 1, a peer lost) comes back as `Untouched`: the kernel writes nothing before the
+    /// reduction succeeds and the scaler's decision is kept only after the step, so the shard
+    /// is still exactly its state before the step.
+    fn optimizer_step(&mut self, overflow: bool, st: &mut RankState) -> Result<StepDone, StepFailure> {
         let lr = self.lr_at(st.applied);
         let skipped = StepDone { applied: false, lr, reductions: Vec::new() };
-        if let Some(sc) = st.scaler.as_mut() {
-            if let StepOutcome::SkippedOverflow { .. } = sc.update(overflow).map_err(|e| e.to_string())? {
+        let mut scaler = st.scaler.clone();
+        if let Some(sc) = scaler.as_mut() {
+            if let StepOutcome::SkippedOverflow { .. } = sc.update(overflow).map_err(|e| StepFailure::Torn(e.to_string()))? {
+                st.scaler = scaler;
                 st.skipped += 1;
                 return Ok(skipped);
             }
@@ -746,16 +778,17 @@ impl ZeroWorker {
         let mut publish = |off: usize, vals: &[f32]| params.write(start + off, vals);
         let mut reductions = Vec::new();
         if plan.stage == 0 {
-            optim.step(master, &g, lr, &ctx, &mut LocalReduce, &mut publish)?;
+            optim.step(master, &g, lr, &ctx, &mut LocalReduce, &mut publish).map_err(StepFailure::Torn)?;
         } else {
             let mut reducer = CommReduce { lane: &mut self.lane, error: None, results: Vec::new() };
             let res = optim.step(master, &g, lr, &ctx, &mut reducer, &mut publish);
             if let Some(e) = reducer.error {
-                return Err(e);
+                return Err(StepFailure::Untouched(e));
             }
-            res?;
+            res.map_err(StepFailure::Torn)?;
             reductions = reducer.results;
         }
+        st.scaler = scaler;
         st.applied += 1;
         Ok(StepDone { applied: true, lr, reductions })
     }
@@ -815,31 +848,13 @@ impl ZeroWorker {
 
     /// End of commit: turns what the predecessors sent at the end of prepare into their
     /// replicas' updates, after checking the records against what this commit did (every
-    /// rank takes the same decision). LAMB's reduced norms are exchanged now.
+    /// rank takes the same decision). LAMB's replicas replay this rank's own norm reductions:
+    /// the all-reduce gave every rank the same bits (each slot has one non-zero contributor, so
+    /// its sum is exact in any order), so no further message is needed, and an owner lost
+    /// after the reduction still has its replica stepped.
     fn finish_replica_updates(&mut self, step: u64, got: Received, done: StepDone) -> Result<Vec<Update>, String> {
         let cfg = self.feed.as_ref().map(|f| f.cfg).ok_or("no replica feed")?;
         let (rank, world) = (self.rank, self.plan.world);
-        let mut reductions: Vec<Vec<Vec<f64>>> = vec![Vec::new(); world];
-        if matches!(self.plan.optimizer, OptimizerKind::Lamb(_)) {
-            let mine = StepRecord {
-                step,
-                applied: done.applied,
-                lr: done.lr,
-                reductions: done.reductions.clone(),
-                optimizer_steps: 0,
-                digest: None,
-            };
-            let words = mine.encode();
-            let succ = cfg.successors_of(rank, world);
-            let got = self.lane.call("the replica norm exchange", move |c| {
-                let sends: Vec<&[f32]> = (0..world).map(|j| if succ.contains(&j) { &words[..] } else { &[][..] }).collect();
-                c.all_to_all(&sends).map_err(|e| format!("the replica norm exchange: {e}"))
-            })??;
-            for owner in cfg.predecessors_of(rank, world) {
-                let r = got.get(owner).ok_or("the replica norm exchange lost a rank")?;
-                reductions[owner] = StepRecord::decode(r).map_err(|e| format!("rank {owner}'s norms: {e}"))?.reductions;
-            }
-        }
         let preds = cfg.predecessors_of(rank, world);
         if got.len() != preds.len() {
             return Err(format!("the replica update exchange returned {} updates for {} predecessors", got.len(), preds.len()));
@@ -854,7 +869,7 @@ impl ZeroWorker {
                     record.step, record.applied, record.lr, done.applied, done.lr
                 ));
             }
-            record.reductions = std::mem::take(&mut reductions[owner]);
+            record.reductions = done.reductions.clone();
             let grad = match record.applied {
                 true => {
                     replica::unpack_gradient(dtype, words, self.plan.optim_range(owner).len()).map_err(|e| format!("rank {owner}: {e}"))?
@@ -1572,7 +1587,8 @@ mod tests {
             (4, 3, vec!["bf16.enabled=true"], 2),
             (2, 3, vec!["bf16.enabled=true", on, "zero_optimization.reduce_bucket_size=70000"], 1),
             (2, 3, vec!["fp16.enabled=true", "fp16.initial_scale_power=18", "fp16.hysteresis=1"], 1),
-            (2, 2, vec!["optimizer.type=Lamb"], 1),
+            (2, 2, vec![LAMB], 1),
+            (4, 1, vec![LAMB, "bf16.enabled=true"], 2),
             // The owner steps its NVMe-tier state sub-group by sub-group; the replica in memory.
             (
                 2,
@@ -1621,11 +1637,15 @@ mod tests {
         assert!(e.contains("blake3"), "{e}");
     }
 
+    const LAMB: &str = "optimizer.type=Lamb";
+
     /// A loss inside the commit window, in process: every rank prepares step `at`, then rank
     /// `lost` leaves (its group handle is dropped, so its peers' collectives fail with
     /// `PeerGone`) and the others commit. Their commits fail (the parameters cannot be shared)
     /// after the optimizer step: `stepped()` says the shard took the step and the replica
-    /// updates, received before `Prepared`, are there. Returns each survivor's shard digest
+    /// updates, received before `Prepared`, are there. With LAMB (`sets` holds [`LAMB`]) they
+    /// fail inside the optimizer step, in its norm all-reduce, before anything changed:
+    /// `untouched()` says so and no replica update is made. Returns each survivor's shard digest
     /// and the replicas each holds after applying them (the lost rank's entry is empty).
     fn loss_after_prepared(
         world: usize,
@@ -1634,6 +1654,7 @@ mod tests {
         at: u64,
         lost: usize,
     ) -> (Vec<Option<[u8; 32]>>, Vec<Vec<replica::Replica>>) {
+        let lamb = sets.contains(&LAMB);
         let ReplicaRig { plan, sampler, states, feed, held } = replica_rig(world, stage, sets, 1);
         let prepared = Arc::new(std::sync::Barrier::new(world));
         let handles: Vec<_> = LocalGroup::new(world)
@@ -1652,8 +1673,16 @@ mod tests {
                             if r == lost {
                                 return Vec::new();
                             }
-                            let e = w.commit(step).expect_err("sharing the parameters with a lost rank");
+                            let e = w.commit(step).expect_err("a commit with a lost rank");
+                            if lamb {
+                                // LAMB's norm all-reduce inside the optimizer step fails first.
+                                assert_eq!(w.untouched(), Some(step), "rank {r}: the shard should be untouched ({e})");
+                                assert_ne!(w.stepped(), Some(step), "rank {r}: {e}");
+                                assert!(w.take_replica_updates().is_none(), "rank {r}: replica updates without a step");
+                                return held;
+                            }
                             assert_eq!(w.stepped(), Some(step), "rank {r}: the shard took the step before the failure ({e})");
+                            assert_eq!(w.untouched(), None, "rank {r}");
                         } else {
                             w.commit(step).expect("commit");
                         }
@@ -1693,6 +1722,28 @@ mod tests {
             let holder = (lost + 1) % world;
             let rep = held[holder].iter().find(|h| h.owner == lost).unwrap_or_else(|| panic!("{what}: no replica of rank {lost}"));
             assert_eq!(rep.at, 3, "{what}");
+            assert_eq!(rep.digest(), reference.owners[lost], "{what}: rank {holder}'s replica of the lost rank {lost}");
+        }
+    }
+
+    /// A LAMB commit that loses a member fails in the norm all-reduce with the state at t
+    /// whole in memory: every survivor's shard and the lost owner's replica on its successor
+    /// equal a fault-free run's after t steps (so the recovery restores from memory and reruns
+    /// step t instead of loading a checkpoint).
+    #[test]
+    fn a_lamb_loss_after_prepared_leaves_every_shard_at_the_step_before() {
+        for (world, stage, lost) in [(4, 1, 1), (4, 3, 3), (2, 2, 0)] {
+            let what = format!("LAMB, world {world}, stage {stage}, rank {lost} lost after preparing step 2");
+            let reference = replicated_steps(world, stage, &[LAMB], 1, 2);
+            let (owners, held) = loss_after_prepared(world, stage, &[LAMB], 2, lost);
+            for (r, d) in owners.iter().enumerate() {
+                if let Some(d) = d {
+                    assert_eq!(*d, reference.owners[r], "{what}: rank {r}'s own shard");
+                }
+            }
+            let holder = (lost + 1) % world;
+            let rep = held[holder].iter().find(|h| h.owner == lost).unwrap_or_else(|| panic!("{what}: no replica of rank {lost}"));
+            assert_eq!(rep.at, 2, "{what}");
             assert_eq!(rep.digest(), reference.owners[lost], "{what}: rank {holder}'s replica of the lost rank {lost}");
         }
     }

@@ -35,4 +35,8 @@ pub enum OptimError {
     /// Loss-scaler checkpoint state that cannot come from a valid run.
     #[error("invalid loss scaler state: {field} = {value} ({expected})")]
     InvalidLossScalerState { field: &'static str, value: f64, expected: &'static str },
+    /// A collective norm reduction failed (a peer was lost, the group was aborted). A step that
+    /// returns this changed nothing: the shard is as it was before the call.
+    #[error("the norm all-reduce failed: {0}")]
+    NormReduce(String),
 }

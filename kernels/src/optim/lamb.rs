@@ -97,20 +97,31 @@ pub(crate) struct LambCoeffs {
     pub step_size: f32,
 }
 
-// Phase 1: m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g·g;  u ← m/(√v + eps) + wd·p.
-pub(crate) fn lamb_moments_kernel(c: &LambCoeffs, decay: bool, p: &[f32], g: &[f32], m: &mut [f32], v: &mut [f32], u: &mut [f32]) {
+/// The new moments of one element: m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g·g. Both passes
+/// of a step compute them with this one function, so they agree bit for bit.
+#[inline(always)]
+fn lamb_moments(c: &LambCoeffs, g: f32, m: f32, v: f32) -> (f32, f32) {
+    (c.beta1 * m + c.one_minus_beta1 * g, c.beta2 * v + c.one_minus_beta2 * g * g)
+}
+
+// Phase 1, writing only the scratch `u`: u ← m'/(√v' + eps) + wd·p, with m', v' the new
+// moments; the state itself is untouched until the norms are known (a failed norm all-reduce
+// leaves the shard as it was).
+pub(crate) fn lamb_update_kernel(c: &LambCoeffs, decay: bool, p: &[f32], g: &[f32], m: &[f32], v: &[f32], u: &mut [f32]) {
     let wd = if decay { c.weight_decay } else { 0.0 };
-    let elems = p.iter().zip(g).zip(m.iter_mut()).zip(v.iter_mut()).zip(u.iter_mut());
-    for ((((&p, &g), m), v), u) in elems {
-        *m = c.beta1 * *m + c.one_minus_beta1 * g;
-        *v = c.beta2 * *v + c.one_minus_beta2 * g * g;
-        *u = *m / (v.sqrt() + c.eps) + wd * p;
+    let elems = p.iter().zip(g).zip(m).zip(v).zip(u.iter_mut());
+    for ((((&p, &g), &m), &v), u) in elems {
+        let (m, v) = lamb_moments(c, g, m, v);
+        *u = m / (v.sqrt() + c.eps) + wd * p;
     }
 }
 
-// Phase 2: p ← p − (step_size·ratio)·u  (DeepSpeed multiplies step_size·ratio·u left to right).
-pub(crate) fn lamb_apply_kernel(step_size: f32, ratio: f32, p: &mut [f32], u: &[f32]) {
-    for (p, &u) in p.iter_mut().zip(u) {
-        *p -= step_size * ratio * u;
+// Phase 2, once the norms are in: the moments are stored (recomputed, the same bits as phase 1's)
+// and p ← p − (step_size·ratio)·u (DeepSpeed multiplies step_size·ratio·u left to right).
+pub(crate) fn lamb_commit_kernel(c: &LambCoeffs, ratio: f32, g: &[f32], m: &mut [f32], v: &mut [f32], p: &mut [f32], u: &[f32]) {
+    let elems = g.iter().zip(m.iter_mut()).zip(v.iter_mut()).zip(p.iter_mut()).zip(u);
+    for ((((&g, m), v), p), &u) in elems {
+        (*m, *v) = lamb_moments(c, g, *m, *v);
+        *p -= c.step_size * ratio * u;
     }
 }

@@ -23,9 +23,10 @@ pub const NORM_BLOCK: usize = 16384;
 const SUM_LANES: usize = 8;
 
 /// Element-wise sum across workers of a vector of partial sums (a collective: every worker calls
-/// it with the same length, and afterwards every worker holds the sum).
+/// it with the same length, and afterwards every worker holds the sum). An `Err` (a lost peer,
+/// an aborted group) names what failed; the optimizer step that asked then changes nothing.
 pub trait NormAllReduce {
-    fn all_reduce_sum(&mut self, v: &mut [f64]);
+    fn all_reduce_sum(&mut self, v: &mut [f64]) -> Result<(), String>;
 }
 
 /// The single-worker reduce: the local vector already is the sum.
@@ -33,7 +34,9 @@ pub trait NormAllReduce {
 pub struct LocalReduce;
 
 impl NormAllReduce for LocalReduce {
-    fn all_reduce_sum(&mut self, _v: &mut [f64]) {}
+    fn all_reduce_sum(&mut self, _v: &mut [f64]) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// One `segment ∩ block` piece of the flat buffer.
@@ -221,7 +224,7 @@ pub fn global_grad_norm(
 ) -> Result<f64, OptimError> {
     let mut partials = vec![0.0f64; layout.slots()];
     layout.partial_sumsq(grads_shard, shard_range, &mut partials)?;
-    reducer.all_reduce_sum(&mut partials);
+    reducer.all_reduce_sum(&mut partials).map_err(OptimError::NormReduce)?;
     Ok(layout.global_norm(&partials))
 }
 

@@ -6,7 +6,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::adam::{adam_kernel, AdamParams};
-use super::lamb::{lamb_apply_kernel, lamb_moments_kernel, LambParams};
+use super::lamb::{lamb_commit_kernel, lamb_update_kernel, LambParams};
 use super::lion::{lion_kernel, LionParams};
 use super::norm::{FlatLayout, NormAllReduce};
 use super::pieces::{shard_pieces, split_mut, split_ref, Piece};
@@ -274,8 +274,11 @@ struct LambBufs<'a> {
     ratios: &'a mut Vec<f32>,
 }
 
-/// LAMB: moments and update per piece, per-tensor norms of weights and updates through the
-/// deterministic slot partials (one all-reduce of both), then the trust-ratio-scaled update.
+/// LAMB: the update per piece, per-tensor norms of weights and updates through the
+/// deterministic slot partials (one all-reduce of both), then the moments and the
+/// trust-ratio-scaled update. Transactional: nothing but the scratch `u` is written before the
+/// all-reduce succeeds, so a failed one (a lost peer) leaves masters, moments, ratios and the
+/// step count as they were, and the step can run again with the same bits.
 #[allow(clippy::too_many_arguments)]
 fn lamb_step(
     params: &LambParams,
@@ -291,25 +294,24 @@ fn lamb_step(
     let c = params.coeffs(lr, step);
     b.u.resize(master.len(), 0.0);
     let jobs = split_ref(master, pieces).into_par_iter().zip(split_ref(grads, pieces));
-    let jobs = jobs.zip(split_mut(b.m, pieces)).zip(split_mut(b.v, pieces));
-    jobs.zip(split_mut(b.u, pieces)).zip(pieces).for_each(|(((((p, g), m), v), u), pc)| lamb_moments_kernel(&c, pc.decay, p, g, m, v, u));
+    let jobs = jobs.zip(split_ref(b.m, pieces)).zip(split_ref(b.v, pieces));
+    jobs.zip(split_mut(b.u, pieces)).zip(pieces).for_each(|(((((p, g), m), v), u), pc)| lamb_update_kernel(&c, pc.decay, p, g, m, v, u));
 
     let slots = ctx.layout.slots();
     let mut partials = vec![0.0f64; 2 * slots];
     let (w_part, u_part) = partials.split_at_mut(slots);
     ctx.layout.partial_sumsq(master, ctx.shard_range.clone(), w_part)?;
     ctx.layout.partial_sumsq(b.u, ctx.shard_range.clone(), u_part)?;
-    reducer.all_reduce_sum(&mut partials);
+    reducer.all_reduce_sum(&mut partials).map_err(OptimError::NormReduce)?;
     let w_sq = ctx.layout.segment_sumsq(&partials[..slots]);
     let u_sq = ctx.layout.segment_sumsq(&partials[slots..]);
     *b.ratios = w_sq.iter().zip(&u_sq).map(|(w, u)| params.trust_ratio(w.sqrt(), u.sqrt())).collect();
 
     let ratios: &[f32] = b.ratios;
-    split_mut(master, pieces)
-        .into_par_iter()
-        .zip(split_ref(b.u, pieces))
-        .zip(pieces)
-        .for_each(|((p, u), pc)| lamb_apply_kernel(c.step_size, ratios[pc.segment], p, u));
+    let jobs = split_ref(grads, pieces).into_par_iter().zip(split_mut(b.m, pieces)).zip(split_mut(b.v, pieces));
+    jobs.zip(split_mut(master, pieces)).zip(split_ref(b.u, pieces)).zip(pieces).for_each(|(((((g, m), v), p), u), pc)| {
+        lamb_commit_kernel(&c, ratios[pc.segment], g, m, v, p, u);
+    });
     Ok(())
 }
 

@@ -67,7 +67,7 @@ impl SharedSum {
 pub(crate) struct ThreadReduce<'a>(pub &'a SharedSum);
 
 impl NormAllReduce for ThreadReduce<'_> {
-    fn all_reduce_sum(&mut self, v: &mut [f64]) {
+    fn all_reduce_sum(&mut self, v: &mut [f64]) -> Result<(), String> {
         let s = self.0;
         {
             let mut acc = s.acc.lock().expect("reduce lock");
@@ -84,6 +84,7 @@ impl NormAllReduce for ThreadReduce<'_> {
             s.acc.lock().expect("reduce lock").clear();
         }
         s.barrier.wait();
+        Ok(())
     }
 }
 

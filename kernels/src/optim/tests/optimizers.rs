@@ -1,6 +1,9 @@
 //! Each optimizer against a plain f64 for-loop reference over several steps.
 
-use super::super::{AdamParams, FlatLayout, LambParams, LionParams, LocalReduce, OptimizerKind, OptimizerShard, SgdParams, StepContext};
+use super::super::{
+    AdamParams, FlatLayout, LambParams, LionParams, LocalReduce, NormAllReduce, OptimError, OptimizerKind, OptimizerShard, SgdParams,
+    StepContext,
+};
 use super::{assert_close, element_decay, Rng};
 
 const SIZES: [usize; 5] = [37, 1000, 5, 20000, 300];
@@ -173,6 +176,50 @@ fn lamb_trust_ratio_is_clamped_per_tensor() {
     assert!(r[3] > hp.min_coeff && r[3] < hp.max_coeff, "unclamped ratio {}", r[3]);
     let one = Case { layout: c.layout.clone(), p0: c.p0.clone(), grads: vec![c.grads[0].clone()] };
     assert_close(&p, &lamb_ref(&hp, &one), 2e-6, 2e-6, "lamb clamp step");
+}
+
+/// A norm all-reduce whose peer is gone.
+struct LostPeer;
+
+impl NormAllReduce for LostPeer {
+    fn all_reduce_sum(&mut self, _v: &mut [f64]) -> Result<(), String> {
+        Err("rank 2 is gone".into())
+    }
+}
+
+/// A LAMB step whose norm all-reduce fails changes nothing (masters, moments, trust ratios,
+/// step count), and running it again gives exactly the bits of a step that never failed: an
+/// elastic run restores such a shard from memory and reruns the step.
+#[test]
+fn a_failed_lamb_norm_reduction_leaves_the_shard_untouched() {
+    let c = case(4);
+    let hp = LambParams { weight_decay: 0.01, ..LambParams::default() };
+    let n = c.layout.total();
+    let ctx = StepContext { shard_range: 0..n, layout: &c.layout, decay: &DECAY };
+    let mut shard = OptimizerShard::new(OptimizerKind::Lamb(hp), n);
+    let mut p = c.p0.clone();
+    shard.step(&mut p, &c.grads[0], LRS[0], &ctx, &mut LocalReduce).expect("step 1");
+    let bits = |p: &[f32], s: &OptimizerShard| {
+        let mut all: Vec<u32> = p.iter().map(|x| x.to_bits()).collect();
+        for (_, b) in s.state_buffers() {
+            all.extend(b.iter().map(|x| x.to_bits()));
+        }
+        all.extend(s.last_trust_ratios().iter().map(|x| x.to_bits()));
+        (all, s.step_count())
+    };
+    let before = bits(&p, &shard);
+    let e = shard.step(&mut p, &c.grads[1], LRS[1], &ctx, &mut LostPeer).expect_err("the reduction failed");
+    assert!(matches!(&e, OptimError::NormReduce(m) if m == "rank 2 is gone"), "{e}");
+    assert!(e.to_string().contains("norm all-reduce failed"), "{e}");
+    assert_eq!(bits(&p, &shard), before, "a failed step changed the shard");
+    shard.step(&mut p, &c.grads[1], LRS[1], &ctx, &mut LocalReduce).expect("step 2 again");
+
+    let mut clean = OptimizerShard::new(OptimizerKind::Lamb(hp), n);
+    let mut q = c.p0.clone();
+    for (g, &lr) in c.grads.iter().zip(&LRS).take(2) {
+        clean.step(&mut q, g, lr, &ctx, &mut LocalReduce).expect("clean step");
+    }
+    assert_eq!(bits(&p, &shard), bits(&q, &clean), "the rerun step differs from a fault-free one");
 }
 
 fn lion_ref(hp: &LionParams, c: &Case) -> Vec<f64> {
