@@ -104,6 +104,10 @@ pub fn config_check(path: &Path, common: &CommonArgs) -> Result<()> {
     let cfg = load_config(path, common)?;
     print!("{}", config::render_check(&cfg));
     print_warnings(&cfg);
+    // What `train` checks next (the plan for this world size, the elastic settings), so a
+    // config that passes here is one `train` starts with.
+    engine::validate(&cfg).context("the config parses, but a run could not start")?;
+    println!("plan: OK (the ZeRO plan for {} worker(s) and the elastic settings hold)", cfg.world_size);
     Ok(())
 }
 
@@ -198,6 +202,9 @@ fn tokenizer_for(ck: &CheckpointState, given: Option<&Path>) -> Result<Option<Pa
 
 /// `tessera generate`.
 pub fn generate(o: &GenerateOpts) -> Result<()> {
+    if !o.temperature.is_finite() {
+        bail!("--temperature {}: expected a finite number (> 0 samples; 0 or below is greedy)", o.temperature);
+    }
     let ck = load_checkpoint(&o.checkpoint)?;
     let (model, params) = model_from_checkpoint(&ck)?;
     let codec = Codec::open(tokenizer_for(&ck, o.tokenizer.as_deref())?.as_deref()).context("opening the tokenizer")?;

@@ -169,6 +169,46 @@ fn a_lamb_loss_while_a_step_commits_restores_from_memory_and_reruns_the_step() {
     assert!(epoch["step"].as_u64().unwrap() >= 3, "{log}");
 }
 
+/// The report entry of the (first) fault of `kind`.
+fn fault<'a>(r: &'a serde_json::Value, kind: &str) -> &'a serde_json::Value {
+    r["faults"].as_array().unwrap().iter().find(|f| f["kind"] == kind).unwrap_or_else(|| panic!("no {kind} fault: {r:#}"))
+}
+
+/// The checkpoint folder unwritable from step 3 on (a file where the folder was): the
+/// checkpoints due meanwhile fail, the run notices (`checkpoint_failed`), keeps training and
+/// ends on the fault-free bits, and the folder, put back, holds nothing half-written.
+#[test]
+fn unwritable_checkpoints_fail_cleanly_and_the_run_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = chaos(tmp.path(), r#"[{"at_step": 3, "kind": "fail_writes", "duration_ms": 60000}]"#, 8, 1);
+    let f = fault(&r, "fail_writes");
+    assert_eq!(f["injected"], true, "{r:#}");
+    assert!(f["detection_ms"].is_u64(), "the failed checkpoint was not noticed: {r:#}");
+    assert!(r["faulted"]["elastic"]["checkpoints_failed"].as_u64().unwrap() >= 1, "{r:#}");
+    assert_eq!(r["checkpoint_leftovers"].as_array().map(Vec::len), Some(0), "{r:#}");
+}
+
+/// A damaged checkpoint is skipped by the recovery that needs it: with no replicas
+/// (`replicas = 0`) a loss at step 6 restores from the newest checkpoint at or before it —
+/// step 4's, which the harness corrupted — so the driver skips it (the fault's detection, from
+/// the `checkpoint_skipped` event), falls back to the seeded start and replays: the fault-free
+/// bits, no committed step lost.
+#[test]
+fn a_corrupted_checkpoint_is_skipped_when_a_recovery_needs_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let faults = r#"[{"at_step": 5, "kind": "corrupt_checkpoint"}, {"at_step": 6, "kind": "kill", "rank": 1}]"#;
+    let r = chaos_with(tmp.path(), faults, 8, 1, &["tessera.elastic.replicas=0"], &[]);
+    let f = fault(&r, "corrupt_checkpoint");
+    assert_eq!(f["injected"], true, "{r:#}");
+    assert!(f["target"].as_str().unwrap().ends_with("step_00000004"), "{r:#}");
+    assert!(f["detection_ms"].is_u64(), "the damaged checkpoint was not skipped: {r:#}");
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["restored_from_checkpoint"], 1, "{r:#}");
+    assert!(el["steps_replayed"].as_u64().unwrap() >= 6, "replayed from the seeded start: {r:#}");
+    let (log, _) = faulted_events(tmp.path());
+    assert!(log.contains(r#""event":"checkpoint_skipped""#), "{log}");
+}
+
 #[test]
 fn a_stopped_worker_is_declared_dead_and_replaced_by_its_replica() {
     let tmp = tempfile::tempdir().unwrap();

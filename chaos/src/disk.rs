@@ -113,18 +113,9 @@ impl Disk {
         let _ = std::fs::remove_file(self.root.join(FILL_FILE));
     }
 
-    /// Names in the folder that a complete checkpoint never leaves: temporary step folders and
-    /// files (`.tmp-…`), folders moved aside (`.old-…`), the filler.
+    /// Names in the folder that a complete checkpoint never leaves ([`checkpoint_leftovers`]).
     pub fn leftovers(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(&self.root)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| n.starts_with('.') || n.contains(".tmp-"))
-            .collect();
-        v.sort();
-        v
+        checkpoint_leftovers(&self.root)
     }
 
     /// Copies the checkpoints to disk, unmounts, and puts the copy where the mount was.
@@ -154,4 +145,30 @@ impl Drop for Disk {
     fn drop(&mut self) {
         let _ = self.unmount();
     }
+}
+
+/// What a checkpoint folder must not hold once its run ended: temporary step folders and files
+/// (`.tmp-…`, also inside a step folder), folders moved aside (`.old-…`). The harness's own
+/// filler ([`FILL_FILE`]) is not one. Paths are relative to `root`; a missing folder holds
+/// nothing.
+pub fn checkpoint_leftovers(root: &Path) -> Vec<String> {
+    let names = |dir: &Path| -> Vec<(String, bool)> {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| (e.file_name().to_string_lossy().into_owned(), e.file_type().is_ok_and(|t| t.is_dir())))
+            .collect()
+    };
+    let half = |n: &str| (n.starts_with('.') || n.contains(".tmp-")) && n != FILL_FILE;
+    let mut v = Vec::new();
+    for (name, is_dir) in names(root) {
+        if half(&name) {
+            v.push(name);
+        } else if is_dir {
+            v.extend(names(&root.join(&name)).into_iter().filter(|(n, _)| half(n)).map(|(n, _)| format!("{name}/{n}")));
+        }
+    }
+    v.sort();
+    v
 }

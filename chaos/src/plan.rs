@@ -158,10 +158,22 @@ impl FaultKind {
 
 /// A rank, or `"random"`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
+#[serde(try_from = "serde_json::Value")]
 pub enum Target {
     Rank(usize),
     Named(String),
+}
+
+impl TryFrom<serde_json::Value> for Target {
+    type Error = String;
+
+    fn try_from(v: serde_json::Value) -> Result<Target, String> {
+        match v {
+            serde_json::Value::Number(n) if n.as_u64().is_some() => Ok(Target::Rank(n.as_u64().unwrap_or(0) as usize)),
+            serde_json::Value::String(s) => Ok(Target::Named(s)),
+            other => Err(format!("rank: expected a rank number (0, 1, …) or \"random\", found {other}")),
+        }
+    }
 }
 
 impl Default for Target {
@@ -372,7 +384,8 @@ impl Fault {
 /// What is wrong with a scenario.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
-    #[error("reading scenario {path}: {source}")]
+    /// The I/O error is the source (printed after the path by `{:#}`).
+    #[error("reading scenario {path}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error("scenario {path}: {detail}")]
     Invalid { path: PathBuf, detail: String },
@@ -417,12 +430,29 @@ impl Scenario {
                 (_, Some(0)) => return Err(bad(format!("{which}: at_epoch 0 is the start (the first epoch after a change is 1)"))),
                 _ => {}
             }
+            let most = s.nprocs + s.joins();
             match &f.rank {
                 Target::Named(n) if n != "random" => return Err(bad(format!("{which}: rank {n:?}: a rank number or \"random\""))),
                 Target::Rank(_) if !f.kind.targets_rank() => return Err(bad(format!("{which}: a {} fault takes no rank", f.kind.name()))),
+                Target::Rank(r) if *r >= most => {
+                    return Err(bad(format!(
+                        "{which}: rank {r} cannot exist: the run has at most {most} member(s) ({} processes and {} join(s))",
+                        s.nprocs,
+                        s.joins()
+                    )))
+                }
                 _ => {}
             }
             f.check_fields().map_err(|e| bad(format!("{which}: {e}")))?;
+        }
+        for (i, kv) in s.set.iter().enumerate() {
+            let (key, value) = kv.split_once('=').unwrap_or((kv, ""));
+            if matches!(key.trim(), "tessera.elastic.enabled" | "elasticity.enabled") && value.trim() != "true" {
+                return Err(bad(format!(
+                    "set[{i}] {kv:?}: the chaos harness runs elastic training (it sets tessera.elastic.enabled=true); \
+                     a scenario cannot turn it off"
+                )));
+            }
         }
         let has = |k: FaultKind| s.faults.iter().any(|f| f.kind == k);
         if has(FaultKind::DiskFull) && has(FaultKind::FailWrites) {
@@ -528,6 +558,14 @@ mod tests {
         assert!(e.contains("explode"), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [], "extra": 1}"#);
         assert!(e.contains("extra"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "kill", "at_step": 1, "rank": 7}]}"#);
+        assert!(e.contains("rank 7 cannot exist") && e.contains("at most 2 member(s)"), "{e}");
+        let ok = r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "join", "at_step": 1}, {"kind": "kill", "at_step": 2, "rank": 2}]}"#;
+        Scenario::parse(ok, p).expect("rank 2 exists after one join");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "kill", "at_step": 1, "rank": -1}]}"#);
+        assert!(e.contains("expected a rank number") && e.contains("found -1"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "set": ["tessera.elastic.enabled=false"], "faults": []}"#);
+        assert!(e.contains("set[0]") && e.contains("cannot turn it off"), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "kill", "at_step": 1, "period_ms": 100}]}"#);
         assert!(e.contains("a kill fault takes no period_ms"), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "slow", "at_step": 1, "duty_percent": 95}]}"#);

@@ -65,7 +65,8 @@ pub struct ChaosOptions {
 /// What went wrong while running the scenario.
 #[derive(Debug, thiserror::Error)]
 pub enum ChaosError {
-    #[error("{what}: {source}")]
+    /// The I/O error is the source (printed after `what` by `{:#}`).
+    #[error("{what}")]
     Io { what: String, source: std::io::Error },
     #[error("{0}")]
     Run(String),
@@ -160,9 +161,15 @@ pub struct Report {
 }
 
 impl Report {
-    /// Whether the scenario passed: the fault-free bits, every step, nothing half-written.
+    /// Whether the scenario passed: every fault injected, the fault-free bits, every step,
+    /// nothing half-written.
     pub fn passed(&self) -> bool {
-        self.equal && self.checkpoint_leftovers.is_empty()
+        self.equal && self.checkpoint_leftovers.is_empty() && self.not_injected() == 0
+    }
+
+    /// Faults that never reached the run (trigger never came, no such rank, nothing to hit).
+    pub fn not_injected(&self) -> usize {
+        self.faults.iter().filter(|f| !f.injected).count()
     }
 
     /// The report as people read it.
@@ -230,21 +237,31 @@ impl Report {
         if !self.checkpoint_leftovers.is_empty() {
             s.push_str(&format!("half-written checkpoint leftovers: {}\n", self.checkpoint_leftovers.join(", ")));
         }
-        s.push_str(match (self.equal, self.checkpoint_leftovers.is_empty()) {
-            (true, true) => "result: EQUAL — the faulted run gives the fault-free bits; no committed step lost\n",
-            (true, false) => "result: FAILED — the bits are equal, but a checkpoint was left half-written\n",
-            (false, _) => "result: DIFFERENT\n",
+        let missed = self.not_injected();
+        s.push_str(&match (self.equal, self.checkpoint_leftovers.is_empty(), missed) {
+            (true, true, 0) => "result: EQUAL — the faulted run gives the fault-free bits; no committed step lost\n".to_string(),
+            (true, false, _) => "result: FAILED — the bits are equal, but a checkpoint was left half-written\n".to_string(),
+            (true, true, n) => format!(
+                "result: NOT TESTED — the bits are equal, but {n} of {} fault(s) were not injected (see their notes)\n",
+                self.faults.len()
+            ),
+            (false, _, _) => "result: DIFFERENT\n".to_string(),
         });
         s
     }
 }
 
 /// The training command line of one run.
-fn train_args(o: &ChaosOptions, out: &Path, net: Option<&Path>) -> Vec<String> {
-    let cfg = match o.scenario.config.is_absolute() {
+/// The scenario's training config (a relative path is taken from the scenario's folder).
+fn config_path(o: &ChaosOptions) -> PathBuf {
+    match o.scenario.config.is_absolute() {
         true => o.scenario.config.clone(),
         false => o.base.join(&o.scenario.config),
-    };
+    }
+}
+
+fn train_args(o: &ChaosOptions, out: &Path, net: Option<&Path>) -> Vec<String> {
+    let cfg = config_path(o);
     let mut a: Vec<String> =
         vec!["train".into(), "--config".into(), cfg.display().to_string(), "--output".into(), out.display().to_string()];
     a.extend(["--no-progress".into(), "--steps".into(), o.scenario.steps.to_string(), "--nprocs".into(), o.scenario.nprocs.to_string()]);
@@ -482,6 +499,7 @@ impl Faulting<'_> {
                 let rank = f.rank_in(members.len());
                 let Some(&(rank, id, pid)) = members.iter().find(|m| m.0 == rank) else {
                     report.target = format!("rank {rank}");
+                    report.injected = false;
                     report.note = format!("skipped: the run has {} member(s)", members.len());
                     self.push(f, report, None);
                     return Ok(());
@@ -497,6 +515,7 @@ impl Faulting<'_> {
                                 Some(host)
                             }
                             None => {
+                                report.injected = false;
                                 report.note = format!("skipped: no test host is known for worker {id}");
                                 self.push(f, report, Some(id));
                                 return Ok(());
@@ -558,6 +577,7 @@ impl Faulting<'_> {
                 }
                 None => {
                     report.target = root.display().to_string();
+                    report.injected = false;
                     report.note = "skipped: no checkpoint yet".into();
                 }
             },
@@ -691,24 +711,29 @@ fn run_one(
             let _ = child.kill();
             let _ = child.wait();
             run.undo_due(true);
+            reap(std::mem::take(&mut run.joiners));
             return Err(ChaosError::Run(format!("the {name} run did not finish within {} s", timeout.as_secs())));
         }
         events.poll();
         pb.set_position(events.step());
         let elapsed = started.elapsed().as_millis() as u64;
-        let due = pending.front().is_some_and(|f| match f.trigger {
+        let is_due = |f: &Fault| match f.trigger {
             Trigger::Step(s) => events.step() >= s,
             Trigger::Ms(ms) => elapsed >= ms,
             Trigger::Epoch(e) => events.of("epoch").any(|x| x["epoch"].as_u64().is_some_and(|x| x >= e)),
-        });
+        };
+        // The first fault (in trigger order) whose trigger came: one whose trigger has not come
+        // yet does not hold back a later one of another kind of trigger.
+        let due = pending.iter().position(is_due);
         // One fault per poll, and only while the run has an epoch to aim at.
         let members = events.members();
-        if due && !members.is_empty() {
-            let f = pending.pop_front().ok_or_else(|| ChaosError::Run("no fault due".into()))?;
+        if let (Some(k), false) = (due, members.is_empty()) {
+            let f = pending.remove(k).ok_or_else(|| ChaosError::Run("no fault due".into()))?;
             if let Err(e) = run.inject(&f, &members, &events) {
                 let _ = child.kill();
                 let _ = child.wait();
                 run.undo_due(true);
+                reap(std::mem::take(&mut run.joiners));
                 return Err(e);
             }
             if let Some(r) = run.fired.last() {
@@ -801,6 +826,12 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
         (FaultKind::Join, _) => events.of("join_requested").find(|e| e["pid"].as_u64() == f.id).cloned(),
         (k, Some(id)) if k.targets_rank() => lost(id),
         (FaultKind::FailWrites | FaultKind::DiskFull, _) => events.of("checkpoint_failed").find(after).cloned(),
+        // Noticed when a recovery skips the damaged checkpoint (the same step folder).
+        (FaultKind::CorruptCheckpoint, _) => {
+            let name = |p: &str| Path::new(p).file_name().map(|n| n.to_os_string());
+            let target = name(&r.target);
+            events.of("checkpoint_skipped").filter(after).find(|e| e["path"].as_str().map(name) == Some(target.clone())).cloned()
+        }
         _ => None,
     };
     if let Some(n) = noticed {
@@ -827,6 +858,7 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
             }
             FaultKind::FailWrites | FaultKind::DiskFull => r.note.push_str("; no checkpoint was due while it lasted"),
             FaultKind::KillInCommit => r.note.push_str("; no loss followed: no further commit reached the worker"),
+            FaultKind::CorruptCheckpoint if r.injected => r.note.push_str("; never read: no recovery needed that checkpoint"),
             _ => {}
         }
     }
@@ -929,8 +961,20 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
         }
         false => ProgressBar::hidden(),
     };
+    let cfg = config_path(o);
+    if !cfg.is_file() {
+        return Err(ChaosError::Run(format!("the scenario's config {} is not a file", cfg.display())));
+    }
     fresh_dir(&o.output.join("clean"))?;
     let (clean, _) = run_one(o, "clean", &[], &mut Env::default(), &pb)?;
+    if !clean.ok {
+        pb.finish_and_clear();
+        let why = clean.error.clone().unwrap_or_else(|| "no summary".into());
+        return Err(ChaosError::Run(format!(
+            "the fault-free run failed ({why}); see {}; the faulted run was not started",
+            o.output.join("clean.log").display()
+        )));
+    }
     let faulted_out = o.output.join("faulted");
     fresh_dir(&faulted_out)?;
     if needs_disk {
@@ -947,7 +991,7 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
             d.finish().map_err(ChaosError::Run)?;
             (Some(what), left)
         }
-        None => (None, Vec::new()),
+        None => (None, disk::checkpoint_leftovers(&faulted_out.join("checkpoints"))),
     };
     let equal = clean.ok
         && faulted.ok

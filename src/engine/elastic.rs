@@ -692,6 +692,13 @@ impl Fleet {
     }
 
     /// Records a committed step in the event log.
+    /// Writes one event (`{"event": …}` plus the time) to `<output>/elastic_events.jsonl`;
+    /// the sink outlives borrows of the fleet (a recovery's checkpoint loader logs through it).
+    pub fn event_sink(&self) -> impl Fn(serde_json::Value) + 'static {
+        let shared = Arc::clone(&self.shared);
+        move |v| shared.event(v)
+    }
+
     pub fn committed(&self, step: u64) {
         self.shared.event(json!({"event": "step", "step": step, "epoch": self.epoch, "world": self.members.len()}));
     }

@@ -29,5 +29,5 @@ pub use remote::{
     JOIN_TIMEOUT_MS,
 };
 pub(crate) use run::{checkpoint_tensors, log_line, progress_bar, refuse_to_overwrite, resume_start};
-pub use run::{train, TrainOptions, TrainOutcome};
+pub use run::{train, validate, TrainOptions, TrainOutcome};
 pub use summary::{peak_rss_bytes, ElasticSummary, MemoryBytes, Summary};

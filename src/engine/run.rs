@@ -169,13 +169,24 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Res
 /// An elastic run's restore path: the newest valid checkpoint under `root` at or before step
 /// `at` (damaged ones are skipped), else where the run started (`resume`, or the seeded
 /// initial state). Returns the state and a description of it.
-fn restore_from_disk(cfg: &Config, plan: &Plan, root: &Path, resume: Option<&Path>, at: u64) -> Result<(Start, String)> {
+/// Loads the newest valid checkpoint at or before `at` (else where the run resumed, else the
+/// seeded start); each one skipped as damaged is reported to `skipped(dir, why)`.
+fn restore_from_disk(
+    cfg: &Config,
+    plan: &Plan,
+    root: &Path,
+    resume: Option<&Path>,
+    at: u64,
+    skipped: &dyn Fn(&Path, &str),
+) -> Result<(Start, String)> {
     for (step, dir) in checkpoint::list_checkpoints(root).unwrap_or_default().into_iter().filter(|(s, _)| *s <= at) {
-        match checkpoint_start(cfg, plan, &dir, false) {
+        let why = match checkpoint_start(cfg, plan, &dir, false) {
             Ok((start, _)) if start.step == step => return Ok((start, format!("checkpoint {}", dir.display()))),
-            Ok((start, _)) => eprintln!("warning: checkpoint {} holds step {}, not {step}; skipped", dir.display(), start.step),
-            Err(e) => eprintln!("warning: skipped checkpoint {}: {e:#}", dir.display()),
-        }
+            Ok((start, _)) => format!("it holds step {}, not {step}", start.step),
+            Err(e) => format!("{e:#}"),
+        };
+        eprintln!("warning: skipped checkpoint {}: {why}", dir.display());
+        skipped(&dir, &why);
     }
     match resume {
         Some(dir) => {
@@ -336,6 +347,16 @@ struct Tally {
     abandoned: u64,
     /// Each rank's `bytes_sent_total` after the previous step.
     rank_bytes: Vec<u64>,
+}
+
+/// What `train` checks before it starts anything (`tessera config check` runs it too): the
+/// data loads, the ZeRO plan can be built for the world size (buckets, stage-3 limits, offload
+/// settings) and the elastic settings hold.
+pub fn validate(cfg: &Config) -> Result<()> {
+    let dataset = super::child::load_dataset(cfg)?;
+    Plan::new(cfg, &dataset)?;
+    config::elastic_run(cfg)?;
+    Ok(())
 }
 
 fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Dataset)> {
@@ -638,8 +659,12 @@ impl Run<'_> {
             let (cfg, root) = (self.cfg, self.out_dir.join("checkpoints"));
             let resume = self.elastic.as_ref().and_then(|e| e.resume.clone());
             let plan_now = Arc::clone(&self.plan);
-            let restore = move |at: u64| restore_from_disk(cfg, &plan_now, &root, resume.as_deref(), at);
             let Ranks::Elastic(fleet) = &mut self.ranks else { bail!("only an elastic run can recover") };
+            let event = fleet.event_sink();
+            let skipped = move |dir: &Path, why: &str| {
+                event(serde_json::json!({"event": "checkpoint_skipped", "path": dir.display().to_string(), "why": why}))
+            };
+            let restore = move |at: u64| restore_from_disk(cfg, &plan_now, &root, resume.as_deref(), at, &skipped);
             let at: Vec<u64> = match maybe_committed {
                 true => vec![state_at + 1, state_at],
                 false => vec![state_at],
@@ -752,6 +777,16 @@ impl Run<'_> {
 
 /// Runs a whole training job as the config says.
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
+    if cfg.tessera.steps == 0 {
+        bail!("tessera.steps = 0 (or --steps 0): a run needs at least one optimizer step");
+    }
+    if let Some(&n) = opts.abandon_steps.iter().find(|&&n| n >= cfg.tessera.steps) {
+        bail!(
+            "--abandon-step {n}: steps are numbered from 0, so this run of {} step(s) has steps 0..={}; step {n} never runs",
+            cfg.tessera.steps,
+            cfg.tessera.steps - 1
+        );
+    }
     let started = Instant::now();
     let (mut run, dataset) = start_run(cfg, opts)?;
     let stop = tessera_actors::install_ctrl_c().context("installing the Ctrl-C handler")?;
