@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use tessera_kernels::optim::{
-    AdamParams, DynamicLossScaler, LambParams, LionParams, LossScaler, LossScalerState, OptimizerKind, SgdParams,
+    AdamParams, DynamicLossScaler, LambParams, LionParams, LossScaler, LossScalerState, OptimError, OptimizerKind, SgdParams,
 };
 
 use crate::config::{Config, OptimizerConfig, Precision};
@@ -35,6 +35,17 @@ pub fn optimizer_kind(o: &OptimizerConfig) -> OptimizerKind {
     }
 }
 
+/// An invalid optimizer or loss-scaler parameter as the config key it came from
+/// (`section.name`); the kernels name parameters, not config paths.
+pub fn keyed(e: OptimError, section: &str) -> anyhow::Error {
+    match e {
+        OptimError::InvalidParam { name, value, expected, .. } => {
+            anyhow::anyhow!("{section}.{name} = {value} is invalid: expected {expected}")
+        }
+        other => anyhow::Error::new(other),
+    }
+}
+
 /// The fp16 loss scaler (`None` for f32 and bf16, which need none).
 pub fn loss_scaler(p: &Precision) -> Result<Option<LossScaler>> {
     let Precision::Fp16(f) = p else { return Ok(None) };
@@ -42,7 +53,7 @@ pub fn loss_scaler(p: &Precision) -> Result<Option<LossScaler>> {
         return Ok(Some(LossScaler::Static(f.loss_scale)));
     }
     let d = DynamicLossScaler::new(f.initial_scale_power, f.loss_scale_window, f.min_loss_scale, f.hysteresis)
-        .context("fp16 loss-scaler settings")?
+        .map_err(|e| keyed(e, "fp16"))?
         .with_consecutive_hysteresis(f.consecutive_hysteresis);
     Ok(Some(LossScaler::Dynamic(d)))
 }

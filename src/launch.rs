@@ -298,6 +298,14 @@ pub struct DriverOpts {
 /// TLS with the directory's certificates; otherwise a CA made for this run (in memory), a
 /// certificate for the coordinator and a join token pinning that CA. Returns also the token.
 fn rendezvous_endpoint(listen: &str, d: &DriverOpts) -> Result<(ControlEndpoint, AgentAuth, Option<JoinToken>)> {
+    if let (Some(dir), Some(file)) = (&d.certs, &d.token_file) {
+        bail!(
+            "--token-file {} with --certs {}: agents of a cluster directory join with their own certificates, there is no \
+             token to write; drop one of the two",
+            file.display(),
+            dir.display()
+        );
+    }
     let addr: SocketAddr = listen
         .to_socket_addrs()
         .with_context(|| format!("the listen address {listen:?}"))?
@@ -507,6 +515,11 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
     let listen = l.listen.clone().unwrap_or_else(|| if all_local { "127.0.0.1:0" } else { "0.0.0.0:0" }.to_string());
     let (endpoint, auth, token) = rendezvous_endpoint(&listen, d)?;
     let at = endpoint.local_addr()?;
+    if d.token_file.is_some() {
+        // The launched agents get the token over ssh; the file is for agents started by hand
+        // (an elastic run's joins).
+        eprintln!("launch: more agents can join with {}", join_hint(at, d, token.as_ref())?);
+    }
     let exe = std::env::current_exe().context("finding the tessera executable")?;
     let cwd = std::env::current_dir().context("the current directory")?;
     let launched: Arc<Mutex<Vec<Launched>>> = Arc::new(Mutex::new(Vec::new()));

@@ -234,8 +234,8 @@ struct TrainArgs {
     /// Hide the progress bar.
     #[arg(long)]
     no_progress: bool,
-    /// Prepare step N, abandon it, and run it again (exercises the step transaction; the result
-    /// must be unchanged). Repeatable.
+    /// Prepare step N (0-based, below --steps), abandon it, and run it again (exercises the
+    /// step transaction; the result must be unchanged). Repeatable.
     #[arg(long = "abandon-step", value_name = "N")]
     abandon_steps: Vec<u64>,
     /// Run N worker processes on this machine whose ranks exchange tensors over QUIC with
@@ -243,7 +243,8 @@ struct TrainArgs {
     #[arg(long, value_name = "N", conflicts_with = "world")]
     nprocs: Option<usize>,
     /// Where to train: `cpu` (threads, or worker processes with --nprocs) or `cuda` (NVIDIA GPUs:
-    /// one process per GPU, NCCL between them; the world size is the GPU count).
+    /// one process per GPU, NCCL between them; the world size — --nprocs, --world or
+    /// tessera.world — is the number of GPUs used, at most the GPUs present).
     #[arg(long, value_enum, default_value_t = Device::Cpu)]
     device: Device,
     /// (`tessera chaos run`) A worker-net file: each elastic worker in its own network
@@ -270,7 +271,8 @@ struct GenerateArgs {
     /// Tokens to generate.
     #[arg(long, default_value_t = 200)]
     tokens: usize,
-    #[arg(long, default_value_t = 0.8)]
+    /// Softmax temperature (> 0; 0 or below means greedy: always the most likely token).
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     temperature: f32,
     /// Sample from the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 40)]

@@ -45,6 +45,22 @@ pub struct KeyInfo {
     pub note: &'static str,
 }
 
+/// Not-honoured flags whose DeepSpeed default is `true`, which is also what Tessera always does
+/// (gradients in one flat buffer, reduce-scatter semantics, masters loaded as fp32, …): only
+/// `false` asks for something Tessera does not do, so only `false` draws the warning.
+pub const DEFAULT_TRUE: &[&str] = &[
+    "optimizer.params.set_grad_none",
+    "optimizer.params.fp32_optimizer_states",
+    "zero_optimization.contiguous_gradients",
+    "zero_optimization.reduce_scatter",
+    "zero_optimization.use_multi_rank_bucket_allreduce",
+    "zero_optimization.allgather_partitions",
+    "zero_optimization.load_from_fp32_weights",
+    "zero_optimization.ignore_unused_parameters",
+    "zero_optimization.memory_efficient_linear",
+    "zero_optimization.override_module_apply",
+];
+
 const fn k(path: &'static str, kind: KeyKind, honoured: bool, note: &'static str) -> KeyInfo {
     KeyInfo { path, kind, honoured, note }
 }
@@ -161,7 +177,7 @@ static PRECISION_AND_MISC: &[KeyInfo] = &[
     k("comet.online", Bool, N, ""),
     k("comet.mode", Str, N, ""),
     k("aio", Section, H, "async I/O of NVMe offload (the optimizer swap files)"),
-    k("aio.block_size", UInt, H, "bytes; alignment of O_DIRECT buffers and file offsets, and the size of one I/O request; a multiple of 4096; default 1048576"),
+    k("aio.block_size", UInt, H, "bytes; alignment of O_DIRECT buffers and file offsets, and the size of one I/O request; a power of two from 4096 to 2^30; default 1048576"),
     k("aio.queue_depth", UInt, H, "I/O requests in flight per thread (io_uring submission queue); default 8"),
     k("aio.thread_count", UInt, H, "threads splitting each read or write (DeepSpeed's newer name of intra_op_parallelism); default 1"),
     k("aio.intra_op_parallelism", UInt, H, "older name of thread_count; default 1"),
@@ -174,7 +190,7 @@ static ZERO: &[KeyInfo] = &[
     k("zero_optimization", Section, H, "legacy `true`/`false` form accepted"),
     k("zero_optimization.stage", UInt, H, "0–3: what each of the --world ranks holds (docs/ARCHITECTURE.md)"),
     k("zero_optimization.contiguous_gradients", Bool, N, "no effect: gradients are always one flat buffer"),
-    k("zero_optimization.reduce_scatter", Bool, N, "default true"),
+    k("zero_optimization.reduce_scatter", Bool, N, "default true; ranks always reduce to the owners; false is not honoured"),
     k("zero_optimization.reduce_bucket_size", UInt, H, "elements (> 0); gradients go to their partition owners in all-to-alls of at most this many, each sent once the backward has finished every unit it covers (stages 2-3 every micro-batch, 0-1 each block's sum); default 5e8"),
     k("zero_optimization.use_multi_rank_bucket_allreduce", Bool, N, ""),
     k("zero_optimization.allgather_partitions", Bool, N, ""),
@@ -186,7 +202,7 @@ static ZERO: &[KeyInfo] = &[
     k("zero_optimization.offload_optimizer.device", Str, H, "none | cpu (host-tier memory, reported as offloaded_bytes_per_rank.host) | nvme (one swap file per rank and buffer under nvme_path, read before and written after each optimizer step). --device cuda: cpu only (ZeRO 1-3; masters and moments in host memory, AdamW on CPU threads per unit as its gradient arrives, same bits); nvme is refused"),
     k("zero_optimization.offload_optimizer.nvme_path", Str, H, "device = nvme: an existing writable directory; checked at start"),
     k("zero_optimization.offload_optimizer.buffer_count", UInt, N, "Tessera keeps 1 to 3 chunk buffers (current, read-ahead, write-behind) as pipeline_read/pipeline_write ask; default 4"),
-    k("zero_optimization.offload_optimizer.pin_memory", Bool, N, "no page-locked host memory on CPU ranks; GPU ranks always stage gradients and parameters through page-locked memory; default true"),
+    k("zero_optimization.offload_optimizer.pin_memory", Bool, N, "no page-locked host memory on CPU ranks; GPU ranks always stage gradients and parameters through page-locked memory; default false"),
     k("zero_optimization.offload_optimizer.pipeline_read", Bool, H, "nvme: read the next sub-group while the optimizer steps the current one; default false"),
     k("zero_optimization.offload_optimizer.pipeline_write", Bool, H, "nvme: write a stepped sub-group back while the optimizer steps the next one; default false"),
     k("zero_optimization.offload_optimizer.fast_init", Bool, N, "swap files are always written whole at start; default false"),
@@ -199,7 +215,7 @@ static ZERO: &[KeyInfo] = &[
     k("zero_optimization.offload_param.buffer_count", UInt, H, "nvme: parameter pieces read from the swap file and not yet used (the current one included) fit in this many buffers, bounding stage-3 prefetch; default 5"),
     k("zero_optimization.offload_param.buffer_size", UInt, H, "nvme: elements per buffer; a rank's piece of a gathered unit larger than it is refused at start; default 1e8"),
     k("zero_optimization.offload_param.max_in_cpu", UInt, H, "nvme: this many elements of each shard stay in host memory (out of the device budget, offloaded_bytes_per_rank.host), the rest go to the swap file; default 1e9"),
-    k("zero_optimization.offload_param.pin_memory", Bool, N, "no page-locked host memory on CPU ranks; default true"),
+    k("zero_optimization.offload_param.pin_memory", Bool, N, "no page-locked host memory on CPU ranks; default false"),
     k("zero_optimization.zenflow", Opaque, N, ""),
     k("zero_optimization.sub_group_size", UInt, H, "elements per optimizer sub-group: with offload_optimizer.device = nvme, the chunk swapped in and out (rounded up to aio.block_size); no effect otherwise (the step is elementwise); default 1e9"),
     k("zero_optimization.stage3_prefetch_bucket_size", UInt, H, "stage 3, CPU ranks: elements of upcoming units gathered ahead of use on the communication thread, within stage3_max_live_parameters; 0 = gather each unit at its use. GPU ranks prefetch the next unit. Default 5e7"),
@@ -287,15 +303,15 @@ static OTHER_DEEPSPEED: &[KeyInfo] = &[
 static TESSERA: &[KeyInfo] = &[
     k("tessera", Section, H, "Tessera's own keys"),
     k("tessera.model", Str, H, "model preset; default \"gpt-tiny\""),
-    k("tessera.data", Str, H, "training data path; default: built-in synthetic data"),
+    k("tessera.data", Str, H, "training data path; default: the shipped corpus data/corpus/austen.txt of the source tree the binary was built from"),
     k("tessera.tokenizer", Str, H, "tokenizer path; optional"),
     k("tessera.seq_len", UInt, H, "default: the model preset's"),
     k("tessera.steps", UInt, H, "optimizer steps; default 200"),
     k("tessera.seed", UInt, H, "default 1234"),
     k("tessera.eval_interval", UInt, H, "default 50"),
-    k("tessera.eval_iters", UInt, H, "default 8"),
+    k("tessera.eval_iters", UInt, H, "validation batches per evaluation; default 8; 0 acts as 1"),
     k("tessera.checkpoint_interval", UInt, H, "default 0 = only at the end"),
-    k("tessera.keep_last", UInt, H, "checkpoints kept; default 3"),
+    k("tessera.keep_last", UInt, H, "checkpoints kept; default 3; 0 keeps every one"),
     k("tessera.output_dir", Str, H, "default \"runs/latest\""),
     k("tessera.jsonl_monitor", Bool, H, "default true"),
     k("tessera.world", UInt, H, "number of workers; default 1 (command line wins)"),

@@ -206,7 +206,7 @@ pub(crate) fn parse_scheduler(root: &Value, warnings: &mut Vec<String>) -> KindR
             SchedulerConfig::WarmupLr(WarmupLr {
                 warmup_min_lr: p.f32("warmup_min_lr", 0.0)?,
                 warmup_max_lr: p.opt_f32("warmup_max_lr")?,
-                warmup_num_steps: p.positive_u64("warmup_num_steps", 1000)?,
+                warmup_num_steps: p.u64("warmup_num_steps", 1000)?,
                 warmup_type: warmup_type(&p, warnings)?,
             })
         }
@@ -215,13 +215,26 @@ pub(crate) fn parse_scheduler(root: &Value, warnings: &mut Vec<String>) -> KindR
             SchedulerConfig::WarmupDecayLr(WarmupDecayLr {
                 warmup_min_lr: p.f32("warmup_min_lr", 0.0)?,
                 warmup_max_lr: p.f32("warmup_max_lr", 0.001)?,
-                warmup_num_steps: p.positive_u64("warmup_num_steps", 1000)?,
+                warmup_num_steps: p.u64("warmup_num_steps", 1000)?,
                 warmup_type: warmup_type(&p, warnings)?,
                 total_num_steps: required_steps(&p)?,
             })
         }
         Some("WarmupCosineLR") => parse_cosine(&p, warnings)?,
-        Some("OneCycle") => parse_one_cycle(&p)?,
+        Some("OneCycle") => {
+            let one = parse_one_cycle(&p)?;
+            if let SchedulerConfig::OneCycle(o) = &one {
+                if o.cycle_momentum {
+                    warnings.push(format!(
+                        "`scheduler.params.cycle_momentum` is true (DeepSpeed's default for OneCycle) but momentum cycling is not \
+                         honoured by Tessera yet: beta1 stays at the optimizer's value instead of cycling between {} and {}; \
+                         set it to false to silence this",
+                        o.cycle_max_mom, o.cycle_min_mom
+                    ));
+                }
+            }
+            one
+        }
         Some(_) => {
             p.only_keys(RANGE_KEYS, "LRRangeTest")?;
             SchedulerConfig::LrRangeTest(LrRangeTest {
@@ -242,7 +255,7 @@ fn parse_cosine(p: &Obj<'_>, warnings: &mut Vec<String>) -> KindResult<Scheduler
         total_num_steps: required_steps(p)?,
         warmup_min_ratio: p.f32("warmup_min_ratio", 0.0)?,
         cos_min_ratio: p.f32("cos_min_ratio", 0.0001)?,
-        warmup_num_steps: p.positive_u64("warmup_num_steps", 1000)?,
+        warmup_num_steps: p.u64("warmup_num_steps", 1000)?,
         warmup_type: warmup_type(p, warnings)?,
     }))
 }

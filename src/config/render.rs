@@ -72,7 +72,11 @@ Tessera reads an unmodified DeepSpeed JSON config. Rules:
   non-integral values are errors.
 - **Unknown keys** are errors, with the nearest valid key suggested. Known DeepSpeed keys that
   Tessera does not honour yet are accepted and reported as warnings (`tessera config check`
-  lists them); `null`, `false`, `{\"enabled\": false}` and `{\"device\": \"none\"}` draw no warning.
+  lists them); `null`, `false`, `{\"enabled\": false}` and `{\"device\": \"none\"}` draw no warning,
+  except for flags whose DeepSpeed default is `true` (what Tessera always does), where `false` warns
+  and `true` does not.
+- **`--device cuda`** reduces and gathers unit by unit: `zero_optimization.reduce_bucket_size` and
+  the `stage3_*` tuning keys have no effect there, and a run that sets them is warned.
 - **`\"auto\"`** values are filled from the command line and the model (table below); all
   unresolved ones are reported together. `\"auto\"` in keys not honoured yet is kept as written.
 - **`--set a.b.c=VALUE`** edits the JSON before validation (VALUE is JSON if it parses, else a string).

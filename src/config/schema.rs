@@ -30,7 +30,7 @@ fn walk_section(map: &mut Map<String, Value>, section: &str, covered: bool, out:
             return Err(ConfigErrorKind::UnknownKey { suggestion: keys::nearest(key, &valid).map(str::to_string), path });
         };
         out.present.push(path.clone());
-        let warned = covered || (!info.honoured && is_active(value) && warn(info, out));
+        let warned = covered || (!info.honoured && is_active(info, value) && warn(info, out));
         check_value(value, info)?;
         if let (KeyKind::Section, Value::Object(obj)) = (info.kind, &mut *value) {
             walk_section(obj, &path, warned, out)?;
@@ -45,9 +45,14 @@ fn warn(info: &KeyInfo, out: &mut Walk) -> bool {
     true
 }
 
-/// Whether a value asks for anything: `null`, `false`, `{}`, `{"enabled": false}` and
-/// `{"device": "none"}` do not, so they draw no "not honoured" warning.
-fn is_active(v: &Value) -> bool {
+/// Whether a value asks for anything Tessera does not do: `null`, `false`, `{}`,
+/// `{"enabled": false}` and `{"device": "none"}` do not, so they draw no "not honoured"
+/// warning. For a flag whose DeepSpeed default is true ([`keys::DEFAULT_TRUE`], what Tessera
+/// always does) it is the other way round: `false` asks for something else, `true` does not.
+fn is_active(info: &KeyInfo, v: &Value) -> bool {
+    if keys::DEFAULT_TRUE.contains(&info.path) {
+        return v == &Value::Bool(false);
+    }
     match v {
         Value::Null | Value::Bool(false) => false,
         Value::Object(obj) => {

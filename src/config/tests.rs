@@ -362,6 +362,23 @@ fn syntax_errors_give_line_and_column() {
     assert!(e.to_string().starts_with("/nonexistent/tessera.json: cannot read"), "{e}");
 }
 
+/// A not-honoured flag whose DeepSpeed default is true (what Tessera does) warns when it is
+/// set to false, not when it is set to its default; other flags warn when true.
+#[test]
+fn not_honoured_flags_warn_only_when_they_ask_for_something_else() {
+    let warns = |key: &str, v: bool| {
+        let (section, leaf) = key.split_once('.').unwrap();
+        let cfg = load_value(json!({"train_batch_size": 8, section: {leaf: v}}), &world(1)).expect("loads");
+        cfg.warnings.iter().any(|w| w.contains(&format!("`{key}`")))
+    };
+    for key in ["zero_optimization.reduce_scatter", "zero_optimization.contiguous_gradients", "zero_optimization.allgather_partitions"] {
+        assert!(warns(key, false), "{key}=false asks for what Tessera does not do");
+        assert!(!warns(key, true), "{key}=true is DeepSpeed's default and what Tessera does");
+    }
+    assert!(warns("zero_optimization.round_robin_gradients", true));
+    assert!(!warns("zero_optimization.round_robin_gradients", false));
+}
+
 #[test]
 fn schedulers_parse_with_deepspeed_defaults() {
     let mut warnings = Vec::new();
@@ -378,6 +395,17 @@ fn schedulers_parse_with_deepspeed_defaults() {
         panic!("OneCycle did not parse");
     };
     assert_eq!((c.cycle_second_step_size, c.cycle_second_stair_count), (30, 3));
+    // DeepSpeed cycles momentum by default; Tessera does not yet, and says so.
+    let said = |w: &Vec<String>| w.iter().any(|w| w.contains("`scheduler.params.cycle_momentum` is true"));
+    assert!(said(&warnings), "{warnings:?}");
+    let mut quiet = Vec::new();
+    let root = json!({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+        "cycle_momentum": false}}});
+    optim::parse_scheduler(&root, &mut quiet).expect("parses");
+    assert!(!said(&quiet), "{quiet:?}");
+    // warmup_num_steps 0 is accepted (it acts as 2), as DeepSpeed does.
+    let root = json!({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}});
+    optim::parse_scheduler(&root, &mut quiet).expect("warmup_num_steps 0");
     let root = json!({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1}}});
     let e = optim::parse_scheduler(&root, &mut warnings).expect_err("needs cycle_max_lr");
     assert!(e.to_string().contains("scheduler.params.cycle_max_lr"), "{e}");

@@ -146,8 +146,13 @@ fn unit_policy(units: &[Range<usize>], zero: &ZeroConfig, gathers: bool) -> Resu
 }
 
 impl Plan {
+    /// The plan of `cfg` for its world size; an error names the config file and the key.
     pub fn new(cfg: &Config, data: &Dataset) -> Result<Plan> {
-        let mut mcfg = zoo::preset(&cfg.tessera.model).map_err(anyhow::Error::msg)?;
+        Plan::build(cfg, data).with_context(|| format!("config {}", cfg.source))
+    }
+
+    fn build(cfg: &Config, data: &Dataset) -> Result<Plan> {
+        let mut mcfg = zoo::preset(&cfg.tessera.model).map_err(|e| anyhow::anyhow!("tessera.model: {e}"))?;
         mcfg.vocab_size = data.vocab_size;
         let seq_len = cfg.tessera.seq_len.unwrap_or(mcfg.max_seq_len);
         if seq_len == 0 || seq_len > mcfg.max_seq_len {
@@ -159,7 +164,9 @@ impl Plan {
         let micro_batches = cfg.train_batch_size / cfg.micro_batch_per_gpu;
         let world = cfg.world_size.max(1);
         let optimizer = bridge::optimizer_kind(&cfg.optimizer);
-        optimizer.validate().context("optimizer parameters")?;
+        optimizer.validate().map_err(|e| bridge::keyed(e, "optimizer.params"))?;
+        // The loss scaler is built per rank later; its settings are checked here, with the file.
+        bridge::loss_scaler(&cfg.precision)?;
         let stage = cfg.zero.stage;
         if cfg.zero.reduce_bucket_size == 0 {
             bail!("zero_optimization.reduce_bucket_size = 0: a gradient bucket needs at least one element");

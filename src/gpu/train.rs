@@ -224,8 +224,24 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
             offload_name(o.device)
         );
     }
+    // Honoured on the CPU path, without effect here: say so rather than ignore them silently.
+    for key in cfg.present_keys.iter().filter(|k| GPU_IGNORED_KEYS.contains(&k.as_str())) {
+        notes.push(format!("`{key}` has no effect with `--device cuda`: the GPU reduces and gathers the parameters unit by unit"));
+    }
+    if cfg.present_keys.iter().any(|k| k.starts_with("tessera.elastic.")) {
+        notes.push("`tessera.elastic` has no effect with `--device cuda`: GPU runs are not elastic yet".into());
+    }
     Ok(notes)
 }
+
+/// ZeRO tuning keys the CPU engine honours and the GPU path does not read.
+const GPU_IGNORED_KEYS: &[&str] = &[
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.stage3_prefetch_bucket_size",
+];
 
 /// Where training starts, as full-length buffers in the CPU layout.
 struct Start {

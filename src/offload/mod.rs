@@ -220,7 +220,7 @@ impl OffloadPlan {
                 bail!("aio.queue_depth = {}: expected 1..=4096", a.queue_depth);
             }
             if !(1..=64).contains(&a.intra_op_parallelism) {
-                bail!("aio.thread_count = {}: expected 1..=64", a.intra_op_parallelism);
+                bail!("aio.thread_count (or its older name aio.intra_op_parallelism) = {}: expected 1..=64", a.intra_op_parallelism);
             }
         }
         plan.aio = AioOptions {
