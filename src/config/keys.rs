@@ -303,7 +303,7 @@ static OTHER_DEEPSPEED: &[KeyInfo] = &[
 static TESSERA: &[KeyInfo] = &[
     k("tessera", Section, H, "Tessera's own keys"),
     k("tessera.model", Str, H, "model preset; default \"gpt-tiny\""),
-    k("tessera.data", Str, H, "training data path; default: the shipped corpus data/corpus/austen.txt of the source tree the binary was built from"),
+    k("tessera.data", Str, H, "training data path; default: the shipped corpus (data/corpus/austen.txt, also compiled into the binary)"),
     k("tessera.tokenizer", Str, H, "tokenizer path; optional"),
     k("tessera.seq_len", UInt, H, "default: the model preset's"),
     k("tessera.steps", UInt, H, "optimizer steps; default 200"),

@@ -42,7 +42,38 @@ pub struct Dataset {
     pub source: String,
 }
 
-/// Path of the shipped English corpus (Jane Austen's six novels, public domain).
+/// The shipped corpus, compiled in, so a binary run away from the source tree it was built
+/// from (`cargo install`, a copy on another machine) still has its default data.
+static EMBEDDED_CORPUS: &[u8] = include_bytes!("../../data/corpus/austen.txt");
+
+/// Path of the shipped English corpus (Jane Austen's six novels, public domain): the source
+/// tree's `data/corpus/austen.txt` when it is there, else the compiled-in copy written once to
+/// the user's cache folder ([`embedded_corpus_in`]). Same bytes either way, so the same tokens.
 pub fn default_corpus_path() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data").join("corpus").join(DEFAULT_CORPUS_FILE)
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data").join("corpus").join(DEFAULT_CORPUS_FILE);
+    if built.is_file() {
+        return built;
+    }
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("tessera");
+    // On failure the source-tree path is returned, and loading it names the missing file.
+    embedded_corpus_in(&cache).unwrap_or(built)
+}
+
+/// Writes the compiled-in corpus to `dir` (whole to a temporary name, then renamed into place;
+/// named by its content hash, so a stale or foreign file is never taken) unless it is there.
+pub fn embedded_corpus_in(dir: &std::path::Path) -> std::io::Result<PathBuf> {
+    let hash = blake3::hash(EMBEDDED_CORPUS).to_hex();
+    let path = dir.join(format!("austen-{}.txt", &hash[..16]));
+    if std::fs::metadata(&path).is_ok_and(|m| m.len() == EMBEDDED_CORPUS.len() as u64) {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".austen.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, EMBEDDED_CORPUS)?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(path)
 }

@@ -14,6 +14,18 @@ fn write(path: &Path, bytes: &[u8]) {
     std::fs::write(path, bytes).expect("write test file");
 }
 
+/// Away from the source tree the compiled-in corpus is written out once, byte for byte.
+#[test]
+fn the_compiled_in_corpus_is_the_shipped_file() {
+    let dir = tmp();
+    let path = super::embedded_corpus_in(dir.path()).expect("write the corpus");
+    let shipped = std::fs::read(default_corpus_path()).expect("the source tree's corpus");
+    assert_eq!(std::fs::read(&path).expect("read it back"), shipped);
+    assert_eq!(super::embedded_corpus_in(dir.path()).expect("again"), path, "written once, then reused");
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(left.len(), 1, "no temporary file left: {left:?}");
+}
+
 #[test]
 fn shipped_corpus_loads_byte_level() {
     let path = default_corpus_path();
