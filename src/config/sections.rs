@@ -183,9 +183,13 @@ pub(crate) fn parse_precision(root: &Value) -> KindResult<Precision> {
         consecutive_hysteresis: fp16.bool("consecutive_hysteresis", false)?,
         min_loss_scale: fp16.u64("min_loss_scale", 1)? as f32,
     };
-    if cfg.loss_scale == 0.0 && (cfg.loss_scale_window == 0 || cfg.min_loss_scale <= 0.0) {
-        let why = "dynamic loss scaling (loss_scale = 0) needs loss_scale_window > 0 and min_loss_scale > 0";
-        return Err(ConfigErrorKind::unsupported("fp16", &Value::Bool(true), why));
+    if cfg.loss_scale == 0.0 && cfg.loss_scale_window == 0 {
+        let why = "dynamic loss scaling (loss_scale = 0) needs loss_scale_window > 0";
+        return Err(ConfigErrorKind::unsupported("fp16.loss_scale_window", &Value::from(0u64), why));
+    }
+    if cfg.loss_scale == 0.0 && cfg.min_loss_scale <= 0.0 {
+        let why = "dynamic loss scaling (loss_scale = 0) needs min_loss_scale > 0";
+        return Err(ConfigErrorKind::unsupported("fp16.min_loss_scale", &Value::from(0u64), why));
     }
     Ok(Precision::Fp16(cfg))
 }

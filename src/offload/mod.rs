@@ -138,14 +138,14 @@ fn check_dir(key: &str, dir: &Path) -> Result<()> {
 }
 
 /// Free bytes for an unprivileged writer on the filesystem of `dir`.
-fn free_bytes(dir: &Path) -> Result<u64> {
+fn free_bytes(dir: &Path, key: &str) -> Result<u64> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes())?;
     // SAFETY: a zeroed statvfs is a valid out-parameter; `c` is NUL-terminated.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
         let e = std::io::Error::last_os_error();
-        bail!("zero_optimization.offload_optimizer.nvme_path = \"{}\": {e}", dir.display());
+        bail!("{key} = \"{}\": {e}", dir.display());
     }
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
@@ -250,7 +250,7 @@ impl OffloadPlan {
     /// swap files need (`needed` bytes over every rank).
     pub fn check_param_space(&self, needed: u64) -> Result<()> {
         let Some(dir) = &self.param_dir else { return Ok(()) };
-        let free = free_bytes(dir)?;
+        let free = free_bytes(dir, "zero_optimization.offload_param.nvme_path")?;
         if needed > free {
             bail!(
                 "zero_optimization.offload_param.nvme_path = \"{}\" has {free} bytes free, but the parameter swap files \
@@ -264,7 +264,7 @@ impl OffloadPlan {
     /// Refuses to start when `nvme_path` has less free space than the swap files need.
     pub fn check_space(&self, needed: u64) -> Result<()> {
         let Some(dir) = &self.optimizer_dir else { return Ok(()) };
-        let free = free_bytes(dir)?;
+        let free = free_bytes(dir, "zero_optimization.offload_optimizer.nvme_path")?;
         if needed > free {
             bail!(
                 "zero_optimization.offload_optimizer.nvme_path = \"{}\" has {free} bytes free, but the optimizer swap files \
