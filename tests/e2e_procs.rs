@@ -260,13 +260,17 @@ fn spawn_agent(dir: &Path, c: &Coordinator, name: &str, extra: &[&str]) -> std::
         .expect("spawning an agent")
 }
 
-/// Waits (≤ 30 s) for an agent to end; returns (success, its output).
+/// Waits (≤ 30 s) for an agent to end; returns (success, its output). An agent still running
+/// then is killed and the test fails: "not success" must mean the agent gave up by itself.
 fn agent_result(mut c: std::process::Child) -> (bool, String) {
-    if !within(Duration::from_secs(30), || c.try_wait().unwrap().is_some()) {
+    let ended = within(Duration::from_secs(30), || c.try_wait().unwrap().is_some());
+    if !ended {
         let _ = c.kill();
     }
     let out = c.wait_with_output().unwrap();
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(ended, "the agent did not end within 30 s by itself (killed):\n{text}");
+    (out.status.success(), text)
 }
 
 #[test]
@@ -364,6 +368,9 @@ fn a_killed_agent_ends_the_launched_run_naming_its_rank_and_leaves_no_orphans() 
         let _ = launch.kill();
         panic!("no checkpoint and 3 agents within 60 s");
     }
+    // Its agents, by pid: once the launcher is gone a survivor would be re-parented, so the
+    // orphan check below looks for these pids, not for children of the launcher.
+    let agents = children_of(lpid);
     // Ranks follow the hostfile: the agent started with `--rank 1`.
     let victim = children_of(lpid)
         .into_iter()
@@ -378,7 +385,14 @@ fn a_killed_agent_ends_the_launched_run_naming_its_rank_and_leaves_no_orphans() 
     let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
     assert!(!output.status.success(), "the run should fail:\n{text}");
     assert!(text.contains(&format!("agent of rank 1 (localhost-1 at 127.0.0.1, pid {victim}) was killed by signal 9")), "{text}");
-    assert!(children_of(lpid).is_empty(), "orphan agents: {:?}", children_of(lpid));
+    let alive: Vec<u32> = agents.into_iter().filter(|p| std::path::Path::new(&format!("/proc/{p}")).exists() && !zombie(*p)).collect();
+    assert!(alive.is_empty(), "orphan agents still running after launch exited: {alive:?}");
+}
+
+/// Whether process `pid` has exited but not been reaped.
+fn zombie(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
 }
 
 #[test]
@@ -386,14 +400,12 @@ fn a_coordinator_names_who_joined_when_the_others_do_not_come() {
     let tmp = tempfile::tempdir().unwrap();
     let mut a = coordinator_args(&tmp.path().join("co"), 2, 0, 1);
     a.extend(["--join-timeout".into(), "2".into()]);
-    let started = Instant::now();
     let coord = spawn_coordinator(tmp.path(), &a);
     let (addr, token) = (coord.addr.clone(), coord.token.clone().expect("a token"));
     let agent = spawn_agent(tmp.path(), &coord, "lonely", &[]);
     let (ok, text) = finish(coord);
     assert!(!ok, "the run should fail:\n{text}");
     assert!(text.contains("only 1 of 2 agents joined") && text.contains("agent lonely at 127.0.0.1"), "{text}");
-    assert!(started.elapsed() < Duration::from_secs(30), "the join wait is bounded");
     let (ok, atext) = agent_result(agent);
     assert!(!ok, "the agent should fail once the coordinator gives up:\n{atext}");
     // An agent with nobody to join gives up within its connect timeout, naming the address.
@@ -465,12 +477,10 @@ fn agents_exit_when_their_coordinator_is_killed() {
     c.kill().unwrap();
     c.wait().unwrap();
     drop(coord.err);
-    let started = Instant::now();
     for a in agents {
         let (ok, text) = agent_result(a);
         assert!(!ok && text.contains("error: agent k"), "an agent of a killed coordinator should fail on its own:\n{text}");
     }
-    assert!(started.elapsed() < Duration::from_secs(20), "agents took {:?} to notice", started.elapsed());
 }
 
 #[test]

@@ -240,10 +240,11 @@ mod tests {
         let mut comms = LocalGroup::with_timeout_ms(2, 50);
         let lonely = comms.remove(0);
         let mut lane = Lane::new(Box::new(lonely), true);
-        let t0 = Instant::now();
         let res = lane.call("lonely barrier", |c| c.barrier()).expect("the thread answers");
-        assert!(res.is_err(), "a barrier without its peer must fail");
-        assert!(t0.elapsed() < Duration::from_secs(30));
+        assert!(
+            matches!(&res, Err(tessera_transport::collective::CollectiveError::Timeout { .. })),
+            "a barrier without its peer fails by its timeout: {res:?}"
+        );
         drop(lane);
     }
 }

@@ -848,7 +848,6 @@ mod tests {
 
     #[test]
     fn a_missing_rank_times_out_and_aborts_the_group() {
-        let start = Instant::now();
         let results = run(LocalGroup::with_timeout_ms(3, 40), |c| {
             if c.rank() == 2 {
                 std::thread::sleep(Duration::from_millis(300));
@@ -856,7 +855,6 @@ mod tests {
             }
             c.all_reduce_sum(&mut [1.0, 2.0])
         });
-        assert!(start.elapsed() < Duration::from_millis(3_000));
         let timeouts = results[..2]
             .iter()
             .filter(|r| matches!(r, Err(CollectiveError::Timeout { op: "all_reduce_sum", waited_ms, .. }) if *waited_ms >= 40));
@@ -880,7 +878,7 @@ mod tests {
     fn abort_wakes_every_waiter() {
         let comms = group(4);
         let abort = comms[0].abort_handle();
-        let start = Instant::now();
+        // Woken by the abort: a waiter that was not would end with the group's `Timeout`.
         let results = std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(20));
@@ -891,7 +889,6 @@ mod tests {
                 _ => c.all_reduce_sum(&mut [1.0; 10]),
             })
         });
-        assert!(start.elapsed() < Duration::from_millis(TEST_TIMEOUT_MS / 2));
         for r in results {
             match r {
                 Err(CollectiveError::Aborted { reason, .. }) => assert_eq!(reason, "rank 3 died"),
@@ -1053,7 +1050,7 @@ mod tests {
     }
 
     #[test]
-    fn a_panic_inside_a_collective_neither_deadlocks_nor_frees_lent_buffers() {
+    fn a_panic_inside_a_collective_does_not_deadlock_the_group() {
         let results = run(group(3), |c| {
             let input = vec![c.rank() as f32; 6];
             let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
