@@ -104,10 +104,14 @@ pub fn config_check(path: &Path, common: &CommonArgs) -> Result<()> {
     let cfg = load_config(path, common)?;
     print!("{}", config::render_check(&cfg));
     print_warnings(&cfg);
-    // What `train` checks next (the plan for this world size, the elastic settings), so a
-    // config that passes here is one `train` starts with.
+    // Much of what `train` checks next (the data, the plan for this world size, the elastic
+    // settings); the memory budget and the GPU path's refusals are checked when it starts.
     engine::validate(&cfg).context("the config parses, but a run could not start")?;
-    println!("plan: OK (the ZeRO plan for {} worker(s) and the elastic settings hold)", cfg.world_size);
+    println!(
+        "plan: OK (the data, the ZeRO plan for {} worker(s) and the elastic settings; the memory budget is checked when \
+         `train` starts on its device)",
+        cfg.world_size
+    );
     Ok(())
 }
 

@@ -87,6 +87,8 @@ pub struct FaultReport {
     pub kind: &'static str,
     /// False when the fault's trigger never came before the run ended.
     pub injected: bool,
+    /// The scenario marked it optional: not injected, it does not fail the scenario.
+    pub optional: bool,
     /// What was hit: "rank 2 (worker 2, pid 1234)", "new worker (pid 99)", a checkpoint path.
     pub target: String,
     /// From the faulted run's start to the injection.
@@ -112,6 +114,7 @@ impl FaultReport {
         FaultReport {
             kind: kind.name(),
             injected,
+            optional: false,
             target: String::new(),
             injected_ms: 0,
             until_ms: None,
@@ -167,9 +170,10 @@ impl Report {
         self.equal && self.checkpoint_leftovers.is_empty() && self.not_injected() == 0
     }
 
-    /// Faults that never reached the run (trigger never came, no such rank, nothing to hit).
+    /// Faults that never reached the run (trigger never came, no such rank, nothing to hit,
+    /// a `kill_in_commit` that no commit followed), but for those marked optional.
     pub fn not_injected(&self) -> usize {
-        self.faults.iter().filter(|f| !f.injected).count()
+        self.faults.iter().filter(|f| !f.injected && !f.optional).count()
     }
 
     /// The report as people read it.
@@ -494,6 +498,7 @@ impl Faulting<'_> {
     fn inject(&mut self, f: &Fault, members: &[(usize, u64, u32)], events: &Events) -> Result<(), ChaosError> {
         let n = self.fired.len();
         let mut report = FaultReport::new(f.kind, true, String::new());
+        report.optional = f.optional;
         let id = match f.kind {
             k if k.targets_rank() => {
                 let rank = f.rank_in(members.len());
@@ -763,7 +768,7 @@ fn run_one(
         .collect();
     // A fault whose trigger never came is reported, not silently left out.
     let why = format!("not injected: the run ended first ({} steps committed, {} events seen)", events.step(), events.all.len());
-    faults.extend(pending.iter().map(|f| FaultReport::new(f.kind, false, why.clone())));
+    faults.extend(pending.iter().map(|f| FaultReport { optional: f.optional, ..FaultReport::new(f.kind, false, why.clone()) }));
     Ok((report, faults))
 }
 
@@ -857,7 +862,11 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
                 r.note.push_str("; not noticed: the link came back within the heartbeat timeout")
             }
             FaultKind::FailWrites | FaultKind::DiskFull => r.note.push_str("; no checkpoint was due while it lasted"),
-            FaultKind::KillInCommit => r.note.push_str("; no loss followed: no further commit reached the worker"),
+            FaultKind::KillInCommit => {
+                // Armed, but it never killed: the fault did not happen.
+                r.injected = false;
+                r.note.push_str("; no loss followed: no further commit reached the worker");
+            }
             FaultKind::CorruptCheckpoint if r.injected => r.note.push_str("; never read: no recovery needed that checkpoint"),
             _ => {}
         }

@@ -45,9 +45,10 @@ pub struct KeyInfo {
     pub note: &'static str,
 }
 
-/// Not-honoured flags whose DeepSpeed default is `true`, which is also what Tessera always does
-/// (gradients in one flat buffer, reduce-scatter semantics, masters loaded as fp32, …): only
-/// `false` asks for something Tessera does not do, so only `false` draws the warning.
+/// Not-honoured flags whose DeepSpeed default is `true`, where that default is what Tessera
+/// does or changes nothing in Tessera's math (gradients in one flat buffer, reduced to their
+/// owners, masters loaded as fp32, its own CPU optimizer under offload, …): only `false` asks
+/// for something Tessera does not do, so only `false` draws the warning.
 pub const DEFAULT_TRUE: &[&str] = &[
     "optimizer.params.set_grad_none",
     "optimizer.params.fp32_optimizer_states",
@@ -59,6 +60,7 @@ pub const DEFAULT_TRUE: &[&str] = &[
     "zero_optimization.ignore_unused_parameters",
     "zero_optimization.memory_efficient_linear",
     "zero_optimization.override_module_apply",
+    "zero_force_ds_cpu_optimizer",
 ];
 
 const fn k(path: &'static str, kind: KeyKind, honoured: bool, note: &'static str) -> KeyInfo {

@@ -223,7 +223,11 @@ pub(crate) fn parse_scheduler(root: &Value, warnings: &mut Vec<String>) -> KindR
         Some("WarmupCosineLR") => parse_cosine(&p, warnings)?,
         Some("OneCycle") => {
             let one = parse_one_cycle(&p)?;
-            if let SchedulerConfig::OneCycle(o) = &one {
+            // An explicit `true` already draws the key table's "not honoured" warning; SGD has
+            // no betas, and DeepSpeed does not cycle it either.
+            let given = root.pointer("/scheduler/params/cycle_momentum").is_some();
+            let sgd = root.pointer("/optimizer/type").and_then(Value::as_str).is_some_and(|t| t.eq_ignore_ascii_case("sgd"));
+            if let (SchedulerConfig::OneCycle(o), false, false) = (&one, given, sgd) {
                 if o.cycle_momentum {
                     warnings.push(format!(
                         "`scheduler.params.cycle_momentum` is true (DeepSpeed's default for OneCycle) but momentum cycling is not \

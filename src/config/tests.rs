@@ -398,6 +398,11 @@ fn schedulers_parse_with_deepspeed_defaults() {
     // DeepSpeed cycles momentum by default; Tessera does not yet, and says so.
     let said = |w: &Vec<String>| w.iter().any(|w| w.contains("`scheduler.params.cycle_momentum` is true"));
     assert!(said(&warnings), "{warnings:?}");
+    let mut sgd = Vec::new();
+    let root =
+        json!({"optimizer": {"type": "SGD"}, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0}}});
+    optim::parse_scheduler(&root, &mut sgd).expect("parses");
+    assert!(!said(&sgd), "SGD has no momentum to cycle: {sgd:?}");
     let mut quiet = Vec::new();
     let root = json!({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
         "cycle_momentum": false}}});

@@ -59,21 +59,42 @@ pub fn default_corpus_path() -> PathBuf {
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
         .unwrap_or_else(std::env::temp_dir)
         .join("tessera");
-    // On failure the source-tree path is returned, and loading it names the missing file.
-    embedded_corpus_in(&cache).unwrap_or(built)
+    match embedded_corpus_in(&cache) {
+        Ok(path) => path,
+        Err(e) => {
+            // Loading the source-tree path then names the missing file; this says why the
+            // compiled-in copy is not there instead.
+            eprintln!(
+                "warning: {} is missing and the compiled-in corpus could not be written to {}: {e}",
+                built.display(),
+                cache.display()
+            );
+            built
+        }
+    }
 }
 
-/// Writes the compiled-in corpus to `dir` (whole to a temporary name, then renamed into place;
-/// named by its content hash, so a stale or foreign file is never taken) unless it is there.
+/// Writes the compiled-in corpus to `dir` unless a file with its exact bytes is there: whole
+/// to a temporary file of its own (created new, so concurrent writers never share one), then
+/// renamed into place, so a reader never sees half of it; a file of other bytes is replaced.
 pub fn embedded_corpus_in(dir: &std::path::Path) -> std::io::Result<PathBuf> {
-    let hash = blake3::hash(EMBEDDED_CORPUS).to_hex();
-    let path = dir.join(format!("austen-{}.txt", &hash[..16]));
-    if std::fs::metadata(&path).is_ok_and(|m| m.len() == EMBEDDED_CORPUS.len() as u64) {
+    use std::io::Write;
+    let hash = blake3::hash(EMBEDDED_CORPUS);
+    let path = dir.join(format!("austen-{}.txt", &hash.to_hex()[..16]));
+    if std::fs::read(&path).is_ok_and(|b| blake3::hash(&b) == hash) {
         return Ok(path);
     }
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".austen.{}.tmp", std::process::id()));
-    std::fs::write(&tmp, EMBEDDED_CORPUS)?;
-    std::fs::rename(&tmp, &path)?;
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let tid = format!("{:?}", std::thread::current().id()).chars().filter(char::is_ascii_digit).collect::<String>();
+    let tmp = dir.join(format!(".austen.{}.{tid}.{nanos}.tmp", std::process::id()));
+    let written = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp).and_then(|mut f| {
+        f.write_all(EMBEDDED_CORPUS)?;
+        f.sync_all()
+    });
+    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, &path)) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
     Ok(path)
 }

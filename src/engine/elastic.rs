@@ -37,7 +37,7 @@
 //!    `t + 1` is tried first: the survivors that took the step and the lost owners' replicas
 //!    (their updates arrived before `Prepared`) hold it, and the step then counts as
 //!    committed. A LAMB commit fails in its norm all-reduce before the shard changes, so the
-//!    state at `t` is whole and step `t` runs again. Otherwise (adjacent ranks lost together, a
+//!    state at `t` is normally whole and step `t` runs again. Otherwise (adjacent ranks lost together, a
 //!    member lost in the middle of LAMB's norm all-reduce, `replicas = 0`)
 //!    the newest valid checkpoint at or before `t` is loaded (damaged ones are skipped; step 0
 //!    is the seeded start) and the driver replays the steps after it: determinism makes them

@@ -810,7 +810,7 @@ impl Worker {
                 // The shard reached `step + 1` (its masters and optimizer state took the step)
                 // also when the commit failed later, sharing the parameters with a lost peer:
                 // the replicas' updates arrived in prepare and are applied either way (LAMB's
-                // need the norms exchanged in commit: without them they are dropped).
+                // replay this rank's own norm reduction).
                 let stepped = m.worker.stepped() == Some(step);
                 if stepped {
                     if let Some(updates) = m.worker.take_replica_updates() {

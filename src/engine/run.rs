@@ -349,12 +349,17 @@ struct Tally {
     rank_bytes: Vec<u64>,
 }
 
-/// What `train` checks before it starts anything (`tessera config check` runs it too): the
-/// data loads, the ZeRO plan can be built for the world size (buckets, stage-3 limits, offload
-/// settings) and the elastic settings hold.
+/// Most of what `train` checks before it starts (`tessera config check` runs it): the data
+/// loads, the ZeRO plan can be built for the world size (buckets, stage-3 limits, offload
+/// settings) and the elastic settings hold. Not checked here: the memory budget, the step count
+/// and `--device cuda`'s own refusals.
 pub fn validate(cfg: &Config) -> Result<()> {
     let dataset = super::child::load_dataset(cfg)?;
-    Plan::new(cfg, &dataset)?;
+    // The memory budget depends on the device the run gets (`--device cuda` counts its own
+    // bytes), so `config check` leaves it to `train`.
+    let mut unbudgeted = cfg.clone();
+    unbudgeted.tessera.device_memory_bytes_max = None;
+    Plan::new(&unbudgeted, &dataset)?;
     config::elastic_run(cfg)?;
     Ok(())
 }

@@ -715,6 +715,7 @@ impl ZeroWorker {
     }
 
     fn commit_inner(&mut self, step: u64, st: &mut RankState) -> Result<(), String> {
+        (self.stepped, self.untouched) = (None, None);
         let staged = match self.staged.take() {
             Some(s) if s.step == step => s,
             other => return Err(format!("rank {}: commit of step {step} but staged {:?}", self.rank, other.map(|s| s.step))),

@@ -227,6 +227,7 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
     // Honoured on the CPU path, without effect here: say so rather than ignore them silently.
     for key in cfg.present_keys.iter().filter(|k| GPU_IGNORED_KEYS.contains(&k.as_str())) {
         notes.push(format!("`{key}` has no effect with `--device cuda`: the GPU reduces and gathers the parameters unit by unit"));
+        // (`"auto"` resolves to a value too: Hugging Face configs set these keys that way.)
     }
     if cfg.present_keys.iter().any(|k| k.starts_with("tessera.elastic.")) {
         notes.push("`tessera.elastic` has no effect with `--device cuda`: GPU runs are not elastic yet".into());
@@ -303,6 +304,12 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
     if let Some(o) = cpu_cfg.zero.offload_optimizer.as_mut() {
         o.ratio = 1.0;
     }
+    // The ZeRO tuning keys the GPU does not read (GPU_IGNORED_KEYS) must not refuse its run
+    // through the CPU plan either: DeepSpeed's defaults there.
+    let z = &mut cpu_cfg.zero;
+    (z.reduce_bucket_size, z.stage3_prefetch_bucket_size) = (500_000_000, 50_000_000);
+    (z.stage3_param_persistence_threshold, z.stage3_max_live_parameters, z.stage3_max_reuse_distance) =
+        (100_000, 1_000_000_000, 1_000_000_000);
     let plan = Plan::new(&cpu_cfg, &dataset)?;
     let world = cfg.world_size.max(1);
     if plan.micro_batches % world != 0 {

@@ -876,9 +876,11 @@ mod tests {
 
     #[test]
     fn abort_wakes_every_waiter() {
-        let comms = group(4);
+        // A group timeout far above the 20 ms the abort takes: a waiter the abort did not wake
+        // would only give up (also with `Aborted`) once that timeout ran out.
+        let comms = LocalGroup::with_timeout_ms(4, 60_000);
         let abort = comms[0].abort_handle();
-        // Woken by the abort: a waiter that was not would end with the group's `Timeout`.
+        let start = Instant::now();
         let results = std::thread::scope(|s| {
             s.spawn(|| {
                 std::thread::sleep(Duration::from_millis(20));
@@ -889,6 +891,7 @@ mod tests {
                 _ => c.all_reduce_sum(&mut [1.0; 10]),
             })
         });
+        assert!(start.elapsed() < Duration::from_millis(60_000), "the waiters were not woken: they waited for the group timeout");
         for r in results {
             match r {
                 Err(CollectiveError::Aborted { reason, .. }) => assert_eq!(reason, "rank 3 died"),
