@@ -113,11 +113,6 @@ impl Disk {
         let _ = std::fs::remove_file(self.root.join(FILL_FILE));
     }
 
-    /// Names in the folder that a complete checkpoint never leaves ([`checkpoint_leftovers`]).
-    pub fn leftovers(&self) -> Vec<String> {
-        checkpoint_leftovers(&self.root)
-    }
-
     /// Copies the checkpoints to disk, unmounts, and puts the copy where the mount was.
     pub fn finish(mut self) -> Result<(), String> {
         self.free();

@@ -993,14 +993,15 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
     let (faulted, reports) = run_one(o, "faulted", &faults, &mut faulted_env, &pb)?;
     pb.finish_and_clear();
     let network = faulted_env.hosts.as_ref().map(Hosts::describe);
-    let (checkpoint_disk, checkpoint_leftovers) = match faulted_env.disk.take() {
+    // Read before a disk_full tmpfs is copied out and unmounted.
+    let checkpoint_leftovers = disk::checkpoint_leftovers(&faulted_out.join("checkpoints"));
+    let checkpoint_disk = match faulted_env.disk.take() {
         Some(d) => {
             let what = format!("a {} MiB tmpfs on {}", d.bytes() >> 20, d.root().display());
-            let left = d.leftovers();
             d.finish().map_err(ChaosError::Run)?;
-            (Some(what), left)
+            Some(what)
         }
-        None => (None, disk::checkpoint_leftovers(&faulted_out.join("checkpoints"))),
+        None => None,
     };
     let equal = clean.ok
         && faulted.ok

@@ -61,6 +61,13 @@ pub struct ZeroConfig {
     pub offload_param: Option<OffloadParamConfig>,
 }
 
+impl ZeroConfig {
+    /// The section as DeepSpeed fills it when the config leaves it out (stage 0).
+    pub fn deepspeed_defaults() -> ZeroConfig {
+        parse_zero(&Value::Object(serde_json::Map::new())).unwrap_or_else(|e| unreachable!("an empty config is valid: {e}"))
+    }
+}
+
 pub(crate) fn parse_zero(root: &Value) -> KindResult<ZeroConfig> {
     let z = Obj::at(root, "zero_optimization")?;
     let stage = z.u64("stage", 0)?;

@@ -84,10 +84,13 @@ pub fn embedded_corpus_in(dir: &std::path::Path) -> std::io::Result<PathBuf> {
     if std::fs::read(&path).is_ok_and(|b| blake3::hash(&b) == hash) {
         return Ok(path);
     }
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     std::fs::create_dir_all(dir)?;
+    // pid, this process's count and the clock: no two writers (threads, or processes of other
+    // pid namespaces sharing the folder) pick the same name, and `create_new` refuses if one did.
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-    let tid = format!("{:?}", std::thread::current().id()).chars().filter(char::is_ascii_digit).collect::<String>();
-    let tmp = dir.join(format!(".austen.{}.{tid}.{nanos}.tmp", std::process::id()));
+    let tmp = dir.join(format!(".austen.{}.{n}.{nanos}.tmp", std::process::id()));
     let written = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp).and_then(|mut f| {
         f.write_all(EMBEDDED_CORPUS)?;
         f.sync_all()

@@ -118,7 +118,7 @@ fn parent_alive(parent: u32) -> Result<(), WireError> {
 }
 
 /// Loads the training data the config names (the shipped corpus by default).
-pub(super) fn load_dataset(cfg: &Config) -> Result<Dataset> {
+pub(crate) fn load_dataset(cfg: &Config) -> Result<Dataset> {
     let data_path = cfg.tessera.data.as_ref().map_or_else(data::default_corpus_path, PathBuf::from);
     data::load(&data_path, cfg.tessera.tokenizer.as_deref().map(Path::new), data::DEFAULT_VAL_FRACTION)
         .with_context(|| format!("loading data from {}", data_path.display()))

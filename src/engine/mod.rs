@@ -20,6 +20,7 @@ mod wire;
 mod worker_net;
 pub mod zero;
 
+pub(crate) use child::load_dataset;
 pub use child::{run_agent, run_joiner, run_worker, AgentArgs, AgentCredentials, WorkerArgs, AGENT_CONNECT_TIMEOUT_MS};
 pub use elastic::{now_ms, EVENTS_FILE};
 pub use plan::Plan;

@@ -365,9 +365,7 @@ pub fn validate(cfg: &Config) -> Result<()> {
 }
 
 fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Dataset)> {
-    let data_path = cfg.tessera.data.as_ref().map_or_else(data::default_corpus_path, PathBuf::from);
-    let dataset = data::load(&data_path, cfg.tessera.tokenizer.as_deref().map(Path::new), data::DEFAULT_VAL_FRACTION)
-        .with_context(|| format!("loading data from {}", data_path.display()))?;
+    let dataset = super::child::load_dataset(cfg)?;
     let plan = Arc::new(Plan::new(cfg, &dataset)?);
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;

@@ -1705,16 +1705,15 @@ mod tests {
         (owners, held)
     }
 
-    /// The state a recovery needs after a loss in the commit window exists in memory at t + 1:
-    /// every survivor's shard and the lost owner's replica on its successor equal a fault-free
-    /// run's shards after step t (ZeRO-1, 2 and 3, whose commits share parameters differently;
-    /// the lost rank in the middle, at the end and at the start of the ring).
-    #[test]
-    fn a_loss_after_prepared_leaves_every_shard_at_the_next_step() {
+    /// Loses each of a few ranks after every rank prepared step 2 (ZeRO-1, 2 and 3, whose
+    /// commits share parameters differently; the lost rank in the middle, at the end and at the
+    /// start of the ring) and checks that every survivor's shard and the lost owner's replica on
+    /// its successor equal a fault-free run's after `at` steps.
+    fn check_state_after_a_loss_in_commit(sets: &[&str], at: u64) {
         for (world, stage, lost) in [(4, 1, 1), (4, 3, 3), (2, 2, 0)] {
-            let what = format!("world {world}, stage {stage}, rank {lost} lost after preparing step 2");
-            let reference = replicated_steps(world, stage, &[], 1, 3);
-            let (owners, held) = loss_after_prepared(world, stage, &[], 2, lost);
+            let what = format!("{sets:?}, world {world}, stage {stage}, rank {lost} lost after preparing step 2");
+            let reference = replicated_steps(world, stage, sets, 1, at);
+            let (owners, held) = loss_after_prepared(world, stage, sets, 2, lost);
             for (r, d) in owners.iter().enumerate() {
                 if let Some(d) = d {
                     assert_eq!(*d, reference.owners[r], "{what}: rank {r}'s own shard");
@@ -1722,31 +1721,25 @@ mod tests {
             }
             let holder = (lost + 1) % world;
             let rep = held[holder].iter().find(|h| h.owner == lost).unwrap_or_else(|| panic!("{what}: no replica of rank {lost}"));
-            assert_eq!(rep.at, 3, "{what}");
+            assert_eq!(rep.at, at, "{what}");
             assert_eq!(rep.digest(), reference.owners[lost], "{what}: rank {holder}'s replica of the lost rank {lost}");
         }
     }
 
+    /// The state a recovery needs after a loss in the commit window exists in memory at t + 1:
+    /// every survivor took step t, and so did the lost owner's replica.
+    #[test]
+    fn a_loss_after_prepared_leaves_every_shard_at_the_next_step() {
+        check_state_after_a_loss_in_commit(&[], 3);
+    }
+
     /// A LAMB commit that loses a member fails in the norm all-reduce with the state at t
-    /// whole in memory: every survivor's shard and the lost owner's replica on its successor
-    /// equal a fault-free run's after t steps (so the recovery restores from memory and reruns
-    /// step t instead of loading a checkpoint).
+    /// whole in memory: every survivor's shard and the lost owner's replica equal a fault-free
+    /// run's after t steps (so the recovery restores from memory and reruns step t instead of
+    /// loading a checkpoint).
     #[test]
     fn a_lamb_loss_after_prepared_leaves_every_shard_at_the_step_before() {
-        for (world, stage, lost) in [(4, 1, 1), (4, 3, 3), (2, 2, 0)] {
-            let what = format!("LAMB, world {world}, stage {stage}, rank {lost} lost after preparing step 2");
-            let reference = replicated_steps(world, stage, &[LAMB], 1, 2);
-            let (owners, held) = loss_after_prepared(world, stage, &[LAMB], 2, lost);
-            for (r, d) in owners.iter().enumerate() {
-                if let Some(d) = d {
-                    assert_eq!(*d, reference.owners[r], "{what}: rank {r}'s own shard");
-                }
-            }
-            let holder = (lost + 1) % world;
-            let rep = held[holder].iter().find(|h| h.owner == lost).unwrap_or_else(|| panic!("{what}: no replica of rank {lost}"));
-            assert_eq!(rep.at, 2, "{what}");
-            assert_eq!(rep.digest(), reference.owners[lost], "{what}: rank {holder}'s replica of the lost rank {lost}");
-        }
+        check_state_after_a_loss_in_commit(&[LAMB], 2);
     }
 
     #[test]

@@ -294,9 +294,7 @@ fn check_gpu_budget(cfg: &Config, states: &StateBytes, offload: Option<OffloadOp
 }
 
 fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared> {
-    let data_path = cfg.tessera.data.as_ref().map_or_else(data::default_corpus_path, PathBuf::from);
-    let dataset = data::load(&data_path, cfg.tessera.tokenizer.as_deref().map(Path::new), data::DEFAULT_VAL_FRACTION)
-        .with_context(|| format!("loading data from {}", data_path.display()))?;
+    let dataset = crate::engine::load_dataset(cfg)?;
     // The budget and the offload share are checked below with the GPU's own counts; the CPU
     // plan's checks of them (CPU layout and dtypes) do not apply here.
     let mut cpu_cfg = cfg.clone();
@@ -306,10 +304,10 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
     }
     // The ZeRO tuning keys the GPU does not read (GPU_IGNORED_KEYS) must not refuse its run
     // through the CPU plan either: DeepSpeed's defaults there.
-    let z = &mut cpu_cfg.zero;
-    (z.reduce_bucket_size, z.stage3_prefetch_bucket_size) = (500_000_000, 50_000_000);
+    let (z, d) = (&mut cpu_cfg.zero, crate::config::ZeroConfig::deepspeed_defaults());
+    (z.reduce_bucket_size, z.stage3_prefetch_bucket_size) = (d.reduce_bucket_size, d.stage3_prefetch_bucket_size);
     (z.stage3_param_persistence_threshold, z.stage3_max_live_parameters, z.stage3_max_reuse_distance) =
-        (100_000, 1_000_000_000, 1_000_000_000);
+        (d.stage3_param_persistence_threshold, d.stage3_max_live_parameters, d.stage3_max_reuse_distance);
     let plan = Plan::new(&cpu_cfg, &dataset)?;
     let world = cfg.world_size.max(1);
     if plan.micro_batches % world != 0 {
