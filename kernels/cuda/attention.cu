@@ -7,7 +7,11 @@
 //
 // Every CTA has 4 warps (128 threads) and works on one 64-row tile of one (b, head) (grid.y).
 // Each warp owns 16 rows of the tile (the M=16 of the mma). Tiles past T are zero-filled in
-// shared memory and masked, so any T >= 1 works.
+// shared memory and masked, so any T >= 1 works. The backward kernels also come in the `_r2`
+// layout (the default; TESSERA_ATTN_BWD on the Rust side): each warp owns two blocks of 16 rows
+// (128 rows a CTA), so every fragment read from shared memory feeds two mmas, and S/dP are formed
+// in 4 column pieces of 16 to fit the registers. It gives the same bits as the 16-row layout: every
+// output element sums the same products in the same order (see the RB building blocks below).
 //
 // Two variants of every kernel (same parameters): the default one feeds P and dS to the tensor
 // cores as plain bf16 (one mma per product, as FlashAttention does) and takes delta = rowsum(dy o y)
@@ -233,9 +237,10 @@ __device__ __forceinline__ void att_load_tile_async(u32 tile, const bf16* __rest
     }
 }
 
+template <int N = 8>
 __device__ __forceinline__ void att_zero(float (*acc)[4]) {
 #pragma unroll
-    for (int i = 0; i < 8; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int i = 0; i < N; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
 // Stores a 16x64 f32 accumulator (times `mul`) as bf16 rows ra (= tile row g) and ra + 8 of a
@@ -396,18 +401,104 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
     attn_fwd_body<true>(y, lse, qkv, t, c, nh, scale_log2);
 }
 
-// dK/dV pass, one (keys × queries) tile: s = S^T and dp = dP^T in, P^T and dS^T out:
+// delta = rowsum(dY o y) of row i (dy and y [T, c] of one (b, head), 64 columns each) for a pair of
+// adjacent lanes: each sums 32 columns (u32 = 2 bf16 loads, y is only 4-byte aligned), then the
+// pair combines. Fixed order: deterministic. Rows >= t give 0. Every lane of the warp must call it.
+__device__ __forceinline__ float att_delta_row(const bf16* __restrict__ dy, const bf16* __restrict__ y, int i, int t, int c) {
+    const int half = threadIdx.x & 1;
+    float acc = 0.f;
+    if (i < t) {
+        const u32* dyr = (const u32*)(dy + (size_t)i * c + half * 32);
+        const u32* yr = (const u32*)(y + (size_t)i * c + half * 32);
+#pragma unroll
+        for (int k = 0; k < 16; k++) {
+            u32 a = dyr[k], b = yr[k];
+            acc = fmaf(__uint_as_float(a << 16), __uint_as_float(b << 16), acc);
+            acc = fmaf(__uint_as_float(a & 0xffff0000u), __uint_as_float(b & 0xffff0000u), acc);
+        }
+    }
+    return acc + __shfl_xor_sync(0xffffffffu, acc, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward building blocks for warps that own RB blocks of 16 rows: each B fragment read from
+// shared memory feeds RB mmas (one per row block), so RB = 2 halves the shared-memory reads per
+// product. Every accumulator element still sums the same products in the same order as with
+// RB = 1, so the row blocking never changes a bit.
+// ---------------------------------------------------------------------------------------------
+
+// acc[rb][16 x 16NP] += A_rb[16x64] * s[n0 .. n0 + 16NP)^T (s holds rows n, 64 cols k) for each
+// row block rb: the k-chunks in order, as att_gemm_abt.
+template <int NP, int RB>
+__device__ __forceinline__ void att_gemm_abt_rb(float (&acc)[RB][2 * NP][4], const u32 (&a)[RB][4][4], u32 s, int n0, const AttLane& L) {
+#pragma unroll
+    for (int kc = 0; kc < 4; kc++) {
+#pragma unroll
+        for (int np = 0; np < NP; np++) {
+            u32 b[4];
+            att_load_b_nk(b, s, n0 + np * 16, kc * 16, L);
+#pragma unroll
+            for (int rb = 0; rb < RB; rb++) {
+                att_mma(acc[rb][2 * np], a[rb][kc], b[0], b[1]);
+                att_mma(acc[rb][2 * np + 1], a[rb][kc], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// acc[rb][16x64] += C_rb(chunk kc, 16x16, as bf16 or hi + lo) * s[k0..k0+15][0..63] for each row
+// block: att_gemm_cb_chunk with one shared-memory read of s for all RB blocks.
+template <bool PRECISE, int RB, int NT>
+__device__ __forceinline__ void att_gemm_cb_rb(float (&acc)[RB][8][4], const float (&c)[RB][NT][4], u32 s, int kc, int k0, const AttLane& L) {
+    u32 hi[RB][4], lo[RB][4];
+#pragma unroll
+    for (int rb = 0; rb < RB; rb++) {
+        if (PRECISE) {
+            att_c_to_a_split(hi[rb], lo[rb], c[rb], kc);
+        } else {
+            hi[rb][0] = att_pack(c[rb][2 * kc][0], c[rb][2 * kc][1]);
+            hi[rb][1] = att_pack(c[rb][2 * kc][2], c[rb][2 * kc][3]);
+            hi[rb][2] = att_pack(c[rb][2 * kc + 1][0], c[rb][2 * kc + 1][1]);
+            hi[rb][3] = att_pack(c[rb][2 * kc + 1][2], c[rb][2 * kc + 1][3]);
+        }
+    }
+#pragma unroll
+    for (int np = 0; np < 4; np++) {
+        u32 b[4];
+        att_load_b_kn(b, s, k0, np * 16, L);
+#pragma unroll
+        for (int rb = 0; rb < RB; rb++) {
+            att_mma(acc[rb][2 * np], hi[rb], b[0], b[1]);
+            att_mma(acc[rb][2 * np + 1], hi[rb], b[2], b[3]);
+            if (PRECISE) {
+                att_mma(acc[rb][2 * np], lo[rb], b[0], b[1]);
+                att_mma(acc[rb][2 * np + 1], lo[rb], b[2], b[3]);
+            }
+        }
+    }
+}
+
+// Stages rows row0 .. row0 + 64·RB of a [rows, ldg] matrix (64 columns at g) into the RB
+// consecutive 64-row shared tiles starting at s (synchronous loads; rows >= t zero-filled).
+template <int RB>
+__device__ __forceinline__ void att_stage_rows(bf16* s, const bf16* __restrict__ g, int row0, int t, int ldg) {
+#pragma unroll
+    for (int rb = 0; rb < RB; rb++) att_load_tile(s + rb * ATT_TILE * ATT_LD, g, row0 + rb * ATT_TILE, t, ldg);
+}
+
+// dK/dV pass, one (keys × queries) piece of NT 8-query n-tiles starting at query qoff of the tile:
+// s = S^T and dp = dP^T in, P^T and dS^T out:
 // P^T = exp2(S^T * scale_log2 - lse) (lse in log2 units, per query), dS^T = P^T o (dP^T - delta).
 // MASK: zero where the query is before the key or past T (the diagonal or a cut last tile).
-template <bool MASK>
-__device__ __forceinline__ void att_dkdv_probs(float (*s)[4], float (*dp)[4], const float* l_s, const float* d_s, int q0, int ja, int t,
-                                               float scale_log2, int lane) {
+template <bool MASK, int NT>
+__device__ __forceinline__ void att_dkdv_probs(float (*s)[4], float (*dp)[4], const float* l_s, const float* d_s, int q0, int qoff, int ja,
+                                               int t, float scale_log2, int lane) {
     const int q = lane & 3;
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
+    for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            const int li = nt * 8 + 2 * q + (e & 1);
+            const int li = qoff + nt * 8 + 2 * q + (e & 1);
             float p = exp2f(fmaf(s[nt][e], scale_log2, -l_s[li]));
             if (MASK) {
                 const int i = q0 + li, j = ja + (e >> 1) * 8;
@@ -419,15 +510,16 @@ __device__ __forceinline__ void att_dkdv_probs(float (*s)[4], float (*dp)[4], co
     }
 }
 
-// dQ pass, one (queries × keys) tile: s = S and dp = dP in. P = exp2(S * scale_log2 - lse);
-// default: dp becomes dS = P o (dP - delta); PRECISE: dp becomes P o dP and rs gathers its row
-// sums. MASK: zero where the key is past the row, or the row past T (the diagonal tile).
-template <bool MASK, bool PRECISE>
+// dQ pass, one (queries × keys) piece of NT 8-key n-tiles whose first key is k0: s = S and dp = dP
+// in. P = exp2(S * scale_log2 - lse); default: dp becomes dS = P o (dP - delta); PRECISE: dp
+// becomes P o dP and rs gathers its row sums (pieces in key order keep the whole tile's order).
+// MASK: zero where the key is past the row, or the row past T (the diagonal tile).
+template <bool MASK, bool PRECISE, int NT>
 __device__ __forceinline__ void att_dq_probs(float (*s)[4], float (*dp)[4], const float* lr, const float* dl, float* rs, int k0, int ra, int t,
                                              float scale_log2, int lane) {
     const int q = lane & 3;
 #pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
+    for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             const int r = e >> 1;
@@ -448,25 +540,34 @@ __device__ __forceinline__ void att_dq_probs(float (*s)[4], float (*dp)[4], cons
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward, second kernel (after attn_bwd_dq, which writes delta): dK, dV for one 64-key tile
-// (grid.x) of one (b, head) (grid.y). Each warp owns 16 keys; loops over query tiles from the
-// diagonal to the end in order:
+// Backward, second kernel (after attn_bwd_dq, which writes delta): dK, dV for one tile of 64·RB
+// keys (grid.x) of one (b, head) (grid.y). Each warp owns 16·RB keys; loops over 64-query tiles
+// from its diagonal to the end in order:
 //   S^T = K Q^T, P^T = exp(S^T*scale - lse), dP^T = V dY^T, dS^T = P^T o (dP^T - delta),
 //   dV += P^T dY, dK += dS^T Q (times scale at the end).
+// The query tiles stream through shared memory for the whole CTA; a warp whose keys lie in the
+// CTA's second 64-key tile (RB = 2) skips the first query tile, which is entirely before its keys,
+// exactly as the RB = 1 kernel never visits it. Each 64-query tile is computed in PIECES pieces
+// of 64/PIECES queries: S^T and dP^T of one piece live at a time (fewer registers); dV and dK
+// still add their 16-query chunks in order.
 // ---------------------------------------------------------------------------------------------
-template <bool PRECISE>
+template <bool PRECISE, int PIECES, int RB>
 __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, const bf16* __restrict__ dy, const bf16* __restrict__ qkv,
                                                    const float* __restrict__ lse, const float* __restrict__ delta, int t, int c, int nh,
                                                    float scale, float scale_log2) {
+    constexpr int NT = 8 / PIECES;  // 8-query n-tiles per piece
     __shared__ __align__(16) bf16 sQ[2][ATT_TILE * ATT_LD];
     __shared__ __align__(16) bf16 sDY[2][ATT_TILE * ATT_LD];
-    __shared__ __align__(16) float sL[2][ATT_TILE];  // lse (natural log) of the tile's query rows
+    __shared__ __align__(16) float sL[2][ATT_TILE];  // lse (log2 units) of the tile's query rows
     __shared__ __align__(16) float sD[2][ATT_TILE];  // delta of the tile's query rows
 
-    const int kt = blockIdx.x;  // heaviest (most query tiles) first
-    const int nq = gridDim.x;
+    const int key0 = blockIdx.x * ATT_TILE * RB;  // heaviest (most query tiles) first
+    const int nq = (t + ATT_TILE - 1) / ATT_TILE;
+    const int q_first = key0 / ATT_TILE;  // the CTA's first query tile
     const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+    const int wkey0 = key0 + warp * 16 * RB;  // this warp's first key
+    const int wt = wkey0 / ATT_TILE;          // its 64-key tile, the first query tile it visits
     const int ld = 3 * c;
     const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
     const bf16* dybase = dy + (size_t)bi * t * c + h * ATT_HD;
@@ -476,7 +577,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, cons
     const AttLane L = att_lane(lane);
     const u32 aQ = att_smem_addr(sQ[0]), aDY = att_smem_addr(sDY[0]);  // buffer i at + i·ATT_BUF_BYTES
 
-    // Query tile kt (with its lse and delta) -> buffer 0, asynchronously.
+    // Query tile qt (with its lse and delta) -> buffer buf, asynchronously.
     auto prefetch = [&](int qt, int buf) {
         att_load_tile_async(aQ + buf * ATT_BUF_BYTES, base, qt * ATT_TILE, t, ld);
         att_load_tile_async(aDY + buf * ATT_BUF_BYTES, dybase, qt * ATT_TILE, t, c);
@@ -487,73 +588,103 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, cons
             att_cp4(att_smem_addr(&sD[buf][threadIdx.x]), delta_bh + (ok ? i : 0), ok ? 4 : 0);
         }
     };
-    prefetch(kt, 0);
-    att_cp_commit();
 
-    // K and V fragments (A operands) of this warp's 16 keys, staged through buffer 1.
-    u32 kf[4][4], vf[4][4];
-    att_load_tile(sQ[1], base + c, kt * ATT_TILE, t, ld);
-    att_load_tile(sDY[1], base + 2 * c, kt * ATT_TILE, t, ld);
+    // K and V fragments (A operands) of this warp's keys, staged through shared memory: with
+    // RB = 1 through buffer 1 while query tile q_first streams into buffer 0; with RB = 2 the
+    // staging takes both buffers, so the first query tile is fetched after it.
+    u32 kf[RB][4][4], vf[RB][4][4];
+    const int stage = RB == 1 ? 1 : 0;
+    if (RB == 1) {
+        prefetch(q_first, 0);
+        att_cp_commit();
+    }
+    att_stage_rows<RB>(sQ[stage], base + c, key0, t, ld);
+    att_stage_rows<RB>(sDY[stage], base + 2 * c, key0, t, ld);
     __syncthreads();
 #pragma unroll
-    for (int kc = 0; kc < 4; kc++) {
-        att_load_a(kf[kc], aQ + ATT_BUF_BYTES, warp * 16, kc * 16, L);
-        att_load_a(vf[kc], aDY + ATT_BUF_BYTES, warp * 16, kc * 16, L);
+    for (int rb = 0; rb < RB; rb++) {
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) {
+            att_load_a(kf[rb][kc], aQ + stage * ATT_BUF_BYTES, warp * 16 * RB + rb * 16, kc * 16, L);
+            att_load_a(vf[rb][kc], aDY + stage * ATT_BUF_BYTES, warp * 16 * RB + rb * 16, kc * 16, L);
+        }
+    }
+    if (RB > 1) {
+        __syncthreads();  // every warp has its fragments before buffer 0 is overwritten
+        prefetch(q_first, 0);
+        att_cp_commit();
     }
 
-    float dk[8][4], dv[8][4];
-    att_zero(dk);
-    att_zero(dv);
-    const int ja = kt * ATT_TILE + warp * 16 + g;  // this thread's keys: ja and ja + 8
+    float dk[RB][8][4], dv[RB][8][4];
+#pragma unroll
+    for (int rb = 0; rb < RB; rb++) {
+        att_zero(dk[rb]);
+        att_zero(dv[rb]);
+    }
 
-    for (int qt = kt; qt < nq; qt++) {
-        const int cur = (qt - kt) & 1;
+    for (int qt = q_first; qt < nq; qt++) {
+        const int cur = (qt - q_first) & 1;
         att_cp_wait_all();  // this thread's copies of tile qt have landed
         __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1
         if (qt + 1 < nq) prefetch(qt + 1, cur ^ 1);
         att_cp_commit();
+        if (qt < wt) continue;  // (warp-uniform) the tile is entirely before this warp's keys
         const u32 q_s = aQ + cur * ATT_BUF_BYTES, dy_s = aDY + cur * ATT_BUF_BYTES;
         const float* l_s = sL[cur];
         const float* d_s = sD[cur];
-
-        float s[8][4], dp[8][4];
-        att_zero(s);
-        att_zero(dp);
-        att_gemm_abt(s, kf, q_s, L);    // S^T [keys x queries]
-        att_gemm_abt(dp, vf, dy_s, L);  // dP^T [keys x queries]
-
         // The diagonal tile, or a last tile cut by T, needs the mask; the others are all valid.
-        if (qt == kt || (qt + 1) * ATT_TILE > t) {
-            att_dkdv_probs<true>(s, dp, l_s, d_s, qt * ATT_TILE, ja, t, scale_log2, lane);
-        } else {
-            att_dkdv_probs<false>(s, dp, l_s, d_s, qt * ATT_TILE, ja, t, scale_log2, lane);
-        }
+        const bool masked = qt == wt || (qt + 1) * ATT_TILE > t;
 #pragma unroll
-        for (int kc = 0; kc < 4; kc++) {                         // 16-query chunks
-            att_gemm_cb_chunk<PRECISE>(dv, s, dy_s, kc, L);  // dV += P^T dY
-            att_gemm_cb_chunk<PRECISE>(dk, dp, q_s, kc, L);  // dK += dS^T Q
+        for (int pc = 0; pc < PIECES; pc++) {
+            const int qoff = pc * NT * 8;
+            float s[RB][NT][4], dp[RB][NT][4];
+#pragma unroll
+            for (int rb = 0; rb < RB; rb++) {
+                att_zero<NT>(s[rb]);
+                att_zero<NT>(dp[rb]);
+            }
+            att_gemm_abt_rb<NT / 2, RB>(s, kf, q_s, qoff, L);    // S^T [keys x queries]
+            att_gemm_abt_rb<NT / 2, RB>(dp, vf, dy_s, qoff, L);  // dP^T [keys x queries]
+#pragma unroll
+            for (int rb = 0; rb < RB; rb++) {
+                const int ja = wkey0 + rb * 16 + g;  // this thread's keys: ja and ja + 8
+                if (masked) {
+                    att_dkdv_probs<true, NT>(s[rb], dp[rb], l_s, d_s, qt * ATT_TILE, qoff, ja, t, scale_log2, lane);
+                } else {
+                    att_dkdv_probs<false, NT>(s[rb], dp[rb], l_s, d_s, qt * ATT_TILE, qoff, ja, t, scale_log2, lane);
+                }
+            }
+#pragma unroll
+            for (int kc = 0; kc < NT / 2; kc++) {                                        // 16-query chunks
+                att_gemm_cb_rb<PRECISE, RB, NT>(dv, s, dy_s, kc, qoff + kc * 16, L);  // dV += P^T dY
+                att_gemm_cb_rb<PRECISE, RB, NT>(dk, dp, q_s, kc, qoff + kc * 16, L);  // dK += dS^T Q
+            }
         }
     }
 
     bf16* out = dqkv + (size_t)bi * t * ld + h * ATT_HD;
-    att_store_rows(out + c, dk, scale, ja, t, ld, lane);
-    att_store_rows(out + 2 * c, dv, 1.f, ja, t, ld, lane);
+#pragma unroll
+    for (int rb = 0; rb < RB; rb++) {
+        const int ja = wkey0 + rb * 16 + g;
+        att_store_rows(out + c, dk[rb], scale, ja, t, ld, lane);
+        att_store_rows(out + 2 * c, dv[rb], 1.f, ja, t, ld, lane);
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attn_bwd_dkdv(bf16* __restrict__ dqkv, const bf16* __restrict__ dy, const bf16* __restrict__ qkv, const float* __restrict__ lse,
-                  const float* __restrict__ delta, int t, int c, int nh, float scale, float scale_log2) {
-    attn_bwd_dkdv_body<false>(dqkv, dy, qkv, lse, delta, t, c, nh, scale, scale_log2);
-}
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attn_bwd_dkdv_precise(bf16* __restrict__ dqkv, const bf16* __restrict__ dy, const bf16* __restrict__ qkv, const float* __restrict__ lse,
-                          const float* __restrict__ delta, int t, int c, int nh, float scale, float scale_log2) {
-    attn_bwd_dkdv_body<true>(dqkv, dy, qkv, lse, delta, t, c, nh, scale, scale_log2);
-}
+#define ATT_DKDV_ARGS                                                                                                                 \
+    bf16 *__restrict__ dqkv, const bf16 *__restrict__ dy, const bf16 *__restrict__ qkv, const float *__restrict__ lse,                \
+        const float *__restrict__ delta, int t, int c, int nh, float scale, float scale_log2
+#define ATT_DKDV_PASS dqkv, dy, qkv, lse, delta, t, c, nh, scale, scale_log2
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv(ATT_DKDV_ARGS) { attn_bwd_dkdv_body<false, 1, 1>(ATT_DKDV_PASS); }
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_precise(ATT_DKDV_ARGS) { attn_bwd_dkdv_body<true, 1, 1>(ATT_DKDV_PASS); }
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dkdv_r2(ATT_DKDV_ARGS) { attn_bwd_dkdv_body<false, 4, 2>(ATT_DKDV_PASS); }
 
 // ---------------------------------------------------------------------------------------------
-// Backward, first kernel: dQ and delta for one 64-query tile (grid.x) of one (b, head) (grid.y).
-// Each warp owns 16 queries; one pass over key tiles 0..=diagonal in order.
+// Backward, first kernel: dQ and delta for one tile of 64·RB queries (grid.x) of one (b, head)
+// (grid.y). Each warp owns 16·RB queries; one pass over key tiles 0 .. its diagonal in order
+// (the key tiles stream through shared memory for the whole CTA; with RB = 2 a warp in the CTA's
+// first 64-row tile skips the second one's diagonal key tile, which lies after its rows, as the
+// RB = 1 kernel never visits it). Each 64-key tile is computed in PIECES pieces in key order.
 //
 // Default (PRECISE = false), as FlashAttention-2: delta = rowsum(dY o y) from the bf16 output y,
 // computed first for the tile's own rows (and written for the dK/dV kernel); then
@@ -564,17 +695,22 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 // P as bf16 pairs); then dS = P o (dP - delta) gives dQ = scale * (A - delta o B) without a second
 // pass. delta = rowsum(P o dP) (= rowsum(dY o O) for the f32 O) is written for the dK/dV kernel.
 // ---------------------------------------------------------------------------------------------
-template <bool PRECISE>
+template <bool PRECISE, int PIECES, int RB>
 __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float* __restrict__ delta, const bf16* __restrict__ dy,
                                                  const bf16* __restrict__ qkv, const bf16* __restrict__ y, const float* __restrict__ lse,
                                                  int t, int c, int nh, float scale, float scale_log2) {
+    constexpr int NT = 8 / PIECES;  // 8-key n-tiles per piece
+    constexpr int ROWS = ATT_TILE * RB;
     __shared__ __align__(16) bf16 sK[2][ATT_TILE * ATT_LD];
     __shared__ __align__(16) bf16 sV[2][ATT_TILE * ATT_LD];
-    __shared__ float sDelta[ATT_TILE];
+    __shared__ float sDelta[ROWS];
 
-    const int qt = gridDim.x - 1 - blockIdx.x;  // heaviest first
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * ROWS;  // heaviest first
     const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const int wrow0 = row0 + warp * 16 * RB;                                      // this warp's first row
+    const int wt = wrow0 / ATT_TILE;                                              // its 64-row tile: its diagonal key tile
+    const int k_last = min((row0 + ROWS - 1) / ATT_TILE, (t - 1) / ATT_TILE);  // the CTA's last key tile
     const int ld = 3 * c;
     const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
     const bf16* dybase = dy + (size_t)bi * t * c + h * ATT_HD;
@@ -583,113 +719,136 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
     const AttLane L = att_lane(lane);
     const u32 aK = att_smem_addr(sK[0]), aV = att_smem_addr(sV[0]);  // buffer i at + i·ATT_BUF_BYTES
 
-    // Key tile 0 -> buffer 0 asynchronously; Q and dY of this tile staged through buffer 1.
-    att_load_tile_async(aK, base + c, 0, t, ld);
-    att_load_tile_async(aV, base + 2 * c, 0, t, ld);
-    att_cp_commit();
-    att_load_tile(sK[1], base, qt * ATT_TILE, t, ld);
-    att_load_tile(sV[1], dybase, qt * ATT_TILE, t, c);
+    // Key tile 0 -> buffer 0 asynchronously (RB = 1); Q and dY of this tile staged through buffer 1
+    // (RB = 1) or both buffers (RB = 2, key tile 0 fetched after the staging).
+    const int stage = RB == 1 ? 1 : 0;
+    if (RB == 1) {
+        att_load_tile_async(aK, base + c, 0, t, ld);
+        att_load_tile_async(aV, base + 2 * c, 0, t, ld);
+        att_cp_commit();
+    }
+    att_stage_rows<RB>(sK[stage], base, row0, t, ld);
+    att_stage_rows<RB>(sV[stage], dybase, row0, t, c);
     if (!PRECISE) {
-        // delta of row qt*64 + tid/2: two adjacent lanes each sum 32 columns (u32 = 2 bf16 loads,
-        // y is only 4-byte aligned), then combine. Fixed order: deterministic.
-        const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
-        const int i = qt * ATT_TILE + r;
-        float acc = 0.f;
-        if (i < t) {
-            const u32* dyr = (const u32*)(dybase + (size_t)i * c + half * 32);
-            const u32* yr = (const u32*)(y + (size_t)bi * t * c + h * ATT_HD + (size_t)i * c + half * 32);
+        // delta of row row0 + 64p + tid/2: two adjacent lanes each sum 32 columns (u32 = 2 bf16
+        // loads, y is only 4-byte aligned), then combine. Fixed order: deterministic.
 #pragma unroll
-            for (int k = 0; k < 16; k++) {
-                u32 a = dyr[k], b = yr[k];
-                acc = fmaf(__uint_as_float(a << 16), __uint_as_float(b << 16), acc);
-                acc = fmaf(__uint_as_float(a & 0xffff0000u), __uint_as_float(b & 0xffff0000u), acc);
+        for (int pass = 0; pass < RB; pass++) {
+            const int r = pass * ATT_TILE + (threadIdx.x >> 1);
+            const float acc = att_delta_row(dybase, y + (size_t)bi * t * c + h * ATT_HD, row0 + r, t, c);
+            if ((threadIdx.x & 1) == 0) {
+                sDelta[r] = acc;
+                if (row0 + r < t) delta_bh[row0 + r] = acc;
             }
-        }
-        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-        if (half == 0) {
-            sDelta[r] = acc;
-            if (i < t) delta_bh[i] = acc;
         }
     }
     __syncthreads();
-    u32 qf[4][4], dyf[4][4];
+    u32 qf[RB][4][4], dyf[RB][4][4];
 #pragma unroll
-    for (int kc = 0; kc < 4; kc++) {
-        att_load_a(qf[kc], aK + ATT_BUF_BYTES, warp * 16, kc * 16, L);
-        att_load_a(dyf[kc], aV + ATT_BUF_BYTES, warp * 16, kc * 16, L);
+    for (int rb = 0; rb < RB; rb++) {
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) {
+            att_load_a(qf[rb][kc], aK + stage * ATT_BUF_BYTES, warp * 16 * RB + rb * 16, kc * 16, L);
+            att_load_a(dyf[rb][kc], aV + stage * ATT_BUF_BYTES, warp * 16 * RB + rb * 16, kc * 16, L);
+        }
+    }
+    if (RB > 1) {
+        __syncthreads();  // every warp has its fragments before buffer 0 is overwritten
+        att_load_tile_async(aK, base + c, 0, t, ld);
+        att_load_tile_async(aV, base + 2 * c, 0, t, ld);
+        att_cp_commit();
     }
 
-    const int ra = qt * ATT_TILE + warp * 16 + g;  // rows ra and ra + 8
-    float lr[2], dl[2];
+    const int ra = wrow0 + g;  // this thread's rows: ra + 16rb and ra + 16rb + 8
+    float lr[RB][2], dl[RB][2];
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        int i = ra + r * 8;
-        lr[r] = i < t ? lse[(size_t)bh * t + i] : 0.f;  // log2 units
-        dl[r] = PRECISE ? 0.f : sDelta[warp * 16 + g + r * 8];
+    for (int rb = 0; rb < RB; rb++) {
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int i = ra + rb * 16 + r * 8;
+            lr[rb][r] = i < t ? lse[(size_t)bh * t + i] : 0.f;  // log2 units
+            dl[rb][r] = PRECISE ? 0.f : sDelta[i - row0];
+        }
     }
 
     // PRECISE: acc_e = A = (P o dP) K, acc_p = B = P K. Default: acc_e = dS K (acc_p unused).
-    float acc_e[8][4], acc_p[8][4];
-    att_zero(acc_e);
-    att_zero(acc_p);
-    float rs[2] = {0.f, 0.f};  // PRECISE: this lane's part of rowsum(P o dP)
+    float acc_e[RB][8][4], acc_p[RB][8][4];
+    float rs[RB][2];  // PRECISE: this lane's part of rowsum(P o dP)
+#pragma unroll
+    for (int rb = 0; rb < RB; rb++) {
+        att_zero(acc_e[rb]);
+        att_zero(acc_p[rb]);
+        rs[rb][0] = rs[rb][1] = 0.f;
+    }
 
-    for (int kt = 0; kt <= qt; kt++) {
+    for (int kt = 0; kt <= k_last; kt++) {
         const int cur = kt & 1;
         att_cp_wait_all();  // this thread's copies of tile kt have landed
         __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1 (tile kt-1 / Q, dY)
         const u32 now = cur * ATT_BUF_BYTES, next = (cur ^ 1) * ATT_BUF_BYTES;
-        if (kt < qt) {
+        if (kt < k_last) {
             att_load_tile_async(aK + next, base + c, (kt + 1) * ATT_TILE, t, ld);
             att_load_tile_async(aV + next, base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
         }
         att_cp_commit();
+        if (kt > wt) continue;  // (warp-uniform) the tile lies entirely after this warp's rows
         const u32 k_s = aK + now, v_s = aV + now;
-
-        float s[8][4], dp[8][4];
-        att_zero(s);
-        att_zero(dp);
-        att_gemm_abt(s, qf, k_s, L);    // S = Q K^T
-        att_gemm_abt(dp, dyf, v_s, L);  // dP = dY V^T
-
-        if (kt == qt) {  // the diagonal tile: keys past the row (and rows past T) masked
-            att_dq_probs<true, PRECISE>(s, dp, lr, dl, rs, kt * ATT_TILE, ra, t, scale_log2, lane);
-        } else {
-            att_dq_probs<false, PRECISE>(s, dp, lr, dl, rs, kt * ATT_TILE, ra, t, scale_log2, lane);
-        }
 #pragma unroll
-        for (int kc = 0; kc < 4; kc++) {                              // 16-key chunks
-            att_gemm_cb_chunk<PRECISE>(acc_e, dp, k_s, kc, L);     // A += (P o dP) K, or dQ += dS K
-            if (PRECISE) att_gemm_cb_chunk<true>(acc_p, s, k_s, kc, L);  // B += P K
+        for (int pc = 0; pc < PIECES; pc++) {
+            const int koff = pc * NT * 8;
+            float s[RB][NT][4], dp[RB][NT][4];
+#pragma unroll
+            for (int rb = 0; rb < RB; rb++) {
+                att_zero<NT>(s[rb]);
+                att_zero<NT>(dp[rb]);
+            }
+            att_gemm_abt_rb<NT / 2, RB>(s, qf, k_s, koff, L);    // S = Q K^T
+            att_gemm_abt_rb<NT / 2, RB>(dp, dyf, v_s, koff, L);  // dP = dY V^T
+#pragma unroll
+            for (int rb = 0; rb < RB; rb++) {
+                if (kt == wt) {  // the diagonal tile: keys past the row (and rows past T) masked
+                    att_dq_probs<true, PRECISE, NT>(s[rb], dp[rb], lr[rb], dl[rb], rs[rb], kt * ATT_TILE + koff, ra + rb * 16, t, scale_log2,
+                                                    lane);
+                } else {
+                    att_dq_probs<false, PRECISE, NT>(s[rb], dp[rb], lr[rb], dl[rb], rs[rb], kt * ATT_TILE + koff, ra + rb * 16, t, scale_log2,
+                                                     lane);
+                }
+            }
+#pragma unroll
+            for (int kc = 0; kc < NT / 2; kc++) {                                           // 16-key chunks
+                att_gemm_cb_rb<PRECISE, RB, NT>(acc_e, dp, k_s, kc, koff + kc * 16, L);     // A += (P o dP) K, or dQ += dS K
+                if (PRECISE) att_gemm_cb_rb<true, RB, NT>(acc_p, s, k_s, kc, koff + kc * 16, L);  // B += P K
+            }
         }
     }
 
-    if (PRECISE) {
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
-            rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
-        }
+    for (int rb = 0; rb < RB; rb++) {
+        const int rr = ra + rb * 16;
+        if (PRECISE) {
 #pragma unroll
-        for (int nt = 0; nt < 8; nt++) {
+            for (int r = 0; r < 2; r++) {
+                rs[rb][r] += __shfl_xor_sync(0xffffffffu, rs[rb][r], 1);
+                rs[rb][r] += __shfl_xor_sync(0xffffffffu, rs[rb][r], 2);
+            }
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc_e[nt][e] -= rs[e >> 1] * acc_p[nt][e];
+            for (int nt = 0; nt < 8; nt++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc_e[rb][nt][e] -= rs[rb][e >> 1] * acc_p[rb][nt][e];
+            }
+            if (q == 0) {
+                if (rr < t) delta_bh[rr] = rs[rb][0];
+                if (rr + 8 < t) delta_bh[rr + 8] = rs[rb][1];
+            }
         }
-        if (q == 0) {
-            if (ra < t) delta_bh[ra] = rs[0];
-            if (ra + 8 < t) delta_bh[ra + 8] = rs[1];
-        }
+        att_store_rows(dqkv + (size_t)bi * t * ld + h * ATT_HD, acc_e[rb], scale, rr, t, ld, lane);
     }
-    att_store_rows(dqkv + (size_t)bi * t * ld + h * ATT_HD, acc_e, scale, ra, t, ld, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attn_bwd_dq(bf16* __restrict__ dqkv, float* __restrict__ delta, const bf16* __restrict__ dy, const bf16* __restrict__ qkv,
-                const bf16* __restrict__ y, const float* __restrict__ lse, int t, int c, int nh, float scale, float scale_log2) {
-    attn_bwd_dq_body<false>(dqkv, delta, dy, qkv, y, lse, t, c, nh, scale, scale_log2);
-}
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attn_bwd_dq_precise(bf16* __restrict__ dqkv, float* __restrict__ delta, const bf16* __restrict__ dy, const bf16* __restrict__ qkv,
-                        const bf16* __restrict__ y, const float* __restrict__ lse, int t, int c, int nh, float scale, float scale_log2) {
-    attn_bwd_dq_body<true>(dqkv, delta, dy, qkv, y, lse, t, c, nh, scale, scale_log2);
-}
+#define ATT_DQ_ARGS                                                                                                                   \
+    bf16 *__restrict__ dqkv, float *__restrict__ delta, const bf16 *__restrict__ dy, const bf16 *__restrict__ qkv,                    \
+        const bf16 *__restrict__ y, const float *__restrict__ lse, int t, int c, int nh, float scale, float scale_log2
+#define ATT_DQ_PASS dqkv, delta, dy, qkv, y, lse, t, c, nh, scale, scale_log2
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq(ATT_DQ_ARGS) { attn_bwd_dq_body<false, 1, 1>(ATT_DQ_PASS); }
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_precise(ATT_DQ_ARGS) { attn_bwd_dq_body<true, 1, 1>(ATT_DQ_PASS); }
+extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dq_r2(ATT_DQ_ARGS) { attn_bwd_dq_body<false, 4, 2>(ATT_DQ_PASS); }

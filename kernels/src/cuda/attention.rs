@@ -84,8 +84,58 @@ impl Variant {
     }
 }
 
-fn tiles_cfg(t: usize, b: usize, nh: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (t.div_ceil(TILE) as u32, (b * nh) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+/// One way to run the backward: its dQ kernel and its dK/dV kernel (the dQ kernel runs first
+/// and writes delta), with the number of 16-row blocks a warp owns (queries in dQ, keys in dK/dV).
+#[derive(Clone, Copy, Debug)]
+struct BwdLayout {
+    name: &'static str,
+    dq: &'static str,
+    dkdv: &'static str,
+    rb: usize,
+}
+
+/// The plain variant's backward layouts (`TESSERA_ATTN_BWD`, read once per process):
+/// - `r2` (default): each warp owns 2 blocks of 16 rows (128 per block of threads), so every
+///   fragment read from shared memory feeds two products; S and dP in 4 column pieces of 16 (to fit
+///   the registers);
+/// - `full`: each warp owns 16 rows and computes S and dP of a whole 64 × 64 tile at once (the
+///   layout of the `_precise` kernels).
+///
+/// Both give the same bits: each element of S, dP, dQ, dK and dV sums the same products in the same
+/// order (a `gpu check` row compares them). `r2` is ~0.3–0.4 ms a GPT-2 124M step faster on an
+/// H200 (docs/PERFORMANCE.md).
+const BWD_LAYOUTS: [BwdLayout; 2] = [
+    BwdLayout { name: "r2", dq: "attn_bwd_dq_r2", dkdv: "attn_bwd_dkdv_r2", rb: 2 },
+    BwdLayout { name: "full", dq: "attn_bwd_dq", dkdv: "attn_bwd_dkdv", rb: 1 },
+];
+
+/// The `_precise` kernels (16 rows a warp, whole tiles).
+const PRECISE_LAYOUT: BwdLayout = BwdLayout { name: "precise", dq: "attn_bwd_dq_precise", dkdv: "attn_bwd_dkdv_precise", rb: 1 };
+
+/// The layout of [`attention_backward`]: the precise one under `TESSERA_ATTN_PRECISE=1`, else
+/// `TESSERA_ATTN_BWD`'s (`r2` when unset; a name that is no layout is an error, not ignored).
+fn bwd_layout(variant: Variant) -> Result<BwdLayout> {
+    static P: OnceLock<std::result::Result<BwdLayout, String>> = OnceLock::new();
+    match variant {
+        Variant::Precise => Ok(PRECISE_LAYOUT),
+        Variant::Plain => P
+            .get_or_init(|| match std::env::var("TESSERA_ATTN_BWD") {
+                Err(std::env::VarError::NotPresent) => Ok(BWD_LAYOUTS[0]),
+                Err(e) => Err(format!("TESSERA_ATTN_BWD: {e}")),
+                Ok(name) => BWD_LAYOUTS
+                    .iter()
+                    .find(|l| l.name == name.trim())
+                    .copied()
+                    .ok_or_else(|| format!("TESSERA_ATTN_BWD={name:?} names no attention backward layout (expected `r2` or `full`)")),
+            })
+            .clone()
+            .map_err(GpuError::Invalid),
+    }
+}
+
+/// One block of threads per `TILE · rb` rows of each (b, head).
+fn tiles_cfg(t: usize, b: usize, nh: usize, rb: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (t.div_ceil(TILE * rb) as u32, (b * nh) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
 fn scales(hd: usize) -> (f32, f32) {
@@ -138,7 +188,7 @@ fn forward_variant(
     let mut lb = stream.launch_builder(&f);
     lb.arg(&y.raw).arg(&lse.raw).arg(&qkv.raw).arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale_log2);
     // SAFETY: lengths and alignment checked above; the kernel stays inside [B, T, ·] rows.
-    unsafe { lb.launch(tiles_cfg(t, b, nh)) }.map_err(drv(format!("launching {name}")))?;
+    unsafe { lb.launch(tiles_cfg(t, b, nh, 1)) }.map_err(drv(format!("launching {name}")))?;
     Ok(())
 }
 
@@ -161,11 +211,12 @@ pub fn attention_backward(
     c: usize,
     nh: usize,
 ) -> Result<()> {
-    backward_variant(Variant::from_env(), gpu, stream, dqkv, delta, dy, qkv, y, lse, b, t, c, nh)
+    let variant = Variant::from_env();
+    backward_layout(bwd_layout(variant)?, gpu, stream, dqkv, delta, dy, qkv, y, lse, b, t, c, nh)
 }
 
-fn backward_variant(
-    variant: Variant,
+fn backward_layout(
+    layout: BwdLayout,
     gpu: &Gpu,
     stream: &CudaStream,
     dqkv: DPtr<bf16>,
@@ -197,22 +248,22 @@ fn backward_variant(
     let (scale, scale_log2) = scales(hd);
     let (t_i, c_i, nh_i) = (t as i32, c as i32, nh as i32);
 
+    let cfg = tiles_cfg(t, b, nh, layout.rb);
+
     // dQ and delta first (one pass over keys), then dK/dV, which read delta.
-    let name = variant.kernel("attn_bwd_dq");
-    let f = gpu.func("attention", &name)?;
+    let f = gpu.func("attention", layout.dq)?;
     let mut lb = stream.launch_builder(&f);
     lb.arg(&dqkv.raw).arg(&delta.raw).arg(&dy.raw).arg(&qkv.raw).arg(&y.raw).arg(&lse.raw);
     lb.arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale).arg(&scale_log2);
     // SAFETY: lengths and alignment checked above (y is read with 4-byte loads); rows ≥ T are never read or written.
-    unsafe { lb.launch(tiles_cfg(t, b, nh)) }.map_err(drv(format!("launching {name}")))?;
+    unsafe { lb.launch(cfg) }.map_err(drv(format!("launching {}", layout.dq)))?;
 
-    let name = variant.kernel("attn_bwd_dkdv");
-    let f = gpu.func("attention", &name)?;
+    let f = gpu.func("attention", layout.dkdv)?;
     let mut lb = stream.launch_builder(&f);
     lb.arg(&dqkv.raw).arg(&dy.raw).arg(&qkv.raw).arg(&lse.raw).arg(&delta.raw);
     lb.arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale).arg(&scale_log2);
-    // SAFETY: as above; dQ columns (written by attn_bwd_dq) are not touched.
-    unsafe { lb.launch(tiles_cfg(t, b, nh)) }.map_err(drv(format!("launching {name}")))?;
+    // SAFETY: as above; dQ columns (written by the dQ kernel) are not touched.
+    unsafe { lb.launch(cfg) }.map_err(drv(format!("launching {}", layout.dkdv)))?;
     Ok(())
 }
 
@@ -310,7 +361,21 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
 
         let run = || -> Result<()> {
             forward_variant(variant, gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), b, t, c, nh)?;
-            backward_variant(variant, gpu, &stream, dqkv.ptr(), delta.ptr(), dy.ptr(), qkv.ptr(), y.ptr(), lse.ptr(), b, t, c, nh)
+            backward_layout(
+                bwd_layout(variant)?,
+                gpu,
+                &stream,
+                dqkv.ptr(),
+                delta.ptr(),
+                dy.ptr(),
+                qkv.ptr(),
+                y.ptr(),
+                lse.ptr(),
+                b,
+                t,
+                c,
+                nh,
+            )
         };
         run()?;
         let y_gpu = to_f32(&gpu.download(y.ptr())?);
@@ -345,6 +410,18 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
             match variant {
                 Variant::Plain => rows.extend(plain_rows(name, g, cp)),
                 Variant::Precise => rows.push(CheckRow::compare(name.clone(), g, cp, FLOOR, TOL)),
+            }
+        }
+
+        // Every backward layout gives the same bits (tolerance 0).
+        if variant == Variant::Plain {
+            for layout in BWD_LAYOUTS {
+                let mut other = gpu.alloc::<bf16>(b * t * 3 * c)?;
+                gpu.write(&mut other, 0, &vec![bf16::NAN; b * t * 3 * c])?;
+                backward_layout(layout, gpu, &stream, other.ptr(), delta.ptr(), dy.ptr(), qkv.ptr(), y.ptr(), lse.ptr(), b, t, c, nh)?;
+                let o = to_f32(&gpu.download(other.ptr())?);
+                let name = format!("attention_backward {} layout bit-identical {tag}", layout.name);
+                rows.push(CheckRow::compare(name, &o, &dqkv_gpu, FLOOR, 0.0));
             }
         }
 
