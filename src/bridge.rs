@@ -8,9 +8,10 @@ use tessera_kernels::optim::{
     AdamParams, DynamicLossScaler, LambParams, LionParams, LossScaler, LossScalerState, OptimError, OptimizerKind, SgdParams,
 };
 
-use crate::config::{Config, OptimizerConfig, Precision};
+use crate::config::{Config, OptimizerConfig, Precision, SchedulerConfig};
 use crate::engine::Precision16;
 use crate::monitor::{CsvOpts, JsonlOpts, MonitorConfig, MonitorSet, TensorboardOpts};
+use crate::schedule;
 
 pub fn precision(p: &Precision) -> Precision16 {
     match p {
@@ -20,15 +21,20 @@ pub fn precision(p: &Precision) -> Precision16 {
     }
 }
 
-pub fn optimizer_kind(o: &OptimizerConfig) -> OptimizerKind {
+/// The optimizer with its hyper-parameters. Under OneCycle with `cycle_momentum` the
+/// optimizers that have betas (Adam, AdamW, Lamb, Lion) carry the momentum cycle, which
+/// replaces their configured betas step by step as DeepSpeed's scheduler does; SGD has no
+/// betas and DeepSpeed does not cycle it (the config layer warns).
+pub fn optimizer_kind(o: &OptimizerConfig, sched: Option<&SchedulerConfig>) -> OptimizerKind {
+    let momentum_cycle = schedule::momentum_cycle(sched);
     match *o {
         OptimizerConfig::Adam { lr, betas, eps, weight_decay, adam_w_mode, bias_correction } => {
-            OptimizerKind::Adam(AdamParams { lr, betas, eps, weight_decay, adam_w_mode, bias_correction })
+            OptimizerKind::Adam(AdamParams { lr, betas, eps, weight_decay, adam_w_mode, bias_correction, momentum_cycle })
         }
         OptimizerConfig::Lamb { lr, betas, eps, weight_decay, bias_correction, max_coeff, min_coeff } => {
-            OptimizerKind::Lamb(LambParams { lr, betas, eps, weight_decay, bias_correction, max_coeff, min_coeff })
+            OptimizerKind::Lamb(LambParams { lr, betas, eps, weight_decay, bias_correction, max_coeff, min_coeff, momentum_cycle })
         }
-        OptimizerConfig::Lion { lr, betas, weight_decay } => OptimizerKind::Lion(LionParams { lr, betas, weight_decay }),
+        OptimizerConfig::Lion { lr, betas, weight_decay } => OptimizerKind::Lion(LionParams { lr, betas, weight_decay, momentum_cycle }),
         OptimizerConfig::Sgd { lr, momentum, dampening, weight_decay, nesterov } => {
             OptimizerKind::Sgd(SgdParams { lr, momentum, dampening, weight_decay, nesterov })
         }

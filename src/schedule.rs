@@ -10,6 +10,8 @@
 
 use std::f64::consts::PI;
 
+use tessera_kernels::optim::{CycleShape, MomentumCycle};
+
 /// Warmup curve of the Warmup* schedules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WarmupType {
@@ -105,8 +107,7 @@ impl SchedulerConfig {
     }
 }
 
-/// The second Adam beta DeepSpeed's OneCycle writes alongside the cycled first beta.
-pub const ONE_CYCLE_BETA2: f32 = 0.99;
+pub use tessera_kernels::optim::ONE_CYCLE_BETA2;
 
 /// Learning rate for the next optimizer update after `step` updates (see module docs).
 /// `base_lr` is the optimizer's configured lr; no scheduler means use it unchanged.
@@ -127,29 +128,36 @@ pub fn lr_at(sched: &SchedulerConfig, base_lr: f32, step: u64) -> f32 {
 
 /// Adam beta1 for the next update under OneCycle with `cycle_momentum` (else `None`).
 /// As in DeepSpeed, the first update uses `cycle_min_mom` (set at construction), later ones
-/// the cycled value; DeepSpeed also sets beta2 to [`ONE_CYCLE_BETA2`]. DeepSpeed disables
-/// momentum cycling for optimizers without betas (SGD); callers should ignore it there.
+/// the cycled value; DeepSpeed also sets beta2 to [`ONE_CYCLE_BETA2`]. The optimizers apply it
+/// through [`momentum_cycle`]; SGD has no betas and is not cycled (as in DeepSpeed).
 pub fn momentum_at(sched: &SchedulerConfig, step: u64) -> Option<f32> {
-    let SchedulerConfig::OneCycle(s) = sched else {
-        return None;
-    };
-    if !s.cycle_momentum {
-        return None;
+    momentum_cycle(Some(sched)).map(|c| c.beta1_at(step))
+}
+
+/// The momentum cycle the optimizer applies: OneCycle with `cycle_momentum`, else `None`.
+pub fn momentum_cycle(sched: Option<&SchedulerConfig>) -> Option<MomentumCycle> {
+    match sched {
+        Some(SchedulerConfig::OneCycle(s)) if s.cycle_momentum => Some(MomentumCycle {
+            shape: s.shape(),
+            decay_step_size: s.decay_step_size,
+            min_mom: s.cycle_min_mom,
+            max_mom: s.cycle_max_mom,
+            decay_mom_rate: s.decay_mom_rate,
+        }),
+        _ => None,
     }
-    if step == 0 {
-        return Some(s.cycle_min_mom);
+}
+
+impl OneCycle {
+    /// The triangle the lr and the momentum share.
+    pub fn shape(&self) -> CycleShape {
+        CycleShape {
+            first_step_size: self.cycle_first_step_size,
+            second_step_size: self.cycle_second_step_size,
+            first_stair_count: self.cycle_first_stair_count,
+            second_stair_count: self.cycle_second_stair_count,
+        }
     }
-    let it = last_batch_iteration(step);
-    let (min, max) = (f64::from(s.cycle_min_mom), f64::from(s.cycle_max_mom));
-    let mom = if (it as f64) < cycle_total(s) {
-        max - (max - min) * one_cycle_scale(s, it)
-    } else if s.decay_step_size == 0 || s.decay_mom_rate == 0.0 {
-        max
-    } else {
-        let interval = decay_iteration(s, it) / s.decay_step_size as f64;
-        max * (1.0 + f64::from(s.decay_mom_rate) * interval)
-    };
-    Some(mom as f32)
 }
 
 /// DeepSpeed's `last_batch_iteration` after `step` scheduler steps.
@@ -208,45 +216,17 @@ fn cosine_ratio(s: &WarmupCosineLr, it: i64) -> f64 {
     (cmin + (1.0 - cmin) * (1.0 + (PI * progress).cos()) / 2.0).max(0.0)
 }
 
-fn cycle_total(s: &OneCycle) -> f64 {
-    (s.cycle_first_step_size + s.cycle_second_step_size) as f64
-}
-
-/// Iterations into the post-cycle decay phase: it − total + 1.
-fn decay_iteration(s: &OneCycle, it: i64) -> f64 {
-    it as f64 - cycle_total(s) + 1.0
-}
-
-/// Cycle position in [0, 1]: with b = it + 1, x = 1 + b/total − ⌊1 + b/total⌋; rising
-/// x/r while x ≤ r (r = first/total), falling (x − 1)/(r − 1) after; with stairs, the
-/// position is quantised to ⌊pos⌋/stairs.
-fn one_cycle_scale(s: &OneCycle, it: i64) -> f64 {
-    let (first, second) = (s.cycle_first_step_size as f64, s.cycle_second_step_size as f64);
-    let total = first + second;
-    let ratio = first / total;
-    let b = (it + 1) as f64;
-    let x = 1.0 + b / total - (1.0 + b / total).floor();
-    let (scale, stairs) =
-        if x <= ratio { (x / ratio, s.cycle_first_stair_count) } else { ((x - 1.0) / (ratio - 1.0), s.cycle_second_stair_count) };
-    if stairs == 0 {
-        return scale;
-    }
-    let stairs = stairs as f64;
-    let in_cycle = b % total;
-    let position = if in_cycle <= first { in_cycle * stairs / first } else { (total - in_cycle) * stairs / second };
-    position.floor() / stairs
-}
-
 /// In the cycle: min + (max − min)·scale; after it: min / (1 + rate · d/decay_step_size).
 fn one_cycle_lr(s: &OneCycle, it: i64) -> f64 {
     let (min, max) = (f64::from(s.cycle_min_lr), f64::from(s.cycle_max_lr));
-    if (it as f64) < cycle_total(s) {
-        return min + (max - min) * one_cycle_scale(s, it);
+    let shape = s.shape();
+    if shape.in_cycle(it) {
+        return min + (max - min) * shape.scale(it);
     }
     if s.decay_step_size == 0 || s.decay_lr_rate == 0.0 {
         return min;
     }
-    let interval = decay_iteration(s, it) / s.decay_step_size as f64;
+    let interval = shape.decay_iteration(it) / s.decay_step_size as f64;
     min / (1.0 + f64::from(s.decay_lr_rate) * interval)
 }
 

@@ -51,6 +51,33 @@ fn resume_is_bit_exact_across_world_sizes_and_stages() {
     assert_eq!(s1["final_loss"], s2["final_loss"]);
 }
 
+/// OneCycle with DeepSpeed's default `cycle_momentum` cycles the optimizer's betas: the
+/// parameters differ from a run with the flag off, the replaced betas are announced, and a run
+/// resumed mid-cycle under another world size and stage has the bits of a straight one.
+#[test]
+fn one_cycle_momentum_is_applied_and_resumes_bit_exactly_mid_cycle() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let one_cycle =
+        r#"scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.0005, "cycle_max_lr": 0.003, "cycle_first_step_size": 3}}"#;
+    let train = |name: &str, steps: &str, extra: &[&str]| {
+        let out = tmp.path().join(name);
+        let mut a = train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), steps);
+        a.extend_from_slice(&["--set", one_cycle]);
+        a.extend_from_slice(extra);
+        (ok(&a, tmp.path()), out)
+    };
+    let (text, straight) = train("straight", "6", &["--world", "2", "--set", "zero_optimization.stage=2"]);
+    assert!(text.contains("`optimizer.params.betas` is replaced by OneCycle's momentum cycle"), "{text}");
+    let (_, fixed) = train("fixed", "6", &["--world", "2", "--set", "scheduler.params.cycle_momentum=false"]);
+    let (_, split) = train("split", "3", &["--world", "2", "--set", "zero_optimization.stage=1"]);
+    let ckpt = split.join("checkpoints");
+    train("split", "6", &["--resume", ckpt.to_str().unwrap(), "--world", "1", "--set", "zero_optimization.stage=0"]);
+    let (s1, s2, s0) = (summary(&straight), summary(&split), summary(&fixed));
+    assert_eq!(s1["params_blake3"], s2["params_blake3"], "6 straight steps differ from 3 + resume + 3 under OneCycle momentum");
+    assert_ne!(s1["params_blake3"], s0["params_blake3"], "cycle_momentum changed no parameter");
+}
+
 #[test]
 fn a_fresh_run_refuses_to_overwrite_checkpoints_and_resume_checks_the_seed() {
     let tmp = tempfile::tempdir().unwrap();

@@ -7,7 +7,7 @@ use crate::config::auto::ResolveContext;
 use crate::config::error::{ConfigErrorKind, KindResult};
 use crate::config::keys;
 use crate::config::reader::Obj;
-use crate::schedule::{LrRangeTest, OneCycle, SchedulerConfig, WarmupCosineLr, WarmupDecayLr, WarmupLr, WarmupType};
+use crate::schedule::{LrRangeTest, OneCycle, SchedulerConfig, WarmupCosineLr, WarmupDecayLr, WarmupLr, WarmupType, ONE_CYCLE_BETA2};
 
 /// A DeepSpeed `optimizer` section, typed.
 #[derive(Debug, Clone, PartialEq)]
@@ -223,19 +223,8 @@ pub(crate) fn parse_scheduler(root: &Value, warnings: &mut Vec<String>) -> KindR
         Some("WarmupCosineLR") => parse_cosine(&p, warnings)?,
         Some("OneCycle") => {
             let one = parse_one_cycle(&p)?;
-            // An explicit `true` already draws the key table's "not honoured" warning; SGD has
-            // no betas, and DeepSpeed does not cycle it either.
-            let given = root.pointer("/scheduler/params/cycle_momentum").is_some();
-            let sgd = root.pointer("/optimizer/type").and_then(Value::as_str).is_some_and(|t| t.eq_ignore_ascii_case("sgd"));
-            if let (SchedulerConfig::OneCycle(o), false, false) = (&one, given, sgd) {
-                if o.cycle_momentum {
-                    warnings.push(format!(
-                        "`scheduler.params.cycle_momentum` is true (DeepSpeed's default for OneCycle) but momentum cycling is not \
-                         honoured by Tessera yet: beta1 stays at the optimizer's value instead of cycling between {} and {}; \
-                         set it to false to silence this",
-                        o.cycle_max_mom, o.cycle_min_mom
-                    ));
-                }
+            if let SchedulerConfig::OneCycle(o) = &one {
+                check_momentum_cycle(root, &p, o, warnings)?;
             }
             one
         }
@@ -251,6 +240,41 @@ pub(crate) fn parse_scheduler(root: &Value, warnings: &mut Vec<String>) -> KindR
         None => return Err(unknown_type("scheduler.type", &name, SCHEDULERS, &[])),
     };
     Ok(Some(sched))
+}
+
+/// OneCycle's `cycle_momentum` against the optimizer, as DeepSpeed's scheduler treats it: an
+/// optimizer with betas (Adam, AdamW, Lamb, Lion; also the default AdamW) gets
+/// `betas = (cycled momentum, 0.99)` every step, so both bounds must be valid betas and
+/// explicitly configured betas are replaced (a warning says so); SGD has no betas, and
+/// DeepSpeed disables the cycle for it with a warning, as Tessera does.
+fn check_momentum_cycle(root: &Value, p: &Obj<'_>, o: &OneCycle, warnings: &mut Vec<String>) -> KindResult<()> {
+    if !o.cycle_momentum {
+        return Ok(());
+    }
+    let sgd = root.pointer("/optimizer/type").and_then(Value::as_str).is_some_and(|t| t.eq_ignore_ascii_case("sgd"));
+    if sgd {
+        warnings.push(
+            "`scheduler.params.cycle_momentum` is true (DeepSpeed's default for OneCycle) but SGD has no betas: as in \
+             DeepSpeed, its momentum is not cycled; set cycle_momentum to false to silence this"
+                .to_string(),
+        );
+        return Ok(());
+    }
+    for (key, v) in [("cycle_min_mom", o.cycle_min_mom), ("cycle_max_mom", o.cycle_max_mom)] {
+        if !(0.0..1.0).contains(&v) {
+            let why = "a number in [0, 1) (with cycle_momentum, OneCycle sets the optimizer's beta1 to it)";
+            return Err(ConfigErrorKind::invalid(&p.path(key), &Value::from(v), why));
+        }
+    }
+    if root.pointer("/optimizer/params/betas").is_some() {
+        warnings.push(format!(
+            "`optimizer.params.betas` is replaced by OneCycle's momentum cycle (`scheduler.params.cycle_momentum` is true, \
+             DeepSpeed's default): beta1 moves between {} and {} and beta2 is {ONE_CYCLE_BETA2}, as in DeepSpeed; set \
+             cycle_momentum to false to keep the configured betas",
+            o.cycle_max_mom, o.cycle_min_mom
+        ));
+    }
+    Ok(())
 }
 
 fn parse_cosine(p: &Obj<'_>, warnings: &mut Vec<String>) -> KindResult<SchedulerConfig> {

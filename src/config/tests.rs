@@ -395,19 +395,33 @@ fn schedulers_parse_with_deepspeed_defaults() {
         panic!("OneCycle did not parse");
     };
     assert_eq!((c.cycle_second_step_size, c.cycle_second_stair_count), (30, 3));
-    // DeepSpeed cycles momentum by default; Tessera does not yet, and says so.
-    let said = |w: &Vec<String>| w.iter().any(|w| w.contains("`scheduler.params.cycle_momentum` is true"));
-    assert!(said(&warnings), "{warnings:?}");
+    // DeepSpeed cycles momentum by default, and so does Tessera: silently, unless configured
+    // betas are replaced or the optimizer (SGD) has none to cycle.
+    let replaced = |w: &Vec<String>| w.iter().any(|w| w.contains("`optimizer.params.betas` is replaced by OneCycle"));
+    let not_sgd = |w: &Vec<String>| w.iter().any(|w| w.contains("SGD has no betas"));
+    assert!(!replaced(&warnings) && !not_sgd(&warnings), "{warnings:?}");
+    let one_cycle = json!({"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0}});
+    let mut given = Vec::new();
+    let root = json!({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}}, "scheduler": one_cycle.clone()});
+    optim::parse_scheduler(&root, &mut given).expect("parses");
+    assert!(replaced(&given) && given.iter().any(|w| w.contains("beta2 is 0.99")), "{given:?}");
     let mut sgd = Vec::new();
-    let root =
-        json!({"optimizer": {"type": "SGD"}, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0}}});
+    let root = json!({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}, "scheduler": one_cycle});
     optim::parse_scheduler(&root, &mut sgd).expect("parses");
-    assert!(!said(&sgd), "SGD has no momentum to cycle: {sgd:?}");
+    assert!(not_sgd(&sgd) && !replaced(&sgd), "SGD has no betas to cycle, as in DeepSpeed: {sgd:?}");
     let mut quiet = Vec::new();
-    let root = json!({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
-        "cycle_momentum": false}}});
+    let root = json!({"optimizer": {"type": "Lamb", "params": {"betas": [0.9, 0.95]}}, "scheduler": {"type": "OneCycle",
+        "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_momentum": false}}});
     optim::parse_scheduler(&root, &mut quiet).expect("parses");
-    assert!(!said(&quiet), "{quiet:?}");
+    assert!(quiet.is_empty(), "{quiet:?}");
+    // The bounds become beta1: outside [0, 1) they are refused (not for SGD, which ignores them).
+    let root = json!({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0,
+        "cycle_max_mom": 1.0}}});
+    let e = optim::parse_scheduler(&root, &mut quiet).expect_err("beta1 of 1");
+    assert!(e.to_string().contains("scheduler.params.cycle_max_mom"), "{e}");
+    let mut root = root;
+    root["optimizer"] = json!({"type": "sgd"});
+    optim::parse_scheduler(&root, &mut sgd).expect("SGD ignores the momentum bounds");
     // warmup_num_steps 0 is accepted (it acts as 2), as DeepSpeed does.
     let root = json!({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}});
     optim::parse_scheduler(&root, &mut quiet).expect("warmup_num_steps 0");

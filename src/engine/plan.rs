@@ -145,6 +145,28 @@ fn unit_policy(units: &[Range<usize>], zero: &ZeroConfig, gathers: bool) -> Resu
     Ok(UnitPolicy { persistent, keep_unit0 })
 }
 
+/// OneCycle's post-cycle momentum decay scales beta1 by a factor without bound: a run whose last
+/// update's beta1 would leave [0, 1) is refused now rather than at that step (the optimizer
+/// checks every step too). Inside the cycle beta1 stays between the two bounds, already checked,
+/// and after it moves one way only, so the last update is the one to check.
+fn check_momentum_decay(cfg: &Config, optimizer: &OptimizerKind) -> Result<()> {
+    let Some(cycle) = crate::schedule::momentum_cycle(cfg.scheduler.as_ref()) else { return Ok(()) };
+    if optimizer.betas_at(0).is_none() {
+        return Ok(());
+    }
+    let last = cfg.tessera.steps.saturating_sub(1);
+    let beta1 = cycle.beta1_at(last);
+    if !(0.0..1.0).contains(&beta1) {
+        bail!(
+            "scheduler.params.decay_mom_rate = {} takes OneCycle's momentum (the optimizer's beta1) to {beta1} by step {}, \
+             outside [0, 1): lower decay_mom_rate, raise decay_step_size, train fewer steps or set cycle_momentum to false",
+            cycle.decay_mom_rate,
+            last + 1
+        );
+    }
+    Ok(())
+}
+
 impl Plan {
     /// The plan of `cfg` for its world size; an error names the config file and the key.
     pub fn new(cfg: &Config, data: &Dataset) -> Result<Plan> {
@@ -163,8 +185,9 @@ impl Plan {
         let flat = FlatLayout::new(model.layout().segments()).context("parameter layout")?;
         let micro_batches = cfg.train_batch_size / cfg.micro_batch_per_gpu;
         let world = cfg.world_size.max(1);
-        let optimizer = bridge::optimizer_kind(&cfg.optimizer);
+        let optimizer = bridge::optimizer_kind(&cfg.optimizer, cfg.scheduler.as_ref());
         optimizer.validate().map_err(|e| bridge::keyed(e, "optimizer.params"))?;
+        check_momentum_decay(cfg, &optimizer)?;
         // The loss scaler is built per rank later; its settings are checked here, with the file.
         bridge::loss_scaler(&cfg.precision)?;
         let stage = cfg.zero.stage;

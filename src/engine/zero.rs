@@ -1590,6 +1590,9 @@ mod tests {
             (2, 3, vec!["fp16.enabled=true", "fp16.initial_scale_power=18", "fp16.hysteresis=1"], 1),
             (2, 2, vec![LAMB], 1),
             (4, 1, vec![LAMB, "bf16.enabled=true"], 2),
+            // OneCycle's momentum cycle: a replica steps with the betas of its own step count.
+            (2, 3, vec![ONE_CYCLE], 1),
+            (4, 2, vec![ONE_CYCLE, LAMB], 1),
             // The owner steps its NVMe-tier state sub-group by sub-group; the replica in memory.
             (
                 2,
@@ -1639,6 +1642,45 @@ mod tests {
     }
 
     const LAMB: &str = "optimizer.type=Lamb";
+    /// OneCycle over 4 updates; `cycle_momentum` (DeepSpeed's default) cycles the betas.
+    const ONE_CYCLE: &str = r#"scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.004,
+        "cycle_first_step_size": 2}}"#;
+
+    /// OneCycle's momentum cycle changes the parameters (the flag does something), and every
+    /// world size and stage still gives the one-worker bits, for AdamW and for Lamb (whose
+    /// trust ratios need collective norms).
+    #[test]
+    fn one_cycle_momentum_changes_the_bits_but_not_their_world_size_independence() {
+        for opt in [&[][..], &[LAMB][..]] {
+            let on: Vec<&str> = [ONE_CYCLE].iter().chain(opt).copied().collect();
+            let mut off = on.clone();
+            off.push("scheduler.params.cycle_momentum=false");
+            let (one, _) = two_steps(1, 0, &on);
+            let (fixed, _) = two_steps(1, 0, &off);
+            assert_ne!(one, fixed, "{opt:?}: cycle_momentum changed no parameter");
+            for (world, stage) in [(2, 1), (4, 2), (4, 3)] {
+                let (got, _) = two_steps(world, stage, &on);
+                assert!(got == one, "{opt:?}: world {world} stage {stage} differs from one worker under OneCycle momentum");
+            }
+        }
+    }
+
+    /// A post-cycle momentum decay that would take beta1 out of [0, 1) within the run's steps
+    /// is refused when the run is planned, naming the key; SGD, which is not cycled, is not.
+    #[test]
+    fn a_momentum_decay_past_one_is_refused_at_plan_time() {
+        let decay = ["scheduler.params.decay_step_size=1", "scheduler.params.decay_mom_rate=0.1"];
+        let sets: Vec<&str> = [ONE_CYCLE, "tessera.steps=7"].iter().chain(&decay).copied().collect();
+        // The cycle is 4 updates long; beta1 = 0.9·(1 + 0.1·d) d updates later: 0.99 for
+        // update 6, 1.08 for update 7.
+        let e = plan_error(1, 0, &sets);
+        assert!(e.contains("scheduler.params.decay_mom_rate = 0.1") && e.contains("by step 7"), "{e}");
+        let short: Vec<&str> = [ONE_CYCLE, "tessera.steps=6"].iter().chain(&decay).copied().collect();
+        assert_eq!(plan_error(1, 0, &short), "", "six steps stay below 1");
+        let mut sgd = sets.clone();
+        sgd.push(r#"optimizer={"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}}"#);
+        assert_eq!(plan_error(1, 0, &sgd), "", "SGD is not cycled");
+    }
 
     /// A loss inside the commit window, in process: every rank prepares step `at`, then rank
     /// `lost` leaves (its group handle is dropped, so its peers' collectives fail with

@@ -93,7 +93,7 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
     cfg.vocab_size = 50304;
     let model = Model::new(cfg).map_err(anyhow::Error::msg)?;
     let init = model.init_params(seed);
-    let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: 0.0 };
+    let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: 0.0, momentum_cycle: None };
     let shape = gpt::Shape::new(&model.cfg, b, t)?;
     let mut rank = zero::Rank::new(gpu, None, &model, 0, shape, &init, adam, 1, None, false)?;
     let (mut p, mut m, mut v) = (init.clone(), vec![0f32; init.len()], vec![0f32; init.len()]);
@@ -263,7 +263,7 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
     /// Masters, exp_avg, exp_avg_sq, an evaluation loss and the host optimizer's figures.
     type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, f32, Option<offload::OffloadStats>);
     let run = |stage: u8, clip: f32, offload: Option<f64>| -> Result<Outcome> {
-        let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip };
+        let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip, momentum_cycle: None };
         let off = offload.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(1) });
         let mut r = zero::Rank::new(gpu.clone(), None, &model, stage, shape, &init, adam, m_local, off, false)?;
         for step in 0..steps {
@@ -529,7 +529,7 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     let m_local = m / world;
     let shape = gpt::Shape::new(&model.cfg, a.micro_batch, a.seq)?;
     let init = model.init_params(a.seed);
-    let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: a.clip };
+    let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: a.clip, momentum_cycle: None };
     let offload = a.offload_ratio.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(world) });
     let states = bench_budget(a, &model, world)?;
     let mut r = zero::Rank::new(gpu.clone(), comm, &model, a.zero, shape, &init, adam, m_local, offload, a.recompute)?;

@@ -405,7 +405,7 @@ mod tests {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for betas in [(0.9f32, 0.95f32), (0.3, 0.999)] {
-            let params = AdamParams { lr, betas, eps, weight_decay: wd, adam_w_mode: true, bias_correction: true };
+            let params = AdamParams { lr, betas, eps, weight_decay: wd, adam_w_mode: true, bias_correction: true, momentum_cycle: None };
             let mut shard = OptimizerShard::new(OptimizerKind::Adam(params), len);
             // Step the CPU optimizer to step 3 from the same moments.
             shard.load_state(2, &[("exp_avg", m0.clone()), ("exp_avg_sq", v0.clone())]).unwrap();

@@ -8,7 +8,8 @@
 //!   (`train_batch_size` / `train_micro_batch_size_per_gpu` → `M` micro-batches per step, rank
 //!   `r` of `N` takes the aligned block `r·M/N .. (r+1)·M/N`), via [`Plan`];
 //! - the data sampler: global micro-batch `i` of step `s` holds the same tokens as on the CPU;
-//! - the LR schedule ([`crate::schedule::lr_at`] on the applied-step clock), `gradient_clipping`,
+//! - the LR schedule ([`crate::schedule::lr_at`] on the applied-step clock) and OneCycle's
+//!   momentum cycle (the AdamW betas of each step, [`super::zero::AdamW::betas_at`]), `gradient_clipping`,
 //!   `zero_optimization.stage`, `tessera.steps`, evaluation on the same validation batches
 //!   (`tessera.eval_interval`, `eval_iters`), the monitors, `loss.svg`, `summary.json` (the
 //!   keys that apply, plus the device figures) and checkpoints in the CPU format: fp32 masters
@@ -600,7 +601,8 @@ fn run_rank(
     let OptimizerConfig::Adam { betas, eps, weight_decay, .. } = cfg.optimizer else {
         bail!("the GPU path runs Adam/AdamW only (checked before)");
     };
-    let adam = AdamW { betas, eps, weight_decay, clip: plan.clip };
+    let momentum_cycle = crate::schedule::momentum_cycle(cfg.scheduler.as_ref());
+    let adam = AdamW { betas, eps, weight_decay, clip: plan.clip, momentum_cycle };
     let mut r =
         Rank::new(gpu.clone(), comm, &plan.model, plan.stage, shape, &start.master, adam, m_local, offload, cfg.activation_checkpointing)?;
     r.overlap = plan.overlap_comm;

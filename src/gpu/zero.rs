@@ -34,6 +34,7 @@ use anyhow::{bail, Context, Result};
 use tessera_kernels::cuda::gpt::{self, GpuLayout, Phase, Shape, UnitHooks, Workspace};
 use tessera_kernels::cuda::{self, bf16, ops, Buf, CudaEvent, CudaStream, DPtr, Gpu};
 use tessera_kernels::model::Model;
+use tessera_kernels::optim::MomentumCycle;
 use tessera_transport::nccl::NcclComm;
 
 use super::offload::{self, HostState, OffloadStats, Split, Staging, StepOrder};
@@ -50,6 +51,16 @@ pub struct AdamW {
     pub weight_decay: f32,
     /// Global gradient-norm clip (0 = off), DeepSpeed's `gradient_clipping`.
     pub clip: f32,
+    /// OneCycle's `cycle_momentum`: each step's betas come from the cycle (on the optimizer's
+    /// step count, as on the CPU) instead of `betas`.
+    pub momentum_cycle: Option<MomentumCycle>,
+}
+
+impl AdamW {
+    /// The betas of update number `applied + 1`.
+    pub fn betas_at(&self, applied: u64) -> (f32, f32) {
+        self.momentum_cycle.map_or(self.betas, |c| c.betas_at(applied))
+    }
 }
 
 /// ZeRO-Offload of the optimizer to host memory (`offload_optimizer.device = "cpu"`).
@@ -358,7 +369,8 @@ impl Rank {
         if m_local == 0 || m_local * self.ws_n() > self.losses.len() {
             bail!("rank {} was given {m_local} micro-batches; it was built for {}", self.rank, self.losses.len() / self.ws_n());
         }
-        let hp = ops::AdamStep::new(lr, self.adam.betas, self.adam.eps, self.adam.weight_decay, self.step + 1);
+        let betas = self.adam.betas_at(self.step);
+        let hp = ops::AdamStep::new(lr, betas, self.adam.eps, self.adam.weight_decay, self.step + 1);
         let Some(off) = self.off.as_mut() else { return self.step_inner(mbs, dloss, &hp, None) };
         let mut host = off.host.take().context("the host optimizer state was lost in an earlier failed step")?;
         let split = self.split.clone();

@@ -1257,7 +1257,8 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
             (gpu.upload(&master)?, gpu.upload(&grad)?, gpu.upload(&m0)?, gpu.upload(&v0)?, gpu.upload(&decay)?);
         let d_param = gpu.alloc::<bf16>(len)?;
         adamw(gpu, s, d_master.ptr(), d_param.ptr(), d_grad.ptr(), d_m.ptr(), d_v.ptr(), d_decay.ptr(), &hp, grad_scale)?;
-        let params = crate::optim::AdamParams { lr, betas, eps, weight_decay: wd, adam_w_mode: true, bias_correction: true };
+        let params =
+            crate::optim::AdamParams { lr, betas, eps, weight_decay: wd, adam_w_mode: true, bias_correction: true, momentum_cycle: None };
         let coeffs = params.coeffs(lr, step);
         let g: Vec<f32> = grad.iter().map(|x| x * grad_scale).collect();
         let (mut p, mut m, mut v) = (master.clone(), m0.clone(), v0.clone());

@@ -14,6 +14,7 @@
 //! (`p ← p − lr·(m̂/denom + wd·p)`); the two agree to first order in `lr·wd` and differ only in
 //! rounding and an `O(lr²·wd)` term.
 
+use super::cycle::{step_betas, MomentumCycle};
 use super::OptimError;
 
 /// Adam hyper-parameters; [`Default`] is DeepSpeed FusedAdam's.
@@ -26,11 +27,13 @@ pub struct AdamParams {
     /// `true`: decoupled weight decay (AdamW); `false`: L2 penalty added to the gradient (Adam).
     pub adam_w_mode: bool,
     pub bias_correction: bool,
+    /// OneCycle's `cycle_momentum`: each step's betas come from the cycle instead of `betas`.
+    pub momentum_cycle: Option<MomentumCycle>,
 }
 
 impl Default for AdamParams {
     fn default() -> Self {
-        Self { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, adam_w_mode: true, bias_correction: true }
+        Self { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, adam_w_mode: true, bias_correction: true, momentum_cycle: None }
     }
 }
 
@@ -42,18 +45,26 @@ impl AdamParams {
         check_beta(NAME, "betas.0", self.betas.0)?;
         check_beta(NAME, "betas.1", self.betas.1)?;
         check_nonneg(NAME, "eps", self.eps)?;
-        check_nonneg(NAME, "weight_decay", self.weight_decay)
+        check_nonneg(NAME, "weight_decay", self.weight_decay)?;
+        self.momentum_cycle.as_ref().map_or(Ok(()), |c| c.validate(NAME))
     }
 
-    /// The f32 scalars of one step at learning rate `lr` and 1-based step `step`.
+    /// The betas of update number `applied + 1` (the cycle's, or the fixed pair).
+    pub fn betas_at(&self, applied: u64) -> (f32, f32) {
+        step_betas(self.betas, self.momentum_cycle.as_ref(), applied + 1)
+    }
+
+    /// The f32 scalars of one step at learning rate `lr` and 1-based step `step`; the bias
+    /// corrections use this step's betas, as torch does when a scheduler changes them.
     pub(crate) fn coeffs(&self, lr: f32, step: u64) -> AdamCoeffs {
-        let (b1, b2) = (f64::from(self.betas.0), f64::from(self.betas.1));
+        let betas = step_betas(self.betas, self.momentum_cycle.as_ref(), step);
+        let (b1, b2) = (f64::from(betas.0), f64::from(betas.1));
         let (bc1, bc2) = bias_corrections(b1, b2, step, self.bias_correction);
         let lr64 = f64::from(lr);
         let wd = f64::from(self.weight_decay);
         AdamCoeffs {
             lerp_w: (1.0 - b1) as f32,
-            beta2: self.betas.1,
+            beta2: betas.1,
             one_minus_beta2: (1.0 - b2) as f32,
             step_size: (lr64 / bc1) as f32,
             bc2_sqrt: bc2.sqrt() as f32,

@@ -12,6 +12,7 @@
 //! bias correction). Norms come from [`super::norm`], so they are identical for any sharding.
 
 use super::adam::{bias_corrections, check_beta, check_nonneg};
+use super::cycle::{step_betas, MomentumCycle};
 use super::OptimError;
 
 /// LAMB hyper-parameters; [`Default`] is DeepSpeed FusedLamb's.
@@ -24,11 +25,22 @@ pub struct LambParams {
     pub bias_correction: bool,
     pub max_coeff: f32,
     pub min_coeff: f32,
+    /// OneCycle's `cycle_momentum`: each step's betas come from the cycle instead of `betas`.
+    pub momentum_cycle: Option<MomentumCycle>,
 }
 
 impl Default for LambParams {
     fn default() -> Self {
-        Self { lr: 1e-3, betas: (0.9, 0.999), eps: 1e-8, weight_decay: 0.0, bias_correction: true, max_coeff: 10.0, min_coeff: 0.01 }
+        Self {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            bias_correction: true,
+            max_coeff: 10.0,
+            min_coeff: 0.01,
+            momentum_cycle: None,
+        }
     }
 }
 
@@ -51,17 +63,24 @@ impl LambParams {
                 expected: "max_coeff >= min_coeff",
             });
         }
-        Ok(())
+        self.momentum_cycle.as_ref().map_or(Ok(()), |c| c.validate(NAME))
     }
 
-    /// The f32 scalars of one step at learning rate `lr` and 1-based step `step`.
+    /// The betas of update number `applied + 1` (the cycle's, or the fixed pair).
+    pub fn betas_at(&self, applied: u64) -> (f32, f32) {
+        step_betas(self.betas, self.momentum_cycle.as_ref(), applied + 1)
+    }
+
+    /// The f32 scalars of one step at learning rate `lr` and 1-based step `step` (this step's
+    /// betas, bias corrections included).
     pub(crate) fn coeffs(&self, lr: f32, step: u64) -> LambCoeffs {
-        let (b1, b2) = (f64::from(self.betas.0), f64::from(self.betas.1));
+        let betas = step_betas(self.betas, self.momentum_cycle.as_ref(), step);
+        let (b1, b2) = (f64::from(betas.0), f64::from(betas.1));
         let (bc1, bc2) = bias_corrections(b1, b2, step, self.bias_correction);
         LambCoeffs {
-            beta1: self.betas.0,
+            beta1: betas.0,
             one_minus_beta1: (1.0 - b1) as f32,
-            beta2: self.betas.1,
+            beta2: betas.1,
             one_minus_beta2: (1.0 - b2) as f32,
             eps: self.eps,
             weight_decay: self.weight_decay,

@@ -11,6 +11,7 @@
 //! 0, which only happens for all-zero gradient history; its CPU kernel uses `copysign`).
 
 use super::adam::{check_beta, check_nonneg};
+use super::cycle::{step_betas, MomentumCycle};
 use super::OptimError;
 
 /// Lion hyper-parameters; [`Default`] follows the paper (lr 1e-4, betas (0.9, 0.99), no decay).
@@ -19,11 +20,14 @@ pub struct LionParams {
     pub lr: f32,
     pub betas: (f32, f32),
     pub weight_decay: f32,
+    /// OneCycle's `cycle_momentum`: each step's betas come from the cycle instead of `betas`
+    /// (DeepSpeed cycles any optimizer with `betas`, Lion's included).
+    pub momentum_cycle: Option<MomentumCycle>,
 }
 
 impl Default for LionParams {
     fn default() -> Self {
-        Self { lr: 1e-4, betas: (0.9, 0.99), weight_decay: 0.0 }
+        Self { lr: 1e-4, betas: (0.9, 0.99), weight_decay: 0.0, momentum_cycle: None }
     }
 }
 
@@ -34,16 +38,24 @@ impl LionParams {
         check_nonneg(NAME, "lr", self.lr)?;
         check_beta(NAME, "betas.0", self.betas.0)?;
         check_beta(NAME, "betas.1", self.betas.1)?;
-        check_nonneg(NAME, "weight_decay", self.weight_decay)
+        check_nonneg(NAME, "weight_decay", self.weight_decay)?;
+        self.momentum_cycle.as_ref().map_or(Ok(()), |c| c.validate(NAME))
     }
 
-    pub(crate) fn coeffs(&self, lr: f32) -> LionCoeffs {
-        let (b1, b2) = (f64::from(self.betas.0), f64::from(self.betas.1));
+    /// The betas of update number `applied + 1` (the cycle's, or the fixed pair).
+    pub fn betas_at(&self, applied: u64) -> (f32, f32) {
+        step_betas(self.betas, self.momentum_cycle.as_ref(), applied + 1)
+    }
+
+    /// The f32 scalars of 1-based step `step` at learning rate `lr`.
+    pub(crate) fn coeffs(&self, lr: f32, step: u64) -> LionCoeffs {
+        let betas = step_betas(self.betas, self.momentum_cycle.as_ref(), step);
+        let (b1, b2) = (f64::from(betas.0), f64::from(betas.1));
         LionCoeffs {
             lr,
-            beta1: self.betas.0,
+            beta1: betas.0,
             one_minus_beta1: (1.0 - b1) as f32,
-            beta2: self.betas.1,
+            beta2: betas.1,
             one_minus_beta2: (1.0 - b2) as f32,
             after_decay: (1.0 - f64::from(lr) * f64::from(self.weight_decay)) as f32,
         }

@@ -10,6 +10,7 @@
 //! way that yields identical bits for every world size (see [`norm`]).
 
 pub mod adam;
+pub mod cycle;
 mod error;
 pub mod lamb;
 pub mod lion;
@@ -24,6 +25,7 @@ mod shard;
 mod tests;
 
 pub use self::adam::AdamParams;
+pub use self::cycle::{CycleShape, MomentumCycle, ONE_CYCLE_BETA2};
 pub use self::error::OptimError;
 pub use self::lamb::LambParams;
 pub use self::lion::LionParams;

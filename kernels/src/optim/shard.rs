@@ -6,6 +6,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::adam::{adam_kernel, AdamParams};
+use super::cycle::check_step_betas;
 use super::lamb::{lamb_commit_kernel, lamb_update_kernel, LambParams};
 use super::lion::{lion_kernel, LionParams};
 use super::norm::{FlatLayout, NormAllReduce};
@@ -44,6 +45,17 @@ impl OptimizerKind {
             Self::Lamb(p) => p.validate(),
             Self::Lion(p) => p.validate(),
             Self::Sgd(p) => p.validate(),
+        }
+    }
+
+    /// The betas of update number `applied + 1`: OneCycle's cycled pair when the params carry
+    /// a momentum cycle, else the configured pair; `None` for SGD, which has none.
+    pub fn betas_at(&self, applied: u64) -> Option<(f32, f32)> {
+        match self {
+            Self::Adam(p) => Some(p.betas_at(applied)),
+            Self::Lamb(p) => Some(p.betas_at(applied)),
+            Self::Lion(p) => Some(p.betas_at(applied)),
+            Self::Sgd(_) => None,
         }
     }
 
@@ -153,8 +165,12 @@ impl OptimizerShard {
 
     /// One optimizer step on this shard: updates `master` (the shard's fp32 weights) from
     /// `grads` (already unscaled and clipped) at learning rate `lr`, which overrides the base
-    /// rate in the params. LAMB is collective: every shard must call `step` together, since it
-    /// all-reduces per-tensor norms through `reducer` (and needs a block-aligned shard range).
+    /// rate in the params. The betas are the params' for this step ([`OptimizerKind::betas_at`]
+    /// of the step count: a momentum cycle follows the shard's own count, so a restored or
+    /// replicated shard steps with the same betas). LAMB is collective: every shard must call
+    /// `step` together, since it all-reduces per-tensor norms through `reducer` (and needs a
+    /// block-aligned shard range). An error leaves the masters, the state and the step count as
+    /// they were.
     pub fn step(
         &mut self,
         master: &mut [f32],
@@ -164,6 +180,10 @@ impl OptimizerShard {
         reducer: &mut dyn NormAllReduce,
     ) -> Result<(), OptimError> {
         self.check_step_inputs(master, grads, ctx)?;
+        let kind = self.kind();
+        if let Some(betas) = kind.betas_at(self.step) {
+            check_step_betas(kind.name(), betas)?;
+        }
         let pieces = shard_pieces(ctx.layout, ctx.decay, &ctx.shard_range, PAR_CHUNK);
         let step = self.step + 1;
         match &mut self.inner {
@@ -180,7 +200,7 @@ impl OptimizerShard {
                 lamb_step(p, bufs, step, lr, master, grads, ctx, &pieces, reducer)?;
             }
             Inner::Lion { p, m } => {
-                let c = p.coeffs(lr);
+                let c = p.coeffs(lr, step);
                 let jobs = split_mut(master, &pieces).into_par_iter().zip(split_ref(grads, &pieces));
                 jobs.zip(split_mut(m, &pieces)).zip(&pieces).for_each(|(((p, g), m), pc)| lion_kernel(&c, pc.decay, p, g, m));
             }
