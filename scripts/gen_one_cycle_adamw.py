@@ -14,9 +14,14 @@ Reproduces, in float64 and without torch or DeepSpeed installed:
 Two param groups: a decayed tensor (weight_decay 0.1) and one without decay. The inputs are
 float32 values (so the Rust test starts from the same numbers); the outputs are float64.
 
+Where torch is importable, the same steps also run through torch.optim.AdamW itself (float64
+tensors, foreach=False, lr and betas written into the param groups before each step as
+DeepSpeed's OneCycle does); the fixture then holds torch's results, and the script fails if the
+standard-library steps differ from them by more than 1e-12.
+
 Usage: python3 scripts/gen_one_cycle_adamw.py [OUT]
        (default kernels/tests/fixtures/adamw_one_cycle.json)
-Needs: nothing beyond the standard library.
+Needs: nothing beyond the standard library (torch, where present, for the torch run).
 """
 import json
 import math
@@ -81,6 +86,32 @@ def lerp(a, b, w):
     return a + w * (b - a) if w < 0.5 else b - (b - a) * (1 - w)
 
 
+def run_torch(p0, grads, wd, lrs, betas):
+    """The same steps through torch.optim.AdamW, or None without torch: (version, (p, m, v))."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    params, groups, start = [], [], 0
+    for size, decay in zip(SIZES, DECAY):
+        t = torch.tensor(p0[start : start + size], dtype=torch.float64, requires_grad=True)
+        params.append(t)
+        groups.append({"params": [t], "weight_decay": decay})
+        start += size
+    opt = torch.optim.AdamW(groups, lr=lrs[0], betas=tuple(betas[0]), eps=EPS, foreach=False)
+    for step, (lr, b) in enumerate(zip(lrs, betas)):
+        start = 0
+        for t, size in zip(params, SIZES):
+            t.grad = torch.tensor(grads[step][start : start + size], dtype=torch.float64)
+            start += size
+        for g in opt.param_groups:
+            g["lr"], g["betas"] = lr, tuple(b)
+        opt.step()
+    flat = lambda ts: [x for t in ts for x in t.detach().tolist()]
+    state = [opt.state[t] for t in params]
+    return torch.__version__, (flat(params), flat(s["exp_avg"] for s in state), flat(s["exp_avg_sq"] for s in state))
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else "kernels/tests/fixtures/adamw_one_cycle.json"
     rng = random.Random(20250601)
@@ -103,8 +134,18 @@ def main():
             v[i] = b2 * v[i] + (1 - b2) * g * g
             p[i] -= (lr / bc1) * m[i] / (math.sqrt(v[i]) / math.sqrt(bc2) + EPS)
         sched.step()
+    about = "AdamW (torch semantics, standard-library float64) under DeepSpeed OneCycle with cycle_momentum"
+    torch_run = run_torch(p0, grads, wd, lrs, betas)
+    if torch_run is not None:
+        version, (tp, tm, tv) = torch_run
+        diff = max(abs(a - b) for a, b in zip(p + m + v, tp + tm + tv))
+        print(f"torch {version}: max |standard library - torch| = {diff:.3e}")
+        if diff > 1e-12:
+            sys.exit("the standard-library AdamW disagrees with torch's")
+        p, m, v = tp, tm, tv
+        about = f"torch {version} torch.optim.AdamW (float64) under DeepSpeed OneCycle with cycle_momentum"
     fixture = {
-        "about": "AdamW (torch semantics) under DeepSpeed OneCycle with cycle_momentum; scripts/gen_one_cycle_adamw.py",
+        "about": about + "; scripts/gen_one_cycle_adamw.py",
         "one_cycle": ONE_CYCLE,
         "sizes": SIZES,
         "weight_decay": DECAY,
