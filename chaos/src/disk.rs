@@ -4,6 +4,8 @@
 //! checkpoint write fails with ENOSPC until the file is removed. After the run the folder is
 //! checked for half-written leftovers ([`Disk::leftovers`]), copied to disk and unmounted
 //! ([`Disk::finish`]); a `Disk` dropped before that unmounts (lazily) and loses the contents.
+//! `fail_writes` puts a file in the folder's place and back, each in one atomic step
+//! ([`block_writes`], [`unblock_writes`]).
 
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
@@ -142,6 +144,42 @@ impl Drop for Disk {
     }
 }
 
+/// Swaps what the paths `a` and `b` name, in one step (`renameat2` with `RENAME_EXCHANGE`), so
+/// that no process ever finds either path missing.
+pub fn exchange(a: &Path, b: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(std::io::Error::other);
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: two NUL-terminated paths, relative to the working directory.
+    let r = unsafe { libc::renameat2(libc::AT_FDCWD, a.as_ptr(), libc::AT_FDCWD, b.as_ptr(), libc::RENAME_EXCHANGE) };
+    match r {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
+/// The `fail_writes` fault: the checkpoint folder `root` (created when missing) moves to `held`
+/// and a file takes its path, so every write under `root` fails (even for root) until
+/// [`unblock_writes`]. Both happen in one step ([`exchange`] with a file written at `held`
+/// first): a save that starts meanwhile finds either the folder or the file at `root`, never
+/// nothing — which it would create a fresh folder for, that the fault's file could then not
+/// replace and that the folder could not be moved back onto.
+pub fn block_writes(root: &Path, held: &Path) -> Result<(), String> {
+    let _ = std::fs::create_dir_all(root);
+    std::fs::write(held, b"chaos: writes fail here\n").map_err(|e| format!("writing {}: {e}", held.display()))?;
+    exchange(root, held).map_err(|e| {
+        let _ = std::fs::remove_file(held);
+        format!("putting {} in place of {}: {e}", held.display(), root.display())
+    })
+}
+
+/// Undoes [`block_writes`]: the folder back at `root` in one step, then the file (now at
+/// `held`) removed.
+pub fn unblock_writes(root: &Path, held: &Path) -> Result<(), String> {
+    exchange(held, root).map_err(|e| format!("putting {} back: {e}", root.display()))?;
+    std::fs::remove_file(held).map_err(|e| format!("removing {}: {e}", held.display()))
+}
+
 /// What a checkpoint folder must not hold once its run ended: temporary step folders and files
 /// (`.tmp-…`, also inside a step folder), folders moved aside (`.old-…`). The harness's own
 /// filler ([`FILL_FILE`]) is not one. Paths are relative to `root`; a missing folder holds
@@ -166,4 +204,24 @@ pub fn checkpoint_leftovers(root: &Path) -> Vec<String> {
     }
     v.sort();
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocked_writes_fail_and_the_folder_comes_back_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (root, held) = (tmp.path().join("checkpoints"), tmp.path().join("checkpoints.held"));
+        std::fs::create_dir(&root).unwrap();
+        std::fs::write(root.join("latest"), b"step_00000002\n").unwrap();
+        block_writes(&root, &held).unwrap();
+        assert!(root.is_file() && held.join("latest").is_file());
+        assert!(std::fs::create_dir(root.join("step_00000004")).is_err(), "writes under the folder's path fail");
+        unblock_writes(&root, &held).unwrap();
+        assert_eq!(std::fs::read(root.join("latest")).unwrap(), b"step_00000002\n");
+        assert!(!held.exists());
+        assert_eq!(checkpoint_leftovers(&root), Vec::<String>::new());
+    }
 }

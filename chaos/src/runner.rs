@@ -451,10 +451,7 @@ impl Faulting<'_> {
                     signal(pid, libc::SIGCONT);
                     Ok(())
                 }
-                Undo::Writes { root, held } => {
-                    let _ = std::fs::remove_file(&root);
-                    std::fs::rename(&held, &root).map_err(|e| format!("putting {} back: {e}", root.display()))
-                }
+                Undo::Writes { root, held } => disk::unblock_writes(&root, &held),
                 Undo::LinkUp { host } => self.env.hosts.as_ref().map_or(Ok(()), |h| h.set_link(host, true)),
                 Undo::Unthrottle { host } => self.env.hosts.as_ref().map_or(Ok(()), |h| h.unthrottle(host)),
                 Undo::LinkClear { id } => self.env.hosts.as_mut().map_or(Ok(()), |h| h.clear_link(id, a.fault)),
@@ -588,10 +585,8 @@ impl Faulting<'_> {
             },
             FaultKind::FailWrites => {
                 let held = self.out.join("checkpoints.held");
-                let _ = std::fs::create_dir_all(&root);
                 // A file where the folder was: every write under it fails (even for root).
-                std::fs::rename(&root, &held).map_err(io(format!("moving {} away", root.display())))?;
-                std::fs::write(&root, b"chaos: writes fail here\n").map_err(io(format!("blocking {}", root.display())))?;
+                disk::block_writes(&root, &held).map_err(ChaosError::Run)?;
                 self.schedule(n, f.duration_ms, Undo::Writes { root: root.clone(), held });
                 report.target = root.display().to_string();
                 report.note = format!("unwritable {}", lasts(f.duration_ms));

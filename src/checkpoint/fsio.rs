@@ -1,10 +1,12 @@
 //! Durable file writing for checkpoints: fsync helpers, hashing writer, atomic small files and a
-//! streaming f32 safetensors writer.
+//! streaming f32 safetensors writer — by path, or relative to an open folder ([`Dir`], the `_in`
+//! variants, which a checkpoint save uses throughout).
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufWriter, Write};
 use std::path::Path;
 
+use super::dir::Dir;
 use super::{for_each_le_chunk, CheckpointError, NamedTensor};
 
 /// Size and blake3 of a file as written.
@@ -16,24 +18,27 @@ pub(crate) struct FileDigest {
 
 #[cfg(test)]
 thread_local! {
-    /// Test-only fault injection: writing a file whose name equals this fails with StorageFull.
-    pub(crate) static FAIL_WRITE_OF: std::cell::RefCell<Option<String>> =
+    /// Test-only fault injection: called with each operation a save is about to make and the
+    /// name it acts on (`("write", "optim.safetensors")`, `("rename", "step_00000002")`, …; see
+    /// [`fault_point`]'s callers); an error it returns is that operation's failure. It may also
+    /// act on the file system itself (move the checkpoint folder away, as the chaos harness does).
+    #[allow(clippy::type_complexity)]
+    pub(crate) static FAULT_HOOK: std::cell::RefCell<Option<Box<dyn FnMut(&str, &str) -> io::Result<()>>>> =
         const { std::cell::RefCell::new(None) };
 }
 
+/// Where a test may inject a failure: `op` on `name` is about to happen (see [`FAULT_HOOK`]).
 #[cfg(test)]
-fn injected_failure(path: &Path) -> io::Result<()> {
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
-    FAIL_WRITE_OF.with(|f| match (&*f.borrow(), name) {
-        (Some(target), Some(name)) if *target == name => {
-            Err(io::Error::new(io::ErrorKind::StorageFull, "injected: no space left on device"))
-        }
-        _ => Ok(()),
+pub(crate) fn fault_point(op: &str, name: &str) -> io::Result<()> {
+    FAULT_HOOK.with(|h| match h.borrow_mut().as_mut() {
+        Some(hook) => hook(op, name),
+        None => Ok(()),
     })
 }
 
 #[cfg(not(test))]
-fn injected_failure(_path: &Path) -> io::Result<()> {
+#[inline(always)]
+pub(crate) fn fault_point(_op: &str, _name: &str) -> io::Result<()> {
     Ok(())
 }
 
@@ -61,28 +66,55 @@ impl<W: Write> Write for HashingWriter<W> {
     }
 }
 
-/// Create `path` (must not exist), let `fill` write its content, flush and fsync it.
-fn write_new_file(path: &Path, fill: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> Result<FileDigest, CheckpointError> {
+/// What goes into a file: called with the (buffered, hashing) writer.
+pub(crate) type Fill<'a> = Box<dyn FnOnce(&mut dyn Write) -> io::Result<()> + 'a>;
+
+/// Let `fill` write the content of the new, empty `file` (at `path`, for messages), flush and
+/// fsync it.
+fn fill_file(file: File, path: &Path, fill: Fill<'_>) -> Result<FileDigest, CheckpointError> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let err = |e| CheckpointError::io("write", path, e);
-    injected_failure(path).map_err(err)?;
-    let file = OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| CheckpointError::io("create", path, e))?;
+    fault_point("write", &name).map_err(err)?;
     let mut w = HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: blake3::Hasher::new(), bytes: 0 };
     fill(&mut w).map_err(err)?;
     w.flush().map_err(err)?;
     let file = w.inner.into_inner().map_err(|e| err(e.into_error()))?;
-    file.sync_all().map_err(|e| CheckpointError::io("fsync", path, e))?;
+    let fsync_err = |e| CheckpointError::io("fsync", path, e);
+    fault_point("fsync", &name).map_err(fsync_err)?;
+    file.sync_all().map_err(fsync_err)?;
     Ok(FileDigest { bytes: w.bytes, blake3: w.hasher.finalize().to_hex().to_string() })
 }
 
-/// Write `bytes` to a new file at `path` and fsync it.
-pub(crate) fn write_bytes_synced(path: &Path, bytes: &[u8]) -> Result<FileDigest, CheckpointError> {
-    write_new_file(path, |w| w.write_all(bytes))
+/// Create `path` (must not exist), let `fill` write its content, flush and fsync it.
+fn write_new_file(path: &Path, fill: Fill<'_>) -> Result<FileDigest, CheckpointError> {
+    let file = OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| CheckpointError::io("create", path, e))?;
+    fill_file(file, path, fill)
+}
+
+/// Create `name` in `dir` (must not exist), let `fill` write its content, flush and fsync it.
+pub(crate) fn write_new_file_in(dir: &Dir, name: &str, fill: Fill<'_>) -> Result<FileDigest, CheckpointError> {
+    let path = dir.join(name);
+    let file = dir.create_file(name).map_err(|e| CheckpointError::io("create", &path, e))?;
+    fill_file(file, &path, fill)
+}
+
+/// The content of a small file: `bytes`.
+pub(crate) fn bytes_fill(bytes: &[u8]) -> Fill<'_> {
+    Box::new(move |w: &mut dyn Write| w.write_all(bytes))
 }
 
 /// Atomically replace `path` with `bytes`: write `path.tmp-<pid>`, fsync, rename, fsync the dir.
 pub(crate) fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    write_atomic_with(path, |tmp| write_bytes_synced(tmp, bytes)).map(|_| ())
+    write_atomic_with(path, |tmp| write_new_file(tmp, bytes_fill(bytes))).map(|_| ())
 }
+
+/// The temporary name a file `name` is written under before it is renamed into place.
+pub(crate) fn temp_name(name: &str) -> String {
+    format!(".{name}{TEMP_INFIX}{}", std::process::id())
+}
+
+/// What [`temp_name`] puts between a file's name and the writer's pid.
+pub(crate) const TEMP_INFIX: &str = ".tmp-";
 
 /// Atomically replace `path` with a file produced by `write` (which must create and fsync the
 /// temp path it is given): temp in the same dir, rename over `path`, fsync the dir.
@@ -95,7 +127,7 @@ pub(crate) fn write_atomic_with(
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let tmp = dir.join(temp_name(&name.to_string_lossy()));
     let _ = std::fs::remove_file(&tmp);
     let digest = match write(&tmp) {
         Ok(d) => d,
@@ -110,6 +142,23 @@ pub(crate) fn write_atomic_with(
     }
     fsync_dir(dir)?;
     Ok(digest)
+}
+
+/// Atomically replace `name` in `dir` with `bytes`: [`temp_name`] written and fsynced, renamed
+/// over `name`, `dir` fsynced. Every step is relative to `dir`, the clean-up of the temporary
+/// file after an error too, so none is left in the folder whatever its path names meanwhile.
+pub(crate) fn write_file_atomic_in(dir: &Dir, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let tmp = temp_name(name);
+    let _ = dir.remove_file(&tmp);
+    let path = dir.join(name);
+    let installed = write_new_file_in(dir, &tmp, bytes_fill(bytes)).and_then(|_| {
+        fault_point("rename", name).and_then(|()| dir.rename(&tmp, name)).map_err(|e| CheckpointError::io("rename into place", &path, e))
+    });
+    if let Err(e) = installed {
+        let _ = dir.remove_file(&tmp);
+        return Err(e);
+    }
+    dir.sync().map_err(|e| CheckpointError::io("fsync directory", dir.path(), e))
 }
 
 /// The safetensors JSON header for `tensors` (all F32, contiguous, in the given order), padded
@@ -140,19 +189,34 @@ fn safetensors_header(tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Re
     Ok(bytes)
 }
 
-/// Stream `tensors` as an f32 safetensors file to new file `path` (fsynced). Tensor data must
-/// already be validated (`data.len() == shape product`).
-pub(crate) fn write_safetensors(path: &Path, tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Result<FileDigest, CheckpointError> {
+/// The content of an f32 safetensors file of `tensors` (`path` names it in an error). Tensor
+/// data must already be validated (`data.len() == shape product`).
+fn safetensors_fill<'a>(path: &Path, tensors: &'a [&NamedTensor], metadata: &[(&str, &str)]) -> Result<Fill<'a>, CheckpointError> {
     let header = safetensors_header(tensors, metadata)
         .map_err(|e| CheckpointError::Safetensors { path: path.to_path_buf(), reason: format!("cannot encode header: {e}") })?;
-    write_new_file(path, |w| {
+    Ok(Box::new(move |w: &mut dyn Write| {
         w.write_all(&(header.len() as u64).to_le_bytes())?;
         w.write_all(&header)?;
         for t in tensors {
             for_each_le_chunk(&t.data, |b| w.write_all(b))?;
         }
         Ok(())
-    })
+    }))
+}
+
+/// Stream `tensors` as an f32 safetensors file to new file `path` (fsynced).
+pub(crate) fn write_safetensors(path: &Path, tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Result<FileDigest, CheckpointError> {
+    write_new_file(path, safetensors_fill(path, tensors, metadata)?)
+}
+
+/// Stream `tensors` as an f32 safetensors file to new file `name` in `dir` (fsynced).
+pub(crate) fn write_safetensors_in(
+    dir: &Dir,
+    name: &str,
+    tensors: &[&NamedTensor],
+    metadata: &[(&str, &str)],
+) -> Result<FileDigest, CheckpointError> {
+    write_new_file_in(dir, name, safetensors_fill(&dir.join(name), tensors, metadata)?)
 }
 
 /// Check that every tensor's data length matches its shape and names are unique and non-empty.

@@ -11,8 +11,11 @@
 //!     manifest.json         # format version, step, config hash, cursors, file sizes + blake3
 //! ```
 //! A save goes to `root/.tmp-step_XXXXXXXX-<pid>/`, is fsynced, then renamed into place, so a
-//! crash never leaves a half-written directory under a final `step_*` name.
+//! crash never leaves a half-written directory under a final `step_*` name. Every step of a
+//! save acts through one open handle on `root` (`dir.rs`), so a save that fails removes its
+//! temporary names from the folder it wrote in even when `root`'s path no longer leads there.
 
+mod dir;
 mod export;
 mod fsio;
 mod load;

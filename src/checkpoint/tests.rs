@@ -3,7 +3,7 @@
 use std::fs;
 use std::path::Path;
 
-use super::fsio::FAIL_WRITE_OF;
+use super::fsio::FAULT_HOOK;
 use super::*;
 
 fn tensor(name: &str, shape: &[usize], seed: u32) -> NamedTensor {
@@ -173,12 +173,14 @@ fn leftover_tmp_dir_is_ignored_then_cleaned() {
     let stale = root.join(".tmp-step_00000009-99999");
     fs::create_dir(&stale).unwrap();
     fs::write(stale.join(PARAMS_FILE), b"half written").unwrap();
+    let stale_latest = root.join(".latest.tmp-99999");
+    fs::write(&stale_latest, b"step_0000").unwrap();
     assert_eq!(list_checkpoints(root).unwrap().len(), 1);
     let latest = load_latest_valid(root).unwrap();
     assert_eq!(latest.found.unwrap().1.step, 1);
     assert!(latest.skipped.is_empty());
     save(root, &sample_state(2), 0).unwrap();
-    assert!(!stale.exists());
+    assert!(!stale.exists() && !stale_latest.exists());
     assert_eq!(step_names(root), vec!["step_00000001", "step_00000002"]);
 }
 
@@ -187,10 +189,11 @@ fn injected_disk_full_cleans_temp_and_keeps_previous() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path();
     save(root, &sample_state(1), 0).unwrap();
-    FAIL_WRITE_OF.with(|f| *f.borrow_mut() = Some(OPTIM_FILE.to_string()));
-    let res = save(root, &sample_state(2), 0);
-    FAIL_WRITE_OF.with(|f| *f.borrow_mut() = None);
-    let err = res.unwrap_err();
+    let full = |op: &str, name: &str| match (op, name) {
+        ("write", OPTIM_FILE) => Err(std::io::Error::new(std::io::ErrorKind::StorageFull, "injected: no space left on device")),
+        _ => Ok(()),
+    };
+    let err = with_fault_hook(full, || save(root, &sample_state(2), 0)).unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains(".tmp-step_00000002") && msg.contains(OPTIM_FILE), "{msg}");
     assert!(matches!(&err, CheckpointError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull));
@@ -323,4 +326,138 @@ fn empty_optimizer_state_round_trips() {
     state.optim.clear();
     let dir = save(tmp.path(), &state, 0).unwrap();
     assert_same_state(&state, &load(&dir).unwrap());
+}
+
+/// Runs `f` with `hook` as this thread's save fault hook (`fsio::FAULT_HOOK`).
+fn with_fault_hook<T>(hook: impl FnMut(&str, &str) -> std::io::Result<()> + 'static, f: impl FnOnce() -> T) -> T {
+    FAULT_HOOK.with(|h| *h.borrow_mut() = Some(Box::new(hook)));
+    let out = f();
+    FAULT_HOOK.with(|h| *h.borrow_mut() = None);
+    out
+}
+
+/// The chaos harness's `fail_writes`: the folder moves away and a file takes its path, so
+/// anything that names the folder by path fails; [`put_back`] undoes it.
+fn move_away(root: &Path) {
+    fs::rename(root, root.with_extension("held")).unwrap();
+    fs::write(root, b"chaos: writes fail here\n").unwrap();
+}
+
+fn put_back(root: &Path) {
+    fs::remove_file(root).unwrap();
+    fs::rename(root.with_extension("held"), root).unwrap();
+}
+
+/// What a fault does at the stage it is aimed at.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    /// The operation fails.
+    Fail,
+    /// The folder moves away (as `fail_writes` moves it), then the operation fails.
+    MoveAndFail,
+    /// The folder moves away and the save goes on.
+    Move,
+}
+
+/// Two saves, each run to completion first to list the operations it makes, then once per
+/// operation and fault with that fault injected right before the operation: a new step that
+/// prunes the previous one, and a same step saved again. Whatever the stage and whether the
+/// checkpoint folder moved away meanwhile (the race of the chaos fault `fail_writes`, where a
+/// path-based clean-up missed the moved folder and its `.tmp-…` came back with it), afterwards
+/// the folder holds nothing half-written (the harness's own check), every step dir loads,
+/// `latest` leads to a valid checkpoint, and a save that kept its folder handle succeeds even
+/// though the folder moved. Only a failed removal (of a pruned or replaced step dir) leaves a
+/// temporary name, never a partial `step_*`, and the next save removes it.
+#[test]
+fn a_save_leaves_nothing_half_written_whatever_fails_and_wherever_its_folder_moved() {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    type Setup = fn(&Path);
+    let new_step: (Setup, CheckpointState, usize) = (|r| drop(save(r, &sample_state(1), 0).unwrap()), sample_state(2), 1);
+    let mut again = sample_state(2);
+    again.params[0].data[0] = 42.0;
+    let same_step: (Setup, CheckpointState, usize) = (
+        |r| {
+            save(r, &sample_state(1), 0).unwrap();
+            save(r, &sample_state(2), 0).unwrap();
+        },
+        again,
+        0,
+    );
+    for (scenario, (setup, state, keep_last)) in [("new step, pruning", new_step), ("same step again", same_step)] {
+        let ops = Rc::new(RefCell::new(Vec::new()));
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("ckpt");
+        setup(&root);
+        let seen = Rc::clone(&ops);
+        let record = move |op: &str, name: &str| {
+            seen.borrow_mut().push((op.to_string(), name.to_string()));
+            Ok(())
+        };
+        with_fault_hook(record, || save(&root, &state, keep_last)).unwrap();
+        let ops = ops.borrow().clone();
+        let has = |op: &str, name: &str| ops.iter().any(|(o, n)| o == op && n == name);
+        assert!(
+            has("write", PARAMS_FILE) && has("fsync", OPTIM_FILE) && has("rename", "step_00000002") && has("rename", LATEST_FILE),
+            "{ops:?}"
+        );
+        match keep_last {
+            1 => assert!(has("prune", "step_00000001"), "{ops:?}"),
+            _ => assert!(has("move aside", "step_00000002"), "{ops:?}"),
+        }
+        for (k, (op, name)) in ops.iter().enumerate() {
+            for fault in [Fault::Fail, Fault::MoveAndFail, Fault::Move] {
+                let what = format!("{scenario}: {fault:?} at {op} {name}");
+                let tmp = tempfile::tempdir().unwrap();
+                let root = tmp.path().join("ckpt");
+                setup(&root);
+                let (target, calls) = (root.clone(), Rc::new(RefCell::new(0)));
+                let count = Rc::clone(&calls);
+                let hook = move |_: &str, _: &str| {
+                    let mut n = count.borrow_mut();
+                    *n += 1;
+                    if *n - 1 != k {
+                        return Ok(());
+                    }
+                    if fault != Fault::Fail {
+                        move_away(&target);
+                    }
+                    match fault {
+                        Fault::Move => Ok(()),
+                        _ => Err(std::io::Error::other("injected")),
+                    }
+                };
+                let res = with_fault_hook(hook, || save(&root, &state, keep_last));
+                assert!(*calls.borrow() > k, "{what}: the save stopped before the stage");
+                if fault != Fault::Fail {
+                    put_back(&root);
+                }
+                match fault {
+                    Fault::Move => {
+                        let dir = res.unwrap_or_else(|e| panic!("{what}: the save lost its folder: {e}"));
+                        assert_same_state(&state, &load(&dir).unwrap());
+                        assert_eq!(fs::read_to_string(root.join(LATEST_FILE)).unwrap(), "step_00000002\n", "{what}");
+                    }
+                    _ => assert!(res.is_err(), "{what}: the injected failure was not reported"),
+                }
+                let left = tessera_chaos::disk::checkpoint_leftovers(&root);
+                if op == "remove" && fault != Fault::Move {
+                    assert!(
+                        left.iter().all(|n| n.starts_with(".tmp-step_") || n.starts_with(".old-step_")) && left.len() == 1,
+                        "{what}: {left:?}"
+                    );
+                } else {
+                    assert!(left.is_empty(), "{what}: left {left:?}");
+                }
+                for (step, dir) in list_checkpoints(&root).unwrap() {
+                    load(&dir).unwrap_or_else(|e| panic!("{what}: step {step} does not load: {e}"));
+                }
+                let latest = load_latest_valid(&root).unwrap();
+                assert!(latest.skipped.is_empty(), "{what}: {:?}", latest.skipped);
+                assert!(matches!(latest.found, Some((_, ref s)) if s.step == 1 || s.step == 2), "{what}");
+                save(&root, &sample_state(3), keep_last).unwrap();
+                assert_eq!(tessera_chaos::disk::checkpoint_leftovers(&root), Vec::<String>::new(), "{what}: after the next save");
+            }
+        }
+    }
 }
