@@ -318,8 +318,23 @@ enum ConfigCmd {
 /// Exit status of a run that Ctrl-C stopped (128 + SIGINT), as shells report it.
 const EXIT_INTERRUPTED: u8 = 130;
 
+/// Whether `cmd` talks QUIC (worker processes, agents, a coordinator, chaos runs of them).
+fn uses_quic(cmd: &Cmd) -> bool {
+    match cmd {
+        Cmd::Train(a) => a.nprocs.is_some(),
+        Cmd::Worker(_) | Cmd::Coordinator(_) | Cmd::Agent(_) | Cmd::Launch(_) | Cmd::Chaos(_) => true,
+        _ => false,
+    }
+}
+
 fn run(cli: Cli) -> Result<ExitCode> {
     let done = ExitCode::SUCCESS;
+    if uses_quic(&cli.cmd) {
+        // The transport's variables (lanes, runtime workers, TLS crypto) are read where a
+        // connection is made, in workers and agents; a bad value is refused here first, once,
+        // before anything starts.
+        tessera_transport::quic::check_env().map_err(anyhow::Error::msg)?;
+    }
     match cli.cmd {
         Cmd::Train(mut a) => {
             let processes = a.nprocs.is_some();

@@ -74,3 +74,28 @@ fn corrupted_checkpoint_is_reported_and_the_previous_one_still_loads() {
     let text = ok(&["generate", "--checkpoint", ckpts.to_str().unwrap(), "--tokens", "2"], tmp.path());
     assert!(text.contains("step_00000004"), "{text}");
 }
+
+/// A bad value of a QUIC transport variable is refused at start-up, naming the variable, the
+/// value and what was expected — not ignored (`TESSERA_QUIC_WORKERS` used to fall back to the
+/// default in silence) and not left to each worker process to fail on when it connects.
+#[test]
+fn bad_quic_variables_are_refused_before_any_worker_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let mut args = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--nprocs", "2"];
+    args.extend_from_slice(&["--steps", "1", "--no-progress"]);
+    args.extend_from_slice(FAST);
+    let cases = [
+        ("TESSERA_QUIC_WORKERS", "0", "expected a number of worker threads from 1 to 64"),
+        ("TESSERA_QUIC_WORKERS", "many", "expected a number of worker threads from 1 to 64"),
+        ("TESSERA_QUIC_LANES", "9", "expected a number of lanes from 1 to 8"),
+    ];
+    for (name, value, expected) in cases {
+        let res = std::process::Command::new(bin()).args(&args).env(name, value).current_dir(tmp.path()).output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&res.stdout), String::from_utf8_lossy(&res.stderr));
+        assert!(!res.status.success(), "{name}={value} was accepted:\n{text}");
+        assert!(text.contains(&format!("{name}=\"{value}\": {expected}")), "{name}={value}:\n{text}");
+        assert!(!out.join("procs").exists() && !out.join("summary.json").exists(), "{name}={value}: the run started:\n{text}");
+    }
+}

@@ -967,8 +967,8 @@ mod tests {
         let plan = plan();
         let mut r = Replicas::new();
         let bogus = || {
-            let record = StepRecord { step: 0, applied: false, lr: 0.0, reductions: vec![], optimizer_steps: 0, digest: None };
-            Ok(vec![Update { owner: 99, grad: vec![], record }])
+            let record = StepRecord { step: 0, applied: false, lr: 0.0, optimizer_steps: 0, digest: None };
+            Ok(vec![Update { owner: 99, grad: vec![], record, reductions: vec![] }])
         };
         {
             // The thread blocks on the replicas while this holds them.

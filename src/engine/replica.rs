@@ -14,7 +14,8 @@
 //!   `replica_check_interval` steps the blake3 of the owner's shard the step starts from;
 //! - LAMB only: the results of the norm all-reduce inside the optimizer step (the per-tensor
 //!   trust ratios need the global weight and update norms). These are not sent: the all-reduce
-//!   gives every rank the same bits, so the successor replays its own reduced values.
+//!   gives every rank the same bits, so the successor replays its own reduced values
+//!   ([`Update::reductions`], which the holder fills in from its own commit).
 //!
 //! The update travels as point-to-point messages (record, then gradient; [`feed_tag`]) queued in
 //! the rank's ordered collective lane, all sends before all receives: each lands in the
@@ -45,12 +46,11 @@ use super::store::Store;
 /// digest check must catch it.
 pub const CORRUPT_REPLICA_ENV: &str = "TESSERA_TEST_CORRUPT_REPLICA_AT_STEP";
 
-/// First word of an encoded [`StepRecord`] ("RPL1").
-const RECORD_MAGIC: u32 = 0x5250_4C31;
-/// Fixed words of an encoded record before the reductions.
-const RECORD_HEAD_WORDS: usize = 16;
-/// Most norm all-reduces one optimizer step may make (LAMB makes one).
-pub const REDUCTIONS_MAX: usize = 16;
+/// First word of an encoded [`StepRecord`] ("RPL2"; "RPL1" records also carried the owner's
+/// norm reductions, always empty once holders replayed their own).
+const RECORD_MAGIC: u32 = 0x5250_4C32;
+/// Words of an encoded record: magic, step (2), flags, lr, optimizer steps (2), digest (8).
+const RECORD_WORDS: usize = 15;
 /// Tag space of the point-to-point replica update messages (the step is added; the full
 /// copies use another, `elastic_worker`'s `REPLICA_TAG`).
 const FEED_TAG: u64 = 0x5246_0000_0000_0000;
@@ -95,8 +95,6 @@ pub struct StepRecord {
     pub applied: bool,
     /// The learning rate the optimizer step used.
     pub lr: f32,
-    /// The results of the optimizer's norm all-reduces, in call order.
-    pub reductions: Vec<Vec<f64>>,
     /// The optimizer's step count after the step.
     pub optimizer_steps: u64,
     /// blake3 of the owner's shard at `step` committed steps, before the step
@@ -107,7 +105,7 @@ pub struct StepRecord {
 impl StepRecord {
     /// The record as f32 words (bit patterns; the transport moves bytes, never arithmetic).
     pub fn encode(&self) -> Vec<f32> {
-        let mut w: Vec<u32> = Vec::with_capacity(RECORD_HEAD_WORDS + self.reductions.iter().map(|r| 1 + 2 * r.len()).sum::<usize>());
+        let mut w: Vec<u32> = Vec::with_capacity(RECORD_WORDS);
         w.push(RECORD_MAGIC);
         w.extend([self.step as u32, (self.step >> 32) as u32]);
         w.push(u32::from(self.applied) | (u32::from(self.digest.is_some()) << 1));
@@ -115,22 +113,18 @@ impl StepRecord {
         w.extend([self.optimizer_steps as u32, (self.optimizer_steps >> 32) as u32]);
         let digest = self.digest.unwrap_or([0; 32]);
         w.extend(digest.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
-        w.push(self.reductions.len() as u32);
-        for r in &self.reductions {
-            w.push(r.len() as u32);
-            for x in r {
-                let b = x.to_bits();
-                w.extend([b as u32, (b >> 32) as u32]);
-            }
-        }
+        debug_assert_eq!(w.len(), RECORD_WORDS);
         w.into_iter().map(f32::from_bits).collect()
     }
 
     /// Parses what a peer sent; anything malformed is an error naming the problem.
     pub fn decode(words: &[f32]) -> Result<StepRecord, String> {
         let w: Vec<u32> = words.iter().map(|x| x.to_bits()).collect();
-        if w.len() < RECORD_HEAD_WORDS || w[0] != RECORD_MAGIC {
+        if w.first() != Some(&RECORD_MAGIC) {
             return Err(format!("a replica step record of {} words without its header", w.len()));
+        }
+        if w.len() != RECORD_WORDS {
+            return Err(format!("a replica step record of {} words, expected {RECORD_WORDS}", w.len()));
         }
         let u64_at = |i: usize| u64::from(w[i]) | (u64::from(w[i + 1]) << 32);
         let flags = w[3];
@@ -138,27 +132,10 @@ impl StepRecord {
         for (k, word) in w[7..15].iter().enumerate() {
             digest[4 * k..4 * k + 4].copy_from_slice(&word.to_le_bytes());
         }
-        let n = w[15] as usize;
-        if n > REDUCTIONS_MAX {
-            return Err(format!("a replica step record announces {n} norm reductions (at most {REDUCTIONS_MAX})"));
-        }
-        let mut reductions = Vec::with_capacity(n);
-        let mut at = RECORD_HEAD_WORDS;
-        for k in 0..n {
-            let len = *w.get(at).ok_or_else(|| format!("a replica step record ends before reduction {k}"))? as usize;
-            let end = at + 1 + 2 * len;
-            let body = w.get(at + 1..end).ok_or_else(|| format!("reduction {k} of a replica step record is cut short"))?;
-            reductions.push(body.chunks_exact(2).map(|p| f64::from_bits(u64::from(p[0]) | (u64::from(p[1]) << 32))).collect());
-            at = end;
-        }
-        if at != w.len() {
-            return Err(format!("a replica step record has {} words after its reductions", w.len() - at));
-        }
         Ok(StepRecord {
             step: u64_at(1),
             applied: flags & 1 != 0,
             lr: f32::from_bits(w[4]),
-            reductions,
             optimizer_steps: u64_at(5),
             digest: (flags & 2 != 0).then_some(digest),
         })
@@ -218,15 +195,19 @@ pub fn shard_digest(master: &[f32], bufs: &[(&str, &[f32])]) -> [u8; 32] {
     *h.finalize().as_bytes()
 }
 
-/// One owner's step for a replica: its gradient (already unpacked) and record.
+/// One owner's step for a replica: its gradient (already unpacked) and record, and the
+/// results of the optimizer's norm all-reduces in call order (LAMB's), which [`Replica::apply`]
+/// replays: the holder's own from its commit of the same step, which the all-reduce gave every
+/// rank bit for bit — they never travel.
 #[derive(Debug, Clone)]
 pub struct Update {
     pub owner: usize,
     pub grad: Vec<f32>,
     pub record: StepRecord,
+    pub reductions: Vec<Vec<f64>>,
 }
 
-/// Replays recorded all-reduce results in order.
+/// Replays the holder's own all-reduce results of the step, in order.
 struct Replay {
     results: std::vec::IntoIter<Vec<f64>>,
 }
@@ -238,8 +219,8 @@ impl NormAllReduce for Replay {
                 v.copy_from_slice(&r);
                 Ok(())
             }
-            Some(r) => Err(format!("a recorded norm reduction has {} values, the replica's step needs {}", r.len(), v.len())),
-            None => Err("the replica's step made more norm reductions than the owner's".into()),
+            Some(r) => Err(format!("this rank's norm reduction has {} values, the replica's step needs {}", r.len(), v.len())),
+            None => Err("the replica's step made more norm reductions than this rank's commit of the step".into()),
         }
     }
 }
@@ -285,7 +266,8 @@ impl Replica {
     }
 
     /// Applies the owner's step `u` exactly as the owner's optimizer did (same kernels, same
-    /// gradient, same scalars, the owner's reduced norms), after checking the digest when the
+    /// gradient, same scalars, and the reduced norms `u.reductions`, which the holder set
+    /// from its own commit: the same bits as the owner's), after checking the digest when the
     /// record carries one, and then the step count. On an error the replica must be discarded.
     pub fn apply(&mut self, plan: &Plan, u: Update) -> Result<(), String> {
         let owner = self.owner;
@@ -311,13 +293,13 @@ impl Replica {
                 return Err(format!("rank {owner}'s gradient has {} values, its range {}", u.grad.len(), self.master.len()));
             }
             let ctx = StepContext { shard_range: self.range.clone(), layout: &plan.flat, decay: &plan.decay };
-            let mut replay = Replay { results: u.record.reductions.into_iter() };
+            let mut replay = Replay { results: u.reductions.into_iter() };
             let step = u.record.step;
             self.optim
                 .step(&mut self.master, &u.grad, u.record.lr, &ctx, &mut replay)
                 .map_err(|e| format!("rank {owner}'s step {step}: {e}"))?;
             if replay.results.len() > 0 {
-                return Err(format!("rank {owner}'s step {step}: the owner made more norm reductions than the replica's step"));
+                return Err(format!("rank {owner}'s step {step}: this rank's commit made more norm reductions than the replica's step"));
             }
         }
         self.at += 1;
@@ -343,31 +325,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn records_round_trip_with_nan_bits_and_reject_malformed_words() {
+    fn records_round_trip_and_reject_malformed_words() {
         let r = StepRecord {
             step: (7 << 32) + 3,
             applied: true,
-            lr: 1.5e-3,
-            reductions: vec![vec![], vec![1.0, f64::NAN, -0.0]],
-            optimizer_steps: 12,
+            lr: f32::from_bits(0x7fc0_1234), // a NaN with a payload keeps its bits
+            optimizer_steps: (5 << 32) + 12,
             digest: Some([9; 32]),
         };
-        let back = StepRecord::decode(&r.encode()).expect("decodes");
-        assert_eq!(back.step, r.step);
-        assert_eq!(back.digest, r.digest);
-        let bits = |v: &[Vec<f64>]| v.iter().map(|x| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>();
-        assert_eq!(bits(&back.reductions), bits(&r.reductions));
-        let skipped = StepRecord { applied: false, digest: None, reductions: vec![], ..r.clone() };
-        assert_eq!(StepRecord::decode(&skipped.encode()).expect("decodes"), skipped);
         let words = r.encode();
-        assert!(StepRecord::decode(&words[..words.len() - 1]).unwrap_err().contains("cut short"));
-        assert!(StepRecord::decode(&words[..3]).unwrap_err().contains("header"));
+        assert_eq!(words.len(), RECORD_WORDS);
+        let back = StepRecord::decode(&words).expect("decodes");
+        assert_eq!(
+            (back.step, back.applied, back.lr.to_bits(), back.optimizer_steps),
+            (r.step, r.applied, r.lr.to_bits(), r.optimizer_steps)
+        );
+        assert_eq!(back.digest, r.digest);
+        let skipped = StepRecord { applied: false, digest: None, lr: 1.5e-3, ..r.clone() };
+        assert_eq!(StepRecord::decode(&skipped.encode()).expect("decodes"), skipped);
+        assert!(StepRecord::decode(&words[..words.len() - 1]).unwrap_err().contains("14 words, expected 15"));
+        assert!(StepRecord::decode(&[]).unwrap_err().contains("header"));
         let mut extra = words.clone();
         extra.push(0.0);
-        assert!(StepRecord::decode(&extra).unwrap_err().contains("after its reductions"));
-        let mut many = words;
-        many[15] = f32::from_bits(1000);
-        assert!(StepRecord::decode(&many).unwrap_err().contains("1000 norm reductions"));
+        assert!(StepRecord::decode(&extra).unwrap_err().contains("16 words, expected 15"));
+        // The old layout (RPL1, with a count of reductions) is named as foreign, not misread.
+        let mut old = words;
+        old[0] = f32::from_bits(0x5250_4C31);
+        old.push(0.0);
+        assert!(StepRecord::decode(&old).unwrap_err().contains("without its header"));
     }
 
     #[test]

@@ -814,7 +814,6 @@ impl ZeroWorker {
             step,
             applied: !overflow,
             lr: self.lr_at(st.applied),
-            reductions: Vec::new(),
             optimizer_steps: st.optim.step_count() + u64::from(!overflow),
             digest: cfg.digest_due(step).then(|| replica::shard_digest(&st.master, &st.optim.state_buffers())),
         };
@@ -863,21 +862,20 @@ impl ZeroWorker {
         let dtype = self.plan.precision.dtype();
         let mut updates = Vec::new();
         for (owner, (rec, words)) in preds.into_iter().zip(got) {
-            let mut record = StepRecord::decode(&rec).map_err(|e| format!("rank {owner}: {e}"))?;
+            let record = StepRecord::decode(&rec).map_err(|e| format!("rank {owner}: {e}"))?;
             if record.step != step || record.applied != done.applied || record.lr.to_bits() != done.lr.to_bits() {
                 return Err(format!(
                     "rank {owner}'s record (step {}, applied {}, lr {}) disagrees with this rank's commit (step {step}, applied {}, lr {})",
                     record.step, record.applied, record.lr, done.applied, done.lr
                 ));
             }
-            record.reductions = done.reductions.clone();
             let grad = match record.applied {
                 true => {
                     replica::unpack_gradient(dtype, words, self.plan.optim_range(owner).len()).map_err(|e| format!("rank {owner}: {e}"))?
                 }
                 false => Vec::new(),
             };
-            updates.push(Update { owner, grad, record });
+            updates.push(Update { owner, grad, record, reductions: done.reductions.clone() });
         }
         Ok(updates)
     }
@@ -1623,16 +1621,9 @@ mod tests {
         let got = replicated_steps(2, 3, &[], 1, 2);
         let rep = got.held[1][0].clone();
         let check = |rep: &mut replica::Replica| {
-            let record = StepRecord {
-                step: 2,
-                applied: false,
-                lr: 0.0,
-                reductions: vec![],
-                optimizer_steps: 2,
-                digest: Some(got.owners[rep.owner]),
-            };
+            let record = StepRecord { step: 2, applied: false, lr: 0.0, optimizer_steps: 2, digest: Some(got.owners[rep.owner]) };
             let plan = plan(2, 3, &[]);
-            rep.apply(&plan, Update { owner: rep.owner, grad: vec![], record })
+            rep.apply(&plan, Update { owner: rep.owner, grad: vec![], record, reductions: vec![] })
         };
         check(&mut rep.clone()).expect("the replica has its owner's digest");
         let mut bad = rep;

@@ -385,9 +385,10 @@ impl QuicComm {
             let detail = format!("{} addresses, {} names, rank {rank}", world, spec.names.len());
             return Err(QuicError::Spec { rank, detail });
         }
+        let workers = runtime_workers(lanes).map_err(|detail| QuicError::Spec { rank, detail })?;
         tune_allocator();
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(runtime_workers(lanes))
+            .worker_threads(workers)
             .thread_name(format!("tessera-quic-{rank}"))
             .enable_all()
             .build()

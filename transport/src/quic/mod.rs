@@ -31,9 +31,9 @@
 //! # Runtime
 //! The trait is synchronous. Each `QuicComm` owns a multi-thread tokio runtime
 //! ([`net::runtime_workers`]: one worker thread on hosts with fewer than 4 cores, else one more
-//! than the lanes asked for, at most half the cores) that drives the endpoints, one reader task per connection and one task per
-//! incoming stream. A reader
-//! task reads each stream's header; it files a collective's payload as the open stream, and
+//! than the lanes asked for, at most half the cores; `TESSERA_QUIC_WORKERS` overrides it) that
+//! drives the endpoints, one reader task per connection and one task per incoming stream. A
+//! reader task reads each stream's header; it files a collective's payload as the open stream, and
 //! every other message (descriptors, point-to-point data, control) whole, in an inbox keyed by
 //! (sender, lane, key). The caller's thread runs each step of an algorithm — its sends and its
 //! receives together — as one future with `Runtime::block_on`, so a rank always reads while it
@@ -96,7 +96,7 @@ pub mod pki;
 
 pub use comm::QuicComm;
 pub use control::{ControlConn, ControlEndpoint, ControlError};
-pub use net::{transport_config, ClusterSpec, QuicError};
+pub use net::{check_env, transport_config, ClusterSpec, QuicError};
 pub use pki::{cluster_init, ClientAuth, ClusterCa, ClusterFiles, JoinToken, NodeKey, NodeTls, PkiError, ALPN_CONTROL};
 /// The TLS library the configs of this module belong to.
 pub use rustls;

@@ -103,15 +103,52 @@ pub fn lanes_default() -> usize {
 /// firewall or security group that opens only the data port (`--quic-port`) would block them, so
 /// there lanes are the user's choice (`TESSERA_QUIC_LANES`, with those ports open).
 pub fn lanes_wanted(addr: SocketAddr) -> Result<usize, String> {
-    match std::env::var(LANES_ENV) {
-        Err(std::env::VarError::NotPresent) if addr.ip().is_loopback() => Ok(lanes_default()),
-        Err(std::env::VarError::NotPresent) => Ok(1),
-        Err(std::env::VarError::NotUnicode(v)) => Err(format!("{LANES_ENV}={v:?}: expected a number of lanes from 1 to {LANES_MAX}")),
+    match env_count(LANES_ENV, std::env::var(LANES_ENV), 1..=LANES_MAX, "lanes")? {
+        Some(n) => Ok(n),
+        None if addr.ip().is_loopback() => Ok(lanes_default()),
+        None => Ok(1),
+    }
+}
+
+/// The number that variable `name` holds, given its value as [`std::env::var`] returns it:
+/// `None` when it is unset; an error naming the variable, its value and what was expected
+/// (a number of `what` in `range`) when the value is anything else — not a number, out of
+/// range, not UTF-8. Every count the transport reads from the environment goes through here.
+pub fn env_count(
+    name: &str,
+    value: Result<String, std::env::VarError>,
+    range: std::ops::RangeInclusive<usize>,
+    what: &str,
+) -> Result<Option<usize>, String> {
+    let bad = |v: &dyn std::fmt::Debug| format!("{name}={v:?}: expected a number of {what} from {} to {}", range.start(), range.end());
+    match value {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(bad(&v)),
         Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if (1..=LANES_MAX).contains(&n) => Ok(n),
-            _ => Err(format!("{LANES_ENV}={v:?}: expected a number of lanes from 1 to {LANES_MAX}")),
+            Ok(n) if range.contains(&n) => Ok(Some(n)),
+            _ => Err(bad(&v)),
         },
     }
+}
+
+/// The variable that sets how many worker threads a rank's tokio runtime gets (for
+/// measurements): `1` to [`WORKERS_MAX`]; unset, [`runtime_workers`] chooses.
+pub const WORKERS_ENV: &str = "TESSERA_QUIC_WORKERS";
+/// Most runtime worker threads [`WORKERS_ENV`] may ask for: a bound, so that a typo cannot
+/// start thousands of threads per rank ([`runtime_workers`] itself picks at most half the
+/// cores; the measurements behind it found nothing gained past one more than the lanes).
+pub const WORKERS_MAX: usize = 64;
+
+/// Every transport variable's value checked, without acting on any: [`LANES_ENV`],
+/// [`WORKERS_ENV`] and the TLS provider's
+/// ([`TLS_PROVIDER_ENV`](super::pki::TLS_PROVIDER_ENV)). Commands that will use QUIC call it
+/// first, so a bad value is refused at start-up with the error naming it, before any worker or
+/// connection exists; [`QuicComm`](super::QuicComm) reads the same variables again (and refuses
+/// the same values) when it connects.
+pub fn check_env() -> Result<(), String> {
+    env_count(LANES_ENV, std::env::var(LANES_ENV), 1..=LANES_MAX, "lanes")?;
+    env_count(WORKERS_ENV, std::env::var(WORKERS_ENV), 1..=WORKERS_MAX, "worker threads")?;
+    super::pki::check_provider_env()
 }
 
 /// Worker threads of a rank's tokio runtime for `lanes` connections per peer: 1 on hosts with
@@ -125,15 +162,16 @@ pub fn lanes_wanted(addr: SocketAddr) -> Result<usize, String> {
 /// measured on the 2-core dev box, one worker halved the context switches (130 k → 57 k per
 /// benchmark run), cut p99 small-message latency from ~1.3 ms to ~0.13 ms, and used less CPU per
 /// bulk call (4 ranks: ~355 against ~400 ms per 64 MiB all-gather).
-/// `TESSERA_QUIC_WORKERS` overrides the number (for measurements).
-pub fn runtime_workers(lanes: usize) -> usize {
-    if let Some(n) = std::env::var("TESSERA_QUIC_WORKERS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n >= 1) {
-        return n;
+/// [`WORKERS_ENV`] overrides the number (for measurements); a value that is not a number from
+/// 1 to [`WORKERS_MAX`] is an error naming it.
+pub fn runtime_workers(lanes: usize) -> Result<usize, String> {
+    if let Some(n) = env_count(WORKERS_ENV, std::env::var(WORKERS_ENV), 1..=WORKERS_MAX, "worker threads")? {
+        return Ok(n);
     }
-    match std::thread::available_parallelism().map_or(1, usize::from) {
+    Ok(match std::thread::available_parallelism().map_or(1, usize::from) {
         n if n >= 4 => (lanes + 1).max(2).min(n / 2),
         _ => 1,
-    }
+    })
 }
 
 /// The variable that leaves glibc's malloc settings alone when set to `0` (for comparisons).

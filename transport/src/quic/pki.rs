@@ -13,9 +13,13 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// ALPN protocol id of the Tessera data plane (collectives).
-/// (`/2`: the hellos agree on lanes and collectives declare receive lanes.)
-pub const ALPN: &[u8] = b"tessera/2";
+/// ALPN protocol id of the Tessera data plane (collectives, and the messages the engine sends
+/// over them). Bumped whenever what ranks exchange changes layout, since the join check
+/// compares only the package version: ranks of two builds then refuse to form a mesh instead
+/// of misreading each other. (`/2`: the hellos agree on lanes and collectives declare receive
+/// lanes. `/3`: the elastic replica step record (`engine::replica::StepRecord`, "RPL2") no
+/// longer carries the owner's LAMB norm reductions.)
+pub const ALPN: &[u8] = b"tessera/3";
 /// ALPN protocol id of the control plane (driver ↔ workers and agents).
 pub const ALPN_CONTROL: &[u8] = b"tessera-control/1";
 
@@ -148,6 +152,15 @@ fn provider() -> Result<Arc<rustls::crypto::CryptoProvider>, PkiError> {
         Err(std::env::VarError::NotPresent) => provider_named("aws-lc-rs"),
         Err(std::env::VarError::NotUnicode(v)) => Err(PkiError::Tls(format!("{TLS_PROVIDER_ENV}={v:?}: expected aws-lc-rs or ring"))),
     }
+}
+
+/// [`TLS_PROVIDER_ENV`]'s value checked (the error names a bad one), for start-up checks
+/// ([`check_env`](super::net::check_env)).
+pub fn check_provider_env() -> Result<(), String> {
+    provider().map(drop).map_err(|e| match e {
+        PkiError::Tls(detail) => detail,
+        e => e.to_string(),
+    })
 }
 
 /// The crypto provider `name` (`aws-lc-rs` or `ring`) with TLS 1.3's AES-128-GCM preferred over

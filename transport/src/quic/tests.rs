@@ -222,6 +222,29 @@ fn a_bad_number_of_lanes_is_refused_before_connecting() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Every count the transport reads from the environment (lanes, runtime workers) is a number in
+/// its range or an error naming the variable, the value and what was expected — never the
+/// default in silence. (The values are passed in: setting the process's environment would race
+/// with the other tests' connects, which read it.)
+#[test]
+fn bad_transport_variables_are_errors_naming_them() {
+    use net::env_count;
+    use std::env::VarError;
+    let count = |v: Result<String, VarError>| env_count(net::WORKERS_ENV, v, 1..=net::WORKERS_MAX, "worker threads");
+    assert_eq!(count(Err(VarError::NotPresent)), Ok(None));
+    assert_eq!(count(Ok(" 3 ".into())), Ok(Some(3)));
+    assert_eq!(count(Ok("64".into())), Ok(Some(64)));
+    for bad in ["0", "65", "-1", "two", "", "1.5"] {
+        let e = count(Ok(bad.into())).expect_err(bad);
+        assert_eq!(e, format!("TESSERA_QUIC_WORKERS={bad:?}: expected a number of worker threads from 1 to 64"));
+    }
+    use std::os::unix::ffi::OsStringExt;
+    let e = count(Err(VarError::NotUnicode(std::ffi::OsString::from_vec(vec![b'4', 0xff])))).expect_err("not UTF-8");
+    assert!(e.starts_with("TESSERA_QUIC_WORKERS=") && e.contains("\\xFF") && e.ends_with("from 1 to 64"), "{e}");
+    let e = env_count(net::LANES_ENV, Ok("9".into()), 1..=net::LANES_MAX, "lanes").expect_err("9 lanes");
+    assert_eq!(e, "TESSERA_QUIC_LANES=\"9\": expected a number of lanes from 1 to 8");
+}
+
 #[test]
 fn point_to_point_matches_tags_in_order() {
     let got = run(group(3), |c| {
