@@ -478,6 +478,20 @@ __device__ __forceinline__ void att_gemm_cb_rb(float (&acc)[RB][8][4], const flo
     }
 }
 
+// The A fragments of this warp's RB blocks of 16 rows (rows warp·16·RB + 16rb of the staged tiles
+// at shared addresses a and b), all 64 columns.
+template <int RB>
+__device__ __forceinline__ void att_load_warp_a(u32 (&fa)[RB][4][4], u32 (&fb)[RB][4][4], u32 a, u32 b, int warp, const AttLane& L) {
+#pragma unroll
+    for (int rb = 0; rb < RB; rb++) {
+#pragma unroll
+        for (int kc = 0; kc < 4; kc++) {
+            att_load_a(fa[rb][kc], a, warp * 16 * RB + rb * 16, kc * 16, L);
+            att_load_a(fb[rb][kc], b, warp * 16 * RB + rb * 16, kc * 16, L);
+        }
+    }
+}
+
 // Stages rows row0 .. row0 + 64·RB of a [rows, ldg] matrix (64 columns at g) into the RB
 // consecutive 64-row shared tiles starting at s (synchronous loads; rows >= t zero-filled).
 template <int RB>
@@ -601,14 +615,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, cons
     att_stage_rows<RB>(sQ[stage], base + c, key0, t, ld);
     att_stage_rows<RB>(sDY[stage], base + 2 * c, key0, t, ld);
     __syncthreads();
-#pragma unroll
-    for (int rb = 0; rb < RB; rb++) {
-#pragma unroll
-        for (int kc = 0; kc < 4; kc++) {
-            att_load_a(kf[rb][kc], aQ + stage * ATT_BUF_BYTES, warp * 16 * RB + rb * 16, kc * 16, L);
-            att_load_a(vf[rb][kc], aDY + stage * ATT_BUF_BYTES, warp * 16 * RB + rb * 16, kc * 16, L);
-        }
-    }
+    att_load_warp_a<RB>(kf, vf, aQ + stage * ATT_BUF_BYTES, aDY + stage * ATT_BUF_BYTES, warp, L);
     if (RB > 1) {
         __syncthreads();  // every warp has its fragments before buffer 0 is overwritten
         prefetch(q_first, 0);
@@ -744,14 +751,7 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
     }
     __syncthreads();
     u32 qf[RB][4][4], dyf[RB][4][4];
-#pragma unroll
-    for (int rb = 0; rb < RB; rb++) {
-#pragma unroll
-        for (int kc = 0; kc < 4; kc++) {
-            att_load_a(qf[rb][kc], aK + stage * ATT_BUF_BYTES, warp * 16 * RB + rb * 16, kc * 16, L);
-            att_load_a(dyf[rb][kc], aV + stage * ATT_BUF_BYTES, warp * 16 * RB + rb * 16, kc * 16, L);
-        }
-    }
+    att_load_warp_a<RB>(qf, dyf, aK + stage * ATT_BUF_BYTES, aV + stage * ATT_BUF_BYTES, warp, L);
     if (RB > 1) {
         __syncthreads();  // every warp has its fragments before buffer 0 is overwritten
         att_load_tile_async(aK, base + c, 0, t, ld);
