@@ -67,9 +67,15 @@ fn one_cycle_momentum_is_applied_and_resumes_bit_exactly_mid_cycle() {
         a.extend_from_slice(extra);
         (ok(&a, tmp.path()), out)
     };
-    let (text, straight) = train("straight", "6", &["--world", "2", "--set", "zero_optimization.stage=2"]);
+    let (text, straight) = train("straight", "6", &["--world", "2", "--set", "zero_optimization.stage=2", "--set", "steps_per_print=1"]);
     assert!(text.contains("`optimizer.params.betas` is replaced by OneCycle's momentum cycle"), "{text}");
-    let (_, fixed) = train("fixed", "6", &["--world", "2", "--set", "scheduler.params.cycle_momentum=false"]);
+    // The step log shows each update's beta1 (DeepSpeed's `mom`): cycle_min_mom (0.8) first,
+    // then up the triangle (3 + 3 iterations) towards cycle_max_mom (0.9): 0.9 − 0.1·(1/3).
+    assert!(text.contains("step      1 | loss") && text.contains("| beta1 0.8000 |"), "{text}");
+    assert!(text.contains("| beta1 0.8667 |"), "{text}");
+    let (fixed_text, fixed) =
+        train("fixed", "6", &["--world", "2", "--set", "scheduler.params.cycle_momentum=false", "--set", "steps_per_print=1"]);
+    assert!(fixed_text.contains("step      1 | loss") && !fixed_text.contains("beta1"), "{fixed_text}");
     let (_, split) = train("split", "3", &["--world", "2", "--set", "zero_optimization.stage=1"]);
     let ckpt = split.join("checkpoints");
     train("split", "6", &["--resume", ckpt.to_str().unwrap(), "--world", "1", "--set", "zero_optimization.stage=0"]);

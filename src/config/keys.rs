@@ -114,7 +114,7 @@ static BATCH_AND_OPTIMIZER: &[KeyInfo] = &[
     k("scheduler.params.cycle_first_stair_count", UInt, H, "OneCycle; default 0 (no stairs)"),
     k("scheduler.params.cycle_second_stair_count", UInt, H, "OneCycle; default cycle_first_stair_count"),
     k("scheduler.params.decay_step_size", UInt, H, "OneCycle; default 0 (no decay)"),
-    k("scheduler.params.cycle_momentum", Bool, H, "OneCycle; default true: betas = (cycled beta1, 0.99) each step, replacing optimizer.params.betas (Adam, AdamW, Lamb, Lion); SGD is not cycled, as in DeepSpeed"),
+    k("scheduler.params.cycle_momentum", Bool, H, "OneCycle; default true: betas = (cycled beta1, 0.99) each step, replacing optimizer.params.betas (Adam, AdamW, Lamb, Lion); SGD is not cycled, as in DeepSpeed; the step log and the monitors (`Train/Samples/beta1`) show each step's beta1"),
     k("scheduler.params.cycle_min_mom", Float, H, "OneCycle; default 0.8; in [0, 1): beta1 of the first step and at the lr's peak"),
     k("scheduler.params.cycle_max_mom", Float, H, "OneCycle; default 0.9; in [0, 1): beta1 at the cycle's ends"),
     k("scheduler.params.decay_mom_rate", Float, H, "OneCycle; default 0; after the cycle beta1 = cycle_max_mom·(1 + rate·d/decay_step_size), d steps in (a run whose beta1 would leave [0, 1) is refused)"),

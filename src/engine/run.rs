@@ -467,8 +467,13 @@ impl Run<'_> {
         // The rate the commit used: the schedule's clock counts applied (not skipped) steps.
         let (applied, scale) = self.ranks.applied_and_scale();
         let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, applied.saturating_sub(1)));
+        // OneCycle's momentum: the first beta that update used (DeepSpeed prints it as `mom`).
+        let beta1 = plan.optimizer.momentum_cycle().map(|c| c.beta1_at(applied.saturating_sub(1)));
         let mut events =
             vec![Event::new("Train/Samples/train_loss", loss, samples), Event::new("Train/Samples/lr", f64::from(lr), samples)];
+        if let Some(b) = beta1 {
+            events.push(Event::new("Train/Samples/beta1", f64::from(b), samples));
+        }
         if let Some(scale) = scale {
             events.push(Event::new("Train/Samples/loss_scale", f64::from(scale), samples));
         }
@@ -477,7 +482,11 @@ impl Run<'_> {
         pb.set_position(self.step);
         if cfg.steps_per_print > 0 && self.step % cfg.steps_per_print == 0 {
             let skipped = if overflow { " | skipped (overflow)" } else { "" };
-            log_line(pb, format!("step {:>6} | loss {loss:.4} | lr {lr:.3e} | grad norm {norm:.3} | {tps:.0} tok/s{skipped}", self.step));
+            let mom = beta1.map(|b| format!(" | beta1 {b:.4}")).unwrap_or_default();
+            log_line(
+                pb,
+                format!("step {:>6} | loss {loss:.4} | lr {lr:.3e}{mom} | grad norm {norm:.3} | {tps:.0} tok/s{skipped}", self.step),
+            );
             if cfg.wall_clock_breakdown {
                 let slowest = res.compute_s_max;
                 log_line(

@@ -671,6 +671,8 @@ fn run_rank(
             .collect();
         // The rate of update number `applied + 1` (the schedule's clock counts applied steps).
         let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, run.applied));
+        // OneCycle's momentum: that update's first beta (DeepSpeed prints it as `mom`).
+        let beta1 = momentum_cycle.map(|c| c.beta1_at(run.applied));
         let t0 = Instant::now();
         let (local_loss, norm) = run.r.step(&mbs, lr, 1.0 / m as f32).with_context(|| format!("step {step}"))?;
         let asked = if stop.load(Ordering::SeqCst) { 1.0 } else { 0.0 };
@@ -687,15 +689,19 @@ fn run_rank(
         let samples = plan.first_sample(run.step, 0);
         let mut events =
             vec![Event::new("Train/Samples/train_loss", loss, samples), Event::new("Train/Samples/lr", f64::from(lr), samples)];
+        if let Some(b) = beta1 {
+            events.push(Event::new("Train/Samples/beta1", f64::from(b), samples));
+        }
         let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
         if lead {
             pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
             pb.set_position(run.step);
             if cfg.steps_per_print > 0 && run.step % cfg.steps_per_print == 0 {
                 let norm = norm.unwrap_or(f64::NAN);
+                let mom = beta1.map(|b| format!(" | beta1 {b:.4}")).unwrap_or_default();
                 engine::log_line(
                     &pb,
-                    format!("step {:>6} | loss {loss:.4} | lr {lr:.3e} | grad norm {norm:.3} | {tps:.0} tok/s", run.step),
+                    format!("step {:>6} | loss {loss:.4} | lr {lr:.3e}{mom} | grad norm {norm:.3} | {tps:.0} tok/s", run.step),
                 );
                 if cfg.wall_clock_breakdown {
                     engine::log_line(&pb, format!("  time: step {:.1} ms", t0.elapsed().as_secs_f64() * 1e3));

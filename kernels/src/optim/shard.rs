@@ -6,7 +6,7 @@ use std::ops::Range;
 use rayon::prelude::*;
 
 use super::adam::{adam_kernel, AdamParams};
-use super::cycle::check_step_betas;
+use super::cycle::{check_step_betas, MomentumCycle};
 use super::lamb::{lamb_commit_kernel, lamb_update_kernel, LambParams};
 use super::lion::{lion_kernel, LionParams};
 use super::norm::{FlatLayout, NormAllReduce};
@@ -45,6 +45,16 @@ impl OptimizerKind {
             Self::Lamb(p) => p.validate(),
             Self::Lion(p) => p.validate(),
             Self::Sgd(p) => p.validate(),
+        }
+    }
+
+    /// OneCycle's momentum cycle when the params carry one (never for SGD, which has no betas).
+    pub fn momentum_cycle(&self) -> Option<&MomentumCycle> {
+        match self {
+            Self::Adam(p) => p.momentum_cycle.as_ref(),
+            Self::Lamb(p) => p.momentum_cycle.as_ref(),
+            Self::Lion(p) => p.momentum_cycle.as_ref(),
+            Self::Sgd(_) => None,
         }
     }
 
