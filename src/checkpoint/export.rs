@@ -4,7 +4,8 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::fsio::{validate_tensors, write_atomic_with, write_file_atomic, write_safetensors};
+use super::dir::Dir;
+use super::fsio::{safetensors_fill, validate_tensors, write_atomic_in, write_file_atomic_in};
 use super::{CheckpointError, NamedTensor};
 
 /// The GPT-2 hyper-parameters written into `config.json` (transformers' `GPT2Config`).
@@ -161,12 +162,13 @@ pub fn export_hf_gpt2(
     let tensors = select_gpt2_tensors(params, cfg)?;
     let reference = reference.map(|(tokens, loss)| reference_json(tokens, loss, cfg.vocab_size)).transpose()?;
     std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io("create export dir", out_dir, e))?;
-    let model = out_dir.join("model.safetensors");
-    write_atomic_with(&model, |tmp| write_safetensors(tmp, &tensors, &[("format", "pt")]))?;
+    let dir = Dir::open(out_dir).map_err(|e| CheckpointError::io("open export dir", out_dir, e))?;
+    let model = "model.safetensors";
+    write_atomic_in(&dir, model, safetensors_fill(&dir.join(model), &tensors, &[("format", "pt")])?)?;
     let config = serde_json::to_vec_pretty(&cfg.to_hf_json()).map_err(|e| export_err(format!("cannot encode config.json: {e}")))?;
-    write_file_atomic(&out_dir.join("config.json"), &config)?;
+    write_file_atomic_in(&dir, "config.json", &config)?;
     if let Some(reference) = reference {
-        write_file_atomic(&out_dir.join("reference.json"), &reference)?;
+        write_file_atomic_in(&dir, "reference.json", &reference)?;
     }
     Ok(())
 }

@@ -1,8 +1,7 @@
 //! Durable file writing for checkpoints: fsync helpers, hashing writer, atomic small files and a
-//! streaming f32 safetensors writer — by path, or relative to an open folder ([`Dir`], the `_in`
-//! variants, which a checkpoint save uses throughout).
+//! streaming f32 safetensors writer, all relative to an open folder ([`Dir`]).
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{self, BufWriter, Write};
 use std::path::Path;
 
@@ -40,11 +39,6 @@ pub(crate) fn fault_point(op: &str, name: &str) -> io::Result<()> {
 #[inline(always)]
 pub(crate) fn fault_point(_op: &str, _name: &str) -> io::Result<()> {
     Ok(())
-}
-
-/// fsync a directory so that entries created/renamed in it are durable.
-pub(crate) fn fsync_dir(dir: &Path) -> Result<(), CheckpointError> {
-    File::open(dir).and_then(|f| f.sync_all()).map_err(|e| CheckpointError::io("fsync directory", dir, e))
 }
 
 /// A writer that counts bytes and blake3-hashes everything passing through.
@@ -85,12 +79,6 @@ fn fill_file(file: File, path: &Path, fill: Fill<'_>) -> Result<FileDigest, Chec
     Ok(FileDigest { bytes: w.bytes, blake3: w.hasher.finalize().to_hex().to_string() })
 }
 
-/// Create `path` (must not exist), let `fill` write its content, flush and fsync it.
-fn write_new_file(path: &Path, fill: Fill<'_>) -> Result<FileDigest, CheckpointError> {
-    let file = OpenOptions::new().write(true).create_new(true).open(path).map_err(|e| CheckpointError::io("create", path, e))?;
-    fill_file(file, path, fill)
-}
-
 /// Create `name` in `dir` (must not exist), let `fill` write its content, flush and fsync it.
 pub(crate) fn write_new_file_in(dir: &Dir, name: &str, fill: Fill<'_>) -> Result<FileDigest, CheckpointError> {
     let path = dir.join(name);
@@ -103,11 +91,6 @@ pub(crate) fn bytes_fill(bytes: &[u8]) -> Fill<'_> {
     Box::new(move |w: &mut dyn Write| w.write_all(bytes))
 }
 
-/// Atomically replace `path` with `bytes`: write `path.tmp-<pid>`, fsync, rename, fsync the dir.
-pub(crate) fn write_file_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    write_atomic_with(path, |tmp| write_new_file(tmp, bytes_fill(bytes))).map(|_| ())
-}
-
 /// The temporary name a file `name` is written under before it is renamed into place.
 pub(crate) fn temp_name(name: &str) -> String {
     format!(".{name}{TEMP_INFIX}{}", std::process::id())
@@ -116,49 +99,34 @@ pub(crate) fn temp_name(name: &str) -> String {
 /// What [`temp_name`] puts between a file's name and the writer's pid.
 pub(crate) const TEMP_INFIX: &str = ".tmp-";
 
-/// Atomically replace `path` with a file produced by `write` (which must create and fsync the
-/// temp path it is given): temp in the same dir, rename over `path`, fsync the dir.
-pub(crate) fn write_atomic_with(
-    path: &Path,
-    write: impl FnOnce(&Path) -> Result<FileDigest, CheckpointError>,
-) -> Result<FileDigest, CheckpointError> {
-    let name = path.file_name().ok_or_else(|| CheckpointError::InvalidState(format!("`{}` has no file name", path.display())))?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    let tmp = dir.join(temp_name(&name.to_string_lossy()));
-    let _ = std::fs::remove_file(&tmp);
-    let digest = match write(&tmp) {
-        Ok(d) => d,
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
-    };
-    if let Err(e) = std::fs::rename(&tmp, path) {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(CheckpointError::io("rename into place", path, e));
-    }
-    fsync_dir(dir)?;
-    Ok(digest)
-}
-
-/// Atomically replace `name` in `dir` with `bytes`: [`temp_name`] written and fsynced, renamed
-/// over `name`, `dir` fsynced. Every step is relative to `dir`, the clean-up of the temporary
-/// file after an error too, so none is left in the folder whatever its path names meanwhile.
-pub(crate) fn write_file_atomic_in(dir: &Dir, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
+/// Atomically replace `name` in `dir` with the file `fill` writes: [`temp_name`] written and
+/// fsynced, renamed over `name`, `dir` fsynced. Every step is relative to `dir`, the clean-up of
+/// the temporary file after an error too, so none is left in the folder whatever its path names
+/// meanwhile.
+pub(crate) fn write_atomic_in(dir: &Dir, name: &str, fill: Fill<'_>) -> Result<FileDigest, CheckpointError> {
     let tmp = temp_name(name);
     let _ = dir.remove_file(&tmp);
     let path = dir.join(name);
-    let installed = write_new_file_in(dir, &tmp, bytes_fill(bytes)).and_then(|_| {
-        fault_point("rename", name).and_then(|()| dir.rename(&tmp, name)).map_err(|e| CheckpointError::io("rename into place", &path, e))
+    let installed = write_new_file_in(dir, &tmp, fill).and_then(|digest| {
+        fault_point("rename", name)
+            .and_then(|()| dir.rename(&tmp, name))
+            .map(|()| digest)
+            .map_err(|e| CheckpointError::io("rename into place", &path, e))
     });
-    if let Err(e) = installed {
-        let _ = dir.remove_file(&tmp);
-        return Err(e);
-    }
-    dir.sync().map_err(|e| CheckpointError::io("fsync directory", dir.path(), e))
+    let digest = match installed {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = dir.remove_file(&tmp);
+            return Err(e);
+        }
+    };
+    dir.sync().map_err(|e| CheckpointError::io("fsync directory", dir.path(), e))?;
+    Ok(digest)
+}
+
+/// [`write_atomic_in`] of a small file holding `bytes`.
+pub(crate) fn write_file_atomic_in(dir: &Dir, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
+    write_atomic_in(dir, name, bytes_fill(bytes)).map(drop)
 }
 
 /// The safetensors JSON header for `tensors` (all F32, contiguous, in the given order), padded
@@ -191,7 +159,11 @@ fn safetensors_header(tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Re
 
 /// The content of an f32 safetensors file of `tensors` (`path` names it in an error). Tensor
 /// data must already be validated (`data.len() == shape product`).
-fn safetensors_fill<'a>(path: &Path, tensors: &'a [&NamedTensor], metadata: &[(&str, &str)]) -> Result<Fill<'a>, CheckpointError> {
+pub(crate) fn safetensors_fill<'a>(
+    path: &Path,
+    tensors: &'a [&NamedTensor],
+    metadata: &[(&str, &str)],
+) -> Result<Fill<'a>, CheckpointError> {
     let header = safetensors_header(tensors, metadata)
         .map_err(|e| CheckpointError::Safetensors { path: path.to_path_buf(), reason: format!("cannot encode header: {e}") })?;
     Ok(Box::new(move |w: &mut dyn Write| {
@@ -202,11 +174,6 @@ fn safetensors_fill<'a>(path: &Path, tensors: &'a [&NamedTensor], metadata: &[(&
         }
         Ok(())
     }))
-}
-
-/// Stream `tensors` as an f32 safetensors file to new file `path` (fsynced).
-pub(crate) fn write_safetensors(path: &Path, tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Result<FileDigest, CheckpointError> {
-    write_new_file(path, safetensors_fill(path, tensors, metadata)?)
 }
 
 /// Stream `tensors` as an f32 safetensors file to new file `name` in `dir` (fsynced).
