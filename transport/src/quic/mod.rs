@@ -30,8 +30,8 @@
 //!
 //! # Runtime
 //! The trait is synchronous. Each `QuicComm` owns a multi-thread tokio runtime
-//! ([`net::runtime_workers`]: one worker thread on hosts with fewer than 4 cores, else one more
-//! than the lanes asked for, at most half the cores; `TESSERA_QUIC_WORKERS` overrides it) that
+//! ([`net::runtime_workers`]: one worker thread on hosts with fewer than 4 cores, else as many
+//! as the lanes asked for (at least 2), at most half the cores; `TESSERA_QUIC_WORKERS` overrides it) that
 //! drives the endpoints, one reader task per connection and one task per incoming stream. A
 //! reader task reads each stream's header; it files a collective's payload as the open stream, and
 //! every other message (descriptors, point-to-point data, control) whole, in an inbox keyed by

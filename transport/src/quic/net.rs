@@ -136,7 +136,7 @@ pub fn env_count(
 pub const WORKERS_ENV: &str = "TESSERA_QUIC_WORKERS";
 /// Most runtime worker threads [`WORKERS_ENV`] may ask for: a bound, so that a typo cannot
 /// start thousands of threads per rank ([`runtime_workers`] itself picks at most half the
-/// cores; the measurements behind it found nothing gained past one more than the lanes).
+/// cores; the measurements behind it found nothing gained past as many as the lanes).
 pub const WORKERS_MAX: usize = 64;
 
 /// Every transport variable's value checked, without acting on any: [`LANES_ENV`],
@@ -152,12 +152,16 @@ pub fn check_env() -> Result<(), String> {
 }
 
 /// Worker threads of a rank's tokio runtime for `lanes` connections per peer: 1 on hosts with
-/// fewer than 4 cores; else one more than the lanes (at least 2), at most half the cores.
+/// fewer than 4 cores; else as many as the lanes (at least 2), at most half the cores.
 ///
 /// The workers run the endpoint driver (UDP receive and dispatch) and one driver per connection
 /// (packetising, AEAD, ACKs); the rank's own threads copy payloads in and out. With two workers
 /// a rank's send- and receive-side connections encrypt and decrypt in parallel, which pays where
-/// cores are free; each further lane's driver wants a worker of its own. On a 2-core host several
+/// cores are free; each further lane's driver wants a worker of its own, but not one more: on
+/// the GPU machine's 16 idle cores (4 lanes, `collective_bench --procs 2,3,4 --mib 64`, three
+/// rounds alternated, 2026-12-02) 4 workers a rank gave 76–118 % of the TCP ring's bus
+/// bandwidth with 2 and 3 ranks and 66–76 % with 4, against 72–95 % and 63–77 % with 5 (the
+/// rule before) and 65–108 % and 64–87 % with 3 (docs/PERFORMANCE.md). On a 2-core host several
 /// ranks already share the cores: a second worker per rank then only adds thread hand-offs —
 /// measured on the 2-core dev box, one worker halved the context switches (130 k → 57 k per
 /// benchmark run), cut p99 small-message latency from ~1.3 ms to ~0.13 ms, and used less CPU per
@@ -169,7 +173,7 @@ pub fn runtime_workers(lanes: usize) -> Result<usize, String> {
         return Ok(n);
     }
     Ok(match std::thread::available_parallelism().map_or(1, usize::from) {
-        n if n >= 4 => (lanes + 1).max(2).min(n / 2),
+        n if n >= 4 => lanes.max(2).min(n / 2),
         _ => 1,
     })
 }
