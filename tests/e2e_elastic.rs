@@ -219,6 +219,29 @@ fn a_stopped_worker_is_declared_dead_and_replaced_by_its_replica() {
     assert_eq!(r["faulted"]["elastic"]["restored_from_memory"], 1, "{r:#}");
 }
 
+/// `stop_actor`: rank 2's DeviceWorker actor in the driver's supervision tree is stopped while
+/// its process lives on. The tree reports the rank died; the driver fences and kills that
+/// worker as if its process had died, restores its shard from a replica and ends on the
+/// fault-free bits with every step committed (`chaos` checks both).
+#[test]
+fn a_stopped_actor_is_a_lost_member_and_its_shard_comes_from_a_replica() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = chaos(tmp.path(), r#"[{"at_step": 2, "kind": "stop_actor", "rank": 2}]"#, 6, 1);
+    let f = fault(&r, "stop_actor");
+    assert_eq!(f["injected"], true, "{r:#}");
+    assert!(f["detection_ms"].is_u64() && f["recovery_ms"].is_u64(), "{r:#}");
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["workers_lost"], 1, "{r:#}");
+    assert_eq!(el["restored_from_memory"], 1, "{r:#}");
+    assert_eq!(el["restored_from_checkpoint"], 0, "{r:#}");
+    let (log, events) = faulted_events(tmp.path());
+    let stop = events.iter().find(|x| x["event"] == "actor_stop").unwrap_or_else(|| panic!("no actor_stop event:\n{log}"));
+    assert_eq!((stop["rank"].as_u64(), stop["stopped"].as_bool()), (Some(2), Some(true)), "{log}");
+    let lost = events.iter().find(|x| x["event"] == "lost").unwrap_or_else(|| panic!("no loss:\n{log}"));
+    assert_eq!(lost["id"], stop["id"], "{log}");
+    assert!(lost["why"].as_str().unwrap().contains("its actor died"), "{log}");
+}
+
 #[test]
 fn a_sigterm_drains_the_worker_and_the_run_goes_on() {
     let tmp = tempfile::tempdir().unwrap();

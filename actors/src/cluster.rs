@@ -45,6 +45,10 @@ pub enum ClusterMsg {
     MemberLost { rank: usize, cause: String },
     /// The timer of the phase of transaction `txn` expired.
     PhaseTimeout { txn: u64 },
+    /// Stop rank `rank`'s DeviceWorker actor (the chaos harness's `stop_actor` fault, through
+    /// [`crate::driver::WorkerStopper`]); its death then reaches this supervisor like any other,
+    /// as a `MemberLost` from its NodeSupervisor.
+    StopWorker { rank: usize, reason: String },
 }
 
 /// A worker's answer (see [`ClusterMsg::Report`]).
@@ -197,6 +201,11 @@ impl Actor for ClusterSupervisor {
             ClusterMsg::Report(report) => state.on_report(report),
             ClusterMsg::MemberLost { rank, cause } => state.on_member_lost(rank, cause),
             ClusterMsg::PhaseTimeout { txn } => state.on_timeout(txn),
+            ClusterMsg::StopWorker { rank, reason } => {
+                if let Some(m) = state.members.get(rank).filter(|m| m.lost.is_none()) {
+                    m.worker.stop(Some(reason));
+                }
+            }
         }
         state.drive(&myself);
         Ok(())

@@ -128,6 +128,21 @@ struct Running {
     root_task: TaskHandle<()>,
 }
 
+/// Stops one rank's DeviceWorker actor of a running tree, from any thread, without waiting:
+/// the actor stops (terminated with the reason), its NodeSupervisor reports the rank lost, and the step
+/// in flight (or the next one) fails naming the rank as died (`FailureCause::Died`) or lost
+/// (`ActorError::MembersLost`). The chaos harness's `stop_actor` fault; a clone of the tree's
+/// root reference, so it outlives nothing it points to (a stopped tree ignores it).
+#[derive(Clone)]
+pub struct WorkerStopper(ActorRef<ClusterMsg>);
+
+impl WorkerStopper {
+    /// Asks the tree to stop rank `rank`'s worker with `reason`; false when the tree is gone.
+    pub fn stop(&self, rank: usize, reason: &str) -> bool {
+        self.0.send_message(ClusterMsg::StopWorker { rank, reason: reason.to_string() }).is_ok()
+    }
+}
+
 /// The synchronous driver of the actor tree (see the module doc).
 pub struct Cluster {
     running: Option<Running>,
@@ -195,6 +210,12 @@ impl Cluster {
                 Err(ActorError::Spawn { what: "the actor tree".into(), cause: e.to_string() })
             }
         }
+    }
+
+    /// A handle that stops a rank's DeviceWorker actor from any thread (see [`WorkerStopper`]);
+    /// `None` once the tree was shut down.
+    pub fn stopper(&self) -> Option<WorkerStopper> {
+        self.running.as_ref().map(|r| WorkerStopper(r.root.clone()))
     }
 
     /// Number of ranks.

@@ -33,7 +33,7 @@ pub mod worker;
 mod tests;
 
 pub use compute::{ComputeError, MemoryReport, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
-pub use driver::{Cluster, ClusterOptions, StepResult, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};
+pub use driver::{Cluster, ClusterOptions, StepResult, WorkerStopper, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};
 pub use error::{ActorError, FailureCause, RankFailure};
 pub use membership::{Coordinator, EpochPlan, MembershipConfig, WorkerId};
 pub use plan::{assign_blocks, partition};

@@ -284,6 +284,49 @@ fn a_panicking_worker_is_a_membership_event() {
     assert_eq!(w.alive.load(Ordering::SeqCst), 0);
 }
 
+/// The chaos harness's `stop_actor`: a DeviceWorker stopped from another thread is a lost
+/// member, whether it stops between steps (the next step is refused, naming it) or while a step
+/// waits on it (the step fails at once with the rank died for the given reason, long before the
+/// phase timeout), and its compute thread still exits.
+#[test]
+fn a_stopped_worker_actor_is_a_lost_member() {
+    let w = World::new(3);
+    let (release, hang): (Sender<()>, Receiver<()>) = channel();
+    let faults = vec![Fault::None, Fault::None, Fault::Hang(2, hang)];
+    let opts = ClusterOptions { step_timeout_ms: 60_000, ..quick(ClusterOptions::default()) };
+    let mut cluster = Cluster::start(w.workers(faults), shards(3), opts).expect("start");
+    cluster.run_step(1).expect("step 1");
+    let stopper = cluster.stopper().expect("a running tree");
+    // Mid-step: rank 2 hangs in its prepare of step 2; a thread stops its actor meanwhile.
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(stopper.stop(2, "chaos: stop_actor"));
+        std::thread::sleep(Duration::from_millis(300));
+        drop(release);
+        stopper
+    });
+    let began = Instant::now();
+    let err = cluster.run_step(2).expect_err("rank 2's actor was stopped");
+    assert!(began.elapsed() < Duration::from_secs(20), "the step waited for its timeout: {err}");
+    let failure = single_failure(&err, 2).unwrap_or_else(|| panic!("unexpected error {err}"));
+    assert_eq!(failure.rank, 2);
+    assert!(matches!(&failure.cause, FailureCause::Died(c) if c.contains("chaos: stop_actor")), "{failure}");
+    assert!(matches!(cluster.run_step(2), Err(ActorError::MembersLost { ref ranks, .. }) if ranks == &[2]));
+    // Between steps: rank 0 stopped while nothing runs; the next step is refused naming both.
+    let stopper = t.join().expect("stopper thread");
+    assert!(stopper.stop(0, "chaos: stop_actor"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match cluster.run_step(2) {
+            Err(ActorError::MembersLost { ref ranks, .. }) if ranks == &[0, 2] => break,
+            Err(ActorError::MembersLost { .. }) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            other => panic!("expected ranks 0 and 2 lost, got {other:?}"),
+        }
+    }
+    cluster.shutdown().expect("the stopped ranks' threads exited and were joined");
+    assert_eq!(w.alive.load(Ordering::SeqCst), 0);
+}
+
 #[test]
 fn a_hung_worker_times_out_and_is_detached_at_shutdown() {
     let w = World::new(3);

@@ -8,6 +8,7 @@
 //!   "set": ["tessera.seq_len=32", "tessera.elastic.heartbeat_timeout_ms=1000"],
 //!   "faults": [
 //!     {"at_step": 2, "kind": "kill", "rank": "random"},
+//!     {"at_step": 2, "kind": "stop_actor", "rank": 0},
 //!     {"at_step": 3, "kind": "kill_in_commit", "rank": 1},
 //!     {"at_step": 4, "kind": "stop", "rank": 1, "duration_ms": 3000},
 //!     {"at_step": 3, "kind": "slow", "rank": 2, "duration_ms": 8000, "period_ms": 100, "duty_percent": 60},
@@ -34,7 +35,10 @@
 //! sends SIGUSR1, which arms the worker to SIGKILL itself when the driver's next `Commit`
 //! reaches it (every rank has prepared that step; the others commit it, or fail to where they
 //! share parameters with the lost worker); its detection
-//! time counts from the signal, so it includes the rest of the step in flight. `fail_writes` makes
+//! time counts from the signal, so it includes the rest of the step in flight. `stop_actor` stops
+//! the rank's DeviceWorker actor in the driver's supervision tree (a `sigqueue` of SIGUSR2 with the
+//! rank to the driver; the worker's process lives on): the tree reports the rank died, and the
+//! driver must fence and replace it as it does a dead process. `fail_writes` makes
 //! the checkpoint folder unwritable for `duration_ms` (default 5000); `corrupt_checkpoint` flips
 //! bytes in the newest checkpoint's tensors.
 //!
@@ -77,6 +81,9 @@ pub const DURATION_MS_DEFAULT: u64 = 5_000;
 pub enum FaultKind {
     /// SIGKILL a worker.
     Kill,
+    /// Stop a worker's DeviceWorker actor in the driver's supervision tree (the process lives
+    /// on): `sigqueue(driver, SIGUSR2, rank)`. The driver must treat the rank as lost.
+    StopActor,
     /// SIGUSR1 a worker, which arms it to SIGKILL itself when the driver's next `Commit`
     /// arrives: a loss inside the commit window (every rank prepared that step), which a
     /// signal from outside cannot aim at.
@@ -113,6 +120,7 @@ impl FaultKind {
     pub fn name(self) -> &'static str {
         match self {
             FaultKind::Kill => "kill",
+            FaultKind::StopActor => "stop_actor",
             FaultKind::KillInCommit => "kill_in_commit",
             FaultKind::Stop => "stop",
             FaultKind::Term => "term",
@@ -132,7 +140,10 @@ impl FaultKind {
 
     /// Whether the fault targets a worker of the run.
     pub fn targets_rank(self) -> bool {
-        matches!(self, FaultKind::Kill | FaultKind::KillInCommit | FaultKind::Stop | FaultKind::Term | FaultKind::Slow) || self.needs_net()
+        matches!(
+            self,
+            FaultKind::Kill | FaultKind::StopActor | FaultKind::KillInCommit | FaultKind::Stop | FaultKind::Term | FaultKind::Slow
+        ) || self.needs_net()
     }
 
     /// Whether the fault needs the workers in network namespaces.
@@ -155,7 +166,12 @@ impl FaultKind {
             FaultKind::Reorder => &["duration_ms", "probability", "reorder_ms"],
             FaultKind::Throttle => &["duration_ms", "rate_mbit"],
             FaultKind::Slow => &["duration_ms", "period_ms", "duty_percent"],
-            FaultKind::Kill | FaultKind::KillInCommit | FaultKind::Term | FaultKind::Join | FaultKind::CorruptCheckpoint => &[],
+            FaultKind::Kill
+            | FaultKind::StopActor
+            | FaultKind::KillInCommit
+            | FaultKind::Term
+            | FaultKind::Join
+            | FaultKind::CorruptCheckpoint => &[],
         }
     }
 }

@@ -343,6 +343,17 @@ fn signal(pid: u32, sig: libc::c_int) {
     }
 }
 
+/// Asks the driver process `pid` to stop rank `rank`'s DeviceWorker actor: SIGUSR2 with the rank
+/// as the signal's value (`sigqueue`), which the driver's handler reads (`src/engine/stop_actor.rs`).
+fn stop_actor(pid: u32, rank: usize) -> std::io::Result<()> {
+    let value = libc::sigval { sival_ptr: rank as *mut libc::c_void };
+    // SAFETY: sigqueue(3) on the run's own driver process; it only reads its arguments.
+    match unsafe { libc::sigqueue(pid as libc::pid_t, libc::SIGUSR2, value) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
+    }
+}
+
 /// "for 2000 ms" or "until the run ends".
 fn lasts(duration_ms: Option<u64>) -> String {
     duration_ms.map_or_else(|| "until the run ends".to_string(), |ms| format!("for {ms} ms"))
@@ -432,6 +443,8 @@ struct Fired {
 /// A run with faults being injected into it.
 struct Faulting<'a> {
     o: &'a ChaosOptions,
+    /// The run's driver process (`tessera train`), which `stop_actor` signals.
+    driver: u32,
     out: PathBuf,
     env: &'a mut Env,
     fired: Vec<Fired>,
@@ -526,7 +539,13 @@ impl Faulting<'_> {
                     }
                     (true, None) => return Err(ChaosError::Run(format!("a {} fault without the test network", k.name()))),
                 };
-                self.hit_worker(f, n, &mut report, id, pid, host)?;
+                if k == FaultKind::StopActor {
+                    stop_actor(self.driver, rank)
+                        .map_err(io(format!("signalling the driver (pid {}) to stop rank {rank}'s actor", self.driver)))?;
+                    report.note = format!("the driver (pid {}) asked to stop rank {rank}'s DeviceWorker actor (SIGUSR2)", self.driver);
+                } else {
+                    self.hit_worker(f, n, &mut report, id, pid, host)?;
+                }
                 Some(id)
             }
             FaultKind::Join => Some(self.start_joiner(&mut report)?),
@@ -702,7 +721,8 @@ fn run_one(
     let timeout = Duration::from_secs(o.scenario.timeout_s.unwrap_or(RUN_TIMEOUT_S));
     let mut events = Events::new(out.join(EVENTS_FILE));
     let mut pending: VecDeque<Fault> = faults.iter().cloned().collect();
-    let mut run = Faulting { o, out: out.clone(), env, fired: Vec::new(), active: Vec::new(), joiners: Vec::new() };
+    let driver = child.id();
+    let mut run = Faulting { o, driver, out: out.clone(), env, fired: Vec::new(), active: Vec::new(), joiners: Vec::new() };
     let status = loop {
         if let Some(s) = child.try_wait().map_err(io("waiting for the run"))? {
             break s;
@@ -846,7 +866,10 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
         };
         r.recovery_ms = back.and_then(|b| b["t_ms"].as_u64()).map(|b| b.saturating_sub(t));
         if n["event"] == "lost"
-            && !matches!(f.kind, FaultKind::Kill | FaultKind::KillInCommit | FaultKind::Stop | FaultKind::Partition | FaultKind::Term)
+            && !matches!(
+                f.kind,
+                FaultKind::Kill | FaultKind::StopActor | FaultKind::KillInCommit | FaultKind::Stop | FaultKind::Partition | FaultKind::Term
+            )
         {
             r.note.push_str("; the worker was lost");
         }

@@ -73,6 +73,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_actors::replan::{Rebalancer, Speeds};
+use tessera_actors::WorkerStopper;
 use tessera_chaos::link::WorkerNet;
 use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, JoinToken};
 
@@ -177,6 +178,8 @@ pub(super) struct Shared {
     pub joiners: Mutex<Vec<Joiner>>,
     events: Mutex<File>,
     pub admission: Admission,
+    /// Stops a rank's DeviceWorker actor of the current epoch's tree (the `stop_actor` fault).
+    stopper: Mutex<Option<WorkerStopper>>,
 }
 
 impl Shared {
@@ -301,6 +304,12 @@ fn monitor(shared: Arc<Shared>) {
                 shared.loss(id, &why);
             }
         }
+        if let Some(rank) = super::stop_actor::take() {
+            let id = relock(&shared.members).get(rank).copied();
+            let stopped = relock(&shared.stopper).as_ref().is_some_and(|s| s.stop(rank, "stopped by the chaos fault stop_actor"));
+            eprintln!("elastic: stop_actor: rank {rank}'s actor {}", if stopped { "asked to stop" } else { "not found" });
+            shared.event(json!({"event": "actor_stop", "rank": rank, "id": id, "stopped": stopped}));
+        }
     }
 }
 
@@ -327,6 +336,7 @@ impl Shared {
             joiners: Mutex::new(Vec::new()),
             events: Mutex::new(events),
             admission,
+            stopper: Mutex::new(None),
         }
     }
 }
@@ -527,6 +537,7 @@ impl Fleet {
         dataset: &Dataset,
         origin: Origin<'_>,
     ) -> Result<(Fleet, Vec<Box<dyn WorkerCompute>>)> {
+        super::stop_actor::install();
         let world = plan.world;
         let admission = |auth: AgentAuth| -> Result<Admission> {
             let config = serde_json::to_string(&cfg.resolved).context("serialising the resolved config")?;
@@ -714,6 +725,21 @@ impl Fleet {
     /// Logs that training runs again after a recovery that began at `began_ms`.
     pub fn resumed(&self, began_ms: u64, step: u64) {
         self.shared.event(json!({"event": "resumed", "step": step, "epoch": self.epoch, "began_ms": began_ms}));
+    }
+
+    /// Gives the monitor thread the current epoch's actor tree, for the `stop_actor` fault.
+    pub fn set_stopper(&self, stopper: Option<WorkerStopper>) {
+        *relock(&self.shared.stopper) = stopper;
+    }
+
+    /// Members whose DeviceWorker actor died (`(rank, cause)`, as the actor tree reported them)
+    /// are lost like members whose process died: fenced, killed and recovered from.
+    pub fn lose_ranks(&self, ranks: &[(usize, String)]) {
+        for (rank, cause) in ranks {
+            if let Some(m) = self.members.get(*rank) {
+                self.shared.loss(m.id, &format!("worker {} (rank {rank}): its actor died: {cause}", m.id));
+            }
+        }
     }
 
     /// Whether the next step boundary must form a new epoch: a loss, a drain request, or a

@@ -14,6 +14,7 @@ mod ranks;
 mod remote;
 mod replica;
 mod run;
+mod stop_actor;
 mod store;
 mod summary;
 mod wire;

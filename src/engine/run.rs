@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_actors::compute::{MemoryReport, ShardInfo, ShardSpec, WorkerCompute};
 use tessera_actors::error::Failures;
-use tessera_actors::{ActorError, Cluster, ClusterOptions, StepResult};
+use tessera_actors::{ActorError, Cluster, ClusterOptions, FailureCause, StepResult};
 use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
 
@@ -60,6 +60,24 @@ const OPTIM_PREFIX: &str = "optim";
 const SETTLE_MS: u64 = 500;
 
 /// The actor tree's options: the step timeout is the elastic one when the run is elastic.
+/// The ranks the actor tree reports as died in `e` (their DeviceWorker actor ended: it
+/// panicked, failed or was stopped), with the cause, or refuses a step for as lost.
+fn actor_deaths(e: &ActorError) -> Vec<(usize, String)> {
+    match e {
+        ActorError::StepAbandoned { failures, .. }
+        | ActorError::CommitFailed { failures, .. }
+        | ActorError::QueryFailed { failures, .. } => failures
+            .iter()
+            .filter_map(|f| match &f.cause {
+                FailureCause::Died(cause) => Some((f.rank, cause.clone())),
+                _ => None,
+            })
+            .collect(),
+        ActorError::MembersLost { ranks, .. } => ranks.iter().map(|&r| (r, "lost in the actor tree".to_string())).collect(),
+        _ => Vec::new(),
+    }
+}
+
 fn cluster_options(opts: &TrainOptions, elastic: Option<&ElasticRunState>) -> ClusterOptions {
     let mut c = ClusterOptions { abandon_steps: opts.abandon_steps.clone(), ..ClusterOptions::default() };
     if let Some(e) = elastic {
@@ -431,6 +449,9 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     };
     let copts = cluster_options(opts, elastic.as_ref());
     let cluster = Cluster::start(workers, shard_infos(&plan, &ranks), copts).context("starting the actor tree")?;
+    if let Ranks::Elastic(fleet) = &ranks {
+        fleet.set_stopper(cluster.stopper());
+    }
     let monitors = bridge::monitors(cfg, &out_dir)?;
     let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic };
     Ok((run, dataset))
@@ -536,6 +557,24 @@ impl Run<'_> {
         matches!(&self.ranks, Ranks::Elastic(f) if f.pending(settle_ms))
     }
 
+    /// After the actor-layer error `e`: members whose DeviceWorker actor died (the tree reports
+    /// them `Died`, or refuses a step because they are lost) are declared lost first, like
+    /// members whose process died (`Fleet::lose_ranks`); then [`Self::change_pending`].
+    fn change_after_actor(&self, e: &ActorError, settle_ms: u64) -> bool {
+        if let Ranks::Elastic(fleet) = &self.ranks {
+            fleet.lose_ranks(&actor_deaths(e));
+        }
+        self.change_pending(settle_ms)
+    }
+
+    /// [`Self::change_after_actor`] for an error that may wrap an actor-layer one.
+    fn change_after(&self, e: &anyhow::Error, settle_ms: u64) -> bool {
+        match e.chain().find_map(|c| c.downcast_ref::<ActorError>()) {
+            Some(a) => self.change_after_actor(a, settle_ms),
+            None => self.change_pending(settle_ms),
+        }
+    }
+
     /// Runs `f`; when it fails because of a membership change (elastic runs), recovers and
     /// runs it again.
     fn with_recovery<T>(
@@ -548,7 +587,7 @@ impl Run<'_> {
         loop {
             match f(self) {
                 Ok(v) => return Ok(v),
-                Err(e) if self.change_pending(SETTLE_MS) => {
+                Err(e) if self.change_after(&e, SETTLE_MS) => {
                     log_line(pb, format!("elastic: {e:#}; recovering"));
                     self.recover(pb, t, dataset, false)?;
                 }
@@ -566,7 +605,7 @@ impl Run<'_> {
                 continue;
             }
             if let Err(e) = self.rebalance(pb, dataset) {
-                if !self.change_pending(SETTLE_MS) {
+                if !self.change_after(&e, SETTLE_MS) {
                     return Err(e);
                 }
                 log_line(pb, format!("elastic: {e:#}; recovering"));
@@ -580,7 +619,7 @@ impl Run<'_> {
                     }
                     return Ok(res);
                 }
-                Err(e) if self.change_pending(SETTLE_MS) => e,
+                Err(e) if self.change_after_actor(&e, SETTLE_MS) => e,
                 Err(e) => return Err(e).with_context(|| format!("step {}", self.step)),
             };
             if let ActorError::CommitFailed { step, failures, prepared } = e {
@@ -624,7 +663,7 @@ impl Run<'_> {
     /// that dropped one gets a full copy (a loss meanwhile is recovered from).
     fn elastic_after_commit(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
         if let Err(e) = self.resync_replicas(self.step) {
-            if !self.change_pending(SETTLE_MS) {
+            if !self.change_after(&e, SETTLE_MS) {
                 return Err(e);
             }
             log_line(pb, format!("elastic: {e:#}; recovering"));
@@ -685,6 +724,9 @@ impl Run<'_> {
             self.plan = Arc::clone(&rec.plan);
             let copts = cluster_options(&TrainOptions::default(), self.elastic.as_ref());
             let cluster = Cluster::start(rec.computes, shard_infos(&self.plan, &self.ranks), copts).context("restarting the actor tree")?;
+            if let Ranks::Elastic(fleet) = &self.ranks {
+                fleet.set_stopper(cluster.stopper());
+            }
             if let Err(e) = std::mem::replace(&mut self.cluster, cluster).shutdown() {
                 eprintln!("warning: stopping the previous epoch's actor tree: {e}");
             }
@@ -726,14 +768,14 @@ impl Run<'_> {
                             el.stats.steps_replayed += 1;
                         }
                         if let Err(e) = self.resync_replicas(at) {
-                            if !self.change_pending(SETTLE_MS) {
+                            if !self.change_after(&e, SETTLE_MS) {
                                 return Err(e);
                             }
                             broken = true;
                             break;
                         }
                     }
-                    Err(e) if self.change_pending(SETTLE_MS) => {
+                    Err(e) if self.change_after_actor(&e, SETTLE_MS) => {
                         maybe_committed = matches!(e, ActorError::CommitFailed { .. });
                         broken = true;
                         break;
