@@ -24,7 +24,8 @@
 //! # Recovery ([`Fleet::reconfigure`], at the step boundary `t` = steps committed)
 //! The decisions below (which step, which holder of each shard, which members) are the pure
 //! functions of [`tessera_actors::recovery`] (`candidate_steps`, `choose_source`,
-//! `next_members`); this driver gathers what they need and carries out their answers.
+//! `next_members`), checked by its seeded simulation; this driver gathers what they need and
+//! carries out their answers.
 //! 1. Every surviving member reports its `Status`: the committed steps its state holds and the
 //!    replicas it keeps (after applying every update it received). Each rank's shard (fp32
 //!    masters and optimizer buffers of its range) is held by its `replicas` ring successors: a
