@@ -14,6 +14,8 @@
 //!
 //! Elastic training (docs/ELASTIC.md): [`membership`] is the sans-IO coordinator of plan epochs and
 //! step commits, [`replan`] the re-planning after membership changes, [`sim`] its seeded simulator.
+//! [`recovery`] holds the process driver's recovery decisions (the step and sources of a new
+//! epoch's state, its members) as pure functions, simulated by `recovery_sim`.
 
 pub mod cluster;
 pub mod compute;
@@ -22,6 +24,7 @@ pub mod error;
 pub mod membership;
 pub mod node;
 pub mod plan;
+pub mod recovery;
 pub mod remote;
 pub mod replan;
 pub mod shard;
@@ -29,6 +32,8 @@ pub mod signal;
 pub mod sim;
 pub mod worker;
 
+#[cfg(test)]
+mod recovery_sim;
 #[cfg(test)]
 mod tests;
 

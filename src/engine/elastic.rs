@@ -22,6 +22,10 @@
 //! on it fail at once and the step is abandoned.
 //!
 //! # Recovery ([`Fleet::reconfigure`], at the step boundary `t` = steps committed)
+//! The decisions below (which step, which holder of each shard, which members) are the pure
+//! functions of [`tessera_actors::recovery`] (`candidate_steps`, `choose_source`,
+//! `next_members`), checked by its seeded simulation; this driver gathers what they need and
+//! carries out their answers.
 //! 1. Every surviving member reports its `Status`: the committed steps its state holds and the
 //!    replicas it keeps (after applying every update it received). Each rank's shard (fp32
 //!    masters and optimizer buffers of its range) is held by its `replicas` ring successors: a
@@ -72,6 +76,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::recovery::{self, Holdings, Layout, NextMembers, Survivor};
 use tessera_actors::replan::{Rebalancer, Speeds};
 use tessera_actors::WorkerStopper;
 use tessera_chaos::link::WorkerNet;
@@ -459,20 +464,6 @@ pub struct Reconfigured {
     pub joined: usize,
 }
 
-/// A surviving worker at a recovery and what it holds (its `Status`).
-struct Alive {
-    member: Arc<Member>,
-    /// The plan epoch it is a member of.
-    epoch: Option<u64>,
-    /// The committed steps of its own shard (`None`: unusable).
-    at: Option<u64>,
-    /// Its replicas of that epoch: (owner rank, committed steps).
-    replicas: Vec<(u64, u64)>,
-    /// What it kept of the installed epoch `kept_epoch` while a newer one formed.
-    kept_epoch: Option<u64>,
-    kept: Vec<(u64, u64)>,
-}
-
 /// The newest epoch whose every member got its first full replica copy: a loss is restored
 /// from what its members hold (their shards and replicas, kept until a newer epoch is
 /// installed) until then.
@@ -484,30 +475,11 @@ struct Installed {
     ids: Vec<u64>,
 }
 
-/// Where a rank's shard comes from at a recovery: (rank, holder, the request that exports it,
-/// whether it is a replica).
-type Source = (usize, Arc<Member>, ToWorker, bool);
-
-/// Where rank `o`'s shard of the installed epoch `inst` at `t` committed steps is in memory:
-/// the owner's own state, a replica of that epoch, or what a worker kept of it while a newer
-/// epoch formed. Returns the holder, the request that exports it and whether it is a replica.
-fn find_shard(inst: &Installed, alive: &[Alive], o: usize, t: u64) -> Option<(Arc<Member>, ToWorker, bool)> {
-    let (epoch, stage0) = (inst.epoch, inst.plan.stage == 0);
-    let current = |a: &&Alive| a.epoch == Some(epoch) && a.at == Some(t);
-    // Stage 0: every rank holds the whole state.
-    let own = alive.iter().filter(current).find(|a| stage0 || inst.ids.get(o) == Some(&a.member.id));
-    if let Some(a) = own {
-        return Some((Arc::clone(&a.member), ToWorker::Export { optim: true }, false));
+impl Installed {
+    /// The layout the state is read in at a recovery ([`recovery::choose_source`]).
+    fn layout(&self) -> Layout<'_, u64> {
+        Layout { epoch: self.epoch, members: &self.ids, world: self.plan.world, sharded: self.plan.stage != 0 }
     }
-    let replica = alive.iter().filter(current).find(|a| a.replicas.contains(&(o as u64, t)));
-    if let Some(a) = replica {
-        return Some((Arc::clone(&a.member), ToWorker::ExportReplica { owner: o as u64, epoch }, true));
-    }
-    alive.iter().filter(|a| a.kept_epoch == Some(epoch)).find_map(|a| {
-        let held = a.kept.iter().find(|(owner, at)| *at == t && (stage0 || *owner == o as u64))?;
-        let replica = inst.ids.get(held.0 as usize) != Some(&a.member.id);
-        Some((Arc::clone(&a.member), ToWorker::ExportReplica { owner: held.0, epoch }, replica))
-    })
 }
 
 /// Loads the state at or before a step from checkpoints (the driver's restore path).
@@ -954,43 +926,47 @@ impl Fleet {
     ) -> Result<Option<Reconfigured>> {
         let shared = Arc::clone(&self.shared);
         // 1. Who is left and what they hold (members, and drainers not yet let go).
-        let mut alive: Vec<Alive> = Vec::new();
+        let mut alive: Vec<Arc<Member>> = Vec::new();
+        let mut holdings: Vec<Holdings<u64>> = Vec::new();
         let polled: Vec<Arc<Member>> = self.members.iter().chain(&self.leavers).filter(|m| !shared.is_fenced(m.id)).cloned().collect();
         for m in polled {
             let mut link = relock(&m.link);
             match self.request(&m, &mut link, &ToWorker::Status, "Status") {
                 Ok(ToParent::Status { epoch, at, replicas, kept_epoch, kept }) => {
                     drop(link);
-                    alive.push(Alive { member: Arc::clone(&m), epoch, at, replicas, kept_epoch, kept });
+                    holdings.push(Holdings { id: m.id, epoch, at, replicas, kept_epoch, kept });
+                    alive.push(m);
                 }
                 Ok(other) => bail!("worker {} answered Status with {other:?}", m.id),
                 Err(_) => return Ok(None),
             }
         }
-        // 2. Where the state at `t` comes from: the installed epoch's shards in memory (owners,
+        // 2. Where the state comes from: the installed epoch's shards in memory (owners,
         // replicas, or shards kept while a later epoch formed), else a checkpoint.
         let installed = self.installed.clone();
-        let sources: Option<(Installed, u64, Vec<Source>)> = installed.and_then(|inst| {
-            let owners: Vec<usize> = if inst.plan.stage == 0 { vec![0] } else { (0..inst.plan.world).collect() };
-            at.iter().find_map(|&t| {
-                let found = owners
-                    .iter()
-                    .map(|&o| find_shard(&inst, &alive, o, t).map(|(m, msg, r)| (o, m, msg, r)))
-                    .collect::<Option<Vec<_>>>()?;
-                Some((inst.clone(), t, found))
-            })
-        });
-        let from_memory = sources.is_some();
-        let (start, source) = match sources {
-            Some((inst, t, src)) => {
+        let chosen = recovery::choose_source(installed.as_ref().map(Installed::layout), &holdings, at).context("no step to recover at")?;
+        let from_memory = matches!(chosen, recovery::Restore::Memory { .. });
+        let (start, source) = match chosen {
+            recovery::Restore::Memory { step: t, sources } => {
+                let inst = installed.as_ref().context("a restore from memory without an installed epoch")?;
                 let old = &inst.plan;
                 let mut master = Vec::with_capacity(old.total());
                 let mut bufs: OptimBuffers = Vec::new();
                 let mut counters: Option<RankCounters> = None;
                 let mut from_replicas = Vec::new();
-                for (o, m, msg, replica) in src {
+                for (o, src) in sources {
+                    let (msg, replica) = match src {
+                        recovery::Source::Own { .. } => (ToWorker::Export { optim: true }, false),
+                        recovery::Source::Replica { .. } => (ToWorker::ExportReplica { owner: o as u64, epoch: inst.epoch }, true),
+                        recovery::Source::Kept { owner, replica, .. } => (ToWorker::ExportReplica { owner, epoch: inst.epoch }, replica),
+                    };
+                    let holder = *src.holder();
+                    let m = alive
+                        .iter()
+                        .find(|m| m.id == holder)
+                        .with_context(|| format!("worker {holder} holds rank {o}'s shard but did not answer Status"))?;
                     let want = old.optim_range(o).len();
-                    let (mm, ob, c) = match self.export_from(&m, &msg, want) {
+                    let (mm, ob, c) = match self.export_from(m, &msg, want) {
                         Ok(x) => x,
                         Err(Failure::Lost) => return Ok(None),
                         Err(Failure::Refused(e)) => bail!("worker {} could not hand over the shard of rank {o}: {e}", m.id),
@@ -1026,28 +1002,27 @@ impl Fleet {
                 };
                 (start, source)
             }
-            None => restore(at.iter().copied().min().context("no step to recover at")?)?,
+            recovery::Restore::Checkpoint { at_most } => restore(at_most)?,
         };
-        // 3. The members of the new epoch.
-        let draining: Vec<Arc<Member>> = alive.iter().filter(|a| shared.draining(a.member.id)).map(|a| Arc::clone(&a.member)).collect();
-        let staying: Vec<Arc<Member>> = alive.iter().filter(|a| !shared.draining(a.member.id)).map(|a| Arc::clone(&a.member)).collect();
+        // 3. The members of the new epoch: survivors minus drainers in their old order, then
+        // admitted joiners (`recovery::next_members`); below `min_workers` wait for joins.
+        let survivors: Vec<Survivor<Arc<Member>>> =
+            alive.iter().map(|m| Survivor { id: Arc::clone(m), draining: shared.draining(m.id) }).collect();
         let wait_until = Instant::now() + Duration::from_millis(shared.er.join_wait_ms);
         let mut said = false;
-        let next = loop {
+        let (next, draining) = loop {
             for j in relock(&shared.joiners).drain(..) {
                 let link = Mutex::new(Link { stream: j.conn, snapshot: Snapshot::default() });
                 self.admitted.push(Arc::new(Member { id: j.id, pid: j.pid, link }));
             }
             self.admitted.retain(|m| !shared.is_fenced(m.id));
-            let room = shared.er.max_workers.saturating_sub(staying.len());
-            let next: Vec<Arc<Member>> = staying.iter().chain(self.admitted.iter().take(room)).cloned().collect();
-            if next.len() >= shared.er.min_workers {
-                break next;
-            }
+            let have = match recovery::next_members(&survivors, &self.admitted, shared.er.min_workers, shared.er.max_workers) {
+                NextMembers::Formed { members, draining } => break (members, draining),
+                NextMembers::TooFew { have } => have,
+            };
             if Instant::now() >= wait_until {
                 bail!(
-                    "only {} worker(s) left and none joined within {} ms; tessera.elastic.min_workers = {}",
-                    next.len(),
+                    "only {have} worker(s) left and none joined within {} ms; tessera.elastic.min_workers = {}",
                     shared.er.join_wait_ms,
                     shared.er.min_workers
                 );
@@ -1055,10 +1030,8 @@ impl Fleet {
             if !said {
                 said = true;
                 eprintln!(
-                    "elastic: {} worker(s), waiting up to {} ms for joins (min_workers = {})",
-                    next.len(),
-                    shared.er.join_wait_ms,
-                    shared.er.min_workers
+                    "elastic: {have} worker(s), waiting up to {} ms for joins (min_workers = {})",
+                    shared.er.join_wait_ms, shared.er.min_workers
                 );
             }
             std::thread::sleep(Duration::from_millis(100));

@@ -11,6 +11,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_actors::compute::{MemoryReport, ShardInfo, ShardSpec, WorkerCompute};
 use tessera_actors::error::Failures;
+use tessera_actors::recovery::candidate_steps;
 use tessera_actors::{ActorError, Cluster, ClusterOptions, FailureCause, StepResult};
 use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
@@ -716,10 +717,7 @@ impl Run<'_> {
                 event(serde_json::json!({"event": "checkpoint_skipped", "path": dir.display().to_string(), "why": why}))
             };
             let restore = move |at: u64| restore_from_disk(cfg, &plan_now, &root, resume.as_deref(), at, &skipped);
-            let at: Vec<u64> = match maybe_committed {
-                true => vec![state_at + 1, state_at],
-                false => vec![state_at],
-            };
+            let at = candidate_steps(state_at, maybe_committed);
             let rec = fleet.reconfigure(&at, dataset, &restore)?;
             self.plan = Arc::clone(&rec.plan);
             let copts = cluster_options(&TrainOptions::default(), self.elastic.as_ref());
