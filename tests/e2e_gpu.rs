@@ -280,3 +280,51 @@ fn gpu_training_learns_resumes_and_matches_across_gpu_counts() {
         assert_eq!(s1["params_blake3"], s["params_blake3"], "1 GPU and 2 GPUs (ZeRO-{stage}, recompute {recompute}) differ");
     }
 }
+
+/// OneCycle with DeepSpeed's default `cycle_momentum` on the GPU: the AdamW kernel steps with
+/// the cycled beta1 (printed per step as on the CPU), the flag changes the parameters, a run
+/// resumed mid-cycle has the bits of a straight one, the host AdamW of optimizer offload cycles
+/// the same betas (same bits), and the GPU run lands close to the CPU run of the same config.
+#[test]
+fn gpu_one_cycle_momentum_cycles_the_betas_and_resumes_bit_exactly() {
+    let Some(_) = gpus_or_skip() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write(tmp.path(), "gpu.json", CONFIG);
+    let cfg = cfg.to_str().unwrap();
+    let dir = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
+    let one_cycle =
+        r#"scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.0005, "cycle_max_lr": 0.003, "cycle_first_step_size": 3}}"#;
+    let train = |out: &str, extra: &[&str]| {
+        let mut a = vec!["--set", one_cycle, "--set", "steps_per_print=1"];
+        a.extend_from_slice(extra);
+        ok(&cuda_args(cfg, out, &a), tmp.path())
+    };
+    let straight = dir("straight");
+    let text = train(&straight, &["--steps", "6"]);
+    assert!(text.contains("`optimizer.params.betas` is replaced by OneCycle's momentum cycle"), "{text}");
+    // cycle_min_mom (0.8) first, then up the triangle (3 + 3 iterations) towards 0.9.
+    assert!(text.contains("| beta1 0.8000 |") && text.contains("| beta1 0.8667 |"), "{text}");
+    let fixed = dir("fixed");
+    let fixed_text = train(&fixed, &["--steps", "6", "--set", "scheduler.params.cycle_momentum=false"]);
+    assert!(!fixed_text.contains("beta1"), "{fixed_text}");
+    let split = dir("split");
+    train(&split, &["--steps", "3"]);
+    let ck = format!("{split}/checkpoints");
+    train(&split, &["--steps", "6", "--resume", &ck]);
+    let offload = dir("offload");
+    train(&offload, &["--steps", "6", "--set", r#"zero_optimization.offload_optimizer={"device": "cpu"}"#]);
+    let (s, f, r, o) =
+        (summary(Path::new(&straight)), summary(Path::new(&fixed)), summary(Path::new(&split)), summary(Path::new(&offload)));
+    assert_ne!(s["params_blake3"], f["params_blake3"], "cycle_momentum changed no parameter on the GPU");
+    assert_eq!(s["params_blake3"], r["params_blake3"], "6 straight GPU steps differ from 3 + resume + 3 under OneCycle momentum");
+    assert_eq!(s["params_blake3"], o["params_blake3"], "the offloaded host AdamW did not cycle the betas as the GPU kernel does");
+    // The CPU run of the same config (f32 compute) lands close to the GPU's (bf16 activations).
+    let cpu = dir("cpu");
+    let mut a = vec!["train", "--config", cfg, "--output", &cpu, "--no-progress", "--steps", "6", "--set", one_cycle];
+    a.extend_from_slice(&["--set", "steps_per_print=1"]);
+    let cpu_text = ok(&a, tmp.path());
+    assert!(cpu_text.contains("| beta1 0.8000 |") && cpu_text.contains("| beta1 0.8667 |"), "{cpu_text}");
+    let c = summary(Path::new(&cpu));
+    let (cv, gv) = (c["val_loss"].as_f64().unwrap(), s["val_loss"].as_f64().unwrap());
+    assert!((cv - gv).abs() < 0.15, "validation loss after 6 OneCycle steps: CPU {cv}, GPU {gv}");
+}
