@@ -159,9 +159,9 @@ pub fn check_env() -> Result<(), String> {
 /// a rank's send- and receive-side connections encrypt and decrypt in parallel, which pays where
 /// cores are free; each further lane's driver wants a worker of its own, but not one more: on
 /// the GPU machine's 16 idle cores (4 lanes, `collective_bench --procs 2,3,4 --mib 64`, three
-/// rounds alternated, 2026-12-02) 4 workers a rank gave 76–118 % of the TCP ring's bus
-/// bandwidth with 2 and 3 ranks and 66–76 % with 4, against 72–95 % and 63–77 % with 5 (the
-/// rule before) and 65–108 % and 64–87 % with 3 (docs/PERFORMANCE.md). On a 2-core host several
+/// rounds alternated, 2026-12-02) 4 workers a rank were the best or level with the best in five
+/// of six rows against 5 (the rule before) and 3 — a matter of scheduling, within the machine's
+/// run-to-run spread (docs/PERFORMANCE.md). On a 2-core host several
 /// ranks already share the cores: a second worker per rank then only adds thread hand-offs —
 /// measured on the 2-core dev box, one worker halved the context switches (130 k → 57 k per
 /// benchmark run), cut p99 small-message latency from ~1.3 ms to ~0.13 ms, and used less CPU per
