@@ -556,9 +556,21 @@ impl Shared {
 
 /// Opens a unidirectional stream to `conn` and writes one message on it.
 pub(crate) async fn write_stream(conn: &Connection, control: &Control, payload: &[u8]) -> Result<(), String> {
-    let mut s = conn.open_uni().await.map_err(|e| e.to_string())?;
-    write_message(&mut s, control, payload).await.map_err(|e| e.to_string())?;
-    s.finish().map_err(|e| e.to_string())
+    let mut s = conn.open_uni().await.map_err(|e| lost_why(conn, e))?;
+    write_message(&mut s, control, payload).await.map_err(|e| lost_why(conn, e))?;
+    s.finish().map_err(|e| lost_why(conn, e))
+}
+
+/// `e` with the reason `conn` was closed, when it was: quinn's stream errors say only
+/// "connection lost", while the reason says who closed it and why (for a dialer whose client
+/// certificate the peer refused after the dialer's side of the handshake had completed:
+/// "aborted by peer: the cryptographic handshake failed: … invalid peer certificate …").
+fn lost_why(conn: &Connection, e: impl std::fmt::Display) -> String {
+    let e = e.to_string();
+    match conn.close_reason().map(|why| why.to_string()) {
+        Some(why) if !e.contains(&why) => format!("{e}: {why}"),
+        _ => e,
+    }
 }
 
 /// Tells every connected peer that the group is aborted (best effort, in the background), on
@@ -793,8 +805,8 @@ struct Hello {
 }
 
 async fn read_hello(conn: &Connection) -> Result<Hello, String> {
-    let mut s = conn.accept_uni().await.map_err(|e| e.to_string())?;
-    match read_message(&mut s).await.map_err(|e| e.to_string())? {
+    let mut s = conn.accept_uni().await.map_err(|e| lost_why(conn, e))?;
+    match read_message(&mut s).await.map_err(|e| lost_why(conn, e))? {
         (Control::Hello { rank, world, lane, lanes, ports }, _) => {
             Ok(Hello { rank: rank as usize, world: world as usize, lane: lane as usize, lanes: lanes as usize, ports })
         }
