@@ -92,6 +92,23 @@ fn five_kills_and_two_joins_keep_the_fault_free_bits() {
     assert_eq!(el["restored_from_checkpoint"], 0, "{r:#}");
 }
 
+/// OneCycle with `cycle_momentum` (the optimizer's beta1 follows the shard's own step count):
+/// a kill mid-cycle and a join, recovered from replicas, still end on the fault-free bits, so the
+/// replicas and the new members step with the cycled betas of the steps they take over.
+#[test]
+fn one_cycle_momentum_survives_a_kill_and_a_join_with_the_fault_free_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one_cycle =
+        r#"scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.0005, "cycle_max_lr": 0.003, "cycle_first_step_size": 3}}"#;
+    let faults = r#"[{"at_step": 2, "kind": "kill", "rank": 1}, {"at_step": 4, "kind": "join"}]"#;
+    let r = chaos_with(tmp.path(), faults, 8, 1, &[one_cycle], &[]);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!((el["workers_lost"].as_u64(), el["workers_joined"].as_u64()), (Some(1), Some(1)), "{r:#}");
+    assert_eq!(el["restored_from_checkpoint"], 0, "{r:#}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted.log")).unwrap();
+    assert!(log.contains("is replaced by OneCycle's momentum cycle"), "the momentum cycle was not on:\n{log}");
+}
+
 /// A member killed while a new epoch's replicas get their first full copy (held open for
 /// 1.5 s by a test knob; the kill is a real SIGKILL from the harness): the new epoch's ranges
 /// are not protected yet, but the workers kept what they held of the installed epoch, so the

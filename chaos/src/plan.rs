@@ -38,7 +38,8 @@
 //! time counts from the signal, so it includes the rest of the step in flight. `stop_actor` stops
 //! the rank's DeviceWorker actor in the driver's supervision tree (a `sigqueue` of SIGUSR2 with the
 //! rank to the driver; the worker's process lives on): the tree reports the rank died, and the
-//! driver must fence and replace it as it does a dead process. `fail_writes` makes
+//! driver must fence and replace it as it does a dead process (detection counts from the signal
+//! to the loss, so it includes the rest of the step in flight). `fail_writes` makes
 //! the checkpoint folder unwritable for `duration_ms` (default 5000); `corrupt_checkpoint` flips
 //! bytes in the newest checkpoint's tensors.
 //!

@@ -876,6 +876,9 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
     } else {
         match f.kind {
             FaultKind::Stop => r.note = "not noticed: it resumed within the heartbeat timeout".into(),
+            // The tree was replaced (a join or drain formed a new epoch at that step boundary)
+            // before any step ran on the stopped actor: nothing to recover from.
+            FaultKind::StopActor => r.note.push_str("; no loss: a new epoch replaced the actor tree before a step used it"),
             FaultKind::Partition if f.duration_ms.is_some() => {
                 r.note.push_str("; not noticed: the link came back within the heartbeat timeout")
             }
