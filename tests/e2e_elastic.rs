@@ -256,7 +256,8 @@ fn a_stopped_actor_is_a_lost_member_and_its_shard_comes_from_a_replica() {
     assert_eq!((stop["rank"].as_u64(), stop["stopped"].as_bool()), (Some(2), Some(true)), "{log}");
     let lost = events.iter().find(|x| x["event"] == "lost").unwrap_or_else(|| panic!("no loss:\n{log}"));
     assert_eq!(lost["id"], stop["id"], "{log}");
-    assert!(lost["why"].as_str().unwrap().contains("its actor died"), "{log}");
+    let why = lost["why"].as_str().unwrap();
+    assert!(why.contains("its actor died") && why.contains("stopped by the chaos fault stop_actor"), "{log}");
 }
 
 #[test]

@@ -257,7 +257,8 @@ impl ClusterState {
         }
         let lost = self.lost_ranks();
         if !lost.is_empty() {
-            return Err(ActorError::MembersLost { epoch: self.epoch, ranks: lost });
+            let causes = lost.iter().map(|&r| self.members[r].lost.clone().unwrap_or_default()).collect();
+            return Err(ActorError::MembersLost { epoch: self.epoch, ranks: lost, causes });
         }
         match self.last_committed {
             Some(last) if step <= last => Err(ActorError::AlreadyCommitted { step, last_committed: last }),

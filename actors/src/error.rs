@@ -75,9 +75,9 @@ pub enum ActorError {
     #[error("step {step} commit failed (ranks may disagree: an elastic run recovers from memory at step {step} + 1 or {step}, else from a checkpoint; a plain run resumes from the last checkpoint): {}", Failures(failures))]
     CommitFailed { step: u64, failures: Vec<RankFailure>, prepared: Box<StepResult> },
     /// Members were lost (died or hung); the plan of epoch `epoch` is no longer valid and
-    /// steps are refused until a replan (a later issue).
-    #[error("plan epoch {epoch} lost ranks {ranks:?}; cannot run steps without replanning")]
-    MembersLost { epoch: u64, ranks: Vec<usize> },
+    /// steps are refused until a replan. `causes[i]` is why `ranks[i]` was lost.
+    #[error("plan epoch {epoch} lost ranks {ranks:?} ({}); cannot run steps without replanning", causes.join("; "))]
+    MembersLost { epoch: u64, ranks: Vec<usize>, causes: Vec<String> },
     /// A previous commit failed part-way; ranks may hold different committed steps.
     #[error("cluster is inconsistent after the failed commit of step {step}")]
     Inconsistent { step: u64 },

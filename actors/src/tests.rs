@@ -278,7 +278,7 @@ fn a_panicking_worker_is_a_membership_event() {
     let mut abandons = w.with(|l| l.abandons.clone());
     abandons.sort();
     assert_eq!(abandons, vec![(0, 2), (1, 2), (3, 2)]);
-    assert!(matches!(cluster.run_step(2), Err(ActorError::MembersLost { epoch: 0, ref ranks }) if ranks == &[2]));
+    assert!(matches!(cluster.run_step(2), Err(ActorError::MembersLost { epoch: 0, ref ranks, .. }) if ranks == &[2]));
     assert_eq!(cluster.memory().expect("survivors answer").len(), 3);
     cluster.shutdown().expect("the panicked rank's thread exited and was joined");
     assert_eq!(w.alive.load(Ordering::SeqCst), 0);
@@ -312,13 +312,17 @@ fn a_stopped_worker_actor_is_a_lost_member() {
     assert_eq!(failure.rank, 2);
     assert!(matches!(&failure.cause, FailureCause::Died(c) if c.contains("chaos: stop_actor")), "{failure}");
     assert!(matches!(cluster.run_step(2), Err(ActorError::MembersLost { ref ranks, .. }) if ranks == &[2]));
-    // Between steps: rank 0 stopped while nothing runs; the next step is refused naming both.
+    // Between steps: rank 0 stopped while nothing runs; the next step is refused naming both,
+    // each with why it was lost.
     let stopper = t.join().expect("stopper thread");
     assert!(stopper.stop(0, "chaos: stop_actor"));
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         match cluster.run_step(2) {
-            Err(ActorError::MembersLost { ref ranks, .. }) if ranks == &[0, 2] => break,
+            Err(ActorError::MembersLost { ref ranks, ref causes, .. }) if ranks == &[0, 2] => {
+                assert!(causes.iter().all(|c| c.contains("chaos: stop_actor")), "{causes:?}");
+                break;
+            }
             Err(ActorError::MembersLost { .. }) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
             other => panic!("expected ranks 0 and 2 lost, got {other:?}"),
         }

@@ -74,7 +74,7 @@ fn actor_deaths(e: &ActorError) -> Vec<(usize, String)> {
                 _ => None,
             })
             .collect(),
-        ActorError::MembersLost { ranks, .. } => ranks.iter().map(|&r| (r, "lost in the actor tree".to_string())).collect(),
+        ActorError::MembersLost { ranks, causes, .. } => ranks.iter().copied().zip(causes.iter().cloned()).collect(),
         _ => Vec::new(),
     }
 }
