@@ -126,15 +126,9 @@ pub fn lr_at(sched: &SchedulerConfig, base_lr: f32, step: u64) -> f32 {
     lr as f32
 }
 
-/// Adam beta1 for the next update under OneCycle with `cycle_momentum` (else `None`).
-/// As in DeepSpeed, the first update uses `cycle_min_mom` (set at construction), later ones
-/// the cycled value; DeepSpeed also sets beta2 to [`ONE_CYCLE_BETA2`]. The optimizers apply it
-/// through [`momentum_cycle`]; SGD has no betas and is not cycled (as in DeepSpeed).
-pub fn momentum_at(sched: &SchedulerConfig, step: u64) -> Option<f32> {
-    momentum_cycle(Some(sched)).map(|c| c.beta1_at(step))
-}
-
-/// The momentum cycle the optimizer applies: OneCycle with `cycle_momentum`, else `None`.
+/// The momentum cycle the optimizer applies: OneCycle with `cycle_momentum`, else `None`. As in
+/// DeepSpeed, the first update uses `cycle_min_mom` (set at construction), later ones the cycled
+/// value, and beta2 is [`ONE_CYCLE_BETA2`]; SGD has no betas and is not cycled.
 pub fn momentum_cycle(sched: Option<&SchedulerConfig>) -> Option<MomentumCycle> {
     match sched {
         Some(SchedulerConfig::OneCycle(s)) if s.cycle_momentum => Some(MomentumCycle {
@@ -242,6 +236,11 @@ fn range_test_lr(s: &LrRangeTest, it: i64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Beta1 of the next update after `step` updates under `sched` (`None` without a cycle).
+    fn momentum_at(sched: &SchedulerConfig, step: u64) -> Option<f32> {
+        momentum_cycle(Some(sched)).map(|c| c.beta1_at(step))
+    }
 
     fn close(got: f32, want: f64) {
         let tol = 1e-6 * want.abs().max(1e-3);

@@ -60,7 +60,6 @@ const OPTIM_PREFIX: &str = "optim";
 /// be noticed (ms).
 const SETTLE_MS: u64 = 500;
 
-/// The actor tree's options: the step timeout is the elastic one when the run is elastic.
 /// The ranks the actor tree reports as died in `e` (their DeviceWorker actor ended: it
 /// panicked, failed or was stopped), with the cause, or refuses a step for as lost.
 fn actor_deaths(e: &ActorError) -> Vec<(usize, String)> {
@@ -79,6 +78,7 @@ fn actor_deaths(e: &ActorError) -> Vec<(usize, String)> {
     }
 }
 
+/// The actor tree's options: the step timeout is the elastic one when the run is elastic.
 fn cluster_options(opts: &TrainOptions, elastic: Option<&ElasticRunState>) -> ClusterOptions {
     let mut c = ClusterOptions { abandon_steps: opts.abandon_steps.clone(), ..ClusterOptions::default() };
     if let Some(e) = elastic {

@@ -103,7 +103,7 @@ pub fn lanes_default() -> usize {
 /// firewall or security group that opens only the data port (`--quic-port`) would block them, so
 /// there lanes are the user's choice (`TESSERA_QUIC_LANES`, with those ports open).
 pub fn lanes_wanted(addr: SocketAddr) -> Result<usize, String> {
-    match env_count(LANES_ENV, std::env::var(LANES_ENV), 1..=LANES_MAX, "lanes")? {
+    match lanes_from_env()? {
         Some(n) => Ok(n),
         None if addr.ip().is_loopback() => Ok(lanes_default()),
         None => Ok(1),
@@ -146,9 +146,19 @@ pub const WORKERS_MAX: usize = 64;
 /// connection exists; [`QuicComm`](super::QuicComm) reads the same variables again (and refuses
 /// the same values) when it connects.
 pub fn check_env() -> Result<(), String> {
-    env_count(LANES_ENV, std::env::var(LANES_ENV), 1..=LANES_MAX, "lanes")?;
-    env_count(WORKERS_ENV, std::env::var(WORKERS_ENV), 1..=WORKERS_MAX, "worker threads")?;
+    lanes_from_env()?;
+    workers_from_env()?;
     super::pki::check_provider_env()
+}
+
+/// [`LANES_ENV`]'s number, if set.
+fn lanes_from_env() -> Result<Option<usize>, String> {
+    env_count(LANES_ENV, std::env::var(LANES_ENV), 1..=LANES_MAX, "lanes")
+}
+
+/// [`WORKERS_ENV`]'s number, if set.
+fn workers_from_env() -> Result<Option<usize>, String> {
+    env_count(WORKERS_ENV, std::env::var(WORKERS_ENV), 1..=WORKERS_MAX, "worker threads")
 }
 
 /// Worker threads of a rank's tokio runtime for `lanes` connections per peer: 1 on hosts with
@@ -169,7 +179,7 @@ pub fn check_env() -> Result<(), String> {
 /// [`WORKERS_ENV`] overrides the number (for measurements); a value that is not a number from
 /// 1 to [`WORKERS_MAX`] is an error naming it.
 pub fn runtime_workers(lanes: usize) -> Result<usize, String> {
-    if let Some(n) = env_count(WORKERS_ENV, std::env::var(WORKERS_ENV), 1..=WORKERS_MAX, "worker threads")? {
+    if let Some(n) = workers_from_env()? {
         return Ok(n);
     }
     Ok(match std::thread::available_parallelism().map_or(1, usize::from) {
