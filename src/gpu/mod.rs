@@ -73,7 +73,7 @@ pub fn check(seed: u64) -> Result<bool> {
     report("GPT-2 124M: the first training steps on the GPU (bf16) against the CPU model (f32)", check_gpt2_steps(gpu.clone(), seed));
     report("optimizer offload: the GPU adamw kernel against the host step, bit for bit", check_adamw_offload(&gpu, seed));
     report(
-        "optimizer offload: training with the optimizer on the host against the GPU optimizer, bit for bit",
+        "optimizer offload, and AdamW during the backward: training against the GPU optimizer after the backward, bit for bit",
         check_offload_training(gpu.clone(), seed),
     );
     println!("{}", if all_ok { "all GPU checks passed" } else { "SOME GPU CHECKS FAILED" });
@@ -251,7 +251,10 @@ fn check_adamw_offload(gpu: &Gpu, seed: u64) -> Result<Vec<cuda::CheckRow>> {
 /// optimizer, bit for bit: a small GPT (gpt-mini-gpu), one GPU, 3 micro-batches per step (an
 /// uneven micro-batch tree, finished unit by unit in the last backward), 3 steps, ZeRO-2 and
 /// ZeRO-3, with and without clipping; the masters, both moments and an evaluation loss after
-/// the steps (which reads the parameters copied back) must be identical.
+/// the steps (which reads the parameters copied back) must be identical. The same comparison
+/// for AdamW run unit by unit during the backward (`Rank::early_adam`, what one GPU without
+/// clipping does by default) against AdamW after it, at ZeRO-0, 2 and 3, with and without
+/// offload.
 fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
     let (b, t, steps, m_local) = (4usize, 128usize, 3usize, 3usize);
     let mut cfg = zoo::preset("gpt-mini-gpu").map_err(anyhow::Error::msg)?;
@@ -262,10 +265,11 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
     let v = model.cfg.vocab_size;
     /// Masters, exp_avg, exp_avg_sq, an evaluation loss and the host optimizer's figures.
     type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, f32, Option<offload::OffloadStats>);
-    let run = |stage: u8, clip: f32, offload: Option<f64>| -> Result<Outcome> {
+    let run = |stage: u8, clip: f32, offload: Option<f64>, early: bool| -> Result<Outcome> {
         let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip, momentum_cycle: None };
         let off = offload.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(1) });
         let mut r = zero::Rank::new(gpu.clone(), None, &model, stage, shape, &init, adam, m_local, off, false)?;
+        r.early_adam = early;
         for step in 0..steps {
             let mbs: Vec<_> = (0..m_local).map(|j| batch(seed, step, j, b, t, v)).collect();
             r.step(&mbs, 2e-3, 1.0 / m_local as f32)?;
@@ -276,14 +280,24 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
         Ok((r.masters()?, mm, vv, loss, r.offload_stats()))
     };
     let mut rows = Vec::new();
+    let same = |rows: &mut Vec<cuda::CheckRow>, what: &str, tag: &str, o: &Outcome, base: &Outcome| {
+        rows.push(bits_row(format!("{what}, masters ({tag})"), &f32_bits(&o.0), &f32_bits(&base.0)));
+        rows.push(bits_row(format!("{what}, exp_avg ({tag})"), &f32_bits(&o.1), &f32_bits(&base.1)));
+        rows.push(bits_row(format!("{what}, exp_avg_sq ({tag})"), &f32_bits(&o.2), &f32_bits(&base.2)));
+    };
+    for (stage, offload) in [(0u8, None), (2, None), (2, Some(0.5)), (3, None)] {
+        let (early, late) = (run(stage, 0.0, offload, true)?, run(stage, 0.0, offload, false)?);
+        let tag = format!("ZeRO-{stage}, clip 0, offload ratio {}", offload.map_or("none".into(), |r: f64| r.to_string()));
+        let what = "AdamW during the backward vs after it";
+        same(&mut rows, what, &tag, &early, &late);
+        rows.push(bits_row(format!("{what}, eval loss after the steps ({tag})"), &[early.3.to_bits()], &[late.3.to_bits()]));
+    }
     for (stage, clip) in [(2u8, 1.0f32), (2, 0.0), (3, 1.0)] {
-        let base = run(stage, clip, None)?;
+        let base = run(stage, clip, None, true)?;
         for ratio in [1.0, 0.5] {
-            let o = run(stage, clip, Some(ratio))?;
+            let o = run(stage, clip, Some(ratio), true)?;
             let tag = format!("ZeRO-{stage}, clip {clip}, ratio {ratio}");
-            rows.push(bits_row(format!("offload vs GPU optimizer, masters ({tag})"), &f32_bits(&o.0), &f32_bits(&base.0)));
-            rows.push(bits_row(format!("offload vs GPU optimizer, exp_avg ({tag})"), &f32_bits(&o.1), &f32_bits(&base.1)));
-            rows.push(bits_row(format!("offload vs GPU optimizer, exp_avg_sq ({tag})"), &f32_bits(&o.2), &f32_bits(&base.2)));
+            same(&mut rows, "offload vs GPU optimizer", &tag, &o, &base);
             let hidden = o.4.map_or(String::new(), |s| {
                 format!(
                     " [host step {:.2} ms/step, {:.0}% hidden]",
@@ -587,7 +601,7 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
         let mut extra = serde_json::json!({
             "state_GiB": gib(states.device.total()), "host_state_GiB": gib(states.host_optim),
             "used_GiB": gib((total - free) as u64), "offload_ratio": a.offload_ratio,
-            "fusions": r.fusions(), "recompute": a.recompute,
+            "fusions": r.fusions(), "recompute": a.recompute, "early_adam": r.early_adam_active(),
             "gemm_tune": gpu.lt.as_ref().map_or("off", |l| if l.tuning() { "on" } else if l.routes_plain() { "route" } else { "off" }),
         });
         if let (Some(end), Some(o)) = (r.offload_stats(), extra.as_object_mut()) {

@@ -22,6 +22,13 @@
 //! each unit's reduced gradient reaches the host; the new bf16 parameters come back per unit
 //! and are gathered as without offload.
 //!
+//! Optimizer in the backward (one GPU, `gradient_clipping` off, unless
+//! `TESSERA_GPU_EARLY_ADAM=0`): as the last backward finishes a unit's gradient, that unit's
+//! AdamW runs on a third stream, so the optimizer's memory traffic fills the gaps the backward's
+//! kernels leave instead of running after it. The kernel and its inputs are the ones the step
+//! would use after the backward (elementwise, so the same bits: a `gpu check` row compares the
+//! two); the compute stream waits for that stream before the step returns.
+//!
 //! Determinism: a rank's micro-batches are combined by a fixed binary tree, ranks hold aligned
 //! blocks of micro-batches, and with two ranks NCCL's sum is one IEEE add — so one GPU running
 //! two micro-batches and two GPUs running one each produce the same bits (tested on the device).
@@ -177,6 +184,13 @@ pub struct Rank {
     pub overlap: bool,
     comm: Option<NcclComm>,
     cstream: Arc<CudaStream>,
+    /// The optimizer stream: units stepped during the backward (see the module notes).
+    ostream: Arc<CudaStream>,
+    /// Step each unit's AdamW as soon as its gradient is final (one GPU, no clipping); default
+    /// on, `TESSERA_GPU_EARLY_ADAM=0` turns it off.
+    pub early_adam: bool,
+    /// Units this step's AdamW already ran for (on `ostream`).
+    stepped: Vec<bool>,
     pub rank: usize,
     pub world: usize,
     pub stage: u8,
@@ -310,12 +324,16 @@ impl Rank {
         let ws = Some(Workspace::with_options(&gpu, shape, &layout, gpt::Fusions::requested()?, recompute)?);
         let losses = gpu.alloc::<f32>(shape.n() * m_local.max(1))?;
         let cstream = gpu.ctx.new_stream().map_err(cuda::drv("creating the communication stream"))?;
+        let ostream = gpu.ctx.new_stream().map_err(cuda::drv("creating the optimizer stream"))?;
         let n_units = layout.units.len();
         Ok(Rank {
             gpu,
             comm,
             overlap: true,
             cstream,
+            ostream,
+            early_adam: std::env::var("TESSERA_GPU_EARLY_ADAM").map_or(true, |v| v != "0"),
+            stepped: vec![false; n_units],
             rank,
             world,
             stage,
@@ -422,6 +440,10 @@ impl Rank {
         let mut free: Vec<usize> = (0..self.gbufs.len()).rev().collect();
         let n = self.ws_n();
         let mut fin = 0;
+        self.stepped.fill(false);
+        // Without clipping the scale is 1 before the backward ends, and one GPU has no reduction
+        // to wait for: each unit can be stepped as its gradient is finished.
+        let early = self.early_adam_active().then_some(hp);
         for (i, (tok, tgt)) in mbs.iter().enumerate() {
             let slot = free.pop().context("micro-batch tree ran out of buffers")?;
             let g = self.gbufs[slot].ptr();
@@ -434,7 +456,7 @@ impl Rank {
             let mut ws = self.ws.take().expect("workspace present between micro-batches");
             let gpu = self.gpu.clone();
             let res = {
-                let mut hooks = Hooks { r: self, grads: g, tail: tail.as_ref(), use_idx: 0, uses: Vec::new() };
+                let mut hooks = Hooks { r: self, grads: g, tail: tail.as_ref(), early, use_idx: 0, uses: Vec::new() };
                 hooks.begin().and_then(|_| gpt::forward_backward(&gpu, &mut hooks, &mut ws, tok, tgt, dloss).map_err(anyhow::Error::from))
             };
             let copied = gpu.copy(self.losses.slice(i * n..(i + 1) * n).cast(), ws.losses.ptr().cast(), &gpu.stream);
@@ -479,36 +501,23 @@ impl Rank {
             let _ = p.scale.send(scale);
         }
         self.step += 1;
-        let opt_rank = if self.stage == 0 { 0 } else { self.rank };
         let gathers = self.world > 1 && (self.stage == 1 || self.stage == 2);
         for u in 0..self.layout.units.len() {
-            let off = self.layout.shard_offset(u);
-            let piece = self.layout.piece(u, opt_rank);
-            let (len, h) = (piece.len(), self.split.host[u]);
-            if len > h {
-                // The device part of the piece: [h, len).
-                let sh = off + h..off + len;
-                let dr = self.split.dev_range(u);
-                let param = if self.stage == 3 { self.params.slice(sh.clone()) } else { self.params.slice(piece.start + h..piece.end) };
-                ops::adamw(
-                    &self.gpu,
-                    &self.gpu.stream,
-                    self.master.slice(dr.clone()),
-                    param,
-                    gshard.slice(sh),
-                    self.m.slice(dr.clone()),
-                    self.v.slice(dr.clone()),
-                    self.decay.slice(dr),
-                    hp,
-                    scale,
-                )?;
+            if !self.stepped[u] {
+                self.adamw_unit(u, gshard, hp, scale, &self.gpu.stream)?;
             }
+            let h = self.split.host[u];
             if gathers && h == 0 {
                 // Gather this unit's updated bf16 parameters while the optimizer moves on to the
                 // next unit; the next forward waits per unit.
                 self.order(&self.gpu.stream, &self.cstream)?;
                 self.gather_unit(u)?;
             }
+        }
+        if self.stepped.iter().any(|&s| s) {
+            // What follows (the next step's zeroing of the gradient, reads of the state) comes
+            // after the units stepped during the backward.
+            self.order(&self.ostream, &self.gpu.stream)?;
         }
         self.gpu.mark("adamw");
         if let Some(p) = pipe {
@@ -517,6 +526,41 @@ impl Rank {
         let losses = self.gpu.download(self.losses.slice(0..m_local * n))?;
         let loss = losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len() as f64;
         Ok((loss as f32, norm))
+    }
+
+    /// Whether this rank's steps run each unit's AdamW during the backward (see the module notes).
+    pub fn early_adam_active(&self) -> bool {
+        self.early_adam && self.world == 1 && self.adam.clip <= 0.0
+    }
+
+    /// AdamW over the device part of unit `u`'s piece (this rank's, or all of it at stage 0)
+    /// on stream `s`, reading the reduced gradient `gshard` (the full buffer with one rank or at
+    /// stage 0).
+    fn adamw_unit(&self, u: usize, gshard: DPtr<f32>, hp: &ops::AdamStep, scale: f32, s: &CudaStream) -> Result<()> {
+        let opt_rank = if self.stage == 0 { 0 } else { self.rank };
+        let off = self.layout.shard_offset(u);
+        let piece = self.layout.piece(u, opt_rank);
+        let (len, h) = (piece.len(), self.split.host[u]);
+        if len <= h {
+            return Ok(());
+        }
+        // The device part of the piece: [h, len).
+        let sh = off + h..off + len;
+        let dr = self.split.dev_range(u);
+        let param = if self.stage == 3 { self.params.slice(sh.clone()) } else { self.params.slice(piece.start + h..piece.end) };
+        ops::adamw(
+            &self.gpu,
+            s,
+            self.master.slice(dr.clone()),
+            param,
+            gshard.slice(sh),
+            self.m.slice(dr.clone()),
+            self.v.slice(dr.clone()),
+            self.decay.slice(dr),
+            hp,
+            scale,
+        )?;
+        Ok(())
     }
 
     /// All-gathers unit `u`'s bf16 parameters on the communication stream (after what it was
@@ -768,6 +812,9 @@ struct Hooks<'a> {
     grads: DPtr<f32>,
     /// The last micro-batch of a step: the tree's adds, reduction and host copy per unit.
     tail: Option<&'a Tail>,
+    /// Step each unit's AdamW on the optimizer stream once its gradient is final (one GPU, no
+    /// clipping; see the module notes).
+    early: Option<&'a ops::AdamStep>,
     /// Stage 3: index of the next block use, and the uses in order (unit, phase).
     use_idx: usize,
     uses: Vec<(usize, Phase)>,
@@ -832,6 +879,13 @@ impl Hooks<'_> {
         }
         let fin = r.gbufs[tail.fin].ptr();
         if r.world == 1 {
+            if let Some(hp) = self.early {
+                // Nothing later in this backward reads unit u's parameters or writes its
+                // gradient: the forward and backward of the blocks below use their own.
+                r.order(&r.gpu.stream, &r.ostream)?;
+                r.adamw_unit(u, fin, hp, 1.0, &r.ostream)?;
+                r.stepped[u] = true;
+            }
             return r.send_grad(u, tail.fin);
         }
         if r.stage != 1 {
@@ -908,7 +962,7 @@ impl Rank {
         // Forward only: no gradient is written; the hooks still need a buffer to name.
         let grads = self.gbufs[0].ptr();
         let res = {
-            let mut hooks = Hooks { r: self, grads, tail: None, use_idx: 0, uses: Vec::new() };
+            let mut hooks = Hooks { r: self, grads, tail: None, early: None, use_idx: 0, uses: Vec::new() };
             hooks.begin().and_then(|_| gpt::forward_loss(&gpu, &mut hooks, &mut ws, tokens, targets).map_err(anyhow::Error::from))
         };
         let loss = res.and_then(|_| gpt::mean_loss(&gpu, &ws).map_err(anyhow::Error::from));
