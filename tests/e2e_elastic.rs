@@ -30,11 +30,22 @@ fn chaos(dir: &Path, faults: &str, steps: u64, seed: u64) -> serde_json::Value {
 /// [`chaos`] with more `--set` overrides and environment variables for both runs.
 fn chaos_with(dir: &Path, faults: &str, steps: u64, seed: u64, sets: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
     let s = scenario(dir, steps, faults);
-    if !sets.is_empty() {
-        let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&s).unwrap()).unwrap();
-        v["set"].as_array_mut().unwrap().extend(sets.iter().map(|x| serde_json::Value::from(*x)));
-        std::fs::write(&s, v.to_string()).unwrap();
-    }
+    let sets: Vec<String> = sets.iter().map(|x| x.to_string()).collect();
+    edit_scenario(&s, |v| v["set"].as_array_mut().unwrap().extend(sets.into_iter().map(serde_json::Value::from)));
+    run_chaos(dir, &s, steps, seed, env)
+}
+
+/// Rewrites the scenario file `s` through `f`.
+fn edit_scenario(s: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(s).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(s, v.to_string()).unwrap();
+}
+
+/// Runs scenario file `s` with `seed` (output under `dir/chaos`) and checks what every chaos run
+/// must give: EQUAL, the same `params_blake3`, `steps` committed, a timeline with a bar per
+/// member of each epoch and a cross per loss. Returns the report.
+fn run_chaos(dir: &Path, s: &Path, steps: u64, seed: u64, env: &[(&str, &str)]) -> serde_json::Value {
     let out = dir.join("chaos");
     let args = [
         "chaos",
@@ -270,6 +281,34 @@ fn a_sigterm_drains_the_worker_and_the_run_goes_on() {
     assert_eq!(el["steps_rerun"], 0, "a drain happens at a step boundary: {r:#}");
     let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
     assert!(log.contains(r#""event":"drained""#) && log.contains("exited with status 0"), "{log}");
+}
+
+/// `"launch": "agents"`: the faulted run is `tessera coordinator` and four `tessera agent --join`
+/// processes (the fault-free run is `train --nprocs 4`). An agent SIGKILLed, one more agent
+/// joining with the coordinator's token, and a SIGTERM drain: the same bits, every step
+/// committed, and the faults landed on agents.
+#[test]
+fn an_agents_job_survives_a_kill_a_join_and_a_drain_with_the_fault_free_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let faults =
+        r#"[{"at_step": 1, "kind": "kill", "rank": 1}, {"at_step": 2, "kind": "join"}, {"at_step": 4, "kind": "term", "rank": 0}]"#;
+    let s = scenario(tmp.path(), 6, faults);
+    edit_scenario(&s, |v| v["launch"] = "agents".into());
+    let r = run_chaos(tmp.path(), &s, 6, 3, &[]);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(
+        (el["workers_lost"].as_u64(), el["workers_joined"].as_u64(), el["workers_drained"].as_u64()),
+        (Some(1), Some(1), Some(1)),
+        "{r:#}"
+    );
+    assert!(fault(&r, "join")["target"].as_str().unwrap().starts_with("new agent"), "{r:#}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted.log")).unwrap();
+    for r in 0..4 {
+        assert!(log.contains(&format!("agent-{r}")), "agent-{r} is not in the coordinator's log:\n{log}");
+    }
+    let (text, events) = faulted_events(tmp.path());
+    let last = events.iter().rev().find(|e| e["event"] == "epoch").unwrap_or_else(|| panic!("no epoch:\n{text}"));
+    assert_eq!(last["members"].as_array().unwrap().len(), 3, "{text}");
 }
 
 /// The example scenario `chaos/scenarios/gpt-tiny-network-disk.json`: every worker in its own

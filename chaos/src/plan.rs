@@ -51,6 +51,14 @@
 //! socket. `disk_full` fills the checkpoint folder (a small tmpfs the harness mounts; root).
 //! For these, `duration_ms` is optional: without it the fault lasts until the run ends.
 //!
+//! `"launch"` picks how the faulted run starts its workers: `"procs"` (the default) runs
+//! `tessera train --nprocs N`, whose driver spawns the N worker processes; `"agents"` runs
+//! `tessera coordinator` and N `tessera agent --join` processes beside it (each agent is a
+//! worker; a `join` fault starts one more agent with the coordinator's join token), the way a
+//! job spread over machines starts. The fault-free run is always `train --nprocs N`, so the
+//! comparison also checks that agents give the bits of spawned workers. Network faults need the
+//! workers in namespaces, which only `"procs"` sets up: a scenario with both is refused.
+//!
 //! Any fault may say `"optional": true`: when the run ends before its trigger (a time late in a
 //! run whose length depends on the machine) it is reported as not injected without failing the
 //! scenario; every other fault must be injected for the scenario to pass.
@@ -351,6 +359,20 @@ pub struct Scenario {
     /// Bound on each run (seconds; default 600).
     #[serde(default)]
     pub timeout_s: Option<u64>,
+    /// How the faulted run starts its workers.
+    #[serde(default)]
+    pub launch: Launch,
+}
+
+/// How the faulted run starts its workers (the module notes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Launch {
+    /// `tessera train --nprocs N`.
+    #[default]
+    Procs,
+    /// `tessera coordinator` and N `tessera agent --join`.
+    Agents,
 }
 
 /// When a fault fires.
@@ -485,6 +507,15 @@ impl Scenario {
                     "set[{i}] {kv:?}: the chaos harness runs elastic training (it sets tessera.elastic.enabled=true), and a \
                      scenario cannot turn it off or replace the tessera.elastic section; set its fields one by one \
                      (tessera.elastic.KEY=VALUE)"
+                )));
+            }
+        }
+        if s.launch == Launch::Agents {
+            if let Some((i, f)) = s.faults.iter().enumerate().find(|(_, f)| f.kind.needs_net()) {
+                return Err(bad(format!(
+                    "faults[{i}] ({}): network faults put each worker in a network namespace, which the harness sets up only \
+                     for \"launch\": \"procs\" (this scenario says \"agents\")",
+                    f.kind.name()
                 )));
             }
         }
@@ -703,5 +734,20 @@ mod tests {
         assert!(e.contains("takes no rank"), "{e}");
         let e = err(r#"{"kind": "disk_full", "at_step": 1}, {"kind": "fail_writes", "at_step": 2}"#);
         assert!(e.contains("disk_full and fail_writes"), "{e}");
+    }
+
+    #[test]
+    fn launch_defaults_to_procs_takes_agents_and_refuses_network_faults_with_agents() {
+        let p = Path::new("s.json");
+        let parse = |extra: &str, fault: &str| {
+            Scenario::parse(&format!(r#"{{"config": "c", "nprocs": 2, "steps": 5{extra}, "faults": [{fault}]}}"#), p)
+        };
+        let kill = r#"{"kind": "kill", "at_step": 1}"#;
+        assert_eq!(parse("", kill).expect("valid").launch, Launch::Procs);
+        assert_eq!(parse(r#", "launch": "agents""#, kill).expect("valid").launch, Launch::Agents);
+        let e = parse(r#", "launch": "ssh""#, kill).expect_err("no such launch").to_string();
+        assert!(e.contains("s.json") && e.contains("ssh") && e.contains("agents"), "{e}");
+        let e = parse(r#", "launch": "agents""#, r#"{"kind": "partition", "at_step": 1, "rank": 0}"#).expect_err("refused").to_string();
+        assert!(e.contains("faults[0] (partition)") && e.contains("\"launch\": \"procs\""), "{e}");
     }
 }

@@ -1,7 +1,10 @@
 //! `tessera chaos run`: runs a scenario's training job twice — fault-free, then with the
 //! scenario's faults injected — and compares the final parameters.
 //!
-//! Both runs are `tessera train --nprocs N` with the elastic runtime on. The harness follows
+//! Both runs are `tessera train --nprocs N` with the elastic runtime on — or, with the scenario's
+//! `"launch": "agents"`, the faulted run is `tessera coordinator` on a free loopback port and N
+//! `tessera agent --join` processes holding its join token (the harness starts the agents once
+//! the token is written; `join` faults start more agents). The harness follows
 //! the faulted run through its event log (`<output>/elastic_events.jsonl`: plan epochs with each
 //! member's rank and pid, committed steps, losses, drains, joins, checkpoints written or not, and
 //! when training resumed) and fires each fault when its trigger is met: signals go to the pid of
@@ -37,7 +40,7 @@ use serde_json::Value;
 
 use crate::disk::{self, Disk};
 use crate::hosts::{self, Hosts};
-use crate::plan::{Fault, FaultKind, Scenario, Trigger, DURATION_MS_DEFAULT};
+use crate::plan::{Fault, FaultKind, Launch, Scenario, Trigger, DURATION_MS_DEFAULT};
 use crate::proxy::ProxyStats;
 
 /// The event log the elastic driver writes (`engine::elastic::EVENTS_FILE`).
@@ -48,6 +51,8 @@ const POLL_MS: u64 = 20;
 const JOINER_EXIT_MS: u64 = 15_000;
 /// Default bound on each run (s).
 const RUN_TIMEOUT_S: u64 = 600;
+/// Bound on the coordinator writing its join token (agents launch), ms.
+const TOKEN_WAIT_MS: u64 = 30_000;
 
 /// What a chaos run needs.
 pub struct ChaosOptions {
@@ -255,7 +260,6 @@ impl Report {
     }
 }
 
-/// The training command line of one run.
 /// The scenario's training config (a relative path is taken from the scenario's folder).
 fn config_path(o: &ChaosOptions) -> PathBuf {
     match o.scenario.config.is_absolute() {
@@ -264,11 +268,19 @@ fn config_path(o: &ChaosOptions) -> PathBuf {
     }
 }
 
-fn train_args(o: &ChaosOptions, out: &Path, net: Option<&Path>) -> Vec<String> {
+/// The run's driver command line: `train --nprocs N` (workers in the namespaces of `net` when
+/// given), or with `agents` the coordinator's.
+fn train_args(o: &ChaosOptions, out: &Path, net: Option<&Path>, agents: Option<&AgentJob>) -> Vec<String> {
     let cfg = config_path(o);
-    let mut a: Vec<String> =
-        vec!["train".into(), "--config".into(), cfg.display().to_string(), "--output".into(), out.display().to_string()];
-    a.extend(["--no-progress".into(), "--steps".into(), o.scenario.steps.to_string(), "--nprocs".into(), o.scenario.nprocs.to_string()]);
+    let (verb, n) = match agents {
+        None => ("train", "--nprocs"),
+        Some(_) => ("coordinator", "--nodes"),
+    };
+    let mut a: Vec<String> = vec![verb.into(), "--config".into(), cfg.display().to_string(), "--output".into(), out.display().to_string()];
+    a.extend(["--no-progress".into(), "--steps".into(), o.scenario.steps.to_string(), n.into(), o.scenario.nprocs.to_string()]);
+    if let Some(j) = agents {
+        a.extend(["--listen".into(), j.join.clone(), "--token-file".into(), j.token.display().to_string()]);
+    }
     a.extend(["--set".into(), "tessera.elastic.enabled=true".into()]);
     for s in &o.scenario.set {
         a.extend(["--set".into(), s.clone()]);
@@ -426,6 +438,58 @@ struct Active {
 struct Env {
     hosts: Option<Hosts>,
     disk: Option<Disk>,
+    agents: Option<AgentJob>,
+}
+
+/// A run launched as a coordinator and agents (`"launch": "agents"`).
+struct AgentJob {
+    /// Where agents join (a free loopback UDP port, taken when the run starts).
+    join: String,
+    /// The coordinator's join token file.
+    token: PathBuf,
+}
+
+impl AgentJob {
+    /// A free port on loopback, and the token file under `output`.
+    fn new(output: &Path) -> Result<AgentJob, ChaosError> {
+        let probe = std::net::UdpSocket::bind("127.0.0.1:0").map_err(io("finding a free port for the coordinator"))?;
+        let port = probe.local_addr().map_err(io("finding a free port for the coordinator"))?.port();
+        Ok(AgentJob { join: format!("127.0.0.1:{port}"), token: output.join("faulted.token") })
+    }
+
+    /// `tessera agent --join …` (with `rank` for the initial agents).
+    fn agent(&self, exe: &Path, rank: Option<usize>, log: &std::fs::File) -> Result<Child, ChaosError> {
+        let mut c = Command::new(exe);
+        c.args(["agent", "--join", &self.join, "--token-file"]).arg(&self.token);
+        if let Some(r) = rank {
+            c.args(["--rank", &r.to_string(), "--name", &format!("agent-{r}")]);
+        }
+        let (out, err) = (log.try_clone().map_err(io("the run's log"))?, log.try_clone().map_err(io("the run's log"))?);
+        c.stdin(Stdio::null()).stdout(out).stderr(err).spawn().map_err(io(format!("starting an agent ({})", exe.display())))
+    }
+}
+
+/// Waits until the coordinator `driver` wrote the join token (bounded; an exit of the
+/// coordinator first is an error naming its log).
+fn wait_token(job: &AgentJob, driver: &mut Child, log: &Path) -> Result<(), ChaosError> {
+    let deadline = Instant::now() + Duration::from_millis(TOKEN_WAIT_MS);
+    while !job.token.is_file() {
+        if let Some(s) = driver.try_wait().map_err(io("waiting for the coordinator"))? {
+            return Err(ChaosError::Run(format!("the coordinator exited ({s}) before writing its join token; see {}", log.display())));
+        }
+        if Instant::now() > deadline {
+            let _ = driver.kill();
+            let _ = driver.wait();
+            return Err(ChaosError::Run(format!(
+                "the coordinator wrote no join token to {} within {} s; see {}",
+                job.token.display(),
+                TOKEN_WAIT_MS / 1000,
+                log.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(POLL_MS));
+    }
+    Ok(())
 }
 
 /// One injected fault as the run goes: the report, the worker id it hit (the pid, for a join)
@@ -560,8 +624,19 @@ impl Faulting<'_> {
     }
 
     /// Starts `tessera worker --join` (on the next free test host when the workers live in
-    /// namespaces); returns its pid.
+    /// namespaces), or with agents `tessera agent --join`; returns its pid.
     fn start_joiner(&mut self, report: &mut FaultReport) -> Result<u64, ChaosError> {
+        if let Some(job) = &self.env.agents {
+            let log = std::fs::OpenOptions::new()
+                .append(true)
+                .open(self.o.output.join("faulted.log"))
+                .map_err(io("opening the run's log for a joining agent"))?;
+            let child = job.agent(&self.o.exe, None, &log)?;
+            let pid = child.id();
+            report.target = format!("new agent (pid {pid})");
+            self.joiners.push(child);
+            return Ok(u64::from(pid));
+        }
         let (mut cmd, host) = match &self.env.hosts {
             Some(h) => {
                 let (cmd, host) = h.join_command(&self.o.exe).map_err(ChaosError::Run)?;
@@ -708,13 +783,32 @@ fn run_one(
     let started = Instant::now();
     let start_ms = now_ms();
     let net = env.hosts.as_ref().map(|h| h.file.clone());
+    let agent_log = log.try_clone().map_err(io("the run's log"))?;
     let mut child = Command::new(&o.exe)
-        .args(train_args(o, &out, net.as_deref()))
+        .args(train_args(o, &out, net.as_deref(), env.agents.as_ref()))
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log2)
         .spawn()
         .map_err(io(format!("starting {}", o.exe.display())))?;
+    // Agents: once the coordinator has written its join token, one agent per rank (reaped with
+    // the joiners when the run ends).
+    let mut agents = Vec::new();
+    if let Some(job) = &env.agents {
+        let _ = std::fs::remove_file(&job.token);
+        wait_token(job, &mut child, &o.output.join(format!("{name}.log")))?;
+        for r in 0..o.scenario.nprocs {
+            match job.agent(&o.exe, Some(r), &agent_log) {
+                Ok(a) => agents.push(a),
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    reap(agents);
+                    return Err(e);
+                }
+            }
+        }
+    }
     pb.set_length(o.scenario.steps);
     pb.set_position(0);
     pb.set_message(name.to_string());
@@ -722,7 +816,7 @@ fn run_one(
     let mut events = Events::new(out.join(EVENTS_FILE));
     let mut pending: VecDeque<Fault> = faults.iter().cloned().collect();
     let driver = child.id();
-    let mut run = Faulting { o, driver, out: out.clone(), env, fired: Vec::new(), active: Vec::new(), joiners: Vec::new() };
+    let mut run = Faulting { o, driver, out: out.clone(), env, fired: Vec::new(), active: Vec::new(), joiners: agents };
     let status = loop {
         if let Some(s) = child.try_wait().map_err(io("waiting for the run"))? {
             break s;
@@ -979,7 +1073,7 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
         }
     }
     // Before anything runs: a scenario this machine cannot fault is refused at once.
-    let mut faulted_env = Env { hosts: test_network(o)?, disk: None };
+    let mut faulted_env = Env { hosts: test_network(o)?, disk: None, agents: None };
     let pb = match o.progress {
         true => {
             let pb = ProgressBar::new(o.scenario.steps);
@@ -1010,6 +1104,10 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
     if needs_disk {
         let bytes = disk::size_for(disk::dir_bytes(&o.output.join("clean/checkpoints")));
         faulted_env.disk = Some(Disk::mount(&faulted_out.join("checkpoints"), bytes).map_err(ChaosError::Run)?);
+    }
+    if o.scenario.launch == Launch::Agents {
+        // The port is taken just before the coordinator binds it.
+        faulted_env.agents = Some(AgentJob::new(&o.output)?);
     }
     let (faulted, reports) = run_one(o, "faulted", &faults, &mut faulted_env, &pb)?;
     pb.finish_and_clear();
