@@ -332,7 +332,7 @@ impl Rank {
             overlap: true,
             cstream,
             ostream,
-            early_adam: std::env::var("TESSERA_GPU_EARLY_ADAM").map_or(true, |v| v != "0"),
+            early_adam: std::env::var("TESSERA_GPU_EARLY_ADAM").map_or(true, |v| v.trim() != "0"),
             stepped: vec![false; n_units],
             rank,
             world,
