@@ -784,6 +784,10 @@ fn run_one(
     let start_ms = now_ms();
     let net = env.hosts.as_ref().map(|h| h.file.clone());
     let agent_log = log.try_clone().map_err(io("the run's log"))?;
+    if let Some(job) = &env.agents {
+        // A token left by an earlier run would start the agents before this coordinator listens.
+        let _ = std::fs::remove_file(&job.token);
+    }
     let mut child = Command::new(&o.exe)
         .args(train_args(o, &out, net.as_deref(), env.agents.as_ref()))
         .stdin(Stdio::null())
@@ -795,7 +799,6 @@ fn run_one(
     // the joiners when the run ends).
     let mut agents = Vec::new();
     if let Some(job) = &env.agents {
-        let _ = std::fs::remove_file(&job.token);
         wait_token(job, &mut child, &o.output.join(format!("{name}.log")))?;
         for r in 0..o.scenario.nprocs {
             match job.agent(&o.exe, Some(r), &agent_log) {
