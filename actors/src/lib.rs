@@ -15,7 +15,8 @@
 //! Elastic training (docs/ELASTIC.md): [`membership`] is the sans-IO coordinator of plan epochs and
 //! step commits, [`replan`] the re-planning after membership changes, [`sim`] its seeded simulator.
 //! [`recovery`] holds the process driver's recovery decisions (the step and sources of a new
-//! epoch's state, its members) as pure functions, simulated by `recovery_sim`.
+//! epoch's state, its members) as pure functions, simulated by `recovery_sim`; [`stepper`] is its
+//! step/commit/recover loop as a sans-IO state machine, simulated by `stepper_sim`.
 
 pub mod cluster;
 pub mod compute;
@@ -30,10 +31,13 @@ pub mod replan;
 pub mod shard;
 pub mod signal;
 pub mod sim;
+pub mod stepper;
 pub mod worker;
 
 #[cfg(test)]
 mod recovery_sim;
+#[cfg(test)]
+mod stepper_sim;
 #[cfg(test)]
 mod tests;
 

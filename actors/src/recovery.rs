@@ -5,7 +5,8 @@
 //! No IO, no clock, no randomness: the process driver (`src/engine/elastic.rs`) asks the
 //! survivors for their `Status`, calls [`choose_source`] and [`next_members`], and carries out
 //! the answers (exports, checkpoint loads, waits for joins); the candidate steps come from
-//! [`candidate_steps`] (`src/engine/run.rs`). `recovery_sim` checks these functions over
+//! [`candidate_steps`] (asked by the step machine, [`crate::stepper`], that `src/engine/run.rs`
+//! drives). `recovery_sim` checks these functions over
 //! thousands of seeded scenarios against its own model of who holds what.
 //!
 //! # The rule for a holding

@@ -25,7 +25,12 @@
 //! The decisions below (which step, which holder of each shard, which members) are the pure
 //! functions of [`tessera_actors::recovery`] (`candidate_steps`, `choose_source`,
 //! `next_members`), checked by its seeded simulation; this driver gathers what they need and
-//! carries out their answers.
+//! carries out their answers. The loop around them in `run.rs` (which step runs next, the
+//! candidate steps of a recovery, the replay of committed steps after a restore from an older
+//! state, a failure in the middle of a replay, when a step whose commit failed counts as
+//! committed, and the counts `commits_completed`, `steps_rerun`, `steps_replayed`) is the
+//! sans-IO state machine [`tessera_actors::stepper`], checked by its own seeded simulation
+//! (`stepper_sim`); `Run::elastic_run_step` and `Run::recover` carry out its actions.
 //! 1. Every surviving member reports its `Status`: the committed steps its state holds and the
 //!    replicas it keeps (after applying every update it received). Each rank's shard (fp32
 //!    masters and optimizer buffers of its range) is held by its `replicas` ring successors: a

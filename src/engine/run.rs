@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_actors::compute::{MemoryReport, ShardInfo, ShardSpec, WorkerCompute};
 use tessera_actors::error::Failures;
-use tessera_actors::recovery::candidate_steps;
+use tessera_actors::stepper::{Action, Input, Stepper};
 use tessera_actors::{ActorError, Cluster, ClusterOptions, FailureCause, StepResult};
 use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
@@ -349,6 +349,8 @@ struct ElasticRunState {
     /// Where the run started from (`--resume`), the restore path of last resort.
     resume: Option<PathBuf>,
     stats: ElasticSummary,
+    /// The step/commit/recover loop's decisions (`tessera_actors::stepper`).
+    stepper: Stepper,
 }
 
 /// Running totals for the summary and the loss curve.
@@ -434,7 +436,8 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
             None => Origin::Spawn { net: net.as_ref() },
         };
         let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir, &dataset, origin).context("starting the workers")?;
-        elastic = Some(ElasticRunState { er, resume: opts.resume.clone(), stats: ElasticSummary::default() });
+        elastic =
+            Some(ElasticRunState { er, resume: opts.resume.clone(), stats: ElasticSummary::default(), stepper: Stepper::new(start.step) });
         (Ranks::Elastic(Box::new(fleet)), workers)
     } else {
         let states = rank_states(cfg, &plan, &start)?;
@@ -590,7 +593,7 @@ impl Run<'_> {
                 Ok(v) => return Ok(v),
                 Err(e) if self.change_after(&e, SETTLE_MS) => {
                     log_line(pb, format!("elastic: {e:#}; recovering"));
-                    self.recover(pb, t, dataset, false)?;
+                    self.recover_between_steps(pb, t, dataset)?;
                 }
                 Err(e) => return Err(e),
             }
@@ -598,46 +601,78 @@ impl Run<'_> {
     }
 
     /// Runs step `self.step` until it commits, forming new epochs at the step boundary when
-    /// members were lost, asked to drain, or joined.
+    /// members were lost, asked to drain, or joined. The step machine
+    /// (`tessera_actors::stepper`) decides what runs next; this carries it out.
     fn elastic_run_step(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<StepResult> {
+        // What the prepare of the last attempt whose commit failed reported.
+        let mut prepared = None;
+        let mut action = self.stepper(Input::Step)?;
         loop {
-            if self.change_pending(0) {
-                self.recover(pb, t, dataset, false)?;
-                continue;
-            }
-            if let Err(e) = self.rebalance(pb, dataset) {
-                if !self.change_after(&e, SETTLE_MS) {
-                    return Err(e);
-                }
-                log_line(pb, format!("elastic: {e:#}; recovering"));
-                self.recover(pb, t, dataset, false)?;
-                continue;
-            }
-            let e = match self.cluster.run_step(self.step) {
-                Ok(res) => {
-                    if let Ranks::Elastic(fleet) = &mut self.ranks {
-                        fleet.observe(&res.per_rank);
+            action = match action {
+                Action::Attempt { step } => {
+                    debug_assert_eq!(step, self.step);
+                    if self.change_pending(0) {
+                        self.stepper(Input::Change)?
+                    } else if let Err(e) = self.rebalance(pb, dataset) {
+                        if !self.change_after(&e, SETTLE_MS) {
+                            return Err(e);
+                        }
+                        log_line(pb, format!("elastic: {e:#}; recovering"));
+                        self.stepper(Input::Change)?
+                    } else {
+                        match self.cluster.run_step(step) {
+                            Ok(res) => {
+                                if let Ranks::Elastic(fleet) = &mut self.ranks {
+                                    fleet.observe(&res.per_rank);
+                                }
+                                self.stepper(Input::Committed)?;
+                                return Ok(res);
+                            }
+                            Err(e) if self.change_after_actor(&e, SETTLE_MS) => {
+                                if let ActorError::CommitFailed { step, failures, prepared: p } = e {
+                                    // Every rank prepared: the survivors' shards and the lost
+                                    // owners' replicas may all have taken the step. Then it
+                                    // counts as committed, with what the prepare reported (the
+                                    // measured speeds are not taken from it).
+                                    log_line(pb, format!("elastic: the commit of step {step} failed: {}; recovering", Failures(&failures)));
+                                    prepared = Some(*p);
+                                    self.stepper(Input::CommitFailed)?
+                                } else {
+                                    log_line(pb, format!("elastic: step {} abandoned: {e}", self.step));
+                                    self.stepper(Input::Abandoned)?
+                                }
+                            }
+                            Err(e) => return Err(e).with_context(|| format!("step {}", self.step)),
+                        }
                     }
-                    return Ok(res);
                 }
-                Err(e) if self.change_after_actor(&e, SETTLE_MS) => e,
-                Err(e) => return Err(e).with_context(|| format!("step {}", self.step)),
-            };
-            if let ActorError::CommitFailed { step, failures, prepared } = e {
-                // Every rank prepared: the survivors' shards and the lost owners' replicas
-                // may all have taken the step. Then it counts as committed, with what the
-                // prepare reported (the measured speeds are not taken from it).
-                log_line(pb, format!("elastic: the commit of step {step} failed: {}; recovering", Failures(&failures)));
-                if self.recover(pb, t, dataset, true)? {
-                    return Ok(*prepared);
+                Action::Committed { by_recovery: true, .. } => {
+                    return prepared.take().context("a step committed by a recovery without a failed commit");
                 }
-            } else {
-                log_line(pb, format!("elastic: step {} abandoned: {e}", self.step));
-                self.recover(pb, t, dataset, false)?;
+                a @ (Action::Reconfigure { .. } | Action::Replay { .. } | Action::Resync { .. } | Action::Recovered { .. }) => {
+                    self.recover(pb, t, dataset, a)?
+                }
+                other => bail!("the step machine answered {other:?} while step {} runs", self.step),
             }
-            if let Some(el) = self.elastic.as_mut() {
-                el.stats.steps_rerun += 1;
-            }
+        }
+    }
+
+    /// Feeds `input` to the step machine and copies its counts into the elastic summary.
+    fn stepper(&mut self, input: Input) -> Result<Action> {
+        let Some(el) = self.elastic.as_mut() else { bail!("only an elastic run can recover") };
+        let action = el.stepper.on(input);
+        let c = el.stepper.counts();
+        (el.stats.commits_completed, el.stats.steps_rerun, el.stats.steps_replayed) =
+            (c.commits_completed, c.steps_rerun, c.steps_replayed);
+        Ok(action)
+    }
+
+    /// Recovers from a membership change between steps (the machine answers `Ready`).
+    fn recover_between_steps(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
+        let action = self.stepper(Input::Change)?;
+        match self.recover(pb, t, dataset, action)? {
+            Action::Ready => Ok(()),
+            other => bail!("the step machine answered {other:?} after a recovery between steps"),
         }
     }
 
@@ -668,7 +703,7 @@ impl Run<'_> {
                 return Err(e);
             }
             log_line(pb, format!("elastic: {e:#}; recovering"));
-            self.recover(pb, t, dataset, false)?;
+            self.recover_between_steps(pb, t, dataset)?;
         }
         if let Ranks::Elastic(fleet) = &self.ranks {
             fleet.committed(self.step);
@@ -696,100 +731,85 @@ impl Run<'_> {
         fleet.replicate(step)
     }
 
-    /// Forms a new epoch from the survivors and joiners at the boundary of `self.step`
-    /// committed steps, restarts the actor tree on it, and replays any committed steps the
-    /// restored state lacks (see `engine::elastic`). `commit_failed`: the commit of step
-    /// `self.step` failed after every rank prepared it; when every shard reached
-    /// `self.step + 1` in memory the new epoch starts there and this returns true (the step
-    /// is committed; the caller counts it), else the step runs again.
-    fn recover(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset, commit_failed: bool) -> Result<bool> {
+    /// Carries out the step machine's recovery, starting with `action`: forms a new epoch from
+    /// the survivors and joiners at the boundary of `self.step` committed steps (or of the step
+    /// a replay reached), restarts the actor tree on it, and replays any committed steps the
+    /// restored state lacks (see `engine::elastic`). Returns the machine's first action past the
+    /// recovery: the step's attempt (again), the step committed (its failed commit reached every
+    /// shard at `self.step + 1`), or `Ready` (a recovery between steps).
+    fn recover(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset, mut action: Action) -> Result<Action> {
         let began = super::elastic::now_ms();
-        let mut state_at = self.step;
-        // Whether the commit of step `state_at` failed (its state may be at `state_at + 1`).
-        let mut maybe_committed = commit_failed;
         loop {
-            let (cfg, root) = (self.cfg, self.out_dir.join("checkpoints"));
-            let resume = self.elastic.as_ref().and_then(|e| e.resume.clone());
-            let plan_now = Arc::clone(&self.plan);
-            let Ranks::Elastic(fleet) = &mut self.ranks else { bail!("only an elastic run can recover") };
-            let event = fleet.event_sink();
-            let skipped = move |dir: &Path, why: &str| {
-                event(serde_json::json!({"event": "checkpoint_skipped", "path": dir.display().to_string(), "why": why}))
-            };
-            let restore = move |at: u64| restore_from_disk(cfg, &plan_now, &root, resume.as_deref(), at, &skipped);
-            let at = candidate_steps(state_at, maybe_committed);
-            let rec = fleet.reconfigure(&at, dataset, &restore)?;
-            self.plan = Arc::clone(&rec.plan);
-            let copts = cluster_options(&TrainOptions::default(), self.elastic.as_ref());
-            let cluster = Cluster::start(rec.computes, shard_infos(&self.plan, &self.ranks), copts).context("restarting the actor tree")?;
-            if let Ranks::Elastic(fleet) = &self.ranks {
-                fleet.set_stopper(cluster.stopper());
-            }
-            if let Err(e) = std::mem::replace(&mut self.cluster, cluster).shutdown() {
-                eprintln!("warning: stopping the previous epoch's actor tree: {e}");
-            }
-            t.rank_bytes = vec![0; self.plan.world];
-            let from_memory = rec.from_memory;
-            if let Some(el) = self.elastic.as_mut() {
-                let s = &mut el.stats;
-                s.recoveries += 1;
-                // A failed commit (of the step being run, or of one being replayed) whose
-                // state every shard reached.
-                s.commits_completed += u64::from(maybe_committed && rec.step == state_at + 1);
-                s.workers_lost += rec.losses as u64;
-                s.workers_joined += rec.joined as u64;
-                s.workers_drained += rec.drained as u64;
-                if from_memory {
-                    s.restored_from_memory += 1;
-                } else {
-                    s.restored_from_checkpoint += 1;
-                }
-            }
-            log_line(
-                pb,
-                format!(
-                    "elastic: {} worker(s) from step {} ({}){}",
-                    self.plan.world,
-                    rec.step,
-                    rec.source,
-                    if from_memory { String::new() } else { format!("; replaying steps {}..{}", rec.step, self.step) }
-                ),
-            );
-            let mut at = rec.step;
-            let mut broken = false;
-            maybe_committed = false;
-            while at < self.step {
-                match self.cluster.run_step(at) {
-                    Ok(_) => {
-                        at += 1;
-                        if let Some(el) = self.elastic.as_mut() {
-                            el.stats.steps_replayed += 1;
-                        }
-                        if let Err(e) = self.resync_replicas(at) {
-                            if !self.change_after(&e, SETTLE_MS) {
-                                return Err(e);
-                            }
-                            broken = true;
-                            break;
+            action = match action {
+                Action::Reconfigure { at } => {
+                    let (cfg, root) = (self.cfg, self.out_dir.join("checkpoints"));
+                    let resume = self.elastic.as_ref().and_then(|e| e.resume.clone());
+                    let plan_now = Arc::clone(&self.plan);
+                    let Ranks::Elastic(fleet) = &mut self.ranks else { bail!("only an elastic run can recover") };
+                    let event = fleet.event_sink();
+                    let skipped = move |dir: &Path, why: &str| {
+                        event(serde_json::json!({"event": "checkpoint_skipped", "path": dir.display().to_string(), "why": why}))
+                    };
+                    let restore = move |at: u64| restore_from_disk(cfg, &plan_now, &root, resume.as_deref(), at, &skipped);
+                    let rec = fleet.reconfigure(&at, dataset, &restore)?;
+                    self.plan = Arc::clone(&rec.plan);
+                    let copts = cluster_options(&TrainOptions::default(), self.elastic.as_ref());
+                    let cluster =
+                        Cluster::start(rec.computes, shard_infos(&self.plan, &self.ranks), copts).context("restarting the actor tree")?;
+                    if let Ranks::Elastic(fleet) = &self.ranks {
+                        fleet.set_stopper(cluster.stopper());
+                    }
+                    if let Err(e) = std::mem::replace(&mut self.cluster, cluster).shutdown() {
+                        eprintln!("warning: stopping the previous epoch's actor tree: {e}");
+                    }
+                    t.rank_bytes = vec![0; self.plan.world];
+                    let from_memory = rec.from_memory;
+                    if let Some(el) = self.elastic.as_mut() {
+                        let s = &mut el.stats;
+                        s.recoveries += 1;
+                        s.workers_lost += rec.losses as u64;
+                        s.workers_joined += rec.joined as u64;
+                        s.workers_drained += rec.drained as u64;
+                        if from_memory {
+                            s.restored_from_memory += 1;
+                        } else {
+                            s.restored_from_checkpoint += 1;
                         }
                     }
-                    Err(e) if self.change_after_actor(&e, SETTLE_MS) => {
-                        maybe_committed = matches!(e, ActorError::CommitFailed { .. });
-                        broken = true;
-                        break;
+                    log_line(
+                        pb,
+                        format!(
+                            "elastic: {} worker(s) from step {} ({}){}",
+                            self.plan.world,
+                            rec.step,
+                            rec.source,
+                            if from_memory { String::new() } else { format!("; replaying steps {}..{}", rec.step, self.step) }
+                        ),
+                    );
+                    // The machine counts a failed commit whose state every shard reached.
+                    self.stepper(Input::Restored { step: rec.step })?
+                }
+                Action::Replay { step } => match self.cluster.run_step(step) {
+                    Ok(_) => self.stepper(Input::Committed)?,
+                    Err(e) if self.change_after_actor(&e, SETTLE_MS) => match e {
+                        ActorError::CommitFailed { .. } => self.stepper(Input::CommitFailed)?,
+                        _ => self.stepper(Input::Abandoned)?,
+                    },
+                    Err(e) => return Err(e).with_context(|| format!("replaying step {step}")),
+                },
+                Action::Resync { at } => match self.resync_replicas(at) {
+                    Ok(()) => self.stepper(Input::Resynced)?,
+                    Err(e) if self.change_after(&e, SETTLE_MS) => self.stepper(Input::Change)?,
+                    Err(e) => return Err(e),
+                },
+                Action::Recovered { at } => {
+                    if let Ranks::Elastic(fleet) = &self.ranks {
+                        fleet.resumed(began, at);
                     }
-                    Err(e) => return Err(e).with_context(|| format!("replaying step {at}")),
+                    self.stepper(Input::Resumed)?
                 }
+                other => return Ok(other),
             }
-            if !broken {
-                // Past `self.step` only when its failed commit reached every shard.
-                let committed = at > self.step;
-                if let Ranks::Elastic(fleet) = &self.ranks {
-                    fleet.resumed(began, at);
-                }
-                return Ok(committed);
-            }
-            state_at = at;
         }
     }
 
