@@ -311,6 +311,36 @@ fn an_agents_job_survives_a_kill_a_join_and_a_drain_with_the_fault_free_bits() {
     assert_eq!(last["members"].as_array().unwrap().len(), 3, "{text}");
 }
 
+/// An agents job with every agent in a network namespace of its own (the coordinator on the
+/// harness's bridge address): one agent's link cut for longer than the heartbeat timeout, another
+/// throttled, and an agent joining from a fifth namespace. Needs root and iproute2 (skipped,
+/// saying why, without them).
+#[test]
+fn an_agents_job_across_namespaces_survives_a_partition_a_throttle_and_a_join() {
+    if let Err(why) = tessera_chaos::hosts::preflight(true) {
+        eprintln!("SKIP: network faults need network namespaces: {why}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let faults = r#"[{"at_step": 2, "kind": "partition", "rank": 2, "duration_ms": 3000},
+        {"at_step": 3, "kind": "throttle", "rank": 1, "rate_mbit": 40, "duration_ms": 2000}, {"at_step": 4, "kind": "join"}]"#;
+    let s = scenario(tmp.path(), 8, faults);
+    edit_scenario(&s, |v| v["launch"] = "agents".into());
+    let r = run_chaos(tmp.path(), &s, 8, 1, &[]);
+    let text = r.to_string();
+    assert!(r["network"].as_str().is_some_and(|n| n.contains("network namespaces")), "{text}");
+    let p = fault(&r, "partition");
+    assert!(p["detection_ms"].is_u64() && p["recovery_ms"].is_u64() && p["until_ms"].is_u64(), "{p}");
+    assert!(fault(&r, "throttle")["until_ms"].is_u64(), "the throttle was never lifted: {text}");
+    let j = fault(&r, "join");
+    assert!(j["target"].as_str().unwrap().starts_with("new agent") && j["note"].as_str().unwrap().starts_with("on 10.231."), "{j}");
+    let el = &r["faulted"]["elastic"];
+    assert_eq!((el["workers_lost"].as_u64(), el["workers_joined"].as_u64()), (Some(1), Some(1)), "{text}");
+    let (log, events) = faulted_events(tmp.path());
+    let lost = events.iter().find(|e| e["event"] == "lost").unwrap_or_else(|| panic!("no loss:\n{log}"));
+    assert_eq!(lost["id"], 2, "{log}");
+}
+
 /// The example scenario `chaos/scenarios/gpt-tiny-network-disk.json`: every worker in its own
 /// network namespace with its QUIC traffic through a seeded fault proxy — one worker delayed for
 /// the whole run, then loss, reordering and duplication on three others, a 40 Mbit/s throttle,

@@ -109,6 +109,17 @@ impl Hosts {
         self.net.addr(h).to_string()
     }
 
+    /// A command that runs `exe` on host `h` (one of the first `initial`: the agents of an
+    /// agents launch, which the harness starts itself).
+    pub fn command(&self, h: usize, exe: &Path) -> Command {
+        self.net.command(h, &exe.display().to_string())
+    }
+
+    /// The harness's address on the bridge (where a coordinator listens for agents).
+    pub fn root_addr(&self) -> String {
+        self.net.root_addr().to_string()
+    }
+
     /// A command that runs `exe` on the next free host, and that host.
     pub fn join_command(&self, exe: &Path) -> Result<(Command, usize), String> {
         let used = self.initial + self.joiners.len();

@@ -56,8 +56,11 @@
 //! `tessera coordinator` and N `tessera agent --join` processes beside it (each agent is a
 //! worker; a `join` fault starts one more agent with the coordinator's join token), the way a
 //! job spread over machines starts. The fault-free run is always `train --nprocs N`, so the
-//! comparison also checks that agents give the bits of spawned workers. Network faults need the
-//! workers in namespaces, which only `"procs"` sets up: a scenario with both is refused.
+//! comparison also checks that agents give the bits of spawned workers. With `partition` or
+//! `throttle` faults each agent runs in a network namespace of its own (the coordinator on the
+//! harness's bridge address); the faults on a worker's QUIC datagrams (`delay`, `loss`,
+//! `reorder`, `duplicate`) need the fault proxy that the driver sets up for the workers it
+//! spawns, so they need `"procs"`: a scenario with them and agents is refused.
 //!
 //! Any fault may say `"optional": true`: when the run ends before its trigger (a time late in a
 //! run whose length depends on the machine) it is reported as not injected without failing the
@@ -511,10 +514,10 @@ impl Scenario {
             }
         }
         if s.launch == Launch::Agents {
-            if let Some((i, f)) = s.faults.iter().enumerate().find(|(_, f)| f.kind.needs_net()) {
+            if let Some((i, f)) = s.faults.iter().enumerate().find(|(_, f)| f.kind.on_link()) {
                 return Err(bad(format!(
-                    "faults[{i}] ({}): network faults put each worker in a network namespace, which the harness sets up only \
-                     for \"launch\": \"procs\" (this scenario says \"agents\")",
+                    "faults[{i}] ({}): faults on a worker's QUIC datagrams go through the fault proxy that only \
+                     \"launch\": \"procs\" sets up (this scenario says \"agents\"; partition and throttle work with both)",
                     f.kind.name()
                 )));
             }
@@ -737,7 +740,7 @@ mod tests {
     }
 
     #[test]
-    fn launch_defaults_to_procs_takes_agents_and_refuses_network_faults_with_agents() {
+    fn launch_defaults_to_procs_takes_agents_and_refuses_link_faults_with_agents() {
         let p = Path::new("s.json");
         let parse = |extra: &str, fault: &str| {
             Scenario::parse(&format!(r#"{{"config": "c", "nprocs": 2, "steps": 5{extra}, "faults": [{fault}]}}"#), p)
@@ -747,7 +750,12 @@ mod tests {
         assert_eq!(parse(r#", "launch": "agents""#, kill).expect("valid").launch, Launch::Agents);
         let e = parse(r#", "launch": "ssh""#, kill).expect_err("no such launch").to_string();
         assert!(e.contains("s.json") && e.contains("ssh") && e.contains("agents"), "{e}");
-        let e = parse(r#", "launch": "agents""#, r#"{"kind": "partition", "at_step": 1, "rank": 0}"#).expect_err("refused").to_string();
-        assert!(e.contains("faults[0] (partition)") && e.contains("\"launch\": \"procs\""), "{e}");
+        let e = parse(r#", "launch": "agents""#, r#"{"kind": "loss", "at_step": 1, "probability": 0.1}"#).expect_err("refused").to_string();
+        assert!(e.contains("faults[0] (loss)") && e.contains("\"launch\": \"procs\""), "{e}");
+        let ok = parse(
+            r#", "launch": "agents""#,
+            r#"{"kind": "partition", "at_step": 1, "rank": 0}, {"kind": "throttle", "at_step": 2, "rate_mbit": 10}"#,
+        );
+        assert!(ok.expect("partition and throttle work with agents").needs_net());
     }
 }

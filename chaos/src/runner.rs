@@ -2,9 +2,11 @@
 //! scenario's faults injected — and compares the final parameters.
 //!
 //! Both runs are `tessera train --nprocs N` with the elastic runtime on — or, with the scenario's
-//! `"launch": "agents"`, the faulted run is `tessera coordinator` on a free loopback port and N
+//! `"launch": "agents"`, the faulted run is `tessera coordinator` on a free port and N
 //! `tessera agent --join` processes holding its join token (the harness starts the agents once
-//! the token is written; `join` faults start more agents). The harness follows
+//! the token is written — each in its own network namespace when the scenario has network
+//! faults, the coordinator then on the harness's bridge address; `join` faults start more
+//! agents). The harness follows
 //! the faulted run through its event log (`<output>/elastic_events.jsonl`: plan epochs with each
 //! member's rank and pid, committed steps, losses, drains, joins, checkpoints written or not, and
 //! when training resumed) and fires each fault when its trigger is met: signals go to the pid of
@@ -285,7 +287,8 @@ fn train_args(o: &ChaosOptions, out: &Path, net: Option<&Path>, agents: Option<&
     for s in &o.scenario.set {
         a.extend(["--set".into(), s.clone()]);
     }
-    if let Some(net) = net {
+    // (A coordinator spawns no workers: the harness put its agents in their namespaces.)
+    if let (Some(net), None) = (net, agents) {
         a.extend(["--worker-net".into(), net.display().to_string()]);
     }
     a
@@ -443,29 +446,30 @@ struct Env {
 
 /// A run launched as a coordinator and agents (`"launch": "agents"`).
 struct AgentJob {
-    /// Where agents join (a free loopback UDP port, taken when the run starts).
+    /// Where agents join (a free UDP port on `ip`, taken when the run starts).
     join: String,
     /// The coordinator's join token file.
     token: PathBuf,
 }
 
 impl AgentJob {
-    /// A free port on loopback, and the token file under `output`.
-    fn new(output: &Path) -> Result<AgentJob, ChaosError> {
-        let probe = std::net::UdpSocket::bind("127.0.0.1:0").map_err(io("finding a free port for the coordinator"))?;
+    /// A free port on `ip` (loopback, or the harness's bridge address when the agents live in
+    /// namespaces), and the token file under `output`.
+    fn new(output: &Path, ip: &str) -> Result<AgentJob, ChaosError> {
+        let probe = std::net::UdpSocket::bind((ip, 0)).map_err(io(format!("finding a free port on {ip} for the coordinator")))?;
         let port = probe.local_addr().map_err(io("finding a free port for the coordinator"))?.port();
-        Ok(AgentJob { join: format!("127.0.0.1:{port}"), token: output.join("faulted.token") })
+        Ok(AgentJob { join: format!("{ip}:{port}"), token: output.join("faulted.token") })
     }
 
-    /// `tessera agent --join …` (with `rank` for the initial agents).
-    fn agent(&self, exe: &Path, rank: Option<usize>, log: &std::fs::File) -> Result<Child, ChaosError> {
-        let mut c = Command::new(exe);
+    /// `c` (tessera, here or in a namespace) as `agent --join …` (with `rank` for the initial
+    /// agents), started.
+    fn agent(&self, mut c: Command, rank: Option<usize>, log: &std::fs::File) -> Result<Child, ChaosError> {
         c.args(["agent", "--join", &self.join, "--token-file"]).arg(&self.token);
         if let Some(r) = rank {
             c.args(["--rank", &r.to_string(), "--name", &format!("agent-{r}")]);
         }
         let (out, err) = (log.try_clone().map_err(io("the run's log"))?, log.try_clone().map_err(io("the run's log"))?);
-        c.stdin(Stdio::null()).stdout(out).stderr(err).spawn().map_err(io(format!("starting an agent ({})", exe.display())))
+        c.stdin(Stdio::null()).stdout(out).stderr(err).spawn().map_err(io("starting an agent"))
     }
 }
 
@@ -631,9 +635,20 @@ impl Faulting<'_> {
                 .append(true)
                 .open(self.o.output.join("faulted.log"))
                 .map_err(io("opening the run's log for a joining agent"))?;
-            let child = job.agent(&self.o.exe, None, &log)?;
+            let (cmd, host) = match &self.env.hosts {
+                Some(h) => {
+                    let (cmd, host) = h.join_command(&self.o.exe).map_err(ChaosError::Run)?;
+                    report.note = format!("on {}", h.addr(host));
+                    (cmd, Some(host))
+                }
+                None => (Command::new(&self.o.exe), None),
+            };
+            let child = job.agent(cmd, None, &log)?;
             let pid = child.id();
             report.target = format!("new agent (pid {pid})");
+            if let (Some(h), Some(host)) = (self.env.hosts.as_mut(), host) {
+                h.joined(pid, host);
+            }
             self.joiners.push(child);
             return Ok(u64::from(pid));
         }
@@ -801,7 +816,11 @@ fn run_one(
     if let Some(job) = &env.agents {
         wait_token(job, &mut child, &o.output.join(format!("{name}.log")))?;
         for r in 0..o.scenario.nprocs {
-            match job.agent(&o.exe, Some(r), &agent_log) {
+            let cmd = match &env.hosts {
+                Some(h) => h.command(r, &o.exe),
+                None => Command::new(&o.exe),
+            };
+            match job.agent(cmd, Some(r), &agent_log) {
                 Ok(a) => agents.push(a),
                 Err(e) => {
                     let _ = child.kill();
@@ -1110,7 +1129,8 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
     }
     if o.scenario.launch == Launch::Agents {
         // The port is taken just before the coordinator binds it.
-        faulted_env.agents = Some(AgentJob::new(&o.output)?);
+        let ip = faulted_env.hosts.as_ref().map_or_else(|| "127.0.0.1".to_string(), Hosts::root_addr);
+        faulted_env.agents = Some(AgentJob::new(&o.output, &ip)?);
     }
     let (faulted, reports) = run_one(o, "faulted", &faults, &mut faulted_env, &pb)?;
     pb.finish_and_clear();
