@@ -34,6 +34,11 @@ pub const UDP_PAYLOAD_MAX: u16 = 65_507;
 pub const INITIAL_WINDOW_BYTES: u64 = 1 << 20;
 /// After a suspected MTU black hole, probe again this soon (quinn's default is 60 s).
 pub const BLACK_HOLE_COOLDOWN_MS: u64 = 5_000;
+/// A packet counts as lost once this many later packets were acknowledged (quinn's default: 3);
+/// see [`transport_config`], "Reordering".
+pub const REORDER_PACKETS: u32 = 50;
+/// … or once this many RTTs passed since it was sent (quinn's default: 9/8).
+pub const REORDER_RTTS: f32 = 2.0;
 
 /// UDP socket buffers asked for (each way). Linux's defaults (~208 KiB) drop datagrams whenever
 /// a receiver falls a few milliseconds behind a sender filling a 16 MiB stream window, and every
@@ -305,6 +310,16 @@ pub struct ClusterSpec {
 ///   receiver's socket buffer ([`SOCKET_BUFFER_BYTES`]).
 /// - **ACKs**: quinn's defaults (an ACK every second ack-eliciting packet, 25 ms max delay).
 ///   With 64 KiB packets that is one ACK per 128 KiB, a negligible cost.
+/// - **Reordering.** A packet is declared lost once [`REORDER_PACKETS`] later packets were
+///   acknowledged, or [`REORDER_RTTS`] RTTs after it was sent (quinn: 3 packets, 9/8 RTT). Each
+///   spurious loss halves Cubic's window, so under reordering quinn's thresholds collapse the
+///   throughput: measured with the chaos harness (gpt-tiny, 4 workers, 8 steps, one worker's
+///   datagrams delayed 2 ms with 2 ms of seeded jitter by its fault proxy) the run did not finish
+///   within 150 s with quinn's thresholds, against 5.0 s with the same delay and no jitter; with
+///   these it took 19–23 s (50 packets and 4 or 2 RTTs; 1 000 packets and 1.5 RTT: 45 s; 4 RTTs
+///   alone did not finish within 60 s, nor 20 packets alone within 40 s). On loopback and clean links
+///   nothing is reordered or lost, so this changes nothing; after a real loss the time threshold
+///   notices it within 2 RTTs instead of 9/8 (or 3 packets).
 /// - **MTU black holes**: after a burst of losses quinn may suspect the large MTU and fall back
 ///   to 1 200 bytes; it re-probes after [`BLACK_HOLE_COOLDOWN_MS`] rather than quinn's 60 s, since a
 ///   minute of 1 200-byte packets costs several times the CPU per byte.
@@ -322,6 +337,7 @@ pub fn transport_config() -> quinn::TransportConfig {
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(UDP_PAYLOAD_MAX).black_hole_cooldown(Duration::from_millis(BLACK_HOLE_COOLDOWN_MS));
     t.mtu_discovery_config(Some(mtu));
+    t.packet_threshold(REORDER_PACKETS).time_threshold(REORDER_RTTS);
     let mut cubic = quinn::congestion::CubicConfig::default();
     cubic.initial_window(INITIAL_WINDOW_BYTES);
     t.congestion_controller_factory(Arc::new(cubic));
