@@ -630,28 +630,6 @@ impl Faulting<'_> {
     /// Starts `tessera worker --join` (on the next free test host when the workers live in
     /// namespaces), or with agents `tessera agent --join`; returns its pid.
     fn start_joiner(&mut self, report: &mut FaultReport) -> Result<u64, ChaosError> {
-        if let Some(job) = &self.env.agents {
-            let log = std::fs::OpenOptions::new()
-                .append(true)
-                .open(self.o.output.join("faulted.log"))
-                .map_err(io("opening the run's log for a joining agent"))?;
-            let (cmd, host) = match &self.env.hosts {
-                Some(h) => {
-                    let (cmd, host) = h.join_command(&self.o.exe).map_err(ChaosError::Run)?;
-                    report.note = format!("on {}", h.addr(host));
-                    (cmd, Some(host))
-                }
-                None => (Command::new(&self.o.exe), None),
-            };
-            let child = job.agent(cmd, None, &log)?;
-            let pid = child.id();
-            report.target = format!("new agent (pid {pid})");
-            if let (Some(h), Some(host)) = (self.env.hosts.as_mut(), host) {
-                h.joined(pid, host);
-            }
-            self.joiners.push(child);
-            return Ok(u64::from(pid));
-        }
         let (mut cmd, host) = match &self.env.hosts {
             Some(h) => {
                 let (cmd, host) = h.join_command(&self.o.exe).map_err(ChaosError::Run)?;
@@ -660,16 +638,28 @@ impl Faulting<'_> {
             }
             None => (Command::new(&self.o.exe), None),
         };
-        let child = cmd
-            .args(["worker", "--join", "--dir"])
-            .arg(self.out.join("procs"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(io("starting a joining worker"))?;
+        let (child, what) = match &self.env.agents {
+            Some(job) => {
+                let log = std::fs::OpenOptions::new()
+                    .append(true)
+                    .open(self.o.output.join("faulted.log"))
+                    .map_err(io("opening the run's log for a joining agent"))?;
+                (job.agent(cmd, None, &log)?, "agent")
+            }
+            None => {
+                let child = cmd
+                    .args(["worker", "--join", "--dir"])
+                    .arg(self.out.join("procs"))
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::inherit())
+                    .spawn()
+                    .map_err(io("starting a joining worker"))?;
+                (child, "worker")
+            }
+        };
         let pid = child.id();
-        report.target = format!("new worker (pid {pid})");
+        report.target = format!("new {what} (pid {pid})");
         if let (Some(h), Some(host)) = (self.env.hosts.as_mut(), host) {
             h.joined(pid, host);
         }

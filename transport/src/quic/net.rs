@@ -318,8 +318,8 @@ pub struct ClusterSpec {
 ///   within 150 s with quinn's thresholds, against 5.0 s with the same delay and no jitter; with
 ///   these it took 19–23 s (50 packets and 4 or 2 RTTs; 1 000 packets and 1.5 RTT: 45 s; 4 RTTs
 ///   alone did not finish within 60 s, nor 20 packets alone within 40 s). On loopback and clean links
-///   nothing is reordered or lost, so this changes nothing; after a real loss the time threshold
-///   notices it within 2 RTTs instead of 9/8 (or 3 packets).
+///   nothing is reordered or lost, so this changes nothing; a real loss is now noticed after
+///   2 RTTs or 50 later packets, where quinn's thresholds noticed it after 9/8 RTT or 3.
 /// - **MTU black holes**: after a burst of losses quinn may suspect the large MTU and fall back
 ///   to 1 200 bytes; it re-probes after [`BLACK_HOLE_COOLDOWN_MS`] rather than quinn's 60 s, since a
 ///   minute of 1 200-byte packets costs several times the CPU per byte.
