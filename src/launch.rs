@@ -192,6 +192,9 @@ pub struct AgentFlags {
     /// A file holding the join token (as `tessera coordinator --token-file` writes it).
     pub token_file: Option<PathBuf>,
     pub connect_timeout_ms: u64,
+    /// (`tessera chaos run`) A worker-net file whose fault link this agent's QUIC traffic
+    /// crosses ([`AgentArgs::worker_net`]).
+    pub worker_net: Option<PathBuf>,
 }
 
 /// Reads a join token: the first line of `r`, at most [`TOKEN_BYTES_MAX`] bytes.
@@ -260,6 +263,12 @@ pub fn agent_args(f: &AgentFlags, get: &dyn Fn(&str) -> Option<String>) -> Resul
             bail!("rank {r} is not a rank of a world of {w}");
         }
     }
+    if let (Some(net), true) = (&f.worker_net, f.advertise.is_some() || f.quic_port != 0) {
+        bail!(
+            "--worker-net {}: the fault link binds the QUIC socket itself (on the route to the coordinator); not with --advertise or --quic-port",
+            net.display()
+        );
+    }
     let name = f.name.clone().unwrap_or_else(|| format!("{}-{}", hostname(), std::process::id()));
     Ok(AgentArgs {
         join,
@@ -270,6 +279,7 @@ pub fn agent_args(f: &AgentFlags, get: &dyn Fn(&str) -> Option<String>) -> Resul
         quic_port: f.quic_port,
         credentials: agent_credentials(f, get)?,
         connect_timeout_ms: f.connect_timeout_ms,
+        worker_net: f.worker_net.clone(),
     })
 }
 
@@ -744,6 +754,14 @@ mod tests {
         assert!(e.contains("--join") && e.contains("MASTER_ADDR"), "{e}");
         let f = AgentFlags { rank: Some(7), ..AgentFlags::default() };
         assert!(agent_args(&f, &t).unwrap_err().to_string().contains("rank 7"));
+        // The fault link binds the QUIC socket itself.
+        let net = Some(PathBuf::from("net.json"));
+        let f = AgentFlags { worker_net: net.clone(), ..AgentFlags::default() };
+        assert_eq!(agent_args(&f, &t).unwrap().worker_net, net);
+        let f = AgentFlags { worker_net: net.clone(), advertise: Some([10, 0, 0, 1].into()), ..AgentFlags::default() };
+        assert!(agent_args(&f, &t).unwrap_err().to_string().contains("--advertise"));
+        let f = AgentFlags { worker_net: net, quic_port: 4000, ..AgentFlags::default() };
+        assert!(agent_args(&f, &t).unwrap_err().to_string().contains("--quic-port"));
     }
 
     #[test]

@@ -168,6 +168,10 @@ struct AgentCliArgs {
     /// How long to keep trying to reach the coordinator (seconds).
     #[arg(long, value_name = "SECS", default_value_t = tessera::engine::AGENT_CONNECT_TIMEOUT_MS / 1000)]
     connect_timeout: u64,
+    /// (`tessera chaos run`) A worker-net file: this agent's QUIC traffic through the fault
+    /// link it names (docs/ELASTIC.md).
+    #[arg(long, value_name = "FILE", hide = true)]
+    worker_net: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -409,6 +413,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 token: a.token,
                 token_file: a.token_file,
                 connect_timeout_ms: a.connect_timeout.saturating_mul(1000),
+                worker_net: a.worker_net,
             };
             tessera::launch::agent(&flags).map(|()| done)
         }

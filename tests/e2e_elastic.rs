@@ -341,6 +341,50 @@ fn an_agents_job_across_namespaces_survives_a_partition_a_throttle_and_a_join() 
     assert_eq!(lost["id"], 2, "{log}");
 }
 
+/// An agents job with every agent's QUIC datagrams through its own seeded fault proxy (the
+/// hidden `agent --worker-net`): one agent delayed 2 ms all run, 2 % loss on another and 5 %
+/// reordering on a third for 2 s, then an agent joining from a fifth namespace whose datagrams
+/// are duplicated as soon as the epoch with it has formed. The same bits, every step, nobody
+/// lost, and each fault's proxy counted what it did (zero when an agent's traffic bypasses its
+/// fault link). Needs root and iproute2 (skipped, saying why, without them).
+#[test]
+fn an_agents_job_takes_delay_loss_reordering_and_duplication_on_its_datagrams() {
+    if let Err(why) = tessera_chaos::hosts::preflight(false) {
+        eprintln!("SKIP: link faults need network namespaces: {why}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let faults = r#"[{"at_step": 0, "kind": "delay", "rank": 1, "delay_ms": 2},
+        {"at_step": 1, "kind": "loss", "rank": 2, "probability": 0.02, "duration_ms": 2000},
+        {"at_step": 1, "kind": "reorder", "rank": 3, "probability": 0.05, "reorder_ms": 5, "duration_ms": 2000},
+        {"at_step": 2, "kind": "join"},
+        {"at_epoch": 1, "kind": "duplicate", "rank": 4, "probability": 0.05, "duration_ms": 2000}]"#;
+    let s = scenario(tmp.path(), 8, faults);
+    edit_scenario(&s, |v| {
+        v["launch"] = "agents".into();
+        v["timeout_s"] = 120.into();
+    });
+    let r = run_chaos(tmp.path(), &s, 8, 1, &[]);
+    let text = r.to_string();
+    assert!(r["network"].as_str().is_some_and(|n| n.contains("fault proxy")), "{text}");
+    for (kind, counter) in [("delay", "relayed"), ("loss", "dropped"), ("reorder", "reordered"), ("duplicate", "duplicated")] {
+        let f = fault(&r, kind);
+        assert!(f["link"][counter].as_u64().unwrap_or(0) > 0, "{kind}: the agent's proxy never {counter}: {f}");
+        assert!(f["detection_ms"].is_null(), "{kind} should not cost an agent: {text}");
+    }
+    // The duplication hit the joined agent: its own fault link, set up after its Admit.
+    let j = fault(&r, "join");
+    assert!(j["target"].as_str().unwrap().starts_with("new agent"), "{j}");
+    let pid = j["target"].as_str().unwrap().trim_end_matches(')').rsplit(' ').next().unwrap().to_string();
+    assert!(fault(&r, "duplicate")["target"].as_str().unwrap().contains(&format!("pid {pid}")), "{text}");
+    let el = &r["faulted"]["elastic"];
+    assert_eq!((el["workers_lost"].as_u64(), el["workers_joined"].as_u64()), (Some(0), Some(1)), "{text}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted.log")).unwrap();
+    for r in 0..4 {
+        assert!(log.contains(&format!("agent-{r}")), "agent-{r} is not in the coordinator's log:\n{log}");
+    }
+}
+
 /// One worker's datagrams delayed 2 ms with 2 ms of seeded jitter all run (so they arrive out
 /// of order): with quinn's loss thresholds every reordering looked like a loss, halved the
 /// congestion window, and this run did not finish within 150 s (5 s with the same delay and no

@@ -1,7 +1,8 @@
 //! The faulted run's test network, for scenarios with network faults: one network namespace
 //! per worker (the first epoch's ranks, then one per planned join) on a bridge, with the harness
 //! — and so the training driver it starts — attached to the bridge at `10.231.<s>.254`. The
-//! driver gets a [`WorkerNet`] file (`tessera train --worker-net`); with link faults in the
+//! driver gets a [`WorkerNet`] file (`tessera train --worker-net`; an agents launch hands it to
+//! each agent, `agent --worker-net`, when it has fault links); with link faults in the
 //! scenario every worker also runs its QUIC traffic through its fault link, whose settings this
 //! module writes ([`LinkSetting`]; several link faults on one worker combine).
 
@@ -113,6 +114,12 @@ impl Hosts {
     /// agents launch, which the harness starts itself).
     pub fn command(&self, h: usize, exe: &Path) -> Command {
         self.net.command(h, &exe.display().to_string())
+    }
+
+    /// The worker-net file when it gives the workers fault links: an agent gets it
+    /// (`agent --worker-net`) and puts its QUIC traffic behind its link, as spawned workers do.
+    pub fn link_file(&self) -> Option<&Path> {
+        self.links.as_ref().map(|_| self.file.as_path())
     }
 
     /// The harness's address on the bridge (where a coordinator listens for agents).

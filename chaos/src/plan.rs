@@ -56,11 +56,11 @@
 //! `tessera coordinator` and N `tessera agent --join` processes beside it (each agent is a
 //! worker; a `join` fault starts one more agent with the coordinator's join token), the way a
 //! job spread over machines starts. The fault-free run is always `train --nprocs N`, so the
-//! comparison also checks that agents give the bits of spawned workers. With `partition` or
-//! `throttle` faults each agent runs in a network namespace of its own (the coordinator on the
-//! harness's bridge address); the faults on a worker's QUIC datagrams (`delay`, `loss`,
-//! `reorder`, `duplicate`) need the fault proxy that the driver sets up for the workers it
-//! spawns, so they need `"procs"`: a scenario with them and agents is refused.
+//! comparison also checks that agents give the bits of spawned workers. With network faults
+//! each agent runs in a network namespace of its own (the coordinator on the harness's bridge
+//! address), and with faults on QUIC datagrams (`delay`, `loss`, `reorder`, `duplicate`) each
+//! agent puts its QUIC socket behind its own fault proxy, as spawned workers do (the harness
+//! hands it the worker-net file, hidden `agent --worker-net FILE`).
 //!
 //! Any fault may say `"optional": true`: when the run ends before its trigger (a time late in a
 //! run whose length depends on the machine) it is reported as not injected without failing the
@@ -513,15 +513,6 @@ impl Scenario {
                 )));
             }
         }
-        if s.launch == Launch::Agents {
-            if let Some((i, f)) = s.faults.iter().enumerate().find(|(_, f)| f.kind.on_link()) {
-                return Err(bad(format!(
-                    "faults[{i}] ({}): faults on a worker's QUIC datagrams go through the fault proxy that only \
-                     \"launch\": \"procs\" sets up (this scenario says \"agents\"; partition and throttle work with both)",
-                    f.kind.name()
-                )));
-            }
-        }
         let has = |k: FaultKind| s.faults.iter().any(|f| f.kind == k);
         if has(FaultKind::DiskFull) && has(FaultKind::FailWrites) {
             return Err(bad(
@@ -740,7 +731,7 @@ mod tests {
     }
 
     #[test]
-    fn launch_defaults_to_procs_takes_agents_and_refuses_link_faults_with_agents() {
+    fn launch_defaults_to_procs_and_takes_agents_with_every_network_fault() {
         let p = Path::new("s.json");
         let parse = |extra: &str, fault: &str| {
             Scenario::parse(&format!(r#"{{"config": "c", "nprocs": 2, "steps": 5{extra}, "faults": [{fault}]}}"#), p)
@@ -750,12 +741,18 @@ mod tests {
         assert_eq!(parse(r#", "launch": "agents""#, kill).expect("valid").launch, Launch::Agents);
         let e = parse(r#", "launch": "ssh""#, kill).expect_err("no such launch").to_string();
         assert!(e.contains("s.json") && e.contains("ssh") && e.contains("agents"), "{e}");
-        let e = parse(r#", "launch": "agents""#, r#"{"kind": "loss", "at_step": 1, "probability": 0.1}"#).expect_err("refused").to_string();
-        assert!(e.contains("faults[0] (loss)") && e.contains("\"launch\": \"procs\""), "{e}");
         let ok = parse(
             r#", "launch": "agents""#,
             r#"{"kind": "partition", "at_step": 1, "rank": 0}, {"kind": "throttle", "at_step": 2, "rate_mbit": 10}"#,
         );
-        assert!(ok.expect("partition and throttle work with agents").needs_net());
+        let ok = ok.expect("partition and throttle work with agents");
+        assert!(ok.needs_net() && !ok.needs_links());
+        let links = parse(
+            r#", "launch": "agents""#,
+            r#"{"kind": "loss", "at_step": 1, "probability": 0.1}, {"kind": "delay", "at_step": 1, "delay_ms": 2},
+               {"kind": "reorder", "at_step": 2, "probability": 0.05}, {"kind": "duplicate", "at_step": 2, "probability": 0.05}"#,
+        );
+        let links = links.expect("datagram faults work with agents");
+        assert!(links.launch == Launch::Agents && links.needs_net() && links.needs_links());
     }
 }

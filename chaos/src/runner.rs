@@ -5,8 +5,9 @@
 //! `"launch": "agents"`, the faulted run is `tessera coordinator` on a free port and N
 //! `tessera agent --join` processes holding its join token (the harness starts the agents once
 //! the token is written — each in its own network namespace when the scenario has network
-//! faults, the coordinator then on the harness's bridge address; `join` faults start more
-//! agents). The harness follows
+//! faults, the coordinator then on the harness's bridge address, and with the worker-net file
+//! when it has datagram faults, so each agent's QUIC traffic crosses its fault link; `join`
+//! faults start more agents). The harness follows
 //! the faulted run through its event log (`<output>/elastic_events.jsonl`: plan epochs with each
 //! member's rank and pid, committed steps, losses, drains, joins, checkpoints written or not, and
 //! when training resumed) and fires each fault when its trigger is met: signals go to the pid of
@@ -462,11 +463,14 @@ impl AgentJob {
     }
 
     /// `c` (tessera, here or in a namespace) as `agent --join …` (with `rank` for the initial
-    /// agents), started.
-    fn agent(&self, mut c: Command, rank: Option<usize>, log: &std::fs::File) -> Result<Child, ChaosError> {
+    /// agents; with the worker-net file `net`, behind its fault link), started.
+    fn agent(&self, mut c: Command, rank: Option<usize>, net: Option<&Path>, log: &std::fs::File) -> Result<Child, ChaosError> {
         c.args(["agent", "--join", &self.join, "--token-file"]).arg(&self.token);
         if let Some(r) = rank {
             c.args(["--rank", &r.to_string(), "--name", &format!("agent-{r}")]);
+        }
+        if let Some(net) = net {
+            c.arg("--worker-net").arg(net);
         }
         let (out, err) = (log.try_clone().map_err(io("the run's log"))?, log.try_clone().map_err(io("the run's log"))?);
         c.stdin(Stdio::null()).stdout(out).stderr(err).spawn().map_err(io("starting an agent"))
@@ -644,7 +648,8 @@ impl Faulting<'_> {
                     .append(true)
                     .open(self.o.output.join("faulted.log"))
                     .map_err(io("opening the run's log for a joining agent"))?;
-                (job.agent(cmd, None, &log)?, "agent")
+                let net = self.env.hosts.as_ref().and_then(Hosts::link_file);
+                (job.agent(cmd, None, net, &log)?, "agent")
             }
             None => {
                 let child = cmd
@@ -810,7 +815,7 @@ fn run_one(
                 Some(h) => h.command(r, &o.exe),
                 None => Command::new(&o.exe),
             };
-            match job.agent(cmd, Some(r), &agent_log) {
+            match job.agent(cmd, Some(r), env.hosts.as_ref().and_then(Hosts::link_file), &agent_log) {
                 Ok(a) => agents.push(a),
                 Err(e) => {
                     let _ = child.kill();

@@ -16,7 +16,9 @@
 //!   generated, and receives a certificate for that key) or with its own certificate
 //!   (`--certs DIR`), says `Join`, and receives its rank and the resolved config (no shared
 //!   filesystem needed). Its QUIC socket binds the local address on its route to the coordinator
-//!   (or listens on every interface and advertises `--advertise IP`). It leaves on `Shutdown`
+//!   (or listens on every interface and advertises `--advertise IP`; or, given the hidden
+//!   `--worker-net FILE` by `tessera chaos run`, sits behind its fault link as a spawned
+//!   worker's does, [`super::worker_net`]). It leaves on `Shutdown`
 //!   (status 0); a control connection that closes without it (the coordinator died or gave up)
 //!   or a coordinator silent for [`AGENT_IDLE_TIMEOUT_MS`] (it pings much more often) ends it
 //!   with an error. With an elastic config the agent serves the elastic driver
@@ -95,6 +97,11 @@ pub struct AgentArgs {
     pub credentials: AgentCredentials,
     /// How long to keep trying to reach the coordinator (ms).
     pub connect_timeout_ms: u64,
+    /// A worker-net file (`tessera chaos run`, hidden `--worker-net`; format
+    /// `tessera_chaos::link::WorkerNet`): when it names a fault-link folder, every QUIC socket
+    /// of this agent goes behind its fault link, set up once the driver gave it its id. Not
+    /// with `advertise` or `quic_port`.
+    pub worker_net: Option<PathBuf>,
 }
 
 pub(super) fn snapshot(st: &RankState, rank: usize) -> Snapshot {
@@ -560,11 +567,22 @@ fn agent_member(a: &AgentArgs, local_ip: IpAddr, assigned: (usize, usize, &str),
     let ctx = ResolveContext { world_size: Some(world), ..Default::default() };
     let cfg = config::from_str_named(config, "the coordinator's resolved config", &[], &ctx)?;
     let (plan, sampler, dataset) = plan_of(&cfg, world)?;
-    let (bind, advertised) = agent_data_ips(a, local_ip);
-    let socket = UdpSocket::bind((bind, a.quic_port)).with_context(|| format!("binding the QUIC socket on {bind} port {}", a.quic_port))?;
-    let port = socket.local_addr().context("QUIC socket address")?.port();
+    let (socket, quic_addr) = match &a.worker_net {
+        // Behind its fault link (on the route to the coordinator, as the later epochs' sockets).
+        Some(file) => {
+            super::worker_net::start_link(file, rank as u64)?;
+            super::worker_net::bind_quic(local_ip)?
+        }
+        None => {
+            let (bind, advertised) = agent_data_ips(a, local_ip);
+            let socket =
+                UdpSocket::bind((bind, a.quic_port)).with_context(|| format!("binding the QUIC socket on {bind} port {}", a.quic_port))?;
+            let port = socket.local_addr().context("QUIC socket address")?.port();
+            (socket, SocketAddr::new(advertised, port))
+        }
+    };
     let data_blake3 = Some(data_blake3(&dataset));
-    Ok(Member { rank, world, cfg, plan, sampler, tls, socket, quic_addr: SocketAddr::new(advertised, port), data_blake3, dataset })
+    Ok(Member { rank, world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3, dataset })
 }
 
 /// The local address this machine uses to reach `peer` (no packet is sent).
@@ -611,7 +629,7 @@ fn agent_data_ips(a: &AgentArgs, local_ip: IpAddr) -> (IpAddr, IpAddr) {
 /// `tessera agent`: joins the coordinator, runs the rank it is given, and returns when the
 /// coordinator says stop (or fails when it goes away).
 pub fn run_agent(a: &AgentArgs) -> Result<()> {
-    join_and_serve(a, None)
+    join_and_serve(a)
 }
 
 /// `tessera worker --join --dir DIR`: joins the running elastic job whose `procs` directory is
@@ -625,6 +643,8 @@ pub fn run_joiner(dir: &Path) -> Result<()> {
     control.parse::<SocketAddr>().with_context(|| format!("{}/control: {control:?} is not an address", dir.display()))?;
     let token = read(super::elastic::JOIN_TOKEN_FILE)?;
     JoinToken::parse(&token).with_context(|| format!("{}/{}", dir.display(), super::elastic::JOIN_TOKEN_FILE))?;
+    // The run's worker-net file, when it has one (its fault link, when the run has them).
+    let net = dir.join(tessera_chaos::link::WORKER_NET_FILE);
     let a = AgentArgs {
         join: control,
         name: format!("joiner-{}", std::process::id()),
@@ -634,13 +654,13 @@ pub fn run_joiner(dir: &Path) -> Result<()> {
         quic_port: 0,
         credentials: AgentCredentials::Token(token),
         connect_timeout_ms: STARTUP_TIMEOUT_MS,
+        worker_net: net.exists().then_some(net),
     };
-    join_and_serve(&a, Some(dir))
+    join_and_serve(&a)
 }
 
-/// An agent's life (see the module doc); `procs` is the run's `procs` directory for a
-/// `tessera worker --join` next to its driver (its fault link, when the run has them).
-fn join_and_serve(a: &AgentArgs, procs: Option<&Path>) -> Result<()> {
+/// An agent's life (see the module doc).
+fn join_and_serve(a: &AgentArgs) -> Result<()> {
     let name = &a.name;
     let (client, token, key, own) = agent_tls(a).with_context(|| format!("agent {name}"))?;
     let v6 = a.join.to_socket_addrs().ok().and_then(|mut x| x.next()).is_some_and(|x| x.is_ipv6());
@@ -693,7 +713,7 @@ fn join_and_serve(a: &AgentArgs, procs: Option<&Path>) -> Result<()> {
             let line = format!("agent {name}: joins the running job as worker {id} (driver {})\n", a.join);
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             let setup = agent_identity(own, key, identity, token.as_ref())
-                .and_then(|tls| late_setup(a, &endpoint, &mut conn, id, &config, tls, local_ip, procs));
+                .and_then(|tls| late_setup(a, &endpoint, &mut conn, id, &config, tls, local_ip));
             match setup {
                 Ok(setup) => super::elastic_worker::serve_joined(&mut conn, setup).with_context(|| format!("agent {name} (worker {id})")),
                 Err(e) => return fail(&mut conn, format!("agent {name} (worker {id})"), e),
@@ -718,7 +738,6 @@ fn fail(conn: &mut ControlConn, who: String, e: anyhow::Error) -> Result<()> {
 
 /// A late joiner of an elastic job, between `Admit` and serving: loads the config it was given
 /// and the data, says `Hello` (with the data's BLAKE3) and sets up what the elastic loop needs.
-#[allow(clippy::too_many_arguments)]
 fn late_setup(
     a: &AgentArgs,
     endpoint: &Arc<ControlEndpoint>,
@@ -727,7 +746,6 @@ fn late_setup(
     config: &str,
     tls: NodeTls,
     local_ip: IpAddr,
-    procs: Option<&Path>,
 ) -> Result<Setup> {
     let cfg = config::from_str_named(config, "the driver's resolved config", &[], &ResolveContext::default())?;
     let er = config::elastic_run(&cfg)?;
@@ -737,8 +755,8 @@ fn late_setup(
     let dataset = load_dataset(&cfg)?;
     let sampler =
         Arc::new(Sampler::new(dataset.train.clone(), Plan::new(&cfg, &dataset)?.seq_len, cfg.tessera.seed).context("training data")?);
-    if let Some(dir) = procs {
-        super::worker_net::init_worker(dir, id)?;
+    if let Some(file) = &a.worker_net {
+        super::worker_net::start_link(file, id)?;
     }
     let hello = ToParent::Hello {
         rank: id,

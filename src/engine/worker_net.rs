@@ -14,6 +14,10 @@
 //! worker's fault link ([`tessera_chaos::link::WorkerLink`]): the endpoint on the namespace's
 //! loopback, a seeded fault proxy on the namespace address (advertised), and every peer dialled
 //! through the proxy, so all of the worker's QUIC datagrams cross it.
+//!
+//! An agent (`tessera agent --join`) started by the chaos harness in a namespace gets the same
+//! file through the hidden `agent --worker-net FILE` and puts its QUIC socket behind its fault
+//! link the same way, once the driver has told it its id (its rank, or the id of a late join).
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::Path;
@@ -55,7 +59,14 @@ pub(super) fn init_worker(dir: &Path, id: u64) -> Result<()> {
     if !path.exists() {
         return Ok(());
     }
-    let net = WorkerNet::load(&path).with_context(|| format!("worker {id}"))?;
+    start_link(&path, id)
+}
+
+/// Starts worker `id`'s fault link when the worker-net file `path` has one (`links`); an
+/// agent given `--worker-net FILE` calls it once it has its id, a spawned worker through
+/// [`init_worker`].
+pub(super) fn start_link(path: &Path, id: u64) -> Result<()> {
+    let net = WorkerNet::load(path).with_context(|| format!("worker {id}"))?;
     if let Some(links) = &net.links {
         let link = WorkerLink::start(links, id).with_context(|| format!("worker {id}: starting its fault link"))?;
         let _ = LINK.set(link);
