@@ -1,6 +1,11 @@
 //! Fused causal attention on the GPU (kernels/cuda/attention.cu): FlashAttention-2 style forward
 //! and a deterministic backward (no atomics; fixed loop orders), bf16 in/out with f32 accumulation
-//! on tensor cores (mma.sync m16n8k16).
+//! on tensor cores (mma.sync m16n8k16). On sm_90 (H100/H200) the default kernels are the Hopper
+//! ones of kernels/cuda/attention_wg.cu (module `attention_wg`, compiled for sm_90a): the same
+//! loops on warpgroup MMAs (wgmma m64n64k16, operands read by the tensor cores from swizzled shared
+//! memory), which give the same bits as the mma.sync kernels (`gpu check` compares them) and took
+//! ~1.5 ms off a 31 ms GPT-2 124M step on an H200. `TESSERA_ATTN_FWD` / `TESSERA_ATTN_BWD` pick
+//! the kernels by name (see [`FWD_KERNELS`], [`BWD_LAYOUTS`]).
 //!
 //! Layout as in [`crate::ops::attention`]: `qkv` [B, T, 3C] (q | k | v, head h at cols h·hd of
 //! each part), `y` and `dy` [B, T, C], `lse` and `delta` [B, NH, T] f32 (`lse` in log2 units). Head dim 64 only.
@@ -74,62 +79,120 @@ impl Variant {
             || if std::env::var("TESSERA_ATTN_PRECISE").is_ok_and(|v| v.trim() == "1") { Variant::Precise } else { Variant::Plain },
         )
     }
-
-    /// Kernel name for this variant.
-    fn kernel(self, base: &'static str) -> String {
-        match self {
-            Variant::Plain => base.to_string(),
-            Variant::Precise => format!("{base}_precise"),
-        }
-    }
 }
 
 /// One way to run the backward: its dQ kernel and its dK/dV kernel (the dQ kernel runs first
-/// and writes delta), with the number of 16-row blocks a warp owns (queries in dQ, keys in dK/dV).
+/// and writes delta), the module they live in, and the number of 16-row blocks a warp owns
+/// (queries in dQ, keys in dK/dV).
 #[derive(Clone, Copy, Debug)]
 struct BwdLayout {
     name: &'static str,
+    module: &'static str,
     dq: &'static str,
     dkdv: &'static str,
     rb: usize,
 }
 
 /// The plain variant's backward layouts (`TESSERA_ATTN_BWD`, read once per process):
-/// - `r2` (default): each warp owns 2 blocks of 16 rows (128 per block of threads), so every
-///   fragment read from shared memory feeds two products; S and dP in 4 column pieces of 16 (to fit
-///   the registers);
-/// - `full`: each warp owns 16 rows and computes S and dP of a whole 64 × 64 tile at once (the
-///   layout of the `_precise` kernels).
+/// - `wg` (default on sm_90: H100/H200): the Hopper kernels of attention_wg.cu, one warpgroup of
+///   4 warps per 64 rows on warpgroup MMAs (wgmma) with K/V (dQ) or Q/dY (dK/dV) read by the
+///   tensor cores straight from swizzled shared memory;
+/// - `r2` (default elsewhere): mma.sync, each warp owns 2 blocks of 16 rows (128 per block of
+///   threads), so every fragment read from shared memory feeds two products; S and dP in 4 column
+///   pieces of 16 (to fit the registers);
+/// - `full`: mma.sync, each warp owns 16 rows and computes S and dP of a whole 64 × 64 tile at
+///   once (the layout of the `_precise` kernels).
 ///
-/// Both give the same bits: each element of S, dP, dQ, dK and dV sums the same products in the same
-/// order (a `gpu check` row compares them). `r2` is ~0.3–0.4 ms a GPT-2 124M step faster on an
-/// H200 (docs/PERFORMANCE.md).
-const BWD_LAYOUTS: [BwdLayout; 2] = [
-    BwdLayout { name: "r2", dq: "attn_bwd_dq_r2", dkdv: "attn_bwd_dkdv_r2", rb: 2 },
-    BwdLayout { name: "full", dq: "attn_bwd_dq", dkdv: "attn_bwd_dkdv", rb: 1 },
+/// `r2` and `full` give the same bits: each element of S, dP, dQ, dK and dV sums the same products
+/// in the same order (a `gpu check` row compares them); `wg` sums the same products in the same
+/// order too, through another tensor-core instruction (`gpu check` says whether its bits agree).
+const BWD_LAYOUTS: [BwdLayout; 3] = [
+    BwdLayout { name: "wg", module: "attention_wg", dq: "attn_bwd_dq_wg", dkdv: "attn_bwd_dkdv_wg", rb: 1 },
+    BwdLayout { name: "r2", module: "attention", dq: "attn_bwd_dq_r2", dkdv: "attn_bwd_dkdv_r2", rb: 2 },
+    BwdLayout { name: "full", module: "attention", dq: "attn_bwd_dq", dkdv: "attn_bwd_dkdv", rb: 1 },
 ];
 
 /// The `_precise` kernels (16 rows a warp, whole tiles).
-const PRECISE_LAYOUT: BwdLayout = BwdLayout { name: "precise", dq: "attn_bwd_dq_precise", dkdv: "attn_bwd_dkdv_precise", rb: 1 };
+const PRECISE_LAYOUT: BwdLayout =
+    BwdLayout { name: "precise", module: "attention", dq: "attn_bwd_dq_precise", dkdv: "attn_bwd_dkdv_precise", rb: 1 };
+
+/// One forward kernel: (name, module, function).
+#[derive(Clone, Copy, Debug)]
+struct FwdKernel {
+    name: &'static str,
+    module: &'static str,
+    func: &'static str,
+}
+
+/// The plain variant's forward kernels (`TESSERA_ATTN_FWD`, read once per process): `wg` (default
+/// on sm_90), the warpgroup-MMA kernel of attention_wg.cu, and `mma` (default elsewhere), the
+/// mma.sync one. Both give the same bits (a `gpu check` row compares them).
+const FWD_KERNELS: [FwdKernel; 2] = [
+    FwdKernel { name: "wg", module: "attention_wg", func: "attn_fwd_wg" },
+    FwdKernel { name: "mma", module: "attention", func: "attn_fwd" },
+];
+
+/// Whether `module`'s kernels can run on this GPU (the Hopper ones need sm_90).
+fn runs_on(gpu: &Gpu, module: &str) -> bool {
+    super::module_arch(module, gpu.cc).is_some()
+}
+
+/// A layout switch's value, read once per process (`None` when unset).
+fn switch(cell: &'static OnceLock<std::result::Result<Option<String>, String>>, var: &str) -> Result<Option<String>> {
+    cell.get_or_init(|| match std::env::var(var) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(e) => Err(format!("{var}: {e}")),
+        Ok(v) => Ok(Some(v.trim().to_string())),
+    })
+    .clone()
+    .map_err(GpuError::Invalid)
+}
+
+/// Picks the entry named by `var` (or the first one that runs on this GPU when unset); a name that
+/// is no entry, or one this GPU cannot run, is an error, not ignored.
+fn pick<T: Copy>(
+    gpu: &Gpu,
+    var: &str,
+    chosen: Option<String>,
+    all: &[T],
+    name: impl Fn(&T) -> &'static str,
+    module: impl Fn(&T) -> &'static str,
+) -> Result<T> {
+    match chosen {
+        None => Ok(*all.iter().find(|k| runs_on(gpu, module(k))).expect("a portable kernel is always listed")),
+        Some(n) => {
+            let k = all.iter().find(|k| name(k) == n).copied().ok_or_else(|| {
+                let names: Vec<&str> = all.iter().map(&name).collect();
+                GpuError::Invalid(format!("{var}={n:?} names no attention kernel (expected one of {names:?})"))
+            })?;
+            if !runs_on(gpu, module(&k)) {
+                return Err(GpuError::Invalid(format!(
+                    "{var}={n}: those kernels need an sm_90 GPU (H100/H200); this one is {}",
+                    gpu.arch()
+                )));
+            }
+            Ok(k)
+        }
+    }
+}
 
 /// The layout of [`attention_backward`]: the precise one under `TESSERA_ATTN_PRECISE=1`, else
-/// `TESSERA_ATTN_BWD`'s (`r2` when unset; a name that is no layout is an error, not ignored).
-fn bwd_layout(variant: Variant) -> Result<BwdLayout> {
-    static P: OnceLock<std::result::Result<BwdLayout, String>> = OnceLock::new();
+/// `TESSERA_ATTN_BWD`'s (when unset, `wg` on sm_90 and `r2` elsewhere).
+fn bwd_layout(gpu: &Gpu, variant: Variant) -> Result<BwdLayout> {
+    static P: OnceLock<std::result::Result<Option<String>, String>> = OnceLock::new();
     match variant {
         Variant::Precise => Ok(PRECISE_LAYOUT),
-        Variant::Plain => P
-            .get_or_init(|| match std::env::var("TESSERA_ATTN_BWD") {
-                Err(std::env::VarError::NotPresent) => Ok(BWD_LAYOUTS[0]),
-                Err(e) => Err(format!("TESSERA_ATTN_BWD: {e}")),
-                Ok(name) => BWD_LAYOUTS
-                    .iter()
-                    .find(|l| l.name == name.trim())
-                    .copied()
-                    .ok_or_else(|| format!("TESSERA_ATTN_BWD={name:?} names no attention backward layout (expected `r2` or `full`)")),
-            })
-            .clone()
-            .map_err(GpuError::Invalid),
+        Variant::Plain => pick(gpu, "TESSERA_ATTN_BWD", switch(&P, "TESSERA_ATTN_BWD")?, &BWD_LAYOUTS, |l| l.name, |l| l.module),
+    }
+}
+
+/// The kernel of [`attention_forward`]: the precise one under `TESSERA_ATTN_PRECISE=1`, else
+/// `TESSERA_ATTN_FWD`'s (when unset, `wg` on sm_90 and `mma` elsewhere).
+fn fwd_kernel(gpu: &Gpu, variant: Variant) -> Result<FwdKernel> {
+    static F: OnceLock<std::result::Result<Option<String>, String>> = OnceLock::new();
+    match variant {
+        Variant::Precise => Ok(FwdKernel { name: "precise", module: "attention", func: "attn_fwd_precise" }),
+        Variant::Plain => pick(gpu, "TESSERA_ATTN_FWD", switch(&F, "TESSERA_ATTN_FWD")?, &FWD_KERNELS, |k| k.name, |k| k.module),
     }
 }
 
@@ -156,11 +219,12 @@ pub fn attention_forward(
     c: usize,
     nh: usize,
 ) -> Result<()> {
-    forward_variant(Variant::from_env(), gpu, stream, y, lse, qkv, b, t, c, nh)
+    let variant = Variant::from_env();
+    forward_kernel(fwd_kernel(gpu, variant)?, gpu, stream, y, lse, qkv, b, t, c, nh)
 }
 
-fn forward_variant(
-    variant: Variant,
+fn forward_kernel(
+    kernel: FwdKernel,
     gpu: &Gpu,
     stream: &CudaStream,
     y: DPtr<bf16>,
@@ -183,8 +247,8 @@ fn forward_variant(
     }
     let (_, scale_log2) = scales(hd);
     let (t_i, c_i, nh_i) = (t as i32, c as i32, nh as i32);
-    let name = variant.kernel("attn_fwd");
-    let f = gpu.func("attention", &name)?;
+    let name = kernel.func;
+    let f = gpu.func(kernel.module, name)?;
     let mut lb = stream.launch_builder(&f);
     lb.arg(&y.raw).arg(&lse.raw).arg(&qkv.raw).arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale_log2);
     // SAFETY: lengths and alignment checked above; the kernel stays inside [B, T, ·] rows.
@@ -212,7 +276,7 @@ pub fn attention_backward(
     nh: usize,
 ) -> Result<()> {
     let variant = Variant::from_env();
-    backward_layout(bwd_layout(variant)?, gpu, stream, dqkv, delta, dy, qkv, y, lse, b, t, c, nh)
+    backward_layout(bwd_layout(gpu, variant)?, gpu, stream, dqkv, delta, dy, qkv, y, lse, b, t, c, nh)
 }
 
 fn backward_layout(
@@ -251,14 +315,14 @@ fn backward_layout(
     let cfg = tiles_cfg(t, b, nh, layout.rb);
 
     // dQ and delta first (one pass over keys), then dK/dV, which read delta.
-    let f = gpu.func("attention", layout.dq)?;
+    let f = gpu.func(layout.module, layout.dq)?;
     let mut lb = stream.launch_builder(&f);
     lb.arg(&dqkv.raw).arg(&delta.raw).arg(&dy.raw).arg(&qkv.raw).arg(&y.raw).arg(&lse.raw);
     lb.arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale).arg(&scale_log2);
     // SAFETY: lengths and alignment checked above (y is read with 4-byte loads); rows ≥ T are never read or written.
     unsafe { lb.launch(cfg) }.map_err(drv(format!("launching {}", layout.dq)))?;
 
-    let f = gpu.func("attention", layout.dkdv)?;
+    let f = gpu.func(layout.module, layout.dkdv)?;
     let mut lb = stream.launch_builder(&f);
     lb.arg(&dqkv.raw).arg(&dy.raw).arg(&qkv.raw).arg(&lse.raw).arg(&delta.raw);
     lb.arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale).arg(&scale_log2);
@@ -316,9 +380,55 @@ fn plain_rows(name: &str, gpu: &[f32], cpu: &[f32]) -> [CheckRow; 2] {
 /// `TESSERA_ATTN_PRECISE=1` is set, the `_precise` kernels are checked as well, with the strict
 /// elementwise metric max |gpu − cpu| / (|cpu| + 1e-2) ≤ 2e-2 (rows tagged `precise`).
 pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
-    let mut rows = check_variant(gpu, seed, Variant::Plain)?;
+    let mut rows = if runs_on(gpu, "attention_wg") { check_wgmma_operands(gpu, seed)? } else { Vec::new() };
+    rows.extend(check_variant(gpu, seed, Variant::Plain)?);
     if Variant::from_env() == Variant::Precise {
         rows.extend(check_variant(gpu, seed, Variant::Precise)?);
+    }
+    Ok(rows)
+}
+
+/// The three ways the Hopper kernels feed the tensor cores (attention_wg.cu's `attn_wg_probe`), each
+/// on one 64 × 64 × 64 product of random bf16 matrices against the f32 product on the CPU: both
+/// operands from shared memory with B K-major (S = Q Kᵀ in the forward), A from registers with B
+/// MN-major (O = P V, dQ = dS K, dV, dK), A from registers with B K-major (S, dP in the backward).
+/// A descriptor or fragment layout that is wrong gives O(1) errors; the bound leaves room only for
+/// the order of f32 additions.
+fn check_wgmma_operands(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
+    use crate::gradcheck::randn;
+    const N: usize = 64;
+    let a_h = round_bf16(&randn(seed.wrapping_mul(7919).wrapping_add(11), N * N, 1.0));
+    let b_h = round_bf16(&randn(seed.wrapping_mul(7919).wrapping_add(12), N * N, 1.0));
+    let (a_f, b_f) = (to_f32(&a_h), to_f32(&b_h));
+    let a = gpu.upload(&a_h)?;
+    let b = gpu.upload(&b_h)?;
+    let out = gpu.alloc::<f32>(N * N)?;
+    let f = gpu.func("attention_wg", "attn_wg_probe")?;
+    let mut rows = Vec::new();
+    for (mode, what, b_transposed) in [
+        (0i32, "A, B from shared memory, B K-major (a·bᵀ)", true),
+        (1, "A from registers, B MN-major (a·b)", false),
+        (2, "A from registers, B K-major (a·bᵀ)", true),
+    ] {
+        let (po, pa, pb) = (out.ptr().raw, a.ptr().raw, b.ptr().raw);
+        let mut lb = gpu.stream.launch_builder(&f);
+        lb.arg(&po).arg(&pa).arg(&pb).arg(&mode);
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: a, b are 64×64 bf16 and out 64×64 f32, as the probe reads and writes.
+        unsafe { lb.launch(cfg) }.map_err(drv("launching attn_wg_probe"))?;
+        let got = gpu.download(out.ptr())?;
+        let mut want = vec![0f32; N * N];
+        for i in 0..N {
+            for j in 0..N {
+                let mut acc = 0f64;
+                for k in 0..N {
+                    let bv = if b_transposed { b_f[j * N + k] } else { b_f[k * N + j] };
+                    acc += a_f[i * N + k] as f64 * bv as f64;
+                }
+                want[i * N + j] = acc as f32;
+            }
+        }
+        rows.push(CheckRow::compare(format!("attention wgmma operands: {what} [64×64×64]"), &got, &want, 1.0, 1e-5));
     }
     Ok(rows)
 }
@@ -360,9 +470,9 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
         gpu.write(&mut dqkv, 0, &vec![bf16::NAN; b * t * 3 * c])?;
 
         let run = || -> Result<()> {
-            forward_variant(variant, gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), b, t, c, nh)?;
+            forward_kernel(fwd_kernel(gpu, variant)?, gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), b, t, c, nh)?;
             backward_layout(
-                bwd_layout(variant)?,
+                bwd_layout(gpu, variant)?,
                 gpu,
                 &stream,
                 dqkv.ptr(),
@@ -413,9 +523,25 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
             }
         }
 
-        // Every backward layout gives the same bits (tolerance 0).
+        // Every backward layout and forward kernel this GPU runs gives the same bits (tolerance 0).
         if variant == Variant::Plain {
-            for layout in BWD_LAYOUTS {
+            let lse_h = gpu.download(lse.ptr())?;
+            for k in FWD_KERNELS.into_iter().filter(|k| runs_on(gpu, k.module)) {
+                let y2 = gpu.alloc::<bf16>(b * t * c)?;
+                let l2 = gpu.alloc::<f32>(b * nh * t)?;
+                forward_kernel(k, gpu, &stream, y2.ptr(), l2.ptr(), qkv.ptr(), b, t, c, nh)?;
+                let yk = to_f32(&gpu.download(y2.ptr())?);
+                let lk = gpu.download(l2.ptr())?;
+                rows.push(CheckRow::compare(format!("attention_forward {} kernel y bit-identical {tag}", k.name), &yk, &y_gpu, FLOOR, 0.0));
+                rows.push(CheckRow::compare(
+                    format!("attention_forward {} kernel lse bit-identical {tag}", k.name),
+                    &lk,
+                    &lse_h,
+                    FLOOR,
+                    0.0,
+                ));
+            }
+            for layout in BWD_LAYOUTS.into_iter().filter(|l| runs_on(gpu, l.module)) {
                 let mut other = gpu.alloc::<bf16>(b * t * 3 * c)?;
                 gpu.write(&mut other, 0, &vec![bf16::NAN; b * t * 3 * c])?;
                 backward_layout(layout, gpu, &stream, other.ptr(), delta.ptr(), dy.ptr(), qkv.ptr(), y.ptr(), lse.ptr(), b, t, c, nh)?;

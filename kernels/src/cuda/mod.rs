@@ -35,7 +35,24 @@ pub use half::bf16;
 
 /// Our kernel sources: (module name, file contents). The prelude is prepended to each.
 pub const PRELUDE: &str = include_str!("../../cuda/common.cuh");
-pub const SOURCES: &[(&str, &str)] = &[("ops", include_str!("../../cuda/ops.cu")), ("attention", include_str!("../../cuda/attention.cu"))];
+pub const SOURCES: &[(&str, &str)] = &[
+    ("ops", include_str!("../../cuda/ops.cu")),
+    ("attention", include_str!("../../cuda/attention.cu")),
+    // The Hopper attention kernels (warpgroup MMAs) use attention.cu's building blocks, so their
+    // module is both files; it compiles only for sm_90a (see [`module_arch`]).
+    ("attention_wg", concat!(include_str!("../../cuda/attention.cu"), "\n", include_str!("../../cuda/attention_wg.cu"))),
+];
+
+/// The architecture module `name` compiles for on a GPU of compute capability `cc`, or `None`
+/// where it cannot run: `attention_wg` uses wgmma, which exists only on sm_90a (H100/H200; not
+/// on later architectures, whose `a` features differ). Every other module compiles for the GPU's
+/// own `sm_XY`.
+pub fn module_arch(name: &str, cc: (i32, i32)) -> Option<String> {
+    match name {
+        "attention_wg" => (cc == (9, 0)).then(|| "sm_90a".to_string()),
+        _ => Some(format!("sm_{}{}", cc.0, cc.1)),
+    }
+}
 
 /// Why the GPU path could not run; every message names what was being done.
 #[derive(Debug, thiserror::Error)]
@@ -327,7 +344,10 @@ impl Gpu {
             return Ok(m.clone());
         }
         let src = SOURCES.iter().find(|(n, _)| *n == name).map(|(_, s)| *s).ok_or_else(|| GpuError::UnknownModule(name.into()))?;
-        let image = compile_cached(name, src, &self.arch())?;
+        let arch = module_arch(name, self.cc).ok_or_else(|| {
+            GpuError::Invalid(format!("kernels/cuda/{name}.cu needs an sm_90 GPU (H100/H200); this one is {}", self.arch()))
+        })?;
+        let image = compile_cached(name, src, &arch)?;
         let m = self.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(image)).map_err(drv(format!("loading kernels/cuda/{name}.cu")))?;
         self.modules.lock().expect("module table poisoned").insert(name.to_string(), m.clone());
         Ok(m)
@@ -336,6 +356,9 @@ impl Gpu {
     /// Compiles every registered module now (start-up), so a compile error shows before training.
     pub fn compile_all(&self) -> Result<()> {
         for (name, _) in SOURCES {
+            if module_arch(name, self.cc).is_none() {
+                continue;
+            }
             self.module(name)?;
         }
         Ok(())
@@ -475,7 +498,8 @@ mod tests {
             return;
         }
         for (name, src) in SOURCES {
-            let cubin = compile(name, src, "sm_90").unwrap_or_else(|e| panic!("{e}"));
+            let arch = module_arch(name, (9, 0)).expect("every module runs on sm_90");
+            let cubin = compile(name, src, &arch).unwrap_or_else(|e| panic!("{e}"));
             assert!(cubin.len() > 100, "{name}: empty cubin");
         }
     }
