@@ -314,6 +314,31 @@ __device__ __forceinline__ void att_softmax_tile(float (*s)[4], float (*o)[4], f
     }
 }
 
+// The forward's end for this thread's rows ra and ra + 8 of one (b, head): row sums (each lane of
+// a quad holds a quarter of the columns), O / l stored as bf16 rows of y (row stride c), and the
+// base-2 log-sum-exp m + log2(l) into lse (this head's [T] row). Rows >= t are skipped.
+__device__ __forceinline__ void att_fwd_finish(bf16* __restrict__ y, float* __restrict__ lse, float (*o)[4], const float* m, float* l, int ra,
+                                               int t, int c, int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++) {
+        o[nt][0] *= inv0;
+        o[nt][1] *= inv0;
+        o[nt][2] *= inv1;
+        o[nt][3] *= inv1;
+    }
+    att_store_rows(y, o, 1.f, ra, t, c, lane);
+    if ((lane & 3) == 0) {
+        if (ra < t) lse[ra] = m[0] + __log2f(l[0]);
+        if (ra + 8 < t) lse[ra + 8] = m[1] + __log2f(l[1]);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward: grid (ceil(T/64), B*NH), 128 threads. y [B,T,C], lse [B,NH,T].
 // ---------------------------------------------------------------------------------------------
@@ -325,7 +350,7 @@ __device__ __forceinline__ void attn_fwd_body(bf16* __restrict__ y, float* __res
 
     const int qt = gridDim.x - 1 - blockIdx.x;  // heaviest (most key tiles) first
     const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
     const int ld = 3 * c;
     const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
 
@@ -370,26 +395,7 @@ __device__ __forceinline__ void attn_fwd_body(bf16* __restrict__ y, float* __res
         for (int kc = 0; kc < 4; kc++) att_gemm_cb_chunk<PRECISE>(o, s, v_s, kc, L);
     }
 
-    // Row sums: each lane of a quad holds a quarter of the columns.
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
-#pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
-        o[nt][0] *= inv0;
-        o[nt][1] *= inv0;
-        o[nt][2] *= inv1;
-        o[nt][3] *= inv1;
-    }
-    att_store_rows(y + (size_t)bi * t * c + h * ATT_HD, o, 1.f, ra, t, c, lane);
-    if (q == 0) {
-        float* lrow = lse + (size_t)bh * t;
-        if (ra < t) lrow[ra] = m[0] + __log2f(l[0]);
-        if (ra + 8 < t) lrow[ra + 8] = m[1] + __log2f(l[1]);
-    }
+    att_fwd_finish(y + (size_t)bi * t * c + h * ATT_HD, lse + (size_t)bh * t, o, m, l, ra, t, c, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(ATT_THREADS)

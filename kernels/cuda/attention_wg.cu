@@ -169,7 +169,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
 
     const int qt = gridDim.x - 1 - blockIdx.x;  // heaviest (most key tiles) first
     const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
     const int ld = 3 * c;
     const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
 
@@ -221,25 +221,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         wg_fence_acc(o);
     }
 
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
-#pragma unroll
-    for (int nt = 0; nt < 8; nt++) {
-        o[nt][0] *= inv0;
-        o[nt][1] *= inv0;
-        o[nt][2] *= inv1;
-        o[nt][3] *= inv1;
-    }
-    att_store_rows(y + (size_t)bi * t * c + h * ATT_HD, o, 1.f, ra, t, c, lane);
-    if (q == 0) {
-        float* lrow = lse + (size_t)bh * t;
-        if (ra < t) lrow[ra] = m[0] + __log2f(l[0]);
-        if (ra + 8 < t) lrow[ra + 8] = m[1] + __log2f(l[1]);
-    }
+    att_fwd_finish(y + (size_t)bi * t * c + h * ATT_HD, lse + (size_t)bh * t, o, m, l, ra, t, c, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
