@@ -103,9 +103,9 @@ struct BwdLayout {
 /// - `full`: mma.sync, each warp owns 16 rows and computes S and dP of a whole 64 × 64 tile at
 ///   once (the layout of the `_precise` kernels).
 ///
-/// `r2` and `full` give the same bits: each element of S, dP, dQ, dK and dV sums the same products
-/// in the same order (a `gpu check` row compares them); `wg` sums the same products in the same
-/// order too, through another tensor-core instruction (`gpu check` says whether its bits agree).
+/// All three give the same bits: each element of S, dP, dQ, dK and dV sums the same products in
+/// the same order (`wg` through another tensor-core instruction, whose products round as
+/// mma.sync's do on an H200); `gpu check` rows compare every layout this GPU runs.
 const BWD_LAYOUTS: [BwdLayout; 3] = [
     BwdLayout { name: "wg", module: "attention_wg", dq: "attn_bwd_dq_wg", dkdv: "attn_bwd_dkdv_wg", rb: 1 },
     BwdLayout { name: "r2", module: "attention", dq: "attn_bwd_dq_r2", dkdv: "attn_bwd_dkdv_r2", rb: 2 },
