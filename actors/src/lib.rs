@@ -16,7 +16,8 @@
 //! step commits, [`replan`] the re-planning after membership changes, [`sim`] its seeded simulator.
 //! [`recovery`] holds the process driver's recovery decisions (the step and sources of a new
 //! epoch's state, its members) as pure functions, simulated by `recovery_sim`; [`stepper`] is its
-//! step/commit/recover loop as a sans-IO state machine, simulated by `stepper_sim`.
+//! step/commit/recover loop as a sans-IO state machine, simulated by `stepper_sim`. [`txn`] is the
+//! ClusterSupervisor's step transaction (prepare → commit | abandon) as a sans-IO state machine.
 
 pub mod cluster;
 pub mod compute;
@@ -32,6 +33,7 @@ pub mod shard;
 pub mod signal;
 pub mod sim;
 pub mod stepper;
+pub mod txn;
 pub mod worker;
 
 #[cfg(test)]
