@@ -7,7 +7,7 @@
 //! event (a worker died), or on its timer (`step_timeout_ms`), whichever completes it. Reports
 //! of an earlier phase are recognized by their transaction id and ignored. The transaction
 //! itself — admission, phases, commit vs abandon, what fails a commit, the answers — is the
-//! sans-IO machine [`crate::txn::StepTxn`]; this actor feeds it the
+//! sans-IO machine [`crate::txn::StepTxn`] (simulated by `txn_sim`); this actor feeds it the
 //! requests, reports, losses and timer expiries and carries out its sends, timers and replies.
 //!
 //! Mailbox bound (by protocol): the synchronous driver has at most one request in flight; each

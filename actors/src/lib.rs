@@ -17,7 +17,8 @@
 //! [`recovery`] holds the process driver's recovery decisions (the step and sources of a new
 //! epoch's state, its members) as pure functions, simulated by `recovery_sim`; [`stepper`] is its
 //! step/commit/recover loop as a sans-IO state machine, simulated by `stepper_sim`. [`txn`] is the
-//! ClusterSupervisor's step transaction (prepare → commit | abandon) as a sans-IO state machine.
+//! ClusterSupervisor's step transaction (prepare → commit | abandon) as a sans-IO state machine,
+//! simulated by `txn_sim`.
 
 pub mod cluster;
 pub mod compute;
@@ -42,6 +43,8 @@ mod recovery_sim;
 mod stepper_sim;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod txn_sim;
 
 pub use compute::{ComputeError, MemoryReport, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
 pub use driver::{Cluster, ClusterOptions, StepResult, WorkerStopper, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};

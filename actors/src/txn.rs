@@ -7,6 +7,7 @@
 //! sends each [`Action::Send`] to the member's DeviceWorker (a send that fails is fed back as
 //! [`Input::Lost`] with the cause "worker mailbox closed"), arms and cancels the phase timer
 //! (`step_timeout_ms`; it answers [`Input::Timeout`]), and answers the request it is serving.
+//! `txn_sim` drives it over thousands of seeded worlds.
 //!
 //! # The transaction
 //! A step runs as phases; each phase sends one command per live member under a fresh
@@ -17,13 +18,16 @@
 //!   runs ([`Refusal::Busy`]), after a commit failed ([`Refusal::Inconsistent`], for good),
 //!   while any member is lost ([`Refusal::MembersLost`]: the epoch's plan is void), or for a
 //!   step at or before the last committed one ([`Refusal::AlreadyCommitted`]).
-//! - **Prepare** (attempt 0, then 1, …). Every member answered `Ok`: commit — unless it is
-//!   attempt 0 of a step in `abandon_steps` (the chaos hook), which is abandoned and prepared
-//!   again as the next attempt. Anything else (an error, a loss, a timeout): abandon.
+//! - **Prepare** (attempt 0, then 1, …). Every member answered `Ok` and none was lost: commit
+//!   — unless it is attempt 0 of a step in `abandon_steps` (the chaos hook), which is abandoned
+//!   and prepared again as the next attempt. Anything else (an error, a loss, a timeout):
+//!   abandon. A member lost after it answered, before the phase ended, fails the phase too
+//!   (before, the commit went to the survivors and the step was answered committed though that
+//!   member never committed it; the simulation found it); so does one lost in the abandon.
 //! - **Abandon**, sent to the survivors. After a failed prepare the step ends
 //!   [`Reply::Abandoned`] with the prepare's failures and the abandon's, in rank order (a
 //!   failure in the abandon alone, after the chaos hook's abandon, ends it too).
-//! - **Commit**, sent to the live members (each of them prepared). Every member committed:
+//! - **Commit**, sent to every member (all of them prepared). Every member committed:
 //!   [`Reply::Committed`] with what each member's prepare answered; the step is the last
 //!   committed. Anything else: [`Reply::CommitFailed`] (some members may have committed and
 //!   others not) and every later step is refused as inconsistent.
@@ -31,6 +35,21 @@
 //!   or the failures.
 //!
 //! Any member lost is lost for good ([`StepTxn::is_lost`]).
+//!
+//! # What the simulation checks
+//! `txn_sim` builds worlds of 1–8 members whose answers to each command (answer, fail, die
+//! before or after answering, hang, answer late, a closed mailbox) and their order are drawn
+//! per seed, with requests arriving while one runs, repeated steps and queries. Its oracle keeps
+//! each member's own books (what it staged, prepared, committed, abandoned) and the requests',
+//! and checks: a commit is sent only once every member of the epoch prepared that attempt; no
+//! member is sent a commit of an attempt that was abandoned anywhere, nor one it did not
+//! prepare; commands go only to members not written off, once per transaction; a phase ends
+//! only when every member it was sent to answered or was written off; every request is
+//! answered exactly once and each step ends committed, abandoned or commit-failed (termination);
+//! a commit that fails on any member is reported as such with exactly those failures, is never
+//! counted as committed, and refuses every later step; abandon failures are exactly the ones
+//! seen; refusals are right; and the machine's counts match the oracle's. Replay one seed with
+//! `TESSERA_SIM_SEED=<seed> cargo test --release -p tessera-actors txn_replay -- --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -332,8 +351,13 @@ impl<T> StepTxn<T> {
             return;
         }
         *lost = Some(cause.clone());
-        if let Some((_, phase)) = self.active.as_mut() {
-            if phase.pending.remove(&rank) {
+        if let Some((job, phase)) = self.active.as_mut() {
+            // A member lost after it answered its prepare (or abandon) fails the phase all the
+            // same: it will not commit, so the step must not go to commit without it.
+            let answered = matches!(job, Job::Step(_))
+                && matches!(phase.kind, PhaseKind::Prepare | PhaseKind::Abandon)
+                && phase.outcomes.remove(&rank).is_some();
+            if phase.pending.remove(&rank) || answered {
                 phase.failures.push(RankFailure { rank, cause: FailureCause::Died(cause) });
             }
         }
@@ -475,5 +499,18 @@ mod tests {
         assert_eq!(failures, &vec![RankFailure { rank: 1, cause: FailureCause::Died("gone".into()) }]);
         assert_eq!(m.on(Input::RunStep { step: 2 }), vec![Action::Refuse(Refusal::Inconsistent { step: 1 })]);
         assert_eq!((m.counts().committed, m.counts().commits_failed), (0, 1));
+    }
+
+    #[test]
+    fn a_member_lost_after_it_prepared_abandons_the_step() {
+        let mut m: StepTxn<u32> = StepTxn::new(2, 0, 100, vec![]);
+        m.on(Input::RunStep { step: 1 });
+        m.on(Input::Answer { rank: 0, txn: 1, result: Ok(0) });
+        assert!(m.on(Input::Lost { rank: 0, cause: "gone".into() }).is_empty());
+        let a = m.on(Input::Answer { rank: 1, txn: 1, result: Ok(0) });
+        assert_eq!(sends(&a), vec![(1, 2, Cmd::Abandon(1))], "no commit without rank 0");
+        let a = m.on(Input::Answer { rank: 1, txn: 2, result: Ok(0) });
+        let failures = vec![RankFailure { rank: 0, cause: FailureCause::Died("gone".into()) }];
+        assert_eq!(a.last(), Some(&Action::Reply(Reply::Abandoned { step: 1, failures })));
     }
 }
