@@ -5,7 +5,10 @@
 //! It never blocks: a step is a state machine of phases (prepare, commit, abandon). Each phase
 //! sends one command per live member, then advances on the members' reports, on a membership
 //! event (a worker died), or on its timer (`step_timeout_ms`), whichever completes it. Reports
-//! of an earlier phase are recognized by their transaction id and ignored.
+//! of an earlier phase are recognized by their transaction id and ignored. The transaction
+//! itself — admission, phases, commit vs abandon, what fails a commit, the answers — is the
+//! sans-IO machine [`crate::txn::StepTxn`] (simulated by `txn_sim`); this actor feeds it the
+//! requests, reports, losses and timer expiries and carries out its sends, timers and replies.
 //!
 //! Mailbox bound (by protocol): the synchronous driver has at most one request in flight; each
 //! phase has at most one report per member and one live timer (cancelled when the phase ends);
@@ -13,20 +16,21 @@
 //! void and steps are refused until a replan (elastic recovery is a later issue — `epoch` and
 //! the membership table are kept for it).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::concurrency::JoinHandle;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, MessagingErr, RpcReplyPort, SupervisionEvent};
 
-use crate::compute::{MemoryReport, Prepared, StepOrder};
+use crate::compute::{MemoryReport, Prepared};
 use crate::driver::{ClusterOptions, StepResult};
-use crate::error::{ActorError, FailureCause, RankFailure};
+use crate::error::{ActorError, RankFailure};
 use crate::node::{NodeArgs, NodeMsg, NodeSupervisor, RankSetup};
 use crate::remote::{RemoteNode, RemoteNodeArgs, RemoteNodeSpec};
 use crate::shard::ShardStatus;
-use crate::worker::{Command, ComputeThreads, Outcome, RunCommand, WorkerMsg, CONTROL_TIMEOUT_MS};
+use crate::txn::{Action, Attempted, Input, PhaseKind, Query, Refusal, Reply, StepTxn};
+use crate::worker::{ComputeThreads, Outcome, RunCommand, WorkerMsg, CONTROL_TIMEOUT_MS};
 
 /// Reply port of a step request.
 pub(crate) type StepReply = RpcReplyPort<Result<StepResult, ActorError>>;
@@ -82,69 +86,38 @@ pub(crate) enum NodeSetup {
 struct Member {
     node: usize,
     worker: ActorRef<WorkerMsg>,
-    /// Why this member was lost, if it was.
-    lost: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PhaseKind {
-    Prepare,
-    Commit,
-    Abandon,
-    Memory,
-    Shards,
-}
+/// The phase timer's task.
+type Timer = JoinHandle<Result<(), MessagingErr<ClusterMsg>>>;
 
-impl PhaseKind {
-    fn name(self) -> &'static str {
-        match self {
-            PhaseKind::Prepare => "prepare",
-            PhaseKind::Commit => "commit",
-            PhaseKind::Abandon => "abandon",
-            PhaseKind::Memory => "memory",
-            PhaseKind::Shards => "shards",
-        }
-    }
-}
-
-/// One round of commands and the answers collected so far.
-struct Phase {
-    txn: u64,
-    kind: PhaseKind,
-    pending: BTreeSet<usize>,
-    outcomes: BTreeMap<usize, Outcome>,
-    failures: Vec<RankFailure>,
-    timer: Option<JoinHandle<Result<(), MessagingErr<ClusterMsg>>>>,
-}
-
-/// A step in progress.
-struct StepJob {
-    step: u64,
-    attempt: u32,
-    abandoned_attempts: Vec<u32>,
-    prepared: BTreeMap<usize, Prepared>,
-    /// Set when the step must end in an error once the abandon phase is over.
-    failure: Option<Vec<RankFailure>>,
-    reply: StepReply,
-}
-
-/// What the current phases serve.
-enum Job {
-    Step(StepJob),
+/// The request being served: where its answer goes.
+enum Waiting {
+    Step(StepReply),
     Memory(RpcReplyPort<Result<Vec<MemoryReport>, ActorError>>),
     Shards(RpcReplyPort<Result<Vec<ShardStatus>, ActorError>>),
 }
 
-/// The supervisor's state: membership, epoch, commit history and the transaction in flight.
+impl Waiting {
+    fn refuse(self, e: ActorError) {
+        match self {
+            Waiting::Step(reply) => drop(reply.send(Err(e))),
+            Waiting::Memory(reply) => drop(reply.send(Err(e))),
+            Waiting::Shards(reply) => drop(reply.send(Err(e))),
+        }
+    }
+}
+
+/// The supervisor's state: the members, and the step transaction machine ([`StepTxn`]: the
+/// membership table, commit history and the transaction in flight) with the request it serves
+/// and its phase timer.
 pub struct ClusterState {
     members: Vec<Member>,
     node_of: HashMap<ActorId, usize>,
-    epoch: u64,
+    txn: StepTxn<Outcome>,
+    waiting: Option<Waiting>,
+    timer: Option<(u64, Timer)>,
     opts: ClusterOptions,
-    next_txn: u64,
-    last_committed: Option<u64>,
-    inconsistent_at: Option<u64>,
-    active: Option<(Job, Phase)>,
 }
 
 /// The root of the tree (see the module doc).
@@ -177,37 +150,34 @@ impl Actor for ClusterSupervisor {
                 other => return Err(format!("node {node} did not list its workers: {other:?}").into()),
             };
             for (rank, worker) in workers {
-                members.insert(rank, Member { node, worker, lost: None });
+                members.insert(rank, Member { node, worker });
             }
         }
-        let members = members.into_values().collect();
-        Ok(ClusterState {
-            members,
-            node_of,
-            epoch: 0,
-            opts: args.opts,
-            next_txn: 0,
-            last_committed: None,
-            inconsistent_at: None,
-            active: None,
-        })
+        let members: Vec<Member> = members.into_values().collect();
+        let txn = StepTxn::new(members.len(), 0, args.opts.step_timeout_ms, args.opts.abandon_steps.clone());
+        Ok(ClusterState { members, node_of, txn, waiting: None, timer: None, opts: args.opts })
     }
 
     async fn handle(&self, myself: ActorRef<ClusterMsg>, msg: ClusterMsg, state: &mut ClusterState) -> Result<(), ActorProcessingErr> {
         match msg {
-            ClusterMsg::RunStep { step, reply } => state.start_step(&myself, step, reply),
-            ClusterMsg::Memory(reply) => state.start_query(&myself, Job::Memory(reply), PhaseKind::Memory),
-            ClusterMsg::Shards(reply) => state.start_query(&myself, Job::Shards(reply), PhaseKind::Shards),
-            ClusterMsg::Report(report) => state.on_report(report),
-            ClusterMsg::MemberLost { rank, cause } => state.on_member_lost(rank, cause),
-            ClusterMsg::PhaseTimeout { txn } => state.on_timeout(txn),
+            ClusterMsg::RunStep { step, reply } => state.request(&myself, Input::RunStep { step }, Waiting::Step(reply)),
+            ClusterMsg::Memory(reply) => state.request(&myself, Input::Query(Query::Memory), Waiting::Memory(reply)),
+            ClusterMsg::Shards(reply) => state.request(&myself, Input::Query(Query::Shards), Waiting::Shards(reply)),
+            ClusterMsg::Report(WorkerReport { rank, txn, outcome }) => {
+                let result = match outcome {
+                    Outcome::Prepared(Err(e)) | Outcome::Committed { result: Err(e), .. } | Outcome::Refused(e) => Err(e),
+                    outcome => Ok(outcome),
+                };
+                state.feed(&myself, Input::Answer { rank, txn, result });
+            }
+            ClusterMsg::MemberLost { rank, cause } => state.feed(&myself, Input::Lost { rank, cause }),
+            ClusterMsg::PhaseTimeout { txn } => state.feed(&myself, Input::Timeout { txn }),
             ClusterMsg::StopWorker { rank, reason } => {
-                if let Some(m) = state.members.get(rank).filter(|m| m.lost.is_none()) {
+                if let Some(m) = state.members.get(rank).filter(|_| !state.txn.is_lost(rank)) {
                     m.worker.stop(Some(reason));
                 }
             }
         }
-        state.drive(&myself);
         Ok(())
     }
 
@@ -225,17 +195,14 @@ impl Actor for ClusterSupervisor {
         };
         if let Some(node) = state.node_of.remove(&cell.get_id()) {
             let ranks: Vec<usize> = (0..state.members.len()).filter(|&r| state.members[r].node == node).collect();
-            ranks.into_iter().for_each(|rank| state.on_member_lost(rank, cause.clone()));
-            state.drive(&myself);
+            ranks.into_iter().for_each(|rank| state.feed(&myself, Input::Lost { rank, cause: cause.clone() }));
         }
         Ok(())
     }
 
     async fn post_stop(&self, myself: ActorRef<ClusterMsg>, state: &mut ClusterState) -> Result<(), ActorProcessingErr> {
-        if let Some((_, phase)) = &state.active {
-            if let Some(timer) = &phase.timer {
-                timer.abort();
-            }
+        if let Some((_, timer)) = state.timer.take() {
+            timer.abort();
         }
         myself.stop_children_and_wait(None, Some(Duration::from_millis(CONTROL_TIMEOUT_MS))).await;
         Ok(())
@@ -243,191 +210,96 @@ impl Actor for ClusterSupervisor {
 }
 
 impl ClusterState {
-    fn lost_ranks(&self) -> Vec<usize> {
-        (0..self.members.len()).filter(|&r| self.members[r].lost.is_some()).collect()
+    /// Feeds a request to the machine: refused at once, or served (answered now or later).
+    fn request(&mut self, myself: &ActorRef<ClusterMsg>, input: Input<Outcome>, waiting: Waiting) {
+        let mut actions = self.txn.on(input);
+        if let Some(i) = actions.iter().position(|a| matches!(a, Action::Refuse(_))) {
+            if let Action::Refuse(r) = actions.remove(i) {
+                waiting.refuse(refusal(r));
+            }
+        } else {
+            self.waiting = Some(waiting);
+        }
+        self.carry_out(myself, actions);
     }
 
-    /// Checks that step `step` may run now; the error to answer otherwise.
-    fn admit_step(&self, step: u64) -> Result<(), ActorError> {
-        if self.active.is_some() {
-            return Err(ActorError::Busy);
-        }
-        if let Some(step) = self.inconsistent_at {
-            return Err(ActorError::Inconsistent { step });
-        }
-        let lost = self.lost_ranks();
-        if !lost.is_empty() {
-            let causes = lost.iter().map(|&r| self.members[r].lost.clone().unwrap_or_default()).collect();
-            return Err(ActorError::MembersLost { epoch: self.epoch, ranks: lost, causes });
-        }
-        match self.last_committed {
-            Some(last) if step <= last => Err(ActorError::AlreadyCommitted { step, last_committed: last }),
-            _ => Ok(()),
-        }
+    /// Feeds `input` to the machine and carries out its actions.
+    fn feed(&mut self, myself: &ActorRef<ClusterMsg>, input: Input<Outcome>) {
+        let actions = self.txn.on(input);
+        self.carry_out(myself, actions);
     }
 
-    fn start_step(&mut self, myself: &ActorRef<ClusterMsg>, step: u64, reply: StepReply) {
-        if let Err(e) = self.admit_step(step) {
-            let _ = reply.send(Err(e));
-            return;
-        }
-        let job = StepJob { step, attempt: 0, abandoned_attempts: Vec::new(), prepared: BTreeMap::new(), failure: None, reply };
-        let order = StepOrder { step, epoch: self.epoch, attempt: 0 };
-        let phase = self.dispatch(myself, PhaseKind::Prepare, Command::Prepare(order));
-        self.active = Some((Job::Step(job), phase));
-    }
-
-    fn start_query(&mut self, myself: &ActorRef<ClusterMsg>, job: Job, kind: PhaseKind) {
-        if self.active.is_some() {
-            match job {
-                Job::Memory(reply) => drop(reply.send(Err(ActorError::Busy))),
-                Job::Shards(reply) => drop(reply.send(Err(ActorError::Busy))),
-                Job::Step(job) => drop(job.reply.send(Err(ActorError::Busy))),
-            }
-            return;
-        }
-        let cmd = if kind == PhaseKind::Memory { Command::Memory } else { Command::Shards };
-        let phase = self.dispatch(myself, kind, cmd);
-        self.active = Some((job, phase));
-    }
-
-    /// Sends `cmd` to every live member under a fresh transaction id and arms the phase timer.
-    fn dispatch(&mut self, myself: &ActorRef<ClusterMsg>, kind: PhaseKind, cmd: Command) -> Phase {
-        self.next_txn += 1;
-        let txn = self.next_txn;
-        let mut phase = Phase { txn, kind, pending: BTreeSet::new(), outcomes: BTreeMap::new(), failures: Vec::new(), timer: None };
-        for (rank, member) in self.members.iter_mut().enumerate() {
-            if member.lost.is_some() {
-                continue;
-            }
-            if member.worker.send_message(WorkerMsg::Run(RunCommand { txn, cmd })).is_ok() {
-                phase.pending.insert(rank);
-            } else {
-                let cause = "worker mailbox closed".to_string();
-                member.lost = Some(cause.clone());
-                phase.failures.push(RankFailure { rank, cause: FailureCause::Died(cause) });
+    /// Carries out the machine's actions; a send that fails is fed back as a lost member.
+    fn carry_out(&mut self, myself: &ActorRef<ClusterMsg>, actions: Vec<Action<Outcome>>) {
+        let mut closed = Vec::new();
+        for action in actions {
+            match action {
+                Action::Send { rank, txn, cmd } => {
+                    if self.members[rank].worker.send_message(WorkerMsg::Run(RunCommand { txn, cmd })).is_err() {
+                        closed.push(rank);
+                    }
+                }
+                Action::ArmTimer { txn } => {
+                    let after = Duration::from_millis(self.opts.step_timeout_ms);
+                    self.timer = Some((txn, myself.send_after(after, move || ClusterMsg::PhaseTimeout { txn })));
+                }
+                Action::CancelTimer { txn } => {
+                    if let Some((armed, timer)) = self.timer.take() {
+                        if armed == txn {
+                            timer.abort();
+                        } else {
+                            self.timer = Some((armed, timer));
+                        }
+                    }
+                }
+                // Refusals concern the request just fed (`request`).
+                Action::Refuse(r) => drop(refusal(r)),
+                Action::Reply(reply) => {
+                    if let Some(waiting) = self.waiting.take() {
+                        answer(waiting, reply);
+                    }
+                }
             }
         }
-        if !phase.pending.is_empty() {
-            let after = Duration::from_millis(self.opts.step_timeout_ms);
-            phase.timer = Some(myself.send_after(after, move || ClusterMsg::PhaseTimeout { txn }));
-        }
-        phase
-    }
-
-    fn on_report(&mut self, report: WorkerReport) {
-        let Some((_, phase)) = self.active.as_mut() else { return };
-        if phase.txn != report.txn || !phase.pending.remove(&report.rank) {
-            return; // a late answer to an earlier phase, or from a member already written off
-        }
-        let error = match report.outcome {
-            Outcome::Prepared(Err(e)) | Outcome::Committed { result: Err(e), .. } | Outcome::Refused(e) => e,
-            outcome => {
-                phase.outcomes.insert(report.rank, outcome);
-                return;
-            }
-        };
-        phase.failures.push(RankFailure { rank: report.rank, cause: FailureCause::Returned(error) });
-    }
-
-    fn on_member_lost(&mut self, rank: usize, cause: String) {
-        let Some(member) = self.members.get_mut(rank) else { return };
-        if member.lost.is_some() {
-            return;
-        }
-        member.lost = Some(cause.clone());
-        if let Some((_, phase)) = self.active.as_mut() {
-            if phase.pending.remove(&rank) {
-                phase.failures.push(RankFailure { rank, cause: FailureCause::Died(cause) });
-            }
+        for rank in closed {
+            self.feed(myself, Input::Lost { rank, cause: "worker mailbox closed".to_string() });
         }
     }
+}
 
-    fn on_timeout(&mut self, txn: u64) {
-        let timeout_ms = self.opts.step_timeout_ms;
-        let Some((_, phase)) = self.active.as_mut() else { return };
-        if phase.txn != txn {
-            return;
-        }
-        let phase_name = phase.kind.name();
-        for rank in std::mem::take(&mut phase.pending) {
-            // A worker that does not answer may be wedged in its compute: write it off.
-            self.members[rank].lost = Some(format!("no answer to {phase_name} within {timeout_ms} ms"));
-            phase.failures.push(RankFailure { rank, cause: FailureCause::TimedOut { phase: phase_name, timeout_ms } });
-        }
+/// The error answering a refused request.
+fn refusal(r: Refusal) -> ActorError {
+    match r {
+        Refusal::Busy => ActorError::Busy,
+        Refusal::Inconsistent { step } => ActorError::Inconsistent { step },
+        Refusal::MembersLost { epoch, ranks, causes } => ActorError::MembersLost { epoch, ranks, causes },
+        Refusal::AlreadyCommitted { step, last_committed } => ActorError::AlreadyCommitted { step, last_committed },
     }
+}
 
-    /// Advances completed phases until one is waiting for answers or the job is done.
-    fn drive(&mut self, myself: &ActorRef<ClusterMsg>) {
-        while self.active.as_ref().is_some_and(|(_, phase)| phase.pending.is_empty()) {
-            let Some((job, mut phase)) = self.active.take() else { return };
-            if let Some(timer) = phase.timer.take() {
-                timer.abort();
-            }
-            phase.failures.sort_by_key(|f| f.rank);
-            match job {
-                Job::Step(job) => self.advance_step(myself, job, phase),
-                Job::Memory(reply) => drop(reply.send(collect(phase, |o| if let Outcome::Memory(m) = o { vec![m] } else { vec![] }))),
-                Job::Shards(reply) => drop(reply.send(collect(phase, |o| if let Outcome::Shards(s) = o { s } else { vec![] }))),
-            }
-        }
-    }
+fn result_of(a: Attempted<Outcome>) -> StepResult {
+    let by_rank = a.prepared.into_iter().filter_map(|(r, o)| prepared(o).map(|p| (r, p)));
+    StepResult::aggregate(a.step, a.epoch, a.abandoned_attempts, by_rank)
+}
 
-    /// The step transaction's transitions at the end of a phase.
-    fn advance_step(&mut self, myself: &ActorRef<ClusterMsg>, mut job: StepJob, phase: Phase) {
-        let step = job.step;
-        match phase.kind {
-            PhaseKind::Prepare if phase.failures.is_empty() => {
-                job.prepared = phase.outcomes.into_iter().filter_map(|(r, o)| prepared(o).map(|p| (r, p))).collect();
-                let chaos = job.attempt == 0 && self.opts.abandon_steps.contains(&step);
-                let (kind, cmd) = if chaos {
-                    job.abandoned_attempts.push(job.attempt);
-                    (PhaseKind::Abandon, Command::Abandon(step))
-                } else {
-                    (PhaseKind::Commit, Command::Commit(step))
-                };
-                let next = self.dispatch(myself, kind, cmd);
-                self.active = Some((Job::Step(job), next));
-            }
-            PhaseKind::Prepare => {
-                job.failure = Some(phase.failures);
-                job.abandoned_attempts.push(job.attempt);
-                let next = self.dispatch(myself, PhaseKind::Abandon, Command::Abandon(step));
-                self.active = Some((Job::Step(job), next));
-            }
-            PhaseKind::Abandon => self.after_abandon(myself, job, phase),
-            PhaseKind::Commit if phase.failures.is_empty() => {
-                self.last_committed = Some(step);
-                let result = StepResult::aggregate(step, self.epoch, job.abandoned_attempts, job.prepared);
-                let _ = job.reply.send(Ok(result));
-            }
-            PhaseKind::Commit => {
-                self.inconsistent_at = Some(step);
-                let prepared = Box::new(StepResult::aggregate(step, self.epoch, job.abandoned_attempts, job.prepared));
-                let _ = job.reply.send(Err(ActorError::CommitFailed { step, failures: phase.failures, prepared }));
-            }
-            // Query phases never serve a step job (`start_query` pairs them with query jobs).
-            PhaseKind::Memory | PhaseKind::Shards => {
-                let _ = job.reply.send(Err(ActorError::Busy));
-            }
+/// Answers the request being served with the machine's reply.
+fn answer(waiting: Waiting, reply: Reply<Outcome>) {
+    match (waiting, reply) {
+        (Waiting::Step(port), Reply::Committed(a)) => drop(port.send(Ok(result_of(a)))),
+        (Waiting::Step(port), Reply::Abandoned { step, failures }) => drop(port.send(Err(ActorError::StepAbandoned { step, failures }))),
+        (Waiting::Step(port), Reply::CommitFailed { failures, attempted }) => {
+            let step = attempted.step;
+            let prepared = Box::new(result_of(attempted));
+            drop(port.send(Err(ActorError::CommitFailed { step, failures, prepared })));
         }
-    }
-
-    /// After an abandon: report the failure that caused it, or rerun the step (chaos hook).
-    fn after_abandon(&mut self, myself: &ActorRef<ClusterMsg>, mut job: StepJob, phase: Phase) {
-        let step = job.step;
-        let mut failures = job.failure.take().unwrap_or_default();
-        failures.extend(phase.failures);
-        if !failures.is_empty() {
-            failures.sort_by_key(|f| f.rank);
-            let _ = job.reply.send(Err(ActorError::StepAbandoned { step, failures }));
-            return;
+        (Waiting::Memory(port), Reply::Queried { query, result }) => {
+            drop(port.send(collect(query, result, |o| if let Outcome::Memory(m) = o { vec![m] } else { vec![] })))
         }
-        job.attempt += 1;
-        job.prepared.clear();
-        let order = StepOrder { step, epoch: self.epoch, attempt: job.attempt };
-        let next = self.dispatch(myself, PhaseKind::Prepare, Command::Prepare(order));
-        self.active = Some((Job::Step(job), next));
+        (Waiting::Shards(port), Reply::Queried { query, result }) => {
+            drop(port.send(collect(query, result, |o| if let Outcome::Shards(s) = o { s } else { vec![] })))
+        }
+        // The machine answers each request with its own kind of reply.
+        (waiting, _) => waiting.refuse(ActorError::Busy),
     }
 }
 
@@ -439,9 +311,17 @@ fn prepared(outcome: Outcome) -> Option<Prepared> {
 }
 
 /// A query's answers in rank order, or the error naming the ranks that failed.
-fn collect<T>(phase: Phase, pick: impl Fn(Outcome) -> Vec<T>) -> Result<Vec<T>, ActorError> {
-    if !phase.failures.is_empty() {
-        return Err(ActorError::QueryFailed { what: phase.kind.name(), failures: phase.failures });
+fn collect<T>(
+    query: Query,
+    result: Result<BTreeMap<usize, Outcome>, Vec<RankFailure>>,
+    pick: impl Fn(Outcome) -> Vec<T>,
+) -> Result<Vec<T>, ActorError> {
+    let what = match query {
+        Query::Memory => PhaseKind::Memory.name(),
+        Query::Shards => PhaseKind::Shards.name(),
+    };
+    match result {
+        Err(failures) => Err(ActorError::QueryFailed { what, failures }),
+        Ok(outcomes) => Ok(outcomes.into_values().flat_map(pick).collect()),
     }
-    Ok(phase.outcomes.into_values().flat_map(pick).collect())
 }

@@ -16,7 +16,9 @@
 //! step commits, [`replan`] the re-planning after membership changes, [`sim`] its seeded simulator.
 //! [`recovery`] holds the process driver's recovery decisions (the step and sources of a new
 //! epoch's state, its members) as pure functions, simulated by `recovery_sim`; [`stepper`] is its
-//! step/commit/recover loop as a sans-IO state machine, simulated by `stepper_sim`.
+//! step/commit/recover loop as a sans-IO state machine, simulated by `stepper_sim`. [`txn`] is the
+//! ClusterSupervisor's step transaction (prepare → commit | abandon) as a sans-IO state machine,
+//! simulated by `txn_sim`.
 
 pub mod cluster;
 pub mod compute;
@@ -32,6 +34,7 @@ pub mod shard;
 pub mod signal;
 pub mod sim;
 pub mod stepper;
+pub mod txn;
 pub mod worker;
 
 #[cfg(test)]
@@ -40,6 +43,8 @@ mod recovery_sim;
 mod stepper_sim;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod txn_sim;
 
 pub use compute::{ComputeError, MemoryReport, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
 pub use driver::{Cluster, ClusterOptions, StepResult, WorkerStopper, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};

@@ -21,7 +21,7 @@ use dashmap::DashMap;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 
 use crate::cluster::ClusterMsg;
-use crate::compute::{MemoryReport, Prepared, ShardInfo, StepOrder, WorkerCompute};
+use crate::compute::{MemoryReport, Prepared, ShardInfo, WorkerCompute};
 use crate::shard::{OptimShard, ParamShard, ShardMsg, ShardStatus};
 
 /// Capacity of the command channel from a worker actor to its compute thread: one outstanding
@@ -38,15 +38,9 @@ pub struct ComputeThreads {
     pub(crate) live: AtomicUsize,
 }
 
-/// A command from the ClusterSupervisor, tagged with its transaction id.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Command {
-    Prepare(StepOrder),
-    Commit(u64),
-    Abandon(u64),
-    Memory,
-    Shards,
-}
+/// A command from the ClusterSupervisor, tagged with its transaction id: the step
+/// transaction's command ([`crate::txn::Cmd`]).
+pub(crate) type Command = crate::txn::Cmd;
 
 /// A worker's answer to one command.
 #[derive(Debug)]
