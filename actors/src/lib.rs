@@ -18,7 +18,7 @@
 //! epoch's state, its members) as pure functions, simulated by `recovery_sim`; [`stepper`] is its
 //! step/commit/recover loop as a sans-IO state machine, simulated by `stepper_sim`. [`txn`] is the
 //! ClusterSupervisor's step transaction (prepare → commit | abandon) as a sans-IO state machine,
-//! simulated by `txn_sim`.
+//! simulated by `txn_sim`; `loop_sim` simulates the two machines together.
 
 pub mod cluster;
 pub mod compute;
@@ -37,6 +37,8 @@ pub mod stepper;
 pub mod txn;
 pub mod worker;
 
+#[cfg(test)]
+mod loop_sim;
 #[cfg(test)]
 mod recovery_sim;
 #[cfg(test)]

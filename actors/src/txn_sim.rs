@@ -25,6 +25,9 @@
 //!
 //! Replay a failing seed with `TESSERA_SIM_SEED=<seed> cargo test --release -p tessera-actors
 //! txn_replay -- --nocapture` (it prints the world and the trace).
+//!
+//! `loop_sim` reuses the members, the deliveries and the oracle ([`Oracle::new`], [`serve`],
+//! [`feed`]) for each plan epoch of its runs.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -36,25 +39,25 @@ use crate::txn::{Action, Attempted, Cmd, Counts, Input, PhaseKind, Query, Refusa
 
 /// A member's answer: who answered which transaction (so the oracle can tell whose prepare a
 /// committed step reports).
-type Ans = (usize, u64);
+pub(crate) type Ans = (usize, u64);
 
-const TIMEOUT_MS: u64 = 1_000;
+pub(crate) const TIMEOUT_MS: u64 = 1_000;
 
 /// A world to simulate.
 #[derive(Debug, Clone)]
-struct World {
-    members: usize,
-    requests: u32,
-    abandon_steps: Vec<u64>,
+pub(crate) struct World {
+    pub(crate) members: usize,
+    pub(crate) requests: u32,
+    pub(crate) abandon_steps: Vec<u64>,
     /// Percent: a command meets a fault; a request is a query; a step request repeats a
     /// committed step; another request arrives while one runs; a member is lost between
     /// requests; a stale timer expiry stays deliverable after its phase.
-    p_fault: u64,
-    p_query: u64,
-    p_repeat: u64,
-    p_busy: u64,
-    p_idle_loss: u64,
-    p_stale_timer: u64,
+    pub(crate) p_fault: u64,
+    pub(crate) p_query: u64,
+    pub(crate) p_repeat: u64,
+    pub(crate) p_busy: u64,
+    pub(crate) p_idle_loss: u64,
+    pub(crate) p_stale_timer: u64,
 }
 
 fn build(seed: u64) -> World {
@@ -94,7 +97,7 @@ enum Behaviour {
 
 /// What was exercised.
 #[derive(Debug, Default, Clone, Copy)]
-struct Tally {
+pub(crate) struct Tally {
     runs: u64,
     committed: u64,
     abandoned: u64,
@@ -138,7 +141,7 @@ impl Tally {
 
 /// One member's own books.
 #[derive(Debug, Default, Clone)]
-struct Member {
+pub(crate) struct Member {
     /// The transaction of the prepare it ran and answered `Ok` (its staged state), until it is
     /// committed or abandoned. (A step asked for again after it was abandoned starts from
     /// attempt 0 again: the transaction tells attempts apart.)
@@ -146,7 +149,7 @@ struct Member {
     /// The transaction of the last prepare it answered `Ok` (kept after its commit or abandon).
     last_prepared: Option<u64>,
     /// Steps it committed.
-    committed: Vec<u64>,
+    pub(crate) committed: Vec<u64>,
 }
 
 /// One phase, as the oracle saw it.
@@ -182,11 +185,13 @@ enum Expect {
     Reply(Reply<Ans>),
 }
 
-struct Oracle {
-    world: World,
-    members: Vec<Member>,
+pub(crate) struct Oracle {
+    pub(crate) world: World,
+    /// The plan epoch of the machine it checks.
+    epoch: u64,
+    pub(crate) members: Vec<Member>,
     /// Members written off, with why.
-    lost: BTreeMap<usize, String>,
+    pub(crate) lost: BTreeMap<usize, String>,
     /// Prepare transactions any member was told to abandon.
     abandoned: BTreeSet<u64>,
     last_txn: u64,
@@ -197,13 +202,15 @@ struct Oracle {
     /// The armed timer's transaction.
     timer: Option<u64>,
     counts: Counts,
-    tally: Tally,
+    pub(crate) tally: Tally,
+    /// What each request got: its answer, or its refusal.
+    pub(crate) replies: Vec<Result<Reply<Ans>, Refusal>>,
 }
 
 /// Deliveries waiting: inputs in any order, timer expiries preferably last, late answers
 /// released by their phase's timer.
 #[derive(Default)]
-struct Pool {
+pub(crate) struct Pool {
     events: Vec<Input<Ans>>,
     timers: Vec<u64>,
     late: Vec<(u64, Input<Ans>)>,
@@ -222,20 +229,7 @@ fn run_seed(seed: u64, trace: Option<&mut Vec<String>>) -> Result<Tally, String>
         }
     };
     let mut m: StepTxn<Ans> = StepTxn::new(world.members, 0, TIMEOUT_MS, world.abandon_steps.clone());
-    let mut o = Oracle {
-        members: vec![Member::default(); world.members],
-        world: world.clone(),
-        lost: BTreeMap::new(),
-        abandoned: BTreeSet::new(),
-        last_txn: 0,
-        last_committed: None,
-        inconsistent: None,
-        active: None,
-        phase: None,
-        timer: None,
-        counts: Counts::default(),
-        tally: Tally { runs: 1, ..Tally::default() },
-    };
+    let mut o = Oracle::new(world.clone(), 0);
     let mut pool = Pool::default();
     let mut deliveries = 0;
     for _ in 0..world.requests {
@@ -245,46 +239,91 @@ fn run_seed(seed: u64, trace: Option<&mut Vec<String>>) -> Result<Tally, String>
             feed(&mut m, &mut o, &mut pool, &mut rng, &mut log, Input::Lost { rank, cause: "lost between requests".into() })?;
         }
         let request = request(&o, &mut rng);
-        feed(&mut m, &mut o, &mut pool, &mut rng, &mut log, request)?;
-        while o.active.is_some() {
-            if rng.gen_range(100) < world.p_busy {
-                let extra = request_while_busy(&o, &mut rng);
-                feed(&mut m, &mut o, &mut pool, &mut rng, &mut log, extra)?;
-            }
-            let Some(input) = pool.next(&mut rng) else {
-                return Err(format!("the request is not answered and nothing is left to deliver: {:?} in {:?}", o.active, o.phase));
-            };
-            deliveries += 1;
-            if deliveries > MAX_DELIVERIES {
-                return Err(format!("no end after {MAX_DELIVERIES} deliveries"));
-            }
-            if let Input::Timeout { txn } = input {
-                // A member hanging in this phase answers once it is written off.
-                let (now, later): (Vec<_>, Vec<_>) = pool.late.drain(..).partition(|(t, _)| *t == txn);
-                pool.late = later;
-                o.tally.late_answers += now.len() as u64;
-                pool.events.extend(now.into_iter().map(|(_, i)| i));
-            }
-            feed(&mut m, &mut o, &mut pool, &mut rng, &mut log, input)?;
-        }
-        // Whatever is still in flight is delivered before the next request, stale or not.
-        while let Some(input) = pool.next(&mut rng) {
-            feed(&mut m, &mut o, &mut pool, &mut rng, &mut log, input)?;
-        }
-        pool.late.clear();
+        serve(&mut m, &mut o, &mut pool, &mut rng, &mut log, &mut deliveries, request)?;
     }
-    if m.counts() != o.counts {
-        return Err(format!("counts {:?}, the oracle counted {:?}", m.counts(), o.counts));
-    }
-    if m.last_committed() != o.last_committed {
-        return Err(format!("the machine's last committed step is {:?}, the oracle's {:?}", m.last_committed(), o.last_committed));
-    }
-    for (rank, member) in o.members.iter().enumerate() {
-        if member.committed.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(format!("member {rank} committed {:?}: not each step once in order", member.committed));
-        }
-    }
+    o.check_end(&m)?;
     Ok(o.tally)
+}
+
+/// Feeds `request` and delivers what it causes until it is answered (or refused), then
+/// whatever is still in flight; `deliveries` counts deliveries against [`MAX_DELIVERIES`].
+pub(crate) fn serve(
+    m: &mut StepTxn<Ans>,
+    o: &mut Oracle,
+    pool: &mut Pool,
+    rng: &mut Rng,
+    log: &mut impl FnMut(String),
+    deliveries: &mut usize,
+    request: Input<Ans>,
+) -> Result<(), String> {
+    let p_busy = o.world.p_busy;
+    feed(m, o, pool, rng, log, request)?;
+    while o.active.is_some() {
+        if rng.gen_range(100) < p_busy {
+            let extra = request_while_busy(o, rng);
+            feed(m, o, pool, rng, log, extra)?;
+        }
+        let Some(input) = pool.next(rng) else {
+            return Err(format!("the request is not answered and nothing is left to deliver: {:?} in {:?}", o.active, o.phase));
+        };
+        *deliveries += 1;
+        if *deliveries > MAX_DELIVERIES {
+            return Err(format!("no end after {MAX_DELIVERIES} deliveries"));
+        }
+        if let Input::Timeout { txn } = input {
+            // A member hanging in this phase answers once it is written off.
+            let (now, later): (Vec<_>, Vec<_>) = pool.late.drain(..).partition(|(t, _)| *t == txn);
+            pool.late = later;
+            o.tally.late_answers += now.len() as u64;
+            pool.events.extend(now.into_iter().map(|(_, i)| i));
+        }
+        feed(m, o, pool, rng, log, input)?;
+    }
+    // Whatever is still in flight is delivered before the next request, stale or not.
+    while let Some(input) = pool.next(rng) {
+        feed(m, o, pool, rng, log, input)?;
+    }
+    pool.late.clear();
+    Ok(())
+}
+
+impl Oracle {
+    /// An oracle for a machine over `world.members` members of plan epoch `epoch`.
+    pub(crate) fn new(world: World, epoch: u64) -> Oracle {
+        Oracle {
+            members: vec![Member::default(); world.members],
+            world,
+            epoch,
+            lost: BTreeMap::new(),
+            abandoned: BTreeSet::new(),
+            last_txn: 0,
+            last_committed: None,
+            inconsistent: None,
+            active: None,
+            phase: None,
+            timer: None,
+            counts: Counts::default(),
+            tally: Tally { runs: 1, ..Tally::default() },
+            replies: Vec::new(),
+        }
+    }
+
+    /// The checks once the machine serves no more requests.
+    pub(crate) fn check_end(&self, m: &StepTxn<Ans>) -> Result<(), String> {
+        let o = self;
+        if m.counts() != o.counts {
+            return Err(format!("counts {:?}, the oracle counted {:?}", m.counts(), o.counts));
+        }
+        if m.last_committed() != o.last_committed {
+            return Err(format!("the machine's last committed step is {:?}, the oracle's {:?}", m.last_committed(), o.last_committed));
+        }
+        for (rank, member) in o.members.iter().enumerate() {
+            if member.committed.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(format!("member {rank} committed {:?}: not each step once in order", member.committed));
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Pool {
@@ -322,7 +361,7 @@ fn request_while_busy(o: &Oracle, rng: &mut Rng) -> Input<Ans> {
 
 /// Feeds `input` to the machine and the oracle, checks the actions, and carries them out
 /// (a closed mailbox is fed back as a loss, as the driver does).
-fn feed(
+pub(crate) fn feed(
     m: &mut StepTxn<Ans>,
     o: &mut Oracle,
     pool: &mut Pool,
@@ -340,6 +379,7 @@ fn feed(
         match (expected_refusal, actions.peek()) {
             (Some(want), Some(Action::Refuse(r))) if *r == want => {
                 o.counts.refused += 1;
+                o.replies.push(Err(want.clone()));
                 match want {
                     Refusal::Busy => o.tally.busy_refusals += 1,
                     Refusal::MembersLost { .. } => o.tally.lost_refusals += 1,
@@ -446,7 +486,7 @@ impl Oracle {
         }
         if !self.lost.is_empty() {
             let (ranks, causes) = self.lost.iter().map(|(r, c)| (*r, c.clone())).unzip();
-            return Some(Refusal::MembersLost { epoch: 0, ranks, causes });
+            return Some(Refusal::MembersLost { epoch: self.epoch, ranks, causes });
         }
         match self.last_committed {
             Some(last) if step <= last => Some(Refusal::AlreadyCommitted { step, last_committed: last }),
@@ -522,12 +562,13 @@ impl Oracle {
             return None;
         }
         let live = self.live();
+        let epoch = self.epoch;
         let req = self.active.as_mut()?;
         let Some(phase) = self.phase.as_ref() else {
             // The request's first phase.
             return Some(match req {
                 Req::Step { step, .. } => {
-                    Expect::Phase { kind: PhaseKind::Prepare, cmd: Cmd::Prepare(StepOrder { step: *step, epoch: 0, attempt: 0 }), to: live }
+                    Expect::Phase { kind: PhaseKind::Prepare, cmd: Cmd::Prepare(StepOrder { step: *step, epoch, attempt: 0 }), to: live }
                 }
                 Req::Query(Query::Memory) => Expect::Phase { kind: PhaseKind::Memory, cmd: Cmd::Memory, to: live },
                 Req::Query(Query::Shards) => Expect::Phase { kind: PhaseKind::Shards, cmd: Cmd::Shards, to: live },
@@ -571,7 +612,7 @@ impl Oracle {
                     if all.is_empty() {
                         *attempt += 1;
                         prepared.clear();
-                        let order = StepOrder { step: *step, epoch: 0, attempt: *attempt };
+                        let order = StepOrder { step: *step, epoch, attempt: *attempt };
                         Expect::Phase { kind: PhaseKind::Prepare, cmd: Cmd::Prepare(order), to: live }
                     } else {
                         Expect::Reply(Reply::Abandoned { step: *step, failures: all })
@@ -579,7 +620,7 @@ impl Oracle {
                 }
                 PhaseKind::Commit => {
                     let attempted =
-                        Attempted { step: *step, epoch: 0, abandoned_attempts: abandoned_attempts.clone(), prepared: prepared.clone() };
+                        Attempted { step: *step, epoch, abandoned_attempts: abandoned_attempts.clone(), prepared: prepared.clone() };
                     if failures.is_empty() {
                         Expect::Reply(Reply::Committed(attempted))
                     } else {
@@ -596,7 +637,7 @@ impl Oracle {
         let Some(Req::Step { step, attempt, prepare_txn, .. }) = self.active.clone() else { return Ok(()) };
         match cmd {
             Cmd::Prepare(order) => {
-                if order != (StepOrder { step, epoch: 0, attempt }) {
+                if order != (StepOrder { step, epoch: self.epoch, attempt }) {
                     return Err(format!("prepare {order:?} while step {step} attempt {attempt} runs"));
                 }
             }
@@ -680,6 +721,7 @@ impl Oracle {
 
     /// The request being served got `reply` (checked equal to what the oracle expected).
     fn answered(&mut self, reply: Reply<Ans>) -> Result<(), String> {
+        self.replies.push(Ok(reply.clone()));
         match reply {
             Reply::Committed(a) => {
                 // The driver heard every member of the epoch commit, each before it was lost.
