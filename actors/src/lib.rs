@@ -42,6 +42,8 @@ mod loop_sim;
 #[cfg(test)]
 mod recovery_sim;
 #[cfg(test)]
+mod sim_support;
+#[cfg(test)]
 mod stepper_sim;
 #[cfg(test)]
 mod tests;

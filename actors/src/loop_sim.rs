@@ -585,25 +585,11 @@ mod tests {
 
     #[test]
     fn loop_replay() {
-        let seed = std::env::var("TESSERA_SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7);
-        println!("seed {seed}: {:#?}", build(seed));
-        let mut trace = Vec::new();
-        let got = run_seed(seed, Some(&mut trace));
-        for line in &trace {
-            println!("  {line}");
-        }
-        match got {
-            Ok(t) => println!("seed {seed}: {t:?}"),
-            Err(e) => panic!("{e}"),
-        }
+        crate::sim_support::replay(build, run_seed);
     }
 
     #[test]
     fn loop_sim_is_deterministic() {
-        for seed in [1, 2, 3] {
-            let (mut a, mut b) = (Vec::new(), Vec::new());
-            let (x, y) = (run_seed(seed, Some(&mut a)), run_seed(seed, Some(&mut b)));
-            assert_eq!((format!("{x:?}"), a), (format!("{y:?}"), b));
-        }
+        crate::sim_support::assert_deterministic(run_seed);
     }
 }

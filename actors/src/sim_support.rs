@@ -1,0 +1,34 @@
+//! What the seeded simulations of the sans-IO machines share in their tests (`stepper_sim`,
+//! `txn_sim`, `loop_sim`): replaying one seed with its trace, and checking that a seed gives the
+//! same outcome and trace every time. A simulation exposes `build(seed)` (the world it draws)
+//! and `run_seed(seed, trace)` (its outcome, or the broken rule).
+
+use std::fmt::Debug;
+
+/// `run_seed` of a simulation: the outcome of one seed, writing its trace when asked.
+pub(crate) type RunSeed<T> = fn(u64, Option<&mut Vec<String>>) -> Result<T, String>;
+
+/// Runs the seed `TESSERA_SIM_SEED` names (7 when unset) and prints its world, its trace and its
+/// outcome; panics with the broken rule when it fails. Failing seeds replay exactly this way.
+pub(crate) fn replay<B: Debug, T: Debug>(build: fn(u64) -> B, run_seed: RunSeed<T>) {
+    let seed = std::env::var("TESSERA_SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7);
+    println!("seed {seed}: {:#?}", build(seed));
+    let mut trace = Vec::new();
+    let got = run_seed(seed, Some(&mut trace));
+    for line in &trace {
+        println!("  {line}");
+    }
+    match got {
+        Ok(t) => println!("seed {seed}: {t:?}"),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Seeds 1, 2 and 3, each run twice, give the same outcome and the same trace.
+pub(crate) fn assert_deterministic<T: Debug>(run_seed: RunSeed<T>) {
+    for seed in [1, 2, 3] {
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let (x, y) = (run_seed(seed, Some(&mut a)), run_seed(seed, Some(&mut b)));
+        assert_eq!((format!("{x:?}"), a), (format!("{y:?}"), b), "seed {seed}");
+    }
+}
