@@ -545,20 +545,9 @@ mod tests {
 
     #[test]
     fn loop_many_seeds() {
-        let n = std::env::var("TESSERA_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(DEFAULT_SEEDS);
-        let start = std::time::Instant::now();
         let mut tally = Tally::default();
-        for seed in 0..n {
-            // A machine that panics fails the seed too.
-            let got = std::panic::catch_unwind(|| run_seed(seed, None)).unwrap_or_else(|_| Err("a machine panicked".into()));
-            match got {
-                Ok(t) => tally.add(t),
-                Err(e) => panic!(
-                    "composed step loop simulation failed: {e}\n\nreplay: TESSERA_SIM_SEED={seed} cargo test --release -p tessera-actors loop_replay -- --nocapture"
-                ),
-            }
-        }
-        println!("{n} seeds in {:.2} s: {tally:?}", start.elapsed().as_secs_f64());
+        let n = crate::sim_support::many_seeds("composed step loop", "loop_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
+        println!("{tally:?}");
         // Every path must actually be exercised (a failed commit completed by the restore
         // during a replay needs a restore from an older checkpoint and then a replayed commit
         // that fails on a member whose replica holder committed: about one seed in 250).

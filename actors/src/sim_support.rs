@@ -1,6 +1,6 @@
 //! What the seeded simulations of the sans-IO machines share in their tests (`stepper_sim`,
-//! `txn_sim`, `loop_sim`): replaying one seed with its trace, and checking that a seed gives the
-//! same outcome and trace every time. A simulation exposes `build(seed)` (the world it draws)
+//! `txn_sim`, `loop_sim`): running many seeds, replaying one seed with its trace, and checking that
+//! a seed gives the same outcome and trace every time. A simulation exposes `build(seed)` (the world it draws)
 //! and `run_seed(seed, trace)` (its outcome, or the broken rule).
 
 use std::fmt::Debug;
@@ -31,4 +31,24 @@ pub(crate) fn assert_deterministic<T: Debug>(run_seed: RunSeed<T>) {
         let (x, y) = (run_seed(seed, Some(&mut a)), run_seed(seed, Some(&mut b)));
         assert_eq!((format!("{x:?}"), a), (format!("{y:?}"), b), "seed {seed}");
     }
+}
+
+/// Runs seeds `0..n` (`n` from `TESSERA_SIM_SEEDS`, else `default`) and hands each outcome to
+/// `add`; a seed that breaks a rule, or whose machine panics, fails the test with the command
+/// that replays it (`replay_test`, the simulation's replay test). Returns `n`.
+pub(crate) fn many_seeds<T>(what: &str, replay_test: &str, default: u64, run_seed: RunSeed<T>, mut add: impl FnMut(T)) -> u64 {
+    let n = std::env::var("TESSERA_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(default);
+    let start = std::time::Instant::now();
+    for seed in 0..n {
+        // A machine that panics (an input its phase does not expect) fails the seed too.
+        let got = std::panic::catch_unwind(|| run_seed(seed, None)).unwrap_or_else(|_| Err("a machine panicked".into()));
+        match got {
+            Ok(t) => add(t),
+            Err(e) => panic!(
+                "{what} simulation failed: {e}\n\nreplay: TESSERA_SIM_SEED={seed} cargo test --release -p tessera-actors {replay_test} -- --nocapture"
+            ),
+        }
+    }
+    println!("{n} seeds in {:.2} s", start.elapsed().as_secs_f64());
+    n
 }

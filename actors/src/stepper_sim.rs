@@ -377,20 +377,9 @@ mod tests {
 
     #[test]
     fn stepper_many_seeds() {
-        let n = std::env::var("TESSERA_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(DEFAULT_SEEDS);
-        let start = std::time::Instant::now();
         let mut tally = Tally::default();
-        for seed in 0..n {
-            // A machine that panics (an input its phase does not expect) fails the seed too.
-            let got = std::panic::catch_unwind(|| run_seed(seed, None)).unwrap_or_else(|_| Err("the machine panicked".into()));
-            match got {
-                Ok(t) => tally.add(t),
-                Err(e) => panic!(
-                    "step machine simulation failed: {e}\n\nreplay: TESSERA_SIM_SEED={seed} cargo test --release -p tessera-actors stepper_replay -- --nocapture"
-                ),
-            }
-        }
-        println!("{n} seeds in {:.2} s: {tally:?}", start.elapsed().as_secs_f64());
+        let n = crate::sim_support::many_seeds("step machine", "stepper_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
+        println!("{tally:?}");
         // Every path must actually be exercised.
         let some = n / 50;
         let counts = [

@@ -769,20 +769,9 @@ mod tests {
 
     #[test]
     fn txn_many_seeds() {
-        let n = std::env::var("TESSERA_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(DEFAULT_SEEDS);
-        let start = std::time::Instant::now();
         let mut tally = Tally::default();
-        for seed in 0..n {
-            // A machine that panics fails the seed too.
-            let got = std::panic::catch_unwind(|| run_seed(seed, None)).unwrap_or_else(|_| Err("the machine panicked".into()));
-            match got {
-                Ok(t) => tally.add(t),
-                Err(e) => panic!(
-                    "step transaction simulation failed: {e}\n\nreplay: TESSERA_SIM_SEED={seed} cargo test --release -p tessera-actors txn_replay -- --nocapture"
-                ),
-            }
-        }
-        println!("{n} seeds in {:.2} s: {tally:?}", start.elapsed().as_secs_f64());
+        let n = crate::sim_support::many_seeds("step transaction", "txn_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
+        println!("{tally:?}");
         // Every path must actually be exercised.
         let some = n / 100;
         let counts = [

@@ -134,18 +134,19 @@ const FWD_KERNELS: [FwdKernel; 2] = [
 
 /// Whether `module`'s kernels can run on this GPU (the Hopper ones need sm_90).
 fn runs_on(gpu: &Gpu, module: &str) -> bool {
-    super::module_arch(module, gpu.cc).is_some()
+    super::module_runs_on(module, gpu.cc)
 }
 
 /// A layout switch's value, read once per process (`None` when unset).
-fn switch(cell: &'static OnceLock<std::result::Result<Option<String>, String>>, var: &str) -> Result<Option<String>> {
-    cell.get_or_init(|| match std::env::var(var) {
+fn switch(cell: &'static OnceLock<std::result::Result<Option<String>, String>>, var: &str) -> Result<Option<&'static str>> {
+    match cell.get_or_init(|| match std::env::var(var) {
         Err(std::env::VarError::NotPresent) => Ok(None),
         Err(e) => Err(format!("{var}: {e}")),
         Ok(v) => Ok(Some(v.trim().to_string())),
-    })
-    .clone()
-    .map_err(GpuError::Invalid)
+    }) {
+        Ok(v) => Ok(v.as_deref()),
+        Err(e) => Err(GpuError::Invalid(e.clone())),
+    }
 }
 
 /// Picks the entry named by `var` (or the first one that runs on this GPU when unset); a name that
@@ -153,7 +154,7 @@ fn switch(cell: &'static OnceLock<std::result::Result<Option<String>, String>>, 
 fn pick<T: Copy>(
     gpu: &Gpu,
     var: &str,
-    chosen: Option<String>,
+    chosen: Option<&str>,
     all: &[T],
     name: impl Fn(&T) -> &'static str,
     module: impl Fn(&T) -> &'static str,

@@ -49,9 +49,15 @@ pub const SOURCES: &[(&str, &str)] = &[
 /// own `sm_XY`.
 pub fn module_arch(name: &str, cc: (i32, i32)) -> Option<String> {
     match name {
-        "attention_wg" => (cc == (9, 0)).then(|| "sm_90a".to_string()),
+        "attention_wg" => module_runs_on(name, cc).then(|| "sm_90a".to_string()),
         _ => Some(format!("sm_{}{}", cc.0, cc.1)),
     }
+}
+
+/// Whether module `name` can run on a GPU of compute capability `cc` ([`module_arch`] is
+/// `Some`), without building the architecture's name: asked on every attention call.
+pub fn module_runs_on(name: &str, cc: (i32, i32)) -> bool {
+    name != "attention_wg" || cc == (9, 0)
 }
 
 /// Why the GPU path could not run; every message names what was being done.
