@@ -18,12 +18,15 @@
 //! epoch's state, its members) as pure functions, simulated by `recovery_sim`; [`stepper`] is its
 //! step/commit/recover loop as a sans-IO state machine, simulated by `stepper_sim`. [`txn`] is the
 //! ClusterSupervisor's step transaction (prepare → commit | abandon) as a sans-IO state machine,
-//! simulated by `txn_sim`; `loop_sim` simulates the two machines together.
+//! simulated by `txn_sim`; `loop_sim` simulates the two machines together. [`liveness`] is the
+//! driver's failure detection (process exits, closed side connections, heartbeat timeouts,
+//! leaving and fenced workers) as a sans-IO state machine, simulated by `liveness_sim`.
 
 pub mod cluster;
 pub mod compute;
 pub mod driver;
 pub mod error;
+pub mod liveness;
 pub mod membership;
 pub mod node;
 pub mod plan;
@@ -37,6 +40,8 @@ pub mod stepper;
 pub mod txn;
 pub mod worker;
 
+#[cfg(test)]
+mod liveness_sim;
 #[cfg(test)]
 mod loop_sim;
 #[cfg(test)]

@@ -16,7 +16,11 @@
 //! # Detection (the monitor thread, every [`MONITOR_POLL_MS`])
 //! A worker is lost when its process exits (spawned workers, and processes of this host watched
 //! through a pidfd), its side connection closes, it sends no heartbeat for `heartbeat_timeout_ms` (a SIGSTOPped or wedged process), or
-//! it does not answer a request within `step_timeout_ms`. A lost worker is fenced (its id is
+//! it does not answer a request within `step_timeout_ms`. The monitor's rules (all but the
+//! request timeouts, which the requesting thread measures) are the sans-IO machine
+//! [`tessera_actors::liveness`], checked by its seeded simulation (`liveness_sim`): each poll
+//! feeds it what the children, pidfds and side connections show and declares lost whom it
+//! answers. A lost worker is fenced (its id is
 //! never readmitted), killed (SIGKILL: a stopped process cannot come back as a zombie member),
 //! and every other member's QUIC group of the current epoch is aborted, so collectives waiting
 //! on it fail at once and the step is abandoned.
@@ -81,6 +85,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::liveness::{self, Liveness};
 use tessera_actors::recovery::{self, Holdings, Layout, NextMembers, Survivor};
 use tessera_actors::replan::{Rebalancer, Speeds};
 use tessera_actors::WorkerStopper;
@@ -173,6 +178,8 @@ pub(super) struct Shared {
     /// Ids given out (never given again).
     pub known: Mutex<BTreeSet<u64>>,
     pub closing: AtomicBool,
+    /// The monitor's clock starts here (before any heartbeat).
+    clock: Instant,
     epoch: AtomicU64,
     children: Mutex<Vec<(u64, Child)>>,
     pub beats: Mutex<BTreeMap<u64, Arc<Beat>>>,
@@ -280,36 +287,43 @@ impl Shared {
     }
 }
 
-/// Watches exits and heartbeats (see the module doc).
+/// Watches exits and heartbeats (see the module doc): each poll feeds the failure detector
+/// ([`Liveness`]) what it sees and declares lost whom it answers.
 fn monitor(shared: Arc<Shared>) {
-    let timeout = Duration::from_millis(shared.er.heartbeat_timeout_ms);
+    use liveness::{Action, Input};
+    let mut detector = Liveness::new(shared.er.heartbeat_timeout_ms);
+    let clock = shared.clock;
+    let ms = |t: Instant| t.saturating_duration_since(clock).as_millis() as u64;
     while !shared.closing.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS));
         let leaving = relock(&shared.leaving).clone();
         let fenced = relock(&shared.fenced).clone();
-        let exited: Vec<(u64, String)> = relock(&shared.children)
-            .iter_mut()
-            .filter(|(id, _)| !leaving.contains(id) && !fenced.contains(id))
-            .filter_map(|(id, c)| {
-                let status = c.try_wait().ok().flatten()?;
-                Some((*id, format!("worker {id} (pid {}): the process {}", c.id(), describe_exit(status))))
-            })
-            .collect();
+        let now = ms(Instant::now());
+        for &id in &leaving {
+            detector.on(now, Input::Leaving { id });
+        }
+        for &id in &fenced {
+            detector.on(now, Input::Fenced { id });
+        }
+        // Registered workers first: a child's exit counts only for a watched worker.
         let beats: Vec<(u64, Arc<Beat>)> = relock(&shared.beats).iter().map(|(id, b)| (*id, Arc::clone(b))).collect();
-        let silent = beats.into_iter().filter(|(id, _)| !leaving.contains(id)).filter_map(|(id, b)| {
+        for (id, b) in beats {
+            let last = ms(*relock(&b.last));
+            detector.on(last, Input::Watch { id, pid: b.pid() });
+            detector.on(last, Input::Heartbeat { id });
             if relock(&b.local).as_ref().is_some_and(Pidfd::exited) {
-                return Some((id, format!("worker {id} (pid {}): the process ended", b.pid())));
+                detector.on(now, Input::Exited { id, pid: b.pid(), how: "ended".into() });
             }
             if b.closed.load(Ordering::SeqCst) {
-                return Some((id, format!("worker {id} (pid {}): its side connection closed", b.pid())));
+                detector.on(now, Input::Closed { id });
             }
-            let quiet = relock(&b.last).elapsed();
-            (quiet > timeout).then(|| {
-                (id, format!("worker {id} (pid {}): no heartbeat for {} ms (hung, stopped or cut off)", b.pid(), quiet.as_millis()))
-            })
-        });
-        let lost: Vec<(u64, String)> = exited.into_iter().chain(silent).collect();
-        for (id, why) in lost {
+        }
+        for (id, c) in relock(&shared.children).iter_mut().filter(|(id, _)| !leaving.contains(id) && !fenced.contains(id)) {
+            if let Some(status) = c.try_wait().ok().flatten() {
+                detector.on(now, Input::Exited { id: *id, pid: c.id(), how: describe_exit(status) });
+            }
+        }
+        for Action::Lost { id, why } in detector.on(ms(Instant::now()), Input::Tick) {
             if !shared.closing.load(Ordering::SeqCst) {
                 shared.loss(id, &why);
             }
@@ -334,6 +348,7 @@ impl Shared {
             next_id: AtomicU64::new(world),
             known: Mutex::new((0..world).collect()),
             closing: AtomicBool::new(false),
+            clock: Instant::now(),
             epoch: AtomicU64::new(0),
             children: Mutex::new(Vec::new()),
             beats: Mutex::new(BTreeMap::new()),
