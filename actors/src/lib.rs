@@ -36,6 +36,7 @@ pub mod sim;
 pub mod stepper;
 pub mod txn;
 pub mod worker;
+pub(crate) mod worker_cmd;
 
 #[cfg(test)]
 mod loop_sim;
