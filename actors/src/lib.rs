@@ -50,6 +50,8 @@ mod stepper_sim;
 mod tests;
 #[cfg(test)]
 mod txn_sim;
+#[cfg(test)]
+mod worker_sim;
 
 pub use compute::{ComputeError, MemoryReport, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
 pub use driver::{Cluster, ClusterOptions, StepResult, WorkerStopper, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};
