@@ -18,7 +18,9 @@
 //! epoch's state, its members) as pure functions, simulated by `recovery_sim`; [`stepper`] is its
 //! step/commit/recover loop as a sans-IO state machine, simulated by `stepper_sim`. [`txn`] is the
 //! ClusterSupervisor's step transaction (prepare → commit | abandon) as a sans-IO state machine,
-//! simulated by `txn_sim`; `loop_sim` simulates the two machines together.
+//! simulated by `txn_sim`; `loop_sim` simulates the two machines together. `worker_cmd` is the
+//! DeviceWorker's handling of commands as a sans-IO machine, simulated under a real step
+//! transaction by `worker_sim`.
 
 pub mod cluster;
 pub mod compute;

@@ -78,6 +78,7 @@ impl WorkerCmd {
     }
 
     /// The transaction whose command is in flight on the compute thread.
+    #[cfg(test)]
     pub(crate) fn busy(&self) -> Option<u64> {
         self.busy
     }

@@ -16,7 +16,9 @@
 //! shard queries at any time (a worker running one refuses the step transaction's command that
 //! follows: the refusal is the member's failure), and prepares, commits and abandons of any
 //! step while the worker has a command in flight (the worker runs any step command that finds
-//! it idle: the order of prepare, commit and abandon is its sender's to keep).
+//! it idle: the order of prepare, commit and abandon is its sender's to keep). Without strays
+//! no command of the step transaction finds its worker busy (it keeps one outstanding per
+//! worker), which is checked too.
 //!
 //! The oracle keeps each compute's books (the prepare it staged and under which transaction,
 //! the prepares it abandoned, the steps it committed) and each worker's (the command in flight,
@@ -186,6 +188,8 @@ struct Worker {
     commit_of: BTreeMap<u64, Option<u64>>,
     /// Steps its shard actors heard committed.
     shard_commits: Vec<u64>,
+    /// Stray commands it took.
+    strays: u32,
 }
 
 /// What was exercised.
@@ -278,6 +282,7 @@ fn run_seed(seed: u64, trace: Option<&mut Vec<String>>) -> Result<Tally, String>
         last_prepare_sent: None,
         commit_of: BTreeMap::new(),
         shard_commits: Vec::new(),
+        strays: 0,
     };
     let workers = (0..w.members).map(worker).collect();
     let mut sim = Sim {
@@ -469,6 +474,7 @@ impl Sim<'_> {
             Mail::Command { txn, cmd } => (txn, cmd),
             Mail::Stray { txn } => {
                 self.tally.strays += 1;
+                self.workers[r].strays += 1;
                 let step = 1 + self.rng.gen_range(12);
                 let busy = self.workers[r].m.busy().is_some();
                 let cmd = match self.rng.gen_range(if busy { 5 } else { 2 }) {
@@ -564,7 +570,13 @@ impl Sim<'_> {
             return Err(format!("worker {r} answers {txn} twice"));
         }
         if let Outcome::Refused(why) = &outcome {
-            self.tally.refusals_to_the_txn += u64::from(txn < STRAY_TXN);
+            // The step transaction keeps one command outstanding per worker: only a stray
+            // command can make a worker refuse one of its commands as busy.
+            let ours = txn < STRAY_TXN;
+            if ours && why.starts_with("busy") && self.workers[r].strays == 0 {
+                return Err(format!("worker {r} refused the step transaction's {txn} ({why}) and took no stray command"));
+            }
+            self.tally.refusals_to_the_txn += u64::from(ours);
             self.refused = Some(why.clone());
         }
         self.inbox.push(txn::Input::Answer { rank: r, txn, result: outcome.into_answer() });
