@@ -164,11 +164,7 @@ impl Actor for ClusterSupervisor {
             ClusterMsg::Memory(reply) => state.request(&myself, Input::Query(Query::Memory), Waiting::Memory(reply)),
             ClusterMsg::Shards(reply) => state.request(&myself, Input::Query(Query::Shards), Waiting::Shards(reply)),
             ClusterMsg::Report(WorkerReport { rank, txn, outcome }) => {
-                let result = match outcome {
-                    Outcome::Prepared(Err(e)) | Outcome::Committed { result: Err(e), .. } | Outcome::Refused(e) => Err(e),
-                    outcome => Ok(outcome),
-                };
-                state.feed(&myself, Input::Answer { rank, txn, result });
+                state.feed(&myself, Input::Answer { rank, txn, result: outcome.into_answer() });
             }
             ClusterMsg::MemberLost { rank, cause } => state.feed(&myself, Input::Lost { rank, cause }),
             ClusterMsg::PhaseTimeout { txn } => state.feed(&myself, Input::Timeout { txn }),

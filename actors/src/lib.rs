@@ -21,6 +21,8 @@
 //! simulated by `txn_sim`; `loop_sim` simulates the two machines together. [`liveness`] is the
 //! driver's failure detection (process exits, closed side connections, heartbeat timeouts,
 //! leaving and fenced workers) as a sans-IO state machine, simulated by `liveness_sim`.
+//! `worker_cmd` is the DeviceWorker's handling of commands as a sans-IO machine, simulated
+//! under a real step transaction by `worker_sim`.
 
 pub mod cluster;
 pub mod compute;
@@ -39,6 +41,7 @@ pub mod sim;
 pub mod stepper;
 pub mod txn;
 pub mod worker;
+pub(crate) mod worker_cmd;
 
 #[cfg(test)]
 mod liveness_sim;
@@ -54,6 +57,8 @@ mod stepper_sim;
 mod tests;
 #[cfg(test)]
 mod txn_sim;
+#[cfg(test)]
+mod worker_sim;
 
 pub use compute::{ComputeError, MemoryReport, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
 pub use driver::{Cluster, ClusterOptions, StepResult, WorkerStopper, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};

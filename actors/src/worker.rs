@@ -9,7 +9,12 @@
 //! is caught on the thread, reported, and turned into an actor failure, so the NodeSupervisor
 //! sees `ActorFailed` (a membership event) and the thread exits. The thread exits when the
 //! actor drops its command sender (stop or failure); `Cluster::shutdown` joins it.
+//!
+//! Which command runs when, the refusals, the reports and the shard notes are the sans-IO
+//! machine [`crate::worker_cmd::WorkerCmd`] (simulated by `worker_sim`); this actor feeds it its
+//! mailbox and carries out its actions.
 
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
@@ -23,6 +28,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use crate::cluster::ClusterMsg;
 use crate::compute::{MemoryReport, Prepared, ShardInfo, WorkerCompute};
 use crate::shard::{OptimShard, ParamShard, ShardMsg, ShardStatus};
+use crate::worker_cmd::{Action, Input, ShardNote, WorkerCmd};
 
 /// Capacity of the command channel from a worker actor to its compute thread: one outstanding
 /// command at a time.
@@ -43,7 +49,7 @@ pub struct ComputeThreads {
 pub(crate) type Command = crate::txn::Cmd;
 
 /// A worker's answer to one command.
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub(crate) enum Outcome {
     Prepared(Result<Prepared, String>),
     Committed {
@@ -57,6 +63,17 @@ pub(crate) enum Outcome {
     Shards(Vec<ShardStatus>),
     /// The worker could not run the command (protocol violation or shard query failure).
     Refused(String),
+}
+
+impl Outcome {
+    /// The answer the step transaction is fed: a failed prepare or commit and a refusal are
+    /// errors.
+    pub(crate) fn into_answer(self) -> Result<Outcome, String> {
+        match self {
+            Outcome::Prepared(Err(e)) | Outcome::Committed { result: Err(e), .. } | Outcome::Refused(e) => Err(e),
+            outcome => Ok(outcome),
+        }
+    }
 }
 
 /// Messages to a `DeviceWorker`.
@@ -88,11 +105,12 @@ pub struct WorkerArgs {
     pub(crate) threads: Arc<ComputeThreads>,
 }
 
-/// A worker's state: the command sender (dropping it ends the compute thread) and its shards.
+/// A worker's state: the command sender (dropping it ends the compute thread), the command
+/// machine and its shards.
 pub struct WorkerState {
     rank: usize,
     cmd_tx: Option<SyncSender<(u64, Command)>>,
-    busy_txn: Option<u64>,
+    cmds: WorkerCmd,
     cluster: ActorRef<ClusterMsg>,
     shards: Vec<ActorRef<ShardMsg>>,
 }
@@ -115,25 +133,16 @@ impl Actor for DeviceWorker {
         }
         let (cmd_tx, cmd_rx) = sync_channel(COMMAND_QUEUE_CAPACITY);
         spawn_compute_thread(args.rank, args.compute, cmd_rx, myself, &args.threads)?;
-        Ok(WorkerState { rank: args.rank, cmd_tx: Some(cmd_tx), busy_txn: None, cluster: args.cluster, shards })
+        Ok(WorkerState { rank: args.rank, cmd_tx: Some(cmd_tx), cmds: WorkerCmd::new(args.rank), cluster: args.cluster, shards })
     }
 
     async fn handle(&self, _: ActorRef<WorkerMsg>, msg: WorkerMsg, state: &mut WorkerState) -> Result<(), ActorProcessingErr> {
-        match msg {
-            WorkerMsg::Run(RunCommand { txn, cmd: Command::Shards }) => {
-                let outcome = describe_shards(&state.shards).await;
-                report(state, txn, outcome);
-                Ok(())
-            }
-            WorkerMsg::Run(RunCommand { txn, cmd }) => dispatch(state, txn, cmd),
-            WorkerMsg::ThreadDone(ThreadAnswer { txn, result }) => {
-                state.busy_txn = None;
-                let outcome = result.map_err(|panic| format!("compute of rank {} panicked: {panic}", state.rank))?;
-                notify_shards(state, &outcome);
-                report(state, txn, outcome);
-                Ok(())
-            }
-        }
+        let input = match msg {
+            WorkerMsg::Run(RunCommand { txn, cmd }) => Input::Command { txn, cmd },
+            WorkerMsg::ThreadDone(ThreadAnswer { txn, result }) => Input::Done { txn, result },
+        };
+        let actions = state.cmds.on(input);
+        carry_out(state, actions).await
     }
 
     async fn handle_supervisor_evt(
@@ -161,24 +170,30 @@ impl Actor for DeviceWorker {
     }
 }
 
-/// Hands a compute command to the thread; refuses (never blocks) if one is outstanding.
-fn dispatch(state: &mut WorkerState, txn: u64, cmd: Command) -> Result<(), ActorProcessingErr> {
-    if let Some(busy) = state.busy_txn {
-        report(state, txn, Outcome::Refused(format!("busy with transaction {busy}")));
-        return Ok(());
-    }
-    let Some(tx) = &state.cmd_tx else { return Err("compute channel already closed".into()) };
-    match tx.try_send((txn, cmd)) {
-        Ok(()) => {
-            state.busy_txn = Some(txn);
-            Ok(())
+/// Carries out the command machine's actions; a command is handed to the compute thread
+/// without blocking (a full queue is fed back to the machine).
+async fn carry_out(state: &mut WorkerState, actions: Vec<Action>) -> Result<(), ActorProcessingErr> {
+    let mut todo = VecDeque::from(actions);
+    while let Some(action) = todo.pop_front() {
+        match action {
+            Action::Describe { txn } => {
+                let outcome = describe_shards(&state.shards).await;
+                report(state, txn, outcome);
+            }
+            Action::Start { txn, cmd } => {
+                let Some(tx) = &state.cmd_tx else { return Err("compute channel already closed".into()) };
+                match tx.try_send((txn, cmd)) {
+                    Ok(()) => {}
+                    Err(TrySendError::Full(_)) => todo.extend(state.cmds.on(Input::QueueFull { txn })),
+                    Err(TrySendError::Disconnected(_)) => return Err(format!("rank {}: compute thread is gone", state.rank).into()),
+                }
+            }
+            Action::Note(note) => notify_shards(state, note),
+            Action::Report { txn, outcome } => report(state, txn, outcome),
+            Action::Fail(error) => return Err(error.into()),
         }
-        Err(TrySendError::Full(_)) => {
-            report(state, txn, Outcome::Refused("compute queue full".into()));
-            Ok(())
-        }
-        Err(TrySendError::Disconnected(_)) => Err(format!("rank {}: compute thread is gone", state.rank).into()),
     }
+    Ok(())
 }
 
 fn report(state: &WorkerState, txn: u64, outcome: Outcome) {
@@ -187,14 +202,12 @@ fn report(state: &WorkerState, txn: u64, outcome: Outcome) {
 }
 
 /// Tells the shard actors what the compute just did to the partition.
-fn notify_shards(state: &WorkerState, outcome: &Outcome) {
-    let (step, committed) = match outcome {
-        Outcome::Committed { step, result: Ok(()) } => (*step, true),
-        Outcome::Abandoned { step } => (*step, false),
-        _ => return,
-    };
+fn notify_shards(state: &WorkerState, note: ShardNote) {
     for shard in &state.shards {
-        let note = if committed { ShardMsg::Committed(step) } else { ShardMsg::Abandoned(step) };
+        let note = match note {
+            ShardNote::Committed(step) => ShardMsg::Committed(step),
+            ShardNote::Abandoned(step) => ShardMsg::Abandoned(step),
+        };
         // A dead shard is reported through supervision; nothing to do here.
         let _ = shard.send_message(note);
     }
