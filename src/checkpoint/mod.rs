@@ -37,6 +37,11 @@ pub use load::{
 };
 pub use save::save;
 
+#[cfg(test)]
+pub(crate) use fsio::{FAULT_HOOK, WRITE_HOOK};
+#[cfg(test)]
+pub(crate) use save::old_dir_step_name;
+
 /// Version of the manifest/file layout written by [`save`]; [`load`] reads it and version 1
 /// (the same without the manifest's own digest) and rejects other versions.
 pub const FORMAT_VERSION: u32 = 2;
