@@ -460,7 +460,7 @@ impl Sim<'_> {
             if self.w.keep_last > 0 {
                 let mut steps: Vec<(u64, String)> =
                     self.books.keys().filter_map(|n| parse_step_dir_name(n).map(|s| (s, n.clone()))).collect();
-                steps.sort_by(|a, b| b.0.cmp(&a.0));
+                steps.sort_by_key(|s| std::cmp::Reverse(s.0));
                 for (s, n) in steps.into_iter().skip(self.w.keep_last).filter(|(s, _)| *s != step) {
                     let gone = !self.root.join(&n).is_dir();
                     if res.is_ok() && !gone {
