@@ -224,10 +224,8 @@ enum Held {
     /// The state saved at the folder's step in `version`, its files hashing to `files`.
     Intact { version: u64, files: String },
     /// Damaged by `what`; a restore passing it over must name one of `names` (`|` between
-    /// them; empty: anything) in its reason. `was`: the step, version and file hashes of what it
-    /// held intact before (damage that puts every byte back under a folder of that step, as
-    /// copying or renaming it back does, makes it intact again).
-    Damaged { what: String, names: String, was: Option<(u64, u64, String)> },
+    /// them; empty: anything) in its reason.
+    Damaged { what: String, names: String },
 }
 
 /// The step of a folder the restore may load: `step_N`, or `.old-step_N-<pid>`.
@@ -311,6 +309,8 @@ struct Sim<'t> {
     /// The state in the resume folder, when `--resume` named one.
     resume_state: Option<CheckpointState>,
     books: BTreeMap<String, Held>,
+    /// Every checkpoint saved intact: the blake3 of its files, its step and version.
+    known: BTreeMap<String, (u64, u64)>,
     out: Outcome,
     trace: Option<&'t mut Vec<String>>,
 }
@@ -424,6 +424,7 @@ impl Sim<'_> {
             };
             WRITE_HOOK.with(|h| *h.borrow_mut() = Some(Box::new(hook)));
         }
+        let before = self.books.get(&name).cloned();
         let res = checkpoint::save(&self.root, &st, self.w.keep_last);
         FAULT_HOOK.with(|h| *h.borrow_mut() = None);
         WRITE_HOOK.with(|h| *h.borrow_mut() = None);
@@ -455,8 +456,15 @@ impl Sim<'_> {
         }
         if installed {
             let files = fingerprint(&self.root.join(&name));
+            self.known.insert(files.clone(), (step, version));
             self.books.insert(name.clone(), Held::Intact { version, files });
             self.books.retain(|n, _| old_dir_step_name(n).as_deref() != Some(name.as_str()));
+            // The replaced folder stays aside when its removal failed or the crash came first
+            // (no candidate while the step's folder is there; the next save removes it).
+            let old = format!(".old-{name}-{}", std::process::id());
+            if let (true, false, Some(held)) = (moved_aside, has("remove", &old), before) {
+                self.books.insert(old, held);
+            }
             if self.w.keep_last > 0 {
                 let mut steps: Vec<(u64, String)> =
                     self.books.keys().filter_map(|n| parse_step_dir_name(n).map(|s| (s, n.clone()))).collect();
@@ -484,9 +492,11 @@ impl Sim<'_> {
         if names.is_empty() {
             return Ok(());
         }
-        let name = names[(pick % names.len() as u64) as usize].clone();
+        let mut name = names[(pick % names.len() as u64) as usize].clone();
         let dir = self.root.join(&name);
         let io = |e: io::Error| e.to_string();
+        // What was done, and what a reason for passing the folder over must name (`|` between
+        // alternatives; empty: anything).
         let (what, names_in_reason) = match how {
             Damage::Flip { file, pos, mask } => {
                 let path = dir.join(FILES[file]);
@@ -526,11 +536,8 @@ impl Sim<'_> {
                         fs::write(dir.join(f), b).map_err(io)?;
                     }
                 }
-                let names = match self.books[&other] {
-                    Held::Intact { .. } => "key `step`".to_string(),
-                    Held::Damaged { .. } => String::new(),
-                };
-                (format!("holds {other}'s files"), names)
+                self.books.remove(&name);
+                (format!("holds {other}'s files"), String::new())
             }
             Damage::Move { to } => {
                 let to_name = step_dir_name(to);
@@ -538,37 +545,27 @@ impl Sim<'_> {
                     return Ok(());
                 }
                 fs::rename(&dir, self.root.join(&to_name)).map_err(io)?;
-                let (names, was) = match self.books.remove(&name) {
-                    Some(Held::Intact { version, files }) => ("key `step`".to_string(), name_step(&name).map(|s| (s, version, files))),
-                    Some(Held::Damaged { was, .. }) => (String::new(), was),
-                    None => (String::new(), None),
-                };
-                let held = match was {
-                    Some((s, version, files)) if s == to && fingerprint(&self.root.join(&to_name)) == files => {
-                        Held::Intact { version, files }
-                    }
-                    was => Held::Damaged { what: format!("{name} renamed to {to_name}"), names, was },
-                };
-                self.books.insert(to_name.clone(), held);
-                self.out.damages += 1;
-                self.log(format!("damage: {name} renamed to {to_name}"));
-                return self.check_books("a rename");
+                self.books.remove(&name);
+                let what = format!("{name} renamed to {to_name}");
+                name = to_name;
+                (what, String::new())
             }
         };
         self.out.damages += 1;
         self.log(format!("damage: {name}: {what}"));
-        // Damage on damage: the reason may name either.
-        let (what, names_in_reason, was) = match self.books.get(&name) {
-            Some(Held::Damaged { what: before, names, was }) if !names.is_empty() && !names_in_reason.is_empty() => {
-                (format!("{before}; {what}"), format!("{names}|{names_in_reason}"), was.clone())
+        // The folder is intact when its bytes are a checkpoint of its step saved before (a
+        // copy or rename that puts them back, or another save of that step); bytes of another
+        // step's checkpoint must be reported as that step's; damage on damage may be reported
+        // by either.
+        let files = fingerprint(&self.root.join(&name));
+        let held = match (self.known.get(&files), self.books.get(&name)) {
+            (Some(&(step, version)), _) if Some(step) == name_step(&name) => Held::Intact { version, files },
+            (Some(_), _) => Held::Damaged { what, names: "key `step`|holds step".to_string() },
+            (None, Some(Held::Damaged { what: before, names })) if !names.is_empty() && !names_in_reason.is_empty() => {
+                Held::Damaged { what: format!("{before}; {what}"), names: format!("{names}|{names_in_reason}") }
             }
-            Some(Held::Damaged { what: before, was, .. }) => (format!("{before}; {what}"), String::new(), was.clone()),
-            Some(Held::Intact { version, files }) => (what, names_in_reason, name_step(&name).map(|s| (s, *version, files.clone()))),
-            None => (what, names_in_reason, None),
-        };
-        let held = match was {
-            Some((s, version, files)) if Some(s) == name_step(&name) && fingerprint(&dir) == files => Held::Intact { version, files },
-            was => Held::Damaged { what, names: names_in_reason, was },
+            (None, Some(Held::Damaged { what: before, .. })) => Held::Damaged { what: format!("{before}; {what}"), names: String::new() },
+            (None, _) => Held::Damaged { what, names: names_in_reason },
         };
         self.books.insert(name, held);
         self.check_books("damage")
@@ -610,7 +607,7 @@ impl Sim<'_> {
                 .iter()
                 .take_while(|c| Some(*c) != chosen.as_ref())
                 .map(|(_, n)| match &self.books[n] {
-                    Held::Damaged { names, what, .. } => (n.clone(), names.clone(), what.clone()),
+                    Held::Damaged { names, what } => (n.clone(), names.clone(), what.clone()),
                     Held::Intact { .. } => unreachable!("an intact candidate above the chosen one"),
                 })
                 .collect(),
@@ -723,8 +720,17 @@ fn run_seed(seed: u64, trace: Option<&mut Vec<String>>) -> Result<Outcome, Strin
     let tmp = scratch();
     let base = tmp.path().to_path_buf();
     let root = base.join("checkpoints");
-    let mut sim =
-        Sim { root: root.clone(), base, resume: None, resume_state: None, books: BTreeMap::new(), out: Outcome::default(), trace, w };
+    let mut sim = Sim {
+        root: root.clone(),
+        base,
+        resume: None,
+        resume_state: None,
+        books: BTreeMap::new(),
+        known: BTreeMap::new(),
+        out: Outcome::default(),
+        trace,
+        w,
+    };
     let start = sim.w.start;
     fs::create_dir(&root).map_err(|e| e.to_string())?;
     match sim.w.resume {
@@ -737,6 +743,7 @@ fn run_seed(seed: u64, trace: Option<&mut Vec<String>>) -> Result<Outcome, Strin
         }
         Resume::Own => {
             let dir = checkpoint::save(&root, &state(seed, start, 0), 0).map_err(|e| e.to_string())?;
+            sim.known.insert(fingerprint(&dir), (start, 0));
             sim.books.insert(step_dir_name(start), Held::Intact { version: 0, files: fingerprint(&dir) });
             // `--resume` of the root: the driver keeps the step directory it resolved to.
             sim.resume = Some(checkpoint::resolve_resume(&root).map_err(|e| e.to_string())?.dir);
