@@ -41,6 +41,52 @@ pub(crate) fn fault_point(_op: &str, _name: &str) -> io::Result<()> {
     Ok(())
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Test-only fault injection below the buffer, where a file's bytes reach the file system:
+    /// called with the file's name, the offset and the length of each write; answers how many
+    /// of those bytes go through (fewer: a short write) or the write's error. `Ok(room)` and
+    /// then `Err(StorageFull)` is a disk that fills at a given byte. It may also act on the file
+    /// system itself (leave it as a crash at that byte would).
+    #[allow(clippy::type_complexity)]
+    pub(crate) static WRITE_HOOK: std::cell::RefCell<Option<Box<dyn FnMut(&str, u64, usize) -> io::Result<usize>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// How many of `len` bytes at `offset` of file `name` a write may pass on (see [`WRITE_HOOK`]).
+#[cfg(test)]
+fn write_fault(name: &str, offset: u64, len: usize) -> io::Result<usize> {
+    WRITE_HOOK.with(|h| match h.borrow_mut().as_mut() {
+        Some(hook) => hook(name, offset, len).map(|n| n.min(len)),
+        None => Ok(len),
+    })
+}
+
+#[cfg(not(test))]
+#[inline(always)]
+fn write_fault(_name: &str, _offset: u64, len: usize) -> io::Result<usize> {
+    Ok(len)
+}
+
+/// The file a checkpoint writes, with the test-only fault seam [`WRITE_HOOK`] in front of it.
+struct FileSink<'a> {
+    file: File,
+    name: &'a str,
+    offset: u64,
+}
+
+impl Write for FileSink<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let room = write_fault(self.name, self.offset, buf.len())?;
+        let n = self.file.write(&buf[..room])?;
+        self.offset += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.file.flush()
+    }
+}
+
 /// A writer that counts bytes and blake3-hashes everything passing through.
 struct HashingWriter<W: Write> {
     inner: W,
@@ -69,10 +115,11 @@ fn fill_file(file: File, path: &Path, fill: Fill<'_>) -> Result<FileDigest, Chec
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let err = |e| CheckpointError::io("write", path, e);
     fault_point("write", &name).map_err(err)?;
-    let mut w = HashingWriter { inner: BufWriter::with_capacity(1 << 20, file), hasher: blake3::Hasher::new(), bytes: 0 };
+    let sink = FileSink { file, name: &name, offset: 0 };
+    let mut w = HashingWriter { inner: BufWriter::with_capacity(1 << 20, sink), hasher: blake3::Hasher::new(), bytes: 0 };
     fill(&mut w).map_err(err)?;
     w.flush().map_err(err)?;
-    let file = w.inner.into_inner().map_err(|e| err(e.into_error()))?;
+    let file = w.inner.into_inner().map_err(|e| err(e.into_error()))?.file;
     let fsync_err = |e| CheckpointError::io("fsync", path, e);
     fault_point("fsync", &name).map_err(fsync_err)?;
     file.sync_all().map_err(fsync_err)?;

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
 
-use super::manifest::{FileEntry, Manifest, TensorEntry};
+use super::manifest::{check_digest, FileEntry, Manifest, TensorEntry};
 use super::save::old_dir_step_name;
 use super::{
     named_params_blake3, parse_step_dir_name, CheckpointError, CheckpointState, NamedTensor, FORMAT_NAME, FORMAT_VERSION, LATEST_FILE,
@@ -76,8 +76,21 @@ fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
     }
     let version = value.get("format_version").and_then(|v| v.as_u64());
     let version = version.ok_or_else(|| manifest_err(&path, "key `format_version`: missing or not an integer"))?;
-    if version != u64::from(FORMAT_VERSION) {
-        return Err(CheckpointError::FormatVersion { path, found: u32::try_from(version).unwrap_or(u32::MAX), expected: FORMAT_VERSION });
+    match version {
+        // Version 1 had no digest of the manifest; one that has it was version 2 before a byte
+        // changed.
+        1 if value.get("manifest_blake3").is_some() => {
+            return Err(manifest_err(&path, "key `format_version`: 1, but the manifest has a `manifest_blake3` (version 2 or later)"))
+        }
+        1 => {}
+        v if v == u64::from(FORMAT_VERSION) => check_digest(&text).map_err(|reason| manifest_err(&path, reason))?,
+        _ => {
+            return Err(CheckpointError::FormatVersion {
+                path,
+                found: u32::try_from(version).unwrap_or(u32::MAX),
+                expected: FORMAT_VERSION,
+            })
+        }
     }
     let manifest: Manifest = serde_json::from_value(value).map_err(|e| manifest_err(&path, e.to_string()))?;
     let dir_step = dir.file_name().and_then(|n| parse_step_dir_name(&n.to_string_lossy()));
@@ -156,6 +169,34 @@ pub fn list_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointEr
     Ok(out)
 }
 
+/// The step folders a restore may load, newest (highest step) first, then by path: every
+/// `step_*` folder, and each `.old-step_N-*` folder whose `step_N` is missing (a same-step
+/// re-save moved it aside and crashed, or failed to move it back, before the next save puts it
+/// back). A missing root gives an empty list.
+pub fn list_restorable(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+    let mut out = list_checkpoints(root)?;
+    let rd = match fs::read_dir(root) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(CheckpointError::io("list", root, e)),
+    };
+    for entry in rd {
+        let entry = entry.map_err(|e| CheckpointError::io("list", root, e))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(step_name) = old_dir_step_name(&name) else { continue };
+        if entry.path().is_dir() && !root.join(&step_name).exists() {
+            out.extend(parse_step_dir_name(&step_name).map(|step| (step, entry.path())));
+        }
+    }
+    out.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    Ok(out)
+}
+
+/// Whether `path` is named as a step folder (`step_*`, or `.old-step_*`).
+fn is_step_dir(path: &Path) -> bool {
+    path.file_name().map(|n| n.to_string_lossy()).is_some_and(|n| parse_step_dir_name(&n).is_some() || old_dir_step_name(&n).is_some())
+}
+
 /// Candidate dirs in preference order: the one named by `root/latest`, then `step_*` by step
 /// descending, then `.old-step_*` left by a crash during a same-step re-save.
 fn candidates(root: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
@@ -195,10 +236,13 @@ pub fn load_latest_valid(root: &Path) -> Result<LatestValid, CheckpointError> {
     Ok(LatestValid { found: None, skipped })
 }
 
-/// Resolve `--resume DIR`: a step dir (contains `manifest.json`) is loaded strictly; anything
-/// else is treated as a checkpoint root and its newest valid checkpoint is used.
+/// Resolve `--resume DIR`: a step dir (contains `manifest.json`, or is named `step_*`) is loaded
+/// strictly; anything else is treated as a checkpoint root and its newest valid checkpoint is
+/// used.
 pub fn resolve_resume(path: &Path) -> Result<ResolvedResume, CheckpointError> {
-    if path.join(MANIFEST_FILE).is_file() {
+    // A step folder that lost its manifest is a damaged step folder (the error names the
+    // manifest), not a checkpoint root without checkpoints.
+    if path.join(MANIFEST_FILE).is_file() || (is_step_dir(path) && path.is_dir()) {
         let state = load(path)?;
         return Ok(ResolvedResume { dir: path.to_path_buf(), state, skipped: Vec::new() });
     }

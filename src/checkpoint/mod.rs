@@ -8,7 +8,8 @@
 //!   step_00000100/
 //!     params.safetensors    # f32 model parameters, names as in the model (HF GPT-2 names)
 //!     optim.safetensors     # f32 optimizer state ("exp_avg/<param>", flat buffers, ...)
-//!     manifest.json         # format version, step, config hash, cursors, file sizes + blake3
+//!     manifest.json         # format version, step, config hash, cursors, file sizes + blake3,
+//!                           # and last its own blake3 (`manifest_blake3`, from version 2)
 //! ```
 //! A save goes to `root/.tmp-step_XXXXXXXX-<pid>/`, is fsynced, then renamed into place, so a
 //! crash never leaves a half-written directory under a final `step_*` name. Every step of a
@@ -31,11 +32,19 @@ use std::io;
 use std::path::PathBuf;
 
 pub use export::{export_hf_gpt2, gpt2_expected_tensors, Gpt2ExportConfig};
-pub use load::{list_checkpoints, load, load_latest_valid, resolve_resume, LatestValid, ResolvedResume, SkippedCheckpoint};
+pub use load::{
+    list_checkpoints, list_restorable, load, load_latest_valid, resolve_resume, LatestValid, ResolvedResume, SkippedCheckpoint,
+};
 pub use save::save;
 
-/// Version of the manifest/file layout written by [`save`]; [`load`] rejects other versions.
-pub const FORMAT_VERSION: u32 = 1;
+#[cfg(test)]
+pub(crate) use fsio::{FAULT_HOOK, WRITE_HOOK};
+#[cfg(test)]
+pub(crate) use save::old_dir_step_name;
+
+/// Version of the manifest/file layout written by [`save`]; [`load`] reads it and version 1
+/// (the same without the manifest's own digest) and rejects other versions.
+pub const FORMAT_VERSION: u32 = 2;
 /// The `format` string stored in every manifest.
 pub const FORMAT_NAME: &str = "tessera-checkpoint";
 /// File names inside a step directory.
@@ -85,7 +94,7 @@ pub enum CheckpointError {
     HashMismatch { path: PathBuf, expected: String, found: String },
     #[error("`{path}`: invalid manifest: {reason}")]
     Manifest { path: PathBuf, reason: String },
-    #[error("`{path}`: unsupported checkpoint format version {found} (this build reads version {expected})")]
+    #[error("`{path}`: unsupported checkpoint format version {found} (this build reads versions 1 to {expected})")]
     FormatVersion { path: PathBuf, found: u32, expected: u32 },
     #[error("`{path}`: invalid safetensors file: {reason}")]
     Safetensors { path: PathBuf, reason: String },

@@ -95,7 +95,7 @@ fn write_step_files(root: &Dir, tmp: &str, state: &CheckpointState) -> Result<()
         params: entries(&state.params),
         optim: entries(&state.optim),
     };
-    let json = serde_json::to_vec_pretty(&manifest)
+    let json = super::manifest::encode(&manifest)
         .map_err(|e| CheckpointError::Manifest { path: dir.join(MANIFEST_FILE), reason: format!("cannot encode: {e}") })?;
     write_new_file_in(&dir, MANIFEST_FILE, bytes_fill(&json))?;
     fault_point("fsync", tmp).and_then(|()| dir.sync()).map_err(|e| CheckpointError::io("fsync directory", dir.path(), e))

@@ -286,6 +286,18 @@ fn resolve_resume_accepts_root_or_step_dir() {
     assert!(matches!(resolve_resume(&tmp.path().join("nope")), Err(CheckpointError::NotFound { .. })));
 }
 
+/// A step folder without its manifest is a damaged step folder: the error names the manifest
+/// (it was taken for a checkpoint root and reported as "no valid checkpoint found").
+#[test]
+fn a_step_folder_without_its_manifest_names_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save(tmp.path(), &sample_state(2), 0).unwrap();
+    fs::remove_file(dir.join(MANIFEST_FILE)).unwrap();
+    let msg = resolve_resume(&dir).unwrap_err().to_string();
+    assert!(msg.contains(MANIFEST_FILE), "{msg}");
+    assert!(resolve_resume(tmp.path()).is_err());
+}
+
 #[test]
 fn manifest_version_and_step_are_checked() {
     let tmp = tempfile::tempdir().unwrap();
@@ -299,11 +311,58 @@ fn manifest_version_and_step_are_checked() {
     assert!(matches!(err, CheckpointError::FormatVersion { found: 99, .. }), "{err}");
     let mut m: serde_json::Value = serde_json::from_str(&original).unwrap();
     m["step"] = serde_json::json!(8);
-    fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    fs::write(&mpath, resign(m)).unwrap();
     let msg = load(&dir).unwrap_err().to_string();
-    assert!(msg.contains("manifest.json") && msg.contains("step"), "{msg}");
+    assert!(msg.contains("manifest.json") && msg.contains("key `step`: 8 but directory is for step 7"), "{msg}");
     fs::write(&mpath, b"{not json").unwrap();
     assert!(matches!(load(&dir), Err(CheckpointError::Manifest { .. })));
+}
+
+/// `manifest` (JSON) encoded as `save` writes it, with a digest of its own that matches.
+fn resign(mut manifest: serde_json::Value) -> Vec<u8> {
+    manifest.as_object_mut().unwrap().remove("manifest_blake3");
+    super::manifest::encode(&manifest).unwrap()
+}
+
+/// Every field of the manifest is guarded: a digit changed in the data cursor, the counters or
+/// the loss scaler (which no file digest covers) is a corrupted manifest, not another state.
+/// (Before the manifest had its own digest, such a checkpoint loaded with the changed value;
+/// `engine::restore_sim` found it.)
+#[test]
+fn a_changed_byte_anywhere_in_the_manifest_is_caught() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save(tmp.path(), &sample_state(7), 0).unwrap();
+    let mpath = dir.join(MANIFEST_FILE);
+    let original = fs::read(&mpath).unwrap();
+    assert_eq!(resign(serde_json::from_slice(&original).unwrap()), original, "the test's encoding is save's");
+    let at = original.windows(6).position(|w| w == b"\"lr_st").unwrap();
+    let digit = at + original[at..].iter().position(u8::is_ascii_digit).unwrap();
+    for pos in [digit, 0, original.len() / 2, original.len() - 5, original.len() - 1] {
+        let mut bytes = original.clone();
+        bytes[pos] = if pos == digit { bytes[pos] ^ 0x01 } else { bytes[pos] ^ 0x21 };
+        fs::write(&mpath, &bytes).unwrap();
+        let msg = load(&dir).unwrap_err().to_string();
+        assert!(msg.contains("manifest.json"), "byte {pos}: {msg}");
+    }
+    fs::write(&mpath, &original).unwrap();
+    assert_same_state(&sample_state(7), &load(&dir).unwrap());
+}
+
+/// Version 1 manifests (no digest of their own) still load; a version 2 one that claims to be
+/// version 1 does not.
+#[test]
+fn version_1_manifests_load_without_their_own_digest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save(tmp.path(), &sample_state(4), 0).unwrap();
+    let mpath = dir.join(MANIFEST_FILE);
+    let mut m: serde_json::Value = serde_json::from_slice(&fs::read(&mpath).unwrap()).unwrap();
+    m["format_version"] = serde_json::json!(1);
+    fs::write(&mpath, resign(m.clone())).unwrap();
+    let msg = load(&dir).unwrap_err().to_string();
+    assert!(msg.contains("manifest.json") && msg.contains("version 2"), "{msg}");
+    m.as_object_mut().unwrap().remove("manifest_blake3");
+    fs::write(&mpath, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    assert_same_state(&sample_state(4), &load(&dir).unwrap());
 }
 
 #[test]

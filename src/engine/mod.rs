@@ -13,6 +13,8 @@ mod precision;
 mod ranks;
 mod remote;
 mod replica;
+#[cfg(test)]
+mod restore_sim;
 mod run;
 mod stop_actor;
 mod store;

@@ -95,6 +95,12 @@ fn fresh_start(cfg: &Config, plan: &Plan) -> Start {
 /// against the config (model, tokenizer, seed, step range, data cursor). `verbose`: print the
 /// checkpoints skipped as damaged (the CPU driver and the GPU path's rank 0).
 pub(crate) fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Result<Start> {
+    resume_point(cfg, plan, dir, verbose).map(|(start, _)| start)
+}
+
+/// [`resume_start`], and the step directory `dir` resolved to (`dir` may be a checkpoint
+/// root): what an elastic run falls back on when no checkpoint of its own is left.
+fn resume_point(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Result<(Start, PathBuf)> {
     let (start, path) = checkpoint_start(cfg, plan, dir, verbose)?;
     if start.step >= cfg.tessera.steps {
         bail!(
@@ -104,7 +110,7 @@ pub(crate) fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool)
             cfg.tessera.steps
         );
     }
-    Ok(start)
+    Ok((start, path))
 }
 
 /// The state a checkpoint holds (see [`resume_start`], without the check against the run's
@@ -187,9 +193,8 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Res
 
 /// An elastic run's restore path: the newest valid checkpoint under `root` at or before step
 /// `at` (damaged ones are skipped), else where the run started (`resume`, or the seeded
-/// initial state). Returns the state and a description of it.
-/// Loads the newest valid checkpoint at or before `at` (else where the run resumed, else the
-/// seeded start); each one skipped as damaged is reported to `skipped(dir, why)`.
+/// initial state). Returns the state and a description of it; each checkpoint skipped as
+/// damaged is reported to `skipped(dir, why)`. The choice is [`restore_choice`]'s.
 fn restore_from_disk(
     cfg: &Config,
     plan: &Plan,
@@ -198,10 +203,35 @@ fn restore_from_disk(
     at: u64,
     skipped: &dyn Fn(&Path, &str),
 ) -> Result<(Start, String)> {
-    for (step, dir) in checkpoint::list_checkpoints(root).unwrap_or_default().into_iter().filter(|(s, _)| *s <= at) {
-        let why = match checkpoint_start(cfg, plan, &dir, false) {
-            Ok((start, _)) if start.step == step => return Ok((start, format!("checkpoint {}", dir.display()))),
-            Ok((start, _)) => format!("it holds step {}, not {step}", start.step),
+    let load = |dir: &Path| checkpoint_start(cfg, plan, dir, false).map(|(start, _)| (start.step, start));
+    restore_choice(root, resume, at, &load, &|| fresh_start(cfg, plan), skipped).map(|(_, start, source)| (start, source))
+}
+
+/// Which state a restore at or before step `at` loads (what [`restore_from_disk`] does, over
+/// any `load`, so that `restore_sim` runs it on small states): the first of `root`'s
+/// checkpoints at or before `at` (`checkpoint::list_restorable`), newest first, that `load`
+/// accepts and that holds its folder's step (each other one is warned about and reported to
+/// `skipped(dir, why)`, and so is a `root` that cannot be listed), else `resume` (the step
+/// directory the run resumed from; refused when it is past `at`), else `fresh()` (step 0).
+/// Returns the step, the state and where it came from.
+pub(crate) fn restore_choice<S>(
+    root: &Path,
+    resume: Option<&Path>,
+    at: u64,
+    load: &dyn Fn(&Path) -> Result<(u64, S)>,
+    fresh: &dyn Fn() -> S,
+    skipped: &dyn Fn(&Path, &str),
+) -> Result<(u64, S, String)> {
+    let found = checkpoint::list_restorable(root).unwrap_or_else(|e| {
+        let why = format!("its checkpoints cannot be listed: {e}");
+        eprintln!("warning: skipped checkpoint folder {}: {why}", root.display());
+        skipped(root, &why);
+        Vec::new()
+    });
+    for (step, dir) in found.into_iter().filter(|(s, _)| *s <= at) {
+        let why = match load(&dir) {
+            Ok((got, state)) if got == step => return Ok((step, state, format!("checkpoint {}", dir.display()))),
+            Ok((got, _)) => format!("it holds step {got}, not {step}"),
             Err(e) => format!("{e:#}"),
         };
         eprintln!("warning: skipped checkpoint {}: {why}", dir.display());
@@ -209,10 +239,16 @@ fn restore_from_disk(
     }
     match resume {
         Some(dir) => {
-            let (start, path) = checkpoint_start(cfg, plan, dir, false)?;
-            Ok((start, format!("checkpoint {} (where the run resumed)", path.display())))
+            let (step, state) = load(dir)?;
+            if step > at {
+                bail!(
+                    "no valid checkpoint at or before step {at} is left: the one the run resumed from, {}, is at step {step}",
+                    dir.display()
+                );
+            }
+            Ok((step, state, format!("checkpoint {} (where the run resumed)", dir.display())))
         }
-        None => Ok((fresh_start(cfg, plan), "the seeded initial state (step 0)".to_string())),
+        None => Ok((0, fresh(), "the seeded initial state (step 0)".to_string())),
     }
 }
 
@@ -346,7 +382,8 @@ struct Run<'a> {
 /// What an elastic run keeps besides its ranks.
 struct ElasticRunState {
     er: ElasticRun,
-    /// Where the run started from (`--resume`), the restore path of last resort.
+    /// The step directory the run started from (what `--resume` resolved to), the restore
+    /// path of last resort.
     resume: Option<PathBuf>,
     stats: ElasticSummary,
     /// The step/commit/recover loop's decisions (`tessera_actors::stepper`).
@@ -390,11 +427,13 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     let plan = Arc::new(Plan::new(cfg, &dataset)?);
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
-    let start = match &opts.resume {
-        Some(dir) => resume_start(cfg, &plan, dir, true)?,
+    // An elastic run falls back on the very checkpoint it resumed from, not on whatever
+    // `--resume`'s folder (maybe this run's own checkpoint root) holds newest by then.
+    let (start, resumed_from) = match &opts.resume {
+        Some(dir) => resume_point(cfg, &plan, dir, true).map(|(start, path)| (start, Some(path)))?,
         None => {
             refuse_to_overwrite(&out_dir.join("checkpoints"))?;
-            fresh_start(cfg, &plan)
+            (fresh_start(cfg, &plan), None)
         }
     };
     let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?);
@@ -436,8 +475,7 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
             None => Origin::Spawn { net: net.as_ref() },
         };
         let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir, &dataset, origin).context("starting the workers")?;
-        elastic =
-            Some(ElasticRunState { er, resume: opts.resume.clone(), stats: ElasticSummary::default(), stepper: Stepper::new(start.step) });
+        elastic = Some(ElasticRunState { er, resume: resumed_from, stats: ElasticSummary::default(), stepper: Stepper::new(start.step) });
         (Ranks::Elastic(Box::new(fleet)), workers)
     } else {
         let states = rank_states(cfg, &plan, &start)?;
