@@ -49,8 +49,10 @@ mod liveness_sim;
 mod loop_sim;
 #[cfg(test)]
 mod recovery_sim;
-#[cfg(test)]
-mod sim_support;
+/// The seeded simulations' shared test scaffolding (many seeds, replay, determinism); also
+/// used by the `tessera` crate's `restore_sim`.
+#[doc(hidden)]
+pub mod sim_support;
 #[cfg(test)]
 mod stepper_sim;
 #[cfg(test)]

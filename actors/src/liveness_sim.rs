@@ -774,7 +774,9 @@ mod tests {
     #[test]
     fn liveness_many_seeds() {
         let mut tally = Tally::default();
-        let n = crate::sim_support::many_seeds("failure detection", "liveness_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
+        let n = crate::sim_support::many_seeds("failure detection", "-p tessera-actors liveness_replay", DEFAULT_SEEDS, run_seed, |t| {
+            tally.add(t)
+        });
         println!("{tally:?}");
         // Every path must actually be exercised.
         let some = n / 100;

@@ -546,7 +546,9 @@ mod tests {
     #[test]
     fn loop_many_seeds() {
         let mut tally = Tally::default();
-        let n = crate::sim_support::many_seeds("composed step loop", "loop_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
+        let n = crate::sim_support::many_seeds("composed step loop", "-p tessera-actors loop_replay", DEFAULT_SEEDS, run_seed, |t| {
+            tally.add(t)
+        });
         println!("{tally:?}");
         // Every path must actually be exercised (a failed commit completed by the restore
         // during a replay needs a restore from an older checkpoint and then a replayed commit

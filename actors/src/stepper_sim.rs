@@ -378,7 +378,8 @@ mod tests {
     #[test]
     fn stepper_many_seeds() {
         let mut tally = Tally::default();
-        let n = crate::sim_support::many_seeds("step machine", "stepper_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
+        let n =
+            crate::sim_support::many_seeds("step machine", "-p tessera-actors stepper_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
         println!("{tally:?}");
         // Every path must actually be exercised.
         let some = n / 50;

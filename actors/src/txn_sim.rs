@@ -770,7 +770,8 @@ mod tests {
     #[test]
     fn txn_many_seeds() {
         let mut tally = Tally::default();
-        let n = crate::sim_support::many_seeds("step transaction", "txn_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
+        let n =
+            crate::sim_support::many_seeds("step transaction", "-p tessera-actors txn_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
         println!("{tally:?}");
         // Every path must actually be exercised.
         let some = n / 100;

@@ -758,7 +758,8 @@ mod tests {
     #[test]
     fn worker_many_seeds() {
         let mut tally = Tally::default();
-        let n = crate::sim_support::many_seeds("worker command", "worker_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
+        let n =
+            crate::sim_support::many_seeds("worker command", "-p tessera-actors worker_replay", DEFAULT_SEEDS, run_seed, |t| tally.add(t));
         println!("{tally:?}");
         // Every path must actually be exercised.
         let some = n / 200;

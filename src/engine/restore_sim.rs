@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
 use anyhow::Result;
+use tessera_actors::sim_support;
 use tessera_kernels::tensor::Rng;
 
 use super::run::restore_choice;
@@ -764,56 +765,32 @@ fn run_seed(seed: u64, trace: Option<&mut Vec<String>>) -> Result<Outcome, Strin
 /// outcome; panics with the broken rule when it fails.
 #[test]
 fn restore_replay() {
-    let seed = std::env::var("TESSERA_SIM_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(7);
-    println!("seed {seed}: {:#?}", build(seed));
-    let mut trace = Vec::new();
-    let got = run_seed(seed, Some(&mut trace));
-    for line in &trace {
-        println!("  {line}");
-    }
-    match got {
-        Ok(t) => println!("seed {seed}: {t:?}"),
-        Err(e) => panic!("{e}"),
-    }
+    sim_support::replay(build, run_seed);
 }
 
 /// Seeds 1, 2 and 3, each run twice, give the same outcome and the same trace.
 #[test]
 fn restore_sim_is_deterministic() {
-    for seed in [1, 2, 3] {
-        let (mut a, mut b) = (Vec::new(), Vec::new());
-        let (x, y) = (run_seed(seed, Some(&mut a)), run_seed(seed, Some(&mut b)));
-        assert_eq!((format!("{x:?}"), a), (format!("{y:?}"), b), "seed {seed}");
-    }
+    sim_support::assert_deterministic(run_seed);
 }
 
 /// Runs seeds `0..n` (`TESSERA_SIM_SEEDS`, else 1000); a seed that breaks a rule fails the test
 /// with the command that replays it.
 #[test]
 fn restore_many_seeds() {
-    let n = std::env::var("TESSERA_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000u64);
-    let started = std::time::Instant::now();
     let mut total = Outcome::default();
-    for seed in 0..n {
-        let got = std::panic::catch_unwind(|| run_seed(seed, None)).unwrap_or_else(|_| Err("the simulation panicked".into()));
-        match got {
-            Ok(o) => {
-                total.saves_ok += o.saves_ok;
-                total.saves_failed += o.saves_failed;
-                total.crashes += o.crashes;
-                total.damages += o.damages;
-                total.from_checkpoint += o.from_checkpoint;
-                total.from_resume += o.from_resume;
-                total.from_fresh += o.from_fresh;
-                total.refused += o.refused;
-                total.skips_reported += o.skips_reported;
-            }
-            Err(e) => panic!(
-                "restore simulation failed: {e}\n\nreplay: TESSERA_SIM_SEED={seed} cargo test --release -p tessera --lib restore_replay -- --nocapture"
-            ),
-        }
-    }
-    println!("{n} seeds in {:.2} s: {total:?}", started.elapsed().as_secs_f64());
+    let n = sim_support::many_seeds("restore", "-p tessera --lib restore_replay", 1000, run_seed, |o| {
+        total.saves_ok += o.saves_ok;
+        total.saves_failed += o.saves_failed;
+        total.crashes += o.crashes;
+        total.damages += o.damages;
+        total.from_checkpoint += o.from_checkpoint;
+        total.from_resume += o.from_resume;
+        total.from_fresh += o.from_fresh;
+        total.refused += o.refused;
+        total.skips_reported += o.skips_reported;
+    });
+    println!("{total:?}");
     assert!(n < 200 || (total.crashes > 0 && total.saves_failed > 0 && total.from_resume > 0 && total.from_fresh > 0 && total.refused > 0));
 }
 
