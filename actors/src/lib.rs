@@ -28,6 +28,7 @@ pub mod cluster;
 pub mod compute;
 pub mod driver;
 pub mod error;
+pub mod formation;
 pub mod liveness;
 pub mod membership;
 pub mod node;
