@@ -45,6 +45,8 @@ pub mod worker;
 pub(crate) mod worker_cmd;
 
 #[cfg(test)]
+mod formation_sim;
+#[cfg(test)]
 mod liveness_sim;
 #[cfg(test)]
 mod loop_sim;
