@@ -210,7 +210,7 @@ fn run_seed(seed: u64, mut trace: Option<&mut Vec<String>>) -> Result<Tally, Str
             // The oracle, from the timeline.
             let eligible = joiners
                 .iter()
-                .filter(|j| j.arrives.is_some_and(|a| a <= p) && !j.fence.is_some_and(|f| f <= p) && !ever_members.contains(&j.id))
+                .filter(|j| j.arrives.is_some_and(|a| a <= p) && j.fence.is_none_or(|f| f > p) && !ever_members.contains(&j.id))
                 .map(|j| j.id);
             let room = world.max_workers.saturating_sub(staying.len());
             let want_members: Vec<u64> = staying.iter().copied().chain(eligible.take(room)).collect();
