@@ -23,11 +23,14 @@
 //! leaving and fenced workers) as a sans-IO state machine, simulated by `liveness_sim`.
 //! `worker_cmd` is the DeviceWorker's handling of commands as a sans-IO machine, simulated
 //! under a real step transaction by `worker_sim`.
+//! [`formation`] is the timing of joins and drains (the driver's wait for a new epoch's members,
+//! a worker's drain timer) as sans-IO machines, simulated by `formation_sim`.
 
 pub mod cluster;
 pub mod compute;
 pub mod driver;
 pub mod error;
+pub mod formation;
 pub mod liveness;
 pub mod membership;
 pub mod node;
@@ -43,6 +46,8 @@ pub mod txn;
 pub mod worker;
 pub(crate) mod worker_cmd;
 
+#[cfg(test)]
+mod formation_sim;
 #[cfg(test)]
 mod liveness_sim;
 #[cfg(test)]

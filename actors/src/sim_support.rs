@@ -1,5 +1,5 @@
 //! What the seeded simulations share in their tests (this crate's `stepper_sim`, `txn_sim`,
-//! `loop_sim`, `liveness_sim`, `worker_sim`, and the `tessera` crate's `restore_sim`): running many seeds, replaying one seed with its trace, and checking that
+//! `loop_sim`, `liveness_sim`, `worker_sim`, `formation_sim`, and the `tessera` crate's `restore_sim`): running many seeds, replaying one seed with its trace, and checking that
 //! a seed gives the same outcome and trace every time. A simulation exposes `build(seed)` (the world it draws)
 //! and `run_seed(seed, trace)` (its outcome, or the broken rule).
 

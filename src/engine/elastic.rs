@@ -85,8 +85,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::formation::{FormMembers, Formation};
 use tessera_actors::liveness::{self, Liveness};
-use tessera_actors::recovery::{self, Holdings, Layout, NextMembers, Survivor};
+use tessera_actors::recovery::{self, Holdings, Layout, Survivor};
 use tessera_actors::replan::{Rebalancer, Speeds};
 use tessera_actors::WorkerStopper;
 use tessera_chaos::link::WorkerNet;
@@ -1028,34 +1029,31 @@ impl Fleet {
         // admitted joiners (`recovery::next_members`); below `min_workers` wait for joins.
         let survivors: Vec<Survivor<Arc<Member>>> =
             alive.iter().map(|m| Survivor { id: Arc::clone(m), draining: shared.draining(m.id) }).collect();
-        let wait_until = Instant::now() + Duration::from_millis(shared.er.join_wait_ms);
-        let mut said = false;
+        // The wait for joins is `formation::FormMembers`, fed the ms since it started.
+        let began = Instant::now();
+        let ms = || began.elapsed().as_millis() as u64;
+        let (er, admitted) = (&shared.er, std::mem::take(&mut self.admitted));
+        let mut form = FormMembers::new(survivors, admitted, er.min_workers, er.max_workers, er.join_wait_ms, 0);
         let (next, draining) = loop {
             for j in relock(&shared.joiners).drain(..) {
                 let link = Mutex::new(Link { stream: j.conn, snapshot: Snapshot::default() });
-                self.admitted.push(Arc::new(Member { id: j.id, pid: j.pid, link }));
+                form.join(Arc::new(Member { id: j.id, pid: j.pid, link }));
             }
-            self.admitted.retain(|m| !shared.is_fenced(m.id));
-            let have = match recovery::next_members(&survivors, &self.admitted, shared.er.min_workers, shared.er.max_workers) {
-                NextMembers::Formed { members, draining } => break (members, draining),
-                NextMembers::TooFew { have } => have,
-            };
-            if Instant::now() >= wait_until {
-                bail!(
-                    "only {have} worker(s) left and none joined within {} ms; tessera.elastic.min_workers = {}",
-                    shared.er.join_wait_ms,
-                    shared.er.min_workers
-                );
+            match form.poll(ms(), |m| shared.is_fenced(m.id)) {
+                Formation::Formed { members, draining } => break (members, draining),
+                Formation::Wait { say } => {
+                    if let Some(line) = say {
+                        eprintln!("{line}");
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Formation::Fail(e) => {
+                    self.admitted = form.into_admitted();
+                    bail!("{e}");
+                }
             }
-            if !said {
-                said = true;
-                eprintln!(
-                    "elastic: {have} worker(s), waiting up to {} ms for joins (min_workers = {})",
-                    shared.er.join_wait_ms, shared.er.min_workers
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
         };
+        self.admitted = form.into_admitted();
         if next.iter().any(|m| shared.is_fenced(m.id)) {
             return Ok(None);
         }

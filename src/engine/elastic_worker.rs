@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tessera_actors::compute::{StepOrder, WorkerCompute};
+use tessera_actors::formation::DrainTimer;
 use tessera_transport::collective::{AbortHandle, Collective, CollectiveError, CommStats};
 use tessera_transport::quic::{rustls, ClusterSpec, ControlConn, ControlEndpoint, NodeTls, QuicComm};
 
@@ -243,22 +244,24 @@ fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) -> Res
     let link_conn = conn.clone();
     let mut reader = conn.clone();
     let leaving = Arc::new(AtomicBool::new(false));
-    let (beat, grace) = (Duration::from_millis(er.heartbeat_ms), Duration::from_millis(er.drain_grace_ms));
+    let (beat, grace_ms) = (Duration::from_millis(er.heartbeat_ms), er.drain_grace_ms);
     let heartbeat_leaving = Arc::clone(&leaving);
     std::thread::Builder::new()
         .name("tessera-heartbeat".into())
         .spawn(move || {
-            let mut draining: Option<Instant> = None;
+            // The drain rule is `formation::DrainTimer`, fed the ms since this thread started.
+            let began = Instant::now();
+            let mut timer = DrainTimer::new(grace_ms);
             while !heartbeat_leaving.load(Ordering::SeqCst) {
-                if draining.is_none() && TERM.load(Ordering::SeqCst) {
-                    draining = Some(Instant::now());
+                let tick = timer.tick(began.elapsed().as_millis() as u64, TERM.load(Ordering::SeqCst));
+                if tick.draining {
                     eprintln!("worker {id}: SIGTERM: handing my shard over at the next step boundary");
                     if wire::send(&mut conn, &ToParent::Draining).is_err() {
                         return;
                     }
                 }
-                if draining.is_some_and(|t| t.elapsed() > grace) {
-                    eprintln!("worker {id}: no step boundary within the drain grace period of {} ms; leaving", grace.as_millis());
+                if tick.leave {
+                    eprintln!("worker {id}: no step boundary within the drain grace period of {grace_ms} ms; leaving");
                     std::process::exit(3);
                 }
                 if wire::send(&mut conn, &ToParent::Heartbeat).is_err() {
