@@ -160,18 +160,15 @@ impl Liveness {
     }
 
     /// Whether `id` is fenced (declared lost, here or elsewhere).
+    #[cfg(test)]
     pub fn is_fenced(&self, id: u64) -> bool {
         self.fenced.contains(&id)
     }
 
     /// Whether `id` is watched now (registered, neither leaving nor fenced).
+    #[cfg(test)]
     pub fn is_watched(&self, id: u64) -> bool {
         self.watched.contains_key(&id)
-    }
-
-    /// The heartbeat timeout (ms).
-    pub fn timeout_ms(&self) -> u64 {
-        self.timeout_ms
     }
 }
 
