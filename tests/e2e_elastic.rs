@@ -285,6 +285,46 @@ fn a_sigterm_drains_the_worker_and_the_run_goes_on() {
     assert!(log.contains(r#""event":"drained""#) && log.contains("exited with status 0"), "{log}");
 }
 
+/// A SIGTERM whose drain grace runs out: rank 0 is SIGSTOPped at step 2 (for longer than the
+/// run, and the heartbeat timeout raised to 4 s, so no step boundary and no recovery can come
+/// for seconds), then rank 2 gets SIGTERM with `drain_grace_ms` = 300. Rank 2 asks to drain,
+/// no boundary comes within the grace, so it leaves on its own (status 3) and is counted lost,
+/// not drained; rank 0 is lost to the heartbeat timeout later. Ranks 0 and 2 are not ring
+/// neighbours, so both shards come from replicas; the run ends on the fault-free bits with every
+/// step. A drain that completed instead fails the test (drained 1, no status 3, no grace line).
+#[test]
+fn a_drain_whose_grace_runs_out_is_a_loss_and_the_run_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let faults = r#"[{"at_step": 2, "kind": "stop", "rank": 0, "duration_ms": 60000}, {"at_step": 2, "kind": "term", "rank": 2}]"#;
+    let sets = ["tessera.elastic.drain_grace_ms=300", "tessera.elastic.heartbeat_timeout_ms=4000"];
+    let r = chaos_with(tmp.path(), faults, 8, 1, &sets, &[]);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["workers_drained"], 0, "the grace ran out: no drain completed: {r:#}");
+    assert_eq!(el["workers_lost"], 2, "the stopped worker and the drainer whose grace ran out: {r:#}");
+    let (log, events) = faulted_events(tmp.path());
+    assert!(!events.iter().any(|e| e["event"] == "drained"), "{log}");
+    // The faults' targets read "rank R (worker ID, pid P)".
+    let worker = |kind: &str| -> u64 {
+        let t = fault(&r, kind)["target"].as_str().unwrap().to_string();
+        t.split("(worker ").nth(1).and_then(|x| x.split(',').next()).and_then(|x| x.parse().ok()).unwrap_or_else(|| panic!("{kind}: {t}"))
+    };
+    let (stopped, termed) = (worker("stop"), worker("term"));
+    let asked = events.iter().find(|e| e["event"] == "drain_requested").unwrap_or_else(|| panic!("no drain request:\n{log}"));
+    assert_eq!(asked["id"], termed, "{log}");
+    let lost =
+        |id: u64| events.iter().find(|e| e["event"] == "lost" && e["id"] == id).unwrap_or_else(|| panic!("worker {id} not lost:\n{log}"));
+    let why = lost(termed)["why"].as_str().unwrap();
+    assert!(
+        why.contains("exited with status 3: it got SIGTERM and no step boundary came within its drain grace")
+            && why.contains("tessera.elastic.drain_grace_ms = 300"),
+        "the drainer should leave on its own at the end of its grace, and the driver say so: {why}\n{log}"
+    );
+    assert_eq!(fault(&r, "term")["note"], "asked to drain; left after the drain grace period (lost)", "{r:#}");
+    assert!(lost(stopped)["why"].as_str().unwrap().contains("no heartbeat"), "{log}");
+    let driver = std::fs::read_to_string(tmp.path().join("chaos/faulted.log")).unwrap();
+    assert!(driver.contains("no step boundary within the drain grace period of 300 ms; leaving"), "{driver}");
+}
+
 /// `"launch": "agents"`: the faulted run is `tessera coordinator` and four `tessera agent --join`
 /// processes (the fault-free run is `train --nprocs 4`). An agent SIGKILLed, one more agent
 /// joining with the coordinator's token, and a SIGTERM drain: the same bits, every step
