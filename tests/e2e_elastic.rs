@@ -655,7 +655,8 @@ fn below_min_workers_the_run_fails_after_join_wait_ms_and_resumes_from_its_check
     assert!(text.contains(&format!("(pid {victim}): the process was killed by signal 9")), "{text}");
     assert_eq!(text.matches("elastic: 3 worker(s), waiting up to 1500 ms for joins (min_workers = 4)").count(), 1, "said once:\n{text}");
     assert!(
-        text.contains("only 3 worker(s) left and none joined within 1500 ms") && text.contains("tessera.elastic.min_workers = 4"),
+        text.contains("only 3 worker(s) left and none joined within tessera.elastic.join_wait_ms = 1500 ms")
+            && text.contains("tessera.elastic.min_workers = 4"),
         "{text}"
     );
     assert!(workers_of(&out).is_empty(), "workers left behind: {:?}\n{text}", workers_of(&out));
