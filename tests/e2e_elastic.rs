@@ -1,9 +1,12 @@
 //! Elastic training (`train --nprocs N` with `tessera.elastic.enabled`), through the chaos
 //! harness (`tessera chaos run`): workers killed, hung (SIGSTOP), drained (SIGTERM) and joining
 //! mid-run; the faulted run must end with the fault-free run's `params_blake3` and every step
-//! committed.
+//! committed. Without the harness: a run left below `min_workers` fails after `join_wait_ms` and
+//! resumes from its checkpoints to the uninterrupted run's bits.
 
 use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use crate::common::*;
 
@@ -285,6 +288,46 @@ fn a_sigterm_drains_the_worker_and_the_run_goes_on() {
     assert!(log.contains(r#""event":"drained""#) && log.contains("exited with status 0"), "{log}");
 }
 
+/// A SIGTERM whose drain grace runs out: rank 0 is SIGSTOPped at step 2 (for longer than the
+/// run, and the heartbeat timeout raised to 4 s, so no step boundary and no recovery can come
+/// for seconds), then rank 2 gets SIGTERM with `drain_grace_ms` = 300. Rank 2 asks to drain,
+/// no boundary comes within the grace, so it leaves on its own (status 3) and is counted lost,
+/// not drained; rank 0 is lost to the heartbeat timeout later. Ranks 0 and 2 are not ring
+/// neighbours, so both shards come from replicas; the run ends on the fault-free bits with every
+/// step. A drain that completed instead fails the test (drained 1, no status 3, no grace line).
+#[test]
+fn a_drain_whose_grace_runs_out_is_a_loss_and_the_run_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let faults = r#"[{"at_step": 2, "kind": "stop", "rank": 0, "duration_ms": 60000}, {"at_step": 2, "kind": "term", "rank": 2}]"#;
+    let sets = ["tessera.elastic.drain_grace_ms=300", "tessera.elastic.heartbeat_timeout_ms=4000"];
+    let r = chaos_with(tmp.path(), faults, 8, 1, &sets, &[]);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["workers_drained"], 0, "the grace ran out: no drain completed: {r:#}");
+    assert_eq!(el["workers_lost"], 2, "the stopped worker and the drainer whose grace ran out: {r:#}");
+    let (log, events) = faulted_events(tmp.path());
+    assert!(!events.iter().any(|e| e["event"] == "drained"), "{log}");
+    // The faults' targets read "rank R (worker ID, pid P)".
+    let worker = |kind: &str| -> u64 {
+        let t = fault(&r, kind)["target"].as_str().unwrap().to_string();
+        t.split("(worker ").nth(1).and_then(|x| x.split(',').next()).and_then(|x| x.parse().ok()).unwrap_or_else(|| panic!("{kind}: {t}"))
+    };
+    let (stopped, termed) = (worker("stop"), worker("term"));
+    let asked = events.iter().find(|e| e["event"] == "drain_requested").unwrap_or_else(|| panic!("no drain request:\n{log}"));
+    assert_eq!(asked["id"], termed, "{log}");
+    let lost =
+        |id: u64| events.iter().find(|e| e["event"] == "lost" && e["id"] == id).unwrap_or_else(|| panic!("worker {id} not lost:\n{log}"));
+    let why = lost(termed)["why"].as_str().unwrap();
+    assert!(
+        why.contains("exited with status 3: it got SIGTERM and no step boundary came within its drain grace")
+            && why.contains("tessera.elastic.drain_grace_ms = 300"),
+        "the drainer should leave on its own at the end of its grace, and the driver say so: {why}\n{log}"
+    );
+    assert_eq!(fault(&r, "term")["note"], "asked to drain; left after the drain grace period (lost)", "{r:#}");
+    assert!(lost(stopped)["why"].as_str().unwrap().contains("no heartbeat"), "{log}");
+    let driver = std::fs::read_to_string(tmp.path().join("chaos/faulted.log")).unwrap();
+    assert!(driver.contains("no step boundary within the drain grace period of 300 ms; leaving"), "{driver}");
+}
+
 /// `"launch": "agents"`: the faulted run is `tessera coordinator` and four `tessera agent --join`
 /// processes (the fault-free run is `train --nprocs 4`). An agent SIGKILLed, one more agent
 /// joining with the coordinator's token, and a SIGTERM drain: the same bits, every step
@@ -507,4 +550,131 @@ fn a_slowed_worker_is_given_fewer_micro_batches_and_the_bits_stay() {
     assert_eq!(counts.iter().sum::<u64>(), 12, "{first}");
     assert!(counts[1] < 3 && counts.iter().all(|&c| c >= counts[1]), "the slowed rank 1 should get the fewest: {first}");
     assert!(r["faults"][0]["detection_ms"].is_u64(), "{r:#}");
+}
+
+/// `train --nprocs 4` of gpt-tiny (the scenario's batch), elastic with `min_workers` 4 and a
+/// 1.5 s `join_wait_ms`, a checkpoint every 2 steps, `steps` steps, into `out`.
+fn min_workers_args(out: &Path, steps: u64) -> Vec<String> {
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let mut a: Vec<String> =
+        ["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--no-progress", "--nprocs", "4"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    a.extend(["--steps".to_string(), steps.to_string()]);
+    for set in [
+        "train_batch_size=12",
+        "train_micro_batch_size_per_gpu=1",
+        "tessera.seq_len=32",
+        "tessera.eval_iters=1",
+        "tessera.eval_interval=0",
+        "tessera.checkpoint_interval=2",
+        "scheduler.params.warmup_min_ratio=0.5",
+        "tessera.elastic.enabled=true",
+        "tessera.elastic.heartbeat_timeout_ms=1000",
+        "tessera.elastic.min_workers=4",
+        "tessera.elastic.join_wait_ms=1500",
+    ] {
+        a.extend(["--set".to_string(), set.to_string()]);
+    }
+    a
+}
+
+/// The files of checkpoint folder `step` (names and bytes).
+fn checkpoint_files(step: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(step)
+        .unwrap_or_else(|e| panic!("{}: {e}", step.display()))
+        .map(|e| e.unwrap())
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path()).unwrap()))
+        .collect();
+    files.sort();
+    files
+}
+
+/// `min_workers` = 4 of 4 processes and one worker SIGKILLed with nobody to join: the driver
+/// waits `join_wait_ms` (1.5 s), saying so once, then fails naming the wait and `min_workers`,
+/// in bounded time (120 s guard, no timing assertion) and with no worker process left. Nothing is
+/// lost: the checkpoint written before the kill is byte for byte what it was, nothing
+/// half-written lies in the folder, and `--resume` of it with 4 workers finishes the run on the
+/// bits of an uninterrupted one.
+#[test]
+fn below_min_workers_the_run_fails_after_join_wait_ms_and_resumes_from_its_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = 16;
+    let whole_out = tmp.path().join("whole");
+    let a = min_workers_args(&whole_out, steps);
+    ok(&a.iter().map(String::as_str).collect::<Vec<_>>(), tmp.path());
+    let whole = summary(&whole_out);
+    assert_eq!(whole["steps"], steps);
+
+    // The run to fail: its output goes to files (nothing reads a pipe while it runs).
+    let out = tmp.path().join("run");
+    let (stdout, stderr) = (tmp.path().join("run.out"), tmp.path().join("run.err"));
+    let mut parent = Command::new(bin())
+        .args(min_workers_args(&out, steps))
+        .current_dir(tmp.path())
+        .stdout(Stdio::from(std::fs::File::create(&stdout).unwrap()))
+        .stderr(Stdio::from(std::fs::File::create(&stderr).unwrap()))
+        .spawn()
+        .expect("spawning tessera");
+    let text =
+        || format!("{}{}", std::fs::read_to_string(&stdout).unwrap_or_default(), std::fs::read_to_string(&stderr).unwrap_or_default());
+    // Its first checkpoint (step 2, `latest` names it once it is whole) and its 4 workers.
+    let ckpts = out.join("checkpoints");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (pids, latest) = loop {
+        let pids = workers_of(&out);
+        let latest = std::fs::read_to_string(ckpts.join("latest")).ok().map(|l| l.trim().to_string()).filter(|l| !l.is_empty());
+        if let (4, Some(latest)) = (pids.len(), latest) {
+            break (pids, latest);
+        }
+        if Instant::now() >= deadline || parent.try_wait().unwrap().is_some() {
+            let _ = parent.kill();
+            let _ = parent.wait();
+            panic!("no checkpoint and 4 workers within 60 s (found {pids:?}):\n{}", text());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let before = checkpoint_files(&ckpts.join(&latest));
+    let victim = pids[1];
+    assert!(Command::new("kill").args(["-KILL", &victim.to_string()]).status().unwrap().success());
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(s) = parent.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() >= deadline {
+            let _ = parent.kill();
+            let _ = parent.wait();
+            panic!("the run did not end within 120 s of the kill (killed):\n{}", text());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = text();
+    assert!(!status.success(), "the run should fail below min_workers:\n{text}");
+    assert!(text.contains(&format!("(pid {victim}): the process was killed by signal 9")), "{text}");
+    assert_eq!(text.matches("elastic: 3 worker(s), waiting up to 1500 ms for joins (min_workers = 4)").count(), 1, "said once:\n{text}");
+    assert!(
+        text.contains("only 3 worker(s) left and none joined within tessera.elastic.join_wait_ms = 1500 ms")
+            && text.contains("tessera.elastic.min_workers = 4"),
+        "{text}"
+    );
+    assert!(workers_of(&out).is_empty(), "workers left behind: {:?}\n{text}", workers_of(&out));
+
+    // Nothing lost: the checkpoint is as it was, nothing half-written, and a resume with 4
+    // workers ends on the uninterrupted run's bits.
+    assert_eq!(checkpoint_files(&ckpts.join(&latest)), before, "{latest} changed after the failure");
+    assert_eq!(tessera_chaos::disk::checkpoint_leftovers(&ckpts), Vec::<String>::new(), "{text}");
+    let mut a = min_workers_args(&out, steps);
+    a.extend(["--resume".to_string(), ckpts.to_str().unwrap().to_string()]);
+    let resumed_text = ok(&a.iter().map(String::as_str).collect::<Vec<_>>(), tmp.path());
+    let resumed = summary(&out);
+    assert_eq!(resumed["steps"], steps, "{resumed_text}");
+    // It started from the checkpoint, not afresh: its first epoch is at that step.
+    let at: u64 = latest.trim_start_matches("step_").parse().unwrap_or_else(|_| panic!("latest names {latest}"));
+    let events = std::fs::read_to_string(out.join("elastic_events.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(events.lines().next().unwrap()).unwrap();
+    assert_eq!((first["event"].as_str(), first["step"].as_u64()), (Some("epoch"), Some(at)), "{events}");
+    assert_eq!(resumed["params_blake3"], whole["params_blake3"], "the resumed run changed the bits:\n{resumed_text}");
+    assert!(workers_of(&out).is_empty(), "workers left behind after the resumed run");
 }

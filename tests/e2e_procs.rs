@@ -43,24 +43,6 @@ fn train(dir: &Path, name: &str, ranks: &[&str], stage: u8, steps: u64, extra: &
     summary(&out)
 }
 
-/// Pids of live `tessera worker` processes started for output directory `out`.
-fn workers_of(out: &Path) -> Vec<u32> {
-    let needle = out.join("procs").display().to_string();
-    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
-    entries
-        .filter_map(|e| {
-            let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
-            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            // A zombie (state Z, after the ')') has an empty cmdline; a reaped one is gone.
-            let zombie = stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z'));
-            let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
-            let is_worker = args.get(1) == Some(&&b"worker"[..]) && args.contains(&needle.as_bytes());
-            (is_worker && !zombie).then_some(pid)
-        })
-        .collect()
-}
-
 #[test]
 fn worker_processes_give_the_bits_of_one_worker_for_zero_1_and_3() {
     let tmp = tempfile::tempdir().unwrap();

@@ -63,7 +63,7 @@ impl<W: Clone> FormMembers<W> {
         };
         if now_ms >= self.deadline_ms {
             return Formation::Fail(format!(
-                "only {have} worker(s) left and none joined within {} ms; tessera.elastic.min_workers = {}",
+                "only {have} worker(s) left and none joined within tessera.elastic.join_wait_ms = {} ms; tessera.elastic.min_workers = {}",
                 self.join_wait_ms, self.min_workers
             ));
         }
@@ -138,7 +138,10 @@ mod tests {
         );
         assert_eq!(
             f.poll(300, |_| false),
-            Formation::Fail("only 1 worker(s) left and none joined within 300 ms; tessera.elastic.min_workers = 2".into())
+            Formation::Fail(
+                "only 1 worker(s) left and none joined within tessera.elastic.join_wait_ms = 300 ms; tessera.elastic.min_workers = 2"
+                    .into()
+            )
         );
     }
 

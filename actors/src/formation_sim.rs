@@ -219,7 +219,7 @@ fn run_seed(seed: u64, mut trace: Option<&mut Vec<String>>) -> Result<Tally, Str
                 Formation::Formed { members: want_members, draining: draining.clone() }
             } else if p - b >= world.join_wait_ms {
                 Formation::Fail(format!(
-                    "only {have} worker(s) left and none joined within {} ms; tessera.elastic.min_workers = {}",
+                    "only {have} worker(s) left and none joined within tessera.elastic.join_wait_ms = {} ms; tessera.elastic.min_workers = {}",
                     world.join_wait_ms, world.min_workers
                 ))
             } else {

@@ -970,6 +970,12 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
         r.detection_ms = Some(t.saturating_sub(at));
         if n["event"] == "lost" && f.kind == FaultKind::Term {
             r.note = "left after the drain grace period (lost)".into();
+        } else if let (FaultKind::Term, Some(l)) = (f.kind, f.id.and_then(lost)) {
+            // It asked to drain, then was lost before a step boundary let it go.
+            r.note = match l["why"].as_str() {
+                Some(why) if why.contains("drain grace") => "asked to drain; left after the drain grace period (lost)".into(),
+                why => format!("asked to drain; lost before a step boundary: {}", why.unwrap_or("?")),
+            };
         }
         let back = match n["event"].as_str() {
             Some("checkpoint_failed") => events.of("checkpoint").find(|e| e["t_ms"].as_u64().unwrap_or(0) >= t),
@@ -1169,7 +1175,7 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
 
 #[cfg(test)]
 mod events_tests {
-    use super::Events;
+    use super::*;
 
     /// Regression: a poll that finds several new lines keeps every one of them (it used to skip
     /// every other line, counting the lines it had just read as already seen).
@@ -1187,5 +1193,37 @@ mod events_tests {
         e.poll();
         assert_eq!(e.all.iter().map(|v| v["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3, 4, 5, 6, 7, 8, 9]);
         assert_eq!(e.step(), 9);
+    }
+
+    /// A SIGTERMed worker that asked to drain and then left at the end of its grace is reported
+    /// as lost, not as a drain that went through (the note used to stay empty: the drain request
+    /// is found first); a drain that completed keeps no such note.
+    #[test]
+    fn a_term_whose_drain_grace_ran_out_is_noted_as_lost() {
+        let fired = || Fired {
+            kind: FaultKind::Term,
+            report: FaultReport::new(FaultKind::Term, true, String::new()),
+            id: Some(2),
+            at_ms: 1_000,
+            undone_ms: None,
+            duration_ms: None,
+        };
+        let mut events = Events::new(PathBuf::new());
+        events.all = vec![
+            serde_json::json!({"event": "drain_requested", "id": 2, "t_ms": 1_050}),
+            serde_json::json!({"event": "lost", "id": 2, "t_ms": 1_400,
+                "why": "worker 2 (pid 9): the process exited with status 3: it got SIGTERM and no step boundary came within its drain grace (tessera.elastic.drain_grace_ms = 300)"}),
+            serde_json::json!({"event": "resumed", "step": 2, "t_ms": 5_000}),
+        ];
+        let r = timings(fired(), &events, 0, None, u64::MAX);
+        assert_eq!(r.note, "asked to drain; left after the drain grace period (lost)");
+        assert_eq!((r.detection_ms, r.recovery_ms), (Some(50), Some(3_950)));
+        events.all[1]["why"] = "worker 2 (pid 9): the process was killed by signal 9".into();
+        assert_eq!(
+            timings(fired(), &events, 0, None, u64::MAX).note,
+            "asked to drain; lost before a step boundary: worker 2 (pid 9): the process was killed by signal 9"
+        );
+        events.all.remove(1);
+        assert_eq!(timings(fired(), &events, 0, None, u64::MAX).note, "");
     }
 }

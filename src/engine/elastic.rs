@@ -94,6 +94,7 @@ use tessera_chaos::link::WorkerNet;
 use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, JoinToken};
 
 use super::elastic_join::{self, Admission, Pidfd};
+use super::elastic_worker::EXIT_DRAIN_GRACE;
 use super::plan::Plan;
 use super::ranks::{OptimBuffers, RankCounters, Start};
 use super::remote::{self, describe_exit, node_name, send_start, spawn_worker, AgentAuth, Rendezvous, COORDINATOR_NAME, EXIT_TIMEOUT_MS};
@@ -321,7 +322,8 @@ fn monitor(shared: Arc<Shared>) {
         }
         for (id, c) in relock(&shared.children).iter_mut().filter(|(id, _)| !leaving.contains(id) && !fenced.contains(id)) {
             if let Some(status) = c.try_wait().ok().flatten() {
-                detector.on(now, Input::Exited { id: *id, pid: c.id(), how: describe_exit(status) });
+                let how = describe_worker_exit(status, shared.draining(*id), shared.er.drain_grace_ms);
+                detector.on(now, Input::Exited { id: *id, pid: c.id(), how });
             }
         }
         for Action::Lost { id, why } in detector.on(ms(Instant::now()), Input::Tick) {
@@ -335,6 +337,20 @@ fn monitor(shared: Arc<Shared>) {
             eprintln!("elastic: stop_actor: rank {rank}'s actor {}", if stopped { "asked to stop" } else { "not found" });
             shared.event(json!({"event": "actor_stop", "rank": rank, "id": id, "stopped": stopped}));
         }
+    }
+}
+
+/// How a spawned worker's process ended, for the reason of its loss: a worker that asked to
+/// drain and exited with [`EXIT_DRAIN_GRACE`] left because no step boundary came within its
+/// drain grace, which the reason then says (its own line on stderr says it too).
+fn describe_worker_exit(status: std::process::ExitStatus, draining: bool, grace_ms: u64) -> String {
+    let how = describe_exit(status);
+    match (draining, status.code()) {
+        (true, Some(EXIT_DRAIN_GRACE)) => format!(
+            "{how}: it got SIGTERM and no step boundary came within its drain grace \
+             (tessera.elastic.drain_grace_ms = {grace_ms})"
+        ),
+        _ => how,
     }
 }
 
@@ -1393,5 +1409,28 @@ impl WorkerCompute for ElasticCompute {
 
     fn memory(&self) -> MemoryReport {
         relock(&self.member.link).snapshot.memory.report(self.rank)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::ExitStatus;
+
+    use super::*;
+
+    /// Status 3 names the drain grace only for a worker that asked to drain; any other exit of
+    /// a drainer, and status 3 of a worker that never asked, read as before.
+    #[test]
+    fn a_drainers_exit_with_status_3_names_the_drain_grace() {
+        let exited = |code: i32| ExitStatus::from_raw(code << 8);
+        assert_eq!(
+            describe_worker_exit(exited(EXIT_DRAIN_GRACE), true, 300),
+            "exited with status 3: it got SIGTERM and no step boundary came within its drain grace \
+             (tessera.elastic.drain_grace_ms = 300)"
+        );
+        assert_eq!(describe_worker_exit(exited(EXIT_DRAIN_GRACE), false, 300), "exited with status 3");
+        assert_eq!(describe_worker_exit(exited(4), true, 300), "exited with status 4");
+        assert_eq!(describe_worker_exit(ExitStatus::from_raw(libc::SIGKILL), true, 300), "was killed by signal 9");
     }
 }

@@ -64,6 +64,8 @@ const EPOCH_BIND_TIMEOUT_MS: u64 = 10_000;
 const EPOCH_BIND_RETRY_MS: u64 = 50;
 /// Exit status of a worker the driver declared lost (fenced) or that lost its driver.
 const EXIT_FENCED: i32 = 4;
+/// Exit status of a worker that got SIGTERM and saw no step boundary within its drain grace.
+pub(super) const EXIT_DRAIN_GRACE: i32 = 3;
 /// Tag space of the full replica copies (the step is added).
 const REPLICA_TAG: u64 = 0x5250_0000_0000_0000;
 /// Bound on waiting for the background replica steps (ms); past it the replicas are dropped.
@@ -262,7 +264,7 @@ fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) -> Res
                 }
                 if tick.leave {
                     eprintln!("worker {id}: no step boundary within the drain grace period of {grace_ms} ms; leaving");
-                    std::process::exit(3);
+                    std::process::exit(EXIT_DRAIN_GRACE);
                 }
                 if wire::send(&mut conn, &ToParent::Heartbeat).is_err() {
                     return;
