@@ -660,6 +660,8 @@ fn below_min_workers_the_run_fails_after_join_wait_ms_and_resumes_from_its_check
         "{text}"
     );
     assert!(workers_of(&out).is_empty(), "workers left behind: {:?}\n{text}", workers_of(&out));
+    // The error says where to continue from.
+    assert!(text.contains(&format!("run it again with `--resume {}`", ckpts.display())), "{text}");
 
     // Nothing lost: the checkpoint is as it was, nothing half-written, and a resume with 4
     // workers ends on the uninterrupted run's bits.

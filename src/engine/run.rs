@@ -789,7 +789,17 @@ impl Run<'_> {
                         event(serde_json::json!({"event": "checkpoint_skipped", "path": dir.display().to_string(), "why": why}))
                     };
                     let restore = move |at: u64| restore_from_disk(cfg, &plan_now, &root, resume.as_deref(), at, &skipped);
-                    let rec = fleet.reconfigure(&at, dataset, &restore)?;
+                    // What was written stays: the error says where to continue from.
+                    let resume_hint = |e: anyhow::Error| match &t.last_ckpt {
+                        Some(last) => anyhow::anyhow!(
+                            "{e:#}\nthe run's checkpoints are kept (the last one written: {}); run it again with `--resume {}` to \
+                             continue from the newest valid one",
+                            last.display(),
+                            last.parent().unwrap_or(last).display()
+                        ),
+                        None => e,
+                    };
+                    let rec = fleet.reconfigure(&at, dataset, &restore).map_err(resume_hint)?;
                     self.plan = Arc::clone(&rec.plan);
                     let copts = cluster_options(&TrainOptions::default(), self.elastic.as_ref());
                     let cluster =
