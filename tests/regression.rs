@@ -99,3 +99,52 @@ fn bad_quic_variables_are_refused_before_any_worker_starts() {
         assert!(!out.join("procs").exists() && !out.join("summary.json").exists(), "{name}={value}: the run started:\n{text}");
     }
 }
+
+/// A run refused before it starts leaves no output directory behind: a config file that is not
+/// a JSON object (the message used to blame `--output`, which is a `--set` underneath), a
+/// `--resume` that holds no checkpoint, and elastic settings that contradict each other (they
+/// were checked after the output directory was made).
+#[test]
+fn a_refused_run_leaves_no_output_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let array = write(tmp.path(), "array.json", "[1, 2]");
+    let elastic = write(
+        tmp.path(),
+        "elastic.json",
+        r#"{"train_batch_size": 8, "tessera": {"elastic": {"enabled": true, "min_workers": 5, "max_workers": 2}}}"#,
+    );
+    let missing = tmp.path().join("no-such-checkpoints");
+    let cases: [(&str, &[&str], &[&str]); 3] = [
+        ("array", &["--config", array.to_str().unwrap()], &["array.json", "(top level)", "expected a JSON object"]),
+        (
+            "resume",
+            &["--config", cfg.to_str().unwrap(), "--resume", missing.to_str().unwrap()],
+            &["no-such-checkpoints", "no valid checkpoint"],
+        ),
+        ("elastic", &["--config", elastic.to_str().unwrap()], &["elastic.json", "tessera.elastic.max_workers", "min_workers (5)"]),
+    ];
+    for (name, args, expected) in cases {
+        let out = tmp.path().join(format!("out-{name}"));
+        let mut a = vec!["train", "--output", out.to_str().unwrap(), "--steps", "2", "--world", "1", "--no-progress"];
+        a.extend_from_slice(args);
+        let text = fails(&a, tmp.path());
+        for e in expected {
+            assert!(text.contains(e), "{name}: no {e:?} in:\n{text}");
+        }
+        assert!(!text.contains("--set"), "{name}: blames an override:\n{text}");
+        assert!(!out.exists(), "{name}: {} was left behind:\n{text}", out.display());
+    }
+}
+
+/// A chaos scenario whose `config` names no file is refused before anything runs, saying where a
+/// relative path is looked for, and leaves no output folder.
+#[test]
+fn a_chaos_scenario_without_its_config_file_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sc = write(tmp.path(), "s.json", r#"{"config": "nope.json", "nprocs": 2, "steps": 3, "faults": []}"#);
+    let out = tmp.path().join("chaos");
+    let text = fails(&["chaos", "run", "--scenario", sc.to_str().unwrap(), "--output", out.to_str().unwrap(), "--no-progress"], tmp.path());
+    assert!(text.contains("nope.json") && text.contains("scenario file's folder"), "{text}");
+    assert!(!out.exists(), "{text}");
+}
