@@ -137,6 +137,33 @@ fn a_refused_run_leaves_no_output_directory() {
     }
 }
 
+/// `cluster init` refuses a cluster of no nodes and a path that is a file, and an I/O error is
+/// printed once (the cause used to be repeated: "File exists (os error 17): File exists (os
+/// error 17)"); a missing tokenizer is called a tokenizer, not a data path.
+#[test]
+fn cluster_init_export_and_tokenizer_mistakes_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = fails(&["cluster", "init", "certs", "--nodes", "0"], tmp.path());
+    assert!(text.contains("--nodes 0"), "{text}");
+    assert!(!tmp.path().join("certs").exists(), "{text}");
+    let file = write(tmp.path(), "file", "x");
+    let text = fails(&["cluster", "init", file.to_str().unwrap(), "--nodes", "1"], tmp.path());
+    assert!(text.contains("is not a directory"), "{text}");
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--world", "1", "--steps", "1"];
+    a.extend_from_slice(&["--no-progress", "--tokenizer", "/nonexistent/tokenizer.json"]);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("tokenizer /nonexistent/tokenizer.json: no such file") && !text.contains("data path"), "{text}");
+    a.truncate(a.len() - 2);
+    a.extend_from_slice(FAST);
+    ok(&a, tmp.path());
+    let ckpts = out.join("checkpoints");
+    let text = fails(&["export", "--checkpoint", ckpts.to_str().unwrap(), "--out", file.to_str().unwrap()], tmp.path());
+    assert!(text.contains("file") && text.matches("os error 17").count() == 1, "{text}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "x", "the file was written over");
+}
+
 /// A chaos scenario whose `config` names no file is refused before anything runs, saying where a
 /// relative path is looked for, and leaves no output folder.
 #[test]

@@ -196,7 +196,7 @@ fn injected_disk_full_cleans_temp_and_keeps_previous() {
     let err = with_fault_hook(full, || save(root, &sample_state(2), 0)).unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains(".tmp-step_00000002") && msg.contains(OPTIM_FILE), "{msg}");
-    assert!(matches!(&err, CheckpointError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull));
+    assert!(matches!(&err, CheckpointError::Io { err, .. } if err.kind() == std::io::ErrorKind::StorageFull));
     assert_eq!(step_names(root), vec!["step_00000001"]);
     assert_eq!(fs::read_to_string(root.join(LATEST_FILE)).unwrap().trim(), "step_00000001");
     assert_eq!(load_latest_valid(root).unwrap().found.unwrap().1.step, 1);

@@ -28,8 +28,9 @@ pub const ALPN_CONTROL: &[u8] = b"tessera-control/1";
 pub enum PkiError {
     #[error("{path}: a cluster CA already exists; refusing to overwrite it")]
     CaExists { path: PathBuf },
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    /// The I/O error is in the message, not a `source` (`{:#}` would print it twice).
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("node name {name:?} is not usable: {detail} (expected a DNS-style name such as node-0)")]
     BadName { name: String, detail: String },
     #[error("generating {what}: {detail}")]
@@ -70,7 +71,7 @@ fn check_name(name: &str) -> Result<(), PkiError> {
 }
 
 fn write_new(path: &Path, text: &str) -> Result<(), PkiError> {
-    std::fs::write(path, text).map_err(|source| PkiError::Io { path: path.to_path_buf(), source })
+    std::fs::write(path, text).map_err(|err| PkiError::Io { path: path.to_path_buf(), err })
 }
 
 /// The CA certificate's parameters.
@@ -104,7 +105,7 @@ pub fn cluster_init(dir: &Path, nodes: &[&str]) -> Result<ClusterFiles, PkiError
     if ca_cert.exists() {
         return Err(PkiError::CaExists { path: ca_cert });
     }
-    std::fs::create_dir_all(dir).map_err(|source| PkiError::Io { path: dir.to_path_buf(), source })?;
+    std::fs::create_dir_all(dir).map_err(|err| PkiError::Io { path: dir.to_path_buf(), err })?;
     let ca_keys = generate("the CA key", KeyPair::generate())?;
     let ca = generate("the CA certificate", ca_params()?.self_signed(&ca_keys))?;
     let ca_key = dir.join("ca.key");
@@ -138,7 +139,7 @@ impl Clone for NodeTls {
 }
 
 fn read_text(path: &Path) -> Result<String, PkiError> {
-    std::fs::read_to_string(path).map_err(|source| PkiError::Io { path: path.to_path_buf(), source })
+    std::fs::read_to_string(path).map_err(|err| PkiError::Io { path: path.to_path_buf(), err })
 }
 
 /// The variable that picks the TLS library's crypto: `aws-lc-rs` (the default) or `ring`.
@@ -375,11 +376,11 @@ impl ClusterCa {
         check_name(name)?;
         let keys = generate(&format!("the key of {name}"), KeyPair::generate())?;
         let cert = generate(&format!("the certificate of {name}"), node_params(name)?.signed_by(&keys, &self.cert, &self.key))?;
-        std::fs::create_dir_all(dir).map_err(|source| PkiError::Io { path: dir.to_path_buf(), source })?;
+        std::fs::create_dir_all(dir).map_err(|err| PkiError::Io { path: dir.to_path_buf(), err })?;
         write_new(&dir.join("ca.pem"), &self.ca_pem())?;
         write_new(&dir.join(format!("{name}.pem")), &cert.pem())?;
         let key_path = dir.join(format!("{name}.key"));
-        let io = |source| PkiError::Io { path: key_path.clone(), source };
+        let io = |err| PkiError::Io { path: key_path.clone(), err };
         let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&key_path).map_err(io)?;
         f.write_all(keys.serialize_pem().as_bytes()).map_err(io)?;
         Ok(())
