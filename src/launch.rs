@@ -91,6 +91,9 @@ pub fn parse_hostfile(text: &str, source: &str) -> Result<Vec<HostEntry>> {
         if slots == 0 {
             return Err(at(format!("host {host} has slots=0")));
         }
+        if slots > crate::cli::LOCAL_RANKS_MAX {
+            return Err(at(format!("host {host} has slots={slots}, more than the {} agents one host runs", crate::cli::LOCAL_RANKS_MAX)));
+        }
         if let Some(w) = words.next() {
             return Err(at(format!("unexpected {w:?} after slots")));
         }
@@ -655,6 +658,7 @@ mod tests {
             ("a slots=1\nb\n", 2, "no slots"),
             ("a slots=x\n", 1, "not a whole number"),
             ("a slots=0\n", 1, "slots=0"),
+            ("a slots=100000\n", 1, "slots=100000, more than the 1024 agents"),
             ("a slots=1\n\na slots=2\n", 3, "already listed on line 1"),
             ("a gpus=2\n", 1, "unknown field"),
             ("a slots=1 b\n", 1, "unexpected"),

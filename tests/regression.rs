@@ -137,6 +137,32 @@ fn a_refused_run_leaves_no_output_directory() {
     }
 }
 
+/// An absurd world size is refused before anything starts (`--nprocs 100000` used to start
+/// worker processes until the machine gave out; `--world 100000` ran 100000 threads; a
+/// hostfile's `slots=100000` started 100000 agents).
+#[test]
+fn an_absurd_number_of_local_ranks_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let batch = ["--set", "train_batch_size=100000", "--set", "train_micro_batch_size_per_gpu=1"];
+    for (flag, expected) in
+        [("--nprocs", "--nprocs 100000: at most 1024 ranks"), ("--world", "world size 100000 (--world or tessera.world)")]
+    {
+        let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), flag, "100000", "--no-progress"];
+        a.extend_from_slice(&batch);
+        let text = fails(&a, tmp.path());
+        assert!(text.contains(expected), "{flag}:\n{text}");
+        assert!(!out.exists(), "{flag}: the run started:\n{text}");
+    }
+    let hosts = write(tmp.path(), "hosts", "localhost slots=100000\n");
+    let mut a = vec!["launch", "--config", cfg.to_str().unwrap(), "--hostfile", hosts.to_str().unwrap(), "--output", out.to_str().unwrap()];
+    a.extend_from_slice(&batch);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("hosts:1: host localhost has slots=100000"), "{text}");
+    assert!(!out.exists(), "launch started:\n{text}");
+}
+
 /// `cluster init` refuses a cluster of no nodes and a path that is a file, and an I/O error is
 /// printed once (the cause used to be repeated: "File exists (os error 17): File exists (os
 /// error 17)"); a missing tokenizer is called a tokenizer, not a data path.
