@@ -164,7 +164,10 @@ pub fn join_from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<EnvJ
         (None, Some(_)) => bail!("MASTER_PORT is set but MASTER_ADDR is not: both name the coordinator"),
         (Some(a), Some(p)) => (a, p),
     };
-    let port: u16 = port.trim().parse().map_err(|_| anyhow::anyhow!("MASTER_PORT={port:?} is not a port number"))?;
+    let port: u16 = match port.trim().parse() {
+        Ok(p) if p > 0 => p,
+        _ => bail!("MASTER_PORT={port:?} is not a port number (expected 1 to 65535)"),
+    };
     if addr.trim().is_empty() {
         bail!("MASTER_ADDR is empty");
     }
@@ -251,11 +254,26 @@ fn hostname() -> String {
         .unwrap_or_else(|| "agent".to_string())
 }
 
+/// `--join`'s HOST:PORT, checked before any attempt to connect: a malformed address would
+/// otherwise be retried for the whole `--connect-timeout`.
+fn check_join(j: &str) -> Result<String> {
+    let j = j.trim();
+    let expected = "expected HOST:PORT, e.g. 10.0.0.1:29500 or [fd00::1]:29500";
+    let Some((host, port)) = j.rsplit_once(':') else { bail!("--join {j:?}: no port ({expected})") };
+    if host.trim_start_matches('[').trim_end_matches(']').is_empty() {
+        bail!("--join {j:?}: no host ({expected})");
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(j.to_string()),
+        _ => bail!("--join {j:?}: {port:?} is not a port number from 1 to 65535 ({expected})"),
+    }
+}
+
 /// Resolves `tessera agent`'s arguments: `--join` (and `--rank`) as given, else the
 /// torchrun/Slurm variables read through `get`; the default name is `<hostname>-<pid>`.
 pub fn agent_args(f: &AgentFlags, get: &dyn Fn(&str) -> Option<String>) -> Result<AgentArgs> {
     let (join, rank, world) = match &f.join {
-        Some(j) => (j.clone(), f.rank, None),
+        Some(j) => (check_join(j)?, f.rank, None),
         None => match join_from_env(get)? {
             Some(e) => (e.join, f.rank.or(e.rank), e.world),
             None => bail!("tessera agent needs --join HOST:PORT, or MASTER_ADDR and MASTER_PORT in the environment (torchrun, Slurm)"),
@@ -670,6 +688,26 @@ mod tests {
         assert!(parse_hostfile("# nothing\n\n", "h").unwrap_err().to_string().contains("no hosts"));
     }
 
+    /// A malformed `--join` is refused at once, not retried for the whole connect timeout.
+    #[test]
+    fn a_malformed_join_address_is_refused_before_connecting() {
+        let flags = |join: &str| AgentFlags { join: Some(join.to_string()), token: Some("x".into()), ..Default::default() };
+        for (join, what) in [
+            ("127.0.0.1", "no port"),
+            ("127.0.0.1:notaport", "\"notaport\" is not a port number"),
+            ("host:0", "\"0\" is not a port number"),
+            ("host:70000", "\"70000\" is not a port number"),
+            (":29500", "no host"),
+            ("[]:29500", "no host"),
+        ] {
+            let e = agent_args(&flags(join), &|_| None).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("--join {join:?}: ")) && e.contains(what) && e.contains("HOST:PORT"), "{join}: {e}");
+        }
+        for join in ["10.0.0.1:29500", "head:1", "[fd00::1]:29500"] {
+            assert_eq!(check_join(join).unwrap(), join);
+        }
+    }
+
     #[test]
     fn local_hosts_are_recognised() {
         assert!(is_local("localhost") && is_local("127.0.0.1") && is_local("127.1.2.3") && is_local("::1"));
@@ -700,6 +738,7 @@ mod tests {
             (&[("MASTER_ADDR", "h")][..], "MASTER_PORT is not"),
             (&[("MASTER_PORT", "1")][..], "MASTER_ADDR is not"),
             (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "x")][..], "MASTER_PORT=\"x\""),
+            (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "0")][..], "MASTER_PORT=\"0\" is not a port number"),
             (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("RANK", "-1")][..], "RANK=\"-1\""),
             (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("RANK", "3"), ("WORLD_SIZE", "3")][..], "RANK=3 is not a rank of WORLD_SIZE=3"),
             (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("SLURM_PROCID", "4"), ("SLURM_NTASKS", "2")][..], "SLURM_PROCID=4"),

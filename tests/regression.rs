@@ -163,6 +163,20 @@ fn an_absurd_number_of_local_ranks_is_refused() {
     assert!(!out.exists(), "launch started:\n{text}");
 }
 
+/// A malformed `--join` fails at once, naming the flag and HOST:PORT, instead of being retried
+/// for the whole connect timeout (120 s by default) as if the coordinator were down.
+#[test]
+fn a_malformed_join_address_fails_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let token = "tsr1-00000000000000000000000000000000-0000000000000000000000000000000000000000000000000000000000000000";
+    for join in ["127.0.0.1", "127.0.0.1:notaport"] {
+        let t0 = std::time::Instant::now();
+        let text = fails(&["agent", "--join", join, "--token", token], tmp.path());
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "{join}: took {:?}", t0.elapsed());
+        assert!(text.contains(&format!("--join {join:?}")) && text.contains("expected HOST:PORT"), "{join}:\n{text}");
+    }
+}
+
 /// `cluster init` refuses a cluster of no nodes and a path that is a file, and an I/O error is
 /// printed once (the cause used to be repeated: "File exists (os error 17): File exists (os
 /// error 17)"); a missing tokenizer is called a tokenizer, not a data path.
@@ -200,4 +214,51 @@ fn a_chaos_scenario_without_its_config_file_is_refused() {
     let text = fails(&["chaos", "run", "--scenario", sc.to_str().unwrap(), "--output", out.to_str().unwrap(), "--no-progress"], tmp.path());
     assert!(text.contains("nope.json") && text.contains("scenario file's folder"), "{text}");
     assert!(!out.exists(), "{text}");
+}
+
+/// An agent the coordinator turns away hears why (the close frame's reason), not only "the peer
+/// closed the control connection": a token with the right CA but a wrong secret.
+#[test]
+fn an_agent_with_a_wrong_join_token_is_told_so() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let tok = tmp.path().join("token");
+    let mut coord = std::process::Command::new(bin())
+        .args(["coordinator", "--config", cfg.to_str().unwrap(), "--listen", "127.0.0.1:0", "--nodes", "1"])
+        .args(["--join-timeout", "60", "--token-file", tok.to_str().unwrap(), "--output", "run", "--no-progress"])
+        .current_dir(tmp.path())
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(coord.stderr.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let at = first.split(" at ").nth(1).and_then(|s| s.split_whitespace().next()).unwrap_or_else(|| panic!("{first}")).to_string();
+    let good = std::fs::read_to_string(&tok).unwrap().trim().to_string();
+    // Another secret (its first hex digit changed), the same CA fingerprint.
+    let (head, rest) = good.split_at(5);
+    let flipped = if rest.starts_with('0') { '1' } else { '0' };
+    let bad = format!("{head}{flipped}{}", &rest[1..]);
+    let agent = |token: &str| {
+        let t0 = std::time::Instant::now();
+        let out = std::process::Command::new(bin())
+            .args(["agent", "--join", &at, "--token", token, "--connect-timeout", "60"])
+            .current_dir(tmp.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{text}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(30), "took {:?}: {text}", t0.elapsed());
+        text
+    };
+    let text = agent(&bad);
+    // The same secret, another CA fingerprint (its last hex digit changed): refused by the
+    // agent's own TLS check, which used to be retried for the whole connect timeout.
+    let last = if good.ends_with('0') { '1' } else { '0' };
+    let other_ca = agent(&format!("{}{last}", &good[..good.len() - 1]));
+    let _ = coord.kill();
+    let _ = coord.wait();
+    assert!(text.contains("wrong join token"), "{text}");
+    assert!(other_ca.contains("is not the one this join token was made for"), "{other_ca}");
 }

@@ -512,6 +512,10 @@ struct PinnedCa {
     provider: Arc<rustls::crypto::CryptoProvider>,
 }
 
+/// How a server whose CA is not the one a join token pins is refused (the start of the TLS
+/// error): no retry can change that, so an agent that sees it stops dialling.
+pub const NOT_THE_TOKENS_CA: &str = "the server's chain holds no CA with the join token's fingerprint";
+
 impl rustls::client::danger::ServerCertVerifier for PinnedCa {
     fn verify_server_cert(
         &self,
@@ -522,7 +526,7 @@ impl rustls::client::danger::ServerCertVerifier for PinnedCa {
         now: rustls::pki_types::UnixTime,
     ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
         let Some(ca) = intermediates.iter().find(|c| sha256(c) == self.ca_sha256) else {
-            let detail = format!("the server's chain holds no CA with the join token's fingerprint {}", hex(&self.ca_sha256));
+            let detail = format!("{NOT_THE_TOKENS_CA} {}", hex(&self.ca_sha256));
             return Err(rustls::Error::General(detail));
         };
         let mut roots = rustls::RootCertStore::empty();
