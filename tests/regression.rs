@@ -262,3 +262,26 @@ fn an_agent_with_a_wrong_join_token_is_told_so() {
     assert!(text.contains("wrong join token"), "{text}");
     assert!(other_ca.contains("is not the one this join token was made for"), "{other_ca}");
 }
+
+/// Resuming with another global batch names the checkpoint's batch size and what to pass (it
+/// used to say only "data cursor 16 does not match step 2 of this batch geometry"); nothing is
+/// written.
+#[test]
+fn resuming_with_another_batch_size_names_the_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--world", "1", "--no-progress"];
+    a.extend_from_slice(FAST);
+    let mut first = a.clone();
+    first.extend_from_slice(&["--steps", "2"]);
+    ok(&first, tmp.path());
+    let ckpts = out.join("checkpoints");
+    let before: Vec<_> = std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name()).collect();
+    a.extend_from_slice(&["--steps", "4", "--resume", ckpts.to_str().unwrap(), "--set", "train_batch_size=16"]);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("trained with train_batch_size = 8") && text.contains("this run has 16"), "{text}");
+    assert!(text.contains("resume with train_batch_size = 8"), "{text}");
+    let after: Vec<_> = std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(before, after, "{text}");
+}

@@ -172,6 +172,17 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Res
         );
     }
     if cursor.cursor != plan.first_sample(ck.step, 0) {
+        let per_step = plan.micro_batches * plan.micro;
+        if ck.step > 0 && cursor.cursor % ck.step == 0 {
+            let theirs = cursor.cursor / ck.step;
+            bail!(
+                "checkpoint {} was trained with train_batch_size = {theirs} (its data cursor is at sample {} after step {}) \
+                 but this run has {per_step}: the data order would change; resume with train_batch_size = {theirs}",
+                path.display(),
+                cursor.cursor,
+                ck.step
+            );
+        }
         bail!(
             "checkpoint {}: data cursor {} does not match step {} of this batch geometry ({} samples per step)",
             path.display(),
