@@ -422,10 +422,18 @@ fn drive(
     common.world = Some(nodes);
     opts.processes = true;
     engine::set_rendezvous(Rendezvous { endpoint, auth, nodes, join_timeout_ms: d.join_timeout_ms, launched });
-    let res = cli::train(config, &common, opts);
+    let res = cli::train_agents(config, &common, opts);
     // A run that failed before starting its ranks leaves the rendezvous unused.
     drop(engine::take_rendezvous());
     res
+}
+
+/// The config with the world size `nodes`, checked before the join token is printed or any
+/// agent started: a mistake in it would otherwise end the run only once the agents are up.
+fn check_config(config: &Path, common: &CommonArgs, nodes: usize) -> Result<()> {
+    let mut common = common.clone();
+    common.world = Some(nodes);
+    cli::load_config(config, &common).map(drop)
 }
 
 /// `tessera coordinator`: waits for `nodes` agents at `listen` and trains.
@@ -439,9 +447,13 @@ pub fn coordinator(
 ) -> Result<bool> {
     let get = |k: &str| std::env::var(k).ok();
     let nodes = resolve_nodes(nodes, common.world, &get)?;
+    check_config(config, common, nodes)?;
     let listen = match (listen, get("MASTER_PORT")) {
         (Some(l), _) => l.to_string(),
-        (None, Some(p)) => format!("0.0.0.0:{}", p.trim()),
+        (None, Some(p)) => match p.trim().parse::<u16>() {
+            Ok(port) => format!("0.0.0.0:{port}"),
+            Err(_) => bail!("MASTER_PORT={p:?} is not a port number (expected 0 to 65535; or give --listen ADDR:PORT)"),
+        },
         (None, None) => bail!("where should agents join? give --listen ADDR:PORT (or MASTER_PORT in the environment)"),
     };
     let (endpoint, auth, token) = rendezvous_endpoint(&listen, d)?;
@@ -542,6 +554,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
     let hosts = read_hostfile(&l.hostfile)?;
     let nodes: usize = hosts.iter().map(|h| h.slots).sum();
     let nodes = resolve_nodes(Some(nodes), common.world, &|_| None)?;
+    check_config(config, common, nodes)?;
     let all_local = hosts.iter().all(|h| is_local(&h.host));
     let listen = l.listen.clone().unwrap_or_else(|| if all_local { "127.0.0.1:0" } else { "0.0.0.0:0" }.to_string());
     let (endpoint, auth, token) = rendezvous_endpoint(&listen, d)?;

@@ -285,3 +285,37 @@ fn resuming_with_another_batch_size_names_the_checkpoints() {
     let after: Vec<_> = std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(before, after, "{text}");
 }
+
+/// `launch` and `coordinator` check the config before they start agents or print a join token
+/// (`launch` used to start its agents, over ssh too, and only then find `stage` = 9); a
+/// coordinator's bad `MASTER_PORT` is named; the one-machine bound on ranks does not apply to
+/// agents, which bring hosts of their own.
+#[test]
+fn drivers_check_the_config_before_agents_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let hosts = write(tmp.path(), "hosts", "localhost slots=2\n");
+    let bad = ["--set", "zero_optimization.stage=9", "--no-progress", "--output", "run"];
+    let mut a = vec!["launch", "--config", cfg.to_str().unwrap(), "--hostfile", hosts.to_str().unwrap()];
+    a.extend_from_slice(&bad);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("`zero_optimization.stage` = 9") && !text.contains("started") && !text.contains("agent"), "{text}");
+    let mut a = vec!["coordinator", "--config", cfg.to_str().unwrap(), "--nodes", "2", "--listen", "127.0.0.1:0"];
+    a.extend_from_slice(&bad);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("`zero_optimization.stage` = 9") && !text.contains("tsr1-"), "{text}");
+    let res = std::process::Command::new(bin())
+        .args(["coordinator", "--config", cfg.to_str().unwrap(), "--no-progress"])
+        .env("MASTER_PORT", "abc")
+        .env("WORLD_SIZE", "2")
+        .current_dir(tmp.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success() && text.contains("MASTER_PORT=\"abc\" is not a port number"), "{text}");
+    let mut a = vec!["coordinator", "--config", cfg.to_str().unwrap(), "--nodes", "2000", "--listen", "127.0.0.1:0"];
+    a.extend_from_slice(&["--join-timeout", "1", "--no-progress", "--output", "run"]);
+    a.extend_from_slice(&["--set", "train_batch_size=2000", "--set", "train_micro_batch_size_per_gpu=1"]);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("only 0 of 2000 agents joined") && !text.contains("at most 1024"), "{text}");
+}
