@@ -282,8 +282,12 @@ fn resolve_resume_accepts_root_or_step_dir() {
     assert!(resolve_resume(&d2).is_err());
     let empty = tmp.path().join("empty");
     fs::create_dir(&empty).unwrap();
-    assert!(matches!(resolve_resume(&empty), Err(CheckpointError::NotFound { .. })));
-    assert!(matches!(resolve_resume(&tmp.path().join("nope")), Err(CheckpointError::NotFound { .. })));
+    let e = resolve_resume(&empty).unwrap_err();
+    assert!(matches!(e, CheckpointError::NotFound { .. }), "{e}");
+    // What was expected, not only that nothing was found.
+    assert!(e.to_string().contains("no step_NNNNNNNN folder") && e.to_string().contains("expected a checkpoints root"), "{e}");
+    let e = resolve_resume(&tmp.path().join("nope")).unwrap_err();
+    assert!(matches!(e, CheckpointError::NotFound { .. }) && e.to_string().contains("no such file or directory"), "{e}");
 }
 
 /// A step folder without its manifest is a damaged step folder: the error names the manifest
