@@ -74,6 +74,18 @@ fn write_new(path: &Path, text: &str) -> Result<(), PkiError> {
     std::fs::write(path, text).map_err(|err| PkiError::Io { path: path.to_path_buf(), err })
 }
 
+/// A private key: readable by its owner only (mode 0600, as `ClusterCa`'s node keys and the
+/// join-token file are), not by every user of the host.
+fn write_key(path: &Path, text: &str) -> Result<(), PkiError> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let io = |err| PkiError::Io { path: path.to_path_buf(), err };
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path).map_err(io)?;
+    // A key file left by an interrupted run keeps its old mode through `open`.
+    f.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    f.write_all(text.as_bytes()).map_err(io)
+}
+
 /// The CA certificate's parameters.
 fn ca_params() -> Result<CertificateParams, PkiError> {
     let mut params = generate("the CA parameters", CertificateParams::new(Vec::<String>::new()))?;
@@ -109,14 +121,14 @@ pub fn cluster_init(dir: &Path, nodes: &[&str]) -> Result<ClusterFiles, PkiError
     let ca_keys = generate("the CA key", KeyPair::generate())?;
     let ca = generate("the CA certificate", ca_params()?.self_signed(&ca_keys))?;
     let ca_key = dir.join("ca.key");
-    write_new(&ca_key, &ca_keys.serialize_pem())?;
+    write_key(&ca_key, &ca_keys.serialize_pem())?;
     let mut files = ClusterFiles { ca_cert: ca_cert.clone(), ca_key, nodes: Vec::new() };
     for name in nodes {
         let keys = generate(&format!("the key of {name}"), KeyPair::generate())?;
         let cert = generate(&format!("the certificate of {name}"), node_params(name)?.signed_by(&keys, &ca, &ca_keys))?;
         let (cert_path, key_path) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
         write_new(&cert_path, &cert.pem())?;
-        write_new(&key_path, &keys.serialize_pem())?;
+        write_key(&key_path, &keys.serialize_pem())?;
         files.nodes.push((name.to_string(), cert_path, key_path));
     }
     // Written last: a partial run leaves no CA behind that would block a retry.
