@@ -88,10 +88,34 @@ fn print_warnings(cfg: &Config) {
     }
 }
 
+/// The most ranks `train` runs on one machine, as threads (`--world`) or as processes
+/// (`--nprocs`; also the most agents `launch` starts on one host): a bound on typos, not a
+/// resource check — 100000 used to start 100000 processes.
+pub const LOCAL_RANKS_MAX: usize = 1024;
+
 /// `tessera train`.
 /// Returns whether the run finished (false when Ctrl-C stopped it).
 pub fn train(config_path: &Path, common: &CommonArgs, opts: TrainOptions) -> Result<bool> {
+    train_ranks(config_path, common, opts, true)
+}
+
+/// `tessera coordinator` and `launch`: `train` whose ranks are agents, on hosts of their own.
+pub fn train_agents(config_path: &Path, common: &CommonArgs, opts: TrainOptions) -> Result<bool> {
+    train_ranks(config_path, common, opts, false)
+}
+
+fn train_ranks(config_path: &Path, common: &CommonArgs, opts: TrainOptions, local: bool) -> Result<bool> {
     let cfg = load_config(config_path, common)?;
+    if local && cfg.world_size > LOCAL_RANKS_MAX {
+        let what = match opts.processes {
+            true => format!("--nprocs {}", cfg.world_size),
+            false => format!("world size {} (--world or tessera.world)", cfg.world_size),
+        };
+        bail!(
+            "{what}: at most {LOCAL_RANKS_MAX} ranks run on one machine; spread a larger world over hosts (`tessera launch \
+             --hostfile`, `tessera coordinator`)"
+        );
+    }
     print_warnings(&cfg);
     let out = engine::train(&cfg, &opts)?;
     println!("{}", out.summary.render());

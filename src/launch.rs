@@ -91,6 +91,9 @@ pub fn parse_hostfile(text: &str, source: &str) -> Result<Vec<HostEntry>> {
         if slots == 0 {
             return Err(at(format!("host {host} has slots=0")));
         }
+        if slots > crate::cli::LOCAL_RANKS_MAX {
+            return Err(at(format!("host {host} has slots={slots}, more than the {} agents one host runs", crate::cli::LOCAL_RANKS_MAX)));
+        }
         if let Some(w) = words.next() {
             return Err(at(format!("unexpected {w:?} after slots")));
         }
@@ -161,7 +164,10 @@ pub fn join_from_env(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<EnvJ
         (None, Some(_)) => bail!("MASTER_PORT is set but MASTER_ADDR is not: both name the coordinator"),
         (Some(a), Some(p)) => (a, p),
     };
-    let port: u16 = port.trim().parse().map_err(|_| anyhow::anyhow!("MASTER_PORT={port:?} is not a port number"))?;
+    let port: u16 = match port.trim().parse() {
+        Ok(p) if p > 0 => p,
+        _ => bail!("MASTER_PORT={port:?} is not a port number (expected 1 to 65535)"),
+    };
     if addr.trim().is_empty() {
         bail!("MASTER_ADDR is empty");
     }
@@ -248,11 +254,26 @@ fn hostname() -> String {
         .unwrap_or_else(|| "agent".to_string())
 }
 
+/// `--join`'s HOST:PORT, checked before any attempt to connect: a malformed address would
+/// otherwise be retried for the whole `--connect-timeout`.
+fn check_join(j: &str) -> Result<String> {
+    let j = j.trim();
+    let expected = "expected HOST:PORT, e.g. 10.0.0.1:29500 or [fd00::1]:29500";
+    let Some((host, port)) = j.rsplit_once(':') else { bail!("--join {j:?}: no port ({expected})") };
+    if host.trim_start_matches('[').trim_end_matches(']').is_empty() {
+        bail!("--join {j:?}: no host ({expected})");
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => Ok(j.to_string()),
+        _ => bail!("--join {j:?}: {port:?} is not a port number from 1 to 65535 ({expected})"),
+    }
+}
+
 /// Resolves `tessera agent`'s arguments: `--join` (and `--rank`) as given, else the
 /// torchrun/Slurm variables read through `get`; the default name is `<hostname>-<pid>`.
 pub fn agent_args(f: &AgentFlags, get: &dyn Fn(&str) -> Option<String>) -> Result<AgentArgs> {
     let (join, rank, world) = match &f.join {
-        Some(j) => (j.clone(), f.rank, None),
+        Some(j) => (check_join(j)?, f.rank, None),
         None => match join_from_env(get)? {
             Some(e) => (e.join, f.rank.or(e.rank), e.world),
             None => bail!("tessera agent needs --join HOST:PORT, or MASTER_ADDR and MASTER_PORT in the environment (torchrun, Slurm)"),
@@ -401,10 +422,18 @@ fn drive(
     common.world = Some(nodes);
     opts.processes = true;
     engine::set_rendezvous(Rendezvous { endpoint, auth, nodes, join_timeout_ms: d.join_timeout_ms, launched });
-    let res = cli::train(config, &common, opts);
+    let res = cli::train_agents(config, &common, opts);
     // A run that failed before starting its ranks leaves the rendezvous unused.
     drop(engine::take_rendezvous());
     res
+}
+
+/// The config with the world size `nodes`, checked before the join token is printed or any
+/// agent started: a mistake in it would otherwise end the run only once the agents are up.
+fn check_config(config: &Path, common: &CommonArgs, nodes: usize) -> Result<()> {
+    let mut common = common.clone();
+    common.world = Some(nodes);
+    cli::load_config(config, &common).map(drop)
 }
 
 /// `tessera coordinator`: waits for `nodes` agents at `listen` and trains.
@@ -418,9 +447,13 @@ pub fn coordinator(
 ) -> Result<bool> {
     let get = |k: &str| std::env::var(k).ok();
     let nodes = resolve_nodes(nodes, common.world, &get)?;
+    check_config(config, common, nodes)?;
     let listen = match (listen, get("MASTER_PORT")) {
         (Some(l), _) => l.to_string(),
-        (None, Some(p)) => format!("0.0.0.0:{}", p.trim()),
+        (None, Some(p)) => match p.trim().parse::<u16>() {
+            Ok(port) => format!("0.0.0.0:{port}"),
+            Err(_) => bail!("MASTER_PORT={p:?} is not a port number (expected 0 to 65535; or give --listen ADDR:PORT)"),
+        },
         (None, None) => bail!("where should agents join? give --listen ADDR:PORT (or MASTER_PORT in the environment)"),
     };
     let (endpoint, auth, token) = rendezvous_endpoint(&listen, d)?;
@@ -521,6 +554,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
     let hosts = read_hostfile(&l.hostfile)?;
     let nodes: usize = hosts.iter().map(|h| h.slots).sum();
     let nodes = resolve_nodes(Some(nodes), common.world, &|_| None)?;
+    check_config(config, common, nodes)?;
     let all_local = hosts.iter().all(|h| is_local(&h.host));
     let listen = l.listen.clone().unwrap_or_else(|| if all_local { "127.0.0.1:0" } else { "0.0.0.0:0" }.to_string());
     let (endpoint, auth, token) = rendezvous_endpoint(&listen, d)?;
@@ -655,6 +689,7 @@ mod tests {
             ("a slots=1\nb\n", 2, "no slots"),
             ("a slots=x\n", 1, "not a whole number"),
             ("a slots=0\n", 1, "slots=0"),
+            ("a slots=100000\n", 1, "slots=100000, more than the 1024 agents"),
             ("a slots=1\n\na slots=2\n", 3, "already listed on line 1"),
             ("a gpus=2\n", 1, "unknown field"),
             ("a slots=1 b\n", 1, "unexpected"),
@@ -664,6 +699,26 @@ mod tests {
             assert!(e.starts_with(&format!("hosts.txt:{line}: ")) && e.contains(what), "{text:?}: {e}");
         }
         assert!(parse_hostfile("# nothing\n\n", "h").unwrap_err().to_string().contains("no hosts"));
+    }
+
+    /// A malformed `--join` is refused at once, not retried for the whole connect timeout.
+    #[test]
+    fn a_malformed_join_address_is_refused_before_connecting() {
+        let flags = |join: &str| AgentFlags { join: Some(join.to_string()), token: Some("x".into()), ..Default::default() };
+        for (join, what) in [
+            ("127.0.0.1", "no port"),
+            ("127.0.0.1:notaport", "\"notaport\" is not a port number"),
+            ("host:0", "\"0\" is not a port number"),
+            ("host:70000", "\"70000\" is not a port number"),
+            (":29500", "no host"),
+            ("[]:29500", "no host"),
+        ] {
+            let e = agent_args(&flags(join), &|_| None).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("--join {join:?}: ")) && e.contains(what) && e.contains("HOST:PORT"), "{join}: {e}");
+        }
+        for join in ["10.0.0.1:29500", "head:1", "[fd00::1]:29500"] {
+            assert_eq!(check_join(join).unwrap(), join);
+        }
     }
 
     #[test]
@@ -696,6 +751,7 @@ mod tests {
             (&[("MASTER_ADDR", "h")][..], "MASTER_PORT is not"),
             (&[("MASTER_PORT", "1")][..], "MASTER_ADDR is not"),
             (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "x")][..], "MASTER_PORT=\"x\""),
+            (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "0")][..], "MASTER_PORT=\"0\" is not a port number"),
             (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("RANK", "-1")][..], "RANK=\"-1\""),
             (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("RANK", "3"), ("WORLD_SIZE", "3")][..], "RANK=3 is not a rank of WORLD_SIZE=3"),
             (&[("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("SLURM_PROCID", "4"), ("SLURM_NTASKS", "2")][..], "SLURM_PROCID=4"),

@@ -429,6 +429,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(if report.passed() { done } else { ExitCode::FAILURE })
         }
         Cmd::Cluster(ClusterCmd::Init { dir, nodes }) => {
+            anyhow::ensure!(nodes >= 1, "--nodes 0: a cluster needs at least one node certificate (one per rank)");
+            anyhow::ensure!(
+                !dir.exists() || dir.is_dir(),
+                "{}: exists and is not a directory (expected a new or existing directory)",
+                dir.display()
+            );
             let mut names: Vec<String> = (0..nodes).map(|r| format!("node-{r}")).collect();
             names.push(tessera::engine::COORDINATOR_NAME.to_string());
             let refs: Vec<&str> = names.iter().map(String::as_str).collect();

@@ -99,3 +99,223 @@ fn bad_quic_variables_are_refused_before_any_worker_starts() {
         assert!(!out.join("procs").exists() && !out.join("summary.json").exists(), "{name}={value}: the run started:\n{text}");
     }
 }
+
+/// A run refused before it starts leaves no output directory behind: a config file that is not
+/// a JSON object (the message used to blame `--output`, which is a `--set` underneath), a
+/// `--resume` that holds no checkpoint, and elastic settings that contradict each other (they
+/// were checked after the output directory was made).
+#[test]
+fn a_refused_run_leaves_no_output_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let array = write(tmp.path(), "array.json", "[1, 2]");
+    let elastic = write(
+        tmp.path(),
+        "elastic.json",
+        r#"{"train_batch_size": 8, "tessera": {"elastic": {"enabled": true, "min_workers": 5, "max_workers": 2}}}"#,
+    );
+    let missing = tmp.path().join("no-such-checkpoints");
+    let cases: [(&str, &[&str], &[&str]); 3] = [
+        ("array", &["--config", array.to_str().unwrap()], &["array.json", "(top level)", "expected a JSON object"]),
+        (
+            "resume",
+            &["--config", cfg.to_str().unwrap(), "--resume", missing.to_str().unwrap()],
+            &["no-such-checkpoints", "no valid checkpoint"],
+        ),
+        ("elastic", &["--config", elastic.to_str().unwrap()], &["elastic.json", "tessera.elastic.max_workers", "min_workers (5)"]),
+    ];
+    for (name, args, expected) in cases {
+        let out = tmp.path().join(format!("out-{name}"));
+        let mut a = vec!["train", "--output", out.to_str().unwrap(), "--steps", "2", "--world", "1", "--no-progress"];
+        a.extend_from_slice(args);
+        let text = fails(&a, tmp.path());
+        for e in expected {
+            assert!(text.contains(e), "{name}: no {e:?} in:\n{text}");
+        }
+        assert!(!text.contains("--set"), "{name}: blames an override:\n{text}");
+        assert!(!out.exists(), "{name}: {} was left behind:\n{text}", out.display());
+    }
+}
+
+/// An absurd world size is refused before anything starts (`--nprocs 100000` used to start
+/// worker processes until the machine gave out; `--world 100000` ran 100000 threads; a
+/// hostfile's `slots=100000` started 100000 agents).
+#[test]
+fn an_absurd_number_of_local_ranks_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let batch = ["--set", "train_batch_size=100000", "--set", "train_micro_batch_size_per_gpu=1"];
+    for (flag, expected) in
+        [("--nprocs", "--nprocs 100000: at most 1024 ranks"), ("--world", "world size 100000 (--world or tessera.world)")]
+    {
+        let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), flag, "100000", "--no-progress"];
+        a.extend_from_slice(&batch);
+        let text = fails(&a, tmp.path());
+        assert!(text.contains(expected), "{flag}:\n{text}");
+        assert!(!out.exists(), "{flag}: the run started:\n{text}");
+    }
+    let hosts = write(tmp.path(), "hosts", "localhost slots=100000\n");
+    let mut a = vec!["launch", "--config", cfg.to_str().unwrap(), "--hostfile", hosts.to_str().unwrap(), "--output", out.to_str().unwrap()];
+    a.extend_from_slice(&batch);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("hosts:1: host localhost has slots=100000"), "{text}");
+    assert!(!out.exists(), "launch started:\n{text}");
+}
+
+/// A malformed `--join` fails at once, naming the flag and HOST:PORT, instead of being retried
+/// for the whole connect timeout (120 s by default) as if the coordinator were down.
+#[test]
+fn a_malformed_join_address_fails_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let token = "tsr1-00000000000000000000000000000000-0000000000000000000000000000000000000000000000000000000000000000";
+    for join in ["127.0.0.1", "127.0.0.1:notaport"] {
+        let t0 = std::time::Instant::now();
+        let text = fails(&["agent", "--join", join, "--token", token], tmp.path());
+        assert!(t0.elapsed() < std::time::Duration::from_secs(20), "{join}: took {:?}", t0.elapsed());
+        assert!(text.contains(&format!("--join {join:?}")) && text.contains("expected HOST:PORT"), "{join}:\n{text}");
+    }
+}
+
+/// `cluster init` refuses a cluster of no nodes and a path that is a file, and an I/O error is
+/// printed once (the cause used to be repeated: "File exists (os error 17): File exists (os
+/// error 17)"); a missing tokenizer is called a tokenizer, not a data path.
+#[test]
+fn cluster_init_export_and_tokenizer_mistakes_are_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = fails(&["cluster", "init", "certs", "--nodes", "0"], tmp.path());
+    assert!(text.contains("--nodes 0"), "{text}");
+    assert!(!tmp.path().join("certs").exists(), "{text}");
+    let file = write(tmp.path(), "file", "x");
+    let text = fails(&["cluster", "init", file.to_str().unwrap(), "--nodes", "1"], tmp.path());
+    assert!(text.contains("is not a directory"), "{text}");
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--world", "1", "--steps", "1"];
+    a.extend_from_slice(&["--no-progress", "--tokenizer", "/nonexistent/tokenizer.json"]);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("tokenizer /nonexistent/tokenizer.json: no such file") && !text.contains("data path"), "{text}");
+    a.truncate(a.len() - 2);
+    a.extend_from_slice(FAST);
+    ok(&a, tmp.path());
+    let ckpts = out.join("checkpoints");
+    let text = fails(&["export", "--checkpoint", ckpts.to_str().unwrap(), "--out", file.to_str().unwrap()], tmp.path());
+    assert!(text.contains("file") && text.matches("os error 17").count() == 1, "{text}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "x", "the file was written over");
+}
+
+/// A chaos scenario whose `config` names no file is refused before anything runs, saying where a
+/// relative path is looked for, and leaves no output folder.
+#[test]
+fn a_chaos_scenario_without_its_config_file_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sc = write(tmp.path(), "s.json", r#"{"config": "nope.json", "nprocs": 2, "steps": 3, "faults": []}"#);
+    let out = tmp.path().join("chaos");
+    let text = fails(&["chaos", "run", "--scenario", sc.to_str().unwrap(), "--output", out.to_str().unwrap(), "--no-progress"], tmp.path());
+    assert!(text.contains("nope.json") && text.contains("scenario file's folder"), "{text}");
+    assert!(!out.exists(), "{text}");
+}
+
+/// An agent the coordinator turns away hears why (the close frame's reason), not only "the peer
+/// closed the control connection": a token with the right CA but a wrong secret.
+#[test]
+fn an_agent_with_a_wrong_join_token_is_told_so() {
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let tok = tmp.path().join("token");
+    let mut coord = std::process::Command::new(bin())
+        .args(["coordinator", "--config", cfg.to_str().unwrap(), "--listen", "127.0.0.1:0", "--nodes", "1"])
+        .args(["--join-timeout", "60", "--token-file", tok.to_str().unwrap(), "--output", "run", "--no-progress"])
+        .current_dir(tmp.path())
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(coord.stderr.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let at = first.split(" at ").nth(1).and_then(|s| s.split_whitespace().next()).unwrap_or_else(|| panic!("{first}")).to_string();
+    let good = std::fs::read_to_string(&tok).unwrap().trim().to_string();
+    // Another secret (its first hex digit changed), the same CA fingerprint.
+    let (head, rest) = good.split_at(5);
+    let flipped = if rest.starts_with('0') { '1' } else { '0' };
+    let bad = format!("{head}{flipped}{}", &rest[1..]);
+    let agent = |token: &str| {
+        let t0 = std::time::Instant::now();
+        let out = std::process::Command::new(bin())
+            .args(["agent", "--join", &at, "--token", token, "--connect-timeout", "60"])
+            .current_dir(tmp.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{text}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(30), "took {:?}: {text}", t0.elapsed());
+        text
+    };
+    let text = agent(&bad);
+    // The same secret, another CA fingerprint (its last hex digit changed): refused by the
+    // agent's own TLS check, which used to be retried for the whole connect timeout.
+    let last = if good.ends_with('0') { '1' } else { '0' };
+    let other_ca = agent(&format!("{}{last}", &good[..good.len() - 1]));
+    let _ = coord.kill();
+    let _ = coord.wait();
+    assert!(text.contains("wrong join token"), "{text}");
+    assert!(other_ca.contains("is not the one this join token was made for"), "{other_ca}");
+}
+
+/// Resuming with another global batch names the checkpoint's batch size and what to pass (it
+/// used to say only "data cursor 16 does not match step 2 of this batch geometry"); nothing is
+/// written.
+#[test]
+fn resuming_with_another_batch_size_names_the_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--world", "1", "--no-progress"];
+    a.extend_from_slice(FAST);
+    let mut first = a.clone();
+    first.extend_from_slice(&["--steps", "2"]);
+    ok(&first, tmp.path());
+    let ckpts = out.join("checkpoints");
+    let before: Vec<_> = std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name()).collect();
+    a.extend_from_slice(&["--steps", "4", "--resume", ckpts.to_str().unwrap(), "--set", "train_batch_size=16"]);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("trained with train_batch_size = 8") && text.contains("this run has 16"), "{text}");
+    assert!(text.contains("resume with train_batch_size = 8"), "{text}");
+    let after: Vec<_> = std::fs::read_dir(&ckpts).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(before, after, "{text}");
+}
+
+/// `launch` and `coordinator` check the config before they start agents or print a join token
+/// (`launch` used to start its agents, over ssh too, and only then find `stage` = 9); a
+/// coordinator's bad `MASTER_PORT` is named; the one-machine bound on ranks does not apply to
+/// agents, which bring hosts of their own.
+#[test]
+fn drivers_check_the_config_before_agents_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let hosts = write(tmp.path(), "hosts", "localhost slots=2\n");
+    let bad = ["--set", "zero_optimization.stage=9", "--no-progress", "--output", "run"];
+    let mut a = vec!["launch", "--config", cfg.to_str().unwrap(), "--hostfile", hosts.to_str().unwrap()];
+    a.extend_from_slice(&bad);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("`zero_optimization.stage` = 9") && !text.contains("started") && !text.contains("agent"), "{text}");
+    let mut a = vec!["coordinator", "--config", cfg.to_str().unwrap(), "--nodes", "2", "--listen", "127.0.0.1:0"];
+    a.extend_from_slice(&bad);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("`zero_optimization.stage` = 9") && !text.contains("tsr1-"), "{text}");
+    let res = std::process::Command::new(bin())
+        .args(["coordinator", "--config", cfg.to_str().unwrap(), "--no-progress"])
+        .env("MASTER_PORT", "abc")
+        .env("WORLD_SIZE", "2")
+        .current_dir(tmp.path())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success() && text.contains("MASTER_PORT=\"abc\" is not a port number"), "{text}");
+    let mut a = vec!["coordinator", "--config", cfg.to_str().unwrap(), "--nodes", "2000", "--listen", "127.0.0.1:0"];
+    a.extend_from_slice(&["--join-timeout", "1", "--no-progress", "--output", "run"]);
+    a.extend_from_slice(&["--set", "train_batch_size=2000", "--set", "train_micro_batch_size_per_gpu=1"]);
+    let text = fails(&a, tmp.path());
+    assert!(text.contains("only 0 of 2000 agents joined") && !text.contains("at most 1024"), "{text}");
+}

@@ -1086,6 +1086,14 @@ fn test_network(o: &ChaosOptions) -> Result<Option<Hosts>, ChaosError> {
 /// Runs the scenario (fault-free, then faulted) and returns the report; `report.json` is
 /// written under the output folder.
 pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
+    // Before the output folder is made: a scenario naming no config file leaves nothing behind.
+    let cfg = config_path(o);
+    if !cfg.is_file() {
+        return Err(ChaosError::Run(format!(
+            "the scenario's config {} is not a file (a relative `config` is taken from the scenario file's folder)",
+            cfg.display()
+        )));
+    }
     std::fs::create_dir_all(&o.output).map_err(io(format!("creating {}", o.output.display())))?;
     let faults = o.scenario.resolve(o.seed);
     let needs_disk = faults.iter().any(|f| f.kind == FaultKind::DiskFull);
@@ -1108,10 +1116,6 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
         }
         false => ProgressBar::hidden(),
     };
-    let cfg = config_path(o);
-    if !cfg.is_file() {
-        return Err(ChaosError::Run(format!("the scenario's config {} is not a file", cfg.display())));
-    }
     fresh_dir(&o.output.join("clean"))?;
     let (clean, _) = run_one(o, "clean", &[], &mut Env::default(), &pb)?;
     if !clean.ok {

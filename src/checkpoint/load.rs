@@ -247,11 +247,18 @@ pub fn resolve_resume(path: &Path) -> Result<ResolvedResume, CheckpointError> {
         return Ok(ResolvedResume { dir: path.to_path_buf(), state, skipped: Vec::new() });
     }
     if !path.is_dir() {
-        return Err(CheckpointError::NotFound { path: path.to_path_buf(), details: ": not a directory".to_string() });
+        let details = if path.exists() { ": not a directory" } else { ": no such file or directory" };
+        return Err(CheckpointError::NotFound { path: path.to_path_buf(), details: details.to_string() });
     }
     let latest = load_latest_valid(path)?;
     match latest.found {
         Some((dir, state)) => Ok(ResolvedResume { dir, state, skipped: latest.skipped }),
+        None if latest.skipped.is_empty() => Err(CheckpointError::NotFound {
+            path: path.to_path_buf(),
+            details: ": it holds no step_NNNNNNNN folder and no manifest.json (expected a checkpoints root, such as \
+                      runs/NAME/checkpoints, or one of its step folders)"
+                .to_string(),
+        }),
         None => {
             let details: String = latest.skipped.iter().map(|s| format!("; skipped `{}`: {}", s.dir.display(), s.error)).collect();
             Err(CheckpointError::NotFound { path: path.to_path_buf(), details })

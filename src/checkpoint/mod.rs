@@ -81,13 +81,9 @@ pub struct CheckpointState {
 /// Errors of checkpoint save/load/export; every variant names the file or tensor involved.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("{op} `{path}`: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    /// The I/O error is in the message, not a `source` (`{:#}` would print it twice).
+    #[error("{op} `{path}`: {err}")]
+    Io { op: &'static str, path: PathBuf, err: io::Error },
     #[error("`{path}`: size mismatch: manifest says {expected_bytes} bytes, found {found_bytes} bytes (truncated or overwritten?)")]
     SizeMismatch { path: PathBuf, expected_bytes: u64, found_bytes: u64 },
     #[error("`{path}`: blake3 mismatch: manifest says {expected}, found {found} (file corrupted)")]
@@ -110,7 +106,7 @@ pub enum CheckpointError {
 
 impl CheckpointError {
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: io::Error) -> Self {
-        CheckpointError::Io { op, path: path.into(), source }
+        CheckpointError::Io { op, path: path.into(), err: source }
     }
 }
 

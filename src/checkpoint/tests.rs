@@ -196,7 +196,7 @@ fn injected_disk_full_cleans_temp_and_keeps_previous() {
     let err = with_fault_hook(full, || save(root, &sample_state(2), 0)).unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains(".tmp-step_00000002") && msg.contains(OPTIM_FILE), "{msg}");
-    assert!(matches!(&err, CheckpointError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull));
+    assert!(matches!(&err, CheckpointError::Io { err, .. } if err.kind() == std::io::ErrorKind::StorageFull));
     assert_eq!(step_names(root), vec!["step_00000001"]);
     assert_eq!(fs::read_to_string(root.join(LATEST_FILE)).unwrap().trim(), "step_00000001");
     assert_eq!(load_latest_valid(root).unwrap().found.unwrap().1.step, 1);
@@ -282,8 +282,12 @@ fn resolve_resume_accepts_root_or_step_dir() {
     assert!(resolve_resume(&d2).is_err());
     let empty = tmp.path().join("empty");
     fs::create_dir(&empty).unwrap();
-    assert!(matches!(resolve_resume(&empty), Err(CheckpointError::NotFound { .. })));
-    assert!(matches!(resolve_resume(&tmp.path().join("nope")), Err(CheckpointError::NotFound { .. })));
+    let e = resolve_resume(&empty).unwrap_err();
+    assert!(matches!(e, CheckpointError::NotFound { .. }), "{e}");
+    // What was expected, not only that nothing was found.
+    assert!(e.to_string().contains("no step_NNNNNNNN folder") && e.to_string().contains("expected a checkpoints root"), "{e}");
+    let e = resolve_resume(&tmp.path().join("nope")).unwrap_err();
+    assert!(matches!(e, CheckpointError::NotFound { .. }) && e.to_string().contains("no such file or directory"), "{e}");
 }
 
 /// A step folder without its manifest is a damaged step folder: the error names the manifest

@@ -102,6 +102,11 @@ pub fn from_value(raw: Value, overrides: &[String], ctx: &ResolveContext) -> Res
 
 /// The whole pipeline: overrides → legacy → schema → auto → batch → typed sections.
 fn build(mut root: Value, source: &str, overrides: &[String], ctx: &ResolveContext) -> KindResult<Config> {
+    // Checked before the overrides: a file that is not an object is the file's fault, not the
+    // first `--set`'s (train's own flags are `--set`s too).
+    if !root.is_object() {
+        return Err(ConfigErrorKind::invalid("(top level)", &root, "a JSON object"));
+    }
     overrides::apply(&mut root, overrides)?;
     let Value::Object(map) = &mut root else {
         return Err(ConfigErrorKind::invalid("(top level)", &root, "a JSON object"));

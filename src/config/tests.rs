@@ -479,3 +479,15 @@ fn docs_in_sync() {
         doc.display()
     );
 }
+
+/// A file that is not a JSON object is reported as such, even when `--set`s (which `train`'s
+/// own flags become) follow: the error used to blame the first override.
+#[test]
+fn a_top_level_that_is_not_an_object_is_the_files_fault_not_the_overrides() {
+    for text in ["[1, 2]", "\"hi\"", "3"] {
+        let e = from_str_named(text, "bad.json", &["tessera.output_dir=\"o\"".to_string()], &world(1)).expect_err(text);
+        let msg = e.to_string();
+        assert!(msg.contains("bad.json") && msg.contains("(top level)") && msg.contains("expected a JSON object"), "{msg}");
+        assert!(!msg.contains("--set"), "{msg}");
+    }
+}

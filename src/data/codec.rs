@@ -57,7 +57,7 @@ impl Codec {
     /// Loads a Hugging Face `tokenizer.json`.
     pub fn from_tokenizer_file(path: &Path) -> Result<Self, DataError> {
         if !path.exists() {
-            return Err(DataError::Missing { path: path.to_path_buf() });
+            return Err(DataError::TokenizerMissing { path: path.to_path_buf() });
         }
         Tokenizer::from_file(path)
             .map(|t| Codec::Hf(Box::new(t)))
@@ -107,8 +107,10 @@ impl Codec {
 /// tokenizer file's absolute path and blake3 (so `generate` and `--resume` use the same one).
 pub fn tokenizer_record(tokenizer: Option<&Path>) -> Result<serde_json::Value, DataError> {
     let Some(path) = tokenizer else { return Ok(serde_json::Value::Null) };
-    let bytes =
-        std::fs::read(path).map_err(|source| DataError::Io { path: path.to_path_buf(), action: "reading the tokenizer", source })?;
+    let bytes = std::fs::read(path).map_err(|err| match err.kind() {
+        std::io::ErrorKind::NotFound => DataError::TokenizerMissing { path: path.to_path_buf() },
+        _ => DataError::Io { path: path.to_path_buf(), action: "reading the tokenizer", err },
+    })?;
     let abs = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     Ok(serde_json::json!({ "path": abs.display().to_string(), "blake3": blake3::hash(&bytes).to_hex().to_string() }))
 }

@@ -8,13 +8,9 @@ pub enum DataError {
     #[error("data path {path}: no such file or directory")]
     Missing { path: PathBuf },
 
-    #[error("data path {path}: {action} failed: {source}")]
-    Io {
-        path: PathBuf,
-        action: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
+    /// The I/O error is in the message, not a `source` (`{:#}` would print it twice).
+    #[error("data path {path}: {action} failed: {err}")]
+    Io { path: PathBuf, action: &'static str, err: std::io::Error },
 
     #[error("data path {path}: contains no tokens")]
     Empty { path: PathBuf },
@@ -36,6 +32,9 @@ pub enum DataError {
 
     #[error("token shard {path}: {count} tokens exceed the header's limit of {max}")]
     TooManyTokens { path: PathBuf, count: usize, max: u64 },
+
+    #[error("tokenizer {path}: no such file (expected a Hugging Face tokenizer.json)")]
+    TokenizerMissing { path: PathBuf },
 
     #[error("tokenizer {path}: failed to load: {message}")]
     Tokenizer { path: PathBuf, message: String },
@@ -64,6 +63,6 @@ impl DataError {
         if source.kind() == std::io::ErrorKind::NotFound {
             return DataError::Missing { path: path.to_path_buf() };
         }
-        DataError::Io { path: path.to_path_buf(), action, source }
+        DataError::Io { path: path.to_path_buf(), action, err: source }
     }
 }

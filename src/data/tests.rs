@@ -326,6 +326,10 @@ fn too_short_and_missing_errors() {
     assert!(err.to_string().contains("nope.txt"), "{err}");
     let msg = Codec::open(Some(&missing)).expect_err("missing tok").to_string();
     assert!(msg.contains("no such file"), "{msg}");
+    // A missing tokenizer is called a tokenizer, not a data path.
+    assert!(msg.starts_with("tokenizer ") && msg.contains("tokenizer.json"), "{msg}");
+    let msg = tokenizer_record(Some(&missing)).expect_err("missing tok").to_string();
+    assert!(msg.starts_with("tokenizer ") && msg.contains("nope.txt") && !msg.contains("os error"), "{msg}");
 
     let empty = dir.path().join("empty.txt");
     write(&empty, b"");

@@ -517,6 +517,12 @@ fn connect_coordinator(
                     let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
                     match endpoint.connect(addr, COORDINATOR_NAME, client.clone(), left.as_millis() as u64) {
                         Ok(c) => return Ok(c),
+                        // The token pins another CA: another coordinator's token, or this
+                        // address is some other run's. Retrying cannot help.
+                        Err(e) if e.to_string().contains(tessera_transport::quic::pki::NOT_THE_TOKENS_CA) => bail!(
+                            "the coordinator at {join} is not the one this join token was made for (its CA differs from \
+                             the token's fingerprint): use the token that coordinator printed ({e})"
+                        ),
                         Err(e) => last = e.to_string(),
                     }
                 }
@@ -547,7 +553,13 @@ fn recv_assign(conn: &mut ControlConn, name: &str) -> Result<Answer> {
             deadline: Some(Instant::now() + Duration::from_millis(AGENT_IDLE_TIMEOUT_MS)),
             alive: &|| Ok(()),
         };
-        match wire::recv(conn, "Assign", &wait).with_context(|| format!("agent {name}: waiting for the other agents to join"))? {
+        let got = wire::recv(conn, "Assign", &wait).map_err(|e| {
+            // Why the coordinator closed the connection (a wrong join token, a refused rank)
+            // travels in the close frame; `e` alone says only that it closed.
+            let why = conn.closed_reason().map(|r| format!(" ({r})")).unwrap_or_default();
+            anyhow::anyhow!("agent {name}: waiting for the other agents to join: {e}{why}")
+        })?;
+        match got {
             ToWorker::Ping => wire::send(conn, &ToParent::Pong)?,
             ToWorker::Assign { rank, world, config, identity } => {
                 return Ok(Answer::Assign(rank as usize, world as usize, config, identity))

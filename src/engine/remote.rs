@@ -877,12 +877,21 @@ fn read_join(mut conn: ControlConn, nodes: usize, auth: &AgentAuth) -> Result<st
             }
         }
     }
+    // The agent hears why in the close frame (its own error names it), not only that the
+    // connection closed.
+    let refuse = |why: String| {
+        conn.abort(&why);
+        anyhow::anyhow!("agent {name} at {peer}: {why}")
+    };
     let mine = env!("CARGO_PKG_VERSION");
     if version != mine {
-        bail!("agent {name} at {peer} runs tessera {version}, the coordinator {mine}");
+        return Err(refuse(format!("the agent runs tessera {version}, the coordinator {mine}")));
     }
     if let Some(w) = world.filter(|w| *w != nodes as u64) {
-        bail!("agent {name} at {peer} was started for a world of {w} ranks, the coordinator waits for {nodes}");
+        return Err(refuse(format!("the agent was started for a world of {w} ranks, the coordinator waits for {nodes}")));
+    }
+    if let Some(r) = rank.filter(|r| *r >= nodes) {
+        return Err(refuse(format!("it asked for rank {r}, but the world has {nodes} rank(s) (0..{})", nodes - 1)));
     }
     Ok(Ok(Joined { conn, name, pid, peer, rank, public_key, host }))
 }

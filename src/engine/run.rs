@@ -172,6 +172,17 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Res
         );
     }
     if cursor.cursor != plan.first_sample(ck.step, 0) {
+        let per_step = plan.micro_batches * plan.micro;
+        if ck.step > 0 && cursor.cursor % ck.step == 0 {
+            let theirs = cursor.cursor / ck.step;
+            bail!(
+                "checkpoint {} was trained with train_batch_size = {theirs} (its data cursor is at sample {} after step {}) \
+                 but this run has {per_step}: the data order would change; resume with train_batch_size = {theirs}",
+                path.display(),
+                cursor.cursor,
+                ck.step
+            );
+        }
         bail!(
             "checkpoint {}: data cursor {} does not match step {} of this batch geometry ({} samples per step)",
             path.display(),
@@ -426,7 +437,6 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     let dataset = super::child::load_dataset(cfg)?;
     let plan = Arc::new(Plan::new(cfg, &dataset)?);
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
-    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
     // An elastic run falls back on the very checkpoint it resumed from, not on whatever
     // `--resume`'s folder (maybe this run's own checkpoint root) holds newest by then.
     let (start, resumed_from) = match &opts.resume {
@@ -440,6 +450,9 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     let val =
         data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
     let er = config::elastic_run(cfg)?;
+    // Made once the resume point and the settings are known good: a refused run leaves no
+    // empty output directory behind.
+    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
     let rendezvous = super::remote::take_rendezvous();
     let elastic_fleet = opts.processes && er.enabled;
     if let (Some(path), false) = (&opts.worker_net, elastic_fleet && rendezvous.is_none()) {

@@ -41,17 +41,13 @@ pub trait Monitor {
 /// Errors creating monitors; each names the path involved.
 #[derive(Debug, thiserror::Error)]
 pub enum MonitorError {
-    #[error("monitor: {op} `{path}`: {source}")]
-    Io {
-        op: &'static str,
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
+    /// The I/O error is in the message, not a `source` (`{:#}` would print it twice).
+    #[error("monitor: {op} `{path}`: {err}")]
+    Io { op: &'static str, path: PathBuf, err: io::Error },
 }
 
 pub(crate) fn monitor_io(op: &'static str, path: impl Into<PathBuf>, source: io::Error) -> MonitorError {
-    MonitorError::Io { op, path: path.into(), source }
+    MonitorError::Io { op, path: path.into(), err: source }
 }
 
 /// Wrap an io error with the path it concerns (monitor write paths return plain `io::Result`).

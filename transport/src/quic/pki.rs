@@ -28,8 +28,9 @@ pub const ALPN_CONTROL: &[u8] = b"tessera-control/1";
 pub enum PkiError {
     #[error("{path}: a cluster CA already exists; refusing to overwrite it")]
     CaExists { path: PathBuf },
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    /// The I/O error is in the message, not a `source` (`{:#}` would print it twice).
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("node name {name:?} is not usable: {detail} (expected a DNS-style name such as node-0)")]
     BadName { name: String, detail: String },
     #[error("generating {what}: {detail}")]
@@ -70,7 +71,19 @@ fn check_name(name: &str) -> Result<(), PkiError> {
 }
 
 fn write_new(path: &Path, text: &str) -> Result<(), PkiError> {
-    std::fs::write(path, text).map_err(|source| PkiError::Io { path: path.to_path_buf(), source })
+    std::fs::write(path, text).map_err(|err| PkiError::Io { path: path.to_path_buf(), err })
+}
+
+/// A private key: readable by its owner only (mode 0600, as `ClusterCa`'s node keys and the
+/// join-token file are), not by every user of the host.
+fn write_key(path: &Path, text: &str) -> Result<(), PkiError> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let io = |err| PkiError::Io { path: path.to_path_buf(), err };
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path).map_err(io)?;
+    // A key file left by an interrupted run keeps its old mode through `open`.
+    f.set_permissions(std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    f.write_all(text.as_bytes()).map_err(io)
 }
 
 /// The CA certificate's parameters.
@@ -104,18 +117,18 @@ pub fn cluster_init(dir: &Path, nodes: &[&str]) -> Result<ClusterFiles, PkiError
     if ca_cert.exists() {
         return Err(PkiError::CaExists { path: ca_cert });
     }
-    std::fs::create_dir_all(dir).map_err(|source| PkiError::Io { path: dir.to_path_buf(), source })?;
+    std::fs::create_dir_all(dir).map_err(|err| PkiError::Io { path: dir.to_path_buf(), err })?;
     let ca_keys = generate("the CA key", KeyPair::generate())?;
     let ca = generate("the CA certificate", ca_params()?.self_signed(&ca_keys))?;
     let ca_key = dir.join("ca.key");
-    write_new(&ca_key, &ca_keys.serialize_pem())?;
+    write_key(&ca_key, &ca_keys.serialize_pem())?;
     let mut files = ClusterFiles { ca_cert: ca_cert.clone(), ca_key, nodes: Vec::new() };
     for name in nodes {
         let keys = generate(&format!("the key of {name}"), KeyPair::generate())?;
         let cert = generate(&format!("the certificate of {name}"), node_params(name)?.signed_by(&keys, &ca, &ca_keys))?;
         let (cert_path, key_path) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
         write_new(&cert_path, &cert.pem())?;
-        write_new(&key_path, &keys.serialize_pem())?;
+        write_key(&key_path, &keys.serialize_pem())?;
         files.nodes.push((name.to_string(), cert_path, key_path));
     }
     // Written last: a partial run leaves no CA behind that would block a retry.
@@ -138,7 +151,7 @@ impl Clone for NodeTls {
 }
 
 fn read_text(path: &Path) -> Result<String, PkiError> {
-    std::fs::read_to_string(path).map_err(|source| PkiError::Io { path: path.to_path_buf(), source })
+    std::fs::read_to_string(path).map_err(|err| PkiError::Io { path: path.to_path_buf(), err })
 }
 
 /// The variable that picks the TLS library's crypto: `aws-lc-rs` (the default) or `ring`.
@@ -375,11 +388,11 @@ impl ClusterCa {
         check_name(name)?;
         let keys = generate(&format!("the key of {name}"), KeyPair::generate())?;
         let cert = generate(&format!("the certificate of {name}"), node_params(name)?.signed_by(&keys, &self.cert, &self.key))?;
-        std::fs::create_dir_all(dir).map_err(|source| PkiError::Io { path: dir.to_path_buf(), source })?;
+        std::fs::create_dir_all(dir).map_err(|err| PkiError::Io { path: dir.to_path_buf(), err })?;
         write_new(&dir.join("ca.pem"), &self.ca_pem())?;
         write_new(&dir.join(format!("{name}.pem")), &cert.pem())?;
         let key_path = dir.join(format!("{name}.key"));
-        let io = |source| PkiError::Io { path: key_path.clone(), source };
+        let io = |err| PkiError::Io { path: key_path.clone(), err };
         let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&key_path).map_err(io)?;
         f.write_all(keys.serialize_pem().as_bytes()).map_err(io)?;
         Ok(())
@@ -511,6 +524,10 @@ struct PinnedCa {
     provider: Arc<rustls::crypto::CryptoProvider>,
 }
 
+/// How a server whose CA is not the one a join token pins is refused (the start of the TLS
+/// error): no retry can change that, so an agent that sees it stops dialling.
+pub const NOT_THE_TOKENS_CA: &str = "the server's chain holds no CA with the join token's fingerprint";
+
 impl rustls::client::danger::ServerCertVerifier for PinnedCa {
     fn verify_server_cert(
         &self,
@@ -521,7 +538,7 @@ impl rustls::client::danger::ServerCertVerifier for PinnedCa {
         now: rustls::pki_types::UnixTime,
     ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
         let Some(ca) = intermediates.iter().find(|c| sha256(c) == self.ca_sha256) else {
-            let detail = format!("the server's chain holds no CA with the join token's fingerprint {}", hex(&self.ca_sha256));
+            let detail = format!("{NOT_THE_TOKENS_CA} {}", hex(&self.ca_sha256));
             return Err(rustls::Error::General(detail));
         };
         let mut roots = rustls::RootCertStore::empty();

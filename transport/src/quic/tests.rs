@@ -355,6 +355,12 @@ fn cluster_init_refuses_to_overwrite_and_rejects_bad_names() {
     let dir = temp_dir("init");
     let files = cluster_init(&dir, &["a", "b"]).unwrap();
     assert_eq!(files.nodes.len(), 2);
+    // Private keys are the owner's alone; certificates are public.
+    let mode = |p: &std::path::Path| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(p).unwrap().permissions()) & 0o777;
+    assert_eq!(mode(&files.ca_key), 0o600);
+    for (_, cert, key) in &files.nodes {
+        assert_eq!((mode(key), mode(cert) & 0o600), (0o600, 0o600), "{}", key.display());
+    }
     assert!(matches!(cluster_init(&dir, &["c"]), Err(PkiError::CaExists { .. })));
     assert!(matches!(cluster_init(&temp_dir("bad"), &["x y"]), Err(PkiError::BadName { .. })));
     assert!(matches!(cluster_init(&temp_dir("dup"), &["a", "a"]), Err(PkiError::BadName { .. })));
