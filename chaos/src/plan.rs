@@ -462,7 +462,12 @@ impl Scenario {
     /// Parses and checks scenario text; `path` names it in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Scenario, PlanError> {
         let bad = |detail: String| PlanError::Invalid { path: path.to_path_buf(), detail };
-        let s: Scenario = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        // A type error names the field it is in (serde_json alone gives only line and column).
+        let s: Scenario =
+            serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text)).map_err(|e| match e.path().to_string() {
+                p if p == "." => bad(e.inner().to_string()),
+                p => bad(format!("{p}: {}", e.inner())),
+            })?;
         if s.nprocs == 0 {
             return Err(bad("nprocs must be at least 1".into()));
         }
@@ -639,6 +644,12 @@ mod tests {
         assert!(e.contains("rank 7 cannot exist") && e.contains("at most 2 member(s)"), "{e}");
         let ok = r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "join", "at_step": 1}, {"kind": "kill", "at_step": 2, "rank": 2}]}"#;
         Scenario::parse(ok, p).expect("rank 2 exists after one join");
+        // A value of the wrong type names its field.
+        let e =
+            err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "join", "at_step": 1}, {"kind": "kill", "at_step": -1}]}"#);
+        assert!(e.starts_with("scenario s.json: faults[1].at_step: invalid value: integer `-1`, expected u64"), "{e}");
+        let e = err(r#"{"config": "c", "nprocs": "four", "steps": 5, "faults": []}"#);
+        assert!(e.contains("nprocs: invalid type: string \"four\""), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "faults": [{"kind": "kill", "at_step": 1, "rank": -1}]}"#);
         assert!(e.contains("expected a rank number") && e.contains("found -1"), "{e}");
         let e = err(r#"{"config": "c", "nprocs": 2, "steps": 5, "set": ["tessera.elastic.enabled=false"], "faults": []}"#);
