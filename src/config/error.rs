@@ -32,8 +32,8 @@ pub enum ConfigErrorKind {
     )]
     BatchMissing,
     #[error(
-        "unresolved \"auto\" values (give them on the command line or set them in the \
-         config): {}",
+        "unresolved \"auto\" values (set them in the config, or with `--set KEY=VALUE`): \
+         {}",
         .paths.join(", ")
     )]
     UnresolvedAuto { paths: Vec<String> },

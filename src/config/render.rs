@@ -77,7 +77,7 @@ Tessera reads an unmodified DeepSpeed JSON config. Rules:
   and `true` does not.
 - **`--device cuda`** reduces and gathers unit by unit: `zero_optimization.reduce_bucket_size` and
   the `stage3_*` tuning keys have no effect there, and a run that sets them is warned.
-- **`\"auto\"`** values are filled from the command line and the model (table below); all
+- **`\"auto\"`** values are filled from `--world`, `--steps` and the model (table below); all
   unresolved ones are reported together. `\"auto\"` in keys not honoured yet is kept as written.
 - **`--set a.b.c=VALUE`** edits the JSON before validation (VALUE is JSON if it parses, else a string).
 - **`tessera`** holds Tessera's own keys.
