@@ -319,3 +319,37 @@ fn drivers_check_the_config_before_agents_start() {
     let text = fails(&a, tmp.path());
     assert!(text.contains("only 0 of 2000 agents joined") && !text.contains("at most 1024"), "{text}");
 }
+
+/// A resume on other data than the checkpoint was trained on is warned of, naming both (a choice
+/// DeepSpeed allows: the run goes on, from its state, on the new data); a resume on the same data
+/// is not. The data is recorded in every checkpoint's manifest (`extra.data`: source, tokens,
+/// blake3).
+#[test]
+fn resuming_on_other_data_is_warned_of() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--world", "1", "--no-progress"];
+    a.extend_from_slice(FAST);
+    let mut first = a.clone();
+    first.extend_from_slice(&["--steps", "2"]);
+    ok(&first, tmp.path());
+    let ckpts = out.join("checkpoints");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ckpts.join("step_00000002/manifest.json")).unwrap()).unwrap();
+    let recorded = &manifest["extra"]["data"];
+    assert!(recorded["blake3"].as_str().is_some_and(|h| h.len() == 64) && recorded["tokens"].as_u64() > Some(0), "{manifest:#}");
+    let mut same = a.clone();
+    same.extend_from_slice(&["--steps", "3", "--resume", ckpts.to_str().unwrap()]);
+    let text = ok(&same, tmp.path());
+    assert!(!text.contains("was trained on"), "the same data: no warning\n{text}");
+    // The corpus's second half: same tokenizer (bytes), other tokens.
+    let corpus = std::fs::read(repo().join("data/corpus/austen.txt")).unwrap();
+    let other = write(tmp.path(), "other.txt", &String::from_utf8_lossy(&corpus[corpus.len() / 2..]));
+    let mut moved = a.clone();
+    moved.extend_from_slice(&["--steps", "4", "--resume", ckpts.to_str().unwrap(), "--data", other.to_str().unwrap()]);
+    let text = ok(&moved, tmp.path());
+    assert!(text.contains("warning: checkpoint") && text.contains("step_00000003 was trained on"), "{text}");
+    assert!(text.contains("austen.txt") && text.contains("other.txt"), "both data named: {text}");
+    assert_eq!(summary(&out)["steps"], 4, "the run goes on: {text}");
+}

@@ -42,6 +42,26 @@ pub struct Dataset {
     pub source: String,
 }
 
+impl Dataset {
+    /// What a checkpoint records of the data it was trained on: where the tokens came from,
+    /// how many there are, and their blake3 (training then validation tokens, u32 little-endian),
+    /// so that a resume on other data is noticed.
+    pub fn record(&self) -> serde_json::Value {
+        let mut h = blake3::Hasher::new();
+        let mut buf = Vec::with_capacity(1 << 18);
+        for piece in self.train.chunks(1 << 16).chain(self.val.chunks(1 << 16)) {
+            buf.clear();
+            buf.extend(piece.iter().flat_map(|t| t.to_le_bytes()));
+            h.update(&buf);
+        }
+        serde_json::json!({
+            "source": self.source,
+            "tokens": self.train.len() + self.val.len(),
+            "blake3": h.finalize().to_hex().to_string(),
+        })
+    }
+}
+
 /// The shipped corpus, compiled in, so a binary run away from the source tree it was built
 /// from (`cargo install`, a copy on another machine) still has its default data.
 static EMBEDDED_CORPUS: &[u8] = include_bytes!("../../data/corpus/austen.txt");

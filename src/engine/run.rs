@@ -94,14 +94,14 @@ fn fresh_start(cfg: &Config, plan: &Plan) -> Start {
 /// Where a resumed run starts: the checkpoint's masters, optimizer buffers and counters, checked
 /// against the config (model, tokenizer, seed, step range, data cursor). `verbose`: print the
 /// checkpoints skipped as damaged (the CPU driver and the GPU path's rank 0).
-pub(crate) fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Result<Start> {
-    resume_point(cfg, plan, dir, verbose).map(|(start, _)| start)
+pub(crate) fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: &serde_json::Value) -> Result<Start> {
+    resume_point(cfg, plan, dir, verbose, Some(data)).map(|(start, _)| start)
 }
 
 /// [`resume_start`], and the step directory `dir` resolved to (`dir` may be a checkpoint
 /// root): what an elastic run falls back on when no checkpoint of its own is left.
-fn resume_point(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Result<(Start, PathBuf)> {
-    let (start, path) = checkpoint_start(cfg, plan, dir, verbose)?;
+fn resume_point(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: Option<&serde_json::Value>) -> Result<(Start, PathBuf)> {
+    let (start, path) = checkpoint_start(cfg, plan, dir, verbose, data)?;
     if start.step >= cfg.tessera.steps {
         bail!(
             "checkpoint {} is at step {}, and this run stops at step {}: ask for more with --steps",
@@ -114,8 +114,10 @@ fn resume_point(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Result<
 }
 
 /// The state a checkpoint holds (see [`resume_start`], without the check against the run's
-/// length) and the step directory it came from.
-fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Result<(Start, PathBuf)> {
+/// length) and the step directory it came from. With `data` (this run's [`data::Dataset::record`])
+/// and `verbose`, a checkpoint trained on other data is warned of: a resume on new data is a
+/// choice DeepSpeed allows (fine-tuning, a new mix), but it is not the run it continues.
+fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: Option<&serde_json::Value>) -> Result<(Start, PathBuf)> {
     let resolved = checkpoint::resolve_resume(dir).with_context(|| format!("resuming from {}", dir.display()))?;
     for s in resolved.skipped.iter().filter(|_| verbose) {
         eprintln!("warning: skipped checkpoint {}: {}", s.dir.display(), s.error);
@@ -133,6 +135,24 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool) -> Res
             data::describe_record(&was),
             data::describe_record(&now)
         );
+    }
+    if let (Some(now), Some(was), true) = (data, ck.extra.get("data"), verbose) {
+        if now.get("blake3") != was.get("blake3") {
+            let describe = |d: &serde_json::Value| {
+                format!(
+                    "{} (blake3 {:.16}…)",
+                    d.get("source").and_then(serde_json::Value::as_str).unwrap_or("?"),
+                    d.get("blake3").and_then(serde_json::Value::as_str).unwrap_or("?")
+                )
+            };
+            eprintln!(
+                "warning: checkpoint {} was trained on {}, and this run's data is {}: the run goes on from its state on the new \
+                 data, and its bits will not match a run that never changed data",
+                path.display(),
+                describe(was),
+                describe(now)
+            );
+        }
     }
     let mut master = vec![0.0; plan.total()];
     for spec in plan.model.layout().specs() {
@@ -214,7 +234,7 @@ fn restore_from_disk(
     at: u64,
     skipped: &dyn Fn(&Path, &str),
 ) -> Result<(Start, String)> {
-    let load = |dir: &Path| checkpoint_start(cfg, plan, dir, false).map(|(start, _)| (start.step, start));
+    let load = |dir: &Path| checkpoint_start(cfg, plan, dir, false, None).map(|(start, _)| (start.step, start));
     restore_choice(root, resume, at, &load, &|| fresh_start(cfg, plan), skipped).map(|(_, start, source)| (start, source))
 }
 
@@ -298,7 +318,7 @@ pub(crate) fn checkpoint_tensors(
     (params, optim)
 }
 
-fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &Path) -> Result<PathBuf> {
+fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &Path, data: &serde_json::Value) -> Result<PathBuf> {
     let (master, bufs, c) = ranks.assemble(plan, true)?;
     let (params, optim) = checkpoint_tensors(plan, &master, bufs);
     let state = CheckpointState {
@@ -315,6 +335,7 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
             "world_size": plan.world,
             "zero_stage": plan.stage,
             "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
+            "data": data,
         }),
         params,
         optim,
@@ -388,6 +409,8 @@ struct Run<'a> {
     step: u64,
     /// Set when the ranks are an elastic fleet (`Ranks::Elastic`).
     elastic: Option<ElasticRunState>,
+    /// The data's record ([`data::Dataset::record`]), written into every checkpoint.
+    data: serde_json::Value,
 }
 
 /// What an elastic run keeps besides its ranks.
@@ -436,11 +459,12 @@ pub fn validate(cfg: &Config) -> Result<()> {
 fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Dataset)> {
     let dataset = super::child::load_dataset(cfg)?;
     let plan = Arc::new(Plan::new(cfg, &dataset)?);
+    let data = dataset.record();
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
     // An elastic run falls back on the very checkpoint it resumed from, not on whatever
     // `--resume`'s folder (maybe this run's own checkpoint root) holds newest by then.
     let (start, resumed_from) = match &opts.resume {
-        Some(dir) => resume_point(cfg, &plan, dir, true).map(|(start, path)| (start, Some(path)))?,
+        Some(dir) => resume_point(cfg, &plan, dir, true, Some(&data)).map(|(start, path)| (start, Some(path)))?,
         None => {
             refuse_to_overwrite(&out_dir.join("checkpoints"))?;
             (fresh_start(cfg, &plan), None)
@@ -478,7 +502,7 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         let ranks = Ranks::Remote(Box::new(procs));
         let cluster = Cluster::start_remote(nodes, cluster_options(opts, None)).context("starting the actor tree")?;
         let monitors = bridge::monitors(cfg, &out_dir)?;
-        let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic };
+        let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic, data };
         return Ok((run, dataset));
     }
     let (ranks, workers) = if elastic_fleet {
@@ -508,7 +532,7 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         fleet.set_stopper(cluster.stopper());
     }
     let monitors = bridge::monitors(cfg, &out_dir)?;
-    let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic };
+    let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic, data };
     Ok((run, dataset))
 }
 
@@ -587,7 +611,7 @@ impl Run<'_> {
         self.monitors.write(&events).context("writing monitors")?;
         if (cfg.tessera.checkpoint_interval > 0 && self.step % cfg.tessera.checkpoint_interval == 0) || last {
             let saved = self.with_recovery(pb, t, dataset, |run| {
-                save_checkpoint(cfg, &run.plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"))
+                save_checkpoint(cfg, &run.plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"), &run.data)
             });
             if let Ranks::Elastic(fleet) = &self.ranks {
                 fleet.checkpointed(self.step, saved.as_deref().map_err(|e| format!("{e:#}")));
@@ -954,7 +978,7 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
             interrupted = true;
             // Between steps the ranks hold a committed state: keep it.
             let path = run.with_recovery(&pb, &mut t, &dataset, |run| {
-                save_checkpoint(cfg, &run.plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"))
+                save_checkpoint(cfg, &run.plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"), &run.data)
             })?;
             log_line(&pb, format!("interrupted: stopped after step {}; saved {}", run.step, path.display()));
             t.last_ckpt = Some(path);

@@ -328,7 +328,7 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
     check_gpu_budget(cfg, &states, offload, full_optim)?;
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
     let start = match &opts.resume {
-        Some(dir) => resume_start(cfg, &plan, dir, lead)?,
+        Some(dir) => resume_start(cfg, &plan, dir, lead, &dataset.record())?,
         None => {
             if lead {
                 engine::refuse_to_overwrite(&out_dir.join("checkpoints"))?;
@@ -341,8 +341,8 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
 
 /// The checkpoint's masters, Adam moments and counters, with the CPU path's checks (model,
 /// tokenizer, seed, step range, data cursor): the CPU driver's resume, then the Adam buffers.
-fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, lead: bool) -> Result<Start> {
-    let st = engine::resume_start(cfg, plan, dir, lead)?;
+fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, lead: bool, data: &serde_json::Value) -> Result<Start> {
+    let st = engine::resume_start(cfg, plan, dir, lead, data)?;
     let (steps, bufs) = st.optim.context("the checkpoint has no optimizer state")?;
     let buffer = |name: &str| -> Result<Vec<f32>> {
         let (_, data) = bufs.iter().find(|(n, _)| n == name).with_context(|| {
@@ -529,6 +529,8 @@ struct RankRun<'a> {
     applied: u64,
     skipped: u64,
     out_dir: PathBuf,
+    /// The data's record, written into every checkpoint (as the CPU path does).
+    data: serde_json::Value,
 }
 
 impl RankRun<'_> {
@@ -557,6 +559,7 @@ impl RankRun<'_> {
                 "zero_stage": plan.stage,
                 "device": "cuda",
                 "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
+                "data": self.data,
             }),
             params,
             optim,
@@ -646,8 +649,18 @@ fn run_rank(
     }
     // Evaluation gathers parameters at stage 3 with several ranks: then every rank evaluates.
     let evaluates = lead || (plan.stage == 3 && world > 1);
-    let mut run =
-        RankRun { cfg, plan, r, lead, world, step: start.step, applied: start.applied, skipped: start.skipped, out_dir: out_dir.clone() };
+    let mut run = RankRun {
+        cfg,
+        plan,
+        r,
+        lead,
+        world,
+        step: start.step,
+        applied: start.applied,
+        skipped: start.skipped,
+        out_dir: out_dir.clone(),
+        data: dataset.record(),
+    };
     drop(start);
     let mut t = Tally::default();
     if run.step == 0 && evaluates {
