@@ -150,46 +150,51 @@ fn read_tensors(path: &Path, bytes: &[u8], entries: &[TensorEntry]) -> Result<Ve
 /// All `step_*` directories directly under `root`, newest (highest step) first. Temp and
 /// replaced dirs (`.tmp-*`, `.old-*`) are not listed. A missing root gives an empty list.
 pub fn list_checkpoints(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+    Ok(scan(root)?.steps)
+}
+
+/// What one listing of a checkpoint root finds: its `step_*` folders, newest first, and the
+/// `.old-step_N-*` folders whose `step_N` is missing (a same-step re-save moved it aside and
+/// crashed, or failed to move it back), newest first, then by path.
+struct Scan {
+    steps: Vec<(u64, PathBuf)>,
+    orphans: Vec<(u64, PathBuf)>,
+}
+
+/// Lists `root` once (see [`Scan`]); a missing root gives empty lists.
+fn scan(root: &Path) -> Result<Scan, CheckpointError> {
+    let mut found = Scan { steps: Vec::new(), orphans: Vec::new() };
     let rd = match fs::read_dir(root) {
         Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(found),
         Err(e) => return Err(CheckpointError::io("list", root, e)),
     };
-    let mut out = Vec::new();
     for entry in rd {
         let entry = entry.map_err(|e| CheckpointError::io("list", root, e))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         if let Some(step) = parse_step_dir_name(&name) {
             if entry.path().is_dir() {
-                out.push((step, entry.path()));
+                found.steps.push((step, entry.path()));
+            }
+        } else if let Some(step_name) = old_dir_step_name(&name) {
+            if entry.path().is_dir() && !root.join(&step_name).exists() {
+                found.orphans.extend(parse_step_dir_name(&step_name).map(|step| (step, entry.path())));
             }
         }
     }
-    out.sort_by_key(|e| std::cmp::Reverse(e.0));
-    Ok(out)
+    found.steps.sort_by_key(|e| std::cmp::Reverse(e.0));
+    found.orphans.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    Ok(found)
 }
 
 /// The step folders a restore may load, newest (highest step) first, then by path: every
-/// `step_*` folder, and each `.old-step_N-*` folder whose `step_N` is missing (a same-step
-/// re-save moved it aside and crashed, or failed to move it back, before the next save puts it
-/// back). A missing root gives an empty list.
+/// `step_*` folder, and each `.old-step_N-*` folder whose `step_N` is missing (see [`Scan`]).
+/// A missing root gives an empty list.
 pub fn list_restorable(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
-    let mut out = list_checkpoints(root)?;
-    let rd = match fs::read_dir(root) {
-        Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(CheckpointError::io("list", root, e)),
-    };
-    for entry in rd {
-        let entry = entry.map_err(|e| CheckpointError::io("list", root, e))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(step_name) = old_dir_step_name(&name) else { continue };
-        if entry.path().is_dir() && !root.join(&step_name).exists() {
-            out.extend(parse_step_dir_name(&step_name).map(|step| (step, entry.path())));
-        }
-    }
-    out.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-    Ok(out)
+    let Scan { mut steps, orphans } = scan(root)?;
+    steps.extend(orphans);
+    steps.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    Ok(steps)
 }
 
 /// Whether `path` is named as a step folder (`step_*`, or `.old-step_*`).
@@ -207,17 +212,10 @@ fn candidates(root: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
             out.push(root.join(name));
         }
     }
-    for (_, dir) in list_checkpoints(root)? {
+    let Scan { steps, orphans } = scan(root)?;
+    for (_, dir) in steps.into_iter().chain(orphans) {
         if !out.contains(&dir) {
             out.push(dir);
-        }
-    }
-    if let Ok(rd) = fs::read_dir(root) {
-        for entry in rd.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if old_dir_step_name(&name).is_some_and(|s| !root.join(s).exists()) {
-                out.push(entry.path());
-            }
         }
     }
     Ok(out)

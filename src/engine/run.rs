@@ -537,6 +537,11 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
 }
 
 impl Run<'_> {
+    /// Saves a checkpoint of the committed state under the run's `checkpoints/`.
+    fn save_checkpoint(&self) -> Result<PathBuf> {
+        save_checkpoint(self.cfg, &self.plan, &self.ranks, self.step, &self.out_dir.join("checkpoints"), &self.data)
+    }
+
     /// One committed step plus its logging, evaluation and checkpoint.
     fn step_once(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
         let cfg = self.cfg;
@@ -610,9 +615,7 @@ impl Run<'_> {
         }
         self.monitors.write(&events).context("writing monitors")?;
         if (cfg.tessera.checkpoint_interval > 0 && self.step % cfg.tessera.checkpoint_interval == 0) || last {
-            let saved = self.with_recovery(pb, t, dataset, |run| {
-                save_checkpoint(cfg, &run.plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"), &run.data)
-            });
+            let saved = self.with_recovery(pb, t, dataset, |run| run.save_checkpoint());
             if let Ranks::Elastic(fleet) = &self.ranks {
                 fleet.checkpointed(self.step, saved.as_deref().map_err(|e| format!("{e:#}")));
             }
@@ -977,9 +980,7 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
         if stop.load(Ordering::SeqCst) {
             interrupted = true;
             // Between steps the ranks hold a committed state: keep it.
-            let path = run.with_recovery(&pb, &mut t, &dataset, |run| {
-                save_checkpoint(cfg, &run.plan, &run.ranks, run.step, &run.out_dir.join("checkpoints"), &run.data)
-            })?;
+            let path = run.with_recovery(&pb, &mut t, &dataset, |run| run.save_checkpoint())?;
             log_line(&pb, format!("interrupted: stopped after step {}; saved {}", run.step, path.display()));
             t.last_ckpt = Some(path);
             break;

@@ -258,6 +258,9 @@ struct Start {
 /// Data, plan and start state, validated.
 struct Prepared {
     dataset: Dataset,
+    /// The data's record (`Dataset::record`), computed once: checked on resume, written into
+    /// every checkpoint.
+    data: serde_json::Value,
     plan: Plan,
     start: Start,
     /// Optimizer offload to host memory, if asked.
@@ -310,6 +313,7 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
     (z.stage3_param_persistence_threshold, z.stage3_max_live_parameters, z.stage3_max_reuse_distance) =
         (d.stage3_param_persistence_threshold, d.stage3_max_live_parameters, d.stage3_max_reuse_distance);
     let plan = Plan::new(&cpu_cfg, &dataset)?;
+    let data = dataset.record();
     let world = cfg.world_size.max(1);
     if plan.micro_batches % world != 0 {
         bail!(
@@ -328,7 +332,7 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
     check_gpu_budget(cfg, &states, offload, full_optim)?;
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
     let start = match &opts.resume {
-        Some(dir) => resume_start(cfg, &plan, dir, lead, &dataset.record())?,
+        Some(dir) => resume_start(cfg, &plan, dir, lead, &data)?,
         None => {
             if lead {
                 engine::refuse_to_overwrite(&out_dir.join("checkpoints"))?;
@@ -336,7 +340,7 @@ fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared>
             Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), moments: None, applied: 0, skipped: 0 }
         }
     };
-    Ok(Prepared { dataset, plan, start, offload, states })
+    Ok(Prepared { dataset, data, plan, start, offload, states })
 }
 
 /// The checkpoint's masters, Adam moments and counters, with the CPU path's checks (model,
@@ -587,7 +591,7 @@ fn run_rank(
         Some(p) => p,
         None => prepare(cfg, opts, lead && id.is_none())?,
     };
-    let Prepared { dataset, plan, start, offload, states } = prepared;
+    let Prepared { dataset, data, plan, start, offload, states } = prepared;
     let m = plan.micro_batches;
     let m_local = m / world;
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
@@ -659,7 +663,7 @@ fn run_rank(
         applied: start.applied,
         skipped: start.skipped,
         out_dir: out_dir.clone(),
-        data: dataset.record(),
+        data,
     };
     drop(start);
     let mut t = Tally::default();
