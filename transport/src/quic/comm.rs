@@ -112,8 +112,57 @@ fn split_pair<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut
     }
 }
 
-/// A buffer a rank reuses across calls, per element type: a slice (an all-reduce's own
-/// contribution kept aside, a gathered slice being visited).
+/// `(&mut buf[a], &mut buf[b])` for disjoint ranges `a` and `b` (either may be empty).
+fn split_pair_mut<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&mut [T], &mut [T]) {
+    if a.end <= b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&mut lo[a], &mut hi[..b.len()])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&mut hi[..a.len()], &mut lo[b])
+    }
+}
+
+/// Bytes a lane copies between two polls of its step's streams (see [`copy_yielding`]).
+const COPY_PIECE_BYTES: usize = 256 << 10;
+
+/// Copies `src` into `dst` (as long) in pieces of [`COPY_PIECE_BYTES`], letting the other work
+/// of the lane's step (its sends and receives) go on between pieces: a local copy then runs
+/// beside the step's transfers instead of before them.
+async fn copy_yielding<T: Copy>(dst: &mut [T], src: &[T]) -> Result<(), Fail> {
+    let piece = (COPY_PIECE_BYTES / std::mem::size_of::<T>().max(1)).max(1);
+    for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
+        d.copy_from_slice(s);
+        let mut yielded = false;
+        std::future::poll_fn(|cx| match std::mem::replace(&mut yielded, true) {
+            true => Poll::Ready(()),
+            false => {
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+        })
+        .await;
+    }
+    Ok(())
+}
+
+/// Where a reduction's own contribution is.
+enum Own<'a, T> {
+    /// In a slice of its own (a reduce-scatter's input).
+    Slice(&'a [T]),
+    /// Already in the output (an all-reduce in place). `acc` (as long as the output; empty on
+    /// ranks 0 and 1) is where ranks ≥ 2 sum the lower ranks' slices before adding their own.
+    InPlace { acc: &'a mut [T] },
+}
+
+/// One lane's stripe of [`Own`].
+enum OwnStripe<'a, T> {
+    Slice(&'a [T]),
+    InPlace(&'a mut [T]),
+}
+
+/// A buffer a rank reuses across calls, per element type: a slice (where an all-reduce sums
+/// the lower ranks' slices, a gathered slice being visited).
 #[derive(Default)]
 struct Scratch<T> {
     owned: Vec<T>,
@@ -679,21 +728,25 @@ impl QuicComm {
     }
 
     /// `out ← Σ_q x_q` in rank order, where `x_q` is rank `q`'s slice for this rank (`parts[r]`
-    /// is what this rank sends rank `r`; `own` is its own contribution, or `None` when `out`
-    /// already holds it and this is rank 0). Every rank sends each owner its slice directly (see
-    /// the module doc for why this is not a summing ring), all sends at once, while it receives
-    /// the peers' slices in rank order, adding each chunk in as it arrives (rank 0's slice lands
-    /// in `out` directly).
+    /// is what this rank sends rank `r`; `own` says where this rank's contribution is). Every
+    /// rank sends each owner its slice directly (see the module doc for why this is not a
+    /// summing ring), all sends at once, while it receives the peers' slices in rank order,
+    /// adding each chunk in as it arrives.
+    ///
+    /// With the contribution in place (an all-reduce), nothing is copied aside first: rank 0
+    /// adds the others onto its own; rank 1 adds rank 0's slice onto its own (`x₁ + x₀`, the same
+    /// bits as `x₀ + x₁`: IEEE addition is commutative); a rank `r ≥ 2` receives rank 0's slice
+    /// into `acc`, adds ranks `1..r` there, then adds `acc` onto its own, and adds the ranks
+    /// above it — the sum `((x₀ + x₁) + …) + x_{n−1}` of the in-process backend on every rank.
     fn reduce_to_owner<T: Elem>(
         &mut self,
         call: Call,
         step: u32,
         parts: &[&[T]],
-        own: Option<&[T]>,
+        own: Own<'_, T>,
         out: &mut [T],
     ) -> Result<(), CollectiveError> {
         let (rank, world, shared) = (self.rank, self.world, &*self.shared);
-        debug_assert!(own.is_some() || rank == 0, "only rank 0 reduces onto its own contribution");
         let key = Key::Coll { seq: call.seq, step };
         let mut lanes = Lanes::default();
         for to in (1..world).map(|s| (rank + s) % world) {
@@ -702,25 +755,41 @@ impl QuicComm {
         // Each lane sums its own stripe of `out`, over the ranks in order: every element's sum
         // runs in rank order whatever the lanes.
         let n = self.rx_stripes::<T>(out.len());
-        let owns: Vec<Option<&[T]>> = match own {
-            Some(mine) => stripes(mine, n).into_iter().map(Some).collect(),
-            None => vec![None; n],
+        let owns: Vec<OwnStripe<T>> = match own {
+            Own::Slice(mine) => stripes(mine, n).into_iter().map(OwnStripe::Slice).collect(),
+            Own::InPlace { acc } if rank >= 2 => stripes_mut(acc, n).into_iter().map(OwnStripe::InPlace).collect(),
+            Own::InPlace { .. } => (0..n).map(|_| OwnStripe::InPlace(&mut [][..])).collect(),
         };
         for (k, (out, own)) in stripes_mut(out, n).into_iter().zip(owns).enumerate() {
             let conns: Vec<Option<&Connection>> = (0..world).map(|p| self.lane(p, k)).collect();
+            let src = move |from: usize| Src { shared, conn: conns[from], rank: from, lane: k };
             lanes.push(
                 k,
                 Box::pin(async move {
-                    for (from, conn) in conns.into_iter().enumerate() {
-                        match (from == rank, from == 0) {
-                            (true, true) => {
-                                if let Some(mine) = own {
-                                    out.copy_from_slice(mine);
+                    match own {
+                        OwnStripe::Slice(mine) => {
+                            for from in 0..world {
+                                match (from == rank, from == 0) {
+                                    (true, true) => out.copy_from_slice(mine),
+                                    (true, false) => add_into(out, mine),
+                                    (false, true) => rx_into(src(from), key, out).await?,
+                                    (false, false) => rx_add(src(from), key, out).await?,
                                 }
                             }
-                            (true, false) => add_into(out, own.unwrap_or(&[])),
-                            (false, true) => rx_into(Src { shared, conn, rank: from, lane: k }, key, out).await?,
-                            (false, false) => rx_add(Src { shared, conn, rank: from, lane: k }, key, out).await?,
+                        }
+                        OwnStripe::InPlace(acc) => {
+                            if rank >= 2 {
+                                rx_into(src(0), key, &mut *acc).await?;
+                                for from in 1..rank {
+                                    rx_add(src(from), key, &mut *acc).await?;
+                                }
+                                add_into(out, acc);
+                            } else if rank == 1 {
+                                rx_add(src(0), key, out).await?;
+                            }
+                            for from in rank + 1..world {
+                                rx_add(src(from), key, out).await?;
+                            }
                         }
                     }
                     Ok(())
@@ -730,17 +799,39 @@ impl QuicComm {
         self.drive_lanes(call.op.name(), call.start, call.deadline, lanes)
     }
 
-    /// Ring all-gather in place: `out[ranges[rank]]` holds this rank's part; at step `s` it
-    /// forwards part `rank − s` to `rank + 1` while it receives part `rank − s − 1` from
-    /// `rank − 1` straight into `out`.
-    fn ring_gather<T: Elem>(&mut self, call: Call, step0: u32, ranges: &[Range<usize>], out: &mut [T]) -> Result<(), CollectiveError> {
+    /// Ring all-gather: at step `s` this rank forwards part `rank − s` to `rank + 1` while it
+    /// receives part `rank − s − 1` from `rank − 1` straight into `out`. `out[ranges[rank]]`
+    /// holds this rank's part, or, with `shard`, is filled from it: step 0 then sends from
+    /// `shard`, and the lanes copy it into `out` while they send and receive, so that the local
+    /// copy does not hold up the first transfer.
+    fn ring_gather<T: Elem>(
+        &mut self,
+        call: Call,
+        step0: u32,
+        ranges: &[Range<usize>],
+        shard: Option<&[T]>,
+        out: &mut [T],
+    ) -> Result<(), CollectiveError> {
         let (n, rank) = (self.world, self.rank);
         let (next, prev) = ((rank + 1) % n, (rank + n - 1) % n);
+        if let (Some(shard), true) = (shard, n < 2) {
+            out[ranges[rank].clone()].copy_from_slice(shard);
+        }
         for s in 0..n.saturating_sub(1) {
             let key = Key::Coll { seq: call.seq, step: step0 + s as u32 };
             let (send_part, recv_part) = ((rank + n - s) % n, (rank + 2 * n - s - 1) % n);
-            let (src, dst) = split_pair(out, ranges[send_part].clone(), ranges[recv_part].clone());
             let mut lanes = Lanes::default();
+            let (src, dst) = match shard.filter(|_| s == 0) {
+                Some(shard) => {
+                    let (mine, dst) = split_pair_mut(out, ranges[rank].clone(), ranges[recv_part].clone());
+                    let c = stripe_count(self.peer_lanes[next], std::mem::size_of_val(shard));
+                    for (k, (d, from)) in stripes_mut(mine, c).into_iter().zip(stripes(shard, c)).enumerate() {
+                        lanes.push(k, Box::pin(copy_yielding(d, from)));
+                    }
+                    (shard, dst)
+                }
+                None => split_pair(out, ranges[send_part].clone(), ranges[recv_part].clone()),
+            };
             self.tx_striped(&mut lanes, next, key, src);
             let n = self.rx_stripes::<T>(dst.len());
             for (k, dst) in stripes_mut(dst, n).into_iter().enumerate() {
@@ -756,8 +847,7 @@ impl QuicComm {
         same(op, &descs, "a buffer of length", |d| d.lens.first().copied())?;
         let ranges = even_ranges(buf.len(), self.world);
         let mine = ranges[self.rank].clone();
-        // The sum lands in place in `buf[mine]`. Rank 0 adds onto its own slice; the others
-        // first keep theirs aside, since rank 0's slice is written over it (sums stay in rank order).
+        // The sum lands in place in `buf[mine]`, in rank order (see `reduce_to_owner`).
         let (lo, rest) = buf.split_at_mut(mine.start);
         let (out, hi) = rest.split_at_mut(mine.len());
         let parts: Vec<&[T]> = ranges
@@ -767,16 +857,9 @@ impl QuicComm {
                 false => &hi[r.start.saturating_sub(mine.end)..r.end.saturating_sub(mine.end)],
             })
             .collect();
-        let own = match self.rank {
-            0 => None,
-            _ => {
-                set_len(&mut scratch.owned, out.len());
-                scratch.owned.copy_from_slice(out);
-                Some(&scratch.owned[..])
-            }
-        };
-        self.reduce_to_owner(call, 0, &parts, own, out)?;
-        self.ring_gather(call, 1, &ranges, buf)?;
+        set_len(&mut scratch.owned, if self.rank >= 2 { out.len() } else { 0 });
+        self.reduce_to_owner(call, 0, &parts, Own::InPlace { acc: &mut scratch.owned }, out)?;
+        self.ring_gather(call, 1, &ranges, None, buf)?;
         self.stats.record(ring_all_reduce_traffic(buf.len(), self.world, self.rank, T::BYTES));
         Ok(())
     }
@@ -914,7 +997,7 @@ impl Collective for QuicComm {
             return Err(mismatch(op, format!("rank {r} passed an output of {:?} for {} elements", descs[r].lens.get(1), ranges[r].len())));
         }
         let parts: Vec<&[f32]> = ranges.iter().map(|r| &input[r.clone()]).collect();
-        self.reduce_to_owner(call, 0, &parts, Some(parts[self.rank]), out)?;
+        self.reduce_to_owner(call, 0, &parts, Own::Slice(parts[self.rank]), out)?;
         self.stats.record(ring_reduce_scatter_traffic(ranges, self.rank, 4));
         Ok(())
     }
@@ -927,8 +1010,7 @@ impl Collective for QuicComm {
         if let Some(r) = (0..self.world).find(|&r| descs[r].lens.get(1) != Some(&(ranges[r].len() as u64))) {
             return Err(mismatch(op, format!("rank {r} passed a shard of {:?} for range {:?}", descs[r].lens.get(1), ranges[r])));
         }
-        out[ranges[self.rank].clone()].copy_from_slice(shard);
-        self.ring_gather(call, 0, ranges, out)?;
+        self.ring_gather(call, 0, ranges, Some(shard), out)?;
         self.stats.record(ring_all_gather_traffic(ranges, self.rank, 4));
         Ok(())
     }

@@ -59,13 +59,15 @@
 //! ranges to every peer) so that all ranks judge disagreement on the same data and report
 //! `Mismatch` alike; this round is the barrier. Then:
 //! - all-gather: a ring (step `s`: forward part `r−s` to `r+1` while part `r−s−1` arrives from
-//!   `r−1`); bytes exactly as modelled.
+//!   `r−1`); bytes exactly as modelled. Step 0 sends from the caller's shard, and the lanes copy
+//!   the shard into the output while that step's transfers run, not before them.
 //! - reduce-scatter: every rank sends each owner its slice directly and the owner sums in rank
 //!   order. A summing ring cannot honour the rank-order determinism rule (the chain for part
 //!   `k` would start at rank `k+1`), and the direct exchange sends exactly the ring's bytes
 //!   (`total − |range r|`) and receives them too when ranges are equal.
-//! - all-reduce: that reduce-scatter over [`even_ranges`](crate::collective::even_ranges), then
-//!   the ring all-gather. gather_slices: direct sends, visited in rank order whatever the
+//! - all-reduce: that reduce-scatter over [`even_ranges`](crate::collective::even_ranges), summed
+//!   onto the rank's own slice in place (nothing copied aside first; a rank `r ≥ 2` sums the
+//!   lower ranks' slices in a reused buffer, then adds its own), then the ring all-gather. gather_slices: direct sends, visited in rank order whatever the
 //!   arrival order. broadcast: a chain from the root, pipelined in 4 MiB pieces.
 //!   all_to_all, send/recv: direct; point-to-point messages carry a per-(sender, tag) number so
 //!   they are received in the order sent although each travels on its own stream.

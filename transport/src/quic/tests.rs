@@ -140,7 +140,7 @@ fn every_op<C: Collective>(c: &mut C, len: usize) -> Vec<Vec<u64>> {
 
 #[test]
 fn every_op_matches_the_local_backend_bit_for_bit() {
-    for (world, len) in [(2, 1000), (3, 37), (4, 2500)] {
+    for (world, len) in [(1, 100), (2, 1000), (3, 37), (4, 2500)] {
         let want = run(LocalGroup::with_timeout_ms(world, TEST_TIMEOUT_MS), |c| every_op(c, len));
         let got = run(group(world), |c| every_op(c, len));
         for rank in 0..world {
