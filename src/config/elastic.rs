@@ -196,7 +196,7 @@ impl Default for ElasticRun {
 /// Reads `tessera.elastic` (and DeepSpeed's `elasticity`: `enabled` switches the runtime on,
 /// `min_gpus`/`max_gpus` bound the members) from a resolved config.
 pub fn elastic_run(cfg: &crate::config::Config) -> Result<ElasticRun, crate::config::ConfigError> {
-    let tag = |kind| crate::config::ConfigError { file: cfg.source.clone(), kind };
+    let tag = |kind| crate::config::ConfigError::new(cfg.source.clone(), kind);
     let e = Obj::at(&cfg.resolved, "tessera.elastic").map_err(tag)?;
     let d = ElasticRun::default();
     let ds = cfg.elasticity.as_ref().filter(|x| x.enabled);

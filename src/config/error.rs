@@ -57,18 +57,42 @@ fn did_you_mean(suggestion: &Option<String>) -> String {
 pub struct ConfigError {
     pub file: String,
     pub kind: ConfigErrorKind,
+    /// The command-line override (`KEY=VALUE`, from `--set` or a flag such as `--steps`) that
+    /// set the key the error is about, when one did: the value is then not the file's.
+    pub set_by: Option<Box<str>>,
+}
+
+impl ConfigError {
+    /// An error of `file` that no override is blamed for.
+    pub fn new(file: impl Into<String>, kind: ConfigErrorKind) -> Self {
+        ConfigError { file: file.into(), kind, set_by: None }
+    }
 }
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.kind {
-            ConfigErrorKind::Syntax { line, column, message } => write!(f, "{}:{line}:{column}: invalid JSON: {message}", self.file),
-            kind => write!(f, "{}: {kind}", self.file),
+            ConfigErrorKind::Syntax { line, column, message } => write!(f, "{}:{line}:{column}: invalid JSON: {message}", self.file)?,
+            kind => write!(f, "{}: {kind}", self.file)?,
+        }
+        match &self.set_by {
+            Some(arg) => write!(f, " (from the command line: `{arg}`)"),
+            None => Ok(()),
         }
     }
 }
 
 impl ConfigErrorKind {
+    /// The key path the error is about, where it names one.
+    pub(crate) fn path(&self) -> Option<&str> {
+        match self {
+            ConfigErrorKind::InvalidValue { path, .. }
+            | ConfigErrorKind::UnknownKey { path, .. }
+            | ConfigErrorKind::Unsupported { path, .. } => Some(path),
+            _ => None,
+        }
+    }
+
     /// Shorthand for [`ConfigErrorKind::InvalidValue`].
     pub(crate) fn invalid(path: &str, value: &serde_json::Value, expected: &str) -> Self {
         ConfigErrorKind::InvalidValue { path: path.to_string(), value: crate::config::value::show(value), expected: expected.to_string() }

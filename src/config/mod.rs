@@ -84,20 +84,25 @@ pub fn load(path: &Path, overrides: &[String], ctx: &ResolveContext) -> Result<C
     let source = path.display().to_string();
     match std::fs::read_to_string(path) {
         Ok(text) => from_str_named(&text, &source, overrides, ctx),
-        Err(e) => Err(ConfigError { file: source, kind: ConfigErrorKind::Io(e) }),
+        Err(e) => Err(ConfigError::new(source, ConfigErrorKind::Io(e))),
     }
 }
 
 /// Parse config text; `source` names it in errors.
 pub fn from_str_named(text: &str, source: &str, overrides: &[String], ctx: &ResolveContext) -> Result<Config, ConfigError> {
-    let tag = |kind| ConfigError { file: source.to_string(), kind };
-    let raw = value::parse_text(text).map_err(tag)?;
-    build(raw, source, overrides, ctx).map_err(tag)
+    let raw = value::parse_text(text).map_err(|kind| ConfigError::new(source, kind))?;
+    build(raw, source, overrides, ctx).map_err(|kind| blame(source, overrides, kind))
+}
+
+/// `kind` as an error of `source`, naming the override that set the key it is about, if any.
+fn blame(source: &str, overrides: &[String], kind: ConfigErrorKind) -> ConfigError {
+    let set_by = kind.path().and_then(|path| overrides::setting(overrides, path)).map(Box::from);
+    ConfigError { file: source.to_string(), kind, set_by }
 }
 
 /// Resolve an in-memory config (errors name the file `<inline>`).
 pub fn from_value(raw: Value, overrides: &[String], ctx: &ResolveContext) -> Result<Config, ConfigError> {
-    build(raw, "<inline>", overrides, ctx).map_err(|kind| ConfigError { file: "<inline>".to_string(), kind })
+    build(raw, "<inline>", overrides, ctx).map_err(|kind| blame("<inline>", overrides, kind))
 }
 
 /// The whole pipeline: overrides → legacy → schema → auto → batch → typed sections.

@@ -22,3 +22,15 @@ fn apply_one(root: &mut Value, arg: &str) -> KindResult<()> {
     let value = serde_json::from_str::<Value>(text).unwrap_or_else(|_| Value::String(text.to_string()));
     set_path(root, path, value).map_err(fail)
 }
+
+/// The last of `overrides` (the one applied last, so the one that holds) whose key is `path`
+/// or contains it: the override that wrote the value an error about `path` is about. Keys
+/// compare by their dot-separated parts.
+pub(crate) fn setting<'a>(overrides: &'a [String], path: &str) -> Option<&'a str> {
+    let parts: Vec<&str> = path.split('.').collect();
+    overrides.iter().rev().map(String::as_str).find(|arg| {
+        let Some((key, _)) = arg.split_once('=') else { return false };
+        let key: Vec<&str> = key.trim().split('.').collect();
+        key.len() <= parts.len() && key[..] == parts[..key.len()]
+    })
+}

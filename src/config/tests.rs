@@ -491,3 +491,32 @@ fn a_top_level_that_is_not_an_object_is_the_files_fault_not_the_overrides() {
         assert!(!msg.contains("--set"), "{msg}");
     }
 }
+
+/// A bad value that came from the command line says so, naming the override that set it (the
+/// key itself, or an object above it); a bad value of the file is not blamed on an override.
+#[test]
+fn a_bad_value_from_the_command_line_names_its_override() {
+    let text = r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1}}"#;
+    let msg = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        from_str_named(text, "run.json", &sets, &world(1)).expect_err("a bad value").to_string()
+    };
+    let m = msg(&["zero_optimization.stage=7", "tessera.seed=3"]);
+    assert!(
+        m.starts_with("run.json: `zero_optimization.stage` = 7") && m.ends_with("(from the command line: `zero_optimization.stage=7`)"),
+        "{m}"
+    );
+    let m = msg(&["zero_optimization.stage=2", "zero_optimization={\"stage\": 9}"]);
+    assert!(m.ends_with("(from the command line: `zero_optimization={\"stage\": 9}`)"), "{m}");
+    let m = msg(&["zero_optimization.stagee=1"]);
+    assert!(
+        m.contains("unknown key `zero_optimization.stagee`") && m.ends_with("(from the command line: `zero_optimization.stagee=1`)"),
+        "{m}"
+    );
+    // The file's own bad value, with unrelated overrides (and one below another key).
+    let bad = r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 7}}"#;
+    let sets = vec!["tessera.seed=3".to_string(), "zero_optimization.stage.x=1".to_string()];
+    let e = from_str_named(bad, "run.json", &sets[..1], &world(1)).expect_err("stage 7").to_string();
+    assert!(e.contains("`zero_optimization.stage` = 7") && !e.contains("command line"), "{e}");
+    assert!(super::overrides::setting(&sets, "zero_optimization.stage").is_none());
+}
