@@ -318,6 +318,8 @@ fn drivers_check_the_config_before_agents_start() {
     a.extend_from_slice(&["--set", "train_batch_size=2000", "--set", "train_micro_batch_size_per_gpu=1"]);
     let text = fails(&a, tmp.path());
     assert!(text.contains("only 0 of 2000 agents joined") && !text.contains("at most 1024"), "{text}");
+    // No agent joined, so nothing was written: the output folder the run made is gone again.
+    assert!(!tmp.path().join("run").exists(), "a coordinator that started no worker left its output folder");
 }
 
 /// A resume on other data than the checkpoint was trained on is warned of, naming both (a choice

@@ -475,8 +475,16 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
     let er = config::elastic_run(cfg)?;
     // Made once the resume point and the settings are known good: a refused run leaves no
-    // empty output directory behind.
+    // empty output directory behind, nor does one whose workers never start (no agent joined):
+    // `remove_dir` takes the directory away only while it is empty, so any log is kept.
+    let made = !out_dir.exists();
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
+    let unmade = |e: anyhow::Error| {
+        if made {
+            let _ = std::fs::remove_dir(&out_dir);
+        }
+        e
+    };
     let rendezvous = super::remote::take_rendezvous();
     let elastic_fleet = opts.processes && er.enabled;
     if let (Some(path), false) = (&opts.worker_net, elastic_fleet && rendezvous.is_none()) {
@@ -498,7 +506,8 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     if opts.processes && !elastic_fleet {
         // The ranks' DeviceWorkers live in their processes; the actor tree here drives them
         // over the control connections (`remote`, `tessera_actors::remote`).
-        let (procs, nodes) = super::remote::launch(cfg, &plan, &start, &out_dir).context("starting the worker processes")?;
+        let (procs, nodes) =
+            super::remote::launch(cfg, &plan, &start, &out_dir).context("starting the worker processes").map_err(unmade)?;
         let ranks = Ranks::Remote(Box::new(procs));
         let cluster = Cluster::start_remote(nodes, cluster_options(opts, None)).context("starting the actor tree")?;
         let monitors = bridge::monitors(cfg, &out_dir)?;
@@ -511,7 +520,8 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
             Some(rdv) => Origin::Agents(Box::new(rdv)),
             None => Origin::Spawn { net: net.as_ref() },
         };
-        let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir, &dataset, origin).context("starting the workers")?;
+        let (fleet, workers) =
+            Fleet::launch(cfg, &er, &plan, &start, &out_dir, &dataset, origin).context("starting the workers").map_err(unmade)?;
         elastic = Some(ElasticRunState { er, resume: resumed_from, stats: ElasticSummary::default(), stepper: Stepper::new(start.step) });
         (Ranks::Elastic(Box::new(fleet)), workers)
     } else {
