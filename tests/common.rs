@@ -64,12 +64,16 @@ pub fn workers_of(out: &Path) -> Vec<u32> {
         .filter_map(|e| {
             let pid: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
             let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            // A zombie (state Z, after the ')') has an empty cmdline; a reaped one is gone.
-            let zombie = stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z'));
             let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
             let is_worker = args.get(1) == Some(&&b"worker"[..]) && args.contains(&needle.as_bytes());
-            (is_worker && !zombie).then_some(pid)
+            (is_worker && !zombie(pid)).then_some(pid)
         })
         .collect()
+}
+
+/// Whether process `pid` has exited but not been reaped (state Z, after the `)` of its
+/// `/proc/PID/stat`; a zombie's cmdline is empty, a reaped process is gone).
+pub fn zombie(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
 }

@@ -371,12 +371,6 @@ fn a_killed_agent_ends_the_launched_run_naming_its_rank_and_leaves_no_orphans() 
     assert!(alive.is_empty(), "orphan agents still running after launch exited: {alive:?}");
 }
 
-/// Whether process `pid` has exited but not been reaped.
-fn zombie(pid: u32) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
-}
-
 #[test]
 fn a_coordinator_names_who_joined_when_the_others_do_not_come() {
     let tmp = tempfile::tempdir().unwrap();

@@ -133,32 +133,18 @@ async fn copy_yielding<T: Copy>(dst: &mut [T], src: &[T]) -> Result<(), Fail> {
     let piece = (COPY_PIECE_BYTES / std::mem::size_of::<T>().max(1)).max(1);
     for (d, s) in dst.chunks_mut(piece).zip(src.chunks(piece)) {
         d.copy_from_slice(s);
-        let mut yielded = false;
-        std::future::poll_fn(|cx| match std::mem::replace(&mut yielded, true) {
-            true => Poll::Ready(()),
-            false => {
-                cx.waker().wake_by_ref();
-                Poll::Pending
-            }
-        })
-        .await;
+        tokio::task::yield_now().await;
     }
     Ok(())
 }
 
-/// Where a reduction's own contribution is.
+/// Where a reduction's own contribution is (for a whole output, or one lane's stripe of it).
 enum Own<'a, T> {
     /// In a slice of its own (a reduce-scatter's input).
     Slice(&'a [T]),
     /// Already in the output (an all-reduce in place). `acc` (as long as the output; empty on
     /// ranks 0 and 1) is where ranks ≥ 2 sum the lower ranks' slices before adding their own.
     InPlace { acc: &'a mut [T] },
-}
-
-/// One lane's stripe of [`Own`].
-enum OwnStripe<'a, T> {
-    Slice(&'a [T]),
-    InPlace(&'a mut [T]),
 }
 
 /// A buffer a rank reuses across calls, per element type: a slice (where an all-reduce sums
@@ -755,10 +741,9 @@ impl QuicComm {
         // Each lane sums its own stripe of `out`, over the ranks in order: every element's sum
         // runs in rank order whatever the lanes.
         let n = self.rx_stripes::<T>(out.len());
-        let owns: Vec<OwnStripe<T>> = match own {
-            Own::Slice(mine) => stripes(mine, n).into_iter().map(OwnStripe::Slice).collect(),
-            Own::InPlace { acc } if rank >= 2 => stripes_mut(acc, n).into_iter().map(OwnStripe::InPlace).collect(),
-            Own::InPlace { .. } => (0..n).map(|_| OwnStripe::InPlace(&mut [][..])).collect(),
+        let owns: Vec<Own<T>> = match own {
+            Own::Slice(mine) => stripes(mine, n).into_iter().map(Own::Slice).collect(),
+            Own::InPlace { acc } => stripes_mut(acc, n).into_iter().map(|acc| Own::InPlace { acc }).collect(),
         };
         for (k, (out, own)) in stripes_mut(out, n).into_iter().zip(owns).enumerate() {
             let conns: Vec<Option<&Connection>> = (0..world).map(|p| self.lane(p, k)).collect();
@@ -767,7 +752,7 @@ impl QuicComm {
                 k,
                 Box::pin(async move {
                     match own {
-                        OwnStripe::Slice(mine) => {
+                        Own::Slice(mine) => {
                             for from in 0..world {
                                 match (from == rank, from == 0) {
                                     (true, true) => out.copy_from_slice(mine),
@@ -777,7 +762,7 @@ impl QuicComm {
                                 }
                             }
                         }
-                        OwnStripe::InPlace(acc) => {
+                        Own::InPlace { acc } => {
                             if rank >= 2 {
                                 rx_into(src(0), key, &mut *acc).await?;
                                 for from in 1..rank {

@@ -74,8 +74,8 @@ fn write_new(path: &Path, text: &str) -> Result<(), PkiError> {
     std::fs::write(path, text).map_err(|err| PkiError::Io { path: path.to_path_buf(), err })
 }
 
-/// A private key: readable by its owner only (mode 0600, as `ClusterCa`'s node keys and the
-/// join-token file are), not by every user of the host.
+/// A private key (`cluster_init`'s, [`ClusterCa::issue_to_dir`]'s): readable by its owner only
+/// (mode 0600, as the join-token file is), not by every user of the host.
 fn write_key(path: &Path, text: &str) -> Result<(), PkiError> {
     use std::io::Write;
     use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
@@ -383,19 +383,13 @@ impl ClusterCa {
     /// For processes a driver starts on its own host; others generate their keys themselves
     /// ([`ClusterCa::sign_node_key`]).
     pub fn issue_to_dir(&self, dir: &Path, name: &str) -> Result<(), PkiError> {
-        use std::io::Write;
-        use std::os::unix::fs::OpenOptionsExt;
         check_name(name)?;
         let keys = generate(&format!("the key of {name}"), KeyPair::generate())?;
         let cert = generate(&format!("the certificate of {name}"), node_params(name)?.signed_by(&keys, &self.cert, &self.key))?;
         std::fs::create_dir_all(dir).map_err(|err| PkiError::Io { path: dir.to_path_buf(), err })?;
         write_new(&dir.join("ca.pem"), &self.ca_pem())?;
         write_new(&dir.join(format!("{name}.pem")), &cert.pem())?;
-        let key_path = dir.join(format!("{name}.key"));
-        let io = |err| PkiError::Io { path: key_path.clone(), err };
-        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&key_path).map_err(io)?;
-        f.write_all(keys.serialize_pem().as_bytes()).map_err(io)?;
-        Ok(())
+        write_key(&dir.join(format!("{name}.key")), &keys.serialize_pem())
     }
 
     /// A certificate for node `name` over an ECDSA P-256 public key that the node generated
