@@ -1,11 +1,14 @@
 //! [`QuicComm`]: one rank's [`Collective`] handle over QUIC — operation descriptors, the
 //! algorithms, timeouts, abort and the graceful leave.
 
-use super::frame::{read_payload_add, read_payload_into, read_payload_vec, Control, FrameError, Key, OpDesc, Payload, ELEM_F32, ELEM_F64};
+use super::frame::{
+    read_payload_add, read_payload_into, read_payload_vec, ChunkSum, Control, FrameError, Key, OpDesc, Payload, ELEM_F32, ELEM_F64,
+};
+use super::lend::{lending, Lender};
 use super::net::{
     broadcast_abort, build_mesh, close_reason, endpoint_config, lanes_wanted, reject, runtime_workers, serve_peer, size_socket_buffers,
-    transport_config, tune_allocator, write_stream, ClusterSpec, Delivery, Fail, GsoSplit, QuicError, Shared, CLOSE_ABORTED, CLOSE_BYE,
-    LANES_MAX,
+    transport_config, tune_allocator, write_stream, write_stream_lent, ClusterSpec, Delivery, Fail, GsoSplit, QuicError, Shared,
+    CLOSE_ABORTED, CLOSE_BYE, LANES_MAX,
 };
 use super::pki::NodeTls;
 use crate::collective::CollectiveOp as Op;
@@ -204,10 +207,14 @@ async fn all_ok(mut futs: Vec<Step<'_>>) -> Result<(), Fail> {
     .await
 }
 
-/// Sends one message on a new stream to `to`; counted in `streams_sent` once written.
-async fn tx_msg(shared: &Shared, conn: Option<&Connection>, to: usize, control: &Control, payload: &[u8]) -> Result<(), Fail> {
-    let conn = conn.filter(|_| shared.lock().gone[to].is_none()).ok_or(Fail::Gone(to))?;
-    match write_stream(conn, control, payload).await {
+/// The connection to `to`, unless `to` is gone.
+fn live_conn<'c>(shared: &Shared, conn: Option<&'c Connection>, to: usize) -> Result<&'c Connection, Fail> {
+    conn.filter(|_| shared.lock().gone[to].is_none()).ok_or(Fail::Gone(to))
+}
+
+/// A message to `to` written (counted in `streams_sent`) or not (`to` is gone).
+fn sent(shared: &Shared, to: usize, written: Result<(), String>) -> Result<(), Fail> {
+    match written {
         Ok(()) => {
             shared.streams_sent[to].fetch_add(1, Ordering::Relaxed);
             Ok(())
@@ -216,9 +223,40 @@ async fn tx_msg(shared: &Shared, conn: Option<&Connection>, to: usize, control: 
     }
 }
 
+/// Sends one message on a new stream to `to`; counted in `streams_sent` once written.
+async fn tx_msg(shared: &Shared, conn: Option<&Connection>, to: usize, control: &Control, payload: &[u8]) -> Result<(), Fail> {
+    let conn = live_conn(shared, conn, to)?;
+    sent(shared, to, write_stream(conn, control, payload).await)
+}
+
 async fn tx<T: Elem>(shared: &Shared, conn: Option<&Connection>, to: usize, key: Key, data: &[T]) -> Result<(), Fail> {
     let control = Control::Data { key, elem: T::ELEM, elems: data.len() as u64 };
     tx_msg(shared, conn, to, &control, bytemuck::cast_slice(data)).await
+}
+
+/// [`tx`] of data lent to quinn instead of copied ([`super::lend`]), with the chunk checksums
+/// `sums` where they match; returns once the peer has acknowledged every lent piece.
+async fn tx_lent<'d, T: Elem>(
+    shared: &Shared,
+    conn: Option<&Connection>,
+    to: usize,
+    key: Key,
+    data: &'d [T],
+    lender: &Lender<'d>,
+    sums: Option<&[ChunkSum]>,
+) -> Result<(), Fail> {
+    let conn = live_conn(shared, conn, to)?;
+    let control = Control::Data { key, elem: T::ELEM, elems: data.len() as u64 };
+    sent(shared, to, write_stream_lent(conn, lender, &control, bytemuck::cast_slice(data), sums).await)
+}
+
+/// How [`QuicComm::tx_striped`] hands a payload to quinn: lent through `lender`, and with the
+/// checksums each stripe's chunks arrived with (`sums[k]` for stripe `k`, used where the stripes
+/// are cut alike) when the payload is being forwarded.
+#[derive(Clone, Copy)]
+struct Lending<'a, 'd> {
+    lender: &'a Lender<'d>,
+    sums: &'a [Vec<ChunkSum>],
 }
 
 /// The header of `from`'s message `key` announced `elems` values of type `elem`; `want` of `T`
@@ -291,10 +329,19 @@ struct Src<'a> {
 
 /// Receives `p`'s message `key` straight into `dest` (exactly `dest.len()` values).
 async fn rx_into<T: Elem>(p: Src<'_>, key: Key, dest: &mut [T]) -> Result<(), Fail> {
+    rx_into_summed(p, key, dest, None).await
+}
+
+/// [`rx_into`], recording the chunks' lengths and checksums in `sums` when given (left empty for
+/// a message that was filed whole).
+async fn rx_into_summed<T: Elem>(p: Src<'_>, key: Key, dest: &mut [T], mut sums: Option<&mut Vec<ChunkSum>>) -> Result<(), Fail> {
+    if let Some(sums) = sums.as_deref_mut() {
+        sums.clear();
+    }
     match p.shared.wait_for(p.rank, p.lane, key).await? {
         Delivery::Stream { elem, elems, mut stream } => {
             let check = check_header::<T>(p.rank, key, elem, elems, Some(dest.len()));
-            read_stream(p.shared, p.conn, p.rank, check, read_payload_into(&mut stream, dest)).await
+            read_stream(p.shared, p.conn, p.rank, check, read_payload_into(&mut stream, dest, sums)).await
         }
         d => {
             dest.copy_from_slice(&take_data::<T>(p.rank, key, d, Some(dest.len()))?);
@@ -535,11 +582,26 @@ impl QuicComm {
         self.conns.iter().map(Vec::len).collect()
     }
 
-    /// Adds the sends of `data` to `to` to `lanes`, one stripe per lane of `to`'s.
-    fn tx_striped<'a, T: Elem>(&'a self, lanes: &mut Lanes<'a>, to: usize, key: Key, data: &'a [T]) {
+    /// Adds the sends of `data` to `to` to `lanes`, one stripe per lane of `to`'s; copied, or
+    /// lent to quinn as `lending` says.
+    fn tx_striped<'a, 'd: 'a, T: Elem>(
+        &'a self,
+        lanes: &mut Lanes<'a>,
+        to: usize,
+        key: Key,
+        data: &'d [T],
+        lending: Option<Lending<'a, 'd>>,
+    ) {
         let n = stripe_count(self.peer_lanes[to], data.len() * T::BYTES as usize);
         for (k, part) in stripes(data, n).into_iter().enumerate() {
-            lanes.push(k, Box::pin(tx(&self.shared, self.lane(to, k), to, key, part)));
+            let conn = self.lane(to, k);
+            match lending {
+                None => lanes.push(k, Box::pin(tx(&self.shared, conn, to, key, part))),
+                Some(Lending { lender, sums }) => {
+                    let sums = sums.get(k).filter(|_| sums.len() == n).map(Vec::as_slice);
+                    lanes.push(k, Box::pin(tx_lent(&self.shared, conn, to, key, part, lender, sums)));
+                }
+            }
         }
     }
 
@@ -734,54 +796,56 @@ impl QuicComm {
     ) -> Result<(), CollectiveError> {
         let (rank, world, shared) = (self.rank, self.world, &*self.shared);
         let key = Key::Coll { seq: call.seq, step };
-        let mut lanes = Lanes::default();
-        for to in (1..world).map(|s| (rank + s) % world) {
-            self.tx_striped(&mut lanes, to, key, parts[to]);
-        }
-        // Each lane sums its own stripe of `out`, over the ranks in order: every element's sum
-        // runs in rank order whatever the lanes.
-        let n = self.rx_stripes::<T>(out.len());
-        let owns: Vec<Own<T>> = match own {
-            Own::Slice(mine) => stripes(mine, n).into_iter().map(Own::Slice).collect(),
-            Own::InPlace { acc } => stripes_mut(acc, n).into_iter().map(|acc| Own::InPlace { acc }).collect(),
-        };
-        for (k, (out, own)) in stripes_mut(out, n).into_iter().zip(owns).enumerate() {
-            let conns: Vec<Option<&Connection>> = (0..world).map(|p| self.lane(p, k)).collect();
-            let src = move |from: usize| Src { shared, conn: conns[from], rank: from, lane: k };
-            lanes.push(
-                k,
-                Box::pin(async move {
-                    match own {
-                        Own::Slice(mine) => {
-                            for from in 0..world {
-                                match (from == rank, from == 0) {
-                                    (true, true) => out.copy_from_slice(mine),
-                                    (true, false) => add_into(out, mine),
-                                    (false, true) => rx_into(src(from), key, out).await?,
-                                    (false, false) => rx_add(src(from), key, out).await?,
+        lending(|lender| {
+            let mut lanes = Lanes::default();
+            for to in (1..world).map(|s| (rank + s) % world) {
+                self.tx_striped(&mut lanes, to, key, parts[to], Some(Lending { lender, sums: &[] }));
+            }
+            // Each lane sums its own stripe of `out`, over the ranks in order: every element's sum
+            // runs in rank order whatever the lanes.
+            let n = self.rx_stripes::<T>(out.len());
+            let owns: Vec<Own<T>> = match own {
+                Own::Slice(mine) => stripes(mine, n).into_iter().map(Own::Slice).collect(),
+                Own::InPlace { acc } => stripes_mut(acc, n).into_iter().map(|acc| Own::InPlace { acc }).collect(),
+            };
+            for (k, (out, own)) in stripes_mut(out, n).into_iter().zip(owns).enumerate() {
+                let conns: Vec<Option<&Connection>> = (0..world).map(|p| self.lane(p, k)).collect();
+                let src = move |from: usize| Src { shared, conn: conns[from], rank: from, lane: k };
+                lanes.push(
+                    k,
+                    Box::pin(async move {
+                        match own {
+                            Own::Slice(mine) => {
+                                for from in 0..world {
+                                    match (from == rank, from == 0) {
+                                        (true, true) => out.copy_from_slice(mine),
+                                        (true, false) => add_into(out, mine),
+                                        (false, true) => rx_into(src(from), key, out).await?,
+                                        (false, false) => rx_add(src(from), key, out).await?,
+                                    }
+                                }
+                            }
+                            Own::InPlace { acc } => {
+                                if rank >= 2 {
+                                    rx_into(src(0), key, &mut *acc).await?;
+                                    for from in 1..rank {
+                                        rx_add(src(from), key, &mut *acc).await?;
+                                    }
+                                    add_into(out, acc);
+                                } else if rank == 1 {
+                                    rx_add(src(0), key, out).await?;
+                                }
+                                for from in rank + 1..world {
+                                    rx_add(src(from), key, out).await?;
                                 }
                             }
                         }
-                        Own::InPlace { acc } => {
-                            if rank >= 2 {
-                                rx_into(src(0), key, &mut *acc).await?;
-                                for from in 1..rank {
-                                    rx_add(src(from), key, &mut *acc).await?;
-                                }
-                                add_into(out, acc);
-                            } else if rank == 1 {
-                                rx_add(src(0), key, out).await?;
-                            }
-                            for from in rank + 1..world {
-                                rx_add(src(from), key, out).await?;
-                            }
-                        }
-                    }
-                    Ok(())
-                }),
-            );
-        }
-        self.drive_lanes(call.op.name(), call.start, call.deadline, lanes)
+                        Ok(())
+                    }),
+                );
+            }
+            self.drive_lanes(call.op.name(), call.start, call.deadline, lanes)
+        })
     }
 
     /// Ring all-gather: at step `s` this rank forwards part `rank − s` to `rank + 1` while it
@@ -789,6 +853,10 @@ impl QuicComm {
     /// holds this rank's part, or, with `shard`, is filled from it: step 0 then sends from
     /// `shard`, and the lanes copy it into `out` while they send and receive, so that the local
     /// copy does not hold up the first transfer.
+    ///
+    /// What is sent is lent to quinn, not copied ([`super::lend`]), and a part received in one
+    /// step goes on in the next with the checksums its chunks arrived with (where the stripes
+    /// are cut alike), so forwarding reads none of its bytes here.
     fn ring_gather<T: Elem>(
         &mut self,
         call: Call,
@@ -802,27 +870,41 @@ impl QuicComm {
         if let (Some(shard), true) = (shard, n < 2) {
             out[ranges[rank].clone()].copy_from_slice(shard);
         }
+        // By stripe, the checksums of the part received in the last step (forwarded in this
+        // one), and of the part arriving in this one.
+        let (mut forwarded, mut arriving): (Vec<Vec<ChunkSum>>, Vec<Vec<ChunkSum>>) = Default::default();
         for s in 0..n.saturating_sub(1) {
             let key = Key::Coll { seq: call.seq, step: step0 + s as u32 };
             let (send_part, recv_part) = ((rank + n - s) % n, (rank + 2 * n - s - 1) % n);
-            let mut lanes = Lanes::default();
-            let (src, dst) = match shard.filter(|_| s == 0) {
+            let (src, dst, mine) = match shard.filter(|_| s == 0) {
                 Some(shard) => {
                     let (mine, dst) = split_pair_mut(out, ranges[rank].clone(), ranges[recv_part].clone());
-                    let c = stripe_count(self.peer_lanes[next], std::mem::size_of_val(shard));
-                    for (k, (d, from)) in stripes_mut(mine, c).into_iter().zip(stripes(shard, c)).enumerate() {
+                    (shard, dst, Some(mine))
+                }
+                None => {
+                    let (src, dst) = split_pair(out, ranges[send_part].clone(), ranges[recv_part].clone());
+                    (src, dst, None)
+                }
+            };
+            let sums: &[Vec<ChunkSum>] = if s == 0 { &[] } else { &forwarded };
+            let arriving = &mut arriving;
+            lending(|lender| {
+                let mut lanes = Lanes::default();
+                if let Some(mine) = mine {
+                    let c = stripe_count(self.peer_lanes[next], std::mem::size_of_val(src));
+                    for (k, (d, from)) in stripes_mut(mine, c).into_iter().zip(stripes(src, c)).enumerate() {
                         lanes.push(k, Box::pin(copy_yielding(d, from)));
                     }
-                    (shard, dst)
                 }
-                None => split_pair(out, ranges[send_part].clone(), ranges[recv_part].clone()),
-            };
-            self.tx_striped(&mut lanes, next, key, src);
-            let n = self.rx_stripes::<T>(dst.len());
-            for (k, dst) in stripes_mut(dst, n).into_iter().enumerate() {
-                lanes.push(k, Box::pin(rx_into(self.src(prev, k), key, dst)));
-            }
-            self.drive_lanes(call.op.name(), call.start, call.deadline, lanes)?;
+                self.tx_striped(&mut lanes, next, key, src, Some(Lending { lender, sums }));
+                let m = self.rx_stripes::<T>(dst.len());
+                arriving.resize_with(m, Vec::new);
+                for (k, (dst, sums)) in stripes_mut(dst, m).into_iter().zip(arriving.iter_mut()).enumerate() {
+                    lanes.push(k, Box::pin(rx_into_summed(self.src(prev, k), key, dst, Some(sums))));
+                }
+                self.drive_lanes(call.op.name(), call.start, call.deadline, lanes)
+            })?;
+            std::mem::swap(&mut forwarded, arriving);
         }
         Ok(())
     }
@@ -1057,7 +1139,7 @@ impl Collective for QuicComm {
             let (done, rest) = buf.split_at_mut(piece(k).start);
             let mut lanes = Lanes::default();
             if let Some(j) = send_k {
-                self.tx_striped(&mut lanes, next, key(j), &done[piece(j)]);
+                self.tx_striped(&mut lanes, next, key(j), &done[piece(j)], None);
             }
             if let Some(j) = recv_k {
                 let dst = &mut rest[..piece(j).len()];

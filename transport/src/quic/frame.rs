@@ -12,7 +12,9 @@
 //! ```
 //!
 //! The sender copies each chunk once, behind its prefix, into a buffer that quinn keeps as it is
-//! ([`Sends`]). The receiver takes the buffers quinn decrypted the packets into ([`Pieces`]),
+//! ([`Sends`]), or, for a collective's payload, hands quinn the tensor's own bytes behind a
+//! prefix of their own ([`write_message_with`], [`Lend`]; `quic::lend` makes that sound), with
+//! the checksums the bytes arrived with when it forwards what it received. The receiver takes the buffers quinn decrypted the packets into ([`Pieces`]),
 //! checks a chunk's CRC32C over them, and only then copies it into its destination — the
 //! caller's tensor ([`read_payload_into`]), a reused buffer ([`read_payload_visit`]) or a new
 //! `Vec<f32>`/`Vec<f64>` — or adds it in place ([`read_payload_add`]). The byte order is the
@@ -138,11 +140,17 @@ fn decode_aligned(aligned: &AlignedVec<16>) -> Result<Control, FrameError> {
 pub trait Sends {
     /// Queues `bytes` after everything sent before.
     fn send(&mut self, bytes: Bytes) -> impl std::future::Future<Output = std::io::Result<()>> + Send;
+    /// Queues `parts` one after the other (one write).
+    fn send_all(&mut self, parts: &mut [Bytes]) -> impl std::future::Future<Output = std::io::Result<()>> + Send;
 }
 
 impl Sends for quinn::SendStream {
     async fn send(&mut self, bytes: Bytes) -> std::io::Result<()> {
         Ok(self.write_chunk(bytes).await?)
+    }
+
+    async fn send_all(&mut self, parts: &mut [Bytes]) -> std::io::Result<()> {
+        Ok(self.write_all_chunks(parts).await?)
     }
 }
 
@@ -151,6 +159,36 @@ impl Sends for Vec<u8> {
         self.extend_from_slice(&bytes);
         Ok(())
     }
+
+    async fn send_all(&mut self, parts: &mut [Bytes]) -> std::io::Result<()> {
+        parts.iter().for_each(|p| self.extend_from_slice(p));
+        Ok(())
+    }
+}
+
+/// Hands a payload's bytes to the writer without copying them (see `quic::lend`, which makes it
+/// sound: the bytes stay borrowed until the writer has them back).
+pub trait Lend<'p> {
+    /// `bytes` as a `Bytes` that the writer may hold.
+    fn lend(&self, bytes: &'p [u8]) -> Bytes;
+}
+
+/// Copies every chunk (the [`write_message_with`] of [`write_message`]).
+pub struct Copied;
+
+impl Lend<'_> for Copied {
+    fn lend(&self, bytes: &[u8]) -> Bytes {
+        Bytes::copy_from_slice(bytes)
+    }
+}
+
+/// A payload chunk as it travelled: its length and CRC32C. A receiver records them
+/// ([`read_payload_into`]) so that, forwarding the same bytes cut the same way, it sends the
+/// checksums they arrived with instead of computing them again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkSum {
+    pub len: u32,
+    pub crc: u32,
 }
 
 /// Writes one message: its header and, for `Control::Data`, `payload` in checksummed chunks of
@@ -160,6 +198,25 @@ impl Sends for Vec<u8> {
 /// ([`checked_chunk`]): the payload is copied once on its way to the wire by this code, and
 /// never again by QUIC before it is packetised.
 pub async fn write_message<W: Sends>(w: &mut W, control: &Control, payload: &[u8]) -> std::io::Result<()> {
+    write_message_with(w, control, payload, None::<&Copied>, None).await
+}
+
+/// [`write_message`], where a large payload's chunks but the last are handed to the writer by
+/// `lend` (when given) instead of being copied, each behind a prefix of its own, and where `sums`
+/// (when they match the payload's chunks, length by length) are the chunks' checksums, which are
+/// then not computed again.
+///
+/// The last chunk is always copied. Every lent chunk is then followed on the stream by at least
+/// one more packet, so the peer acknowledges the lent chunks as soon as they arrive (QUIC
+/// acknowledges every second packet at once, an odd last packet only after its delayed-ACK wait):
+/// the writer gets them back without that wait.
+pub async fn write_message_with<'p, W: Sends, L: Lend<'p> + Sync>(
+    w: &mut W,
+    control: &Control,
+    payload: &'p [u8],
+    lend: Option<&L>,
+    sums: Option<&[ChunkSum]>,
+) -> std::io::Result<()> {
     let header = encode_control(control);
     let small = 4 + header.len() + 8 + payload.len() <= COALESCE_BYTES_MAX;
     let mut head = Vec::with_capacity(4 + header.len() + if small { 8 + payload.len() } else { 0 });
@@ -167,36 +224,44 @@ pub async fn write_message<W: Sends>(w: &mut W, control: &Control, payload: &[u8
     head.extend_from_slice(&header);
     if small {
         for chunk in payload.chunks(SEND_CHUNK_BYTES) {
-            head.extend_from_slice(&chunk_prefix(chunk));
+            head.extend_from_slice(&chunk_prefix(chunk.len(), super::crc::crc32c(chunk)));
             head.extend_from_slice(chunk);
         }
         return w.send(head.into()).await;
     }
     w.send(head.into()).await?;
-    for chunk in payload.chunks(SEND_CHUNK_BYTES) {
-        w.send(checked_chunk(chunk)).await?;
+    let chunks = payload.len().div_ceil(SEND_CHUNK_BYTES);
+    let sums = sums.filter(|s| s.len() == chunks && s.iter().zip(payload.chunks(SEND_CHUNK_BYTES)).all(|(s, c)| s.len as usize == c.len()));
+    for (i, chunk) in payload.chunks(SEND_CHUNK_BYTES).enumerate() {
+        let crc = sums.map(|s| s[i].crc);
+        match lend.filter(|_| i + 1 < chunks) {
+            Some(lend) => {
+                let prefix = chunk_prefix(chunk.len(), crc.unwrap_or_else(|| super::crc::crc32c(chunk)));
+                w.send_all(&mut [Bytes::copy_from_slice(&prefix), lend.lend(chunk)]).await?;
+            }
+            None => w.send(checked_chunk(chunk, crc)).await?,
+        }
     }
     Ok(())
 }
 
-/// `[u32 LE length][u32 LE crc32c][chunk]` in a new buffer. The chunk is copied first — the
-/// pass that reads the tensor from memory, which a plain copy does fastest — and its checksum is
-/// then computed over the copy, still in the core's cache.
-fn checked_chunk(chunk: &[u8]) -> Bytes {
+/// `[u32 LE length][u32 LE crc32c]` then `chunk`, in a new buffer. The chunk is copied first — the
+/// pass that reads the tensor from memory, which a plain copy does fastest — and its checksum
+/// (unless given as `crc`) is then computed over the copy, still in the core's cache.
+fn checked_chunk(chunk: &[u8], crc: Option<u32>) -> Bytes {
     let mut out = Vec::with_capacity(8 + chunk.len());
     out.extend_from_slice(&[0; 8]);
     out.extend_from_slice(chunk);
-    let crc = super::crc::crc32c(&out[8..]);
-    out[..4].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
-    out[4..8].copy_from_slice(&crc.to_le_bytes());
+    let crc = crc.unwrap_or_else(|| super::crc::crc32c(&out[8..]));
+    out[..8].copy_from_slice(&chunk_prefix(chunk.len(), crc));
     out.into()
 }
 
 /// `[u32 LE length][u32 LE crc32c]` of one payload chunk.
-fn chunk_prefix(chunk: &[u8]) -> [u8; 8] {
+fn chunk_prefix(len: usize, crc: u32) -> [u8; 8] {
     let mut prefix = [0u8; 8];
-    prefix[..4].copy_from_slice(&(chunk.len() as u32).to_le_bytes());
-    prefix[4..].copy_from_slice(&super::crc::crc32c(chunk).to_le_bytes());
+    prefix[..4].copy_from_slice(&(len as u32).to_le_bytes());
+    prefix[4..].copy_from_slice(&crc.to_le_bytes());
     prefix
 }
 
@@ -302,11 +367,16 @@ async fn read_payload<R: Pieces>(r: &mut R, elem: u8, elems: u64) -> Result<Payl
     }
 }
 
-/// Reads a payload of exactly `dest.len()` values straight into `dest`, then the end of the stream.
-/// The caller has checked the header's element type and count against `dest`. A chunk lands in
-/// `dest` only after its checksum passed.
-pub async fn read_payload_into<R: Pieces, T: bytemuck::Pod>(r: &mut R, dest: &mut [T]) -> Result<(), FrameError> {
-    read_chunks::<_, T, _>(r, dest.len(), &mut IntoSlice(bytemuck::cast_slice_mut(dest))).await?;
+/// Reads a payload of exactly `dest.len()` values straight into `dest`, then the end of the stream;
+/// each chunk's length and checksum go to `sums`, if given (after what it holds). The caller has
+/// checked the header's element type and count against `dest`. A chunk lands in `dest` only
+/// after its checksum passed.
+pub async fn read_payload_into<R: Pieces, T: bytemuck::Pod>(
+    r: &mut R,
+    dest: &mut [T],
+    sums: Option<&mut Vec<ChunkSum>>,
+) -> Result<(), FrameError> {
+    read_chunks::<_, T, _>(r, dest.len(), &mut IntoSlice(bytemuck::cast_slice_mut(dest)), sums).await?;
     read_end(r).await
 }
 
@@ -318,7 +388,7 @@ pub async fn read_payload_visit<R: Pieces, T: bytemuck::Pod>(
     buf: &mut Vec<T>,
     f: impl FnMut(usize, &[T]),
 ) -> Result<(), FrameError> {
-    read_chunks(r, elems, &mut Visit { buf, f }).await?;
+    read_chunks(r, elems, &mut Visit { buf, f }, None).await?;
     read_end(r).await
 }
 
@@ -326,7 +396,7 @@ pub async fn read_payload_visit<R: Pieces, T: bytemuck::Pod>(
 /// from the received packets' buffers (no copy of the values), each chunk once its checksum
 /// passed; then the end of the stream. The caller has checked the header against `dest`.
 pub async fn read_payload_add<R: Pieces, T: bytemuck::Pod + std::ops::AddAssign>(r: &mut R, dest: &mut [T]) -> Result<(), FrameError> {
-    read_chunks(r, dest.len(), &mut AddInto(dest)).await?;
+    read_chunks(r, dest.len(), &mut AddInto(dest), None).await?;
     read_end(r).await
 }
 
@@ -354,7 +424,7 @@ async fn read_chunks_vec<R: Pieces, T: bytemuck::Pod>(r: &mut R, elems: u64) -> 
         return Err(FrameError::Oversized { what: "payload", bytes: total, limit: MESSAGE_BYTES_MAX });
     }
     let mut grow = Grow(Vec::with_capacity(reserve_elems(total as usize, size)));
-    read_chunks(r, elems as usize, &mut grow).await?;
+    read_chunks(r, elems as usize, &mut grow, None).await?;
     Ok(grow.0)
 }
 
@@ -461,8 +531,13 @@ impl<T: bytemuck::Pod + std::ops::AddAssign> Sink<T> for AddInto<'_, T> {
 /// Reads the checksummed chunks of a payload of `elems` values of `T` into `sink`. Every chunk
 /// is validated (non-empty, ≤ [`CHUNK_BYTES_MAX`], within the announced size, whole values)
 /// before a byte of it is read, and its checksum — computed over the received pieces as they
-/// arrive — before it is handed on.
-async fn read_chunks<R: Pieces, T: bytemuck::Pod, S: Sink<T>>(r: &mut R, elems: usize, sink: &mut S) -> Result<(), FrameError> {
+/// arrive — before it is handed on. Each checked chunk's [`ChunkSum`] goes to `sums`, if given.
+async fn read_chunks<R: Pieces, T: bytemuck::Pod, S: Sink<T>>(
+    r: &mut R,
+    elems: usize,
+    sink: &mut S,
+    mut sums: Option<&mut Vec<ChunkSum>>,
+) -> Result<(), FrameError> {
     let size = std::mem::size_of::<T>();
     let (mut at, mut index) = (0usize, 0u64);
     let mut pieces: Vec<Bytes> = Vec::new();
@@ -484,6 +559,9 @@ async fn read_chunks<R: Pieces, T: bytemuck::Pod, S: Sink<T>>(r: &mut R, elems: 
         }
         if crc != want {
             return Err(FrameError::Checksum { index, got: crc, want });
+        }
+        if let Some(sums) = sums.as_deref_mut() {
+            sums.push(ChunkSum { len: len as u32, crc });
         }
         let n = len / size;
         sink.put(at, n, &pieces);
@@ -594,7 +672,7 @@ mod tests {
         let (_, v, wire) = data_message(n);
         let (_, mut body) = after_header(&wire);
         let mut dest = vec![0f32; n];
-        block_on(read_payload_into(&mut body, &mut dest)).unwrap();
+        block_on(read_payload_into(&mut body, &mut dest, None)).unwrap();
         assert_eq!(dest, v);
 
         let (_, mut body) = after_header(&wire);
@@ -634,7 +712,7 @@ mod tests {
         let mut r = Dribble(&wire, 1);
         block_on(read_header(&mut r)).unwrap();
         let mut dest = vec![0f32; n];
-        block_on(read_payload_into(&mut r, &mut dest)).unwrap();
+        block_on(read_payload_into(&mut r, &mut dest, None)).unwrap();
         assert_eq!(dest, v);
         let mut r = Dribble(&wire, 2);
         block_on(read_header(&mut r)).unwrap();
@@ -666,19 +744,19 @@ mod tests {
         *flipped.last_mut().unwrap() ^= 0x80;
         let (_, mut body) = after_header(&flipped);
         let mut dest = vec![0f32; SEND_CHUNK_BYTES / 4 + 3];
-        assert!(matches!(block_on(read_payload_into(&mut body, &mut dest)), Err(FrameError::Checksum { index: 1, .. })));
+        assert!(matches!(block_on(read_payload_into(&mut body, &mut dest, None)), Err(FrameError::Checksum { index: 1, .. })));
         // The failing chunk never landed: only the first one did.
         assert!(dest[SEND_CHUNK_BYTES / 4..].iter().all(|&x| x == 0.0));
         let mut longer = wire.clone();
         longer.extend_from_slice(&[1, 2]);
         let (_, mut body) = after_header(&longer);
-        assert!(matches!(block_on(read_payload_into(&mut body, &mut dest)), Err(FrameError::Trailing { extra: 2 })));
+        assert!(matches!(block_on(read_payload_into(&mut body, &mut dest, None)), Err(FrameError::Trailing { extra: 2 })));
         let (_, mut body) = after_header(&wire[..wire.len() - 5]);
-        assert!(matches!(block_on(read_payload_into(&mut body, &mut dest)), Err(FrameError::Truncated { .. })));
+        assert!(matches!(block_on(read_payload_into(&mut body, &mut dest, None)), Err(FrameError::Truncated { .. })));
         // A chunk longer than what is left of the payload is refused before it is read.
         let (_, mut body) = after_header(&wire);
         let mut short = vec![0f32; 10];
-        assert!(matches!(block_on(read_payload_into(&mut body, &mut short)), Err(FrameError::BadChunk { index: 0, .. })));
+        assert!(matches!(block_on(read_payload_into(&mut body, &mut short, None)), Err(FrameError::BadChunk { index: 0, .. })));
         let (_, mut body) = after_header(&wire);
         let huge = MESSAGE_BYTES_MAX / 4 + 1;
         assert!(matches!(block_on(read_payload_vec::<_, f32>(&mut body, huge)), Err(FrameError::Oversized { .. })));
@@ -693,6 +771,52 @@ mod tests {
             self.1 += 1;
             Ok(())
         }
+
+        async fn send_all(&mut self, parts: &mut [Bytes]) -> std::io::Result<()> {
+            parts.iter().for_each(|p| self.0.extend_from_slice(p));
+            self.1 += 1;
+            Ok(())
+        }
+    }
+
+    /// Lends by copying, and counts the pieces lent.
+    struct CountingLend(std::sync::atomic::AtomicUsize);
+
+    impl Lend<'_> for CountingLend {
+        fn lend(&self, bytes: &[u8]) -> Bytes {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Bytes::copy_from_slice(bytes)
+        }
+    }
+
+    #[test]
+    fn lent_chunks_and_forwarded_checksums_go_out_as_a_copied_message_would() {
+        let (c, v, wire) = data_message(SEND_CHUNK_BYTES / 4 * 3 + 5);
+        let payload: &[u8] = bytemuck::cast_slice(&v);
+        let write = |sums: Option<&[ChunkSum]>| {
+            let lend = CountingLend(0.into());
+            let mut w = CountingWriter(Vec::new(), 0);
+            block_on(write_message_with(&mut w, &c, payload, Some(&lend), sums)).unwrap();
+            (w.0, w.1, lend.0.into_inner())
+        };
+        assert_eq!(write(None), (wire.clone(), 1 + 4, 3), "the header, three lent chunks and the last one copied");
+        // What a receiver records is what the sender computed: forwarded, it gives the same wire.
+        let (_, mut body) = after_header(&wire);
+        let (mut dest, mut sums) = (vec![0f32; v.len()], Vec::new());
+        block_on(read_payload_into(&mut body, &mut dest, Some(&mut sums))).unwrap();
+        assert_eq!((dest == v, sums.len()), (true, 4));
+        assert_eq!(write(Some(&sums)).0, wire);
+        // The sums are sent as they are, not computed again (a wrong one reaches the receiver, which refuses the chunk)...
+        let mut wrong = sums.clone();
+        wrong[1].crc ^= 1;
+        let (bad, _, _) = write(Some(&wrong));
+        let (_, mut body) = after_header(&bad);
+        assert!(matches!(block_on(read_payload_into(&mut body, &mut dest, None)), Err(FrameError::Checksum { index: 1, .. })));
+        // ...unless they do not match the payload's chunks, length for length.
+        let mut cut = sums.clone();
+        cut[0].len -= 4;
+        assert_eq!(write(Some(&cut)).0, wire);
+        assert_eq!(write(Some(&wrong[..3])).0, wire);
     }
 
     #[test]

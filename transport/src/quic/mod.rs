@@ -10,6 +10,9 @@
 //!   ([`frame::FRAME_BYTES_MAX`], [`frame::CHUNK_BYTES_MAX`], [`frame::MESSAGE_BYTES_MAX`]); a
 //!   malformed, oversized or checksum-failing frame closes that peer's connection with a logged
 //!   reason (stderr) and the peer is reported as gone — never a panic.
+//! - [`lend`]: how a step hands quinn its payload without copying it — views of the caller's
+//!   tensor that the step takes back (acknowledged by the peer, or discarded by resetting the
+//!   stream) before it returns.
 //! - [`crc`]: the chunks' CRC32C — carry-less-multiplication folding on CPUs with 512-bit
 //!   `VPCLMULQDQ`, else the `crc32c` crate; the same checksum either way.
 //! - [`control`]: the control plane's connections ([`ControlEndpoint`], [`ControlConn`]): one per
@@ -60,7 +63,14 @@
 //! `Mismatch` alike; this round is the barrier. Then:
 //! - all-gather: a ring (step `s`: forward part `r−s` to `r+1` while part `r−s−1` arrives from
 //!   `r−1`); bytes exactly as modelled. Step 0 sends from the caller's shard, and the lanes copy
-//!   the shard into the output while that step's transfers run, not before them.
+//!   the shard into the output while that step's transfers run, not before them. A part goes on
+//!   to `r+1` with the checksums its chunks arrived with (where the stripes are cut alike).
+//!
+//! What the all-gather, reduce-scatter and all-reduce send is lent to quinn ([`lend`]), not
+//! copied; the last chunk of each stream is a copy, so that the peer acknowledges the lent ones
+//! at once (QUIC acknowledges every second packet at once, an odd last one only after its
+//! delayed-ACK wait). Point-to-point messages, gather_slices, all_to_all, the broadcast's pieces
+//! and control messages are copied.
 //! - reduce-scatter: every rank sends each owner its slice directly and the owner sums in rank
 //!   order. A summing ring cannot honour the rank-order determinism rule (the chain for part
 //!   `k` would start at rank `k+1`), and the direct exchange sends exactly the ring's bytes
@@ -93,6 +103,7 @@ pub mod comm;
 pub mod control;
 pub mod crc;
 pub mod frame;
+pub mod lend;
 pub mod net;
 pub mod pki;
 

@@ -1,7 +1,9 @@
 //! Connections of the QUIC backend: transport tuning, the full mesh with rank identities
 //! checked against certificates, the per-peer reader tasks and the inbox they fill.
 
-use super::frame::{read_body, read_header, read_message, write_message, Control, FrameError, Key, OpDesc, Payload};
+use super::frame::{
+    read_body, read_header, read_message, write_message, write_message_with, ChunkSum, Control, FrameError, Key, OpDesc, Payload,
+};
 use super::pki::{check_cert_names_node, NodeTls, PkiError};
 use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, Connection, Endpoint, RecvStream, UdpPoller, VarInt};
@@ -585,6 +587,37 @@ pub(crate) async fn write_stream(conn: &Connection, control: &Control, payload: 
     let mut s = conn.open_uni().await.map_err(|e| lost_why(conn, e))?;
     write_message(&mut s, control, payload).await.map_err(|e| lost_why(conn, e))?;
     s.finish().map_err(|e| lost_why(conn, e))
+}
+
+/// [`write_stream`] for a payload lent to quinn rather than copied ([`super::lend`]), with the
+/// chunks' checksums where `sums` has them. Returns once the peer has acknowledged every lent
+/// piece (quinn then holds none of `payload`); on any failure the stream is reset on the way out,
+/// which discards what quinn held of it.
+pub(crate) async fn write_stream_lent<'d>(
+    conn: &Connection,
+    lender: &super::lend::Lender<'d>,
+    control: &Control,
+    payload: &'d [u8],
+    sums: Option<&[ChunkSum]>,
+) -> Result<(), String> {
+    let mut lent = lender.stream(conn.open_uni().await.map_err(|e| lost_why(conn, e))?);
+    let super::lend::LentStream { stream, loan } = &mut lent;
+    write_message_with(stream, control, payload, Some(&*loan), sums).await.map_err(|e| lost_why(conn, e))?;
+    stream.finish().map_err(|e| lost_why(conn, e))?;
+    let stopped = stream.stopped();
+    tokio::select! {
+        biased;
+        () = loan.returned() => Ok(()),
+        r = stopped => match r {
+            // Finished and all acknowledged: quinn dropped every piece as its ACK came.
+            Ok(None) => {
+                loan.returned().await;
+                Ok(())
+            }
+            Ok(Some(code)) => Err(format!("the peer stopped reading the stream (code {code})")),
+            Err(e) => Err(lost_why(conn, e)),
+        },
+    }
 }
 
 /// `e` with the reason `conn` was closed, when it was: quinn's stream errors say only

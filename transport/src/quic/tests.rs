@@ -506,6 +506,44 @@ fn abort_wakes_a_sender_blocked_by_flow_control_and_the_group_closes_at_once() {
     }
 }
 
+/// A collective's payload is lent to quinn, not copied (`quic::lend`). Here the peer announces
+/// the all-gather, then its runtime stops (no reads, no acknowledgements), so quinn holds a
+/// stream window's worth of the caller's shard unacknowledged when the group is aborted: the
+/// abandoned stream must be reset (quinn then drops every lent piece) before the call returns.
+/// Were a piece still held, `lend::lending` would abort the whole test process.
+#[test]
+fn an_aborted_all_gather_takes_back_what_it_lent_before_returning() {
+    let (mut c0, peer) = with_silent_peer();
+    c0.set_timeout_ms(600_000); // only the abort can end the call in time
+    let handle = c0.abort_handle();
+    let shard = vec![1.0f32; 4 * net::STREAM_WINDOW_BYTES as usize / 4]; // 4 stream windows
+    let ranges = even_ranges(2 * shard.len(), 2);
+    let desc = frame::OpDesc {
+        op: crate::collective::CollectiveOp::AllGather as u8,
+        lens: vec![2 * shard.len() as u64, shard.len() as u64],
+        ends: ranges.iter().map(|r| r.end as u64).collect(),
+        lanes: 1,
+    };
+    peer.rt.block_on(net::write_stream(&peer.conn, &frame::Control::Desc { seq: 0, desc }, &[])).expect("the peer announces the call");
+    std::thread::sleep(std::time::Duration::from_millis(200)); // the announcement leaves
+                                                               // The peer's only runtime worker sleeps: its connection acknowledges nothing meanwhile.
+    peer.rt.spawn(async { std::thread::sleep(std::time::Duration::from_secs(3)) });
+    let abandoned = lend::abandoned_streams();
+    let caller = std::thread::spawn(move || {
+        let mut out = vec![0f32; 2 * shard.len()];
+        let r = c0.all_gather(&shard, &ranges, &mut out);
+        drop(shard); // the caller's buffers go as soon as the call returns
+        (r, c0)
+    });
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(!caller.is_finished(), "the all-gather finished although the peer acknowledged nothing");
+    handle.abort("the supervisor lost a member");
+    let (r, c0) = returns_within(std::time::Duration::from_secs(60), move || caller.join().expect("the caller panicked"));
+    assert!(matches!(&r, Err(CollectiveError::Aborted { op: "all_gather", .. })), "{r:?}");
+    assert!(lend::abandoned_streams() > abandoned, "no stream with lent pieces was reset: the failure path was not taken");
+    drop(c0);
+}
+
 /// Both ends prefer TLS 1.3's AES-128-GCM (`pki::provider_named`), whichever crypto library
 /// each uses, so that is what every connection's packets are sealed with (quinn does not report
 /// the suite: this runs the same configs' handshake in memory).
