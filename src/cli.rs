@@ -11,6 +11,7 @@ use crate::checkpoint::{self, CheckpointState, Gpt2ExportConfig};
 use crate::config::{self, Config, ResolveContext};
 use crate::data::{self, Codec};
 use crate::engine::{self, TrainOptions};
+use crate::outln;
 use crate::zoo;
 
 /// Flags shared by `train` and `config check`; each becomes a `--set` override applied after
@@ -84,7 +85,7 @@ pub fn load_config(path: &Path, common: &CommonArgs) -> Result<Config> {
 
 fn print_warnings(cfg: &Config) {
     for w in &cfg.warnings {
-        eprintln!("warning: {w}");
+        tracing::warn!("{w}");
     }
 }
 
@@ -118,20 +119,20 @@ fn train_ranks(config_path: &Path, common: &CommonArgs, opts: TrainOptions, loca
     }
     print_warnings(&cfg);
     let out = engine::train(&cfg, &opts)?;
-    println!("{}", out.summary.render());
-    println!("wrote {}/summary.json and {}/loss.svg", out.output_dir.display(), out.output_dir.display());
+    outln!("{}", out.summary.render());
+    outln!("wrote {}/summary.json and {}/loss.svg", out.output_dir.display(), out.output_dir.display());
     Ok(!out.interrupted)
 }
 
 /// `tessera config check`.
 pub fn config_check(path: &Path, common: &CommonArgs) -> Result<()> {
     let cfg = load_config(path, common)?;
-    print!("{}", config::render_check(&cfg));
+    outln!("{}", config::render_check(&cfg).trim_end_matches('\n'));
     print_warnings(&cfg);
     // Much of what `train` checks next (the data, the plan for this world size, the elastic
     // settings); the memory budget and the GPU path's refusals are checked when it starts.
     engine::validate(&cfg).context("the config parses, but a run could not start")?;
-    println!(
+    outln!(
         "plan: OK (the data, the ZeRO plan for {} worker(s) and the elastic settings; the memory budget is checked when \
          `train` starts on its device)",
         cfg.world_size
@@ -142,7 +143,7 @@ pub fn config_check(path: &Path, common: &CommonArgs) -> Result<()> {
 /// `tessera models`.
 pub fn list_models() {
     for p in zoo::presets() {
-        println!("{:<12} {}", p.name, p.about);
+        outln!("{:<12} {}", p.name, p.about);
     }
 }
 
@@ -167,7 +168,7 @@ pub fn model_from_checkpoint(ck: &CheckpointState) -> Result<(Model, Vec<f32>)> 
 fn load_checkpoint(path: &Path) -> Result<CheckpointState> {
     let r = checkpoint::resolve_resume(path).with_context(|| format!("loading checkpoint {}", path.display()))?;
     for s in &r.skipped {
-        eprintln!("warning: skipped checkpoint {}: {}", s.dir.display(), s.error);
+        tracing::warn!("skipped checkpoint {}: {}", s.dir.display(), s.error);
     }
     Ok(r.state)
 }
@@ -251,7 +252,7 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
         let mut logits = model.next_token_logits(&params, window, &mut ws);
         tokens.push(sample(&mut logits, o.temperature, o.top_k, &mut rng));
     }
-    println!("{}", codec.decode(&tokens));
+    outln!("{}", codec.decode(&tokens));
     Ok(())
 }
 
@@ -272,7 +273,7 @@ pub fn export(checkpoint_dir: &Path, out: &Path) -> Result<()> {
     let mut acc = tessera_kernels::model::FlatAccess { params: &params, grads: &mut unused, units: model.units() };
     let loss = model.loss(&mut acc, &tokens[..t], &tokens[1..], 1, t, &mut ws);
     checkpoint::export_hf_gpt2(out, &ck.params, &hf, Some((&tokens, loss))).with_context(|| format!("exporting to {}", out.display()))?;
-    println!("wrote {}/model.safetensors, config.json and reference.json (loss {loss:.6} on {} tokens)", out.display(), tokens.len());
-    println!("check with: python3 scripts/check_export.py {}", out.display());
+    outln!("wrote {}/model.safetensors, config.json and reference.json (loss {loss:.6} on {} tokens)", out.display(), tokens.len());
+    outln!("check with: python3 scripts/check_export.py {}", out.display());
     Ok(())
 }

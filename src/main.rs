@@ -5,14 +5,20 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use tessera::cli;
 use tessera::engine::TrainOptions;
+use tessera::{cli, console, outln, signals};
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Elastic, deterministic distributed training, configured by DeepSpeed JSON")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// More log detail on standard error (-v: debug, -vv: trace); `RUST_LOG` wins when set.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    /// Only warnings and errors on standard error.
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -319,8 +325,35 @@ enum ConfigCmd {
     },
 }
 
-/// Exit status of a run that Ctrl-C stopped (128 + SIGINT), as shells report it.
-const EXIT_INTERRUPTED: u8 = 130;
+/// The exit status of a training command: 0 when it finished, [`signals::EXIT_INTERRUPTED`]
+/// when a signal (or standard output closing) stopped it after a checkpoint.
+fn trained(finished: bool) -> ExitCode {
+    match finished {
+        true => ExitCode::SUCCESS,
+        false => ExitCode::from(signals::EXIT_INTERRUPTED),
+    }
+}
+
+/// Who a process's log lines come from, when it is not the one a person started: a worker
+/// process's or GPU rank's rank, an agent.
+fn log_prefix(cmd: &Cmd) -> Option<String> {
+    match cmd {
+        Cmd::Worker(a) => Some(a.rank.map_or_else(|| "joining worker".to_string(), |r| format!("rank {r}"))),
+        Cmd::Agent(a) => Some(a.name.as_ref().map_or_else(|| "agent".to_string(), |n| format!("agent {n}"))),
+        Cmd::Train(a) if a.device == Device::Cuda => tessera::gpu::rank_in_env().map(|r| format!("rank {r}")),
+        _ => None,
+    }
+}
+
+/// Which stop handling a command gets: drivers stop after a step with a checkpoint (a GPU
+/// rank follows its parent); the others keep the default actions.
+fn stop_mode(cmd: &Cmd) -> Option<signals::Mode> {
+    match cmd {
+        Cmd::Train(a) if a.device == Device::Cuda && tessera::gpu::rank_in_env().is_some() => Some(signals::Mode::FollowParent),
+        Cmd::Train(_) | Cmd::Coordinator(_) | Cmd::Launch(_) => Some(signals::Mode::Driver),
+        _ => None,
+    }
+}
 
 /// Whether `cmd` talks QUIC (worker processes, agents, a coordinator, chaos runs of them).
 fn uses_quic(cmd: &Cmd) -> bool {
@@ -333,6 +366,10 @@ fn uses_quic(cmd: &Cmd) -> bool {
 
 fn run(cli: Cli) -> Result<ExitCode> {
     let done = ExitCode::SUCCESS;
+    console::init_logs(console::Verbosity { verbose: cli.verbose, quiet: cli.quiet }, log_prefix(&cli.cmd))?;
+    if let Some(mode) = stop_mode(&cli.cmd) {
+        signals::install(mode)?;
+    }
     if uses_quic(&cli.cmd) {
         // The transport's variables (lanes, runtime workers, TLS crypto) are read where a
         // connection is made, in workers and agents; a bad value is refused here first, once,
@@ -358,8 +395,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     );
                 }
                 let opts = tessera::gpu::train::GpuTrainOptions { resume: a.resume, progress: !a.no_progress };
-                let finished = tessera::gpu::train::train(&a.config, &a.common, &opts)?;
-                return Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) });
+                return Ok(trained(tessera::gpu::train::train(&a.config, &a.common, &opts)?));
             }
             let opts = TrainOptions {
                 resume: a.resume,
@@ -368,8 +404,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 processes,
                 worker_net: a.worker_net,
             };
-            let finished = cli::train(&a.config, &a.common, opts)?;
-            Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })
+            Ok(trained(cli::train(&a.config, &a.common, opts)?))
         }
         Cmd::Generate(a) => cli::generate(&cli::GenerateOpts {
             checkpoint: a.checkpoint,
@@ -399,8 +434,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         },
         Cmd::Coordinator(a) => {
             let (config, common, opts, d) = a.driver.split();
-            let finished = tessera::launch::coordinator(&config, &common, opts, a.listen.as_deref(), a.nodes, &d)?;
-            Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })
+            Ok(trained(tessera::launch::coordinator(&config, &common, opts, a.listen.as_deref(), a.nodes, &d)?))
         }
         Cmd::Agent(a) => {
             let flags = tessera::launch::AgentFlags {
@@ -424,8 +458,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let exe = std::env::current_exe()?;
             let opts = runner::ChaosOptions { exe, scenario: sc, base, seed, output: output.clone(), progress: !no_progress };
             let report = runner::run(&opts)?;
-            print!("{}", report.render());
-            println!("report: {}", output.join("report.json").display());
+            outln!("{}", report.render().trim_end_matches('\n'));
+            outln!("report: {}", output.join("report.json").display());
             Ok(if report.passed() { done } else { ExitCode::FAILURE })
         }
         Cmd::Cluster(ClusterCmd::Init { dir, nodes }) => {
@@ -439,7 +473,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             names.push(tessera::engine::COORDINATOR_NAME.to_string());
             let refs: Vec<&str> = names.iter().map(String::as_str).collect();
             let files = tessera_transport::quic::cluster_init(&dir, &refs)?;
-            println!("{}: CA, {} and {nodes} node certificates", dir.display(), tessera::engine::COORDINATOR_NAME);
+            outln!("{}: CA, {} and {nodes} node certificates", dir.display(), tessera::engine::COORDINATOR_NAME);
             drop(files);
             Ok(done)
         }
@@ -458,8 +492,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                     options: a.ssh_option,
                 },
             };
-            let finished = tessera::launch::launch(&config, &common, opts, &l, &d)?;
-            Ok(if finished { done } else { ExitCode::from(EXIT_INTERRUPTED) })
+            Ok(trained(tessera::launch::launch(&config, &common, opts, &l, &d)?))
         }
     }
 }
@@ -470,6 +503,8 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(code) => code,
         Err(e) => {
+            // Not through the log subscriber: this line is the command's answer, and must
+            // show even with -q or when the subscriber could not start.
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }

@@ -103,7 +103,4 @@ pub enum ActorError {
     /// Shutdown could not stop the actor tree within the bound.
     #[error("shutdown: the actor tree did not stop within {bound_ms} ms")]
     StopTimedOut { bound_ms: u64 },
-    /// The Ctrl-C handler could not be installed.
-    #[error("could not install the Ctrl-C handler: {0}")]
-    Signal(String),
 }

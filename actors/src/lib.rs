@@ -39,7 +39,6 @@ pub mod recovery;
 pub mod remote;
 pub mod replan;
 pub mod shard;
-pub mod signal;
 pub mod sim;
 pub mod stepper;
 pub mod txn;
@@ -78,4 +77,3 @@ pub use replan::{
     Rebalance, Replanned, Speeds, Transfer,
 };
 pub use shard::{ShardKind, ShardStatus};
-pub use signal::install_ctrl_c;

@@ -36,6 +36,7 @@ pub use load::{
     list_checkpoints, list_restorable, load, load_latest_valid, resolve_resume, LatestValid, ResolvedResume, SkippedCheckpoint,
 };
 pub use save::save;
+pub(crate) use save::TMP_PREFIX;
 
 #[cfg(test)]
 pub(crate) use fsio::{FAULT_HOOK, WRITE_HOOK};

@@ -113,6 +113,7 @@ pub(super) fn snapshot(st: &RankState, rank: usize) -> Snapshot {
         bytes_sent_total: st.bytes_sent_total,
         replica_stale: false,
         replica_behind: false,
+        peak_rss_bytes: super::summary::peak_rss_bytes(),
     }
 }
 

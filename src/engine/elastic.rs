@@ -439,6 +439,8 @@ pub struct Fleet {
     launched: Option<Arc<Mutex<Vec<remote::Launched>>>>,
     /// `<output>/procs` of a `--nprocs` run, removed when the workers end.
     dir: Option<PathBuf>,
+    /// Removes `dir` at a forced exit too (a second signal, `crate::signals`).
+    forced_exit: Option<crate::signals::CleanupGuard>,
     /// Each member's measured speed (micro-batches per second of its own compute).
     speeds: Speeds<u64>,
     /// Proposes re-assignments by those speeds and backs off when their promised gain does not
@@ -562,6 +564,7 @@ impl Fleet {
                 let server = remote::control_server_config(&identity, ClientAuth::Optional)?;
                 let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(AgentAuth::Token { ca: Box::new(ca), token })?)?;
                 fleet.dir = Some(dir.clone());
+                fleet.forced_exit = Some(crate::signals::on_forced_exit(crate::signals::Cleanup::Dir(dir.clone())));
                 let control_ip = net.map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.control_ip);
                 let endpoint = ControlEndpoint::bind(SocketAddr::new(control_ip, 0), Some(server))
                     .with_context(|| format!("binding the control endpoint on {control_ip}"))?;
@@ -626,6 +629,7 @@ impl Fleet {
             endpoint: None,
             launched: None,
             dir: None,
+            forced_exit: None,
             speeds: Speeds::new(SPEED_WINDOW_STEPS),
             rebalancer: Rebalancer::new(REBALANCE_QUIET_STEPS, REBALANCE_QUIET_MAX_STEPS),
         })

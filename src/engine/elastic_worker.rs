@@ -145,32 +145,31 @@ impl Collective for SharedComm {
     }
 }
 
-/// Set by the SIGTERM handler (async-signal-safe: one atomic store).
+/// Set by the SIGTERM action (async-signal-safe: one atomic store).
 static TERM: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_term(_: libc::c_int) {
-    TERM.store(true, Ordering::SeqCst);
-}
-
-/// Set by the SIGUSR1 handler: the chaos harness's `kill_in_commit` fault. The worker then
+/// Set by the SIGUSR1 action: the chaos harness's `kill_in_commit` fault. The worker then
 /// SIGKILLs itself when the driver's next `Commit` arrives — after every rank answered
 /// `Prepared`, before its own optimizer step: a loss inside the commit window, which a signal
 /// from outside cannot aim at.
 static KILL_IN_COMMIT: AtomicBool = AtomicBool::new(false);
 
-extern "C" fn on_usr1(_: libc::c_int) {
-    KILL_IN_COMMIT.store(true, Ordering::SeqCst);
-}
-
 /// Turns SIGTERM into a drain request instead of the default exit, and SIGUSR1 into the
-/// armed `kill_in_commit` fault. Called as an elastic worker process starts (before its first
+/// armed `kill_in_commit` fault (through `signal-hook`'s registry, which keeps any other
+/// action of the signal). Called as an elastic worker process starts (before its first
 /// message), so neither signal takes its default action (exit) later; idempotent.
 pub(super) fn install_signal_handlers() {
-    // SAFETY: the handlers only store to an atomic, which is async-signal-safe.
-    unsafe {
-        libc::signal(libc::SIGTERM, on_term as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGUSR1, on_usr1 as *const () as libc::sighandler_t);
-    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: each action only stores to an atomic, which is async-signal-safe.
+        let installed = unsafe {
+            signal_hook_registry::register(libc::SIGTERM, || TERM.store(true, Ordering::SeqCst))
+                .and_then(|_| signal_hook_registry::register(libc::SIGUSR1, || KILL_IN_COMMIT.store(true, Ordering::SeqCst)))
+        };
+        if let Err(e) = installed {
+            tracing::warn!("SIGTERM and SIGUSR1 keep their default action (exit): their handlers could not be installed: {e}");
+        }
+    });
 }
 
 /// The current group's epoch and abort handle, for the side connection's reader.

@@ -34,4 +34,4 @@ pub use remote::{
 };
 pub(crate) use run::{checkpoint_tensors, log_line, progress_bar, refuse_to_overwrite, resume_start};
 pub use run::{train, validate, TrainOptions, TrainOutcome};
-pub use summary::{peak_rss_bytes, ElasticSummary, MemoryBytes, Summary};
+pub use summary::{peak_rss_bytes, ElasticSummary, MemoryBytes, RunRecord, RunStatus, Summary};

@@ -183,6 +183,16 @@ impl Ranks {
         }
     }
 
+    /// Each rank's process's peak resident set size, in rank order, as its last reply reported
+    /// it; `None` when the ranks are threads of this process.
+    pub fn peak_rss_bytes(&self) -> Option<Vec<u64>> {
+        match self {
+            Ranks::InProcess(_) => None,
+            Ranks::Remote(procs) => Some(procs.snapshots().iter().map(|s| s.peak_rss_bytes).collect()),
+            Ranks::Elastic(fleet) => Some(fleet.snapshots().iter().map(|s| s.peak_rss_bytes).collect()),
+        }
+    }
+
     /// Every rank's memory report, in rank order.
     pub fn memory(&self) -> Vec<MemoryReport> {
         match self {

@@ -88,6 +88,7 @@ use super::plan::Plan;
 use super::ranks::{master_window, OptimBuffers, RankCounters, Start};
 use super::wire::{self, AssignedIdentity, ControlIo, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError};
 use crate::config::Config;
+use crate::signals::{self, Cleanup, CleanupGuard};
 
 /// Bound on the workers' start-up: connecting, loading data, building the QUIC mesh (ms).
 pub const STARTUP_TIMEOUT_MS: u64 = 120_000;
@@ -299,6 +300,8 @@ pub struct Procs {
     pumps: Arc<Mutex<Vec<JoinHandle<()>>>>,
     /// `<output>/procs`: the resolved config and the run's keys, removed when the ranks end.
     dir: Option<PathBuf>,
+    /// Removes `dir` at a forced exit too (a second signal, `crate::signals`).
+    _forced_exit: Option<CleanupGuard>,
 }
 
 /// Describes an exit status: "exited with status 1" or "was killed by signal 9".
@@ -696,6 +699,7 @@ fn new_procs(shared: &Arc<Shared>, dir: Option<PathBuf>) -> Procs {
         shared: Arc::clone(shared),
         monitor: None,
         pumps: Arc::new(Mutex::new(Vec::new())),
+        _forced_exit: dir.clone().map(|d| signals::on_forced_exit(Cleanup::Dir(d))),
         dir,
     }
 }

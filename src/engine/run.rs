@@ -3,9 +3,8 @@
 //! final summary.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -19,13 +18,14 @@ use tessera_transport::local::LocalGroup;
 use super::elastic::{Fleet, Origin};
 use super::plan::Plan;
 use super::ranks::{rank_states, Ranks, Start};
-use super::summary::{peak_rss_bytes, ElasticSummary, Summary};
+use super::summary::{peak_rss_bytes, ElasticSummary, RunRecord, RunStatus, Summary};
 use super::zero::ZeroWorker;
 use crate::bridge;
 use crate::checkpoint::{self, CheckpointState, NamedTensor};
 use crate::config::{self, Config, ElasticRun};
 use crate::data::{self, Dataset, Sampler, SamplerState};
 use crate::monitor::{self, Event, Monitor, MonitorSet};
+use crate::signals::{self, StopReason};
 
 /// What `tessera train` was asked to do beyond the config.
 #[derive(Clone, Debug, Default)]
@@ -358,14 +358,10 @@ fn evaluate(plan: &Plan, ranks: &Ranks, batches: &[data::TokenBatch], ws: &mut W
     Ok(total / batches.len().max(1) as f64)
 }
 
-/// A log line above the progress bar, or on standard output when the bar is hidden
-/// (`--no-progress`, or output that is not a terminal), so that logs reach files too.
+/// A step line (header, loss, validation, elastic events): on standard output, with the
+/// progress bar on standard error out of the way meanwhile (`crate::console`).
 pub(crate) fn log_line(pb: &ProgressBar, line: String) {
-    if pb.is_hidden() {
-        println!("{line}");
-    } else {
-        pb.println(line);
-    }
+    crate::console::line(pb, &line);
 }
 
 /// The training progress bar (hidden when `enabled` is false), shared with the GPU path.
@@ -378,6 +374,7 @@ pub(crate) fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
         .unwrap_or_else(|_| ProgressStyle::default_bar())
         .progress_chars("=> ");
     pb.set_style(style);
+    crate::console::show_bar(&pb);
     pb
 }
 
@@ -911,13 +908,35 @@ impl Run<'_> {
         }
     }
 
-    fn summary(&mut self, t: &mut Tally, started: Instant, pb: &ProgressBar, dataset: &Dataset) -> Result<Summary> {
+    /// The run's steps from `self.step` (the initial evaluation first on a fresh run) until
+    /// the last one, or until a stop is requested (`crate::signals`): then, between steps,
+    /// where the ranks hold a committed state, it saves a checkpoint and returns why.
+    fn steps(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<Option<StopReason>> {
+        if self.step == 0 {
+            let v = self.with_recovery(pb, t, dataset, |run| evaluate(&run.plan, &run.ranks, &run.val, &mut run.ws))?;
+            t.initial_val = Some(v);
+            t.val_curve.push((0, v));
+        }
+        while self.step < self.cfg.tessera.steps {
+            if let Some(why) = signals::requested() {
+                let path = self.with_recovery(pb, t, dataset, |run| run.save_checkpoint())?;
+                log_line(pb, format!("interrupted ({why}): stopped after step {}; saved {}", self.step, path.display()));
+                t.last_ckpt = Some(path);
+                return Ok(Some(why));
+            }
+            self.step_once(pb, t, dataset)?;
+        }
+        Ok(None)
+    }
+
+    fn summary(&mut self, t: &mut Tally, started: Instant, pb: &ProgressBar, dataset: &Dataset, run: RunRecord) -> Result<Summary> {
         let (master, _, c) = self.with_recovery(pb, t, dataset, |run| run.ranks.assemble(&run.plan, false))?;
         let plan = &self.plan;
         let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &master[s.range()])).collect();
         let tokens = t.steps_run * plan.tokens_per_step();
         let memory = self.cluster.memory().context("asking the ranks for their memory")?;
         Ok(Summary {
+            run,
             model: self.cfg.tessera.model.clone(),
             num_params: plan.total(),
             steps: self.step,
@@ -932,6 +951,7 @@ impl Run<'_> {
             flops_per_token: plan.model.cfg.flops_per_token(plan.total(), plan.seq_len),
             params_blake3: checkpoint::params_blake3(&names),
             peak_rss_bytes: peak_rss_bytes(),
+            peak_rss_bytes_per_rank: self.ranks.peak_rss_bytes(),
             world_size: plan.world,
             zero_stage: plan.stage,
             precision: format!("{:?}", plan.precision).to_lowercase(),
@@ -957,9 +977,11 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
             cfg.tessera.steps - 1
         );
     }
-    let started = Instant::now();
+    signals::install(signals::Mode::Driver)?;
+    let (started, started_at) = (Instant::now(), SystemTime::now());
     let (mut run, dataset) = start_run(cfg, opts)?;
-    let stop = tessera_actors::install_ctrl_c().context("installing the Ctrl-C handler")?;
+    // A second signal removes the save it interrupts (the last complete checkpoint stays).
+    let _temps = signals::on_forced_exit(signals::Cleanup::SaveTemps(run.out_dir.join("checkpoints")));
     let pb = progress_bar(cfg.tessera.steps, opts.progress);
     pb.set_position(run.step);
     let plan = Arc::clone(&run.plan);
@@ -980,31 +1002,33 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
         ),
     );
     let mut t = Tally { rank_bytes: vec![0; plan.world], ..Tally::default() };
-    if run.step == 0 {
-        let v = run.with_recovery(&pb, &mut t, &dataset, |run| evaluate(&run.plan, &run.ranks, &run.val, &mut run.ws))?;
-        t.initial_val = Some(v);
-        t.val_curve.push((0, v));
-    }
-    let mut interrupted = false;
-    while run.step < cfg.tessera.steps {
-        if stop.load(Ordering::SeqCst) {
-            interrupted = true;
-            // Between steps the ranks hold a committed state: keep it.
-            let path = run.with_recovery(&pb, &mut t, &dataset, |run| run.save_checkpoint())?;
-            log_line(&pb, format!("interrupted: stopped after step {}; saved {}", run.step, path.display()));
-            t.last_ckpt = Some(path);
-            break;
+    let stopped = match run.steps(&pb, &mut t, &dataset) {
+        Ok(stopped) => stopped,
+        Err(e) => {
+            pb.finish_and_clear();
+            let record = RunRecord { error: Some(format!("{e:#}")), ..RunRecord::new(RunStatus::Failed, cfg.tessera.seed, started_at) };
+            // What the failed run reached, where its state can still be read.
+            match run.summary(&mut t, started, &pb, &dataset, record) {
+                Ok(s) => {
+                    if let Err(w) = s.write(&run.out_dir.join("summary.json")) {
+                        tracing::warn!("summary.json of the failed run not written: {w}");
+                    }
+                }
+                Err(w) => tracing::warn!("summary.json of the failed run not written: {w:#}"),
+            }
+            return Err(e);
         }
-        run.step_once(&pb, &mut t, &dataset)?;
-    }
+    };
     pb.finish_and_clear();
     run.monitors.flush().context("flushing monitors")?;
-    let summary = run.summary(&mut t, started, &pb, &dataset)?;
+    let status = if stopped.is_some() { RunStatus::Interrupted } else { RunStatus::Completed };
+    let record = RunRecord { stopped_by: stopped.map(|r| r.to_string()), ..RunRecord::new(status, cfg.tessera.seed, started_at) };
+    let summary = run.summary(&mut t, started, &pb, &dataset, record)?;
     summary.write(&run.out_dir.join("summary.json")).context("writing summary.json")?;
     monitor::write_loss_curve_svg(&run.out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
         .context("writing loss.svg")?;
     let Run { cluster, ranks, out_dir, .. } = run;
     cluster.shutdown().context("stopping the actor tree")?;
     ranks.close().context("stopping the worker processes")?;
-    Ok(TrainOutcome { summary, output_dir: out_dir, interrupted })
+    Ok(TrainOutcome { summary, output_dir: out_dir, interrupted: stopped.is_some() })
 }

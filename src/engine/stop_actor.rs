@@ -14,28 +14,25 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// The rank asked for, plus one (0: none pending).
 static PENDING: AtomicU64 = AtomicU64::new(0);
 
-extern "C" fn on_usr2(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    // SAFETY: the kernel passes a valid siginfo_t to an SA_SIGINFO handler; reading it and one
-    // atomic store are async-signal-safe.
-    unsafe {
-        if info.is_null() || (*info).si_code != libc::SI_QUEUE {
-            return;
-        }
-        let rank = (*info).si_value().sival_ptr as usize as u64;
-        PENDING.store(rank.saturating_add(1), Ordering::SeqCst);
-    }
-}
-
-/// Installs the SIGUSR2 handler (an elastic run's driver, at start; idempotent).
+/// Installs the SIGUSR2 action (an elastic run's driver, at start; idempotent).
 pub(super) fn install() {
-    // SAFETY: a zeroed sigaction with an SA_SIGINFO handler whose body is async-signal-safe.
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = on_usr2 as *const () as libc::sighandler_t;
-        sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
-        libc::sigemptyset(&mut sa.sa_mask);
-        libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut());
-    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: the action reads the siginfo_t the kernel passed and does one atomic store,
+        // both async-signal-safe.
+        let installed = unsafe {
+            signal_hook_registry::register_sigaction(libc::SIGUSR2, |info: &libc::siginfo_t| {
+                if info.si_code != libc::SI_QUEUE {
+                    return;
+                }
+                let rank = info.si_value().sival_ptr as usize as u64;
+                PENDING.store(rank.saturating_add(1), Ordering::SeqCst);
+            })
+        };
+        if let Err(e) = installed {
+            tracing::warn!("the chaos fault stop_actor (SIGUSR2) is unavailable: its handler could not be installed: {e}");
+        }
+    });
 }
 
 /// The rank whose actor a `stop_actor` signal asked to stop since the last call, if any.

@@ -2,8 +2,76 @@
 //! (`params_blake3` is the bit-for-bit fingerprint of the parameters).
 
 use std::path::Path;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
+
+/// How a run ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunStatus {
+    /// Every step of `tessera.steps` ran.
+    Completed,
+    /// A signal (or standard output closing) stopped it early, after a checkpoint.
+    Interrupted,
+    /// An error ended it (`error` says which).
+    Failed,
+}
+
+/// What every `summary.json` (CPU and GPU) says about the run itself: how it ended, which
+/// build ran it, with which seed, and when.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunRecord {
+    pub status: RunStatus,
+    /// What stopped an interrupted run (`SIGTERM`, `standard output closed`, …).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped_by: Option<String>,
+    /// What ended a failed run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The `tessera` version and the git commit it was built from ("unknown" outside git).
+    pub version: String,
+    pub commit: String,
+    pub seed: u64,
+    /// RFC 3339, UTC.
+    pub started_at: String,
+    pub ended_at: String,
+}
+
+impl RunRecord {
+    /// A run that started at `started` and ends now.
+    pub fn new(status: RunStatus, seed: u64, started: SystemTime) -> Self {
+        RunRecord {
+            status,
+            stopped_by: None,
+            error: None,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            commit: env!("TESSERA_COMMIT").to_string(),
+            seed,
+            started_at: rfc3339(started),
+            ended_at: rfc3339(SystemTime::now()),
+        }
+    }
+}
+
+/// `t` as RFC 3339 in UTC with milliseconds, e.g. `2026-12-03T16:50:01.123Z`.
+pub fn rfc3339(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let (secs, ms) = (d.as_secs(), d.subsec_millis());
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    // Days since 1970-01-01 to a civil date (the proleptic Gregorian calendar, in eras of
+    // 400 years = 146097 days, years starting in March so the leap day comes last).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z", rem / 3600, rem % 3600 / 60, rem % 60)
+}
 
 /// The model states one rank holds.
 #[derive(Clone, Debug, Serialize)]
@@ -30,6 +98,8 @@ impl From<&tessera_actors::compute::MemoryReport> for MemoryBytes {
 /// Written as `summary.json` in the output directory.
 #[derive(Clone, Debug, Serialize)]
 pub struct Summary {
+    #[serde(flatten)]
+    pub run: RunRecord,
     pub model: String,
     pub num_params: usize,
     pub steps: u64,
@@ -45,7 +115,12 @@ pub struct Summary {
     /// Share of the measured GEMM peak reached by training steps (when measured).
     pub flops_per_token: f64,
     pub params_blake3: String,
+    /// Peak resident set size of the driver process (with thread ranks, of every rank).
     pub peak_rss_bytes: u64,
+    /// Each rank's own process's peak resident set size, when ranks are processes (absent
+    /// when they are threads of the driver: `peak_rss_bytes` is theirs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_rss_bytes_per_rank: Option<Vec<u64>>,
     pub world_size: usize,
     pub zero_stage: u8,
     pub precision: String,
@@ -142,4 +217,21 @@ pub fn peak_rss_bytes() -> u64 {
         .find_map(|l| l.strip_prefix("VmHWM:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn timestamps_are_rfc3339_utc() {
+        let at = |s: u64, ms: u64| rfc3339(UNIX_EPOCH + Duration::from_secs(s) + Duration::from_millis(ms));
+        assert_eq!(at(0, 0), "1970-01-01T00:00:00.000Z");
+        // 2000-02-29 (a leap day of a year divisible by 400) and the day after.
+        assert_eq!(at(951_782_400 + 3_723, 45), "2000-02-29T01:02:03.045Z");
+        assert_eq!(at(951_868_800, 0), "2000-03-01T00:00:00.000Z");
+        assert_eq!(at(1_798_761_599, 999), "2026-12-31T23:59:59.999Z");
+    }
 }

@@ -139,6 +139,9 @@ pub struct Snapshot {
     /// Elastic: the replicas this worker holds wait for more commits' updates than it applies
     /// in the background (a busy CPU): a full copy catches them up.
     pub replica_behind: bool,
+    /// The worker process's peak resident set size so far (`summary.json`'s
+    /// `peak_rss_bytes_per_rank`).
+    pub peak_rss_bytes: u64,
 }
 
 /// [`Prepared`] with floats as bits.

@@ -26,6 +26,11 @@ const ENV_RANK: &str = "TESSERA_GPU_RANK";
 const ENV_WORLD: &str = "TESSERA_GPU_WORLD";
 const ENV_NCCL_ID: &str = "TESSERA_NCCL_ID";
 
+/// The rank a GPU parent started this process as (`TESSERA_GPU_RANK`), if it did.
+pub fn rank_in_env() -> Option<usize> {
+    std::env::var(ENV_RANK).ok()?.parse().ok()
+}
+
 /// Prints which cuBLASLt fused GEMMs this GPU's library runs for GPT-2 124M's shapes (micro-batch
 /// 16 × 1024), and which fusions a default workspace uses (`TESSERA_GPU_FUSE` narrows them).
 fn fusion_report(gpu: &Gpu) -> Result<()> {

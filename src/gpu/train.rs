@@ -24,14 +24,18 @@
 //!
 //! Processes: with `N > 1` GPUs this process (the parent) validates the run, creates the NCCL
 //! id and starts itself once per GPU with the rank in the environment (as `gpu bench` does);
-//! rank 0 writes every output. Ctrl-C reaches every rank; the ranks agree to stop after the
-//! same step (the flag travels with the per-step loss gather), save a checkpoint and the
-//! summary, and the parent reports the interruption.
+//! rank 0 writes every output. The ranks run in their own process groups; the parent forwards
+//! its first stop request (SIGTERM, SIGINT, SIGHUP, SIGUSR1: `crate::signals`) to them as
+//! SIGTERM, and a rank that gets one directly (Slurm signals every process of a step) stops the
+//! same way. The ranks agree to stop after the same step (the flag travels with the per-step
+//! loss gather), save a checkpoint and the summary, and the parent reports the interruption. A
+//! second signal to the parent kills the ranks and exits at once; a rank leaves that to its
+//! parent (`signals::Mode::FollowParent`).
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
@@ -46,9 +50,11 @@ use crate::checkpoint::{self, CheckpointState};
 use crate::cli::{self, CommonArgs};
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision};
 use crate::data::{self, Dataset, Sampler, SamplerState, TokenBatch};
-use crate::engine::{self, peak_rss_bytes, MemoryBytes, Plan};
+use crate::engine::{self, peak_rss_bytes, MemoryBytes, Plan, RunRecord, RunStatus};
 use crate::monitor::{self, Event, Monitor, MonitorSet};
 use crate::offload::OffloadedBytes;
+use crate::outln;
+use crate::signals::{self, Cleanup};
 use crate::{bridge, zoo};
 
 const OPTIM_PREFIX: &str = "optim";
@@ -100,11 +106,13 @@ pub fn train(config_path: &Path, common: &CommonArgs, opts: &GpuTrainOptions) ->
         return Ok(!run_rank(&cfg, opts, 0, 1, None, Some(prepared))?);
     }
     drop(prepared);
-    let stop = tessera_actors::install_ctrl_c().context("installing the Ctrl-C handler")?;
     let id = NcclId::new()?;
     let exe = std::env::current_exe().context("locating the tessera executable")?;
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut children: Vec<Child> = Vec::with_capacity(world);
+    // The ranks run in their own process groups, so a terminal's Ctrl-C reaches this process
+    // only; it forwards its first stop request to them (SIGTERM) and kills them on a second.
+    let mut guards = Vec::with_capacity(2 * world);
     for r in 0..world {
         let spawned = Command::new(&exe)
             .args(&args)
@@ -112,10 +120,15 @@ pub fn train(config_path: &Path, common: &CommonArgs, opts: &GpuTrainOptions) ->
             .env(ENV_WORLD, world.to_string())
             .env(ENV_NCCL_ID, id.to_hex())
             .stdin(Stdio::null())
+            .process_group(0)
             .spawn()
             .with_context(|| format!("starting GPU rank {r}"));
         match spawned {
-            Ok(c) => children.push(c),
+            Ok(c) => {
+                guards.push(signals::on_forced_exit(Cleanup::Kill(c.id())));
+                guards.push(signals::forward_stop(c.id()));
+                children.push(c);
+            }
             Err(e) => {
                 for c in &mut children {
                     let _ = c.kill();
@@ -126,7 +139,7 @@ pub fn train(config_path: &Path, common: &CommonArgs, opts: &GpuTrainOptions) ->
         }
     }
     wait_all(children, Duration::MAX)?;
-    Ok(!stop.load(Ordering::SeqCst))
+    Ok(signals::requested().is_none())
 }
 
 /// `(rank, world, NCCL id)` when this process is a rank started by a parent.
@@ -386,6 +399,8 @@ fn evaluate(r: &mut Rank, batches: &[TokenBatch]) -> Result<f64> {
 /// device figures.
 #[derive(Clone, Debug, Serialize)]
 pub struct GpuSummary {
+    #[serde(flatten)]
+    pub run: RunRecord,
     pub model: String,
     pub num_params: usize,
     pub steps: u64,
@@ -401,6 +416,8 @@ pub struct GpuSummary {
     pub params_blake3: String,
     /// Host memory of rank 0.
     pub peak_rss_bytes: u64,
+    /// Host memory of each rank's process.
+    pub peak_rss_bytes_per_rank: Vec<u64>,
     pub world_size: usize,
     pub zero_stage: u8,
     pub precision: String,
@@ -585,7 +602,7 @@ fn run_rank(
     id: Option<NcclId>,
     prepared: Option<Prepared>,
 ) -> Result<bool> {
-    let started = Instant::now();
+    let (started, started_at) = (Instant::now(), SystemTime::now());
     let lead = rank == 0;
     let prepared = match prepared {
         Some(p) => p,
@@ -624,7 +641,6 @@ fn run_rank(
     let val =
         data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
     let mut monitors = if lead { bridge::monitors(cfg, &out_dir)? } else { MonitorSet::new() };
-    let stop = tessera_actors::install_ctrl_c().context("installing the Ctrl-C handler")?;
     let steps = cfg.tessera.steps;
     let pb = engine::progress_bar(steps, opts.progress && lead);
     pb.set_position(start.step);
@@ -692,7 +708,7 @@ fn run_rank(
         let beta1 = momentum_cycle.map(|c| c.beta1_at(run.applied));
         let t0 = Instant::now();
         let (local_loss, norm) = run.r.step(&mbs, lr, 1.0 / m as f32).with_context(|| format!("step {step}"))?;
-        let asked = if stop.load(Ordering::SeqCst) { 1.0 } else { 0.0 };
+        let asked = if signals::requested().is_some() { 1.0 } else { 0.0 };
         let all = run.r.gather_host(&[f64::from(local_loss), asked]).context("gathering the step's losses")?;
         t.train_s += t0.elapsed().as_secs_f64();
         t.steps_run += 1;
@@ -750,7 +766,8 @@ fn run_rank(
         if stopping && !last {
             interrupted = true;
             if let (true, Some(p)) = (lead, &t.last_ckpt) {
-                engine::log_line(&pb, format!("interrupted: stopped after step {}; saved {}", run.step, p.display()));
+                let why = signals::requested().map_or_else(|| "another rank asked".to_string(), |r| r.to_string());
+                engine::log_line(&pb, format!("interrupted ({why}): stopped after step {}; saved {}", run.step, p.display()));
             }
             break;
         }
@@ -765,10 +782,10 @@ fn run_rank(
     let d = sb.device;
     let figures = run
         .r
-        .gather_host(&[d.params as f64, d.grads as f64, d.optim as f64, sb.host_optim as f64])
+        .gather_host(&[d.params as f64, d.grads as f64, d.optim as f64, sb.host_optim as f64, peak_rss_bytes() as f64])
         .context("gathering the model-state figures")?;
     let model_states: Vec<MemoryBytes> = figures
-        .chunks_exact(4)
+        .chunks_exact(5)
         .enumerate()
         .map(|(r, c)| {
             let (params, grads, optimizer_states) = (c[0] as u64, c[1] as u64, c[2] as u64);
@@ -776,7 +793,7 @@ fn run_rank(
         })
         .collect();
     let offloaded: Vec<OffloadedBytes> =
-        figures.chunks_exact(4).enumerate().map(|(r, c)| OffloadedBytes { rank: r, host: c[3] as u64, nvme: 0 }).collect();
+        figures.chunks_exact(5).enumerate().map(|(r, c)| OffloadedBytes { rank: r, host: c[3] as u64, nvme: 0 }).collect();
     let offload_summary = match (run.r.offload_ratio(), run.r.offload_stats()) {
         (Some(ratio), Some(st)) => Some(GpuOffloadSummary::new(ratio, sb.host_staging, &st)),
         _ => None,
@@ -788,7 +805,10 @@ fn run_rank(
     let plan = &run.plan;
     let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &master[s.range()])).collect();
     let tokens = t.steps_run * plan.tokens_per_step();
+    let status = if interrupted { RunStatus::Interrupted } else { RunStatus::Completed };
+    let stopped_by = interrupted.then(|| signals::requested().map_or_else(|| "another rank asked".to_string(), |r| r.to_string()));
     let summary = GpuSummary {
+        run: RunRecord { stopped_by, ..RunRecord::new(status, cfg.tessera.seed, started_at) },
         model: cfg.tessera.model.clone(),
         num_params: plan.total(),
         steps: run.step,
@@ -802,6 +822,7 @@ fn run_rank(
         flops_per_token: plan.model.cfg.flops_per_token(plan.total(), plan.seq_len),
         params_blake3: checkpoint::params_blake3(&names),
         peak_rss_bytes: peak_rss_bytes(),
+        peak_rss_bytes_per_rank: figures.chunks_exact(5).map(|c| c[4] as u64).collect(),
         world_size: world,
         zero_stage: plan.stage,
         precision: "bf16".into(),
@@ -817,7 +838,7 @@ fn run_rank(
     summary.write(&out_dir.join("summary.json")).context("writing summary.json")?;
     monitor::write_loss_curve_svg(&out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
         .context("writing loss.svg")?;
-    println!("{}", summary.render());
-    println!("wrote {}/summary.json and {}/loss.svg", out_dir.display(), out_dir.display());
+    outln!("{}", summary.render());
+    outln!("wrote {}/summary.json and {}/loss.svg", out_dir.display(), out_dir.display());
     Ok(interrupted)
 }
