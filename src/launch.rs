@@ -459,6 +459,7 @@ pub fn coordinator(
     let (endpoint, auth, token) = rendezvous_endpoint(&listen, d)?;
     let at = endpoint.local_addr()?;
     let hint = join_hint(at, d, token.as_ref())?;
+    // The command's answer (how to join), not a log line: shown even with -q.
     eprintln!("coordinator: waiting for {nodes} agents at {at} (join with {hint})");
     drive(config, common, opts, (endpoint, auth), nodes, d, Arc::new(Mutex::new(Vec::new())))
 }
@@ -562,6 +563,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
     if d.token_file.is_some() {
         // The launched agents get the token over ssh; the file is for agents started by hand
         // (an elastic run's joins).
+        // The command's answer (how to join), not a log line: shown even with -q.
         eprintln!("launch: more agents can join with {}", join_hint(at, d, token.as_ref())?);
     }
     let exe = std::env::current_exe().context("finding the tessera executable")?;
@@ -574,7 +576,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
                 std::thread::sleep(Duration::from_millis(50));
             }
             if let Ok(None) = l.child.try_wait() {
-                eprintln!("launch: {} still running after the run; killing it", l.label);
+                tracing::info!("launch: {} still running after the run; killing it", l.label);
                 let _ = l.child.kill();
             }
             let _ = l.child.wait();
@@ -659,7 +661,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
         reap(&launched, 0);
         return Err(e);
     }
-    eprintln!("launch: started {nodes} agents on {} hosts; coordinating at {at}", hosts.len());
+    tracing::info!("launch: started {nodes} agents on {} hosts; coordinating at {at}", hosts.len());
     let res = drive(config, common, opts, (endpoint, auth), nodes, d, Arc::clone(&launched));
     reap(&launched, if res.is_ok() { REAP_TIMEOUT_MS } else { 0 });
     res

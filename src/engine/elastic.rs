@@ -243,7 +243,7 @@ impl Shared {
             return;
         }
         let pid = self.pid_of(id);
-        eprintln!("elastic: lost {why}");
+        tracing::info!("elastic: lost {why}");
         relock(&self.losses).push(Loss { id, why: why.to_string() });
         self.event(json!({"event": "lost", "id": id, "pid": pid, "why": why}));
         let mut killed = false;
@@ -334,7 +334,7 @@ fn monitor(shared: Arc<Shared>) {
         if let Some(rank) = super::stop_actor::take() {
             let id = relock(&shared.members).get(rank).copied();
             let stopped = relock(&shared.stopper).as_ref().is_some_and(|s| s.stop(rank, "stopped by the chaos fault stop_actor"));
-            eprintln!("elastic: stop_actor: rank {rank}'s actor {}", if stopped { "asked to stop" } else { "not found" });
+            tracing::info!("elastic: stop_actor: rank {rank}'s actor {}", if stopped { "asked to stop" } else { "not found" });
             shared.event(json!({"event": "actor_stop", "rank": rank, "id": id, "stopped": stopped}));
         }
     }
@@ -901,7 +901,7 @@ impl Fleet {
     /// `behind` had not applied the recent updates.
     pub fn replicas_recopied(&self, step: u64, dropped: &[u64], behind: &[u64]) {
         if !dropped.is_empty() {
-            eprintln!("elastic: worker(s) {dropped:?} dropped a replica (see their log); full copies at step {step}");
+            tracing::info!("elastic: worker(s) {dropped:?} dropped a replica (see their log); full copies at step {step}");
         }
         self.shared.event(json!({"event": "replicas_recopied", "step": step, "epoch": self.epoch, "dropped": dropped, "behind": behind}));
     }
@@ -1063,7 +1063,7 @@ impl Fleet {
                 Formation::Formed { members, draining } => break (members, draining),
                 Formation::Wait { say } => {
                     if let Some(line) = say {
-                        eprintln!("{line}");
+                        tracing::info!("{line}");
                     }
                     std::thread::sleep(Duration::from_millis(100));
                 }
@@ -1162,7 +1162,7 @@ impl Fleet {
         self.epoch = epoch;
         self.plan = Arc::clone(&plan);
         self.log_epoch(start.step, &source);
-        eprintln!("elastic: epoch {epoch}: {world} worker(s), state from {source}");
+        tracing::info!("elastic: epoch {epoch}: {world} worker(s), state from {source}");
         moved.1 += joined;
         if self.replicate(start.step).is_err() {
             return Ok(None);
@@ -1194,7 +1194,7 @@ impl Fleet {
             }
             let conn = relock(&d.link).stream.clone();
             let status = shutdown_and_wait(&self.shared, d.id, conn);
-            eprintln!("elastic: worker {} drained and left ({status})", d.id);
+            tracing::info!("elastic: worker {} drained and left ({status})", d.id);
             self.shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status}));
         }
         leavers.iter().filter(|d| !self.shared.is_fenced(d.id)).count()

@@ -133,7 +133,7 @@ pub(super) fn acceptor(shared: Arc<Shared>, endpoint: Arc<ControlEndpoint>, earl
         let spawned = std::thread::Builder::new().name("tessera-admit".into()).spawn(move || {
             let peer = conn.remote_address();
             if let Err(e) = admit(&s, conn, first, first_ms) {
-                eprintln!("elastic: a connection from {peer}: {e:#}");
+                tracing::info!("elastic: a connection from {peer}: {e:#}");
             }
             busy.fetch_sub(1, Ordering::SeqCst);
         });
@@ -148,7 +148,7 @@ pub(super) fn acceptor(shared: Arc<Shared>, endpoint: Arc<ControlEndpoint>, earl
         match endpoint.accept(ACCEPT_POLL_MS) {
             Ok(Some(conn)) => serve(conn, None),
             Ok(None) => {}
-            Err(why) => eprintln!("elastic: refused a connection: {why}"),
+            Err(why) => tracing::info!("elastic: refused a connection: {why}"),
         }
     }
 }
@@ -232,7 +232,7 @@ fn side_reader(shared: Arc<Shared>, id: u64, mut conn: ControlConn, beat: Arc<Be
             Ok(ToParent::Heartbeat) => *relock(&beat.last) = Instant::now(),
             Ok(ToParent::Draining) => {
                 if !beat.draining.swap(true, Ordering::SeqCst) {
-                    eprintln!("elastic: worker {id} got SIGTERM; it leaves at the next step boundary");
+                    tracing::info!("elastic: worker {id} got SIGTERM; it leaves at the next step boundary");
                     shared.event(json!({"event": "drain_requested", "id": id, "pid": beat.pid()}));
                 }
             }
@@ -323,7 +323,7 @@ fn join(shared: &Arc<Shared>, mut conn: ControlConn, j: JoinRequest) -> Result<(
     }
     relock(&shared.controls).insert(id, conn.clone());
     relock(&shared.joiners).push(Joiner { id, pid: j.pid, conn });
-    eprintln!("elastic: worker {id} ({who}) joined; it becomes a member at the next step boundary");
+    tracing::info!("elastic: worker {id} ({who}) joined; it becomes a member at the next step boundary");
     shared.event(json!({"event": "join_requested", "id": id, "pid": j.pid, "name": j.name}));
     Ok(())
 }

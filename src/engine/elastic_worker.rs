@@ -256,13 +256,13 @@ fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) -> Res
             while !heartbeat_leaving.load(Ordering::SeqCst) {
                 let tick = timer.tick(began.elapsed().as_millis() as u64, TERM.load(Ordering::SeqCst));
                 if tick.draining {
-                    eprintln!("worker {id}: SIGTERM: handing my shard over at the next step boundary");
+                    tracing::info!("worker {id}: SIGTERM: handing my shard over at the next step boundary");
                     if wire::send(&mut conn, &ToParent::Draining).is_err() {
                         return;
                     }
                 }
                 if tick.leave {
-                    eprintln!("worker {id}: no step boundary within the drain grace period of {grace_ms} ms; leaving");
+                    tracing::info!("worker {id}: no step boundary within the drain grace period of {grace_ms} ms; leaving");
                     std::process::exit(EXIT_DRAIN_GRACE);
                 }
                 if wire::send(&mut conn, &ToParent::Heartbeat).is_err() {
@@ -294,7 +294,7 @@ fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) -> Res
                     }
                 }
                 Ok(ToWorker::Refused { error }) => {
-                    eprintln!("worker {id}: the driver refused this worker: {error}; leaving");
+                    tracing::info!("worker {id}: the driver refused this worker: {error}; leaving");
                     std::process::exit(EXIT_FENCED);
                 }
                 Ok(_) => {}
@@ -303,7 +303,7 @@ fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) -> Res
                 // healed, a hang that ended) or when it is gone. Either way this worker must
                 // not go on: it leaves at once, even from inside a collective.
                 Err(e) => {
-                    eprintln!(
+                    tracing::info!(
                         "worker {id}: the driver closed the side connection ({e}): declared lost (fenced), or the driver is gone; leaving"
                     );
                     std::process::exit(EXIT_FENCED);
@@ -946,7 +946,7 @@ pub(super) fn serve_started(
 pub(super) fn serve_joined(conn: &mut ControlConn, s: Setup) -> Result<()> {
     let id = s.id;
     let mut w = Worker::new(s)?;
-    eprintln!("worker {id}: joined the run; waiting for the next step boundary");
+    tracing::info!("worker {id}: joined the run; waiting for the next step boundary");
     w.run(conn, &|| Ok(()))
 }
 

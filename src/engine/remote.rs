@@ -251,7 +251,7 @@ impl Shared {
             if died.is_some() {
                 return;
             }
-            eprintln!("error: {why}; stopping the other ranks");
+            tracing::error!("{why}; stopping the other ranks");
             *died = Some((rank, why));
         }
         self.kill_all();
@@ -620,7 +620,7 @@ pub(super) fn accept_workers(
             Ok(Some(c)) => c,
             Ok(None) => continue,
             Err(why) => {
-                eprintln!("warning: refused a control connection: {why}");
+                tracing::warn!("refused a control connection: {why}");
                 continue;
             }
         };
@@ -785,7 +785,7 @@ fn finish(mut procs: Procs, ping_links: Vec<Arc<Mutex<ControlConn>>>) -> Result<
                     .spawn(move || pump(rank, conn, sink, snapshot, shared));
                 match spawned {
                     Ok(h) => relock(&pumps).push(h),
-                    Err(e) => eprintln!("error: rank {rank}: cannot start the thread reading its actor lane: {e}"),
+                    Err(e) => tracing::error!("rank {rank}: cannot start the thread reading its actor lane: {e}"),
                 }
             });
             RemoteNodeSpec { ranks: vec![rank], downlink, on_start }
@@ -936,13 +936,13 @@ fn gather_agents(rdv: &Rendezvous, launched_exit: &dyn Fn() -> Option<String>) -
         match rdv.endpoint.accept(MONITOR_POLL_MS) {
             Ok(Some(conn)) => match read_join(conn, rdv.nodes, &rdv.auth)? {
                 Ok(j) => {
-                    eprintln!("coordinator: {} joined ({} of {})", j.who(), joined.len() + 1, rdv.nodes);
+                    tracing::info!("coordinator: {} joined ({} of {})", j.who(), joined.len() + 1, rdv.nodes);
                     joined.push(j);
                 }
-                Err(NotAdmitted(why)) => eprintln!("coordinator: refused a connection: {why}"),
+                Err(NotAdmitted(why)) => tracing::info!("coordinator: refused a connection: {why}"),
             },
             Ok(None) => {}
-            Err(why) => eprintln!("coordinator: refused a connection: {why}"),
+            Err(why) => tracing::info!("coordinator: refused a connection: {why}"),
         }
     }
     Ok(joined)
@@ -1023,7 +1023,7 @@ pub(super) fn rendezvous_agents(
         started.push(AgentStart { conn: j.conn, quic_addr, pid: j.pid, who, host: j.host });
     }
     let mesh: Vec<String> = started.iter().enumerate().map(|(r, a)| format!("rank {r} at {}", a.quic_addr)).collect();
-    eprintln!("coordinator: QUIC mesh: {}", mesh.join(", "));
+    tracing::info!("coordinator: QUIC mesh: {}", mesh.join(", "));
     Ok(started)
 }
 

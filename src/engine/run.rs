@@ -120,7 +120,7 @@ fn resume_point(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: Opti
 fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: Option<&serde_json::Value>) -> Result<(Start, PathBuf)> {
     let resolved = checkpoint::resolve_resume(dir).with_context(|| format!("resuming from {}", dir.display()))?;
     for s in resolved.skipped.iter().filter(|_| verbose) {
-        eprintln!("warning: skipped checkpoint {}: {}", s.dir.display(), s.error);
+        tracing::warn!("skipped checkpoint {}: {}", s.dir.display(), s.error);
     }
     let (path, ck) = (resolved.dir, resolved.state);
     if ck.model != cfg.tessera.model {
@@ -145,8 +145,8 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: 
                     d.get("blake3").and_then(serde_json::Value::as_str).unwrap_or("?")
                 )
             };
-            eprintln!(
-                "warning: checkpoint {} was trained on {}, and this run's data is {}: the run goes on from its state on the new \
+            tracing::warn!(
+                "checkpoint {} was trained on {}, and this run's data is {}: the run goes on from its state on the new \
                  data, and its bits will not match a run that never changed data",
                 path.display(),
                 describe(was),
@@ -255,7 +255,7 @@ pub(crate) fn restore_choice<S>(
 ) -> Result<(u64, S, String)> {
     let found = checkpoint::list_restorable(root).unwrap_or_else(|e| {
         let why = format!("its checkpoints cannot be listed: {e}");
-        eprintln!("warning: skipped checkpoint folder {}: {why}", root.display());
+        tracing::warn!("skipped checkpoint folder {}: {why}", root.display());
         skipped(root, &why);
         Vec::new()
     });
@@ -265,7 +265,7 @@ pub(crate) fn restore_choice<S>(
             Ok((got, _)) => format!("it holds step {got}, not {step}"),
             Err(e) => format!("{e:#}"),
         };
-        eprintln!("warning: skipped checkpoint {}: {why}", dir.display());
+        tracing::warn!("skipped checkpoint {}: {why}", dir.display());
         skipped(&dir, &why);
     }
     match resume {
@@ -488,8 +488,8 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         bail!("--worker-net {}: worker namespaces are for elastic `train --nprocs N` runs (tessera.elastic.enabled)", path.display());
     }
     if er.enabled && !elastic_fleet {
-        eprintln!(
-            "warning: tessera.elastic applies to worker processes (`train --nprocs N`, `tessera coordinator`, `tessera launch`); this run's ranks are threads of one process: the first rank lost ends it"
+        tracing::warn!(
+            "tessera.elastic applies to worker processes (`train --nprocs N`, `tessera coordinator`, `tessera launch`); this run's ranks are threads of one process: the first rank lost ends it"
         );
     }
     // A plain process run takes the rendezvous in `remote::launch`; an elastic one here.
@@ -855,7 +855,7 @@ impl Run<'_> {
                         fleet.set_stopper(cluster.stopper());
                     }
                     if let Err(e) = std::mem::replace(&mut self.cluster, cluster).shutdown() {
-                        eprintln!("warning: stopping the previous epoch's actor tree: {e}");
+                        tracing::warn!("stopping the previous epoch's actor tree: {e}");
                     }
                     t.rank_bytes = vec![0; self.plan.world];
                     let from_memory = rec.from_memory;

@@ -87,7 +87,7 @@ pub fn train(config_path: &Path, common: &CommonArgs, opts: &GpuTrainOptions) ->
         return Ok(true);
     }
     for w in cfg.warnings.iter().chain(&notes) {
-        eprintln!("warning: {w}");
+        tracing::warn!("{w}");
     }
     // Validate everything a rank would (data, batch geometry, the device budget, resume, output
     // directory) once, here, so a mistake is reported once and before any GPU is touched.

@@ -54,7 +54,7 @@ pub fn backend() -> Backend {
         match IoUring::new(2) {
             Ok(_) => Backend::IoUring,
             Err(e) => {
-                eprintln!("warning: io_uring is not available ({e}); NVMe offload uses a thread pool of blocking reads and writes");
+                tracing::warn!("io_uring is not available ({e}); NVMe offload uses a thread pool of blocking reads and writes");
                 Backend::Threads
             }
         }
@@ -340,8 +340,8 @@ impl SwapFile {
 fn warn_buffered(path: &Path) {
     static ONCE: OnceLock<()> = OnceLock::new();
     ONCE.get_or_init(|| {
-        eprintln!(
-            "warning: the filesystem of {} refuses O_DIRECT; NVMe offload falls back to buffered I/O (through the page cache)",
+        tracing::warn!(
+            "the filesystem of {} refuses O_DIRECT; NVMe offload falls back to buffered I/O (through the page cache)",
             path.display()
         );
     });
