@@ -141,6 +141,39 @@ fn sighup_stops_worker_processes_with_a_checkpoint_and_removes_the_keys() {
     assert!(rss.iter().all(|b| b.as_u64().unwrap() > 1 << 20), "each worker process reports its own peak RSS: {rss:?}");
 }
 
+#[test]
+fn sigusr1_stops_an_elastic_run_with_a_checkpoint_that_resumes_to_the_same_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ranks = ["--nprocs", "2", "--set", "tessera.elastic.enabled=true"];
+    let (mut child, out) = start(tmp.path(), "usr1", &ranks);
+    wait_for_checkpoint(&mut child, &out);
+    signal(&child, libc::SIGUSR1);
+    let status = child.wait().unwrap();
+    assert!(!out.join("procs").exists(), "procs/ left behind\n{}", logs(tmp.path(), "usr1"));
+    let s = interrupted_then_resumed(tmp.path(), "usr1", status, "SIGUSR1", &ranks);
+    assert_eq!(s["elastic"]["workers_lost"], 0, "the workers did not take the driver's signal: {s:#}");
+}
+
+/// A run that fails after it started (here its checkpoint folder is a file, refused at the
+/// first save) says so in summary.json, with the error, and exits 1.
+#[test]
+fn a_run_that_fails_says_so_in_its_summary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("failed");
+    std::fs::create_dir_all(&out).unwrap();
+    write(&out, "checkpoints", "not a folder");
+    let mut a = train_args(&out, 3, &["--world", "2"]);
+    a.push("--no-progress".into());
+    let output = run(&a.iter().map(String::as_str).collect::<Vec<_>>(), tmp.path());
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{text}");
+    let s = summary(&out);
+    assert_eq!(s["status"], "failed", "{s:#}");
+    let error = s["error"].as_str().unwrap_or_default();
+    assert!(error.contains("not a directory") && text.contains(error.lines().next().unwrap()), "{error}\n{text}");
+    assert_eq!(s["steps"], 1, "it failed saving step 1: {s:#}");
+}
+
 /// Two signals at once (pending while the run is stopped, delivered together on SIGCONT): the
 /// second exits at once with 128 + its number and says so, leaving no save in progress and no
 /// keys behind; the checkpoints that were complete still load.
