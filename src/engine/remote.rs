@@ -917,6 +917,14 @@ fn gather_agents(rdv: &Rendezvous, launched_exit: &dyn Fn() -> Option<String>) -
         if let Some(why) = launched_exit() {
             bail!("{why} before every agent joined ({} of {} joined: {})", joined.len(), rdv.nodes, list(&joined));
         }
+        if let Some(why) = signals::requested() {
+            bail!(
+                "{why} before every agent joined ({} of {} joined: {}); no step ran, nothing to save",
+                joined.len(),
+                rdv.nodes,
+                list(&joined)
+            );
+        }
         if Instant::now() >= deadline {
             bail!(
                 "only {} of {} agents joined {at} within {} ms (joined: {})",
