@@ -2,7 +2,7 @@
 //! `--device cuda`): the rank's fp32 masters and Adam moments live in host memory and the AdamW
 //! step runs on CPU cores, unit by unit, as each unit's reduced gradient arrives.
 //!
-//! The pipeline of one step (driven by [`super::zero::Rank::step`]):
+//! The pipeline of one step (driven by [`super::zero::Rank::step`] through [`run_step`]):
 //! 1. during the backward of the last micro-batch, as unit `u`'s gradient is final (after the
 //!    micro-batch tree's adds for that unit and its reduce-scatter), its host part is copied
 //!    device → host into a page-locked staging buffer on a copy stream (`d2h`);
@@ -27,13 +27,17 @@
 //! never contracts `a * b + c`, so no FMA appears on the host either. `tessera gpu check`
 //! compares the two bit for bit on random inputs, subnormal cases included.
 
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::{Context, Result};
 use half::bf16;
 use rayon::prelude::*;
 use tessera_kernels::cuda::ops::{AdamStep, EventFlags, PinnedHostSlice};
 use tessera_kernels::cuda::{self, CudaEvent, CudaStream, Gpu};
+
+use super::zero::OffloadOptions;
 
 /// Elements per task of the host step (a few hundred KiB of each stream per task).
 const CHUNK: usize = 1 << 15;
@@ -371,6 +375,86 @@ pub fn worker(
 
 /// How long the issuing thread waits for one unit's host step before giving up.
 pub const HOST_STEP_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The host side of optimizer offload: what a GPU rank ([`super::zero::Rank`]) keeps of it.
+pub struct Offload {
+    /// Lent to the worker thread during a step; `None` only if a step failed.
+    pub host: Option<HostState>,
+    /// Per unit (host part non-empty): page-locked staging, lent to the worker during a step.
+    pub staging: Vec<Option<Staging>>,
+    /// Copy streams: gradients device → host, parameters host → device.
+    pub d2h: Arc<CudaStream>,
+    pub h2d: Arc<CudaStream>,
+    /// During a step: hands each unit's staging (gradient copy enqueued) to the worker.
+    pub tx: Option<Sender<Staging>>,
+    pub ratio: f64,
+    pub stats: OffloadStats,
+}
+
+impl Offload {
+    /// Rank `rank`'s host side: the host parts (`master_host`, `mask_host`) of its optimizer
+    /// pieces as `split` cuts them, fresh moments, `threads` CPU threads, a staging pair per unit
+    /// with a host part, and the two copy streams.
+    pub fn new(gpu: &Gpu, rank: usize, split: &Split, master_host: Vec<f32>, mask_host: Vec<u8>, o: OffloadOptions) -> Result<Offload> {
+        let threads = o.threads.max(1);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("tessera-cpu-adam-{rank}-{i}"))
+            .build()
+            .context("starting the host optimizer's threads")?;
+        let n = split.host_total;
+        let host = HostState { master: master_host, m: vec![0.0; n], v: vec![0.0; n], decay: mask_host, pool, threads };
+        let mut staging = Vec::with_capacity(split.units());
+        for (u, &h) in split.host.iter().enumerate() {
+            staging.push(if h > 0 { Some(Staging::new(gpu, u, h)?) } else { None });
+        }
+        let d2h = gpu.ctx.new_stream().map_err(cuda::drv("creating the device → host copy stream"))?;
+        let h2d = gpu.ctx.new_stream().map_err(cuda::drv("creating the host → device copy stream"))?;
+        Ok(Offload { host: Some(host), staging, d2h, h2d, tx: None, ratio: o.ratio, stats: OffloadStats { threads, ..Default::default() } })
+    }
+}
+
+/// What the issuing thread keeps of one step's host pipeline.
+pub struct Pipe {
+    pub scale: Sender<f32>,
+    pub done: Receiver<Result<Staging, String>>,
+    pub expected: usize,
+}
+
+/// Runs one step with its host pipeline: starts [`worker`] over `host` on a scoped thread, then
+/// `step` with the sender the rank hands each unit's staging to and the issuing side's [`Pipe`].
+/// `step` must drop the sender before it returns (the worker waits for units that will not
+/// come otherwise). With `clip` off the clipping coefficient is 1, known before the backward.
+/// Returns `step`'s result and the worker's figures (`None` if it could not start).
+pub fn run_step<T>(
+    host: &mut HostState,
+    split: &Split,
+    hp: AdamStep,
+    rank: usize,
+    clip: f32,
+    step: impl FnOnce(Sender<Staging>, Pipe) -> Result<T>,
+) -> (Result<T>, Option<std::thread::Result<OffloadStats>>) {
+    let expected = split.host.iter().filter(|&&h| h > 0).count();
+    let (unit_tx, unit_rx) = mpsc::channel();
+    let (scale_tx, scale_rx) = mpsc::channel();
+    let (done_tx, done_rx) = mpsc::channel();
+    if clip <= 0.0 {
+        // No clipping: each unit can be stepped as soon as its gradient arrives.
+        let _ = scale_tx.send(1.0);
+    }
+    std::thread::scope(|s| {
+        let order = StepOrder { hp, expected };
+        let worker = std::thread::Builder::new()
+            .name(format!("tessera-offload-{rank}"))
+            .spawn_scoped(s, move || worker(host, split, order, unit_rx, scale_rx, done_tx));
+        let res = match &worker {
+            Ok(_) => step(unit_tx, Pipe { scale: scale_tx, done: done_rx, expected }),
+            Err(e) => Err(anyhow::anyhow!("starting the host optimizer thread: {e}")),
+        };
+        let stats = worker.ok().map(|h| h.join());
+        (res, stats)
+    })
+}
 
 #[cfg(test)]
 mod tests {
