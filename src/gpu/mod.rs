@@ -197,12 +197,21 @@ fn check_adamw_offload(gpu: &Gpu, seed: u64) -> Result<Vec<cuda::CheckRow>> {
         let (d_master, d_grad, d_m, d_v, d_decay) =
             (gpu.upload(&master)?, gpu.upload(&grad)?, gpu.upload(&m0)?, gpu.upload(&v0)?, gpu.upload(&decay)?);
         let d_param = gpu.alloc::<bf16>(len)?;
-        ops::adamw(gpu, s, d_master.ptr(), d_param.ptr(), d_grad.ptr(), d_m.ptr(), d_v.ptr(), d_decay.ptr(), &hp, grad_scale)?;
+        let bufs = ops::AdamBufs {
+            master: d_master.ptr(),
+            param: d_param.ptr(),
+            grad: d_grad.ptr(),
+            m: d_m.ptr(),
+            v: d_v.ptr(),
+            decay: d_decay.ptr(),
+        };
+        ops::adamw(gpu, s, &bufs, &hp, grad_scale)?;
         let (g_master, g_m, g_v, g_param) =
             (gpu.download(d_master.ptr())?, gpu.download(d_m.ptr())?, gpu.download(d_v.ptr())?, gpu.download(d_param.ptr())?);
         let (mut p, mut m, mut v, mut out) = (master.clone(), m0.clone(), v0.clone(), vec![bf16::ZERO; len]);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(offload::default_threads(1)).build()?;
-        offload::adamw_host_par(&pool, &hp, grad_scale, &mut p, &mut m, &mut v, &grad, &decay, &mut out);
+        let bufs = offload::HostAdamBufs { master: &mut p, m: &mut m, v: &mut v, grad: &grad, decay: &decay, param: &mut out };
+        offload::adamw_host_par(&pool, &hp, grad_scale, bufs);
         let tag = format!("β1 {}, grad scale {grad_scale}, step {step}", betas.0);
         rows.push(bits_row(format!("adamw GPU vs host, masters ({tag})"), &f32_bits(&g_master), &f32_bits(&p)));
         rows.push(bits_row(format!("adamw GPU vs host, exp_avg ({tag})"), &f32_bits(&g_m), &f32_bits(&m)));

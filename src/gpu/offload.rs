@@ -107,27 +107,34 @@ fn run<const SMALL_W: bool>(c: &Coeffs, master: &mut [f32], m: &mut [f32], v: &m
     }
 }
 
-/// Panics naming `what` unless every buffer has the masters' length.
-fn same_lengths(what: &str, master: &[f32], m: &[f32], v: &[f32], grad: &[f32], decay: &[u8], param: &[bf16]) {
-    let n = master.len();
-    assert!(m.len() == n && v.len() == n && grad.len() == n && decay.len() == n && param.len() == n, "{what}: lengths differ");
+/// What [`adamw_host`] reads and writes, all as long as `master` (the host twin of
+/// [`tessera_kernels::cuda::ops::AdamBufs`]): the fp32 masters and moments (updated in place),
+/// the gradient, the decay mask (1 where weight decay applies) and the bf16 parameters (written:
+/// the new masters rounded).
+pub struct HostAdamBufs<'a> {
+    pub master: &'a mut [f32],
+    pub m: &'a mut [f32],
+    pub v: &'a mut [f32],
+    pub grad: &'a [f32],
+    pub decay: &'a [u8],
+    pub param: &'a mut [bf16],
+}
+
+impl HostAdamBufs<'_> {
+    /// Panics naming `what` unless every buffer has the masters' length.
+    fn same_lengths(&self, what: &str) {
+        let n = self.master.len();
+        let HostAdamBufs { m, v, grad, decay, param, .. } = self;
+        assert!(m.len() == n && v.len() == n && grad.len() == n && decay.len() == n && param.len() == n, "{what}: lengths differ");
+    }
 }
 
 /// One AdamW step over a run of elements on this thread, bit-identical to the GPU `adamw`
 /// kernel ([`tessera_kernels::cuda::ops::adamw`]) with the same arguments: `param` receives the
 /// bf16 rounding of the new masters.
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_host(
-    hp: &AdamStep,
-    grad_scale: f32,
-    master: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    grad: &[f32],
-    decay: &[u8],
-    param: &mut [bf16],
-) {
-    same_lengths("adamw_host", master, m, v, grad, decay, param);
+pub fn adamw_host(hp: &AdamStep, grad_scale: f32, bufs: HostAdamBufs<'_>) {
+    bufs.same_lengths("adamw_host");
+    let HostAdamBufs { master, m, v, grad, decay, param } = bufs;
     let c = Coeffs::new(hp, grad_scale);
     if c.lerp_w < 0.5 {
         run::<true>(&c, master, m, v, grad, decay, param)
@@ -137,19 +144,9 @@ pub fn adamw_host(
 }
 
 /// [`adamw_host`] split into chunks over `pool`'s threads (elementwise: the same bits).
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_host_par(
-    pool: &rayon::ThreadPool,
-    hp: &AdamStep,
-    grad_scale: f32,
-    master: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    grad: &[f32],
-    decay: &[u8],
-    param: &mut [bf16],
-) {
-    same_lengths("adamw_host_par", master, m, v, grad, decay, param);
+pub fn adamw_host_par(pool: &rayon::ThreadPool, hp: &AdamStep, grad_scale: f32, bufs: HostAdamBufs<'_>) {
+    bufs.same_lengths("adamw_host_par");
+    let HostAdamBufs { master, m, v, grad, decay, param } = bufs;
     pool.install(|| {
         master
             .par_chunks_mut(CHUNK)
@@ -158,7 +155,9 @@ pub fn adamw_host_par(
             .zip(grad.par_chunks(CHUNK))
             .zip(decay.par_chunks(CHUNK))
             .zip(param.par_chunks_mut(CHUNK))
-            .for_each(|(((((p, m), v), g), d), b)| adamw_host(hp, grad_scale, p, m, v, g, d, b));
+            .for_each(|(((((master, m), v), grad), decay), param)| {
+                adamw_host(hp, grad_scale, HostAdamBufs { master, m, v, grad, decay, param })
+            });
     });
 }
 
@@ -351,17 +350,15 @@ pub fn worker(
             let param = s.param.as_mut_slice().map_err(|e| format!("reading unit {u}'s parameter staging: {e:?}"))?;
             let r = split.host_range(u);
             let t = Instant::now();
-            adamw_host_par(
-                &host.pool,
-                &order.hp,
-                k,
-                &mut host.master[r.clone()],
-                &mut host.m[r.clone()],
-                &mut host.v[r.clone()],
-                &grad[..r.len()],
-                &host.decay[r.clone()],
-                &mut param[..r.len()],
-            );
+            let bufs = HostAdamBufs {
+                master: &mut host.master[r.clone()],
+                m: &mut host.m[r.clone()],
+                v: &mut host.v[r.clone()],
+                grad: &grad[..r.len()],
+                decay: &host.decay[r.clone()],
+                param: &mut param[..r.len()],
+            };
+            adamw_host_par(&host.pool, &order.hp, k, bufs);
             st.cpu_step_s += t.elapsed().as_secs_f64();
             Ok(())
         })();
@@ -498,7 +495,8 @@ mod tests {
             let hp = AdamStep::new(lr, betas, eps, wd, 3);
             let (mut p, mut m, mut v) = (master.clone(), m0.clone(), v0.clone());
             let mut out = vec![bf16::ZERO; len];
-            adamw_host_par(&pool, &hp, grad_scale, &mut p, &mut m, &mut v, &grad, &decay, &mut out);
+            let bufs = HostAdamBufs { master: &mut p, m: &mut m, v: &mut v, grad: &grad, decay: &decay, param: &mut out };
+            adamw_host_par(&pool, &hp, grad_scale, bufs);
             let bufs = shard.state_buffers();
             assert_eq!(bits(&p), bits(&p_cpu), "masters, betas {betas:?}");
             assert_eq!(bits(&m), bits(bufs[0].1), "exp_avg, betas {betas:?}");
@@ -520,11 +518,11 @@ mod tests {
         let hp = AdamStep::new(1e-3, (0.9, 0.999), 1e-8, 0.0, 1);
         // A subnormal gradient is a zero gradient: m and v stay exactly zero.
         let (mut p, mut m, mut v, mut out) = ([0.5f32], [0f32], [0f32], [bf16::ZERO]);
-        adamw_host(&hp, 1.0, &mut p, &mut m, &mut v, &[1e-39], &[0], &mut out);
+        adamw_host(&hp, 1.0, HostAdamBufs { master: &mut p, m: &mut m, v: &mut v, grad: &[1e-39], decay: &[0], param: &mut out });
         assert_eq!((m[0].to_bits(), v[0].to_bits(), p[0]), (0, 0, 0.5));
         // A tiny gradient whose square underflows: v is flushed to zero, m is not.
         let (mut p, mut m, mut v) = ([0.5f32], [0f32], [0f32]);
-        adamw_host(&hp, 1.0, &mut p, &mut m, &mut v, &[1e-20], &[0], &mut out);
+        adamw_host(&hp, 1.0, HostAdamBufs { master: &mut p, m: &mut m, v: &mut v, grad: &[1e-20], decay: &[0], param: &mut out });
         assert_eq!(v[0].to_bits(), 0);
         assert!(m[0] > 0.0);
     }

@@ -521,18 +521,15 @@ impl Rank {
         let sh = off + h..off + len;
         let dr = self.split.dev_range(u);
         let param = if self.stage == 3 { self.params.slice(sh.clone()) } else { self.params.slice(piece.start + h..piece.end) };
-        ops::adamw(
-            &self.gpu,
-            s,
-            self.master.slice(dr.clone()),
+        let bufs = ops::AdamBufs {
+            master: self.master.slice(dr.clone()),
             param,
-            gshard.slice(sh),
-            self.m.slice(dr.clone()),
-            self.v.slice(dr.clone()),
-            self.decay.slice(dr),
-            hp,
-            scale,
-        )?;
+            grad: gshard.slice(sh),
+            m: self.m.slice(dr.clone()),
+            v: self.v.slice(dr.clone()),
+            decay: self.decay.slice(dr),
+        };
+        ops::adamw(&self.gpu, s, &bufs, hp, scale)?;
         Ok(())
     }
 

@@ -324,21 +324,20 @@ fn check_residual(gpu: &Gpu, seed: u64, rows: &mut Vec<CheckRow>) -> Result<()> 
             let d_x = gpu.upload(&x)?;
             let (d_out, d_mean, d_rstd) = (gpu.alloc::<bf16>(n * c)?, gpu.alloc::<f32>(n)?, gpu.alloc::<f32>(n)?);
             if fused {
-                residual_layernorm_forward(
-                    gpu,
-                    s,
-                    d_x.ptr(),
-                    d_out.ptr(),
-                    d_mean.ptr(),
-                    d_rstd.ptr(),
-                    d_x.ptr(),
-                    d_yc.ptr(),
-                    d_bc.ptr(),
-                    d_lw.ptr(),
-                    d_lb.ptr(),
+                let a = ResidualLn {
+                    xo: d_x.ptr(),
+                    out: d_out.ptr(),
+                    mean: d_mean.ptr(),
+                    rstd: d_rstd.ptr(),
+                    x: d_x.ptr(),
+                    y: d_yc.ptr(),
+                    yb: d_bc.ptr(),
+                    w: d_lw.ptr(),
+                    b: d_lb.ptr(),
                     n,
                     c,
-                )?;
+                };
+                residual_layernorm_forward(gpu, s, &a)?;
             } else {
                 residual_bias_add(gpu, s, d_x.ptr(), d_x.ptr(), d_yc.ptr(), d_bc.ptr(), n, c)?;
                 layernorm_forward(gpu, s, d_out.ptr(), d_mean.ptr(), d_rstd.ptr(), d_x.ptr(), d_lw.ptr(), d_lb.ptr(), n, c)?;
@@ -486,7 +485,9 @@ fn check_adamw(gpu: &Gpu, seed: u64, rows: &mut Vec<CheckRow>) -> Result<()> {
     let (d_master, d_grad, d_m, d_v, d_decay) =
         (gpu.upload(&master)?, gpu.upload(&grad)?, gpu.upload(&m0)?, gpu.upload(&v0)?, gpu.upload(&decay)?);
     let d_param = gpu.alloc::<bf16>(len)?;
-    adamw(gpu, s, d_master.ptr(), d_param.ptr(), d_grad.ptr(), d_m.ptr(), d_v.ptr(), d_decay.ptr(), &hp, grad_scale)?;
+    let bufs =
+        AdamBufs { master: d_master.ptr(), param: d_param.ptr(), grad: d_grad.ptr(), m: d_m.ptr(), v: d_v.ptr(), decay: d_decay.ptr() };
+    adamw(gpu, s, &bufs, &hp, grad_scale)?;
     let params =
         crate::optim::AdamParams { lr, betas, eps, weight_decay: wd, adam_w_mode: true, bias_correction: true, momentum_cycle: None };
     let coeffs = params.coeffs(lr, step);

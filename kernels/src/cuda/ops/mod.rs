@@ -23,7 +23,6 @@
 //! across threads). Column sums (dweight, dbias, bias gradients) use their own blocked order (see
 //! above); subnormals are flushed to zero on the GPU. [`check`] (`ops/check.rs`) compares everything with
 //! the CPU ops.
-#![allow(clippy::too_many_arguments)]
 
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
@@ -125,6 +124,9 @@ pub fn colsum_blocks(n: usize) -> usize {
 /// x[bi*t+ti, :] = wte[tokens[bi*t+ti]] + wpe[ti]   (f32 out = bf2f(wte)+bf2f(wpe)).
 /// `wte` is [V, c] (V = wte.len / c), `wpe` has at least `t` rows. A token id ≥ V gives a NaN
 /// row on the device (loaders validate ids; [`TokenIndex::new`] panics on them).
+// Allowed: llm.c's order, as the CPU ops take it (outputs, inputs, then the shape), plus the GPU
+// and the stream.
+#[allow(clippy::too_many_arguments)]
 pub fn embedding_forward(
     gpu: &Gpu,
     s: &CudaStream,
@@ -198,6 +200,9 @@ impl TokenIndex {
 /// dwte[tok] += Σ dx[p] over that token's positions p (ascending, added one at a time onto the
 /// existing row exactly as the CPU does), dwpe[ti] += Σ_bi dx[bi*t+ti] (bi ascending).
 /// `uniq`/`offsets`/`positions` are device copies of a [`TokenIndex`] of these `b*t` tokens.
+// Allowed: llm.c's order, as the CPU ops take it (outputs, inputs, then the shape), plus the GPU
+// and the stream.
+#[allow(clippy::too_many_arguments)]
 pub fn embedding_backward(
     gpu: &Gpu,
     s: &CudaStream,
@@ -248,6 +253,9 @@ fn ln_cfg(n: usize) -> LaunchConfig {
 
 /// out = LN(x)·w + bias (bf16 out), saves mean and rstd (f32, [n]); eps = 1e-5
 /// (`ops::layernorm::LAYERNORM_EPS`), two-pass variance like the CPU. One warp per row.
+// Allowed: llm.c's order, as the CPU ops take it (outputs, inputs, then the shape), plus the GPU
+// and the stream.
+#[allow(clippy::too_many_arguments)]
 pub fn layernorm_forward(
     gpu: &Gpu,
     s: &CudaStream,
@@ -467,6 +475,8 @@ pub fn bias_gelu_forward_out(
 }
 
 /// dpre = bf16(gelu'(bf16(pre + bias)) · dout) for an unbiased `pre` (see [`bias_gelu_forward_out`]).
+// Allowed: llm.c's order, as the CPU ops take it (outputs, inputs, then the shape), plus the GPU
+// and the stream.
 #[allow(clippy::too_many_arguments)]
 pub fn gelu_backward_bias(
     gpu: &Gpu,
@@ -506,6 +516,9 @@ pub fn gelu_backward(gpu: &Gpu, s: &CudaStream, dpre: DPtr<bf16>, dout: DPtr<bf1
 }
 
 /// out[r, j] = x[r, j] + (bf2f(y[r, j]) + bf2f(bias[j]))   (f32 residual stream; `out` may be `x`).
+// Allowed: llm.c's order, as the CPU ops take it (outputs, inputs, then the shape), plus the GPU
+// and the stream.
+#[allow(clippy::too_many_arguments)]
 pub fn residual_bias_add(
     gpu: &Gpu,
     s: &CudaStream,
@@ -533,26 +546,30 @@ pub fn residual_bias_add(
     launch!(gpu, s, "residual_bias_add", cfg; out.raw, x.raw, y.raw, bias.raw, len, c_i, vec)
 }
 
+/// The buffers of [`residual_layernorm_forward`] over `[n, c]` rows: `xo ← x + (y + yb)` (f32 residual
+/// stream; `xo` may be `x`), then `out`, `mean`, `rstd` as [`layernorm_forward`] writes them for
+/// `xo` with weight `w` and bias `b`.
+#[derive(Clone, Copy)]
+pub struct ResidualLn {
+    pub xo: DPtr<f32>,
+    pub out: DPtr<bf16>,
+    pub mean: DPtr<f32>,
+    pub rstd: DPtr<f32>,
+    pub x: DPtr<f32>,
+    pub y: DPtr<bf16>,
+    pub yb: DPtr<bf16>,
+    pub w: DPtr<bf16>,
+    pub b: DPtr<bf16>,
+    pub n: usize,
+    pub c: usize,
+}
+
 /// `xo = x + (y + yb)` (f32; `xo` may be `x`) then `out = LN(xo)·w + b` with mean and rstd: the
 /// residual add of a projection and the LayerNorm after it. One pass (`residual_layernorm_fwd_vec`,
 /// which keeps the row in registers) where [`layernorm_forward`] takes its register path, else
 /// the two kernels; either way the bits of [`residual_bias_add`] then [`layernorm_forward`].
-#[allow(clippy::too_many_arguments)]
-pub fn residual_layernorm_forward(
-    gpu: &Gpu,
-    s: &CudaStream,
-    xo: DPtr<f32>,
-    out: DPtr<bf16>,
-    mean: DPtr<f32>,
-    rstd: DPtr<f32>,
-    x: DPtr<f32>,
-    y: DPtr<bf16>,
-    yb: DPtr<bf16>,
-    w: DPtr<bf16>,
-    b: DPtr<bf16>,
-    n: usize,
-    c: usize,
-) -> Result<()> {
+pub fn residual_layernorm_forward(gpu: &Gpu, s: &CudaStream, a: &ResidualLn) -> Result<()> {
+    let ResidualLn { xo, out, mean, rstd, x, y, yb, w, b, n, c } = *a;
     let wide = ln_wide(c);
     let vec = wide.is_some()
         && aligned(x, 16)
@@ -696,6 +713,9 @@ pub fn scale_f32(gpu: &Gpu, s: &CudaStream, dst: DPtr<f32>, a: f32) -> Result<()
 /// logit[target] (f64 Σexp and log like the CPU, rounded to f32 once). If `dscale != 0`,
 /// overwrites `logits` IN PLACE with d = (softmax − onehot)·dscale in bf16 (dscale = d(loss)/n for
 /// a mean). A target ≥ v gives a NaN loss. One block of 512 threads per row.
+// Allowed: llm.c's order, as the CPU ops take it (outputs, inputs, then the shape), plus the GPU
+// and the stream.
+#[allow(clippy::too_many_arguments)]
 pub fn crossentropy(
     gpu: &Gpu,
     s: &CudaStream,
@@ -790,21 +810,24 @@ impl AdamStep {
     }
 }
 
+/// The buffers one [`adamw`] launch reads and writes, all as long as `master`: the fp32 masters
+/// and moments (updated in place), the gradient, the bf16 parameters (written: the new masters
+/// rounded) and the decay mask (1 where weight decay applies).
+#[derive(Clone, Copy)]
+pub struct AdamBufs {
+    pub master: DPtr<f32>,
+    pub param: DPtr<bf16>,
+    pub grad: DPtr<f32>,
+    pub m: DPtr<f32>,
+    pub v: DPtr<f32>,
+    pub decay: DPtr<u8>,
+}
+
 /// Fused AdamW on a flat shard, per element as `optim::adam` (AdamW mode): g = grad·grad_scale;
 /// p ← p·(1−lr·wd) where decay[i] != 0; m ← lerp(m, g, 1−β1); v ← β2·v + ((1−β2)·g)·g;
 /// p ← p − step_size·(m / (√v/√bc2 + eps)); master = p, param = bf16(p).
-pub fn adamw(
-    gpu: &Gpu,
-    s: &CudaStream,
-    master: DPtr<f32>,
-    param: DPtr<bf16>,
-    grad: DPtr<f32>,
-    m: DPtr<f32>,
-    v: DPtr<f32>,
-    decay: DPtr<u8>,
-    hp: &AdamStep,
-    grad_scale: f32,
-) -> Result<()> {
+pub fn adamw(gpu: &Gpu, s: &CudaStream, bufs: &AdamBufs, hp: &AdamStep, grad_scale: f32) -> Result<()> {
+    let AdamBufs { master, param, grad, m, v, decay } = *bufs;
     let len = master.len;
     check_len("adamw param", param, len);
     check_len("adamw grad", grad, len);
