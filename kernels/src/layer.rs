@@ -170,6 +170,7 @@ pub trait Layer: Send + Sync {
     fn forward(&self, p: &[f32], x: &[f32], d: Dims, acts: &mut Acts, y: &mut [f32]);
     /// Given `dy`, accumulates parameter gradients into `g` and writes (overwrites) `dx`.
     /// Requires `acts` from a forward on the same `p` and `x`.
+    // Allowed: llm.c's backward, the one every layer implements (p, g, x, dy, shape, acts, dx).
     #[allow(clippy::too_many_arguments)]
     fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, acts: &mut Acts, dx: &mut [f32]);
 }

@@ -262,6 +262,8 @@ impl Model {
     ///
     /// # Panics
     /// If `tokens`/`targets` are not `b*t` long or `t` exceeds the model's context.
+    // Allowed: the batch as its callers hold it (tokens, targets, b, t), the loss scale and the
+    // workspace; a batch struct would only be built and taken apart at each of them.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_backward(
         &self,

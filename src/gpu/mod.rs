@@ -100,7 +100,11 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
     let init = model.init_params(seed);
     let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: 0.0, momentum_cycle: None };
     let shape = gpt::Shape::new(&model.cfg, b, t)?;
-    let mut rank = zero::Rank::new(gpu, None, &model, 0, shape, &init, adam, 1, None, false)?;
+    let mut rank = zero::Rank::new(
+        gpu,
+        None,
+        zero::RankSpec { model: &model, stage: 0, shape, init: &init, adam, m_local: 1, offload: None, recompute: false },
+    )?;
     let (mut p, mut m, mut v) = (init.clone(), vec![0f32; init.len()], vec![0f32; init.len()]);
     let decay = model.layout().specs().iter().flat_map(|s| std::iter::repeat_n(s.decay, s.numel())).collect::<Vec<bool>>();
     let mut ws = Workspace::default();
@@ -198,12 +202,21 @@ fn check_adamw_offload(gpu: &Gpu, seed: u64) -> Result<Vec<cuda::CheckRow>> {
         let (d_master, d_grad, d_m, d_v, d_decay) =
             (gpu.upload(&master)?, gpu.upload(&grad)?, gpu.upload(&m0)?, gpu.upload(&v0)?, gpu.upload(&decay)?);
         let d_param = gpu.alloc::<bf16>(len)?;
-        ops::adamw(gpu, s, d_master.ptr(), d_param.ptr(), d_grad.ptr(), d_m.ptr(), d_v.ptr(), d_decay.ptr(), &hp, grad_scale)?;
+        let bufs = ops::AdamBufs {
+            master: d_master.ptr(),
+            param: d_param.ptr(),
+            grad: d_grad.ptr(),
+            m: d_m.ptr(),
+            v: d_v.ptr(),
+            decay: d_decay.ptr(),
+        };
+        ops::adamw(gpu, s, &bufs, &hp, grad_scale)?;
         let (g_master, g_m, g_v, g_param) =
             (gpu.download(d_master.ptr())?, gpu.download(d_m.ptr())?, gpu.download(d_v.ptr())?, gpu.download(d_param.ptr())?);
         let (mut p, mut m, mut v, mut out) = (master.clone(), m0.clone(), v0.clone(), vec![bf16::ZERO; len]);
         let pool = rayon::ThreadPoolBuilder::new().num_threads(offload::default_threads(1)).build()?;
-        offload::adamw_host_par(&pool, &hp, grad_scale, &mut p, &mut m, &mut v, &grad, &decay, &mut out);
+        let bufs = offload::HostAdamBufs { master: &mut p, m: &mut m, v: &mut v, grad: &grad, decay: &decay, param: &mut out };
+        offload::adamw_host_par(&pool, &hp, grad_scale, bufs);
         let tag = format!("β1 {}, grad scale {grad_scale}, step {step}", betas.0);
         rows.push(bits_row(format!("adamw GPU vs host, masters ({tag})"), &f32_bits(&g_master), &f32_bits(&p)));
         rows.push(bits_row(format!("adamw GPU vs host, exp_avg ({tag})"), &f32_bits(&g_m), &f32_bits(&m)));
@@ -273,7 +286,11 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
     let run = |stage: u8, clip: f32, offload: Option<f64>, early: bool| -> Result<Outcome> {
         let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip, momentum_cycle: None };
         let off = offload.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(1) });
-        let mut r = zero::Rank::new(gpu.clone(), None, &model, stage, shape, &init, adam, m_local, off, false)?;
+        let mut r = zero::Rank::new(
+            gpu.clone(),
+            None,
+            zero::RankSpec { model: &model, stage, shape, init: &init, adam, m_local, offload: off, recompute: false },
+        )?;
         r.early_adam = early;
         for step in 0..steps {
             let mbs: Vec<_> = (0..m_local).map(|j| batch(seed, step, j, b, t, v)).collect();
@@ -551,7 +568,11 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: a.clip, momentum_cycle: None };
     let offload = a.offload_ratio.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(world) });
     let states = bench_budget(a, &model, world)?;
-    let mut r = zero::Rank::new(gpu.clone(), comm, &model, a.zero, shape, &init, adam, m_local, offload, a.recompute)?;
+    let mut r = zero::Rank::new(
+        gpu.clone(),
+        comm,
+        zero::RankSpec { model: &model, stage: a.zero, shape, init: &init, adam, m_local, offload, recompute: a.recompute },
+    )?;
     r.overlap = !a.no_overlap;
     r.sync()?;
     let mut times = Vec::with_capacity(a.steps);

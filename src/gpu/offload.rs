@@ -2,7 +2,7 @@
 //! `--device cuda`): the rank's fp32 masters and Adam moments live in host memory and the AdamW
 //! step runs on CPU cores, unit by unit, as each unit's reduced gradient arrives.
 //!
-//! The pipeline of one step (driven by [`super::zero::Rank::step`]):
+//! The pipeline of one step (driven by [`super::zero::Rank::step`] through [`run_step`]):
 //! 1. during the backward of the last micro-batch, as unit `u`'s gradient is final (after the
 //!    micro-batch tree's adds for that unit and its reduce-scatter), its host part is copied
 //!    device → host into a page-locked staging buffer on a copy stream (`d2h`);
@@ -27,13 +27,17 @@
 //! never contracts `a * b + c`, so no FMA appears on the host either. `tessera gpu check`
 //! compares the two bit for bit on random inputs, subnormal cases included.
 
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::{Context, Result};
 use half::bf16;
 use rayon::prelude::*;
 use tessera_kernels::cuda::ops::{AdamStep, EventFlags, PinnedHostSlice};
 use tessera_kernels::cuda::{self, CudaEvent, CudaStream, Gpu};
+
+use super::zero::OffloadOptions;
 
 /// Elements per task of the host step (a few hundred KiB of each stream per task).
 const CHUNK: usize = 1 << 15;
@@ -103,27 +107,34 @@ fn run<const SMALL_W: bool>(c: &Coeffs, master: &mut [f32], m: &mut [f32], v: &m
     }
 }
 
-/// Panics naming `what` unless every buffer has the masters' length.
-fn same_lengths(what: &str, master: &[f32], m: &[f32], v: &[f32], grad: &[f32], decay: &[u8], param: &[bf16]) {
-    let n = master.len();
-    assert!(m.len() == n && v.len() == n && grad.len() == n && decay.len() == n && param.len() == n, "{what}: lengths differ");
+/// What [`adamw_host`] reads and writes, all as long as `master` (the host twin of
+/// [`tessera_kernels::cuda::ops::AdamBufs`]): the fp32 masters and moments (updated in place),
+/// the gradient, the decay mask (1 where weight decay applies) and the bf16 parameters (written:
+/// the new masters rounded).
+pub struct HostAdamBufs<'a> {
+    pub master: &'a mut [f32],
+    pub m: &'a mut [f32],
+    pub v: &'a mut [f32],
+    pub grad: &'a [f32],
+    pub decay: &'a [u8],
+    pub param: &'a mut [bf16],
+}
+
+impl HostAdamBufs<'_> {
+    /// Panics naming `what` unless every buffer has the masters' length.
+    fn same_lengths(&self, what: &str) {
+        let n = self.master.len();
+        let HostAdamBufs { m, v, grad, decay, param, .. } = self;
+        assert!(m.len() == n && v.len() == n && grad.len() == n && decay.len() == n && param.len() == n, "{what}: lengths differ");
+    }
 }
 
 /// One AdamW step over a run of elements on this thread, bit-identical to the GPU `adamw`
 /// kernel ([`tessera_kernels::cuda::ops::adamw`]) with the same arguments: `param` receives the
 /// bf16 rounding of the new masters.
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_host(
-    hp: &AdamStep,
-    grad_scale: f32,
-    master: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    grad: &[f32],
-    decay: &[u8],
-    param: &mut [bf16],
-) {
-    same_lengths("adamw_host", master, m, v, grad, decay, param);
+pub fn adamw_host(hp: &AdamStep, grad_scale: f32, bufs: HostAdamBufs<'_>) {
+    bufs.same_lengths("adamw_host");
+    let HostAdamBufs { master, m, v, grad, decay, param } = bufs;
     let c = Coeffs::new(hp, grad_scale);
     if c.lerp_w < 0.5 {
         run::<true>(&c, master, m, v, grad, decay, param)
@@ -133,19 +144,9 @@ pub fn adamw_host(
 }
 
 /// [`adamw_host`] split into chunks over `pool`'s threads (elementwise: the same bits).
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_host_par(
-    pool: &rayon::ThreadPool,
-    hp: &AdamStep,
-    grad_scale: f32,
-    master: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    grad: &[f32],
-    decay: &[u8],
-    param: &mut [bf16],
-) {
-    same_lengths("adamw_host_par", master, m, v, grad, decay, param);
+pub fn adamw_host_par(pool: &rayon::ThreadPool, hp: &AdamStep, grad_scale: f32, bufs: HostAdamBufs<'_>) {
+    bufs.same_lengths("adamw_host_par");
+    let HostAdamBufs { master, m, v, grad, decay, param } = bufs;
     pool.install(|| {
         master
             .par_chunks_mut(CHUNK)
@@ -154,7 +155,9 @@ pub fn adamw_host_par(
             .zip(grad.par_chunks(CHUNK))
             .zip(decay.par_chunks(CHUNK))
             .zip(param.par_chunks_mut(CHUNK))
-            .for_each(|(((((p, m), v), g), d), b)| adamw_host(hp, grad_scale, p, m, v, g, d, b));
+            .for_each(|(((((master, m), v), grad), decay), param)| {
+                adamw_host(hp, grad_scale, HostAdamBufs { master, m, v, grad, decay, param })
+            });
     });
 }
 
@@ -347,17 +350,15 @@ pub fn worker(
             let param = s.param.as_mut_slice().map_err(|e| format!("reading unit {u}'s parameter staging: {e:?}"))?;
             let r = split.host_range(u);
             let t = Instant::now();
-            adamw_host_par(
-                &host.pool,
-                &order.hp,
-                k,
-                &mut host.master[r.clone()],
-                &mut host.m[r.clone()],
-                &mut host.v[r.clone()],
-                &grad[..r.len()],
-                &host.decay[r.clone()],
-                &mut param[..r.len()],
-            );
+            let bufs = HostAdamBufs {
+                master: &mut host.master[r.clone()],
+                m: &mut host.m[r.clone()],
+                v: &mut host.v[r.clone()],
+                grad: &grad[..r.len()],
+                decay: &host.decay[r.clone()],
+                param: &mut param[..r.len()],
+            };
+            adamw_host_par(&host.pool, &order.hp, k, bufs);
             st.cpu_step_s += t.elapsed().as_secs_f64();
             Ok(())
         })();
@@ -371,6 +372,86 @@ pub fn worker(
 
 /// How long the issuing thread waits for one unit's host step before giving up.
 pub const HOST_STEP_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The host side of optimizer offload: what a GPU rank ([`super::zero::Rank`]) keeps of it.
+pub struct Offload {
+    /// Lent to the worker thread during a step; `None` only if a step failed.
+    pub host: Option<HostState>,
+    /// Per unit (host part non-empty): page-locked staging, lent to the worker during a step.
+    pub staging: Vec<Option<Staging>>,
+    /// Copy streams: gradients device → host, parameters host → device.
+    pub d2h: Arc<CudaStream>,
+    pub h2d: Arc<CudaStream>,
+    /// During a step: hands each unit's staging (gradient copy enqueued) to the worker.
+    pub tx: Option<Sender<Staging>>,
+    pub ratio: f64,
+    pub stats: OffloadStats,
+}
+
+impl Offload {
+    /// Rank `rank`'s host side: the host parts (`master_host`, `mask_host`) of its optimizer
+    /// pieces as `split` cuts them, fresh moments, `threads` CPU threads, a staging pair per unit
+    /// with a host part, and the two copy streams.
+    pub fn new(gpu: &Gpu, rank: usize, split: &Split, master_host: Vec<f32>, mask_host: Vec<u8>, o: OffloadOptions) -> Result<Offload> {
+        let threads = o.threads.max(1);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("tessera-cpu-adam-{rank}-{i}"))
+            .build()
+            .context("starting the host optimizer's threads")?;
+        let n = split.host_total;
+        let host = HostState { master: master_host, m: vec![0.0; n], v: vec![0.0; n], decay: mask_host, pool, threads };
+        let mut staging = Vec::with_capacity(split.units());
+        for (u, &h) in split.host.iter().enumerate() {
+            staging.push(if h > 0 { Some(Staging::new(gpu, u, h)?) } else { None });
+        }
+        let d2h = gpu.ctx.new_stream().map_err(cuda::drv("creating the device → host copy stream"))?;
+        let h2d = gpu.ctx.new_stream().map_err(cuda::drv("creating the host → device copy stream"))?;
+        Ok(Offload { host: Some(host), staging, d2h, h2d, tx: None, ratio: o.ratio, stats: OffloadStats { threads, ..Default::default() } })
+    }
+}
+
+/// What the issuing thread keeps of one step's host pipeline.
+pub struct Pipe {
+    pub scale: Sender<f32>,
+    pub done: Receiver<Result<Staging, String>>,
+    pub expected: usize,
+}
+
+/// Runs one step with its host pipeline: starts [`worker`] over `host` on a scoped thread, then
+/// `step` with the sender the rank hands each unit's staging to and the issuing side's [`Pipe`].
+/// `step` must drop the sender before it returns (the worker waits for units that will not
+/// come otherwise). With `clip` off the clipping coefficient is 1, known before the backward.
+/// Returns `step`'s result and the worker's figures (`None` if it could not start).
+pub fn run_step<T>(
+    host: &mut HostState,
+    split: &Split,
+    hp: AdamStep,
+    rank: usize,
+    clip: f32,
+    step: impl FnOnce(Sender<Staging>, Pipe) -> Result<T>,
+) -> (Result<T>, Option<std::thread::Result<OffloadStats>>) {
+    let expected = split.host.iter().filter(|&&h| h > 0).count();
+    let (unit_tx, unit_rx) = mpsc::channel();
+    let (scale_tx, scale_rx) = mpsc::channel();
+    let (done_tx, done_rx) = mpsc::channel();
+    if clip <= 0.0 {
+        // No clipping: each unit can be stepped as soon as its gradient arrives.
+        let _ = scale_tx.send(1.0);
+    }
+    std::thread::scope(|s| {
+        let order = StepOrder { hp, expected };
+        let worker = std::thread::Builder::new()
+            .name(format!("tessera-offload-{rank}"))
+            .spawn_scoped(s, move || worker(host, split, order, unit_rx, scale_rx, done_tx));
+        let res = match &worker {
+            Ok(_) => step(unit_tx, Pipe { scale: scale_tx, done: done_rx, expected }),
+            Err(e) => Err(anyhow::anyhow!("starting the host optimizer thread: {e}")),
+        };
+        let stats = worker.ok().map(|h| h.join());
+        (res, stats)
+    })
+}
 
 #[cfg(test)]
 mod tests {
@@ -414,7 +495,8 @@ mod tests {
             let hp = AdamStep::new(lr, betas, eps, wd, 3);
             let (mut p, mut m, mut v) = (master.clone(), m0.clone(), v0.clone());
             let mut out = vec![bf16::ZERO; len];
-            adamw_host_par(&pool, &hp, grad_scale, &mut p, &mut m, &mut v, &grad, &decay, &mut out);
+            let bufs = HostAdamBufs { master: &mut p, m: &mut m, v: &mut v, grad: &grad, decay: &decay, param: &mut out };
+            adamw_host_par(&pool, &hp, grad_scale, bufs);
             let bufs = shard.state_buffers();
             assert_eq!(bits(&p), bits(&p_cpu), "masters, betas {betas:?}");
             assert_eq!(bits(&m), bits(bufs[0].1), "exp_avg, betas {betas:?}");
@@ -436,11 +518,11 @@ mod tests {
         let hp = AdamStep::new(1e-3, (0.9, 0.999), 1e-8, 0.0, 1);
         // A subnormal gradient is a zero gradient: m and v stay exactly zero.
         let (mut p, mut m, mut v, mut out) = ([0.5f32], [0f32], [0f32], [bf16::ZERO]);
-        adamw_host(&hp, 1.0, &mut p, &mut m, &mut v, &[1e-39], &[0], &mut out);
+        adamw_host(&hp, 1.0, HostAdamBufs { master: &mut p, m: &mut m, v: &mut v, grad: &[1e-39], decay: &[0], param: &mut out });
         assert_eq!((m[0].to_bits(), v[0].to_bits(), p[0]), (0, 0, 0.5));
         // A tiny gradient whose square underflows: v is flushed to zero, m is not.
         let (mut p, mut m, mut v) = ([0.5f32], [0f32], [0f32]);
-        adamw_host(&hp, 1.0, &mut p, &mut m, &mut v, &[1e-20], &[0], &mut out);
+        adamw_host(&hp, 1.0, HostAdamBufs { master: &mut p, m: &mut m, v: &mut v, grad: &[1e-20], decay: &[0], param: &mut out });
         assert_eq!(v[0].to_bits(), 0);
         assert!(m[0] > 0.0);
     }

@@ -44,7 +44,7 @@ use tessera_kernels::model::Arch;
 use tessera_transport::nccl::{NcclComm, NcclId};
 
 use super::offload::{self, OffloadStats};
-use super::zero::{self, AdamW, OffloadOptions, Rank, StateBytes};
+use super::zero::{self, AdamW, OffloadOptions, Rank, RankSpec, StateBytes};
 use super::{wait_all, ENV_NCCL_ID, ENV_RANK, ENV_WORLD};
 use crate::checkpoint::{self, CheckpointState};
 use crate::cli::{self, CommonArgs};
@@ -627,8 +627,17 @@ fn run_rank(
     };
     let momentum_cycle = crate::schedule::momentum_cycle(cfg.scheduler.as_ref());
     let adam = AdamW { betas, eps, weight_decay, clip: plan.clip, momentum_cycle };
-    let mut r =
-        Rank::new(gpu.clone(), comm, &plan.model, plan.stage, shape, &start.master, adam, m_local, offload, cfg.activation_checkpointing)?;
+    let spec = RankSpec {
+        model: &plan.model,
+        stage: plan.stage,
+        shape,
+        init: &start.master,
+        adam,
+        m_local,
+        offload,
+        recompute: cfg.activation_checkpointing,
+    };
+    let mut r = Rank::new(gpu.clone(), comm, spec)?;
     r.overlap = plan.overlap_comm;
     if r.state_bytes() != states {
         bail!("GPU rank {rank}: the model states allocated ({:?}) differ from those planned at start ({states:?})", r.state_bytes());

@@ -33,7 +33,7 @@
 //! blocks of micro-batches, and with two ranks NCCL's sum is one IEEE add — so one GPU running
 //! two micro-batches and two GPUs running one each produce the same bits (tested on the device).
 
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,7 +44,7 @@ use tessera_kernels::model::Model;
 use tessera_kernels::optim::MomentumCycle;
 use tessera_transport::nccl::NcclComm;
 
-use super::offload::{self, HostState, OffloadStats, Split, Staging, StepOrder};
+use super::offload::{self, Offload, OffloadStats, Pipe, Split};
 use crate::offload::ResidentBytes;
 
 /// Bound on any wait for the communication stream.
@@ -117,28 +117,6 @@ pub fn planned_state_bytes(model: &Model, stage: u8, world: usize, m_local: usiz
 /// Buffers the micro-batch tree holds at once for `m_local` micro-batches: ⌊log2 M⌋ + 1.
 fn tree_levels(m_local: usize) -> usize {
     usize::BITS as usize - m_local.max(1).leading_zeros() as usize
-}
-
-/// The host side of optimizer offload.
-struct Offload {
-    /// Lent to the worker thread during a step; `None` only if a step failed.
-    host: Option<HostState>,
-    /// Per unit (host part non-empty): page-locked staging, lent to the worker during a step.
-    staging: Vec<Option<Staging>>,
-    /// Copy streams: gradients device → host, parameters host → device.
-    d2h: Arc<CudaStream>,
-    h2d: Arc<CudaStream>,
-    /// During a step: hands each unit's staging (gradient copy enqueued) to the worker.
-    tx: Option<Sender<Staging>>,
-    ratio: f64,
-    stats: OffloadStats,
-}
-
-/// What the issuing thread keeps of one step's host pipeline.
-struct Pipe {
-    scale: Sender<f32>,
-    done: Receiver<Result<Staging, String>>,
-    expected: usize,
 }
 
 /// The last micro-batch's tree adds `(dst slot, src slot)`, done unit by unit in its backward,
@@ -226,47 +204,69 @@ pub struct Rank {
     off: Option<Offload>,
 }
 
-impl Rank {
-    /// Builds rank `rank` of `world` with the initial parameters `init` (CPU layout, f32);
-    /// `recompute` turns on activation checkpointing (see [`Workspace::with_options`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        gpu: Arc<Gpu>,
-        comm: Option<NcclComm>,
-        model: &Model,
-        stage: u8,
-        shape: Shape,
-        init: &[f32],
-        adam: AdamW,
-        m_local: usize,
-        offload: Option<OffloadOptions>,
-        recompute: bool,
-    ) -> Result<Rank> {
-        let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
+/// What a [`Rank`] is built from, besides its GPU and its communicator.
+pub struct RankSpec<'a> {
+    pub model: &'a Model,
+    /// `zero_optimization.stage`, 0 to 3.
+    pub stage: u8,
+    /// One micro-batch's shape.
+    pub shape: Shape,
+    /// The initial parameters (CPU layout, f32).
+    pub init: &'a [f32],
+    pub adam: AdamW,
+    /// This rank's micro-batches per step (sizes the micro-batch tree and the loss buffer).
+    pub m_local: usize,
+    pub offload: Option<OffloadOptions>,
+    /// Activation checkpointing (see [`Workspace::with_options`]).
+    pub recompute: bool,
+}
+
+impl RankSpec<'_> {
+    /// Refuses a stage or an offload this rank cannot run.
+    fn validate(&self) -> Result<()> {
+        let stage = self.stage;
         if stage > 3 {
             bail!("zero_optimization.stage = {stage}: expected 0, 1, 2 or 3");
         }
-        if offload.is_some() && stage == 0 {
+        if self.offload.is_some() && stage == 0 {
             bail!("zero_optimization.offload_optimizer needs ZeRO stage 1, 2 or 3 (the optimizer shard is what moves to the host); this run has stage 0");
         }
-        if let Some(o) = offload.filter(|o| !(0.0..=1.0).contains(&o.ratio)) {
+        if let Some(o) = self.offload.filter(|o| !(0.0..=1.0).contains(&o.ratio)) {
             bail!("zero_optimization.offload_optimizer.ratio = {}: expected a share from 0 to 1", o.ratio);
         }
+        Ok(())
+    }
+}
+
+/// This rank's optimizer shard of the padded parameters and of the decay mask, unit piece by
+/// unit piece.
+fn optimizer_shard(layout: &GpuLayout, padded: &[f32], opt_rank: usize) -> (Vec<f32>, Vec<u8>) {
+    let shard_len = layout.shard_len();
+    let mut master_h = Vec::with_capacity(shard_len);
+    let mask_full = layout.decay_mask();
+    let mut mask_h = Vec::with_capacity(shard_len);
+    for u in 0..layout.units.len() {
+        let p = layout.piece(u, opt_rank);
+        master_h.extend_from_slice(&padded[p.clone()]);
+        mask_h.extend_from_slice(&mask_full[p]);
+    }
+    (master_h, mask_h)
+}
+
+impl Rank {
+    /// Builds rank `comm.rank()` of `comm.world()` (rank 0 of 1 without a communicator) as
+    /// `spec` describes.
+    pub fn new(gpu: Arc<Gpu>, comm: Option<NcclComm>, spec: RankSpec<'_>) -> Result<Rank> {
+        spec.validate()?;
+        let RankSpec { model, stage, shape, init, adam, m_local, offload, recompute } = spec;
+        let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
         // Stage 0 shards nothing: one piece holds every unit.
         let opt_world = if stage == 0 { 1 } else { world };
         let layout = GpuLayout::new(model, opt_world)?;
         let opt_rank = if stage == 0 { 0 } else { rank };
         let padded: Vec<f32> = layout.pad(init);
         let shard_len = layout.shard_len();
-        // This rank's optimizer shard, unit piece by unit piece.
-        let mut master_h = Vec::with_capacity(shard_len);
-        let mask_full = layout.decay_mask();
-        let mut mask_h = Vec::with_capacity(shard_len);
-        for u in 0..layout.units.len() {
-            let p = layout.piece(u, opt_rank);
-            master_h.extend_from_slice(&padded[p.clone()]);
-            mask_h.extend_from_slice(&mask_full[p]);
-        }
+        let (master_h, mask_h) = optimizer_shard(&layout, &padded, opt_rank);
         let to_bf = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
         let params = if stage == 3 { gpu.upload(&to_bf(&master_h))? } else { gpu.upload(&to_bf(&padded))? };
         let (u0, pool) = if stage == 3 {
@@ -285,31 +285,7 @@ impl Rank {
         let decay = gpu.upload(&mask_dev)?;
         let off = match offload {
             None => None,
-            Some(o) => {
-                let threads = o.threads.max(1);
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .thread_name(move |i| format!("tessera-cpu-adam-{rank}-{i}"))
-                    .build()
-                    .context("starting the host optimizer's threads")?;
-                let n = split.host_total;
-                let host = HostState { master: master_host, m: vec![0.0; n], v: vec![0.0; n], decay: mask_host, pool, threads };
-                let mut staging = Vec::with_capacity(split.units());
-                for (u, &h) in split.host.iter().enumerate() {
-                    staging.push(if h > 0 { Some(Staging::new(&gpu, u, h)?) } else { None });
-                }
-                let d2h = gpu.ctx.new_stream().map_err(cuda::drv("creating the device → host copy stream"))?;
-                let h2d = gpu.ctx.new_stream().map_err(cuda::drv("creating the host → device copy stream"))?;
-                Some(Offload {
-                    host: Some(host),
-                    staging,
-                    d2h,
-                    h2d,
-                    tx: None,
-                    ratio: o.ratio,
-                    stats: OffloadStats { threads, ..Default::default() },
-                })
-            }
+            Some(o) => Some(Offload::new(&gpu, rank, &split, master_host, mask_host, o)?),
         };
         let gshard = if stage >= 1 && world > 1 { Some(gpu.alloc::<f32>(shard_len)?) } else { None };
         // The micro-batch tree holds at most ⌊log2 M⌋ + 1 partial sums at once.
@@ -392,31 +368,17 @@ impl Rank {
         let Some(off) = self.off.as_mut() else { return self.step_inner(mbs, dloss, &hp, None) };
         let mut host = off.host.take().context("the host optimizer state was lost in an earlier failed step")?;
         let split = self.split.clone();
-        let expected = split.host.iter().filter(|&&h| h > 0).count();
-        let (unit_tx, unit_rx) = mpsc::channel();
-        let (scale_tx, scale_rx) = mpsc::channel();
-        let (done_tx, done_rx) = mpsc::channel();
-        off.tx = Some(unit_tx);
-        if self.adam.clip <= 0.0 {
-            // No clipping: each unit can be stepped as soon as its gradient arrives.
-            let _ = scale_tx.send(1.0);
-        }
-        let (res, stats) = std::thread::scope(|s| {
-            let (host, split) = (&mut host, &split);
-            let order = StepOrder { hp, expected };
-            let worker = std::thread::Builder::new()
-                .name(format!("tessera-offload-{}", self.rank))
-                .spawn_scoped(s, move || offload::worker(host, split, order, unit_rx, scale_rx, done_tx));
-            let res = match &worker {
-                Ok(_) => self.step_inner(mbs, dloss, &hp, Some(Pipe { scale: scale_tx, done: done_rx, expected })),
-                Err(e) => Err(anyhow::anyhow!("starting the host optimizer thread: {e}")),
-            };
+        let (rank, clip) = (self.rank, self.adam.clip);
+        let (res, stats) = offload::run_step(&mut host, &split, hp, rank, clip, |tx, pipe| {
+            if let Some(o) = self.off.as_mut() {
+                o.tx = Some(tx);
+            }
+            let res = self.step_inner(mbs, dloss, &hp, Some(pipe));
             // Ends the worker if the step stopped early (it waits for units that will not come).
             if let Some(o) = self.off.as_mut() {
                 o.tx = None;
             }
-            let stats = worker.ok().map(|h| h.join());
-            (res, stats)
+            res
         });
         let off = self.off.as_mut().expect("offload state present");
         off.host = Some(host);
@@ -436,46 +398,9 @@ impl Rank {
         pipe: Option<Pipe>,
     ) -> Result<(f32, Option<f64>)> {
         let m_local = mbs.len();
-        let mut stack: Vec<(u32, usize)> = Vec::new();
-        let mut free: Vec<usize> = (0..self.gbufs.len()).rev().collect();
         let n = self.ws_n();
-        let mut fin = 0;
         self.stepped.fill(false);
-        // Without clipping the scale is 1 before the backward ends, and one GPU has no reduction
-        // to wait for: each unit can be stepped as its gradient is finished.
-        let early = self.early_adam_active().then_some(hp);
-        for (i, (tok, tgt)) in mbs.iter().enumerate() {
-            let slot = free.pop().context("micro-batch tree ran out of buffers")?;
-            let g = self.gbufs[slot].ptr();
-            // (The previous step's reductions and copies finished before it returned.)
-            self.gpu.zero(g, &self.gpu.stream)?;
-            self.gpu.mark("zero grads");
-            // The last micro-batch finishes the tree, the reduction and the copy to the host
-            // unit by unit during its backward.
-            let tail = (i + 1 == m_local).then(|| tail_plan(&stack, slot));
-            let mut ws = self.ws.take().expect("workspace present between micro-batches");
-            let gpu = self.gpu.clone();
-            let res = {
-                let mut hooks = Hooks { r: self, grads: g, tail: tail.as_ref(), early, use_idx: 0, uses: Vec::new() };
-                hooks.begin().and_then(|_| gpt::forward_backward(&gpu, &mut hooks, &mut ws, tok, tgt, dloss).map_err(anyhow::Error::from))
-            };
-            let copied = gpu.copy(self.losses.slice(i * n..(i + 1) * n).cast(), ws.losses.ptr().cast(), &gpu.stream);
-            self.ws = Some(ws);
-            res?;
-            copied?;
-            if let Some(t) = tail {
-                fin = t.fin;
-                break;
-            }
-            stack.push((0, slot));
-            while stack.len() >= 2 && stack[stack.len() - 1].0 == stack[stack.len() - 2].0 {
-                let (lv, top) = stack.pop().expect("len ≥ 2");
-                let (_, below) = *stack.last().expect("len ≥ 1");
-                ops::add_f32(&self.gpu, &self.gpu.stream, self.gbufs[below].ptr(), self.gbufs[top].ptr())?;
-                free.push(top);
-                stack.last_mut().expect("len ≥ 1").0 = lv + 1;
-            }
-        }
+        let fin = self.micro_batches(mbs, dloss, hp)?;
         let full = self.gbufs[fin].ptr();
         self.gpu.mark("micro-batch tree");
         // Optimizer input: this rank's reduced pieces.
@@ -528,6 +453,54 @@ impl Rank {
         Ok((loss as f32, norm))
     }
 
+    /// Forward and backward of every micro-batch, summed by the micro-batch tree (the last one
+    /// finishes the tree, the reductions and the host copies unit by unit during its backward,
+    /// and steps units early where [`Rank::early_adam_active`]). Returns the slot of the gradient
+    /// buffer that holds this rank's summed gradient.
+    fn micro_batches(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], dloss: f32, hp: &ops::AdamStep) -> Result<usize> {
+        let m_local = mbs.len();
+        let mut stack: Vec<(u32, usize)> = Vec::new();
+        let mut free: Vec<usize> = (0..self.gbufs.len()).rev().collect();
+        let n = self.ws_n();
+        let mut fin = 0;
+        // Without clipping the scale is 1 before the backward ends, and one GPU has no reduction
+        // to wait for: each unit can be stepped as its gradient is finished.
+        let early = self.early_adam_active().then_some(hp);
+        for (i, (tok, tgt)) in mbs.iter().enumerate() {
+            let slot = free.pop().context("micro-batch tree ran out of buffers")?;
+            let g = self.gbufs[slot].ptr();
+            // (The previous step's reductions and copies finished before it returned.)
+            self.gpu.zero(g, &self.gpu.stream)?;
+            self.gpu.mark("zero grads");
+            // The last micro-batch finishes the tree, the reduction and the copy to the host
+            // unit by unit during its backward.
+            let tail = (i + 1 == m_local).then(|| tail_plan(&stack, slot));
+            let mut ws = self.ws.take().expect("workspace present between micro-batches");
+            let gpu = self.gpu.clone();
+            let res = {
+                let mut hooks = Hooks { r: self, grads: g, tail: tail.as_ref(), early, use_idx: 0, uses: Vec::new() };
+                hooks.begin().and_then(|_| gpt::forward_backward(&gpu, &mut hooks, &mut ws, tok, tgt, dloss).map_err(anyhow::Error::from))
+            };
+            let copied = gpu.copy(self.losses.slice(i * n..(i + 1) * n).cast(), ws.losses.ptr().cast(), &gpu.stream);
+            self.ws = Some(ws);
+            res?;
+            copied?;
+            if let Some(t) = tail {
+                fin = t.fin;
+                break;
+            }
+            stack.push((0, slot));
+            while stack.len() >= 2 && stack[stack.len() - 1].0 == stack[stack.len() - 2].0 {
+                let (lv, top) = stack.pop().expect("len ≥ 2");
+                let (_, below) = *stack.last().expect("len ≥ 1");
+                ops::add_f32(&self.gpu, &self.gpu.stream, self.gbufs[below].ptr(), self.gbufs[top].ptr())?;
+                free.push(top);
+                stack.last_mut().expect("len ≥ 1").0 = lv + 1;
+            }
+        }
+        Ok(fin)
+    }
+
     /// Whether this rank's steps run each unit's AdamW during the backward (see the module notes).
     pub fn early_adam_active(&self) -> bool {
         self.early_adam && self.world == 1 && self.adam.clip <= 0.0
@@ -548,18 +521,15 @@ impl Rank {
         let sh = off + h..off + len;
         let dr = self.split.dev_range(u);
         let param = if self.stage == 3 { self.params.slice(sh.clone()) } else { self.params.slice(piece.start + h..piece.end) };
-        ops::adamw(
-            &self.gpu,
-            s,
-            self.master.slice(dr.clone()),
+        let bufs = ops::AdamBufs {
+            master: self.master.slice(dr.clone()),
             param,
-            gshard.slice(sh),
-            self.m.slice(dr.clone()),
-            self.v.slice(dr.clone()),
-            self.decay.slice(dr),
-            hp,
-            scale,
-        )?;
+            grad: gshard.slice(sh),
+            m: self.m.slice(dr.clone()),
+            v: self.v.slice(dr.clone()),
+            decay: self.decay.slice(dr),
+        };
+        ops::adamw(&self.gpu, s, &bufs, hp, scale)?;
         Ok(())
     }
 

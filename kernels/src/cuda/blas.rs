@@ -66,12 +66,14 @@ impl Blas {
 
     /// Row-major `C[m,n] = alpha · op(A)[m,k] · op(B)[k,n] + beta · C`, accumulating in f32.
     /// `A` is stored `[m,k]` (or `[k,m]` when `a.t`), `B` `[k,n]` (or `[n,k]` when `b.t`).
+    // Allowed: BLAS's own argument list, in its order (operands, m, k, n, alpha, beta).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(&self, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize, alpha: f32, beta: f32) -> Result<()> {
         self.matmul_batched(c, a, b, m, k, n, alpha, beta, 1, (0, 0, 0))
     }
 
     /// [`Blas::matmul`] over `batch` matrices at element strides `(stride_c, stride_a, stride_b)`.
+    // Allowed: BLAS's own argument list, in its order (operands, m, k, n, alpha, beta).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_batched(
         &self,

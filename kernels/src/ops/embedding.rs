@@ -1,5 +1,4 @@
 //! Token (+ learned position) embedding lookup and its deterministic scatter-add backward.
-#![allow(clippy::too_many_arguments)]
 
 use rayon::prelude::*;
 

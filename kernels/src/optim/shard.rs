@@ -309,6 +309,8 @@ struct LambBufs<'a> {
 /// trust-ratio-scaled update. Transactional: nothing but the scratch `u` is written before the
 /// all-reduce succeeds, so a failed one (a lost peer) leaves masters, moments, ratios and the
 /// step count as they were, and the step can run again with the same bits.
+// Allowed: called once, by the optimizer step, with what it holds (its buffers and context are
+// already structs); grouping the rest would only rename them.
 #[allow(clippy::too_many_arguments)]
 fn lamb_step(
     params: &LambParams,
