@@ -255,15 +255,85 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
     Ok(())
 }
 
-/// `tessera export`: Hugging Face GPT-2 safetensors + config.json, and `reference.json` (the
-/// loss Tessera computes on a fixed token sequence) for `scripts/check_export.py`.
-pub fn export(checkpoint_dir: &Path, out: &Path) -> Result<()> {
-    let ck = load_checkpoint(checkpoint_dir)?;
+/// Options of `tessera export`.
+pub struct ExportOpts {
+    pub checkpoint: PathBuf,
+    pub out: PathBuf,
+    /// The tokenizer.json the model was trained with (the recorded one when absent).
+    pub tokenizer: Option<PathBuf>,
+    /// Write into a folder that is not empty (replacing only the files export writes).
+    pub force: bool,
+}
+
+/// The files `tessera export` writes (and, with `--force`, replaces).
+pub const EXPORT_FILES: &[&str] = &[
+    "model.safetensors",
+    "config.json",
+    "reference.json",
+    checkpoint::TOKENIZER_FILE,
+    checkpoint::TOKENIZER_CONFIG_FILE,
+    checkpoint::SPECIAL_TOKENS_FILE,
+];
+
+/// The text whose ids an export's `reference.json` records: the exported tokenizer must give
+/// the same (`scripts/check_export.py`). Spaces, a line break, punctuation and multi-byte
+/// characters.
+const TOKENIZER_SAMPLE: &str = "It is a truth universally acknowledged, that a single man in possession of a good fortune — café ☕\n";
+
+/// Refuses an export into a folder that holds anything, unless `force`.
+fn refuse_non_empty(out: &Path, force: bool) -> Result<()> {
+    let mut entries = match std::fs::read_dir(out) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => bail!("--out {}: {e} (expected a new or empty folder)", out.display()),
+    };
+    if entries.next().is_some() && !force {
+        bail!(
+            "--out {} is not empty: export writes {} there; pass --force to replace those files (the folder's other files \
+             stay as they are), or export into a new or empty folder",
+            out.display(),
+            EXPORT_FILES.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// The bytes of the tokenizer a checkpoint was trained with (`None`: byte-level), checked
+/// against the manifest's record: a file changed since is refused.
+fn training_tokenizer_bytes(ck: &CheckpointState, given: Option<&Path>) -> Result<Option<(PathBuf, Vec<u8>)>> {
+    let Some(path) = tokenizer_for(ck, given)? else { return Ok(None) };
+    let bytes = std::fs::read(&path).with_context(|| format!("reading the tokenizer {}", path.display()))?;
+    let recorded = ck.extra.get("tokenizer").and_then(|t| t.get("blake3")).and_then(serde_json::Value::as_str);
+    if recorded != Some(blake3::hash(&bytes).to_hex().as_str()) {
+        bail!(
+            "{} changed since the checkpoint was trained with it (blake3 {}); pass --tokenizer with a copy of the original",
+            path.display(),
+            recorded.unwrap_or("not recorded")
+        );
+    }
+    Ok(Some((path, bytes)))
+}
+
+/// `tessera export`: Hugging Face GPT-2 safetensors + config.json, the tokenizer's files
+/// (`AutoTokenizer.from_pretrained` gives the ids the model was trained on) and
+/// `reference.json` (the loss Tessera computes on a fixed token sequence, and a sample text's
+/// ids) for `scripts/check_export.py`.
+pub fn export(o: &ExportOpts) -> Result<()> {
+    let out = o.out.as_path();
+    refuse_non_empty(out, o.force)?;
+    let ck = load_checkpoint(&o.checkpoint)?;
     let (model, params) = model_from_checkpoint(&ck)?;
     let c = &model.cfg;
     if c.arch != Arch::Gpt {
         bail!("export writes the GPT-2 layout; model `{}` is {:?}-style", ck.model, c.arch);
     }
+    let tokenizer = training_tokenizer_bytes(&ck, o.tokenizer.as_deref())?;
+    let codec = Codec::open(tokenizer.as_ref().map(|(p, _)| p.as_path())).context("opening the tokenizer")?;
+    if codec.vocab_size() > c.vocab_size {
+        bail!("tokenizer vocabulary ({}) is larger than the model's ({})", codec.vocab_size(), c.vocab_size);
+    }
+    let text_ids = codec.encode(TOKENIZER_SAMPLE).context("encoding the tokenizer sample")?;
+    let files = checkpoint::tokenizer_files(tokenizer.as_ref().map(|(_, b)| b.as_slice()), c.max_seq_len)?;
     let hf = Gpt2ExportConfig::new(c.vocab_size, c.max_seq_len, c.d_model, c.n_layer, c.n_head);
     let t = c.max_seq_len.min(64);
     let tokens: Vec<u32> = (0..=t).map(|i| ((i * 37 + 11) % c.vocab_size) as u32).collect();
@@ -271,8 +341,16 @@ pub fn export(checkpoint_dir: &Path, out: &Path) -> Result<()> {
     let mut unused = Vec::new();
     let mut acc = tessera_kernels::model::FlatAccess { params: &params, grads: &mut unused, units: model.units() };
     let loss = model.loss(&mut acc, &tokens[..t], &tokens[1..], 1, t, &mut ws);
-    checkpoint::export_hf_gpt2(out, &ck.params, &hf, Some((&tokens, loss))).with_context(|| format!("exporting to {}", out.display()))?;
-    println!("wrote {}/model.safetensors, config.json and reference.json (loss {loss:.6} on {} tokens)", out.display(), tokens.len());
+    let reference = checkpoint::ExportReference { tokens: &tokens, loss, text: Some((TOKENIZER_SAMPLE, &text_ids)) };
+    checkpoint::export_hf_gpt2(out, &ck.params, &hf, Some(&reference), &files)
+        .with_context(|| format!("exporting to {}", out.display()))?;
+    println!(
+        "wrote {}: {} (loss {loss:.6} on {} tokens; tokenizer: {})",
+        out.display(),
+        EXPORT_FILES.join(", "),
+        tokens.len(),
+        codec.describe()
+    );
     println!("check with: python3 scripts/check_export.py {}", out.display());
     Ok(())
 }

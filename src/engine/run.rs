@@ -283,6 +283,22 @@ pub(crate) fn restore_choice<S>(
     }
 }
 
+/// Creates the output folder `dir` if missing and locks it for this run (a second run on it is
+/// refused, naming the holder's pid); returns the lock and whether the folder was made here.
+pub(crate) fn lock_output(dir: &Path) -> Result<(checkpoint::OutputLock, bool)> {
+    let made = !dir.exists();
+    std::fs::create_dir_all(dir).with_context(|| format!("creating output directory {}", dir.display()))?;
+    match checkpoint::OutputLock::acquire(dir) {
+        Ok(lock) => Ok((lock, made)),
+        Err(e) => {
+            if made {
+                let _ = std::fs::remove_dir(dir);
+            }
+            Err(e.into())
+        }
+    }
+}
+
 /// A fresh run never writes over another run's checkpoints: nothing is lost by accident.
 pub(crate) fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
     let found = checkpoint::list_checkpoints(ckpt_root).unwrap_or_default();
@@ -411,6 +427,8 @@ struct Run<'a> {
     elastic: Option<ElasticRunState>,
     /// The data's record ([`data::Dataset::record`]), written into every checkpoint.
     data: serde_json::Value,
+    /// The hold on `out_dir` (released when the run ends, or with the process).
+    _lock: checkpoint::OutputLock,
 }
 
 /// What an elastic run keeps besides its ranks.
@@ -461,30 +479,32 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     let plan = Arc::new(Plan::new(cfg, &dataset)?);
     let data = dataset.record();
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
-    // An elastic run falls back on the very checkpoint it resumed from, not on whatever
-    // `--resume`'s folder (maybe this run's own checkpoint root) holds newest by then.
-    let (start, resumed_from) = match &opts.resume {
-        Some(dir) => resume_point(cfg, &plan, dir, true, Some(&data)).map(|(start, path)| (start, Some(path)))?,
-        None => {
-            refuse_to_overwrite(&out_dir.join("checkpoints"))?;
-            (fresh_start(cfg, &plan), None)
-        }
-    };
-    let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?);
-    let val =
-        data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
-    let er = config::elastic_run(cfg)?;
-    // Made once the resume point and the settings are known good: a refused run leaves no
-    // empty output directory behind, nor does one whose workers never start (no agent joined):
-    // `remove_dir` takes the directory away only while it is empty, so any log is kept.
-    let made = !out_dir.exists();
-    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
+    // Locked before anything in it is read or written: a second run on this output is refused.
+    let (lock, made) = lock_output(&out_dir)?;
+    // A refused run leaves no empty output directory behind, nor does one whose workers never
+    // start (no agent joined): `remove_dir` takes the directory away only while it is empty
+    // (the lock file aside), so any log is kept.
     let unmade = |e: anyhow::Error| {
         if made {
+            let _ = std::fs::remove_file(lock.path());
             let _ = std::fs::remove_dir(&out_dir);
         }
         e
     };
+    // An elastic run falls back on the very checkpoint it resumed from, not on whatever
+    // `--resume`'s folder (maybe this run's own checkpoint root) holds newest by then.
+    let (start, resumed_from) = match &opts.resume {
+        Some(dir) => resume_point(cfg, &plan, dir, true, Some(&data)).map(|(start, path)| (start, Some(path))).map_err(unmade)?,
+        None => {
+            refuse_to_overwrite(&out_dir.join("checkpoints")).map_err(unmade)?;
+            (fresh_start(cfg, &plan), None)
+        }
+    };
+    let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data").map_err(unmade)?);
+    let val = data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize)
+        .context("validation data")
+        .map_err(unmade)?;
+    let er = config::elastic_run(cfg).map_err(|e| unmade(e.into()))?;
     let rendezvous = super::remote::take_rendezvous();
     let elastic_fleet = opts.processes && er.enabled;
     if let (Some(path), false) = (&opts.worker_net, elastic_fleet && rendezvous.is_none()) {
@@ -511,7 +531,8 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         let ranks = Ranks::Remote(Box::new(procs));
         let cluster = Cluster::start_remote(nodes, cluster_options(opts, None)).context("starting the actor tree")?;
         let monitors = bridge::monitors(cfg, &out_dir)?;
-        let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic, data };
+        let ws = Workspace::default();
+        let run = Run { cfg, plan, ranks, cluster, val, monitors, ws, out_dir, step: start.step, elastic, data, _lock: lock };
         return Ok((run, dataset));
     }
     let (ranks, workers) = if elastic_fleet {
@@ -542,7 +563,8 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         fleet.set_stopper(cluster.stopper());
     }
     let monitors = bridge::monitors(cfg, &out_dir)?;
-    let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic, data };
+    let ws = Workspace::default();
+    let run = Run { cfg, plan, ranks, cluster, val, monitors, ws, out_dir, step: start.step, elastic, data, _lock: lock };
     Ok((run, dataset))
 }
 

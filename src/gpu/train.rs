@@ -595,9 +595,8 @@ fn run_rank(
     let m = plan.micro_batches;
     let m_local = m / world;
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
-    if lead {
-        std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
-    }
+    // Rank 0 writes the output folder: it holds the folder's lock (a second run is refused).
+    let _lock = if lead { Some(engine::lock_output(&out_dir)?.0) } else { None };
     let gpu = Gpu::open(rank)?;
     gpu.compile_all()?;
     let comm = match id {
