@@ -246,13 +246,78 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
     let mut rng = Rng::new(o.seed);
     let mut ws = Workspace::default();
     let ctx = model.cfg.max_seq_len;
-    for _ in 0..o.tokens {
-        let window = &tokens[tokens.len().saturating_sub(ctx)..];
-        let mut logits = model.next_token_logits(&params, window, &mut ws);
-        tokens.push(sample(&mut logits, o.temperature, o.top_k, &mut rng));
+    let mut out = TextStream::new(&codec);
+    let streamed = out.show(&codec.decode(&tokens)).and_then(|()| {
+        for _ in 0..o.tokens {
+            let window = &tokens[tokens.len().saturating_sub(ctx)..];
+            let mut logits = model.next_token_logits(&params, window, &mut ws);
+            let next = sample(&mut logits, o.temperature, o.top_k, &mut rng);
+            tokens.push(next);
+            out.push(next)?;
+        }
+        out.finish()
+    });
+    match streamed {
+        // The reader went away (`generate … | head`): it has what it wanted.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("writing the generated text to standard output"),
     }
-    println!("{}", codec.decode(&tokens));
-    Ok(())
+}
+
+/// The most tokens [`TextStream`] decodes together: a held-back piece longer than this is
+/// shown as it decodes (a byte sequence that never becomes valid UTF-8).
+const STREAM_WINDOW_TOKENS: usize = 64;
+
+/// Generated tokens written to standard output as they come, flushed per token. A token is
+/// decoded together with the ones since the last line break (at most [`STREAM_WINDOW_TOKENS`]),
+/// so a tokenizer whose pieces depend on their neighbours (spaces, multi-byte characters split
+/// over byte tokens) shows the same text as decoding them all at once; what is shown is the
+/// new part, and an incomplete character (U+FFFD at the end) waits for the next token.
+struct TextStream<'a> {
+    codec: &'a Codec,
+    pending: Vec<u32>,
+    /// What `pending` decoded to that is on the screen already.
+    shown: usize,
+    stdout: std::io::Stdout,
+}
+
+impl<'a> TextStream<'a> {
+    fn new(codec: &'a Codec) -> Self {
+        TextStream { codec, pending: Vec::new(), shown: 0, stdout: std::io::stdout() }
+    }
+
+    fn show(&mut self, text: &str) -> std::io::Result<()> {
+        use std::io::Write;
+        let mut lock = self.stdout.lock();
+        lock.write_all(text.as_bytes())?;
+        lock.flush()
+    }
+
+    fn push(&mut self, token: u32) -> std::io::Result<()> {
+        self.pending.push(token);
+        let text = self.codec.decode(&self.pending);
+        let full = self.pending.len() >= STREAM_WINDOW_TOKENS;
+        if text.ends_with(char::REPLACEMENT_CHARACTER) && !full {
+            return Ok(());
+        }
+        let new = text.get(self.shown..).unwrap_or_default();
+        self.show(new)?;
+        self.shown = text.len();
+        if text.ends_with('\n') || full {
+            self.pending.clear();
+            self.shown = 0;
+        }
+        Ok(())
+    }
+
+    /// Shows what was held back and ends the line.
+    fn finish(&mut self) -> std::io::Result<()> {
+        let text = self.codec.decode(&self.pending);
+        let rest = format!("{}\n", text.get(self.shown..).unwrap_or_default());
+        self.pending.clear();
+        self.shown = 0;
+        self.show(&rest)
+    }
 }
 
 /// Options of `tessera export`.

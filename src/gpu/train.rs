@@ -561,6 +561,7 @@ impl RankRun<'_> {
                 "loss_scaler": serde_json::Value::Null,
                 "world_size": self.world,
                 "zero_stage": plan.stage,
+                "seq_len": plan.seq_len,
                 "device": "cuda",
                 "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
                 "data": self.data,
