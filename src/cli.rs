@@ -349,8 +349,8 @@ const TOKENIZER_SAMPLE: &str = "It is a truth universally acknowledged, that a s
 fn refuse_non_empty(out: &Path, force: bool) -> Result<()> {
     let mut entries = match std::fs::read_dir(out) {
         Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => bail!("--out {}: {e} (expected a new or empty folder)", out.display()),
+        // Missing, or not a folder: the export's own creation of it says why.
+        Err(_) => return Ok(()),
     };
     if entries.next().is_some() && !force {
         bail!(
@@ -406,7 +406,9 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     let mut unused = Vec::new();
     let mut acc = tessera_kernels::model::FlatAccess { params: &params, grads: &mut unused, units: model.units() };
     let loss = model.loss(&mut acc, &tokens[..t], &tokens[1..], 1, t, &mut ws);
-    let reference = checkpoint::ExportReference { tokens: &tokens, loss, text: Some((TOKENIZER_SAMPLE, &text_ids)) };
+    let decoded = codec.decode(&text_ids);
+    let sample = checkpoint::TokenizerSample { text: TOKENIZER_SAMPLE, ids: &text_ids, decoded: &decoded };
+    let reference = checkpoint::ExportReference { tokens: &tokens, loss, text: Some(sample) };
     checkpoint::export_hf_gpt2(out, &ck.params, &hf, Some(&reference), &files)
         .with_context(|| format!("exporting to {}", out.display()))?;
     println!(

@@ -137,12 +137,21 @@ fn select_gpt2_tensors<'a>(params: &'a [NamedTensor], cfg: &Gpt2ExportConfig) ->
 /// mean next-token loss on it (`loss` must be the mean cross-entropy of predicting
 /// `tokens[t+1]` from `tokens[..=t]` for all t, what `GPT2LMHeadModel(input_ids,
 /// labels=input_ids)` computes), and a sample text with the ids Tessera's tokenizer gives it
-/// (what the exported tokenizer must give too).
+/// and the text they decode back to (what the exported tokenizer must give too).
 #[derive(Debug, Clone, Copy)]
 pub struct ExportReference<'a> {
     pub tokens: &'a [u32],
     pub loss: f32,
-    pub text: Option<(&'a str, &'a [u32])>,
+    pub text: Option<TokenizerSample<'a>>,
+}
+
+/// A text, the ids Tessera's tokenizer encodes it to, and the text those ids decode to (the
+/// text itself unless the tokenizer drops or changes characters).
+#[derive(Debug, Clone, Copy)]
+pub struct TokenizerSample<'a> {
+    pub text: &'a str,
+    pub ids: &'a [u32],
+    pub decoded: &'a str,
 }
 
 /// `reference.json` content (see [`ExportReference`]).
@@ -158,9 +167,10 @@ fn reference_json(r: &ExportReference, vocab_size: usize) -> Result<Vec<u8>, Che
         return Err(export_err(format!("reference loss {loss} is not finite")));
     }
     let mut doc = serde_json::json!({ "tokens": tokens, "loss": loss });
-    if let Some((text, ids)) = r.text {
-        doc["text"] = text.into();
-        doc["text_ids"] = ids.into();
+    if let Some(t) = r.text {
+        doc["text"] = t.text.into();
+        doc["text_ids"] = t.ids.into();
+        doc["text_decoded"] = t.decoded.into();
     }
     serde_json::to_vec_pretty(&doc).map_err(|e| export_err(format!("cannot encode reference.json: {e}")))
 }

@@ -520,6 +520,8 @@ struct Tally {
     train_curve: Vec<(u64, f64)>,
     val_curve: Vec<(u64, f64)>,
     last_ckpt: Option<PathBuf>,
+    /// Steps in a row whose loss was not finite (up to the last one).
+    nonfinite_steps: u64,
 }
 
 /// One rank's run; rank 0 (`lead`) writes every output.
@@ -694,12 +696,15 @@ fn run_rank(
         let (local_loss, norm) = run.r.step(&mbs, lr, 1.0 / m as f32).with_context(|| format!("step {step}"))?;
         let asked = if stop.load(Ordering::SeqCst) { 1.0 } else { 0.0 };
         let all = run.r.gather_host(&[f64::from(local_loss), asked]).context("gathering the step's losses")?;
-        t.train_s += t0.elapsed().as_secs_f64();
+        let step_s = t0.elapsed().as_secs_f64();
+        t.train_s += step_s;
         t.steps_run += 1;
         run.step += 1;
         run.applied += 1;
         let loss = all.chunks_exact(2).map(|c| c[0]).sum::<f64>() / world as f64;
         let stopping = all.chunks_exact(2).any(|c| c[1] != 0.0);
+        // Every rank has the same loss, so every rank decides alike.
+        t.nonfinite_steps = if loss.is_finite() { 0 } else { t.nonfinite_steps + 1 };
         t.last_loss = loss;
         t.train_curve.push((run.step, loss));
         let plan = &run.plan;
@@ -709,6 +714,10 @@ fn run_rank(
         if let Some(b) = beta1 {
             events.push(Event::new("Train/Samples/beta1", f64::from(b), samples));
         }
+        if let Some(n) = norm {
+            events.push(Event::new("Train/Samples/grad_norm", n, samples));
+        }
+        events.push(Event::new("Train/Samples/tokens_per_s", plan.tokens_per_step() as f64 / step_s.max(1e-9), samples));
         let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
         if lead {
             pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
@@ -739,8 +748,22 @@ fn run_rank(
         if lead {
             monitors.write(&events).context("writing monitors")?;
         }
+        let limit = cfg.tessera.nonfinite_loss_steps;
+        if limit > 0 && t.nonfinite_steps >= limit {
+            let _ = monitors.flush();
+            bail!(
+                "step {}: the loss is {loss}, and has not been finite for {} steps in a row: the run diverged and stops \
+                 (tessera.nonfinite_loss_steps = {limit}); lower the learning rate",
+                run.step,
+                t.nonfinite_steps
+            );
+        }
         let interval = cfg.tessera.checkpoint_interval > 0 && run.step % cfg.tessera.checkpoint_interval == 0;
-        if interval || last || stopping {
+        if (interval || last || stopping) && !loss.is_finite() {
+            if lead {
+                engine::log_line(&pb, format!("warning: checkpoint of step {} not written: its loss is {loss}", run.step));
+            }
+        } else if interval || last || stopping {
             let (master, path) = run.save_checkpoint()?;
             saved = Some((run.step, master));
             if path.is_some() {
