@@ -9,8 +9,15 @@ mean cross-entropy Tessera computed for predicting tokens[t+1] from tokens[:t+1]
 GPT2LMHeadModel(input_ids=tokens, labels=tokens).loss computes.
 
 Loads the directory with GPT2LMHeadModel.from_pretrained, fails if any weight is missing or
-unexpected, and checks the loss agrees within 1e-4 relative. Exit 0 on success (or SKIP when
-transformers/torch are not installed), 1 on mismatch or error.
+unexpected, and checks the loss agrees within 1e-4 relative. When REFERENCE_JSON also holds
+{"text": ..., "text_ids": [...], "text_decoded": ...} (the ids Tessera's tokenizer gives the text,
+and the text Tessera decodes them to), loads the export's tokenizer with `tokenizers`
+(tokenizer.json) and with transformers' AutoTokenizer (which reads tokenizer_config.json too) and
+checks both give those ids, and that AutoTokenizer decodes them to the same text.
+
+Each check needs its packages: the tokenizer check `tokenizers` and `transformers` (no torch),
+the model check `transformers` and `torch`; a check whose packages are missing prints SKIP.
+Exit 0 when every check that ran passed, 1 on mismatch or error.
 """
 import json
 import math
@@ -49,19 +56,50 @@ def check_loading_info(info):
         fail(f"weights did not load cleanly: missing={missing} unexpected={unexpected} mismatched={mismatched}")
 
 
+def check_tokenizer(export_dir, ref_path):
+    with open(ref_path) as f:
+        ref = json.load(f)
+    text, want = ref.get("text"), ref.get("text_ids")
+    if text is None:
+        print("SKIP tokenizer: the reference holds no sample text (an export of an older Tessera)")
+        return
+    try:
+        from tokenizers import Tokenizer
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        print(f"SKIP tokenizer: {e.name} not installed (pip install tokenizers transformers)")
+        return
+    try:
+        raw = Tokenizer.from_file(os.path.join(export_dir, "tokenizer.json"))
+        auto = AutoTokenizer.from_pretrained(export_dir)
+    except Exception as e:  # noqa: BLE001 -- report any loader failure as a check failure
+        fail(f"loading the tokenizer of {export_dir!r} failed: {e}")
+    got_raw = raw.encode(text, add_special_tokens=False).ids
+    got_auto = auto.encode(text, add_special_tokens=False)
+    for name, got in (("tokenizers.Tokenizer", got_raw), ("AutoTokenizer", got_auto)):
+        if got != want:
+            fail(f"{name} encodes the sample to {got[:16]}... ({len(got)} ids), tessera to {want[:16]}... ({len(want)} ids)")
+    decoded = ref.get("text_decoded", text)
+    back = auto.decode(want)
+    if back != decoded:
+        fail(f"AutoTokenizer decodes tessera's ids to {back!r}, tessera to {decoded!r}")
+    print(f"OK: tokenizer ({type(auto).__name__}, vocab {len(auto)}) gives tessera's {len(want)} ids for the sample and decodes them back")
+
+
 def main():
     if len(sys.argv) not in (2, 3):
         print(__doc__)
         sys.exit(1)
     export_dir = sys.argv[1]
     ref_path = sys.argv[2] if len(sys.argv) == 3 else os.path.join(export_dir, "reference.json")
+    tokens, expected = load_reference(ref_path)
+    check_tokenizer(export_dir, ref_path)
     try:
         import torch
         from transformers import GPT2LMHeadModel
-    except ImportError:
-        print("SKIP: transformers not installed")
+    except ImportError as e:
+        print(f"SKIP model: {e.name} not installed (pip install torch transformers)")
         sys.exit(0)
-    tokens, expected = load_reference(ref_path)
     try:
         model, info = GPT2LMHeadModel.from_pretrained(export_dir, output_loading_info=True)
     except Exception as e:  # noqa: BLE001 -- report any loader failure as a check failure

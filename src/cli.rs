@@ -247,24 +247,159 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
     let mut rng = Rng::new(o.seed);
     let mut ws = Workspace::default();
     let ctx = model.cfg.max_seq_len;
-    for _ in 0..o.tokens {
-        let window = &tokens[tokens.len().saturating_sub(ctx)..];
-        let mut logits = model.next_token_logits(&params, window, &mut ws);
-        tokens.push(sample(&mut logits, o.temperature, o.top_k, &mut rng));
+    let mut out = TextStream::new(&codec);
+    let streamed = out.show(&codec.decode(&tokens)).and_then(|()| {
+        for _ in 0..o.tokens {
+            let window = &tokens[tokens.len().saturating_sub(ctx)..];
+            let mut logits = model.next_token_logits(&params, window, &mut ws);
+            let next = sample(&mut logits, o.temperature, o.top_k, &mut rng);
+            tokens.push(next);
+            out.push(next)?;
+        }
+        out.finish()
+    });
+    match streamed {
+        // The reader went away (`generate … | head`): it has what it wanted.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("writing the generated text to standard output"),
     }
-    outln!("{}", codec.decode(&tokens));
+}
+
+/// The most tokens [`TextStream`] decodes together: a held-back piece longer than this is
+/// shown as it decodes (a byte sequence that never becomes valid UTF-8).
+const STREAM_WINDOW_TOKENS: usize = 64;
+
+/// Generated tokens written to standard output as they come, flushed per token. A token is
+/// decoded together with the ones since the last line break (at most [`STREAM_WINDOW_TOKENS`]),
+/// so a tokenizer whose pieces depend on their neighbours (spaces, multi-byte characters split
+/// over byte tokens) shows the same text as decoding them all at once; what is shown is the
+/// new part, and an incomplete character (U+FFFD at the end) waits for the next token.
+struct TextStream<'a> {
+    codec: &'a Codec,
+    pending: Vec<u32>,
+    /// What `pending` decoded to that is on the screen already.
+    shown: usize,
+    stdout: std::io::Stdout,
+}
+
+impl<'a> TextStream<'a> {
+    fn new(codec: &'a Codec) -> Self {
+        TextStream { codec, pending: Vec::new(), shown: 0, stdout: std::io::stdout() }
+    }
+
+    fn show(&mut self, text: &str) -> std::io::Result<()> {
+        use std::io::Write;
+        let mut lock = self.stdout.lock();
+        lock.write_all(text.as_bytes())?;
+        lock.flush()
+    }
+
+    fn push(&mut self, token: u32) -> std::io::Result<()> {
+        self.pending.push(token);
+        let text = self.codec.decode(&self.pending);
+        let full = self.pending.len() >= STREAM_WINDOW_TOKENS;
+        if text.ends_with(char::REPLACEMENT_CHARACTER) && !full {
+            return Ok(());
+        }
+        let new = text.get(self.shown..).unwrap_or_default();
+        self.show(new)?;
+        self.shown = text.len();
+        if text.ends_with('\n') || full {
+            self.pending.clear();
+            self.shown = 0;
+        }
+        Ok(())
+    }
+
+    /// Shows what was held back and ends the line.
+    fn finish(&mut self) -> std::io::Result<()> {
+        let text = self.codec.decode(&self.pending);
+        let rest = format!("{}\n", text.get(self.shown..).unwrap_or_default());
+        self.pending.clear();
+        self.shown = 0;
+        self.show(&rest)
+    }
+}
+
+/// Options of `tessera export`.
+pub struct ExportOpts {
+    pub checkpoint: PathBuf,
+    pub out: PathBuf,
+    /// The tokenizer.json the model was trained with (the recorded one when absent).
+    pub tokenizer: Option<PathBuf>,
+    /// Write into a folder that is not empty (replacing only the files export writes).
+    pub force: bool,
+}
+
+/// The files `tessera export` writes (and, with `--force`, replaces).
+pub const EXPORT_FILES: &[&str] = &[
+    "model.safetensors",
+    "config.json",
+    "reference.json",
+    checkpoint::TOKENIZER_FILE,
+    checkpoint::TOKENIZER_CONFIG_FILE,
+    checkpoint::SPECIAL_TOKENS_FILE,
+];
+
+/// The text whose ids an export's `reference.json` records: the exported tokenizer must give
+/// the same (`scripts/check_export.py`). Spaces, a line break, punctuation and multi-byte
+/// characters.
+const TOKENIZER_SAMPLE: &str = "It is a truth universally acknowledged, that a single man in possession of a good fortune — café ☕\n";
+
+/// Refuses an export into a folder that holds anything, unless `force`.
+fn refuse_non_empty(out: &Path, force: bool) -> Result<()> {
+    let mut entries = match std::fs::read_dir(out) {
+        Ok(rd) => rd,
+        // Missing, or not a folder: the export's own creation of it says why.
+        Err(_) => return Ok(()),
+    };
+    if entries.next().is_some() && !force {
+        bail!(
+            "--out {} is not empty: export writes {} there; pass --force to replace those files (the folder's other files \
+             stay as they are), or export into a new or empty folder",
+            out.display(),
+            EXPORT_FILES.join(", ")
+        );
+    }
     Ok(())
 }
 
-/// `tessera export`: Hugging Face GPT-2 safetensors + config.json, and `reference.json` (the
-/// loss Tessera computes on a fixed token sequence) for `scripts/check_export.py`.
-pub fn export(checkpoint_dir: &Path, out: &Path) -> Result<()> {
-    let ck = load_checkpoint(checkpoint_dir)?;
+/// The bytes of the tokenizer a checkpoint was trained with (`None`: byte-level), checked
+/// against the manifest's record: a file changed since is refused.
+fn training_tokenizer_bytes(ck: &CheckpointState, given: Option<&Path>) -> Result<Option<(PathBuf, Vec<u8>)>> {
+    let Some(path) = tokenizer_for(ck, given)? else { return Ok(None) };
+    let bytes = std::fs::read(&path).with_context(|| format!("reading the tokenizer {}", path.display()))?;
+    let recorded = ck.extra.get("tokenizer").and_then(|t| t.get("blake3")).and_then(serde_json::Value::as_str);
+    if recorded != Some(blake3::hash(&bytes).to_hex().as_str()) {
+        bail!(
+            "{} changed since the checkpoint was trained with it (blake3 {}); pass --tokenizer with a copy of the original",
+            path.display(),
+            recorded.unwrap_or("not recorded")
+        );
+    }
+    Ok(Some((path, bytes)))
+}
+
+/// `tessera export`: Hugging Face GPT-2 safetensors + config.json, the tokenizer's files
+/// (`AutoTokenizer.from_pretrained` gives the ids the model was trained on) and
+/// `reference.json` (the loss Tessera computes on a fixed token sequence, and a sample text's
+/// ids) for `scripts/check_export.py`.
+pub fn export(o: &ExportOpts) -> Result<()> {
+    let out = o.out.as_path();
+    refuse_non_empty(out, o.force)?;
+    let ck = load_checkpoint(&o.checkpoint)?;
     let (model, params) = model_from_checkpoint(&ck)?;
     let c = &model.cfg;
     if c.arch != Arch::Gpt {
         bail!("export writes the GPT-2 layout; model `{}` is {:?}-style", ck.model, c.arch);
     }
+    let tokenizer = training_tokenizer_bytes(&ck, o.tokenizer.as_deref())?;
+    let codec = Codec::open(tokenizer.as_ref().map(|(p, _)| p.as_path())).context("opening the tokenizer")?;
+    if codec.vocab_size() > c.vocab_size {
+        bail!("tokenizer vocabulary ({}) is larger than the model's ({})", codec.vocab_size(), c.vocab_size);
+    }
+    let text_ids = codec.encode(TOKENIZER_SAMPLE).context("encoding the tokenizer sample")?;
+    let files = checkpoint::tokenizer_files(tokenizer.as_ref().map(|(_, b)| b.as_slice()), c.max_seq_len)?;
     let hf = Gpt2ExportConfig::new(c.vocab_size, c.max_seq_len, c.d_model, c.n_layer, c.n_head);
     let t = c.max_seq_len.min(64);
     let tokens: Vec<u32> = (0..=t).map(|i| ((i * 37 + 11) % c.vocab_size) as u32).collect();
@@ -272,8 +407,18 @@ pub fn export(checkpoint_dir: &Path, out: &Path) -> Result<()> {
     let mut unused = Vec::new();
     let mut acc = tessera_kernels::model::FlatAccess { params: &params, grads: &mut unused, units: model.units() };
     let loss = model.loss(&mut acc, &tokens[..t], &tokens[1..], 1, t, &mut ws);
-    checkpoint::export_hf_gpt2(out, &ck.params, &hf, Some((&tokens, loss))).with_context(|| format!("exporting to {}", out.display()))?;
-    outln!("wrote {}/model.safetensors, config.json and reference.json (loss {loss:.6} on {} tokens)", out.display(), tokens.len());
+    let decoded = codec.decode(&text_ids);
+    let sample = checkpoint::TokenizerSample { text: TOKENIZER_SAMPLE, ids: &text_ids, decoded: &decoded };
+    let reference = checkpoint::ExportReference { tokens: &tokens, loss, text: Some(sample) };
+    checkpoint::export_hf_gpt2(out, &ck.params, &hf, Some(&reference), &files)
+        .with_context(|| format!("exporting to {}", out.display()))?;
+    outln!(
+        "wrote {}: {} (loss {loss:.6} on {} tokens; tokenizer: {})",
+        out.display(),
+        EXPORT_FILES.join(", "),
+        tokens.len(),
+        codec.describe()
+    );
     outln!("check with: python3 scripts/check_export.py {}", out.display());
     Ok(())
 }

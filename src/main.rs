@@ -299,9 +299,16 @@ struct ExportArgs {
     /// Checkpoint directory (a step directory or a checkpoints root).
     #[arg(long)]
     checkpoint: PathBuf,
-    /// Output directory for model.safetensors and config.json.
+    /// Output directory (new or empty) for model.safetensors, config.json, the tokenizer's files
+    /// and reference.json.
     #[arg(long)]
     out: PathBuf,
+    /// The tokenizer.json the model was trained with (the one the checkpoint records if absent).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Export into a folder that is not empty, replacing only the files export writes.
+    #[arg(long)]
+    force: bool,
 }
 
 #[derive(Subcommand)]
@@ -416,7 +423,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             tokenizer: a.tokenizer,
         })
         .map(|()| done),
-        Cmd::Export(a) => cli::export(&a.checkpoint, &a.out).map(|()| done),
+        Cmd::Export(a) => {
+            cli::export(&cli::ExportOpts { checkpoint: a.checkpoint, out: a.out, tokenizer: a.tokenizer, force: a.force }).map(|()| done)
+        }
         Cmd::Config(ConfigCmd::Check { file, common }) => cli::config_check(&file, &common).map(|()| done),
         Cmd::Models => {
             cli::list_models();

@@ -5,6 +5,7 @@ mod e2e_elastic;
 mod e2e_gpu;
 mod e2e_hosts;
 mod e2e_offload;
+mod e2e_outputs;
 mod e2e_procs;
 mod e2e_signals;
 mod e2e_train;

@@ -18,7 +18,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ractor::concurrency::JoinHandle;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, MessagingErr, RpcReplyPort, SupervisionEvent};
@@ -29,7 +29,7 @@ use crate::error::{ActorError, RankFailure};
 use crate::node::{NodeArgs, NodeMsg, NodeSupervisor, RankSetup};
 use crate::remote::{RemoteNode, RemoteNodeArgs, RemoteNodeSpec};
 use crate::shard::ShardStatus;
-use crate::txn::{Action, Attempted, Input, PhaseKind, Query, Refusal, Reply, StepTxn};
+use crate::txn::{Action, Attempted, Cmd, Input, PhaseKind, Query, Refusal, Reply, StepTxn};
 use crate::worker::{ComputeThreads, Outcome, RunCommand, WorkerMsg, CONTROL_TIMEOUT_MS};
 
 /// Reply port of a step request.
@@ -118,6 +118,9 @@ pub struct ClusterState {
     waiting: Option<Waiting>,
     timer: Option<(u64, Timer)>,
     opts: ClusterOptions,
+    /// When the commit phase of the step in flight was sent (its length is
+    /// [`StepResult::commit_s`]).
+    commit_sent: Option<Instant>,
 }
 
 /// The root of the tree (see the module doc).
@@ -155,7 +158,7 @@ impl Actor for ClusterSupervisor {
         }
         let members: Vec<Member> = members.into_values().collect();
         let txn = StepTxn::new(members.len(), 0, args.opts.step_timeout_ms, args.opts.abandon_steps.clone());
-        Ok(ClusterState { members, node_of, txn, waiting: None, timer: None, opts: args.opts })
+        Ok(ClusterState { members, node_of, txn, waiting: None, timer: None, opts: args.opts, commit_sent: None })
     }
 
     async fn handle(&self, myself: ActorRef<ClusterMsg>, msg: ClusterMsg, state: &mut ClusterState) -> Result<(), ActorProcessingErr> {
@@ -231,6 +234,11 @@ impl ClusterState {
         for action in actions {
             match action {
                 Action::Send { rank, txn, cmd } => {
+                    match cmd {
+                        Cmd::Prepare(_) => self.commit_sent = None,
+                        Cmd::Commit(_) => _ = self.commit_sent.get_or_insert_with(Instant::now),
+                        _ => {}
+                    }
                     if self.members[rank].worker.send_message(WorkerMsg::Run(RunCommand { txn, cmd })).is_err() {
                         closed.push(rank);
                     }
@@ -251,8 +259,9 @@ impl ClusterState {
                 // Refusals concern the request just fed (`request`).
                 Action::Refuse(r) => drop(refusal(r)),
                 Action::Reply(reply) => {
+                    let commit_s = self.commit_sent.take().map_or(0.0, |t| t.elapsed().as_secs_f64());
                     if let Some(waiting) = self.waiting.take() {
-                        answer(waiting, reply);
+                        answer(waiting, reply, commit_s);
                     }
                 }
             }
@@ -273,19 +282,20 @@ fn refusal(r: Refusal) -> ActorError {
     }
 }
 
-fn result_of(a: Attempted<Outcome>) -> StepResult {
+fn result_of(a: Attempted<Outcome>, commit_s: f64) -> StepResult {
     let by_rank = a.prepared.into_iter().filter_map(|(r, o)| prepared(o).map(|p| (r, p)));
-    StepResult::aggregate(a.step, a.epoch, a.abandoned_attempts, by_rank)
+    StepResult { commit_s, ..StepResult::aggregate(a.step, a.epoch, a.abandoned_attempts, by_rank) }
 }
 
-/// Answers the request being served with the machine's reply.
-fn answer(waiting: Waiting, reply: Reply<Outcome>) {
+/// Answers the request being served with the machine's reply (`commit_s`: how long its commit
+/// phase took, 0 without one).
+fn answer(waiting: Waiting, reply: Reply<Outcome>, commit_s: f64) {
     match (waiting, reply) {
-        (Waiting::Step(port), Reply::Committed(a)) => drop(port.send(Ok(result_of(a)))),
+        (Waiting::Step(port), Reply::Committed(a)) => drop(port.send(Ok(result_of(a, commit_s)))),
         (Waiting::Step(port), Reply::Abandoned { step, failures }) => drop(port.send(Err(ActorError::StepAbandoned { step, failures }))),
         (Waiting::Step(port), Reply::CommitFailed { failures, attempted }) => {
             let step = attempted.step;
-            let prepared = Box::new(result_of(attempted));
+            let prepared = Box::new(result_of(attempted, commit_s));
             drop(port.send(Err(ActorError::CommitFailed { step, failures, prepared })));
         }
         (Waiting::Memory(port), Reply::Queried { query, result }) => {

@@ -40,6 +40,21 @@ pub struct Prepared {
     /// that share a machine's cores are measured under the same contention.
     pub busy_s: f64,
     pub busy_micro_batches: usize,
+    /// Where the prepare's time went (DeepSpeed's `wall_clock_breakdown` timers).
+    pub phases: PhaseTimes,
+}
+
+/// Wall-clock seconds of one rank's prepare by phase, summed over its micro-batches, as
+/// DeepSpeed's engine times them: the forward (to the loss; stage-3 parameter gathers it
+/// waited for included), the backward's computation (`backward_inner`), and the waits on
+/// gradient communication (`backward_allreduce`: the exchanges the backward waited for, the
+/// ones still running when it ended, the norm all-reduce and, at stages 0-1, the gradient
+/// all-gather; also the slots in which the rank only serves its peers).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PhaseTimes {
+    pub forward_s: f64,
+    pub backward_inner_s: f64,
+    pub backward_allreduce_s: f64,
 }
 
 /// The bytes one rank holds for parameters, gradients and optimizer state.

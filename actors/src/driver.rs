@@ -85,6 +85,9 @@ pub struct StepResult {
     pub bytes_received: u64,
     /// The slowest rank's `prepare` time in seconds.
     pub compute_s_max: f64,
+    /// Seconds from the commit's dispatch to the last rank's answer, as the ClusterSupervisor
+    /// measured them (the optimizer step and the parameters' sharing; 0 when not measured).
+    pub commit_s: f64,
     /// Attempts of this step that were prepared and then abandoned (e.g. `[0]` when the chaos
     /// hook abandoned the first attempt); the committed attempt is the next one.
     pub abandoned_attempts: Vec<u32>,
@@ -110,6 +113,7 @@ impl StepResult {
             bytes_sent: per_rank.iter().map(|p| p.bytes_sent).sum(),
             bytes_received: per_rank.iter().map(|p| p.bytes_received).sum(),
             compute_s_max: per_rank.iter().map(|p| p.compute_s).fold(0.0, f64::max),
+            commit_s: 0.0,
             abandoned_attempts,
             per_rank,
         }

@@ -66,7 +66,7 @@ mod txn_sim;
 #[cfg(test)]
 mod worker_sim;
 
-pub use compute::{ComputeError, MemoryReport, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
+pub use compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
 pub use driver::{Cluster, ClusterOptions, StepResult, WorkerStopper, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};
 pub use error::{ActorError, FailureCause, RankFailure};
 pub use membership::{Coordinator, EpochPlan, MembershipConfig, WorkerId};

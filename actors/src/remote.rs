@@ -30,7 +30,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 
 use crate::cluster::{ClusterMsg, WorkerReport};
-use crate::compute::{MemoryReport, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
+use crate::compute::{MemoryReport, PhaseTimes, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
 use crate::error::ActorError;
 use crate::node::{NodeArgs, NodeMsg, NodeSupervisor, RankSetup};
 use crate::shard::{ShardKind, ShardStatus};
@@ -88,6 +88,8 @@ pub struct WirePrepared {
     pub compute_s: f64,
     pub busy_s: f64,
     pub busy_micro_batches: u64,
+    /// [`PhaseTimes`]: forward, backward inner, backward allreduce (seconds).
+    pub phases: [f64; 3],
 }
 
 /// [`ShardStatus`] on the wire.
@@ -138,6 +140,7 @@ impl WireOutcome {
                 compute_s: p.compute_s,
                 busy_s: p.busy_s,
                 busy_micro_batches: p.busy_micro_batches as u64,
+                phases: [p.phases.forward_s, p.phases.backward_inner_s, p.phases.backward_allreduce_s],
             }),
             Outcome::Prepared(Err(e)) => WireOutcome::PrepareFailed(e),
             Outcome::Committed { step, result: Ok(()) } => WireOutcome::Committed { step },
@@ -178,6 +181,7 @@ impl WireOutcome {
                 compute_s: p.compute_s,
                 busy_s: p.busy_s,
                 busy_micro_batches: p.busy_micro_batches as usize,
+                phases: PhaseTimes { forward_s: p.phases[0], backward_inner_s: p.phases[1], backward_allreduce_s: p.phases[2] },
             })),
             WireOutcome::PrepareFailed(e) => Outcome::Prepared(Err(e)),
             WireOutcome::Committed { step } => Outcome::Committed { step, result: Ok(()) },

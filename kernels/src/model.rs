@@ -97,9 +97,18 @@ pub struct Workspace {
     head: Acts,
     dx: Vec<f32>,
     dx_prev: Vec<f32>,
+    /// When the last [`Model::forward_backward`] had its loss: its forward done, its backward
+    /// next (taken by [`Workspace::take_loss_instant`], for the engine's phase timers).
+    loss_at: Option<std::time::Instant>,
 }
 
 impl Workspace {
+    /// When the last [`Model::forward_backward`] finished its forward (the loss computed, the
+    /// backward not begun); `None` when taken already or no training pass ran.
+    pub fn take_loss_instant(&mut self) -> Option<std::time::Instant> {
+        self.loss_at.take()
+    }
+
     /// Bytes of activation memory currently held.
     pub fn bytes(&self) -> usize {
         let xs: usize = self.xs.iter().map(|x| x.capacity() * 4).sum();
@@ -236,6 +245,7 @@ impl Model {
         matmul(&mut logits, &xn, wte, n, c, v, false, true, 0.0);
         let loss = crossentropy::crossentropy_forward(&mut losses, &mut probs, &logits, targets, n, v);
         if let Some(dloss) = dloss {
+            ws.loss_at = Some(std::time::Instant::now());
             // Reuse the logits buffer for d(logits).
             logits.fill(0.0);
             crossentropy::crossentropy_backward(&mut logits, &probs, targets, n, v, dloss);

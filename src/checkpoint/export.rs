@@ -1,5 +1,5 @@
 //! Export of GPT-2 parameters to a Hugging Face `transformers` directory (`model.safetensors`,
-//! `config.json`, optional `reference.json` for `scripts/check_export.py`).
+//! `config.json`, the tokenizer's files, optional `reference.json` for `scripts/check_export.py`).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -133,8 +133,30 @@ fn select_gpt2_tensors<'a>(params: &'a [NamedTensor], cfg: &Gpt2ExportConfig) ->
     Ok(out)
 }
 
-/// `reference.json` content: tokens and Tessera's mean next-token loss on them.
-fn reference_json(tokens: &[u32], loss: f32, vocab_size: usize) -> Result<Vec<u8>, CheckpointError> {
+/// What `reference.json` holds for `scripts/check_export.py`: a token sequence and Tessera's
+/// mean next-token loss on it (`loss` must be the mean cross-entropy of predicting
+/// `tokens[t+1]` from `tokens[..=t]` for all t, what `GPT2LMHeadModel(input_ids,
+/// labels=input_ids)` computes), and a sample text with the ids Tessera's tokenizer gives it
+/// and the text they decode back to (what the exported tokenizer must give too).
+#[derive(Debug, Clone, Copy)]
+pub struct ExportReference<'a> {
+    pub tokens: &'a [u32],
+    pub loss: f32,
+    pub text: Option<TokenizerSample<'a>>,
+}
+
+/// A text, the ids Tessera's tokenizer encodes it to, and the text those ids decode to (the
+/// text itself unless the tokenizer drops or changes characters).
+#[derive(Debug, Clone, Copy)]
+pub struct TokenizerSample<'a> {
+    pub text: &'a str,
+    pub ids: &'a [u32],
+    pub decoded: &'a str,
+}
+
+/// `reference.json` content (see [`ExportReference`]).
+fn reference_json(r: &ExportReference, vocab_size: usize) -> Result<Vec<u8>, CheckpointError> {
+    let (tokens, loss) = (r.tokens, r.loss);
     if tokens.len() < 2 {
         return Err(export_err(format!("reference needs at least 2 tokens, got {}", tokens.len())));
     }
@@ -144,23 +166,29 @@ fn reference_json(tokens: &[u32], loss: f32, vocab_size: usize) -> Result<Vec<u8
     if !loss.is_finite() {
         return Err(export_err(format!("reference loss {loss} is not finite")));
     }
-    let doc = serde_json::json!({ "tokens": tokens, "loss": loss });
+    let mut doc = serde_json::json!({ "tokens": tokens, "loss": loss });
+    if let Some(t) = r.text {
+        doc["text"] = t.text.into();
+        doc["text_ids"] = t.ids.into();
+        doc["text_decoded"] = t.decoded.into();
+    }
     serde_json::to_vec_pretty(&doc).map_err(|e| export_err(format!("cannot encode reference.json: {e}")))
 }
 
 /// Write a Hugging Face GPT-2 directory to `out_dir` (created if missing): `model.safetensors`
-/// (canonical names, f32, tied `lm_head` omitted, metadata `{"format": "pt"}`), `config.json`
-/// and, with `reference = Some((tokens, loss))`, `reference.json`. `loss` must be the mean
-/// cross-entropy of predicting `tokens[t+1]` from `tokens[..=t]` for all t (what
-/// `GPT2LMHeadModel(input_ids, labels=input_ids)` computes). Each file is replaced atomically.
+/// (canonical names, f32, tied `lm_head` omitted, metadata `{"format": "pt"}`), `config.json`,
+/// with a `reference` its `reference.json`, and each of `files` (name, bytes: the tokenizer's,
+/// [`super::tokenizer_files`]). Each file is replaced atomically; nothing else in `out_dir` is
+/// touched.
 pub fn export_hf_gpt2(
     out_dir: &Path,
     params: &[NamedTensor],
     cfg: &Gpt2ExportConfig,
-    reference: Option<(&[u32], f32)>,
+    reference: Option<&ExportReference>,
+    files: &[(&str, Vec<u8>)],
 ) -> Result<(), CheckpointError> {
     let tensors = select_gpt2_tensors(params, cfg)?;
-    let reference = reference.map(|(tokens, loss)| reference_json(tokens, loss, cfg.vocab_size)).transpose()?;
+    let reference = reference.map(|r| reference_json(r, cfg.vocab_size)).transpose()?;
     std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io("create export dir", out_dir, e))?;
     let dir = Dir::open(out_dir).map_err(|e| CheckpointError::io("open export dir", out_dir, e))?;
     let model = "model.safetensors";
@@ -169,6 +197,9 @@ pub fn export_hf_gpt2(
     write_file_atomic_in(&dir, "config.json", &config)?;
     if let Some(reference) = reference {
         write_file_atomic_in(&dir, "reference.json", &reference)?;
+    }
+    for (name, bytes) in files {
+        write_file_atomic_in(&dir, name, bytes)?;
     }
     Ok(())
 }

@@ -35,6 +35,10 @@ pub struct ResolvedResume {
     pub state: CheckpointState,
     /// Newer checkpoints under the root that were invalid (empty when DIR was a step dir).
     pub skipped: Vec<SkippedCheckpoint>,
+    /// The newest complete step folder under the root when it is newer than `dir` and was not
+    /// skipped: the root's `latest` named an older step (another run, or a hand edit, wrote it).
+    /// `None` when DIR was a step dir.
+    pub newer: Option<(u64, PathBuf)>,
 }
 
 /// Load and fully verify the step directory `dir`.
@@ -242,7 +246,7 @@ pub fn resolve_resume(path: &Path) -> Result<ResolvedResume, CheckpointError> {
     // manifest), not a checkpoint root without checkpoints.
     if path.join(MANIFEST_FILE).is_file() || (is_step_dir(path) && path.is_dir()) {
         let state = load(path)?;
-        return Ok(ResolvedResume { dir: path.to_path_buf(), state, skipped: Vec::new() });
+        return Ok(ResolvedResume { dir: path.to_path_buf(), state, skipped: Vec::new(), newer: None });
     }
     if !path.is_dir() {
         let details = if path.exists() { ": not a directory" } else { ": no such file or directory" };
@@ -250,7 +254,11 @@ pub fn resolve_resume(path: &Path) -> Result<ResolvedResume, CheckpointError> {
     }
     let latest = load_latest_valid(path)?;
     match latest.found {
-        Some((dir, state)) => Ok(ResolvedResume { dir, state, skipped: latest.skipped }),
+        Some((dir, state)) => {
+            let newest = list_checkpoints(path)?.into_iter().find(|(_, d)| d.join(MANIFEST_FILE).is_file());
+            let newer = newest.filter(|(step, d)| *step > state.step && !latest.skipped.iter().any(|s| &s.dir == d));
+            Ok(ResolvedResume { dir, state, skipped: latest.skipped, newer })
+        }
         None if latest.skipped.is_empty() => Err(CheckpointError::NotFound {
             path: path.to_path_buf(),
             details: ": it holds no step_NNNNNNNN folder and no manifest.json (expected a checkpoints root, such as \

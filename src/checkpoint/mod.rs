@@ -19,7 +19,9 @@
 mod dir;
 mod export;
 mod fsio;
+mod hf_tokenizer;
 mod load;
+mod lock;
 mod manifest;
 mod save;
 
@@ -31,10 +33,12 @@ mod tests_export;
 use std::io;
 use std::path::PathBuf;
 
-pub use export::{export_hf_gpt2, gpt2_expected_tensors, Gpt2ExportConfig};
+pub use export::{export_hf_gpt2, gpt2_expected_tensors, ExportReference, Gpt2ExportConfig, TokenizerSample};
+pub use hf_tokenizer::{byte_level_tokenizer_json, tokenizer_files, SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 pub use load::{
     list_checkpoints, list_restorable, load, load_latest_valid, resolve_resume, LatestValid, ResolvedResume, SkippedCheckpoint,
 };
+pub use lock::{LockError, OutputLock, LOCK_FILE};
 pub use save::save;
 pub(crate) use save::TMP_PREFIX;
 

@@ -27,7 +27,8 @@ pub(crate) const TMP_PREFIX: &str = ".tmp-step_";
 /// Prefix of a step directory being replaced by a re-save of the same step.
 pub(crate) const OLD_PREFIX: &str = ".old-step_";
 
-/// Save `state` as `root/step_{step:08}/`, atomically; update `root/latest`; then keep only the
+/// Save `state` as `root/step_{step:08}/`, atomically (refused when a parameter is not
+/// finite); update `root/latest`; then keep only the
 /// newest `keep_last` step dirs (0 = keep all). Returns the final step directory.
 ///
 /// A crash at any point leaves the previous complete checkpoints and possibly the new complete
@@ -41,6 +42,7 @@ pub(crate) const OLD_PREFIX: &str = ".old-step_";
 pub fn save(root: &Path, state: &CheckpointState, keep_last: usize) -> Result<PathBuf, CheckpointError> {
     validate_tensors("param", &state.params)?;
     validate_tensors("optim", &state.optim)?;
+    refuse_nonfinite(&state.params)?;
     ensure_root(root)?;
     let dir = Dir::open(root).map_err(|e| CheckpointError::io("open checkpoint root", root, e))?;
     clean_stale_temps(&dir)?;
@@ -56,6 +58,20 @@ pub fn save(root: &Path, state: &CheckpointState, keep_last: usize) -> Result<Pa
     write_file_atomic_in(&dir, LATEST_FILE, format!("{name}\n").as_bytes())?;
     prune(&dir, keep_last, state.step)?;
     Ok(root.join(&name))
+}
+
+/// A diverged state (a parameter NaN or infinite) is never checkpointed: `latest` would lead a
+/// resume, `generate` and `export` to it.
+fn refuse_nonfinite(params: &[NamedTensor]) -> Result<(), CheckpointError> {
+    for t in params {
+        if let Some(i) = t.data.iter().position(|x| !x.is_finite()) {
+            return Err(CheckpointError::InvalidState(format!(
+                "parameter `{}` holds {} at index {i}: a diverged state is not checkpointed",
+                t.name, t.data[i]
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn ensure_root(root: &Path) -> Result<(), CheckpointError> {

@@ -21,8 +21,11 @@ fn sample_state(step: u64) -> CheckpointState {
     let seed = step as u32;
     let mut odd = tensor("h.0.ln_1.bias", &[5], seed + 3);
     odd.data[0] = -0.0;
-    odd.data[1] = f32::from_bits(0x7fc0_1234); // NaN with payload must survive bit-exactly
     odd.data[2] = f32::MIN_POSITIVE / 8.0; // subnormal
+                                           // A NaN with payload must survive bit-exactly (in optimizer state: a parameter NaN is
+                                           // refused).
+    let mut odd_optim = tensor("exp_avg_sq/h.0.ln_1.bias", &[5], seed + 7);
+    odd_optim.data[1] = f32::from_bits(0x7fc0_1234);
     CheckpointState {
         step,
         config_hash: "cfg-abc123".into(),
@@ -31,7 +34,7 @@ fn sample_state(step: u64) -> CheckpointState {
         rng: serde_json::json!({"seed": 42, "counter": step * 7}),
         extra: serde_json::json!({"loss_scale": 65536.0, "lr_step": step}),
         params: vec![tensor("wte.weight", &[7, 4], seed), tensor("h.0.ln_1.weight", &[4], seed + 1), odd],
-        optim: vec![tensor("exp_avg/wte.weight", &[7, 4], seed + 5), tensor("flat", &[13], seed + 6)],
+        optim: vec![tensor("exp_avg/wte.weight", &[7, 4], seed + 5), tensor("flat", &[13], seed + 6), odd_optim],
     }
 }
 
@@ -523,4 +526,49 @@ fn a_save_leaves_nothing_half_written_whatever_fails_and_wherever_its_folder_mov
             }
         }
     }
+}
+
+#[test]
+fn a_nonfinite_parameter_is_refused_and_latest_keeps_the_previous_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ckpt");
+    save(&root, &sample_state(1), 0).unwrap();
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut state = sample_state(2);
+        state.params[1].data[3] = bad;
+        let msg = save(&root, &state, 0).unwrap_err().to_string();
+        assert!(msg.contains("`h.0.ln_1.weight`") && msg.contains("index 3") && msg.contains("diverged"), "{msg}");
+    }
+    assert_eq!(step_names(&root), vec!["step_00000001"], "a refused save leaves nothing behind");
+    assert_eq!(fs::read_to_string(root.join(LATEST_FILE)).unwrap().trim(), "step_00000001");
+}
+
+#[test]
+fn a_second_lock_on_an_output_folder_is_refused_naming_the_holder_and_freed_on_drop() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A lock file left by a run that died holds no lock: it is taken over.
+    fs::write(tmp.path().join(LOCK_FILE), "999999999\n").unwrap();
+    let held = OutputLock::acquire(tmp.path()).unwrap();
+    assert_eq!(fs::read_to_string(held.path()).unwrap().trim(), std::process::id().to_string());
+    // flock locks belong to open files: a second open in this process conflicts like another
+    // process would.
+    let msg = OutputLock::acquire(tmp.path()).unwrap_err().to_string();
+    assert!(msg.contains(&format!("pid {}", std::process::id())) && msg.contains("in use by another run"), "{msg}");
+    drop(held);
+    OutputLock::acquire(tmp.path()).expect("the lock is free once its holder is gone");
+}
+
+#[test]
+fn resume_from_a_root_says_when_latest_names_an_older_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("ckpt");
+    save(&root, &sample_state(3), 0).unwrap();
+    save(&root, &sample_state(5), 0).unwrap();
+    assert_eq!(resolve_resume(&root).unwrap().newer, None, "latest names the newest step");
+    fs::write(root.join(LATEST_FILE), "step_00000003\n").unwrap();
+    let r = resolve_resume(&root).unwrap();
+    assert_eq!(r.state.step, 3, "latest is followed");
+    assert_eq!(r.newer, Some((5, root.join("step_00000005"))));
+    // A step folder given directly is what the user asked for: nothing to say.
+    assert_eq!(resolve_resume(&root.join("step_00000003")).unwrap().newer, None);
 }

@@ -30,7 +30,7 @@ fn export_round_trip_names_shapes_data_and_config() {
     let mut head = params.iter().find(|t| t.name == "wte.weight").unwrap().clone();
     head.name = "lm_head.weight".into();
     params.push(head);
-    export_hf_gpt2(&out, &params, &cfg, Some((&[1, 5, 10, 2], 2.25))).unwrap();
+    export_hf_gpt2(&out, &params, &cfg, Some(&ExportReference { tokens: &[1, 5, 10, 2], loss: 2.25, text: None }), &[]).unwrap();
 
     let bytes = fs::read(out.join("model.safetensors")).unwrap();
     let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
@@ -69,7 +69,7 @@ fn export_round_trip_names_shapes_data_and_config() {
     assert_eq!(reference["tokens"], serde_json::json!([1, 5, 10, 2]));
     assert_eq!(reference["loss"], 2.25);
     // exporting again over the same directory replaces the files
-    export_hf_gpt2(&out, &params, &cfg, None).unwrap();
+    export_hf_gpt2(&out, &params, &cfg, None, &[]).unwrap();
     assert!(fs::read_dir(&out).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp")));
 }
 
@@ -79,18 +79,18 @@ fn export_reports_missing_mismatched_and_foreign_tensors() {
     let cfg = tiny_cfg();
     let mut params = gpt2_params(&cfg);
     params.retain(|t| t.name != "h.1.mlp.c_fc.bias");
-    let msg = export_hf_gpt2(tmp.path(), &params, &cfg, None).unwrap_err().to_string();
+    let msg = export_hf_gpt2(tmp.path(), &params, &cfg, None, &[]).unwrap_err().to_string();
     assert!(msg.contains("missing tensor `h.1.mlp.c_fc.bias`") && msg.contains("[16]"), "{msg}");
 
     let mut params = gpt2_params(&cfg);
     let t = params.iter_mut().find(|t| t.name == "h.0.attn.c_proj.weight").unwrap();
     t.shape = vec![2, 8];
-    let msg = export_hf_gpt2(tmp.path(), &params, &cfg, None).unwrap_err().to_string();
+    let msg = export_hf_gpt2(tmp.path(), &params, &cfg, None, &[]).unwrap_err().to_string();
     assert!(msg.contains("h.0.attn.c_proj.weight") && msg.contains("[2, 8]") && msg.contains("[4, 4]"), "{msg}");
 
     let mut params = gpt2_params(&cfg);
     params.push(NamedTensor { name: "layers.0.attention.wq.weight".into(), shape: vec![1], data: vec![0.0] });
-    let msg = export_hf_gpt2(tmp.path(), &params, &cfg, None).unwrap_err().to_string();
+    let msg = export_hf_gpt2(tmp.path(), &params, &cfg, None, &[]).unwrap_err().to_string();
     assert!(msg.contains("layers.0.attention.wq.weight") && msg.contains("GPT-2"), "{msg}");
 
     let mut params = gpt2_params(&cfg);
@@ -98,7 +98,7 @@ fn export_reports_missing_mismatched_and_foreign_tensors() {
     head.name = "lm_head.weight".into();
     head.data[3] += 1.0;
     params.push(head);
-    assert!(export_hf_gpt2(tmp.path(), &params, &cfg, None).unwrap_err().to_string().contains("lm_head"));
+    assert!(export_hf_gpt2(tmp.path(), &params, &cfg, None, &[]).unwrap_err().to_string().contains("lm_head"));
     assert!(!tmp.path().join("model.safetensors").exists());
 }
 
@@ -107,13 +107,15 @@ fn export_validates_reference_and_config() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = tiny_cfg();
     let params = gpt2_params(&cfg);
-    let msg = export_hf_gpt2(tmp.path(), &params, &cfg, Some((&[1, 11], 1.0))).unwrap_err().to_string();
+    let msg = export_hf_gpt2(tmp.path(), &params, &cfg, Some(&ExportReference { tokens: &[1, 11], loss: 1.0, text: None }), &[])
+        .unwrap_err()
+        .to_string();
     assert!(msg.contains("11") && msg.contains("vocab_size"), "{msg}");
-    assert!(export_hf_gpt2(tmp.path(), &params, &cfg, Some((&[1], 1.0))).is_err());
-    assert!(export_hf_gpt2(tmp.path(), &params, &cfg, Some((&[1, 2], f32::NAN))).is_err());
+    assert!(export_hf_gpt2(tmp.path(), &params, &cfg, Some(&ExportReference { tokens: &[1], loss: 1.0, text: None }), &[]).is_err());
+    assert!(export_hf_gpt2(tmp.path(), &params, &cfg, Some(&ExportReference { tokens: &[1, 2], loss: f32::NAN, text: None }), &[]).is_err());
     let mut bad = cfg.clone();
     bad.n_head = 3;
-    assert!(export_hf_gpt2(tmp.path(), &params, &bad, None).unwrap_err().to_string().contains("n_head"));
+    assert!(export_hf_gpt2(tmp.path(), &params, &bad, None, &[]).unwrap_err().to_string().contains("n_head"));
     assert_eq!(Gpt2ExportConfig::new(50257, 1024, 768, 12, 12).bos_token_id, 50256);
     assert_eq!(Gpt2ExportConfig::new(50304, 1024, 768, 12, 12).eos_token_id, 50256);
 }

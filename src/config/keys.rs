@@ -318,6 +318,7 @@ static TESSERA: &[KeyInfo] = &[
     k("tessera.jsonl_monitor", Bool, H, "default true"),
     k("tessera.world", UInt, H, "number of workers, at least 1; default 1 (`--world` or `--nprocs` wins)"),
     k("tessera.activation_checkpointing", Bool, H, "default false; recompute activations"),
+    k("tessera.nonfinite_loss_steps", UInt, H, "a run whose loss is NaN or infinite this many steps in a row stops with an error naming the step (no checkpoint of a non-finite loss is written); default 3; 0 = never stops"),
     k("tessera.elastic", Section, H, "elastic runtime of worker processes: `train --nprocs N`, `tessera coordinator`, `tessera launch` (docs/ELASTIC.md); `elasticity.enabled` also switches it on"),
     k("tessera.elastic.enabled", Bool, H, "default false (= elasticity.enabled): a lost worker ends the run"),
     k("tessera.elastic.heartbeat_ms", UInt, H, "worker heartbeat period, at least 1; default 100"),

@@ -287,6 +287,10 @@ pub(crate) fn parse_aio(root: &Value) -> KindResult<AioConfig> {
     })
 }
 
+/// Consecutive steps with a non-finite loss after which a run stops, by default: a diverged run
+/// (NaN or infinite loss, every step skipped) ends with an error instead of running on.
+pub const NONFINITE_LOSS_STEPS_DEFAULT: u64 = 3;
+
 /// Tessera's own keys (the `"tessera"` section).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TesseraConfig {
@@ -306,6 +310,9 @@ pub struct TesseraConfig {
     /// Number of workers (the command line's world size wins).
     pub world: usize,
     pub activation_checkpointing: bool,
+    /// A run stops (with an error) after this many consecutive steps whose loss is not finite;
+    /// 0 = never.
+    pub nonfinite_loss_steps: u64,
     /// Per-rank budget, in bytes, for the model states a rank keeps resident ("device"
     /// memory); offloaded states do not count. None = unbounded.
     pub device_memory_bytes_max: Option<u64>,
@@ -328,6 +335,7 @@ impl Default for TesseraConfig {
             jsonl_monitor: true,
             world: 1,
             activation_checkpointing: false,
+            nonfinite_loss_steps: NONFINITE_LOSS_STEPS_DEFAULT,
             device_memory_bytes_max: None,
         }
     }
@@ -354,6 +362,7 @@ pub(crate) fn parse_tessera(root: &Value) -> KindResult<TesseraConfig> {
         jsonl_monitor: t.bool("jsonl_monitor", d.jsonl_monitor)?,
         world: usize_of("world", t.positive_u64("world", 1)?)?,
         activation_checkpointing: t.bool("activation_checkpointing", false)?,
+        nonfinite_loss_steps: t.u64("nonfinite_loss_steps", d.nonfinite_loss_steps)?,
         device_memory_bytes_max: t.opt_u64("device_memory_bytes_max")?,
     })
 }

@@ -501,6 +501,9 @@ pub struct Reconfigured {
     /// Workers that drained and joined.
     pub drained: usize,
     pub joined: usize,
+    /// Seconds the formation of the epoch waited for its members (joins below `min_workers`):
+    /// not training time.
+    pub join_wait_s: f64,
 }
 
 /// The newest epoch whose every member got its first full replica copy: a loss is restored
@@ -943,11 +946,13 @@ impl Fleet {
         let mut losses = 0;
         // (drained, joined) over every epoch formed meanwhile, also ones lost again at once.
         let mut moved = (0, 0);
+        // Seconds every attempt's formation waited for its members.
+        let mut join_wait_s = 0.0;
         for _ in 0..attempts {
             losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
-            if let Some(mut r) = self.try_reconfigure(at, dataset, restore, &mut moved)? {
+            if let Some(mut r) = self.try_reconfigure(at, dataset, restore, &mut moved, &mut join_wait_s)? {
                 losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
-                (r.losses, r.drained, r.joined) = (losses, moved.0, moved.1);
+                (r.losses, r.drained, r.joined, r.join_wait_s) = (losses, moved.0, moved.1, join_wait_s);
                 return Ok(r);
             }
         }
@@ -964,6 +969,7 @@ impl Fleet {
         dataset: &Dataset,
         restore: &Restore<'_>,
         moved: &mut (usize, usize),
+        join_wait_s: &mut f64,
     ) -> Result<Option<Reconfigured>> {
         let shared = Arc::clone(&self.shared);
         // 1. Who is left and what they hold (members, and drainers not yet let go).
@@ -1074,6 +1080,7 @@ impl Fleet {
             }
         };
         self.admitted = form.into_admitted();
+        *join_wait_s += began.elapsed().as_secs_f64();
         if next.iter().any(|m| shared.is_fenced(m.id)) {
             return Ok(None);
         }
@@ -1169,7 +1176,8 @@ impl Fleet {
         }
         moved.0 += self.install();
         let computes = self.computes();
-        Ok(Some(Reconfigured { plan, computes, step: start.step, source, from_memory, losses: 0, drained: moved.0, joined: moved.1 }))
+        let (drained, joined) = *moved;
+        Ok(Some(Reconfigured { plan, computes, step: start.step, source, from_memory, losses: 0, drained, joined, join_wait_s: 0.0 }))
     }
 
     /// Marks the current epoch installed (every member holds its first full replica copy):

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tessera_transport::quic::pki::check_cert_names_node;
-use tessera_transport::quic::{ControlConn, ControlEndpoint};
+use tessera_transport::quic::{ControlConn, ControlEndpoint, RefusalLog};
 
 use super::elastic::{relock, Beat, Joiner, Shared};
 use super::remote::{node_name, AgentAuth, STARTUP_TIMEOUT_MS};
@@ -144,11 +144,12 @@ pub(super) fn acceptor(shared: Arc<Shared>, endpoint: Arc<ControlEndpoint>, earl
     for (conn, first) in early {
         serve(conn, Some(first));
     }
+    let mut refusals = RefusalLog::new("elastic: refused a connection");
     while !shared.closing.load(Ordering::SeqCst) {
         match endpoint.accept(ACCEPT_POLL_MS) {
             Ok(Some(conn)) => serve(conn, None),
             Ok(None) => {}
-            Err(why) => tracing::info!("elastic: refused a connection: {why}"),
+            Err(why) => refusals.refused(&why),
         }
     }
 }

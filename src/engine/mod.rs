@@ -32,6 +32,6 @@ pub use remote::{
     assign_ranks, control_server_config, set_rendezvous, take_rendezvous, AgentAuth, Launched, Rendezvous, COORDINATOR_NAME,
     JOIN_TIMEOUT_MS,
 };
-pub(crate) use run::{checkpoint_tensors, log_line, progress_bar, refuse_to_overwrite, resume_start};
+pub(crate) use run::{checkpoint_tensors, lock_output, log_line, progress_bar, refuse_to_overwrite, resume_start};
 pub use run::{train, validate, TrainOptions, TrainOutcome};
 pub use summary::{peak_rss_bytes, ElasticSummary, MemoryBytes, RunRecord, RunStatus, Summary};

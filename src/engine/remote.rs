@@ -82,7 +82,7 @@ use anyhow::{bail, Context, Result};
 use tessera_actors::remote::{ActorCall, Downlink, RemoteNodeSpec, UpSink};
 use tessera_actors::DEFAULT_STEP_TIMEOUT_MS;
 use tessera_transport::quic::pki::check_cert_names_node;
-use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, JoinToken, NodeTls, ALPN_CONTROL};
+use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, JoinToken, NodeTls, RefusalLog, ALPN_CONTROL};
 
 use super::plan::Plan;
 use super::ranks::{master_window, OptimBuffers, RankCounters, Start};
@@ -609,6 +609,7 @@ pub(super) fn accept_workers(
 ) -> Result<Vec<Hello>> {
     let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
     let mut got: Vec<Option<Hello>> = (0..world).map(|_| None).collect();
+    let mut refusals = RefusalLog::new("warning: refused a control connection");
     while got.iter().any(Option::is_none) {
         if let Some(who) = exited() {
             bail!("{who} during start-up");
@@ -620,7 +621,7 @@ pub(super) fn accept_workers(
             Ok(Some(c)) => c,
             Ok(None) => continue,
             Err(why) => {
-                tracing::warn!("refused a control connection: {why}");
+                refusals.refused(&why);
                 continue;
             }
         };
@@ -908,6 +909,7 @@ fn gather_agents(rdv: &Rendezvous, launched_exit: &dyn Fn() -> Option<String>) -
     let started = Instant::now();
     let deadline = started + Duration::from_millis(rdv.join_timeout_ms);
     let mut joined: Vec<Joined> = Vec::new();
+    let mut refusals = RefusalLog::new("coordinator: refused a connection");
     let mut last_ping = Instant::now();
     let list = |j: &[Joined]| match j.is_empty() {
         true => "none".to_string(),
@@ -947,10 +949,10 @@ fn gather_agents(rdv: &Rendezvous, launched_exit: &dyn Fn() -> Option<String>) -
                     tracing::info!("coordinator: {} joined ({} of {})", j.who(), joined.len() + 1, rdv.nodes);
                     joined.push(j);
                 }
-                Err(NotAdmitted(why)) => tracing::info!("coordinator: refused a connection: {why}"),
+                Err(NotAdmitted(why)) => refusals.refused(&why),
             },
             Ok(None) => {}
-            Err(why) => tracing::info!("coordinator: refused a connection: {why}"),
+            Err(why) => refusals.refused(&why),
         }
     }
     Ok(joined)

@@ -122,6 +122,16 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: 
     for s in resolved.skipped.iter().filter(|_| verbose) {
         tracing::warn!("skipped checkpoint {}: {}", s.dir.display(), s.error);
     }
+    if let (Some((step, newer)), true) = (&resolved.newer, verbose) {
+        tracing::warn!(
+            "{}/latest names step {}, but {} (step {step}) is newer: resuming from the one `latest` names; pass \
+             --resume {} to continue from the newer one",
+            dir.display(),
+            resolved.state.step,
+            newer.display(),
+            newer.display()
+        );
+    }
     let (path, ck) = (resolved.dir, resolved.state);
     if ck.model != cfg.tessera.model {
         bail!("checkpoint {} holds model `{}` but the config asks for `{}`", path.display(), ck.model, cfg.tessera.model);
@@ -191,6 +201,16 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: 
             cursor.seed
         );
     }
+    // Samples are windows of seq_len tokens: another length is another data order. (Older
+    // checkpoints do not record it.)
+    if let Some(was) = extra.get("seq_len").and_then(serde_json::Value::as_u64).filter(|&n| n != plan.seq_len as u64) {
+        bail!(
+            "checkpoint {} was trained with seq_len {was} but this run has {}: the data order would change; resume with \
+             --set tessera.seq_len={was}",
+            path.display(),
+            plan.seq_len
+        );
+    }
     if cursor.cursor != plan.first_sample(ck.step, 0) {
         let per_step = plan.micro_batches * plan.micro;
         if ck.step > 0 && cursor.cursor % ck.step == 0 {
@@ -210,6 +230,9 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: 
             ck.step,
             plan.micro_batches * plan.micro
         );
+    }
+    if verbose {
+        crate::outln!("resuming from checkpoint {} (step {})", path.display(), ck.step);
     }
     let start = Start {
         step: ck.step,
@@ -283,6 +306,22 @@ pub(crate) fn restore_choice<S>(
     }
 }
 
+/// Creates the output folder `dir` if missing and locks it for this run (a second run on it is
+/// refused, naming the holder's pid); returns the lock and whether the folder was made here.
+pub(crate) fn lock_output(dir: &Path) -> Result<(checkpoint::OutputLock, bool)> {
+    let made = !dir.exists();
+    std::fs::create_dir_all(dir).with_context(|| format!("creating output directory {}", dir.display()))?;
+    match checkpoint::OutputLock::acquire(dir) {
+        Ok(lock) => Ok((lock, made)),
+        Err(e) => {
+            if made {
+                let _ = std::fs::remove_dir(dir);
+            }
+            Err(e.into())
+        }
+    }
+}
+
 /// A fresh run never writes over another run's checkpoints: nothing is lost by accident.
 pub(crate) fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
     let found = checkpoint::list_checkpoints(ckpt_root).unwrap_or_default();
@@ -334,6 +373,7 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
             "loss_scaler": c.scaler,
             "world_size": plan.world,
             "zero_stage": plan.stage,
+            "seq_len": plan.seq_len,
             "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
             "data": data,
         }),
@@ -356,6 +396,25 @@ fn evaluate(plan: &Plan, ranks: &Ranks, batches: &[data::TokenBatch], ws: &mut W
         })
         .sum();
     Ok(total / batches.len().max(1) as f64)
+}
+
+/// DeepSpeed's `wall_clock_breakdown` timer tags (ms) for a committed step, as its engine
+/// writes them to the monitors from rank 0: rank 0's forward, backward (its computation and
+/// its waits on gradient communication, also apart) and the optimizer step (the commit phase,
+/// as the ClusterSupervisor timed it). See [`tessera_actors::compute::PhaseTimes`].
+fn timer_events(res: &StepResult, samples: u64) -> Vec<Event> {
+    let p = res.per_rank.first().map(|p| p.phases).unwrap_or_default();
+    let ms = |s: f64| s * 1e3;
+    [
+        ("forward", ms(p.forward_s)),
+        ("backward", ms(p.backward_inner_s + p.backward_allreduce_s)),
+        ("backward_inner", ms(p.backward_inner_s)),
+        ("backward_allreduce", ms(p.backward_allreduce_s)),
+        ("step", ms(res.commit_s)),
+    ]
+    .into_iter()
+    .map(|(name, v)| Event::new(format!("Train/Samples/elapsed_time_ms_{name}"), v, samples))
+    .collect()
 }
 
 /// A step line (header, loss, validation, elastic events): on standard output, with the
@@ -408,6 +467,8 @@ struct Run<'a> {
     elastic: Option<ElasticRunState>,
     /// The data's record ([`data::Dataset::record`]), written into every checkpoint.
     data: serde_json::Value,
+    /// The hold on `out_dir` (released when the run ends, or with the process).
+    _lock: checkpoint::OutputLock,
 }
 
 /// What an elastic run keeps besides its ranks.
@@ -436,6 +497,10 @@ struct Tally {
     abandoned: u64,
     /// Each rank's `bytes_sent_total` after the previous step.
     rank_bytes: Vec<u64>,
+    /// Steps in a row whose loss was not finite (up to the last one).
+    nonfinite_steps: u64,
+    /// Seconds recoveries waited for workers to join (not training time).
+    join_wait_s: f64,
 }
 
 /// Most of what `train` checks before it starts (`tessera config check` runs it): the data
@@ -458,30 +523,32 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
     let plan = Arc::new(Plan::new(cfg, &dataset)?);
     let data = dataset.record();
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
-    // An elastic run falls back on the very checkpoint it resumed from, not on whatever
-    // `--resume`'s folder (maybe this run's own checkpoint root) holds newest by then.
-    let (start, resumed_from) = match &opts.resume {
-        Some(dir) => resume_point(cfg, &plan, dir, true, Some(&data)).map(|(start, path)| (start, Some(path)))?,
-        None => {
-            refuse_to_overwrite(&out_dir.join("checkpoints"))?;
-            (fresh_start(cfg, &plan), None)
-        }
-    };
-    let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?);
-    let val =
-        data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
-    let er = config::elastic_run(cfg)?;
-    // Made once the resume point and the settings are known good: a refused run leaves no
-    // empty output directory behind, nor does one whose workers never start (no agent joined):
-    // `remove_dir` takes the directory away only while it is empty, so any log is kept.
-    let made = !out_dir.exists();
-    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
+    // Locked before anything in it is read or written: a second run on this output is refused.
+    let (lock, made) = lock_output(&out_dir)?;
+    // A refused run leaves no empty output directory behind, nor does one whose workers never
+    // start (no agent joined): `remove_dir` takes the directory away only while it is empty
+    // (the lock file aside), so any log is kept.
     let unmade = |e: anyhow::Error| {
         if made {
+            let _ = std::fs::remove_file(lock.path());
             let _ = std::fs::remove_dir(&out_dir);
         }
         e
     };
+    // An elastic run falls back on the very checkpoint it resumed from, not on whatever
+    // `--resume`'s folder (maybe this run's own checkpoint root) holds newest by then.
+    let (start, resumed_from) = match &opts.resume {
+        Some(dir) => resume_point(cfg, &plan, dir, true, Some(&data)).map(|(start, path)| (start, Some(path))).map_err(unmade)?,
+        None => {
+            refuse_to_overwrite(&out_dir.join("checkpoints")).map_err(unmade)?;
+            (fresh_start(cfg, &plan), None)
+        }
+    };
+    let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data").map_err(unmade)?);
+    let val = data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize)
+        .context("validation data")
+        .map_err(unmade)?;
+    let er = config::elastic_run(cfg).map_err(|e| unmade(e.into()))?;
     let rendezvous = super::remote::take_rendezvous();
     let elastic_fleet = opts.processes && er.enabled;
     if let (Some(path), false) = (&opts.worker_net, elastic_fleet && rendezvous.is_none()) {
@@ -508,7 +575,8 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         let ranks = Ranks::Remote(Box::new(procs));
         let cluster = Cluster::start_remote(nodes, cluster_options(opts, None)).context("starting the actor tree")?;
         let monitors = bridge::monitors(cfg, &out_dir)?;
-        let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic, data };
+        let ws = Workspace::default();
+        let run = Run { cfg, plan, ranks, cluster, val, monitors, ws, out_dir, step: start.step, elastic, data, _lock: lock };
         return Ok((run, dataset));
     }
     let (ranks, workers) = if elastic_fleet {
@@ -539,7 +607,8 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         fleet.set_stopper(cluster.stopper());
     }
     let monitors = bridge::monitors(cfg, &out_dir)?;
-    let run = Run { cfg, plan, ranks, cluster, val, monitors, ws: Workspace::default(), out_dir, step: start.step, elastic, data };
+    let ws = Workspace::default();
+    let run = Run { cfg, plan, ranks, cluster, val, monitors, ws, out_dir, step: start.step, elastic, data, _lock: lock };
     Ok((run, dataset))
 }
 
@@ -552,7 +621,7 @@ impl Run<'_> {
     /// One committed step plus its logging, evaluation and checkpoint.
     fn step_once(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset) -> Result<()> {
         let cfg = self.cfg;
-        let t0 = Instant::now();
+        let (t0, join_wait_s) = (Instant::now(), t.join_wait_s);
         let res = match self.elastic.is_some() {
             true => self.elastic_run_step(pb, t, dataset)?,
             false => self.cluster.run_step(self.step).with_context(|| format!("step {}", self.step))?,
@@ -561,7 +630,9 @@ impl Run<'_> {
         if self.elastic.is_some() {
             self.elastic_after_commit(pb, t, dataset)?;
         }
-        t.train_s += t0.elapsed().as_secs_f64();
+        // Waiting for workers to join is not training: tokens/s leaves it out.
+        let step_s = (t0.elapsed().as_secs_f64() - (t.join_wait_s - join_wait_s)).max(0.0);
+        t.train_s += step_s;
         t.steps_run += 1;
         t.abandoned += res.abandoned_attempts.len() as u64;
         // After a recovery the plan is the new epoch's.
@@ -573,6 +644,7 @@ impl Run<'_> {
         t.rank_bytes = totals;
         let norm = res.grad_norm.unwrap_or(f64::NAN);
         let overflow = res.overflow;
+        t.nonfinite_steps = if loss.is_finite() { 0 } else { t.nonfinite_steps + 1 };
         t.last_loss = loss;
         t.train_curve.push((self.step, loss));
         let samples = plan.first_sample(self.step, 0);
@@ -588,6 +660,11 @@ impl Run<'_> {
         }
         if let Some(scale) = scale {
             events.push(Event::new("Train/Samples/loss_scale", f64::from(scale), samples));
+        }
+        events.push(Event::new("Train/Samples/grad_norm", norm, samples));
+        events.push(Event::new("Train/Samples/tokens_per_s", plan.tokens_per_step() as f64 / step_s.max(1e-9), samples));
+        if cfg.wall_clock_breakdown {
+            events.extend(timer_events(&res, samples));
         }
         let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
         pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
@@ -621,7 +698,11 @@ impl Run<'_> {
             log_line(pb, format!("step {:>6} | val loss {v:.4}", self.step));
         }
         self.monitors.write(&events).context("writing monitors")?;
-        if (cfg.tessera.checkpoint_interval > 0 && self.step % cfg.tessera.checkpoint_interval == 0) || last {
+        self.stop_if_diverged(t, loss)?;
+        let due = (cfg.tessera.checkpoint_interval > 0 && self.step % cfg.tessera.checkpoint_interval == 0) || last;
+        if due && !loss.is_finite() {
+            log_line(pb, format!("warning: checkpoint of step {} not written: its loss is {loss}", self.step));
+        } else if due {
             let saved = self.with_recovery(pb, t, dataset, |run| run.save_checkpoint());
             if let Ranks::Elastic(fleet) = &self.ranks {
                 fleet.checkpointed(self.step, saved.as_deref().map_err(|e| format!("{e:#}")));
@@ -638,6 +719,29 @@ impl Run<'_> {
             }
         }
         Ok(())
+    }
+
+    /// Ends the run with an error once the loss has not been finite for
+    /// `tessera.nonfinite_loss_steps` steps in a row (`loss` is this step's).
+    fn stop_if_diverged(&mut self, t: &Tally, loss: f64) -> Result<()> {
+        let limit = self.cfg.tessera.nonfinite_loss_steps;
+        if limit == 0 || t.nonfinite_steps < limit {
+            return Ok(());
+        }
+        // Monitors written so far stay readable.
+        let _ = self.monitors.flush();
+        let kept = match &t.last_ckpt {
+            Some(p) => format!("the last checkpoint written, {}, had a finite loss", p.display()),
+            None => "no checkpoint was written".to_string(),
+        };
+        bail!(
+            "step {}: the loss is {loss}, and has not been finite for {} steps in a row (from step {}): the run diverged and \
+             stops (tessera.nonfinite_loss_steps = {limit}); {kept}. Lower the learning rate, or check the data and the \
+             precision settings",
+            self.step,
+            t.nonfinite_steps,
+            self.step + 1 - t.nonfinite_steps
+        )
     }
 
     /// Whether an elastic run has a membership change to handle (waiting up to `settle_ms`
@@ -858,6 +962,7 @@ impl Run<'_> {
                         tracing::warn!("stopping the previous epoch's actor tree: {e}");
                     }
                     t.rank_bytes = vec![0; self.plan.world];
+                    t.join_wait_s += rec.join_wait_s;
                     let from_memory = rec.from_memory;
                     if let Some(el) = self.elastic.as_mut() {
                         let s = &mut el.stats;
@@ -919,6 +1024,10 @@ impl Run<'_> {
         }
         while self.step < self.cfg.tessera.steps {
             if let Some(why) = signals::requested() {
+                if t.nonfinite_steps > 0 {
+                    log_line(pb, format!("interrupted ({why}): stopped after step {}; not saved: its loss is {}", self.step, t.last_loss));
+                    return Ok(Some(why));
+                }
                 let path = self.with_recovery(pb, t, dataset, |run| run.save_checkpoint())?;
                 log_line(pb, format!("interrupted ({why}): stopped after step {}; saved {}", self.step, path.display()));
                 t.last_ckpt = Some(path);

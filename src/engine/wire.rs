@@ -30,7 +30,7 @@ use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor::Error as RkyvError;
 use rkyv::ser::allocator::ArenaHandle;
 use rkyv::util::AlignedVec;
-use tessera_actors::compute::{MemoryReport, Prepared, StepOrder};
+use tessera_actors::compute::{MemoryReport, PhaseTimes, Prepared, StepOrder};
 use tessera_actors::remote::{ActorCall, ActorEvent};
 use tessera_transport::quic::control::{ControlError, LANE_ACTORS, LANE_REQUESTS};
 use tessera_transport::quic::ControlConn;
@@ -156,6 +156,8 @@ pub struct WirePrepared {
     pub compute_s_bits: u64,
     pub busy_s_bits: u64,
     pub busy_micro_batches: u64,
+    /// `PhaseTimes`' forward, backward inner and backward allreduce seconds, as bits.
+    pub phases_bits: [u64; 3],
 }
 
 impl WirePrepared {
@@ -170,6 +172,7 @@ impl WirePrepared {
             compute_s_bits: p.compute_s.to_bits(),
             busy_s_bits: p.busy_s.to_bits(),
             busy_micro_batches: p.busy_micro_batches as u64,
+            phases_bits: [p.phases.forward_s, p.phases.backward_inner_s, p.phases.backward_allreduce_s].map(f64::to_bits),
         }
     }
 
@@ -184,6 +187,11 @@ impl WirePrepared {
             compute_s: f64::from_bits(self.compute_s_bits),
             busy_s: f64::from_bits(self.busy_s_bits),
             busy_micro_batches: self.busy_micro_batches as usize,
+            phases: PhaseTimes {
+                forward_s: f64::from_bits(self.phases_bits[0]),
+                backward_inner_s: f64::from_bits(self.phases_bits[1]),
+                backward_allreduce_s: f64::from_bits(self.phases_bits[2]),
+            },
         }
     }
 }

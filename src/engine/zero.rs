@@ -40,7 +40,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::compute::{MemoryReport, PhaseTimes, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::dtype::{round_to, DType};
 use tessera_kernels::model::{UnitAccess, Workspace};
 use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, StepContext, StepOutcome};
@@ -428,6 +428,8 @@ struct Computed {
     /// the waits on its peers), and their number.
     busy_s: f64,
     busy_micro_batches: usize,
+    /// Where the time went (the gradient's norm and all-gather are added by the prepare).
+    phases: PhaseTimes,
 }
 
 /// What the optimizer part of a commit did (for the replicas' step records).
@@ -553,24 +555,33 @@ impl ZeroWorker {
         let mut acc = StepAccess::new(Arc::clone(&plan), *rank, params, lane, Arc::clone(&owner));
         let mut loss = 0.0f64;
         let mut busy = Duration::ZERO;
+        let mut phases = PhaseTimes::default();
         // Slots in which every rank computes: the ones measured (see `Prepared::busy_s`).
         let common = plan.counts().into_iter().min().unwrap_or(0);
         for s in 0..plan.slots() {
+            let t0 = Instant::now();
             match leaves.get(s) {
                 Some(&i) => {
                     sampler.fill(plan.first_sample(step, i), mb, &mut inputs, &mut targets);
                     acc.begin_slot(s, true);
-                    let (t0, waited) = (Instant::now(), acc.waited);
+                    let (t0, waited, grad_waited) = (Instant::now(), acc.waited, acc.grad_waited);
                     loss += f64::from(plan.model.forward_backward(&mut acc, &inputs, &targets, mb, t, dloss, ws));
+                    let end = Instant::now();
                     if s < common {
-                        busy += t0.elapsed().saturating_sub(acc.waited.saturating_sub(waited));
+                        busy += (end - t0).saturating_sub(acc.waited.saturating_sub(waited));
                     }
+                    let forward = ws.take_loss_instant().unwrap_or(end).saturating_duration_since(t0);
+                    let reduce = acc.grad_waited.saturating_sub(grad_waited);
+                    phases.forward_s += forward.as_secs_f64();
+                    phases.backward_inner_s += (end - t0).saturating_sub(forward + reduce).as_secs_f64();
+                    phases.backward_allreduce_s += reduce.as_secs_f64();
                 }
                 // A rank with fewer micro-batches still serves its shards to the others'
                 // gathers and joins their gradient exchanges, with nothing of its own to send.
                 None if plan.gathers() || plan.slot_active(s) => {
                     acc.begin_slot(s, false);
                     acc.replay();
+                    phases.backward_allreduce_s += t0.elapsed().as_secs_f64();
                 }
                 None => continue,
             }
@@ -581,17 +592,19 @@ impl ZeroWorker {
         }
         let (error, tickets) = acc.finish();
         // Every queued exchange is waited for, also after an error, so none is left running.
+        let tail = Instant::now();
         let mut first_err = error;
         for ticket in tickets {
             if let Err(e) = ticket.wait().and_then(|r| r) {
                 first_err.get_or_insert(e);
             }
         }
+        phases.backward_allreduce_s += tail.elapsed().as_secs_f64();
         if let Some(e) = first_err {
             return Err(e);
         }
         let sums = std::mem::replace(&mut *lock(&owner), OwnerSums::new(&plan, self.rank));
-        Ok(Computed { loss, grad: sums.finish(&plan)?, busy_s: busy.as_secs_f64(), busy_micro_batches: common })
+        Ok(Computed { loss, grad: sums.finish(&plan)?, busy_s: busy.as_secs_f64(), busy_micro_batches: common, phases })
     }
 
     /// Unscales, measures the global norm, clips and rounds this rank's reduced range.
@@ -662,9 +675,10 @@ impl ZeroWorker {
         st.master.release();
         st.optim.release();
         let scale = st.scaler.as_ref().map_or(1.0, LossScaler::scale);
-        let Computed { loss: loss_sum, grad: mut g, busy_s, busy_micro_batches } =
+        let Computed { loss: loss_sum, grad: mut g, busy_s, busy_micro_batches, mut phases } =
             self.compute_and_reduce(order.step, scale, &st.params)?;
         let clip = f64::from(self.plan_clip());
+        let reduce = Instant::now();
         let (norm, overflow) = self.finish_gradient(&mut g, scale, clip)?;
         let plan = Arc::clone(&self.plan);
         let mut fed = None;
@@ -681,6 +695,7 @@ impl ZeroWorker {
                 }
             }
         }
+        phases.backward_allreduce_s += reduce.elapsed().as_secs_f64();
         let after = self.lane.stats()?;
         (st.bytes_sent_total, st.ops_total) = (after.bytes_sent, after.ops);
         // Queued last (after the counters) and waited for here: `Prepared` means this rank holds
@@ -711,6 +726,7 @@ impl ZeroWorker {
             compute_s: t0.elapsed().as_secs_f64(),
             busy_s,
             busy_micro_batches,
+            phases,
         })
     }
 
@@ -1051,6 +1067,8 @@ struct StepAccess<'a> {
     /// Time spent in the lane on the model's behalf (collectives run inline, results waited
     /// for): waits on peers, not this rank's compute.
     waited: Duration,
+    /// The part of `waited` spent on gradient exchanges (during the backward).
+    grad_waited: Duration,
 }
 
 /// One stage-3 gather of a step: unit `unit` for its use number `use_at`, queued on the
@@ -1170,6 +1188,7 @@ impl<'a> StepAccess<'a> {
             tickets: Vec::new(),
             error: None,
             waited: Duration::ZERO,
+            grad_waited: Duration::ZERO,
             plan,
         }
     }
@@ -1336,6 +1355,7 @@ impl<'a> StepAccess<'a> {
             self.fail(e);
         }
         self.waited += t0.elapsed();
+        self.grad_waited += t0.elapsed();
     }
 
     /// This slot's values to send over flat `range`, from the ready units' pieces.

@@ -537,6 +537,8 @@ struct Tally {
     train_curve: Vec<(u64, f64)>,
     val_curve: Vec<(u64, f64)>,
     last_ckpt: Option<PathBuf>,
+    /// Steps in a row whose loss was not finite (up to the last one).
+    nonfinite_steps: u64,
 }
 
 /// One rank's run; rank 0 (`lead`) writes every output.
@@ -578,6 +580,7 @@ impl RankRun<'_> {
                 "loss_scaler": serde_json::Value::Null,
                 "world_size": self.world,
                 "zero_stage": plan.stage,
+                "seq_len": plan.seq_len,
                 "device": "cuda",
                 "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
                 "data": self.data,
@@ -612,9 +615,8 @@ fn run_rank(
     let m = plan.micro_batches;
     let m_local = m / world;
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
-    if lead {
-        std::fs::create_dir_all(&out_dir).with_context(|| format!("creating output directory {}", out_dir.display()))?;
-    }
+    // Rank 0 writes the output folder: it holds the folder's lock (a second run is refused).
+    let _lock = if lead { Some(engine::lock_output(&out_dir)?.0) } else { None };
     let gpu = Gpu::open(rank)?;
     gpu.compile_all()?;
     let comm = match id {
@@ -719,12 +721,15 @@ fn run_rank(
         let (local_loss, norm) = run.r.step(&mbs, lr, 1.0 / m as f32).with_context(|| format!("step {step}"))?;
         let asked = if signals::requested().is_some() { 1.0 } else { 0.0 };
         let all = run.r.gather_host(&[f64::from(local_loss), asked]).context("gathering the step's losses")?;
-        t.train_s += t0.elapsed().as_secs_f64();
+        let step_s = t0.elapsed().as_secs_f64();
+        t.train_s += step_s;
         t.steps_run += 1;
         run.step += 1;
         run.applied += 1;
         let loss = all.chunks_exact(2).map(|c| c[0]).sum::<f64>() / world as f64;
         let stopping = all.chunks_exact(2).any(|c| c[1] != 0.0);
+        // Every rank has the same loss, so every rank decides alike.
+        t.nonfinite_steps = if loss.is_finite() { 0 } else { t.nonfinite_steps + 1 };
         t.last_loss = loss;
         t.train_curve.push((run.step, loss));
         let plan = &run.plan;
@@ -734,6 +739,10 @@ fn run_rank(
         if let Some(b) = beta1 {
             events.push(Event::new("Train/Samples/beta1", f64::from(b), samples));
         }
+        if let Some(n) = norm {
+            events.push(Event::new("Train/Samples/grad_norm", n, samples));
+        }
+        events.push(Event::new("Train/Samples/tokens_per_s", plan.tokens_per_step() as f64 / step_s.max(1e-9), samples));
         let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
         if lead {
             pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
@@ -764,8 +773,22 @@ fn run_rank(
         if lead {
             monitors.write(&events).context("writing monitors")?;
         }
+        let limit = cfg.tessera.nonfinite_loss_steps;
+        if limit > 0 && t.nonfinite_steps >= limit {
+            let _ = monitors.flush();
+            bail!(
+                "step {}: the loss is {loss}, and has not been finite for {} steps in a row: the run diverged and stops \
+                 (tessera.nonfinite_loss_steps = {limit}); lower the learning rate",
+                run.step,
+                t.nonfinite_steps
+            );
+        }
         let interval = cfg.tessera.checkpoint_interval > 0 && run.step % cfg.tessera.checkpoint_interval == 0;
-        if interval || last || stopping {
+        if (interval || last || stopping) && !loss.is_finite() {
+            if lead {
+                engine::log_line(&pb, format!("warning: checkpoint of step {} not written: its loss is {loss}", run.step));
+            }
+        } else if interval || last || stopping {
             let (master, path) = run.save_checkpoint()?;
             saved = Some((run.step, master));
             if path.is_some() {

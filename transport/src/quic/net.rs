@@ -5,6 +5,7 @@ use super::frame::{
     read_body, read_header, read_message, write_message, write_message_with, ChunkSum, Control, FrameError, Key, OpDesc, Payload,
 };
 use super::pki::{check_cert_names_node, NodeTls, PkiError};
+use super::refusals::RefusalLog;
 use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, Connection, Endpoint, RecvStream, UdpPoller, VarInt};
 use std::collections::HashMap;
@@ -899,6 +900,7 @@ async fn accept_higher(
     let start = Instant::now();
     // Each higher peer's lanes so far, and how many the pair agreed on.
     let mut have: HashMap<usize, (usize, Vec<Connection>)> = HashMap::new();
+    let mut refusals = RefusalLog::new(format!("tessera-quic: rank {rank}: refused a peer"));
     let complete = |have: &HashMap<usize, (usize, Vec<Connection>)>, p: usize| have.get(&p).is_some_and(|(n, l)| l.len() == *n);
     while !(rank + 1..world).all(|p| complete(&have, p)) {
         let Ok(Some((lane, incoming))) = tokio::time::timeout_at(deadline.into(), accept_any(endpoints)).await else {
@@ -908,8 +910,8 @@ async fn accept_higher(
         let admitting = Admitting { rank, spec, have: &have, want: ports.len() + 1, lane, ports };
         match tokio::time::timeout_at(deadline.into(), admit(incoming, admitting)).await {
             Ok(Ok((peer, agreed, conn))) => have.entry(peer).or_insert_with(|| (agreed, Vec::new())).1.push(conn),
-            Ok(Err(why)) => eprintln!("tessera-quic: rank {rank}: refused a peer: {why}"),
-            Err(_) => eprintln!("tessera-quic: rank {rank}: a peer did not finish connecting before the deadline"),
+            Ok(Err(why)) => refusals.refused(&why.to_string()),
+            Err(_) => refusals.refused("it did not finish connecting before the deadline"),
         }
     }
     Ok(have.into_iter().map(|(p, (_, lanes))| (p, lanes)).collect())
