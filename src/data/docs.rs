@@ -75,13 +75,12 @@ impl Unit {
 }
 
 /// Where the next piece of `buf` (which starts at a piece boundary) ends: at least `target`
-/// bytes on, just after a '\n' that is followed by a non-whitespace character starting a
-/// UTF-8 character; the whole of `buf` at end of input. `None`: more input is needed.
+/// bytes on, just after a '\n' that is followed by a non-whitespace character (so, in UTF-8,
+/// at a character boundary); the whole of `buf` at end of input. `None`: more input is needed.
 pub fn next_cut(buf: &[u8], target: usize, eof: bool) -> Option<usize> {
     let mut end = target.max(1);
     while end < buf.len() {
-        let starts_char = (buf[end] as i8) >= -0x40; // not a UTF-8 continuation byte (0x80..=0xBF)
-        if buf[end - 1] == b'\n' && !buf[end].is_ascii_whitespace() && starts_char {
+        if buf[end - 1] == b'\n' && !buf[end].is_ascii_whitespace() {
             return Some(end);
         }
         end += 1;
