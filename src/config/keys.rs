@@ -309,7 +309,7 @@ static TESSERA: &[KeyInfo] = &[
     k("tessera.tokenizer", Str, H, "tokenizer path; optional"),
     k("tessera.data_field", Str, H, "the JSON-lines field or Parquet column holding each document's text; default \"text\""),
     k("tessera.data_eot", Str, H, "the tokenizer's token put between documents (JSON lines, Parquet, a folder); default: the first of <|endoftext|>, <|end_of_text|>, </s>, <eos> it has (none: refused); byte-level data uses id 256 (vocabulary 257)"),
-    k("tessera.data_cache", Str, H, "folder of the token cache (data tokenized once, memory-mapped by every rank); default $XDG_CACHE_HOME/tessera/tokens, else ~/.cache/tessera/tokens; \"off\" = tokenize into memory"),
+    k("tessera.data_cache", Str, H, "folder of the token cache (data tokenized once, memory-mapped by every rank); default $XDG_CACHE_HOME/tessera/tokens, else ~/.cache/tessera/tokens; \"off\" = tokenize into memory; files are never removed (4 bytes a token): delete the folder to reclaim the space"),
     k("tessera.seq_len", UInt, H, "default: the model preset's"),
     k("tessera.steps", UInt, H, "optimizer steps; default 200"),
     k("tessera.seed", UInt, H, "default 1234"),

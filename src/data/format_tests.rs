@@ -254,4 +254,6 @@ fn unknown_and_binary_formats_are_refused_by_name() {
     write(&mixed.path().join("b.jsonl"), b"{\"text\": \"x\"}\n");
     let msg = load(mixed.path(), None, 0.0).expect_err("mixed").to_string();
     assert!(msg.contains("mixes data formats") && msg.contains("a.txt") && msg.contains("b.jsonl"), "{msg}");
+    let msg = load(Path::new("/dev/null"), None, 0.0).expect_err("a device").to_string();
+    assert!(msg.contains("/dev/null") && msg.contains("neither a file nor a folder"), "{msg}");
 }

@@ -103,6 +103,9 @@ impl Inputs {
 /// levels down, hidden entries skipped), all of one format.
 pub fn discover(path: &Path) -> Result<Inputs, DataError> {
     let meta = fs::metadata(path).map_err(|e| DataError::io(path, "stat", e))?;
+    if !meta.is_dir() && !meta.is_file() {
+        return Err(DataError::Format { path: path.to_path_buf(), problem: "is neither a file nor a folder (a pipe or a device?)".into() });
+    }
     if !meta.is_dir() {
         let format = Format::of(path, false).ok_or_else(|| DataError::Format { path: path.to_path_buf(), problem: unknown(path) })?;
         check_magic(path, format)?;
