@@ -21,7 +21,7 @@ pub struct CommonArgs {
     /// Model preset (`tessera models` lists them).
     #[arg(long)]
     pub model: Option<String>,
-    /// Training data: a text file, a directory, or llm.c .bin shards.
+    /// Training data: a text file, JSON lines (.jsonl), Parquet, llm.c .bin shards, or a folder of them.
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// A Hugging Face tokenizer.json (byte-level when absent).

@@ -216,3 +216,90 @@ fn the_training_tokenizer_is_recorded_and_enforced() {
     let text = fails(&r, tmp.path());
     assert!(text.contains("was trained on tokenizer"), "{text}");
 }
+
+/// Documents for the data-format runs: 60 short texts with quotes, escapes and non-ASCII, so
+/// that training on the JSON's raw bytes instead of the strings would change the count.
+fn documents() -> Vec<String> {
+    (0..60).map(|i| format!("Document {i}: \"Mr. Darcy\" said {}\\n café — the end.", "no ".repeat(i % 7))).collect()
+}
+
+/// Byte-level tokens of `docs` joined by one end-of-text token each.
+fn byte_tokens(docs: &[String]) -> u64 {
+    docs.iter().map(|d| d.len() as u64).sum::<u64>() + docs.len() as u64 - 1
+}
+
+/// The data record of a run's last checkpoint (`extra.data`: source, tokens, blake3).
+fn data_record(out: &std::path::Path) -> serde_json::Value {
+    let ckpts = out.join("checkpoints");
+    let step = std::fs::read_dir(&ckpts).unwrap().flatten().map(|e| e.path()).filter(|p| p.join("manifest.json").exists()).max().unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step.join("manifest.json")).unwrap()).unwrap();
+    manifest["extra"]["data"].clone()
+}
+
+/// A JSON-lines corpus trains end to end on its strings, an end-of-text token between
+/// documents; a second run hits the token cache and ends on the same bits, as does a run
+/// without the cache.
+#[test]
+fn jsonl_corpus_trains_through_the_token_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = documents();
+    let lines: Vec<String> = docs.iter().map(|d| serde_json::json!({ "id": 1, "text": d }).to_string()).collect();
+    let data = write(tmp.path(), "corpus.jsonl", &lines.join("\n"));
+    let cache = tmp.path().join("cache");
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let train = |name: &str, cache_setting: &str| {
+        let out = tmp.path().join(name);
+        let mut a = train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "2");
+        let cache_set = format!("tessera.data_cache={cache_setting}");
+        a.extend_from_slice(&["--world", "1", "--data", data.to_str().unwrap(), "--set", &cache_set]);
+        (ok(&a, tmp.path()), out)
+    };
+    let (first, out1) = train("first", cache.to_str().unwrap());
+    assert!(first.contains("on jsonl ") && first.contains("60 documents") && first.contains("tokenized into cache"), "{first}");
+    let record = data_record(&out1);
+    assert_eq!(record["tokens"].as_u64(), Some(byte_tokens(&docs)), "the strings' bytes plus 59 end-of-text tokens: {record}");
+    let (second, out2) = train("second", cache.to_str().unwrap());
+    assert!(second.contains("token cache hit"), "{second}");
+    let (third, out3) = train("uncached", "off");
+    assert!(third.contains("no token cache"), "{third}");
+    let bits = summary(&out1)["params_blake3"].clone();
+    assert_eq!(summary(&out2)["params_blake3"], bits, "a cache hit trains on the same tokens");
+    assert_eq!(summary(&out3)["params_blake3"], bits, "no cache, the same tokens");
+    assert_eq!(data_record(&out3)["blake3"], record["blake3"]);
+}
+
+/// A Hugging Face snapshot (`data/train-0000N-of-00002.parquet`, Snappy) trains end to end.
+#[test]
+fn parquet_snapshot_trains_with_the_right_token_count() {
+    use parquet::data_type::{ByteArray, ByteArrayType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use std::sync::Arc;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("snapshot");
+    std::fs::create_dir_all(root.join("data")).unwrap();
+    std::fs::write(root.join("README.md"), "---\nlicense: mit\n---\n").unwrap();
+    let docs = documents();
+    let schema = Arc::new(parquet::schema::parser::parse_message_type("message m { OPTIONAL BYTE_ARRAY text (UTF8); }").unwrap());
+    for (n, part) in docs.chunks(30).enumerate() {
+        let file = std::fs::File::create(root.join(format!("data/train-{n:05}-of-00002.parquet"))).unwrap();
+        let props = Arc::new(WriterProperties::builder().set_compression(parquet::basic::Compression::SNAPPY).build());
+        let mut w = SerializedFileWriter::new(file, Arc::clone(&schema), props).unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let values: Vec<ByteArray> = part.iter().map(|d| ByteArray::from(d.as_str())).collect();
+        col.typed::<ByteArrayType>().write_batch(&values, Some(&vec![1; part.len()]), None).unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+        w.close().unwrap();
+    }
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let mut a = train_args(cfg.to_str().unwrap(), out.to_str().unwrap(), "2");
+    let cache = format!("tessera.data_cache={}", tmp.path().join("cache").display());
+    a.extend_from_slice(&["--world", "1", "--data", root.to_str().unwrap(), "--set", &cache]);
+    let text = ok(&a, tmp.path());
+    assert!(text.contains("on parquet ") && text.contains("2 files") && text.contains("60 documents"), "{text}");
+    assert_eq!(data_record(&out)["tokens"].as_u64(), Some(byte_tokens(&docs)));
+}

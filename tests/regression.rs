@@ -355,3 +355,59 @@ fn resuming_on_other_data_is_warned_of() {
     assert!(text.contains("austen.txt") && text.contains("other.txt"), "both data named: {text}");
     assert_eq!(summary(&out)["steps"], 4, "the run goes on: {text}");
 }
+
+/// `tessera.eval_iters = 2^64 - 1` panicked (capacity overflow) and 1e7 aborted on allocation
+/// while `config check` said OK: both now refuse it, naming the key, the value and the limit.
+#[test]
+fn eval_iters_beyond_the_limit_is_refused_by_train_and_config_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let cache = format!("tessera.data_cache={}", tmp.path().join("cache").display());
+    for value in ["18446744073709551615", "1e7"] {
+        let set = format!("tessera.eval_iters={value}");
+        let check = fails(&["config", "check", cfg.to_str().unwrap(), "--set", &set, "--set", &cache], tmp.path());
+        let out = tmp.path().join("run");
+        let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--steps", "1", "--no-progress"];
+        a.extend_from_slice(&["--set", &set, "--set", &cache]);
+        let train = fails(&a, tmp.path());
+        let shown = if value == "1e7" { "10000000" } else { value };
+        for text in [&check, &train] {
+            assert!(text.contains(&format!("tessera.eval_iters = {shown}")) && text.contains("limit of 100000"), "{text}");
+            assert!(!text.contains("panicked") && !text.contains("plan: OK"), "{text}");
+        }
+    }
+}
+
+/// llm.c shards with GPT-2 ids and no tokenizer once set the vocabulary to 50257 silently
+/// (about 7x gpt-tiny's parameters): refused, stating the vocabulary and the parameter count.
+#[test]
+fn bin_shards_without_a_tokenizer_are_refused_with_the_vocabulary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shard = tmp.path().join("fineweb_train_000001.bin");
+    let tokens: Vec<u32> = (0..4000).map(|i| (i * 7919) % 50257).collect();
+    tessera::data::write_bin_shard(&shard, &tokens).unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let out = tmp.path().join("run");
+    let cache = format!("tessera.data_cache={}", tmp.path().join("cache").display());
+    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--steps", "1", "--no-progress"];
+    a.extend_from_slice(&["--data", shard.to_str().unwrap(), "--set", &cache]);
+    let text = fails(&a, tmp.path());
+    for w in ["fineweb_train_000001.bin", "50257", "--tokenizer", "parameters", "gpt-tiny"] {
+        assert!(text.contains(w), "{w}: {text}");
+    }
+    assert!(!out.join("checkpoints").exists(), "a refused run wrote nothing");
+}
+
+/// Binary or unknown data is refused by name, with the formats Tessera reads.
+#[test]
+fn binary_data_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let cache = format!("tessera.data_cache={}", tmp.path().join("cache").display());
+    for (name, bytes) in [("scan.png", &b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR"[..]), ("notes.txt", &b"PAR1\x15\x04\x15\0"[..])] {
+        let data = tmp.path().join(name);
+        std::fs::write(&data, bytes).unwrap();
+        let text = fails(&["config", "check", cfg.to_str().unwrap(), "--data", data.to_str().unwrap(), "--set", &cache], tmp.path());
+        assert!(text.contains(name) && text.contains("Tessera reads") && text.contains(".parquet"), "{text}");
+    }
+}

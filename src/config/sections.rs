@@ -297,6 +297,12 @@ pub struct TesseraConfig {
     pub model: String,
     pub data: Option<String>,
     pub tokenizer: Option<String>,
+    /// The JSON-lines field / Parquet column of the text.
+    pub data_field: String,
+    /// The tokenizer's end-of-text token; None = detected.
+    pub data_eot: Option<String>,
+    /// Folder of the token cache; None = the default; "off" = none.
+    pub data_cache: Option<String>,
     pub seq_len: Option<usize>,
     pub steps: u64,
     pub seed: u64,
@@ -324,6 +330,9 @@ impl Default for TesseraConfig {
             model: "gpt-tiny".into(),
             data: None,
             tokenizer: None,
+            data_field: "text".into(),
+            data_eot: None,
+            data_cache: None,
             seq_len: None,
             steps: 200,
             seed: 1234,
@@ -351,6 +360,9 @@ pub(crate) fn parse_tessera(root: &Value) -> KindResult<TesseraConfig> {
         model: t.string("model", &d.model)?,
         data: t.opt_string("data")?,
         tokenizer: t.opt_string("tokenizer")?,
+        data_field: t.string("data_field", &d.data_field)?,
+        data_eot: t.opt_string("data_eot")?,
+        data_cache: t.opt_string("data_cache")?,
         seq_len,
         steps: t.u64("steps", d.steps)?,
         seed: t.u64("seed", d.seed)?,

@@ -10,6 +10,14 @@ use super::DataError;
 /// Size of the byte-level vocabulary.
 pub const BYTE_VOCAB_SIZE: usize = 256;
 
+/// Byte-level end-of-text id: one past the bytes, so a collection of documents trained
+/// byte-level has a vocabulary of 257 (a single text file keeps 256).
+pub const BYTE_END_OF_TEXT: u32 = 256;
+
+/// A tokenizer's end-of-text token is the first of these it has (GPT-2 and most BPEs, Llama 3,
+/// SentencePiece models such as Llama 2 and Mistral, Gemma), unless `tessera.data_eot` names one.
+pub const END_OF_TEXT_NAMES: &[&str] = &["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
+
 /// Turns text into token ids and back.
 pub enum Codec {
     /// One token per byte.
@@ -27,7 +35,8 @@ impl std::fmt::Debug for Codec {
     }
 }
 
-/// Decodes byte tokens to text; ids above 255 and invalid UTF-8 become U+FFFD.
+/// Decodes byte tokens to text; the end-of-text id becomes `<|endoftext|>`, other ids above
+/// 255 and invalid UTF-8 become U+FFFD.
 pub fn decode_bytes(tokens: &[u32]) -> String {
     let mut out = String::with_capacity(tokens.len());
     let mut run: Vec<u8> = Vec::new();
@@ -37,7 +46,10 @@ pub fn decode_bytes(tokens: &[u32]) -> String {
             Err(_) => {
                 out.push_str(&String::from_utf8_lossy(&run));
                 run.clear();
-                out.push(char::REPLACEMENT_CHARACTER);
+                match t {
+                    BYTE_END_OF_TEXT => out.push_str(END_OF_TEXT_NAMES[0]),
+                    _ => out.push(char::REPLACEMENT_CHARACTER),
+                }
             }
         }
     }
@@ -91,6 +103,44 @@ impl Codec {
             Codec::Hf(t) => {
                 t.decode(tokens, false).unwrap_or_else(|_| tokens.iter().filter_map(|&id| t.id_to_token(id)).collect::<String>())
             }
+        }
+    }
+
+    /// The id that separates documents and the vocabulary size that holds it: byte-level,
+    /// [`BYTE_END_OF_TEXT`] (vocabulary 257); with a tokenizer, its token `named`, else the
+    /// first of [`END_OF_TEXT_NAMES`] it has. `tokenizer` names the file in errors.
+    pub fn end_of_text(&self, named: Option<&str>, tokenizer: Option<&Path>) -> Result<(u32, usize), DataError> {
+        let path = tokenizer.map(Path::to_path_buf).unwrap_or_default();
+        match (self, named) {
+            (Codec::Bytes, None) => Ok((BYTE_END_OF_TEXT, BYTE_VOCAB_SIZE + 1)),
+            (Codec::Bytes, Some(name)) => Err(DataError::EndOfText {
+                path,
+                problem: format!("tessera.data_eot = {name:?} names a tokenizer's token, but the data is byte-level (no tokenizer): its end-of-text id is {BYTE_END_OF_TEXT}; unset tessera.data_eot or set tessera.tokenizer"),
+            }),
+            (Codec::Hf(t), Some(name)) => match t.token_to_id(name) {
+                Some(id) => Ok((id, self.vocab_size())),
+                None => Err(DataError::EndOfText { path, problem: format!("has no token {name:?} (tessera.data_eot)") }),
+            },
+            (Codec::Hf(t), None) => match END_OF_TEXT_NAMES.iter().find_map(|n| t.token_to_id(n)) {
+                Some(id) => Ok((id, self.vocab_size())),
+                None => {
+                    let mut special: Vec<String> =
+                        t.get_added_tokens_decoder().values().filter(|a| a.special).map(|a| format!("{:?}", a.content)).collect();
+                    special.sort();
+                    special.truncate(8);
+                    let has = match special.is_empty() {
+                        true => "it has no special tokens".to_string(),
+                        false => format!("its special tokens: {}", special.join(", ")),
+                    };
+                    Err(DataError::EndOfText {
+                        path,
+                        problem: format!(
+                            "has none of the end-of-text tokens {} to put between documents ({has}); set tessera.data_eot to the token that ends a document",
+                            END_OF_TEXT_NAMES.join(", ")
+                        ),
+                    })
+                }
+            },
         }
     }
 

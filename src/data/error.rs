@@ -15,8 +15,35 @@ pub enum DataError {
     #[error("data path {path}: contains no tokens")]
     Empty { path: PathBuf },
 
-    #[error("data directory {path}: holds no .bin shards and no text files")]
+    #[error("data directory {path}: holds no data files; Tessera reads {}", super::source::ACCEPTED_FORMATS)]
     EmptyDir { path: PathBuf },
+
+    /// A file or folder Tessera cannot read as what it is named.
+    #[error("data path {path}: {problem}; Tessera reads {}", super::source::ACCEPTED_FORMATS)]
+    Format { path: PathBuf, problem: String },
+
+    /// One document of a JSON-lines or Parquet file.
+    #[error("data file {path}, {at}: {problem}")]
+    Document { path: PathBuf, at: super::docs::At, problem: String },
+
+    #[error("Parquet file {path}: {problem}")]
+    Parquet { path: PathBuf, problem: String },
+
+    /// No end-of-text token for a collection of documents.
+    #[error("tokenizer {path}: {problem}")]
+    EndOfText { path: PathBuf, problem: String },
+
+    /// Token shards whose ids are not bytes, loaded without a tokenizer to say the vocabulary.
+    #[error(
+        "token shards {path}: token {token} at index {index} is not a byte (>= 256) and no tokenizer was given, so the \
+         vocabulary is unknown: the {format} shard format suggests {natural_vocab} tokens, but Tessera does not guess; \
+         pass --tokenizer (tessera.tokenizer) with the tokenizer.json the shards were made with"
+    )]
+    ShardsNeedTokenizer { path: PathBuf, index: usize, token: u32, format: &'static str, natural_vocab: usize },
+
+    /// The token cache could not be written (the load then goes on in memory).
+    #[error("token cache {path}: {action} failed: {err}")]
+    CacheIo { path: PathBuf, action: &'static str, err: std::io::Error },
 
     #[error("token shard {path}: bad {field}: expected {expected}, found {found}")]
     BadHeader { path: PathBuf, field: &'static str, expected: String, found: String },
@@ -53,6 +80,12 @@ pub enum DataError {
 
     #[error("{what} must be {expected}, found {found}")]
     BadArgument { what: &'static str, expected: &'static str, found: String },
+
+    #[error(
+        "tessera.eval_iters = {found} is over the limit of {max} validation batches per evaluation \
+         (each is a forward pass; the limit is VAL_BATCHES_MAX)"
+    )]
+    TooManyValBatches { found: u64, max: u64 },
 
     #[error("sampler state: key `{key}`: {problem}")]
     BadState { key: &'static str, problem: String },

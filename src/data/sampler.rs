@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::DataError;
+use super::{DataError, Tokens};
 
 /// SplitMix64 (Steele, Lea, Flood 2014): x += golden gamma; z = x;
 /// z = (z ^ z>>30) * C1; z = (z ^ z>>27) * C2; out = z ^ z>>31.
@@ -87,7 +87,7 @@ impl SamplerState {
 
 /// Serves `(inputs, targets)` windows of the training stream; see the module doc.
 pub struct Sampler {
-    tokens: Arc<[u32]>,
+    tokens: Tokens,
     seq_len: usize,
     windows: u32,
     seed: u64,
@@ -110,7 +110,7 @@ impl std::fmt::Debug for Sampler {
 
 impl Sampler {
     /// A sampler at cursor 0; needs at least `seq_len + 1` tokens.
-    pub fn new(tokens: impl Into<Arc<[u32]>>, seq_len: usize, seed: u64) -> Result<Self, DataError> {
+    pub fn new(tokens: impl Into<Tokens>, seq_len: usize, seed: u64) -> Result<Self, DataError> {
         let tokens = tokens.into();
         if seq_len == 0 {
             return Err(DataError::BadArgument { what: "seq_len", expected: ">= 1", found: "0".into() });
@@ -127,7 +127,7 @@ impl Sampler {
     }
 
     /// A sampler positioned at `state`.
-    pub fn resume(tokens: impl Into<Arc<[u32]>>, seq_len: usize, state: SamplerState) -> Result<Self, DataError> {
+    pub fn resume(tokens: impl Into<Tokens>, seq_len: usize, state: SamplerState) -> Result<Self, DataError> {
         let mut sampler = Self::new(tokens, seq_len, state.seed)?;
         sampler.cursor = state.cursor;
         Ok(sampler)
@@ -221,34 +221,69 @@ impl Sampler {
 /// Flattened `(inputs, targets)`, each `[batch, seq_len]` row-major.
 pub type TokenBatch = (Vec<u32>, Vec<u32>);
 
-/// `batch * iters` windows of `seq_len + 1` tokens, evenly spaced from the
-/// start to the end of `val`, grouped into `iters` flattened `(inputs, targets)`.
-pub fn val_batches(val: &[u32], seq_len: usize, batch: usize, iters: usize) -> Result<Vec<TokenBatch>, DataError> {
-    for (what, v) in [("seq_len", seq_len), ("batch", batch), ("iters", iters)] {
+/// Most validation batches one evaluation may take (`tessera.eval_iters`): an evaluation runs
+/// one forward pass per batch, so this bounds its time; far more than a validation loss needs.
+pub const VAL_BATCHES_MAX: u64 = 100_000;
+
+/// The fixed validation set: `batch * iters` windows of `seq_len + 1` tokens, evenly spaced
+/// from the start to the end of the validation tokens, grouped into `iters` batches. Built one
+/// batch at a time ([`ValBatches::iter`]), so the set costs no memory up front.
+#[derive(Debug, Clone)]
+pub struct ValBatches {
+    val: Tokens,
+    seq_len: usize,
+    batch: usize,
+    iters: usize,
+}
+
+/// The validation set of `val`; refuses a zero size, more than [`VAL_BATCHES_MAX`] batches,
+/// and a validation split shorter than one window.
+pub fn val_batches(val: impl Into<Tokens>, seq_len: usize, batch: usize, iters: u64) -> Result<ValBatches, DataError> {
+    let val = val.into();
+    for (what, v) in [("seq_len", seq_len as u64), ("batch", batch as u64), ("iters", iters)] {
         if v == 0 {
             return Err(DataError::BadArgument { what, expected: ">= 1", found: "0".into() });
         }
     }
+    if iters > VAL_BATCHES_MAX {
+        return Err(DataError::TooManyValBatches { found: iters, max: VAL_BATCHES_MAX });
+    }
     if val.len() < seq_len + 1 {
         return Err(DataError::TooShort { what: "validation split".into(), found: val.len(), needed: seq_len + 1, seq_len });
     }
-    let n = batch * iters;
-    let span = (val.len() - seq_len - 1) as u128;
-    let start_of = |k: usize| match n {
-        1 => 0,
-        _ => (k as u128 * span / (n as u128 - 1)) as usize,
-    };
-    let batches = (0..iters)
-        .map(|it| {
-            let mut inputs = Vec::with_capacity(batch * seq_len);
-            let mut targets = Vec::with_capacity(batch * seq_len);
-            for row in 0..batch {
-                let s = start_of(it * batch + row);
-                inputs.extend_from_slice(&val[s..s + seq_len]);
-                targets.extend_from_slice(&val[s + 1..s + seq_len + 1]);
-            }
-            (inputs, targets)
-        })
-        .collect();
-    Ok(batches)
+    Ok(ValBatches { val, seq_len, batch, iters: iters as usize })
+}
+
+impl ValBatches {
+    /// Number of batches.
+    pub fn len(&self) -> usize {
+        self.iters
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.iters == 0
+    }
+
+    /// Batch `it` (`< len()`).
+    pub fn get(&self, it: usize) -> TokenBatch {
+        let (t, n) = (self.seq_len, self.batch as u128 * self.iters as u128);
+        let span = (self.val.len() - t - 1) as u128;
+        let start_of = |k: u128| match n {
+            1 => 0,
+            _ => (k * span / (n - 1)) as usize,
+        };
+        let mut inputs = Vec::with_capacity(self.batch * t);
+        let mut targets = Vec::with_capacity(self.batch * t);
+        for row in 0..self.batch {
+            let s = start_of(it as u128 * self.batch as u128 + row as u128);
+            inputs.extend_from_slice(&self.val[s..s + t]);
+            targets.extend_from_slice(&self.val[s + 1..s + t + 1]);
+        }
+        (inputs, targets)
+    }
+
+    /// The batches in order, each built when reached.
+    pub fn iter(&self) -> impl Iterator<Item = TokenBatch> + '_ {
+        (0..self.iters).map(|it| self.get(it))
+    }
 }

@@ -34,6 +34,14 @@ impl ShardFormat {
         }
     }
 
+    /// The format's name for messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            ShardFormat::Gpt2U16 => "GPT-2 (u16)",
+            ShardFormat::Llama3U32 => "Llama-3 (u32)",
+        }
+    }
+
     /// Vocabulary of the tokenizer this format was made for (GPT-2: 50257, Llama-3: 128256).
     pub fn natural_vocab_size(self) -> usize {
         match self {

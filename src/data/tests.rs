@@ -3,7 +3,6 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use super::load::chunks_for_test;
 use super::*;
 
 fn tmp() -> tempfile::TempDir {
@@ -65,9 +64,11 @@ fn bin_shard_round_trip() {
     let (back, format) = read_bin_shard(&path).expect("read shard");
     assert_eq!(back, tokens);
     assert_eq!(format, ShardFormat::Gpt2U16);
-    // 65535 >= the GPT-2 vocabulary: load must refuse it, naming the token.
-    let err = load(&path, None, 0.0).expect_err("out of range");
-    assert!(err.to_string().contains("token 65535 at index 5"), "{err}");
+    // 256 is not a byte, and no tokenizer says the vocabulary: refused, naming what a guess would be.
+    let err = load(&path, None, 0.0).expect_err("no tokenizer");
+    let msg = err.to_string();
+    assert!(matches!(err, DataError::ShardsNeedTokenizer { natural_vocab: 50257, .. }), "{msg}");
+    assert!(msg.contains("token 256 at index 3") && msg.contains("50257") && msg.contains("--tokenizer"), "{msg}");
 }
 
 #[test]
@@ -78,9 +79,18 @@ fn bin_single_file_split_and_vocab() {
     write_bin_shard(&path, &bytes).expect("write");
     let ds = load(&path, None, 0.1).expect("load");
     assert_eq!((ds.train.len(), ds.val.len(), ds.vocab_size), (90, 10, 256));
-    assert_eq!(ds.val, bytes[90..]);
+    assert_eq!(&ds.val[..], &bytes[90..]);
+    // Ids beyond a byte need the tokenizer they came from: its vocabulary is the model's.
+    write_bin_shard(&path, &[5, 14, 7]).expect("write");
+    let tok = dir.path().join("tokenizer.json");
+    write(&tok, TINY_BPE.as_bytes());
+    let ds = load(&path, Some(&tok), 0.0).expect("load with tokenizer");
+    assert_eq!((&ds.train[..], ds.vocab_size), (&[5, 14, 7][..], 15));
     write_bin_shard(&path, &[5, 1000, 7]).expect("write");
-    assert_eq!(load(&path, None, 0.0).expect("load").vocab_size, 50257);
+    let msg = load(&path, Some(&tok), 0.0).expect_err("beyond the tokenizer").to_string();
+    assert!(msg.contains("token 1000 at index 1") && msg.contains("vocabulary size 15"), "{msg}");
+    let msg = load(&path, None, 0.0).expect_err("no tokenizer").to_string();
+    assert!(msg.contains("token 1000 at index 1") && msg.contains("GPT-2 (u16)") && msg.contains("does not guess"), "{msg}");
 }
 
 #[test]
@@ -128,22 +138,27 @@ fn shard_directory_uses_names() {
     write_bin_shard(&dir.path().join("data_val_000.bin"), &[9, 8, 7]).expect("w");
     write(&dir.path().join("README.md"), b"not data");
     let ds = load(dir.path(), None, 0.5).expect("load dir");
-    assert_eq!(ds.train, vec![1, 2, 3, 4]);
-    assert_eq!(ds.val, vec![9, 8, 7]);
+    assert_eq!(&ds.train[..], &[1, 2, 3, 4]);
+    assert_eq!(&ds.val[..], &[9, 8, 7]);
     assert_eq!(ds.vocab_size, 256);
 }
 
+/// A folder of text files is a collection of documents: end-of-text (256) between them.
 #[test]
-fn text_directory_joins_txt_files() {
+fn text_directory_puts_end_of_text_between_files() {
     let dir = tmp();
     write(&dir.path().join("b.txt"), b"world");
     write(&dir.path().join("a.txt"), b"hello");
     write(&dir.path().join("LICENSE"), b"ignored");
+    write(&dir.path().join("README.md"), b"ignored");
     let ds = load(dir.path(), None, 0.0).expect("load dir");
-    assert_eq!(decode_bytes(&ds.train), "hello\nworld");
+    assert_eq!(decode_bytes(&ds.train), "hello<|endoftext|>world");
+    assert_eq!(ds.train[5], BYTE_END_OF_TEXT);
+    assert_eq!((ds.train.len(), ds.vocab_size), (11, 257));
+    assert!(ds.source.contains("2 documents"), "{}", ds.source);
     let empty = tmp();
     let msg = load(empty.path(), None, 0.0).expect_err("empty dir").to_string();
-    assert!(msg.contains("holds no .bin shards"), "{msg}");
+    assert!(msg.contains("holds no data files") && msg.contains(".jsonl"), "{msg}");
 }
 
 /// A tiny byte-level BPE: "hello" is one token, " wo" merges, the rest are bytes.
@@ -179,10 +194,20 @@ fn tokenizer_errors_name_the_file() {
     assert!(matches!(load(&text, Some(&tok), 0.0), Err(DataError::Tokenizer { .. })));
 }
 
+/// Pieces cut by `next_cut` on the whole text, as a text file is read.
+fn pieces(text: &str, target: usize) -> Vec<(usize, &str)> {
+    let (mut out, mut start) = (Vec::new(), 0);
+    while let Some(len) = super::docs::next_cut(&text.as_bytes()[start..], target, true).filter(|&n| n > 0) {
+        out.push((start, &text[start..start + len]));
+        start += len;
+    }
+    out
+}
+
 #[test]
 fn encode_chunks_cut_only_before_words() {
     let text = "one two\n three\nfour\n\nfive six\nseven";
-    let pieces = chunks_for_test(text, 3);
+    let pieces = pieces(text, 3);
     let joined: String = pieces.iter().map(|(_, p)| *p).collect();
     assert_eq!(joined, text);
     for (start, piece) in &pieces[1..] {
@@ -190,6 +215,23 @@ fn encode_chunks_cut_only_before_words() {
         assert!(!piece.starts_with(char::is_whitespace), "piece {piece:?}");
     }
     assert_eq!(pieces.len(), 4);
+}
+
+/// A text file read a block at a time is cut where the whole text would be: a cut found in a
+/// prefix (more input to come) is the whole text's cut, so the tokens do not depend on how
+/// the file was read.
+#[test]
+fn cuts_do_not_depend_on_how_much_was_read() {
+    let text = "ab\ncd\n  ef\n\u{e9}g\nhi jk\nl\n\nmn\n".repeat(3);
+    let bytes = text.as_bytes();
+    for target in [1, 2, 5, 9] {
+        let whole = super::docs::next_cut(bytes, target, true);
+        for len in 0..bytes.len() {
+            if let Some(cut) = super::docs::next_cut(&bytes[..len], target, false) {
+                assert_eq!(Some(cut), whole, "target {target}, prefix {len}");
+            }
+        }
+    }
 }
 
 #[test]
@@ -301,7 +343,7 @@ fn sampler_state_errors_name_the_key() {
 #[test]
 fn val_batches_are_evenly_spaced() {
     let val = counting(1000);
-    let batches = val_batches(&val, 10, 2, 3).expect("val");
+    let batches: Vec<TokenBatch> = val_batches(val.clone(), 10, 2, 3).expect("val").iter().collect();
     assert_eq!(batches.len(), 3);
     let starts: Vec<u32> = batches.iter().flat_map(|(x, _)| [x[0], x[10]]).collect();
     assert_eq!(starts, vec![0, 197, 395, 593, 791, 989]);
@@ -309,14 +351,32 @@ fn val_batches_are_evenly_spaced() {
         assert_eq!(x.len(), 20);
         assert!(x.iter().zip(y).all(|(a, b)| *b == a + 1));
     }
-    assert_eq!(val_batches(&val, 10, 2, 3).expect("again"), batches);
+    let again: Vec<TokenBatch> = val_batches(val, 10, 2, 3).expect("again").iter().collect();
+    assert_eq!(again, batches);
+}
+
+/// `tessera.eval_iters = 18446744073709551615` once overflowed a capacity and 1e7 aborted on
+/// allocation: the batches are now built when evaluated, and the count has a named limit.
+#[test]
+fn val_batches_are_bounded_and_lazy() {
+    let val = counting(100);
+    for huge in [u64::MAX, 10_000_000, VAL_BATCHES_MAX + 1] {
+        let err = val_batches(val.clone(), 4, 2, huge).expect_err("over the limit");
+        let msg = err.to_string();
+        assert!(matches!(err, DataError::TooManyValBatches { .. }), "{msg}");
+        assert!(msg.contains("tessera.eval_iters") && msg.contains(&huge.to_string()) && msg.contains("100000"), "{msg}");
+    }
+    let most = val_batches(val, 4, 2, VAL_BATCHES_MAX).expect("at the limit");
+    assert_eq!(most.len(), 100_000);
+    let (x, y) = most.get(most.len() - 1);
+    assert_eq!((x[4], y[7]), (95, 99), "the last window ends the split");
 }
 
 #[test]
 fn too_short_and_missing_errors() {
     let msg = Sampler::new(counting(5), 8, 0).expect_err("short").to_string();
     assert!(msg.contains("5 tokens") && msg.contains("need at least 9"), "{msg}");
-    let msg = val_batches(&counting(3), 4, 1, 1).expect_err("short val").to_string();
+    let msg = val_batches(counting(3), 4, 1, 1).expect_err("short val").to_string();
     assert!(msg.contains("validation split") && msg.contains("need at least 5"), "{msg}");
 
     let dir = tmp();

@@ -52,7 +52,7 @@ use super::wire::{self, AssignedIdentity, ControlIo, Snapshot, StateCounters, To
 use super::zero::{RankState, ZeroWorker};
 use crate::bridge;
 use crate::config::{self, Config, ResolveContext};
-use crate::data::{self, Dataset, Sampler};
+use crate::data::{self, DataError, Dataset, Sampler};
 
 /// Bound on building the QUIC mesh (ms).
 const MESH_TIMEOUT_MS: u64 = 60_000;
@@ -125,23 +125,60 @@ fn parent_alive(parent: u32) -> Result<(), WireError> {
     }
 }
 
-/// Loads the training data the config names (the shipped corpus by default).
+/// Loads the training data the config names (the shipped corpus by default), through the
+/// token cache unless `tessera.data_cache` is "off"; warns when the cache was rebuilt or is
+/// unavailable.
 pub(crate) fn load_dataset(cfg: &Config) -> Result<Dataset> {
-    let data_path = cfg.tessera.data.as_ref().map_or_else(data::default_corpus_path, PathBuf::from);
-    data::load(&data_path, cfg.tessera.tokenizer.as_deref().map(Path::new), data::DEFAULT_VAL_FRACTION)
-        .with_context(|| format!("loading data from {}", data_path.display()))
+    let t = &cfg.tessera;
+    let data_path = t.data.as_ref().map_or_else(data::default_corpus_path, PathBuf::from);
+    let cache_dir = match t.data_cache.as_deref() {
+        Some("off") => None,
+        Some(dir) => Some(PathBuf::from(dir)),
+        None => Some(data::default_token_cache_dir()),
+    };
+    let opts = data::LoadOptions {
+        tokenizer: t.tokenizer.as_ref().map(PathBuf::from),
+        val_fraction: data::DEFAULT_VAL_FRACTION,
+        text_field: t.data_field.clone(),
+        end_of_text: t.data_eot.clone(),
+        cache_dir,
+    };
+    let loaded = data::load_with(&data_path, &opts).map_err(|e| match e {
+        DataError::ShardsNeedTokenizer { natural_vocab, .. } => anyhow::anyhow!("{e}{}", vocab_consequence(cfg, natural_vocab)),
+        e => e.into(),
+    });
+    let dataset = loaded.with_context(|| format!("loading data from {}", data_path.display()))?;
+    if let Some(warning) = dataset.cache.warning() {
+        eprintln!("warning: {warning}");
+    }
+    Ok(dataset)
 }
 
-/// BLAKE3 of the training and validation tokens (u32 little-endian, lengths first): agents on
-/// other hosts must train on the very tokens the coordinator evaluates with.
+/// What a guessed vocabulary would have done to the model's size, for the refusal of token
+/// shards without a tokenizer.
+fn vocab_consequence(cfg: &Config, vocab: usize) -> String {
+    let params = |vocab_size: usize| {
+        let mut m = crate::zoo::preset(&cfg.tessera.model).ok()?;
+        m.vocab_size = vocab_size;
+        tessera_kernels::model::Model::new(m).ok().map(|m| m.num_params())
+    };
+    match (params(vocab), params(data::BYTE_VOCAB_SIZE)) {
+        (Some(guessed), Some(bytes)) => format!(
+            " (with a vocabulary of {vocab}, `{}` would have {guessed} parameters, {:.1}x the {bytes} of the 256-byte vocabulary)",
+            cfg.tessera.model,
+            guessed as f64 / bytes as f64
+        ),
+        _ => String::new(),
+    }
+}
+
+/// BLAKE3 of the training and validation token counts and tokens: agents on other hosts must
+/// train on the very tokens the coordinator evaluates with.
 pub(super) fn data_blake3(ds: &Dataset) -> String {
     let mut h = blake3::Hasher::new();
-    for part in [&ds.train, &ds.val] {
-        h.update(&(part.len() as u64).to_le_bytes());
-        for t in part.iter() {
-            h.update(&t.to_le_bytes());
-        }
-    }
+    h.update(&(ds.train.len() as u64).to_le_bytes());
+    h.update(&(ds.val.len() as u64).to_le_bytes());
+    h.update(ds.tokens_blake3().as_bytes());
     h.finalize().to_hex().to_string()
 }
 

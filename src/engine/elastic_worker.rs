@@ -960,7 +960,7 @@ mod tests {
         let text = r#"{"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "tessera": {"model": "gpt-tiny", "seq_len": 16}}"#;
         let cfg = from_str_named(text, "test.json", &[], &ResolveContext::with_world(2)).expect("config");
         let tokens: Vec<u32> = (0..2048u32).map(|i| i % 256).collect();
-        let data = Dataset { train: tokens.clone(), val: tokens, vocab_size: 256, source: "synthetic".into() };
+        let data = Dataset::from_tokens(tokens.clone(), tokens, 256, "synthetic".into());
         Arc::new(Plan::new(&cfg, &data).expect("plan"))
     }
 

@@ -12,7 +12,7 @@ use tessera_kernels::optim::{FlatLayout, OptimizerKind, NORM_BLOCK};
 
 use super::precision::Precision16;
 use crate::config::{Config, ZeroConfig};
-use crate::data::Dataset;
+use crate::data::{self, Dataset};
 use crate::offload::{OffloadPlan, OffloadedBytes, ResidentBytes, Tier};
 use crate::schedule::SchedulerConfig;
 use crate::{bridge, zoo};
@@ -179,6 +179,9 @@ impl Plan {
         let seq_len = cfg.tessera.seq_len.unwrap_or(mcfg.max_seq_len);
         if seq_len == 0 || seq_len > mcfg.max_seq_len {
             bail!("tessera.seq_len = {seq_len} is out of range: the model `{}` takes 1..={}", cfg.tessera.model, mcfg.max_seq_len);
+        }
+        if cfg.tessera.eval_iters > data::VAL_BATCHES_MAX {
+            return Err(data::DataError::TooManyValBatches { found: cfg.tessera.eval_iters, max: data::VAL_BATCHES_MAX }.into());
         }
         let mut model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
         model.checkpoint_activations = cfg.activation_checkpointing;

@@ -385,14 +385,14 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
 }
 
 /// Mean validation loss over the fixed validation batches, on the working (rounded) params.
-fn evaluate(plan: &Plan, ranks: &Ranks, batches: &[data::TokenBatch], ws: &mut Workspace) -> Result<f64> {
+fn evaluate(plan: &Plan, ranks: &Ranks, batches: &data::ValBatches, ws: &mut Workspace) -> Result<f64> {
     let (mut params, _, _) = ranks.assemble(plan, false)?;
     plan.precision.round(&mut params);
     let total: f64 = batches
         .iter()
         .map(|(x, y)| {
             let mut acc = FlatAccess { params: &params, grads: &mut [], units: plan.model.units() };
-            f64::from(plan.model.loss(&mut acc, x, y, plan.micro, plan.seq_len, ws))
+            f64::from(plan.model.loss(&mut acc, &x, &y, plan.micro, plan.seq_len, ws))
         })
         .sum();
     Ok(total / batches.len().max(1) as f64)
@@ -458,7 +458,7 @@ struct Run<'a> {
     /// tree is stopped, which releases any compute thread waiting on them.
     ranks: Ranks,
     cluster: Cluster,
-    val: Vec<data::TokenBatch>,
+    val: data::ValBatches,
     monitors: MonitorSet,
     ws: Workspace,
     out_dir: PathBuf,
@@ -504,7 +504,7 @@ struct Tally {
 }
 
 /// Most of what `train` checks before it starts (`tessera config check` runs it): the data
-/// loads, the ZeRO plan can be built for the world size (buckets, stage-3 limits, offload
+/// loads (and holds a validation set), the ZeRO plan can be built for the world size (buckets, stage-3 limits, offload
 /// settings) and the elastic settings hold. Not checked here: the memory budget, the step count
 /// and `--device cuda`'s own refusals.
 pub fn validate(cfg: &Config) -> Result<()> {
@@ -513,7 +513,8 @@ pub fn validate(cfg: &Config) -> Result<()> {
     // bytes), so `config check` leaves it to `train`.
     let mut unbudgeted = cfg.clone();
     unbudgeted.tessera.device_memory_bytes_max = None;
-    Plan::new(&unbudgeted, &dataset)?;
+    let plan = Plan::new(&unbudgeted, &dataset)?;
+    data::val_batches(dataset.val.clone(), plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1)).context("validation data")?;
     config::elastic_run(cfg)?;
     Ok(())
 }
@@ -545,7 +546,7 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         }
     };
     let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data").map_err(unmade)?);
-    let val = data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize)
+    let val = data::val_batches(dataset.val.clone(), plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1))
         .context("validation data")
         .map_err(unmade)?;
     let er = config::elastic_run(cfg).map_err(|e| unmade(e.into()))?;

@@ -1452,7 +1452,7 @@ mod tests {
         overrides.extend(sets.iter().map(|s| s.to_string()));
         let cfg = from_str_named(text, "test.json", &overrides, &ResolveContext::with_world(world)).expect("test config");
         let tokens: Vec<u32> = (0..4096u32).map(|i| (i * 37 + i / 7) % 256).collect();
-        (cfg, Dataset { train: tokens.clone(), val: tokens, vocab_size: 256, source: "synthetic".into() })
+        (cfg, Dataset::from_tokens(tokens.clone(), tokens, 256, "synthetic".into()))
     }
 
     fn plan(world: usize, stage: u8, sets: &[&str]) -> Plan {

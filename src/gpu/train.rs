@@ -387,10 +387,10 @@ fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, lead: bool, data: &serde_
 
 /// Mean validation loss over the fixed validation batches (the CPU path's), on the bf16
 /// working parameters.
-fn evaluate(r: &mut Rank, batches: &[TokenBatch]) -> Result<f64> {
+fn evaluate(r: &mut Rank, batches: &data::ValBatches) -> Result<f64> {
     let mut total = 0f64;
-    for (x, y) in batches {
-        total += f64::from(r.forward_loss(x, y).context("evaluating on the validation batches")?);
+    for (x, y) in batches.iter() {
+        total += f64::from(r.forward_loss(&x, &y).context("evaluating on the validation batches")?);
     }
     Ok(total / batches.len().max(1) as f64)
 }
@@ -649,8 +649,7 @@ fn run_rank(
     }
     r.sync()?;
     let sampler = Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?;
-    let val =
-        data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
+    let val = data::val_batches(dataset.val.clone(), plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1)).context("validation data")?;
     let mut monitors = if lead { bridge::monitors(cfg, &out_dir)? } else { MonitorSet::new() };
     let steps = cfg.tessera.steps;
     let pb = engine::progress_bar(steps, opts.progress && lead);
