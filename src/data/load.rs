@@ -126,9 +126,11 @@ fn describe(spec: &Spec, built: &Built, cache: &CacheUse) -> String {
         (true, false) => format!("{} files, ", spec.inputs.count(Split::Train)),
         (true, true) => format!("{} train + {} val files, ", spec.inputs.count(Split::Train), spec.inputs.count(Split::Val)),
     };
-    let excluded = match spec.inputs.excluded.len() {
-        0 => String::new(),
-        n => format!(", {n} test-split file(s) left out"),
+    let excluded = match (spec.inputs.excluded.len(), spec.inputs.ignored.len()) {
+        (0, 0) => String::new(),
+        (n, 0) => format!(", {n} test-split file(s) left out"),
+        (0, m) => format!(", {m} non-shard file(s) ignored"),
+        (n, m) => format!(", {n} test-split file(s) left out, {m} non-shard file(s) ignored"),
     };
     let codec = match (format, spec.end_of_text) {
         (Format::Shard, _) => format!("vocab {}", spec.vocab_size),
