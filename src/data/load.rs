@@ -97,13 +97,13 @@ fn cached(spec: &Spec, dir: &Path) -> Result<(Tokens, Tokens, Built, CacheUse), 
         Ok(None) => None,
         Err(reason) => Some(reason),
     };
+    let unavailable = |reason: String| {
+        let (train, val, built) = in_memory(spec)?;
+        Ok((train, val, built, CacheUse::Unavailable { dir: dir.to_path_buf(), reason }))
+    };
     match cache::write(&path, &key, spec) {
         Ok(()) => {}
-        Err(DataError::CacheIo { action, err, .. }) => {
-            let reason = format!("{action} {} failed: {err}", path.display());
-            let (train, val, built) = in_memory(spec)?;
-            return Ok((train, val, built, CacheUse::Unavailable { dir: dir.to_path_buf(), reason }));
-        }
+        Err(DataError::CacheIo { action, err, .. }) => return unavailable(format!("{action} {} failed: {err}", path.display())),
         Err(e) => return Err(e),
     }
     let use_ = match stale {
@@ -112,9 +112,10 @@ fn cached(spec: &Spec, dir: &Path) -> Result<(Tokens, Tokens, Built, CacheUse), 
     };
     match cache::open(&path, &key, spec.vocab_size) {
         Ok(Some((train, val, built))) => Ok((train, val, built, use_)),
-        // Just written and renamed: only another writer's failure could get here.
-        Ok(None) => Err(DataError::CacheIo { path, action: "reopening", err: std::io::ErrorKind::NotFound.into() }),
-        Err(reason) => Err(DataError::CacheIo { path, action: "checking", err: std::io::Error::other(reason) }),
+        // Just written: gone or unusable only through another writer's failure, or a machine
+        // that cannot map the ids (big-endian).
+        Ok(None) => unavailable(format!("{} vanished once written", path.display())),
+        Err(reason) => unavailable(format!("{} failed its check once written: {reason}", path.display())),
     }
 }
 
@@ -126,9 +127,11 @@ fn describe(spec: &Spec, built: &Built, cache: &CacheUse) -> String {
         (true, false) => format!("{} files, ", spec.inputs.count(Split::Train)),
         (true, true) => format!("{} train + {} val files, ", spec.inputs.count(Split::Train), spec.inputs.count(Split::Val)),
     };
-    let excluded = match spec.inputs.excluded.len() {
-        0 => String::new(),
-        n => format!(", {n} test-split file(s) left out"),
+    let excluded = match (spec.inputs.excluded.len(), spec.inputs.ignored.len()) {
+        (0, 0) => String::new(),
+        (n, 0) => format!(", {n} test-split file(s) left out"),
+        (0, m) => format!(", {m} non-shard file(s) ignored"),
+        (n, m) => format!(", {n} test-split file(s) left out, {m} non-shard file(s) ignored"),
     };
     let codec = match (format, spec.end_of_text) {
         (Format::Shard, _) => format!("vocab {}", spec.vocab_size),

@@ -86,6 +86,8 @@ pub struct Inputs {
     pub documents: bool,
     /// Files left out because their name says they are a test split.
     pub excluded: Vec<PathBuf>,
+    /// Document files beside token shards, which are used instead.
+    pub ignored: Vec<PathBuf>,
 }
 
 impl Inputs {
@@ -100,7 +102,8 @@ impl Inputs {
 }
 
 /// Finds the inputs under `path`: one file, or a folder's data files (up to [`DIR_DEPTH_MAX`]
-/// levels down, hidden entries skipped), all of one format.
+/// levels down, hidden entries skipped): its token shards if it has any, else its documents,
+/// all of one format.
 pub fn discover(path: &Path) -> Result<Inputs, DataError> {
     let meta = fs::metadata(path).map_err(|e| DataError::io(path, "stat", e))?;
     if !meta.is_dir() && !meta.is_file() {
@@ -116,11 +119,19 @@ pub fn discover(path: &Path) -> Result<Inputs, DataError> {
             files,
             documents: format == Format::Jsonl || format == Format::Parquet,
             excluded: vec![],
+            ignored: vec![],
         });
     }
     let mut found = Vec::new();
     walk(path, path, 0, &mut found)?;
     found.sort_by(|a, b| a.0.cmp(&b.0));
+    // Token shards win over the text they were made from (llm.c keeps tiny_shakespeare.txt
+    // beside its .bin files), as they always did; the files set aside are counted.
+    let mut ignored = Vec::new();
+    if found.iter().any(|f| f.2 == Format::Shard) {
+        let (shards, others): (Vec<_>, Vec<_>) = found.into_iter().partition(|f| f.2 == Format::Shard);
+        (found, ignored) = (shards, others.into_iter().map(|f| f.1).collect());
+    }
     let mut formats: Vec<Format> = found.iter().map(|(_, _, f)| *f).collect();
     formats.sort();
     formats.dedup();
@@ -152,7 +163,7 @@ pub fn discover(path: &Path) -> Result<Inputs, DataError> {
             problem: "holds no training files (only files named as validation or test splits)".into(),
         });
     }
-    Ok(Inputs { root: path.to_path_buf(), format, files, documents: format != Format::Shard, excluded })
+    Ok(Inputs { root: path.to_path_buf(), format, files, documents: format != Format::Shard, excluded, ignored })
 }
 
 fn unknown(path: &Path) -> String {

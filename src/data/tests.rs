@@ -137,10 +137,13 @@ fn shard_directory_uses_names() {
     write_bin_shard(&dir.path().join("data_train_000.bin"), &[1, 2]).expect("w");
     write_bin_shard(&dir.path().join("data_val_000.bin"), &[9, 8, 7]).expect("w");
     write(&dir.path().join("README.md"), b"not data");
+    // llm.c keeps the text its shards were made from beside them: the shards win, and it is said.
+    write(&dir.path().join("tiny_shakespeare.txt"), b"the source text");
     let ds = load(dir.path(), None, 0.5).expect("load dir");
     assert_eq!(&ds.train[..], &[1, 2, 3, 4]);
     assert_eq!(&ds.val[..], &[9, 8, 7]);
     assert_eq!(ds.vocab_size, 256);
+    assert!(ds.source.contains("1 non-shard file(s) ignored"), "{}", ds.source);
 }
 
 /// A folder of text files is a collection of documents: end-of-text (256) between them.
