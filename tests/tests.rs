@@ -4,6 +4,7 @@ mod common;
 mod e2e_elastic;
 mod e2e_gpu;
 mod e2e_hosts;
+mod e2e_launchers;
 mod e2e_offload;
 mod e2e_procs;
 mod e2e_train;
