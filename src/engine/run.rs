@@ -443,17 +443,34 @@ struct Tally {
 
 /// Most of what `train` checks before it starts (`tessera config check` runs it): the data
 /// loads, the ZeRO plan can be built for the world size (buckets, stage-3 limits, offload
-/// settings) and the elastic settings hold. Not checked here: the memory budget, the step count
-/// and `--device cuda`'s own refusals.
+/// settings), the sampler and validation batches can be made and the elastic settings hold,
+/// through the functions `train` uses. Not checked here: the memory budget and `--device cuda`'s
+/// own refusals (both depend on the device).
 pub fn validate(cfg: &Config) -> Result<()> {
+    check_steps(cfg)?;
     let dataset = super::child::load_dataset(cfg)?;
     // The memory budget depends on the device the run gets (`--device cuda` counts its own
     // bytes), so `config check` leaves it to `train`.
     let mut unbudgeted = cfg.clone();
     unbudgeted.tessera.device_memory_bytes_max = None;
-    Plan::new(&unbudgeted, &dataset)?;
-    config::elastic_run(cfg)?;
+    let plan = Plan::new(&unbudgeted, &dataset)?;
+    run_inputs(cfg, &plan, &dataset).map(drop)
+}
+
+fn check_steps(cfg: &Config) -> Result<()> {
+    if cfg.tessera.steps == 0 {
+        bail!("tessera.steps = 0 (or --steps 0): a run needs at least one optimizer step");
+    }
     Ok(())
+}
+
+/// What a run reads besides its plan, checked the same way by `train` and by [`validate`]: the
+/// training sampler, the validation batches and the elastic settings.
+fn run_inputs(cfg: &Config, plan: &Plan, dataset: &Dataset) -> Result<(Arc<Sampler>, Vec<data::TokenBatch>, ElasticRun)> {
+    let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?);
+    let val =
+        data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
+    Ok((sampler, val, config::elastic_run(cfg)?))
 }
 
 fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Dataset)> {
@@ -470,10 +487,7 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
             (fresh_start(cfg, &plan), None)
         }
     };
-    let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?);
-    let val =
-        data::val_batches(&dataset.val, plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1) as usize).context("validation data")?;
-    let er = config::elastic_run(cfg)?;
+    let (sampler, val, er) = run_inputs(cfg, &plan, &dataset)?;
     // Made once the resume point and the settings are known good: a refused run leaves no
     // empty output directory behind, nor does one whose workers never start (no agent joined):
     // `remove_dir` takes the directory away only while it is empty, so any log is kept.
@@ -947,9 +961,7 @@ impl Run<'_> {
 
 /// Runs a whole training job as the config says.
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
-    if cfg.tessera.steps == 0 {
-        bail!("tessera.steps = 0 (or --steps 0): a run needs at least one optimizer step");
-    }
+    check_steps(cfg)?;
     if let Some(&n) = opts.abandon_steps.iter().find(|&&n| n >= cfg.tessera.steps) {
         bail!(
             "--abandon-step {n}: steps are numbered from 0, so this run of {} step(s) has steps 0..={}; step {n} never runs",
