@@ -42,7 +42,7 @@ enum Cmd {
     Agent(AgentCliArgs),
     /// Start agents on the hosts of a DeepSpeed hostfile (ssh; localhost directly) and
     /// coordinate them from here.
-    Launch(LaunchArgs),
+    Launch(Box<LaunchArgs>),
     /// Fault injection: run a training scenario fault-free and with faults, compare the bits.
     #[command(subcommand)]
     Chaos(ChaosCmd),
@@ -484,6 +484,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(done)
         }
         Cmd::Launch(a) => {
+            let a = *a;
             let (config, common, opts, d) = a.driver.split();
             let l = tessera::launch::LaunchOpts {
                 hostfile: a.hostfile,

@@ -154,7 +154,7 @@ fn slurm(get: &dyn Fn(&str) -> Option<String>) -> Result<LauncherEnv> {
     };
     let list_var = ["SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST"].into_iter().find(|v| get(v).is_some());
     let hosts = match list_var {
-        Some(v) => nodelist::expand(&get(v).unwrap_or_default()).with_context(|| format!("{v}"))?,
+        Some(v) => nodelist::expand(&get(v).unwrap_or_default()).context(v)?,
         None => Vec::new(),
     };
     let host = match (get("MASTER_ADDR").filter(|a| !a.trim().is_empty()), hosts.first()) {
