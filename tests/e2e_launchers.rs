@@ -7,7 +7,6 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
 
 use crate::common::*;
 
@@ -76,6 +75,35 @@ fn rank(dir: &Path, tmp: &Path, args: &[String], vars: &[(String, String)]) -> C
     }
     c.envs(vars.iter().map(|(k, v)| (k, v)));
     c.spawn().expect("spawning tessera")
+}
+
+/// Reads `c`'s standard error until a line holds `what` (or it ends); returns whether one did,
+/// what was read, and a thread that reads the rest.
+fn stderr_until(c: &mut Child, what: &str) -> (bool, String, std::thread::JoinHandle<String>) {
+    use std::io::{BufRead, Read};
+    let err = c.stderr.take().expect("piped standard error");
+    let mut reader = std::io::BufReader::new(err);
+    let mut text = String::new();
+    let mut found = false;
+    loop {
+        let mut line = String::new();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {
+                text.push_str(&line);
+                if line.contains(what) {
+                    found = true;
+                    break;
+                }
+            }
+        }
+    }
+    let rest = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = reader.read_to_string(&mut rest);
+        rest
+    });
+    (found, text, rest)
 }
 
 fn finish(c: Child) -> (bool, String) {
@@ -161,10 +189,14 @@ fn torchrun_and_srun_ranks_form_one_job_with_the_bits_of_world_2() {
     let token_file = private.join(format!("join-torchrun-none-127.0.0.1-{port}"));
     std::fs::write(&token_file, format!("{STALE_TOKEN}\n")).unwrap();
     let out = dir.join("torchrun");
-    let r1 = rank(dir, &tdir, &train_args(&out), &torchrun_vars(1, 2, 2, port));
-    std::thread::sleep(Duration::from_millis(500));
+    let mut r1 = rank(dir, &tdir, &train_args(&out), &torchrun_vars(1, 2, 2, port));
+    // Rank 0 starts once rank 1 has read the stale token.
+    let (read, head, rest) = stderr_until(&mut r1, "with the join token in");
+    assert!(read, "rank 1 never read the token file:\n{head}");
     let r0 = rank(dir, &tdir, &train_args(&out), &torchrun_vars(0, 2, 2, port));
-    let ((ok0, t0), (ok1, t1)) = (finish(r0), finish(r1));
+    let (ok0, t0) = finish(r0);
+    let (ok1, stdout1) = finish(r1);
+    let t1 = format!("{stdout1}{head}{}", rest.join().unwrap());
     assert!(ok0 && ok1, "rank 0:\n{t0}\nrank 1:\n{t1}");
     assert!(t0.contains("rank 0 of torchrun (RANK=0, WORLD_SIZE=2"), "{t0}");
     assert!(t1.contains("rank 1 of 2"), "rank 1 is an agent of rank 1:\n{t1}");

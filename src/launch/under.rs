@@ -167,6 +167,7 @@ fn join(env: &LauncherEnv, trust: &Trust, u: &UnderLauncher<'_>) -> Result<()> {
     let mut stale: Option<String> = None;
     loop {
         let token = wait_for_token(path, stale.as_deref(), deadline, u.join_timeout_ms)?;
+        eprintln!("train: rank {} of {}: joining {} with the join token in {}", env.rank, env.describe, env.master(), path.display());
         args.credentials = AgentCredentials::Token(token.clone());
         args.connect_timeout_ms = deadline.saturating_duration_since(Instant::now()).as_millis().max(1) as u64;
         match engine::run_agent(&args) {
