@@ -94,6 +94,21 @@ fn print_warnings(cfg: &Config) {
 /// resource check — 100000 used to start 100000 processes.
 pub const LOCAL_RANKS_MAX: usize = 1024;
 
+/// Refuses a world larger than [`LOCAL_RANKS_MAX`] for ranks of one machine.
+fn check_local_ranks(cfg: &Config, processes: bool) -> Result<()> {
+    if cfg.world_size <= LOCAL_RANKS_MAX {
+        return Ok(());
+    }
+    let what = match processes {
+        true => format!("--nprocs {}", cfg.world_size),
+        false => format!("world size {} (--world or tessera.world)", cfg.world_size),
+    };
+    bail!(
+        "{what}: at most {LOCAL_RANKS_MAX} ranks run on one machine; spread a larger world over hosts (`tessera launch \
+         --hostfile`, `tessera coordinator`)"
+    );
+}
+
 /// `tessera train`.
 /// Returns whether the run finished (false when Ctrl-C stopped it).
 pub fn train(config_path: &Path, common: &CommonArgs, opts: TrainOptions) -> Result<bool> {
@@ -107,15 +122,8 @@ pub fn train_agents(config_path: &Path, common: &CommonArgs, opts: TrainOptions)
 
 fn train_ranks(config_path: &Path, common: &CommonArgs, opts: TrainOptions, local: bool) -> Result<bool> {
     let cfg = load_config(config_path, common)?;
-    if local && cfg.world_size > LOCAL_RANKS_MAX {
-        let what = match opts.processes {
-            true => format!("--nprocs {}", cfg.world_size),
-            false => format!("world size {} (--world or tessera.world)", cfg.world_size),
-        };
-        bail!(
-            "{what}: at most {LOCAL_RANKS_MAX} ranks run on one machine; spread a larger world over hosts (`tessera launch \
-             --hostfile`, `tessera coordinator`)"
-        );
+    if local {
+        check_local_ranks(&cfg, opts.processes)?;
     }
     print_warnings(&cfg);
     let out = engine::train(&cfg, &opts)?;
@@ -129,12 +137,14 @@ pub fn config_check(path: &Path, common: &CommonArgs) -> Result<()> {
     let cfg = load_config(path, common)?;
     outln!("{}", config::render_check(&cfg).trim_end_matches('\n'));
     print_warnings(&cfg);
-    // Much of what `train` checks next (the data, the plan for this world size, the elastic
-    // settings); the memory budget and the GPU path's refusals are checked when it starts.
+    // What `train` checks before it starts (the ranks of one machine, the data, the plan for
+    // this world size, the sampler and validation batches, the elastic settings), through the
+    // same functions; the memory budget and the GPU path's refusals are checked when it starts.
+    check_local_ranks(&cfg, false).context("the config parses, but a run could not start")?;
     engine::validate(&cfg).context("the config parses, but a run could not start")?;
     outln!(
-        "plan: OK (the data, the ZeRO plan for {} worker(s) and the elastic settings; the memory budget is checked when \
-         `train` starts on its device)",
+        "plan: OK (as `train` checks them: the data, the ZeRO plan for {} worker(s), the batch and validation sizes, the \
+         elastic settings; the memory budget and the GPU path's refusals are checked when `train` starts on its device)",
         cfg.world_size
     );
     Ok(())

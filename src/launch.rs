@@ -46,9 +46,30 @@ use crate::cli::{self, CommonArgs};
 use crate::engine::{self, AgentArgs, AgentAuth, AgentCredentials, Launched, Rendezvous, TrainOptions};
 use tessera_transport::quic::{ClientAuth, ClusterCa, ControlEndpoint, JoinToken, NodeTls};
 
+mod nodelist;
+mod role;
+pub mod select;
+mod under;
+
+pub use role::{detect as launcher_env, slurm_batch_note, LauncherEnv};
+pub use under::{train_under_launcher, UnderLauncher};
+
 /// The environment variables torchrun and Slurm set that this module reads (launch removes them
 /// from the agents it starts, whose ranks come from the coordinator).
-pub const RANK_ENV: &[&str] = &["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "LOCAL_RANK"];
+pub const RANK_ENV: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_ID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_LOCALID",
+];
 
 /// Bound on the launched agents' exit once the run is over (ms).
 const REAP_TIMEOUT_MS: u64 = 15_000;
@@ -361,29 +382,32 @@ fn rendezvous_endpoint(listen: &str, d: &DriverOpts) -> Result<(ControlEndpoint,
     Ok((endpoint, auth, token))
 }
 
+/// Writes the join token to `path` (mode 0600): whole, to a new private file next to it, then
+/// renamed into place, so whoever waits for the file never reads half a token, and an existing
+/// file (or a symlink planted there) is replaced, not written through.
+fn write_token_file(path: &Path, t: &JoinToken) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut tmp_name = path.file_name().map(|n| n.to_os_string()).unwrap_or_else(|| "token".into());
+    tmp_name.push(format!(".{}.tmp", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("--token-file {}: creating {}", path.display(), tmp.display()))?;
+    writeln!(f, "{}", t.text()).with_context(|| format!("writing the join token to {}", tmp.display()))?;
+    drop(f);
+    std::fs::rename(&tmp, path).with_context(|| format!("--token-file {}: renaming {} into place", path.display(), tmp.display()))
+}
+
 /// How the coordinator's start line tells agents to join, and where the token is.
 fn join_hint(at: SocketAddr, d: &DriverOpts, token: Option<&JoinToken>) -> Result<String> {
     Ok(match (token, &d.token_file) {
         (None, _) => format!("`tessera agent --join {at} --certs DIR`"),
         (Some(t), Some(path)) => {
-            // Written whole to a new private file next to it, then renamed into place: whoever
-            // waits for the file never reads half a token, and an existing file (or a symlink
-            // planted there) is replaced, not written through.
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut tmp_name = path.file_name().map(|n| n.to_os_string()).unwrap_or_else(|| "token".into());
-            tmp_name.push(format!(".{}.tmp", std::process::id()));
-            let tmp = path.with_file_name(tmp_name);
-            let _ = std::fs::remove_file(&tmp);
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&tmp)
-                .with_context(|| format!("--token-file {}: creating {}", path.display(), tmp.display()))?;
-            writeln!(f, "{}", t.text()).with_context(|| format!("writing the join token to {}", tmp.display()))?;
-            drop(f);
-            std::fs::rename(&tmp, path)
-                .with_context(|| format!("--token-file {}: renaming {} into place", path.display(), tmp.display()))?;
+            write_token_file(path, t)?;
             format!("`tessera agent --join {at} --token-file {}`", path.display())
         }
         (Some(t), None) => format!("`tessera agent --join {at} --token {}`", t.text()),
@@ -481,7 +505,10 @@ fn route_to(host: &str) -> Result<IpAddr> {
 /// The options of `tessera launch`.
 #[derive(Debug, Clone)]
 pub struct LaunchOpts {
-    pub hostfile: PathBuf,
+    /// DeepSpeed's hostfile; `None`: `localhost` with `--num_gpus` slots.
+    pub hostfile: Option<PathBuf>,
+    /// DeepSpeed's `--include`, `--exclude`, `--num_nodes`, `--num_gpus`.
+    pub select: select::Selection,
     /// The coordinator's listen address; default 127.0.0.1:0 when every host is local, else
     /// 0.0.0.0:0.
     pub listen: Option<String>,
@@ -548,12 +575,98 @@ impl SshOpts {
     }
 }
 
-/// `tessera launch`: starts `slots` agents per hostfile line and coordinates them from here.
-pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &LaunchOpts, d: &DriverOpts) -> Result<bool> {
+/// Ends the processes `launched` (waiting up to `bound_ms` for each to exit by itself).
+fn reap(launched: &Mutex<Vec<Launched>>, bound_ms: u64) {
+    let deadline = Instant::now() + Duration::from_millis(bound_ms);
+    for l in launched.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+        while matches!(l.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Ok(None) = l.child.try_wait() {
+            tracing::info!("launch: {} still running after the run; killing it", l.label);
+            let _ = l.child.kill();
+        }
+        let _ = l.child.wait();
+    }
+}
+
+/// One agent for `launch` (or for rank 0 of a torchrun/Slurm job) to start.
+struct AgentStart<'a> {
+    /// `None`: this machine, directly; else `[USER@]HOST` through ssh.
+    ssh_host: Option<&'a str>,
+    join: String,
+    name: String,
+    rank: usize,
+    certs: Option<&'a Path>,
+    token: Option<&'a JoinToken>,
+}
+
+/// Starts `a` (locally, or through `l`'s ssh), in its own process group.
+fn start_agent(a: &AgentStart<'_>, exe: &Path, cwd: &Path, l: Option<&LaunchOpts>) -> Result<Launched> {
     use std::os::unix::process::CommandExt;
+    let mut agent_args =
+        vec!["agent".to_string(), "--join".into(), a.join.clone(), "--name".into(), a.name.clone(), "--rank".into(), a.rank.to_string()];
+    match a.certs {
+        Some(c) => agent_args.extend(["--certs".to_string(), c.display().to_string()]),
+        // The token goes on standard input: never on a command line (`ps`) or in an
+        // environment that outlives the agent.
+        None => agent_args.extend(["--token".to_string(), "-".to_string()]),
+    }
+    let (mut cmd, label, program) = match (a.ssh_host, l) {
+        (Some(host), Some(l)) => {
+            let remote_exe = l.remote_exe.clone().unwrap_or_else(|| exe.display().to_string());
+            let mut line = format!("cd {} && exec {}", shell_quote(&cwd.display().to_string()), shell_quote(&remote_exe));
+            for w in &agent_args {
+                line.push(' ');
+                line.push_str(&shell_quote(w));
+            }
+            let mut c = Command::new(&l.ssh);
+            c.args(l.ssh_opts.args(host, &line));
+            (c, format!("agent {} (ssh {host})", a.name), l.ssh.clone())
+        }
+        _ => {
+            let mut c = Command::new(exe);
+            c.args(&agent_args).current_dir(cwd);
+            (c, format!("agent {} (local)", a.name), exe.display().to_string())
+        }
+    };
+    for v in RANK_ENV {
+        cmd.env_remove(v);
+    }
+    cmd.env_remove(TOKEN_ENV);
+    // Own process group: a terminal's Ctrl-C reaches only this process, which stops between
+    // steps and then ends the agents.
+    let mut child = cmd
+        .stdin(if a.token.is_some() { Stdio::piped() } else { Stdio::null() })
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("starting {label} ({program})"))?;
+    if let (Some(t), Some(mut stdin)) = (a.token, child.stdin.take()) {
+        // An agent that dies first is noticed by the run; its broken pipe is not news.
+        let _ = writeln!(stdin, "{}", t.text());
+    }
+    Ok(Launched { label, child })
+}
+
+/// `tessera launch`: starts one agent per selected slot of each hostfile host (DeepSpeed's
+/// `--include`/`--exclude`/`--num_nodes`/`--num_gpus`; without a hostfile, `localhost` with
+/// `--num_gpus` slots) and coordinates them from here.
+pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &LaunchOpts, d: &DriverOpts) -> Result<bool> {
     l.ssh_opts.check()?;
-    let hosts = read_hostfile(&l.hostfile)?;
-    let nodes: usize = hosts.iter().map(|h| h.slots).sum();
+    let (offered, source) = match &l.hostfile {
+        Some(path) => (read_hostfile(path)?, path.display().to_string()),
+        None => match l.select.num_gpus {
+            Some(n) if (1..=crate::cli::LOCAL_RANKS_MAX).contains(&n) => {
+                (vec![HostEntry { host: "localhost".into(), slots: n, line: 0 }], "the local host (no --hostfile)".to_string())
+            }
+            _ => bail!(
+                "tessera launch needs --hostfile FILE (lines of `HOST slots=N`), or --num_gpus N (1 to {}) for N agents on this machine",
+                crate::cli::LOCAL_RANKS_MAX
+            ),
+        },
+    };
+    let hosts = select::select(&offered, &l.select, &source)?;
+    let nodes: usize = hosts.iter().map(|h| h.slots.len()).sum();
     let nodes = resolve_nodes(Some(nodes), common.world, &|_| None)?;
     check_config(config, common, nodes)?;
     let all_local = hosts.iter().all(|h| is_local(&h.host));
@@ -569,19 +682,6 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
     let exe = std::env::current_exe().context("finding the tessera executable")?;
     let cwd = std::env::current_dir().context("the current directory")?;
     let launched: Arc<Mutex<Vec<Launched>>> = Arc::new(Mutex::new(Vec::new()));
-    let reap = |launched: &Mutex<Vec<Launched>>, bound_ms: u64| {
-        let deadline = Instant::now() + Duration::from_millis(bound_ms);
-        for l in launched.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
-            while matches!(l.child.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            if let Ok(None) = l.child.try_wait() {
-                tracing::info!("launch: {} still running after the run; killing it", l.label);
-                let _ = l.child.kill();
-            }
-            let _ = l.child.wait();
-        }
-    };
     let started = (|| -> Result<()> {
         for h in &hosts {
             let local = is_local(&h.host);
@@ -595,64 +695,27 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
                 (Some(ip), _) => ip,
                 (None, ip) if !ip.is_unspecified() => ip,
                 (None, _) if is_local(&via.host) => IpAddr::from([127, 0, 0, 1]),
-                (None, _) => route_to(host_name(&via.host)).with_context(|| {
-                    format!("{}:{}: the address {} can reach this machine at", l.hostfile.display(), via.line, via.host)
-                })?,
+                (None, _) => route_to(host_name(&via.host))
+                    .with_context(|| format!("{source}:{}: the address {} can reach this machine at", via.line, via.host))?,
             };
             let join = SocketAddr::new(join_ip, at.port()).to_string();
-            for i in 0..h.slots {
-                let name: String = format!("{}-{i}", h.host)
+            for slot in &h.slots {
+                let name: String = format!("{}-{slot}", h.host)
                     .chars()
                     .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '.' { c } else { '-' })
                     .collect();
-                // Ranks follow the hostfile, as DeepSpeed's launcher numbers them.
+                // Ranks follow the file, as DeepSpeed's launcher numbers them.
                 let rank = launched.lock().unwrap_or_else(|p| p.into_inner()).len();
-                let mut agent_args = vec![
-                    "agent".to_string(),
-                    "--join".into(),
-                    join.clone(),
-                    "--name".into(),
-                    name.clone(),
-                    "--rank".into(),
-                    rank.to_string(),
-                ];
-                match &d.certs {
-                    Some(c) => agent_args.extend(["--certs".to_string(), c.display().to_string()]),
-                    // The token goes on standard input: never on a command line (`ps`) or in
-                    // an environment that outlives the agent.
-                    None => agent_args.extend(["--token".to_string(), "-".to_string()]),
-                }
-                let (mut cmd, label) = if local {
-                    let mut c = Command::new(&exe);
-                    c.args(&agent_args).current_dir(&cwd);
-                    (c, format!("agent {name} (local)"))
-                } else {
-                    let remote_exe = l.remote_exe.clone().unwrap_or_else(|| exe.display().to_string());
-                    let mut line = format!("cd {} && exec {}", shell_quote(&cwd.display().to_string()), shell_quote(&remote_exe));
-                    for a in &agent_args {
-                        line.push(' ');
-                        line.push_str(&shell_quote(a));
-                    }
-                    let mut c = Command::new(&l.ssh);
-                    c.args(l.ssh_opts.args(&h.host, &line));
-                    (c, format!("agent {name} (ssh {})", h.host))
+                let a = AgentStart {
+                    ssh_host: (!local).then_some(h.host.as_str()),
+                    join: join.clone(),
+                    name,
+                    rank,
+                    certs: d.certs.as_deref(),
+                    token: token.as_ref(),
                 };
-                for v in RANK_ENV {
-                    cmd.env_remove(v);
-                }
-                // Own process group: a terminal's Ctrl-C reaches only this process, which stops
-                // between steps and then ends the agents.
-                cmd.env_remove(TOKEN_ENV);
-                let mut child = cmd
-                    .stdin(if token.is_some() { Stdio::piped() } else { Stdio::null() })
-                    .process_group(0)
-                    .spawn()
-                    .with_context(|| format!("starting {label} ({})", if local { exe.display().to_string() } else { l.ssh.clone() }))?;
-                if let (Some(t), Some(mut stdin)) = (&token, child.stdin.take()) {
-                    // An agent that dies first is noticed by the run; its broken pipe is not news.
-                    let _ = writeln!(stdin, "{}", t.text());
-                }
-                launched.lock().unwrap_or_else(|p| p.into_inner()).push(Launched { label, child });
+                let agent = start_agent(&a, &exe, &cwd, Some(l))?;
+                launched.lock().unwrap_or_else(|p| p.into_inner()).push(agent);
             }
         }
         Ok(())

@@ -48,7 +48,7 @@ enum Cmd {
     Agent(AgentCliArgs),
     /// Start agents on the hosts of a DeepSpeed hostfile (ssh; localhost directly) and
     /// coordinate them from here.
-    Launch(LaunchArgs),
+    Launch(Box<LaunchArgs>),
     /// Fault injection: run a training scenario fault-free and with faults, compare the bits.
     #[command(subcommand)]
     Chaos(ChaosCmd),
@@ -184,9 +184,24 @@ struct AgentCliArgs {
 struct LaunchArgs {
     #[command(flatten)]
     driver: DriverArgs,
-    /// DeepSpeed hostfile: `HOST slots=N` per line.
-    #[arg(long)]
-    hostfile: PathBuf,
+    /// DeepSpeed hostfile: `HOST slots=N` per line (default: this machine, with --num_gpus
+    /// slots).
+    #[arg(long, short = 'H')]
+    hostfile: Option<PathBuf>,
+    /// Only these hosts and slots, DeepSpeed's form: `HOST[:SLOT,SLOT]` joined by `@`, e.g.
+    /// `worker-0:0,1@worker-1`.
+    #[arg(long, short = 'i', value_name = "SPEC", conflicts_with = "exclude")]
+    include: Option<String>,
+    /// All but these hosts and slots (same form as --include).
+    #[arg(long, short = 'e', value_name = "SPEC")]
+    exclude: Option<String>,
+    /// Only the first N hosts (after --include/--exclude).
+    #[arg(long, alias = "num_nodes", value_name = "N")]
+    num_nodes: Option<usize>,
+    /// Only the first N slots of each host (after --include/--exclude); without --hostfile, N
+    /// agents on this machine.
+    #[arg(long, alias = "num_gpus", value_name = "N")]
+    num_gpus: Option<usize>,
     /// Where agents join (default 127.0.0.1:0 when every host is local, else 0.0.0.0:0).
     #[arg(long)]
     listen: Option<String>,
@@ -261,6 +276,19 @@ struct TrainArgs {
     /// namespace, the driver on their bridge (docs/ELASTIC.md).
     #[arg(long, value_name = "FILE", hide = true, requires = "nprocs")]
     worker_net: Option<PathBuf>,
+    /// Under torchrun or srun: a cluster directory (`tessera cluster init DIR --nodes
+    /// WORLD_SIZE`) every rank reads; rank r proves itself with node-<r> (docs/MULTIHOST.md).
+    #[arg(long, value_name = "DIR")]
+    certs: Option<PathBuf>,
+    /// Under torchrun or srun: rank 0 writes the run's join token to PATH (mode 0600), the other
+    /// ranks read it; on several hosts it must be on storage they share (default with every
+    /// rank on one host: a private file under $TMPDIR/tessera-<uid>).
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
+    /// Under torchrun or srun: how long rank 0 waits for the other ranks, and they for it
+    /// (seconds).
+    #[arg(long, value_name = "SECS", default_value_t = tessera::engine::JOIN_TIMEOUT_MS / 1000)]
+    join_timeout: u64,
 }
 
 /// `train --device`.
@@ -365,7 +393,7 @@ fn stop_mode(cmd: &Cmd) -> Option<signals::Mode> {
 /// Whether `cmd` talks QUIC (worker processes, agents, a coordinator, chaos runs of them).
 fn uses_quic(cmd: &Cmd) -> bool {
     match cmd {
-        Cmd::Train(a) => a.nprocs.is_some(),
+        Cmd::Train(a) => a.nprocs.is_some() || tessera::launch::launcher_env(&|k| std::env::var(k).ok()).is_ok_and(|e| e.is_some()),
         Cmd::Worker(_) | Cmd::Coordinator(_) | Cmd::Agent(_) | Cmd::Launch(_) | Cmd::Chaos(_) => true,
         _ => false,
     }
@@ -385,6 +413,18 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
     match cli.cmd {
         Cmd::Train(mut a) => {
+            if let Some(env) = tessera::launch::launcher_env(&|k| std::env::var(k).ok())? {
+                return train_under_launcher(&env, a);
+            }
+            if let Some(note) = tessera::launch::slurm_batch_note(&|k| std::env::var(k).ok()) {
+                eprintln!("warning: {note}");
+            }
+            if let Some(flag) = [("--certs", &a.certs), ("--token-file", &a.token_file)].iter().find_map(|(f, v)| v.as_ref().map(|_| f)) {
+                anyhow::bail!(
+                    "{flag} is for `tessera train` started by torchrun or srun (no RANK/WORLD_SIZE or SLURM_PROCID here); for \
+                     ranks on several hosts by hand use `tessera coordinator` and `tessera agent`"
+                );
+            }
             let processes = a.nprocs.is_some();
             if let Some(n) = a.nprocs {
                 anyhow::ensure!(n >= 1, "--nprocs must be at least 1");
@@ -487,9 +527,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(done)
         }
         Cmd::Launch(a) => {
+            let a = *a;
             let (config, common, opts, d) = a.driver.split();
             let l = tessera::launch::LaunchOpts {
                 hostfile: a.hostfile,
+                select: tessera::launch::select::Selection {
+                    include: a.include,
+                    exclude: a.exclude,
+                    num_nodes: a.num_nodes,
+                    num_gpus: a.num_gpus,
+                },
                 listen: a.listen,
                 coordinator_addr: a.coordinator_addr,
                 remote_exe: a.remote_exe,
@@ -504,6 +551,36 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(trained(tessera::launch::launch(&config, &common, opts, &l, &d)?))
         }
     }
+}
+
+/// `tessera train` as one rank of a torchrun or srun job (`tessera::launch::role`).
+fn train_under_launcher(env: &tessera::launch::LauncherEnv, a: TrainArgs) -> Result<ExitCode> {
+    if let Some(n) = a.nprocs {
+        anyhow::bail!(
+            "--nprocs {n} under {}: the launcher already started the ranks; drop --nprocs (or run `tessera train --config {} \
+             --nprocs {n}` without the launcher)",
+            env.describe,
+            a.config.display()
+        );
+    }
+    if let Some(p) = &a.worker_net {
+        anyhow::bail!("--worker-net {}: not under a launcher", p.display());
+    }
+    let gpu =
+        (a.device == Device::Cuda).then(|| tessera::gpu::train::GpuTrainOptions { resume: a.resume.clone(), progress: !a.no_progress });
+    let opts =
+        TrainOptions { resume: a.resume, progress: !a.no_progress, abandon_steps: a.abandon_steps, processes: false, worker_net: None };
+    let u = tessera::launch::UnderLauncher {
+        config: &a.config,
+        common: &a.common,
+        opts,
+        gpu,
+        certs: a.certs,
+        token_file: a.token_file,
+        join_timeout_ms: a.join_timeout.saturating_mul(1000),
+    };
+    let finished = tessera::launch::train_under_launcher(env, u)?;
+    Ok(if finished { ExitCode::SUCCESS } else { ExitCode::from(EXIT_INTERRUPTED) })
 }
 
 fn main() -> ExitCode {

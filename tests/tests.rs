@@ -1,9 +1,11 @@
 //! End-to-end tests: the `tessera` binary run as a user would run it.
 
 mod common;
+mod e2e_config_limits;
 mod e2e_elastic;
 mod e2e_gpu;
 mod e2e_hosts;
+mod e2e_launchers;
 mod e2e_offload;
 mod e2e_outputs;
 mod e2e_procs;

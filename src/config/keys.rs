@@ -72,8 +72,8 @@ const H: bool = true;
 const N: bool = false;
 
 static BATCH_AND_OPTIMIZER: &[KeyInfo] = &[
-    k("train_batch_size", UInt, H, "= micro batch × grad-accum × world; derived when missing"),
-    k("train_micro_batch_size_per_gpu", UInt, H, "per worker; derived when missing"),
+    k("train_batch_size", UInt, H, "= micro batch × grad-accum × world; derived when missing; at most 2^20 micro-batches per step (MICRO_BATCHES_PER_STEP_MAX)"),
+    k("train_micro_batch_size_per_gpu", UInt, H, "per worker; derived when missing; × tessera.seq_len at most 2^20 tokens (MICRO_BATCH_TOKENS_MAX)"),
     k("gradient_accumulation_steps", UInt, H, "derived when missing (1 if only one batch key is set)"),
     k("optimizer", Section, H, "missing section = AdamW with lr 1e-3"),
     k("optimizer.type", Str, H, "Adam, AdamW, Lamb, Lion, SGD (case-insensitive)"),
@@ -193,10 +193,10 @@ static ZERO: &[KeyInfo] = &[
     k("zero_optimization.stage", UInt, H, "0–3: what each of the --world ranks holds (docs/ARCHITECTURE.md)"),
     k("zero_optimization.contiguous_gradients", Bool, N, "no effect: gradients are always one flat buffer"),
     k("zero_optimization.reduce_scatter", Bool, N, "default true; ranks always reduce to the owners; false is not honoured"),
-    k("zero_optimization.reduce_bucket_size", UInt, H, "elements (> 0); gradients go to their partition owners in all-to-alls of at most this many, each sent once the backward has finished every unit it covers (stages 2-3 every micro-batch, 0-1 each block's sum); default 5e8"),
+    k("zero_optimization.reduce_bucket_size", UInt, H, "elements; 0 = one all-to-all per parameter tensor (DeepSpeed's meaning: each parameter's gradient reduced on its own); gradients go to their partition owners in all-to-alls of at most this many, each sent once the backward has finished every unit it covers (stages 2-3 every micro-batch, 0-1 each block's sum); default 5e8"),
     k("zero_optimization.use_multi_rank_bucket_allreduce", Bool, N, ""),
     k("zero_optimization.allgather_partitions", Bool, N, ""),
-    k("zero_optimization.allgather_bucket_size", UInt, N, "default 5e8"),
+    k("zero_optimization.allgather_bucket_size", UInt, N, "any value, 0 included, as DeepSpeed (which ignores it where torch has all_gather_into_tensor); default 5e8"),
     k("zero_optimization.overlap_comm", Bool, H, "CPU ranks: gradient buckets (and stage-3 gathers) run on a per-rank communication thread while the rank computes; off: the rank waits for each. GPU ranks: NCCL on a communication stream overlapping the compute stream; off: the compute stream waits for each collective as it is issued. Default: on at stage 3, else off"),
     k("zero_optimization.load_from_fp32_weights", Bool, N, ""),
     k("zero_optimization.elastic_checkpoint", Bool, N, "deprecated in DeepSpeed"),
@@ -219,7 +219,7 @@ static ZERO: &[KeyInfo] = &[
     k("zero_optimization.offload_param.max_in_cpu", UInt, H, "nvme: this many elements of each shard stay in host memory (out of the device budget, offloaded_bytes_per_rank.host), the rest go to the swap file; default 1e9"),
     k("zero_optimization.offload_param.pin_memory", Bool, N, "no page-locked host memory on CPU ranks; default false"),
     k("zero_optimization.zenflow", Opaque, N, ""),
-    k("zero_optimization.sub_group_size", UInt, H, "elements per optimizer sub-group: with offload_optimizer.device = nvme, the chunk swapped in and out (rounded up to aio.block_size); no effect otherwise (the step is elementwise); default 1e9"),
+    k("zero_optimization.sub_group_size", UInt, H, "elements per optimizer sub-group: with offload_optimizer.device = nvme, the chunk swapped in and out (rounded up to aio.block_size, so 0 — DeepSpeed's sub-group per parameter — swaps one block at a time); no effect otherwise (the step is elementwise); default 1e9"),
     k("zero_optimization.stage3_prefetch_bucket_size", UInt, H, "stage 3, CPU ranks: elements of upcoming units gathered ahead of use on the communication thread, within stage3_max_live_parameters; 0 = gather each unit at its use. GPU ranks prefetch the next unit. Default 5e7"),
     k("zero_optimization.stage3_param_persistence_threshold", UInt, H, "stage 3, per unit (embeddings+head, or one block): a unit with fewer elements is kept whole by every rank and never gathered; optimizer state stays partitioned; default 1e5"),
     k("zero_optimization.stage3_model_persistence_threshold", UInt, N, ""),

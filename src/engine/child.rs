@@ -539,6 +539,19 @@ fn only_node_in(dir: &Path) -> Result<usize> {
     }
 }
 
+/// The coordinator at the join address is not the one the join token was made for: its CA
+/// differs from the token's fingerprint (another coordinator's token, or an earlier run's).
+/// Retrying with the same token cannot help.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the coordinator at {join} is not the one this join token was made for (its CA differs from the token's fingerprint): \
+     use the token that coordinator printed ({detail})"
+)]
+pub struct WrongCoordinator {
+    pub join: String,
+    pub detail: String,
+}
+
 /// Dials the coordinator at `join` until it answers or `timeout_ms` passes.
 fn connect_coordinator(
     endpoint: &ControlEndpoint,
@@ -557,10 +570,9 @@ fn connect_coordinator(
                         Ok(c) => return Ok(c),
                         // The token pins another CA: another coordinator's token, or this
                         // address is some other run's. Retrying cannot help.
-                        Err(e) if e.to_string().contains(tessera_transport::quic::pki::NOT_THE_TOKENS_CA) => bail!(
-                            "the coordinator at {join} is not the one this join token was made for (its CA differs from \
-                             the token's fingerprint): use the token that coordinator printed ({e})"
-                        ),
+                        Err(e) if e.to_string().contains(tessera_transport::quic::pki::NOT_THE_TOKENS_CA) => {
+                            return Err(WrongCoordinator { join: join.clone(), detail: e.to_string() }.into())
+                        }
                         Err(e) => last = e.to_string(),
                     }
                 }

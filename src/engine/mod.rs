@@ -24,7 +24,7 @@ mod worker_net;
 pub mod zero;
 
 pub(crate) use child::load_dataset;
-pub use child::{run_agent, run_joiner, run_worker, AgentArgs, AgentCredentials, WorkerArgs, AGENT_CONNECT_TIMEOUT_MS};
+pub use child::{run_agent, run_joiner, run_worker, AgentArgs, AgentCredentials, WorkerArgs, WrongCoordinator, AGENT_CONNECT_TIMEOUT_MS};
 pub use elastic::{now_ms, EVENTS_FILE};
 pub use plan::Plan;
 pub use precision::Precision16;

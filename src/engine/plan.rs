@@ -145,6 +145,40 @@ fn unit_policy(units: &[Range<usize>], zero: &ZeroConfig, gathers: bool) -> Resu
     Ok(UnitPolicy { persistent, keep_unit0 })
 }
 
+/// The most tokens in one micro-batch of one rank (`train_micro_batch_size_per_gpu` ×
+/// `tessera.seq_len`): its token, activation and logit buffers are sized by it. A bound on
+/// typos (16× the largest micro-batches trained in practice), not a memory budget.
+pub const MICRO_BATCH_TOKENS_MAX: usize = 1 << 20;
+/// The most micro-batches in one step (`train_batch_size` / `train_micro_batch_size_per_gpu`,
+/// = gradient accumulation × world): the step's schedules and per-micro-batch records are
+/// sized by it. A bound on typos.
+pub const MICRO_BATCHES_PER_STEP_MAX: usize = 1 << 20;
+
+/// Refuses batch settings past [`MICRO_BATCH_TOKENS_MAX`] or [`MICRO_BATCHES_PER_STEP_MAX`],
+/// naming the keys, the values and the limit, before anything is sized by them.
+fn check_batch_bounds(cfg: &Config, seq_len: usize) -> Result<()> {
+    let micro = cfg.micro_batch_per_gpu;
+    let tokens = micro.checked_mul(seq_len).filter(|t| *t <= MICRO_BATCH_TOKENS_MAX);
+    if tokens.is_none() {
+        bail!(
+            "train_micro_batch_size_per_gpu = {micro} sequences of tessera.seq_len = {seq_len} tokens is more than the \
+             {MICRO_BATCH_TOKENS_MAX} tokens a rank's micro-batch may hold (MICRO_BATCH_TOKENS_MAX): lower the micro-batch \
+             and raise gradient_accumulation_steps"
+        );
+    }
+    let micro_batches = cfg.train_batch_size / micro.max(1);
+    if micro_batches > MICRO_BATCHES_PER_STEP_MAX {
+        bail!(
+            "train_batch_size = {} is {micro_batches} micro-batches per step (train_micro_batch_size_per_gpu = {micro}, \
+             gradient_accumulation_steps = {} × world {}), more than {MICRO_BATCHES_PER_STEP_MAX} (MICRO_BATCHES_PER_STEP_MAX)",
+            cfg.train_batch_size,
+            cfg.gradient_accumulation_steps,
+            cfg.world_size
+        );
+    }
+    Ok(())
+}
+
 /// OneCycle's post-cycle momentum decay scales beta1 by a factor without bound: a run whose last
 /// update's beta1 would leave [0, 1) is refused now rather than at that step (the optimizer
 /// checks every step too). Inside the cycle beta1 stays between the two bounds, already checked,
@@ -183,6 +217,7 @@ impl Plan {
         if cfg.tessera.eval_iters > data::VAL_BATCHES_MAX {
             return Err(data::DataError::TooManyValBatches { found: cfg.tessera.eval_iters, max: data::VAL_BATCHES_MAX }.into());
         }
+        check_batch_bounds(cfg, seq_len)?;
         let mut model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
         model.checkpoint_activations = cfg.activation_checkpointing;
         let flat = FlatLayout::new(model.layout().segments()).context("parameter layout")?;
@@ -194,9 +229,6 @@ impl Plan {
         // The loss scaler is built per rank later; its settings are checked here, with the file.
         bridge::loss_scaler(&cfg.precision)?;
         let stage = cfg.zero.stage;
-        if cfg.zero.reduce_bucket_size == 0 {
-            bail!("zero_optimization.reduce_bucket_size = 0: a gradient bucket needs at least one element");
-        }
         let policy = unit_policy(model.units(), &cfg.zero, stage == 3 && world > 1)?;
         let offload = OffloadPlan::new(cfg)?;
         if offload.param == Tier::Nvme && stage == 3 && world > 1 {
@@ -372,10 +404,16 @@ impl Plan {
         merged
     }
 
-    /// The successive ranges of the flat buffer that one gradient all-to-all moves.
-    pub fn reduce_buckets(&self) -> impl Iterator<Item = Range<usize>> + '_ {
-        let (total, b) = (self.total(), self.reduce_bucket_elems.max(1));
-        (0..total.div_ceil(b)).map(move |k| k * b..((k + 1) * b).min(total))
+    /// The successive ranges of the flat buffer that one gradient all-to-all moves: fixed
+    /// buckets of `reduce_bucket_elems`, or with 0 one per parameter tensor (DeepSpeed's
+    /// `reduce_bucket_size: 0` flushes its bucket before every parameter, so each parameter's
+    /// gradient is reduced on its own). The bits are the same either way.
+    pub fn reduce_buckets(&self) -> Vec<Range<usize>> {
+        let (total, b) = (self.total(), self.reduce_bucket_elems);
+        match b {
+            0 => self.flat.segments().iter().filter(|s| !s.is_empty()).cloned().collect(),
+            b => (0..total.div_ceil(b)).map(|k| k * b..((k + 1) * b).min(total)).collect(),
+        }
     }
 
     /// This plan with rank `r`'s micro-batch blocks `blocks[r]`, checked to be the aligned cut

@@ -505,18 +505,33 @@ struct Tally {
 
 /// Most of what `train` checks before it starts (`tessera config check` runs it): the data
 /// loads (and holds a validation set), the ZeRO plan can be built for the world size (buckets, stage-3 limits, offload
-/// settings) and the elastic settings hold. Not checked here: the memory budget, the step count
-/// and `--device cuda`'s own refusals.
+/// settings), the sampler and validation batches can be made and the elastic settings hold,
+/// through the functions `train` uses. Not checked here: the memory budget and `--device cuda`'s
+/// own refusals (both depend on the device).
 pub fn validate(cfg: &Config) -> Result<()> {
+    check_steps(cfg)?;
     let dataset = super::child::load_dataset(cfg)?;
     // The memory budget depends on the device the run gets (`--device cuda` counts its own
     // bytes), so `config check` leaves it to `train`.
     let mut unbudgeted = cfg.clone();
     unbudgeted.tessera.device_memory_bytes_max = None;
     let plan = Plan::new(&unbudgeted, &dataset)?;
-    data::val_batches(dataset.val.clone(), plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1)).context("validation data")?;
-    config::elastic_run(cfg)?;
+    run_inputs(cfg, &plan, &dataset).map(drop)
+}
+
+fn check_steps(cfg: &Config) -> Result<()> {
+    if cfg.tessera.steps == 0 {
+        bail!("tessera.steps = 0 (or --steps 0): a run needs at least one optimizer step");
+    }
     Ok(())
+}
+
+/// What a run reads besides its plan, checked the same way by `train` and by [`validate`]: the
+/// training sampler, the validation batches and the elastic settings.
+fn run_inputs(cfg: &Config, plan: &Plan, dataset: &Dataset) -> Result<(Arc<Sampler>, data::ValBatches, ElasticRun)> {
+    let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?);
+    let val = data::val_batches(dataset.val.clone(), plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1)).context("validation data")?;
+    Ok((sampler, val, config::elastic_run(cfg)?))
 }
 
 fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Dataset)> {
@@ -545,11 +560,7 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
             (fresh_start(cfg, &plan), None)
         }
     };
-    let sampler = Arc::new(Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data").map_err(unmade)?);
-    let val = data::val_batches(dataset.val.clone(), plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1))
-        .context("validation data")
-        .map_err(unmade)?;
-    let er = config::elastic_run(cfg).map_err(|e| unmade(e.into()))?;
+    let (sampler, val, er) = run_inputs(cfg, &plan, &dataset).map_err(unmade)?;
     let rendezvous = super::remote::take_rendezvous();
     let elastic_fleet = opts.processes && er.enabled;
     if let (Some(path), false) = (&opts.worker_net, elastic_fleet && rendezvous.is_none()) {
@@ -1077,9 +1088,7 @@ impl Run<'_> {
 
 /// Runs a whole training job as the config says.
 pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
-    if cfg.tessera.steps == 0 {
-        bail!("tessera.steps = 0 (or --steps 0): a run needs at least one optimizer step");
-    }
+    check_steps(cfg)?;
     if let Some(&n) = opts.abandon_steps.iter().find(|&&n| n >= cfg.tessera.steps) {
         bail!(
             "--abandon-step {n}: steps are numbered from 0, so this run of {} step(s) has steps 0..={}; step {n} never runs",
