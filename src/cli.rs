@@ -33,6 +33,7 @@ pub struct CommonArgs {
     /// Output directory (checkpoints, summary.json, monitors).
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Seed of the initial parameters and the data order (`tessera.seed`; a resume must keep it).
     #[arg(long)]
     pub seed: Option<u64>,
     /// Number of workers.
@@ -70,6 +71,28 @@ impl CommonArgs {
         }
         o
     }
+}
+
+/// `tessera completions SHELL`: the completion script for `cmd` (the whole `tessera` command
+/// tree), written to `out`. Hidden subcommands and arguments (`worker`, the flags tests and
+/// chaos runs pass) are left out, as they are of `--help`; clap_complete would offer them.
+pub fn completions(shell: clap_complete::Shell, cmd: &clap::Command, out: &mut dyn std::io::Write) {
+    clap_complete::generate(shell, &mut visible_only(cmd), cmd.get_name().to_string(), out);
+}
+
+/// `cmd` with only what completion needs of it (names, about lines, version, arguments, and
+/// subcommands), less every hidden argument and subcommand.
+fn visible_only(cmd: &clap::Command) -> clap::Command {
+    let mut c = clap::Command::new(cmd.get_name().to_string())
+        .args(cmd.get_arguments().filter(|a| !a.is_hide_set()).cloned())
+        .subcommands(cmd.get_subcommands().filter(|s| !s.is_hide_set()).map(visible_only));
+    if let Some(about) = cmd.get_about() {
+        c = c.about(about.clone());
+    }
+    if let Some(version) = cmd.get_version() {
+        c = c.version(version.to_string());
+    }
+    c
 }
 
 fn hidden_size_of(name: &str) -> Option<usize> {

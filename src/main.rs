@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use tessera::engine::TrainOptions;
 use tessera::{cli, console, outln, signals};
 
@@ -55,6 +55,12 @@ enum Cmd {
     /// Cluster certificates for runs whose agents bring their own (`--certs DIR`).
     #[command(subcommand)]
     Cluster(ClusterCmd),
+    /// Print a shell completion script for tessera to standard output, e.g.
+    /// `tessera completions bash > ~/.local/share/bash-completion/completions/tessera`.
+    Completions {
+        /// The shell to write the script for.
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Subcommand)]
@@ -64,6 +70,7 @@ enum ClusterCmd {
     /// coordinator.{pem,key} to the coordinator's; ca.key signs nothing later and can be kept
     /// offline.
     Init {
+        /// The directory to write the CA and certificates into (created if missing).
         dir: PathBuf,
         /// How many node certificates.
         #[arg(long)]
@@ -230,8 +237,10 @@ struct LaunchArgs {
 
 #[derive(Args)]
 struct WorkerArgs {
+    /// This worker's rank (0-based).
     #[arg(long, required_unless_present = "join")]
     rank: Option<usize>,
+    /// The number of ranks of the run.
     #[arg(long, required_unless_present = "join")]
     world: Option<usize>,
     /// The parent's control address (127.0.0.1:PORT).
@@ -259,9 +268,9 @@ struct TrainArgs {
     /// Hide the progress bar.
     #[arg(long)]
     no_progress: bool,
-    /// Prepare step N (0-based, below --steps), abandon it, and run it again (exercises the
-    /// step transaction; the result must be unchanged). Repeatable.
-    #[arg(long = "abandon-step", value_name = "N")]
+    /// (Tests) Prepare step N (0-based, below --steps), abandon it, and run it again (exercises
+    /// the step transaction; the result must be unchanged). Repeatable.
+    #[arg(long = "abandon-step", value_name = "N", hide = true)]
     abandon_steps: Vec<u64>,
     /// Run N worker processes on this machine whose ranks exchange tensors over QUIC with
     /// mutual TLS (sets the world size to N).
@@ -315,6 +324,7 @@ struct GenerateArgs {
     /// Sample from the k most likely tokens (0 = all).
     #[arg(long, default_value_t = 40)]
     top_k: usize,
+    /// Seed of the sampling (the same seed, prompt and checkpoint give the same text).
     #[arg(long, default_value_t = 1234)]
     seed: u64,
     /// The tokenizer.json the model was trained with (byte-level if absent).
@@ -343,6 +353,7 @@ struct ExportArgs {
 enum GpuCmd {
     /// Every CUDA kernel and the whole GPT model against the CPU reference, on fresh random inputs.
     Check {
+        /// Seed of the random inputs and initial parameters the checks use.
         #[arg(long, default_value_t = 7)]
         seed: u64,
     },
@@ -354,6 +365,7 @@ enum GpuCmd {
 enum ConfigCmd {
     /// Print the resolved config and which keys Tessera honours.
     Check {
+        /// The DeepSpeed JSON config file to check.
         file: PathBuf,
         #[command(flatten)]
         common: cli::CommonArgs,
@@ -526,6 +538,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
             drop(files);
             Ok(done)
         }
+        Cmd::Completions { shell } => {
+            cli::completions(shell, &Cli::command(), &mut std::io::stdout());
+            Ok(done)
+        }
         Cmd::Launch(a) => {
             let a = *a;
             let (config, common, opts, d) = a.driver.split();
@@ -593,6 +609,59 @@ fn main() -> ExitCode {
             // show even with -q or when the subscriber could not start.
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--name` of a flag, or `NAME` of a positional argument, for messages.
+    fn arg_name(a: &clap::Arg) -> String {
+        a.get_long().map_or_else(|| a.get_id().to_string().to_uppercase(), |l| format!("--{l}"))
+    }
+
+    /// The visible arguments below `cmd` (its own and those of its visible subcommands, named by
+    /// their command path) that have no help line in `--help`.
+    fn missing_help(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+        for a in cmd.get_arguments().filter(|a| !a.is_hide_set() && a.get_help().is_none()) {
+            out.push(format!("{path} {}", arg_name(a)));
+        }
+        for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+            if sub.get_about().is_none() {
+                out.push(format!("{path} {} (the subcommand itself)", sub.get_name()));
+            }
+            missing_help(sub, &format!("{path} {}", sub.get_name()), out);
+        }
+    }
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_visible_argument_and_subcommand_has_help() {
+        let mut cmd = Cli::command();
+        // Built, the tree also holds the --help and --version arguments clap adds.
+        cmd.build();
+        let mut missing = Vec::new();
+        missing_help(&cmd, "tessera", &mut missing);
+        assert!(missing.is_empty(), "arguments without a help line in --help:\n{}", missing.join("\n"));
+    }
+
+    #[test]
+    fn test_only_flags_are_hidden_from_help() {
+        let cmd = Cli::command();
+        let sub = |name: &str| cmd.find_subcommand(name).unwrap_or_else(|| panic!("no subcommand {name}")).clone();
+        let hidden = |c: &clap::Command, long: &str| {
+            let arg = c.get_arguments().find(|a| a.get_long() == Some(long));
+            arg.unwrap_or_else(|| panic!("{} has no --{long}", c.get_name())).is_hide_set()
+        };
+        assert!(sub("worker").is_hide_set(), "`worker` is started by `train --nprocs`, not by hand");
+        for (command, long) in [("train", "abandon-step"), ("train", "worker-net"), ("agent", "worker-net")] {
+            assert!(hidden(&sub(command), long), "{command} --{long} is for tests and chaos runs: it should be hidden");
         }
     }
 }

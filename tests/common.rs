@@ -50,6 +50,11 @@ pub const FAST: &[&str] = &[
     "tessera.eval_interval=0",
 ];
 
+/// `args` as the `&str`s [`run`], [`ok`] and [`fails`] take.
+pub fn strs(args: &[String]) -> Vec<&str> {
+    args.iter().map(String::as_str).collect()
+}
+
 pub fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).expect("writing test file");

@@ -62,6 +62,21 @@ fn worker_processes_give_the_bits_of_one_worker_for_zero_1_and_3() {
     }
 }
 
+/// The three-partial-sum batch of `e2e_zero` (7 micro-batches a rank in 4 processes; 14 a rank
+/// in 2) over QUIC: the bits of one in-process worker.
+#[test]
+fn seven_micro_batches_a_process_give_the_bits_of_one_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let batch = crate::e2e_zero::SEVEN_A_RANK_AT_4;
+    let one = train(tmp.path(), "w1", &["--world", "1"], 0, 3, batch);
+    assert_eq!(one["tokens"], crate::e2e_zero::SEVEN_A_RANK_TOKENS, "the batch of 28 did not take: {one}");
+    for (procs, stage) in [("4", 3u8), ("2", 1)] {
+        let s = train(tmp.path(), &format!("p{procs}s{stage}"), &["--nprocs", procs], stage, 3, batch);
+        assert_eq!(s["tokens"], one["tokens"]);
+        assert_eq!(s["params_blake3"], one["params_blake3"], "28 micro-batches: {procs} processes, ZeRO-{stage} differ from one worker");
+    }
+}
+
 #[test]
 fn a_process_run_resumes_under_another_process_count() {
     let tmp = tempfile::tempdir().unwrap();

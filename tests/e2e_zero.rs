@@ -44,6 +44,49 @@ fn every_stage_and_world_size_gives_the_same_bits() {
     }
 }
 
+/// 28 micro-batches of one sequence a step (set after `zero_run`'s 12): 7 a rank at world 4, cut
+/// into the aligned blocks 4+2+1, 1+4+2, 2+4+1 and 1+2+4, 14 a rank at world 2 (8+4+2 and
+/// 2+8+4), and 16+8+4 for the whole batch — three partial sums wait at the tree's root, where
+/// 12 (8+4) leaves two. The ranks' blocks end at different micro-batch slots.
+pub const SEVEN_A_RANK_AT_4: &[&str] = &["--set", "train_batch_size=28"];
+
+/// Tokens a `zero_run` of [`SEVEN_A_RANK_AT_4`] trains on: 3 steps of 28 sequences of 32 tokens.
+pub const SEVEN_A_RANK_TOKENS: u64 = 3 * 28 * 32;
+
+#[test]
+fn seven_micro_batches_a_rank_give_the_bits_of_one_worker_at_every_stage() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reference = zero_run(tmp.path(), "w1", 1, 0, SEVEN_A_RANK_AT_4);
+    assert_eq!(reference["tokens"], SEVEN_A_RANK_TOKENS, "the batch of 28 did not take: {reference}");
+    for (world, stage) in [(2, 0), (2, 3), (4, 0), (4, 1), (4, 2), (4, 3)] {
+        let s = zero_run(tmp.path(), &format!("w{world}s{stage}"), world, stage, SEVEN_A_RANK_AT_4);
+        assert_eq!((s["world_size"].as_u64(), s["tokens"].as_u64()), (Some(world as u64), Some(SEVEN_A_RANK_TOKENS)));
+        assert_eq!(s["params_blake3"], reference["params_blake3"], "28 micro-batches: world {world}, stage {stage} differ from one worker");
+    }
+    // 16-bit gradients round every inner node of the tree: the same bits at the root too.
+    let bf16 = |name: &str, world: usize, stage: u8| {
+        let extra: Vec<&str> = SEVEN_A_RANK_AT_4.iter().copied().chain(["--set", "bf16.enabled=true"]).collect();
+        zero_run(tmp.path(), name, world, stage, &extra)["params_blake3"].clone()
+    };
+    assert_eq!(bf16("bf16-w4s2", 4, 2), bf16("bf16-w1", 1, 0), "28 micro-batches in bf16: world 4, stage 2 differ from one worker");
+}
+
+/// One worker's 3 steps over [`SEVEN_A_RANK_AT_4`]'s 28 micro-batches end on pinned bits. Every
+/// world size leaves the same three partial sums at the tree's root, so the comparisons above
+/// cannot see how the root adds them (left + (middle + right)); this can (adding them left to
+/// right instead changes these bits, and none of a 12-micro-batch run's). A change here is a
+/// change of the math behind every run's `params_blake3`. The value does not depend on the
+/// machine's caches or thread count: every matmul of gpt-tiny sums over at most 512 terms, which
+/// the gemm crate never splits (its k-blocks are at least 512), and the same bits came with 1 and
+/// 7 threads on one core.
+#[test]
+fn one_worker_over_28_micro_batches_ends_on_the_pinned_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = zero_run(tmp.path(), "w1", 1, 0, SEVEN_A_RANK_AT_4);
+    assert_eq!(s["tokens"], SEVEN_A_RANK_TOKENS);
+    assert_eq!(s["params_blake3"], "12fc90728c54f4254b729c05e77e89e6e9becf220ad0dbc1b7e34bd9e5470d6e");
+}
+
 #[test]
 fn sixteen_bit_and_lamb_runs_are_world_size_independent() {
     let tmp = tempfile::tempdir().unwrap();

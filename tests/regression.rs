@@ -1,5 +1,7 @@
 //! Bad input gives a clear error naming the problem and a non-zero exit; nothing is lost.
 
+use std::path::Path;
+
 use crate::common::*;
 
 #[test]
@@ -410,4 +412,70 @@ fn binary_data_is_refused_by_name() {
         let text = fails(&["config", "check", cfg.to_str().unwrap(), "--data", data.to_str().unwrap(), "--set", &cache], tmp.path());
         assert!(text.contains(name) && text.contains("Tessera reads") && text.contains(".parquet"), "{text}");
     }
+}
+
+/// Flips the lowest bit of the last byte of `path` (tensor data, after the safetensors header):
+/// the file keeps its size, so only its blake3 can tell.
+fn flip_last_bit(path: &Path) {
+    let mut bytes = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let before = bytes.len();
+    *bytes.last_mut().expect("a non-empty checkpoint file") ^= 1;
+    std::fs::write(path, &bytes).unwrap();
+    assert_eq!(std::fs::metadata(path).unwrap().len() as usize, before, "the flip must keep the size");
+}
+
+/// One flipped bit in checkpoint file `file` of the same size (the truncation test above is
+/// stopped by the size check before any hash is compared): `--resume` of that step folder
+/// refuses it, naming the file and the blake3 mismatch, and writes nothing; `--resume` of the
+/// checkpoints root warns and falls back to the step before, and the run then ends on the bits of
+/// the run that wrote the checkpoints.
+fn a_flipped_bit_is_refused_or_skipped_on_resume(file: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let cfg = cfg.to_str().unwrap();
+    let train = |out: &Path, steps: &str, extra: &[&str]| -> Vec<String> {
+        let mut a = vec!["train", "--config", cfg, "--output", out.to_str().unwrap(), "--world", "2", "--steps", steps, "--no-progress"];
+        a.extend_from_slice(&["--set", "tessera.checkpoint_interval=2"]);
+        a.extend_from_slice(FAST);
+        a.extend_from_slice(extra);
+        a.into_iter().map(String::from).collect()
+    };
+    let listing = |dir: &Path| {
+        let mut names: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        names.sort();
+        names
+    };
+    let run = tmp.path().join("run");
+    ok(&strs(&train(&run, "4", &[])), tmp.path());
+    let ckpts = run.join("checkpoints");
+    let newest = ckpts.join("step_00000004");
+    let damaged = newest.join(file);
+    flip_last_bit(&damaged);
+    let before = (listing(&ckpts), listing(&newest));
+    // The damaged step itself (with steps left to run): refused, naming the file and the
+    // mismatch, and nothing written.
+    let strict = tmp.path().join("strict");
+    let text = fails(&strs(&train(&strict, "6", &["--resume", newest.to_str().unwrap()])), tmp.path());
+    let named = damaged.display().to_string();
+    assert!(text.contains(&named) && text.contains("blake3 mismatch") && text.contains("file corrupted"), "{text}");
+    assert!(!strict.join("checkpoints").exists(), "a refused resume wrote checkpoints:\n{text}");
+    assert_eq!((listing(&ckpts), listing(&newest)), before, "a refused resume changed the checkpoints");
+    // The root: step 4 is skipped with a warning naming the file, and step 2 is resumed.
+    let fallback = tmp.path().join("fallback");
+    let text = ok(&strs(&train(&fallback, "4", &["--resume", ckpts.to_str().unwrap()])), tmp.path());
+    let warned = text.contains("warning: skipped checkpoint") && text.contains(&named) && text.contains("blake3 mismatch");
+    assert!(warned, "{text}");
+    let (resumed, original) = (summary(&fallback), summary(&run));
+    assert_eq!(resumed["tokens"].as_u64().unwrap() * 2, original["tokens"].as_u64().unwrap(), "steps 3-4 only:\n{text}");
+    assert_eq!(resumed["params_blake3"], original["params_blake3"], "resumed from step 2, the run should end on the same bits");
+}
+
+#[test]
+fn a_flipped_bit_in_optim_safetensors_is_refused_or_skipped_on_resume() {
+    a_flipped_bit_is_refused_or_skipped_on_resume("optim.safetensors");
+}
+
+#[test]
+fn a_flipped_bit_in_params_safetensors_is_refused_or_skipped_on_resume() {
+    a_flipped_bit_is_refused_or_skipped_on_resume("params.safetensors");
 }

@@ -1,6 +1,7 @@
 //! End-to-end tests: the `tessera` binary run as a user would run it.
 
 mod common;
+mod e2e_cli;
 mod e2e_config_limits;
 mod e2e_elastic;
 mod e2e_gpu;

@@ -363,16 +363,19 @@ pub struct BenchArgs {
     /// GPUs (one process each).
     #[arg(long, default_value_t = 1)]
     pub nprocs: usize,
+    /// Optimizer steps to run (the first --warmup of them are not timed).
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
     /// Steps not timed (warm-up).
     #[arg(long, default_value_t = 10)]
     pub warmup: usize,
+    /// AdamW learning rate, the same at every step (no schedule).
     #[arg(long, default_value_t = 3e-4)]
     pub lr: f32,
     /// Global gradient-norm clip (0 = off).
     #[arg(long, default_value_t = 0.0)]
     pub clip: f32,
+    /// Seed of the initial parameters and the synthetic tokens.
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
     /// After the timed steps, run one more with GPU timing marks and print where the time goes
