@@ -596,7 +596,7 @@ fn train_under_launcher(env: &tessera::launch::LauncherEnv, a: TrainArgs) -> Res
         join_timeout_ms: a.join_timeout.saturating_mul(1000),
     };
     let finished = tessera::launch::train_under_launcher(env, u)?;
-    Ok(if finished { ExitCode::SUCCESS } else { ExitCode::from(EXIT_INTERRUPTED) })
+    Ok(trained(finished))
 }
 
 fn main() -> ExitCode {
