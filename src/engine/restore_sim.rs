@@ -189,16 +189,24 @@ fn rng_opt(rng: &mut Rng) -> Option<u64> {
     (below(rng, 2) == 0).then(|| below(rng, 64))
 }
 
-/// The state saved at `step` in its `version`: raw random bits (NaN payloads, subnormals, -0)
-/// in the tensors, numbers in the manifest's fields.
+/// The state saved at `step` in its `version`: raw random bits (subnormals, -0, and in the
+/// optimizer state NaN payloads and infinities: a save refuses a non-finite parameter) in the
+/// tensors, numbers in the manifest's fields.
 fn state(seed: u64, step: u64, version: u64) -> CheckpointState {
     let mut rng = Rng::derive(seed, &[0x5eed, step, version]);
-    let mut t = |name: &str, shape: &[usize]| {
-        let data = (0..shape.iter().product::<usize>()).map(|_| f32::from_bits(rng.next_u64() as u32)).collect();
+    let mut t = |name: &str, shape: &[usize], finite: bool| {
+        let data = (0..shape.iter().product::<usize>())
+            .map(|_| {
+                let bits = rng.next_u64() as u32;
+                // An all-ones exponent (NaN, infinity) loses its top bit: a finite number.
+                let nonfinite = (bits >> 23) & 0xff == 0xff;
+                f32::from_bits(if finite && nonfinite { bits & !(1 << 30) } else { bits })
+            })
+            .collect();
         NamedTensor { name: name.to_string(), shape: shape.to_vec(), data }
     };
-    let params = vec![t("wte.weight", &[4, 3]), t("ln_f.bias", &[3])];
-    let optim = vec![t("optim.exp_avg", &[15]), t("optim.exp_avg_sq", &[15])];
+    let params = vec![t("wte.weight", &[4, 3], true), t("ln_f.bias", &[3], true)];
+    let optim = vec![t("optim.exp_avg", &[15], false), t("optim.exp_avg_sq", &[15], false)];
     CheckpointState {
         step,
         config_hash: format!("cfg-{seed:x}"),
