@@ -32,13 +32,17 @@
 //! Determinism: a rank's micro-batches are combined by a fixed binary tree, ranks hold aligned
 //! blocks of micro-batches, and with two ranks NCCL's sum is one IEEE add — so one GPU running
 //! two micro-batches and two GPUs running one each produce the same bits (tested on the device).
+//!
+//! Files: this one builds a rank and runs its steps; `hooks.rs` the per-unit hooks of one
+//! micro-batch (stage-3 gathers, finishing a unit's gradient); `state.rs` what the training driver
+//! reads and restores (evaluation, host gathers, optimizer state in the CPU layout).
 
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use tessera_kernels::cuda::gpt::{self, GpuLayout, Phase, Shape, UnitHooks, Workspace};
+use tessera_kernels::cuda::gpt::{self, GpuLayout, Shape, Workspace};
 use tessera_kernels::cuda::{self, bf16, ops, Buf, CudaEvent, CudaStream, DPtr, Gpu};
 use tessera_kernels::model::Model;
 use tessera_kernels::optim::MomentumCycle;
@@ -46,6 +50,10 @@ use tessera_transport::nccl::NcclComm;
 
 use super::offload::{self, Offload, OffloadStats, Pipe, Split};
 use crate::offload::ResidentBytes;
+use hooks::Hooks;
+
+mod hooks;
+mod state;
 
 /// Bound on any wait for the communication stream.
 const COMM_TIMEOUT: Duration = Duration::from_secs(300);
@@ -145,14 +153,6 @@ fn tail_plan(stack: &[(u32, usize)], slot: usize) -> Tail {
         merges.push((st.last().expect("len ≥ 1").1, top));
     }
     Tail { merges, fin: st[0].1 }
-}
-
-/// Which optimizer buffer.
-#[derive(Clone, Copy)]
-enum Which {
-    Master,
-    ExpAvg,
-    ExpAvgSq,
 }
 
 pub struct Rank {
@@ -688,42 +688,6 @@ impl Rank {
         Ok(sum.sqrt())
     }
 
-    /// The fp32 master parameters in the CPU layout (gathered from every rank).
-    pub fn masters(&mut self) -> Result<Vec<f32>> {
-        let shard = self.shard_vec(Which::Master)?;
-        self.gather_cpu_layout(shard)
-    }
-
-    /// This rank's optimizer shard of one buffer (pieces unit after unit), joining the host and
-    /// device parts.
-    fn shard_vec(&self, which: Which) -> Result<Vec<f32>> {
-        let dev = self.gpu.download(match which {
-            Which::Master => self.master.ptr(),
-            Which::ExpAvg => self.m.ptr(),
-            Which::ExpAvgSq => self.v.ptr(),
-        })?;
-        let Some(o) = &self.off else { return Ok(dev) };
-        let host = o.host.as_ref().context("the host optimizer state was lost in an earlier failed step")?;
-        let h = match which {
-            Which::Master => &host.master,
-            Which::ExpAvg => &host.m,
-            Which::ExpAvgSq => &host.v,
-        };
-        Ok(self.split.join(h, &dev))
-    }
-
-    fn layout_full_from_shards(&self, shards: &[Vec<f32>]) -> Vec<f32> {
-        let mut full = vec![0f32; self.layout.total];
-        for (r, sh) in shards.iter().enumerate() {
-            for u in 0..self.layout.units.len() {
-                let p = self.layout.piece(u, r);
-                let off = self.layout.shard_offset(u);
-                full[p.clone()].copy_from_slice(&sh[off..off + p.len()]);
-            }
-        }
-        full
-    }
-
     /// Waits for both streams.
     pub fn sync(&self) -> Result<()> {
         self.gpu.sync()?;
@@ -776,256 +740,9 @@ impl Rank {
     }
 }
 
-/// The hooks of one micro-batch.
-struct Hooks<'a> {
-    r: &'a mut Rank,
-    grads: DPtr<f32>,
-    /// The last micro-batch of a step: the tree's adds, reduction and host copy per unit.
-    tail: Option<&'a Tail>,
-    /// Step each unit's AdamW on the optimizer stream once its gradient is final (one GPU, no
-    /// clipping; see the module notes).
-    early: Option<&'a ops::AdamStep>,
-    /// Stage 3: index of the next block use, and the uses in order (unit, phase).
-    use_idx: usize,
-    uses: Vec<(usize, Phase)>,
-}
-
-impl Hooks<'_> {
-    /// Stage 3: starts gathering the embedding unit and the first two block uses.
-    fn begin(&mut self) -> Result<()> {
-        if self.r.stage != 3 {
-            return Ok(());
-        }
-        let l = self.r.layout.units.len() - 1;
-        self.uses = (1..=l).map(|u| (u, Phase::Forward)).chain((1..=l).rev().map(|u| (u, Phase::Backward))).collect();
-        self.use_idx = 0;
-        // Gathers read the parameter shard the last optimizer step wrote.
-        self.r.order(&self.r.gpu.stream, &self.r.cstream)?;
-        let u0 = self.r.u0.as_ref().expect("stage 3 has a unit-0 buffer").ptr();
-        self.gather(0, u0)?;
-        self.r.ready[0] = Some(record(&self.r.cstream)?);
-        for k in 0..2.min(self.uses.len()) {
-            self.gather_use(k)?;
-        }
-        Ok(())
-    }
-
-    fn gather(&self, u: usize, dst: DPtr<bf16>) -> Result<()> {
-        let off = self.r.layout.shard_offset(u);
-        let len = self.r.layout.units[u].len() / self.r.world;
-        let mine = self.r.params.slice(off..off + len);
-        if self.r.world == 1 {
-            self.r.gpu.copy(dst.cast(), mine.cast(), &self.r.cstream)?;
-        } else {
-            self.r.comm().all_gather_bf16(mine, dst, &self.r.cstream)?;
-        }
-        self.r.comm_issued()
-    }
-
-    /// Gathers block use `k` into pool slot `k % 2` and records its ready event.
-    fn gather_use(&mut self, k: usize) -> Result<()> {
-        let (u, _) = self.uses[k];
-        let dst = self.r.pool[k % 2].ptr();
-        self.gather(u, dst)?;
-        let ev = record(&self.r.cstream)?;
-        self.r.pool_ready.insert(k, ev);
-        Ok(())
-    }
-}
-
+/// An event recorded on `s` now.
 fn record(s: &CudaStream) -> Result<CudaEvent> {
     Ok(s.record_event(None).map_err(cuda::drv("recording an event"))?)
-}
-
-impl Hooks<'_> {
-    /// Unit `u`'s gradient of the last micro-batch is complete: the tree's adds over the unit
-    /// (the same adds, in the same order, as over the whole buffer), then its reduction (stage 1:
-    /// every unit's, after the whole backward) and the copy of its host part to the host.
-    fn finish_unit(&mut self, u: usize, tail: &Tail) -> Result<()> {
-        let r = &mut *self.r;
-        let unit = r.layout.units[u].clone();
-        for &(dst, src) in &tail.merges {
-            ops::add_f32(&r.gpu, &r.gpu.stream, r.gbufs[dst].slice(unit.clone()), r.gbufs[src].slice(unit.clone()))?;
-        }
-        let fin = r.gbufs[tail.fin].ptr();
-        if r.world == 1 {
-            if let Some(hp) = self.early {
-                // Nothing later in this backward reads unit u's parameters or writes its
-                // gradient: the forward and backward of the blocks below use their own.
-                r.order(&r.gpu.stream, &r.ostream)?;
-                r.adamw_unit(u, fin, hp, 1.0, &r.ostream)?;
-                r.stepped[u] = true;
-            }
-            return r.send_grad(u, tail.fin);
-        }
-        if r.stage != 1 {
-            r.reduce_unit(u, fin)?;
-            r.send_grad(u, tail.fin)?;
-        } else if u == 0 {
-            // Stage 1 reduces after the whole backward.
-            for uu in (0..r.layout.units.len()).rev() {
-                r.reduce_unit(uu, fin)?;
-                r.send_grad(uu, tail.fin)?;
-            }
-        }
-        Ok(())
-    }
-}
-
-impl UnitHooks for Hooks<'_> {
-    fn params(&mut self, u: usize, phase: Phase) -> tessera_kernels::cuda::Result<DPtr<bf16>> {
-        let r = &mut *self.r;
-        if r.stage == 3 {
-            if u == 0 {
-                if phase == Phase::Forward {
-                    if let Some(ev) = r.ready[0].take() {
-                        r.gpu.stream.wait(&ev).map_err(cuda::drv("waiting for the embedding gather"))?;
-                    }
-                }
-                return Ok(r.u0.as_ref().expect("stage 3 has a unit-0 buffer").ptr());
-            }
-            let k = self.use_idx;
-            debug_assert_eq!(self.uses[k], (u, phase), "stage-3 use order");
-            let ev = r.pool_ready.remove(&k).ok_or_else(|| cuda::GpuError::Invalid(format!("stage 3: unit {u} was not prefetched")))?;
-            r.gpu.stream.wait(&ev).map_err(cuda::drv("waiting for a parameter gather"))?;
-            return Ok(r.pool[k % 2].ptr());
-        }
-        if let Some(ev) = r.ready[u].take() {
-            r.gpu.stream.wait(&ev).map_err(cuda::drv("waiting for a parameter gather"))?;
-        }
-        Ok(r.params.slice(r.layout.units[u].clone()))
-    }
-
-    fn params_done(&mut self, u: usize, _phase: Phase) -> tessera_kernels::cuda::Result<()> {
-        if self.r.stage != 3 || u == 0 {
-            return Ok(());
-        }
-        let k = self.use_idx;
-        self.use_idx += 1;
-        if k + 2 < self.uses.len() {
-            // Slot k % 2 is free once the compute stream is past this use.
-            self.r.order(&self.r.gpu.stream, &self.r.cstream).map_err(|e| cuda::GpuError::Invalid(e.to_string()))?;
-            self.gather_use(k + 2).map_err(|e| cuda::GpuError::Invalid(e.to_string()))?;
-        }
-        Ok(())
-    }
-
-    fn grads(&mut self, u: usize) -> tessera_kernels::cuda::Result<DPtr<f32>> {
-        Ok(self.grads.slice(self.r.layout.units[u].clone()))
-    }
-
-    fn grads_done(&mut self, u: usize) -> tessera_kernels::cuda::Result<()> {
-        let Some(tail) = self.tail else { return Ok(()) };
-        self.finish_unit(u, tail).map_err(|e| cuda::GpuError::Invalid(format!("{e:#}")))
-    }
-}
-
-/// Helpers for the training driver (`gpu::train`): evaluation, small host-side gathers, and
-/// the optimizer state in the CPU checkpoint layout.
-impl Rank {
-    /// Mean loss of one batch of this rank's micro-batch shape, forward only (evaluation) on the
-    /// current bf16 parameters. At stage 3 with several ranks the parameters are gathered unit by
-    /// unit, so every rank must call this together, with batches in the same order.
-    pub fn forward_loss(&mut self, tokens: &[u32], targets: &[u32]) -> Result<f32> {
-        let mut ws = self.ws.take().expect("workspace present between steps");
-        let gpu = self.gpu.clone();
-        // Forward only: no gradient is written; the hooks still need a buffer to name.
-        let grads = self.gbufs[0].ptr();
-        let res = {
-            let mut hooks = Hooks { r: self, grads, tail: None, early: None, use_idx: 0, uses: Vec::new() };
-            hooks.begin().and_then(|_| gpt::forward_loss(&gpu, &mut hooks, &mut ws, tokens, targets).map_err(anyhow::Error::from))
-        };
-        let loss = res.and_then(|_| gpt::mean_loss(&gpu, &ws).map_err(anyhow::Error::from));
-        self.ws = Some(ws);
-        loss
-    }
-
-    /// Every rank's `values` (the same count on each), rank-major: `out[r·k + i]` is rank `r`'s
-    /// `values[i]`. One rank: `values` itself. A collective: every rank must call it together.
-    pub fn gather_host(&mut self, values: &[f64]) -> Result<Vec<f64>> {
-        if self.world == 1 || values.is_empty() {
-            return Ok(values.to_vec());
-        }
-        // f64 values travel as pairs of f32 words (a gather moves bits, it adds nothing).
-        let words: Vec<f32> = values
-            .iter()
-            .flat_map(|v| {
-                let b = v.to_bits();
-                [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
-            })
-            .collect();
-        let send = self.gpu.upload(&words)?;
-        let recv = self.gpu.alloc::<f32>(words.len() * self.world)?;
-        self.order(&self.gpu.stream, &self.cstream)?;
-        self.comm().all_gather_f32(send.ptr(), recv.ptr(), &self.cstream)?;
-        self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
-        let flat = self.gpu.download(recv.ptr())?;
-        Ok(flat.chunks_exact(2).map(|w| f64::from_bits(u64::from(w[0].to_bits()) | (u64::from(w[1].to_bits()) << 32))).collect())
-    }
-
-    /// Optimizer steps taken so far (Adam's bias-correction clock).
-    pub fn optimizer_steps(&self) -> u64 {
-        self.step
-    }
-
-    /// The Adam moments (`exp_avg`, `exp_avg_sq`) in the CPU layout, full length, gathered from
-    /// every rank (a collective at stages 1–3 with several ranks).
-    pub fn moments(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
-        let (m, v) = (self.shard_vec(Which::ExpAvg)?, self.shard_vec(Which::ExpAvgSq)?);
-        Ok((self.gather_cpu_layout(m)?, self.gather_cpu_layout(v)?))
-    }
-
-    /// A shard-shaped f32 vector (this rank's optimizer pieces) of every rank → the CPU layout.
-    fn gather_cpu_layout(&mut self, own: Vec<f32>) -> Result<Vec<f32>> {
-        if self.world == 1 || self.stage == 0 {
-            return Ok(self.layout.unpad(&self.layout_full_from_shards(&[own])));
-        }
-        let n = own.len();
-        let send = self.gpu.upload(&own)?;
-        let all = self.gpu.alloc::<f32>(n * self.world)?;
-        self.order(&self.gpu.stream, &self.cstream)?;
-        self.comm().all_gather_f32(send.ptr(), all.ptr(), &self.cstream)?;
-        self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
-        let flat = self.gpu.download(all.ptr())?;
-        let shards: Vec<Vec<f32>> = (0..self.world).map(|r| flat[r * n..(r + 1) * n].to_vec()).collect();
-        Ok(self.layout.unpad(&self.layout_full_from_shards(&shards)))
-    }
-
-    /// Restores the Adam moments (CPU layout, full length, as a checkpoint holds them) and the
-    /// optimizer step count: this rank keeps its pieces.
-    pub fn load_moments(&mut self, m: &[f32], v: &[f32], steps: u64) -> Result<()> {
-        let n = self.layout.cpu_units.last().map_or(0, |u| u.end);
-        for (name, b) in [("exp_avg", m), ("exp_avg_sq", v)] {
-            if b.len() != n {
-                bail!("optimizer buffer `{name}` has {} values; the model has {n} parameters", b.len());
-            }
-        }
-        let opt_rank = if self.stage == 0 { 0 } else { self.rank };
-        let cut = |full: &[f32]| -> Vec<f32> {
-            let padded = self.layout.pad(full);
-            let mut out = Vec::with_capacity(self.layout.shard_len());
-            for u in 0..self.layout.units.len() {
-                out.extend_from_slice(&padded[self.layout.piece(u, opt_rank)]);
-            }
-            out
-        };
-        let ((mh, md), (vh, vd)) = (self.split.cut(&cut(m)), self.split.cut(&cut(v)));
-        self.gpu.write(&mut self.m, 0, &md)?;
-        self.gpu.write(&mut self.v, 0, &vd)?;
-        self.gpu.sync()?;
-        if let Some(o) = self.off.as_mut() {
-            let host = o.host.as_mut().context("the host optimizer state was lost in an earlier failed step")?;
-            (host.m, host.v) = (mh, vh);
-        }
-        self.step = steps;
-        Ok(())
-    }
-
-    /// Every rank's [`Rank::device_bytes`], in rank order (a collective with several ranks).
-    pub fn device_bytes_per_rank(&mut self) -> Result<Vec<usize>> {
-        let mine = self.device_bytes() as f64;
-        Ok(self.gather_host(&[mine])?.into_iter().map(|b| b as usize).collect())
-    }
 }
 
 #[cfg(test)]

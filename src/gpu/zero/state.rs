@@ -1,0 +1,160 @@
+//! What the training driver (`gpu::train`) asks of a rank besides its steps: evaluation, small
+//! host-side gathers, and the optimizer state in the CPU checkpoint layout (saved and restored).
+
+use anyhow::{bail, Context, Result};
+use tessera_kernels::cuda::gpt;
+
+use super::hooks::Hooks;
+use super::{Rank, COMM_TIMEOUT};
+
+/// Which optimizer buffer.
+#[derive(Clone, Copy)]
+enum Which {
+    Master,
+    ExpAvg,
+    ExpAvgSq,
+}
+
+/// Helpers for the training driver (`gpu::train`): evaluation, small host-side gathers, and
+/// the optimizer state in the CPU checkpoint layout.
+impl Rank {
+    /// Mean loss of one batch of this rank's micro-batch shape, forward only (evaluation) on the
+    /// current bf16 parameters. At stage 3 with several ranks the parameters are gathered unit by
+    /// unit, so every rank must call this together, with batches in the same order.
+    pub fn forward_loss(&mut self, tokens: &[u32], targets: &[u32]) -> Result<f32> {
+        let mut ws = self.ws.take().expect("workspace present between steps");
+        let gpu = self.gpu.clone();
+        // Forward only: no gradient is written; the hooks still need a buffer to name.
+        let grads = self.gbufs[0].ptr();
+        let res = {
+            let mut hooks = Hooks { r: self, grads, tail: None, early: None, use_idx: 0, uses: Vec::new() };
+            hooks.begin().and_then(|_| gpt::forward_loss(&gpu, &mut hooks, &mut ws, tokens, targets).map_err(anyhow::Error::from))
+        };
+        let loss = res.and_then(|_| gpt::mean_loss(&gpu, &ws).map_err(anyhow::Error::from));
+        self.ws = Some(ws);
+        loss
+    }
+
+    /// Every rank's `values` (the same count on each), rank-major: `out[r·k + i]` is rank `r`'s
+    /// `values[i]`. One rank: `values` itself. A collective: every rank must call it together.
+    pub fn gather_host(&mut self, values: &[f64]) -> Result<Vec<f64>> {
+        if self.world == 1 || values.is_empty() {
+            return Ok(values.to_vec());
+        }
+        // f64 values travel as pairs of f32 words (a gather moves bits, it adds nothing).
+        let words: Vec<f32> = values
+            .iter()
+            .flat_map(|v| {
+                let b = v.to_bits();
+                [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
+            })
+            .collect();
+        let send = self.gpu.upload(&words)?;
+        let recv = self.gpu.alloc::<f32>(words.len() * self.world)?;
+        self.order(&self.gpu.stream, &self.cstream)?;
+        self.comm().all_gather_f32(send.ptr(), recv.ptr(), &self.cstream)?;
+        self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
+        let flat = self.gpu.download(recv.ptr())?;
+        Ok(flat.chunks_exact(2).map(|w| f64::from_bits(u64::from(w[0].to_bits()) | (u64::from(w[1].to_bits()) << 32))).collect())
+    }
+
+    /// Optimizer steps taken so far (Adam's bias-correction clock).
+    pub fn optimizer_steps(&self) -> u64 {
+        self.step
+    }
+
+    /// The Adam moments (`exp_avg`, `exp_avg_sq`) in the CPU layout, full length, gathered from
+    /// every rank (a collective at stages 1–3 with several ranks).
+    pub fn moments(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (m, v) = (self.shard_vec(Which::ExpAvg)?, self.shard_vec(Which::ExpAvgSq)?);
+        Ok((self.gather_cpu_layout(m)?, self.gather_cpu_layout(v)?))
+    }
+
+    /// A shard-shaped f32 vector (this rank's optimizer pieces) of every rank → the CPU layout.
+    fn gather_cpu_layout(&mut self, own: Vec<f32>) -> Result<Vec<f32>> {
+        if self.world == 1 || self.stage == 0 {
+            return Ok(self.layout.unpad(&self.layout_full_from_shards(&[own])));
+        }
+        let n = own.len();
+        let send = self.gpu.upload(&own)?;
+        let all = self.gpu.alloc::<f32>(n * self.world)?;
+        self.order(&self.gpu.stream, &self.cstream)?;
+        self.comm().all_gather_f32(send.ptr(), all.ptr(), &self.cstream)?;
+        self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
+        let flat = self.gpu.download(all.ptr())?;
+        let shards: Vec<Vec<f32>> = (0..self.world).map(|r| flat[r * n..(r + 1) * n].to_vec()).collect();
+        Ok(self.layout.unpad(&self.layout_full_from_shards(&shards)))
+    }
+
+    /// Restores the Adam moments (CPU layout, full length, as a checkpoint holds them) and the
+    /// optimizer step count: this rank keeps its pieces.
+    pub fn load_moments(&mut self, m: &[f32], v: &[f32], steps: u64) -> Result<()> {
+        let n = self.layout.cpu_units.last().map_or(0, |u| u.end);
+        for (name, b) in [("exp_avg", m), ("exp_avg_sq", v)] {
+            if b.len() != n {
+                bail!("optimizer buffer `{name}` has {} values; the model has {n} parameters", b.len());
+            }
+        }
+        let opt_rank = if self.stage == 0 { 0 } else { self.rank };
+        let cut = |full: &[f32]| -> Vec<f32> {
+            let padded = self.layout.pad(full);
+            let mut out = Vec::with_capacity(self.layout.shard_len());
+            for u in 0..self.layout.units.len() {
+                out.extend_from_slice(&padded[self.layout.piece(u, opt_rank)]);
+            }
+            out
+        };
+        let ((mh, md), (vh, vd)) = (self.split.cut(&cut(m)), self.split.cut(&cut(v)));
+        self.gpu.write(&mut self.m, 0, &md)?;
+        self.gpu.write(&mut self.v, 0, &vd)?;
+        self.gpu.sync()?;
+        if let Some(o) = self.off.as_mut() {
+            let host = o.host.as_mut().context("the host optimizer state was lost in an earlier failed step")?;
+            (host.m, host.v) = (mh, vh);
+        }
+        self.step = steps;
+        Ok(())
+    }
+
+    /// Every rank's [`Rank::device_bytes`], in rank order (a collective with several ranks).
+    pub fn device_bytes_per_rank(&mut self) -> Result<Vec<usize>> {
+        let mine = self.device_bytes() as f64;
+        Ok(self.gather_host(&[mine])?.into_iter().map(|b| b as usize).collect())
+    }
+
+    /// The fp32 master parameters in the CPU layout (gathered from every rank).
+    pub fn masters(&mut self) -> Result<Vec<f32>> {
+        let shard = self.shard_vec(Which::Master)?;
+        self.gather_cpu_layout(shard)
+    }
+
+    /// This rank's optimizer shard of one buffer (pieces unit after unit), joining the host and
+    /// device parts.
+    fn shard_vec(&self, which: Which) -> Result<Vec<f32>> {
+        let dev = self.gpu.download(match which {
+            Which::Master => self.master.ptr(),
+            Which::ExpAvg => self.m.ptr(),
+            Which::ExpAvgSq => self.v.ptr(),
+        })?;
+        let Some(o) = &self.off else { return Ok(dev) };
+        let host = o.host.as_ref().context("the host optimizer state was lost in an earlier failed step")?;
+        let h = match which {
+            Which::Master => &host.master,
+            Which::ExpAvg => &host.m,
+            Which::ExpAvgSq => &host.v,
+        };
+        Ok(self.split.join(h, &dev))
+    }
+
+    fn layout_full_from_shards(&self, shards: &[Vec<f32>]) -> Vec<f32> {
+        let mut full = vec![0f32; self.layout.total];
+        for (r, sh) in shards.iter().enumerate() {
+            for u in 0..self.layout.units.len() {
+                let p = self.layout.piece(u, r);
+                let off = self.layout.shard_offset(u);
+                full[p.clone()].copy_from_slice(&sh[off..off + p.len()]);
+            }
+        }
+        full
+    }
+}
