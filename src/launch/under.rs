@@ -137,7 +137,7 @@ fn coordinate(env: &LauncherEnv, trust: &Trust, u: &UnderLauncher<'_>, common: &
         token: token.as_ref(),
     };
     let launched = Arc::new(Mutex::new(vec![start_agent(&own, &exe, &cwd, None)?]));
-    tracing::info!("train: rank 0 of {}: coordinating at {at}; ranks 1..{} join {} with {how}", env.describe, env.world, env.master());
+    tracing::info!("train: rank 0 of {}: coordinating at {at}; ranks 1..={} join {} with {how}", env.describe, env.world - 1, env.master());
     let res = drive(u.config, common, u.opts.clone(), (endpoint, auth), env.world, &d, Arc::clone(&launched));
     reap(&launched, if res.is_ok() { REAP_TIMEOUT_MS } else { 0 });
     res
