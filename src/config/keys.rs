@@ -146,7 +146,12 @@ static PRECISION_AND_MISC: &[KeyInfo] = &[
     k("torch_autocast", Opaque, N, ""),
     k("gradient_clipping", Float, H, "max global grad norm; 0 = off (the default, as DeepSpeed's); \"auto\" = 1.0"),
     k("steps_per_print", UInt, H, "default 10"),
-    k("wall_clock_breakdown", Bool, H, "default false"),
+    k(
+        "wall_clock_breakdown",
+        Bool,
+        H,
+        "default false; CPU runs write DeepSpeed's `Train/Samples/elapsed_time_ms_*` tags to the monitors, `--device cuda` prints each step's time only",
+    ),
     k("memory_breakdown", Bool, N, ""),
     k("activation_checkpointing", Section, H, "present = activation recomputation on"),
     k("activation_checkpointing.partition_activations", Bool, N, ""),
