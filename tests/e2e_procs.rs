@@ -313,6 +313,47 @@ fn agents_joining_a_coordinator_give_the_bits_of_in_process_ranks() {
     assert!(!out.join("procs").exists(), "the run's keys outlived the agents");
 }
 
+/// Strangers that present a forged join token (the CA fingerprint right, the secret wrong) are
+/// refused, and the coordinator's log says so in at most one line per interval, with a count of
+/// the ones it left out: a flood once wrote one line per connection. The run then goes on.
+#[test]
+fn a_flood_of_refused_connections_is_logged_at_a_bounded_rate() {
+    const STRANGERS: usize = 12;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("co");
+    let coord = spawn_coordinator(tmp.path(), &coordinator_args(&out, 2, 1, 2));
+    let token = coord.token.clone().expect("the coordinator prints a join token");
+    let (_, fingerprint) = token.rsplit_once('-').unwrap();
+    let forged = format!("tsr1-{}-{fingerprint}", "0".repeat(32));
+    let strangers: Vec<_> = (0..STRANGERS)
+        .map(|i| {
+            Command::new(bin())
+                .args(["agent", "--join", &coord.addr, "--name", &format!("stranger{i}"), "--token", &forged, "--connect-timeout", "5"])
+                .current_dir(tmp.path())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for s in strangers {
+        let (ok, stext) = agent_result(s);
+        assert!(!ok, "an agent without the token's secret took part:\n{stext}");
+    }
+    let agents: Vec<_> = ["a0", "a1"].iter().map(|name| spawn_agent(tmp.path(), &coord, name, &[])).collect();
+    let (ok, text) = finish(coord);
+    assert!(ok, "the coordinator failed:\n{text}");
+    for a in agents {
+        let (ok, atext) = agent_result(a);
+        assert!(ok, "an agent failed:\n{atext}");
+    }
+    let refused = text.lines().filter(|l| l.contains("refused a connection")).count();
+    // All strangers knock within seconds of each other; the limit writes one line per
+    // REFUSAL_LOG_INTERVAL_MS (10 s), so a slow machine may show a second or third.
+    assert!((1..=3).contains(&refused), "{refused} lines for {STRANGERS} refused strangers:\n{text}");
+    assert!(!text.contains("stranger0 at") && summary(&out)["world_size"] == 2, "{text}");
+}
+
 #[test]
 fn launch_with_a_localhost_hostfile_gives_the_same_bits() {
     let tmp = tempfile::tempdir().unwrap();
