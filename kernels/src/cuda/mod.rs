@@ -544,6 +544,11 @@ impl CheckRow {
         CheckRow { name: name.into(), max_abs, max_rel, tol, non_finite }
     }
 
+    /// A yes/no check of identical bits, as a row: max_abs 1 when `same` is false, else 0.
+    pub fn same_bits(name: impl Into<String>, same: bool) -> CheckRow {
+        CheckRow::compare(name, &[if same { 0.0 } else { 1.0 }], &[0.0], 0.0, 0.0)
+    }
+
     pub fn pass(&self) -> bool {
         !self.non_finite && self.max_rel <= self.tol
     }

@@ -233,13 +233,9 @@ fn check_layernorm_one_pass(gpu: &Gpu, seed: u64, rows: &mut Vec<CheckRow>) -> R
             Ok(Some(bits))
         };
         let same_bits = matches!((run(true)?, run(false)?), (Some(one), Some(separate)) if one == separate);
-        let flag = |ok: bool| if ok { 0.0f32 } else { 1.0 };
-        rows.push(CheckRow::compare(
+        rows.push(CheckRow::same_bits(
             format!("layernorm_backward one pass = dx + column-sum kernels + bias_grad of the bf16 dx [{n}×{c}] (bits)"),
-            &[flag(same_bits)],
-            &[0.0],
-            0.0,
-            0.0,
+            same_bits,
         ));
     }
     Ok(())
@@ -282,11 +278,10 @@ fn check_bias_gelu(gpu: &Gpu, seed: u64, rows: &mut Vec<CheckRow>) -> Result<()>
     let same = |a: &[bf16], b: &[bf16]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     let (out1, out2) = (gpu.download(d_act.ptr())?, gpu.download(d_act2.ptr())?);
     let (dp2, raw) = (gpu.download(d_dpre2.ptr())?, gpu.download(d_raw.ptr())?);
-    let flag = |ok: bool| if ok { 0.0 } else { 1.0 };
     let untouched = same(&raw, &to_bf(&y));
-    rows.push(CheckRow::compare("bias_gelu_forward_out = bias_gelu_forward out (bits)", &[flag(same(&out1, &out2))], &[0.0], 0.0, 0.0));
-    rows.push(CheckRow::compare("bias_gelu_forward_out leaves pre unbiased (bits)", &[flag(untouched)], &[0.0], 0.0, 0.0));
-    rows.push(CheckRow::compare("gelu_backward_bias = gelu_backward (bits)", &[flag(same(&g_dpre, &dp2))], &[0.0], 0.0, 0.0));
+    rows.push(CheckRow::same_bits("bias_gelu_forward_out = bias_gelu_forward out (bits)", same(&out1, &out2)));
+    rows.push(CheckRow::same_bits("bias_gelu_forward_out leaves pre unbiased (bits)", untouched));
+    rows.push(CheckRow::same_bits("gelu_backward_bias = gelu_backward (bits)", same(&g_dpre, &dp2)));
 
     let db0 = randv(seed, 23, f, 0.5);
     let d_db = gpu.upload(&db0)?;
@@ -349,13 +344,9 @@ fn check_residual(gpu: &Gpu, seed: u64, rows: &mut Vec<CheckRow>) -> Result<()> 
             Ok(bits)
         };
         let same_bits = two(true)? == two(false)?;
-        let flag = |ok: bool| if ok { 0.0f32 } else { 1.0 };
-        rows.push(CheckRow::compare(
+        rows.push(CheckRow::same_bits(
             format!("residual_layernorm_forward = residual_bias_add + layernorm_forward [{n}×{c}] (bits)"),
-            &[flag(same_bits)],
-            &[0.0],
-            0.0,
-            0.0,
+            same_bits,
         ));
     }
     Ok(())
