@@ -8,7 +8,7 @@ use tessera_kernels::model::{Arch, Model, Workspace};
 use tessera_kernels::tensor::Rng;
 
 use crate::checkpoint::{self, CheckpointState, Gpt2ExportConfig};
-use crate::config::{self, Config, ResolveContext};
+use crate::config::{self, ComputeDevice, Config, GpuCollective, ResolveContext};
 use crate::data::{self, Codec};
 use crate::engine::{self, TrainOptions};
 use crate::outln;
@@ -143,8 +143,22 @@ pub fn train_agents(config_path: &Path, common: &CommonArgs, opts: TrainOptions)
     train_ranks(config_path, common, opts, false)
 }
 
+/// Whether `train` runs on the NCCL GPU trainer (`tessera.device = "cuda"` with the default
+/// `tessera.gpu.collective = "nccl"`, `crate::gpu::train`) rather than the engine's ranks.
+pub fn nccl_gpu_run(config_path: &Path, common: &CommonArgs) -> Result<bool> {
+    let cfg = load_config(config_path, common)?;
+    Ok(cfg.tessera.device == ComputeDevice::Cuda && cfg.tessera.gpu_collective == GpuCollective::Nccl)
+}
+
 fn train_ranks(config_path: &Path, common: &CommonArgs, opts: TrainOptions, local: bool) -> Result<bool> {
     let cfg = load_config(config_path, common)?;
+    if cfg.tessera.device == ComputeDevice::Cuda && cfg.tessera.gpu_collective == GpuCollective::Nccl {
+        bail!(
+            "{}: tessera.device = \"cuda\" with tessera.gpu.collective = \"nccl\" runs one process per GPU of this host \
+             (`tessera train --device cuda`); ranks that are agents, on other hosts, need tessera.gpu.collective = \"quic\"",
+            cfg.source
+        );
+    }
     if local {
         check_local_ranks(&cfg, opts.processes)?;
     }

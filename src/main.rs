@@ -276,11 +276,13 @@ struct TrainArgs {
     /// mutual TLS (sets the world size to N).
     #[arg(long, value_name = "N", conflicts_with = "world")]
     nprocs: Option<usize>,
-    /// Where to train: `cpu` (threads, or worker processes with --nprocs) or `cuda` (NVIDIA GPUs:
-    /// one process per GPU, NCCL between them; the world size — --nprocs, --world or
-    /// tessera.world — is the number of GPUs used, at most the GPUs present).
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    device: Device,
+    /// Where to train (sets `tessera.device`; default: the config's, else cpu): `cpu` (threads,
+    /// or worker processes with --nprocs) or `cuda` (NVIDIA GPUs; with the default
+    /// `tessera.gpu.collective = "nccl"` one process per GPU, NCCL between them, the world size —
+    /// --nprocs, --world or tessera.world — at most the GPUs present; with "quic" GPU ranks of the
+    /// one engine, elastic with `tessera.elastic`: docs/GPU.md).
+    #[arg(long, value_enum)]
+    device: Option<Device>,
     /// (`tessera chaos run`) A worker-net file: each elastic worker in its own network
     /// namespace, the driver on their bridge (docs/ELASTIC.md).
     #[arg(long, value_name = "FILE", hide = true, requires = "nprocs")]
@@ -387,7 +389,7 @@ fn log_prefix(cmd: &Cmd) -> Option<String> {
     match cmd {
         Cmd::Worker(a) => Some(a.rank.map_or_else(|| "joining worker".to_string(), |r| format!("rank {r}"))),
         Cmd::Agent(a) => Some(a.name.as_ref().map_or_else(|| "agent".to_string(), |n| format!("agent {n}"))),
-        Cmd::Train(a) if a.device == Device::Cuda => tessera::gpu::rank_in_env().map(|r| format!("rank {r}")),
+        Cmd::Train(_) => tessera::gpu::rank_in_env().map(|r| format!("rank {r}")),
         _ => None,
     }
 }
@@ -396,7 +398,7 @@ fn log_prefix(cmd: &Cmd) -> Option<String> {
 /// rank follows its parent); the others keep the default actions.
 fn stop_mode(cmd: &Cmd) -> Option<signals::Mode> {
     match cmd {
-        Cmd::Train(a) if a.device == Device::Cuda && tessera::gpu::rank_in_env().is_some() => Some(signals::Mode::FollowParent),
+        Cmd::Train(_) if tessera::gpu::rank_in_env().is_some() => Some(signals::Mode::FollowParent),
         Cmd::Train(_) | Cmd::Coordinator(_) | Cmd::Launch(_) => Some(signals::Mode::Driver),
         _ => None,
     }
@@ -425,6 +427,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
     match cli.cmd {
         Cmd::Train(mut a) => {
+            if let Some(d) = a.device {
+                let name = if d == Device::Cuda { "cuda" } else { "cpu" };
+                a.common.set.push(format!("tessera.device={name}"));
+            }
             if let Some(env) = tessera::launch::launcher_env(&|k| std::env::var(k).ok())? {
                 return train_under_launcher(&env, a);
             }
@@ -442,7 +448,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 anyhow::ensure!(n >= 1, "--nprocs must be at least 1");
                 a.common.world = Some(n);
             }
-            if a.device == Device::Cuda {
+            if cli::nccl_gpu_run(&a.config, &a.common)? {
                 if let Some(p) = &a.worker_net {
                     anyhow::bail!("--worker-net {}: worker namespaces are for elastic CPU `--nprocs` runs, not --device cuda", p.display());
                 }
@@ -582,8 +588,8 @@ fn train_under_launcher(env: &tessera::launch::LauncherEnv, a: TrainArgs) -> Res
     if let Some(p) = &a.worker_net {
         anyhow::bail!("--worker-net {}: not under a launcher", p.display());
     }
-    let gpu =
-        (a.device == Device::Cuda).then(|| tessera::gpu::train::GpuTrainOptions { resume: a.resume.clone(), progress: !a.no_progress });
+    let gpu = cli::nccl_gpu_run(&a.config, &a.common)?
+        .then(|| tessera::gpu::train::GpuTrainOptions { resume: a.resume.clone(), progress: !a.no_progress });
     let opts =
         TrainOptions { resume: a.resume, progress: !a.no_progress, abandon_steps: a.abandon_steps, processes: false, worker_net: None };
     let u = tessera::launch::UnderLauncher {

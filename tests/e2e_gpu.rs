@@ -328,3 +328,60 @@ fn gpu_one_cycle_momentum_cycles_the_betas_and_resumes_bit_exactly() {
     let (cv, gv) = (c["val_loss"].as_f64().unwrap(), s["val_loss"].as_f64().unwrap());
     assert!((cv - gv).abs() < 0.15, "validation loss after 6 OneCycle steps: CPU {cv}, GPU {gv}");
 }
+
+/// GPU ranks of the one engine (`tessera.gpu.collective = "quic"`): forward and backward on the
+/// GPU, gradients staged to the host and reduced by the engine's fixed tree. One rank, two rank
+/// threads at ZeRO-1, and two worker processes at ZeRO-3 (the GPU shared) give the same
+/// parameters; the loss falls and the summary says where the ranks computed.
+#[test]
+fn gpu_ranks_of_the_one_engine_give_the_same_bits_for_every_world_and_stage() {
+    let Some(_) = gpus_or_skip() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write(tmp.path(), "gpu.json", CONFIG);
+    let cfg = cfg.to_str().unwrap();
+    let dir = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
+    let quic = ["--set", "tessera.gpu.collective=quic"];
+    let one = dir("one");
+    ok(&cuda_args(cfg, &one, &[&quic[..], &["--world", "1", "--set", "zero_optimization.stage=0"]].concat()), tmp.path());
+    let s1 = summary(Path::new(&one));
+    assert_eq!(s1["device"], "cuda", "{s1}");
+    assert_eq!(s1["steps"], 20, "{s1}");
+    let (v0, v) = (s1["initial_val_loss"].as_f64().unwrap(), s1["val_loss"].as_f64().unwrap());
+    assert!(v < v0 - 0.3, "validation loss did not fall enough: {v0} → {v}");
+    // The threads also abandon step 3 once and run it again (the step transaction).
+    let threads = ["--world", "2", "--set", "zero_optimization.stage=1", "--abandon-step", "3"];
+    let procs = ["--nprocs", "2", "--set", "zero_optimization.stage=3", "--set", "tessera.keep_last=1"];
+    for (name, extra) in [("threads", threads), ("procs", procs)] {
+        let out = dir(name);
+        ok(&cuda_args(cfg, &out, &[&quic[..], &extra[..]].concat()), tmp.path());
+        let s = summary(Path::new(&out));
+        assert_eq!(s["world_size"], 2, "{s}");
+        assert_eq!(s1["params_blake3"], s["params_blake3"], "{name}: two GPU ranks differ from one");
+        if name == "threads" {
+            assert_eq!(s["abandoned_attempts"], 1, "{s}");
+        }
+    }
+}
+
+/// `chaos/scenarios/gpt-mini-gpu-elastic.json`: three GPU worker processes on this machine's GPU,
+/// two killed, one hung (SIGSTOP past the heartbeat timeout), two joining; the run ends on the
+/// fault-free run's bits, every fault detected and recovered from.
+#[test]
+fn an_elastic_gpu_run_survives_kills_a_hang_and_joins() {
+    let Some(_) = gpus_or_skip() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let scenario = Path::new(env!("CARGO_MANIFEST_DIR")).join("chaos/scenarios/gpt-mini-gpu-elastic.json");
+    let out = tmp.path().join("chaos");
+    let args = ["chaos", "run", "--scenario", scenario.to_str().unwrap(), "--seed", "1", "--output", out.to_str().unwrap(), "--no-progress"];
+    let text = ok(&args, tmp.path());
+    assert!(text.contains("result: EQUAL"), "{text}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["faulted"]["params_blake3"], report["clean"]["params_blake3"], "{text}");
+    assert_eq!(summary(&out.join("faulted"))["device"], "cuda", "{text}");
+    let el = &report["faulted"]["elastic"];
+    assert_eq!(el["workers_lost"], 3, "{report:#}");
+    assert_eq!(el["workers_joined"], 2, "{report:#}");
+    for f in report["faults"].as_array().unwrap() {
+        assert!(f["recovery_ms"].is_u64() || f["kind"] == "join", "no recovery after: {f}");
+    }
+}

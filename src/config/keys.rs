@@ -340,6 +340,9 @@ static TESSERA: &[KeyInfo] = &[
     k("tessera.elastic.join_wait_ms", UInt, H, "how long a run below min_workers waits for joins; default 60000"),
     k("tessera.elastic.rebalance_threshold", Opaque, H, "re-assign micro-batch blocks by measured worker speed when the predicted step gets this fraction shorter; 0 or false = never; true or absent = 0.2"),
     k("tessera.elastic.replica_check_interval", UInt, H, "every this many steps each replica's blake3 is compared with its owner's shard (a mismatch forces a full copy); 0 = never; default 50"),
+    k("tessera.device", Str, H, "where each rank computes its forward and backward: \"cpu\" (default) or \"cuda\" (`train --device cuda` sets it; docs/GPU.md)"),
+    k("tessera.gpu", Section, H, "GPU ranks (docs/GPU.md)"),
+    k("tessera.gpu.collective", Str, H, "\"nccl\" (default): one process per GPU, NCCL, parameters and optimizer on the GPU, not elastic; \"quic\": GPU ranks of the one engine — forward and backward on the GPU, gradients staged to the host and reduced over the run's transport (QUIC between processes and hosts) by the fixed tree, the optimizer on the host; every ZeRO stage, `tessera.elastic`, hosts NCCL cannot connect"),
     k("tessera.device_memory_bytes_max", UInt, H, "per-rank budget for resident model states (params, grads, fp32 masters and moments, as model_state_bytes_per_rank counts them; offloaded states excluded, activations not counted); a run over it is refused at start. GPU ranks count their device states: bf16 params (+ stage-3 gather buffers), f32 gradient buffers (micro-batch tree + reduced shard), fp32 masters, moments and decay mask not offloaded; default: none"),
 ];
 

@@ -33,7 +33,7 @@ pub use legacy::LEGACY_KEYS;
 pub use optim::OptimizerConfig;
 pub use render::{render_check, render_markdown_table};
 pub use sections::{
-    ActivationCheckpointingConfig, AioConfig, Fp16Config, MonitorConfig, MonitorTarget, OffloadDevice, OffloadOptimizerConfig,
+    ActivationCheckpointingConfig, AioConfig, ComputeDevice, Fp16Config, GpuCollective, MonitorConfig, MonitorTarget, OffloadDevice, OffloadOptimizerConfig,
     OffloadParamConfig, Precision, TesseraConfig, ZeroConfig,
 };
 

@@ -291,6 +291,29 @@ pub(crate) fn parse_aio(root: &Value) -> KindResult<AioConfig> {
 /// (NaN or infinite loss, every step skipped) ends with an error instead of running on.
 pub const NONFINITE_LOSS_STEPS_DEFAULT: u64 = 3;
 
+/// Where a rank's forward and backward run (`tessera.device`; `train --device` sets it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ComputeDevice {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+/// How GPU ranks exchange tensors (`tessera.gpu.collective`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuCollective {
+    /// NCCL between GPUs, one process per GPU, parameters and optimizer on the device: the
+    /// fastest path (`src/gpu`), not elastic.
+    #[default]
+    Nccl,
+    /// Ranks of the one engine: each computes its micro-batches' forward and backward on its GPU;
+    /// gradients are staged to the host and reduced over the run's transport (QUIC between
+    /// processes and hosts) by the engine's fixed tree, and the optimizer steps on the host, as
+    /// with `offload_optimizer`. Works across hosts NCCL cannot connect, with every ZeRO stage,
+    /// and survives losses and joins with `tessera.elastic`.
+    Quic,
+}
+
 /// Tessera's own keys (the `"tessera"` section).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TesseraConfig {
@@ -322,6 +345,10 @@ pub struct TesseraConfig {
     /// Per-rank budget, in bytes, for the model states a rank keeps resident ("device"
     /// memory); offloaded states do not count. None = unbounded.
     pub device_memory_bytes_max: Option<u64>,
+    /// `tessera.device`.
+    pub device: ComputeDevice,
+    /// `tessera.gpu.collective`.
+    pub gpu_collective: GpuCollective,
 }
 
 impl Default for TesseraConfig {
@@ -346,7 +373,26 @@ impl Default for TesseraConfig {
             activation_checkpointing: false,
             nonfinite_loss_steps: NONFINITE_LOSS_STEPS_DEFAULT,
             device_memory_bytes_max: None,
+            device: ComputeDevice::Cpu,
+            gpu_collective: GpuCollective::Nccl,
         }
+    }
+}
+
+fn compute_device(t: &Obj<'_>) -> KindResult<ComputeDevice> {
+    match t.string("device", "cpu")?.as_str() {
+        "cpu" => Ok(ComputeDevice::Cpu),
+        "cuda" => Ok(ComputeDevice::Cuda),
+        other => Err(ConfigErrorKind::invalid(&t.path("device"), &Value::String(other.to_string()), "\"cpu\" or \"cuda\"")),
+    }
+}
+
+fn gpu_collective(root: &Value) -> KindResult<GpuCollective> {
+    let g = Obj::at(root, "tessera.gpu")?;
+    match g.string("collective", "nccl")?.as_str() {
+        "nccl" => Ok(GpuCollective::Nccl),
+        "quic" => Ok(GpuCollective::Quic),
+        other => Err(ConfigErrorKind::invalid(&g.path("collective"), &Value::String(other.to_string()), "\"nccl\" or \"quic\"")),
     }
 }
 
@@ -376,5 +422,7 @@ pub(crate) fn parse_tessera(root: &Value) -> KindResult<TesseraConfig> {
         activation_checkpointing: t.bool("activation_checkpointing", false)?,
         nonfinite_loss_steps: t.u64("nonfinite_loss_steps", d.nonfinite_loss_steps)?,
         device_memory_bytes_max: t.opt_u64("device_memory_bytes_max")?,
+        device: compute_device(&t)?,
+        gpu_collective: gpu_collective(root)?,
     })
 }

@@ -4,6 +4,7 @@
 //! of [`tessera_transport::tree`], and the optimizer applied to fp32 masters on commit.
 
 mod child;
+pub mod device;
 mod elastic;
 mod elastic_join;
 mod elastic_worker;

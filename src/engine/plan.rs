@@ -11,7 +11,7 @@ use tessera_kernels::model::Model;
 use tessera_kernels::optim::{FlatLayout, OptimizerKind, NORM_BLOCK};
 
 use super::precision::Precision16;
-use crate::config::{Config, ZeroConfig};
+use crate::config::{ComputeDevice, Config, ZeroConfig};
 use crate::data::{self, Dataset};
 use crate::offload::{OffloadPlan, OffloadedBytes, ResidentBytes, Tier};
 use crate::schedule::SchedulerConfig;
@@ -59,6 +59,8 @@ pub struct Plan {
     /// Stage 3: bound on gathered elements live at once, prefetched ones included
     /// (`stage3_max_live_parameters`).
     pub max_live_elems: usize,
+    /// Where ranks run their forward and backward (`tessera.device`, [`super::device`]).
+    pub device: ComputeDevice,
 }
 
 /// `ranges` minus `cut` (both sorted, disjoint), in order.
@@ -245,7 +247,18 @@ impl Plan {
                 }
             }
         }
+        if cfg.tessera.device == ComputeDevice::Cuda {
+            if matches!(cfg.precision, crate::config::Precision::Fp16(_)) {
+                bail!(
+                    "fp16.enabled with tessera.device = \"cuda\": GPU ranks compute in bf16 (the GPU kernels' type); \
+                     use bf16.enabled"
+                );
+            }
+            super::device::check_model(&model, cfg.micro_batch_per_gpu, seq_len)
+                .map_err(|e| anyhow::anyhow!("tessera.device = \"cuda\": {e}"))?;
+        }
         let plan = Plan {
+            device: cfg.tessera.device,
             decay: model.layout().decay_flags(),
             precision: bridge::precision(&cfg.precision),
             optimizer,

@@ -388,6 +388,10 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
 fn evaluate(plan: &Plan, ranks: &Ranks, batches: &data::ValBatches, ws: &mut Workspace) -> Result<f64> {
     let (mut params, _, _) = ranks.assemble(plan, false)?;
     plan.precision.round(&mut params);
+    if plan.device == crate::config::ComputeDevice::Cuda {
+        let loss = super::device::gpu_eval_loss(&plan.model, &params, (plan.micro, plan.seq_len), batches.iter());
+        return loss.map_err(|e| anyhow::anyhow!("evaluation: {e}"));
+    }
     let total: f64 = batches
         .iter()
         .map(|(x, y)| {
@@ -1074,6 +1078,10 @@ impl Run<'_> {
             peak_rss_bytes: peak_rss_bytes(),
             peak_rss_bytes_per_rank: self.ranks.peak_rss_bytes(),
             world_size: plan.world,
+            device: match plan.device {
+                crate::config::ComputeDevice::Cpu => "cpu".into(),
+                crate::config::ComputeDevice::Cuda => "cuda".into(),
+            },
             zero_stage: plan.stage,
             precision: format!("{:?}", plan.precision).to_lowercase(),
             config_hash: self.cfg.hash.clone(),

@@ -122,6 +122,8 @@ pub struct Summary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_rss_bytes_per_rank: Option<Vec<u64>>,
     pub world_size: usize,
+    /// Where the ranks computed: "cpu", or "cuda" (GPU ranks of the engine, `tessera.device`).
+    pub device: String,
     pub zero_stage: u8,
     pub precision: String,
     pub config_hash: String,
@@ -183,7 +185,7 @@ impl Summary {
         let val = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
         format!(
             "── summary ──────────────────────────────────────────\n\
-             model          {} ({:.2}M params, {}, ZeRO-{}, world {})\n\
+             model          {} ({:.2}M params, {}, ZeRO-{}, world {}, {})\n\
              steps          {} ({} skipped, {} abandoned and rerun)\n\
              train loss     {:.4}\n\
              val loss       {} (from {})\n\
@@ -195,6 +197,7 @@ impl Summary {
             self.precision,
             self.zero_stage,
             self.world_size,
+            self.device,
             self.steps,
             self.skipped_steps,
             self.abandoned_attempts,

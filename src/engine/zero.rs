@@ -42,11 +42,14 @@ use std::time::{Duration, Instant};
 
 use tessera_actors::compute::{MemoryReport, PhaseTimes, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::dtype::{round_to, DType};
-use tessera_kernels::model::{UnitAccess, Workspace};
+use tessera_kernels::model::UnitAccess;
+#[cfg(test)]
+use tessera_kernels::model::Workspace;
 use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, StepContext, StepOutcome};
 use tessera_transport::collective::{Collective, CollectiveError};
 use tessera_transport::tree::TreeSum;
 
+use super::device::Device;
 use super::lane::{Lane, Ticket};
 use super::plan::{Plan, UnitEvent};
 use super::replica::{self, FeedConfig, StepRecord, Update};
@@ -447,7 +450,8 @@ pub struct ZeroWorker {
     lane: Lane,
     state: Arc<Mutex<RankState>>,
     staged: Option<Staged>,
-    ws: Workspace,
+    /// Where this rank's forward and backward run (`tessera.device`).
+    dev: Device,
     feed: Option<Feed>,
     /// The last step whose optimizer update this rank's masters and optimizer state hold (set
     /// before the new parameters are shared, so a commit that fails after it still leaves a
@@ -494,7 +498,8 @@ impl ZeroWorker {
     pub fn new(rank: usize, plan: Arc<Plan>, sampler: Arc<Sampler>, comm: Box<dyn Collective>, state: Arc<Mutex<RankState>>) -> Self {
         let threaded = plan.overlap_comm || (plan.gathers() && plan.prefetch_elems > 0);
         let lane = Lane::new(comm, threaded);
-        ZeroWorker { rank, plan, sampler, lane, state, staged: None, ws: Workspace::default(), feed: None, stepped: None, untouched: None }
+        let dev = Device::new(plan.device);
+        ZeroWorker { rank, plan, sampler, lane, state, staged: None, dev, feed: None, stepped: None, untouched: None }
     }
 
     /// Keeps ring successors' replicas of this rank's shard in step ([`super::replica`]): each
@@ -551,7 +556,8 @@ impl ZeroWorker {
         let mut targets = vec![0u32; mb * t];
         let leaves = plan.leaves(self.rank);
         let owner = Arc::new(Mutex::new(OwnerSums::new(&plan, self.rank)));
-        let ZeroWorker { rank, sampler, lane, ws, .. } = self;
+        let ZeroWorker { rank, sampler, lane, dev, .. } = self;
+        dev.begin_step();
         let mut acc = StepAccess::new(Arc::clone(&plan), *rank, params, lane, Arc::clone(&owner));
         let mut loss = 0.0f64;
         let mut busy = Duration::ZERO;
@@ -565,12 +571,15 @@ impl ZeroWorker {
                     sampler.fill(plan.first_sample(step, i), mb, &mut inputs, &mut targets);
                     acc.begin_slot(s, true);
                     let (t0, waited, grad_waited) = (Instant::now(), acc.waited, acc.grad_waited);
-                    loss += f64::from(plan.model.forward_backward(&mut acc, &inputs, &targets, mb, t, dloss, ws));
+                    match dev.forward_backward(&plan.model, &mut acc, &inputs, &targets, mb, t, dloss, *rank) {
+                        Ok(l) => loss += f64::from(l),
+                        Err(e) => acc.fail(format!("rank {rank}: {e}")),
+                    }
                     let end = Instant::now();
                     if s < common {
                         busy += (end - t0).saturating_sub(acc.waited.saturating_sub(waited));
                     }
-                    let forward = ws.take_loss_instant().unwrap_or(end).saturating_duration_since(t0);
+                    let forward = dev.take_loss_instant().unwrap_or(end).saturating_duration_since(t0);
                     let reduce = acc.grad_waited.saturating_sub(grad_waited);
                     phases.forward_s += forward.as_secs_f64();
                     phases.backward_inner_s += (end - t0).saturating_sub(forward + reduce).as_secs_f64();
@@ -1470,6 +1479,12 @@ mod tests {
         two_steps_with(world, stage, sets, None, |c| Box::new(c))
     }
 
+    thread_local! {
+        /// Whether [`two_steps_with`]'s ranks run whole micro-batches through the GPU's staging
+        /// (with the CPU's arithmetic) instead of unit by unit.
+        static STAGED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
     /// As [`two_steps`] with the micro-batch blocks sized by `speeds` (as the elastic planner
     /// does for uneven workers) and each rank's collective wrapped by `wrap`.
     fn two_steps_with(
@@ -1494,6 +1509,9 @@ mod tests {
             .enumerate()
             .map(|(r, comm)| {
                 let mut w = ZeroWorker::new(r, Arc::clone(&plan), Arc::clone(&sampler), wrap(comm), Arc::clone(&states[r]));
+                if STAGED.get() {
+                    w.dev = Device::Cuda(super::super::device::Staged::new(super::super::device::Whole::Cpu));
+                }
                 std::thread::spawn(move || {
                     for step in 0..2 {
                         w.prepare(&StepOrder { step, epoch: 0, attempt: 0 }).expect("prepare");
@@ -1819,6 +1837,27 @@ mod tests {
     /// DeepSpeed reduces each parameter's gradient on its own with `reduce_bucket_size: 0`
     /// (its bucket is flushed before every parameter): one all-to-all per parameter tensor,
     /// the same bits.
+    /// A GPU rank takes every unit's parameters at its forward use, runs the whole micro-batch
+    /// on the device and hands the gradients back at their backward uses
+    /// ([`super::super::device::Staged`]). With the CPU's arithmetic behind that staging, every
+    /// stage and world size gives the unit-by-unit bits: the unit events, the collectives they
+    /// drive (stage 3's gathers at the forward uses, the buckets at the backward's) and the
+    /// gradients are the same.
+    #[test]
+    fn whole_micro_batches_staged_as_on_the_gpu_give_the_unit_by_unit_bits() {
+        let (one, _) = two_steps(1, 0, &[]);
+        for (world, stage) in [(1, 0), (2, 1), (4, 2), (2, 3), (4, 3)] {
+            let sets = ["zero_optimization.stage3_param_persistence_threshold=0"];
+            STAGED.set(true);
+            let (staged, ops_staged) = two_steps(world, stage, &sets);
+            STAGED.set(false);
+            let (direct, ops_direct) = two_steps(world, stage, &sets);
+            assert_eq!(staged, direct, "world {world}, stage {stage}: staged bits differ");
+            assert_eq!(ops_staged, ops_direct, "world {world}, stage {stage}: other collectives");
+            assert_eq!(staged, one, "world {world}, stage {stage}: not the one-rank bits");
+        }
+    }
+
     #[test]
     fn a_zero_reduce_bucket_is_one_bucket_per_tensor_as_deepspeed() {
         let zero = ["zero_optimization.reduce_bucket_size=0"];

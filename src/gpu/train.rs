@@ -243,8 +243,15 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
         notes.push(format!("`{key}` has no effect with `--device cuda`: the GPU reduces and gathers the parameters unit by unit"));
         // (`"auto"` resolves to a value too: Hugging Face configs set these keys that way.)
     }
+    let elastic = crate::config::elastic_run(cfg)?;
+    if elastic.enabled {
+        bail!(
+            "tessera.elastic is on, and the NCCL GPU trainer (tessera.gpu.collective = \"nccl\", the default) is not elastic: \
+             set tessera.gpu.collective = \"quic\" for elastic GPU ranks (docs/GPU.md), or turn tessera.elastic off"
+        );
+    }
     if cfg.present_keys.iter().any(|k| k.starts_with("tessera.elastic.")) {
-        notes.push("`tessera.elastic` has no effect with `--device cuda`: GPU runs are not elastic yet".into());
+        notes.push("`tessera.elastic` settings have no effect with the NCCL GPU trainer (elastic is off)".into());
     }
     Ok(notes)
 }

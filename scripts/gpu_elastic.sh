@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# GPU ranks of the one engine on the GPU machine (`tessera.gpu.collective = "quic"`), in one call:
+# the world/stage bit comparison and the elastic chaos scenario from tests/e2e_gpu.rs, and the
+# scenario once more with its report kept in $OUT (detection and recovery times for
+# docs/PERFORMANCE.md). Build and copy the binaries as scripts/gpu_verify.sh says, then
+#   run(command="bash scripts/gpu_elastic.sh", carry=[".device-bin"])
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/device_env.sh
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export TESSERA_KERNEL_CACHE=/tmp/tessera-kernels
+built_at=$(cat .device-bin/built_at)
+mkdir -p "$(dirname "$built_at")" && ln -sfn "$PWD" "$built_at"
+mkdir -p target/release && cp .device-bin/tessera target/release/tessera
+T=$PWD/target/release/tessera
+echo "== $(nvidia-smi -L | head -1); $(date -u)"
+echo "== tests/e2e_gpu.rs: the one engine's GPU ranks"
+timeout 500 .device-bin/tests e2e_gpu::gpu_ranks_of_the_one_engine e2e_gpu::an_elastic_gpu_run --test-threads 1 2>&1 \
+  | tee "$OUT/e2e_gpu_engine.txt" | grep -E "^test |test result|skipped|panicked|assert" | head -20
+echo "== chaos/scenarios/gpt-mini-gpu-elastic.json, report kept"
+timeout 500 $T chaos run --scenario chaos/scenarios/gpt-mini-gpu-elastic.json --seed 1 --output "$OUT/chaos-gpu" --no-progress 2>&1 | tail -40
+rm -rf "$OUT/chaos-gpu/clean/checkpoints" "$OUT/chaos-gpu/faulted/checkpoints"
