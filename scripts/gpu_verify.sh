@@ -25,7 +25,7 @@ T=$PWD/target/release/tessera
 echo "== $(nvidia-smi -L | head -1); $(date -u)"
 
 echo "== tests/e2e_gpu.rs"
-timeout 300 .device-bin/tests e2e_gpu --test-threads 1 2>&1 | tee "$OUT/e2e_gpu.txt" | grep -E "^test |test result|skipped"
+timeout 560 .device-bin/tests e2e_gpu --test-threads 1 2>&1 | tee "$OUT/e2e_gpu.txt" | grep -E "^test |test result|skipped"
 echo "== kernels: gpu_ops, gpu_attention"
 (cd kernels && timeout 120 ../.device-bin/gpu_ops 2>&1 && timeout 120 ../.device-bin/gpu_attention 2>&1) | tee "$OUT/gpu_kernels.txt" | grep -E "^test |test result"
 

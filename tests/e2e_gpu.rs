@@ -372,7 +372,8 @@ fn an_elastic_gpu_run_survives_kills_a_hang_and_joins() {
     let tmp = tempfile::tempdir().unwrap();
     let scenario = Path::new(env!("CARGO_MANIFEST_DIR")).join("chaos/scenarios/gpt-mini-gpu-elastic.json");
     let out = tmp.path().join("chaos");
-    let args = ["chaos", "run", "--scenario", scenario.to_str().unwrap(), "--seed", "1", "--output", out.to_str().unwrap(), "--no-progress"];
+    let args =
+        ["chaos", "run", "--scenario", scenario.to_str().unwrap(), "--seed", "1", "--output", out.to_str().unwrap(), "--no-progress"];
     let text = ok(&args, tmp.path());
     assert!(text.contains("result: EQUAL"), "{text}");
     let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();

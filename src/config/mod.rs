@@ -33,8 +33,8 @@ pub use legacy::LEGACY_KEYS;
 pub use optim::OptimizerConfig;
 pub use render::{render_check, render_markdown_table};
 pub use sections::{
-    ActivationCheckpointingConfig, AioConfig, ComputeDevice, Fp16Config, GpuCollective, MonitorConfig, MonitorTarget, OffloadDevice, OffloadOptimizerConfig,
-    OffloadParamConfig, Precision, TesseraConfig, ZeroConfig,
+    ActivationCheckpointingConfig, AioConfig, ComputeDevice, Fp16Config, GpuCollective, MonitorConfig, MonitorTarget, OffloadDevice,
+    OffloadOptimizerConfig, OffloadParamConfig, Precision, TesseraConfig, ZeroConfig,
 };
 
 pub use crate::schedule::SchedulerConfig;

@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use rayon::prelude::*;
 use tessera_kernels::cuda::{self, bf16, gpt, Buf, DPtr, Gpu};
 use tessera_kernels::model::{FlatAccess, Model, UnitAccess, Workspace};
 
@@ -174,9 +175,7 @@ impl Staged {
         }
         for u in (1..units.len()).rev().chain([0]) {
             let (_, g) = acc.unit(u);
-            for (d, s) in g.iter_mut().zip(&self.grads[units[u].clone()]) {
-                *d += s;
-            }
+            g.par_iter_mut().zip(&self.grads[units[u].clone()]).with_min_len(1 << 16).for_each(|(d, s)| *d += s);
             acc.grads_ready(u);
         }
         loss
@@ -265,7 +264,7 @@ impl GpuExec {
             return Ok(());
         }
         self.loaded = None;
-        let padded: Vec<bf16> = self.layout.pad(params).iter().map(|&x| bf16::from_f32(x)).collect();
+        let padded: Vec<bf16> = self.layout.pad(params).par_iter().map(|&x| bf16::from_f32(x)).collect();
         self.gpu.write(&mut self.params, 0, &padded).map_err(gpu_err)?;
         self.loaded = Some(key);
         Ok(())
@@ -324,7 +323,12 @@ static EVAL_GENERATION: AtomicU64 = AtomicU64::new(0);
 
 /// Mean loss of `batches` (forward only) on the process's GPU over `params` (CPU layout, the
 /// working parameters).
-pub fn gpu_eval_loss(model: &Model, params: &[f32], (b, t): (usize, usize), batches: impl Iterator<Item = (Vec<u32>, Vec<u32>)>) -> Result<f64, String> {
+pub fn gpu_eval_loss(
+    model: &Model,
+    params: &[f32],
+    (b, t): (usize, usize),
+    batches: impl Iterator<Item = (Vec<u32>, Vec<u32>)>,
+) -> Result<f64, String> {
     let mut slot = exec_lock();
     let e = exec_for(&mut slot, model, (b, t), 0)?;
     let key = Loaded { staging: EVAL_STAGING, generation: EVAL_GENERATION.fetch_add(1, Ordering::Relaxed) };
