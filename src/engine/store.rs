@@ -2,6 +2,7 @@
 //! the bytes a rank reports holding are the bytes it really holds.
 
 use half::{bf16, f16};
+use rayon::prelude::*;
 use tessera_kernels::dtype::DType;
 
 /// Values in the storage type. Reads widen to f32; writes round to the storage type.
@@ -47,8 +48,8 @@ impl Store {
         let end = start + out.len();
         match self {
             Store::F32(v) => out.copy_from_slice(&v[start..end]),
-            Store::Bf16(v) => out.iter_mut().zip(&v[start..end]).for_each(|(o, x)| *o = x.to_f32()),
-            Store::F16(v) => out.iter_mut().zip(&v[start..end]).for_each(|(o, x)| *o = x.to_f32()),
+            Store::Bf16(v) => widen(&v[start..end], out, bf16::to_f32),
+            Store::F16(v) => widen(&v[start..end], out, f16::to_f32),
         }
     }
 
@@ -57,8 +58,8 @@ impl Store {
         let end = start + src.len();
         match self {
             Store::F32(v) => v[start..end].copy_from_slice(src),
-            Store::Bf16(v) => v[start..end].iter_mut().zip(src).for_each(|(o, x)| *o = bf16::from_f32(*x)),
-            Store::F16(v) => v[start..end].iter_mut().zip(src).for_each(|(o, x)| *o = f16::from_f32(*x)),
+            Store::Bf16(v) => narrow(src, &mut v[start..end], bf16::from_f32),
+            Store::F16(v) => narrow(src, &mut v[start..end], f16::from_f32),
         }
     }
 
@@ -70,6 +71,28 @@ impl Store {
     }
 }
 
+/// Values at and above which a read or write runs on the thread pool (a large model's gradient
+/// or parameters, once a step), in chunks of [`PAR_CHUNK`]. Element by element: the chunking
+/// cannot change a bit.
+pub(super) const PAR_MIN: usize = 1 << 17;
+pub(super) const PAR_CHUNK: usize = 1 << 16;
+
+fn widen<T: Copy + Sync>(src: &[T], out: &mut [f32], f: fn(T) -> f32) {
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(PAR_CHUNK).zip(src.par_chunks(PAR_CHUNK)).for_each(|(o, s)| widen(s, o, f));
+        return;
+    }
+    out.iter_mut().zip(src).for_each(|(o, &x)| *o = f(x));
+}
+
+fn narrow<T: Send>(src: &[f32], out: &mut [T], f: fn(f32) -> T) {
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(PAR_CHUNK).zip(src.par_chunks(PAR_CHUNK)).for_each(|(o, s)| narrow(s, o, f));
+        return;
+    }
+    out.iter_mut().zip(src).for_each(|(o, &x)| *o = f(x));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -77,7 +100,8 @@ mod tests {
 
     #[test]
     fn writes_round_like_the_kernels_and_bytes_follow_the_type() {
-        let x: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin() * 1000.0 + 1.0 / 3.0).collect();
+        // Longer than PAR_MIN: the chunked path on the thread pool.
+        let x: Vec<f32> = (0..PAR_MIN + 1000).map(|i| (i as f32 * 0.37).sin() * 1000.0 + 1.0 / 3.0).collect();
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let mut s = Store::zeros(dtype, x.len());
             s.write(0, &x);

@@ -54,7 +54,7 @@ use super::device::Device;
 use super::lane::{Lane, Ticket};
 use super::plan::{Plan, UnitEvent};
 use super::replica::{self, FeedConfig, StepRecord, Update};
-use super::store::Store;
+use super::store::{Store, PAR_CHUNK, PAR_MIN};
 use crate::data::Sampler;
 use crate::offload::{self, AioOptions, AlignedBuf, Masters, OptimState, SwapFile, Tier};
 
@@ -169,22 +169,18 @@ impl ParamSwap {
     }
 }
 
-/// Little-endian values of the storage type → f32.
+/// Little-endian values of the storage type → f32 (on the thread pool from `PAR_MIN` values).
 fn decode(dtype: DType, bytes: &[u8], out: &mut [f32]) {
     let size = dtype.size_bytes();
-    if out.len() >= PAR_CODEC_MIN {
+    if out.len() >= PAR_MIN {
         // Element by element, so the chunking cannot change a bit.
-        out.par_chunks_mut(PAR_CODEC_CHUNK).zip(bytes.par_chunks(PAR_CODEC_CHUNK * size)).for_each(|(o, b)| decode_serial(dtype, b, o));
+        out.par_chunks_mut(PAR_CHUNK).zip(bytes.par_chunks(PAR_CHUNK * size)).for_each(|(o, b)| decode_serial(dtype, b, o));
         return;
     }
     decode_serial(dtype, bytes, out);
 }
 
-/// Values at and above which [`decode`] and [`encode`] run on the thread pool (a large model's
-/// units, read and written once a step), in chunks of [`PAR_CODEC_CHUNK`].
-const PAR_CODEC_MIN: usize = 1 << 17;
-const PAR_CODEC_CHUNK: usize = 1 << 16;
-
+/// [`decode`] on one thread.
 fn decode_serial(dtype: DType, bytes: &[u8], out: &mut [f32]) {
     match dtype {
         DType::F32 => out.iter_mut().zip(bytes.chunks_exact(4)).for_each(|(o, b)| *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
@@ -196,13 +192,14 @@ fn decode_serial(dtype: DType, bytes: &[u8], out: &mut [f32]) {
 /// f32 → little-endian values of the storage type, rounded like `Store::write`.
 fn encode(dtype: DType, src: &[f32], bytes: &mut [u8]) {
     let size = dtype.size_bytes();
-    if src.len() >= PAR_CODEC_MIN {
-        bytes.par_chunks_mut(PAR_CODEC_CHUNK * size).zip(src.par_chunks(PAR_CODEC_CHUNK)).for_each(|(b, x)| encode_serial(dtype, x, b));
+    if src.len() >= PAR_MIN {
+        bytes.par_chunks_mut(PAR_CHUNK * size).zip(src.par_chunks(PAR_CHUNK)).for_each(|(b, x)| encode_serial(dtype, x, b));
         return;
     }
     encode_serial(dtype, src, bytes);
 }
 
+/// [`encode`] on one thread.
 fn encode_serial(dtype: DType, src: &[f32], bytes: &mut [u8]) {
     match dtype {
         DType::F32 => bytes.chunks_exact_mut(4).zip(src).for_each(|(b, x)| b.copy_from_slice(&x.to_le_bytes())),
