@@ -35,4 +35,4 @@ pub use remote::{
 };
 pub(crate) use run::{checkpoint_tensors, lock_output, log_line, progress_bar, refuse_to_overwrite, resume_start};
 pub use run::{train, validate, TrainOptions, TrainOutcome};
-pub use summary::{peak_rss_bytes, ElasticSummary, MemoryBytes, RunRecord, RunStatus, Summary};
+pub use summary::{peak_rss_bytes, ElasticSummary, GpuFigures, HostOptimizerFigures, MemoryBytes, RunRecord, RunStatus, Summary};

@@ -1085,11 +1085,12 @@ impl Run<'_> {
             zero_stage: plan.stage,
             precision: format!("{:?}", plan.precision).to_lowercase(),
             config_hash: self.cfg.hash.clone(),
-            bytes_sent_per_rank_per_step: t.bytes_sent / t.steps_run.max(1),
+            bytes_sent_per_rank_per_step: Some(t.bytes_sent / t.steps_run.max(1)),
             model_state_bytes_per_rank: memory.iter().map(super::summary::MemoryBytes::from).collect(),
             offloaded_bytes_per_rank: (0..plan.world).map(|r| plan.offloaded_bytes(r)).collect(),
             last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
             elastic: self.elastic.as_ref().map(|e| e.stats.clone()),
+            gpu: None,
         })
     }
 }

@@ -127,8 +127,10 @@ pub struct Summary {
     pub zero_stage: u8,
     pub precision: String,
     pub config_hash: String,
-    /// Bytes the busiest rank sent through collectives per step (mean over the run).
-    pub bytes_sent_per_rank_per_step: u64,
+    /// Bytes the busiest rank sent through collectives per step (mean over the run); absent
+    /// where the collectives are NCCL's (not counted).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes_sent_per_rank_per_step: Option<u64>,
     /// Model states each rank holds, by kind (ZeRO's Ψ accounting).
     pub model_state_bytes_per_rank: Vec<MemoryBytes>,
     /// Model states each rank keeps outside its device budget (offload), by tier.
@@ -137,6 +139,34 @@ pub struct Summary {
     /// What an elastic run went through (absent when elasticity is off).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub elastic: Option<ElasticSummary>,
+    /// The NCCL GPU trainer's device figures (absent elsewhere).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub gpu: Option<GpuFigures>,
+}
+
+/// What the NCCL GPU trainer adds to the summary.
+#[derive(Clone, Debug, Serialize)]
+pub struct GpuFigures {
+    /// The GPU model (rank 0's).
+    pub gpu: String,
+    /// Device memory each rank allocated (parameters, gradients, optimizer, activations).
+    pub device_bytes_per_rank: Vec<u64>,
+    /// Optimizer offload figures of rank 0, when offloaded.
+    pub offload: Option<HostOptimizerFigures>,
+}
+
+/// What the NCCL GPU trainer's host optimizer did (rank 0).
+#[derive(Clone, Debug, Serialize)]
+pub struct HostOptimizerFigures {
+    /// `offload_optimizer.ratio`: the share of each unit's optimizer piece stepped on the host.
+    pub ratio: f64,
+    pub cpu_threads: usize,
+    /// Page-locked staging buffers (gradients in, bf16 parameters out).
+    pub pinned_bytes: u64,
+    /// Mean per step: host AdamW compute, and the part of it not hidden behind the GPU.
+    pub cpu_step_ms: f64,
+    pub exposed_ms: f64,
+    pub hidden_fraction: f64,
 }
 
 /// An elastic run's membership changes and the work they cost.
@@ -183,21 +213,48 @@ impl Summary {
     /// A few lines for the terminal.
     pub fn render(&self) -> String {
         let val = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let where_ = match &self.gpu {
+            Some(g) => format!("{} × {}", self.world_size, g.gpu),
+            None => format!("world {}, {}", self.world_size, self.device),
+        };
+        let mut device = String::new();
+        if let Some(g) = &self.gpu {
+            let max_dev = g.device_bytes_per_rank.iter().copied().max().unwrap_or(0);
+            device += &format!("device memory  {:.1} MiB per rank\n", mib(max_dev));
+            if let Some(m) = self.model_state_bytes_per_rank.first() {
+                device += &format!(
+                    "model states   {:.1} MiB per rank on the GPU (params {:.1}, grads {:.1}, optimizer {:.1})\n",
+                    mib(m.total),
+                    mib(m.params),
+                    mib(m.grads),
+                    mib(m.optimizer_states)
+                );
+            }
+            if let (Some(o), Some(b)) = (&g.offload, self.offloaded_bytes_per_rank.first()) {
+                device += &format!(
+                    "offload        {:.1} MiB per rank in host memory (ratio {}), {} CPU threads: host AdamW {:.1} ms/step, {:.0}% hidden\n",
+                    mib(b.host),
+                    o.ratio,
+                    o.cpu_threads,
+                    o.cpu_step_ms,
+                    100.0 * o.hidden_fraction
+                );
+            }
+        }
         format!(
             "── summary ──────────────────────────────────────────\n\
-             model          {} ({:.2}M params, {}, ZeRO-{}, world {}, {})\n\
+             model          {} ({:.2}M params, {}, ZeRO-{}, {where_})\n\
              steps          {} ({} skipped, {} abandoned and rerun)\n\
              train loss     {:.4}\n\
              val loss       {} (from {})\n\
              throughput     {:.0} tokens/s over {:.1} s\n\
              peak RSS       {:.1} MiB\n\
-             params_blake3  {}\n",
+             {device}params_blake3  {}\n",
             self.model,
             self.num_params as f64 / 1e6,
             self.precision,
             self.zero_stage,
-            self.world_size,
-            self.device,
             self.steps,
             self.skipped_steps,
             self.abandoned_attempts,
@@ -206,7 +263,7 @@ impl Summary {
             val(self.initial_val_loss),
             self.tokens_per_s,
             self.wall_s,
-            self.peak_rss_bytes as f64 / (1024.0 * 1024.0),
+            mib(self.peak_rss_bytes),
             self.params_blake3,
         )
     }

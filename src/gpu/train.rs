@@ -38,7 +38,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
-use serde::Serialize;
 use tessera_kernels::cuda::{self, gpt, Gpu};
 use tessera_kernels::model::Arch;
 use tessera_transport::nccl::{NcclComm, NcclId};
@@ -50,7 +49,7 @@ use crate::checkpoint::{self, CheckpointState};
 use crate::cli::{self, CommonArgs};
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision};
 use crate::data::{self, Dataset, Sampler, SamplerState, TokenBatch};
-use crate::engine::{self, peak_rss_bytes, MemoryBytes, Plan, RunRecord, RunStatus};
+use crate::engine::{self, peak_rss_bytes, GpuFigures, HostOptimizerFigures, MemoryBytes, Plan, RunRecord, RunStatus, Summary};
 use crate::monitor::{self, Event, Monitor, MonitorSet};
 use crate::offload::OffloadedBytes;
 use crate::outln;
@@ -402,134 +401,16 @@ fn evaluate(r: &mut Rank, batches: &data::ValBatches) -> Result<f64> {
     Ok(total / batches.len().max(1) as f64)
 }
 
-/// Written as `summary.json` by rank 0: the CPU summary's keys that apply on the GPU, plus the
-/// device figures.
-#[derive(Clone, Debug, Serialize)]
-pub struct GpuSummary {
-    #[serde(flatten)]
-    pub run: RunRecord,
-    pub model: String,
-    pub num_params: usize,
-    pub steps: u64,
-    pub skipped_steps: u64,
-    pub final_loss: f64,
-    pub val_loss: Option<f64>,
-    pub initial_val_loss: Option<f64>,
-    pub tokens: u64,
-    pub tokens_per_s: f64,
-    pub wall_s: f64,
-    pub flops_per_token: f64,
-    /// Fingerprint of the fp32 masters in the CPU layout (as the CPU path computes it).
-    pub params_blake3: String,
-    /// Host memory of rank 0.
-    pub peak_rss_bytes: u64,
-    /// Host memory of each rank's process.
-    pub peak_rss_bytes_per_rank: Vec<u64>,
-    pub world_size: usize,
-    pub zero_stage: u8,
-    pub precision: String,
-    pub config_hash: String,
-    pub last_checkpoint: Option<String>,
-    /// "cuda".
-    pub device: String,
-    /// The GPU model (rank 0's).
-    pub gpu: String,
-    /// Device memory each rank allocated (parameters, gradients, optimizer, activations).
-    pub device_bytes_per_rank: Vec<u64>,
-    /// Model states each rank holds on its GPU, by kind (what `tessera.device_memory_bytes_max`
-    /// bounds): bf16 parameters (with stage 3's gather buffers), f32 gradient buffers, fp32
-    /// masters + moments (+ decay mask) not offloaded.
-    pub model_state_bytes_per_rank: Vec<MemoryBytes>,
-    /// Model states each rank keeps in host memory (optimizer offload; `nvme` is always 0 here).
-    pub offloaded_bytes_per_rank: Vec<OffloadedBytes>,
-    /// Optimizer offload figures of rank 0, when offloaded.
-    pub offload: Option<GpuOffloadSummary>,
-}
-
-/// What the host optimizer did (rank 0).
-#[derive(Clone, Debug, Serialize)]
-pub struct GpuOffloadSummary {
-    /// `offload_optimizer.ratio`: the share of each unit's optimizer piece stepped on the host.
-    pub ratio: f64,
-    pub cpu_threads: usize,
-    /// Page-locked staging buffers (gradients in, bf16 parameters out).
-    pub pinned_bytes: u64,
-    /// Mean per step: host AdamW compute, and the part of it not hidden behind the GPU.
-    pub cpu_step_ms: f64,
-    pub exposed_ms: f64,
-    pub hidden_fraction: f64,
-}
-
-impl GpuOffloadSummary {
-    fn new(ratio: f64, pinned_bytes: u64, st: &OffloadStats) -> Self {
-        let per = |s: f64| s * 1e3 / st.steps.max(1) as f64;
-        GpuOffloadSummary {
-            ratio,
-            cpu_threads: st.threads,
-            pinned_bytes,
-            cpu_step_ms: per(st.cpu_step_s),
-            exposed_ms: per(st.exposed_s),
-            hidden_fraction: st.hidden_fraction(),
-        }
-    }
-}
-
-impl GpuSummary {
-    pub fn write(&self, path: &Path) -> std::io::Result<()> {
-        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, text + "\n")?;
-        std::fs::rename(&tmp, path)
-    }
-
-    pub fn render(&self) -> String {
-        let val = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
-        let max_dev = self.device_bytes_per_rank.iter().copied().max().unwrap_or(0);
-        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-        let states = self.model_state_bytes_per_rank.first().map_or(String::new(), |m| {
-            format!(
-                "model states   {:.1} MiB per rank on the GPU (params {:.1}, grads {:.1}, optimizer {:.1})\n",
-                mib(m.total),
-                mib(m.params),
-                mib(m.grads),
-                mib(m.optimizer_states)
-            )
-        });
-        let off = match (&self.offload, self.offloaded_bytes_per_rank.first()) {
-            (Some(o), Some(b)) => format!(
-                "offload        {:.1} MiB per rank in host memory (ratio {}), {} CPU threads: host AdamW {:.1} ms/step, {:.0}% hidden\n",
-                mib(b.host),
-                o.ratio,
-                o.cpu_threads,
-                o.cpu_step_ms,
-                100.0 * o.hidden_fraction
-            ),
-            _ => String::new(),
-        };
-        format!(
-            "── summary ──────────────────────────────────────────\n\
-             model          {} ({:.2}M params, {}, ZeRO-{}, {} × {})\n\
-             steps          {}\n\
-             train loss     {:.4}\n\
-             val loss       {} (from {})\n\
-             throughput     {:.0} tokens/s over {:.1} s\n\
-             device memory  {:.1} MiB per rank\n\
-             {states}{off}params_blake3  {}\n",
-            self.model,
-            self.num_params as f64 / 1e6,
-            self.precision,
-            self.zero_stage,
-            self.world_size,
-            self.gpu,
-            self.steps,
-            self.final_loss,
-            val(self.val_loss),
-            val(self.initial_val_loss),
-            self.tokens_per_s,
-            self.wall_s,
-            max_dev as f64 / (1024.0 * 1024.0),
-            self.params_blake3,
-        )
+/// `offload`'s figures for the summary.
+fn host_optimizer_figures(ratio: f64, pinned_bytes: u64, st: &OffloadStats) -> HostOptimizerFigures {
+    let per = |s: f64| s * 1e3 / st.steps.max(1) as f64;
+    HostOptimizerFigures {
+        ratio,
+        cpu_threads: st.threads,
+        pinned_bytes,
+        cpu_step_ms: per(st.cpu_step_s),
+        exposed_ms: per(st.exposed_s),
+        hidden_fraction: st.hidden_fraction(),
     }
 }
 
@@ -833,7 +714,7 @@ fn run_rank(
     let offloaded: Vec<OffloadedBytes> =
         figures.chunks_exact(5).enumerate().map(|(r, c)| OffloadedBytes { rank: r, host: c[3] as u64, nvme: 0 }).collect();
     let offload_summary = match (run.r.offload_ratio(), run.r.offload_stats()) {
-        (Some(ratio), Some(st)) => Some(GpuOffloadSummary::new(ratio, sb.host_staging, &st)),
+        (Some(ratio), Some(st)) => Some(host_optimizer_figures(ratio, sb.host_staging, &st)),
         _ => None,
     };
     if !lead {
@@ -845,12 +726,13 @@ fn run_rank(
     let tokens = t.steps_run * plan.tokens_per_step();
     let status = if interrupted { RunStatus::Interrupted } else { RunStatus::Completed };
     let stopped_by = interrupted.then(|| signals::requested().map_or_else(|| "another rank asked".to_string(), |r| r.to_string()));
-    let summary = GpuSummary {
+    let summary = Summary {
         run: RunRecord { stopped_by, ..RunRecord::new(status, cfg.tessera.seed, started_at) },
         model: cfg.tessera.model.clone(),
         num_params: plan.total(),
         steps: run.step,
         skipped_steps: run.skipped,
+        abandoned_attempts: 0,
         final_loss: t.last_loss,
         val_loss: t.last_val,
         initial_val_loss: t.initial_val,
@@ -860,18 +742,22 @@ fn run_rank(
         flops_per_token: plan.model.cfg.flops_per_token(plan.total(), plan.seq_len),
         params_blake3: checkpoint::params_blake3(&names),
         peak_rss_bytes: peak_rss_bytes(),
-        peak_rss_bytes_per_rank: figures.chunks_exact(5).map(|c| c[4] as u64).collect(),
+        peak_rss_bytes_per_rank: Some(figures.chunks_exact(5).map(|c| c[4] as u64).collect()),
         world_size: world,
+        device: "cuda".into(),
         zero_stage: plan.stage,
         precision: "bf16".into(),
         config_hash: cfg.hash.clone(),
-        last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
-        device: "cuda".into(),
-        gpu: gpu.name.clone(),
-        device_bytes_per_rank: device_bytes.iter().map(|&b| b as u64).collect(),
+        bytes_sent_per_rank_per_step: None,
         model_state_bytes_per_rank: model_states,
         offloaded_bytes_per_rank: offloaded,
-        offload: offload_summary,
+        last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
+        elastic: None,
+        gpu: Some(GpuFigures {
+            gpu: gpu.name.clone(),
+            device_bytes_per_rank: device_bytes.iter().map(|&b| b as u64).collect(),
+            offload: offload_summary,
+        }),
     };
     summary.write(&out_dir.join("summary.json")).context("writing summary.json")?;
     monitor::write_loss_curve_svg(&out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
