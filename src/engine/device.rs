@@ -28,7 +28,9 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use tessera_kernels::cuda::{self, bf16, gpt, Buf, DPtr, Gpu};
-use tessera_kernels::model::{FlatAccess, Model, UnitAccess, Workspace};
+#[cfg(test)]
+use tessera_kernels::model::FlatAccess;
+use tessera_kernels::model::{Model, UnitAccess, Workspace};
 
 use crate::config::ComputeDevice;
 
@@ -93,7 +95,7 @@ pub enum Whole {
     Gpu,
     /// The CPU model over the full buffers: the staging with the CPU's arithmetic, which the
     /// tests compare with the unit-by-unit path bit for bit.
-    #[cfg_attr(not(test), allow(dead_code))]
+    #[cfg(test)]
     Cpu,
 }
 
@@ -111,6 +113,7 @@ pub struct Staged {
     filled: Option<u64>,
     params: Vec<f32>,
     grads: Vec<f32>,
+    #[cfg(test)]
     cpu_ws: Workspace,
 }
 
@@ -123,6 +126,7 @@ impl Staged {
             filled: None,
             params: Vec::new(),
             grads: Vec::new(),
+            #[cfg(test)]
             cpu_ws: Workspace::default(),
         }
     }
@@ -165,6 +169,7 @@ impl Staged {
                 let key = Loaded { staging: self.id, generation: self.generation };
                 gpu_forward_backward(model, &self.params, key, &mut self.grads, tokens, targets, (b, t), dloss, rank)
             }
+            #[cfg(test)]
             Whole::Cpu => {
                 let mut flat = FlatAccess { params: &self.params, grads: &mut self.grads, units };
                 Ok(model.forward_backward(&mut flat, tokens, targets, b, t, dloss, &mut self.cpu_ws))
