@@ -520,3 +520,25 @@ fn a_bad_value_from_the_command_line_names_its_override() {
     assert!(e.contains("`zero_optimization.stage` = 7") && !e.contains("command line"), "{e}");
     assert!(super::overrides::setting(&sets, "zero_optimization.stage").is_none());
 }
+
+/// `tessera.device` and `tessera.gpu.collective`: the defaults, the accepted values, and any other
+/// value refused with its key and what is expected.
+#[test]
+fn the_device_and_the_gpu_collective_are_read_or_refused_by_name() {
+    let base = json!({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4});
+    let c = load_value(base.clone(), &world(1)).unwrap();
+    assert_eq!((c.tessera.device, c.tessera.gpu_collective), (ComputeDevice::Cpu, GpuCollective::Nccl));
+    let mut v = base.clone();
+    v["tessera"] = json!({"device": "cuda", "gpu": {"collective": "quic"}});
+    let c = load_value(v, &world(1)).unwrap();
+    assert_eq!((c.tessera.device, c.tessera.gpu_collective), (ComputeDevice::Cuda, GpuCollective::Quic));
+    for (t, key, expected) in [
+        (json!({"device": "gpu"}), "tessera.device", "\"cpu\" or \"cuda\""),
+        (json!({"gpu": {"collective": "tcp"}}), "tessera.gpu.collective", "\"nccl\" or \"quic\""),
+    ] {
+        let mut v = base.clone();
+        v["tessera"] = t;
+        let msg = err_of(v, &world(1)).to_string();
+        assert!(msg.contains(key) && msg.contains(expected), "{msg}");
+    }
+}
