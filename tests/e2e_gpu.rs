@@ -113,6 +113,37 @@ fn device_cuda_refuses_unsupported_options_naming_the_key() {
         assert!(text.contains(want), "{extra:?}: expected the error to say `{want}`:\n{text}");
         assert!(text.contains("--device cpu"), "{extra:?}: the error should point to --device cpu:\n{text}");
     }
+    // Elastic runs: the NCCL trainer is not elastic; the error points to the engine's GPU ranks.
+    let text = exits_1(&cuda_args(&cfg, &out, &["--nprocs", "2", "--set", "tessera.elastic.enabled=true"]), tmp.path());
+    assert!(text.contains("tessera.gpu.collective = \"quic\""), "{text}");
+    // The engine's GPU ranks refuse fp16 (the device computes in bf16) and models the GPU
+    // kernels do not run, by name, before any GPU is touched.
+    let quic = ["--set", "tessera.gpu.collective=quic"];
+    let text =
+        exits_1(&cuda_args(&cfg, &out, &[&quic[..], &["--set", "bf16.enabled=false", "--set", "fp16.enabled=true"]].concat()), tmp.path());
+    assert!(text.contains("fp16.enabled") && text.contains("use bf16.enabled"), "{text}");
+    let text = exits_1(&cuda_args(&cfg, &out, &[&quic[..], &["--model", "gpt-tiny"]].concat()), tmp.path());
+    assert!(text.contains("tessera.device = \"cuda\"") && text.contains("head dimension 64"), "{text}");
+}
+
+/// Without a GPU, the engine's GPU ranks on this host are refused at start, not at their first step.
+#[test]
+fn engine_gpu_ranks_without_a_gpu_are_refused_at_start() {
+    if let Ok(n) = gpu_count() {
+        if n > 0 {
+            println!("skipped: this machine has {n} GPU(s); the no-GPU refusal cannot be observed here");
+            return;
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write(tmp.path(), "gpu.json", CONFIG);
+    let out = tmp.path().join("run");
+    let args = cuda_args(cfg.to_str().unwrap(), out.to_str().unwrap(), &["--nprocs", "2", "--set", "tessera.gpu.collective=quic"]);
+    let text = exits_1(&args, tmp.path());
+    let no_driver = text.contains("no CUDA driver could be loaded");
+    let no_device = text.contains("reports no GPU on this machine") && text.contains("use --device cpu");
+    assert!(no_driver || no_device, "{text}");
+    assert!(!text.contains("step"), "refused after training began:\n{text}");
 }
 
 /// `tessera.device_memory_bytes_max` applies to the GPU trainer, checked before any GPU is

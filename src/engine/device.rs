@@ -322,6 +322,23 @@ fn gpu_forward_backward(
     Ok(loss)
 }
 
+/// Whether this host has a GPU to evaluate on. A driver without one (a coordinator whose GPU
+/// ranks are agents on other hosts) evaluates on its CPU — f32 activations, so the validation
+/// loss differs from a GPU evaluation in the last digits — and says so once.
+pub fn gpu_here() -> bool {
+    static HERE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HERE.get_or_init(|| {
+        let here = cuda::device_count().is_ok_and(|n| n > 0);
+        if !here {
+            tracing::warn!(
+                "tessera.device = \"cuda\": this host has no GPU, so the driver evaluates on its CPU (f32 activations; the \
+                 ranks train on their GPUs)"
+            );
+        }
+        here
+    })
+}
+
 /// Evaluations load their parameters under this staging id (never a rank's).
 const EVAL_STAGING: u64 = 0;
 static EVAL_GENERATION: AtomicU64 = AtomicU64::new(0);

@@ -388,7 +388,7 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
 fn evaluate(plan: &Plan, ranks: &Ranks, batches: &data::ValBatches, ws: &mut Workspace) -> Result<f64> {
     let (mut params, _, _) = ranks.assemble(plan, false)?;
     plan.precision.round(&mut params);
-    if plan.device == crate::config::ComputeDevice::Cuda {
+    if plan.device == crate::config::ComputeDevice::Cuda && super::device::gpu_here() {
         let loss = super::device::gpu_eval_loss(&plan.model, &params, (plan.micro, plan.seq_len), batches.iter());
         return loss.map_err(|e| anyhow::anyhow!("evaluation: {e}"));
     }
