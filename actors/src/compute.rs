@@ -5,6 +5,8 @@
 
 use std::ops::Range;
 
+use tessera_transport::collective::CollectiveError;
+
 /// The order to prepare one step, sent to every worker of plan epoch `epoch`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepOrder {
@@ -92,8 +94,99 @@ pub struct ShardSpec {
     pub bytes: u64,
 }
 
-/// The error a compute returns: a human-readable cause (the rank is added by the actors).
-pub type ComputeError = String;
+/// Why a compute call failed, in the terms recovery decides on: a member gone, the group
+/// aborted, a failure of this rank alone, or a commit torn part-way with what its shard reached.
+/// `Display` is the human cause alone (the actors add the rank); nothing decides on its text.
+///
+/// A collective's error keeps its kind ([`From<CollectiveError>`]): a peer that left is
+/// [`ComputeError::Lost`] with its rank, a wait past the timeout is `Lost` with no rank (which
+/// peer did not come is not known), an aborted group is [`ComputeError::Aborted`], ranks that
+/// disagree or a bad argument are [`ComputeError::Failed`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ComputeError {
+    /// A member of the group is gone or did not come: peer `rank` left the group (`None`: not
+    /// known which, e.g. a collective that waited past its timeout), or, as an elastic driver
+    /// sees it, this rank's own worker process was declared lost. A loss explains it.
+    #[error("{why}")]
+    Lost { rank: Option<usize>, why: String },
+    /// The group was aborted (an elastic driver aborts the epoch's group when it declares a
+    /// member lost or a rank failed, so that its peers stop waiting): whoever caused it reports
+    /// the cause. A loss explains it.
+    #[error("{why}")]
+    Aborted { why: String },
+    /// This rank failed on its own: I/O, the GPU, bad input, ranks that disagree, a protocol
+    /// violation. No loss explains it and no new epoch mends it.
+    #[error("{why}")]
+    Failed { why: String },
+    /// A commit failed after it began changing the shard. `stepped` is `Some(step)` when the
+    /// shard took that step's optimizer update before the failure (it is a consistent state at
+    /// `step + 1` committed steps, e.g. the parameters' all-gather failed later), `None` when
+    /// it may be partly stepped (not a usable state). `cause` is why (never `Torn` itself).
+    #[error("{cause}")]
+    Torn { stepped: Option<u64>, cause: Box<ComputeError> },
+}
+
+impl ComputeError {
+    /// A failure of this rank alone ([`ComputeError::Failed`]).
+    pub fn failed(why: impl Into<String>) -> Self {
+        ComputeError::Failed { why: why.into() }
+    }
+
+    /// The same error with `what: ` before its cause (the kind, rank and step stay).
+    pub fn context(self, what: impl std::fmt::Display) -> Self {
+        match self {
+            ComputeError::Lost { rank, why } => ComputeError::Lost { rank, why: format!("{what}: {why}") },
+            ComputeError::Aborted { why } => ComputeError::Aborted { why: format!("{what}: {why}") },
+            ComputeError::Failed { why } => ComputeError::Failed { why: format!("{what}: {why}") },
+            ComputeError::Torn { stepped, cause } => ComputeError::Torn { stepped, cause: Box::new(cause.context(what)) },
+        }
+    }
+
+    /// This error as the failure of a commit that already changed the shard: `stepped` as in
+    /// [`ComputeError::Torn`]. An error that is torn already stays as it is.
+    pub fn torn(self, stepped: Option<u64>) -> Self {
+        match self {
+            torn @ ComputeError::Torn { .. } => torn,
+            cause => ComputeError::Torn { stepped, cause: Box::new(cause) },
+        }
+    }
+
+    /// Whether a membership change explains the failure (a member lost, the group aborted, or
+    /// a commit torn by one of those), so that an elastic run re-plans once the loss is
+    /// noticed; a [`ComputeError::Failed`] one ends it.
+    pub fn explained_by_loss(&self) -> bool {
+        match self {
+            ComputeError::Lost { .. } | ComputeError::Aborted { .. } => true,
+            ComputeError::Failed { .. } => false,
+            ComputeError::Torn { cause, .. } => cause.explained_by_loss(),
+        }
+    }
+
+    /// The committed steps a rank's state holds after its `commit(step)` failed with this
+    /// error, when it held `before`: `step + 1` when the shard took the step
+    /// (`Torn { stepped: Some(step) }`), nothing usable when it was torn part-way, and
+    /// otherwise the state it had (the trait's promise: an error that is not `Torn` left the
+    /// shard unchanged), which is usable only at `step`.
+    pub fn state_after_commit(&self, step: u64, before: Option<u64>) -> Option<u64> {
+        match self {
+            ComputeError::Torn { stepped: Some(s), .. } if *s == step => Some(step + 1),
+            ComputeError::Torn { .. } => None,
+            _ => before.filter(|&b| b == step),
+        }
+    }
+}
+
+impl From<CollectiveError> for ComputeError {
+    fn from(e: CollectiveError) -> Self {
+        let why = e.to_string();
+        match e {
+            CollectiveError::PeerGone { peer, .. } => ComputeError::Lost { rank: Some(peer), why },
+            CollectiveError::Timeout { .. } => ComputeError::Lost { rank: None, why },
+            CollectiveError::Aborted { .. } => ComputeError::Aborted { why },
+            CollectiveError::Mismatch { .. } | CollectiveError::InvalidArgument { .. } => ComputeError::Failed { why },
+        }
+    }
+}
 
 /// The per-rank compute a `DeviceWorker` owns and runs on its own OS thread.
 ///
@@ -105,9 +198,49 @@ pub trait WorkerCompute: Send + 'static {
     /// own OS thread; all workers' prepare calls run concurrently (they meet in collectives).
     fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, ComputeError>;
     /// Makes the staged state of `step` current (may communicate, e.g. all-gather parameters).
+    /// An error other than [`ComputeError::Torn`] leaves the committed state as it was; one
+    /// that changed the shard before failing is `Torn`, saying whether it took the step.
     fn commit(&mut self, step: u64) -> Result<(), ComputeError>;
     /// Drops the staged state of `step`; committed state is untouched.
     fn abandon(&mut self, step: u64);
     /// The bytes this rank holds now.
     fn memory(&self) -> MemoryReport;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_collective_error_keeps_its_kind_and_its_words() {
+        let cases = [
+            (CollectiveError::PeerGone { op: "all_gather", peer: 2 }, ComputeError::Lost { rank: Some(2), why: String::new() }),
+            (CollectiveError::Timeout { op: "all_gather", rank: 0, waited_ms: 50 }, ComputeError::Lost { rank: None, why: String::new() }),
+            (CollectiveError::Aborted { op: "all_gather", reason: "epoch 4".into() }, ComputeError::Aborted { why: String::new() }),
+            (CollectiveError::Mismatch { op: "all_gather", detail: "lengths".into() }, ComputeError::failed("")),
+            (CollectiveError::InvalidArgument { op: "send", detail: "rank 9".into() }, ComputeError::failed("")),
+        ];
+        for (c, kind) in cases {
+            let text = c.to_string();
+            let e = ComputeError::from(c).context("unit 3");
+            assert_eq!(e.to_string(), format!("unit 3: {text}"));
+            assert_eq!(std::mem::discriminant(&e), std::mem::discriminant(&kind), "{e:?}");
+            assert_eq!(e.explained_by_loss(), !matches!(kind, ComputeError::Failed { .. }), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn a_failed_commit_leaves_the_state_its_error_says() {
+        let lost = ComputeError::Lost { rank: Some(1), why: "gone".into() };
+        assert_eq!(lost.state_after_commit(7, Some(7)), Some(7), "not torn: the shard is unchanged");
+        assert_eq!(lost.state_after_commit(7, Some(6)), None, "unchanged, but not at the step committed");
+        let stepped = lost.clone().torn(Some(7));
+        assert_eq!(stepped.state_after_commit(7, Some(7)), Some(8));
+        assert_eq!(stepped.to_string(), "gone");
+        assert!(stepped.explained_by_loss());
+        assert_eq!(stepped.clone().torn(None), stepped, "torn once: what it stepped stays");
+        assert_eq!(lost.clone().torn(None).state_after_commit(7, Some(7)), None, "torn part-way: unusable");
+        assert_eq!(lost.torn(Some(6)).state_after_commit(7, Some(7)), None, "stepped another step: unusable");
+        assert!(!ComputeError::failed("disk").torn(Some(7)).explained_by_loss());
+    }
 }

@@ -1,13 +1,14 @@
 //! The errors of the actor layer: which rank failed, in which phase, and why.
 
+use crate::compute::ComputeError;
 use crate::driver::StepResult;
 use std::fmt;
 
 /// Why one rank did not complete a phase of a step.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FailureCause {
-    /// The compute returned an error (the worker is alive).
-    Returned(String),
+    /// The compute returned an error (the worker is alive), or the worker refused the command.
+    Returned(ComputeError),
     /// The worker actor died (its compute panicked or the actor failed/terminated): a
     /// membership event reported through supervision.
     Died(String),

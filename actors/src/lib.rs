@@ -71,7 +71,7 @@ pub use driver::{Cluster, ClusterOptions, StepResult, WorkerStopper, DEFAULT_SHU
 pub use error::{ActorError, FailureCause, RankFailure};
 pub use membership::{Coordinator, EpochPlan, MembershipConfig, WorkerId};
 pub use plan::{assign_blocks, partition};
-pub use remote::{ActorCall, ActorEvent, Downlink, NodeHost, RemoteNodeSpec, UpSink, Uplink};
+pub use remote::{ActorCall, ActorEvent, Downlink, NodeHost, RemoteNodeSpec, UpSink, Uplink, WireComputeError, WireErrorKind};
 pub use replan::{
     blocks_for_speeds, check_blocks, leaf_counts_for_speeds, leaf_counts_with_floor, propose_rebalance, replan_partition, OldShard,
     Rebalance, Replanned, Speeds, Transfer,

@@ -18,8 +18,8 @@
 //!   registers a first-epoch worker once it is `Ready`, a joiner when it joins or opens its side
 //!   connection).
 //! - At each [`Input::Tick`] a watched worker is lost when, in this order: its process ended
-//!   ("worker {id} (pid {pid}): the process {how}", `how` as the driver describes the exit, or
-//!   "ended" for a pidfd), its side connection closed ("worker {id} (pid {pid}): its side
+//!   ("worker {id} (pid {pid}): the process {how}", `how` the [`Exit`] the driver saw, e.g.
+//!   "was killed by signal 9", or "ended" for a pidfd), its side connection closed ("worker {id} (pid {pid}): its side
 //!   connection closed"), or its latest heartbeat is more than `timeout_ms` old ("worker {id}
 //!   (pid {pid}): no heartbeat for {quiet} ms (hung, stopped or cut off)"; exactly
 //!   `timeout_ms` is not yet lost). Workers are looked at in id order.
@@ -38,6 +38,66 @@
 //! has the deadline and declares the loss itself; this machine learns it as a fenced id.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+/// How a worker's process ended, as the driver saw it; its sentence finishes "the process …"
+/// ("exited with status 1", "was killed by signal 9", "ended").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Exit {
+    /// It exited with this status.
+    Code(i32),
+    /// A signal ended it.
+    Signal(i32),
+    /// It had asked to drain (SIGTERM) and exited with status `code` because no step boundary
+    /// came within its drain grace (`tessera.elastic.drain_grace_ms` = `grace_ms`).
+    DrainGrace { code: i32, grace_ms: u64 },
+    /// Its pidfd says it ended (a process of this host that is not the driver's child: how is
+    /// not known).
+    Ended,
+    /// Not a process the driver can watch: its control connection closed.
+    Left,
+    /// It did not end within `bound_ms` of being told to leave; `killed` when it was then
+    /// killed (a child), else its connection was dropped.
+    Overdue { bound_ms: u64, killed: bool },
+    /// Anything else the OS reports.
+    Other(String),
+}
+
+impl Exit {
+    /// A process's exit status.
+    pub fn of(status: std::process::ExitStatus) -> Exit {
+        use std::os::unix::process::ExitStatusExt;
+        match (status.code(), status.signal()) {
+            (Some(c), _) => Exit::Code(c),
+            (None, Some(s)) => Exit::Signal(s),
+            _ => Exit::Other(status.to_string()),
+        }
+    }
+
+    /// Whether a worker told to leave left as it should: status 0, or its connection closed.
+    pub fn is_clean(&self) -> bool {
+        matches!(self, Exit::Code(0) | Exit::Left)
+    }
+}
+
+impl fmt::Display for Exit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Exit::Code(c) => write!(f, "exited with status {c}"),
+            Exit::Signal(s) => write!(f, "was killed by signal {s}"),
+            Exit::DrainGrace { code, grace_ms } => write!(
+                f,
+                "exited with status {code}: it got SIGTERM and no step boundary came within its drain grace \
+                 (tessera.elastic.drain_grace_ms = {grace_ms})"
+            ),
+            Exit::Ended => write!(f, "ended"),
+            Exit::Left => write!(f, "left"),
+            Exit::Overdue { bound_ms, killed: true } => write!(f, "did not exit within {bound_ms} ms (killed)"),
+            Exit::Overdue { bound_ms, killed: false } => write!(f, "did not leave within {bound_ms} ms"),
+            Exit::Other(how) => write!(f, "ended ({how})"),
+        }
+    }
+}
 
 /// What the driver saw, fed with the time it happened (or was seen) in ms.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,9 +110,8 @@ pub enum Input {
     Heartbeat { id: u64 },
     /// The side connection of `id` closed.
     Closed { id: u64 },
-    /// The process of `id` (`pid`) ended; `how` finishes "the process …" ("exited with status
-    /// 1", "was killed by signal 9", "ended").
-    Exited { id: u64, pid: u32, how: String },
+    /// The process of `id` (`pid`) ended, `how` as the driver saw it.
+    Exited { id: u64, pid: u32, how: Exit },
     /// The driver told `id` to leave: never lost from now on.
     Leaving { id: u64 },
     /// `id` is fenced (declared lost elsewhere): never reported, never watched again.
@@ -76,7 +135,7 @@ struct Watched {
     last: u64,
     closed: bool,
     /// Its process ended: the pid and how.
-    exited: Option<(u32, String)>,
+    exited: Option<(u32, Exit)>,
 }
 
 /// The failure detector (see the module doc).
@@ -190,6 +249,46 @@ mod tests {
         m
     }
 
+    /// The exit's sentence is the reason's words, and only status 0 or a connection that
+    /// closed is a clean leave (`Fleet::close`).
+    #[test]
+    fn an_exit_reads_as_before_and_only_status_0_or_a_closed_connection_is_clean() {
+        use std::os::unix::process::ExitStatusExt;
+        let status = |raw: i32| Exit::of(std::process::ExitStatus::from_raw(raw));
+        assert_eq!((status(0), status(1 << 8), status(9)), (Exit::Code(0), Exit::Code(1), Exit::Signal(9)));
+        let said: Vec<String> = [
+            Exit::Code(1),
+            Exit::Signal(9),
+            Exit::Ended,
+            Exit::Left,
+            Exit::Overdue { bound_ms: 5, killed: true },
+            Exit::Overdue { bound_ms: 5, killed: false },
+        ]
+        .iter()
+        .map(Exit::to_string)
+        .collect();
+        let want = [
+            "exited with status 1",
+            "was killed by signal 9",
+            "ended",
+            "left",
+            "did not exit within 5 ms (killed)",
+            "did not leave within 5 ms",
+        ];
+        assert_eq!(said, want);
+        let grace = Exit::DrainGrace { code: 3, grace_ms: 300 };
+        assert_eq!(
+            grace.to_string(),
+            "exited with status 3: it got SIGTERM and no step boundary came within its drain grace (tessera.elastic.drain_grace_ms = 300)"
+        );
+        let clean: Vec<bool> =
+            [Exit::Code(0), Exit::Left, Exit::Code(1), Exit::Signal(15), Exit::Ended, grace, Exit::Overdue { bound_ms: 5, killed: false }]
+                .iter()
+                .map(Exit::is_clean)
+                .collect();
+        assert_eq!(clean, [true, true, false, false, false, false, false]);
+    }
+
     #[test]
     fn exactly_the_timeout_is_not_lost_one_more_ms_is() {
         let mut m = watched(&[0]);
@@ -236,11 +335,11 @@ mod tests {
     #[test]
     fn exit_before_closed_before_silence_each_reported_once() {
         let mut m = watched(&[0, 1, 2]);
-        m.on(10, Input::Exited { id: 0, pid: 100, how: "was killed by signal 9".into() });
+        m.on(10, Input::Exited { id: 0, pid: 100, how: Exit::Signal(9) });
         m.on(10, Input::Closed { id: 0 });
         m.on(10, Input::Closed { id: 1 });
-        m.on(11, Input::Exited { id: 2, pid: 102, how: "ended".into() });
-        m.on(12, Input::Exited { id: 2, pid: 102, how: "exited with status 0".into() });
+        m.on(11, Input::Exited { id: 2, pid: 102, how: Exit::Ended });
+        m.on(12, Input::Exited { id: 2, pid: 102, how: Exit::Code(0) });
         let got = m.on(2_000, Input::Tick);
         assert_eq!(
             lost(&got),
@@ -255,7 +354,7 @@ mod tests {
             m.on(2_001, Input::Watch { id, pid: 1 });
             m.on(2_001, Input::Heartbeat { id });
             m.on(2_001, Input::Closed { id });
-            m.on(2_001, Input::Exited { id, pid: 1, how: "ended".into() });
+            m.on(2_001, Input::Exited { id, pid: 1, how: Exit::Ended });
         }
         assert!(m.on(2_002, Input::Tick).is_empty());
         assert!(m.on(99_999, Input::Tick).is_empty());
@@ -265,7 +364,7 @@ mod tests {
     #[test]
     fn a_lost_worker_is_reported_at_the_tick_only() {
         let mut m = watched(&[0]);
-        assert!(m.on(5, Input::Exited { id: 0, pid: 100, how: "exited with status 1".into() }).is_empty());
+        assert!(m.on(5, Input::Exited { id: 0, pid: 100, how: Exit::Code(1) }).is_empty());
         assert!(m.on(5, Input::Closed { id: 0 }).is_empty());
         assert_eq!(m.on(10, Input::Tick).len(), 1);
     }
@@ -274,10 +373,10 @@ mod tests {
     fn leaving_workers_are_never_lost() {
         let mut m = watched(&[0, 1]);
         m.on(100, Input::Leaving { id: 0 });
-        m.on(100, Input::Exited { id: 0, pid: 100, how: "exited with status 0".into() });
+        m.on(100, Input::Exited { id: 0, pid: 100, how: Exit::Code(0) });
         m.on(100, Input::Closed { id: 0 });
         // The run closing: leaving first, the exit seen in the same poll.
-        m.on(200, Input::Exited { id: 1, pid: 101, how: "exited with status 0".into() });
+        m.on(200, Input::Exited { id: 1, pid: 101, how: Exit::Code(0) });
         m.on(200, Input::Leaving { id: 1 });
         m.on(200, Input::Watch { id: 1, pid: 101 });
         assert!(m.on(200, Input::Tick).is_empty());
@@ -290,7 +389,7 @@ mod tests {
         // SIGTERM is no input: a draining worker that dies before it is told to leave is lost.
         let mut m = watched(&[0]);
         m.on(900, Input::Heartbeat { id: 0 });
-        m.on(950, Input::Exited { id: 0, pid: 100, how: "exited with status 0".into() });
+        m.on(950, Input::Exited { id: 0, pid: 100, how: Exit::Code(0) });
         assert_eq!(lost(&m.on(960, Input::Tick)), [(0, "worker 0 (pid 100): the process exited with status 0")]);
         // Told to leave after it was lost: still fenced, not readmitted.
         m.on(970, Input::Leaving { id: 0 });
@@ -320,7 +419,7 @@ mod tests {
         let mut m = Liveness::new(T);
         m.on(0, Input::Heartbeat { id: 4 });
         m.on(0, Input::Closed { id: 4 });
-        m.on(0, Input::Exited { id: 4, pid: 1, how: "ended".into() });
+        m.on(0, Input::Exited { id: 4, pid: 1, how: Exit::Ended });
         assert!(m.on(10_000, Input::Tick).is_empty());
         // Registering later starts from its registration, not from what came before.
         m.on(10_000, Input::Watch { id: 4, pid: 1 });

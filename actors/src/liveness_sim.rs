@@ -38,7 +38,7 @@ use std::collections::{BTreeMap, BinaryHeap};
 
 use tessera_kernels::tensor::Rng;
 
-use crate::liveness::{Action, Input, Liveness};
+use crate::liveness::{Action, Exit, Input, Liveness};
 
 /// How the driver sees a worker's process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -200,7 +200,7 @@ fn build(seed: u64) -> World {
 #[derive(Debug, Clone, Default)]
 struct Facts {
     /// Its process's exit as the driver sees it: when, the pid, how.
-    exit: Option<(u64, u32, String)>,
+    exit: Option<(u64, u32, Exit)>,
     /// Its side connection closing.
     closed: Option<u64>,
     /// Told to leave.
@@ -218,8 +218,8 @@ struct Facts {
 
 fn facts(w: &World, k: &Worker, rng: &mut Rng) -> Facts {
     let mut f = Facts::default();
-    let mut death: Option<(u64, String)> = None;
-    let mut die = |at: u64, how: String| {
+    let mut death: Option<(u64, Exit)> = None;
+    let mut die = |at: u64, how: Exit| {
         if death.as_ref().is_none_or(|d| at < d.0) {
             death = Some((at, how));
         }
@@ -230,8 +230,8 @@ fn facts(w: &World, k: &Worker, rng: &mut Rng) -> Facts {
     let mut partitions = Vec::new();
     for &fault in &k.faults {
         match fault {
-            Fault::Kill { at } => die(at, "was killed by signal 9".into()),
-            Fault::Crash { at } => die(at, "exited with status 1".into()),
+            Fault::Kill { at } => die(at, Exit::Signal(9)),
+            Fault::Crash { at } => die(at, Exit::Code(1)),
             Fault::Stop { at, cont } => {
                 f.stopped = true;
                 f.resumed |= cont.is_some();
@@ -248,13 +248,13 @@ fn facts(w: &World, k: &Worker, rng: &mut Rng) -> Facts {
             }
             Fault::Drain { at, leave: None, grace } => {
                 f.drained = Some(false);
-                die(at + grace, "exited with status 0".into());
+                die(at + grace, Exit::Code(0));
             }
             Fault::Fence { at } => f.fence = Some(f.fence.map_or(at, |x| x.min(at))),
         }
     }
     if let Some(l) = leave {
-        die(l + k.leave_exit, "exited with status 0".into());
+        die(l + k.leave_exit, Exit::Code(0));
         closed = Some(closed.map_or(l + k.leave_close, |c| c.min(l + k.leave_close)));
     }
     if let (Some((at, _)), Some(after)) = (&death, k.close_after_death) {
@@ -281,7 +281,7 @@ fn facts(w: &World, k: &Worker, rng: &mut Rng) -> Facts {
     f.exit = match (k.kind, death) {
         (Kind::Remote, _) | (_, None) => None,
         (Kind::Child, Some((at, how))) => Some((at, k.pid, how)),
-        (Kind::Local, Some((at, _))) => Some((at, k.pid, "ended".into())),
+        (Kind::Local, Some((at, _))) => Some((at, k.pid, Exit::Ended)),
     };
     f.closed = closed;
     f.leave = leave;
@@ -295,7 +295,7 @@ struct Seen {
     entry: bool,
     pid: u32,
     last: u64,
-    exit: Option<(u32, String)>,
+    exit: Option<(u32, Exit)>,
     closed: bool,
     leaving: bool,
     fenced: bool,
@@ -519,9 +519,9 @@ impl Sim<'_> {
             Ev::Exit(i) | Ev::Killed(i) => {
                 let k = &self.world.workers[i];
                 let how = match (ev, k.kind) {
-                    (Ev::Exit(_), _) => self.facts[i].exit.as_ref().map(|e| e.2.clone()).unwrap_or_default(),
-                    (_, Kind::Child) => "was killed by signal 9".into(),
-                    _ => "ended".into(),
+                    (Ev::Exit(_), _) => self.facts[i].exit.as_ref().map_or(Exit::Ended, |e| e.2.clone()),
+                    (_, Kind::Child) => Exit::Signal(9),
+                    _ => Exit::Ended,
                 };
                 let pid = k.pid;
                 if self.seen[i].exit.is_none() {
@@ -558,7 +558,7 @@ impl Sim<'_> {
                 let input = match k {
                     0 => Input::Heartbeat { id: jid },
                     1 => Input::Closed { id: jid },
-                    _ => Input::Exited { id: jid, pid: 1, how: "ended".into() },
+                    _ => Input::Exited { id: jid, pid: 1, how: Exit::Ended },
                 };
                 self.feed(t, input)?;
             }

@@ -38,7 +38,8 @@ use std::collections::BTreeSet;
 
 use tessera_kernels::tensor::Rng;
 
-use crate::error::FailureCause;
+use crate::error::{ActorError, FailureCause};
+use crate::recovery::{after_failure, AfterFailure};
 use crate::stepper::{Action, Counts, Input, Stepper};
 use crate::txn::{self, Refusal, Reply, StepTxn};
 use crate::txn_sim::{self, Ans, Oracle, Pool};
@@ -272,12 +273,18 @@ fn run_txn(
         Ok(Reply::Queried { .. }) => return Err(format!("step {step} answered as a query")),
     };
     if let Some(failures) = failures {
-        let died = failures.iter().any(|f| matches!(f.cause, FailureCause::Died(_)));
+        // run.rs (`change_after_actor`): the verdict on the failures' kinds; a loss is pending
+        // only for members written off by a timeout that the fleet notices (a member that
+        // returned a loss or an abort is not lost itself). A rank's own failure does not wait
+        // for the fleet: only a loss noticed already counts.
         let timed_out = failures.iter().any(|f| matches!(f.cause, FailureCause::TimedOut { .. }));
-        if !died {
-            if timed_out && roll.gen_range(100) < run.p_noticed {
+        let error = ActorError::StepAbandoned { step, failures: failures.clone() };
+        match after_failure(&error) {
+            AfterFailure::Lost(_) => {}
+            AfterFailure::AwaitLoss | AfterFailure::Failed if timed_out && roll.gen_range(100) < run.p_noticed => {
                 tally.noticed_timeouts += 1;
-            } else {
+            }
+            AfterFailure::AwaitLoss | AfterFailure::Failed => {
                 return Ok(Outcome::Error(format!("step {step}: {failures:?} with no change pending")));
             }
         }

@@ -1,6 +1,7 @@
-//! The elastic driver's recovery decisions, as pure functions: which committed step a new epoch
-//! starts from, which survivor hands over each shard of it (or that a checkpoint is needed), and
-//! who the members of the new epoch are.
+//! The elastic driver's recovery decisions, as pure functions: whether a failure is a loss to
+//! re-plan around or the end of the run ([`after_failure`], from the kinds of the failures),
+//! which committed step a new epoch starts from, which survivor hands over each shard of it (or
+//! that a checkpoint is needed), and who the members of the new epoch are.
 //!
 //! No IO, no clock, no randomness: the process driver (`src/engine/elastic.rs`) asks the
 //! survivors for their `Status`, calls [`choose_source`] and [`next_members`], and carries out
@@ -21,6 +22,55 @@
 //! - or it kept a copy of the installed epoch while a newer one formed, and that copy is `o`'s
 //!   range (stage 0: any rank's) at `t`; kept copies are usable whatever the worker's current
 //!   state.
+
+use crate::error::{ActorError, FailureCause};
+
+/// What an elastic driver makes of an operation the actor tree failed (a step, a replayed
+/// step, a query), read from the kinds of the failures alone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterFailure {
+    /// Members' DeviceWorker actors died, or the tree refuses steps because members are lost:
+    /// declare these ranks lost (with why) and form a new epoch.
+    Lost(Vec<(usize, String)>),
+    /// Every failure is what a loss elsewhere looks like (a peer gone, the group aborted, no
+    /// answer within the phase timeout, a commit torn by one of those): form a new epoch once
+    /// the loss is noticed (the driver waits a moment for it); if none is, the error ends the
+    /// run.
+    AwaitLoss,
+    /// A rank failed on its own ([`crate::ComputeError::Failed`], also as a torn commit's
+    /// cause) and no member died: no loss explains it, so the error ends the run at once
+    /// unless a change is already pending.
+    Failed,
+}
+
+/// The verdict on `e` (see [`AfterFailure`]): died members first, then any failure no loss
+/// explains, else a loss to wait for. The tree's own errors (no answer from the supervisor, a
+/// busy or inconsistent tree) wait for a loss as well.
+pub fn after_failure(e: &ActorError) -> AfterFailure {
+    let failures = match e {
+        ActorError::StepAbandoned { failures, .. }
+        | ActorError::CommitFailed { failures, .. }
+        | ActorError::QueryFailed { failures, .. } => failures,
+        ActorError::MembersLost { ranks, causes, .. } => {
+            return AfterFailure::Lost(ranks.iter().copied().zip(causes.iter().cloned()).collect())
+        }
+        _ => return AfterFailure::AwaitLoss,
+    };
+    let died: Vec<(usize, String)> = failures
+        .iter()
+        .filter_map(|f| match &f.cause {
+            FailureCause::Died(why) => Some((f.rank, why.clone())),
+            _ => None,
+        })
+        .collect();
+    if !died.is_empty() {
+        return AfterFailure::Lost(died);
+    }
+    match failures.iter().any(|f| matches!(&f.cause, FailureCause::Returned(e) if !e.explained_by_loss())) {
+        true => AfterFailure::Failed,
+        false => AfterFailure::AwaitLoss,
+    }
+}
 
 /// A survivor at a recovery and what it holds (its `Status`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -171,6 +221,94 @@ pub fn next_members<W: Clone>(survivors: &[Survivor<W>], admitted: &[W], min_wor
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::compute::ComputeError;
+    use crate::error::RankFailure;
+    use crate::stepper::{self, Stepper};
+
+    fn returned(rank: usize, e: ComputeError) -> RankFailure {
+        RankFailure { rank, cause: FailureCause::Returned(e) }
+    }
+
+    #[test]
+    fn the_verdict_follows_the_kind_of_each_failure() {
+        let peer_gone = ComputeError::Lost { rank: Some(2), why: "all_to_all: peer rank 2 has left the group".into() };
+        let aborted = ComputeError::Aborted { why: "the group was aborted".into() };
+        let failed = ComputeError::failed("short read");
+        let abandoned = |failures| ActorError::StepAbandoned { step: 4, failures };
+        // A lost peer during prepare: abandon, and re-plan once the loss is noticed.
+        assert_eq!(after_failure(&abandoned(vec![returned(0, peer_gone.clone()), returned(1, aborted.clone())])), AfterFailure::AwaitLoss);
+        let timed_out = RankFailure { rank: 1, cause: FailureCause::TimedOut { phase: "prepare", timeout_ms: 9 } };
+        assert_eq!(after_failure(&abandoned(vec![returned(0, aborted.clone()), timed_out])), AfterFailure::AwaitLoss);
+        // A rank's own failure: no loss explains it, even next to the aborts it caused.
+        assert_eq!(after_failure(&abandoned(vec![returned(0, aborted.clone()), returned(1, failed.clone())])), AfterFailure::Failed);
+        // A member that died is declared lost, whatever else failed.
+        let died = RankFailure { rank: 3, cause: FailureCause::Died("compute of rank 3 panicked".into()) };
+        let want = AfterFailure::Lost(vec![(3, "compute of rank 3 panicked".into())]);
+        assert_eq!(after_failure(&abandoned(vec![returned(1, failed.clone()), died])), want);
+        let refused = ActorError::MembersLost { epoch: 2, ranks: vec![1], causes: vec!["worker terminated".into()] };
+        assert_eq!(after_failure(&refused), AfterFailure::Lost(vec![(1, "worker terminated".into())]));
+        // A torn commit is judged by its cause.
+        let prepared = Box::new(crate::driver::StepResult::aggregate(4, 2, Vec::new(), Vec::new()));
+        let torn = |e: ComputeError| ActorError::CommitFailed {
+            step: 4,
+            failures: vec![returned(0, e.torn(Some(4)))],
+            prepared: prepared.clone(),
+        };
+        assert_eq!(after_failure(&torn(peer_gone)), AfterFailure::AwaitLoss);
+        assert_eq!(after_failure(&torn(failed)), AfterFailure::Failed);
+        assert_eq!(after_failure(&ActorError::Busy), AfterFailure::AwaitLoss);
+    }
+
+    /// A commit of step 5 fails on every survivor after their shards took the step (sharing
+    /// the parameters with the lost rank 0 failed): each survivor's state is at 6 by the
+    /// error's `stepped`, the lost owner's replica took the step too, so the recovery restores
+    /// at 6 and the step machine counts step 5 committed. Torn part-way (`stepped: None`), the
+    /// survivors' states are unusable and only a checkpoint serves; failed before the shard
+    /// changed, they stay at 5 and step 5 runs again.
+    #[test]
+    fn a_commit_torn_after_its_step_counts_committed_and_one_torn_part_way_does_not() {
+        let members = [10, 11, 12];
+        let inst = Layout { epoch: 3, members: &members, world: 3, sharded: true };
+        let lost = ComputeError::Lost { rank: Some(0), why: "the parameter all-gather: peer rank 0 has left the group".into() };
+        let survivors = |e: &ComputeError| {
+            let at = e.state_after_commit(5, Some(5));
+            let replica = at.map_or(Vec::new(), |t| vec![(0, t)]);
+            vec![
+                Holdings { id: 11, epoch: Some(3), at, replicas: replica, kept_epoch: None, kept: Vec::new() },
+                Holdings {
+                    id: 12,
+                    epoch: Some(3),
+                    at,
+                    replicas: at.map_or(Vec::new(), |t| vec![(1, t)]),
+                    kept_epoch: None,
+                    kept: Vec::new(),
+                },
+            ]
+        };
+        let run = |e: &ComputeError| {
+            let mut m = Stepper::new(5);
+            assert_eq!(m.on(stepper::Input::Step), stepper::Action::Attempt { step: 5 });
+            let stepper::Action::Reconfigure { at } = m.on(stepper::Input::CommitFailed) else { panic!("no recovery") };
+            let restored = match choose_source(Some(inst), &survivors(e), &at) {
+                Some(Restore::Memory { step, .. }) => step,
+                Some(Restore::Checkpoint { at_most }) => at_most.min(4),
+                None => panic!("no candidate"),
+            };
+            let mut action = m.on(stepper::Input::Restored { step: restored });
+            while let stepper::Action::Replay { .. } | stepper::Action::Resync { .. } = action {
+                action = m.on(match action {
+                    stepper::Action::Replay { .. } => stepper::Input::Committed,
+                    _ => stepper::Input::Resynced,
+                });
+            }
+            assert!(matches!(action, stepper::Action::Recovered { .. }), "{action:?}");
+            (restored, m.on(stepper::Input::Resumed))
+        };
+        let stepped = lost.clone().torn(Some(5));
+        assert_eq!(run(&stepped), (6, stepper::Action::Committed { step: 5, by_recovery: true }));
+        assert_eq!(run(&lost.clone().torn(None)), (4, stepper::Action::Attempt { step: 5 }));
+        assert_eq!(run(&lost), (5, stepper::Action::Attempt { step: 5 }));
+    }
 
     fn holdings(id: u64, epoch: u64, at: u64, replicas: &[(u64, u64)]) -> Holdings<u64> {
         Holdings { id, epoch: Some(epoch), at: Some(at), replicas: replicas.to_vec(), kept_epoch: None, kept: Vec::new() }

@@ -30,7 +30,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 
 use crate::cluster::{ClusterMsg, WorkerReport};
-use crate::compute::{MemoryReport, PhaseTimes, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
+use crate::compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
 use crate::error::ActorError;
 use crate::node::{NodeArgs, NodeMsg, NodeSupervisor, RankSetup};
 use crate::shard::{ShardKind, ShardStatus};
@@ -67,13 +67,80 @@ pub enum ActorEvent {
 #[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum WireOutcome {
     Prepared(WirePrepared),
-    PrepareFailed(String),
+    PrepareFailed(WireComputeError),
     Committed { step: u64 },
-    CommitFailed { step: u64, error: String },
+    CommitFailed { step: u64, error: WireComputeError },
     Abandoned { step: u64 },
     Memory { param_bytes: u64, grad_bytes: u64, optim_bytes: u64 },
     Shards(Vec<WireShard>),
     Refused(String),
+}
+
+/// [`ComputeError`]'s kind on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum WireErrorKind {
+    /// [`ComputeError::Lost`], with the peer's rank when known.
+    Lost {
+        rank: Option<u64>,
+    },
+    Aborted,
+    Failed,
+}
+
+/// [`ComputeError`] as it crosses processes: its kind, what a torn commit reached, and the
+/// human cause. A torn commit travels flat (its cause's kind with `torn` set).
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct WireComputeError {
+    pub kind: WireErrorKind,
+    /// `Some(stepped)` for [`ComputeError::Torn`].
+    pub torn: Option<Option<u64>>,
+    pub why: String,
+}
+
+impl From<ComputeError> for WireComputeError {
+    fn from(e: ComputeError) -> Self {
+        let (torn, cause) = match e {
+            ComputeError::Torn { stepped, cause } => (Some(stepped), *cause),
+            e => (None, e),
+        };
+        let (kind, why) = match cause {
+            ComputeError::Lost { rank, why } => (WireErrorKind::Lost { rank: rank.map(|r| r as u64) }, why),
+            ComputeError::Aborted { why } => (WireErrorKind::Aborted, why),
+            // A torn cause is never torn itself (`ComputeError::torn` keeps one level).
+            ComputeError::Failed { why } => (WireErrorKind::Failed, why),
+            e @ ComputeError::Torn { .. } => (WireErrorKind::Failed, e.to_string()),
+        };
+        WireComputeError { kind, torn, why }
+    }
+}
+
+impl std::fmt::Display for WireComputeError {
+    /// The human cause, as the [`ComputeError`] it stands for shows it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
+    }
+}
+
+impl WireComputeError {
+    /// A failure of the sender alone ([`ComputeError::Failed`]).
+    pub fn failed(why: impl Into<String>) -> Self {
+        ComputeError::failed(why).into()
+    }
+}
+
+impl From<WireComputeError> for ComputeError {
+    fn from(w: WireComputeError) -> Self {
+        let why = w.why;
+        let cause = match w.kind {
+            WireErrorKind::Lost { rank } => ComputeError::Lost { rank: rank.map(|r| r as usize), why },
+            WireErrorKind::Aborted => ComputeError::Aborted { why },
+            WireErrorKind::Failed => ComputeError::Failed { why },
+        };
+        match w.torn {
+            Some(stepped) => cause.torn(stepped),
+            None => cause,
+        }
+    }
 }
 
 /// [`Prepared`] on the wire (f64s travel as their bits: NaN and infinities survive).
@@ -142,9 +209,9 @@ impl WireOutcome {
                 busy_micro_batches: p.busy_micro_batches as u64,
                 phases: [p.phases.forward_s, p.phases.backward_inner_s, p.phases.backward_allreduce_s],
             }),
-            Outcome::Prepared(Err(e)) => WireOutcome::PrepareFailed(e),
+            Outcome::Prepared(Err(e)) => WireOutcome::PrepareFailed(e.into()),
             Outcome::Committed { step, result: Ok(()) } => WireOutcome::Committed { step },
-            Outcome::Committed { step, result: Err(error) } => WireOutcome::CommitFailed { step, error },
+            Outcome::Committed { step, result: Err(error) } => WireOutcome::CommitFailed { step, error: error.into() },
             Outcome::Abandoned { step } => WireOutcome::Abandoned { step },
             Outcome::Memory(m) => WireOutcome::Memory { param_bytes: m.param_bytes, grad_bytes: m.grad_bytes, optim_bytes: m.optim_bytes },
             Outcome::Shards(s) => WireOutcome::Shards(
@@ -183,9 +250,9 @@ impl WireOutcome {
                 busy_micro_batches: p.busy_micro_batches as usize,
                 phases: PhaseTimes { forward_s: p.phases[0], backward_inner_s: p.phases[1], backward_allreduce_s: p.phases[2] },
             })),
-            WireOutcome::PrepareFailed(e) => Outcome::Prepared(Err(e)),
+            WireOutcome::PrepareFailed(e) => Outcome::Prepared(Err(e.into())),
             WireOutcome::Committed { step } => Outcome::Committed { step, result: Ok(()) },
-            WireOutcome::CommitFailed { step, error } => Outcome::Committed { step, result: Err(error) },
+            WireOutcome::CommitFailed { step, error } => Outcome::Committed { step, result: Err(error.into()) },
             WireOutcome::Abandoned { step } => Outcome::Abandoned { step },
             WireOutcome::Memory { param_bytes, grad_bytes, optim_bytes } => {
                 Outcome::Memory(MemoryReport { rank, param_bytes, grad_bytes, optim_bytes })

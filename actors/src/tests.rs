@@ -5,9 +5,10 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::recovery::{after_failure, AfterFailure};
 use crate::{
-    ActorError, Cluster, ClusterOptions, FailureCause, MemoryReport, Prepared, RankFailure, ShardInfo, ShardKind, ShardSpec, StepOrder,
-    WorkerCompute,
+    ActorError, Cluster, ClusterOptions, ComputeError, FailureCause, MemoryReport, Prepared, RankFailure, ShardInfo, ShardKind, ShardSpec,
+    StepOrder, WorkerCompute,
 };
 
 /// What the fake computes did, in the order they did it.
@@ -29,6 +30,10 @@ enum Fault {
     Panic(u64),
     /// `commit` of this step returns an error.
     FailCommit(u64),
+    /// `prepare` of this step returns this error (its kind is what the test follows).
+    Return(u64, ComputeError),
+    /// `commit` of this step returns this error.
+    ReturnInCommit(u64, ComputeError),
     /// `prepare` of this step blocks until the sender is dropped (or 10 s pass).
     Hang(u64, Receiver<()>),
 }
@@ -53,14 +58,15 @@ impl Fake {
 }
 
 impl WorkerCompute for Fake {
-    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, String> {
+    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, ComputeError> {
         self.ledger().prepares.push((self.rank, order.step, order.attempt));
         match &self.fault {
             Fault::FailOnce(s) if *s == order.step => {
                 let s = *s;
                 self.fault = Fault::None;
-                return Err(format!("injected failure at step {s}"));
+                return Err(ComputeError::failed(format!("injected failure at step {s}")));
             }
+            Fault::Return(s, e) if *s == order.step => return Err(e.clone()),
             Fault::Panic(s) if *s == order.step => panic!("injected panic at step {s}"),
             Fault::Hang(s, release) if *s == order.step => drop(release.recv_timeout(Duration::from_secs(10))),
             _ => {}
@@ -79,13 +85,17 @@ impl WorkerCompute for Fake {
         })
     }
 
-    fn commit(&mut self, step: u64) -> Result<(), String> {
-        if matches!(self.fault, Fault::FailCommit(s) if s == step) {
-            return Err(format!("injected commit failure at step {step}"));
+    fn commit(&mut self, step: u64) -> Result<(), ComputeError> {
+        match &self.fault {
+            Fault::FailCommit(s) if *s == step => return Err(ComputeError::failed(format!("injected commit failure at step {step}"))),
+            Fault::ReturnInCommit(s, e) if *s == step => return Err(e.clone()),
+            _ => {}
         }
-        let Some((staged_step, value)) = self.staged.take() else { return Err(format!("nothing staged for step {step}")) };
+        let Some((staged_step, value)) = self.staged.take() else {
+            return Err(ComputeError::failed(format!("nothing staged for step {step}")));
+        };
         if staged_step != step {
-            return Err(format!("staged step {staged_step}, asked to commit {step}"));
+            return Err(ComputeError::failed(format!("staged step {staged_step}, asked to commit {step}")));
         }
         let mut ledger = self.ledger();
         ledger.values[self.rank] = value;
@@ -247,7 +257,7 @@ fn a_failed_prepare_abandons_the_step_on_every_worker() {
     let after_one = w.values();
     let err = cluster.run_step(2).expect_err("rank 1 fails step 2");
     let failure = single_failure(&err, 2).unwrap_or_else(|| panic!("unexpected error {err}"));
-    assert_eq!(failure, RankFailure { rank: 1, cause: FailureCause::Returned("injected failure at step 2".into()) });
+    assert_eq!(failure, RankFailure { rank: 1, cause: FailureCause::Returned(ComputeError::failed("injected failure at step 2")) });
     assert!(err.to_string().contains("rank 1 failed: injected failure at step 2"), "{err}");
     assert_eq!(w.values(), after_one, "committed state unchanged");
     let mut abandons = w.with(|l| l.abandons.clone());
@@ -390,7 +400,10 @@ fn a_failed_commit_leaves_the_cluster_refusing_steps() {
         ActorError::CommitFailed { step: 2, failures, .. } => failures.clone(),
         other => panic!("unexpected error {other}"),
     };
-    assert_eq!(failures, vec![RankFailure { rank: 1, cause: FailureCause::Returned("injected commit failure at step 2".into()) }]);
+    assert_eq!(
+        failures,
+        vec![RankFailure { rank: 1, cause: FailureCause::Returned(ComputeError::failed("injected commit failure at step 2")) }]
+    );
     let mut commits = w.with(|l| l.commits.clone());
     commits.sort();
     assert_eq!(commits, vec![(0, 1), (0, 2), (1, 1)], "rank 0 committed step 2, rank 1 did not");
@@ -506,5 +519,39 @@ mod across {
         let ActorError::StepAbandoned { failures, .. } = &e else { panic!("{e}") };
         assert!(matches!(&failures[0], RankFailure { rank: 0, cause: FailureCause::Died(c) } if c.contains("injected panic")), "{e}");
         assert!(matches!(cluster.run_step(2), Err(ActorError::MembersLost { ranks, .. }) if ranks == vec![0]));
+    }
+
+    /// Each kind of compute error crosses the rkyv link as itself and reaches the elastic
+    /// driver's verdict as its variant: a lost peer in prepare and an aborted group wait for the
+    /// loss (then re-plan), a rank's own failure ends the run, a commit torn after its step by a
+    /// lost peer keeps what it stepped and waits for the loss.
+    #[test]
+    fn every_error_kind_crosses_processes_and_reaches_the_verdict_as_itself() {
+        let lost = ComputeError::Lost { rank: Some(0), why: "all_to_all: peer rank 0 has left the group".into() };
+        let aborted = ComputeError::Aborted { why: "all_gather: the group was aborted: epoch 3".into() };
+        let failed = ComputeError::failed("reading unit 4 from NVMe: short read");
+        let torn =
+            ComputeError::Lost { rank: Some(0), why: "the parameter all-gather: peer rank 0 has left the group".into() }.torn(Some(2));
+        let in_prepare = [(lost, AfterFailure::AwaitLoss), (aborted, AfterFailure::AwaitLoss), (failed.clone(), AfterFailure::Failed)];
+        for (e, verdict) in in_prepare {
+            let w = World::new(2);
+            let (nodes, _pumps) = remote_nodes(&w, vec![Fault::None, Fault::Return(2, e.clone())]);
+            let mut cluster = Cluster::start_remote(nodes, quick(ClusterOptions::default())).expect("start");
+            cluster.run_step(1).expect("step 1");
+            let err = cluster.run_step(2).expect_err("rank 1 fails step 2");
+            assert_eq!(single_failure(&err, 2), Some(RankFailure { rank: 1, cause: FailureCause::Returned(e.clone()) }), "{err}");
+            assert_eq!(after_failure(&err), verdict, "{err}");
+            assert!(err.to_string().contains(&format!("rank 1 failed: {e}")), "{err}");
+        }
+        for (e, verdict) in [(torn, AfterFailure::AwaitLoss), (failed.torn(None), AfterFailure::Failed)] {
+            let w = World::new(2);
+            let (nodes, _pumps) = remote_nodes(&w, vec![Fault::None, Fault::ReturnInCommit(2, e.clone())]);
+            let mut cluster = Cluster::start_remote(nodes, quick(ClusterOptions::default())).expect("start");
+            cluster.run_step(1).expect("step 1");
+            let err = cluster.run_step(2).expect_err("rank 1's commit of step 2 fails");
+            let ActorError::CommitFailed { step: 2, failures, .. } = &err else { panic!("{err}") };
+            assert_eq!(failures, &vec![RankFailure { rank: 1, cause: FailureCause::Returned(e.clone()) }]);
+            assert_eq!(after_failure(&err), verdict, "{err}");
+        }
     }
 }

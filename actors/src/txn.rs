@@ -53,7 +53,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::compute::StepOrder;
+use crate::compute::{ComputeError, StepOrder};
 use crate::error::{FailureCause, RankFailure};
 
 /// A command to one member.
@@ -105,7 +105,7 @@ pub enum Input<T> {
     Query(Query),
     /// Member `rank` answered the command of transaction `txn`: `Ok` (its answer) or the
     /// error it returned (or the refusal of the command).
-    Answer { rank: usize, txn: u64, result: Result<T, String> },
+    Answer { rank: usize, txn: u64, result: Result<T, ComputeError> },
     /// Member `rank` is lost (it died, its mailbox closed, its node failed).
     Lost { rank: usize, cause: String },
     /// The timer of transaction `txn`'s phase expired.
@@ -332,7 +332,7 @@ impl<T> StepTxn<T> {
         phase
     }
 
-    fn on_answer(&mut self, rank: usize, txn: u64, result: Result<T, String>) {
+    fn on_answer(&mut self, rank: usize, txn: u64, result: Result<T, ComputeError>) {
         let Some((_, phase)) = self.active.as_mut() else { return };
         if phase.txn != txn || !phase.pending.remove(&rank) {
             return; // a late answer to an earlier phase, or from a member already written off

@@ -33,13 +33,26 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use tessera_kernels::tensor::Rng;
 
-use crate::compute::StepOrder;
+use crate::compute::{ComputeError, StepOrder};
 use crate::error::{FailureCause, RankFailure};
 use crate::txn::{Action, Attempted, Cmd, Counts, Input, PhaseKind, Query, Refusal, Reply, StepTxn};
 
 /// A member's answer: who answered which transaction (so the oracle can tell whose prepare a
 /// committed step reports).
 pub(crate) type Ans = (usize, u64);
+
+/// The error member `rank` returns to transaction `txn` (`Behaviour::Error`): each kind in
+/// turn, fixed by the pair so that drawing it takes nothing from the seed's stream. A member
+/// that returns a loss or an abort is not itself lost: no loss follows unless one is drawn.
+pub(crate) fn returned_error(rank: usize, txn: u64) -> ComputeError {
+    let why = format!("rank {rank} failed {txn}");
+    match (rank as u64 + txn) % 4 {
+        0 => ComputeError::failed(why),
+        1 => ComputeError::Lost { rank: Some((rank + 1) % 8), why },
+        2 => ComputeError::Aborted { why },
+        _ => ComputeError::Lost { rank: None, why }.torn(Some(txn)),
+    }
+}
 
 pub(crate) const TIMEOUT_MS: u64 = 1_000;
 
@@ -688,7 +701,7 @@ impl Oracle {
         let answers = matches!(b, Behaviour::Answer | Behaviour::DieAfter | Behaviour::Late);
         let error = match cmd {
             Cmd::Abandon(_) => None,
-            _ => (b == Behaviour::Error).then(|| format!("rank {rank} failed {txn}")),
+            _ => (b == Behaviour::Error).then(|| returned_error(rank, txn)),
         };
         // What the member did (it does it even if the driver never hears of it).
         match cmd {

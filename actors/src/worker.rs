@@ -26,7 +26,7 @@ use dashmap::DashMap;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 
 use crate::cluster::ClusterMsg;
-use crate::compute::{MemoryReport, Prepared, ShardInfo, WorkerCompute};
+use crate::compute::{ComputeError, MemoryReport, Prepared, ShardInfo, WorkerCompute};
 use crate::shard::{OptimShard, ParamShard, ShardMsg, ShardStatus};
 use crate::worker_cmd::{Action, Input, ShardNote, WorkerCmd};
 
@@ -51,10 +51,10 @@ pub(crate) type Command = crate::txn::Cmd;
 /// A worker's answer to one command.
 #[derive(Debug, PartialEq)]
 pub(crate) enum Outcome {
-    Prepared(Result<Prepared, String>),
+    Prepared(Result<Prepared, ComputeError>),
     Committed {
         step: u64,
-        result: Result<(), String>,
+        result: Result<(), ComputeError>,
     },
     Abandoned {
         step: u64,
@@ -67,10 +67,11 @@ pub(crate) enum Outcome {
 
 impl Outcome {
     /// The answer the step transaction is fed: a failed prepare or commit and a refusal are
-    /// errors.
-    pub(crate) fn into_answer(self) -> Result<Outcome, String> {
+    /// errors (a refusal is this worker's own failure: a protocol violation or a shard query).
+    pub(crate) fn into_answer(self) -> Result<Outcome, ComputeError> {
         match self {
-            Outcome::Prepared(Err(e)) | Outcome::Committed { result: Err(e), .. } | Outcome::Refused(e) => Err(e),
+            Outcome::Prepared(Err(e)) | Outcome::Committed { result: Err(e), .. } => Err(e),
+            Outcome::Refused(e) => Err(ComputeError::failed(e)),
             outcome => Ok(outcome),
         }
     }

@@ -171,7 +171,7 @@ mod tests {
         let want = vec![Action::Note(ShardNote::Committed(3)), Action::Report { txn: 1, outcome: ok }];
         assert_eq!(w.on(Input::Done { txn: 1, result: Ok(Outcome::Committed { step: 3, result: Ok(()) }) }), want);
         w.on(Input::Command { txn: 2, cmd: Cmd::Commit(4) });
-        let failed = || Outcome::Committed { step: 4, result: Err("no".into()) };
+        let failed = || Outcome::Committed { step: 4, result: Err(crate::compute::ComputeError::failed("no")) };
         assert_eq!(w.on(Input::Done { txn: 2, result: Ok(failed()) }), vec![Action::Report { txn: 2, outcome: failed() }]);
         w.on(Input::Command { txn: 3, cmd: Cmd::Abandon(4) });
         let want = vec![Action::Note(ShardNote::Abandoned(4)), Action::Report { txn: 3, outcome: Outcome::Abandoned { step: 4 } }];

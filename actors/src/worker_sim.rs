@@ -42,7 +42,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use tessera_kernels::tensor::Rng;
 
-use crate::compute::{MemoryReport, Prepared, ShardSpec, StepOrder};
+use crate::compute::{ComputeError, MemoryReport, Prepared, ShardSpec, StepOrder};
 use crate::error::FailureCause;
 use crate::shard::{ShardKind, ShardStatus};
 use crate::txn::{self, Cmd, Query, Reply, StepTxn};
@@ -592,7 +592,11 @@ impl Sim<'_> {
             _ if fate == Fate::Panic => Err(format!("rank {r} panicked in {txn}")),
             Cmd::Prepare(order) => {
                 w.books.staged = ok.then_some((order, txn));
-                Ok(Outcome::Prepared(if ok { Ok(Prepared::default()) } else { Err(format!("rank {r} failed to prepare in {txn}")) }))
+                Ok(Outcome::Prepared(if ok {
+                    Ok(Prepared::default())
+                } else {
+                    Err(ComputeError::failed(format!("rank {r} failed to prepare in {txn}")))
+                }))
             }
             Cmd::Commit(step) => {
                 let prepared = w.commit_of.get(&txn).copied().flatten();
@@ -612,7 +616,10 @@ impl Sim<'_> {
                     }
                     w.books.committed.push(step);
                 }
-                Ok(Outcome::Committed { step, result: if ok { Ok(()) } else { Err(format!("rank {r} failed to commit in {txn}")) } })
+                Ok(Outcome::Committed {
+                    step,
+                    result: if ok { Ok(()) } else { Err(ComputeError::failed(format!("rank {r} failed to commit in {txn}"))) },
+                })
             }
             Cmd::Abandon(step) => {
                 if let Some((_, p)) = w.books.staged.filter(|(o, _)| o.step == step) {

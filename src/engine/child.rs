@@ -40,8 +40,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
-use tessera_actors::remote::{ActorEvent, NodeHost, Uplink};
+use tessera_actors::compute::{ComputeError, MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::remote::{ActorEvent, NodeHost, Uplink, WireComputeError};
 use tessera_transport::quic::{ClusterSpec, ControlConn, ControlEndpoint, JoinToken, NodeKey, NodeTls, QuicComm, ALPN_CONTROL};
 
 use super::elastic_worker::{DataNet, Setup, SideDial};
@@ -336,12 +336,12 @@ impl Figures {
 }
 
 impl WorkerCompute for Figures {
-    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, String> {
+    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, ComputeError> {
         let r = self.inner.prepare(order);
         self.note();
         r
     }
-    fn commit(&mut self, step: u64) -> Result<(), String> {
+    fn commit(&mut self, step: u64) -> Result<(), ComputeError> {
         let r = self.inner.commit(step);
         self.note();
         r
@@ -784,7 +784,7 @@ fn join_and_serve(a: &AgentArgs) -> Result<()> {
     };
     if let Err(e) = &served {
         // The coordinator may be waiting for this rank: tell it why (best effort).
-        let _ = wire::send(&mut conn, &ToParent::Failed { error: format!("{e:#}") });
+        let _ = wire::send(&mut conn, &ToParent::Failed { error: WireComputeError::failed(format!("{e:#}")) });
     }
     conn.close("bye");
     served
@@ -793,7 +793,7 @@ fn join_and_serve(a: &AgentArgs) -> Result<()> {
 /// Tells the driver why this agent cannot go on, and fails with it.
 fn fail(conn: &mut ControlConn, who: String, e: anyhow::Error) -> Result<()> {
     let error = format!("{e:#}");
-    let _ = wire::send(conn, &ToParent::Failed { error: error.clone() });
+    let _ = wire::send(conn, &ToParent::Failed { error: WireComputeError::failed(error.clone()) });
     conn.close("failed");
     bail!("{who}: {error}")
 }

@@ -84,9 +84,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context, Result};
 use serde_json::json;
-use tessera_actors::compute::{MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::compute::{ComputeError, MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_actors::formation::{FormMembers, Formation};
-use tessera_actors::liveness::{self, Liveness};
+use tessera_actors::liveness::{self, Exit, Liveness};
 use tessera_actors::recovery::{self, Holdings, Layout, Survivor};
 use tessera_actors::replan::{Rebalancer, Speeds};
 use tessera_actors::WorkerStopper;
@@ -97,7 +97,7 @@ use super::elastic_join::{self, Admission, Pidfd};
 use super::elastic_worker::EXIT_DRAIN_GRACE;
 use super::plan::Plan;
 use super::ranks::{OptimBuffers, RankCounters, Start};
-use super::remote::{self, describe_exit, node_name, send_start, spawn_worker, AgentAuth, Rendezvous, COORDINATOR_NAME, EXIT_TIMEOUT_MS};
+use super::remote::{self, node_name, send_start, spawn_worker, AgentAuth, Rendezvous, COORDINATOR_NAME, EXIT_TIMEOUT_MS};
 use super::wire::{self, Snapshot, ToParent, ToWorker, Wait, WireError};
 use crate::config::{Config, ElasticRun};
 use crate::data::Dataset;
@@ -314,7 +314,7 @@ fn monitor(shared: Arc<Shared>) {
             detector.on(last, Input::Watch { id, pid: b.pid() });
             detector.on(last, Input::Heartbeat { id });
             if relock(&b.local).as_ref().is_some_and(Pidfd::exited) {
-                detector.on(now, Input::Exited { id, pid: b.pid(), how: "ended".into() });
+                detector.on(now, Input::Exited { id, pid: b.pid(), how: Exit::Ended });
             }
             if b.closed.load(Ordering::SeqCst) {
                 detector.on(now, Input::Closed { id });
@@ -322,7 +322,7 @@ fn monitor(shared: Arc<Shared>) {
         }
         for (id, c) in relock(&shared.children).iter_mut().filter(|(id, _)| !leaving.contains(id) && !fenced.contains(id)) {
             if let Some(status) = c.try_wait().ok().flatten() {
-                let how = describe_worker_exit(status, shared.draining(*id), shared.er.drain_grace_ms);
+                let how = worker_exit(status, shared.draining(*id), shared.er.drain_grace_ms);
                 detector.on(now, Input::Exited { id: *id, pid: c.id(), how });
             }
         }
@@ -343,14 +343,10 @@ fn monitor(shared: Arc<Shared>) {
 /// How a spawned worker's process ended, for the reason of its loss: a worker that asked to
 /// drain and exited with [`EXIT_DRAIN_GRACE`] left because no step boundary came within its
 /// drain grace, which the reason then says (its own line on stderr says it too).
-fn describe_worker_exit(status: std::process::ExitStatus, draining: bool, grace_ms: u64) -> String {
-    let how = describe_exit(status);
-    match (draining, status.code()) {
-        (true, Some(EXIT_DRAIN_GRACE)) => format!(
-            "{how}: it got SIGTERM and no step boundary came within its drain grace \
-             (tessera.elastic.drain_grace_ms = {grace_ms})"
-        ),
-        _ => how,
+fn worker_exit(status: std::process::ExitStatus, draining: bool, grace_ms: u64) -> Exit {
+    match (draining, Exit::of(status)) {
+        (true, Exit::Code(EXIT_DRAIN_GRACE)) => Exit::DrainGrace { code: EXIT_DRAIN_GRACE, grace_ms },
+        (_, exit) => exit,
     }
 }
 
@@ -585,7 +581,7 @@ impl Fleet {
                 let exited = || {
                     relock(&shared.children)
                         .iter_mut()
-                        .find_map(|(id, c)| c.try_wait().ok().flatten().map(|s| format!("worker {id} {}", describe_exit(s))))
+                        .find_map(|(id, c)| c.try_wait().ok().flatten().map(|s| format!("worker {id} {}", Exit::of(s))))
                 };
                 let mut early = Vec::new();
                 let hellos = remote::accept_workers(&endpoint, cfg, &exited, world, Some(&mut early))?;
@@ -785,7 +781,7 @@ impl Fleet {
         let mut link = relock(&m.link);
         let (counters, descs) = match self.request(m, &mut link, msg, "Exported")? {
             ToParent::Exported { counters, buffers } => (counters, buffers),
-            ToParent::Failed { error } => return Err(Failure::Refused(error)),
+            ToParent::Failed { error } => return Err(Failure::Refused(error.to_string())),
             other => return Err(Failure::Refused(format!("answered {msg:?} with {other:?}"))),
         };
         if descs.first().is_none_or(|d| d.len != want as u64) {
@@ -1203,7 +1199,7 @@ impl Fleet {
             let conn = relock(&d.link).stream.clone();
             let status = shutdown_and_wait(&self.shared, d.id, conn);
             tracing::info!("elastic: worker {} drained and left ({status})", d.id);
-            self.shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status}));
+            self.shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status.to_string()}));
         }
         leavers.iter().filter(|d| !self.shared.is_fenced(d.id)).count()
     }
@@ -1251,9 +1247,9 @@ impl Fleet {
             let _ = wire::send(&mut conn.clone(), &ToWorker::Shutdown);
         }
         for (id, conn) in members {
-            let status = wait_exit(&self.shared, id, &conn);
-            if !status.contains("status 0") && !status.contains("left") {
-                failures.push(format!("worker {id}: {status}"));
+            let exit = wait_exit(&self.shared, id, &conn);
+            if !exit.is_clean() {
+                failures.push(format!("worker {id}: {exit}"));
             }
         }
         if !failures.is_empty() {
@@ -1264,7 +1260,7 @@ impl Fleet {
 }
 
 /// Tells worker `id` to leave (its exit is then not a loss) and waits for it (see [`wait_exit`]).
-fn shutdown_and_wait(shared: &Shared, id: u64, mut conn: ControlConn) -> String {
+fn shutdown_and_wait(shared: &Shared, id: u64, mut conn: ControlConn) -> Exit {
     relock(&shared.leaving).insert(id);
     relock(&shared.beats).remove(&id);
     let _ = wire::send(&mut conn, &ToWorker::Shutdown);
@@ -1272,8 +1268,8 @@ fn shutdown_and_wait(shared: &Shared, id: u64, mut conn: ControlConn) -> String 
 }
 
 /// Waits (bounded) for worker `id` to end: its exit status when spawned, else its control
-/// connection `conn` closing ("left").
-fn wait_exit(shared: &Shared, id: u64, conn: &ControlConn) -> String {
+/// connection `conn` closing ([`Exit::Left`]).
+fn wait_exit(shared: &Shared, id: u64, conn: &ControlConn) -> Exit {
     let deadline = Instant::now() + Duration::from_millis(EXIT_TIMEOUT_MS);
     let mut children = relock(&shared.children);
     let Some((_, c)) = children.iter_mut().find(|(cid, _)| *cid == id) else {
@@ -1281,20 +1277,20 @@ fn wait_exit(shared: &Shared, id: u64, conn: &ControlConn) -> String {
         while !conn.is_closed() {
             if Instant::now() >= deadline {
                 conn.abort("did not leave in time");
-                return format!("did not leave within {EXIT_TIMEOUT_MS} ms");
+                return Exit::Overdue { bound_ms: EXIT_TIMEOUT_MS, killed: false };
             }
             std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS));
         }
-        return "left".into();
+        return Exit::Left;
     };
     loop {
         match c.try_wait() {
-            Ok(Some(s)) => return describe_exit(s),
+            Ok(Some(s)) => return Exit::of(s),
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS)),
             _ => {
                 let _ = c.kill();
                 let _ = c.wait();
-                return format!("did not exit within {EXIT_TIMEOUT_MS} ms (killed)");
+                return Exit::Overdue { bound_ms: EXIT_TIMEOUT_MS, killed: true };
             }
         }
     }
@@ -1375,41 +1371,44 @@ struct ElasticCompute {
 }
 
 impl ElasticCompute {
-    fn call(&self, msg: &ToWorker, expected: &'static str) -> Result<(ToParent, MutexGuard<'_, Link>), String> {
+    /// The member's reply to `msg`; its error keeps the kind the worker gave it, and a member
+    /// that is lost (declared here or by the monitor) is [`ComputeError::Lost`] with its rank.
+    fn call(&self, msg: &ToWorker, expected: &'static str) -> Result<(ToParent, MutexGuard<'_, Link>), ComputeError> {
         let mut link = relock(&self.member.link);
         match request(&self.shared, &self.member, &mut link, msg, expected) {
             Ok(ToParent::Failed { error }) => {
                 // Peers may wait on this rank inside a collective: let them go.
                 self.shared.abort_epoch();
-                Err(format!("rank {} (worker {}): {error}", self.rank, self.member.id))
+                Err(ComputeError::from(error).context(format_args!("rank {} (worker {})", self.rank, self.member.id)))
             }
             Ok(reply) => Ok((reply, link)),
             Err(_) => {
                 let why = relock(&self.shared.losses).iter().rev().find(|l| l.id == self.member.id).map(|l| l.why.clone());
-                Err(why.unwrap_or_else(|| format!("rank {} (worker {}) was lost", self.rank, self.member.id)))
+                let why = why.unwrap_or_else(|| format!("rank {} (worker {}) was lost", self.rank, self.member.id));
+                Err(ComputeError::Lost { rank: Some(self.rank), why })
             }
         }
     }
 }
 
 impl WorkerCompute for ElasticCompute {
-    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, String> {
+    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, ComputeError> {
         match self.call(&ToWorker::prepare(order), "Prepared")? {
             (ToParent::Prepared { prepared, snapshot }, mut link) => {
                 link.snapshot = snapshot;
                 Ok(prepared.prepared())
             }
-            (other, _) => Err(format!("rank {} answered Prepare with {other:?}", self.rank)),
+            (other, _) => Err(ComputeError::failed(format!("rank {} answered Prepare with {other:?}", self.rank))),
         }
     }
 
-    fn commit(&mut self, step: u64) -> Result<(), String> {
+    fn commit(&mut self, step: u64) -> Result<(), ComputeError> {
         match self.call(&ToWorker::Commit { step }, "Committed")? {
             (ToParent::Committed { snapshot }, mut link) => {
                 link.snapshot = snapshot;
                 Ok(())
             }
-            (other, _) => Err(format!("rank {} answered Commit with {other:?}", self.rank)),
+            (other, _) => Err(ComputeError::failed(format!("rank {} answered Commit with {other:?}", self.rank))),
         }
     }
 
@@ -1437,12 +1436,12 @@ mod tests {
     fn a_drainers_exit_with_status_3_names_the_drain_grace() {
         let exited = |code: i32| ExitStatus::from_raw(code << 8);
         assert_eq!(
-            describe_worker_exit(exited(EXIT_DRAIN_GRACE), true, 300),
+            worker_exit(exited(EXIT_DRAIN_GRACE), true, 300).to_string(),
             "exited with status 3: it got SIGTERM and no step boundary came within its drain grace \
              (tessera.elastic.drain_grace_ms = 300)"
         );
-        assert_eq!(describe_worker_exit(exited(EXIT_DRAIN_GRACE), false, 300), "exited with status 3");
-        assert_eq!(describe_worker_exit(exited(4), true, 300), "exited with status 4");
-        assert_eq!(describe_worker_exit(ExitStatus::from_raw(libc::SIGKILL), true, 300), "was killed by signal 9");
+        assert_eq!(worker_exit(exited(EXIT_DRAIN_GRACE), false, 300), Exit::Code(3));
+        assert_eq!(worker_exit(exited(4), true, 300).to_string(), "exited with status 4");
+        assert_eq!(worker_exit(ExitStatus::from_raw(libc::SIGKILL), true, 300).to_string(), "was killed by signal 9");
     }
 }

@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tessera_actors::compute::{StepOrder, WorkerCompute};
 use tessera_actors::formation::DrainTimer;
+use tessera_actors::remote::WireComputeError;
 use tessera_transport::collective::{AbortHandle, Collective, CollectiveError, CommStats};
 use tessera_transport::quic::{rustls, ClusterSpec, ControlConn, ControlEndpoint, NodeTls, QuicComm};
 
@@ -692,7 +693,7 @@ impl Worker {
     fn export_replica(&mut self, stream: &mut ControlConn, owner: usize, epoch: u64) -> Result<()> {
         if let Some(k) = self.kept.as_ref().filter(|k| k.epoch == epoch) {
             let Some(r) = k.shards.iter().find(|r| r.owner == owner) else {
-                let error = format!("no shard of rank {owner} of epoch {epoch} kept here");
+                let error = WireComputeError::failed(format!("no shard of rank {owner} of epoch {epoch} kept here"));
                 wire::send(stream, &ToParent::Failed { error })?;
                 return Ok(());
             };
@@ -704,13 +705,13 @@ impl Worker {
             return Ok(());
         }
         if self.member.as_ref().map(|m| m.epoch) != Some(epoch) {
-            let error = format!("this worker holds nothing of epoch {epoch}");
+            let error = WireComputeError::failed(format!("this worker holds nothing of epoch {epoch}"));
             wire::send(stream, &ToParent::Failed { error })?;
             return Ok(());
         }
         let held = self.replicas.settle();
         let Some(r) = held.iter().find(|r| r.owner == owner) else {
-            wire::send(stream, &ToParent::Failed { error: format!("no replica of rank {owner} here") })?;
+            wire::send(stream, &ToParent::Failed { error: WireComputeError::failed(format!("no replica of rank {owner} here")) })?;
             return Ok(());
         };
         let m = self.member.as_ref().context("no member state")?;
@@ -798,7 +799,7 @@ impl Worker {
                 let m = self.member()?;
                 match m.worker.prepare(&StepOrder { step, epoch, attempt }) {
                     Ok(p) => ToParent::Prepared { prepared: WirePrepared::new(&p), snapshot: snap(m) },
-                    Err(error) => ToParent::Failed { error },
+                    Err(error) => ToParent::Failed { error: error.into() },
                 }
             }
             ToWorker::Commit { step } => {
@@ -811,31 +812,29 @@ impl Worker {
                 }
                 let m = self.member.as_mut().context("this worker is not a member of any epoch yet")?;
                 let res = m.worker.commit(step);
-                // The shard reached `step + 1` (its masters and optimizer state took the step)
-                // also when the commit failed later, sharing the parameters with a lost peer:
-                // the replicas' updates arrived in prepare and are applied either way (LAMB's
-                // replay this rank's own norm reduction).
-                let stepped = m.worker.stepped() == Some(step);
-                if stepped {
+                // What the shard reached is the commit's error's to say: `step + 1` (its masters
+                // and optimizer state took the step) also when the commit failed later, sharing
+                // the parameters with a lost peer (torn with the step), and then the replicas'
+                // updates, which arrived in prepare, are applied either way (LAMB's replay this
+                // rank's own norm reduction); `step` after an error that is not torn (LAMB's
+                // norm all-reduce with a lost peer, before the shard changed: its replicas stay
+                // too, no update was made); nothing usable when torn part-way.
+                self.at = match &res {
+                    Ok(()) => Some(step + 1),
+                    Err(e) => e.state_after_commit(step, self.at),
+                };
+                if self.at == Some(step + 1) {
                     if let Some(updates) = m.worker.take_replica_updates() {
                         self.replicas.queue(&m.plan, updates);
                     }
                 }
-                // A commit that failed before the shard changed (LAMB's norm all-reduce with a
-                // lost peer) leaves it at `step`, and its replicas too (no update was made);
-                // otherwise the optimizer may have stepped part of it: not a usable state.
-                self.at = match stepped {
-                    true => Some(step + 1),
-                    false if m.worker.untouched() == Some(step) => self.at.filter(|&a| a == step),
-                    false => None,
-                };
                 match res {
                     Ok(()) => {
                         let (replica_stale, replica_behind) = (self.replicas.stale, self.replicas.behind);
                         let s = Snapshot { replica_stale, replica_behind, ..snapshot(&lock(&m.state), m.rank) };
                         ToParent::Committed { snapshot: s }
                     }
-                    Err(error) => ToParent::Failed { error },
+                    Err(error) => ToParent::Failed { error: error.into() },
                 }
             }
             ToWorker::Abandon { step } => {
@@ -862,7 +861,7 @@ impl Worker {
             }
             ToWorker::Replicate { step } => match self.replicate(step) {
                 Ok(()) => ToParent::Replicated,
-                Err(e) => ToParent::Failed { error: format!("{e:#}") },
+                Err(e) => ToParent::Failed { error: WireComputeError::failed(format!("{e:#}")) },
             },
             ToWorker::Status => {
                 let replicas = self.replicas.settle().iter().map(|r| (r.owner as u64, r.at)).collect();
@@ -886,12 +885,14 @@ impl Worker {
                         let m = self.member()?;
                         ToParent::Ready { snapshot: snap(m) }
                     }
-                    Err(e) => ToParent::Failed { error: format!("worker {}: {e:#}", self.s.id) },
+                    Err(e) => ToParent::Failed { error: WireComputeError::failed(format!("worker {}: {e:#}", self.s.id)) },
                 }
             }
             ToWorker::Blocks { blocks } => match self.rebalance(blocks) {
                 Ok(()) => ToParent::Rebalanced,
-                Err(e) => ToParent::Failed { error: format!("worker {}: new micro-batch blocks: {e:#}", self.s.id) },
+                Err(e) => {
+                    ToParent::Failed { error: WireComputeError::failed(format!("worker {}: new micro-batch blocks: {e:#}", self.s.id)) }
+                }
             },
             ToWorker::Ping => ToParent::Pong,
             ToWorker::Shutdown => return Ok(false),

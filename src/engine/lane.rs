@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use tessera_actors::compute::ComputeError;
 use tessera_transport::collective::{Collective, CommStats};
 
 /// Jobs a communication thread may have queued before a submitter waits.
@@ -53,21 +54,24 @@ impl Progress {
 impl<T> Ticket<T> {
     /// Waits for the job's result. Fails if the communication thread has stopped or made no
     /// progress for twice the collective timeout.
-    pub fn wait(self) -> Result<T, String> {
+    pub fn wait(self) -> Result<T, ComputeError> {
         match self.inner {
             TicketInner::Ready(v) => Ok(v),
-            TicketInner::Failed(e) => Err(e),
+            TicketInner::Failed(e) => Err(ComputeError::failed(e)),
             TicketInner::Pending { rx, progress, rank, what } => loop {
                 match rx.recv_timeout(Duration::from_millis(200)) {
                     Ok(v) => return Ok(v),
                     Err(RecvTimeoutError::Disconnected) => {
-                        return Err(format!("rank {rank}: the communication thread stopped before finishing {what}"))
+                        return Err(ComputeError::failed(format!("rank {rank}: the communication thread stopped before finishing {what}")))
                     }
+                    // A collective that outlived its own timeout twice over: a peer that does
+                    // not come, as a collective's timeout is.
                     Err(RecvTimeoutError::Timeout) if progress.stalled_for() > progress.stall_ms => {
-                        return Err(format!(
+                        let why = format!(
                             "rank {rank}: the communication thread made no progress for {} ms while {what} waited",
                             progress.stall_ms
-                        ))
+                        );
+                        return Err(ComputeError::Lost { rank: None, why });
                     }
                     Err(RecvTimeoutError::Timeout) => {}
                 }
@@ -159,7 +163,7 @@ impl Lane {
     }
 
     /// Submits `f` and waits for its result.
-    pub fn call<T, F>(&mut self, what: &'static str, f: F) -> Result<T, String>
+    pub fn call<T, F>(&mut self, what: &'static str, f: F) -> Result<T, ComputeError>
     where
         T: Send + 'static,
         F: FnOnce(&mut dyn Collective) -> T + Send + 'static,
@@ -168,12 +172,12 @@ impl Lane {
     }
 
     /// The collective's traffic counters, after every job submitted so far.
-    pub fn stats(&mut self) -> Result<CommStats, String> {
+    pub fn stats(&mut self) -> Result<CommStats, ComputeError> {
         self.call("reading traffic counters", |c| c.stats())
     }
 
     /// Waits until every job submitted so far has run (results nobody waits for are dropped).
-    pub fn drain(&mut self) -> Result<(), String> {
+    pub fn drain(&mut self) -> Result<(), ComputeError> {
         self.call("draining the communication queue", |_| ())
     }
 }

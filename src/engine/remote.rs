@@ -79,6 +79,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use tessera_actors::liveness::Exit;
 use tessera_actors::remote::{ActorCall, Downlink, RemoteNodeSpec, UpSink};
 use tessera_actors::DEFAULT_STEP_TIMEOUT_MS;
 use tessera_transport::quic::pki::check_cert_names_node;
@@ -265,8 +266,8 @@ impl Shared {
             let status = l.child.try_wait().ok().flatten()?;
             let pid = l.child.id();
             Some(match agents.iter().find(|a| a.pid == pid) {
-                Some(a) => (a.rank, format!("{} {}", a.who, describe_exit(status))),
-                None => (usize::MAX, format!("{} (pid {pid}) {}", l.label, describe_exit(status))),
+                Some(a) => (a.rank, format!("{} {}", a.who, Exit::of(status))),
+                None => (usize::MAX, format!("{} (pid {pid}) {}", l.label, Exit::of(status))),
             })
         })
     }
@@ -304,16 +305,6 @@ pub struct Procs {
     _forced_exit: Option<CleanupGuard>,
 }
 
-/// Describes an exit status: "exited with status 1" or "was killed by signal 9".
-pub(super) fn describe_exit(status: std::process::ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(c), _) => format!("exited with status {c}"),
-        (None, Some(s)) => format!("was killed by signal {s}"),
-        _ => format!("ended ({status})"),
-    }
-}
-
 /// Pings the agent of `conn` and waits for its `Pong`.
 fn ping(conn: &mut ControlConn) -> Result<(), WireError> {
     let wait =
@@ -334,7 +325,7 @@ fn monitor(shared: Arc<Shared>, links: Vec<Arc<Mutex<ControlConn>>>) {
             return;
         }
         let dead = shared.children().iter_mut().find_map(|(r, c)| match c.try_wait() {
-            Ok(Some(status)) => Some((*r, format!("worker process of rank {r} (pid {}) {}", c.id(), describe_exit(status)))),
+            Ok(Some(status)) => Some((*r, format!("worker process of rank {r} (pid {}) {}", c.id(), Exit::of(status)))),
             _ => None,
         });
         let dead = dead.or_else(|| shared.launched_exit()).or_else(|| {
@@ -437,8 +428,8 @@ impl Procs {
             };
             match status {
                 Some(s) if s.success() => {}
-                Some(s) => failures.push(format!("rank {r} {}", describe_exit(s))),
-                None => failures.push(format!("rank {r} did not exit within {EXIT_TIMEOUT_MS} ms (killed)")),
+                Some(s) => failures.push(format!("rank {r} {}", Exit::of(s))),
+                None => failures.push(format!("rank {r} {}", Exit::Overdue { bound_ms: EXIT_TIMEOUT_MS, killed: true })),
             }
         }
         let agents: Vec<(usize, String)> = relock(&self.shared.agents).iter().map(|a| (a.rank, a.who.clone())).collect();
@@ -460,8 +451,8 @@ impl Procs {
             };
             match status {
                 Some(s) if s.success() => {}
-                Some(s) => failures.push(format!("{} {}", l.label, describe_exit(s))),
-                None => failures.push(format!("{} did not exit within {EXIT_TIMEOUT_MS} ms (killed)", l.label)),
+                Some(s) => failures.push(format!("{} {}", l.label, Exit::of(s))),
+                None => failures.push(format!("{} {}", l.label, Exit::Overdue { bound_ms: EXIT_TIMEOUT_MS, killed: true })),
             }
         }
         if !failures.is_empty() {
@@ -726,7 +717,7 @@ fn launch_workers(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path) -> R
         shared
             .children()
             .iter_mut()
-            .find_map(|(r, c)| c.try_wait().ok().flatten().map(|s| format!("worker process of rank {r} {}", describe_exit(s))))
+            .find_map(|(r, c)| c.try_wait().ok().flatten().map(|s| format!("worker process of rank {r} {}", Exit::of(s))))
     };
     let conns: Vec<(ControlConn, String)> =
         accept_workers(&endpoint, cfg, &exited, world, None)?.into_iter().map(|h| (h.conn, h.quic_addr)).collect();
@@ -1041,7 +1032,7 @@ pub(super) fn rendezvous_agents(
 pub(super) fn launched_exited(launched: &Mutex<Vec<Launched>>) -> Option<String> {
     relock(launched).iter_mut().find_map(|l| {
         let status = l.child.try_wait().ok().flatten()?;
-        Some(format!("{} (pid {}) {}", l.label, l.child.id(), describe_exit(status)))
+        Some(format!("{} (pid {}) {}", l.label, l.child.id(), Exit::of(status)))
     })
 }
 

@@ -10,8 +10,9 @@ use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tessera_actors::compute::{MemoryReport, ShardInfo, ShardSpec, WorkerCompute};
 use tessera_actors::error::Failures;
+use tessera_actors::recovery::{after_failure, AfterFailure};
 use tessera_actors::stepper::{Action, Input, Stepper};
-use tessera_actors::{ActorError, Cluster, ClusterOptions, FailureCause, StepResult};
+use tessera_actors::{ActorError, Cluster, ClusterOptions, StepResult};
 use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
 
@@ -59,24 +60,6 @@ const OPTIM_PREFIX: &str = "optim";
 /// How long an elastic run waits, after an operation failed, for the loss that caused it to
 /// be noticed (ms).
 const SETTLE_MS: u64 = 500;
-
-/// The ranks the actor tree reports as died in `e` (their DeviceWorker actor ended: it
-/// panicked, failed or was stopped), with the cause, or refuses a step for as lost.
-fn actor_deaths(e: &ActorError) -> Vec<(usize, String)> {
-    match e {
-        ActorError::StepAbandoned { failures, .. }
-        | ActorError::CommitFailed { failures, .. }
-        | ActorError::QueryFailed { failures, .. } => failures
-            .iter()
-            .filter_map(|f| match &f.cause {
-                FailureCause::Died(cause) => Some((f.rank, cause.clone())),
-                _ => None,
-            })
-            .collect(),
-        ActorError::MembersLost { ranks, causes, .. } => ranks.iter().copied().zip(causes.iter().cloned()).collect(),
-        _ => Vec::new(),
-    }
-}
 
 /// The actor tree's options: the step timeout is the elastic one when the run is elastic.
 fn cluster_options(opts: &TrainOptions, elastic: Option<&ElasticRunState>) -> ClusterOptions {
@@ -766,13 +749,23 @@ impl Run<'_> {
         matches!(&self.ranks, Ranks::Elastic(f) if f.pending(settle_ms))
     }
 
-    /// After the actor-layer error `e`: members whose DeviceWorker actor died (the tree reports
-    /// them `Died`, or refuses a step because they are lost) are declared lost first, like
-    /// members whose process died (`Fleet::lose_ranks`); then [`Self::change_pending`].
+    /// After the actor-layer error `e`, by the kinds of its failures
+    /// ([`tessera_actors::recovery::after_failure`]): members whose DeviceWorker actor died (the
+    /// tree reports them `Died`, or refuses a step because they are lost) are declared lost
+    /// first, like members whose process died (`Fleet::lose_ranks`); failures a loss explains
+    /// wait up to `settle_ms` for it ([`Self::change_pending`]); a rank's own failure waits for
+    /// nothing: only a change already pending recovers from it.
     fn change_after_actor(&self, e: &ActorError, settle_ms: u64) -> bool {
-        if let Ranks::Elastic(fleet) = &self.ranks {
-            fleet.lose_ranks(&actor_deaths(e));
-        }
+        let settle_ms = match after_failure(e) {
+            AfterFailure::Lost(ranks) => {
+                if let Ranks::Elastic(fleet) = &self.ranks {
+                    fleet.lose_ranks(&ranks);
+                }
+                settle_ms
+            }
+            AfterFailure::AwaitLoss => settle_ms,
+            AfterFailure::Failed => 0,
+        };
         self.change_pending(settle_ms)
     }
 

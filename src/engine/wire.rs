@@ -31,7 +31,7 @@ use rkyv::rancor::Error as RkyvError;
 use rkyv::ser::allocator::ArenaHandle;
 use rkyv::util::AlignedVec;
 use tessera_actors::compute::{MemoryReport, PhaseTimes, Prepared, StepOrder};
-use tessera_actors::remote::{ActorCall, ActorEvent};
+use tessera_actors::remote::{ActorCall, ActorEvent, WireComputeError};
 use tessera_transport::quic::control::{ControlError, LANE_ACTORS, LANE_REQUESTS};
 use tessera_transport::quic::ControlConn;
 
@@ -374,9 +374,10 @@ pub enum ToParent {
         counters: StateCounters,
         buffers: Vec<BulkDesc>,
     },
-    /// The request failed on the worker (the step is then abandoned by the driver).
+    /// The request failed on the worker (the step is then abandoned by the driver): a compute
+    /// error keeps its kind (lost, aborted, failed, torn with what it stepped).
     Failed {
-        error: String,
+        error: WireComputeError,
     },
     /// Elastic: the first message of a worker's side connection (heartbeats, drain, abort).
     Side {
@@ -672,7 +673,7 @@ mod tests {
         let (_endpoints, mut a, mut b) = pair();
         a.write_frame(b"nope!".to_vec()).expect("write");
         assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(5000)), Err(WireError::Malformed { .. })));
-        let huge = ToParent::Failed { error: "x".repeat(FRAME_BYTES_MAX + 1) };
+        let huge = ToParent::Failed { error: WireComputeError::failed("x".repeat(FRAME_BYTES_MAX + 1)) };
         assert!(matches!(send(&mut a, &huge), Err(WireError::TooLarge { .. })));
         assert!(matches!(recv::<ToParent>(&mut b, "a reply", &wait(300)), Err(WireError::Timeout { .. })));
         let descs = vec![BulkDesc { name: "m".into(), len: 1000, crc32c: 0 }];

@@ -41,7 +41,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
-use tessera_actors::compute::{MemoryReport, PhaseTimes, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::dtype::{round_to, DType};
 use tessera_kernels::model::UnitAccess;
 #[cfg(test)]
@@ -400,7 +400,8 @@ fn tree(dtype: DType) -> TreeSum {
 /// Lamb's per-tensor norms summed across ranks; the results are kept for the replicas.
 struct CommReduce<'a> {
     lane: &'a mut Lane,
-    error: Option<String>,
+    /// The reduction's failure, with its kind (the kernel is told its words).
+    error: Option<ComputeError>,
     results: Vec<Vec<f64>>,
 }
 
@@ -411,7 +412,7 @@ impl NormAllReduce for CommReduce<'_> {
                 self.results.push(v.to_vec());
                 Ok(())
             }
-            Err(e) => Err(self.error.get_or_insert(e).clone()),
+            Err(e) => Err(self.error.get_or_insert(e).to_string()),
         }
     }
 }
@@ -434,7 +435,7 @@ struct Staged {
 type Received = Vec<(Vec<f32>, Vec<f32>)>;
 
 /// The replica update exchange in flight.
-type Exchange = Ticket<Result<Received, String>>;
+type Exchange = Ticket<Result<Received, ComputeError>>;
 
 /// A rank feeding its ring successors' replicas of its shard ([`super::replica`]).
 struct Feed {
@@ -475,21 +476,14 @@ pub struct ZeroWorker {
     /// Where this rank's forward and backward run (`tessera.device`).
     dev: Device,
     feed: Option<Feed>,
-    /// The last step whose optimizer update this rank's masters and optimizer state hold (set
-    /// before the new parameters are shared, so a commit that fails after it still leaves a
-    /// usable shard at `step + 1`).
-    stepped: Option<u64>,
-    /// The last step whose commit failed before the shard changed (a LAMB norm all-reduce
-    /// with a lost peer): the shard is still the consistent state at `step` committed steps.
-    untouched: Option<u64>,
 }
 
 /// Why an optimizer step failed, and what it left.
 enum StepFailure {
     /// Nothing of the shard changed (the norm all-reduce failed before any write).
-    Untouched(String),
+    Untouched(ComputeError),
     /// The shard may be partly stepped: not a usable state.
-    Torn(String),
+    Torn(ComputeError),
 }
 
 fn lock<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -499,18 +493,24 @@ fn lock<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// `out ← Σ_r out_r` in f64 across the group, through the lane.
-fn all_reduce_f64(lane: &mut Lane, what: &'static str, out: &mut [f64]) -> Result<(), String> {
+fn all_reduce_f64(lane: &mut Lane, what: &'static str, out: &mut [f64]) -> Result<(), ComputeError> {
     let mut v = out.to_vec();
-    v = lane.call(what, move |c| c.all_reduce_sum_f64(&mut v).map(|()| v).map_err(|e| e.to_string()))??;
+    v = lane.call(what, move |c| c.all_reduce_sum_f64(&mut v).map(|()| v).map_err(ComputeError::from))??;
     out.copy_from_slice(&v);
     Ok(())
 }
 
 /// All-gathers `mine` (this rank's `ranges[rank]` part) into a buffer of `len`, through the lane.
-fn all_gather(lane: &mut Lane, what: &'static str, mine: Vec<f32>, ranges: Vec<Range<usize>>, len: usize) -> Result<Vec<f32>, String> {
+fn all_gather(
+    lane: &mut Lane,
+    what: &'static str,
+    mine: Vec<f32>,
+    ranges: Vec<Range<usize>>,
+    len: usize,
+) -> Result<Vec<f32>, ComputeError> {
     lane.call(what, move |c| {
         let mut out = vec![0.0; len];
-        c.all_gather(&mine, &ranges, &mut out).map(|()| out).map_err(|e| format!("{what}: {e}"))
+        c.all_gather(&mine, &ranges, &mut out).map(|()| out).map_err(|e| ComputeError::from(e).context(what))
     })?
 }
 
@@ -521,7 +521,7 @@ impl ZeroWorker {
         let threaded = plan.overlap_comm || (plan.gathers() && plan.prefetch_elems > 0);
         let lane = Lane::new(comm, threaded);
         let dev = Device::new(plan.device);
-        ZeroWorker { rank, plan, sampler, lane, state, staged: None, dev, feed: None, stepped: None, untouched: None }
+        ZeroWorker { rank, plan, sampler, lane, state, staged: None, dev, feed: None }
     }
 
     /// Keeps ring successors' replicas of this rank's shard in step ([`super::replica`]): each
@@ -552,25 +552,9 @@ impl ZeroWorker {
         self.feed.as_mut().and_then(|f| f.updates.take())
     }
 
-    /// The last step whose optimizer update this rank's masters and optimizer state took. After
-    /// a failed `commit(t)` this is `Some(t)` when the failure came later (sharing the new
-    /// parameters, which a new epoch rebuilds from the masters anyway): the shard is then a
-    /// consistent state at `t + 1` committed steps, and the replica updates are still there.
-    pub fn stepped(&self) -> Option<u64> {
-        self.stepped
-    }
-
-    /// The last step whose `commit` failed before the shard changed at all: LAMB's norm
-    /// all-reduce inside the optimizer step, with a peer lost. After a failed `commit(t)` this is
-    /// `Some(t)` when so: the shard is still the consistent state at `t` committed steps (and
-    /// its replicas on the successors stay at `t` as well, since no update was produced).
-    pub fn untouched(&self) -> Option<u64> {
-        self.untouched
-    }
-
     /// Forward/backward of this rank's micro-batches, slot by slot, with their gradients
     /// travelling to the partition owners as the backward produces them.
-    fn compute_and_reduce(&mut self, step: u64, scale: f32, params: &ParamStore) -> Result<Computed, String> {
+    fn compute_and_reduce(&mut self, step: u64, scale: f32, params: &ParamStore) -> Result<Computed, ComputeError> {
         let plan = Arc::clone(&self.plan);
         let (mb, t) = (plan.micro, plan.seq_len);
         let dloss = scale / plan.micro_batches as f32;
@@ -595,7 +579,7 @@ impl ZeroWorker {
                     let (t0, waited, grad_waited) = (Instant::now(), acc.waited, acc.grad_waited);
                     match dev.forward_backward(&plan.model, &mut acc, &inputs, &targets, mb, t, dloss, *rank) {
                         Ok(l) => loss += f64::from(l),
-                        Err(e) => acc.fail(format!("rank {rank}: {e}")),
+                        Err(e) => acc.fail(ComputeError::failed(format!("rank {rank}: {e}"))),
                     }
                     let end = Instant::now();
                     if s < common {
@@ -635,12 +619,13 @@ impl ZeroWorker {
             return Err(e);
         }
         let sums = std::mem::replace(&mut *lock(&owner), OwnerSums::new(&plan, self.rank));
-        Ok(Computed { loss, grad: sums.finish(&plan)?, busy_s: busy.as_secs_f64(), busy_micro_batches: common, phases })
+        let grad = sums.finish(&plan).map_err(ComputeError::failed)?;
+        Ok(Computed { loss, grad, busy_s: busy.as_secs_f64(), busy_micro_batches: common, phases })
     }
 
     /// Unscales, measures the global norm, clips and rounds this rank's reduced range.
     /// Returns (global norm, overflow).
-    fn finish_gradient(&mut self, g: &mut [f32], scale: f32, clip: f64) -> Result<(f64, bool), String> {
+    fn finish_gradient(&mut self, g: &mut [f32], scale: f32, clip: f64) -> Result<(f64, bool), ComputeError> {
         let plan = Arc::clone(&self.plan);
         if scale != 1.0 {
             let inv = 1.0 / scale;
@@ -648,7 +633,7 @@ impl ZeroWorker {
         }
         let mine = plan.ranges[self.rank].clone();
         let mut partials = vec![0.0f64; plan.flat.slots()];
-        plan.flat.partial_sumsq(g, mine, &mut partials).map_err(|e| e.to_string())?;
+        plan.flat.partial_sumsq(g, mine, &mut partials).map_err(|e| ComputeError::failed(e.to_string()))?;
         all_reduce_f64(&mut self.lane, "the gradient-norm all-reduce", &mut partials)?;
         let norm = plan.flat.global_norm(&partials);
         if !norm.is_finite() {
@@ -663,7 +648,7 @@ impl ZeroWorker {
 
     /// Parameters after the optimizer, which has written this rank's new masters (rounded to
     /// the storage type) into its own range of `st.params`: share them as the stage requires.
-    fn publish_params(&mut self, st: &mut RankState) -> Result<(), String> {
+    fn publish_params(&mut self, st: &mut RankState) -> Result<(), ComputeError> {
         let plan = Arc::clone(&self.plan);
         match plan.stage {
             0 => Ok(()),
@@ -671,15 +656,15 @@ impl ZeroWorker {
             _ => {
                 let own = plan.ranges[self.rank].clone();
                 let mut mine = vec![0.0; own.len()];
-                st.params.read(own.start, &mut mine)?;
+                st.params.read(own.start, &mut mine).map_err(ComputeError::failed)?;
                 let full = all_gather(&mut self.lane, "the parameter all-gather", mine, plan.ranges.clone(), plan.total())?;
-                st.params.write(0, &full)
+                st.params.write(0, &full).map_err(ComputeError::failed)
             }
         }
     }
 
     /// Stage 3: every rank's copy of each persistent unit takes the owners' new values.
-    fn share_persistent_units(&mut self, st: &mut RankState) -> Result<(), String> {
+    fn share_persistent_units(&mut self, st: &mut RankState) -> Result<(), ComputeError> {
         let plan = Arc::clone(&self.plan);
         for (u, unit) in plan.model.units().iter().enumerate().filter(|(u, _)| plan.persistent[*u]) {
             let parts: Vec<Range<usize>> = plan.ranges.iter().map(|r| clamp_to(r, unit)).collect();
@@ -687,20 +672,20 @@ impl ZeroWorker {
             // The owned part of the unit lies inside this rank's shard, whose new values the
             // optimizer has written to the parameters (rounding again changes nothing).
             let mut vals = vec![0.0; mine.len()];
-            st.params.read(mine.start + unit.start, &mut vals)?;
+            st.params.read(mine.start + unit.start, &mut vals).map_err(ComputeError::failed)?;
             plan.precision.round(&mut vals);
-            let buf =
-                all_gather(&mut self.lane, "sharing a persistent unit", vals, parts, unit.len()).map_err(|e| format!("unit {u}: {e}"))?;
-            st.params.write(unit.start, &buf)?;
+            let buf = all_gather(&mut self.lane, "sharing a persistent unit", vals, parts, unit.len())
+                .map_err(|e| e.context(format!("unit {u}")))?;
+            st.params.write(unit.start, &buf).map_err(ComputeError::failed)?;
         }
         Ok(())
     }
 
-    fn prepare_inner(&mut self, order: &StepOrder, st: &mut RankState) -> Result<Prepared, String> {
+    fn prepare_inner(&mut self, order: &StepOrder, st: &mut RankState) -> Result<Prepared, ComputeError> {
         let t0 = Instant::now();
         let before = self.lane.stats()?;
         if let Some(e) = &st.offload_error {
-            return Err(format!("rank {}: setting up NVMe offload failed at start: {e}", self.rank));
+            return Err(ComputeError::failed(format!("rank {}: setting up NVMe offload failed at start: {e}", self.rank)));
         }
         // Copies made for readers between steps (evaluation, checkpoints) go now.
         st.master.release();
@@ -761,23 +746,34 @@ impl ZeroWorker {
         })
     }
 
-    fn commit_inner(&mut self, step: u64, st: &mut RankState) -> Result<(), String> {
-        (self.stepped, self.untouched) = (None, None);
+    /// A commit's error says what the shard reached (the trait's promise): one before the
+    /// optimizer changed anything (a staged step that is not `step`, LAMB's norm all-reduce with
+    /// a lost peer) is not torn, the shard is still at `step` (and its replicas on the
+    /// successors too, no update was made); one in the middle of the optimizer step is torn
+    /// with nothing stepped; one after it (the replicas' updates are made, then the parameters'
+    /// all-gather fails on a lost peer) is torn with `stepped = Some(step)`: the shard is a
+    /// consistent state at `step + 1` and the replica updates are there.
+    fn commit_inner(&mut self, step: u64, st: &mut RankState) -> Result<(), ComputeError> {
         let staged = match self.staged.take() {
             Some(s) if s.step == step => s,
-            other => return Err(format!("rank {}: commit of step {step} but staged {:?}", self.rank, other.map(|s| s.step))),
+            other => {
+                let staged = other.map(|s| s.step);
+                return Err(ComputeError::failed(format!("rank {}: commit of step {step} but staged {staged:?}", self.rank)));
+            }
         };
         let done = match self.optimizer_step(staged.overflow, st) {
             Ok(done) => done,
-            Err(StepFailure::Untouched(e)) => {
-                self.untouched = Some(step);
-                return Err(e);
-            }
-            Err(StepFailure::Torn(e)) => return Err(e),
+            Err(StepFailure::Untouched(e)) => return Err(e),
+            Err(StepFailure::Torn(e)) => return Err(e.torn(None)),
         };
         // The shard is at `step + 1` now; what follows (the replicas' updates, the parameters'
         // all-gather) may fail on a lost peer without making it unusable.
-        self.stepped = Some(step);
+        self.after_step(step, st, staged, done).map_err(|e| e.torn(Some(step)))
+    }
+
+    /// The rest of a commit once the shard took the optimizer step: the replicas' updates and
+    /// the new parameters' sharing.
+    fn after_step(&mut self, step: u64, st: &mut RankState, staged: Staged, done: StepDone) -> Result<(), ComputeError> {
         let applied = done.applied;
         if let Some(received) = staged.received {
             let updates = self.finish_replica_updates(step, received, done);
@@ -804,7 +800,9 @@ impl ZeroWorker {
         let skipped = StepDone { applied: false, lr, reductions: Vec::new() };
         let mut scaler = st.scaler.clone();
         if let Some(sc) = scaler.as_mut() {
-            if let StepOutcome::SkippedOverflow { .. } = sc.update(overflow).map_err(|e| StepFailure::Torn(e.to_string()))? {
+            if let StepOutcome::SkippedOverflow { .. } =
+                sc.update(overflow).map_err(|e| StepFailure::Torn(ComputeError::failed(e.to_string())))?
+            {
                 st.scaler = scaler;
                 st.skipped += 1;
                 return Ok(skipped);
@@ -826,14 +824,14 @@ impl ZeroWorker {
         let mut publish = |off: usize, vals: &[f32]| params.write(start + off, vals);
         let mut reductions = Vec::new();
         if plan.stage == 0 {
-            optim.step(master, &g, lr, &ctx, &mut LocalReduce, &mut publish).map_err(StepFailure::Torn)?;
+            optim.step(master, &g, lr, &ctx, &mut LocalReduce, &mut publish).map_err(|e| StepFailure::Torn(ComputeError::failed(e)))?;
         } else {
             let mut reducer = CommReduce { lane: &mut self.lane, error: None, results: Vec::new() };
             let res = optim.step(master, &g, lr, &ctx, &mut reducer, &mut publish);
             if let Some(e) = reducer.error {
                 return Err(StepFailure::Untouched(e));
             }
-            res.map_err(StepFailure::Torn)?;
+            res.map_err(|e| StepFailure::Torn(ComputeError::failed(e)))?;
             reductions = reducer.results;
         }
         st.scaler = scaler;
@@ -877,7 +875,9 @@ impl ZeroWorker {
         let (succ, pred) = (cfg.successors_of(self.rank, self.plan.world), cfg.predecessors_of(self.rank, self.plan.world));
         let tag = replica::feed_tag(step);
         self.lane.submit("the replica update exchange", move |c| {
-            let fail = |what: &str, peer: usize, e: CollectiveError| format!("the replica update exchange: {what} rank {peer}: {e}");
+            let fail = |what: &str, peer: usize, e: CollectiveError| {
+                ComputeError::from(e).context(format!("the replica update exchange: {what} rank {peer}"))
+            };
             for &to in &succ {
                 c.send(to, tag, &rec).map_err(|e| fail("sending the step record to", to, e))?;
                 c.send(to, tag, &grad).map_err(|e| fail("sending the gradient to", to, e))?;
@@ -929,7 +929,7 @@ impl ZeroWorker {
 }
 
 impl WorkerCompute for ZeroWorker {
-    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, String> {
+    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, ComputeError> {
         let state = Arc::clone(&self.state);
         let mut st = lock(&state);
         let res = self.prepare_inner(order, &mut st);
@@ -940,7 +940,7 @@ impl WorkerCompute for ZeroWorker {
         res
     }
 
-    fn commit(&mut self, step: u64) -> Result<(), String> {
+    fn commit(&mut self, step: u64) -> Result<(), ComputeError> {
         let state = Arc::clone(&self.state);
         let mut st = lock(&state);
         self.commit_inner(step, &mut st)
@@ -1081,7 +1081,7 @@ struct StepAccess<'a> {
     gathers: Vec<Gather>,
     next_gather: usize,
     issued: usize,
-    inflight: VecDeque<Ticket<Result<Vec<f32>, String>>>,
+    inflight: VecDeque<Ticket<Result<Vec<f32>, ComputeError>>>,
     /// Index of the next parameter use in the step.
     use_pos: usize,
     // Gradients of the current slot.
@@ -1093,8 +1093,8 @@ struct StepAccess<'a> {
     pieces: Vec<Option<Vec<f32>>>,
     buckets: Vec<Range<usize>>,
     next_bucket: usize,
-    tickets: Vec<Ticket<Result<(), String>>>,
-    error: Option<String>,
+    tickets: Vec<Ticket<Result<(), ComputeError>>>,
+    error: Option<ComputeError>,
     /// Time spent in the lane on the model's behalf (collectives run inline, results waited
     /// for): waits on peers, not this rank's compute.
     waited: Duration,
@@ -1224,7 +1224,7 @@ impl<'a> StepAccess<'a> {
         }
     }
 
-    fn fail(&mut self, e: String) {
+    fn fail(&mut self, e: ComputeError) {
         self.error.get_or_insert(e);
     }
 
@@ -1239,7 +1239,7 @@ impl<'a> StepAccess<'a> {
     fn end_slot(&mut self) {
         if self.event_pos != self.events.len() {
             let e = format!("slot {}: the model made {} of the {} unit calls planned", self.slot, self.event_pos, self.events.len());
-            self.fail(e);
+            self.fail(ComputeError::failed(e));
         }
         self.grads.iter_mut().for_each(|g| *g = None);
         self.pieces.iter_mut().for_each(|p| *p = None);
@@ -1263,7 +1263,7 @@ impl<'a> StepAccess<'a> {
     }
 
     /// The error, if any, and every exchange still to wait for.
-    fn finish(mut self) -> (Option<String>, Vec<Ticket<Result<(), String>>>) {
+    fn finish(mut self) -> (Option<ComputeError>, Vec<Ticket<Result<(), ComputeError>>>) {
         // Prefetched gathers nobody used (after an error) are waited for too.
         for t in self.inflight.drain(..) {
             let _ = t.wait();
@@ -1276,7 +1276,7 @@ impl<'a> StepAccess<'a> {
         let pos = self.event_pos;
         if self.events.get(pos) != Some(&ev) {
             let e = format!("slot {}: the model's unit call {pos} was {ev:?}, the plan expected {:?}", self.slot, self.events.get(pos));
-            self.fail(e);
+            self.fail(ComputeError::failed(e));
         }
         self.event_pos += 1;
         pos
@@ -1293,9 +1293,9 @@ impl<'a> StepAccess<'a> {
         let len = unit.len();
         let t0 = Instant::now();
         let ticket = self.lane.submit("a stage-3 parameter gather", move |c| {
-            read?;
+            read.map_err(ComputeError::failed)?;
             let mut buf = vec![0.0; len];
-            c.all_gather(&mine, &parts, &mut buf).map(|()| buf).map_err(|e| e.to_string())
+            c.all_gather(&mine, &parts, &mut buf).map(|()| buf).map_err(ComputeError::from)
         });
         self.waited += t0.elapsed();
         self.inflight.push_back(ticket);
@@ -1315,19 +1315,19 @@ impl<'a> StepAccess<'a> {
         if !self.plan.gathers() || self.plan.persistent[u] {
             let mut buf = vec![0.0; unit.len()];
             if let Err(e) = self.store.read(unit.start, &mut buf) {
-                self.fail(format!("loading unit {u}: {e}"));
+                self.fail(ComputeError::failed(format!("loading unit {u}: {e}")));
             }
             return buf;
         }
         let planned = self.gathers.get(self.next_gather).copied();
         if planned.map(|g| (g.use_at, g.unit)) != Some((self.use_pos, u)) {
-            self.fail(format!("use {} of unit {u} is not the planned gather {planned:?}", self.use_pos));
+            self.fail(ComputeError::failed(format!("use {} of unit {u} is not the planned gather {planned:?}", self.use_pos)));
             return vec![0.0; unit.len()];
         }
         self.prefetch();
         self.next_gather += 1;
         let Some(ticket) = self.inflight.pop_front() else {
-            self.fail(format!("the gather of unit {u} was not queued"));
+            self.fail(ComputeError::failed(format!("the gather of unit {u} was not queued")));
             return vec![0.0; unit.len()];
         };
         let t0 = Instant::now();
@@ -1336,7 +1336,7 @@ impl<'a> StepAccess<'a> {
         match got {
             Ok(buf) => buf,
             Err(e) => {
-                self.fail(format!("gathering unit {u}: {e}"));
+                self.fail(e.context(format!("gathering unit {u}")));
                 vec![0.0; unit.len()]
             }
         }
@@ -1377,8 +1377,8 @@ impl<'a> StepAccess<'a> {
         let t0 = Instant::now();
         let ticket = self.lane.submit("a gradient bucket exchange", move |c| {
             let refs: Vec<&[f32]> = sends.iter().map(Vec::as_slice).collect();
-            let got = c.all_to_all(&refs).map_err(|e| e.to_string())?;
-            lock(&owner).receive(&plan, slot, &bucket, got, last)
+            let got = c.all_to_all(&refs).map_err(ComputeError::from)?;
+            lock(&owner).receive(&plan, slot, &bucket, got, last).map_err(ComputeError::failed)
         });
         if self.plan.overlap_comm {
             self.tickets.push(ticket);
@@ -1400,7 +1400,8 @@ impl<'a> StepAccess<'a> {
             match &self.pieces[u] {
                 Some(p) => out.extend_from_slice(&p[lo - unit.start..hi - unit.start]),
                 None => {
-                    self.error.get_or_insert(format!("unit {u}'s gradient was not ready when flat {lo}..{hi} was sent"));
+                    self.error
+                        .get_or_insert(ComputeError::failed(format!("unit {u}'s gradient was not ready when flat {lo}..{hi} was sent")));
                     out.resize(out.len() + hi - lo, 0.0);
                 }
             }
@@ -1446,13 +1447,13 @@ impl UnitAccess for StepAccess<'_> {
                         None => Err(format!("unit {u}: micro-batch {leaf} before its block began")),
                     };
                     if let Err(e) = pushed {
-                        self.fail(e);
+                        self.fail(ComputeError::failed(e));
                     }
                     if leaf + 1 == (first + (1 << level)).min(plan.micro_batches) {
                         self.pieces[u] = self.trees[u].take().and_then(TreeSum::finish);
                     }
                 }
-                (false, None) => self.fail(format!("micro-batch {leaf} is in none of rank {}'s blocks", self.rank)),
+                (false, None) => self.fail(ComputeError::failed(format!("micro-batch {leaf} is in none of rank {}'s blocks", self.rank))),
             }
         }
         if plan.slot_active(self.slot) {
@@ -1736,10 +1737,10 @@ mod tests {
     /// A loss inside the commit window, in process: every rank prepares step `at`, then rank
     /// `lost` leaves (its group handle is dropped, so its peers' collectives fail with
     /// `PeerGone`) and the others commit. Their commits fail (the parameters cannot be shared)
-    /// after the optimizer step: `stepped()` says the shard took the step and the replica
+    /// after the optimizer step: their error is torn with `stepped = Some(step)` and the replica
     /// updates, received before `Prepared`, are there. With LAMB (`sets` holds [`LAMB`]) they
-    /// fail inside the optimizer step, in its norm all-reduce, before anything changed:
-    /// `untouched()` says so and no replica update is made. Returns each survivor's shard digest
+    /// fail inside the optimizer step, in its norm all-reduce, before anything changed: the
+    /// error is not torn and no replica update is made. Returns each survivor's shard digest
     /// and the replicas each holds after applying them (the lost rank's entry is empty).
     fn loss_after_prepared(
         world: usize,
@@ -1768,15 +1769,17 @@ mod tests {
                                 return Vec::new();
                             }
                             let e = w.commit(step).expect_err("a commit with a lost rank");
+                            assert!(e.explained_by_loss(), "rank {r}: a lost peer's failure is not a loss: {e:?}");
                             if lamb {
                                 // LAMB's norm all-reduce inside the optimizer step fails first.
-                                assert_eq!(w.untouched(), Some(step), "rank {r}: the shard should be untouched ({e})");
-                                assert_ne!(w.stepped(), Some(step), "rank {r}: {e}");
+                                assert!(!matches!(e, ComputeError::Torn { .. }), "rank {r}: the shard should be untouched ({e:?})");
+                                assert_eq!(e.state_after_commit(step, Some(step)), Some(step), "rank {r}");
                                 assert!(w.take_replica_updates().is_none(), "rank {r}: replica updates without a step");
                                 return held;
                             }
-                            assert_eq!(w.stepped(), Some(step), "rank {r}: the shard took the step before the failure ({e})");
-                            assert_eq!(w.untouched(), None, "rank {r}");
+                            let stepped = matches!(e, ComputeError::Torn { stepped: Some(s), .. } if s == step);
+                            assert!(stepped, "rank {r}: the shard took the step before the failure ({e:?})");
+                            assert_eq!(e.state_after_commit(step, Some(step)), Some(step + 1), "rank {r}");
                         } else {
                             w.commit(step).expect("commit");
                         }
