@@ -339,6 +339,10 @@ fn check(v: &Var, value: &OsString) -> Result<(), EnvError> {
             Err(_) => Err(EnvError(format!("{name}={value:?}: expected {}", expected(v.kind)))),
         };
     }
+    // Not read as UTF-8 here, nor ever printed: free text (a join token) and on/off switches.
+    if matches!(v.kind, Kind::Text | Kind::Presence | Kind::Build) {
+        return Ok(());
+    }
     let text = match value.to_str() {
         Some(t) => t,
         None => return Err(EnvError(format!("{name}={value:?}: expected {} (UTF-8 text)", expected(v.kind)))),

@@ -99,9 +99,12 @@ pub enum FaultKind {
     /// SIGKILL a worker.
     Kill,
     /// Stop a worker's DeviceWorker actor in the driver's supervision tree (the process lives
-    /// on): `sigqueue(driver, SIGUSR2, rank)`. The driver must treat the rank as lost.
+    /// on): `sigqueue(driver, SIGUSR2, rank)`, which the driver's fault hooks
+    /// (`TESSERA_TEST_FAULTS=stop_actor`, set by the harness) take. The driver must treat the
+    /// rank as lost.
     StopActor,
-    /// SIGUSR1 a worker, which arms it to SIGKILL itself when the driver's next `Commit`
+    /// SIGUSR1 a worker whose fault hooks (`TESSERA_TEST_FAULTS=kill_in_commit`, which the
+    /// harness sets for this fault) arm it to SIGKILL itself when the driver's next `Commit`
     /// arrives: a loss inside the commit window (every rank prepared that step), which a
     /// signal from outside cannot aim at.
     KillInCommit,
@@ -762,6 +765,8 @@ mod tests {
         assert!(e.contains("takes no rank"), "{e}");
         let e = err(r#"{"kind": "disk_full", "at_step": 1}, {"kind": "fail_writes", "at_step": 2}"#);
         assert!(e.contains("disk_full and fail_writes"), "{e}");
+        let e = err(r#"{"kind": "usr1", "at_step": 1, "rank": 0}, {"kind": "kill_in_commit", "at_step": 2}"#);
+        assert!(e.contains("usr1 and kill_in_commit cannot share a scenario"), "{e}");
     }
 
     #[test]

@@ -370,7 +370,7 @@ fn signal(pid: u32, sig: libc::c_int) {
 }
 
 /// Asks the driver process `pid` to stop rank `rank`'s DeviceWorker actor: SIGUSR2 with the rank
-/// as the signal's value (`sigqueue`), which the driver's handler reads (`src/engine/stop_actor.rs`).
+/// as the signal's value (`sigqueue`), which the driver's fault hooks read ([`crate::hooks`]).
 fn stop_actor(pid: u32, rank: usize) -> std::io::Result<()> {
     let value = libc::sigval { sival_ptr: rank as *mut libc::c_void };
     // SAFETY: sigqueue(3) on the run's own driver process; it only reads its arguments.
