@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::cli::{self, CommonArgs};
-use crate::engine::{self, AgentArgs, AgentAuth, AgentCredentials, Launched, Rendezvous, TrainOptions};
+use crate::engine::{self, AgentArgs, AgentAuth, AgentCredentials, Launched, Rendezvous, RendezvousSlot, TrainOptions};
 use tessera_transport::quic::{ClientAuth, ClusterCa, ControlEndpoint, JoinToken, NodeTls};
 
 mod nodelist;
@@ -222,6 +222,8 @@ pub struct AgentFlags {
     /// (`tessera chaos run`) A worker-net file whose fault link this agent's QUIC traffic
     /// crosses ([`AgentArgs::worker_net`]).
     pub worker_net: Option<PathBuf>,
+    /// The process's test-only fault hooks (no-op unless a test or the chaos harness asked).
+    pub faults: tessera_actors::faults::Faults,
 }
 
 /// Reads a join token: the first line of `r`, at most [`TOKEN_BYTES_MAX`] bytes.
@@ -332,7 +334,7 @@ pub fn agent(f: &AgentFlags) -> Result<()> {
         f.token = Some(read_token(&mut std::io::stdin().lock(), "standard input")?);
     }
     let args = agent_args(&f, &|k| std::env::var(k).ok())?;
-    engine::run_agent(&args)
+    engine::run_agent(&args, &f.faults)
 }
 
 /// The rendezvous settings shared by `tessera coordinator` and `tessera launch`.
@@ -445,11 +447,9 @@ fn drive(
     let mut common = common.clone();
     common.world = Some(nodes);
     opts.processes = true;
-    engine::set_rendezvous(Rendezvous { endpoint, auth, nodes, join_timeout_ms: d.join_timeout_ms, launched });
-    let res = cli::train_agents(config, &common, opts);
-    // A run that failed before starting its ranks leaves the rendezvous unused.
-    drop(engine::take_rendezvous());
-    res
+    opts.rendezvous = RendezvousSlot::new(Rendezvous { endpoint, auth, nodes, join_timeout_ms: d.join_timeout_ms, launched });
+    // A run that fails before starting its ranks drops the rendezvous unused with `opts`.
+    cli::train_agents(config, &common, opts)
 }
 
 /// The config with the world size `nodes`, checked before the join token is printed or any

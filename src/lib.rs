@@ -8,6 +8,7 @@ pub mod config;
 pub mod console;
 pub mod data;
 pub mod engine;
+pub mod env;
 pub mod gpu;
 pub mod launch;
 pub mod monitor;

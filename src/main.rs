@@ -7,6 +7,7 @@ use anyhow::Result;
 use clap::{Args, CommandFactory, Parser, Subcommand, ValueEnum};
 use tessera::engine::TrainOptions;
 use tessera::{cli, console, outln, signals};
+use tessera_actors::faults::Faults;
 
 #[derive(Parser)]
 #[command(name = "tessera", version, about = "Elastic, deterministic distributed training, configured by DeepSpeed JSON")]
@@ -125,9 +126,16 @@ struct DriverArgs {
 }
 
 impl DriverArgs {
-    fn split(self) -> (PathBuf, cli::CommonArgs, TrainOptions, tessera::launch::DriverOpts) {
-        let opts =
-            TrainOptions { resume: self.resume, progress: !self.no_progress, abandon_steps: Vec::new(), processes: true, worker_net: None };
+    fn split(self, faults: Faults) -> (PathBuf, cli::CommonArgs, TrainOptions, tessera::launch::DriverOpts) {
+        let opts = TrainOptions {
+            resume: self.resume,
+            progress: !self.no_progress,
+            abandon_steps: Vec::new(),
+            processes: true,
+            worker_net: None,
+            faults,
+            rendezvous: Default::default(),
+        };
         let d = tessera::launch::DriverOpts {
             join_timeout_ms: self.join_timeout.saturating_mul(1000),
             certs: self.certs,
@@ -404,35 +412,25 @@ fn stop_mode(cmd: &Cmd) -> Option<signals::Mode> {
     }
 }
 
-/// Whether `cmd` talks QUIC (worker processes, agents, a coordinator, chaos runs of them).
-fn uses_quic(cmd: &Cmd) -> bool {
-    match cmd {
-        Cmd::Train(a) => a.nprocs.is_some() || tessera::launch::launcher_env(&|k| std::env::var(k).ok()).is_ok_and(|e| e.is_some()),
-        Cmd::Worker(_) | Cmd::Coordinator(_) | Cmd::Agent(_) | Cmd::Launch(_) | Cmd::Chaos(_) => true,
-        _ => false,
-    }
-}
-
 fn run(cli: Cli) -> Result<ExitCode> {
     let done = ExitCode::SUCCESS;
     console::init_logs(console::Verbosity { verbose: cli.verbose, quiet: cli.quiet }, log_prefix(&cli.cmd))?;
     if let Some(mode) = stop_mode(&cli.cmd) {
         signals::install(mode)?;
     }
-    if uses_quic(&cli.cmd) {
-        // The transport's variables (lanes, runtime workers, TLS crypto) are read where a
-        // connection is made, in workers and agents; a bad value is refused here first, once,
-        // before anything starts.
-        tessera_transport::quic::check_env().map_err(anyhow::Error::msg)?;
-    }
+    // Every TESSERA_* variable (docs/ENV.md) checked once, before anything starts: a bad value
+    // is refused here rather than where a worker or kernel reads it. The test faults become
+    // this process's fault hooks (none unless TESSERA_TEST_FAULTS names some).
+    let env = tessera::env::Env::from_process()?;
+    let faults = env.faults.hooks();
     match cli.cmd {
         Cmd::Train(mut a) => {
             if let Some(d) = a.device {
                 let name = if d == Device::Cuda { "cuda" } else { "cpu" };
                 a.common.set.push(format!("tessera.device={name}"));
             }
-            if let Some(env) = tessera::launch::launcher_env(&|k| std::env::var(k).ok())? {
-                return train_under_launcher(&env, a);
+            if let Some(launcher) = tessera::launch::launcher_env(&|k| std::env::var(k).ok())? {
+                return train_under_launcher(&launcher, a, faults);
             }
             if let Some(note) = tessera::launch::slurm_batch_note(&|k| std::env::var(k).ok()) {
                 eprintln!("warning: {note}");
@@ -468,6 +466,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 abandon_steps: a.abandon_steps,
                 processes,
                 worker_net: a.worker_net,
+                faults,
+                rendezvous: Default::default(),
             };
             Ok(trained(cli::train(&a.config, &a.common, opts)?))
         }
@@ -492,15 +492,15 @@ fn run(cli: Cli) -> Result<ExitCode> {
         Cmd::Gpu(GpuCmd::Check { seed }) => Ok(if tessera::gpu::check(seed)? { done } else { ExitCode::FAILURE }),
         Cmd::Gpu(GpuCmd::Bench(a)) => tessera::gpu::bench(&a).map(|()| done),
         Cmd::Worker(a) => match (a.join, a.rank, a.world, a.control) {
-            (true, ..) => tessera::engine::run_joiner(&a.dir).map(|()| done),
+            (true, ..) => tessera::engine::run_joiner(&a.dir, &faults).map(|()| done),
             (false, Some(rank), Some(world), Some(control)) => {
-                let args = tessera::engine::WorkerArgs { rank, world, control, dir: a.dir };
+                let args = tessera::engine::WorkerArgs { rank, world, control, dir: a.dir, faults };
                 tessera::engine::run_worker(&args).map(|()| done)
             }
             _ => anyhow::bail!("tessera worker needs --rank, --world and --control (or --join)"),
         },
         Cmd::Coordinator(a) => {
-            let (config, common, opts, d) = a.driver.split();
+            let (config, common, opts, d) = a.driver.split(faults);
             Ok(trained(tessera::launch::coordinator(&config, &common, opts, a.listen.as_deref(), a.nodes, &d)?))
         }
         Cmd::Agent(a) => {
@@ -515,6 +515,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 token_file: a.token_file,
                 connect_timeout_ms: a.connect_timeout.saturating_mul(1000),
                 worker_net: a.worker_net,
+                faults,
             };
             tessera::launch::agent(&flags).map(|()| done)
         }
@@ -523,7 +524,8 @@ fn run(cli: Cli) -> Result<ExitCode> {
             let sc = Scenario::load(&scenario)?;
             let base = scenario.parent().map(PathBuf::from).unwrap_or_default();
             let exe = std::env::current_exe()?;
-            let opts = runner::ChaosOptions { exe, scenario: sc, base, seed, output: output.clone(), progress: !no_progress };
+            let opts =
+                runner::ChaosOptions { exe, scenario: sc, base, seed, output: output.clone(), progress: !no_progress, faults: env.faults };
             let report = runner::run(&opts)?;
             outln!("{}", report.render().trim_end_matches('\n'));
             outln!("report: {}", output.join("report.json").display());
@@ -550,7 +552,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Launch(a) => {
             let a = *a;
-            let (config, common, opts, d) = a.driver.split();
+            let (config, common, opts, d) = a.driver.split(faults);
             let l = tessera::launch::LaunchOpts {
                 hostfile: a.hostfile,
                 select: tessera::launch::select::Selection {
@@ -576,7 +578,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
 }
 
 /// `tessera train` as one rank of a torchrun or srun job (`tessera::launch::role`).
-fn train_under_launcher(env: &tessera::launch::LauncherEnv, a: TrainArgs) -> Result<ExitCode> {
+fn train_under_launcher(env: &tessera::launch::LauncherEnv, a: TrainArgs, faults: Faults) -> Result<ExitCode> {
     if let Some(n) = a.nprocs {
         anyhow::bail!(
             "--nprocs {n} under {}: the launcher already started the ranks; drop --nprocs (or run `tessera train --config {} \
@@ -590,8 +592,15 @@ fn train_under_launcher(env: &tessera::launch::LauncherEnv, a: TrainArgs) -> Res
     }
     let gpu = cli::nccl_gpu_run(&a.config, &a.common)?
         .then(|| tessera::gpu::train::GpuTrainOptions { resume: a.resume.clone(), progress: !a.no_progress });
-    let opts =
-        TrainOptions { resume: a.resume, progress: !a.no_progress, abandon_steps: a.abandon_steps, processes: false, worker_net: None };
+    let opts = TrainOptions {
+        resume: a.resume,
+        progress: !a.no_progress,
+        abandon_steps: a.abandon_steps,
+        processes: false,
+        worker_net: None,
+        faults,
+        rendezvous: Default::default(),
+    };
     let u = tessera::launch::UnderLauncher {
         config: &a.config,
         common: &a.common,

@@ -18,8 +18,9 @@
 //!
 //! Exit statuses: 0 completed, 1 failed, [`EXIT_INTERRUPTED`] stopped early with a checkpoint
 //! (resume with `--resume`), `128 + N` a second signal N (nothing more saved). Elastic worker
-//! processes keep their own SIGTERM (drain) and SIGUSR1 (the chaos harness's `kill_in_commit`)
-//! meanings (`engine::elastic_worker`); spawned workers run in their own process groups, so a
+//! processes take SIGTERM and SIGUSR1 as their own stop request: a drain at the next step
+//! boundary (`engine::elastic_worker`; only a test's fault hooks, `TESSERA_TEST_FAULTS`, make
+//! SIGUSR1 arm `kill_in_commit` instead); spawned workers run in their own process groups, so a
 //! terminal's Ctrl-C reaches the driver only.
 
 use std::path::{Path, PathBuf};

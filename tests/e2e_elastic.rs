@@ -134,7 +134,7 @@ fn a_loss_during_a_new_epochs_first_replica_copy_restores_from_memory() {
     // installed epoch 0 is still whole in memory: worker 1's shard on worker 2 (its replica),
     // worker 3's on worker 0.
     let faults = r#"[{"at_step": 2, "kind": "kill", "rank": 1}, {"at_epoch": 1, "kind": "kill", "rank": 2}]"#;
-    let env = [("TESSERA_TEST_REPLICATE_DELAY_MS", "1500")];
+    let env = [("TESSERA_TEST_FAULTS", "replicate_delay_ms=1500")];
     // 10 steps: the harness polls every 20 ms, and with 5 a loaded CI box once let the run
     // finish before it saw step 2 (both faults reported "not injected").
     let r = chaos_with(tmp.path(), faults, 10, 1, &[], &env);
@@ -288,6 +288,26 @@ fn a_sigterm_drains_the_worker_and_the_run_goes_on() {
     assert!(log.contains(r#""event":"drained""#) && log.contains("exited with status 0"), "{log}");
 }
 
+/// Slurm's time-limit warning (`--signal=USR1@T`, sent to every process of the job step)
+/// reaching an elastic worker that runs without the fault hooks (the scenario has no
+/// `kill_in_commit`, so the harness turns none on): a stop request as SIGTERM is. The worker
+/// drains at a step boundary — it is not SIGKILLed in the next commit, as it was when SIGUSR1
+/// always armed the `kill_in_commit` fault — and the run goes on with the fault-free bits.
+#[test]
+fn a_sigusr1_without_the_fault_hooks_drains_the_worker_and_the_run_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = chaos(tmp.path(), r#"[{"at_step": 2, "kind": "usr1", "rank": 2}]"#, 6, 1);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!(el["workers_drained"], 1, "{r:#}");
+    assert_eq!(el["workers_lost"], 0, "a drained worker is not a loss: {r:#}");
+    assert_eq!(el["steps_rerun"], 0, "a drain happens at a step boundary: {r:#}");
+    let events = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
+    assert!(events.contains(r#""event":"drained""#) && events.contains("exited with status 0"), "{events}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted.log")).unwrap();
+    assert!(log.contains("SIGUSR1: handing my shard over at the next step boundary"), "{log}");
+    assert!(!log.contains("kill_in_commit"), "the fault hooks were on:\n{log}");
+}
+
 /// A SIGTERM whose drain grace runs out: rank 0 is SIGSTOPped at step 2 (for longer than the
 /// run, and the heartbeat timeout raised to 4 s, so no step boundary and no recovery can come
 /// for seconds), then rank 2 gets SIGTERM with `drain_grace_ms` = 300. Rank 2 asks to drain,
@@ -318,7 +338,7 @@ fn a_drain_whose_grace_runs_out_is_a_loss_and_the_run_goes_on() {
         |id: u64| events.iter().find(|e| e["event"] == "lost" && e["id"] == id).unwrap_or_else(|| panic!("worker {id} not lost:\n{log}"));
     let why = lost(termed)["why"].as_str().unwrap();
     assert!(
-        why.contains("exited with status 3: it got SIGTERM and no step boundary came within its drain grace")
+        why.contains("exited with status 3: it was asked to drain (SIGTERM or SIGUSR1) and no step boundary came within its drain grace")
             && why.contains("tessera.elastic.drain_grace_ms = 300"),
         "the drainer should leave on its own at the end of its grace, and the driver say so: {why}\n{log}"
     );
@@ -523,7 +543,7 @@ fn network_and_disk_faults_keep_the_fault_free_bits() {
 fn a_diverged_replica_is_caught_by_its_digest_and_copied_again() {
     let tmp = tempfile::tempdir().unwrap();
     let sets = ["tessera.elastic.replica_check_interval=2"];
-    let env = [("TESSERA_TEST_CORRUPT_REPLICA_AT_STEP", "2")];
+    let env = [("TESSERA_TEST_FAULTS", "corrupt_replica_at_step=2")];
     let r = chaos_with(tmp.path(), r#"[{"at_step": 6, "kind": "kill", "rank": 1}]"#, 8, 1, &sets, &env);
     let el = &r["faulted"]["elastic"];
     assert_eq!(el["replicas_recopied"], 1, "{r:#}");

@@ -157,8 +157,9 @@ fn a_failed_swap_write_stops_the_run_and_the_last_checkpoint_resumes_to_the_same
     let out = tmp.path().join("failing");
     let mut a = args(&out, 2, 1, &["--set", "tessera.checkpoint_interval=1", "--set", "zero_optimization.sub_group_size=65536"]);
     a.extend(nvme(&swap));
-    // The write-back of step 2's second sub-group fails (test-only switch, see src/offload/state.rs).
-    let res = Command::new(bin()).args(&a).env("TESSERA_OFFLOAD_FAIL_WRITE_AT_STEP", "2").current_dir(tmp.path()).output().unwrap();
+    // The write-back of step 2's second sub-group fails (a test-only fault hook, chaos/src/hooks.rs).
+    let res =
+        Command::new(bin()).args(&a).env("TESSERA_TEST_FAULTS", "offload_fail_write_at_step=2").current_dir(tmp.path()).output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&res.stdout), String::from_utf8_lossy(&res.stderr));
     assert_eq!(res.status.code(), Some(1), "{text}");
     assert!(

@@ -77,9 +77,10 @@ fn corrupted_checkpoint_is_reported_and_the_previous_one_still_loads() {
     assert!(text.contains("step_00000004"), "{text}");
 }
 
-/// A bad value of a QUIC transport variable is refused at start-up, naming the variable, the
-/// value and what was expected — not ignored (`TESSERA_QUIC_WORKERS` used to fall back to the
-/// default in silence) and not left to each worker process to fail on when it connects.
+/// A bad value of a QUIC transport variable (and of any `TESSERA_*` variable: docs/ENV.md) is
+/// refused at start-up, naming the variable, the value and what was expected — not ignored
+/// (`TESSERA_QUIC_WORKERS` used to fall back to the default in silence) and not left to each
+/// worker process to fail on when it connects.
 #[test]
 fn bad_quic_variables_are_refused_before_any_worker_starts() {
     let tmp = tempfile::tempdir().unwrap();
@@ -92,6 +93,9 @@ fn bad_quic_variables_are_refused_before_any_worker_starts() {
         ("TESSERA_QUIC_WORKERS", "0", "expected a number of worker threads from 1 to 64"),
         ("TESSERA_QUIC_WORKERS", "many", "expected a number of worker threads from 1 to 64"),
         ("TESSERA_QUIC_LANES", "9", "expected a number of lanes from 1 to 8"),
+        // Every TESSERA_* variable is checked at start-up (src/env.rs), not the transport's only.
+        ("TESSERA_AIO", "uring", "expected threads or io_uring"),
+        ("TESSERA_TEST_FAULTS", "kill", "unknown fault `kill`"),
     ];
     for (name, value, expected) in cases {
         let res = std::process::Command::new(bin()).args(&args).env(name, value).current_dir(tmp.path()).output().unwrap();

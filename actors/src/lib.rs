@@ -23,6 +23,7 @@
 //! leaving and fenced workers) as a sans-IO state machine, simulated by `liveness_sim`.
 //! `worker_cmd` is the DeviceWorker's handling of commands as a sans-IO machine, simulated
 //! under a real step transaction by `worker_sim`.
+//! [`faults`] is the test-only fault injection the runtime calls (a no-op by default).
 //! [`formation`] is the timing of joins and drains (the driver's wait for a new epoch's members,
 //! a worker's drain timer) as sans-IO machines, simulated by `formation_sim`.
 
@@ -30,6 +31,7 @@ pub mod cluster;
 pub mod compute;
 pub mod driver;
 pub mod error;
+pub mod faults;
 pub mod formation;
 pub mod liveness;
 pub mod membership;

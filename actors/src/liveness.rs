@@ -87,7 +87,7 @@ impl fmt::Display for Exit {
             Exit::Signal(s) => write!(f, "was killed by signal {s}"),
             Exit::DrainGrace { code, grace_ms } => write!(
                 f,
-                "exited with status {code}: it got SIGTERM and no step boundary came within its drain grace \
+                "exited with status {code}: it was asked to drain (SIGTERM or SIGUSR1) and no step boundary came within its drain grace \
                  (tessera.elastic.drain_grace_ms = {grace_ms})"
             ),
             Exit::Ended => write!(f, "ended"),
@@ -279,7 +279,7 @@ mod tests {
         let grace = Exit::DrainGrace { code: 3, grace_ms: 300 };
         assert_eq!(
             grace.to_string(),
-            "exited with status 3: it got SIGTERM and no step boundary came within its drain grace (tessera.elastic.drain_grace_ms = 300)"
+            "exited with status 3: it was asked to drain (SIGTERM or SIGUSR1) and no step boundary came within its drain grace (tessera.elastic.drain_grace_ms = 300)"
         );
         let clean: Vec<bool> =
             [Exit::Code(0), Exit::Left, Exit::Code(1), Exit::Signal(15), Exit::Ended, grace, Exit::Overdue { bound_ms: 5, killed: false }]

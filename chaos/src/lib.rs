@@ -6,10 +6,12 @@
 //! checkpoint faults, partitions, link faults, throttles and a full disk, resolved by a seed)
 //! and the runner that injects them into an elastic training run and compares it with the
 //! fault-free one (`runner`, with the faulted run's test network in `hosts`, its checkpoint
-//! file system in `disk`, and its picture over time in `timeline`).
+//! file system in `disk`, and its picture over time in `timeline`), and the real fault hooks the
+//! runtime calls when `TESSERA_TEST_FAULTS` asks for them (`hooks`).
 
 pub mod disk;
 pub mod exercise;
+pub mod hooks;
 pub mod hosts;
 pub mod link;
 pub mod netns;

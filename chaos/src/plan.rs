@@ -13,6 +13,7 @@
 //!     {"at_step": 4, "kind": "stop", "rank": 1, "duration_ms": 3000},
 //!     {"at_step": 3, "kind": "slow", "rank": 2, "duration_ms": 8000, "period_ms": 100, "duty_percent": 60},
 //!     {"at_step": 5, "kind": "term"},
+//!     {"at_step": 5, "kind": "usr1", "rank": 0},
 //!     {"at_step": 6, "kind": "join"},
 //!     {"at_ms": 9000, "kind": "corrupt_checkpoint"},
 //!     {"at_step": 8, "kind": "fail_writes", "duration_ms": 2000}
@@ -31,8 +32,12 @@
 //! of every `period_ms` (default 100) and SIGCONTed for the rest; each period's stopped part is
 //! drawn by the seed around `duty_percent` (default 50) of the period (uniform in ±50 % of it,
 //! each stop at most 90 % of the period), so the worker runs at roughly `100 - duty_percent` % of
-//! its speed; the run should measure it and give it fewer micro-batches. `kill_in_commit`
-//! sends SIGUSR1, which arms the worker to SIGKILL itself when the driver's next `Commit`
+//! its speed; the run should measure it and give it fewer micro-batches. `term` and `usr1` send
+//! SIGTERM (preemption) and SIGUSR1 (Slurm's `--signal=USR1@T` time-limit warning): the worker
+//! should hand its shard over at the next step boundary and leave. `kill_in_commit`
+//! sends SIGUSR1 to a worker whose fault hooks arm on it (the harness turns them on,
+//! `TESSERA_TEST_FAULTS=kill_in_commit`, only for a scenario with this fault, which therefore
+//! cannot hold a `usr1` too): it SIGKILLs itself when the driver's next `Commit`
 //! reaches it (every rank has prepared that step; the others commit it, or fail to where they
 //! share parameters with the lost worker); its detection
 //! time counts from the signal, so it includes the rest of the step in flight. `stop_actor` stops
@@ -94,9 +99,12 @@ pub enum FaultKind {
     /// SIGKILL a worker.
     Kill,
     /// Stop a worker's DeviceWorker actor in the driver's supervision tree (the process lives
-    /// on): `sigqueue(driver, SIGUSR2, rank)`. The driver must treat the rank as lost.
+    /// on): `sigqueue(driver, SIGUSR2, rank)`, which the driver's fault hooks
+    /// (`TESSERA_TEST_FAULTS=stop_actor`, set by the harness) take. The driver must treat the
+    /// rank as lost.
     StopActor,
-    /// SIGUSR1 a worker, which arms it to SIGKILL itself when the driver's next `Commit`
+    /// SIGUSR1 a worker whose fault hooks (`TESSERA_TEST_FAULTS=kill_in_commit`, which the
+    /// harness sets for this fault) arm it to SIGKILL itself when the driver's next `Commit`
     /// arrives: a loss inside the commit window (every rank prepared that step), which a
     /// signal from outside cannot aim at.
     KillInCommit,
@@ -104,6 +112,9 @@ pub enum FaultKind {
     Stop,
     /// SIGTERM a worker (spot preemption): it should hand its shard over and leave.
     Term,
+    /// SIGUSR1 a worker (Slurm's time-limit warning, `--signal=USR1@T`): a stop request as
+    /// SIGTERM is, without the fault hooks that make it `kill_in_commit`'s trigger.
+    Usr1,
     /// Start a new worker process that joins the run.
     Join,
     /// Flip bytes in the newest checkpoint's tensor files.
@@ -136,6 +147,7 @@ impl FaultKind {
             FaultKind::KillInCommit => "kill_in_commit",
             FaultKind::Stop => "stop",
             FaultKind::Term => "term",
+            FaultKind::Usr1 => "usr1",
             FaultKind::Join => "join",
             FaultKind::CorruptCheckpoint => "corrupt_checkpoint",
             FaultKind::FailWrites => "fail_writes",
@@ -154,7 +166,13 @@ impl FaultKind {
     pub fn targets_rank(self) -> bool {
         matches!(
             self,
-            FaultKind::Kill | FaultKind::StopActor | FaultKind::KillInCommit | FaultKind::Stop | FaultKind::Term | FaultKind::Slow
+            FaultKind::Kill
+                | FaultKind::StopActor
+                | FaultKind::KillInCommit
+                | FaultKind::Stop
+                | FaultKind::Term
+                | FaultKind::Usr1
+                | FaultKind::Slow
         ) || self.needs_net()
     }
 
@@ -182,6 +200,7 @@ impl FaultKind {
             | FaultKind::StopActor
             | FaultKind::KillInCommit
             | FaultKind::Term
+            | FaultKind::Usr1
             | FaultKind::Join
             | FaultKind::CorruptCheckpoint => &[],
         }
@@ -519,6 +538,13 @@ impl Scenario {
             }
         }
         let has = |k: FaultKind| s.faults.iter().any(|f| f.kind == k);
+        if has(FaultKind::Usr1) && has(FaultKind::KillInCommit) {
+            return Err(bad(
+                "usr1 and kill_in_commit cannot share a scenario: kill_in_commit turns on the fault hooks that make a worker's \
+                 SIGUSR1 arm a kill, and usr1 tests SIGUSR1 as a stop request without them"
+                    .into(),
+            ));
+        }
         if has(FaultKind::DiskFull) && has(FaultKind::FailWrites) {
             return Err(bad(
                 "disk_full and fail_writes cannot share a scenario: disk_full mounts a file system on the checkpoint folder, \
@@ -739,6 +765,8 @@ mod tests {
         assert!(e.contains("takes no rank"), "{e}");
         let e = err(r#"{"kind": "disk_full", "at_step": 1}, {"kind": "fail_writes", "at_step": 2}"#);
         assert!(e.contains("disk_full and fail_writes"), "{e}");
+        let e = err(r#"{"kind": "usr1", "at_step": 1, "rank": 0}, {"kind": "kill_in_commit", "at_step": 2}"#);
+        assert!(e.contains("usr1 and kill_in_commit cannot share a scenario"), "{e}");
     }
 
     #[test]

@@ -28,6 +28,12 @@
 //! both runs; a fault whose trigger never came is listed as not injected. The runs must end
 //! with equal `params_blake3` and every step committed, and the checkpoint folder must hold
 //! nothing half-written.
+//!
+//! Faults that act inside a process (`kill_in_commit`'s SIGUSR1 trigger, `stop_actor`'s
+//! SIGUSR2) need that process's fault hooks ([`crate::hooks`]): the harness sets
+//! `TESSERA_TEST_FAULTS` on every process of the faulted run to the faults its scenario uses
+//! (with what its own caller set, [`ChaosOptions::faults`]); the fault-free run gets only the
+//! caller's. Without them a worker's SIGUSR1 is a stop request, as a scheduler's is.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
@@ -42,6 +48,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 
 use crate::disk::{self, Disk};
+use crate::hooks::{FaultSpec, FAULTS_ENV};
 use crate::hosts::{self, Hosts};
 use crate::plan::{Fault, FaultKind, Launch, Scenario, Trigger, DURATION_MS_DEFAULT};
 use crate::proxy::ProxyStats;
@@ -68,6 +75,9 @@ pub struct ChaosOptions {
     /// Where both runs write (`clean/`, `faulted/`, `report.json`).
     pub output: PathBuf,
     pub progress: bool,
+    /// Faults the caller's `TESSERA_TEST_FAULTS` asked for (knobs no scenario fault makes: a
+    /// replica corrupted, a copy held open): both runs' processes get them.
+    pub faults: FaultSpec,
 }
 
 /// What went wrong while running the scenario.
@@ -360,7 +370,7 @@ fn signal(pid: u32, sig: libc::c_int) {
 }
 
 /// Asks the driver process `pid` to stop rank `rank`'s DeviceWorker actor: SIGUSR2 with the rank
-/// as the signal's value (`sigqueue`), which the driver's handler reads (`src/engine/stop_actor.rs`).
+/// as the signal's value (`sigqueue`), which the driver's fault hooks read ([`crate::hooks`]).
 fn stop_actor(pid: u32, rank: usize) -> std::io::Result<()> {
     let value = libc::sigval { sival_ptr: rank as *mut libc::c_void };
     // SAFETY: sigqueue(3) on the run's own driver process; it only reads its arguments.
@@ -443,6 +453,23 @@ struct Env {
     hosts: Option<Hosts>,
     disk: Option<Disk>,
     agents: Option<AgentJob>,
+    /// The fault hooks every process of the run gets (`TESSERA_TEST_FAULTS`).
+    hooks: FaultSpec,
+}
+
+/// `cmd` with the fault hooks `hooks` asks for, and no others (not the harness's own).
+fn with_hooks(mut cmd: Command, hooks: &FaultSpec) -> Command {
+    match hooks.is_empty() {
+        true => cmd.env_remove(FAULTS_ENV),
+        false => cmd.env(FAULTS_ENV, hooks.to_string()),
+    };
+    cmd
+}
+
+/// The hooks of the faulted run: the caller's, and those the scenario's faults act through.
+fn faulted_hooks(o: &ChaosOptions, faults: &[Fault]) -> FaultSpec {
+    let has = |k: FaultKind| faults.iter().any(|f| f.kind == k);
+    FaultSpec { kill_in_commit: has(FaultKind::KillInCommit), stop_actor: has(FaultKind::StopActor), ..o.faults.clone() }
 }
 
 /// A run launched as a coordinator and agents (`"launch": "agents"`).
@@ -634,7 +661,7 @@ impl Faulting<'_> {
     /// Starts `tessera worker --join` (on the next free test host when the workers live in
     /// namespaces), or with agents `tessera agent --join`; returns its pid.
     fn start_joiner(&mut self, report: &mut FaultReport) -> Result<u64, ChaosError> {
-        let (mut cmd, host) = match &self.env.hosts {
+        let (cmd, host) = match &self.env.hosts {
             Some(h) => {
                 let (cmd, host) = h.join_command(&self.o.exe).map_err(ChaosError::Run)?;
                 report.note = format!("on {}", h.addr(host));
@@ -642,6 +669,7 @@ impl Faulting<'_> {
             }
             None => (Command::new(&self.o.exe), None),
         };
+        let mut cmd = with_hooks(cmd, &self.env.hooks);
         let (child, what) = match &self.env.agents {
             Some(job) => {
                 let log = std::fs::OpenOptions::new()
@@ -729,6 +757,7 @@ impl Faulting<'_> {
                 report.note = "armed (SIGUSR1): SIGKILL at its next commit".into();
             }
             FaultKind::Term => signal(pid, libc::SIGTERM),
+            FaultKind::Usr1 => signal(pid, libc::SIGUSR1),
             FaultKind::Stop => {
                 signal(pid, libc::SIGSTOP);
                 self.schedule(n, f.duration_ms, Undo::Cont { pid });
@@ -798,7 +827,7 @@ fn run_one(
         // A token left by an earlier run would start the agents before this coordinator listens.
         let _ = std::fs::remove_file(&job.token);
     }
-    let mut child = Command::new(&o.exe)
+    let mut child = with_hooks(Command::new(&o.exe), &env.hooks)
         .args(train_args(o, &out, net.as_deref(), env.agents.as_ref()))
         .stdin(Stdio::null())
         .stdout(log)
@@ -815,7 +844,7 @@ fn run_one(
                 Some(h) => h.command(r, &o.exe),
                 None => Command::new(&o.exe),
             };
-            match job.agent(cmd, Some(r), env.hosts.as_ref().and_then(Hosts::link_file), &agent_log) {
+            match job.agent(with_hooks(cmd, &env.hooks), Some(r), env.hosts.as_ref().and_then(Hosts::link_file), &agent_log) {
                 Ok(a) => agents.push(a),
                 Err(e) => {
                     let _ = child.kill();
@@ -951,7 +980,7 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
         return r;
     }
     let noticed = match (f.kind, f.id) {
-        (FaultKind::Term, Some(id)) => {
+        (FaultKind::Term | FaultKind::Usr1, Some(id)) => {
             events.of("drain_requested").filter(after).find(|e| e["id"].as_u64() == Some(id)).cloned().or_else(|| lost(id))
         }
         (FaultKind::Join, _) => events.of("join_requested").find(|e| e["pid"].as_u64() == f.id).cloned(),
@@ -968,9 +997,10 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
     if let Some(n) = noticed {
         let t = n["t_ms"].as_u64().unwrap_or(at);
         r.detection_ms = Some(t.saturating_sub(at));
-        if n["event"] == "lost" && f.kind == FaultKind::Term {
+        let drain = matches!(f.kind, FaultKind::Term | FaultKind::Usr1);
+        if n["event"] == "lost" && drain {
             r.note = "left after the drain grace period (lost)".into();
-        } else if let (FaultKind::Term, Some(l)) = (f.kind, f.id.and_then(lost)) {
+        } else if let (true, Some(l)) = (drain, f.id.and_then(lost)) {
             // It asked to drain, then was lost before a step boundary let it go.
             r.note = match l["why"].as_str() {
                 Some(why) if why.contains("drain grace") => "asked to drain; left after the drain grace period (lost)".into(),
@@ -985,7 +1015,13 @@ fn timings(f: Fired, events: &Events, start_ms: u64, hosts: Option<&Hosts>, next
         if n["event"] == "lost"
             && !matches!(
                 f.kind,
-                FaultKind::Kill | FaultKind::StopActor | FaultKind::KillInCommit | FaultKind::Stop | FaultKind::Partition | FaultKind::Term
+                FaultKind::Kill
+                    | FaultKind::StopActor
+                    | FaultKind::KillInCommit
+                    | FaultKind::Stop
+                    | FaultKind::Partition
+                    | FaultKind::Term
+                    | FaultKind::Usr1
             )
         {
             r.note.push_str("; the worker was lost");
@@ -1104,7 +1140,7 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
         }
     }
     // Before anything runs: a scenario this machine cannot fault is refused at once.
-    let mut faulted_env = Env { hosts: test_network(o)?, disk: None, agents: None };
+    let mut faulted_env = Env { hosts: test_network(o)?, disk: None, agents: None, hooks: faulted_hooks(o, &faults) };
     let pb = match o.progress {
         true => {
             let pb = ProgressBar::new(o.scenario.steps);
@@ -1117,7 +1153,7 @@ pub fn run(o: &ChaosOptions) -> Result<Report, ChaosError> {
         false => ProgressBar::hidden(),
     };
     fresh_dir(&o.output.join("clean"))?;
-    let (clean, _) = run_one(o, "clean", &[], &mut Env::default(), &pb)?;
+    let (clean, _) = run_one(o, "clean", &[], &mut Env { hooks: o.faults.clone(), ..Env::default() }, &pb)?;
     if !clean.ok {
         pb.finish_and_clear();
         let why = clean.error.clone().unwrap_or_else(|| "no summary".into());
@@ -1216,7 +1252,7 @@ mod events_tests {
         events.all = vec![
             serde_json::json!({"event": "drain_requested", "id": 2, "t_ms": 1_050}),
             serde_json::json!({"event": "lost", "id": 2, "t_ms": 1_400,
-                "why": "worker 2 (pid 9): the process exited with status 3: it got SIGTERM and no step boundary came within its drain grace (tessera.elastic.drain_grace_ms = 300)"}),
+                "why": "worker 2 (pid 9): the process exited with status 3: it was asked to drain (SIGTERM or SIGUSR1) and no step boundary came within its drain grace (tessera.elastic.drain_grace_ms = 300)"}),
             serde_json::json!({"event": "resumed", "step": 2, "t_ms": 5_000}),
         ];
         let r = timings(fired(), &events, 0, None, u64::MAX);

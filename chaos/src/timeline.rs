@@ -50,7 +50,7 @@ fn fault_color(kind: &str) -> &'static str {
     match kind {
         "kill" | "kill_in_commit" | "partition" => "#d62728",
         "stop" | "slow" => "#ff7f0e",
-        "term" => "#bcbd22",
+        "term" | "usr1" => "#bcbd22",
         "join" => "#2ca02c",
         "delay" | "loss" | "reorder" | "duplicate" | "throttle" => "#9467bd",
         _ => "#8c564b", // checkpoint and disk faults

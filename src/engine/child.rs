@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tessera_actors::compute::{ComputeError, MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::faults::Faults;
 use tessera_actors::remote::{ActorEvent, NodeHost, Uplink, WireComputeError};
 use tessera_transport::quic::{ClusterSpec, ControlConn, ControlEndpoint, JoinToken, NodeKey, NodeTls, QuicComm, ALPN_CONTROL};
 
@@ -74,6 +75,8 @@ pub struct WorkerArgs {
     pub control: SocketAddr,
     /// The run's `procs` directory: `config.json` and `pki/`.
     pub dir: PathBuf,
+    /// The process's fault hooks (no-op unless a test or the chaos harness asked for them).
+    pub faults: Faults,
 }
 
 /// Arguments of `tessera agent` (see [`crate::launch::agent_args`] for the torchrun/Slurm
@@ -209,6 +212,7 @@ pub(super) fn recv_start(
     cfg: &Config,
     plan: &Plan,
     rank: usize,
+    faults: &Faults,
     wait: &Wait<'_>,
 ) -> Result<(RankState, u64)> {
     let (master_start, counters, descs, step) = match wire::recv(stream, "Start", wait)? {
@@ -225,7 +229,7 @@ pub(super) fn recv_start(
     master[window].copy_from_slice(&bufs.remove(0));
     let optim = counters.optimizer_steps.map(|steps| (steps, descs[1..].iter().map(|d| d.name.clone()).zip(bufs).collect()));
     let cut = StartCut { optim, applied: counters.applied, skipped: counters.skipped, scaler: counters.scaler };
-    Ok((rank_state(cfg, plan, rank, &master, &cut)?, step))
+    Ok((rank_state(cfg, plan, rank, &master, &cut, faults)?, step))
 }
 
 /// Sends this rank's masters, its optimizer buffers when asked, and counters.
@@ -257,6 +261,7 @@ struct Member {
     quic_addr: SocketAddr,
     data_blake3: Option<String>,
     dataset: Dataset,
+    faults: Faults,
 }
 
 /// How a rank waits for its driver's next request.
@@ -291,7 +296,7 @@ fn start_up(
         other => bail!("rank {rank}: expected the addresses, got {other:?}"),
     };
     let addrs = addrs.iter().map(|s| s.parse::<SocketAddr>().with_context(|| format!("address {s:?}"))).collect::<Result<Vec<_>>>()?;
-    let (state, at) = recv_start(stream, &m.cfg, &m.plan, rank, &wait).with_context(|| format!("rank {rank}: start state"))?;
+    let (state, at) = recv_start(stream, &m.cfg, &m.plan, rank, &m.faults, &wait).with_context(|| format!("rank {rank}: start state"))?;
     let addrs = super::worker_net::peer_addrs(addrs, rank)?;
     let spec = ClusterSpec { addrs, names: (0..m.world).map(node_name).collect() };
     let socket = m.socket.try_clone().context("the QUIC socket")?;
@@ -309,12 +314,13 @@ fn serve_elastic(
     data: DataNet,
     alive: &dyn Fn() -> Result<(), WireError>,
 ) -> Result<()> {
-    super::elastic_worker::install_signal_handlers();
+    super::elastic_worker::install_signal_handlers(&m.faults);
     let (state, at, comm) = start_up(conn, &mut m, alive)?;
     let rank = m.rank;
     let er = config::elastic_run(&m.cfg)?;
     let ready = snapshot(&state, rank);
-    let setup = Setup { id: rank as u64, side, data, cfg: m.cfg, er, dataset: m.dataset, sampler: m.sampler, tls: m.tls };
+    let (cfg, dataset, sampler, tls, faults) = (m.cfg, m.dataset, m.sampler, m.tls, m.faults);
+    let setup = Setup { id: rank as u64, side, data, cfg, er, dataset, sampler, tls, faults };
     wire::send(conn, &ToParent::Ready { snapshot: ready })?;
     super::elastic_worker::serve_started(conn, setup, rank, m.plan, state, Box::new(comm), at, alive)
 }
@@ -463,7 +469,19 @@ pub fn run_worker(a: &WorkerArgs) -> Result<()> {
             .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
         super::worker_net::init_worker(&a.dir, rank as u64)?;
         let (socket, quic_addr) = super::worker_net::bind_quic(local_ip).with_context(|| format!("rank {rank}"))?;
-        let m = Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset };
+        let m = Member {
+            rank,
+            world: a.world,
+            cfg,
+            plan,
+            sampler,
+            tls,
+            socket,
+            quic_addr,
+            data_blake3: None,
+            dataset,
+            faults: a.faults.clone(),
+        };
         let side = SideDial { endpoint: Arc::clone(&endpoint), driver: a.control, client };
         let data = DataNet { bind: local_ip, advertise: local_ip, port: 0 };
         let served = serve_elastic(&mut conn, m, side, data, &alive);
@@ -472,7 +490,8 @@ pub fn run_worker(a: &WorkerArgs) -> Result<()> {
     }
     let local: SocketAddr = ([127, 0, 0, 1], 0).into();
     let (socket, quic_addr) = super::worker_net::bind_quic(local.ip()).with_context(|| format!("rank {rank}"))?;
-    let m = Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset };
+    let m =
+        Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset, faults: a.faults.clone() };
     let endpoint = ControlEndpoint::bind(local, None)?;
     let client = m.tls.client_config_for(ALPN_CONTROL)?;
     let mut conn = endpoint
@@ -624,7 +643,7 @@ fn recv_assign(conn: &mut ControlConn, name: &str) -> Result<Answer> {
 
 /// Everything an agent does between `Assign` and `Hello` (errors are reported to the
 /// coordinator as `Failed`).
-fn agent_member(a: &AgentArgs, local_ip: IpAddr, assigned: (usize, usize, &str), tls: NodeTls) -> Result<Member> {
+fn agent_member(a: &AgentArgs, local_ip: IpAddr, assigned: (usize, usize, &str), tls: NodeTls, faults: &Faults) -> Result<Member> {
     let (rank, world, config) = assigned;
     let ctx = ResolveContext { world_size: Some(world), ..Default::default() };
     let cfg = config::from_str_named(config, "the coordinator's resolved config", &[], &ctx)?;
@@ -644,7 +663,7 @@ fn agent_member(a: &AgentArgs, local_ip: IpAddr, assigned: (usize, usize, &str),
         }
     };
     let data_blake3 = Some(data_blake3(&dataset));
-    Ok(Member { rank, world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3, dataset })
+    Ok(Member { rank, world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3, dataset, faults: faults.clone() })
 }
 
 /// The local address this machine uses to reach `peer` (no packet is sent).
@@ -690,13 +709,13 @@ fn agent_data_ips(a: &AgentArgs, local_ip: IpAddr) -> (IpAddr, IpAddr) {
 
 /// `tessera agent`: joins the coordinator, runs the rank it is given, and returns when the
 /// coordinator says stop (or fails when it goes away).
-pub fn run_agent(a: &AgentArgs) -> Result<()> {
-    join_and_serve(a)
+pub fn run_agent(a: &AgentArgs, faults: &Faults) -> Result<()> {
+    join_and_serve(a, faults)
 }
 
 /// `tessera worker --join --dir DIR`: joins the running elastic job whose `procs` directory is
 /// `dir` (on this machine) as a late agent would, with the address and join token found there.
-pub fn run_joiner(dir: &Path) -> Result<()> {
+pub fn run_joiner(dir: &Path, faults: &Faults) -> Result<()> {
     let read = |name: &str| {
         let path = dir.join(name);
         std::fs::read_to_string(&path).map(|t| t.trim().to_string()).with_context(|| format!("reading {}", path.display()))
@@ -718,11 +737,11 @@ pub fn run_joiner(dir: &Path) -> Result<()> {
         connect_timeout_ms: STARTUP_TIMEOUT_MS,
         worker_net: net.exists().then_some(net),
     };
-    join_and_serve(&a)
+    join_and_serve(&a, faults)
 }
 
 /// An agent's life (see the module doc).
-fn join_and_serve(a: &AgentArgs) -> Result<()> {
+fn join_and_serve(a: &AgentArgs, faults: &Faults) -> Result<()> {
     let name = &a.name;
     let (client, token, key, own) = agent_tls(a).with_context(|| format!("agent {name}"))?;
     let v6 = a.join.to_socket_addrs().ok().and_then(|mut x| x.next()).is_some_and(|x| x.is_ipv6());
@@ -747,7 +766,7 @@ fn join_and_serve(a: &AgentArgs) -> Result<()> {
             let line = format!("agent {name}: rank {rank} of {world} (coordinator {})\n", a.join);
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             let tls = agent_identity(own, key, identity, token.as_ref());
-            let m = tls.and_then(|tls| agent_member(a, local_ip, (rank, world, &config), tls));
+            let m = tls.and_then(|tls| agent_member(a, local_ip, (rank, world, &config), tls, faults));
             let m = match m {
                 Ok(m) => m,
                 Err(e) => return fail(&mut conn, format!("agent {name} (rank {rank})"), e),
@@ -771,11 +790,11 @@ fn join_and_serve(a: &AgentArgs) -> Result<()> {
             served.with_context(|| format!("agent {name} (rank {rank})"))
         }
         Answer::Admit(id, config, identity) => {
-            super::elastic_worker::install_signal_handlers();
+            super::elastic_worker::install_signal_handlers(faults);
             let line = format!("agent {name}: joins the running job as worker {id} (driver {})\n", a.join);
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             let setup = agent_identity(own, key, identity, token.as_ref())
-                .and_then(|tls| late_setup(a, &endpoint, &mut conn, id, &config, tls, local_ip));
+                .and_then(|tls| late_setup(a, &endpoint, &mut conn, id, &config, (tls, faults), local_ip));
             match setup {
                 Ok(setup) => super::elastic_worker::serve_joined(&mut conn, setup).with_context(|| format!("agent {name} (worker {id})")),
                 Err(e) => return fail(&mut conn, format!("agent {name} (worker {id})"), e),
@@ -806,7 +825,7 @@ fn late_setup(
     conn: &mut ControlConn,
     id: u64,
     config: &str,
-    tls: NodeTls,
+    (tls, faults): (NodeTls, &Faults),
     local_ip: IpAddr,
 ) -> Result<Setup> {
     let cfg = config::from_str_named(config, "the driver's resolved config", &[], &ResolveContext::default())?;
@@ -832,5 +851,5 @@ fn late_setup(
     let side = SideDial { endpoint: Arc::clone(endpoint), driver: conn.remote_address(), client };
     let (bind, advertise) = agent_data_ips(a, local_ip);
     let data = DataNet { bind, advertise, port: a.quic_port };
-    Ok(Setup { id, side, data, cfg, er, dataset, sampler, tls })
+    Ok(Setup { id, side, data, cfg, er, dataset, sampler, tls, faults: faults.clone() })
 }

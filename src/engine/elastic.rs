@@ -85,6 +85,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tessera_actors::compute::{ComputeError, MemoryReport, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::faults::Faults;
 use tessera_actors::formation::{FormMembers, Formation};
 use tessera_actors::liveness::{self, Exit, Liveness};
 use tessera_actors::recovery::{self, Holdings, Layout, Survivor};
@@ -199,6 +200,8 @@ pub(super) struct Shared {
     pub admission: Admission,
     /// Stops a rank's DeviceWorker actor of the current epoch's tree (the `stop_actor` fault).
     stopper: Mutex<Option<WorkerStopper>>,
+    /// The driver's fault hooks (`stop_actor`; no-op unless a test asked for them).
+    faults: Faults,
 }
 
 impl Shared {
@@ -331,7 +334,7 @@ fn monitor(shared: Arc<Shared>) {
                 shared.loss(id, &why);
             }
         }
-        if let Some(rank) = super::stop_actor::take() {
+        if let Some(rank) = shared.faults.take_stop_actor() {
             let id = relock(&shared.members).get(rank).copied();
             let stopped = relock(&shared.stopper).as_ref().is_some_and(|s| s.stop(rank, "stopped by the chaos fault stop_actor"));
             tracing::info!("elastic: stop_actor: rank {rank}'s actor {}", if stopped { "asked to stop" } else { "not found" });
@@ -375,6 +378,7 @@ impl Shared {
             events: Mutex::new(events),
             admission,
             stopper: Mutex::new(None),
+            faults: Faults::default(),
         }
     }
 }
@@ -537,7 +541,9 @@ type First = (ControlConn, String, u32, Option<Pidfd>, String);
 
 impl Fleet {
     /// Starts the first epoch's `plan.world` workers (ids `0..world`) from `start`: spawned
-    /// (see [`super::worker_net`] for `--worker-net`) or agents joining a rendezvous.
+    /// (see [`super::worker_net`] for `--worker-net`) or agents joining a rendezvous; the
+    /// driver's side of the fault hooks (`stop_actor`) is installed first.
+    #[allow(clippy::too_many_arguments)]
     pub fn launch(
         cfg: &Config,
         er: &ElasticRun,
@@ -546,8 +552,9 @@ impl Fleet {
         out_dir: &Path,
         dataset: &Dataset,
         origin: Origin<'_>,
+        faults: &Faults,
     ) -> Result<(Fleet, Vec<Box<dyn WorkerCompute>>)> {
-        super::stop_actor::install();
+        faults.install_driver_signals();
         let world = plan.world;
         let admission = |auth: AgentAuth| -> Result<Admission> {
             let config = serde_json::to_string(&cfg.resolved).context("serialising the resolved config")?;
@@ -561,7 +568,7 @@ impl Fleet {
                 prepare_procs(cfg, world, &dir, &ca, &token)?;
                 let identity = ca.issue(COORDINATOR_NAME)?;
                 let server = remote::control_server_config(&identity, ClientAuth::Optional)?;
-                let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(AgentAuth::Token { ca: Box::new(ca), token })?)?;
+                let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(AgentAuth::Token { ca: Box::new(ca), token })?, faults)?;
                 fleet.dir = Some(dir.clone());
                 fleet.forced_exit = Some(crate::signals::on_forced_exit(crate::signals::Cleanup::Dir(dir.clone())));
                 let control_ip = net.map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.control_ip);
@@ -594,7 +601,7 @@ impl Fleet {
                 let launched = Arc::clone(&rdv.launched);
                 let started = remote::rendezvous_agents(cfg, plan, &rdv, &|| remote::launched_exited(&launched))?;
                 let Rendezvous { endpoint, auth, .. } = rdv;
-                let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(auth)?)?;
+                let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(auth)?, faults)?;
                 fleet.launched = Some(launched);
                 let host = fleet.shared.admission.host.clone();
                 let firsts = started
@@ -610,11 +617,12 @@ impl Fleet {
     }
 
     /// A fleet with no workers yet (dropping it ends whatever it started).
-    fn new(cfg: &Config, er: &ElasticRun, plan: &Arc<Plan>, out_dir: &Path, admission: Admission) -> Result<Fleet> {
+    fn new(cfg: &Config, er: &ElasticRun, plan: &Arc<Plan>, out_dir: &Path, admission: Admission, faults: &Faults) -> Result<Fleet> {
         let world = plan.world;
         let path = out_dir.join(EVENTS_FILE);
         let events = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-        let shared = Arc::new(Shared::new(er.clone(), world as u64, cfg.hash.clone(), admission, events));
+        let shared = Shared { faults: faults.clone(), ..Shared::new(er.clone(), world as u64, cfg.hash.clone(), admission, events) };
+        let shared = Arc::new(shared);
         Ok(Fleet {
             cfg: cfg.clone(),
             shared,
@@ -1437,7 +1445,7 @@ mod tests {
         let exited = |code: i32| ExitStatus::from_raw(code << 8);
         assert_eq!(
             worker_exit(exited(EXIT_DRAIN_GRACE), true, 300).to_string(),
-            "exited with status 3: it got SIGTERM and no step boundary came within its drain grace \
+            "exited with status 3: it was asked to drain (SIGTERM or SIGUSR1) and no step boundary came within its drain grace \
              (tessera.elastic.drain_grace_ms = 300)"
         );
         assert_eq!(worker_exit(exited(EXIT_DRAIN_GRACE), false, 300), Exit::Code(3));

@@ -5,8 +5,8 @@
 //! worker:
 //! - keeps a **side connection** to the driver: a thread sends a heartbeat every
 //!   `heartbeat_ms` (a SIGSTOPped or wedged process stops sending and is declared dead), tells
-//!   the driver `Draining` once the process got SIGTERM (and exits on its own when no step
-//!   boundary came within `drain_grace_ms`), and another thread reads `Abort { epoch }`, which
+//!   the driver `Draining` once the process got SIGTERM or SIGUSR1 (a scheduler's preemption or
+//!   time-limit warning; exits on its own when no step boundary came within `drain_grace_ms`), and another thread reads `Abort { epoch }`, which
 //!   aborts the current QUIC group so that a collective waiting on a lost peer returns at once;
 //! - keeps replicas of its `replicas` ring predecessors' shards (fp32 masters and optimizer
 //!   buffers): a full copy when an epoch forms (`Replicate`), then kept in step by each
@@ -33,14 +33,14 @@
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::ops::Range;
-use std::sync::atomic::AtomicU64;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tessera_actors::compute::{StepOrder, WorkerCompute};
+use tessera_actors::faults::Faults;
 use tessera_actors::formation::DrainTimer;
 use tessera_actors::remote::WireComputeError;
 use tessera_transport::collective::{AbortHandle, Collective, CollectiveError, CommStats};
@@ -49,7 +49,7 @@ use tessera_transport::quic::{rustls, ClusterSpec, ControlConn, ControlEndpoint,
 use super::child::{export, recv_start, snapshot};
 use super::plan::Plan;
 use super::remote::{COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
-use super::replica::{FeedConfig, Replica, Update, CORRUPT_REPLICA_ENV};
+use super::replica::{FeedConfig, Replica, Update};
 use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError, WirePrepared};
 use super::zero::{RankState, ZeroWorker};
 use crate::bridge;
@@ -65,7 +65,8 @@ const EPOCH_BIND_TIMEOUT_MS: u64 = 10_000;
 const EPOCH_BIND_RETRY_MS: u64 = 50;
 /// Exit status of a worker the driver declared lost (fenced) or that lost its driver.
 const EXIT_FENCED: i32 = 4;
-/// Exit status of a worker that got SIGTERM and saw no step boundary within its drain grace.
+/// Exit status of a worker asked to drain (SIGTERM, SIGUSR1) that saw no step boundary within its
+/// drain grace.
 pub(super) const EXIT_DRAIN_GRACE: i32 = 3;
 /// Tag space of the full replica copies (the step is added).
 const REPLICA_TAG: u64 = 0x5250_0000_0000_0000;
@@ -146,29 +147,35 @@ impl Collective for SharedComm {
     }
 }
 
-/// Set by the SIGTERM action (async-signal-safe: one atomic store).
-static TERM: AtomicBool = AtomicBool::new(false);
+/// The first drain signal that arrived (0: none), set by its action (async-signal-safe: one
+/// atomic store).
+static TERM: AtomicI32 = AtomicI32::new(0);
 
-/// Set by the SIGUSR1 action: the chaos harness's `kill_in_commit` fault. The worker then
-/// SIGKILLs itself when the driver's next `Commit` arrives — after every rank answered
-/// `Prepared`, before its own optimizer step: a loss inside the commit window, which a signal
-/// from outside cannot aim at.
-static KILL_IN_COMMIT: AtomicBool = AtomicBool::new(false);
+/// The signals that ask an elastic worker to drain: SIGTERM (preemption) and SIGUSR1 (Slurm's
+/// `--signal=USR1@T` time-limit warning, sent to every process of the step).
+const DRAIN_SIGNALS: [i32; 2] = [libc::SIGTERM, libc::SIGUSR1];
 
-/// Turns SIGTERM into a drain request instead of the default exit, and SIGUSR1 into the
-/// armed `kill_in_commit` fault (through `signal-hook`'s registry, which keeps any other
-/// action of the signal). Called as an elastic worker process starts (before its first
-/// message), so neither signal takes its default action (exit) later; idempotent.
-pub(super) fn install_signal_handlers() {
+/// Turns the drain signals into a drain request instead of the default exit (through
+/// `signal-hook`'s registry, which keeps any other action of the signal), except those the
+/// fault hooks take (`kill_in_commit` takes SIGUSR1 when a test asks for it). Called as an
+/// elastic worker process starts (before its first message), so no drain signal takes its
+/// default action (exit) later; idempotent (the first call's hooks hold).
+pub(super) fn install_signal_handlers(faults: &Faults) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        // SAFETY: each action only stores to an atomic, which is async-signal-safe.
-        let installed = unsafe {
-            signal_hook_registry::register(libc::SIGTERM, || TERM.store(true, Ordering::SeqCst))
-                .and_then(|_| signal_hook_registry::register(libc::SIGUSR1, || KILL_IN_COMMIT.store(true, Ordering::SeqCst)))
-        };
-        if let Err(e) = installed {
-            tracing::warn!("SIGTERM and SIGUSR1 keep their default action (exit): their handlers could not be installed: {e}");
+        let taken = faults.install_worker_signals();
+        for sig in DRAIN_SIGNALS.into_iter().filter(|s| !taken.contains(s)) {
+            // SAFETY: the action only does one atomic compare-exchange, which is
+            // async-signal-safe.
+            let installed = unsafe {
+                signal_hook_registry::register(sig, move || {
+                    let _ = TERM.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
+                })
+            };
+            if let Err(e) = installed {
+                let name = crate::signals::signal_name(sig);
+                tracing::warn!("{name} keeps its default action (exit): its handler could not be installed: {e}");
+            }
         }
     });
 }
@@ -255,9 +262,11 @@ fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) -> Res
             let began = Instant::now();
             let mut timer = DrainTimer::new(grace_ms);
             while !heartbeat_leaving.load(Ordering::SeqCst) {
-                let tick = timer.tick(began.elapsed().as_millis() as u64, TERM.load(Ordering::SeqCst));
+                let term = TERM.load(Ordering::SeqCst);
+                let tick = timer.tick(began.elapsed().as_millis() as u64, term != 0);
                 if tick.draining {
-                    tracing::info!("worker {id}: SIGTERM: handing my shard over at the next step boundary");
+                    let name = crate::signals::signal_name(term);
+                    tracing::info!("worker {id}: {name}: handing my shard over at the next step boundary");
                     if wire::send(&mut conn, &ToParent::Draining).is_err() {
                         return;
                     }
@@ -344,6 +353,7 @@ struct ReplicaShared {
 /// One commit's updates for the thread.
 struct ReplicaJob {
     generation: u64,
+    faults: Faults,
     plan: Arc<Plan>,
     updates: Vec<Update>,
 }
@@ -360,6 +370,8 @@ struct Replicas {
     /// More than [`REPLICA_QUEUE_STEPS`] commits wait to be applied: the driver sends a full
     /// copy rather than have them applied.
     behind: bool,
+    /// The process's fault hooks, handed to each job.
+    faults: Faults,
 }
 
 fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -367,9 +379,8 @@ fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// Applies `updates` to `held`; an update that fails drops its replica and is reported.
-fn apply_updates(held: &mut Vec<Replica>, plan: &Plan, updates: Vec<Update>, problems: &mut Vec<String>) {
-    static CORRUPT_AT: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-    let corrupt_at = *CORRUPT_AT.get_or_init(|| std::env::var(CORRUPT_REPLICA_ENV).ok().and_then(|v| v.parse().ok()));
+/// The first update of a commit passes the fault hooks (`after_replica_update`).
+fn apply_updates(held: &mut Vec<Replica>, plan: &Plan, updates: Vec<Update>, faults: &Faults, problems: &mut Vec<String>) {
     for (k, u) in updates.into_iter().enumerate() {
         let step = u.record.step;
         match held.iter().position(|r| r.owner == u.owner) {
@@ -377,13 +388,10 @@ fn apply_updates(held: &mut Vec<Replica>, plan: &Plan, updates: Vec<Update>, pro
                 if let Err(e) = held[i].apply(plan, u) {
                     problems.push(e);
                     held.remove(i);
-                } else if k == 0 && corrupt_at == Some(step) {
-                    if let Some(x) = held[i].master.first_mut() {
-                        *x = f32::from_bits(x.to_bits() ^ 1);
-                        say(format!(
-                            "elastic worker: {CORRUPT_REPLICA_ENV}: flipped a bit of rank {}'s replica after step {step}",
-                            held[i].owner
-                        ));
+                } else if k == 0 {
+                    let owner = held[i].owner;
+                    if let Some(what) = faults.after_replica_update(owner, step, &mut held[i].master) {
+                        say(format!("elastic worker: {what}"));
                     }
                 }
             }
@@ -400,7 +408,7 @@ impl ReplicaShared {
             let mut held = relock(&self.held);
             if job.generation == self.generation.load(Ordering::SeqCst) {
                 let t0 = Instant::now();
-                apply_updates(&mut held, &job.plan, job.updates, &mut problems);
+                apply_updates(&mut held, &job.plan, job.updates, &job.faults, &mut problems);
                 if super::elastic::tracing() {
                     say(format!("[replica] applied in {:.2} ms", t0.elapsed().as_secs_f64() * 1e3));
                 }
@@ -414,7 +422,7 @@ impl ReplicaShared {
 }
 
 impl Replicas {
-    fn new() -> Self {
+    fn new(faults: Faults) -> Self {
         let shared = Arc::new(ReplicaShared::default());
         let (tx, rx) = mpsc::sync_channel::<ReplicaJob>(2 * REPLICA_QUEUE_STEPS + 1);
         let pool = rayon::ThreadPoolBuilder::new()
@@ -439,7 +447,7 @@ impl Replicas {
             });
             tx
         });
-        Replicas { shared, tx, stale: false, behind: false }
+        Replicas { shared, tx, stale: false, behind: false, faults }
     }
 
     /// Waits (bounded) until at most `most` commits are queued; takes the failures reported.
@@ -468,7 +476,7 @@ impl Replicas {
             // The thread may still hold the lock: take none of its replicas.
             say(format!("elastic worker: the replicas' steps took over {REPLICA_APPLY_TIMEOUT_MS} ms; dropping them"));
             // A new thread and empty replicas; the old thread ends once its queue is closed.
-            *self = Replicas::new();
+            *self = Replicas::new(self.faults.clone());
             self.stale = true;
         }
         self.behind = false;
@@ -479,7 +487,7 @@ impl Replicas {
     fn replace(&mut self, copies: Vec<Replica>) {
         self.shared.generation.fetch_add(1, Ordering::SeqCst);
         if !self.wait_below(0, false) {
-            *self = Replicas::new();
+            *self = Replicas::new(self.faults.clone());
         }
         *relock(&self.shared.held) = copies;
         (self.stale, self.behind) = (false, false);
@@ -509,7 +517,8 @@ impl Replicas {
             self.behind = true;
         }
         self.wait_below(usize::MAX, true);
-        let job = ReplicaJob { generation: self.shared.generation.load(Ordering::SeqCst), plan: Arc::clone(plan), updates };
+        let generation = self.shared.generation.load(Ordering::SeqCst);
+        let job = ReplicaJob { generation, faults: self.faults.clone(), plan: Arc::clone(plan), updates };
         let queued = {
             let mut p = relock(&self.shared.pending);
             p.0 += 1;
@@ -548,6 +557,8 @@ pub(super) struct Setup {
     pub dataset: Dataset,
     pub sampler: Arc<Sampler>,
     pub tls: NodeTls,
+    /// The process's fault hooks (no-op unless a test or the chaos harness asked for them).
+    pub faults: Faults,
 }
 
 /// What a worker held of the last installed epoch (its own shard and its replicas, all at the
@@ -577,20 +588,17 @@ struct Worker {
     _side: SideLink,
 }
 
-/// Test-only: a worker waits this long (ms) before the first full replica copy of an epoch
-/// after the first, so a test can kill a member while that copy is under way (real signals).
-pub const REPLICATE_DELAY_ENV: &str = "TESSERA_TEST_REPLICATE_DELAY_MS";
-
 fn lock(st: &Mutex<RankState>) -> MutexGuard<'_, RankState> {
     st.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Worker {
     fn new(s: Setup) -> Result<Self> {
-        install_signal_handlers();
+        install_signal_handlers(&s.faults);
         let slot: AbortSlot = Arc::new(Mutex::new(None));
         let side = start_side(&s.side, s.id, &s.er, Arc::clone(&slot))?;
-        Ok(Worker { s, member: None, at: None, replicas: Replicas::new(), kept: None, installed: None, slot, _side: side })
+        let replicas = Replicas::new(s.faults.clone());
+        Ok(Worker { s, member: None, at: None, replicas, kept: None, installed: None, slot, _side: side })
     }
 
     /// What this worker holds of the epoch it is leaving (its shard at `at` and its replicas),
@@ -642,15 +650,7 @@ impl Worker {
             return Ok(());
         }
         if m.epoch > 0 && self.installed != Some(m.epoch) {
-            static DELAY_MS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
-            let delay = *DELAY_MS.get_or_init(|| std::env::var(REPLICATE_DELAY_ENV).ok().and_then(|v| v.parse().ok()));
-            if let Some(ms) = delay {
-                say(format!(
-                    "elastic worker {}: {REPLICATE_DELAY_ENV}: waiting {ms} ms before epoch {}'s first full copy",
-                    self.s.id, m.epoch
-                ));
-                std::thread::sleep(Duration::from_millis(ms));
-            }
+            self.s.faults.before_first_copy(self.s.id, m.epoch);
         }
         let (names, mine, optimizer_steps) = {
             let st = lock(&m.state);
@@ -782,7 +782,8 @@ impl Worker {
         };
         let addrs = addrs.iter().map(|s| s.parse::<SocketAddr>().with_context(|| format!("address {s:?}"))).collect::<Result<Vec<_>>>()?;
         let addrs = super::worker_net::peer_addrs(addrs, rank)?;
-        let (state, at) = recv_start(stream, &cfg, &plan, rank, wait).with_context(|| format!("epoch {epoch}: start state"))?;
+        let (state, at) =
+            recv_start(stream, &cfg, &plan, rank, &self.s.faults, wait).with_context(|| format!("epoch {epoch}: start state"))?;
         let spec = ClusterSpec { addrs, names };
         let comm = QuicComm::connect_socket(socket, rank, &spec, &self.s.tls, EPOCH_MESH_TIMEOUT_MS)
             .with_context(|| format!("epoch {epoch}: QUIC mesh"))?;
@@ -803,13 +804,7 @@ impl Worker {
                 }
             }
             ToWorker::Commit { step } => {
-                if KILL_IN_COMMIT.load(Ordering::SeqCst) {
-                    say(format!("elastic worker {}: armed by SIGUSR1: SIGKILL on the commit of step {step}", self.s.id));
-                    // SAFETY: raise(3) with SIGKILL on this process: the chaos fault itself.
-                    unsafe {
-                        libc::raise(libc::SIGKILL);
-                    }
-                }
+                self.s.faults.before_commit(self.s.id, step);
                 let m = self.member.as_mut().context("this worker is not a member of any epoch yet")?;
                 let res = m.worker.commit(step);
                 // What the shard reached is the commit's error's to say: `step + 1` (its masters
@@ -970,7 +965,7 @@ mod tests {
     #[test]
     fn replicas_that_fall_behind_are_replaced_without_applying_the_queue() {
         let plan = plan();
-        let mut r = Replicas::new();
+        let mut r = Replicas::new(Faults::default());
         let bogus = || {
             let record = StepRecord { step: 0, applied: false, lr: 0.0, optimizer_steps: 0, digest: None };
             Ok(vec![Update { owner: 99, grad: vec![], record, reductions: vec![] }])

@@ -17,7 +17,6 @@ mod replica;
 #[cfg(test)]
 mod restore_sim;
 mod run;
-mod stop_actor;
 mod store;
 mod summary;
 mod wire;
@@ -29,10 +28,7 @@ pub use child::{run_agent, run_joiner, run_worker, AgentArgs, AgentCredentials, 
 pub use elastic::{now_ms, EVENTS_FILE};
 pub use plan::Plan;
 pub use precision::Precision16;
-pub use remote::{
-    assign_ranks, control_server_config, set_rendezvous, take_rendezvous, AgentAuth, Launched, Rendezvous, COORDINATOR_NAME,
-    JOIN_TIMEOUT_MS,
-};
+pub use remote::{assign_ranks, control_server_config, AgentAuth, Launched, Rendezvous, RendezvousSlot, COORDINATOR_NAME, JOIN_TIMEOUT_MS};
 pub(crate) use run::{checkpoint_tensors, lock_output, log_line, progress_bar, refuse_to_overwrite, resume_start};
 pub use run::{train, validate, TrainOptions, TrainOutcome};
 pub use summary::{peak_rss_bytes, ElasticSummary, GpuFigures, HostOptimizerFigures, MemoryBytes, RunRecord, RunStatus, Summary};

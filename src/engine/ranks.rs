@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use anyhow::{Context, Result};
 use tessera_actors::compute::MemoryReport;
+use tessera_actors::faults::Faults;
 
 use super::elastic::Fleet;
 use super::plan::Plan;
@@ -63,13 +64,15 @@ pub fn master_window(plan: &Plan, _r: usize) -> std::ops::Range<usize> {
     0..plan.total()
 }
 
-/// Rank `r`'s state from full-length masters (only [`master_window`] is read) and its cut.
-pub fn rank_state(cfg: &Config, plan: &Plan, r: usize, master: &[f32], cut: &StartCut) -> Result<RankState> {
+/// Rank `r`'s state from full-length masters (only [`master_window`] is read) and its cut;
+/// its swap files (NVMe offload) fail where `faults` says.
+pub fn rank_state(cfg: &Config, plan: &Plan, r: usize, master: &[f32], cut: &StartCut, faults: &Faults) -> Result<RankState> {
     let mut scaler = bridge::loss_scaler(&cfg.precision)?;
     if let (Some(sc), Some(v)) = (scaler.as_mut(), &cut.scaler) {
         bridge::scaler_from_json(sc, v)?;
     }
     let mut st = RankState::new(plan, r, master, scaler);
+    st.optim.set_faults(faults.clone());
     st.applied = cut.applied;
     st.skipped = cut.skipped;
     if let Some((steps, bufs)) = &cut.optim {
@@ -80,8 +83,8 @@ pub fn rank_state(cfg: &Config, plan: &Plan, r: usize, master: &[f32], cut: &Sta
 }
 
 /// One `RankState` per rank, cut from the full-length start buffers.
-pub fn rank_states(cfg: &Config, plan: &Plan, start: &Start) -> Result<Vec<Arc<Mutex<RankState>>>> {
-    (0..plan.world).map(|r| Ok(Arc::new(Mutex::new(rank_state(cfg, plan, r, &start.master, &start.cut(plan, r))?)))).collect()
+pub fn rank_states(cfg: &Config, plan: &Plan, start: &Start, faults: &Faults) -> Result<Vec<Arc<Mutex<RankState>>>> {
+    (0..plan.world).map(|r| Ok(Arc::new(Mutex::new(rank_state(cfg, plan, r, &start.master, &start.cut(plan, r), faults)?)))).collect()
 }
 
 /// The ranks of a run, as the driver sees them between steps.

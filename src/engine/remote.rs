@@ -9,8 +9,8 @@
 //! - `tessera train --nprocs N`: the parent spawns N `tessera worker` processes on this machine
 //!   (QUIC on 127.0.0.1, keys in the run's `procs` directory).
 //! - `tessera coordinator` / `tessera launch`: N agents (`tessera agent`, any host) join the
-//!   coordinator's control endpoint ([`Rendezvous`], handed over with [`set_rendezvous`] before
-//!   training starts); see "Agents" below.
+//!   coordinator's control endpoint ([`Rendezvous`], handed to the run in
+//!   `TrainOptions::rendezvous`); see "Agents" below.
 //!
 //! # Start-up ([`launch`])
 //! 1. The parent writes the resolved config and a fresh cluster PKI (`cluster_init`: CA,
@@ -150,19 +150,28 @@ pub struct Rendezvous {
     pub launched: Arc<Mutex<Vec<Launched>>>,
 }
 
-/// The rendezvous the next [`launch`] uses instead of spawning workers (set by `tessera
-/// coordinator` and `tessera launch` before training starts; taken by the launch).
-static RENDEZVOUS: Mutex<Option<Rendezvous>> = Mutex::new(None);
+/// A run's rendezvous, as `TrainOptions::rendezvous` carries it: set by `tessera coordinator`
+/// and `tessera launch` (and rank 0 under torchrun or srun), it makes the multi-process run
+/// wait for agents there instead of spawning `tessera worker` processes. The endpoint is used
+/// once: the run takes it ([`RendezvousSlot::take`]); clones of the options share the slot.
+#[derive(Clone, Default)]
+pub struct RendezvousSlot(Option<Arc<Mutex<Option<Rendezvous>>>>);
 
-/// Makes the next multi-process run (`TrainOptions::processes`) wait for agents at `r` instead
-/// of spawning `tessera worker` processes.
-pub fn set_rendezvous(r: Rendezvous) {
-    *RENDEZVOUS.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+impl RendezvousSlot {
+    pub fn new(r: Rendezvous) -> Self {
+        RendezvousSlot(Some(Arc::new(Mutex::new(Some(r)))))
+    }
+
+    /// The rendezvous, if one was set and no run took it yet.
+    pub fn take(&self) -> Option<Rendezvous> {
+        self.0.as_ref().and_then(|m| m.lock().unwrap_or_else(|p| p.into_inner()).take())
+    }
 }
 
-/// Takes back a rendezvous that no run used (e.g. the run failed before starting its ranks).
-pub fn take_rendezvous() -> Option<Rendezvous> {
-    RENDEZVOUS.lock().unwrap_or_else(|p| p.into_inner()).take()
+impl std::fmt::Debug for RendezvousSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "RendezvousSlot(set)" } else { "RendezvousSlot(none)" })
+    }
 }
 
 /// The TLS server config of a driver's control endpoint: its identity, and whether clients
@@ -674,10 +683,10 @@ pub(super) fn send_start(stream: &mut (impl ControlIo + ?Sized), plan: &Plan, st
     Ok(())
 }
 
-/// Starts `plan.world` ranks for `cfg` from `start` (see the module doc): agents joining the
-/// rendezvous set by [`set_rendezvous`], if any, else spawned `tessera worker` processes.
-pub fn launch(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path) -> Result<Started> {
-    match take_rendezvous() {
+/// Starts `plan.world` ranks for `cfg` from `start` (see the module doc): agents joining
+/// `rendezvous`, if given, else spawned `tessera worker` processes.
+pub fn launch(cfg: &Config, plan: &Plan, start: &Start, out_dir: &Path, rendezvous: Option<Rendezvous>) -> Result<Started> {
+    match rendezvous {
         Some(rdv) => launch_agents(cfg, plan, start, out_dir, rdv),
         None => launch_workers(cfg, plan, start, out_dir),
     }

@@ -41,11 +41,6 @@ use tessera_kernels::optim::{NormAllReduce, OptimizerKind, OptimizerShard, StepC
 use super::plan::Plan;
 use super::store::Store;
 
-/// Test-only fault injection: a worker flips one bit of the masters of the first replica it
-/// holds right after applying this step (0-based), as a silent divergence would; the next
-/// digest check must catch it.
-pub const CORRUPT_REPLICA_ENV: &str = "TESSERA_TEST_CORRUPT_REPLICA_AT_STEP";
-
 /// First word of an encoded [`StepRecord`] ("RPL2"; "RPL1" records also carried the owner's
 /// norm reductions, always empty once holders replayed their own).
 const RECORD_MAGIC: u32 = 0x5250_4C32;

@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use tessera_actors::compute::{MemoryReport, ShardInfo, ShardSpec, WorkerCompute};
 use tessera_actors::error::Failures;
 use tessera_actors::recovery::{after_failure, AfterFailure};
+use tessera_actors::faults::Faults;
 use tessera_actors::stepper::{Action, Input, Stepper};
 use tessera_actors::{ActorError, Cluster, ClusterOptions, StepResult};
 use tessera_kernels::model::{FlatAccess, Workspace};
@@ -44,6 +45,11 @@ pub struct TrainOptions {
     /// A `--worker-net` file: the elastic run's workers each in their own network namespace
     /// (see `engine::worker_net`; written by `tessera chaos run`).
     pub worker_net: Option<PathBuf>,
+    /// The test-only fault hooks of this process (`tessera_actors::faults`; no-op by default).
+    pub faults: Faults,
+    /// `tessera coordinator` / `tessera launch`: the agents' rendezvous, which the run's ranks
+    /// come from instead of spawned workers (taken once; see `remote::RendezvousSlot`).
+    pub rendezvous: super::remote::RendezvousSlot,
 }
 
 /// What a finished run leaves behind.
@@ -548,7 +554,7 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         }
     };
     let (sampler, val, er) = run_inputs(cfg, &plan, &dataset).map_err(unmade)?;
-    let rendezvous = super::remote::take_rendezvous();
+    let rendezvous = opts.rendezvous.take();
     let elastic_fleet = opts.processes && er.enabled;
     if let (Some(path), false) = (&opts.worker_net, elastic_fleet && rendezvous.is_none()) {
         bail!("--worker-net {}: worker namespaces are for elastic `train --nprocs N` runs (tessera.elastic.enabled)", path.display());
@@ -558,19 +564,12 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
             "tessera.elastic applies to worker processes (`train --nprocs N`, `tessera coordinator`, `tessera launch`); this run's ranks are threads of one process: the first rank lost ends it"
         );
     }
-    // A plain process run takes the rendezvous in `remote::launch`; an elastic one here.
-    let mut rendezvous = rendezvous;
-    if !elastic_fleet {
-        if let Some(r) = rendezvous.take() {
-            super::remote::set_rendezvous(r);
-        }
-    }
     let mut elastic = None;
     if opts.processes && !elastic_fleet {
         // The ranks' DeviceWorkers live in their processes; the actor tree here drives them
         // over the control connections (`remote`, `tessera_actors::remote`).
         let (procs, nodes) =
-            super::remote::launch(cfg, &plan, &start, &out_dir).context("starting the worker processes").map_err(unmade)?;
+            super::remote::launch(cfg, &plan, &start, &out_dir, rendezvous).context("starting the worker processes").map_err(unmade)?;
         let ranks = Ranks::Remote(Box::new(procs));
         let cluster = Cluster::start_remote(nodes, cluster_options(opts, None)).context("starting the actor tree")?;
         let monitors = bridge::monitors(cfg, &out_dir)?;
@@ -584,12 +583,13 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
             Some(rdv) => Origin::Agents(Box::new(rdv)),
             None => Origin::Spawn { net: net.as_ref() },
         };
-        let (fleet, workers) =
-            Fleet::launch(cfg, &er, &plan, &start, &out_dir, &dataset, origin).context("starting the workers").map_err(unmade)?;
+        let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir, &dataset, origin, &opts.faults)
+            .context("starting the workers")
+            .map_err(unmade)?;
         elastic = Some(ElasticRunState { er, resume: resumed_from, stats: ElasticSummary::default(), stepper: Stepper::new(start.step) });
         (Ranks::Elastic(Box::new(fleet)), workers)
     } else {
-        let states = rank_states(cfg, &plan, &start)?;
+        let states = rank_states(cfg, &plan, &start, &opts.faults)?;
         let workers = LocalGroup::new(plan.world)
             .into_iter()
             .enumerate()

@@ -159,7 +159,7 @@ fn join(env: &LauncherEnv, trust: &Trust, u: &UnderLauncher<'_>) -> Result<()> {
     let path = match trust {
         Trust::Certs(dir) => {
             args.credentials = AgentCredentials::Certs(dir.clone());
-            return engine::run_agent(&args);
+            return engine::run_agent(&args, &u.opts.faults);
         }
         Trust::TokenFile(path) => path,
     };
@@ -170,7 +170,7 @@ fn join(env: &LauncherEnv, trust: &Trust, u: &UnderLauncher<'_>) -> Result<()> {
         tracing::info!("train: rank {} of {}: joining {} with the join token in {}", env.rank, env.describe, env.master(), path.display());
         args.credentials = AgentCredentials::Token(token.clone());
         args.connect_timeout_ms = deadline.saturating_duration_since(Instant::now()).as_millis().max(1) as u64;
-        match engine::run_agent(&args) {
+        match engine::run_agent(&args, &u.opts.faults) {
             // The file still held an earlier run's token when this rank read it: rank 0 is
             // replacing it.
             Err(e) if e.chain().any(|c| c.is::<engine::WrongCoordinator>()) && Instant::now() < deadline => {

@@ -14,14 +14,11 @@ use std::thread::ScopedJoinHandle;
 use std::time::Instant;
 
 use anyhow::Context;
+use tessera_actors::faults::Faults;
 use tessera_kernels::optim::{NormAllReduce, OptimizerKind, OptimizerShard, StepContext};
 
 use super::io::{AioOptions, AlignedBuf, SwapFile};
 use super::{OffloadPlan, Tier};
-
-/// Test-only fault injection: the write-back of the second sub-group (the first when there is
-/// only one) of this 1-based optimizer step fails as a disk error would.
-pub const FAIL_WRITE_ENV: &str = "TESSERA_OFFLOAD_FAIL_WRITE_AT_STEP";
 
 /// Where a rank's swap files go and how they are accessed.
 #[derive(Clone, Debug)]
@@ -196,7 +193,8 @@ pub struct OptimState {
     swapped: Vec<(&'static str, Swapped)>,
     step: u64,
     site: Option<SwapSite>,
-    fail_at: Option<u64>,
+    /// Where a test makes the swap-file writes fail (`FaultHooks::offload_write_fails`).
+    faults: Faults,
     pub stats: SwapStats,
 }
 
@@ -209,9 +207,9 @@ impl OptimState {
     /// Fresh state for `len` elements in `tier`; on NVMe the swap files are created (zeros) now,
     /// or the state stays in memory and the error is returned beside it.
     pub fn new(kind: OptimizerKind, len: usize, tier: Tier, site: Option<&SwapSite>) -> (OptimState, Option<String>) {
-        let fail_at = std::env::var(FAIL_WRITE_ENV).ok().and_then(|v| v.parse().ok());
+        let faults = Faults::default();
         let mut st =
-            OptimState { kind, len, tier, resident: None, swapped: Vec::new(), step: 0, site: None, fail_at, stats: SwapStats::default() };
+            OptimState { kind, len, tier, resident: None, swapped: Vec::new(), step: 0, site: None, faults, stats: SwapStats::default() };
         if let Some(site) = site.filter(|_| tier == Tier::Nvme) {
             let files: io::Result<Vec<_>> = kind.state_names().iter().map(|n| Ok((*n, Swapped::create(site, n, len)?))).collect();
             match files {
@@ -253,6 +251,11 @@ impl OptimState {
     }
 
     /// Completed optimizer steps.
+    /// The fault hooks the swap-file writes consult (none until set).
+    pub fn set_faults(&mut self, faults: Faults) {
+        self.faults = faults;
+    }
+
     pub fn step_count(&self) -> u64 {
         self.resident.as_ref().map_or(self.step, OptimizerShard::step_count)
     }
@@ -350,7 +353,9 @@ impl OptimState {
         let files: Vec<&SwapFile> = std::iter::once(mfile).chain(self.swapped.iter().map(|(_, s)| &s.file)).collect();
         let sets = 1 + usize::from(site.pipeline_read) + usize::from(site.pipeline_write);
         let mut free: Vec<Set> = (0..sets).map(|_| files.iter().map(|_| AlignedBuf::new(chunk * 4, block)).collect()).collect();
-        let fail_chunk = (self.fail_at == Some(self.step + 1)).then_some(1.min(n - 1));
+        // An injected failure hits the second sub-group (the first when there is only one).
+        let fail_step = self.step + 1;
+        let fail_chunk = self.faults.offload_write_fails(fail_step).then_some(1.min(n - 1));
         let padded = |r: &Range<usize>| (r.len() * 4).div_ceil(block) * block;
         let read = |mut set: Set, k: usize| -> io::Result<(Set, f64)> {
             let t = Instant::now();
@@ -367,7 +372,7 @@ impl OptimState {
             let off = (r.start * 4) as u64;
             for (f, b) in files.iter().zip(set.iter_mut()) {
                 if fail_chunk == Some(k) {
-                    let e = io::Error::other(format!("injected write error ({FAIL_WRITE_ENV})"));
+                    let e = io::Error::other(format!("injected write error (offload_fail_write_at_step={fail_step})"));
                     return Err(io_err(e, "writing", f, off));
                 }
                 f.write_at(off, b, padded(&r)).map_err(|e| io_err(e, "writing", f, off))?;

@@ -131,6 +131,17 @@ const FWD_KERNELS: [FwdKernel; 2] = [
     FwdKernel { name: "mma", module: "attention", func: "attn_fwd" },
 ];
 
+/// The names `TESSERA_ATTN_FWD` takes (the variable's table, `tessera::env`, checks values
+/// against them).
+pub fn fwd_names() -> Vec<&'static str> {
+    FWD_KERNELS.iter().map(|k| k.name).collect()
+}
+
+/// The names `TESSERA_ATTN_BWD` takes.
+pub fn bwd_names() -> Vec<&'static str> {
+    BWD_LAYOUTS.iter().map(|l| l.name).collect()
+}
+
 /// Whether `module`'s kernels can run on this GPU (the Hopper ones need sm_90).
 fn runs_on(gpu: &Gpu, module: &str) -> bool {
     super::module_runs_on(module, gpu.cc)

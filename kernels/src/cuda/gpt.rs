@@ -289,6 +289,13 @@ impl Fusions {
     /// What `TESSERA_GPU_FUSE` asks for ([`Fusions::DEFAULT`] when unset or empty).
     pub fn requested() -> Result<Fusions> {
         let Ok(v) = std::env::var("TESSERA_GPU_FUSE") else { return Ok(Fusions::DEFAULT) };
+        Self::parse(&v).map_err(|e| GpuError::Invalid(format!("TESSERA_GPU_FUSE: {e}")))
+    }
+
+    /// A value of `TESSERA_GPU_FUSE`: `all`, `none` (or `0`), empty (the default) or a comma
+    /// list of [`Fusions::NAMES`]; the error names what is wrong (the variable's table,
+    /// `tessera::env`, checks values with it).
+    pub fn parse(v: &str) -> std::result::Result<Fusions, String> {
         let v = v.trim();
         if v.is_empty() {
             return Ok(Fusions::DEFAULT);
@@ -308,10 +315,7 @@ impl Fusions {
                 "bgrad" => f.bgrad = true,
                 "residual" => f.residual = true,
                 other => {
-                    return Err(GpuError::Invalid(format!(
-                        "TESSERA_GPU_FUSE: unknown fusion `{other}` (expected `all`, `none` or a comma list of {})",
-                        Self::NAMES.join(", ")
-                    )))
+                    return Err(format!("unknown fusion `{other}` (expected `all`, `none` or a comma list of {})", Self::NAMES.join(", ")))
                 }
             }
         }

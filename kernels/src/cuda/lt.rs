@@ -602,12 +602,17 @@ fn epilogue_name(e: &Epilogue) -> &'static str {
 pub fn tune_requested() -> Result<(bool, bool)> {
     match std::env::var("TESSERA_GPU_TUNE") {
         Err(_) => Ok((true, true)),
-        Ok(v) => match v.trim() {
-            "" => Ok((true, true)),
-            "0" | "off" => Ok((false, false)),
-            "route" => Ok((true, false)),
-            "1" | "on" => Ok((true, true)),
-            other => Err(GpuError::Invalid(format!("TESSERA_GPU_TUNE: `{other}` is not 0, 1, on, off or route"))),
-        },
+        Ok(v) => tune_parse(&v).map_err(|e| GpuError::Invalid(format!("TESSERA_GPU_TUNE: {e}"))),
+    }
+}
+
+/// A value of `TESSERA_GPU_TUNE` as [`tune_requested`]'s pair (the variable's table,
+/// `tessera::env`, checks values with it).
+pub fn tune_parse(v: &str) -> std::result::Result<(bool, bool), String> {
+    match v.trim() {
+        "" | "1" | "on" => Ok((true, true)),
+        "0" | "off" => Ok((false, false)),
+        "route" => Ok((true, false)),
+        other => Err(format!("`{other}` is not 0, 1, on, off or route")),
     }
 }

@@ -110,7 +110,7 @@ pub mod refusals;
 
 pub use comm::QuicComm;
 pub use control::{ControlConn, ControlEndpoint, ControlError};
-pub use net::{check_env, transport_config, ClusterSpec, QuicError};
+pub use net::{transport_config, ClusterSpec, QuicError};
 pub use pki::{cluster_init, ClientAuth, ClusterCa, ClusterFiles, JoinToken, NodeKey, NodeTls, PkiError, ALPN_CONTROL};
 pub use refusals::{RefusalLog, REFUSAL_LOG_INTERVAL_MS};
 /// The TLS library the configs of this module belong to.

@@ -121,7 +121,10 @@ pub fn lanes_wanted(addr: SocketAddr) -> Result<usize, String> {
 /// The number that variable `name` holds, given its value as [`std::env::var`] returns it:
 /// `None` when it is unset; an error naming the variable, its value and what was expected
 /// (a number of `what` in `range`) when the value is anything else — not a number, out of
-/// range, not UTF-8. Every count the transport reads from the environment goes through here.
+/// range, not UTF-8. Every count the transport reads from the environment goes through here,
+/// and so does `tessera`'s start-up check of every `TESSERA_*` count (`tessera::env`, the table
+/// that lists and checks every variable, this crate's included, before a command starts;
+/// [`QuicComm`](super::QuicComm) reads them again, refusing the same values, when it connects).
 pub fn env_count(
     name: &str,
     value: Result<String, std::env::VarError>,
@@ -146,18 +149,6 @@ pub const WORKERS_ENV: &str = "TESSERA_QUIC_WORKERS";
 /// start thousands of threads per rank ([`runtime_workers`] itself picks at most half the
 /// cores; the measurements behind it found nothing gained past as many as the lanes).
 pub const WORKERS_MAX: usize = 64;
-
-/// Every transport variable's value checked, without acting on any: [`LANES_ENV`],
-/// [`WORKERS_ENV`] and the TLS provider's
-/// ([`TLS_PROVIDER_ENV`](super::pki::TLS_PROVIDER_ENV)). Commands that will use QUIC call it
-/// first, so a bad value is refused at start-up with the error naming it, before any worker or
-/// connection exists; [`QuicComm`](super::QuicComm) reads the same variables again (and refuses
-/// the same values) when it connects.
-pub fn check_env() -> Result<(), String> {
-    lanes_from_env()?;
-    workers_from_env()?;
-    super::pki::check_provider_env()
-}
 
 /// [`LANES_ENV`]'s number, if set.
 fn lanes_from_env() -> Result<Option<usize>, String> {

@@ -167,15 +167,6 @@ fn provider() -> Result<Arc<rustls::crypto::CryptoProvider>, PkiError> {
     }
 }
 
-/// [`TLS_PROVIDER_ENV`]'s value checked (the error names a bad one), for start-up checks
-/// ([`check_env`](super::net::check_env)).
-pub fn check_provider_env() -> Result<(), String> {
-    provider().map(drop).map_err(|e| match e {
-        PkiError::Tls(detail) => detail,
-        e => e.to_string(),
-    })
-}
-
 /// The crypto provider `name` (`aws-lc-rs` or `ring`) with TLS 1.3's AES-128-GCM preferred over
 /// AES-256-GCM, then ChaCha20-Poly1305 (both stay accepted).
 ///
