@@ -9,6 +9,7 @@ pub mod console;
 pub mod data;
 pub mod engine;
 pub mod gpu;
+pub mod hf;
 pub mod launch;
 pub mod monitor;
 pub mod offload;

@@ -21,6 +21,10 @@ const fn gpt(vocab_size: usize, max_seq_len: usize, n_layer: usize, n_head: usiz
         d_ff: 4 * d_model,
         rope_theta: 10000.0,
         norm_eps: 1e-5,
+        n_kv_head: n_head,
+        tied_head: true,
+        qkv_bias: false,
+        rope_scaling: None,
     }
 }
 
@@ -57,6 +61,10 @@ pub fn presets() -> Vec<Preset> {
                 d_ff: 344,
                 rope_theta: 10000.0,
                 norm_eps: 1e-5,
+                n_kv_head: 4,
+                tied_head: true,
+                qkv_bias: false,
+                rope_scaling: None,
             },
         },
     ]

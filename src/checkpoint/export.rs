@@ -203,3 +203,23 @@ pub fn export_hf_gpt2(
     }
     Ok(())
 }
+
+/// An export folder, written through one open handle: each file replaced atomically (a
+/// temporary name, fsynced, renamed), as [`export_hf_gpt2`] writes its files.
+pub struct ExportDir(Dir);
+
+impl ExportDir {
+    pub fn open(path: &Path) -> std::io::Result<ExportDir> {
+        Dir::open(path).map(ExportDir)
+    }
+
+    /// Replaces `name` with an f32 safetensors file of `tensors` (in that order).
+    pub fn write_safetensors(&self, name: &str, tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Result<(), CheckpointError> {
+        write_atomic_in(&self.0, name, safetensors_fill(&self.0.join(name), tensors, metadata)?).map(drop)
+    }
+
+    /// Replaces `name` with `bytes`.
+    pub fn write_file(&self, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
+        write_file_atomic_in(&self.0, name, bytes)
+    }
+}
