@@ -155,7 +155,7 @@ pub struct TokenizerSample<'a> {
 }
 
 /// `reference.json` content (see [`ExportReference`]).
-fn reference_json(r: &ExportReference, vocab_size: usize) -> Result<Vec<u8>, CheckpointError> {
+pub fn reference_json(r: &ExportReference, vocab_size: usize) -> Result<Vec<u8>, CheckpointError> {
     let (tokens, loss) = (r.tokens, r.loss);
     if tokens.len() < 2 {
         return Err(export_err(format!("reference needs at least 2 tokens, got {}", tokens.len())));

@@ -33,7 +33,7 @@ mod tests_export;
 use std::io;
 use std::path::PathBuf;
 
-pub use export::{export_hf_gpt2, gpt2_expected_tensors, ExportDir, ExportReference, Gpt2ExportConfig, TokenizerSample};
+pub use export::{export_hf_gpt2, gpt2_expected_tensors, reference_json, ExportDir, ExportReference, Gpt2ExportConfig, TokenizerSample};
 pub use hf_tokenizer::{byte_level_tokenizer_json, tokenizer_files, SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 pub use load::{
     list_checkpoints, list_restorable, load, load_latest_valid, resolve_resume, LatestValid, ResolvedResume, SkippedCheckpoint,

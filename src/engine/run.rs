@@ -87,8 +87,9 @@ fn cluster_options(opts: &TrainOptions, elastic: Option<&ElasticRunState>) -> Cl
     c
 }
 
-fn fresh_start(cfg: &Config, plan: &Plan) -> Start {
-    Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), optim: None, applied: 0, skipped: 0, scaler: None }
+fn fresh_start(cfg: &Config, plan: &Plan) -> Result<Start> {
+    let master = plan.initial_params(cfg.tessera.seed).with_context(|| format!("tessera.model = {:?}", cfg.tessera.model))?;
+    Ok(Start { step: 0, master, optim: None, applied: 0, skipped: 0, scaler: None })
 }
 
 /// Where a resumed run starts: the checkpoint's masters, optimizer buffers and counters, checked
@@ -257,8 +258,9 @@ fn restore_from_disk(
     at: u64,
     skipped: &dyn Fn(&Path, &str),
 ) -> Result<(Start, String)> {
-    let load = |dir: &Path| checkpoint_start(cfg, plan, dir, false, None).map(|(start, _)| (start.step, start));
-    restore_choice(root, resume, at, &load, &|| fresh_start(cfg, plan), skipped).map(|(_, start, source)| (start, source))
+    let load = |dir: &Path| checkpoint_start(cfg, plan, dir, false, None).map(|(start, _)| (start.step, Ok(start)));
+    let (_, start, source) = restore_choice(root, resume, at, &load, &|| fresh_start(cfg, plan), skipped)?;
+    Ok((start?, source))
 }
 
 /// Which state a restore at or before step `at` loads (what [`restore_from_disk`] does, over
@@ -376,6 +378,7 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
             "seq_len": plan.seq_len,
             "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
             "data": data,
+            "model_config": plan.model_record(),
         }),
         params,
         optim,
@@ -561,7 +564,7 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         Some(dir) => resume_point(cfg, &plan, dir, true, Some(&data)).map(|(start, path)| (start, Some(path))).map_err(unmade)?,
         None => {
             refuse_to_overwrite(&out_dir.join("checkpoints")).map_err(unmade)?;
-            (fresh_start(cfg, &plan), None)
+            (fresh_start(cfg, &plan).map_err(unmade)?, None)
         }
     };
     let (sampler, val, er) = run_inputs(cfg, &plan, &dataset).map_err(unmade)?;

@@ -25,6 +25,8 @@ use tessera_kernels::model::Model;
 
 /// The file that makes a folder a model folder.
 pub const CONFIG_FILE: &str = "config.json";
+/// A model folder's tokenizer.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
 /// Errors reading or writing a model folder; each names the file, and the key or tensor.
 #[derive(Debug, thiserror::Error)]
@@ -65,9 +67,17 @@ pub struct HfModel {
     pub weights: Option<WeightFiles>,
 }
 
-/// Whether `model` (a `tessera.model` value) names a folder rather than a preset.
+/// Whether `model` (a `tessera.model` value) names a folder rather than a preset (preset names
+/// hold no `/`).
 pub fn is_folder(model: &str) -> bool {
-    Path::new(model).join(CONFIG_FILE).is_file() || model.contains('/') || Path::new(model).is_dir()
+    model.contains('/') || model.contains(std::path::MAIN_SEPARATOR) || Path::new(model).is_dir()
+}
+
+/// The tokenizer of model folder `model`: its `tokenizer.json`, when `model` is a folder that
+/// has one (what `tessera.tokenizer` defaults to).
+pub fn folder_tokenizer(model: &str) -> Option<String> {
+    let path = Path::new(model).join(TOKENIZER_FILE);
+    (is_folder(model) && path.is_file()).then(|| path.display().to_string())
 }
 
 impl HfModel {
