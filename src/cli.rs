@@ -471,7 +471,8 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     }
     let text_ids = codec.encode(TOKENIZER_SAMPLE).context("encoding the tokenizer sample")?;
     let mut files = checkpoint::tokenizer_files(tokenizer.as_ref().map(|(_, b)| b.as_slice()), c.max_seq_len)?;
-    let t = c.max_seq_len.min(64);
+    // t + 1 tokens go through transformers (labels = inputs), within the context.
+    let t = c.max_seq_len.saturating_sub(1).clamp(1, 64);
     let tokens: Vec<u32> = (0..=t).map(|i| ((i * 37 + 11) % c.vocab_size) as u32).collect();
     let mut ws = Workspace::default();
     let mut unused = Vec::new();
