@@ -19,7 +19,7 @@ use crate::zoo;
 /// the user's own `--set`s, so flags win.
 #[derive(Args, Clone, Debug, Default)]
 pub struct CommonArgs {
-    /// Model preset (`tessera models` lists them).
+    /// Model preset (`tessera models` lists them), or a Hugging Face model folder (config.json, safetensors, tokenizer.json).
     #[arg(long)]
     pub model: Option<String>,
     /// Training data: a text file, JSON lines (.jsonl), Parquet, llm.c .bin shards, or a folder of them.
