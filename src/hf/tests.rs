@@ -217,3 +217,26 @@ fn a_folder_without_weights_is_a_shape_to_initialise() {
     let e = HfModel::open(tmp.path()).unwrap_err().to_string();
     assert!(e.contains("pytorch_model.bin") && e.contains("convert them to safetensors"), "{e}");
 }
+
+/// A preset exports as its family (GPT-2 for gpt-tiny): transformers' names, the tied head left
+/// out, its own config; exporting again replaces the files and leaves no temporary ones; the
+/// folder reads back as the same model.
+#[test]
+fn a_preset_exports_as_gpt2_and_reads_back() {
+    let mut cfg = crate::zoo::preset("gpt-tiny").unwrap();
+    cfg.vocab_size = 11;
+    let model = Model::new(cfg).unwrap();
+    let params = model.init_params(3);
+    let family = default_family(model.cfg.arch);
+    let doc = config_doc(family, &model.cfg, None);
+    let tmp = tempfile::tempdir().unwrap();
+    let written = export(tmp.path(), family, &model, &params, &doc, &[("tokenizer.json", b"{}".to_vec())], SHARD_BYTES_MAX).unwrap();
+    assert_eq!(written.files, ["model.safetensors", "config.json", "tokenizer.json"]);
+    let weights = weights_of(tmp.path());
+    assert!(weights.contains_key("transformer.h.3.attn.c_attn.weight") && !weights.contains_key("lm_head.weight"));
+    assert_eq!(weights["transformer.h.0.mlp.c_proj.weight"].1, [512, 128]);
+    export(tmp.path(), family, &model, &params, &doc, &[], SHARD_BYTES_MAX).unwrap();
+    assert!(std::fs::read_dir(tmp.path()).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp")));
+    let (hf, again, read) = open(tmp.path());
+    assert_eq!((hf.config.family, &again.cfg, read), (Family::Gpt2, &model.cfg, params));
+}
