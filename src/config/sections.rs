@@ -406,11 +406,11 @@ pub(crate) fn parse_tessera(root: &Value) -> KindResult<TesseraConfig> {
     // A model folder brings its tokenizer.
     let tokenizer = t.opt_string("tokenizer")?.or_else(|| crate::hf::folder_tokenizer(&model));
     Ok(TesseraConfig {
-        model,
+        model: model.clone(),
         data: t.opt_string("data")?,
         tokenizer,
         data_field: t.string("data_field", &d.data_field)?,
-        data_eot: t.opt_string("data_eot")?,
+        data_eot: t.opt_string("data_eot")?.or_else(|| crate::hf::folder_end_of_text(&model)),
         data_cache: t.opt_string("data_cache")?,
         seq_len,
         steps: t.u64("steps", d.steps)?,

@@ -67,10 +67,29 @@ pub struct HfModel {
     pub weights: Option<WeightFiles>,
 }
 
-/// Whether `model` (a `tessera.model` value) names a folder rather than a preset (preset names
-/// hold no `/`).
+/// Whether `model` (a `tessera.model` value) names a folder rather than a preset: a path (preset
+/// names hold no `/`), or a folder here that holds a `config.json`.
 pub fn is_folder(model: &str) -> bool {
-    model.contains('/') || model.contains(std::path::MAIN_SEPARATOR) || Path::new(model).is_dir()
+    model.contains('/') || model.contains(std::path::MAIN_SEPARATOR) || Path::new(model).join(CONFIG_FILE).is_file()
+}
+
+/// The end-of-sequence token of model folder `model`, by name: the added token of its
+/// `tokenizer.json` whose id is `config.json`'s `eos_token_id` (the first, when it is a list);
+/// `None` when `model` is no folder or either file lacks it (what `tessera.data_eot` defaults
+/// to, so that the folder's own token separates documents).
+pub fn folder_end_of_text(model: &str) -> Option<String> {
+    if !is_folder(model) {
+        return None;
+    }
+    let read = |f: &str| std::fs::read(Path::new(model).join(f)).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+    let config = read(CONFIG_FILE)?;
+    let eos = match &config["eos_token_id"] {
+        serde_json::Value::Array(ids) => ids.first()?.as_u64()?,
+        id => id.as_u64()?,
+    };
+    let tokenizer = read(TOKENIZER_FILE)?;
+    let added = tokenizer["added_tokens"].as_array()?;
+    added.iter().find(|t| t["id"].as_u64() == Some(eos)).and_then(|t| t["content"].as_str()).map(str::to_string)
 }
 
 /// The tokenizer of model folder `model`: its `tokenizer.json`, when `model` is a folder that

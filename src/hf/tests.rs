@@ -240,3 +240,17 @@ fn a_preset_exports_as_gpt2_and_reads_back() {
     let (hf, again, read) = open(tmp.path());
     assert_eq!((hf.config.family, &again.cfg, read), (Family::Gpt2, &model.cfg, params));
 }
+
+/// The folder's `eos_token_id` names the token put between documents, through its tokenizer.
+#[test]
+fn the_folders_end_of_sequence_token_separates_documents() {
+    let dir = fixture("llama");
+    assert_eq!(folder_end_of_text(dir.to_str().unwrap()).as_deref(), Some("<|endoftext|>"));
+    let tmp = edited("llama", |d| d["eos_token_id"] = serde_json::json!([7, 319]));
+    let path = tmp.path().join(TOKENIZER_FILE);
+    let mut tok: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    tok["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({"id": 7, "content": "</s>", "special": true}));
+    std::fs::write(&path, serde_json::to_vec(&tok).unwrap()).unwrap();
+    assert_eq!(folder_end_of_text(tmp.path().to_str().unwrap()).as_deref(), Some("</s>"));
+    assert_eq!(folder_end_of_text("gpt-tiny"), None, "a preset has none");
+}
