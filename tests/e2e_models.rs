@@ -60,6 +60,18 @@ fn a_llama_folder_trains_resumes_generates_and_exports_from_its_checkpoint_alone
     assert_eq!(summary(&two)["params_blake3"], bits, "two workers under ZeRO-3 differ from one");
     assert_eq!(summary(&split)["params_blake3"], bits, "2 steps + resume + 2 differ from 4 straight");
 
+    // A resume is refused when the folder's config changed since.
+    let config = model.join("config.json");
+    let doc = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, doc.replacen("\"rope_theta\": 500000.0", "\"rope_theta\": 10000.0", 1)).unwrap();
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let resume = ["train", "--config", cfg.to_str().unwrap(), "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap()];
+    let said = fails(
+        &[&resume[..], &["--output", split.to_str().unwrap(), "--steps", "6", "--resume", ckpt.to_str().unwrap()]].concat(),
+        tmp.path(),
+    );
+    assert!(said.contains("was trained with another") && said.contains("config.json than the one there now"), "{said}");
+
     // The folder is gone: the checkpoint's recorded config rebuilds the model.
     let tokenizer = tmp.path().join("tokenizer.json");
     std::fs::copy(model.join("tokenizer.json"), &tokenizer).unwrap();

@@ -137,6 +137,14 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: 
     if ck.model != cfg.tessera.model {
         bail!("checkpoint {} holds model `{}` but the config asks for `{}`", path.display(), ck.model, cfg.tessera.model);
     }
+    if ck.extra.get("model_config").cloned().unwrap_or_default() != plan.model_record() {
+        bail!(
+            "checkpoint {} was trained with another {}/config.json than the one there now: restore the folder's config, or \
+             train the new shape from scratch",
+            path.display(),
+            cfg.tessera.model
+        );
+    }
     let (was, now) =
         (ck.extra.get("tokenizer").cloned().unwrap_or_default(), data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?);
     if was.get("blake3") != now.get("blake3") {
