@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""Check a Tessera GPT-2 export against Hugging Face transformers.
+"""Check a Tessera export (GPT-2, LLaMA, Mistral or Qwen2 folder) against Hugging Face transformers.
 
 Usage: check_export.py EXPORT_DIR [REFERENCE_JSON]
 
-EXPORT_DIR is what `tessera::checkpoint::export_hf_gpt2` wrote (model.safetensors, config.json).
+EXPORT_DIR is what `tessera export` wrote (model.safetensors or shards + index, config.json).
 REFERENCE_JSON (default EXPORT_DIR/reference.json) is {"tokens": [...], "loss": x} where x is the
 mean cross-entropy Tessera computed for predicting tokens[t+1] from tokens[:t+1] -- exactly what
-GPT2LMHeadModel(input_ids=tokens, labels=tokens).loss computes.
+AutoModelForCausalLM(input_ids=tokens, labels=tokens).loss computes.
 
-Loads the directory with GPT2LMHeadModel.from_pretrained, fails if any weight is missing or
+Loads the directory with AutoModelForCausalLM.from_pretrained (the class config.json names), fails if any weight is missing or
 unexpected, and checks the loss agrees within 1e-4 relative. When REFERENCE_JSON also holds
 {"text": ..., "text_ids": [...], "text_decoded": ...} (the ids Tessera's tokenizer gives the text,
 and the text Tessera decodes them to), loads the export's tokenizer with `tokenizers`
@@ -96,14 +96,15 @@ def main():
     check_tokenizer(export_dir, ref_path)
     try:
         import torch
-        from transformers import GPT2LMHeadModel
+        from transformers import AutoModelForCausalLM
     except ImportError as e:
         print(f"SKIP model: {e.name} not installed (pip install torch transformers)")
         sys.exit(0)
     try:
-        model, info = GPT2LMHeadModel.from_pretrained(export_dir, output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(export_dir, output_loading_info=True, attn_implementation="eager")
     except Exception as e:  # noqa: BLE001 -- report any loader failure as a check failure
-        fail(f"GPT2LMHeadModel.from_pretrained({export_dir!r}) failed: {e}")
+        fail(f"AutoModelForCausalLM.from_pretrained({export_dir!r}) failed: {e}")
+    print(f"loaded {type(model).__name__}")
     check_loading_info(info)
     model = model.float().eval()
     ids = torch.tensor([tokens], dtype=torch.long)

@@ -1,14 +1,26 @@
 #!/usr/bin/env python3
 """Generates the PyTorch reference fixtures for Tessera's model tests (run once; outputs committed).
 
-For a 2-layer GPT-2-style model and a 2-layer LLaMA-style model (tiny shapes), this builds the
+Two sets, one subcommand each:
+
+`kernels` -- for a 2-layer GPT-2-style model and a 2-layer LLaMA-style model (tiny shapes), this builds the
 model from explicit tensors named exactly as Tessera names them (linear weights laid out
 [in, out] like Hugging Face's GPT-2 Conv1D), runs forward + cross-entropy + backward in float64
 and writes params, tokens, targets, the loss and every gradient to a safetensors file (f32).
 
-Usage: python3 scripts/gen_fixtures.py [OUT_DIR]   (default kernels/tests/fixtures)
-Needs: torch, safetensors.
+`hf` -- tiny Hugging Face model folders made by `transformers` itself (`GPT2LMHeadModel`,
+`LlamaForCausalLM` with grouped-query attention, LLaMA 3 RoPE scaling and an untied head, the same
+tied and saved as shards, `MistralForCausalLM`, `Qwen2ForCausalLM` with its q/k/v biases), each with
+the same small byte-level BPE `tokenizer.json` (trained here with `tokenizers` on
+scripts/gen_fixtures.py itself), and next to each folder a `reference.safetensors`: tokens,
+targets, the logits, the mean cross-entropy and the gradient of every parameter (by its Hugging
+Face name), computed in float64 from the saved float32 weights. Nothing is downloaded.
+
+Usage: python3 scripts/gen_fixtures.py kernels [OUT_DIR]   (default kernels/tests/fixtures)
+       python3 scripts/gen_fixtures.py hf [OUT_DIR]        (default tests/fixtures/hf)
+Needs: torch, safetensors; `hf` also transformers and tokenizers.
 """
+import copy
 import math
 import os
 import sys
@@ -130,14 +142,106 @@ def make(arch, V=64, maxT=16, C=32, NH=4, L=2, B=3, T=12, F=None):
     return out, meta
 
 
-def main():
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "kernels", "tests", "fixtures")
+def kernels_main(out_dir):
+    out_dir = out_dir or os.path.join(os.path.dirname(__file__), "..", "kernels", "tests", "fixtures")
     os.makedirs(out_dir, exist_ok=True)
     for arch in ("gpt", "llama"):
         tensors, meta = make(arch)
         path = os.path.join(out_dir, f"{arch}2l.safetensors")
         save_file(tensors, path, metadata=meta)
         print(f"wrote {path}: loss {tensors['loss'].item():.6f}, {len(tensors)} tensors")
+
+
+HF_VOCAB = 320
+HF_EOT = "<|endoftext|>"
+
+
+def hf_tokenizer():
+    """A byte-level BPE of HF_VOCAB tokens (GPT-2's pre-tokenizer), `<|endoftext|>` its last id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=HF_VOCAB - 1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    with open(__file__) as f:
+        text = f.read()
+    tok.train_from_iterator([text], trainer=trainer)
+    tok.add_special_tokens([HF_EOT])
+    assert tok.get_vocab_size() == HF_VOCAB, tok.get_vocab_size()
+    return tok
+
+
+def hf_models():
+    """(folder name, model, save_pretrained kwargs) of every family, seeded."""
+    import transformers as tf
+
+    eot = HF_VOCAB - 1
+    common = dict(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, bos_token_id=eot, eos_token_id=eot,
+                  rms_norm_eps=1e-5)
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 16}
+    out = []
+    torch.manual_seed(20261203)
+    out.append(("gpt2", tf.GPT2LMHeadModel(tf.GPT2Config(
+        vocab_size=HF_VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=eot, eos_token_id=eot)), {}))
+    out.append(("llama", tf.LlamaForCausalLM(tf.LlamaConfig(
+        **common, num_key_value_heads=2, rope_theta=500000.0, rope_scaling=llama3_rope, tie_word_embeddings=False)), {}))
+    out.append(("llama-sharded", tf.LlamaForCausalLM(tf.LlamaConfig(**common, tie_word_embeddings=True)),
+                {"max_shard_size": "100KB"}))
+    out.append(("mistral", tf.MistralForCausalLM(tf.MistralConfig(
+        **common, num_key_value_heads=1, sliding_window=None, tie_word_embeddings=False)), {}))
+    out.append(("qwen2", tf.Qwen2ForCausalLM(tf.Qwen2Config(
+        **common, num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True)), {}))
+    return out
+
+
+def hf_reference(model, B=2, T=24):
+    """Tokens, targets, logits, loss and gradients of `model` (float64 copy), HF names."""
+    ref = copy.deepcopy(model).double().eval()
+    tokens = torch.randint(0, HF_VOCAB, (B, T))
+    targets = torch.randint(0, HF_VOCAB, (B, T))
+    logits = ref(input_ids=tokens).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, HF_VOCAB), targets.reshape(-1))
+    loss.backward()
+    out = {"tokens": tokens.reshape(-1).to(torch.int32), "targets": targets.reshape(-1).to(torch.int32),
+           "logits": logits.detach().float().reshape(B * T, HF_VOCAB).contiguous(),
+           "loss": loss.detach().float().reshape(1)}
+    for name, p in ref.named_parameters():
+        out["grad." + name] = p.grad.float().contiguous()
+    return out, {"batch": str(B), "seq_len": str(T)}
+
+
+def hf_main(out_dir):
+    out_dir = out_dir or os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf")
+    import transformers
+
+    tok = hf_tokenizer()
+    for name, model, kwargs in hf_models():
+        folder = os.path.join(out_dir, name)
+        os.makedirs(folder, exist_ok=True)
+        model.config._attn_implementation = "eager"
+        model.save_pretrained(folder, **kwargs)
+        tok.save(os.path.join(folder, "tokenizer.json"))
+        tensors, meta = hf_reference(model)
+        meta.update({"torch": torch.__version__, "transformers": transformers.__version__,
+                     "generator": "scripts/gen_fixtures.py hf"})
+        save_file(tensors, os.path.join(out_dir, f"{name}.reference.safetensors"), metadata=meta)
+        print(f"wrote {folder}: loss {tensors['loss'].item():.6f}, {sorted(os.listdir(folder))}")
+
+
+def main():
+    what = sys.argv[1] if len(sys.argv) > 1 else ""
+    out_dir = sys.argv[2] if len(sys.argv) > 2 else None
+    if what == "kernels":
+        kernels_main(out_dir)
+    elif what == "hf":
+        hf_main(out_dir)
+    else:
+        sys.exit("usage: gen_fixtures.py kernels|hf [OUT_DIR]")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,14 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use tessera_kernels::model::{Arch, Model, Workspace};
+use tessera_kernels::model::{Model, Workspace};
 use tessera_kernels::tensor::Rng;
 
-use crate::checkpoint::{self, CheckpointState, Gpt2ExportConfig};
+use crate::checkpoint::{self, CheckpointState};
 use crate::config::{self, ComputeDevice, Config, GpuCollective, ResolveContext};
 use crate::data::{self, Codec};
 use crate::engine::{self, TrainOptions};
+use crate::hf;
 use crate::outln;
 use crate::zoo;
 
@@ -18,7 +19,7 @@ use crate::zoo;
 /// the user's own `--set`s, so flags win.
 #[derive(Args, Clone, Debug, Default)]
 pub struct CommonArgs {
-    /// Model preset (`tessera models` lists them).
+    /// Model preset (`tessera models` lists them), or a Hugging Face model folder (config.json, safetensors, tokenizer.json).
     #[arg(long)]
     pub model: Option<String>,
     /// Training data: a text file, JSON lines (.jsonl), Parquet, llm.c .bin shards, or a folder of them.
@@ -96,7 +97,7 @@ fn visible_only(cmd: &clap::Command) -> clap::Command {
 }
 
 fn hidden_size_of(name: &str) -> Option<usize> {
-    zoo::preset(name).ok().map(|c| c.d_model)
+    zoo::resolve(name).ok().map(|m| m.config().d_model)
 }
 
 /// Loads and resolves a config file with the command-line flags applied.
@@ -205,12 +206,31 @@ pub fn list_models() {
     }
 }
 
-/// A model rebuilt from a checkpoint: the preset named in the manifest with the vocabulary
-/// read off `wte.weight`; parameters copied into a flat buffer in layout order.
+/// The model folder's config a checkpoint recorded (`extra.model_config`), parsed; `None` for
+/// a preset's checkpoint.
+pub fn checkpoint_hf_config(ck: &CheckpointState) -> Result<Option<hf::HfConfig>> {
+    match ck.extra.get("model_config").filter(|v| !v.is_null()) {
+        None => Ok(None),
+        Some(doc) => {
+            let what = format!("the checkpoint's record of {}/config.json (manifest `extra.model_config`)", ck.model);
+            Ok(Some(hf::parse(&what, doc)?))
+        }
+    }
+}
+
+/// A model rebuilt from a checkpoint: the model folder's config it recorded, or the preset
+/// named in the manifest with the vocabulary read off `wte.weight`; parameters copied into a
+/// flat buffer in layout order.
 pub fn model_from_checkpoint(ck: &CheckpointState) -> Result<(Model, Vec<f32>)> {
-    let mut mcfg = zoo::preset(&ck.model).map_err(anyhow::Error::msg)?;
-    let wte = ck.params.iter().find(|t| t.name == "wte.weight").context("checkpoint has no `wte.weight`")?;
-    mcfg.vocab_size = *wte.shape.first().context("`wte.weight` has no shape")?;
+    let mcfg = match checkpoint_hf_config(ck)? {
+        Some(h) => h.model,
+        None => {
+            let mut mcfg = zoo::preset(&ck.model).map_err(anyhow::Error::msg)?;
+            let wte = ck.params.iter().find(|t| t.name == "wte.weight").context("checkpoint has no `wte.weight`")?;
+            mcfg.vocab_size = *wte.shape.first().context("`wte.weight` has no shape")?;
+            mcfg
+        }
+    };
     let model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
     let mut flat = vec![0.0; model.num_params()];
     for spec in model.layout().specs() {
@@ -389,9 +409,12 @@ pub struct ExportOpts {
     pub force: bool,
 }
 
-/// The files `tessera export` writes (and, with `--force`, replaces).
+/// The files `tessera export` writes (and, with `--force`, replaces); a model over
+/// [`hf::SHARD_BYTES_MAX`] is written as `model-0000i-of-0000n.safetensors` shards and their
+/// index instead of `model.safetensors`.
 pub const EXPORT_FILES: &[&str] = &[
     "model.safetensors",
+    "model.safetensors.index.json",
     "config.json",
     "reference.json",
     checkpoint::TOKENIZER_FILE,
@@ -438,7 +461,8 @@ fn training_tokenizer_bytes(ck: &CheckpointState, given: Option<&Path>) -> Resul
     Ok(Some((path, bytes)))
 }
 
-/// `tessera export`: Hugging Face GPT-2 safetensors + config.json, the tokenizer's files
+/// `tessera export`: a Hugging Face folder of the model's family (the folder it came from, or
+/// GPT-2 / LLaMA for a preset; `hf::export`): safetensors + config.json, the tokenizer's files
 /// (`AutoTokenizer.from_pretrained` gives the ids the model was trained on) and
 /// `reference.json` (the loss Tessera computes on a fixed token sequence, and a sample text's
 /// ids) for `scripts/check_export.py`.
@@ -448,18 +472,18 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     let ck = load_checkpoint(&o.checkpoint)?;
     let (model, params) = model_from_checkpoint(&ck)?;
     let c = &model.cfg;
-    if c.arch != Arch::Gpt {
-        bail!("export writes the GPT-2 layout; model `{}` is {:?}-style", ck.model, c.arch);
-    }
+    let recorded = checkpoint_hf_config(&ck)?;
+    let family = recorded.as_ref().map_or(hf::default_family(c.arch), |h| h.family);
+    let doc = hf::config_doc(family, c, recorded.as_ref().map(|h| &h.doc));
     let tokenizer = training_tokenizer_bytes(&ck, o.tokenizer.as_deref())?;
     let codec = Codec::open(tokenizer.as_ref().map(|(p, _)| p.as_path())).context("opening the tokenizer")?;
     if codec.vocab_size() > c.vocab_size {
         bail!("tokenizer vocabulary ({}) is larger than the model's ({})", codec.vocab_size(), c.vocab_size);
     }
     let text_ids = codec.encode(TOKENIZER_SAMPLE).context("encoding the tokenizer sample")?;
-    let files = checkpoint::tokenizer_files(tokenizer.as_ref().map(|(_, b)| b.as_slice()), c.max_seq_len)?;
-    let hf = Gpt2ExportConfig::new(c.vocab_size, c.max_seq_len, c.d_model, c.n_layer, c.n_head);
-    let t = c.max_seq_len.min(64);
+    let mut files = checkpoint::tokenizer_files(tokenizer.as_ref().map(|(_, b)| b.as_slice()), c.max_seq_len)?;
+    // t + 1 tokens go through transformers (labels = inputs), within the context.
+    let t = c.max_seq_len.saturating_sub(1).clamp(1, 64);
     let tokens: Vec<u32> = (0..=t).map(|i| ((i * 37 + 11) % c.vocab_size) as u32).collect();
     let mut ws = Workspace::default();
     let mut unused = Vec::new();
@@ -468,12 +492,14 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     let decoded = codec.decode(&text_ids);
     let sample = checkpoint::TokenizerSample { text: TOKENIZER_SAMPLE, ids: &text_ids, decoded: &decoded };
     let reference = checkpoint::ExportReference { tokens: &tokens, loss, text: Some(sample) };
-    checkpoint::export_hf_gpt2(out, &ck.params, &hf, Some(&reference), &files)
+    files.push(("reference.json", checkpoint::reference_json(&reference, c.vocab_size)?));
+    let written = hf::export(out, family, &model, &params, &doc, &files, hf::SHARD_BYTES_MAX)
         .with_context(|| format!("exporting to {}", out.display()))?;
     outln!(
-        "wrote {}: {} (loss {loss:.6} on {} tokens; tokenizer: {})",
+        "wrote {} ({}): {} (loss {loss:.6} on {} tokens; tokenizer: {})",
         out.display(),
-        EXPORT_FILES.join(", "),
+        family.architecture(),
+        written.files.join(", "),
         tokens.len(),
         codec.describe()
     );

@@ -10,6 +10,7 @@ pub mod data;
 pub mod engine;
 pub mod env;
 pub mod gpu;
+pub mod hf;
 pub mod launch;
 pub mod monitor;
 pub mod offload;

@@ -1,6 +1,11 @@
-//! The model zoo: named presets of the built-in GPT-2 and LLaMA-style stacks.
+//! The model zoo: named presets of the built-in GPT-2 and LLaMA-style stacks, and
+//! [`resolve`], which reads `tessera.model` as a preset name or a Hugging Face model folder.
+
+use std::path::Path;
 
 use tessera_kernels::model::{Arch, ModelConfig};
+
+use crate::hf::HfModel;
 
 /// A named model shape. The vocabulary is the preset's default; the trainer replaces it with
 /// the data's vocabulary (256 for byte-level text, the tokenizer's size otherwise).
@@ -21,6 +26,10 @@ const fn gpt(vocab_size: usize, max_seq_len: usize, n_layer: usize, n_head: usiz
         d_ff: 4 * d_model,
         rope_theta: 10000.0,
         norm_eps: 1e-5,
+        n_kv_head: n_head,
+        tied_head: true,
+        qkv_bias: false,
+        rope_scaling: None,
     }
 }
 
@@ -57,9 +66,46 @@ pub fn presets() -> Vec<Preset> {
                 d_ff: 344,
                 rope_theta: 10000.0,
                 norm_eps: 1e-5,
+                n_kv_head: 4,
+                tied_head: true,
+                qkv_bias: false,
+                rope_scaling: None,
             },
         },
     ]
+}
+
+/// What `tessera.model` names: a preset (its vocabulary is the data's), or a model folder (its
+/// own vocabulary, and its weights when it has any).
+#[derive(Clone, Debug)]
+pub enum ModelSource {
+    Preset(ModelConfig),
+    Folder(Box<HfModel>),
+}
+
+impl ModelSource {
+    pub fn config(&self) -> &ModelConfig {
+        match self {
+            ModelSource::Preset(c) => c,
+            ModelSource::Folder(f) => &f.config.model,
+        }
+    }
+
+    pub fn folder(&self) -> Option<&HfModel> {
+        match self {
+            ModelSource::Preset(_) => None,
+            ModelSource::Folder(f) => Some(f),
+        }
+    }
+}
+
+/// `model` as a preset name, or (when it names a folder: it holds a `/` or is a directory) a
+/// Hugging Face model folder, opened and checked ([`HfModel::open`]).
+pub fn resolve(model: &str) -> Result<ModelSource, String> {
+    if crate::hf::is_folder(model) {
+        return HfModel::open(Path::new(model)).map(|f| ModelSource::Folder(Box::new(f))).map_err(|e| e.to_string());
+    }
+    preset(model).map(ModelSource::Preset)
 }
 
 /// Looks a preset up by name; the error lists the valid names.

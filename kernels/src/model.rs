@@ -2,14 +2,17 @@
 //! parameter layout, the blocks as [`Layer`]s, the tied LM head with fused cross-entropy, and
 //! activation recomputation.
 //!
-//! The flat buffer is cut into *units*: unit 0 holds the embeddings and the final norm (the LM
-//! head is tied to `wte`, so it lives there too), unit `1 + l` holds block `l`. A unit is the
+//! The flat buffer is cut into *units*: unit 0 holds the embeddings, the final norm and the LM
+//! head (`wte` itself when tied, else `lm_head.weight` after the norm), unit `1 + l` holds
+//! block `l`. A unit is the
 //! grain at which ZeRO-3 gathers parameters; [`UnitAccess`] is how the caller hands them in.
 
 use std::ops::Range;
 
 use crate::gemm::matmul;
 use crate::layer::{Acts, Dims, Init, Layer, ParamLayout, ParamSpec};
+use crate::ops::gqa::{self, Groups};
+use crate::ops::rope::{RopeScaling, RopeTable};
 use crate::ops::{attention, crossentropy, embedding, gelu, layernorm, linear, residual, rmsnorm, rope, swiglu};
 
 /// Which block design the model uses.
@@ -34,6 +37,15 @@ pub struct ModelConfig {
     pub d_ff: usize,
     pub rope_theta: f32,
     pub norm_eps: f32,
+    /// Key/value heads: `n_head` for multi-head attention, fewer for grouped-query attention
+    /// (LLaMA only), each shared by `n_head / n_kv_head` query heads.
+    pub n_kv_head: usize,
+    /// The LM head is the token embedding `wte` (tied), or its own `lm_head.weight`.
+    pub tied_head: bool,
+    /// Biases on the q, k and v projections (Qwen2; LLaMA only: GPT-2 blocks always have them).
+    pub qkv_bias: bool,
+    /// RoPE frequency scaling (LLaMA 3; LLaMA only).
+    pub rope_scaling: Option<RopeScaling>,
 }
 
 impl ModelConfig {
@@ -52,6 +64,16 @@ impl ModelConfig {
         }
         if c.arch == Arch::Llama && c.head_dim() % 2 != 0 {
             return Err(format!("RoPE needs an even head dimension, got {}", c.head_dim()));
+        }
+        if c.n_kv_head == 0 || c.n_head % c.n_kv_head != 0 {
+            return Err(format!("n_kv_head {} does not divide n_head {}", c.n_kv_head, c.n_head));
+        }
+        if c.arch == Arch::Gpt && (c.n_kv_head != c.n_head || c.qkv_bias || c.rope_scaling.is_some()) {
+            return Err(format!(
+                "GPT-2 blocks have one key/value head per query head, their own q/k/v biases and no RoPE: n_kv_head {}, \
+                 qkv_bias {}, rope_scaling {:?}",
+                c.n_kv_head, c.qkv_bias, c.rope_scaling
+            ));
         }
         Ok(())
     }
@@ -135,6 +157,8 @@ struct EmbedParams {
     wpe: Option<Range<usize>>,
     norm_w: Range<usize>,
     norm_b: Option<Range<usize>>,
+    /// The LM head `[v, c]`: `wte` when tied, else `lm_head.weight`.
+    head: Range<usize>,
 }
 
 fn rel(r: Range<usize>, base: usize) -> Range<usize> {
@@ -156,9 +180,13 @@ impl Model {
             }
             Arch::Llama => (None, layout.push("norm_f.weight".into(), &[c], Init::Ones, false), None),
         };
+        let head = match cfg.tied_head {
+            true => wte.clone(),
+            false => layout.push("lm_head.weight".into(), &[v, c], Init::Normal(0.02), true),
+        };
         let mut units = Vec::with_capacity(l + 1);
         units.push(0..layout.total());
-        let embed = EmbedParams { wte, wpe, norm_w, norm_b };
+        let embed = EmbedParams { wte, wpe, norm_w, norm_b, head };
         let mut blocks: Vec<Box<dyn Layer>> = Vec::with_capacity(l);
         let proj_std = 0.02 / (2.0 * l as f32).sqrt();
         for i in 0..l {
@@ -238,7 +266,7 @@ impl Model {
             Some(b) => layernorm::layernorm_forward(&mut xn, &mut mean, &mut rstd, x, &p0[e.norm_w.clone()], &p0[b], n, c),
             None => rmsnorm::rmsnorm_forward(&mut xn, &mut rstd, x, &p0[e.norm_w.clone()], n, c, self.cfg.norm_eps),
         }
-        let wte = &p0[e.wte.clone()];
+        let wte = &p0[e.head.clone()];
         let mut logits = h.take(3, n * v);
         let mut probs = h.take(4, n * v);
         let mut losses = h.take(5, n);
@@ -251,7 +279,7 @@ impl Model {
             crossentropy::crossentropy_backward(&mut logits, &probs, targets, n, v, dloss);
             let mut dxn = h.take(6, n * c);
             matmul(&mut dxn, &logits, wte, n, v, c, false, false, 0.0);
-            matmul(&mut g0[e.wte.clone()], &logits, &xn, v, n, c, true, false, 1.0);
+            matmul(&mut g0[e.head.clone()], &logits, &xn, v, n, c, true, false, 1.0);
             ws.dx.clear();
             ws.dx.resize(n * c, 0.0);
             let (gw, gb) = split_two(g0, e.norm_w.clone(), e.norm_b.clone());
@@ -338,7 +366,7 @@ impl Model {
             None => rmsnorm::rmsnorm_forward(&mut xn, &mut rstd, x_last, &p0[e.norm_w.clone()], 1, c, self.cfg.norm_eps),
         }
         let mut logits = vec![0.0; v];
-        matmul(&mut logits, &xn, &p0[e.wte.clone()], 1, c, v, false, true, 0.0);
+        matmul(&mut logits, &xn, &p0[e.head.clone()], 1, c, v, false, true, 0.0);
         logits
     }
 
@@ -553,14 +581,19 @@ impl Layer for GptBlock {
 }
 
 /// LLaMA block:
-/// `x2 = x + wo(attn(rope(wqkv(rms1(x)))))`, `y = x2 + w_down(silu(w_gate(h)) * w_up(h))`, `h = rms2(x2)`.
+/// `x2 = x + wo(attn(rope(wqkv(rms1(x)) [+ bqkv])))`, `y = x2 + w_down(silu(w_gate(h)) * w_up(h))`,
+/// `h = rms2(x2)`. With grouped-query attention `wqkv` projects to `nkv < nh` key/value heads,
+/// widened to one per query head before the attention ([`gqa`]).
 struct LlamaBlock {
     specs: Vec<ParamSpec>,
-    nh: usize,
+    groups: Groups,
     ff: usize,
-    theta: f32,
     eps: f32,
+    /// RoPE frequency of each rotation pair.
+    inv_freq: Vec<f64>,
     p: [Range<usize>; 7],
+    /// The q/k/v bias `[c + 2·kv]` (Qwen2).
+    qkv_b: Option<Range<usize>>,
 }
 
 const L_N1: usize = 0;
@@ -574,13 +607,15 @@ const L_DOWN: usize = 6;
 impl LlamaBlock {
     fn new(cfg: &ModelConfig, i: usize, layout: &mut ParamLayout, proj_std: f32) -> Self {
         let (c, f) = (cfg.d_model, cfg.d_ff);
+        let groups = Groups { c, nh: cfg.n_head, nkv: cfg.n_kv_head };
         let n = |s: &str| format!("h.{i}.{s}");
         let w = Init::Normal(0.02);
-        let (specs, p) = push_block(
+        let base = layout.total();
+        let (mut specs, p) = push_block(
             layout,
             [
                 (n("attn_norm.weight"), vec![c], Init::Ones, false),
-                (n("attn.wqkv.weight"), vec![c, 3 * c], w, true),
+                (n("attn.wqkv.weight"), vec![c, groups.row()], w, true),
                 (n("attn.wo.weight"), vec![c, c], Init::Normal(proj_std), true),
                 (n("mlp_norm.weight"), vec![c], Init::Ones, false),
                 (n("mlp.w_gate.weight"), vec![c, f], w, true),
@@ -588,7 +623,15 @@ impl LlamaBlock {
                 (n("mlp.w_down.weight"), vec![f, c], Init::Normal(proj_std), true),
             ],
         );
-        LlamaBlock { specs, nh: cfg.n_head, ff: f, theta: cfg.rope_theta, eps: cfg.norm_eps, p }
+        // The bias goes last, so a block without it is laid out as before biases existed.
+        let qkv_b = cfg.qkv_bias.then(|| {
+            let r = rel(layout.push(n("attn.wqkv.bias"), &[groups.row()], Init::Zeros, false), base);
+            let spec = &layout.specs()[layout.specs().len() - 1];
+            specs.push(ParamSpec { offset: spec.offset - base, ..spec.clone() });
+            r
+        });
+        let inv_freq = rope::inv_freq(groups.hd(), cfg.rope_theta, cfg.rope_scaling.as_ref());
+        LlamaBlock { specs, groups, ff: f, eps: cfg.norm_eps, inv_freq, p, qkv_b }
     }
 }
 
@@ -609,6 +652,17 @@ const LB_D1: usize = 12;
 const LB_D2: usize = 13;
 const LB_D3: usize = 14;
 const LB_DQKV: usize = 15;
+// Grouped-query attention: the q/k/v rows widened to one key/value head per query head, and
+// the gradient summed back to the grouped rows.
+const LA_QKVX: usize = 16;
+const LB_DQKVG: usize = 17;
+
+impl LlamaBlock {
+    /// Whether key/value heads are shared (fewer than the query heads).
+    fn grouped(&self) -> bool {
+        self.groups.nkv != self.groups.nh
+    }
+}
 
 impl Layer for LlamaBlock {
     fn kind(&self) -> &'static str {
@@ -621,16 +675,21 @@ impl Layer for LlamaBlock {
 
     fn forward(&self, p: &[f32], x: &[f32], d: Dims, a: &mut Acts, y: &mut [f32]) {
         let (n, c, f, (b, t)) = (d.n(), d.c, self.ff, (d.b, d.t));
+        let (gr, nh) = (self.groups, self.groups.nh);
         let w = |k: usize| &p[self.p[k].clone()];
         let mut h1 = a.take(LA_H1, n * c);
         let mut r1 = a.take(LA_R1, n);
         rmsnorm::rmsnorm_forward(&mut h1, &mut r1, x, w(L_N1), n, c, self.eps);
-        let mut qkv = a.take(LA_QKV, n * 3 * c);
-        linear::linear_forward(&mut qkv, &h1, w(L_QKV), None, n, c, 3 * c);
-        rope::rope_forward(&mut qkv, b, t, c, self.nh, self.theta);
-        let mut att = a.take(LA_ATT, b * self.nh * t * t);
+        let mut qkv = a.take(LA_QKV, n * gr.row());
+        linear::linear_forward(&mut qkv, &h1, w(L_QKV), self.qkv_b.clone().map(|r| &p[r]), n, c, gr.row());
+        rope::rope_forward_rows(&mut qkv, t, gr.row(), c + gr.kv(), &RopeTable::with_inv_freq(t, &self.inv_freq));
+        let mut full = a.take(LA_QKVX, if self.grouped() { n * 3 * c } else { 0 });
+        if self.grouped() {
+            gqa::repeat_kv_forward(&mut full, &qkv, gr);
+        }
+        let mut att = a.take(LA_ATT, b * nh * t * t);
         let mut atty = a.take(LA_ATTY, n * c);
-        attention::attention_forward(&mut atty, &mut att, &qkv, b, t, c, self.nh);
+        attention::attention_forward(&mut atty, &mut att, if self.grouped() { &full } else { &qkv }, b, t, c, nh);
         let mut tmp = a.take(LA_TMP, n * c);
         linear::linear_forward(&mut tmp, &atty, w(L_WO), None, n, c, c);
         let mut x2 = a.take(LA_X2, n * c);
@@ -650,6 +709,7 @@ impl Layer for LlamaBlock {
             (LA_H1, h1),
             (LA_R1, r1),
             (LA_QKV, qkv),
+            (LA_QKVX, full),
             (LA_ATT, att),
             (LA_ATTY, atty),
             (LA_TMP, tmp),
@@ -666,9 +726,13 @@ impl Layer for LlamaBlock {
 
     fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, a: &mut Acts, dx: &mut [f32]) {
         let (n, c, f, (b, t)) = (d.n(), d.c, self.ff, (d.b, d.t));
+        let (gr, nh) = (self.groups, self.groups.nh);
         let w = |k: usize| &p[self.p[k].clone()];
         let r = &self.p;
-        let [g_n1, g_qkv, g_wo, g_n2, g_gate, g_up, g_down] = split_many(g, [&r[0], &r[1], &r[2], &r[3], &r[4], &r[5], &r[6]]);
+        let rest = r[6].end..g.len();
+        let [g_n1, g_qkv, g_wo, g_n2, g_gate, g_up, g_down, g_rest] =
+            split_many(g, [&r[0], &r[1], &r[2], &r[3], &r[4], &r[5], &r[6], &rest]);
+        let g_qkv_b = self.qkv_b.clone().map(|b| &mut g_rest[b.start - rest.start..b.end - rest.start]);
         // MLP branch.
         let mut d_sw = a.take(LB_D1, n * f);
         d_sw.fill(0.0);
@@ -699,16 +763,32 @@ impl Layer for LlamaBlock {
         d_atty.fill(0.0);
         linear::linear_backward(&mut d_atty, g_wo, None, &dx2, a.buf(LA_ATTY, n * c), w(L_WO), n, c, c);
         d_h.fill(0.0);
-        let (qkv, att) = (a.take(LA_QKV, n * 3 * c), a.take(LA_ATT, b * self.nh * t * t));
-        attention::attention_backward(&mut d_h, &d_atty, &qkv, &att, b, t, c, self.nh);
-        rope::rope_backward(&mut d_h, b, t, c, self.nh, self.theta);
+        let (qkv, att) = (a.take(LA_QKV, n * gr.row()), a.take(LA_ATT, b * nh * t * t));
+        let full = a.take(LA_QKVX, if self.grouped() { n * 3 * c } else { 0 });
+        attention::attention_backward(&mut d_h, &d_atty, if self.grouped() { &full } else { &qkv }, &att, b, t, c, nh);
+        let mut d_grouped = a.take(LB_DQKVG, if self.grouped() { n * gr.row() } else { 0 });
+        if self.grouped() {
+            gqa::repeat_kv_backward(&mut d_grouped, &d_h, gr);
+        }
+        let d_qkv = if self.grouped() { &mut d_grouped } else { &mut d_h };
+        rope::rope_backward_rows(d_qkv, t, gr.row(), c + gr.kv(), &RopeTable::with_inv_freq(t, &self.inv_freq));
         let mut d_h1 = d_atty;
         d_h1.fill(0.0);
-        linear::linear_backward(&mut d_h1, g_qkv, None, &d_h, a.buf(LA_H1, n * c), w(L_QKV), n, c, 3 * c);
+        linear::linear_backward(&mut d_h1, g_qkv, g_qkv_b, d_qkv, a.buf(LA_H1, n * c), w(L_QKV), n, c, gr.row());
         dx.copy_from_slice(&dx2);
         let r1 = a.take(LA_R1, n);
         rmsnorm::rmsnorm_backward(dx, g_n1, &d_h1, x, w(L_N1), &r1, n, c);
-        for (slot, buf) in [(LA_QKV, qkv), (LA_ATT, att), (LA_R1, r1), (LB_D1, dx2), (LB_D2, d_h1), (LB_D3, d_up), (LB_DQKV, d_h)] {
+        for (slot, buf) in [
+            (LA_QKV, qkv),
+            (LA_QKVX, full),
+            (LA_ATT, att),
+            (LA_R1, r1),
+            (LB_D1, dx2),
+            (LB_D2, d_h1),
+            (LB_D3, d_up),
+            (LB_DQKV, d_h),
+            (LB_DQKVG, d_grouped),
+        ] {
             a.put(slot, buf);
         }
     }

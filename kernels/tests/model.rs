@@ -50,6 +50,10 @@ fn cfg_from(meta: &HashMap<String, String>) -> ModelConfig {
         d_ff: n("d_ff"),
         rope_theta: 10000.0,
         norm_eps: 1e-5,
+        n_kv_head: n("n_head"),
+        tied_head: true,
+        qkv_bias: false,
+        rope_scaling: None,
     }
 }
 
@@ -104,7 +108,21 @@ fn llama_two_layers_matches_pytorch() {
 }
 
 fn tiny(arch: Arch) -> ModelConfig {
-    ModelConfig { arch, vocab_size: 11, max_seq_len: 6, n_layer: 2, n_head: 2, d_model: 8, d_ff: 16, rope_theta: 10000.0, norm_eps: 1e-5 }
+    ModelConfig {
+        arch,
+        vocab_size: 11,
+        max_seq_len: 6,
+        n_layer: 2,
+        n_head: 2,
+        d_model: 8,
+        d_ff: 16,
+        rope_theta: 10000.0,
+        norm_eps: 1e-5,
+        n_kv_head: 2,
+        tied_head: true,
+        qkv_bias: false,
+        rope_scaling: None,
+    }
 }
 
 /// Finite differences through the whole stack (embeddings, blocks, tied head, loss). The loss is

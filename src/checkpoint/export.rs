@@ -1,11 +1,11 @@
-//! Export of GPT-2 parameters to a Hugging Face `transformers` directory (`model.safetensors`,
-//! `config.json`, the tokenizer's files, optional `reference.json` for `scripts/check_export.py`).
+//! The pieces of a Hugging Face export that are not the model's own layout (that is
+//! `crate::hf::export`): GPT-2's `config.json` for a preset, `reference.json` for
+//! `scripts/check_export.py`, and [`ExportDir`], the folder its files are replaced in atomically.
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use super::dir::Dir;
-use super::fsio::{safetensors_fill, validate_tensors, write_atomic_in, write_file_atomic_in};
+use super::fsio::{safetensors_fill, write_atomic_in, write_file_atomic_in};
 use super::{CheckpointError, NamedTensor};
 
 /// The GPT-2 hyper-parameters written into `config.json` (transformers' `GPT2Config`).
@@ -73,64 +73,8 @@ impl Gpt2ExportConfig {
     }
 }
 
-/// Every tensor a GPT-2 export must contain, in canonical order, with its HF shape
-/// (linear weights as `[in, out]` like HF `Conv1D`). The tied `lm_head.weight` is not listed.
-pub fn gpt2_expected_tensors(cfg: &Gpt2ExportConfig) -> Vec<(String, Vec<usize>)> {
-    let c = cfg.n_embd;
-    let mut out = vec![("wte.weight".to_string(), vec![cfg.vocab_size, c]), ("wpe.weight".to_string(), vec![cfg.n_positions, c])];
-    for i in 0..cfg.n_layer {
-        let layer: [(&str, Vec<usize>); 12] = [
-            ("ln_1.weight", vec![c]),
-            ("ln_1.bias", vec![c]),
-            ("attn.c_attn.weight", vec![c, 3 * c]),
-            ("attn.c_attn.bias", vec![3 * c]),
-            ("attn.c_proj.weight", vec![c, c]),
-            ("attn.c_proj.bias", vec![c]),
-            ("ln_2.weight", vec![c]),
-            ("ln_2.bias", vec![c]),
-            ("mlp.c_fc.weight", vec![c, 4 * c]),
-            ("mlp.c_fc.bias", vec![4 * c]),
-            ("mlp.c_proj.weight", vec![4 * c, c]),
-            ("mlp.c_proj.bias", vec![c]),
-        ];
-        out.extend(layer.into_iter().map(|(n, s)| (format!("h.{i}.{n}"), s)));
-    }
-    out.push(("ln_f.weight".to_string(), vec![c]));
-    out.push(("ln_f.bias".to_string(), vec![c]));
-    out
-}
-
 fn export_err(msg: String) -> CheckpointError {
     CheckpointError::Export(msg)
-}
-
-/// Check `params` against the expected GPT-2 tensors and return them in canonical order.
-fn select_gpt2_tensors<'a>(params: &'a [NamedTensor], cfg: &Gpt2ExportConfig) -> Result<Vec<&'a NamedTensor>, CheckpointError> {
-    validate_tensors("param", params)?;
-    if cfg.n_head == 0 || cfg.n_embd % cfg.n_head != 0 {
-        return Err(export_err(format!("n_embd {} is not divisible by n_head {}", cfg.n_embd, cfg.n_head)));
-    }
-    let by_name: HashMap<&str, &NamedTensor> = params.iter().map(|t| (t.name.as_str(), t)).collect();
-    let expected = gpt2_expected_tensors(cfg);
-    let mut out = Vec::with_capacity(expected.len());
-    for (name, shape) in &expected {
-        let t = by_name.get(name.as_str()).ok_or_else(|| export_err(format!("missing tensor `{name}` (expected shape {shape:?})")))?;
-        if &t.shape != shape {
-            return Err(export_err(format!("tensor `{name}`: shape {:?}, expected {shape:?}", t.shape)));
-        }
-        out.push(*t);
-    }
-    for t in params {
-        if t.name == "lm_head.weight" {
-            let wte = out[0];
-            if t.shape != wte.shape || t.data != wte.data {
-                return Err(export_err("`lm_head.weight` differs from `wte.weight` but GPT-2 ties them".into()));
-            }
-        } else if !expected.iter().any(|(n, _)| *n == t.name) {
-            return Err(export_err(format!("unexpected tensor `{}`", t.name)));
-        }
-    }
-    Ok(out)
 }
 
 /// What `reference.json` holds for `scripts/check_export.py`: a token sequence and Tessera's
@@ -155,7 +99,7 @@ pub struct TokenizerSample<'a> {
 }
 
 /// `reference.json` content (see [`ExportReference`]).
-fn reference_json(r: &ExportReference, vocab_size: usize) -> Result<Vec<u8>, CheckpointError> {
+pub fn reference_json(r: &ExportReference, vocab_size: usize) -> Result<Vec<u8>, CheckpointError> {
     let (tokens, loss) = (r.tokens, r.loss);
     if tokens.len() < 2 {
         return Err(export_err(format!("reference needs at least 2 tokens, got {}", tokens.len())));
@@ -175,31 +119,22 @@ fn reference_json(r: &ExportReference, vocab_size: usize) -> Result<Vec<u8>, Che
     serde_json::to_vec_pretty(&doc).map_err(|e| export_err(format!("cannot encode reference.json: {e}")))
 }
 
-/// Write a Hugging Face GPT-2 directory to `out_dir` (created if missing): `model.safetensors`
-/// (canonical names, f32, tied `lm_head` omitted, metadata `{"format": "pt"}`), `config.json`,
-/// with a `reference` its `reference.json`, and each of `files` (name, bytes: the tokenizer's,
-/// [`super::tokenizer_files`]). Each file is replaced atomically; nothing else in `out_dir` is
-/// touched.
-pub fn export_hf_gpt2(
-    out_dir: &Path,
-    params: &[NamedTensor],
-    cfg: &Gpt2ExportConfig,
-    reference: Option<&ExportReference>,
-    files: &[(&str, Vec<u8>)],
-) -> Result<(), CheckpointError> {
-    let tensors = select_gpt2_tensors(params, cfg)?;
-    let reference = reference.map(|r| reference_json(r, cfg.vocab_size)).transpose()?;
-    std::fs::create_dir_all(out_dir).map_err(|e| CheckpointError::io("create export dir", out_dir, e))?;
-    let dir = Dir::open(out_dir).map_err(|e| CheckpointError::io("open export dir", out_dir, e))?;
-    let model = "model.safetensors";
-    write_atomic_in(&dir, model, safetensors_fill(&dir.join(model), &tensors, &[("format", "pt")])?)?;
-    let config = serde_json::to_vec_pretty(&cfg.to_hf_json()).map_err(|e| export_err(format!("cannot encode config.json: {e}")))?;
-    write_file_atomic_in(&dir, "config.json", &config)?;
-    if let Some(reference) = reference {
-        write_file_atomic_in(&dir, "reference.json", &reference)?;
+/// An export folder, written through one open handle: each file replaced atomically (a
+/// temporary name, fsynced, renamed); `crate::hf::export` writes through it.
+pub struct ExportDir(Dir);
+
+impl ExportDir {
+    pub fn open(path: &Path) -> std::io::Result<ExportDir> {
+        Dir::open(path).map(ExportDir)
     }
-    for (name, bytes) in files {
-        write_file_atomic_in(&dir, name, bytes)?;
+
+    /// Replaces `name` with an f32 safetensors file of `tensors` (in that order).
+    pub fn write_safetensors(&self, name: &str, tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Result<(), CheckpointError> {
+        write_atomic_in(&self.0, name, safetensors_fill(&self.0.join(name), tensors, metadata)?).map(drop)
     }
-    Ok(())
+
+    /// Replaces `name` with `bytes`.
+    pub fn write_file(&self, name: &str, bytes: &[u8]) -> Result<(), CheckpointError> {
+        write_file_atomic_in(&self.0, name, bytes)
+    }
 }

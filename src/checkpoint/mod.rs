@@ -1,5 +1,5 @@
 //! Checkpoints: atomic, hash-verified save/load of training state (safetensors + JSON manifest),
-//! resume resolution, the bit-exact parameter fingerprint, and Hugging Face GPT-2 export.
+//! resume resolution, the bit-exact parameter fingerprint, and the pieces of a Hugging Face export.
 //!
 //! On-disk layout under a checkpoint root:
 //! ```text
@@ -33,7 +33,7 @@ mod tests_export;
 use std::io;
 use std::path::PathBuf;
 
-pub use export::{export_hf_gpt2, gpt2_expected_tensors, ExportReference, Gpt2ExportConfig, TokenizerSample};
+pub use export::{reference_json, ExportDir, ExportReference, Gpt2ExportConfig, TokenizerSample};
 pub use hf_tokenizer::{byte_level_tokenizer_json, tokenizer_files, SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 pub use load::{
     list_checkpoints, list_restorable, load, load_latest_valid, resolve_resume, LatestValid, ResolvedResume, SkippedCheckpoint,
@@ -105,7 +105,7 @@ pub enum CheckpointError {
     InvalidState(String),
     #[error("`{path}`: no valid checkpoint found{details}")]
     NotFound { path: PathBuf, details: String },
-    #[error("GPT-2 export: {0} (export supports GPT-2 presets only)")]
+    #[error("export: {0}")]
     Export(String),
 }
 

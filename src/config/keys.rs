@@ -309,13 +309,13 @@ static OTHER_DEEPSPEED: &[KeyInfo] = &[
 
 static TESSERA: &[KeyInfo] = &[
     k("tessera", Section, H, "Tessera's own keys"),
-    k("tessera.model", Str, H, "model preset; default \"gpt-tiny\""),
+    k("tessera.model", Str, H, "model preset (`tessera models`), or a Hugging Face model folder (a path: config.json of GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM, weights from model.safetensors or a sharded index, none: initialised from the seed; other architectures and keys are refused by name); default \"gpt-tiny\""),
     k("tessera.data", Str, H, "training data path; default: the shipped corpus (data/corpus/austen.txt, also compiled into the binary)"),
-    k("tessera.tokenizer", Str, H, "tokenizer path; optional"),
+    k("tessera.tokenizer", Str, H, "tokenizer path; default: a model folder's tokenizer.json, else byte-level"),
     k("tessera.data_field", Str, H, "the JSON-lines field or Parquet column holding each document's text; default \"text\""),
-    k("tessera.data_eot", Str, H, "the tokenizer's token put between documents (JSON lines, Parquet, a folder); default: the first of <|endoftext|>, <|end_of_text|>, </s>, <eos> it has (none: refused); byte-level data uses id 256 (vocabulary 257)"),
+    k("tessera.data_eot", Str, H, "the tokenizer's token put between documents (JSON lines, Parquet, a folder); default: a model folder's end-of-sequence token (config.json's eos_token_id), else the first of <|endoftext|>, <|end_of_text|>, </s>, <eos> the tokenizer has (none: refused); byte-level data uses id 256 (vocabulary 257)"),
     k("tessera.data_cache", Str, H, "folder of the token cache (data tokenized once, memory-mapped by every rank); default $XDG_CACHE_HOME/tessera/tokens, else ~/.cache/tessera/tokens; \"off\" = tokenize into memory; files are never removed (4 bytes a token): delete the folder to reclaim the space"),
-    k("tessera.seq_len", UInt, H, "default: the model preset's"),
+    k("tessera.seq_len", UInt, H, "default: the model's context (a preset's, or a folder's n_positions / max_position_embeddings)"),
     k("tessera.steps", UInt, H, "optimizer steps; default 200"),
     k("tessera.seed", UInt, H, "default 1234"),
     k("tessera.eval_interval", UInt, H, "default 50"),

@@ -402,12 +402,15 @@ pub(crate) fn parse_tessera(root: &Value) -> KindResult<TesseraConfig> {
     let usize_of =
         |key: &str, n: u64| usize::try_from(n).map_err(|_| ConfigErrorKind::invalid(&t.path(key), &Value::from(n), "a smaller integer"));
     let seq_len = t.opt_u64("seq_len")?.map(|n| usize_of("seq_len", n)).transpose()?;
+    let model = t.string("model", &d.model)?;
+    // A model folder brings its tokenizer.
+    let tokenizer = t.opt_string("tokenizer")?.or_else(|| crate::hf::folder_tokenizer(&model));
     Ok(TesseraConfig {
-        model: t.string("model", &d.model)?,
+        model: model.clone(),
         data: t.opt_string("data")?,
-        tokenizer: t.opt_string("tokenizer")?,
+        tokenizer,
         data_field: t.string("data_field", &d.data_field)?,
-        data_eot: t.opt_string("data_eot")?,
+        data_eot: t.opt_string("data_eot")?.or_else(|| crate::hf::folder_end_of_text(&model)),
         data_cache: t.opt_string("data_cache")?,
         seq_len,
         steps: t.u64("steps", d.steps)?,

@@ -20,6 +20,9 @@ use crate::{bridge, zoo};
 /// Fixed per-run facts, shared by every rank.
 pub struct Plan {
     pub model: Model,
+    /// Where the model came from: a preset, or a model folder (its config is what checkpoints
+    /// record; its weights, when it has any, are the initial parameters).
+    pub source: zoo::ModelSource,
     pub precision: Precision16,
     pub optimizer: OptimizerKind,
     pub micro: usize,
@@ -204,14 +207,43 @@ fn check_momentum_decay(cfg: &Config, optimizer: &OptimizerKind) -> Result<()> {
 }
 
 impl Plan {
+    /// The parameters a fresh run starts from: the model folder's weights, or (a preset, or a
+    /// folder without weights) the seeded initialisation.
+    pub fn initial_params(&self, seed: u64) -> Result<Vec<f32>> {
+        match self.source.folder() {
+            Some(f) if f.weights.is_some() => {
+                let w = f.weights.as_ref().expect("checked above");
+                Ok(crate::hf::read_params(w, f.config.family, &self.model)?)
+            }
+            _ => Ok(self.model.init_params(seed)),
+        }
+    }
+
+    /// What a checkpoint records of the model beyond its name: the folder's config.json, so
+    /// that the checkpoint alone rebuilds the model (`cli::model_from_checkpoint`).
+    pub fn model_record(&self) -> serde_json::Value {
+        self.source.folder().map_or(serde_json::Value::Null, |f| f.config.doc.clone())
+    }
+
     /// The plan of `cfg` for its world size; an error names the config file and the key.
     pub fn new(cfg: &Config, data: &Dataset) -> Result<Plan> {
         Plan::build(cfg, data).with_context(|| format!("config {}", cfg.source))
     }
 
     fn build(cfg: &Config, data: &Dataset) -> Result<Plan> {
-        let mut mcfg = zoo::preset(&cfg.tessera.model).map_err(|e| anyhow::anyhow!("tessera.model: {e}"))?;
-        mcfg.vocab_size = data.vocab_size;
+        let source = zoo::resolve(&cfg.tessera.model).map_err(|e| anyhow::anyhow!("tessera.model: {e}"))?;
+        let mut mcfg = source.config().clone();
+        match source.folder() {
+            None => mcfg.vocab_size = data.vocab_size,
+            Some(_) if data.vocab_size > mcfg.vocab_size => bail!(
+                "tessera.model = {:?} has vocab_size {}, and the data's tokens need {} ({}): use the folder's own tokenizer.json",
+                cfg.tessera.model,
+                mcfg.vocab_size,
+                data.vocab_size,
+                cfg.tessera.tokenizer.as_deref().unwrap_or("byte-level")
+            ),
+            Some(_) => {}
+        }
         let seq_len = cfg.tessera.seq_len.unwrap_or(mcfg.max_seq_len);
         if seq_len == 0 || seq_len > mcfg.max_seq_len {
             bail!("tessera.seq_len = {seq_len} is out of range: the model `{}` takes 1..={}", cfg.tessera.model, mcfg.max_seq_len);
@@ -258,6 +290,7 @@ impl Plan {
                 .map_err(|e| anyhow::anyhow!("tessera.device = \"cuda\": {e}"))?;
         }
         let plan = Plan {
+            source,
             device: cfg.tessera.device,
             decay: model.layout().decay_flags(),
             precision: bridge::precision(&cfg.precision),

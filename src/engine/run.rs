@@ -76,8 +76,9 @@ fn cluster_options(opts: &TrainOptions, elastic: Option<&ElasticRunState>) -> Cl
     c
 }
 
-fn fresh_start(cfg: &Config, plan: &Plan) -> Start {
-    Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), optim: None, applied: 0, skipped: 0, scaler: None }
+fn fresh_start(cfg: &Config, plan: &Plan) -> Result<Start> {
+    let master = plan.initial_params(cfg.tessera.seed).with_context(|| format!("tessera.model = {:?}", cfg.tessera.model))?;
+    Ok(Start { step: 0, master, optim: None, applied: 0, skipped: 0, scaler: None })
 }
 
 /// Where a resumed run starts: the checkpoint's masters, optimizer buffers and counters, checked
@@ -124,6 +125,14 @@ fn checkpoint_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: 
     let (path, ck) = (resolved.dir, resolved.state);
     if ck.model != cfg.tessera.model {
         bail!("checkpoint {} holds model `{}` but the config asks for `{}`", path.display(), ck.model, cfg.tessera.model);
+    }
+    if ck.extra.get("model_config").cloned().unwrap_or_default() != plan.model_record() {
+        bail!(
+            "checkpoint {} was trained with another {}/config.json than the one there now: restore the folder's config, or \
+             train the new shape from scratch",
+            path.display(),
+            cfg.tessera.model
+        );
     }
     let (was, now) =
         (ck.extra.get("tokenizer").cloned().unwrap_or_default(), data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?);
@@ -246,8 +255,9 @@ fn restore_from_disk(
     at: u64,
     skipped: &dyn Fn(&Path, &str),
 ) -> Result<(Start, String)> {
-    let load = |dir: &Path| checkpoint_start(cfg, plan, dir, false, None).map(|(start, _)| (start.step, start));
-    restore_choice(root, resume, at, &load, &|| fresh_start(cfg, plan), skipped).map(|(_, start, source)| (start, source))
+    let load = |dir: &Path| checkpoint_start(cfg, plan, dir, false, None).map(|(start, _)| (start.step, Ok(start)));
+    let (_, start, source) = restore_choice(root, resume, at, &load, &|| fresh_start(cfg, plan), skipped)?;
+    Ok((start?, source))
 }
 
 /// Which state a restore at or before step `at` loads (what [`restore_from_disk`] does, over
@@ -365,6 +375,7 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
             "seq_len": plan.seq_len,
             "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
             "data": data,
+            "model_config": plan.model_record(),
         }),
         params,
         optim,
@@ -550,7 +561,7 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         Some(dir) => resume_point(cfg, &plan, dir, true, Some(&data)).map(|(start, path)| (start, Some(path))).map_err(unmade)?,
         None => {
             refuse_to_overwrite(&out_dir.join("checkpoints")).map_err(unmade)?;
-            (fresh_start(cfg, &plan), None)
+            (fresh_start(cfg, &plan).map_err(unmade)?, None)
         }
     };
     let (sampler, val, er) = run_inputs(cfg, &plan, &dataset).map_err(unmade)?;

@@ -163,6 +163,9 @@ fn offload_name(d: OffloadDevice) -> &'static str {
 /// on keys it treats differently from the CPU path.
 pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
     let name = &cfg.tessera.model;
+    if crate::hf::is_folder(name) {
+        bail!("tessera.model = \"{name}\" is a model folder; the NCCL GPU trainer runs the presets only: use --device cpu");
+    }
     let m = zoo::preset(name).map_err(anyhow::Error::msg)?;
     if m.arch != Arch::Gpt {
         bail!("tessera.model = \"{name}\" is a LLaMA-style model; `--device cuda` runs GPT-2-style models only: use --device cpu");

@@ -1065,6 +1065,10 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         d_ff: 512,
         rope_theta: 10000.0,
         norm_eps: 1e-5,
+        n_kv_head: 2,
+        tied_head: true,
+        qkv_bias: false,
+        rope_scaling: None,
     };
     let model = Model::new(cfg.clone()).map_err(GpuError::Invalid)?;
     let mut params = model.init_params(seed);

@@ -6,6 +6,7 @@ pub mod attention;
 pub mod crossentropy;
 pub mod embedding;
 pub mod gelu;
+pub mod gqa;
 pub mod layernorm;
 pub mod linear;
 pub mod residual;

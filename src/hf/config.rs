@@ -1,0 +1,298 @@
+//! A Hugging Face `config.json` read into a [`ModelConfig`]: the architecture picks the family,
+//! every key either maps to the model's shape, is checked to hold the one value Tessera
+//! computes, is known to change nothing Tessera computes (generation ids, metadata), or is
+//! refused by name. Dropout probabilities are the one exception: Tessera trains without
+//! dropout, and says so (`HfConfig::notes`).
+
+use serde_json::{Map, Value};
+use tessera_kernels::model::{Arch, ModelConfig};
+use tessera_kernels::ops::layernorm::LAYERNORM_EPS;
+use tessera_kernels::ops::rope::RopeScaling;
+
+use super::HfError;
+
+/// The model families Tessera reads and writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    Gpt2,
+    Llama,
+    Mistral,
+    Qwen2,
+}
+
+impl Family {
+    /// The `architectures` entry transformers writes for the family.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Family::Gpt2 => "GPT2LMHeadModel",
+            Family::Llama => "LlamaForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// Every family, for lookups and messages.
+    pub const ALL: [Family; 4] = [Family::Gpt2, Family::Llama, Family::Mistral, Family::Qwen2];
+}
+
+/// A parsed `config.json`: the family, the shape Tessera builds, and the document itself (what
+/// a checkpoint records and an export writes back).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HfConfig {
+    pub family: Family,
+    pub model: ModelConfig,
+    pub doc: Value,
+    /// What Tessera does differently from the config and goes on with (nonzero dropout).
+    pub notes: Vec<String>,
+}
+
+/// Keys of any transformers config that change nothing Tessera computes: metadata, generation
+/// and tokenizer ids, inference switches, heads Tessera does not build (sequence summary).
+const INERT_KEYS: &[&str] = &[
+    "_name_or_path",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "is_decoder",
+    "task_specific_params",
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+    "n_ctx",
+];
+
+/// Dropout probabilities: Tessera has no dropout; a nonzero one is noted, not applied.
+const DROPOUT_KEYS: &[&str] = &["resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"];
+
+/// Reads `doc` (the text of `file`, for messages) as a model of a supported family.
+pub fn parse(file: &str, doc: &Value) -> Result<HfConfig, HfError> {
+    let obj = doc.as_object().ok_or_else(|| HfError::config(file, "", doc, "a JSON object"))?;
+    let archs = obj.get("architectures").and_then(Value::as_array);
+    let arch = match archs.map(Vec::as_slice) {
+        Some([Value::String(a)]) => a.as_str(),
+        _ => {
+            let v = obj.get("architectures").unwrap_or(&Value::Null);
+            return Err(HfError::config(file, "architectures", v, "a list of one architecture"));
+        }
+    };
+    let Some(family) = Family::ALL.into_iter().find(|f| f.architecture() == arch) else {
+        let names: Vec<&str> = Family::ALL.iter().map(|f| f.architecture()).collect();
+        return Err(HfError::config(file, "architectures", &Value::from(arch), &format!("one of {}", names.join(", "))));
+    };
+    let mut r = Reader { file, obj, used: Vec::new(), notes: Vec::new() };
+    let model = match family {
+        Family::Gpt2 => r.gpt2()?,
+        _ => r.llama(family)?,
+    };
+    for (key, value) in obj {
+        if DROPOUT_KEYS.contains(&key.as_str()) {
+            if value.as_f64().is_some_and(|p| p != 0.0) {
+                r.notes.push(format!("{file}: `{key}` = {value}: Tessera trains without dropout"));
+            }
+        } else if !INERT_KEYS.contains(&key.as_str()) && !r.used.contains(&key.as_str()) {
+            return Err(HfError::config(file, key, value, &format!("no such key in a {arch} config that Tessera supports")));
+        }
+    }
+    model.validate().map_err(|e| HfError::Config { file: file.to_string(), reason: e })?;
+    Ok(HfConfig { family, model, doc: doc.clone(), notes: r.notes })
+}
+
+/// Reads keys of one config object, remembering which it read.
+struct Reader<'a> {
+    file: &'a str,
+    obj: &'a Map<String, Value>,
+    used: Vec<&'a str>,
+    notes: Vec<String>,
+}
+
+impl<'a> Reader<'a> {
+    fn get(&mut self, key: &'a str) -> Option<&'a Value> {
+        self.used.push(key);
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn err(&self, key: &str, value: &Value, expected: &str) -> HfError {
+        HfError::config(self.file, key, value, expected)
+    }
+
+    /// A positive integer (required when `default` is `None`).
+    fn size(&mut self, key: &'a str, default: Option<usize>) -> Result<usize, HfError> {
+        match (self.get(key), default) {
+            (Some(v), _) => v.as_u64().filter(|&n| n > 0).map(|n| n as usize).ok_or_else(|| self.err(key, v, "a positive integer")),
+            (None, Some(d)) => Ok(d),
+            (None, None) => Err(self.err(key, &Value::Null, "a positive integer (the key is required)")),
+        }
+    }
+
+    fn number(&mut self, key: &'a str, default: f64) -> Result<f64, HfError> {
+        match self.get(key) {
+            Some(v) => v.as_f64().filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| self.err(key, v, "a positive number")),
+            None => Ok(default),
+        }
+    }
+
+    fn flag(&mut self, key: &'a str, default: bool) -> Result<bool, HfError> {
+        match self.get(key) {
+            Some(v) => v.as_bool().ok_or_else(|| self.err(key, v, "true or false")),
+            None => Ok(default),
+        }
+    }
+
+    /// A key that must hold `want` (or be absent) because that is what Tessera computes.
+    fn only(&mut self, key: &'a str, want: &Value, expected: &str) -> Result<(), HfError> {
+        match self.get(key) {
+            Some(v) if v != want => Err(self.err(key, v, expected)),
+            _ => Ok(()),
+        }
+    }
+
+    fn gpt2(&mut self) -> Result<ModelConfig, HfError> {
+        let d_model = self.size("n_embd", None)?;
+        let n_head = self.size("n_head", None)?;
+        let d_ff = self.size("n_inner", Some(4 * d_model))?;
+        let act = self.get("activation_function").cloned().unwrap_or(Value::from("gelu_new"));
+        if !matches!(act.as_str(), Some("gelu_new" | "gelu_pytorch_tanh")) {
+            return Err(self.err("activation_function", &act, "\"gelu_new\" or \"gelu_pytorch_tanh\" (GELU, tanh approximation)"));
+        }
+        let eps = self.number("layer_norm_epsilon", 1e-5)?;
+        if eps as f32 != LAYERNORM_EPS {
+            return Err(self.err("layer_norm_epsilon", &Value::from(eps), "1e-5 (Tessera's LayerNorm epsilon)"));
+        }
+        self.only("scale_attn_weights", &Value::Bool(true), "true (attention scores scaled by 1/sqrt(head size))")?;
+        self.only("scale_attn_by_inverse_layer_idx", &Value::Bool(false), "false")?;
+        self.only("add_cross_attention", &Value::Bool(false), "false (a decoder-only model)")?;
+        // Only the order of the attention's float32 upcast; the same math.
+        self.get("reorder_and_upcast_attn");
+        Ok(ModelConfig {
+            arch: Arch::Gpt,
+            vocab_size: self.size("vocab_size", None)?,
+            max_seq_len: self.size("n_positions", None)?,
+            n_layer: self.size("n_layer", None)?,
+            n_head,
+            d_model,
+            d_ff,
+            rope_theta: 10000.0,
+            norm_eps: LAYERNORM_EPS,
+            n_kv_head: n_head,
+            tied_head: self.flag("tie_word_embeddings", true)?,
+            qkv_bias: false,
+            rope_scaling: None,
+        })
+    }
+
+    fn llama(&mut self, family: Family) -> Result<ModelConfig, HfError> {
+        let d_model = self.size("hidden_size", None)?;
+        let n_head = self.size("num_attention_heads", None)?;
+        let head_dim = self.size("head_dim", Some(d_model / n_head))?;
+        if head_dim * n_head != d_model {
+            return Err(self.err("head_dim", &Value::from(head_dim), &format!("hidden_size / num_attention_heads = {}", d_model / n_head)));
+        }
+        self.only("hidden_act", &Value::from("silu"), "\"silu\" (the SwiGLU MLP)")?;
+        self.only("mlp_bias", &Value::Bool(false), "false")?;
+        self.only("pretraining_tp", &Value::from(1), "1")?;
+        let qkv_bias = family == Family::Qwen2;
+        if family == Family::Llama {
+            self.only(
+                "attention_bias",
+                &Value::Bool(false),
+                "false (q/k/v biases are Qwen2's; LLaMA's bias on o_proj too is not supported)",
+            )?;
+        }
+        let mut max_seq_len = self.size("max_position_embeddings", None)?;
+        if family == Family::Mistral {
+            // Attention limited to a window is full causal attention for sequences within it.
+            if let Some(w) = self.get("sliding_window").cloned() {
+                max_seq_len =
+                    max_seq_len
+                        .min(w.as_u64().filter(|&w| w > 0).ok_or_else(|| self.err("sliding_window", &w, "null or a positive integer"))?
+                            as usize);
+            }
+        }
+        if family == Family::Qwen2 {
+            self.only("use_sliding_window", &Value::Bool(false), "false (sliding-window attention is not supported)")?;
+            self.get("sliding_window");
+            self.get("max_window_layers");
+        }
+        if let Some(types) = self.get("layer_types").cloned() {
+            let full = types.as_array().is_some_and(|a| a.iter().all(|t| t == "full_attention"));
+            if !full {
+                return Err(self.err("layer_types", &types, "\"full_attention\" for every layer"));
+            }
+        }
+        let (rope_theta, rope_scaling) = self.rope()?;
+        Ok(ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: self.size("vocab_size", None)?,
+            max_seq_len,
+            n_layer: self.size("num_hidden_layers", None)?,
+            n_head,
+            d_model,
+            d_ff: self.size("intermediate_size", None)?,
+            rope_theta,
+            norm_eps: self.number("rms_norm_eps", 1e-6)? as f32,
+            n_kv_head: self.size("num_key_value_heads", Some(n_head))?,
+            tied_head: self.flag("tie_word_embeddings", false)?,
+            qkv_bias,
+            rope_scaling,
+        })
+    }
+
+    /// θ and the scaling, from `rope_theta` + `rope_scaling` (transformers 4) or
+    /// `rope_parameters` (transformers 5).
+    fn rope(&mut self) -> Result<(f32, Option<RopeScaling>), HfError> {
+        let theta = self.number("rope_theta", 10000.0)?;
+        let (key, params) = match (self.get("rope_parameters").cloned(), self.get("rope_scaling").cloned()) {
+            (Some(p), None) => ("rope_parameters", p),
+            (None, Some(s)) => ("rope_scaling", s),
+            (None, None) => return Ok((theta as f32, None)),
+            (Some(p), Some(_)) => return Err(self.err("rope_parameters", &p, "either rope_parameters or rope_scaling, not both")),
+        };
+        let obj = params.as_object().ok_or_else(|| self.err(key, &params, "an object"))?;
+        let theta = match obj.get("rope_theta") {
+            Some(t) => t.as_f64().filter(|t| *t > 0.0).ok_or_else(|| self.err(&format!("{key}.rope_theta"), t, "a positive number"))?,
+            None => theta,
+        };
+        let kind = obj.get("rope_type").or_else(|| obj.get("type")).and_then(Value::as_str).unwrap_or("default");
+        let file = self.file;
+        let num = |k: &str| {
+            let v = obj.get(k).unwrap_or(&Value::Null);
+            v.as_f64()
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| HfError::config(file, &format!("{key}.{k}"), v, "a positive number"))
+        };
+        let allowed: &[&str] = match kind {
+            "default" => &["rope_type", "type", "rope_theta"],
+            "llama3" => {
+                &["rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+            }
+            other => {
+                return Err(self.err(&format!("{key}.rope_type"), &Value::from(other), "\"default\" or \"llama3\""));
+            }
+        };
+        if let Some((k, v)) = obj.iter().find(|(k, _)| !allowed.contains(&k.as_str())) {
+            return Err(self.err(&format!("{key}.{k}"), v, &format!("no such key for rope_type \"{kind}\"")));
+        }
+        let scaling = match kind {
+            "llama3" => Some(RopeScaling {
+                factor: num("factor")?,
+                low_freq_factor: num("low_freq_factor")?,
+                high_freq_factor: num("high_freq_factor")?,
+                original_max_position_embeddings: num("original_max_position_embeddings")?,
+            }),
+            _ => None,
+        };
+        Ok((theta as f32, scaling))
+    }
+}

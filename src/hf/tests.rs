@@ -1,0 +1,256 @@
+//! Model folders made by transformers itself (`scripts/gen_fixtures.py hf`): Tessera's loss,
+//! logits and every gradient against transformers' (float64) within f32 tolerance; import →
+//! export gives the very bytes of every weight; bad folders are refused by name.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use safetensors::SafeTensors;
+use tessera_kernels::gradcheck::rel_err;
+use tessera_kernels::model::{FlatAccess, Model, Workspace};
+
+use super::*;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name)
+}
+
+struct Reference {
+    f32s: HashMap<String, Vec<f32>>,
+    ints: HashMap<String, Vec<u32>>,
+    b: usize,
+    t: usize,
+}
+
+fn reference(name: &str) -> Reference {
+    let bytes = std::fs::read(fixture(&format!("{name}.reference.safetensors"))).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = meta.metadata().clone().unwrap_or_default();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (mut f32s, mut ints) = (HashMap::new(), HashMap::new());
+    for (n, v) in st.tensors() {
+        let words = v.data().chunks_exact(4).map(|b| [b[0], b[1], b[2], b[3]]);
+        match v.dtype() {
+            safetensors::Dtype::F32 => drop(f32s.insert(n, words.map(f32::from_le_bytes).collect())),
+            _ => drop(ints.insert(n, words.map(|w| i32::from_le_bytes(w) as u32).collect())),
+        }
+    }
+    Reference { f32s, ints, b: meta["batch"].parse().unwrap(), t: meta["seq_len"].parse().unwrap() }
+}
+
+/// A folder's model and its parameters, as `tessera.model = DIR` builds them.
+fn open(dir: &Path) -> (HfModel, Model, Vec<f32>) {
+    let hf = HfModel::open(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let model = Model::new(hf.config.model.clone()).unwrap();
+    let params = read_params(hf.weights.as_ref().expect("weights"), hf.config.family, &model).unwrap();
+    (hf, model, params)
+}
+
+/// Loss, every gradient (by Hugging Face name) and the logits of each sequence's positions
+/// against transformers'.
+fn matches_transformers(name: &str) {
+    let (hf, model, params) = open(&fixture(name));
+    let r = reference(name);
+    let (tokens, targets) = (&r.ints["tokens"], &r.ints["targets"]);
+    let mut grads = vec![0.0; params.len()];
+    let mut ws = Workspace::default();
+    let loss = model.forward_backward(
+        &mut FlatAccess { params: &params, grads: &mut grads, units: model.units() },
+        tokens,
+        targets,
+        r.b,
+        r.t,
+        1.0,
+        &mut ws,
+    );
+    let want = r.f32s["loss"][0];
+    assert!(((loss - want) / want).abs() < 1e-5, "{name}: loss {loss}, transformers {want}");
+    let mut compared = 0;
+    for spec in model.layout().specs() {
+        for piece in pieces(hf.config.family, &model.cfg, spec).unwrap() {
+            let got = extract(&grads[spec.range()], matrix(spec), &piece);
+            let want = &r.f32s[&format!("grad.{}", piece.name)];
+            let e = rel_err(&got, want);
+            assert!(e < 1e-4, "{name}: gradient of {} differs from transformers': rel err {e:e}", piece.name);
+            compared += 1;
+        }
+    }
+    let hf_params = r.f32s.keys().filter(|k| k.starts_with("grad.")).count();
+    assert_eq!(compared, hf_params, "{name}: every parameter transformers trains has a gradient here");
+    let v = model.cfg.vocab_size;
+    for s in 0..r.b {
+        for pos in [0, r.t / 2, r.t - 1] {
+            let got = model.next_token_logits(&params, &tokens[s * r.t..s * r.t + pos + 1], &mut ws);
+            let row = (s * r.t + pos) * v;
+            let e = rel_err(&got, &r.f32s["logits"][row..row + v]);
+            assert!(e < 1e-5, "{name}: logits of sequence {s} position {pos}: rel err {e:e}");
+        }
+    }
+}
+
+#[test]
+fn gpt2_matches_transformers() {
+    matches_transformers("gpt2");
+}
+
+#[test]
+fn llama3_with_grouped_queries_scaled_rope_and_untied_head_matches_transformers() {
+    let (hf, ..) = open(&fixture("llama"));
+    let m = &hf.config.model;
+    assert!(m.n_kv_head < m.n_head && !m.tied_head && m.rope_scaling.is_some(), "{m:?}");
+    matches_transformers("llama");
+}
+
+#[test]
+fn sharded_tied_llama_matches_transformers() {
+    let (hf, ..) = open(&fixture("llama-sharded"));
+    assert!(hf.weights.as_ref().unwrap().files.len() > 1 && hf.config.model.tied_head);
+    matches_transformers("llama-sharded");
+}
+
+#[test]
+fn mistral_matches_transformers() {
+    matches_transformers("mistral");
+}
+
+#[test]
+fn qwen2_with_qkv_biases_matches_transformers() {
+    let (hf, ..) = open(&fixture("qwen2"));
+    assert!(hf.config.model.qkv_bias);
+    matches_transformers("qwen2");
+}
+
+/// Every tensor of every `.safetensors` file of `dir`: name → (dtype, shape, bytes).
+fn weights_of(dir: &Path) -> HashMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let mut out = HashMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().is_some_and(|x| x == "safetensors") {
+            let bytes = std::fs::read(&path).unwrap();
+            for (n, v) in SafeTensors::deserialize(&bytes).unwrap().tensors() {
+                out.insert(n, (format!("{:?}", v.dtype()), v.shape().to_vec(), v.data().to_vec()));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn import_then_export_gives_the_same_bytes_for_every_family() {
+    for name in ["gpt2", "llama", "llama-sharded", "mistral", "qwen2"] {
+        let dir = fixture(name);
+        let (hf, model, params) = open(&dir);
+        let out = tempfile::tempdir().unwrap();
+        // Shards of at most 100 kB where the fixture was saved so.
+        let sharded = hf.weights.as_ref().unwrap().files.len() > 1;
+        let shard_bytes = if sharded { 100_000 } else { SHARD_BYTES_MAX };
+        let doc = config_doc(hf.config.family, &model.cfg, Some(&hf.config.doc));
+        let exported = export(out.path(), hf.config.family, &model, &params, &doc, &[], shard_bytes).unwrap();
+        assert_eq!(weights_of(out.path()), weights_of(&dir), "{name}: exported weights differ from the folder's");
+        assert_eq!(exported.files.len() > 2, sharded, "{name}: {:?}", exported.files);
+        // The export reads back as the same model.
+        let (again, model2, params2) = open(out.path());
+        assert_eq!((again.config.model, params2), (model2.cfg.clone(), params), "{name}");
+    }
+}
+
+/// A copy of fixture `name` whose config.json has `edit` applied.
+fn edited(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixture(name)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let path = tmp.path().join(CONFIG_FILE);
+    let mut doc: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    edit(&mut doc);
+    std::fs::write(&path, serde_json::to_vec(&doc).unwrap()).unwrap();
+    tmp
+}
+
+fn refusal(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> String {
+    let tmp = edited(name, edit);
+    HfModel::open(tmp.path()).map(|_| ()).expect_err("should be refused").to_string()
+}
+
+#[test]
+fn unsupported_architectures_keys_and_values_are_refused_by_name() {
+    let e = refusal("llama", |d| d["architectures"] = serde_json::json!(["MixtralForCausalLM"]));
+    assert!(e.contains("config.json: key `architectures` = \"MixtralForCausalLM\": expected one of GPT2LMHeadModel"), "{e}");
+    let e = refusal("llama", |d| d["hidden_act"] = "gelu".into());
+    assert!(e.contains("key `hidden_act` = \"gelu\": expected \"silu\""), "{e}");
+    let e = refusal("llama", |d| d["some_new_switch"] = true.into());
+    assert!(e.contains("key `some_new_switch` = true: expected no such key in a LlamaForCausalLM config"), "{e}");
+    let e = refusal("llama", |d| d["rope_parameters"]["rope_type"] = "yarn".into());
+    assert!(e.contains("key `rope_parameters.rope_type` = \"yarn\": expected \"default\" or \"llama3\""), "{e}");
+    let e = refusal("gpt2", |d| d["layer_norm_epsilon"] = 1e-6.into());
+    assert!(e.contains("key `layer_norm_epsilon` = 1e-6: expected 1e-5"), "{e}");
+    let e = refusal("qwen2", |d| d["use_sliding_window"] = true.into());
+    assert!(e.contains("key `use_sliding_window` = true"), "{e}");
+    let e = refusal("llama", |d| d["num_key_value_heads"] = 3.into());
+    assert!(e.contains("n_kv_head 3 does not divide n_head 4"), "{e}");
+}
+
+#[test]
+fn weights_that_do_not_fit_the_config_are_refused_by_tensor() {
+    // One layer more than the file holds: its tensors are missing.
+    let e = refusal("llama", |d| d["num_hidden_layers"] = 3.into());
+    assert!(e.contains("tensor `model.layers.2.") && e.contains("missing"), "{e}");
+    // A wider MLP: the shapes differ.
+    let e = refusal("mistral", |d| d["intermediate_size"] = 200.into());
+    assert!(e.contains("mlp.down_proj.weight`: shape [64, 176], the config implies [64, 200]"), "{e}");
+    // Tied, but the file's lm_head.weight is not the embedding.
+    let tmp = edited("llama", |d| d["tie_word_embeddings"] = true.into());
+    let hf = HfModel::open(tmp.path()).unwrap();
+    let model = Model::new(hf.config.model.clone()).unwrap();
+    let e = read_params(hf.weights.as_ref().unwrap(), hf.config.family, &model).unwrap_err().to_string();
+    assert!(e.contains("tensor `lm_head.weight`: differs from the embedding, but the config ties them"), "{e}");
+}
+
+#[test]
+fn a_folder_without_weights_is_a_shape_to_initialise() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(fixture("llama").join(CONFIG_FILE), tmp.path().join(CONFIG_FILE)).unwrap();
+    let hf = HfModel::open(tmp.path()).unwrap();
+    assert!(hf.weights.is_none());
+    std::fs::write(tmp.path().join("pytorch_model.bin"), b"pickle").unwrap();
+    let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+    assert!(e.contains("pytorch_model.bin") && e.contains("convert them to safetensors"), "{e}");
+}
+
+/// A preset exports as its family (GPT-2 for gpt-tiny): transformers' names, the tied head left
+/// out, its own config; exporting again replaces the files and leaves no temporary ones; the
+/// folder reads back as the same model.
+#[test]
+fn a_preset_exports_as_gpt2_and_reads_back() {
+    let mut cfg = crate::zoo::preset("gpt-tiny").unwrap();
+    cfg.vocab_size = 11;
+    let model = Model::new(cfg).unwrap();
+    let params = model.init_params(3);
+    let family = default_family(model.cfg.arch);
+    let doc = config_doc(family, &model.cfg, None);
+    let tmp = tempfile::tempdir().unwrap();
+    let written = export(tmp.path(), family, &model, &params, &doc, &[("tokenizer.json", b"{}".to_vec())], SHARD_BYTES_MAX).unwrap();
+    assert_eq!(written.files, ["model.safetensors", "config.json", "tokenizer.json"]);
+    let weights = weights_of(tmp.path());
+    assert!(weights.contains_key("transformer.h.3.attn.c_attn.weight") && !weights.contains_key("lm_head.weight"));
+    assert_eq!(weights["transformer.h.0.mlp.c_proj.weight"].1, [512, 128]);
+    export(tmp.path(), family, &model, &params, &doc, &[], SHARD_BYTES_MAX).unwrap();
+    assert!(std::fs::read_dir(tmp.path()).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp")));
+    let (hf, again, read) = open(tmp.path());
+    assert_eq!((hf.config.family, &again.cfg, read), (Family::Gpt2, &model.cfg, params));
+}
+
+/// The folder's `eos_token_id` names the token put between documents, through its tokenizer.
+#[test]
+fn the_folders_end_of_sequence_token_separates_documents() {
+    let dir = fixture("llama");
+    assert_eq!(folder_end_of_text(dir.to_str().unwrap()).as_deref(), Some("<|endoftext|>"));
+    let tmp = edited("llama", |d| d["eos_token_id"] = serde_json::json!([7, 319]));
+    let path = tmp.path().join(TOKENIZER_FILE);
+    let mut tok: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    tok["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({"id": 7, "content": "</s>", "special": true}));
+    std::fs::write(&path, serde_json::to_vec(&tok).unwrap()).unwrap();
+    assert_eq!(folder_end_of_text(tmp.path().to_str().unwrap()).as_deref(), Some("</s>"));
+    assert_eq!(folder_end_of_text("gpt-tiny"), None, "a preset has none");
+}
