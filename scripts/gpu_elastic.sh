@@ -6,15 +6,7 @@
 #   run(command="bash scripts/gpu_elastic.sh", carry=[".device-bin"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source scripts/device_env.sh
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export TESSERA_KERNEL_CACHE=/tmp/tessera-kernels
-built_at=$(cat .device-bin/built_at)
-mkdir -p "$(dirname "$built_at")" && ln -sfn "$PWD" "$built_at"
-mkdir -p target/release && cp .device-bin/tessera target/release/tessera
-T=$PWD/target/release/tessera
-echo "== $(nvidia-smi -L | head -1); $(date -u)"
+source scripts/device_run.sh
 if [ "${SKIP_TESTS:-0}" != 1 ]; then  # (scripts/gpu_verify.sh runs all of tests/e2e_gpu.rs)
   echo "== tests/e2e_gpu.rs: the one engine's GPU ranks"
   timeout 500 .device-bin/tests e2e_gpu::gpu_ranks_of_the_one_engine e2e_gpu::an_elastic_gpu_run --test-threads 1 2>&1 \

@@ -13,16 +13,7 @@
 # With the device tool: run(command="bash scripts/gpu_verify.sh", carry=[".device-bin"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source scripts/device_env.sh
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export TESSERA_KERNEL_CACHE=/tmp/tessera-kernels
-# The test binaries carry the paths of the tree they were built in: put this tree there.
-built_at=$(cat .device-bin/built_at)
-mkdir -p "$(dirname "$built_at")" && ln -sfn "$PWD" "$built_at"
-mkdir -p target/release && cp .device-bin/tessera target/release/tessera
-T=$PWD/target/release/tessera
-echo "== $(nvidia-smi -L | head -1); $(date -u)"
+source scripts/device_run.sh
 
 echo "== tests/e2e_gpu.rs"
 timeout 560 .device-bin/tests e2e_gpu --test-threads 1 2>&1 | tee "$OUT/e2e_gpu.txt" | grep -E "^test |test result|skipped"

@@ -276,16 +276,22 @@ fn a_stopped_actor_is_a_lost_member_and_its_shard_comes_from_a_replica() {
     assert!(why.contains("its actor died") && why.contains("stopped by the chaos fault stop_actor"), "{log}");
 }
 
-#[test]
-fn a_sigterm_drains_the_worker_and_the_run_goes_on() {
-    let tmp = tempfile::tempdir().unwrap();
-    let r = chaos(tmp.path(), r#"[{"at_step": 2, "kind": "term", "rank": 2}]"#, 6, 1);
+/// Sends `kind` (a chaos fault that signals rank 2 at step 2) and checks the worker drained at a
+/// step boundary: not a loss, no step rerun, the fault-free bits (`chaos` checks those).
+fn drains_after(dir: &Path, kind: &str) {
+    let r = chaos(dir, &format!(r#"[{{"at_step": 2, "kind": "{kind}", "rank": 2}}]"#), 6, 1);
     let el = &r["faulted"]["elastic"];
     assert_eq!(el["workers_drained"], 1, "{r:#}");
     assert_eq!(el["workers_lost"], 0, "a drained worker is not a loss: {r:#}");
     assert_eq!(el["steps_rerun"], 0, "a drain happens at a step boundary: {r:#}");
-    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
-    assert!(log.contains(r#""event":"drained""#) && log.contains("exited with status 0"), "{log}");
+    let events = std::fs::read_to_string(dir.join("chaos/faulted/elastic_events.jsonl")).unwrap();
+    assert!(events.contains(r#""event":"drained""#) && events.contains("exited with status 0"), "{events}");
+}
+
+#[test]
+fn a_sigterm_drains_the_worker_and_the_run_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    drains_after(tmp.path(), "term");
 }
 
 /// Slurm's time-limit warning (`--signal=USR1@T`, sent to every process of the job step)
@@ -296,13 +302,7 @@ fn a_sigterm_drains_the_worker_and_the_run_goes_on() {
 #[test]
 fn a_sigusr1_without_the_fault_hooks_drains_the_worker_and_the_run_goes_on() {
     let tmp = tempfile::tempdir().unwrap();
-    let r = chaos(tmp.path(), r#"[{"at_step": 2, "kind": "usr1", "rank": 2}]"#, 6, 1);
-    let el = &r["faulted"]["elastic"];
-    assert_eq!(el["workers_drained"], 1, "{r:#}");
-    assert_eq!(el["workers_lost"], 0, "a drained worker is not a loss: {r:#}");
-    assert_eq!(el["steps_rerun"], 0, "a drain happens at a step boundary: {r:#}");
-    let events = std::fs::read_to_string(tmp.path().join("chaos/faulted/elastic_events.jsonl")).unwrap();
-    assert!(events.contains(r#""event":"drained""#) && events.contains("exited with status 0"), "{events}");
+    drains_after(tmp.path(), "usr1");
     let log = std::fs::read_to_string(tmp.path().join("chaos/faulted.log")).unwrap();
     assert!(log.contains("SIGUSR1: handing my shard over at the next step boundary"), "{log}");
     assert!(!log.contains("kill_in_commit"), "the fault hooks were on:\n{log}");
