@@ -162,17 +162,6 @@ fn train_ranks(config_path: &Path, common: &CommonArgs, opts: TrainOptions, loca
     }
     if local {
         check_local_ranks(&cfg, opts.processes)?;
-        if cfg.tessera.device == ComputeDevice::Cuda {
-            // The ranks run on this host: refuse now rather than at their first step (after what
-            // the config itself gets wrong, which is said first).
-            engine::validate(&cfg)?;
-            let count = tessera_kernels::cuda::device_count()?;
-            if count == 0 {
-                bail!(
-                    "the CUDA driver reports no GPU on this machine: tessera.device = \"cuda\" needs an NVIDIA GPU; use --device cpu here"
-                );
-            }
-        }
     }
     print_warnings(&cfg);
     let out = engine::train(&cfg, &opts)?;

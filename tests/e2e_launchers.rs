@@ -162,6 +162,17 @@ fn uid() -> u32 {
     probe.as_file().metadata().unwrap().uid()
 }
 
+/// The `params_blake3` of the test config on `--world 2` in one process: the bits every job of
+/// two ranks must end on.
+fn world2_bits(dir: &Path) -> serde_json::Value {
+    let out = dir.join("world2");
+    let mut a = train_args(&out);
+    a.extend(["--world".into(), "2".into()]);
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    ok(&refs, dir);
+    summary(&out)["params_blake3"].clone()
+}
+
 /// A well-formed join token that no coordinator of this test made (an earlier run's).
 const STALE_TOKEN: &str = "tsr1-000102030405060708090a0b0c0d0e0f-00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 
@@ -169,14 +180,7 @@ const STALE_TOKEN: &str = "tsr1-000102030405060708090a0b0c0d0e0f-001122334455667
 fn torchrun_and_srun_ranks_form_one_job_with_the_bits_of_world_2() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let want = {
-        let out = dir.join("world2");
-        let mut a = train_args(&out);
-        a.extend(["--world".into(), "2".into()]);
-        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
-        ok(&refs, dir);
-        summary(&out)["params_blake3"].clone()
-    };
+    let want = world2_bits(dir);
 
     // torchrun: rank 1 first, finding an earlier run's token in the default file; it must wait
     // for rank 0's instead of failing.
@@ -272,14 +276,7 @@ fn launcher_ranks_refuse_what_they_cannot_do_securely_or_at_all() {
 fn launch_selects_hosts_and_slots_as_deepspeed() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
-    let want = {
-        let out = dir.join("world2");
-        let mut a = train_args(&out);
-        a.extend(["--world".into(), "2".into()]);
-        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
-        ok(&refs, dir);
-        summary(&out)["params_blake3"].clone()
-    };
+    let want = world2_bits(dir);
     let hostfile = write(dir, "hostfile", "localhost slots=4\n");
     let out = dir.join("launched");
     let mut a = train_args(&out);

@@ -325,6 +325,16 @@ fn gpu_forward_backward(
     Ok(loss)
 }
 
+/// Refuses GPU ranks on a host without a GPU.
+pub fn require_gpu() -> anyhow::Result<()> {
+    if cuda::device_count()? == 0 {
+        anyhow::bail!(
+            "the CUDA driver reports no GPU on this machine: tessera.device = \"cuda\" needs an NVIDIA GPU; use --device cpu here"
+        );
+    }
+    Ok(())
+}
+
 /// Whether this host has a GPU to evaluate on. A driver without one (a coordinator whose GPU
 /// ranks are agents on other hosts) evaluates on its CPU — f32 activations, so the validation
 /// loss differs from a GPU evaluation in the last digits — and says so once.

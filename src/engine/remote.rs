@@ -162,6 +162,11 @@ impl RendezvousSlot {
         RendezvousSlot(Some(Arc::new(Mutex::new(Some(r)))))
     }
 
+    /// Whether a rendezvous was handed in (the ranks are agents, on hosts of their own).
+    pub fn is_set(&self) -> bool {
+        self.0.is_some()
+    }
+
     /// The rendezvous, if one was set and no run took it yet.
     pub fn take(&self) -> Option<Rendezvous> {
         self.0.as_ref().and_then(|m| m.lock().unwrap_or_else(|p| p.into_inner()).take())

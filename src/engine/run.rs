@@ -541,6 +541,11 @@ fn run_inputs(cfg: &Config, plan: &Plan, dataset: &Dataset) -> Result<(Arc<Sampl
 fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Dataset)> {
     let dataset = super::child::load_dataset(cfg)?;
     let plan = Arc::new(Plan::new(cfg, &dataset)?);
+    if plan.device == crate::config::ComputeDevice::Cuda && !opts.rendezvous.is_set() {
+        // GPU ranks on this host (threads or worker processes): refused now, after what the
+        // config itself gets wrong, rather than at their first step.
+        super::device::require_gpu()?;
+    }
     let data = dataset.record();
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
     // Locked before anything in it is read or written: a second run on this output is refused.
