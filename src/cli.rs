@@ -8,7 +8,7 @@ use tessera_kernels::model::{Model, Workspace};
 use tessera_kernels::tensor::Rng;
 
 use crate::checkpoint::{self, CheckpointState};
-use crate::config::{self, ComputeDevice, Config, GpuCollective, ResolveContext};
+use crate::config::{self, Config, ResolveContext};
 use crate::data::{self, Codec};
 use crate::engine::{self, TrainOptions};
 use crate::hf;
@@ -144,18 +144,17 @@ pub fn train_agents(config_path: &Path, common: &CommonArgs, opts: TrainOptions)
     train_ranks(config_path, common, opts, false)
 }
 
-/// Whether `train` runs on the NCCL GPU trainer (`tessera.device = "cuda"` with the default
-/// `tessera.gpu.collective = "nccl"`, `crate::gpu::train`) rather than the engine's ranks.
+/// Whether `train` runs NCCL GPU ranks (`tessera.device = "cuda"` with the default
+/// `tessera.gpu.collective = "nccl"`, `crate::gpu::train`): threads of this process, one per GPU.
 pub fn nccl_gpu_run(config_path: &Path, common: &CommonArgs) -> Result<bool> {
-    let cfg = load_config(config_path, common)?;
-    Ok(cfg.tessera.device == ComputeDevice::Cuda && cfg.tessera.gpu_collective == GpuCollective::Nccl)
+    Ok(crate::gpu::train::nccl_run(&load_config(config_path, common)?))
 }
 
 fn train_ranks(config_path: &Path, common: &CommonArgs, opts: TrainOptions, local: bool) -> Result<bool> {
     let cfg = load_config(config_path, common)?;
-    if cfg.tessera.device == ComputeDevice::Cuda && cfg.tessera.gpu_collective == GpuCollective::Nccl {
+    if !local && crate::gpu::train::nccl_run(&cfg) {
         bail!(
-            "{}: tessera.device = \"cuda\" with tessera.gpu.collective = \"nccl\" runs one process per GPU of this host \
+            "{}: tessera.device = \"cuda\" with tessera.gpu.collective = \"nccl\" runs one rank per GPU of this host \
              (`tessera train --device cuda`); ranks that are agents, on other hosts, need tessera.gpu.collective = \"quic\"",
             cfg.source
         );

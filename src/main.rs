@@ -286,7 +286,7 @@ struct TrainArgs {
     nprocs: Option<usize>,
     /// Where to train (sets `tessera.device`; default: the config's, else cpu): `cpu` (threads,
     /// or worker processes with --nprocs) or `cuda` (NVIDIA GPUs; with the default
-    /// `tessera.gpu.collective = "nccl"` one process per GPU, NCCL between them, the world size —
+    /// `tessera.gpu.collective = "nccl"` one rank per GPU (threads of this process), NCCL between them, the world size —
     /// --nprocs, --world or tessera.world — at most the GPUs present; with "quic" GPU ranks of the
     /// one engine, elastic with `tessera.elastic`: docs/GPU.md).
     #[arg(long, value_enum)]
@@ -397,26 +397,22 @@ fn log_prefix(cmd: &Cmd) -> Option<String> {
     match cmd {
         Cmd::Worker(a) => Some(a.rank.map_or_else(|| "joining worker".to_string(), |r| format!("rank {r}"))),
         Cmd::Agent(a) => Some(a.name.as_ref().map_or_else(|| "agent".to_string(), |n| format!("agent {n}"))),
-        Cmd::Train(_) => tessera::gpu::rank_in_env().map(|r| format!("rank {r}")),
+        Cmd::Gpu(_) => tessera::gpu::rank_in_env().map(|r| format!("rank {r}")),
         _ => None,
     }
 }
 
-/// Which stop handling a command gets: drivers stop after a step with a checkpoint (a GPU
-/// rank follows its parent); the others keep the default actions.
-fn stop_mode(cmd: &Cmd) -> Option<signals::Mode> {
-    match cmd {
-        Cmd::Train(_) if tessera::gpu::rank_in_env().is_some() => Some(signals::Mode::FollowParent),
-        Cmd::Train(_) | Cmd::Coordinator(_) | Cmd::Launch(_) => Some(signals::Mode::Driver),
-        _ => None,
-    }
+/// Whether a command stops after a step with a checkpoint on a stop signal (drivers); the
+/// others keep the default actions.
+fn stops_after_a_step(cmd: &Cmd) -> bool {
+    matches!(cmd, Cmd::Train(_) | Cmd::Coordinator(_) | Cmd::Launch(_))
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
     let done = ExitCode::SUCCESS;
     console::init_logs(console::Verbosity { verbose: cli.verbose, quiet: cli.quiet }, log_prefix(&cli.cmd))?;
-    if let Some(mode) = stop_mode(&cli.cmd) {
-        signals::install(mode)?;
+    if stops_after_a_step(&cli.cmd) {
+        signals::install()?;
     }
     // Every TESSERA_* variable (docs/ENV.md) checked once, before anything starts: a bad value
     // is refused here rather than where a worker or kernel reads it. The test faults become
@@ -441,25 +437,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
                      ranks on several hosts by hand use `tessera coordinator` and `tessera agent`"
                 );
             }
-            let processes = a.nprocs.is_some();
             if let Some(n) = a.nprocs {
                 anyhow::ensure!(n >= 1, "--nprocs must be at least 1");
                 a.common.world = Some(n);
             }
-            if cli::nccl_gpu_run(&a.config, &a.common)? {
-                if let Some(p) = &a.worker_net {
-                    anyhow::bail!("--worker-net {}: worker namespaces are for elastic CPU `--nprocs` runs, not --device cuda", p.display());
-                }
-                if !a.abandon_steps.is_empty() {
-                    let steps: Vec<String> = a.abandon_steps.iter().map(u64::to_string).collect();
-                    anyhow::bail!(
-                        "--abandon-step {}: `--device cuda` has no step transaction to abandon; drop the flag or use --device cpu",
-                        steps.join(", ")
-                    );
-                }
-                let opts = tessera::gpu::train::GpuTrainOptions { resume: a.resume, progress: !a.no_progress };
-                return Ok(trained(tessera::gpu::train::train(&a.config, &a.common, &opts)?));
+            // NCCL GPU ranks are threads of this process, one per GPU: `--nprocs N` asks for N GPUs.
+            let nccl = cli::nccl_gpu_run(&a.config, &a.common)?;
+            if let (Some(p), true) = (&a.worker_net, nccl) {
+                anyhow::bail!("--worker-net {}: worker namespaces are for elastic CPU `--nprocs` runs, not --device cuda", p.display());
             }
+            let processes = a.nprocs.is_some() && !nccl;
             let opts = TrainOptions {
                 resume: a.resume,
                 progress: !a.no_progress,
@@ -590,8 +577,7 @@ fn train_under_launcher(env: &tessera::launch::LauncherEnv, a: TrainArgs, faults
     if let Some(p) = &a.worker_net {
         anyhow::bail!("--worker-net {}: not under a launcher", p.display());
     }
-    let gpu = cli::nccl_gpu_run(&a.config, &a.common)?
-        .then(|| tessera::gpu::train::GpuTrainOptions { resume: a.resume.clone(), progress: !a.no_progress });
+    let gpu = cli::nccl_gpu_run(&a.config, &a.common)?;
     let opts = TrainOptions {
         resume: a.resume,
         progress: !a.no_progress,

@@ -8,13 +8,11 @@
 //! runs exits at once with `128 + signal` (the status a shell reports for a process the signal
 //! killed): it says so on standard error, removes what this process registered
 //! ([`on_forced_exit`]: its in-progress checkpoint's temporary folder, `procs/` with the run's
-//! keys) and sends SIGKILL to the processes it registered. A checkpoint is renamed into place
-//! only complete, so the forced exit never leaves a half one under a `step_*` name.
+//! keys). A checkpoint is renamed into place only complete, so the forced exit never leaves a half one under a `step_*` name.
 //!
 //! Signals are received on one thread of their own through `signal-hook`'s self-pipe (the
 //! handler itself only writes to the pipe), so everything the thread does may allocate, lock
-//! and print. A process started by a parent that forwards its stop to it (a GPU rank,
-//! [`Mode::FollowParent`]) only records signals: its parent owns the second-signal exit.
+//! and print.
 //!
 //! Exit statuses: 0 completed, 1 failed, [`EXIT_INTERRUPTED`] stopped early with a checkpoint
 //! (resume with `--resume`), `128 + N` a second signal N (nothing more saved). Elastic worker
@@ -64,16 +62,6 @@ pub fn signal_name(sig: i32) -> &'static str {
     signal_hook::low_level::signal_name(sig).unwrap_or("a signal")
 }
 
-/// Who handles a second signal.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    /// This process: a second signal exits it at once.
-    Driver,
-    /// The parent that started this process and forwards its stop to it: every signal only
-    /// asks to stop (the parent kills this process on its own second signal).
-    FollowParent,
-}
-
 /// What a forced exit undoes.
 #[derive(Clone, Debug)]
 pub enum Cleanup {
@@ -82,11 +70,6 @@ pub enum Cleanup {
     /// Remove this process's in-progress save folders (`.tmp-step_*-<pid>`) in a checkpoint
     /// root.
     SaveTemps(PathBuf),
-    /// SIGKILL this process (a child that would otherwise go on alone).
-    Kill(u32),
-    /// Not undone at a forced exit: on the first stop request, SIGTERM this process (a child
-    /// in its own process group that does not see the terminal's or scheduler's signal).
-    Forward(u32),
 }
 
 /// Unregisters its [`Cleanup`] when dropped (the thing it undoes is gone, or was handed on).
@@ -116,27 +99,13 @@ pub fn on_forced_exit(c: Cleanup) -> CleanupGuard {
     CleanupGuard(id)
 }
 
-/// Forwards this process's first stop request to process `pid` as SIGTERM (at once when it
-/// came already) until the guard is dropped.
-pub fn forward_stop(pid: u32) -> CleanupGuard {
-    let guard = on_forced_exit(Cleanup::Forward(pid));
-    if requested().is_some() {
-        send(pid, SIGTERM);
-    }
-    guard
-}
-
-/// Starts the signal thread once per process (later calls do nothing; the first call's mode
-/// holds). From then on the stop signals no longer end the process by themselves.
-pub fn install(mode: Mode) -> Result<()> {
+/// Starts the signal thread once per process (later calls do nothing). From then on the stop
+/// signals no longer end the process by themselves.
+pub fn install() -> Result<()> {
     INSTALLED
         .get_or_init(|| {
             let signals = Signals::new(STOP_SIGNALS).map_err(|e| e.to_string())?;
-            std::thread::Builder::new()
-                .name("tessera-signals".into())
-                .spawn(move || watch(signals, mode))
-                .map(drop)
-                .map_err(|e| e.to_string())
+            std::thread::Builder::new().name("tessera-signals".into()).spawn(move || watch(signals)).map(drop).map_err(|e| e.to_string())
         })
         .clone()
         .map_err(anyhow::Error::msg)
@@ -163,28 +132,18 @@ pub fn request(reason: StopReason) -> bool {
         StopReason::Signal(s) => s,
         StopReason::StdoutClosed => STDOUT_CLOSED,
     };
-    let first = REQUESTED.compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst).is_ok();
-    if first {
-        for (_, c) in registry().iter() {
-            if let Cleanup::Forward(pid) = c {
-                send(*pid, SIGTERM);
-            }
-        }
-    }
-    first
+    REQUESTED.compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst).is_ok()
 }
 
-/// The signal thread: the first signal asks to stop, a second one (in [`Mode::Driver`]) exits.
-fn watch(mut signals: Signals, mode: Mode) {
+/// The signal thread: the first signal asks to stop, a second one exits.
+fn watch(mut signals: Signals) {
     for sig in signals.forever() {
         let first = request(StopReason::Signal(sig));
-        if first || mode == Mode::FollowParent {
-            if first {
-                tracing::warn!(
-                    "{}: stopping after the current step and saving a checkpoint (a second signal exits at once without saving)",
-                    signal_name(sig)
-                );
-            }
+        if first {
+            tracing::warn!(
+                "{}: stopping after the current step and saving a checkpoint (a second signal exits at once without saving)",
+                signal_name(sig)
+            );
             continue;
         }
         forced_exit(sig);
@@ -214,8 +173,6 @@ fn forced_exit(sig: i32) -> ! {
                 let _ = std::fs::remove_dir_all(d);
             }
             Cleanup::SaveTemps(root) => remove_save_temps(root),
-            Cleanup::Kill(pid) => send(*pid, libc::SIGKILL),
-            Cleanup::Forward(_) => {}
         }
     }
     // SAFETY: _exit(2) ends the process without running destructors or atexit handlers, which
@@ -234,13 +191,6 @@ fn remove_save_temps(root: &Path) {
         if name.starts_with(crate::checkpoint::TMP_PREFIX) && ours {
             let _ = std::fs::remove_dir_all(e.path());
         }
-    }
-}
-
-fn send(pid: u32, sig: i32) {
-    if let Ok(pid) = libc::pid_t::try_from(pid) {
-        // SAFETY: kill(2) on a process this one started and registered; no memory is touched.
-        unsafe { libc::kill(pid, sig) };
     }
 }
 

@@ -106,7 +106,10 @@ fn device_cuda_refuses_unsupported_options_naming_the_key() {
             &["--set", "zero_optimization.offload_param={\"device\": \"cpu\"}", "--set", "zero_optimization.stage=3"],
             "offload_param.device = \"cpu\"",
         ),
-        (&["--abandon-step", "3"], "--abandon-step 3"),
+        (
+            &["--abandon-step", "3", "--set", "zero_optimization.offload_optimizer={\"device\": \"cpu\"}"],
+            "--abandon-step with zero_optimization.offload_optimizer",
+        ),
     ];
     for (extra, want) in cases {
         let text = exits_1(&cuda_args(&cfg, &out, extra), tmp.path());
@@ -277,6 +280,14 @@ fn gpu_training_learns_resumes_and_matches_across_gpu_counts() {
     ok(&cuda_args(cfg, &split, &["--resume", &ck]), tmp.path());
     let s2 = summary(Path::new(&split));
     assert_eq!(s1["params_blake3"], s2["params_blake3"], "20 straight GPU steps differ from 10 + resume + 10");
+
+    // A step is a transaction of the engine's actor tree on the GPU too: steps 3 and 7 prepared,
+    // abandoned and run again give the same bits.
+    let abandoned = dir("abandoned");
+    ok(&cuda_args(cfg, &abandoned, &["--abandon-step", "3", "--abandon-step", "7"]), tmp.path());
+    let sb = summary(Path::new(&abandoned));
+    assert_eq!(s1["params_blake3"], sb["params_blake3"], "abandoned and rerun GPU steps changed the parameters");
+    assert_eq!(sb["abandoned_attempts"], 2, "{sb}");
 
     // Activation checkpointing (blocks keep their inputs, the backward recomputes the rest):
     // the same bits, in less device memory.

@@ -302,8 +302,8 @@ pub enum ComputeDevice {
 /// How GPU ranks exchange tensors (`tessera.gpu.collective`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GpuCollective {
-    /// NCCL between GPUs, one process per GPU, parameters and optimizer on the device: the
-    /// fastest path (`src/gpu`), not elastic.
+    /// NCCL between GPUs, one rank (a thread of the driver) per GPU, parameters and optimizer
+    /// on the device: the fastest path (`src/gpu`), not elastic.
     #[default]
     Nccl,
     /// Ranks of the one engine: each computes its micro-batches' forward and backward on its GPU;

@@ -23,12 +23,10 @@ mod wire;
 mod worker_net;
 pub mod zero;
 
-pub(crate) use child::load_dataset;
 pub use child::{run_agent, run_joiner, run_worker, AgentArgs, AgentCredentials, WorkerArgs, WrongCoordinator, AGENT_CONNECT_TIMEOUT_MS};
 pub use elastic::{now_ms, EVENTS_FILE};
 pub use plan::Plan;
 pub use precision::Precision16;
 pub use remote::{assign_ranks, control_server_config, AgentAuth, Launched, Rendezvous, RendezvousSlot, COORDINATOR_NAME, JOIN_TIMEOUT_MS};
-pub(crate) use run::{checkpoint_tensors, lock_output, log_line, progress_bar, refuse_to_overwrite, resume_start};
 pub use run::{train, validate, TrainOptions, TrainOutcome};
 pub use summary::{peak_rss_bytes, ElasticSummary, GpuFigures, HostOptimizerFigures, MemoryBytes, RunRecord, RunStatus, Summary};

@@ -15,6 +15,7 @@ use super::remote::Procs;
 use super::zero::RankState;
 use crate::bridge;
 use crate::config::Config;
+use crate::gpu::compute::GpuRanks;
 
 /// Optimizer state buffers by name, full length (world-size independent, as checkpointed).
 pub type OptimBuffers = Vec<(String, Vec<f32>)>;
@@ -93,6 +94,8 @@ pub enum Ranks {
     Remote(Box<Procs>),
     /// Worker processes of an elastic run (`super::elastic`): the members of the current epoch.
     Elastic(Box<Fleet>),
+    /// NCCL GPU ranks, threads of this process (`crate::gpu::compute`).
+    Gpu(GpuRanks),
 }
 
 fn lock(st: &Mutex<RankState>) -> MutexGuard<'_, RankState> {
@@ -155,6 +158,11 @@ impl Ranks {
                 }
                 first.context("no rank exported its state")?
             }
+            // Gathered whole over NCCL (the GPU's own layout), not shard by shard.
+            Ranks::Gpu(g) => {
+                let (m, optim, (optimizer_steps, applied, skipped)) = g.assemble(with_optim)?;
+                return Ok((m, optim, RankCounters { optimizer_steps, applied, skipped, scaler: None }));
+            }
         };
         Ok((master, bufs, counters))
     }
@@ -165,6 +173,8 @@ impl Ranks {
             Ranks::InProcess(states) => states.iter().map(|st| lock(st).bytes_sent_total).collect(),
             Ranks::Remote(procs) => procs.snapshots().iter().map(|s| s.bytes_sent_total).collect(),
             Ranks::Elastic(fleet) => fleet.snapshots().iter().map(|s| s.bytes_sent_total).collect(),
+            // NCCL's traffic is not counted.
+            Ranks::Gpu(g) => vec![0; g.states.len()],
         }
     }
 
@@ -183,6 +193,7 @@ impl Ranks {
                 let s = fleet.snapshots().first().copied().unwrap_or_default();
                 (s.applied, s.scale_bits.map(f32::from_bits))
             }
+            Ranks::Gpu(g) => (g.applied(), None),
         }
     }
 
@@ -190,7 +201,7 @@ impl Ranks {
     /// it; `None` when the ranks are threads of this process.
     pub fn peak_rss_bytes(&self) -> Option<Vec<u64>> {
         match self {
-            Ranks::InProcess(_) => None,
+            Ranks::InProcess(_) | Ranks::Gpu(_) => None,
             Ranks::Remote(procs) => Some(procs.snapshots().iter().map(|s| s.peak_rss_bytes).collect()),
             Ranks::Elastic(fleet) => Some(fleet.snapshots().iter().map(|s| s.peak_rss_bytes).collect()),
         }
@@ -202,13 +213,14 @@ impl Ranks {
             Ranks::InProcess(states) => states.iter().enumerate().map(|(r, st)| lock(st).memory(r)).collect(),
             Ranks::Remote(procs) => procs.snapshots().iter().enumerate().map(|(r, s)| s.memory.report(r)).collect(),
             Ranks::Elastic(fleet) => fleet.snapshots().iter().enumerate().map(|(r, s)| s.memory.report(r)).collect(),
+            Ranks::Gpu(g) => g.memory(),
         }
     }
 
     /// Ends the ranks: worker processes leave their group and exit (checked); threads need nothing.
     pub fn close(self) -> Result<()> {
         match self {
-            Ranks::InProcess(_) => Ok(()),
+            Ranks::InProcess(_) | Ranks::Gpu(_) => Ok(()),
             Ranks::Remote(procs) => procs.close(),
             Ranks::Elastic(fleet) => fleet.close(),
         }

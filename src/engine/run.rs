@@ -26,7 +26,9 @@ use crate::bridge;
 use crate::checkpoint::{self, CheckpointState, NamedTensor};
 use crate::config::{self, Config, ElasticRun};
 use crate::data::{self, Dataset, Sampler, SamplerState};
+use crate::gpu::compute::{GpuRankOptions, GpuRanks, GpuStart, GpuWorker, ADAM_BUFFERS};
 use crate::monitor::{self, Event, Monitor, MonitorSet};
+use crate::offload::OffloadedBytes;
 use crate::signals::{self, StopReason};
 
 /// What `tessera train` was asked to do beyond the config.
@@ -82,13 +84,8 @@ fn fresh_start(cfg: &Config, plan: &Plan) -> Result<Start> {
 }
 
 /// Where a resumed run starts: the checkpoint's masters, optimizer buffers and counters, checked
-/// against the config (model, tokenizer, seed, step range, data cursor). `verbose`: print the
-/// checkpoints skipped as damaged (the CPU driver and the GPU path's rank 0).
-pub(crate) fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: &serde_json::Value) -> Result<Start> {
-    resume_point(cfg, plan, dir, verbose, Some(data)).map(|(start, _)| start)
-}
-
-/// [`resume_start`], and the step directory `dir` resolved to (`dir` may be a checkpoint
+/// against the config (model, tokenizer, seed, step range, data cursor; `verbose`: the
+/// checkpoints skipped as damaged are printed), and the step directory `dir` resolved to (`dir` may be a checkpoint
 /// root): what an elastic run falls back on when no checkpoint of its own is left.
 fn resume_point(cfg: &Config, plan: &Plan, dir: &Path, verbose: bool, data: Option<&serde_json::Value>) -> Result<(Start, PathBuf)> {
     let (start, path) = checkpoint_start(cfg, plan, dir, verbose, data)?;
@@ -307,7 +304,7 @@ pub(crate) fn restore_choice<S>(
 
 /// Creates the output folder `dir` if missing and locks it for this run (a second run on it is
 /// refused, naming the holder's pid); returns the lock and whether the folder was made here.
-pub(crate) fn lock_output(dir: &Path) -> Result<(checkpoint::OutputLock, bool)> {
+fn lock_output(dir: &Path) -> Result<(checkpoint::OutputLock, bool)> {
     let made = !dir.exists();
     std::fs::create_dir_all(dir).with_context(|| format!("creating output directory {}", dir.display()))?;
     match checkpoint::OutputLock::acquire(dir) {
@@ -322,7 +319,7 @@ pub(crate) fn lock_output(dir: &Path) -> Result<(checkpoint::OutputLock, bool)> 
 }
 
 /// A fresh run never writes over another run's checkpoints: nothing is lost by accident.
-pub(crate) fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
+fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
     let found = checkpoint::list_checkpoints(ckpt_root).unwrap_or_default();
     if let Some((step, dir)) = found.first() {
         bail!(
@@ -337,7 +334,7 @@ pub(crate) fn refuse_to_overwrite(ckpt_root: &Path) -> Result<()> {
 
 /// A checkpoint's tensors: the masters under their parameter names, and the full-length optimizer
 /// buffers under `optim.<name>` (shared with the GPU path, so both write the same format).
-pub(crate) fn checkpoint_tensors(
+fn checkpoint_tensors(
     plan: &Plan,
     master: &[f32],
     bufs: impl IntoIterator<Item = (String, Vec<f32>)>,
@@ -384,8 +381,38 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
         .with_context(|| format!("saving checkpoint of step {step} under {}", root.display()))
 }
 
+/// NCCL GPU ranks loaded with the start state: the masters and, on a resume, Adam's moments.
+fn gpu_ranks(plan: &Plan, start: &Start, opts: &GpuRankOptions) -> Result<GpuRanks> {
+    let moments = match &start.optim {
+        None => None,
+        Some((steps, bufs)) => {
+            let find = |name: &str| -> Result<&[f32]> {
+                let (_, b) = bufs.iter().find(|(n, _)| n == name).with_context(|| {
+                    let held: Vec<&str> = bufs.iter().map(|(n, _)| n.as_str()).collect();
+                    format!(
+                        "the checkpoint has no Adam state `{OPTIM_PREFIX}.{name}` (it holds [{}]): it was trained with another \
+                         optimizer; the GPU path resumes Adam/AdamW checkpoints",
+                        held.join(", ")
+                    )
+                })?;
+                if b.len() != plan.total() {
+                    bail!("the checkpoint's `{OPTIM_PREFIX}.{name}` has {} values, the model has {} parameters", b.len(), plan.total());
+                }
+                Ok(b)
+            };
+            Some((*steps, find(ADAM_BUFFERS[0])?, find(ADAM_BUFFERS[1])?))
+        }
+    };
+    let from = GpuStart { master: &start.master, moments, applied: start.applied, skipped: start.skipped };
+    crate::gpu::compute::start_ranks(plan, &from, opts)
+}
+
 /// Mean validation loss over the fixed validation batches, on the working (rounded) params.
 fn evaluate(plan: &Plan, ranks: &Ranks, batches: &data::ValBatches, ws: &mut Workspace) -> Result<f64> {
+    if let Ranks::Gpu(g) = ranks {
+        // On the ranks' own bf16 parameters, where they are.
+        return g.evaluate(batches);
+    }
     let (mut params, _, _) = ranks.assemble(plan, false)?;
     plan.precision.round(&mut params);
     if plan.device == crate::config::ComputeDevice::Cuda && super::device::gpu_here() {
@@ -423,12 +450,12 @@ fn timer_events(res: &StepResult, samples: u64) -> Vec<Event> {
 
 /// A step line (header, loss, validation, elastic events): on standard output, with the
 /// progress bar on standard error out of the way meanwhile (`crate::console`).
-pub(crate) fn log_line(pb: &ProgressBar, line: String) {
+fn log_line(pb: &ProgressBar, line: String) {
     crate::console::line(pb, &line);
 }
 
 /// The training progress bar (hidden when `enabled` is false), shared with the GPU path.
-pub(crate) fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
+fn progress_bar(total: u64, enabled: bool) -> ProgressBar {
     if !enabled {
         return ProgressBar::hidden();
     }
@@ -538,9 +565,12 @@ fn run_inputs(cfg: &Config, plan: &Plan, dataset: &Dataset) -> Result<(Arc<Sampl
     Ok((sampler, val, config::elastic_run(cfg)?))
 }
 
-fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Dataset)> {
+/// Starts the run's ranks and actor tree. `nccl`: the user's config of an NCCL GPU run (`cfg`
+/// is then [`crate::gpu::train::plan_config`] of it).
+fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions, nccl: Option<&Config>) -> Result<(Run<'a>, Dataset)> {
     let dataset = super::child::load_dataset(cfg)?;
     let plan = Arc::new(Plan::new(cfg, &dataset)?);
+    let gpu = nccl.map(|user| crate::gpu::train::rank_options(user, &plan, !opts.abandon_steps.is_empty())).transpose()?;
     if plan.device == crate::config::ComputeDevice::Cuda && !opts.rendezvous.is_set() {
         // GPU ranks on this host (threads or worker processes): refused now, after what the
         // config itself gets wrong, rather than at their first step.
@@ -581,6 +611,19 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions) -> Result<(Run<'a>, Datas
         );
     }
     let mut elastic = None;
+    if let Some(g) = gpu {
+        let ranks = gpu_ranks(&plan, &start, &g).context("starting the GPU ranks").map_err(unmade)?;
+        let workers = (ranks.states.iter().enumerate())
+            .map(|(r, st)| Box::new(GpuWorker::new(r, Arc::clone(&plan), Arc::clone(&sampler), Arc::clone(st))) as Box<dyn WorkerCompute>)
+            .collect();
+        let ranks = Ranks::Gpu(ranks);
+        let cluster =
+            Cluster::start(workers, shard_infos(&plan, &ranks), cluster_options(opts, None)).context("starting the actor tree")?;
+        let monitors = bridge::monitors(cfg, &out_dir)?;
+        let ws = Workspace::default();
+        let run = Run { cfg, plan, ranks, cluster, val, monitors, ws, out_dir, step: start.step, elastic, data, _lock: lock };
+        return Ok((run, dataset));
+    }
     if opts.processes && !elastic_fleet {
         // The ranks' DeviceWorkers live in their processes; the actor tree here drives them
         // over the control connections (`remote`, `tessera_actors::remote`).
@@ -1092,14 +1135,26 @@ impl Run<'_> {
                 crate::config::ComputeDevice::Cuda => "cuda".into(),
             },
             zero_stage: plan.stage,
-            precision: format!("{:?}", plan.precision).to_lowercase(),
+            precision: match &self.ranks {
+                Ranks::Gpu(_) => "bf16".into(),
+                _ => format!("{:?}", plan.precision).to_lowercase(),
+            },
             config_hash: self.cfg.hash.clone(),
-            bytes_sent_per_rank_per_step: Some(t.bytes_sent / t.steps_run.max(1)),
+            // (NCCL's traffic is not counted.)
+            bytes_sent_per_rank_per_step: (!matches!(self.ranks, Ranks::Gpu(_))).then(|| t.bytes_sent / t.steps_run.max(1)),
             model_state_bytes_per_rank: memory.iter().map(super::summary::MemoryBytes::from).collect(),
-            offloaded_bytes_per_rank: (0..plan.world).map(|r| plan.offloaded_bytes(r)).collect(),
+            offloaded_bytes_per_rank: match &self.ranks {
+                Ranks::Gpu(g) => {
+                    g.host_optim_bytes().into_iter().enumerate().map(|(rank, host)| OffloadedBytes { rank, host, nvme: 0 }).collect()
+                }
+                _ => (0..plan.world).map(|r| plan.offloaded_bytes(r)).collect(),
+            },
             last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
             elastic: self.elastic.as_ref().map(|e| e.stats.clone()),
-            gpu: None,
+            gpu: match &self.ranks {
+                Ranks::Gpu(g) => Some(g.figures()),
+                _ => None,
+            },
         })
     }
 }
@@ -1114,9 +1169,22 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
             cfg.tessera.steps - 1
         );
     }
-    signals::install(signals::Mode::Driver)?;
+    signals::install()?;
     let (started, started_at) = (Instant::now(), SystemTime::now());
-    let (mut run, dataset) = start_run(cfg, opts)?;
+    // NCCL GPU ranks: what they do not implement is refused first, what they treat differently
+    // is said; the plan comes from the config as the GPU reads it.
+    let nccl = crate::gpu::train::nccl_run(cfg);
+    let gpu_cfg = match nccl {
+        true => {
+            for note in crate::gpu::train::check_supported(cfg)? {
+                tracing::warn!("{note}");
+            }
+            Some(crate::gpu::train::plan_config(cfg))
+        }
+        false => None,
+    };
+    let (user, cfg) = (cfg, gpu_cfg.as_ref().unwrap_or(cfg));
+    let (mut run, dataset) = start_run(cfg, opts, nccl.then_some(user))?;
     // A second signal removes the save it interrupts (the last complete checkpoint stays).
     let _temps = signals::on_forced_exit(signals::Cleanup::SaveTemps(run.out_dir.join("checkpoints")));
     let pb = progress_bar(cfg.tessera.steps, opts.progress);
@@ -1125,11 +1193,15 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
     log_line(
         &pb,
         format!(
-            "training {} ({:.2}M params) on {} | world {} | ZeRO-{} | batch {} = {} micro-batches × {} × {} tokens | {} steps",
+            "training {} ({:.2}M params) on {} | world {}{} | ZeRO-{} | batch {} = {} micro-batches × {} × {} tokens | {} steps",
             cfg.tessera.model,
             plan.total() as f64 / 1e6,
             dataset.source,
             plan.world,
+            match &run.ranks {
+                Ranks::Gpu(g) => g.note.as_str(),
+                _ => "",
+            },
             plan.stage,
             cfg.train_batch_size,
             plan.micro_batches,

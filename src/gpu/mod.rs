@@ -3,6 +3,7 @@
 //! GPU, NCCL between them, ZeRO 0–3), the figures `docs/PERFORMANCE.md` records next to the
 //! PyTorch and DeepSpeed peers.
 
+pub mod compute;
 pub mod offload;
 pub mod train;
 pub mod zero;

@@ -1,6 +1,9 @@
-//! `tessera train --device cuda`: the training loop of the CPU path ([`crate::engine`]) on
-//! NVIDIA GPUs, one process per GPU ([`super::zero::Rank`], NCCL between them), with the same
-//! config semantics.
+//! `tessera train --device cuda` with NCCL (`tessera.gpu.collective = "nccl"`, the default):
+//! the engine's step loop ([`crate::engine`]) over GPU ranks ([`super::compute`], each a
+//! [`super::zero::Rank`], NCCL between them), with the same config semantics. This file holds
+//! what such a run needs besides the loop: the refusals of what the GPU ranks do not implement,
+//! the config the engine's plan is built from, and the ranks' options, checked against the
+//! device budget before any GPU is touched.
 //!
 //! What is shared with the CPU path, so a GPU run and a CPU run of one config see the same
 //! numbers wherever the hardware allows:
@@ -22,133 +25,25 @@
 //! `activation_checkpointing` section or `tessera.activation_checkpointing`) keeps each block's
 //! input only and recomputes its activations in the backward, with the same bits.
 //!
-//! Processes: with `N > 1` GPUs this process (the parent) validates the run, creates the NCCL
-//! id and starts itself once per GPU with the rank in the environment (as `gpu bench` does);
-//! rank 0 writes every output. The ranks run in their own process groups; the parent forwards
-//! its first stop request (SIGTERM, SIGINT, SIGHUP, SIGUSR1: `crate::signals`) to them as
-//! SIGTERM, and a rank that gets one directly (Slurm signals every process of a step) stops the
-//! same way. The ranks agree to stop after the same step (the flag travels with the per-step
-//! loss gather), save a checkpoint and the summary, and the parent reports the interruption. A
-//! second signal to the parent kills the ranks and exits at once; a rank leaves that to its
-//! parent (`signals::Mode::FollowParent`).
-
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime};
-
-use anyhow::{bail, Context, Result};
-use tessera_kernels::cuda::{self, gpt, Gpu};
+//! Ranks: one thread per GPU of this host, in the driver process (NCCL's one-thread-per-rank
+//! mode); `--nprocs N` (or `--world N`) asks for N GPUs. Stop requests (SIGTERM, SIGINT,
+//! SIGHUP, SIGUSR1: `crate::signals`) stop the run after a step with a checkpoint, as on the
+//! CPU. GPU ranks in worker processes or on other hosts are the engine's own GPU ranks
+//! (`tessera.gpu.collective = "quic"`, `crate::engine::device`).
+use anyhow::{bail, Result};
+use tessera_kernels::cuda::gpt;
 use tessera_kernels::model::Arch;
-use tessera_transport::nccl::{NcclComm, NcclId};
 
-use super::offload::{self, OffloadStats};
-use super::zero::{self, AdamW, OffloadOptions, Rank, RankSpec, StateBytes};
-use super::{wait_all, ENV_NCCL_ID, ENV_RANK, ENV_WORLD};
-use crate::checkpoint::{self, CheckpointState};
-use crate::cli::{self, CommonArgs};
+use super::compute::GpuRankOptions;
+use super::offload;
+use super::zero::{self, AdamW, OffloadOptions, StateBytes};
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision};
-use crate::data::{self, Dataset, Sampler, SamplerState, TokenBatch};
-use crate::engine::{self, peak_rss_bytes, GpuFigures, HostOptimizerFigures, MemoryBytes, Plan, RunRecord, RunStatus, Summary};
-use crate::monitor::{self, Event, Monitor, MonitorSet};
-use crate::offload::OffloadedBytes;
-use crate::outln;
-use crate::signals::{self, Cleanup};
-use crate::{bridge, zoo};
+use crate::engine::Plan;
+use crate::zoo;
 
-const OPTIM_PREFIX: &str = "optim";
-/// Adam's checkpointed buffers, as the CPU optimizer names them.
-const ADAM_BUFFERS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
-
-/// What `tessera train --device cuda` was asked to do beyond the config.
-#[derive(Clone, Debug, Default)]
-pub struct GpuTrainOptions {
-    /// A checkpoint directory (a step directory or the checkpoint root) to continue from.
-    pub resume: Option<PathBuf>,
-    /// Show the progress bar.
-    pub progress: bool,
-}
-
-/// `tessera train --device cuda`: the GPU count is the config's world size (`--nprocs N`,
-/// `--world N` or `tessera.world`). Returns whether the run finished (false when Ctrl-C
-/// stopped it).
-pub fn train(config_path: &Path, common: &CommonArgs, opts: &GpuTrainOptions) -> Result<bool> {
-    let cfg = cli::load_config(config_path, common)?;
-    let child = rank_from_env()?;
-    let notes = check_supported(&cfg)?;
-    let world = cfg.world_size;
-    if let Some((rank, env_world, id)) = child {
-        if env_world != world {
-            bail!("GPU rank {rank} was started for {env_world} ranks ({ENV_WORLD}), but its config resolves to tessera.world = {world}");
-        }
-        // A rank never reports the interruption itself: the parent does (exit status 130).
-        run_rank(&cfg, opts, rank, world, Some(id), None)?;
-        return Ok(true);
-    }
-    for w in cfg.warnings.iter().chain(&notes) {
-        tracing::warn!("{w}");
-    }
-    // Validate everything a rank would (data, batch geometry, the device budget, resume, output
-    // directory) once, here, so a mistake is reported once and before any GPU is touched.
-    let prepared = prepare(&cfg, opts, true)?;
-    let count = cuda::device_count()?;
-    if count == 0 {
-        bail!("the CUDA driver reports no GPU on this machine: `--device cuda` needs an NVIDIA GPU; use `--device cpu` here");
-    }
-    if world > count {
-        bail!(
-            "tessera.world = {world} asks for {world} GPUs (one rank per GPU); this machine has {count}: \
-             pass --nprocs N (or --world N) with N ≤ {count}; the batch rule then sets the gradient accumulation"
-        );
-    }
-    if world == 1 {
-        return Ok(!run_rank(&cfg, opts, 0, 1, None, Some(prepared))?);
-    }
-    drop(prepared);
-    let id = NcclId::new()?;
-    let exe = std::env::current_exe().context("locating the tessera executable")?;
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut children: Vec<Child> = Vec::with_capacity(world);
-    // The ranks run in their own process groups, so a terminal's Ctrl-C reaches this process
-    // only; it forwards its first stop request to them (SIGTERM) and kills them on a second.
-    let mut guards = Vec::with_capacity(2 * world);
-    for r in 0..world {
-        let spawned = Command::new(&exe)
-            .args(&args)
-            .env(ENV_RANK, r.to_string())
-            .env(ENV_WORLD, world.to_string())
-            .env(ENV_NCCL_ID, id.to_hex())
-            .stdin(Stdio::null())
-            .process_group(0)
-            .spawn()
-            .with_context(|| format!("starting GPU rank {r}"));
-        match spawned {
-            Ok(c) => {
-                guards.push(signals::on_forced_exit(Cleanup::Kill(c.id())));
-                guards.push(signals::forward_stop(c.id()));
-                children.push(c);
-            }
-            Err(e) => {
-                for c in &mut children {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
-                return Err(e);
-            }
-        }
-    }
-    wait_all(children, Duration::MAX)?;
-    Ok(signals::requested().is_none())
-}
-
-/// `(rank, world, NCCL id)` when this process is a rank started by a parent.
-fn rank_from_env() -> Result<Option<(usize, usize, NcclId)>> {
-    let Ok(rank) = std::env::var(ENV_RANK) else { return Ok(None) };
-    let rank: usize = rank.parse().with_context(|| format!("{ENV_RANK}={rank}: expected a rank number"))?;
-    let world = std::env::var(ENV_WORLD).with_context(|| format!("{ENV_RANK} is set but {ENV_WORLD} is not"))?;
-    let world: usize = world.parse().with_context(|| format!("{ENV_WORLD}={world}: expected a rank count"))?;
-    let id = NcclId::from_hex(&std::env::var(ENV_NCCL_ID).with_context(|| format!("{ENV_RANK} is set but {ENV_NCCL_ID} is not"))?)?;
-    Ok(Some((rank, world, id)))
+/// Whether `cfg` trains on NCCL GPU ranks.
+pub fn nccl_run(cfg: &Config) -> bool {
+    cfg.tessera.device == crate::config::ComputeDevice::Cuda && cfg.tessera.gpu_collective == crate::config::GpuCollective::Nccl
 }
 
 fn offload_name(d: OffloadDevice) -> &'static str {
@@ -267,28 +162,55 @@ const GPU_IGNORED_KEYS: &[&str] = &[
     "zero_optimization.stage3_prefetch_bucket_size",
 ];
 
-/// Where training starts, as full-length buffers in the CPU layout.
-struct Start {
-    step: u64,
-    master: Vec<f32>,
-    /// (optimizer steps, exp_avg, exp_avg_sq) from a checkpoint.
-    moments: Option<(u64, Vec<f32>, Vec<f32>)>,
-    applied: u64,
-    skipped: u64,
+/// The config the engine's plan of an NCCL GPU run is built from: the budget and the offload
+/// share are checked with the GPU's own counts ([`rank_options`]), not the CPU plan's (CPU
+/// layout and dtypes), and the ZeRO tuning keys the GPU does not read (`GPU_IGNORED_KEYS`)
+/// take DeepSpeed's defaults, so they cannot refuse the run through the CPU plan either.
+pub fn plan_config(cfg: &Config) -> Config {
+    let mut cpu_cfg = cfg.clone();
+    cpu_cfg.tessera.device_memory_bytes_max = None;
+    if let Some(o) = cpu_cfg.zero.offload_optimizer.as_mut() {
+        o.ratio = 1.0;
+    }
+    let (z, d) = (&mut cpu_cfg.zero, crate::config::ZeroConfig::deepspeed_defaults());
+    (z.reduce_bucket_size, z.stage3_prefetch_bucket_size) = (d.reduce_bucket_size, d.stage3_prefetch_bucket_size);
+    (z.stage3_param_persistence_threshold, z.stage3_max_live_parameters, z.stage3_max_reuse_distance) =
+        (d.stage3_param_persistence_threshold, d.stage3_max_live_parameters, d.stage3_max_reuse_distance);
+    cpu_cfg
 }
 
-/// Data, plan and start state, validated.
-struct Prepared {
-    dataset: Dataset,
-    /// The data's record (`Dataset::record`), computed once: checked on resume, written into
-    /// every checkpoint.
-    data: serde_json::Value,
-    plan: Plan,
-    start: Start,
-    /// Optimizer offload to host memory, if asked.
-    offload: Option<OffloadOptions>,
-    /// The model states each rank holds (the budget was checked against them).
-    states: StateBytes,
+/// The GPU ranks' options for `plan` (built from [`plan_config`]) as `cfg` (the user's config)
+/// asks, with the batch split and the device budget checked. `abandons`: the run abandons steps
+/// (`--abandon-step`), which optimizer offload cannot (its update overlaps the backward).
+pub fn rank_options(cfg: &Config, plan: &Plan, abandons: bool) -> Result<GpuRankOptions> {
+    let world = plan.world.max(1);
+    if plan.micro_batches % world != 0 {
+        bail!(
+            "train_batch_size {} / train_micro_batch_size_per_gpu {} = {} micro-batches per step do not split evenly over {world} \
+             GPUs (each GPU takes an aligned block): make the micro-batch count a multiple of {world}",
+            cfg.train_batch_size,
+            plan.micro,
+            plan.micro_batches
+        );
+    }
+    gpt::Shape::new(&plan.model.cfg, plan.micro, plan.seq_len)?;
+    let offload = offload_options(cfg);
+    if abandons && offload.is_some() {
+        bail!(
+            "--abandon-step with zero_optimization.offload_optimizer on the GPU: the host optimizer steps each unit during the \
+             backward, so a prepared step cannot be abandoned; drop one of them, or use --device cpu"
+        );
+    }
+    let m_local = plan.micro_batches / world;
+    let states = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, offload.map(|o| o.ratio))?;
+    let full_optim = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, None)?.device.optim;
+    check_gpu_budget(cfg, &states, offload, full_optim)?;
+    let OptimizerConfig::Adam { betas, eps, weight_decay, .. } = cfg.optimizer else {
+        bail!("the GPU path runs Adam/AdamW only (checked before)");
+    };
+    let momentum_cycle = crate::schedule::momentum_cycle(cfg.scheduler.as_ref());
+    let adam = AdamW { betas, eps, weight_decay, clip: plan.clip, momentum_cycle };
+    Ok(GpuRankOptions { adam, offload, recompute: cfg.activation_checkpointing, overlap: plan.overlap_comm, states, abandons })
 }
 
 /// `offload_optimizer.device = "cpu"`: the share offloaded and the host threads per rank.
@@ -317,455 +239,4 @@ fn check_gpu_budget(cfg: &Config, states: &StateBytes, offload: Option<OffloadOp
             .to_string(),
     };
     crate::offload::check_resident("each GPU rank", states.device, max, &hint)
-}
-
-fn prepare(cfg: &Config, opts: &GpuTrainOptions, lead: bool) -> Result<Prepared> {
-    let dataset = crate::engine::load_dataset(cfg)?;
-    // The budget and the offload share are checked below with the GPU's own counts; the CPU
-    // plan's checks of them (CPU layout and dtypes) do not apply here.
-    let mut cpu_cfg = cfg.clone();
-    cpu_cfg.tessera.device_memory_bytes_max = None;
-    if let Some(o) = cpu_cfg.zero.offload_optimizer.as_mut() {
-        o.ratio = 1.0;
-    }
-    // The ZeRO tuning keys the GPU does not read (GPU_IGNORED_KEYS) must not refuse its run
-    // through the CPU plan either: DeepSpeed's defaults there.
-    let (z, d) = (&mut cpu_cfg.zero, crate::config::ZeroConfig::deepspeed_defaults());
-    (z.reduce_bucket_size, z.stage3_prefetch_bucket_size) = (d.reduce_bucket_size, d.stage3_prefetch_bucket_size);
-    (z.stage3_param_persistence_threshold, z.stage3_max_live_parameters, z.stage3_max_reuse_distance) =
-        (d.stage3_param_persistence_threshold, d.stage3_max_live_parameters, d.stage3_max_reuse_distance);
-    let plan = Plan::new(&cpu_cfg, &dataset)?;
-    let data = dataset.record();
-    let world = cfg.world_size.max(1);
-    if plan.micro_batches % world != 0 {
-        bail!(
-            "train_batch_size {} / train_micro_batch_size_per_gpu {} = {} micro-batches per step do not split evenly over {world} \
-             GPUs (each GPU takes an aligned block): make the micro-batch count a multiple of {world}",
-            cfg.train_batch_size,
-            plan.micro,
-            plan.micro_batches
-        );
-    }
-    gpt::Shape::new(&plan.model.cfg, plan.micro, plan.seq_len)?;
-    let offload = offload_options(cfg);
-    let m_local = plan.micro_batches / world;
-    let states = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, offload.map(|o| o.ratio))?;
-    let full_optim = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, None)?.device.optim;
-    check_gpu_budget(cfg, &states, offload, full_optim)?;
-    let out_dir = PathBuf::from(&cfg.tessera.output_dir);
-    let start = match &opts.resume {
-        Some(dir) => resume_start(cfg, &plan, dir, lead, &data)?,
-        None => {
-            if lead {
-                engine::refuse_to_overwrite(&out_dir.join("checkpoints"))?;
-            }
-            Start { step: 0, master: plan.model.init_params(cfg.tessera.seed), moments: None, applied: 0, skipped: 0 }
-        }
-    };
-    Ok(Prepared { dataset, data, plan, start, offload, states })
-}
-
-/// The checkpoint's masters, Adam moments and counters, with the CPU path's checks (model,
-/// tokenizer, seed, step range, data cursor): the CPU driver's resume, then the Adam buffers.
-fn resume_start(cfg: &Config, plan: &Plan, dir: &Path, lead: bool, data: &serde_json::Value) -> Result<Start> {
-    let st = engine::resume_start(cfg, plan, dir, lead, data)?;
-    let (steps, bufs) = st.optim.context("the checkpoint has no optimizer state")?;
-    let buffer = |name: &str| -> Result<Vec<f32>> {
-        let (_, data) = bufs.iter().find(|(n, _)| n == name).with_context(|| {
-            let held: Vec<&str> = bufs.iter().map(|(n, _)| n.as_str()).collect();
-            format!(
-                "checkpoint {} has no Adam state `{OPTIM_PREFIX}.{name}` (it holds [{}]): it was trained with another optimizer; the GPU \
-                 path resumes Adam/AdamW checkpoints",
-                dir.display(),
-                held.join(", ")
-            )
-        })?;
-        if data.len() != plan.total() {
-            bail!(
-                "checkpoint {}: `{OPTIM_PREFIX}.{name}` has {} values, the model has {} parameters",
-                dir.display(),
-                data.len(),
-                plan.total()
-            );
-        }
-        Ok(data.clone())
-    };
-    let moments = (steps, buffer(ADAM_BUFFERS[0])?, buffer(ADAM_BUFFERS[1])?);
-    Ok(Start { step: st.step, master: st.master, moments: Some(moments), applied: st.applied, skipped: st.skipped })
-}
-
-/// Mean validation loss over the fixed validation batches (the CPU path's), on the bf16
-/// working parameters.
-fn evaluate(r: &mut Rank, batches: &data::ValBatches) -> Result<f64> {
-    let mut total = 0f64;
-    for (x, y) in batches.iter() {
-        total += f64::from(r.forward_loss(&x, &y).context("evaluating on the validation batches")?);
-    }
-    Ok(total / batches.len().max(1) as f64)
-}
-
-/// `offload`'s figures for the summary.
-fn host_optimizer_figures(ratio: f64, pinned_bytes: u64, st: &OffloadStats) -> HostOptimizerFigures {
-    let per = |s: f64| s * 1e3 / st.steps.max(1) as f64;
-    HostOptimizerFigures {
-        ratio,
-        cpu_threads: st.threads,
-        pinned_bytes,
-        cpu_step_ms: per(st.cpu_step_s),
-        exposed_ms: per(st.exposed_s),
-        hidden_fraction: st.hidden_fraction(),
-    }
-}
-
-/// Running totals for the summary and the loss curve.
-#[derive(Default)]
-struct Tally {
-    steps_run: u64,
-    train_s: f64,
-    last_loss: f64,
-    last_val: Option<f64>,
-    initial_val: Option<f64>,
-    train_curve: Vec<(u64, f64)>,
-    val_curve: Vec<(u64, f64)>,
-    last_ckpt: Option<PathBuf>,
-    /// Steps in a row whose loss was not finite (up to the last one).
-    nonfinite_steps: u64,
-}
-
-/// One rank's run; rank 0 (`lead`) writes every output.
-struct RankRun<'a> {
-    cfg: &'a Config,
-    plan: Plan,
-    r: Rank,
-    lead: bool,
-    world: usize,
-    step: u64,
-    applied: u64,
-    skipped: u64,
-    out_dir: PathBuf,
-    /// The data's record, written into every checkpoint (as the CPU path does).
-    data: serde_json::Value,
-}
-
-impl RankRun<'_> {
-    /// Saves a checkpoint of the current state in the CPU format (every rank takes part in
-    /// the gathers; rank 0 writes). Returns the masters and, on rank 0, the checkpoint path.
-    fn save_checkpoint(&mut self) -> Result<(Vec<f32>, Option<PathBuf>)> {
-        let master = self.r.masters().context("gathering the masters for a checkpoint")?;
-        let (m, v) = self.r.moments().context("gathering the Adam moments for a checkpoint")?;
-        if !self.lead {
-            return Ok((master, None));
-        }
-        let (cfg, plan) = (self.cfg, &self.plan);
-        let (params, optim) = engine::checkpoint_tensors(plan, &master, ADAM_BUFFERS.iter().map(|n| n.to_string()).zip([m, v]));
-        let state = CheckpointState {
-            step: self.step,
-            config_hash: cfg.hash.clone(),
-            model: cfg.tessera.model.clone(),
-            data_cursor: SamplerState { seed: cfg.tessera.seed, cursor: plan.first_sample(self.step, 0) }.to_json(),
-            rng: serde_json::json!({ "seed": cfg.tessera.seed }),
-            extra: serde_json::json!({
-                "optimizer_steps": self.r.optimizer_steps(),
-                "applied_steps": self.applied,
-                "skipped_steps": self.skipped,
-                "loss_scaler": serde_json::Value::Null,
-                "world_size": self.world,
-                "zero_stage": plan.stage,
-                "seq_len": plan.seq_len,
-                "device": "cuda",
-                "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
-                "data": self.data,
-            }),
-            params,
-            optim,
-        };
-        let root = self.out_dir.join("checkpoints");
-        let path = checkpoint::save(&root, &state, cfg.tessera.keep_last as usize)
-            .with_context(|| format!("saving checkpoint of step {} under {}", self.step, root.display()))?;
-        Ok((master, Some(path)))
-    }
-}
-
-/// Runs rank `rank` of `world` (with what the parent already prepared, when it is this
-/// process); returns whether Ctrl-C stopped the run.
-fn run_rank(
-    cfg: &Config,
-    opts: &GpuTrainOptions,
-    rank: usize,
-    world: usize,
-    id: Option<NcclId>,
-    prepared: Option<Prepared>,
-) -> Result<bool> {
-    let (started, started_at) = (Instant::now(), SystemTime::now());
-    let lead = rank == 0;
-    let prepared = match prepared {
-        Some(p) => p,
-        None => prepare(cfg, opts, lead && id.is_none())?,
-    };
-    let Prepared { dataset, data, plan, start, offload, states } = prepared;
-    let m = plan.micro_batches;
-    let m_local = m / world;
-    let out_dir = PathBuf::from(&cfg.tessera.output_dir);
-    // Rank 0 writes the output folder: it holds the folder's lock (a second run is refused).
-    let _lock = if lead { Some(engine::lock_output(&out_dir)?.0) } else { None };
-    let gpu = Gpu::open(rank)?;
-    gpu.compile_all()?;
-    let comm = match id {
-        Some(id) if world > 1 => Some(NcclComm::new(gpu.clone(), rank, world, &id)?),
-        _ => None,
-    };
-    let shape = gpt::Shape::new(&plan.model.cfg, plan.micro, plan.seq_len)?;
-    let OptimizerConfig::Adam { betas, eps, weight_decay, .. } = cfg.optimizer else {
-        bail!("the GPU path runs Adam/AdamW only (checked before)");
-    };
-    let momentum_cycle = crate::schedule::momentum_cycle(cfg.scheduler.as_ref());
-    let adam = AdamW { betas, eps, weight_decay, clip: plan.clip, momentum_cycle };
-    let spec = RankSpec {
-        model: &plan.model,
-        stage: plan.stage,
-        shape,
-        init: &start.master,
-        adam,
-        m_local,
-        offload,
-        recompute: cfg.activation_checkpointing,
-    };
-    let mut r = Rank::new(gpu.clone(), comm, spec)?;
-    r.overlap = plan.overlap_comm;
-    if r.state_bytes() != states {
-        bail!("GPU rank {rank}: the model states allocated ({:?}) differ from those planned at start ({states:?})", r.state_bytes());
-    }
-    if let Some((steps, mm, vv)) = &start.moments {
-        r.load_moments(mm, vv, *steps).context("restoring the Adam moments from the checkpoint")?;
-    }
-    r.sync()?;
-    let sampler = Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?;
-    let val = data::val_batches(dataset.val.clone(), plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1)).context("validation data")?;
-    let mut monitors = if lead { bridge::monitors(cfg, &out_dir)? } else { MonitorSet::new() };
-    let steps = cfg.tessera.steps;
-    let pb = engine::progress_bar(steps, opts.progress && lead);
-    pb.set_position(start.step);
-    if lead {
-        let off = offload.map_or(String::new(), |o| {
-            format!(
-                " | optimizer offloaded to host memory (ratio {}, {} CPU threads per rank; {:.1} MiB of model states on the GPU)",
-                o.ratio,
-                o.threads,
-                states.device.total() as f64 / (1u64 << 20) as f64
-            )
-        });
-        engine::log_line(&pb, format!(
-            "training {} ({:.2}M params) on {} | {world} × {} | ZeRO-{} | bf16 | batch {} = {} micro-batches × {} × {} tokens | {} steps{off}",
-            cfg.tessera.model,
-            plan.total() as f64 / 1e6,
-            dataset.source,
-            gpu.name,
-            plan.stage,
-            cfg.train_batch_size,
-            m,
-            plan.micro,
-            plan.seq_len,
-            steps
-        ));
-    }
-    // Evaluation gathers parameters at stage 3 with several ranks: then every rank evaluates.
-    let evaluates = lead || (plan.stage == 3 && world > 1);
-    let mut run = RankRun {
-        cfg,
-        plan,
-        r,
-        lead,
-        world,
-        step: start.step,
-        applied: start.applied,
-        skipped: start.skipped,
-        out_dir: out_dir.clone(),
-        data,
-    };
-    drop(start);
-    let mut t = Tally::default();
-    if run.step == 0 && evaluates {
-        let v = evaluate(&mut run.r, &val)?;
-        t.initial_val = Some(v);
-        t.val_curve.push((0, v));
-    }
-    let n = run.plan.micro * run.plan.seq_len;
-    let mut interrupted = false;
-    // The masters of the checkpoint just saved (the summary hashes them without a new gather).
-    let mut saved: Option<(u64, Vec<f32>)> = None;
-    while run.step < steps {
-        let step = run.step;
-        let plan = &run.plan;
-        let mbs: Vec<TokenBatch> = (0..m_local)
-            .map(|j| {
-                let (mut x, mut y) = (vec![0u32; n], vec![0u32; n]);
-                sampler.fill(plan.first_sample(step, rank * m_local + j), plan.micro, &mut x, &mut y);
-                (x, y)
-            })
-            .collect();
-        // The rate of update number `applied + 1` (the schedule's clock counts applied steps).
-        let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, run.applied));
-        // OneCycle's momentum: that update's first beta (DeepSpeed prints it as `mom`).
-        let beta1 = momentum_cycle.map(|c| c.beta1_at(run.applied));
-        let t0 = Instant::now();
-        let (local_loss, norm) = run.r.step(&mbs, lr, 1.0 / m as f32).with_context(|| format!("step {step}"))?;
-        let asked = if signals::requested().is_some() { 1.0 } else { 0.0 };
-        let all = run.r.gather_host(&[f64::from(local_loss), asked]).context("gathering the step's losses")?;
-        let step_s = t0.elapsed().as_secs_f64();
-        t.train_s += step_s;
-        t.steps_run += 1;
-        run.step += 1;
-        run.applied += 1;
-        let loss = all.chunks_exact(2).map(|c| c[0]).sum::<f64>() / world as f64;
-        let stopping = all.chunks_exact(2).any(|c| c[1] != 0.0);
-        // Every rank has the same loss, so every rank decides alike.
-        t.nonfinite_steps = if loss.is_finite() { 0 } else { t.nonfinite_steps + 1 };
-        t.last_loss = loss;
-        t.train_curve.push((run.step, loss));
-        let plan = &run.plan;
-        let samples = plan.first_sample(run.step, 0);
-        let mut events =
-            vec![Event::new("Train/Samples/train_loss", loss, samples), Event::new("Train/Samples/lr", f64::from(lr), samples)];
-        if let Some(b) = beta1 {
-            events.push(Event::new("Train/Samples/beta1", f64::from(b), samples));
-        }
-        if let Some(n) = norm {
-            events.push(Event::new("Train/Samples/grad_norm", n, samples));
-        }
-        events.push(Event::new("Train/Samples/tokens_per_s", plan.tokens_per_step() as f64 / step_s.max(1e-9), samples));
-        let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
-        if lead {
-            pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
-            pb.set_position(run.step);
-            if cfg.steps_per_print > 0 && run.step % cfg.steps_per_print == 0 {
-                let norm = norm.unwrap_or(f64::NAN);
-                let mom = beta1.map(|b| format!(" | beta1 {b:.4}")).unwrap_or_default();
-                engine::log_line(
-                    &pb,
-                    format!("step {:>6} | loss {loss:.4} | lr {lr:.3e}{mom} | grad norm {norm:.3} | {tps:.0} tok/s", run.step),
-                );
-                if cfg.wall_clock_breakdown {
-                    engine::log_line(&pb, format!("  time: step {:.1} ms", t0.elapsed().as_secs_f64() * 1e3));
-                }
-            }
-        }
-        let last = run.step == steps;
-        let eval_due = (cfg.tessera.eval_interval > 0 && run.step % cfg.tessera.eval_interval == 0) || last;
-        if eval_due && evaluates {
-            let v = evaluate(&mut run.r, &val)?;
-            t.last_val = Some(v);
-            t.val_curve.push((run.step, v));
-            events.push(Event::new("Train/Samples/val_loss", v, samples));
-            if lead {
-                engine::log_line(&pb, format!("step {:>6} | val loss {v:.4}", run.step));
-            }
-        }
-        if lead {
-            monitors.write(&events).context("writing monitors")?;
-        }
-        let limit = cfg.tessera.nonfinite_loss_steps;
-        if limit > 0 && t.nonfinite_steps >= limit {
-            let _ = monitors.flush();
-            bail!(
-                "step {}: the loss is {loss}, and has not been finite for {} steps in a row: the run diverged and stops \
-                 (tessera.nonfinite_loss_steps = {limit}); lower the learning rate",
-                run.step,
-                t.nonfinite_steps
-            );
-        }
-        let interval = cfg.tessera.checkpoint_interval > 0 && run.step % cfg.tessera.checkpoint_interval == 0;
-        if (interval || last || stopping) && !loss.is_finite() {
-            if lead {
-                engine::log_line(&pb, format!("warning: checkpoint of step {} not written: its loss is {loss}", run.step));
-            }
-        } else if interval || last || stopping {
-            let (master, path) = run.save_checkpoint()?;
-            saved = Some((run.step, master));
-            if path.is_some() {
-                t.last_ckpt = path;
-            }
-        }
-        if stopping && !last {
-            interrupted = true;
-            if let (true, Some(p)) = (lead, &t.last_ckpt) {
-                let why = signals::requested().map_or_else(|| "another rank asked".to_string(), |r| r.to_string());
-                engine::log_line(&pb, format!("interrupted ({why}): stopped after step {}; saved {}", run.step, p.display()));
-            }
-            break;
-        }
-    }
-    pb.finish_and_clear();
-    let master = match saved {
-        Some((s, m)) if s == run.step => m,
-        _ => run.r.masters().context("gathering the masters for the summary")?,
-    };
-    let device_bytes = run.r.device_bytes_per_rank().context("gathering the device memory figures")?;
-    let sb = run.r.state_bytes();
-    let d = sb.device;
-    let figures = run
-        .r
-        .gather_host(&[d.params as f64, d.grads as f64, d.optim as f64, sb.host_optim as f64, peak_rss_bytes() as f64])
-        .context("gathering the model-state figures")?;
-    let model_states: Vec<MemoryBytes> = figures
-        .chunks_exact(5)
-        .enumerate()
-        .map(|(r, c)| {
-            let (params, grads, optimizer_states) = (c[0] as u64, c[1] as u64, c[2] as u64);
-            MemoryBytes { rank: r, params, grads, optimizer_states, total: params + grads + optimizer_states }
-        })
-        .collect();
-    let offloaded: Vec<OffloadedBytes> =
-        figures.chunks_exact(5).enumerate().map(|(r, c)| OffloadedBytes { rank: r, host: c[3] as u64, nvme: 0 }).collect();
-    let offload_summary = match (run.r.offload_ratio(), run.r.offload_stats()) {
-        (Some(ratio), Some(st)) => Some(host_optimizer_figures(ratio, sb.host_staging, &st)),
-        _ => None,
-    };
-    if !lead {
-        return Ok(interrupted);
-    }
-    monitors.flush().context("flushing monitors")?;
-    let plan = &run.plan;
-    let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &master[s.range()])).collect();
-    let tokens = t.steps_run * plan.tokens_per_step();
-    let status = if interrupted { RunStatus::Interrupted } else { RunStatus::Completed };
-    let stopped_by = interrupted.then(|| signals::requested().map_or_else(|| "another rank asked".to_string(), |r| r.to_string()));
-    let summary = Summary {
-        run: RunRecord { stopped_by, ..RunRecord::new(status, cfg.tessera.seed, started_at) },
-        model: cfg.tessera.model.clone(),
-        num_params: plan.total(),
-        steps: run.step,
-        skipped_steps: run.skipped,
-        abandoned_attempts: 0,
-        final_loss: t.last_loss,
-        val_loss: t.last_val,
-        initial_val_loss: t.initial_val,
-        tokens,
-        tokens_per_s: tokens as f64 / t.train_s.max(1e-9),
-        wall_s: started.elapsed().as_secs_f64(),
-        flops_per_token: plan.model.cfg.flops_per_token(plan.total(), plan.seq_len),
-        params_blake3: checkpoint::params_blake3(&names),
-        peak_rss_bytes: peak_rss_bytes(),
-        peak_rss_bytes_per_rank: Some(figures.chunks_exact(5).map(|c| c[4] as u64).collect()),
-        world_size: world,
-        device: "cuda".into(),
-        zero_stage: plan.stage,
-        precision: "bf16".into(),
-        config_hash: cfg.hash.clone(),
-        bytes_sent_per_rank_per_step: None,
-        model_state_bytes_per_rank: model_states,
-        offloaded_bytes_per_rank: offloaded,
-        last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
-        elastic: None,
-        gpu: Some(GpuFigures {
-            gpu: gpu.name.clone(),
-            device_bytes_per_rank: device_bytes.iter().map(|&b| b as u64).collect(),
-            offload: offload_summary,
-        }),
-    };
-    summary.write(&out_dir.join("summary.json")).context("writing summary.json")?;
-    monitor::write_loss_curve_svg(&out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
-        .context("writing loss.svg")?;
-    outln!("{}", summary.render());
-    outln!("wrote {}/summary.json and {}/loss.svg", out_dir.display(), out_dir.display());
-    Ok(interrupted)
 }

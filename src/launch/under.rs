@@ -14,7 +14,6 @@ use super::REAP_TIMEOUT_MS;
 use super::{drive, hostname, read_token, reap, rendezvous_endpoint, shell_quote, start_agent, write_token_file, AgentStart, DriverOpts};
 use crate::cli::{self, CommonArgs};
 use crate::engine::{self, AgentArgs, AgentCredentials, TrainOptions};
-use crate::gpu::train::GpuTrainOptions;
 use tessera_transport::quic::JoinToken;
 
 /// How often a rank looks for rank 0's token file (ms).
@@ -25,8 +24,8 @@ pub struct UnderLauncher<'a> {
     pub config: &'a Path,
     pub common: &'a CommonArgs,
     pub opts: TrainOptions,
-    /// `--device cuda` (its options): one rank only, the GPU path starting its own otherwise.
-    pub gpu: Option<GpuTrainOptions>,
+    /// NCCL GPU ranks (`--device cuda`): one launcher rank only (its GPU ranks are threads of it).
+    pub gpu: bool,
     /// `--certs DIR`.
     pub certs: Option<PathBuf>,
     /// `--token-file PATH`.
@@ -42,17 +41,16 @@ pub fn train_under_launcher(env: &LauncherEnv, u: UnderLauncher<'_>) -> Result<b
         bail!("--world {w}: {} starts {} ranks; drop --world (the launcher's world size is the run's)", env.describe, env.world);
     }
     common.world = Some(env.world);
-    if let Some(gpu) = &u.gpu {
+    if u.gpu {
         if env.world > 1 {
             bail!(
-                "--device cuda under {}: the GPU path starts one process per GPU itself and joins them with NCCL, on one \
-                 machine; run `tessera train --config {} --device cuda --nprocs {}` once on that machine, without the launcher",
+                "--device cuda under {}: the NCCL GPU ranks are threads of one process, one per GPU of its machine; run `tessera train --config {} --device cuda --nprocs {}` once on that machine, without the launcher",
                 env.describe,
                 u.config.display(),
                 env.world
             );
         }
-        return crate::gpu::train::train(u.config, &common, gpu);
+        return cli::train(u.config, &common, u.opts);
     }
     if env.world == 1 {
         tracing::info!("train: {}: the only rank, trained in this process", env.describe);

@@ -202,6 +202,27 @@ pub struct Rank {
     /// Which part of each unit's piece is stepped on the host.
     split: Split,
     off: Option<Offload>,
+    /// The step prepared and not yet committed or abandoned.
+    staged: Option<StagedStep>,
+    /// Why this rank refuses further steps (a commit that failed part-way, an abandoned step
+    /// whose update had begun).
+    torn: Option<String>,
+}
+
+/// A prepared step ([`Rank::prepare`]).
+enum StagedStep {
+    /// The update is still to run: the gradient's slot, AdamW's hyper-parameters, the
+    /// clipping coefficient.
+    Pending { fin: usize, hp: ops::AdamStep, scale: f32 },
+    /// The update ran with the backward (optimizer offload).
+    Applied,
+}
+
+/// What a step's computation leaves for its update.
+struct Computed {
+    fin: usize,
+    norm: Option<f64>,
+    scale: f32,
 }
 
 /// What a [`Rank`] is built from, besides its GPU and its communicator.
@@ -333,6 +354,8 @@ impl Rank {
             losses,
             split,
             off,
+            staged: None,
+            torn: None,
         })
     }
 
@@ -355,17 +378,40 @@ impl Rank {
         Ok(())
     }
 
-    /// One optimizer step over `mbs` (this rank's micro-batches, in global order): forward,
-    /// backward, the micro-batch tree, reduction, clipping, AdamW, parameter gather. Returns
-    /// the mean loss of this rank's micro-batches and the global gradient norm (if clipping).
+    /// One optimizer step over `mbs` (this rank's micro-batches, in global order):
+    /// [`Rank::prepare`] then [`Rank::commit`]. Returns the mean loss of this rank's
+    /// micro-batches and the global gradient norm (if clipping).
     pub fn step(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], lr: f32, dloss: f32) -> Result<(f32, Option<f64>)> {
+        let res = self.prepare(mbs, lr, dloss)?;
+        self.commit()?;
+        Ok(res)
+    }
+
+    /// The first half of a step, the step transaction's prepare: forward, backward, the
+    /// micro-batch tree, the reductions and the gradient norm, with AdamW's hyper-parameters
+    /// at `lr`. Nothing is updated, except where the update overlaps the backward: units stepped
+    /// early ([`Rank::early_adam_active`]) and, with optimizer offload, the whole update (the
+    /// host threads step each unit as its gradient arrives). An abandoned step of that kind
+    /// leaves the rank unusable ([`Rank::abandon`]). Returns the mean loss of this rank's
+    /// micro-batches and the global gradient norm (if clipping).
+    pub fn prepare(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], lr: f32, dloss: f32) -> Result<(f32, Option<f64>)> {
+        if let Some(why) = &self.torn {
+            bail!("rank {}: {why}", self.rank);
+        }
         let m_local = mbs.len();
         if m_local == 0 || m_local * self.ws_n() > self.losses.len() {
             bail!("rank {} was given {m_local} micro-batches; it was built for {}", self.rank, self.losses.len() / self.ws_n());
         }
+        self.staged = None;
         let betas = self.adam.betas_at(self.step);
         let hp = ops::AdamStep::new(lr, betas, self.adam.eps, self.adam.weight_decay, self.step + 1);
-        let Some(off) = self.off.as_mut() else { return self.step_inner(mbs, dloss, &hp, None) };
+        let Some(off) = self.off.as_mut() else {
+            self.stepped.fill(false);
+            let c = self.compute(mbs, dloss, &hp, None)?;
+            let loss = self.local_loss(m_local)?;
+            self.staged = Some(StagedStep::Pending { fin: c.fin, hp, scale: c.scale });
+            return Ok((loss, c.norm));
+        };
         let mut host = off.host.take().context("the host optimizer state was lost in an earlier failed step")?;
         let split = self.split.clone();
         let (rank, clip) = (self.rank, self.adam.clip);
@@ -373,7 +419,11 @@ impl Rank {
             if let Some(o) = self.off.as_mut() {
                 o.tx = Some(tx);
             }
-            let res = self.step_inner(mbs, dloss, &hp, Some(pipe));
+            self.stepped.fill(false);
+            let res = self.compute(mbs, dloss, &hp, Some(&pipe)).and_then(|c| {
+                self.update(c.fin, &hp, c.scale, Some(pipe))?;
+                Ok((self.local_loss(m_local)?, c.norm))
+            });
             // Ends the worker if the step stopped early (it waits for units that will not come).
             if let Some(o) = self.off.as_mut() {
                 o.tx = None;
@@ -387,44 +437,79 @@ impl Rank {
             Some(Err(_)) => bail!("rank {}: the host optimizer thread panicked", self.rank),
             None => {}
         }
+        if res.is_ok() {
+            self.staged = Some(StagedStep::Applied);
+        }
         res
     }
 
-    fn step_inner(
-        &mut self,
-        mbs: &[(Vec<u32>, Vec<u32>)],
-        dloss: f32,
-        hp: &ops::AdamStep,
-        pipe: Option<Pipe>,
-    ) -> Result<(f32, Option<f64>)> {
-        let m_local = mbs.len();
-        let n = self.ws_n();
-        self.stepped.fill(false);
+    /// The second half of a step, the step transaction's commit: AdamW over the units not
+    /// stepped yet and the gathers of the new parameters.
+    pub fn commit(&mut self) -> Result<()> {
+        match self.staged.take() {
+            Some(StagedStep::Pending { fin, hp, scale }) => self.update(fin, &hp, scale, None).inspect_err(|e| {
+                self.torn = Some(format!("a failed commit left the optimizer state part-way through a step ({e:#})"));
+            }),
+            Some(StagedStep::Applied) => Ok(()),
+            None => bail!("rank {}: commit without a prepared step", self.rank),
+        }
+    }
+
+    /// Drops a prepared step. The committed state is untouched unless the update already
+    /// overlapped the backward ([`Rank::prepare`]): then the rank refuses every later step.
+    pub fn abandon(&mut self) {
+        let applied = match self.staged.take() {
+            Some(StagedStep::Applied) => true,
+            Some(StagedStep::Pending { .. }) => self.stepped.iter().any(|&s| s),
+            None => false,
+        };
+        if applied {
+            self.torn = Some(
+                "an abandoned step had already updated units during its backward (early AdamW or optimizer offload): the \
+                 state is neither the step before nor the step after"
+                    .into(),
+            );
+        }
+    }
+
+    /// The prepare's computation: every micro-batch ([`Rank::micro_batches`]), the wait for
+    /// the reductions, the global norm and the clipping coefficient (sent to the host optimizer
+    /// through `pipe` when it waits for it).
+    fn compute(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], dloss: f32, hp: &ops::AdamStep, pipe: Option<&Pipe>) -> Result<Computed> {
         let fin = self.micro_batches(mbs, dloss, hp)?;
-        let full = self.gbufs[fin].ptr();
         self.gpu.mark("micro-batch tree");
         // Optimizer input: this rank's reduced pieces.
         if self.world > 1 {
             self.order(&self.cstream, &self.gpu.stream)?;
         }
         self.gpu.mark("wait for reductions");
-        let gshard: DPtr<f32> = match &self.gshard {
-            Some(b) => b.ptr(),
-            None => {
-                // Stage 0 (or one rank): the full buffer is the shard (layout world 1).
-                full
-            }
-        };
+        let gshard = self.gshard_ptr(fin);
         let norm = if self.adam.clip > 0.0 { Some(self.grad_norm(gshard)?) } else { None };
         self.gpu.mark("gradient norm");
         let scale = match norm {
             Some(n) if n > self.adam.clip as f64 => (self.adam.clip as f64 / (n + 1e-6)) as f32,
             _ => 1.0,
         };
-        if let (Some(p), true) = (&pipe, self.adam.clip > 0.0) {
+        if let (Some(p), true) = (pipe, self.adam.clip > 0.0) {
             // A worker that already stopped reports why through `done`.
             let _ = p.scale.send(scale);
         }
+        Ok(Computed { fin, norm, scale })
+    }
+
+    /// The optimizer input: this rank's reduced pieces, or the full buffer in gradient slot
+    /// `fin` (stage 0, or one rank: layout world 1).
+    fn gshard_ptr(&self, fin: usize) -> DPtr<f32> {
+        match &self.gshard {
+            Some(b) => b.ptr(),
+            None => self.gbufs[fin].ptr(),
+        }
+    }
+
+    /// The update: AdamW over every unit not stepped during the backward, the stage 1–2
+    /// parameter gathers, and the host units' return (offload).
+    fn update(&mut self, fin: usize, hp: &ops::AdamStep, scale: f32, pipe: Option<Pipe>) -> Result<()> {
+        let gshard = self.gshard_ptr(fin);
         self.step += 1;
         let gathers = self.world > 1 && (self.stage == 1 || self.stage == 2);
         for u in 0..self.layout.units.len() {
@@ -448,9 +533,13 @@ impl Rank {
         if let Some(p) = pipe {
             self.land_host_units(p, gathers)?;
         }
-        let losses = self.gpu.download(self.losses.slice(0..m_local * n))?;
-        let loss = losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len() as f64;
-        Ok((loss as f32, norm))
+        Ok(())
+    }
+
+    /// The mean of the per-position losses of this step's `m_local` micro-batches.
+    fn local_loss(&self, m_local: usize) -> Result<f32> {
+        let losses = self.gpu.download(self.losses.slice(0..m_local * self.ws_n()))?;
+        Ok((losses.iter().map(|&x| x as f64).sum::<f64>() / losses.len() as f64) as f32)
     }
 
     /// Forward and backward of every micro-batch, summed by the micro-batch tree (the last one

@@ -1,4 +1,4 @@
-//! What the training driver (`gpu::train`) asks of a rank besides its steps: evaluation, small
+//! What the engine's driver (`gpu::compute::GpuRanks`) asks of a rank besides its steps: evaluation, small
 //! host-side gathers, and the optimizer state in the CPU checkpoint layout (saved and restored).
 
 use anyhow::{bail, Context, Result};
@@ -15,7 +15,7 @@ enum Which {
     ExpAvgSq,
 }
 
-/// Helpers for the training driver (`gpu::train`): evaluation, small host-side gathers, and
+/// Helpers for the engine's driver (`gpu::compute::GpuRanks`): evaluation, small host-side gathers, and
 /// the optimizer state in the CPU checkpoint layout.
 impl Rank {
     /// Mean loss of one batch of this rank's micro-batch shape, forward only (evaluation) on the
