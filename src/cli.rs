@@ -192,6 +192,10 @@ pub fn list_models() {
     for p in zoo::presets() {
         outln!("{:<12} {}", p.name, p.about);
     }
+    outln!(
+        "\neach preset is configs/models/<name>/config.json (a Hugging Face config); `--model DIR` trains a folder like it \
+         (its own vocabulary and context: copy one and change it), or a Hugging Face model folder with its weights"
+    );
 }
 
 /// The model folder's config a checkpoint recorded (`extra.model_config`), parsed; `None` for

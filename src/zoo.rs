@@ -11,68 +11,58 @@ use crate::hf::HfModel;
 /// the data's vocabulary (256 for byte-level text, the tokenizer's size otherwise).
 pub struct Preset {
     pub name: &'static str,
-    pub about: &'static str,
+    pub about: String,
     pub cfg: ModelConfig,
 }
 
-const fn gpt(vocab_size: usize, max_seq_len: usize, n_layer: usize, n_head: usize, d_model: usize) -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Gpt,
-        vocab_size,
-        max_seq_len,
-        n_layer,
-        n_head,
-        d_model,
-        d_ff: 4 * d_model,
-        rope_theta: 10000.0,
-        norm_eps: 1e-5,
-        n_kv_head: n_head,
-        tied_head: true,
-        qkv_bias: false,
-        rope_scaling: None,
-    }
-}
+/// The presets, smallest first: each a Hugging Face `config.json` shipped under
+/// `configs/models/<name>/` (so `--model configs/models/<name>` is the same shape as a folder,
+/// with its own vocabulary, and a copy of the folder is where a changed shape starts) and a note.
+const PRESETS: [(&str, &str, &str); 6] = [
+    ("gpt-tiny", include_str!("../configs/models/gpt-tiny/config.json"), "CI-sized"),
+    ("gpt-mini-gpu", include_str!("../configs/models/gpt-mini-gpu/config.json"), "the smallest shape `--device cuda` runs"),
+    ("gpt-10m", include_str!("../configs/models/gpt-10m/config.json"), ""),
+    ("gpt2-small", include_str!("../configs/models/gpt2-small/config.json"), "GPT-2 124M"),
+    ("gpt2-1.3b", include_str!("../configs/models/gpt2-1.3b/config.json"), "GPT-3 XL's width and depth"),
+    ("llama-tiny", include_str!("../configs/models/llama-tiny/config.json"), "RoPE, RMSNorm, SwiGLU"),
+];
 
 /// Every preset, smallest first.
 pub fn presets() -> Vec<Preset> {
-    vec![
-        Preset { name: "gpt-tiny", about: "GPT-2 style, 4 layers, d=128, ctx 128 (~0.8M params; CI-sized)", cfg: gpt(256, 128, 4, 4, 128) },
-        Preset {
-            name: "gpt-mini-gpu",
-            about: "GPT-2 style, 2 layers, d=128, 2 heads of 64, ctx 128 (~0.4M params; the smallest shape `--device cuda` runs)",
-            cfg: gpt(256, 128, 2, 2, 128),
-        },
-        Preset { name: "gpt-10m", about: "GPT-2 style, 6 layers, d=384, ctx 256 (~10.7M params)", cfg: gpt(256, 256, 6, 6, 384) },
-        Preset {
-            name: "gpt2-small",
-            about: "GPT-2 124M: 12 layers, d=768, 12 heads, ctx 1024, vocab 50257",
-            cfg: gpt(50257, 1024, 12, 12, 768),
-        },
-        Preset {
-            name: "gpt2-1.3b",
-            about: "GPT-2 style ~1.3B: 24 layers, d=2048, 32 heads of 64, ctx 1024, vocab 50257 (GPT-3 XL's width and depth)",
-            cfg: gpt(50257, 1024, 24, 32, 2048),
-        },
-        Preset {
-            name: "llama-tiny",
-            about: "LLaMA style (RoPE, RMSNorm, SwiGLU), 4 layers, d=128, ctx 128",
-            cfg: ModelConfig {
-                arch: Arch::Llama,
-                vocab_size: 256,
-                max_seq_len: 128,
-                n_layer: 4,
-                n_head: 4,
-                d_model: 128,
-                d_ff: 344,
-                rope_theta: 10000.0,
-                norm_eps: 1e-5,
-                n_kv_head: 4,
-                tied_head: true,
-                qkv_bias: false,
-                rope_scaling: None,
-            },
-        },
-    ]
+    PRESETS
+        .iter()
+        .map(|&(name, text, note)| {
+            let file = format!("configs/models/{name}/config.json");
+            // Compiled in and parsed by a test (`shipped_preset_configs_are_the_presets`): a
+            // failure here is a build of a broken file, not an input.
+            let doc: serde_json::Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{file}: {e}"));
+            let cfg = crate::hf::parse(&file, &doc).unwrap_or_else(|e| panic!("{e}")).model;
+            Preset { name, about: describe(&cfg, note), cfg }
+        })
+        .collect()
+}
+
+/// A preset's line in `tessera models`: its family, shape and size.
+fn describe(cfg: &ModelConfig, note: &str) -> String {
+    let style = match cfg.arch {
+        Arch::Gpt => "GPT-2 style",
+        Arch::Llama => "LLaMA style",
+    };
+    let params = tessera_kernels::model::Model::new(cfg.clone()).map_or(0, |m| m.num_params());
+    let size = match params {
+        p if p >= 1_000_000_000 => format!("~{:.1}B", p as f64 / 1e9),
+        p => format!("~{:.1}M", p as f64 / 1e6),
+    };
+    let note = if note.is_empty() { String::new() } else { format!("; {note}") };
+    format!(
+        "{style}, {} layers, d={}, {} heads of {}, ctx {}, vocab {} ({size} params{note})",
+        cfg.n_layer,
+        cfg.d_model,
+        cfg.n_head,
+        cfg.d_model / cfg.n_head.max(1),
+        cfg.max_seq_len,
+        cfg.vocab_size
+    )
 }
 
 /// What `tessera.model` names: a preset (its vocabulary is the data's), or a model folder (its
@@ -124,6 +114,67 @@ pub fn preset(name: &str) -> Result<ModelConfig, String> {
 mod tests {
     use super::*;
     use tessera_kernels::model::Model;
+
+    fn gpt(vocab_size: usize, max_seq_len: usize, n_layer: usize, n_head: usize, d_model: usize) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Gpt,
+            vocab_size,
+            max_seq_len,
+            n_layer,
+            n_head,
+            d_model,
+            d_ff: 4 * d_model,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+            n_kv_head: n_head,
+            tied_head: true,
+            qkv_bias: false,
+            rope_scaling: None,
+        }
+    }
+
+    /// The shipped `configs/models/*/config.json` read as the shapes the presets always had
+    /// (the bits of every run of a preset depend on them).
+    #[test]
+    fn shipped_preset_configs_are_the_presets() {
+        let llama = ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: 256,
+            max_seq_len: 128,
+            n_layer: 4,
+            n_head: 4,
+            d_model: 128,
+            d_ff: 344,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+            n_kv_head: 4,
+            tied_head: true,
+            qkv_bias: false,
+            rope_scaling: None,
+        };
+        let want = [
+            ("gpt-tiny", gpt(256, 128, 4, 4, 128)),
+            ("gpt-mini-gpu", gpt(256, 128, 2, 2, 128)),
+            ("gpt-10m", gpt(256, 256, 6, 6, 384)),
+            ("gpt2-small", gpt(50257, 1024, 12, 12, 768)),
+            ("gpt2-1.3b", gpt(50257, 1024, 24, 32, 2048)),
+            ("llama-tiny", llama),
+        ];
+        let got = presets();
+        assert_eq!(got.len(), want.len());
+        for (p, (name, cfg)) in got.iter().zip(want) {
+            assert_eq!((p.name, &p.cfg), (name, &cfg));
+        }
+        assert!(
+            got[3].about.contains("12 layers, d=768, 12 heads of 64, ctx 1024, vocab 50257 (~124.4M params; GPT-2 124M)"),
+            "{}",
+            got[3].about
+        );
+        // The folder is the same shape (its own vocabulary): `--model configs/models/<name>`.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/gpt-tiny");
+        let folder = resolve(dir.to_str().unwrap()).unwrap();
+        assert_eq!(folder.config(), &got[0].cfg);
+    }
 
     #[test]
     fn presets_build_with_expected_sizes() {

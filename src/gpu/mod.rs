@@ -340,7 +340,7 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
 
 #[derive(Args, Clone, Debug)]
 pub struct BenchArgs {
-    /// Model preset (`tessera models`).
+    /// Model preset (`tessera models`) or model folder (its shape; the weights are not read).
     #[arg(long, default_value = "gpt2-small")]
     pub model: String,
     /// Override the preset's vocabulary (the peers use 50304, a multiple of 128).
@@ -435,7 +435,7 @@ fn report(
 }
 
 fn bench_model(a: &BenchArgs) -> Result<Model> {
-    let mut cfg: ModelConfig = zoo::preset(&a.model).map_err(anyhow::Error::msg)?;
+    let mut cfg: ModelConfig = zoo::resolve(&a.model).map_err(anyhow::Error::msg)?.config().clone();
     if let Some(v) = a.vocab {
         cfg.vocab_size = v;
     }
@@ -443,7 +443,16 @@ fn bench_model(a: &BenchArgs) -> Result<Model> {
         cfg.n_layer = l;
     }
     if a.seq > cfg.max_seq_len {
-        bail!("--seq {} exceeds the model's context {}", a.seq, cfg.max_seq_len);
+        let folder = match crate::hf::is_folder(&a.model) {
+            true => a.model.clone(),
+            false => format!("configs/models/{}", a.model),
+        };
+        bail!(
+            "--seq {} exceeds the model's context {}: copy {folder}, raise the context in its config.json (n_positions or \
+             max_position_embeddings) and pass the copy as --model",
+            a.seq,
+            cfg.max_seq_len
+        );
     }
     Model::new(cfg).map_err(anyhow::Error::msg)
 }
