@@ -101,7 +101,11 @@ def main():
         print(f"SKIP model: {e.name} not installed (pip install torch transformers)")
         sys.exit(0)
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(export_dir, output_loading_info=True, attn_implementation="eager")
+        # f32 arithmetic on whatever dtype the weights were written in (bf16 weights widen
+        # exactly), as Tessera's reference loss is computed.
+        model, info = AutoModelForCausalLM.from_pretrained(
+            export_dir, output_loading_info=True, attn_implementation="eager", dtype=torch.float32
+        )
     except Exception as e:  # noqa: BLE001 -- report any loader failure as a check failure
         fail(f"AutoModelForCausalLM.from_pretrained({export_dir!r}) failed: {e}")
     print(f"loaded {type(model).__name__}")

@@ -7,7 +7,7 @@ use clap::Args;
 use tessera_kernels::model::{Model, Workspace};
 use tessera_kernels::tensor::Rng;
 
-use crate::checkpoint::{self, CheckpointState};
+use crate::checkpoint::{self, CheckpointState, TensorDtype};
 use crate::config::{self, Config, ResolveContext};
 use crate::data::{self, Codec};
 use crate::engine::{self, TrainOptions};
@@ -399,6 +399,8 @@ pub struct ExportOpts {
     pub tokenizer: Option<PathBuf>,
     /// Write into a folder that is not empty (replacing only the files export writes).
     pub force: bool,
+    /// The weights' dtype; `None`: the model folder's own when it is bf16, else f32.
+    pub dtype: Option<crate::checkpoint::TensorDtype>,
 }
 
 /// The files `tessera export` writes (and, with `--force`, replaces); a model over
@@ -466,7 +468,8 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     let c = &model.cfg;
     let recorded = checkpoint_hf_config(&ck)?;
     let family = recorded.as_ref().map_or(hf::default_family(c.arch), |h| h.family);
-    let doc = hf::config_doc(family, c, recorded.as_ref().map(|h| &h.doc));
+    let dtype = o.dtype.unwrap_or_else(|| hf::recorded_dtype(recorded.as_ref().map(|h| &h.doc)));
+    let doc = hf::config_doc(family, c, recorded.as_ref().map(|h| &h.doc), dtype);
     let tokenizer = training_tokenizer_bytes(&ck, o.tokenizer.as_deref())?;
     let codec = Codec::open(tokenizer.as_ref().map(|(p, _)| p.as_path())).context("opening the tokenizer")?;
     if codec.vocab_size() > c.vocab_size {
@@ -477,20 +480,27 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     // t + 1 tokens go through transformers (labels = inputs), within the context.
     let t = c.max_seq_len.saturating_sub(1).clamp(1, 64);
     let tokens: Vec<u32> = (0..=t).map(|i| ((i * 37 + 11) % c.vocab_size) as u32).collect();
+    // The reference loss is the written weights' (bf16 ones widen exactly back to f32).
+    let written_params: Vec<f32> = match dtype {
+        TensorDtype::F32 => params.clone(),
+        TensorDtype::Bf16 => params.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect(),
+    };
     let mut ws = Workspace::default();
     let mut unused = Vec::new();
-    let mut acc = tessera_kernels::model::FlatAccess { params: &params, grads: &mut unused, units: model.units() };
+    let mut acc = tessera_kernels::model::FlatAccess { params: &written_params, grads: &mut unused, units: model.units() };
     let loss = model.loss(&mut acc, &tokens[..t], &tokens[1..], 1, t, &mut ws);
     let decoded = codec.decode(&text_ids);
     let sample = checkpoint::TokenizerSample { text: TOKENIZER_SAMPLE, ids: &text_ids, decoded: &decoded };
     let reference = checkpoint::ExportReference { tokens: &tokens, loss, text: Some(sample) };
     files.push(("reference.json", checkpoint::reference_json(&reference, c.vocab_size)?));
-    let written = hf::export(out, family, &model, &params, &doc, &files, hf::SHARD_BYTES_MAX)
-        .with_context(|| format!("exporting to {}", out.display()))?;
+    let format = hf::WeightFormat { dtype, shard_bytes_max: hf::SHARD_BYTES_MAX };
+    let written =
+        hf::export(out, family, (&model, &params), &doc, &files, format).with_context(|| format!("exporting to {}", out.display()))?;
     outln!(
-        "wrote {} ({}): {} (loss {loss:.6} on {} tokens; tokenizer: {})",
+        "wrote {} ({}, {} weights): {} (loss {loss:.6} on {} tokens; tokenizer: {})",
         out.display(),
         family.architecture(),
+        dtype.torch(),
         written.files.join(", "),
         tokens.len(),
         codec.describe()

@@ -357,6 +357,16 @@ struct ExportArgs {
     /// Export into a folder that is not empty, replacing only the files export writes.
     #[arg(long)]
     force: bool,
+    /// The weights' dtype (default: the model folder's own when it is bfloat16, else float32;
+    /// bfloat16 rounds the f32 masters to nearest even).
+    #[arg(long, value_enum)]
+    dtype: Option<ExportDtype>,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ExportDtype {
+    Float32,
+    Bfloat16,
 }
 
 #[derive(Subcommand)]
@@ -469,7 +479,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
         })
         .map(|()| done),
         Cmd::Export(a) => {
-            cli::export(&cli::ExportOpts { checkpoint: a.checkpoint, out: a.out, tokenizer: a.tokenizer, force: a.force }).map(|()| done)
+            let dtype = a.dtype.map(|d| match d {
+                ExportDtype::Float32 => tessera::checkpoint::TensorDtype::F32,
+                ExportDtype::Bfloat16 => tessera::checkpoint::TensorDtype::Bf16,
+            });
+            let o = cli::ExportOpts { checkpoint: a.checkpoint, out: a.out, tokenizer: a.tokenizer, force: a.force, dtype };
+            cli::export(&o).map(|()| done)
         }
         Cmd::Config(ConfigCmd::Check { file, common }) => cli::config_check(&file, &common).map(|()| done),
         Cmd::Models => {

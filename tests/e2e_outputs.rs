@@ -115,6 +115,16 @@ fn export_refuses_a_non_empty_folder_force_replaces_only_its_files_and_the_token
     ok(&export(true), tmp.path());
     assert_eq!(std::fs::read_to_string(&mine).unwrap(), "mine", "--force touched a file export does not write");
     assert!(std::fs::read_to_string(hf.join("config.json")).unwrap().contains("gpt2"), "--force did not replace config.json");
+    // `--dtype bfloat16`: half the bytes, the config says so (a bf16 model folder exports so by itself).
+    let bf = tmp.path().join("hf-bf16");
+    let text = ok(&["export", "--checkpoint", ckpt.to_str().unwrap(), "--out", bf.to_str().unwrap(), "--dtype", "bfloat16"], tmp.path());
+    assert!(text.contains("bfloat16 weights"), "{text}");
+    let size = |d: &Path| std::fs::metadata(d.join("model.safetensors")).unwrap().len();
+    // (Both files carry the same header of a few kB.)
+    assert!(size(&hf) / 2 < size(&bf) && size(&bf) < size(&hf) / 2 + 16_384, "{} vs {} bytes", size(&bf), size(&hf));
+    let config = std::fs::read_to_string(bf.join("config.json")).unwrap();
+    assert!(config.contains("\"torch_dtype\": \"bfloat16\""), "{config}");
+    check_export_tokenizer(&bf);
 }
 
 /// A tiny byte-level BPE (shared with the data module's tests).

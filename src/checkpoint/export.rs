@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use super::dir::Dir;
-use super::fsio::{safetensors_fill, write_atomic_in, write_file_atomic_in};
+use super::fsio::{safetensors_fill, write_atomic_in, write_file_atomic_in, TensorDtype};
 use super::{CheckpointError, NamedTensor};
 
 /// The GPT-2 hyper-parameters written into `config.json` (transformers' `GPT2Config`).
@@ -129,8 +129,14 @@ impl ExportDir {
     }
 
     /// Replaces `name` with an f32 safetensors file of `tensors` (in that order).
-    pub fn write_safetensors(&self, name: &str, tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Result<(), CheckpointError> {
-        write_atomic_in(&self.0, name, safetensors_fill(&self.0.join(name), tensors, metadata)?).map(drop)
+    pub fn write_safetensors(
+        &self,
+        name: &str,
+        tensors: &[&NamedTensor],
+        metadata: &[(&str, &str)],
+        dtype: TensorDtype,
+    ) -> Result<(), CheckpointError> {
+        write_atomic_in(&self.0, name, safetensors_fill(&self.0.join(name), tensors, metadata, dtype)?).map(drop)
     }
 
     /// Replaces `name` with `bytes`.

@@ -178,7 +178,40 @@ pub(crate) fn write_file_atomic_in(dir: &Dir, name: &str, bytes: &[u8]) -> Resul
 
 /// The safetensors JSON header for `tensors` (all F32, contiguous, in the given order), padded
 /// with spaces to a multiple of 8 bytes as the format recommends.
-fn safetensors_header(tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Result<Vec<u8>, serde_json::Error> {
+/// How a safetensors file stores its tensors (checkpoints: always f32; an export: f32 or bf16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TensorDtype {
+    F32,
+    /// bfloat16, rounded to nearest even from the f32 values.
+    Bf16,
+}
+
+impl TensorDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            TensorDtype::F32 => 4,
+            TensorDtype::Bf16 => 2,
+        }
+    }
+
+    /// The header's name for it.
+    fn safetensors(self) -> &'static str {
+        match self {
+            TensorDtype::F32 => "F32",
+            TensorDtype::Bf16 => "BF16",
+        }
+    }
+
+    /// transformers' `torch_dtype` for it.
+    pub fn torch(self) -> &'static str {
+        match self {
+            TensorDtype::F32 => "float32",
+            TensorDtype::Bf16 => "bfloat16",
+        }
+    }
+}
+
+fn safetensors_header(tensors: &[&NamedTensor], metadata: &[(&str, &str)], dtype: TensorDtype) -> Result<Vec<u8>, serde_json::Error> {
     let mut header = String::from("{");
     if !metadata.is_empty() {
         let meta: serde_json::Map<String, serde_json::Value> =
@@ -187,11 +220,12 @@ fn safetensors_header(tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Re
     }
     let mut offset = 0usize;
     for (i, t) in tensors.iter().enumerate() {
-        let end = offset + t.data.len() * 4;
+        let end = offset + t.data.len() * dtype.bytes();
         let sep = if i == 0 && metadata.is_empty() { "" } else { "," };
         header.push_str(&format!(
-            "{sep}{}:{{\"dtype\":\"F32\",\"shape\":{},\"data_offsets\":[{offset},{end}]}}",
+            "{sep}{}:{{\"dtype\":\"{}\",\"shape\":{},\"data_offsets\":[{offset},{end}]}}",
             serde_json::to_string(&t.name)?,
+            dtype.safetensors(),
             serde_json::to_string(&t.shape)?
         ));
         offset = end;
@@ -204,24 +238,36 @@ fn safetensors_header(tensors: &[&NamedTensor], metadata: &[(&str, &str)]) -> Re
     Ok(bytes)
 }
 
-/// The content of an f32 safetensors file of `tensors` (`path` names it in an error). Tensor
-/// data must already be validated (`data.len() == shape product`).
+/// The content of a safetensors file of `tensors` stored as `dtype` (`path` names it in an
+/// error). Tensor data must already be validated (`data.len() == shape product`).
 pub(crate) fn safetensors_fill<'a>(
     path: &Path,
     tensors: &'a [&NamedTensor],
     metadata: &[(&str, &str)],
+    dtype: TensorDtype,
 ) -> Result<Fill<'a>, CheckpointError> {
-    let header = safetensors_header(tensors, metadata)
+    let header = safetensors_header(tensors, metadata, dtype)
         .map_err(|e| CheckpointError::Safetensors { path: path.to_path_buf(), reason: format!("cannot encode header: {e}") })?;
     Ok(Box::new(move |w: &mut dyn Write| {
         w.write_all(&(header.len() as u64).to_le_bytes())?;
         w.write_all(&header)?;
         for t in tensors {
-            for_each_le_chunk(&t.data, |b| w.write_all(b))?;
+            match dtype {
+                TensorDtype::F32 => for_each_le_chunk(&t.data, |b| w.write_all(b))?,
+                TensorDtype::Bf16 => {
+                    for chunk in t.data.chunks(BF16_CHUNK) {
+                        let b: Vec<u8> = chunk.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect();
+                        w.write_all(&b)?;
+                    }
+                }
+            }
         }
         Ok(())
     }))
 }
+
+/// Values converted to bf16 at a time while an export streams.
+const BF16_CHUNK: usize = 1 << 16;
 
 /// Stream `tensors` as an f32 safetensors file to new file `name` in `dir` (fsynced).
 pub(crate) fn write_safetensors_in(
@@ -230,7 +276,7 @@ pub(crate) fn write_safetensors_in(
     tensors: &[&NamedTensor],
     metadata: &[(&str, &str)],
 ) -> Result<FileDigest, CheckpointError> {
-    write_new_file_in(dir, name, safetensors_fill(&dir.join(name), tensors, metadata)?)
+    write_new_file_in(dir, name, safetensors_fill(&dir.join(name), tensors, metadata, TensorDtype::F32)?)
 }
 
 /// Check that every tensor's data length matches its shape and names are unique and non-empty.

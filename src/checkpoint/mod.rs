@@ -34,6 +34,7 @@ use std::io;
 use std::path::PathBuf;
 
 pub use export::{reference_json, ExportDir, ExportReference, Gpt2ExportConfig, TokenizerSample};
+pub use fsio::TensorDtype;
 pub use hf_tokenizer::{byte_level_tokenizer_json, tokenizer_files, SPECIAL_TOKENS_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 pub use load::{
     list_checkpoints, list_restorable, load, load_latest_valid, resolve_resume, LatestValid, ResolvedResume, SkippedCheckpoint,

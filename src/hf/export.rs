@@ -1,5 +1,5 @@
 //! A trained model written as a Hugging Face folder of its family: the weights under the
-//! family's names (f32, sorted by name as transformers writes them; one `model.safetensors`,
+//! family's names (f32 or bf16, sorted by name as transformers writes them; one `model.safetensors`,
 //! or shards of at most [`SHARD_BYTES_MAX`] and `model.safetensors.index.json`), `config.json`
 //! and the caller's other files (the tokenizer's). Every file is replaced atomically.
 
@@ -12,7 +12,7 @@ use super::config::Family;
 use super::names::{extract, matrix, pieces};
 use super::weights::{INDEX_FILE, SINGLE_FILE};
 use super::HfError;
-use crate::checkpoint::{self, NamedTensor};
+use crate::checkpoint::{self, NamedTensor, TensorDtype};
 
 /// Largest shard written, in bytes (transformers' default `max_shard_size`, "5GB").
 pub const SHARD_BYTES_MAX: u64 = 5_000_000_000;
@@ -24,14 +24,25 @@ pub struct Exported {
     pub files: Vec<String>,
 }
 
-/// The `config.json` of an export: the model folder's own document when the model came from
-/// one (weights are written as f32, so its dtype says so), else one built from the shape.
-pub fn config_doc(family: Family, cfg: &ModelConfig, recorded: Option<&Value>) -> Value {
+/// The dtype an export writes unless told: the model folder's own (`torch_dtype`, or
+/// transformers 5's `dtype`) when it is bfloat16, else f32 (a preset, an f32 folder, and f16,
+/// which Tessera does not write).
+pub fn recorded_dtype(recorded: Option<&Value>) -> TensorDtype {
+    let named = recorded.and_then(|d| d.get("torch_dtype").or_else(|| d.get("dtype"))).and_then(Value::as_str);
+    match named {
+        Some("bfloat16") => TensorDtype::Bf16,
+        _ => TensorDtype::F32,
+    }
+}
+
+/// The `config.json` of an export whose weights are `dtype`: the model folder's own document
+/// when the model came from one (its dtype says what was written), else one built from the shape.
+pub fn config_doc(family: Family, cfg: &ModelConfig, recorded: Option<&Value>, dtype: TensorDtype) -> Value {
     if let Some(doc) = recorded {
         let mut doc = doc.clone();
         for key in ["torch_dtype", "dtype"] {
             if doc.get(key).is_some() {
-                doc[key] = "float32".into();
+                doc[key] = dtype.torch().into();
             }
         }
         return doc;
@@ -43,6 +54,7 @@ pub fn config_doc(family: Family, cfg: &ModelConfig, recorded: Option<&Value>) -
                 checkpoint::Gpt2ExportConfig::new(cfg.vocab_size, cfg.max_seq_len, cfg.d_model, cfg.n_layer, cfg.n_head).to_hf_json();
             doc["n_inner"] = cfg.d_ff.into();
             doc["tie_word_embeddings"] = cfg.tied_head.into();
+            doc["torch_dtype"] = dtype.torch().into();
             doc
         }
         _ => json!({
@@ -61,7 +73,7 @@ pub fn config_doc(family: Family, cfg: &ModelConfig, recorded: Option<&Value>) -
             "tie_word_embeddings": cfg.tied_head,
             "bos_token_id": eot,
             "eos_token_id": eot,
-            "torch_dtype": "float32",
+            "torch_dtype": dtype.torch(),
         }),
     }
 }
@@ -89,23 +101,30 @@ fn hf_tensors(family: Family, model: &Model, params: &[f32]) -> Result<Vec<Named
     Ok(out)
 }
 
+/// How [`export`] writes the weights.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightFormat {
+    pub dtype: TensorDtype,
+    /// Largest shard, in bytes ([`SHARD_BYTES_MAX`] for transformers' default).
+    pub shard_bytes_max: u64,
+}
+
 /// Writes `model` with `params` to `dir` (created if missing) as a folder of `family`:
-/// weights in shards of at most `shard_bytes_max` ([`SHARD_BYTES_MAX`] for transformers'
-/// default), `config.json` = `doc`, and each of `files` (name, bytes).
+/// weights as `format` says, `config.json` = `doc`, and each of `files` (name, bytes).
 pub fn export(
     dir: &Path,
     family: Family,
-    model: &Model,
-    params: &[f32],
+    (model, params): (&Model, &[f32]),
     doc: &Value,
     files: &[(&str, Vec<u8>)],
-    shard_bytes_max: u64,
+    format: WeightFormat,
 ) -> Result<Exported, HfError> {
+    let WeightFormat { dtype, shard_bytes_max } = format;
     let tensors = hf_tensors(family, model, params)?;
     let mut shards: Vec<Vec<&NamedTensor>> = vec![Vec::new()];
     let mut bytes = 0u64;
     for t in &tensors {
-        let size = t.data.len() as u64 * 4;
+        let size = (t.data.len() * dtype.bytes()) as u64;
         let last = shards.len() - 1;
         if !shards[last].is_empty() && bytes + size > shard_bytes_max {
             shards.push(Vec::new());
@@ -124,13 +143,13 @@ pub fn export(
     std::fs::create_dir_all(dir).map_err(|e| HfError::io("create", dir, e))?;
     let d = checkpoint::ExportDir::open(dir).map_err(|e| HfError::io("open", dir, e))?;
     for (name, shard) in names.iter().zip(&shards) {
-        d.write_safetensors(name, shard, &[("format", "pt")]).map_err(w)?;
+        d.write_safetensors(name, shard, &[("format", "pt")], dtype).map_err(w)?;
     }
     let mut written = names.clone();
     if n > 1 {
         let map: serde_json::Map<String, Value> =
             names.iter().zip(&shards).flat_map(|(f, s)| s.iter().map(move |t| (t.name.clone(), Value::from(f.as_str())))).collect();
-        let total: u64 = tensors.iter().map(|t| t.data.len() as u64 * 4).sum();
+        let total: u64 = tensors.iter().map(|t| (t.data.len() * dtype.bytes()) as u64).sum();
         let index = json!({ "metadata": { "total_size": total }, "weight_map": map });
         d.write_file(INDEX_FILE, &to_pretty(&index)).map_err(w)?;
         written.push(INDEX_FILE.to_string());

@@ -17,7 +17,7 @@ mod tests;
 use std::path::{Path, PathBuf};
 
 pub use config::{parse, Family, HfConfig};
-pub use export::{config_doc, default_family, export, Exported, SHARD_BYTES_MAX};
+pub use export::{config_doc, default_family, export, recorded_dtype, Exported, WeightFormat, SHARD_BYTES_MAX};
 pub use names::{extract, matrix, pieces, place, Piece};
 pub use weights::{read_params, WeightFiles, HEADER_BYTES_MAX};
 

@@ -10,6 +10,7 @@ use tessera_kernels::gradcheck::rel_err;
 use tessera_kernels::model::{FlatAccess, Model, Workspace};
 
 use super::*;
+use crate::checkpoint::TensorDtype;
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name)
@@ -144,14 +145,42 @@ fn import_then_export_gives_the_same_bytes_for_every_family() {
         // Shards of at most 100 kB where the fixture was saved so.
         let sharded = hf.weights.as_ref().unwrap().files.len() > 1;
         let shard_bytes = if sharded { 100_000 } else { SHARD_BYTES_MAX };
-        let doc = config_doc(hf.config.family, &model.cfg, Some(&hf.config.doc));
-        let exported = export(out.path(), hf.config.family, &model, &params, &doc, &[], shard_bytes).unwrap();
+        let dtype = recorded_dtype(Some(&hf.config.doc));
+        let doc = config_doc(hf.config.family, &model.cfg, Some(&hf.config.doc), dtype);
+        let format = WeightFormat { dtype, shard_bytes_max: shard_bytes };
+        let exported = export(out.path(), hf.config.family, (&model, &params), &doc, &[], format).unwrap();
         assert_eq!(weights_of(out.path()), weights_of(&dir), "{name}: exported weights differ from the folder's");
         assert_eq!(exported.files.len() > 2, sharded, "{name}: {:?}", exported.files);
         // The export reads back as the same model.
         let (again, model2, params2) = open(out.path());
         assert_eq!((again.config.model, params2), (model2.cfg.clone(), params), "{name}");
     }
+}
+
+/// A bf16 folder (most published models are) exports as bf16 again, byte for byte, with its
+/// config saying so; the f32 values it was written from are rounded to nearest even.
+#[test]
+fn a_bf16_folder_exports_as_bf16_with_the_same_bytes() {
+    let (hf, model, params) = open(&fixture("llama"));
+    let family = hf.config.family;
+    let mut doc = config_doc(family, &model.cfg, Some(&hf.config.doc), TensorDtype::Bf16);
+    doc["torch_dtype"] = "bfloat16".into();
+    let bf16 = WeightFormat { dtype: TensorDtype::Bf16, shard_bytes_max: SHARD_BYTES_MAX };
+    let first = tempfile::tempdir().unwrap();
+    export(first.path(), family, (&model, &params), &doc, &[], bf16).unwrap();
+    let (hf1, model1, read) = open(first.path());
+    assert_eq!(read, params.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect::<Vec<_>>());
+    assert!(params.iter().zip(&read).any(|(a, b)| a != b), "the fixture's f32 values were all bf16 already");
+    let dtype = recorded_dtype(Some(&hf1.config.doc));
+    assert_eq!(dtype, TensorDtype::Bf16);
+    let again = tempfile::tempdir().unwrap();
+    let doc1 = config_doc(family, &model1.cfg, Some(&hf1.config.doc), dtype);
+    export(again.path(), family, (&model1, &read), &doc1, &[], WeightFormat { dtype, shard_bytes_max: SHARD_BYTES_MAX }).unwrap();
+    let (w1, w2) = (weights_of(first.path()), weights_of(again.path()));
+    assert_eq!(w1, w2, "bf16 import → export changed bytes");
+    assert!(w1.values().all(|(dt, ..)| dt == "BF16"), "{:?}", w1.values().map(|v| &v.0).collect::<Vec<_>>());
+    let written: serde_json::Value = serde_json::from_slice(&std::fs::read(again.path().join(CONFIG_FILE)).unwrap()).unwrap();
+    assert_eq!(written["torch_dtype"], "bfloat16");
 }
 
 /// A copy of fixture `name` whose config.json has `edit` applied.
@@ -228,14 +257,15 @@ fn a_preset_exports_as_gpt2_and_reads_back() {
     let model = Model::new(cfg).unwrap();
     let params = model.init_params(3);
     let family = default_family(model.cfg.arch);
-    let doc = config_doc(family, &model.cfg, None);
+    let doc = config_doc(family, &model.cfg, None, TensorDtype::F32);
     let tmp = tempfile::tempdir().unwrap();
-    let written = export(tmp.path(), family, &model, &params, &doc, &[("tokenizer.json", b"{}".to_vec())], SHARD_BYTES_MAX).unwrap();
+    let f32s = WeightFormat { dtype: TensorDtype::F32, shard_bytes_max: SHARD_BYTES_MAX };
+    let written = export(tmp.path(), family, (&model, &params), &doc, &[("tokenizer.json", b"{}".to_vec())], f32s).unwrap();
     assert_eq!(written.files, ["model.safetensors", "config.json", "tokenizer.json"]);
     let weights = weights_of(tmp.path());
     assert!(weights.contains_key("transformer.h.3.attn.c_attn.weight") && !weights.contains_key("lm_head.weight"));
     assert_eq!(weights["transformer.h.0.mlp.c_proj.weight"].1, [512, 128]);
-    export(tmp.path(), family, &model, &params, &doc, &[], SHARD_BYTES_MAX).unwrap();
+    export(tmp.path(), family, (&model, &params), &doc, &[], f32s).unwrap();
     assert!(std::fs::read_dir(tmp.path()).unwrap().all(|e| !e.unwrap().file_name().to_string_lossy().contains(".tmp")));
     let (hf, again, read) = open(tmp.path());
     assert_eq!((hf.config.family, &again.cfg, read), (Family::Gpt2, &model.cfg, params));
