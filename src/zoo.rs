@@ -18,13 +18,15 @@ pub struct Preset {
 /// The presets, smallest first: each a Hugging Face `config.json` shipped under
 /// `configs/models/<name>/` (so `--model configs/models/<name>` is the same shape as a folder,
 /// with its own vocabulary, and a copy of the folder is where a changed shape starts) and a note.
-const PRESETS: [(&str, &str, &str); 6] = [
+const PRESETS: [(&str, &str, &str); 8] = [
     ("gpt-tiny", include_str!("../configs/models/gpt-tiny/config.json"), "CI-sized"),
     ("gpt-mini-gpu", include_str!("../configs/models/gpt-mini-gpu/config.json"), "the smallest shape `--device cuda` runs"),
     ("gpt-10m", include_str!("../configs/models/gpt-10m/config.json"), ""),
     ("gpt2-small", include_str!("../configs/models/gpt2-small/config.json"), "GPT-2 124M"),
     ("gpt2-1.3b", include_str!("../configs/models/gpt2-1.3b/config.json"), "GPT-3 XL's width and depth"),
     ("llama-tiny", include_str!("../configs/models/llama-tiny/config.json"), "RoPE, RMSNorm, SwiGLU"),
+    ("llama-0.85b", include_str!("../configs/models/llama-0.85b/config.json"), "8 KV heads, untied head"),
+    ("llama-1.1b", include_str!("../configs/models/llama-1.1b/config.json"), "TinyLlama's shape: 4 KV heads, untied head"),
 ];
 
 /// Every preset, smallest first.
@@ -137,6 +139,21 @@ mod tests {
     /// (the bits of every run of a preset depend on them).
     #[test]
     fn shipped_preset_configs_are_the_presets() {
+        let big_llama = |n_layer, n_kv_head| ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: 32000,
+            max_seq_len: 4096,
+            n_layer,
+            n_head: 32,
+            d_model: 2048,
+            d_ff: 5632,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+            n_kv_head,
+            tied_head: false,
+            qkv_bias: false,
+            rope_scaling: None,
+        };
         let llama = ModelConfig {
             arch: Arch::Llama,
             vocab_size: 256,
@@ -158,7 +175,9 @@ mod tests {
             ("gpt-10m", gpt(256, 256, 6, 6, 384)),
             ("gpt2-small", gpt(50257, 1024, 12, 12, 768)),
             ("gpt2-1.3b", gpt(50257, 1024, 24, 32, 2048)),
-            ("llama-tiny", llama),
+            ("llama-tiny", llama.clone()),
+            ("llama-0.85b", big_llama(16, 8)),
+            ("llama-1.1b", big_llama(22, 4)),
         ];
         let got = presets();
         assert_eq!(got.len(), want.len());
