@@ -291,7 +291,7 @@ struct TrainArgs {
     /// one engine, elastic with `tessera.elastic`: docs/GPU.md).
     #[arg(long, value_enum)]
     device: Option<Device>,
-    /// (`tessera chaos run`) A worker-net file: each elastic worker in its own network
+    /// (`tessera chaos run`) A worker-net file: each spawned worker in its own network
     /// namespace, the driver on their bridge (docs/ELASTIC.md).
     #[arg(long, value_name = "FILE", hide = true, requires = "nprocs")]
     worker_net: Option<PathBuf>,
@@ -448,7 +448,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             if cli::nccl_gpu_run(&a.config, &a.common)? {
                 if let Some(p) = &a.worker_net {
-                    anyhow::bail!("--worker-net {}: worker namespaces are for elastic CPU `--nprocs` runs, not --device cuda", p.display());
+                    anyhow::bail!("--worker-net {}: worker namespaces are for CPU `--nprocs` runs, not --device cuda", p.display());
                 }
                 if !a.abandon_steps.is_empty() {
                     let steps: Vec<String> = a.abandon_steps.iter().map(u64::to_string).collect();

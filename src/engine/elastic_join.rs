@@ -39,7 +39,7 @@ use tessera_transport::quic::pki::check_cert_names_node;
 use tessera_transport::quic::{ControlConn, ControlEndpoint, RefusalLog};
 
 use super::elastic::{relock, Beat, Joiner, Shared};
-use super::remote::{node_name, AgentAuth, STARTUP_TIMEOUT_MS};
+use super::rendezvous::{node_name, AgentAuth, STARTUP_TIMEOUT_MS};
 use super::wire::{self, AssignedIdentity, ToParent, ToWorker, Wait};
 
 /// How often the acceptor looks for new connections (ms).
@@ -275,6 +275,9 @@ fn join(shared: &Arc<Shared>, mut conn: ControlConn, j: JoinRequest) -> Result<(
             if let Some(e) = version_mismatch(&j.version, &who) {
                 return refuse(conn, e);
             }
+            if !shared.er.enabled {
+                return refuse(conn, format!("{who}: this run is not elastic (tessera.elastic.enabled = false): it takes no joins"));
+            }
             let Some(id) = shared.take_id() else {
                 let n = shared.er.max_joins;
                 return refuse(conn, format!("no worker identity left for a join (tessera.elastic.max_joins allows {n})"));
@@ -294,6 +297,9 @@ fn join(shared: &Arc<Shared>, mut conn: ControlConn, j: JoinRequest) -> Result<(
             };
             if let Some(e) = version_mismatch(&j.version, &who) {
                 return refuse(conn, e);
+            }
+            if !shared.er.enabled {
+                return refuse(conn, format!("{who}: this run is not elastic (tessera.elastic.enabled = false): it takes no joins"));
             }
             if shared.is_fenced(id) || !relock(&shared.known).insert(id) {
                 return refuse(conn, format!("{who}: {} is already in this run (or was fenced)", node_name(id as usize)));
@@ -387,7 +393,7 @@ mod tests {
     use std::collections::BTreeMap;
     use tessera_transport::quic::{ClientAuth, ClusterCa, JoinToken, NodeKey, NodeTls, ALPN_CONTROL};
 
-    use crate::engine::remote::COORDINATOR_NAME;
+    use crate::engine::rendezvous::COORDINATOR_NAME;
 
     /// Bound on each exchange in these tests (ms).
     const TEST_WAIT_MS: u64 = 10_000;
