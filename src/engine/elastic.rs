@@ -257,24 +257,15 @@ impl Shared {
         }
         let pid = self.pid_of(id);
         tracing::info!("elastic: lost {why}");
-        // How it ended, if it had; else it is killed now.
-        let mut exit = None;
+        let exit = self.exit_of(id, pid);
+        relock(&self.losses).push(Loss { id, why: why.to_string(), exit });
+        self.event(json!({"event": "lost", "id": id, "pid": pid, "why": why}));
         let mut killed = false;
         for (_, c) in relock(&self.children).iter_mut().filter(|(cid, _)| *cid == id) {
             killed = true;
-            match c.try_wait() {
-                Ok(Some(status)) => exit = Some(Exit::of(status)),
-                _ => {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
-            }
+            let _ = c.kill();
+            let _ = c.wait();
         }
-        if let (false, Some(pid)) = (killed, pid) {
-            exit = rendezvous::launched_exit_of(&self.launched, pid);
-        }
-        relock(&self.losses).push(Loss { id, why: why.to_string(), exit });
-        self.event(json!({"event": "lost", "id": id, "pid": pid, "why": why}));
         let beat = relock(&self.beats).remove(&id);
         if let (false, Some(b)) = (killed, &beat) {
             // A joiner is not our child: a stopped one must not come back.
@@ -292,6 +283,16 @@ impl Shared {
         }
         relock(&self.joiners).retain(|j| j.id != id);
         self.abort_epoch();
+    }
+
+    /// How worker `id`'s process (`pid`) had ended, if it had and the driver can tell: its
+    /// child, or an agent `tessera launch` started here.
+    fn exit_of(&self, id: u64, pid: Option<u32>) -> Option<Exit> {
+        let mut children = relock(&self.children);
+        match children.iter_mut().find(|(cid, _)| *cid == id) {
+            Some((_, c)) => c.try_wait().ok().flatten().map(Exit::of),
+            None => pid.and_then(|p| rendezvous::launched_exit_of(&self.launched, p)),
+        }
     }
 
     /// Aborts the current epoch's collectives on every member.
