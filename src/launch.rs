@@ -1,8 +1,8 @@
 //! Multi-host runs: `tessera coordinator` (the driver, waiting for agents), `tessera agent` (one
 //! rank on any host) and `tessera launch` (agents on the hosts of a DeepSpeed hostfile, started
-//! over ssh, with the coordinator in this process). The protocol and the agents' life are
-//! described in `engine::remote`; this module reads hostfiles and the torchrun/Slurm variables
-//! and starts the processes.
+//! over ssh, with the coordinator in this process). The rendezvous and the agents' life are
+//! described in `engine::rendezvous` and `engine::child`; this module reads hostfiles and the
+//! torchrun/Slurm variables and starts the processes.
 //!
 //! # Hostfile (DeepSpeed's format)
 //! One host per line, `HOST slots=N` (N agents on that host); `#` starts a comment; blank lines

@@ -291,7 +291,7 @@ struct TrainArgs {
     /// one engine, elastic with `tessera.elastic`: docs/GPU.md).
     #[arg(long, value_enum)]
     device: Option<Device>,
-    /// (`tessera chaos run`) A worker-net file: each elastic worker in its own network
+    /// (`tessera chaos run`) A worker-net file: each spawned worker in its own network
     /// namespace, the driver on their bridge (docs/ELASTIC.md).
     #[arg(long, value_name = "FILE", hide = true, requires = "nprocs")]
     worker_net: Option<PathBuf>,
@@ -454,7 +454,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             // NCCL GPU ranks are threads of this process, one per GPU: `--nprocs N` asks for N GPUs.
             let nccl = cli::nccl_gpu_run(&a.config, &a.common)?;
             if let (Some(p), true) = (&a.worker_net, nccl) {
-                anyhow::bail!("--worker-net {}: worker namespaces are for elastic CPU `--nprocs` runs, not --device cuda", p.display());
+                anyhow::bail!("--worker-net {}: worker namespaces are for CPU `--nprocs` runs, not --device cuda", p.display());
             }
             let processes = a.nprocs.is_some() && !nccl;
             let opts = TrainOptions {

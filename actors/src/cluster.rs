@@ -27,7 +27,6 @@ use crate::compute::{MemoryReport, Prepared};
 use crate::driver::{ClusterOptions, StepResult};
 use crate::error::{ActorError, RankFailure};
 use crate::node::{NodeArgs, NodeMsg, NodeSupervisor, RankSetup};
-use crate::remote::{RemoteNode, RemoteNodeArgs, RemoteNodeSpec};
 use crate::shard::ShardStatus;
 use crate::txn::{Action, Attempted, Cmd, Input, PhaseKind, Query, Refusal, Reply, StepTxn};
 use crate::worker::{ComputeThreads, Outcome, RunCommand, WorkerMsg, CONTROL_TIMEOUT_MS};
@@ -76,11 +75,9 @@ pub struct ClusterArgs {
     pub(crate) threads: Arc<ComputeThreads>,
 }
 
-/// A node of the tree: its ranks in this process, or in another one behind a link.
-pub(crate) enum NodeSetup {
-    Local(Vec<RankSetup>),
-    Remote(RemoteNodeSpec),
-}
+/// A node of the tree: its ranks (their computes run in this process; a worker process's
+/// compute is reached through the one the engine gives, `ElasticCompute`).
+pub(crate) struct NodeSetup(pub(crate) Vec<RankSetup>);
 
 /// One member of the plan epoch.
 struct Member {
@@ -135,16 +132,8 @@ impl Actor for ClusterSupervisor {
         let mut members = BTreeMap::new();
         let mut node_of = HashMap::new();
         for (node, setup) in args.nodes.into_iter().enumerate() {
-            let spawned = match setup {
-                NodeSetup::Local(ranks) => {
-                    let node_args = NodeArgs { ranks, cluster: myself.clone(), threads: Arc::clone(&args.threads) };
-                    Actor::spawn_linked(None, NodeSupervisor, node_args, myself.get_cell()).await
-                }
-                NodeSetup::Remote(spec) => {
-                    let node_args = RemoteNodeArgs { spec, cluster: myself.clone() };
-                    Actor::spawn_linked(None, RemoteNode, node_args, myself.get_cell()).await
-                }
-            };
+            let node_args = NodeArgs { ranks: setup.0, cluster: myself.clone(), threads: Arc::clone(&args.threads) };
+            let spawned = Actor::spawn_linked(None, NodeSupervisor, node_args, myself.get_cell()).await;
             let (node_ref, _) = spawned.map_err(|e| format!("node {node} did not start: {e}"))?;
             node_of.insert(node_ref.get_id(), node);
             let bound = Some(Duration::from_millis(CONTROL_TIMEOUT_MS));

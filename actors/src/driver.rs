@@ -25,7 +25,6 @@ use crate::cluster::{ClusterArgs, ClusterMsg, ClusterSupervisor, NodeSetup};
 use crate::compute::{MemoryReport, Prepared, ShardInfo, WorkerCompute};
 use crate::error::ActorError;
 use crate::node::RankSetup;
-use crate::remote::RemoteNodeSpec;
 use crate::shard::ShardStatus;
 use crate::worker::{ComputeThreads, CONTROL_TIMEOUT_MS};
 
@@ -172,23 +171,7 @@ impl Cluster {
                 node.push(RankSetup { rank, compute, shard });
             }
         }
-        Self::start_nodes(nodes.into_iter().map(NodeSetup::Local).collect(), world, opts)
-    }
-
-    /// Starts the tree over nodes whose ranks run in other processes (one [`RemoteNodeSpec`]
-    /// per process; their ranks together are `0..world`, each once): the ClusterSupervisor runs
-    /// here, each node's NodeSupervisor and DeviceWorkers in its process (`crate::remote`).
-    pub fn start_remote(nodes: Vec<RemoteNodeSpec>, opts: ClusterOptions) -> Result<Cluster, ActorError> {
-        let mut ranks: Vec<usize> = nodes.iter().flat_map(|n| n.ranks.iter().copied()).collect();
-        let world = ranks.len();
-        ranks.sort_unstable();
-        if world == 0 || ranks.iter().enumerate().any(|(i, r)| *r != i) {
-            return Err(ActorError::Setup(format!("remote nodes hold ranks {ranks:?}; expected 0..{world} once each")));
-        }
-        if opts.step_timeout_ms == 0 {
-            return Err(ActorError::Setup("step_timeout_ms must be positive".into()));
-        }
-        Self::start_nodes(nodes.into_iter().map(NodeSetup::Remote).collect(), world, opts)
+        Self::start_nodes(nodes.into_iter().map(NodeSetup).collect(), world, opts)
     }
 
     fn start_nodes(nodes: Vec<NodeSetup>, world: usize, opts: ClusterOptions) -> Result<Cluster, ActorError> {

@@ -7,10 +7,10 @@
 //!       ├─ ParamShard      ZeRO-3 parameter shard metadata (range, bytes, last commit)
 //!       └─ OptimShard      optimizer-state shard metadata
 //! ```
-//! Control plane: actor messages carrying handles and small values; across processes a node's
-//! NodeSupervisor and DeviceWorkers run in the worker process and the ClusterSupervisor talks
-//! to them through stand-ins over a link ([`remote`]). Data plane: the compute's
-//! buffers and collectives (`tessera_transport`). [`Cluster`] is the synchronous driver.
+//! Control plane: actor messages carrying handles and small values; a rank in a worker process
+//! is a DeviceWorker here whose [`WorkerCompute`] the engine implements over its control
+//! connection. Data plane: the compute's buffers and collectives (`tessera_transport`).
+//! [`Cluster`] is the synchronous driver.
 //!
 //! Elastic training (docs/ELASTIC.md): [`membership`] is the sans-IO coordinator of plan epochs and
 //! step commits, [`replan`] the re-planning after membership changes, [`sim`] its seeded simulator.
@@ -38,7 +38,6 @@ pub mod membership;
 pub mod node;
 pub mod plan;
 pub mod recovery;
-pub mod remote;
 pub mod replan;
 pub mod shard;
 pub mod sim;
@@ -73,7 +72,6 @@ pub use driver::{Cluster, ClusterOptions, StepResult, WorkerStopper, DEFAULT_SHU
 pub use error::{ActorError, FailureCause, RankFailure};
 pub use membership::{Coordinator, EpochPlan, MembershipConfig, WorkerId};
 pub use plan::{assign_blocks, partition};
-pub use remote::{ActorCall, ActorEvent, Downlink, NodeHost, RemoteNodeSpec, UpSink, Uplink, WireComputeError, WireErrorKind};
 pub use replan::{
     blocks_for_speeds, check_blocks, leaf_counts_for_speeds, leaf_counts_with_floor, propose_rebalance, replan_partition, OldShard,
     Rebalance, Replanned, Speeds, Transfer,

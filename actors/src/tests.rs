@@ -411,147 +411,37 @@ fn a_failed_commit_leaves_the_cluster_refusing_steps() {
     cluster.shutdown().expect("shutdown");
 }
 
-// ── Actors across processes (`remote`), with the link simulated by rkyv bytes on threads ──────
-
-mod across {
-    use super::*;
-    use crate::remote::{ActorCall, ActorEvent, Downlink, NodeHost, RemoteNodeSpec, UpSink, Uplink};
-
-    /// A link end: every message becomes rkyv bytes, validated and decoded on the other side.
-    struct Bytes(Mutex<Sender<Vec<u8>>>);
-
-    impl Downlink for Bytes {
-        fn send(&self, call: ActorCall) -> Result<(), String> {
-            let b = rkyv::to_bytes::<rkyv::rancor::Error>(&call).map_err(|e| e.to_string())?.to_vec();
-            self.0.lock().unwrap_or_else(|e| e.into_inner()).send(b).map_err(|e| e.to_string())
-        }
-    }
-
-    impl Uplink for Bytes {
-        fn send(&self, ev: ActorEvent) -> Result<(), String> {
-            let b = rkyv::to_bytes::<rkyv::rancor::Error>(&ev).map_err(|e| e.to_string())?.to_vec();
-            self.0.lock().unwrap_or_else(|e| e.into_inner()).send(b).map_err(|e| e.to_string())
-        }
-    }
-
-    fn decode<T: rkyv::Archive>(b: &[u8]) -> T
-    where
-        T::Archived: for<'a> rkyv::bytecheck::CheckBytes<rkyv::api::high::HighValidator<'a, rkyv::rancor::Error>>
-            + rkyv::Deserialize<T, rkyv::api::high::HighDeserializer<rkyv::rancor::Error>>,
-    {
-        let mut aligned = rkyv::util::AlignedVec::<16>::new();
-        aligned.extend_from_slice(b);
-        rkyv::from_bytes::<T, rkyv::rancor::Error>(&aligned).expect("a valid message")
-    }
-
-    /// One "process" per rank: a NodeHost whose commands come from, and whose events go to,
-    /// the driver's tree through byte channels pumped by threads.
-    fn remote_nodes(w: &World, faults: Vec<Fault>) -> (Vec<RemoteNodeSpec>, Vec<std::thread::JoinHandle<()>>) {
-        let world = faults.len();
-        let mut specs = Vec::new();
-        let mut pumps = Vec::new();
-        for (rank, compute) in w.workers(faults).into_iter().enumerate() {
-            let (down_tx, down_rx) = channel::<Vec<u8>>();
-            let (up_tx, up_rx) = channel::<Vec<u8>>();
-            let shard = shards(world).remove(rank);
-            let host = NodeHost::start(vec![(rank, compute, shard)], Arc::new(Bytes(Mutex::new(up_tx))), 2_000).expect("host");
-            pumps.push(std::thread::spawn(move || {
-                while let Ok(b) = down_rx.recv() {
-                    host.deliver(decode::<ActorCall>(&b)).expect("delivered");
-                }
-                host.shutdown().expect("host shutdown");
-            }));
-            let on_start = Box::new(move |sink: UpSink| {
-                std::thread::spawn(move || {
-                    while let Ok(b) = up_rx.recv() {
-                        if !sink.deliver(decode::<ActorEvent>(&b)).expect("an event of this node") {
-                            return;
-                        }
-                    }
-                    sink.lost("its process is gone");
-                });
-            });
-            specs.push(RemoteNodeSpec { ranks: vec![rank], downlink: Arc::new(Bytes(Mutex::new(down_tx))), on_start });
-        }
-        (specs, pumps)
-    }
-
-    #[test]
-    fn a_tree_across_processes_commits_what_a_local_tree_commits() {
-        let want = reference_values(3, 4);
-        let w = World::new(3);
-        let (nodes, pumps) = remote_nodes(&w, no_faults(3));
-        let mut cluster = Cluster::start_remote(nodes, quick(ClusterOptions::default())).expect("start");
-        for step in 1..=4 {
-            let r = cluster.run_step(step).expect("step");
-            assert_eq!((r.step, r.micro_batches, r.bytes_sent), (step, 6, 30));
-        }
-        assert_eq!(w.values(), want, "the remote tree committed other values");
-        let memory = cluster.memory().expect("memory");
-        assert_eq!(memory.iter().map(|m| (m.rank, m.param_bytes)).collect::<Vec<_>>(), vec![(0, 100), (1, 200), (2, 300)]);
-        let shards_seen = cluster.shards().expect("shards");
-        assert_eq!(shards_seen.len(), 6);
-        assert!(shards_seen.iter().all(|s| s.last_committed_step == Some(4)), "{shards_seen:?}");
-        cluster.shutdown().expect("shutdown");
-        pumps.into_iter().for_each(|p| p.join().expect("pump"));
-        assert_eq!(w.alive.load(Ordering::SeqCst), 0, "every remote compute was dropped");
-    }
-
-    #[test]
-    fn a_failure_in_a_remote_rank_abandons_the_step_on_every_rank_and_a_remote_panic_is_a_lost_member() {
+/// Each kind of compute error reaches the elastic driver's verdict as its variant (a worker
+/// process's error arrives as itself: `ElasticCompute` rebuilds it from the wire's
+/// `WireComputeError`, whose round trip `tessera`'s `engine::wire` tests): a lost peer in
+/// prepare and an aborted group wait for the loss (then re-plan), a rank's own failure ends the
+/// run, a commit torn after its step by a lost peer keeps what it stepped and waits for the loss.
+#[test]
+fn every_error_kind_reaches_the_verdict_as_itself() {
+    let lost = ComputeError::Lost { rank: Some(0), why: "all_to_all: peer rank 0 has left the group".into() };
+    let aborted = ComputeError::Aborted { why: "all_gather: the group was aborted: epoch 3".into() };
+    let failed = ComputeError::failed("reading unit 4 from NVMe: short read");
+    let torn = ComputeError::Lost { rank: Some(0), why: "the parameter all-gather: peer rank 0 has left the group".into() }.torn(Some(2));
+    let in_prepare = [(lost, AfterFailure::AwaitLoss), (aborted, AfterFailure::AwaitLoss), (failed.clone(), AfterFailure::Failed)];
+    for (e, verdict) in in_prepare {
         let w = World::new(2);
-        let (nodes, pumps) = remote_nodes(&w, vec![Fault::None, Fault::FailOnce(2)]);
-        let mut cluster = Cluster::start_remote(nodes, quick(ClusterOptions::default())).expect("start");
+        let mut cluster =
+            Cluster::start(w.workers(vec![Fault::None, Fault::Return(2, e.clone())]), shards(2), quick(ClusterOptions::default()))
+                .expect("start");
         cluster.run_step(1).expect("step 1");
-        let e = cluster.run_step(2).unwrap_err();
-        assert!(matches!(&e, ActorError::StepAbandoned { step: 2, failures } if failures.len() == 1 && failures[0].rank == 1), "{e}");
-        let mut abandons = w.with(|l| l.abandons.clone());
-        abandons.sort();
-        assert_eq!(abandons, vec![(0, 2), (1, 2)], "both ranks abandoned step 2");
-        cluster.shutdown().expect("shutdown");
-        pumps.into_iter().for_each(|p| p.join().expect("pump"));
-
-        // A remote panic kills that rank's DeviceWorker in its process: a membership event.
-        let w = World::new(2);
-        let (nodes, _pumps) = remote_nodes(&w, vec![Fault::Panic(1), Fault::None]);
-        let mut cluster = Cluster::start_remote(nodes, quick(ClusterOptions::default())).expect("start");
-        let e = cluster.run_step(1).unwrap_err();
-        let ActorError::StepAbandoned { failures, .. } = &e else { panic!("{e}") };
-        assert!(matches!(&failures[0], RankFailure { rank: 0, cause: FailureCause::Died(c) } if c.contains("injected panic")), "{e}");
-        assert!(matches!(cluster.run_step(2), Err(ActorError::MembersLost { ranks, .. }) if ranks == vec![0]));
+        let err = cluster.run_step(2).expect_err("rank 1 fails step 2");
+        assert_eq!(single_failure(&err, 2), Some(RankFailure { rank: 1, cause: FailureCause::Returned(e.clone()) }), "{err}");
+        assert_eq!(after_failure(&err), verdict, "{err}");
+        assert!(err.to_string().contains(&format!("rank 1 failed: {e}")), "{err}");
     }
-
-    /// Each kind of compute error crosses the rkyv link as itself and reaches the elastic
-    /// driver's verdict as its variant: a lost peer in prepare and an aborted group wait for the
-    /// loss (then re-plan), a rank's own failure ends the run, a commit torn after its step by a
-    /// lost peer keeps what it stepped and waits for the loss.
-    #[test]
-    fn every_error_kind_crosses_processes_and_reaches_the_verdict_as_itself() {
-        let lost = ComputeError::Lost { rank: Some(0), why: "all_to_all: peer rank 0 has left the group".into() };
-        let aborted = ComputeError::Aborted { why: "all_gather: the group was aborted: epoch 3".into() };
-        let failed = ComputeError::failed("reading unit 4 from NVMe: short read");
-        let torn =
-            ComputeError::Lost { rank: Some(0), why: "the parameter all-gather: peer rank 0 has left the group".into() }.torn(Some(2));
-        let in_prepare = [(lost, AfterFailure::AwaitLoss), (aborted, AfterFailure::AwaitLoss), (failed.clone(), AfterFailure::Failed)];
-        for (e, verdict) in in_prepare {
-            let w = World::new(2);
-            let (nodes, _pumps) = remote_nodes(&w, vec![Fault::None, Fault::Return(2, e.clone())]);
-            let mut cluster = Cluster::start_remote(nodes, quick(ClusterOptions::default())).expect("start");
-            cluster.run_step(1).expect("step 1");
-            let err = cluster.run_step(2).expect_err("rank 1 fails step 2");
-            assert_eq!(single_failure(&err, 2), Some(RankFailure { rank: 1, cause: FailureCause::Returned(e.clone()) }), "{err}");
-            assert_eq!(after_failure(&err), verdict, "{err}");
-            assert!(err.to_string().contains(&format!("rank 1 failed: {e}")), "{err}");
-        }
-        for (e, verdict) in [(torn, AfterFailure::AwaitLoss), (failed.torn(None), AfterFailure::Failed)] {
-            let w = World::new(2);
-            let (nodes, _pumps) = remote_nodes(&w, vec![Fault::None, Fault::ReturnInCommit(2, e.clone())]);
-            let mut cluster = Cluster::start_remote(nodes, quick(ClusterOptions::default())).expect("start");
-            cluster.run_step(1).expect("step 1");
-            let err = cluster.run_step(2).expect_err("rank 1's commit of step 2 fails");
-            let ActorError::CommitFailed { step: 2, failures, .. } = &err else { panic!("{err}") };
-            assert_eq!(failures, &vec![RankFailure { rank: 1, cause: FailureCause::Returned(e.clone()) }]);
-            assert_eq!(after_failure(&err), verdict, "{err}");
-        }
+    for (e, verdict) in [(torn, AfterFailure::AwaitLoss), (failed.torn(None), AfterFailure::Failed)] {
+        let w = World::new(2);
+        let faults = vec![Fault::None, Fault::ReturnInCommit(2, e.clone())];
+        let mut cluster = Cluster::start(w.workers(faults), shards(2), quick(ClusterOptions::default())).expect("start");
+        cluster.run_step(1).expect("step 1");
+        let err = cluster.run_step(2).expect_err("rank 1's commit of step 2 fails");
+        let ActorError::CommitFailed { step: 2, failures, .. } = &err else { panic!("{err}") };
+        assert_eq!(failures, &vec![RankFailure { rank: 1, cause: FailureCause::Returned(e.clone()) }]);
+        assert_eq!(after_failure(&err), verdict, "{err}");
     }
 }

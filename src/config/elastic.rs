@@ -194,7 +194,8 @@ impl Default for ElasticRun {
 }
 
 /// Reads `tessera.elastic` (and DeepSpeed's `elasticity`: `enabled` switches the runtime on,
-/// `min_gpus`/`max_gpus` bound the members) from a resolved config.
+/// `min_gpus`/`max_gpus` bound the members) from a resolved config; off, what a process run's
+/// fleet runs with ([`ElasticRun::recovery_off`]).
 pub fn elastic_run(cfg: &crate::config::Config) -> Result<ElasticRun, crate::config::ConfigError> {
     let tag = |kind| crate::config::ConfigError::new(cfg.source.clone(), kind);
     let e = Obj::at(&cfg.resolved, "tessera.elastic").map_err(tag)?;
@@ -226,9 +227,18 @@ pub fn elastic_run(cfg: &crate::config::Config) -> Result<ElasticRun, crate::con
             let why = format!("must not be below tessera.elastic.min_workers ({})", r.min_workers);
             return Err(ConfigErrorKind::unsupported(&e.path("max_workers"), &Value::from(r.max_workers), &why));
         }
-        Ok(r)
+        Ok(if r.enabled { r } else { r.recovery_off() })
     };
     read().map_err(tag)
+}
+
+impl ElasticRun {
+    /// A process run without `tessera.elastic.enabled`: the same fleet, heartbeats and
+    /// timeouts, with recovery off — no replicas (no memory or bandwidth spent on them), no
+    /// joins, no rebalancing, no replica checks. The first loss ends the run.
+    fn recovery_off(self) -> ElasticRun {
+        ElasticRun { replicas: 0, max_joins: 0, rebalance_threshold: 0.0, replica_check_interval: 0, ..self }
+    }
 }
 
 /// `rebalance_threshold`: a fraction in [0, 1), or `false` (off) / `true` (the default).
@@ -455,14 +465,15 @@ mod tests {
     fn the_rebalance_threshold_is_a_fraction_or_off() {
         let run = |v: Value| {
             let cfg = from_value(
-                json!({"train_batch_size": 8, "tessera": {"elastic": {"rebalance_threshold": v}}}),
+                json!({"train_batch_size": 8, "tessera": {"elastic": {"enabled": true, "rebalance_threshold": v}}}),
                 &[],
                 &ResolveContext::with_world(2),
             )
             .expect("loads");
             elastic_run(&cfg)
         };
-        let cfg = from_value(json!({"train_batch_size": 8}), &[], &ResolveContext::with_world(2)).expect("loads");
+        let on = json!({"train_batch_size": 8, "tessera": {"elastic": {"enabled": true}}});
+        let cfg = from_value(on, &[], &ResolveContext::with_world(2)).expect("loads");
         assert_eq!(elastic_run(&cfg).expect("default").rebalance_threshold, DEFAULT_REBALANCE_THRESHOLD);
         assert_eq!(run(json!(false)).expect("off").rebalance_threshold, 0.0);
         assert_eq!(run(json!(0)).expect("off").rebalance_threshold, 0.0);
@@ -472,5 +483,19 @@ mod tests {
             let e = run(bad.clone()).expect_err("refused").to_string();
             assert!(e.contains("tessera.elastic.rebalance_threshold") && e.contains("a fraction in [0, 1)"), "{bad}: {e}");
         }
+    }
+
+    /// Off, a process run's fleet keeps the failure detector's settings and none of recovery's:
+    /// no replicas, no joins, no rebalancing, whatever the section says.
+    #[test]
+    fn without_elasticity_the_fleet_runs_with_recovery_off() {
+        let off = json!({"train_batch_size": 8, "tessera": {"elastic": {"replicas": 2, "max_joins": 3, "heartbeat_timeout_ms": 900}}});
+        let er = elastic_run(&from_value(off, &[], &ResolveContext::with_world(2)).expect("loads")).expect("reads");
+        assert!(!er.enabled);
+        assert_eq!((er.replicas, er.max_joins, er.rebalance_threshold, er.replica_check_interval), (0, 0, 0.0, 0));
+        assert_eq!(er.heartbeat_timeout_ms, 900, "the failure detector's bound is the configured one");
+        let on = json!({"train_batch_size": 8, "tessera": {"elastic": {"enabled": true, "replicas": 2, "max_joins": 3}}});
+        let er = elastic_run(&from_value(on, &[], &ResolveContext::with_world(2)).expect("loads")).expect("reads");
+        assert_eq!((er.replicas, er.max_joins), (2, 3));
     }
 }

@@ -1,56 +1,49 @@
-//! The worker side of a multi-process run: one rank's `ZeroWorker` over a `QuicComm` with mutual
-//! TLS, run by this process's own NodeSupervisor and DeviceWorker, which the driver's
-//! ClusterSupervisor drives over the QUIC control connection (see [`super::remote`] for the whole
-//! design and [`super::wire`] for the protocol). Two ways in:
+//! How a process becomes a worker of the fleet (every process run; the driver's side and the
+//! whole design are in [`super::elastic`], the worker loop in [`super::elastic_worker`], the
+//! protocol in [`super::wire`]): one rank's `ZeroWorker` over a `QuicComm` with mutual TLS,
+//! whose prepare, commit and abandon the driver requests over the QUIC control connection.
+//! Three ways in:
 //!
 //! - `tessera worker` (hidden, [`run_worker`]): spawned by `tessera train --nprocs N` on the same
 //!   machine. It reads the resolved config and its keys from the run's `procs` directory, dials
-//!   the parent's control endpoint with its certificate, binds its QUIC socket on 127.0.0.1, and
-//!   exits when the control connection closes, on `Shutdown`, or when its parent process is gone
-//!   (the parent id changes), so it never outlives its run. An elastic run's worker serves the
-//!   elastic driver instead (`serve_elastic`, [`super::elastic_worker`]), over the same kind of
-//!   connection plus a side connection.
+//!   the parent's control endpoint with its certificate, binds its QUIC socket on 127.0.0.1 (or
+//!   in its network namespace, `--worker-net`), and exits on `Shutdown`, when its driver is gone
+//!   (its side connection closes) or when its parent process is gone (the parent id changes),
+//!   so it never outlives its run.
 //! - `tessera agent` ([`run_agent`]): started by hand, by `tessera launch` (ssh) or by a cluster
 //!   scheduler on any host; it dials the coordinator (retrying until it answers, bounded) with a
 //!   join token (it pins the coordinator's CA, sends the token's secret and a public key it
 //!   generated, and receives a certificate for that key) or with its own certificate
 //!   (`--certs DIR`), says `Join`, and receives its rank and the resolved config (no shared
-//!   filesystem needed). Its QUIC socket binds the local address on its route to the coordinator
-//!   (or listens on every interface and advertises `--advertise IP`; or, given the hidden
-//!   `--worker-net FILE` by `tessera chaos run`, sits behind its fault link as a spawned
-//!   worker's does, [`super::worker_net`]). It leaves on `Shutdown`
-//!   (status 0); a control connection that closes without it (the coordinator died or gave up)
-//!   or a coordinator silent for [`AGENT_IDLE_TIMEOUT_MS`] (it pings much more often) ends it
-//!   with an error. With an elastic config the agent serves the elastic driver
-//!   ([`super::elastic_worker`]); one that arrives after the run started is answered `Admit`
-//!   instead of `Assign` and becomes a member at the next step boundary.
+//!   filesystem needed; a coordinator silent for [`AGENT_IDLE_TIMEOUT_MS`] meanwhile ends it).
+//!   Its QUIC socket binds the local address on its route to the coordinator (or listens on
+//!   every interface and advertises `--advertise IP`; or, given the hidden `--worker-net FILE` by
+//!   `tessera chaos run`, sits behind its fault link as a spawned worker's does,
+//!   [`super::worker_net`]). It leaves on `Shutdown` (status 0); a driver that goes away ends it
+//!   with an error. One that arrives after an elastic run started is answered `Admit` instead of
+//!   `Assign` and becomes a member at the next step boundary.
 //! - `tessera worker --join --dir <output>/procs` ([`run_joiner`]): joins an elastic
 //!   `train --nprocs` run on this machine as such a late agent, with the join token and the
 //!   address the driver wrote into its `procs` directory.
 //!
 //! Either way the worker rebuilds the plan from the resolved config (and proves it by the config
-//! hash), receives its start state from the driver, starts its actors, and then serves: actor
-//! commands on the actor lane (a thread hands them to the DeviceWorker), requests between steps
-//! (`Export`, `Ping`, `Shutdown`) on the request lane.
+//! hash), receives its start state from the driver, and then serves its requests.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use tessera_actors::compute::{ComputeError, MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_actors::faults::Faults;
-use tessera_actors::remote::{ActorEvent, NodeHost, Uplink, WireComputeError};
 use tessera_transport::quic::{ClusterSpec, ControlConn, ControlEndpoint, JoinToken, NodeKey, NodeTls, QuicComm, ALPN_CONTROL};
 
 use super::elastic_worker::{DataNet, Setup, SideDial};
 use super::plan::Plan;
 use super::ranks::{master_window, rank_state, StartCut};
-use super::remote::{node_name, COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
-use super::wire::{self, AssignedIdentity, ControlIo, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError};
-use super::zero::{RankState, ZeroWorker};
+use super::rendezvous::{node_name, COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
+use super::wire::{self, AssignedIdentity, ControlIo, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireComputeError, WireError};
+use super::zero::RankState;
 use crate::bridge;
 use crate::config::{self, Config, ResolveContext};
 use crate::data::{self, DataError, Dataset, Sampler};
@@ -63,8 +56,6 @@ pub const AGENT_IDLE_TIMEOUT_MS: u64 = 60_000;
 pub const AGENT_CONNECT_TIMEOUT_MS: u64 = 120_000;
 /// Pause between an agent's attempts to reach the coordinator (ms).
 const CONNECT_RETRY_MS: u64 = 250;
-/// Bound on each stage of stopping a worker process's actor tree (ms).
-const NODE_SHUTDOWN_TIMEOUT_MS: u64 = 10_000;
 
 /// Arguments of `tessera worker`.
 #[derive(Debug, Clone)]
@@ -264,16 +255,6 @@ struct Member {
     faults: Faults,
 }
 
-/// How a rank waits for its driver's next request.
-struct Idle<'a> {
-    alive: &'a dyn Fn() -> Result<(), WireError>,
-    /// Bound on the wait for one request (`None`: the liveness check is the bound).
-    bound_ms: Option<u64>,
-    /// Whether a control connection that closes without `Shutdown` is an error (agents: the
-    /// coordinator went away mid-run) or the normal end (spawned workers).
-    close_is_error: bool,
-}
-
 /// Says Hello, receives the addresses and the start state, and joins the QUIC mesh.
 fn start_up(
     stream: &mut (impl ControlIo + ?Sized),
@@ -304,152 +285,25 @@ fn start_up(
     Ok((state, at, comm))
 }
 
-/// An elastic run's worker of the first epoch: start-up as any worker's, then the elastic
-/// loop ([`super::elastic_worker`]) with its side connection dialled by `side` and each later
-/// epoch's QUIC socket bound by `data`.
-fn serve_elastic(
+/// A worker of the fleet's first epoch (elastic or with recovery off): start-up, then the
+/// worker loop ([`super::elastic_worker`]) with its side connection dialled by `side` and each
+/// later epoch's QUIC socket bound by `data`.
+fn serve_fleet(
     conn: &mut ControlConn,
     mut m: Member,
     side: SideDial,
     data: DataNet,
     alive: &dyn Fn() -> Result<(), WireError>,
 ) -> Result<()> {
-    super::elastic_worker::install_signal_handlers(&m.faults);
+    let er = config::elastic_run(&m.cfg)?;
+    super::elastic_worker::install_signal_handlers(&m.faults, er.enabled);
     let (state, at, comm) = start_up(conn, &mut m, alive)?;
     let rank = m.rank;
-    let er = config::elastic_run(&m.cfg)?;
     let ready = snapshot(&state, rank);
     let (cfg, dataset, sampler, tls, faults) = (m.cfg, m.dataset, m.sampler, m.tls, m.faults);
     let setup = Setup { id: rank as u64, side, data, cfg, er, dataset, sampler, tls, faults };
     wire::send(conn, &ToParent::Ready { snapshot: ready })?;
     super::elastic_worker::serve_started(conn, setup, rank, m.plan, state, Box::new(comm), at, alive)
-}
-
-/// A rank's compute that keeps its figures for the actor link: after each call, the snapshot
-/// the next event carries (taken on the compute thread, so the actors never wait on the state).
-struct Figures {
-    inner: ZeroWorker,
-    state: Arc<Mutex<RankState>>,
-    rank: usize,
-    latest: Arc<Mutex<Snapshot>>,
-}
-
-impl Figures {
-    fn note(&self) {
-        let snap = snapshot(&self.state.lock().unwrap_or_else(|p| p.into_inner()), self.rank);
-        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = snap;
-    }
-}
-
-impl WorkerCompute for Figures {
-    fn prepare(&mut self, order: &StepOrder) -> Result<Prepared, ComputeError> {
-        let r = self.inner.prepare(order);
-        self.note();
-        r
-    }
-    fn commit(&mut self, step: u64) -> Result<(), ComputeError> {
-        let r = self.inner.commit(step);
-        self.note();
-        r
-    }
-    fn abandon(&mut self, step: u64) {
-        self.inner.abandon(step);
-        self.note();
-    }
-    fn memory(&self) -> MemoryReport {
-        self.inner.memory()
-    }
-}
-
-/// This process's actor tree's events, up the control connection's actor lane with the rank's
-/// latest figures.
-struct ConnUplink {
-    conn: ControlConn,
-    latest: Arc<Mutex<Snapshot>>,
-}
-
-impl Uplink for ConnUplink {
-    fn send(&self, event: ActorEvent) -> Result<(), String> {
-        let snapshot = *self.latest.lock().unwrap_or_else(|p| p.into_inner());
-        wire::send_actor(&self.conn, &ToParent::Actor { event, snapshot }).map_err(|e| e.to_string())
-    }
-}
-
-/// Reads the actor lane into the node's actors until `stop` or the connection ends; a message
-/// that is not an actor command closes the connection (a protocol violation).
-fn actor_pump(conn: ControlConn, host: Arc<NodeHost>, stop: Arc<AtomicBool>) {
-    while !stop.load(Ordering::SeqCst) {
-        match wire::recv_actor::<ToWorker>(&conn, "an actor command") {
-            Ok(None) => {}
-            Ok(Some(ToWorker::Actor { call })) => {
-                if let Err(e) = host.deliver(call) {
-                    conn.abort(&e);
-                    return;
-                }
-            }
-            Ok(Some(other)) => {
-                conn.abort(&format!("{other:?} on the actor lane"));
-                return;
-            }
-            Err(_) => return,
-        }
-    }
-}
-
-/// A plain run's rank: a NodeSupervisor and DeviceWorker in this process driven by the
-/// driver's ClusterSupervisor over the actor lane, while this thread answers the requests
-/// between steps (export, ping, shutdown).
-fn serve_actors(conn: &mut ControlConn, mut m: Member, idle: &Idle<'_>) -> Result<()> {
-    let alive = idle.alive;
-    let (state, _, comm) = start_up(conn, &mut m, alive)?;
-    let rank = m.rank;
-    let state = Arc::new(Mutex::new(state));
-    let latest = Arc::new(Mutex::new(snapshot(&state.lock().unwrap_or_else(|p| p.into_inner()), rank)));
-    let worker = ZeroWorker::new(rank, Arc::clone(&m.plan), m.sampler, Box::new(comm), Arc::clone(&state));
-    let shard = {
-        let st = state.lock().unwrap_or_else(|p| p.into_inner());
-        super::run::shard_info(&m.plan, rank, &st.memory(rank))
-    };
-    let compute = Figures { inner: worker, state: Arc::clone(&state), rank, latest: Arc::clone(&latest) };
-    let uplink = Arc::new(ConnUplink { conn: conn.clone(), latest: Arc::clone(&latest) });
-    let host = Arc::new(NodeHost::start(vec![(rank, Box::new(compute), shard)], uplink, NODE_SHUTDOWN_TIMEOUT_MS)?);
-    let ready = *latest.lock().unwrap_or_else(|p| p.into_inner());
-    wire::send(conn, &ToParent::Ready { snapshot: ready })?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let pump = {
-        let (conn, host, stop) = (conn.clone(), Arc::clone(&host), Arc::clone(&stop));
-        std::thread::Builder::new()
-            .name("tessera-actor-lane".into())
-            .spawn(move || actor_pump(conn, host, stop))
-            .context("starting the actor lane")?
-    };
-    let served = loop {
-        let wait = Wait { what: "a request", deadline: idle.bound_ms.map(|ms| Instant::now() + Duration::from_millis(ms)), alive };
-        let msg = match wire::recv(conn, "a request", &wait) {
-            Ok(msg) => msg,
-            Err(WireError::Closed) if idle.close_is_error => {
-                break Err(anyhow::anyhow!("the coordinator closed the control connection without Shutdown (it died or gave up)"))
-            }
-            Err(WireError::Closed) => break Ok(()),
-            Err(e) => break Err(anyhow::Error::from(e).context(format!("rank {rank}: control connection"))),
-        };
-        let answered = match msg {
-            ToWorker::Export { optim } => export(conn, &state.lock().unwrap_or_else(|p| p.into_inner()), optim),
-            ToWorker::Ping => wire::send(conn, &ToParent::Pong),
-            ToWorker::Shutdown => break Ok(()),
-            other => break Err(anyhow::anyhow!("rank {rank}: unexpected request {other:?}")),
-        };
-        if let Err(e) = answered {
-            break Err(anyhow::Error::from(e).context(format!("rank {rank}: answering a request")));
-        }
-    };
-    stop.store(true, Ordering::SeqCst);
-    let _ = pump.join();
-    // Stopping the tree joins the compute thread, which drops the QUIC group (leaving it).
-    if let Ok(host) = Arc::try_unwrap(host) {
-        host.shutdown().with_context(|| format!("rank {rank}: stopping its actors"))?;
-    }
-    served
 }
 
 /// `tessera worker`: runs one rank until the parent says stop or goes away.
@@ -459,45 +313,20 @@ pub fn run_worker(a: &WorkerArgs) -> Result<()> {
     let rank = a.rank;
     let (cfg, plan, sampler, dataset) = load_plan(a).with_context(|| format!("rank {rank}"))?;
     let tls = NodeTls::load(&a.dir.join("pki"), &node_name(rank))?;
-    if config::elastic_run(&cfg)?.enabled {
-        // 127.0.0.1 next to the driver; the namespace's address when the run put us in one.
-        let local_ip = route_to(a.control)?;
-        let endpoint = Arc::new(ControlEndpoint::bind(SocketAddr::new(local_ip, 0), None)?);
-        let client = tls.client_config_for(ALPN_CONTROL)?;
-        let mut conn = endpoint
-            .connect(a.control, COORDINATOR_NAME, client.clone(), STARTUP_TIMEOUT_MS)
-            .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
-        super::worker_net::init_worker(&a.dir, rank as u64)?;
-        let (socket, quic_addr) = super::worker_net::bind_quic(local_ip).with_context(|| format!("rank {rank}"))?;
-        let m = Member {
-            rank,
-            world: a.world,
-            cfg,
-            plan,
-            sampler,
-            tls,
-            socket,
-            quic_addr,
-            data_blake3: None,
-            dataset,
-            faults: a.faults.clone(),
-        };
-        let side = SideDial { endpoint: Arc::clone(&endpoint), driver: a.control, client };
-        let data = DataNet { bind: local_ip, advertise: local_ip, port: 0 };
-        let served = serve_elastic(&mut conn, m, side, data, &alive);
-        conn.close("bye");
-        return served;
-    }
-    let local: SocketAddr = ([127, 0, 0, 1], 0).into();
-    let (socket, quic_addr) = super::worker_net::bind_quic(local.ip()).with_context(|| format!("rank {rank}"))?;
-    let m =
-        Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset, faults: a.faults.clone() };
-    let endpoint = ControlEndpoint::bind(local, None)?;
-    let client = m.tls.client_config_for(ALPN_CONTROL)?;
+    // 127.0.0.1 next to the driver; the namespace's address when the run put us in one.
+    let local_ip = route_to(a.control)?;
+    let endpoint = Arc::new(ControlEndpoint::bind(SocketAddr::new(local_ip, 0), None)?);
+    let client = tls.client_config_for(ALPN_CONTROL)?;
     let mut conn = endpoint
-        .connect(a.control, COORDINATOR_NAME, client, STARTUP_TIMEOUT_MS)
+        .connect(a.control, COORDINATOR_NAME, client.clone(), STARTUP_TIMEOUT_MS)
         .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
-    let served = serve_actors(&mut conn, m, &Idle { alive: &alive, bound_ms: None, close_is_error: false });
+    super::worker_net::init_worker(&a.dir, rank as u64)?;
+    let (socket, quic_addr) = super::worker_net::bind_quic(local_ip).with_context(|| format!("rank {rank}"))?;
+    let faults = a.faults.clone();
+    let m = Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset, faults };
+    let side = SideDial { endpoint: Arc::clone(&endpoint), driver: a.control, client, who: format!("worker {rank}") };
+    let data = DataNet { bind: local_ip, advertise: local_ip, port: 0 };
+    let served = serve_fleet(&mut conn, m, side, data, &alive);
     conn.close("bye");
     served
 }
@@ -771,26 +600,18 @@ fn join_and_serve(a: &AgentArgs, faults: &Faults) -> Result<()> {
                 Ok(m) => m,
                 Err(e) => return fail(&mut conn, format!("agent {name} (rank {rank})"), e),
             };
-            let elastic: Result<bool> = config::elastic_run(&m.cfg).map(|er| er.enabled).map_err(anyhow::Error::from);
-            let served = match elastic {
-                Ok(true) => {
-                    let (bind, advertise) = agent_data_ips(a, local_ip);
-                    let data = DataNet { bind, advertise, port: a.quic_port };
-                    m.tls.client_config_for(ALPN_CONTROL).map_err(anyhow::Error::from).and_then(|client| {
-                        let side = SideDial { endpoint: Arc::clone(&endpoint), driver: conn.remote_address(), client };
-                        serve_elastic(&mut conn, m, side, data, &|| Ok(()))
-                    })
-                }
-                Ok(false) => {
-                    let idle = Idle { alive: &|| Ok(()), bound_ms: Some(AGENT_IDLE_TIMEOUT_MS), close_is_error: true };
-                    serve_actors(&mut conn, m, &idle)
-                }
-                Err(e) => Err(e),
-            };
+            let (bind, advertise) = agent_data_ips(a, local_ip);
+            let data = DataNet { bind, advertise, port: a.quic_port };
+            let served = m.tls.client_config_for(ALPN_CONTROL).map_err(anyhow::Error::from).and_then(|client| {
+                let side =
+                    SideDial { endpoint: Arc::clone(&endpoint), driver: conn.remote_address(), client, who: format!("agent {name}") };
+                serve_fleet(&mut conn, m, side, data, &|| Ok(()))
+            });
             served.with_context(|| format!("agent {name} (rank {rank})"))
         }
         Answer::Admit(id, config, identity) => {
-            super::elastic_worker::install_signal_handlers(faults);
+            // Only an elastic run admits a late joiner.
+            super::elastic_worker::install_signal_handlers(faults, true);
             let line = format!("agent {name}: joins the running job as worker {id} (driver {})\n", a.join);
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             let setup = agent_identity(own, key, identity, token.as_ref())
@@ -848,7 +669,8 @@ fn late_setup(
     };
     wire::send(conn, &hello)?;
     let client = tls.client_config_for(ALPN_CONTROL)?;
-    let side = SideDial { endpoint: Arc::clone(endpoint), driver: conn.remote_address(), client };
+    let who = format!("agent {} (worker {id})", a.name);
+    let side = SideDial { endpoint: Arc::clone(endpoint), driver: conn.remote_address(), client, who };
     let (bind, advertise) = agent_data_ips(a, local_ip);
     let data = DataNet { bind, advertise, port: a.quic_port };
     Ok(Setup { id, side, data, cfg, er, dataset, sampler, tls, faults: faults.clone() })

@@ -1,9 +1,11 @@
-//! Elastic multi-process runs (`train --nprocs N`, `tessera coordinator` or `tessera launch` with
-//! `tessera.elastic.enabled`, or DeepSpeed's `elasticity.enabled`): workers may die, hang, leave
-//! (SIGTERM) or join while the job keeps running, and the result is the bits of the fault-free
-//! run. The worker side is [`super::elastic_worker`], who may connect is
-//! [`super::elastic_join`]; without elasticity [`super::remote`] runs the workers and the first
-//! loss ends the run.
+//! The fleet: every run of worker processes (`train --nprocs N`, `tessera coordinator`,
+//! `tessera launch`, `tessera train` under torchrun or srun). With `tessera.elastic.enabled` (or
+//! DeepSpeed's `elasticity.enabled`) workers may die, hang, leave (SIGTERM) or join while the job
+//! keeps running, and the result is the bits of the fault-free run. Without it the same fleet
+//! runs with recovery off (`config::elastic_run`: no replicas, no joins, no rebalancing): the
+//! same failure detector declares the first loss, and the driver (`run.rs`) ends the run with it
+//! ([`Fleet::first_loss`]). The worker side is [`super::elastic_worker`], who may connect is
+//! [`super::elastic_join`], how the first workers arrive is [`super::rendezvous`].
 //!
 //! # Membership
 //! Each worker process has an id (`node-<id>` in the run's PKI; the first N are the initial
@@ -98,7 +100,7 @@ use super::elastic_join::{self, Admission, Pidfd};
 use super::elastic_worker::EXIT_DRAIN_GRACE;
 use super::plan::Plan;
 use super::ranks::{OptimBuffers, RankCounters, Start};
-use super::remote::{self, node_name, send_start, spawn_worker, AgentAuth, Rendezvous, COORDINATOR_NAME, EXIT_TIMEOUT_MS};
+use super::rendezvous::{self, node_name, send_start, spawn_worker, AgentAuth, Launched, Rendezvous, COORDINATOR_NAME, EXIT_TIMEOUT_MS};
 use super::wire::{self, Snapshot, ToParent, ToWorker, Wait, WireError};
 use crate::config::{Config, ElasticRun};
 use crate::data::Dataset;
@@ -162,6 +164,9 @@ impl Beat {
 struct Loss {
     id: u64,
     why: String,
+    /// How its process had ended when it was declared (a child or a launched agent of this
+    /// process), if it had.
+    exit: Option<Exit>,
 }
 
 /// A worker that joined and waits for the next epoch.
@@ -185,6 +190,11 @@ pub(super) struct Shared {
     clock: Instant,
     epoch: AtomicU64,
     children: Mutex<Vec<(u64, Child)>>,
+    /// Processes `tessera launch` started for the agents (reaped by it after the run).
+    launched: Arc<Mutex<Vec<Launched>>>,
+    /// Who each first-epoch worker is in messages ("worker process of rank 1 (pid 42)", "agent
+    /// of rank 1 (a1 at 10.0.0.2, pid 42)").
+    names: Mutex<BTreeMap<u64, String>>,
     pub beats: Mutex<BTreeMap<u64, Arc<Beat>>>,
     pub sides: Mutex<BTreeMap<u64, ControlConn>>,
     /// Every worker's control connection, closed when it is lost.
@@ -247,7 +257,8 @@ impl Shared {
         }
         let pid = self.pid_of(id);
         tracing::info!("elastic: lost {why}");
-        relock(&self.losses).push(Loss { id, why: why.to_string() });
+        let exit = self.exit_of(id, pid);
+        relock(&self.losses).push(Loss { id, why: why.to_string(), exit });
         self.event(json!({"event": "lost", "id": id, "pid": pid, "why": why}));
         let mut killed = false;
         for (_, c) in relock(&self.children).iter_mut().filter(|(cid, _)| *cid == id) {
@@ -272,6 +283,16 @@ impl Shared {
         }
         relock(&self.joiners).retain(|j| j.id != id);
         self.abort_epoch();
+    }
+
+    /// How worker `id`'s process (`pid`) had ended, if it had and the driver can tell: its
+    /// child, or an agent `tessera launch` started here.
+    fn exit_of(&self, id: u64, pid: Option<u32>) -> Option<Exit> {
+        let mut children = relock(&self.children);
+        match children.iter_mut().find(|(cid, _)| *cid == id) {
+            Some((_, c)) => c.try_wait().ok().flatten().map(Exit::of),
+            None => pid.and_then(|p| rendezvous::launched_exit_of(&self.launched, p)),
+        }
     }
 
     /// Aborts the current epoch's collectives on every member.
@@ -367,6 +388,8 @@ impl Shared {
             clock: Instant::now(),
             epoch: AtomicU64::new(0),
             children: Mutex::new(Vec::new()),
+            launched: Arc::new(Mutex::new(Vec::new())),
+            names: Mutex::new(BTreeMap::new()),
             beats: Mutex::new(BTreeMap::new()),
             sides: Mutex::new(BTreeMap::new()),
             controls: Mutex::new(BTreeMap::new()),
@@ -435,8 +458,6 @@ pub struct Fleet {
     threads: Vec<JoinHandle<()>>,
     /// The control endpoint every connection runs on (kept until the threads have stopped).
     endpoint: Option<Arc<ControlEndpoint>>,
-    /// Processes `tessera launch` started for the agents (reaped by it after the run).
-    launched: Option<Arc<Mutex<Vec<remote::Launched>>>>,
     /// `<output>/procs` of a `--nprocs` run, removed when the workers end.
     dir: Option<PathBuf>,
     /// Removes `dir` at a forced exit too (a second signal, `crate::signals`).
@@ -567,8 +588,9 @@ impl Fleet {
                 let token = JoinToken::generate(ca.ca_sha256())?;
                 prepare_procs(cfg, world, &dir, &ca, &token)?;
                 let identity = ca.issue(COORDINATOR_NAME)?;
-                let server = remote::control_server_config(&identity, ClientAuth::Optional)?;
-                let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(AgentAuth::Token { ca: Box::new(ca), token })?, faults)?;
+                let server = rendezvous::control_server_config(&identity, ClientAuth::Optional)?;
+                let auth = AgentAuth::Token { ca: Box::new(ca), token };
+                let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(auth)?, faults, Arc::default())?;
                 fleet.dir = Some(dir.clone());
                 fleet.forced_exit = Some(crate::signals::on_forced_exit(crate::signals::Cleanup::Dir(dir.clone())));
                 let control_ip = net.map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.control_ip);
@@ -591,18 +613,20 @@ impl Fleet {
                         .find_map(|(id, c)| c.try_wait().ok().flatten().map(|s| format!("worker {id} {}", Exit::of(s))))
                 };
                 let mut early = Vec::new();
-                let hellos = remote::accept_workers(&endpoint, cfg, &exited, world, Some(&mut early))?;
-                let firsts =
-                    hellos.into_iter().enumerate().map(|(r, h)| (h.conn, h.quic_addr, h.pid, None, format!("worker {r}"))).collect();
+                let hellos = rendezvous::accept_workers(&endpoint, cfg, &exited, world, Some(&mut early))?;
+                let firsts = hellos
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, h)| (h.conn, h.quic_addr, h.pid, None, format!("worker process of rank {r} (pid {})", h.pid)))
+                    .collect();
                 fleet.start(Arc::new(endpoint), firsts, early, start)
             }
             Origin::Agents(rdv) => {
                 let rdv = *rdv;
                 let launched = Arc::clone(&rdv.launched);
-                let started = remote::rendezvous_agents(cfg, plan, &rdv, &|| remote::launched_exited(&launched))?;
+                let started = rendezvous::rendezvous_agents(cfg, plan, &rdv, &|| rendezvous::launched_exited(&launched))?;
                 let Rendezvous { endpoint, auth, .. } = rdv;
-                let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(auth)?, faults)?;
-                fleet.launched = Some(launched);
+                let fleet = Fleet::new(cfg, er, plan, out_dir, admission(auth)?, faults, launched)?;
                 let host = fleet.shared.admission.host.clone();
                 let firsts = started
                     .into_iter()
@@ -616,12 +640,22 @@ impl Fleet {
         }
     }
 
-    /// A fleet with no workers yet (dropping it ends whatever it started).
-    fn new(cfg: &Config, er: &ElasticRun, plan: &Arc<Plan>, out_dir: &Path, admission: Admission, faults: &Faults) -> Result<Fleet> {
+    /// A fleet with no workers yet (dropping it ends whatever it started); `launched` are the
+    /// processes `tessera launch` started for its agents.
+    fn new(
+        cfg: &Config,
+        er: &ElasticRun,
+        plan: &Arc<Plan>,
+        out_dir: &Path,
+        admission: Admission,
+        faults: &Faults,
+        launched: Arc<Mutex<Vec<Launched>>>,
+    ) -> Result<Fleet> {
         let world = plan.world;
         let path = out_dir.join(EVENTS_FILE);
         let events = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-        let shared = Shared { faults: faults.clone(), ..Shared::new(er.clone(), world as u64, cfg.hash.clone(), admission, events) };
+        let shared =
+            Shared { faults: faults.clone(), launched, ..Shared::new(er.clone(), world as u64, cfg.hash.clone(), admission, events) };
         let shared = Arc::new(shared);
         Ok(Fleet {
             cfg: cfg.clone(),
@@ -634,7 +668,6 @@ impl Fleet {
             installed: None,
             threads: Vec::new(),
             endpoint: None,
-            launched: None,
             dir: None,
             forced_exit: None,
             speeds: Speeds::new(SPEED_WINDOW_STEPS),
@@ -667,9 +700,10 @@ impl Fleet {
             *relock(&beat.local) = local;
             relock(&shared.beats).insert(r as u64, beat);
             members.push(Arc::new(Member { id: r as u64, pid, link: Mutex::new(Link { stream: conn, snapshot: Snapshot::default() }) }));
+            relock(&shared.names).insert(r as u64, name.clone());
             who.push(name);
         }
-        let deadline = Instant::now() + Duration::from_millis(super::remote::STARTUP_TIMEOUT_MS);
+        let deadline = Instant::now() + Duration::from_millis(super::rendezvous::STARTUP_TIMEOUT_MS);
         for (r, m) in members.iter().enumerate() {
             let mut link = relock(&m.link);
             let wait = Wait { what: "Ready", deadline: Some(deadline), alive: &|| Ok(()) };
@@ -762,6 +796,18 @@ impl Fleet {
         }
     }
 
+    /// The first loss, as a run without recovery ends on it: who the worker is (as the start
+    /// named it: "worker process of rank 1 (pid 42)", "agent of rank 1 (…)") and how its process
+    /// ended when it had, else why the failure detector declared it lost.
+    pub fn first_loss(&self) -> Option<String> {
+        let loss = relock(&self.shared.losses).first().cloned()?;
+        let who = relock(&self.shared.names).get(&loss.id).cloned().unwrap_or_else(|| format!("worker {}", loss.id));
+        Some(match loss.exit {
+            Some(how) => format!("{who} {how}"),
+            None => format!("{who} was lost: {}", loss.why),
+        })
+    }
+
     /// Whether the next step boundary must form a new epoch: a loss, a drain request, or a
     /// join with room for it. Waits up to `settle_ms` for a loss to be noticed (after a step
     /// failed, the monitor may still be looking).
@@ -801,7 +847,7 @@ impl Fleet {
             alive: &|| Ok(()),
         };
         match wire::recv_bulk(&mut link.stream, &descs, want, &wait) {
-            Ok(bufs) => Ok(remote::exported(&descs, bufs, counters)),
+            Ok(bufs) => Ok(rendezvous::exported(&descs, bufs, counters)),
             Err(e) => {
                 self.shared.loss(m.id, &format!("worker {} (pid {}): exporting its state: {e}", m.id, m.pid));
                 Err(Failure::Lost)

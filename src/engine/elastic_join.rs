@@ -39,7 +39,7 @@ use tessera_transport::quic::pki::check_cert_names_node;
 use tessera_transport::quic::{ControlConn, ControlEndpoint, RefusalLog};
 
 use super::elastic::{relock, Beat, Joiner, Shared};
-use super::remote::{node_name, AgentAuth, STARTUP_TIMEOUT_MS};
+use super::rendezvous::{node_name, AgentAuth, STARTUP_TIMEOUT_MS};
 use super::wire::{self, AssignedIdentity, ToParent, ToWorker, Wait};
 
 /// How often the acceptor looks for new connections (ms).
@@ -275,6 +275,9 @@ fn join(shared: &Arc<Shared>, mut conn: ControlConn, j: JoinRequest) -> Result<(
             if let Some(e) = version_mismatch(&j.version, &who) {
                 return refuse(conn, e);
             }
+            if !shared.er.enabled {
+                return refuse(conn, format!("{who}: this run is not elastic (tessera.elastic.enabled = false): it takes no joins"));
+            }
             let Some(id) = shared.take_id() else {
                 let n = shared.er.max_joins;
                 return refuse(conn, format!("no worker identity left for a join (tessera.elastic.max_joins allows {n})"));
@@ -294,6 +297,9 @@ fn join(shared: &Arc<Shared>, mut conn: ControlConn, j: JoinRequest) -> Result<(
             };
             if let Some(e) = version_mismatch(&j.version, &who) {
                 return refuse(conn, e);
+            }
+            if !shared.er.enabled {
+                return refuse(conn, format!("{who}: this run is not elastic (tessera.elastic.enabled = false): it takes no joins"));
             }
             if shared.is_fenced(id) || !relock(&shared.known).insert(id) {
                 return refuse(conn, format!("{who}: {} is already in this run (or was fenced)", node_name(id as usize)));
@@ -387,7 +393,7 @@ mod tests {
     use std::collections::BTreeMap;
     use tessera_transport::quic::{ClientAuth, ClusterCa, JoinToken, NodeKey, NodeTls, ALPN_CONTROL};
 
-    use crate::engine::remote::COORDINATOR_NAME;
+    use crate::engine::rendezvous::COORDINATOR_NAME;
 
     /// Bound on each exchange in these tests (ms).
     const TEST_WAIT_MS: u64 = 10_000;
@@ -403,10 +409,13 @@ mod tests {
         ca_sha256: [u8; 32],
     }
 
-    /// A driver's acceptor for 2 first-epoch workers with a join token; id 1 is fenced.
-    /// Returns (shared state, endpoint address, identities of node-0, -1 and -7 from the run's
-    /// CA, its token, the acceptor thread).
-    fn driver(dir: &std::path::Path) -> (Arc<Shared>, std::net::SocketAddr, Issued, JoinToken, std::thread::JoinHandle<()>) {
+    /// A driver's acceptor for 2 first-epoch workers with a join token, running with `er`; id 1
+    /// is fenced. Returns (shared state, endpoint address, identities of node-0, -1 and -7 from
+    /// the run's CA, its token, the acceptor thread).
+    fn driver(
+        dir: &std::path::Path,
+        er: ElasticRun,
+    ) -> (Arc<Shared>, std::net::SocketAddr, Issued, JoinToken, std::thread::JoinHandle<()>) {
         let ca = ClusterCa::generate().expect("CA");
         let nodes = [0, 1, 7].into_iter().map(|k| (k, ca.issue(&node_name(k)).expect("id"))).collect();
         let issued = Issued { nodes, ca_sha256: ca.ca_sha256() };
@@ -417,7 +426,7 @@ mod tests {
         let auth = AgentAuth::Token { ca: Box::new(ca), token: token.clone() };
         let admission = Admission { auth, config: "{}".into(), data_blake3: "d".into(), host: host_id() };
         let events = std::fs::File::create(dir.join("events.jsonl")).expect("events");
-        let shared = Arc::new(Shared::for_tests(ElasticRun { enabled: true, ..ElasticRun::default() }, 2, admission, events));
+        let shared = Arc::new(Shared::for_tests(er, 2, admission, events));
         shared.fence_for_tests(1);
         let s = Arc::clone(&shared);
         let t = std::thread::spawn(move || acceptor(s, endpoint, Vec::new()));
@@ -455,7 +464,7 @@ mod tests {
     #[test]
     fn foreign_wrong_fenced_and_tokenless_peers_are_refused() {
         let tmp = tempfile::tempdir().expect("tmp");
-        let (shared, addr, ca, token, acceptor_thread) = driver(tmp.path());
+        let (shared, addr, ca, token, acceptor_thread) = driver(tmp.path(), ElasticRun { enabled: true, ..ElasticRun::default() });
         let side = |id| ToParent::Side { id };
         let refused = |r: Result<ToWorker, String>, want: &str| match r {
             Ok(ToWorker::Refused { error }) => assert!(error.contains(want), "refused for another reason: {error}"),
@@ -514,6 +523,22 @@ mod tests {
         }
         jc.close("bye");
         conn.close("bye");
+        shared.closing.store(true, Ordering::SeqCst);
+        acceptor_thread.join().expect("acceptor");
+    }
+
+    /// A run whose recovery is off (a plain process run) admits no join, even with its token,
+    /// and says why; no id is taken.
+    #[test]
+    fn a_run_without_recovery_refuses_joins_saying_why() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let off = ElasticRun { enabled: false, max_joins: 0, replicas: 0, ..ElasticRun::default() };
+        let (shared, addr, _ca, token, acceptor_thread) = driver(tmp.path(), off);
+        match ask(addr, token.client_config(ALPN_CONTROL).expect("tls"), &join(Some(&token))) {
+            Ok(ToWorker::Refused { error }) => assert!(error.contains("this run is not elastic"), "{error}"),
+            other => panic!("expected Refused, got {other:?}"),
+        }
+        assert!(relock(&shared.joiners).is_empty() && relock(&shared.known).len() == 2, "the refused joiner was registered");
         shared.closing.store(true, Ordering::SeqCst);
         acceptor_thread.join().expect("acceptor");
     }

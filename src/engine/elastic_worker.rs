@@ -1,5 +1,6 @@
-//! The worker side of an elastic run (`train --nprocs N` with `tessera.elastic.enabled`; the
-//! driver's side and the whole design are in [`super::elastic`]).
+//! The worker side of the fleet (every process run: `train --nprocs N`, agents; the driver's side
+//! and the whole design are in [`super::elastic`]). With `tessera.elastic.enabled` off it keeps
+//! no replicas and takes no drain signals (recovery is off), and serves the rest as below.
 //!
 //! Besides the requests every worker answers (prepare, commit, abandon, export), an elastic
 //! worker:
@@ -42,15 +43,14 @@ use anyhow::{bail, Context, Result};
 use tessera_actors::compute::{StepOrder, WorkerCompute};
 use tessera_actors::faults::Faults;
 use tessera_actors::formation::DrainTimer;
-use tessera_actors::remote::WireComputeError;
 use tessera_transport::collective::{AbortHandle, Collective, CollectiveError, CommStats};
 use tessera_transport::quic::{rustls, ClusterSpec, ControlConn, ControlEndpoint, NodeTls, QuicComm};
 
 use super::child::{export, recv_start, snapshot};
 use super::plan::Plan;
-use super::remote::{COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
+use super::rendezvous::{COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
 use super::replica::{FeedConfig, Replica, Update};
-use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError, WirePrepared};
+use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireComputeError, WireError, WirePrepared};
 use super::zero::{RankState, ZeroWorker};
 use crate::bridge;
 use crate::config::{Config, ElasticRun};
@@ -159,12 +159,14 @@ const DRAIN_SIGNALS: [i32; 2] = [libc::SIGTERM, libc::SIGUSR1];
 /// `signal-hook`'s registry, which keeps any other action of the signal), except those the
 /// fault hooks take (`kill_in_commit` takes SIGUSR1 when a test asks for it). Called as an
 /// elastic worker process starts (before its first message), so no drain signal takes its
-/// default action (exit) later; idempotent (the first call's hooks hold).
-pub(super) fn install_signal_handlers(faults: &Faults) {
+/// default action (exit) later; idempotent (the first call's hooks hold). Without `drain` (a
+/// run whose recovery is off, which cannot hand a shard over) only the fault hooks are
+/// installed: SIGTERM ends the worker, and the run with it, naming the signal.
+pub(super) fn install_signal_handlers(faults: &Faults, drain: bool) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let taken = faults.install_worker_signals();
-        for sig in DRAIN_SIGNALS.into_iter().filter(|s| !taken.contains(s)) {
+        for sig in DRAIN_SIGNALS.into_iter().filter(|s| drain && !taken.contains(s)) {
             // SAFETY: the action only does one atomic compare-exchange, which is
             // async-signal-safe.
             let installed = unsafe {
@@ -189,6 +191,8 @@ pub(super) struct SideDial {
     pub endpoint: Arc<ControlEndpoint>,
     pub driver: SocketAddr,
     pub client: rustls::ClientConfig,
+    /// Who this process is in its error when the driver goes away ("worker 1", "agent a1").
+    pub who: String,
 }
 
 /// Where each epoch's data-plane QUIC socket binds (`bind`, port `port`, 0 = any) and the
@@ -283,6 +287,7 @@ fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) -> Res
         })
         .context("starting the heartbeat thread")?;
     let reader_leaving = Arc::clone(&leaving);
+    let who = side.who.clone();
     let reader = std::thread::Builder::new()
         .name("tessera-side".into())
         .spawn(move || loop {
@@ -313,8 +318,8 @@ fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) -> Res
                 // healed, a hang that ended) or when it is gone. Either way this worker must
                 // not go on: it leaves at once, even from inside a collective.
                 Err(e) => {
-                    tracing::info!(
-                        "worker {id}: the driver closed the side connection ({e}): declared lost (fenced), or the driver is gone; leaving"
+                    tracing::error!(
+                        "{who}: the driver closed the side connection ({e}): declared lost (fenced), or the driver is gone; leaving"
                     );
                     std::process::exit(EXIT_FENCED);
                 }
@@ -594,7 +599,7 @@ fn lock(st: &Mutex<RankState>) -> MutexGuard<'_, RankState> {
 
 impl Worker {
     fn new(s: Setup) -> Result<Self> {
-        install_signal_handlers(&s.faults);
+        install_signal_handlers(&s.faults, s.er.enabled);
         let slot: AbortSlot = Arc::new(Mutex::new(None));
         let side = start_side(&s.side, s.id, &s.er, Arc::clone(&slot))?;
         let replicas = Replicas::new(s.faults.clone());

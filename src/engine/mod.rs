@@ -12,7 +12,7 @@ mod lane;
 mod plan;
 mod precision;
 mod ranks;
-mod remote;
+mod rendezvous;
 mod replica;
 #[cfg(test)]
 mod restore_sim;
@@ -27,6 +27,8 @@ pub use child::{run_agent, run_joiner, run_worker, AgentArgs, AgentCredentials, 
 pub use elastic::{now_ms, EVENTS_FILE};
 pub use plan::Plan;
 pub use precision::Precision16;
-pub use remote::{assign_ranks, control_server_config, AgentAuth, Launched, Rendezvous, RendezvousSlot, COORDINATOR_NAME, JOIN_TIMEOUT_MS};
+pub use rendezvous::{
+    assign_ranks, control_server_config, AgentAuth, Launched, Rendezvous, RendezvousSlot, COORDINATOR_NAME, JOIN_TIMEOUT_MS,
+};
 pub use run::{train, validate, TrainOptions, TrainOutcome};
 pub use summary::{peak_rss_bytes, ElasticSummary, GpuFigures, HostOptimizerFigures, MemoryBytes, RunRecord, RunStatus, Summary};

@@ -1,7 +1,7 @@
 //! Where the driver's ranks live and how it reads their state between steps: threads of this
-//! process sharing `RankState`s ([`Ranks::InProcess`]) or worker processes reached over their
-//! control connections ([`Ranks::Remote`], see [`super::remote`]). Also the start state and how
-//! it is cut per rank, which both kinds use.
+//! process sharing `RankState`s ([`Ranks::InProcess`]) or worker processes, the fleet, reached
+//! over their control connections ([`Ranks::Fleet`], see [`super::elastic`]; elastic or with
+//! recovery off). Also the start state and how it is cut per rank, which both kinds use.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -11,7 +11,6 @@ use tessera_actors::faults::Faults;
 
 use super::elastic::Fleet;
 use super::plan::Plan;
-use super::remote::Procs;
 use super::zero::RankState;
 use crate::bridge;
 use crate::config::Config;
@@ -91,9 +90,8 @@ pub fn rank_states(cfg: &Config, plan: &Plan, start: &Start, faults: &Faults) ->
 /// The ranks of a run, as the driver sees them between steps.
 pub enum Ranks {
     InProcess(Vec<Arc<Mutex<RankState>>>),
-    Remote(Box<Procs>),
-    /// Worker processes of an elastic run (`super::elastic`): the members of the current epoch.
-    Elastic(Box<Fleet>),
+    /// Worker processes or agents (`super::elastic`): the members of the current epoch.
+    Fleet(Box<Fleet>),
     /// NCCL GPU ranks, threads of this process (`crate::gpu::compute`).
     Gpu(GpuRanks),
 }
@@ -140,19 +138,10 @@ impl Ranks {
                     scaler: st.scaler.as_ref().map(bridge::scaler_to_json),
                 }
             }
-            Ranks::Elastic(fleet) => {
+            Ranks::Fleet(fleet) => {
                 let mut first = None;
                 for r in owners(plan) {
                     let (m, optim, c) = fleet.export(r, plan, with_optim)?;
-                    append(&m, optim.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect());
-                    first.get_or_insert(c);
-                }
-                first.context("no rank exported its state")?
-            }
-            Ranks::Remote(procs) => {
-                let mut first = None;
-                for r in owners(plan) {
-                    let (m, optim, c) = procs.export(r, plan, with_optim)?;
                     append(&m, optim.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect());
                     first.get_or_insert(c);
                 }
@@ -171,8 +160,7 @@ impl Ranks {
     pub fn bytes_sent_totals(&self) -> Vec<u64> {
         match self {
             Ranks::InProcess(states) => states.iter().map(|st| lock(st).bytes_sent_total).collect(),
-            Ranks::Remote(procs) => procs.snapshots().iter().map(|s| s.bytes_sent_total).collect(),
-            Ranks::Elastic(fleet) => fleet.snapshots().iter().map(|s| s.bytes_sent_total).collect(),
+            Ranks::Fleet(fleet) => fleet.snapshots().iter().map(|s| s.bytes_sent_total).collect(),
             // NCCL's traffic is not counted.
             Ranks::Gpu(g) => vec![0; g.states.len()],
         }
@@ -185,11 +173,7 @@ impl Ranks {
                 let st = lock(&states[0]);
                 (st.applied, st.scaler.as_ref().map(|s| s.scale()))
             }
-            Ranks::Remote(procs) => {
-                let s = procs.snapshots().first().copied().unwrap_or_default();
-                (s.applied, s.scale_bits.map(f32::from_bits))
-            }
-            Ranks::Elastic(fleet) => {
+            Ranks::Fleet(fleet) => {
                 let s = fleet.snapshots().first().copied().unwrap_or_default();
                 (s.applied, s.scale_bits.map(f32::from_bits))
             }
@@ -202,8 +186,7 @@ impl Ranks {
     pub fn peak_rss_bytes(&self) -> Option<Vec<u64>> {
         match self {
             Ranks::InProcess(_) | Ranks::Gpu(_) => None,
-            Ranks::Remote(procs) => Some(procs.snapshots().iter().map(|s| s.peak_rss_bytes).collect()),
-            Ranks::Elastic(fleet) => Some(fleet.snapshots().iter().map(|s| s.peak_rss_bytes).collect()),
+            Ranks::Fleet(fleet) => Some(fleet.snapshots().iter().map(|s| s.peak_rss_bytes).collect()),
         }
     }
 
@@ -211,8 +194,7 @@ impl Ranks {
     pub fn memory(&self) -> Vec<MemoryReport> {
         match self {
             Ranks::InProcess(states) => states.iter().enumerate().map(|(r, st)| lock(st).memory(r)).collect(),
-            Ranks::Remote(procs) => procs.snapshots().iter().enumerate().map(|(r, s)| s.memory.report(r)).collect(),
-            Ranks::Elastic(fleet) => fleet.snapshots().iter().enumerate().map(|(r, s)| s.memory.report(r)).collect(),
+            Ranks::Fleet(fleet) => fleet.snapshots().iter().enumerate().map(|(r, s)| s.memory.report(r)).collect(),
             Ranks::Gpu(g) => g.memory(),
         }
     }
@@ -221,8 +203,7 @@ impl Ranks {
     pub fn close(self) -> Result<()> {
         match self {
             Ranks::InProcess(_) | Ranks::Gpu(_) => Ok(()),
-            Ranks::Remote(procs) => procs.close(),
-            Ranks::Elastic(fleet) => fleet.close(),
+            Ranks::Fleet(fleet) => fleet.close(),
         }
     }
 }

@@ -41,17 +41,18 @@ pub struct TrainOptions {
     /// Steps to prepare and then abandon once before running them again (exercises the step
     /// transaction; the result must not change).
     pub abandon_steps: Vec<u64>,
-    /// Run each of the `world` ranks in its own worker process (QUIC between them, see
-    /// `engine::remote`) instead of as threads of this process.
+    /// Run each of the `world` ranks in its own worker process (QUIC between them: the fleet,
+    /// see `engine::elastic`, elastic or with recovery off) instead of as threads of this
+    /// process.
     pub processes: bool,
-    /// A `--worker-net` file: the elastic run's workers each in their own network namespace
+    /// A `--worker-net` file: the spawned workers each in their own network namespace
     /// (see `engine::worker_net`; written by `tessera chaos run`).
     pub worker_net: Option<PathBuf>,
     /// The test-only fault hooks of this process (`tessera_actors::faults`; no-op by default).
     pub faults: Faults,
     /// `tessera coordinator` / `tessera launch`: the agents' rendezvous, which the run's ranks
-    /// come from instead of spawned workers (taken once; see `remote::RendezvousSlot`).
-    pub rendezvous: super::remote::RendezvousSlot,
+    /// come from instead of spawned workers (taken once; see `rendezvous::RendezvousSlot`).
+    pub rendezvous: super::rendezvous::RendezvousSlot,
 }
 
 /// What a finished run leaves behind.
@@ -69,11 +70,12 @@ const OPTIM_PREFIX: &str = "optim";
 /// be noticed (ms).
 const SETTLE_MS: u64 = 500;
 
-/// The actor tree's options: the step timeout is the elastic one when the run is elastic.
-fn cluster_options(opts: &TrainOptions, elastic: Option<&ElasticRunState>) -> ClusterOptions {
+/// The actor tree's options: the step timeout is the fleet's (`tessera.elastic.step_timeout_ms`,
+/// the bound on one worker's reply) when the ranks are worker processes.
+fn cluster_options(opts: &TrainOptions, step_timeout_ms: Option<u64>) -> ClusterOptions {
     let mut c = ClusterOptions { abandon_steps: opts.abandon_steps.clone(), ..ClusterOptions::default() };
-    if let Some(e) = elastic {
-        c.step_timeout_ms = e.er.step_timeout_ms;
+    if let Some(ms) = step_timeout_ms {
+        c.step_timeout_ms = ms;
     }
     c
 }
@@ -494,7 +496,7 @@ struct Run<'a> {
     ws: Workspace,
     out_dir: PathBuf,
     step: u64,
-    /// Set when the ranks are an elastic fleet (`Ranks::Elastic`).
+    /// Set when the ranks are an elastic fleet (`Ranks::Fleet` with `tessera.elastic.enabled`).
     elastic: Option<ElasticRunState>,
     /// The data's record ([`data::Dataset::record`]), written into every checkpoint.
     data: serde_json::Value,
@@ -601,42 +603,25 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions, nccl: Option<&Config>) ->
     };
     let (sampler, val, er) = run_inputs(cfg, &plan, &dataset).map_err(unmade)?;
     let rendezvous = opts.rendezvous.take();
-    let elastic_fleet = opts.processes && er.enabled;
-    if let (Some(path), false) = (&opts.worker_net, elastic_fleet && rendezvous.is_none()) {
-        bail!("--worker-net {}: worker namespaces are for elastic `train --nprocs N` runs (tessera.elastic.enabled)", path.display());
+    if let (Some(path), false) = (&opts.worker_net, opts.processes && rendezvous.is_none()) {
+        bail!("--worker-net {}: worker namespaces are for the spawned workers of `train --nprocs N`", path.display());
     }
-    if er.enabled && !elastic_fleet {
+    if er.enabled && !opts.processes {
         tracing::warn!(
             "tessera.elastic applies to worker processes (`train --nprocs N`, `tessera coordinator`, `tessera launch`); this run's ranks are threads of one process: the first rank lost ends it"
         );
     }
     let mut elastic = None;
-    if let Some(g) = gpu {
+    let mut step_timeout_ms = None;
+    // Worker processes are the fleet, elastic or with recovery off (`config::elastic_run`):
+    // then the first loss ends the run (`Run::ended`).
+    let (ranks, workers) = if let Some(g) = gpu {
         let ranks = gpu_ranks(&plan, &start, &g).context("starting the GPU ranks").map_err(unmade)?;
         let workers = (ranks.states.iter().enumerate())
             .map(|(r, st)| Box::new(GpuWorker::new(r, Arc::clone(&plan), Arc::clone(&sampler), Arc::clone(st))) as Box<dyn WorkerCompute>)
             .collect();
-        let ranks = Ranks::Gpu(ranks);
-        let cluster =
-            Cluster::start(workers, shard_infos(&plan, &ranks), cluster_options(opts, None)).context("starting the actor tree")?;
-        let monitors = bridge::monitors(cfg, &out_dir)?;
-        let ws = Workspace::default();
-        let run = Run { cfg, plan, ranks, cluster, val, monitors, ws, out_dir, step: start.step, elastic, data, _lock: lock };
-        return Ok((run, dataset));
-    }
-    if opts.processes && !elastic_fleet {
-        // The ranks' DeviceWorkers live in their processes; the actor tree here drives them
-        // over the control connections (`remote`, `tessera_actors::remote`).
-        let (procs, nodes) =
-            super::remote::launch(cfg, &plan, &start, &out_dir, rendezvous).context("starting the worker processes").map_err(unmade)?;
-        let ranks = Ranks::Remote(Box::new(procs));
-        let cluster = Cluster::start_remote(nodes, cluster_options(opts, None)).context("starting the actor tree")?;
-        let monitors = bridge::monitors(cfg, &out_dir)?;
-        let ws = Workspace::default();
-        let run = Run { cfg, plan, ranks, cluster, val, monitors, ws, out_dir, step: start.step, elastic, data, _lock: lock };
-        return Ok((run, dataset));
-    }
-    let (ranks, workers) = if elastic_fleet {
+        (Ranks::Gpu(ranks), workers)
+    } else if opts.processes {
         let net = opts.worker_net.as_deref().map(super::worker_net::load).transpose()?;
         let origin = match rendezvous {
             Some(rdv) => Origin::Agents(Box::new(rdv)),
@@ -645,8 +630,12 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions, nccl: Option<&Config>) ->
         let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir, &dataset, origin, &opts.faults)
             .context("starting the workers")
             .map_err(unmade)?;
-        elastic = Some(ElasticRunState { er, resume: resumed_from, stats: ElasticSummary::default(), stepper: Stepper::new(start.step) });
-        (Ranks::Elastic(Box::new(fleet)), workers)
+        step_timeout_ms = Some(er.step_timeout_ms);
+        if er.enabled {
+            let stepper = Stepper::new(start.step);
+            elastic = Some(ElasticRunState { er, resume: resumed_from, stats: ElasticSummary::default(), stepper });
+        }
+        (Ranks::Fleet(Box::new(fleet)), workers)
     } else {
         let states = rank_states(cfg, &plan, &start, &opts.faults)?;
         let workers = LocalGroup::new(plan.world)
@@ -659,9 +648,9 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions, nccl: Option<&Config>) ->
             .collect();
         (Ranks::InProcess(states), workers)
     };
-    let copts = cluster_options(opts, elastic.as_ref());
+    let copts = cluster_options(opts, step_timeout_ms);
     let cluster = Cluster::start(workers, shard_infos(&plan, &ranks), copts).context("starting the actor tree")?;
-    if let Ranks::Elastic(fleet) = &ranks {
+    if let Ranks::Fleet(fleet) = &ranks {
         fleet.set_stopper(cluster.stopper());
     }
     let monitors = bridge::monitors(cfg, &out_dir)?;
@@ -682,7 +671,7 @@ impl Run<'_> {
         let (t0, join_wait_s) = (Instant::now(), t.join_wait_s);
         let res = match self.elastic.is_some() {
             true => self.elastic_run_step(pb, t, dataset)?,
-            false => self.cluster.run_step(self.step).with_context(|| format!("step {}", self.step))?,
+            false => self.cluster.run_step(self.step).with_context(|| format!("step {}", self.step)).map_err(|e| self.ended(e))?,
         };
         self.step += 1;
         if self.elastic.is_some() {
@@ -762,7 +751,7 @@ impl Run<'_> {
             log_line(pb, format!("warning: checkpoint of step {} not written: its loss is {loss}", self.step));
         } else if due {
             let saved = self.with_recovery(pb, t, dataset, |run| run.save_checkpoint());
-            if let Ranks::Elastic(fleet) = &self.ranks {
+            if let Ranks::Fleet(fleet) = &self.ranks {
                 fleet.checkpointed(self.step, saved.as_deref().map_err(|e| format!("{e:#}")));
             }
             match (saved, self.elastic.as_mut()) {
@@ -803,9 +792,25 @@ impl Run<'_> {
     }
 
     /// Whether an elastic run has a membership change to handle (waiting up to `settle_ms`
-    /// for the monitor to notice a loss).
+    /// for the monitor to notice a loss). Never without recovery.
     fn change_pending(&self, settle_ms: u64) -> bool {
-        matches!(&self.ranks, Ranks::Elastic(f) if f.pending(settle_ms))
+        self.elastic.is_some() && matches!(&self.ranks, Ranks::Fleet(f) if f.pending(settle_ms))
+    }
+
+    /// A fleet without recovery ends at its first loss: an error of its run becomes that loss
+    /// (who was lost and how its process ended, `Fleet::first_loss`) once the failure detector
+    /// declared it, waiting up to [`SETTLE_MS`] for it (a survivor's collective may fail before
+    /// the lost worker is noticed). Any other error stays as it is.
+    fn ended(&self, e: anyhow::Error) -> anyhow::Error {
+        let Ranks::Fleet(fleet) = &self.ranks else { return e };
+        if self.elastic.is_some() {
+            return e;
+        }
+        fleet.pending(SETTLE_MS);
+        match fleet.first_loss() {
+            Some(loss) => e.context(format!("{loss}; the run ends (tessera.elastic.enabled = false: no recovery)")),
+            None => e,
+        }
     }
 
     /// After the actor-layer error `e`, by the kinds of its failures
@@ -815,9 +820,12 @@ impl Run<'_> {
     /// wait up to `settle_ms` for it ([`Self::change_pending`]); a rank's own failure waits for
     /// nothing: only a change already pending recovers from it.
     fn change_after_actor(&self, e: &ActorError, settle_ms: u64) -> bool {
+        if self.elastic.is_none() {
+            return false;
+        }
         let settle_ms = match after_failure(e) {
             AfterFailure::Lost(ranks) => {
-                if let Ranks::Elastic(fleet) = &self.ranks {
+                if let Ranks::Fleet(fleet) = &self.ranks {
                     fleet.lose_ranks(&ranks);
                 }
                 settle_ms
@@ -852,7 +860,7 @@ impl Run<'_> {
                     log_line(pb, format!("elastic: {e:#}; recovering"));
                     self.recover_between_steps(pb, t, dataset)?;
                 }
-                Err(e) => return Err(e),
+                Err(e) => return Err(self.ended(e)),
             }
         }
     }
@@ -879,7 +887,7 @@ impl Run<'_> {
                     } else {
                         match self.cluster.run_step(step) {
                             Ok(res) => {
-                                if let Ranks::Elastic(fleet) = &mut self.ranks {
+                                if let Ranks::Fleet(fleet) = &mut self.ranks {
                                     fleet.observe(&res.per_rank);
                                 }
                                 self.stepper(Input::Committed)?;
@@ -936,7 +944,7 @@ impl Run<'_> {
     /// At a step boundary: re-assigns the micro-batch blocks by the members' measured speeds
     /// when that pays (`Fleet::rebalance`); the driver's plan follows.
     fn rebalance(&mut self, pb: &ProgressBar, dataset: &Dataset) -> Result<()> {
-        let Ranks::Elastic(fleet) = &mut self.ranks else { return Ok(()) };
+        let Ranks::Fleet(fleet) = &mut self.ranks else { return Ok(()) };
         let Some(r) = fleet.rebalance(self.step, dataset)? else { return Ok(()) };
         self.plan = r.plan;
         if let Some(el) = self.elastic.as_mut() {
@@ -962,7 +970,7 @@ impl Run<'_> {
             log_line(pb, format!("elastic: {e:#}; recovering"));
             self.recover_between_steps(pb, t, dataset)?;
         }
-        if let Ranks::Elastic(fleet) = &self.ranks {
+        if let Ranks::Fleet(fleet) = &self.ranks {
             fleet.committed(self.step);
         }
         Ok(())
@@ -972,7 +980,7 @@ impl Run<'_> {
     /// dropped (a failed update or a digest that differed from its owner's) or its replicas
     /// behind (more updates waiting than it applied in the background).
     fn resync_replicas(&mut self, step: u64) -> Result<()> {
-        let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
+        let Ranks::Fleet(fleet) = &self.ranks else { return Ok(()) };
         let (dropped, behind) = fleet.stale_replicas();
         if dropped.is_empty() && behind.is_empty() {
             return Ok(());
@@ -984,7 +992,7 @@ impl Run<'_> {
                 true => el.stats.replica_catch_up_copies += 1,
             }
         }
-        let Ranks::Elastic(fleet) = &self.ranks else { return Ok(()) };
+        let Ranks::Fleet(fleet) = &self.ranks else { return Ok(()) };
         fleet.replicate(step)
     }
 
@@ -1002,7 +1010,7 @@ impl Run<'_> {
                     let (cfg, root) = (self.cfg, self.out_dir.join("checkpoints"));
                     let resume = self.elastic.as_ref().and_then(|e| e.resume.clone());
                     let plan_now = Arc::clone(&self.plan);
-                    let Ranks::Elastic(fleet) = &mut self.ranks else { bail!("only an elastic run can recover") };
+                    let Ranks::Fleet(fleet) = &mut self.ranks else { bail!("only an elastic run can recover") };
                     let event = fleet.event_sink();
                     let skipped = move |dir: &Path, why: &str| {
                         event(serde_json::json!({"event": "checkpoint_skipped", "path": dir.display().to_string(), "why": why}))
@@ -1020,10 +1028,10 @@ impl Run<'_> {
                     };
                     let rec = fleet.reconfigure(&at, dataset, &restore).map_err(resume_hint)?;
                     self.plan = Arc::clone(&rec.plan);
-                    let copts = cluster_options(&TrainOptions::default(), self.elastic.as_ref());
+                    let copts = cluster_options(&TrainOptions::default(), self.elastic.as_ref().map(|e| e.er.step_timeout_ms));
                     let cluster =
                         Cluster::start(rec.computes, shard_infos(&self.plan, &self.ranks), copts).context("restarting the actor tree")?;
-                    if let Ranks::Elastic(fleet) = &self.ranks {
+                    if let Ranks::Fleet(fleet) = &self.ranks {
                         fleet.set_stopper(cluster.stopper());
                     }
                     if let Err(e) = std::mem::replace(&mut self.cluster, cluster).shutdown() {
@@ -1071,7 +1079,7 @@ impl Run<'_> {
                     Err(e) => return Err(e),
                 },
                 Action::Recovered { at } => {
-                    if let Ranks::Elastic(fleet) = &self.ranks {
+                    if let Ranks::Fleet(fleet) = &self.ranks {
                         fleet.resumed(began, at);
                     }
                     self.stepper(Input::Resumed)?

@@ -7,16 +7,16 @@
 //! resolved config and, for an agent that came with a token, a certificate for its own key — no
 //! private key ever travels), and the agent then continues exactly as a spawned worker (`Hello`,
 //! `Mesh`, `Start`, `Ready`, requests). Between requests the coordinator pings agents (`Ping`
-//! → `Pong`) so that an agent can bound its wait for the next request. The actor tree's own
-//! messages ([`tessera_actors::remote`]) travel as `ToWorker::Actor` / `ToParent::Actor`.
+//! → `Pong`) so that an agent can bound its wait for the next request. A step crosses as
+//! `Prepare`/`Commit`/`Abandon` requests and their replies (the driver's `ElasticCompute`); a
+//! compute error crosses as [`WireComputeError`], its kind intact.
 //!
 //! A message is rkyv-encoded and validated with bytecheck on receipt (`decode`): a frame that
 //! does not validate as the expected enum is an error naming what was expected, never a panic.
 //! Frames are at most [`FRAME_BYTES_MAX`]. They travel on a QUIC [`ControlConn`] (TLS 1.3,
 //! `tessera_transport::quic::control`; [`ControlIo`] is the carrier interface): requests and
-//! replies on its request lane, actor messages on its actor lane ([`send_actor`],
-//! [`recv_actor`]), bulk state on its own stream per transfer. An elastic worker also keeps a
-//! second connection, its side connection (`Side`, heartbeats, `Draining`, `Abort`).
+//! replies on its request lane, bulk state on its own stream per transfer. Every worker also
+//! keeps a second connection, its side connection (`Side`, heartbeats, `Draining`, `Abort`).
 //!
 //! Bulk state (the start state sent to a worker, the masters and optimizer buffers a worker
 //! exports between steps) is the one exception to "small messages": a header frame announces
@@ -30,9 +30,8 @@ use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor::Error as RkyvError;
 use rkyv::ser::allocator::ArenaHandle;
 use rkyv::util::AlignedVec;
-use tessera_actors::compute::{MemoryReport, PhaseTimes, Prepared, StepOrder};
-use tessera_actors::remote::{ActorCall, ActorEvent, WireComputeError};
-use tessera_transport::quic::control::{ControlError, LANE_ACTORS, LANE_REQUESTS};
+use tessera_actors::compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, StepOrder};
+use tessera_transport::quic::control::{ControlError, LANE_REQUESTS};
 use tessera_transport::quic::ControlConn;
 
 /// Largest control frame accepted (bytes).
@@ -144,6 +143,74 @@ pub struct Snapshot {
     pub peak_rss_bytes: u64,
 }
 
+/// [`ComputeError`]'s kind on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub enum WireErrorKind {
+    /// [`ComputeError::Lost`], with the peer's rank when known.
+    Lost {
+        rank: Option<u64>,
+    },
+    Aborted,
+    Failed,
+}
+
+/// [`ComputeError`] as it crosses processes (`ToParent::Failed`): its kind, what a torn commit
+/// reached, and the human cause. A torn commit travels flat (its cause's kind with `torn` set),
+/// so the driver gets the `ComputeError` the worker returned and decides by its kind.
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct WireComputeError {
+    pub kind: WireErrorKind,
+    /// `Some(stepped)` for [`ComputeError::Torn`].
+    pub torn: Option<Option<u64>>,
+    pub why: String,
+}
+
+impl From<ComputeError> for WireComputeError {
+    fn from(e: ComputeError) -> Self {
+        let (torn, cause) = match e {
+            ComputeError::Torn { stepped, cause } => (Some(stepped), *cause),
+            e => (None, e),
+        };
+        let (kind, why) = match cause {
+            ComputeError::Lost { rank, why } => (WireErrorKind::Lost { rank: rank.map(|r| r as u64) }, why),
+            ComputeError::Aborted { why } => (WireErrorKind::Aborted, why),
+            // A torn cause is never torn itself (`ComputeError::torn` keeps one level).
+            ComputeError::Failed { why } => (WireErrorKind::Failed, why),
+            e @ ComputeError::Torn { .. } => (WireErrorKind::Failed, e.to_string()),
+        };
+        WireComputeError { kind, torn, why }
+    }
+}
+
+impl std::fmt::Display for WireComputeError {
+    /// The human cause, as the [`ComputeError`] it stands for shows it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.why)
+    }
+}
+
+impl WireComputeError {
+    /// A failure of the sender alone ([`ComputeError::Failed`]).
+    pub fn failed(why: impl Into<String>) -> Self {
+        ComputeError::failed(why).into()
+    }
+}
+
+impl From<WireComputeError> for ComputeError {
+    fn from(w: WireComputeError) -> Self {
+        let why = w.why;
+        let cause = match w.kind {
+            WireErrorKind::Lost { rank } => ComputeError::Lost { rank: rank.map(|r| r as usize), why },
+            WireErrorKind::Aborted => ComputeError::Aborted { why },
+            WireErrorKind::Failed => ComputeError::Failed { why },
+        };
+        match w.torn {
+            Some(stepped) => cause.torn(stepped),
+            None => cause,
+        }
+    }
+}
+
 /// [`Prepared`] with floats as bits.
 #[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub struct WirePrepared {
@@ -227,10 +294,6 @@ pub enum ToWorker {
         world: u64,
         config: String,
         identity: Option<AssignedIdentity>,
-    },
-    /// A command of the ClusterSupervisor to a DeviceWorker of this process (the actor lane).
-    Actor {
-        call: ActorCall,
     },
     /// Are you there? (answered with `Pong`; sent only between requests).
     Ping,
@@ -352,12 +415,6 @@ pub enum ToParent {
         data_blake3: Option<String>,
     },
     Pong,
-    /// What the actor tree of this process tells the ClusterSupervisor (the actor lane), with
-    /// the rank's figures after it.
-    Actor {
-        event: ActorEvent,
-        snapshot: Snapshot,
-    },
     Ready {
         snapshot: Snapshot,
     },
@@ -512,26 +569,6 @@ where
     T::Archived: for<'a> CheckBytes<HighValidator<'a, RkyvError>> + rkyv::Deserialize<T, HighDeserializer<RkyvError>>,
 {
     decode(&c.read_frame(wait)?, expected)
-}
-
-/// Queues `msg` on the actor lane of `conn` without waiting (actors call it).
-pub fn send_actor<T>(conn: &ControlConn, msg: &T) -> Result<(), WireError>
-where
-    T: for<'a> rkyv::Serialize<HighSerializer<AlignedVec, ArenaHandle<'a>, RkyvError>>,
-{
-    Ok(conn.try_send(LANE_ACTORS, encode(msg))?)
-}
-
-/// The next message on the actor lane of `conn`, waiting at most [`POLL_MS`] (`None`: none yet).
-pub fn recv_actor<T>(conn: &ControlConn, expected: &'static str) -> Result<Option<T>, WireError>
-where
-    T: rkyv::Archive,
-    T::Archived: for<'a> CheckBytes<HighValidator<'a, RkyvError>> + rkyv::Deserialize<T, HighDeserializer<RkyvError>>,
-{
-    match conn.recv(LANE_ACTORS, POLL_MS)? {
-        Some(frame) => Ok(Some(decode(&frame, expected)?)),
-        None => Ok(None),
-    }
 }
 
 /// When a read gives up: a deadline, and a liveness check run on every poll (`Err` stops it).
@@ -703,7 +740,6 @@ mod tests {
             skipped: 1,
             scaler: Some(serde_json::json!({"scale": 1024.0, "good": 7})),
         };
-        let call = ActorCall { rank: 2, txn: 9, cmd: tessera_actors::remote::WireCommand::Commit { step: 5 } };
         let msgs = vec![
             ToWorker::Assign {
                 rank: 1,
@@ -712,15 +748,19 @@ mod tests {
                 identity: Some(AssignedIdentity { ca_pem: "ca".into(), cert_pem: "cert".into() }),
             },
             ToWorker::Start { master_start: 4, counters: counters.clone(), buffers: describe(&[("master", &[1.0, 2.0])]), step: 6 },
-            ToWorker::Actor { call },
+            ToWorker::Commit { step: 5 },
             ToWorker::Mesh { addrs: vec!["127.0.0.1:5".into()], names: vec!["node-0".into()] },
         ];
         for m in &msgs {
             assert_eq!(&decode::<ToWorker>(&encode(m), "a request").expect("decodes"), m);
         }
-        let ev = ActorEvent::MemberLost { rank: 1, cause: "gone".into() };
-        let up = ToParent::Actor { event: ev, snapshot: Snapshot { applied: 3, scale_bits: Some(7), ..Snapshot::default() } };
+        let up = ToParent::Committed { snapshot: Snapshot { applied: 3, scale_bits: Some(7), ..Snapshot::default() } };
         assert_eq!(decode::<ToParent>(&encode(&up), "a reply").expect("decodes"), up);
+        // A compute error keeps its kind, the peer's rank and what a torn commit reached.
+        let torn = ComputeError::Lost { rank: Some(2), why: "peer 2 gone".into() }.torn(Some(7));
+        let failed = ToParent::Failed { error: WireComputeError::from(torn.clone()) };
+        let Ok(ToParent::Failed { error }) = decode::<ToParent>(&encode(&failed), "a reply") else { panic!("not Failed") };
+        assert_eq!(ComputeError::from(error), torn);
         // A scaler state whose JSON text does not parse is a malformed message, not a panic.
         let mut bytes = encode(&ToParent::Exported { counters, buffers: Vec::new() });
         let at = bytes.windows(5).position(|w| w == b"scale").expect("the JSON text is in the frame");
