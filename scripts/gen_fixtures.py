@@ -27,6 +27,7 @@ Needs: torch, safetensors; `hf` also transformers and tokenizers.
 import copy
 import math
 import os
+import shutil
 import sys
 
 import torch
@@ -252,7 +253,8 @@ def hf_gpu_main(out_dir):
     folder = os.path.join(out_dir, "llama-gpu")
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder)
-    hf_tokenizer().save(os.path.join(folder, "tokenizer.json"))
+    # The tokenizer of the other folders (trained by `hf` on this script's text as it was then).
+    shutil.copy(os.path.join(out_dir, "llama", "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
     print(f"wrote {folder}: {sorted(os.listdir(folder))}, transformers {tf.__version__}")
 
 

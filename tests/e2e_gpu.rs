@@ -459,7 +459,9 @@ fn a_transformers_llama_folder_fine_tunes_on_the_gpu() {
         losses
     };
     let cpu = run("cpu", &["--world", "1"]);
-    for (name, extra) in [("nccl", &["--device", "cuda"][..]), ("engine", &["--device", "cuda", "--set", "tessera.gpu.collective=quic"][..])] {
+    for (name, extra) in
+        [("nccl", &["--device", "cuda"][..]), ("engine", &["--device", "cuda", "--set", "tessera.gpu.collective=quic"][..])]
+    {
         let gpu = run(name, extra);
         println!("{name}: GPU losses {gpu:?}\nCPU losses {cpu:?}");
         assert!((gpu[0] - cpu[0]).abs() < 1e-2 * cpu[0], "{name}: step 1 loss on the GPU {} vs the CPU {}", gpu[0], cpu[0]);

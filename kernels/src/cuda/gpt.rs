@@ -51,7 +51,7 @@ pub enum Tensors {
         /// A block's 12 tensors (identical for every block).
         block: [Range<usize>; 12],
     },
-    Llama(Box<super::llama::LlamaLayout>),
+    Llama(super::llama::LlamaLayout),
 }
 
 /// GPT-2's tensors, from `local(unit, name)` (a tensor's unit-local range).
@@ -98,7 +98,7 @@ impl GpuLayout {
         };
         let tensors = match model.cfg.arch {
             Arch::Gpt => gpt_tensors(&local)?,
-            Arch::Llama => Tensors::Llama(Box::new(super::llama::LlamaLayout::new(model, &local)?)),
+            Arch::Llama => Tensors::Llama(super::llama::LlamaLayout::new(model, &local)?),
         };
         let mut decay_tensors = Vec::new();
         for s in specs {
@@ -470,7 +470,7 @@ struct LayerActs {
 /// family's ([`super::llama`]), by the layout's architecture. [`forward_backward`],
 /// [`forward_loss`] and [`mean_loss`] dispatch on it, so callers need not know which.
 pub enum Workspace {
-    Gpt(GptWorkspace),
+    Gpt(Box<GptWorkspace>),
     Llama(Box<super::llama::Workspace>),
 }
 
@@ -485,7 +485,7 @@ impl Workspace {
     /// cuBLASLt fusions (`want` is not used there: [`Workspace::fusions`] says `none`).
     pub fn with_options(gpu: &Gpu, s: Shape, layout: &GpuLayout, want: Fusions, recompute: bool) -> Result<Workspace> {
         match layout.tensors {
-            Tensors::Gpt { .. } => Ok(Workspace::Gpt(GptWorkspace::with_options(gpu, s, layout, want, recompute)?)),
+            Tensors::Gpt { .. } => Ok(Workspace::Gpt(Box::new(GptWorkspace::with_options(gpu, s, layout, want, recompute)?))),
             Tensors::Llama(_) => Ok(Workspace::Llama(Box::new(super::llama::Workspace::new(gpu, s, layout, recompute)?))),
         }
     }
