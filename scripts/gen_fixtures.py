@@ -16,13 +16,18 @@ scripts/gen_fixtures.py itself), and next to each folder a `reference.safetensor
 targets, the logits, the mean cross-entropy and the gradient of every parameter (by its Hugging
 Face name), computed in float64 from the saved float32 weights. Nothing is downloaded.
 
+`hf-gpu` -- `llama-gpu`, a LlamaForCausalLM of head dimension 64 with grouped-query attention and an
+untied head (what the GPU kernels run), for tests/e2e_gpu.rs; no reference file.
+
 Usage: python3 scripts/gen_fixtures.py kernels [OUT_DIR]   (default kernels/tests/fixtures)
        python3 scripts/gen_fixtures.py hf [OUT_DIR]        (default tests/fixtures/hf)
+       python3 scripts/gen_fixtures.py hf-gpu [OUT_DIR]    (default tests/fixtures/hf)
 Needs: torch, safetensors; `hf` also transformers and tokenizers.
 """
 import copy
 import math
 import os
+import shutil
 import sys
 
 import torch
@@ -233,6 +238,26 @@ def hf_main(out_dir):
         print(f"wrote {folder}: loss {tensors['loss'].item():.6f}, {sorted(os.listdir(folder))}")
 
 
+def hf_gpu_main(out_dir):
+    """`llama-gpu`: a LlamaForCausalLM the GPU kernels run (head dimension 64, grouped-query
+    attention with 2 query heads per key/value head, an untied head), for tests/e2e_gpu.rs."""
+    out_dir = out_dir or os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf")
+    import transformers as tf
+
+    eot = HF_VOCAB - 1
+    torch.manual_seed(20261204)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=HF_VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=128, bos_token_id=eot, eos_token_id=eot,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False))
+    folder = os.path.join(out_dir, "llama-gpu")
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    # The tokenizer of the other folders (trained by `hf` on this script's text as it was then).
+    shutil.copy(os.path.join(out_dir, "llama", "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
+    print(f"wrote {folder}: {sorted(os.listdir(folder))}, transformers {tf.__version__}")
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     out_dir = sys.argv[2] if len(sys.argv) > 2 else None
@@ -240,8 +265,10 @@ def main():
         kernels_main(out_dir)
     elif what == "hf":
         hf_main(out_dir)
+    elif what == "hf-gpu":
+        hf_gpu_main(out_dir)
     else:
-        sys.exit("usage: gen_fixtures.py kernels|hf [OUT_DIR]")
+        sys.exit("usage: gen_fixtures.py kernels|hf|hf-gpu [OUT_DIR]")
 
 
 if __name__ == "__main__":

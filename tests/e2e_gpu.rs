@@ -88,7 +88,7 @@ fn device_cuda_refuses_unsupported_options_naming_the_key() {
     let cfg = write(tmp.path(), "gpu.json", CONFIG);
     let (cfg, out) = (cfg.to_str().unwrap().to_string(), tmp.path().join("run").to_str().unwrap().to_string());
     let cases: [(&[&str], &str); 10] = [
-        (&["--model", "llama-tiny"], "tessera.model = \"llama-tiny\" is a LLaMA-style model"),
+        (&["--model", "llama-tiny"], "kernels run head dimensions 64 and 128"),
         (&["--model", "gpt-tiny"], "has head dimension 32"),
         (&["--set", "bf16.enabled=false", "--set", "fp16.enabled=true"], "fp16.enabled = true"),
         (&["--set", "optimizer.type=\"Lamb\""], "optimizer.type = \"Lamb\""),
@@ -426,5 +426,57 @@ fn an_elastic_gpu_run_survives_kills_a_hang_and_joins() {
     assert_eq!(el["workers_joined"], 2, "{report:#}");
     for f in report["faults"].as_array().unwrap() {
         assert!(f["recovery_ms"].is_u64() || f["kind"] == "join", "no recovery after: {f}");
+    }
+}
+
+/// Per-step values of `tag` in a run's metrics.jsonl.
+fn metric(out: &Path, tag: &str) -> Vec<f64> {
+    let log = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics.jsonl");
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["tag"] == tag)
+        .map(|v| v["value"].as_f64().unwrap_or(f64::NAN))
+        .collect()
+}
+
+/// A LLaMA folder made by transformers (tests/fixtures/hf/llama-gpu: grouped-query attention,
+/// head dimension 64, an untied head; `scripts/gen_fixtures.py hf-gpu`) fine-tunes on the GPU
+/// with `--model DIR --device cuda`: its training loss falls, and step 1's loss (the folder's own
+/// weights, before any update) is the CPU run's within bf16 accuracy. Both GPU trainers run it:
+/// the NCCL trainer and the engine's GPU ranks.
+#[test]
+fn a_transformers_llama_folder_fine_tunes_on_the_gpu() {
+    let Some(_) = gpus_or_skip() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let folder = crate::common::repo().join("tests/fixtures/hf/llama-gpu");
+    let line = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.\n";
+    let data = write(tmp.path(), "austen.txt", &line.repeat(80));
+    let cfg = write(
+        tmp.path(),
+        "ft.json",
+        r#"{ "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+             "optimizer": { "type": "AdamW", "params": { "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0 } },
+             "bf16": { "enabled": true }, "zero_optimization": { "stage": 1 }, "steps_per_print": 1,
+             "tessera": { "seq_len": 64, "steps": 12, "eval_interval": 100, "eval_iters": 1 } }"#,
+    );
+    let (cfg, model, data) = (cfg.to_str().unwrap(), folder.to_str().unwrap(), data.to_str().unwrap());
+    let run = |name: &str, extra: &[&str]| -> Vec<f64> {
+        let out = tmp.path().join(name);
+        let mut a = vec!["train", "--config", cfg, "--model", model, "--data", data, "--output", out.to_str().unwrap(), "--no-progress"];
+        a.extend_from_slice(extra);
+        ok(&a, tmp.path());
+        let losses = metric(&out, "Train/Samples/train_loss");
+        assert_eq!(losses.len(), 12, "{name}: one training loss a step: {losses:?}");
+        losses
+    };
+    let cpu = run("cpu", &["--world", "1"]);
+    for (name, extra) in
+        [("nccl", &["--device", "cuda"][..]), ("engine", &["--device", "cuda", "--set", "tessera.gpu.collective=quic"][..])]
+    {
+        let gpu = run(name, extra);
+        println!("{name}: GPU losses {gpu:?}\nCPU losses {cpu:?}");
+        assert!((gpu[0] - cpu[0]).abs() < 1e-2 * cpu[0], "{name}: step 1 loss on the GPU {} vs the CPU {}", gpu[0], cpu[0]);
+        let (first, last) = (gpu[..3].iter().sum::<f64>() / 3.0, gpu[9..].iter().sum::<f64>() / 3.0);
+        assert!(last < first - 0.1, "{name}: the GPU training loss did not fall: {gpu:?}");
     }
 }

@@ -225,12 +225,10 @@ fn gpu_err(e: impl std::fmt::Display) -> String {
     format!("GPU: {e}")
 }
 
-/// Checks that `model` with micro-batches of `b × t` tokens can run on the GPU path (the GPT
-/// architecture, head dimension 64, `t` within the context), without touching a GPU.
+/// Checks that `model` with micro-batches of `b × t` tokens can run on the GPU path (GPT-2 with
+/// head dimension 64, or the LLaMA family with head dimension 64 or 128; `t` within the
+/// context), without touching a GPU.
 pub fn check_model(model: &Model, b: usize, t: usize) -> Result<(), String> {
-    if !model.cfg.tied_head {
-        return Err("the GPU kernels compute a GPT-2 model with its LM head tied to the embedding; this one has its own lm_head".into());
-    }
     gpt::GpuLayout::new(model, 1).map_err(|e| e.to_string())?;
     gpt::Shape::new(&model.cfg, b, t).map_err(|e| e.to_string())?;
     Ok(())

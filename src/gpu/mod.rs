@@ -76,6 +76,10 @@ pub fn check(seed: u64) -> Result<bool> {
     report("ops", cuda::ops::check(&gpu, seed).map_err(Into::into));
     report("attention", cuda::attention::check(&gpu, seed).map_err(Into::into));
     report("model (2-layer GPT vs CPU f32)", gpt::check(&gpu, seed).map_err(Into::into));
+    report(
+        "LLaMA family: RMSNorm, RoPE, SwiGLU, grouped-query attention (hd 64, 128) and 2-layer models vs the CPU (f32)",
+        cuda::llama::check(&gpu, seed).map_err(Into::into),
+    );
     report("GPT-2 124M: the first training steps on the GPU (bf16) against the CPU model (f32)", check_gpt2_steps(gpu.clone(), seed));
     report("optimizer offload: the GPU adamw kernel against the host step, bit for bit", check_adamw_offload(&gpu, seed));
     report(

@@ -58,14 +58,17 @@ fn offload_name(d: OffloadDevice) -> &'static str {
 /// on keys it treats differently from the CPU path.
 pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
     let name = &cfg.tessera.model;
-    if crate::hf::is_folder(name) {
-        bail!("tessera.model = \"{name}\" is a model folder; the NCCL GPU trainer runs the presets only: use --device cpu");
+    let m = zoo::resolve(name).map_err(|e| anyhow::anyhow!("tessera.model: {e}"))?.config().clone();
+    let hd = m.d_model.checked_div(m.n_head).unwrap_or(0);
+    if m.arch == Arch::Llama && !tessera_kernels::cuda::llama::attention::HEAD_DIMS.contains(&hd) {
+        bail!(
+            "tessera.model = \"{name}\" has head dimension {hd} (d_model {} / n_head {}); the GPU grouped-query attention \
+             kernels run head dimensions 64 and 128: use --device cpu",
+            m.d_model,
+            m.n_head
+        );
     }
-    let m = zoo::preset(name).map_err(anyhow::Error::msg)?;
-    if m.arch != Arch::Gpt {
-        bail!("tessera.model = \"{name}\" is a LLaMA-style model; `--device cuda` runs GPT-2-style models only: use --device cpu");
-    }
-    if m.n_head == 0 || m.d_model % m.n_head != 0 || m.d_model / m.n_head != 64 {
+    if m.arch == Arch::Gpt && (m.n_head == 0 || m.d_model % m.n_head != 0 || hd != 64) {
         bail!(
             "tessera.model = \"{name}\" has head dimension {} (d_model {} / n_head {}); the GPU attention kernel needs 64: \
              pick a preset with 64-wide heads (gpt-mini-gpu, gpt-10m, gpt2-small; see `tessera models`) or use --device cpu",

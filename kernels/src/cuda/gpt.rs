@@ -35,19 +35,51 @@ pub struct GpuLayout {
     pub units: Vec<Range<usize>>,
     pub world: usize,
     pub total: usize,
-    /// Unit-local ranges of the 4 embedding-unit tensors (wte, wpe, ln_f.weight, ln_f.bias).
-    pub embed: [Range<usize>; 4],
-    /// Unit-local ranges of a block's 12 tensors (identical for every block).
-    pub block: [Range<usize>; 12],
+    /// Where the model's tensors lie in their units, by architecture.
+    pub tensors: Tensors,
     /// Weight-decay flag per padded element (padding: no decay; it stays zero either way).
     decay_tensors: Vec<(Range<usize>, bool)>,
 }
 
+/// Unit-local tensor ranges of a [`GpuLayout`]: GPT-2's, or the LLaMA family's (with what its
+/// kernels need of the configuration).
+#[derive(Clone, Debug)]
+pub enum Tensors {
+    Gpt {
+        /// The 4 embedding-unit tensors (wte, wpe, ln_f.weight, ln_f.bias).
+        embed: [Range<usize>; 4],
+        /// A block's 12 tensors (identical for every block).
+        block: [Range<usize>; 12],
+    },
+    Llama(super::llama::LlamaLayout),
+}
+
+/// GPT-2's tensors, from `local(unit, name)` (a tensor's unit-local range).
+fn gpt_tensors(local: &dyn Fn(usize, &str) -> Result<Range<usize>>) -> Result<Tensors> {
+    let embed = [local(0, "wte.weight")?, local(0, "wpe.weight")?, local(0, "ln_f.weight")?, local(0, "ln_f.bias")?];
+    let names = [
+        "ln_1.weight",
+        "ln_1.bias",
+        "attn.c_attn.weight",
+        "attn.c_attn.bias",
+        "attn.c_proj.weight",
+        "attn.c_proj.bias",
+        "ln_2.weight",
+        "ln_2.bias",
+        "mlp.c_fc.weight",
+        "mlp.c_fc.bias",
+        "mlp.c_proj.weight",
+        "mlp.c_proj.bias",
+    ];
+    let mut block: [Range<usize>; 12] = Default::default();
+    for (i, n) in names.iter().enumerate() {
+        block[i] = local(1, &format!("h.0.{n}"))?;
+    }
+    Ok(Tensors::Gpt { embed, block })
+}
+
 impl GpuLayout {
     pub fn new(model: &Model, world: usize) -> Result<GpuLayout> {
-        if model.cfg.arch != Arch::Gpt {
-            return Err(GpuError::Invalid("the GPU path runs the GPT architecture; LLaMA blocks run on the CPU (`--device cpu`)".into()));
-        }
         assert!(world >= 1);
         let cpu_units = model.units().to_vec();
         let specs = model.layout().specs();
@@ -64,32 +96,36 @@ impl GpuLayout {
             let base = cpu_units[u].start;
             Ok(s.offset - base..s.offset - base + s.numel())
         };
-        let embed = [local(0, "wte.weight")?, local(0, "wpe.weight")?, local(0, "ln_f.weight")?, local(0, "ln_f.bias")?];
-        let names = [
-            "ln_1.weight",
-            "ln_1.bias",
-            "attn.c_attn.weight",
-            "attn.c_attn.bias",
-            "attn.c_proj.weight",
-            "attn.c_proj.bias",
-            "ln_2.weight",
-            "ln_2.bias",
-            "mlp.c_fc.weight",
-            "mlp.c_fc.bias",
-            "mlp.c_proj.weight",
-            "mlp.c_proj.bias",
-        ];
-        let mut block: [Range<usize>; 12] = Default::default();
-        for (i, n) in names.iter().enumerate() {
-            block[i] = local(1, &format!("h.0.{n}"))?;
-        }
+        let tensors = match model.cfg.arch {
+            Arch::Gpt => gpt_tensors(&local)?,
+            Arch::Llama => Tensors::Llama(super::llama::LlamaLayout::new(model, &local)?),
+        };
         let mut decay_tensors = Vec::new();
         for s in specs {
             let u = cpu_units.iter().position(|r| r.contains(&s.offset)).expect("every tensor lies in a unit");
             let g = units[u].start + (s.offset - cpu_units[u].start);
             decay_tensors.push((g..g + s.numel(), s.decay));
         }
-        Ok(GpuLayout { cpu_units, units, world, total: off, embed, block, decay_tensors })
+        Ok(GpuLayout { cpu_units, units, world, total: off, tensors, decay_tensors })
+    }
+
+    /// The LLaMA family's tensors, when the model is one.
+    pub fn llama(&self) -> Option<&super::llama::LlamaLayout> {
+        match &self.tensors {
+            Tensors::Llama(l) => Some(l),
+            Tensors::Gpt { .. } => None,
+        }
+    }
+
+    /// GPT-2's embedding-unit and block tensors.
+    ///
+    /// # Panics
+    /// On a LLaMA layout: GPT-2 code is only reached through a GPT-2 workspace.
+    fn gpt(&self) -> (&[Range<usize>; 4], &[Range<usize>; 12]) {
+        match &self.tensors {
+            Tensors::Gpt { embed, block } => (embed, block),
+            Tensors::Llama(_) => panic!("GPT-2 kernels called on a LLaMA layout"),
+        }
     }
 
     /// Rank `r`'s piece of unit `u`, as a range of the padded flat buffer.
@@ -159,7 +195,7 @@ pub struct BlockW<T> {
 
 impl<T> BlockW<T> {
     pub fn at(unit: DPtr<T>, l: &GpuLayout) -> Self {
-        let v = |i: usize| unit.slice(l.block[i].clone());
+        let v = |i: usize| unit.slice(l.gpt().1[i].clone());
         BlockW {
             ln1_w: v(0),
             ln1_b: v(1),
@@ -188,7 +224,7 @@ pub struct EmbedW<T> {
 
 impl<T> EmbedW<T> {
     pub fn at(unit: DPtr<T>, l: &GpuLayout) -> Self {
-        let v = |i: usize| unit.slice(l.embed[i].clone());
+        let v = |i: usize| unit.slice(l.gpt().0[i].clone());
         EmbedW { wte: v(0), wpe: v(1), lnf_w: v(2), lnf_b: v(3) }
     }
 }
@@ -230,7 +266,10 @@ impl Shape {
         if t > cfg.max_seq_len {
             return Err(GpuError::Invalid(format!("sequence length {t} exceeds the model's context {}", cfg.max_seq_len)));
         }
-        if cfg.d_model / cfg.n_head != 64 {
+        if cfg.arch == Arch::Llama {
+            let g = super::llama::attention::GqaShape { b, t, nh: cfg.n_head, nkv: cfg.n_kv_head, hd: cfg.head_dim() };
+            g.validate()?;
+        } else if cfg.d_model / cfg.n_head != 64 {
             return Err(GpuError::Invalid(format!(
                 "the GPU attention kernel needs head dimension 64; d_model {} / n_head {} = {}",
                 cfg.d_model,
@@ -362,7 +401,7 @@ struct Probes {
 impl Probes {
     fn new(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<Probes> {
         let buf = gpu.alloc::<f32>(1024)?;
-        let offsets = std::array::from_fn(|i| layout.block[i].start);
+        let offsets = std::array::from_fn(|i| layout.gpt().1[i].start);
         Ok(Probes { base: buf.ptr().raw, _buf: buf, s, offsets })
     }
     /// An activation (own allocation: 256-byte aligned).
@@ -427,8 +466,65 @@ struct LayerActs {
     gl: Buf<bf16>,
 }
 
-/// Every activation and scratch buffer of one micro-batch shape, allocated once.
-pub struct Workspace {
+/// Activations and scratch of one micro-batch shape, allocated once: GPT-2's, or the LLaMA
+/// family's ([`super::llama`]), by the layout's architecture. [`forward_backward`],
+/// [`forward_loss`] and [`mean_loss`] dispatch on it, so callers need not know which.
+pub enum Workspace {
+    Gpt(Box<GptWorkspace>),
+    Llama(Box<super::llama::Workspace>),
+}
+
+impl Workspace {
+    /// A workspace with the fusions `TESSERA_GPU_FUSE` asks for ([`Fusions::DEFAULT`]) that
+    /// cuBLASLt supports here.
+    pub fn new(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<Workspace> {
+        Self::with_options(gpu, s, layout, Fusions::requested()?, false)
+    }
+
+    /// As [`GptWorkspace::with_options`] for GPT-2; the LLaMA family's GEMMs run without
+    /// cuBLASLt fusions (`want` is not used there: [`Workspace::fusions`] says `none`).
+    pub fn with_options(gpu: &Gpu, s: Shape, layout: &GpuLayout, want: Fusions, recompute: bool) -> Result<Workspace> {
+        match layout.tensors {
+            Tensors::Gpt { .. } => Ok(Workspace::Gpt(Box::new(GptWorkspace::with_options(gpu, s, layout, want, recompute)?))),
+            Tensors::Llama(_) => Ok(Workspace::Llama(Box::new(super::llama::Workspace::new(gpu, s, layout, recompute)?))),
+        }
+    }
+
+    /// The micro-batch shape.
+    pub fn shape(&self) -> Shape {
+        match self {
+            Workspace::Gpt(w) => w.shape,
+            Workspace::Llama(w) => w.shape,
+        }
+    }
+
+    /// The cuBLASLt fusions in use.
+    pub fn fusions(&self) -> Fusions {
+        match self {
+            Workspace::Gpt(w) => w.fusions,
+            Workspace::Llama(_) => Fusions::default(),
+        }
+    }
+
+    /// Per-position losses of the last micro-batch.
+    pub fn losses(&self) -> DPtr<f32> {
+        match self {
+            Workspace::Gpt(w) => w.losses.ptr(),
+            Workspace::Llama(w) => w.losses.ptr(),
+        }
+    }
+
+    /// Device bytes held by activations and scratch.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Workspace::Gpt(w) => w.bytes(),
+            Workspace::Llama(w) => w.bytes(),
+        }
+    }
+}
+
+/// Every activation and scratch buffer of one GPT-2 micro-batch shape, allocated once.
+pub struct GptWorkspace {
     pub shape: Shape,
     /// The cuBLASLt fusions this workspace's forward and backward use.
     pub fusions: Fusions,
@@ -468,7 +564,7 @@ pub struct Workspace {
     positions: Buf<u32>,
 }
 
-impl Workspace {
+impl GptWorkspace {
     /// The block forward's scratch: the bf16 projection outputs and the f32 biases.
     fn fwd_scratch(&self) -> (DPtr<bf16>, DPtr<f32>) {
         (self.tmp.ptr(), self.bias32.ptr())
@@ -476,20 +572,20 @@ impl Workspace {
 
     /// A workspace with the fusions `TESSERA_GPU_FUSE` asks for ([`Fusions::DEFAULT`]) that
     /// cuBLASLt supports here.
-    pub fn new(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<Workspace> {
+    pub fn new(gpu: &Gpu, s: Shape, layout: &GpuLayout) -> Result<GptWorkspace> {
         Self::with_options(gpu, s, layout, Fusions::requested()?, false)
     }
 
     /// A workspace with the fusions of `want` that cuBLASLt supports here.
-    pub fn with_fusions(gpu: &Gpu, s: Shape, layout: &GpuLayout, want: Fusions) -> Result<Workspace> {
+    pub fn with_fusions(gpu: &Gpu, s: Shape, layout: &GpuLayout, want: Fusions) -> Result<GptWorkspace> {
         Self::with_options(gpu, s, layout, want, false)
     }
 
-    /// As [`Workspace::with_fusions`]; with `recompute` (activation checkpointing) the blocks
+    /// As [`GptWorkspace::with_fusions`]; with `recompute` (activation checkpointing) the blocks
     /// keep only their inputs (`xs`) and share one set of activations, which the backward
     /// recomputes block by block: about a block's activations instead of all of them, for one
     /// more forward of the blocks (without the last projection). Same bits either way.
-    pub fn with_options(gpu: &Gpu, s: Shape, layout: &GpuLayout, want: Fusions, recompute: bool) -> Result<Workspace> {
+    pub fn with_options(gpu: &Gpu, s: Shape, layout: &GpuLayout, want: Fusions, recompute: bool) -> Result<GptWorkspace> {
         let (n, c, f) = (s.n(), s.c, s.f);
         let bht = s.b * s.nh * s.t;
         let kept = if recompute { s.l.min(1) } else { s.l };
@@ -515,7 +611,7 @@ impl Workspace {
         let tmp = gpu.alloc(n * c)?;
         let dx: Buf<f32> = gpu.alloc(n * c)?;
         let fusions = Fusions::probe(gpu, want, s, layout)?;
-        Ok(Workspace {
+        Ok(GptWorkspace {
             shape: s,
             fusions,
             recompute,
@@ -622,11 +718,27 @@ fn f32m(p: DPtr<f32>) -> Mat {
 
 /// One micro-batch: forward, mean cross-entropy, backward. Gradients of `dloss × mean loss` go
 /// to the hooks' buffers; per-position losses stay in `ws.losses` (read them with
-/// [`mean_loss`]). `tokens`/`targets` are `b·t` host ids.
+/// [`mean_loss`]). `tokens`/`targets` are `b·t` host ids. GPT-2 here, the LLaMA family in
+/// [`super::llama::forward_backward`], by the workspace's architecture.
 pub fn forward_backward(
     gpu: &Gpu,
     hooks: &mut dyn UnitHooks,
     ws: &mut Workspace,
+    tokens: &[u32],
+    targets: &[u32],
+    dloss: f32,
+) -> Result<()> {
+    match ws {
+        Workspace::Gpt(ws) => gpt_forward_backward(gpu, hooks, ws, tokens, targets, dloss),
+        Workspace::Llama(ws) => super::llama::forward_backward(gpu, hooks, ws, tokens, targets, dloss),
+    }
+}
+
+/// GPT-2's [`forward_backward`].
+fn gpt_forward_backward(
+    gpu: &Gpu,
+    hooks: &mut dyn UnitHooks,
+    ws: &mut GptWorkspace,
     tokens: &[u32],
     targets: &[u32],
     dloss: f32,
@@ -705,8 +817,15 @@ pub fn forward_backward(
     Ok(())
 }
 
-/// Forward only: fills `ws.losses` (no gradients, no backward).
+/// Forward only: fills the workspace's losses (no gradients, no backward).
 pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, tokens: &[u32], targets: &[u32]) -> Result<()> {
+    match ws {
+        Workspace::Gpt(ws) => gpt_forward_loss(gpu, hooks, ws, tokens, targets),
+        Workspace::Llama(ws) => super::llama::forward_loss(gpu, hooks, ws, tokens, targets),
+    }
+}
+
+fn gpt_forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut GptWorkspace, tokens: &[u32], targets: &[u32]) -> Result<()> {
     let s = ws.shape;
     let (n, c, v) = (s.n(), s.c, s.v);
     if tokens.len() != n || targets.len() != n {
@@ -732,9 +851,14 @@ pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, to
     Ok(())
 }
 
-/// Mean of `ws.losses` (waits for the compute stream).
+/// Mean of the workspace's losses (waits for the compute stream).
 pub fn mean_loss(gpu: &Gpu, ws: &Workspace) -> Result<f32> {
-    let l = gpu.download(ws.losses.ptr())?;
+    mean_of(gpu, ws.losses())
+}
+
+/// Mean of per-position losses on the device (waits for the compute stream).
+pub fn mean_of(gpu: &Gpu, losses: DPtr<f32>) -> Result<f32> {
+    let l = gpu.download(losses)?;
     let sum: f64 = l.iter().map(|&x| x as f64).sum();
     Ok((sum / l.len() as f64) as f32)
 }
@@ -911,7 +1035,7 @@ impl Scratch {
         }
     }
 
-    fn of(ws: &Workspace) -> Scratch {
+    fn of(ws: &GptWorkspace) -> Scratch {
         Scratch {
             dx: ws.dx.ptr(),
             dres: ws.dres.ptr(),
@@ -1099,14 +1223,14 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let dgrads = gpu.alloc::<f32>(layout.total)?;
     let mut rows = Vec::new();
     let mut seen = Vec::new();
-    let run = |ws: &mut Workspace| -> Result<(f32, Vec<f32>)> {
+    let run = |ws: &mut GptWorkspace| -> Result<(f32, Vec<f32>)> {
         gpu.zero(dgrads.ptr(), &gpu.stream)?;
         let mut hooks = Replicated { layout: &layout, params: dparams.ptr(), grads: dgrads.ptr() };
-        forward_backward(gpu, &mut hooks, ws, &tokens, &targets, 1.0)?;
-        Ok((mean_loss(gpu, ws)?, layout.unpad(&gpu.download(dgrads.ptr())?)))
+        gpt_forward_backward(gpu, &mut hooks, ws, &tokens, &targets, 1.0)?;
+        Ok((mean_of(gpu, ws.losses.ptr())?, layout.unpad(&gpu.download(dgrads.ptr())?)))
     };
     for want in [Fusions::default(), Fusions::DEFAULT, Fusions::ALL] {
-        let mut ws = Workspace::with_fusions(gpu, shape, &layout, want)?;
+        let mut ws = GptWorkspace::with_fusions(gpu, shape, &layout, want)?;
         if seen.contains(&ws.fusions) {
             continue;
         }
@@ -1133,9 +1257,9 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     }
     // Activation checkpointing recomputes the same kernels on the same inputs: the same loss and
     // gradients, bit for bit.
-    let mut ws = Workspace::with_fusions(gpu, shape, &layout, Fusions::DEFAULT)?;
+    let mut ws = GptWorkspace::with_fusions(gpu, shape, &layout, Fusions::DEFAULT)?;
     let (loss, g) = run(&mut ws)?;
-    let mut rws = Workspace::with_options(gpu, shape, &layout, Fusions::DEFAULT, true)?;
+    let mut rws = GptWorkspace::with_options(gpu, shape, &layout, Fusions::DEFAULT, true)?;
     let (rloss, rg) = run(&mut rws)?;
     let tag = format!("[fused: {}]", ws.fusions.describe());
     rows.push(CheckRow::compare(format!("model loss, activations recomputed = kept (bits) {tag}"), &[rloss], &[loss], 0.0, 0.0));
@@ -1145,10 +1269,10 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     if let Some(lt) = gpu.lt.as_ref() {
         let (route, tune) = super::lt::tune_requested()?;
         lt.set_tuning(true, false);
-        let plain = run(&mut Workspace::with_fusions(gpu, shape, &layout, Fusions::DEFAULT)?);
+        let plain = run(&mut GptWorkspace::with_fusions(gpu, shape, &layout, Fusions::DEFAULT)?);
         lt.set_tuning(true, true);
         let before = lt.tune_report().len();
-        let tuned = run(&mut Workspace::with_fusions(gpu, shape, &layout, Fusions::DEFAULT)?);
+        let tuned = run(&mut GptWorkspace::with_fusions(gpu, shape, &layout, Fusions::DEFAULT)?);
         let picked = lt.tune_report()[before..].iter().filter(|l| !l.ends_with("-> #0") && !l.contains("not tuned")).count();
         lt.set_tuning(route, tune);
         let ((ploss, pg), (tloss, tg)) = (plain?, tuned?);

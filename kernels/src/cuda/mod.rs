@@ -18,6 +18,7 @@
 pub mod attention;
 pub mod blas;
 pub mod gpt;
+pub mod llama;
 pub mod lt;
 pub mod ops;
 
@@ -41,6 +42,9 @@ pub const SOURCES: &[(&str, &str)] = &[
     // The Hopper attention kernels (warpgroup MMAs) use attention.cu's building blocks, so their
     // module is both files; it compiles only for sm_90a (see [`module_arch`]).
     ("attention_wg", concat!(include_str!("../../cuda/attention.cu"), "\n", include_str!("../../cuda/attention_wg.cu"))),
+    // The LLaMA family's RMSNorm, RoPE, SwiGLU and embedding, and its grouped-query attention.
+    ("llama", include_str!("../../cuda/llama.cu")),
+    ("gqa_attention", include_str!("../../cuda/gqa_attention.cu")),
 ];
 
 /// The architecture module `name` compiles for on a GPU of compute capability `cc`, or `None`

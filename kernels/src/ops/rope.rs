@@ -32,6 +32,16 @@ impl RopeTable {
         RopeTable { half, cos, sin }
     }
 
+    /// cos of angle(pos, i) at `pos · hd/2 + i` ([T, hd/2], f32; the GPU kernels take this table).
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// sin of angle(pos, i), laid out as [`RopeTable::cos`].
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
+    }
+
     /// Rotates one head vector x [hd] at position `pos`, pairing x[i] with x[i + hd/2]:
     ///   forward: (x1, x2) ← (x1·cos − x2·sin, x2·cos + x1·sin)
     ///   inverse (= transpose): (g1, g2) ← (g1·cos + g2·sin, g2·cos − g1·sin)

@@ -570,7 +570,7 @@ impl Rank {
                 let mut hooks = Hooks { r: self, grads: g, tail: tail.as_ref(), early, use_idx: 0, uses: Vec::new() };
                 hooks.begin().and_then(|_| gpt::forward_backward(&gpu, &mut hooks, &mut ws, tok, tgt, dloss).map_err(anyhow::Error::from))
             };
-            let copied = gpu.copy(self.losses.slice(i * n..(i + 1) * n).cast(), ws.losses.ptr().cast(), &gpu.stream);
+            let copied = gpu.copy(self.losses.slice(i * n..(i + 1) * n).cast(), ws.losses().cast(), &gpu.stream);
             self.ws = Some(ws);
             res?;
             copied?;
@@ -729,7 +729,7 @@ impl Rank {
     }
 
     fn ws_n(&self) -> usize {
-        self.ws.as_ref().map_or(0, |w| w.shape.n())
+        self.ws.as_ref().map_or(0, |w| w.shape().n())
     }
 
     /// Reduces unit `u` of the gradient buffer `g` on the communication stream (after the
@@ -798,7 +798,7 @@ impl Rank {
 
     /// The cuBLASLt fusions this rank's model uses (`bias,gelu,…` or `none`).
     pub fn fusions(&self) -> String {
-        self.ws.as_ref().map_or_else(|| "none".into(), |w| w.fusions.describe())
+        self.ws.as_ref().map_or_else(|| "none".into(), |w| w.fusions().describe())
     }
 
     /// The model states this rank holds, by kind and place (what [`planned_state_bytes`] predicts).

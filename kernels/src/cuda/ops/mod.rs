@@ -225,20 +225,44 @@ pub fn embedding_backward(
     if b * t == 0 {
         return Ok(());
     }
-    let vocab = u32::try_from(dwte.len / c).expect("vocabulary fits u32");
-    let c_i = i32_of("c", c);
-    if uniq.len > 0 {
-        let cfg = LaunchConfig {
-            grid_dim: (u32::try_from(uniq.len).expect("unique tokens fit the grid"), c.div_ceil(COL_THREADS as usize) as u32, 1),
-            block_dim: (COL_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        assert!(cfg.grid_dim.1 <= 65535, "embedding_backward: c={c} too wide for the grid");
-        launch!(gpu, s, "embedding_bwd_wte", cfg; dwte.raw, dx.raw, uniq.raw, offsets.raw, positions.raw, c_i, vocab)?;
-    }
-    let (b_i, t_i) = (i32_of("b", b), i32_of("t", t));
+    embedding_backward_wte(gpu, s, dwte, dx, uniq, offsets, positions, b * t, c)?;
+    let (b_i, t_i, c_i) = (i32_of("b", b), i32_of("t", t), i32_of("c", c));
     let cfg = grid_1d(t * c, COL_THREADS);
     launch!(gpu, s, "embedding_bwd_wpe", cfg; dwpe.raw, dx.raw, b_i, t_i, c_i)
+}
+
+/// The token half of [`embedding_backward`] (models without learned positions use it alone):
+/// dwte[tok] += Σ dx[p] over that token's positions p, ascending, onto the existing row.
+// Allowed: as `embedding_backward`.
+#[allow(clippy::too_many_arguments)]
+pub fn embedding_backward_wte(
+    gpu: &Gpu,
+    s: &CudaStream,
+    dwte: DPtr<f32>,
+    dx: DPtr<f32>,
+    uniq: DPtr<u32>,
+    offsets: DPtr<u32>,
+    positions: DPtr<u32>,
+    n: usize,
+    c: usize,
+) -> Result<()> {
+    check_len("embedding_backward dx [n, c]", dx, n * c);
+    check_len("embedding_backward positions [n]", positions, n);
+    check_len("embedding_backward offsets [uniq+1]", offsets, uniq.len + 1);
+    assert!(c > 0 && dwte.len % c == 0 && dwte.len > 0, "embedding_backward: dwte must be [V, c={c}], got {} elements", dwte.len);
+    assert!(uniq.len <= n, "embedding_backward: {} unique tokens but only {n} positions", uniq.len);
+    if n == 0 || uniq.len == 0 {
+        return Ok(());
+    }
+    let vocab = u32::try_from(dwte.len / c).expect("vocabulary fits u32");
+    let c_i = i32_of("c", c);
+    let cfg = LaunchConfig {
+        grid_dim: (u32::try_from(uniq.len).expect("unique tokens fit the grid"), c.div_ceil(COL_THREADS as usize) as u32, 1),
+        block_dim: (COL_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    assert!(cfg.grid_dim.1 <= 65535, "embedding_backward: c={c} too wide for the grid");
+    launch!(gpu, s, "embedding_bwd_wte", cfg; dwte.raw, dx.raw, uniq.raw, offsets.raw, positions.raw, c_i, vocab)
 }
 
 // ---------------------------------------------------------------------------------------------
