@@ -25,4 +25,4 @@ c = json.load(open("configs/models/llama-1.1b/config.json"))
 c["max_position_embeddings"] = 32768
 json.dump(c, open("/tmp/llama-32k/config.json", "w"), indent=2)
 PY
-row "tessera llama-1.1b 1x32768 recompute" timeout 500 $T gpu bench --model $L --micro-batch 1 --seq 32768 --steps 4 --warmup 1 --zero 0 --recompute
+row "tessera llama-1.1b 1x32768 recompute" timeout 500 $T gpu bench --model $L --micro-batch 1 --seq 32768 --steps 3 --warmup 1 --zero 0 --recompute
