@@ -34,7 +34,8 @@ use crate::compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, ShardInfo
 use crate::error::ActorError;
 use crate::node::{NodeArgs, NodeMsg, NodeSupervisor, RankSetup};
 use crate::shard::{ShardKind, ShardStatus};
-use crate::worker::{Command, ComputeThreads, Outcome, RunCommand, WorkerMsg, CONTROL_TIMEOUT_MS};
+use crate::worker::{Command, ComputeThreads, RunCommand, WorkerMsg, CONTROL_TIMEOUT_MS};
+use crate::worker_cmd::Outcome;
 
 /// A command of the ClusterSupervisor to rank `rank`, under transaction `txn`.
 #[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
@@ -63,7 +64,7 @@ pub enum ActorEvent {
     MemberLost { rank: u64, cause: String },
 }
 
-/// [`crate::worker::Outcome`] as it crosses processes.
+/// [`crate::worker_cmd::Outcome`] as it crosses processes.
 #[derive(Debug, Clone, PartialEq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
 pub enum WireOutcome {
     Prepared(WirePrepared),
