@@ -319,7 +319,6 @@ impl OptimState {
         res
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn swapped_step(
         &mut self,
         mfile: &SwapFile,

@@ -751,7 +751,7 @@ fn gemm(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize) -> Resu
     match gpu.lt.as_ref() {
         // A shape or alignment cuBLASLt has no algorithm for stays on cuBLAS.
         Some(l) if l.routes_plain() && l.supports(&g) => l.run(&g),
-        _ => gpu.blas.matmul(c, a, b, m, k, n, 1.0, 0.0),
+        _ => gpu.blas.matmul(c, a, b, m, k, n),
     }
 }
 
@@ -883,8 +883,6 @@ impl Scratch {
     /// the bf16 copy in `dres` and that copy's column sums (the next linear layer's bias
     /// gradient) in `dres_sums`; `(dw, db)` its parameter gradients, `x`/`w` its input and
     /// weight, `(mean, rstd)` the forward's row statistics.
-    // Allowed: it builds the argument struct (`LnBackward`); its pairs are already grouped.
-    #[allow(clippy::too_many_arguments)]
     fn ln_backward(
         &self,
         (dw, db): (DPtr<f32>, DPtr<f32>),
@@ -1052,7 +1050,7 @@ impl UnitHooks for Replicated<'_> {
 /// sides see the same bf16 parameters; the GPU keeps activations in bf16, so gradients agree to
 /// bf16 accuracy relative to each tensor's scale.
 pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
-    use crate::model::FlatAccess;
+    use crate::model::{Batch, FlatAccess};
     use crate::tensor::Rng;
     let (b, t) = (2, 96);
     let cfg = ModelConfig {
@@ -1089,7 +1087,7 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let mut cws = crate::model::Workspace::default();
     let cpu_loss = {
         let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
-        model.forward_backward(&mut acc, &tokens, &targets, b, t, 1.0, &mut cws)
+        model.forward_backward(&mut acc, Batch { tokens: &tokens, targets: &targets, b, t }, 1.0, &mut cws)
     };
     // GPU: unfused, with the default fusions and with all of them (each set cuBLASLt runs here, once).
     let layout = GpuLayout::new(&model, 1)?;
