@@ -17,9 +17,10 @@ use std::ops::Range;
 
 use cudarc::driver::CudaStream;
 
+use super::attention::{self, AttnBackward, AttnShape};
 use super::blas::{Dt, Mat};
 use super::lt::{Epilogue, Gemm};
-use super::{attention, bf16, ops, Buf, CheckRow, DPtr, Gpu, GpuError, Result};
+use super::{bf16, ops, Buf, CheckRow, DPtr, Gpu, GpuError, Result};
 use crate::model::{Arch, Model, ModelConfig};
 
 /// Units are padded to a multiple of `world × ALIGN` elements: every rank's piece of every unit
@@ -242,6 +243,10 @@ impl Shape {
     }
     pub fn n(&self) -> usize {
         self.b * self.t
+    }
+    /// The shape of each block's attention.
+    pub fn attn(&self) -> AttnShape {
+        AttnShape { b: self.b, t: self.t, c: self.c, nh: self.nh }
     }
 }
 
@@ -805,7 +810,7 @@ fn block_forward(
         ops::bias_add(gpu, st, a.qkv.ptr(), w.qkv_b, n, 3 * c)?;
         gpu.mark("fwd bias");
     }
-    attention::attention_forward(gpu, st, a.atty.ptr(), a.lse.ptr(), a.qkv.ptr(), s.b, s.t, c, s.nh)?;
+    attention::attention_forward(gpu, st, a.atty.ptr(), a.lse.ptr(), a.qkv.ptr(), s.attn())?;
     gpu.mark("fwd attention");
     if fu.residual {
         // x2 = x + atty·Wproj + bproj in f32 from the GEMM, then ln2 = LN(x2).
@@ -972,7 +977,8 @@ fn block_backward(
     weight_grad(gpu, st, g.proj_w, Some((g.proj_b, Some(k.dres_sums))), a.atty.ptr(), k.dres, k.bias_scratch, c, n, c, fu.bgrad)?;
     gemm(gpu, bf(k.datt), bf(k.dres), bft(w.proj_w), n, c, c)?;
     gpu.mark("bwd gemm dgrad");
-    attention::attention_backward(gpu, st, k.dqkv, k.delta, k.datt, a.qkv.ptr(), a.atty.ptr(), a.lse.ptr(), s.b, s.t, c, s.nh)?;
+    let bufs = AttnBackward { dqkv: k.dqkv, delta: k.delta, dy: k.datt, qkv: a.qkv.ptr(), y: a.atty.ptr(), lse: a.lse.ptr() };
+    attention::attention_backward(gpu, st, &bufs, s.attn())?;
     gpu.mark("bwd attention");
     weight_grad(gpu, st, g.qkv_w, Some((g.qkv_b, None)), a.ln1.ptr(), k.dqkv, k.bias_scratch, c, n, 3 * c, fu.bgrad)?;
     gemm(gpu, bf(k.dln), bf(k.dqkv), bft(w.qkv_w), n, 3 * c, c)?;
