@@ -645,6 +645,7 @@ pub fn forward_backward(
         return Err(GpuError::Invalid(format!("token id {bad} is outside the vocabulary of {v}")));
     }
     let st: &CudaStream = &gpu.stream;
+    let r = BlockRun { gpu, st, s, fu: ws.fusions };
     gpu.write(&mut ws.tokens, 0, tokens)?;
     gpu.write(&mut ws.targets, 0, targets)?;
 
@@ -658,7 +659,7 @@ pub fn forward_backward(
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
         let w = BlockW::at(p, lay);
-        block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.fwd_scratch(), ws.fusions, true)?;
+        block_forward(&r, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), ws.fwd_scratch(), true)?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     // ---- head ----
@@ -697,9 +698,9 @@ pub fn forward_backward(
         let gw = BlockW::at(g, lay);
         if ws.recompute {
             // The block's activations again, from its kept input (its output is not needed).
-            block_forward(gpu, st, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.fwd_scratch(), ws.fusions, false)?;
+            block_forward(&r, &w, ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), ws.fwd_scratch(), false)?;
         }
-        block_backward(gpu, st, &w, &gw, ws.xs[l].ptr(), ws.acts(l), s, &mut Scratch::of(ws), ws.fusions)?;
+        block_backward(&r, &w, &gw, ws.xs[l].ptr(), ws.acts(l), &mut Scratch::of(ws))?;
         hooks.params_done(1 + l, Phase::Backward)?;
         hooks.grads_done(1 + l)?;
     }
@@ -718,6 +719,7 @@ pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, to
         return Err(GpuError::Invalid(format!("batch of {} tokens, expected {n}", tokens.len())));
     }
     let st: &CudaStream = &gpu.stream;
+    let r = BlockRun { gpu, st, s, fu: ws.fusions };
     let layout = ws.layout.clone(); // an Arc: holding it does not borrow `ws`
     let lay = &*layout;
     gpu.write(&mut ws.tokens, 0, tokens)?;
@@ -727,7 +729,7 @@ pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, to
     ops::embedding_forward(gpu, st, ws.xs[0].ptr(), ws.tokens.ptr(), e.wte, e.wpe, s.b, s.t, c)?;
     for l in 0..s.l {
         let p = hooks.params(1 + l, Phase::Forward)?;
-        block_forward(gpu, st, &BlockW::at(p, lay), ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), s, ws.fwd_scratch(), ws.fusions, true)?;
+        block_forward(&r, &BlockW::at(p, lay), ws.xs[l].ptr(), ws.xs[l + 1].ptr(), ws.acts(l), ws.fwd_scratch(), true)?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     ops::layernorm_forward(gpu, st, ws.xf.ptr(), ws.mf.ptr(), ws.rf.ptr(), ws.xs[s.l].ptr(), e.lnf_w, e.lnf_b, n, c)?;
@@ -781,21 +783,16 @@ fn gemm_lt(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize, resi
 /// `residual` fusion the projection and fc2 GEMMs write `x2` and `y` themselves (f32, the
 /// product, bias and residual summed before one rounding); without it they write bf16 products
 /// to `tmp`, which the residual kernels add.
-// Allowed: weights, input, output, activations, shape, scratch and fusions are separate things
-// both callers (the forward, the recomputation) hold; a struct would only be built and taken apart.
-#[allow(clippy::too_many_arguments)]
 fn block_forward(
-    gpu: &Gpu,
-    st: &CudaStream,
+    r: &BlockRun,
     w: &BlockW<bf16>,
     x: DPtr<f32>,
     y: DPtr<f32>,
     a: &LayerActs,
-    s: Shape,
     (tmp, b32): (DPtr<bf16>, DPtr<f32>),
-    fu: Fusions,
     full: bool,
 ) -> Result<()> {
+    let BlockRun { gpu, st, s, fu } = *r;
     let (n, c, f) = (s.n(), s.c, s.f);
     let half = bias32_stride(c);
     let (proj_b32, fc2_b32) = (b32.slice(0..c), b32.slice(half..half + c));
@@ -869,6 +866,16 @@ fn block_forward(
     Ok(())
 }
 
+/// What every launch of a block's forward and backward shares: the GPU, its compute stream, the
+/// micro-batch's shape and the workspace's fusions.
+#[derive(Clone, Copy)]
+struct BlockRun<'a> {
+    gpu: &'a Gpu,
+    st: &'a CudaStream,
+    s: Shape,
+    fu: Fusions,
+}
+
 struct Scratch {
     dx: DPtr<f32>,
     dres: DPtr<bf16>,
@@ -935,25 +942,13 @@ impl Scratch {
 /// Each linear layer's weight gradient is `dW = inpᵀ·dY`, its bias gradient `Σ_rows dY` (fused
 /// into the weight-gradient GEMM with `bgrad`), its input gradient `dY·Wᵀ`; fc's `dY` is
 /// `d(gl) ∘ gelu'(pre)` (GELU' fused into fc2's input-gradient GEMM with `dgelu`).
-// Allowed: as `block_forward`: weights, their gradients, input, activations, shape, scratch and
-// fusions are separate things the caller holds.
-#[allow(clippy::too_many_arguments)]
-fn block_backward(
-    gpu: &Gpu,
-    st: &CudaStream,
-    w: &BlockW<bf16>,
-    g: &BlockW<f32>,
-    x: DPtr<f32>,
-    a: &LayerActs,
-    s: Shape,
-    k: &mut Scratch,
-    fu: Fusions,
-) -> Result<()> {
+fn block_backward(r: &BlockRun, w: &BlockW<bf16>, g: &BlockW<f32>, x: DPtr<f32>, a: &LayerActs, k: &mut Scratch) -> Result<()> {
+    let BlockRun { gpu, st, s, fu } = *r;
     let (n, c, f) = (s.n(), s.c, s.f);
     let dbig1 = k.dbig1.slice(0..n * f);
     let dbig2 = k.dbig2.slice(0..n * f);
     // MLP branch (k.dres = bf16 copy of d(block output), written by the LayerNorm backward that produced k.dx).
-    weight_grad(gpu, st, g.fc2_w, Some((g.fc2_b, Some(k.dres_sums))), a.gl.ptr(), k.dres, k.bias_scratch, f, n, c, fu.bgrad)?;
+    weight_grad(r, g.fc2_w, Some((g.fc2_b, Some(k.dres_sums))), a.gl.ptr(), k.dres, k.bias_scratch, (f, n, c))?;
     if fu.dgelu {
         // dbig2 = (dres·Wfc2ᵀ) ∘ gelu'(pre) in one GEMM.
         gemm_lt(gpu, bf(dbig2), bf(k.dres), bft(w.fc2_w), n, c, f, None, Epilogue::DGelu { pre: a.pre.ptr().raw })?;
@@ -968,19 +963,19 @@ fn block_backward(
         }
         gpu.mark("bwd gelu");
     }
-    weight_grad(gpu, st, g.fc_w, Some((g.fc_b, None)), a.ln2.ptr(), dbig2, k.bias_scratch, c, n, f, fu.bgrad)?;
+    weight_grad(r, g.fc_w, Some((g.fc_b, None)), a.ln2.ptr(), dbig2, k.bias_scratch, (c, n, f))?;
     gemm(gpu, bf(k.dln), bf(dbig2), bft(w.fc_w), n, f, c)?;
     gpu.mark("bwd gemm dgrad");
     ops::layernorm_backward(gpu, st, &k.ln_backward((g.ln2_w, g.ln2_b), a.x2.ptr(), w.ln2_w, (a.m2.ptr(), a.r2.ptr()), n, c))?;
     gpu.mark("bwd layernorm");
     // Attention branch (k.dres = bf16 copy of d(x2) from the LN2 backward).
-    weight_grad(gpu, st, g.proj_w, Some((g.proj_b, Some(k.dres_sums))), a.atty.ptr(), k.dres, k.bias_scratch, c, n, c, fu.bgrad)?;
+    weight_grad(r, g.proj_w, Some((g.proj_b, Some(k.dres_sums))), a.atty.ptr(), k.dres, k.bias_scratch, (c, n, c))?;
     gemm(gpu, bf(k.datt), bf(k.dres), bft(w.proj_w), n, c, c)?;
     gpu.mark("bwd gemm dgrad");
     let bufs = AttnBackward { dqkv: k.dqkv, delta: k.delta, dy: k.datt, qkv: a.qkv.ptr(), y: a.atty.ptr(), lse: a.lse.ptr() };
     attention::attention_backward(gpu, st, &bufs, s.attn())?;
     gpu.mark("bwd attention");
-    weight_grad(gpu, st, g.qkv_w, Some((g.qkv_b, None)), a.ln1.ptr(), k.dqkv, k.bias_scratch, c, n, 3 * c, fu.bgrad)?;
+    weight_grad(r, g.qkv_w, Some((g.qkv_b, None)), a.ln1.ptr(), k.dqkv, k.bias_scratch, (c, n, 3 * c))?;
     gemm(gpu, bf(k.dln), bf(k.dqkv), bft(w.qkv_w), n, 3 * c, c)?;
     gpu.mark("bwd gemm dgrad");
     ops::layernorm_backward(gpu, st, &k.ln_backward((g.ln1_w, g.ln1_b), x, w.ln1_w, (a.m1.ptr(), a.r1.ptr()), n, c))?;
@@ -989,25 +984,19 @@ fn block_backward(
 }
 
 /// `dw[rows, cols] = inpᵀ·dy` (`inp` `[n, rows]`, `dy` `[n, cols]`) and, given `db`, the bias
-/// gradient `db = Σ_rows dy`: summed by the GEMM itself with `fused`, else from the first pass of
-/// the column sums where the LayerNorm backward that wrote `dy` left it (`Some` partials), else
-/// by the bias-gradient kernel.
-// Allowed: one GEMM's operands and shape plus its bias gradient's, called for four layers of
-// different shapes; a struct per call would only be built and taken apart.
-#[allow(clippy::too_many_arguments)]
+/// gradient `db = Σ_rows dy`: summed by the GEMM itself with the `bgrad` fusion, else from the
+/// first pass of the column sums where the LayerNorm backward that wrote `dy` left it (`Some`
+/// partials), else by the bias-gradient kernel (through `scratch`).
 fn weight_grad(
-    gpu: &Gpu,
-    st: &CudaStream,
+    r: &BlockRun,
     dw: DPtr<f32>,
     db: Option<(DPtr<f32>, Option<DPtr<f32>>)>,
     inp: DPtr<bf16>,
     dy: DPtr<bf16>,
     scratch: DPtr<f32>,
-    rows: usize,
-    n: usize,
-    cols: usize,
-    fused: bool,
+    (rows, n, cols): (usize, usize, usize),
 ) -> Result<()> {
+    let (gpu, st, fused) = (r.gpu, r.st, r.fu.bgrad);
     match db {
         Some((db, _)) if fused => {
             assert_eq!(db.len, cols, "bias gradient length");
