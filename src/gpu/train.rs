@@ -35,11 +35,14 @@
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
+use indicatif::ProgressBar;
 use tessera_kernels::cuda::{self, gpt, Gpu};
 use tessera_kernels::model::Arch;
+use tessera_kernels::optim::MomentumCycle;
 use tessera_transport::nccl::{NcclComm, NcclId};
 
 use super::offload::{self, OffloadStats};
@@ -162,23 +165,7 @@ fn offload_name(d: OffloadDevice) -> &'static str {
 /// Refuses what the GPU path does not implement (naming the key and its value); returns notes
 /// on keys it treats differently from the CPU path.
 pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
-    let name = &cfg.tessera.model;
-    if crate::hf::is_folder(name) {
-        bail!("tessera.model = \"{name}\" is a model folder; the NCCL GPU trainer runs the presets only: use --device cpu");
-    }
-    let m = zoo::preset(name).map_err(anyhow::Error::msg)?;
-    if m.arch != Arch::Gpt {
-        bail!("tessera.model = \"{name}\" is a LLaMA-style model; `--device cuda` runs GPT-2-style models only: use --device cpu");
-    }
-    if m.n_head == 0 || m.d_model % m.n_head != 0 || m.d_model / m.n_head != 64 {
-        bail!(
-            "tessera.model = \"{name}\" has head dimension {} (d_model {} / n_head {}); the GPU attention kernel needs 64: \
-             pick a preset with 64-wide heads (gpt-mini-gpu, gpt-10m, gpt2-small; see `tessera models`) or use --device cpu",
-            m.d_model.checked_div(m.n_head).unwrap_or(0),
-            m.d_model,
-            m.n_head
-        );
-    }
+    check_model(&cfg.tessera.model)?;
     let mut notes = Vec::new();
     match cfg.precision {
         Precision::Fp16(_) => bail!(
@@ -211,6 +198,50 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
             bail!("optimizer.type = \"{t}\": `--device cuda` implements Adam/AdamW only; use --device cpu for {t}");
         }
     }
+    check_offload(cfg)?;
+    // Honoured on the CPU path, without effect here: say so rather than ignore them silently.
+    for key in cfg.present_keys.iter().filter(|k| GPU_IGNORED_KEYS.contains(&k.as_str())) {
+        notes.push(format!("`{key}` has no effect with `--device cuda`: the GPU reduces and gathers the parameters unit by unit"));
+        // (`"auto"` resolves to a value too: Hugging Face configs set these keys that way.)
+    }
+    let elastic = crate::config::elastic_run(cfg)?;
+    if elastic.enabled {
+        bail!(
+            "tessera.elastic is on, and the NCCL GPU trainer (tessera.gpu.collective = \"nccl\", the default) is not elastic: \
+             set tessera.gpu.collective = \"quic\" for elastic GPU ranks (docs/GPU.md), or turn tessera.elastic off"
+        );
+    }
+    if cfg.present_keys.iter().any(|k| k.starts_with("tessera.elastic.")) {
+        notes.push("`tessera.elastic` settings have no effect with the NCCL GPU trainer (elastic is off)".into());
+    }
+    Ok(notes)
+}
+
+/// Refuses a model the GPU trainer cannot run: a model folder, a LLaMA-style preset, or heads
+/// other than 64 wide (the attention kernel's).
+fn check_model(name: &str) -> Result<()> {
+    if crate::hf::is_folder(name) {
+        bail!("tessera.model = \"{name}\" is a model folder; the NCCL GPU trainer runs the presets only: use --device cpu");
+    }
+    let m = zoo::preset(name).map_err(anyhow::Error::msg)?;
+    if m.arch != Arch::Gpt {
+        bail!("tessera.model = \"{name}\" is a LLaMA-style model; `--device cuda` runs GPT-2-style models only: use --device cpu");
+    }
+    if m.n_head == 0 || m.d_model % m.n_head != 0 || m.d_model / m.n_head != 64 {
+        bail!(
+            "tessera.model = \"{name}\" has head dimension {} (d_model {} / n_head {}); the GPU attention kernel needs 64: \
+             pick a preset with 64-wide heads (gpt-mini-gpu, gpt-10m, gpt2-small; see `tessera models`) or use --device cpu",
+            m.d_model.checked_div(m.n_head).unwrap_or(0),
+            m.d_model,
+            m.n_head
+        );
+    }
+    Ok(())
+}
+
+/// Refuses an offload the GPU trainer cannot do: the optimizer to NVMe, at ZeRO stage 0, by a
+/// share outside 0..=1, or the parameters at all.
+fn check_offload(cfg: &Config) -> Result<()> {
     if let Some(o) = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device != OffloadDevice::None) {
         if o.device == OffloadDevice::Nvme {
             bail!(
@@ -240,22 +271,7 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
             offload_name(o.device)
         );
     }
-    // Honoured on the CPU path, without effect here: say so rather than ignore them silently.
-    for key in cfg.present_keys.iter().filter(|k| GPU_IGNORED_KEYS.contains(&k.as_str())) {
-        notes.push(format!("`{key}` has no effect with `--device cuda`: the GPU reduces and gathers the parameters unit by unit"));
-        // (`"auto"` resolves to a value too: Hugging Face configs set these keys that way.)
-    }
-    let elastic = crate::config::elastic_run(cfg)?;
-    if elastic.enabled {
-        bail!(
-            "tessera.elastic is on, and the NCCL GPU trainer (tessera.gpu.collective = \"nccl\", the default) is not elastic: \
-             set tessera.gpu.collective = \"quic\" for elastic GPU ranks (docs/GPU.md), or turn tessera.elastic off"
-        );
-    }
-    if cfg.present_keys.iter().any(|k| k.starts_with("tessera.elastic.")) {
-        notes.push("`tessera.elastic` settings have no effect with the NCCL GPU trainer (elastic is off)".into());
-    }
-    Ok(notes)
+    Ok(())
 }
 
 /// ZeRO tuning keys the CPU engine honours and the GPU path does not read.
@@ -438,7 +454,10 @@ struct RankRun<'a> {
     plan: Plan,
     r: Rank,
     lead: bool,
+    rank: usize,
     world: usize,
+    /// OneCycle's momentum cycle, when the scheduler has one (the betas of each update).
+    momentum_cycle: Option<MomentumCycle>,
     step: u64,
     applied: u64,
     skipped: u64,
@@ -484,6 +503,222 @@ impl RankRun<'_> {
             .with_context(|| format!("saving checkpoint of step {} under {}", self.step, root.display()))?;
         Ok((master, Some(path)))
     }
+
+    /// Evaluation gathers parameters at stage 3 with several ranks: then every rank evaluates.
+    fn evaluates(&self) -> bool {
+        self.lead || (self.plan.stage == 3 && self.world > 1)
+    }
+
+    /// Runs step `self.step + 1` on this rank's block of micro-batches and gathers every rank's
+    /// loss and stop flag; counts it in `t`.
+    fn train_step(&mut self, sampler: &Sampler, t: &mut Tally) -> Result<Stepped> {
+        let (step, plan, rank) = (self.step, &self.plan, self.rank);
+        let m = plan.micro_batches;
+        let m_local = m / self.world;
+        let n = plan.micro * plan.seq_len;
+        let mbs: Vec<TokenBatch> = (0..m_local)
+            .map(|j| {
+                let (mut x, mut y) = (vec![0u32; n], vec![0u32; n]);
+                sampler.fill(plan.first_sample(step, rank * m_local + j), plan.micro, &mut x, &mut y);
+                (x, y)
+            })
+            .collect();
+        // The rate of update number `applied + 1` (the schedule's clock counts applied steps).
+        let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, self.applied));
+        // OneCycle's momentum: that update's first beta (DeepSpeed prints it as `mom`).
+        let beta1 = self.momentum_cycle.map(|c| c.beta1_at(self.applied));
+        let t0 = Instant::now();
+        let (local_loss, norm) = self.r.step(&mbs, lr, 1.0 / m as f32).with_context(|| format!("step {step}"))?;
+        let asked = if signals::requested().is_some() { 1.0 } else { 0.0 };
+        let all = self.r.gather_host(&[f64::from(local_loss), asked]).context("gathering the step's losses")?;
+        let step_s = t0.elapsed().as_secs_f64();
+        t.train_s += step_s;
+        t.steps_run += 1;
+        self.step += 1;
+        self.applied += 1;
+        let loss = all.chunks_exact(2).map(|c| c[0]).sum::<f64>() / self.world as f64;
+        let stopping = all.chunks_exact(2).any(|c| c[1] != 0.0);
+        // Every rank has the same loss, so every rank decides alike.
+        t.nonfinite_steps = if loss.is_finite() { 0 } else { t.nonfinite_steps + 1 };
+        t.last_loss = loss;
+        t.train_curve.push((self.step, loss));
+        Ok(Stepped { loss, norm, lr, beta1, stopping, t0, step_s })
+    }
+
+    /// After a step: its events (to the monitors, on rank 0), the progress bar and the printed
+    /// line, the evaluation when one is due, and the stop when the loss stayed non-finite.
+    fn report_step(
+        &mut self,
+        s: &Stepped,
+        t: &mut Tally,
+        val: &data::ValBatches,
+        monitors: &mut MonitorSet,
+        pb: &ProgressBar,
+    ) -> Result<()> {
+        let (cfg, lead) = (self.cfg, self.lead);
+        let (loss, lr, beta1, norm) = (s.loss, s.lr, s.beta1, s.norm);
+        let plan = &self.plan;
+        let samples = plan.first_sample(self.step, 0);
+        let mut events =
+            vec![Event::new("Train/Samples/train_loss", loss, samples), Event::new("Train/Samples/lr", f64::from(lr), samples)];
+        if let Some(b) = beta1 {
+            events.push(Event::new("Train/Samples/beta1", f64::from(b), samples));
+        }
+        if let Some(n) = norm {
+            events.push(Event::new("Train/Samples/grad_norm", n, samples));
+        }
+        events.push(Event::new("Train/Samples/tokens_per_s", plan.tokens_per_step() as f64 / s.step_s.max(1e-9), samples));
+        let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
+        if lead {
+            pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
+            pb.set_position(self.step);
+            if cfg.steps_per_print > 0 && self.step % cfg.steps_per_print == 0 {
+                let norm = norm.unwrap_or(f64::NAN);
+                let mom = beta1.map(|b| format!(" | beta1 {b:.4}")).unwrap_or_default();
+                engine::log_line(
+                    pb,
+                    format!("step {:>6} | loss {loss:.4} | lr {lr:.3e}{mom} | grad norm {norm:.3} | {tps:.0} tok/s", self.step),
+                );
+                if cfg.wall_clock_breakdown {
+                    engine::log_line(pb, format!("  time: step {:.1} ms", s.t0.elapsed().as_secs_f64() * 1e3));
+                }
+            }
+        }
+        let last = self.step == cfg.tessera.steps;
+        let eval_due = (cfg.tessera.eval_interval > 0 && self.step % cfg.tessera.eval_interval == 0) || last;
+        if eval_due && self.evaluates() {
+            let v = evaluate(&mut self.r, val)?;
+            t.last_val = Some(v);
+            t.val_curve.push((self.step, v));
+            events.push(Event::new("Train/Samples/val_loss", v, samples));
+            if lead {
+                engine::log_line(pb, format!("step {:>6} | val loss {v:.4}", self.step));
+            }
+        }
+        if lead {
+            monitors.write(&events).context("writing monitors")?;
+        }
+        let limit = cfg.tessera.nonfinite_loss_steps;
+        if limit > 0 && t.nonfinite_steps >= limit {
+            let _ = monitors.flush();
+            bail!(
+                "step {}: the loss is {loss}, and has not been finite for {} steps in a row: the run diverged and stops \
+                 (tessera.nonfinite_loss_steps = {limit}); lower the learning rate",
+                self.step,
+                t.nonfinite_steps
+            );
+        }
+        Ok(())
+    }
+
+    /// After a step: a checkpoint when one is due (every `checkpoint_interval` steps, after the
+    /// last step, and when stopping; never of a step whose loss is not finite), its masters kept
+    /// in `saved` for the summary. Returns whether the run stops here (a stop was asked before
+    /// the last step).
+    fn checkpoint_or_stop(&mut self, s: &Stepped, t: &mut Tally, saved: &mut Option<(u64, Vec<f32>)>, pb: &ProgressBar) -> Result<bool> {
+        let (cfg, lead) = (self.cfg, self.lead);
+        let (loss, last) = (s.loss, self.step == cfg.tessera.steps);
+        let interval = cfg.tessera.checkpoint_interval > 0 && self.step % cfg.tessera.checkpoint_interval == 0;
+        if (interval || last || s.stopping) && !loss.is_finite() {
+            if lead {
+                engine::log_line(pb, format!("warning: checkpoint of step {} not written: its loss is {loss}", self.step));
+            }
+        } else if interval || last || s.stopping {
+            let (master, path) = self.save_checkpoint()?;
+            *saved = Some((self.step, master));
+            if path.is_some() {
+                t.last_ckpt = path;
+            }
+        }
+        if s.stopping && !last {
+            if let (true, Some(p)) = (lead, &t.last_ckpt) {
+                let why = signals::requested().map_or_else(|| "another rank asked".to_string(), |r| r.to_string());
+                engine::log_line(pb, format!("interrupted ({why}): stopped after step {}; saved {}", self.step, p.display()));
+            }
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Every rank's device memory, model states, offloaded bytes and peak RSS (each rank takes
+    /// part in the gathers), and this rank's host optimizer figures.
+    fn gather_figures(&mut self) -> Result<RankFigures> {
+        let device_bytes = self.r.device_bytes_per_rank().context("gathering the device memory figures")?;
+        let sb = self.r.state_bytes();
+        let d = sb.device;
+        let figures = self
+            .r
+            .gather_host(&[d.params as f64, d.grads as f64, d.optim as f64, sb.host_optim as f64, peak_rss_bytes() as f64])
+            .context("gathering the model-state figures")?;
+        let model_states: Vec<MemoryBytes> = figures
+            .chunks_exact(5)
+            .enumerate()
+            .map(|(r, c)| {
+                let (params, grads, optimizer_states) = (c[0] as u64, c[1] as u64, c[2] as u64);
+                MemoryBytes { rank: r, params, grads, optimizer_states, total: params + grads + optimizer_states }
+            })
+            .collect();
+        let offloaded: Vec<OffloadedBytes> =
+            figures.chunks_exact(5).enumerate().map(|(r, c)| OffloadedBytes { rank: r, host: c[3] as u64, nvme: 0 }).collect();
+        let offload = match (self.r.offload_ratio(), self.r.offload_stats()) {
+            (Some(ratio), Some(st)) => Some(host_optimizer_figures(ratio, sb.host_staging, &st)),
+            _ => None,
+        };
+        Ok(RankFigures {
+            device_bytes: device_bytes.iter().map(|&b| b as u64).collect(),
+            model_states,
+            offloaded,
+            peak_rss_bytes: figures.chunks_exact(5).map(|c| c[4] as u64).collect(),
+            offload,
+        })
+    }
+
+    /// The run's `summary.json` (rank 0): `master` the final parameters, `started` when the
+    /// rank started.
+    fn summary(
+        &self,
+        t: &Tally,
+        master: &[f32],
+        interrupted: bool,
+        figures: RankFigures,
+        gpu_name: &str,
+        (started, started_at): (Instant, SystemTime),
+    ) -> Summary {
+        let (cfg, plan) = (self.cfg, &self.plan);
+        let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &master[s.range()])).collect();
+        let tokens = t.steps_run * plan.tokens_per_step();
+        let status = if interrupted { RunStatus::Interrupted } else { RunStatus::Completed };
+        let stopped_by = interrupted.then(|| signals::requested().map_or_else(|| "another rank asked".to_string(), |r| r.to_string()));
+        Summary {
+            run: RunRecord { stopped_by, ..RunRecord::new(status, cfg.tessera.seed, started_at) },
+            model: cfg.tessera.model.clone(),
+            num_params: plan.total(),
+            steps: self.step,
+            skipped_steps: self.skipped,
+            abandoned_attempts: 0,
+            final_loss: t.last_loss,
+            val_loss: t.last_val,
+            initial_val_loss: t.initial_val,
+            tokens,
+            tokens_per_s: tokens as f64 / t.train_s.max(1e-9),
+            wall_s: started.elapsed().as_secs_f64(),
+            flops_per_token: plan.model.cfg.flops_per_token(plan.total(), plan.seq_len),
+            params_blake3: checkpoint::params_blake3(&names),
+            peak_rss_bytes: peak_rss_bytes(),
+            peak_rss_bytes_per_rank: Some(figures.peak_rss_bytes),
+            world_size: self.world,
+            device: "cuda".into(),
+            zero_stage: plan.stage,
+            precision: "bf16".into(),
+            config_hash: cfg.hash.clone(),
+            bytes_sent_per_rank_per_step: None,
+            model_state_bytes_per_rank: figures.model_states,
+            offloaded_bytes_per_rank: figures.offloaded,
+            last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
+            elastic: None,
+            gpu: Some(GpuFigures { gpu: gpu_name.to_string(), device_bytes_per_rank: figures.device_bytes, offload: figures.offload }),
+        }
+    }
 }
 
 /// Runs rank `rank` of `world` (with what the parent already prepared, when it is this
@@ -496,18 +731,83 @@ fn run_rank(
     id: Option<NcclId>,
     prepared: Option<Prepared>,
 ) -> Result<bool> {
-    let (started, started_at) = (Instant::now(), SystemTime::now());
+    let started = (Instant::now(), SystemTime::now());
     let lead = rank == 0;
     let prepared = match prepared {
         Some(p) => p,
         None => prepare(cfg, opts, lead && id.is_none())?,
     };
-    let Prepared { dataset, data, plan, start, offload, states } = prepared;
-    let m = plan.micro_batches;
-    let m_local = m / world;
     let out_dir = PathBuf::from(&cfg.tessera.output_dir);
     // Rank 0 writes the output folder: it holds the folder's lock (a second run is refused).
     let _lock = if lead { Some(engine::lock_output(&out_dir)?.0) } else { None };
+    let (gpu, r) = open_rank(cfg, &prepared, rank, world, id)?;
+    let (dataset, plan) = (&prepared.dataset, &prepared.plan);
+    let sampler = Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?;
+    let val = data::val_batches(dataset.val.clone(), plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1)).context("validation data")?;
+    let mut monitors = if lead { bridge::monitors(cfg, &out_dir)? } else { MonitorSet::new() };
+    let steps = cfg.tessera.steps;
+    let pb = engine::progress_bar(steps, opts.progress && lead);
+    pb.set_position(prepared.start.step);
+    if lead {
+        engine::log_line(&pb, start_line(cfg, &prepared, &gpu.name, world));
+    }
+    let Prepared { data, plan, start, .. } = prepared;
+    let mut run = RankRun {
+        cfg,
+        plan,
+        r,
+        lead,
+        rank,
+        world,
+        momentum_cycle: crate::schedule::momentum_cycle(cfg.scheduler.as_ref()),
+        step: start.step,
+        applied: start.applied,
+        skipped: start.skipped,
+        out_dir: out_dir.clone(),
+        data,
+    };
+    drop(start);
+    let mut t = Tally::default();
+    if run.step == 0 && run.evaluates() {
+        let v = evaluate(&mut run.r, &val)?;
+        t.initial_val = Some(v);
+        t.val_curve.push((0, v));
+    }
+    let mut interrupted = false;
+    // The masters of the checkpoint just saved (the summary hashes them without a new gather).
+    let mut saved: Option<(u64, Vec<f32>)> = None;
+    while run.step < steps {
+        let s = run.train_step(&sampler, &mut t)?;
+        run.report_step(&s, &mut t, &val, &mut monitors, &pb)?;
+        if run.checkpoint_or_stop(&s, &mut t, &mut saved, &pb)? {
+            interrupted = true;
+            break;
+        }
+    }
+    pb.finish_and_clear();
+    let master = match saved {
+        Some((s, m)) if s == run.step => m,
+        _ => run.r.masters().context("gathering the masters for the summary")?,
+    };
+    let figures = run.gather_figures()?;
+    if !lead {
+        return Ok(interrupted);
+    }
+    monitors.flush().context("flushing monitors")?;
+    let summary = run.summary(&t, &master, interrupted, figures, &gpu.name, started);
+    summary.write(&out_dir.join("summary.json")).context("writing summary.json")?;
+    monitor::write_loss_curve_svg(&out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
+        .context("writing loss.svg")?;
+    outln!("{}", summary.render());
+    outln!("wrote {}/summary.json and {}/loss.svg", out_dir.display(), out_dir.display());
+    Ok(interrupted)
+}
+
+/// Opens rank `rank`'s GPU, joins the NCCL group (with several ranks) and builds the rank's
+/// model states from the start state (and the Adam moments, when resuming), checked against
+/// the states planned at start.
+fn open_rank(cfg: &Config, p: &Prepared, rank: usize, world: usize, id: Option<NcclId>) -> Result<(Arc<Gpu>, Rank)> {
+    let (plan, start) = (&p.plan, &p.start);
     let gpu = Gpu::open(rank)?;
     gpu.compile_all()?;
     let comm = match id {
@@ -526,12 +826,13 @@ fn run_rank(
         shape,
         init: &start.master,
         adam,
-        m_local,
-        offload,
+        m_local: plan.micro_batches / world,
+        offload: p.offload,
         recompute: cfg.activation_checkpointing,
     };
     let mut r = Rank::new(gpu.clone(), comm, spec)?;
     r.overlap = plan.overlap_comm;
+    let states = p.states;
     if r.state_bytes() != states {
         bail!("GPU rank {rank}: the model states allocated ({:?}) differ from those planned at start ({states:?})", r.state_bytes());
     }
@@ -539,233 +840,60 @@ fn run_rank(
         r.load_moments(mm, vv, *steps).context("restoring the Adam moments from the checkpoint")?;
     }
     r.sync()?;
-    let sampler = Sampler::new(dataset.train.clone(), plan.seq_len, cfg.tessera.seed).context("training data")?;
-    let val = data::val_batches(dataset.val.clone(), plan.seq_len, plan.micro, cfg.tessera.eval_iters.max(1)).context("validation data")?;
-    let mut monitors = if lead { bridge::monitors(cfg, &out_dir)? } else { MonitorSet::new() };
-    let steps = cfg.tessera.steps;
-    let pb = engine::progress_bar(steps, opts.progress && lead);
-    pb.set_position(start.step);
-    if lead {
-        let off = offload.map_or(String::new(), |o| {
-            format!(
-                " | optimizer offloaded to host memory (ratio {}, {} CPU threads per rank; {:.1} MiB of model states on the GPU)",
-                o.ratio,
-                o.threads,
-                states.device.total() as f64 / (1u64 << 20) as f64
-            )
-        });
-        engine::log_line(&pb, format!(
-            "training {} ({:.2}M params) on {} | {world} × {} | ZeRO-{} | bf16 | batch {} = {} micro-batches × {} × {} tokens | {} steps{off}",
-            cfg.tessera.model,
-            plan.total() as f64 / 1e6,
-            dataset.source,
-            gpu.name,
-            plan.stage,
-            cfg.train_batch_size,
-            m,
-            plan.micro,
-            plan.seq_len,
-            steps
-        ));
-    }
-    // Evaluation gathers parameters at stage 3 with several ranks: then every rank evaluates.
-    let evaluates = lead || (plan.stage == 3 && world > 1);
-    let mut run = RankRun {
-        cfg,
-        plan,
-        r,
-        lead,
-        world,
-        step: start.step,
-        applied: start.applied,
-        skipped: start.skipped,
-        out_dir: out_dir.clone(),
-        data,
-    };
-    drop(start);
-    let mut t = Tally::default();
-    if run.step == 0 && evaluates {
-        let v = evaluate(&mut run.r, &val)?;
-        t.initial_val = Some(v);
-        t.val_curve.push((0, v));
-    }
-    let n = run.plan.micro * run.plan.seq_len;
-    let mut interrupted = false;
-    // The masters of the checkpoint just saved (the summary hashes them without a new gather).
-    let mut saved: Option<(u64, Vec<f32>)> = None;
-    while run.step < steps {
-        let step = run.step;
-        let plan = &run.plan;
-        let mbs: Vec<TokenBatch> = (0..m_local)
-            .map(|j| {
-                let (mut x, mut y) = (vec![0u32; n], vec![0u32; n]);
-                sampler.fill(plan.first_sample(step, rank * m_local + j), plan.micro, &mut x, &mut y);
-                (x, y)
-            })
-            .collect();
-        // The rate of update number `applied + 1` (the schedule's clock counts applied steps).
-        let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, run.applied));
-        // OneCycle's momentum: that update's first beta (DeepSpeed prints it as `mom`).
-        let beta1 = momentum_cycle.map(|c| c.beta1_at(run.applied));
-        let t0 = Instant::now();
-        let (local_loss, norm) = run.r.step(&mbs, lr, 1.0 / m as f32).with_context(|| format!("step {step}"))?;
-        let asked = if signals::requested().is_some() { 1.0 } else { 0.0 };
-        let all = run.r.gather_host(&[f64::from(local_loss), asked]).context("gathering the step's losses")?;
-        let step_s = t0.elapsed().as_secs_f64();
-        t.train_s += step_s;
-        t.steps_run += 1;
-        run.step += 1;
-        run.applied += 1;
-        let loss = all.chunks_exact(2).map(|c| c[0]).sum::<f64>() / world as f64;
-        let stopping = all.chunks_exact(2).any(|c| c[1] != 0.0);
-        // Every rank has the same loss, so every rank decides alike.
-        t.nonfinite_steps = if loss.is_finite() { 0 } else { t.nonfinite_steps + 1 };
-        t.last_loss = loss;
-        t.train_curve.push((run.step, loss));
-        let plan = &run.plan;
-        let samples = plan.first_sample(run.step, 0);
-        let mut events =
-            vec![Event::new("Train/Samples/train_loss", loss, samples), Event::new("Train/Samples/lr", f64::from(lr), samples)];
-        if let Some(b) = beta1 {
-            events.push(Event::new("Train/Samples/beta1", f64::from(b), samples));
-        }
-        if let Some(n) = norm {
-            events.push(Event::new("Train/Samples/grad_norm", n, samples));
-        }
-        events.push(Event::new("Train/Samples/tokens_per_s", plan.tokens_per_step() as f64 / step_s.max(1e-9), samples));
-        let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
-        if lead {
-            pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
-            pb.set_position(run.step);
-            if cfg.steps_per_print > 0 && run.step % cfg.steps_per_print == 0 {
-                let norm = norm.unwrap_or(f64::NAN);
-                let mom = beta1.map(|b| format!(" | beta1 {b:.4}")).unwrap_or_default();
-                engine::log_line(
-                    &pb,
-                    format!("step {:>6} | loss {loss:.4} | lr {lr:.3e}{mom} | grad norm {norm:.3} | {tps:.0} tok/s", run.step),
-                );
-                if cfg.wall_clock_breakdown {
-                    engine::log_line(&pb, format!("  time: step {:.1} ms", t0.elapsed().as_secs_f64() * 1e3));
-                }
-            }
-        }
-        let last = run.step == steps;
-        let eval_due = (cfg.tessera.eval_interval > 0 && run.step % cfg.tessera.eval_interval == 0) || last;
-        if eval_due && evaluates {
-            let v = evaluate(&mut run.r, &val)?;
-            t.last_val = Some(v);
-            t.val_curve.push((run.step, v));
-            events.push(Event::new("Train/Samples/val_loss", v, samples));
-            if lead {
-                engine::log_line(&pb, format!("step {:>6} | val loss {v:.4}", run.step));
-            }
-        }
-        if lead {
-            monitors.write(&events).context("writing monitors")?;
-        }
-        let limit = cfg.tessera.nonfinite_loss_steps;
-        if limit > 0 && t.nonfinite_steps >= limit {
-            let _ = monitors.flush();
-            bail!(
-                "step {}: the loss is {loss}, and has not been finite for {} steps in a row: the run diverged and stops \
-                 (tessera.nonfinite_loss_steps = {limit}); lower the learning rate",
-                run.step,
-                t.nonfinite_steps
-            );
-        }
-        let interval = cfg.tessera.checkpoint_interval > 0 && run.step % cfg.tessera.checkpoint_interval == 0;
-        if (interval || last || stopping) && !loss.is_finite() {
-            if lead {
-                engine::log_line(&pb, format!("warning: checkpoint of step {} not written: its loss is {loss}", run.step));
-            }
-        } else if interval || last || stopping {
-            let (master, path) = run.save_checkpoint()?;
-            saved = Some((run.step, master));
-            if path.is_some() {
-                t.last_ckpt = path;
-            }
-        }
-        if stopping && !last {
-            interrupted = true;
-            if let (true, Some(p)) = (lead, &t.last_ckpt) {
-                let why = signals::requested().map_or_else(|| "another rank asked".to_string(), |r| r.to_string());
-                engine::log_line(&pb, format!("interrupted ({why}): stopped after step {}; saved {}", run.step, p.display()));
-            }
-            break;
-        }
-    }
-    pb.finish_and_clear();
-    let master = match saved {
-        Some((s, m)) if s == run.step => m,
-        _ => run.r.masters().context("gathering the masters for the summary")?,
-    };
-    let device_bytes = run.r.device_bytes_per_rank().context("gathering the device memory figures")?;
-    let sb = run.r.state_bytes();
-    let d = sb.device;
-    let figures = run
-        .r
-        .gather_host(&[d.params as f64, d.grads as f64, d.optim as f64, sb.host_optim as f64, peak_rss_bytes() as f64])
-        .context("gathering the model-state figures")?;
-    let model_states: Vec<MemoryBytes> = figures
-        .chunks_exact(5)
-        .enumerate()
-        .map(|(r, c)| {
-            let (params, grads, optimizer_states) = (c[0] as u64, c[1] as u64, c[2] as u64);
-            MemoryBytes { rank: r, params, grads, optimizer_states, total: params + grads + optimizer_states }
-        })
-        .collect();
-    let offloaded: Vec<OffloadedBytes> =
-        figures.chunks_exact(5).enumerate().map(|(r, c)| OffloadedBytes { rank: r, host: c[3] as u64, nvme: 0 }).collect();
-    let offload_summary = match (run.r.offload_ratio(), run.r.offload_stats()) {
-        (Some(ratio), Some(st)) => Some(host_optimizer_figures(ratio, sb.host_staging, &st)),
-        _ => None,
-    };
-    if !lead {
-        return Ok(interrupted);
-    }
-    monitors.flush().context("flushing monitors")?;
-    let plan = &run.plan;
-    let names: Vec<(&str, &[f32])> = plan.model.layout().specs().iter().map(|s| (s.name.as_str(), &master[s.range()])).collect();
-    let tokens = t.steps_run * plan.tokens_per_step();
-    let status = if interrupted { RunStatus::Interrupted } else { RunStatus::Completed };
-    let stopped_by = interrupted.then(|| signals::requested().map_or_else(|| "another rank asked".to_string(), |r| r.to_string()));
-    let summary = Summary {
-        run: RunRecord { stopped_by, ..RunRecord::new(status, cfg.tessera.seed, started_at) },
-        model: cfg.tessera.model.clone(),
-        num_params: plan.total(),
-        steps: run.step,
-        skipped_steps: run.skipped,
-        abandoned_attempts: 0,
-        final_loss: t.last_loss,
-        val_loss: t.last_val,
-        initial_val_loss: t.initial_val,
-        tokens,
-        tokens_per_s: tokens as f64 / t.train_s.max(1e-9),
-        wall_s: started.elapsed().as_secs_f64(),
-        flops_per_token: plan.model.cfg.flops_per_token(plan.total(), plan.seq_len),
-        params_blake3: checkpoint::params_blake3(&names),
-        peak_rss_bytes: peak_rss_bytes(),
-        peak_rss_bytes_per_rank: Some(figures.chunks_exact(5).map(|c| c[4] as u64).collect()),
-        world_size: world,
-        device: "cuda".into(),
-        zero_stage: plan.stage,
-        precision: "bf16".into(),
-        config_hash: cfg.hash.clone(),
-        bytes_sent_per_rank_per_step: None,
-        model_state_bytes_per_rank: model_states,
-        offloaded_bytes_per_rank: offloaded,
-        last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
-        elastic: None,
-        gpu: Some(GpuFigures {
-            gpu: gpu.name.clone(),
-            device_bytes_per_rank: device_bytes.iter().map(|&b| b as u64).collect(),
-            offload: offload_summary,
-        }),
-    };
-    summary.write(&out_dir.join("summary.json")).context("writing summary.json")?;
-    monitor::write_loss_curve_svg(&out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
-        .context("writing loss.svg")?;
-    outln!("{}", summary.render());
-    outln!("wrote {}/summary.json and {}/loss.svg", out_dir.display(), out_dir.display());
-    Ok(interrupted)
+    Ok((gpu, r))
+}
+
+/// Rank 0's first line: the model, the data, the GPUs, the ZeRO stage, the batch and the
+/// optimizer offload.
+fn start_line(cfg: &Config, p: &Prepared, gpu_name: &str, world: usize) -> String {
+    let plan = &p.plan;
+    let off = p.offload.map_or(String::new(), |o| {
+        format!(
+            " | optimizer offloaded to host memory (ratio {}, {} CPU threads per rank; {:.1} MiB of model states on the GPU)",
+            o.ratio,
+            o.threads,
+            p.states.device.total() as f64 / (1u64 << 20) as f64
+        )
+    });
+    format!(
+        "training {} ({:.2}M params) on {} | {world} × {} | ZeRO-{} | bf16 | batch {} = {} micro-batches × {} × {} tokens | {} steps{off}",
+        cfg.tessera.model,
+        plan.total() as f64 / 1e6,
+        p.dataset.source,
+        gpu_name,
+        plan.stage,
+        cfg.train_batch_size,
+        plan.micro_batches,
+        plan.micro,
+        plan.seq_len,
+        cfg.tessera.steps
+    )
+}
+
+/// What one training step gave: the same on every rank (the loss and the stop flag are
+/// gathered), but for `norm`, this rank's report.
+struct Stepped {
+    /// The mean loss over the ranks.
+    loss: f64,
+    /// The global gradient norm, when the optimizer computed one.
+    norm: Option<f64>,
+    /// The learning rate of the update.
+    lr: f32,
+    /// OneCycle's first beta of the update (DeepSpeed prints it as `mom`).
+    beta1: Option<f32>,
+    /// Some rank was asked to stop: every rank stops after this step.
+    stopping: bool,
+    /// When the step began, and its seconds up to the gather of the losses.
+    t0: Instant,
+    step_s: f64,
+}
+
+/// What every rank reports for the summary (gathered: every rank takes part), by rank.
+struct RankFigures {
+    device_bytes: Vec<u64>,
+    model_states: Vec<MemoryBytes>,
+    offloaded: Vec<OffloadedBytes>,
+    peak_rss_bytes: Vec<u64>,
+    /// This rank's host optimizer, when the optimizer is offloaded.
+    offload: Option<HostOptimizerFigures>,
 }
