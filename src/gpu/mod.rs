@@ -165,6 +165,44 @@ fn f32_bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// The inputs of [`check_adamw_offload`]: normal values, and every 16th element at the
+/// subnormal edge.
+struct AdamInputs {
+    master: Vec<f32>,
+    grad: Vec<f32>,
+    m0: Vec<f32>,
+    v0: Vec<f32>,
+    decay: Vec<u8>,
+}
+
+impl AdamInputs {
+    fn new(seed: u64, len: usize) -> AdamInputs {
+        let mut rng = Rng::derive(seed, &[0x0ff1_0ad0]);
+        let mut normal = |std: f32, n: usize| {
+            let mut v = vec![0f32; n];
+            rng.fill_normal(&mut v, std);
+            v
+        };
+        let mut master = normal(0.02, len);
+        let mut grad = normal(1e-2, len);
+        let mut m0 = normal(1e-3, len);
+        let mut v0: Vec<f32> = normal(1e-3, len).iter().map(|x| x * x).collect();
+        // Every 16th element: values at the subnormal edge (tiny gradients whose squares underflow,
+        // subnormal gradients and moments, zeros of both signs).
+        let tiny = [1e-39f32, -1e-39, 1e-20, -3e-21, 0.0, -0.0, 1e-44, 2e-38];
+        for (k, i) in (0..len).step_by(16).enumerate() {
+            grad[i] = tiny[k % tiny.len()];
+            m0[i] = tiny[(k / 8) % tiny.len()];
+            v0[i] = tiny[(k / 64) % tiny.len()].abs();
+            if k % 5 == 0 {
+                master[i] = tiny[(k / 3) % tiny.len()];
+            }
+        }
+        let decay: Vec<u8> = (0..len).map(|i| u8::from((i / 4096) % 2 == 0)).collect();
+        AdamInputs { master, grad, m0, v0, decay }
+    }
+}
+
 /// The GPU `adamw` kernel against the host step of optimizer offload on the same inputs, bit
 /// for bit: normal values, and elements built to hit subnormals (subnormal gradients, moments
 /// and results), at both lerp forms of m (β1 < 0.5 and ≥ 0.5). Where they differ, the last row
@@ -173,28 +211,7 @@ fn f32_bits(v: &[f32]) -> Vec<u32> {
 fn check_adamw_offload(gpu: &Gpu, seed: u64) -> Result<Vec<cuda::CheckRow>> {
     use tessera_kernels::cuda::{bf16, ops};
     let len = 1 << 20;
-    let mut rng = Rng::derive(seed, &[0x0ff1_0ad0]);
-    let mut normal = |std: f32, n: usize| {
-        let mut v = vec![0f32; n];
-        rng.fill_normal(&mut v, std);
-        v
-    };
-    let mut master = normal(0.02, len);
-    let mut grad = normal(1e-2, len);
-    let mut m0 = normal(1e-3, len);
-    let mut v0: Vec<f32> = normal(1e-3, len).iter().map(|x| x * x).collect();
-    // Every 16th element: values at the subnormal edge (tiny gradients whose squares underflow,
-    // subnormal gradients and moments, zeros of both signs).
-    let tiny = [1e-39f32, -1e-39, 1e-20, -3e-21, 0.0, -0.0, 1e-44, 2e-38];
-    for (k, i) in (0..len).step_by(16).enumerate() {
-        grad[i] = tiny[k % tiny.len()];
-        m0[i] = tiny[(k / 8) % tiny.len()];
-        v0[i] = tiny[(k / 64) % tiny.len()].abs();
-        if k % 5 == 0 {
-            master[i] = tiny[(k / 3) % tiny.len()];
-        }
-    }
-    let decay: Vec<u8> = (0..len).map(|i| u8::from((i / 4096) % 2 == 0)).collect();
+    let AdamInputs { master, grad, m0, v0, decay } = AdamInputs::new(seed, len);
     let mut rows = Vec::new();
     for (betas, grad_scale, step) in [((0.9f32, 0.95f32), 0.37f32, 7u64), ((0.3, 0.999), 1.0, 1)] {
         let hp = ops::AdamStep::new(6e-4, betas, 1e-8, 0.1, step);
