@@ -1046,37 +1046,8 @@ impl UnitHooks for Replicated<'_> {
 /// bf16 accuracy relative to each tensor's scale.
 pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     use crate::model::{Batch, FlatAccess};
-    use crate::tensor::Rng;
     let (b, t) = (2, 96);
-    let cfg = ModelConfig {
-        arch: Arch::Gpt,
-        vocab_size: 384,
-        max_seq_len: 128,
-        n_layer: 2,
-        n_head: 2,
-        d_model: 128,
-        d_ff: 512,
-        rope_theta: 10000.0,
-        norm_eps: 1e-5,
-        n_kv_head: 2,
-        tied_head: true,
-        qkv_bias: false,
-        rope_scaling: None,
-    };
-    let model = Model::new(cfg.clone()).map_err(GpuError::Invalid)?;
-    let mut params = model.init_params(seed);
-    let mut noise = vec![0f32; params.len()];
-    Rng::derive(seed, &[0x9e0]).fill_normal(&mut noise, 0.02);
-    for (p, n) in params.iter_mut().zip(&noise) {
-        *p = bf16::from_f32(*p + n).to_f32();
-    }
-    let mut rng = Rng::derive(seed, &[0x70c]);
-    let seq: Vec<u32> = (0..b * (t + 1)).map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32).collect();
-    let (mut tokens, mut targets) = (Vec::new(), Vec::new());
-    for r in 0..b {
-        tokens.extend_from_slice(&seq[r * (t + 1)..r * (t + 1) + t]);
-        targets.extend_from_slice(&seq[r * (t + 1) + 1..(r + 1) * (t + 1)]);
-    }
+    let CheckCase { cfg, model, params, tokens, targets } = CheckCase::new(seed, b, t)?;
     // CPU reference.
     let mut grads = vec![0f32; params.len()];
     let mut cws = crate::model::Workspace::default();
@@ -1107,22 +1078,7 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         let tag = format!("[fused: {}]", ws.fusions.describe());
         let (gpu_loss, g) = run(&mut ws)?;
         rows.push(CheckRow::compare(format!("model loss {tag}"), &[gpu_loss], &[cpu_loss], 0.0, 1e-2));
-        // Per tensor, what bf16 activations promise: the norm-wise error rms(gpu − cpu)/rms(cpu)
-        // ≤ 2e-2 (measured ~5e-3), and no element off by more than 1.5e-1 of |cpu| + rms(cpu)
-        // (an indexing bug gives O(1)).
-        let rms = |x: &mut dyn Iterator<Item = f64>| {
-            let (s, n) = x.fold((0f64, 0usize), |(s, n), v| (s + v * v, n + 1));
-            (s / n.max(1) as f64).sqrt()
-        };
-        for spec in model.layout().specs() {
-            let r = spec.range();
-            let (cpu, gg) = (&grads[r.clone()], &g[r]);
-            let rc = rms(&mut cpu.iter().map(|&x| x as f64)).max(1e-12);
-            let mut row = CheckRow::compare(format!("model grad {} rms-rel {tag}", spec.name), gg, cpu, rc, 2e-2);
-            row.max_rel = rms(&mut gg.iter().zip(cpu).map(|(&a, &b)| a as f64 - b as f64)) / rc;
-            rows.push(row);
-            rows.push(CheckRow::compare(format!("model grad {} max-rel, floor rms {tag}", spec.name), gg, cpu, rc, 1.5e-1));
-        }
+        rows.extend(grad_rows(&model, &grads, &g, &tag));
     }
     // Activation checkpointing recomputes the same kernels on the same inputs: the same loss and
     // gradients, bit for bit.
@@ -1150,4 +1106,71 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         rows.push(CheckRow::compare(format!("model grads, GEMMs tuned = untuned (bits) {tag}"), &tg, &pg, 1.0, 0.0));
     }
     Ok(rows)
+}
+
+/// The model, parameters and batch [`check`] compares on: a 2-layer GPT with 64-wide heads,
+/// parameters perturbed from the initialisation and rounded to bf16, random tokens.
+struct CheckCase {
+    cfg: ModelConfig,
+    model: Model,
+    params: Vec<f32>,
+    tokens: Vec<u32>,
+    targets: Vec<u32>,
+}
+
+impl CheckCase {
+    fn new(seed: u64, b: usize, t: usize) -> Result<CheckCase> {
+        use crate::tensor::Rng;
+        let cfg = ModelConfig {
+            arch: Arch::Gpt,
+            vocab_size: 384,
+            max_seq_len: 128,
+            n_layer: 2,
+            n_head: 2,
+            d_model: 128,
+            d_ff: 512,
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+            n_kv_head: 2,
+            tied_head: true,
+            qkv_bias: false,
+            rope_scaling: None,
+        };
+        let model = Model::new(cfg.clone()).map_err(GpuError::Invalid)?;
+        let mut params = model.init_params(seed);
+        let mut noise = vec![0f32; params.len()];
+        Rng::derive(seed, &[0x9e0]).fill_normal(&mut noise, 0.02);
+        for (p, n) in params.iter_mut().zip(&noise) {
+            *p = bf16::from_f32(*p + n).to_f32();
+        }
+        let mut rng = Rng::derive(seed, &[0x70c]);
+        let seq: Vec<u32> = (0..b * (t + 1)).map(|_| (rng.next_u64() % cfg.vocab_size as u64) as u32).collect();
+        let (mut tokens, mut targets) = (Vec::new(), Vec::new());
+        for r in 0..b {
+            tokens.extend_from_slice(&seq[r * (t + 1)..r * (t + 1) + t]);
+            targets.extend_from_slice(&seq[r * (t + 1) + 1..(r + 1) * (t + 1)]);
+        }
+        Ok(CheckCase { cfg, model, params, tokens, targets })
+    }
+}
+
+/// Per tensor, what bf16 activations promise: the norm-wise error rms(gpu − cpu)/rms(cpu)
+/// ≤ 2e-2 (measured ~5e-3), and no element off by more than 1.5e-1 of |cpu| + rms(cpu) (an
+/// indexing bug gives O(1)).
+fn grad_rows(model: &Model, grads: &[f32], g: &[f32], tag: &str) -> Vec<CheckRow> {
+    let mut rows = Vec::new();
+    let rms = |x: &mut dyn Iterator<Item = f64>| {
+        let (s, n) = x.fold((0f64, 0usize), |(s, n), v| (s + v * v, n + 1));
+        (s / n.max(1) as f64).sqrt()
+    };
+    for spec in model.layout().specs() {
+        let r = spec.range();
+        let (cpu, gg) = (&grads[r.clone()], &g[r]);
+        let rc = rms(&mut cpu.iter().map(|&x| x as f64)).max(1e-12);
+        let mut row = CheckRow::compare(format!("model grad {} rms-rel {tag}", spec.name), gg, cpu, rc, 2e-2);
+        row.max_rel = rms(&mut gg.iter().zip(cpu).map(|(&a, &b)| a as f64 - b as f64)) / rc;
+        rows.push(row);
+        rows.push(CheckRow::compare(format!("model grad {} max-rel, floor rms {tag}", spec.name), gg, cpu, rc, 1.5e-1));
+    }
+    rows
 }
