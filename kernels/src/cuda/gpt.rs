@@ -628,6 +628,8 @@ fn f32m(p: DPtr<f32>) -> Mat {
 /// One micro-batch: forward, mean cross-entropy, backward. Gradients of `dloss × mean loss` go
 /// to the hooks' buffers; per-position losses stay in `ws.losses` (read them with
 /// [`mean_loss`]). `tokens`/`targets` are `b·t` host ids.
+// Long: the micro-batch in the order the device runs it (embedding, blocks, head, then the
+// backward in reverse), each phase a few lines beside its hooks and timing marks.
 pub fn forward_backward(
     gpu: &Gpu,
     hooks: &mut dyn UnitHooks,
@@ -783,6 +785,7 @@ fn gemm_lt(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize, resi
 /// `residual` fusion the projection and fc2 GEMMs write `x2` and `y` themselves (f32, the
 /// product, bias and residual summed before one rounding); without it they write bf16 products
 /// to `tmp`, which the residual kernels add.
+// Long: the math above, line by line, each step fused and unfused side by side (llm.c's layout).
 fn block_forward(
     r: &BlockRun,
     w: &BlockW<bf16>,
