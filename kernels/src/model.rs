@@ -113,7 +113,7 @@ impl UnitAccess for FlatAccess<'_> {
 /// One micro-batch as the model reads it: `b` rows of `t` tokens and, for each token, the token
 /// that follows it (`targets`); both `b*t` long, row-major.
 #[derive(Clone, Copy, Debug)]
-pub struct Batch<'a> {
+pub struct MicroBatch<'a> {
     pub tokens: &'a [u32],
     pub targets: &'a [u32],
     pub b: usize,
@@ -310,8 +310,8 @@ impl Model {
     ///
     /// # Panics
     /// If `tokens`/`targets` are not `b*t` long or `t` exceeds the model's context.
-    pub fn forward_backward(&self, acc: &mut dyn UnitAccess, batch: Batch<'_>, dloss: f32, ws: &mut Workspace) -> f32 {
-        let Batch { tokens, targets, b, t } = batch;
+    pub fn forward_backward(&self, acc: &mut dyn UnitAccess, batch: MicroBatch<'_>, dloss: f32, ws: &mut Workspace) -> f32 {
+        let MicroBatch { tokens, targets, b, t } = batch;
         self.check_batch(tokens, b, t);
         let d = self.dims(b, t);
         let keep = !self.checkpoint_activations;

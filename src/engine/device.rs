@@ -30,7 +30,7 @@ use rayon::prelude::*;
 use tessera_kernels::cuda::{self, bf16, gpt, Buf, DPtr, Gpu};
 #[cfg(test)]
 use tessera_kernels::model::FlatAccess;
-use tessera_kernels::model::{Batch, Model, UnitAccess, Workspace};
+use tessera_kernels::model::{MicroBatch, Model, UnitAccess, Workspace};
 
 use crate::config::ComputeDevice;
 
@@ -64,7 +64,7 @@ impl Device {
         &mut self,
         model: &Model,
         acc: &mut dyn UnitAccess,
-        batch: Batch<'_>,
+        batch: MicroBatch<'_>,
         dloss: f32,
         rank: usize,
     ) -> Result<f32, String> {
@@ -137,7 +137,7 @@ impl Staged {
         &mut self,
         model: &Model,
         acc: &mut dyn UnitAccess,
-        batch: Batch<'_>,
+        batch: MicroBatch<'_>,
         dloss: f32,
         rank: usize,
     ) -> Result<f32, String> {
@@ -301,11 +301,11 @@ fn gpu_forward_backward(
     params: &[f32],
     key: Loaded,
     grads: &mut [f32],
-    batch: Batch<'_>,
+    batch: MicroBatch<'_>,
     dloss: f32,
     rank: usize,
 ) -> Result<f32, String> {
-    let Batch { tokens, targets, b, t } = batch;
+    let MicroBatch { tokens, targets, b, t } = batch;
     let mut slot = exec_lock();
     let e = exec_for(&mut slot, model, (b, t), rank)?;
     e.load(params, key)?;

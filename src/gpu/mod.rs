@@ -91,7 +91,7 @@ pub fn check(seed: u64) -> Result<bool> {
 /// Step 1's loss checks the forward; later steps check that gradients and updates agree, within
 /// bf16 accuracy.
 fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
-    use tessera_kernels::model::{Batch, FlatAccess, Workspace};
+    use tessera_kernels::model::{FlatAccess, MicroBatch, Workspace};
     const STEPS: usize = 4;
     let (b, t, lr) = (2usize, 256usize, 1e-3f32);
     let mut cfg = zoo::preset("gpt2-small").map_err(anyhow::Error::msg)?;
@@ -115,7 +115,7 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
         let mut g = vec![0f32; p.len()];
         let cpu_loss = {
             let mut acc = FlatAccess { params: &p, grads: &mut g, units: model.units() };
-            model.forward_backward(&mut acc, Batch { tokens: &tok, targets: &tgt, b, t }, 1.0, &mut ws)
+            model.forward_backward(&mut acc, MicroBatch { tokens: &tok, targets: &tgt, b, t }, 1.0, &mut ws)
         };
         let k = (step + 1) as f64;
         let (b1, b2) = (adam.betas.0 as f64, adam.betas.1 as f64);

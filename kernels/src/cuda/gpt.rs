@@ -1048,7 +1048,7 @@ impl UnitHooks for Replicated<'_> {
 /// sides see the same bf16 parameters; the GPU keeps activations in bf16, so gradients agree to
 /// bf16 accuracy relative to each tensor's scale.
 pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
-    use crate::model::{Batch, FlatAccess};
+    use crate::model::{FlatAccess, MicroBatch};
     let (b, t) = (2, 96);
     let CheckCase { cfg, model, params, tokens, targets } = CheckCase::new(seed, b, t)?;
     // CPU reference.
@@ -1056,7 +1056,7 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let mut cws = crate::model::Workspace::default();
     let cpu_loss = {
         let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
-        model.forward_backward(&mut acc, Batch { tokens: &tokens, targets: &targets, b, t }, 1.0, &mut cws)
+        model.forward_backward(&mut acc, MicroBatch { tokens: &tokens, targets: &targets, b, t }, 1.0, &mut cws)
     };
     // GPU: unfused, with the default fusions and with all of them (each set cuBLASLt runs here, once).
     let layout = GpuLayout::new(&model, 1)?;
