@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use tessera_kernels::gemm::gemm_peak_flops;
-use tessera_kernels::model::{FlatAccess, Model, Workspace};
+use tessera_kernels::model::{FlatAccess, MicroBatch, Model, Workspace};
 use tessera_kernels::optim::{
     clip_coefficient, global_grad_norm, AdamParams, FlatLayout, LocalReduce, OptimizerKind, OptimizerShard, StepContext,
 };
@@ -182,7 +182,7 @@ impl Trainer {
     fn forward_backward(&mut self, tokens: &[u32], targets: &[u32], b: usize, t: usize) -> f32 {
         self.grads.fill(0.0);
         let mut acc = FlatAccess { params: &self.params, grads: &mut self.grads, units: self.model.units() };
-        self.model.forward_backward(&mut acc, tokens, targets, b, t, 1.0, &mut self.ws)
+        self.model.forward_backward(&mut acc, MicroBatch { tokens, targets, b, t }, 1.0, &mut self.ws)
     }
 
     /// Global gradient norm, clipping, AdamW.

@@ -23,13 +23,14 @@ use std::time::{Duration, Instant};
 use ractor::concurrency::JoinHandle;
 use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, MessagingErr, RpcReplyPort, SupervisionEvent};
 
-use crate::compute::{MemoryReport, Prepared};
-use crate::driver::{ClusterOptions, StepResult};
+use crate::compute::{MemoryReport, Prepared, StepResult};
+use crate::driver::ClusterOptions;
 use crate::error::{ActorError, RankFailure};
 use crate::node::{NodeArgs, NodeMsg, NodeSupervisor, RankSetup};
 use crate::shard::ShardStatus;
 use crate::txn::{Action, Attempted, Cmd, Input, PhaseKind, Query, Refusal, Reply, StepTxn};
-use crate::worker::{ComputeThreads, Outcome, RunCommand, WorkerMsg, CONTROL_TIMEOUT_MS};
+use crate::worker::{ComputeThreads, RunCommand, WorkerMsg, CONTROL_TIMEOUT_MS};
+use crate::worker_cmd::Outcome;
 
 /// Reply port of a step request.
 pub(crate) type StepReply = RpcReplyPort<Result<StepResult, ActorError>>;

@@ -1,7 +1,8 @@
 //! The compute interface a `DeviceWorker` drives: what the engine implements per rank.
 //!
 //! The actors decide *when* (prepare, commit, abandon); the compute decides *how* (kernels,
-//! ZeRO buffers, collectives). Nothing here carries a tensor: results are small values.
+//! ZeRO buffers, collectives). Nothing here carries a tensor: results are small values: one
+//! rank's ([`Prepared`]) and a committed step's over all ranks ([`StepResult`]).
 
 use std::ops::Range;
 
@@ -57,6 +58,67 @@ pub struct PhaseTimes {
     pub forward_s: f64,
     pub backward_inner_s: f64,
     pub backward_allreduce_s: f64,
+}
+
+/// The outcome of one committed step, aggregated over ranks in rank order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepResult {
+    /// The committed step.
+    pub step: u64,
+    /// The plan epoch it ran under.
+    pub epoch: u64,
+    /// Sum of every rank's `loss_sum` (rank order).
+    pub loss_sum: f64,
+    /// Micro-batches run by all ranks together.
+    pub micro_batches: usize,
+    /// The global gradient norm (the first rank, in rank order, that reported one).
+    pub grad_norm: Option<f64>,
+    /// Whether any rank saw fp16 overflow.
+    pub overflow: bool,
+    /// Collective bytes sent, summed over ranks.
+    pub bytes_sent: u64,
+    /// Collective bytes received, summed over ranks.
+    pub bytes_received: u64,
+    /// The slowest rank's `prepare` time in seconds.
+    pub compute_s_max: f64,
+    /// Seconds from the commit's dispatch to the last rank's answer, as the ClusterSupervisor
+    /// measured them (the optimizer step and the parameters' sharing; 0 when not measured).
+    pub commit_s: f64,
+    /// Attempts of this step that were prepared and then abandoned (e.g. `[0]` when the chaos
+    /// hook abandoned the first attempt); the committed attempt is the next one.
+    pub abandoned_attempts: Vec<u32>,
+    /// Each rank's report of the committed attempt, by rank.
+    pub per_rank: Vec<Prepared>,
+}
+
+impl StepResult {
+    pub(crate) fn aggregate(
+        step: u64,
+        epoch: u64,
+        abandoned_attempts: Vec<u32>,
+        by_rank: impl IntoIterator<Item = (usize, Prepared)>,
+    ) -> Self {
+        let per_rank: Vec<Prepared> = by_rank.into_iter().map(|(_, p)| p).collect();
+        StepResult {
+            step,
+            epoch,
+            loss_sum: per_rank.iter().map(|p| p.loss_sum).sum(),
+            micro_batches: per_rank.iter().map(|p| p.micro_batches).sum(),
+            grad_norm: per_rank.iter().find_map(|p| p.grad_norm),
+            overflow: per_rank.iter().any(|p| p.overflow),
+            bytes_sent: per_rank.iter().map(|p| p.bytes_sent).sum(),
+            bytes_received: per_rank.iter().map(|p| p.bytes_received).sum(),
+            compute_s_max: per_rank.iter().map(|p| p.compute_s).fold(0.0, f64::max),
+            commit_s: 0.0,
+            abandoned_attempts,
+            per_rank,
+        }
+    }
+
+    /// Mean loss per micro-batch (`None` when no micro-batch ran).
+    pub fn loss_mean(&self) -> Option<f64> {
+        (self.micro_batches > 0).then(|| self.loss_sum / self.micro_batches as f64)
+    }
 }
 
 /// The bytes one rank holds for parameters, gradients and optimizer state.

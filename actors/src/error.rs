@@ -1,7 +1,6 @@
 //! The errors of the actor layer: which rank failed, in which phase, and why.
 
-use crate::compute::ComputeError;
-use crate::driver::StepResult;
+use crate::compute::{ComputeError, StepResult};
 use std::fmt;
 
 /// Why one rank did not complete a phase of a step.

@@ -12,8 +12,7 @@
 //! connection. Data plane: the compute's buffers and collectives (`tessera_transport`).
 //! [`Cluster`] is the synchronous driver.
 //!
-//! Elastic training (docs/ELASTIC.md): [`membership`] is the sans-IO coordinator of plan epochs and
-//! step commits, [`replan`] the re-planning after membership changes, [`sim`] its seeded simulator.
+//! Elastic training (docs/ELASTIC.md): [`replan`] is the re-planning after membership changes.
 //! [`recovery`] holds the process driver's recovery decisions (the step and sources of a new
 //! epoch's state, its members) as pure functions, simulated by `recovery_sim`; [`stepper`] is its
 //! step/commit/recover loop as a sans-IO state machine, simulated by `stepper_sim`. [`txn`] is the
@@ -26,6 +25,10 @@
 //! [`faults`] is the test-only fault injection the runtime calls (a no-op by default).
 //! [`formation`] is the timing of joins and drains (the driver's wait for a new epoch's members,
 //! a worker's drain timer) as sans-IO machines, simulated by `formation_sim`.
+//! `membership` (tests only) is a sans-IO coordinator of the whole elastic protocol (plan
+//! epochs, step commits, checkpoints, joins, drains) that no driver runs, simulated by `sim`:
+//! the process driver runs the machines above instead; the two are kept as a model of the
+//! protocol the driver's pieces are converging on, outside the library's build.
 
 pub mod cluster;
 pub mod compute;
@@ -34,13 +37,11 @@ pub mod error;
 pub mod faults;
 pub mod formation;
 pub mod liveness;
-pub mod membership;
 pub mod node;
 pub mod plan;
 pub mod recovery;
 pub mod replan;
 pub mod shard;
-pub mod sim;
 pub mod stepper;
 pub mod txn;
 pub mod worker;
@@ -53,7 +54,11 @@ mod liveness_sim;
 #[cfg(test)]
 mod loop_sim;
 #[cfg(test)]
+mod membership;
+#[cfg(test)]
 mod recovery_sim;
+#[cfg(test)]
+mod sim;
 /// The seeded simulations' shared test scaffolding (many seeds, replay, determinism); also
 /// used by the `tessera` crate's `restore_sim`.
 #[doc(hidden)]
@@ -67,10 +72,9 @@ mod txn_sim;
 #[cfg(test)]
 mod worker_sim;
 
-pub use compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, ShardInfo, ShardSpec, StepOrder, WorkerCompute};
-pub use driver::{Cluster, ClusterOptions, StepResult, WorkerStopper, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};
+pub use compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, ShardInfo, ShardSpec, StepOrder, StepResult, WorkerCompute};
+pub use driver::{Cluster, ClusterOptions, WorkerStopper, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};
 pub use error::{ActorError, FailureCause, RankFailure};
-pub use membership::{Coordinator, EpochPlan, MembershipConfig, WorkerId};
 pub use plan::{assign_blocks, partition};
 pub use replan::{
     blocks_for_speeds, check_blocks, leaf_counts_for_speeds, leaf_counts_with_floor, propose_rebalance, replan_partition, OldShard,

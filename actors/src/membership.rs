@@ -253,10 +253,6 @@ impl Coordinator {
     pub fn committed(&self) -> u64 {
         self.high_water
     }
-    /// The step the next attempt will run (`committed + 1` unless replaying after a restore).
-    pub fn next_step(&self) -> u64 {
-        self.next_step
-    }
     /// The newest complete checkpoint.
     pub fn durable(&self) -> u64 {
         self.durable

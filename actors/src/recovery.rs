@@ -248,7 +248,7 @@ mod tests {
         let refused = ActorError::MembersLost { epoch: 2, ranks: vec![1], causes: vec!["worker terminated".into()] };
         assert_eq!(after_failure(&refused), AfterFailure::Lost(vec![(1, "worker terminated".into())]));
         // A torn commit is judged by its cause.
-        let prepared = Box::new(crate::driver::StepResult::aggregate(4, 2, Vec::new(), Vec::new()));
+        let prepared = Box::new(crate::compute::StepResult::aggregate(4, 2, Vec::new(), Vec::new()));
         let torn = |e: ComputeError| ActorError::CommitFailed {
             step: 4,
             failures: vec![returned(0, e.torn(Some(4)))],

@@ -26,9 +26,9 @@ use dashmap::DashMap;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 
 use crate::cluster::ClusterMsg;
-use crate::compute::{ComputeError, MemoryReport, Prepared, ShardInfo, WorkerCompute};
-use crate::shard::{OptimShard, ParamShard, ShardMsg, ShardStatus};
-use crate::worker_cmd::{Action, Input, ShardNote, WorkerCmd};
+use crate::compute::{ShardInfo, WorkerCompute};
+use crate::shard::{OptimShard, ParamShard, ShardMsg};
+use crate::worker_cmd::{Action, Input, Outcome, ShardNote, WorkerCmd};
 
 /// Capacity of the command channel from a worker actor to its compute thread: one outstanding
 /// command at a time.
@@ -47,35 +47,6 @@ pub struct ComputeThreads {
 /// A command from the ClusterSupervisor, tagged with its transaction id: the step
 /// transaction's command ([`crate::txn::Cmd`]).
 pub(crate) type Command = crate::txn::Cmd;
-
-/// A worker's answer to one command.
-#[derive(Debug, PartialEq)]
-pub(crate) enum Outcome {
-    Prepared(Result<Prepared, ComputeError>),
-    Committed {
-        step: u64,
-        result: Result<(), ComputeError>,
-    },
-    Abandoned {
-        step: u64,
-    },
-    Memory(MemoryReport),
-    Shards(Vec<ShardStatus>),
-    /// The worker could not run the command (protocol violation or shard query failure).
-    Refused(String),
-}
-
-impl Outcome {
-    /// The answer the step transaction is fed: a failed prepare or commit and a refusal are
-    /// errors (a refusal is this worker's own failure: a protocol violation or a shard query).
-    pub(crate) fn into_answer(self) -> Result<Outcome, ComputeError> {
-        match self {
-            Outcome::Prepared(Err(e)) | Outcome::Committed { result: Err(e), .. } => Err(e),
-            Outcome::Refused(e) => Err(ComputeError::failed(e)),
-            outcome => Ok(outcome),
-        }
-    }
-}
 
 /// Messages to a `DeviceWorker`.
 pub enum WorkerMsg {

@@ -26,8 +26,38 @@
 //! for that order: a step command that arrives while no command is in flight is run whatever
 //! it is.
 
+use crate::compute::{ComputeError, MemoryReport, Prepared};
+use crate::shard::ShardStatus;
 use crate::txn::Cmd;
-use crate::worker::Outcome;
+
+/// A worker's answer to one command.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Outcome {
+    Prepared(Result<Prepared, ComputeError>),
+    Committed {
+        step: u64,
+        result: Result<(), ComputeError>,
+    },
+    Abandoned {
+        step: u64,
+    },
+    Memory(MemoryReport),
+    Shards(Vec<ShardStatus>),
+    /// The worker could not run the command (protocol violation or shard query failure).
+    Refused(String),
+}
+
+impl Outcome {
+    /// The answer the step transaction is fed: a failed prepare or commit and a refusal are
+    /// errors (a refusal is this worker's own failure: a protocol violation or a shard query).
+    pub(crate) fn into_answer(self) -> Result<Outcome, ComputeError> {
+        match self {
+            Outcome::Prepared(Err(e)) | Outcome::Committed { result: Err(e), .. } => Err(e),
+            Outcome::Refused(e) => Err(ComputeError::failed(e)),
+            outcome => Ok(outcome),
+        }
+    }
+}
 
 /// What arrived in the worker's mailbox (and what its queue answered).
 #[derive(Debug)]

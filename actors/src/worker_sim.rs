@@ -46,8 +46,7 @@ use crate::compute::{ComputeError, MemoryReport, Prepared, ShardSpec, StepOrder}
 use crate::error::FailureCause;
 use crate::shard::{ShardKind, ShardStatus};
 use crate::txn::{self, Cmd, Query, Reply, StepTxn};
-use crate::worker::Outcome;
-use crate::worker_cmd::{self, ShardNote, WorkerCmd};
+use crate::worker_cmd::{self, Outcome, ShardNote, WorkerCmd};
 
 const TIMEOUT_MS: u64 = 1_000;
 

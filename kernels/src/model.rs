@@ -110,6 +110,16 @@ impl UnitAccess for FlatAccess<'_> {
     }
 }
 
+/// One micro-batch as the model reads it: `b` rows of `t` tokens and, for each token, the token
+/// that follows it (`targets`); both `b*t` long, row-major.
+#[derive(Clone, Copy, Debug)]
+pub struct MicroBatch<'a> {
+    pub tokens: &'a [u32],
+    pub targets: &'a [u32],
+    pub b: usize,
+    pub t: usize,
+}
+
 /// Reusable activation memory of a model, sized on first use.
 #[derive(Debug, Default)]
 pub struct Workspace {
@@ -300,19 +310,8 @@ impl Model {
     ///
     /// # Panics
     /// If `tokens`/`targets` are not `b*t` long or `t` exceeds the model's context.
-    // Allowed: the batch as its callers hold it (tokens, targets, b, t), the loss scale and the
-    // workspace; a batch struct would only be built and taken apart at each of them.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_backward(
-        &self,
-        acc: &mut dyn UnitAccess,
-        tokens: &[u32],
-        targets: &[u32],
-        b: usize,
-        t: usize,
-        dloss: f32,
-        ws: &mut Workspace,
-    ) -> f32 {
+    pub fn forward_backward(&self, acc: &mut dyn UnitAccess, batch: MicroBatch<'_>, dloss: f32, ws: &mut Workspace) -> f32 {
+        let MicroBatch { tokens, targets, b, t } = batch;
         self.check_batch(tokens, b, t);
         let d = self.dims(b, t);
         let keep = !self.checkpoint_activations;

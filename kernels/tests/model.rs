@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use safetensors::SafeTensors;
 use tessera_kernels::gradcheck::{check_grad, rel_err};
-use tessera_kernels::model::{Arch, FlatAccess, Model, ModelConfig, Workspace};
+use tessera_kernels::model::{Arch, FlatAccess, MicroBatch, Model, ModelConfig, Workspace};
 
 struct Fixture {
     tensors: HashMap<String, Vec<f32>>,
@@ -71,7 +71,7 @@ fn run(model: &Model, params: &[f32], tokens: &[u32], targets: &[u32], b: usize,
     let mut grads = vec![0.0; params.len()];
     let mut ws = Workspace::default();
     let mut acc = FlatAccess { params, grads: &mut grads, units: model.units() };
-    let loss = model.forward_backward(&mut acc, tokens, targets, b, t, 1.0, &mut ws);
+    let loss = model.forward_backward(&mut acc, MicroBatch { tokens, targets, b, t }, 1.0, &mut ws);
     (loss, grads)
 }
 

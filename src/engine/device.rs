@@ -30,7 +30,7 @@ use rayon::prelude::*;
 use tessera_kernels::cuda::{self, bf16, gpt, Buf, DPtr, Gpu};
 #[cfg(test)]
 use tessera_kernels::model::FlatAccess;
-use tessera_kernels::model::{Model, UnitAccess, Workspace};
+use tessera_kernels::model::{MicroBatch, Model, UnitAccess, Workspace};
 
 use crate::config::ComputeDevice;
 
@@ -60,21 +60,17 @@ impl Device {
     /// One micro-batch's forward and backward (gradients of `dloss ×` its mean loss through
     /// `acc`); returns its mean loss. `rank` picks the GPU (`rank % count`) when the process
     /// opens one.
-    #[allow(clippy::too_many_arguments)] // the model's own forward_backward signature, plus the rank
     pub fn forward_backward(
         &mut self,
         model: &Model,
         acc: &mut dyn UnitAccess,
-        tokens: &[u32],
-        targets: &[u32],
-        b: usize,
-        t: usize,
+        batch: MicroBatch<'_>,
         dloss: f32,
         rank: usize,
     ) -> Result<f32, String> {
         match self {
-            Device::Cpu(ws) => Ok(model.forward_backward(acc, tokens, targets, b, t, dloss, ws)),
-            Device::Cuda(s) => s.forward_backward(model, acc, tokens, targets, (b, t), dloss, rank),
+            Device::Cpu(ws) => Ok(model.forward_backward(acc, batch, dloss, ws)),
+            Device::Cuda(s) => s.forward_backward(model, acc, batch, dloss, rank),
         }
     }
 
@@ -137,14 +133,11 @@ impl Staged {
     /// handed its unit's gradient and marked ready. A device error still completes the events
     /// (with zero gradients), so this rank's collectives stay in step with its peers', and is
     /// returned after them.
-    #[allow(clippy::too_many_arguments)] // the model's forward_backward arguments, grouped where they can be
     fn forward_backward(
         &mut self,
         model: &Model,
         acc: &mut dyn UnitAccess,
-        tokens: &[u32],
-        targets: &[u32],
-        (b, t): (usize, usize),
+        batch: MicroBatch<'_>,
         dloss: f32,
         rank: usize,
     ) -> Result<f32, String> {
@@ -167,12 +160,12 @@ impl Staged {
         let loss = match self.whole {
             Whole::Gpu => {
                 let key = Loaded { staging: self.id, generation: self.generation };
-                gpu_forward_backward(model, &self.params, key, &mut self.grads, tokens, targets, (b, t), dloss, rank)
+                gpu_forward_backward(model, &self.params, key, &mut self.grads, batch, dloss, rank)
             }
             #[cfg(test)]
             Whole::Cpu => {
                 let mut flat = FlatAccess { params: &self.params, grads: &mut self.grads, units };
-                Ok(model.forward_backward(&mut flat, tokens, targets, b, t, dloss, &mut self.cpu_ws))
+                Ok(model.forward_backward(&mut flat, batch, dloss, &mut self.cpu_ws))
             }
         };
         if loss.is_err() {
@@ -299,20 +292,20 @@ impl gpt::UnitHooks for FullHooks<'_> {
     }
 }
 
-#[allow(clippy::too_many_arguments)] // one micro-batch's inputs and where its gradient goes
+/// One micro-batch on this process's GPU (`rank % count`) with the parameters `params` (loaded
+/// unless `key` says the device holds them); its gradient overwrites `grads`.
 fn gpu_forward_backward(
     model: &Model,
     params: &[f32],
     key: Loaded,
     grads: &mut [f32],
-    tokens: &[u32],
-    targets: &[u32],
-    bt: (usize, usize),
+    batch: MicroBatch<'_>,
     dloss: f32,
     rank: usize,
 ) -> Result<f32, String> {
+    let MicroBatch { tokens, targets, b, t } = batch;
     let mut slot = exec_lock();
-    let e = exec_for(&mut slot, model, bt, rank)?;
+    let e = exec_for(&mut slot, model, (b, t), rank)?;
     e.load(params, key)?;
     e.gpu.zero(e.grads.ptr(), &e.gpu.stream).map_err(gpu_err)?;
     let mut hooks = FullHooks { layout: &e.layout, params: e.params.ptr(), grads: e.grads.ptr() };

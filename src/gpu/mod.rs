@@ -96,7 +96,7 @@ pub fn check(seed: u64) -> Result<bool> {
 /// Step 1's loss checks the forward; later steps check that gradients and updates agree, within
 /// bf16 accuracy.
 fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
-    use tessera_kernels::model::{FlatAccess, Workspace};
+    use tessera_kernels::model::{FlatAccess, MicroBatch, Workspace};
     const STEPS: usize = 4;
     let (b, t, lr) = (2usize, 256usize, 1e-3f32);
     let mut cfg = zoo::preset("gpt2-small").map_err(anyhow::Error::msg)?;
@@ -120,7 +120,7 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
         let mut g = vec![0f32; p.len()];
         let cpu_loss = {
             let mut acc = FlatAccess { params: &p, grads: &mut g, units: model.units() };
-            model.forward_backward(&mut acc, &tok, &tgt, b, t, 1.0, &mut ws)
+            model.forward_backward(&mut acc, MicroBatch { tokens: &tok, targets: &tgt, b, t }, 1.0, &mut ws)
         };
         let k = (step + 1) as f64;
         let (b1, b2) = (adam.betas.0 as f64, adam.betas.1 as f64);
@@ -170,6 +170,44 @@ fn f32_bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// The inputs of [`check_adamw_offload`]: normal values, and every 16th element at the
+/// subnormal edge.
+struct AdamInputs {
+    master: Vec<f32>,
+    grad: Vec<f32>,
+    m0: Vec<f32>,
+    v0: Vec<f32>,
+    decay: Vec<u8>,
+}
+
+impl AdamInputs {
+    fn new(seed: u64, len: usize) -> AdamInputs {
+        let mut rng = Rng::derive(seed, &[0x0ff1_0ad0]);
+        let mut normal = |std: f32, n: usize| {
+            let mut v = vec![0f32; n];
+            rng.fill_normal(&mut v, std);
+            v
+        };
+        let mut master = normal(0.02, len);
+        let mut grad = normal(1e-2, len);
+        let mut m0 = normal(1e-3, len);
+        let mut v0: Vec<f32> = normal(1e-3, len).iter().map(|x| x * x).collect();
+        // Every 16th element: values at the subnormal edge (tiny gradients whose squares underflow,
+        // subnormal gradients and moments, zeros of both signs).
+        let tiny = [1e-39f32, -1e-39, 1e-20, -3e-21, 0.0, -0.0, 1e-44, 2e-38];
+        for (k, i) in (0..len).step_by(16).enumerate() {
+            grad[i] = tiny[k % tiny.len()];
+            m0[i] = tiny[(k / 8) % tiny.len()];
+            v0[i] = tiny[(k / 64) % tiny.len()].abs();
+            if k % 5 == 0 {
+                master[i] = tiny[(k / 3) % tiny.len()];
+            }
+        }
+        let decay: Vec<u8> = (0..len).map(|i| u8::from((i / 4096) % 2 == 0)).collect();
+        AdamInputs { master, grad, m0, v0, decay }
+    }
+}
+
 /// The GPU `adamw` kernel against the host step of optimizer offload on the same inputs, bit
 /// for bit: normal values, and elements built to hit subnormals (subnormal gradients, moments
 /// and results), at both lerp forms of m (β1 < 0.5 and ≥ 0.5). Where they differ, the last row
@@ -178,28 +216,7 @@ fn f32_bits(v: &[f32]) -> Vec<u32> {
 fn check_adamw_offload(gpu: &Gpu, seed: u64) -> Result<Vec<cuda::CheckRow>> {
     use tessera_kernels::cuda::{bf16, ops};
     let len = 1 << 20;
-    let mut rng = Rng::derive(seed, &[0x0ff1_0ad0]);
-    let mut normal = |std: f32, n: usize| {
-        let mut v = vec![0f32; n];
-        rng.fill_normal(&mut v, std);
-        v
-    };
-    let mut master = normal(0.02, len);
-    let mut grad = normal(1e-2, len);
-    let mut m0 = normal(1e-3, len);
-    let mut v0: Vec<f32> = normal(1e-3, len).iter().map(|x| x * x).collect();
-    // Every 16th element: values at the subnormal edge (tiny gradients whose squares underflow,
-    // subnormal gradients and moments, zeros of both signs).
-    let tiny = [1e-39f32, -1e-39, 1e-20, -3e-21, 0.0, -0.0, 1e-44, 2e-38];
-    for (k, i) in (0..len).step_by(16).enumerate() {
-        grad[i] = tiny[k % tiny.len()];
-        m0[i] = tiny[(k / 8) % tiny.len()];
-        v0[i] = tiny[(k / 64) % tiny.len()].abs();
-        if k % 5 == 0 {
-            master[i] = tiny[(k / 3) % tiny.len()];
-        }
-    }
-    let decay: Vec<u8> = (0..len).map(|i| u8::from((i / 4096) % 2 == 0)).collect();
+    let AdamInputs { master, grad, m0, v0, decay } = AdamInputs::new(seed, len);
     let mut rows = Vec::new();
     for (betas, grad_scale, step) in [((0.9f32, 0.95f32), 0.37f32, 7u64), ((0.3, 0.999), 1.0, 1)] {
         let hp = ops::AdamStep::new(6e-4, betas, 1e-8, 0.1, step);
@@ -405,18 +422,20 @@ pub struct BenchArgs {
     pub recompute: bool,
 }
 
+/// What the timed steps of `tessera gpu bench` measured on one rank.
+struct Timed {
+    /// Wall-clock seconds of each step (the compute stream synchronised).
+    times: Vec<f64>,
+    /// Each step's mean loss.
+    losses: Vec<f32>,
+    /// The host optimizer's figures at the end of the warm-up (offload only), subtracted from
+    /// the final ones so that the timed steps alone are reported.
+    warm_stats: Option<offload::OffloadStats>,
+}
+
 /// One JSON line of results (rank 0 prints it).
-#[allow(clippy::too_many_arguments)]
-fn report(
-    a: &BenchArgs,
-    model: &Model,
-    world: usize,
-    times: &[f64],
-    losses: &[f32],
-    mem: usize,
-    hash: &str,
-    extra: serde_json::Value,
-) -> String {
+fn report(a: &BenchArgs, model: &Model, world: usize, timed: &Timed, mem: usize, hash: &str, extra: serde_json::Value) -> String {
+    let (times, losses) = (&timed.times, &timed.losses);
     let mut steady: Vec<f64> = times.iter().skip(a.warmup.min(times.len().saturating_sub(1))).copied().collect();
     steady.sort_by(|x, y| x.partial_cmp(y).expect("finite times"));
     let med = steady[steady.len() / 2];
@@ -592,75 +611,110 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     )?;
     r.overlap = !a.no_overlap;
     r.sync()?;
-    let mut times = Vec::with_capacity(a.steps);
-    let mut losses = Vec::with_capacity(a.steps);
-    let mut warm_stats = None;
-    for step in 0..a.steps {
-        if step == a.warmup.min(a.steps.saturating_sub(1)) {
-            warm_stats = r.offload_stats();
-        }
-        let mbs: Vec<_> =
-            (0..m_local).map(|j| batch(a.seed, step, rank * m_local + j, a.micro_batch, a.seq, model.cfg.vocab_size)).collect();
-        let t0 = Instant::now();
-        let (loss, _) = r.step(&mbs, a.lr, 1.0 / m as f32)?;
-        r.sync()?;
-        times.push(t0.elapsed().as_secs_f64());
-        losses.push(loss);
-        if rank == 0 && (step % 10 == 0 || step + 1 == a.steps) {
-            eprintln!("step {step:>4}  loss {loss:.4}  {:.1} ms", times[step] * 1e3);
-        }
-    }
+    let micro_batches = |step: usize| -> Vec<_> {
+        (0..m_local).map(|j| batch(a.seed, step, rank * m_local + j, a.micro_batch, a.seq, model.cfg.vocab_size)).collect()
+    };
+    let timed = timed_steps(a, &mut r, rank, m, micro_batches)?;
     if a.profile {
-        let mbs: Vec<_> =
-            (0..m_local).map(|j| batch(a.seed, a.steps, rank * m_local + j, a.micro_batch, a.seq, model.cfg.vocab_size)).collect();
-        gpu.profile(true)?;
-        r.step(&mbs, a.lr, 1.0 / m as f32)?;
-        r.sync()?;
-        let rows = gpu.profile_report()?;
-        if rank == 0 {
-            let total: f64 = rows.iter().map(|r| r.1).sum();
-            eprintln!("profile of one step (GPU time between marks on the compute stream, rank 0): {total:.2} ms");
-            let mut sorted = rows.clone();
-            sorted.sort_by(|x, y| y.1.partial_cmp(&x.1).expect("finite"));
-            for (what, ms, count) in sorted {
-                eprintln!("  {what:<24} {ms:>8.3} ms  {:>5.1} %  ×{count}", 100.0 * ms / total);
-            }
-        }
+        profile_step(&gpu, &mut r, rank, &micro_batches(a.steps), a.lr, m)?;
     }
     if rank == 0 {
-        if let Some(lt) = gpu.lt.as_ref().filter(|l| l.tuning()) {
-            let lines = lt.tune_report();
-            eprintln!("GEMM tuning (TESSERA_GPU_TUNE, first call of each shape, rank 0): {} GEMMs", lines.len());
-            for l in lines {
-                eprintln!("  {l}");
-            }
-        }
+        print_tuning(&gpu);
     }
     let masters = r.masters()?;
     let hash = blake3::hash(bytemuck::cast_slice(&masters)).to_hex().to_string();
     if rank == 0 {
-        let gib = |b: u64| (b as f64 / (1u64 << 30) as f64 * 1000.0).round() / 1000.0;
-        let (free, total) = gpu.ctx.mem_get_info().map_err(cuda::drv("reading the device memory in use"))?;
-        let mut extra = serde_json::json!({
-            "state_GiB": gib(states.device.total()), "host_state_GiB": gib(states.host_optim),
-            "used_GiB": gib((total - free) as u64), "offload_ratio": a.offload_ratio,
-            "fusions": r.fusions(), "recompute": a.recompute, "early_adam": r.early_adam_active(),
-            "gemm_tune": gpu.lt.as_ref().map_or("off", |l| if l.tuning() { "on" } else if l.routes_plain() { "route" } else { "off" }),
-        });
-        if let (Some(end), Some(o)) = (r.offload_stats(), extra.as_object_mut()) {
-            // The timed steps only (the figures at the end of the warm-up are subtracted).
-            let w = warm_stats.unwrap_or_default();
-            let steps = end.steps.saturating_sub(w.steps).max(1) as f64;
-            let (cpu, exposed) = ((end.cpu_step_s - w.cpu_step_s) / steps, (end.exposed_s - w.exposed_s) / steps);
-            let hidden = if cpu > 0.0 { (1.0 - exposed / cpu).clamp(0.0, 1.0) } else { 0.0 };
-            o.insert("cpu_threads".into(), end.threads.into());
-            o.insert("host_adam_ms".into(), ((cpu * 1e4).round() / 10.0).into());
-            o.insert("exposed_ms".into(), ((exposed * 1e4).round() / 10.0).into());
-            o.insert("hidden".into(), ((hidden * 1000.0).round() / 1000.0).into());
-        }
-        let line = report(a, &model, world, &times, &losses, r.device_bytes(), &hash, extra);
+        let extra = bench_extra(a, &gpu, &r, &states, timed.warm_stats)?;
+        let line = report(a, &model, world, &timed, r.device_bytes(), &hash, extra);
         let mut out = std::io::stdout().lock();
         writeln!(out, "{line}")?;
     }
     Ok(())
+}
+
+/// `a.steps` steps of `m` micro-batches in all (`micro_batches(step)`: this rank's), each timed
+/// from its start to the compute stream's end; rank 0 prints every tenth.
+fn timed_steps(
+    a: &BenchArgs,
+    r: &mut zero::Rank,
+    rank: usize,
+    m: usize,
+    micro_batches: impl Fn(usize) -> Vec<(Vec<u32>, Vec<u32>)>,
+) -> Result<Timed> {
+    let mut timed = Timed { times: Vec::with_capacity(a.steps), losses: Vec::with_capacity(a.steps), warm_stats: None };
+    for step in 0..a.steps {
+        if step == a.warmup.min(a.steps.saturating_sub(1)) {
+            timed.warm_stats = r.offload_stats();
+        }
+        let mbs = micro_batches(step);
+        let t0 = Instant::now();
+        let (loss, _) = r.step(&mbs, a.lr, 1.0 / m as f32)?;
+        r.sync()?;
+        timed.times.push(t0.elapsed().as_secs_f64());
+        timed.losses.push(loss);
+        if rank == 0 && (step % 10 == 0 || step + 1 == a.steps) {
+            eprintln!("step {step:>4}  loss {loss:.4}  {:.1} ms", timed.times[step] * 1e3);
+        }
+    }
+    Ok(timed)
+}
+
+/// One more step with GPU timing marks; rank 0 prints where its time went (to stderr).
+fn profile_step(gpu: &Gpu, r: &mut zero::Rank, rank: usize, mbs: &[(Vec<u32>, Vec<u32>)], lr: f32, m: usize) -> Result<()> {
+    gpu.profile(true)?;
+    r.step(mbs, lr, 1.0 / m as f32)?;
+    r.sync()?;
+    let rows = gpu.profile_report()?;
+    if rank == 0 {
+        let total: f64 = rows.iter().map(|r| r.1).sum();
+        eprintln!("profile of one step (GPU time between marks on the compute stream, rank 0): {total:.2} ms");
+        let mut sorted = rows.clone();
+        sorted.sort_by(|x, y| y.1.partial_cmp(&x.1).expect("finite"));
+        for (what, ms, count) in sorted {
+            eprintln!("  {what:<24} {ms:>8.3} ms  {:>5.1} %  ×{count}", 100.0 * ms / total);
+        }
+    }
+    Ok(())
+}
+
+/// The GEMMs cuBLASLt tuned (`TESSERA_GPU_TUNE`), to stderr.
+fn print_tuning(gpu: &Gpu) {
+    if let Some(lt) = gpu.lt.as_ref().filter(|l| l.tuning()) {
+        let lines = lt.tune_report();
+        eprintln!("GEMM tuning (TESSERA_GPU_TUNE, first call of each shape, rank 0): {} GEMMs", lines.len());
+        for l in lines {
+            eprintln!("  {l}");
+        }
+    }
+}
+
+/// The report's fields beyond the throughput: memory, fusions, and the host optimizer's
+/// figures over the timed steps (offload only).
+fn bench_extra(
+    a: &BenchArgs,
+    gpu: &Gpu,
+    r: &zero::Rank,
+    states: &zero::StateBytes,
+    warm_stats: Option<offload::OffloadStats>,
+) -> Result<serde_json::Value> {
+    let gib = |b: u64| (b as f64 / (1u64 << 30) as f64 * 1000.0).round() / 1000.0;
+    let (free, total) = gpu.ctx.mem_get_info().map_err(cuda::drv("reading the device memory in use"))?;
+    let mut extra = serde_json::json!({
+        "state_GiB": gib(states.device.total()), "host_state_GiB": gib(states.host_optim),
+        "used_GiB": gib((total - free) as u64), "offload_ratio": a.offload_ratio,
+        "fusions": r.fusions(), "recompute": a.recompute, "early_adam": r.early_adam_active(),
+        "gemm_tune": gpu.lt.as_ref().map_or("off", |l| if l.tuning() { "on" } else if l.routes_plain() { "route" } else { "off" }),
+    });
+    if let (Some(end), Some(o)) = (r.offload_stats(), extra.as_object_mut()) {
+        // The timed steps only (the figures at the end of the warm-up are subtracted).
+        let w = warm_stats.unwrap_or_default();
+        let steps = end.steps.saturating_sub(w.steps).max(1) as f64;
+        let (cpu, exposed) = ((end.cpu_step_s - w.cpu_step_s) / steps, (end.exposed_s - w.exposed_s) / steps);
+        let hidden = if cpu > 0.0 { (1.0 - exposed / cpu).clamp(0.0, 1.0) } else { 0.0 };
+        o.insert("cpu_threads".into(), end.threads.into());
+        o.insert("host_adam_ms".into(), ((cpu * 1e4).round() / 10.0).into());
+        o.insert("exposed_ms".into(), ((exposed * 1e4).round() / 10.0).into());
+        o.insert("hidden".into(), ((hidden * 1000.0).round() / 1000.0).into());
+    }
+    Ok(extra)
 }

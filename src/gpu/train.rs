@@ -30,6 +30,7 @@
 //! SIGHUP, SIGUSR1: `crate::signals`) stop the run after a step with a checkpoint, as on the
 //! CPU. GPU ranks in worker processes or on other hosts are the engine's own GPU ranks
 //! (`tessera.gpu.collective = "quic"`, `crate::engine::device`).
+
 use anyhow::{bail, Result};
 use tessera_kernels::cuda::gpt;
 use tessera_kernels::model::Arch;
@@ -57,26 +58,7 @@ fn offload_name(d: OffloadDevice) -> &'static str {
 /// Refuses what the GPU path does not implement (naming the key and its value); returns notes
 /// on keys it treats differently from the CPU path.
 pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
-    let name = &cfg.tessera.model;
-    let m = zoo::resolve(name).map_err(|e| anyhow::anyhow!("tessera.model: {e}"))?.config().clone();
-    let hd = m.d_model.checked_div(m.n_head).unwrap_or(0);
-    if m.arch == Arch::Llama && !tessera_kernels::cuda::llama::attention::HEAD_DIMS.contains(&hd) {
-        bail!(
-            "tessera.model = \"{name}\" has head dimension {hd} (d_model {} / n_head {}); the GPU grouped-query attention \
-             kernels run head dimensions 64 and 128: use --device cpu",
-            m.d_model,
-            m.n_head
-        );
-    }
-    if m.arch == Arch::Gpt && (m.n_head == 0 || m.d_model % m.n_head != 0 || hd != 64) {
-        bail!(
-            "tessera.model = \"{name}\" has head dimension {} (d_model {} / n_head {}); the GPU attention kernel needs 64: \
-             pick a preset with 64-wide heads (gpt-mini-gpu, gpt-10m, gpt2-small; see `tessera models`) or use --device cpu",
-            m.d_model.checked_div(m.n_head).unwrap_or(0),
-            m.d_model,
-            m.n_head
-        );
-    }
+    check_model(&cfg.tessera.model)?;
     let mut notes = Vec::new();
     match cfg.precision {
         Precision::Fp16(_) => bail!(
@@ -109,6 +91,53 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
             bail!("optimizer.type = \"{t}\": `--device cuda` implements Adam/AdamW only; use --device cpu for {t}");
         }
     }
+    check_offload(cfg)?;
+    // Honoured on the CPU path, without effect here: say so rather than ignore them silently.
+    for key in cfg.present_keys.iter().filter(|k| GPU_IGNORED_KEYS.contains(&k.as_str())) {
+        notes.push(format!("`{key}` has no effect with `--device cuda`: the GPU reduces and gathers the parameters unit by unit"));
+        // (`"auto"` resolves to a value too: Hugging Face configs set these keys that way.)
+    }
+    let elastic = crate::config::elastic_run(cfg)?;
+    if elastic.enabled {
+        bail!(
+            "tessera.elastic is on, and the NCCL GPU trainer (tessera.gpu.collective = \"nccl\", the default) is not elastic: \
+             set tessera.gpu.collective = \"quic\" for elastic GPU ranks (docs/GPU.md), or turn tessera.elastic off"
+        );
+    }
+    if cfg.present_keys.iter().any(|k| k.starts_with("tessera.elastic.")) {
+        notes.push("`tessera.elastic` settings have no effect with the NCCL GPU trainer (elastic is off)".into());
+    }
+    Ok(notes)
+}
+
+/// Refuses a model the GPU kernels cannot run: GPT-2 heads other than 64 wide (the attention
+/// kernel's), LLaMA-family heads other than 64 or 128 (the grouped-query kernels').
+fn check_model(name: &str) -> Result<()> {
+    let m = zoo::resolve(name).map_err(|e| anyhow::anyhow!("tessera.model: {e}"))?.config().clone();
+    let hd = m.d_model.checked_div(m.n_head).unwrap_or(0);
+    if m.arch == Arch::Llama && !tessera_kernels::cuda::llama::attention::HEAD_DIMS.contains(&hd) {
+        bail!(
+            "tessera.model = \"{name}\" has head dimension {hd} (d_model {} / n_head {}); the GPU grouped-query attention \
+             kernels run head dimensions 64 and 128: use --device cpu",
+            m.d_model,
+            m.n_head
+        );
+    }
+    if m.arch == Arch::Gpt && (m.n_head == 0 || m.d_model % m.n_head != 0 || hd != 64) {
+        bail!(
+            "tessera.model = \"{name}\" has head dimension {} (d_model {} / n_head {}); the GPU attention kernel needs 64: \
+             pick a preset with 64-wide heads (gpt-mini-gpu, gpt-10m, gpt2-small; see `tessera models`) or use --device cpu",
+            m.d_model.checked_div(m.n_head).unwrap_or(0),
+            m.d_model,
+            m.n_head
+        );
+    }
+    Ok(())
+}
+
+/// Refuses an offload the GPU trainer cannot do: the optimizer to NVMe, at ZeRO stage 0, by a
+/// share outside 0..=1, or the parameters at all.
+fn check_offload(cfg: &Config) -> Result<()> {
     if let Some(o) = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device != OffloadDevice::None) {
         if o.device == OffloadDevice::Nvme {
             bail!(
@@ -138,22 +167,7 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
             offload_name(o.device)
         );
     }
-    // Honoured on the CPU path, without effect here: say so rather than ignore them silently.
-    for key in cfg.present_keys.iter().filter(|k| GPU_IGNORED_KEYS.contains(&k.as_str())) {
-        notes.push(format!("`{key}` has no effect with `--device cuda`: the GPU reduces and gathers the parameters unit by unit"));
-        // (`"auto"` resolves to a value too: Hugging Face configs set these keys that way.)
-    }
-    let elastic = crate::config::elastic_run(cfg)?;
-    if elastic.enabled {
-        bail!(
-            "tessera.elastic is on, and the NCCL GPU trainer (tessera.gpu.collective = \"nccl\", the default) is not elastic: \
-             set tessera.gpu.collective = \"quic\" for elastic GPU ranks (docs/GPU.md), or turn tessera.elastic off"
-        );
-    }
-    if cfg.present_keys.iter().any(|k| k.starts_with("tessera.elastic.")) {
-        notes.push("`tessera.elastic` settings have no effect with the NCCL GPU trainer (elastic is off)".into());
-    }
-    Ok(notes)
+    Ok(())
 }
 
 /// ZeRO tuning keys the CPU engine honours and the GPU path does not read.

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::SafeTensors;
 use tessera_kernels::gradcheck::rel_err;
-use tessera_kernels::model::{FlatAccess, Model, Workspace};
+use tessera_kernels::model::{FlatAccess, MicroBatch, Model, Workspace};
 
 use super::*;
 use crate::checkpoint::TensorDtype;
@@ -55,15 +55,8 @@ fn matches_transformers(name: &str) {
     let (tokens, targets) = (&r.ints["tokens"], &r.ints["targets"]);
     let mut grads = vec![0.0; params.len()];
     let mut ws = Workspace::default();
-    let loss = model.forward_backward(
-        &mut FlatAccess { params: &params, grads: &mut grads, units: model.units() },
-        tokens,
-        targets,
-        r.b,
-        r.t,
-        1.0,
-        &mut ws,
-    );
+    let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
+    let loss = model.forward_backward(&mut acc, MicroBatch { tokens, targets, b: r.b, t: r.t }, 1.0, &mut ws);
     let want = r.f32s["loss"][0];
     assert!(((loss - want) / want).abs() < 1e-5, "{name}: loss {loss}, transformers {want}");
     let mut compared = 0;

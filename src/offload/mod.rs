@@ -322,7 +322,7 @@ pub fn check_resident(who: &str, resident: ResidentBytes, max: u64, hint: &str) 
 mod bench {
     //! Measurements (ignored by default): `cargo test --release --lib offload::bench -- --ignored --nocapture`,
     //! with `TESSERA_BENCH_DIR` naming a directory on the disk to measure (default: the current one).
-    use std::path::PathBuf;
+    use std::path::{Path, PathBuf};
     use std::time::Instant;
 
     use tessera_kernels::optim::{AdamParams, FlatLayout, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
@@ -339,10 +339,29 @@ mod bench {
         (0..n).map(|_| f()).fold(f64::INFINITY, f64::min)
     }
 
+    /// Memory bandwidth, CPU AdamW, swap-file transfers and the NVMe tier's optimizer step on
+    /// this machine (`TESSERA_BENCH_DIR` names where the swap files go).
     #[test]
     #[ignore = "measurement: run by hand"]
     fn measure_offload() {
         let dir = PathBuf::from(std::env::var("TESSERA_BENCH_DIR").unwrap_or_else(|_| ".".into()));
+        let bw = measure_memcpy();
+        measure_adamw(bw);
+        measure_swap_file(&dir);
+        measure_nvme_step(&dir);
+    }
+
+    /// 16M parameters of AdamW (weight decay 0.1) over one tensor: its optimizer, the layout and
+    /// the gradient.
+    fn adamw_16m() -> (OptimizerKind, FlatLayout, Vec<bool>, Vec<f32>) {
+        let len = 16 << 20;
+        let layout = FlatLayout::new(std::iter::once(0..len).collect()).unwrap();
+        let kind = OptimizerKind::Adam(AdamParams { weight_decay: 0.1, ..AdamParams::default() });
+        (kind, layout, vec![true], vec![0.01f32; len])
+    }
+
+    /// Returns the bandwidth in GB/s.
+    fn measure_memcpy() -> f64 {
         // Memory bandwidth: a 512 MiB copy (read + write counted).
         let n = 128 << 20;
         let src = vec![1.0f32; n];
@@ -356,15 +375,15 @@ mod bench {
         let bw = gbps(2.0 * 4.0 * n as f64, s);
         println!("memcpy: {:.2} GB/s (read + write of {} MiB)", bw, (4 * n) >> 20);
         drop((src, dst));
+        bw
+    }
 
+    fn measure_adamw(bw: f64) {
         // CPU AdamW: 16M parameters, in memory.
-        let len = 16 << 20;
-        let layout = FlatLayout::new(std::iter::once(0..len).collect()).unwrap();
-        let decay = vec![true];
-        let kind = OptimizerKind::Adam(AdamParams { weight_decay: 0.1, ..AdamParams::default() });
+        let (kind, layout, decay, g) = adamw_16m();
+        let len = g.len();
         let mut shard = OptimizerShard::new(kind, len);
         let mut p = vec![0.5f32; len];
-        let g = vec![0.01f32; len];
         let ctx = StepContext { shard_range: 0..len, layout: &layout, decay: &decay };
         let s = best_of(5, || {
             let t = Instant::now();
@@ -380,7 +399,9 @@ mod bench {
             gbps(28.0 * len as f64, s),
             100.0 * gbps(28.0 * len as f64, s) / bw
         );
+    }
 
+    fn measure_swap_file(dir: &Path) {
         // Swap-file transfers: 1 GiB, default aio settings (1 MiB requests, queue depth 8).
         let o = AioOptions::default();
         let bytes = 1usize << 30;
@@ -406,10 +427,17 @@ mod bench {
         );
         drop(f);
         drop(buf);
+    }
 
+    fn measure_nvme_step(dir: &Path) {
+        let (kind, layout, decay, g) = adamw_16m();
+        let len = g.len();
+        let ctx = StepContext { shard_range: 0..len, layout: &layout, decay: &decay };
+        let o = AioOptions::default();
         // The NVMe tier's optimizer step, 16M parameters in sub-groups of 1M, with and without pipelining.
         for (pr, pw) in [(false, false), (true, false), (true, true)] {
-            let site = SwapSite { dir: dir.clone(), rank: 0, aio: o.clone(), chunk_elems: 1 << 20, pipeline_read: pr, pipeline_write: pw };
+            let site =
+                SwapSite { dir: dir.to_path_buf(), rank: 0, aio: o.clone(), chunk_elems: 1 << 20, pipeline_read: pr, pipeline_write: pw };
             let (mut m, e1) = Masters::new(vec![0.5; len], Tier::Nvme, Some(&site));
             let (mut st, e2) = OptimState::new(kind, len, Tier::Nvme, Some(&site));
             assert!(e1.is_none() && e2.is_none(), "{e1:?} {e2:?}");

@@ -171,6 +171,16 @@ pub struct SwapStats {
 }
 
 impl SwapStats {
+    /// Adds `o`'s bytes and seconds (not its steps).
+    fn add_io(&mut self, o: &SwapStats) {
+        self.bytes_read += o.bytes_read;
+        self.bytes_written += o.bytes_written;
+        self.read_s += o.read_s;
+        self.write_s += o.write_s;
+        self.wait_s += o.wait_s;
+        self.compute_s += o.compute_s;
+    }
+
     /// Share of the I/O time hidden behind compute.
     pub fn hidden_fraction(&self) -> f64 {
         let io = self.read_s + self.write_s;
@@ -319,7 +329,9 @@ impl OptimState {
         res
     }
 
-    #[allow(clippy::too_many_arguments)]
+    // Long: the sub-groups' read-ahead, step and write-behind share one thread scope and hand
+    // buffer sets between the I/O threads and the step; split further, the handles, the free
+    // sets and the timings would pass through every piece.
     fn swapped_step(
         &mut self,
         mfile: &SwapFile,
@@ -340,14 +352,7 @@ impl OptimState {
         };
         let n = len.div_ceil(chunk);
         if n == 0 {
-            // An empty shard still takes part in Lamb's collective norms.
-            let mut empty = OptimizerShard::new(self.kind, 0);
-            empty
-                .load_state(self.step, &self.kind.state_names().iter().map(|s| (*s, Vec::new())).collect::<Vec<_>>())
-                .map_err(|e| e.to_string())?;
-            empty.step(&mut [], &[], lr, ctx, reducer).map_err(|e| e.to_string())?;
-            self.step += 1;
-            return Ok(());
+            return self.step_empty(lr, ctx, reducer);
         }
         let range_of = |k: usize| k * chunk..((k + 1) * chunk).min(len);
         let files: Vec<&SwapFile> = std::iter::once(mfile).chain(self.swapped.iter().map(|(_, s)| &s.file)).collect();
@@ -379,17 +384,14 @@ impl OptimState {
             }
             Ok((set, t.elapsed().as_secs_f64()))
         };
-        let (kind, step) = (self.kind, self.step);
-        let names = kind.state_names();
+        let sub = SubGroupStep { kind: self.kind, step: self.step, g, lr, ctx };
         let mut stats = SwapStats::default();
         let mut scratch: Option<OptimizerShard> = None;
         let rank = site.rank;
         let fail = |e: io::Error| format!("rank {rank}: {e}");
-        let joined =
-            |h: ScopedJoinHandle<'_, io::Result<(Set, f64)>>| h.join().unwrap_or_else(|_| Err(io::Error::other("an I/O thread panicked")));
         std::thread::scope(|s| -> Result<(), String> {
-            let mut reading: Option<ScopedJoinHandle<'_, io::Result<(Set, f64)>>> = None;
-            let mut writing: Option<ScopedJoinHandle<'_, io::Result<(Set, f64)>>> = None;
+            let mut reading: Option<Io<'_>> = None;
+            let mut writing: Option<Io<'_>> = None;
             for k in 0..n {
                 let t = Instant::now();
                 let mut cur = match reading.take() {
@@ -399,14 +401,7 @@ impl OptimState {
                         set
                     }
                     None => {
-                        let set = match free.pop() {
-                            Some(set) => set,
-                            None => {
-                                let (set, secs) = joined(writing.take().ok_or("no free swap buffer")?).map_err(fail)?;
-                                stats.write_s += secs;
-                                set
-                            }
-                        };
+                        let set = free_set(&mut free, &mut writing, &mut stats).map_err(fail)?;
                         let (set, secs) = read(set, k).map_err(fail)?;
                         stats.read_s += secs;
                         set
@@ -414,37 +409,15 @@ impl OptimState {
                 };
                 stats.bytes_read += (padded(&range_of(k)) * files.len()) as u64;
                 if site.pipeline_read && k + 1 < n {
-                    let set = match free.pop() {
-                        Some(set) => set,
-                        None => {
-                            let (set, secs) = joined(writing.take().ok_or("no free swap buffer")?).map_err(fail)?;
-                            stats.write_s += secs;
-                            set
-                        }
-                    };
+                    let set = free_set(&mut free, &mut writing, &mut stats).map_err(fail)?;
                     reading = Some(s.spawn(move || read(set, k + 1)));
                 }
                 stats.wait_s += t.elapsed().as_secs_f64();
                 // Compute: the shard's state for this sub-group, stepped as its own shard.
                 let t = Instant::now();
                 let r = range_of(k);
-                let (mbuf, rest) = cur.split_first_mut().ok_or("empty swap buffer set")?;
-                let bufs: Vec<(&str, Vec<f32>)> = names.iter().zip(rest.iter()).map(|(nm, b)| (*nm, b.f32s(r.len()).to_vec())).collect();
-                let sc = match scratch.take() {
-                    Some(sc) if sc.len() == r.len() => sc,
-                    _ => OptimizerShard::new(kind, r.len()),
-                };
-                let mut sc = sc;
-                sc.load_state(step, &bufs).map_err(|e| e.to_string())?;
-                drop(bufs);
-                let sub = ctx.shard_range.start + r.start..ctx.shard_range.start + r.end;
-                let sub_ctx = StepContext { shard_range: sub, layout: ctx.layout, decay: ctx.decay };
-                sc.step(mbuf.f32s_mut(r.len()), &g[r.clone()], lr, &sub_ctx, reducer).map_err(|e| e.to_string())?;
-                for ((_, src), dst) in sc.state_buffers().into_iter().zip(rest.iter_mut()) {
-                    dst.f32s_mut(r.len()).copy_from_slice(src);
-                }
-                scratch = Some(sc);
-                publish(r.start, mbuf.f32s(r.len()))?;
+                sub.run(r.clone(), &mut cur, &mut scratch, reducer)?;
+                publish(r.start, cur.first().ok_or("empty swap buffer set")?.f32s(r.len()))?;
                 stats.compute_s += t.elapsed().as_secs_f64();
                 stats.bytes_written += (padded(&r) * files.len()) as u64;
                 let t = Instant::now();
@@ -471,13 +444,78 @@ impl OptimState {
             Ok(())
         })?;
         self.step += 1;
-        let t = &mut self.stats;
-        t.bytes_read += stats.bytes_read;
-        t.bytes_written += stats.bytes_written;
-        t.read_s += stats.read_s;
-        t.write_s += stats.write_s;
-        t.wait_s += stats.wait_s;
-        t.compute_s += stats.compute_s;
+        self.stats.add_io(&stats);
+        Ok(())
+    }
+
+    /// The step of an empty shard, which still takes part in Lamb's collective norms.
+    fn step_empty(&mut self, lr: f32, ctx: &StepContext<'_>, reducer: &mut dyn NormAllReduce) -> Result<(), String> {
+        let mut empty = OptimizerShard::new(self.kind, 0);
+        empty
+            .load_state(self.step, &self.kind.state_names().iter().map(|s| (*s, Vec::new())).collect::<Vec<_>>())
+            .map_err(|e| e.to_string())?;
+        empty.step(&mut [], &[], lr, ctx, reducer).map_err(|e| e.to_string())?;
+        self.step += 1;
+        Ok(())
+    }
+}
+
+/// A buffer set's I/O on its thread: the set back, and the seconds it took.
+type Io<'scope> = ScopedJoinHandle<'scope, io::Result<(Set, f64)>>;
+
+/// The set and seconds of I/O `h` (a panic on its thread is an I/O error).
+fn joined(h: Io<'_>) -> io::Result<(Set, f64)> {
+    h.join().unwrap_or_else(|_| Err(io::Error::other("an I/O thread panicked")))
+}
+
+/// A free buffer set, or else the one the write in flight gives back (its seconds counted).
+fn free_set(free: &mut Vec<Set>, writing: &mut Option<Io<'_>>, stats: &mut SwapStats) -> io::Result<Set> {
+    if let Some(set) = free.pop() {
+        return Ok(set);
+    }
+    let (set, secs) = joined(writing.take().ok_or_else(|| io::Error::other("no free swap buffer"))?)?;
+    stats.write_s += secs;
+    Ok(set)
+}
+
+/// What the step of every sub-group of a swapped shard shares: the optimizer, the step count
+/// before the step, the shard's gradient, the learning rate and the shard's context.
+struct SubGroupStep<'a> {
+    kind: OptimizerKind,
+    step: u64,
+    g: &'a [f32],
+    lr: f32,
+    ctx: &'a StepContext<'a>,
+}
+
+impl SubGroupStep<'_> {
+    /// Steps elements `r` of the shard as a shard of their own: `set` holds their masters, then
+    /// each state buffer (as read from the swap files), and is overwritten with the new values.
+    /// `scratch` is the optimizer shard kept between sub-groups of one length.
+    fn run(
+        &self,
+        r: Range<usize>,
+        set: &mut Set,
+        scratch: &mut Option<OptimizerShard>,
+        reducer: &mut dyn NormAllReduce,
+    ) -> Result<(), String> {
+        let (mbuf, rest) = set.split_first_mut().ok_or("empty swap buffer set")?;
+        let names = self.kind.state_names();
+        let bufs: Vec<(&str, Vec<f32>)> = names.iter().zip(rest.iter()).map(|(nm, b)| (*nm, b.f32s(r.len()).to_vec())).collect();
+        let mut sc = match scratch.take() {
+            Some(sc) if sc.len() == r.len() => sc,
+            _ => OptimizerShard::new(self.kind, r.len()),
+        };
+        sc.load_state(self.step, &bufs).map_err(|e| e.to_string())?;
+        drop(bufs);
+        let ctx = self.ctx;
+        let sub = ctx.shard_range.start + r.start..ctx.shard_range.start + r.end;
+        let sub_ctx = StepContext { shard_range: sub, layout: ctx.layout, decay: ctx.decay };
+        sc.step(mbuf.f32s_mut(r.len()), &self.g[r.clone()], self.lr, &sub_ctx, reducer).map_err(|e| e.to_string())?;
+        for ((_, src), dst) in sc.state_buffers().into_iter().zip(rest.iter_mut()) {
+            dst.f32s_mut(r.len()).copy_from_slice(src);
+        }
+        *scratch = Some(sc);
         Ok(())
     }
 }

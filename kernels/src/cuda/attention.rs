@@ -31,6 +31,29 @@ pub const HEAD_DIM: usize = 64;
 pub const TILE: usize = 64;
 const THREADS: u32 = 128;
 
+/// The shape of one attention call: `b` sequences of `t` tokens, `c` channels split into `nh`
+/// heads (of [`HEAD_DIM`] each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnShape {
+    pub b: usize,
+    pub t: usize,
+    pub c: usize,
+    pub nh: usize,
+}
+
+/// The buffers of [`attention_backward`]: it writes `dqkv` [B, T, 3C] and uses `delta`
+/// [B, nh, T] as scratch; it reads `dy` [B, T, C], the forward's input `qkv` [B, T, 3C], output
+/// `y` [B, T, C] and log-sum-exp `lse` [B, nh, T].
+#[derive(Clone, Copy)]
+pub struct AttnBackward {
+    pub dqkv: DPtr<bf16>,
+    pub delta: DPtr<f32>,
+    pub dy: DPtr<bf16>,
+    pub qkv: DPtr<bf16>,
+    pub y: DPtr<bf16>,
+    pub lse: DPtr<f32>,
+}
+
 /// Validates the shape; returns hd.
 fn check_shape(what: &str, b: usize, t: usize, c: usize, nh: usize) -> Result<usize> {
     if nh == 0 || c == 0 || c % nh != 0 {
@@ -219,27 +242,13 @@ fn scales(hd: usize) -> (f32, f32) {
 
 /// y = softmax(q kᵀ/√hd + causal mask) v per head; saves the per-row log-sum-exp of the scaled
 /// scores for backward, in log2 units (`lse · ln 2` is the natural log-sum-exp).
-// Allowed: the CPU op's signature (`ops::attention`: buffers, then b, t, c, nh) plus the GPU and
-// the stream.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_forward(
-    gpu: &Gpu,
-    stream: &CudaStream,
-    y: DPtr<bf16>,
-    lse: DPtr<f32>, /* [b, nh, t] */
-    qkv: DPtr<bf16>,
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
-) -> Result<()> {
+/// `y` is [B, T, C], `lse` [B, nh, T], `qkv` [B, T, 3C].
+pub fn attention_forward(gpu: &Gpu, stream: &CudaStream, y: DPtr<bf16>, lse: DPtr<f32>, qkv: DPtr<bf16>, shape: AttnShape) -> Result<()> {
     let variant = Variant::from_env();
-    forward_kernel(fwd_kernel(gpu, variant)?, gpu, stream, y, lse, qkv, b, t, c, nh)
+    forward_kernel(fwd_kernel(gpu, variant)?, gpu, stream, y, lse, qkv, shape)
 }
 
-// Allowed: the CPU op's signature (`ops::attention`: buffers, then b, t, c, nh) plus the GPU and
-// the stream (and the kernel chosen).
-#[allow(clippy::too_many_arguments)]
+/// [`attention_forward`] with the kernel given.
 fn forward_kernel(
     kernel: FwdKernel,
     gpu: &Gpu,
@@ -247,11 +256,9 @@ fn forward_kernel(
     y: DPtr<bf16>,
     lse: DPtr<f32>,
     qkv: DPtr<bf16>,
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
+    shape: AttnShape,
 ) -> Result<()> {
+    let AttnShape { b, t, c, nh } = shape;
     const W: &str = "attention_forward";
     let hd = check_shape(W, b, t, c, nh)?;
     check_len(W, "y", &y, b * t * c, "[B, T, C]")?;
@@ -278,45 +285,15 @@ fn forward_kernel(
 /// By default `delta` = rowsum(dy∘y) from the bf16 `y` (the forward's output for the same `qkv`),
 /// computed by the dQ kernel for its own rows. With `TESSERA_ATTN_PRECISE=1` it is rowsum(P∘dP)
 /// in f32 (equal to rowsum(dy∘o) for the exact f32 output o) and `y` is checked but not read.
-// Allowed: the CPU op's signature (`ops::attention`: buffers, then b, t, c, nh) plus the GPU and
-// the stream.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_backward(
-    gpu: &Gpu,
-    stream: &CudaStream,
-    dqkv: DPtr<bf16>,
-    delta: DPtr<f32>,
-    dy: DPtr<bf16>,
-    qkv: DPtr<bf16>,
-    y: DPtr<bf16>,
-    lse: DPtr<f32>,
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
-) -> Result<()> {
+pub fn attention_backward(gpu: &Gpu, stream: &CudaStream, bufs: &AttnBackward, shape: AttnShape) -> Result<()> {
     let variant = Variant::from_env();
-    backward_layout(bwd_layout(gpu, variant)?, gpu, stream, dqkv, delta, dy, qkv, y, lse, b, t, c, nh)
+    backward_layout(bwd_layout(gpu, variant)?, gpu, stream, bufs, shape)
 }
 
-// Allowed: the CPU op's signature (`ops::attention`: buffers, then b, t, c, nh) plus the GPU and
-// the stream (and the kernels chosen).
-#[allow(clippy::too_many_arguments)]
-fn backward_layout(
-    layout: BwdLayout,
-    gpu: &Gpu,
-    stream: &CudaStream,
-    dqkv: DPtr<bf16>,
-    delta: DPtr<f32>,
-    dy: DPtr<bf16>,
-    qkv: DPtr<bf16>,
-    y: DPtr<bf16>,
-    lse: DPtr<f32>,
-    b: usize,
-    t: usize,
-    c: usize,
-    nh: usize,
-) -> Result<()> {
+/// [`attention_backward`] with the kernels given.
+fn backward_layout(layout: BwdLayout, gpu: &Gpu, stream: &CudaStream, bufs: &AttnBackward, shape: AttnShape) -> Result<()> {
+    let AttnShape { b, t, c, nh } = shape;
+    let AttnBackward { dqkv, delta, dy, qkv, y, lse } = *bufs;
     const W: &str = "attention_backward";
     let hd = check_shape(W, b, t, c, nh)?;
     check_len(W, "dqkv", &dqkv, b * t * 3 * c, "[B, T, 3C]")?;
@@ -456,13 +433,13 @@ fn check_wgmma_operands(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     Ok(rows)
 }
 
+/// Strict elementwise metric of the precise kernels (and of lse and the bit-identical rows).
+const FLOOR: f64 = 1e-2;
+const TOL: f64 = 2e-2;
+
 fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>> {
     use crate::gradcheck::randn;
-    use crate::ops::attention as cpu;
 
-    // Strict elementwise metric of the precise kernels.
-    const FLOOR: f64 = 1e-2;
-    const TOL: f64 = 2e-2;
     let shapes: [(usize, usize, usize, usize); 5] = [(2, 1, 128, 2), (2, 77, 128, 2), (1, 200, 192, 3), (3, 64, 64, 1), (1, 1024, 128, 2)];
     let stream = gpu.stream.clone();
     let mut rows = Vec::new();
@@ -471,17 +448,11 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
         Variant::Precise => " precise",
     };
     for (si, &(b, t, c, nh)) in shapes.iter().enumerate() {
+        let shape = AttnShape { b, t, c, nh };
         let s = seed.wrapping_mul(1000).wrapping_add(si as u64 * 2);
         let qkv_h = round_bf16(&randn(s, b * t * 3 * c, 1.0));
         let dy_h = round_bf16(&randn(s + 1, b * t * c, 1.0));
-        let qkv_f = to_f32(&qkv_h);
-        let dy_f = to_f32(&dy_h);
-
-        let mut y_cpu = vec![0f32; b * t * c];
-        let mut att = vec![0f32; b * nh * t * t];
-        cpu::attention_forward(&mut y_cpu, &mut att, &qkv_f, b, t, c, nh);
-        let mut dqkv_cpu = vec![0f32; b * t * 3 * c];
-        cpu::attention_backward(&mut dqkv_cpu, &dy_f, &qkv_f, &att, b, t, c, nh);
+        let cpu = CpuReference::new(&to_f32(&qkv_h), &to_f32(&dy_h), shape);
 
         let qkv = gpu.upload(&qkv_h)?;
         let dy = gpu.upload(&dy_h)?;
@@ -491,87 +462,34 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
         // Poisoned with NaN bits so an element the backward fails to write shows as non-finite.
         let mut dqkv = gpu.alloc::<bf16>(b * t * 3 * c)?;
         gpu.write(&mut dqkv, 0, &vec![bf16::NAN; b * t * 3 * c])?;
+        let bufs = AttnBackward { dqkv: dqkv.ptr(), delta: delta.ptr(), dy: dy.ptr(), qkv: qkv.ptr(), y: y.ptr(), lse: lse.ptr() };
 
         let run = || -> Result<()> {
-            forward_kernel(fwd_kernel(gpu, variant)?, gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), b, t, c, nh)?;
-            backward_layout(
-                bwd_layout(gpu, variant)?,
-                gpu,
-                &stream,
-                dqkv.ptr(),
-                delta.ptr(),
-                dy.ptr(),
-                qkv.ptr(),
-                y.ptr(),
-                lse.ptr(),
-                b,
-                t,
-                c,
-                nh,
-            )
+            forward_kernel(fwd_kernel(gpu, variant)?, gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), shape)?;
+            backward_layout(bwd_layout(gpu, variant)?, gpu, &stream, &bufs, shape)
         };
         run()?;
         let y_gpu = to_f32(&gpu.download(y.ptr())?);
         let dqkv_gpu = to_f32(&gpu.download(dqkv.ptr())?);
-
-        // lse from the CPU probabilities: p_ii = exp(s_ii − lse_i), so lse_i = s_ii − ln p_ii.
-        let hd = c / nh;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let mut lse_cpu = vec![0f32; b * nh * t];
-        for bi in 0..b {
-            for h in 0..nh {
-                for i in 0..t {
-                    let row = &qkv_f[(bi * t + i) * 3 * c..][..3 * c];
-                    let sii: f64 = (0..hd).map(|d| row[h * hd + d] as f64 * row[c + h * hd + d] as f64).sum::<f64>() * scale;
-                    let p = att[((bi * nh + h) * t + i) * t + i] as f64;
-                    lse_cpu[(bi * nh + h) * t + i] = (sii - p.ln()) as f32;
-                }
-            }
-        }
         // The kernels keep lse in log2 units.
         let lse_gpu: Vec<f32> = gpu.download(lse.ptr())?.iter().map(|&l| l * std::f32::consts::LN_2).collect();
 
         let tag = format!("[b={b} t={t} c={c} nh={nh}]{vtag}");
         let outputs: [(String, Vec<f32>, Vec<f32>); 4] = [
-            (format!("attention_forward y {tag}"), y_gpu.clone(), y_cpu.clone()),
-            (format!("attention_backward dq {tag}"), part_cols(&dqkv_gpu, c, 0), part_cols(&dqkv_cpu, c, 0)),
-            (format!("attention_backward dk {tag}"), part_cols(&dqkv_gpu, c, 1), part_cols(&dqkv_cpu, c, 1)),
-            (format!("attention_backward dv {tag}"), part_cols(&dqkv_gpu, c, 2), part_cols(&dqkv_cpu, c, 2)),
+            (format!("attention_forward y {tag}"), y_gpu.clone(), cpu.y.clone()),
+            (format!("attention_backward dq {tag}"), part_cols(&dqkv_gpu, c, 0), part_cols(&cpu.dqkv, c, 0)),
+            (format!("attention_backward dk {tag}"), part_cols(&dqkv_gpu, c, 1), part_cols(&cpu.dqkv, c, 1)),
+            (format!("attention_backward dv {tag}"), part_cols(&dqkv_gpu, c, 2), part_cols(&cpu.dqkv, c, 2)),
         ];
-        rows.push(CheckRow::compare(format!("attention_forward lse {tag}"), &lse_gpu, &lse_cpu, FLOOR, 1e-3));
+        rows.push(CheckRow::compare(format!("attention_forward lse {tag}"), &lse_gpu, &cpu.lse, FLOOR, 1e-3));
         for (name, g, cp) in &outputs {
             match variant {
                 Variant::Plain => rows.extend(plain_rows(name, g, cp)),
                 Variant::Precise => rows.push(CheckRow::compare(name.clone(), g, cp, FLOOR, TOL)),
             }
         }
-
-        // Every backward layout and forward kernel this GPU runs gives the same bits (tolerance 0).
         if variant == Variant::Plain {
-            let lse_h = gpu.download(lse.ptr())?;
-            for k in FWD_KERNELS.into_iter().filter(|k| runs_on(gpu, k.module)) {
-                let y2 = gpu.alloc::<bf16>(b * t * c)?;
-                let l2 = gpu.alloc::<f32>(b * nh * t)?;
-                forward_kernel(k, gpu, &stream, y2.ptr(), l2.ptr(), qkv.ptr(), b, t, c, nh)?;
-                let yk = to_f32(&gpu.download(y2.ptr())?);
-                let lk = gpu.download(l2.ptr())?;
-                rows.push(CheckRow::compare(format!("attention_forward {} kernel y bit-identical {tag}", k.name), &yk, &y_gpu, FLOOR, 0.0));
-                rows.push(CheckRow::compare(
-                    format!("attention_forward {} kernel lse bit-identical {tag}", k.name),
-                    &lk,
-                    &lse_h,
-                    FLOOR,
-                    0.0,
-                ));
-            }
-            for layout in BWD_LAYOUTS.into_iter().filter(|l| runs_on(gpu, l.module)) {
-                let mut other = gpu.alloc::<bf16>(b * t * 3 * c)?;
-                gpu.write(&mut other, 0, &vec![bf16::NAN; b * t * 3 * c])?;
-                backward_layout(layout, gpu, &stream, other.ptr(), delta.ptr(), dy.ptr(), qkv.ptr(), y.ptr(), lse.ptr(), b, t, c, nh)?;
-                let o = to_f32(&gpu.download(other.ptr())?);
-                let name = format!("attention_backward {} layout bit-identical {tag}", layout.name);
-                rows.push(CheckRow::compare(name, &o, &dqkv_gpu, FLOOR, 0.0));
-            }
+            rows.extend(same_bits_everywhere(gpu, &bufs, shape, &tag, (&y_gpu, &dqkv_gpu))?);
         }
 
         // Determinism: a second run must give the same bits (tolerance 0).
@@ -582,6 +500,74 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
             rows.push(CheckRow::compare(format!("attention_forward rerun bit-identical {tag}"), &y2, &y_gpu, FLOOR, 0.0));
             rows.push(CheckRow::compare(format!("attention_backward rerun bit-identical {tag}"), &d2, &dqkv_gpu, FLOOR, 0.0));
         }
+    }
+    Ok(rows)
+}
+
+/// `crate::ops::attention` in f32 on the bf16-rounded inputs: the output, the input gradient and
+/// the natural log-sum-exp of each row's scaled scores.
+struct CpuReference {
+    y: Vec<f32>,
+    dqkv: Vec<f32>,
+    lse: Vec<f32>,
+}
+
+impl CpuReference {
+    fn new(qkv_f: &[f32], dy_f: &[f32], shape: AttnShape) -> CpuReference {
+        use crate::ops::attention as cpu;
+        let AttnShape { b, t, c, nh } = shape;
+        let mut y = vec![0f32; b * t * c];
+        let mut att = vec![0f32; b * nh * t * t];
+        cpu::attention_forward(&mut y, &mut att, qkv_f, b, t, c, nh);
+        let mut dqkv = vec![0f32; b * t * 3 * c];
+        cpu::attention_backward(&mut dqkv, dy_f, qkv_f, &att, b, t, c, nh);
+        // lse from the CPU probabilities: p_ii = exp(s_ii − lse_i), so lse_i = s_ii − ln p_ii.
+        let hd = c / nh;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut lse = vec![0f32; b * nh * t];
+        for bi in 0..b {
+            for h in 0..nh {
+                for i in 0..t {
+                    let row = &qkv_f[(bi * t + i) * 3 * c..][..3 * c];
+                    let sii: f64 = (0..hd).map(|d| row[h * hd + d] as f64 * row[c + h * hd + d] as f64).sum::<f64>() * scale;
+                    let p = att[((bi * nh + h) * t + i) * t + i] as f64;
+                    lse[(bi * nh + h) * t + i] = (sii - p.ln()) as f32;
+                }
+            }
+        }
+        CpuReference { y, dqkv, lse }
+    }
+}
+
+/// Every forward kernel and backward layout this GPU runs gives the same bits (tolerance 0) as
+/// the default ones did into `bufs` (`y_gpu`, `dqkv_gpu`: what they wrote, as f32).
+fn same_bits_everywhere(
+    gpu: &Gpu,
+    bufs: &AttnBackward,
+    shape: AttnShape,
+    tag: &str,
+    (y_gpu, dqkv_gpu): (&[f32], &[f32]),
+) -> Result<Vec<CheckRow>> {
+    let AttnShape { b, t, c, nh } = shape;
+    let stream = gpu.stream.clone();
+    let mut rows = Vec::new();
+    let lse_h = gpu.download(bufs.lse)?;
+    for k in FWD_KERNELS.into_iter().filter(|k| runs_on(gpu, k.module)) {
+        let y2 = gpu.alloc::<bf16>(b * t * c)?;
+        let l2 = gpu.alloc::<f32>(b * nh * t)?;
+        forward_kernel(k, gpu, &stream, y2.ptr(), l2.ptr(), bufs.qkv, shape)?;
+        let yk = to_f32(&gpu.download(y2.ptr())?);
+        let lk = gpu.download(l2.ptr())?;
+        rows.push(CheckRow::compare(format!("attention_forward {} kernel y bit-identical {tag}", k.name), &yk, y_gpu, FLOOR, 0.0));
+        rows.push(CheckRow::compare(format!("attention_forward {} kernel lse bit-identical {tag}", k.name), &lk, &lse_h, FLOOR, 0.0));
+    }
+    for layout in BWD_LAYOUTS.into_iter().filter(|l| runs_on(gpu, l.module)) {
+        let mut other = gpu.alloc::<bf16>(b * t * 3 * c)?;
+        gpu.write(&mut other, 0, &vec![bf16::NAN; b * t * 3 * c])?;
+        backward_layout(layout, gpu, &stream, &AttnBackward { dqkv: other.ptr(), ..*bufs }, shape)?;
+        let o = to_f32(&gpu.download(other.ptr())?);
+        let name = format!("attention_backward {} layout bit-identical {tag}", layout.name);
+        rows.push(CheckRow::compare(name, &o, dqkv_gpu, FLOOR, 0.0));
     }
     Ok(rows)
 }
@@ -607,8 +593,10 @@ pub fn bench(gpu: &Gpu, b: usize, t: usize, c: usize, nh: usize) -> Result<(f64,
     let delta = gpu.alloc::<f32>(b * nh * t)?;
     let dqkv = gpu.alloc::<bf16>(b * t * 3 * c)?;
     let stream = gpu.stream.clone();
-    let fwd = || attention_forward(gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), b, t, c, nh);
-    let bwd = || attention_backward(gpu, &stream, dqkv.ptr(), delta.ptr(), dy.ptr(), qkv.ptr(), y.ptr(), lse.ptr(), b, t, c, nh);
+    let shape = AttnShape { b, t, c, nh };
+    let bufs = AttnBackward { dqkv: dqkv.ptr(), delta: delta.ptr(), dy: dy.ptr(), qkv: qkv.ptr(), y: y.ptr(), lse: lse.ptr() };
+    let fwd = || attention_forward(gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), shape);
+    let bwd = || attention_backward(gpu, &stream, &bufs, shape);
     for _ in 0..3 {
         fwd()?;
         bwd()?;

@@ -64,30 +64,15 @@ impl Blas {
         Ok(Blas { main })
     }
 
-    /// Row-major `C[m,n] = alpha · op(A)[m,k] · op(B)[k,n] + beta · C`, accumulating in f32.
+    /// Row-major `C[m,n] = op(A)[m,k] · op(B)[k,n]` (C overwritten), accumulating in f32.
     /// `A` is stored `[m,k]` (or `[k,m]` when `a.t`), `B` `[k,n]` (or `[n,k]` when `b.t`).
-    // Allowed: BLAS's own argument list, in its order (operands, m, k, n, alpha, beta).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul(&self, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize, alpha: f32, beta: f32) -> Result<()> {
-        self.matmul_batched(c, a, b, m, k, n, alpha, beta, 1, (0, 0, 0))
+    pub fn matmul(&self, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize) -> Result<()> {
+        self.matmul_beta(c, a, b, (m, k, n), 0.0)
     }
 
-    /// [`Blas::matmul`] over `batch` matrices at element strides `(stride_c, stride_a, stride_b)`.
-    // Allowed: BLAS's own argument list, in its order (operands, m, k, n, alpha, beta).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_batched(
-        &self,
-        c: Mat,
-        a: Mat,
-        b: Mat,
-        m: usize,
-        k: usize,
-        n: usize,
-        alpha: f32,
-        beta: f32,
-        batch: usize,
-        strides: (usize, usize, usize),
-    ) -> Result<()> {
+    /// [`Blas::matmul`] adding `beta · C` (`beta = 1`: accumulate into C).
+    pub fn matmul_beta(&self, c: Mat, a: Mat, b: Mat, (m, k, n): (usize, usize, usize), beta: f32) -> Result<()> {
+        let alpha = 1.0f32;
         assert!(!c.t, "the output of a GEMM is never stored transposed");
         // Row-major C = op(A)·op(B) is column-major Cᵀ = op(B)ᵀ·op(A)ᵀ: swap the operands.
         let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
@@ -100,56 +85,28 @@ impl Blas {
         let status = unsafe {
             // SAFETY: the caller's pointers cover the matrices described (checked by the model's
             // wrappers); alpha/beta are f32 as COMPUTE_32F requires.
-            if batch == 1 {
-                cudarc::cublas::sys::cublasGemmEx(
-                    *self.main.handle(),
-                    op(b.t),
-                    op(a.t),
-                    mm,
-                    nn,
-                    kk,
-                    &alpha as *const f32 as *const _,
-                    b.ptr as *const _,
-                    b.dt.cuda(),
-                    ldb,
-                    a.ptr as *const _,
-                    a.dt.cuda(),
-                    lda,
-                    &beta as *const f32 as *const _,
-                    c.ptr as *mut _,
-                    c.dt.cuda(),
-                    ldc,
-                    compute,
-                    algo,
-                )
-            } else {
-                cudarc::cublas::sys::cublasGemmStridedBatchedEx(
-                    *self.main.handle(),
-                    op(b.t),
-                    op(a.t),
-                    mm,
-                    nn,
-                    kk,
-                    &alpha as *const f32 as *const _,
-                    b.ptr as *const _,
-                    b.dt.cuda(),
-                    ldb,
-                    strides.2 as i64,
-                    a.ptr as *const _,
-                    a.dt.cuda(),
-                    lda,
-                    strides.1 as i64,
-                    &beta as *const f32 as *const _,
-                    c.ptr as *mut _,
-                    c.dt.cuda(),
-                    ldc,
-                    strides.0 as i64,
-                    i(batch)?,
-                    compute,
-                    algo,
-                )
-            }
+            cudarc::cublas::sys::cublasGemmEx(
+                *self.main.handle(),
+                op(b.t),
+                op(a.t),
+                mm,
+                nn,
+                kk,
+                &alpha as *const f32 as *const _,
+                b.ptr as *const _,
+                b.dt.cuda(),
+                ldb,
+                a.ptr as *const _,
+                a.dt.cuda(),
+                lda,
+                &beta as *const f32 as *const _,
+                c.ptr as *mut _,
+                c.dt.cuda(),
+                ldc,
+                compute,
+                algo,
+            )
         };
-        status.result().map_err(|e| GpuError::Blas { what: format!("GEMM m={m} k={k} n={n} batch={batch}"), err: format!("{e:?}") })
+        status.result().map_err(|e| GpuError::Blas { what: format!("GEMM m={m} k={k} n={n}"), err: format!("{e:?}") })
     }
 }

@@ -265,62 +265,106 @@ impl Plan {
             }
             set_pointers(desc, &g.epilogue)?;
         }
-        let pref = lt::create_matmul_pref().map_err(lt_err("creating matmul preferences"))?;
-        let chosen = (|| -> Result<Vec<sys::cublasLtMatmulHeuristicResult_t>> {
-            use sys::cublasLtMatmulPreferenceAttributes_t as P;
-            // SAFETY: `pref` is live; values are u64 / u32 as documented.
-            unsafe {
-                let set = |attr: P, v: *const c_void, n: usize| {
-                    lt::set_matmul_pref_attribute(pref, attr, v, n).map_err(lt_err(format!("setting {attr:?}")))
-                };
-                let ws = WORKSPACE_BYTES as u64;
-                set(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const u64 as *const c_void, 8)?;
-                for (attr, a) in [
-                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[1]),
-                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[0]),
-                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2]),
-                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[3]),
-                ] {
-                    set(attr, &a as *const u32 as *const c_void, 4)?;
-                }
-                let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> = vec![std::mem::zeroed(); want.max(1)];
-                let mut got: i32 = 0;
-                let status = sys::cublasLtMatmulAlgoGetHeuristic(
-                    handle,
-                    desc,
-                    la,
-                    lb,
-                    lc,
-                    ld,
-                    pref,
-                    results.len() as i32,
-                    results.as_mut_ptr(),
-                    &mut got,
-                );
-                let none = || GpuError::Blas {
-                    what: format!("no cuBLASLt algorithm for {:?} m={} k={} n={}", g.epilogue.code(), g.m, g.k, g.n),
-                    err: format!("{status:?}"),
-                };
-                if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || got < 1 {
-                    return Err(none());
-                }
-                results.truncate(got as usize);
-                results.retain(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && h.workspaceSize <= WORKSPACE_BYTES);
-                if results.is_empty() {
-                    return Err(none());
-                }
-                Ok(results)
-            }
-        })();
-        // SAFETY: created above, destroyed once.
-        unsafe {
-            let _ = lt::destroy_matmul_pref(pref);
-        }
-        let hs = chosen?;
+        let hs = heuristic(handle, desc, [la, lb, lc, ld], key, g, want)?;
         *plan.algo.get_mut().expect("fresh plan") = hs[0].algo;
         plan.candidates = hs.iter().map(|h| h.algo).collect();
         Ok(plan)
     }
+}
+
+/// cuBLASLt's heuristic for the GEMM `g` described by `desc` and its layouts (A, B, C, D):
+/// up to `want` algorithms (at least one comes back, or an error) that need at most
+/// [`WORKSPACE_BYTES`], for the operand alignments of `key`.
+fn heuristic(
+    handle: sys::cublasLtHandle_t,
+    desc: sys::cublasLtMatmulDesc_t,
+    [la, lb, lc, ld]: [sys::cublasLtMatrixLayout_t; 4],
+    key: &Key,
+    g: &Gemm,
+    want: usize,
+) -> Result<Vec<sys::cublasLtMatmulHeuristicResult_t>> {
+    let pref = lt::create_matmul_pref().map_err(lt_err("creating matmul preferences"))?;
+    let chosen = (|| -> Result<Vec<sys::cublasLtMatmulHeuristicResult_t>> {
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        // SAFETY: `pref` is live; values are u64 / u32 as documented.
+        unsafe {
+            let set = |attr: P, v: *const c_void, n: usize| {
+                lt::set_matmul_pref_attribute(pref, attr, v, n).map_err(lt_err(format!("setting {attr:?}")))
+            };
+            let ws = WORKSPACE_BYTES as u64;
+            set(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const u64 as *const c_void, 8)?;
+            for (attr, a) in [
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align[1]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align[0]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align[2]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align[3]),
+            ] {
+                set(attr, &a as *const u32 as *const c_void, 4)?;
+            }
+            let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> = vec![std::mem::zeroed(); want.max(1)];
+            let mut got: i32 = 0;
+            let status = sys::cublasLtMatmulAlgoGetHeuristic(
+                handle,
+                desc,
+                la,
+                lb,
+                lc,
+                ld,
+                pref,
+                results.len() as i32,
+                results.as_mut_ptr(),
+                &mut got,
+            );
+            let none = || GpuError::Blas {
+                what: format!("no cuBLASLt algorithm for {:?} m={} k={} n={}", g.epilogue.code(), g.m, g.k, g.n),
+                err: format!("{status:?}"),
+            };
+            if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS || got < 1 {
+                return Err(none());
+            }
+            results.truncate(got as usize);
+            results.retain(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && h.workspaceSize <= WORKSPACE_BYTES);
+            if results.is_empty() {
+                return Err(none());
+            }
+            Ok(results)
+        }
+    })();
+    // SAFETY: created above, destroyed once.
+    unsafe {
+        let _ = lt::destroy_matmul_pref(pref);
+    }
+    chosen
+}
+
+/// An algorithm's split-K count and reduction scheme (`u32::MAX` where cuBLASLt does not say):
+/// tuning only considers algorithms that sum in the first one's order.
+fn split_config(a: &sys::cublasLtMatmulAlgo_t) -> (u32, u32) {
+    let get = |attr: sys::cublasLtMatmulAlgoConfigAttributes_t| -> u32 {
+        let (mut v, mut n) = (0u32, 0usize);
+        // SAFETY: both attributes are uint32 per the cuBLASLt documentation.
+        let st = unsafe { sys::cublasLtMatmulAlgoConfigGetAttribute(a, attr, &mut v as *mut u32 as *mut c_void, 4, &mut n) };
+        if st == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            v
+        } else {
+            u32::MAX
+        }
+    };
+    use sys::cublasLtMatmulAlgoConfigAttributes_t as C;
+    (get(C::CUBLASLT_ALGO_CONFIG_SPLITK_NUM), get(C::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME))
+}
+
+/// The bytes of a GEMM's outputs that tuning compares, each rounded up to 256: D, the GELU
+/// epilogue's aux output (the pre-activation, bf16) and the bias gradient (f32).
+fn tuned_output_bytes(g: &Gemm) -> [usize; 3] {
+    let esz = match g.c.dt {
+        Dt::Bf16 => 2usize,
+        Dt::F32 => 4,
+    };
+    let pad = |b: usize| b.div_ceil(256) * 256;
+    let aux = if matches!(g.epilogue, Epilogue::GeluAuxBias { .. }) { g.m * g.n * 2 } else { 0 };
+    let vec = if matches!(g.epilogue, Epilogue::BgradB { .. }) { g.n * 4 } else { 0 };
+    [pad(g.m * g.n * esz), pad(aux), pad(vec)]
 }
 
 /// A cuBLASLt handle bound to one stream, its workspace, and the plans of the GEMMs seen so far.
@@ -487,19 +531,12 @@ impl Lt {
         if plan.candidates.len() < 2 {
             return Err(format!("the heuristic offered {} algorithm", plan.candidates.len()));
         }
-        let esz = |dt: Dt| match dt {
-            Dt::Bf16 => 2usize,
-            Dt::F32 => 4,
-        };
         let min = if g.c.dt == Dt::Bf16 { TUNE_MIN_ELEMENTS_BF16 } else { TUNE_MIN_ELEMENTS_F32 };
         if g.m * g.n < min {
             return Err(format!("{} output elements are too few for bit-equality to show the summation order", g.m * g.n));
         }
-        let d_bytes = g.m * g.n * esz(g.c.dt);
-        let aux_bytes = if matches!(g.epilogue, Epilogue::GeluAuxBias { .. }) { g.m * g.n * 2 } else { 0 };
-        let vec_bytes = if matches!(g.epilogue, Epilogue::BgradB { .. }) { g.n * 4 } else { 0 };
-        let pad = |b: usize| b.div_ceil(256) * 256;
-        let set_bytes = pad(d_bytes) + pad(aux_bytes) + pad(vec_bytes);
+        let [d_bytes, aux_bytes, vec_bytes] = tuned_output_bytes(g);
+        let set_bytes = d_bytes + aux_bytes + vec_bytes;
         let free = self.stream.context().mem_get_info().map(|(f, _)| f).unwrap_or(0);
         let cap = TUNE_SCRATCH_BYTES_MAX.min(free / TUNE_FREE_FRACTION);
         if set_bytes > cap {
@@ -515,7 +552,7 @@ impl Lt {
         // Output pointers of scratch set `k` (0: the reference, 1: the candidate).
         let redirect = |k: usize| -> Gemm {
             let o = base + (k * set_bytes) as u64;
-            let (d, aux, vec) = (o, o + pad(d_bytes) as u64, o + (pad(d_bytes) + pad(aux_bytes)) as u64);
+            let (d, aux, vec) = (o, o + d_bytes as u64, o + (d_bytes + aux_bytes) as u64);
             let epilogue = match g.epilogue {
                 Epilogue::GeluAuxBias { bias, .. } => Epilogue::GeluAuxBias { bias, pre: aux },
                 Epilogue::BgradB { .. } => Epilogue::BgradB { dbias: vec },
@@ -529,20 +566,6 @@ impl Lt {
             let view = scratch.slice(k * set_bytes..(k + 1) * set_bytes);
             self.stream.clone_dtoh(&view).map_err(e("reading tuning scratch"))
         };
-        let config = |a: &sys::cublasLtMatmulAlgo_t| -> (u32, u32) {
-            let get = |attr: sys::cublasLtMatmulAlgoConfigAttributes_t| -> u32 {
-                let (mut v, mut n) = (0u32, 0usize);
-                // SAFETY: both attributes are uint32 per the cuBLASLt documentation.
-                let st = unsafe { sys::cublasLtMatmulAlgoConfigGetAttribute(a, attr, &mut v as *mut u32 as *mut c_void, 4, &mut n) };
-                if st == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-                    v
-                } else {
-                    u32::MAX
-                }
-            };
-            use sys::cublasLtMatmulAlgoConfigAttributes_t as C;
-            (get(C::CUBLASLT_ALGO_CONFIG_SPLITK_NUM), get(C::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME))
-        };
         let time = |gg: &Gemm, algo: &sys::cublasLtMatmulAlgo_t| -> std::result::Result<f32, String> {
             let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
             let t0 = self.stream.record_event(flags).map_err(e("recording a tuning event"))?;
@@ -553,13 +576,13 @@ impl Lt {
             Ok(t0.elapsed_ms(&t1).map_err(e("timing a candidate"))? / TUNE_REPS as f32)
         };
         let first = plan.candidates[0];
-        let first_cfg = config(&first);
+        let first_cfg = split_config(&first);
         self.enqueue(plan, &gref, &first).map_err(|x| x.to_string())?;
         let want = read(0)?;
         let mut best = (time(&gref, &first)?, 0usize);
         let mut line = format!("{} m={} k={} n={}: #0 {:.3} ms", epilogue_name(&g.epilogue), g.m, g.k, g.n, best.0);
         for (i, algo) in plan.candidates.iter().enumerate().skip(1) {
-            if config(algo) != first_cfg {
+            if split_config(algo) != first_cfg {
                 let _ = write!(line, ", #{i} other split-K/reduction");
                 continue;
             }

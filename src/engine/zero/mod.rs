@@ -56,6 +56,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tessera_actors::compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, StepOrder, WorkerCompute};
+use tessera_kernels::model::MicroBatch;
 use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, StepContext, StepOutcome};
 use tessera_transport::collective::Collective;
 
@@ -225,7 +226,13 @@ impl ZeroWorker {
                     sampler.fill(plan.first_sample(step, i), mb, &mut inputs, &mut targets);
                     acc.begin_slot(s, true);
                     let (t0, waited, grad_waited) = (Instant::now(), acc.waited, acc.grad_waited);
-                    match dev.forward_backward(&plan.model, &mut acc, &inputs, &targets, mb, t, dloss, *rank) {
+                    match dev.forward_backward(
+                        &plan.model,
+                        &mut acc,
+                        MicroBatch { tokens: &inputs, targets: &targets, b: mb, t },
+                        dloss,
+                        *rank,
+                    ) {
                         Ok(l) => loss += f64::from(l),
                         Err(e) => acc.fail(ComputeError::failed(format!("rank {rank}: {e}"))),
                     }
@@ -617,7 +624,12 @@ mod tests {
             let mut grads = vec![0.0; params.len()];
             let mut rec = Recorder { flat: FlatAccess { params: &params, grads: &mut grads, units: p.model.units() }, events: Vec::new() };
             let tokens: Vec<u32> = (0..16).collect();
-            p.model.forward_backward(&mut rec, &tokens, &tokens, 1, 16, 1.0, &mut Workspace::default());
+            p.model.forward_backward(
+                &mut rec,
+                MicroBatch { tokens: &tokens, targets: &tokens, b: 1, t: 16 },
+                1.0,
+                &mut Workspace::default(),
+            );
             assert_eq!(rec.events, p.micro_batch_events(), "activation recomputation {recompute}");
         }
     }

@@ -9,7 +9,7 @@ use super::ops;
 use crate::cuda::gpt::{GpuLayout, Replicated, Shape};
 use crate::cuda::{bf16, CheckRow, Gpu, GpuError, Result};
 use crate::gradcheck::randn;
-use crate::model::{Arch, FlatAccess, Model, ModelConfig};
+use crate::model::{Arch, FlatAccess, MicroBatch, Model, ModelConfig};
 use crate::ops::gqa::{self, Groups};
 use crate::ops::rope::{self, RopeScaling, RopeTable};
 use crate::ops::{attention, rmsnorm, swiglu};
@@ -222,7 +222,8 @@ fn check_model(gpu: &Gpu, seed: u64, hd: usize) -> Result<Vec<CheckRow>> {
     let mut grads = vec![0f32; params.len()];
     let cpu_loss = {
         let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
-        model.forward_backward(&mut acc, &tokens, &targets, b, t, 1.0, &mut crate::model::Workspace::default())
+        let batch = MicroBatch { tokens: &tokens, targets: &targets, b, t };
+        model.forward_backward(&mut acc, batch, 1.0, &mut crate::model::Workspace::default())
     };
     let layout = GpuLayout::new(&model, 1)?;
     let shape = Shape::new(&cfg, b, t)?;

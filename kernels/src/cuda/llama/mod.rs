@@ -283,7 +283,7 @@ fn f32m(p: DPtr<f32>) -> Mat {
 // Allowed: BLAS's argument list (operands, m, k, n, beta) plus the GPU.
 #[allow(clippy::too_many_arguments)]
 fn mm(gpu: &Gpu, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize, beta: f32) -> Result<()> {
-    gpu.blas.matmul(c, a, b, m, k, n, 1.0, beta)
+    gpu.blas.matmul_beta(c, a, b, (m, k, n), beta)
 }
 
 /// `dst = src` on the stream (f32 residual streams).
