@@ -2,7 +2,7 @@
 # The LLaMA family on one GPU, in one call on the GPU machine: `tessera gpu bench` on the two
 # shapes of the PyTorch peer (scripts/peers/llama_torch.py, torch.compile) next to the peer
 # itself, and a 32k-token context with activation checkpointing. Build and copy the binaries as
-# scripts/gpu_verify.sh says, then
+# scripts/gpu_verify.sh says, then (LLAMA_ROWS=all adds the 0.85B pair)
 #   run(command="bash scripts/gpu_llama_bench.sh", carry=[".device-bin"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +15,10 @@ row() { # label, command...
 }
 row "tessera llama-1.1b 2x4096" timeout 400 $T gpu bench --model llama-1.1b --micro-batch 2 --seq 4096 --steps 20 --warmup 5 --zero 0
 row "peer llama-1.1b 2x4096" timeout 400 python3 $P --layers 22 --d 2048 --heads 32 --kv-heads 4 --ffn 5632 --seq 4096 --mb 2
-row "tessera llama-0.85b 4x2048" timeout 400 $T gpu bench --model llama-0.85b --micro-batch 4 --seq 2048 --steps 20 --warmup 5 --zero 0
-row "peer llama-0.85b 4x2048" timeout 400 python3 $P --layers 16 --d 2048 --heads 32 --kv-heads 8 --ffn 5632 --seq 2048 --mb 4
+if [ "${LLAMA_ROWS:-}" = all ]; then
+  row "tessera llama-0.85b 4x2048" timeout 400 $T gpu bench --model llama-0.85b --micro-batch 4 --seq 2048 --steps 20 --warmup 5 --zero 0
+  row "peer llama-0.85b 4x2048" timeout 400 python3 $P --layers 16 --d 2048 --heads 32 --kv-heads 8 --ffn 5632 --seq 2048 --mb 4
+fi
 # 32k tokens: llama-1.1b's folder with its context raised (the way a user raises it).
 L=/tmp/llama-32k && rm -rf $L && mkdir -p $L
 python3 - <<'PY'
@@ -25,4 +27,4 @@ c = json.load(open("configs/models/llama-1.1b/config.json"))
 c["max_position_embeddings"] = 32768
 json.dump(c, open("/tmp/llama-32k/config.json", "w"), indent=2)
 PY
-row "tessera llama-1.1b 1x32768 recompute" timeout 500 $T gpu bench --model $L --micro-batch 1 --seq 32768 --steps 3 --warmup 1 --zero 0 --recompute
+row "tessera llama-1.1b 1x32768 recompute" timeout ${LONG_TIMEOUT:-500} $T gpu bench --model $L --micro-batch 1 --seq 32768 --steps 3 --warmup 1 --zero 0 --recompute
