@@ -750,15 +750,16 @@ impl Layer for LlamaBlock {
         linear::linear_backward(&mut d_h[..n * c], g_gate, None, &d_gate, &h2, w(L_GATE), n, c, f);
         linear::linear_backward(&mut d_h[..n * c], g_up, None, &d_up, &h2, w(L_UP), n, c, f);
         a.put(LA_H2, h2);
+        // (Reused buffers: `d_ff` may be narrower than `d_model`, so they are resized, not cut.)
         let mut dx2 = std::mem::take(&mut d_sw);
-        dx2.truncate(n * c);
+        dx2.resize(n * c, 0.0);
         dx2.copy_from_slice(dy);
         let r2 = a.take(LA_R2, n);
         rmsnorm::rmsnorm_backward(&mut dx2, g_n2, &d_h[..n * c], a.buf(LA_X2, n * c), w(L_N2), &r2, n, c);
         a.put(LA_R2, r2);
         // Attention branch.
         let mut d_atty = std::mem::take(&mut d_gate);
-        d_atty.truncate(n * c);
+        d_atty.resize(n * c, 0.0);
         d_atty.fill(0.0);
         linear::linear_backward(&mut d_atty, g_wo, None, &dx2, a.buf(LA_ATTY, n * c), w(L_WO), n, c, c);
         d_h.fill(0.0);

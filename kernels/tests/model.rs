@@ -130,8 +130,10 @@ fn tiny(arch: Arch) -> ModelConfig {
 /// the tight check.
 #[test]
 fn whole_model_gradients_match_finite_differences() {
-    for arch in [Arch::Gpt, Arch::Llama] {
-        let model = Model::new(tiny(arch)).unwrap();
+    // (The third: a LLaMA MLP narrower than the model, whose backward reuses its buffers.)
+    for cfg in [tiny(Arch::Gpt), tiny(Arch::Llama), ModelConfig { d_ff: 4, ..tiny(Arch::Llama) }] {
+        let (arch, d_ff) = (cfg.arch, cfg.d_ff);
+        let model = Model::new(cfg).unwrap();
         // Weights of order one (not the GPT-2 init's 0.02) so that a finite step of 1e-2 is
         // small against every activation it moves, norms included.
         let mut params = tessera_kernels::gradcheck::randn(7, model.num_params(), 0.5);
@@ -150,7 +152,7 @@ fn whole_model_gradients_match_finite_differences() {
             let mut acc = FlatAccess { params: p, grads: &mut unused, units: model.units() };
             model.loss(&mut acc, &tokens, &targets, b, t, &mut ws) as f64
         };
-        check_grad(f, &params, &grads, 1e-2, 5e-2).unwrap_or_else(|e| panic!("{arch:?}: {e}"));
+        check_grad(f, &params, &grads, 1e-2, 5e-2).unwrap_or_else(|e| panic!("{arch:?}, d_ff {d_ff}: {e}"));
     }
 }
 
