@@ -1,0 +1,374 @@
+//! Recovery (see the module doc's "Recovery"): whether a step boundary must form a new epoch,
+//! and forming it from the survivors, the joiners and the state in memory or a checkpoint;
+//! the installed epoch.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::json;
+use tessera_actors::compute::WorkerCompute;
+use tessera_actors::formation::{FormMembers, Formation};
+use tessera_actors::recovery::{self, Holdings, Layout, Survivor};
+
+use super::close::shutdown_and_wait;
+use super::proxy::{recv_reply, Failure, Link, Member};
+use super::{relock, Fleet, MONITOR_POLL_MS};
+use crate::data::Dataset;
+use crate::engine::plan::Plan;
+use crate::engine::ranks::{OptimBuffers, RankCounters, Start};
+use crate::engine::rendezvous::{node_name, send_start};
+use crate::engine::wire::{self, Snapshot, ToParent, ToWorker};
+
+/// A new epoch, ready to run steps from `step`.
+pub struct Reconfigured {
+    pub plan: Arc<Plan>,
+    pub computes: Vec<Box<dyn WorkerCompute>>,
+    /// The committed steps of the state the epoch starts from (below the driver's count when it
+    /// came from a checkpoint: the driver replays the steps in between).
+    pub step: u64,
+    /// Where the state came from, for people.
+    pub source: String,
+    /// Whether it came from the members' memory (else from a checkpoint or the seeded start).
+    pub from_memory: bool,
+    /// Losses recovered from.
+    pub losses: usize,
+    /// Workers that drained and joined.
+    pub drained: usize,
+    pub joined: usize,
+    /// Seconds the formation of the epoch waited for its members (joins below `min_workers`):
+    /// not training time.
+    pub join_wait_s: f64,
+}
+
+/// The newest epoch whose every member got its first full replica copy: a loss is restored
+/// from what its members hold (their shards and replicas, kept until a newer epoch is
+/// installed) until then.
+#[derive(Clone)]
+pub(super) struct Installed {
+    epoch: u64,
+    plan: Arc<Plan>,
+    /// The members' ids in rank order.
+    ids: Vec<u64>,
+}
+
+impl Installed {
+    /// The layout the state is read in at a recovery ([`recovery::choose_source`]).
+    fn layout(&self) -> Layout<'_, u64> {
+        Layout { epoch: self.epoch, members: &self.ids, world: self.plan.world, sharded: self.plan.stage != 0 }
+    }
+}
+
+/// Loads the state at or before a step from checkpoints (the driver's restore path).
+pub type Restore<'a> = dyn Fn(u64) -> Result<(Start, String)> + 'a;
+
+impl Fleet {
+    /// Whether the next step boundary must form a new epoch: a loss, a drain request, or a
+    /// join with room for it. Waits up to `settle_ms` for a loss to be noticed (after a step
+    /// failed, the monitor may still be looking).
+    pub fn pending(&self, settle_ms: u64) -> bool {
+        let deadline = Instant::now() + Duration::from_millis(settle_ms);
+        loop {
+            let lost = !relock(&self.shared.losses).is_empty();
+            let draining = self.members.iter().any(|m| self.shared.draining(m.id));
+            let waiting = !relock(&self.shared.joiners).is_empty() || !self.admitted.is_empty();
+            let joins = waiting && self.members.len() < self.shared.er.max_workers;
+            if lost || draining || joins || Instant::now() >= deadline {
+                return lost || draining || joins;
+            }
+            std::thread::sleep(Duration::from_millis(MONITOR_POLL_MS));
+        }
+    }
+
+    /// Forms a new epoch at the boundary of the first of `at` (committed steps, best first)
+    /// whose state is whole in memory, else from a checkpoint (see the module doc).
+    pub fn reconfigure(&mut self, at: &[u64], dataset: &Dataset, restore: &Restore<'_>) -> Result<Reconfigured> {
+        let attempts = self.shared.ids as usize + 2;
+        let mut losses = 0;
+        // (drained, joined) over every epoch formed meanwhile, also ones lost again at once.
+        let mut moved = (0, 0);
+        // Seconds every attempt's formation waited for its members.
+        let mut join_wait_s = 0.0;
+        for _ in 0..attempts {
+            losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
+            if let Some(mut r) = self.try_reconfigure(at, dataset, restore, &mut moved, &mut join_wait_s)? {
+                losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
+                (r.losses, r.drained, r.joined, r.join_wait_s) = (losses, moved.0, moved.1, join_wait_s);
+                return Ok(r);
+            }
+        }
+        bail!("gave up forming a new epoch after {attempts} attempts: workers kept failing")
+    }
+
+    /// One attempt; `moved` counts the workers that drained and joined once the epoch formed
+    /// (before its replicas are copied, which a loss can still make fail). `at` lists the
+    /// committed steps whose state may be taken, best first: the first one that every shard
+    /// reaches in memory, else a checkpoint at or before the last one.
+    fn try_reconfigure(
+        &mut self,
+        at: &[u64],
+        dataset: &Dataset,
+        restore: &Restore<'_>,
+        moved: &mut (usize, usize),
+        join_wait_s: &mut f64,
+    ) -> Result<Option<Reconfigured>> {
+        let shared = Arc::clone(&self.shared);
+        // 1. Who is left and what they hold (members, and drainers not yet let go).
+        let mut alive: Vec<Arc<Member>> = Vec::new();
+        let mut holdings: Vec<Holdings<u64>> = Vec::new();
+        let polled: Vec<Arc<Member>> = self.members.iter().chain(&self.leavers).filter(|m| !shared.is_fenced(m.id)).cloned().collect();
+        for m in polled {
+            let mut link = relock(&m.link);
+            match self.request(&m, &mut link, &ToWorker::Status, "Status") {
+                Ok(ToParent::Status { epoch, at, replicas, kept_epoch, kept }) => {
+                    drop(link);
+                    holdings.push(Holdings { id: m.id, epoch, at, replicas, kept_epoch, kept });
+                    alive.push(m);
+                }
+                Ok(other) => bail!("worker {} answered Status with {other:?}", m.id),
+                Err(_) => return Ok(None),
+            }
+        }
+        // 2. Where the state comes from: the installed epoch's shards in memory (owners,
+        // replicas, or shards kept while a later epoch formed), else a checkpoint.
+        let installed = self.installed.clone();
+        let chosen = recovery::choose_source(installed.as_ref().map(Installed::layout), &holdings, at).context("no step to recover at")?;
+        let from_memory = matches!(chosen, recovery::Restore::Memory { .. });
+        let (start, source) = match chosen {
+            recovery::Restore::Memory { step: t, sources } => {
+                let inst = installed.as_ref().context("a restore from memory without an installed epoch")?;
+                let old = &inst.plan;
+                let mut master = Vec::with_capacity(old.total());
+                let mut bufs: OptimBuffers = Vec::new();
+                let mut counters: Option<RankCounters> = None;
+                let mut from_replicas = Vec::new();
+                for (o, src) in sources {
+                    let (msg, replica) = match src {
+                        recovery::Source::Own { .. } => (ToWorker::Export { optim: true }, false),
+                        recovery::Source::Replica { .. } => (ToWorker::ExportReplica { owner: o as u64, epoch: inst.epoch }, true),
+                        recovery::Source::Kept { owner, replica, .. } => (ToWorker::ExportReplica { owner, epoch: inst.epoch }, replica),
+                    };
+                    let holder = *src.holder();
+                    let m = alive
+                        .iter()
+                        .find(|m| m.id == holder)
+                        .with_context(|| format!("worker {holder} holds rank {o}'s shard but did not answer Status"))?;
+                    let want = old.optim_range(o).len();
+                    let (mm, ob, c) = match self.export_from(m, &msg, want) {
+                        Ok(x) => x,
+                        Err(Failure::Lost) => return Ok(None),
+                        Err(Failure::Refused(e)) => bail!("worker {} could not hand over the shard of rank {o}: {e}", m.id),
+                    };
+                    if replica {
+                        from_replicas.push(format!("rank {o} from worker {}", m.id));
+                    }
+                    master.extend_from_slice(&mm);
+                    for (i, (name, b)) in ob.into_iter().enumerate() {
+                        match bufs.get_mut(i) {
+                            Some((_, v)) => v.extend_from_slice(&b),
+                            None => bufs.push((name, b)),
+                        }
+                    }
+                    counters.get_or_insert(c);
+                }
+                let c = counters.context("no shard was exported")?;
+                let of = match inst.epoch == self.epoch {
+                    true => String::new(),
+                    false => format!(" of epoch {} (kept while epoch {} formed)", inst.epoch, self.epoch),
+                };
+                let source = match from_replicas.is_empty() {
+                    true => format!("memory: the members' shards{of} at step {t}"),
+                    false => format!("memory: replicas ({}){of} at step {t}", from_replicas.join(", ")),
+                };
+                let start = Start {
+                    step: t,
+                    master,
+                    optim: Some((c.optimizer_steps, bufs)),
+                    applied: c.applied,
+                    skipped: c.skipped,
+                    scaler: c.scaler,
+                };
+                (start, source)
+            }
+            recovery::Restore::Checkpoint { at_most } => restore(at_most)?,
+        };
+        // 3. The members of the new epoch: survivors minus drainers in their old order, then
+        // admitted joiners (`recovery::next_members`); below `min_workers` wait for joins.
+        let survivors: Vec<Survivor<Arc<Member>>> =
+            alive.iter().map(|m| Survivor { id: Arc::clone(m), draining: shared.draining(m.id) }).collect();
+        // The wait for joins is `formation::FormMembers`, fed the ms since it started.
+        let began = Instant::now();
+        let ms = || began.elapsed().as_millis() as u64;
+        let (er, admitted) = (&shared.er, std::mem::take(&mut self.admitted));
+        let mut form = FormMembers::new(survivors, admitted, er.min_workers, er.max_workers, er.join_wait_ms, 0);
+        let (next, draining) = loop {
+            for j in relock(&shared.joiners).drain(..) {
+                let link = Mutex::new(Link { stream: j.conn, snapshot: Snapshot::default() });
+                form.join(Arc::new(Member { id: j.id, pid: j.pid, link }));
+            }
+            match form.poll(ms(), |m| shared.is_fenced(m.id)) {
+                Formation::Formed { members, draining } => break (members, draining),
+                Formation::Wait { say } => {
+                    if let Some(line) = say {
+                        tracing::info!("{line}");
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                Formation::Fail(e) => {
+                    self.admitted = form.into_admitted();
+                    bail!("{e}");
+                }
+            }
+        };
+        self.admitted = form.into_admitted();
+        *join_wait_s += began.elapsed().as_secs_f64();
+        if next.iter().any(|m| shared.is_fenced(m.id)) {
+            return Ok(None);
+        }
+        let joined = next.iter().filter(|m| !self.members.iter().any(|o| o.id == m.id)).count();
+        // 4. The new plan and epoch.
+        let world = next.len();
+        let mut cfg = self.cfg.clone();
+        cfg.world_size = world;
+        let plan = Arc::new(Plan::new(&cfg, dataset).with_context(|| format!("planning {world} ranks"))?);
+        let epoch = self.epoch + 1;
+        shared.epoch.store(epoch, Ordering::SeqCst);
+        *relock(&shared.members) = next.iter().map(|m| m.id).collect();
+        let mut addrs = Vec::with_capacity(world);
+        // Members that answered `Epoch` owe a final `Ready`/`Failed`; if the formation stops
+        // half-way those answers are settled before anything else is asked of them.
+        let mut owing: Vec<(Arc<Member>, bool)> = Vec::with_capacity(world);
+        for (r, m) in next.iter().enumerate() {
+            let mut link = relock(&m.link);
+            let installed = self.installed.as_ref().map(|i| i.epoch);
+            let msg = ToWorker::Epoch { epoch, rank: r as u64, world: world as u64, installed };
+            let failed = match self.request(m, &mut link, &msg, "EpochAddr") {
+                Ok(ToParent::EpochAddr { quic_addr }) => {
+                    addrs.push(quic_addr);
+                    owing.push((Arc::clone(m), false));
+                    continue;
+                }
+                Ok(ToParent::Failed { error }) => {
+                    shared.loss(m.id, &format!("worker {} could not start epoch {epoch}: {error}", m.id));
+                    None
+                }
+                Ok(other) => Some(format!("worker {} answered Epoch with {other:?}", m.id)),
+                Err(_) => None,
+            };
+            drop(link);
+            self.settle_epoch(&owing);
+            return match failed {
+                Some(e) => Err(anyhow::anyhow!(e)),
+                None => Ok(None),
+            };
+        }
+        let names: Vec<String> = next.iter().map(|m| node_name(m.id as usize)).collect();
+        for (r, m) in next.iter().enumerate() {
+            let mut link = relock(&m.link);
+            let sent = wire::send(&mut link.stream, &ToWorker::Mesh { addrs: addrs.clone(), names: names.clone() })
+                .map_err(anyhow::Error::from)
+                .and_then(|()| send_start(&mut link.stream, &plan, &start, r));
+            owing[r].1 = true;
+            if let Err(e) = sent {
+                shared.loss(m.id, &format!("worker {} (pid {}): sending its state: {e:#}", m.id, m.pid));
+                drop(link);
+                self.settle_epoch(&owing);
+                return Ok(None);
+            }
+        }
+        for (k, m) in next.iter().enumerate() {
+            let mut link = relock(&m.link);
+            let failed = match recv_reply(&shared, m, &mut link, "Ready") {
+                Ok(ToParent::Ready { snapshot }) => {
+                    link.snapshot = snapshot;
+                    continue;
+                }
+                Ok(ToParent::Failed { error }) => {
+                    shared.loss(m.id, &format!("worker {} could not join epoch {epoch}: {error}", m.id));
+                    None
+                }
+                Ok(other) => Some(format!("worker {} answered its epoch state with {other:?}", m.id)),
+                Err(_) => None,
+            };
+            drop(link);
+            self.settle_epoch(&owing[k + 1..]);
+            return match failed {
+                Some(e) => Err(anyhow::anyhow!(e)),
+                None => Ok(None),
+            };
+        }
+        // 5. The new epoch takes over; its replicas get their first full copy, which installs
+        // it. Until then the workers keep what they hold of the installed epoch and draining
+        // workers stay (they hold some of it): a loss meanwhile is restored from memory.
+        self.admitted.retain(|a| !next.iter().any(|m| m.id == a.id));
+        self.leavers = draining;
+        // The new epoch runs the plan's even blocks: its members are measured again.
+        self.speeds.retain(|id| next.iter().any(|m| m.id == *id));
+        self.speeds.restart();
+        self.rebalancer.clear();
+        self.members = next;
+        self.epoch = epoch;
+        self.plan = Arc::clone(&plan);
+        self.log_epoch(start.step, &source);
+        tracing::info!("elastic: epoch {epoch}: {world} worker(s), state from {source}");
+        moved.1 += joined;
+        if self.replicate(start.step).is_err() {
+            return Ok(None);
+        }
+        moved.0 += self.install();
+        let computes = self.computes();
+        let (drained, joined) = *moved;
+        Ok(Some(Reconfigured { plan, computes, step: start.step, source, from_memory, losses: 0, drained, joined, join_wait_s: 0.0 }))
+    }
+
+    /// Marks the current epoch installed (every member holds its first full replica copy):
+    /// members drop what they kept of the epoch before, and draining workers leave (exit
+    /// status 0). Returns how many left. A member lost meanwhile is recovered from at the next
+    /// step boundary, from this epoch.
+    pub(super) fn install(&mut self) -> usize {
+        let ids = self.members.iter().map(|m| m.id).collect();
+        self.installed = Some(Installed { epoch: self.epoch, plan: Arc::clone(&self.plan), ids });
+        self.shared.event(json!({"event": "installed", "epoch": self.epoch}));
+        for m in &self.members {
+            let mut link = relock(&m.link);
+            match self.request(m, &mut link, &ToWorker::Installed { epoch: self.epoch }, "Installed") {
+                Ok(ToParent::Installed) | Err(_) => {}
+                Ok(other) => self.shared.loss(m.id, &format!("worker {} answered Installed with {other:?}", m.id)),
+            }
+        }
+        let leavers = std::mem::take(&mut self.leavers);
+        for d in &leavers {
+            if self.shared.is_fenced(d.id) {
+                continue;
+            }
+            let conn = relock(&d.link).stream.clone();
+            let status = shutdown_and_wait(&self.shared, d.id, conn);
+            tracing::info!("elastic: worker {} drained and left ({status})", d.id);
+            self.shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status.to_string()}));
+        }
+        leavers.iter().filter(|d| !self.shared.is_fenced(d.id)).count()
+    }
+
+    /// After an epoch formation that stopped half-way: each member in `owing` answered `Epoch`
+    /// and still owes its final `Ready` or `Failed`. One not yet sent the addresses (`false`)
+    /// is woken with a `Ping`, which ends its wait for them (it answers `Failed`); one that got
+    /// them answers once its mesh forms or times out. Those answers are read and dropped, so
+    /// the next request's reply is its own; a member that does not answer is lost.
+    fn settle_epoch(&self, owing: &[(Arc<Member>, bool)]) {
+        for (m, mesh_sent) in owing {
+            if self.shared.is_fenced(m.id) {
+                continue;
+            }
+            let mut link = relock(&m.link);
+            if !mesh_sent {
+                if let Err(e) = wire::send(&mut link.stream, &ToWorker::Ping) {
+                    self.shared.loss(m.id, &format!("worker {} (pid {}): control connection: {e}", m.id, m.pid));
+                    continue;
+                }
+            }
+            // A lost member is recorded by `recv_reply`; any answer is stale.
+            let _ = recv_reply(&self.shared, m, &mut link, "the abandoned epoch's answer");
+        }
+    }
+}
