@@ -60,6 +60,31 @@ impl Installed {
     }
 }
 
+/// Who answered recovery's first step ([`Fleet::poll_survivors`]).
+struct Survivors {
+    /// The members and drainers that answered `Status`.
+    alive: Vec<Arc<Member>>,
+    /// What each of them holds, in the same order.
+    holdings: Vec<Holdings<u64>>,
+}
+
+/// The members of a new epoch ([`Fleet::next_members`]).
+struct NewMembers {
+    /// In rank order.
+    next: Vec<Arc<Member>>,
+    /// Survivors that asked to drain: no members, they leave once the new epoch is installed.
+    draining: Vec<Arc<Member>>,
+}
+
+/// The state a new epoch starts from ([`Fleet::recovered_state`]).
+struct RecoveredState {
+    start: Start,
+    /// Where it came from, for people.
+    source: String,
+    /// Whether it came from the members' memory (else from a checkpoint or the seeded start).
+    from_memory: bool,
+}
+
 /// Loads the state at or before a step from checkpoints (the driver's restore path).
 pub type Restore<'a> = dyn Fn(u64) -> Result<(Start, String)> + 'a;
 
@@ -104,7 +129,8 @@ impl Fleet {
     /// One attempt; `moved` counts the workers that drained and joined once the epoch formed
     /// (before its replicas are copied, which a loss can still make fail). `at` lists the
     /// committed steps whose state may be taken, best first: the first one that every shard
-    /// reaches in memory, else a checkpoint at or before the last one.
+    /// reaches in memory, else a checkpoint at or before the last one. `Ok(None)`: a member was
+    /// lost meanwhile (recorded), and the caller starts again.
     fn try_reconfigure(
         &mut self,
         at: &[u64],
@@ -113,11 +139,49 @@ impl Fleet {
         moved: &mut (usize, usize),
         join_wait_s: &mut f64,
     ) -> Result<Option<Reconfigured>> {
-        let shared = Arc::clone(&self.shared);
         // 1. Who is left and what they hold (members, and drainers not yet let go).
+        let Some(Survivors { alive, holdings }) = self.poll_survivors()? else { return Ok(None) };
+        // 2. Where the state comes from: the installed epoch's shards in memory (owners,
+        // replicas, or shards kept while a later epoch formed), else a checkpoint.
+        let Some(RecoveredState { start, source, from_memory }) = self.recovered_state(&alive, &holdings, at, restore)? else {
+            return Ok(None);
+        };
+        // 3. The members of the new epoch: survivors minus drainers in their old order, then
+        // admitted joiners (`recovery::next_members`); below `min_workers` wait for joins.
+        let Some(NewMembers { next, draining }) = self.next_members(&alive, join_wait_s)? else { return Ok(None) };
+        let joined = next.iter().filter(|m| !self.members.iter().any(|o| o.id == m.id)).count();
+        // 4. The new plan and epoch: every member gets its rank, the addresses and its state.
+        let world = next.len();
+        let mut cfg = self.cfg.clone();
+        cfg.world_size = world;
+        let plan = Arc::new(Plan::new(&cfg, dataset).with_context(|| format!("planning {world} ranks"))?);
+        let epoch = self.epoch + 1;
+        if !self.form_epoch(&next, epoch, &plan, &start)? {
+            return Ok(None);
+        }
+        // 5. The new epoch takes over; its replicas get their first full copy, which installs
+        // it. Until then the workers keep what they hold of the installed epoch and draining
+        // workers stay (they hold some of it): a loss meanwhile is restored from memory.
+        self.take_over(next, draining, epoch, &plan);
+        self.log_epoch(start.step, &source);
+        tracing::info!("elastic: epoch {epoch}: {world} worker(s), state from {source}");
+        moved.1 += joined;
+        if self.replicate(start.step).is_err() {
+            return Ok(None);
+        }
+        moved.0 += self.install();
+        let computes = self.computes();
+        let (drained, joined) = *moved;
+        Ok(Some(Reconfigured { plan, computes, step: start.step, source, from_memory, losses: 0, drained, joined, join_wait_s: 0.0 }))
+    }
+
+    /// Recovery's step 1: every member not fenced, and every drainer not yet let go, reports
+    /// its `Status`. Returns those that answered and what each holds; `Ok(None)` when one was
+    /// lost.
+    fn poll_survivors(&self) -> Result<Option<Survivors>> {
         let mut alive: Vec<Arc<Member>> = Vec::new();
         let mut holdings: Vec<Holdings<u64>> = Vec::new();
-        let polled: Vec<Arc<Member>> = self.members.iter().chain(&self.leavers).filter(|m| !shared.is_fenced(m.id)).cloned().collect();
+        let polled: Vec<Arc<Member>> = self.members.iter().chain(&self.leavers).filter(|m| !self.shared.is_fenced(m.id)).cloned().collect();
         for m in polled {
             let mut link = relock(&m.link);
             match self.request(&m, &mut link, &ToWorker::Status, "Status") {
@@ -130,71 +194,100 @@ impl Fleet {
                 Err(_) => return Ok(None),
             }
         }
-        // 2. Where the state comes from: the installed epoch's shards in memory (owners,
-        // replicas, or shards kept while a later epoch formed), else a checkpoint.
+        Ok(Some(Survivors { alive, holdings }))
+    }
+
+    /// Recovery's step 2: the state the new epoch starts from, as [`recovery::choose_source`]
+    /// picks it from what the survivors (`alive`, holding `holdings`) reported: the installed
+    /// epoch's shards in memory at the first of `at` they all reach, else `restore` from a
+    /// checkpoint. `Ok(None)` when a holder was lost while handing its shard over.
+    fn recovered_state(
+        &self,
+        alive: &[Arc<Member>],
+        holdings: &[Holdings<u64>],
+        at: &[u64],
+        restore: &Restore<'_>,
+    ) -> Result<Option<RecoveredState>> {
         let installed = self.installed.clone();
-        let chosen = recovery::choose_source(installed.as_ref().map(Installed::layout), &holdings, at).context("no step to recover at")?;
+        let chosen = recovery::choose_source(installed.as_ref().map(Installed::layout), holdings, at).context("no step to recover at")?;
         let from_memory = matches!(chosen, recovery::Restore::Memory { .. });
         let (start, source) = match chosen {
             recovery::Restore::Memory { step: t, sources } => {
                 let inst = installed.as_ref().context("a restore from memory without an installed epoch")?;
-                let old = &inst.plan;
-                let mut master = Vec::with_capacity(old.total());
-                let mut bufs: OptimBuffers = Vec::new();
-                let mut counters: Option<RankCounters> = None;
-                let mut from_replicas = Vec::new();
-                for (o, src) in sources {
-                    let (msg, replica) = match src {
-                        recovery::Source::Own { .. } => (ToWorker::Export { optim: true }, false),
-                        recovery::Source::Replica { .. } => (ToWorker::ExportReplica { owner: o as u64, epoch: inst.epoch }, true),
-                        recovery::Source::Kept { owner, replica, .. } => (ToWorker::ExportReplica { owner, epoch: inst.epoch }, replica),
-                    };
-                    let holder = *src.holder();
-                    let m = alive
-                        .iter()
-                        .find(|m| m.id == holder)
-                        .with_context(|| format!("worker {holder} holds rank {o}'s shard but did not answer Status"))?;
-                    let want = old.optim_range(o).len();
-                    let (mm, ob, c) = match self.export_from(m, &msg, want) {
-                        Ok(x) => x,
-                        Err(Failure::Lost) => return Ok(None),
-                        Err(Failure::Refused(e)) => bail!("worker {} could not hand over the shard of rank {o}: {e}", m.id),
-                    };
-                    if replica {
-                        from_replicas.push(format!("rank {o} from worker {}", m.id));
-                    }
-                    master.extend_from_slice(&mm);
-                    for (i, (name, b)) in ob.into_iter().enumerate() {
-                        match bufs.get_mut(i) {
-                            Some((_, v)) => v.extend_from_slice(&b),
-                            None => bufs.push((name, b)),
-                        }
-                    }
-                    counters.get_or_insert(c);
+                match self.state_from_memory(inst, t, sources, alive)? {
+                    Some(state) => state,
+                    None => return Ok(None),
                 }
-                let c = counters.context("no shard was exported")?;
-                let of = match inst.epoch == self.epoch {
-                    true => String::new(),
-                    false => format!(" of epoch {} (kept while epoch {} formed)", inst.epoch, self.epoch),
-                };
-                let source = match from_replicas.is_empty() {
-                    true => format!("memory: the members' shards{of} at step {t}"),
-                    false => format!("memory: replicas ({}){of} at step {t}", from_replicas.join(", ")),
-                };
-                let start = Start {
-                    step: t,
-                    master,
-                    optim: Some((c.optimizer_steps, bufs)),
-                    applied: c.applied,
-                    skipped: c.skipped,
-                    scaler: c.scaler,
-                };
-                (start, source)
             }
             recovery::Restore::Checkpoint { at_most } => restore(at_most)?,
         };
-        // 3. The members of the new epoch: survivors minus drainers in their old order, then
-        // admitted joiners (`recovery::next_members`); below `min_workers` wait for joins.
+        Ok(Some(RecoveredState { start, source, from_memory }))
+    }
+
+    /// The full state at step `t` in the installed epoch `inst`'s layout, gathered rank by rank
+    /// from the holders `sources` names (owners, replicas, kept copies) among `alive`, and where
+    /// it came from, for people. `Ok(None)` when a holder was lost.
+    fn state_from_memory(
+        &self,
+        inst: &Installed,
+        t: u64,
+        sources: Vec<(usize, recovery::Source<u64>)>,
+        alive: &[Arc<Member>],
+    ) -> Result<Option<(Start, String)>> {
+        let old = &inst.plan;
+        let mut master = Vec::with_capacity(old.total());
+        let mut bufs: OptimBuffers = Vec::new();
+        let mut counters: Option<RankCounters> = None;
+        let mut from_replicas = Vec::new();
+        for (o, src) in sources {
+            let (msg, replica) = match src {
+                recovery::Source::Own { .. } => (ToWorker::Export { optim: true }, false),
+                recovery::Source::Replica { .. } => (ToWorker::ExportReplica { owner: o as u64, epoch: inst.epoch }, true),
+                recovery::Source::Kept { owner, replica, .. } => (ToWorker::ExportReplica { owner, epoch: inst.epoch }, replica),
+            };
+            let holder = *src.holder();
+            let m = alive
+                .iter()
+                .find(|m| m.id == holder)
+                .with_context(|| format!("worker {holder} holds rank {o}'s shard but did not answer Status"))?;
+            let want = old.optim_range(o).len();
+            let (mm, ob, c) = match self.export_from(m, &msg, want) {
+                Ok(x) => x,
+                Err(Failure::Lost) => return Ok(None),
+                Err(Failure::Refused(e)) => bail!("worker {} could not hand over the shard of rank {o}: {e}", m.id),
+            };
+            if replica {
+                from_replicas.push(format!("rank {o} from worker {}", m.id));
+            }
+            master.extend_from_slice(&mm);
+            for (i, (name, b)) in ob.into_iter().enumerate() {
+                match bufs.get_mut(i) {
+                    Some((_, v)) => v.extend_from_slice(&b),
+                    None => bufs.push((name, b)),
+                }
+            }
+            counters.get_or_insert(c);
+        }
+        let c = counters.context("no shard was exported")?;
+        let of = match inst.epoch == self.epoch {
+            true => String::new(),
+            false => format!(" of epoch {} (kept while epoch {} formed)", inst.epoch, self.epoch),
+        };
+        let source = match from_replicas.is_empty() {
+            true => format!("memory: the members' shards{of} at step {t}"),
+            false => format!("memory: replicas ({}){of} at step {t}", from_replicas.join(", ")),
+        };
+        let start =
+            Start { step: t, master, optim: Some((c.optimizer_steps, bufs)), applied: c.applied, skipped: c.skipped, scaler: c.scaler };
+        Ok(Some((start, source)))
+    }
+
+    /// Recovery's step 3: the members of the new epoch and the drainers among the survivors
+    /// `alive`, as [`FormMembers`] forms them from the survivors, the
+    /// admitted joiners and those that join meanwhile; below `min_workers` it waits for joins
+    /// (the wait is added to `join_wait_s`). `Ok(None)` when a chosen member was lost meanwhile.
+    fn next_members(&mut self, alive: &[Arc<Member>], join_wait_s: &mut f64) -> Result<Option<NewMembers>> {
+        let shared = Arc::clone(&self.shared);
         let survivors: Vec<Survivor<Arc<Member>>> =
             alive.iter().map(|m| Survivor { id: Arc::clone(m), draining: shared.draining(m.id) }).collect();
         // The wait for joins is `formation::FormMembers`, fed the ms since it started.
@@ -226,19 +319,35 @@ impl Fleet {
         if next.iter().any(|m| shared.is_fenced(m.id)) {
             return Ok(None);
         }
-        let joined = next.iter().filter(|m| !self.members.iter().any(|o| o.id == m.id)).count();
-        // 4. The new plan and epoch.
+        Ok(Some(NewMembers { next, draining }))
+    }
+
+    /// Recovery's step 4: forms epoch `epoch` of `next` (in rank order) under `plan`, from
+    /// `start`: each member gets `Epoch` and answers with its new QUIC address, then the
+    /// addresses, node names and its cut of the state, and says `Ready` once it joined the new
+    /// mesh. Returns whether every member did; when one was lost, the formation that stopped
+    /// half-way is settled first ([`Fleet::settle_epoch`]), and an answer out of protocol is
+    /// an error.
+    fn form_epoch(&self, next: &[Arc<Member>], epoch: u64, plan: &Plan, start: &Start) -> Result<bool> {
+        self.shared.epoch.store(epoch, Ordering::SeqCst);
+        *relock(&self.shared.members) = next.iter().map(|m| m.id).collect();
+        // Members that answered `Epoch` owe a final `Ready`/`Failed` (`true` once sent the
+        // addresses); if the formation stops half-way those answers are settled before anything
+        // else is asked of them.
+        let mut owing: Vec<(Arc<Member>, bool)> = Vec::with_capacity(next.len());
+        let Some(addrs) = self.ask_epoch(next, epoch, &mut owing)? else { return Ok(false) };
+        if !self.send_mesh_and_state(next, addrs, plan, start, &mut owing) {
+            return Ok(false);
+        }
+        self.await_ready(next, epoch, &owing)
+    }
+
+    /// Asks each member of `next` to start epoch `epoch` (it leaves the old group and binds a
+    /// fresh QUIC socket); each that answers is added to `owing`, not yet sent the addresses.
+    /// Returns the members' new addresses in rank order; `Ok(None)` when one was lost.
+    fn ask_epoch(&self, next: &[Arc<Member>], epoch: u64, owing: &mut Vec<(Arc<Member>, bool)>) -> Result<Option<Vec<String>>> {
         let world = next.len();
-        let mut cfg = self.cfg.clone();
-        cfg.world_size = world;
-        let plan = Arc::new(Plan::new(&cfg, dataset).with_context(|| format!("planning {world} ranks"))?);
-        let epoch = self.epoch + 1;
-        shared.epoch.store(epoch, Ordering::SeqCst);
-        *relock(&shared.members) = next.iter().map(|m| m.id).collect();
         let mut addrs = Vec::with_capacity(world);
-        // Members that answered `Epoch` owe a final `Ready`/`Failed`; if the formation stops
-        // half-way those answers are settled before anything else is asked of them.
-        let mut owing: Vec<(Arc<Member>, bool)> = Vec::with_capacity(world);
         for (r, m) in next.iter().enumerate() {
             let mut link = relock(&m.link);
             let installed = self.installed.as_ref().map(|i| i.epoch);
@@ -250,42 +359,63 @@ impl Fleet {
                     continue;
                 }
                 Ok(ToParent::Failed { error }) => {
-                    shared.loss(m.id, &format!("worker {} could not start epoch {epoch}: {error}", m.id));
+                    self.shared.loss(m.id, &format!("worker {} could not start epoch {epoch}: {error}", m.id));
                     None
                 }
                 Ok(other) => Some(format!("worker {} answered Epoch with {other:?}", m.id)),
                 Err(_) => None,
             };
             drop(link);
-            self.settle_epoch(&owing);
+            self.settle_epoch(owing);
             return match failed {
                 Some(e) => Err(anyhow::anyhow!(e)),
                 None => Ok(None),
             };
         }
+        Ok(Some(addrs))
+    }
+
+    /// Sends each member of `next` the new epoch's addresses, node names and its cut of
+    /// `start` under `plan`, marking it in `owing` as sent the addresses. Returns whether every
+    /// send went through; a member it failed for is lost.
+    fn send_mesh_and_state(
+        &self,
+        next: &[Arc<Member>],
+        addrs: Vec<String>,
+        plan: &Plan,
+        start: &Start,
+        owing: &mut [(Arc<Member>, bool)],
+    ) -> bool {
         let names: Vec<String> = next.iter().map(|m| node_name(m.id as usize)).collect();
         for (r, m) in next.iter().enumerate() {
             let mut link = relock(&m.link);
             let sent = wire::send(&mut link.stream, &ToWorker::Mesh { addrs: addrs.clone(), names: names.clone() })
                 .map_err(anyhow::Error::from)
-                .and_then(|()| send_start(&mut link.stream, &plan, &start, r));
+                .and_then(|()| send_start(&mut link.stream, plan, start, r));
             owing[r].1 = true;
             if let Err(e) = sent {
-                shared.loss(m.id, &format!("worker {} (pid {}): sending its state: {e:#}", m.id, m.pid));
+                self.shared.loss(m.id, &format!("worker {} (pid {}): sending its state: {e:#}", m.id, m.pid));
                 drop(link);
-                self.settle_epoch(&owing);
-                return Ok(None);
+                self.settle_epoch(owing);
+                return false;
             }
         }
+        true
+    }
+
+    /// Waits for each member of `next` to say `Ready` in epoch `epoch` (its mesh formed),
+    /// keeping its snapshot. Returns whether all did; when one did not, the rest of `owing` is
+    /// settled, and an answer out of protocol is an error.
+    fn await_ready(&self, next: &[Arc<Member>], epoch: u64, owing: &[(Arc<Member>, bool)]) -> Result<bool> {
         for (k, m) in next.iter().enumerate() {
             let mut link = relock(&m.link);
-            let failed = match recv_reply(&shared, m, &mut link, "Ready") {
+            let failed = match recv_reply(&self.shared, m, &mut link, "Ready") {
                 Ok(ToParent::Ready { snapshot }) => {
                     link.snapshot = snapshot;
                     continue;
                 }
                 Ok(ToParent::Failed { error }) => {
-                    shared.loss(m.id, &format!("worker {} could not join epoch {epoch}: {error}", m.id));
+                    self.shared.loss(m.id, &format!("worker {} could not join epoch {epoch}: {error}", m.id));
                     None
                 }
                 Ok(other) => Some(format!("worker {} answered its epoch state with {other:?}", m.id)),
@@ -295,12 +425,16 @@ impl Fleet {
             self.settle_epoch(&owing[k + 1..]);
             return match failed {
                 Some(e) => Err(anyhow::anyhow!(e)),
-                None => Ok(None),
+                None => Ok(false),
             };
         }
-        // 5. The new epoch takes over; its replicas get their first full copy, which installs
-        // it. Until then the workers keep what they hold of the installed epoch and draining
-        // workers stay (they hold some of it): a loss meanwhile is restored from memory.
+        Ok(true)
+    }
+
+    /// Recovery's step 5: the formed epoch `epoch` of `next` under `plan` becomes the current
+    /// one. Admitted joiners in it stop waiting, `draining` survivors become leavers (they leave
+    /// once it is installed), and its members are measured again under the plan's even blocks.
+    fn take_over(&mut self, next: Vec<Arc<Member>>, draining: Vec<Arc<Member>>, epoch: u64, plan: &Arc<Plan>) {
         self.admitted.retain(|a| !next.iter().any(|m| m.id == a.id));
         self.leavers = draining;
         // The new epoch runs the plan's even blocks: its members are measured again.
@@ -309,17 +443,7 @@ impl Fleet {
         self.rebalancer.clear();
         self.members = next;
         self.epoch = epoch;
-        self.plan = Arc::clone(&plan);
-        self.log_epoch(start.step, &source);
-        tracing::info!("elastic: epoch {epoch}: {world} worker(s), state from {source}");
-        moved.1 += joined;
-        if self.replicate(start.step).is_err() {
-            return Ok(None);
-        }
-        moved.0 += self.install();
-        let computes = self.computes();
-        let (drained, joined) = *moved;
-        Ok(Some(Reconfigured { plan, computes, step: start.step, source, from_memory, losses: 0, drained, joined, join_wait_s: 0.0 }))
+        self.plan = Arc::clone(plan);
     }
 
     /// Marks the current epoch installed (every member holds its first full replica copy):
