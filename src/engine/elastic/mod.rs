@@ -84,11 +84,14 @@
 //!   state, and `ElasticCompute`, the driver's proxy of a member's compute.
 //! - `rebalance.rs`: micro-batch blocks re-assigned by measured speed ([`Fleet::rebalance`]).
 //! - `replicate.rs`: full copies of the replicas and the members that need one.
-//! - `recover.rs`: recovery ([`Fleet::pending`], [`Fleet::reconfigure`]) and the installed epoch.
+//! - `recover.rs`: recovery ([`Fleet::pending`], [`Fleet::reconfigure`]): survivors, the state,
+//!   the new members.
+//! - `epoch.rs`: forming an epoch (ranks, addresses, state, the mesh) and installing it.
 //! - `events.rs`: the fleet's entries in the event log.
 //! - `close.rs`: how the fleet ends ([`Fleet::close`], and its `Drop`).
 
 mod close;
+mod epoch;
 mod events;
 mod launch;
 mod monitor;
@@ -108,9 +111,9 @@ use tessera_transport::quic::ControlEndpoint;
 
 use super::plan::Plan;
 use crate::config::Config;
+use epoch::Installed;
 pub use launch::Origin;
 use proxy::Member;
-use recover::Installed;
 pub(super) use shared::{Beat, Joiner, Shared};
 
 /// The driver's event log, under the output directory.

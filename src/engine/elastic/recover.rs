@@ -1,25 +1,22 @@
 //! Recovery (see the module doc's "Recovery"): whether a step boundary must form a new epoch,
-//! and forming it from the survivors, the joiners and the state in memory or a checkpoint;
-//! the installed epoch.
+//! and what the new one is made of: the survivors, the joiners, the state in memory or a
+//! checkpoint ([`super::epoch`] forms and installs it).
 
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use serde_json::json;
 use tessera_actors::compute::WorkerCompute;
 use tessera_actors::formation::{FormMembers, Formation};
-use tessera_actors::recovery::{self, Holdings, Layout, Survivor};
+use tessera_actors::recovery::{self, Holdings, Survivor};
 
-use super::close::shutdown_and_wait;
-use super::proxy::{recv_reply, Failure, Link, Member};
+use super::epoch::Installed;
+use super::proxy::{Failure, Link, Member};
 use super::{relock, Fleet, MONITOR_POLL_MS};
 use crate::data::Dataset;
 use crate::engine::plan::Plan;
 use crate::engine::ranks::{OptimBuffers, RankCounters, Start};
-use crate::engine::rendezvous::{node_name, send_start};
-use crate::engine::wire::{self, Snapshot, ToParent, ToWorker};
+use crate::engine::wire::{Snapshot, ToParent, ToWorker};
 
 /// A new epoch, ready to run steps from `step`.
 pub struct Reconfigured {
@@ -40,24 +37,6 @@ pub struct Reconfigured {
     /// Seconds the formation of the epoch waited for its members (joins below `min_workers`):
     /// not training time.
     pub join_wait_s: f64,
-}
-
-/// The newest epoch whose every member got its first full replica copy: a loss is restored
-/// from what its members hold (their shards and replicas, kept until a newer epoch is
-/// installed) until then.
-#[derive(Clone)]
-pub(super) struct Installed {
-    epoch: u64,
-    plan: Arc<Plan>,
-    /// The members' ids in rank order.
-    ids: Vec<u64>,
-}
-
-impl Installed {
-    /// The layout the state is read in at a recovery ([`recovery::choose_source`]).
-    fn layout(&self) -> Layout<'_, u64> {
-        Layout { epoch: self.epoch, members: &self.ids, world: self.plan.world, sharded: self.plan.stage != 0 }
-    }
 }
 
 /// Who answered recovery's first step ([`Fleet::poll_survivors`]).
@@ -322,115 +301,6 @@ impl Fleet {
         Ok(Some(NewMembers { next, draining }))
     }
 
-    /// Recovery's step 4: forms epoch `epoch` of `next` (in rank order) under `plan`, from
-    /// `start`: each member gets `Epoch` and answers with its new QUIC address, then the
-    /// addresses, node names and its cut of the state, and says `Ready` once it joined the new
-    /// mesh. Returns whether every member did; when one was lost, the formation that stopped
-    /// half-way is settled first ([`Fleet::settle_epoch`]), and an answer out of protocol is
-    /// an error.
-    fn form_epoch(&self, next: &[Arc<Member>], epoch: u64, plan: &Plan, start: &Start) -> Result<bool> {
-        self.shared.epoch.store(epoch, Ordering::SeqCst);
-        *relock(&self.shared.members) = next.iter().map(|m| m.id).collect();
-        // Members that answered `Epoch` owe a final `Ready`/`Failed` (`true` once sent the
-        // addresses); if the formation stops half-way those answers are settled before anything
-        // else is asked of them.
-        let mut owing: Vec<(Arc<Member>, bool)> = Vec::with_capacity(next.len());
-        let Some(addrs) = self.ask_epoch(next, epoch, &mut owing)? else { return Ok(false) };
-        if !self.send_mesh_and_state(next, addrs, plan, start, &mut owing) {
-            return Ok(false);
-        }
-        self.await_ready(next, epoch, &owing)
-    }
-
-    /// Asks each member of `next` to start epoch `epoch` (it leaves the old group and binds a
-    /// fresh QUIC socket); each that answers is added to `owing`, not yet sent the addresses.
-    /// Returns the members' new addresses in rank order; `Ok(None)` when one was lost.
-    fn ask_epoch(&self, next: &[Arc<Member>], epoch: u64, owing: &mut Vec<(Arc<Member>, bool)>) -> Result<Option<Vec<String>>> {
-        let world = next.len();
-        let mut addrs = Vec::with_capacity(world);
-        for (r, m) in next.iter().enumerate() {
-            let mut link = relock(&m.link);
-            let installed = self.installed.as_ref().map(|i| i.epoch);
-            let msg = ToWorker::Epoch { epoch, rank: r as u64, world: world as u64, installed };
-            let failed = match self.request(m, &mut link, &msg, "EpochAddr") {
-                Ok(ToParent::EpochAddr { quic_addr }) => {
-                    addrs.push(quic_addr);
-                    owing.push((Arc::clone(m), false));
-                    continue;
-                }
-                Ok(ToParent::Failed { error }) => {
-                    self.shared.loss(m.id, &format!("worker {} could not start epoch {epoch}: {error}", m.id));
-                    None
-                }
-                Ok(other) => Some(format!("worker {} answered Epoch with {other:?}", m.id)),
-                Err(_) => None,
-            };
-            drop(link);
-            self.settle_epoch(owing);
-            return match failed {
-                Some(e) => Err(anyhow::anyhow!(e)),
-                None => Ok(None),
-            };
-        }
-        Ok(Some(addrs))
-    }
-
-    /// Sends each member of `next` the new epoch's addresses, node names and its cut of
-    /// `start` under `plan`, marking it in `owing` as sent the addresses. Returns whether every
-    /// send went through; a member it failed for is lost.
-    fn send_mesh_and_state(
-        &self,
-        next: &[Arc<Member>],
-        addrs: Vec<String>,
-        plan: &Plan,
-        start: &Start,
-        owing: &mut [(Arc<Member>, bool)],
-    ) -> bool {
-        let names: Vec<String> = next.iter().map(|m| node_name(m.id as usize)).collect();
-        for (r, m) in next.iter().enumerate() {
-            let mut link = relock(&m.link);
-            let sent = wire::send(&mut link.stream, &ToWorker::Mesh { addrs: addrs.clone(), names: names.clone() })
-                .map_err(anyhow::Error::from)
-                .and_then(|()| send_start(&mut link.stream, plan, start, r));
-            owing[r].1 = true;
-            if let Err(e) = sent {
-                self.shared.loss(m.id, &format!("worker {} (pid {}): sending its state: {e:#}", m.id, m.pid));
-                drop(link);
-                self.settle_epoch(owing);
-                return false;
-            }
-        }
-        true
-    }
-
-    /// Waits for each member of `next` to say `Ready` in epoch `epoch` (its mesh formed),
-    /// keeping its snapshot. Returns whether all did; when one did not, the rest of `owing` is
-    /// settled, and an answer out of protocol is an error.
-    fn await_ready(&self, next: &[Arc<Member>], epoch: u64, owing: &[(Arc<Member>, bool)]) -> Result<bool> {
-        for (k, m) in next.iter().enumerate() {
-            let mut link = relock(&m.link);
-            let failed = match recv_reply(&self.shared, m, &mut link, "Ready") {
-                Ok(ToParent::Ready { snapshot }) => {
-                    link.snapshot = snapshot;
-                    continue;
-                }
-                Ok(ToParent::Failed { error }) => {
-                    self.shared.loss(m.id, &format!("worker {} could not join epoch {epoch}: {error}", m.id));
-                    None
-                }
-                Ok(other) => Some(format!("worker {} answered its epoch state with {other:?}", m.id)),
-                Err(_) => None,
-            };
-            drop(link);
-            self.settle_epoch(&owing[k + 1..]);
-            return match failed {
-                Some(e) => Err(anyhow::anyhow!(e)),
-                None => Ok(false),
-            };
-        }
-        Ok(true)
-    }
-
     /// Recovery's step 5: the formed epoch `epoch` of `next` under `plan` becomes the current
     /// one. Admitted joiners in it stop waiting, `draining` survivors become leavers (they leave
     /// once it is installed), and its members are measured again under the plan's even blocks.
@@ -444,55 +314,5 @@ impl Fleet {
         self.members = next;
         self.epoch = epoch;
         self.plan = Arc::clone(plan);
-    }
-
-    /// Marks the current epoch installed (every member holds its first full replica copy):
-    /// members drop what they kept of the epoch before, and draining workers leave (exit
-    /// status 0). Returns how many left. A member lost meanwhile is recovered from at the next
-    /// step boundary, from this epoch.
-    pub(super) fn install(&mut self) -> usize {
-        let ids = self.members.iter().map(|m| m.id).collect();
-        self.installed = Some(Installed { epoch: self.epoch, plan: Arc::clone(&self.plan), ids });
-        self.shared.event(json!({"event": "installed", "epoch": self.epoch}));
-        for m in &self.members {
-            let mut link = relock(&m.link);
-            match self.request(m, &mut link, &ToWorker::Installed { epoch: self.epoch }, "Installed") {
-                Ok(ToParent::Installed) | Err(_) => {}
-                Ok(other) => self.shared.loss(m.id, &format!("worker {} answered Installed with {other:?}", m.id)),
-            }
-        }
-        let leavers = std::mem::take(&mut self.leavers);
-        for d in &leavers {
-            if self.shared.is_fenced(d.id) {
-                continue;
-            }
-            let conn = relock(&d.link).stream.clone();
-            let status = shutdown_and_wait(&self.shared, d.id, conn);
-            tracing::info!("elastic: worker {} drained and left ({status})", d.id);
-            self.shared.event(json!({"event": "drained", "id": d.id, "pid": d.pid, "exit": status.to_string()}));
-        }
-        leavers.iter().filter(|d| !self.shared.is_fenced(d.id)).count()
-    }
-
-    /// After an epoch formation that stopped half-way: each member in `owing` answered `Epoch`
-    /// and still owes its final `Ready` or `Failed`. One not yet sent the addresses (`false`)
-    /// is woken with a `Ping`, which ends its wait for them (it answers `Failed`); one that got
-    /// them answers once its mesh forms or times out. Those answers are read and dropped, so
-    /// the next request's reply is its own; a member that does not answer is lost.
-    fn settle_epoch(&self, owing: &[(Arc<Member>, bool)]) {
-        for (m, mesh_sent) in owing {
-            if self.shared.is_fenced(m.id) {
-                continue;
-            }
-            let mut link = relock(&m.link);
-            if !mesh_sent {
-                if let Err(e) = wire::send(&mut link.stream, &ToWorker::Ping) {
-                    self.shared.loss(m.id, &format!("worker {} (pid {}): control connection: {e}", m.id, m.pid));
-                    continue;
-                }
-            }
-            // A lost member is recorded by `recv_reply`; any answer is stale.
-            let _ = recv_reply(&self.shared, m, &mut link, "the abandoned epoch's answer");
-        }
     }
 }
