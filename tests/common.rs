@@ -51,6 +51,16 @@ pub const FAST: &[&str] = &[
 ];
 
 /// `args` as the `&str`s [`run`], [`ok`] and [`fails`] take.
+/// The values of `tag` in a run's metrics.jsonl, in step order.
+pub fn metric(out: &Path, tag: &str) -> Vec<f64> {
+    let log = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics.jsonl");
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["tag"] == tag)
+        .map(|v| v["value"].as_f64().unwrap_or(f64::NAN))
+        .collect()
+}
+
 pub fn strs(args: &[String]) -> Vec<&str> {
     args.iter().map(String::as_str).collect()
 }

@@ -429,16 +429,6 @@ fn an_elastic_gpu_run_survives_kills_a_hang_and_joins() {
     }
 }
 
-/// Per-step values of `tag` in a run's metrics.jsonl.
-fn metric(out: &Path, tag: &str) -> Vec<f64> {
-    let log = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics.jsonl");
-    log.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["tag"] == tag)
-        .map(|v| v["value"].as_f64().unwrap_or(f64::NAN))
-        .collect()
-}
-
 /// A LLaMA folder made by transformers (tests/fixtures/hf/llama-gpu: grouped-query attention,
 /// head dimension 64, an untied head; `scripts/gen_fixtures.py hf-gpu`) fine-tunes on the GPU
 /// with `--model DIR --device cuda`: its training loss falls, and step 1's loss (the folder's own

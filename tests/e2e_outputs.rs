@@ -23,16 +23,6 @@ fn tiny_config() -> String {
     repo().join("configs/gpt-tiny.json").display().to_string()
 }
 
-/// The values of `tag` in a run's metrics.jsonl, in step order.
-fn metric(out: &Path, tag: &str) -> Vec<f64> {
-    let log = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics.jsonl");
-    log.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["tag"] == tag)
-        .map(|v| v["value"].as_f64().unwrap_or(f64::NAN))
-        .collect()
-}
-
 #[test]
 fn a_second_run_on_one_output_is_refused_naming_the_first_ones_pid() {
     let tmp = tempfile::tempdir().unwrap();
