@@ -190,7 +190,7 @@ pub fn config_check(path: &Path, common: &CommonArgs) -> Result<()> {
 /// `tessera models`.
 pub fn list_models() {
     for p in zoo::presets() {
-        outln!("{:<12} {}", p.name, p.about);
+        outln!("{:<12} {}", p.name, p.about());
     }
     outln!(
         "\neach preset is configs/models/<name>/config.json (a Hugging Face config); `--model DIR` trains a folder like it \

@@ -11,7 +11,8 @@ use crate::hf::HfModel;
 /// the data's vocabulary (256 for byte-level text, the tokenizer's size otherwise).
 pub struct Preset {
     pub name: &'static str,
-    pub about: String,
+    /// What the shape alone does not say (`tessera models` prints it after the shape).
+    pub note: &'static str,
     pub cfg: ModelConfig,
 }
 
@@ -39,12 +40,18 @@ pub fn presets() -> Vec<Preset> {
             // failure here is a build of a broken file, not an input.
             let doc: serde_json::Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{file}: {e}"));
             let cfg = crate::hf::parse(&file, &doc).unwrap_or_else(|e| panic!("{e}")).model;
-            Preset { name, about: describe(&cfg, note), cfg }
+            Preset { name, note, cfg }
         })
         .collect()
 }
 
-/// A preset's line in `tessera models`: its family, shape and size.
+impl Preset {
+    /// The preset's line in `tessera models`: its family, shape, size and note.
+    pub fn about(&self) -> String {
+        describe(&self.cfg, self.note)
+    }
+}
+
 fn describe(cfg: &ModelConfig, note: &str) -> String {
     let style = match cfg.arch {
         Arch::Gpt => "GPT-2 style",
@@ -185,9 +192,9 @@ mod tests {
             assert_eq!((p.name, &p.cfg), (name, &cfg));
         }
         assert!(
-            got[3].about.contains("12 layers, d=768, 12 heads of 64, ctx 1024, vocab 50257 (~124.4M params; GPT-2 124M)"),
+            got[3].about().contains("12 layers, d=768, 12 heads of 64, ctx 1024, vocab 50257 (~124.4M params; GPT-2 124M)"),
             "{}",
-            got[3].about
+            got[3].about()
         );
         // The folder is the same shape (its own vocabulary): `--model configs/models/<name>`.
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/gpt-tiny");

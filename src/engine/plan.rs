@@ -531,6 +531,12 @@ impl Plan {
         (step * self.micro_batches as u64 + i as u64) * self.micro as u64
     }
 
+    /// The learning rate of update number `applied + 1` (the schedule's clock counts applied,
+    /// not skipped, steps).
+    pub fn lr_at(&self, applied: u64) -> f32 {
+        self.schedule.as_ref().map_or(self.base_lr, |s| crate::schedule::lr_at(s, self.base_lr, applied))
+    }
+
     pub fn tokens_per_step(&self) -> u64 {
         (self.micro_batches * self.micro * self.seq_len) as u64
     }

@@ -26,7 +26,7 @@ use crate::bridge;
 use crate::checkpoint::{self, CheckpointState, NamedTensor};
 use crate::config::{self, Config, ElasticRun};
 use crate::data::{self, Dataset, Sampler, SamplerState};
-use crate::gpu::compute::{GpuRankOptions, GpuRanks, GpuStart, GpuWorker, ADAM_BUFFERS};
+use crate::gpu::compute::{GpuRankOptions, GpuRanks, GpuStart, GpuWorker};
 use crate::monitor::{self, Event, Monitor, MonitorSet};
 use crate::offload::OffloadedBytes;
 use crate::signals::{self, StopReason};
@@ -402,7 +402,8 @@ fn gpu_ranks(plan: &Plan, start: &Start, opts: &GpuRankOptions) -> Result<GpuRan
                 }
                 Ok(b)
             };
-            Some((*steps, find(ADAM_BUFFERS[0])?, find(ADAM_BUFFERS[1])?))
+            let [m, v] = plan.optimizer.state_names() else { bail!("the GPU ranks run Adam/AdamW only (checked at start)") };
+            Some((*steps, find(m)?, find(v)?))
         }
     };
     let from = GpuStart { master: &start.master, moments, applied: start.applied, skipped: start.skipped };
@@ -697,7 +698,7 @@ impl Run<'_> {
         let samples = plan.first_sample(self.step, 0);
         // The rate the commit used: the schedule's clock counts applied (not skipped) steps.
         let (applied, scale) = self.ranks.applied_and_scale();
-        let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, applied.saturating_sub(1)));
+        let lr = plan.lr_at(applied.saturating_sub(1));
         // OneCycle's momentum: the first beta that update used (DeepSpeed prints it as `mom`).
         let beta1 = plan.optimizer.momentum_cycle().map(|c| c.beta1_at(applied.saturating_sub(1)));
         let mut events =

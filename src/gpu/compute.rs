@@ -22,9 +22,6 @@ use super::zero::{AdamW, OffloadOptions, Rank, RankSpec, StateBytes};
 use crate::data::{self, Sampler};
 use crate::engine::{GpuFigures, HostOptimizerFigures, Plan};
 
-/// Adam's checkpointed buffers, as the CPU optimizer names them.
-pub const ADAM_BUFFERS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
-
 /// What the GPU ranks are built with besides the plan and the start state (checked against the
 /// device budget before any GPU is touched: [`super::train::GpuSetup`]).
 #[derive(Clone, Debug)]
@@ -91,7 +88,7 @@ pub fn start_ranks(plan: &Plan, start: &GpuStart<'_>, opts: &GpuRankOptions) -> 
     });
     let states: Vec<_> = built.into_iter().map(|b| b.map(|st| Arc::new(Mutex::new(st)))).collect::<Result<_>>()?;
     let gpu = states.first().map_or_else(String::new, |s| lock(s).rank.gpu.name.clone());
-    Ok(GpuRanks { note: describe(world, &gpu, opts), states })
+    Ok(GpuRanks { note: describe(world, &gpu, opts), moment_names: plan.optimizer.state_names(), states })
 }
 
 fn build_rank(plan: &Plan, start: &GpuStart<'_>, opts: &GpuRankOptions, r: usize, id: Option<&NcclId>) -> Result<GpuRankState> {
@@ -127,11 +124,13 @@ pub struct GpuWorker {
     plan: Arc<Plan>,
     sampler: Arc<Sampler>,
     state: Arc<Mutex<GpuRankState>>,
+    /// The step prepared and not yet committed or abandoned.
+    staged: Option<u64>,
 }
 
 impl GpuWorker {
     pub fn new(rank: usize, plan: Arc<Plan>, sampler: Arc<Sampler>, state: Arc<Mutex<GpuRankState>>) -> Self {
-        GpuWorker { rank, plan, sampler, state }
+        GpuWorker { rank, plan, sampler, state, staged: None }
     }
 
     /// This rank's micro-batches of `step`: the aligned block `rank·m … rank·m + m − 1` of the
@@ -160,10 +159,11 @@ impl WorkerCompute for GpuWorker {
         let state = Arc::clone(&self.state);
         let mut st = lock(&state);
         st.bind().map_err(|e| failed(self.rank, e))?;
-        // The rate of update number `applied + 1` (the schedule's clock counts applied steps).
         let plan = &self.plan;
-        let lr = plan.schedule.as_ref().map_or(plan.base_lr, |s| crate::schedule::lr_at(s, plan.base_lr, st.applied));
+        let lr = plan.lr_at(st.applied);
+        self.staged = None;
         let (loss, norm) = st.rank.prepare(&mbs, lr, 1.0 / plan.micro_batches as f32).map_err(|e| failed(self.rank, e))?;
+        self.staged = Some(order.step);
         let compute_s = t0.elapsed().as_secs_f64();
         Ok(Prepared {
             loss_sum: f64::from(loss) * mbs.len() as f64,
@@ -176,7 +176,11 @@ impl WorkerCompute for GpuWorker {
         })
     }
 
-    fn commit(&mut self, _step: u64) -> Result<(), ComputeError> {
+    fn commit(&mut self, step: u64) -> Result<(), ComputeError> {
+        match self.staged.take() {
+            Some(s) if s == step => {}
+            staged => return Err(ComputeError::failed(format!("GPU rank {}: commit of step {step} but staged {staged:?}", self.rank))),
+        }
         let mut st = lock(&self.state);
         st.bind().map_err(|e| failed(self.rank, e))?;
         // A failed update leaves the optimizer state part-way (the rank refuses later steps).
@@ -186,6 +190,7 @@ impl WorkerCompute for GpuWorker {
     }
 
     fn abandon(&mut self, _step: u64) {
+        self.staged = None;
         lock(&self.state).rank.abandon();
     }
 
@@ -197,6 +202,8 @@ impl WorkerCompute for GpuWorker {
 /// The driver's view of the GPU ranks between steps.
 pub struct GpuRanks {
     pub states: Vec<Arc<Mutex<GpuRankState>>>,
+    /// Adam's two moment buffers as checkpoints name them (`OptimizerKind::state_names`).
+    moment_names: &'static [&'static str],
     /// What the run's header line says of them (`| 2 × NVIDIA H200 | bf16 …`).
     pub note: String,
 }
@@ -233,12 +240,13 @@ impl GpuRanks {
 
     /// The masters and, with `with_optim`, the Adam moments, gathered from every rank.
     pub fn assemble(&self, with_optim: bool) -> Result<Assembled> {
+        let names = self.moment_names;
         self.on_every_rank(|st| {
             let master = st.rank.masters().context("gathering the masters")?;
             let optim = match with_optim {
                 true => {
                     let (m, v) = st.rank.moments().context("gathering the Adam moments")?;
-                    ADAM_BUFFERS.iter().map(|n| n.to_string()).zip([m, v]).collect()
+                    names.iter().map(|n| n.to_string()).zip([m, v]).collect()
                 }
                 false => Vec::new(),
             };

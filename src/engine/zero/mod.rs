@@ -529,7 +529,7 @@ impl ZeroWorker {
     }
 
     fn lr_at(&self, applied: u64) -> f32 {
-        self.plan.schedule.as_ref().map_or(self.plan.base_lr, |s| crate::schedule::lr_at(s, self.plan.base_lr, applied))
+        self.plan.lr_at(applied)
     }
 }
 
