@@ -1,9 +1,17 @@
 // Fused causal attention (FlashAttention-2 style) over the fused qkv buffer, bf16 in/out with f32
 // accumulation on tensor cores (mma.sync.m16n8k16 bf16, fragments loaded with ldmatrix).
 //
-// Layout (same as kernels/src/ops/attention.rs): qkv [B, T, 3C]; for token (b, t) q = cols 0..C,
-// k = C..2C, v = 2C..3C; head h uses cols h*64..(h+1)*64 of each part. y and dy are [B, T, C] with
-// head h at cols h*64. lse and delta are [B, NH, T] f32. Head dim is fixed at 64.
+// Layout (same as kernels/src/ops/attention.rs and, grouped, kernels/src/ops/gqa.rs): qkv
+// [B, T, C + 2·KV] with KV = NKV·64; for token (b, t) q = cols 0..C, k = C..C+KV, v = C+KV..C+2KV;
+// query head h uses cols h*64..(h+1)*64 of q and key/value head h / (NH/NKV) of k and v (NKV = NH
+// is multi-head attention: qkv [B, T, 3C]). y and dy are [B, T, C] with head h at cols h*64. lse
+// and delta are [B, NH, T] f32. Head dim is fixed at 64.
+//
+// Grouped-query attention (NKV < NH): the forward and dQ kernels run per query head, reading its
+// group's K/V; the dK/dV kernel runs per key/value head and adds its group's query heads in
+// ascending order (head j's query tiles, in order, before head j + 1's) into the same registers,
+// so the group sum needs no atomics and no second pass. With NKV = NH the loops are exactly those
+// of multi-head attention (same bits).
 //
 // Every CTA has 4 warps (128 threads) and works on one 64-row tile of one (b, head) (grid.y).
 // Each warp owns 16 rows of the tile (the M=16 of the mma). Tiles past T are zero-filled in
@@ -53,6 +61,23 @@ __device__ __forceinline__ u32 att_smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
+}
+
+// Where one (sequence, query head)'s q, k and v columns start in qkv [B, T, C + 2·KV], and the
+// row stride: head h reads key/value head h / (nh / nkv).
+struct AttHeads {
+    size_t q, k, v;  // element offsets of row 0 of this head's columns
+    int ld;          // qkv row stride
+};
+__device__ __forceinline__ AttHeads att_heads(int bi, int h, int t, int c, int nh, int nkv) {
+    AttHeads H;
+    H.ld = c + 2 * nkv * ATT_HD;
+    const size_t row0 = (size_t)bi * t * H.ld;
+    const int kvh = h / (nh / nkv);
+    H.q = row0 + (size_t)h * ATT_HD;
+    H.k = row0 + c + (size_t)kvh * ATT_HD;
+    H.v = H.k + (size_t)nkv * ATT_HD;
+    return H;
 }
 
 // Two floats -> packed bf16x2 (lo in the low half), round to nearest even (same as f2bf for
@@ -344,25 +369,26 @@ __device__ __forceinline__ void att_fwd_finish(bf16* __restrict__ y, float* __re
 // ---------------------------------------------------------------------------------------------
 template <bool PRECISE>
 __device__ __forceinline__ void attn_fwd_body(bf16* __restrict__ y, float* __restrict__ lse, const bf16* __restrict__ qkv, int t, int c,
-                                              int nh, float scale_log2) {
+                                              int nh, int nkv, float scale_log2) {
     __shared__ __align__(16) bf16 sK[2][ATT_TILE * ATT_LD];
     __shared__ __align__(16) bf16 sV[2][ATT_TILE * ATT_LD];
 
     const int qt = gridDim.x - 1 - blockIdx.x;  // heaviest (most key tiles) first
     const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-    const int ld = 3 * c;
-    const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
+    const AttHeads H = att_heads(bi, h, t, c, nh, nkv);
+    const int ld = H.ld;
+    const bf16 *qb = qkv + H.q, *kb = qkv + H.k, *vb = qkv + H.v;
 
     const AttLane L = att_lane(lane);
     const u32 aK = att_smem_addr(sK[0]), aV = att_smem_addr(sV[0]);  // buffer i at + i·ATT_BUF_BYTES
 
     // Key tile 0 streams into buffer 0 while Q (this warp's 16 rows) is staged through buffer 1.
-    att_load_tile_async(aK, base + c, 0, t, ld);
-    att_load_tile_async(aV, base + 2 * c, 0, t, ld);
+    att_load_tile_async(aK, kb, 0, t, ld);
+    att_load_tile_async(aV, vb, 0, t, ld);
     att_cp_commit();
     u32 qf[4][4];
-    att_load_tile(sK[1], base, qt * ATT_TILE, t, ld);
+    att_load_tile(sK[1], qb, qt * ATT_TILE, t, ld);
     __syncthreads();
 #pragma unroll
     for (int kc = 0; kc < 4; kc++) att_load_a(qf[kc], aK + ATT_BUF_BYTES, warp * 16, kc * 16, L);
@@ -378,8 +404,8 @@ __device__ __forceinline__ void attn_fwd_body(bf16* __restrict__ y, float* __res
         __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1 (tile kt-1 / Q)
         const u32 now = cur * ATT_BUF_BYTES, next = (cur ^ 1) * ATT_BUF_BYTES;
         if (kt < qt) {
-            att_load_tile_async(aK + next, base + c, (kt + 1) * ATT_TILE, t, ld);
-            att_load_tile_async(aV + next, base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
+            att_load_tile_async(aK + next, kb, (kt + 1) * ATT_TILE, t, ld);
+            att_load_tile_async(aV + next, vb, (kt + 1) * ATT_TILE, t, ld);
         }
         att_cp_commit();
         const u32 k_s = aK + now, v_s = aV + now;
@@ -398,13 +424,10 @@ __device__ __forceinline__ void attn_fwd_body(bf16* __restrict__ y, float* __res
     att_fwd_finish(y + (size_t)bi * t * c + h * ATT_HD, lse + (size_t)bh * t, o, m, l, ra, t, c, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attn_fwd(bf16* __restrict__ y, float* __restrict__ lse, const bf16* __restrict__ qkv, int t, int c, int nh, float scale_log2) {
-    attn_fwd_body<false>(y, lse, qkv, t, c, nh, scale_log2);
-}
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attn_fwd_precise(bf16* __restrict__ y, float* __restrict__ lse, const bf16* __restrict__ qkv, int t, int c, int nh, float scale_log2) {
-    attn_fwd_body<true>(y, lse, qkv, t, c, nh, scale_log2);
+#define ATT_FWD_ARGS bf16 *__restrict__ y, float *__restrict__ lse, const bf16 *__restrict__ qkv, int t, int c, int nh, int nkv, float scale_log2
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_fwd(ATT_FWD_ARGS) { attn_fwd_body<false>(y, lse, qkv, t, c, nh, nkv, scale_log2); }
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_precise(ATT_FWD_ARGS) {
+    attn_fwd_body<true>(y, lse, qkv, t, c, nh, nkv, scale_log2);
 }
 
 // delta = rowsum(dY o y) of row i (dy and y [T, c] of one (b, head), 64 columns each) for a pair of
@@ -561,8 +584,9 @@ __device__ __forceinline__ void att_dq_probs(float (*s)[4], float (*dp)[4], cons
 
 // ---------------------------------------------------------------------------------------------
 // Backward, second kernel (after attn_bwd_dq, which writes delta): dK, dV for one tile of 64·RB
-// keys (grid.x) of one (b, head) (grid.y). Each warp owns 16·RB keys; loops over 64-query tiles
-// from its diagonal to the end in order:
+// keys (grid.x) of one (b, key/value head) (grid.y: B·NKV). Each warp owns 16·RB keys; for each
+// query head of the group in ascending order, loops over 64-query tiles from its diagonal to the
+// end in order (one stream of tiles through the double buffer, head after head):
 //   S^T = K Q^T, P^T = exp(S^T*scale - lse), dP^T = V dY^T, dS^T = P^T o (dP^T - delta),
 //   dV += P^T dY, dK += dS^T Q (times scale at the end).
 // The query tiles stream through shared memory for the whole CTA; a warp whose keys lie in the
@@ -574,7 +598,7 @@ __device__ __forceinline__ void att_dq_probs(float (*s)[4], float (*dp)[4], cons
 template <bool PRECISE, int PIECES, int RB>
 __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, const bf16* __restrict__ dy, const bf16* __restrict__ qkv,
                                                    const float* __restrict__ lse, const float* __restrict__ delta, int t, int c, int nh,
-                                                   float scale, float scale_log2) {
+                                                   int nkv, float scale, float scale_log2) {
     constexpr int NT = 8 / PIECES;  // 8-query n-tiles per piece
     __shared__ __align__(16) bf16 sQ[2][ATT_TILE * ATT_LD];
     __shared__ __align__(16) bf16 sDY[2][ATT_TILE * ATT_LD];
@@ -584,28 +608,28 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, cons
     const int key0 = blockIdx.x * ATT_TILE * RB;  // heaviest (most query tiles) first
     const int nq = (t + ATT_TILE - 1) / ATT_TILE;
     const int q_first = key0 / ATT_TILE;  // the CTA's first query tile
-    const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
+    const int grp = nh / nkv, bkv = blockIdx.y, bi = bkv / nkv, h0 = (bkv % nkv) * grp;  // heads h0 .. h0 + grp - 1
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
     const int wkey0 = key0 + warp * 16 * RB;  // this warp's first key
     const int wt = wkey0 / ATT_TILE;          // its 64-key tile, the first query tile it visits
-    const int ld = 3 * c;
-    const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
-    const bf16* dybase = dy + (size_t)bi * t * c + h * ATT_HD;
-    const float* lse_bh = lse + (size_t)bh * t;
-    const float* delta_bh = delta + (size_t)bh * t;
+    const AttHeads H = att_heads(bi, h0, t, c, nh, nkv);
+    const int ld = H.ld;
+    const int span = nq - q_first;  // query tiles per head; step it is head h0 + it / span, tile q_first + it % span
 
     const AttLane L = att_lane(lane);
     const u32 aQ = att_smem_addr(sQ[0]), aDY = att_smem_addr(sDY[0]);  // buffer i at + i·ATT_BUF_BYTES
 
-    // Query tile qt (with its lse and delta) -> buffer buf, asynchronously.
-    auto prefetch = [&](int qt, int buf) {
-        att_load_tile_async(aQ + buf * ATT_BUF_BYTES, base, qt * ATT_TILE, t, ld);
-        att_load_tile_async(aDY + buf * ATT_BUF_BYTES, dybase, qt * ATT_TILE, t, c);
+    // Step it's query tile (with its lse and delta) -> buffer buf, asynchronously.
+    auto prefetch = [&](int it, int buf) {
+        const int h = h0 + it / span, qt = q_first + it % span;
+        const size_t bh = (size_t)bi * nh + h;
+        att_load_tile_async(aQ + buf * ATT_BUF_BYTES, qkv + H.q + (h - h0) * ATT_HD, qt * ATT_TILE, t, ld);
+        att_load_tile_async(aDY + buf * ATT_BUF_BYTES, dy + (size_t)bi * t * c + h * ATT_HD, qt * ATT_TILE, t, c);
         if (threadIdx.x < ATT_TILE) {
             int i = qt * ATT_TILE + threadIdx.x;
             bool ok = i < t;
-            att_cp4(att_smem_addr(&sL[buf][threadIdx.x]), lse_bh + (ok ? i : 0), ok ? 4 : 0);
-            att_cp4(att_smem_addr(&sD[buf][threadIdx.x]), delta_bh + (ok ? i : 0), ok ? 4 : 0);
+            att_cp4(att_smem_addr(&sL[buf][threadIdx.x]), lse + bh * t + (ok ? i : 0), ok ? 4 : 0);
+            att_cp4(att_smem_addr(&sD[buf][threadIdx.x]), delta + bh * t + (ok ? i : 0), ok ? 4 : 0);
         }
     };
 
@@ -615,16 +639,16 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, cons
     u32 kf[RB][4][4], vf[RB][4][4];
     const int stage = RB == 1 ? 1 : 0;
     if (RB == 1) {
-        prefetch(q_first, 0);
+        prefetch(0, 0);
         att_cp_commit();
     }
-    att_stage_rows<RB>(sQ[stage], base + c, key0, t, ld);
-    att_stage_rows<RB>(sDY[stage], base + 2 * c, key0, t, ld);
+    att_stage_rows<RB>(sQ[stage], qkv + H.k, key0, t, ld);
+    att_stage_rows<RB>(sDY[stage], qkv + H.v, key0, t, ld);
     __syncthreads();
     att_load_warp_a<RB>(kf, vf, aQ + stage * ATT_BUF_BYTES, aDY + stage * ATT_BUF_BYTES, warp, L);
     if (RB > 1) {
         __syncthreads();  // every warp has its fragments before buffer 0 is overwritten
-        prefetch(q_first, 0);
+        prefetch(0, 0);
         att_cp_commit();
     }
 
@@ -635,11 +659,11 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, cons
         att_zero(dv[rb]);
     }
 
-    for (int qt = q_first; qt < nq; qt++) {
-        const int cur = (qt - q_first) & 1;
-        att_cp_wait_all();  // this thread's copies of tile qt have landed
+    for (int it = 0; it < grp * span; it++) {
+        const int cur = it & 1, qt = q_first + it % span;
+        att_cp_wait_all();  // this thread's copies of step it's tile have landed
         __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1
-        if (qt + 1 < nq) prefetch(qt + 1, cur ^ 1);
+        if (it + 1 < grp * span) prefetch(it + 1, cur ^ 1);
         att_cp_commit();
         if (qt < wt) continue;  // (warp-uniform) the tile is entirely before this warp's keys
         const u32 q_s = aQ + cur * ATT_BUF_BYTES, dy_s = aDY + cur * ATT_BUF_BYTES;
@@ -675,26 +699,25 @@ __device__ __forceinline__ void attn_bwd_dkdv_body(bf16* __restrict__ dqkv, cons
         }
     }
 
-    bf16* out = dqkv + (size_t)bi * t * ld + h * ATT_HD;
 #pragma unroll
     for (int rb = 0; rb < RB; rb++) {
         const int ja = wkey0 + rb * 16 + g;
-        att_store_rows(out + c, dk[rb], scale, ja, t, ld, lane);
-        att_store_rows(out + 2 * c, dv[rb], 1.f, ja, t, ld, lane);
+        att_store_rows(dqkv + H.k, dk[rb], scale, ja, t, ld, lane);
+        att_store_rows(dqkv + H.v, dv[rb], 1.f, ja, t, ld, lane);
     }
 }
 
 #define ATT_DKDV_ARGS                                                                                                                 \
     bf16 *__restrict__ dqkv, const bf16 *__restrict__ dy, const bf16 *__restrict__ qkv, const float *__restrict__ lse,                \
-        const float *__restrict__ delta, int t, int c, int nh, float scale, float scale_log2
-#define ATT_DKDV_PASS dqkv, dy, qkv, lse, delta, t, c, nh, scale, scale_log2
+        const float *__restrict__ delta, int t, int c, int nh, int nkv, float scale, float scale_log2
+#define ATT_DKDV_PASS dqkv, dy, qkv, lse, delta, t, c, nh, nkv, scale, scale_log2
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv(ATT_DKDV_ARGS) { attn_bwd_dkdv_body<false, 1, 1>(ATT_DKDV_PASS); }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dkdv_precise(ATT_DKDV_ARGS) { attn_bwd_dkdv_body<true, 1, 1>(ATT_DKDV_PASS); }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dkdv_r2(ATT_DKDV_ARGS) { attn_bwd_dkdv_body<false, 4, 2>(ATT_DKDV_PASS); }
 
 // ---------------------------------------------------------------------------------------------
-// Backward, first kernel: dQ and delta for one tile of 64·RB queries (grid.x) of one (b, head)
-// (grid.y). Each warp owns 16·RB queries; one pass over key tiles 0 .. its diagonal in order
+// Backward, first kernel: dQ and delta for one tile of 64·RB queries (grid.x) of one (b, query
+// head) (grid.y: B·NH; K and V of its group). Each warp owns 16·RB queries; one pass over key tiles 0 .. its diagonal in order
 // (the key tiles stream through shared memory for the whole CTA; with RB = 2 a warp in the CTA's
 // first 64-row tile skips the second one's diagonal key tile, which lies after its rows, as the
 // RB = 1 kernel never visits it). Each 64-key tile is computed in PIECES pieces in key order.
@@ -711,7 +734,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dkdv_r2(AT
 template <bool PRECISE, int PIECES, int RB>
 __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float* __restrict__ delta, const bf16* __restrict__ dy,
                                                  const bf16* __restrict__ qkv, const bf16* __restrict__ y, const float* __restrict__ lse,
-                                                 int t, int c, int nh, float scale, float scale_log2) {
+                                                 int t, int c, int nh, int nkv, float scale, float scale_log2) {
     constexpr int NT = 8 / PIECES;  // 8-key n-tiles per piece
     constexpr int ROWS = ATT_TILE * RB;
     __shared__ __align__(16) bf16 sK[2][ATT_TILE * ATT_LD];
@@ -724,8 +747,9 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
     const int wrow0 = row0 + warp * 16 * RB;                                      // this warp's first row
     const int wt = wrow0 / ATT_TILE;                                              // its 64-row tile: its diagonal key tile
     const int k_last = min((row0 + ROWS - 1) / ATT_TILE, (t - 1) / ATT_TILE);  // the CTA's last key tile
-    const int ld = 3 * c;
-    const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
+    const AttHeads H = att_heads(bi, h, t, c, nh, nkv);
+    const int ld = H.ld;
+    const bf16 *qb = qkv + H.q, *kb = qkv + H.k, *vb = qkv + H.v;
     const bf16* dybase = dy + (size_t)bi * t * c + h * ATT_HD;
     float* delta_bh = delta + (size_t)bh * t;
 
@@ -736,11 +760,11 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
     // (RB = 1) or both buffers (RB = 2, key tile 0 fetched after the staging).
     const int stage = RB == 1 ? 1 : 0;
     if (RB == 1) {
-        att_load_tile_async(aK, base + c, 0, t, ld);
-        att_load_tile_async(aV, base + 2 * c, 0, t, ld);
+        att_load_tile_async(aK, kb, 0, t, ld);
+        att_load_tile_async(aV, vb, 0, t, ld);
         att_cp_commit();
     }
-    att_stage_rows<RB>(sK[stage], base, row0, t, ld);
+    att_stage_rows<RB>(sK[stage], qb, row0, t, ld);
     att_stage_rows<RB>(sV[stage], dybase, row0, t, c);
     if (!PRECISE) {
         // delta of row row0 + 64p + tid/2: two adjacent lanes each sum 32 columns (u32 = 2 bf16
@@ -760,8 +784,8 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
     att_load_warp_a<RB>(qf, dyf, aK + stage * ATT_BUF_BYTES, aV + stage * ATT_BUF_BYTES, warp, L);
     if (RB > 1) {
         __syncthreads();  // every warp has its fragments before buffer 0 is overwritten
-        att_load_tile_async(aK, base + c, 0, t, ld);
-        att_load_tile_async(aV, base + 2 * c, 0, t, ld);
+        att_load_tile_async(aK, kb, 0, t, ld);
+        att_load_tile_async(aV, vb, 0, t, ld);
         att_cp_commit();
     }
 
@@ -793,8 +817,8 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
         __syncthreads();    // everyone's have; nobody still reads buffer cur ^ 1 (tile kt-1 / Q, dY)
         const u32 now = cur * ATT_BUF_BYTES, next = (cur ^ 1) * ATT_BUF_BYTES;
         if (kt < k_last) {
-            att_load_tile_async(aK + next, base + c, (kt + 1) * ATT_TILE, t, ld);
-            att_load_tile_async(aV + next, base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
+            att_load_tile_async(aK + next, kb, (kt + 1) * ATT_TILE, t, ld);
+            att_load_tile_async(aV + next, vb, (kt + 1) * ATT_TILE, t, ld);
         }
         att_cp_commit();
         if (kt > wt) continue;  // (warp-uniform) the tile lies entirely after this warp's rows
@@ -847,14 +871,14 @@ __device__ __forceinline__ void attn_bwd_dq_body(bf16* __restrict__ dqkv, float*
                 if (rr + 8 < t) delta_bh[rr + 8] = rs[rb][1];
             }
         }
-        att_store_rows(dqkv + (size_t)bi * t * ld + h * ATT_HD, acc_e[rb], scale, rr, t, ld, lane);
+        att_store_rows(dqkv + H.q, acc_e[rb], scale, rr, t, ld, lane);
     }
 }
 
 #define ATT_DQ_ARGS                                                                                                                   \
     bf16 *__restrict__ dqkv, float *__restrict__ delta, const bf16 *__restrict__ dy, const bf16 *__restrict__ qkv,                    \
-        const bf16 *__restrict__ y, const float *__restrict__ lse, int t, int c, int nh, float scale, float scale_log2
-#define ATT_DQ_PASS dqkv, delta, dy, qkv, y, lse, t, c, nh, scale, scale_log2
+        const bf16 *__restrict__ y, const float *__restrict__ lse, int t, int c, int nh, int nkv, float scale, float scale_log2
+#define ATT_DQ_PASS dqkv, delta, dy, qkv, y, lse, t, c, nh, nkv, scale, scale_log2
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq(ATT_DQ_ARGS) { attn_bwd_dq_body<false, 1, 1>(ATT_DQ_PASS); }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_bwd_dq_precise(ATT_DQ_ARGS) { attn_bwd_dq_body<true, 1, 1>(ATT_DQ_PASS); }
 extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dq_r2(ATT_DQ_ARGS) { attn_bwd_dq_body<false, 4, 2>(ATT_DQ_PASS); }

@@ -163,20 +163,20 @@ __device__ __forceinline__ void wg_acc_to_a(u32 (*a)[4], const float (*c)[4]) {
 // Forward: grid (ceil(T/64), B*NH), 128 threads, as attn_fwd. Q, K and V tiles in shared memory
 // (K/V double-buffered), S = Q Kᵀ from two descriptors, O += P V with P from registers.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-    attn_fwd_wg(bf16* __restrict__ y, float* __restrict__ lse, const bf16* __restrict__ qkv, int t, int c, int nh, float scale_log2) {
+extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_fwd_wg(ATT_FWD_ARGS) {
     __shared__ __align__(1024) unsigned char smem[5 * WG_TILE_BYTES];  // Q, K[2], V[2]
 
     const int qt = gridDim.x - 1 - blockIdx.x;  // heaviest (most key tiles) first
     const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-    const int ld = 3 * c;
-    const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
+    const AttHeads H = att_heads(bi, h, t, c, nh, nkv);
+    const int ld = H.ld;
+    const bf16 *qb = qkv + H.q, *kb = qkv + H.k, *vb = qkv + H.v;
 
     const u32 sQ = att_smem_addr(smem), sK = sQ + WG_TILE_BYTES, sV = sQ + 3 * WG_TILE_BYTES;
-    wg_load_tile_async(sQ, base, qt * ATT_TILE, t, ld);
-    wg_load_tile_async(sK, base + c, 0, t, ld);
-    wg_load_tile_async(sV, base + 2 * c, 0, t, ld);
+    wg_load_tile_async(sQ, qb, qt * ATT_TILE, t, ld);
+    wg_load_tile_async(sK, kb, 0, t, ld);
+    wg_load_tile_async(sV, vb, 0, t, ld);
     att_cp_commit();
     const u64 dq = wg_desc_k(sQ);
 
@@ -191,8 +191,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS)
         wg_proxy_fence();   // ... and are visible to the tensor cores' reads
         __syncthreads();    // everyone's are; nobody still reads buffer cur ^ 1 (tile kt-1)
         if (kt < qt) {
-            wg_load_tile_async(sK + (cur ^ 1) * WG_TILE_BYTES, base + c, (kt + 1) * ATT_TILE, t, ld);
-            wg_load_tile_async(sV + (cur ^ 1) * WG_TILE_BYTES, base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
+            wg_load_tile_async(sK + (cur ^ 1) * WG_TILE_BYTES, kb, (kt + 1) * ATT_TILE, t, ld);
+            wg_load_tile_async(sV + (cur ^ 1) * WG_TILE_BYTES, vb, (kt + 1) * ATT_TILE, t, ld);
         }
         att_cp_commit();
         const u64 dk = wg_desc_k(sK + cur * WG_TILE_BYTES), dv = wg_desc_mn(sV + cur * WG_TILE_BYTES);
@@ -238,18 +238,19 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dq_wg(ATT_
     const int row0 = qt * ATT_TILE;
     const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-    const int ld = 3 * c;
-    const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
+    const AttHeads H = att_heads(bi, h, t, c, nh, nkv);
+    const int ld = H.ld;
+    const bf16 *qb = qkv + H.q, *kb = qkv + H.k, *vb = qkv + H.v;
     const bf16* dybase = dy + (size_t)bi * t * c + h * ATT_HD;
     float* delta_bh = delta + (size_t)bh * t;
 
     const u32 sK = att_smem_addr(smem), sV = sK + 2 * WG_TILE_BYTES;
     // Key tile 0 -> buffers 0; this warp's Q and dY fragments straight from global memory.
-    wg_load_tile_async(sK, base + c, 0, t, ld);
-    wg_load_tile_async(sV, base + 2 * c, 0, t, ld);
+    wg_load_tile_async(sK, kb, 0, t, ld);
+    wg_load_tile_async(sV, vb, 0, t, ld);
     att_cp_commit();
     u32 qf[4][4], dyf[4][4];
-    wg_load_a_global(qf, base, row0 + warp * 16, t, ld, lane);
+    wg_load_a_global(qf, qb, row0 + warp * 16, t, ld, lane);
     wg_load_a_global(dyf, dybase, row0 + warp * 16, t, c, lane);
     {
         // delta of row row0 + tid/2 (two adjacent lanes, 32 columns each; fixed order).
@@ -279,8 +280,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dq_wg(ATT_
         wg_proxy_fence();
         __syncthreads();
         if (kt < qt) {
-            wg_load_tile_async(sK + (cur ^ 1) * WG_TILE_BYTES, base + c, (kt + 1) * ATT_TILE, t, ld);
-            wg_load_tile_async(sV + (cur ^ 1) * WG_TILE_BYTES, base + 2 * c, (kt + 1) * ATT_TILE, t, ld);
+            wg_load_tile_async(sK + (cur ^ 1) * WG_TILE_BYTES, kb, (kt + 1) * ATT_TILE, t, ld);
+            wg_load_tile_async(sV + (cur ^ 1) * WG_TILE_BYTES, vb, (kt + 1) * ATT_TILE, t, ld);
         }
         att_cp_commit();
         const u32 k_s = sK + cur * WG_TILE_BYTES, v_s = sV + cur * WG_TILE_BYTES;
@@ -318,13 +319,13 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dq_wg(ATT_
         wg_wait0();
         wg_fence_acc(dqa);
     }
-    att_store_rows(dqkv + (size_t)bi * t * ld + h * ATT_HD, dqa, scale, ra, t, ld, lane);
+    att_store_rows(dqkv + H.q, dqa, scale, ra, t, ld, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Backward, second kernel (after attn_bwd_dq_wg, which writes delta): dK, dV for 64 keys
-// (grid.x, heaviest first) of one (b, head), as attn_bwd_dkdv: per query tile from the diagonal
-// to the end, in order,
+// (grid.x, heaviest first) of one (b, key/value head), as attn_bwd_dkdv: for each query head of
+// the group in ascending order, per query tile from the diagonal to the end, in order,
 //   Sᵀ = K Qᵀ, dPᵀ = V dYᵀ (K, V in registers; Q, dY K-major), Pᵀ = exp2(Sᵀ·scale_log2 − lse),
 //   dSᵀ = Pᵀ o (dPᵀ − delta), dV += Pᵀ dY, dK += dSᵀ Q (Pᵀ, dSᵀ in registers; dY, Q MN-major).
 // ---------------------------------------------------------------------------------------------
@@ -336,42 +337,42 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dkdv_wg(AT
     const int key0 = blockIdx.x * ATT_TILE;  // heaviest (most query tiles) first
     const int q_first = blockIdx.x;          // the diagonal query tile
     const int nq = (t + ATT_TILE - 1) / ATT_TILE;
-    const int bh = blockIdx.y, bi = bh / nh, h = bh % nh;
+    const int grp = nh / nkv, bkv = blockIdx.y, bi = bkv / nkv, h0 = (bkv % nkv) * grp;  // heads h0 .. h0 + grp - 1
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
-    const int ld = 3 * c;
-    const bf16* base = qkv + (size_t)bi * t * ld + h * ATT_HD;
-    const bf16* dybase = dy + (size_t)bi * t * c + h * ATT_HD;
-    const float* lse_bh = lse + (size_t)bh * t;
-    const float* delta_bh = delta + (size_t)bh * t;
+    const AttHeads H = att_heads(bi, h0, t, c, nh, nkv);
+    const int ld = H.ld;
+    const int span = nq - q_first;  // query tiles per head; step it is head h0 + it / span, tile q_first + it % span
 
     const u32 sQ = att_smem_addr(smem), sDY = sQ + 2 * WG_TILE_BYTES;
-    auto prefetch = [&](int qt, int buf) {
-        wg_load_tile_async(sQ + buf * WG_TILE_BYTES, base, qt * ATT_TILE, t, ld);
-        wg_load_tile_async(sDY + buf * WG_TILE_BYTES, dybase, qt * ATT_TILE, t, c);
+    auto prefetch = [&](int it, int buf) {
+        const int h = h0 + it / span, qt = q_first + it % span;
+        const size_t bh = (size_t)bi * nh + h;
+        wg_load_tile_async(sQ + buf * WG_TILE_BYTES, qkv + H.q + (h - h0) * ATT_HD, qt * ATT_TILE, t, ld);
+        wg_load_tile_async(sDY + buf * WG_TILE_BYTES, dy + (size_t)bi * t * c + h * ATT_HD, qt * ATT_TILE, t, c);
         if (threadIdx.x < ATT_TILE) {
             const int i = qt * ATT_TILE + threadIdx.x;
             const bool ok = i < t;
-            att_cp4(att_smem_addr(&sL[buf][threadIdx.x]), lse_bh + (ok ? i : 0), ok ? 4 : 0);
-            att_cp4(att_smem_addr(&sD[buf][threadIdx.x]), delta_bh + (ok ? i : 0), ok ? 4 : 0);
+            att_cp4(att_smem_addr(&sL[buf][threadIdx.x]), lse + bh * t + (ok ? i : 0), ok ? 4 : 0);
+            att_cp4(att_smem_addr(&sD[buf][threadIdx.x]), delta + bh * t + (ok ? i : 0), ok ? 4 : 0);
         }
     };
-    // The diagonal query tile -> buffers 0; this warp's K and V fragments from global memory.
-    prefetch(q_first, 0);
+    // The first head's diagonal query tile -> buffers 0; this warp's K and V fragments from global memory.
+    prefetch(0, 0);
     att_cp_commit();
     u32 kf[4][4], vf[4][4];
-    wg_load_a_global(kf, base + c, key0 + warp * 16, t, ld, lane);
-    wg_load_a_global(vf, base + 2 * c, key0 + warp * 16, t, ld, lane);
+    wg_load_a_global(kf, qkv + H.k, key0 + warp * 16, t, ld, lane);
+    wg_load_a_global(vf, qkv + H.v, key0 + warp * 16, t, ld, lane);
 
     const int ja = key0 + warp * 16 + g;  // this thread's keys: ja and ja + 8
     float dka[8][4], dva[8][4];
     att_zero(dka);
     att_zero(dva);
-    for (int qt = q_first; qt < nq; qt++) {
-        const int cur = (qt - q_first) & 1;
+    for (int it = 0; it < grp * span; it++) {
+        const int cur = it & 1, qt = q_first + it % span;
         att_cp_wait_all();
         wg_proxy_fence();
         __syncthreads();
-        if (qt + 1 < nq) prefetch(qt + 1, cur ^ 1);
+        if (it + 1 < grp * span) prefetch(it + 1, cur ^ 1);
         att_cp_commit();
         const u32 q_s = sQ + cur * WG_TILE_BYTES, dy_s = sDY + cur * WG_TILE_BYTES;
         const u64 dq = wg_desc_k(q_s), ddy = wg_desc_k(dy_s);
@@ -417,9 +418,8 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS, 2) attn_bwd_dkdv_wg(AT
         wg_fence_acc(dka);
     }
 
-    bf16* out = dqkv + (size_t)bi * t * ld + h * ATT_HD;
-    att_store_rows(out + c, dka, scale, ja, t, ld, lane);
-    att_store_rows(out + 2 * c, dva, 1.f, ja, t, ld, lane);
+    att_store_rows(dqkv + H.k, dka, scale, ja, t, ld, lane);
+    att_store_rows(dqkv + H.v, dva, 1.f, ja, t, ld, lane);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-// Causal grouped-query attention for the LLaMA family, head dimension 64 or 128 (a template
-// parameter; one extern "C" kernel per head dimension), bf16 in/out, f32 arithmetic.
+// Causal grouped-query attention for the LLaMA family on CUDA cores, bf16 in/out, f32 arithmetic.
+// The head dimension is a template parameter; only 128 is instantiated: head dimension 64 runs on
+// the tensor-core kernels of attention.cu / attention_wg.cu, which take the same layout.
 //
 // Layout (the grouped projection of kernels/src/ops/gqa.rs): qkv [B, T, R] with R = C + 2·KV and
 // KV = NKV·HD; for token (b, t) query head h is at cols h·HD, key head j at C + j·HD, value head j
@@ -295,5 +296,4 @@ __device__ __forceinline__ void gqa_bwd_dkdv_t(bf16* __restrict__ dqkv, const bf
         gqa_bwd_dkdv_t<HD>(dqkv, dy, qkv, lse, delta, t, c, nh, nkv, scale, scale_log2);                                                   \
     }
 
-GQA_KERNELS(64)
 GQA_KERNELS(128)

@@ -52,7 +52,7 @@ fn rejects_unsupported_head_dim() {
     let y = gpu.alloc::<cuda::bf16>(b * t * c).unwrap();
     let lse = gpu.alloc::<f32>(b * nh * t).unwrap();
     let err =
-        attention::attention_forward(&gpu, &gpu.stream, y.ptr(), lse.ptr(), qkv.ptr(), attention::AttnShape { b, t, c, nh }).unwrap_err();
+        attention::attention_forward(&gpu, &gpu.stream, y.ptr(), lse.ptr(), qkv.ptr(), attention::AttnShape::mha(b, t, c, nh)).unwrap_err();
     assert!(err.to_string().contains("128"), "{err}");
 }
 

@@ -9,6 +9,11 @@
 //!
 //! Layout as in [`crate::ops::attention`]: `qkv` [B, T, 3C] (q | k | v, head h at cols h·hd of
 //! each part), `y` and `dy` [B, T, C], `lse` and `delta` [B, NH, T] f32 (`lse` in log2 units). Head dim 64 only.
+//! Grouped-query attention (`nkv` < `nh` key/value heads, the LLaMA family) runs on the same
+//! kernels in the grouped layout of [`crate::ops::gqa`]: `qkv` [B, T, C + 2·KV] (q | k | v, KV =
+//! nkv·hd), query head h reading key/value head h / (nh / nkv). The dK/dV kernel then works per
+//! key/value head and adds its group's query heads in ascending order in registers: no atomics,
+//! deterministic, and with `nkv = nh` the loops (and bits) of multi-head attention.
 //!
 //! Precision: by default P and dS go through the tensor cores as plain bf16 (one mma per product)
 //! and the backward takes delta = rowsum(dy∘y) from the bf16 `y`, as FlashAttention-2 / PyTorch
@@ -32,18 +37,31 @@ pub const TILE: usize = 64;
 const THREADS: u32 = 128;
 
 /// The shape of one attention call: `b` sequences of `t` tokens, `c` channels split into `nh`
-/// heads (of [`HEAD_DIM`] each).
+/// query heads (of [`HEAD_DIM`] each), and `nkv` key/value heads (`nkv = nh`: multi-head
+/// attention; fewer: grouped-query attention, `nkv` dividing `nh`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnShape {
     pub b: usize,
     pub t: usize,
     pub c: usize,
     pub nh: usize,
+    pub nkv: usize,
 }
 
-/// The buffers of [`attention_backward`]: it writes `dqkv` [B, T, 3C] and uses `delta`
-/// [B, nh, T] as scratch; it reads `dy` [B, T, C], the forward's input `qkv` [B, T, 3C], output
-/// `y` [B, T, C] and log-sum-exp `lse` [B, nh, T].
+impl AttnShape {
+    /// Multi-head attention: as many key/value heads as query heads.
+    pub fn mha(b: usize, t: usize, c: usize, nh: usize) -> AttnShape {
+        AttnShape { b, t, c, nh, nkv: nh }
+    }
+    /// Elements of one qkv row: C + 2·nkv·hd (3C for multi-head attention).
+    pub fn row(&self) -> usize {
+        self.c + 2 * self.nkv * HEAD_DIM
+    }
+}
+
+/// The buffers of [`attention_backward`]: it writes `dqkv` [B, T, row] and uses `delta`
+/// [B, nh, T] as scratch; it reads `dy` [B, T, C], the forward's input `qkv` [B, T, row] (row =
+/// [`AttnShape::row`]), output `y` [B, T, C] and log-sum-exp `lse` [B, nh, T].
 #[derive(Clone, Copy)]
 pub struct AttnBackward {
     pub dqkv: DPtr<bf16>,
@@ -55,9 +73,13 @@ pub struct AttnBackward {
 }
 
 /// Validates the shape; returns hd.
-fn check_shape(what: &str, b: usize, t: usize, c: usize, nh: usize) -> Result<usize> {
+fn check_shape(what: &str, s: AttnShape) -> Result<usize> {
+    let AttnShape { b, t, c, nh, nkv } = s;
     if nh == 0 || c == 0 || c % nh != 0 {
         return Err(GpuError::Invalid(format!("{what}: C={c} must be a positive multiple of nh={nh}")));
+    }
+    if nkv == 0 || nh % nkv != 0 {
+        return Err(GpuError::Invalid(format!("{what}: {nkv} key/value heads do not divide {nh} query heads")));
     }
     let hd = c / nh;
     if hd != HEAD_DIM {
@@ -66,8 +88,8 @@ fn check_shape(what: &str, b: usize, t: usize, c: usize, nh: usize) -> Result<us
     if b * nh > 65535 {
         return Err(GpuError::Invalid(format!("{what}: B·nh = {b}·{nh} = {} exceeds the grid limit of 65535", b * nh)));
     }
-    if t > i32::MAX as usize || 3 * c > i32::MAX as usize {
-        return Err(GpuError::Invalid(format!("{what}: T={t} or 3C={} exceeds the kernels' 32-bit row/column indices", 3 * c)));
+    if t > i32::MAX as usize || s.row() > i32::MAX as usize {
+        return Err(GpuError::Invalid(format!("{what}: T={t} or the qkv row {} exceeds the kernels' 32-bit row/column indices", s.row())));
     }
     Ok(hd)
 }
@@ -230,9 +252,10 @@ fn fwd_kernel(gpu: &Gpu, variant: Variant) -> Result<FwdKernel> {
     }
 }
 
-/// One block of threads per `TILE · rb` rows of each (b, head).
-fn tiles_cfg(t: usize, b: usize, nh: usize, rb: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (t.div_ceil(TILE * rb) as u32, (b * nh) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+/// One block of threads per `TILE · rb` rows of each (b, head): query heads (forward, dQ) or
+/// key/value heads (dK/dV).
+fn tiles_cfg(t: usize, b: usize, heads: usize, rb: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (t.div_ceil(TILE * rb) as u32, (b * heads) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
 fn scales(hd: usize) -> (f32, f32) {
@@ -242,7 +265,7 @@ fn scales(hd: usize) -> (f32, f32) {
 
 /// y = softmax(q kᵀ/√hd + causal mask) v per head; saves the per-row log-sum-exp of the scaled
 /// scores for backward, in log2 units (`lse · ln 2` is the natural log-sum-exp).
-/// `y` is [B, T, C], `lse` [B, nh, T], `qkv` [B, T, 3C].
+/// `y` is [B, T, C], `lse` [B, nh, T], `qkv` [B, T, row] ([`AttnShape::row`]).
 pub fn attention_forward(gpu: &Gpu, stream: &CudaStream, y: DPtr<bf16>, lse: DPtr<f32>, qkv: DPtr<bf16>, shape: AttnShape) -> Result<()> {
     let variant = Variant::from_env();
     forward_kernel(fwd_kernel(gpu, variant)?, gpu, stream, y, lse, qkv, shape)
@@ -258,29 +281,30 @@ fn forward_kernel(
     qkv: DPtr<bf16>,
     shape: AttnShape,
 ) -> Result<()> {
-    let AttnShape { b, t, c, nh } = shape;
+    let AttnShape { b, t, c, nh, nkv } = shape;
     const W: &str = "attention_forward";
-    let hd = check_shape(W, b, t, c, nh)?;
+    let hd = check_shape(W, shape)?;
     check_len(W, "y", &y, b * t * c, "[B, T, C]")?;
     check_len(W, "lse", &lse, b * nh * t, "[B, nh, T]")?;
-    check_len(W, "qkv", &qkv, b * t * 3 * c, "[B, T, 3C]")?;
+    check_len(W, "qkv", &qkv, b * t * shape.row(), "[B, T, C + 2·nkv·hd]")?;
     check_align(W, "qkv", &qkv, 16)?;
     check_align(W, "y", &y, 4)?;
     if b == 0 || t == 0 {
         return Ok(());
     }
     let (_, scale_log2) = scales(hd);
-    let (t_i, c_i, nh_i) = (t as i32, c as i32, nh as i32);
+    let (t_i, c_i, nh_i, nkv_i) = (t as i32, c as i32, nh as i32, nkv as i32);
     let name = kernel.func;
     let f = gpu.func(kernel.module, name)?;
     let mut lb = stream.launch_builder(&f);
-    lb.arg(&y.raw).arg(&lse.raw).arg(&qkv.raw).arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale_log2);
+    lb.arg(&y.raw).arg(&lse.raw).arg(&qkv.raw).arg(&t_i).arg(&c_i).arg(&nh_i).arg(&nkv_i).arg(&scale_log2);
     // SAFETY: lengths and alignment checked above; the kernel stays inside [B, T, ·] rows.
     unsafe { lb.launch(tiles_cfg(t, b, nh, 1)) }.map_err(drv(format!("launching {name}")))?;
     Ok(())
 }
 
-/// Writes (not accumulates) dqkv [b, t, 3c]. `delta` is scratch [b, nh, t] (f32) for rowsum(dy∘y).
+/// Writes (not accumulates) dqkv [b, t, row] (the key/value gradient of a group summed over its
+/// query heads). `delta` is scratch [b, nh, t] (f32) for rowsum(dy∘y).
 ///
 /// By default `delta` = rowsum(dy∘y) from the bf16 `y` (the forward's output for the same `qkv`),
 /// computed by the dQ kernel for its own rows. With `TESSERA_ATTN_PRECISE=1` it is rowsum(P∘dP)
@@ -292,14 +316,15 @@ pub fn attention_backward(gpu: &Gpu, stream: &CudaStream, bufs: &AttnBackward, s
 
 /// [`attention_backward`] with the kernels given.
 fn backward_layout(layout: BwdLayout, gpu: &Gpu, stream: &CudaStream, bufs: &AttnBackward, shape: AttnShape) -> Result<()> {
-    let AttnShape { b, t, c, nh } = shape;
+    let AttnShape { b, t, c, nh, nkv } = shape;
     let AttnBackward { dqkv, delta, dy, qkv, y, lse } = *bufs;
     const W: &str = "attention_backward";
-    let hd = check_shape(W, b, t, c, nh)?;
-    check_len(W, "dqkv", &dqkv, b * t * 3 * c, "[B, T, 3C]")?;
+    let hd = check_shape(W, shape)?;
+    let row = shape.row();
+    check_len(W, "dqkv", &dqkv, b * t * row, "[B, T, C + 2·nkv·hd]")?;
     check_len(W, "delta", &delta, b * nh * t, "[B, nh, T]")?;
     check_len(W, "dy", &dy, b * t * c, "[B, T, C]")?;
-    check_len(W, "qkv", &qkv, b * t * 3 * c, "[B, T, 3C]")?;
+    check_len(W, "qkv", &qkv, b * t * row, "[B, T, C + 2·nkv·hd]")?;
     check_len(W, "y", &y, b * t * c, "[B, T, C]")?;
     check_len(W, "lse", &lse, b * nh * t, "[B, nh, T]")?;
     check_align(W, "qkv", &qkv, 16)?;
@@ -310,24 +335,23 @@ fn backward_layout(layout: BwdLayout, gpu: &Gpu, stream: &CudaStream, bufs: &Att
         return Ok(());
     }
     let (scale, scale_log2) = scales(hd);
-    let (t_i, c_i, nh_i) = (t as i32, c as i32, nh as i32);
+    let (t_i, c_i, nh_i, nkv_i) = (t as i32, c as i32, nh as i32, nkv as i32);
 
-    let cfg = tiles_cfg(t, b, nh, layout.rb);
-
-    // dQ and delta first (one pass over keys), then dK/dV, which read delta.
+    // dQ and delta first (one pass over keys, per query head), then dK/dV (per key/value head),
+    // which read delta.
     let f = gpu.func(layout.module, layout.dq)?;
     let mut lb = stream.launch_builder(&f);
     lb.arg(&dqkv.raw).arg(&delta.raw).arg(&dy.raw).arg(&qkv.raw).arg(&y.raw).arg(&lse.raw);
-    lb.arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale).arg(&scale_log2);
+    lb.arg(&t_i).arg(&c_i).arg(&nh_i).arg(&nkv_i).arg(&scale).arg(&scale_log2);
     // SAFETY: lengths and alignment checked above (y is read with 4-byte loads); rows ≥ T are never read or written.
-    unsafe { lb.launch(cfg) }.map_err(drv(format!("launching {}", layout.dq)))?;
+    unsafe { lb.launch(tiles_cfg(t, b, nh, layout.rb)) }.map_err(drv(format!("launching {}", layout.dq)))?;
 
     let f = gpu.func(layout.module, layout.dkdv)?;
     let mut lb = stream.launch_builder(&f);
     lb.arg(&dqkv.raw).arg(&dy.raw).arg(&qkv.raw).arg(&lse.raw).arg(&delta.raw);
-    lb.arg(&t_i).arg(&c_i).arg(&nh_i).arg(&scale).arg(&scale_log2);
+    lb.arg(&t_i).arg(&c_i).arg(&nh_i).arg(&nkv_i).arg(&scale).arg(&scale_log2);
     // SAFETY: as above; dQ columns (written by the dQ kernel) are not touched.
-    unsafe { lb.launch(cfg) }.map_err(drv(format!("launching {}", layout.dkdv)))?;
+    unsafe { lb.launch(tiles_cfg(t, b, nkv, layout.rb)) }.map_err(drv(format!("launching {}", layout.dkdv)))?;
     Ok(())
 }
 
@@ -339,9 +363,11 @@ fn to_f32(v: &[bf16]) -> Vec<f32> {
     v.iter().map(|x| x.to_f32()).collect()
 }
 
-/// Columns `part*c .. part*c + c` of every row of a [rows, 3c] matrix.
-fn part_cols(m: &[f32], c: usize, part: usize) -> Vec<f32> {
-    m.chunks_exact(3 * c).flat_map(|row| row[part * c..(part + 1) * c].iter().copied()).collect()
+/// The q (`part` 0), k (1) or v (2) columns of every row of a [rows, C + 2·KV] qkv matrix.
+fn part_cols(m: &[f32], shape: AttnShape, part: usize) -> Vec<f32> {
+    let (c, kv) = (shape.c, shape.nkv * HEAD_DIM);
+    let (lo, hi) = [(0, c), (c, c + kv), (c + kv, c + 2 * kv)][part];
+    m.chunks_exact(shape.row()).flat_map(|row| row[lo..hi].iter().copied()).collect()
 }
 
 /// rms(x) = sqrt(mean(x²)) (0 for an empty slice).
@@ -440,17 +466,29 @@ const TOL: f64 = 2e-2;
 fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>> {
     use crate::gradcheck::randn;
 
-    let shapes: [(usize, usize, usize, usize); 5] = [(2, 1, 128, 2), (2, 77, 128, 2), (1, 200, 192, 3), (3, 64, 64, 1), (1, 1024, 128, 2)];
+    // (b, t, c, nh, nkv): multi-head shapes, then grouped-query ones (2 and 4 query heads a
+    // key/value head, and one key/value head for all: multi-query attention).
+    let shapes: [(usize, usize, usize, usize, usize); 8] = [
+        (2, 1, 128, 2, 2),
+        (2, 77, 128, 2, 2),
+        (1, 200, 192, 3, 3),
+        (3, 64, 64, 1, 1),
+        (2, 77, 256, 4, 2),
+        (1, 200, 512, 8, 2),
+        (2, 130, 256, 4, 1),
+        (1, 1024, 128, 2, 2),
+    ];
     let stream = gpu.stream.clone();
     let mut rows = Vec::new();
     let vtag = match variant {
         Variant::Plain => "",
         Variant::Precise => " precise",
     };
-    for (si, &(b, t, c, nh)) in shapes.iter().enumerate() {
-        let shape = AttnShape { b, t, c, nh };
+    for (si, &(b, t, c, nh, nkv)) in shapes.iter().enumerate() {
+        let shape = AttnShape { b, t, c, nh, nkv };
+        let row = shape.row();
         let s = seed.wrapping_mul(1000).wrapping_add(si as u64 * 2);
-        let qkv_h = round_bf16(&randn(s, b * t * 3 * c, 1.0));
+        let qkv_h = round_bf16(&randn(s, b * t * row, 1.0));
         let dy_h = round_bf16(&randn(s + 1, b * t * c, 1.0));
         let cpu = CpuReference::new(&to_f32(&qkv_h), &to_f32(&dy_h), shape);
 
@@ -460,8 +498,8 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
         let lse = gpu.alloc::<f32>(b * nh * t)?;
         let delta = gpu.alloc::<f32>(b * nh * t)?;
         // Poisoned with NaN bits so an element the backward fails to write shows as non-finite.
-        let mut dqkv = gpu.alloc::<bf16>(b * t * 3 * c)?;
-        gpu.write(&mut dqkv, 0, &vec![bf16::NAN; b * t * 3 * c])?;
+        let mut dqkv = gpu.alloc::<bf16>(b * t * row)?;
+        gpu.write(&mut dqkv, 0, &vec![bf16::NAN; b * t * row])?;
         let bufs = AttnBackward { dqkv: dqkv.ptr(), delta: delta.ptr(), dy: dy.ptr(), qkv: qkv.ptr(), y: y.ptr(), lse: lse.ptr() };
 
         let run = || -> Result<()> {
@@ -474,12 +512,13 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
         // The kernels keep lse in log2 units.
         let lse_gpu: Vec<f32> = gpu.download(lse.ptr())?.iter().map(|&l| l * std::f32::consts::LN_2).collect();
 
-        let tag = format!("[b={b} t={t} c={c} nh={nh}]{vtag}");
+        let kv = if nkv == nh { String::new() } else { format!(" nkv={nkv}") };
+        let tag = format!("[b={b} t={t} c={c} nh={nh}{kv}]{vtag}");
         let outputs: [(String, Vec<f32>, Vec<f32>); 4] = [
             (format!("attention_forward y {tag}"), y_gpu.clone(), cpu.y.clone()),
-            (format!("attention_backward dq {tag}"), part_cols(&dqkv_gpu, c, 0), part_cols(&cpu.dqkv, c, 0)),
-            (format!("attention_backward dk {tag}"), part_cols(&dqkv_gpu, c, 1), part_cols(&cpu.dqkv, c, 1)),
-            (format!("attention_backward dv {tag}"), part_cols(&dqkv_gpu, c, 2), part_cols(&cpu.dqkv, c, 2)),
+            (format!("attention_backward dq {tag}"), part_cols(&dqkv_gpu, shape, 0), part_cols(&cpu.dqkv, shape, 0)),
+            (format!("attention_backward dk {tag}"), part_cols(&dqkv_gpu, shape, 1), part_cols(&cpu.dqkv, shape, 1)),
+            (format!("attention_backward dv {tag}"), part_cols(&dqkv_gpu, shape, 2), part_cols(&cpu.dqkv, shape, 2)),
         ];
         rows.push(CheckRow::compare(format!("attention_forward lse {tag}"), &lse_gpu, &cpu.lse, FLOOR, 1e-3));
         for (name, g, cp) in &outputs {
@@ -504,8 +543,9 @@ fn check_variant(gpu: &Gpu, seed: u64, variant: Variant) -> Result<Vec<CheckRow>
     Ok(rows)
 }
 
-/// `crate::ops::attention` in f32 on the bf16-rounded inputs: the output, the input gradient and
-/// the natural log-sum-exp of each row's scaled scores.
+/// `crate::ops::attention` in f32 on the bf16-rounded inputs (grouped shapes through
+/// `crate::ops::gqa`'s repeat_kv and its group sums, as the CPU model runs them): the output,
+/// the input gradient and the natural log-sum-exp of each row's scaled scores.
 struct CpuReference {
     y: Vec<f32>,
     dqkv: Vec<f32>,
@@ -513,14 +553,21 @@ struct CpuReference {
 }
 
 impl CpuReference {
-    fn new(qkv_f: &[f32], dy_f: &[f32], shape: AttnShape) -> CpuReference {
+    fn new(grouped: &[f32], dy_f: &[f32], shape: AttnShape) -> CpuReference {
         use crate::ops::attention as cpu;
-        let AttnShape { b, t, c, nh } = shape;
+        use crate::ops::gqa::{repeat_kv_backward, repeat_kv_forward, Groups};
+        let AttnShape { b, t, c, nh, nkv } = shape;
+        let gr = Groups { c, nh, nkv };
+        let mut full = vec![0f32; b * t * 3 * c];
+        repeat_kv_forward(&mut full, grouped, gr);
+        let qkv_f = &full[..];
         let mut y = vec![0f32; b * t * c];
         let mut att = vec![0f32; b * nh * t * t];
         cpu::attention_forward(&mut y, &mut att, qkv_f, b, t, c, nh);
-        let mut dqkv = vec![0f32; b * t * 3 * c];
-        cpu::attention_backward(&mut dqkv, dy_f, qkv_f, &att, b, t, c, nh);
+        let mut dfull = vec![0f32; b * t * 3 * c];
+        cpu::attention_backward(&mut dfull, dy_f, qkv_f, &att, b, t, c, nh);
+        let mut dqkv = vec![0f32; b * t * shape.row()];
+        repeat_kv_backward(&mut dqkv, &dfull, gr);
         // lse from the CPU probabilities: p_ii = exp(s_ii − lse_i), so lse_i = s_ii − ln p_ii.
         let hd = c / nh;
         let scale = 1.0 / (hd as f64).sqrt();
@@ -548,7 +595,7 @@ fn same_bits_everywhere(
     tag: &str,
     (y_gpu, dqkv_gpu): (&[f32], &[f32]),
 ) -> Result<Vec<CheckRow>> {
-    let AttnShape { b, t, c, nh } = shape;
+    let AttnShape { b, t, c, nh, .. } = shape;
     let stream = gpu.stream.clone();
     let mut rows = Vec::new();
     let lse_h = gpu.download(bufs.lse)?;
@@ -562,8 +609,8 @@ fn same_bits_everywhere(
         rows.push(CheckRow::compare(format!("attention_forward {} kernel lse bit-identical {tag}", k.name), &lk, &lse_h, FLOOR, 0.0));
     }
     for layout in BWD_LAYOUTS.into_iter().filter(|l| runs_on(gpu, l.module)) {
-        let mut other = gpu.alloc::<bf16>(b * t * 3 * c)?;
-        gpu.write(&mut other, 0, &vec![bf16::NAN; b * t * 3 * c])?;
+        let mut other = gpu.alloc::<bf16>(b * t * shape.row())?;
+        gpu.write(&mut other, 0, &vec![bf16::NAN; b * t * shape.row()])?;
         backward_layout(layout, gpu, &stream, &AttnBackward { dqkv: other.ptr(), ..*bufs }, shape)?;
         let o = to_f32(&gpu.download(other.ptr())?);
         let name = format!("attention_backward {} layout bit-identical {tag}", layout.name);
@@ -574,7 +621,7 @@ fn same_bits_everywhere(
 
 /// Times forward and backward (CUDA events or stream sync + Instant over ≥20 reps after warm-up) at (b,t,c,nh) and returns (fwd_ms, bwd_ms).
 pub fn bench(gpu: &Gpu, b: usize, t: usize, c: usize, nh: usize) -> Result<(f64, f64)> {
-    check_shape("attention bench", b, t, c, nh)?;
+    check_shape("attention bench", AttnShape::mha(b, t, c, nh))?;
     const REPS: usize = 20;
     // Cheap deterministic inputs in about N(0, 1) range (a hash, not a quality RNG).
     let gen = |n: usize, salt: u64| -> Vec<bf16> {
@@ -593,7 +640,7 @@ pub fn bench(gpu: &Gpu, b: usize, t: usize, c: usize, nh: usize) -> Result<(f64,
     let delta = gpu.alloc::<f32>(b * nh * t)?;
     let dqkv = gpu.alloc::<bf16>(b * t * 3 * c)?;
     let stream = gpu.stream.clone();
-    let shape = AttnShape { b, t, c, nh };
+    let shape = AttnShape::mha(b, t, c, nh);
     let bufs = AttnBackward { dqkv: dqkv.ptr(), delta: delta.ptr(), dy: dy.ptr(), qkv: qkv.ptr(), y: y.ptr(), lse: lse.ptr() };
     let fwd = || attention_forward(gpu, &stream, y.ptr(), lse.ptr(), qkv.ptr(), shape);
     let bwd = || attention_backward(gpu, &stream, &bufs, shape);

@@ -285,7 +285,7 @@ impl Shape {
     }
     /// The shape of each block's attention.
     pub fn attn(&self) -> AttnShape {
-        AttnShape { b: self.b, t: self.t, c: self.c, nh: self.nh }
+        AttnShape::mha(self.b, self.t, self.c, self.nh)
     }
 }
 

@@ -6,16 +6,21 @@
 //! Layout: the grouped projection of [`crate::ops::gqa`]: `qkv` [B, T, C + 2·KV] (q | k | v with
 //! KV = n_kv·hd), `y` and `dy` [B, T, C], `lse` and `delta` [B, nh, T] f32 (`lse` in log2 units).
 //!
-//! These kernels run FlashAttention-2's loops on CUDA cores (a lane per key, shuffles for the
-//! softmax statistics), not yet on tensor cores as the GPT-2 kernels of [`crate::cuda::attention`]
-//! do: correct and deterministic first; their speed is for a later change.
+//! Head dimension 64 runs on the tensor-core kernels of [`crate::cuda::attention`] (the GPT-2
+//! ones, wgmma on sm_90, mma.sync elsewhere), which take the grouped layout: the dK/dV kernel
+//! works per key/value head and adds its group's query heads in ascending order in registers.
+//! Head dimension 128 runs FlashAttention-2's loops on CUDA cores (kernels/cuda/gqa_attention.cu:
+//! a lane per key, shuffles for the softmax statistics): correct and deterministic, not yet fast.
 
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
+use crate::cuda::attention::{self, AttnBackward, AttnShape};
 use crate::cuda::{bf16, drv, DPtr, Gpu, GpuError, Result};
 
-/// Head dimensions the kernels are instantiated for.
+/// Head dimensions the GPU runs: 64 on the tensor cores, 128 on the CUDA-core kernels.
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
+/// The head dimension the CUDA-core kernels of gqa_attention.cu are instantiated for.
+const CUDA_CORE_HD: usize = 128;
 /// Query rows per block (forward, dQ); keys per block (dK/dV).
 const ROWS: usize = 16;
 const KEYS: usize = 32;
@@ -34,6 +39,10 @@ pub struct GqaShape {
 }
 
 impl GqaShape {
+    /// Head dimension 64 goes to the tensor-core kernels, in their shape.
+    fn tensor_cores(&self) -> Option<AttnShape> {
+        (self.hd == attention::HEAD_DIM).then_some(AttnShape { b: self.b, t: self.t, c: self.c(), nh: self.nh, nkv: self.nkv })
+    }
     /// Model width (the q columns and `y`'s row).
     pub fn c(&self) -> usize {
         self.nh * self.hd
@@ -92,6 +101,10 @@ fn cfg(blocks_x: usize, blocks_y: usize) -> LaunchConfig {
 pub fn forward(gpu: &Gpu, st: &CudaStream, y: DPtr<bf16>, lse: DPtr<f32>, qkv: DPtr<bf16>, s: GqaShape) -> Result<()> {
     const W: &str = "gqa attention forward";
     s.validate()?;
+    if let Some(shape) = s.tensor_cores() {
+        return attention::attention_forward(gpu, st, y, lse, qkv, shape);
+    }
+    debug_assert_eq!(s.hd, CUDA_CORE_HD);
     let n = s.b * s.t;
     check_len(W, "y", &y, n * s.c())?;
     check_len(W, "lse", &lse, s.b * s.nh * s.t)?;
@@ -128,6 +141,10 @@ pub fn backward(
 ) -> Result<()> {
     const W: &str = "gqa attention backward";
     s.validate()?;
+    if let Some(shape) = s.tensor_cores() {
+        return attention::attention_backward(gpu, st, &AttnBackward { dqkv, delta, dy, qkv, y, lse }, shape);
+    }
+    debug_assert_eq!(s.hd, CUDA_CORE_HD);
     let n = s.b * s.t;
     check_len(W, "dqkv", &dqkv, n * s.row())?;
     check_len(W, "qkv", &qkv, n * s.row())?;

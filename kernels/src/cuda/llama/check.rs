@@ -171,9 +171,13 @@ fn check_attention(gpu: &Gpu, seed: u64, s: GqaShape) -> Result<Vec<CheckRow>> {
     let kv = s.nkv * s.hd;
     let mut r = Vec::new();
     // bf16 outputs of f32 arithmetic: ~2e-3 norm-wise (the rounding of the outputs themselves).
-    r.extend(rows(&format!("gqa attention y {tag}"), &y_gpu, &y, 1e-2, 5e-2));
+    // Head dimension 64 runs on the tensor cores with P and dS as plain bf16, whose single
+    // roundings reach ~6e-2 of |cpu| + rms on random inputs (the bound of the GPT-2 kernels'
+    // rows, crate::cuda::attention); the f32 CUDA-core kernels stay within 5e-2.
+    let tol_max = if s.hd == 64 { 1e-1 } else { 5e-2 };
+    r.extend(rows(&format!("gqa attention y {tag}"), &y_gpu, &y, 1e-2, tol_max));
     for (name, lo, hi) in [("dq", 0, c), ("dk (group sum)", c, c + kv), ("dv (group sum)", c + kv, c + 2 * kv)] {
-        r.extend(rows(&format!("gqa attention {name} {tag}"), &cols(&d_gpu, lo, hi), &cols(&dqkv, lo, hi), 1e-2, 5e-2));
+        r.extend(rows(&format!("gqa attention {name} {tag}"), &cols(&d_gpu, lo, hi), &cols(&dqkv, lo, hi), 1e-2, tol_max));
     }
     let (y2, d2) = run()?;
     r.push(CheckRow::compare(format!("gqa attention rerun bit-identical {tag}"), &[y2, d2].concat(), &[y_gpu, d_gpu].concat(), 1.0, 0.0));

@@ -300,21 +300,30 @@ fn block_forward(gpu: &Gpu, st: &CudaStream, w: &BlockW<bf16>, x: DPtr<f32>, y: 
     let (s, g, ll) = (ws.shape, ws.gqa, &ws.ll);
     let (n, c, f, row) = (s.n(), s.c, s.f, g.row());
     ops::rmsnorm_forward(gpu, st, a.h1.ptr(), a.r1.ptr(), x, w.attn_norm, n, c, ll.eps)?;
+    gpu.mark("fwd rmsnorm");
     mm(gpu, bf(a.qkv.ptr()), bf(a.h1.ptr()), bf(w.wqkv), n, c, row, 0.0)?;
+    gpu.mark("fwd gemm qkv");
     if let Some(b) = w.bqkv {
         super::ops::bias_add(gpu, st, a.qkv.ptr(), b, n, row)?;
     }
     ops::rope(gpu, st, a.qkv.ptr(), &ws.rope(), row, s.nh + g.nkv, false)?;
+    gpu.mark("fwd rope (+bias)");
     attention::forward(gpu, st, a.atty.ptr(), a.lse.ptr(), a.qkv.ptr(), g)?;
+    gpu.mark("fwd attention");
     copy(gpu, st, a.x2.ptr(), x)?;
     mm(gpu, f32m(a.x2.ptr()), bf(a.atty.ptr()), bf(w.wo), n, c, c, 1.0)?;
+    gpu.mark("fwd gemm o (+copy)");
     ops::rmsnorm_forward(gpu, st, a.h2.ptr(), a.r2.ptr(), a.x2.ptr(), w.mlp_norm, n, c, ll.eps)?;
+    gpu.mark("fwd rmsnorm");
     mm(gpu, bf(a.gate.ptr()), bf(a.h2.ptr()), bf(w.w_gate), n, c, f, 0.0)?;
     mm(gpu, bf(a.up.ptr()), bf(a.h2.ptr()), bf(w.w_up), n, c, f, 0.0)?;
+    gpu.mark("fwd gemm gate+up");
     ops::swiglu_forward(gpu, st, a.sw.ptr(), a.gate.ptr(), a.up.ptr())?;
+    gpu.mark("fwd swiglu");
     if let Some(y) = y {
         copy(gpu, st, y, a.x2.ptr())?;
         mm(gpu, f32m(y), bf(a.sw.ptr()), bf(w.w_down), n, f, c, 1.0)?;
+        gpu.mark("fwd gemm down (+copy)");
     }
     Ok(())
 }
@@ -341,23 +350,34 @@ fn block_backward(gpu: &Gpu, st: &CudaStream, w: &BlockW<bf16>, gw: &BlockW<f32>
     // MLP branch: y = x2 + sw·Wd, sw = silu(h2·Wg) ∘ (h2·Wu).
     mm(gpu, f32m(gw.w_down), bft(a.sw.ptr()), bf(dres), f, n, c, 0.0)?;
     mm(gpu, bf(ws.dsw.ptr()), bf(dres), bft(w.w_down), n, c, f, 0.0)?;
+    gpu.mark("bwd gemm down (w+x)");
     ops::swiglu_backward(gpu, st, ws.dgate.ptr(), ws.dup.ptr(), ws.dsw.ptr(), a.gate.ptr(), a.up.ptr())?;
+    gpu.mark("bwd swiglu");
     mm(gpu, f32m(gw.w_gate), bft(a.h2.ptr()), bf(ws.dgate.ptr()), c, n, f, 0.0)?;
     mm(gpu, f32m(gw.w_up), bft(a.h2.ptr()), bf(ws.dup.ptr()), c, n, f, 0.0)?;
+    gpu.mark("bwd gemm gate+up wgrad");
     mm(gpu, f32m(dh), bf(ws.dgate.ptr()), bft(w.w_gate), n, f, c, 0.0)?;
     mm(gpu, f32m(dh), bf(ws.dup.ptr()), bft(w.w_up), n, f, c, 1.0)?;
+    gpu.mark("bwd gemm gate+up dgrad");
     ops::rmsnorm_backward(gpu, st, &rms(gw.mlp_norm, a.x2.ptr(), w.mlp_norm, a.r2.ptr()))?;
+    gpu.mark("bwd rmsnorm");
     // Attention branch: x2 = x + attention(rope(h1·Wqkv + b))·Wo.
     mm(gpu, f32m(gw.wo), bft(a.atty.ptr()), bf(dres), c, n, c, 0.0)?;
     mm(gpu, bf(ws.datt.ptr()), bf(dres), bft(w.wo), n, c, c, 0.0)?;
+    gpu.mark("bwd gemm o (w+x)");
     attention::backward(gpu, st, ws.dqkv.ptr(), ws.delta.ptr(), ws.datt.ptr(), a.qkv.ptr(), a.atty.ptr(), a.lse.ptr(), g)?;
+    gpu.mark("bwd attention");
     ops::rope(gpu, st, ws.dqkv.ptr(), &ws.rope(), row, s.nh + g.nkv, true)?;
+    gpu.mark("bwd rope");
     mm(gpu, f32m(gw.wqkv), bft(a.h1.ptr()), bf(ws.dqkv.ptr()), c, n, row, 0.0)?;
     if let Some(db) = gw.bqkv {
         super::ops::bias_grad(gpu, st, db, ws.dqkv.ptr(), ws.bias_scratch.ptr(), n, row)?;
     }
     mm(gpu, f32m(dh), bf(ws.dqkv.ptr()), bft(w.wqkv), n, row, c, 0.0)?;
-    ops::rmsnorm_backward(gpu, st, &rms(gw.attn_norm, x, w.attn_norm, a.r1.ptr()))
+    gpu.mark("bwd gemm qkv (w+bias+x)");
+    ops::rmsnorm_backward(gpu, st, &rms(gw.attn_norm, x, w.attn_norm, a.r1.ptr()))?;
+    gpu.mark("bwd rmsnorm");
+    Ok(())
 }
 
 /// Uploads a micro-batch's ids after checking them against the vocabulary.
@@ -382,6 +402,7 @@ fn forward_head(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &Workspace, dscale: f3
     let (n, c, v) = (s.n(), s.c, s.v);
     let p0 = hooks.params(0, Phase::Forward)?;
     ops::embed_tokens(gpu, st, ws.xs[0].ptr(), ws.tokens.ptr(), p0.slice(ws.ll.wte.clone()), c)?;
+    gpu.mark("embedding");
     for l in 0..s.l {
         let w = BlockW::at(hooks.params(1 + l, Phase::Forward)?, &ws.ll.block);
         block_forward(gpu, st, &w, ws.xs[l].ptr(), Some(ws.xs[l + 1].ptr()), ws.acts(l), ws)?;
@@ -389,8 +410,11 @@ fn forward_head(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &Workspace, dscale: f3
     }
     let head = p0.slice(ws.ll.head.clone());
     ops::rmsnorm_forward(gpu, st, ws.xf.ptr(), ws.rf.ptr(), ws.xs[s.l].ptr(), p0.slice(ws.ll.norm_f.clone()), n, c, ws.ll.eps)?;
+    gpu.mark("head rmsnorm");
     mm(gpu, bf(ws.logits.ptr()), bf(ws.xf.ptr()), bft(head), n, c, v, 0.0)?;
+    gpu.mark("head gemm logits");
     super::ops::crossentropy(gpu, st, ws.losses.ptr(), ws.logits.ptr(), ws.targets.ptr(), n, v, v, dscale)?;
+    gpu.mark("head cross-entropy");
     Ok(p0)
 }
 
@@ -421,6 +445,7 @@ pub fn forward_backward(
     // d(xf) = dlogits · head;  d(head) = dlogitsᵀ · xf (written: the embedding backward adds onto it when tied).
     mm(gpu, f32m(ws.dh.ptr()), bf(ws.logits.ptr()), bf(head), n, v, c, 0.0)?;
     mm(gpu, f32m(g0.slice(ws.ll.head.clone())), bft(ws.logits.ptr()), bf(xf), v, n, c, 0.0)?;
+    gpu.mark("head gemm dgrad+wgrad");
     gpu.zero(ws.dx.ptr(), st)?;
     let x_last = ws.xs[s.l].ptr();
     let head_rms = RmsBackward {
@@ -436,6 +461,7 @@ pub fn forward_backward(
         c,
     };
     ops::rmsnorm_backward(gpu, st, &head_rms)?;
+    gpu.mark("head rmsnorm bwd");
     for l in (0..s.l).rev() {
         let w = BlockW::at(hooks.params(1 + l, Phase::Backward)?, &ws.ll.block);
         let gw = BlockW::at(hooks.grads(1 + l)?, &ws.ll.block);
@@ -448,6 +474,7 @@ pub fn forward_backward(
     }
     let gwte = g0.slice(ws.ll.wte.clone());
     super::ops::embedding_backward_wte(gpu, st, gwte, ws.dx.ptr(), uniq, offsets, ws.positions.ptr(), n, c)?;
+    gpu.mark("embedding bwd");
     hooks.params_done(0, Phase::Backward)?;
     hooks.grads_done(0)
 }
