@@ -1,12 +1,16 @@
-//! Training-step benchmark (issue 2): tokens/s and the share of this machine's measured f32
-//! GEMM FLOP/s that one AdamW training step of `gpt-tiny` and `gpt-10m` reaches on CPU, with
-//! PyTorch on CPU (`scripts/bench_torch_cpu.py`) measured on the same shapes in the same run.
+//! Training-step benchmark (issues 2, 28): tokens/s and the share of this machine's measured
+//! f32 GEMM FLOP/s that one AdamW training step reaches on CPU, for two GPT-2 shapes (`gpt-tiny`,
+//! `gpt-10m`) and two LLaMA shapes (`llama-tiny`, and `llama-10m`: `gpt-10m`'s width, depth and
+//! context with grouped-query attention and SwiGLU), with PyTorch on CPU
+//! (`scripts/bench_torch_cpu.py`) measured on the same shapes in the same run.
 //!
-//! `cargo bench --bench train_step [-- --quick] [-- --no-torch] [-- --models gpt-tiny,...]`
+//! `cargo bench --bench train_step [-- --quick] [-- --no-torch] [-- --models gpt-tiny,llama-10m,...]`
 //!
 //! A step is what the engine does per optimizer step with one micro-batch: zero the gradients,
 //! `Model::forward_backward`, the global gradient norm and clipping, `OptimizerShard::step`.
-//! Achieved FLOP/s use `ModelConfig::flops_per_token` (6·N + 12·L·d·T per token).
+//! Achieved FLOP/s use `ModelConfig::flops_per_token` (6·N + 12·L·d·T per token; for LLaMA N
+//! holds SwiGLU's three matrices and the narrower grouped k/v, and the attention term is the
+//! same because every query head still attends over T keys of its head dimension).
 
 use std::path::Path;
 use std::process::Command;
@@ -15,7 +19,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use tessera_kernels::gemm::gemm_peak_flops;
-use tessera_kernels::model::{FlatAccess, MicroBatch, Model, Workspace};
+use tessera_kernels::model::{Arch, FlatAccess, MicroBatch, Model, ModelConfig, Workspace};
 use tessera_kernels::optim::{
     clip_coefficient, global_grad_norm, AdamParams, FlatLayout, LocalReduce, OptimizerKind, OptimizerShard, StepContext,
 };
@@ -26,12 +30,26 @@ const PEAK_N: usize = 2048;
 const VOCAB: usize = 256;
 const CLIP_NORM: f64 = 1.0;
 
-/// One benchmarked shape.
+/// One benchmarked shape: a preset (`resize: None`), or a preset with other dimensions.
 #[derive(Clone, Debug)]
 struct Case {
-    model: String,
+    model: &'static str,
     batch: usize,
     seq_len: usize,
+    resize: Option<Resize>,
+}
+
+/// The dimensions a case replaces in the preset `base` (the rest, e.g. RoPE θ, norm ε, a tied
+/// head, stay the preset's).
+#[derive(Clone, Copy, Debug)]
+struct Resize {
+    base: &'static str,
+    n_layer: usize,
+    n_head: usize,
+    n_kv_head: usize,
+    d_model: usize,
+    d_ff: usize,
+    max_seq_len: usize,
 }
 
 #[derive(Debug)]
@@ -69,13 +87,35 @@ impl Row {
     }
 }
 
-fn default_cases() -> Vec<Case> {
-    vec![Case { model: "gpt-tiny".into(), batch: 8, seq_len: 128 }, Case { model: "gpt-10m".into(), batch: 4, seq_len: 256 }]
+/// Every case, in the order they run; each is 1024 tokens a step.
+fn all_cases() -> Vec<Case> {
+    let preset = |model, batch, seq_len| Case { model, batch, seq_len, resize: None };
+    // gpt-10m's 6 layers of width 384 and context 256, with 2 key/value heads for the 6 query
+    // heads and SwiGLU's 8/3 width (1024): ~9.5M parameters.
+    let llama_10m = Resize { base: "llama-tiny", n_layer: 6, n_head: 6, n_kv_head: 2, d_model: 384, d_ff: 1024, max_seq_len: 256 };
+    vec![
+        preset("gpt-tiny", 8, 128),
+        preset("gpt-10m", 4, 256),
+        preset("llama-tiny", 8, 128),
+        Case { model: "llama-10m", batch: 4, seq_len: 256, resize: Some(llama_10m) },
+    ]
+}
+
+/// The cases named in the comma-separated `list`, in [`all_cases`]' order; an unknown name is
+/// an error listing the valid ones.
+fn select_cases(list: &str) -> Result<Vec<Case>> {
+    let all = all_cases();
+    let names: Vec<&str> = list.split(',').map(str::trim).collect();
+    if let Some(bad) = names.iter().find(|n| !all.iter().any(|c| c.model == **n)) {
+        let valid: Vec<&str> = all.iter().map(|c| c.model).collect();
+        bail!("--models {list}: unknown model `{bad}`; expected a comma-separated list of: {}", valid.join(", "));
+    }
+    Ok(all.into_iter().filter(|c| names.contains(&c.model)).collect())
 }
 
 /// `cargo bench` passes `--bench`; everything unknown is an error so typos do not go unnoticed.
 fn parse_args() -> Result<Opts> {
-    let mut opts = Opts { quick: false, torch: true, cases: default_cases() };
+    let mut opts = Opts { quick: false, torch: true, cases: all_cases() };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -84,11 +124,7 @@ fn parse_args() -> Result<Opts> {
             "--no-torch" => opts.torch = false,
             "--models" => {
                 let list = args.next().context("--models needs a comma-separated list")?;
-                let names: Vec<&str> = list.split(',').collect();
-                opts.cases.retain(|c| names.contains(&c.model.as_str()));
-                if opts.cases.is_empty() {
-                    bail!("--models {list}: expected some of gpt-tiny, gpt-10m");
-                }
+                opts.cases = select_cases(&list)?;
             }
             other => bail!("unknown argument `{other}`; expected --quick, --no-torch, --models LIST"),
         }
@@ -98,16 +134,27 @@ fn parse_args() -> Result<Opts> {
 
 /// (warm-up, timed) step counts.
 fn step_counts(case: &Case, quick: bool) -> (usize, usize) {
-    match (quick, case.model.as_str()) {
+    match (quick, case.model) {
         (true, _) => (1, 3),
-        (false, "gpt-tiny") => (3, 20),
+        (false, "gpt-tiny" | "llama-tiny") => (3, 20),
         (false, _) => (2, 10),
     }
 }
 
-fn build_model(case: &Case) -> Result<Model> {
-    let mut cfg = tessera::zoo::preset(&case.model).map_err(anyhow::Error::msg)?;
+/// The case's model shape: its preset (or its resize's base, resized), byte vocabulary.
+fn model_config(case: &Case) -> Result<ModelConfig> {
+    let base = case.resize.map_or(case.model, |r| r.base);
+    let mut cfg = tessera::zoo::preset(base).map_err(anyhow::Error::msg)?;
+    if let Some(r) = case.resize {
+        (cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.d_model) = (r.n_layer, r.n_head, r.n_kv_head, r.d_model);
+        (cfg.d_ff, cfg.max_seq_len) = (r.d_ff, r.max_seq_len);
+    }
     cfg.vocab_size = VOCAB;
+    Ok(cfg)
+}
+
+fn build_model(case: &Case) -> Result<Model> {
+    let cfg = model_config(case)?;
     if case.seq_len > cfg.max_seq_len {
         bail!("{}: seq_len {} exceeds the context {}", case.model, case.seq_len, cfg.max_seq_len);
     }
@@ -248,8 +295,8 @@ fn bench_torch(case: &Case, quick: bool, threads: usize, num_params: usize) -> R
     let local = Path::new("scripts/bench_torch_cpu.py");
     let script = if local.is_file() { local.to_path_buf() } else { Path::new(env!("CARGO_MANIFEST_DIR")).join(local) };
     let (warm, timed) = step_counts(case, quick);
-    let args: Vec<String> = [
-        ("--model", case.model.clone()),
+    let mut args: Vec<String> = [
+        ("--model", case.model.to_string()),
         ("--vocab", c.vocab_size.to_string()),
         ("--max-seq", c.max_seq_len.to_string()),
         ("--n-layer", c.n_layer.to_string()),
@@ -264,6 +311,7 @@ fn bench_torch(case: &Case, quick: bool, threads: usize, num_params: usize) -> R
     .into_iter()
     .flat_map(|(k, v)| [k.to_string(), v])
     .collect();
+    args.extend(arch_args(c)?);
     let out = match Command::new("python3").arg(&script).args(&args).output() {
         Ok(out) => out,
         Err(e) => {
@@ -272,10 +320,10 @@ fn bench_torch(case: &Case, quick: bool, threads: usize, num_params: usize) -> R
         }
     };
     let stdout = String::from_utf8_lossy(&out.stdout);
+    // A missing torch is a skip the script reports; a peer that fails is an error, not a skip.
     let Some(line) = stdout.lines().rev().find(|l| l.trim_start().starts_with('{')) else {
         let err = String::from_utf8_lossy(&out.stderr);
-        println!("  pytorch peer skipped: {} gave no result ({})", script.display(), err.lines().last().unwrap_or("no output"));
-        return Ok(None);
+        bail!("{} failed ({}): {}", script.display(), out.status, err.lines().last().unwrap_or("no output"));
     };
     let v: Value = serde_json::from_str(line).with_context(|| format!("parsing the peer's JSON line `{line}`"))?;
     if let Some(reason) = v.get("skipped").and_then(Value::as_str) {
@@ -290,17 +338,36 @@ fn bench_torch(case: &Case, quick: bool, threads: usize, num_params: usize) -> R
     Ok(Some(StepMs { step: num("step_ms")?, fwd: num("fwd_ms")?, bwd: num("bwd_ms")?, opt: num("opt_ms")? }))
 }
 
+/// The peer's arguments for the block design: `--arch gpt`, or `--arch llama` and its options.
+fn arch_args(c: &ModelConfig) -> Result<Vec<String>> {
+    if c.arch == Arch::Gpt {
+        return Ok(vec!["--arch".into(), "gpt".into()]);
+    }
+    if c.qkv_bias || c.rope_scaling.is_some() {
+        bail!("the PyTorch peer's LLaMA has no q/k/v bias and no RoPE scaling: qkv_bias {}, rope_scaling {:?}", c.qkv_bias, c.rope_scaling);
+    }
+    let head = if c.tied_head { "--tie" } else { "--no-tie" };
+    let pairs = [
+        ("--arch", "llama".to_string()),
+        ("--n-kv-head", c.n_kv_head.to_string()),
+        ("--d-ff", c.d_ff.to_string()),
+        ("--rope-theta", c.rope_theta.to_string()),
+        ("--norm-eps", c.norm_eps.to_string()),
+    ];
+    Ok(pairs.into_iter().flat_map(|(k, v)| [k.to_string(), v]).chain([head.to_string()]).collect())
+}
+
 fn print_table(rows: &[Row], peak_flops: f64) {
     println!();
     println!(
-        "| {:<8} | {:<8} | {:>9} | {:>3} | {:>8} | {:>9} | {:>7} | {:>6} | {:>15} |",
+        "| {:<8} | {:<10} | {:>9} | {:>3} | {:>8} | {:>9} | {:>7} | {:>6} | {:>15} |",
         "system", "model", "batch×seq", "thr", "step ms", "tokens/s", "TFLOP/s", "% peak", "fwd/bwd/opt ms"
     );
     println!("|{}|", ["----------"; 9].join("|"));
     for r in rows {
         let split = format!("{:.1}/{:.1}/{:.1}", r.ms.fwd, r.ms.bwd, r.ms.opt);
         println!(
-            "| {:<8} | {:<8} | {:>9} | {:>3} | {:>8.1} | {:>9.0} | {:>7.3} | {:>5.1}% | {:>15} |",
+            "| {:<8} | {:<10} | {:>9} | {:>3} | {:>8.1} | {:>9.0} | {:>7.3} | {:>5.1}% | {:>15} |",
             r.system,
             r.case.model,
             format!("{}×{}", r.case.batch, r.case.seq_len),
