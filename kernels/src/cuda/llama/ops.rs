@@ -24,8 +24,12 @@ macro_rules! launch {
     }};
 }
 
-/// Threads per block of the elementwise kernels (one element a thread).
+/// Threads per block of the elementwise kernels (one element a thread; SwiGLU's 8).
 const EW_THREADS: u32 = 256;
+/// Threads per block of RoPE (one block a row).
+const ROPE_THREADS: u32 = 128;
+/// Elements a SwiGLU thread takes (one 16-byte load of each bf16 input).
+const SWIGLU_PER_THREAD: usize = 8;
 /// Rows (warps) per block of the RMSNorm kernels.
 const ROWS_PER_BLOCK: u32 = 8;
 /// Threads per block of the weight-gradient column sums (one column a thread).
@@ -37,6 +41,18 @@ fn i32_of(what: &str, v: usize) -> i32 {
 
 fn check_len<T>(what: &str, p: DPtr<T>, want: usize) {
     assert!(p.len == want, "{what}: expected {want} elements, got {}", p.len);
+}
+
+/// The vectorised kernels' alignment contract: `p` starts on an `align`-byte boundary (every
+/// buffer the GPU models pass is a whole allocation or a row-aligned slice of one).
+fn check_align<T>(what: &str, p: DPtr<T>, align: u64) {
+    assert!(p.raw % align == 0, "{what}: device pointer {:#x} is not {align}-byte aligned", p.raw);
+}
+
+/// RMSNorm rows are read 4 f32 at a time: c a multiple of 4 (the GPU models' widths are
+/// multiples of the head dimension).
+fn check_rms_width(c: usize) {
+    assert!(c % 4 == 0, "rmsnorm: width {c} is not a multiple of 4");
 }
 
 fn rows_cfg(n: usize) -> LaunchConfig {
@@ -74,6 +90,9 @@ pub fn rmsnorm_forward(
     check_len("rmsnorm_forward x [n, c]", x, n * c);
     check_len("rmsnorm_forward rstd [n]", rstd, n);
     check_len("rmsnorm_forward w [c]", w, c);
+    check_rms_width(c);
+    check_align("rmsnorm_forward x", x, 16);
+    check_align("rmsnorm_forward out", out, 8);
     if n == 0 {
         return Ok(());
     }
@@ -113,6 +132,11 @@ pub fn rmsnorm_backward(gpu: &Gpu, s: &CudaStream, a: &RmsBackward) -> Result<()
     check_len("rmsnorm_backward rstd [n]", a.rstd, n);
     let need = rmsnorm_backward_scratch(n, c);
     assert!(a.scratch.len >= need, "rmsnorm_backward: scratch needs {need} f32 elements, got {}", a.scratch.len);
+    check_rms_width(c);
+    for (what, p) in [("dx", a.dx), ("dout", a.dout), ("x", a.x)] {
+        check_align(&format!("rmsnorm_backward {what}"), p, 16);
+    }
+    check_align("rmsnorm_backward dx_bf16", a.dx_bf16, 8);
     if n == 0 || c == 0 {
         return Ok(());
     }
@@ -145,26 +169,34 @@ pub fn rope(gpu: &Gpu, s: &CudaStream, qkv: DPtr<bf16>, table: &RopeDev, row: us
     check_len("rope sin [t, hd/2]", table.sin, t * half);
     assert!(row > 0 && qkv.len % row == 0, "rope: qkv of {} elements is not rows of {row}", qkv.len);
     assert!(heads * 2 * half <= row, "rope: {heads} heads of {} exceed rows of {row}", 2 * half);
+    assert!(row % 2 == 0 && half % 2 == 0, "rope: row {row} and half head {half} must be even (pairs of bf16 are read at once)");
+    check_align("rope qkv", qkv, 4);
+    check_align("rope cos", table.cos, 8);
+    check_align("rope sin", table.sin, 8);
     let rows = qkv.len / row;
     if rows == 0 || heads == 0 {
         return Ok(());
     }
-    let (rows_u, t_i, row_i, heads_i, half_i) =
-        (rows as u64, i32_of("t", t), i32_of("row", row), i32_of("heads", heads), i32_of("half", half));
+    let (t_i, row_i, heads_i, half_i) = (i32_of("t", t), i32_of("row", row), i32_of("heads", heads), i32_of("half", half));
     let sign: f32 = if inverse { -1.0 } else { 1.0 };
-    let cfg = grid_1d(rows * heads * half, EW_THREADS);
-    launch!(gpu, s, "rope_rotate", cfg; qkv.raw, table.cos.raw, table.sin.raw, rows_u, t_i, row_i, heads_i, half_i, sign)
+    // One block a row (rows ≤ 2³¹ − 1: the grid's x limit).
+    let blocks = u32::try_from(rows).ok().filter(|&b| b <= i32::MAX as u32).expect("rope: rows fit the grid");
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (ROPE_THREADS, 1, 1), shared_mem_bytes: 0 };
+    launch!(gpu, s, "rope_rotate", cfg; qkv.raw, table.cos.raw, table.sin.raw, t_i, row_i, heads_i, half_i, sign)
 }
 
 /// out = bf16((gate · σ(gate)) · up) elementwise ([`crate::ops::swiglu::swiglu_forward`]).
 pub fn swiglu_forward(gpu: &Gpu, s: &CudaStream, out: DPtr<bf16>, gate: DPtr<bf16>, up: DPtr<bf16>) -> Result<()> {
     check_len("swiglu_forward gate", gate, out.len);
     check_len("swiglu_forward up", up, out.len);
+    for (what, p) in [("out", out), ("gate", gate), ("up", up)] {
+        check_align(&format!("swiglu_forward {what}"), p, 16);
+    }
     if out.len == 0 {
         return Ok(());
     }
     let len = out.len as u64;
-    launch!(gpu, s, "swiglu_fwd", grid_1d(out.len, EW_THREADS); out.raw, gate.raw, up.raw, len)
+    launch!(gpu, s, "swiglu_fwd", grid_1d(out.len.div_ceil(SWIGLU_PER_THREAD), EW_THREADS); out.raw, gate.raw, up.raw, len)
 }
 
 /// dgate, dup = the SwiGLU gradients of `dout` ([`crate::ops::swiglu::swiglu_backward`]),
@@ -181,9 +213,13 @@ pub fn swiglu_backward(
     for (what, p) in [("dup", dup), ("dout", dout), ("gate", gate), ("up", up)] {
         check_len(&format!("swiglu_backward {what}"), p, dgate.len);
     }
+    for (what, p) in [("dgate", dgate), ("dup", dup), ("dout", dout), ("gate", gate), ("up", up)] {
+        check_align(&format!("swiglu_backward {what}"), p, 16);
+    }
     if dgate.len == 0 {
         return Ok(());
     }
     let len = dgate.len as u64;
-    launch!(gpu, s, "swiglu_bwd", grid_1d(dgate.len, EW_THREADS); dgate.raw, dup.raw, dout.raw, gate.raw, up.raw, len)
+    let cfg = grid_1d(dgate.len.div_ceil(SWIGLU_PER_THREAD), EW_THREADS);
+    launch!(gpu, s, "swiglu_bwd", cfg; dgate.raw, dup.raw, dout.raw, gate.raw, up.raw, len)
 }
