@@ -1,6 +1,6 @@
 //! How a process becomes a worker of the fleet (every process run; the driver's side and the
 //! whole design are in [`super::elastic`], the worker loop in [`super::elastic_worker`], the
-//! protocol in [`super::wire`]): one rank's `ZeroWorker` over a `QuicComm` with mutual TLS,
+//! protocol in [`tessera_fleet::wire`]): one rank's `ZeroWorker` over a `QuicComm` with mutual TLS,
 //! whose prepare, commit and abandon the driver requests over the QUIC control connection.
 //! Three ways in:
 //!
@@ -42,11 +42,13 @@ use super::elastic_worker::{DataNet, Setup, SideDial};
 use super::plan::Plan;
 use super::ranks::{master_window, rank_state, StartCut};
 use super::rendezvous::{node_name, COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
-use super::wire::{self, AssignedIdentity, ControlIo, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireComputeError, WireError};
 use super::zero::RankState;
 use crate::bridge;
 use crate::config::{self, Config, ResolveContext};
 use crate::data::{self, DataError, Dataset, Sampler};
+use tessera_fleet::wire::{
+    self, AssignedIdentity, ControlIo, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireComputeError, WireError,
+};
 
 /// Bound on building the QUIC mesh (ms).
 const MESH_TIMEOUT_MS: u64 = 60_000;

@@ -40,7 +40,7 @@ use tessera_transport::quic::{ControlConn, ControlEndpoint, RefusalLog};
 
 use super::elastic::{relock, Beat, Joiner, Shared};
 use super::rendezvous::{node_name, AgentAuth, STARTUP_TIMEOUT_MS};
-use super::wire::{self, AssignedIdentity, ToParent, ToWorker, Wait};
+use tessera_fleet::wire::{self, AssignedIdentity, ToParent, ToWorker, Wait};
 
 /// How often the acceptor looks for new connections (ms).
 pub(super) const ACCEPT_POLL_MS: u64 = 20;

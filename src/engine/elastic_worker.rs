@@ -50,11 +50,11 @@ use super::child::{export, recv_start, snapshot};
 use super::plan::Plan;
 use super::rendezvous::{COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
 use super::replica::{FeedConfig, Replica, Update};
-use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireComputeError, WireError, WirePrepared};
 use super::zero::{RankState, ZeroWorker};
 use crate::bridge;
 use crate::config::{Config, ElasticRun};
 use crate::data::{Dataset, Sampler};
+use tessera_fleet::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireComputeError, WireError, WirePrepared};
 
 /// Bound on building the QUIC mesh of a new epoch (ms): a member lost meanwhile costs this.
 const EPOCH_MESH_TIMEOUT_MS: u64 = 10_000;

@@ -19,7 +19,6 @@ mod restore_sim;
 mod run;
 mod store;
 mod summary;
-mod wire;
 mod worker_net;
 pub mod zero;
 

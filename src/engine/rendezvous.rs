@@ -47,9 +47,9 @@ use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoin
 use super::elastic::relock;
 use super::plan::Plan;
 use super::ranks::{master_window, OptimBuffers, RankCounters, Start};
-use super::wire::{self, AssignedIdentity, ControlIo, StateCounters, ToParent, ToWorker, Wait, WireError};
 use crate::config::Config;
 use crate::signals;
+use tessera_fleet::wire::{self, AssignedIdentity, ControlIo, StateCounters, ToParent, ToWorker, Wait, WireError};
 
 /// Bound on the workers' start-up: connecting, loading data, building the QUIC mesh (ms).
 pub const STARTUP_TIMEOUT_MS: u64 = 120_000;

@@ -10,7 +10,7 @@ use tessera_transport::quic::ControlConn;
 
 use super::{relock, Fleet, Joiner, Shared, MONITOR_POLL_MS};
 use crate::engine::rendezvous::EXIT_TIMEOUT_MS;
-use crate::engine::wire::{self, ToWorker};
+use tessera_fleet::wire::{self, ToWorker};
 
 impl Fleet {
     /// Asks every member (and waiting joiner) to leave and waits (bounded) for each to end

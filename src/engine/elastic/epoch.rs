@@ -15,7 +15,7 @@ use super::{relock, Fleet};
 use crate::engine::plan::Plan;
 use crate::engine::ranks::Start;
 use crate::engine::rendezvous::{node_name, send_start};
-use crate::engine::wire::{self, ToParent, ToWorker};
+use tessera_fleet::wire::{self, ToParent, ToWorker};
 
 /// The newest epoch whose every member got its first full replica copy: a loss is restored
 /// from what its members hold (their shards and replicas, kept until a newer epoch is

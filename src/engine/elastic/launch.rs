@@ -27,7 +27,7 @@ use crate::engine::elastic_join::{self, Admission, Pidfd};
 use crate::engine::plan::Plan;
 use crate::engine::ranks::Start;
 use crate::engine::rendezvous::{self, node_name, send_start, spawn_worker, AgentAuth, Launched, Rendezvous, COORDINATOR_NAME};
-use crate::engine::wire::{self, Snapshot, ToParent, ToWorker, Wait};
+use tessera_fleet::wire::{self, Snapshot, ToParent, ToWorker, Wait};
 
 /// Writes `<output>/procs` for spawned workers (emptied first): the resolved config, the run
 /// CA's certificate and one identity per first-epoch worker (`node-<r>`; the CA's key stays

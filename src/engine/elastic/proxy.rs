@@ -13,7 +13,7 @@ use super::{now_ms, relock, tracing, Fleet, Shared};
 use crate::engine::plan::Plan;
 use crate::engine::ranks::{OptimBuffers, RankCounters};
 use crate::engine::rendezvous;
-use crate::engine::wire::{self, Snapshot, ToParent, ToWorker, Wait, WireError};
+use tessera_fleet::wire::{self, Snapshot, ToParent, ToWorker, Wait, WireError};
 
 /// A member's control connection and its latest snapshot.
 pub(super) struct Link {

@@ -10,7 +10,7 @@ use super::proxy::{recv_reply, Link};
 use super::{relock, tracing, Fleet};
 use crate::data::Dataset;
 use crate::engine::plan::Plan;
-use crate::engine::wire::{self, ToParent, ToWorker};
+use tessera_fleet::wire::{self, ToParent, ToWorker};
 
 /// Steps a member is measured under the current blocks before they may change again; its
 /// speed is their median (`tessera_actors::replan::Speeds`).

@@ -16,7 +16,7 @@ use super::{relock, Fleet, MONITOR_POLL_MS};
 use crate::data::Dataset;
 use crate::engine::plan::Plan;
 use crate::engine::ranks::{OptimBuffers, RankCounters, Start};
-use crate::engine::wire::{Snapshot, ToParent, ToWorker};
+use tessera_fleet::wire::{Snapshot, ToParent, ToWorker};
 
 /// A new epoch, ready to run steps from `step`.
 pub struct Reconfigured {

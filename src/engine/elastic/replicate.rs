@@ -8,7 +8,7 @@ use serde_json::json;
 
 use super::proxy::{recv_reply, Link};
 use super::{relock, Fleet};
-use crate::engine::wire::{self, Snapshot, ToParent, ToWorker};
+use tessera_fleet::wire::{self, Snapshot, ToParent, ToWorker};
 
 impl Fleet {
     /// Ids of the members whose latest snapshot says they dropped a replica (first), and of

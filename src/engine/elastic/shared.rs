@@ -19,7 +19,7 @@ use super::{now_ms, relock};
 use crate::config::ElasticRun;
 use crate::engine::elastic_join::{Admission, Pidfd};
 use crate::engine::rendezvous::{self, Launched};
-use crate::engine::wire::{self, ToWorker};
+use tessera_fleet::wire::{self, ToWorker};
 
 /// A worker's signs of life, fed by its side connection (and, for a process of this host that
 /// is not our child, its pidfd).
