@@ -1,7 +1,7 @@
 //! Multi-host runs: `tessera coordinator` (the driver, waiting for agents), `tessera agent` (one
 //! rank on any host) and `tessera launch` (agents on the hosts of a DeepSpeed hostfile, started
 //! over ssh, with the coordinator in this process). The rendezvous and the agents' life are
-//! described in `engine::rendezvous` and `engine::child`; this module reads hostfiles and the
+//! described in `tessera_fleet::rendezvous` and `engine::child`; this module reads hostfiles and the
 //! torchrun/Slurm variables and starts the processes.
 //!
 //! # Hostfile (DeepSpeed's format)

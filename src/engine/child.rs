@@ -1,5 +1,5 @@
 //! How a process becomes a worker of the fleet (every process run; the driver's side and the
-//! whole design are in [`super::elastic`], the worker loop in [`super::elastic_worker`], the
+//! whole design are in [`tessera_fleet::driver`], the worker loop in [`super::elastic_worker`], the
 //! protocol in [`tessera_fleet::wire`]): one rank's `ZeroWorker` over a `QuicComm` with mutual TLS,
 //! whose prepare, commit and abandon the driver requests over the QUIC control connection.
 //! Three ways in:
@@ -36,12 +36,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use tessera_actors::faults::Faults;
+use tessera_fleet::driver::JOIN_TOKEN_FILE;
+use tessera_fleet::rendezvous::{node_name, COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
+use tessera_fleet::state::{master_window, StartCut};
 use tessera_transport::quic::{ClusterSpec, ControlConn, ControlEndpoint, JoinToken, NodeKey, NodeTls, QuicComm, ALPN_CONTROL};
 
 use super::elastic_worker::{DataNet, Setup, SideDial};
 use super::plan::Plan;
-use super::ranks::{master_window, rank_state, StartCut};
-use super::rendezvous::{node_name, COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
+use super::ranks::rank_state;
 use super::zero::RankState;
 use crate::bridge;
 use crate::config::{self, Config, ResolveContext};
@@ -553,8 +555,8 @@ pub fn run_joiner(dir: &Path, faults: &Faults) -> Result<()> {
     };
     let control = read("control")?;
     control.parse::<SocketAddr>().with_context(|| format!("{}/control: {control:?} is not an address", dir.display()))?;
-    let token = read(super::elastic::JOIN_TOKEN_FILE)?;
-    JoinToken::parse(&token).with_context(|| format!("{}/{}", dir.display(), super::elastic::JOIN_TOKEN_FILE))?;
+    let token = read(JOIN_TOKEN_FILE)?;
+    JoinToken::parse(&token).with_context(|| format!("{}/{}", dir.display(), JOIN_TOKEN_FILE))?;
     // The run's worker-net file, when it has one (its fault link, when the run has them).
     let net = dir.join(tessera_chaos::link::WORKER_NET_FILE);
     let a = AgentArgs {
@@ -588,7 +590,7 @@ fn join_and_serve(a: &AgentArgs, faults: &Faults) -> Result<()> {
         version: env!("CARGO_PKG_VERSION").to_string(),
         token: token.as_ref().map(|t| t.secret.to_vec()),
         public_key: key.as_ref().map(NodeKey::public_key),
-        host: super::elastic_join::host_id(),
+        host: tessera_fleet::join::host_id(),
     };
     wire::send(&mut conn, &join).with_context(|| format!("agent {name}: joining {}", a.join))?;
     let served = match recv_assign(&mut conn, name)? {

@@ -1,5 +1,5 @@
 //! The worker side of the fleet (every process run: `train --nprocs N`, agents; the driver's side
-//! and the whole design are in [`super::elastic`]). With `tessera.elastic.enabled` off it keeps
+//! and the whole design are in [`tessera_fleet::driver`]). With `tessera.elastic.enabled` off it keeps
 //! no replicas and takes no drain signals (recovery is off), and serves the rest as below.
 //!
 //! Besides the requests every worker answers (prepare, commit, abandon, export), an elastic
@@ -25,7 +25,7 @@
 //!
 //! A worker that joins a running job (`tessera worker --join`, or `tessera agent` once the run
 //! goes) says `Join`, gets its id, the config and a certificate for its own key (`Admit`, see
-//! [`super::elastic_join`]), says `Hello` once its data is loaded and then waits for the `Epoch`
+//! [`tessera_fleet::join`]), says `Hello` once its data is loaded and then waits for the `Epoch`
 //! that makes it a member.
 //!
 //! Both connections to the driver are QUIC control connections ([`ControlConn`], TLS 1.3 with
@@ -43,12 +43,13 @@ use anyhow::{bail, Context, Result};
 use tessera_actors::compute::{StepOrder, WorkerCompute};
 use tessera_actors::faults::Faults;
 use tessera_actors::formation::DrainTimer;
+use tessera_fleet::rendezvous::{COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
+use tessera_fleet::wire::EXIT_DRAIN_GRACE;
 use tessera_transport::collective::{AbortHandle, Collective, CollectiveError, CommStats};
 use tessera_transport::quic::{rustls, ClusterSpec, ControlConn, ControlEndpoint, NodeTls, QuicComm};
 
 use super::child::{export, recv_start, snapshot};
 use super::plan::Plan;
-use super::rendezvous::{COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
 use super::replica::{FeedConfig, Replica, Update};
 use super::zero::{RankState, ZeroWorker};
 use crate::bridge;
@@ -65,9 +66,6 @@ const EPOCH_BIND_TIMEOUT_MS: u64 = 10_000;
 const EPOCH_BIND_RETRY_MS: u64 = 50;
 /// Exit status of a worker the driver declared lost (fenced) or that lost its driver.
 const EXIT_FENCED: i32 = 4;
-/// Exit status of a worker asked to drain (SIGTERM, SIGUSR1) that saw no step boundary within its
-/// drain grace.
-pub(super) const EXIT_DRAIN_GRACE: i32 = 3;
 /// Tag space of the full replica copies (the step is added).
 const REPLICA_TAG: u64 = 0x5250_0000_0000_0000;
 /// Bound on waiting for the background replica steps (ms); past it the replicas are dropped.
@@ -414,7 +412,7 @@ impl ReplicaShared {
             if job.generation == self.generation.load(Ordering::SeqCst) {
                 let t0 = Instant::now();
                 apply_updates(&mut held, &job.plan, job.updates, &job.faults, &mut problems);
-                if super::elastic::tracing() {
+                if tessera_fleet::driver::tracing() {
                     say(format!("[replica] applied in {:.2} ms", t0.elapsed().as_secs_f64() * 1e3));
                 }
             }
@@ -914,8 +912,8 @@ impl Worker {
                 }
                 Err(e) => return Err(e).context(format!("worker {}: control connection", self.s.id)),
             };
-            if super::elastic::tracing() {
-                eprintln!("[{}] worker {}: {msg:?}", super::elastic::now_ms() % 100_000, self.s.id);
+            if tessera_fleet::driver::tracing() {
+                eprintln!("[{}] worker {}: {msg:?}", tessera_fleet::driver::now_ms() % 100_000, self.s.id);
             }
             if !self.serve_one(msg, stream, alive)? {
                 return Ok(());

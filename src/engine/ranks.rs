@@ -1,6 +1,6 @@
 //! Where the driver's ranks live and how it reads their state between steps: threads of this
 //! process sharing `RankState`s ([`Ranks::InProcess`]) or worker processes, the fleet, reached
-//! over their control connections ([`Ranks::Fleet`], see [`super::elastic`]; elastic or with
+//! over their control connections ([`Ranks::Fleet`], see [`tessera_fleet::driver`]; elastic or with
 //! recovery off). Also the start state and how it is cut per rank, which both kinds use.
 
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -9,62 +9,15 @@ use anyhow::{Context, Result};
 use tessera_actors::compute::MemoryReport;
 use tessera_actors::faults::Faults;
 
-use super::elastic::Fleet;
 use super::plan::Plan;
 use super::zero::RankState;
 use crate::bridge;
 use crate::config::Config;
 use crate::gpu::compute::GpuRanks;
+use tessera_fleet::driver::Fleet;
+use tessera_fleet::state::{OptimBuffers, RankCounters, Start, StartCut};
 
-/// Optimizer state buffers by name, full length (world-size independent, as checkpointed).
-pub type OptimBuffers = Vec<(String, Vec<f32>)>;
-
-/// Where training starts: fresh or from a checkpoint, as full-length buffers.
-pub struct Start {
-    pub step: u64,
-    pub master: Vec<f32>,
-    pub optim: Option<(u64, OptimBuffers)>,
-    pub applied: u64,
-    pub skipped: u64,
-    pub scaler: Option<serde_json::Value>,
-}
-
-/// Counters kept alike by every rank (read from rank 0).
-pub struct RankCounters {
-    pub optimizer_steps: u64,
-    pub applied: u64,
-    pub skipped: u64,
-    pub scaler: Option<serde_json::Value>,
-}
-
-/// One rank's share of the start state besides the masters: its cut of the optimizer buffers.
-pub struct StartCut {
-    pub optim: Option<(u64, OptimBuffers)>,
-    pub applied: u64,
-    pub skipped: u64,
-    pub scaler: Option<serde_json::Value>,
-}
-
-impl Start {
-    /// Rank `r`'s cut: the optimizer buffers over `plan.optim_range(r)`.
-    pub fn cut(&self, plan: &Plan, r: usize) -> StartCut {
-        let range = plan.optim_range(r);
-        let optim = self.optim.as_ref().map(|(steps, bufs)| {
-            (*steps, bufs.iter().map(|(n, b)| (n.clone(), b.get(range.clone()).map(<[f32]>::to_vec).unwrap_or_default())).collect())
-        });
-        StartCut { optim, applied: self.applied, skipped: self.skipped, scaler: self.scaler.clone() }
-    }
-}
-
-/// The part of the flat buffer whose masters a rank is sent to start: today the whole buffer,
-/// because what `RankState::new` reads beyond the rank's own ranges depends on the ZeRO-3 unit
-/// policy (persistent units are held whole by every rank). A start-up cost only: N × 4Ψ bytes
-/// over loopback.
-pub fn master_window(plan: &Plan, _r: usize) -> std::ops::Range<usize> {
-    0..plan.total()
-}
-
-/// Rank `r`'s state from full-length masters (only [`master_window`] is read) and its cut;
+/// Rank `r`'s state from full-length masters (only [`tessera_fleet::state::master_window`] is read) and its cut;
 /// its swap files (NVMe offload) fail where `faults` says.
 pub fn rank_state(cfg: &Config, plan: &Plan, r: usize, master: &[f32], cut: &StartCut, faults: &Faults) -> Result<RankState> {
     let mut scaler = bridge::loss_scaler(&cfg.precision)?;
@@ -90,8 +43,8 @@ pub fn rank_states(cfg: &Config, plan: &Plan, start: &Start, faults: &Faults) ->
 /// The ranks of a run, as the driver sees them between steps.
 pub enum Ranks {
     InProcess(Vec<Arc<Mutex<RankState>>>),
-    /// Worker processes or agents (`super::elastic`): the members of the current epoch.
-    Fleet(Box<Fleet>),
+    /// Worker processes or agents ([`tessera_fleet::driver`]): the members of the current epoch.
+    Fleet(Box<Fleet<Plan>>),
     /// NCCL GPU ranks, threads of this process (`crate::gpu::compute`).
     Gpu(GpuRanks),
 }

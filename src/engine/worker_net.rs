@@ -26,30 +26,39 @@ use std::sync::OnceLock;
 
 use anyhow::{Context, Result};
 use tessera_chaos::link::{WorkerLink, WorkerNet, WORKER_NET_FILE};
+use tessera_fleet::spec::Placement;
 
 /// This worker process's fault link, when its run has one (set once, at start-up).
 static LINK: OnceLock<WorkerLink> = OnceLock::new();
 
+/// The driver side: the spawned workers' namespaces, as the fleet's [`Placement`].
+pub(super) struct Namespaces(WorkerNet);
+
 /// Reads and checks a `--worker-net` file.
-pub(super) fn load(path: &Path) -> Result<WorkerNet> {
-    WorkerNet::load(path).with_context(|| format!("--worker-net {}", path.display()))
+pub(super) fn load(path: &Path) -> Result<Namespaces> {
+    WorkerNet::load(path).map(Namespaces).with_context(|| format!("--worker-net {}", path.display()))
 }
 
-/// The driver side: copies the file where the workers find it.
-pub(super) fn publish(net: &WorkerNet, procs: &Path) -> Result<()> {
-    net.write(&procs.join(WORKER_NET_FILE)).context("copying the worker-net file into the run's procs folder")
-}
+impl Placement for Namespaces {
+    fn control_ip(&self) -> IpAddr {
+        self.0.control_ip
+    }
 
-/// The command that starts `exe` in spawned worker `id`'s namespace (or right here).
-pub(super) fn command(exe: &Path, net: Option<&WorkerNet>, id: usize) -> Result<Command> {
-    let Some(net) = net else { return Ok(Command::new(exe)) };
-    let ns = net
-        .netns
-        .get(id)
-        .with_context(|| format!("the worker-net file names {} namespace(s); spawned worker {id} needs one of its own", net.netns.len()))?;
-    let mut c = Command::new("ip");
-    c.args(["netns", "exec", ns]).arg(exe);
-    Ok(c)
+    /// Copies the file where the workers find it.
+    fn publish(&self, procs: &Path) -> Result<()> {
+        self.0.write(&procs.join(WORKER_NET_FILE)).context("copying the worker-net file into the run's procs folder")
+    }
+
+    /// `exe` in spawned worker `id`'s namespace (`ip netns exec`).
+    fn command(&self, exe: &Path, id: usize) -> Result<Command> {
+        let net = &self.0;
+        let ns = net.netns.get(id).with_context(|| {
+            format!("the worker-net file names {} namespace(s); spawned worker {id} needs one of its own", net.netns.len())
+        })?;
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", ns]).arg(exe);
+        Ok(c)
+    }
 }
 
 /// The worker side, once its id is known: starts the fault link when the run's `procs` folder

@@ -1,8 +1,29 @@
 //! Tessera's process runtime: how a driver and its worker processes (spawned `tessera worker`s,
 //! agents on other hosts, late joiners) talk, admit each other and recover. It knows nothing of
-//! the front crate's config, data or plan: compute comes in through `tessera_actors::compute`
-//! and faults through `tessera_actors::faults`.
+//! the front crate's config, data or plan: the run comes in as a [`spec::FleetSpec`], the plan
+//! through [`state::FleetPlan`] and [`state::Planner`], compute through
+//! `tessera_actors::compute`, faults through `tessera_actors::faults`, and the host process and
+//! the workers' network through [`spec::Host`] and [`spec::Placement`].
 //!
 //! - [`wire`]: the control protocol (messages, framing, bounded reads, bulk state).
+//! - [`spec`]: what a fleet runs with.
+//! - [`state`]: the training state as full-length buffers, cut per rank by the plan.
+//! - [`rendezvous`]: how a run's first workers arrive (spawned, or agents joining).
+//! - [`join`]: who may talk to a running driver (side connections, late joins).
+//! - [`driver`]: the fleet itself: launch, monitor, proxies of the members' compute, recovery,
+//!   epochs, replicas, rebalancing, the event log, close.
 
+pub mod driver;
+pub mod join;
+pub mod rendezvous;
+pub mod spec;
+pub mod state;
 pub mod wire;
+
+use std::sync::{Mutex, MutexGuard};
+
+/// Locks `m`, also when a thread panicked holding it (the fleet's state stays usable for the
+/// shutdown that follows).
+pub(crate) fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
