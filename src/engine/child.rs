@@ -41,7 +41,7 @@ use tessera_fleet::rendezvous::{node_name, COORDINATOR_NAME, STARTUP_TIMEOUT_MS}
 use tessera_fleet::state::{master_window, StartCut};
 use tessera_transport::quic::{ClusterSpec, ControlConn, ControlEndpoint, JoinToken, NodeKey, NodeTls, QuicComm, ALPN_CONTROL};
 
-use super::elastic_worker::{DataNet, Setup, SideDial};
+use super::elastic_worker::Setup;
 use super::plan::Plan;
 use super::ranks::rank_state;
 use super::zero::RankState;
@@ -51,6 +51,7 @@ use crate::data::{self, DataError, Dataset, Sampler};
 use tessera_fleet::wire::{
     self, AssignedIdentity, ControlIo, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireComputeError, WireError,
 };
+use tessera_fleet::worker::{install_signal_handlers, DataNet, SideDial};
 
 /// Bound on building the QUIC mesh (ms).
 const MESH_TIMEOUT_MS: u64 = 60_000;
@@ -282,7 +283,7 @@ fn start_up(
     };
     let addrs = addrs.iter().map(|s| s.parse::<SocketAddr>().with_context(|| format!("address {s:?}"))).collect::<Result<Vec<_>>>()?;
     let (state, at) = recv_start(stream, &m.cfg, &m.plan, rank, &m.faults, &wait).with_context(|| format!("rank {rank}: start state"))?;
-    let addrs = super::worker_net::peer_addrs(addrs, rank)?;
+    let addrs = super::worker_net::sockets().peer_addrs(addrs, rank)?;
     let spec = ClusterSpec { addrs, names: (0..m.world).map(node_name).collect() };
     let socket = m.socket.try_clone().context("the QUIC socket")?;
     let comm = QuicComm::connect_socket(socket, rank, &spec, &m.tls, MESH_TIMEOUT_MS).with_context(|| format!("rank {rank}: QUIC mesh"))?;
@@ -300,7 +301,7 @@ fn serve_fleet(
     alive: &dyn Fn() -> Result<(), WireError>,
 ) -> Result<()> {
     let er = config::elastic_run(&m.cfg)?;
-    super::elastic_worker::install_signal_handlers(&m.faults, er.enabled);
+    install_signal_handlers(&m.faults, er.enabled);
     let (state, at, comm) = start_up(conn, &mut m, alive)?;
     let rank = m.rank;
     let ready = snapshot(&state, rank);
@@ -325,11 +326,11 @@ pub fn run_worker(a: &WorkerArgs) -> Result<()> {
         .connect(a.control, COORDINATOR_NAME, client.clone(), STARTUP_TIMEOUT_MS)
         .with_context(|| format!("rank {rank}: connecting to the parent at {}", a.control))?;
     super::worker_net::init_worker(&a.dir, rank as u64)?;
-    let (socket, quic_addr) = super::worker_net::bind_quic(local_ip).with_context(|| format!("rank {rank}"))?;
+    let (socket, quic_addr) = super::worker_net::sockets().bind_epoch(local_ip).with_context(|| format!("rank {rank}"))?;
     let faults = a.faults.clone();
     let m = Member { rank, world: a.world, cfg, plan, sampler, tls, socket, quic_addr, data_blake3: None, dataset, faults };
     let side = SideDial { endpoint: Arc::clone(&endpoint), driver: a.control, client, who: format!("worker {rank}") };
-    let data = DataNet { bind: local_ip, advertise: local_ip, port: 0 };
+    let data = DataNet { bind: local_ip, advertise: local_ip, port: 0, sockets: super::worker_net::sockets() };
     let served = serve_fleet(&mut conn, m, side, data, &alive);
     conn.close("bye");
     served
@@ -485,7 +486,7 @@ fn agent_member(a: &AgentArgs, local_ip: IpAddr, assigned: (usize, usize, &str),
         // Behind its fault link (on the route to the coordinator, as the later epochs' sockets).
         Some(file) => {
             super::worker_net::start_link(file, rank as u64)?;
-            super::worker_net::bind_quic(local_ip)?
+            super::worker_net::sockets().bind_epoch(local_ip)?
         }
         None => {
             let (bind, advertised) = agent_data_ips(a, local_ip);
@@ -605,7 +606,7 @@ fn join_and_serve(a: &AgentArgs, faults: &Faults) -> Result<()> {
                 Err(e) => return fail(&mut conn, format!("agent {name} (rank {rank})"), e),
             };
             let (bind, advertise) = agent_data_ips(a, local_ip);
-            let data = DataNet { bind, advertise, port: a.quic_port };
+            let data = DataNet { bind, advertise, port: a.quic_port, sockets: super::worker_net::sockets() };
             let served = m.tls.client_config_for(ALPN_CONTROL).map_err(anyhow::Error::from).and_then(|client| {
                 let side =
                     SideDial { endpoint: Arc::clone(&endpoint), driver: conn.remote_address(), client, who: format!("agent {name}") };
@@ -615,7 +616,7 @@ fn join_and_serve(a: &AgentArgs, faults: &Faults) -> Result<()> {
         }
         Answer::Admit(id, config, identity) => {
             // Only an elastic run admits a late joiner.
-            super::elastic_worker::install_signal_handlers(faults, true);
+            install_signal_handlers(faults, true);
             let line = format!("agent {name}: joins the running job as worker {id} (driver {})\n", a.join);
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), line.as_bytes());
             let setup = agent_identity(own, key, identity, token.as_ref())
@@ -676,6 +677,6 @@ fn late_setup(
     let who = format!("agent {} (worker {id})", a.name);
     let side = SideDial { endpoint: Arc::clone(endpoint), driver: conn.remote_address(), client, who };
     let (bind, advertise) = agent_data_ips(a, local_ip);
-    let data = DataNet { bind, advertise, port: a.quic_port };
+    let data = DataNet { bind, advertise, port: a.quic_port, sockets: super::worker_net::sockets() };
     Ok(Setup { id, side, data, cfg, er, dataset, sampler, tls, faults: faults.clone() })
 }

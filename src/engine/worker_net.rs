@@ -27,9 +27,13 @@ use std::sync::OnceLock;
 use anyhow::{Context, Result};
 use tessera_chaos::link::{WorkerLink, WorkerNet, WORKER_NET_FILE};
 use tessera_fleet::spec::Placement;
+use tessera_fleet::worker::{Plain, Sockets};
 
 /// This worker process's fault link, when its run has one (set once, at start-up).
-static LINK: OnceLock<WorkerLink> = OnceLock::new();
+static LINK: OnceLock<FaultLink> = OnceLock::new();
+
+/// A worker's fault link as the fleet's [`Sockets`].
+struct FaultLink(WorkerLink);
 
 /// The driver side: the spawned workers' namespaces, as the fleet's [`Placement`].
 pub(super) struct Namespaces(WorkerNet);
@@ -78,29 +82,26 @@ pub(super) fn start_link(path: &Path, id: u64) -> Result<()> {
     let net = WorkerNet::load(path).with_context(|| format!("worker {id}"))?;
     if let Some(links) = &net.links {
         let link = WorkerLink::start(links, id).with_context(|| format!("worker {id}: starting its fault link"))?;
-        let _ = LINK.set(link);
+        let _ = LINK.set(FaultLink(link));
     }
     Ok(())
 }
 
-/// Binds one epoch's QUIC socket for a worker whose control connection leaves from `local_ip`;
-/// returns the socket and the address the other members dial.
-pub(super) fn bind_quic(local_ip: IpAddr) -> Result<(UdpSocket, SocketAddr)> {
+/// How this worker process binds its QUIC sockets and dials its peers: behind its fault link
+/// when it has one (started by [`init_worker`] or [`start_link`] first), else plainly.
+pub(super) fn sockets() -> &'static dyn Sockets {
     match LINK.get() {
-        Some(link) => link.bind_epoch(local_ip).with_context(|| format!("binding the QUIC socket behind the fault link on {local_ip}")),
-        None => {
-            let socket = UdpSocket::bind((local_ip, 0)).with_context(|| format!("binding the QUIC socket on {local_ip}"))?;
-            let addr = socket.local_addr().context("QUIC socket address")?;
-            Ok((socket, addr))
-        }
+        Some(link) => link,
+        None => &Plain,
     }
 }
 
-/// The members' addresses as this worker (rank `own`) dials them: unchanged, or through the
-/// fault link's aliases.
-pub(super) fn peer_addrs(addrs: Vec<SocketAddr>, own: usize) -> Result<Vec<SocketAddr>> {
-    match LINK.get() {
-        Some(link) => link.aliases(&addrs, own).context("the fault link's addresses for the peers"),
-        None => Ok(addrs),
+impl Sockets for FaultLink {
+    fn bind_epoch(&self, local_ip: IpAddr) -> Result<(UdpSocket, SocketAddr)> {
+        self.0.bind_epoch(local_ip).with_context(|| format!("binding the QUIC socket behind the fault link on {local_ip}"))
+    }
+
+    fn peer_addrs(&self, addrs: Vec<SocketAddr>, own: usize) -> Result<Vec<SocketAddr>> {
+        self.0.aliases(&addrs, own).context("the fault link's addresses for the peers")
     }
 }

@@ -3,7 +3,7 @@
 //! the front crate's config, data or plan: the run comes in as a [`spec::FleetSpec`], the plan
 //! through [`state::FleetPlan`] and [`state::Planner`], compute through
 //! `tessera_actors::compute`, faults through `tessera_actors::faults`, and the host process and
-//! the workers' network through [`spec::Host`] and [`spec::Placement`].
+//! the workers' network through [`spec::Host`], [`spec::Placement`] and [`worker::Sockets`].
 //!
 //! - [`wire`]: the control protocol (messages, framing, bounded reads, bulk state).
 //! - [`spec`]: what a fleet runs with.
@@ -12,6 +12,8 @@
 //! - [`join`]: who may talk to a running driver (side connections, late joins).
 //! - [`driver`]: the fleet itself: launch, monitor, proxies of the members' compute, recovery,
 //!   epochs, replicas, rebalancing, the event log, close.
+//! - [`worker`]: a worker process's plumbing: its side connection (heartbeats, drain, abort),
+//!   the drain signals, the group its compute shares, where its data-plane sockets bind.
 
 pub mod driver;
 pub mod join;
@@ -19,6 +21,7 @@ pub mod rendezvous;
 pub mod spec;
 pub mod state;
 pub mod wire;
+pub mod worker;
 
 use std::sync::{Mutex, MutexGuard};
 
