@@ -10,11 +10,13 @@
 //! - [`state`]: the training state as full-length buffers, cut per rank by the plan.
 //! - [`rendezvous`]: how a run's first workers arrive (spawned, or agents joining).
 //! - [`join`]: who may talk to a running driver (side connections, late joins).
+//! - [`agent`]: an agent's way in: its credentials, dialling the coordinator, `Join`, the answer.
 //! - [`driver`]: the fleet itself: launch, monitor, proxies of the members' compute, recovery,
 //!   epochs, replicas, rebalancing, the event log, close.
 //! - [`worker`]: a worker process's plumbing: its side connection (heartbeats, drain, abort),
 //!   the drain signals, the group its compute shares, where its data-plane sockets bind.
 
+pub mod agent;
 pub mod driver;
 pub mod join;
 pub mod rendezvous;
