@@ -41,8 +41,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tessera_actors::compute::{StepOrder, WorkerCompute};
 use tessera_actors::faults::Faults;
-use tessera_fleet::rendezvous::STARTUP_TIMEOUT_MS;
-use tessera_fleet::worker::{install_signal_handlers, start_side, AbortSlot, DataNet, SharedComm, SideDial, SideLink};
+use tessera_fleet::worker::{
+    install_signal_handlers, serve, start_side, AbortSlot, DataNet, EpochOrder, Rank, SharedComm, SideDial, SideLink,
+};
 use tessera_transport::collective::Collective;
 use tessera_transport::quic::{ClusterSpec, ControlConn, NodeTls, QuicComm};
 
@@ -529,131 +530,111 @@ impl Worker {
         Ok(())
     }
 
-    /// Answers one request; returns false on `Shutdown`.
-    fn serve_one(&mut self, msg: ToWorker, stream: &mut ControlConn, alive: &dyn Fn() -> Result<(), WireError>) -> Result<bool> {
-        let (stale, behind) = (self.replicas.stale, self.replicas.behind);
-        let snap = |m: &Member| Snapshot { replica_stale: stale, replica_behind: behind, ..snapshot(&lock(&m.state), m.rank) };
-        let reply = match msg {
-            ToWorker::Prepare { step, epoch, attempt } => {
-                let m = self.member()?;
-                match m.worker.prepare(&StepOrder { step, epoch, attempt }) {
-                    Ok(p) => ToParent::Prepared { prepared: WirePrepared::new(&p), snapshot: snap(m) },
-                    Err(error) => ToParent::Failed { error: error.into() },
-                }
-            }
-            ToWorker::Commit { step } => {
-                self.s.faults.before_commit(self.s.id, step);
-                let m = self.member.as_mut().context("this worker is not a member of any epoch yet")?;
-                let res = m.worker.commit(step);
-                // What the shard reached is the commit's error's to say: `step + 1` (its masters
-                // and optimizer state took the step) also when the commit failed later, sharing
-                // the parameters with a lost peer (torn with the step), and then the replicas'
-                // updates, which arrived in prepare, are applied either way (LAMB's replay this
-                // rank's own norm reduction); `step` after an error that is not torn (LAMB's
-                // norm all-reduce with a lost peer, before the shard changed: its replicas stay
-                // too, no update was made); nothing usable when torn part-way.
-                self.at = match &res {
-                    Ok(()) => Some(step + 1),
-                    Err(e) => e.state_after_commit(step, self.at),
-                };
-                if self.at == Some(step + 1) {
-                    if let Some(updates) = m.worker.take_replica_updates() {
-                        self.replicas.queue(&m.plan, updates);
-                    }
-                }
-                match res {
-                    Ok(()) => {
-                        let (replica_stale, replica_behind) = (self.replicas.stale, self.replicas.behind);
-                        let s = Snapshot { replica_stale, replica_behind, ..snapshot(&lock(&m.state), m.rank) };
-                        ToParent::Committed { snapshot: s }
-                    }
-                    Err(error) => ToParent::Failed { error: error.into() },
-                }
-            }
-            ToWorker::Abandon { step } => {
-                if let Some(m) = self.member.as_mut() {
-                    m.worker.abandon(step);
-                }
-                ToParent::Abandoned
-            }
-            ToWorker::Export { optim } => {
-                let m = self.member()?;
-                export(stream, &lock(&m.state), optim)?;
-                return Ok(true);
-            }
-            ToWorker::ExportReplica { owner, epoch } => {
-                self.export_replica(stream, owner as usize, epoch)?;
-                return Ok(true);
-            }
-            ToWorker::Installed { epoch } => {
-                self.installed = Some(self.installed.map_or(epoch, |i| i.max(epoch)));
-                if self.kept.as_ref().is_some_and(|k| k.epoch < epoch) {
-                    self.kept = None;
-                }
-                ToParent::Installed
-            }
-            ToWorker::Replicate { step } => match self.replicate(step) {
-                Ok(()) => ToParent::Replicated,
-                Err(e) => ToParent::Failed { error: WireComputeError::failed(format!("{e:#}")) },
-            },
-            ToWorker::Status => {
-                let replicas = self.replicas.settle().iter().map(|r| (r.owner as u64, r.at)).collect();
-                let kept = self.kept.as_ref().map_or_else(Vec::new, |k| k.shards.iter().map(|r| (r.owner as u64, r.at)).collect());
-                ToParent::Status {
-                    epoch: self.member.as_ref().map(|m| m.epoch),
-                    at: self.at.filter(|_| self.member.is_some()),
-                    replicas,
-                    kept_epoch: self.kept.as_ref().map(|k| k.epoch),
-                    kept,
-                }
-            }
-            ToWorker::Epoch { epoch, rank, world, installed } => {
-                if let Some(i) = installed {
-                    self.installed = Some(self.installed.map_or(i, |x| x.max(i)));
-                }
-                let deadline = Some(Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS));
-                let wait = Wait { what: "the new epoch's messages", deadline, alive };
-                match self.new_epoch(stream, epoch, rank as usize, world as usize, &wait) {
-                    Ok(()) => {
-                        let m = self.member()?;
-                        ToParent::Ready { snapshot: snap(m) }
-                    }
-                    Err(e) => ToParent::Failed { error: WireComputeError::failed(format!("worker {}: {e:#}", self.s.id)) },
-                }
-            }
-            ToWorker::Blocks { blocks } => match self.rebalance(blocks) {
-                Ok(()) => ToParent::Rebalanced,
-                Err(e) => {
-                    ToParent::Failed { error: WireComputeError::failed(format!("worker {}: new micro-batch blocks: {e:#}", self.s.id)) }
-                }
-            },
-            ToWorker::Ping => ToParent::Pong,
-            ToWorker::Shutdown => return Ok(false),
-            other => bail!("unexpected request {other:?}"),
-        };
-        wire::send(stream, &reply)?;
-        Ok(true)
+    /// This worker's snapshot of member `m`, with the replicas' state.
+    fn snapshot(&self, m: &Member) -> Snapshot {
+        Snapshot { replica_stale: self.replicas.stale, replica_behind: self.replicas.behind, ..snapshot(&lock(&m.state), m.rank) }
+    }
+}
+
+/// The serve loop (`tessera_fleet::worker::serve`) runs this worker's rank.
+impl Rank for Worker {
+    fn id(&self) -> u64 {
+        self.s.id
     }
 
-    /// Serves requests until `Shutdown` or the control connection closes.
-    fn run(&mut self, stream: &mut ControlConn, alive: &dyn Fn() -> Result<(), WireError>) -> Result<()> {
-        loop {
-            let wait = Wait { what: "a request", deadline: None, alive };
-            let msg = match wire::recv(stream, "a request", &wait) {
-                Ok(m) => m,
-                // The driver ends a worker it still counts on with `Shutdown`.
-                Err(WireError::Closed) => {
-                    bail!("worker {}: the driver closed the control connection without Shutdown: declared lost (fenced), or the driver is gone", self.s.id)
-                }
-                Err(e) => return Err(e).context(format!("worker {}: control connection", self.s.id)),
-            };
-            if tessera_fleet::driver::tracing() {
-                eprintln!("[{}] worker {}: {msg:?}", tessera_fleet::driver::now_ms() % 100_000, self.s.id);
+    fn prepare(&mut self, order: &StepOrder) -> Result<ToParent> {
+        let m = self.member.as_mut().context("this worker is not a member of any epoch yet")?;
+        Ok(match m.worker.prepare(order) {
+            Ok(p) => {
+                let m = self.member.as_ref().context("no member state")?;
+                ToParent::Prepared { prepared: WirePrepared::new(&p), snapshot: self.snapshot(m) }
             }
-            if !self.serve_one(msg, stream, alive)? {
-                return Ok(());
+            Err(error) => ToParent::Failed { error: error.into() },
+        })
+    }
+
+    fn commit(&mut self, step: u64) -> Result<ToParent> {
+        self.s.faults.before_commit(self.s.id, step);
+        let m = self.member.as_mut().context("this worker is not a member of any epoch yet")?;
+        let res = m.worker.commit(step);
+        // What the shard reached is the commit's error's to say: `step + 1` (its masters and
+        // optimizer state took the step) also when the commit failed later, sharing the
+        // parameters with a lost peer (torn with the step), and then the replicas' updates,
+        // which arrived in prepare, are applied either way (LAMB's replay this rank's own norm
+        // reduction); `step` after an error that is not torn (LAMB's norm all-reduce with a lost
+        // peer, before the shard changed: its replicas stay too, no update was made); nothing
+        // usable when torn part-way.
+        self.at = match &res {
+            Ok(()) => Some(step + 1),
+            Err(e) => e.state_after_commit(step, self.at),
+        };
+        if self.at == Some(step + 1) {
+            if let Some(updates) = m.worker.take_replica_updates() {
+                self.replicas.queue(&m.plan, updates);
             }
         }
+        Ok(match res {
+            Ok(()) => {
+                let m = self.member.as_ref().context("no member state")?;
+                ToParent::Committed { snapshot: self.snapshot(m) }
+            }
+            Err(error) => ToParent::Failed { error: error.into() },
+        })
+    }
+
+    fn abandon(&mut self, step: u64) {
+        if let Some(m) = self.member.as_mut() {
+            m.worker.abandon(step);
+        }
+    }
+
+    fn export(&mut self, stream: &mut ControlConn, optim: bool) -> Result<()> {
+        let m = self.member()?;
+        export(stream, &lock(&m.state), optim)?;
+        Ok(())
+    }
+
+    fn export_replica(&mut self, stream: &mut ControlConn, owner: usize, epoch: u64) -> Result<()> {
+        Worker::export_replica(self, stream, owner, epoch)
+    }
+
+    fn installed(&mut self, epoch: u64) {
+        self.installed = Some(self.installed.map_or(epoch, |i| i.max(epoch)));
+        if self.kept.as_ref().is_some_and(|k| k.epoch < epoch) {
+            self.kept = None;
+        }
+    }
+
+    fn replicate(&mut self, step: u64) -> Result<()> {
+        Worker::replicate(self, step)
+    }
+
+    fn status(&mut self) -> ToParent {
+        let replicas = self.replicas.settle().iter().map(|r| (r.owner as u64, r.at)).collect();
+        let kept = self.kept.as_ref().map_or_else(Vec::new, |k| k.shards.iter().map(|r| (r.owner as u64, r.at)).collect());
+        ToParent::Status {
+            epoch: self.member.as_ref().map(|m| m.epoch),
+            at: self.at.filter(|_| self.member.is_some()),
+            replicas,
+            kept_epoch: self.kept.as_ref().map(|k| k.epoch),
+            kept,
+        }
+    }
+
+    fn epoch(&mut self, stream: &mut ControlConn, to: EpochOrder, wait: &Wait<'_>) -> Result<Snapshot> {
+        if let Some(i) = to.installed {
+            self.installed = Some(self.installed.map_or(i, |x| x.max(i)));
+        }
+        // `Ready` reports the replicas' state as the request found it (the new epoch's
+        // replicas are empty until its first full copy).
+        let (replica_stale, replica_behind) = (self.replicas.stale, self.replicas.behind);
+        self.new_epoch(stream, to.epoch, to.rank, to.world, wait)?;
+        let m = self.member.as_ref().context("no member state")?;
+        Ok(Snapshot { replica_stale, replica_behind, ..snapshot(&lock(&m.state), m.rank) })
+    }
+
+    fn rebalance(&mut self, blocks: Vec<Vec<(u64, u32)>>) -> Result<()> {
+        Worker::rebalance(self, blocks)
     }
 }
 
@@ -672,7 +653,7 @@ pub(super) fn serve_started(
 ) -> Result<()> {
     let mut w = Worker::new(s)?;
     w.install(0, rank, plan, state, comm, at);
-    w.run(stream, alive)
+    serve(stream, &mut w, alive)
 }
 
 /// A worker that joined a running job (it said `Hello`): serves until `Shutdown` or the
@@ -681,7 +662,7 @@ pub(super) fn serve_joined(conn: &mut ControlConn, s: Setup) -> Result<()> {
     let id = s.id;
     let mut w = Worker::new(s)?;
     tracing::info!("worker {id}: joined the run; waiting for the next step boundary");
-    w.run(conn, &|| Ok(()))
+    serve(conn, &mut w, &|| Ok(()))
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 //! The plumbing of a worker process (spawned worker, agent or joiner) that the front crate's
 //! serve loop (`engine::elastic_worker`) runs on: its side connection to the driver (heartbeats,
 //! `Draining` after a drain signal, the driver's `Abort` and `Refused`), the drain signals
-//! themselves, the collective group its compute and its replication share, and where each
-//! epoch's data-plane QUIC socket binds ([`DataNet`], through [`Sockets`]).
+//! themselves, the collective group its compute and its replication share, where each epoch's
+//! data-plane QUIC socket binds ([`DataNet`], through [`Sockets`]), and the serve loop
+//! ([`serve`]): the driver's requests, one at a time, each answered by the rank it runs
+//! ([`Rank`], the front crate's compute and replicas).
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::ops::Range;
@@ -10,7 +12,8 @@ use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+use tessera_actors::compute::StepOrder;
 use tessera_actors::faults::Faults;
 use tessera_actors::formation::DrainTimer;
 use tessera_transport::collective::{AbortHandle, Collective, CollectiveError, CommStats};
@@ -18,7 +21,7 @@ use tessera_transport::quic::{rustls, ControlConn, ControlEndpoint};
 
 use crate::rendezvous::{COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
 use crate::spec::ElasticRun;
-use crate::wire::{self, ToParent, ToWorker, Wait, WireError, EXIT_DRAIN_GRACE};
+use crate::wire::{self, Snapshot, ToParent, ToWorker, Wait, WireComputeError, WireError, EXIT_DRAIN_GRACE};
 
 /// Bound on waiting for a fixed data-plane port (`tessera agent --quic-port`) that the previous
 /// epoch's group still holds while it leaves (ms).
@@ -314,4 +317,119 @@ pub fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) ->
         })
         .context("starting the side reader")?;
     Ok(SideLink { conn: link_conn, leaving, reader: Some(reader) })
+}
+
+/// What a worker's serve loop ([`serve`]) asks of the rank it runs: the front crate's compute
+/// (its `ZeroWorker`, its state and the replicas it keeps). An `Err` ends the worker; a failure
+/// the driver should hear of is a `ToParent::Failed` answer.
+pub trait Rank {
+    /// This worker's id (its node name is `node-<id>`), for its errors and the trace.
+    fn id(&self) -> u64;
+    /// `Prepare`: answers `Prepared` or `Failed`.
+    fn prepare(&mut self, order: &StepOrder) -> Result<ToParent>;
+    /// `Commit`: answers `Committed` or `Failed`.
+    fn commit(&mut self, step: u64) -> Result<ToParent>;
+    /// `Abandon` (answered `Abandoned`).
+    fn abandon(&mut self, step: u64);
+    /// `Export`: sends its own state on `stream` (`Exported`, then the bulk buffers).
+    fn export(&mut self, stream: &mut ControlConn, optim: bool) -> Result<()>;
+    /// `ExportReplica`: sends what it holds of rank `owner`'s shard in plan epoch `epoch` as
+    /// `export` would send the owner's own state, or `Failed`.
+    fn export_replica(&mut self, stream: &mut ControlConn, owner: usize, epoch: u64) -> Result<()>;
+    /// `Installed` (answered `Installed`): `epoch` holds its first full replica copies.
+    fn installed(&mut self, epoch: u64);
+    /// `Replicate`: a full copy of the replicas at `step` committed steps.
+    fn replicate(&mut self, step: u64) -> Result<()>;
+    /// `Status`: answers `Status`.
+    fn status(&mut self) -> ToParent;
+    /// `Epoch`: leaves the current group and joins `epoch`'s as `rank` of `world` (its address,
+    /// the mesh and its state cross `stream` within `wait`); `installed` is the newest epoch
+    /// the driver installed. Returns the snapshot its `Ready` carries.
+    fn epoch(&mut self, stream: &mut ControlConn, to: EpochOrder, wait: &Wait<'_>) -> Result<Snapshot>;
+    /// `Blocks`: runs the next steps with these micro-batch blocks per rank.
+    fn rebalance(&mut self, blocks: Vec<Vec<(u64, u32)>>) -> Result<()>;
+}
+
+/// An `Epoch` request: become `rank` of `world` in `epoch`; `installed` is the newest epoch the
+/// driver installed.
+#[derive(Debug, Clone, Copy)]
+pub struct EpochOrder {
+    pub epoch: u64,
+    pub rank: usize,
+    pub world: usize,
+    pub installed: Option<u64>,
+}
+
+/// Serves the driver's requests on `stream` with `rank` until `Shutdown` (`Ok`) or the control
+/// connection closes (an error: the driver fenced this worker or is gone). `alive` bounds every
+/// wait (a spawned worker's parent must still be there).
+pub fn serve(stream: &mut ControlConn, rank: &mut dyn Rank, alive: &dyn Fn() -> Result<(), WireError>) -> Result<()> {
+    loop {
+        let wait = Wait { what: "a request", deadline: None, alive };
+        let msg = match wire::recv(stream, "a request", &wait) {
+            Ok(m) => m,
+            // The driver ends a worker it still counts on with `Shutdown`.
+            Err(WireError::Closed) => {
+                bail!(
+                    "worker {}: the driver closed the control connection without Shutdown: declared lost (fenced), or the driver is gone",
+                    rank.id()
+                )
+            }
+            Err(e) => return Err(e).context(format!("worker {}: control connection", rank.id())),
+        };
+        if crate::driver::tracing() {
+            eprintln!("[{}] worker {}: {msg:?}", crate::driver::now_ms() % 100_000, rank.id());
+        }
+        if !serve_one(rank, msg, stream, alive)? {
+            return Ok(());
+        }
+    }
+}
+
+/// Answers one request; returns false on `Shutdown`.
+fn serve_one(rank: &mut dyn Rank, msg: ToWorker, stream: &mut ControlConn, alive: &dyn Fn() -> Result<(), WireError>) -> Result<bool> {
+    let failed = |why: String| ToParent::Failed { error: WireComputeError::failed(why) };
+    let reply = match msg {
+        ToWorker::Prepare { step, epoch, attempt } => rank.prepare(&StepOrder { step, epoch, attempt })?,
+        ToWorker::Commit { step } => rank.commit(step)?,
+        ToWorker::Abandon { step } => {
+            rank.abandon(step);
+            ToParent::Abandoned
+        }
+        ToWorker::Export { optim } => {
+            rank.export(stream, optim)?;
+            return Ok(true);
+        }
+        ToWorker::ExportReplica { owner, epoch } => {
+            rank.export_replica(stream, owner as usize, epoch)?;
+            return Ok(true);
+        }
+        ToWorker::Installed { epoch } => {
+            rank.installed(epoch);
+            ToParent::Installed
+        }
+        ToWorker::Replicate { step } => match rank.replicate(step) {
+            Ok(()) => ToParent::Replicated,
+            Err(e) => failed(format!("{e:#}")),
+        },
+        ToWorker::Status => rank.status(),
+        ToWorker::Epoch { epoch, rank: r, world, installed } => {
+            let deadline = Some(Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS));
+            let wait = Wait { what: "the new epoch's messages", deadline, alive };
+            let to = EpochOrder { epoch, rank: r as usize, world: world as usize, installed };
+            match rank.epoch(stream, to, &wait) {
+                Ok(snapshot) => ToParent::Ready { snapshot },
+                Err(e) => failed(format!("worker {}: {e:#}", rank.id())),
+            }
+        }
+        ToWorker::Blocks { blocks } => match rank.rebalance(blocks) {
+            Ok(()) => ToParent::Rebalanced,
+            Err(e) => failed(format!("worker {}: new micro-batch blocks: {e:#}", rank.id())),
+        },
+        ToWorker::Ping => ToParent::Pong,
+        ToWorker::Shutdown => return Ok(false),
+        other => bail!("unexpected request {other:?}"),
+    };
+    wire::send(stream, &reply)?;
+    Ok(true)
 }
