@@ -39,17 +39,15 @@ use tessera_actors::faults::Faults;
 use tessera_fleet::agent::{self, AgentArgs, AgentCredentials, Answer, Dialled};
 use tessera_fleet::driver::JOIN_TOKEN_FILE;
 use tessera_fleet::rendezvous::{node_name, COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
-use tessera_fleet::state::{master_window, StartCut};
 use tessera_transport::quic::{ClusterSpec, ControlConn, ControlEndpoint, JoinToken, NodeTls, QuicComm, ALPN_CONTROL};
 
 use super::elastic_worker::Setup;
 use super::plan::Plan;
-use super::ranks::rank_state;
+use super::ranks::{recv_start, snapshot};
 use super::zero::RankState;
-use crate::bridge;
 use crate::config::{self, Config, ResolveContext};
 use crate::data::{self, DataError, Dataset, Sampler};
-use tessera_fleet::wire::{self, ControlIo, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireComputeError, WireError};
+use tessera_fleet::wire::{self, ControlIo, ToParent, ToWorker, Wait, WireComputeError, WireError};
 use tessera_fleet::worker::{install_signal_handlers, DataNet, SideDial};
 
 /// Bound on building the QUIC mesh (ms).
@@ -65,19 +63,6 @@ pub struct WorkerArgs {
     pub dir: PathBuf,
     /// The process's fault hooks (no-op unless a test or the chaos harness asked for them).
     pub faults: Faults,
-}
-
-pub(super) fn snapshot(st: &RankState, rank: usize) -> Snapshot {
-    Snapshot {
-        memory: wire::WireMemory::from_report(&st.memory(rank)),
-        applied: st.applied,
-        skipped: st.skipped,
-        scale_bits: st.scaler.as_ref().map(|s| s.scale().to_bits()),
-        bytes_sent_total: st.bytes_sent_total,
-        replica_stale: false,
-        replica_behind: false,
-        peak_rss_bytes: super::summary::peak_rss_bytes(),
-    }
 }
 
 /// Fails once the process that started this worker is gone.
@@ -163,49 +148,6 @@ fn load_plan(a: &WorkerArgs) -> Result<(Config, Arc<Plan>, Arc<Sampler>, Dataset
     let cfg = config::load(&path, &[], &ctx).with_context(|| format!("loading {}", path.display()))?;
     let (plan, sampler, dataset) = plan_of(&cfg, a.world)?;
     Ok((cfg, plan, sampler, dataset))
-}
-
-/// Receives the start state and builds this rank's state from it; also the committed steps
-/// the state holds.
-pub(super) fn recv_start(
-    stream: &mut (impl ControlIo + ?Sized),
-    cfg: &Config,
-    plan: &Plan,
-    rank: usize,
-    faults: &Faults,
-    wait: &Wait<'_>,
-) -> Result<(RankState, u64)> {
-    let (master_start, counters, descs, step) = match wire::recv(stream, "Start", wait)? {
-        ToWorker::Start { master_start, counters, buffers, step } => (master_start, counters, buffers, step),
-        other => bail!("expected the start state, got {other:?}"),
-    };
-    let window = master_window(plan, rank);
-    if master_start != window.start as u64 || descs.first().is_none_or(|d| d.len != window.len() as u64) {
-        bail!("start state: masters at {master_start} of {:?} values, this rank needs {window:?}", descs.first().map(|d| d.len));
-    }
-    let mut bufs = wire::recv_bulk(stream, &descs, window.len(), wait)?;
-    // Transient: the full-length buffer `RankState::new` indexes; only the window is read.
-    let mut master = vec![0.0f32; plan.total()];
-    master[window].copy_from_slice(&bufs.remove(0));
-    let optim = counters.optimizer_steps.map(|steps| (steps, descs[1..].iter().map(|d| d.name.clone()).zip(bufs).collect()));
-    let cut = StartCut { optim, applied: counters.applied, skipped: counters.skipped, scaler: counters.scaler };
-    Ok((rank_state(cfg, plan, rank, &master, &cut, faults)?, step))
-}
-
-/// Sends this rank's masters, its optimizer buffers when asked, and counters.
-pub(super) fn export(stream: &mut (impl ControlIo + ?Sized), st: &RankState, optim: bool) -> Result<(), WireError> {
-    let mut bufs: Vec<(&str, &[f32])> = vec![("master", &st.master)];
-    if optim {
-        bufs.extend(st.optim.state_buffers());
-    }
-    let counters = StateCounters {
-        optimizer_steps: Some(st.optim.step_count()),
-        applied: st.applied,
-        skipped: st.skipped,
-        scaler: st.scaler.as_ref().map(bridge::scaler_to_json),
-    };
-    wire::send(stream, &ToParent::Exported { counters, buffers: wire::describe(&bufs) })?;
-    wire::send_bulk(stream, &bufs.iter().map(|(_, b)| *b).collect::<Vec<_>>())
 }
 
 /// One rank, ready to say Hello: its config, plan, identity and bound QUIC socket.

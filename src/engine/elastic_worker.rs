@@ -47,8 +47,8 @@ use tessera_fleet::worker::{
 use tessera_transport::collective::Collective;
 use tessera_transport::quic::{ClusterSpec, ControlConn, NodeTls, QuicComm};
 
-use super::child::{export, recv_start, snapshot};
 use super::plan::Plan;
+use super::ranks::{export, recv_start, snapshot};
 use super::replica::{FeedConfig, Replica, Update};
 use super::zero::{RankState, ZeroWorker};
 use crate::bridge;
