@@ -148,7 +148,7 @@ pub const VARS: &[Var] = &[
         name: "TESSERA_ELASTIC_TRACE",
         kind: Kind::Presence,
         default: "off",
-        reader: "elastic runs (src/engine/elastic.rs)",
+        reader: "elastic runs (actors/fleet/src/driver)",
         what: "A trace of the elastic driver's requests and the workers' replica steps, with timings, on standard error.",
         audience: Audience::User,
     },

@@ -1,7 +1,7 @@
 //! Multi-host runs: `tessera coordinator` (the driver, waiting for agents), `tessera agent` (one
 //! rank on any host) and `tessera launch` (agents on the hosts of a DeepSpeed hostfile, started
 //! over ssh, with the coordinator in this process). The rendezvous and the agents' life are
-//! described in `engine::rendezvous` and `engine::child`; this module reads hostfiles and the
+//! described in `tessera_fleet::rendezvous` and `engine::child`; this module reads hostfiles and the
 //! torchrun/Slurm variables and starts the processes.
 //!
 //! # Hostfile (DeepSpeed's format)
@@ -34,7 +34,7 @@
 //! `0.0.0.0:$MASTER_PORT` when they are not given.
 
 use std::io::Write;
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -496,10 +496,7 @@ pub fn shell_quote(s: &str) -> String {
 /// The local address this machine uses to reach `host` (no packet is sent).
 fn route_to(host: &str) -> Result<IpAddr> {
     let addr: SocketAddr = (host, 9).to_socket_addrs().with_context(|| format!("resolving host {host}"))?.next().context("no address")?;
-    let any: SocketAddr = if addr.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
-    let s = UdpSocket::bind(any).context("a probe socket")?;
-    s.connect(addr).with_context(|| format!("finding the route to {host}"))?;
-    Ok(s.local_addr().context("the probe's address")?.ip())
+    tessera_fleet::agent::route_to(addr).with_context(|| format!("host {host}"))
 }
 
 /// The options of `tessera launch`.

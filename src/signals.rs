@@ -28,6 +28,7 @@ use std::sync::{Mutex, OnceLock};
 use anyhow::{Context, Result};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
 use signal_hook::iterator::Signals;
+pub use tessera_fleet::worker::signal_name;
 
 /// Exit status of a run stopped early whose last checkpoint holds its state: "try again later"
 /// (sysexits' `EX_TEMPFAIL`), non-zero so that Slurm and Kubernetes restart it, distinct from a
@@ -55,11 +56,6 @@ impl std::fmt::Display for StopReason {
             StopReason::StdoutClosed => f.write_str("standard output closed"),
         }
     }
-}
-
-/// A signal's name, as `kill -l` spells it with the `SIG` prefix.
-pub fn signal_name(sig: i32) -> &'static str {
-    signal_hook::low_level::signal_name(sig).unwrap_or("a signal")
 }
 
 /// What a forced exit undoes.

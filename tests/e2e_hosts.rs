@@ -7,7 +7,7 @@
 //! join token, the fault-free run's bits. Needs root and iproute2; without them the tests print
 //! why and check nothing else.
 //!
-//! The chaos crate's files are compiled in by path (as the fuzzers do with `engine::wire`), so
+//! The chaos crate's files are compiled in by path (as the fuzzers do with `tessera_fleet::wire`), so
 //! this test can use the root crate's `tessera` binary.
 
 use std::path::Path;

@@ -449,6 +449,22 @@ fn a_coordinator_names_who_joined_when_the_others_do_not_come() {
     assert!(!ok && ltext.contains(&format!("could not reach the coordinator at {addr}")), "{ltext}");
 }
 
+/// A coordinator stopped (SIGTERM) while it waits for its agents ends without waiting out its
+/// join timeout, naming the signal and who had joined: the stop reaches the rendezvous through
+/// the fleet's `Host` (`engine::fleet::SignalHost`).
+#[test]
+fn a_coordinator_stopped_while_its_agents_join_says_no_step_ran() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut a = coordinator_args(&tmp.path().join("co"), 2, 0, 1);
+    a.extend(["--join-timeout".into(), "60".into()]);
+    let coord = spawn_coordinator(tmp.path(), &a);
+    // SAFETY: kill(2) on a process this test started.
+    assert_eq!(unsafe { libc::kill(coord.child.id() as libc::pid_t, libc::SIGTERM) }, 0);
+    let (ok, text) = finish(coord);
+    assert!(!ok, "the run should fail:\n{text}");
+    assert!(text.contains("SIGTERM before every agent joined (0 of 2 joined: none); no step ran, nothing to save"), "{text}");
+}
+
 #[test]
 fn pre_distributed_certificates_keep_the_keys_on_their_hosts() {
     let tmp = tempfile::tempdir().unwrap();

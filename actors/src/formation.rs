@@ -1,6 +1,6 @@
 //! The timing rules of joins and drains, as sans-IO machines fed the time in ms: the elastic
 //! driver's wait for the members of a new epoch ([`FormMembers`], run by `Fleet::reconfigure` in
-//! `src/engine/elastic.rs`) and a worker's drain timer after SIGTERM ([`DrainTimer`], run by the
+//! `actors/fleet/src/driver/recover.rs`) and a worker's drain timer after SIGTERM ([`DrainTimer`], run by the
 //! heartbeat thread of `src/engine/elastic_worker.rs`). `formation_sim` checks both over
 //! thousands of seeded runs.
 

@@ -1,4 +1,4 @@
-//! The elastic driver's failure detection (its monitor thread, `src/engine/elastic.rs`) as a
+//! The elastic driver's failure detection (its monitor thread, `actors/fleet/src/driver/monitor.rs`) as a
 //! sans-IO state machine: which workers are watched, what makes one lost, and the reason it is
 //! declared lost with.
 //!

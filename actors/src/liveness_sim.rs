@@ -16,7 +16,7 @@
 //! SIGCONT) keep arriving; inputs about ids never registered arrive too.
 //!
 //! The machine is fed either every fact as it happens, or (half the seeds) as the monitor in
-//! `src/engine/elastic.rs` feeds it: at each poll everything it sees again (every registered
+//! `actors/fleet/src/driver/monitor.rs` feeds it: at each poll everything it sees again (every registered
 //! worker with the time of its latest heartbeat, exits, closed connections, the leaving and
 //! fenced ids), then the tick.
 //!

@@ -3,7 +3,7 @@
 //! which committed step a new epoch starts from, which survivor hands over each shard of it (or
 //! that a checkpoint is needed), and who the members of the new epoch are.
 //!
-//! No IO, no clock, no randomness: the process driver (`src/engine/elastic.rs`) asks the
+//! No IO, no clock, no randomness: the process driver (`actors/fleet/src/driver/`) asks the
 //! survivors for their `Status`, calls [`choose_source`] and [`next_members`], and carries out
 //! the answers (exports, checkpoint loads, waits for joins); the candidate steps come from
 //! [`candidate_steps`] (asked by the step machine, [`crate::stepper`], that `src/engine/run.rs`

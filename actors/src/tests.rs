@@ -413,7 +413,7 @@ fn a_failed_commit_leaves_the_cluster_refusing_steps() {
 
 /// Each kind of compute error reaches the elastic driver's verdict as its variant (a worker
 /// process's error arrives as itself: `ElasticCompute` rebuilds it from the wire's
-/// `WireComputeError`, whose round trip `tessera`'s `engine::wire` tests): a lost peer in
+/// `WireComputeError`, whose round trip `tessera_fleet::wire` tests): a lost peer in
 /// prepare and an aborted group wait for the loss (then re-plan), a rank's own failure ends the
 /// run, a commit torn after its step by a lost peer keeps what it stepped and waits for the loss.
 #[test]

@@ -53,7 +53,7 @@ use crate::hosts::{self, Hosts};
 use crate::plan::{Fault, FaultKind, Launch, Scenario, Trigger, DURATION_MS_DEFAULT};
 use crate::proxy::ProxyStats;
 
-/// The event log the elastic driver writes (`engine::elastic::EVENTS_FILE`).
+/// The event log the elastic driver writes (`tessera_fleet::driver::EVENTS_FILE`).
 pub const EVENTS_FILE: &str = "elastic_events.jsonl";
 /// How often the harness reads the event log and fires or undoes faults (ms).
 const POLL_MS: u64 = 20;

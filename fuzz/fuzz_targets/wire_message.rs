@@ -1,4 +1,4 @@
-//! Fuzzes the driver ↔ worker control protocol (`src/engine/wire.rs`): rkyv `ToWorker` /
+//! Fuzzes the driver ↔ worker control protocol (`actors/fleet/src/wire.rs`): rkyv `ToWorker` /
 //! `ToParent` messages (actor commands and events included) validated with bytecheck, both as
 //! whole frames (a QUIC lane delivers frames whole) and as TCP frames (u32 LE length ≤
 //! FRAME_BYTES_MAX, then the frame), frame after frame.
@@ -6,8 +6,8 @@
 
 use libfuzzer_sys::fuzz_target;
 
-// `engine::wire` is private to the `tessera` crate; the fuzzer compiles the same file.
-#[path = "../../src/engine/wire.rs"]
+// The fuzzer compiles `tessera_fleet::wire`'s source file itself (it has a workspace of its own).
+#[path = "../../actors/fleet/src/wire.rs"]
 #[allow(dead_code)]
 mod wire;
 

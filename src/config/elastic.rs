@@ -14,6 +14,7 @@ use serde_json::Value;
 
 use crate::config::error::{ConfigErrorKind, KindResult};
 use crate::config::reader::Obj;
+pub use tessera_fleet::spec::{ElasticRun, DEFAULT_REBALANCE_THRESHOLD};
 
 /// The 38 smallest highly composite numbers (enough for batches up to 720 720), as DeepSpeed.
 const HCN: [usize; 38] = [
@@ -137,62 +138,6 @@ pub(crate) fn parse_elasticity(root: &Value) -> KindResult<Option<ElasticityConf
     }))
 }
 
-/// The elastic runtime (`tessera.elastic`, or DeepSpeed's `elasticity.enabled`): what a
-/// multi-process run (`train --nprocs N`) does when workers die, hang, leave or join
-/// (`engine::elastic`). Off by default: the first worker lost then ends the run.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ElasticRun {
-    pub enabled: bool,
-    /// How often a worker sends a heartbeat on its side connection (ms).
-    pub heartbeat_ms: u64,
-    /// A worker silent this long is dead (a SIGSTOPped or wedged process) (ms).
-    pub heartbeat_timeout_ms: u64,
-    /// Bound on one worker reply (a whole prepare or commit) (ms).
-    pub step_timeout_ms: u64,
-    /// Below this many live workers the run waits (up to `join_wait_ms`) for joins.
-    pub min_workers: usize,
-    /// Joins beyond this many members wait.
-    pub max_workers: usize,
-    /// Ring successors that hold an in-memory copy of each rank's committed shard (0 = restore
-    /// lost shards from the newest checkpoint and replay the steps since).
-    pub replicas: usize,
-    /// Worker ids kept ready for processes that join after the start (one certificate each).
-    pub max_joins: usize,
-    /// A SIGTERMed worker hands its shard over at the next step boundary; if none comes within
-    /// this bound it exits and is treated as lost (ms).
-    pub drain_grace_ms: u64,
-    /// How long a run below `min_workers` waits for joins before it fails (ms).
-    pub join_wait_ms: u64,
-    /// Every this many committed steps each replica's blake3 is compared with its owner's
-    /// shard (0 = never); a mismatch drops the replica and the driver sends a full copy.
-    pub replica_check_interval: u64,
-    /// Re-assign the micro-batch blocks by measured speed at a step boundary when that
-    /// shortens the predicted step by more than this fraction (0 = never).
-    pub rebalance_threshold: f64,
-}
-
-/// `tessera.elastic.rebalance_threshold` when absent (or `true`): a 20 % shorter step.
-pub const DEFAULT_REBALANCE_THRESHOLD: f64 = 0.2;
-
-impl Default for ElasticRun {
-    fn default() -> Self {
-        ElasticRun {
-            enabled: false,
-            heartbeat_ms: 100,
-            heartbeat_timeout_ms: 2_000,
-            step_timeout_ms: 600_000,
-            min_workers: 1,
-            max_workers: 64,
-            replicas: 1,
-            max_joins: 8,
-            drain_grace_ms: 30_000,
-            join_wait_ms: 60_000,
-            replica_check_interval: 50,
-            rebalance_threshold: DEFAULT_REBALANCE_THRESHOLD,
-        }
-    }
-}
-
 /// Reads `tessera.elastic` (and DeepSpeed's `elasticity`: `enabled` switches the runtime on,
 /// `min_gpus`/`max_gpus` bound the members) from a resolved config; off, what a process run's
 /// fleet runs with ([`ElasticRun::recovery_off`]).
@@ -230,15 +175,6 @@ pub fn elastic_run(cfg: &crate::config::Config) -> Result<ElasticRun, crate::con
         Ok(if r.enabled { r } else { r.recovery_off() })
     };
     read().map_err(tag)
-}
-
-impl ElasticRun {
-    /// A process run without `tessera.elastic.enabled`: the same fleet, heartbeats and
-    /// timeouts, with recovery off — no replicas (no memory or bandwidth spent on them), no
-    /// joins, no rebalancing, no replica checks. The first loss ends the run.
-    fn recovery_off(self) -> ElasticRun {
-        ElasticRun { replicas: 0, max_joins: 0, rebalance_threshold: 0.0, replica_check_interval: 0, ..self }
-    }
 }
 
 /// `rebalance_threshold`: a fraction in [0, 1), or `false` (off) / `true` (the default).

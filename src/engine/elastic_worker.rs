@@ -1,5 +1,5 @@
 //! The worker side of the fleet (every process run: `train --nprocs N`, agents; the driver's side
-//! and the whole design are in [`super::elastic`]). With `tessera.elastic.enabled` off it keeps
+//! and the whole design are in [`tessera_fleet::driver`]). With `tessera.elastic.enabled` off it keeps
 //! no replicas and takes no drain signals (recovery is off), and serves the rest as below.
 //!
 //! Besides the requests every worker answers (prepare, commit, abandon, export), an elastic
@@ -25,16 +25,15 @@
 //!
 //! A worker that joins a running job (`tessera worker --join`, or `tessera agent` once the run
 //! goes) says `Join`, gets its id, the config and a certificate for its own key (`Admit`, see
-//! [`super::elastic_join`]), says `Hello` once its data is loaded and then waits for the `Epoch`
+//! [`tessera_fleet::join`]), says `Hello` once its data is loaded and then waits for the `Epoch`
 //! that makes it a member.
 //!
 //! Both connections to the driver are QUIC control connections ([`ControlConn`], TLS 1.3 with
 //! this worker's `node-<id>` certificate, except the control connection of a joiner that came
 //! with a join token, which is server-authenticated and proven by the token).
 
-use std::net::{IpAddr, SocketAddr, UdpSocket};
-use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -42,292 +41,27 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use tessera_actors::compute::{StepOrder, WorkerCompute};
 use tessera_actors::faults::Faults;
-use tessera_actors::formation::DrainTimer;
-use tessera_transport::collective::{AbortHandle, Collective, CollectiveError, CommStats};
-use tessera_transport::quic::{rustls, ClusterSpec, ControlConn, ControlEndpoint, NodeTls, QuicComm};
+use tessera_fleet::worker::{
+    install_signal_handlers, serve, start_side, AbortSlot, DataNet, EpochOrder, Rank, SharedComm, SideDial, SideLink,
+};
+use tessera_transport::collective::Collective;
+use tessera_transport::quic::{ClusterSpec, ControlConn, NodeTls, QuicComm};
 
-use super::child::{export, recv_start, snapshot};
 use super::plan::Plan;
-use super::rendezvous::{COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
+use super::ranks::{export, recv_start, snapshot};
 use super::replica::{FeedConfig, Replica, Update};
-use super::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireComputeError, WireError, WirePrepared};
 use super::zero::{RankState, ZeroWorker};
 use crate::bridge;
 use crate::config::{Config, ElasticRun};
 use crate::data::{Dataset, Sampler};
+use tessera_fleet::wire::{self, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireComputeError, WireError, WirePrepared};
 
 /// Bound on building the QUIC mesh of a new epoch (ms): a member lost meanwhile costs this.
 const EPOCH_MESH_TIMEOUT_MS: u64 = 10_000;
-/// Bound on waiting for a fixed data-plane port (`tessera agent --quic-port`) that the previous
-/// epoch's group still holds while it leaves (ms).
-const EPOCH_BIND_TIMEOUT_MS: u64 = 10_000;
-/// Pause between attempts to bind a fixed data-plane port (ms).
-const EPOCH_BIND_RETRY_MS: u64 = 50;
-/// Exit status of a worker the driver declared lost (fenced) or that lost its driver.
-const EXIT_FENCED: i32 = 4;
-/// Exit status of a worker asked to drain (SIGTERM, SIGUSR1) that saw no step boundary within its
-/// drain grace.
-pub(super) const EXIT_DRAIN_GRACE: i32 = 3;
 /// Tag space of the full replica copies (the step is added).
 const REPLICA_TAG: u64 = 0x5250_0000_0000_0000;
 /// Bound on waiting for the background replica steps (ms); past it the replicas are dropped.
 const REPLICA_APPLY_TIMEOUT_MS: u64 = 600_000;
-
-/// One collective group shared by the rank's `ZeroWorker` and the replication, used by one
-/// thread at a time (the worker serves one request at a time).
-#[derive(Clone)]
-pub(super) struct SharedComm(Arc<Mutex<Box<dyn Collective>>>);
-
-impl SharedComm {
-    pub(super) fn new(inner: Box<dyn Collective>) -> Self {
-        SharedComm(Arc::new(Mutex::new(inner)))
-    }
-
-    fn inner(&self) -> MutexGuard<'_, Box<dyn Collective>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-impl Collective for SharedComm {
-    fn rank(&self) -> usize {
-        self.inner().rank()
-    }
-    fn world(&self) -> usize {
-        self.inner().world()
-    }
-    fn timeout_ms(&self) -> u64 {
-        self.inner().timeout_ms()
-    }
-    fn set_timeout_ms(&mut self, timeout_ms: u64) {
-        self.inner().set_timeout_ms(timeout_ms)
-    }
-    fn stats(&self) -> CommStats {
-        self.inner().stats()
-    }
-    fn abort_handle(&self) -> AbortHandle {
-        self.inner().abort_handle()
-    }
-    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
-        self.inner().all_reduce_sum(buf)
-    }
-    fn all_reduce_sum_f64(&mut self, buf: &mut [f64]) -> Result<(), CollectiveError> {
-        self.inner().all_reduce_sum_f64(buf)
-    }
-    fn reduce_scatter_sum(&mut self, input: &[f32], ranges: &[Range<usize>], out: &mut [f32]) -> Result<(), CollectiveError> {
-        self.inner().reduce_scatter_sum(input, ranges, out)
-    }
-    fn all_gather(&mut self, shard: &[f32], ranges: &[Range<usize>], out: &mut [f32]) -> Result<(), CollectiveError> {
-        self.inner().all_gather(shard, ranges, out)
-    }
-    fn gather_slices_with(
-        &mut self,
-        input: &[f32],
-        ranges: &[Range<usize>],
-        visit: &mut dyn FnMut(usize, &[f32]),
-    ) -> Result<(), CollectiveError> {
-        self.inner().gather_slices_with(input, ranges, visit)
-    }
-    fn gather_slices(&mut self, input: &[f32], ranges: &[Range<usize>], out: &mut [Vec<f32>]) -> Result<(), CollectiveError> {
-        self.inner().gather_slices(input, ranges, out)
-    }
-    fn broadcast(&mut self, buf: &mut [f32], root: usize) -> Result<(), CollectiveError> {
-        self.inner().broadcast(buf, root)
-    }
-    fn all_to_all(&mut self, send: &[&[f32]]) -> Result<Vec<Vec<f32>>, CollectiveError> {
-        self.inner().all_to_all(send)
-    }
-    fn send(&mut self, to: usize, tag: u64, data: &[f32]) -> Result<(), CollectiveError> {
-        self.inner().send(to, tag, data)
-    }
-    fn recv(&mut self, from: usize, tag: u64) -> Result<Vec<f32>, CollectiveError> {
-        self.inner().recv(from, tag)
-    }
-    fn barrier(&mut self) -> Result<(), CollectiveError> {
-        self.inner().barrier()
-    }
-}
-
-/// The first drain signal that arrived (0: none), set by its action (async-signal-safe: one
-/// atomic store).
-static TERM: AtomicI32 = AtomicI32::new(0);
-
-/// The signals that ask an elastic worker to drain: SIGTERM (preemption) and SIGUSR1 (Slurm's
-/// `--signal=USR1@T` time-limit warning, sent to every process of the step).
-const DRAIN_SIGNALS: [i32; 2] = [libc::SIGTERM, libc::SIGUSR1];
-
-/// Turns the drain signals into a drain request instead of the default exit (through
-/// `signal-hook`'s registry, which keeps any other action of the signal), except those the
-/// fault hooks take (`kill_in_commit` takes SIGUSR1 when a test asks for it). Called as an
-/// elastic worker process starts (before its first message), so no drain signal takes its
-/// default action (exit) later; idempotent (the first call's hooks hold). Without `drain` (a
-/// run whose recovery is off, which cannot hand a shard over) only the fault hooks are
-/// installed: SIGTERM ends the worker, and the run with it, naming the signal.
-pub(super) fn install_signal_handlers(faults: &Faults, drain: bool) {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let taken = faults.install_worker_signals();
-        for sig in DRAIN_SIGNALS.into_iter().filter(|s| drain && !taken.contains(s)) {
-            // SAFETY: the action only does one atomic compare-exchange, which is
-            // async-signal-safe.
-            let installed = unsafe {
-                signal_hook_registry::register(sig, move || {
-                    let _ = TERM.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
-                })
-            };
-            if let Err(e) = installed {
-                let name = crate::signals::signal_name(sig);
-                tracing::warn!("{name} keeps its default action (exit): its handler could not be installed: {e}");
-            }
-        }
-    });
-}
-
-/// The current group's epoch and abort handle, for the side connection's reader.
-type AbortSlot = Arc<Mutex<Option<(u64, AbortHandle)>>>;
-
-/// How a worker dials its side connection: its control endpoint, the driver's address and
-/// this worker's TLS client config (with its `node-<id>` certificate).
-pub(super) struct SideDial {
-    pub endpoint: Arc<ControlEndpoint>,
-    pub driver: SocketAddr,
-    pub client: rustls::ClientConfig,
-    /// Who this process is in its error when the driver goes away ("worker 1", "agent a1").
-    pub who: String,
-}
-
-/// Where each epoch's data-plane QUIC socket binds (`bind`, port `port`, 0 = any) and the
-/// address the other members dial (`advertise`, with the socket's port).
-pub(super) struct DataNet {
-    pub bind: IpAddr,
-    pub advertise: IpAddr,
-    pub port: u16,
-}
-
-impl DataNet {
-    /// Binds one epoch's QUIC socket: behind the worker's fault link when it has one, on a
-    /// fixed port once the previous epoch's group let it go (bounded), else on any port.
-    fn bind(&self) -> Result<(UdpSocket, SocketAddr)> {
-        if self.port == 0 && self.bind == self.advertise {
-            return super::worker_net::bind_quic(self.bind);
-        }
-        let deadline = Instant::now() + Duration::from_millis(EPOCH_BIND_TIMEOUT_MS);
-        loop {
-            match UdpSocket::bind((self.bind, self.port)) {
-                Ok(socket) => {
-                    let port = socket.local_addr().context("QUIC socket address")?.port();
-                    return Ok((socket, SocketAddr::new(self.advertise, port)));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(EPOCH_BIND_RETRY_MS));
-                }
-                Err(e) => return Err(e).with_context(|| format!("binding the QUIC socket on {} port {}", self.bind, self.port)),
-            }
-        }
-    }
-}
-
-/// A worker's side connection and its reader thread. Dropping it (the worker leaves: `Shutdown`,
-/// or an error it reports itself) closes the connection first and waits for the reader, so
-/// neither thread mistakes the worker's own leaving for the driver fencing it, and neither is
-/// inside the control endpoint's runtime when that stops.
-struct SideLink {
-    conn: ControlConn,
-    leaving: Arc<AtomicBool>,
-    reader: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Drop for SideLink {
-    fn drop(&mut self) {
-        self.leaving.store(true, Ordering::SeqCst);
-        self.conn.close("leaving");
-        if let Some(r) = self.reader.take() {
-            // It notices `leaving` within one poll of the connection (`wire::POLL_MS`).
-            let _ = r.join();
-        }
-    }
-}
-
-/// Opens the side connection and starts its two threads (heartbeats and drain; aborts).
-fn start_side(side: &SideDial, id: u64, er: &ElasticRun, slot: AbortSlot) -> Result<SideLink> {
-    let mut conn = side
-        .endpoint
-        .connect(side.driver, COORDINATOR_NAME, side.client.clone(), STARTUP_TIMEOUT_MS)
-        .with_context(|| format!("worker {id}: opening the side connection to {}", side.driver))?;
-    wire::send(&mut conn, &ToParent::Side { id }).with_context(|| format!("worker {id}: side connection"))?;
-    let link_conn = conn.clone();
-    let mut reader = conn.clone();
-    let leaving = Arc::new(AtomicBool::new(false));
-    let (beat, grace_ms) = (Duration::from_millis(er.heartbeat_ms), er.drain_grace_ms);
-    let heartbeat_leaving = Arc::clone(&leaving);
-    std::thread::Builder::new()
-        .name("tessera-heartbeat".into())
-        .spawn(move || {
-            // The drain rule is `formation::DrainTimer`, fed the ms since this thread started.
-            let began = Instant::now();
-            let mut timer = DrainTimer::new(grace_ms);
-            while !heartbeat_leaving.load(Ordering::SeqCst) {
-                let term = TERM.load(Ordering::SeqCst);
-                let tick = timer.tick(began.elapsed().as_millis() as u64, term != 0);
-                if tick.draining {
-                    let name = crate::signals::signal_name(term);
-                    tracing::info!("worker {id}: {name}: handing my shard over at the next step boundary");
-                    if wire::send(&mut conn, &ToParent::Draining).is_err() {
-                        return;
-                    }
-                }
-                if tick.leave {
-                    tracing::info!("worker {id}: no step boundary within the drain grace period of {grace_ms} ms; leaving");
-                    std::process::exit(EXIT_DRAIN_GRACE);
-                }
-                if wire::send(&mut conn, &ToParent::Heartbeat).is_err() {
-                    return;
-                }
-                std::thread::sleep(beat);
-            }
-        })
-        .context("starting the heartbeat thread")?;
-    let reader_leaving = Arc::clone(&leaving);
-    let who = side.who.clone();
-    let reader = std::thread::Builder::new()
-        .name("tessera-side".into())
-        .spawn(move || loop {
-            let left = || match reader_leaving.load(Ordering::SeqCst) {
-                true => Err(WireError::Io(std::io::Error::other("leaving"))),
-                false => Ok(()),
-            };
-            let wait = Wait { what: "the driver's side messages", deadline: None, alive: &left };
-            let got = wire::recv::<ToWorker>(&mut reader, "Abort", &wait);
-            if reader_leaving.load(Ordering::SeqCst) {
-                return;
-            }
-            match got {
-                Ok(ToWorker::Abort { epoch }) => {
-                    if let Some((e, handle)) = slot.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
-                        if *e == epoch {
-                            handle.abort(&format!("the driver aborted epoch {epoch}: a member was lost"));
-                        }
-                    }
-                }
-                Ok(ToWorker::Refused { error }) => {
-                    tracing::info!("worker {id}: the driver refused this worker: {error}; leaving");
-                    std::process::exit(EXIT_FENCED);
-                }
-                Ok(_) => {}
-                // The driver keeps the side connection open for as long as it counts on this
-                // worker; it closes it when it declares the worker lost (a partition that
-                // healed, a hang that ended) or when it is gone. Either way this worker must
-                // not go on: it leaves at once, even from inside a collective.
-                Err(e) => {
-                    tracing::error!(
-                        "{who}: the driver closed the side connection ({e}): declared lost (fenced), or the driver is gone; leaving"
-                    );
-                    std::process::exit(EXIT_FENCED);
-                }
-            }
-        })
-        .context("starting the side reader")?;
-    Ok(SideLink { conn: link_conn, leaving, reader: Some(reader) })
-}
 
 /// One line on standard error in a single write (workers share their parent's stderr).
 fn say(line: String) {
@@ -414,7 +148,7 @@ impl ReplicaShared {
             if job.generation == self.generation.load(Ordering::SeqCst) {
                 let t0 = Instant::now();
                 apply_updates(&mut held, &job.plan, job.updates, &job.faults, &mut problems);
-                if super::elastic::tracing() {
+                if tessera_fleet::driver::tracing() {
                     say(format!("[replica] applied in {:.2} ms", t0.elapsed().as_secs_f64() * 1e3));
                 }
             }
@@ -786,7 +520,7 @@ impl Worker {
             other => bail!("epoch {epoch}: expected the addresses, got {other:?}"),
         };
         let addrs = addrs.iter().map(|s| s.parse::<SocketAddr>().with_context(|| format!("address {s:?}"))).collect::<Result<Vec<_>>>()?;
-        let addrs = super::worker_net::peer_addrs(addrs, rank)?;
+        let addrs = self.s.data.sockets.peer_addrs(addrs, rank)?;
         let (state, at) =
             recv_start(stream, &cfg, &plan, rank, &self.s.faults, wait).with_context(|| format!("epoch {epoch}: start state"))?;
         let spec = ClusterSpec { addrs, names };
@@ -796,131 +530,111 @@ impl Worker {
         Ok(())
     }
 
-    /// Answers one request; returns false on `Shutdown`.
-    fn serve_one(&mut self, msg: ToWorker, stream: &mut ControlConn, alive: &dyn Fn() -> Result<(), WireError>) -> Result<bool> {
-        let (stale, behind) = (self.replicas.stale, self.replicas.behind);
-        let snap = |m: &Member| Snapshot { replica_stale: stale, replica_behind: behind, ..snapshot(&lock(&m.state), m.rank) };
-        let reply = match msg {
-            ToWorker::Prepare { step, epoch, attempt } => {
-                let m = self.member()?;
-                match m.worker.prepare(&StepOrder { step, epoch, attempt }) {
-                    Ok(p) => ToParent::Prepared { prepared: WirePrepared::new(&p), snapshot: snap(m) },
-                    Err(error) => ToParent::Failed { error: error.into() },
-                }
-            }
-            ToWorker::Commit { step } => {
-                self.s.faults.before_commit(self.s.id, step);
-                let m = self.member.as_mut().context("this worker is not a member of any epoch yet")?;
-                let res = m.worker.commit(step);
-                // What the shard reached is the commit's error's to say: `step + 1` (its masters
-                // and optimizer state took the step) also when the commit failed later, sharing
-                // the parameters with a lost peer (torn with the step), and then the replicas'
-                // updates, which arrived in prepare, are applied either way (LAMB's replay this
-                // rank's own norm reduction); `step` after an error that is not torn (LAMB's
-                // norm all-reduce with a lost peer, before the shard changed: its replicas stay
-                // too, no update was made); nothing usable when torn part-way.
-                self.at = match &res {
-                    Ok(()) => Some(step + 1),
-                    Err(e) => e.state_after_commit(step, self.at),
-                };
-                if self.at == Some(step + 1) {
-                    if let Some(updates) = m.worker.take_replica_updates() {
-                        self.replicas.queue(&m.plan, updates);
-                    }
-                }
-                match res {
-                    Ok(()) => {
-                        let (replica_stale, replica_behind) = (self.replicas.stale, self.replicas.behind);
-                        let s = Snapshot { replica_stale, replica_behind, ..snapshot(&lock(&m.state), m.rank) };
-                        ToParent::Committed { snapshot: s }
-                    }
-                    Err(error) => ToParent::Failed { error: error.into() },
-                }
-            }
-            ToWorker::Abandon { step } => {
-                if let Some(m) = self.member.as_mut() {
-                    m.worker.abandon(step);
-                }
-                ToParent::Abandoned
-            }
-            ToWorker::Export { optim } => {
-                let m = self.member()?;
-                export(stream, &lock(&m.state), optim)?;
-                return Ok(true);
-            }
-            ToWorker::ExportReplica { owner, epoch } => {
-                self.export_replica(stream, owner as usize, epoch)?;
-                return Ok(true);
-            }
-            ToWorker::Installed { epoch } => {
-                self.installed = Some(self.installed.map_or(epoch, |i| i.max(epoch)));
-                if self.kept.as_ref().is_some_and(|k| k.epoch < epoch) {
-                    self.kept = None;
-                }
-                ToParent::Installed
-            }
-            ToWorker::Replicate { step } => match self.replicate(step) {
-                Ok(()) => ToParent::Replicated,
-                Err(e) => ToParent::Failed { error: WireComputeError::failed(format!("{e:#}")) },
-            },
-            ToWorker::Status => {
-                let replicas = self.replicas.settle().iter().map(|r| (r.owner as u64, r.at)).collect();
-                let kept = self.kept.as_ref().map_or_else(Vec::new, |k| k.shards.iter().map(|r| (r.owner as u64, r.at)).collect());
-                ToParent::Status {
-                    epoch: self.member.as_ref().map(|m| m.epoch),
-                    at: self.at.filter(|_| self.member.is_some()),
-                    replicas,
-                    kept_epoch: self.kept.as_ref().map(|k| k.epoch),
-                    kept,
-                }
-            }
-            ToWorker::Epoch { epoch, rank, world, installed } => {
-                if let Some(i) = installed {
-                    self.installed = Some(self.installed.map_or(i, |x| x.max(i)));
-                }
-                let deadline = Some(Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS));
-                let wait = Wait { what: "the new epoch's messages", deadline, alive };
-                match self.new_epoch(stream, epoch, rank as usize, world as usize, &wait) {
-                    Ok(()) => {
-                        let m = self.member()?;
-                        ToParent::Ready { snapshot: snap(m) }
-                    }
-                    Err(e) => ToParent::Failed { error: WireComputeError::failed(format!("worker {}: {e:#}", self.s.id)) },
-                }
-            }
-            ToWorker::Blocks { blocks } => match self.rebalance(blocks) {
-                Ok(()) => ToParent::Rebalanced,
-                Err(e) => {
-                    ToParent::Failed { error: WireComputeError::failed(format!("worker {}: new micro-batch blocks: {e:#}", self.s.id)) }
-                }
-            },
-            ToWorker::Ping => ToParent::Pong,
-            ToWorker::Shutdown => return Ok(false),
-            other => bail!("unexpected request {other:?}"),
-        };
-        wire::send(stream, &reply)?;
-        Ok(true)
+    /// This worker's snapshot of member `m`, with the replicas' state.
+    fn snapshot(&self, m: &Member) -> Snapshot {
+        Snapshot { replica_stale: self.replicas.stale, replica_behind: self.replicas.behind, ..snapshot(&lock(&m.state), m.rank) }
+    }
+}
+
+/// The serve loop (`tessera_fleet::worker::serve`) runs this worker's rank.
+impl Rank for Worker {
+    fn id(&self) -> u64 {
+        self.s.id
     }
 
-    /// Serves requests until `Shutdown` or the control connection closes.
-    fn run(&mut self, stream: &mut ControlConn, alive: &dyn Fn() -> Result<(), WireError>) -> Result<()> {
-        loop {
-            let wait = Wait { what: "a request", deadline: None, alive };
-            let msg = match wire::recv(stream, "a request", &wait) {
-                Ok(m) => m,
-                // The driver ends a worker it still counts on with `Shutdown`.
-                Err(WireError::Closed) => {
-                    bail!("worker {}: the driver closed the control connection without Shutdown: declared lost (fenced), or the driver is gone", self.s.id)
-                }
-                Err(e) => return Err(e).context(format!("worker {}: control connection", self.s.id)),
-            };
-            if super::elastic::tracing() {
-                eprintln!("[{}] worker {}: {msg:?}", super::elastic::now_ms() % 100_000, self.s.id);
+    fn prepare(&mut self, order: &StepOrder) -> Result<ToParent> {
+        let m = self.member.as_mut().context("this worker is not a member of any epoch yet")?;
+        Ok(match m.worker.prepare(order) {
+            Ok(p) => {
+                let m = self.member.as_ref().context("no member state")?;
+                ToParent::Prepared { prepared: WirePrepared::new(&p), snapshot: self.snapshot(m) }
             }
-            if !self.serve_one(msg, stream, alive)? {
-                return Ok(());
+            Err(error) => ToParent::Failed { error: error.into() },
+        })
+    }
+
+    fn commit(&mut self, step: u64) -> Result<ToParent> {
+        self.s.faults.before_commit(self.s.id, step);
+        let m = self.member.as_mut().context("this worker is not a member of any epoch yet")?;
+        let res = m.worker.commit(step);
+        // What the shard reached is the commit's error's to say: `step + 1` (its masters and
+        // optimizer state took the step) also when the commit failed later, sharing the
+        // parameters with a lost peer (torn with the step), and then the replicas' updates,
+        // which arrived in prepare, are applied either way (LAMB's replay this rank's own norm
+        // reduction); `step` after an error that is not torn (LAMB's norm all-reduce with a lost
+        // peer, before the shard changed: its replicas stay too, no update was made); nothing
+        // usable when torn part-way.
+        self.at = match &res {
+            Ok(()) => Some(step + 1),
+            Err(e) => e.state_after_commit(step, self.at),
+        };
+        if self.at == Some(step + 1) {
+            if let Some(updates) = m.worker.take_replica_updates() {
+                self.replicas.queue(&m.plan, updates);
             }
         }
+        Ok(match res {
+            Ok(()) => {
+                let m = self.member.as_ref().context("no member state")?;
+                ToParent::Committed { snapshot: self.snapshot(m) }
+            }
+            Err(error) => ToParent::Failed { error: error.into() },
+        })
+    }
+
+    fn abandon(&mut self, step: u64) {
+        if let Some(m) = self.member.as_mut() {
+            m.worker.abandon(step);
+        }
+    }
+
+    fn export(&mut self, stream: &mut ControlConn, optim: bool) -> Result<()> {
+        let m = self.member()?;
+        export(stream, &lock(&m.state), optim)?;
+        Ok(())
+    }
+
+    fn export_replica(&mut self, stream: &mut ControlConn, owner: usize, epoch: u64) -> Result<()> {
+        Worker::export_replica(self, stream, owner, epoch)
+    }
+
+    fn installed(&mut self, epoch: u64) {
+        self.installed = Some(self.installed.map_or(epoch, |i| i.max(epoch)));
+        if self.kept.as_ref().is_some_and(|k| k.epoch < epoch) {
+            self.kept = None;
+        }
+    }
+
+    fn replicate(&mut self, step: u64) -> Result<()> {
+        Worker::replicate(self, step)
+    }
+
+    fn status(&mut self) -> ToParent {
+        let replicas = self.replicas.settle().iter().map(|r| (r.owner as u64, r.at)).collect();
+        let kept = self.kept.as_ref().map_or_else(Vec::new, |k| k.shards.iter().map(|r| (r.owner as u64, r.at)).collect());
+        ToParent::Status {
+            epoch: self.member.as_ref().map(|m| m.epoch),
+            at: self.at.filter(|_| self.member.is_some()),
+            replicas,
+            kept_epoch: self.kept.as_ref().map(|k| k.epoch),
+            kept,
+        }
+    }
+
+    fn epoch(&mut self, stream: &mut ControlConn, to: EpochOrder, wait: &Wait<'_>) -> Result<Snapshot> {
+        if let Some(i) = to.installed {
+            self.installed = Some(self.installed.map_or(i, |x| x.max(i)));
+        }
+        // `Ready` reports the replicas' state as the request found it (the new epoch's
+        // replicas are empty until its first full copy).
+        let (replica_stale, replica_behind) = (self.replicas.stale, self.replicas.behind);
+        self.new_epoch(stream, to.epoch, to.rank, to.world, wait)?;
+        let m = self.member.as_ref().context("no member state")?;
+        Ok(Snapshot { replica_stale, replica_behind, ..snapshot(&lock(&m.state), m.rank) })
+    }
+
+    fn rebalance(&mut self, blocks: Vec<Vec<(u64, u32)>>) -> Result<()> {
+        Worker::rebalance(self, blocks)
     }
 }
 
@@ -939,7 +653,7 @@ pub(super) fn serve_started(
 ) -> Result<()> {
     let mut w = Worker::new(s)?;
     w.install(0, rank, plan, state, comm, at);
-    w.run(stream, alive)
+    serve(stream, &mut w, alive)
 }
 
 /// A worker that joined a running job (it said `Hello`): serves until `Shutdown` or the
@@ -948,7 +662,7 @@ pub(super) fn serve_joined(conn: &mut ControlConn, s: Setup) -> Result<()> {
     let id = s.id;
     let mut w = Worker::new(s)?;
     tracing::info!("worker {id}: joined the run; waiting for the next step boundary");
-    w.run(conn, &|| Ok(()))
+    serve(conn, &mut w, &|| Ok(()))
 }
 
 #[cfg(test)]

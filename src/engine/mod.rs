@@ -5,30 +5,28 @@
 
 mod child;
 pub mod device;
-mod elastic;
-mod elastic_join;
 mod elastic_worker;
+mod fleet;
 mod lane;
 mod plan;
 mod precision;
 mod ranks;
-mod rendezvous;
 mod replica;
 #[cfg(test)]
 mod restore_sim;
 mod run;
 mod store;
 mod summary;
-mod wire;
 mod worker_net;
 pub mod zero;
 
-pub use child::{run_agent, run_joiner, run_worker, AgentArgs, AgentCredentials, WorkerArgs, WrongCoordinator, AGENT_CONNECT_TIMEOUT_MS};
-pub use elastic::{now_ms, EVENTS_FILE};
+pub use child::{run_agent, run_joiner, run_worker, WorkerArgs};
 pub use plan::Plan;
 pub use precision::Precision16;
-pub use rendezvous::{
-    assign_ranks, control_server_config, AgentAuth, Launched, Rendezvous, RendezvousSlot, COORDINATOR_NAME, JOIN_TIMEOUT_MS,
-};
 pub use run::{train, validate, TrainOptions, TrainOutcome};
 pub use summary::{peak_rss_bytes, ElasticSummary, GpuFigures, HostOptimizerFigures, MemoryBytes, RunRecord, RunStatus, Summary};
+pub use tessera_fleet::agent::{AgentArgs, AgentCredentials, WrongCoordinator, AGENT_CONNECT_TIMEOUT_MS};
+pub use tessera_fleet::driver::{now_ms, EVENTS_FILE};
+pub use tessera_fleet::rendezvous::{
+    assign_ranks, control_server_config, AgentAuth, Launched, Rendezvous, RendezvousSlot, COORDINATOR_NAME, JOIN_TIMEOUT_MS,
+};

@@ -1,70 +1,26 @@
 //! Where the driver's ranks live and how it reads their state between steps: threads of this
 //! process sharing `RankState`s ([`Ranks::InProcess`]) or worker processes, the fleet, reached
-//! over their control connections ([`Ranks::Fleet`], see [`super::elastic`]; elastic or with
-//! recovery off). Also the start state and how it is cut per rank, which both kinds use.
+//! over their control connections ([`Ranks::Fleet`], see [`tessera_fleet::driver`]; elastic or with
+//! recovery off). Also a rank's state from its cut of the start state, which both kinds use, and
+//! a worker process's rank state on the wire: received from the start state, exported, and its
+//! snapshot.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use tessera_actors::compute::MemoryReport;
 use tessera_actors::faults::Faults;
 
-use super::elastic::Fleet;
 use super::plan::Plan;
 use super::zero::RankState;
 use crate::bridge;
 use crate::config::Config;
 use crate::gpu::compute::GpuRanks;
+use tessera_fleet::driver::Fleet;
+use tessera_fleet::state::{master_window, OptimBuffers, RankCounters, Start, StartCut};
+use tessera_fleet::wire::{self, ControlIo, Snapshot, StateCounters, ToParent, ToWorker, Wait, WireError};
 
-/// Optimizer state buffers by name, full length (world-size independent, as checkpointed).
-pub type OptimBuffers = Vec<(String, Vec<f32>)>;
-
-/// Where training starts: fresh or from a checkpoint, as full-length buffers.
-pub struct Start {
-    pub step: u64,
-    pub master: Vec<f32>,
-    pub optim: Option<(u64, OptimBuffers)>,
-    pub applied: u64,
-    pub skipped: u64,
-    pub scaler: Option<serde_json::Value>,
-}
-
-/// Counters kept alike by every rank (read from rank 0).
-pub struct RankCounters {
-    pub optimizer_steps: u64,
-    pub applied: u64,
-    pub skipped: u64,
-    pub scaler: Option<serde_json::Value>,
-}
-
-/// One rank's share of the start state besides the masters: its cut of the optimizer buffers.
-pub struct StartCut {
-    pub optim: Option<(u64, OptimBuffers)>,
-    pub applied: u64,
-    pub skipped: u64,
-    pub scaler: Option<serde_json::Value>,
-}
-
-impl Start {
-    /// Rank `r`'s cut: the optimizer buffers over `plan.optim_range(r)`.
-    pub fn cut(&self, plan: &Plan, r: usize) -> StartCut {
-        let range = plan.optim_range(r);
-        let optim = self.optim.as_ref().map(|(steps, bufs)| {
-            (*steps, bufs.iter().map(|(n, b)| (n.clone(), b.get(range.clone()).map(<[f32]>::to_vec).unwrap_or_default())).collect())
-        });
-        StartCut { optim, applied: self.applied, skipped: self.skipped, scaler: self.scaler.clone() }
-    }
-}
-
-/// The part of the flat buffer whose masters a rank is sent to start: today the whole buffer,
-/// because what `RankState::new` reads beyond the rank's own ranges depends on the ZeRO-3 unit
-/// policy (persistent units are held whole by every rank). A start-up cost only: N × 4Ψ bytes
-/// over loopback.
-pub fn master_window(plan: &Plan, _r: usize) -> std::ops::Range<usize> {
-    0..plan.total()
-}
-
-/// Rank `r`'s state from full-length masters (only [`master_window`] is read) and its cut;
+/// Rank `r`'s state from full-length masters (only [`tessera_fleet::state::master_window`] is read) and its cut;
 /// its swap files (NVMe offload) fail where `faults` says.
 pub fn rank_state(cfg: &Config, plan: &Plan, r: usize, master: &[f32], cut: &StartCut, faults: &Faults) -> Result<RankState> {
     let mut scaler = bridge::loss_scaler(&cfg.precision)?;
@@ -82,6 +38,63 @@ pub fn rank_state(cfg: &Config, plan: &Plan, r: usize, master: &[f32], cut: &Sta
     Ok(st)
 }
 
+/// Receives the start state and builds this rank's state from it; also the committed steps
+/// the state holds.
+pub fn recv_start(
+    stream: &mut (impl ControlIo + ?Sized),
+    cfg: &Config,
+    plan: &Plan,
+    rank: usize,
+    faults: &Faults,
+    wait: &Wait<'_>,
+) -> Result<(RankState, u64)> {
+    let (master_start, counters, descs, step) = match wire::recv(stream, "Start", wait)? {
+        ToWorker::Start { master_start, counters, buffers, step } => (master_start, counters, buffers, step),
+        other => bail!("expected the start state, got {other:?}"),
+    };
+    let window = master_window(plan, rank);
+    if master_start != window.start as u64 || descs.first().is_none_or(|d| d.len != window.len() as u64) {
+        bail!("start state: masters at {master_start} of {:?} values, this rank needs {window:?}", descs.first().map(|d| d.len));
+    }
+    let mut bufs = wire::recv_bulk(stream, &descs, window.len(), wait)?;
+    // Transient: the full-length buffer `RankState::new` indexes; only the window is read.
+    let mut master = vec![0.0f32; plan.total()];
+    master[window].copy_from_slice(&bufs.remove(0));
+    let optim = counters.optimizer_steps.map(|steps| (steps, descs[1..].iter().map(|d| d.name.clone()).zip(bufs).collect()));
+    let cut = StartCut { optim, applied: counters.applied, skipped: counters.skipped, scaler: counters.scaler };
+    Ok((rank_state(cfg, plan, rank, &master, &cut, faults)?, step))
+}
+
+/// Sends this rank's masters, its optimizer buffers when asked, and counters.
+pub fn export(stream: &mut (impl ControlIo + ?Sized), st: &RankState, optim: bool) -> Result<(), WireError> {
+    let mut bufs: Vec<(&str, &[f32])> = vec![("master", &st.master)];
+    if optim {
+        bufs.extend(st.optim.state_buffers());
+    }
+    let counters = StateCounters {
+        optimizer_steps: Some(st.optim.step_count()),
+        applied: st.applied,
+        skipped: st.skipped,
+        scaler: st.scaler.as_ref().map(bridge::scaler_to_json),
+    };
+    wire::send(stream, &ToParent::Exported { counters, buffers: wire::describe(&bufs) })?;
+    wire::send_bulk(stream, &bufs.iter().map(|(_, b)| *b).collect::<Vec<_>>())
+}
+
+/// This rank's snapshot for the driver (replica flags unset: the elastic worker sets them).
+pub fn snapshot(st: &RankState, rank: usize) -> Snapshot {
+    Snapshot {
+        memory: wire::WireMemory::from_report(&st.memory(rank)),
+        applied: st.applied,
+        skipped: st.skipped,
+        scale_bits: st.scaler.as_ref().map(|s| s.scale().to_bits()),
+        bytes_sent_total: st.bytes_sent_total,
+        replica_stale: false,
+        replica_behind: false,
+        peak_rss_bytes: super::summary::peak_rss_bytes(),
+    }
+}
+
 /// One `RankState` per rank, cut from the full-length start buffers.
 pub fn rank_states(cfg: &Config, plan: &Plan, start: &Start, faults: &Faults) -> Result<Vec<Arc<Mutex<RankState>>>> {
     (0..plan.world).map(|r| Ok(Arc::new(Mutex::new(rank_state(cfg, plan, r, &start.master, &start.cut(plan, r), faults)?)))).collect()
@@ -90,8 +103,8 @@ pub fn rank_states(cfg: &Config, plan: &Plan, start: &Start, faults: &Faults) ->
 /// The ranks of a run, as the driver sees them between steps.
 pub enum Ranks {
     InProcess(Vec<Arc<Mutex<RankState>>>),
-    /// Worker processes or agents (`super::elastic`): the members of the current epoch.
-    Fleet(Box<Fleet>),
+    /// Worker processes or agents ([`tessera_fleet::driver`]): the members of the current epoch.
+    Fleet(Box<Fleet<Plan>>),
     /// NCCL GPU ranks, threads of this process (`crate::gpu::compute`).
     Gpu(GpuRanks),
 }

@@ -14,12 +14,15 @@ use tessera_actors::faults::Faults;
 use tessera_actors::recovery::{after_failure, AfterFailure};
 use tessera_actors::stepper::{Action, Input, Stepper};
 use tessera_actors::{ActorError, Cluster, ClusterOptions, StepResult};
+use tessera_fleet::driver::{now_ms, Fleet, Origin};
+use tessera_fleet::spec::Placement;
+use tessera_fleet::state::Start;
 use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
 
-use super::elastic::{Fleet, Origin};
+use super::fleet::{fleet_spec, RunPlanner, SignalHost};
 use super::plan::Plan;
-use super::ranks::{rank_states, Ranks, Start};
+use super::ranks::{rank_states, Ranks};
 use super::summary::{peak_rss_bytes, ElasticSummary, RunRecord, RunStatus, Summary};
 use super::zero::ZeroWorker;
 use crate::bridge;
@@ -42,7 +45,7 @@ pub struct TrainOptions {
     /// transaction; the result must not change).
     pub abandon_steps: Vec<u64>,
     /// Run each of the `world` ranks in its own worker process (QUIC between them: the fleet,
-    /// see `engine::elastic`, elastic or with recovery off) instead of as threads of this
+    /// see `tessera_fleet::driver`, elastic or with recovery off) instead of as threads of this
     /// process.
     pub processes: bool,
     /// A `--worker-net` file: the spawned workers each in their own network namespace
@@ -51,8 +54,8 @@ pub struct TrainOptions {
     /// The test-only fault hooks of this process (`tessera_actors::faults`; no-op by default).
     pub faults: Faults,
     /// `tessera coordinator` / `tessera launch`: the agents' rendezvous, which the run's ranks
-    /// come from instead of spawned workers (taken once; see `rendezvous::RendezvousSlot`).
-    pub rendezvous: super::rendezvous::RendezvousSlot,
+    /// come from instead of spawned workers (taken once; see `tessera_fleet::rendezvous::RendezvousSlot`).
+    pub rendezvous: tessera_fleet::rendezvous::RendezvousSlot,
 }
 
 /// What a finished run leaves behind.
@@ -626,11 +629,11 @@ fn start_run<'a>(cfg: &'a Config, opts: &TrainOptions, nccl: Option<&Config>) ->
         let net = opts.worker_net.as_deref().map(super::worker_net::load).transpose()?;
         let origin = match rendezvous {
             Some(rdv) => Origin::Agents(Box::new(rdv)),
-            None => Origin::Spawn { net: net.as_ref() },
+            None => Origin::Spawn { placement: net.as_ref().map(|n| n as &dyn Placement) },
         };
-        let (fleet, workers) = Fleet::launch(cfg, &er, &plan, &start, &out_dir, &dataset, origin, &opts.faults)
-            .context("starting the workers")
-            .map_err(unmade)?;
+        let spec = fleet_spec(cfg, &er, &out_dir, &dataset);
+        let (fleet, workers) =
+            Fleet::launch(spec, &plan, &start, origin, &opts.faults, &SignalHost).context("starting the workers").map_err(unmade)?;
         step_timeout_ms = Some(er.step_timeout_ms);
         if er.enabled {
             let stepper = Stepper::new(start.step);
@@ -945,8 +948,9 @@ impl Run<'_> {
     /// At a step boundary: re-assigns the micro-batch blocks by the members' measured speeds
     /// when that pays (`Fleet::rebalance`); the driver's plan follows.
     fn rebalance(&mut self, pb: &ProgressBar, dataset: &Dataset) -> Result<()> {
+        let planner = RunPlanner { cfg: self.cfg, dataset };
         let Ranks::Fleet(fleet) = &mut self.ranks else { return Ok(()) };
-        let Some(r) = fleet.rebalance(self.step, dataset)? else { return Ok(()) };
+        let Some(r) = fleet.rebalance(self.step, &planner)? else { return Ok(()) };
         self.plan = r.plan;
         if let Some(el) = self.elastic.as_mut() {
             el.stats.rebalances += 1;
@@ -1000,11 +1004,11 @@ impl Run<'_> {
     /// Carries out the step machine's recovery, starting with `action`: forms a new epoch from
     /// the survivors and joiners at the boundary of `self.step` committed steps (or of the step
     /// a replay reached), restarts the actor tree on it, and replays any committed steps the
-    /// restored state lacks (see `engine::elastic`). Returns the machine's first action past the
+    /// restored state lacks (see `tessera_fleet::driver`). Returns the machine's first action past the
     /// recovery: the step's attempt (again), the step committed (its failed commit reached every
     /// shard at `self.step + 1`), or `Ready` (a recovery between steps).
     fn recover(&mut self, pb: &ProgressBar, t: &mut Tally, dataset: &Dataset, mut action: Action) -> Result<Action> {
-        let began = super::elastic::now_ms();
+        let began = now_ms();
         loop {
             action = match action {
                 Action::Reconfigure { at } => {
@@ -1027,7 +1031,7 @@ impl Run<'_> {
                         ),
                         None => e,
                     };
-                    let rec = fleet.reconfigure(&at, dataset, &restore).map_err(resume_hint)?;
+                    let rec = fleet.reconfigure(&at, &RunPlanner { cfg, dataset }, &restore).map_err(resume_hint)?;
                     self.plan = Arc::clone(&rec.plan);
                     let copts = cluster_options(&TrainOptions::default(), self.elastic.as_ref().map(|e| e.er.step_timeout_ms));
                     let cluster =

@@ -26,30 +26,43 @@ use std::sync::OnceLock;
 
 use anyhow::{Context, Result};
 use tessera_chaos::link::{WorkerLink, WorkerNet, WORKER_NET_FILE};
+use tessera_fleet::spec::Placement;
+use tessera_fleet::worker::{Plain, Sockets};
 
 /// This worker process's fault link, when its run has one (set once, at start-up).
-static LINK: OnceLock<WorkerLink> = OnceLock::new();
+static LINK: OnceLock<FaultLink> = OnceLock::new();
+
+/// A worker's fault link as the fleet's [`Sockets`].
+struct FaultLink(WorkerLink);
+
+/// The driver side: the spawned workers' namespaces, as the fleet's [`Placement`].
+pub(super) struct Namespaces(WorkerNet);
 
 /// Reads and checks a `--worker-net` file.
-pub(super) fn load(path: &Path) -> Result<WorkerNet> {
-    WorkerNet::load(path).with_context(|| format!("--worker-net {}", path.display()))
+pub(super) fn load(path: &Path) -> Result<Namespaces> {
+    WorkerNet::load(path).map(Namespaces).with_context(|| format!("--worker-net {}", path.display()))
 }
 
-/// The driver side: copies the file where the workers find it.
-pub(super) fn publish(net: &WorkerNet, procs: &Path) -> Result<()> {
-    net.write(&procs.join(WORKER_NET_FILE)).context("copying the worker-net file into the run's procs folder")
-}
+impl Placement for Namespaces {
+    fn control_ip(&self) -> IpAddr {
+        self.0.control_ip
+    }
 
-/// The command that starts `exe` in spawned worker `id`'s namespace (or right here).
-pub(super) fn command(exe: &Path, net: Option<&WorkerNet>, id: usize) -> Result<Command> {
-    let Some(net) = net else { return Ok(Command::new(exe)) };
-    let ns = net
-        .netns
-        .get(id)
-        .with_context(|| format!("the worker-net file names {} namespace(s); spawned worker {id} needs one of its own", net.netns.len()))?;
-    let mut c = Command::new("ip");
-    c.args(["netns", "exec", ns]).arg(exe);
-    Ok(c)
+    /// Copies the file where the workers find it.
+    fn publish(&self, procs: &Path) -> Result<()> {
+        self.0.write(&procs.join(WORKER_NET_FILE)).context("copying the worker-net file into the run's procs folder")
+    }
+
+    /// `exe` in spawned worker `id`'s namespace (`ip netns exec`).
+    fn command(&self, exe: &Path, id: usize) -> Result<Command> {
+        let net = &self.0;
+        let ns = net.netns.get(id).with_context(|| {
+            format!("the worker-net file names {} namespace(s); spawned worker {id} needs one of its own", net.netns.len())
+        })?;
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", ns]).arg(exe);
+        Ok(c)
+    }
 }
 
 /// The worker side, once its id is known: starts the fault link when the run's `procs` folder
@@ -69,29 +82,26 @@ pub(super) fn start_link(path: &Path, id: u64) -> Result<()> {
     let net = WorkerNet::load(path).with_context(|| format!("worker {id}"))?;
     if let Some(links) = &net.links {
         let link = WorkerLink::start(links, id).with_context(|| format!("worker {id}: starting its fault link"))?;
-        let _ = LINK.set(link);
+        let _ = LINK.set(FaultLink(link));
     }
     Ok(())
 }
 
-/// Binds one epoch's QUIC socket for a worker whose control connection leaves from `local_ip`;
-/// returns the socket and the address the other members dial.
-pub(super) fn bind_quic(local_ip: IpAddr) -> Result<(UdpSocket, SocketAddr)> {
+/// How this worker process binds its QUIC sockets and dials its peers: behind its fault link
+/// when it has one (started by [`init_worker`] or [`start_link`] first), else plainly.
+pub(super) fn sockets() -> &'static dyn Sockets {
     match LINK.get() {
-        Some(link) => link.bind_epoch(local_ip).with_context(|| format!("binding the QUIC socket behind the fault link on {local_ip}")),
-        None => {
-            let socket = UdpSocket::bind((local_ip, 0)).with_context(|| format!("binding the QUIC socket on {local_ip}"))?;
-            let addr = socket.local_addr().context("QUIC socket address")?;
-            Ok((socket, addr))
-        }
+        Some(link) => link,
+        None => &Plain,
     }
 }
 
-/// The members' addresses as this worker (rank `own`) dials them: unchanged, or through the
-/// fault link's aliases.
-pub(super) fn peer_addrs(addrs: Vec<SocketAddr>, own: usize) -> Result<Vec<SocketAddr>> {
-    match LINK.get() {
-        Some(link) => link.aliases(&addrs, own).context("the fault link's addresses for the peers"),
-        None => Ok(addrs),
+impl Sockets for FaultLink {
+    fn bind_epoch(&self, local_ip: IpAddr) -> Result<(UdpSocket, SocketAddr)> {
+        self.0.bind_epoch(local_ip).with_context(|| format!("binding the QUIC socket behind the fault link on {local_ip}"))
+    }
+
+    fn peer_addrs(&self, addrs: Vec<SocketAddr>, own: usize) -> Result<Vec<SocketAddr>> {
+        self.0.aliases(&addrs, own).context("the fault link's addresses for the peers")
     }
 }

@@ -378,7 +378,7 @@ impl ZeroWorker {
                 let exchange = self.send_replica_update(cfg, order.step, st, overflow, fed);
                 let t0 = Instant::now();
                 let got = exchange.wait().and_then(|r| r)?;
-                if super::elastic::tracing() {
+                if tessera_fleet::driver::tracing() {
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     eprintln!("[feed] rank {}: step {}'s replica updates waited for {ms:.2} ms in prepare", self.rank, order.step);
                 }

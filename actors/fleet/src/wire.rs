@@ -40,6 +40,9 @@ pub const FRAME_BYTES_MAX: usize = 1 << 20;
 pub const POLL_MS: u64 = 100;
 /// Bound on writing one bulk transfer (ms).
 pub const BULK_SEND_TIMEOUT_MS: u64 = 600_000;
+/// Exit status of a worker asked to drain (SIGTERM, SIGUSR1) that saw no step boundary within
+/// its drain grace: the driver reads it as a drain that timed out, not a crash.
+pub const EXIT_DRAIN_GRACE: i32 = 3;
 
 /// Why a control exchange failed.
 #[derive(Debug, thiserror::Error)]
@@ -357,7 +360,7 @@ pub enum ToWorker {
     /// Elastic: a full copy of the replicas at `step` committed steps (when an epoch forms, or
     /// after a replica was dropped): send this rank's shard to its ring successors and keep
     /// theirs (answered with `Replicated`). Between full copies the replicas follow the owners'
-    /// gradients (`engine::replica`).
+    /// gradients (the front crate's `engine::replica`).
     Replicate {
         step: u64,
     },
@@ -401,7 +404,7 @@ pub enum ToParent {
         token: Option<Vec<u8>>,
         /// The agent's own public key (ECDSA P-256, uncompressed) for the coordinator to certify.
         public_key: Option<Vec<u8>>,
-        /// Which machine and pid namespace it runs in (`engine::elastic_join::host_id`): an
+        /// Which machine and pid namespace it runs in ([`crate::join::host_id`]): an
         /// elastic driver on the same one watches and, when it is lost, kills it by its pid.
         host: String,
     },

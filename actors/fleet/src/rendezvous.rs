@@ -1,4 +1,4 @@
-//! How a process run's first workers arrive, for the fleet (`super::elastic::Fleet`) that drives
+//! How a process run's first workers arrive, for the fleet ([`crate::driver::Fleet`]) that drives
 //! them — with recovery on (`tessera.elastic.enabled`) or off (the first loss ends the run):
 //!
 //! - `tessera train --nprocs N`: the driver spawns N `tessera worker` processes on this machine
@@ -35,7 +35,7 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -44,12 +44,10 @@ use tessera_actors::liveness::Exit;
 use tessera_transport::quic::pki::check_cert_names_node;
 use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, JoinToken, NodeTls, RefusalLog, ALPN_CONTROL};
 
-use super::elastic::relock;
-use super::plan::Plan;
-use super::ranks::{master_window, OptimBuffers, RankCounters, Start};
-use super::wire::{self, AssignedIdentity, ControlIo, StateCounters, ToParent, ToWorker, Wait, WireError};
-use crate::config::Config;
-use crate::signals;
+use crate::relock;
+use crate::spec::{FleetSpec, Host, Placement};
+use crate::state::{master_window, FleetPlan, OptimBuffers, RankCounters, Start};
+use crate::wire::{self, AssignedIdentity, ControlIo, StateCounters, ToParent, ToWorker, Wait, WireError};
 
 /// Bound on the workers' start-up: connecting, loading data, building the QUIC mesh (ms).
 pub const STARTUP_TIMEOUT_MS: u64 = 120_000;
@@ -150,17 +148,21 @@ fn ping(conn: &mut ControlConn) -> Result<(), WireError> {
     }
 }
 
-/// Starts the worker process of rank `r` (in its network namespace when `net` gives one).
-pub(super) fn spawn_worker(
+/// Starts the worker process of rank `r` (where `placement` puts it, else right here).
+pub(crate) fn spawn_worker(
     exe: &Path,
     r: usize,
     world: usize,
     control: &str,
     dir: &Path,
-    net: Option<&tessera_chaos::link::WorkerNet>,
+    placement: Option<&dyn Placement>,
 ) -> Result<Child> {
     use std::os::unix::process::CommandExt;
-    super::worker_net::command(exe, net, r)?
+    let mut command = match placement {
+        Some(p) => p.command(exe, r)?,
+        None => Command::new(exe),
+    };
+    command
         .args(["worker", "--rank", &r.to_string(), "--world", &world.to_string(), "--control", control])
         .arg("--dir")
         .arg(dir)
@@ -171,9 +173,9 @@ pub(super) fn spawn_worker(
 }
 
 /// The checks of every rank's `Hello`: the config hash and a free rank.
-fn check_hello(cfg: &Config, world: usize, rank: usize, hash: &str, taken: bool) -> Result<()> {
-    if hash != cfg.hash {
-        bail!("worker of rank {rank} resolved the config to hash {hash}, the parent has {}", cfg.hash);
+fn check_hello(config_hash: &str, world: usize, rank: usize, hash: &str, taken: bool) -> Result<()> {
+    if hash != config_hash {
+        bail!("worker of rank {rank} resolved the config to hash {hash}, the parent has {config_hash}");
     }
     if rank >= world || taken {
         bail!("a worker said it is rank {rank}: not a free rank of {world}");
@@ -195,7 +197,7 @@ pub(super) struct Hello {
 /// refused), with its first message.
 pub(super) fn accept_workers(
     endpoint: &ControlEndpoint,
-    cfg: &Config,
+    config_hash: &str,
     exited: &dyn Fn() -> Option<String>,
     world: usize,
     mut early: Option<&mut Vec<(ControlConn, ToParent)>>,
@@ -230,7 +232,7 @@ pub(super) fn accept_workers(
             },
             other => bail!("a worker opened with {other:?} instead of Hello"),
         };
-        check_hello(cfg, world, rank, &hash, got.get(rank).is_some_and(Option::is_some))?;
+        check_hello(config_hash, world, rank, &hash, got.get(rank).is_some_and(Option::is_some))?;
         let cert = conn.peer_certificate().context("a worker connected without a certificate")?;
         check_cert_names_node(&cert, &node_name(rank)).map_err(|e| anyhow::anyhow!("a worker claiming rank {rank}: {e}"))?;
         got[rank] = Some(Hello { conn, quic_addr, pid });
@@ -257,7 +259,7 @@ pub(super) fn exported(
 }
 
 /// Sends rank `r` its cut of the start state (header + bulk).
-pub(super) fn send_start(stream: &mut (impl ControlIo + ?Sized), plan: &Plan, start: &Start, r: usize) -> Result<()> {
+pub(super) fn send_start(stream: &mut (impl ControlIo + ?Sized), plan: &dyn FleetPlan, start: &Start, r: usize) -> Result<()> {
     let window = master_window(plan, r);
     let cut = start.cut(plan, r);
     let mut bufs: Vec<(&str, &[f32])> = vec![("master", &start.master[window.clone()])];
@@ -285,7 +287,7 @@ struct Joined {
     rank: Option<usize>,
     /// The agent's own public key, to certify (token agents).
     public_key: Option<Vec<u8>>,
-    /// Its machine and pid namespace (`elastic_join::host_id`).
+    /// Its machine and pid namespace ([`crate::join::host_id`]).
     host: String,
 }
 
@@ -385,7 +387,7 @@ fn read_join(mut conn: ControlConn, nodes: usize, auth: &AgentAuth) -> Result<st
 /// Waits (bounded by the rendezvous' timeout) for `rdv.nodes` agents to join; pings those that
 /// wait meanwhile and fails at once when one leaves or a launched process ends. Connections
 /// that are not agents of this run (no token, a foreign certificate) are refused and logged.
-fn gather_agents(rdv: &Rendezvous, launched_exit: &dyn Fn() -> Option<String>) -> Result<Vec<Joined>> {
+fn gather_agents(rdv: &Rendezvous, launched_exit: &dyn Fn() -> Option<String>, host: &dyn Host) -> Result<Vec<Joined>> {
     let at = rdv.endpoint.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "the control endpoint".into());
     let started = Instant::now();
     let deadline = started + Duration::from_millis(rdv.join_timeout_ms);
@@ -400,7 +402,7 @@ fn gather_agents(rdv: &Rendezvous, launched_exit: &dyn Fn() -> Option<String>) -
         if let Some(why) = launched_exit() {
             bail!("{why} before every agent joined ({} of {} joined: {})", joined.len(), rdv.nodes, list(&joined));
         }
-        if let Some(why) = signals::requested() {
+        if let Some(why) = host.stop_requested() {
             bail!(
                 "{why} before every agent joined ({} of {} joined: {}); no step ran, nothing to save",
                 joined.len(),
@@ -440,7 +442,7 @@ fn gather_agents(rdv: &Rendezvous, launched_exit: &dyn Fn() -> Option<String>) -
 }
 
 /// An agent after the rendezvous: its connection, QUIC address and pid, who it is in
-/// messages, and its machine (`elastic_join::host_id`).
+/// messages, and its machine ([`crate::join::host_id`]).
 pub(super) struct AgentStart {
     pub conn: ControlConn,
     pub quic_addr: String,
@@ -455,18 +457,17 @@ pub(super) struct AgentStart {
 /// certificate, and checks what each says back. Returns them in rank order. `launched_exit`
 /// names a launched process that ended (the start then fails with it).
 pub(super) fn rendezvous_agents(
-    cfg: &Config,
-    plan: &Plan,
+    spec: &FleetSpec,
+    world: usize,
     rdv: &Rendezvous,
     launched_exit: &dyn Fn() -> Option<String>,
+    host: &dyn Host,
 ) -> Result<Vec<AgentStart>> {
-    let world = plan.world;
     if rdv.nodes != world {
         bail!("the coordinator waits for {} agents, but the config resolves to world {world}", rdv.nodes);
     }
-    let data_blake3 = super::child::data_blake3(&super::child::load_dataset(cfg)?);
-    let config = serde_json::to_string(&cfg.resolved).context("serialising the resolved config")?;
-    let joined = gather_agents(rdv, launched_exit)?;
+    let config = serde_json::to_string(&spec.config).context("serialising the resolved config")?;
+    let joined = gather_agents(rdv, launched_exit, host)?;
     let names: Vec<String> = joined.iter().map(|j| j.name.clone()).collect();
     let ranks = assign_ranks(&joined.iter().map(|j| j.rank).collect::<Vec<_>>(), &names, world)?;
     let mut slots: Vec<Option<(Joined, String)>> = (0..world).map(|_| None).collect();
@@ -502,9 +503,10 @@ pub(super) fn rendezvous_agents(
         if rank != r {
             bail!("{who} says it is rank {rank}");
         }
-        if hash != cfg.hash {
-            bail!("{who} resolved the config to hash {hash}, the coordinator has {}", cfg.hash);
+        if hash != spec.config_hash {
+            bail!("{who} resolved the config to hash {hash}, the coordinator has {}", spec.config_hash);
         }
+        let data_blake3 = &spec.data_blake3;
         if data.as_deref() != Some(data_blake3.as_str()) {
             bail!(
                 "{who} loaded different training data (tokens BLAKE3 {}, the coordinator's {data_blake3}): every host needs the same data at the path the config names",

@@ -8,9 +8,8 @@ use tessera_actors::compute::Prepared;
 
 use super::proxy::{recv_reply, Link};
 use super::{relock, tracing, Fleet};
-use crate::data::Dataset;
-use crate::engine::plan::Plan;
-use crate::engine::wire::{self, ToParent, ToWorker};
+use crate::state::{FleetPlan, Planner};
+use crate::wire::{self, ToParent, ToWorker};
 
 /// Steps a member is measured under the current blocks before they may change again; its
 /// speed is their median (`tessera_actors::replan::Speeds`).
@@ -21,8 +20,8 @@ pub(super) const REBALANCE_QUIET_STEPS: u64 = 20;
 pub(super) const REBALANCE_QUIET_MAX_STEPS: u64 = 640;
 
 /// Micro-batch blocks re-assigned by measured speed at a step boundary.
-pub struct Rebalanced {
-    pub plan: Arc<Plan>,
+pub struct Rebalanced<P> {
+    pub plan: Arc<P>,
     /// Micro-batches per rank, before and after.
     pub before: Vec<usize>,
     pub after: Vec<usize>,
@@ -31,7 +30,7 @@ pub struct Rebalanced {
     pub after_ms: f64,
 }
 
-impl Fleet {
+impl<P: FleetPlan> Fleet<P> {
     /// A committed step's reports: each member's measured micro-batches and compute seconds.
     pub fn observe(&mut self, per_rank: &[Prepared]) {
         for (m, p) in self.members.iter().zip(per_rank) {
@@ -55,16 +54,14 @@ impl Fleet {
     /// partition stays; the bits do not change) — unless the last re-assignment's promised gain
     /// did not come, which starts a quiet period ([`Rebalancer`]). A member that cannot is lost
     /// (recovery forms an epoch with consistent plans); the error says so.
-    pub fn rebalance(&mut self, step: u64, dataset: &Dataset) -> Result<Option<Rebalanced>> {
+    pub fn rebalance(&mut self, step: u64, planner: &dyn Planner<P>) -> Result<Option<Rebalanced<P>>> {
         let ids: Vec<u64> = self.members.iter().map(|m| m.id).collect();
         let Some(speeds) = self.speeds.of(&ids) else { return Ok(None) };
         let before = self.plan.counts();
         let threshold = self.shared.er.rebalance_threshold;
-        let Some(rb) = self.rebalancer.propose(step, self.plan.micro_batches, &before, &speeds, threshold) else { return Ok(None) };
-        let mut cfg = self.cfg.clone();
-        cfg.world_size = self.plan.world;
-        let plan = Plan::new(&cfg, dataset).with_context(|| format!("planning {} ranks", self.plan.world))?;
-        let plan = Arc::new(plan.with_blocks(rb.blocks.clone()).map_err(anyhow::Error::msg)?);
+        let Some(rb) = self.rebalancer.propose(step, self.plan.micro_batches(), &before, &speeds, threshold) else { return Ok(None) };
+        let world = self.plan.world();
+        let plan = Arc::new(planner.with_blocks(world, rb.blocks.clone()).with_context(|| format!("planning {world} ranks"))?);
         let blocks: Vec<Vec<(u64, u32)>> = rb.blocks.iter().map(|b| b.iter().map(|&(f, l)| (f as u64, l)).collect()).collect();
         let mut links: Vec<MutexGuard<'_, Link>> = self.members.iter().map(|m| relock(&m.link)).collect();
         for (m, link) in self.members.iter().zip(links.iter_mut()) {

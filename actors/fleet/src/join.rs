@@ -1,5 +1,5 @@
 //! Who may talk to a running elastic driver, over its QUIC control endpoint (the driver's
-//! side; the design is in [`super::elastic`]): side connections of members and joins of new
+//! side; the design is in [`crate::driver`]): side connections of members and joins of new
 //! workers or agents.
 //!
 //! # Side connections
@@ -10,7 +10,7 @@
 //!
 //! # Joins
 //! A process joins a running job the way an agent joins a coordinator (`Join`, see
-//! [`super::remote`]): `tessera agent --join HOST:PORT --token …` on any host, or
+//! [`crate::rendezvous`]): `tessera agent --join HOST:PORT --token …` on any host, or
 //! `tessera worker --join --dir <output>/procs` next to a `train --nprocs` driver (it reads the
 //! address and the run's join token there). With a join token it verified the driver against
 //! the CA the token pins, sends the token's secret and a public key it generated, and gets an
@@ -38,9 +38,10 @@ use serde_json::json;
 use tessera_transport::quic::pki::check_cert_names_node;
 use tessera_transport::quic::{ControlConn, ControlEndpoint, RefusalLog};
 
-use super::elastic::{relock, Beat, Joiner, Shared};
-use super::rendezvous::{node_name, AgentAuth, STARTUP_TIMEOUT_MS};
-use super::wire::{self, AssignedIdentity, ToParent, ToWorker, Wait};
+use crate::driver::{Beat, Joiner, Shared};
+use crate::relock;
+use crate::rendezvous::{node_name, AgentAuth, STARTUP_TIMEOUT_MS};
+use crate::wire::{self, AssignedIdentity, ToParent, ToWorker, Wait};
 
 /// How often the acceptor looks for new connections (ms).
 pub(super) const ACCEPT_POLL_MS: u64 = 20;
@@ -389,11 +390,11 @@ mod tests {
     //! Who the elastic endpoint turns away: real QUIC connections with mutual TLS on loopback,
     //! against the acceptor a driver runs.
     use super::*;
-    use crate::config::ElasticRun;
+    use crate::spec::ElasticRun;
     use std::collections::BTreeMap;
     use tessera_transport::quic::{ClientAuth, ClusterCa, JoinToken, NodeKey, NodeTls, ALPN_CONTROL};
 
-    use crate::engine::rendezvous::COORDINATOR_NAME;
+    use crate::rendezvous::COORDINATOR_NAME;
 
     /// Bound on each exchange in these tests (ms).
     const TEST_WAIT_MS: u64 = 10_000;

@@ -9,10 +9,11 @@ use tessera_actors::liveness::Exit;
 use tessera_transport::quic::ControlConn;
 
 use super::{relock, Fleet, Joiner, Shared, MONITOR_POLL_MS};
-use crate::engine::rendezvous::EXIT_TIMEOUT_MS;
-use crate::engine::wire::{self, ToWorker};
+use crate::rendezvous::EXIT_TIMEOUT_MS;
+use crate::state::FleetPlan;
+use crate::wire::{self, ToWorker};
 
-impl Fleet {
+impl<P: FleetPlan> Fleet<P> {
     /// Asks every member (and waiting joiner) to leave and waits (bounded) for each to end
     /// cleanly.
     pub fn close(mut self) -> Result<()> {
@@ -83,7 +84,7 @@ fn wait_exit(shared: &Shared, id: u64, conn: &ControlConn) -> Exit {
     }
 }
 
-impl Drop for Fleet {
+impl<P: FleetPlan> Drop for Fleet<P> {
     fn drop(&mut self) {
         self.shared.closing.store(true, Ordering::SeqCst);
         for (_, c) in relock(&self.shared.children).iter_mut() {

@@ -10,10 +10,10 @@ use tessera_actors::compute::{ComputeError, MemoryReport, Prepared, StepOrder, W
 use tessera_transport::quic::ControlConn;
 
 use super::{now_ms, relock, tracing, Fleet, Shared};
-use crate::engine::plan::Plan;
-use crate::engine::ranks::{OptimBuffers, RankCounters};
-use crate::engine::rendezvous;
-use crate::engine::wire::{self, Snapshot, ToParent, ToWorker, Wait, WireError};
+use crate::rendezvous;
+use crate::state::FleetPlan;
+use crate::state::{OptimBuffers, RankCounters};
+use crate::wire::{self, Snapshot, ToParent, ToWorker, Wait, WireError};
 
 /// A member's control connection and its latest snapshot.
 pub(super) struct Link {
@@ -36,7 +36,7 @@ pub(super) enum Failure {
     Refused(String),
 }
 
-impl Fleet {
+impl<P: FleetPlan> Fleet<P> {
     pub(super) fn computes(&self) -> Vec<Box<dyn WorkerCompute>> {
         self.members
             .iter()
@@ -78,7 +78,7 @@ impl Fleet {
     }
 
     /// Rank `r`'s masters, its optimizer buffers when `with_optim`, and counters.
-    pub fn export(&self, r: usize, plan: &Plan, with_optim: bool) -> Result<(Vec<f32>, OptimBuffers, RankCounters)> {
+    pub fn export(&self, r: usize, plan: &P, with_optim: bool) -> Result<(Vec<f32>, OptimBuffers, RankCounters)> {
         let m = self.members.get(r).with_context(|| format!("no rank {r} in epoch {}", self.epoch))?;
         match self.export_from(m, &ToWorker::Export { optim: with_optim }, plan.optim_range(r).len()) {
             Ok(x) => Ok(x),

@@ -7,8 +7,9 @@ use std::sync::Arc;
 use serde_json::json;
 
 use super::Fleet;
+use crate::state::FleetPlan;
 
-impl Fleet {
+impl<P: FleetPlan> Fleet<P> {
     pub(super) fn log_epoch(&self, step: u64, source: &str) {
         let members: Vec<_> = self.members.iter().enumerate().map(|(r, m)| json!({"rank": r, "id": m.id, "pid": m.pid})).collect();
         self.shared.event(

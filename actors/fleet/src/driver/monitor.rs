@@ -11,8 +11,9 @@ use tessera_actors::liveness::{self, Exit, Liveness};
 use tessera_actors::WorkerStopper;
 
 use super::{relock, Beat, Fleet, Shared, MONITOR_POLL_MS};
-use crate::engine::elastic_join::Pidfd;
-use crate::engine::elastic_worker::EXIT_DRAIN_GRACE;
+use crate::join::Pidfd;
+use crate::state::FleetPlan;
+use crate::wire::EXIT_DRAIN_GRACE;
 
 /// Watches exits and heartbeats (see the module doc): each poll feeds the failure detector
 /// ([`Liveness`]) what it sees and declares lost whom it answers.
@@ -75,7 +76,7 @@ fn worker_exit(status: std::process::ExitStatus, draining: bool, grace_ms: u64) 
     }
 }
 
-impl Fleet {
+impl<P: FleetPlan> Fleet<P> {
     /// Gives the monitor thread the current epoch's actor tree, for the `stop_actor` fault.
     pub fn set_stopper(&self, stopper: Option<WorkerStopper>) {
         *relock(&self.shared.stopper) = stopper;

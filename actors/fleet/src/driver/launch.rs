@@ -14,31 +14,28 @@ use tessera_actors::compute::WorkerCompute;
 use tessera_actors::faults::Faults;
 use tessera_actors::liveness::Exit;
 use tessera_actors::replan::{Rebalancer, Speeds};
-use tessera_chaos::link::WorkerNet;
 use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, JoinToken};
 
 use super::monitor::monitor;
 use super::proxy::{Link, Member};
 use super::rebalance::{REBALANCE_QUIET_MAX_STEPS, REBALANCE_QUIET_STEPS, SPEED_WINDOW_STEPS};
 use super::{relock, Beat, Fleet, Shared, EVENTS_FILE, JOIN_TOKEN_FILE};
-use crate::config::{Config, ElasticRun};
-use crate::data::Dataset;
-use crate::engine::elastic_join::{self, Admission, Pidfd};
-use crate::engine::plan::Plan;
-use crate::engine::ranks::Start;
-use crate::engine::rendezvous::{self, node_name, send_start, spawn_worker, AgentAuth, Launched, Rendezvous, COORDINATOR_NAME};
-use crate::engine::wire::{self, Snapshot, ToParent, ToWorker, Wait};
+use crate::join::{self, Admission, Pidfd};
+use crate::rendezvous::{self, node_name, send_start, spawn_worker, AgentAuth, Launched, Rendezvous, COORDINATOR_NAME};
+use crate::spec::{FleetSpec, Host, Placement};
+use crate::state::{FleetPlan, Start};
+use crate::wire::{self, Snapshot, ToParent, ToWorker, Wait};
 
 /// Writes `<output>/procs` for spawned workers (emptied first): the resolved config, the run
 /// CA's certificate and one identity per first-epoch worker (`node-<r>`; the CA's key stays
 /// in memory), and the join token (mode 0600) with which `tessera worker --join` joins.
-fn prepare_procs(cfg: &Config, world: usize, dir: &Path, ca: &ClusterCa, token: &JoinToken) -> Result<()> {
+fn prepare_procs(config: &serde_json::Value, world: usize, dir: &Path, ca: &ClusterCa, token: &JoinToken) -> Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("clearing {}", dir.display()))?;
     }
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let text = serde_json::to_string_pretty(&cfg.resolved).context("serialising the resolved config")?;
+    let text = serde_json::to_string_pretty(config).context("serialising the resolved config")?;
     std::fs::write(dir.join("config.json"), text).with_context(|| format!("writing {}/config.json", dir.display()))?;
     for r in 0..world {
         ca.issue_to_dir(&dir.join("pki"), &node_name(r)).with_context(|| format!("the identity of worker {r}"))?;
@@ -57,8 +54,9 @@ fn prepare_procs(cfg: &Config, world: usize, dir: &Path, ca: &ClusterCa, token: 
 
 /// Where the first epoch's workers come from.
 pub enum Origin<'a> {
-    /// `train --nprocs N`: spawned here, each in its network namespace with `--worker-net`.
-    Spawn { net: Option<&'a WorkerNet> },
+    /// `train --nprocs N`: spawned here, on loopback or where `placement` puts them (the
+    /// chaos harness's network namespaces, `--worker-net`).
+    Spawn { placement: Option<&'a dyn Placement> },
     /// `tessera coordinator` / `tessera launch`: agents that join the rendezvous.
     Agents(Box<Rendezvous>),
 }
@@ -67,50 +65,48 @@ pub enum Origin<'a> {
 /// process of this host but not our child, who it is in messages).
 type First = (ControlConn, String, u32, Option<Pidfd>, String);
 
-impl Fleet {
-    /// Starts the first epoch's `plan.world` workers (ids `0..world`) from `start`: spawned
-    /// (see [`crate::engine::worker_net`] for `--worker-net`) or agents joining a rendezvous; the
-    /// driver's side of the fault hooks (`stop_actor`) is installed first.
-    #[allow(clippy::too_many_arguments)]
+impl<P: FleetPlan> Fleet<P> {
+    /// Starts the first epoch's `plan.world()` workers (ids `0..world`) from `start`: spawned
+    /// (where `placement` puts them) or agents joining a rendezvous; the driver's side of the
+    /// fault hooks (`stop_actor`) is installed first.
     pub fn launch(
-        cfg: &Config,
-        er: &ElasticRun,
-        plan: &Arc<Plan>,
+        spec: FleetSpec,
+        plan: &Arc<P>,
         start: &Start,
-        out_dir: &Path,
-        dataset: &Dataset,
         origin: Origin<'_>,
         faults: &Faults,
-    ) -> Result<(Fleet, Vec<Box<dyn WorkerCompute>>)> {
+        host: &dyn Host,
+    ) -> Result<(Self, Vec<Box<dyn WorkerCompute>>)> {
         faults.install_driver_signals();
-        let world = plan.world;
-        let admission = |auth: AgentAuth| -> Result<Admission> {
-            let config = serde_json::to_string(&cfg.resolved).context("serialising the resolved config")?;
-            Ok(Admission { auth, config, data_blake3: crate::engine::child::data_blake3(dataset), host: elastic_join::host_id() })
+        let world = plan.world();
+        let admission = |spec: &FleetSpec, auth: AgentAuth| -> Result<Admission> {
+            let config = serde_json::to_string(&spec.config).context("serialising the resolved config")?;
+            Ok(Admission { auth, config, data_blake3: spec.data_blake3.clone(), host: join::host_id() })
         };
         match origin {
-            Origin::Spawn { net } => {
-                let dir = out_dir.join("procs");
+            Origin::Spawn { placement } => {
+                let dir = spec.out_dir.join("procs");
                 let ca = ClusterCa::generate()?;
                 let token = JoinToken::generate(ca.ca_sha256())?;
-                prepare_procs(cfg, world, &dir, &ca, &token)?;
+                prepare_procs(&spec.config, world, &dir, &ca, &token)?;
                 let identity = ca.issue(COORDINATOR_NAME)?;
                 let server = rendezvous::control_server_config(&identity, ClientAuth::Optional)?;
                 let auth = AgentAuth::Token { ca: Box::new(ca), token };
-                let mut fleet = Fleet::new(cfg, er, plan, out_dir, admission(auth)?, faults, Arc::default())?;
+                let admission = admission(&spec, auth)?;
+                let mut fleet = Fleet::new(spec, plan, admission, faults, Arc::default())?;
                 fleet.dir = Some(dir.clone());
-                fleet.forced_exit = Some(crate::signals::on_forced_exit(crate::signals::Cleanup::Dir(dir.clone())));
-                let control_ip = net.map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |n| n.control_ip);
+                fleet.forced_exit = Some(host.remove_at_forced_exit(&dir));
+                let control_ip = placement.map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |p| p.control_ip());
                 let endpoint = ControlEndpoint::bind(SocketAddr::new(control_ip, 0), Some(server))
                     .with_context(|| format!("binding the control endpoint on {control_ip}"))?;
                 let control = endpoint.local_addr()?.to_string();
                 std::fs::write(dir.join("control"), &control).with_context(|| format!("writing {}/control", dir.display()))?;
-                if let Some(net) = net {
-                    crate::engine::worker_net::publish(net, &dir)?;
+                if let Some(p) = placement {
+                    p.publish(&dir)?;
                 }
                 let exe = std::env::current_exe().context("finding the tessera executable")?;
                 for r in 0..world {
-                    let child = spawn_worker(&exe, r, world, &control, &dir, net)?;
+                    let child = spawn_worker(&exe, r, world, &control, &dir, placement)?;
                     relock(&fleet.shared.children).push((r as u64, child));
                 }
                 let shared = Arc::clone(&fleet.shared);
@@ -120,7 +116,7 @@ impl Fleet {
                         .find_map(|(id, c)| c.try_wait().ok().flatten().map(|s| format!("worker {id} {}", Exit::of(s))))
                 };
                 let mut early = Vec::new();
-                let hellos = rendezvous::accept_workers(&endpoint, cfg, &exited, world, Some(&mut early))?;
+                let hellos = rendezvous::accept_workers(&endpoint, &fleet.spec.config_hash, &exited, world, Some(&mut early))?;
                 let firsts = hellos
                     .into_iter()
                     .enumerate()
@@ -131,9 +127,11 @@ impl Fleet {
             Origin::Agents(rdv) => {
                 let rdv = *rdv;
                 let launched = Arc::clone(&rdv.launched);
-                let started = rendezvous::rendezvous_agents(cfg, plan, &rdv, &|| rendezvous::launched_exited(&launched))?;
+                let exited = || rendezvous::launched_exited(&launched);
+                let started = rendezvous::rendezvous_agents(&spec, world, &rdv, &exited, host)?;
                 let Rendezvous { endpoint, auth, .. } = rdv;
-                let fleet = Fleet::new(cfg, er, plan, out_dir, admission(auth)?, faults, launched)?;
+                let admission = admission(&spec, auth)?;
+                let fleet = Fleet::new(spec, plan, admission, faults, launched)?;
                 let host = fleet.shared.admission.host.clone();
                 let firsts = started
                     .into_iter()
@@ -149,23 +147,18 @@ impl Fleet {
 
     /// A fleet with no workers yet (dropping it ends whatever it started); `launched` are the
     /// processes `tessera launch` started for its agents.
-    fn new(
-        cfg: &Config,
-        er: &ElasticRun,
-        plan: &Arc<Plan>,
-        out_dir: &Path,
-        admission: Admission,
-        faults: &Faults,
-        launched: Arc<Mutex<Vec<Launched>>>,
-    ) -> Result<Fleet> {
-        let world = plan.world;
-        let path = out_dir.join(EVENTS_FILE);
+    fn new(spec: FleetSpec, plan: &Arc<P>, admission: Admission, faults: &Faults, launched: Arc<Mutex<Vec<Launched>>>) -> Result<Fleet<P>> {
+        let world = plan.world();
+        let path = spec.out_dir.join(EVENTS_FILE);
         let events = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-        let shared =
-            Shared { faults: faults.clone(), launched, ..Shared::new(er.clone(), world as u64, cfg.hash.clone(), admission, events) };
+        let shared = Shared {
+            faults: faults.clone(),
+            launched,
+            ..Shared::new(spec.run.clone(), world as u64, spec.config_hash.clone(), admission, events)
+        };
         let shared = Arc::new(shared);
         Ok(Fleet {
-            cfg: cfg.clone(),
+            spec,
             shared,
             members: Vec::new(),
             epoch: 0,
@@ -191,7 +184,7 @@ impl Fleet {
         firsts: Vec<First>,
         early: Vec<(ControlConn, ToParent)>,
         start: &Start,
-    ) -> Result<(Fleet, Vec<Box<dyn WorkerCompute>>)> {
+    ) -> Result<(Self, Vec<Box<dyn WorkerCompute>>)> {
         let shared = Arc::clone(&self.shared);
         let plan = Arc::clone(&self.plan);
         self.endpoint = Some(Arc::clone(&endpoint));
@@ -201,7 +194,7 @@ impl Fleet {
         for (r, (mut conn, _, pid, local, name)) in firsts.into_iter().enumerate() {
             wire::send(&mut conn, &ToWorker::Mesh { addrs: addrs.clone(), names: Vec::new() })
                 .with_context(|| format!("sending {name} the addresses"))?;
-            send_start(&mut conn, &plan, start, r).with_context(|| format!("sending {name} its start state"))?;
+            send_start(&mut conn, &*plan, start, r).with_context(|| format!("sending {name} its start state"))?;
             relock(&shared.controls).insert(r as u64, conn.clone());
             let beat = Beat::new(pid);
             *relock(&beat.local) = local;
@@ -210,7 +203,7 @@ impl Fleet {
             relock(&shared.names).insert(r as u64, name.clone());
             who.push(name);
         }
-        let deadline = Instant::now() + Duration::from_millis(crate::engine::rendezvous::STARTUP_TIMEOUT_MS);
+        let deadline = Instant::now() + Duration::from_millis(rendezvous::STARTUP_TIMEOUT_MS);
         for (r, m) in members.iter().enumerate() {
             let mut link = relock(&m.link);
             let wait = Wait { what: "Ready", deadline: Some(deadline), alive: &|| Ok(()) };
@@ -228,8 +221,7 @@ impl Fleet {
         *relock(&shared.members) = members.iter().map(|m| m.id).collect();
         self.members = members;
         let s = Arc::clone(&shared);
-        self.threads
-            .push(std::thread::Builder::new().name("tessera-accept".into()).spawn(move || elastic_join::acceptor(s, endpoint, early))?);
+        self.threads.push(std::thread::Builder::new().name("tessera-accept".into()).spawn(move || join::acceptor(s, endpoint, early))?);
         let s = Arc::clone(&shared);
         self.threads.push(std::thread::Builder::new().name("tessera-monitor".into()).spawn(move || monitor(s))?);
         self.log_epoch(start.step, "start");

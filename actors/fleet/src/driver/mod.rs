@@ -2,10 +2,13 @@
 //! `tessera launch`, `tessera train` under torchrun or srun). With `tessera.elastic.enabled` (or
 //! DeepSpeed's `elasticity.enabled`) workers may die, hang, leave (SIGTERM) or join while the job
 //! keeps running, and the result is the bits of the fault-free run. Without it the same fleet
-//! runs with recovery off (`config::elastic_run`: no replicas, no joins, no rebalancing): the
-//! same failure detector declares the first loss, and the driver (`run.rs`) ends the run with it
-//! ([`Fleet::first_loss`]). The worker side is [`super::elastic_worker`], who may connect is
-//! [`super::elastic_join`], how the first workers arrive is [`super::rendezvous`].
+//! runs with recovery off ([`crate::spec::ElasticRun::recovery_off`]: no replicas, no joins, no
+//! rebalancing): the same failure detector declares the first loss, and the driver (the front
+//! crate's `run.rs`) ends the run with it ([`Fleet::first_loss`]). The worker side is the front
+//! crate's `engine::elastic_worker`, who may connect is [`crate::join`], how the first workers
+//! arrive is [`crate::rendezvous`]. What the fleet runs with is a [`crate::spec::FleetSpec`]; the
+//! plan is the front crate's, seen through [`crate::state::FleetPlan`] and re-made through
+//! [`crate::state::Planner`].
 //!
 //! # Membership
 //! Each worker process has an id (`node-<id>` in the run's PKI; the first N are the initial
@@ -41,8 +44,8 @@
 //!    replicas it keeps (after applying every update it received). Each rank's shard (fp32
 //!    masters and optimizer buffers of its range) is held by its `replicas` ring successors: a
 //!    full copy when the epoch formed (`Replicate`), then kept in step by the owner's gradient
-//!    and step record ([`super::replica`]), so a lost rank's shard at `t` is normally held by a
-//!    survivor. A member that dropped a replica (an update failed or its digest differed from
+//!    and step record (the front crate's `engine::replica`), so a lost rank's shard at `t` is
+//!    normally held by a survivor. A member that dropped a replica (an update failed or its digest differed from
 //!    the owner's) says so in its snapshot and the driver sends full copies after that commit.
 //! 2. The state is read in the layout of the **installed** epoch (the newest one whose every
 //!    member got its first full replica copy): if every one of its ranges is held at `t` by a
@@ -59,9 +62,10 @@
 //!    reproduce the committed bits, so no committed step is lost.
 //! 3. The members of the new epoch are the survivors (minus workers that asked to drain) in their
 //!    old order, then admitted joiners, at least `min_workers` (waiting up to `join_wait_ms` for
-//!    joins) and at most `max_workers`. The plan for the new world is the ordinary
-//!    [`Plan`] (balanced `partition`, blocks over the same M micro-batches): the state moves
-//!    through the driver as a start state anyway, so minimal-movement re-planning
+//!    joins) and at most `max_workers`. The plan for the new world is the ordinary plan
+//!    ([`crate::state::Planner::plan`]: balanced `partition`, blocks over the same M
+//!    micro-batches): the state moves through the driver as a start state anyway, so
+//!    minimal-movement re-planning
 //!    (`tessera_actors::replan`) would save nothing on this path.
 //! 4. Each member gets `Epoch` (it leaves the old group and binds a fresh QUIC socket), the new
 //!    addresses and node names, and its cut of the state; it joins the new mesh and says
@@ -101,19 +105,23 @@ mod recover;
 mod replicate;
 mod shared;
 
+use std::any::Any;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use tessera_actors::replan::{Rebalancer, Speeds};
 use tessera_transport::quic::ControlEndpoint;
 
-use super::plan::Plan;
-use crate::config::Config;
+use crate::relock;
+use crate::spec::FleetSpec;
+use crate::state::FleetPlan;
 use epoch::Installed;
 pub use launch::Origin;
 use proxy::Member;
+pub use rebalance::Rebalanced;
+pub use recover::{Reconfigured, Restore};
 pub(super) use shared::{Beat, Joiner, Shared};
 
 /// The driver's event log, under the output directory.
@@ -123,42 +131,38 @@ pub const JOIN_TOKEN_FILE: &str = "join_token";
 /// How often the monitor looks at the workers (ms).
 const MONITOR_POLL_MS: u64 = 10;
 
-pub(super) fn relock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Wall-clock milliseconds since the Unix epoch (the event log's clock).
 pub fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Whether `TESSERA_ELASTIC_TRACE` asks for a trace of the driver's requests on stderr.
-pub(super) fn tracing() -> bool {
+pub fn tracing() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("TESSERA_ELASTIC_TRACE").is_some())
 }
 
 /// The elastic ranks of a run.
-pub struct Fleet {
-    cfg: Config,
+pub struct Fleet<P: FleetPlan> {
+    spec: FleetSpec,
     shared: Arc<Shared>,
     members: Vec<Arc<Member>>,
     epoch: u64,
-    plan: Arc<Plan>,
+    plan: Arc<P>,
     /// Joined workers taken for an epoch that did not form yet (kept for the next attempt).
     admitted: Vec<Arc<Member>>,
     /// Workers that asked to drain and are no members any more: they leave once the epoch
     /// without them is installed (until then they hold shards of the installed one).
     leavers: Vec<Arc<Member>>,
     /// The newest installed epoch (`None` until the first one is).
-    installed: Option<Installed>,
+    installed: Option<Installed<P>>,
     threads: Vec<JoinHandle<()>>,
     /// The control endpoint every connection runs on (kept until the threads have stopped).
     endpoint: Option<Arc<ControlEndpoint>>,
     /// `<output>/procs` of a `--nprocs` run, removed when the workers end.
     dir: Option<PathBuf>,
-    /// Removes `dir` at a forced exit too (a second signal, `crate::signals`).
-    forced_exit: Option<crate::signals::CleanupGuard>,
+    /// Removes `dir` at a forced exit too (a second signal; [`crate::spec::Host`]).
+    forced_exit: Option<Box<dyn Any + Send + Sync>>,
     /// Each member's measured speed (micro-batches per second of its own compute).
     speeds: Speeds<u64>,
     /// Proposes re-assignments by those speeds and backs off when their promised gain does not

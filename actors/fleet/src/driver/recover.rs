@@ -13,14 +13,12 @@ use tessera_actors::recovery::{self, Holdings, Survivor};
 use super::epoch::Installed;
 use super::proxy::{Failure, Link, Member};
 use super::{relock, Fleet, MONITOR_POLL_MS};
-use crate::data::Dataset;
-use crate::engine::plan::Plan;
-use crate::engine::ranks::{OptimBuffers, RankCounters, Start};
-use crate::engine::wire::{Snapshot, ToParent, ToWorker};
+use crate::state::{FleetPlan, OptimBuffers, Planner, RankCounters, Start};
+use crate::wire::{Snapshot, ToParent, ToWorker};
 
 /// A new epoch, ready to run steps from `step`.
-pub struct Reconfigured {
-    pub plan: Arc<Plan>,
+pub struct Reconfigured<P> {
+    pub plan: Arc<P>,
     pub computes: Vec<Box<dyn WorkerCompute>>,
     /// The committed steps of the state the epoch starts from (below the driver's count when it
     /// came from a checkpoint: the driver replays the steps in between).
@@ -67,7 +65,7 @@ struct RecoveredState {
 /// Loads the state at or before a step from checkpoints (the driver's restore path).
 pub type Restore<'a> = dyn Fn(u64) -> Result<(Start, String)> + 'a;
 
-impl Fleet {
+impl<P: FleetPlan> Fleet<P> {
     /// Whether the next step boundary must form a new epoch: a loss, a drain request, or a
     /// join with room for it. Waits up to `settle_ms` for a loss to be noticed (after a step
     /// failed, the monitor may still be looking).
@@ -87,7 +85,7 @@ impl Fleet {
 
     /// Forms a new epoch at the boundary of the first of `at` (committed steps, best first)
     /// whose state is whole in memory, else from a checkpoint (see the module doc).
-    pub fn reconfigure(&mut self, at: &[u64], dataset: &Dataset, restore: &Restore<'_>) -> Result<Reconfigured> {
+    pub fn reconfigure(&mut self, at: &[u64], planner: &dyn Planner<P>, restore: &Restore<'_>) -> Result<Reconfigured<P>> {
         let attempts = self.shared.ids as usize + 2;
         let mut losses = 0;
         // (drained, joined) over every epoch formed meanwhile, also ones lost again at once.
@@ -96,7 +94,7 @@ impl Fleet {
         let mut join_wait_s = 0.0;
         for _ in 0..attempts {
             losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
-            if let Some(mut r) = self.try_reconfigure(at, dataset, restore, &mut moved, &mut join_wait_s)? {
+            if let Some(mut r) = self.try_reconfigure(at, planner, restore, &mut moved, &mut join_wait_s)? {
                 losses += std::mem::take(&mut *relock(&self.shared.losses)).len();
                 (r.losses, r.drained, r.joined, r.join_wait_s) = (losses, moved.0, moved.1, join_wait_s);
                 return Ok(r);
@@ -113,11 +111,11 @@ impl Fleet {
     fn try_reconfigure(
         &mut self,
         at: &[u64],
-        dataset: &Dataset,
+        planner: &dyn Planner<P>,
         restore: &Restore<'_>,
         moved: &mut (usize, usize),
         join_wait_s: &mut f64,
-    ) -> Result<Option<Reconfigured>> {
+    ) -> Result<Option<Reconfigured<P>>> {
         // 1. Who is left and what they hold (members, and drainers not yet let go).
         let Some(Survivors { alive, holdings }) = self.poll_survivors()? else { return Ok(None) };
         // 2. Where the state comes from: the installed epoch's shards in memory (owners,
@@ -131,9 +129,7 @@ impl Fleet {
         let joined = next.iter().filter(|m| !self.members.iter().any(|o| o.id == m.id)).count();
         // 4. The new plan and epoch: every member gets its rank, the addresses and its state.
         let world = next.len();
-        let mut cfg = self.cfg.clone();
-        cfg.world_size = world;
-        let plan = Arc::new(Plan::new(&cfg, dataset).with_context(|| format!("planning {world} ranks"))?);
+        let plan = Arc::new(planner.plan(world).with_context(|| format!("planning {world} ranks"))?);
         let epoch = self.epoch + 1;
         if !self.form_epoch(&next, epoch, &plan, &start)? {
             return Ok(None);
@@ -208,7 +204,7 @@ impl Fleet {
     /// it came from, for people. `Ok(None)` when a holder was lost.
     fn state_from_memory(
         &self,
-        inst: &Installed,
+        inst: &Installed<P>,
         t: u64,
         sources: Vec<(usize, recovery::Source<u64>)>,
         alive: &[Arc<Member>],
@@ -304,7 +300,7 @@ impl Fleet {
     /// Recovery's step 5: the formed epoch `epoch` of `next` under `plan` becomes the current
     /// one. Admitted joiners in it stop waiting, `draining` survivors become leavers (they leave
     /// once it is installed), and its members are measured again under the plan's even blocks.
-    fn take_over(&mut self, next: Vec<Arc<Member>>, draining: Vec<Arc<Member>>, epoch: u64, plan: &Arc<Plan>) {
+    fn take_over(&mut self, next: Vec<Arc<Member>>, draining: Vec<Arc<Member>>, epoch: u64, plan: &Arc<P>) {
         self.admitted.retain(|a| !next.iter().any(|m| m.id == a.id));
         self.leavers = draining;
         // The new epoch runs the plan's even blocks: its members are measured again.

@@ -8,9 +8,10 @@ use serde_json::json;
 
 use super::proxy::{recv_reply, Link};
 use super::{relock, Fleet};
-use crate::engine::wire::{self, Snapshot, ToParent, ToWorker};
+use crate::state::FleetPlan;
+use crate::wire::{self, Snapshot, ToParent, ToWorker};
 
-impl Fleet {
+impl<P: FleetPlan> Fleet<P> {
     /// Ids of the members whose latest snapshot says they dropped a replica (first), and of
     /// those whose replicas wait for more updates than they apply (second).
     pub fn stale_replicas(&self) -> (Vec<u64>, Vec<u64>) {

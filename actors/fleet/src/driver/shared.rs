@@ -16,14 +16,14 @@ use tessera_actors::WorkerStopper;
 use tessera_transport::quic::ControlConn;
 
 use super::{now_ms, relock};
-use crate::config::ElasticRun;
-use crate::engine::elastic_join::{Admission, Pidfd};
-use crate::engine::rendezvous::{self, Launched};
-use crate::engine::wire::{self, ToWorker};
+use crate::join::{Admission, Pidfd};
+use crate::rendezvous::{self, Launched};
+use crate::spec::ElasticRun;
+use crate::wire::{self, ToWorker};
 
 /// A worker's signs of life, fed by its side connection (and, for a process of this host that
 /// is not our child, its pidfd).
-pub(in crate::engine) struct Beat {
+pub(crate) struct Beat {
     pid: AtomicU32,
     /// A joiner or agent on this host: watched and killed through its pidfd.
     pub local: Mutex<Option<Pidfd>>,
@@ -63,14 +63,14 @@ pub(super) struct Loss {
 }
 
 /// A worker that joined and waits for the next epoch.
-pub(in crate::engine) struct Joiner {
+pub(crate) struct Joiner {
     pub id: u64,
     pub pid: u32,
     pub conn: ControlConn,
 }
 
 /// What the driver's threads share.
-pub(in crate::engine) struct Shared {
+pub(crate) struct Shared {
     pub er: ElasticRun,
     pub cfg_hash: String,
     /// Ids a worker may have: `0..ids` (the first epoch's, then `max_joins` more).
@@ -241,7 +241,7 @@ impl Shared {
 #[cfg(test)]
 impl Shared {
     /// The driver's shared state with `world` first-epoch workers (ids `0..world`, `max_joins`
-    /// more) and no fleet behind it: for tests of the acceptor ([`crate::engine::elastic_join`]).
+    /// more) and no fleet behind it: for tests of the acceptor ([`crate::join`]).
     pub fn for_tests(er: ElasticRun, world: u64, admission: Admission, events: File) -> Shared {
         Shared::new(er, world, "test".into(), admission, events)
     }

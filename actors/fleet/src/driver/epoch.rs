@@ -12,37 +12,42 @@ use tessera_actors::recovery::Layout;
 use super::close::shutdown_and_wait;
 use super::proxy::{recv_reply, Member};
 use super::{relock, Fleet};
-use crate::engine::plan::Plan;
-use crate::engine::ranks::Start;
-use crate::engine::rendezvous::{node_name, send_start};
-use crate::engine::wire::{self, ToParent, ToWorker};
+use crate::rendezvous::{node_name, send_start};
+use crate::state::{FleetPlan, Start};
+use crate::wire::{self, ToParent, ToWorker};
 
 /// The newest epoch whose every member got its first full replica copy: a loss is restored
 /// from what its members hold (their shards and replicas, kept until a newer epoch is
 /// installed) until then.
-#[derive(Clone)]
-pub(super) struct Installed {
+pub(super) struct Installed<P> {
     pub(super) epoch: u64,
-    pub(super) plan: Arc<Plan>,
+    pub(super) plan: Arc<P>,
     /// The members' ids in rank order.
     ids: Vec<u64>,
 }
 
-impl Installed {
-    /// The layout the state is read in at a recovery ([`tessera_actors::recovery::choose_source`]).
-    pub(super) fn layout(&self) -> Layout<'_, u64> {
-        Layout { epoch: self.epoch, members: &self.ids, world: self.plan.world, sharded: self.plan.stage != 0 }
+// Not derived: that would ask `P: Clone`, and the plan is shared, not copied.
+impl<P> Clone for Installed<P> {
+    fn clone(&self) -> Self {
+        Installed { epoch: self.epoch, plan: Arc::clone(&self.plan), ids: self.ids.clone() }
     }
 }
 
-impl Fleet {
+impl<P: FleetPlan> Installed<P> {
+    /// The layout the state is read in at a recovery ([`tessera_actors::recovery::choose_source`]).
+    pub(super) fn layout(&self) -> Layout<'_, u64> {
+        Layout { epoch: self.epoch, members: &self.ids, world: self.plan.world(), sharded: self.plan.sharded() }
+    }
+}
+
+impl<P: FleetPlan> Fleet<P> {
     /// Recovery's step 4: forms epoch `epoch` of `next` (in rank order) under `plan`, from
     /// `start`: each member gets `Epoch` and answers with its new QUIC address, then the
     /// addresses, node names and its cut of the state, and says `Ready` once it joined the new
     /// mesh. Returns whether every member did; when one was lost, the formation that stopped
     /// half-way is settled first ([`Fleet::settle_epoch`]), and an answer out of protocol is
     /// an error.
-    pub(super) fn form_epoch(&self, next: &[Arc<Member>], epoch: u64, plan: &Plan, start: &Start) -> Result<bool> {
+    pub(super) fn form_epoch(&self, next: &[Arc<Member>], epoch: u64, plan: &P, start: &Start) -> Result<bool> {
         self.shared.epoch.store(epoch, Ordering::SeqCst);
         *relock(&self.shared.members) = next.iter().map(|m| m.id).collect();
         // Members that answered `Epoch` owe a final `Ready`/`Failed` (`true` once sent the
@@ -96,7 +101,7 @@ impl Fleet {
         &self,
         next: &[Arc<Member>],
         addrs: Vec<String>,
-        plan: &Plan,
+        plan: &P,
         start: &Start,
         owing: &mut [(Arc<Member>, bool)],
     ) -> bool {
