@@ -299,6 +299,21 @@ fn tokenizer_for(ck: &CheckpointState, given: Option<&Path>) -> Result<Option<Pa
     Ok(Some(given.to_path_buf()))
 }
 
+/// Refuses a tokenizer whose ids do not all fit the checkpoint's model, naming the tokenizer
+/// file and the model's `vocab_size`.
+fn check_vocab(codec: &Codec, tokenizer: Option<&Path>, model: &tessera_kernels::model::ModelConfig, ck: &CheckpointState) -> Result<()> {
+    if codec.vocab_size() > model.vocab_size {
+        let file = tokenizer.map_or("the byte-level tokens".to_string(), |p| format!("tokenizer {}", p.display()));
+        bail!(
+            "{file}: a vocabulary of {} ids is larger than the model's `vocab_size` = {} (checkpoint of `{}`): pass the tokenizer it was trained with",
+            codec.vocab_size(),
+            model.vocab_size,
+            ck.model
+        );
+    }
+    Ok(())
+}
+
 /// `tessera generate`.
 pub fn generate(o: &GenerateOpts) -> Result<()> {
     if !o.temperature.is_finite() {
@@ -306,10 +321,9 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
     }
     let ck = load_checkpoint(&o.checkpoint)?;
     let (model, params) = model_from_checkpoint(&ck)?;
-    let codec = Codec::open(tokenizer_for(&ck, o.tokenizer.as_deref())?.as_deref()).context("opening the tokenizer")?;
-    if codec.vocab_size() > model.cfg.vocab_size {
-        bail!("tokenizer vocabulary ({}) is larger than the model's ({})", codec.vocab_size(), model.cfg.vocab_size);
-    }
+    let tokenizer = tokenizer_for(&ck, o.tokenizer.as_deref())?;
+    let codec = Codec::open(tokenizer.as_deref()).context("opening the tokenizer")?;
+    check_vocab(&codec, tokenizer.as_deref(), &model.cfg, &ck)?;
     let mut tokens = codec.encode(&o.prompt).context("encoding the prompt")?;
     if tokens.is_empty() {
         bail!("the prompt encodes to no tokens; give --prompt some text");
@@ -472,9 +486,7 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     let doc = hf::config_doc(family, c, recorded.as_ref().map(|h| &h.doc), dtype);
     let tokenizer = training_tokenizer_bytes(&ck, o.tokenizer.as_deref())?;
     let codec = Codec::open(tokenizer.as_ref().map(|(p, _)| p.as_path())).context("opening the tokenizer")?;
-    if codec.vocab_size() > c.vocab_size {
-        bail!("tokenizer vocabulary ({}) is larger than the model's ({})", codec.vocab_size(), c.vocab_size);
-    }
+    check_vocab(&codec, tokenizer.as_ref().map(|(p, _)| p.as_path()), c, &ck)?;
     let text_ids = codec.encode(TOKENIZER_SAMPLE).context("encoding the tokenizer sample")?;
     let mut files = checkpoint::tokenizer_files(tokenizer.as_ref().map(|(_, b)| b.as_slice()), c.max_seq_len)?;
     // t + 1 tokens go through transformers (labels = inputs), within the context.

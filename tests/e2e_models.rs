@@ -122,3 +122,47 @@ fn a_folder_without_weights_pretrains_from_the_seed_and_a_bad_config_is_refused(
     assert!(said.contains("config.json: key `rotary_dim` = 16: expected no such key in a GPT2LMHeadModel config"), "{said}");
     assert!(!out.join("checkpoints").exists(), "a refused run wrote checkpoints");
 }
+
+/// `train` with `model` that must fail before any step; returns what it said.
+fn refused(model: &Path, data: &Path, out: &Path, more: &[&str]) -> String {
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap()];
+    a.extend_from_slice(&["--output", out.to_str().unwrap(), "--steps", "1", "--no-progress"]);
+    a.extend_from_slice(FAST);
+    a.extend_from_slice(more);
+    let said = fails(&a, out.parent().unwrap());
+    assert!(!out.join("checkpoints").exists(), "a refused run wrote checkpoints");
+    said
+}
+
+#[test]
+fn a_folder_without_config_a_tokenizer_larger_than_the_model_and_a_longer_sequence_are_refused_by_file_and_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = text(tmp.path());
+    let bare = copy_fixture("gpt2", &tmp.path().join("bare"), |f| f != "config.json");
+    let said = refused(&bare, &data, &tmp.path().join("bare-out"), &[]);
+    assert!(said.contains(&format!("{}: missing: ", bare.join("config.json").display())), "{said}");
+
+    // The folder's tokenizer has 320 ids; its config (without weights) only 300.
+    let model = copy_fixture("llama", tmp.path(), |f| !f.ends_with(".safetensors"));
+    let config = model.join("config.json");
+    let doc = std::fs::read_to_string(&config).unwrap().replacen("\"vocab_size\": 320", "\"vocab_size\": 300", 1);
+    std::fs::write(&config, doc).unwrap();
+    let said = refused(&model, &data, &tmp.path().join("vocab"), &[]);
+    let want = format!(
+        "{}: key `vocab_size` = 300, but the data's tokens need 320 (tokenizer {}",
+        config.display(),
+        model.join("tokenizer.json").display()
+    );
+    assert!(said.contains(&want), "{said}");
+
+    // The llama fixture takes 64 positions (max_position_embeddings).
+    let llama = copy_fixture("llama", &tmp.path().join("full"), |_| true);
+    let said = refused(&llama, &data, &tmp.path().join("long"), &["--set", "tessera.seq_len=65"]);
+    let want = format!(
+        "tessera.seq_len = 65 is out of range: the model `{}` takes 1..=64 ({}: `max_position_embeddings`)",
+        llama.display(),
+        llama.join("config.json").display()
+    );
+    assert!(said.contains(&want), "{said}");
+}

@@ -104,8 +104,17 @@ impl HfModel {
     /// name, dtype and shape against the model the config describes (no tensor data is read).
     pub fn open(dir: &Path) -> Result<HfModel, HfError> {
         let path = dir.join(CONFIG_FILE);
-        let bytes = std::fs::read(&path).map_err(|e| HfError::io("read", &path, e))?;
         let file = path.display().to_string();
+        let bytes = std::fs::read(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound if dir.is_dir() => HfError::Config {
+                file: file.clone(),
+                reason: format!(
+                    "missing: {} is no Hugging Face model folder (it needs its {CONFIG_FILE}; the weights and {TOKENIZER_FILE} are optional)",
+                    dir.display()
+                ),
+            },
+            _ => HfError::io("read", &path, e),
+        })?;
         let doc: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| HfError::Config { file: file.clone(), reason: format!("not JSON: {e}") })?;
         let config = parse(&file, &doc)?;

@@ -277,3 +277,47 @@ fn the_folders_end_of_sequence_token_separates_documents() {
     assert_eq!(folder_end_of_text(tmp.path().to_str().unwrap()).as_deref(), Some("</s>"));
     assert_eq!(folder_end_of_text("gpt-tiny"), None, "a preset has none");
 }
+
+/// A copy of fixture `name` with `edit` applied to the copied folder.
+fn copy_with(name: &str, edit: impl FnOnce(&Path)) -> tempfile::TempDir {
+    let tmp = edited(name, |_| {});
+    edit(tmp.path());
+    tmp
+}
+
+#[test]
+fn a_folder_without_its_config_json_is_refused_naming_the_file() {
+    let tmp = copy_with("llama", |d| std::fs::remove_file(d.join(CONFIG_FILE)).unwrap());
+    let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+    let file = tmp.path().join(CONFIG_FILE).display().to_string();
+    assert!(e.starts_with(&format!("{file}: missing:")) && e.contains("is no Hugging Face model folder"), "{e}");
+    let e = crate::zoo::resolve(tmp.path().to_str().unwrap()).unwrap_err();
+    assert!(e.contains(&file), "{e}");
+}
+
+#[test]
+fn a_missing_shard_is_refused_naming_the_index_key_and_the_file() {
+    let shard = "model-00003-of-00006.safetensors";
+    let tmp = copy_with("llama-sharded", |d| std::fs::remove_file(d.join(shard)).unwrap());
+    let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+    assert!(e.contains("model.safetensors.index.json: key `weight_map.model.layers."), "{e}");
+    assert!(e.contains(&format!("= \"{shard}\": expected a shard in this folder, but")) && e.contains("is missing"), "{e}");
+}
+
+#[test]
+fn a_truncated_safetensors_file_is_refused_naming_the_file_and_tensor() {
+    for (name, file) in [("llama", "model.safetensors"), ("llama-sharded", "model-00002-of-00006.safetensors")] {
+        let bytes = std::fs::read(fixture(name).join(file)).unwrap();
+        // Cut in the data: the last tensor of the file lacks its end.
+        let tmp = copy_with(name, |d| std::fs::write(d.join(file), &bytes[..bytes.len() - 100]).unwrap());
+        let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+        let path = tmp.path().join(file).display().to_string();
+        assert!(e.starts_with(&format!("{path}: tensor `")) && e.contains("the file is truncated"), "{name}: {e}");
+        // Cut in the header, and before the header's length.
+        for keep in [20, 5] {
+            let tmp = copy_with(name, |d| std::fs::write(d.join(file), &bytes[..keep]).unwrap());
+            let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("{}: truncated: {keep} bytes", tmp.path().join(file).display())), "{name}: {e}");
+        }
+    }
+}
