@@ -428,6 +428,10 @@ pub const EXPORT_FILES: &[&str] = &[
     checkpoint::TOKENIZER_FILE,
     checkpoint::TOKENIZER_CONFIG_FILE,
     checkpoint::SPECIAL_TOKENS_FILE,
+    // Only when the model folder trained from had them (`hf::companions`).
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
 ];
 
 /// The text whose ids an export's `reference.json` records: the exported tokenizer must give
@@ -469,6 +473,26 @@ fn training_tokenizer_bytes(ck: &CheckpointState, given: Option<&Path>) -> Resul
     Ok(Some((path, bytes)))
 }
 
+/// Puts the model folder's own tokenizer and generation files a checkpoint recorded
+/// (`extra.model_files`, `hf::companions`) into an export's `files`, byte for byte, in place of
+/// the generated ones of the same name.
+fn carry_model_files(ck: &CheckpointState, files: &mut Vec<(&'static str, Vec<u8>)>) -> Result<()> {
+    let Some(recorded) = ck.extra.get("model_files").filter(|v| !v.is_null()) else { return Ok(()) };
+    let what = "the checkpoint's manifest, key `extra.model_files`";
+    let recorded = recorded.as_object().with_context(|| format!("{what}: expected an object of file name to text"))?;
+    for (name, text) in recorded {
+        let (Some(name), Some(text)) = (hf::companions::known(name), text.as_str()) else {
+            bail!("{what}: `{name}` is not a model folder file Tessera carries, or its value is not text");
+        };
+        let bytes = text.as_bytes().to_vec();
+        match files.iter_mut().find(|(n, _)| *n == name) {
+            Some(slot) => slot.1 = bytes,
+            None => files.push((name, bytes)),
+        }
+    }
+    Ok(())
+}
+
 /// `tessera export`: a Hugging Face folder of the model's family (the folder it came from, or
 /// GPT-2 / LLaMA for a preset; `hf::export`): safetensors + config.json, the tokenizer's files
 /// (`AutoTokenizer.from_pretrained` gives the ids the model was trained on) and
@@ -489,6 +513,7 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     check_vocab(&codec, tokenizer.as_ref().map(|(p, _)| p.as_path()), c, &ck)?;
     let text_ids = codec.encode(TOKENIZER_SAMPLE).context("encoding the tokenizer sample")?;
     let mut files = checkpoint::tokenizer_files(tokenizer.as_ref().map(|(_, b)| b.as_slice()), c.max_seq_len)?;
+    carry_model_files(&ck, &mut files)?;
     // t + 1 tokens go through transformers (labels = inputs), within the context.
     let t = c.max_seq_len.saturating_sub(1).clamp(1, 64);
     let tokens: Vec<u32> = (0..=t).map(|i| ((i * 37 + 11) % c.vocab_size) as u32).collect();

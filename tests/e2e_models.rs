@@ -39,6 +39,13 @@ fn train(model: &Path, data: &Path, out: &Path, steps: &str, more: &[&str]) -> S
 fn a_llama_folder_trains_resumes_generates_and_exports_from_its_checkpoint_alone() {
     let tmp = tempfile::tempdir().unwrap();
     let model = copy_fixture("llama", tmp.path(), |_| true);
+    // The folder's own tokenizer settings (a chat template) travel to the export byte for byte.
+    let settings = "{\n  \"add_bos_token\": false,\n  \"chat_template\": \"{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}\",\n  \"eos_token\": \"<|endoftext|>\",\n  \"model_max_length\": 64,\n  \"tokenizer_class\": \"PreTrainedTokenizerFast\"\n}\n";
+    write(&model, "tokenizer_config.json", settings);
+    write(&model, "special_tokens_map.json", "{\"eos_token\": \"<|endoftext|>\"}");
+    let carried: Vec<(&str, Vec<u8>)> = ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
+        .map(|f| (f, std::fs::read(model.join(f)).unwrap()))
+        .into();
     let data = text(tmp.path());
     let (one, two, split) = (tmp.path().join("one"), tmp.path().join("two"), tmp.path().join("split"));
     let stage = |s: &'static str| ["--set", s];
@@ -90,6 +97,41 @@ fn a_llama_folder_trains_resumes_generates_and_exports_from_its_checkpoint_alone
     assert!(exported == trained, "the export does not hold the trained parameters");
     assert_eq!(hf.config.model, m.cfg);
     assert!(export.join("tokenizer.json").is_file() && export.join("reference.json").is_file());
+    for (file, bytes) in &carried {
+        assert!(std::fs::read(export.join(file)).unwrap() == *bytes, "{file}: the export's differs from the model folder's");
+    }
+}
+
+/// A folder whose tokenizer starts every sequence with a token (`add_bos_token`) has it put
+/// before every document of a collection, after the end-of-text token between them (the
+/// checkpoint's data record says so); `tessera.data_bos = ""` leaves it out.
+#[test]
+fn a_folders_beginning_of_sequence_token_opens_every_document() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = copy_fixture("llama", tmp.path(), |f| !f.ends_with(".safetensors"));
+    write(&model, "tokenizer_config.json", "{\"add_bos_token\": true, \"bos_token\": \"!\"}");
+    let line = |t: &str| format!("{{\"text\": \"{t}\"}}\n");
+    let docs: String =
+        ["It is a truth universally acknowledged", "that a single man", "in possession of a good fortune"].map(line).concat();
+    let data = write(tmp.path(), "docs.jsonl", &docs.repeat(20));
+    let data_of = |out: &Path| {
+        let step = out.join("checkpoints").join(std::fs::read_to_string(out.join("checkpoints/latest")).unwrap().trim());
+        let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(step.join("manifest.json")).unwrap()).unwrap();
+        manifest["extra"]["data"].clone()
+    };
+    let record = |out: &Path| data_of(out)["source"].as_str().unwrap().to_string();
+    let (framed, plain) = (tmp.path().join("framed"), tmp.path().join("plain"));
+    train(&model, &data, &framed, "1", &["--world", "1"]);
+    train(&model, &data, &plain, "1", &["--world", "1", "--set", "tessera.data_bos="]);
+    // `!` is id 0 of the fixture's byte-level BPE, `<|endoftext|>` id 319.
+    assert!(
+        record(&framed).contains("begin-of-text 0, end-of-text 319") && record(&framed).contains("60 documents"),
+        "{}",
+        record(&framed)
+    );
+    assert!(!record(&plain).contains("begin-of-text") && record(&plain).contains("end-of-text 319"), "{}", record(&plain));
+    let tokens = |out: &Path| data_of(out)["tokens"].as_u64().unwrap();
+    assert_eq!(tokens(&framed), tokens(&plain) + 60, "one begin-of-text token a document");
 }
 
 #[test]

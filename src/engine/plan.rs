@@ -225,6 +225,13 @@ impl Plan {
         self.source.folder().map_or(serde_json::Value::Null, |f| f.config.doc.clone())
     }
 
+    /// What a checkpoint records of the model folder's tokenizer and generation settings
+    /// (`extra.model_files`, which `tessera export` writes back byte for byte); `Null` for a
+    /// preset. `tokenizer` is the run's `tessera.tokenizer`.
+    pub fn model_files(&self, tokenizer: Option<&str>) -> serde_json::Value {
+        self.source.folder().map_or(serde_json::Value::Null, |f| f.recorded_files(tokenizer))
+    }
+
     /// The plan of `cfg` for its world size; an error names the config file and the key.
     pub fn new(cfg: &Config, data: &Dataset) -> Result<Plan> {
         Plan::build(cfg, data).with_context(|| format!("config {}", cfg.source))

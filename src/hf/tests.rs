@@ -321,3 +321,68 @@ fn a_truncated_safetensors_file_is_refused_naming_the_file_and_tensor() {
         }
     }
 }
+
+/// Writes `file` of folder `dir` as `doc`.
+fn put(dir: &Path, file: &str, doc: serde_json::Value) {
+    std::fs::write(dir.join(file), serde_json::to_vec_pretty(&doc).unwrap()).unwrap();
+}
+
+/// The folder's tokenizer says whether a document opens with a beginning-of-sequence token:
+/// `add_bos_token` with its `bos_token` (or config.json's `bos_token_id`), else the
+/// tokenizer.json template's first special token; never the end-of-sequence token itself.
+#[test]
+fn the_folders_beginning_of_sequence_token_opens_documents_when_its_tokenizer_adds_one() {
+    let dir = fixture("llama");
+    assert_eq!(folder_begin_of_text(dir.to_str().unwrap()), None, "the fixture's tokenizer adds none");
+    let tmp = edited("llama", |d| d["bos_token_id"] = 7.into());
+    let folder = tmp.path().to_str().unwrap();
+    let path = tmp.path().join(TOKENIZER_FILE);
+    let mut tok: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    tok["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({"id": 7, "content": "<s>", "special": true}));
+    put(tmp.path(), TOKENIZER_FILE, tok.clone());
+    put(tmp.path(), "tokenizer_config.json", serde_json::json!({"add_bos_token": true, "bos_token": {"content": "<|begin|>"}}));
+    assert_eq!(folder_begin_of_text(folder).as_deref(), Some("<|begin|>"), "tokenizer_config.json's bos_token");
+    put(tmp.path(), "tokenizer_config.json", serde_json::json!({"add_bos_token": true}));
+    assert_eq!(folder_begin_of_text(folder).as_deref(), Some("<s>"), "config.json's bos_token_id");
+    put(tmp.path(), "tokenizer_config.json", serde_json::json!({"add_bos_token": true, "bos_token": "<|endoftext|>"}));
+    assert_eq!(folder_begin_of_text(folder), None, "the end-of-sequence token is not put twice");
+    // LLaMA 3: no flag, the post-processor's template adds it.
+    tok["post_processor"] = serde_json::json!({"type": "Sequence", "processors": [
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+        {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+         "pair": [], "special_tokens": {}}]});
+    put(tmp.path(), TOKENIZER_FILE, tok);
+    put(tmp.path(), "tokenizer_config.json", serde_json::json!({"chat_template": "{{ messages }}"}));
+    assert_eq!(folder_begin_of_text(folder).as_deref(), Some("<s>"), "the template's first token");
+    put(tmp.path(), "tokenizer_config.json", serde_json::json!({"add_bos_token": false}));
+    assert_eq!(folder_begin_of_text(folder), None, "add_bos_token false wins over the template");
+    assert_eq!(folder_begin_of_text("gpt-tiny"), None, "a preset has none");
+}
+
+/// The folder's tokenizer and generation settings are read when it is opened; a checkpoint
+/// records the tokenizer's only when the run uses the folder's own tokenizer.json.
+#[test]
+fn the_folders_tokenizer_and_generation_settings_are_recorded_as_they_are() {
+    let tmp = edited("llama", |_| {});
+    let settings = "{\n  \"add_bos_token\": false,\n  \"chat_template\": \"{% for m in messages %}{{ m['content'] }}{% endfor %}\"\n}\n";
+    std::fs::write(tmp.path().join("tokenizer_config.json"), settings).unwrap();
+    std::fs::write(tmp.path().join("chat_template.jinja"), "{{ bos_token }}\n").unwrap();
+    let hf = HfModel::open(tmp.path()).unwrap();
+    let generation = std::fs::read_to_string(tmp.path().join("generation_config.json")).unwrap();
+    let own = tmp.path().join(TOKENIZER_FILE);
+    let recorded = hf.recorded_files(own.to_str());
+    let want = serde_json::json!({
+        "chat_template.jinja": "{{ bos_token }}\n",
+        "generation_config.json": generation,
+        "tokenizer_config.json": settings,
+    });
+    assert_eq!(recorded, want);
+    let other = tempfile::tempdir().unwrap();
+    let copy = other.path().join(TOKENIZER_FILE);
+    std::fs::copy(&own, &copy).unwrap();
+    assert_eq!(hf.recorded_files(copy.to_str()), serde_json::json!({ "generation_config.json": generation }), "another tokenizer");
+    assert_eq!(hf.recorded_files(None), serde_json::json!({ "generation_config.json": generation }), "byte-level");
+    std::fs::write(tmp.path().join("special_tokens_map.json"), b"{\"bos_token\": ").unwrap();
+    let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+    assert!(e.starts_with(&format!("{}: not JSON", tmp.path().join("special_tokens_map.json").display())), "{e}");
+}
