@@ -144,6 +144,16 @@ fn import_then_export_gives_the_same_bytes_for_every_family() {
         let exported = export(out.path(), hf.config.family, (&model, &params), &doc, &[], format).unwrap();
         assert_eq!(weights_of(out.path()), weights_of(&dir), "{name}: exported weights differ from the folder's");
         assert_eq!(exported.files.len() > 2, sharded, "{name}: {:?}", exported.files);
+        if sharded {
+            // The index: transformers' metadata, and a shard for every tensor the folder's names.
+            let index = |d: &Path| -> serde_json::Value {
+                serde_json::from_slice(&std::fs::read(d.join("model.safetensors.index.json")).unwrap()).unwrap()
+            };
+            let (ours, theirs) = (index(out.path()), index(&dir));
+            assert_eq!(ours["metadata"], theirs["metadata"], "{name}");
+            let keys = |v: &serde_json::Value| v["weight_map"].as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+            assert_eq!(keys(&ours), keys(&theirs), "{name}");
+        }
         // The export reads back as the same model.
         let (again, model2, params2) = open(out.path());
         assert_eq!((again.config.model, params2), (model2.cfg.clone(), params), "{name}");
