@@ -545,3 +545,38 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     outln!("check with: python3 scripts/check_export.py {}", out.display());
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(extra: serde_json::Value) -> CheckpointState {
+        let (data_cursor, rng) = (serde_json::Value::Null, serde_json::Value::Null);
+        CheckpointState { step: 1, config_hash: String::new(), model: "m".into(), data_cursor, rng, extra, params: vec![], optim: vec![] }
+    }
+
+    /// A recorded folder file replaces the generated one of its name byte for byte, a new one
+    /// is added; a name that is not a model folder file Tessera carries (a path, say) is refused.
+    #[test]
+    fn recorded_model_files_replace_the_generated_ones_and_nothing_else_is_written() {
+        let generated = || vec![("tokenizer.json", b"T".to_vec()), ("tokenizer_config.json", b"generated".to_vec())];
+        let mut files = generated();
+        let ck = state(
+            serde_json::json!({"model_files": {"tokenizer_config.json": "{\"chat_template\": \"x\"}\n", "generation_config.json": "{}"}}),
+        );
+        carry_model_files(&ck, &mut files).unwrap();
+        let want = vec![
+            ("tokenizer.json", b"T".to_vec()),
+            ("tokenizer_config.json", b"{\"chat_template\": \"x\"}\n".to_vec()),
+            ("generation_config.json", b"{}".to_vec()),
+        ];
+        assert_eq!(files, want);
+        let mut files = generated();
+        carry_model_files(&state(serde_json::json!({"model_files": null})), &mut files).unwrap();
+        assert_eq!(files, generated(), "a preset's checkpoint records none");
+        for bad in [serde_json::json!({"../config.json": "{}"}), serde_json::json!({"tokenizer_config.json": 3})] {
+            let e = carry_model_files(&state(serde_json::json!({ "model_files": bad })), &mut generated()).unwrap_err().to_string();
+            assert!(e.contains("extra.model_files") && e.contains("not a model folder file Tessera carries"), "{e}");
+        }
+    }
+}
