@@ -314,6 +314,21 @@ fn check_vocab(codec: &Codec, tokenizer: Option<&Path>, model: &tessera_kernels:
     Ok(())
 }
 
+/// The prompt's tokens as the model trained on documents: opened by the begin-of-text token
+/// when the run put one before every document (`extra.data_bos`, `tessera.data_bos`), as the
+/// model folder's tokenizer does for a sequence. Also the index the shown text starts at (the
+/// begin-of-text token is not shown).
+fn prompt_tokens(ck: &CheckpointState, codec: &Codec, tokenizer: Option<&Path>, prompt: &str) -> Result<(Vec<u32>, usize)> {
+    let text = codec.encode(prompt).context("encoding the prompt")?;
+    if text.is_empty() {
+        bail!("the prompt encodes to no tokens; give --prompt some text");
+    }
+    let named = ck.extra.get("data_bos").and_then(serde_json::Value::as_str);
+    let bos = codec.begin_of_text(named, tokenizer).context("the checkpoint's begin-of-text token (manifest `extra.data_bos`)")?;
+    let tokens: Vec<u32> = bos.into_iter().chain(text).collect();
+    Ok((tokens, usize::from(bos.is_some())))
+}
+
 /// `tessera generate`.
 pub fn generate(o: &GenerateOpts) -> Result<()> {
     if !o.temperature.is_finite() {
@@ -324,15 +339,12 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
     let tokenizer = tokenizer_for(&ck, o.tokenizer.as_deref())?;
     let codec = Codec::open(tokenizer.as_deref()).context("opening the tokenizer")?;
     check_vocab(&codec, tokenizer.as_deref(), &model.cfg, &ck)?;
-    let mut tokens = codec.encode(&o.prompt).context("encoding the prompt")?;
-    if tokens.is_empty() {
-        bail!("the prompt encodes to no tokens; give --prompt some text");
-    }
+    let (mut tokens, shown) = prompt_tokens(&ck, &codec, tokenizer.as_deref(), &o.prompt)?;
     let mut rng = Rng::new(o.seed);
     let mut ws = Workspace::default();
     let ctx = model.cfg.max_seq_len;
     let mut out = TextStream::new(&codec);
-    let streamed = out.show(&codec.decode(&tokens)).and_then(|()| {
+    let streamed = out.show(&codec.decode(&tokens[shown..])).and_then(|()| {
         for _ in 0..o.tokens {
             let window = &tokens[tokens.len().saturating_sub(ctx)..];
             let mut logits = model.next_token_logits(&params, window, &mut ws);
@@ -578,5 +590,23 @@ mod tests {
             let e = carry_model_files(&state(serde_json::json!({ "model_files": bad })), &mut generated()).unwrap_err().to_string();
             assert!(e.contains("extra.model_files") && e.contains("not a model folder file Tessera carries"), "{e}");
         }
+    }
+
+    /// A prompt opens with the begin-of-text token the run framed its documents with, and only
+    /// then; the shown text leaves it out.
+    #[test]
+    fn a_prompt_opens_with_the_runs_begin_of_text_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, include_str!("../tests/fixtures/tiny_bpe.json")).unwrap();
+        let codec = Codec::open(Some(&path)).unwrap();
+        let plain = codec.encode("hello world").unwrap();
+        let (tokens, shown) = prompt_tokens(&state(serde_json::json!({"data_bos": "hello"})), &codec, Some(&path), "hello world").unwrap();
+        assert_eq!((tokens[0], &tokens[1..], shown), (codec.encode("hello").unwrap()[0], &plain[..], 1));
+        for extra in [serde_json::json!({"data_bos": null}), serde_json::json!({})] {
+            assert_eq!(prompt_tokens(&state(extra), &codec, Some(&path), "hello world").unwrap(), (plain.clone(), 0));
+        }
+        let e = prompt_tokens(&state(serde_json::json!({"data_bos": "<s>"})), &codec, Some(&path), "hello").unwrap_err();
+        assert!(format!("{e:#}").contains("extra.data_bos") && format!("{e:#}").contains("has no token \"<s>\""), "{e:#}");
     }
 }

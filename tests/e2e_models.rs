@@ -132,6 +132,10 @@ fn a_folders_beginning_of_sequence_token_opens_every_document() {
     assert!(!record(&plain).contains("begin-of-text") && record(&plain).contains("end-of-text 319"), "{}", record(&plain));
     let tokens = |out: &Path| data_of(out)["tokens"].as_u64().unwrap();
     assert_eq!(tokens(&framed), tokens(&plain) + 60, "one begin-of-text token a document");
+    // generate opens the prompt with it too, and shows the prompt without it.
+    let ckpt = framed.join("checkpoints");
+    let said = ok(&["generate", "--checkpoint", ckpt.to_str().unwrap(), "--prompt", "It is a truth", "--tokens", "4"], tmp.path());
+    assert!(said.starts_with("It is a truth"), "{said}");
 }
 
 #[test]

@@ -376,6 +376,7 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
             "data": data,
             "model_config": plan.model_record(),
             "model_files": plan.model_files(cfg.tessera.tokenizer.as_deref()),
+            "data_bos": cfg.tessera.data_bos,
         }),
         params,
         optim,
