@@ -299,6 +299,36 @@ fn tokenizer_for(ck: &CheckpointState, given: Option<&Path>) -> Result<Option<Pa
     Ok(Some(given.to_path_buf()))
 }
 
+/// Refuses a tokenizer whose ids do not all fit the checkpoint's model, naming the tokenizer
+/// file and the model's `vocab_size`.
+fn check_vocab(codec: &Codec, tokenizer: Option<&Path>, model: &tessera_kernels::model::ModelConfig, ck: &CheckpointState) -> Result<()> {
+    if codec.vocab_size() > model.vocab_size {
+        let file = tokenizer.map_or("the byte-level tokens".to_string(), |p| format!("tokenizer {}", p.display()));
+        bail!(
+            "{file}: a vocabulary of {} ids is larger than the model's `vocab_size` = {} (checkpoint of `{}`): pass the tokenizer it was trained with",
+            codec.vocab_size(),
+            model.vocab_size,
+            ck.model
+        );
+    }
+    Ok(())
+}
+
+/// The prompt's tokens as the model trained on documents: opened by the begin-of-text token
+/// when the run put one before every document (`extra.data_bos`, `tessera.data_bos`), as the
+/// model folder's tokenizer does for a sequence. Also the index the shown text starts at (the
+/// begin-of-text token is not shown).
+fn prompt_tokens(ck: &CheckpointState, codec: &Codec, tokenizer: Option<&Path>, prompt: &str) -> Result<(Vec<u32>, usize)> {
+    let text = codec.encode(prompt).context("encoding the prompt")?;
+    if text.is_empty() {
+        bail!("the prompt encodes to no tokens; give --prompt some text");
+    }
+    let named = ck.extra.get("data_bos").and_then(serde_json::Value::as_str);
+    let bos = codec.begin_of_text(named, tokenizer).context("the checkpoint's begin-of-text token (manifest `extra.data_bos`)")?;
+    let tokens: Vec<u32> = bos.into_iter().chain(text).collect();
+    Ok((tokens, usize::from(bos.is_some())))
+}
+
 /// `tessera generate`.
 pub fn generate(o: &GenerateOpts) -> Result<()> {
     if !o.temperature.is_finite() {
@@ -306,19 +336,15 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
     }
     let ck = load_checkpoint(&o.checkpoint)?;
     let (model, params) = model_from_checkpoint(&ck)?;
-    let codec = Codec::open(tokenizer_for(&ck, o.tokenizer.as_deref())?.as_deref()).context("opening the tokenizer")?;
-    if codec.vocab_size() > model.cfg.vocab_size {
-        bail!("tokenizer vocabulary ({}) is larger than the model's ({})", codec.vocab_size(), model.cfg.vocab_size);
-    }
-    let mut tokens = codec.encode(&o.prompt).context("encoding the prompt")?;
-    if tokens.is_empty() {
-        bail!("the prompt encodes to no tokens; give --prompt some text");
-    }
+    let tokenizer = tokenizer_for(&ck, o.tokenizer.as_deref())?;
+    let codec = Codec::open(tokenizer.as_deref()).context("opening the tokenizer")?;
+    check_vocab(&codec, tokenizer.as_deref(), &model.cfg, &ck)?;
+    let (mut tokens, shown) = prompt_tokens(&ck, &codec, tokenizer.as_deref(), &o.prompt)?;
     let mut rng = Rng::new(o.seed);
     let mut ws = Workspace::default();
     let ctx = model.cfg.max_seq_len;
     let mut out = TextStream::new(&codec);
-    let streamed = out.show(&codec.decode(&tokens)).and_then(|()| {
+    let streamed = out.show(&codec.decode(&tokens[shown..])).and_then(|()| {
         for _ in 0..o.tokens {
             let window = &tokens[tokens.len().saturating_sub(ctx)..];
             let mut logits = model.next_token_logits(&params, window, &mut ws);
@@ -414,6 +440,10 @@ pub const EXPORT_FILES: &[&str] = &[
     checkpoint::TOKENIZER_FILE,
     checkpoint::TOKENIZER_CONFIG_FILE,
     checkpoint::SPECIAL_TOKENS_FILE,
+    // Only when the model folder trained from had them (`hf::companions`).
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
 ];
 
 /// The text whose ids an export's `reference.json` records: the exported tokenizer must give
@@ -455,6 +485,26 @@ fn training_tokenizer_bytes(ck: &CheckpointState, given: Option<&Path>) -> Resul
     Ok(Some((path, bytes)))
 }
 
+/// Puts the model folder's own tokenizer and generation files a checkpoint recorded
+/// (`extra.model_files`, `hf::companions`) into an export's `files`, byte for byte, in place of
+/// the generated ones of the same name.
+fn carry_model_files(ck: &CheckpointState, files: &mut Vec<(&'static str, Vec<u8>)>) -> Result<()> {
+    let Some(recorded) = ck.extra.get("model_files").filter(|v| !v.is_null()) else { return Ok(()) };
+    let what = "the checkpoint's manifest, key `extra.model_files`";
+    let recorded = recorded.as_object().with_context(|| format!("{what}: expected an object of file name to text"))?;
+    for (name, text) in recorded {
+        let (Some(name), Some(text)) = (hf::companions::known(name), text.as_str()) else {
+            bail!("{what}: `{name}` is not a model folder file Tessera carries, or its value is not text");
+        };
+        let bytes = text.as_bytes().to_vec();
+        match files.iter_mut().find(|(n, _)| *n == name) {
+            Some(slot) => slot.1 = bytes,
+            None => files.push((name, bytes)),
+        }
+    }
+    Ok(())
+}
+
 /// `tessera export`: a Hugging Face folder of the model's family (the folder it came from, or
 /// GPT-2 / LLaMA for a preset; `hf::export`): safetensors + config.json, the tokenizer's files
 /// (`AutoTokenizer.from_pretrained` gives the ids the model was trained on) and
@@ -472,11 +522,10 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     let doc = hf::config_doc(family, c, recorded.as_ref().map(|h| &h.doc), dtype);
     let tokenizer = training_tokenizer_bytes(&ck, o.tokenizer.as_deref())?;
     let codec = Codec::open(tokenizer.as_ref().map(|(p, _)| p.as_path())).context("opening the tokenizer")?;
-    if codec.vocab_size() > c.vocab_size {
-        bail!("tokenizer vocabulary ({}) is larger than the model's ({})", codec.vocab_size(), c.vocab_size);
-    }
+    check_vocab(&codec, tokenizer.as_ref().map(|(p, _)| p.as_path()), c, &ck)?;
     let text_ids = codec.encode(TOKENIZER_SAMPLE).context("encoding the tokenizer sample")?;
     let mut files = checkpoint::tokenizer_files(tokenizer.as_ref().map(|(_, b)| b.as_slice()), c.max_seq_len)?;
+    carry_model_files(&ck, &mut files)?;
     // t + 1 tokens go through transformers (labels = inputs), within the context.
     let t = c.max_seq_len.saturating_sub(1).clamp(1, 64);
     let tokens: Vec<u32> = (0..=t).map(|i| ((i * 37 + 11) % c.vocab_size) as u32).collect();
@@ -507,4 +556,57 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     );
     outln!("check with: python3 scripts/check_export.py {}", out.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(extra: serde_json::Value) -> CheckpointState {
+        let (data_cursor, rng) = (serde_json::Value::Null, serde_json::Value::Null);
+        CheckpointState { step: 1, config_hash: String::new(), model: "m".into(), data_cursor, rng, extra, params: vec![], optim: vec![] }
+    }
+
+    /// A recorded folder file replaces the generated one of its name byte for byte, a new one
+    /// is added; a name that is not a model folder file Tessera carries (a path, say) is refused.
+    #[test]
+    fn recorded_model_files_replace_the_generated_ones_and_nothing_else_is_written() {
+        let generated = || vec![("tokenizer.json", b"T".to_vec()), ("tokenizer_config.json", b"generated".to_vec())];
+        let mut files = generated();
+        let ck = state(
+            serde_json::json!({"model_files": {"tokenizer_config.json": "{\"chat_template\": \"x\"}\n", "generation_config.json": "{}"}}),
+        );
+        carry_model_files(&ck, &mut files).unwrap();
+        let want = vec![
+            ("tokenizer.json", b"T".to_vec()),
+            ("tokenizer_config.json", b"{\"chat_template\": \"x\"}\n".to_vec()),
+            ("generation_config.json", b"{}".to_vec()),
+        ];
+        assert_eq!(files, want);
+        let mut files = generated();
+        carry_model_files(&state(serde_json::json!({"model_files": null})), &mut files).unwrap();
+        assert_eq!(files, generated(), "a preset's checkpoint records none");
+        for bad in [serde_json::json!({"../config.json": "{}"}), serde_json::json!({"tokenizer_config.json": 3})] {
+            let e = carry_model_files(&state(serde_json::json!({ "model_files": bad })), &mut generated()).unwrap_err().to_string();
+            assert!(e.contains("extra.model_files") && e.contains("not a model folder file Tessera carries"), "{e}");
+        }
+    }
+
+    /// A prompt opens with the begin-of-text token the run framed its documents with, and only
+    /// then; the shown text leaves it out.
+    #[test]
+    fn a_prompt_opens_with_the_runs_begin_of_text_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, include_str!("../tests/fixtures/tiny_bpe.json")).unwrap();
+        let codec = Codec::open(Some(&path)).unwrap();
+        let plain = codec.encode("hello world").unwrap();
+        let (tokens, shown) = prompt_tokens(&state(serde_json::json!({"data_bos": "hello"})), &codec, Some(&path), "hello world").unwrap();
+        assert_eq!((tokens[0], &tokens[1..], shown), (codec.encode("hello").unwrap()[0], &plain[..], 1));
+        for extra in [serde_json::json!({"data_bos": null}), serde_json::json!({})] {
+            assert_eq!(prompt_tokens(&state(extra), &codec, Some(&path), "hello world").unwrap(), (plain.clone(), 0));
+        }
+        let e = prompt_tokens(&state(serde_json::json!({"data_bos": "<s>"})), &codec, Some(&path), "hello").unwrap_err();
+        assert!(format!("{e:#}").contains("extra.data_bos") && format!("{e:#}").contains("has no token \"<s>\""), "{e:#}");
+    }
 }

@@ -39,6 +39,13 @@ fn train(model: &Path, data: &Path, out: &Path, steps: &str, more: &[&str]) -> S
 fn a_llama_folder_trains_resumes_generates_and_exports_from_its_checkpoint_alone() {
     let tmp = tempfile::tempdir().unwrap();
     let model = copy_fixture("llama", tmp.path(), |_| true);
+    // The folder's own tokenizer settings (a chat template) travel to the export byte for byte.
+    let settings = "{\n  \"add_bos_token\": false,\n  \"chat_template\": \"{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}\",\n  \"eos_token\": \"<|endoftext|>\",\n  \"model_max_length\": 64,\n  \"tokenizer_class\": \"PreTrainedTokenizerFast\"\n}\n";
+    write(&model, "tokenizer_config.json", settings);
+    write(&model, "special_tokens_map.json", "{\"eos_token\": \"<|endoftext|>\"}");
+    let carried: Vec<(&str, Vec<u8>)> = ["tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
+        .map(|f| (f, std::fs::read(model.join(f)).unwrap()))
+        .into();
     let data = text(tmp.path());
     let (one, two, split) = (tmp.path().join("one"), tmp.path().join("two"), tmp.path().join("split"));
     let stage = |s: &'static str| ["--set", s];
@@ -90,6 +97,45 @@ fn a_llama_folder_trains_resumes_generates_and_exports_from_its_checkpoint_alone
     assert!(exported == trained, "the export does not hold the trained parameters");
     assert_eq!(hf.config.model, m.cfg);
     assert!(export.join("tokenizer.json").is_file() && export.join("reference.json").is_file());
+    for (file, bytes) in &carried {
+        assert!(std::fs::read(export.join(file)).unwrap() == *bytes, "{file}: the export's differs from the model folder's");
+    }
+}
+
+/// A folder whose tokenizer starts every sequence with a token (`add_bos_token`) has it put
+/// before every document of a collection, after the end-of-text token between them (the
+/// checkpoint's data record says so); `tessera.data_bos = ""` leaves it out.
+#[test]
+fn a_folders_beginning_of_sequence_token_opens_every_document() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = copy_fixture("llama", tmp.path(), |f| !f.ends_with(".safetensors"));
+    write(&model, "tokenizer_config.json", "{\"add_bos_token\": true, \"bos_token\": \"!\"}");
+    let line = |t: &str| format!("{{\"text\": \"{t}\"}}\n");
+    let docs: String =
+        ["It is a truth universally acknowledged", "that a single man", "in possession of a good fortune"].map(line).concat();
+    let data = write(tmp.path(), "docs.jsonl", &docs.repeat(20));
+    let data_of = |out: &Path| {
+        let step = out.join("checkpoints").join(std::fs::read_to_string(out.join("checkpoints/latest")).unwrap().trim());
+        let manifest: serde_json::Value = serde_json::from_slice(&std::fs::read(step.join("manifest.json")).unwrap()).unwrap();
+        manifest["extra"]["data"].clone()
+    };
+    let record = |out: &Path| data_of(out)["source"].as_str().unwrap().to_string();
+    let (framed, plain) = (tmp.path().join("framed"), tmp.path().join("plain"));
+    train(&model, &data, &framed, "1", &["--world", "1"]);
+    train(&model, &data, &plain, "1", &["--world", "1", "--set", "tessera.data_bos="]);
+    // `!` is id 0 of the fixture's byte-level BPE, `<|endoftext|>` id 319.
+    assert!(
+        record(&framed).contains("begin-of-text 0, end-of-text 319") && record(&framed).contains("60 documents"),
+        "{}",
+        record(&framed)
+    );
+    assert!(!record(&plain).contains("begin-of-text") && record(&plain).contains("end-of-text 319"), "{}", record(&plain));
+    let tokens = |out: &Path| data_of(out)["tokens"].as_u64().unwrap();
+    assert_eq!(tokens(&framed), tokens(&plain) + 60, "one begin-of-text token a document");
+    // generate opens the prompt with it too, and shows the prompt without it.
+    let ckpt = framed.join("checkpoints");
+    let said = ok(&["generate", "--checkpoint", ckpt.to_str().unwrap(), "--prompt", "It is a truth", "--tokens", "4"], tmp.path());
+    assert!(said.starts_with("It is a truth"), "{said}");
 }
 
 #[test]
@@ -121,4 +167,48 @@ fn a_folder_without_weights_pretrains_from_the_seed_and_a_bad_config_is_refused(
     let said = fails(&args, tmp.path());
     assert!(said.contains("config.json: key `rotary_dim` = 16: expected no such key in a GPT2LMHeadModel config"), "{said}");
     assert!(!out.join("checkpoints").exists(), "a refused run wrote checkpoints");
+}
+
+/// `train` with `model` that must fail before any step; returns what it said.
+fn refused(model: &Path, data: &Path, out: &Path, more: &[&str]) -> String {
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--model", model.to_str().unwrap(), "--data", data.to_str().unwrap()];
+    a.extend_from_slice(&["--output", out.to_str().unwrap(), "--steps", "1", "--no-progress"]);
+    a.extend_from_slice(FAST);
+    a.extend_from_slice(more);
+    let said = fails(&a, out.parent().unwrap());
+    assert!(!out.join("checkpoints").exists(), "a refused run wrote checkpoints");
+    said
+}
+
+#[test]
+fn a_folder_without_config_a_tokenizer_larger_than_the_model_and_a_longer_sequence_are_refused_by_file_and_key() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = text(tmp.path());
+    let bare = copy_fixture("gpt2", &tmp.path().join("bare"), |f| f != "config.json");
+    let said = refused(&bare, &data, &tmp.path().join("bare-out"), &[]);
+    assert!(said.contains(&format!("{}: missing: ", bare.join("config.json").display())), "{said}");
+
+    // The folder's tokenizer has 320 ids; its config (without weights) only 300.
+    let model = copy_fixture("llama", tmp.path(), |f| !f.ends_with(".safetensors"));
+    let config = model.join("config.json");
+    let doc = std::fs::read_to_string(&config).unwrap().replacen("\"vocab_size\": 320", "\"vocab_size\": 300", 1);
+    std::fs::write(&config, doc).unwrap();
+    let said = refused(&model, &data, &tmp.path().join("vocab"), &[]);
+    let want = format!(
+        "{}: key `vocab_size` = 300, but the data's tokens need 320 (tokenizer {}",
+        config.display(),
+        model.join("tokenizer.json").display()
+    );
+    assert!(said.contains(&want), "{said}");
+
+    // The llama fixture takes 64 positions (max_position_embeddings).
+    let llama = copy_fixture("llama", &tmp.path().join("full"), |_| true);
+    let said = refused(&llama, &data, &tmp.path().join("long"), &["--set", "tessera.seq_len=65"]);
+    let want = format!(
+        "tessera.seq_len = 65 is out of range: the model `{}` takes 1..=64 ({}: `max_position_embeddings`)",
+        llama.display(),
+        llama.join("config.json").display()
+    );
+    assert!(said.contains(&want), "{said}");
 }

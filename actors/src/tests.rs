@@ -445,3 +445,44 @@ fn every_error_kind_reaches_the_verdict_as_itself() {
         assert_eq!(after_failure(&err), verdict, "{err}");
     }
 }
+
+/// The sans-IO cores import none of their drivers (the actors, the driver) and no IO, clock,
+/// thread or runtime (docs/ARCHITECTURE.md, "API boundaries"): the library code of each file,
+/// up to its tests, is read for such paths outside comments.
+#[test]
+fn sans_io_cores_import_no_drivers_and_no_io() {
+    let cores = [
+        ("plan.rs", include_str!("plan.rs")),
+        ("replan.rs", include_str!("replan.rs")),
+        ("txn.rs", include_str!("txn.rs")),
+        ("worker_cmd.rs", include_str!("worker_cmd.rs")),
+        ("stepper.rs", include_str!("stepper.rs")),
+        ("recovery.rs", include_str!("recovery.rs")),
+        ("liveness.rs", include_str!("liveness.rs")),
+        ("formation.rs", include_str!("formation.rs")),
+        ("membership.rs", include_str!("membership.rs")),
+    ];
+    let forbidden = [
+        "crate::cluster",
+        "crate::node",
+        "crate::worker::",
+        "crate::driver",
+        "ractor",
+        "tokio",
+        "std::fs",
+        "std::net",
+        "std::thread",
+        "std::sync::mpsc",
+        "Instant",
+        "SystemTime",
+    ];
+    for (file, text) in cores {
+        let library = text.split("#[cfg(test)]\nmod tests").next().unwrap_or_default();
+        for (n, line) in library.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or_default();
+            if let Some(path) = forbidden.iter().find(|p| code.contains(*p)) {
+                panic!("actors/src/{file}:{}: a sans-IO core names `{path}`: {line}", n + 1);
+            }
+        }
+    }
+}

@@ -15,6 +15,10 @@
 //! (`clean_up_tokenization_spaces: false`). Special tokens are named only when the tokenizer
 //! has them: GPT-2's `<|endoftext|>` as an added token becomes bos, eos and unk, as GPT-2's own
 //! files say; a byte-level run has none.
+//!
+//! These two are only written when the run had no settings of its own: a run from a model
+//! folder with its own `tokenizer_config.json` / `special_tokens_map.json` (and its chat
+//! template) exports those, byte for byte (`hf::companions`, `cli::carry_model_files`).
 
 use super::CheckpointError;
 

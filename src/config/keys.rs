@@ -314,6 +314,7 @@ static TESSERA: &[KeyInfo] = &[
     k("tessera.tokenizer", Str, H, "tokenizer path; default: a model folder's tokenizer.json, else byte-level"),
     k("tessera.data_field", Str, H, "the JSON-lines field or Parquet column holding each document's text; default \"text\""),
     k("tessera.data_eot", Str, H, "the tokenizer's token put between documents (JSON lines, Parquet, a folder); default: a model folder's end-of-sequence token (config.json's eos_token_id), else the first of <|endoftext|>, <|end_of_text|>, </s>, <eos> the tokenizer has (none: refused); byte-level data uses id 256 (vocabulary 257)"),
+    k("tessera.data_bos", Str, H, "the tokenizer's token put before every document (JSON lines, Parquet, a folder; after the end-of-text token between documents); default: a model folder's beginning-of-sequence token when its tokenizer starts every sequence with one (tokenizer_config.json's add_bos_token with its bos_token, else tokenizer.json's template post-processor) and it is not the end-of-sequence token, else none; \"\" = none"),
     k("tessera.data_cache", Str, H, "folder of the token cache (data tokenized once, memory-mapped by every rank); default $XDG_CACHE_HOME/tessera/tokens, else ~/.cache/tessera/tokens; \"off\" = tokenize into memory; files are never removed (4 bytes a token): delete the folder to reclaim the space"),
     k("tessera.seq_len", UInt, H, "default: the model's context (a preset's, or a folder's n_positions / max_position_embeddings)"),
     k("tessera.steps", UInt, H, "optimizer steps; default 200"),

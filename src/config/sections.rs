@@ -324,6 +324,8 @@ pub struct TesseraConfig {
     pub data_field: String,
     /// The tokenizer's end-of-text token; None = detected.
     pub data_eot: Option<String>,
+    /// The tokenizer's token before every document; None = none.
+    pub data_bos: Option<String>,
     /// Folder of the token cache; None = the default; "off" = none.
     pub data_cache: Option<String>,
     pub seq_len: Option<usize>,
@@ -359,6 +361,7 @@ impl Default for TesseraConfig {
             tokenizer: None,
             data_field: "text".into(),
             data_eot: None,
+            data_bos: None,
             data_cache: None,
             seq_len: None,
             steps: 200,
@@ -411,6 +414,10 @@ pub(crate) fn parse_tessera(root: &Value) -> KindResult<TesseraConfig> {
         tokenizer,
         data_field: t.string("data_field", &d.data_field)?,
         data_eot: t.opt_string("data_eot")?.or_else(|| crate::hf::folder_end_of_text(&model)),
+        data_bos: match t.opt_string("data_bos")? {
+            Some(name) => Some(name).filter(|n| !n.is_empty()),
+            None => crate::hf::folder_begin_of_text(&model),
+        },
         data_cache: t.opt_string("data_cache")?,
         seq_len,
         steps: t.u64("steps", d.steps)?,

@@ -1,5 +1,6 @@
 //! Turning a data path's inputs into one token stream: units read in order, tokenized in
-//! parallel batches (rayon), documents joined by the end-of-text token, and written to a
+//! parallel batches (rayon), documents joined by the end-of-text token (each opened by the
+//! begin-of-text token where the tokenizer has one, `tessera.data_bos`), and written to a
 //! [`Sink`] (memory, or the token-cache file) with a running count, blake3 and range check.
 //!
 //! The stream holds the training files' tokens, then the validation files'; with no
@@ -27,6 +28,8 @@ pub(super) struct Spec {
     pub tokenizer: Option<PathBuf>,
     /// The id between documents, for a collection of documents.
     pub end_of_text: Option<u32>,
+    /// The id before every document, for a collection of documents.
+    pub begin_of_text: Option<u32>,
     pub vocab_size: usize,
     /// The JSON field or Parquet column holding the text.
     pub field: String,
@@ -118,7 +121,7 @@ pub(super) fn build(spec: &Spec, sink: &mut dyn Sink) -> Result<Built, DataError
 
 /// Documents of one split; returns how many (empty ones are skipped).
 fn documents(spec: &Spec, split: Split, out: &mut Stream<'_>) -> Result<u64, DataError> {
-    let mut joiner = Joiner { end_of_text: spec.end_of_text, docs: 0, open: false };
+    let mut joiner = Joiner { end_of_text: spec.end_of_text, begin_of_text: spec.begin_of_text, docs: 0, open: false };
     let (mut batch, mut bytes) = (Vec::new(), 0usize);
     for (index, input) in spec.inputs.files.iter().enumerate().filter(|(_, f)| f.split == split) {
         let mut emit = |unit: Unit| {
@@ -156,9 +159,11 @@ fn tokenize_batch(spec: &Spec, batch: &mut Vec<Unit>, joiner: &mut Joiner, out: 
     Ok(())
 }
 
-/// Puts the end-of-text id between documents (not before the first, nor after the last).
+/// Puts the end-of-text id between documents (not before the first, nor after the last), and
+/// the begin-of-text id, when there is one, before every document: `B d1 E B d2 … E B dn`.
 struct Joiner {
     end_of_text: Option<u32>,
+    begin_of_text: Option<u32>,
     docs: u64,
     /// Whether the current document has tokens yet.
     open: bool,
@@ -172,6 +177,9 @@ impl Joiner {
         if !self.open {
             if let (Some(eot), true) = (self.end_of_text, self.docs > 0) {
                 out.push(&[eot], what)?;
+            }
+            if let Some(bos) = self.begin_of_text {
+                out.push(&[bos], what)?;
             }
             self.docs += 1;
             self.open = true;

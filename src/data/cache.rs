@@ -128,6 +128,11 @@ pub(super) fn key(spec: &Spec) -> Result<[u8; 32], DataError> {
         Some(path) => h.update(blake3::hash(&std::fs::read(path).map_err(|e| DataError::io(path, "read", e))?).as_bytes()),
     };
     h.update(&spec.end_of_text.map_or(u64::MAX, u64::from).to_le_bytes());
+    // Only when set, so that the caches of runs without one keep their keys.
+    if let Some(bos) = spec.begin_of_text {
+        h.update(b"begin-of-text");
+        h.update(&u64::from(bos).to_le_bytes());
+    }
     h.update(&(spec.vocab_size as u64).to_le_bytes());
     h.update(&(spec.field.len() as u64).to_le_bytes());
     h.update(spec.field.as_bytes());

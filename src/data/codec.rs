@@ -113,13 +113,13 @@ impl Codec {
         let path = tokenizer.map(Path::to_path_buf).unwrap_or_default();
         match (self, named) {
             (Codec::Bytes, None) => Ok((BYTE_END_OF_TEXT, BYTE_VOCAB_SIZE + 1)),
-            (Codec::Bytes, Some(name)) => Err(DataError::EndOfText {
+            (Codec::Bytes, Some(name)) => Err(DataError::FramingToken {
                 path,
                 problem: format!("tessera.data_eot = {name:?} names a tokenizer's token, but the data is byte-level (no tokenizer): its end-of-text id is {BYTE_END_OF_TEXT}; unset tessera.data_eot or set tessera.tokenizer"),
             }),
             (Codec::Hf(t), Some(name)) => match t.token_to_id(name) {
                 Some(id) => Ok((id, self.vocab_size())),
-                None => Err(DataError::EndOfText { path, problem: format!("has no token {name:?} (tessera.data_eot)") }),
+                None => Err(DataError::FramingToken { path, problem: format!("has no token {name:?} (tessera.data_eot)") }),
             },
             (Codec::Hf(t), None) => match END_OF_TEXT_NAMES.iter().find_map(|n| t.token_to_id(n)) {
                 Some(id) => Ok((id, self.vocab_size())),
@@ -132,7 +132,7 @@ impl Codec {
                         true => "it has no special tokens".to_string(),
                         false => format!("its special tokens: {}", special.join(", ")),
                     };
-                    Err(DataError::EndOfText {
+                    Err(DataError::FramingToken {
                         path,
                         problem: format!(
                             "has none of the end-of-text tokens {} to put between documents ({has}); set tessera.data_eot to the token that ends a document",
@@ -140,6 +140,24 @@ impl Codec {
                         ),
                     })
                 }
+            },
+        }
+    }
+
+    /// The id put before every document: `None` unless `named` (`tessera.data_bos`, which a
+    /// model folder's tokenizer settings default), then that token of the tokenizer, refused
+    /// when it lacks it or the data is byte-level. `tokenizer` names the file in errors.
+    pub fn begin_of_text(&self, named: Option<&str>, tokenizer: Option<&Path>) -> Result<Option<u32>, DataError> {
+        let path = tokenizer.map(Path::to_path_buf).unwrap_or_default();
+        match (self, named) {
+            (_, None) => Ok(None),
+            (Codec::Bytes, Some(name)) => Err(DataError::FramingToken {
+                path,
+                problem: format!("tessera.data_bos = {name:?} names a tokenizer's token, but the data is byte-level (no tokenizer); unset tessera.data_bos or set tessera.tokenizer"),
+            }),
+            (Codec::Hf(t), Some(name)) => match t.token_to_id(name) {
+                Some(id) => Ok(Some(id)),
+                None => Err(DataError::FramingToken { path, problem: format!("has no token {name:?} (tessera.data_bos)") }),
             },
         }
     }

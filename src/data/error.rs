@@ -29,9 +29,10 @@ pub enum DataError {
     #[error("Parquet file {path}: {problem}")]
     Parquet { path: PathBuf, problem: String },
 
-    /// No end-of-text token for a collection of documents.
+    /// A token that frames documents (`tessera.data_eot`, `tessera.data_bos`) that the tokenizer
+    /// lacks, or that byte-level data cannot have.
     #[error("tokenizer {path}: {problem}")]
-    EndOfText { path: PathBuf, problem: String },
+    FramingToken { path: PathBuf, problem: String },
 
     /// Token shards whose ids are not bytes, loaded without a tokenizer to say the vocabulary.
     #[error(

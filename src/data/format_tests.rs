@@ -157,6 +157,33 @@ fn documents_with_a_tokenizer_use_its_end_of_text_token() {
     assert!(msg.contains("byte-level") && msg.contains("256"), "{msg}");
 }
 
+/// `tessera.data_bos`: its token opens every document, after the end-of-text token between
+/// them; it keys the token cache apart; a byte-level run or a tokenizer without it is refused.
+#[test]
+fn a_begin_of_text_token_opens_every_document() {
+    let dir = tmp();
+    let path = dir.path().join("c.jsonl");
+    write(&path, b"{\"text\": \"hello world\"}\n{\"text\": \"\"}\n{\"text\": \"hello\"}\n");
+    let tok = tiny_bpe(dir.path(), true);
+    let cache = dir.path().join("cache");
+    let plain = LoadOptions { tokenizer: Some(tok.clone()), val_fraction: 0.0, cache_dir: Some(cache.clone()), ..LoadOptions::default() };
+    let framed = LoadOptions { begin_of_text: Some("hello".into()), ..plain.clone() };
+    let ds = load_with(&path, &framed).expect("load with a begin-of-text token");
+    assert_eq!(all(&ds), vec![12, 12, 14, 6, 2, 7, 15, 12, 12], "B d1 E B d2, the empty document skipped");
+    assert!(ds.source.contains("begin-of-text 12, end-of-text 15"), "{}", ds.source);
+    let without = load_with(&path, &plain).expect("load without");
+    assert_eq!(all(&without), vec![12, 14, 6, 2, 7, 15, 12]);
+    assert_eq!(std::fs::read_dir(&cache).expect("cache folder").count(), 2, "the begin-of-text token keys its own cache file");
+    assert_eq!(all(&load_with(&path, &framed).expect("from the cache")), all(&ds));
+
+    let missing = LoadOptions { begin_of_text: Some("<s>".into()), ..plain };
+    let msg = load_with(&path, &missing).expect_err("absent token").to_string();
+    assert!(msg.contains(&format!("tokenizer {}: has no token \"<s>\" (tessera.data_bos)", tok.display())), "{msg}");
+    let bytes = LoadOptions { begin_of_text: Some("<s>".into()), ..LoadOptions::default() };
+    let msg = load_with(&path, &bytes).expect_err("byte-level has no named token").to_string();
+    assert!(msg.contains("tessera.data_bos") && msg.contains("byte-level"), "{msg}");
+}
+
 #[test]
 fn parquet_rows_are_documents_in_every_codec() {
     let dir = tmp();

@@ -20,6 +20,8 @@ pub struct LoadOptions {
     pub text_field: String,
     /// The tokenizer's token put between documents; `None` = detected.
     pub end_of_text: Option<String>,
+    /// The tokenizer's token put before every document; `None` = none.
+    pub begin_of_text: Option<String>,
     /// Folder of the token cache; `None` = tokenize into memory.
     pub cache_dir: Option<PathBuf>,
 }
@@ -34,6 +36,7 @@ impl Default for LoadOptions {
             val_fraction: DEFAULT_VAL_FRACTION,
             text_field: DEFAULT_TEXT_FIELD.into(),
             end_of_text: None,
+            begin_of_text: None,
             cache_dir: None,
         }
     }
@@ -59,15 +62,19 @@ pub fn load_with(path: &Path, opts: &LoadOptions) -> Result<Dataset, DataError> 
     }
     let inputs = discover(path)?;
     let codec = Codec::open(opts.tokenizer.as_deref())?;
-    let (end_of_text, vocab_size) = match inputs.documents {
-        true => codec.end_of_text(opts.end_of_text.as_deref(), opts.tokenizer.as_deref()).map(|(id, vocab)| (Some(id), vocab))?,
-        false => (None, codec.vocab_size()),
+    let (end_of_text, begin_of_text, vocab_size) = match inputs.documents {
+        true => {
+            let (eot, vocab) = codec.end_of_text(opts.end_of_text.as_deref(), opts.tokenizer.as_deref())?;
+            (Some(eot), codec.begin_of_text(opts.begin_of_text.as_deref(), opts.tokenizer.as_deref())?, vocab)
+        }
+        false => (None, None, codec.vocab_size()),
     };
     let spec = Spec {
         inputs,
         codec,
         tokenizer: opts.tokenizer.clone(),
         end_of_text,
+        begin_of_text,
         vocab_size,
         field: opts.text_field.clone(),
         val_fraction: opts.val_fraction,
@@ -135,7 +142,10 @@ fn describe(spec: &Spec, built: &Built, cache: &CacheUse) -> String {
     };
     let codec = match (format, spec.end_of_text) {
         (Format::Shard, _) => format!("vocab {}", spec.vocab_size),
-        (_, Some(eot)) => format!("{}, end-of-text {eot}, vocab {}", spec.codec.describe(), spec.vocab_size),
+        (_, Some(eot)) => {
+            let bos = spec.begin_of_text.map_or(String::new(), |bos| format!("begin-of-text {bos}, "));
+            format!("{}, {bos}end-of-text {eot}, vocab {}", spec.codec.describe(), spec.vocab_size)
+        }
         (_, None) => spec.codec.describe(),
     };
     let docs = match spec.inputs.documents {

@@ -89,6 +89,7 @@ pub(crate) fn load_dataset(cfg: &Config) -> Result<Dataset> {
         val_fraction: data::DEFAULT_VAL_FRACTION,
         text_field: t.data_field.clone(),
         end_of_text: t.data_eot.clone(),
+        begin_of_text: t.data_bos.clone(),
         cache_dir,
     };
     let loaded = data::load_with(&data_path, &opts).map_err(|e| match e {

@@ -225,6 +225,13 @@ impl Plan {
         self.source.folder().map_or(serde_json::Value::Null, |f| f.config.doc.clone())
     }
 
+    /// What a checkpoint records of the model folder's tokenizer and generation settings
+    /// (`extra.model_files`, which `tessera export` writes back byte for byte); `Null` for a
+    /// preset. `tokenizer` is the run's `tessera.tokenizer`.
+    pub fn model_files(&self, tokenizer: Option<&str>) -> serde_json::Value {
+        self.source.folder().map_or(serde_json::Value::Null, |f| f.recorded_files(tokenizer))
+    }
+
     /// The plan of `cfg` for its world size; an error names the config file and the key.
     pub fn new(cfg: &Config, data: &Dataset) -> Result<Plan> {
         Plan::build(cfg, data).with_context(|| format!("config {}", cfg.source))
@@ -233,20 +240,24 @@ impl Plan {
     fn build(cfg: &Config, data: &Dataset) -> Result<Plan> {
         let source = zoo::resolve(&cfg.tessera.model).map_err(|e| anyhow::anyhow!("tessera.model: {e}"))?;
         let mut mcfg = source.config().clone();
-        match source.folder() {
+        let folder_config = source.folder().map(|f| f.dir.join(crate::hf::CONFIG_FILE).display().to_string());
+        match &folder_config {
             None => mcfg.vocab_size = data.vocab_size,
-            Some(_) if data.vocab_size > mcfg.vocab_size => bail!(
-                "tessera.model = {:?} has vocab_size {}, and the data's tokens need {} ({}): use the folder's own tokenizer.json",
-                cfg.tessera.model,
+            Some(file) if data.vocab_size > mcfg.vocab_size => bail!(
+                "{file}: key `vocab_size` = {}, but the data's tokens need {} ({}): use the folder's own tokenizer.json, whose ids fit",
                 mcfg.vocab_size,
                 data.vocab_size,
-                cfg.tessera.tokenizer.as_deref().unwrap_or("byte-level")
+                cfg.tessera.tokenizer.as_deref().map_or("byte-level, with the end-of-text id".to_string(), |t| format!("tokenizer {t}"))
             ),
             Some(_) => {}
         }
         let seq_len = cfg.tessera.seq_len.unwrap_or(mcfg.max_seq_len);
         if seq_len == 0 || seq_len > mcfg.max_seq_len {
-            bail!("tessera.seq_len = {seq_len} is out of range: the model `{}` takes 1..={}", cfg.tessera.model, mcfg.max_seq_len);
+            let bound = match (&folder_config, source.folder()) {
+                (Some(file), Some(f)) => format!(" ({file}: {})", f.config.family.context_keys()),
+                _ => String::new(),
+            };
+            bail!("tessera.seq_len = {seq_len} is out of range: the model `{}` takes 1..={}{bound}", cfg.tessera.model, mcfg.max_seq_len);
         }
         if cfg.tessera.eval_iters > data::VAL_BATCHES_MAX {
             return Err(data::DataError::TooManyValBatches { found: cfg.tessera.eval_iters, max: data::VAL_BATCHES_MAX }.into());

@@ -378,6 +378,8 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
             "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
             "data": data,
             "model_config": plan.model_record(),
+            "model_files": plan.model_files(cfg.tessera.tokenizer.as_deref()),
+            "data_bos": cfg.tessera.data_bos,
         }),
         params,
         optim,

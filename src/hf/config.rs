@@ -31,6 +31,16 @@ impl Family {
         }
     }
 
+    /// The `config.json` keys that bound the family's context (`ModelConfig::max_seq_len`),
+    /// for messages.
+    pub fn context_keys(self) -> &'static str {
+        match self {
+            Family::Gpt2 => "`n_positions`",
+            Family::Mistral => "`max_position_embeddings`, and `sliding_window` when set",
+            Family::Llama | Family::Qwen2 => "`max_position_embeddings`",
+        }
+    }
+
     /// Every family, for lookups and messages.
     pub const ALL: [Family; 4] = [Family::Gpt2, Family::Llama, Family::Mistral, Family::Qwen2];
 }

@@ -150,7 +150,9 @@ pub fn export(
         let map: serde_json::Map<String, Value> =
             names.iter().zip(&shards).flat_map(|(f, s)| s.iter().map(move |t| (t.name.clone(), Value::from(f.as_str())))).collect();
         let total: u64 = tensors.iter().map(|t| (t.data.len() * dtype.bytes()) as u64).sum();
-        let index = json!({ "metadata": { "total_size": total }, "weight_map": map });
+        // transformers 5 also records the parameter count.
+        let parameters: u64 = tensors.iter().map(|t| t.data.len() as u64).sum();
+        let index = json!({ "metadata": { "total_parameters": parameters, "total_size": total }, "weight_map": map });
         d.write_file(INDEX_FILE, &to_pretty(&index)).map_err(w)?;
         written.push(INDEX_FILE.to_string());
     }

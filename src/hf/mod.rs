@@ -6,9 +6,11 @@
 //! `tessera.model` names a preset or such a folder ([`crate::zoo::resolve`]); a folder without
 //! weight files is a shape to pre-train from scratch, initialised from the seed.
 
+pub mod companions;
 mod config;
 mod export;
 mod names;
+mod special;
 mod weights;
 
 #[cfg(test)]
@@ -19,6 +21,7 @@ use std::path::{Path, PathBuf};
 pub use config::{parse, Family, HfConfig};
 pub use export::{config_doc, default_family, export, recorded_dtype, Exported, WeightFormat, SHARD_BYTES_MAX};
 pub use names::{extract, matrix, pieces, place, Piece};
+pub use special::{folder_begin_of_text, folder_end_of_text, folder_tokenizer};
 pub use weights::{read_params, WeightFiles, HEADER_BYTES_MAX};
 
 use tessera_kernels::model::Model;
@@ -65,6 +68,8 @@ pub struct HfModel {
     pub dir: PathBuf,
     pub config: HfConfig,
     pub weights: Option<WeightFiles>,
+    /// The folder's tokenizer and generation settings, name → text ([`companions`]).
+    pub companions: std::collections::BTreeMap<String, String>,
 }
 
 /// Whether `model` (a `tessera.model` value) names a folder rather than a preset: a path (preset
@@ -73,44 +78,39 @@ pub fn is_folder(model: &str) -> bool {
     model.contains('/') || model.contains(std::path::MAIN_SEPARATOR) || Path::new(model).join(CONFIG_FILE).is_file()
 }
 
-/// The end-of-sequence token of model folder `model`, by name: the added token of its
-/// `tokenizer.json` whose id is `config.json`'s `eos_token_id` (the first, when it is a list);
-/// `None` when `model` is no folder or either file lacks it (what `tessera.data_eot` defaults
-/// to, so that the folder's own token separates documents).
-pub fn folder_end_of_text(model: &str) -> Option<String> {
-    if !is_folder(model) {
-        return None;
-    }
-    let read = |f: &str| std::fs::read(Path::new(model).join(f)).ok().and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-    let config = read(CONFIG_FILE)?;
-    let eos = match &config["eos_token_id"] {
-        serde_json::Value::Array(ids) => ids.first()?.as_u64()?,
-        id => id.as_u64()?,
-    };
-    let tokenizer = read(TOKENIZER_FILE)?;
-    let added = tokenizer["added_tokens"].as_array()?;
-    added.iter().find(|t| t["id"].as_u64() == Some(eos)).and_then(|t| t["content"].as_str()).map(str::to_string)
-}
-
-/// The tokenizer of model folder `model`: its `tokenizer.json`, when `model` is a folder that
-/// has one (what `tessera.tokenizer` defaults to).
-pub fn folder_tokenizer(model: &str) -> Option<String> {
-    let path = Path::new(model).join(TOKENIZER_FILE);
-    (is_folder(model) && path.is_file()).then(|| path.display().to_string())
-}
-
 impl HfModel {
+    /// What a checkpoint of a run from this folder records of its companion files
+    /// (`extra.model_files`; see [`companions`]): `tokenizer` is the run's `tessera.tokenizer`.
+    pub fn recorded_files(&self, tokenizer: Option<&str>) -> serde_json::Value {
+        let own = self.dir.join(TOKENIZER_FILE);
+        let same = |t: &str| match (std::fs::canonicalize(t), std::fs::canonicalize(&own)) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
+        };
+        companions::record(&self.companions, tokenizer.is_some_and(same))
+    }
+
     /// Opens `dir`: parses `config.json` and lists its weight files, checking every tensor's
     /// name, dtype and shape against the model the config describes (no tensor data is read).
     pub fn open(dir: &Path) -> Result<HfModel, HfError> {
         let path = dir.join(CONFIG_FILE);
-        let bytes = std::fs::read(&path).map_err(|e| HfError::io("read", &path, e))?;
         let file = path.display().to_string();
+        let bytes = std::fs::read(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound if dir.is_dir() => HfError::Config {
+                file: file.clone(),
+                reason: format!(
+                    "missing: {} is no Hugging Face model folder (it needs its {CONFIG_FILE}; the weights and {TOKENIZER_FILE} are optional)",
+                    dir.display()
+                ),
+            },
+            _ => HfError::io("read", &path, e),
+        })?;
         let doc: serde_json::Value =
             serde_json::from_slice(&bytes).map_err(|e| HfError::Config { file: file.clone(), reason: format!("not JSON: {e}") })?;
         let config = parse(&file, &doc)?;
         let weights = WeightFiles::find(dir)?;
-        let hf = HfModel { dir: dir.to_path_buf(), config, weights };
+        let companions = companions::read(dir)?;
+        let hf = HfModel { dir: dir.to_path_buf(), config, weights, companions };
         if let Some(w) = &hf.weights {
             let model = Model::new(hf.config.model.clone()).map_err(|reason| HfError::Config { file, reason })?;
             w.check(hf.config.family, &model)?;

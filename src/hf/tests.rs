@@ -144,6 +144,16 @@ fn import_then_export_gives_the_same_bytes_for_every_family() {
         let exported = export(out.path(), hf.config.family, (&model, &params), &doc, &[], format).unwrap();
         assert_eq!(weights_of(out.path()), weights_of(&dir), "{name}: exported weights differ from the folder's");
         assert_eq!(exported.files.len() > 2, sharded, "{name}: {:?}", exported.files);
+        if sharded {
+            // The index: transformers' metadata, and a shard for every tensor the folder's names.
+            let index = |d: &Path| -> serde_json::Value {
+                serde_json::from_slice(&std::fs::read(d.join("model.safetensors.index.json")).unwrap()).unwrap()
+            };
+            let (ours, theirs) = (index(out.path()), index(&dir));
+            assert_eq!(ours["metadata"], theirs["metadata"], "{name}");
+            let keys = |v: &serde_json::Value| v["weight_map"].as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+            assert_eq!(keys(&ours), keys(&theirs), "{name}");
+        }
         // The export reads back as the same model.
         let (again, model2, params2) = open(out.path());
         assert_eq!((again.config.model, params2), (model2.cfg.clone(), params), "{name}");
@@ -276,4 +286,113 @@ fn the_folders_end_of_sequence_token_separates_documents() {
     std::fs::write(&path, serde_json::to_vec(&tok).unwrap()).unwrap();
     assert_eq!(folder_end_of_text(tmp.path().to_str().unwrap()).as_deref(), Some("</s>"));
     assert_eq!(folder_end_of_text("gpt-tiny"), None, "a preset has none");
+}
+
+/// A copy of fixture `name` with `edit` applied to the copied folder.
+fn copy_with(name: &str, edit: impl FnOnce(&Path)) -> tempfile::TempDir {
+    let tmp = edited(name, |_| {});
+    edit(tmp.path());
+    tmp
+}
+
+#[test]
+fn a_folder_without_its_config_json_is_refused_naming_the_file() {
+    let tmp = copy_with("llama", |d| std::fs::remove_file(d.join(CONFIG_FILE)).unwrap());
+    let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+    let file = tmp.path().join(CONFIG_FILE).display().to_string();
+    assert!(e.starts_with(&format!("{file}: missing:")) && e.contains("is no Hugging Face model folder"), "{e}");
+    let e = crate::zoo::resolve(tmp.path().to_str().unwrap()).unwrap_err();
+    assert!(e.contains(&file), "{e}");
+}
+
+#[test]
+fn a_missing_shard_is_refused_naming_the_index_key_and_the_file() {
+    let shard = "model-00003-of-00006.safetensors";
+    let tmp = copy_with("llama-sharded", |d| std::fs::remove_file(d.join(shard)).unwrap());
+    let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+    assert!(e.contains("model.safetensors.index.json: key `weight_map.model.layers."), "{e}");
+    assert!(e.contains(&format!("= \"{shard}\": expected a shard in this folder, but")) && e.contains("is missing"), "{e}");
+}
+
+#[test]
+fn a_truncated_safetensors_file_is_refused_naming_the_file_and_tensor() {
+    for (name, file) in [("llama", "model.safetensors"), ("llama-sharded", "model-00002-of-00006.safetensors")] {
+        let bytes = std::fs::read(fixture(name).join(file)).unwrap();
+        // Cut in the data: the last tensor of the file lacks its end.
+        let tmp = copy_with(name, |d| std::fs::write(d.join(file), &bytes[..bytes.len() - 100]).unwrap());
+        let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+        let path = tmp.path().join(file).display().to_string();
+        assert!(e.starts_with(&format!("{path}: tensor `")) && e.contains("the file is truncated"), "{name}: {e}");
+        // Cut in the header, and before the header's length.
+        for keep in [20, 5] {
+            let tmp = copy_with(name, |d| std::fs::write(d.join(file), &bytes[..keep]).unwrap());
+            let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("{}: truncated: {keep} bytes", tmp.path().join(file).display())), "{name}: {e}");
+        }
+    }
+}
+
+/// Writes `file` of folder `dir` as `doc`.
+fn put(dir: &Path, file: &str, doc: serde_json::Value) {
+    std::fs::write(dir.join(file), serde_json::to_vec_pretty(&doc).unwrap()).unwrap();
+}
+
+/// The folder's tokenizer says whether a document opens with a beginning-of-sequence token:
+/// `add_bos_token` with its `bos_token` (or config.json's `bos_token_id`), else the
+/// tokenizer.json template's first special token; never the end-of-sequence token itself.
+#[test]
+fn the_folders_beginning_of_sequence_token_opens_documents_when_its_tokenizer_adds_one() {
+    let dir = fixture("llama");
+    assert_eq!(folder_begin_of_text(dir.to_str().unwrap()), None, "the fixture's tokenizer adds none");
+    let tmp = edited("llama", |d| d["bos_token_id"] = 7.into());
+    let folder = tmp.path().to_str().unwrap();
+    let path = tmp.path().join(TOKENIZER_FILE);
+    let mut tok: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    tok["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({"id": 7, "content": "<s>", "special": true}));
+    put(tmp.path(), TOKENIZER_FILE, tok.clone());
+    put(tmp.path(), "tokenizer_config.json", serde_json::json!({"add_bos_token": true, "bos_token": {"content": "<|begin|>"}}));
+    assert_eq!(folder_begin_of_text(folder).as_deref(), Some("<|begin|>"), "tokenizer_config.json's bos_token");
+    put(tmp.path(), "tokenizer_config.json", serde_json::json!({"add_bos_token": true}));
+    assert_eq!(folder_begin_of_text(folder).as_deref(), Some("<s>"), "config.json's bos_token_id");
+    put(tmp.path(), "tokenizer_config.json", serde_json::json!({"add_bos_token": true, "bos_token": "<|endoftext|>"}));
+    assert_eq!(folder_begin_of_text(folder), None, "the end-of-sequence token is not put twice");
+    // LLaMA 3: no flag, the post-processor's template adds it.
+    tok["post_processor"] = serde_json::json!({"type": "Sequence", "processors": [
+        {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+        {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+         "pair": [], "special_tokens": {}}]});
+    put(tmp.path(), TOKENIZER_FILE, tok);
+    put(tmp.path(), "tokenizer_config.json", serde_json::json!({"chat_template": "{{ messages }}"}));
+    assert_eq!(folder_begin_of_text(folder).as_deref(), Some("<s>"), "the template's first token");
+    put(tmp.path(), "tokenizer_config.json", serde_json::json!({"add_bos_token": false}));
+    assert_eq!(folder_begin_of_text(folder), None, "add_bos_token false wins over the template");
+    assert_eq!(folder_begin_of_text("gpt-tiny"), None, "a preset has none");
+}
+
+/// The folder's tokenizer and generation settings are read when it is opened; a checkpoint
+/// records the tokenizer's only when the run uses the folder's own tokenizer.json.
+#[test]
+fn the_folders_tokenizer_and_generation_settings_are_recorded_as_they_are() {
+    let tmp = edited("llama", |_| {});
+    let settings = "{\n  \"add_bos_token\": false,\n  \"chat_template\": \"{% for m in messages %}{{ m['content'] }}{% endfor %}\"\n}\n";
+    std::fs::write(tmp.path().join("tokenizer_config.json"), settings).unwrap();
+    std::fs::write(tmp.path().join("chat_template.jinja"), "{{ bos_token }}\n").unwrap();
+    let hf = HfModel::open(tmp.path()).unwrap();
+    let generation = std::fs::read_to_string(tmp.path().join("generation_config.json")).unwrap();
+    let own = tmp.path().join(TOKENIZER_FILE);
+    let recorded = hf.recorded_files(own.to_str());
+    let want = serde_json::json!({
+        "chat_template.jinja": "{{ bos_token }}\n",
+        "generation_config.json": generation,
+        "tokenizer_config.json": settings,
+    });
+    assert_eq!(recorded, want);
+    let other = tempfile::tempdir().unwrap();
+    let copy = other.path().join(TOKENIZER_FILE);
+    std::fs::copy(&own, &copy).unwrap();
+    assert_eq!(hf.recorded_files(copy.to_str()), serde_json::json!({ "generation_config.json": generation }), "another tokenizer");
+    assert_eq!(hf.recorded_files(None), serde_json::json!({ "generation_config.json": generation }), "byte-level");
+    std::fs::write(tmp.path().join("special_tokens_map.json"), b"{\"bos_token\": ").unwrap();
+    let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+    assert!(e.starts_with(&format!("{}: not JSON", tmp.path().join("special_tokens_map.json").display())), "{e}");
 }

@@ -43,22 +43,44 @@ pub struct WeightFiles {
     tensors: BTreeMap<String, Entry>,
 }
 
-/// Reads the JSON header of a safetensors file (without its data).
+/// Bytes before a safetensors file's JSON header: its length, u64 little-endian.
+const LENGTH_PREFIX_BYTES: u64 = 8;
+
+/// Reads the JSON header of a safetensors file (without its data), and checks that the file
+/// is as long as the header says: a file cut short (a download or copy that stopped) is
+/// refused here, naming the tensor whose data it lacks, before any training starts.
 fn read_header(path: &Path) -> Result<serde_json::Map<String, serde_json::Value>, HfError> {
+    let file = || path.display().to_string();
+    let truncated = |what: String| HfError::Config { file: file(), reason: format!("truncated: {what}") };
     let mut f = std::fs::File::open(path).map_err(|e| HfError::io("open", path, e))?;
-    let mut len = [0u8; 8];
+    let file_bytes = f.metadata().map_err(|e| HfError::io("read the size of", path, e))?.len();
+    let mut len = [0u8; LENGTH_PREFIX_BYTES as usize];
+    if file_bytes < LENGTH_PREFIX_BYTES {
+        return Err(truncated(format!("{file_bytes} bytes, shorter than the {LENGTH_PREFIX_BYTES}-byte header length")));
+    }
     f.read_exact(&mut len).map_err(|e| HfError::io("read the header of", path, e))?;
     let len = u64::from_le_bytes(len);
     if len > HEADER_BYTES_MAX {
-        return Err(HfError::Config {
-            file: path.display().to_string(),
-            reason: format!("header of {len} bytes (at most {HEADER_BYTES_MAX})"),
-        });
+        return Err(HfError::Config { file: file(), reason: format!("header of {len} bytes (at most {HEADER_BYTES_MAX})") });
+    }
+    if file_bytes < LENGTH_PREFIX_BYTES + len {
+        return Err(truncated(format!("{file_bytes} bytes, but its header alone is {len} bytes")));
     }
     let mut buf = vec![0u8; len as usize];
     f.read_exact(&mut buf).map_err(|e| HfError::io("read the header of", path, e))?;
-    serde_json::from_slice(&buf)
-        .map_err(|e| HfError::Config { file: path.display().to_string(), reason: format!("invalid safetensors header: {e}") })
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&buf).map_err(|e| HfError::Config { file: file(), reason: format!("invalid safetensors header: {e}") })?;
+    let data_bytes = file_bytes - LENGTH_PREFIX_BYTES - len;
+    let end_of = |v: &serde_json::Value| v.get("data_offsets").and_then(|o| o.get(1)).and_then(serde_json::Value::as_u64);
+    let last = header.iter().filter(|(n, _)| *n != "__metadata__").filter_map(|(n, v)| end_of(v).map(|end| (end, n))).max();
+    if let Some((end, name)) = last.filter(|(end, _)| *end > data_bytes) {
+        return Err(HfError::tensor(
+            file(),
+            name,
+            format!("its data ends at byte {end} of the data section, which has {data_bytes} bytes: the file is truncated"),
+        ));
+    }
+    Ok(header)
 }
 
 impl WeightFiles {
@@ -94,6 +116,15 @@ impl WeightFiles {
                 }
             }
             names.sort();
+            if let Some(missing) = names.iter().find(|n| !dir.join(n).is_file()) {
+                let tensor = map.iter().find(|(_, f)| f.as_str() == Some(missing.as_str())).map_or("", |(t, _)| t.as_str());
+                return Err(HfError::config(
+                    &index.display().to_string(),
+                    &format!("weight_map.{tensor}"),
+                    &serde_json::Value::from(missing.as_str()),
+                    &format!("a shard in this folder, but {} is missing", dir.join(missing).display()),
+                ));
+            }
             names.into_iter().map(|n| dir.join(n)).collect()
         } else if dir.join(SINGLE_FILE).is_file() {
             vec![dir.join(SINGLE_FILE)]
