@@ -139,6 +139,7 @@ mod tests {
             tied_head: true,
             qkv_bias: false,
             rope_scaling: None,
+            moe: None,
         }
     }
 
@@ -160,6 +161,7 @@ mod tests {
             tied_head: false,
             qkv_bias: false,
             rope_scaling: None,
+            moe: None,
         };
         let llama = ModelConfig {
             arch: Arch::Llama,
@@ -175,6 +177,7 @@ mod tests {
             tied_head: true,
             qkv_bias: false,
             rope_scaling: None,
+            moe: None,
         };
         let want = [
             ("gpt-tiny", gpt(256, 128, 4, 4, 128)),

@@ -46,6 +46,108 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
     /// RoPE frequency scaling (LLaMA 3; LLaMA only).
     pub rope_scaling: Option<RopeScaling>,
+    /// Mixture-of-experts feed-forwards in some blocks (Mixtral, Qwen2-MoE, the GPT MoE
+    /// presets); `None` for dense models.
+    pub moe: Option<MoeConfig>,
+}
+
+/// A mixture-of-experts feed-forward (`ops::moe`): which blocks have one, their experts, and
+/// how tokens are routed. An MoE block replaces its dense MLP by a router and `num_experts`
+/// expert MLPs of the block's own kind (SwiGLU without biases in LLaMA-family blocks, GELU
+/// with biases in GPT blocks).
+///
+/// Layout contract (what expert parallelism and the Hugging Face names rely on): in an MoE
+/// block the router `h.{l}.moe.router.weight` `[c, num_experts]` comes after the attention
+/// parameters and the second norm, then the experts in index order, each expert's parameters
+/// one contiguous range (`h.{l}.moe.experts.{e}.w_gate.weight` `[c, f]`, `.w_up.weight`
+/// `[c, f]`, `.w_down.weight` `[f, c]`; GPT: `.c_fc.weight`, `.c_fc.bias`, `.c_proj.weight`,
+/// `.c_proj.bias`), then what every token also runs (the shared expert, the residual MLP and
+/// their gates). So the experts `[a, b)` of a block are one contiguous range of its unit.
+///
+/// Routing is a pure function of the block's input rows (and, for the noisy policies, of the
+/// micro-batch's noise key), computed in f32 in a fixed order: the same tokens route the same
+/// way whatever the world size, ZeRO stage or expert placement.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per MoE block.
+    pub num_experts: usize,
+    /// Experts each token is sent to (top-k).
+    pub top_k: usize,
+    /// Hidden width of one expert MLP (Mixtral `intermediate_size`, Qwen2-MoE
+    /// `moe_intermediate_size`).
+    pub d_expert: usize,
+    /// Block `l` is MoE when `(l + 1) % sparse_step == 0` and `l` is not in `dense_layers`
+    /// (Qwen2-MoE's `decoder_sparse_step` / `mlp_only_layers`; Mixtral: 1 and none; the GPT
+    /// MoE presets: every other block, 2).
+    pub sparse_step: usize,
+    pub dense_layers: Vec<usize>,
+    /// When the gate probabilities are taken (`Softmax` over all experts then top-k, or top-k
+    /// of the logits then a softmax over those).
+    pub gating: Gating,
+    /// The top-k weights renormalised to sum to one (Mixtral always; Qwen2-MoE
+    /// `norm_topk_prob`; DeepSpeed's top-2).
+    pub norm_topk: bool,
+    /// Expert capacity (tokens an expert takes per micro-batch, DeepSpeed's `capacity_factor`,
+    /// `eval_capacity_factor`, `min_capacity`, `drop_tokens`); `None` is dropless (Mixtral,
+    /// Qwen2-MoE).
+    pub capacity: Option<Capacity>,
+    /// DeepSpeed's `noisy_gate_policy`.
+    pub noisy_gate: NoisyGate,
+    /// DeepSpeed's `use_rts`: capacity slots go to tokens in a seeded random order, not in
+    /// token order (only with `capacity`).
+    pub random_token_selection: bool,
+    /// Weight of the load-balancing loss in the objective (HF `router_aux_loss_coef` when
+    /// `output_router_logits`, DeepSpeed's `l_aux`), and of the router z-loss (ST-MoE).
+    pub aux_loss_coef: f32,
+    pub z_loss_coef: f32,
+    /// How the load-balancing loss is formed.
+    pub aux_loss: AuxLoss,
+    /// The Qwen2-MoE shared expert: a dense MLP of this width that every token runs, scaled by
+    /// `sigmoid(x · shared_gate)`.
+    pub shared_expert: Option<usize>,
+    /// DeepSpeed's `use_residual` (PR-MoE): a dense MLP beside the experts, the two mixed by
+    /// a learned two-way softmax of the input.
+    pub residual: bool,
+}
+
+/// When a router's probabilities are taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over every expert, then the top k (Mixtral, Qwen2-MoE, DeepSpeed).
+    SoftmaxThenTopK,
+    /// The top k logits, then a softmax over them.
+    TopKThenSoftmax,
+}
+
+/// Expert capacity: `max(min_capacity, ceil(factor · top_k · tokens / num_experts))` slots per
+/// expert and micro-batch, the factor of training or of evaluation; `drop_tokens = false`
+/// keeps every token (the capacity then only shapes the reported load).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Capacity {
+    pub train_factor: f32,
+    pub eval_factor: f32,
+    pub min_capacity: usize,
+    pub drop_tokens: bool,
+}
+
+/// DeepSpeed's `noisy_gate_policy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoisyGate {
+    None,
+    /// The router input multiplied by seeded uniform noise in `[1 − 1e-2, 1 + 1e-2]` (training).
+    Jitter,
+    /// Seeded Gumbel noise added to the logits when choosing experts (training).
+    RSample,
+}
+
+/// How the load-balancing loss is formed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AuxLoss {
+    /// transformers' `load_balancing_loss_func`: one loss over the routing of every MoE block's
+    /// tokens together (Mixtral, Qwen2-MoE).
+    AcrossLayers,
+    /// GShard/Switch, per block and summed (DeepSpeed).
+    PerLayer,
 }
 
 impl ModelConfig {
@@ -74,6 +176,9 @@ impl ModelConfig {
                  qkv_bias {}, rope_scaling {:?}",
                 c.n_kv_head, c.qkv_bias, c.rope_scaling
             ));
+        }
+        if let Some(m) = &c.moe {
+            return Err(format!("mixture-of-experts blocks are not built yet ({} experts, top {})", m.num_experts, m.top_k));
         }
         Ok(())
     }

@@ -54,6 +54,7 @@ fn cfg_from(meta: &HashMap<String, String>) -> ModelConfig {
         tied_head: true,
         qkv_bias: false,
         rope_scaling: None,
+        moe: None,
     }
 }
 
@@ -122,6 +123,7 @@ fn tiny(arch: Arch) -> ModelConfig {
         tied_head: true,
         qkv_bias: false,
         rope_scaling: None,
+        moe: None,
     }
 }
 

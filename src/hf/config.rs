@@ -199,6 +199,7 @@ impl<'a> Reader<'a> {
             tied_head: self.flag("tie_word_embeddings", true)?,
             qkv_bias: false,
             rope_scaling: None,
+            moe: None,
         })
     }
 
@@ -256,6 +257,7 @@ impl<'a> Reader<'a> {
             tied_head: self.flag("tie_word_embeddings", false)?,
             qkv_bias,
             rope_scaling,
+            moe: None,
         })
     }
 

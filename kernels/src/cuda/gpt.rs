@@ -1262,6 +1262,7 @@ impl CheckCase {
             tied_head: true,
             qkv_bias: false,
             rope_scaling: None,
+            moe: None,
         };
         let model = Model::new(cfg.clone()).map_err(GpuError::Invalid)?;
         let mut params = model.init_params(seed);

@@ -211,6 +211,7 @@ fn check_model(gpu: &Gpu, seed: u64, hd: usize) -> Result<Vec<CheckRow>> {
             high_freq_factor: 4.0,
             original_max_position_embeddings: 32.0,
         }),
+        moe: None,
     };
     let model = Model::new(cfg.clone()).map_err(GpuError::Invalid)?;
     let mut params = model.init_params(seed);
