@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use crate::experts::{ExpertMlp, ExpertRunner};
 use crate::tensor::Rng;
 
 /// How a parameter is initialised.
@@ -173,4 +174,35 @@ pub trait Layer: Send + Sync {
     // Allowed: llm.c's backward, the one every layer implements (p, g, x, dy, shape, acts, dx).
     #[allow(clippy::too_many_arguments)]
     fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, acts: &mut Acts, dx: &mut [f32]);
+
+    /// The block's experts, when it is a mixture-of-experts block (their MLPs one expert at a
+    /// time, for an [`ExpertRunner`] that may run them elsewhere).
+    fn experts(&self) -> Option<&dyn ExpertMlp> {
+        None
+    }
+
+    /// [`Layer::forward`] with the experts run by `experts` (expert parallelism); `None` (and
+    /// every dense block) runs them here.
+    fn forward_with(&self, p: &[f32], x: &[f32], d: Dims, acts: &mut Acts, y: &mut [f32], experts: Option<&mut dyn ExpertRunner>) {
+        let _ = experts;
+        self.forward(p, x, d, acts, y)
+    }
+
+    /// [`Layer::backward`] with the experts run by `experts`, which then keeps their parameter
+    /// gradients (the block's `g` gets the rest).
+    #[allow(clippy::too_many_arguments)]
+    fn backward_with(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        x: &[f32],
+        dy: &[f32],
+        d: Dims,
+        acts: &mut Acts,
+        dx: &mut [f32],
+        experts: Option<&mut dyn ExpertRunner>,
+    ) {
+        let _ = experts;
+        self.backward(p, g, x, dy, d, acts, dx)
+    }
 }

@@ -6,6 +6,7 @@
 
 pub mod cuda;
 pub mod dtype;
+pub mod experts;
 pub mod gemm;
 pub mod gradcheck;
 pub mod layer;

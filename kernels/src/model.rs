@@ -9,6 +9,7 @@
 
 use std::ops::Range;
 
+use crate::experts::{ExpertMlp, ExpertRunner};
 use crate::gemm::matmul;
 use crate::layer::{Acts, Dims, Init, Layer, ParamLayout, ParamSpec};
 use crate::ops::gqa::{self, Groups};
@@ -197,6 +198,13 @@ pub trait UnitAccess {
     fn unit(&mut self, u: usize) -> (&[f32], &mut [f32]);
     /// Called when the backward pass no longer needs unit `u` (its gradients are final).
     fn grads_ready(&mut self, _u: usize) {}
+    /// [`UnitAccess::unit`], and for an MoE block whose experts run elsewhere (expert
+    /// parallelism) the runner the block hands its experts' rows to; `None`: the block runs
+    /// them itself.
+    fn unit_with_experts(&mut self, u: usize) -> (&[f32], &mut [f32], Option<Box<dyn ExpertRunner + '_>>) {
+        let (p, g) = self.unit(u);
+        (p, g, None)
+    }
 }
 
 /// [`UnitAccess`] over whole flat buffers (`grads` may be empty for forward-only use).
@@ -357,11 +365,11 @@ impl Model {
             embedding::embedding_forward(&mut ws.xs[0], tokens, &p0[e.wte.clone()], wpe, d.b, d.t, d.c);
         }
         for (i, block) in self.blocks.iter().enumerate() {
-            let (p, _) = acc.unit(i + 1);
+            let (p, _, mut experts) = acc.unit_with_experts(i + 1);
             let (head, tail) = ws.xs.split_at_mut(i + 1);
             // With recomputation every block shares one scratch `Acts`: only inputs are kept.
             let acts = if keep { &mut ws.blocks[i] } else { &mut ws.blocks[0] };
-            block.forward(p, &head[i], d, acts, &mut tail[0]);
+            block.forward_with(p, &head[i], d, acts, &mut tail[0], runner(&mut experts));
         }
     }
 
@@ -424,15 +432,17 @@ impl Model {
         let loss = self.head(acc, targets, d, ws, Some(dloss));
         ws.dx_prev.resize(d.n() * d.c, 0.0);
         for (i, block) in self.blocks.iter().enumerate().rev() {
-            let (p, g) = acc.unit(i + 1);
+            let (p, g, mut experts) = acc.unit_with_experts(i + 1);
             let acts = if keep { &mut ws.blocks[i] } else { &mut ws.blocks[0] };
             if !keep {
-                // Recompute this block's activations from its saved input.
+                // Recompute this block's activations from its saved input (an MoE block's
+                // experts run again, in the same exchanges as its forward's).
                 let mut y = std::mem::take(&mut ws.dx_prev);
-                block.forward(p, &ws.xs[i], d, acts, &mut y);
+                block.forward_with(p, &ws.xs[i], d, acts, &mut y, runner(&mut experts));
                 ws.dx_prev = y;
             }
-            block.backward(p, g, &ws.xs[i], &ws.dx, d, acts, &mut ws.dx_prev);
+            block.backward_with(p, g, &ws.xs[i], &ws.dx, d, acts, &mut ws.dx_prev, runner(&mut experts));
+            drop(experts);
             std::mem::swap(&mut ws.dx, &mut ws.dx_prev);
             acc.grads_ready(i + 1);
         }
@@ -474,10 +484,20 @@ impl Model {
         logits
     }
 
+    /// Block `l`'s experts, if it is a mixture-of-experts block.
+    pub fn expert_mlp(&self, l: usize) -> Option<&dyn ExpertMlp> {
+        self.blocks.get(l)?.experts()
+    }
+
     /// Parameter specs of block `l` with offsets relative to its unit.
     pub fn block_specs(&self, l: usize) -> &[ParamSpec] {
         self.blocks[l].param_specs()
     }
+}
+
+/// The runner an access handed out, as the blocks take it.
+fn runner<'a>(r: &'a mut Option<Box<dyn ExpertRunner + '_>>) -> Option<&'a mut dyn ExpertRunner> {
+    r.as_mut().map(|b| &mut **b as &mut dyn ExpertRunner)
 }
 
 /// Two disjoint mutable views of `g` (the second optional).
