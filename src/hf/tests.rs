@@ -63,14 +63,34 @@ fn matches_transformers(name: &str) {
     for spec in model.layout().specs() {
         for piece in pieces(hf.config.family, &model.cfg, spec).unwrap() {
             let got = extract(&grads[spec.range()], matrix(spec), &piece);
-            let want = &r.f32s[&format!("grad.{}", piece.name)];
+            let want = &reference_grad(&r, &piece.name, model.cfg.moe.as_ref().map_or(0, |m| m.d_expert))
+                .unwrap_or_else(|| panic!("{name}: the reference has no gradient for {}", piece.name));
             let e = rel_err(&got, want);
             assert!(e < 1e-4, "{name}: gradient of {} differs from transformers': rel err {e:e}", piece.name);
             compared += 1;
         }
     }
-    let hf_params = r.f32s.keys().filter(|k| k.starts_with("grad.")).count();
+    // transformers 5 keeps each MoE block's experts fused in memory (two tensors for all of
+    // them, which the reference's gradients are of) and writes them one by one.
+    let hf_params: usize = r
+        .f32s
+        .keys()
+        .filter(|k| k.starts_with("grad."))
+        .map(|k| {
+            if k.ends_with("experts.gate_up_proj") {
+                2 * model.cfg.moe.as_ref().unwrap().num_experts
+            } else if k.ends_with("experts.down_proj") {
+                model.cfg.moe.as_ref().unwrap().num_experts
+            } else {
+                1
+            }
+        })
+        .sum();
     assert_eq!(compared, hf_params, "{name}: every parameter transformers trains has a gradient here");
+    if let Some(aux) = r.f32s.get("aux_loss") {
+        let got = ws.moe_stats().aux_loss();
+        assert!(((got - aux[0]) / aux[0]).abs() < 1e-5, "{name}: load-balancing loss {got}, transformers {}", aux[0]);
+    }
     let v = model.cfg.vocab_size;
     for s in 0..r.b {
         for pos in [0, r.t / 2, r.t - 1] {
@@ -80,6 +100,42 @@ fn matches_transformers(name: &str) {
             assert!(e < 1e-5, "{name}: logits of sequence {s} position {pos}: rel err {e:e}");
         }
     }
+}
+
+/// The reference gradient of the tensor a folder names `name`: the tensor's own, or for an
+/// expert's projection its part of the fused in-memory `experts.gate_up_proj` `[E, 2f, c]` (gate
+/// rows first) or `experts.down_proj` `[E, c, f]`; Mixtral's `block_sparse_moe.` is `mlp.` in memory.
+fn reference_grad(r: &Reference, name: &str, f: usize) -> Option<Vec<f32>> {
+    let name = name.replace(".block_sparse_moe.", ".mlp.");
+    if let Some(g) = r.f32s.get(&format!("grad.{name}")) {
+        return Some(g.clone());
+    }
+    let (head, tail) = name.split_once(".mlp.experts.")?;
+    let (e, proj) = tail.split_once('.')?;
+    let e: usize = e.parse().ok()?;
+    let (fused, rows) = match proj {
+        "w1.weight" | "gate_proj.weight" => ("gate_up_proj", 0..f),
+        "w3.weight" | "up_proj.weight" => ("gate_up_proj", f..2 * f),
+        "w2.weight" | "down_proj.weight" => ("down_proj", 0..0),
+        _ => return None,
+    };
+    let all = r.f32s.get(&format!("grad.{head}.mlp.experts.{fused}"))?;
+    // c from the block's norm, the expert count from the router's gradient `[E, c]`.
+    let c = r.f32s.get(&format!("grad.{head}.input_layernorm.weight"))?.len();
+    let experts = r.f32s.get(&format!("grad.{head}.mlp.gate.weight"))?.len() / c;
+    let block = all.len() / experts;
+    let one = &all[e * block..(e + 1) * block];
+    Some(if fused == "gate_up_proj" { one[rows.start * c..rows.end * c].to_vec() } else { one.to_vec() })
+}
+
+#[test]
+fn mixtral_with_its_load_balancing_loss_matches_transformers() {
+    matches_transformers("mixtral");
+}
+
+#[test]
+fn qwen2_moe_with_a_shared_expert_and_a_dense_block_matches_transformers() {
+    matches_transformers("qwen2-moe");
 }
 
 #[test]
