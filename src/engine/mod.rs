@@ -8,6 +8,7 @@ pub mod device;
 mod elastic_worker;
 mod fleet;
 mod lane;
+mod moe_stats;
 mod plan;
 mod precision;
 mod ranks;
