@@ -152,13 +152,6 @@ impl Sampler {
         self.cursor / self.windows()
     }
 
-    /// The key of the routing noise (MoE noisy gates, random token selection) of the
-    /// micro-batch whose first sample is `first`: like the samples, a function of (seed, sample
-    /// index) alone, so it does not depend on which rank runs the micro-batch or how many there are.
-    pub fn noise_key(&self, first: u64) -> u64 {
-        SplitMix64::new(SplitMix64::new(self.seed).next_u64() ^ first).next_u64()
-    }
-
     pub fn state(&self) -> SamplerState {
         SamplerState { seed: self.seed, cursor: self.cursor }
     }
