@@ -407,11 +407,6 @@ impl UnitAccess for StepAccess<'_> {
         (p, g, runner.map(|r| Box::new(r) as Box<dyn ExpertRunner + '_>))
     }
 
-    fn unit_with_experts(&mut self, u: usize) -> (&[f32], &mut [f32], Option<Box<dyn ExpertRunner + '_>>) {
-        let (p, g, runner) = self.unit_parts(u);
-        (p, g, runner.map(|r| Box::new(r) as Box<dyn ExpertRunner + '_>))
-    }
-
     fn grads_ready(&mut self, u: usize) {
         self.expect_event(UnitEvent::Ready(u));
         let plan = Arc::clone(&self.plan);
