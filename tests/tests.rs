@@ -4,6 +4,7 @@ mod common;
 mod e2e_cli;
 mod e2e_config_limits;
 mod e2e_elastic;
+mod e2e_experts;
 mod e2e_gpu;
 mod e2e_hosts;
 mod e2e_launchers;

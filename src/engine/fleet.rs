@@ -49,9 +49,23 @@ pub struct RunPlanner<'a> {
 }
 
 impl Planner<Plan> for RunPlanner<'_> {
+    /// With expert parallelism, a world that `tessera.moe.ep_size` does not divide (after a
+    /// loss) runs with the largest divisor of it that divides the world: experts are placed,
+    /// not stored, by the groups (their parameters follow the ZeRO partition), so the groups
+    /// re-form at once and the bits do not change.
     fn plan(&self, world: usize) -> Result<Plan> {
         let mut cfg = self.cfg.clone();
         cfg.world_size = world;
+        if let Some(moe) = cfg.tessera.moe.as_mut() {
+            let asked = moe.ep_size;
+            moe.ep_size = (1..=asked).rev().find(|d| asked % d == 0 && world % d == 0).unwrap_or(1);
+            if moe.ep_size != asked {
+                eprintln!(
+                    "[elastic] tessera.moe.ep_size = {asked} does not divide {world} ranks: expert groups of {} until it does",
+                    moe.ep_size
+                );
+            }
+        }
         Plan::new(&cfg, self.dataset)
     }
 

@@ -333,7 +333,10 @@ impl Plan {
             overlap_comm: cfg.zero.overlap_comm,
             prefetch_elems: to_elems(cfg.zero.stage3_prefetch_bucket_size),
             max_live_elems: to_elems(cfg.zero.stage3_max_live_parameters),
-            experts: None,
+            experts: match cfg.tessera.moe.as_ref().map_or(1, |m| m.ep_size) {
+                1 => None,
+                ep => Some(ExpertPlan::new(&model, ep, world).map_err(anyhow::Error::msg)?),
+            },
             model,
         };
         for r in 0..plan.world {

@@ -130,7 +130,6 @@ fn reference_grad(r: &Reference, name: &str, f: usize) -> Option<Vec<f32>> {
     Some(if fused == "gate_up_proj" { one[rows.start * c..rows.end * c].to_vec() } else { one.to_vec() })
 }
 
-
 #[test]
 fn gpt2_matches_transformers() {
     matches_transformers("gpt2");
