@@ -486,9 +486,9 @@ fn with_tensors(name: &str, edit: impl FnOnce(&mut Vec<(String, safetensors::Dty
 
 #[test]
 fn moe_folders_whose_tensors_do_not_fit_are_refused_by_file_and_tensor() {
-    // One expert more in the config than in the file: the router's shape differs.
-    let e = refusal("mixtral", |d| d["num_local_experts"] = 5.into());
-    assert!(e.contains("block_sparse_moe.gate.weight`: shape [4, 32], the config implies [5, 32]"), "{e}");
+    // One expert fewer in the config than in the file: the router's shape differs.
+    let e = refusal("mixtral", |d| d["num_local_experts"] = 3.into());
+    assert!(e.contains("block_sparse_moe.gate.weight`: shape [4, 32], the config implies [3, 32]"), "{e}");
     let e = refusal("qwen2-moe", |d| d["num_experts"] = 3.into());
     assert!(e.contains("mlp.gate.weight`: shape [4, 32], the config implies [3, 32]"), "{e}");
     // An expert's tensor missing from the file.
