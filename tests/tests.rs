@@ -9,6 +9,8 @@ mod e2e_gpu;
 mod e2e_hosts;
 mod e2e_launchers;
 mod e2e_models;
+mod e2e_moe;
+mod e2e_moe_outputs;
 mod e2e_offload;
 mod e2e_outputs;
 mod e2e_procs;

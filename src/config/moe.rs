@@ -186,11 +186,30 @@ impl MoeSection {
                 &format!("at most the model's {} blocks (block l is MoE when (l + 1) % expert_interval == 0)", base.n_layer),
             ));
         }
-        let capacity = Capacity {
-            train_factor: self.capacity_factor.unwrap_or(1.0),
-            eval_factor: self.eval_capacity_factor.unwrap_or(1.0),
-            min_capacity: self.min_capacity.unwrap_or(MIN_CAPACITY_DEFAULT),
-            drop_tokens: self.drop_tokens.unwrap_or(true),
+        // DeepSpeed's drop_tokens = false gives every expert all the tokens routed to it: no
+        // capacity, so its factors and the random token selection that fills it change nothing.
+        let drop_tokens = self.drop_tokens.unwrap_or(true);
+        let capacity = if drop_tokens {
+            Some(Capacity {
+                train_factor: self.capacity_factor.unwrap_or(1.0),
+                eval_factor: self.eval_capacity_factor.unwrap_or(1.0),
+                min_capacity: self.min_capacity.unwrap_or(MIN_CAPACITY_DEFAULT),
+                drop_tokens,
+            })
+        } else {
+            let inert = |k: &str, v: Option<Value>| match v {
+                Some(v) => Err(ConfigErrorKind::unsupported(
+                    &key(k),
+                    &v,
+                    "it changes nothing with drop_tokens = false (every token reaches its experts; no capacity)",
+                )),
+                None => Ok(()),
+            };
+            inert("capacity_factor", self.capacity_factor.map(Value::from))?;
+            inert("eval_capacity_factor", self.eval_capacity_factor.map(Value::from))?;
+            inert("min_capacity", self.min_capacity.map(Value::from))?;
+            inert("use_rts", self.use_rts.map(Value::from))?;
+            None
         };
         Ok(MoeConfig {
             num_experts,
@@ -201,9 +220,9 @@ impl MoeSection {
             gating: Gating::SoftmaxThenTopK,
             // DeepSpeed's top-1 weighs by the softmax probability; top-2 and top-k renormalise.
             norm_topk: top_k > 1,
-            capacity: Some(capacity),
+            capacity,
             noisy_gate: self.noisy_gate_policy.unwrap_or(NoisyGate::None),
-            random_token_selection: self.use_rts.unwrap_or(true),
+            random_token_selection: drop_tokens && self.use_rts.unwrap_or(true),
             aux_loss_coef: self.aux_loss_coef.unwrap_or(AUX_LOSS_COEF_DEFAULT),
             z_loss_coef: self.z_loss_coef.unwrap_or(0.0),
             aux_loss: AuxLoss::PerLayer,

@@ -528,10 +528,9 @@ fn with_tensors(name: &str, edit: impl FnOnce(&mut Vec<(String, safetensors::Dty
 
 #[test]
 fn moe_folders_whose_tensors_do_not_fit_are_refused_by_file_and_tensor() {
-    // One expert more in the config than in the file: its tensors are missing (the first in
-    // name order is named) and the router's shape differs.
-    let e = refusal("mixtral", |d| d["num_local_experts"] = 5.into());
-    assert!(e.contains("block_sparse_moe.experts.4.w1.weight`: missing (expected shape [32, 32])"), "{e}");
+    // One expert fewer in the config than in the file: the router's shape differs.
+    let e = refusal("mixtral", |d| d["num_local_experts"] = 3.into());
+    assert!(e.contains("block_sparse_moe.gate.weight`: shape [4, 32], the config implies [3, 32]"), "{e}");
     let e = refusal("qwen2-moe", |d| d["num_experts"] = 3.into());
     assert!(e.contains("mlp.gate.weight`: shape [4, 32], the config implies [3, 32]"), "{e}");
     // An expert's tensor missing from the file.
@@ -546,4 +545,22 @@ fn moe_folders_whose_tensors_do_not_fit_are_refused_by_file_and_tensor() {
     // More experts per token than there are.
     let e = refusal("mixtral", |d| d["num_experts_per_tok"] = 6.into());
     assert!(e.contains("config.json: key `num_experts_per_tok` = 6: expected at most num_local_experts = 4"), "{e}");
+}
+
+/// `mixtral-tiny` exports as a Mixtral folder whose config.json reads back as the same shape
+/// (experts, top-k, the trained aux-loss weight).
+#[test]
+fn the_mixtral_preset_exports_as_mixtral_and_reads_back() {
+    let model = Model::new(crate::zoo::preset("mixtral-tiny").unwrap()).unwrap();
+    let params = model.init_params(5);
+    let family = default_family(&model.cfg);
+    assert_eq!(family, Family::Mixtral);
+    let doc = config_doc(family, &model.cfg, None, TensorDtype::F32);
+    assert_eq!((doc["router_aux_loss_coef"].as_f64(), doc["output_router_logits"].as_bool()), (Some(0.02), Some(true)));
+    let tmp = tempfile::tempdir().unwrap();
+    let f32s = WeightFormat { dtype: TensorDtype::F32, shard_bytes_max: SHARD_BYTES_MAX };
+    export(tmp.path(), family, (&model, &params), &doc, &[], f32s).unwrap();
+    assert!(weights_of(tmp.path()).contains_key("model.layers.3.block_sparse_moe.experts.3.w2.weight"));
+    let (hf, again, read) = open(tmp.path());
+    assert_eq!((hf.config.family, &again.cfg, read), (Family::Mixtral, &model.cfg, params));
 }
