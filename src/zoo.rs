@@ -83,7 +83,7 @@ fn describe(cfg: &ModelConfig, note: &str) -> String {
 /// own vocabulary, and its weights when it has any).
 #[derive(Clone, Debug)]
 pub enum ModelSource {
-    Preset(ModelConfig),
+    Preset(Box<ModelConfig>),
     Folder(Box<HfModel>),
 }
 
@@ -109,7 +109,7 @@ pub fn resolve(model: &str) -> Result<ModelSource, String> {
     if crate::hf::is_folder(model) {
         return HfModel::open(Path::new(model)).map(|f| ModelSource::Folder(Box::new(f))).map_err(|e| e.to_string());
     }
-    preset(model).map(ModelSource::Preset)
+    preset(model).map(|c| ModelSource::Preset(Box::new(c)))
 }
 
 /// Looks a preset up by name; the error lists the valid names.

@@ -1,7 +1,8 @@
 //! Mixture-of-experts models through the CLI: a Mixtral folder trains to the same bits on one
 //! rank, two ranks under ZeRO-2 and two worker processes under ZeRO-3, a resume under another
 //! world size continues them, and its export reads back as the trained parameters and loads in
-//! transformers with the same loss; the shipped `configs/mixtral-tiny.json` trains.
+//! transformers with the same loss; the shipped `configs/mixtral-tiny.json` trains its preset
+//! to the same bits on one and two ranks, and exports.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -78,17 +79,29 @@ fn check_export(export: &Path) {
 }
 
 #[test]
-fn the_shipped_mixtral_tiny_config_trains_its_preset() {
+fn the_shipped_mixtral_tiny_config_trains_its_preset_to_the_same_bits_and_exports() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("run");
     let cfg = repo().join("configs/mixtral-tiny.json");
     let data = text(tmp.path());
-    let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output", out.to_str().unwrap()];
-    a.extend_from_slice(&["--steps", "2", "--world", "2", "--no-progress"]);
-    a.extend_from_slice(FAST);
-    ok(&a, tmp.path());
-    let s = summary(&out);
+    let train = |name: &str, world: &str| {
+        let out = tmp.path().join(name);
+        let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--data", data.to_str().unwrap(), "--output", out.to_str().unwrap()];
+        a.extend_from_slice(&["--steps", "3", "--world", world, "--no-progress", "--set", "scheduler.params.warmup_num_steps=1"]);
+        a.extend_from_slice(FAST);
+        ok(&a, tmp.path());
+        out
+    };
+    // The config's ZeRO-2 on two ranks, and one rank.
+    let (two, one) = (train("two", "2"), train("one", "1"));
+    let s = summary(&two);
     assert_eq!(s["model"], "mixtral-tiny");
+    assert_eq!(s["zero_stage"], 2);
     assert_eq!(s["moe"]["blocks"].as_array().map(Vec::len), Some(4), "every block of the preset is MoE: {s}");
     assert!(s["final_loss"].as_f64().is_some_and(f64::is_finite), "{s}");
+    assert_eq!(summary(&one)["params_blake3"], s["params_blake3"], "one rank differs from two under ZeRO-2");
+    let export = tmp.path().join("export");
+    let c = one.join("checkpoints");
+    let said = ok(&["export", "--checkpoint", c.to_str().unwrap(), "--out", export.to_str().unwrap()], tmp.path());
+    assert!(said.contains("MixtralForCausalLM"), "{said}");
+    check_export(&export);
 }

@@ -121,8 +121,7 @@ impl MoeTally {
     /// The share of (token, choice) pairs dropped for capacity, over every block.
     pub fn dropped_fraction(&self) -> f64 {
         let dropped: u64 = self.blocks.iter().map(|b| b.dropped).sum();
-        let kept: u64 = self.blocks.iter().flat_map(|b| &b.tokens_per_expert).sum();
-        dropped as f64 / (dropped + kept).max(1) as f64
+        dropped as f64 / (dropped + self.blocks.iter().map(MoeBlockTally::kept).sum::<u64>()).max(1) as f64
     }
 
     /// The most and least loaded experts over every block, as their share of the block's
@@ -135,9 +134,19 @@ impl MoeTally {
 }
 
 impl MoeBlockTally {
+    /// (token, choice) pairs the block's experts received.
+    pub fn kept(&self) -> u64 {
+        self.tokens_per_expert.iter().sum()
+    }
+
+    /// The share of the block's pairs dropped for capacity.
+    pub fn dropped_fraction(&self) -> f64 {
+        self.dropped as f64 / (self.dropped + self.kept()).max(1) as f64
+    }
+
     /// Each expert's share of the block's kept pairs (empty when none was kept).
     pub fn shares(&self) -> Vec<f64> {
-        let kept: u64 = self.tokens_per_expert.iter().sum();
+        let kept = self.kept();
         if kept == 0 {
             return Vec::new();
         }

@@ -75,19 +75,13 @@ pub struct MoeBlockSummary {
 impl MoeSummary {
     /// From the run's tally and its last step's.
     pub fn new(run: &MoeTally, last: &MoeTally) -> Self {
-        let block = |b: &MoeBlockTally| {
-            let kept: u64 = b.tokens_per_expert.iter().sum();
-            MoeBlockSummary {
-                block: b.block,
-                token_share: b.shares(),
-                dropped_fraction: b.dropped as f64 / (kept + b.dropped).max(1) as f64,
-            }
-        };
+        let block = |b: &MoeBlockTally| MoeBlockSummary { block: b.block, token_share: b.shares(), dropped_fraction: b.dropped_fraction() };
+        let range = run.load_range();
         MoeSummary {
             blocks: run.blocks.iter().map(block).collect(),
             dropped_fraction: run.dropped_fraction(),
-            expert_load_max: run.load_range().map(|r| r.0),
-            expert_load_min: run.load_range().map(|r| r.1),
+            expert_load_max: range.map(|r| r.0),
+            expert_load_min: range.map(|r| r.1),
             final_aux_loss: last.aux_mean(),
             final_z_loss: last.z_mean(),
         }

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use serde_json::{json, Value};
-use tessera_kernels::model::{Arch, Model, ModelConfig, MoeConfig};
+use tessera_kernels::model::{Arch, AuxLoss, Gating, Model, ModelConfig, MoeConfig, NoisyGate};
 
 use super::config::Family;
 use super::names::{extract, matrix, pieces};
@@ -123,6 +123,28 @@ pub fn default_family(cfg: &ModelConfig) -> Family {
     }
 }
 
+/// Whether a folder of `family` computes what MoE blocks `m` compute (transformers' Mixtral:
+/// every block, softmax then top-k renormalised, dropless; Qwen2-MoE: its sparse step and dense
+/// layers, a shared expert); the error says what it lacks. The z-loss and a zero aux weight
+/// shape training only, not the exported model.
+fn holds_moe(family: Family, m: &MoeConfig) -> Result<(), String> {
+    let arch = family.architecture();
+    let lacks = |what: &str| Err(format!("the model has mixture-of-experts blocks with {what}, which a {arch} folder cannot express"));
+    match () {
+        _ if !family.is_moe() => lacks("experts"),
+        _ if m.gating != Gating::SoftmaxThenTopK => lacks("top-k-then-softmax gating"),
+        _ if m.capacity.is_some() || m.random_token_selection => lacks("an expert capacity (dropped tokens)"),
+        _ if m.noisy_gate != NoisyGate::None => lacks("a noisy gate"),
+        _ if m.residual => lacks("a residual MLP (use_residual)"),
+        _ if m.aux_loss == AuxLoss::PerLayer && m.aux_loss_coef != 0.0 => lacks("a per-block load-balancing loss"),
+        _ if family == Family::Mixtral && (m.sparse_step != 1 || !m.dense_layers.is_empty()) => lacks("dense blocks"),
+        _ if family == Family::Mixtral && !m.norm_topk => lacks("top-k weights not renormalised"),
+        _ if family == Family::Mixtral && m.shared_expert.is_some() => lacks("a shared expert"),
+        _ if family == Family::Qwen2Moe && m.shared_expert.is_none() => lacks("no shared expert"),
+        _ => Ok(()),
+    }
+}
+
 /// The model's parameters as the family's tensors, sorted by name.
 fn hf_tensors(family: Family, model: &Model, params: &[f32]) -> Result<Vec<NamedTensor>, HfError> {
     let mut out = Vec::new();
@@ -157,6 +179,9 @@ pub fn export(
     format: WeightFormat,
 ) -> Result<Exported, HfError> {
     let WeightFormat { dtype, shard_bytes_max } = format;
+    if let Some(m) = &model.cfg.moe {
+        holds_moe(family, m).map_err(|reason| HfError::Config { file: dir.display().to_string(), reason })?;
+    }
     let tensors = hf_tensors(family, model, params)?;
     let mut shards: Vec<Vec<&NamedTensor>> = vec![Vec::new()];
     let mut bytes = 0u64;

@@ -567,3 +567,18 @@ fn the_mixtral_preset_exports_as_mixtral_and_reads_back() {
     let (hf, again, read) = open(tmp.path());
     assert_eq!((hf.config.family, &again.cfg, read), (Family::Mixtral, &model.cfg, params));
 }
+
+/// An MoE model a family cannot express is refused at export, saying what it lacks, before any
+/// file is written.
+#[test]
+fn an_moe_model_its_family_cannot_express_is_not_exported() {
+    let (hf, model, params) = open(&fixture("qwen2-moe"));
+    let f32s = WeightFormat { dtype: TensorDtype::F32, shard_bytes_max: SHARD_BYTES_MAX };
+    let tmp = tempfile::tempdir().unwrap();
+    let doc = config_doc(Family::Mixtral, &model.cfg, None, TensorDtype::F32);
+    let e = export(tmp.path(), Family::Mixtral, (&model, &params), &doc, &[], f32s).unwrap_err().to_string();
+    assert!(e.contains("dense blocks, which a MixtralForCausalLM folder cannot express"), "{e}");
+    let e = export(tmp.path(), Family::Qwen2, (&model, &params), &hf.config.doc, &[], f32s).unwrap_err().to_string();
+    assert!(e.contains("experts, which a Qwen2ForCausalLM folder cannot express"), "{e}");
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0, "nothing written");
+}
