@@ -430,3 +430,60 @@ pub fn gemm_mode() -> Result<GroupMode> {
         Ok(v) => Err(GpuError::Invalid(format!("TESSERA_GPU_MOE_GEMM={v}: expected `loop` or `grouped`"))),
     }
 }
+
+/// What [`gemm_bench`] measured (TFLOP/s of `2·rows·c·f` per call).
+#[derive(Clone, Copy, Debug)]
+pub struct GemmBench {
+    pub loop_tflops: f64,
+    pub grouped_tflops: f64,
+    pub dense_tflops: f64,
+    /// Whether cuBLAS ran the grouped call (not the loop it falls back to).
+    pub grouped_ran: bool,
+}
+
+/// Times the experts' forward gate projection `[n_e, c]·[c, f]` for the row split `split`
+/// (`iters` calls after 3 warm-ups each): per-expert loop, one grouped call, and one dense GEMM
+/// of all `Σ n_e` rows, on random bf16 operands.
+pub fn gemm_bench(gpu: &Gpu, split: &[usize], c: usize, f: usize, iters: usize) -> Result<GemmBench> {
+    let total: usize = split.iter().sum();
+    let e = split.len();
+    let mut rng = crate::tensor::Rng::derive(7, &[total as u64, c as u64, f as u64]);
+    let mut rand = |n: usize| -> Vec<bf16> {
+        let mut v = vec![0f32; n];
+        rng.fill_normal(&mut v, 0.02);
+        v.into_iter().map(bf16::from_f32).collect()
+    };
+    let x = gpu.upload(&rand(total * c))?;
+    let w = gpu.upload(&rand(e * c * f))?;
+    let y = gpu.alloc::<bf16>(total * f)?;
+    let table = gpu.alloc::<u64>(3 * e)?;
+    let mut gs = Vec::new();
+    let mut r0 = 0;
+    for (i, &n) in split.iter().enumerate() {
+        let r = (r0, r0 + n);
+        if n > 0 {
+            let wi = w.slice(i * c * f..(i + 1) * c * f);
+            gs.push(GemmDesc { c: bf(rows(y.ptr(), r, f)), a: bf(rows(x.ptr(), r, c)), b: bf(wi), m: n, k: c, n: f, beta: 0.0 });
+        }
+        r0 += n;
+    }
+    let time = |run: &dyn Fn() -> Result<bool>| -> Result<(f64, bool)> {
+        let mut ran = false;
+        for _ in 0..3 {
+            ran = run()?;
+        }
+        gpu.sync()?;
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            run()?;
+        }
+        gpu.sync()?;
+        let s = t0.elapsed().as_secs_f64() / iters as f64;
+        Ok((2.0 * total as f64 * c as f64 * f as f64 / s / 1e12, ran))
+    };
+    let (loop_tflops, _) = time(&|| gpu.blas.matmul_grouped(&gs, GroupMode::Loop, table.ptr()))?;
+    let (grouped_tflops, grouped_ran) = time(&|| gpu.blas.matmul_grouped(&gs, GroupMode::Grouped, table.ptr()))?;
+    let w0 = w.slice(0..c * f);
+    let (dense_tflops, _) = time(&|| gpu.blas.matmul(bf(y.ptr()), bf(x.ptr()), bf(w0), total, c, f).map(|_| false))?;
+    Ok(GemmBench { loop_tflops, grouped_tflops, dense_tflops, grouped_ran })
+}
