@@ -16,11 +16,18 @@ scripts/gen_fixtures.py itself), and next to each folder a `reference.safetensor
 targets, the logits, the mean cross-entropy and the gradient of every parameter (by its Hugging
 Face name), computed in float64 from the saved float32 weights. Nothing is downloaded.
 
+`hf-moe` (also run by `hf`) -- `mixtral` (a MixtralForCausalLM, 4 experts top-2, `output_router_logits`
+with a nonzero `router_aux_loss_coef`, so its reference gradients are of cross-entropy + coef * aux) and
+`qwen2-moe` (a Qwen2MoeForCausalLM with a dense block (`mlp_only_layers`), a shared expert, q/k/v biases
+and `norm_topk_prob` false), with the `llama` folder's tokenizer.json; their reference files add `aux_loss`
+(transformers' `load_balancing_loss_func` over every MoE block's routing) and `objective`.
+
 `hf-gpu` -- `llama-gpu`, a LlamaForCausalLM of head dimension 64 with grouped-query attention and an
 untied head (what the GPU kernels run), for tests/e2e_gpu.rs; no reference file.
 
 Usage: python3 scripts/gen_fixtures.py kernels [OUT_DIR]   (default kernels/tests/fixtures)
        python3 scripts/gen_fixtures.py hf [OUT_DIR]        (default tests/fixtures/hf)
+       python3 scripts/gen_fixtures.py hf-moe [OUT_DIR]    (default tests/fixtures/hf)
        python3 scripts/gen_fixtures.py hf-gpu [OUT_DIR]    (default tests/fixtures/hf)
 Needs: torch, safetensors; `hf` also transformers and tokenizers.
 """
@@ -236,6 +243,69 @@ def hf_main(out_dir):
                      "generator": "scripts/gen_fixtures.py hf"})
         save_file(tensors, os.path.join(out_dir, f"{name}.reference.safetensors"), metadata=meta)
         print(f"wrote {folder}: loss {tensors['loss'].item():.6f}, {sorted(os.listdir(folder))}")
+    hf_moe_main(out_dir)
+
+
+def hf_moe_models():
+    """(folder name, model) of the mixture-of-experts families, seeded on their own."""
+    import transformers as tf
+
+    eot = HF_VOCAB - 1
+    common = dict(vocab_size=HF_VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, bos_token_id=eot, eos_token_id=eot,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, num_experts_per_tok=2)
+    torch.manual_seed(20261204)
+    mixtral = tf.MixtralForCausalLM(tf.MixtralConfig(
+        **common, intermediate_size=32, num_local_experts=4, output_router_logits=True, router_aux_loss_coef=0.02,
+        router_jitter_noise=0.0, sliding_window=None, rope_theta=1000000.0))
+    qwen = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+        **common, intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
+        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0], output_router_logits=False,
+        router_aux_loss_coef=0.001, rope_theta=1000000.0))
+    return [("mixtral", mixtral), ("qwen2-moe", qwen)]
+
+
+def hf_moe_reference(model, B=2, T=24):
+    """`hf_reference` for an MoE model: also the load-balancing loss `aux_loss` of the routing and the
+    objective (cross-entropy, plus `router_aux_loss_coef` * aux when `output_router_logits`, as
+    transformers adds it to its `loss`), whose gradients these are."""
+    ref = copy.deepcopy(model).double().eval()
+    ref.config._experts_implementation = "eager"  # grouped_mm has no float64
+    tokens = torch.randint(0, HF_VOCAB, (B, T))
+    targets = torch.randint(0, HF_VOCAB, (B, T))
+    out = ref(input_ids=tokens, output_router_logits=True)
+    logits = out.logits
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, HF_VOCAB), targets.reshape(-1))
+    aux = out.aux_loss
+    coef = ref.config.router_aux_loss_coef if ref.config.output_router_logits else 0.0
+    objective = ce + coef * aux
+    objective.backward()
+    res = {"tokens": tokens.reshape(-1).to(torch.int32), "targets": targets.reshape(-1).to(torch.int32),
+           "logits": logits.detach().float().reshape(B * T, HF_VOCAB).contiguous(),
+           "loss": ce.detach().float().reshape(1), "aux_loss": aux.detach().float().reshape(1),
+           "objective": objective.detach().float().reshape(1)}
+    for name, p in ref.named_parameters():
+        res["grad." + name] = p.grad.float().contiguous()
+    return res, {"batch": str(B), "seq_len": str(T), "aux_loss_coef": str(coef)}
+
+
+def hf_moe_main(out_dir):
+    out_dir = out_dir or os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf")
+    import transformers
+
+    for name, model in hf_moe_models():
+        folder = os.path.join(out_dir, name)
+        os.makedirs(folder, exist_ok=True)
+        model.config._attn_implementation = "eager"
+        model.save_pretrained(folder)
+        # The tokenizer of the other folders (trained by `hf` on this script's text as it was then).
+        shutil.copy(os.path.join(out_dir, "llama", "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
+        tensors, meta = hf_moe_reference(model)
+        meta.update({"torch": torch.__version__, "transformers": transformers.__version__,
+                     "generator": "scripts/gen_fixtures.py hf-moe"})
+        save_file(tensors, os.path.join(out_dir, f"{name}.reference.safetensors"), metadata=meta)
+        print(f"wrote {folder}: loss {tensors['loss'].item():.6f}, aux {tensors['aux_loss'].item():.6f}, "
+              f"{sorted(os.listdir(folder))}")
 
 
 def hf_gpu_main(out_dir):
@@ -265,10 +335,12 @@ def main():
         kernels_main(out_dir)
     elif what == "hf":
         hf_main(out_dir)
+    elif what == "hf-moe":
+        hf_moe_main(out_dir)
     elif what == "hf-gpu":
         hf_gpu_main(out_dir)
     else:
-        sys.exit("usage: gen_fixtures.py kernels|hf|hf-gpu [OUT_DIR]")
+        sys.exit("usage: gen_fixtures.py kernels|hf|hf-moe|hf-gpu [OUT_DIR]")
 
 
 if __name__ == "__main__":

@@ -517,7 +517,7 @@ pub fn export(o: &ExportOpts) -> Result<()> {
     let (model, params) = model_from_checkpoint(&ck)?;
     let c = &model.cfg;
     let recorded = checkpoint_hf_config(&ck)?;
-    let family = recorded.as_ref().map_or(hf::default_family(c.arch), |h| h.family);
+    let family = recorded.as_ref().map_or(hf::default_family(c), |h| h.family);
     let dtype = o.dtype.unwrap_or_else(|| hf::recorded_dtype(recorded.as_ref().map(|h| &h.doc)));
     let doc = hf::config_doc(family, c, recorded.as_ref().map(|h| &h.doc), dtype);
     let tokenizer = training_tokenizer_bytes(&ck, o.tokenizer.as_deref())?;

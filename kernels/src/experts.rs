@@ -45,7 +45,11 @@ pub struct LocalExperts<'a> {
 impl ExpertRunner for LocalExperts<'_> {
     fn forward(&mut self, _unit: usize, mlp: &dyn ExpertMlp, p: &[f32], rows: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
         self.acts.resize_with(mlp.num_experts(), Vec::new);
-        rows.iter().enumerate().map(|(e, x)| mlp.forward(e, &p[mlp.expert_range(e)], x, &mut self.acts[e])).collect()
+        // An expert without rows is skipped (nothing to compute, nothing to add), as any runner does.
+        rows.iter()
+            .enumerate()
+            .map(|(e, x)| if x.is_empty() { Vec::new() } else { mlp.forward(e, &p[mlp.expert_range(e)], x, &mut self.acts[e]) })
+            .collect()
     }
 
     fn backward(&mut self, _unit: usize, mlp: &dyn ExpertMlp, p: &[f32], d_out: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
@@ -53,6 +57,9 @@ impl ExpertRunner for LocalExperts<'_> {
             .iter()
             .enumerate()
             .map(|(e, dy)| {
+                if dy.is_empty() {
+                    return Vec::new();
+                }
                 let r = mlp.expert_range(e);
                 mlp.backward(e, &p[r.clone()], &mut self.g[r], &mut self.acts[e], dy)
             })

@@ -115,6 +115,9 @@ impl Dims {
 #[derive(Debug, Default)]
 pub struct Acts {
     bufs: Vec<Vec<f32>>,
+    /// An MoE block's routing and experts' outputs (and, before its backward, what the model
+    /// hands it: the load-balancing loss's gradient).
+    pub moe: Option<crate::ops::moe::MoeActs>,
 }
 
 impl Acts {
@@ -147,11 +150,12 @@ impl Acts {
     /// Frees the memory held (used by activation checkpointing between forward and backward).
     pub fn release(&mut self) {
         self.bufs.iter_mut().for_each(|b| *b = Vec::new());
+        self.moe = None;
     }
 
     /// Bytes currently held.
     pub fn bytes(&self) -> usize {
-        self.bufs.iter().map(|b| b.capacity() * 4).sum()
+        self.bufs.iter().map(|b| b.capacity() * 4).sum::<usize>() + self.moe.as_ref().map_or(0, crate::ops::moe::MoeActs::bytes)
     }
 }
 

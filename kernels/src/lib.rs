@@ -11,6 +11,7 @@ pub mod gemm;
 pub mod gradcheck;
 pub mod layer;
 pub mod model;
+pub mod moe_ffn;
 pub mod ops;
 pub mod optim;
 pub mod tensor;

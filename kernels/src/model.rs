@@ -12,6 +12,7 @@ use std::ops::Range;
 use crate::experts::{ExpertMlp, ExpertRunner};
 use crate::gemm::matmul;
 use crate::layer::{Acts, Dims, Init, Layer, ParamLayout, ParamSpec};
+use crate::moe_ffn::MoeFfn;
 use crate::ops::gqa::{self, Groups};
 use crate::ops::rope::{RopeScaling, RopeTable};
 use crate::ops::{attention, crossentropy, embedding, gelu, layernorm, linear, residual, rmsnorm, rope, swiglu};
@@ -111,6 +112,36 @@ pub struct MoeConfig {
     pub residual: bool,
 }
 
+impl MoeConfig {
+    /// Checks the experts are buildable and asks for nothing Tessera does not do yet; the error
+    /// names what.
+    pub fn validate(&self, arch: Arch) -> Result<(), String> {
+        let m = self;
+        if m.num_experts == 0 || m.d_expert == 0 || m.sparse_step == 0 {
+            return Err(format!(
+                "mixture of experts: num_experts {}, d_expert {} and sparse_step {} must be positive",
+                m.num_experts, m.d_expert, m.sparse_step
+            ));
+        }
+        if m.top_k == 0 || m.top_k > m.num_experts {
+            return Err(format!("mixture of experts: top_k {} must be 1..={} (the number of experts)", m.top_k, m.num_experts));
+        }
+        if m.shared_expert == Some(0) {
+            return Err("mixture of experts: the shared expert's width must be positive".into());
+        }
+        let not_yet = |what: &str| Err(format!("mixture of experts: {what} is not supported yet"));
+        match () {
+            _ if arch == Arch::Gpt => not_yet("a GPT-2 block with experts (GELU experts; the LLaMA family has them)"),
+            _ if m.capacity.is_some() => not_yet("an expert capacity (capacity_factor, drop_tokens: every token reaches its experts)"),
+            _ if m.noisy_gate != NoisyGate::None => not_yet("a noisy gate (noisy_gate_policy Jitter or RSample)"),
+            _ if m.random_token_selection => not_yet("random token selection (use_rts)"),
+            _ if m.residual => not_yet("residual MoE (use_residual)"),
+            _ if m.aux_loss == AuxLoss::PerLayer && m.aux_loss_coef != 0.0 => not_yet("the per-block (GShard) load-balancing loss"),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// When a router's probabilities are taken.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Gating {
@@ -179,16 +210,23 @@ impl ModelConfig {
             ));
         }
         if let Some(m) = &c.moe {
-            return Err(format!("mixture-of-experts blocks are not built yet ({} experts, top {})", m.num_experts, m.top_k));
+            m.validate(c.arch)?;
         }
         Ok(())
     }
 
     /// Training FLOPs per token (forward + backward): 6·N for the matrices plus attention,
     /// 12·L·d·T (the PaLM/llm.c estimate; the embedding table counts through the tied head).
+    ///
+    /// With experts, `num_params` counts only the active ones: each MoE block's idle experts
+    /// (`num_experts − top_k` of them) are left out.
     pub fn flops_per_token(&self, num_params: usize, seq_len: usize) -> f64 {
         let attn = 12.0 * self.n_layer as f64 * self.d_model as f64 * seq_len as f64;
-        6.0 * num_params as f64 + attn
+        let idle = self.moe.as_ref().map_or(0, |m| {
+            let sparse = (0..self.n_layer).filter(|&l| crate::moe_ffn::is_sparse(m, l)).count();
+            sparse * (m.num_experts - m.top_k) * 3 * self.d_model * m.d_expert
+        });
+        6.0 * num_params.saturating_sub(idle) as f64 + attn
     }
 }
 
@@ -245,9 +283,37 @@ pub struct Workspace {
     /// When the last [`Model::forward_backward`] had its loss: its forward done, its backward
     /// next (taken by [`Workspace::take_loss_instant`], for the engine's phase timers).
     loss_at: Option<std::time::Instant>,
+    /// The MoE blocks' routing in the last forward (empty for dense models).
+    moe: MoeStats,
+}
+
+/// What the MoE blocks did in one forward (a micro-batch): per MoE block, in block order,
+/// the (token, choice) assignments each expert received and the block's router z-loss; and the
+/// load-balancing loss over them all (transformers' `load_balancing_loss_func`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MoeStats {
+    /// `(block, assignments per expert, z-loss)`.
+    pub blocks: Vec<(usize, Vec<usize>, f32)>,
+    pub aux: crate::ops::moe::AuxCounts,
+}
+
+impl MoeStats {
+    /// The load-balancing loss (0 without MoE blocks).
+    pub fn aux_loss(&self) -> f32 {
+        if self.aux.rows == 0 {
+            0.0
+        } else {
+            self.aux.loss()
+        }
+    }
 }
 
 impl Workspace {
+    /// The MoE blocks' routing in the last forward.
+    pub fn moe_stats(&self) -> &MoeStats {
+        &self.moe
+    }
+
     /// When the last [`Model::forward_backward`] finished its forward (the loss computed, the
     /// backward not begun); `None` when taken already or no training pass ran.
     pub fn take_loss_instant(&mut self) -> Option<std::time::Instant> {
@@ -364,12 +430,17 @@ impl Model {
             let wpe = e.wpe.clone().map(|r| &p0[r]);
             embedding::embedding_forward(&mut ws.xs[0], tokens, &p0[e.wte.clone()], wpe, d.b, d.t, d.c);
         }
+        ws.moe = MoeStats::default();
         for (i, block) in self.blocks.iter().enumerate() {
             let (p, _, mut experts) = acc.unit_with_experts(i + 1);
             let (head, tail) = ws.xs.split_at_mut(i + 1);
             // With recomputation every block shares one scratch `Acts`: only inputs are kept.
             let acts = if keep { &mut ws.blocks[i] } else { &mut ws.blocks[0] };
             block.forward_with(p, &head[i], d, acts, &mut tail[0], runner(&mut experts));
+            if let Some(m) = &acts.moe {
+                ws.moe.aux.add(&m.routing);
+                ws.moe.blocks.push((i, m.routing.counts.clone(), m.z));
+            }
         }
     }
 
@@ -431,6 +502,13 @@ impl Model {
         self.forward_stack(acc, tokens, d, ws, keep);
         let loss = self.head(acc, targets, d, ws, Some(dloss));
         ws.dx_prev.resize(d.n() * d.c, 0.0);
+        // The router losses' gradients, for the MoE blocks' backward (scaled like the loss's).
+        let (dprob, z_coef) = match &self.cfg.moe {
+            Some(m) if !ws.moe.blocks.is_empty() => {
+                ((m.aux_loss_coef != 0.0).then(|| ws.moe.aux.dprob(m.aux_loss_coef * dloss)), m.z_loss_coef * dloss)
+            }
+            _ => (None, 0.0),
+        };
         for (i, block) in self.blocks.iter().enumerate().rev() {
             let (p, g, mut experts) = acc.unit_with_experts(i + 1);
             let acts = if keep { &mut ws.blocks[i] } else { &mut ws.blocks[0] };
@@ -440,6 +518,9 @@ impl Model {
                 let mut y = std::mem::take(&mut ws.dx_prev);
                 block.forward_with(p, &ws.xs[i], d, acts, &mut y, runner(&mut experts));
                 ws.dx_prev = y;
+            }
+            if let Some(m) = acts.moe.as_mut() {
+                (m.dprob, m.z_coef) = (dprob.clone(), z_coef);
             }
             block.backward_with(p, g, &ws.xs[i], &ws.dx, d, acts, &mut ws.dx_prev, runner(&mut experts));
             drop(experts);
@@ -718,6 +799,9 @@ struct LlamaBlock {
     p: [Range<usize>; 7],
     /// The q/k/v bias `[c + 2·kv]` (Qwen2).
     qkv_b: Option<Range<usize>>,
+    /// The mixture-of-experts feed-forward that replaces the dense MLP in a sparse block
+    /// (whose `p[L_GATE..=L_DOWN]` are then empty).
+    moe: Option<MoeFfn>,
 }
 
 const L_N1: usize = 0;
@@ -735,18 +819,38 @@ impl LlamaBlock {
         let n = |s: &str| format!("h.{i}.{s}");
         let w = Init::Normal(0.02);
         let base = layout.total();
-        let (mut specs, p) = push_block(
+        let (mut specs, head) = push_block(
             layout,
             [
                 (n("attn_norm.weight"), vec![c], Init::Ones, false),
                 (n("attn.wqkv.weight"), vec![c, groups.row()], w, true),
                 (n("attn.wo.weight"), vec![c, c], Init::Normal(proj_std), true),
                 (n("mlp_norm.weight"), vec![c], Init::Ones, false),
-                (n("mlp.w_gate.weight"), vec![c, f], w, true),
-                (n("mlp.w_up.weight"), vec![c, f], w, true),
-                (n("mlp.w_down.weight"), vec![f, c], Init::Normal(proj_std), true),
             ],
         );
+        let sparse = cfg.moe.as_ref().filter(|m| crate::moe_ffn::is_sparse(m, i));
+        let (moe, mlp) = match sparse {
+            Some(m) => {
+                let (ffn, more) = MoeFfn::new(m, i, c, layout, base, proj_std);
+                specs.extend(more);
+                let at = head[L_N2].end;
+                (Some(ffn), [at..at, at..at, at..at])
+            }
+            None => {
+                let mlp_base = layout.total() - base;
+                let (more, mlp) = push_block(
+                    layout,
+                    [
+                        (n("mlp.w_gate.weight"), vec![c, f], w, true),
+                        (n("mlp.w_up.weight"), vec![c, f], w, true),
+                        (n("mlp.w_down.weight"), vec![f, c], Init::Normal(proj_std), true),
+                    ],
+                );
+                specs.extend(more.into_iter().map(|s| ParamSpec { offset: s.offset + mlp_base, ..s }));
+                (None, mlp.map(|r| r.start + mlp_base..r.end + mlp_base))
+            }
+        };
+        let p = [head[0].clone(), head[1].clone(), head[2].clone(), head[3].clone(), mlp[0].clone(), mlp[1].clone(), mlp[2].clone()];
         // The bias goes last, so a block without it is laid out as before biases existed.
         let qkv_b = cfg.qkv_bias.then(|| {
             let r = rel(layout.push(n("attn.wqkv.bias"), &[groups.row()], Init::Zeros, false), base);
@@ -755,7 +859,7 @@ impl LlamaBlock {
             r
         });
         let inv_freq = rope::inv_freq(groups.hd(), cfg.rope_theta, cfg.rope_scaling.as_ref());
-        LlamaBlock { specs, groups, ff: f, eps: cfg.norm_eps, inv_freq, p, qkv_b }
+        LlamaBlock { specs, groups, ff: f, eps: cfg.norm_eps, inv_freq, p, qkv_b, moe }
     }
 }
 
@@ -797,8 +901,22 @@ impl Layer for LlamaBlock {
         &self.specs
     }
 
+    fn experts(&self) -> Option<&dyn ExpertMlp> {
+        self.moe.as_ref().map(|m| m as &dyn ExpertMlp)
+    }
+
     fn forward(&self, p: &[f32], x: &[f32], d: Dims, a: &mut Acts, y: &mut [f32]) {
-        let (n, c, f, (b, t)) = (d.n(), d.c, self.ff, (d.b, d.t));
+        self.forward_with(p, x, d, a, y, None)
+    }
+
+    fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, a: &mut Acts, dx: &mut [f32]) {
+        self.backward_with(p, g, x, dy, d, a, dx, None)
+    }
+
+    fn forward_with(&self, p: &[f32], x: &[f32], d: Dims, a: &mut Acts, y: &mut [f32], experts: Option<&mut dyn ExpertRunner>) {
+        // An MoE block keeps no dense-MLP activations.
+        let f = if self.moe.is_some() { 0 } else { self.ff };
+        let (n, c, (b, t)) = (d.n(), d.c, (d.b, d.t));
         let (gr, nh) = (self.groups, self.groups.nh);
         let w = |k: usize| &p[self.p[k].clone()];
         let mut h1 = a.take(LA_H1, n * c);
@@ -823,11 +941,16 @@ impl Layer for LlamaBlock {
         rmsnorm::rmsnorm_forward(&mut h2, &mut r2, &x2, w(L_N2), n, c, self.eps);
         let mut gate = a.take(LA_GATE, n * f);
         let mut up = a.take(LA_UP, n * f);
-        linear::linear_forward(&mut gate, &h2, w(L_GATE), None, n, c, f);
-        linear::linear_forward(&mut up, &h2, w(L_UP), None, n, c, f);
         let mut sw = a.take(LA_SW, n * f);
-        swiglu::swiglu_forward(&mut sw, &gate, &up);
-        linear::linear_forward(&mut tmp, &sw, w(L_DOWN), None, n, f, c);
+        match &self.moe {
+            Some(m) => m.forward(p, &h2, &mut tmp, &mut a.moe, experts),
+            None => {
+                linear::linear_forward(&mut gate, &h2, w(L_GATE), None, n, c, f);
+                linear::linear_forward(&mut up, &h2, w(L_UP), None, n, c, f);
+                swiglu::swiglu_forward(&mut sw, &gate, &up);
+                linear::linear_forward(&mut tmp, &sw, w(L_DOWN), None, n, f, c);
+            }
+        }
         residual::residual_forward(y, &x2, &tmp);
         for (slot, buf) in [
             (LA_H1, h1),
@@ -848,9 +971,29 @@ impl Layer for LlamaBlock {
         }
     }
 
-    fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, a: &mut Acts, dx: &mut [f32]) {
-        let (n, c, f, (b, t)) = (d.n(), d.c, self.ff, (d.b, d.t));
+    fn backward_with(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        x: &[f32],
+        dy: &[f32],
+        d: Dims,
+        a: &mut Acts,
+        dx: &mut [f32],
+        experts: Option<&mut dyn ExpertRunner>,
+    ) {
+        let f = if self.moe.is_some() { 0 } else { self.ff };
+        let (n, c, (b, t)) = (d.n(), d.c, (d.b, d.t));
         let (gr, nh) = (self.groups, self.groups.nh);
+        // The MoE feed-forward's input gradient first, while `g` is whole (its router, experts
+        // and shared expert lie after the block's second norm).
+        let moe_dh = self.moe.as_ref().map(|m| {
+            let h2 = a.take(LA_H2, n * c);
+            let mut dh = vec![0.0; n * c];
+            m.backward(p, g, &h2, dy, &mut dh, &mut a.moe, experts);
+            a.put(LA_H2, h2);
+            dh
+        });
         let w = |k: usize| &p[self.p[k].clone()];
         let r = &self.p;
         let rest = r[6].end..g.len();
@@ -858,23 +1001,28 @@ impl Layer for LlamaBlock {
             split_many(g, [&r[0], &r[1], &r[2], &r[3], &r[4], &r[5], &r[6], &rest]);
         let g_qkv_b = self.qkv_b.clone().map(|b| &mut g_rest[b.start - rest.start..b.end - rest.start]);
         // MLP branch.
+        let mut d_h = a.take(LB_DQKV, n * 3 * c);
         let mut d_sw = a.take(LB_D1, n * f);
-        d_sw.fill(0.0);
-        linear::linear_backward(&mut d_sw, g_down, None, dy, a.buf(LA_SW, n * f), w(L_DOWN), n, f, c);
         let mut d_gate = a.take(LB_D2, n * f);
         let mut d_up = a.take(LB_D3, n * f);
-        d_gate.fill(0.0);
-        d_up.fill(0.0);
-        let (gate, up) = (a.take(LA_GATE, n * f), a.take(LA_UP, n * f));
-        swiglu::swiglu_backward(&mut d_gate, &mut d_up, &d_sw, &gate, &up);
-        a.put(LA_GATE, gate);
-        a.put(LA_UP, up);
-        let mut d_h = a.take(LB_DQKV, n * 3 * c);
-        d_h[..n * c].fill(0.0);
-        let h2 = a.take(LA_H2, n * c);
-        linear::linear_backward(&mut d_h[..n * c], g_gate, None, &d_gate, &h2, w(L_GATE), n, c, f);
-        linear::linear_backward(&mut d_h[..n * c], g_up, None, &d_up, &h2, w(L_UP), n, c, f);
-        a.put(LA_H2, h2);
+        match moe_dh {
+            Some(dh) => d_h[..n * c].copy_from_slice(&dh),
+            None => {
+                d_sw.fill(0.0);
+                linear::linear_backward(&mut d_sw, g_down, None, dy, a.buf(LA_SW, n * f), w(L_DOWN), n, f, c);
+                d_gate.fill(0.0);
+                d_up.fill(0.0);
+                let (gate, up) = (a.take(LA_GATE, n * f), a.take(LA_UP, n * f));
+                swiglu::swiglu_backward(&mut d_gate, &mut d_up, &d_sw, &gate, &up);
+                a.put(LA_GATE, gate);
+                a.put(LA_UP, up);
+                d_h[..n * c].fill(0.0);
+                let h2 = a.take(LA_H2, n * c);
+                linear::linear_backward(&mut d_h[..n * c], g_gate, None, &d_gate, &h2, w(L_GATE), n, c, f);
+                linear::linear_backward(&mut d_h[..n * c], g_up, None, &d_up, &h2, w(L_UP), n, c, f);
+                a.put(LA_H2, h2);
+            }
+        }
         // (Reused buffers: `d_ff` may be narrower than `d_model`, so they are resized, not cut.)
         let mut dx2 = std::mem::take(&mut d_sw);
         dx2.resize(n * c, 0.0);

@@ -172,3 +172,186 @@ fn activation_recomputation_gives_identical_gradients() {
         assert!(g1.iter().zip(&g2).all(|(a, b)| a.to_bits() == b.to_bits()), "{arch:?}: recomputation changed gradients");
     }
 }
+
+fn tiny_moe(shared: Option<usize>, gating: tessera_kernels::model::Gating) -> ModelConfig {
+    use tessera_kernels::model::{AuxLoss, MoeConfig, NoisyGate};
+    ModelConfig {
+        n_kv_head: 1,
+        moe: Some(MoeConfig {
+            num_experts: 4,
+            top_k: 2,
+            d_expert: 6,
+            sparse_step: 1,
+            dense_layers: vec![0],
+            gating,
+            norm_topk: true,
+            capacity: None,
+            noisy_gate: NoisyGate::None,
+            random_token_selection: false,
+            aux_loss_coef: 0.3,
+            z_loss_coef: 0.05,
+            aux_loss: AuxLoss::AcrossLayers,
+            shared_expert: shared,
+            residual: false,
+        }),
+        n_layer: 3,
+        ..tiny(Arch::Llama)
+    }
+}
+
+/// The training objective of an MoE model: the mean cross-entropy plus its router losses.
+fn objective(model: &Model, p: &[f32], tokens: &[u32], targets: &[u32], b: usize, t: usize) -> f64 {
+    let mut ws = Workspace::default();
+    let mut unused = vec![0.0; p.len()];
+    let mut acc = FlatAccess { params: p, grads: &mut unused, units: model.units() };
+    let ce = model.loss(&mut acc, tokens, targets, b, t, &mut ws) as f64;
+    let m = model.cfg.moe.as_ref().unwrap();
+    let st = ws.moe_stats();
+    let z: f64 = st.blocks.iter().map(|b| f64::from(b.2)).sum();
+    ce + f64::from(m.aux_loss_coef) * f64::from(st.aux_loss()) + f64::from(m.z_loss_coef) * z
+}
+
+/// Finite differences through an MoE model: router (with the load-balancing and z-losses),
+/// experts, shared expert. A step moves no token to another expert (checked: the routing of
+/// the perturbed points is compared), else its difference quotient means nothing.
+#[test]
+fn moe_model_gradients_match_finite_differences() {
+    use tessera_kernels::model::Gating;
+    for (shared, gating) in [(None, Gating::SoftmaxThenTopK), (Some(5), Gating::SoftmaxThenTopK), (None, Gating::TopKThenSoftmax)] {
+        let model = Model::new(tiny_moe(shared, gating)).unwrap();
+        let mut params = tessera_kernels::gradcheck::randn(11, model.num_params(), 0.5);
+        params.iter_mut().zip(model.layout().specs().iter().flat_map(|s| std::iter::repeat_n(s.init, s.numel()))).for_each(|(p, init)| {
+            if init == tessera_kernels::layer::Init::Ones {
+                *p += 1.0;
+            }
+        });
+        let (b, t) = (2, 5);
+        let tokens: Vec<u32> = (0..b * t).map(|i| (i * 5 % 11) as u32).collect();
+        let targets: Vec<u32> = (0..b * t).map(|i| (i * 3 % 11) as u32).collect();
+        let (_, grads) = run(&model, &params, &tokens, &targets, b, t);
+        let counts = |p: &[f32]| {
+            let mut ws = Workspace::default();
+            let mut unused = vec![0.0; p.len()];
+            let mut acc = FlatAccess { params: p, grads: &mut unused, units: model.units() };
+            model.loss(&mut acc, &tokens, &targets, b, t, &mut ws);
+            ws.moe_stats().blocks.iter().map(|(l, c, _)| (*l, c.clone())).collect::<Vec<_>>()
+        };
+        let base = counts(&params);
+        assert_eq!(base.len(), 2, "blocks 1 and 2 are MoE, block 0 dense");
+        // Coordinates whose ±step keeps every routing: the check runs on those.
+        let eps = 4e-3f32;
+        let stable: Vec<usize> = (0..params.len())
+            .filter(|&i| {
+                let mut q = params.clone();
+                q[i] += eps;
+                let up = counts(&q);
+                q[i] -= 2.0 * eps;
+                up == base && counts(&q) == base
+            })
+            .collect();
+        assert!(stable.len() * 10 > params.len() * 9, "{} of {} coordinates keep the routing", stable.len(), params.len());
+        let mut x = params.clone();
+        let analytic: Vec<f32> = stable.iter().map(|&i| grads[i]).collect();
+        let sub: Vec<f32> = stable.iter().map(|&i| params[i]).collect();
+        let f = |s: &[f32]| {
+            stable.iter().zip(s).for_each(|(&i, &v)| x[i] = v);
+            objective(&model, &x, &tokens, &targets, b, t)
+        };
+        check_grad(f, &sub, &analytic, f64::from(eps), 5e-2).unwrap_or_else(|e| {
+            let at: usize = e.split("coordinate ").nth(1).and_then(|s| s.split(':').next()).and_then(|s| s.parse().ok()).unwrap_or(0);
+            let i = stable.get(at).copied().unwrap_or(0);
+            let name = model.layout().specs().iter().find(|s| s.range().contains(&i)).map(|s| s.name.clone());
+            panic!("shared {shared:?}, {gating:?}: {e} (flat {i}, {name:?})")
+        });
+    }
+}
+
+#[test]
+fn moe_recomputation_and_a_delegating_runner_give_identical_gradients() {
+    use tessera_kernels::experts::{ExpertMlp, ExpertRunner, LocalExperts};
+    use tessera_kernels::model::{Gating, UnitAccess};
+    let mut model = Model::new(tiny_moe(Some(3), Gating::SoftmaxThenTopK)).unwrap();
+    let params = model.init_params(3);
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
+    let targets: Vec<u32> = (0..12).map(|i| (i * 2 % 11) as u32).collect();
+    let (l1, g1) = run(&model, &params, &tokens, &targets, 2, 6);
+    model.checkpoint_activations = true;
+    let (l2, g2) = run(&model, &params, &tokens, &targets, 2, 6);
+    assert_eq!(l1.to_bits(), l2.to_bits());
+    assert!(g1.iter().zip(&g2).all(|(a, b)| a.to_bits() == b.to_bits()), "recomputation changed gradients");
+
+    /// Runs the experts one at a time through `LocalExperts`, into a gradient it owns, and
+    /// counts the calls: the seam expert parallelism uses.
+    struct Recording {
+        grads: Vec<f32>,
+        acts: Vec<Vec<tessera_kernels::experts::ExpertActs>>,
+        calls: usize,
+        units: Vec<std::ops::Range<usize>>,
+    }
+    impl ExpertRunner for Recording {
+        fn forward(&mut self, unit: usize, mlp: &dyn ExpertMlp, p: &[f32], rows: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+            self.calls += 1;
+            let g = &mut self.grads[self.units[unit].clone()];
+            LocalExperts { g, acts: &mut self.acts[unit] }.forward(unit, mlp, p, rows)
+        }
+        fn backward(&mut self, unit: usize, mlp: &dyn ExpertMlp, p: &[f32], d_out: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+            self.calls += 1;
+            let g = &mut self.grads[self.units[unit].clone()];
+            LocalExperts { g, acts: &mut self.acts[unit] }.backward(unit, mlp, p, d_out)
+        }
+    }
+    struct Access<'a> {
+        flat: FlatAccess<'a>,
+        runner: Recording,
+    }
+    impl UnitAccess for Access<'_> {
+        fn unit(&mut self, u: usize) -> (&[f32], &mut [f32]) {
+            self.flat.unit(u)
+        }
+        fn unit_with_experts(&mut self, u: usize) -> (&[f32], &mut [f32], Option<Box<dyn ExpertRunner + '_>>) {
+            let (p, g) = self.flat.unit(u);
+            (p, g, Some(Box::new(&mut self.runner)))
+        }
+    }
+    impl ExpertRunner for &mut Recording {
+        fn forward(&mut self, unit: usize, mlp: &dyn ExpertMlp, p: &[f32], rows: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+            (**self).forward(unit, mlp, p, rows)
+        }
+        fn backward(&mut self, unit: usize, mlp: &dyn ExpertMlp, p: &[f32], d_out: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+            (**self).backward(unit, mlp, p, d_out)
+        }
+    }
+    for recompute in [false, true] {
+        model.checkpoint_activations = recompute;
+        let mut grads = vec![0.0; params.len()];
+        let units = model.units().to_vec();
+        let runner = Recording { grads: vec![0.0; params.len()], acts: vec![Vec::new(); units.len()], calls: 0, units };
+        let mut acc = Access { flat: FlatAccess { params: &params, grads: &mut grads, units: model.units() }, runner };
+        let mut ws = Workspace::default();
+        let l3 = model.forward_backward(&mut acc, MicroBatch { tokens: &tokens, targets: &targets, b: 2, t: 6 }, 1.0, &mut ws);
+        let Access { runner, .. } = acc;
+        // Two MoE blocks: a forward and a backward each, and with recomputation another forward.
+        assert_eq!(runner.calls, if recompute { 6 } else { 4 });
+        // The block's gradient holds all but the experts', which the runner holds.
+        let g3: Vec<f32> = grads.iter().zip(&runner.grads).map(|(a, b)| a + b).collect();
+        assert_eq!(l3.to_bits(), l1.to_bits());
+        assert!(g1.iter().zip(&g3).all(|(a, b)| a.to_bits() == b.to_bits()), "a runner changed the gradients (recompute {recompute})");
+    }
+}
+
+#[test]
+fn unsupported_moe_settings_are_refused_by_name() {
+    use tessera_kernels::model::{Capacity, Gating, NoisyGate};
+    let base = tiny_moe(None, Gating::SoftmaxThenTopK);
+    let with = |f: &dyn Fn(&mut tessera_kernels::model::MoeConfig)| {
+        let mut c = base.clone();
+        f(c.moe.as_mut().unwrap());
+        Model::new(c).err().unwrap_or_default()
+    };
+    assert!(with(&|m| m.top_k = 5).contains("top_k 5 must be 1..=4"));
+    assert!(with(&|m| m.capacity = Some(Capacity { train_factor: 1.0, eval_factor: 1.0, min_capacity: 4, drop_tokens: true }))
+        .contains("capacity"));
+    assert!(with(&|m| m.noisy_gate = NoisyGate::RSample).contains("noisy_gate_policy"));
+    assert!(with(&|m| m.residual = true).contains("use_residual"));
+    assert!(Model::new(ModelConfig { moe: base.moe.clone(), ..tiny(Arch::Gpt) }).err().unwrap_or_default().contains("GPT-2"));
+}

@@ -6,6 +6,7 @@
 mod child;
 pub mod device;
 mod elastic_worker;
+mod experts;
 mod fleet;
 mod lane;
 mod plan;

@@ -10,6 +10,7 @@ use tessera_actors::plan::{assign_blocks, partition};
 use tessera_kernels::model::Model;
 use tessera_kernels::optim::{FlatLayout, OptimizerKind, NORM_BLOCK};
 
+use super::experts::ExpertPlan;
 use super::precision::Precision16;
 use crate::config::{ComputeDevice, Config, ZeroConfig};
 use crate::data::{self, Dataset};
@@ -64,6 +65,8 @@ pub struct Plan {
     pub max_live_elems: usize,
     /// Where ranks run their forward and backward (`tessera.device`, [`super::device`]).
     pub device: ComputeDevice,
+    /// Expert parallelism (`tessera.moe.ep_size` > 1): which rank runs which experts.
+    pub experts: Option<ExpertPlan>,
 }
 
 /// `ranges` minus `cut` (both sorted, disjoint), in order.
@@ -324,6 +327,7 @@ impl Plan {
             overlap_comm: cfg.zero.overlap_comm,
             prefetch_elems: to_elems(cfg.zero.stage3_prefetch_bucket_size),
             max_live_elems: to_elems(cfg.zero.stage3_max_live_parameters),
+            experts: None,
             model,
         };
         for r in 0..plan.world {
@@ -516,6 +520,23 @@ impl Plan {
         let last = (block.0 + (1 << block.1)).min(self.micro_batches) - 1;
         let block_sum = !self.reduces_per_micro_batch();
         (!block_sum || leaf == last).then_some(SlotSend { leaf, block, block_sum })
+    }
+
+    /// Who supplies rank `q`'s micro-batch values over flat `range` in the gradient exchange,
+    /// cut where the supplier changes: `q` itself, or with expert parallelism the member of its
+    /// group that ran the experts there ([`ExpertPlan::suppliers`]).
+    pub fn suppliers(&self, q: usize, range: Range<usize>) -> Vec<(Range<usize>, usize)> {
+        match &self.experts {
+            _ if range.is_empty() => Vec::new(),
+            None => vec![(range, q)],
+            Some(ep) => ep.suppliers(q, range),
+        }
+    }
+
+    /// Whether any rank computes a micro-batch in slot `s`: with expert parallelism every rank
+    /// takes part in such a slot (it runs its experts on the others' tokens).
+    pub fn slot_computes(&self, s: usize) -> bool {
+        (0..self.world).any(|r| self.leaves(r).len() > s)
     }
 
     /// Whether any rank sends gradients in slot `s` (else the slot has no gradient traffic).

@@ -5,7 +5,7 @@
 //! dropout, and says so (`HfConfig::notes`).
 
 use serde_json::{Map, Value};
-use tessera_kernels::model::{Arch, ModelConfig};
+use tessera_kernels::model::{Arch, AuxLoss, Gating, ModelConfig, MoeConfig, NoisyGate};
 use tessera_kernels::ops::layernorm::LAYERNORM_EPS;
 use tessera_kernels::ops::rope::RopeScaling;
 
@@ -18,6 +18,11 @@ pub enum Family {
     Llama,
     Mistral,
     Qwen2,
+    /// Mistral blocks whose MLP is a dropless top-k mixture of SwiGLU experts.
+    Mixtral,
+    /// Qwen2 blocks whose MLP is a mixture of SwiGLU experts plus a gated shared expert, some
+    /// blocks dense (`decoder_sparse_step`, `mlp_only_layers`).
+    Qwen2Moe,
 }
 
 impl Family {
@@ -28,6 +33,8 @@ impl Family {
             Family::Llama => "LlamaForCausalLM",
             Family::Mistral => "MistralForCausalLM",
             Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Mixtral => "MixtralForCausalLM",
+            Family::Qwen2Moe => "Qwen2MoeForCausalLM",
         }
     }
 
@@ -36,13 +43,30 @@ impl Family {
     pub fn context_keys(self) -> &'static str {
         match self {
             Family::Gpt2 => "`n_positions`",
-            Family::Mistral => "`max_position_embeddings`, and `sliding_window` when set",
-            Family::Llama | Family::Qwen2 => "`max_position_embeddings`",
+            Family::Mistral | Family::Mixtral => "`max_position_embeddings`, and `sliding_window` when set",
+            Family::Llama | Family::Qwen2 | Family::Qwen2Moe => "`max_position_embeddings`",
         }
     }
 
+    /// The `model_type` transformers writes for the family.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Gpt2 => "gpt2",
+            Family::Llama => "llama",
+            Family::Mistral => "mistral",
+            Family::Qwen2 => "qwen2",
+            Family::Mixtral => "mixtral",
+            Family::Qwen2Moe => "qwen2_moe",
+        }
+    }
+
+    /// Whether the family's MLPs are mixtures of experts.
+    pub fn is_moe(self) -> bool {
+        matches!(self, Family::Mixtral | Family::Qwen2Moe)
+    }
+
     /// Every family, for lookups and messages.
-    pub const ALL: [Family; 4] = [Family::Gpt2, Family::Llama, Family::Mistral, Family::Qwen2];
+    pub const ALL: [Family; 6] = [Family::Gpt2, Family::Llama, Family::Mistral, Family::Qwen2, Family::Mixtral, Family::Qwen2Moe];
 }
 
 /// A parsed `config.json`: the family, the shape Tessera builds, and the document itself (what
@@ -86,8 +110,17 @@ const INERT_KEYS: &[&str] = &[
 /// Dropout probabilities: Tessera has no dropout; a nonzero one is noted, not applied.
 const DROPOUT_KEYS: &[&str] = &["resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"];
 
-/// Reads `doc` (the text of `file`, for messages) as a model of a supported family.
+/// Reads `doc` (the text of `file`, for messages) as a model of a supported family whose shape
+/// Tessera builds ([`ModelConfig::validate`]).
 pub fn parse(file: &str, doc: &Value) -> Result<HfConfig, HfError> {
+    let hf = read(file, doc)?;
+    hf.model.validate().map_err(|e| HfError::Config { file: file.to_string(), reason: e })?;
+    Ok(hf)
+}
+
+/// [`parse`] without the final check that the kernels build the shape: every key read,
+/// checked, known inert or refused by name.
+pub(super) fn read(file: &str, doc: &Value) -> Result<HfConfig, HfError> {
     let obj = doc.as_object().ok_or_else(|| HfError::config(file, "", doc, "a JSON object"))?;
     let archs = obj.get("architectures").and_then(Value::as_array);
     let arch = match archs.map(Vec::as_slice) {
@@ -115,7 +148,6 @@ pub fn parse(file: &str, doc: &Value) -> Result<HfConfig, HfError> {
             return Err(HfError::config(file, key, value, &format!("no such key in a {arch} config that Tessera supports")));
         }
     }
-    model.validate().map_err(|e| HfError::Config { file: file.to_string(), reason: e })?;
     Ok(HfConfig { family, model, doc: doc.clone(), notes: r.notes })
 }
 
@@ -213,7 +245,12 @@ impl<'a> Reader<'a> {
         self.only("hidden_act", &Value::from("silu"), "\"silu\" (the SwiGLU MLP)")?;
         self.only("mlp_bias", &Value::Bool(false), "false")?;
         self.only("pretraining_tp", &Value::from(1), "1")?;
-        let qkv_bias = family == Family::Qwen2;
+        // Qwen2's q/k/v biases; transformers 5 writes Qwen2-MoE's as `qkv_bias`.
+        let qkv_bias = match family {
+            Family::Qwen2 => true,
+            Family::Qwen2Moe => self.flag("qkv_bias", true)?,
+            _ => false,
+        };
         if family == Family::Llama {
             self.only(
                 "attention_bias",
@@ -222,7 +259,7 @@ impl<'a> Reader<'a> {
             )?;
         }
         let mut max_seq_len = self.size("max_position_embeddings", None)?;
-        if family == Family::Mistral {
+        if matches!(family, Family::Mistral | Family::Mixtral) {
             // Attention limited to a window is full causal attention for sequences within it.
             if let Some(w) = self.get("sliding_window").cloned() {
                 max_seq_len =
@@ -231,7 +268,7 @@ impl<'a> Reader<'a> {
                             as usize);
             }
         }
-        if family == Family::Qwen2 {
+        if matches!(family, Family::Qwen2 | Family::Qwen2Moe) {
             self.only("use_sliding_window", &Value::Bool(false), "false (sliding-window attention is not supported)")?;
             self.get("sliding_window");
             self.get("max_window_layers");
@@ -243,11 +280,17 @@ impl<'a> Reader<'a> {
             }
         }
         let (rope_theta, rope_scaling) = self.rope()?;
+        let n_layer = self.size("num_hidden_layers", None)?;
+        let moe = match family {
+            Family::Mixtral => Some(self.mixtral()?),
+            Family::Qwen2Moe => Some(self.qwen2_moe(n_layer)?),
+            _ => None,
+        };
         Ok(ModelConfig {
             arch: Arch::Llama,
             vocab_size: self.size("vocab_size", None)?,
             max_seq_len,
-            n_layer: self.size("num_hidden_layers", None)?,
+            n_layer,
             n_head,
             d_model,
             d_ff: self.size("intermediate_size", None)?,
@@ -257,7 +300,88 @@ impl<'a> Reader<'a> {
             tied_head: self.flag("tie_word_embeddings", false)?,
             qkv_bias,
             rope_scaling,
-            moe: None,
+            moe,
+        })
+    }
+
+    /// Mixtral's mixture: every block, `num_local_experts` SwiGLU experts of width
+    /// `intermediate_size`, softmax over every expert then the top `num_experts_per_tok`
+    /// renormalised, dropless.
+    fn mixtral(&mut self) -> Result<MoeConfig, HfError> {
+        // transformers multiplies the block's input by uniform noise in training (the router's
+        // and the experts' input); Tessera's `Jitter` (DeepSpeed's) perturbs the router's only.
+        let jitter = self.get("router_jitter_noise").cloned().unwrap_or(Value::from(0.0));
+        if jitter.as_f64() != Some(0.0) {
+            return Err(self.err(
+                "router_jitter_noise",
+                &jitter,
+                "0 (transformers' jitter multiplies the experts' input too; Tessera's noisy gates perturb the router only)",
+            ));
+        }
+        let d_expert = self.size("intermediate_size", None)?;
+        self.moe_common("num_local_experts", 8, 2, d_expert, true)
+    }
+
+    /// Qwen2-MoE's mixture: blocks `l` with `(l + 1) % decoder_sparse_step == 0` not in
+    /// `mlp_only_layers`, `num_experts` SwiGLU experts of width `moe_intermediate_size` plus a
+    /// shared expert of width `shared_expert_intermediate_size` gated by a sigmoid, the top-k
+    /// weights renormalised when `norm_topk_prob`; the dense blocks' MLP has width
+    /// `intermediate_size`.
+    fn qwen2_moe(&mut self, n_layer: usize) -> Result<MoeConfig, HfError> {
+        let d_expert = self.size("moe_intermediate_size", Some(1408))?;
+        let norm_topk = self.flag("norm_topk_prob", false)?;
+        let shared = self.size("shared_expert_intermediate_size", Some(5632))?;
+        let mut m = self.moe_common("num_experts", 60, 4, d_expert, norm_topk)?;
+        m.shared_expert = Some(shared);
+        m.sparse_step = self.size("decoder_sparse_step", Some(1))?;
+        let dense = self.get("mlp_only_layers").cloned().unwrap_or(Value::Array(Vec::new()));
+        let layers: Option<Vec<usize>> =
+            dense.as_array().and_then(|a| a.iter().map(|v| v.as_u64().map(|l| l as usize).filter(|&l| l < n_layer)).collect());
+        m.dense_layers = layers
+            .ok_or_else(|| self.err("mlp_only_layers", &dense, &format!("a list of layer indices below num_hidden_layers = {n_layer}")))?;
+        Ok(m)
+    }
+
+    /// The keys Mixtral and Qwen2-MoE share: the expert count (under `experts_key`), top-k, and
+    /// the load-balancing loss, which transformers adds to `loss` (weighted by
+    /// `router_aux_loss_coef`) only when `output_router_logits` is true, so Tessera's weight is
+    /// the coefficient then and 0 otherwise.
+    fn moe_common(
+        &mut self,
+        experts_key: &'a str,
+        experts_default: usize,
+        top_k_default: usize,
+        d_expert: usize,
+        norm_topk: bool,
+    ) -> Result<MoeConfig, HfError> {
+        let num_experts = self.size(experts_key, Some(experts_default))?;
+        let top_k = self.size("num_experts_per_tok", Some(top_k_default))?;
+        if top_k > num_experts {
+            return Err(self.err("num_experts_per_tok", &Value::from(top_k), &format!("at most {experts_key} = {num_experts}")));
+        }
+        let coef = match self.get("router_aux_loss_coef") {
+            Some(v) => {
+                v.as_f64().filter(|x| x.is_finite() && *x >= 0.0).ok_or_else(|| self.err("router_aux_loss_coef", v, "a number >= 0"))?
+            }
+            None => 0.001,
+        };
+        let with_aux = self.flag("output_router_logits", false)?;
+        Ok(MoeConfig {
+            num_experts,
+            top_k,
+            d_expert,
+            sparse_step: 1,
+            dense_layers: Vec::new(),
+            gating: Gating::SoftmaxThenTopK,
+            norm_topk,
+            capacity: None,
+            noisy_gate: NoisyGate::None,
+            random_token_selection: false,
+            aux_loss_coef: if with_aux { coef as f32 } else { 0.0 },
+            z_loss_coef: 0.0,
+            aux_loss: AuxLoss::AcrossLayers,
+            shared_expert: None,
+            residual: false,
         })
     }
 

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use serde_json::{json, Value};
-use tessera_kernels::model::{Arch, Model, ModelConfig};
+use tessera_kernels::model::{Arch, Model, ModelConfig, MoeConfig};
 
 use super::config::Family;
 use super::names::{extract, matrix, pieces};
@@ -57,9 +57,21 @@ pub fn config_doc(family: Family, cfg: &ModelConfig, recorded: Option<&Value>, d
             doc["torch_dtype"] = dtype.torch().into();
             doc
         }
-        _ => json!({
+        _ => {
+            let mut doc = llama_doc(family, cfg, eot, dtype);
+            if let Some(m) = &cfg.moe {
+                moe_doc(&mut doc, family, cfg, m);
+            }
+            doc
+        }
+    }
+}
+
+/// The `config.json` of a LLaMA-family model built from the shape.
+fn llama_doc(family: Family, cfg: &ModelConfig, eot: usize, dtype: TensorDtype) -> Value {
+    json!({
             "architectures": [family.architecture()],
-            "model_type": match family { Family::Mistral => "mistral", Family::Qwen2 => "qwen2", _ => "llama" },
+            "model_type": family.model_type(),
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
             "intermediate_size": cfg.d_ff,
@@ -74,15 +86,39 @@ pub fn config_doc(family: Family, cfg: &ModelConfig, recorded: Option<&Value>, d
             "bos_token_id": eot,
             "eos_token_id": eot,
             "torch_dtype": dtype.torch(),
-        }),
+    })
+}
+
+/// The mixture-of-experts keys of a Mixtral or Qwen2-MoE `config.json` built from the shape
+/// (what `hf::config` reads back to the same [`MoeConfig`]; the aux-loss weight is written as
+/// `router_aux_loss_coef` with `output_router_logits`, transformers' switch for adding it).
+fn moe_doc(doc: &mut Value, family: Family, cfg: &ModelConfig, m: &MoeConfig) {
+    doc["num_experts_per_tok"] = m.top_k.into();
+    doc["router_aux_loss_coef"] = m.aux_loss_coef.into();
+    doc["output_router_logits"] = (m.aux_loss_coef > 0.0).into();
+    if family == Family::Mixtral {
+        doc["num_local_experts"] = m.num_experts.into();
+        doc["intermediate_size"] = m.d_expert.into();
+        doc["router_jitter_noise"] = 0.0.into();
+    } else {
+        doc["num_experts"] = m.num_experts.into();
+        doc["moe_intermediate_size"] = m.d_expert.into();
+        doc["shared_expert_intermediate_size"] = m.shared_expert.unwrap_or(0).into();
+        doc["norm_topk_prob"] = m.norm_topk.into();
+        doc["decoder_sparse_step"] = m.sparse_step.into();
+        doc["mlp_only_layers"] = m.dense_layers.clone().into();
+        doc["qkv_bias"] = cfg.qkv_bias.into();
     }
 }
 
-/// The family a model of `arch` is exported as when it came from no folder.
-pub fn default_family(arch: Arch) -> Family {
-    match arch {
-        Arch::Gpt => Family::Gpt2,
-        Arch::Llama => Family::Llama,
+/// The family a model of shape `cfg` is exported as when it came from no folder: LLaMA-family
+/// MoE models as Mixtral, or Qwen2-MoE when they have a shared expert.
+pub fn default_family(cfg: &ModelConfig) -> Family {
+    match (cfg.arch, &cfg.moe) {
+        (Arch::Gpt, _) => Family::Gpt2,
+        (Arch::Llama, None) => Family::Llama,
+        (Arch::Llama, Some(m)) if m.shared_expert.is_some() => Family::Qwen2Moe,
+        (Arch::Llama, Some(_)) => Family::Mixtral,
     }
 }
 

@@ -6,6 +6,14 @@
 //! as `[out, in]`, Tessera's linear layers (like GPT-2's `Conv1D`) as `[in, out]`. LLaMA's
 //! separate q, k and v projections are the column blocks of Tessera's fused `wqkv`; GPT-2's
 //! tensors are Tessera's own, under `transformer.`.
+//!
+//! Mixture-of-experts blocks: the router `h.{l}.moe.router.weight` `[c, E]` is the transposed
+//! `gate.weight` `[E, c]`, expert `e`'s SwiGLU is the transposed per-expert projections
+//! (Mixtral `block_sparse_moe.experts.{e}.w1` (gate), `.w3` (up), `.w2` (down); Qwen2-MoE
+//! `mlp.experts.{e}.gate_proj`, `.up_proj`, `.down_proj`), Qwen2-MoE's shared expert is
+//! `mlp.shared_expert.*` with its sigmoid gate `mlp.shared_expert_gate.weight` `[1, c]`. That
+//! per-expert layout is what transformers 5 `save_pretrained` writes (it fuses the experts in
+//! memory and splits them again on save) and what it loads.
 
 use tessera_kernels::layer::ParamSpec;
 use tessera_kernels::model::ModelConfig;
@@ -60,6 +68,9 @@ pub fn pieces(family: Family, cfg: &ModelConfig, spec: &ParamSpec) -> Option<Vec
     let (layer, param) = rest.split_once('.')?;
     let p = |s: &str| format!("model.layers.{layer}.{s}");
     let (c, kv) = (cfg.d_model, cfg.n_kv_head * cfg.head_dim());
+    if let Some(moe) = param.strip_prefix("moe.") {
+        return moe_pieces(family, &p, moe, spec);
+    }
     let out = match param {
         "attn_norm.weight" => whole(p("input_layernorm.weight"), spec),
         "mlp_norm.weight" => whole(p("post_attention_layernorm.weight"), spec),
@@ -78,6 +89,37 @@ pub fn pieces(family: Family, cfg: &ModelConfig, spec: &ParamSpec) -> Option<Vec
         _ => return None,
     };
     Some(out)
+}
+
+/// The Hugging Face tensors of parameter `param` (after `h.{l}.moe.`) of an MoE block; `p`
+/// prefixes `model.layers.{l}.`.
+fn moe_pieces(family: Family, p: &dyn Fn(&str) -> String, param: &str, spec: &ParamSpec) -> Option<Vec<Piece>> {
+    let (block, [gate, up, down]) = match family {
+        Family::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+        Family::Qwen2Moe => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        _ => return None,
+    };
+    let swiglu = |prefix: &str, w: &str| -> Option<String> {
+        let hf = match w {
+            "w_gate.weight" => gate,
+            "w_up.weight" => up,
+            "w_down.weight" => down,
+            _ => return None,
+        };
+        Some(p(&format!("{block}.{prefix}{hf}.weight")))
+    };
+    let name = match param {
+        "router.weight" => p(&format!("{block}.gate.weight")),
+        _ if param.starts_with("experts.") => {
+            let (e, w) = param.strip_prefix("experts.")?.split_once('.')?;
+            e.parse::<usize>().ok()?;
+            swiglu(&format!("experts.{e}."), w)?
+        }
+        "shared_gate.weight" if family == Family::Qwen2Moe => p("mlp.shared_expert_gate.weight"),
+        _ if family == Family::Qwen2Moe && param.starts_with("shared.") => swiglu("shared_expert.", param.strip_prefix("shared.")?)?,
+        _ => return None,
+    };
+    Some(transposed(name, spec))
 }
 
 /// Copies Hugging Face tensor `src` (row-major, `piece.shape`) into its block of `dst` (the

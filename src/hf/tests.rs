@@ -207,8 +207,8 @@ fn refusal(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> String {
 
 #[test]
 fn unsupported_architectures_keys_and_values_are_refused_by_name() {
-    let e = refusal("llama", |d| d["architectures"] = serde_json::json!(["MixtralForCausalLM"]));
-    assert!(e.contains("config.json: key `architectures` = \"MixtralForCausalLM\": expected one of GPT2LMHeadModel"), "{e}");
+    let e = refusal("llama", |d| d["architectures"] = serde_json::json!(["FalconForCausalLM"]));
+    assert!(e.contains("config.json: key `architectures` = \"FalconForCausalLM\": expected one of GPT2LMHeadModel"), "{e}");
     let e = refusal("llama", |d| d["hidden_act"] = "gelu".into());
     assert!(e.contains("key `hidden_act` = \"gelu\": expected \"silu\""), "{e}");
     let e = refusal("llama", |d| d["some_new_switch"] = true.into());
@@ -259,7 +259,7 @@ fn a_preset_exports_as_gpt2_and_reads_back() {
     cfg.vocab_size = 11;
     let model = Model::new(cfg).unwrap();
     let params = model.init_params(3);
-    let family = default_family(model.cfg.arch);
+    let family = default_family(&model.cfg);
     let doc = config_doc(family, &model.cfg, None, TensorDtype::F32);
     let tmp = tempfile::tempdir().unwrap();
     let f32s = WeightFormat { dtype: TensorDtype::F32, shard_bytes_max: SHARD_BYTES_MAX };
@@ -395,4 +395,56 @@ fn the_folders_tokenizer_and_generation_settings_are_recorded_as_they_are() {
     std::fs::write(tmp.path().join("special_tokens_map.json"), b"{\"bos_token\": ").unwrap();
     let e = HfModel::open(tmp.path()).unwrap_err().to_string();
     assert!(e.starts_with(&format!("{}: not JSON", tmp.path().join("special_tokens_map.json").display())), "{e}");
+}
+
+/// The config.json of fixture `name` with `edit` applied, read (not yet checked against the
+/// kernels) into a shape, or the refusal.
+fn read_edited(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> Result<HfConfig, String> {
+    let mut doc: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture(name).join(CONFIG_FILE)).unwrap()).unwrap();
+    edit(&mut doc);
+    config::read("config.json", &doc).map_err(|e| e.to_string())
+}
+
+#[test]
+fn mixtral_and_qwen2_moe_configs_read_into_their_mixtures() {
+    use tessera_kernels::model::{AuxLoss, Gating, NoisyGate};
+    let hf = read_edited("mixtral", |_| {}).unwrap();
+    assert_eq!(hf.family, Family::Mixtral);
+    let (c, m) = (&hf.model, hf.model.moe.as_ref().unwrap());
+    assert_eq!((c.d_model, c.n_layer, c.n_head, c.n_kv_head, c.tied_head, c.qkv_bias), (32, 2, 4, 2, false, false));
+    assert_eq!((m.num_experts, m.top_k, m.d_expert, m.sparse_step, m.dense_layers.as_slice()), (4, 2, 32, 1, &[][..]));
+    assert_eq!((m.gating, m.norm_topk, m.capacity, m.noisy_gate), (Gating::SoftmaxThenTopK, true, None, NoisyGate::None));
+    assert_eq!((m.aux_loss, m.aux_loss_coef, m.z_loss_coef, m.shared_expert), (AuxLoss::AcrossLayers, 0.02, 0.0, None));
+    // transformers adds the aux loss to its `loss` only with output_router_logits.
+    let off = read_edited("mixtral", |d| d["output_router_logits"] = false.into()).unwrap();
+    assert_eq!(off.model.moe.unwrap().aux_loss_coef, 0.0);
+    let hf = read_edited("qwen2-moe", |_| {}).unwrap();
+    assert_eq!(hf.family, Family::Qwen2Moe);
+    let (c, m) = (&hf.model, hf.model.moe.as_ref().unwrap());
+    assert_eq!((c.d_ff, c.qkv_bias), (48, true));
+    assert_eq!((m.num_experts, m.top_k, m.d_expert, m.shared_expert), (4, 2, 24, Some(40)));
+    assert_eq!((m.norm_topk, m.sparse_step, m.dense_layers.as_slice(), m.aux_loss_coef), (false, 1, &[0][..], 0.0));
+    let no_bias = read_edited("qwen2-moe", |d| d["qkv_bias"] = false.into()).unwrap();
+    assert!(!no_bias.model.qkv_bias);
+    // Mixtral's sliding window bounds the context, as Mistral's.
+    let w = read_edited("mixtral", |d| d["sliding_window"] = 16.into()).unwrap();
+    assert_eq!(w.model.max_seq_len, 16);
+}
+
+#[test]
+fn moe_keys_tessera_cannot_honour_are_refused_by_name() {
+    let e = read_edited("mixtral", |d| d["router_jitter_noise"] = 0.01.into()).unwrap_err();
+    assert!(e.contains("config.json: key `router_jitter_noise` = 0.01: expected 0"), "{e}");
+    let e = read_edited("mixtral", |d| d["num_experts_per_tok"] = 5.into()).unwrap_err();
+    assert!(e.contains("key `num_experts_per_tok` = 5: expected at most num_local_experts = 4"), "{e}");
+    let e = read_edited("qwen2-moe", |d| d["num_experts_per_tok"] = 9.into()).unwrap_err();
+    assert!(e.contains("key `num_experts_per_tok` = 9: expected at most num_experts = 4"), "{e}");
+    let e = read_edited("qwen2-moe", |d| d["mlp_only_layers"] = serde_json::json!([2])).unwrap_err();
+    assert!(e.contains("key `mlp_only_layers` = [2]: expected a list of layer indices below num_hidden_layers = 2"), "{e}");
+    let e = read_edited("qwen2-moe", |d| d["router_aux_loss_coef"] = (-1.0).into()).unwrap_err();
+    assert!(e.contains("key `router_aux_loss_coef` = -1.0: expected a number >= 0"), "{e}");
+    let e = read_edited("mixtral", |d| d["num_experts"] = 4.into()).unwrap_err();
+    assert!(e.contains("key `num_experts` = 4: expected no such key in a MixtralForCausalLM config"), "{e}");
+    let e = read_edited("qwen2-moe", |d| d["use_sliding_window"] = true.into()).unwrap_err();
+    assert!(e.contains("key `use_sliding_window` = true"), "{e}");
 }

@@ -1,13 +1,18 @@
 //! Collective bandwidth and small-message latency between processes on loopback: QUIC (mTLS,
 //! `QuicComm`) against a plain TCP ring moving the same bytes, in the same invocation.
 //!
+//! All-to-all (MoE token dispatch) has no ring algorithm worth the name, so its TCP peer is a
+//! full mesh of the same blocking sockets: one stream per pair of ranks, each call writing every
+//! peer's part on a helper thread while reading every peer's part on another.
+//!
 //! `collective_bench --control` measures the control plane instead: round trips of small frames
 //! on a QUIC control connection (`ControlConn`, mutual TLS; request lane and actor lane) against
 //! a TCP stream with the same framing, between two threads of this process on loopback.
 //!
 //! `collective_bench [--procs 2,4] [--mib 64] [--reps 5] [--only quic|tcp]` — the parent spawns
 //! one child process per rank for each world size and prints a table. Bus bandwidth follows
-//! NCCL's convention: all-gather `(N−1)/N · bytes / s`, all-reduce `2(N−1)/N · bytes / s`. Each
+//! NCCL's convention: all-gather and all-to-all `(N−1)/N · bytes / s`, all-reduce
+//! `2(N−1)/N · bytes / s` (bytes: one rank's whole buffer). Each
 //! row also gives the CPU time all ranks spent per call (user + system, from `/proc/self/stat`,
 //! averaged over the timed repetitions), a measure of cost that load from other programs on the
 //! machine disturbs much less than wall time. `--only` runs one transport (for profiling).
@@ -227,6 +232,80 @@ impl TcpRing {
     }
 }
 
+/// A full mesh over TCP: one stream to every other rank (the all-to-all peer).
+struct TcpMesh {
+    rank: usize,
+    peers: Vec<Option<TcpStream>>,
+}
+
+impl TcpMesh {
+    /// Rank `r` dials every lower rank (announcing itself with its rank) and accepts every
+    /// higher one, on the same addresses as the ring (bound again once the ring is up).
+    fn connect(rank: usize, world: usize, addrs: &[SocketAddr]) -> std::io::Result<TcpMesh> {
+        let listener = TcpListener::bind(addrs[rank])?;
+        let mut peers: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
+        for (to, addr) in addrs.iter().enumerate().take(rank) {
+            let deadline = Instant::now() + Duration::from_millis(TCP_TIMEOUT_MS);
+            let mut s = loop {
+                match TcpStream::connect(addr) {
+                    Ok(s) => break s,
+                    Err(e) if Instant::now() > deadline => return Err(e),
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            };
+            s.write_all(&(rank as u64).to_le_bytes())?;
+            peers[to] = Some(s);
+        }
+        for _ in rank + 1..world {
+            let (mut s, _) = listener.accept()?;
+            let mut who = [0u8; 8];
+            s.read_exact(&mut who)?;
+            let from = u64::from_le_bytes(who) as usize;
+            match peers.get_mut(from) {
+                Some(slot @ None) if from > rank => *slot = Some(s),
+                _ => return Err(std::io::Error::other(format!("a mesh connection announced rank {from}"))),
+            }
+        }
+        for s in peers.iter().flatten() {
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(Duration::from_millis(TCP_TIMEOUT_MS)))?;
+        }
+        Ok(TcpMesh { rank, peers })
+    }
+
+    /// `recv[p] ← part p sent by rank p` for every peer, `send[p]` going to rank p (own part copied).
+    fn all_to_all(&mut self, send: &[Vec<u8>], recv: &mut [Vec<u8>]) -> std::io::Result<()> {
+        let rank = self.rank;
+        recv[rank].copy_from_slice(&send[rank]);
+        let peers = &self.peers;
+        std::thread::scope(|sc| {
+            let writer = sc.spawn(move || -> std::io::Result<()> {
+                // Write to each peer in turn starting after this rank, so no two ranks write to
+                // the same peer first.
+                let n = peers.len();
+                for k in 1..n {
+                    let p = (rank + k) % n;
+                    (&mut peers[p].as_ref().expect("mesh peer")).write_all(&send[p])?;
+                }
+                Ok(())
+            });
+            let readers: Vec<_> = recv
+                .iter_mut()
+                .enumerate()
+                .filter(|(p, _)| *p != rank)
+                .map(|(p, buf)| {
+                    let s = peers[p].as_ref().expect("mesh peer");
+                    sc.spawn(move || (&mut &*s).read_exact(buf))
+                })
+                .collect();
+            for r in readers {
+                r.join().map_err(|_| std::io::Error::other("reader panicked"))??;
+            }
+            writer.join().map_err(|_| std::io::Error::other("writer panicked"))?
+        })
+    }
+}
+
 /// `acc += x` over f32 values stored as little-endian bytes.
 fn add_f32_le(acc: &mut [u8], x: &[u8]) {
     for (a, b) in acc.chunks_exact_mut(4).zip(x.chunks_exact(4)) {
@@ -376,6 +455,39 @@ fn child(c: &ChildArgs, mib: usize, reps: usize, only: Only) -> Result<(), Strin
     }
     drop(tbuf);
 
+    // All-to-all: part p of this rank's buffer goes to rank p; each value says (from, to).
+    let part = n / c.world;
+    let tag = |from: usize, to: usize| (from * 1000 + to) as f32;
+    let sends: Vec<Vec<f32>> = (0..c.world).map(|p| vec![tag(c.rank, p); part]).collect();
+    let mut got_q: Vec<Vec<f32>> = Vec::new();
+    let aa_q = match only.quic() {
+        true => measure(reps, || {
+            let refs: Vec<&[f32]> = sends.iter().map(Vec::as_slice).collect();
+            got_q = q.all_to_all(&refs).map_err(|e| e.to_string())?;
+            Ok(())
+        })?,
+        false => SKIPPED,
+    };
+    if only.quic()
+        && !(got_q.len() == c.world && got_q.iter().enumerate().all(|(p, v)| v.len() == part && v.iter().all(|&x| x == tag(p, c.rank))))
+    {
+        return wrong("QUIC all_to_all");
+    }
+    drop((sends, got_q));
+    let mut mesh = TcpMesh::connect(c.rank, c.world, &c.tcp).map_err(|e| format!("tcp mesh: {e}"))?;
+    let tsends: Vec<Vec<u8>> = (0..c.world).map(|p| std::iter::repeat_n(tag(c.rank, p).to_le_bytes(), part).flatten().collect()).collect();
+    let mut trecv: Vec<Vec<u8>> = vec![vec![0u8; part * 4]; c.world];
+    let aa_t = match only.tcp() {
+        true => measure(reps, || mesh.all_to_all(&tsends, &mut trecv).map_err(|e| e.to_string()))?,
+        false => SKIPPED,
+    };
+    let tcp_ok =
+        trecv.iter().enumerate().all(|(p, v)| v.chunks_exact(4).all(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) == tag(p, c.rank)));
+    if only.tcp() && !tcp_ok {
+        return wrong("TCP all_to_all");
+    }
+    drop((tsends, trecv, mesh));
+
     let (mut lat_q, mut lat_t) = (Vec::with_capacity(PINGS), Vec::with_capacity(PINGS));
     if c.world >= 2 && c.rank < 2 {
         let peer = 1 - c.rank;
@@ -427,10 +539,12 @@ fn child(c: &ChildArgs, mib: usize, reps: usize, only: Only) -> Result<(), Strin
     }
     println!("RESULT cpu all_gather {} {} {}", c.world, ag_q.cpu_s, ag_t.cpu_s);
     println!("RESULT cpu all_reduce {} {} {}", c.world, ar_q.cpu_s, ar_t.cpu_s);
+    println!("RESULT cpu all_to_all {} {} {}", c.world, aa_q.cpu_s, aa_t.cpu_s);
     if c.rank == 0 {
         let gbs = |factor: f64, s: f64| factor * bytes / s / 1e9;
         println!("RESULT bw all_gather {} {:.3} {:.3}", c.world, gbs(f, ag_q.best_s), gbs(f, ag_t.best_s));
         println!("RESULT bw all_reduce {} {:.3} {:.3}", c.world, gbs(2.0 * f, ar_q.best_s), gbs(2.0 * f, ar_t.best_s));
+        println!("RESULT bw all_to_all {} {:.3} {:.3}", c.world, gbs(f, aa_q.best_s), gbs(f, aa_t.best_s));
         let us = |v: &mut Vec<f64>, p| if v.is_empty() { f64::NAN } else { percentile(v, p) * 1e6 };
         println!(
             "RESULT latency {} {:.1} {:.1} {:.1} {:.1}",
@@ -518,7 +632,7 @@ fn parent(a: &Args) -> Result<(), String> {
         }
     }
     println!("collectives between processes on loopback, {} MiB per call, best of {} (after a warm-up)", a.mib, a.reps);
-    println!("| op | procs | QUIC bus GB/s | TCP ring bus GB/s | QUIC / TCP | QUIC CPU ms/call | TCP CPU ms/call |");
+    println!("| op | procs | QUIC bus GB/s | TCP bus GB/s (ring; mesh for all_to_all) | QUIC / TCP | QUIC CPU ms/call | TCP CPU ms/call |");
     println!("|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(

@@ -9,6 +9,7 @@ pub mod gelu;
 pub mod gqa;
 pub mod layernorm;
 pub mod linear;
+pub mod moe;
 pub mod residual;
 pub mod rmsnorm;
 pub mod rope;

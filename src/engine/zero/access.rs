@@ -8,11 +8,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tessera_actors::compute::ComputeError;
+use tessera_kernels::experts::ExpertRunner;
 use tessera_kernels::model::UnitAccess;
 use tessera_transport::tree::TreeSum;
 
 use super::super::lane::{Lane, Ticket};
 use super::super::plan::{Plan, UnitEvent};
+use super::experts::{EpRunner, ExpertState};
 use super::gather::{gather_schedule, release, Gather};
 use super::owner_sums::{tree, OwnerSums};
 use super::{clamp_to, lock, ParamStore};
@@ -63,6 +65,9 @@ pub(super) struct StepAccess<'a> {
     next_bucket: usize,
     tickets: Vec<Ticket<Result<(), ComputeError>>>,
     pub(super) error: Option<ComputeError>,
+    /// Expert parallelism: the experts' gradients this rank supplies for its group's
+    /// micro-batches, and what their forwards saved.
+    experts: ExpertState,
     /// Time spent in the lane on the model's behalf (collectives run inline, results waited
     /// for): waits on peers, not this rank's compute.
     pub(super) waited: Duration,
@@ -97,6 +102,7 @@ impl<'a> StepAccess<'a> {
             buckets,
             tickets: Vec::new(),
             error: None,
+            experts: ExpertState::new(&plan),
             waited: Duration::ZERO,
             grad_waited: Duration::ZERO,
             plan,
@@ -122,13 +128,16 @@ impl<'a> StepAccess<'a> {
         }
         self.grads.iter_mut().for_each(|g| *g = None);
         self.pieces.iter_mut().for_each(|p| *p = None);
+        self.experts.end_slot();
     }
 
     /// The unit events of one micro-batch without compute (a slot this rank has no
     /// micro-batch for): gathers are served and exchanges joined, with nothing to send.
     pub(super) fn replay(&mut self) {
-        for ev in self.events.clone() {
+        let units = self.plan.model.units().len();
+        for (pos, ev) in self.events.clone().into_iter().enumerate() {
             match ev {
+                UnitEvent::Use(u) if self.plan.experts.as_ref().is_some_and(|ep| ep.is_moe(u)) => self.serve_experts(u, pos >= units),
                 UnitEvent::Use(u) if self.plan.gathers() => {
                     let _ = self.unit(u);
                 }
@@ -138,6 +147,27 @@ impl<'a> StepAccess<'a> {
                 }
                 UnitEvent::Ready(u) => self.grads_ready(u),
             }
+        }
+    }
+
+    /// A use of MoE unit `u` without a micro-batch of this rank's: its experts still run on
+    /// the group's tokens, in the exchanges the model makes at this use (the forward's; with
+    /// activation recomputation the backward's recomputed forward and then its backward).
+    fn serve_experts(&mut self, u: usize, backward: bool) {
+        let plan = Arc::clone(&self.plan);
+        let recompute = plan.model.checkpoint_activations;
+        let Some(mlp) = plan.model.expert_mlp(u - 1) else {
+            self.fail(ComputeError::failed(format!("unit {u} has experts in the plan but none in the model")));
+            return;
+        };
+        let none = vec![Vec::new(); mlp.num_experts()];
+        let (p, _, runner) = self.unit_parts(u);
+        let Some(mut runner) = runner else { return };
+        if !backward || recompute {
+            runner.forward(u, mlp, p, none.clone());
+        }
+        if backward {
+            runner.backward(u, mlp, p, none);
         }
     }
 
@@ -234,15 +264,36 @@ impl<'a> StepAccess<'a> {
     fn send_bucket(&mut self, k: usize) {
         let bucket = self.buckets[k].clone();
         let plan = Arc::clone(&self.plan);
-        let sends: Vec<Vec<f32>> = match plan.slot_send(self.rank, self.slot).filter(|_| self.computing) {
-            None => vec![Vec::new(); plan.world],
+        let sends: Vec<Vec<f32>> = match &plan.experts {
+            None => match plan.slot_send(self.rank, self.slot).filter(|_| self.computing) {
+                None => vec![Vec::new(); plan.world],
+                Some(_) => plan
+                    .ranges
+                    .iter()
+                    .map(|r| {
+                        let lo = r.start.clamp(bucket.start, bucket.end);
+                        let hi = r.end.clamp(bucket.start, bucket.end);
+                        self.values(lo..hi)
+                    })
+                    .collect(),
+            },
+            // Expert parallelism: to each owner, the pieces this rank supplies of every
+            // sending rank's values, in the order `OwnerSums::receive` reads them.
             Some(_) => plan
                 .ranges
                 .iter()
                 .map(|r| {
-                    let lo = r.start.clamp(bucket.start, bucket.end);
-                    let hi = r.end.clamp(bucket.start, bucket.end);
-                    self.values(lo..hi)
+                    let part = r.start.clamp(bucket.start, bucket.end)..r.end.clamp(bucket.start, bucket.end);
+                    let mut out = Vec::new();
+                    let slot = self.slot;
+                    for q in (0..plan.world).filter(|&q| plan.slot_send(q, slot).is_some()) {
+                        for (piece, who) in plan.suppliers(q, part.clone()) {
+                            if who == self.rank {
+                                out.extend(self.values_of(q, piece));
+                            }
+                        }
+                    }
+                    out
                 })
                 .collect(),
         };
@@ -268,6 +319,28 @@ impl<'a> StepAccess<'a> {
         self.grad_waited += t0.elapsed();
     }
 
+    /// Rank `q`'s values over flat `range` that this rank supplies: its own (outside the
+    /// experts), or the expert gradients it computed for `q`'s micro-batch.
+    fn values_of(&mut self, q: usize, range: Range<usize>) -> Vec<f32> {
+        let plan = Arc::clone(&self.plan);
+        let Some((u, j)) = plan.experts.as_ref().and_then(|ep| ep.slice_at(range.start)) else {
+            return self.values(range);
+        };
+        let ep = plan.experts.as_ref().expect("checked");
+        let slice = ep.slice_range(u, j);
+        let k = q - ep.group(q).start;
+        match self.experts.piece(u, k) {
+            Some(p) if range.end <= slice.end => p[range.start - slice.start..range.end - slice.start].to_vec(),
+            _ => {
+                self.error.get_or_insert(ComputeError::failed(format!(
+                    "the expert gradients of rank {q}'s micro-batch over flat {}..{} were not ready when sent",
+                    range.start, range.end
+                )));
+                vec![0.0; range.len()]
+            }
+        }
+    }
+
     /// This slot's values to send over flat `range`, from the ready units' pieces.
     fn values(&mut self, range: Range<usize>) -> Vec<f32> {
         let mut out = Vec::with_capacity(range.len());
@@ -289,8 +362,10 @@ impl<'a> StepAccess<'a> {
     }
 }
 
-impl UnitAccess for StepAccess<'_> {
-    fn unit(&mut self, u: usize) -> (&[f32], &mut [f32]) {
+impl<'a> StepAccess<'a> {
+    /// Loads unit `u` for its next use (gathered on the schedule, or read); returns whether
+    /// the use is a backward one (the first `units` uses are the forward's).
+    fn use_unit(&mut self, u: usize) -> bool {
         let pos = self.expect_event(UnitEvent::Use(u));
         if self.cache[u].is_none() {
             let plan = Arc::clone(&self.plan);
@@ -300,11 +375,36 @@ impl UnitAccess for StepAccess<'_> {
         }
         self.prefetch();
         self.use_pos += 1;
-        // Forward uses (the first `units` calls) need no gradient buffer.
-        let backward = pos >= self.plan.model.units().len();
+        pos >= self.plan.model.units().len()
+    }
+
+    /// Unit `u`'s parameters and gradient buffer (empty in the forward, or without a
+    /// micro-batch of this rank's), and with expert parallelism the runner of its experts.
+    fn unit_parts(&mut self, u: usize) -> (&[f32], &mut [f32], Option<EpRunner<'_>>) {
+        let backward = self.use_unit(u);
         let len = self.plan.model.units()[u].len();
         let grads = if backward && self.computing { &mut self.grads[u].get_or_insert_with(|| vec![0.0; len])[..] } else { &mut [][..] };
-        (self.cache[u].as_deref().unwrap_or(&[]), grads)
+        let runner = self.plan.experts.as_ref().filter(|ep| ep.is_moe(u)).map(|_| EpRunner {
+            plan: &self.plan,
+            rank: self.rank,
+            lane: &mut *self.lane,
+            state: &mut self.experts,
+            error: &mut self.error,
+            waited: &mut self.waited,
+        });
+        (self.cache[u].as_deref().unwrap_or(&[]), grads, runner)
+    }
+}
+
+impl UnitAccess for StepAccess<'_> {
+    fn unit(&mut self, u: usize) -> (&[f32], &mut [f32]) {
+        let (p, g, _) = self.unit_parts(u);
+        (p, g)
+    }
+
+    fn unit_with_experts(&mut self, u: usize) -> (&[f32], &mut [f32], Option<Box<dyn ExpertRunner + '_>>) {
+        let (p, g, runner) = self.unit_parts(u);
+        (p, g, runner.map(|r| Box::new(r) as Box<dyn ExpertRunner + '_>))
     }
 
     fn grads_ready(&mut self, u: usize) {
@@ -334,6 +434,11 @@ impl UnitAccess for StepAccess<'_> {
                 }
                 (false, None) => self.fail(ComputeError::failed(format!("micro-batch {leaf} is in none of rank {}'s blocks", self.rank))),
             }
+        }
+        // The experts' gradients this rank made for its group's micro-batches (also in a slot
+        // without a micro-batch of its own).
+        if let Err(e) = self.experts.ready(&plan, self.rank, self.slot, u) {
+            self.fail(ComputeError::failed(e));
         }
         if plan.slot_active(self.slot) {
             self.send_ready_buckets(plan.model.units()[u].start);

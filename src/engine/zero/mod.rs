@@ -43,6 +43,7 @@
 //! policy, and `feed` the replica feed of elastic runs.
 
 mod access;
+mod experts;
 mod feed;
 mod gather;
 mod owner_sums;
@@ -248,7 +249,8 @@ impl ZeroWorker {
                 }
                 // A rank with fewer micro-batches still serves its shards to the others'
                 // gathers and joins their gradient exchanges, with nothing of its own to send.
-                None if plan.gathers() || plan.slot_active(s) => {
+                // With expert parallelism it also runs its experts on its group's tokens.
+                None if plan.gathers() || plan.slot_active(s) || (plan.experts.is_some() && plan.slot_computes(s)) => {
                     acc.begin_slot(s, false);
                     acc.replay();
                     phases.backward_allreduce_s += t0.elapsed().as_secs_f64();

@@ -63,20 +63,38 @@ impl OwnerSums {
         last: bool,
     ) -> Result<(), String> {
         let part = clamp_to(bucket, &self.mine);
-        for (r, data) in got.into_iter().enumerate() {
-            let want = if plan.slot_send(r, slot).is_some() { part.len() } else { 0 };
-            if data.len() != want {
-                return Err(format!(
-                    "rank {r} sent {} gradient values for flat {}..{} in slot {slot}, expected {want}",
-                    data.len(),
-                    bucket.start,
-                    bucket.end
-                ));
+        let abs = self.mine.start + part.start..self.mine.start + part.end;
+        // Each sender's message is, for every rank `q` sending in this slot (in rank order),
+        // the pieces of `q`'s values it supplies (`Plan::suppliers`): `q`'s own, or with
+        // expert parallelism the experts' gradients it computed for `q`'s micro-batch.
+        let mut read = vec![0usize; got.len()];
+        for q in 0..plan.world {
+            if plan.slot_send(q, slot).is_none() {
+                continue;
             }
-            if want > 0 {
-                let buf = self.current[r].get_or_insert_with(|| vec![0.0; self.mine.len()]);
-                buf[part.clone()].copy_from_slice(&data);
+            for (piece, who) in plan.suppliers(q, abs.clone()) {
+                let data = got.get(who).ok_or_else(|| format!("rank {who} is not in the exchange of slot {slot}"))?;
+                let Some(vals) = data.get(read[who]..read[who] + piece.len()) else {
+                    return Err(format!(
+                        "rank {who} sent {} gradient values for flat {}..{} in slot {slot}, fewer than it supplies",
+                        data.len(),
+                        bucket.start,
+                        bucket.end
+                    ));
+                };
+                let buf = self.current[q].get_or_insert_with(|| vec![0.0; self.mine.len()]);
+                buf[piece.start - self.mine.start..piece.end - self.mine.start].copy_from_slice(vals);
+                read[who] += piece.len();
             }
+        }
+        if let Some((r, data)) = got.iter().enumerate().find(|(r, d)| d.len() != read[*r]) {
+            return Err(format!(
+                "rank {r} sent {} gradient values for flat {}..{} in slot {slot}, expected {}",
+                data.len(),
+                bucket.start,
+                bucket.end,
+                read[r]
+            ));
         }
         if !last {
             return Ok(());
