@@ -461,10 +461,10 @@ fn report(a: &BenchArgs, model: &Model, world: usize, timed: &Timed, mem: usize,
     let m = a.micro_batches.unwrap_or(world);
     let tokens = (a.micro_batch * a.seq * m) as f64;
     let tok_s = tokens / med;
-    // An MoE model's matmul work per token is its active parameters' (k of the experts).
+    // An MoE model's active parameters (k of the experts); flops_per_token leaves the idle ones out itself.
     let active = model.num_params()
         - model.cfg.moe.as_ref().map_or(0, |m| (m.num_experts - m.top_k) * 3 * model.cfg.d_model * m.d_expert * model.cfg.n_layer);
-    let fpt = model.cfg.flops_per_token(active, a.seq);
+    let fpt = model.cfg.flops_per_token(model.num_params(), a.seq);
     let mfu = tok_s * fpt / (989e12 * world as f64);
     let mut out = serde_json::json!({
         "system": "tessera", "zero": a.zero, "world": world, "params_M": (model.num_params() as f64 / 1e6 * 10.0).round() / 10.0,

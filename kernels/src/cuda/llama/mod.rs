@@ -17,6 +17,7 @@
 
 pub mod attention;
 mod check;
+mod check_moe;
 pub mod moe;
 pub mod ops;
 

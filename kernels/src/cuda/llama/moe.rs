@@ -357,9 +357,17 @@ pub fn aux_loss(gpu: &Gpu, ml: &MoeLayout, scr: &MoeScratch, n: usize, dscale: f
     let p: Vec<f64> = (0..e).map(|i| (0..counts.len()).map(|l| psum[l * e + i] as f64).sum::<f64>() / tokens).collect();
     let aux = e as f64 * f.iter().zip(&p).map(|(a, b)| a * b).sum::<f64>();
     let g: Vec<f32> = f.iter().map(|&fi| (dscale as f64 * ml.aux_coef as f64 * e as f64 * fi / tokens) as f32).collect();
-    // SAFETY: auxg holds `e` f32 and the GPU is idle (the download above waited for it).
-    unsafe { cudarc::driver::result::memcpy_htod_sync(scr.auxg.ptr().raw, &g) }.map_err(drv("uploading the aux-loss gradient"))?;
+    set_aux_grad(gpu, scr, &g)?;
     Ok(aux as f32)
+}
+
+/// Sets d(objective)/d(p[t, e]) of the load-balancing loss, `g[e]` for every token, for the
+/// backwards that follow (waits for the GPU first: no kernel is reading it then).
+pub fn set_aux_grad(gpu: &Gpu, scr: &MoeScratch, g: &[f32]) -> Result<()> {
+    assert_eq!(g.len(), scr.auxg.len(), "one aux-loss gradient per expert");
+    gpu.sync()?;
+    // SAFETY: auxg holds g.len() f32 and the GPU is idle.
+    unsafe { cudarc::driver::result::memcpy_htod_sync(scr.auxg.ptr().raw, g) }.map_err(drv("uploading the aux-loss gradient"))
 }
 
 /// One MoE block's backward: `dy` (f32 [n, c]) is d(block output); writes d(h) into `dh`
