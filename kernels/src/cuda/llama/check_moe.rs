@@ -49,6 +49,15 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     Ok(r)
 }
 
+/// What one GPU run of the MoE FFN gave: the chosen experts, the output, d(input) and the
+/// unit's gradient.
+struct FfnRun {
+    topi: Vec<u32>,
+    y: Vec<f32>,
+    dh: Vec<f32>,
+    g: Vec<f32>,
+}
+
 /// One MoE FFN (8 experts, top 2; c = 256, f = 192, 300 tokens) on the GPU and the CPU.
 fn check_ffn(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let (e, k, c, f, n) = (8, 2, 256, 192, 300);
@@ -97,7 +106,7 @@ fn check_ffn(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let a = MoeActs::new(gpu, &ml, n, c)?;
     let w = MoeW { router: dp.ptr().slice(router.clone()), unit: dp.ptr() };
     let gw = MoeW { router: dgr.ptr().slice(router.clone()), unit: dgr.ptr() };
-    let run = |mode: GroupMode| -> Result<(Vec<u32>, Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let run = |mode: GroupMode| -> Result<FfnRun> {
         let scr = MoeScratch::new(gpu, &ml, n, c, 1, mode)?;
         gpu.zero(dgr.ptr(), st)?;
         moe_gpu::route(gpu, st, &ml, w.router, dh_in.ptr(), &a, n, c)?;
@@ -107,12 +116,17 @@ fn check_ffn(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         moe_gpu::set_aux_grad(gpu, &scr, &dprob)?;
         let d = (bufs[3].ptr(), bufs[4].ptr(), bufs[5].ptr());
         moe_gpu::backward(gpu, st, &ml, (&w, &gw), dh_in.ptr(), ddy.ptr(), ddh.ptr(), &a, mlp, d, &scr, 0, (n, c))?;
-        Ok((gpu.download(a.topi.ptr())?, gpu.download(yg.ptr())?, gpu.download(ddh.ptr())?, gpu.download(dgr.ptr())?))
+        Ok(FfnRun {
+            topi: gpu.download(a.topi.ptr())?,
+            y: gpu.download(yg.ptr())?,
+            dh: gpu.download(ddh.ptr())?,
+            g: gpu.download(dgr.ptr())?,
+        })
     };
     let tag = format!("[MoE FFN {e} experts top {k}, c {c}, f {f}, {n} tokens]");
     let mut r = Vec::new();
     for mode in [GroupMode::Loop, GroupMode::Grouped] {
-        let (topi, yv, dhv, gv) = run(mode)?;
+        let FfnRun { topi, y: yv, dh: dhv, g: gv } = run(mode)?;
         let m = format!("{tag} {mode:?}");
         let agree = topi.iter().zip(&cpu_idx).filter(|(a, b)| **a as usize == **b).count();
         r.push(CheckRow::same_bits(
@@ -127,7 +141,7 @@ fn check_ffn(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         let again = run(mode)?;
         r.push(CheckRow::same_bits(
             format!("moe forward + backward rerun bit-identical {m}"),
-            again.1 == yv && again.2 == dhv && again.3 == gv,
+            again.y == yv && again.dh == dhv && again.g == gv,
         ));
     }
     Ok(r)
