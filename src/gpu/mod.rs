@@ -370,6 +370,25 @@ pub struct BenchArgs {
     /// Override the number of layers.
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Make every block of a LLaMA-family model a dropless mixture of this many SwiGLU experts
+    /// (Mixtral semantics: softmax router, top-k renormalised, the load-balancing loss across
+    /// blocks); needs --expert-ffn.
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Experts each token is routed to (with --experts).
+    #[arg(long, default_value_t = 2)]
+    pub top_k: usize,
+    /// Hidden width of each expert (with --experts).
+    #[arg(long)]
+    pub expert_ffn: Option<usize>,
+    /// Weight of the load-balancing loss (with --experts; Mixtral's router_aux_loss_coef).
+    #[arg(long, default_value_t = 0.02)]
+    pub aux_coef: f32,
+    /// Instead of training: time the experts' GEMMs for this model's shape (--micro-batch ×
+    /// --seq tokens, --experts, --top-k) as a per-expert loop, one grouped call, and one dense
+    /// GEMM of the same total size, and print the TFLOP/s of each.
+    #[arg(long)]
+    pub expert_gemm: bool,
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 16)]
     pub micro_batch: usize,
@@ -442,10 +461,14 @@ fn report(a: &BenchArgs, model: &Model, world: usize, timed: &Timed, mem: usize,
     let m = a.micro_batches.unwrap_or(world);
     let tokens = (a.micro_batch * a.seq * m) as f64;
     let tok_s = tokens / med;
+    // An MoE model's active parameters (k of the experts); flops_per_token leaves the idle ones out itself.
+    let active = model.num_params()
+        - model.cfg.moe.as_ref().map_or(0, |m| (m.num_experts - m.top_k) * 3 * model.cfg.d_model * m.d_expert * model.cfg.n_layer);
     let fpt = model.cfg.flops_per_token(model.num_params(), a.seq);
     let mfu = tok_s * fpt / (989e12 * world as f64);
     let mut out = serde_json::json!({
         "system": "tessera", "zero": a.zero, "world": world, "params_M": (model.num_params() as f64 / 1e6 * 10.0).round() / 10.0,
+        "active_params_M": (active as f64 / 1e6 * 10.0).round() / 10.0,
         "mb": a.micro_batch, "seq": a.seq, "micro_batches": m,
         "step_ms_median": (med * 1e4).round() / 10.0, "tok_per_s": tok_s.round(), "mfu_vs_989T": (mfu * 1000.0).round() / 1000.0,
         "device_GiB": (mem as f64 / (1u64 << 30) as f64 * 100.0).round() / 100.0,
@@ -465,6 +488,30 @@ fn bench_model(a: &BenchArgs) -> Result<Model> {
     if let Some(l) = a.layers {
         cfg.n_layer = l;
     }
+    match (a.experts, a.expert_ffn) {
+        (Some(num_experts), Some(d_expert)) => {
+            use tessera_kernels::model::{AuxLoss, Gating, MoeConfig, NoisyGate};
+            cfg.moe = Some(MoeConfig {
+                num_experts,
+                top_k: a.top_k,
+                d_expert,
+                sparse_step: 1,
+                dense_layers: Vec::new(),
+                gating: Gating::SoftmaxThenTopK,
+                norm_topk: true,
+                capacity: None,
+                noisy_gate: NoisyGate::None,
+                random_token_selection: false,
+                aux_loss_coef: a.aux_coef,
+                z_loss_coef: 0.0,
+                aux_loss: AuxLoss::AcrossLayers,
+                shared_expert: None,
+                residual: false,
+            });
+        }
+        (None, None) => {}
+        _ => bail!("--experts and --expert-ffn go together (an MoE model needs both)"),
+    }
     if a.seq > cfg.max_seq_len {
         let folder = match crate::hf::is_folder(&a.model) {
             true => a.model.clone(),
@@ -482,6 +529,9 @@ fn bench_model(a: &BenchArgs) -> Result<Model> {
 
 /// `tessera gpu bench`: the parent spawns one process per GPU (or runs the single rank itself).
 pub fn bench(a: &BenchArgs) -> Result<()> {
+    if a.expert_gemm {
+        return expert_gemm_bench(a);
+    }
     if let Ok(rank) = std::env::var(ENV_RANK) {
         let rank: usize = rank.parse().with_context(|| format!("{ENV_RANK}={rank}: expected a rank number"))?;
         let world: usize = std::env::var(ENV_WORLD)?.parse().context(ENV_WORLD)?;
@@ -514,6 +564,32 @@ pub fn bench(a: &BenchArgs) -> Result<()> {
         children.push(child);
     }
     wait_all(children, Duration::from_secs(900))
+}
+
+/// `tessera gpu bench --expert-gemm`: the experts' forward gate projection
+/// (`[n_e, c]·[c, f]` for each expert) as a loop, as one grouped call, and one dense GEMM of
+/// all the rows; one JSON line.
+fn expert_gemm_bench(a: &BenchArgs) -> Result<()> {
+    let model = bench_model(a)?;
+    let m = model.cfg.moe.as_ref().context("--expert-gemm needs --experts and --expert-ffn")?;
+    let gpu: Arc<Gpu> = Gpu::open(0)?;
+    let rows = a.micro_batch * a.seq * m.top_k;
+    // Balanced, and the skewed split of a router early in training (expert e takes a share ∝ e+1).
+    let balanced: Vec<usize> = (0..m.num_experts).map(|e| rows / m.num_experts + usize::from(e < rows % m.num_experts)).collect();
+    let w: usize = (1..=m.num_experts).sum();
+    let mut skewed: Vec<usize> = (0..m.num_experts).map(|e| rows * (e + 1) / w).collect();
+    skewed[m.num_experts - 1] += rows - skewed.iter().sum::<usize>();
+    let mut out = serde_json::json!({"system": "tessera-expert-gemm", "rows": rows, "c": model.cfg.d_model, "f": m.d_expert, "experts": m.num_experts});
+    for (name, split) in [("balanced", &balanced), ("skewed", &skewed)] {
+        let r = cuda::llama::moe::gemm_bench(&gpu, split, model.cfg.d_model, m.d_expert, 20)?;
+        out[name] = serde_json::json!({
+            "loop_tflops": (r.loop_tflops * 10.0).round() / 10.0, "grouped_tflops": (r.grouped_tflops * 10.0).round() / 10.0,
+            "dense_tflops": (r.dense_tflops * 10.0).round() / 10.0, "grouped_ran": r.grouped_ran,
+            "best_vs_dense": ((r.loop_tflops.max(r.grouped_tflops) / r.dense_tflops) * 1000.0).round() / 1000.0,
+        });
+    }
+    println!("{out}");
+    Ok(())
 }
 
 /// Waits for every rank; the first failure kills the others (no orphans), bounded overall.

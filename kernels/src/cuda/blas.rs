@@ -110,3 +110,100 @@ impl Blas {
         status.result().map_err(|e| GpuError::Blas { what: format!("GEMM m={m} k={k} n={n}"), err: format!("{e:?}") })
     }
 }
+
+/// One GEMM of a grouped call ([`Blas::matmul_grouped`]): `C[m,n] = op(A)·op(B) + beta·C`, the
+/// operands as [`Blas::matmul_beta`] takes them.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmDesc {
+    pub c: Mat,
+    pub a: Mat,
+    pub b: Mat,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub beta: f32,
+}
+
+/// Whether [`Blas::matmul_grouped`] runs one `cublasGemmGroupedBatchedEx` or a loop of
+/// `cublasGemmEx` (the same products; the bits may differ between the two, never between runs
+/// of one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupMode {
+    Loop,
+    Grouped,
+}
+
+impl Blas {
+    /// Every GEMM of `gs` (their outputs disjoint), as one grouped cuBLAS call or a loop. The
+    /// grouped call reads its pointer arrays from `table` (device, ≥ 3·`gs.len()` u64), written
+    /// here with a synchronous copy: the caller guarantees no earlier kernel still reads `table`.
+    /// Where cuBLAS does not support a grouped call's types, it falls back to the loop. Returns
+    /// whether one grouped call ran.
+    pub fn matmul_grouped(&self, gs: &[GemmDesc], mode: GroupMode, table: super::DPtr<u64>) -> Result<bool> {
+        let each = |gs: &[GemmDesc]| gs.iter().try_for_each(|g| self.matmul_beta(g.c, g.a, g.b, (g.m, g.k, g.n), g.beta)).map(|_| false);
+        if mode == GroupMode::Loop || gs.len() <= 1 {
+            return each(gs);
+        }
+        let (a0, b0, c0) = (gs[0].a.dt, gs[0].b.dt, gs[0].c.dt);
+        assert!(gs.iter().all(|g| g.a.dt == a0 && g.b.dt == b0 && g.c.dt == c0 && !g.c.t), "a grouped GEMM has one type per operand");
+        assert!(table.len >= 3 * gs.len(), "grouped GEMM: pointer table of {} for {} GEMMs", table.len, gs.len());
+        let i = |x: usize| -> Result<i32> { i32::try_from(x).map_err(|_| GpuError::Invalid(format!("GEMM dimension {x} exceeds i32"))) };
+        let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+        // Column-major with the operands swapped, as in `matmul_beta`.
+        let (mut ta, mut tb, mut mm, mut nn, mut kk, mut lda, mut ldb, mut ldc) =
+            (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+        let mut ptrs = Vec::with_capacity(3 * gs.len());
+        for g in gs {
+            ta.push(op(g.b.t));
+            tb.push(op(g.a.t));
+            mm.push(i(g.n)?);
+            nn.push(i(g.m)?);
+            kk.push(i(g.k)?);
+            lda.push(i(if g.b.t { g.k } else { g.n })?);
+            ldb.push(i(if g.a.t { g.m } else { g.k })?);
+            ldc.push(i(g.n)?);
+        }
+        ptrs.extend(gs.iter().map(|g| g.b.ptr));
+        ptrs.extend(gs.iter().map(|g| g.a.ptr));
+        ptrs.extend(gs.iter().map(|g| g.c.ptr));
+        let alpha = vec![1.0f32; gs.len()];
+        let beta: Vec<f32> = gs.iter().map(|g| g.beta).collect();
+        let sizes = vec![1i32; gs.len()];
+        let n = gs.len();
+        // SAFETY: `table` covers 3·n u64 (asserted) and no kernel reads it now (caller contract).
+        unsafe { cudarc::driver::result::memcpy_htod_sync(table.raw, &ptrs) }.map_err(super::drv("uploading a grouped GEMM's pointers"))?;
+        let (pa, pb, pc) = (table.raw, table.raw + 8 * n as u64, table.raw + 16 * n as u64);
+        let status = unsafe {
+            // SAFETY: every host array has n entries; the device pointer arrays hold n pointers
+            // each, to matrices the caller's wrappers sized; alpha/beta are f32 for COMPUTE_32F.
+            cudarc::cublas::sys::cublasGemmGroupedBatchedEx(
+                *self.main.handle(),
+                ta.as_ptr(),
+                tb.as_ptr(),
+                mm.as_ptr(),
+                nn.as_ptr(),
+                kk.as_ptr(),
+                alpha.as_ptr() as *const _,
+                pa as *const *const _,
+                b0.cuda(),
+                lda.as_ptr(),
+                pb as *const *const _,
+                a0.cuda(),
+                ldb.as_ptr(),
+                beta.as_ptr() as *const _,
+                pc as *const *mut _,
+                c0.cuda(),
+                ldc.as_ptr(),
+                i(n)?,
+                sizes.as_ptr(),
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+        };
+        use cudarc::cublas::sys::cublasStatus_t as S;
+        match status {
+            S::CUBLAS_STATUS_SUCCESS => Ok(true),
+            S::CUBLAS_STATUS_NOT_SUPPORTED | S::CUBLAS_STATUS_INVALID_VALUE => each(gs),
+            e => Err(GpuError::Blas { what: format!("grouped GEMM of {n}"), err: format!("{e:?}") }),
+        }
+    }
+}

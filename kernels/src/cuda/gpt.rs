@@ -97,6 +97,11 @@ impl GpuLayout {
             let base = cpu_units[u].start;
             Ok(s.offset - base..s.offset - base + s.numel())
         };
+        if model.cfg.arch == Arch::Gpt && model.cfg.moe.is_some() {
+            return Err(GpuError::Invalid(
+                "the GPU runs mixture-of-experts feed-forwards only in LLaMA-family blocks; GPT MoE models train on the CPU".into(),
+            ));
+        }
         let tensors = match model.cfg.arch {
             Arch::Gpt => gpt_tensors(&local)?,
             Arch::Llama => Tensors::Llama(super::llama::LlamaLayout::new(model, &local)?),

@@ -45,6 +45,8 @@ pub const SOURCES: &[(&str, &str)] = &[
     // The LLaMA family's RMSNorm, RoPE, SwiGLU and embedding, and its grouped-query attention.
     ("llama", include_str!("../../cuda/llama.cu")),
     ("gqa_attention", include_str!("../../cuda/gqa_attention.cu")),
+    // The mixture-of-experts routing, permutation, gather/combine and their backwards.
+    ("moe", include_str!("../../cuda/moe.cu")),
 ];
 
 /// The architecture module `name` compiles for on a GPU of compute capability `cc`, or `None`

@@ -17,6 +17,8 @@
 
 pub mod attention;
 mod check;
+mod check_moe;
+pub mod moe;
 pub mod ops;
 
 use std::ops::Range;
@@ -40,11 +42,26 @@ pub struct BlockRanges {
     pub wqkv: Range<usize>,
     pub wo: Range<usize>,
     pub mlp_norm: Range<usize>,
-    pub w_gate: Range<usize>,
-    pub w_up: Range<usize>,
-    pub w_down: Range<usize>,
+    pub mlp: MlpRanges,
     /// The q/k/v bias (Qwen2).
     pub bqkv: Option<Range<usize>>,
+}
+
+/// A block's feed-forward: one SwiGLU MLP, or a router and its experts ([`moe`]).
+#[derive(Clone, Debug)]
+pub enum MlpRanges {
+    Dense { w_gate: Range<usize>, w_up: Range<usize>, w_down: Range<usize> },
+    Moe(moe::MoeLayout),
+}
+
+impl BlockRanges {
+    /// The MoE block's layout, when the blocks are MoE.
+    pub fn moe(&self) -> Option<&moe::MoeLayout> {
+        match &self.mlp {
+            MlpRanges::Moe(m) => Some(m),
+            MlpRanges::Dense { .. } => None,
+        }
+    }
 }
 
 /// What the GPU LLaMA needs of the model: where its tensors lie in their units, and the
@@ -74,9 +91,11 @@ impl LlamaLayout {
             wqkv: b("attn.wqkv.weight")?,
             wo: b("attn.wo.weight")?,
             mlp_norm: b("mlp_norm.weight")?,
-            w_gate: b("mlp.w_gate.weight")?,
-            w_up: b("mlp.w_up.weight")?,
-            w_down: b("mlp.w_down.weight")?,
+            mlp: if cfg.moe.is_some() {
+                MlpRanges::Moe(moe::MoeLayout::new(cfg, &b)?)
+            } else {
+                MlpRanges::Dense { w_gate: b("mlp.w_gate.weight")?, w_up: b("mlp.w_up.weight")?, w_down: b("mlp.w_down.weight")? }
+            },
             bqkv: if cfg.qkv_bias { Some(b("attn.wqkv.bias")?) } else { None },
         };
         let wte = local(0, "wte.weight")?;
@@ -97,10 +116,15 @@ struct BlockW<T> {
     wqkv: DPtr<T>,
     wo: DPtr<T>,
     mlp_norm: DPtr<T>,
-    w_gate: DPtr<T>,
-    w_up: DPtr<T>,
-    w_down: DPtr<T>,
+    mlp: MlpW<T>,
     bqkv: Option<DPtr<T>>,
+}
+
+/// A block's feed-forward tensors.
+#[derive(Clone, Copy, Debug)]
+enum MlpW<T> {
+    Dense { w_gate: DPtr<T>, w_up: DPtr<T>, w_down: DPtr<T> },
+    Moe(moe::MoeW<T>),
 }
 
 impl<T> BlockW<T> {
@@ -111,9 +135,10 @@ impl<T> BlockW<T> {
             wqkv: v(&r.wqkv),
             wo: v(&r.wo),
             mlp_norm: v(&r.mlp_norm),
-            w_gate: v(&r.w_gate),
-            w_up: v(&r.w_up),
-            w_down: v(&r.w_down),
+            mlp: match &r.mlp {
+                MlpRanges::Dense { w_gate, w_up, w_down } => MlpW::Dense { w_gate: v(w_gate), w_up: v(w_up), w_down: v(w_down) },
+                MlpRanges::Moe(m) => MlpW::Moe(moe::MoeW { router: v(&m.router), unit }),
+            },
             bqkv: r.bqkv.as_ref().map(v),
         }
     }
@@ -132,11 +157,24 @@ struct Acts {
     gate: Buf<bf16>,
     up: Buf<bf16>,
     sw: Buf<bf16>,
+    /// The routing and expert rows of an MoE block (`gate`, `up`, `sw` are then the experts'
+    /// `[n·k, d_expert]`).
+    moe: Option<moe::MoeActs>,
+}
+
+/// Elements of a block's MLP activations (`gate`, `up`, `sw`): `[n, d_ff]`, or the experts'
+/// `[n·k, d_expert]`.
+fn mlp_elems(s: Shape, ll: &LlamaLayout) -> usize {
+    match ll.block.moe() {
+        Some(m) => s.n() * m.top_k * m.d_expert,
+        None => s.n() * s.f,
+    }
 }
 
 impl Acts {
-    fn new(gpu: &Gpu, s: Shape, g: GqaShape) -> Result<Acts> {
-        let (n, c, f) = (s.n(), s.c, s.f);
+    fn new(gpu: &Gpu, s: Shape, g: GqaShape, ll: &LlamaLayout) -> Result<Acts> {
+        let (n, c) = (s.n(), s.c);
+        let nf = mlp_elems(s, ll);
         Ok(Acts {
             h1: gpu.alloc(n * c)?,
             r1: gpu.alloc(n)?,
@@ -146,15 +184,21 @@ impl Acts {
             x2: gpu.alloc(n * c)?,
             h2: gpu.alloc(n * c)?,
             r2: gpu.alloc(n)?,
-            gate: gpu.alloc(n * f)?,
-            up: gpu.alloc(n * f)?,
-            sw: gpu.alloc(n * f)?,
+            gate: gpu.alloc(nf)?,
+            up: gpu.alloc(nf)?,
+            sw: gpu.alloc(nf)?,
+            moe: ll.block.moe().map(|m| moe::MoeActs::new(gpu, m, n, c)).transpose()?,
         })
     }
 
     fn bytes(&self) -> usize {
         let b16 = [&self.h1, &self.qkv, &self.atty, &self.h2, &self.gate, &self.up, &self.sw].iter().map(|b| b.len() * 2).sum::<usize>();
         b16 + [&self.r1, &self.lse, &self.x2, &self.r2].iter().map(|b| b.len() * 4).sum::<usize>()
+            + self.moe.as_ref().map_or(0, |m| m.bytes())
+    }
+
+    fn mlp(&self) -> (DPtr<bf16>, DPtr<bf16>, DPtr<bf16>) {
+        (self.gate.ptr(), self.up.ptr(), self.sw.ptr())
     }
 }
 
@@ -191,6 +235,10 @@ pub struct Workspace {
     uniq: Buf<u32>,
     offsets: Buf<u32>,
     positions: Buf<u32>,
+    /// The MoE blocks' backward scratch, load counts and grouped-GEMM tables.
+    moe: Option<moe::MoeScratch>,
+    /// The load-balancing loss of the last micro-batch (MoE models; not in `losses`).
+    pub aux_loss: Option<f32>,
 }
 
 impl Workspace {
@@ -201,9 +249,11 @@ impl Workspace {
         let ll = layout.llama().ok_or_else(|| GpuError::Invalid("a LLaMA workspace needs a LLaMA layout".into()))?.clone();
         let g = ll.gqa(s);
         g.validate()?;
-        let (n, c, f) = (s.n(), s.c, s.f);
+        let (n, c) = (s.n(), s.c);
+        let nf = mlp_elems(s, &ll);
         let kept = if recompute { s.l.min(1) } else { s.l };
-        let layers = (0..kept).map(|_| Acts::new(gpu, s, g)).collect::<Result<Vec<_>>>()?;
+        let layers = (0..kept).map(|_| Acts::new(gpu, s, g, &ll)).collect::<Result<Vec<_>>>()?;
+        let moe = ll.block.moe().map(|m| moe::MoeScratch::new(gpu, m, n, c, s.l, moe::gemm_mode()?)).transpose()?;
         let table = crate::ops::rope::RopeTable::with_inv_freq(s.t, &ll.inv_freq);
         Ok(Workspace {
             shape: s,
@@ -221,9 +271,9 @@ impl Workspace {
             dx: gpu.alloc(n * c)?,
             dres: gpu.alloc(n * c)?,
             dh: gpu.alloc(n * c)?,
-            dsw: gpu.alloc(n * f)?,
-            dgate: gpu.alloc(n * f)?,
-            dup: gpu.alloc(n * f)?,
+            dsw: gpu.alloc(nf)?,
+            dgate: gpu.alloc(nf)?,
+            dup: gpu.alloc(nf)?,
             datt: gpu.alloc(n * c)?,
             dqkv: gpu.alloc(n * g.row())?,
             delta: gpu.alloc(s.b * s.nh * s.t)?,
@@ -234,6 +284,8 @@ impl Workspace {
             uniq: gpu.alloc(n)?,
             offsets: gpu.alloc(n + 1)?,
             positions: gpu.alloc(n)?,
+            moe,
+            aux_loss: None,
             ll,
         })
     }
@@ -266,6 +318,7 @@ impl Workspace {
             + b16.iter().map(|b| b.len() * 2).sum::<usize>()
             + b32.iter().map(|b| b.len() * 4).sum::<usize>()
             + u32s.iter().map(|b| b.len() * 4).sum::<usize>()
+            + self.moe.as_ref().map_or(0, |m| m.bytes())
     }
 }
 
@@ -296,7 +349,16 @@ fn copy(gpu: &Gpu, st: &CudaStream, dst: DPtr<f32>, src: DPtr<f32>) -> Result<()
 // Allowed: weights, input, output, activations, shapes and RoPE table are separate things both
 // callers (forward, recomputation) hold.
 #[allow(clippy::too_many_arguments)]
-fn block_forward(gpu: &Gpu, st: &CudaStream, w: &BlockW<bf16>, x: DPtr<f32>, y: Option<DPtr<f32>>, a: &Acts, ws: &Workspace) -> Result<()> {
+fn block_forward(
+    gpu: &Gpu,
+    st: &CudaStream,
+    l: usize,
+    w: &BlockW<bf16>,
+    x: DPtr<f32>,
+    y: Option<DPtr<f32>>,
+    a: &Acts,
+    ws: &Workspace,
+) -> Result<()> {
     let (s, g, ll) = (ws.shape, ws.gqa, &ws.ll);
     let (n, c, f, row) = (s.n(), s.c, s.f, g.row());
     ops::rmsnorm_forward(gpu, st, a.h1.ptr(), a.r1.ptr(), x, w.attn_norm, n, c, ll.eps)?;
@@ -315,15 +377,45 @@ fn block_forward(gpu: &Gpu, st: &CudaStream, w: &BlockW<bf16>, x: DPtr<f32>, y: 
     gpu.mark("fwd gemm o (+copy)");
     ops::rmsnorm_forward(gpu, st, a.h2.ptr(), a.r2.ptr(), a.x2.ptr(), w.mlp_norm, n, c, ll.eps)?;
     gpu.mark("fwd rmsnorm");
-    mm(gpu, bf(a.gate.ptr()), bf(a.h2.ptr()), bf(w.w_gate), n, c, f, 0.0)?;
-    mm(gpu, bf(a.up.ptr()), bf(a.h2.ptr()), bf(w.w_up), n, c, f, 0.0)?;
+    let (w_gate, w_up, w_down) = match (&w.mlp, ll.block.moe()) {
+        (MlpW::Dense { w_gate, w_up, w_down }, _) => (*w_gate, *w_up, *w_down),
+        (MlpW::Moe(mw), Some(ml)) => return moe_forward(gpu, st, l, ml, mw, y, a, ws),
+        (MlpW::Moe(_), None) => unreachable!("MoE weights come from an MoE layout"),
+    };
+    mm(gpu, bf(a.gate.ptr()), bf(a.h2.ptr()), bf(w_gate), n, c, f, 0.0)?;
+    mm(gpu, bf(a.up.ptr()), bf(a.h2.ptr()), bf(w_up), n, c, f, 0.0)?;
     gpu.mark("fwd gemm gate+up");
     ops::swiglu_forward(gpu, st, a.sw.ptr(), a.gate.ptr(), a.up.ptr())?;
     gpu.mark("fwd swiglu");
     if let Some(y) = y {
         copy(gpu, st, y, a.x2.ptr())?;
-        mm(gpu, f32m(y), bf(a.sw.ptr()), bf(w.w_down), n, f, c, 1.0)?;
+        mm(gpu, f32m(y), bf(a.sw.ptr()), bf(w_down), n, f, c, 1.0)?;
         gpu.mark("fwd gemm down (+copy)");
+    }
+    Ok(())
+}
+
+/// An MoE block's feed-forward: route `h2`, run the experts, `y = x2 + Σ_k w·out` (the
+/// routing and the experts' rows run in a recomputation too: the backward needs them).
+// Allowed: block_forward's arguments, split by kind.
+#[allow(clippy::too_many_arguments)]
+fn moe_forward(
+    gpu: &Gpu,
+    st: &CudaStream,
+    l: usize,
+    ml: &moe::MoeLayout,
+    mw: &moe::MoeW<bf16>,
+    y: Option<DPtr<f32>>,
+    a: &Acts,
+    ws: &Workspace,
+) -> Result<()> {
+    let (n, c) = (ws.shape.n(), ws.shape.c);
+    let (ma, scr) = (a.moe.as_ref().expect("MoE acts"), ws.moe.as_ref().expect("MoE scratch"));
+    moe::route(gpu, st, ml, mw.router, a.h2.ptr(), ma, n, c)?;
+    moe::experts_forward(gpu, st, ml, mw, ma, a.mlp(), scr, l, c)?;
+    if let Some(y) = y {
+        moe::combine(gpu, st, ml, y, a.x2.ptr(), ma, n, c)?;
+        moe::record_load(gpu, st, ml, ma, scr, l, n)?;
     }
     Ok(())
 }
@@ -331,7 +423,18 @@ fn block_forward(gpu: &Gpu, st: &CudaStream, w: &BlockW<bf16>, x: DPtr<f32>, y: 
 /// Backward of one block: `ws.dx` holds d(block output) (and `ws.dres` its bf16 copy) on
 /// entry, d(block input) (and its copy) on exit. A linear layer's weight gradient is
 /// `inpᵀ·dY`, its input gradient `dY·Wᵀ`.
-fn block_backward(gpu: &Gpu, st: &CudaStream, w: &BlockW<bf16>, gw: &BlockW<f32>, x: DPtr<f32>, a: &Acts, ws: &Workspace) -> Result<()> {
+// Allowed: the block's index, weights, gradients, input, activations and workspace.
+#[allow(clippy::too_many_arguments)]
+fn block_backward(
+    gpu: &Gpu,
+    st: &CudaStream,
+    l: usize,
+    w: &BlockW<bf16>,
+    gw: &BlockW<f32>,
+    x: DPtr<f32>,
+    a: &Acts,
+    ws: &Workspace,
+) -> Result<()> {
     let (s, g) = (ws.shape, ws.gqa);
     let (n, c, f, row) = (s.n(), s.c, s.f, g.row());
     let (dres, dh) = (ws.dres.ptr(), ws.dh.ptr());
@@ -347,18 +450,28 @@ fn block_backward(gpu: &Gpu, st: &CudaStream, w: &BlockW<bf16>, gw: &BlockW<f32>
         n,
         c,
     };
-    // MLP branch: y = x2 + sw·Wd, sw = silu(h2·Wg) ∘ (h2·Wu).
-    mm(gpu, f32m(gw.w_down), bft(a.sw.ptr()), bf(dres), f, n, c, 0.0)?;
-    mm(gpu, bf(ws.dsw.ptr()), bf(dres), bft(w.w_down), n, c, f, 0.0)?;
-    gpu.mark("bwd gemm down (w+x)");
-    ops::swiglu_backward(gpu, st, ws.dgate.ptr(), ws.dup.ptr(), ws.dsw.ptr(), a.gate.ptr(), a.up.ptr())?;
-    gpu.mark("bwd swiglu");
-    mm(gpu, f32m(gw.w_gate), bft(a.h2.ptr()), bf(ws.dgate.ptr()), c, n, f, 0.0)?;
-    mm(gpu, f32m(gw.w_up), bft(a.h2.ptr()), bf(ws.dup.ptr()), c, n, f, 0.0)?;
-    gpu.mark("bwd gemm gate+up wgrad");
-    mm(gpu, f32m(dh), bf(ws.dgate.ptr()), bft(w.w_gate), n, f, c, 0.0)?;
-    mm(gpu, f32m(dh), bf(ws.dup.ptr()), bft(w.w_up), n, f, c, 1.0)?;
-    gpu.mark("bwd gemm gate+up dgrad");
+    match (&w.mlp, &gw.mlp, ws.ll.block.moe()) {
+        (MlpW::Dense { w_gate, w_up, w_down }, MlpW::Dense { w_gate: g_gate, w_up: g_up, w_down: g_down }, _) => {
+            // MLP branch: y = x2 + sw·Wd, sw = silu(h2·Wg) ∘ (h2·Wu).
+            mm(gpu, f32m(*g_down), bft(a.sw.ptr()), bf(dres), f, n, c, 0.0)?;
+            mm(gpu, bf(ws.dsw.ptr()), bf(dres), bft(*w_down), n, c, f, 0.0)?;
+            gpu.mark("bwd gemm down (w+x)");
+            ops::swiglu_backward(gpu, st, ws.dgate.ptr(), ws.dup.ptr(), ws.dsw.ptr(), a.gate.ptr(), a.up.ptr())?;
+            gpu.mark("bwd swiglu");
+            mm(gpu, f32m(*g_gate), bft(a.h2.ptr()), bf(ws.dgate.ptr()), c, n, f, 0.0)?;
+            mm(gpu, f32m(*g_up), bft(a.h2.ptr()), bf(ws.dup.ptr()), c, n, f, 0.0)?;
+            gpu.mark("bwd gemm gate+up wgrad");
+            mm(gpu, f32m(dh), bf(ws.dgate.ptr()), bft(*w_gate), n, f, c, 0.0)?;
+            mm(gpu, f32m(dh), bf(ws.dup.ptr()), bft(*w_up), n, f, c, 1.0)?;
+            gpu.mark("bwd gemm gate+up dgrad");
+        }
+        (MlpW::Moe(mw), MlpW::Moe(mg), Some(ml)) => {
+            let (ma, scr) = (a.moe.as_ref().expect("MoE acts"), ws.moe.as_ref().expect("MoE scratch"));
+            let d = (ws.dgate.ptr(), ws.dup.ptr(), ws.dsw.ptr());
+            moe::backward(gpu, st, ml, (mw, mg), a.h2.ptr(), ws.dx.ptr(), dh, ma, a.mlp(), d, scr, l, (n, c))?;
+        }
+        _ => unreachable!("a block's weights and gradients have one layout"),
+    }
     ops::rmsnorm_backward(gpu, st, &rms(gw.mlp_norm, a.x2.ptr(), w.mlp_norm, a.r2.ptr()))?;
     gpu.mark("bwd rmsnorm");
     // Attention branch: x2 = x + attention(rope(h1·Wqkv + b))·Wo.
@@ -405,7 +518,7 @@ fn forward_head(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &Workspace, dscale: f3
     gpu.mark("embedding");
     for l in 0..s.l {
         let w = BlockW::at(hooks.params(1 + l, Phase::Forward)?, &ws.ll.block);
-        block_forward(gpu, st, &w, ws.xs[l].ptr(), Some(ws.xs[l + 1].ptr()), ws.acts(l), ws)?;
+        block_forward(gpu, st, l, &w, ws.xs[l].ptr(), Some(ws.xs[l + 1].ptr()), ws.acts(l), ws)?;
         hooks.params_done(1 + l, Phase::Forward)?;
     }
     let head = p0.slice(ws.ll.head.clone());
@@ -432,6 +545,10 @@ pub fn forward_backward(
     let s = ws.shape;
     let (n, c, v) = (s.n(), s.c, s.v);
     let p0 = forward_head(gpu, hooks, ws, dloss / n as f32)?;
+    // The load-balancing loss needs every block's routing: known now, before the backward.
+    if let (Some(ml), Some(scr)) = (ws.ll.block.moe(), ws.moe.as_ref()) {
+        ws.aux_loss = Some(moe::aux_loss(gpu, ml, scr, n, dloss)?);
+    }
     // The embedding backward's token index, sorted on the host while the GPU runs the forward
     // (the copies are ordered on the stream after it).
     let idx = super::ops::TokenIndex::new(tokens, v);
@@ -466,9 +583,9 @@ pub fn forward_backward(
         let w = BlockW::at(hooks.params(1 + l, Phase::Backward)?, &ws.ll.block);
         let gw = BlockW::at(hooks.grads(1 + l)?, &ws.ll.block);
         if ws.recompute {
-            block_forward(gpu, st, &w, ws.xs[l].ptr(), None, ws.acts(l), ws)?;
+            block_forward(gpu, st, l, &w, ws.xs[l].ptr(), None, ws.acts(l), ws)?;
         }
-        block_backward(gpu, st, &w, &gw, ws.xs[l].ptr(), ws.acts(l), ws)?;
+        block_backward(gpu, st, l, &w, &gw, ws.xs[l].ptr(), ws.acts(l), ws)?;
         hooks.params_done(1 + l, Phase::Backward)?;
         hooks.grads_done(1 + l)?;
     }
@@ -483,5 +600,8 @@ pub fn forward_backward(
 pub fn forward_loss(gpu: &Gpu, hooks: &mut dyn UnitHooks, ws: &mut Workspace, tokens: &[u32], targets: &[u32]) -> Result<()> {
     upload_batch(gpu, ws, tokens, targets)?;
     forward_head(gpu, hooks, ws, 0.0)?;
+    if let (Some(ml), Some(scr)) = (ws.ll.block.moe(), ws.moe.as_ref()) {
+        ws.aux_loss = Some(moe::aux_loss(gpu, ml, scr, ws.shape.n(), 0.0)?);
+    }
     hooks.params_done(0, Phase::Forward)
 }
