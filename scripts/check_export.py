@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Check a Tessera export (GPT-2, LLaMA, Mistral or Qwen2 folder) against Hugging Face transformers.
+"""Check a Tessera export (GPT-2, LLaMA, Mistral, Qwen2, Mixtral or Qwen2-MoE folder) against Hugging Face transformers.
 
 Usage: check_export.py EXPORT_DIR [REFERENCE_JSON]
 
 EXPORT_DIR is what `tessera export` wrote (model.safetensors or shards + index, config.json).
 REFERENCE_JSON (default EXPORT_DIR/reference.json) is {"tokens": [...], "loss": x} where x is the
 mean cross-entropy Tessera computed for predicting tokens[t+1] from tokens[:t+1] -- exactly what
-AutoModelForCausalLM(input_ids=tokens, labels=tokens).loss computes.
+AutoModelForCausalLM(input_ids=tokens, labels=tokens).loss computes -- for a mixture-of-experts model
+whose config has `output_router_logits`, that `loss` also holds `router_aux_loss_coef * aux_loss`
+(transformers adds the load-balancing loss then), which is taken out again: Tessera's reference
+is the cross-entropy.
 
 Loads the directory with AutoModelForCausalLM.from_pretrained (the class config.json names), fails if any weight is missing or
 unexpected, and checks the loss agrees within 1e-4 relative. When REFERENCE_JSON also holds
@@ -113,7 +116,11 @@ def main():
     model = model.float().eval()
     ids = torch.tensor([tokens], dtype=torch.long)
     with torch.no_grad():
-        loss = float(model(input_ids=ids, labels=ids).loss)
+        out = model(input_ids=ids, labels=ids)
+        loss = out.loss
+        if getattr(model.config, "output_router_logits", False) and getattr(out, "aux_loss", None) is not None:
+            loss = loss - model.config.router_aux_loss_coef * out.aux_loss.to(loss.device)
+        loss = float(loss)
     rel = abs(loss - expected) / max(abs(expected), 1e-12)
     if not rel <= REL_TOL:
         fail(f"loss mismatch: transformers {loss:.7f} vs tessera {expected:.7f} (rel {rel:.2e} > {REL_TOL:g})")

@@ -298,8 +298,43 @@ def hf_moe_reference(model, B=2, T=24):
            "loss": ce.detach().float().reshape(1), "aux_loss": aux.detach().float().reshape(1),
            "objective": objective.detach().float().reshape(1)}
     for name, p in ref.named_parameters():
-        res["grad." + name] = p.grad.float().contiguous()
+        for saved, g in saved_pieces(model, name, p.grad):
+            res["grad." + saved] = g.float().contiguous()
     return res, {"batch": str(B), "seq_len": str(T), "aux_loss_coef": str(coef)}
+
+
+def saved_pieces(model, name, t):
+    """(saved name, tensor) of in-memory parameter `name` (value or gradient `t`): transformers 5
+    keeps a block's experts fused (`mlp.experts.gate_up_proj` [E, 2f, c], `mlp.experts.down_proj`
+    [E, c, f]) and saves them per expert under the family's names (Mixtral:
+    `block_sparse_moe.experts.{e}.w1` (gate) / `w3` (up) / `w2` (down), its router
+    `block_sparse_moe.gate`; Qwen2-MoE: `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`)."""
+    mixtral = model.config.model_type == "mixtral"
+    block = "block_sparse_moe" if mixtral else "mlp"
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    if name.endswith(".mlp.experts.gate_up_proj"):
+        layer = name[: -len(".mlp.experts.gate_up_proj")]
+        f = t.shape[1] // 2
+        return [x for e in range(t.shape[0]) for x in (
+            (f"{layer}.{block}.experts.{e}.{gate}.weight", t[e, :f]), (f"{layer}.{block}.experts.{e}.{up}.weight", t[e, f:]))]
+    if name.endswith(".mlp.experts.down_proj"):
+        layer = name[: -len(".mlp.experts.down_proj")]
+        return [(f"{layer}.{block}.experts.{e}.{down}.weight", t[e]) for e in range(t.shape[0])]
+    if mixtral and name.endswith(".mlp.gate.weight"):
+        return [(name.replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight"), t)]
+    return [(name, t)]
+
+
+def check_saved_names(model, folder):
+    """Every in-memory parameter, split by `saved_pieces`, is in the saved file with its values."""
+    from safetensors.torch import load_file
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    names = set()
+    for name, p in model.named_parameters():
+        for n, v in saved_pieces(model, name, p.detach()):
+            assert torch.equal(saved[n], v), n
+            names.add(n)
+    assert names == set(saved), sorted(set(saved) ^ names)
 
 
 def hf_moe_main(out_dir):
@@ -313,6 +348,7 @@ def hf_moe_main(out_dir):
         model.save_pretrained(folder)
         # The tokenizer of the other folders (trained by `hf` on this script's text as it was then).
         shutil.copy(os.path.join(out_dir, "llama", "tokenizer.json"), os.path.join(folder, "tokenizer.json"))
+        check_saved_names(model, folder)
         tensors, meta = hf_moe_reference(model)
         meta.update({"torch": torch.__version__, "transformers": transformers.__version__,
                      "generator": "scripts/gen_fixtures.py hf-moe"})

@@ -1,4 +1,4 @@
-//! The model zoo: named presets of the built-in GPT-2 and LLaMA-style stacks, and
+//! The model zoo: named presets of the built-in GPT-2, LLaMA-style and Mixtral-style stacks, and
 //! [`resolve`], which reads `tessera.model` as a preset name or a Hugging Face model folder.
 
 use std::path::Path;
@@ -19,13 +19,14 @@ pub struct Preset {
 /// The presets, smallest first: each a Hugging Face `config.json` shipped under
 /// `configs/models/<name>/` (so `--model configs/models/<name>` is the same shape as a folder,
 /// with its own vocabulary, and a copy of the folder is where a changed shape starts) and a note.
-const PRESETS: [(&str, &str, &str); 8] = [
+const PRESETS: [(&str, &str, &str); 9] = [
     ("gpt-tiny", include_str!("../configs/models/gpt-tiny/config.json"), "CI-sized"),
     ("gpt-mini-gpu", include_str!("../configs/models/gpt-mini-gpu/config.json"), "the smallest shape `--device cuda` runs"),
     ("gpt-10m", include_str!("../configs/models/gpt-10m/config.json"), ""),
     ("gpt2-small", include_str!("../configs/models/gpt2-small/config.json"), "GPT-2 124M"),
     ("gpt2-1.3b", include_str!("../configs/models/gpt2-1.3b/config.json"), "GPT-3 XL's width and depth"),
     ("llama-tiny", include_str!("../configs/models/llama-tiny/config.json"), "RoPE, RMSNorm, SwiGLU"),
+    ("mixtral-tiny", include_str!("../configs/models/mixtral-tiny/config.json"), "CI-sized mixture of experts"),
     ("llama-0.85b", include_str!("../configs/models/llama-0.85b/config.json"), "8 KV heads, untied head"),
     ("llama-1.1b", include_str!("../configs/models/llama-1.1b/config.json"), "TinyLlama's shape: 4 KV heads, untied head"),
 ];
@@ -63,8 +64,12 @@ fn describe(cfg: &ModelConfig, note: &str) -> String {
         p => format!("~{:.1}M", p as f64 / 1e6),
     };
     let note = if note.is_empty() { String::new() } else { format!("; {note}") };
+    let experts = cfg.moe.as_ref().map_or(String::new(), |m| {
+        let sparse = (0..cfg.n_layer).filter(|&l| tessera_kernels::moe_ffn::is_sparse(m, l)).count();
+        format!(", {} experts of {} (top {}) in {sparse} of the blocks", m.num_experts, m.d_expert, m.top_k)
+    });
     format!(
-        "{style}, {} layers, d={}, {} heads of {}, ctx {}, vocab {} ({size} params{note})",
+        "{style}, {} layers, d={}, {} heads of {}, ctx {}, vocab {}{experts} ({size} params{note})",
         cfg.n_layer,
         cfg.d_model,
         cfg.n_head,
@@ -186,6 +191,7 @@ mod tests {
             ("gpt2-small", gpt(50257, 1024, 12, 12, 768)),
             ("gpt2-1.3b", gpt(50257, 1024, 24, 32, 2048)),
             ("llama-tiny", llama.clone()),
+            ("mixtral-tiny", mixtral_tiny()),
             ("llama-0.85b", big_llama(16, 8)),
             ("llama-1.1b", big_llama(22, 4)),
         ];
@@ -203,6 +209,43 @@ mod tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/gpt-tiny");
         let folder = resolve(dir.to_str().unwrap()).unwrap();
         assert_eq!(folder.config(), &got[0].cfg);
+    }
+
+    fn mixtral_tiny() -> ModelConfig {
+        use tessera_kernels::model::{AuxLoss, Gating, MoeConfig, NoisyGate};
+        let moe = MoeConfig {
+            num_experts: 4,
+            top_k: 2,
+            d_expert: 256,
+            sparse_step: 1,
+            dense_layers: Vec::new(),
+            gating: Gating::SoftmaxThenTopK,
+            norm_topk: true,
+            capacity: None,
+            noisy_gate: NoisyGate::None,
+            random_token_selection: false,
+            aux_loss_coef: 0.02,
+            z_loss_coef: 0.0,
+            aux_loss: AuxLoss::AcrossLayers,
+            shared_expert: None,
+            residual: false,
+        };
+        ModelConfig {
+            arch: Arch::Llama,
+            vocab_size: 256,
+            max_seq_len: 128,
+            n_layer: 4,
+            n_head: 4,
+            d_model: 128,
+            d_ff: 256,
+            rope_theta: 1e6,
+            norm_eps: 1e-5,
+            n_kv_head: 2,
+            tied_head: false,
+            qkv_bias: false,
+            rope_scaling: None,
+            moe: Some(moe),
+        }
     }
 
     #[test]

@@ -106,6 +106,25 @@ fn five_kills_and_two_joins_keep_the_fault_free_bits() {
     assert_eq!(el["restored_from_checkpoint"], 0, "{r:#}");
 }
 
+/// Expert parallelism in an elastic run (the Mixtral fixture, `ep_size` 2 over 4 processes): a
+/// kill leaves 3 ranks, which `ep_size` 2 does not divide, so the survivors' epoch runs expert
+/// groups of 1; a join makes 4 again and groups of 2. Experts are placed, not stored, by the
+/// groups: the run ends on the fault-free bits.
+#[test]
+fn experts_regroup_after_a_kill_and_a_join_with_the_fault_free_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = format!("tessera.model={:?}", repo().join("tests/fixtures/hf/mixtral").display().to_string());
+    let faults = r#"[{"at_step": 2, "kind": "kill"}, {"at_step": 4, "kind": "join"}]"#;
+    let r = chaos_with(tmp.path(), faults, 40, 3, &[&model, "tessera.moe.ep_size=2"], &[]);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!((el["workers_lost"].as_u64(), el["workers_joined"].as_u64()), (Some(1), Some(1)), "{r:#}");
+    // Epochs of 4, 3 and 4 members: groups of 2, 1 and 2.
+    let (_, events) = faulted_events(tmp.path());
+    let sizes: Vec<u64> =
+        events.iter().filter(|e| e["event"] == "epoch").filter_map(|e| e["members"].as_array().map(|m| m.len() as u64)).collect();
+    assert!(sizes.windows(2).any(|w| w == [3, 4]) && sizes.contains(&3), "epoch sizes {sizes:?}");
+}
+
 /// OneCycle with `cycle_momentum` (the optimizer's beta1 follows the shard's own step count):
 /// a kill mid-cycle and a join, recovered from replicas, still end on the fault-free bits, so the
 /// replicas and the new members step with the cycled betas of the steps they take over.

@@ -173,6 +173,8 @@ fn monitors_get_deepspeeds_timer_tags_grad_norm_and_tokens_per_s() {
     let events = std::fs::read(tb).unwrap();
     let tag = b"Train/Samples/elapsed_time_ms_forward";
     assert!(events.windows(tag.len()).any(|w| w == tag), "tensorboard lacks the forward timer");
+    // A dense model reports no mixture-of-experts statistics (e2e_moe_outputs has them).
+    assert!(metric(&out, "load_balancing_loss").is_empty() && summary(&out).get("moe").is_none());
     // Without wall_clock_breakdown the timers stay out; grad norm and tokens/s do not.
     let plain = tmp.path().join("plain");
     ok(&train_args(plain.to_str().unwrap(), "1", &cfg), tmp.path());

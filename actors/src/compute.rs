@@ -45,6 +45,110 @@ pub struct Prepared {
     pub busy_micro_batches: usize,
     /// Where the prepare's time went (DeepSpeed's `wall_clock_breakdown` timers).
     pub phases: PhaseTimes,
+    /// The routing statistics of this worker's micro-batches, summed (models with
+    /// mixture-of-experts blocks; `None` for dense ones).
+    pub moe: Option<MoeTally>,
+}
+
+/// Mixture-of-experts routing statistics summed over micro-batches: one rank's in a step
+/// ([`Prepared::moe`]), a step's over every rank ([`StepResult::moe`]), or a run's. The token
+/// counts are exact whatever the order; the loss sums are added in micro-batch order on a
+/// rank, then in rank order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MoeTally {
+    /// Every MoE block, in stack order.
+    pub blocks: Vec<MoeBlockTally>,
+    /// Sums over the micro-batches of the load-balancing loss and the router z-loss (the
+    /// objective's terms before their coefficients).
+    pub aux_sum: f64,
+    pub z_sum: f64,
+    /// Micro-batches summed.
+    pub micro_batches: u64,
+}
+
+/// One MoE block's share of a [`MoeTally`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MoeBlockTally {
+    /// The block's index in the stack.
+    pub block: usize,
+    /// (token, choice) pairs each expert received.
+    pub tokens_per_expert: Vec<u64>,
+    /// (token, choice) pairs dropped for capacity.
+    pub dropped: u64,
+}
+
+impl MoeTally {
+    /// Adds `other`'s counts and sums to this tally (the first one sets the blocks).
+    ///
+    /// # Panics
+    /// If both have blocks and they differ in number, index or expert count (the same model
+    /// gives the same blocks).
+    pub fn add(&mut self, other: &MoeTally) {
+        if self.blocks.is_empty() {
+            let zero =
+                |b: &MoeBlockTally| MoeBlockTally { block: b.block, tokens_per_expert: vec![0; b.tokens_per_expert.len()], dropped: 0 };
+            self.blocks = other.blocks.iter().map(zero).collect();
+        }
+        assert_eq!(self.blocks.len(), other.blocks.len(), "MoE tallies of different models");
+        for (a, b) in self.blocks.iter_mut().zip(&other.blocks) {
+            assert_eq!((a.block, a.tokens_per_expert.len()), (b.block, b.tokens_per_expert.len()), "MoE tallies of different models");
+            a.tokens_per_expert.iter_mut().zip(&b.tokens_per_expert).for_each(|(x, y)| *x += y);
+            a.dropped += b.dropped;
+        }
+        self.aux_sum += other.aux_sum;
+        self.z_sum += other.z_sum;
+        self.micro_batches += other.micro_batches;
+    }
+
+    /// The tallies of `parts` added in their order; `None` when none has one.
+    pub fn sum<'a>(parts: impl IntoIterator<Item = Option<&'a MoeTally>>) -> Option<MoeTally> {
+        parts.into_iter().flatten().fold(None, |acc, t| {
+            let mut acc = acc.unwrap_or_default();
+            acc.add(t);
+            Some(acc)
+        })
+    }
+
+    /// Mean load-balancing loss and z-loss per micro-batch.
+    pub fn aux_mean(&self) -> f64 {
+        self.aux_sum / self.micro_batches.max(1) as f64
+    }
+
+    pub fn z_mean(&self) -> f64 {
+        self.z_sum / self.micro_batches.max(1) as f64
+    }
+
+    /// The share of (token, choice) pairs dropped for capacity, over every block.
+    pub fn dropped_fraction(&self) -> f64 {
+        let dropped: u64 = self.blocks.iter().map(|b| b.dropped).sum();
+        let kept: u64 = self.blocks.iter().flat_map(|b| &b.tokens_per_expert).sum();
+        dropped as f64 / (dropped + kept).max(1) as f64
+    }
+
+    /// The most and least loaded experts over every block, as their share of the block's
+    /// kept pairs times the number of experts (1 is a perfectly even load); `None` when no
+    /// pair was kept.
+    pub fn load_range(&self) -> Option<(f64, f64)> {
+        let loads = self.blocks.iter().flat_map(|b| b.loads());
+        loads.fold(None, |acc, l| Some(acc.map_or((l, l), |(hi, lo): (f64, f64)| (hi.max(l), lo.min(l)))))
+    }
+}
+
+impl MoeBlockTally {
+    /// Each expert's share of the block's kept pairs (empty when none was kept).
+    pub fn shares(&self) -> Vec<f64> {
+        let kept: u64 = self.tokens_per_expert.iter().sum();
+        if kept == 0 {
+            return Vec::new();
+        }
+        self.tokens_per_expert.iter().map(|&n| n as f64 / kept as f64).collect()
+    }
+
+    /// Each expert's share times the number of experts (1 is an even load).
+    pub fn loads(&self) -> Vec<f64> {
+        let e = self.tokens_per_expert.len() as f64;
+        self.shares().into_iter().map(|s| s * e).collect()
+    }
 }
 
 /// Wall-clock seconds of one rank's prepare by phase, summed over its micro-batches, as
@@ -89,6 +193,8 @@ pub struct StepResult {
     pub abandoned_attempts: Vec<u32>,
     /// Each rank's report of the committed attempt, by rank.
     pub per_rank: Vec<Prepared>,
+    /// Every rank's MoE routing statistics added in rank order (`None` for dense models).
+    pub moe: Option<MoeTally>,
 }
 
 impl StepResult {
@@ -111,6 +217,7 @@ impl StepResult {
             compute_s_max: per_rank.iter().map(|p| p.compute_s).fold(0.0, f64::max),
             commit_s: 0.0,
             abandoned_attempts,
+            moe: MoeTally::sum(per_rank.iter().map(|p| p.moe.as_ref())),
             per_rank,
         }
     }
@@ -304,5 +411,33 @@ mod tests {
         assert_eq!(lost.clone().torn(None).state_after_commit(7, Some(7)), None, "torn part-way: unusable");
         assert_eq!(lost.torn(Some(6)).state_after_commit(7, Some(7)), None, "stepped another step: unusable");
         assert!(!ComputeError::failed("disk").torn(Some(7)).explained_by_loss());
+    }
+
+    fn tally(counts: [&[u64]; 2], dropped: u64, aux: f64) -> MoeTally {
+        let block = |(i, c): (usize, &[u64])| MoeBlockTally { block: 2 * i + 1, tokens_per_expert: c.to_vec(), dropped };
+        MoeTally { blocks: counts.into_iter().enumerate().map(block).collect(), aux_sum: aux, z_sum: aux / 2.0, micro_batches: 1 }
+    }
+
+    #[test]
+    fn a_steps_moe_tally_adds_the_ranks_in_rank_order() {
+        let ranks = [tally([&[3, 1], &[2, 2]], 0, 0.5), tally([&[0, 4], &[4, 0]], 2, 0.25)];
+        let per_rank: Vec<Prepared> = ranks.iter().map(|t| Prepared { moe: Some(t.clone()), ..Prepared::default() }).collect();
+        let res = StepResult::aggregate(1, 0, Vec::new(), per_rank.into_iter().enumerate());
+        let m = res.moe.expect("a tally");
+        assert_eq!(
+            m.blocks,
+            vec![
+                MoeBlockTally { block: 1, tokens_per_expert: vec![3, 5], dropped: 2 },
+                MoeBlockTally { block: 3, tokens_per_expert: vec![6, 2], dropped: 2 },
+            ]
+        );
+        assert_eq!((m.aux_sum, m.z_sum, m.micro_batches, m.aux_mean()), (0.75, 0.375, 2, 0.375));
+        assert_eq!(m.dropped_fraction(), 4.0 / 20.0);
+        assert_eq!(m.blocks[0].shares(), vec![3.0 / 8.0, 5.0 / 8.0]);
+        // The busiest expert took 6 of its block's 8 pairs (1.5 times an even share), the
+        // idlest 2 of 8.
+        assert_eq!(m.load_range(), Some((1.5, 0.5)));
+        let dense = StepResult::aggregate(1, 0, Vec::new(), [(0, Prepared::default())]);
+        assert_eq!(dense.moe, None, "dense models have no tally");
     }
 }

@@ -72,7 +72,9 @@ mod txn_sim;
 #[cfg(test)]
 mod worker_sim;
 
-pub use compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, ShardInfo, ShardSpec, StepOrder, StepResult, WorkerCompute};
+pub use compute::{
+    ComputeError, MemoryReport, MoeBlockTally, MoeTally, PhaseTimes, Prepared, ShardInfo, ShardSpec, StepOrder, StepResult, WorkerCompute,
+};
 pub use driver::{Cluster, ClusterOptions, WorkerStopper, DEFAULT_SHUTDOWN_TIMEOUT_MS, DEFAULT_STEP_TIMEOUT_MS};
 pub use error::{ActorError, FailureCause, RankFailure};
 pub use plan::{assign_blocks, partition};

@@ -309,7 +309,7 @@ static OTHER_DEEPSPEED: &[KeyInfo] = &[
 
 static TESSERA: &[KeyInfo] = &[
     k("tessera", Section, H, "Tessera's own keys"),
-    k("tessera.model", Str, H, "model preset (`tessera models`), or a Hugging Face model folder (a path: config.json of GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM, weights from model.safetensors or a sharded index, none: initialised from the seed; other architectures and keys are refused by name); default \"gpt-tiny\""),
+    k("tessera.model", Str, H, "model preset (`tessera models`), or a Hugging Face model folder (a path: config.json of GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM or Qwen2MoeForCausalLM, weights from model.safetensors or a sharded index, none: initialised from the seed; other architectures and keys are refused by name); default \"gpt-tiny\""),
     k("tessera.data", Str, H, "training data path; default: the shipped corpus (data/corpus/austen.txt, also compiled into the binary)"),
     k("tessera.tokenizer", Str, H, "tokenizer path; default: a model folder's tokenizer.json, else byte-level"),
     k("tessera.data_field", Str, H, "the JSON-lines field or Parquet column holding each document's text; default \"text\""),
@@ -344,6 +344,20 @@ static TESSERA: &[KeyInfo] = &[
     k("tessera.device", Str, H, "where each rank computes its forward and backward: \"cpu\" (default) or \"cuda\" (`train --device cuda` sets it; docs/GPU.md)"),
     k("tessera.gpu", Section, H, "GPU ranks (docs/GPU.md)"),
     k("tessera.gpu.collective", Str, H, "\"nccl\" (default): one rank per GPU of this host (threads of the driver, the engine's step loop), NCCL, parameters and optimizer on the GPU, not elastic; \"quic\": GPU ranks of the one engine — forward and backward on the GPU, gradients staged to the host and reduced over the run's transport (QUIC between processes and hosts) by the fixed tree, the optimizer on the host; every ZeRO stage, `tessera.elastic`, hosts NCCL cannot connect"),
+    k("tessera.moe", Section, H, "mixture-of-experts blocks: DeepSpeed's deepspeed.moe.layer.MoE arguments (DeepSpeed sets them in code; docs/MOE.md). On a dense model (a preset, a GPT-2/LLaMA/Mistral/Qwen2 folder) it makes every expert_interval-th block's MLP num_experts experts of the block's MLP kind and width; on a Mixtral / Qwen2-MoE model the architecture is its config.json's: contradicting keys and capacity keys are refused by name"),
+    k("tessera.moe.num_experts", UInt, H, "experts per MoE block, at least 1 (DeepSpeed's num_experts); required on a dense model; on an MoE model it must equal its config.json's"),
+    k("tessera.moe.ep_size", UInt, H, "expert-parallel group size (DeepSpeed's ep_size): ranks that split each MoE block's experts; at least 1, must divide num_experts; default 1 (docs/MOE.md, \"Expert parallelism\")"),
+    k("tessera.moe.k", UInt, H, "experts per token, top-k (DeepSpeed's k), at most num_experts; default 1 on a dense model (the weights renormalised when above 1, as DeepSpeed's top-2); on an MoE model it must equal its num_experts_per_tok"),
+    k("tessera.moe.capacity_factor", Float, H, "training capacity: max(min_capacity, ceil(capacity_factor · k · tokens / num_experts)) slots per expert and micro-batch; default 1.0; refused on a (dropless) Mixtral / Qwen2-MoE model"),
+    k("tessera.moe.eval_capacity_factor", Float, H, "the same in evaluation; default 1.0; refused on a Mixtral / Qwen2-MoE model"),
+    k("tessera.moe.min_capacity", UInt, H, "least slots per expert; default 4; refused on a Mixtral / Qwen2-MoE model"),
+    k("tessera.moe.noisy_gate_policy", Str, H, "null (default), \"Jitter\" (router input times seeded uniform noise in [0.99, 1.01], training) or \"RSample\" (seeded Gumbel noise on the logits when choosing, training); the noise is keyed by the seed and the micro-batch, so it does not depend on world size; refused (non-null) on a Mixtral / Qwen2-MoE model"),
+    k("tessera.moe.drop_tokens", Bool, H, "default true: tokens beyond an expert's capacity skip it (their residual passes); false keeps every token (dropless: no capacity, so capacity_factor, eval_capacity_factor, min_capacity and use_rts are refused beside it); refused on a Mixtral / Qwen2-MoE model"),
+    k("tessera.moe.use_residual", Bool, H, "PR-MoE (DeepSpeed's use_residual): a dense MLP beside the experts, mixed by a learned two-way softmax; default false; refused (true) on a Mixtral / Qwen2-MoE model"),
+    k("tessera.moe.use_rts", Bool, H, "random token selection: capacity slots go to tokens in a seeded random order; default true (DeepSpeed's); refused on a Mixtral / Qwen2-MoE model"),
+    k("tessera.moe.expert_interval", UInt, H, "block l (from 0) is MoE when (l + 1) % expert_interval == 0 (DeepSpeed-Megatron's --expert-interval); default 2; refused on a Mixtral / Qwen2-MoE model (decoder_sparse_step / mlp_only_layers say it)"),
+    k("tessera.moe.aux_loss_coef", Float, H, "weight of the load-balancing loss in the objective (DeepSpeed's l_aux, per MoE block, summed; DeepSpeed-Megatron's --moe-loss-coeff); default 0.01; on a Mixtral / Qwen2-MoE model it replaces router_aux_loss_coef (0 there unless output_router_logits)"),
+    k("tessera.moe.z_loss_coef", Float, H, "weight of the router z-loss (ST-MoE: mean of logsumexp(router logits)^2); default 0"),
     k("tessera.device_memory_bytes_max", UInt, H, "per-rank budget for resident model states (params, grads, fp32 masters and moments, as model_state_bytes_per_rank counts them; offloaded states excluded, activations not counted); a run over it is refused at start. GPU ranks count their device states: bf16 params (+ stage-3 gather buffers), f32 gradient buffers (micro-batch tree + reduced shard), fp32 masters, moments and decay mask not offloaded; default: none"),
 ];
 

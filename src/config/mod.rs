@@ -9,6 +9,7 @@ mod elastic;
 mod error;
 mod keys;
 mod legacy;
+mod moe;
 mod optim;
 mod overrides;
 mod reader;
@@ -30,6 +31,7 @@ pub use elastic::{compute_elastic_batch, elastic_run, ElasticBatch, ElasticRun, 
 pub use error::{ConfigError, ConfigErrorKind};
 pub use keys::{effectively_honoured, key_table, lookup, KeyInfo, KeyKind};
 pub use legacy::LEGACY_KEYS;
+pub use moe::{MoeSection, AUX_LOSS_COEF_DEFAULT, EXPERT_INTERVAL_DEFAULT, MIN_CAPACITY_DEFAULT};
 pub use optim::OptimizerConfig;
 pub use render::{render_check, render_markdown_table};
 pub use sections::{

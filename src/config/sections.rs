@@ -351,6 +351,9 @@ pub struct TesseraConfig {
     pub device: ComputeDevice,
     /// `tessera.gpu.collective`.
     pub gpu_collective: GpuCollective,
+    /// `tessera.moe`: mixture-of-experts blocks (docs/MOE.md); `ep_size` is
+    /// `moe.as_ref().map_or(1, |m| m.ep_size)`.
+    pub moe: Option<crate::config::MoeSection>,
 }
 
 impl Default for TesseraConfig {
@@ -378,6 +381,7 @@ impl Default for TesseraConfig {
             device_memory_bytes_max: None,
             device: ComputeDevice::Cpu,
             gpu_collective: GpuCollective::Nccl,
+            moe: None,
         }
     }
 }
@@ -434,5 +438,6 @@ pub(crate) fn parse_tessera(root: &Value) -> KindResult<TesseraConfig> {
         device_memory_bytes_max: t.opt_u64("device_memory_bytes_max")?,
         device: compute_device(&t)?,
         gpu_collective: gpu_collective(root)?,
+        moe: crate::config::moe::parse_moe(root)?,
     })
 }

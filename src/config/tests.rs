@@ -542,3 +542,91 @@ fn the_device_and_the_gpu_collective_are_read_or_refused_by_name() {
         assert!(msg.contains(key) && msg.contains(expected), "{msg}");
     }
 }
+
+fn moe_of(section: Value) -> MoeSection {
+    let cfg = load_value(json!({"train_batch_size": 8, "tessera": {"moe": section}}), &world(1)).expect("loads");
+    cfg.tessera.moe.expect("tessera.moe present")
+}
+
+fn moe_err(section: Value) -> String {
+    err_of(json!({"train_batch_size": 8, "tessera": {"moe": section}}), &world(1)).to_string()
+}
+
+fn applied(section: Value, model: &str) -> Result<tessera_kernels::model::ModelConfig, String> {
+    let base = crate::zoo::preset(model).unwrap();
+    moe_of(section).apply(&base, model).map_err(|e| e.to_string())
+}
+
+/// DeepSpeed's `MoE(...)` arguments as `tessera.moe`: every key typed and range-checked.
+#[test]
+fn the_moe_section_reads_deepspeeds_moe_arguments() {
+    let m = moe_of(json!({"num_experts": 8, "ep_size": 2, "k": 2, "capacity_factor": 1.25, "eval_capacity_factor": 2.0,
+        "min_capacity": 2, "noisy_gate_policy": "RSample", "drop_tokens": true, "use_residual": false, "use_rts": false,
+        "expert_interval": 1, "aux_loss_coef": 0.1, "z_loss_coef": 1e-3}));
+    assert_eq!((m.num_experts, m.ep_size, m.k, m.min_capacity, m.expert_interval), (Some(8), 2, Some(2), Some(2), Some(1)));
+    assert_eq!((m.capacity_factor, m.eval_capacity_factor, m.aux_loss_coef, m.z_loss_coef), (Some(1.25), Some(2.0), Some(0.1), Some(1e-3)));
+    assert_eq!(m.noisy_gate_policy, Some(tessera_kernels::model::NoisyGate::RSample));
+    assert_eq!((m.drop_tokens, m.use_residual, m.use_rts), (Some(true), Some(false), Some(false)));
+    assert_eq!(moe_of(json!({})).ep_size, 1, "ep_size defaults to 1");
+    assert_eq!(moe_of(json!({"noisy_gate_policy": null})).noisy_gate_policy, Some(tessera_kernels::model::NoisyGate::None));
+    let e = moe_err(json!({"noisy_gate_policy": "Gumbel"}));
+    assert!(e.contains("tessera.moe.noisy_gate_policy") && e.contains("null, \"Jitter\" or \"RSample\""), "{e}");
+    let e = moe_err(json!({"ep_size": 0}));
+    assert!(e.contains("tessera.moe.ep_size") && e.contains("a positive integer"), "{e}");
+    let e = moe_err(json!({"capacity_factor": -1.0}));
+    assert!(e.contains("tessera.moe.capacity_factor") && e.contains("a positive number"), "{e}");
+    let e = moe_err(json!({"num_expert": 4}));
+    assert!(e.contains("tessera.moe.num_expert") && e.contains("num_experts"), "did you mean: {e}");
+}
+
+/// On a Mixtral model the architecture is its config.json's: contradicting and capacity keys
+/// are refused by name, the loss weights apply, ep_size must divide the experts.
+#[test]
+fn the_moe_section_on_a_mixtral_model_keeps_its_architecture() {
+    let m = applied(json!({"ep_size": 2, "aux_loss_coef": 0.05, "z_loss_coef": 0.001, "k": 2, "num_experts": 4}), "mixtral-tiny").unwrap();
+    let moe = m.moe.unwrap();
+    assert_eq!((moe.num_experts, moe.top_k, moe.aux_loss_coef, moe.z_loss_coef, moe.capacity), (4, 2, 0.05, 0.001, None));
+    let e = applied(json!({"k": 1}), "mixtral-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe.k") && e.contains("the model has 2"), "{e}");
+    let e = applied(json!({"num_experts": 8}), "mixtral-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe.num_experts") && e.contains("the model has 4"), "{e}");
+    for key in ["capacity_factor", "eval_capacity_factor"] {
+        let e = applied(json!({ key: 1.5 }), "mixtral-tiny").unwrap_err();
+        assert!(e.contains(&format!("tessera.moe.{key}")) && e.contains("dropless"), "{e}");
+    }
+    let e = applied(json!({"drop_tokens": false}), "mixtral-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe.drop_tokens") && e.contains("dropless"), "{e}");
+    let e = applied(json!({"noisy_gate_policy": "Jitter"}), "mixtral-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe.noisy_gate_policy") && e.contains("config.json"), "{e}");
+    let e = applied(json!({"expert_interval": 2}), "mixtral-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe.expert_interval"), "{e}");
+    let e = applied(json!({"ep_size": 3}), "mixtral-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe.ep_size") && e.contains("3") && e.contains("divide the 4 experts"), "{e}");
+}
+
+/// On a dense preset the section makes every expert_interval-th block's MLP experts of the
+/// block's kind and width; what the kernels do not build yet is refused, naming it.
+#[test]
+fn the_moe_section_turns_a_dense_model_into_its_moe_variant() {
+    let dropless = json!({"num_experts": 4, "k": 2, "drop_tokens": false, "aux_loss_coef": 0.0});
+    let m = applied(dropless, "llama-tiny").unwrap();
+    let moe = m.moe.unwrap();
+    assert_eq!((moe.num_experts, moe.top_k, moe.d_expert, moe.sparse_step, moe.norm_topk), (4, 2, 344, 2, true));
+    assert_eq!((moe.capacity, moe.random_token_selection), (None, false));
+    assert_eq!(moe.aux_loss, tessera_kernels::model::AuxLoss::PerLayer);
+    let top1 = applied(json!({"num_experts": 2, "drop_tokens": false, "aux_loss_coef": 0.0}), "llama-tiny").unwrap();
+    assert!(!top1.moe.unwrap().norm_topk, "DeepSpeed's top-1 weighs by the softmax probability");
+    let e = applied(json!({"num_experts": 4, "drop_tokens": false, "use_rts": true}), "llama-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe.use_rts") && e.contains("drop_tokens = false"), "{e}");
+    let e = applied(json!({"k": 2}), "llama-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe.num_experts"), "{e}");
+    let e = applied(json!({"num_experts": 2, "k": 3}), "llama-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe.k") && e.contains("at most num_experts = 2"), "{e}");
+    let e = applied(json!({"num_experts": 4, "expert_interval": 5}), "llama-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe.expert_interval") && e.contains("4 blocks"), "{e}");
+    // DeepSpeed's defaults (capacity with dropping) ask for what the kernels do not build yet.
+    let e = applied(json!({"num_experts": 4}), "llama-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe") && e.contains("capacity") && e.contains("not supported yet"), "{e}");
+    let e = applied(json!({"num_experts": 4, "drop_tokens": false, "aux_loss_coef": 0.0}), "gpt-tiny").unwrap_err();
+    assert!(e.contains("tessera.moe") && e.contains("GPT-2 block with experts") && e.contains("gpt-tiny"), "{e}");
+}

@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use rayon::prelude::*;
+use tessera_actors::compute::MoeTally;
 use tessera_kernels::cuda::{self, bf16, gpt, Buf, DPtr, Gpu};
 #[cfg(test)]
 use tessera_kernels::model::FlatAccess;
@@ -71,6 +72,15 @@ impl Device {
         match self {
             Device::Cpu(ws) => Ok(model.forward_backward(acc, batch, dloss, ws)),
             Device::Cuda(s) => s.forward_backward(model, acc, batch, dloss, rank),
+        }
+    }
+
+    /// The MoE routing statistics of the last micro-batch as a tally of one micro-batch
+    /// (`None` for dense models, and on the GPU, whose kernels have no MoE blocks).
+    pub fn moe_tally(&self) -> Option<MoeTally> {
+        match self {
+            Device::Cpu(ws) => super::moe_stats::tally_of(ws.moe_stats()),
+            Device::Cuda(_) => None,
         }
     }
 

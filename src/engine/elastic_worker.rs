@@ -475,8 +475,7 @@ impl Worker {
             .into_iter()
             .map(|b| b.into_iter().map(|(f, l)| usize::try_from(f).map(|f| (f, l)).context("a block's first micro-batch")).collect())
             .collect::<Result<Vec<Vec<(usize, u32)>>>>()?;
-        let mut cfg = self.s.cfg.clone();
-        cfg.world_size = world;
+        let (cfg, _) = super::fleet::config_for_world(&self.s.cfg, world);
         let plan = Plan::new(&cfg, &self.s.dataset).with_context(|| format!("the plan of {world} ranks"))?;
         let plan = Arc::new(plan.with_blocks(blocks).map_err(anyhow::Error::msg)?);
         let m = self.member()?;
@@ -509,8 +508,7 @@ impl Worker {
         }
         self.at = None;
         self.replicas.clear();
-        let mut cfg = self.s.cfg.clone();
-        cfg.world_size = world;
+        let (cfg, _) = super::fleet::config_for_world(&self.s.cfg, world);
         let plan = Arc::new(Plan::new(&cfg, &self.s.dataset).with_context(|| format!("the plan of epoch {epoch} ({world} ranks)"))?);
         // On the route to the driver (the worker's namespace when it has one), or as advertised.
         let (socket, quic_addr) = self.s.data.bind()?;

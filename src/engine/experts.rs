@@ -118,18 +118,16 @@ impl ExpertPlan {
     }
 
     /// Who supplies rank `q`'s micro-batch values over flat `range`, cut where the supplier
-    /// changes, in order: `q` itself outside the experts, the member of `q`'s group running
+    /// changes and at every slice's edges, in order: `q` itself outside the experts, the member of `q`'s group running
     /// the slice inside a slice's range.
     pub fn suppliers(&self, q: usize, range: Range<usize>) -> Vec<(Range<usize>, usize)> {
         let group = self.group(q).start;
         let mut out: Vec<(Range<usize>, usize)> = Vec::new();
+        // Pieces are never merged across a slice's edge, even with the same supplier: a slice's
+        // values and a rank's own come from different buffers.
         let mut push = |r: Range<usize>, who: usize| {
-            if r.is_empty() {
-                return;
-            }
-            match out.last_mut() {
-                Some((last, w)) if *w == who && last.end == r.start => last.end = r.end,
-                _ => out.push((r, who)),
+            if !r.is_empty() {
+                out.push((r, who));
             }
         };
         let mut lo = range.start;
@@ -183,7 +181,7 @@ mod tests {
         let p = plan_of(vec![None, e(100), None, e(300)], 2);
         // Rank 5 is member 1 of group 4..6; slice 0 is run by rank 4, slice 1 by rank 5.
         let got = p.suppliers(5, 90..400);
-        assert_eq!(got, vec![(90..100, 5), (100..120, 4), (120..300, 5), (300..320, 4), (320..400, 5)]);
+        assert_eq!(got, vec![(90..100, 5), (100..120, 4), (120..140, 5), (140..300, 5), (300..320, 4), (320..340, 5), (340..400, 5)]);
         let covered: usize = got.iter().map(|(r, _)| r.len()).sum();
         assert_eq!(covered, 310);
         assert_eq!(p.suppliers(4, 0..50), vec![(0..50, 4)]);

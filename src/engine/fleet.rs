@@ -50,14 +50,35 @@ pub struct RunPlanner<'a> {
 
 impl Planner<Plan> for RunPlanner<'_> {
     fn plan(&self, world: usize) -> Result<Plan> {
-        let mut cfg = self.cfg.clone();
-        cfg.world_size = world;
+        let (cfg, regrouped) = config_for_world(self.cfg, world);
+        if let Some((asked, used)) = regrouped {
+            eprintln!("[elastic] tessera.moe.ep_size = {asked} does not divide {world} ranks: expert groups of {used} until it does");
+        }
         Plan::new(&cfg, self.dataset)
     }
 
     fn with_blocks(&self, world: usize, blocks: Vec<Vec<(usize, u32)>>) -> Result<Plan> {
         self.plan(world)?.with_blocks(blocks).map_err(anyhow::Error::msg)
     }
+}
+
+/// `cfg` for a fleet of `world` ranks (a new epoch's, after losses or joins), and with expert
+/// parallelism a world that `tessera.moe.ep_size` does not divide runs with the largest divisor
+/// of it that divides the world — `Some((asked, used))` then. Experts are placed, not stored, by
+/// the groups (their parameters follow the ZeRO partition), so the groups re-form at once and
+/// the bits do not change. The driver and every worker re-plan through this.
+pub fn config_for_world(cfg: &Config, world: usize) -> (Config, Option<(usize, usize)>) {
+    let mut cfg = cfg.clone();
+    cfg.world_size = world;
+    let mut regrouped = None;
+    if let Some(moe) = cfg.tessera.moe.as_mut() {
+        let asked = moe.ep_size;
+        moe.ep_size = (1..=asked).rev().find(|d| asked % d == 0 && world % d == 0).unwrap_or(1);
+        if moe.ep_size != asked {
+            regrouped = Some((asked, moe.ep_size));
+        }
+    }
+    (cfg, regrouped)
 }
 
 /// What a run's fleet runs with: the elastic runtime's knobs `er` (`config::elastic_run`), the

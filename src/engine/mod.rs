@@ -9,6 +9,7 @@ mod elastic_worker;
 mod experts;
 mod fleet;
 mod lane;
+mod moe_stats;
 mod plan;
 mod precision;
 mod ranks;

@@ -266,6 +266,12 @@ impl Plan {
             return Err(data::DataError::TooManyValBatches { found: cfg.tessera.eval_iters, max: data::VAL_BATCHES_MAX }.into());
         }
         check_batch_bounds(cfg, seq_len)?;
+        if let Some(moe) = &cfg.tessera.moe {
+            mcfg = moe.apply(&mcfg, &cfg.tessera.model)?;
+        }
+        if mcfg.moe.is_some() && cfg.tessera.device == ComputeDevice::Cuda {
+            bail!("tessera.device = \"cuda\" with mixture-of-experts blocks (tessera.moe, or a Mixtral / Qwen2-MoE model): the GPU kernels have none yet; use --device cpu");
+        }
         let mut model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
         model.checkpoint_activations = cfg.activation_checkpointing;
         let flat = FlatLayout::new(model.layout().segments()).context("parameter layout")?;
@@ -327,7 +333,10 @@ impl Plan {
             overlap_comm: cfg.zero.overlap_comm,
             prefetch_elems: to_elems(cfg.zero.stage3_prefetch_bucket_size),
             max_live_elems: to_elems(cfg.zero.stage3_max_live_parameters),
-            experts: None,
+            experts: match cfg.tessera.moe.as_ref().map_or(1, |m| m.ep_size) {
+                1 => None,
+                ep => Some(ExpertPlan::new(&model, ep, world).map_err(anyhow::Error::msg)?),
+            },
             model,
         };
         for r in 0..plan.world {

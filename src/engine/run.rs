@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime};
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use tessera_actors::compute::{MemoryReport, ShardInfo, ShardSpec, WorkerCompute};
+use tessera_actors::compute::{MemoryReport, MoeTally, ShardInfo, ShardSpec, WorkerCompute};
 use tessera_actors::error::Failures;
 use tessera_actors::faults::Faults;
 use tessera_actors::recovery::{after_failure, AfterFailure};
@@ -21,6 +21,7 @@ use tessera_kernels::model::{FlatAccess, Workspace};
 use tessera_transport::local::LocalGroup;
 
 use super::fleet::{fleet_spec, RunPlanner, SignalHost};
+use super::moe_stats::{self, MoeSummary};
 use super::plan::Plan;
 use super::ranks::{rank_states, Ranks};
 use super::summary::{peak_rss_bytes, ElasticSummary, RunRecord, RunStatus, Summary};
@@ -540,6 +541,9 @@ struct Tally {
     nonfinite_steps: u64,
     /// Seconds recoveries waited for workers to join (not training time).
     join_wait_s: f64,
+    /// MoE routing over the steps run, and of the last one (models with MoE blocks).
+    moe_run: Option<MoeTally>,
+    moe_last: Option<MoeTally>,
 }
 
 /// Most of what `train` checks before it starts (`tessera config check` runs it): the data
@@ -718,6 +722,11 @@ impl Run<'_> {
         events.push(Event::new("Train/Samples/tokens_per_s", plan.tokens_per_step() as f64 / step_s.max(1e-9), samples));
         if cfg.wall_clock_breakdown {
             events.extend(timer_events(&res, samples));
+        }
+        if let Some(m) = &res.moe {
+            events.extend(moe_stats::step_events(m, samples));
+            t.moe_run.get_or_insert_with(MoeTally::default).add(m);
+            t.moe_last = Some(m.clone());
         }
         let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
         pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
@@ -1166,6 +1175,7 @@ impl Run<'_> {
             },
             last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
             elastic: self.elastic.as_ref().map(|e| e.stats.clone()),
+            moe: t.moe_run.as_ref().zip(t.moe_last.as_ref()).map(|(run, last)| MoeSummary::new(run, last)),
             gpu: match &self.ranks {
                 Ranks::Gpu(g) => Some(g.figures()),
                 _ => None,

@@ -139,6 +139,9 @@ pub struct Summary {
     /// What an elastic run went through (absent when elasticity is off).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub elastic: Option<ElasticSummary>,
+    /// The mixture-of-experts routing over the run (absent for dense models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moe: Option<super::moe_stats::MoeSummary>,
     /// The NCCL GPU trainer's device figures (absent elsewhere).
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<GpuFigures>,
@@ -242,6 +245,7 @@ impl Summary {
                 );
             }
         }
+        let moe = self.moe.as_ref().map(|m| m.line()).unwrap_or_default();
         format!(
             "── summary ──────────────────────────────────────────\n\
              model          {} ({:.2}M params, {}, ZeRO-{}, {where_})\n\
@@ -250,7 +254,7 @@ impl Summary {
              val loss       {} (from {})\n\
              throughput     {:.0} tokens/s over {:.1} s\n\
              peak RSS       {:.1} MiB\n\
-             {device}params_blake3  {}\n",
+             {moe}{device}params_blake3  {}\n",
             self.model,
             self.num_params as f64 / 1e6,
             self.precision,

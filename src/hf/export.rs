@@ -94,7 +94,8 @@ fn llama_doc(family: Family, cfg: &ModelConfig, eot: usize, dtype: TensorDtype) 
 /// `router_aux_loss_coef` with `output_router_logits`, transformers' switch for adding it).
 fn moe_doc(doc: &mut Value, family: Family, cfg: &ModelConfig, m: &MoeConfig) {
     doc["num_experts_per_tok"] = m.top_k.into();
-    doc["router_aux_loss_coef"] = m.aux_loss_coef.into();
+    // The f32's shortest decimal (0.02, not 0.019999999552965164), which reads back to it.
+    doc["router_aux_loss_coef"] = m.aux_loss_coef.to_string().parse::<f64>().unwrap_or(f64::from(m.aux_loss_coef)).into();
     doc["output_router_logits"] = (m.aux_loss_coef > 0.0).into();
     if family == Family::Mixtral {
         doc["num_local_experts"] = m.num_experts.into();

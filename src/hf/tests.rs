@@ -59,17 +59,39 @@ fn matches_transformers(name: &str) {
     let loss = model.forward_backward(&mut acc, MicroBatch { tokens, targets, b: r.b, t: r.t, noise_key: 0 }, 1.0, &mut ws);
     let want = r.f32s["loss"][0];
     assert!(((loss - want) / want).abs() < 1e-5, "{name}: loss {loss}, transformers {want}");
+    // MoE models: transformers' load-balancing loss of the same routing (the gradients are of
+    // cross-entropy + its weight times it).
+    if let Some(want) = r.f32s.get("aux_loss") {
+        let aux = ws.moe_stats().aux_loss;
+        assert!(((aux - want[0]) / want[0]).abs() < 1e-5, "{name}: aux loss {aux}, transformers {}", want[0]);
+    }
     let mut compared = 0;
     for spec in model.layout().specs() {
         for piece in pieces(hf.config.family, &model.cfg, spec).unwrap() {
             let got = extract(&grads[spec.range()], matrix(spec), &piece);
-            let want = &r.f32s[&format!("grad.{}", piece.name)];
+            let want = &reference_grad(&r, &piece.name, model.cfg.moe.as_ref().map_or(0, |m| m.d_expert))
+                .unwrap_or_else(|| panic!("{name}: the reference has no gradient for {}", piece.name));
             let e = rel_err(&got, want);
             assert!(e < 1e-4, "{name}: gradient of {} differs from transformers': rel err {e:e}", piece.name);
             compared += 1;
         }
     }
-    let hf_params = r.f32s.keys().filter(|k| k.starts_with("grad.")).count();
+    // transformers 5 keeps each MoE block's experts fused in memory (two tensors for all of
+    // them, which the reference's gradients are of) and writes them one by one.
+    let hf_params: usize = r
+        .f32s
+        .keys()
+        .filter(|k| k.starts_with("grad."))
+        .map(|k| {
+            if k.ends_with("experts.gate_up_proj") {
+                2 * model.cfg.moe.as_ref().unwrap().num_experts
+            } else if k.ends_with("experts.down_proj") {
+                model.cfg.moe.as_ref().unwrap().num_experts
+            } else {
+                1
+            }
+        })
+        .sum();
     assert_eq!(compared, hf_params, "{name}: every parameter transformers trains has a gradient here");
     let v = model.cfg.vocab_size;
     for s in 0..r.b {
@@ -80,6 +102,32 @@ fn matches_transformers(name: &str) {
             assert!(e < 1e-5, "{name}: logits of sequence {s} position {pos}: rel err {e:e}");
         }
     }
+}
+
+/// The reference gradient of the tensor a folder names `name`: the tensor's own, or for an
+/// expert's projection its part of the fused in-memory `experts.gate_up_proj` `[E, 2f, c]` (gate
+/// rows first) or `experts.down_proj` `[E, c, f]`; Mixtral's `block_sparse_moe.` is `mlp.` in memory.
+fn reference_grad(r: &Reference, name: &str, f: usize) -> Option<Vec<f32>> {
+    let name = name.replace(".block_sparse_moe.", ".mlp.");
+    if let Some(g) = r.f32s.get(&format!("grad.{name}")) {
+        return Some(g.clone());
+    }
+    let (head, tail) = name.split_once(".mlp.experts.")?;
+    let (e, proj) = tail.split_once('.')?;
+    let e: usize = e.parse().ok()?;
+    let (fused, rows) = match proj {
+        "w1.weight" | "gate_proj.weight" => ("gate_up_proj", 0..f),
+        "w3.weight" | "up_proj.weight" => ("gate_up_proj", f..2 * f),
+        "w2.weight" | "down_proj.weight" => ("down_proj", 0..0),
+        _ => return None,
+    };
+    let all = r.f32s.get(&format!("grad.{head}.mlp.experts.{fused}"))?;
+    // c from the block's norm, the expert count from the router's gradient `[E, c]`.
+    let c = r.f32s.get(&format!("grad.{head}.input_layernorm.weight"))?.len();
+    let experts = r.f32s.get(&format!("grad.{head}.mlp.gate.weight"))?.len() / c;
+    let block = all.len() / experts;
+    let one = &all[e * block..(e + 1) * block];
+    Some(if fused == "gate_up_proj" { one[rows.start * c..rows.end * c].to_vec() } else { one.to_vec() })
 }
 
 #[test]
@@ -114,6 +162,21 @@ fn qwen2_with_qkv_biases_matches_transformers() {
     matches_transformers("qwen2");
 }
 
+#[test]
+fn mixtral_with_its_load_balancing_loss_matches_transformers() {
+    let (hf, ..) = open(&fixture("mixtral"));
+    assert!(hf.config.model.moe.as_ref().is_some_and(|m| m.aux_loss_coef == 0.02), "output_router_logits: the aux loss is trained");
+    matches_transformers("mixtral");
+}
+
+#[test]
+fn qwen2_moe_with_a_dense_block_and_a_shared_expert_matches_transformers() {
+    let (hf, ..) = open(&fixture("qwen2-moe"));
+    let m = hf.config.model.moe.as_ref().unwrap();
+    assert!(m.shared_expert.is_some() && m.dense_layers == [0] && !m.norm_topk && hf.config.model.qkv_bias);
+    matches_transformers("qwen2-moe");
+}
+
 /// Every tensor of every `.safetensors` file of `dir`: name → (dtype, shape, bytes).
 fn weights_of(dir: &Path) -> HashMap<String, (String, Vec<usize>, Vec<u8>)> {
     let mut out = HashMap::new();
@@ -131,7 +194,7 @@ fn weights_of(dir: &Path) -> HashMap<String, (String, Vec<usize>, Vec<u8>)> {
 
 #[test]
 fn import_then_export_gives_the_same_bytes_for_every_family() {
-    for name in ["gpt2", "llama", "llama-sharded", "mistral", "qwen2"] {
+    for name in ["gpt2", "llama", "llama-sharded", "mistral", "qwen2", "mixtral", "qwen2-moe"] {
         let dir = fixture(name);
         let (hf, model, params) = open(&dir);
         let out = tempfile::tempdir().unwrap();
@@ -447,4 +510,57 @@ fn moe_keys_tessera_cannot_honour_are_refused_by_name() {
     assert!(e.contains("key `num_experts` = 4: expected no such key in a MixtralForCausalLM config"), "{e}");
     let e = read_edited("qwen2-moe", |d| d["use_sliding_window"] = true.into()).unwrap_err();
     assert!(e.contains("key `use_sliding_window` = true"), "{e}");
+}
+
+/// A copy of fixture `name` whose `model.safetensors` holds what `edit` leaves of its tensors.
+fn with_tensors(name: &str, edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>)) -> tempfile::TempDir {
+    let bytes = std::fs::read(fixture(name).join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<_> = st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    edit(&mut tensors);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, dt, shape, data)| (n.clone(), safetensors::tensor::TensorView::new(*dt, shape.clone(), data).unwrap()))
+        .collect();
+    let out = safetensors::serialize(views, None).unwrap();
+    copy_with(name, |d| std::fs::write(d.join("model.safetensors"), out).unwrap())
+}
+
+#[test]
+fn moe_folders_whose_tensors_do_not_fit_are_refused_by_file_and_tensor() {
+    // One expert fewer in the config than in the file: the router's shape differs.
+    let e = refusal("mixtral", |d| d["num_local_experts"] = 3.into());
+    assert!(e.contains("block_sparse_moe.gate.weight`: shape [4, 32], the config implies [3, 32]"), "{e}");
+    let e = refusal("qwen2-moe", |d| d["num_experts"] = 3.into());
+    assert!(e.contains("mlp.gate.weight`: shape [4, 32], the config implies [3, 32]"), "{e}");
+    // An expert's tensor missing from the file.
+    let gone = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
+    let tmp = with_tensors("mixtral", |t| t.retain(|(n, ..)| n != gone));
+    let e = HfModel::open(tmp.path()).unwrap_err().to_string();
+    assert!(e.contains(&format!("tensor `{gone}`")) && e.contains("missing"), "{e}");
+    assert!(e.contains(&tmp.path().join("model.safetensors").display().to_string()) || e.contains("model.safetensors"), "{e}");
+    // An expert of the wrong width.
+    let e = refusal("qwen2-moe", |d| d["moe_intermediate_size"] = 16.into());
+    assert!(e.contains("mlp.experts.0.") && e.contains("the config implies"), "{e}");
+    // More experts per token than there are.
+    let e = refusal("mixtral", |d| d["num_experts_per_tok"] = 6.into());
+    assert!(e.contains("config.json: key `num_experts_per_tok` = 6: expected at most num_local_experts = 4"), "{e}");
+}
+
+/// `mixtral-tiny` exports as a Mixtral folder whose config.json reads back as the same shape
+/// (experts, top-k, the trained aux-loss weight).
+#[test]
+fn the_mixtral_preset_exports_as_mixtral_and_reads_back() {
+    let model = Model::new(crate::zoo::preset("mixtral-tiny").unwrap()).unwrap();
+    let params = model.init_params(5);
+    let family = default_family(&model.cfg);
+    assert_eq!(family, Family::Mixtral);
+    let doc = config_doc(family, &model.cfg, None, TensorDtype::F32);
+    assert_eq!((doc["router_aux_loss_coef"].as_f64(), doc["output_router_logits"].as_bool()), (Some(0.02), Some(true)));
+    let tmp = tempfile::tempdir().unwrap();
+    let f32s = WeightFormat { dtype: TensorDtype::F32, shard_bytes_max: SHARD_BYTES_MAX };
+    export(tmp.path(), family, (&model, &params), &doc, &[], f32s).unwrap();
+    assert!(weights_of(tmp.path()).contains_key("model.layers.3.block_sparse_moe.experts.3.w2.weight"));
+    let (hf, again, read) = open(tmp.path());
+    assert_eq!((hf.config.family, &again.cfg, read), (Family::Mixtral, &model.cfg, params));
 }

@@ -30,7 +30,7 @@ use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor::Error as RkyvError;
 use rkyv::ser::allocator::ArenaHandle;
 use rkyv::util::AlignedVec;
-use tessera_actors::compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, StepOrder};
+use tessera_actors::compute::{ComputeError, MemoryReport, MoeBlockTally, MoeTally, PhaseTimes, Prepared, StepOrder};
 use tessera_transport::quic::control::{ControlError, LANE_REQUESTS};
 use tessera_transport::quic::ControlConn;
 
@@ -228,6 +228,41 @@ pub struct WirePrepared {
     pub busy_micro_batches: u64,
     /// `PhaseTimes`' forward, backward inner and backward allreduce seconds, as bits.
     pub phases_bits: [u64; 3],
+    pub moe: Option<WireMoeTally>,
+}
+
+/// [`MoeTally`] with floats as bits: per MoE block (index, tokens per expert, dropped pairs).
+#[derive(Debug, Clone, PartialEq, Eq, rkyv::Archive, rkyv::Serialize, rkyv::Deserialize)]
+pub struct WireMoeTally {
+    pub blocks: Vec<(u64, Vec<u64>, u64)>,
+    pub aux_sum_bits: u64,
+    pub z_sum_bits: u64,
+    pub micro_batches: u64,
+}
+
+impl WireMoeTally {
+    pub fn new(t: &MoeTally) -> Self {
+        WireMoeTally {
+            blocks: t.blocks.iter().map(|b| (b.block as u64, b.tokens_per_expert.clone(), b.dropped)).collect(),
+            aux_sum_bits: t.aux_sum.to_bits(),
+            z_sum_bits: t.z_sum.to_bits(),
+            micro_batches: t.micro_batches,
+        }
+    }
+
+    pub fn tally(&self) -> MoeTally {
+        let block = |(b, tokens, dropped): &(u64, Vec<u64>, u64)| MoeBlockTally {
+            block: *b as usize,
+            tokens_per_expert: tokens.clone(),
+            dropped: *dropped,
+        };
+        MoeTally {
+            blocks: self.blocks.iter().map(block).collect(),
+            aux_sum: f64::from_bits(self.aux_sum_bits),
+            z_sum: f64::from_bits(self.z_sum_bits),
+            micro_batches: self.micro_batches,
+        }
+    }
 }
 
 impl WirePrepared {
@@ -243,6 +278,7 @@ impl WirePrepared {
             busy_s_bits: p.busy_s.to_bits(),
             busy_micro_batches: p.busy_micro_batches as u64,
             phases_bits: [p.phases.forward_s, p.phases.backward_inner_s, p.phases.backward_allreduce_s].map(f64::to_bits),
+            moe: p.moe.as_ref().map(WireMoeTally::new),
         }
     }
 
@@ -262,6 +298,7 @@ impl WirePrepared {
                 backward_inner_s: f64::from_bits(self.phases_bits[1]),
                 backward_allreduce_s: f64::from_bits(self.phases_bits[2]),
             },
+            moe: self.moe.as_ref().map(WireMoeTally::tally),
         }
     }
 }
@@ -695,7 +732,19 @@ mod tests {
     #[test]
     fn messages_and_bulk_round_trip_with_nan_intact() {
         let (_endpoints, mut a, mut b) = pair();
-        let p = Prepared { loss_sum: f64::NAN, grad_norm: Some(f64::INFINITY), micro_batches: 3, ..Prepared::default() };
+        let moe = MoeTally {
+            blocks: vec![MoeBlockTally { block: 1, tokens_per_expert: vec![5, 0, 7], dropped: 2 }],
+            aux_sum: 1.25,
+            z_sum: f64::NAN,
+            micro_batches: 3,
+        };
+        let p = Prepared {
+            loss_sum: f64::NAN,
+            grad_norm: Some(f64::INFINITY),
+            micro_batches: 3,
+            moe: Some(moe.clone()),
+            ..Prepared::default()
+        };
         send(&mut a, &ToParent::Prepared { prepared: WirePrepared::new(&p), snapshot: Snapshot::default() }).expect("send");
         let data = [1.5f32, -0.0, f32::NAN];
         send(&mut a, &ToParent::Exported { counters: StateCounters::default(), buffers: describe(&[("master", &data)]) }).expect("send");
@@ -703,6 +752,9 @@ mod tests {
         let Ok(ToParent::Prepared { prepared, .. }) = recv(&mut b, "a reply", &wait(5000)) else { panic!("not Prepared") };
         let back = prepared.prepared();
         assert!(back.loss_sum.is_nan() && back.grad_norm == Some(f64::INFINITY) && back.micro_batches == 3);
+        let m = back.moe.expect("the MoE tally crossed");
+        assert_eq!((&m.blocks, m.aux_sum, m.micro_batches), (&moe.blocks, 1.25, 3));
+        assert!(m.z_sum.is_nan());
         let Ok(ToParent::Exported { buffers, .. }) = recv(&mut b, "a reply", &wait(5000)) else { panic!("not Exported") };
         let got = recv_bulk(&mut b, &buffers, 16, &wait(5000)).expect("bulk");
         assert_eq!(bytemuck::cast_slice::<f32, u32>(&got[0]), bytemuck::cast_slice::<f32, u32>(&data));

@@ -309,6 +309,48 @@ impl ExpertRunner for EpRunner<'_> {
 mod tests {
     use super::*;
 
+    use super::super::testing::{two_steps, two_steps_with, EP_SIZE};
+
+    /// The Mixtral fixture folder (4 experts, top 2, every block MoE), as `tessera.model`.
+    fn mixtral() -> String {
+        format!("tessera.model={:?}", concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf/mixtral"))
+    }
+
+    /// Expert parallelism changes where experts run, never a bit: every ep_size, world size and
+    /// ZeRO stage, uneven blocks (ranks with fewer micro-batches serve their group's tokens in
+    /// the slots they have none), overlap, small buckets and activation recomputation give the
+    /// parameters of one worker.
+    #[test]
+    fn expert_parallel_ranks_give_the_bits_of_one_worker() {
+        let m = mixtral();
+        let (one, _) = two_steps(1, 0, &[m.as_str()]);
+        let uneven: &[f64] = &[3.0, 1.0];
+        let on = "zero_optimization.overlap_comm=true";
+        let small = "zero_optimization.reduce_bucket_size=20000";
+        let recompute = "tessera.activation_checkpointing=true";
+        for (world, ep, stage, extra, speeds) in [
+            (2, 2, 0, vec![], None),
+            (2, 2, 1, vec![], Some(uneven)),
+            (2, 2, 2, vec![on, small], None),
+            (2, 2, 3, vec![], Some(uneven)),
+            (4, 2, 3, vec![on, small], None),
+            (4, 4, 2, vec![], None),
+            (4, 4, 3, vec![recompute], None),
+            (4, 2, 1, vec![recompute, small], None),
+        ] {
+            EP_SIZE.set(ep);
+            let mut sets = vec![m.as_str()];
+            sets.extend(extra.iter().copied());
+            let (got, ops) = two_steps_with(world, stage, &sets, speeds, |c| Box::new(c));
+            EP_SIZE.set(1);
+            let (plain, plain_ops) = two_steps_with(world, stage, &sets, speeds, |c| Box::new(c));
+            assert_eq!(got, one, "world {world}, ep_size {ep}, stage {stage}, {extra:?}, speeds {speeds:?}: not the bits of one worker");
+            assert_eq!(plain, one, "world {world} stage {stage} without expert parallelism");
+            // The experts' exchanges happened: two all-to-alls a block each way, every slot.
+            assert!(ops.iter().zip(&plain_ops).all(|(a, b)| a > b), "ep {ep}: ops {ops:?} vs {plain_ops:?} without");
+        }
+    }
+
     #[test]
     fn messages_round_trip_and_bad_ones_are_named() {
         let c = 2;

@@ -56,7 +56,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tessera_actors::compute::{ComputeError, MemoryReport, PhaseTimes, Prepared, StepOrder, WorkerCompute};
+use tessera_actors::compute::{ComputeError, MemoryReport, MoeTally, PhaseTimes, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::model::{noise_key_of, MicroBatch};
 use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, StepContext, StepOutcome};
 use tessera_transport::collective::Collective;
@@ -121,6 +121,8 @@ struct Computed {
     busy_micro_batches: usize,
     /// Where the time went (the gradient's norm and all-gather are added by the prepare).
     phases: PhaseTimes,
+    /// The MoE routing statistics of this rank's micro-batches (MoE models).
+    moe: Option<MoeTally>,
 }
 
 /// What the optimizer part of a commit did (for the replicas' step records).
@@ -216,6 +218,8 @@ impl ZeroWorker {
         dev.begin_step();
         let mut acc = StepAccess::new(Arc::clone(&plan), *rank, params, lane, Arc::clone(&owner));
         let mut loss = 0.0f64;
+        // The MoE routing statistics of this rank's micro-batches, added in slot order.
+        let mut moe = None;
         let mut busy = Duration::ZERO;
         let mut phases = PhaseTimes::default();
         // Slots in which every rank computes: the ones measured (see `Prepared::busy_s`).
@@ -240,7 +244,12 @@ impl ZeroWorker {
                         dloss,
                         *rank,
                     ) {
-                        Ok(l) => loss += f64::from(l),
+                        Ok(l) => {
+                            loss += f64::from(l);
+                            if let Some(m) = dev.moe_tally() {
+                                moe.get_or_insert_with(MoeTally::default).add(&m);
+                            }
+                        }
                         Err(e) => acc.fail(ComputeError::failed(format!("rank {rank}: {e}"))),
                     }
                     let end = Instant::now();
@@ -283,7 +292,7 @@ impl ZeroWorker {
         }
         let sums = std::mem::replace(&mut *lock(&owner), OwnerSums::new(&plan, self.rank));
         let grad = sums.finish(&plan).map_err(ComputeError::failed)?;
-        Ok(Computed { loss, grad, busy_s: busy.as_secs_f64(), busy_micro_batches: common, phases })
+        Ok(Computed { loss, grad, busy_s: busy.as_secs_f64(), busy_micro_batches: common, phases, moe })
     }
 
     /// Unscales, measures the global norm, clips and rounds this rank's reduced range.
@@ -354,7 +363,7 @@ impl ZeroWorker {
         st.master.release();
         st.optim.release();
         let scale = st.scaler.as_ref().map_or(1.0, LossScaler::scale);
-        let Computed { loss: loss_sum, grad: mut g, busy_s, busy_micro_batches, mut phases } =
+        let Computed { loss: loss_sum, grad: mut g, busy_s, busy_micro_batches, mut phases, moe } =
             self.compute_and_reduce(order.step, scale, &st.params)?;
         let clip = f64::from(self.plan_clip());
         let reduce = Instant::now();
@@ -406,6 +415,7 @@ impl ZeroWorker {
             busy_s,
             busy_micro_batches,
             phases,
+            moe,
         })
     }
 

@@ -47,6 +47,8 @@ thread_local! {
     /// Whether [`two_steps_with`]'s ranks run whole micro-batches through the GPU's staging
     /// (with the CPU's arithmetic) instead of unit by unit.
     pub(super) static STAGED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Expert parallelism for [`two_steps_with`]'s plan (`ep_size`; 1 = none).
+    pub(super) static EP_SIZE: std::cell::Cell<usize> = const { std::cell::Cell::new(1) };
 }
 
 /// As [`two_steps`] with the micro-batch blocks sized by `speeds` (as the elastic planner
@@ -59,6 +61,9 @@ pub(super) fn two_steps_with(
     wrap: impl Fn(LocalComm) -> Box<dyn Collective>,
 ) -> (Vec<f32>, Vec<u64>) {
     let mut plan = plan(world, stage, sets);
+    if EP_SIZE.get() > 1 {
+        plan.experts = Some(crate::engine::experts::ExpertPlan::new(&plan.model, EP_SIZE.get(), world).expect("an expert plan"));
+    }
     if let Some(speeds) = speeds {
         plan.blocks = tessera_actors::plan::assign_blocks(plan.micro_batches, speeds);
         assert!((0..world).any(|r| plan.leaves(r).len() < plan.slots()), "speeds {speeds:?} gave even blocks {:?}", plan.blocks);
