@@ -108,6 +108,9 @@ fn matches_transformers(name: &str) {
 /// expert's projection its part of the fused in-memory `experts.gate_up_proj` `[E, 2f, c]` (gate
 /// rows first) or `experts.down_proj` `[E, c, f]`; Mixtral's `block_sparse_moe.` is `mlp.` in memory.
 fn reference_grad(r: &Reference, name: &str, f: usize) -> Option<Vec<f32>> {
+    if let Some(g) = r.f32s.get(&format!("grad.{name}")) {
+        return Some(g.clone());
+    }
     let name = name.replace(".block_sparse_moe.", ".mlp.");
     if let Some(g) = r.f32s.get(&format!("grad.{name}")) {
         return Some(g.clone());
