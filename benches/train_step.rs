@@ -229,7 +229,7 @@ impl Trainer {
     fn forward_backward(&mut self, tokens: &[u32], targets: &[u32], b: usize, t: usize) -> f32 {
         self.grads.fill(0.0);
         let mut acc = FlatAccess { params: &self.params, grads: &mut self.grads, units: self.model.units() };
-        self.model.forward_backward(&mut acc, MicroBatch { tokens, targets, b, t }, 1.0, &mut self.ws)
+        self.model.forward_backward(&mut acc, MicroBatch { tokens, targets, b, t, noise_key: 0 }, 1.0, &mut self.ws)
     }
 
     /// Global gradient norm, clipping, AdamW.

@@ -22,13 +22,26 @@ with a nonzero `router_aux_loss_coef`, so its reference gradients are of cross-e
 and `norm_topk_prob` false), with the `llama` folder's tokenizer.json; their reference files add `aux_loss`
 (transformers' `load_balancing_loss_func` over every MoE block's routing) and `objective`.
 
+`moe-ds` -- `gpt_moe_ds.safetensors` (kernels/tests/fixtures): a 3-layer GPT-2-style model whose blocks 1 and 2
+are DeepSpeed MoE layers (4 GELU experts with biases, top-2, a capacity that drops (token, choice) pairs,
+`use_residual`), built like `kernels` from tensors under Tessera's names, its gating done by DeepSpeed's own
+`deepspeed.moe.sharded_moe.top2gating` (`DS_BUILD_OPS=0 pip install deepspeed`; no second-expert sampling,
+so deterministic), its experts run on DeepSpeed's dispatch and combine tensors, and the residual MLP mixed by
+`softmax(coefficient(h))` as `deepspeed.moe.layer.MoE` does. Objective: mean cross-entropy + aux_coef * (sum
+of the blocks' `l_aux`) + z_coef * (sum of the blocks' mean logsumexp(logits)^2); the file holds the
+training-mode loss, aux, z, objective and every gradient, and the evaluation-mode loss (its own capacity
+factor, no drops).
+
 `hf-gpu` -- `llama-gpu`, a LlamaForCausalLM of head dimension 64 with grouped-query attention and an
 untied head (what the GPU kernels run), for tests/e2e_gpu.rs; no reference file.
 
 Usage: python3 scripts/gen_fixtures.py kernels [OUT_DIR]   (default kernels/tests/fixtures)
        python3 scripts/gen_fixtures.py hf [OUT_DIR]        (default tests/fixtures/hf)
+       python3 scripts/gen_fixtures.py moe-routing [OUT_DIR] (default kernels/tests/fixtures; DeepSpeed's
+                                                            top1gating/top2gating on random logits)
        python3 scripts/gen_fixtures.py hf-moe [OUT_DIR]    (default tests/fixtures/hf)
        python3 scripts/gen_fixtures.py hf-gpu [OUT_DIR]    (default tests/fixtures/hf)
+       python3 scripts/gen_fixtures.py moe-ds [OUT_DIR]    (default kernels/tests/fixtures)
 Needs: torch, safetensors; `hf` also transformers and tokenizers.
 """
 import copy
@@ -364,6 +377,163 @@ def hf_gpu_main(out_dir):
     print(f"wrote {folder}: {sorted(os.listdir(folder))}, transformers {tf.__version__}")
 
 
+def ds_moe_block(h, p, E, k, cap_factor, min_cap):
+    """One DeepSpeed MoE feed-forward (training or evaluation by `cap_factor`) on h [S, C]: the
+    router, DeepSpeed's top-2 gating, the GELU experts on the dispatched rows, the combine, the
+    residual mix. Returns (output, l_aux, z, dropped pairs)."""
+    import deepspeed.moe.sharded_moe as ds
+    assert k == 2
+    # DeepSpeed gates in float32 (its masks are `.float()`); its einsum is promoted so the
+    # reference stays float64 (the same contractions).
+    if not getattr(ds, "_f64", False):
+        ds.einsum = lambda rule, a, b: torch.einsum(rule, a.double(), b.double())
+        ds._f64 = True
+    top2gating = ds.top2gating
+    gelu = lambda x: torch.nn.functional.gelu(x, approximate="tanh")
+    logits = h @ p("moe.router.weight")
+    l_aux, combine, dispatch, _ = top2gating(logits, cap_factor, min_cap, drop_tokens=True,
+                                             top2_2nd_expert_sampling=False)
+    dispatched = torch.einsum("sec,sm->ecm", dispatch.to(h.dtype), h)
+    outs = []
+    for e in range(E):
+        x = dispatched[e]
+        q = lambda s: p(f"moe.experts.{e}.{s}")
+        outs.append(gelu(x @ q("c_fc.weight") + q("c_fc.bias")) @ q("c_proj.weight") + q("c_proj.bias"))
+    y = torch.einsum("sec,ecm->sm", combine.to(h.dtype), torch.stack(outs))
+    r = gelu(h @ p("moe.residual.c_fc.weight") + p("moe.residual.c_fc.bias")) @ p("moe.residual.c_proj.weight") \
+        + p("moe.residual.c_proj.bias")
+    coef = torch.softmax(h @ p("moe.coefficient.weight") + p("moe.coefficient.bias"), dim=-1)
+    y = y * coef[..., 0:1] + r * coef[..., 1:]
+    z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    dropped = 2 * h.shape[0] - int(dispatch.any(dim=2).sum())
+    return y, l_aux, z, dropped
+
+
+def ds_gpt_moe(P, tokens, B, T, C, NH, L, moe_layers, E, k, cap_factor, min_cap):
+    x = P["wte.weight"][tokens] + P["wpe.weight"][:T][None]
+    aux, z, dropped = 0.0, 0.0, []
+    for i in range(L):
+        p = lambda s: P[f"h.{i}.{s}"]
+        h = torch.nn.functional.layer_norm(x, (C,), p("ln_1.weight"), p("ln_1.bias"), 1e-5)
+        qkv = h @ p("attn.c_attn.weight") + p("attn.c_attn.bias")
+        x = x + attention(qkv, B, T, C, NH) @ p("attn.c_proj.weight") + p("attn.c_proj.bias")
+        h = torch.nn.functional.layer_norm(x, (C,), p("ln_2.weight"), p("ln_2.bias"), 1e-5)
+        if i in moe_layers:
+            y, l_aux, zi, d = ds_moe_block(h.reshape(B * T, C), p, E, k, cap_factor, min_cap)
+            x = x + y.reshape(B, T, C)
+            aux, z = aux + l_aux, z + zi
+            dropped.append(d)
+        else:
+            h = torch.nn.functional.gelu(h @ p("mlp.c_fc.weight") + p("mlp.c_fc.bias"), approximate="tanh")
+            x = x + h @ p("mlp.c_proj.weight") + p("mlp.c_proj.bias")
+    x = torch.nn.functional.layer_norm(x, (C,), P["ln_f.weight"], P["ln_f.bias"], 1e-5)
+    return x @ P["wte.weight"].T, aux, z, dropped
+
+
+def moe_ds_main(out_dir):
+    out_dir = out_dir or os.path.join(os.path.dirname(__file__), "..", "kernels", "tests", "fixtures")
+    os.makedirs(out_dir, exist_ok=True)
+    torch.manual_seed(20261204)
+    V, maxT, C, NH, L, B, T, F = 32, 8, 16, 2, 3, 2, 8, 24
+    E, k, DF, moe_layers = 4, 2, 12, [1, 2]
+    train_cf, eval_cf, min_cap, aux_coef, z_coef = 0.75, 2.0, 2, 0.05, 0.01
+    P = {"wte.weight": rand(V, C, std=0.3), "wpe.weight": rand(maxT, C, std=0.1),
+         "ln_f.weight": rand(C, mean=1.0), "ln_f.bias": rand(C)}
+    for i in range(L):
+        n = lambda s: f"h.{i}.{s}"
+        P.update({n("ln_1.weight"): rand(C, mean=1.0), n("ln_1.bias"): rand(C),
+                  n("attn.c_attn.weight"): rand(C, 3 * C, std=0.2), n("attn.c_attn.bias"): rand(3 * C),
+                  n("attn.c_proj.weight"): rand(C, C, std=0.2), n("attn.c_proj.bias"): rand(C),
+                  n("ln_2.weight"): rand(C, mean=1.0), n("ln_2.bias"): rand(C)})
+        if i in moe_layers:
+            P[n("moe.router.weight")] = rand(C, E, std=0.5)
+            for prefix in [f"moe.experts.{e}" for e in range(E)] + ["moe.residual"]:
+                P.update({n(f"{prefix}.c_fc.weight"): rand(C, DF, std=0.2), n(f"{prefix}.c_fc.bias"): rand(DF),
+                          n(f"{prefix}.c_proj.weight"): rand(DF, C, std=0.2), n(f"{prefix}.c_proj.bias"): rand(C)})
+            P[n("moe.coefficient.weight")] = rand(C, 2, std=0.3)
+            P[n("moe.coefficient.bias")] = rand(2)
+        else:
+            P.update({n("mlp.c_fc.weight"): rand(C, F, std=0.2), n("mlp.c_fc.bias"): rand(F),
+                      n("mlp.c_proj.weight"): rand(F, C, std=0.2), n("mlp.c_proj.bias"): rand(C)})
+    P = {k_: v.float().double().requires_grad_(True) for k_, v in P.items()}
+    tokens = torch.randint(0, V, (B, T))
+    targets = torch.randint(0, V, (B, T))
+    ce = lambda logits: torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets.reshape(-1))
+    logits, aux, z, dropped = ds_gpt_moe(P, tokens, B, T, C, NH, L, moe_layers, E, k, train_cf, min_cap)
+    loss = ce(logits)
+    objective = loss + aux_coef * aux + z_coef * z
+    objective.backward()
+    with torch.no_grad():
+        eval_logits, _, _, eval_dropped = ds_gpt_moe(P, tokens, B, T, C, NH, L, moe_layers, E, k, eval_cf, min_cap)
+        eval_loss = ce(eval_logits)
+    assert sum(dropped) > 0 and sum(eval_dropped) == 0, (dropped, eval_dropped)
+    out = {k_: v.detach().float().contiguous() for k_, v in P.items()}
+    out.update({"grad." + k_: v.grad.float().contiguous() for k_, v in P.items()})
+    out["tokens"] = tokens.reshape(-1).to(torch.int32)
+    out["targets"] = targets.reshape(-1).to(torch.int32)
+    out["dropped"] = torch.tensor(dropped, dtype=torch.int32)
+    for name, v in [("loss", loss), ("aux_loss", aux), ("z_loss", z), ("objective", objective),
+                    ("eval_loss", eval_loss)]:
+        out[name] = v.detach().float().reshape(1)
+    import deepspeed
+    meta = {"arch": "gpt", "vocab_size": str(V), "max_seq_len": str(maxT), "d_model": str(C), "n_head": str(NH),
+            "n_layer": str(L), "d_ff": str(F), "batch": str(B), "seq_len": str(T), "num_experts": str(E),
+            "top_k": str(k), "d_expert": str(DF), "dense_layers": "0", "capacity_factor": str(train_cf),
+            "eval_capacity_factor": str(eval_cf), "min_capacity": str(min_cap), "aux_loss_coef": str(aux_coef),
+            "z_loss_coef": str(z_coef), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "generator": "scripts/gen_fixtures.py moe-ds"}
+    path = os.path.join(out_dir, "gpt_moe_ds.safetensors")
+    save_file(out, path, metadata=meta)
+    print(f"wrote {path}: loss {loss.item():.6f}, aux {aux.item():.6f}, z {z.item():.6f}, dropped {dropped}, "
+          f"eval loss {eval_loss.item():.6f}, {len(out)} tensors, deepspeed {deepspeed.__version__}")
+
+
+def moe_routing_main(out_dir):
+    """DeepSpeed's own gating functions (deepspeed.moe.sharded_moe.top1gating / top2gating, as
+    installed) on random router logits in float64: per case the logits, an upstream weight `A`
+    on each (token, expert) combine weight, DeepSpeed's l_aux, its combine weights summed over
+    the capacity slots `[s, e]` (0 where dropped), and d(Σ A·weights + 0.3·l_aux)/d(logits).
+    Cases: top-1 (no renormalisation, the first choice's l_aux) with a capacity that drops
+    nothing — without RTS `top1gating` keeps an expert's tokens by `torch.topk` of a 0/1 mask,
+    whose ties come out in an unspecified order, so which tokens it drops is not a rule Tessera
+    can follow; Tessera's token-order rule is DeepSpeed's `top2gating` one, checked here — top-2
+    with drops (renormalised over the kept choices), top-2 with drop_tokens false. Noise off (no RSample, no RTS, no
+    second-expert sampling): noise cannot match bit for bit; kernels/src/ops/moe/tests.rs tests
+    its properties instead."""
+    import deepspeed
+    import deepspeed.moe.sharded_moe as ds
+
+    out_dir = out_dir or os.path.join(os.path.dirname(__file__), "..", "kernels", "tests", "fixtures")
+    # DeepSpeed's top-2 casts its 0/1 masks with `.float()`; promoting its einsum keeps the
+    # reference float64 (the masks are exact in either type).
+    if not getattr(ds, "_f64", False):
+        ds.einsum = lambda rule, a, b: torch.einsum(rule, a.double(), b.double())
+        ds._f64 = True
+    torch.manual_seed(20261205)
+    S, E = 24, 4
+    cases = [("top1", 1, 2.0, 2, True), ("top2", 2, 0.75, 2, True), ("top2_nodrop", 2, 0.75, 2, False)]
+    out, meta = {}, {"tokens": str(S), "experts": str(E), "aux_weight": "0.3", "deepspeed": deepspeed.__version__,
+                     "torch": torch.__version__, "generator": "scripts/gen_fixtures.py moe-routing"}
+    for name, k, cf, min_cap, drop in cases:
+        logits = (torch.randn(S, E, dtype=DT) * 1.5).float().double().requires_grad_(True)
+        A = torch.randn(S, E, dtype=DT).float().double()
+        if k == 1:
+            l_aux, combine, _, _ = ds.top1gating(logits, cf, min_cap, noisy_gate_policy=None, drop_tokens=drop, use_rts=False)
+        else:
+            l_aux, combine, _, _ = ds.top2gating(logits.clone(), cf, min_cap, drop_tokens=drop, top2_2nd_expert_sampling=False)
+        w = combine.sum(dim=2)
+        ((A * w).sum() + 0.3 * l_aux).backward()
+        out.update({f"{name}.logits": logits.detach().float(), f"{name}.upstream": A.float(),
+                    f"{name}.weights": w.detach().float().contiguous(), f"{name}.l_aux": l_aux.detach().float().reshape(1),
+                    f"{name}.grad_logits": logits.grad.float().contiguous()})
+        meta.update({f"{name}.k": str(k), f"{name}.capacity_factor": repr(cf), f"{name}.min_capacity": str(min_cap),
+                     f"{name}.drop_tokens": str(int(drop))})
+        print(f"{name}: l_aux {l_aux.item():.6f}, kept weights {(w > 0).sum().item()} of {S * k}")
+    path = os.path.join(out_dir, "moe_routing_ds.safetensors")
+    save_file(out, path, metadata=meta)
+    print(f"wrote {path}: {len(out)} tensors, {os.path.getsize(path)} bytes, deepspeed {deepspeed.__version__}")
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     out_dir = sys.argv[2] if len(sys.argv) > 2 else None
@@ -375,8 +545,12 @@ def main():
         hf_moe_main(out_dir)
     elif what == "hf-gpu":
         hf_gpu_main(out_dir)
+    elif what == "moe-routing":
+        moe_routing_main(out_dir)
+    elif what == "moe-ds":
+        moe_ds_main(out_dir)
     else:
-        sys.exit("usage: gen_fixtures.py kernels|hf|hf-moe|hf-gpu [OUT_DIR]")
+        sys.exit("usage: gen_fixtures.py kernels|hf|hf-moe|hf-gpu|moe-ds|moe-routing [OUT_DIR]")
 
 
 if __name__ == "__main__":

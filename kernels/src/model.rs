@@ -14,6 +14,8 @@ use crate::gemm::matmul;
 use crate::layer::{Acts, Dims, Init, Layer, ParamLayout, ParamSpec};
 use crate::moe_ffn::MoeFfn;
 use crate::ops::gqa::{self, Groups};
+use crate::ops::moe::MoePass;
+pub use crate::ops::moe::{MoeBlockStats, MoeStats};
 use crate::ops::rope::{RopeScaling, RopeTable};
 use crate::ops::{attention, crossentropy, embedding, gelu, layernorm, linear, residual, rmsnorm, rope, swiglu};
 
@@ -63,8 +65,11 @@ pub struct ModelConfig {
 /// parameters and the second norm, then the experts in index order, each expert's parameters
 /// one contiguous range (`h.{l}.moe.experts.{e}.w_gate.weight` `[c, f]`, `.w_up.weight`
 /// `[c, f]`, `.w_down.weight` `[f, c]`; GPT: `.c_fc.weight`, `.c_fc.bias`, `.c_proj.weight`,
-/// `.c_proj.bias`), then what every token also runs (the shared expert, the residual MLP and
-/// their gates). So the experts `[a, b)` of a block are one contiguous range of its unit.
+/// `.c_proj.bias`), then what every token also runs: the shared expert `h.{l}.moe.shared.…`
+/// (the experts' names) and its gate `h.{l}.moe.shared_gate.weight` `[c, 1]`, then the residual
+/// MLP `h.{l}.moe.residual.…` and its mixer `h.{l}.moe.coefficient.weight` `[c, 2]`,
+/// `h.{l}.moe.coefficient.bias` `[2]`. So the experts `[a, b)` of a block are one contiguous
+/// range of its unit.
 ///
 /// Routing is a pure function of the block's input rows (and, for the noisy policies, of the
 /// micro-batch's noise key), computed in f32 in a fixed order: the same tokens route the same
@@ -107,8 +112,9 @@ pub struct MoeConfig {
     /// The Qwen2-MoE shared expert: a dense MLP of this width that every token runs, scaled by
     /// `sigmoid(x · shared_gate)`.
     pub shared_expert: Option<usize>,
-    /// DeepSpeed's `use_residual` (PR-MoE): a dense MLP beside the experts, the two mixed by
-    /// a learned two-way softmax of the input.
+    /// DeepSpeed's `use_residual` (PR-MoE): a dense MLP beside the experts (their kind, width
+    /// `d_expert`), the two mixed per token by a learned two-way softmax of the input:
+    /// `softmax(h·W + b)₀·experts(h) + softmax(h·W + b)₁·mlp(h)`.
     pub residual: bool,
 }
 
@@ -116,6 +122,8 @@ impl MoeConfig {
     /// Checks the experts are buildable and asks for nothing Tessera does not do yet; the error
     /// names what.
     pub fn validate(&self, arch: Arch) -> Result<(), String> {
+        // Both block kinds have experts (SwiGLU in the LLaMA family, GELU with biases in GPT).
+        let _ = arch;
         let m = self;
         if m.num_experts == 0 || m.d_expert == 0 || m.sparse_step == 0 {
             return Err(format!(
@@ -129,16 +137,32 @@ impl MoeConfig {
         if m.shared_expert == Some(0) {
             return Err("mixture of experts: the shared expert's width must be positive".into());
         }
-        let not_yet = |what: &str| Err(format!("mixture of experts: {what} is not supported yet"));
-        match () {
-            _ if arch == Arch::Gpt => not_yet("a GPT-2 block with experts (GELU experts; the LLaMA family has them)"),
-            _ if m.capacity.is_some() => not_yet("an expert capacity (capacity_factor, drop_tokens: every token reaches its experts)"),
-            _ if m.noisy_gate != NoisyGate::None => not_yet("a noisy gate (noisy_gate_policy Jitter or RSample)"),
-            _ if m.random_token_selection => not_yet("random token selection (use_rts)"),
-            _ if m.residual => not_yet("residual MoE (use_residual)"),
-            _ if m.aux_loss == AuxLoss::PerLayer && m.aux_loss_coef != 0.0 => not_yet("the per-block (GShard) load-balancing loss"),
-            _ => Ok(()),
+        if let Some(c) = &m.capacity {
+            let ok = |f: f32| f.is_finite() && f > 0.0;
+            if !ok(c.train_factor) || !ok(c.eval_factor) {
+                return Err(format!(
+                    "mixture of experts: the capacity factors must be positive and finite, got capacity_factor {} and \
+                     eval_capacity_factor {}",
+                    c.train_factor, c.eval_factor
+                ));
+            }
         }
+        if m.random_token_selection && !m.capacity.as_ref().is_some_and(|c| c.drop_tokens) {
+            return Err("mixture of experts: random token selection (use_rts) orders the capacity slots, so it needs an expert \
+                        capacity with drop_tokens"
+                .into());
+        }
+        for (name, v) in [("aux_loss_coef", m.aux_loss_coef), ("z_loss_coef", m.z_loss_coef)] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!("mixture of experts: {name} must be finite and non-negative, got {v}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a training pass draws noise (a noisy gate, or random token selection).
+    pub fn is_noisy(&self) -> bool {
+        self.noisy_gate != NoisyGate::None || self.random_token_selection
     }
 }
 
@@ -219,12 +243,19 @@ impl ModelConfig {
     /// 12·L·d·T (the PaLM/llm.c estimate; the embedding table counts through the tied head).
     ///
     /// With experts, `num_params` counts only the active ones: each MoE block's idle experts
-    /// (`num_experts − top_k` of them) are left out.
+    /// (`num_experts − top_k` of them: `3·c·f` parameters each in the LLaMA family, `2·c·f + f
+    /// + c` in GPT blocks) are left out; the router, shared expert and residual MLP count whole
+    /// (every token runs them). Dropped choices are not subtracted.
     pub fn flops_per_token(&self, num_params: usize, seq_len: usize) -> f64 {
         let attn = 12.0 * self.n_layer as f64 * self.d_model as f64 * seq_len as f64;
         let idle = self.moe.as_ref().map_or(0, |m| {
             let sparse = (0..self.n_layer).filter(|&l| crate::moe_ffn::is_sparse(m, l)).count();
-            sparse * (m.num_experts - m.top_k) * 3 * self.d_model * m.d_expert
+            let (c, f) = (self.d_model, m.d_expert);
+            let expert = match self.arch {
+                Arch::Llama => 3 * c * f,
+                Arch::Gpt => 2 * c * f + f + c,
+            };
+            sparse * (m.num_experts - m.top_k) * expert
         });
         6.0 * num_params.saturating_sub(idle) as f64 + attn
     }
@@ -269,6 +300,17 @@ pub struct MicroBatch<'a> {
     pub targets: &'a [u32],
     pub b: usize,
     pub t: usize,
+    /// What the MoE blocks' randomness in training (noisy gates, random token selection) is
+    /// drawn from, per block: [`noise_key_of`] the run's seed, the step and the micro-batch's
+    /// global index, so it never depends on the rank or the world size. Dense models ignore it.
+    pub noise_key: u64,
+}
+
+/// The [`MicroBatch::noise_key`] of micro-batch `index` (its index among the step's
+/// micro-batches over every rank) of step `step` in a run seeded `seed`.
+pub fn noise_key_of(seed: u64, step: u64, index: u64) -> u64 {
+    // "moe-noise": a key of its own, apart from the seed's other streams.
+    crate::tensor::Rng::derive(seed, &[0x6d6f_652d_6e6f_6973, step, index]).next_u64()
 }
 
 /// Reusable activation memory of a model, sized on first use.
@@ -287,29 +329,11 @@ pub struct Workspace {
     moe: MoeStats,
 }
 
-/// What the MoE blocks did in one forward (a micro-batch): per MoE block, in block order,
-/// the (token, choice) assignments each expert received and the block's router z-loss; and the
-/// load-balancing loss over them all (transformers' `load_balancing_loss_func`).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct MoeStats {
-    /// `(block, assignments per expert, z-loss)`.
-    pub blocks: Vec<(usize, Vec<usize>, f32)>,
-    pub aux: crate::ops::moe::AuxCounts,
-}
-
-impl MoeStats {
-    /// The load-balancing loss (0 without MoE blocks).
-    pub fn aux_loss(&self) -> f32 {
-        if self.aux.rows == 0 {
-            0.0
-        } else {
-            self.aux.loss()
-        }
-    }
-}
-
 impl Workspace {
-    /// The MoE blocks' routing in the last forward.
+    /// The MoE blocks' routing in the last forward (training or evaluation), for the engine to
+    /// report: per MoE block the rows each expert received, the (token, choice) pairs dropped
+    /// for capacity, its load-balancing and z-losses; and the objective's auxiliary terms.
+    /// Empty (`blocks` empty, losses 0) for dense models.
     pub fn moe_stats(&self) -> &MoeStats {
         &self.moe
     }
@@ -417,8 +441,10 @@ impl Model {
         assert_eq!(tokens.len(), b * t, "tokens must be b*t");
     }
 
-    /// Forward through the embeddings and every block; leaves the final stream in `ws.xs[L]`.
-    fn forward_stack(&self, acc: &mut dyn UnitAccess, tokens: &[u32], d: Dims, ws: &mut Workspace, keep: bool) {
+    /// Forward through the embeddings and every block; leaves the final stream in `ws.xs[L]`
+    /// and the MoE blocks' statistics in `ws.moe`. `pass`: training (its noise key) or
+    /// evaluation (`None`).
+    fn forward_stack(&self, acc: &mut dyn UnitAccess, tokens: &[u32], d: Dims, ws: &mut Workspace, keep: bool, pass: Option<u64>) {
         let l = self.blocks.len();
         ws.xs.resize_with(l + 1, Vec::new);
         ws.blocks.resize_with(l.max(1), Acts::default);
@@ -436,10 +462,11 @@ impl Model {
             let (head, tail) = ws.xs.split_at_mut(i + 1);
             // With recomputation every block shares one scratch `Acts`: only inputs are kept.
             let acts = if keep { &mut ws.blocks[i] } else { &mut ws.blocks[0] };
+            set_pass(block.as_ref(), acts, pass, i);
             block.forward_with(p, &head[i], d, acts, &mut tail[0], runner(&mut experts));
             if let Some(m) = &acts.moe {
-                ws.moe.aux.add(&m.routing);
-                ws.moe.blocks.push((i, m.routing.counts.clone(), m.z));
+                let per_layer = self.cfg.moe.as_ref().is_some_and(|c| c.aux_loss == AuxLoss::PerLayer);
+                ws.moe.add(i, m, per_layer);
             }
         }
     }
@@ -489,38 +516,52 @@ impl Model {
         loss
     }
 
-    /// One micro-batch: forward, loss, backward. Gradients of `dloss · mean loss` are
-    /// *accumulated* into the units' gradient buffers. Returns the mean loss.
+    /// One training micro-batch: forward, loss, backward. Gradients of `dloss · objective` are
+    /// *accumulated* into the units' gradient buffers, the objective being the mean
+    /// cross-entropy plus, with MoE blocks, `aux_loss_coef · aux + z_loss_coef · z`
+    /// ([`Workspace::moe_stats`] has both terms). Returns the mean cross-entropy alone: what the
+    /// loss curve and the validation loss show. MoE routing draws its training noise from
+    /// `batch.noise_key` and uses the training capacity factor.
     ///
     /// # Panics
     /// If `tokens`/`targets` are not `b*t` long or `t` exceeds the model's context.
     pub fn forward_backward(&self, acc: &mut dyn UnitAccess, batch: MicroBatch<'_>, dloss: f32, ws: &mut Workspace) -> f32 {
-        let MicroBatch { tokens, targets, b, t } = batch;
+        let MicroBatch { tokens, targets, b, t, noise_key } = batch;
         self.check_batch(tokens, b, t);
         let d = self.dims(b, t);
         let keep = !self.checkpoint_activations;
-        self.forward_stack(acc, tokens, d, ws, keep);
+        self.forward_stack(acc, tokens, d, ws, keep, Some(noise_key));
         let loss = self.head(acc, targets, d, ws, Some(dloss));
         ws.dx_prev.resize(d.n() * d.c, 0.0);
-        // The router losses' gradients, for the MoE blocks' backward (scaled like the loss's).
-        let (dprob, z_coef) = match &self.cfg.moe {
+        // The router losses' gradients, for the MoE blocks' backward (scaled like the loss's):
+        // the across-layers loss's is the same for every block (it needs every block's counts,
+        // so only now is it known); the per-layer loss's is each block's own (below).
+        let (dprob, z_coef, per_layer) = match &self.cfg.moe {
             Some(m) if !ws.moe.blocks.is_empty() => {
-                ((m.aux_loss_coef != 0.0).then(|| ws.moe.aux.dprob(m.aux_loss_coef * dloss)), m.z_loss_coef * dloss)
+                let per_layer = (m.aux_loss == AuxLoss::PerLayer && m.aux_loss_coef != 0.0).then_some(m.aux_loss_coef * dloss);
+                let across =
+                    (m.aux_loss == AuxLoss::AcrossLayers && m.aux_loss_coef != 0.0).then(|| ws.moe.aux.dprob(m.aux_loss_coef * dloss));
+                (across, m.z_loss_coef * dloss, per_layer)
             }
-            _ => (None, 0.0),
+            _ => (None, 0.0, None),
         };
         for (i, block) in self.blocks.iter().enumerate().rev() {
             let (p, g, mut experts) = acc.unit_with_experts(i + 1);
             let acts = if keep { &mut ws.blocks[i] } else { &mut ws.blocks[0] };
             if !keep {
                 // Recompute this block's activations from its saved input (an MoE block's
-                // experts run again, in the same exchanges as its forward's).
+                // experts run again, in the same exchanges as its forward's, with the same
+                // noise).
                 let mut y = std::mem::take(&mut ws.dx_prev);
+                set_pass(block.as_ref(), acts, Some(noise_key), i);
                 block.forward_with(p, &ws.xs[i], d, acts, &mut y, runner(&mut experts));
                 ws.dx_prev = y;
             }
             if let Some(m) = acts.moe.as_mut() {
                 (m.dprob, m.z_coef) = (dprob.clone(), z_coef);
+                if let Some(scale) = per_layer {
+                    m.dprob = Some(crate::ops::moe::aux_per_layer(&m.routing).1.iter().map(|v| v * scale).collect());
+                }
             }
             block.backward_with(p, g, &ws.xs[i], &ws.dx, d, acts, &mut ws.dx_prev, runner(&mut experts));
             drop(experts);
@@ -535,11 +576,12 @@ impl Model {
         loss
     }
 
-    /// Mean loss of one batch, forward only.
+    /// Mean cross-entropy of one batch, forward only: evaluation (MoE routing draws no noise
+    /// and uses the evaluation capacity factor).
     pub fn loss(&self, acc: &mut dyn UnitAccess, tokens: &[u32], targets: &[u32], b: usize, t: usize, ws: &mut Workspace) -> f32 {
         self.check_batch(tokens, b, t);
         let d = self.dims(b, t);
-        self.forward_stack(acc, tokens, d, ws, false);
+        self.forward_stack(acc, tokens, d, ws, false, None);
         self.head(acc, targets, d, ws, None)
     }
 
@@ -549,7 +591,7 @@ impl Model {
         self.check_batch(tokens, 1, t);
         let d = self.dims(1, t);
         let mut acc = FlatAccess { params, grads: &mut [], units: &self.units };
-        self.forward_stack(&mut acc, tokens, d, ws, false);
+        self.forward_stack(&mut acc, tokens, d, ws, false, None);
         let (c, v) = (d.c, self.cfg.vocab_size);
         let x_last = &ws.xs[self.blocks.len()][(t - 1) * c..t * c];
         let e = &self.embed;
@@ -573,6 +615,15 @@ impl Model {
     /// Parameter specs of block `l` with offsets relative to its unit.
     pub fn block_specs(&self, l: usize) -> &[ParamSpec] {
         self.blocks[l].param_specs()
+    }
+}
+
+/// Tells an MoE block (`block` has experts) the pass it runs in: training with the
+/// micro-batch's noise key, or evaluation (`None`).
+fn set_pass(block: &dyn Layer, acts: &mut Acts, noise_key: Option<u64>, i: usize) {
+    if block.experts().is_some() {
+        let pass = MoePass { training: noise_key.is_some(), noise_key: noise_key.unwrap_or(0), block: i };
+        acts.moe.get_or_insert_with(Default::default).pass = pass;
     }
 }
 
@@ -609,12 +660,16 @@ fn split_many<'a, const K: usize>(mut g: &'a mut [f32], ranges: [&Range<usize>; 
 }
 
 /// Pre-LN GPT-2 block:
-/// `x2 = x + proj(attn(ln1(x)))`, `y = x2 + fcproj(gelu(fc(ln2(x2))))`.
+/// `x2 = x + proj(attn(ln1(x)))`, `y = x2 + fcproj(gelu(fc(ln2(x2))))`; in a sparse block
+/// `y = x2 + moe(ln2(x2))`, GELU experts with biases ([`MoeFfn`]).
 struct GptBlock {
     specs: Vec<ParamSpec>,
     nh: usize,
     ff: usize,
     p: [Range<usize>; 12],
+    /// The mixture-of-experts feed-forward that replaces the dense MLP in a sparse block
+    /// (whose `p[FC_W..=FCP_B]` are then empty).
+    moe: Option<MoeFfn>,
 }
 
 // Indices into GptBlock::p.
@@ -647,7 +702,8 @@ impl GptBlock {
         let (c, f) = (cfg.d_model, cfg.d_ff);
         let n = |s: &str| format!("h.{i}.{s}");
         let w = Init::Normal(0.02);
-        let (specs, p) = push_block(
+        let base = layout.total();
+        let (mut specs, head) = push_block(
             layout,
             [
                 (n("ln_1.weight"), vec![c], Init::Ones, false),
@@ -658,13 +714,35 @@ impl GptBlock {
                 (n("attn.c_proj.bias"), vec![c], Init::Zeros, false),
                 (n("ln_2.weight"), vec![c], Init::Ones, false),
                 (n("ln_2.bias"), vec![c], Init::Zeros, false),
-                (n("mlp.c_fc.weight"), vec![c, f], w, true),
-                (n("mlp.c_fc.bias"), vec![f], Init::Zeros, false),
-                (n("mlp.c_proj.weight"), vec![f, c], Init::Normal(proj_std), true),
-                (n("mlp.c_proj.bias"), vec![c], Init::Zeros, false),
             ],
         );
-        GptBlock { specs, nh: cfg.n_head, ff: f, p }
+        let sparse = cfg.moe.as_ref().filter(|m| crate::moe_ffn::is_sparse(m, i));
+        let (moe, mlp) = match sparse {
+            Some(m) => {
+                let (ffn, more) = MoeFfn::new(m, Arch::Gpt, i, c, layout, base, proj_std);
+                specs.extend(more);
+                let at = head[LN2_B].end;
+                (Some(ffn), [at..at, at..at, at..at, at..at])
+            }
+            None => {
+                let mlp_base = layout.total() - base;
+                let (more, mlp) = push_block(
+                    layout,
+                    [
+                        (n("mlp.c_fc.weight"), vec![c, f], w, true),
+                        (n("mlp.c_fc.bias"), vec![f], Init::Zeros, false),
+                        (n("mlp.c_proj.weight"), vec![f, c], Init::Normal(proj_std), true),
+                        (n("mlp.c_proj.bias"), vec![c], Init::Zeros, false),
+                    ],
+                );
+                specs.extend(more.into_iter().map(|s| ParamSpec { offset: s.offset + mlp_base, ..s }));
+                (None, mlp.map(|r| r.start + mlp_base..r.end + mlp_base))
+            }
+        };
+        let [h0, h1, h2, h3, h4, h5, h6, h7] = head;
+        let [m0, m1, m2, m3] = mlp;
+        let p = [h0, h1, h2, h3, h4, h5, h6, h7, m0, m1, m2, m3];
+        GptBlock { specs, nh: cfg.n_head, ff: f, p, moe }
     }
 }
 
@@ -696,8 +774,22 @@ impl Layer for GptBlock {
         &self.specs
     }
 
+    fn experts(&self) -> Option<&dyn ExpertMlp> {
+        self.moe.as_ref().map(|m| m as &dyn ExpertMlp)
+    }
+
     fn forward(&self, p: &[f32], x: &[f32], d: Dims, a: &mut Acts, y: &mut [f32]) {
-        let (n, c, f, (b, t)) = (d.n(), d.c, self.ff, (d.b, d.t));
+        self.forward_with(p, x, d, a, y, None)
+    }
+
+    fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, a: &mut Acts, dx: &mut [f32]) {
+        self.backward_with(p, g, x, dy, d, a, dx, None)
+    }
+
+    fn forward_with(&self, p: &[f32], x: &[f32], d: Dims, a: &mut Acts, y: &mut [f32], experts: Option<&mut dyn ExpertRunner>) {
+        // An MoE block keeps no dense-MLP activations.
+        let f = if self.moe.is_some() { 0 } else { self.ff };
+        let (n, c, (b, t)) = (d.n(), d.c, (d.b, d.t));
         let w = |k: usize| &p[self.p[k].clone()];
         let mut ln1 = a.take(A_LN1, n * c);
         let mut m1 = a.take(A_LN1_MEAN, n);
@@ -717,10 +809,15 @@ impl Layer for GptBlock {
         let mut r2 = a.take(A_LN2_RSTD, n);
         layernorm::layernorm_forward(&mut ln2, &mut m2, &mut r2, &x2, w(LN2_W), w(LN2_B), n, c);
         let mut fc = a.take(A_FC, n * f);
-        linear::linear_forward(&mut fc, &ln2, w(FC_W), Some(w(FC_B)), n, c, f);
         let mut gl = a.take(A_GELU, n * f);
-        gelu::gelu_forward(&mut gl, &fc);
-        linear::linear_forward(&mut tmp, &gl, w(FCP_W), Some(w(FCP_B)), n, f, c);
+        match &self.moe {
+            Some(m) => m.forward(p, &ln2, &mut tmp, &mut a.moe, experts),
+            None => {
+                linear::linear_forward(&mut fc, &ln2, w(FC_W), Some(w(FC_B)), n, c, f);
+                gelu::gelu_forward(&mut gl, &fc);
+                linear::linear_forward(&mut tmp, &gl, w(FCP_W), Some(w(FCP_B)), n, f, c);
+            }
+        }
         residual::residual_forward(y, &x2, &tmp);
         for (slot, buf) in [
             (A_LN1, ln1),
@@ -741,25 +838,51 @@ impl Layer for GptBlock {
         }
     }
 
-    fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, a: &mut Acts, dx: &mut [f32]) {
-        let (n, c, f, (b, t)) = (d.n(), d.c, self.ff, (d.b, d.t));
+    fn backward_with(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        x: &[f32],
+        dy: &[f32],
+        d: Dims,
+        a: &mut Acts,
+        dx: &mut [f32],
+        experts: Option<&mut dyn ExpertRunner>,
+    ) {
+        let f = if self.moe.is_some() { 0 } else { self.ff };
+        let (n, c, (b, t)) = (d.n(), d.c, (d.b, d.t));
+        // The MoE feed-forward's input gradient first, while `g` is whole (its router, experts
+        // and the rest lie after the block's second norm).
+        let moe_dh = self.moe.as_ref().map(|m| {
+            let ln2 = a.take(A_LN2, n * c);
+            let mut dh = vec![0.0; n * c];
+            m.backward(p, g, &ln2, dy, &mut dh, &mut a.moe, experts);
+            a.put(A_LN2, ln2);
+            dh
+        });
         let w = |k: usize| &p[self.p[k].clone()];
         let r = &self.p;
         let [g_ln1w, g_ln1b, g_qkvw, g_qkvb, g_pw, g_pb, g_ln2w, g_ln2b, g_fcw, g_fcb, g_fcpw, g_fcpb] =
             split_many(g, [&r[0], &r[1], &r[2], &r[3], &r[4], &r[5], &r[6], &r[7], &r[8], &r[9], &r[10], &r[11]]);
         // MLP branch: y = x2 + fcproj(gelu(fc(ln2(x2)))); dy flows to x2 and to the branch.
         let mut d_gl = a.take(B_D1, n * f);
-        d_gl.fill(0.0);
-        linear::linear_backward(&mut d_gl, g_fcpw, Some(g_fcpb), dy, a.buf(A_GELU, n * f), w(FCP_W), n, f, c);
         let mut d_fc = a.take(B_D2, n * f);
-        d_fc.fill(0.0);
-        gelu::gelu_backward(&mut d_fc, a.buf(A_FC, n * f), &d_gl);
         let mut d_ln = a.take(B_DQKV, n * 3 * c);
-        d_ln[..n * c].fill(0.0);
-        linear::linear_backward(&mut d_ln[..n * c], g_fcw, Some(g_fcb), &d_fc, a.buf(A_LN2, n * c), w(FC_W), n, c, f);
-        // d(x2) = dy + LN2 backward.
+        match moe_dh {
+            Some(dh) => d_ln[..n * c].copy_from_slice(&dh),
+            None => {
+                d_gl.fill(0.0);
+                linear::linear_backward(&mut d_gl, g_fcpw, Some(g_fcpb), dy, a.buf(A_GELU, n * f), w(FCP_W), n, f, c);
+                d_fc.fill(0.0);
+                gelu::gelu_backward(&mut d_fc, a.buf(A_FC, n * f), &d_gl);
+                d_ln[..n * c].fill(0.0);
+                linear::linear_backward(&mut d_ln[..n * c], g_fcw, Some(g_fcb), &d_fc, a.buf(A_LN2, n * c), w(FC_W), n, c, f);
+            }
+        }
+        // d(x2) = dy + LN2 backward. (Reused buffers: `d_ff` may be narrower than `d_model`,
+        // and is 0 in an MoE block, so they are resized, not cut.)
         let mut dx2 = std::mem::take(&mut d_gl);
-        dx2.truncate(n * c);
+        dx2.resize(n * c, 0.0);
         dx2.copy_from_slice(dy);
         let (m2, r2) = (a.take(A_LN2_MEAN, n), a.take(A_LN2_RSTD, n));
         layernorm::layernorm_backward(&mut dx2, g_ln2w, g_ln2b, &d_ln[..n * c], a.buf(A_X2, n * c), w(LN2_W), &m2, &r2, n, c);
@@ -767,7 +890,7 @@ impl Layer for GptBlock {
         a.put(A_LN2_RSTD, r2);
         // Attention branch: x2 = x + proj(attn(qkv(ln1(x)))).
         let mut d_atty = std::mem::take(&mut d_fc);
-        d_atty.truncate(n * c);
+        d_atty.resize(n * c, 0.0);
         d_atty.fill(0.0);
         linear::linear_backward(&mut d_atty, g_pw, Some(g_pb), &dx2, a.buf(A_ATTY, n * c), w(PROJ_W), n, c, c);
         d_ln.fill(0.0);
@@ -831,7 +954,7 @@ impl LlamaBlock {
         let sparse = cfg.moe.as_ref().filter(|m| crate::moe_ffn::is_sparse(m, i));
         let (moe, mlp) = match sparse {
             Some(m) => {
-                let (ffn, more) = MoeFfn::new(m, i, c, layout, base, proj_std);
+                let (ffn, more) = MoeFfn::new(m, Arch::Llama, i, c, layout, base, proj_std);
                 specs.extend(more);
                 let at = head[L_N2].end;
                 (Some(ffn), [at..at, at..at, at..at])

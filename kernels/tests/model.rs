@@ -72,7 +72,7 @@ fn run(model: &Model, params: &[f32], tokens: &[u32], targets: &[u32], b: usize,
     let mut grads = vec![0.0; params.len()];
     let mut ws = Workspace::default();
     let mut acc = FlatAccess { params, grads: &mut grads, units: model.units() };
-    let loss = model.forward_backward(&mut acc, MicroBatch { tokens, targets, b, t }, 1.0, &mut ws);
+    let loss = model.forward_backward(&mut acc, MicroBatch { tokens, targets, b, t, noise_key: 0 }, 1.0, &mut ws);
     (loss, grads)
 }
 
@@ -207,8 +207,7 @@ fn objective(model: &Model, p: &[f32], tokens: &[u32], targets: &[u32], b: usize
     let ce = model.loss(&mut acc, tokens, targets, b, t, &mut ws) as f64;
     let m = model.cfg.moe.as_ref().unwrap();
     let st = ws.moe_stats();
-    let z: f64 = st.blocks.iter().map(|b| f64::from(b.2)).sum();
-    ce + f64::from(m.aux_loss_coef) * f64::from(st.aux_loss()) + f64::from(m.z_loss_coef) * z
+    ce + f64::from(m.aux_loss_coef) * f64::from(st.aux_loss) + f64::from(m.z_loss_coef) * f64::from(st.z_loss)
 }
 
 /// Finite differences through an MoE model: router (with the load-balancing and z-losses),
@@ -234,7 +233,7 @@ fn moe_model_gradients_match_finite_differences() {
             let mut unused = vec![0.0; p.len()];
             let mut acc = FlatAccess { params: p, grads: &mut unused, units: model.units() };
             model.loss(&mut acc, &tokens, &targets, b, t, &mut ws);
-            ws.moe_stats().blocks.iter().map(|(l, c, _)| (*l, c.clone())).collect::<Vec<_>>()
+            ws.moe_stats().blocks.iter().map(|s| (s.block, s.tokens_per_expert.clone())).collect::<Vec<_>>()
         };
         let base = counts(&params);
         assert_eq!(base.len(), 2, "blocks 1 and 2 are MoE, block 0 dense");
@@ -268,9 +267,15 @@ fn moe_model_gradients_match_finite_differences() {
 
 #[test]
 fn moe_recomputation_and_a_delegating_runner_give_identical_gradients() {
+    recomputation_and_a_delegating_runner_give_identical_gradients(tiny_moe(Some(3), tessera_kernels::model::Gating::SoftmaxThenTopK));
+    // GPT experts, a capacity that drops, random token selection, Gumbel noise, the residual MLP.
+    recomputation_and_a_delegating_runner_give_identical_gradients(tiny_gpt_moe(true));
+}
+
+fn recomputation_and_a_delegating_runner_give_identical_gradients(cfg: ModelConfig) {
     use tessera_kernels::experts::{ExpertMlp, ExpertRunner, LocalExperts};
-    use tessera_kernels::model::{Gating, UnitAccess};
-    let mut model = Model::new(tiny_moe(Some(3), Gating::SoftmaxThenTopK)).unwrap();
+    use tessera_kernels::model::UnitAccess;
+    let mut model = Model::new(cfg).unwrap();
     let params = model.init_params(3);
     let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
     let targets: Vec<u32> = (0..12).map(|i| (i * 2 % 11) as u32).collect();
@@ -328,7 +333,8 @@ fn moe_recomputation_and_a_delegating_runner_give_identical_gradients() {
         let runner = Recording { grads: vec![0.0; params.len()], acts: vec![Vec::new(); units.len()], calls: 0, units };
         let mut acc = Access { flat: FlatAccess { params: &params, grads: &mut grads, units: model.units() }, runner };
         let mut ws = Workspace::default();
-        let l3 = model.forward_backward(&mut acc, MicroBatch { tokens: &tokens, targets: &targets, b: 2, t: 6 }, 1.0, &mut ws);
+        let l3 =
+            model.forward_backward(&mut acc, MicroBatch { tokens: &tokens, targets: &targets, b: 2, t: 6, noise_key: 0 }, 1.0, &mut ws);
         let Access { runner, .. } = acc;
         // Two MoE blocks: a forward and a backward each, and with recomputation another forward.
         assert_eq!(runner.calls, if recompute { 6 } else { 4 });
@@ -349,9 +355,259 @@ fn unsupported_moe_settings_are_refused_by_name() {
         Model::new(c).err().unwrap_or_default()
     };
     assert!(with(&|m| m.top_k = 5).contains("top_k 5 must be 1..=4"));
-    assert!(with(&|m| m.capacity = Some(Capacity { train_factor: 1.0, eval_factor: 1.0, min_capacity: 4, drop_tokens: true }))
-        .contains("capacity"));
-    assert!(with(&|m| m.noisy_gate = NoisyGate::RSample).contains("noisy_gate_policy"));
-    assert!(with(&|m| m.residual = true).contains("use_residual"));
-    assert!(Model::new(ModelConfig { moe: base.moe.clone(), ..tiny(Arch::Gpt) }).err().unwrap_or_default().contains("GPT-2"));
+    let cap = Capacity { train_factor: 1.0, eval_factor: 1.0, min_capacity: 4, drop_tokens: true };
+    // Capacity, the noisy gates and random token selection are built; their bad values are not.
+    assert_eq!(with(&|m| m.capacity = Some(cap)), "");
+    assert_eq!(with(&|m| m.noisy_gate = NoisyGate::RSample), "");
+    assert!(with(&|m| m.capacity = Some(Capacity { eval_factor: 0.0, ..cap })).contains("eval_capacity_factor 0"));
+    assert!(with(&|m| m.random_token_selection = true).contains("use_rts"));
+    assert!(with(&|m| {
+        m.random_token_selection = true;
+        m.capacity = Some(Capacity { drop_tokens: false, ..cap });
+    })
+    .contains("drop_tokens"));
+    assert!(with(&|m| m.z_loss_coef = -1.0).contains("z_loss_coef must be finite and non-negative, got -1"));
+    // GPT blocks have experts (GELU, with biases), and either family the residual MLP.
+    assert_eq!(with(&|m| m.residual = true), "");
+    let gpt = Model::new(ModelConfig { moe: base.moe.clone(), ..tiny(Arch::Gpt) }).expect("a GPT MoE model");
+    assert!(gpt.expert_mlp(1).is_some() && gpt.expert_mlp(0).is_none(), "block 0 is dense, block 1 has experts");
+}
+
+/// A 3-block GPT model whose blocks 1 and 2 are DeepSpeed-style MoE blocks: GELU experts with
+/// biases, top-2, a capacity of 4 slots for 10 tokens' 20 choices (so some are dropped; the
+/// same factor in training and evaluation), the per-block load-balancing loss, the residual
+/// MLP; `noisy`: also Gumbel noise on the choice and random token selection.
+fn tiny_gpt_moe(noisy: bool) -> ModelConfig {
+    use tessera_kernels::model::{AuxLoss, Capacity, Gating, MoeConfig, NoisyGate};
+    ModelConfig {
+        moe: Some(MoeConfig {
+            num_experts: 4,
+            top_k: 2,
+            d_expert: 6,
+            sparse_step: 1,
+            dense_layers: vec![0],
+            gating: Gating::SoftmaxThenTopK,
+            norm_topk: true,
+            capacity: Some(Capacity { train_factor: 0.75, eval_factor: 0.75, min_capacity: 1, drop_tokens: true }),
+            noisy_gate: if noisy { NoisyGate::RSample } else { NoisyGate::None },
+            random_token_selection: noisy,
+            aux_loss_coef: 0.3,
+            z_loss_coef: 0.05,
+            aux_loss: AuxLoss::PerLayer,
+            shared_expert: None,
+            residual: true,
+        }),
+        n_layer: 3,
+        ..tiny(Arch::Gpt)
+    }
+}
+
+/// Finite differences through a GPT MoE model with dropped choices, the per-block aux loss,
+/// the z-loss and the residual MLP (evaluation routes like training here: same capacity
+/// factor, no noise). Only coordinates whose ±step keeps every block's routing are checked.
+#[test]
+fn gpt_moe_model_gradients_match_finite_differences() {
+    let model = Model::new(tiny_gpt_moe(false)).unwrap();
+    let params = tessera_kernels::gradcheck::randn(12, model.num_params(), 0.5);
+    let params: Vec<f32> = params
+        .iter()
+        .zip(model.layout().specs().iter().flat_map(|s| std::iter::repeat_n(s.init, s.numel())))
+        .map(|(p, init)| if init == tessera_kernels::layer::Init::Ones { p + 1.0 } else { *p })
+        .collect();
+    let (b, t) = (2, 5);
+    let tokens: Vec<u32> = (0..b * t).map(|i| (i * 5 % 11) as u32).collect();
+    let targets: Vec<u32> = (0..b * t).map(|i| (i * 3 % 11) as u32).collect();
+    let (_, grads) = run(&model, &params, &tokens, &targets, b, t);
+    let routing = |p: &[f32]| {
+        let mut ws = Workspace::default();
+        let mut unused = vec![0.0; p.len()];
+        let mut acc = FlatAccess { params: p, grads: &mut unused, units: model.units() };
+        model.loss(&mut acc, &tokens, &targets, b, t, &mut ws);
+        ws.moe_stats().blocks.iter().map(|s| (s.block, s.tokens_per_expert.clone(), s.dropped)).collect::<Vec<_>>()
+    };
+    let base = routing(&params);
+    assert_eq!(base.iter().map(|r| r.0).collect::<Vec<_>>(), vec![1, 2]);
+    assert!(base.iter().all(|r| r.2 > 0), "the capacity drops choices: {base:?}");
+    let eps = 4e-3f32;
+    let stable: Vec<usize> = (0..params.len())
+        .filter(|&i| {
+            let mut q = params.clone();
+            q[i] += eps;
+            let up = routing(&q);
+            q[i] -= 2.0 * eps;
+            up == base && routing(&q) == base
+        })
+        .collect();
+    assert!(stable.len() * 10 > params.len() * 9, "{} of {} coordinates keep the routing", stable.len(), params.len());
+    let mut x = params.clone();
+    let analytic: Vec<f32> = stable.iter().map(|&i| grads[i]).collect();
+    let sub: Vec<f32> = stable.iter().map(|&i| params[i]).collect();
+    let f = |s: &[f32]| {
+        stable.iter().zip(s).for_each(|(&i, &v)| x[i] = v);
+        objective(&model, &x, &tokens, &targets, b, t)
+    };
+    check_grad(f, &sub, &analytic, f64::from(eps), 5e-2).unwrap_or_else(|e| {
+        let at: usize = e.split("coordinate ").nth(1).and_then(|s| s.split(':').next()).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let i = stable.get(at).copied().unwrap_or(0);
+        let name = model.layout().specs().iter().find(|s| s.range().contains(&i)).map(|s| s.name.clone());
+        panic!("{e} (flat {i}, {name:?})")
+    });
+}
+
+/// A GPT model with DeepSpeed MoE blocks (GELU experts with biases, top-2 with a capacity that
+/// drops, the per-block `l_aux`, the residual MLP) against the float64 reference of
+/// `scripts/gen_fixtures.py moe-ds`, whose gating is DeepSpeed's own `top2gating`: the
+/// training loss, aux and z-losses, the dropped choices, every gradient (of the objective),
+/// and the evaluation loss at the evaluation capacity factor.
+#[test]
+fn gpt_moe_matches_deepspeed() {
+    use tessera_kernels::model::{AuxLoss, Capacity, Gating, MoeConfig, NoisyGate};
+    let fx = load_fixture("gpt_moe_ds.safetensors");
+    let m = &fx.meta;
+    let num = |k: &str| m[k].parse::<f32>().unwrap_or_else(|_| panic!("fixture metadata {k}"));
+    let int = |k: &str| num(k) as usize;
+    let cfg = ModelConfig {
+        moe: Some(MoeConfig {
+            num_experts: int("num_experts"),
+            top_k: int("top_k"),
+            d_expert: int("d_expert"),
+            sparse_step: 1,
+            dense_layers: vec![int("dense_layers")],
+            gating: Gating::SoftmaxThenTopK,
+            norm_topk: true,
+            capacity: Some(Capacity {
+                train_factor: num("capacity_factor"),
+                eval_factor: num("eval_capacity_factor"),
+                min_capacity: int("min_capacity"),
+                drop_tokens: true,
+            }),
+            noisy_gate: NoisyGate::None,
+            random_token_selection: false,
+            aux_loss_coef: num("aux_loss_coef"),
+            z_loss_coef: num("z_loss_coef"),
+            aux_loss: AuxLoss::PerLayer,
+            shared_expert: None,
+            residual: true,
+        }),
+        ..cfg_from(m)
+    };
+    let model = Model::new(cfg).expect("model");
+    let params = flat_params(&model, &fx);
+    let (b, t): (usize, usize) = (m["batch"].parse().unwrap(), m["seq_len"].parse().unwrap());
+    let (tokens, targets) = (&fx.ints["tokens"], &fx.ints["targets"]);
+    let mut grads = vec![0.0; params.len()];
+    let mut ws = Workspace::default();
+    let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
+    let loss = model.forward_backward(&mut acc, MicroBatch { tokens, targets, b, t, noise_key: 0 }, 1.0, &mut ws);
+    let st = ws.moe_stats().clone();
+    let close = |what: &str, got: f32, want: f32| {
+        let rel = ((got - want) / want).abs();
+        assert!(rel < 2e-5, "{what}: {got} vs DeepSpeed reference {want} (rel {rel:e})");
+    };
+    close("cross-entropy", loss, fx.tensors["loss"][0]);
+    close("aux loss", st.aux_loss, fx.tensors["aux_loss"][0]);
+    close("z loss", st.z_loss, fx.tensors["z_loss"][0]);
+    let dropped: Vec<u32> = st.blocks.iter().map(|s| s.dropped as u32).collect();
+    assert_eq!(dropped, fx.ints["dropped"], "dropped (token, choice) pairs per block");
+    let mut worst = (0.0f64, String::new());
+    for spec in model.layout().specs() {
+        let want = &fx.tensors[&format!("grad.{}", spec.name)];
+        let e = rel_err(&grads[spec.range()], want);
+        assert!(e < 1e-4, "gradient of {} differs from the DeepSpeed reference: rel err {e:e}", spec.name);
+        if e > worst.0 {
+            worst = (e, spec.name.clone());
+        }
+    }
+    eprintln!("gpt_moe_ds: worst gradient rel err {:e} ({})", worst.0, worst.1);
+    let mut unused = vec![0.0; params.len()];
+    let mut acc = FlatAccess { params: &params, grads: &mut unused, units: model.units() };
+    let eval = model.loss(&mut acc, tokens, targets, b, t, &mut ws);
+    close("evaluation cross-entropy", eval, fx.tensors["eval_loss"][0]);
+    assert!(ws.moe_stats().blocks.iter().all(|s| s.dropped == 0), "the evaluation factor keeps every choice");
+}
+
+/// `flops_per_token` leaves out exactly the idle experts' parameters, as the layout has them
+/// (SwiGLU experts in LLaMA blocks, GELU experts with biases in GPT blocks).
+#[test]
+fn moe_flops_count_the_active_experts_only() {
+    for cfg in [tiny_moe(Some(3), tessera_kernels::model::Gating::SoftmaxThenTopK), tiny_gpt_moe(false)] {
+        let model = Model::new(cfg.clone()).unwrap();
+        let m = cfg.moe.as_ref().unwrap();
+        let idle: usize = (0..cfg.n_layer)
+            .filter_map(|l| model.expert_mlp(l))
+            .map(|x| (m.top_k..m.num_experts).map(|e| x.expert_range(e).len()).sum::<usize>())
+            .sum();
+        let attn = 12.0 * cfg.n_layer as f64 * cfg.d_model as f64 * 5.0;
+        let want = 6.0 * (model.num_params() - idle) as f64 + attn;
+        assert_eq!(cfg.flops_per_token(model.num_params(), 5), want, "{:?}", cfg.arch);
+    }
+}
+
+/// A router that sends every token to the same experts (equal logits: ties go to the lower
+/// index) leaves the others without rows: the step still runs, their gradient is exactly zero,
+/// and the rest of the model still learns.
+#[test]
+fn experts_without_tokens_get_no_gradient() {
+    for cfg in [tiny_moe(None, tessera_kernels::model::Gating::SoftmaxThenTopK), tiny_gpt_moe(false)] {
+        let model = Model::new(cfg.clone()).unwrap();
+        let mut params = model.init_params(5);
+        for spec in model.layout().specs().iter().filter(|s| s.name.ends_with("moe.router.weight")) {
+            params[spec.range()].fill(0.0);
+        }
+        let tokens: Vec<u32> = (0..10).map(|i| (i * 3 % 11) as u32).collect();
+        let (loss, grads) = run(&model, &params, &tokens, &tokens, 2, 5);
+        assert!(loss.is_finite());
+        let m = cfg.moe.as_ref().unwrap();
+        for l in 0..cfg.n_layer {
+            let Some(x) = model.expert_mlp(l) else { continue };
+            let unit = model.units()[l + 1].start;
+            for e in 0..m.num_experts {
+                let r = x.expert_range(e);
+                let g = &grads[unit + r.start..unit + r.end];
+                let zero = g.iter().all(|&v| v == 0.0);
+                assert_eq!(zero, e >= m.top_k, "{:?} block {l} expert {e}: zero gradient {zero}", cfg.arch);
+            }
+        }
+    }
+}
+
+/// The noise keys of a run: a pure function of (seed, step, micro-batch index), each part
+/// mattering.
+#[test]
+fn noise_keys_depend_on_seed_step_and_micro_batch() {
+    use tessera_kernels::model::noise_key_of;
+    let k = noise_key_of(7, 3, 2);
+    assert_eq!(k, noise_key_of(7, 3, 2));
+    let others = [noise_key_of(8, 3, 2), noise_key_of(7, 4, 2), noise_key_of(7, 3, 3), noise_key_of(7, 2, 3)];
+    assert!(others.iter().all(|&o| o != k), "{k} vs {others:?}");
+}
+
+/// Training routes with the micro-batch's noise (Gumbel choice, random token order): the same
+/// key gives the same bits, other keys other routings; evaluation has no noise (the noisy
+/// model evaluates exactly as its noise-free twin).
+#[test]
+fn noisy_routing_follows_the_noise_key_in_training_only() {
+    let noisy = Model::new(tiny_gpt_moe(true)).unwrap();
+    let quiet = Model::new(tiny_gpt_moe(false)).unwrap();
+    let params = noisy.init_params(9);
+    let tokens: Vec<u32> = (0..10).map(|i| (i * 7 % 11) as u32).collect();
+    let train = |key: u64| {
+        let mut grads = vec![0.0; params.len()];
+        let mut ws = Workspace::default();
+        let mut acc = FlatAccess { params: &params, grads: &mut grads, units: noisy.units() };
+        let loss =
+            noisy.forward_backward(&mut acc, MicroBatch { tokens: &tokens, targets: &tokens, b: 2, t: 5, noise_key: key }, 1.0, &mut ws);
+        let routing: Vec<_> = ws.moe_stats().blocks.iter().map(|s| (s.tokens_per_expert.clone(), s.dropped)).collect();
+        (loss.to_bits(), grads.iter().map(|g| g.to_bits()).collect::<Vec<_>>(), routing)
+    };
+    let a = train(1);
+    assert_eq!(a, train(1), "the same noise key gives the same bits");
+    let differ = (2..6).filter(|&k| train(k) != a).count();
+    assert!(differ > 0, "no other noise key changed the step");
+    let eval = |model: &Model| {
+        let mut ws = Workspace::default();
+        let mut acc = FlatAccess { params: &params, grads: &mut [], units: model.units() };
+        model.loss(&mut acc, &tokens, &tokens, 2, 5, &mut ws).to_bits()
+    };
+    assert_eq!(eval(&noisy), eval(&quiet), "evaluation routes without noise");
 }

@@ -137,6 +137,11 @@ impl Sampler {
         self.seq_len
     }
 
+    /// The run's seed (the data order's, and the MoE blocks' noise keys').
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Windows per epoch.
     pub fn windows(&self) -> u64 {
         u64::from(self.windows)

@@ -313,7 +313,7 @@ fn gpu_forward_backward(
     dloss: f32,
     rank: usize,
 ) -> Result<f32, String> {
-    let MicroBatch { tokens, targets, b, t } = batch;
+    let MicroBatch { tokens, targets, b, t, .. } = batch;
     let mut slot = exec_lock();
     let e = exec_for(&mut slot, model, (b, t), rank)?;
     e.load(params, key)?;

@@ -6,25 +6,25 @@
 
 use serde::Serialize;
 use tessera_actors::compute::{MoeBlockTally, MoeTally};
-use tessera_kernels::model::MoeStats;
+use tessera_kernels::model::{MoeBlockStats, MoeStats};
 
 use crate::monitor::Event;
 
 /// The kernels' statistics of one micro-batch as a tally of one micro-batch; `None` for a
-/// dense model. Dropless routing (the only kind the kernels build yet) drops no pair.
+/// dense model.
 pub fn tally_of(s: &MoeStats) -> Option<MoeTally> {
     if s.blocks.is_empty() {
         return None;
     }
-    let block = |(b, counts, _): &(usize, Vec<usize>, f32)| MoeBlockTally {
-        block: *b,
-        tokens_per_expert: counts.iter().map(|&n| n as u64).collect(),
-        dropped: 0,
+    let block = |b: &MoeBlockStats| MoeBlockTally {
+        block: b.block,
+        tokens_per_expert: b.tokens_per_expert.iter().map(|&n| u64::from(n)).collect(),
+        dropped: b.dropped as u64,
     };
     Some(MoeTally {
         blocks: s.blocks.iter().map(block).collect(),
-        aux_sum: f64::from(s.aux_loss()),
-        z_sum: s.blocks.iter().map(|(_, _, z)| f64::from(*z)).sum(),
+        aux_sum: f64::from(s.aux_loss),
+        z_sum: s.blocks.iter().map(|b| f64::from(b.z)).sum(),
         micro_batches: 1,
     })
 }

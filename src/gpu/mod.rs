@@ -120,7 +120,12 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
         let mut g = vec![0f32; p.len()];
         let cpu_loss = {
             let mut acc = FlatAccess { params: &p, grads: &mut g, units: model.units() };
-            model.forward_backward(&mut acc, MicroBatch { tokens: &tok, targets: &tgt, b, t }, 1.0, &mut ws)
+            model.forward_backward(
+                &mut acc,
+                MicroBatch { tokens: &tok, targets: &tgt, b, t, noise_key: tessera_kernels::model::noise_key_of(seed, step as u64, 0) },
+                1.0,
+                &mut ws,
+            )
         };
         let k = (step + 1) as f64;
         let (b1, b2) = (adam.betas.0 as f64, adam.betas.1 as f64);

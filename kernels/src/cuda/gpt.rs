@@ -1185,7 +1185,7 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let mut cws = crate::model::Workspace::default();
     let cpu_loss = {
         let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
-        model.forward_backward(&mut acc, MicroBatch { tokens: &tokens, targets: &targets, b, t }, 1.0, &mut cws)
+        model.forward_backward(&mut acc, MicroBatch { tokens: &tokens, targets: &targets, b, t, noise_key: 0 }, 1.0, &mut cws)
     };
     // GPU: unfused, with the default fusions and with all of them (each set cuBLASLt runs here, once).
     let layout = GpuLayout::new(&model, 1)?;

@@ -57,7 +57,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tessera_actors::compute::{ComputeError, MemoryReport, MoeTally, PhaseTimes, Prepared, StepOrder, WorkerCompute};
-use tessera_kernels::model::MicroBatch;
+use tessera_kernels::model::{noise_key_of, MicroBatch};
 use tessera_kernels::optim::{clip_coefficient, LocalReduce, LossScaler, NormAllReduce, StepContext, StepOutcome};
 use tessera_transport::collective::Collective;
 
@@ -234,7 +234,13 @@ impl ZeroWorker {
                     match dev.forward_backward(
                         &plan.model,
                         &mut acc,
-                        MicroBatch { tokens: &inputs, targets: &targets, b: mb, t },
+                        MicroBatch {
+                            tokens: &inputs,
+                            targets: &targets,
+                            b: mb,
+                            t,
+                            noise_key: noise_key_of(sampler.seed(), step, i as u64),
+                        },
                         dloss,
                         *rank,
                     ) {
@@ -638,7 +644,7 @@ mod tests {
             let tokens: Vec<u32> = (0..16).collect();
             p.model.forward_backward(
                 &mut rec,
-                MicroBatch { tokens: &tokens, targets: &tokens, b: 1, t: 16 },
+                MicroBatch { tokens: &tokens, targets: &tokens, b: 1, t: 16, noise_key: 0 },
                 1.0,
                 &mut Workspace::default(),
             );

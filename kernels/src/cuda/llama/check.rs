@@ -228,7 +228,7 @@ fn check_model(gpu: &Gpu, seed: u64, hd: usize) -> Result<Vec<CheckRow>> {
     let mut grads = vec![0f32; params.len()];
     let cpu_loss = {
         let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
-        let batch = MicroBatch { tokens: &tokens, targets: &targets, b, t };
+        let batch = MicroBatch { tokens: &tokens, targets: &targets, b, t, noise_key: 0 };
         model.forward_backward(&mut acc, batch, 1.0, &mut crate::model::Workspace::default())
     };
     let layout = GpuLayout::new(&model, 1)?;
