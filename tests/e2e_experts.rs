@@ -65,3 +65,25 @@ fn an_ep_size_that_cannot_split_the_world_or_the_experts_is_refused_by_key() {
         assert!(!out.exists(), "a refused run left {}", out.display());
     }
 }
+
+/// The shipped `configs/gpt-tiny-moe.json` (DeepSpeed's MoE arguments on gpt-tiny: GELU experts,
+/// a capacity that drops tokens, RSample noise, random token selection, `ep_size` 2): four
+/// worker processes give one worker's bits (noise and slot order are keyed by the micro-batch,
+/// never the rank), and the run drops tokens, as the summary says.
+#[test]
+fn the_shipped_gpt_moe_config_with_drops_and_noise_gives_one_workers_bits_over_processes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = repo().join("configs/gpt-tiny-moe.json");
+    let run = |name: &str, more: &[&str]| {
+        let out = tmp.path().join(name);
+        let mut a = vec!["train", "--config", cfg.to_str().unwrap(), "--output", out.to_str().unwrap(), "--steps", "6", "--no-progress"];
+        a.extend_from_slice(more);
+        ok(&a, tmp.path());
+        out
+    };
+    let one = run("one", &["--world", "1", "--set", "tessera.moe.ep_size=1"]);
+    let four = run("four", &["--nprocs", "4"]);
+    assert_eq!(bits(&four), bits(&one), "gpt-tiny-moe: four processes with ep_size 2 are not one worker's run");
+    let dropped = summary(&four)["moe"]["dropped_fraction"].as_f64().expect("moe.dropped_fraction");
+    assert!(dropped > 0.0, "a capacity factor of 1.25 dropped nothing");
+}

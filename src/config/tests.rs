@@ -624,9 +624,13 @@ fn the_moe_section_turns_a_dense_model_into_its_moe_variant() {
     assert!(e.contains("tessera.moe.k") && e.contains("at most num_experts = 2"), "{e}");
     let e = applied(json!({"num_experts": 4, "expert_interval": 5}), "llama-tiny").unwrap_err();
     assert!(e.contains("tessera.moe.expert_interval") && e.contains("4 blocks"), "{e}");
-    // DeepSpeed's defaults (capacity with dropping) ask for what the kernels do not build yet.
-    let e = applied(json!({"num_experts": 4}), "llama-tiny").unwrap_err();
-    assert!(e.contains("tessera.moe") && e.contains("capacity") && e.contains("not supported yet"), "{e}");
-    let e = applied(json!({"num_experts": 4, "drop_tokens": false, "aux_loss_coef": 0.0}), "gpt-tiny").unwrap_err();
-    assert!(e.contains("tessera.moe") && e.contains("GPT-2 block with experts") && e.contains("gpt-tiny"), "{e}");
+    // DeepSpeed's defaults: a capacity that drops tokens, and the per-block aux loss.
+    let ds = applied(json!({"num_experts": 4}), "llama-tiny").unwrap().moe.unwrap();
+    assert!(ds.capacity.is_some_and(|c| c.drop_tokens) && ds.aux_loss_coef > 0.0, "{ds:?}");
+    // GPT-2 blocks with GELU experts.
+    let gpt = applied(json!({"num_experts": 4, "k": 2, "noisy_gate_policy": "RSample"}), "gpt-tiny").unwrap();
+    assert_eq!(
+        (gpt.arch, gpt.moe.as_ref().map(|m| m.noisy_gate)),
+        (tessera_kernels::model::Arch::Gpt, Some(tessera_kernels::model::NoisyGate::RSample))
+    );
 }

@@ -269,8 +269,8 @@ impl Plan {
         if let Some(moe) = &cfg.tessera.moe {
             mcfg = moe.apply(&mcfg, &cfg.tessera.model)?;
         }
-        if mcfg.moe.is_some() && cfg.tessera.device == ComputeDevice::Cuda {
-            bail!("tessera.device = \"cuda\" with mixture-of-experts blocks (tessera.moe, or a Mixtral / Qwen2-MoE model): the GPU kernels have none yet; use --device cpu");
+        if cfg.tessera.moe.as_ref().is_some_and(|m| m.ep_size > 1) && cfg.tessera.device == ComputeDevice::Cuda {
+            bail!("tessera.moe.ep_size > 1 with tessera.device = \"cuda\": expert parallelism runs on CPU ranks; a GPU runs every expert (ep_size 1)");
         }
         let mut model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
         model.checkpoint_activations = cfg.activation_checkpointing;

@@ -59,8 +59,8 @@ fn offload_name(d: OffloadDevice) -> &'static str {
 /// on keys it treats differently from the CPU path.
 pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
     check_model(&cfg.tessera.model)?;
-    if cfg.tessera.moe.is_some() {
-        bail!("tessera.moe on NCCL GPU ranks: the GPU kernels have no mixture-of-experts blocks yet; use --device cpu");
+    if cfg.tessera.moe.as_ref().is_some_and(|m| m.ep_size > 1) {
+        bail!("tessera.moe.ep_size > 1 on NCCL GPU ranks: expert parallelism runs on CPU ranks; each GPU runs every expert (ep_size 1)");
     }
     let mut notes = Vec::new();
     match cfg.precision {
@@ -117,13 +117,6 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
 /// kernel's), LLaMA-family heads other than 64 or 128 (the grouped-query kernels').
 fn check_model(name: &str) -> Result<()> {
     let m = zoo::resolve(name).map_err(|e| anyhow::anyhow!("tessera.model: {e}"))?.config().clone();
-    if let Some(moe) = &m.moe {
-        bail!(
-            "tessera.model = \"{name}\" has mixture-of-experts blocks ({} experts, top {}); the GPU kernels have none yet: use --device cpu",
-            moe.num_experts,
-            moe.top_k
-        );
-    }
     let hd = m.d_model.checked_div(m.n_head).unwrap_or(0);
     if m.arch == Arch::Llama && !tessera_kernels::cuda::llama::attention::HEAD_DIMS.contains(&hd) {
         bail!(

@@ -63,7 +63,7 @@ fn check_ffn(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let (e, k, c, f, n) = (8, 2, 256, 192, 300);
     let cfg = mixtral(e, k, f, 0.02);
     let mut layout = ParamLayout::new();
-    let (ffn, _) = MoeFfn::new(&cfg, 0, c, &mut layout, 0, 0.02);
+    let (ffn, _) = MoeFfn::new(&cfg, crate::model::Arch::Llama, 0, c, &mut layout, 0, 0.02);
     let spec =
         |name: &str| layout.get(&format!("h.0.moe.{name}")).map(|s| s.range()).ok_or_else(|| GpuError::Invalid(format!("no {name}")));
     let (router, w_gate, w_up, w_down) =
@@ -188,10 +188,10 @@ fn check_model(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     let mut cws = crate::model::Workspace::default();
     let cpu_loss = {
         let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
-        model.forward_backward(&mut acc, MicroBatch { tokens: &tokens, targets: &targets, b, t }, 1.0, &mut cws)
+        model.forward_backward(&mut acc, MicroBatch { tokens: &tokens, targets: &targets, b, t, noise_key: 0 }, 1.0, &mut cws)
     };
-    let cpu_aux = cws.moe_stats().aux_loss();
-    let cpu_counts: Vec<usize> = cws.moe_stats().blocks.iter().flat_map(|b| b.1.clone()).collect();
+    let cpu_aux = cws.moe_stats().aux_loss;
+    let cpu_counts: Vec<usize> = cws.moe_stats().blocks.iter().flat_map(|b| b.tokens_per_expert.iter().map(|&x| x as usize)).collect();
     let layout = GpuLayout::new(&model, 1)?;
     let shape = Shape::new(&cfg, b, t)?;
     let dparams = gpu.upload(&layout.pad(&params).iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>())?;
