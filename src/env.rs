@@ -177,6 +177,14 @@ pub const VARS: &[Var] = &[
         audience: Audience::User,
     },
     Var {
+        name: "TESSERA_GPU_MOE_GEMM",
+        kind: Kind::Choice(&["grouped", "loop"]),
+        default: "grouped",
+        reader: "the CUDA mixture-of-experts (kernels/src/cuda/llama/moe.rs)",
+        what: "How the experts' GEMMs run: one grouped cuBLAS call, or one GEMM per expert (each gives its own bits, the same every run).",
+        audience: Audience::User,
+    },
+    Var {
         name: "TESSERA_GPU_LN_FUSED",
         kind: Kind::Switch,
         default: "1",

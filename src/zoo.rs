@@ -212,24 +212,7 @@ mod tests {
     }
 
     fn mixtral_tiny() -> ModelConfig {
-        use tessera_kernels::model::{AuxLoss, Gating, MoeConfig, NoisyGate};
-        let moe = MoeConfig {
-            num_experts: 4,
-            top_k: 2,
-            d_expert: 256,
-            sparse_step: 1,
-            dense_layers: Vec::new(),
-            gating: Gating::SoftmaxThenTopK,
-            norm_topk: true,
-            capacity: None,
-            noisy_gate: NoisyGate::None,
-            random_token_selection: false,
-            aux_loss_coef: 0.02,
-            z_loss_coef: 0.0,
-            aux_loss: AuxLoss::AcrossLayers,
-            shared_expert: None,
-            residual: false,
-        };
+        let moe = tessera_kernels::model::MoeConfig::mixtral(4, 2, 256, 0.02);
         ModelConfig {
             arch: Arch::Llama,
             vocab_size: 256,

@@ -119,6 +119,30 @@ pub struct MoeConfig {
 }
 
 impl MoeConfig {
+    /// Mixtral's experts: `num_experts` SwiGLU experts of width `d_expert` in every block, the
+    /// softmax over all of them then the top `top_k` renormalised, dropless, no noise,
+    /// transformers' load-balancing loss weighted by `aux_loss_coef`. The base of the other
+    /// dropless families (`MoeConfig { …, ..MoeConfig::mixtral(…) }`).
+    pub fn mixtral(num_experts: usize, top_k: usize, d_expert: usize, aux_loss_coef: f32) -> MoeConfig {
+        MoeConfig {
+            num_experts,
+            top_k,
+            d_expert,
+            sparse_step: 1,
+            dense_layers: Vec::new(),
+            gating: Gating::SoftmaxThenTopK,
+            norm_topk: true,
+            capacity: None,
+            noisy_gate: NoisyGate::None,
+            random_token_selection: false,
+            aux_loss_coef,
+            z_loss_coef: 0.0,
+            aux_loss: AuxLoss::AcrossLayers,
+            shared_expert: None,
+            residual: false,
+        }
+    }
+
     /// Checks the experts are buildable and asks for nothing Tessera does not do yet; the error
     /// names what.
     pub fn validate(&self, arch: Arch) -> Result<(), String> {

@@ -495,24 +495,7 @@ fn bench_model(a: &BenchArgs) -> Result<Model> {
     }
     match (a.experts, a.expert_ffn) {
         (Some(num_experts), Some(d_expert)) => {
-            use tessera_kernels::model::{AuxLoss, Gating, MoeConfig, NoisyGate};
-            cfg.moe = Some(MoeConfig {
-                num_experts,
-                top_k: a.top_k,
-                d_expert,
-                sparse_step: 1,
-                dense_layers: Vec::new(),
-                gating: Gating::SoftmaxThenTopK,
-                norm_topk: true,
-                capacity: None,
-                noisy_gate: NoisyGate::None,
-                random_token_selection: false,
-                aux_loss_coef: a.aux_coef,
-                z_loss_coef: 0.0,
-                aux_loss: AuxLoss::AcrossLayers,
-                shared_expert: None,
-                residual: false,
-            });
+            cfg.moe = Some(tessera_kernels::model::MoeConfig::mixtral(num_experts, a.top_k, d_expert, a.aux_coef));
         }
         (None, None) => {}
         _ => bail!("--experts and --expert-ffn go together (an MoE model needs both)"),

@@ -5,7 +5,7 @@
 //! dropout, and says so (`HfConfig::notes`).
 
 use serde_json::{Map, Value};
-use tessera_kernels::model::{Arch, AuxLoss, Gating, ModelConfig, MoeConfig, NoisyGate};
+use tessera_kernels::model::{Arch, ModelConfig, MoeConfig};
 use tessera_kernels::ops::layernorm::LAYERNORM_EPS;
 use tessera_kernels::ops::rope::RopeScaling;
 
@@ -366,23 +366,8 @@ impl<'a> Reader<'a> {
             None => 0.001,
         };
         let with_aux = self.flag("output_router_logits", false)?;
-        Ok(MoeConfig {
-            num_experts,
-            top_k,
-            d_expert,
-            sparse_step: 1,
-            dense_layers: Vec::new(),
-            gating: Gating::SoftmaxThenTopK,
-            norm_topk,
-            capacity: None,
-            noisy_gate: NoisyGate::None,
-            random_token_selection: false,
-            aux_loss_coef: if with_aux { coef as f32 } else { 0.0 },
-            z_loss_coef: 0.0,
-            aux_loss: AuxLoss::AcrossLayers,
-            shared_expert: None,
-            residual: false,
-        })
+        let aux = if with_aux { coef as f32 } else { 0.0 };
+        Ok(MoeConfig { norm_topk, ..MoeConfig::mixtral(num_experts, top_k, d_expert, aux) })
     }
 
     /// θ and the scaling, from `rope_theta` + `rope_scaling` (transformers 4) or

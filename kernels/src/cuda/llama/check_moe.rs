@@ -11,7 +11,7 @@ use crate::cuda::gpt::{GpuLayout, Replicated, Shape};
 use crate::cuda::{bf16, CheckRow, Gpu, GpuError, Result};
 use crate::gradcheck::randn;
 use crate::layer::ParamLayout;
-use crate::model::{Arch, AuxLoss, FlatAccess, Gating, MicroBatch, Model, ModelConfig, MoeConfig, NoisyGate};
+use crate::model::{Arch, FlatAccess, MicroBatch, Model, ModelConfig, MoeConfig};
 use crate::moe_ffn::MoeFfn;
 
 fn bf_round(v: &[f32]) -> Vec<f32> {
@@ -24,23 +24,7 @@ fn to_bf(v: &[f32]) -> Vec<bf16> {
 
 /// Mixtral's routing with `e` experts, top `k`, experts of width `f`.
 pub fn mixtral(e: usize, k: usize, f: usize, aux_loss_coef: f32) -> MoeConfig {
-    MoeConfig {
-        num_experts: e,
-        top_k: k,
-        d_expert: f,
-        sparse_step: 1,
-        dense_layers: Vec::new(),
-        gating: Gating::SoftmaxThenTopK,
-        norm_topk: true,
-        capacity: None,
-        noisy_gate: NoisyGate::None,
-        random_token_selection: false,
-        aux_loss_coef,
-        z_loss_coef: 0.0,
-        aux_loss: AuxLoss::AcrossLayers,
-        shared_expert: None,
-        residual: false,
-    }
+    MoeConfig::mixtral(e, k, f, aux_loss_coef)
 }
 
 pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
