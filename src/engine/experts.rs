@@ -118,8 +118,8 @@ impl ExpertPlan {
     }
 
     /// Who supplies rank `q`'s micro-batch values over flat `range`, cut where the supplier
-    /// changes and at every slice's edges, in order: `q` itself outside the experts, the member of `q`'s group running
-    /// the slice inside a slice's range.
+    /// changes and at every slice's edges, in order: `q` itself outside the experts, the member
+    /// of `q`'s group running the slice inside a slice's range.
     pub fn suppliers(&self, q: usize, range: Range<usize>) -> Vec<(Range<usize>, usize)> {
         let group = self.group(q).start;
         let mut out: Vec<(Range<usize>, usize)> = Vec::new();
@@ -131,10 +131,9 @@ impl ExpertPlan {
             }
         };
         let mut lo = range.start;
-        for list in self.experts.iter().flatten() {
+        for u in (0..self.experts.len()).filter(|&u| self.is_moe(u)) {
             for j in 0..self.size {
-                let x = self.experts_of(j);
-                let s = list[x.start].start..list[x.end - 1].end;
+                let s = self.slice_range(u, j);
                 let (a, b) = (s.start.max(lo), s.end.min(range.end));
                 if a >= b {
                     continue;

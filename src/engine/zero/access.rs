@@ -264,39 +264,26 @@ impl<'a> StepAccess<'a> {
     fn send_bucket(&mut self, k: usize) {
         let bucket = self.buckets[k].clone();
         let plan = Arc::clone(&self.plan);
-        let sends: Vec<Vec<f32>> = match &plan.experts {
-            None => match plan.slot_send(self.rank, self.slot).filter(|_| self.computing) {
-                None => vec![Vec::new(); plan.world],
-                Some(_) => plan
-                    .ranges
-                    .iter()
-                    .map(|r| {
-                        let lo = r.start.clamp(bucket.start, bucket.end);
-                        let hi = r.end.clamp(bucket.start, bucket.end);
-                        self.values(lo..hi)
-                    })
-                    .collect(),
-            },
-            // Expert parallelism: to each owner, the pieces this rank supplies of every
-            // sending rank's values, in the order `OwnerSums::receive` reads them.
-            Some(_) => plan
-                .ranges
-                .iter()
-                .map(|r| {
-                    let part = r.start.clamp(bucket.start, bucket.end)..r.end.clamp(bucket.start, bucket.end);
-                    let mut out = Vec::new();
-                    let slot = self.slot;
-                    for q in (0..plan.world).filter(|&q| plan.slot_send(q, slot).is_some()) {
-                        for (piece, who) in plan.suppliers(q, part.clone()) {
-                            if who == self.rank {
-                                out.extend(self.values_of(q, piece));
-                            }
+        // To each owner, the pieces this rank supplies of every sending rank's values, in the
+        // order `OwnerSums::receive` reads them: its own values when it sends in this slot, and
+        // with expert parallelism the expert gradients it made for its group's micro-batches.
+        let slot = self.slot;
+        let sends: Vec<Vec<f32>> = plan
+            .ranges
+            .iter()
+            .map(|r| {
+                let part = r.start.clamp(bucket.start, bucket.end)..r.end.clamp(bucket.start, bucket.end);
+                let mut out = Vec::new();
+                for q in (0..plan.world).filter(|&q| plan.slot_send(q, slot).is_some()) {
+                    for (piece, who) in plan.suppliers(q, part.clone()) {
+                        if who == self.rank {
+                            out.extend(self.values_of(q, piece));
                         }
                     }
-                    out
-                })
-                .collect(),
-        };
+                }
+                out
+            })
+            .collect();
         // Units wholly above the bucket's start have nothing left to send.
         for (u, unit) in plan.model.units().iter().enumerate() {
             if unit.start >= bucket.start {
