@@ -18,7 +18,7 @@ use std::ops::Range;
 use crate::experts::{ExpertActs, ExpertMlp, ExpertRunner, LocalExperts};
 use crate::gemm::matmul;
 use crate::layer::{Init, ParamLayout, ParamSpec};
-use crate::model::{Arch, Gating, MoeConfig, NoisyGate};
+use crate::model::{Arch, MoeConfig, NoisyGate};
 use crate::ops::moe::{self, MoeActs, NoiseKey, RouteSpec};
 use crate::ops::{gelu, linear, swiglu};
 use crate::tensor::exp_f32;
@@ -387,10 +387,6 @@ impl MoeFfn {
         }
         *acts = Some(a);
     }
-
-    pub fn config(&self) -> &MoeConfig {
-        &self.cfg
-    }
 }
 
 impl ExpertMlp for MoeFfn {
@@ -420,19 +416,11 @@ pub fn is_sparse(cfg: &MoeConfig, l: usize) -> bool {
     (l + 1) % cfg.sparse_step.max(1) == 0 && !cfg.dense_layers.contains(&l)
 }
 
-/// The gating a config's family uses is checked by `ModelConfig::validate`; this names it.
-pub fn gating_name(g: Gating) -> &'static str {
-    match g {
-        Gating::SoftmaxThenTopK => "softmax then top-k",
-        Gating::TopKThenSoftmax => "top-k then softmax",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::gradcheck::{check_grad, randn, weighted_sum};
-    use crate::model::{AuxLoss, NoisyGate};
+    use crate::model::{AuxLoss, Gating, NoisyGate};
 
     fn cfg(top_k: usize, shared: Option<usize>, residual: bool) -> MoeConfig {
         MoeConfig {
