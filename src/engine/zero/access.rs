@@ -268,13 +268,14 @@ impl<'a> StepAccess<'a> {
         // order `OwnerSums::receive` reads them: its own values when it sends in this slot, and
         // with expert parallelism the expert gradients it made for its group's micro-batches.
         let slot = self.slot;
+        let sending: Vec<usize> = (0..plan.world).filter(|&q| plan.slot_send(q, slot).is_some()).collect();
         let sends: Vec<Vec<f32>> = plan
             .ranges
             .iter()
             .map(|r| {
                 let part = r.start.clamp(bucket.start, bucket.end)..r.end.clamp(bucket.start, bucket.end);
                 let mut out = Vec::new();
-                for q in (0..plan.world).filter(|&q| plan.slot_send(q, slot).is_some()) {
+                for &q in &sending {
                     for (piece, who) in plan.suppliers(q, part.clone()) {
                         if who == self.rank {
                             out.extend(self.values_of(q, piece));
