@@ -11,6 +11,7 @@ pub mod engine;
 pub mod env;
 pub mod gpu;
 pub mod hf;
+pub mod infer;
 pub mod launch;
 pub mod monitor;
 pub mod offload;
