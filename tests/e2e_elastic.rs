@@ -125,6 +125,21 @@ fn experts_regroup_after_a_kill_and_a_join_with_the_fault_free_bits() {
     assert!(sizes.windows(2).any(|w| w == [3, 4]) && sizes.contains(&3), "epoch sizes {sizes:?}");
 }
 
+/// Pipeline stages in an elastic run (2 stages × 2 replicas over 4 processes): a kill leaves 3
+/// ranks, which 2 stages do not divide, so the survivors' epoch runs 1 stage over 3 replicas; a
+/// join makes 4 again and 2 stages. Stages are placed, not stored: the run ends on the
+/// fault-free bits.
+#[test]
+fn a_pipeline_regroups_after_a_kill_and_a_join_with_the_fault_free_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let faults = r#"[{"at_step": 2, "kind": "kill"}, {"at_step": 4, "kind": "join"}]"#;
+    let r = chaos_with(tmp.path(), faults, 8, 5, &["pipeline.stages=2"], &[]);
+    let el = &r["faulted"]["elastic"];
+    assert_eq!((el["workers_lost"].as_u64(), el["workers_joined"].as_u64()), (Some(1), Some(1)), "{r:#}");
+    let log = std::fs::read_to_string(tmp.path().join("chaos/faulted.log")).unwrap();
+    assert!(log.contains("pipeline.stages = 2 does not divide 3 ranks: 1 stages until it does"), "{log}");
+}
+
 /// OneCycle with `cycle_momentum` (the optimizer's beta1 follows the shard's own step count):
 /// a kill mid-cycle and a join, recovered from replicas, still end on the fault-free bits, so the
 /// replicas and the new members step with the cycled betas of the steps they take over.

@@ -13,6 +13,7 @@ mod e2e_moe;
 mod e2e_moe_outputs;
 mod e2e_offload;
 mod e2e_outputs;
+mod e2e_pipeline;
 mod e2e_procs;
 mod e2e_signals;
 mod e2e_train;

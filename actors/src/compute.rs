@@ -48,6 +48,23 @@ pub struct Prepared {
     /// The routing statistics of this worker's micro-batches, summed (models with
     /// mixture-of-experts blocks; `None` for dense ones).
     pub moe: Option<MoeTally>,
+    /// A pipelined worker's instructions of the step, timed (empty otherwise).
+    pub timeline: Vec<TimedOp>,
+    /// A pipelined worker's most activation bytes held at once in the step (its micro-batches
+    /// in flight; 0 otherwise).
+    pub activation_bytes_peak: u64,
+}
+
+/// One pipeline instruction as a worker ran it ([`Prepared::timeline`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TimedOp {
+    /// 0 forward, 1 backward, 2 embeddings backward.
+    pub kind: u8,
+    /// The micro-batch's index among its pipeline replica's.
+    pub micro_batch: u32,
+    /// Seconds from the start of the worker's prepare.
+    pub start_s: f64,
+    pub end_s: f64,
 }
 
 /// Mixture-of-experts routing statistics summed over micro-batches: one rank's in a step
@@ -84,16 +101,17 @@ impl MoeTally {
     /// If both have blocks and they differ in number, index or expert count (the same model
     /// gives the same blocks).
     pub fn add(&mut self, other: &MoeTally) {
-        if self.blocks.is_empty() {
-            let zero =
-                |b: &MoeBlockTally| MoeBlockTally { block: b.block, tokens_per_expert: vec![0; b.tokens_per_expert.len()], dropped: 0 };
-            self.blocks = other.blocks.iter().map(zero).collect();
-        }
-        assert_eq!(self.blocks.len(), other.blocks.len(), "MoE tallies of different models");
-        for (a, b) in self.blocks.iter_mut().zip(&other.blocks) {
-            assert_eq!((a.block, a.tokens_per_expert.len()), (b.block, b.tokens_per_expert.len()), "MoE tallies of different models");
-            a.tokens_per_expert.iter_mut().zip(&b.tokens_per_expert).for_each(|(x, y)| *x += y);
-            a.dropped += b.dropped;
+        // Blocks merge by index: a pipeline stage's tally has only its own blocks.
+        for b in &other.blocks {
+            match self.blocks.binary_search_by_key(&b.block, |a| a.block) {
+                Ok(i) => {
+                    let a = &mut self.blocks[i];
+                    assert_eq!(a.tokens_per_expert.len(), b.tokens_per_expert.len(), "MoE tallies of different models");
+                    a.tokens_per_expert.iter_mut().zip(&b.tokens_per_expert).for_each(|(x, y)| *x += y);
+                    a.dropped += b.dropped;
+                }
+                Err(i) => self.blocks.insert(i, b.clone()),
+            }
         }
         self.aux_sum += other.aux_sum;
         self.z_sum += other.z_sum;

@@ -9,6 +9,9 @@
 
 use std::ops::Range;
 
+mod stage;
+pub use stage::StageSpan;
+
 use crate::experts::{ExpertMlp, ExpertRunner};
 use crate::gemm::matmul;
 use crate::layer::{Acts, Dims, Init, Layer, ParamLayout, ParamSpec};
@@ -354,6 +357,16 @@ pub struct Workspace {
 }
 
 impl Workspace {
+    /// Readies the workspace for a forward through `blocks` blocks of streams of `nc` values:
+    /// `blocks + 1` streams (the first the input), one `Acts` per block, no MoE statistics.
+    fn begin(&mut self, blocks: usize, nc: usize) {
+        self.xs.resize_with(blocks + 1, Vec::new);
+        self.xs.truncate(blocks + 1);
+        self.blocks.resize_with(blocks.max(1), Acts::default);
+        self.xs.iter_mut().for_each(|x| x.resize(nc, 0.0));
+        self.moe = MoeStats::default();
+    }
+
     /// The MoE blocks' routing in the last forward (training or evaluation), for the engine to
     /// report: per MoE block the rows each expert received, the (token, choice) pairs dropped
     /// for capacity, its load-balancing and z-losses; and the objective's auxiliary terms.
@@ -469,25 +482,33 @@ impl Model {
     /// and the MoE blocks' statistics in `ws.moe`. `pass`: training (its noise key) or
     /// evaluation (`None`).
     fn forward_stack(&self, acc: &mut dyn UnitAccess, tokens: &[u32], d: Dims, ws: &mut Workspace, keep: bool, pass: Option<u64>) {
-        let l = self.blocks.len();
-        ws.xs.resize_with(l + 1, Vec::new);
-        ws.blocks.resize_with(l.max(1), Acts::default);
-        let nc = d.n() * d.c;
-        ws.xs.iter_mut().for_each(|x| x.resize(nc, 0.0));
-        {
-            let (p0, _) = acc.unit(0);
-            let e = &self.embed;
-            let wpe = e.wpe.clone().map(|r| &p0[r]);
-            embedding::embedding_forward(&mut ws.xs[0], tokens, &p0[e.wte.clone()], wpe, d.b, d.t, d.c);
-        }
-        ws.moe = MoeStats::default();
-        for (i, block) in self.blocks.iter().enumerate() {
+        let span = 0..self.blocks.len();
+        ws.begin(span.len(), d.n() * d.c);
+        self.embed(acc, tokens, d, &mut ws.xs[0]);
+        self.forward_blocks(acc, span, d, ws, keep, pass);
+    }
+
+    /// The embeddings of `tokens` (and learned positions) into `out` `[n, c]`.
+    fn embed(&self, acc: &mut dyn UnitAccess, tokens: &[u32], d: Dims, out: &mut [f32]) {
+        let (p0, _) = acc.unit(0);
+        let e = &self.embed;
+        let wpe = e.wpe.clone().map(|r| &p0[r]);
+        embedding::embedding_forward(out, tokens, &p0[e.wte.clone()], wpe, d.b, d.t, d.c);
+    }
+
+    /// Forward through blocks `span` from the stream in `ws.xs[0]` (the input of block
+    /// `span.start`; `ws` was begun for `span.len()` blocks): `ws.xs[k]` is the input of block
+    /// `span.start + k`, the last one the span's output. Adds the MoE blocks' statistics to
+    /// `ws.moe`.
+    fn forward_blocks(&self, acc: &mut dyn UnitAccess, span: Range<usize>, d: Dims, ws: &mut Workspace, keep: bool, pass: Option<u64>) {
+        for (k, i) in span.enumerate() {
+            let block = &self.blocks[i];
             let (p, _, mut experts) = acc.unit_with_experts(i + 1);
-            let (head, tail) = ws.xs.split_at_mut(i + 1);
+            let (head, tail) = ws.xs.split_at_mut(k + 1);
             // With recomputation every block shares one scratch `Acts`: only inputs are kept.
-            let acts = if keep { &mut ws.blocks[i] } else { &mut ws.blocks[0] };
+            let acts = if keep { &mut ws.blocks[k] } else { &mut ws.blocks[0] };
             set_pass(block.as_ref(), acts, pass, i);
-            block.forward_with(p, &head[i], d, acts, &mut tail[0], runner(&mut experts));
+            block.forward_with(p, &head[k], d, acts, &mut tail[0], runner(&mut experts));
             if let Some(m) = &acts.moe {
                 let per_layer = self.cfg.moe.as_ref().is_some_and(|c| c.aux_loss == AuxLoss::PerLayer);
                 ws.moe.add(i, m, per_layer);
@@ -495,14 +516,13 @@ impl Model {
         }
     }
 
-    /// Final norm → tied LM head → softmax cross-entropy. With `dloss`, also runs the head's
-    /// backward, accumulating into unit 0's gradients and leaving d(stream) in `ws.dx`.
-    /// Returns the mean loss over the `b*t` positions.
-    fn head(&self, acc: &mut dyn UnitAccess, targets: &[u32], d: Dims, ws: &mut Workspace, dloss: Option<f32>) -> f32 {
+    /// Final norm → LM head → softmax cross-entropy over the stream `ws.xs`'s last entry,
+    /// keeping what the head's backward needs in `ws.head`. Returns the mean loss over the
+    /// `b*t` positions.
+    fn head_forward(&self, p0: &[f32], targets: &[u32], d: Dims, ws: &mut Workspace) -> f32 {
         let (n, c, v) = (d.n(), d.c, self.cfg.vocab_size);
         let e = &self.embed;
-        let (p0, g0) = acc.unit(0);
-        let x = &ws.xs[self.blocks.len()];
+        let x = ws.xs.last().expect("a begun workspace");
         let h = &mut ws.head;
         let mut xn = h.take(0, n * c);
         let mut mean = h.take(1, n);
@@ -517,27 +537,42 @@ impl Model {
         let mut losses = h.take(5, n);
         matmul(&mut logits, &xn, wte, n, c, v, false, true, 0.0);
         let loss = crossentropy::crossentropy_forward(&mut losses, &mut probs, &logits, targets, n, v);
-        if let Some(dloss) = dloss {
-            ws.loss_at = Some(std::time::Instant::now());
-            // Reuse the logits buffer for d(logits).
-            logits.fill(0.0);
-            crossentropy::crossentropy_backward(&mut logits, &probs, targets, n, v, dloss);
-            let mut dxn = h.take(6, n * c);
-            matmul(&mut dxn, &logits, wte, n, v, c, false, false, 0.0);
-            matmul(&mut g0[e.head.clone()], &logits, &xn, v, n, c, true, false, 1.0);
-            ws.dx.clear();
-            ws.dx.resize(n * c, 0.0);
-            let (gw, gb) = split_two(g0, e.norm_w.clone(), e.norm_b.clone());
-            match gb {
-                Some(gb) => layernorm::layernorm_backward(&mut ws.dx, gw, gb, &dxn, x, &p0[e.norm_w.clone()], &mean, &rstd, n, c),
-                None => rmsnorm::rmsnorm_backward(&mut ws.dx, gw, &dxn, x, &p0[e.norm_w.clone()], &rstd, n, c),
-            }
-            h.put(6, dxn);
-        }
         for (i, buf) in [xn, mean, rstd, logits, probs, losses].into_iter().enumerate() {
             h.put(i, buf);
         }
         loss
+    }
+
+    /// The head's backward after [`Model::head_forward`] on the same workspace: accumulates into
+    /// unit 0's gradients `g0` (the head, the final norm) and leaves d(stream) in `ws.dx`.
+    fn head_backward(&self, p0: &[f32], g0: &mut [f32], targets: &[u32], d: Dims, ws: &mut Workspace, dloss: f32) {
+        let (n, c, v) = (d.n(), d.c, self.cfg.vocab_size);
+        let e = &self.embed;
+        let x = ws.xs.last().expect("a begun workspace");
+        let h = &mut ws.head;
+        let xn = h.take(0, n * c);
+        let mean = h.take(1, n);
+        let rstd = h.take(2, n);
+        // Reuse the logits buffer for d(logits).
+        let mut logits = h.take(3, n * v);
+        let probs = h.take(4, n * v);
+        let wte = &p0[e.head.clone()];
+        logits.fill(0.0);
+        crossentropy::crossentropy_backward(&mut logits, &probs, targets, n, v, dloss);
+        let mut dxn = h.take(6, n * c);
+        matmul(&mut dxn, &logits, wte, n, v, c, false, false, 0.0);
+        matmul(&mut g0[e.head.clone()], &logits, &xn, v, n, c, true, false, 1.0);
+        ws.dx.clear();
+        ws.dx.resize(n * c, 0.0);
+        let (gw, gb) = split_two(g0, e.norm_w.clone(), e.norm_b.clone());
+        match gb {
+            Some(gb) => layernorm::layernorm_backward(&mut ws.dx, gw, gb, &dxn, x, &p0[e.norm_w.clone()], &mean, &rstd, n, c),
+            None => rmsnorm::rmsnorm_backward(&mut ws.dx, gw, &dxn, x, &p0[e.norm_w.clone()], &rstd, n, c),
+        }
+        for (i, buf) in [xn, mean, rstd, logits, probs].into_iter().enumerate() {
+            h.put(i, buf);
+        }
+        h.put(6, dxn);
     }
 
     /// One training micro-batch: forward, loss, backward. Gradients of `dloss · objective` are
@@ -555,7 +590,21 @@ impl Model {
         let d = self.dims(b, t);
         let keep = !self.checkpoint_activations;
         self.forward_stack(acc, tokens, d, ws, keep, Some(noise_key));
-        let loss = self.head(acc, targets, d, ws, Some(dloss));
+        // The head's parameters are taken once for its forward and backward.
+        let (p0, g0) = acc.unit(0);
+        let loss = self.head_forward(p0, targets, d, ws);
+        ws.loss_at = Some(std::time::Instant::now());
+        self.head_backward(p0, g0, targets, d, ws, dloss);
+        self.backward_blocks(acc, 0..self.blocks.len(), d, ws, noise_key, dloss);
+        self.embed_backward(acc, tokens, d, &ws.dx);
+        loss
+    }
+
+    /// Backward through blocks `span` (after [`Model::forward_blocks`] on the same workspace),
+    /// from d(span output) in `ws.dx`; leaves d(span input) in `ws.dx` and marks each block's
+    /// gradients ready as it finishes.
+    fn backward_blocks(&self, acc: &mut dyn UnitAccess, span: Range<usize>, d: Dims, ws: &mut Workspace, noise_key: u64, dloss: f32) {
+        let keep = !self.checkpoint_activations;
         ws.dx_prev.resize(d.n() * d.c, 0.0);
         // The router losses' gradients, for the MoE blocks' backward (scaled like the loss's):
         // the across-layers loss's is the same for every block (it needs every block's counts,
@@ -569,16 +618,17 @@ impl Model {
             }
             _ => (None, 0.0, None),
         };
-        for (i, block) in self.blocks.iter().enumerate().rev() {
+        for (k, i) in span.clone().enumerate().rev() {
+            let block = &self.blocks[i];
             let (p, g, mut experts) = acc.unit_with_experts(i + 1);
-            let acts = if keep { &mut ws.blocks[i] } else { &mut ws.blocks[0] };
+            let acts = if keep { &mut ws.blocks[k] } else { &mut ws.blocks[0] };
             if !keep {
                 // Recompute this block's activations from its saved input (an MoE block's
                 // experts run again, in the same exchanges as its forward's, with the same
                 // noise).
                 let mut y = std::mem::take(&mut ws.dx_prev);
                 set_pass(block.as_ref(), acts, Some(noise_key), i);
-                block.forward_with(p, &ws.xs[i], d, acts, &mut y, runner(&mut experts));
+                block.forward_with(p, &ws.xs[k], d, acts, &mut y, runner(&mut experts));
                 ws.dx_prev = y;
             }
             if let Some(m) = acts.moe.as_mut() {
@@ -587,17 +637,21 @@ impl Model {
                     m.dprob = Some(crate::ops::moe::aux_per_layer(&m.routing).1.iter().map(|v| v * scale).collect());
                 }
             }
-            block.backward_with(p, g, &ws.xs[i], &ws.dx, d, acts, &mut ws.dx_prev, runner(&mut experts));
+            block.backward_with(p, g, &ws.xs[k], &ws.dx, d, acts, &mut ws.dx_prev, runner(&mut experts));
             drop(experts);
             std::mem::swap(&mut ws.dx, &mut ws.dx_prev);
             acc.grads_ready(i + 1);
         }
+    }
+
+    /// The embeddings' backward from d(stream after the embeddings) `dx`: accumulates into unit
+    /// 0's gradients and marks them ready.
+    fn embed_backward(&self, acc: &mut dyn UnitAccess, tokens: &[u32], d: Dims, dx: &[f32]) {
         let (_, g0) = acc.unit(0);
         let e = &self.embed;
         let (gwte, gwpe) = split_two(g0, e.wte.clone(), e.wpe.clone());
-        embedding::embedding_backward(gwte, gwpe, &ws.dx, tokens, b, t, d.c);
+        embedding::embedding_backward(gwte, gwpe, dx, tokens, d.b, d.t, d.c);
         acc.grads_ready(0);
-        loss
     }
 
     /// Mean cross-entropy of one batch, forward only: evaluation (MoE routing draws no noise
@@ -606,7 +660,8 @@ impl Model {
         self.check_batch(tokens, b, t);
         let d = self.dims(b, t);
         self.forward_stack(acc, tokens, d, ws, false, None);
-        self.head(acc, targets, d, ws, None)
+        let (p0, _) = acc.unit(0);
+        self.head_forward(p0, targets, d, ws)
     }
 
     /// Logits `[v]` of the last position of one sequence (for sampling).
@@ -629,6 +684,11 @@ impl Model {
         let mut logits = vec![0.0; v];
         matmul(&mut logits, &xn, &p0[e.head.clone()], 1, c, v, false, true, 0.0);
         logits
+    }
+
+    /// Block `l`'s kind (`gpt-block`, `llama-block`).
+    pub fn block_kind(&self, l: usize) -> &'static str {
+        self.blocks[l].kind()
     }
 
     /// Block `l`'s experts, if it is a mixture-of-experts block.

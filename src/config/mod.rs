@@ -12,6 +12,7 @@ mod legacy;
 mod moe;
 mod optim;
 mod overrides;
+mod pipeline;
 mod reader;
 mod render;
 mod schema;
@@ -33,6 +34,7 @@ pub use keys::{effectively_honoured, key_table, lookup, KeyInfo, KeyKind};
 pub use legacy::LEGACY_KEYS;
 pub use moe::{MoeSection, AUX_LOSS_COEF_DEFAULT, EXPERT_INTERVAL_DEFAULT, MIN_CAPACITY_DEFAULT};
 pub use optim::OptimizerConfig;
+pub use pipeline::PipelineSection;
 pub use render::{render_check, render_markdown_table};
 pub use sections::{
     ActivationCheckpointingConfig, AioConfig, ComputeDevice, Fp16Config, GpuCollective, MonitorConfig, MonitorTarget, OffloadDevice,
@@ -63,6 +65,9 @@ pub struct Config {
     /// DeepSpeed `activation_checkpointing` section being present).
     pub activation_checkpointing: bool,
     pub activation_checkpointing_config: ActivationCheckpointingConfig,
+    /// DeepSpeed's `pipeline` section with `tessera.pipeline` (docs/PIPELINE.md); `None`: no
+    /// pipeline section.
+    pub pipeline: Option<PipelineSection>,
     pub steps_per_print: u64,
     pub wall_clock_breakdown: bool,
     pub monitors: MonitorConfig,
@@ -129,13 +134,24 @@ fn build(mut root: Value, source: &str, overrides: &[String], ctx: &ResolveConte
         return Err(ConfigErrorKind::invalid("tessera.world", &json!(0), "at least 1 worker"));
     }
     tessera.world = world;
+    let pipeline = pipeline::parse_pipeline(&root)?;
+    // The batch rule counts data-parallel ranks: with pipeline stages, world / stages.
+    let stages = pipeline.as_ref().map_or(1, |p| p.stages);
+    if world % stages != 0 {
+        return Err(ConfigErrorKind::invalid(
+            "pipeline.stages",
+            &json!(stages),
+            &format!("a divisor of the world size {world} (each data-parallel replica is a whole pipeline)"),
+        ));
+    }
+    let dp = world / stages;
     let elasticity = elastic::parse_elasticity(&root)?;
     let batch = match elasticity.as_ref().filter(|e| e.enabled) {
         Some(e) => {
-            let (elastic, micro, accum) = elastic::elastic_batch_triple(&root, e, world)?;
+            let (elastic, micro, accum) = elastic::elastic_batch_triple(&root, e, dp)?;
             Batch { train_batch_size: elastic.train_batch_size, micro_batch_per_gpu: micro, gradient_accumulation_steps: accum }
         }
-        None => batch::derive(&root, world)?,
+        None => batch::derive(&root, dp)?,
     };
     fill_resolved(&mut root, &batch, ctx.world_size);
     let optimizer = optim::parse_optimizer(&root, ctx)?;
@@ -153,7 +169,8 @@ fn build(mut root: Value, source: &str, overrides: &[String], ctx: &ResolveConte
         precision: sections::parse_precision(&root)?,
         gradient_clipping: top.non_negative_f32("gradient_clipping", 0.0)?,
         zero: sections::parse_zero(&root)?,
-        activation_checkpointing: tessera.activation_checkpointing || ac_present,
+        activation_checkpointing: tessera.activation_checkpointing || ac_present || pipeline.as_ref().is_some_and(|p| p.recompute),
+        pipeline,
         activation_checkpointing_config,
         steps_per_print: top.u64("steps_per_print", 10)?,
         wall_clock_breakdown: top.bool("wall_clock_breakdown", false)?,

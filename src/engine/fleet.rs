@@ -50,9 +50,9 @@ pub struct RunPlanner<'a> {
 
 impl Planner<Plan> for RunPlanner<'_> {
     fn plan(&self, world: usize) -> Result<Plan> {
-        let (cfg, regrouped) = config_for_world(self.cfg, world);
-        if let Some((asked, used)) = regrouped {
-            eprintln!("[elastic] tessera.moe.ep_size = {asked} does not divide {world} ranks: expert groups of {used} until it does");
+        let (cfg, notes) = config_for_world(self.cfg, world);
+        for note in notes {
+            eprintln!("[elastic] {note}");
         }
         Plan::new(&cfg, self.dataset)
     }
@@ -62,23 +62,35 @@ impl Planner<Plan> for RunPlanner<'_> {
     }
 }
 
-/// `cfg` for a fleet of `world` ranks (a new epoch's, after losses or joins), and with expert
-/// parallelism a world that `tessera.moe.ep_size` does not divide runs with the largest divisor
-/// of it that divides the world — `Some((asked, used))` then. Experts are placed, not stored, by
-/// the groups (their parameters follow the ZeRO partition), so the groups re-form at once and
-/// the bits do not change. The driver and every worker re-plan through this.
-pub fn config_for_world(cfg: &Config, world: usize) -> (Config, Option<(usize, usize)>) {
+/// `cfg` for a fleet of `world` ranks (a new epoch's, after losses or joins), and what it had to
+/// change, one line each: with expert parallelism a world that `tessera.moe.ep_size` does not
+/// divide runs with the largest divisor of it that divides the world; with pipeline stages, a
+/// world that `pipeline.stages` does not divide runs with the largest divisor of it that does
+/// (fewer, longer stages). Experts and stages are placed, not stored (their parameters follow
+/// the ZeRO partition), so the groups re-form at once and the bits do not change. The driver
+/// and every worker re-plan through this.
+pub fn config_for_world(cfg: &Config, world: usize) -> (Config, Vec<String>) {
     let mut cfg = cfg.clone();
     cfg.world_size = world;
-    let mut regrouped = None;
+    let mut notes = Vec::new();
     if let Some(moe) = cfg.tessera.moe.as_mut() {
         let asked = moe.ep_size;
         moe.ep_size = (1..=asked).rev().find(|d| asked % d == 0 && world % d == 0).unwrap_or(1);
         if moe.ep_size != asked {
-            regrouped = Some((asked, moe.ep_size));
+            notes.push(format!(
+                "tessera.moe.ep_size = {asked} does not divide {world} ranks: expert groups of {} until it does",
+                moe.ep_size
+            ));
         }
     }
-    (cfg, regrouped)
+    if let Some(p) = cfg.pipeline.as_mut() {
+        let asked = p.stages;
+        p.stages = (1..=asked).rev().find(|d| world % d == 0).unwrap_or(1);
+        if p.stages != asked {
+            notes.push(format!("pipeline.stages = {asked} does not divide {world} ranks: {} stages until it does", p.stages));
+        }
+    }
+    (cfg, notes)
 }
 
 /// What a run's fleet runs with: the elastic runtime's knobs `er` (`config::elastic_run`), the

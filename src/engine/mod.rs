@@ -10,6 +10,7 @@ mod experts;
 mod fleet;
 mod lane;
 mod moe_stats;
+pub mod pipeline;
 mod plan;
 mod precision;
 mod ranks;

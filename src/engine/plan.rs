@@ -11,6 +11,7 @@ use tessera_kernels::model::Model;
 use tessera_kernels::optim::{FlatLayout, OptimizerKind, NORM_BLOCK};
 
 use super::experts::ExpertPlan;
+use super::pipeline::PipePlan;
 use super::precision::Precision16;
 use crate::config::{ComputeDevice, Config, ZeroConfig};
 use crate::data::{self, Dataset};
@@ -67,6 +68,8 @@ pub struct Plan {
     pub device: ComputeDevice,
     /// Expert parallelism (`tessera.moe.ep_size` > 1): which rank runs which experts.
     pub experts: Option<ExpertPlan>,
+    /// Pipeline parallelism (`pipeline.stages` > 1): which rank runs which stage.
+    pub pipeline: Option<PipePlan>,
 }
 
 /// `ranges` minus `cut` (both sorted, disjoint), in order.
@@ -85,6 +88,18 @@ pub fn subtract(ranges: &[Range<usize>], cut: &[Range<usize>]) -> Vec<Range<usiz
         }
     }
     out
+}
+
+/// The micro-batch blocks of a pipelined run: replica `d`'s (the plan's usual equal cut over
+/// the replicas) held by its last stage's rank, which computes their losses; the other stages
+/// run the same micro-batches and supply their gradients ([`PipePlan::suppliers`]).
+fn pipeline_blocks(pp: &PipePlan, micro_batches: usize) -> Vec<Vec<(usize, u32)>> {
+    let per_replica = assign_blocks(micro_batches, &vec![1.0; pp.replicas]);
+    let mut blocks = vec![Vec::new(); pp.stages * pp.replicas];
+    for (d, b) in per_replica.into_iter().enumerate() {
+        blocks[pp.last_rank(d)] = b;
+    }
+    blocks
 }
 
 /// What a rank sends to the partition owners in one micro-batch slot.
@@ -309,7 +324,26 @@ impl Plan {
             super::device::check_model(&model, cfg.micro_batch_per_gpu, seq_len)
                 .map_err(|e| anyhow::anyhow!("tessera.device = \"cuda\": {e}"))?;
         }
+        let pipeline = match cfg.pipeline.as_ref().filter(|p| p.stages > 1) {
+            None => None,
+            Some(p) => {
+                if cfg.tessera.moe.as_ref().is_some_and(|m| m.ep_size > 1) {
+                    bail!("pipeline.stages = {} with tessera.moe.ep_size > 1: expert parallelism inside pipeline stages is not built yet; use ep_size 1 (every stage runs its blocks' experts)", p.stages);
+                }
+                if cfg.tessera.device == ComputeDevice::Cuda {
+                    bail!("pipeline.stages = {} with tessera.device = \"cuda\": pipeline stages run on CPU ranks so far", p.stages);
+                }
+                let plan = PipePlan::new(&model, p.stages, world, p.schedule, p.partition.clone())
+                    .map_err(|e| anyhow::anyhow!("pipeline.stages = {}: {e}", p.stages))?;
+                Some(plan)
+            }
+        };
+        let blocks = match &pipeline {
+            None => assign_blocks(micro_batches, &vec![1.0; world]),
+            Some(pp) => pipeline_blocks(pp, micro_batches),
+        };
         let plan = Plan {
+            pipeline,
             source,
             device: cfg.tessera.device,
             decay: model.layout().decay_flags(),
@@ -319,7 +353,7 @@ impl Plan {
             seq_len,
             micro_batches,
             ranges: partition(model.num_params(), world, NORM_BLOCK),
-            blocks: assign_blocks(micro_batches, &vec![1.0; world]),
+            blocks,
             flat,
             base_lr: cfg.optimizer.lr(),
             world,
@@ -488,7 +522,11 @@ impl Plan {
 
     /// This plan with rank `r`'s micro-batch blocks `blocks[r]`, checked to be the aligned cut
     /// of contiguous runs covering every micro-batch in rank order (so the bits stay the same).
+    /// A pipelined plan keeps its blocks (every stage of a replica runs the same micro-batches).
     pub fn with_blocks(mut self, blocks: Vec<Vec<(usize, u32)>>) -> Result<Plan, String> {
+        if self.pipeline.is_some() {
+            return Err("a pipelined run keeps its micro-batch blocks (speed-weighted blocks would split a pipeline)".into());
+        }
         tessera_actors::check_blocks(self.micro_batches, self.world, &blocks)?;
         self.blocks = blocks;
         Ok(self)
@@ -518,8 +556,11 @@ impl Plan {
     /// Whether gradients travel to their owners once per micro-batch (stages 2–3, as
     /// DeepSpeed's ZeRO-2 reduces at every micro-step: no full-length gradient is kept) or
     /// once per block as the block's tree sum (stages 0–1, whose gradients are full-length).
+    ///
+    /// Pipelined runs send block sums at every stage: a stage's gradients reach their owners
+    /// after the step's schedule, the exchange being one of the whole world.
     pub fn reduces_per_micro_batch(&self) -> bool {
-        self.stage >= 2
+        self.stage >= 2 && self.pipeline.is_none()
     }
 
     /// What rank `r` sends in slot `s`, if anything.
@@ -535,10 +576,11 @@ impl Plan {
     /// cut where the supplier changes: `q` itself, or with expert parallelism the member of its
     /// group that ran the experts there ([`ExpertPlan::suppliers`]).
     pub fn suppliers(&self, q: usize, range: Range<usize>) -> Vec<(Range<usize>, usize)> {
-        match &self.experts {
+        match (&self.experts, &self.pipeline) {
             _ if range.is_empty() => Vec::new(),
-            None => vec![(range, q)],
-            Some(ep) => ep.suppliers(q, range),
+            (_, Some(pp)) => pp.suppliers(q, range),
+            (None, None) => vec![(range, q)],
+            (Some(ep), None) => ep.suppliers(q, range),
         }
     }
 

@@ -22,6 +22,7 @@ use tessera_transport::local::LocalGroup;
 
 use super::fleet::{fleet_spec, RunPlanner, SignalHost};
 use super::moe_stats::{self, MoeSummary};
+use super::pipeline::report::PipelineTally;
 use super::plan::Plan;
 use super::ranks::{rank_states, Ranks};
 use super::summary::{peak_rss_bytes, ElasticSummary, RunRecord, RunStatus, Summary};
@@ -544,6 +545,8 @@ struct Tally {
     /// MoE routing over the steps run, and of the last one (models with MoE blocks).
     moe_run: Option<MoeTally>,
     moe_last: Option<MoeTally>,
+    /// Pipelined runs: the measured bubbles and the last step's timeline.
+    pipeline: PipelineTally,
 }
 
 /// Most of what `train` checks before it starts (`tessera config check` runs it): the data
@@ -727,6 +730,9 @@ impl Run<'_> {
             events.extend(moe_stats::step_events(m, samples));
             t.moe_run.get_or_insert_with(MoeTally::default).add(m);
             t.moe_last = Some(m.clone());
+        }
+        if let Some(pp) = &plan.pipeline {
+            t.pipeline.add(pp, &res);
         }
         let tps = (t.steps_run * plan.tokens_per_step()) as f64 / t.train_s.max(1e-9);
         pb.set_message(format!("loss {loss:.4} | {tps:.0} tok/s"));
@@ -1176,6 +1182,7 @@ impl Run<'_> {
             last_checkpoint: t.last_ckpt.as_ref().map(|p| p.display().to_string()),
             elastic: self.elastic.as_ref().map(|e| e.stats.clone()),
             moe: t.moe_run.as_ref().zip(t.moe_last.as_ref()).map(|(run, last)| MoeSummary::new(run, last)),
+            pipeline: plan.pipeline.as_ref().map(|pp| t.pipeline.summary(pp, plan.micro_batches / pp.replicas)),
             gpu: match &self.ranks {
                 Ranks::Gpu(g) => Some(g.figures()),
                 _ => None,
@@ -1235,6 +1242,9 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
             cfg.tessera.steps
         ),
     );
+    if let Some(pp) = &plan.pipeline {
+        log_line(&pb, pp.describe());
+    }
     let mut t = Tally { rank_bytes: vec![0; plan.world], ..Tally::default() };
     let stopped = match run.steps(&pb, &mut t, &dataset) {
         Ok(stopped) => stopped,
@@ -1261,6 +1271,9 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
     summary.write(&run.out_dir.join("summary.json")).context("writing summary.json")?;
     monitor::write_loss_curve_svg(&run.out_dir.join("loss.svg"), &[("train", &t.train_curve), ("val", &t.val_curve)])
         .context("writing loss.svg")?;
+    if let Some(pp) = &run.plan.pipeline {
+        t.pipeline.write_svg(pp, &run.out_dir.join("pipeline.svg"))?;
+    }
     let Run { cluster, ranks, out_dir, .. } = run;
     cluster.shutdown().context("stopping the actor tree")?;
     ranks.close().context("stopping the worker processes")?;

@@ -142,6 +142,9 @@ pub struct Summary {
     /// The mixture-of-experts routing over the run (absent for dense models).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub moe: Option<super::moe_stats::MoeSummary>,
+    /// The pipeline's stages and measured bubble (absent without pipeline stages).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<super::pipeline::report::PipelineSummary>,
     /// The NCCL GPU trainer's device figures (absent elsewhere).
     #[serde(flatten, skip_serializing_if = "Option::is_none")]
     pub gpu: Option<GpuFigures>,
@@ -245,7 +248,7 @@ impl Summary {
                 );
             }
         }
-        let moe = self.moe.as_ref().map(|m| m.line()).unwrap_or_default();
+        let moe = self.moe.as_ref().map(|m| m.line()).unwrap_or_default() + &self.pipeline.as_ref().map(|p| p.line()).unwrap_or_default();
         format!(
             "── summary ──────────────────────────────────────────\n\
              model          {} ({:.2}M params, {}, ZeRO-{}, {where_})\n\

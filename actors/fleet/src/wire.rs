@@ -30,7 +30,7 @@ use rkyv::bytecheck::CheckBytes;
 use rkyv::rancor::Error as RkyvError;
 use rkyv::ser::allocator::ArenaHandle;
 use rkyv::util::AlignedVec;
-use tessera_actors::compute::{ComputeError, MemoryReport, MoeBlockTally, MoeTally, PhaseTimes, Prepared, StepOrder};
+use tessera_actors::compute::{ComputeError, MemoryReport, MoeBlockTally, MoeTally, PhaseTimes, Prepared, StepOrder, TimedOp};
 use tessera_transport::quic::control::{ControlError, LANE_REQUESTS};
 use tessera_transport::quic::ControlConn;
 
@@ -229,6 +229,9 @@ pub struct WirePrepared {
     /// `PhaseTimes`' forward, backward inner and backward allreduce seconds, as bits.
     pub phases_bits: [u64; 3],
     pub moe: Option<WireMoeTally>,
+    /// `TimedOp`s as (kind, micro-batch, start bits, end bits).
+    pub timeline: Vec<(u8, u32, u64, u64)>,
+    pub activation_bytes_peak: u64,
 }
 
 /// [`MoeTally`] with floats as bits: per MoE block (index, tokens per expert, dropped pairs).
@@ -279,6 +282,8 @@ impl WirePrepared {
             busy_micro_batches: p.busy_micro_batches as u64,
             phases_bits: [p.phases.forward_s, p.phases.backward_inner_s, p.phases.backward_allreduce_s].map(f64::to_bits),
             moe: p.moe.as_ref().map(WireMoeTally::new),
+            timeline: p.timeline.iter().map(|o| (o.kind, o.micro_batch, o.start_s.to_bits(), o.end_s.to_bits())).collect(),
+            activation_bytes_peak: p.activation_bytes_peak,
         }
     }
 
@@ -299,6 +304,12 @@ impl WirePrepared {
                 backward_allreduce_s: f64::from_bits(self.phases_bits[2]),
             },
             moe: self.moe.as_ref().map(WireMoeTally::tally),
+            timeline: self
+                .timeline
+                .iter()
+                .map(|&(kind, micro_batch, a, b)| TimedOp { kind, micro_batch, start_s: f64::from_bits(a), end_s: f64::from_bits(b) })
+                .collect(),
+            activation_bytes_peak: self.activation_bytes_peak,
         }
     }
 }

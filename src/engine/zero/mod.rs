@@ -47,6 +47,7 @@ mod experts;
 mod feed;
 mod gather;
 mod owner_sums;
+mod pipeline;
 mod state;
 mod swap;
 #[cfg(test)]
@@ -143,6 +144,10 @@ pub struct ZeroWorker {
     /// Where this rank's forward and backward run (`tessera.device`).
     dev: Device,
     feed: Option<Feed>,
+    /// A pipelined rank: its instructions of the last step, timed.
+    timeline: Vec<super::pipeline::timeline::Timed>,
+    /// A pipelined rank: the most activation bytes it held at once in the last step.
+    activation_bytes_peak: u64,
 }
 
 /// Why an optimizer step failed, and what it left.
@@ -188,7 +193,7 @@ impl ZeroWorker {
         let threaded = plan.overlap_comm || (plan.gathers() && plan.prefetch_elems > 0);
         let lane = Lane::new(comm, threaded);
         let dev = Device::new(plan.device);
-        ZeroWorker { rank, plan, sampler, lane, state, staged: None, dev, feed: None }
+        ZeroWorker { rank, plan, sampler, lane, state, staged: None, dev, feed: None, timeline: Vec::new(), activation_bytes_peak: 0 }
     }
 
     /// Runs the next steps under `plan`, which may assign other micro-batch blocks (speeds
@@ -207,6 +212,9 @@ impl ZeroWorker {
     /// Forward/backward of this rank's micro-batches, slot by slot, with their gradients
     /// travelling to the partition owners as the backward produces them.
     fn compute_and_reduce(&mut self, step: u64, scale: f32, params: &ParamStore) -> Result<Computed, ComputeError> {
+        if self.plan.pipeline.is_some() {
+            return self.compute_pipelined(step, scale, params);
+        }
         let plan = Arc::clone(&self.plan);
         let (mb, t) = (plan.micro, plan.seq_len);
         let dloss = scale / plan.micro_batches as f32;
@@ -416,6 +424,8 @@ impl ZeroWorker {
             busy_micro_batches,
             phases,
             moe,
+            timeline: std::mem::take(&mut self.timeline).iter().map(super::pipeline::timeline::Timed::op).collect(),
+            activation_bytes_peak: std::mem::take(&mut self.activation_bytes_peak),
         })
     }
 
