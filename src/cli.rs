@@ -165,7 +165,9 @@ fn train_ranks(config_path: &Path, common: &CommonArgs, opts: TrainOptions, loca
     print_warnings(&cfg);
     let out = engine::train(&cfg, &opts)?;
     outln!("{}", out.summary.render());
-    outln!("wrote {}/summary.json and {}/loss.svg", out.output_dir.display(), out.output_dir.display());
+    let dir = out.output_dir.display();
+    let pictures = if out.summary.pipeline.is_some() { format!(", {dir}/loss.svg and {dir}/pipeline.svg") } else { format!(" and {dir}/loss.svg") };
+    outln!("wrote {dir}/summary.json{pictures}");
     Ok(!out.interrupted)
 }
 
