@@ -14,6 +14,7 @@ mod e2e_moe_outputs;
 mod e2e_offload;
 mod e2e_outputs;
 mod e2e_procs;
+mod e2e_serve;
 mod e2e_signals;
 mod e2e_train;
 mod e2e_zero;
