@@ -133,7 +133,7 @@ fn a_client_gone_mid_stream_is_cancelled_and_many_connections_are_answered() {
     let srv = start(&model_folder(tmp.path()), &["--max-queue", "64"]);
     let a = srv.addr.clone();
     // A stream read to its first event, then dropped.
-    let body = r#"{"model": "tiny-llama", "prompt": "It is", "max_tokens": 60, "stream": true, "ignore_eos": true}"#;
+    let body = r#"{"model": "tiny-llama", "prompt": "It is", "max_tokens": 50, "stream": true, "ignore_eos": true}"#;
     let mut s = TcpStream::connect(&a).unwrap();
     write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len())
         .unwrap();
