@@ -344,6 +344,9 @@ struct ServeArgs {
     /// Key/value cache blocks (0: enough for --max-seqs sequences of the full context).
     #[arg(long, default_value_t = 0)]
     kv_blocks: usize,
+    /// The linear layers' weights: f32, or int8 (weight-only, per-channel scales).
+    #[arg(long, default_value = "f32")]
+    weights: tessera::infer::LinearFormat,
     /// Sequences in a batch at most.
     #[arg(long, default_value_t = 32)]
     max_seqs: usize,
@@ -423,6 +426,9 @@ struct GenerateArgs {
     /// The tokenizer.json the model was trained with (byte-level if absent).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// The linear layers' weights: f32, or int8 (weight-only, per-channel scales).
+    #[arg(long, default_value = "f32")]
+    weights: tessera::infer::LinearFormat,
 }
 
 #[derive(Args)]
@@ -559,6 +565,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             top_k: a.top_k,
             seed: a.seed,
             tokenizer: a.tokenizer,
+            weights: a.weights,
         })
         .map(|()| done),
         Cmd::Serve(a) => {
@@ -575,6 +582,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 addr: a.addr,
                 block_size: a.block_size,
                 kv_blocks: a.kv_blocks,
+                weights: a.weights,
                 max_seqs: a.max_seqs,
                 max_batch_tokens: a.max_batch_tokens,
                 limits,

@@ -9,6 +9,8 @@
 
 use std::ops::Range;
 
+pub mod paged;
+
 use crate::experts::{ExpertMlp, ExpertRunner};
 use crate::gemm::matmul;
 use crate::layer::{Acts, Dims, Init, Layer, ParamLayout, ParamSpec};
@@ -790,6 +792,10 @@ const B_D2: usize = 14;
 const B_DQKV: usize = 15;
 
 impl Layer for GptBlock {
+    fn paged(&self) -> &dyn paged::PagedLayer {
+        self
+    }
+
     fn kind(&self) -> &'static str {
         "gpt-block"
     }
@@ -1040,6 +1046,10 @@ impl LlamaBlock {
 }
 
 impl Layer for LlamaBlock {
+    fn paged(&self) -> &dyn paged::PagedLayer {
+        self
+    }
+
     fn kind(&self) -> &'static str {
         "llama-block"
     }

@@ -10,10 +10,12 @@
 //! - [`sample`]: greedy, temperature, top-k, top-p, repetition penalty, per-request seeds;
 //! - [`engine`]: a backend driven by the scheduler, token by token;
 //! - [`text`]: generated tokens as text, stop strings;
+//! - [`cpu`]: the paged CPU backend (f32 or int8 linears);
 //! - [`recompute`]: the reference backend (recomputes every position; the oracle of the others).
 
 pub mod backend;
 pub mod blocks;
+pub mod cpu;
 pub mod engine;
 pub mod recompute;
 pub mod sample;
@@ -26,5 +28,6 @@ mod engine_tests;
 mod sched_tests;
 
 pub use backend::{Backend, SeqStep};
+pub use cpu::{CpuBackend, CpuOptions, LinearFormat};
 pub use engine::{Engine, Event, Finish, Request};
 pub use sample::{Sampler, SamplingParams};

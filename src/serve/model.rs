@@ -12,8 +12,7 @@ use tessera_kernels::model::Model;
 use super::chat::ChatTemplate;
 use crate::data::Codec;
 use crate::hf;
-use crate::infer::recompute::RecomputeBackend;
-use crate::infer::Backend;
+use crate::infer::{Backend, CpuBackend, CpuOptions, LinearFormat};
 
 /// A model ready to generate with.
 pub struct LoadedModel {
@@ -47,11 +46,10 @@ impl LoadedModel {
         Ok(self.bos.into_iter().chain(self.codec.encode(text)?).collect())
     }
 
-    /// The backend the engine runs this model on, with `num_blocks` cache blocks of
-    /// `block_size` positions. The reference backend until the paged CPU backend (`infer::cpu`,
-    /// the kvcpu branch) lands: exact, but it recomputes the whole sequence every step.
-    pub fn backend(self, block_size: usize, num_blocks: usize) -> Result<Box<dyn Backend>> {
-        Ok(Box::new(RecomputeBackend::new(self.model, self.params, block_size, num_blocks)?))
+    /// The backend the engine runs this model on: the paged CPU backend with `num_blocks` cache
+    /// blocks of `block_size` positions, its linears in `weights`.
+    pub fn backend(self, block_size: usize, num_blocks: usize, weights: LinearFormat) -> Result<Box<dyn Backend>> {
+        Ok(Box::new(CpuBackend::new(self.model, self.params, CpuOptions { block_size, num_blocks, weights })?))
     }
 }
 
