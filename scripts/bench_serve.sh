@@ -8,7 +8,7 @@
 set -euo pipefail
 model=$1
 shift
-bin=${TESSERA_BIN:-target/release/tessera}
+bin=target/release/tessera
 for seqs in 32 1; do
   log=$(mktemp)
   "$bin" serve --model "$model" --addr 127.0.0.1:0 --max-seqs "$seqs" --max-queue 100000 >"$log" 2>&1 &
