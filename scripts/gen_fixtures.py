@@ -35,12 +35,19 @@ factor, no drops).
 `hf-gpu` -- `llama-gpu`, a LlamaForCausalLM of head dimension 64 with grouped-query attention and an
 untied head (what the GPU kernels run), for tests/e2e_gpu.rs; no reference file.
 
+`hf-generate` -- `generate.json` beside the folders: for each of gpt2, llama, mistral, qwen2, mixtral and
+qwen2-moe (made by `hf`/`hf-moe`), a prompt of seeded random ids and what transformers' `generate` makes of
+it greedily (float64, its own key/value cache, `do_sample=False`), with the smallest gap between the two
+best logits over the steps: of GENERATE_SEEDS prompts, those whose every gap is at least GENERATE_MIN_GAP
+(so an f32 run must choose the same tokens), the one whose output has the most distinct tokens.
+
 Usage: python3 scripts/gen_fixtures.py kernels [OUT_DIR]   (default kernels/tests/fixtures)
        python3 scripts/gen_fixtures.py hf [OUT_DIR]        (default tests/fixtures/hf)
        python3 scripts/gen_fixtures.py moe-routing [OUT_DIR] (default kernels/tests/fixtures; DeepSpeed's
                                                             top1gating/top2gating on random logits)
        python3 scripts/gen_fixtures.py hf-moe [OUT_DIR]    (default tests/fixtures/hf)
        python3 scripts/gen_fixtures.py hf-gpu [OUT_DIR]    (default tests/fixtures/hf)
+       python3 scripts/gen_fixtures.py hf-generate [DIR]   (default tests/fixtures/hf; reads the folders there)
        python3 scripts/gen_fixtures.py moe-ds [OUT_DIR]    (default kernels/tests/fixtures)
 Needs: torch, safetensors; `hf` also transformers and tokenizers.
 """
@@ -377,6 +384,45 @@ def hf_gpu_main(out_dir):
     print(f"wrote {folder}: {sorted(os.listdir(folder))}, transformers {tf.__version__}")
 
 
+GENERATE_MIN_GAP = 1e-3
+GENERATE_NEW_TOKENS = 24
+GENERATE_SEEDS = 24
+
+
+def hf_generate_main(out_dir):
+    import json
+    import transformers as tf
+
+    out_dir = out_dir or os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf")
+    out = {}
+    for name in ["gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen2-moe"]:
+        model = tf.AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, name), dtype=torch.float64).eval()
+        model.config._experts_implementation = "eager"  # grouped_mm has no float64
+        vocab = model.config.vocab_size
+        best = None
+        for seed in range(GENERATE_SEEDS):
+            g = torch.Generator().manual_seed(seed)
+            prompt = torch.randint(0, vocab - 1, (1, 9), generator=g)
+            with torch.no_grad():
+                res = model.generate(prompt, max_new_tokens=GENERATE_NEW_TOKENS, min_new_tokens=GENERATE_NEW_TOKENS,
+                                     do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                     pad_token_id=vocab - 1)
+            gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in res.scores]
+            new = res.sequences[0, prompt.shape[1]:].tolist()
+            # Random tiny models often repeat one token: keep the prompt whose output varies most.
+            if min(gaps) >= GENERATE_MIN_GAP and (best is None or len(set(new)) > len(set(best[1]))):
+                best = (prompt[0].tolist(), new, min(gaps), seed)
+        if best is None:
+            sys.exit(f"{name}: no prompt of {GENERATE_SEEDS} seeds keeps every greedy gap above {GENERATE_MIN_GAP}")
+        prompt, new, gap, seed = best
+        out[name] = {"prompt": prompt, "generated": new, "min_gap": gap, "seed": seed}
+        print(f"{name}: seed {seed}, min gap {gap:.4g}, generated {new}")
+    out["generator"] = f"scripts/gen_fixtures.py hf-generate (torch {torch.__version__}, transformers {tf.__version__})"
+    with open(os.path.join(out_dir, "generate.json"), "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+
+
 def ds_moe_block(h, p, E, k, cap_factor, min_cap):
     """One DeepSpeed MoE feed-forward (training or evaluation by `cap_factor`) on h [S, C]: the
     router, DeepSpeed's top-2 gating, the GELU experts on the dispatched rows, the combine, the
@@ -549,8 +595,10 @@ def main():
         moe_routing_main(out_dir)
     elif what == "moe-ds":
         moe_ds_main(out_dir)
+    elif what == "hf-generate":
+        hf_generate_main(out_dir)
     else:
-        sys.exit("usage: gen_fixtures.py kernels|hf|hf-moe|hf-gpu|moe-ds|moe-routing [OUT_DIR]")
+        sys.exit("usage: gen_fixtures.py kernels|hf|hf-moe|hf-gpu|hf-generate|moe-ds|moe-routing [OUT_DIR]")
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ pub fn model_from_checkpoint(ck: &CheckpointState) -> Result<(Model, Vec<f32>)> 
     Ok((model, flat))
 }
 
-fn load_checkpoint(path: &Path) -> Result<CheckpointState> {
+pub(crate) fn load_checkpoint(path: &Path) -> Result<CheckpointState> {
     let r = checkpoint::resolve_resume(path).with_context(|| format!("loading checkpoint {}", path.display()))?;
     for s in &r.skipped {
         tracing::warn!("skipped checkpoint {}: {}", s.dir.display(), s.error);
@@ -254,33 +254,13 @@ pub struct GenerateOpts {
     pub top_k: usize,
     pub seed: u64,
     pub tokenizer: Option<PathBuf>,
-}
-
-/// Samples one token from logits with temperature and top-k.
-pub fn sample(logits: &mut [f32], temperature: f32, top_k: usize, rng: &mut Rng) -> u32 {
-    if temperature <= 0.0 {
-        return logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
-    }
-    let mut idx: Vec<usize> = (0..logits.len()).collect();
-    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-    if top_k > 0 {
-        idx.truncate(top_k);
-    }
-    let max = logits[idx[0]];
-    let weights: Vec<f64> = idx.iter().map(|&i| f64::from((logits[i] - max) / temperature).exp()).collect();
-    let mut r = f64::from(rng.next_f32()) * weights.iter().sum::<f64>();
-    for (k, w) in weights.iter().enumerate() {
-        r -= w;
-        if r <= 0.0 {
-            return idx[k] as u32;
-        }
-    }
-    idx[idx.len() - 1] as u32
+    /// The linear layers' weights (f32, or int8 with per-channel scales).
+    pub weights: crate::infer::LinearFormat,
 }
 
 /// The tokenizer to decode a checkpoint's tokens with: the one it was trained with (recorded in
 /// the manifest) unless `given`, which must then be the same file (by blake3).
-fn tokenizer_for(ck: &CheckpointState, given: Option<&Path>) -> Result<Option<PathBuf>> {
+pub(crate) fn tokenizer_for(ck: &CheckpointState, given: Option<&Path>) -> Result<Option<PathBuf>> {
     let recorded = ck.extra.get("tokenizer").cloned().unwrap_or_default();
     let Some(given) = given else {
         let path = recorded.get("path").and_then(serde_json::Value::as_str).map(PathBuf::from);
@@ -303,7 +283,12 @@ fn tokenizer_for(ck: &CheckpointState, given: Option<&Path>) -> Result<Option<Pa
 
 /// Refuses a tokenizer whose ids do not all fit the checkpoint's model, naming the tokenizer
 /// file and the model's `vocab_size`.
-fn check_vocab(codec: &Codec, tokenizer: Option<&Path>, model: &tessera_kernels::model::ModelConfig, ck: &CheckpointState) -> Result<()> {
+pub(crate) fn check_vocab(
+    codec: &Codec,
+    tokenizer: Option<&Path>,
+    model: &tessera_kernels::model::ModelConfig,
+    ck: &CheckpointState,
+) -> Result<()> {
     if codec.vocab_size() > model.vocab_size {
         let file = tokenizer.map_or("the byte-level tokens".to_string(), |p| format!("tokenizer {}", p.display()));
         bail!(
@@ -316,45 +301,67 @@ fn check_vocab(codec: &Codec, tokenizer: Option<&Path>, model: &tessera_kernels:
     Ok(())
 }
 
-/// The prompt's tokens as the model trained on documents: opened by the begin-of-text token
+/// The token a prompt starts with, as the model trained on documents: the begin-of-text token
 /// when the run put one before every document (`extra.data_bos`, `tessera.data_bos`), as the
-/// model folder's tokenizer does for a sequence. Also the index the shown text starts at (the
-/// begin-of-text token is not shown).
-fn prompt_tokens(ck: &CheckpointState, codec: &Codec, tokenizer: Option<&Path>, prompt: &str) -> Result<(Vec<u32>, usize)> {
-    let text = codec.encode(prompt).context("encoding the prompt")?;
-    if text.is_empty() {
-        bail!("the prompt encodes to no tokens; give --prompt some text");
-    }
+/// model folder's tokenizer does for a sequence.
+pub(crate) fn checkpoint_bos(ck: &CheckpointState, codec: &Codec, tokenizer: Option<&Path>) -> Result<Option<u32>> {
     let named = ck.extra.get("data_bos").and_then(serde_json::Value::as_str);
-    let bos = codec.begin_of_text(named, tokenizer).context("the checkpoint's begin-of-text token (manifest `extra.data_bos`)")?;
-    let tokens: Vec<u32> = bos.into_iter().chain(text).collect();
+    codec.begin_of_text(named, tokenizer).context("the checkpoint's begin-of-text token (manifest `extra.data_bos`)")
+}
+
+/// The prompt's tokens ([`checkpoint_bos`] first) and the index the shown text starts at.
+#[cfg(test)]
+fn prompt_tokens(ck: &CheckpointState, codec: &Codec, tokenizer: Option<&Path>, prompt: &str) -> Result<(Vec<u32>, usize)> {
+    let bos = checkpoint_bos(ck, codec, tokenizer)?;
+    let tokens: Vec<u32> = bos.into_iter().chain(codec.encode(prompt)?).collect();
     Ok((tokens, usize::from(bos.is_some())))
 }
 
-/// `tessera generate`.
+/// `tessera generate`: one request through the inference engine ([`crate::infer::Engine`]), its
+/// text streamed to standard output. It generates `--tokens` tokens whatever they are (the
+/// end-of-text token included); past the model's context it goes on from the last half-context of
+/// tokens (a new request: the cache is rebuilt from them).
 pub fn generate(o: &GenerateOpts) -> Result<()> {
     if !o.temperature.is_finite() {
         bail!("--temperature {}: expected a finite number (> 0 samples; 0 or below is greedy)", o.temperature);
     }
-    let ck = load_checkpoint(&o.checkpoint)?;
-    let (model, params) = model_from_checkpoint(&ck)?;
-    let tokenizer = tokenizer_for(&ck, o.tokenizer.as_deref())?;
-    let codec = Codec::open(tokenizer.as_deref()).context("opening the tokenizer")?;
-    check_vocab(&codec, tokenizer.as_deref(), &model.cfg, &ck)?;
-    let (mut tokens, shown) = prompt_tokens(&ck, &codec, tokenizer.as_deref(), &o.prompt)?;
-    let mut rng = Rng::new(o.seed);
-    let mut ws = Workspace::default();
-    let ctx = model.cfg.max_seq_len;
-    let mut out = TextStream::new(&codec);
-    let streamed = out.show(&codec.decode(&tokens[shown..])).and_then(|()| {
-        for _ in 0..o.tokens {
-            let window = &tokens[tokens.len().saturating_sub(ctx)..];
-            let mut logits = model.next_token_logits(&params, window, &mut ws);
-            let next = sample(&mut logits, o.temperature, o.top_k, &mut rng);
-            tokens.push(next);
-            out.push(next)?;
+    let mut m = crate::serve::model::LoadedModel::load(&o.checkpoint, o.tokenizer.as_deref())?;
+    let shown = usize::from(m.bos.is_some());
+    let mut tokens = m.encode_prompt(&o.prompt).context("encoding the prompt")?;
+    let codec = std::mem::replace(&mut m.codec, Codec::Bytes);
+    if tokens.len() == shown {
+        bail!("the prompt encodes to no tokens; give --prompt some text");
+    }
+    let ctx = m.model.cfg.max_seq_len;
+    let mut engine = crate::serve::engine_for(m, 16, 0, o.weights, 1, 512)?;
+    let mut out = std::io::stdout();
+    let streamed = show(&mut out, &codec.decode(&tokens[shown..])).and_then(|()| {
+        let mut text = crate::infer::text::TextOut::new(Vec::new());
+        let (mut left, mut segment) = (o.tokens, 0u64);
+        while left > 0 {
+            let keep = if segment == 0 { ctx - 1 } else { ctx / 2 };
+            let window = tokens[tokens.len().saturating_sub(keep)..].to_vec();
+            let n = left.min(ctx - window.len());
+            let seed = if segment == 0 { o.seed } else { Rng::derive(o.seed, &[segment]).next_u64() };
+            let sampling = crate::infer::SamplingParams {
+                temperature: o.temperature.max(0.0),
+                top_k: o.top_k,
+                top_p: 1.0,
+                repetition_penalty: 1.0,
+                seed,
+            };
+            let req = crate::infer::Request { prompt: window, max_tokens: n, sampling, stop_tokens: Vec::new() };
+            engine.add(segment, req).map_err(std::io::Error::other)?;
+            while !engine.is_idle() {
+                for ev in engine.step().map_err(std::io::Error::other)? {
+                    tokens.push(ev.token);
+                    show(&mut out, &text.push(&codec, ev.token))?;
+                }
+            }
+            left -= n;
+            segment += 1;
         }
-        out.finish()
+        show(&mut out, &format!("{}\n", text.finish(&codec)))
     });
     match streamed {
         // The reader went away (`generate … | head`): it has what it wanted.
@@ -363,60 +370,15 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
     }
 }
 
-/// The most tokens [`TextStream`] decodes together: a held-back piece longer than this is
-/// shown as it decodes (a byte sequence that never becomes valid UTF-8).
-const STREAM_WINDOW_TOKENS: usize = 64;
-
-/// Generated tokens written to standard output as they come, flushed per token. A token is
-/// decoded together with the ones since the last line break (at most [`STREAM_WINDOW_TOKENS`]),
-/// so a tokenizer whose pieces depend on their neighbours (spaces, multi-byte characters split
-/// over byte tokens) shows the same text as decoding them all at once; what is shown is the
-/// new part, and an incomplete character (U+FFFD at the end) waits for the next token.
-struct TextStream<'a> {
-    codec: &'a Codec,
-    pending: Vec<u32>,
-    /// What `pending` decoded to that is on the screen already.
-    shown: usize,
-    stdout: std::io::Stdout,
-}
-
-impl<'a> TextStream<'a> {
-    fn new(codec: &'a Codec) -> Self {
-        TextStream { codec, pending: Vec::new(), shown: 0, stdout: std::io::stdout() }
+/// Writes and flushes `text` (nothing when empty).
+fn show(out: &mut std::io::Stdout, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    if text.is_empty() {
+        return Ok(());
     }
-
-    fn show(&mut self, text: &str) -> std::io::Result<()> {
-        use std::io::Write;
-        let mut lock = self.stdout.lock();
-        lock.write_all(text.as_bytes())?;
-        lock.flush()
-    }
-
-    fn push(&mut self, token: u32) -> std::io::Result<()> {
-        self.pending.push(token);
-        let text = self.codec.decode(&self.pending);
-        let full = self.pending.len() >= STREAM_WINDOW_TOKENS;
-        if text.ends_with(char::REPLACEMENT_CHARACTER) && !full {
-            return Ok(());
-        }
-        let new = text.get(self.shown..).unwrap_or_default();
-        self.show(new)?;
-        self.shown = text.len();
-        if text.ends_with('\n') || full {
-            self.pending.clear();
-            self.shown = 0;
-        }
-        Ok(())
-    }
-
-    /// Shows what was held back and ends the line.
-    fn finish(&mut self) -> std::io::Result<()> {
-        let text = self.codec.decode(&self.pending);
-        let rest = format!("{}\n", text.get(self.shown..).unwrap_or_default());
-        self.pending.clear();
-        self.shown = 0;
-        self.show(&rest)
-    }
+    let mut lock = out.lock();
+    lock.write_all(text.as_bytes())?;
+    lock.flush()
 }
 
 /// Options of `tessera export`.

@@ -16,5 +16,6 @@ pub mod launch;
 pub mod monitor;
 pub mod offload;
 pub mod schedule;
+pub mod serve;
 pub mod signals;
 pub mod zoo;

@@ -26,8 +26,14 @@ struct Cli {
 enum Cmd {
     /// Train a model as the config says.
     Train(TrainArgs),
-    /// Sample text from a checkpoint.
+    /// Sample text from a checkpoint or a Hugging Face model folder.
     Generate(GenerateArgs),
+    /// Serve a model folder or checkpoint over HTTP with the OpenAI API (completions, chat,
+    /// streaming), batching requests continuously.
+    Serve(Box<ServeArgs>),
+    /// Load-test an OpenAI-compatible server: Poisson arrivals, random prompt and output
+    /// lengths; prints throughput, time to first token and inter-token latency.
+    BenchServe(BenchServeArgs),
     /// Write a checkpoint as Hugging Face GPT-2 safetensors + config.json.
     Export(ExportArgs),
     /// Inspect configs.
@@ -318,8 +324,88 @@ enum Device {
 }
 
 #[derive(Args)]
+struct ServeArgs {
+    /// A Hugging Face model folder (config.json, weights, tokenizer.json) or a checkpoint
+    /// directory (a step directory or a checkpoints root).
+    #[arg(long)]
+    model: PathBuf,
+    /// A checkpoint's tokenizer.json (the one recorded at training when absent).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// The model's name in the API (the folder's name when absent).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Address to listen on (port 0: any free port, printed at start).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    addr: std::net::SocketAddr,
+    /// Key/value cache positions per block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Key/value cache blocks (0: enough for --max-seqs sequences of the full context).
+    #[arg(long, default_value_t = 0)]
+    kv_blocks: usize,
+    /// The linear layers' weights: f32, or int8 (weight-only, per-channel scales).
+    #[arg(long, default_value = "f32")]
+    weights: tessera::infer::LinearFormat,
+    /// Sequences in a batch at most.
+    #[arg(long, default_value_t = 32)]
+    max_seqs: usize,
+    /// Tokens run in one step at most (decode tokens and prompt chunks together).
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// Requests accepted and not finished at most; more are answered 429.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Prompt tokens at most (also bounded by the model's context).
+    #[arg(long, default_value_t = usize::MAX, hide_default_value = true)]
+    max_prompt_tokens: usize,
+    /// `max_tokens` of a request at most.
+    #[arg(long, default_value_t = 4096)]
+    max_tokens: usize,
+    /// Request body bytes at most (413 above).
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+}
+
+#[derive(Args)]
+struct BenchServeArgs {
+    /// The server: http://HOST:PORT.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// The model name (the server's first when absent).
+    #[arg(long)]
+    model: Option<String>,
+    /// Requests in all.
+    #[arg(long, default_value_t = 500)]
+    requests: usize,
+    /// Mean arrivals a second (Poisson).
+    #[arg(long, default_value_t = 4.0)]
+    rate: f64,
+    /// Prompt length range MIN:MAX in tokens (uniform).
+    #[arg(long, default_value = "32:256", value_parser = parse_range)]
+    prompt_tokens: (usize, usize),
+    /// Output length range MIN:MAX in tokens (uniform).
+    #[arg(long, default_value = "16:256", value_parser = parse_range)]
+    output_tokens: (usize, usize),
+    /// Prompt token ids are drawn below this.
+    #[arg(long, default_value_t = 256)]
+    vocab: u32,
+    /// Seed of the arrivals, lengths and prompts.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// `MIN:MAX` (or one number for both).
+fn parse_range(s: &str) -> Result<(usize, usize), String> {
+    let (a, b) = s.split_once(':').unwrap_or((s, s));
+    let n = |x: &str| x.trim().parse::<usize>().map_err(|e| format!("{s:?}: expected MIN:MAX whole numbers ({e})"));
+    Ok((n(a)?, n(b)?))
+}
+
+#[derive(Args)]
 struct GenerateArgs {
-    /// Checkpoint directory (a step directory or a checkpoints root).
+    /// Checkpoint directory (a step directory or a checkpoints root), or a Hugging Face model
+    /// folder.
     #[arg(long)]
     checkpoint: PathBuf,
     /// Text to continue.
@@ -340,6 +426,9 @@ struct GenerateArgs {
     /// The tokenizer.json the model was trained with (byte-level if absent).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// The linear layers' weights: f32, or int8 (weight-only, per-channel scales).
+    #[arg(long, default_value = "f32")]
+    weights: tessera::infer::LinearFormat,
 }
 
 #[derive(Args)]
@@ -476,6 +565,39 @@ fn run(cli: Cli) -> Result<ExitCode> {
             top_k: a.top_k,
             seed: a.seed,
             tokenizer: a.tokenizer,
+            weights: a.weights,
+        })
+        .map(|()| done),
+        Cmd::Serve(a) => {
+            let limits = tessera::serve::http::Limits {
+                max_queue: a.max_queue,
+                max_prompt_tokens: a.max_prompt_tokens,
+                max_tokens: a.max_tokens,
+                max_body_bytes: a.max_body_bytes,
+            };
+            tessera::serve::serve(tessera::serve::ServeOpts {
+                model: a.model,
+                tokenizer: a.tokenizer,
+                served_name: a.served_model_name,
+                addr: a.addr,
+                block_size: a.block_size,
+                kv_blocks: a.kv_blocks,
+                weights: a.weights,
+                max_seqs: a.max_seqs,
+                max_batch_tokens: a.max_batch_tokens,
+                limits,
+            })
+            .map(|()| done)
+        }
+        Cmd::BenchServe(a) => tessera::serve::bench::bench_serve(&tessera::serve::bench::BenchOpts {
+            url: a.url,
+            model: a.model,
+            requests: a.requests,
+            rate: a.rate,
+            prompt_tokens: a.prompt_tokens,
+            output_tokens: a.output_tokens,
+            vocab: a.vocab,
+            seed: a.seed,
         })
         .map(|()| done),
         Cmd::Export(a) => {

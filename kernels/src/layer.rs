@@ -179,6 +179,9 @@ pub trait Layer: Send + Sync {
     #[allow(clippy::too_many_arguments)]
     fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, acts: &mut Acts, dx: &mut [f32]);
 
+    /// The block's forward over a paged key/value cache (inference).
+    fn paged(&self) -> &dyn crate::model::paged::PagedLayer;
+
     /// The block's experts, when it is a mixture-of-experts block (their MLPs one expert at a
     /// time, for an [`ExpertRunner`] that may run them elsewhere).
     fn experts(&self) -> Option<&dyn ExpertMlp> {

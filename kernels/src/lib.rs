@@ -14,4 +14,5 @@ pub mod model;
 pub mod moe_ffn;
 pub mod ops;
 pub mod optim;
+pub mod quant;
 pub mod tensor;

@@ -9,6 +9,7 @@
 
 use std::ops::Range;
 
+pub mod paged;
 mod stage;
 pub use stage::StageSpan;
 
@@ -270,9 +271,9 @@ impl ModelConfig {
     /// 12·L·d·T (the PaLM/llm.c estimate; the embedding table counts through the tied head).
     ///
     /// With experts, `num_params` counts only the active ones: each MoE block's idle experts
-    /// (`num_experts − top_k` of them: `3·c·f` parameters each in the LLaMA family, `2·c·f + f
-    /// + c` in GPT blocks) are left out; the router, shared expert and residual MLP count whole
-    /// (every token runs them). Dropped choices are not subtracted.
+    /// (`num_experts − top_k` of them: `3·c·f` parameters each in the LLaMA family,
+    /// `2·c·f + f + c` in GPT blocks) are left out; the router, shared expert and residual MLP
+    /// count whole (every token runs them). Dropped choices are not subtracted.
     pub fn flops_per_token(&self, num_params: usize, seq_len: usize) -> f64 {
         let attn = 12.0 * self.n_layer as f64 * self.d_model as f64 * seq_len as f64;
         let idle = self.moe.as_ref().map_or(0, |m| {
@@ -850,6 +851,10 @@ const B_D2: usize = 14;
 const B_DQKV: usize = 15;
 
 impl Layer for GptBlock {
+    fn paged(&self) -> &dyn paged::PagedLayer {
+        self
+    }
+
     fn kind(&self) -> &'static str {
         "gpt-block"
     }
@@ -1100,6 +1105,10 @@ impl LlamaBlock {
 }
 
 impl Layer for LlamaBlock {
+    fn paged(&self) -> &dyn paged::PagedLayer {
+        self
+    }
+
     fn kind(&self) -> &'static str {
         "llama-block"
     }

@@ -15,18 +15,29 @@ fn check_tokens(tokens: &[u32], vocab: usize) {
 /// Shapes: out [B·T, C], tokens [B·T], wte [V, C], wpe [maxT ≥ T, C].
 /// Panics if a token id is ≥ V (loaders validate ids first).
 pub fn embedding_forward(out: &mut [f32], tokens: &[u32], wte: &[f32], wpe: Option<&[f32]>, b: usize, t: usize, c: usize) {
-    assert_eq!(out.len(), b * t * c, "embedding_forward: out must be [B*T, C]");
     assert_eq!(tokens.len(), b * t, "embedding_forward: tokens must be [B*T]");
+    embedding_forward_at(out, tokens, |bt| bt % t, wte, wpe, c);
+}
+
+/// out[r, :] = wte[tokens[r], :] + wpe[pos(r), :]: [`embedding_forward`] with each row's
+/// position given (rows of several sequences at their own offsets, as a decoding step has).
+/// Panics if a token id is ≥ V or a position is past `wpe`'s rows.
+pub fn embedding_forward_at(
+    out: &mut [f32],
+    tokens: &[u32],
+    pos: impl Fn(usize) -> usize + Sync,
+    wte: &[f32],
+    wpe: Option<&[f32]>,
+    c: usize,
+) {
+    assert_eq!(out.len(), tokens.len() * c, "embedding_forward: out must be [N, C]");
     assert!(c > 0 && wte.len() % c == 0, "embedding_forward: wte must be [V, C]");
-    if let Some(wpe) = wpe {
-        assert!(wpe.len() >= t * c, "embedding_forward: wpe has fewer than T rows");
-    }
     check_tokens(tokens, wte.len() / c);
-    out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(bt, (o, &tok))| {
+    out.par_chunks_mut(c).zip(tokens.par_iter()).enumerate().for_each(|(r, (o, &tok))| {
         let e = &wte[tok as usize * c..][..c];
         match wpe {
             Some(wpe) => {
-                let p = &wpe[(bt % t) * c..][..c];
+                let p = wpe.get(pos(r) * c..(pos(r) + 1) * c).expect("embedding_forward: a position past wpe's rows");
                 o.iter_mut().zip(e.iter().zip(p)).for_each(|(o, (e, p))| *o = e + p);
             }
             None => o.copy_from_slice(e),

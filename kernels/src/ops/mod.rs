@@ -10,6 +10,7 @@ pub mod gqa;
 pub mod layernorm;
 pub mod linear;
 pub mod moe;
+pub mod paged_attention;
 pub mod residual;
 pub mod rmsnorm;
 pub mod rope;

@@ -94,27 +94,33 @@ pub fn inv_freq(hd: usize, theta: f32, scaling: Option<&RopeScaling>) -> Vec<f64
 }
 
 /// Applies `rotate` to every head of the first `rot` columns of each row of `qkv` (rows of
-/// `row` columns; the q heads and then the k heads, `hd` wide), the row's position its index
-/// modulo `t`.
-fn rotate_rows(qkv: &mut [f32], t: usize, row: usize, rot: usize, table: &RopeTable, inverse: bool) {
+/// `row` columns; the q heads and then the k heads, `hd` wide), row `r` at position `pos(r)`.
+fn rotate_rows(qkv: &mut [f32], pos: impl Fn(usize) -> usize + Sync, row: usize, rot: usize, table: &RopeTable, inverse: bool) {
     let hd = 2 * table.half;
     assert!(row > 0 && qkv.len() % row == 0 && rot <= row && rot % hd == 0, "rope: rows of {row}, {rot} rotated, head size {hd}");
-    qkv.par_chunks_mut(row).enumerate().for_each(|(bt, r)| {
-        for head in r[..rot].chunks_exact_mut(hd) {
-            table.rotate(head, bt % t, inverse);
+    qkv.par_chunks_mut(row).enumerate().for_each(|(r, x)| {
+        for head in x[..rot].chunks_exact_mut(hd) {
+            table.rotate(head, pos(r), inverse);
         }
     });
 }
 
 /// q, k ← RoPE(q, k) in place on rows of `row` columns whose first `rot` columns are the q
-/// and k heads (grouped-query attention has fewer k heads than q heads); v untouched.
+/// and k heads (grouped-query attention has fewer k heads than q heads); v untouched. Row
+/// `r` is at position `r mod t`.
 pub fn rope_forward_rows(qkv: &mut [f32], t: usize, row: usize, rot: usize, table: &RopeTable) {
-    rotate_rows(qkv, t, row, rot, table, false);
+    rotate_rows(qkv, |r| r % t, row, rot, table, false);
+}
+
+/// [`rope_forward_rows`] with each row's position given (a decoding step's rows belong to
+/// several sequences, each at its own offset). `table` must cover every position.
+pub fn rope_forward_at(qkv: &mut [f32], pos: impl Fn(usize) -> usize + Sync, row: usize, rot: usize, table: &RopeTable) {
+    rotate_rows(qkv, pos, row, rot, table, false);
 }
 
 /// The transpose of [`rope_forward_rows`] on the gradient (see [`rope_backward`]).
 pub fn rope_backward_rows(dqkv: &mut [f32], t: usize, row: usize, rot: usize, table: &RopeTable) {
-    rotate_rows(dqkv, t, row, rot, table, true);
+    rotate_rows(dqkv, |r| r % t, row, rot, table, true);
 }
 
 /// Applies `rotate` to every head of the q (cols 0..C) and k (cols C..2C) parts of [B·T, 3C].
@@ -122,7 +128,7 @@ fn rotate_qk(qkv: &mut [f32], b: usize, t: usize, c: usize, nh: usize, theta: f3
     assert_eq!(qkv.len(), b * t * 3 * c, "rope: qkv must be [B*T, 3C]");
     assert!(nh > 0 && c > 0 && c % nh == 0, "rope: C={c} must be a positive multiple of nh={nh}");
     let table = RopeTable::new(t, c / nh, theta);
-    rotate_rows(qkv, t, 3 * c, 2 * c, &table, inverse);
+    rotate_rows(qkv, |r| r % t, 3 * c, 2 * c, &table, inverse);
 }
 
 /// q, k ← RoPE(q, k) in place on qkv [B, T, 3C]; v untouched. Position = index within T.

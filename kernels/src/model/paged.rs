@@ -1,0 +1,369 @@
+//! Inference over a paged key/value cache: the model's forward on one decoding step — rows of
+//! several sequences, each a run of positions after what the cache already holds — that writes
+//! each row's keys and values into its sequence's cache blocks and attends over them
+//! ([`crate::ops::paged_attention`]), and optional int8 weight-only linears ([`QuantMatrix`]).
+//!
+//! The math is the training forward's ([`super::Model::loss`]) row by row: the same ops (norms,
+//! linears, RoPE, GELU/SwiGLU, the MoE feed-forward routed as in evaluation), with attention
+//! reading the cache instead of the window's q/k/v. So `forward_paged` on a prompt, in one
+//! chunk or many, gives the logits [`super::Model::next_token_logits`] gives for it, to f32
+//! summation order.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use super::{Arch, GptBlock, LlamaBlock, Model, ModelConfig};
+use super::{FCP_B, FCP_W, FC_B, FC_W, LN1_B, LN1_W, LN2_B, LN2_W, PROJ_B, PROJ_W, QKV_B, QKV_W};
+use super::{L_DOWN, L_GATE, L_N1, L_N2, L_QKV, L_UP, L_WO};
+use crate::gemm::matmul;
+use crate::layer::Acts;
+use crate::ops::gqa::Groups;
+use crate::ops::paged_attention::{self, PagedSeq};
+use crate::ops::rope::{self, RopeTable};
+use crate::ops::{embedding, gelu, layernorm, linear, residual, rmsnorm, swiglu};
+use crate::quant::QuantMatrix;
+
+/// The keys and values of every layer, in `num_blocks` blocks of `block_size` positions.
+#[derive(Debug)]
+pub struct KvCache {
+    layers: usize,
+    num_blocks: usize,
+    block_size: usize,
+    /// Floats per position and layer, of keys (and of values): `n_kv_head · head_dim`.
+    kv: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl KvCache {
+    /// A zeroed cache for `cfg`'s layers and key/value heads; the error names the product
+    /// that does not fit in memory's address space.
+    pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Result<KvCache, String> {
+        let kv = cfg.n_kv_head * cfg.head_dim();
+        let per_layer = num_blocks.checked_mul(block_size).and_then(|p| p.checked_mul(kv));
+        let len = per_layer.and_then(|p| p.checked_mul(cfg.n_layer)).filter(|&l| l <= isize::MAX as usize / 8);
+        let Some(len) = len.filter(|_| num_blocks > 0 && block_size > 0) else {
+            return Err(format!(
+                "a key/value cache of {num_blocks} blocks of {block_size} positions ({} layers of {kv} floats): expected \
+                 positive sizes whose product fits in memory",
+                cfg.n_layer
+            ));
+        };
+        Ok(KvCache { layers: cfg.n_layer, num_blocks, block_size, kv, k: vec![0.0; len], v: vec![0.0; len] })
+    }
+
+    /// Bytes one block holds (keys and values of every layer).
+    pub fn bytes_per_block(cfg: &ModelConfig, block_size: usize) -> usize {
+        2 * 4 * cfg.n_layer * block_size * cfg.n_kv_head * cfg.head_dim()
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Layer `l`'s keys and values.
+    fn layer(&mut self, l: usize) -> (&mut [f32], &mut [f32]) {
+        assert!(l < self.layers, "kv cache: layer {l} of {}", self.layers);
+        let len = self.num_blocks * self.block_size * self.kv;
+        (&mut self.k[l * len..][..len], &mut self.v[l * len..][..len])
+    }
+}
+
+/// A model's linear weights as int8 ([`QuantMatrix`]), per unit, keyed by the weight's
+/// unit-relative offset: every block's attention and dense-MLP projections and the LM head.
+/// (Experts, routers and the shared expert's small gate stay f32.)
+#[derive(Debug, Default)]
+pub struct QuantWeights {
+    units: Vec<HashMap<usize, QuantMatrix>>,
+}
+
+impl QuantWeights {
+    /// Bytes of the int8 matrices and their scales.
+    pub fn bytes(&self) -> usize {
+        self.units.iter().flat_map(|u| u.values()).map(QuantMatrix::bytes).sum()
+    }
+
+    /// Floats replaced by int8 (the quantized matrices' sizes).
+    pub fn numel(&self) -> usize {
+        self.units.iter().flat_map(|u| u.values()).map(|m| m.shape().0 * m.shape().1).sum()
+    }
+}
+
+/// A linear layer of a block: its weight `[ic, oc]` (unit-relative) and shape.
+pub struct LinearSpec {
+    pub weight: Range<usize>,
+    pub ic: usize,
+    pub oc: usize,
+}
+
+/// One unit's parameters, and its int8 linears if the model is quantized.
+pub struct UnitWeights<'a> {
+    pub p: &'a [f32],
+    pub int8: Option<&'a HashMap<usize, QuantMatrix>>,
+}
+
+impl UnitWeights<'_> {
+    /// `out = x · W (+ b)` through the int8 copy of `w` when there is one.
+    fn linear(&self, out: &mut [f32], x: &[f32], w: &Range<usize>, b: Option<&Range<usize>>, ic: usize, oc: usize) {
+        let n = x.len() / ic;
+        let bias = b.map(|r| &self.p[r.clone()]);
+        match self.int8.and_then(|q| q.get(&w.start)) {
+            Some(m) => m.forward(out, x, bias, n),
+            None => linear::linear_forward(out, x, &self.p[w.clone()], bias, n, ic, oc),
+        }
+    }
+}
+
+/// What a block's paged forward needs besides its weights and input: the step's sequences, its
+/// layer of the cache, the RoPE table (LLaMA), and scratch buffers.
+pub struct PagedStep<'a> {
+    pub seqs: &'a [PagedSeq<'a>],
+    /// Each row's position.
+    pub pos: &'a [usize],
+    pub k: &'a mut [f32],
+    pub v: &'a mut [f32],
+    pub block_size: usize,
+    pub rope: Option<&'a RopeTable>,
+    pub scratch: &'a mut Acts,
+}
+
+/// Reusable memory of [`Model::forward_paged`].
+#[derive(Debug, Default)]
+pub struct PagedWorkspace {
+    x: Vec<f32>,
+    y: Vec<f32>,
+    acts: Acts,
+    rope: Option<RopeTable>,
+}
+
+/// Scratch slots of a block's paged forward.
+const S_H: usize = 0;
+const S_QKV: usize = 1;
+const S_ATT: usize = 2;
+const S_TMP: usize = 3;
+const S_X2: usize = 4;
+const S_FC: usize = 5;
+const S_ACT: usize = 6;
+const S_UP: usize = 7;
+const S_MEAN: usize = 8;
+const S_RSTD: usize = 9;
+
+/// The attention half of a block on `h` = norm1(x): `x2 = x + wo(attend(rope(wqkv·h + b)))`,
+/// writing this step's keys and values into the cache first.
+#[allow(clippy::too_many_arguments)]
+fn attention_half(
+    w: &UnitWeights,
+    h: &[f32],
+    x: &[f32],
+    (qkv_w, qkv_b): (&Range<usize>, Option<&Range<usize>>),
+    (o_w, o_b): (&Range<usize>, Option<&Range<usize>>),
+    gr: Groups,
+    s: &mut PagedStep,
+    x2: &mut [f32],
+) {
+    let (n, c) = (s.pos.len(), gr.c);
+    let mut qkv = s.scratch.take(S_QKV, n * gr.row());
+    w.linear(&mut qkv, h, qkv_w, qkv_b, c, gr.row());
+    if let Some(table) = s.rope {
+        rope::rope_forward_at(&mut qkv, |r| s.pos[r], gr.row(), c + gr.kv(), table);
+    }
+    paged_attention::write_kv(s.k, s.v, &qkv, s.seqs, s.block_size, gr);
+    let mut att = s.scratch.take(S_ATT, n * c);
+    paged_attention::paged_attention_forward(&mut att, &qkv, s.k, s.v, s.seqs, s.block_size, gr);
+    let mut tmp = s.scratch.take(S_TMP, n * c);
+    w.linear(&mut tmp, &att, o_w, o_b, c, c);
+    residual::residual_forward(x2, x, &tmp);
+    s.scratch.put(S_QKV, qkv);
+    s.scratch.put(S_ATT, att);
+    s.scratch.put(S_TMP, tmp);
+}
+
+/// A block's inference over a paged cache (every [`crate::layer::Layer`] is one: [`crate::layer::Layer::paged`]).
+pub trait PagedLayer {
+    /// The block's linear layers (what [`Model::quantize_int8`] quantizes), for width `c`.
+    fn paged_linears(&self, c: usize) -> Vec<LinearSpec>;
+    /// `y = block(x)` on a step's rows `x [n, c]`, writing their keys and values into the cache.
+    fn forward_paged(&self, w: &UnitWeights, x: &[f32], s: &mut PagedStep, y: &mut [f32]);
+}
+
+impl PagedLayer for GptBlock {
+    fn paged_linears(&self, c: usize) -> Vec<LinearSpec> {
+        let mut l = vec![
+            LinearSpec { weight: self.p[QKV_W].clone(), ic: c, oc: 3 * c },
+            LinearSpec { weight: self.p[PROJ_W].clone(), ic: c, oc: c },
+        ];
+        if self.moe.is_none() {
+            l.push(LinearSpec { weight: self.p[FC_W].clone(), ic: c, oc: self.ff });
+            l.push(LinearSpec { weight: self.p[FCP_W].clone(), ic: self.ff, oc: c });
+        }
+        l
+    }
+
+    /// `x2 = x + proj(attn(ln1(x)))`, `y = x2 + mlp(ln2(x2))` (or the experts) on a step's rows.
+    fn forward_paged(&self, w: &UnitWeights, x: &[f32], s: &mut PagedStep, y: &mut [f32]) {
+        let (p, n) = (w.p, s.pos.len());
+        let c = x.len() / n;
+        let gr = Groups { c, nh: self.nh, nkv: self.nh };
+        let r = |k: usize| &p[self.p[k].clone()];
+        let mut h = s.scratch.take(S_H, n * c);
+        let (mut mean, mut rstd) = (s.scratch.take(S_MEAN, n), s.scratch.take(S_RSTD, n));
+        layernorm::layernorm_forward(&mut h, &mut mean, &mut rstd, x, r(LN1_W), r(LN1_B), n, c);
+        let mut x2 = s.scratch.take(S_X2, n * c);
+        let o = (&self.p[PROJ_W], Some(&self.p[PROJ_B]));
+        attention_half(w, &h, x, (&self.p[QKV_W], Some(&self.p[QKV_B])), o, gr, s, &mut x2);
+        layernorm::layernorm_forward(&mut h, &mut mean, &mut rstd, &x2, r(LN2_W), r(LN2_B), n, c);
+        let mut tmp = s.scratch.take(S_TMP, n * c);
+        match &self.moe {
+            Some(m) => m.forward(p, &h, &mut tmp, &mut s.scratch.moe, None),
+            None => {
+                let (f, mut fc, mut act) = (self.ff, s.scratch.take(S_FC, n * self.ff), s.scratch.take(S_ACT, n * self.ff));
+                w.linear(&mut fc, &h, &self.p[FC_W], Some(&self.p[FC_B]), c, f);
+                gelu::gelu_forward(&mut act, &fc);
+                w.linear(&mut tmp, &act, &self.p[FCP_W], Some(&self.p[FCP_B]), f, c);
+                s.scratch.put(S_FC, fc);
+                s.scratch.put(S_ACT, act);
+            }
+        }
+        residual::residual_forward(y, &x2, &tmp);
+        for (slot, buf) in [(S_H, h), (S_MEAN, mean), (S_RSTD, rstd), (S_X2, x2), (S_TMP, tmp)] {
+            s.scratch.put(slot, buf);
+        }
+    }
+}
+
+impl PagedLayer for LlamaBlock {
+    fn paged_linears(&self, c: usize) -> Vec<LinearSpec> {
+        let mut l = vec![
+            LinearSpec { weight: self.p[L_QKV].clone(), ic: c, oc: self.groups.row() },
+            LinearSpec { weight: self.p[L_WO].clone(), ic: c, oc: c },
+        ];
+        if self.moe.is_none() {
+            l.push(LinearSpec { weight: self.p[L_GATE].clone(), ic: c, oc: self.ff });
+            l.push(LinearSpec { weight: self.p[L_UP].clone(), ic: c, oc: self.ff });
+            l.push(LinearSpec { weight: self.p[L_DOWN].clone(), ic: self.ff, oc: c });
+        }
+        l
+    }
+
+    /// `x2 = x + wo(attn(rope(wqkv·rms1(x))))`, `y = x2 + swiglu-mlp(rms2(x2))` (or the
+    /// experts) on a step's rows.
+    fn forward_paged(&self, w: &UnitWeights, x: &[f32], s: &mut PagedStep, y: &mut [f32]) {
+        let (p, n, c) = (w.p, s.pos.len(), self.groups.c);
+        let r = |k: usize| &p[self.p[k].clone()];
+        let mut h = s.scratch.take(S_H, n * c);
+        let mut rstd = s.scratch.take(S_RSTD, n);
+        rmsnorm::rmsnorm_forward(&mut h, &mut rstd, x, r(L_N1), n, c, self.eps);
+        let mut x2 = s.scratch.take(S_X2, n * c);
+        attention_half(w, &h, x, (&self.p[L_QKV], self.qkv_b.as_ref()), (&self.p[L_WO], None), self.groups, s, &mut x2);
+        rmsnorm::rmsnorm_forward(&mut h, &mut rstd, &x2, r(L_N2), n, c, self.eps);
+        let mut tmp = s.scratch.take(S_TMP, n * c);
+        match &self.moe {
+            Some(m) => m.forward(p, &h, &mut tmp, &mut s.scratch.moe, None),
+            None => {
+                let f = self.ff;
+                let (mut gate, mut up, mut act) = (s.scratch.take(S_FC, n * f), s.scratch.take(S_UP, n * f), s.scratch.take(S_ACT, n * f));
+                w.linear(&mut gate, &h, &self.p[L_GATE], None, c, f);
+                w.linear(&mut up, &h, &self.p[L_UP], None, c, f);
+                swiglu::swiglu_forward(&mut act, &gate, &up);
+                w.linear(&mut tmp, &act, &self.p[L_DOWN], None, f, c);
+                for (slot, buf) in [(S_FC, gate), (S_UP, up), (S_ACT, act)] {
+                    s.scratch.put(slot, buf);
+                }
+            }
+        }
+        residual::residual_forward(y, &x2, &tmp);
+        for (slot, buf) in [(S_H, h), (S_RSTD, rstd), (S_X2, x2), (S_TMP, tmp)] {
+            s.scratch.put(slot, buf);
+        }
+    }
+}
+
+impl Model {
+    /// Every linear weight of the model (blocks' projections, the LM head) as int8 with
+    /// per-output-channel scales, from the flat `params`.
+    pub fn quantize_int8(&self, params: &[f32]) -> QuantWeights {
+        let c = self.cfg.d_model;
+        let mut units = vec![HashMap::new(); self.units.len()];
+        let p0 = &params[self.units[0].clone()];
+        let head = self.embed.head.clone();
+        units[0].insert(head.start, QuantMatrix::from_out_in(&p0[head], self.cfg.vocab_size, c));
+        for (i, block) in self.blocks.iter().enumerate() {
+            let p = &params[self.units[i + 1].clone()];
+            for l in block.paged().paged_linears(c) {
+                units[i + 1].insert(l.weight.start, QuantMatrix::from_in_out(&p[l.weight.clone()], l.ic, l.oc));
+            }
+        }
+        QuantWeights { units }
+    }
+
+    /// One decoding step: `tokens` are the rows of `seqs` (each sequence's run of positions);
+    /// writes every row's keys and values into `cache` and returns the logits `[v]` of each of
+    /// `logit_rows`, concatenated. MoE blocks route as in evaluation.
+    ///
+    /// # Panics
+    /// If the sequences do not cover `tokens` in order, a position is past the model's context,
+    /// a token is outside the vocabulary, or a block table is too short or names a block past
+    /// the cache: callers (`infer::cpu`) validate a step first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_paged(
+        &self,
+        params: &[f32],
+        int8: Option<&QuantWeights>,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        seqs: &[PagedSeq],
+        logit_rows: &[usize],
+        ws: &mut PagedWorkspace,
+    ) -> Vec<f32> {
+        let (n, c) = (tokens.len(), self.cfg.d_model);
+        let mut pos = vec![usize::MAX; n];
+        for s in seqs {
+            s.rows.clone().for_each(|r| pos[r] = s.pos(r));
+        }
+        assert!(pos.iter().all(|&p| p < self.cfg.max_seq_len), "forward_paged: a row without a sequence, or past the context");
+        if self.cfg.arch == Arch::Llama && ws.rope.is_none() {
+            let inv = rope::inv_freq(self.cfg.head_dim(), self.cfg.rope_theta, self.cfg.rope_scaling.as_ref());
+            ws.rope = Some(RopeTable::with_inv_freq(self.cfg.max_seq_len, &inv));
+        }
+        let unit = |u: usize| UnitWeights { p: &params[self.units[u].clone()], int8: int8.map(|q| &q.units[u]) };
+        let (mut x, mut y) = (std::mem::take(&mut ws.x), std::mem::take(&mut ws.y));
+        x.resize(n * c, 0.0);
+        y.resize(n * c, 0.0);
+        let e = &self.embed;
+        let p0 = unit(0).p;
+        embedding::embedding_forward_at(&mut x, tokens, |r| pos[r], &p0[e.wte.clone()], e.wpe.clone().map(|r| &p0[r]), c);
+        let block_size = cache.block_size;
+        for (l, block) in self.blocks.iter().enumerate() {
+            let (k, v) = cache.layer(l);
+            let mut step = PagedStep { seqs, pos: &pos, k, v, block_size, rope: ws.rope.as_ref(), scratch: &mut ws.acts };
+            block.paged().forward_paged(&unit(l + 1), &x, &mut step, &mut y);
+            std::mem::swap(&mut x, &mut y);
+        }
+        let logits = self.head_rows(&unit(0), &x, logit_rows);
+        (ws.x, ws.y) = (x, y);
+        logits
+    }
+
+    /// Final norm and LM head of the stream's `rows` (`x [n, c]`): logits `[rows.len(), v]`.
+    fn head_rows(&self, w: &UnitWeights, x: &[f32], rows: &[usize]) -> Vec<f32> {
+        let (m, c, v) = (rows.len(), self.cfg.d_model, self.cfg.vocab_size);
+        let e = &self.embed;
+        let picked: Vec<f32> = rows.iter().flat_map(|&r| x[r * c..(r + 1) * c].iter().copied()).collect();
+        let mut xn = vec![0.0; m * c];
+        let (mut mean, mut rstd) = (vec![0.0; m], vec![0.0; m]);
+        match e.norm_b.clone() {
+            Some(b) => layernorm::layernorm_forward(&mut xn, &mut mean, &mut rstd, &picked, &w.p[e.norm_w.clone()], &w.p[b], m, c),
+            None => rmsnorm::rmsnorm_forward(&mut xn, &mut rstd, &picked, &w.p[e.norm_w.clone()], m, c, self.cfg.norm_eps),
+        }
+        let mut logits = vec![0.0; m * v];
+        match w.int8.and_then(|q| q.get(&e.head.start)) {
+            Some(q) => q.forward(&mut logits, &xn, None, m),
+            None => matmul(&mut logits, &xn, &w.p[e.head.clone()], m, c, v, false, true, 0.0),
+        }
+        logits
+    }
+}

@@ -1,0 +1,164 @@
+//! Int8 weight-only quantization of a linear layer, per output channel (inference).
+//!
+//! A weight `W [ic, oc]` (the layout of [`crate::ops::linear`]) is stored as `q [oc, ic]` int8 and
+//! one scale per output channel:
+//!
+//!   s_j = max_i |W_ij| / 127,   q_ji = round(W_ij / s_j) ∈ [−127, 127]
+//!   y_rj = s_j · Σ_i x_ri · q_ji  (+ b_j)
+//!
+//! so the product reads a quarter of the f32 weight's bytes; activations stay f32. Each output
+//! is one dot product over `i` in a fixed lane order, so a row's result does not depend on the
+//! other rows or on threads.
+
+use rayon::prelude::*;
+
+use crate::tensor::simd_dispatch;
+
+/// Lanes of the int8 dot product's partial sums.
+const LANES: usize = 16;
+
+/// A linear layer's weight as int8 with per-output-channel scales.
+#[derive(Clone, Debug)]
+pub struct QuantMatrix {
+    /// `[oc, ic]`: row `j` is output channel `j`.
+    q: Vec<i8>,
+    scale: Vec<f32>,
+    ic: usize,
+    oc: usize,
+}
+
+impl QuantMatrix {
+    /// Quantizes `w [ic, oc]` (input-major, a linear layer's layout).
+    pub fn from_in_out(w: &[f32], ic: usize, oc: usize) -> QuantMatrix {
+        assert_eq!(w.len(), ic * oc, "quantize: weight must be [IC, OC]");
+        QuantMatrix::quantize(ic, oc, |j, i| w[i * oc + j])
+    }
+
+    /// Quantizes `w [oc, ic]` (output-major, e.g. an LM head `[v, c]` used as `x · Wᵀ`).
+    pub fn from_out_in(w: &[f32], oc: usize, ic: usize) -> QuantMatrix {
+        assert_eq!(w.len(), ic * oc, "quantize: weight must be [OC, IC]");
+        QuantMatrix::quantize(ic, oc, |j, i| w[j * ic + i])
+    }
+
+    fn quantize(ic: usize, oc: usize, at: impl Fn(usize, usize) -> f32 + Sync) -> QuantMatrix {
+        let mut q = vec![0i8; oc * ic];
+        let mut scale = vec![0f32; oc];
+        q.par_chunks_mut(ic.max(1)).zip(scale.par_iter_mut()).enumerate().for_each(|(j, (row, s))| {
+            let max = (0..ic).map(|i| at(j, i).abs()).fold(0f32, f32::max);
+            *s = max / 127.0;
+            let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
+            row.iter_mut().enumerate().for_each(|(i, q)| *q = (at(j, i) * inv).round().clamp(-127.0, 127.0) as i8);
+        });
+        QuantMatrix { q, scale, ic, oc }
+    }
+
+    pub fn shape(&self) -> (usize, usize) {
+        (self.ic, self.oc)
+    }
+
+    /// Bytes held (int8 weights and f32 scales).
+    pub fn bytes(&self) -> usize {
+        self.q.len() + 4 * self.scale.len()
+    }
+
+    /// The weight as f32 `[ic, oc]` (what the product computes with).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut w = vec![0f32; self.ic * self.oc];
+        for (j, row) in self.q.chunks_exact(self.ic.max(1)).enumerate() {
+            row.iter().enumerate().for_each(|(i, &q)| w[i * self.oc + j] = f32::from(q) * self.scale[j]);
+        }
+        w
+    }
+
+    /// `out [n, oc] = x [n, ic] · W (+ bias)`, overwriting `out`.
+    pub fn forward(&self, out: &mut [f32], x: &[f32], bias: Option<&[f32]>, n: usize) {
+        let (ic, oc) = (self.ic, self.oc);
+        assert_eq!(x.len(), n * ic, "int8 linear: x must be [N, IC]");
+        assert_eq!(out.len(), n * oc, "int8 linear: out must be [N, OC]");
+        if let Some(b) = bias {
+            assert_eq!(b.len(), oc, "int8 linear: bias must be [OC]");
+        }
+        let y = |j: usize, r: usize| self.scale[j] * dot_i8(&x[r * ic..][..ic], &self.q[j * ic..][..ic]) + bias.map_or(0.0, |b| b[j]);
+        if n == 1 {
+            out.par_iter_mut().enumerate().with_min_len(64).for_each(|(j, o)| *o = y(j, 0));
+            return;
+        }
+        // Output-channel-major, so each int8 row is read once for all `n` inputs.
+        let mut t = vec![0f32; oc * n];
+        t.par_chunks_mut(n).enumerate().with_min_len(16).for_each(|(j, col)| col.iter_mut().enumerate().for_each(|(r, o)| *o = y(j, r)));
+        out.par_chunks_mut(oc).enumerate().for_each(|(r, row)| row.iter_mut().enumerate().for_each(|(j, o)| *o = t[j * n + r]));
+    }
+}
+
+/// Σ x_i · q_i in a fixed lane order.
+#[inline(always)]
+fn dot_i8_body(x: &[f32], q: &[i8]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (mut cx, mut cq) = (x.chunks_exact(LANES), q.chunks_exact(LANES));
+    for (a, b) in (&mut cx).zip(&mut cq) {
+        for l in 0..LANES {
+            acc[l] += a[l] * f32::from(b[l]);
+        }
+    }
+    for (l, (a, b)) in cx.remainder().iter().zip(cq.remainder()).enumerate() {
+        acc[l] += a * f32::from(*b);
+    }
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0]
+}
+
+simd_dispatch!(fn dot_i8(x: &[f32], q: &[i8]) -> f32 => dot_i8_body);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gradcheck::{randn, rel_err};
+    use crate::ops::linear;
+
+    #[test]
+    fn scales_are_per_output_channel_and_exact_on_the_grid() {
+        // Column 0 spans ±2, column 1 ±0.5: each gets its own scale.
+        let w = [2.0, 0.5, -2.0, -0.25, 0.0, 0.5];
+        let m = QuantMatrix::from_in_out(&w, 3, 2);
+        assert_eq!(m.scale, [2.0 / 127.0, 0.5 / 127.0]);
+        // -0.25 is half a step off the grid of column 1 (−63.5 steps): it rounds away from 0.
+        let back = m.dequantize();
+        let want = [2.0, 0.5, -2.0, -64.0 * 0.5 / 127.0, 0.0, 0.5];
+        assert!(back.iter().zip(&want).all(|(a, b)| (a - b).abs() <= 1e-6), "{back:?}");
+        assert_eq!(m.q, [127, -127, 0, 127, -64, 127]);
+    }
+
+    #[test]
+    fn product_equals_the_f32_linear_of_the_dequantized_weight() {
+        for n in [1, 5] {
+            let (ic, oc) = (37, 19);
+            let (x, w, b) = (randn(1, n * ic, 1.0), randn(2, ic * oc, 0.1), randn(3, oc, 1.0));
+            let m = QuantMatrix::from_in_out(&w, ic, oc);
+            let (mut got, mut want) = (vec![0.0; n * oc], vec![0.0; n * oc]);
+            m.forward(&mut got, &x, Some(&b), n);
+            linear::linear_forward(&mut want, &x, &m.dequantize(), Some(&b), n, ic, oc);
+            let e = rel_err(&got, &want);
+            assert!(e < 1e-5, "n {n}: rel err {e:e}");
+            // …and near the unquantized product: each weight is off by at most half a step.
+            linear::linear_forward(&mut want, &x, &w, Some(&b), n, ic, oc);
+            let e = rel_err(&got, &want);
+            assert!(e < 2e-2, "n {n}: rel err {e:e} against the f32 weight");
+        }
+    }
+
+    #[test]
+    fn output_major_weights_quantize_per_row() {
+        let (oc, ic) = (4, 6);
+        let w = randn(4, oc * ic, 1.0);
+        let a = QuantMatrix::from_out_in(&w, oc, ic);
+        let t: Vec<f32> = (0..ic * oc).map(|k| w[(k % oc) * ic + k / oc]).collect();
+        let b = QuantMatrix::from_in_out(&t, ic, oc);
+        assert_eq!((a.q, a.scale), (b.q, b.scale));
+    }
+}

@@ -1,0 +1,173 @@
+//! `/metrics`: the server's counters, gauges and latency histograms in the Prometheus text
+//! format (version 0.0.4), all names prefixed `tessera_serve_`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use crate::infer::engine::EngineStats;
+use crate::infer::{Engine, Finish};
+
+/// A monotonically increasing count.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn inc(&self) {
+        self.add(1);
+    }
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A value that goes up and down.
+#[derive(Debug, Default)]
+pub struct Gauge(AtomicU64);
+
+impl Gauge {
+    pub fn set(&self, v: u64) {
+        self.0.store(v, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Seconds, in cumulative buckets.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Per bucket (the last: +Inf), the sum (in microseconds) and the count.
+    counts: Vec<AtomicU64>,
+    sum_us: AtomicU64,
+}
+
+const LATENCY_BOUNDS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram {
+            bounds: LATENCY_BOUNDS,
+            counts: (0..=LATENCY_BOUNDS.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_us: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Histogram {
+    pub fn observe(&self, secs: f64) {
+        let i = self.bounds.iter().position(|&b| secs <= b).unwrap_or(self.bounds.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add((secs * 1e6) as u64, Ordering::Relaxed);
+    }
+
+    fn write(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut acc = 0;
+        for (i, c) in self.counts.iter().enumerate() {
+            acc += c.load(Ordering::Relaxed);
+            let le = self.bounds.get(i).map_or("+Inf".to_string(), |b| b.to_string());
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {acc}");
+        }
+        let _ = writeln!(out, "{name}_sum {}", self.sum_us.load(Ordering::Relaxed) as f64 / 1e6);
+        let _ = writeln!(out, "{name}_count {acc}");
+    }
+}
+
+/// Everything `/metrics` shows.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// HTTP responses by (endpoint, status code).
+    pub http: Mutex<BTreeMap<(&'static str, u16), u64>>,
+    pub prompt_tokens: Counter,
+    pub generation_tokens: Counter,
+    pub finished_stop: Counter,
+    pub finished_length: Counter,
+    pub cancelled: Counter,
+    pub steps: Counter,
+    pub computed_tokens: Counter,
+    pub preemptions: Counter,
+    pub prefix_hit_tokens: Counter,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub free_blocks: Gauge,
+    pub in_flight: Gauge,
+    pub ttft: Histogram,
+    pub latency: Histogram,
+}
+
+impl Metrics {
+    pub fn http_response(&self, endpoint: &'static str, status: u16) {
+        *self.http.lock().expect("metrics lock").entry((endpoint, status)).or_default() += 1;
+    }
+
+    /// The engine's counters since `before`, and its gauges now.
+    pub fn record_step(&self, before: &EngineStats, e: &Engine) {
+        let now = e.stats();
+        self.steps.add(now.steps - before.steps);
+        self.computed_tokens.add(now.computed_tokens - before.computed_tokens);
+        self.preemptions.add(now.preemptions - before.preemptions);
+        self.prefix_hit_tokens.add(now.prefix_hit_tokens - before.prefix_hit_tokens);
+        self.running.set(e.num_running() as u64);
+        self.waiting.set(e.num_waiting() as u64);
+        self.free_blocks.set(e.free_blocks() as u64);
+    }
+
+    pub fn finished(&self, f: Finish, secs: f64, prompt_tokens: usize, completion_tokens: usize) {
+        match f {
+            Finish::Stop => self.finished_stop.inc(),
+            Finish::Length => self.finished_length.inc(),
+        }
+        self.latency.observe(secs);
+        self.prompt_tokens.add(prompt_tokens as u64);
+        self.generation_tokens.add(completion_tokens as u64);
+    }
+
+    /// The Prometheus text.
+    pub fn render(&self) -> String {
+        let mut o = String::new();
+        let p = "tessera_serve_";
+        let _ = writeln!(
+            o,
+            "# HELP {p}http_responses_total HTTP responses by endpoint and status code.\n# TYPE {p}http_responses_total counter"
+        );
+        for ((ep, code), n) in self.http.lock().expect("metrics lock").iter() {
+            let _ = writeln!(o, "{p}http_responses_total{{endpoint=\"{ep}\",code=\"{code}\"}} {n}");
+        }
+        let counters: [(&str, &str, &Counter); 8] = [
+            ("prompt_tokens_total", "Prompt tokens of finished requests.", &self.prompt_tokens),
+            ("generation_tokens_total", "Tokens generated by finished requests.", &self.generation_tokens),
+            ("requests_cancelled_total", "Requests whose client went away before the end.", &self.cancelled),
+            ("engine_steps_total", "Engine steps (batches run).", &self.steps),
+            ("computed_tokens_total", "Tokens run through the model (prompt chunks, recomputation, decoding).", &self.computed_tokens),
+            ("preemptions_total", "Sequences preempted under memory pressure (computed again later).", &self.preemptions),
+            ("prefix_cache_hit_tokens_total", "Prompt positions taken from the prefix cache.", &self.prefix_hit_tokens),
+            ("requests_finished_length_total", "Requests that reached max_tokens.", &self.finished_length),
+        ];
+        for (name, help, c) in counters {
+            let _ = writeln!(o, "# HELP {p}{name} {help}\n# TYPE {p}{name} counter\n{p}{name} {}", c.get());
+        }
+        let _ = writeln!(
+            o,
+            "# HELP {p}requests_finished_stop_total Requests ended by a stop token or stop string.\n# TYPE {p}requests_finished_stop_total counter\n{p}requests_finished_stop_total {}",
+            self.finished_stop.get()
+        );
+        let gauges: [(&str, &str, &Gauge); 4] = [
+            ("running", "Sequences in the batch.", &self.running),
+            ("waiting", "Sequences queued or preempted.", &self.waiting),
+            ("free_blocks", "Cache blocks nobody holds.", &self.free_blocks),
+            ("in_flight", "Requests accepted and not finished.", &self.in_flight),
+        ];
+        for (name, help, g) in gauges {
+            let _ = writeln!(o, "# HELP {p}{name} {help}\n# TYPE {p}{name} gauge\n{p}{name} {}", g.get());
+        }
+        self.ttft.write(&mut o, "tessera_serve_time_to_first_token_seconds", "From the engine taking a request to its first token.");
+        self.latency.write(&mut o, "tessera_serve_request_seconds", "From the engine taking a request to its end.");
+        o
+    }
+}

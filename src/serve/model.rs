@@ -1,0 +1,123 @@
+//! The model `tessera serve` and `tessera generate` run: a Hugging Face model folder (its
+//! weights, `tokenizer.json`, special tokens and chat template) or a Tessera checkpoint (the
+//! tokenizer it was trained with, its recorded model files), with what text generation needs of
+//! its tokenizer: the token a prompt starts with, the tokens that end a text, the chat template.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use tessera_kernels::model::Model;
+
+use super::chat::ChatTemplate;
+use crate::data::Codec;
+use crate::hf;
+use crate::infer::{Backend, CpuBackend, CpuOptions, LinearFormat};
+
+/// A model ready to generate with.
+pub struct LoadedModel {
+    /// Its name in the API (`/v1/models`, the requests' `model`).
+    pub name: String,
+    pub model: Model,
+    pub params: Vec<f32>,
+    pub codec: Codec,
+    /// Put before a completion prompt (the tokenizer's begin-of-sequence token, when it adds one).
+    pub bos: Option<u32>,
+    /// Sampling one of these ends a text (the end-of-sequence tokens).
+    pub eos: Vec<u32>,
+    pub chat: Option<ChatTemplate>,
+}
+
+impl LoadedModel {
+    /// Loads a model folder (it has `config.json`) or a checkpoint (a run's checkpoint folder or
+    /// one step of it); `tokenizer` overrides a checkpoint's recorded one (same file only).
+    pub fn load(path: &Path, tokenizer: Option<&Path>) -> Result<LoadedModel> {
+        if path.join(hf::CONFIG_FILE).is_file() {
+            if tokenizer.is_some() {
+                bail!("--tokenizer: a model folder is served with its own {} ({})", hf::TOKENIZER_FILE, path.display());
+            }
+            return load_folder(path);
+        }
+        load_checkpoint(path, tokenizer)
+    }
+
+    /// A completion prompt's tokens: the begin-of-sequence token, then the text's.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self.bos.into_iter().chain(self.codec.encode(text)?).collect())
+    }
+
+    /// The backend the engine runs this model on: the paged CPU backend with `num_blocks` cache
+    /// blocks of `block_size` positions, its linears in `weights`.
+    pub fn backend(self, block_size: usize, num_blocks: usize, weights: LinearFormat) -> Result<Box<dyn Backend>> {
+        Ok(Box::new(CpuBackend::new(self.model, self.params, CpuOptions { block_size, num_blocks, weights })?))
+    }
+}
+
+/// The name a path is served under: its last component.
+fn served_name(path: &Path) -> String {
+    let canon = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    canon.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned())
+}
+
+fn load_folder(dir: &Path) -> Result<LoadedModel> {
+    let folder = hf::HfModel::open(dir)?;
+    let Some(weights) = &folder.weights else {
+        bail!("{}: the model folder has no weights (model.safetensors or an index); a trained model is needed to generate", dir.display())
+    };
+    let model = Model::new(folder.config.model.clone()).map_err(anyhow::Error::msg)?;
+    let params = hf::read_params(weights, folder.config.family, &model)?;
+    let tok_path = dir.join(hf::TOKENIZER_FILE);
+    let codec = Codec::from_tokenizer_file(&tok_path)?;
+    let name = dir.display().to_string();
+    let id_of = |token: &str, what: &str| -> Result<u32> {
+        match &codec {
+            Codec::Hf(t) => t.token_to_id(token).with_context(|| format!("{}: has no token {token:?} ({what})", tok_path.display())),
+            Codec::Bytes => unreachable!("a folder's tokenizer"),
+        }
+    };
+    let bos = hf::folder_begin_of_text(&name).map(|t| id_of(&t, "the begin-of-sequence token")).transpose()?;
+    let mut eos: Vec<u32> =
+        hf::folder_end_of_text(&name).map(|t| id_of(&t, "the end-of-sequence token")).transpose()?.into_iter().collect();
+    eos.extend(generation_eos(&folder.companions)?);
+    eos.sort_unstable();
+    eos.dedup();
+    let chat = ChatTemplate::from_files(&folder.companions)?;
+    Ok(LoadedModel { name: served_name(dir), model, params, codec, bos, eos, chat })
+}
+
+/// `generation_config.json`'s `eos_token_id` (a number or a list of them).
+fn generation_eos(files: &BTreeMap<String, String>) -> Result<Vec<u32>> {
+    let Some(text) = files.get("generation_config.json") else { return Ok(Vec::new()) };
+    let doc: serde_json::Value = serde_json::from_str(text).context("generation_config.json: not JSON")?;
+    let ids = match &doc["eos_token_id"] {
+        serde_json::Value::Null => return Ok(Vec::new()),
+        serde_json::Value::Array(a) => a.clone(),
+        v => vec![v.clone()],
+    };
+    ids.iter()
+        .map(|v| {
+            v.as_u64().and_then(|n| u32::try_from(n).ok()).with_context(|| {
+                format!("generation_config.json: key `eos_token_id` = {}: expected a token id or a list of them", doc["eos_token_id"])
+            })
+        })
+        .collect()
+}
+
+fn load_checkpoint(path: &Path, tokenizer: Option<&Path>) -> Result<LoadedModel> {
+    let ck = crate::cli::load_checkpoint(path)?;
+    let (model, params) = crate::cli::model_from_checkpoint(&ck)?;
+    let tok: Option<PathBuf> = crate::cli::tokenizer_for(&ck, tokenizer)?;
+    let codec = Codec::open(tok.as_deref()).context("opening the tokenizer")?;
+    crate::cli::check_vocab(&codec, tok.as_deref(), &model.cfg, &ck)?;
+    let named = |k: &str| ck.extra.get(k).and_then(serde_json::Value::as_str);
+    let bos = crate::cli::checkpoint_bos(&ck, &codec, tok.as_deref())?;
+    // The token that separated documents in training ends a text; a tokenizer without one
+    // generates to the length asked for.
+    let eos = codec.end_of_text(named("data_eot"), tok.as_deref()).map(|(id, _)| vec![id]).unwrap_or_default();
+    let files: BTreeMap<String, String> = match ck.extra.get("model_files") {
+        Some(serde_json::Value::Object(m)) => m.iter().filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string()))).collect(),
+        _ => BTreeMap::new(),
+    };
+    let chat = ChatTemplate::from_files(&files).context("the checkpoint's recorded tokenizer settings (`extra.model_files`)")?;
+    Ok(LoadedModel { name: served_name(path), model, params, codec, bos, eos, chat })
+}

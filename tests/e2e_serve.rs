@@ -1,0 +1,212 @@
+//! `tessera serve` run as a user runs it, on a copy of the LLaMA fixture folder given a chat
+//! template: the official `openai` Python client against it (scripts/check_serve_openai.py),
+//! raw HTTP bad input (malformed JSON, invalid UTF-8, a body over the limit, unknown routes), a
+//! client that disconnects mid-stream, 1,000 concurrent connections, and SIGTERM finishing the
+//! request in flight.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::common::{bin, repo};
+
+/// A chat template with Python string methods, short enough for the fixture's 64-token context
+/// (its tokenizer has no ChatML tokens: `<|im_start|>` would cost a dozen tokens).
+const TEMPLATE: &str =
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'].strip() }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}";
+
+/// The LLaMA fixture folder with a chat template, in `dir`.
+fn model_folder(dir: &Path) -> std::path::PathBuf {
+    let src = repo().join("tests/fixtures/hf/llama");
+    let dst = dir.join("tiny-llama");
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dst.join(f)).unwrap();
+    }
+    let settings = serde_json::json!({"chat_template": TEMPLATE, "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"});
+    std::fs::write(dst.join("tokenizer_config.json"), settings.to_string()).unwrap();
+    dst
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(model: &Path, extra: &[&str]) -> Server {
+    let mut child = Command::new(bin())
+        .args(["serve", "--model", model.to_str().unwrap(), "--addr", "127.0.0.1:0"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawning tessera serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.split("http://").nth(1).unwrap_or_else(|| panic!("no address in {line:?}")).trim().to_string();
+    Server { child, addr }
+}
+
+/// Sends raw bytes as one request; the status and the body (read to the end).
+fn raw(addr: &str, head: &str, body: &[u8]) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let req = format!("{head}\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
+    s.write_all(req.as_bytes()).unwrap();
+    let _ = s.write_all(body);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).to_string();
+    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, text.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string()))
+}
+
+fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
+    raw(addr, &format!("POST {path} HTTP/1.1"), body.as_bytes())
+}
+
+fn metric(addr: &str, name: &str) -> f64 {
+    let (_, text) = raw(addr, "GET /metrics HTTP/1.1", b"");
+    text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok())).unwrap_or(f64::NAN)
+}
+
+#[test]
+fn serve_answers_the_openai_client() {
+    let tmp = tempfile::tempdir().unwrap();
+    let srv = start(&model_folder(tmp.path()), &[]);
+    let ok = Command::new("python3").args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("skipping the openai client check: python3 cannot import openai (pip install openai)");
+        return;
+    }
+    let out = Command::new("python3")
+        .arg(repo().join("scripts/check_serve_openai.py"))
+        .args([&format!("http://{}", srv.addr), "tiny-llama"])
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("OK: "), "check_serve_openai.py:\n{text}");
+}
+
+#[test]
+fn serve_refuses_bad_input_clearly_and_keeps_serving() {
+    let tmp = tempfile::tempdir().unwrap();
+    let srv = start(&model_folder(tmp.path()), &["--max-body-bytes", "4096"]);
+    let a = &srv.addr;
+    let cases: [(&str, &[u8], u16, &str); 6] = [
+        ("POST /v1/completions HTTP/1.1", b"{\"model\": ", 400, "not valid JSON"),
+        ("POST /v1/completions HTTP/1.1", b"{\"model\": \"tiny-llama\", \"prompt\": \"\xff\xfe\"}", 400, "not UTF-8"),
+        ("POST /v1/completions HTTP/1.1", &[b' '; 5000], 413, "larger than 4096 bytes"),
+        (
+            "POST /v1/chat/completions HTTP/1.1",
+            b"{\"model\": \"tiny-llama\", \"messages\": [{\"role\": \"user\"}]}",
+            400,
+            "messages[0].content",
+        ),
+        ("POST /v1/completions HTTP/1.1", b"{\"model\": \"tiny-llama\", \"prompt\": \"x\", \"max_tokens\": 1e9}", 400, "max_tokens"),
+        ("GET /v2/nothing HTTP/1.1", b"", 404, "no route /v2/nothing"),
+    ];
+    for (head, body, status, fragment) in cases {
+        let (got, text) = raw(a, head, body);
+        assert_eq!(got, status, "{head} {:?}: {text}", String::from_utf8_lossy(body));
+        assert!(text.contains(fragment), "{head}: {text}");
+    }
+    let (code, text) = raw(a, "GET /health HTTP/1.1", b"");
+    assert_eq!((code, text.contains("ok")), (200, true), "{text}");
+    let (code, text) = post(a, "/v1/completions", r#"{"model": "tiny-llama", "prompt": "It is", "max_tokens": 3}"#);
+    assert_eq!(code, 200, "{text}");
+    assert!(metric(a, "tessera_serve_http_responses_total{endpoint=\"completions\",code=\"400\"}") >= 3.0);
+}
+
+#[test]
+fn a_client_gone_mid_stream_is_cancelled_and_many_connections_are_answered() {
+    let tmp = tempfile::tempdir().unwrap();
+    let srv = start(&model_folder(tmp.path()), &["--max-queue", "64"]);
+    let a = srv.addr.clone();
+    // A stream read to its first event, then dropped.
+    let body = r#"{"model": "tiny-llama", "prompt": "It is", "max_tokens": 50, "stream": true, "ignore_eos": true}"#;
+    let mut s = TcpStream::connect(&a).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len())
+        .unwrap();
+    let mut first = [0u8; 256];
+    let n = s.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&first[..n]));
+    drop(s);
+    let began = Instant::now();
+    while metric(&a, "tessera_serve_requests_cancelled_total") < 1.0 {
+        assert!(began.elapsed() < Duration::from_secs(60), "the dropped stream was never cancelled");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // 1,000 connections at once: each gets an answer, 200 or 429 (queue full), none is dropped.
+    let req = r#"{"model": "tiny-llama", "prompt": "It is", "max_tokens": 2}"#;
+    let conns: Vec<TcpStream> = (0..1000)
+        .map(|_| {
+            let mut s = TcpStream::connect(&a).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(300))).unwrap();
+            write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{req}", req.len()).unwrap();
+            s
+        })
+        .collect();
+    let mut by_code = std::collections::BTreeMap::new();
+    for mut s in conns {
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        let code: u16 = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        *by_code.entry(code).or_insert(0) += 1;
+    }
+    let answered: usize = by_code.iter().filter(|(c, _)| [200u16, 429].contains(c)).map(|(_, n)| n).sum();
+    assert_eq!(answered, 1000, "answers by status: {by_code:?}");
+    assert!(by_code.get(&200).is_some_and(|&n| n >= 64), "{by_code:?}");
+    let (code, _) = post(&a, "/v1/completions", req);
+    assert_eq!(code, 200, "still serving");
+}
+
+#[test]
+fn sigterm_finishes_the_requests_in_flight_then_exits() {
+    let tmp = tempfile::tempdir().unwrap();
+    // One sequence at a time: at the signal, most of the 16 streams are still queued in the engine.
+    let mut srv = start(&model_folder(tmp.path()), &["--max-seqs", "1"]);
+    let body = r#"{"model": "tiny-llama", "prompt": "It is", "max_tokens": 50, "stream": true, "ignore_eos": true}"#;
+    let mut streams: Vec<TcpStream> = (0..16)
+        .map(|_| {
+            let mut s = TcpStream::connect(&srv.addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+            write!(
+                s,
+                "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            s
+        })
+        .collect();
+    let mut first = [0u8; 64];
+    assert!(streams[0].read(&mut first).unwrap() > 0);
+    // SAFETY: signalling the child this test started.
+    assert_eq!(unsafe { libc::kill(srv.child.id() as i32, libc::SIGTERM) }, 0);
+    for (i, s) in streams.iter_mut().enumerate() {
+        let mut got = Vec::new();
+        let _ = s.read_to_end(&mut got);
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.contains("data: [DONE]") && text.contains("\"finish_reason\":\"length\""), "stream {i} was cut: {text}");
+    }
+    let began = Instant::now();
+    let status = loop {
+        if let Some(st) = srv.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(began.elapsed() < Duration::from_secs(60), "serve did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+    assert!(TcpStream::connect(&srv.addr).is_err(), "still listening after exit");
+}
