@@ -269,8 +269,8 @@ impl ModelConfig {
     /// 12·L·d·T (the PaLM/llm.c estimate; the embedding table counts through the tied head).
     ///
     /// With experts, `num_params` counts only the active ones: each MoE block's idle experts
-    /// (`num_experts − top_k` of them: `3·c·f` parameters each in the LLaMA family, `2·c·f + f
-    /// + c` in GPT blocks) are left out; the router, shared expert and residual MLP count whole
+    /// (`num_experts − top_k` of them: `3·c·f` parameters each in the LLaMA family,
+    /// `2·c·f + f + c` in GPT blocks) are left out; the router, shared expert and residual MLP count whole
     /// (every token runs them). Dropped choices are not subtracted.
     pub fn flops_per_token(&self, num_params: usize, seq_len: usize) -> f64 {
         let attn = 12.0 * self.n_layer as f64 * self.d_model as f64 * seq_len as f64;

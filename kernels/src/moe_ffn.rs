@@ -231,7 +231,7 @@ impl MoeFfn {
         // The noise of a training pass — Jitter on the router's input, Gumbel on its logits, the
         // random token order of the capacity slots — keyed by (noise key, block).
         let (cfg, pass) = (&self.cfg, a.pass);
-        let key = (pass.training && cfg.is_noisy()).then(|| NoiseKey { key: pass.noise_key, block: pass.block });
+        let key = (pass.training && cfg.is_noisy()).then_some(NoiseKey { key: pass.noise_key, block: pass.block });
         a.jitter = match key {
             Some(k) if cfg.noisy_gate == NoisyGate::Jitter => k.jitter(n * c),
             _ => Vec::new(),
