@@ -83,12 +83,63 @@ impl QuantMatrix {
             out.par_iter_mut().enumerate().with_min_len(64).for_each(|(j, o)| *o = y(j, 0));
             return;
         }
-        // Output-channel-major, so each int8 row is read once for all `n` inputs.
+        // Output-channel-major, so each int8 row is read once for all `n` inputs and converted
+        // once for every [`ROWS`] of them (a short last group repeats its last row).
         let mut t = vec![0f32; oc * n];
-        t.par_chunks_mut(n).enumerate().with_min_len(16).for_each(|(j, col)| col.iter_mut().enumerate().for_each(|(r, o)| *o = y(j, r)));
+        t.par_chunks_mut(n).enumerate().with_min_len(16).for_each(|(j, col)| {
+            let (q, b) = (&self.q[j * ic..][..ic], bias.map_or(0.0, |b| b[j]));
+            for (g, part) in col.chunks_mut(ROWS).enumerate() {
+                let rows: [&[f32]; ROWS] = std::array::from_fn(|k| {
+                    let r = g * ROWS + k.min(part.len() - 1);
+                    &x[r * ic..][..ic]
+                });
+                let d = dot_i8_rows(rows, q);
+                part.iter_mut().zip(d).for_each(|(o, d)| *o = self.scale[j] * d + b);
+            }
+        });
         out.par_chunks_mut(oc).enumerate().for_each(|(r, row)| row.iter_mut().enumerate().for_each(|(j, o)| *o = t[j * n + r]));
     }
 }
+
+/// Input rows sharing one conversion of an int8 row in [`QuantMatrix::forward`].
+const ROWS: usize = 4;
+
+/// Sums `acc`'s lanes pairwise (the fixed order every int8 product uses).
+#[inline(always)]
+fn reduce_lanes(mut acc: [f32; LANES]) -> f32 {
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0]
+}
+
+/// [`dot_i8`] of each of `x` with one `q`: the same operations per row, so the same bits.
+#[inline(always)]
+fn dot_i8_rows_body(x: [&[f32]; ROWS], q: &[i8]) -> [f32; ROWS] {
+    let mut acc = [[0f32; LANES]; ROWS];
+    let full = q.len() / LANES * LANES;
+    for c in (0..full).step_by(LANES) {
+        let w: [f32; LANES] = std::array::from_fn(|l| f32::from(q[c + l]));
+        for (a, x) in acc.iter_mut().zip(&x) {
+            let x: &[f32; LANES] = x[c..c + LANES].try_into().expect("a full chunk");
+            for l in 0..LANES {
+                a[l] += x[l] * w[l];
+            }
+        }
+    }
+    for (a, x) in acc.iter_mut().zip(&x) {
+        for (l, i) in (full..q.len()).enumerate() {
+            a[l] += x[i] * f32::from(q[i]);
+        }
+    }
+    acc.map(reduce_lanes)
+}
+
+simd_dispatch!(fn dot_i8_rows(x: [&[f32]; ROWS], q: &[i8]) -> [f32; ROWS] => dot_i8_rows_body);
 
 /// Σ x_i · q_i in a fixed lane order.
 #[inline(always)]
@@ -103,14 +154,7 @@ fn dot_i8_body(x: &[f32], q: &[i8]) -> f32 {
     for (l, (a, b)) in cx.remainder().iter().zip(cq.remainder()).enumerate() {
         acc[l] += a * f32::from(*b);
     }
-    let mut w = LANES;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    acc[0]
+    reduce_lanes(acc)
 }
 
 simd_dispatch!(fn dot_i8(x: &[f32], q: &[i8]) -> f32 => dot_i8_body);
@@ -149,6 +193,20 @@ mod tests {
             linear::linear_forward(&mut want, &x, &w, Some(&b), n, ic, oc);
             let e = rel_err(&got, &want);
             assert!(e < 2e-2, "n {n}: rel err {e:e} against the f32 weight");
+        }
+    }
+
+    #[test]
+    fn a_row_gives_the_same_bits_alone_or_among_others() {
+        let (ic, oc) = (45, 7);
+        let (x, w) = (randn(5, 6 * ic, 1.0), randn(6, ic * oc, 0.1));
+        let m = QuantMatrix::from_in_out(&w, ic, oc);
+        let mut all = vec![0.0; 6 * oc];
+        m.forward(&mut all, &x, None, 6);
+        for r in 0..6 {
+            let mut one = vec![0.0; oc];
+            m.forward(&mut one, &x[r * ic..(r + 1) * ic], None, 1);
+            assert_eq!(one, all[r * oc..(r + 1) * oc], "row {r}");
         }
     }
 
