@@ -6,5 +6,7 @@
 //! math (CPU or GPU) and never decides anything.
 
 pub mod backend;
+pub mod gpu;
 
 pub use backend::{Backend, SeqStep};
+pub use gpu::GpuBackend;
