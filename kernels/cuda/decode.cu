@@ -247,8 +247,8 @@ extern "C" __global__ void dec_argmax(int* __restrict__ out, const float* __rest
 }
 
 // ---------------------------------------------------------------------------------------------
-// Weight-only quantized linear layers: int8 or fp8 (e4m3) weights with one f32 scale per output
-// channel, bf16 activations, f32 accumulation.
+// Linear layers of few rows (decode steps): bf16 weights, or weight-only quantized int8 or fp8
+// (e4m3) with one f32 scale per output channel; bf16 activations, f32 accumulation.
 // ---------------------------------------------------------------------------------------------
 // fp8 e4m3 (OCP: bias 7, no infinities, S.1111.111 is NaN) to f32.
 __device__ __forceinline__ float dec_e4m3(u32 b) {
@@ -268,28 +268,48 @@ __device__ __forceinline__ void dec_unpack4(u32 w, float* o) {
     }
 }
 
-#define DEC_WQ_ROWS 4
+// GELU (tanh form), ops::gelu's formula.
+__device__ __forceinline__ float dec_gelu(float x) {
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(u));
+}
 
-// y[r, j] = bf16(s[j] · Σ_k x[r, k] · w[j, k])  with w [n, k] (output channel j's row), x [m, k].
-// One warp per output channel (blockDim = 32 · columns per block); lanes take 16 weights at a
-// time (k % 16 == 0), ascending, then a fixed xor tree; blockIdx.y picks DEC_WQ_ROWS rows.
+#define DEC_WQ_ROWS 8
+
+// y[r, j] = epilogue(Σ_k x[r, k] · w[j, k] · s[j])  with w [n, k] (output channel j's row) of
+// int8 (FMT 0), e4m3 (1) or bf16 (2; `s` null), x [m, k] bf16. The product is rounded to bf16
+// (as a GEMM's output), then with `bias` (may be null): y = bf16(product + bias), and with `gelu`
+// y = bf16(gelu(that)) — the bits of a GEMM followed by ops.cu's bias (+ GELU) kernel up to the
+// GELU's exponential. One warp per output channel (blockDim = 32 · channels per block); lanes
+// take 16 weights at a time (k % 16 == 0), ascending, then a fixed xor tree; blockIdx.y picks
+// DEC_WQ_ROWS rows.
 template <int FMT>
-__device__ __forceinline__ void dec_wq_gemv_t(bf16* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w,
-                                              const float* __restrict__ s, int m, int k, int n) {
+__device__ __forceinline__ void dec_gemv_t(bf16* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w,
+                                           const float* __restrict__ s, const bf16* __restrict__ bias, int gelu, int m, int k, int n) {
     const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31, r0 = blockIdx.y * DEC_WQ_ROWS;
     if (j >= n) return;  // warp-uniform
     float acc[DEC_WQ_ROWS];
 #pragma unroll
     for (int r = 0; r < DEC_WQ_ROWS; r++) acc[r] = 0.0f;
-    const uint4* wr = (const uint4*)(w + (u64)j * k);
+    const uint4* wr = (const uint4*)(w + (u64)j * k * (FMT == 2 ? 2 : 1));
     for (int q = lane; q < (k >> 4); q += 32) {
-        const uint4 wv = wr[q];
         float wf[16];
-        dec_unpack4<FMT>(wv.x, wf);
-        dec_unpack4<FMT>(wv.y, wf + 4);
-        dec_unpack4<FMT>(wv.z, wf + 8);
-        dec_unpack4<FMT>(wv.w, wf + 12);
+        if (FMT == 2) {
+            const uint4 a = wr[2 * q], b = wr[2 * q + 1];
+            const u32 ws[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                wf[2 * i] = bf2f((bf16)(ws[i] & 0xffffu));
+                wf[2 * i + 1] = bf2f((bf16)(ws[i] >> 16));
+            }
+        } else {
+            const uint4 wv = wr[q];
+            dec_unpack4<FMT>(wv.x, wf);
+            dec_unpack4<FMT>(wv.y, wf + 4);
+            dec_unpack4<FMT>(wv.z, wf + 8);
+            dec_unpack4<FMT>(wv.w, wf + 12);
+        }
 #pragma unroll
         for (int r = 0; r < DEC_WQ_ROWS; r++) {
             if (r0 + r < m) {
@@ -305,20 +325,30 @@ __device__ __forceinline__ void dec_wq_gemv_t(bf16* __restrict__ y, const bf16* 
             }
         }
     }
+    const float sj = s ? s[j] : 1.0f;
 #pragma unroll
     for (int r = 0; r < DEC_WQ_ROWS; r++) {
         const float t = warp_sum(acc[r]);
-        if (lane == 0 && r0 + r < m) y[(u64)(r0 + r) * n + j] = f2bf(t * s[j]);
+        if (lane == 0 && r0 + r < m) {
+            float v = bf2f(f2bf(t * sj));
+            if (bias) v = bf2f(f2bf(v + bf2f(bias[j])));
+            if (gelu) v = dec_gelu(v);
+            y[(u64)(r0 + r) * n + j] = f2bf(v);
+        }
     }
 }
 
-extern "C" __global__ void dec_wq_gemv_i8(bf16* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w,
-                                          const float* __restrict__ s, int m, int k, int n) {
-    dec_wq_gemv_t<0>(y, x, w, s, m, k, n);
+extern "C" __global__ void dec_gemv_i8(bf16* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w, const float* __restrict__ s,
+                                       const bf16* __restrict__ bias, int gelu, int m, int k, int n) {
+    dec_gemv_t<0>(y, x, w, s, bias, gelu, m, k, n);
 }
-extern "C" __global__ void dec_wq_gemv_e4m3(bf16* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w,
-                                            const float* __restrict__ s, int m, int k, int n) {
-    dec_wq_gemv_t<1>(y, x, w, s, m, k, n);
+extern "C" __global__ void dec_gemv_e4m3(bf16* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w, const float* __restrict__ s,
+                                         const bf16* __restrict__ bias, int gelu, int m, int k, int n) {
+    dec_gemv_t<1>(y, x, w, s, bias, gelu, m, k, n);
+}
+extern "C" __global__ void dec_gemv_bf16(bf16* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w, const float* __restrict__ s,
+                                         const bf16* __restrict__ bias, int gelu, int m, int k, int n) {
+    dec_gemv_t<2>(y, x, w, s, bias, gelu, m, k, n);
 }
 
 // wd[k', j] = bf16(s[j] · w[j, k'])  ([k, n], the layout cuBLAS takes): the quantized weight

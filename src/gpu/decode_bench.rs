@@ -1,7 +1,7 @@
 //! `tessera gpu decode-bench`: greedy generation throughput of [`GpuBackend`] — every sequence's
 //! prompt in one prefill step, then one decode step per new token (CUDA graphs) — for each batch
 //! size, and the Hugging Face `generate` peer (`scripts/peers/generate_hf.py`) on the same shape
-//! in the same call. Prints a table and one JSON line per row.
+//! in the same call. Prints one JSON line per row as it is measured, then a table.
 //!
 //! Counting follows the peer: the time from the prompts to the last new token (prefill
 //! included), new tokens = batch × `--new`, "ms a step" = that time / `--new`.
@@ -82,8 +82,12 @@ pub fn run(a: &DecodeBenchArgs) -> Result<()> {
     if a.prompt == 0 || a.new == 0 {
         bail!("--prompt {} --new {}: both must be positive", a.prompt, a.new);
     }
-    let formats: Vec<WeightFormat> =
-        a.weights.split(',').map(|w| w.trim().parse::<WeightFormat>()).collect::<Result<_, _>>().map_err(|e| anyhow::anyhow!("--weights {}: {e}", a.weights))?;
+    let formats: Vec<WeightFormat> = a
+        .weights
+        .split(',')
+        .map(|w| w.trim().parse::<WeightFormat>())
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow::anyhow!("--weights {}: {e}", a.weights))?;
     let (model, params) = load(a)?;
     let cfg = model.cfg.clone();
     if a.prompt + a.new > cfg.max_seq_len {
@@ -94,6 +98,7 @@ pub fn run(a: &DecodeBenchArgs) -> Result<()> {
         let mut bf16_logits = None;
         for &fmt in &formats {
             let (row, logits) = ours(a, &model, &params, b, fmt, bf16_logits.as_ref())?;
+            println!("{}", json(a, &row));
             rows.push(row);
             if fmt == WeightFormat::Bf16 {
                 bf16_logits = Some(logits);
@@ -102,7 +107,10 @@ pub fn run(a: &DecodeBenchArgs) -> Result<()> {
     }
     drop(params);
     if !a.no_peer {
-        rows.extend(peer(a, &cfg, &batches)?);
+        for row in peer(a, &cfg, &batches)? {
+            println!("{}", json(a, &row));
+            rows.push(row);
+        }
     }
     print_table(a, &cfg, model.num_params(), &rows);
     Ok(())
@@ -132,14 +140,35 @@ fn load(a: &DecodeBenchArgs) -> Result<(Model, Vec<f32>)> {
 /// Greedy generation at batch `b` with the linear layers in `fmt`: one warm-up (captures the
 /// graphs), then `repeats` timed runs. Also returns the prompts' logits (for the quality column of
 /// the quantized formats, measured against `bf16`'s).
-fn ours(a: &DecodeBenchArgs, model: &Model, params: &[f32], b: usize, fmt: WeightFormat, bf16: Option<&Vec<Vec<f32>>>) -> Result<(Row, Vec<Vec<f32>>)> {
+fn ours(
+    a: &DecodeBenchArgs,
+    model: &Model,
+    params: &[f32],
+    b: usize,
+    fmt: WeightFormat,
+    bf16: Option<&Vec<Vec<f32>>>,
+) -> Result<(Row, Vec<Vec<f32>>)> {
     let per_seq = (a.prompt + a.new).div_ceil(a.block_size);
-    let opts = DecodeOptions { num_blocks: b * per_seq, block_size: a.block_size, max_tokens: b * a.prompt, max_seqs: b, graph_max: b, weights: fmt };
+    let opts = DecodeOptions {
+        num_blocks: b * per_seq,
+        block_size: a.block_size,
+        max_tokens: b * a.prompt,
+        max_seqs: b,
+        graph_max: b,
+        weights: fmt,
+    };
     let mut be = GpuBackend::new(0, model, params, opts)?;
     let (wb, kvb, wsb) = be.decoder().bytes();
-    eprintln!("batch {b}: parameters {:.2} GiB, cache {:.2} GiB, workspace {:.2} GiB on {}", gib(wb), gib(kvb), gib(wsb), be.decoder().gpu.name);
+    eprintln!(
+        "batch {b}: parameters {:.2} GiB, cache {:.2} GiB, workspace {:.2} GiB on {}",
+        gib(wb),
+        gib(kvb),
+        gib(wsb),
+        be.decoder().gpu.name
+    );
     let mut rng = Rng::derive(a.seed, &[b as u64]);
-    let prompts: Vec<Vec<u32>> = (0..b).map(|_| (0..a.prompt).map(|_| rng.gen_range(model.cfg.vocab_size as u64) as u32).collect()).collect();
+    let prompts: Vec<Vec<u32>> =
+        (0..b).map(|_| (0..a.prompt).map(|_| rng.gen_range(model.cfg.vocab_size as u64) as u32).collect()).collect();
     let tables: Vec<Vec<u32>> = (0..b).map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect()).collect();
     let mut times = Vec::new();
     let mut first: Option<Vec<Vec<u32>>> = None;
@@ -164,7 +193,8 @@ fn ours(a: &DecodeBenchArgs, model: &Model, params: &[f32], b: usize, fmt: Weigh
     }
     times.sort_by(f64::total_cmp);
     let med = times[times.len() / 2];
-    let prefill: Vec<SeqStep> = prompts.iter().zip(&tables).map(|(p, t)| SeqStep { tokens: p, start: 0, block_table: t, want_logits: true }).collect();
+    let prefill: Vec<SeqStep> =
+        prompts.iter().zip(&tables).map(|(p, t)| SeqStep { tokens: p, start: 0, block_table: t, want_logits: true }).collect();
     let logits = crate::infer::Backend::step(&mut be, &prefill)?;
     let quality = bf16.filter(|_| fmt != WeightFormat::Bf16).map(|r| quality(&logits, r));
     let system = format!("tessera GpuBackend ({fmt} linears, paged, CUDA graphs)");
@@ -174,7 +204,8 @@ fn ours(a: &DecodeBenchArgs, model: &Model, params: &[f32], b: usize, fmt: Weigh
 /// (rms(q − r) / rms(r), share of rows with the same argmax) over rows of logits.
 fn quality(q: &[Vec<f32>], r: &[Vec<f32>]) -> (f64, f64) {
     let (mut d2, mut r2, mut same) = (0f64, 0f64, 0usize);
-    let argmax = |v: &[f32]| v.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) }).0;
+    let argmax =
+        |v: &[f32]| v.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) }).0;
     for (qr, rr) in q.iter().zip(r) {
         for (&x, &y) in qr.iter().zip(rr) {
             d2 += (x as f64 - y as f64).powi(2);
@@ -188,7 +219,8 @@ fn quality(q: &[Vec<f32>], r: &[Vec<f32>]) -> (f64, f64) {
 /// The prompts in one prefill step, then `new - 1` decode steps; returns every sequence's new
 /// tokens.
 fn generate(be: &mut GpuBackend, prompts: &[Vec<u32>], tables: &[Vec<u32>], new: usize) -> Result<Vec<Vec<u32>>> {
-    let prefill: Vec<SeqStep> = prompts.iter().zip(tables).map(|(p, t)| SeqStep { tokens: p, start: 0, block_table: t, want_logits: true }).collect();
+    let prefill: Vec<SeqStep> =
+        prompts.iter().zip(tables).map(|(p, t)| SeqStep { tokens: p, start: 0, block_table: t, want_logits: true }).collect();
     let mut out: Vec<Vec<u32>> = be.step_greedy(&prefill)?.into_iter().map(|t| vec![t]).collect();
     for k in 1..new {
         let last: Vec<[u32; 1]> = out.iter().map(|o| [o[k - 1]]).collect();
@@ -271,12 +303,13 @@ fn print_table(a: &DecodeBenchArgs, cfg: &ModelConfig, params: usize, rows: &[Ro
         let q = r.quality.map_or("".to_string(), |(e, s)| format!("{e:.2e}, {:.0} %", s * 100.0));
         println!("| {} | {} | {:.3} | {:.0} | {:.3} | {vs} | {q} |", r.system, r.batch, r.seconds, r.tok_s, r.ms_step);
     }
-    for r in rows {
-        let j = serde_json::json!({"system": r.system, "batch": r.batch, "prompt": a.prompt, "new": a.new, "s": r.seconds,
-            "new_tok_per_s": r.tok_s.round(), "ms_per_step": (r.ms_step * 1e3).round() / 1e3,
-            "logits_rms_rel_vs_bf16": r.quality.map(|q| q.0), "same_argmax_vs_bf16": r.quality.map(|q| q.1)});
-        println!("{j}");
-    }
+}
+
+/// One row as a JSON line (printed as soon as it is measured).
+fn json(a: &DecodeBenchArgs, r: &Row) -> serde_json::Value {
+    serde_json::json!({"system": r.system, "model": a.model, "batch": r.batch, "prompt": a.prompt, "new": a.new, "s": r.seconds,
+        "new_tok_per_s": r.tok_s.round(), "ms_per_step": (r.ms_step * 1e3).round() / 1e3,
+        "logits_rms_rel_vs_bf16": r.quality.map(|q| q.0), "same_argmax_vs_bf16": r.quality.map(|q| q.1)})
 }
 
 fn gib(b: usize) -> f64 {

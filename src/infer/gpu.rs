@@ -46,8 +46,10 @@ impl GpuBackend {
     }
 
     fn pack(&self, batch: &[SeqStep<'_>]) -> Result<StepBatch> {
-        let seqs: Vec<StepSeq> =
-            batch.iter().map(|s| StepSeq { tokens: s.tokens, start: s.start, block_table: s.block_table, want_logits: s.want_logits }).collect();
+        let seqs: Vec<StepSeq> = batch
+            .iter()
+            .map(|s| StepSeq { tokens: s.tokens, start: s.start, block_table: s.block_table, want_logits: s.want_logits })
+            .collect();
         Ok(StepBatch::pack(&self.dec, &seqs)?)
     }
 

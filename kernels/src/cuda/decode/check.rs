@@ -25,9 +25,9 @@ use crate::tensor::Rng;
 pub fn check(gpu: &Arc<Gpu>, seed: u64) -> Result<Vec<CheckRow>> {
     let mut out = check_attention(gpu, seed, Heads { nh: 4, nkv: 4, hd: 64 })?;
     out.extend(check_attention(gpu, seed ^ 1, Heads { nh: 8, nkv: 2, hd: 128 })?);
-    for fmt in [WeightFormat::Int8, WeightFormat::Fp8] {
-        for (m, k, n) in [(1, 256, 768), (7, 1024, 256)] {
-            out.extend(check_gemv(gpu, seed, fmt, (m, k, n))?);
+    for fmt in [WeightFormat::Bf16, WeightFormat::Int8, WeightFormat::Fp8] {
+        for (m, k, n, gelu) in [(1, 256, 768, false), (11, 1024, 256, true)] {
+            out.extend(check_gemv(gpu, seed, fmt, (m, k, n), gelu)?);
         }
     }
     for fmt in [WeightFormat::Bf16, WeightFormat::Int8, WeightFormat::Fp8] {
@@ -55,7 +55,17 @@ fn check_attention(gpu: &Gpu, seed: u64, h: Heads) -> Result<Vec<CheckRow>> {
     let num_blocks = lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 3;
     // Blocks handed out from the top down, so no table is in order.
     let mut next = num_blocks;
-    let tables: Vec<Vec<u32>> = lens.iter().map(|l| (0..l.div_ceil(bs)).map(|_| { next -= 1; next as u32 }).collect()).collect();
+    let tables: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|l| {
+            (0..l.div_ceil(bs))
+                .map(|_| {
+                    next -= 1;
+                    next as u32
+                })
+                .collect()
+        })
+        .collect();
     let mb = tables.iter().map(|t| t.len()).max().unwrap_or(1);
     let (mut kc, mut vc) = (vec![0f32; num_blocks * bs * kv], vec![0f32; num_blocks * bs * kv]);
     let (mut q, mut cpu_y, mut packed) = (Vec::new(), Vec::new(), vec![Vec::new(); 4]);
@@ -105,22 +115,46 @@ fn check_attention(gpu: &Gpu, seed: u64, h: Heads) -> Result<Vec<CheckRow>> {
     Ok(rows(&name, &gy, &cpu_y, 1e-2, 5e-2).to_vec())
 }
 
-/// The quantized GEMV (and the widening for cuBLAS) against `x · dequant(q)` on the CPU.
-fn check_gemv(gpu: &Gpu, seed: u64, fmt: WeightFormat, (m, k, n): (usize, usize, usize)) -> Result<Vec<CheckRow>> {
+/// The decode GEMV (bf16, int8, fp8 weights; with the bias + GELU epilogue when `gelu`) against
+/// `x · W` on the CPU with the weight the kernel computes with; for the quantized formats also
+/// the widening for cuBLAS.
+fn check_gemv(gpu: &Gpu, seed: u64, fmt: WeightFormat, (m, k, n): (usize, usize, usize), gelu: bool) -> Result<Vec<CheckRow>> {
     let w = randn(seed ^ 0x9e, k * n, 0.05);
     let x = widen(&randn(seed ^ 0x9f, m * k, 1.0));
-    let t = quant::quantize(&w, k, n, fmt);
-    let wd = quant::dequantize(&t, fmt);
+    let bias = widen(&randn(seed ^ 0xa0, n, 0.5));
+    let (bytes, scales, wd) = match fmt {
+        WeightFormat::Bf16 => {
+            let wt: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32(w[(i % k) * n + i / k])).collect();
+            (wt.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect::<Vec<u8>>(), None, widen(&w))
+        }
+        _ => {
+            let t = quant::quantize(&w, k, n, fmt);
+            let wd = quant::dequantize(&t, fmt);
+            (t.q, Some(t.s), wd)
+        }
+    };
     let mut cpu = vec![0f32; m * n];
     crate::ops::linear::linear_forward(&mut cpu, &x, &wd, None, m, k, n);
-    let (dq, ds, dx, dy, dwd) = (gpu.upload(&t.q)?, gpu.upload(&t.s)?, gpu.upload(&bf(&x))?, gpu.alloc::<bf16>(m * n)?, gpu.alloc::<bf16>(k * n)?);
-    let int8 = fmt == WeightFormat::Int8;
-    launch::wq_gemv(gpu, &gpu.stream, dy.ptr(), dx.ptr(), (dq.ptr(), ds.ptr()), int8, m, (k, n))?;
-    launch::wq_dequant(gpu, &gpu.stream, dwd.ptr(), (dq.ptr(), ds.ptr()), int8, (k, n))?;
+    if gelu {
+        let pre: Vec<f32> =
+            cpu.iter().enumerate().map(|(i, &v)| bf16::from_f32(bf16::from_f32(v).to_f32() + bias[i % n]).to_f32()).collect();
+        crate::ops::gelu::gelu_forward(&mut cpu, &pre);
+    }
+    let (dw, dx, dy, db) = (gpu.upload(&bytes)?, gpu.upload(&bf(&x))?, gpu.alloc::<bf16>(m * n)?, gpu.upload(&bf(&bias))?);
+    let ds = scales.as_ref().map(|s| gpu.upload(s)).transpose()?;
+    let gw = launch::GemvW { w: dw.ptr().raw, s: ds.as_ref().map(|s| s.ptr()), fmt };
+    launch::gemv(gpu, &gpu.stream, dy.ptr(), dx.ptr(), gw, gelu.then(|| db.ptr()), gelu, m, (k, n))?;
     let gy: Vec<f32> = gpu.download(dy.ptr())?.iter().map(|v| v.to_f32()).collect();
-    let gwd: Vec<f32> = gpu.download(dwd.ptr())?.iter().map(|v| v.to_f32()).collect();
-    let mut out = rows(&format!("{fmt} weight-only GEMV [{m}×{k}]·[{k}×{n}]"), &gy, &cpu, 1e-2, 5e-2).to_vec();
-    out.push(CheckRow::compare(format!("{fmt} weight widened to bf16 [{k}×{n}]"), &gwd, &widen(&wd), 1e-6, 4e-3));
+    let what = if gelu { " + bias + GELU" } else { "" };
+    let mut out = rows(&format!("{fmt} decode GEMV{what} [{m}×{k}]·[{k}×{n}]"), &gy, &cpu, 1e-2, 5e-2).to_vec();
+    if let Some(ds) = &ds {
+        let dwd = gpu.alloc::<bf16>(k * n)?;
+        let int8 = fmt == WeightFormat::Int8;
+        let dq = dw.ptr().cast::<u8>();
+        launch::wq_dequant(gpu, &gpu.stream, dwd.ptr(), (dq, ds.ptr()), int8, (k, n))?;
+        let gwd: Vec<f32> = gpu.download(dwd.ptr())?.iter().map(|v| v.to_f32()).collect();
+        out.push(CheckRow::compare(format!("{fmt} weight widened to bf16 [{k}×{n}]"), &gwd, &widen(&wd), 1e-6, 4e-3));
+    }
     Ok(out)
 }
 
@@ -141,7 +175,12 @@ fn small(arch: Arch) -> ModelConfig {
         n_kv_head: if llama { 2 } else { 4 },
         tied_head: !llama,
         qkv_bias: llama,
-        rope_scaling: llama.then_some(RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 32.0 }),
+        rope_scaling: llama.then_some(RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 32.0,
+        }),
         moe: None,
     }
 }
@@ -164,7 +203,11 @@ fn run_schedule(dec: &mut Decoder, model: &Model, params: &[f32], seed: u64) -> 
     let mut p2 = p0[..16].to_vec();
     p2.extend(draw(4));
     // Blocks from the top down; sequence 2's first block is sequence 0's.
-    let mut seqs = [Seq { tokens: p0, table: vec![20, 17, 9, 3] }, Seq { tokens: draw(5), table: vec![15, 1] }, Seq { tokens: p2, table: vec![20, 11, 6] }];
+    let mut seqs = [
+        Seq { tokens: p0, table: vec![20, 17, 9, 3] },
+        Seq { tokens: draw(5), table: vec![15, 1] },
+        Seq { tokens: p2, table: vec![20, 11, 6] },
+    ];
     let (mut gpu_out, mut cpu_out) = (Vec::new(), Vec::new());
     // (sequence, start, end, want logits) per step.
     let prefill: [&[(usize, usize, usize, bool)]; 2] = [&[(0, 0, 20, false), (1, 0, 5, true)], &[(0, 20, 37, true), (2, 16, 20, true)]];
@@ -187,8 +230,15 @@ fn run_schedule(dec: &mut Decoder, model: &Model, params: &[f32], seed: u64) -> 
         for s in seqs.iter_mut() {
             s.tokens.extend(draw(1));
         }
-        let batch: Vec<StepSeq> =
-            seqs.iter().map(|s| StepSeq { tokens: &s.tokens[s.tokens.len() - 1..], start: s.tokens.len() - 1, block_table: &s.table, want_logits: true }).collect();
+        let batch: Vec<StepSeq> = seqs
+            .iter()
+            .map(|s| StepSeq {
+                tokens: &s.tokens[s.tokens.len() - 1..],
+                start: s.tokens.len() - 1,
+                block_table: &s.table,
+                want_logits: true,
+            })
+            .collect();
         let sb = StepBatch::pack(dec, &batch)?;
         dec.run(&sb)?;
         gpu_out.extend(dec.logits(&sb)?);
@@ -214,7 +264,9 @@ fn check_model(gpu: &Arc<Gpu>, seed: u64, cfg: ModelConfig, fmt: WeightFormat) -
     let opts = |graph_max| DecodeOptions { num_blocks: 24, block_size: 16, max_tokens: 64, max_seqs: 4, graph_max, weights: fmt };
     let tag = match cfg.arch {
         Arch::Gpt => format!("[GPT-2, 2 layers, {fmt}]"),
-        Arch::Llama => format!("[LLaMA, 2 layers, {} q / {} kv heads, qkv bias, untied head, llama3 rope, {fmt}]", cfg.n_head, cfg.n_kv_head),
+        Arch::Llama => {
+            format!("[LLaMA, 2 layers, {} q / {} kv heads, qkv bias, untied head, llama3 rope, {fmt}]", cfg.n_head, cfg.n_kv_head)
+        }
     };
     let mut graphs = Decoder::new(gpu.clone(), &model, &params, opts(8))?;
     graphs.set_gemv_rows_max(8);

@@ -144,13 +144,24 @@ pub fn paged_attention(
     let smem = attention_smem_bytes(h.hd, max_len);
     let cfg = LaunchConfig { grid_dim: (n as u32, h.nh as u32, 1), block_dim: (ATT_THREADS, 1, 1), shared_mem_bytes: smem as u32 };
     let scale = 1.0 / (h.hd as f32).sqrt();
-    let (mb, nh, nkv, hd, bs) = (i32_of("max_blocks", p.max_blocks), i32_of("nh", h.nh), i32_of("nkv", h.nkv), i32_of("hd", h.hd), i32_of("bs", block_size));
+    let (mb, nh, nkv, hd, bs) =
+        (i32_of("max_blocks", p.max_blocks), i32_of("nh", h.nh), i32_of("nkv", h.nkv), i32_of("hd", h.hd), i32_of("bs", block_size));
     launch!(gpu, s, "dec_paged_attention", cfg; y.raw, q.raw, kc.raw, vc.raw, p.pos.raw, p.seq.raw, p.tables.raw, mb, nh, nkv, hd, bs, scale)
 }
 
 /// x += y, out = RMSNorm(x)·w (decode.cu `dec_residual_rmsnorm`).
 #[allow(clippy::too_many_arguments)]
-pub fn residual_rmsnorm(gpu: &Gpu, s: &CudaStream, x: DPtr<f32>, out: DPtr<bf16>, y: DPtr<bf16>, w: DPtr<bf16>, n: usize, c: usize, eps: f32) -> Result<()> {
+pub fn residual_rmsnorm(
+    gpu: &Gpu,
+    s: &CudaStream,
+    x: DPtr<f32>,
+    out: DPtr<bf16>,
+    y: DPtr<bf16>,
+    w: DPtr<bf16>,
+    n: usize,
+    c: usize,
+    eps: f32,
+) -> Result<()> {
     check_len("residual_rmsnorm x [n, c]", x, n * c);
     check_len("residual_rmsnorm out [n, c]", out, n * c);
     check_len("residual_rmsnorm y [n, c]", y, n * c);
@@ -159,7 +170,11 @@ pub fn residual_rmsnorm(gpu: &Gpu, s: &CudaStream, x: DPtr<f32>, out: DPtr<bf16>
     if n == 0 {
         return Ok(());
     }
-    let cfg = LaunchConfig { grid_dim: (n.div_ceil(ROWS_PER_BLOCK as usize) as u32, 1, 1), block_dim: (32 * ROWS_PER_BLOCK, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(ROWS_PER_BLOCK as usize) as u32, 1, 1),
+        block_dim: (32 * ROWS_PER_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let (n_i, c_i) = (i32_of("n", n), i32_of("c", c));
     launch!(gpu, s, "dec_residual_rmsnorm", cfg; x.raw, out.raw, y.raw, w.raw, n_i, c_i, eps)
 }
@@ -192,40 +207,74 @@ pub fn argmax(gpu: &Gpu, s: &CudaStream, out: DPtr<i32>, logits: DPtr<f32>, v: u
     launch!(gpu, s, "dec_argmax", blocks(m, 1024); out.raw, logits.raw, m_i, v_i)
 }
 
-/// Output channels (warps) per block of the quantized GEMV.
-const WQ_COLS_PER_BLOCK: u32 = 8;
-/// Rows per block of the quantized GEMV (DEC_WQ_ROWS in decode.cu).
-const WQ_ROWS: usize = 4;
+/// Output channels (warps) per block of the GEMV.
+const GEMV_COLS_PER_BLOCK: u32 = 8;
+/// Rows per block of the GEMV (DEC_WQ_ROWS in decode.cu).
+const GEMV_ROWS: usize = 8;
 
-/// `y [m, n] = x [m, k] · dequant(q)` for weight-only quantized `q [n, k]` with scales `s [n]`
-/// (decode.cu `dec_wq_gemv_*`; k a multiple of 16).
+/// A GEMV's weight: `[n, k]` output-major bytes of `fmt` at `w`, and for the quantized formats
+/// the scales `s [n]`.
+#[derive(Clone, Copy, Debug)]
+pub struct GemvW {
+    pub w: u64,
+    pub s: Option<DPtr<f32>>,
+    pub fmt: super::WeightFormat,
+}
+
+/// `y [m, n] = epilogue(x [m, k] · W)` for a few rows (decode.cu `dec_gemv_*`; k a multiple of
+/// 16): the product rounded to bf16, then `+ bias` and GELU where asked (the bits of a GEMM and
+/// ops.cu's bias kernel; GELU up to its exponential).
 #[allow(clippy::too_many_arguments)]
-pub fn wq_gemv(gpu: &Gpu, st: &CudaStream, y: DPtr<bf16>, x: DPtr<bf16>, (q, s): (DPtr<u8>, DPtr<f32>), int8: bool, m: usize, (k, n): (usize, usize)) -> Result<()> {
-    check_len("wq_gemv y [m, n]", y, m * n);
-    check_len("wq_gemv x [m, k]", x, m * k);
-    check_len("wq_gemv q [n, k]", q, n * k);
-    check_len("wq_gemv s [n]", s, n);
+pub fn gemv(
+    gpu: &Gpu,
+    st: &CudaStream,
+    y: DPtr<bf16>,
+    x: DPtr<bf16>,
+    w: GemvW,
+    bias: Option<DPtr<bf16>>,
+    gelu: bool,
+    m: usize,
+    (k, n): (usize, usize),
+) -> Result<()> {
+    use super::WeightFormat as F;
+    check_len("gemv y [m, n]", y, m * n);
+    check_len("gemv x [m, k]", x, m * k);
+    if let Some(s) = w.s {
+        check_len("gemv s [n]", s, n);
+    }
+    if let Some(b) = bias {
+        check_len("gemv bias [n]", b, n);
+    }
+    assert!((w.fmt == F::Bf16) == w.s.is_none(), "gemv: scales go with quantized weights only");
     if k % 16 != 0 {
-        return Err(GpuError::Invalid(format!("quantized linear layers need an input width that is a multiple of 16; got {k}")));
+        return Err(GpuError::Invalid(format!("the decode GEMV needs an input width that is a multiple of 16; got {k}")));
     }
     if m == 0 {
         return Ok(());
     }
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(WQ_COLS_PER_BLOCK as usize) as u32, m.div_ceil(WQ_ROWS) as u32, 1),
-        block_dim: (32 * WQ_COLS_PER_BLOCK, 1, 1),
+        grid_dim: (n.div_ceil(GEMV_COLS_PER_BLOCK as usize) as u32, m.div_ceil(GEMV_ROWS) as u32, 1),
+        block_dim: (32 * GEMV_COLS_PER_BLOCK, 1, 1),
         shared_mem_bytes: 0,
     };
+    let (s_raw, b_raw, gelu_i) = (w.s.map_or(0, |s| s.raw), bias.map_or(0, |b| b.raw), i32::from(gelu));
     let (m_i, k_i, n_i) = (i32_of("m", m), i32_of("k", k), i32_of("n", n));
-    if int8 {
-        launch!(gpu, st, "dec_wq_gemv_i8", cfg; y.raw, x.raw, q.raw, s.raw, m_i, k_i, n_i)
-    } else {
-        launch!(gpu, st, "dec_wq_gemv_e4m3", cfg; y.raw, x.raw, q.raw, s.raw, m_i, k_i, n_i)
+    match w.fmt {
+        F::Int8 => launch!(gpu, st, "dec_gemv_i8", cfg; y.raw, x.raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
+        F::Fp8 => launch!(gpu, st, "dec_gemv_e4m3", cfg; y.raw, x.raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
+        F::Bf16 => launch!(gpu, st, "dec_gemv_bf16", cfg; y.raw, x.raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
     }
 }
 
 /// `wd [k, n] = bf16(dequant(q))`: a quantized weight widened for cuBLAS (steps of many rows).
-pub fn wq_dequant(gpu: &Gpu, st: &CudaStream, wd: DPtr<bf16>, (q, s): (DPtr<u8>, DPtr<f32>), int8: bool, (k, n): (usize, usize)) -> Result<()> {
+pub fn wq_dequant(
+    gpu: &Gpu,
+    st: &CudaStream,
+    wd: DPtr<bf16>,
+    (q, s): (DPtr<u8>, DPtr<f32>),
+    int8: bool,
+    (k, n): (usize, usize),
+) -> Result<()> {
     check_len("wq_dequant wd [k, n]", wd, k * n);
     check_len("wq_dequant q [n, k]", q, n * k);
     check_len("wq_dequant s [n]", s, n);

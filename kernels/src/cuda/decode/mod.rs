@@ -51,6 +51,8 @@ const SMEM_DEFAULT_MAX: usize = 48 << 10;
 /// Quantized linear layers of steps up to this many tokens run the GEMV kernel; longer steps
 /// (prefill) widen the weight to bf16 and run cuBLAS.
 const WQ_GEMV_ROWS_MAX: usize = 64;
+/// bf16 linear layers of steps up to this many tokens run the GEMV kernel, longer ones cuBLAS.
+const BF16_GEMV_ROWS_MAX: usize = 8;
 
 /// The sizes a [`Decoder`] is built for.
 #[derive(Clone, Copy, Debug)]
@@ -98,7 +100,12 @@ impl StepBatch {
         let m = batch.iter().filter(|s| s.want_logits).count();
         let bad = |msg: String| Err(GpuError::Invalid(format!("GPU decode step: {msg}")));
         if n > d.opts.max_tokens || batch.len() > d.opts.max_seqs {
-            return bad(format!("{n} tokens of {} sequences exceed the decoder's {} tokens / {} sequences a step", batch.len(), d.opts.max_tokens, d.opts.max_seqs));
+            return bad(format!(
+                "{n} tokens of {} sequences exceed the decoder's {} tokens / {} sequences a step",
+                batch.len(),
+                d.opts.max_tokens,
+                d.opts.max_seqs
+            ));
         }
         let mut v = vec![0i32; 4 * n + m + batch.len() * mb];
         let (mut r, mut row) = (0usize, 0usize);
@@ -111,7 +118,10 @@ impl StepBatch {
                 return bad(format!("sequence {i} reaches position {end}, past the model's context of {}", d.cfg.max_seq_len));
             }
             if s.block_table.len() * bs < end || s.block_table.len() > mb {
-                return bad(format!("sequence {i}: a block table of {} blocks of {bs} cannot hold positions 0..{end}", s.block_table.len()));
+                return bad(format!(
+                    "sequence {i}: a block table of {} blocks of {bs} cannot hold positions 0..{end}",
+                    s.block_table.len()
+                ));
             }
             if let Some(b) = s.block_table.iter().find(|&&b| b as usize >= d.opts.num_blocks) {
                 return bad(format!("sequence {i}: block {b} is past the cache's {} blocks", d.opts.num_blocks));
@@ -222,7 +232,10 @@ impl Decoder {
             )));
         }
         if launch::attention_smem_bytes(hd, cfg.max_seq_len) > SMEM_DEFAULT_MAX {
-            return Err(GpuError::Invalid(format!("GPU decoder: a context of {} positions exceeds the paged attention's shared memory", cfg.max_seq_len)));
+            return Err(GpuError::Invalid(format!(
+                "GPU decoder: a context of {} positions exceeds the paged attention's shared memory",
+                cfg.max_seq_len
+            )));
         }
         // Load every module a step uses now: nothing may load while a graph is being captured.
         for (module, func) in [("ops", "layernorm_fwd_gen"), ("llama", "rmsnorm_fwd"), ("decode", "dec_paged_attention")] {
@@ -240,11 +253,25 @@ impl Decoder {
         let blas_ws = gpu.alloc::<u8>(BLAS_WORKSPACE_BYTES)?;
         // SAFETY: the workspace is a field of the decoder, dropped after `blas`.
         unsafe { blas.set_workspace(blas_ws.ptr().raw, BLAS_WORKSPACE_BYTES)? };
-        Ok(Decoder { blas, graphs: Graphs(HashMap::new()), _blas_ws: blas_ws, gpu, cfg, opts, dims, w, inv_freq, kv, ws, wq_rows_max: WQ_GEMV_ROWS_MAX })
+        Ok(Decoder {
+            blas,
+            graphs: Graphs(HashMap::new()),
+            _blas_ws: blas_ws,
+            gpu,
+            cfg,
+            opts,
+            dims,
+            w,
+            inv_freq,
+            kv,
+            ws,
+            wq_rows_max: WQ_GEMV_ROWS_MAX,
+        })
     }
 
-    /// Steps of more than `rows` tokens widen quantized weights to bf16 for cuBLAS instead of
-    /// running the GEMV kernel (default 64; the checks lower it to reach both paths).
+    /// Steps of more than `rows` tokens run the linear layers through cuBLAS (quantized weights
+    /// widened to bf16) instead of the GEMV kernel (default 64 for quantized weights, 8 for
+    /// bf16; the checks lower it to reach both paths).
     pub fn set_gemv_rows_max(&mut self, rows: usize) {
         self.wq_rows_max = rows;
     }
@@ -387,13 +414,11 @@ impl Decoder {
             Arch::Gpt => {
                 let bias = |b: &Option<Buf<bf16>>| b.as_ref().expect("GPT-2 blocks have biases").ptr();
                 let (pre, act) = (ws.big.slice(0..n * f), ws.act.slice(0..n * f));
-                let ln2 = ops::ResidualLn { xo: x, out: h, mean, rstd, x, y: tmp, yb: bias(&w.o_b), w: w.ln2_w.ptr(), b: bias(&w.ln2_b), n, c };
+                let ln2 =
+                    ops::ResidualLn { xo: x, out: h, mean, rstd, x, y: tmp, yb: bias(&w.o_b), w: w.ln2_w.ptr(), b: bias(&w.ln2_b), n, c };
                 ops::residual_layernorm_forward(gpu, st, &ln2)?;
                 gpu.mark("residual + norm");
-                self.linear(pre, h, &w.up_w, (n, c, f))?;
-                gpu.mark("mlp up gemm");
-                ops::bias_gelu_forward_out(gpu, st, pre, act, bias(&w.up_b), n, f)?;
-                gpu.mark("bias + gelu");
+                self.linear_gelu((pre, act), h, &w.up_w, bias(&w.up_b), (n, c, f))?;
                 self.linear(tmp, act, &w.down_w, (n, f, c))?;
                 gpu.mark("mlp down gemm");
                 let b = next_b.expect("GPT-2 norms have biases");
@@ -419,21 +444,51 @@ impl Decoder {
         }
     }
 
+    /// Whether a step of `m` tokens runs `w` through the GEMV kernel (else cuBLAS).
+    fn gemv_rows(&self, w: &Linear, m: usize) -> bool {
+        match w {
+            Linear::Bf16(_) => m <= self.wq_rows_max.min(BF16_GEMV_ROWS_MAX),
+            Linear::Quant { .. } => m <= self.wq_rows_max,
+        }
+    }
+
     /// `y [m, n] = x [m, k] · W` for a linear layer in any format.
     fn linear(&self, y: DPtr<bf16>, x: DPtr<bf16>, w: &Linear, (m, k, n): (usize, usize, usize)) -> Result<()> {
         let (gpu, st) = (&*self.gpu, &*self.gpu.stream);
+        if self.gemv_rows(w, m) {
+            return launch::gemv(gpu, st, y, x, w.gemv(), None, false, m, (k, n));
+        }
         match w {
-            Linear::Bf16(b) => self.gemm(bf(y), bf(x), bf(b.ptr()), (m, k, n)),
+            Linear::Bf16(b) => self.gemm(bf(y), bf(x), Mat::tr(b.ptr().raw, Dt::Bf16), (m, k, n)),
             Linear::Quant { q, s, fmt, .. } => {
-                let int8 = *fmt == WeightFormat::Int8;
-                if m <= self.wq_rows_max {
-                    return launch::wq_gemv(gpu, st, y, x, (q.ptr(), s.ptr()), int8, m, (k, n));
-                }
                 let wd = self.ws.widened.slice(0..k * n);
-                launch::wq_dequant(gpu, st, wd, (q.ptr(), s.ptr()), int8, (k, n))?;
+                launch::wq_dequant(gpu, st, wd, (q.ptr(), s.ptr()), *fmt == WeightFormat::Int8, (k, n))?;
                 self.gemm(bf(y), bf(x), bf(wd), (m, k, n))
             }
         }
+    }
+
+    /// `act = gelu(x · W + bias)` (GPT-2's MLP up-projection): one GEMV with the bias and GELU
+    /// in its epilogue for few rows, else the GEMM into `pre` and ops.cu's bias + GELU.
+    fn linear_gelu(
+        &self,
+        (pre, act): (DPtr<bf16>, DPtr<bf16>),
+        x: DPtr<bf16>,
+        w: &Linear,
+        bias: DPtr<bf16>,
+        (m, k, n): (usize, usize, usize),
+    ) -> Result<()> {
+        let (gpu, st) = (&*self.gpu, &*self.gpu.stream);
+        if self.gemv_rows(w, m) {
+            launch::gemv(gpu, st, act, x, w.gemv(), Some(bias), true, m, (k, n))?;
+            gpu.mark("mlp up gemv + bias + gelu");
+            return Ok(());
+        }
+        self.linear(pre, x, w, (m, k, n))?;
+        gpu.mark("mlp up gemm");
+        ops::bias_gelu_forward_out(gpu, st, pre, act, bias, m, n)?;
+        gpu.mark("bias + gelu");
+        Ok(())
     }
 
     fn gemm(&self, c: Mat, a: Mat, b: Mat, (m, k, n): (usize, usize, usize)) -> Result<()> {
@@ -469,7 +524,15 @@ impl Work {
     }
 
     fn bytes(&self) -> usize {
-        let b16 = self.widened.len() + self.h.len() + self.qkv.len() + self.q.len() + self.att.len() + self.tmp.len() + self.big.len() + self.act.len() + self.hsel.len();
+        let b16 = self.widened.len()
+            + self.h.len()
+            + self.qkv.len()
+            + self.q.len()
+            + self.att.len()
+            + self.tmp.len()
+            + self.big.len()
+            + self.act.len()
+            + self.hsel.len();
         let b32 = self.x.len() + self.mean.len() + self.rstd.len() + self.logits.len() + self.next.len() + self.inputs.len();
         2 * b16 + 4 * b32
     }

@@ -10,7 +10,7 @@ use crate::model::{Arch, Model};
 
 /// A linear layer's weight on the device.
 pub enum Linear {
-    /// `[k, n]` bf16.
+    /// `[n, k]` bf16 (output-major, as the GEMV reads it; cuBLAS takes it transposed).
     Bf16(Buf<bf16>),
     /// `q [n, k]` int8 or e4m3 bytes, `s [n]` f32 (see [`super::quant`]).
     Quant { q: Buf<u8>, s: Buf<f32>, fmt: WeightFormat, k: usize, n: usize },
@@ -20,11 +20,27 @@ impl Linear {
     fn upload(gpu: &Gpu, w: &[f32], (k, n): (usize, usize), fmt: WeightFormat) -> Result<Linear> {
         assert_eq!(w.len(), k * n, "linear weight must be [k={k}, n={n}]");
         match fmt {
-            WeightFormat::Bf16 => Ok(Linear::Bf16(gpu.upload(&to_bf16(w))?)),
+            WeightFormat::Bf16 => {
+                let mut t = vec![bf16::ZERO; k * n];
+                for (i, row) in w.chunks_exact(n).enumerate() {
+                    for (j, &v) in row.iter().enumerate() {
+                        t[j * k + i] = bf16::from_f32(v);
+                    }
+                }
+                Ok(Linear::Bf16(gpu.upload(&t)?))
+            }
             _ => {
                 let t = quant::quantize(w, k, n, fmt);
                 Ok(Linear::Quant { q: gpu.upload(&t.q)?, s: gpu.upload(&t.s)?, fmt, k, n })
             }
+        }
+    }
+
+    /// The GEMV's view of the weight.
+    pub fn gemv(&self) -> super::launch::GemvW {
+        match self {
+            Linear::Bf16(b) => super::launch::GemvW { w: b.ptr().raw, s: None, fmt: WeightFormat::Bf16 },
+            Linear::Quant { q, s, fmt, .. } => super::launch::GemvW { w: q.ptr().raw, s: Some(s.ptr()), fmt: *fmt },
         }
     }
 
@@ -105,7 +121,11 @@ impl Weights {
             ));
         }
         if params.len() != model.num_params() {
-            return Err(GpuError::Invalid(format!("GPU decoding: {} parameters given, the model has {}", params.len(), model.num_params())));
+            return Err(GpuError::Invalid(format!(
+                "GPU decoding: {} parameters given, the model has {}",
+                params.len(),
+                model.num_params()
+            )));
         }
         let t = Tensors { gpu, model, params, fmt };
         let llama = model.cfg.arch == Arch::Llama;
