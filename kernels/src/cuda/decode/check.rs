@@ -185,6 +185,12 @@ fn small(arch: Arch) -> ModelConfig {
     }
 }
 
+/// Every logits row of a schedule: the decoder's, and the CPU model's for the same sequences.
+struct Outputs {
+    gpu: Vec<Vec<f32>>,
+    cpu: Vec<Vec<f32>>,
+}
+
 /// One sequence of the model check: its tokens so far and its block table.
 struct Seq {
     tokens: Vec<u32>,
@@ -195,7 +201,7 @@ struct Seq {
 /// sequence 1's 5-token prompt beside the first chunk, sequence 2 sharing sequence 0's first
 /// block (16 tokens) and running its own 4 beside the second chunk, then 6 decode steps of all
 /// three. Returns each step's logits (GPU) and the CPU's.
-fn run_schedule(dec: &mut Decoder, model: &Model, params: &[f32], seed: u64) -> Result<(Vec<Vec<f32>>, Vec<Vec<f32>>)> {
+fn run_schedule(dec: &mut Decoder, model: &Model, params: &[f32], seed: u64) -> Result<Outputs> {
     let v = model.cfg.vocab_size as u64;
     let mut rng = Rng::derive(seed, &[0xdec]);
     let mut draw = |k: usize| -> Vec<u32> { (0..k).map(|_| rng.gen_range(v) as u32).collect() };
@@ -246,7 +252,7 @@ fn run_schedule(dec: &mut Decoder, model: &Model, params: &[f32], seed: u64) -> 
             cpu_out.push(model.next_token_logits(params, &s.tokens, &mut ws));
         }
     }
-    Ok((gpu_out, cpu_out))
+    Ok(Outputs { gpu: gpu_out, cpu: cpu_out })
 }
 
 /// The model check in weight format `fmt`: the CPU reference runs on the parameters the decoder
@@ -270,7 +276,7 @@ fn check_model(gpu: &Arc<Gpu>, seed: u64, cfg: ModelConfig, fmt: WeightFormat) -
     };
     let mut graphs = Decoder::new(gpu.clone(), &model, &params, opts(8))?;
     graphs.set_gemv_rows_max(8);
-    let (g, cpu) = run_schedule(&mut graphs, &model, &reference, seed)?;
+    let Outputs { gpu: g, cpu } = run_schedule(&mut graphs, &model, &reference, seed)?;
     let mut out = Vec::new();
     for (i, (g, c)) in g.iter().zip(&cpu).enumerate() {
         let what = if i < 3 { "prefill" } else { "decode (graph)" };
@@ -278,7 +284,7 @@ fn check_model(gpu: &Arc<Gpu>, seed: u64, cfg: ModelConfig, fmt: WeightFormat) -
     }
     let mut eager = Decoder::new(gpu.clone(), &model, &params, opts(0))?;
     eager.set_gemv_rows_max(8);
-    let (e, _) = run_schedule(&mut eager, &model, &reference, seed)?;
+    let e = run_schedule(&mut eager, &model, &reference, seed)?.gpu;
     let same = g.iter().zip(&e).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
     out.push(CheckRow::same_bits(format!("decode: CUDA graph replay = kernel by kernel, bits {tag}"), same));
     Ok(out)
