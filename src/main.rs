@@ -468,6 +468,9 @@ enum GpuCmd {
     },
     /// GPT-2 training throughput: one process per GPU, NCCL, ZeRO 0–3 (synthetic tokens, bf16).
     Bench(tessera::gpu::BenchArgs),
+    /// Greedy decoding throughput over the paged cache (prompt, then new tokens, batch sizes),
+    /// with the Hugging Face generate peer run in the same call.
+    DecodeBench(tessera::gpu::decode_bench::DecodeBenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -615,6 +618,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Gpu(GpuCmd::Check { seed }) => Ok(if tessera::gpu::check(seed)? { done } else { ExitCode::FAILURE }),
         Cmd::Gpu(GpuCmd::Bench(a)) => tessera::gpu::bench(&a).map(|()| done),
+        Cmd::Gpu(GpuCmd::DecodeBench(a)) => tessera::gpu::decode_bench::run(&a).map(|()| done),
         Cmd::Worker(a) => match (a.join, a.rank, a.world, a.control) {
             (true, ..) => tessera::engine::run_joiner(&a.dir, &faults).map(|()| done),
             (false, Some(rank), Some(world), Some(control)) => {

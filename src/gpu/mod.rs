@@ -4,6 +4,7 @@
 //! PyTorch and DeepSpeed peers.
 
 pub mod compute;
+pub mod decode_bench;
 pub mod offload;
 pub mod train;
 pub mod zero;
@@ -79,6 +80,10 @@ pub fn check(seed: u64) -> Result<bool> {
     report(
         "LLaMA family: RMSNorm, RoPE, SwiGLU, grouped-query attention (hd 64, 128) and 2-layer models vs the CPU (f32)",
         cuda::llama::check(&gpu, seed).map_err(Into::into),
+    );
+    report(
+        "decoding: paged attention, and small GPT-2 / LLaMA models stepped over a paged cache (prefill chunks, shared prefix, CUDA graphs) vs the CPU",
+        cuda::decode::check::check(&gpu, seed).map_err(Into::into),
     );
     report("GPT-2 124M: the first training steps on the GPU (bf16) against the CPU model (f32)", check_gpt2_steps(gpu.clone(), seed));
     report("optimizer offload: the GPU adamw kernel against the host step, bit for bit", check_adamw_offload(&gpu, seed));

@@ -11,12 +11,14 @@
 //! - [`engine`]: a backend driven by the scheduler, token by token;
 //! - [`text`]: generated tokens as text, stop strings;
 //! - [`cpu`]: the paged CPU backend (f32 or int8 linears);
+//! - [`gpu`]: the paged GPU backend (bf16, int8 or fp8 linears, CUDA graphs for decode steps);
 //! - [`recompute`]: the reference backend (recomputes every position; the oracle of the others).
 
 pub mod backend;
 pub mod blocks;
 pub mod cpu;
 pub mod engine;
+pub mod gpu;
 pub mod recompute;
 pub mod sample;
 pub mod sched;
@@ -30,4 +32,5 @@ mod sched_tests;
 pub use backend::{Backend, SeqStep};
 pub use cpu::{CpuBackend, CpuOptions, LinearFormat};
 pub use engine::{Engine, Event, Finish, Request};
+pub use gpu::GpuBackend;
 pub use sample::{Sampler, SamplingParams};

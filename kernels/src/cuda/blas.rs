@@ -64,6 +64,18 @@ impl Blas {
         Ok(Blas { main })
     }
 
+    /// Gives the handle a workspace of its own (`bytes` at `ptr`), so that its GEMMs never
+    /// allocate: what capturing them into a CUDA graph needs.
+    ///
+    /// # Safety
+    /// `ptr` must cover `bytes` bytes of device memory that outlive every use of this handle.
+    pub(crate) unsafe fn set_workspace(&self, ptr: u64, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*self.main.handle(), ptr as *mut _, bytes) }
+            .result()
+            .map_err(|e| GpuError::Blas { what: "setting a workspace".into(), err: format!("{e:?}") })
+    }
+
     /// Row-major `C[m,n] = op(A)[m,k] · op(B)[k,n]` (C overwritten), accumulating in f32.
     /// `A` is stored `[m,k]` (or `[k,m]` when `a.t`), `B` `[k,n]` (or `[n,k]` when `b.t`).
     pub fn matmul(&self, c: Mat, a: Mat, b: Mat, m: usize, k: usize, n: usize) -> Result<()> {

@@ -17,6 +17,7 @@
 
 pub mod attention;
 pub mod blas;
+pub mod decode;
 pub mod gpt;
 pub mod llama;
 pub mod lt;
@@ -47,6 +48,8 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("gqa_attention", include_str!("../../cuda/gqa_attention.cu")),
     // The mixture-of-experts routing, permutation, gather/combine and their backwards.
     ("moe", include_str!("../../cuda/moe.cu")),
+    // Decoding over a paged key/value cache; reuses llama.cu's RMSNorm and SwiGLU helpers.
+    ("decode", concat!(include_str!("../../cuda/llama.cu"), "\n", include_str!("../../cuda/decode.cu"))),
 ];
 
 /// The architecture module `name` compiles for on a GPU of compute capability `cc`, or `None`

@@ -30,7 +30,7 @@ fn rms(x: &mut dyn Iterator<Item = f64>) -> f64 {
 /// Two rows for an output of bf16 accuracy: the norm-wise error rms(gpu − cpu)/rms(cpu) ≤
 /// `tol_rms`, and no element off by more than `tol_max` of |cpu| + rms(cpu) (an indexing or
 /// masking bug gives O(1)).
-pub(super) fn rows(name: &str, gpu: &[f32], cpu: &[f32], tol_rms: f64, tol_max: f64) -> [CheckRow; 2] {
+pub(crate) fn rows(name: &str, gpu: &[f32], cpu: &[f32], tol_rms: f64, tol_max: f64) -> [CheckRow; 2] {
     let rc = rms(&mut cpu.iter().map(|&x| x as f64)).max(1e-12);
     let mut rel = CheckRow::compare(format!("{name} rms-rel"), gpu, cpu, rc, tol_rms);
     rel.max_rel = rms(&mut gpu.iter().zip(cpu).filter(|(g, _)| g.is_finite()).map(|(&a, &b)| a as f64 - b as f64)) / rc;

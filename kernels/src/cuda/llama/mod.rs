@@ -16,7 +16,7 @@
 //! ```
 
 pub mod attention;
-mod check;
+pub(crate) mod check;
 mod check_moe;
 pub mod moe;
 pub mod ops;
