@@ -175,17 +175,7 @@ extern "C" __global__ void dec_residual_rmsnorm(float* __restrict__ x, bf16* __r
         xr[q] = v;
     }
     __syncwarp();
-    const float ss = l_row_sum4(c, [&](int q) {
-        const float4 v = xr[q];
-        return make_float4(LFMUL(v.x, v.x), LFMUL(v.y, v.y), LFMUL(v.z, v.z), LFMUL(v.w, v.w));
-    });
-    const float r = LFDIV(1.0f, __fsqrt_rn(LFADD(LFDIV(ss, (float)c), eps)));
-    bf16* o = out + (u64)row * c;
-    for (int q = lane; q < (c >> 2); q += 32) {
-        const float4 v = xr[q], wv = l_w4(w, q);
-        l_store_bf16x4(o + 4 * q, LFMUL(LFMUL(v.x, r), wv.x), LFMUL(LFMUL(v.y, r), wv.y), LFMUL(LFMUL(v.z, r), wv.z),
-                       LFMUL(LFMUL(v.w, r), wv.w));
-    }
+    l_rmsnorm_row(out + (u64)row * c, xr, w, c, eps, lane);
 }
 
 // out[r, i] = silu(gu[r, i]) · gu[r, f + i]: SwiGLU over the fused gate|up GEMM's rows [n, 2f].

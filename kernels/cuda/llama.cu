@@ -66,6 +66,22 @@ __device__ __forceinline__ void l_store_bf16x4(bf16* p, float a, float b, float 
     *(uint2*)p = make_uint2(((u32)f2bf(b) << 16) | f2bf(a), ((u32)f2bf(d) << 16) | f2bf(c));
 }
 
+// One warp's row of RMSNorm: rstd = 1/√(Σx²/c + ε) (returned), o = bf16((x · rstd) · w).
+// The one implementation of the row, for training (rmsnorm_fwd) and decoding (decode.cu).
+__device__ __forceinline__ float l_rmsnorm_row(bf16* __restrict__ o, const float4* xr, const bf16* __restrict__ w, int c, float eps, int lane) {
+    const float ss = l_row_sum4(c, [&](int q) {
+        const float4 v = xr[q];
+        return make_float4(LFMUL(v.x, v.x), LFMUL(v.y, v.y), LFMUL(v.z, v.z), LFMUL(v.w, v.w));
+    });
+    const float r = LFDIV(1.0f, __fsqrt_rn(LFADD(LFDIV(ss, (float)c), eps)));
+    for (int q = lane; q < (c >> 2); q += 32) {
+        const float4 v = xr[q], wv = l_w4(w, q);
+        l_store_bf16x4(o + 4 * q, LFMUL(LFMUL(v.x, r), wv.x), LFMUL(LFMUL(v.y, r), wv.y), LFMUL(LFMUL(v.z, r), wv.z),
+                       LFMUL(LFMUL(v.w, r), wv.w));
+    }
+    return r;
+}
+
 // rstd = 1/√(Σx²/c + ε),  out = bf16((x · rstd) · w)   (ops::rmsnorm::rmsnorm_forward).
 extern "C" __global__ void rmsnorm_fwd(bf16* __restrict__ out, float* __restrict__ rstd, const float* __restrict__ x, const bf16* __restrict__ w,
                                        int n, int c, float eps) {
@@ -73,17 +89,7 @@ extern "C" __global__ void rmsnorm_fwd(bf16* __restrict__ out, float* __restrict
     const int lane = threadIdx.x & 31;
     if (row >= n) return;  // warp-uniform
     const float4* xr = (const float4*)(x + (u64)row * c);
-    const float ss = l_row_sum4(c, [&](int q) {
-        const float4 v = xr[q];
-        return make_float4(LFMUL(v.x, v.x), LFMUL(v.y, v.y), LFMUL(v.z, v.z), LFMUL(v.w, v.w));
-    });
-    const float r = LFDIV(1.0f, __fsqrt_rn(LFADD(LFDIV(ss, (float)c), eps)));
-    bf16* o = out + (u64)row * c;
-    for (int q = lane; q < (c >> 2); q += 32) {
-        const float4 v = xr[q], wv = l_w4(w, q);
-        l_store_bf16x4(o + 4 * q, LFMUL(LFMUL(v.x, r), wv.x), LFMUL(LFMUL(v.y, r), wv.y), LFMUL(LFMUL(v.z, r), wv.z),
-                       LFMUL(LFMUL(v.w, r), wv.w));
-    }
+    const float r = l_rmsnorm_row(out + (u64)row * c, xr, w, c, eps, lane);
     if (lane == 0) rstd[row] = r;
 }
 

@@ -38,7 +38,7 @@ use crate::config::ComputeDevice;
 /// A rank's device for forward and backward.
 pub enum Device {
     /// The model's CPU kernels, unit by unit.
-    Cpu(Workspace),
+    Cpu(Box<Workspace>),
     /// Whole micro-batches on a GPU, staged through the host.
     Cuda(Staged),
 }
@@ -46,7 +46,7 @@ pub enum Device {
 impl Device {
     pub fn new(kind: ComputeDevice) -> Device {
         match kind {
-            ComputeDevice::Cpu => Device::Cpu(Workspace::default()),
+            ComputeDevice::Cpu => Device::Cpu(Box::default()),
             ComputeDevice::Cuda => Device::Cuda(Staged::new(Whole::Gpu)),
         }
     }

@@ -207,7 +207,7 @@ impl EpRunner<'_> {
     }
 
     /// This rank's rows' results from the members' replies (`counts[e]` rows of expert `e`).
-    fn from_members(&mut self, got: &[Vec<f32>], counts: &[usize], c: usize) -> Vec<Vec<f32>> {
+    fn results_from_members(&mut self, got: &[Vec<f32>], counts: &[usize], c: usize) -> Vec<Vec<f32>> {
         let ep = self.plan.experts.as_ref().expect("an expert-parallel plan").clone();
         let mut out = vec![Vec::new(); counts.len()];
         for (k, m) in ep.group(self.rank).enumerate() {
@@ -256,7 +256,7 @@ impl ExpertRunner for EpRunner<'_> {
             self.state.served.insert((unit, k), served);
         }
         match self.all_to_all("returning the experts' outputs", back) {
-            Some(got) => self.from_members(&got, &counts, c),
+            Some(got) => self.results_from_members(&got, &counts, c),
             None => rows.iter().map(|r| vec![0.0; r.len()]).collect(),
         }
     }
@@ -299,7 +299,7 @@ impl ExpertRunner for EpRunner<'_> {
             back[m] = reply;
         }
         match self.all_to_all("returning the experts' input gradients", back) {
-            Some(got) => self.from_members(&got, &counts, c),
+            Some(got) => self.results_from_members(&got, &counts, c),
             None => d_out.iter().map(|r| vec![0.0; r.len()]).collect(),
         }
     }
