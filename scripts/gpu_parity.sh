@@ -38,6 +38,8 @@ export TESSERA_KERNEL_CACHE=${TESSERA_KERNEL_CACHE:-/tmp/tessera-kernels}
 T=./target/release/tessera
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+ERR=${ERR:-/tmp/parity-err}   # each bench's stderr (the device tool returns few files: a digest goes to $OUT)
+mkdir -p "$ERR"
 echo "== $(nvidia-smi -L | head -1), $(nproc) CPU cores; $(date -u)"
 
 echo "== gpu check (optimizer, fp16 and round_f16 rows shown; the summary line last)"
@@ -56,13 +58,13 @@ results=$OUT/parity.jsonl
 : > "$results"
 bench() { # label, args...
     local label=$1; shift
-    if line=$(timeout 300 $T gpu bench "$@" 2>"$OUT/${label// /_}.err" | tail -1) && [ -n "$line" ]; then
+    if line=$(timeout 300 $T gpu bench "$@" 2>"$ERR/${label// /_}.err" | tail -1) && [ -n "$line" ]; then
         local opt
-        opt=$(grep -E '^  optimizer ' "$OUT/${label// /_}.err" | awk '{print $2}' | head -1)
+        opt=$(grep -E '^  optimizer ' "$ERR/${label// /_}.err" | awk '{print $2}' | head -1)
         echo "{\"label\": \"$label\", \"r\": $line, \"opt_ms\": ${opt:-null}}" >> "$results"
         echo "$label: $line"
     else
-        echo "FAILED: $label"; tail -5 "$OUT/${label// /_}.err"
+        echo "FAILED: $label"; tail -5 "$ERR/${label// /_}.err"
     fi
 }
 B="--vocab 50304 --micro-batch 16 --seq 1024 --zero 1 --clip 1.0 --steps 25 --warmup 5 --profile"
@@ -87,6 +89,8 @@ if [ "${PARITY_OFFLOAD:-1}" = 1 ]; then
     df -h /tmp | tail -1
 fi
 
+for f in "$ERR"/*.err; do echo "### $f"; grep -vE "^step " "$f" | tail -n 25; done > "$OUT/bench_err.txt" 2>&1
+
 echo "== table"
 python3 - "$results" <<'PY'
 import json, sys
@@ -109,3 +113,10 @@ for x in offl:
     io = f"{r.get('nvme_read_ms')}/{r.get('nvme_write_ms')}/{r.get('nvme_wait_ms')}" if r.get("nvme_GiB") is not None else "-"
     print(f"| {x['label']} | {r['step_ms_median']} | {r['tok_per_s']:.0f} | {r.get('state_GiB')} | {r.get('host_state_GiB')} | {r.get('nvme_GiB', '-')} | {r.get('host_adam_ms', '-')} | {r.get('exposed_ms', '-')} | {r.get('hidden', '-')} | {io} | {r.get('nvme_GBps', '-')} | {str(r.get('params_blake3'))[:16]} |")
 PY
+
+if [ "${PARITY_OFFLOAD_E2E:-1}" = 1 ]; then
+    echo "== e2e: optimizer offload (host memory and NVMe) gives the same bits; the whole-device budget"
+    timeout 300 ./target/release/tests e2e_gpu::gpu_optimizer_offload_gives_the_same_bits --nocapture --test-threads 1 > "$OUT/e2e_offload.txt" 2>&1
+    echo "e2e offload exit $?"
+    grep -E "test result|panicked|FAILED|^test " "$OUT/e2e_offload.txt" | cut -c1-300
+fi
