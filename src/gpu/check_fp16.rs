@@ -27,7 +27,18 @@ pub fn check(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
     let init = model.init_params(seed);
     let shape = gpt::Shape::new(&model.cfg, b, t)?;
     let optim = zero::Optimizer::adamw((0.9, 0.95), 1e-8, 0.1, 0.0);
-    let spec = |stage| zero::RankSpec { model: &model, stage, shape, init: &init, optim, m_local: 1, offload: None, recompute: false, fp16: true, nvme: None };
+    let spec = |stage| zero::RankSpec {
+        model: &model,
+        stage,
+        shape,
+        init: &init,
+        optim,
+        m_local: 1,
+        offload: None,
+        recompute: false,
+        fp16: true,
+        nvme: None,
+    };
     let mut rows = overflow_decisions(&gpu, &model, spec(0), seed, b, t)?;
     rows.extend(dynamic_scaler_run(&gpu, spec(2), seed, b, t, model.cfg.vocab_size)?);
     Ok(rows)
@@ -37,7 +48,14 @@ pub fn check(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
 /// the CPU model's f32 gradient of the same micro-batch, times the scale, has an element that
 /// fp16 storage makes infinite. Scales whose largest scaled element lies within 2 % of the
 /// threshold are left out (the GPU's bf16 gradient differs from the CPU's in its low bits).
-fn overflow_decisions(gpu: &Arc<Gpu>, model: &Model, spec: zero::RankSpec<'_>, seed: u64, b: usize, t: usize) -> Result<Vec<cuda::CheckRow>> {
+fn overflow_decisions(
+    gpu: &Arc<Gpu>,
+    model: &Model,
+    spec: zero::RankSpec<'_>,
+    seed: u64,
+    b: usize,
+    t: usize,
+) -> Result<Vec<cuda::CheckRow>> {
     let init = spec.init.to_vec();
     let mut rank = zero::Rank::new(gpu.clone(), None, spec)?;
     let (tok, tgt) = batch(seed, 0, 0, b, t, model.cfg.vocab_size);
@@ -77,13 +95,13 @@ fn overflow_decisions(gpu: &Arc<Gpu>, model: &Model, spec: zero::RankSpec<'_>, s
     ])
 }
 
-/// Eight steps from a scale of 2^40 (overflowing) under DeepSpeed's dynamic scaler (window 2,
-/// hysteresis 1; the CPU ranks' `DynamicLossScaler`, as the GPU workers hold it): the scale
+/// Twelve steps from a scale of 2^24 (overflowing: the model's gradient fits below about 2^19)
+/// under DeepSpeed's dynamic scaler (window 2, hysteresis 1; the CPU ranks' `DynamicLossScaler`, as the GPU workers hold it): the scale
 /// halves on each overflow until the gradient fits, skipped steps leave masters and moments bit
 /// for bit, and applied ones move them.
 fn dynamic_scaler_run(gpu: &Arc<Gpu>, spec: zero::RankSpec<'_>, seed: u64, b: usize, t: usize, v: usize) -> Result<Vec<cuda::CheckRow>> {
     let mut rank = zero::Rank::new(gpu.clone(), None, spec)?;
-    let mut scaler = DynamicLossScaler::new(40, 2, 1.0, 1)?;
+    let mut scaler = DynamicLossScaler::new(24, 2, 1.0, 1)?;
     let (mut skipped, mut applied, mut kept_bits, mut moved, mut scales) = (0, 0, true, true, Vec::new());
     // Every bit of the masters and the optimizer state, in order.
     let state_bits = |r: &mut zero::Rank| -> Result<Vec<u32>> {
@@ -91,7 +109,7 @@ fn dynamic_scaler_run(gpu: &Arc<Gpu>, spec: zero::RankSpec<'_>, seed: u64, b: us
         r.optimizer_state()?.iter().for_each(|b| bits.extend(f32_bits(b)));
         Ok(bits)
     };
-    for step in 0..8 {
+    for step in 0..12 {
         let before = state_bits(&mut rank)?;
         let p = rank.prepare(&[batch(seed, step, 0, b, t, v)], 1e-3, 1.0, scaler.scale())?;
         let outcome = scaler.update(p.overflow)?;
@@ -108,7 +126,17 @@ fn dynamic_scaler_run(gpu: &Arc<Gpu>, spec: zero::RankSpec<'_>, seed: u64, b: us
     }
     let flag = |ok: bool| u32::from(ok);
     Ok(vec![
-        bits_row(format!("fp16 dynamic scaler from 2^40: {skipped} steps skipped, then scales {scales:?}; skipped steps kept masters and moments"), &[flag(kept_bits)], &[1]),
-        bits_row(format!("fp16 dynamic scaler: the {applied} applied steps moved the masters"), &[flag(moved && applied > 0 && skipped > 0)], &[1]),
+        bits_row(
+            format!(
+                "fp16 dynamic scaler from 2^24: {skipped} steps skipped, then scales {scales:?}; skipped steps kept masters and moments"
+            ),
+            &[flag(kept_bits)],
+            &[1],
+        ),
+        bits_row(
+            format!("fp16 dynamic scaler: the {applied} applied steps moved the masters"),
+            &[flag(moved && applied > 0 && skipped > 0)],
+            &[1],
+        ),
     ])
 }

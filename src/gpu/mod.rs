@@ -120,7 +120,18 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
     let mut rank = zero::Rank::new(
         gpu,
         None,
-        zero::RankSpec { model: &model, stage: 0, shape, init: &init, optim, m_local: 1, offload: None, recompute: false, fp16: false, nvme: None },
+        zero::RankSpec {
+            model: &model,
+            stage: 0,
+            shape,
+            init: &init,
+            optim,
+            m_local: 1,
+            offload: None,
+            recompute: false,
+            fp16: false,
+            nvme: None,
+        },
     )?;
     let (mut p, mut m, mut v) = (init.clone(), vec![0f32; init.len()], vec![0f32; init.len()]);
     let decay = model.layout().specs().iter().flat_map(|s| std::iter::repeat_n(s.decay, s.numel())).collect::<Vec<bool>>();
@@ -322,7 +333,12 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
     let v = model.cfg.vocab_size;
     /// Masters, exp_avg, exp_avg_sq, an evaluation loss and the host optimizer's figures.
     type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, f32, Option<offload::OffloadStats>);
-    let run_on = |optim: zero::Optimizer, stage: u8, offload: Option<f64>, early: bool, nvme: Option<&offload::NvmeSite>| -> Result<Outcome> {
+    let run_on = |optim: zero::Optimizer,
+                  stage: u8,
+                  offload: Option<f64>,
+                  early: bool,
+                  nvme: Option<&offload::NvmeSite>|
+     -> Result<Outcome> {
         let off = offload.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(1) });
         let mut r = zero::Rank::new(
             gpu.clone(),
@@ -385,7 +401,11 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
         let (o, base) = (run_on(optim, stage, Some(1.0), true, Some(&site))?, run(stage, clip, None, true)?);
         let tag = format!("ZeRO-{stage}, clip {clip}, ratio 1, swap files in {}", site.dir.display());
         same(&mut rows, "NVMe offload vs GPU optimizer", &tag, &o, &base);
-        rows.push(bits_row(format!("NVMe offload vs GPU optimizer, eval loss after the steps ({tag})"), &[o.3.to_bits()], &[base.3.to_bits()]));
+        rows.push(bits_row(
+            format!("NVMe offload vs GPU optimizer, eval loss after the steps ({tag})"),
+            &[o.3.to_bits()],
+            &[base.3.to_bits()],
+        ));
     }
     // The other optimizers through the rank (decay mask, state buffers, the step count): the
     // update during the backward vs after it, at ZeRO-2 and ZeRO-3; Adam with an L2 penalty
@@ -413,7 +433,10 @@ fn other_optimizers() -> Vec<(&'static str, tessera_kernels::optim::OptimizerKin
     let adam = AdamParams { lr: 2e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, ..AdamParams::default() };
     vec![
         ("Adam (L2 penalty, no bias correction)", OptimizerKind::Adam(AdamParams { adam_w_mode: false, bias_correction: false, ..adam })),
-        ("SGD (Nesterov momentum)", OptimizerKind::Sgd(SgdParams { lr: 2e-3, momentum: 0.9, dampening: 0.0, weight_decay: 0.01, nesterov: true })),
+        (
+            "SGD (Nesterov momentum)",
+            OptimizerKind::Sgd(SgdParams { lr: 2e-3, momentum: 0.9, dampening: 0.0, weight_decay: 0.01, nesterov: true }),
+        ),
         ("Lion", OptimizerKind::Lion(LionParams { lr: 2e-3, betas: (0.9, 0.99), weight_decay: 0.1, momentum_cycle: None })),
     ]
 }

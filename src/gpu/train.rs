@@ -96,7 +96,11 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
     }
     check_offload(cfg)?;
     if cfg.zero.offload_optimizer.as_ref().is_some_and(|o| o.device == OffloadDevice::Nvme) {
-        let swap_keys = ["zero_optimization.offload_optimizer.pipeline_read", "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.sub_group_size"];
+        let swap_keys = [
+            "zero_optimization.offload_optimizer.pipeline_read",
+            "zero_optimization.offload_optimizer.pipeline_write",
+            "zero_optimization.sub_group_size",
+        ];
         for key in cfg.present_keys.iter().filter(|k| swap_keys.contains(&k.as_str())) {
             notes.push(format!(
                 "`{key}` has no effect with `--device cuda`: its NVMe offload swaps unit by unit, always reading the next unit ahead \

@@ -86,9 +86,7 @@ impl OptimStep {
                 })
             }
             OptimizerKind::Lamb(_) => {
-                return Err(GpuError::Invalid(
-                    "LAMB has no GPU kernel (its trust ratios need per-tensor norms across the shards)".into(),
-                ))
+                return Err(GpuError::Invalid("LAMB has no GPU kernel (its trust ratios need per-tensor norms across the shards)".into()))
             }
         })
     }
@@ -221,7 +219,14 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
             cpu.step(&mut p, &grad, lr, &ctx, &mut LocalReduce).map_err(|e| GpuError::Invalid(format!("CPU {name} step: {e}")))?;
             let d_grad = gpu.upload(&grad)?;
             let hp = OptimStep::new(&kind, lr, step)?;
-            let bufs = OptimBufs { master: d_master.ptr(), param: d_param.ptr(), grad: d_grad.ptr(), m: d_m.ptr(), v: d_v.ptr(), decay: d_mask.ptr() };
+            let bufs = OptimBufs {
+                master: d_master.ptr(),
+                param: d_param.ptr(),
+                grad: d_grad.ptr(),
+                m: d_m.ptr(),
+                v: d_v.ptr(),
+                decay: d_mask.ptr(),
+            };
             self::step(gpu, &gpu.stream, &bufs, &hp, 1.0)?;
             let (gm, gp) = (gpu.download(d_master.ptr())?, gpu.download(d_param.ptr())?);
             let mut same = bits(&gm) == bits(&p) && gp.iter().zip(&p).all(|(g, c)| g.to_bits() == bf16::from_f32(*c).to_bits());
@@ -233,7 +238,10 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         }
         let what = kind.state_names().join(", ");
         rows.push(CheckRow {
-            name: format!("{name}: {CHECK_STEPS} steps, masters, bf16 params{} = CPU OptimizerShard::step (bits)", if what.is_empty() { String::new() } else { format!(", {what}") }),
+            name: format!(
+                "{name}: {CHECK_STEPS} steps, masters, bf16 params{} = CPU OptimizerShard::step (bits)",
+                if what.is_empty() { String::new() } else { format!(", {what}") }
+            ),
             max_abs: 0.0,
             max_rel: f64::from(u8::from(!equal)),
             tol: 0.0,

@@ -54,9 +54,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use tessera_kernels::cuda::gpt::{self, GpuLayout, Shape, Workspace};
+use tessera_kernels::cuda::optim::OptimStep;
 use tessera_kernels::cuda::{self, bf16, ops, Buf, CudaEvent, CudaStream, DPtr, Gpu};
 use tessera_kernels::model::Model;
-use tessera_kernels::cuda::optim::OptimStep;
 use tessera_kernels::optim::{AdamParams, OptimizerKind};
 use tessera_transport::nccl::NcclComm;
 
@@ -471,7 +471,11 @@ impl Rank {
     /// gradient in the update (1 without fp16).
     pub fn prepare(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], lr: f32, dloss: f32, loss_scale: f32) -> Result<Prepared> {
         if !(loss_scale.is_finite() && loss_scale > 0.0) || (!self.fp16 && loss_scale != 1.0) {
-            bail!("rank {}: loss scale {loss_scale} (this rank's fp16 is {}): expected 1 without fp16, a finite value > 0 with it", self.rank, self.fp16);
+            bail!(
+                "rank {}: loss scale {loss_scale} (this rank's fp16 is {}): expected 1 without fp16, a finite value > 0 with it",
+                self.rank,
+                self.fp16
+            );
         }
         if let Some(why) = &self.torn {
             bail!("rank {}: {why}", self.rank);
@@ -574,7 +578,14 @@ impl Rank {
     /// The prepare's computation: every micro-batch ([`Rank::micro_batches`]), the wait for
     /// the reductions, the global norm and the clipping coefficient (sent to the host optimizer
     /// through `pipe` when it waits for it).
-    fn compute(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], dloss: f32, loss_scale: f32, hp: &OptimStep, pipe: Option<&Pipe>) -> Result<Computed> {
+    fn compute(
+        &mut self,
+        mbs: &[(Vec<u32>, Vec<u32>)],
+        dloss: f32,
+        loss_scale: f32,
+        hp: &OptimStep,
+        pipe: Option<&Pipe>,
+    ) -> Result<Computed> {
         let fin = self.micro_batches(mbs, dloss, hp)?;
         self.gpu.mark("micro-batch tree");
         // Optimizer input: this rank's reduced pieces.
