@@ -241,16 +241,20 @@ fn gpu_optimizer_offload_gives_the_same_bits() {
     ok(&cuda_args(cfg, &nsplit, &["--set", &nvme, "--resume", &ck]), tmp.path());
     assert_eq!(b["params_blake3"], summary(Path::new(&nsplit))["params_blake3"], "NVMe 10 + resume + 10 differ");
     assert_eq!(std::fs::read_dir(&swap).unwrap().count(), 0, "the swap files outlived the runs");
-    // Under a budget the non-offloaded run exceeds — everything on the device counted:
-    // parameters, gradients, optimizer states, activations and scratch — the offloaded one trains.
-    let total = b["device_bytes_per_rank"][0].as_u64().unwrap();
-    let optim = b["model_state_bytes_per_rank"][0]["optimizer_states"].as_u64().unwrap();
-    let max = total - optim / 2;
-    let budget = format!("tessera.device_memory_bytes_max={max}");
-    let text = exits_1(&cuda_args(cfg, &dir("over"), &["--set", &budget]), tmp.path());
-    assert!(text.contains(&format!("tessera.device_memory_bytes_max = {max}")), "{text}");
+    // The budget counts everything on the device. Model states over it: refused at start,
+    // before any GPU is touched. Model states within it but not the activations and scratch:
+    // refused once the rank is built, naming them. Everything within it: trains.
+    let states = |s: &serde_json::Value| s["model_state_bytes_per_rank"][0]["total"].as_u64().unwrap();
+    let off_states = states(&summary(Path::new(&dir("off-1"))));
+    let set = |max: u64| format!("tessera.device_memory_bytes_max={max}");
+    let over = set(states(&b) - 1);
+    let text = exits_1(&cuda_args(cfg, &dir("over"), &["--set", &over]), tmp.path());
+    assert!(text.contains(&format!("tessera.device_memory_bytes_max = {}", states(&b) - 1)) && text.contains("model states"), "{text}");
+    let text = exits_1(&cuda_args(cfg, &dir("over-act"), &["--set", &set(off_states), "--set", &o]), tmp.path());
+    assert!(text.contains("activations and scratch"), "{text}");
     let under = dir("under");
-    ok(&cuda_args(cfg, &under, &["--set", &budget, "--set", &o]), tmp.path());
+    let all = b["device_bytes_per_rank"][0].as_u64().unwrap();
+    ok(&cuda_args(cfg, &under, &["--set", &set(all), "--set", &o]), tmp.path());
     assert_eq!(b["params_blake3"], summary(Path::new(&under))["params_blake3"]);
     if n < 2 {
         println!("skipped the 2-GPU offload runs: this machine has {n} GPU");
