@@ -193,8 +193,8 @@ impl NvmeStore {
             let mut done = |st: UnitState| wtx.send(st).map_err(|_| io::Error::other("the swap writer stopped"));
             let out = step_units(&mut next, &mut done);
             // Closing both channels ends the threads: the writer after the last queued write,
-            // the reader at its next send (it stops early if the step stopped early).
-            drop((next, done));
+            // the reader at its next send (it stops early if the step stopped early). (`next`
+            // and `done` only borrow them, and are done with them.)
             drop((rrx, wtx));
             let read_s = reader.join().unwrap_or(0.0);
             let res = match writer.join() {

@@ -731,7 +731,7 @@ impl Rank {
         let dr = self.split.dev_range(u);
         let param = if self.stage == 3 { self.params.slice(sh.clone()) } else { self.params.slice(piece.start + h..piece.end) };
         // A state buffer the optimizer does not keep is empty: an empty view stands for it.
-        let state = |b: &Buf<f32>| if b.len() == 0 { b.slice(0..0) } else { b.slice(dr.clone()) };
+        let state = |b: &Buf<f32>| if b.is_empty() { b.slice(0..0) } else { b.slice(dr.clone()) };
         let bufs = ops::OptimBufs {
             master: self.master.slice(dr.clone()),
             param,
