@@ -221,7 +221,7 @@ pub const VARS: &[Var] = &[
         kind: Kind::Switch,
         default: "1",
         reader: "the NCCL GPU trainer (src/gpu/zero/mod.rs)",
-        what: "`0` steps AdamW after the whole backward instead of each unit's as soon as its gradient is final (one GPU, no clipping).",
+        what: "`0` steps the optimizer after the whole backward instead of each unit's as soon as its gradient is final (one GPU, no clipping, no fp16).",
         audience: Audience::User,
     },
     Var {

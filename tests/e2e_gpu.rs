@@ -87,16 +87,21 @@ fn device_cuda_refuses_unsupported_options_naming_the_key() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = write(tmp.path(), "gpu.json", CONFIG);
     let (cfg, out) = (cfg.to_str().unwrap().to_string(), tmp.path().join("run").to_str().unwrap().to_string());
-    let cases: [(&[&str], &str); 10] = [
+    let offload_cpu = "zero_optimization.offload_optimizer={\"device\": \"cpu\"}";
+    let cases: [(&[&str], &str); 9] = [
         (&["--model", "llama-tiny"], "kernels run head dimensions 64 and 128"),
         (&["--model", "gpt-tiny"], "has head dimension 32"),
-        (&["--set", "bf16.enabled=false", "--set", "fp16.enabled=true"], "fp16.enabled = true"),
         (&["--set", "optimizer.type=\"Lamb\""], "optimizer.type = \"Lamb\""),
-        (&["--set", "optimizer.type=\"Adam\"", "--set", "optimizer.params.adam_w_mode=false"], "optimizer.params.adam_w_mode = false"),
-        (&["--set", "optimizer.params.bias_correction=false"], "optimizer.params.bias_correction = false"),
+        (&["--set", "optimizer={\"type\": \"SGD\", \"params\": {\"lr\": 0.01}}", "--set", offload_cpu], "with optimizer.type = \"SGD\""),
+        (&["--set", "bf16.enabled=false", "--set", "fp16.enabled=true", "--set", offload_cpu], "fp16.enabled = true with"),
         (
-            &["--set", "zero_optimization.offload_optimizer={\"device\": \"nvme\", \"nvme_path\": \"/tmp\"}"],
-            "zero_optimization.offload_optimizer.device = \"nvme\"",
+            &[
+                "--set",
+                "zero_optimization.stage=3",
+                "--set",
+                "zero_optimization.offload_optimizer={\"device\": \"nvme\", \"nvme_path\": \"/tmp\", \"ratio\": 0.5}",
+            ],
+            "with device = \"nvme\"",
         ),
         (
             &["--set", "zero_optimization.stage=0", "--set", "zero_optimization.offload_optimizer={\"device\": \"cpu\"}"],
@@ -218,12 +223,38 @@ fn gpu_optimizer_offload_gives_the_same_bits() {
     let ck = format!("{split}/checkpoints");
     ok(&cuda_args(cfg, &split, &["--set", &o, "--resume", &ck]), tmp.path());
     assert_eq!(b["params_blake3"], summary(Path::new(&split))["params_blake3"], "offloaded 10 + resume + 10 differ");
-    // Under a budget the non-offloaded run exceeds, the offloaded one trains.
-    let budget = "tessera.device_memory_bytes_max=6000000";
-    let text = exits_1(&cuda_args(cfg, &dir("over"), &["--set", budget]), tmp.path());
-    assert!(text.contains("tessera.device_memory_bytes_max = 6000000"), "{text}");
+    // NVMe: the masters and moments in swap files (ZeRO-2 and 3), the same bits; resumed from
+    // a checkpoint (moments written into the swap files).
+    let swap = tmp.path().join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let nvme = format!("zero_optimization.offload_optimizer={{\"device\": \"nvme\", \"nvme_path\": \"{}\"}}", swap.display());
+    for stage in ["2", "3"] {
+        let out = dir(&format!("nvme-{stage}"));
+        let set = format!("zero_optimization.stage={stage}");
+        let text = ok(&cuda_args(cfg, &out, &["--set", &nvme, "--set", &set]), tmp.path());
+        assert!(text.contains("optimizer offloaded to NVMe swap files"), "{text}");
+        assert_eq!(b["params_blake3"], summary(Path::new(&out))["params_blake3"], "NVMe offload (ZeRO-{stage}) changed the parameters");
+    }
+    let nsplit = dir("nvme-split");
+    ok(&cuda_args(cfg, &nsplit, &["--set", &nvme, "--steps", "10"]), tmp.path());
+    let ck = format!("{nsplit}/checkpoints");
+    ok(&cuda_args(cfg, &nsplit, &["--set", &nvme, "--resume", &ck]), tmp.path());
+    assert_eq!(b["params_blake3"], summary(Path::new(&nsplit))["params_blake3"], "NVMe 10 + resume + 10 differ");
+    assert_eq!(std::fs::read_dir(&swap).unwrap().count(), 0, "the swap files outlived the runs");
+    // The budget counts everything on the device. Model states over it: refused at start,
+    // before any GPU is touched. Model states within it but not the activations and scratch:
+    // refused once the rank is built, naming them. Everything within it: trains.
+    let states = |s: &serde_json::Value| s["model_state_bytes_per_rank"][0]["total"].as_u64().unwrap();
+    let off_states = states(&summary(Path::new(&dir("off-1"))));
+    let set = |max: u64| format!("tessera.device_memory_bytes_max={max}");
+    let over = set(states(&b) - 1);
+    let text = exits_1(&cuda_args(cfg, &dir("over"), &["--set", &over]), tmp.path());
+    assert!(text.contains(&format!("tessera.device_memory_bytes_max = {}", states(&b) - 1)) && text.contains("model states"), "{text}");
+    let text = exits_1(&cuda_args(cfg, &dir("over-act"), &["--set", &set(off_states), "--set", &o]), tmp.path());
+    assert!(text.contains("activations and scratch"), "{text}");
     let under = dir("under");
-    ok(&cuda_args(cfg, &under, &["--set", budget, "--set", &o]), tmp.path());
+    let all = b["device_bytes_per_rank"][0].as_u64().unwrap();
+    ok(&cuda_args(cfg, &under, &["--set", &set(all), "--set", &o]), tmp.path());
     assert_eq!(b["params_blake3"], summary(Path::new(&under))["params_blake3"]);
     if n < 2 {
         println!("skipped the 2-GPU offload runs: this machine has {n} GPU");
@@ -375,6 +406,86 @@ fn gpu_one_cycle_momentum_cycles_the_betas_and_resumes_bit_exactly() {
 /// GPU, gradients staged to the host and reduced by the engine's fixed tree. One rank, two rank
 /// threads at ZeRO-1, and two worker processes at ZeRO-3 (the GPU shared) give the same
 /// parameters; the loss falls and the summary says where the ranks computed.
+/// Every optimizer the CPU engine runs but LAMB, and fp16 under the dynamic loss scaler, on the
+/// GPU ranks: each run's validation loss falls and lands close to the CPU run of the same config;
+/// SGD's momentum buffer resumes bit-exactly; fp16 from an overflowing scale (2^20 and 2^19
+/// overflow by a clear margin, 2^18 fits) skips the same steps as the CPU. (With a short growth
+/// window the scale returns to the threshold again and again, where the GPU's bf16 gradient and
+/// the CPU's f32 one may decide a step differently: `gpu check` compares the decisions at each
+/// scale away from the threshold.)
+#[test]
+fn gpu_optimizers_and_fp16_train_like_the_cpu() {
+    let Some(_) = gpus_or_skip() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write(tmp.path(), "gpu.json", CONFIG);
+    let cfg = cfg.to_str().unwrap();
+    let dir = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
+    let cases: [(&str, &[&str]); 4] = [
+        (
+            "adam-l2",
+            &[
+                "--set",
+                "optimizer.type=\"Adam\"",
+                "--set",
+                "optimizer.params.adam_w_mode=false",
+                "--set",
+                "optimizer.params.bias_correction=false",
+            ],
+        ),
+        (
+            "sgd",
+            &[
+                "--set",
+                "optimizer={\"type\": \"SGD\", \"params\": {\"lr\": 0.1, \"momentum\": 0.9, \"nesterov\": true, \"weight_decay\": 0.01}}",
+            ],
+        ),
+        ("lion", &["--set", "optimizer={\"type\": \"Lion\", \"params\": {\"lr\": 5e-4, \"betas\": [0.9, 0.99], \"weight_decay\": 0.1}}"]),
+        (
+            "fp16",
+            &[
+                "--set",
+                "bf16.enabled=false",
+                "--set",
+                "fp16={\"enabled\": true, \"initial_scale_power\": 20, \"loss_scale_window\": 1000, \"hysteresis\": 1}",
+            ],
+        ),
+    ];
+    for (name, extra) in cases {
+        let (gpu, cpu) = (dir(&format!("{name}-gpu")), dir(&format!("{name}-cpu")));
+        ok(&cuda_args(cfg, &gpu, extra), tmp.path());
+        let mut cpu_args = vec!["train", "--config", cfg, "--output", &cpu, "--no-progress"];
+        cpu_args.extend_from_slice(extra);
+        ok(&cpu_args, tmp.path());
+        let (g, c) = (summary(Path::new(&gpu)), summary(Path::new(&cpu)));
+        let loss = |s: &serde_json::Value, k: &str| s[k].as_f64().unwrap();
+        let (g0, g1, c1) = (loss(&g, "initial_val_loss"), loss(&g, "val_loss"), loss(&c, "val_loss"));
+        println!("{name}: GPU val loss {g0:.4} → {g1:.4}, CPU → {c1:.4}; skipped GPU {} CPU {}", g["skipped_steps"], c["skipped_steps"]);
+        assert!(g1 < g0 - 0.2, "{name}: the GPU validation loss did not fall enough: {g0} → {g1}");
+        assert!((g1 - c1).abs() < 0.15, "{name}: validation loss after 20 steps: GPU {g1}, CPU {c1}");
+        if name == "fp16" {
+            let skipped = g["skipped_steps"].as_u64().unwrap();
+            assert!(skipped > 0, "fp16 from 2^20 should overflow at first: {g}");
+            assert_eq!(g["skipped_steps"], c["skipped_steps"], "fp16: GPU and CPU skipped different numbers of steps");
+        }
+        if name == "sgd" {
+            // 10 steps, then resumed for 10 more: the momentum buffer round-trips the checkpoint.
+            let split = dir("sgd-split");
+            let mut a = cuda_args(cfg, &split, extra);
+            a.extend_from_slice(&["--steps", "10"]);
+            ok(&a, tmp.path());
+            let ck = format!("{split}/checkpoints");
+            let mut a = cuda_args(cfg, &split, extra);
+            a.extend_from_slice(&["--resume", &ck]);
+            ok(&a, tmp.path());
+            assert_eq!(
+                g["params_blake3"],
+                summary(Path::new(&split))["params_blake3"],
+                "SGD: 20 straight steps differ from 10 + resume + 10"
+            );
+        }
+    }
+}
+
 #[test]
 fn gpu_ranks_of_the_one_engine_give_the_same_bits_for_every_world_and_stage() {
     let Some(_) = gpus_or_skip() else { return };

@@ -949,17 +949,21 @@ extern "C" __global__ void sum_squares_blocks(double* __restrict__ out, const fl
 }
 
 // ---------------------------------------------------------------------------------------------
-// AdamW (optim::adam::adam_elems, AdamW mode), one thread per element.
+// Adam / AdamW (optim::adam::adam_elems), one thread per element. AdamW: decoupled_factor =
+// 1 − lr·wd, l2 = 0; Adam with an L2 penalty: decoupled_factor = 1, l2 = wd (g ← g + wd·p on
+// tensors with decay); without bias correction step_size = lr and bc2_sqrt = 1.
 // ---------------------------------------------------------------------------------------------
 
 extern "C" __global__ void adamw(float* __restrict__ master, bf16* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
                                  float* __restrict__ v, const unsigned char* __restrict__ decay, u64 len, float lerp_w, float beta2,
-                                 float one_minus_beta2, float step_size, float bc2_sqrt, float eps, float decoupled_factor, float grad_scale) {
+                                 float one_minus_beta2, float step_size, float bc2_sqrt, float eps, float decoupled_factor, float grad_scale,
+                                 float l2) {
     const u64 i = gtid();
     if (i >= len) return;
-    const float g = FMUL(grad[i], grad_scale);
+    const float g0 = FMUL(grad[i], grad_scale);
     const float factor = decay[i] ? decoupled_factor : 1.0f;
     const float pd = FMUL(master[i], factor);
+    const float g = (decay[i] && l2 != 0.0f) ? FADD(g0, FMUL(l2, pd)) : g0;
     const float m0 = m[i];
     const float m1 = lerp_w < 0.5f ? FADD(m0, FMUL(lerp_w, FSUB(g, m0))) : FSUB(g, FMUL(FSUB(g, m0), FSUB(1.0f, lerp_w)));
     const float v1 = FADD(FMUL(v[i], beta2), FMUL(FMUL(one_minus_beta2, g), g));
@@ -969,4 +973,66 @@ extern "C" __global__ void adamw(float* __restrict__ master, bf16* __restrict__ 
     v[i] = v1;
     master[i] = p1;
     param[i] = f2bf(p1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SGD (optim::sgd), one thread per element; wd applies where decay[i] is set (0 elsewhere, still
+// added as the CPU adds it: g + 0·p).
+//   plain (has_momentum = 0):  g ← g + wd·p;  p ← p + (−lr)·g
+//   momentum:  g ← g + wd·p;  b ← first ? g : b·μ + (1−d)·g;  d ← nesterov ? g + μ·b : b;
+//              p ← p + (−lr)·d
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void sgd(float* __restrict__ master, bf16* __restrict__ param, const float* __restrict__ grad, float* __restrict__ buf,
+                               const unsigned char* __restrict__ decay, u64 len, float lr, float wd, float momentum,
+                               float one_minus_dampening, int nesterov, int first, int has_momentum, float grad_scale) {
+    const u64 i = gtid();
+    if (i >= len) return;
+    const float p0 = master[i];
+    const float g = FADD(FMUL(grad[i], grad_scale), FMUL(decay[i] ? wd : 0.0f, p0));
+    float d = g;
+    if (has_momentum) {
+        const float b = first ? g : FADD(FMUL(buf[i], momentum), FMUL(one_minus_dampening, g));
+        buf[i] = b;
+        d = nesterov ? FADD(g, FMUL(momentum, b)) : b;
+    }
+    const float p1 = FADD(p0, FMUL(-lr, d));
+    master[i] = p1;
+    param[i] = f2bf(p1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lion (optim::lion), one thread per element:
+//   c ← β1·m + (1−β1)·g;  p ← p·(decay ? 1 − lr·wd : 1) − lr·sign(c);  m ← β2·m + (1−β2)·g
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void lion(float* __restrict__ master, bf16* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
+                                const unsigned char* __restrict__ decay, u64 len, float lr, float beta1, float one_minus_beta1, float beta2,
+                                float one_minus_beta2, float after_decay, float grad_scale) {
+    const u64 i = gtid();
+    if (i >= len) return;
+    const float g = FMUL(grad[i], grad_scale);
+    const float m0 = m[i];
+    const float c = FADD(FMUL(beta1, m0), FMUL(one_minus_beta1, g));
+    const float step = c > 0.0f ? lr : (c < 0.0f ? -lr : 0.0f);
+    const float p1 = FSUB(FMUL(master[i], decay[i] ? after_decay : 1.0f), step);
+    m[i] = FADD(FMUL(beta2, m0), FMUL(one_minus_beta2, g));
+    master[i] = p1;
+    param[i] = f2bf(p1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// fp16 storage of f32 values (fp16 training's gradients, `engine::precision` on the CPU):
+// x ← f32(f16(x)), round to nearest even, beyond ±65504 → ±inf, f16 subnormals kept (PTX `cvt`
+// without .ftz, IEEE conversions, as the `half` crate's).
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void round_f16(float* x, u64 len) {
+    const u64 i = gtid();
+    if (i >= len) return;
+    unsigned short h;
+    float y;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x[i]));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(h));
+    x[i] = y;
 }

@@ -154,7 +154,8 @@ fn gpu_ops_timing() {
     let mask = gpu.upload(&vec![1u8; len]).unwrap();
     let hp = ops::AdamStep::new(6e-4, (0.9, 0.95), 1e-8, 0.1, 1);
     time("adamw [124M]", len * 27, &mut || {
-        let bufs = ops::AdamBufs { master: master.ptr(), param: param.ptr(), grad: grad.ptr(), m: m.ptr(), v: vv.ptr(), decay: mask.ptr() };
+        let bufs =
+            ops::OptimBufs { master: master.ptr(), param: param.ptr(), grad: grad.ptr(), m: m.ptr(), v: vv.ptr(), decay: mask.ptr() };
         ops::adamw(&gpu, s, &bufs, &hp, 1.0).unwrap()
     });
     let blocks = len.div_ceil(16384);

@@ -162,8 +162,8 @@ impl Ranks {
             }
             // Gathered whole over NCCL (the GPU's own layout), not shard by shard.
             Ranks::Gpu(g) => {
-                let (m, optim, (optimizer_steps, applied, skipped)) = g.assemble(with_optim)?;
-                return Ok((m, optim, RankCounters { optimizer_steps, applied, skipped, scaler: None }));
+                let (m, optim, (optimizer_steps, applied, skipped), scaler) = g.assemble(with_optim)?;
+                return Ok((m, optim, RankCounters { optimizer_steps, applied, skipped, scaler }));
             }
         };
         Ok((master, bufs, counters))
@@ -190,7 +190,7 @@ impl Ranks {
                 let s = fleet.snapshots().first().copied().unwrap_or_default();
                 (s.applied, s.scale_bits.map(f32::from_bits))
             }
-            Ranks::Gpu(g) => (g.applied(), None),
+            Ranks::Gpu(g) => g.applied_and_scale(),
         }
     }
 

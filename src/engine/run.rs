@@ -390,7 +390,7 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
         .with_context(|| format!("saving checkpoint of step {step} under {}", root.display()))
 }
 
-/// NCCL GPU ranks loaded with the start state: the masters and, on a resume, Adam's moments.
+/// NCCL GPU ranks loaded with the start state: the masters and, on a resume, the optimizer state.
 fn gpu_ranks(plan: &Plan, start: &Start, opts: &GpuRankOptions) -> Result<GpuRanks> {
     let moments = match &start.optim {
         None => None,
@@ -399,9 +399,10 @@ fn gpu_ranks(plan: &Plan, start: &Start, opts: &GpuRankOptions) -> Result<GpuRan
                 let (_, b) = bufs.iter().find(|(n, _)| n == name).with_context(|| {
                     let held: Vec<&str> = bufs.iter().map(|(n, _)| n.as_str()).collect();
                     format!(
-                        "the checkpoint has no Adam state `{OPTIM_PREFIX}.{name}` (it holds [{}]): it was trained with another \
-                         optimizer; the GPU path resumes Adam/AdamW checkpoints",
-                        held.join(", ")
+                        "the checkpoint has no optimizer state `{OPTIM_PREFIX}.{name}` (it holds [{}]): it was trained with another \
+                         optimizer than this run's {}",
+                        held.join(", "),
+                        plan.optimizer.name()
                     )
                 })?;
                 if b.len() != plan.total() {
@@ -409,11 +410,11 @@ fn gpu_ranks(plan: &Plan, start: &Start, opts: &GpuRankOptions) -> Result<GpuRan
                 }
                 Ok(b)
             };
-            let [m, v] = plan.optimizer.state_names() else { bail!("the GPU ranks run Adam/AdamW only (checked at start)") };
-            Some((*steps, find(m)?, find(v)?))
+            let found = plan.optimizer.state_names().iter().map(|n| find(n)).collect::<Result<Vec<_>>>()?;
+            Some((*steps, found))
         }
     };
-    let from = GpuStart { master: &start.master, moments, applied: start.applied, skipped: start.skipped };
+    let from = GpuStart { master: &start.master, moments, applied: start.applied, skipped: start.skipped, scaler: start.scaler.as_ref() };
     crate::gpu::compute::start_ranks(plan, &from, opts)
 }
 

@@ -1,5 +1,5 @@
 //! NCCL GPU ranks as ranks of the one engine: each GPU's [`Rank`] (device-resident bf16
-//! parameters, fp32 masters and AdamW state, NCCL between the GPUs) behind the engine's compute
+//! parameters, fp32 masters and optimizer state, NCCL between the GPUs) behind the engine's compute
 //! boundary ([`WorkerCompute`]: prepare / commit / abandon), driven by `engine::run`'s step loop
 //! like the CPU `ZeroWorker` — one step transaction, one checkpoint writer, one evaluation
 //! path, one `summary.json`.
@@ -15,10 +15,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use tessera_actors::compute::{ComputeError, MemoryReport, Prepared, StepOrder, WorkerCompute};
 use tessera_kernels::cuda::{self, gpt, Gpu};
+use tessera_kernels::optim::{LossScaler, StepOutcome};
 use tessera_transport::nccl::{NcclComm, NcclId};
 
 use super::offload::OffloadStats;
-use super::zero::{AdamW, OffloadOptions, Rank, RankSpec, StateBytes};
+use super::zero::{OffloadOptions, Optimizer, Rank, RankSpec, StateBytes};
 use crate::data::{self, Sampler};
 use crate::engine::{GpuFigures, HostOptimizerFigures, Plan};
 
@@ -26,7 +27,7 @@ use crate::engine::{GpuFigures, HostOptimizerFigures, Plan};
 /// device budget before any GPU is touched: [`super::train::GpuSetup`]).
 #[derive(Clone, Debug)]
 pub struct GpuRankOptions {
-    pub adam: AdamW,
+    pub optim: Optimizer,
     pub offload: Option<OffloadOptions>,
     /// Activation checkpointing (`Workspace::with_options`).
     pub recompute: bool,
@@ -37,23 +38,39 @@ pub struct GpuRankOptions {
     /// Steps the run abandons once (`--abandon-step`): the update then never overlaps the
     /// backward, so an abandoned step leaves the state as it was.
     pub abandons: bool,
+    /// `offload_optimizer.device = "nvme"`: the swap files' directory and I/O options.
+    pub nvme: Option<super::offload::NvmeSite>,
+    /// `tessera.device_memory_bytes_max`: the model states were checked against it before any
+    /// GPU was touched; each rank checks everything it allocated (activations and scratch too)
+    /// once built, before the first step ([`check_device_total`]).
+    pub budget: Option<u64>,
+    /// fp16: the loss scaler the config asks for (`bridge::loss_scaler`), as at step 0; the
+    /// ranks store their gradients in fp16 ([`RankSpec::fp16`]).
+    pub scaler: Option<LossScaler>,
 }
 
 /// The start state a GPU rank loads (full length, CPU layout).
 pub struct GpuStart<'a> {
     pub master: &'a [f32],
-    /// (optimizer steps, exp_avg, exp_avg_sq).
-    pub moments: Option<(u64, &'a [f32], &'a [f32])>,
+    /// (optimizer steps, the optimizer's state buffers in `OptimizerKind::state_names` order).
+    pub moments: Option<(u64, Vec<&'a [f32]>)>,
     pub applied: u64,
     pub skipped: u64,
+    /// The checkpoint's loss-scaler state (`bridge::scaler_to_json`), on a resume of an fp16 run.
+    pub scaler: Option<&'a serde_json::Value>,
 }
 
 /// One GPU rank's state, shared by its compute thread and the driver's reads between steps.
 pub struct GpuRankState {
     pub rank: Rank,
-    /// Optimizer steps applied (the LR schedule's clock) and skipped (never, in bf16).
+    /// Optimizer steps applied (the LR schedule's clock) and skipped (fp16 overflows).
     pub applied: u64,
     pub skipped: u64,
+    /// fp16's loss scaler: every rank holds one and feeds it the same overflow flags (the
+    /// global norm is the same on every rank), so the scales agree.
+    pub scaler: Option<LossScaler>,
+    /// The prepared step overflowed (fp16).
+    overflow: bool,
 }
 
 impl GpuRankState {
@@ -100,10 +117,12 @@ fn build_rank(plan: &Plan, start: &GpuStart<'_>, opts: &GpuRankOptions, r: usize
         stage: plan.stage,
         shape: gpt::Shape::new(&plan.model.cfg, plan.micro, plan.seq_len)?,
         init: start.master,
-        adam: opts.adam,
+        optim: opts.optim,
         m_local: plan.micro_batches / plan.world,
         offload: opts.offload,
         recompute: opts.recompute,
+        fp16: opts.scaler.is_some(),
+        nvme: opts.nvme.as_ref(),
     };
     let mut rank = Rank::new(gpu, comm, spec).with_context(|| format!("building GPU rank {r}"))?;
     rank.overlap = opts.overlap;
@@ -111,11 +130,46 @@ fn build_rank(plan: &Plan, start: &GpuStart<'_>, opts: &GpuRankOptions, r: usize
     if rank.state_bytes() != opts.states {
         bail!("GPU rank {r}: the model states allocated ({:?}) differ from those planned at start ({:?})", rank.state_bytes(), opts.states);
     }
-    if let Some((steps, m, v)) = start.moments {
-        rank.load_moments(m, v, steps).context("restoring the Adam moments from the checkpoint")?;
+    if let Some(max) = opts.budget {
+        check_device_total(r, &rank, max, opts.recompute)?;
+    }
+    if let Some((steps, bufs)) = &start.moments {
+        rank.load_optimizer_state(bufs, *steps).context("restoring the optimizer state from the checkpoint")?;
     }
     rank.sync()?;
-    Ok(GpuRankState { rank, applied: start.applied, skipped: start.skipped })
+    let mut scaler = opts.scaler.clone();
+    if let (Some(sc), Some(v)) = (scaler.as_mut(), start.scaler) {
+        crate::bridge::scaler_from_json(sc, v).context("restoring the loss scaler from the checkpoint")?;
+    }
+    Ok(GpuRankState { rank, applied: start.applied, skipped: start.skipped, scaler, overflow: false })
+}
+
+/// Everything rank `r` holds on its device — model states, activations and scratch (the
+/// workspace of one micro-batch, cuBLASLt's scratch, norm and loss buffers) — against the budget
+/// `max`: over it, the run stops before its first step naming each part and what would shrink it.
+fn check_device_total(r: usize, rank: &Rank, max: u64, recompute: bool) -> Result<()> {
+    let total = rank.device_bytes() as u64;
+    if total <= max {
+        return Ok(());
+    }
+    let states = rank.state_bytes().device;
+    let (st, act) = (states.total(), total.saturating_sub(states.total()));
+    let ac = if recompute {
+        "activation checkpointing is on already"
+    } else {
+        "activation checkpointing (`activation_checkpointing` or `tessera.activation_checkpointing`) keeps only each block's input"
+    };
+    bail!(
+        "GPU rank {r} holds {total} bytes on its device but tessera.device_memory_bytes_max = {max} ({} bytes over): model \
+         states {st} (params {}, grads {}, fp32 masters and optimizer state {}), activations and scratch {act} for one \
+         micro-batch; a smaller train_micro_batch_size_per_gpu or tessera.seq_len shrinks the activations, {ac}, \
+         zero_optimization.offload_optimizer moves the {} bytes of optimizer state to host memory",
+        total - max,
+        states.params,
+        states.grads,
+        states.optim,
+        states.optim
+    )
 }
 
 /// Rank `rank`'s compute: its block of each step's micro-batches through its [`Rank`].
@@ -162,13 +216,16 @@ impl WorkerCompute for GpuWorker {
         let plan = &self.plan;
         let lr = plan.lr_at(st.applied);
         self.staged = None;
-        let (loss, norm) = st.rank.prepare(&mbs, lr, 1.0 / plan.micro_batches as f32).map_err(|e| failed(self.rank, e))?;
+        let scale = st.scaler.as_ref().map_or(1.0, LossScaler::scale);
+        let p = st.rank.prepare(&mbs, lr, 1.0 / plan.micro_batches as f32, scale).map_err(|e| failed(self.rank, e))?;
+        st.overflow = p.overflow;
         self.staged = Some(order.step);
         let compute_s = t0.elapsed().as_secs_f64();
         Ok(Prepared {
-            loss_sum: f64::from(loss) * mbs.len() as f64,
+            loss_sum: f64::from(p.loss) * mbs.len() as f64,
             micro_batches: mbs.len(),
-            grad_norm: norm,
+            grad_norm: p.norm,
+            overflow: p.overflow,
             compute_s,
             busy_s: compute_s,
             busy_micro_batches: mbs.len(),
@@ -183,9 +240,22 @@ impl WorkerCompute for GpuWorker {
         }
         let mut st = lock(&self.state);
         st.bind().map_err(|e| failed(self.rank, e))?;
+        // The loss scaler's decision (DeepSpeed's, the CPU ranks' `LossScaler`): an overflow
+        // skips the update; the scaler changes only once the step is decided.
+        let overflow = st.overflow;
+        let mut scaler = st.scaler.clone();
+        let outcome = match scaler.as_mut() {
+            Some(sc) => sc.update(overflow).map_err(|e| failed(self.rank, e.into()))?,
+            None => StepOutcome::Applied,
+        };
+        if let StepOutcome::SkippedOverflow { .. } = outcome {
+            st.rank.skip().map_err(|e| failed(self.rank, e).torn(None))?;
+            (st.scaler, st.skipped) = (scaler, st.skipped + 1);
+            return Ok(());
+        }
         // A failed update leaves the optimizer state part-way (the rank refuses later steps).
         st.rank.commit().map_err(|e| failed(self.rank, e).torn(None))?;
-        st.applied += 1;
+        (st.scaler, st.applied) = (scaler, st.applied + 1);
         Ok(())
     }
 
@@ -202,14 +272,15 @@ impl WorkerCompute for GpuWorker {
 /// The driver's view of the GPU ranks between steps.
 pub struct GpuRanks {
     pub states: Vec<Arc<Mutex<GpuRankState>>>,
-    /// Adam's two moment buffers as checkpoints name them (`OptimizerKind::state_names`).
+    /// The optimizer's state buffers as checkpoints name them (`OptimizerKind::state_names`).
     moment_names: &'static [&'static str],
     /// What the run's header line says of them (`| 2 × NVIDIA H200 | bf16 …`).
     pub note: String,
 }
 
-/// Full-length masters (CPU layout), the Adam buffers when asked, and rank 0's counters.
-pub type Assembled = (Vec<f32>, Vec<(String, Vec<f32>)>, (u64, u64, u64));
+/// Full-length masters (CPU layout), the optimizer's buffers when asked, rank 0's counters
+/// (optimizer steps, applied, skipped) and its loss scaler's state (fp16).
+pub type Assembled = (Vec<f32>, Vec<(String, Vec<f32>)>, (u64, u64, u64), Option<serde_json::Value>);
 
 impl GpuRanks {
     /// Runs `f` on every rank at once (the NCCL gathers need every rank), each on its own
@@ -238,19 +309,20 @@ impl GpuRanks {
         results.swap_remove(0)
     }
 
-    /// The masters and, with `with_optim`, the Adam moments, gathered from every rank.
+    /// The masters and, with `with_optim`, the optimizer's state buffers, gathered from every rank.
     pub fn assemble(&self, with_optim: bool) -> Result<Assembled> {
         let names = self.moment_names;
         self.on_every_rank(|st| {
             let master = st.rank.masters().context("gathering the masters")?;
             let optim = match with_optim {
                 true => {
-                    let (m, v) = st.rank.moments().context("gathering the Adam moments")?;
-                    names.iter().map(|n| n.to_string()).zip([m, v]).collect()
+                    let bufs = st.rank.optimizer_state().context("gathering the optimizer state")?;
+                    names.iter().map(|n| n.to_string()).zip(bufs).collect()
                 }
                 false => Vec::new(),
             };
-            Ok((master, optim, (st.rank.optimizer_steps(), st.applied, st.skipped)))
+            let scaler = st.scaler.as_ref().map(crate::bridge::scaler_to_json);
+            Ok((master, optim, (st.rank.optimizer_steps(), st.applied, st.skipped), scaler))
         })
     }
 
@@ -271,9 +343,12 @@ impl GpuRanks {
         self.states.iter().enumerate().map(|(r, st)| report(r, &lock(st).rank)).collect()
     }
 
-    /// Rank 0's applied-step count.
-    pub fn applied(&self) -> u64 {
-        self.states.first().map_or(0, |st| lock(st).applied)
+    /// Rank 0's applied-step count and loss scale (fp16; alike on every rank).
+    pub fn applied_and_scale(&self) -> (u64, Option<f32>) {
+        self.states.first().map_or((0, None), |st| {
+            let st = lock(st);
+            (st.applied, st.scaler.as_ref().map(LossScaler::scale))
+        })
     }
 
     /// Each rank's model-state bytes in host memory (optimizer offload).
@@ -302,15 +377,17 @@ fn report(r: usize, rank: &Rank) -> MemoryReport {
 
 /// The header line's words for GPU ranks built with `opts`: the GPUs, bf16, and the offload.
 pub fn describe(world: usize, gpu: &str, opts: &GpuRankOptions) -> String {
+    let to = if opts.nvme.is_some() { "NVMe swap files" } else { "host memory" };
     let off = opts.offload.map_or(String::new(), |o| {
         format!(
-            " | optimizer offloaded to host memory (ratio {}, {} CPU threads per rank; {:.1} MiB of model states on the GPU)",
+            " | optimizer offloaded to {to} (ratio {}, {} CPU threads per rank; {:.1} MiB of model states on the GPU)",
             o.ratio,
             o.threads,
             opts.states.device.total() as f64 / (1u64 << 20) as f64
         )
     });
-    format!(" | {world} × {gpu} (NCCL) | bf16{off}")
+    let fp16 = if opts.scaler.is_some() { " (fp16 gradients, loss scaling)" } else { "" };
+    format!(" | {world} × {gpu} (NCCL) | bf16{fp16} | {}{off}", opts.optim.kind.name())
 }
 
 /// `offload`'s figures for the summary.

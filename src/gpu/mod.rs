@@ -3,8 +3,10 @@
 //! GPU, NCCL between them, ZeRO 0–3), the figures `docs/PERFORMANCE.md` records next to the
 //! PyTorch and DeepSpeed peers.
 
+mod check_fp16;
 pub mod compute;
 pub mod decode_bench;
+pub mod nvme;
 pub mod offload;
 pub mod train;
 pub mod zero;
@@ -75,6 +77,10 @@ pub fn check(seed: u64) -> Result<bool> {
         }
     };
     report("ops", cuda::ops::check(&gpu, seed).map_err(Into::into));
+    report(
+        "optimizers: Adam/AdamW, SGD and Lion kernels against the CPU's OptimizerShard::step, bit for bit",
+        cuda::optim::check(&gpu, seed).map_err(Into::into),
+    );
     report("attention", cuda::attention::check(&gpu, seed).map_err(Into::into));
     report("model (2-layer GPT vs CPU f32)", gpt::check(&gpu, seed).map_err(Into::into));
     report(
@@ -88,8 +94,13 @@ pub fn check(seed: u64) -> Result<bool> {
     report("GPT-2 124M: the first training steps on the GPU (bf16) against the CPU model (f32)", check_gpt2_steps(gpu.clone(), seed));
     report("optimizer offload: the GPU adamw kernel against the host step, bit for bit", check_adamw_offload(&gpu, seed));
     report(
-        "optimizer offload, and AdamW during the backward: training against the GPU optimizer after the backward, bit for bit",
+        "optimizer offload, and the optimizer during the backward (AdamW, Adam, SGD, Lion): training against the GPU optimizer \
+         after the backward, bit for bit",
         check_offload_training(gpu.clone(), seed),
+    );
+    report(
+        "fp16: overflow decisions against the CPU gradient stored in fp16, and the dynamic loss scaler's skipped steps",
+        check_fp16::check(gpu.clone(), seed),
     );
     println!("{}", if all_ok { "all GPU checks passed" } else { "SOME GPU CHECKS FAILED" });
     Ok(all_ok)
@@ -108,12 +119,24 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
     cfg.vocab_size = 50304;
     let model = Model::new(cfg).map_err(anyhow::Error::msg)?;
     let init = model.init_params(seed);
-    let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: 0.0, momentum_cycle: None };
+    let (betas, eps, weight_decay) = ((0.9f32, 0.95f32), 1e-8f32, 0.1f32);
+    let optim = zero::Optimizer::adamw(betas, eps, weight_decay, 0.0);
     let shape = gpt::Shape::new(&model.cfg, b, t)?;
     let mut rank = zero::Rank::new(
         gpu,
         None,
-        zero::RankSpec { model: &model, stage: 0, shape, init: &init, adam, m_local: 1, offload: None, recompute: false },
+        zero::RankSpec {
+            model: &model,
+            stage: 0,
+            shape,
+            init: &init,
+            optim,
+            m_local: 1,
+            offload: None,
+            recompute: false,
+            fp16: false,
+            nvme: None,
+        },
     )?;
     let (mut p, mut m, mut v) = (init.clone(), vec![0f32; init.len()], vec![0f32; init.len()]);
     let decay = model.layout().specs().iter().flat_map(|s| std::iter::repeat_n(s.decay, s.numel())).collect::<Vec<bool>>();
@@ -133,7 +156,7 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
             )
         };
         let k = (step + 1) as f64;
-        let (b1, b2) = (adam.betas.0 as f64, adam.betas.1 as f64);
+        let (b1, b2) = (betas.0 as f64, betas.1 as f64);
         let (bc1, bc2) = (1.0 - b1.powf(k), 1.0 - b2.powf(k));
         for i in 0..p.len() {
             let gi = g[i] as f64;
@@ -141,9 +164,9 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
             let vi = b2 * v[i] as f64 + (1.0 - b2) * gi * gi;
             let mut pi = p[i] as f64;
             if decay[i] {
-                pi -= lr as f64 * adam.weight_decay as f64 * pi;
+                pi -= lr as f64 * weight_decay as f64 * pi;
             }
-            pi -= lr as f64 * (mi / bc1) / ((vi / bc2).sqrt() + adam.eps as f64);
+            pi -= lr as f64 * (mi / bc1) / ((vi / bc2).sqrt() + eps as f64);
             (p[i], m[i], v[i]) = (pi as f32, mi as f32, vi as f32);
         }
         rows.push(cuda::CheckRow::compare(
@@ -234,7 +257,7 @@ fn check_adamw_offload(gpu: &Gpu, seed: u64) -> Result<Vec<cuda::CheckRow>> {
         let (d_master, d_grad, d_m, d_v, d_decay) =
             (gpu.upload(&master)?, gpu.upload(&grad)?, gpu.upload(&m0)?, gpu.upload(&v0)?, gpu.upload(&decay)?);
         let d_param = gpu.alloc::<bf16>(len)?;
-        let bufs = ops::AdamBufs {
+        let bufs = ops::OptimBufs {
             master: d_master.ptr(),
             param: d_param.ptr(),
             grad: d_grad.ptr(),
@@ -315,13 +338,17 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
     let v = model.cfg.vocab_size;
     /// Masters, exp_avg, exp_avg_sq, an evaluation loss and the host optimizer's figures.
     type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, f32, Option<offload::OffloadStats>);
-    let run = |stage: u8, clip: f32, offload: Option<f64>, early: bool| -> Result<Outcome> {
-        let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip, momentum_cycle: None };
+    let run_on = |optim: zero::Optimizer,
+                  stage: u8,
+                  offload: Option<f64>,
+                  early: bool,
+                  nvme: Option<&offload::NvmeSite>|
+     -> Result<Outcome> {
         let off = offload.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(1) });
         let mut r = zero::Rank::new(
             gpu.clone(),
             None,
-            zero::RankSpec { model: &model, stage, shape, init: &init, adam, m_local, offload: off, recompute: false },
+            zero::RankSpec { model: &model, stage, shape, init: &init, optim, m_local, offload: off, recompute: false, fp16: false, nvme },
         )?;
         r.early_adam = early;
         for step in 0..steps {
@@ -330,8 +357,13 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
         }
         let (x, y) = batch(seed, 99, 0, b, t, v);
         let loss = r.forward_loss(&x, &y)?;
-        let (mm, vv) = r.moments()?;
+        let mut st = r.optimizer_state()?.into_iter();
+        let (mm, vv) = (st.next().unwrap_or_default(), st.next().unwrap_or_default());
         Ok((r.masters()?, mm, vv, loss, r.offload_stats()))
+    };
+    let run_with = |optim: zero::Optimizer, stage: u8, offload: Option<f64>, early: bool| run_on(optim, stage, offload, early, None);
+    let run = |stage: u8, clip: f32, offload: Option<f64>, early: bool| -> Result<Outcome> {
+        run_with(zero::Optimizer::adamw((0.9, 0.95), 1e-8, 0.1, clip), stage, offload, early)
     };
     let mut rows = Vec::new();
     let same = |rows: &mut Vec<cuda::CheckRow>, what: &str, tag: &str, o: &Outcome, base: &Outcome| {
@@ -366,7 +398,52 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
             ));
         }
     }
+    // NVMe offload (swap files in the temporary directory, read ahead and written behind the
+    // host step) against the GPU optimizer.
+    let site = offload::NvmeSite { dir: std::env::temp_dir(), aio: crate::offload::AioOptions::default() };
+    for (stage, clip) in [(2u8, 1.0f32), (3, 0.0)] {
+        let optim = zero::Optimizer::adamw((0.9, 0.95), 1e-8, 0.1, clip);
+        let (o, base) = (run_on(optim, stage, Some(1.0), true, Some(&site))?, run(stage, clip, None, true)?);
+        let tag = format!("ZeRO-{stage}, clip {clip}, ratio 1, swap files in {}", site.dir.display());
+        same(&mut rows, "NVMe offload vs GPU optimizer", &tag, &o, &base);
+        rows.push(bits_row(
+            format!("NVMe offload vs GPU optimizer, eval loss after the steps ({tag})"),
+            &[o.3.to_bits()],
+            &[base.3.to_bits()],
+        ));
+    }
+    // The other optimizers through the rank (decay mask, state buffers, the step count): the
+    // update during the backward vs after it, at ZeRO-2 and ZeRO-3; Adam with an L2 penalty
+    // also offloaded (the host step's L2 term) vs on the GPU.
+    for (name, kind) in other_optimizers() {
+        let optim = zero::Optimizer { kind, clip: 0.0 };
+        for stage in [2u8, 3] {
+            let (early, late) = (run_with(optim, stage, None, true)?, run_with(optim, stage, None, false)?);
+            let tag = format!("{name}, ZeRO-{stage}");
+            same(&mut rows, "optimizer during the backward vs after it", &tag, &early, &late);
+            let moved = early.0.iter().zip(&init).any(|(a, b)| a != b);
+            rows.push(bits_row(format!("{name}: the masters moved (ZeRO-{stage})"), &[u32::from(moved)], &[1]));
+        }
+        if optim.offloadable() {
+            let (o, base) = (run_with(optim, 2, Some(1.0), true)?, run_with(optim, 2, None, true)?);
+            same(&mut rows, "offload vs GPU optimizer", &format!("{name}, ZeRO-2, ratio 1"), &o, &base);
+        }
+    }
     Ok(rows)
+}
+
+/// The optimizers besides AdamW that [`check_offload_training`] trains with.
+fn other_optimizers() -> Vec<(&'static str, tessera_kernels::optim::OptimizerKind)> {
+    use tessera_kernels::optim::{AdamParams, LionParams, OptimizerKind, SgdParams};
+    let adam = AdamParams { lr: 2e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, ..AdamParams::default() };
+    vec![
+        ("Adam (L2 penalty, no bias correction)", OptimizerKind::Adam(AdamParams { adam_w_mode: false, bias_correction: false, ..adam })),
+        (
+            "SGD (Nesterov momentum)",
+            OptimizerKind::Sgd(SgdParams { lr: 2e-3, momentum: 0.9, dampening: 0.0, weight_decay: 0.01, nesterov: true }),
+        ),
+        ("Lion", OptimizerKind::Lion(LionParams { lr: 2e-3, betas: (0.9, 0.99), weight_decay: 0.1, momentum_cycle: None })),
+    ]
 }
 
 #[derive(Args, Clone, Debug)]
@@ -420,9 +497,24 @@ pub struct BenchArgs {
     /// Steps not timed (warm-up).
     #[arg(long, default_value_t = 10)]
     pub warmup: usize,
-    /// AdamW learning rate, the same at every step (no schedule).
+    /// Learning rate, the same at every step (no schedule).
     #[arg(long, default_value_t = 3e-4)]
     pub lr: f32,
+    /// The optimizer: `adamw` (betas 0.9/0.95, weight decay 0.1), `adam` (the same with an L2
+    /// penalty instead of decoupled decay), `sgd` (momentum 0.9, weight decay 0.1) or `lion`
+    /// (betas 0.9/0.99, weight decay 0.1).
+    #[arg(long, default_value = "adamw")]
+    pub optimizer: String,
+    /// fp16 (`fp16.enabled` with a static `loss_scale` of this value): each micro-batch's
+    /// gradient stored in fp16, the loss scaled, the global norm formed every step; an
+    /// overflowing step is skipped (counted in the results' `skipped`).
+    #[arg(long)]
+    pub fp16_scale: Option<f32>,
+    /// With --offload-ratio: keep the offloaded masters and moments in swap files in this
+    /// directory instead of host memory (`offload_optimizer.device = "nvme"`, `nvme_path`), read
+    /// ahead and written behind the host step (O_DIRECT, io_uring, 1 MiB requests).
+    #[arg(long)]
+    pub nvme: Option<std::path::PathBuf>,
     /// Global gradient-norm clip (0 = off).
     #[arg(long, default_value_t = 0.0)]
     pub clip: f32,
@@ -460,6 +552,8 @@ struct Timed {
     /// The host optimizer's figures at the end of the warm-up (offload only), subtracted from
     /// the final ones so that the timed steps alone are reported.
     warm_stats: Option<offload::OffloadStats>,
+    /// Steps skipped on an fp16 overflow (`--fp16-scale`).
+    skipped: usize,
 }
 
 /// One JSON line of results (rank 0 prints it).
@@ -641,17 +735,45 @@ fn bench_budget(a: &BenchArgs, model: &Model, world: usize) -> Result<zero::Stat
     if m % world != 0 || m == 0 {
         bail!("--micro-batches {m} must be a positive multiple of the GPU count {world} (each GPU takes an aligned block)");
     }
-    let states = zero::planned_state_bytes(model, a.zero, world, m / world, a.offload_ratio)?;
+    let n = bench_optimizer(a)?.states();
+    let block = bench_nvme(a)?.map(|s| s.aio.block);
+    let states = zero::planned_state_bytes(model, a.zero, world, m / world, a.offload_ratio, n, block)?;
     if let Some(max) = a.budget_bytes {
         let hint = if a.offload_ratio.is_some() {
             "the optimizer is offloaded already".to_string()
         } else {
-            let all = zero::planned_state_bytes(model, a.zero, world, m / world, Some(1.0))?;
+            let all = zero::planned_state_bytes(model, a.zero, world, m / world, Some(1.0), n, block)?;
             format!("--offload-ratio 1 (the optimizer in host memory) brings them to {} bytes", all.device.total())
         };
         crate::offload::check_resident("each GPU rank", states.device, max, &hint)?;
     }
     Ok(states)
+}
+
+/// `--nvme DIR` as the swap site (the `aio` section's defaults).
+fn bench_nvme(a: &BenchArgs) -> Result<Option<offload::NvmeSite>> {
+    let Some(dir) = &a.nvme else { return Ok(None) };
+    if a.offload_ratio.is_none() {
+        bail!("--nvme needs --offload-ratio (the share of the optimizer offloaded, to the swap files)");
+    }
+    if !dir.is_dir() {
+        bail!("--nvme {}: not a directory", dir.display());
+    }
+    Ok(Some(offload::NvmeSite { dir: dir.clone(), aio: crate::offload::AioOptions::default() }))
+}
+
+/// `--optimizer` (and `--clip`) as the rank's optimizer.
+fn bench_optimizer(a: &BenchArgs) -> Result<zero::Optimizer> {
+    use tessera_kernels::optim::{AdamParams, LionParams, OptimizerKind, SgdParams};
+    let adam = AdamParams { lr: a.lr, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, ..AdamParams::default() };
+    let kind = match a.optimizer.as_str() {
+        "adamw" => OptimizerKind::Adam(adam),
+        "adam" => OptimizerKind::Adam(AdamParams { adam_w_mode: false, ..adam }),
+        "sgd" => OptimizerKind::Sgd(SgdParams { lr: a.lr, momentum: 0.9, dampening: 0.0, weight_decay: 0.1, nesterov: false }),
+        "lion" => OptimizerKind::Lion(LionParams { lr: a.lr, betas: (0.9, 0.99), weight_decay: 0.1, momentum_cycle: None }),
+        other => bail!("--optimizer {other:?}: expected adamw, adam, sgd or lion"),
+    };
+    Ok(zero::Optimizer { kind, clip: a.clip })
 }
 
 fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> Result<()> {
@@ -670,13 +792,25 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     let m_local = m / world;
     let shape = gpt::Shape::new(&model.cfg, a.micro_batch, a.seq)?;
     let init = model.init_params(a.seed);
-    let adam = zero::AdamW { betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, clip: a.clip, momentum_cycle: None };
+    let optim = bench_optimizer(a)?;
+    let nvme = bench_nvme(a)?;
     let offload = a.offload_ratio.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(world) });
     let states = bench_budget(a, &model, world)?;
     let mut r = zero::Rank::new(
         gpu.clone(),
         comm,
-        zero::RankSpec { model: &model, stage: a.zero, shape, init: &init, adam, m_local, offload, recompute: a.recompute },
+        zero::RankSpec {
+            model: &model,
+            stage: a.zero,
+            shape,
+            init: &init,
+            optim,
+            m_local,
+            offload,
+            recompute: a.recompute,
+            fp16: a.fp16_scale.is_some(),
+            nvme: nvme.as_ref(),
+        },
     )?;
     r.overlap = !a.no_overlap;
     r.sync()?;
@@ -693,7 +827,8 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     let masters = r.masters()?;
     let hash = blake3::hash(bytemuck::cast_slice(&masters)).to_hex().to_string();
     if rank == 0 {
-        let extra = bench_extra(a, &gpu, &r, &states, timed.warm_stats)?;
+        let mut extra = bench_extra(a, &gpu, &r, &states, timed.warm_stats)?;
+        extra["skipped"] = timed.skipped.into();
         let line = report(a, &model, world, &timed, r.device_bytes(), &hash, extra);
         let mut out = std::io::stdout().lock();
         writeln!(out, "{line}")?;
@@ -710,14 +845,21 @@ fn timed_steps(
     m: usize,
     micro_batches: impl Fn(usize) -> Vec<(Vec<u32>, Vec<u32>)>,
 ) -> Result<Timed> {
-    let mut timed = Timed { times: Vec::with_capacity(a.steps), losses: Vec::with_capacity(a.steps), warm_stats: None };
+    let mut timed = Timed { times: Vec::with_capacity(a.steps), losses: Vec::with_capacity(a.steps), warm_stats: None, skipped: 0 };
     for step in 0..a.steps {
         if step == a.warmup.min(a.steps.saturating_sub(1)) {
             timed.warm_stats = r.offload_stats();
         }
         let mbs = micro_batches(step);
         let t0 = Instant::now();
-        let (loss, _) = r.step(&mbs, a.lr, 1.0 / m as f32)?;
+        let p = r.prepare(&mbs, a.lr, 1.0 / m as f32, a.fp16_scale.unwrap_or(1.0))?;
+        if p.overflow {
+            r.skip()?;
+            timed.skipped += 1;
+        } else {
+            r.commit()?;
+        }
+        let loss = p.loss;
         r.sync()?;
         timed.times.push(t0.elapsed().as_secs_f64());
         timed.losses.push(loss);
@@ -770,7 +912,8 @@ fn bench_extra(
     let (free, total) = gpu.ctx.mem_get_info().map_err(cuda::drv("reading the device memory in use"))?;
     let mut extra = serde_json::json!({
         "state_GiB": gib(states.device.total()), "host_state_GiB": gib(states.host_optim),
-        "used_GiB": gib((total - free) as u64), "offload_ratio": a.offload_ratio,
+        "used_GiB": gib((total - free) as u64), "offload_ratio": a.offload_ratio, "optimizer": a.optimizer,
+        "fp16_scale": a.fp16_scale,
         "fusions": r.fusions(), "recompute": a.recompute, "early_adam": r.early_adam_active(),
         "gemm_tune": gpu.lt.as_ref().map_or("off", |l| if l.tuning() { "on" } else if l.routes_plain() { "route" } else { "off" }),
     });
@@ -784,6 +927,16 @@ fn bench_extra(
         o.insert("host_adam_ms".into(), ((cpu * 1e4).round() / 10.0).into());
         o.insert("exposed_ms".into(), ((exposed * 1e4).round() / 10.0).into());
         o.insert("hidden".into(), ((hidden * 1000.0).round() / 1000.0).into());
+        if end.nvme_bytes > 0 {
+            let per = |x: f64, y: f64| (((x - y) / steps) * 1e4).round() / 10.0;
+            o.insert("nvme_GiB".into(), gib(states.nvme).into());
+            o.insert("nvme_read_ms".into(), per(end.nvme_read_s, w.nvme_read_s).into());
+            o.insert("nvme_write_ms".into(), per(end.nvme_write_s, w.nvme_write_s).into());
+            o.insert("nvme_wait_ms".into(), per(end.nvme_wait_s, w.nvme_wait_s).into());
+            let busy = (end.nvme_read_s - w.nvme_read_s) + (end.nvme_write_s - w.nvme_write_s);
+            let gbps = (end.nvme_bytes - w.nvme_bytes) as f64 / busy.max(1e-9) / 1e9;
+            o.insert("nvme_GBps".into(), ((gbps * 100.0).round() / 100.0).into());
+        }
     }
     Ok(extra)
 }

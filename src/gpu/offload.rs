@@ -19,6 +19,11 @@
 //! `offload_optimizer.ratio` (DeepSpeed's partial offload): the first `ratio` of each unit's
 //! piece is stepped on the host, the rest by the GPU kernel as without offload ([`Split`]).
 //!
+//! `offload_optimizer.device = "nvme"`: the host parts' masters and moments live in swap files
+//! instead of host memory ([`super::nvme`]); the worker gets each unit's from a reader thread
+//! reading ahead and hands it to a writer thread after the step — the same host step, the same
+//! bits.
+//!
 //! Same bits: [`adamw_host`] evaluates the GPU `adamw` kernel's expression (kernels/cuda/ops.cu)
 //! in the same order with the same f32 roundings. The kernel's module is compiled with
 //! `--use_fast_math`, so its explicit round-to-nearest operations (`__fadd_rn`, `__fmul_rn`,
@@ -37,6 +42,7 @@ use rayon::prelude::*;
 use tessera_kernels::cuda::ops::{AdamStep, EventFlags, PinnedHostSlice};
 use tessera_kernels::cuda::{self, CudaEvent, CudaStream, Gpu};
 
+use super::nvme::{NvmeStore, UnitState};
 use super::zero::OffloadOptions;
 
 /// Elements per task of the host step (a few hundred KiB of each stream per task).
@@ -61,6 +67,7 @@ struct Coeffs {
     eps: f32,
     decoupled_factor: f32,
     grad_scale: f32,
+    l2: f32,
 }
 
 impl Coeffs {
@@ -77,6 +84,7 @@ impl Coeffs {
             eps: ftz(hp.eps),
             decoupled_factor: ftz(hp.decoupled_factor),
             grad_scale: ftz(grad_scale),
+            l2: ftz(hp.l2),
         }
     }
 }
@@ -84,9 +92,10 @@ impl Coeffs {
 /// The kernel's body for one element, operation by operation (`F*` = one rounding + flush).
 #[inline(always)]
 fn elem<const SMALL_W: bool>(c: &Coeffs, master: &mut f32, m: &mut f32, v: &mut f32, grad: f32, decay: u8) -> bf16 {
-    let g = ftz(ftz(grad) * c.grad_scale);
+    let g0 = ftz(ftz(grad) * c.grad_scale);
     let factor = if decay != 0 { c.decoupled_factor } else { 1.0 };
     let pd = ftz(ftz(*master) * factor);
+    let g = if decay != 0 && c.l2 != 0.0 { ftz(g0 + ftz(c.l2 * pd)) } else { g0 };
     let m0 = ftz(*m);
     let m1 = if SMALL_W { ftz(m0 + ftz(c.lerp_w * ftz(g - m0))) } else { ftz(g - ftz(ftz(g - m0) * c.one_minus_lerp_w)) };
     let v1 = ftz(ftz(ftz(*v) * c.beta2) + ftz(ftz(c.one_minus_beta2 * g) * g));
@@ -108,7 +117,7 @@ fn run<const SMALL_W: bool>(c: &Coeffs, master: &mut [f32], m: &mut [f32], v: &m
 }
 
 /// What [`adamw_host`] reads and writes, all as long as `master` (the host twin of
-/// [`tessera_kernels::cuda::ops::AdamBufs`]): the fp32 masters and moments (updated in place),
+/// [`tessera_kernels::cuda::ops::OptimBufs`]): the fp32 masters and moments (updated in place),
 /// the gradient, the decay mask (1 where weight decay applies) and the bf16 parameters (written:
 /// the new masters rounded).
 pub struct HostAdamBufs<'a> {
@@ -239,6 +248,12 @@ pub struct OffloadStats {
     /// Seconds from every gradient being on the host (the GPU's backward, reductions and
     /// copies done) to the last unit stepped: the host step's time not hidden behind the GPU.
     pub exposed_s: f64,
+    /// NVMe: seconds the swap reader and writer were busy, bytes they moved, and seconds the
+    /// host step waited for a read.
+    pub nvme_read_s: f64,
+    pub nvme_write_s: f64,
+    pub nvme_bytes: u64,
+    pub nvme_wait_s: f64,
 }
 
 impl OffloadStats {
@@ -255,14 +270,20 @@ impl OffloadStats {
         self.steps += o.steps;
         self.cpu_step_s += o.cpu_step_s;
         self.exposed_s += o.exposed_s;
+        self.nvme_read_s += o.nvme_read_s;
+        self.nvme_write_s += o.nvme_write_s;
+        self.nvme_bytes += o.nvme_bytes;
+        self.nvme_wait_s += o.nvme_wait_s;
     }
 }
 
-/// The host-resident optimizer state of a rank's pieces (their host parts).
+/// The host optimizer state of a rank's pieces (their host parts): in host memory, or with
+/// `nvme` in its swap files (then `master`, `m` and `v` are empty).
 pub struct HostState {
     pub master: Vec<f32>,
     pub m: Vec<f32>,
     pub v: Vec<f32>,
+    pub nvme: Option<NvmeStore>,
     pub decay: Vec<u8>,
     pub pool: rayon::ThreadPool,
     pub threads: usize,
@@ -321,7 +342,9 @@ pub struct StepOrder {
 
 /// The worker of one step: steps each unit's host part as its staging buffer arrives (in
 /// arrival order) and sends it back with the new bf16 parameters. `scale` delivers the
-/// gradient-clipping coefficient before the first unit is stepped. Returns its figures.
+/// gradient-clipping coefficient before the first unit is stepped. With NVMe the units' states
+/// come from the swap pipeline (read ahead in the backward's order: last unit first) and go back
+/// to it. Returns its figures, or why the swap files could not be written back.
 pub fn worker(
     host: &mut HostState,
     split: &Split,
@@ -329,11 +352,38 @@ pub fn worker(
     units: Receiver<Staging>,
     scale: Receiver<f32>,
     done: Sender<Result<Staging, String>>,
-) -> OffloadStats {
+) -> Result<OffloadStats, String> {
     let mut st = OffloadStats { steps: 1, threads: host.threads, ..OffloadStats::default() };
+    let ch = Channels { order, units, scale, done };
+    let Some(store) = host.nvme.take() else {
+        step_units(host, split, &ch, &mut st, None);
+        return Ok(st);
+    };
+    let seq: Vec<usize> = (0..split.units()).rev().filter(|&u| split.host[u] > 0).collect();
+    let ((), io) = store.pipeline(&seq, |next, put| step_units(host, split, &ch, &mut st, Some((next, put))));
+    host.nvme = Some(store);
+    let io = io.map_err(|e| format!("the optimizer swap files: {e}"))?;
+    (st.nvme_read_s, st.nvme_write_s, st.nvme_bytes, st.nvme_wait_s) = (io.read_s, io.write_s, io.bytes, io.wait_s);
+    Ok(st)
+}
+
+/// What the worker receives and sends during one step.
+struct Channels {
+    order: StepOrder,
+    units: Receiver<Staging>,
+    scale: Receiver<f32>,
+    done: Sender<Result<Staging, String>>,
+}
+
+/// NVMe: the swap pipeline's `next` (unit `u`'s state) and `put` (a stepped unit's, to write).
+type Swap<'a> = (&'a mut dyn FnMut(usize) -> std::io::Result<UnitState>, &'a mut dyn FnMut(UnitState) -> std::io::Result<()>);
+
+/// The worker's loop over the step's units (see [`worker`]); stops at the first failure, which
+/// it reports through `done`.
+fn step_units(host: &mut HostState, split: &Split, ch: &Channels, st: &mut OffloadStats, mut swap: Option<Swap<'_>>) {
     let mut coeff: Option<f32> = None;
-    for _ in 0..order.expected {
-        let Ok(mut s) = units.recv() else { return st };
+    for _ in 0..ch.order.expected {
+        let Ok(mut s) = ch.units.recv() else { return };
         let u = s.u;
         let res = (|| -> Result<(), String> {
             if let Some(ev) = s.grad_ready.take() {
@@ -345,29 +395,35 @@ pub fn worker(
             let grad = s.grad.as_slice().map_err(|e| format!("reading unit {u}'s gradient staging: {e:?}"))?;
             let k = match coeff {
                 Some(k) => k,
-                None => *coeff.insert(scale.recv().map_err(|_| "the step ended before the clipping coefficient was known".to_string())?),
+                None => *coeff.insert(ch.scale.recv().map_err(|_| "the step ended before the clipping coefficient was known".to_string())?),
             };
             let param = s.param.as_mut_slice().map_err(|e| format!("reading unit {u}'s parameter staging: {e:?}"))?;
             let r = split.host_range(u);
-            let t = Instant::now();
-            let bufs = HostAdamBufs {
-                master: &mut host.master[r.clone()],
-                m: &mut host.m[r.clone()],
-                v: &mut host.v[r.clone()],
-                grad: &grad[..r.len()],
-                decay: &host.decay[r.clone()],
-                param: &mut param[..r.len()],
-            };
-            adamw_host_par(&host.pool, &order.hp, k, bufs);
-            st.cpu_step_s += t.elapsed().as_secs_f64();
+            let decay = &host.decay[r.clone()];
+            let (grad, param) = (&grad[..r.len()], &mut param[..r.len()]);
+            match swap.as_mut() {
+                None => {
+                    let (master, m, v) = (&mut host.master[r.clone()], &mut host.m[r.clone()], &mut host.v[r.clone()]);
+                    let t = Instant::now();
+                    adamw_host_par(&host.pool, &ch.order.hp, k, HostAdamBufs { master, m, v, grad, decay, param });
+                    st.cpu_step_s += t.elapsed().as_secs_f64();
+                }
+                Some((next, put)) => {
+                    let mut state = next(u).map_err(|e| format!("reading unit {u}'s optimizer state from NVMe: {e}"))?;
+                    let (master, m, v) = state.slices();
+                    let t = Instant::now();
+                    adamw_host_par(&host.pool, &ch.order.hp, k, HostAdamBufs { master, m, v, grad, decay, param });
+                    st.cpu_step_s += t.elapsed().as_secs_f64();
+                    put(state).map_err(|e| format!("queueing unit {u}'s optimizer state for NVMe: {e}"))?;
+                }
+            }
             Ok(())
         })();
         let failed = res.is_err();
-        if done.send(res.map(|()| s)).is_err() || failed {
-            return st;
+        if ch.done.send(res.map(|()| s)).is_err() || failed {
+            return;
         }
     }
-    st
 }
 
 /// How long the issuing thread waits for one unit's host step before giving up.
@@ -390,9 +446,17 @@ pub struct Offload {
 
 impl Offload {
     /// Rank `rank`'s host side: the host parts (`master_host`, `mask_host`) of its optimizer
-    /// pieces as `split` cuts them, fresh moments, `threads` CPU threads, a staging pair per unit
-    /// with a host part, and the two copy streams.
-    pub fn new(gpu: &Gpu, rank: usize, split: &Split, master_host: Vec<f32>, mask_host: Vec<u8>, o: OffloadOptions) -> Result<Offload> {
+    /// pieces as `split` cuts them, fresh moments (in swap files under `nvme`'s directory when
+    /// given), `threads` CPU threads, a staging pair per unit with a host part, and the two copy
+    /// streams.
+    pub fn new(
+        gpu: &Gpu,
+        rank: usize,
+        split: &Split,
+        (master_host, mask_host): (Vec<f32>, Vec<u8>),
+        o: OffloadOptions,
+        nvme: Option<&NvmeSite>,
+    ) -> Result<Offload> {
         let threads = o.threads.max(1);
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -400,7 +464,13 @@ impl Offload {
             .build()
             .context("starting the host optimizer's threads")?;
         let n = split.host_total;
-        let host = HostState { master: master_host, m: vec![0.0; n], v: vec![0.0; n], decay: mask_host, pool, threads };
+        let host = match nvme {
+            None => HostState { master: master_host, m: vec![0.0; n], v: vec![0.0; n], nvme: None, decay: mask_host, pool, threads },
+            Some(site) => {
+                let store = NvmeStore::create(&site.dir, rank, &site.aio, split, &master_host)?;
+                HostState { master: Vec::new(), m: Vec::new(), v: Vec::new(), nvme: Some(store), decay: mask_host, pool, threads }
+            }
+        };
         let mut staging = Vec::with_capacity(split.units());
         for (u, &h) in split.host.iter().enumerate() {
             staging.push(if h > 0 { Some(Staging::new(gpu, u, h)?) } else { None });
@@ -409,6 +479,14 @@ impl Offload {
         let h2d = gpu.ctx.new_stream().map_err(cuda::drv("creating the host → device copy stream"))?;
         Ok(Offload { host: Some(host), staging, d2h, h2d, tx: None, ratio: o.ratio, stats: OffloadStats { threads, ..Default::default() } })
     }
+}
+
+/// Where NVMe optimizer offload keeps a rank's swap files (`offload_optimizer.nvme_path`) and how
+/// it reads and writes them (the `aio` section).
+#[derive(Clone, Debug)]
+pub struct NvmeSite {
+    pub dir: std::path::PathBuf,
+    pub aio: crate::offload::AioOptions,
 }
 
 /// What the issuing thread keeps of one step's host pipeline.
@@ -430,7 +508,7 @@ pub fn run_step<T>(
     rank: usize,
     clip: f32,
     step: impl FnOnce(Sender<Staging>, Pipe) -> Result<T>,
-) -> (Result<T>, Option<std::thread::Result<OffloadStats>>) {
+) -> (Result<T>, Option<std::thread::Result<Result<OffloadStats, String>>>) {
     let expected = split.host.iter().filter(|&&h| h > 0).count();
     let (unit_tx, unit_rx) = mpsc::channel();
     let (scale_tx, scale_rx) = mpsc::channel();
@@ -465,9 +543,10 @@ mod tests {
         v
     }
 
-    /// With no subnormal anywhere, the host step is the CPU optimizer's AdamW (the same
+    /// With no subnormal anywhere, the host step is the CPU optimizer's Adam (the same
     /// operation order), and its bf16 output is the rounding of the new masters; at both lerp
-    /// forms of m (β1 < 0.5 and ≥ 0.5).
+    /// forms of m (β1 < 0.5 and ≥ 0.5), in AdamW mode and with an L2 penalty, with and without
+    /// bias correction (`AdamStep::of` the CPU params; `AdamStep::new` is AdamW's).
     #[test]
     fn host_adamw_matches_the_cpu_optimizer_on_normal_values() {
         let len = 10_000;
@@ -485,19 +564,24 @@ mod tests {
         let g_scaled: Vec<f32> = grad.iter().map(|g| g * grad_scale).collect();
         let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-        for betas in [(0.9f32, 0.95f32), (0.3, 0.999)] {
-            let params = AdamParams { lr, betas, eps, weight_decay: wd, adam_w_mode: true, bias_correction: true, momentum_cycle: None };
+        let modes = [(true, true), (false, true), (true, false), (false, false)];
+        for (betas, (adam_w_mode, bias_correction)) in [(0.9f32, 0.95f32), (0.3, 0.999)].into_iter().flat_map(|b| modes.map(|m| (b, m))) {
+            let params = AdamParams { lr, betas, eps, weight_decay: wd, adam_w_mode, bias_correction, momentum_cycle: None };
             let mut shard = OptimizerShard::new(OptimizerKind::Adam(params), len);
             // Step the CPU optimizer to step 3 from the same moments.
             shard.load_state(2, &[("exp_avg", m0.clone()), ("exp_avg_sq", v0.clone())]).unwrap();
             let mut p_cpu = master.clone();
             shard.step(&mut p_cpu, &g_scaled, lr, &ctx, &mut LocalReduce).unwrap();
-            let hp = AdamStep::new(lr, betas, eps, wd, 3);
+            let hp = AdamStep::of(&params, lr, 3);
+            if adam_w_mode && bias_correction {
+                assert_eq!(hp, AdamStep::new(lr, betas, eps, wd, 3));
+            }
             let (mut p, mut m, mut v) = (master.clone(), m0.clone(), v0.clone());
             let mut out = vec![bf16::ZERO; len];
             let bufs = HostAdamBufs { master: &mut p, m: &mut m, v: &mut v, grad: &grad, decay: &decay, param: &mut out };
             adamw_host_par(&pool, &hp, grad_scale, bufs);
             let bufs = shard.state_buffers();
+            let betas = (betas, adam_w_mode, bias_correction);
             assert_eq!(bits(&p), bits(&p_cpu), "masters, betas {betas:?}");
             assert_eq!(bits(&m), bits(bufs[0].1), "exp_avg, betas {betas:?}");
             assert_eq!(bits(&v), bits(bufs[1].1), "exp_avg_sq, betas {betas:?}");

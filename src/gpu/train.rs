@@ -12,15 +12,18 @@
 //!   `r` of `N` takes the aligned block `r·M/N .. (r+1)·M/N`), via [`Plan`];
 //! - the data sampler: global micro-batch `i` of step `s` holds the same tokens as on the CPU;
 //! - the LR schedule ([`crate::schedule::lr_at`] on the applied-step clock) and OneCycle's
-//!   momentum cycle (the AdamW betas of each step, [`super::zero::AdamW::betas_at`]), `gradient_clipping`,
+//!   momentum cycle (the betas of each step), the optimizer (`optimizer.type`: Adam/AdamW with
+//!   or without bias correction, SGD, Lion — the CPU optimizer's own scalars on elementwise GPU
+//!   kernels, `tessera_kernels::cuda::optim`), `gradient_clipping`,
 //!   `zero_optimization.stage`, `tessera.steps`, evaluation on the same validation batches
 //!   (`tessera.eval_interval`, `eval_iters`), the monitors, `loss.svg`, `summary.json` (the
 //!   keys that apply, plus the device figures) and checkpoints in the CPU format: fp32 masters
-//!   as the parameters and the Adam moments as `optim.exp_avg` / `optim.exp_avg_sq` in the CPU
+//!   as the parameters and the optimizer state as `optim.exp_avg` / `optim.exp_avg_sq` (or
+//!   `optim.momentum_buffer`) in the CPU
 //!   layout, so `generate`, `export` and `--resume` work across devices both ways.
 //!
 //! What differs: parameters and activations are bf16 (fp32 masters and moments), whatever the
-//! precision section says (fp16 is refused); ZeRO's bucket and stage-3 tuning keys have no
+//! precision section says (with fp16 the gradients are stored in fp16 under the loss scaler); ZeRO's bucket and stage-3 tuning keys have no
 //! effect (the GPU reduces and gathers unit by unit). Activation checkpointing (the
 //! `activation_checkpointing` section or `tessera.activation_checkpointing`) keeps each block's
 //! input only and recomputes its activations in the backward, with the same bits.
@@ -37,7 +40,7 @@ use tessera_kernels::model::Arch;
 
 use super::compute::GpuRankOptions;
 use super::offload;
-use super::zero::{self, AdamW, OffloadOptions, StateBytes};
+use super::zero::{self, OffloadOptions, Optimizer, StateBytes};
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision};
 use crate::engine::Plan;
 use crate::zoo;
@@ -64,10 +67,20 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
     }
     let mut notes = Vec::new();
     match cfg.precision {
-        Precision::Fp16(_) => bail!(
-            "fp16.enabled = true: `--device cuda` trains in bf16 (bf16 parameters and activations, fp32 masters, no loss \
-             scaling); set bf16.enabled=true instead, or use --device cpu"
-        ),
+        Precision::Fp16(_) => {
+            if cfg.zero.offload_optimizer.as_ref().is_some_and(|o| o.device != OffloadDevice::None) {
+                bail!(
+                    "fp16.enabled = true with zero_optimization.offload_optimizer on `--device cuda`: the host optimizer steps \
+                     each unit before the loss scaler knows whether the step overflowed; drop one of them, or use --device cpu"
+                );
+            }
+            notes.push(
+                "fp16.enabled: `--device cuda` keeps bf16 parameters and activations (its model kernels are bf16) and stores \
+                 each micro-batch's gradient in fp16 under the loss scaler (DeepSpeed's dynamic scaler, the CPU path's): \
+                 overflowing steps are skipped and the scale adapts as on the CPU"
+                    .to_string(),
+            );
+        }
         Precision::F32 => notes.push(
             "no bf16/fp16 section (fp32 on the CPU path): `--device cuda` trains with bf16 parameters and activations and \
              fp32 masters, as bf16.enabled=true does"
@@ -75,26 +88,26 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
         ),
         Precision::Bf16 => {}
     }
-    match cfg.optimizer {
-        OptimizerConfig::Adam { adam_w_mode: false, .. } => bail!(
-            "optimizer.params.adam_w_mode = false (Adam with an L2 penalty): the GPU optimizer is AdamW (decoupled weight \
-             decay); use optimizer.type = \"AdamW\" or --device cpu"
-        ),
-        OptimizerConfig::Adam { bias_correction: false, .. } => bail!(
-            "optimizer.params.bias_correction = false: the GPU optimizer always applies Adam's bias correction; drop the key \
-             or use --device cpu"
-        ),
-        OptimizerConfig::Adam { .. } => {}
-        ref other => {
-            let t = match other {
-                OptimizerConfig::Lamb { .. } => "Lamb",
-                OptimizerConfig::Lion { .. } => "Lion",
-                _ => "SGD",
-            };
-            bail!("optimizer.type = \"{t}\": `--device cuda` implements Adam/AdamW only; use --device cpu for {t}");
-        }
+    if let OptimizerConfig::Lamb { .. } = cfg.optimizer {
+        bail!(
+            "optimizer.type = \"Lamb\": `--device cuda` has no LAMB kernel (its trust ratios need per-tensor norms across the \
+             ranks' shards); use Adam/AdamW, SGD or Lion, or --device cpu for Lamb"
+        );
     }
     check_offload(cfg)?;
+    if cfg.zero.offload_optimizer.as_ref().is_some_and(|o| o.device == OffloadDevice::Nvme) {
+        let swap_keys = [
+            "zero_optimization.offload_optimizer.pipeline_read",
+            "zero_optimization.offload_optimizer.pipeline_write",
+            "zero_optimization.sub_group_size",
+        ];
+        for key in cfg.present_keys.iter().filter(|k| swap_keys.contains(&k.as_str())) {
+            notes.push(format!(
+                "`{key}` has no effect with `--device cuda`: its NVMe offload swaps unit by unit, always reading the next unit ahead \
+                 and writing the last one behind the host step"
+            ));
+        }
+    }
     // Honoured on the CPU path, without effect here: say so rather than ignore them silently.
     for key in cfg.present_keys.iter().filter(|k| GPU_IGNORED_KEYS.contains(&k.as_str())) {
         notes.push(format!("`{key}` has no effect with `--device cuda`: the GPU reduces and gathers the parameters unit by unit"));
@@ -138,16 +151,11 @@ fn check_model(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Refuses an offload the GPU trainer cannot do: the optimizer to NVMe, at ZeRO stage 0, by a
-/// share outside 0..=1, or the parameters at all.
+/// Refuses an offload the GPU trainer cannot do: the optimizer at ZeRO stage 0, of another
+/// optimizer than Adam/AdamW, by a share outside 0..=1 (NVMe: other than 1), or the parameters at
+/// all. An NVMe `nvme_path` is checked where the swap site is made ([`nvme_site`]).
 fn check_offload(cfg: &Config) -> Result<()> {
     if let Some(o) = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device != OffloadDevice::None) {
-        if o.device == OffloadDevice::Nvme {
-            bail!(
-                "zero_optimization.offload_optimizer.device = \"nvme\": `--device cuda` offloads the optimizer to host memory \
-                 only; use \"cpu\" (host memory), or --device cpu for NVMe swap files"
-            );
-        }
         if cfg.zero.stage == 0 {
             bail!(
                 "zero_optimization.offload_optimizer.device = \"{}\" needs ZeRO stage 1, 2 or 3 (the optimizer shard moves to the \
@@ -155,10 +163,25 @@ fn check_offload(cfg: &Config) -> Result<()> {
                 offload_name(o.device)
             );
         }
+        if !matches!(cfg.optimizer, OptimizerConfig::Adam { .. }) {
+            bail!(
+                "zero_optimization.offload_optimizer.device = \"{}\" with optimizer.type = \"{}\": the GPU ranks' host optimizer \
+                 step runs Adam/AdamW only; drop the offload section, use Adam/AdamW, or --device cpu",
+                offload_name(o.device),
+                if matches!(cfg.optimizer, OptimizerConfig::Lion { .. }) { "Lion" } else { "SGD" }
+            );
+        }
         if !(0.0..=1.0).contains(&o.ratio) {
             bail!(
                 "zero_optimization.offload_optimizer.ratio = {}: expected the share of the optimizer to offload, from 0 to 1 \
                  (or use --device cpu)",
+                o.ratio
+            );
+        }
+        if o.device == OffloadDevice::Nvme && o.ratio < 1.0 {
+            bail!(
+                "zero_optimization.offload_optimizer.ratio = {} with device = \"nvme\": the swap files hold the whole optimizer \
+                 shard; use 1.0, device = \"cpu\" for a partial offload to host memory, or --device cpu",
                 o.ratio
             );
         }
@@ -182,13 +205,19 @@ const GPU_IGNORED_KEYS: &[&str] = &[
     "zero_optimization.stage3_prefetch_bucket_size",
 ];
 
-/// The config the engine's plan of an NCCL GPU run is built from: the budget and the offload
+/// The config the engine's plan of an NCCL GPU run is built from (bf16 where the config says
+/// fp16: the ranks keep the loss scaler themselves): the budget and the offload
 /// share are checked with the GPU's own counts ([`rank_options`]), not the CPU plan's (CPU
 /// layout and dtypes), and the ZeRO tuning keys the GPU does not read (`GPU_IGNORED_KEYS`)
 /// take DeepSpeed's defaults, so they cannot refuse the run through the CPU plan either.
 pub fn plan_config(cfg: &Config) -> Config {
     let mut cpu_cfg = cfg.clone();
     cpu_cfg.tessera.device_memory_bytes_max = None;
+    // fp16 on NCCL GPU ranks is theirs (fp16 gradients, the ranks' loss scaler: rank_options);
+    // the plan, which refuses fp16 for the engine's staged GPU ranks, sees their bf16 compute.
+    if let Precision::Fp16(_) = cpu_cfg.precision {
+        cpu_cfg.precision = Precision::Bf16;
+    }
     if let Some(o) = cpu_cfg.zero.offload_optimizer.as_mut() {
         o.ratio = 1.0;
     }
@@ -222,21 +251,42 @@ pub fn rank_options(cfg: &Config, plan: &Plan, abandons: bool) -> Result<GpuRank
         );
     }
     let m_local = plan.micro_batches / world;
-    let states = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, offload.map(|o| o.ratio))?;
-    let full_optim = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, None)?.device.optim;
+    let optim = Optimizer { kind: plan.optimizer, clip: plan.clip };
+    let n = optim.states();
+    let nvme = nvme_site(cfg)?;
+    let block = nvme.as_ref().map(|s| s.aio.block);
+    let states = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, offload.map(|o| o.ratio), n, block)?;
+    let full_optim = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, None, n, None)?.device.optim;
     check_gpu_budget(cfg, &states, offload, full_optim)?;
-    let OptimizerConfig::Adam { betas, eps, weight_decay, .. } = cfg.optimizer else {
-        bail!("the GPU path runs Adam/AdamW only (checked before)");
-    };
-    let momentum_cycle = crate::schedule::momentum_cycle(cfg.scheduler.as_ref());
-    let adam = AdamW { betas, eps, weight_decay, clip: plan.clip, momentum_cycle };
-    Ok(GpuRankOptions { adam, offload, recompute: cfg.activation_checkpointing, overlap: plan.overlap_comm, states, abandons })
+    if nvme.is_some() {
+        crate::offload::OffloadPlan::new(cfg)?.check_space(states.nvme * world as u64)?;
+    }
+    let scaler = crate::bridge::loss_scaler(&cfg.precision)?;
+    Ok(GpuRankOptions {
+        optim,
+        scaler,
+        budget: cfg.tessera.device_memory_bytes_max,
+        offload,
+        nvme,
+        recompute: cfg.activation_checkpointing,
+        overlap: plan.overlap_comm,
+        states,
+        abandons,
+    })
 }
 
-/// `offload_optimizer.device = "cpu"`: the share offloaded and the host threads per rank.
+/// `offload_optimizer.device = "cpu"` or `"nvme"`: the share offloaded and the host threads
+/// per rank.
 fn offload_options(cfg: &Config) -> Option<OffloadOptions> {
-    let o = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device == OffloadDevice::Cpu)?;
+    let o = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device != OffloadDevice::None)?;
     Some(OffloadOptions { ratio: f64::from(o.ratio), threads: offload::default_threads(cfg.world_size) })
+}
+
+/// `offload_optimizer.device = "nvme"`: the swap files' directory (`nvme_path`, checked to be an
+/// existing writable directory) and the `aio` section's options, as the CPU ranks take them.
+fn nvme_site(cfg: &Config) -> Result<Option<offload::NvmeSite>> {
+    let plan = crate::offload::OffloadPlan::new(cfg)?;
+    Ok(plan.optimizer_dir.filter(|_| plan.optimizer == crate::offload::Tier::Nvme).map(|dir| offload::NvmeSite { dir, aio: plan.aio }))
 }
 
 /// `tessera.device_memory_bytes_max` against what a GPU rank holds (the same check and message

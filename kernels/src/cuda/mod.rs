@@ -22,6 +22,7 @@ pub mod gpt;
 pub mod llama;
 pub mod lt;
 pub mod ops;
+pub mod optim;
 
 use std::collections::HashMap;
 use std::ffi::CString;

@@ -103,16 +103,16 @@ pub(crate) fn check_beta(optimizer: &'static str, name: &'static str, v: f32) ->
 /// Per-step f32 scalars of the Adam kernel.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AdamCoeffs {
-    lerp_w: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    step_size: f32,
-    bc2_sqrt: f32,
-    eps: f32,
-    decoupled_factor: f32,
-    l2: f32,
-    adam_w_mode: bool,
-    has_decay: bool,
+    pub(crate) lerp_w: f32,
+    pub(crate) beta2: f32,
+    pub(crate) one_minus_beta2: f32,
+    pub(crate) step_size: f32,
+    pub(crate) bc2_sqrt: f32,
+    pub(crate) eps: f32,
+    pub(crate) decoupled_factor: f32,
+    pub(crate) l2: f32,
+    pub(crate) adam_w_mode: bool,
+    pub(crate) has_decay: bool,
 }
 
 /// One Adam step over a run of elements of one tensor; `decay` says whether weight decay

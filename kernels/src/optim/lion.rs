@@ -65,12 +65,12 @@ impl LionParams {
 /// Per-step f32 scalars of the Lion kernel.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LionCoeffs {
-    lr: f32,
-    beta1: f32,
-    one_minus_beta1: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    after_decay: f32,
+    pub(crate) lr: f32,
+    pub(crate) beta1: f32,
+    pub(crate) one_minus_beta1: f32,
+    pub(crate) beta2: f32,
+    pub(crate) one_minus_beta2: f32,
+    pub(crate) after_decay: f32,
 }
 
 // c ← β1·m + (1−β1)·g;  p ← p·(1−lr·wd) − lr·sign(c);  m ← β2·m + (1−β2)·g.

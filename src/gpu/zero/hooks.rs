@@ -1,7 +1,7 @@
 //! The hooks of one micro-batch (`gpt::forward_backward` calls them per unit): stage 3's
 //! gathers into the rotating buffers with their prefetch, and, in the last micro-batch, finishing
 //! each unit's gradient as the backward completes it (the micro-batch tree's adds, its reduction,
-//! the copy to the host, the early AdamW).
+//! the copy to the host, the early optimizer step).
 
 use anyhow::Result;
 use tessera_kernels::cuda::gpt::{Phase, UnitHooks};
@@ -15,9 +15,9 @@ pub(super) struct Hooks<'a> {
     pub(super) grads: DPtr<f32>,
     /// The last micro-batch of a step: the tree's adds, reduction and host copy per unit.
     pub(super) tail: Option<&'a Tail>,
-    /// Step each unit's AdamW on the optimizer stream once its gradient is final (one GPU, no
-    /// clipping; see the module notes).
-    pub(super) early: Option<&'a ops::AdamStep>,
+    /// Step each unit's optimizer on the optimizer stream once its gradient is final (one GPU,
+    /// no clipping; see the module notes).
+    pub(super) early: Option<&'a tessera_kernels::cuda::optim::OptimStep>,
     /// Stage 3: index of the next block use, and the uses in order (unit, phase).
     pub(super) use_idx: usize,
     pub(super) uses: Vec<(usize, Phase)>,
@@ -73,6 +73,10 @@ impl Hooks<'_> {
     fn finish_unit(&mut self, u: usize, tail: &Tail) -> Result<()> {
         let r = &mut *self.r;
         let unit = r.layout.units[u].clone();
+        if r.fp16 {
+            // fp16 storage of the last micro-batch's gradient, before the tree adds it.
+            ops::round_f16(&r.gpu, &r.gpu.stream, self.grads.slice(unit.clone()))?;
+        }
         for &(dst, src) in &tail.merges {
             ops::add_f32(&r.gpu, &r.gpu.stream, r.gbufs[dst].slice(unit.clone()), r.gbufs[src].slice(unit.clone()))?;
         }
@@ -82,7 +86,7 @@ impl Hooks<'_> {
                 // Nothing later in this backward reads unit u's parameters or writes its
                 // gradient: the forward and backward of the blocks below use their own.
                 r.order(&r.gpu.stream, &r.ostream)?;
-                r.adamw_unit(u, fin, hp, 1.0, &r.ostream)?;
+                r.optim_unit(u, fin, hp, 1.0, &r.ostream)?;
                 r.stepped[u] = true;
             }
             return r.send_grad(u, tail.fin);

@@ -1,5 +1,7 @@
-//! One GPU rank of a ZeRO run: parameters, gradients and AdamW state on the device, NCCL for
-//! the collectives on a communication stream that overlaps the compute stream.
+//! One GPU rank of a ZeRO run: parameters, gradients and optimizer state on the device, NCCL
+//! for the collectives on a communication stream that overlaps the compute stream. The optimizer
+//! is the CPU engine's (`OptimizerKind`: Adam/AdamW, SGD, Lion; not LAMB) as the elementwise
+//! kernels of `cuda::optim`.
 //!
 //! - Stage 0: every rank holds everything; gradients are all-reduced unit by unit.
 //! - Stages 1 and 2: fp32 masters and Adam moments are split per unit across ranks; gradients
@@ -29,6 +31,15 @@
 //! would use after the backward (elementwise, so the same bits: a `gpu check` row compares the
 //! two); the compute stream waits for that stream before the step returns.
 //!
+//! fp16 (`RankSpec::fp16`, the config's `fp16` section): parameters and activations stay bf16,
+//! each micro-batch's gradient is stored as fp16 (rounded in place; beyond ±65504 it becomes
+//! infinite, as the CPU path's 16-bit gradient storage does), the backward starts from the loss
+//! times the loss scale, and the global norm of the unscaled gradient is always formed: a
+//! non-finite one is an overflow ([`Prepared::overflow`]) and the caller's loss scaler decides
+//! whether the step is committed or skipped ([`Rank::skip`]). The update multiplies the gradient
+//! by 1/scale (and the clipping coefficient) as it reads it. The optimizer then never runs during
+//! the backward, and optimizer offload is refused (both update before the overflow is known).
+//!
 //! Determinism: a rank's micro-batches are combined by a fixed binary tree, ranks hold aligned
 //! blocks of micro-batches, and with two ranks NCCL's sum is one IEEE add — so one GPU running
 //! two micro-batches and two GPUs running one each produce the same bits (tested on the device).
@@ -43,9 +54,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use tessera_kernels::cuda::gpt::{self, GpuLayout, Shape, Workspace};
+use tessera_kernels::cuda::optim::OptimStep;
 use tessera_kernels::cuda::{self, bf16, ops, Buf, CudaEvent, CudaStream, DPtr, Gpu};
 use tessera_kernels::model::Model;
-use tessera_kernels::optim::MomentumCycle;
+use tessera_kernels::optim::{AdamParams, OptimizerKind};
 use tessera_transport::nccl::NcclComm;
 
 use super::offload::{self, Offload, OffloadStats, Pipe, Split};
@@ -58,23 +70,31 @@ mod state;
 /// Bound on any wait for the communication stream.
 const COMM_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Optimizer settings (AdamW; DeepSpeed's `optimizer.params`).
+/// The optimizer a rank runs: the CPU engine's (its base `lr` unused: each step takes the
+/// scheduled rate; OneCycle's momentum cycle follows the rank's optimizer step count, as on the
+/// CPU) and the global gradient-norm clip.
 #[derive(Clone, Copy, Debug)]
-pub struct AdamW {
-    pub betas: (f32, f32),
-    pub eps: f32,
-    pub weight_decay: f32,
+pub struct Optimizer {
+    pub kind: OptimizerKind,
     /// Global gradient-norm clip (0 = off), DeepSpeed's `gradient_clipping`.
     pub clip: f32,
-    /// OneCycle's `cycle_momentum`: each step's betas come from the cycle (on the optimizer's
-    /// step count, as on the CPU) instead of `betas`.
-    pub momentum_cycle: Option<MomentumCycle>,
 }
 
-impl AdamW {
-    /// The betas of update number `applied + 1`.
-    pub fn betas_at(&self, applied: u64) -> (f32, f32) {
-        self.momentum_cycle.map_or(self.betas, |c| c.betas_at(applied))
+impl Optimizer {
+    /// AdamW with bias correction (the checks' and the benchmark's optimizer).
+    pub fn adamw(betas: (f32, f32), eps: f32, weight_decay: f32, clip: f32) -> Optimizer {
+        let p = AdamParams { betas, eps, weight_decay, ..AdamParams::default() };
+        Optimizer { kind: OptimizerKind::Adam(p), clip }
+    }
+
+    /// f32 state buffers per element (Adam 2, Lion 1, SGD 1 with momentum, else 0).
+    pub fn states(&self) -> usize {
+        self.kind.state_names().len()
+    }
+
+    /// Whether the host step of optimizer offload (`offload::adamw_host`) runs it: Adam/AdamW.
+    pub fn offloadable(&self) -> bool {
+        matches!(self.kind, OptimizerKind::Adam(_))
     }
 }
 
@@ -97,11 +117,24 @@ pub struct StateBytes {
     pub host_optim: u64,
     /// Page-locked staging buffers (gradient in, bf16 parameters out).
     pub host_staging: u64,
+    /// NVMe optimizer offload: the swap files of the host parts' masters and moments (whole
+    /// `aio.block_size` blocks per unit); `host_optim` then holds only their decay mask.
+    pub nvme: u64,
 }
 
 /// The model-state bytes a rank of this geometry will hold, before anything is allocated
 /// (the budget check at start uses it; [`Rank::state_bytes`] counts the same).
-pub fn planned_state_bytes(model: &Model, stage: u8, world: usize, m_local: usize, ratio: Option<f64>) -> Result<StateBytes> {
+/// `states`: the optimizer's f32 state buffers per element ([`Optimizer::states`]);
+/// `nvme_block`: the offloaded part lives in swap files of this block size (NVMe offload).
+pub fn planned_state_bytes(
+    model: &Model,
+    stage: u8,
+    world: usize,
+    m_local: usize,
+    ratio: Option<f64>,
+    states: usize,
+    nvme_block: Option<usize>,
+) -> Result<StateBytes> {
     let opt_world = if stage == 0 { 1 } else { world.max(1) };
     let layout = GpuLayout::new(model, opt_world)?;
     let split = Split::new((0..layout.units.len()).map(|u| layout.piece(u, 0).len()).collect(), ratio.unwrap_or(0.0));
@@ -115,9 +148,12 @@ pub fn planned_state_bytes(model: &Model, stage: u8, world: usize, m_local: usiz
     };
     let gshard = if stage >= 1 && world > 1 { shard } else { 0 };
     let staged: u64 = split.host.iter().filter(|&&h| h > 0).map(|&h| h as u64 * 6).sum();
+    // fp32 masters, the state buffers and the one-byte decay mask, per element.
+    let per_elem = 4 + 4 * states as u64 + 1;
     Ok(StateBytes {
-        device: ResidentBytes { params, grads: (levels * total + gshard) * 4, optim: split.dev_total as u64 * 13 },
-        host_optim: split.host_total as u64 * 13,
+        device: ResidentBytes { params, grads: (levels * total + gshard) * 4, optim: split.dev_total as u64 * per_elem },
+        host_optim: split.host_total as u64 * if nvme_block.is_some() { 1 } else { per_elem },
+        nvme: nvme_block.map_or(0, |b| split.host.iter().map(|&h| ((h * 4).div_ceil(b) * b) as u64).sum::<u64>() * 3),
         host_staging: staged,
     })
 }
@@ -164,10 +200,10 @@ pub struct Rank {
     cstream: Arc<CudaStream>,
     /// The optimizer stream: units stepped during the backward (see the module notes).
     ostream: Arc<CudaStream>,
-    /// Step each unit's AdamW as soon as its gradient is final (one GPU, no clipping); default
-    /// on, `TESSERA_GPU_EARLY_ADAM=0` turns it off.
+    /// Step each unit's optimizer as soon as its gradient is final (one GPU, no clipping);
+    /// default on, `TESSERA_GPU_EARLY_ADAM=0` turns it off.
     pub early_adam: bool,
-    /// Units this step's AdamW already ran for (on `ostream`).
+    /// Units this step's optimizer already ran for (on `ostream`).
     stepped: Vec<bool>,
     pub rank: usize,
     pub world: usize,
@@ -178,8 +214,10 @@ pub struct Rank {
     /// Stage 3 only: the gathered embedding unit and two rotating block buffers.
     u0: Option<Buf<bf16>>,
     pool: Vec<Buf<bf16>>,
-    /// Optimizer shard (stage ≥ 1) or everything (stage 0): fp32 masters and moments — the
-    /// device parts of the pieces ([`Split`]; all of them without offload).
+    /// Optimizer shard (stage ≥ 1) or everything (stage 0): fp32 masters and the optimizer's
+    /// state (`m`: Adam's and Lion's `exp_avg`, SGD's momentum buffer; `v`: Adam's `exp_avg_sq`;
+    /// empty where the optimizer keeps no such buffer) — the device parts of the pieces
+    /// ([`Split`]; all of them without offload).
     master: Buf<f32>,
     m: Buf<f32>,
     v: Buf<f32>,
@@ -191,7 +229,9 @@ pub struct Rank {
     norm_partials: Buf<f64>,
     norm_all: Buf<f64>,
     ws: Option<Workspace>,
-    adam: AdamW,
+    optim: Optimizer,
+    /// fp16 gradients with a loss scale (see the module notes).
+    fp16: bool,
     step: u64,
     /// Per-unit "parameters are ready" events (gathers of stages 1–3).
     ready: Vec<Option<CudaEvent>>,
@@ -211,9 +251,9 @@ pub struct Rank {
 
 /// A prepared step ([`Rank::prepare`]).
 enum StagedStep {
-    /// The update is still to run: the gradient's slot, AdamW's hyper-parameters, the
-    /// clipping coefficient.
-    Pending { fin: usize, hp: ops::AdamStep, scale: f32 },
+    /// The update is still to run: the gradient's slot, the optimizer's scalars, the clipping
+    /// coefficient.
+    Pending { fin: usize, hp: OptimStep, scale: f32 },
     /// The update ran with the backward (optimizer offload).
     Applied,
 }
@@ -221,8 +261,22 @@ enum StagedStep {
 /// What a step's computation leaves for its update.
 struct Computed {
     fin: usize,
+    /// The global norm of the unscaled gradient (when clipping, or with fp16).
     norm: Option<f64>,
+    /// The gradient's multiplier in the update: 1/loss scale times the clipping coefficient.
     scale: f32,
+    overflow: bool,
+}
+
+/// What [`Rank::prepare`] reports of a step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prepared {
+    /// The mean loss of this rank's micro-batches (unscaled).
+    pub loss: f32,
+    /// The global norm of the unscaled gradient, when clipping or with fp16.
+    pub norm: Option<f64>,
+    /// fp16: the gradient overflowed (its norm is not finite), the same on every rank.
+    pub overflow: bool,
 }
 
 /// What a [`Rank`] is built from, besides its GPU and its communicator.
@@ -234,12 +288,17 @@ pub struct RankSpec<'a> {
     pub shape: Shape,
     /// The initial parameters (CPU layout, f32).
     pub init: &'a [f32],
-    pub adam: AdamW,
+    pub optim: Optimizer,
     /// This rank's micro-batches per step (sizes the micro-batch tree and the loss buffer).
     pub m_local: usize,
     pub offload: Option<OffloadOptions>,
     /// Activation checkpointing (see [`Workspace::with_options`]).
     pub recompute: bool,
+    /// fp16 gradients with a loss scale (see the module notes).
+    pub fp16: bool,
+    /// Optimizer offload to NVMe (`offload_optimizer.device = "nvme"`): where the host parts'
+    /// masters and moments live instead of host memory (with `offload`).
+    pub nvme: Option<&'a super::offload::NvmeSite>,
 }
 
 impl RankSpec<'_> {
@@ -254,6 +313,18 @@ impl RankSpec<'_> {
         }
         if let Some(o) = self.offload.filter(|o| !(0.0..=1.0).contains(&o.ratio)) {
             bail!("zero_optimization.offload_optimizer.ratio = {}: expected a share from 0 to 1", o.ratio);
+        }
+        if !tessera_kernels::cuda::optim::supported(&self.optim.kind) {
+            bail!("optimizer {}: GPU ranks have no kernel for it", self.optim.kind.name());
+        }
+        if self.nvme.is_some() && self.offload.is_none() {
+            bail!("NVMe optimizer offload without offload options: the rank needs offload_optimizer's ratio and threads");
+        }
+        if self.offload.is_some() && self.fp16 {
+            bail!("zero_optimization.offload_optimizer with fp16.enabled: the host step starts before the loss scaler knows whether the step overflowed");
+        }
+        if self.offload.is_some() && !self.optim.offloadable() {
+            bail!("zero_optimization.offload_optimizer with optimizer {}: the host step runs Adam/AdamW only", self.optim.kind.name());
         }
         Ok(())
     }
@@ -279,7 +350,7 @@ impl Rank {
     /// `spec` describes.
     pub fn new(gpu: Arc<Gpu>, comm: Option<NcclComm>, spec: RankSpec<'_>) -> Result<Rank> {
         spec.validate()?;
-        let RankSpec { model, stage, shape, init, adam, m_local, offload, recompute } = spec;
+        let RankSpec { model, stage, shape, init, optim, m_local, offload, recompute, fp16, nvme } = spec;
         let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
         // Stage 0 shards nothing: one piece holds every unit.
         let opt_world = if stage == 0 { 1 } else { world };
@@ -301,12 +372,13 @@ impl Rank {
         let (master_host, master_dev) = split.cut(&master_h);
         let (mask_host, mask_dev) = split.cut(&mask_h);
         let master = gpu.upload(&master_dev)?;
-        let m = gpu.alloc::<f32>(split.dev_total)?;
-        let v = gpu.alloc::<f32>(split.dev_total)?;
+        let states = optim.states();
+        let m = gpu.alloc::<f32>(if states >= 1 { split.dev_total } else { 0 })?;
+        let v = gpu.alloc::<f32>(if states >= 2 { split.dev_total } else { 0 })?;
         let decay = gpu.upload(&mask_dev)?;
         let off = match offload {
             None => None,
-            Some(o) => Some(Offload::new(&gpu, rank, &split, master_host, mask_host, o)?),
+            Some(o) => Some(Offload::new(&gpu, rank, &split, (master_host, mask_host), o, nvme)?),
         };
         let gshard = if stage >= 1 && world > 1 { Some(gpu.alloc::<f32>(shard_len)?) } else { None };
         // The micro-batch tree holds at most ⌊log2 M⌋ + 1 partial sums at once.
@@ -347,7 +419,8 @@ impl Rank {
             norm_partials,
             norm_all,
             ws,
-            adam,
+            optim,
+            fp16,
             step: 0,
             ready: (0..n_units).map(|_| None).collect(),
             pool_ready: std::collections::HashMap::new(),
@@ -382,9 +455,9 @@ impl Rank {
     /// [`Rank::prepare`] then [`Rank::commit`]. Returns the mean loss of this rank's
     /// micro-batches and the global gradient norm (if clipping).
     pub fn step(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], lr: f32, dloss: f32) -> Result<(f32, Option<f64>)> {
-        let res = self.prepare(mbs, lr, dloss)?;
+        let p = self.prepare(mbs, lr, dloss, 1.0)?;
         self.commit()?;
-        Ok(res)
+        Ok((p.loss, p.norm))
     }
 
     /// The first half of a step, the step transaction's prepare: forward, backward, the
@@ -393,8 +466,17 @@ impl Rank {
     /// early ([`Rank::early_adam_active`]) and, with optimizer offload, the whole update (the
     /// host threads step each unit as its gradient arrives). An abandoned step of that kind
     /// leaves the rank unusable ([`Rank::abandon`]). Returns the mean loss of this rank's
-    /// micro-batches and the global gradient norm (if clipping).
-    pub fn prepare(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], lr: f32, dloss: f32) -> Result<(f32, Option<f64>)> {
+    /// micro-batches, the global gradient norm (if clipping, or with fp16) and, with fp16, whether
+    /// the gradient overflowed. `loss_scale` multiplies `dloss` for the backward and divides the
+    /// gradient in the update (1 without fp16).
+    pub fn prepare(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], lr: f32, dloss: f32, loss_scale: f32) -> Result<Prepared> {
+        if !(loss_scale.is_finite() && loss_scale > 0.0) || (!self.fp16 && loss_scale != 1.0) {
+            bail!(
+                "rank {}: loss scale {loss_scale} (this rank's fp16 is {}): expected 1 without fp16, a finite value > 0 with it",
+                self.rank,
+                self.fp16
+            );
+        }
         if let Some(why) = &self.torn {
             bail!("rank {}: {why}", self.rank);
         }
@@ -403,26 +485,28 @@ impl Rank {
             bail!("rank {} was given {m_local} micro-batches; it was built for {}", self.rank, self.losses.len() / self.ws_n());
         }
         self.staged = None;
-        let betas = self.adam.betas_at(self.step);
-        let hp = ops::AdamStep::new(lr, betas, self.adam.eps, self.adam.weight_decay, self.step + 1);
+        let hp = OptimStep::new(&self.optim.kind, lr, self.step + 1)?;
         let Some(off) = self.off.as_mut() else {
             self.stepped.fill(false);
-            let c = self.compute(mbs, dloss, &hp, None)?;
+            let c = self.compute(mbs, dloss * loss_scale, loss_scale, &hp, None)?;
             let loss = self.local_loss(m_local)?;
             self.staged = Some(StagedStep::Pending { fin: c.fin, hp, scale: c.scale });
-            return Ok((loss, c.norm));
+            return Ok(Prepared { loss, norm: c.norm, overflow: c.overflow });
+        };
+        let OptimStep::Adam(adam_hp) = hp else {
+            bail!("rank {}: optimizer offload runs Adam/AdamW only (checked at start)", self.rank);
         };
         let mut host = off.host.take().context("the host optimizer state was lost in an earlier failed step")?;
         let split = self.split.clone();
-        let (rank, clip) = (self.rank, self.adam.clip);
-        let (res, stats) = offload::run_step(&mut host, &split, hp, rank, clip, |tx, pipe| {
+        let (rank, clip) = (self.rank, self.optim.clip);
+        let (res, stats) = offload::run_step(&mut host, &split, adam_hp, rank, clip, |tx, pipe| {
             if let Some(o) = self.off.as_mut() {
                 o.tx = Some(tx);
             }
             self.stepped.fill(false);
-            let res = self.compute(mbs, dloss, &hp, Some(&pipe)).and_then(|c| {
+            let res = self.compute(mbs, dloss, 1.0, &hp, Some(&pipe)).and_then(|c| {
                 self.update(c.fin, &hp, c.scale, Some(pipe))?;
-                Ok((self.local_loss(m_local)?, c.norm))
+                Ok(Prepared { loss: self.local_loss(m_local)?, norm: c.norm, overflow: false })
             });
             // Ends the worker if the step stopped early (it waits for units that will not come).
             if let Some(o) = self.off.as_mut() {
@@ -433,7 +517,11 @@ impl Rank {
         let off = self.off.as_mut().expect("offload state present");
         off.host = Some(host);
         match stats {
-            Some(Ok(st)) => off.stats.add(&st),
+            Some(Ok(Ok(st))) => off.stats.add(&st),
+            Some(Ok(Err(e))) => {
+                self.torn = Some(format!("the host optimizer state was not written back ({e})"));
+                bail!("rank {}: {e}", self.rank)
+            }
             Some(Err(_)) => bail!("rank {}: the host optimizer thread panicked", self.rank),
             None => {}
         }
@@ -452,6 +540,21 @@ impl Rank {
             }),
             Some(StagedStep::Applied) => Ok(()),
             None => bail!("rank {}: commit without a prepared step", self.rank),
+        }
+    }
+
+    /// The loss scaler skips the prepared step (an fp16 overflow): nothing is updated, the
+    /// optimizer's step count stays, and the rank takes the next step as if this one had not
+    /// been prepared. Only a step whose update has not begun can be skipped (with fp16 it never
+    /// begins before the commit).
+    pub fn skip(&mut self) -> Result<()> {
+        match self.staged.take() {
+            Some(StagedStep::Pending { .. }) if !self.stepped.iter().any(|&s| s) => Ok(()),
+            Some(_) => {
+                self.torn = Some("a skipped step had already updated units during its backward".into());
+                bail!("rank {}: the step to skip had already updated units (the optimizer ran during the backward)", self.rank)
+            }
+            None => bail!("rank {}: skip without a prepared step", self.rank),
         }
     }
 
@@ -475,7 +578,14 @@ impl Rank {
     /// The prepare's computation: every micro-batch ([`Rank::micro_batches`]), the wait for
     /// the reductions, the global norm and the clipping coefficient (sent to the host optimizer
     /// through `pipe` when it waits for it).
-    fn compute(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], dloss: f32, hp: &ops::AdamStep, pipe: Option<&Pipe>) -> Result<Computed> {
+    fn compute(
+        &mut self,
+        mbs: &[(Vec<u32>, Vec<u32>)],
+        dloss: f32,
+        loss_scale: f32,
+        hp: &OptimStep,
+        pipe: Option<&Pipe>,
+    ) -> Result<Computed> {
         let fin = self.micro_batches(mbs, dloss, hp)?;
         self.gpu.mark("micro-batch tree");
         // Optimizer input: this rank's reduced pieces.
@@ -484,17 +594,21 @@ impl Rank {
         }
         self.gpu.mark("wait for reductions");
         let gshard = self.gshard_ptr(fin);
-        let norm = if self.adam.clip > 0.0 { Some(self.grad_norm(gshard)?) } else { None };
+        // The norm of the scaled gradient / the scale (a power of two unless static: exact).
+        let need_norm = self.optim.clip > 0.0 || self.fp16;
+        let norm = if need_norm { Some(self.grad_norm(gshard)? / f64::from(loss_scale)) } else { None };
         self.gpu.mark("gradient norm");
-        let scale = match norm {
-            Some(n) if n > self.adam.clip as f64 => (self.adam.clip as f64 / (n + 1e-6)) as f32,
+        let overflow = self.fp16 && norm.is_some_and(|n| !n.is_finite());
+        let clip = match norm {
+            Some(n) if self.optim.clip > 0.0 && n > self.optim.clip as f64 => (self.optim.clip as f64 / (n + 1e-6)) as f32,
             _ => 1.0,
         };
-        if let (Some(p), true) = (pipe, self.adam.clip > 0.0) {
+        let scale = clip * (1.0 / loss_scale);
+        if let (Some(p), true) = (pipe, self.optim.clip > 0.0) {
             // A worker that already stopped reports why through `done`.
             let _ = p.scale.send(scale);
         }
-        Ok(Computed { fin, norm, scale })
+        Ok(Computed { fin, norm, scale, overflow })
     }
 
     /// The optimizer input: this rank's reduced pieces, or the full buffer in gradient slot
@@ -506,15 +620,15 @@ impl Rank {
         }
     }
 
-    /// The update: AdamW over every unit not stepped during the backward, the stage 1–2
+    /// The update: the optimizer over every unit not stepped during the backward, the stage 1–2
     /// parameter gathers, and the host units' return (offload).
-    fn update(&mut self, fin: usize, hp: &ops::AdamStep, scale: f32, pipe: Option<Pipe>) -> Result<()> {
+    fn update(&mut self, fin: usize, hp: &OptimStep, scale: f32, pipe: Option<Pipe>) -> Result<()> {
         let gshard = self.gshard_ptr(fin);
         self.step += 1;
         let gathers = self.world > 1 && (self.stage == 1 || self.stage == 2);
         for u in 0..self.layout.units.len() {
             if !self.stepped[u] {
-                self.adamw_unit(u, gshard, hp, scale, &self.gpu.stream)?;
+                self.optim_unit(u, gshard, hp, scale, &self.gpu.stream)?;
             }
             let h = self.split.host[u];
             if gathers && h == 0 {
@@ -529,7 +643,7 @@ impl Rank {
             // after the units stepped during the backward.
             self.order(&self.ostream, &self.gpu.stream)?;
         }
-        self.gpu.mark("adamw");
+        self.gpu.mark("optimizer");
         if let Some(p) = pipe {
             self.land_host_units(p, gathers)?;
         }
@@ -546,7 +660,7 @@ impl Rank {
     /// finishes the tree, the reductions and the host copies unit by unit during its backward,
     /// and steps units early where [`Rank::early_adam_active`]). Returns the slot of the gradient
     /// buffer that holds this rank's summed gradient.
-    fn micro_batches(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], dloss: f32, hp: &ops::AdamStep) -> Result<usize> {
+    fn micro_batches(&mut self, mbs: &[(Vec<u32>, Vec<u32>)], dloss: f32, hp: &OptimStep) -> Result<usize> {
         let m_local = mbs.len();
         let mut stack: Vec<(u32, usize)> = Vec::new();
         let mut free: Vec<usize> = (0..self.gbufs.len()).rev().collect();
@@ -574,6 +688,11 @@ impl Rank {
             self.ws = Some(ws);
             res?;
             copied?;
+            if self.fp16 && tail.is_none() {
+                // fp16 storage of this micro-batch's gradient (the last one's is rounded unit by
+                // unit as its backward finishes each: `Hooks::finish_unit`).
+                ops::round_f16(&self.gpu, &self.gpu.stream, g)?;
+            }
             if let Some(t) = tail {
                 fin = t.fin;
                 break;
@@ -590,15 +709,16 @@ impl Rank {
         Ok(fin)
     }
 
-    /// Whether this rank's steps run each unit's AdamW during the backward (see the module notes).
+    /// Whether this rank's steps run each unit's optimizer during the backward (see the module
+    /// notes; every GPU optimizer is elementwise, so any of them may).
     pub fn early_adam_active(&self) -> bool {
-        self.early_adam && self.world == 1 && self.adam.clip <= 0.0
+        self.early_adam && self.world == 1 && self.optim.clip <= 0.0 && !self.fp16
     }
 
-    /// AdamW over the device part of unit `u`'s piece (this rank's, or all of it at stage 0)
-    /// on stream `s`, reading the reduced gradient `gshard` (the full buffer with one rank or at
-    /// stage 0).
-    fn adamw_unit(&self, u: usize, gshard: DPtr<f32>, hp: &ops::AdamStep, scale: f32, s: &CudaStream) -> Result<()> {
+    /// The optimizer over the device part of unit `u`'s piece (this rank's, or all of it at
+    /// stage 0) on stream `s`, reading the reduced gradient `gshard` (the full buffer with one
+    /// rank or at stage 0).
+    fn optim_unit(&self, u: usize, gshard: DPtr<f32>, hp: &OptimStep, scale: f32, s: &CudaStream) -> Result<()> {
         let opt_rank = if self.stage == 0 { 0 } else { self.rank };
         let off = self.layout.shard_offset(u);
         let piece = self.layout.piece(u, opt_rank);
@@ -610,15 +730,17 @@ impl Rank {
         let sh = off + h..off + len;
         let dr = self.split.dev_range(u);
         let param = if self.stage == 3 { self.params.slice(sh.clone()) } else { self.params.slice(piece.start + h..piece.end) };
-        let bufs = ops::AdamBufs {
+        // A state buffer the optimizer does not keep is empty: an empty view stands for it.
+        let state = |b: &Buf<f32>| if b.is_empty() { b.slice(0..0) } else { b.slice(dr.clone()) };
+        let bufs = ops::OptimBufs {
             master: self.master.slice(dr.clone()),
             param,
             grad: gshard.slice(sh),
-            m: self.m.slice(dr.clone()),
-            v: self.v.slice(dr.clone()),
-            decay: self.decay.slice(dr),
+            m: state(&self.m),
+            v: state(&self.v),
+            decay: self.decay.slice(dr.clone()),
         };
-        ops::adamw(&self.gpu, s, &bufs, hp, scale)?;
+        tessera_kernels::cuda::optim::step(&self.gpu, s, &bufs, hp, scale)?;
         Ok(())
     }
 
@@ -808,14 +930,15 @@ impl Rank {
         let params = b16(&self.params) + self.u0.as_ref().map_or(0, b16) + self.pool.iter().map(b16).sum::<u64>();
         let grads = self.gshard.as_ref().map_or(0, b32) + self.gbufs.iter().map(b32).sum::<u64>();
         let optim = b32(&self.master) + b32(&self.m) + b32(&self.v) + self.decay.len() as u64;
-        let (host_optim, host_staging) = match &self.off {
+        let (host_optim, host_staging, nvme) = match &self.off {
             Some(o) => (
                 o.host.as_ref().map_or(0, |h| (h.master.len() + h.m.len() + h.v.len()) as u64 * 4 + h.decay.len() as u64),
                 o.staging.iter().flatten().map(|s| s.bytes() as u64).sum(),
+                o.host.as_ref().and_then(|h| h.nvme.as_ref()).map_or(0, |n| n.bytes()),
             ),
-            None => (0, 0),
+            None => (0, 0, 0),
         };
-        StateBytes { device: ResidentBytes { params, grads, optim }, host_optim, host_staging }
+        StateBytes { device: ResidentBytes { params, grads, optim }, host_optim, host_staging, nvme }
     }
 
     /// The host optimizer's figures so far (offload only).
@@ -836,7 +959,25 @@ fn record(s: &CudaStream) -> Result<CudaEvent> {
 
 #[cfg(test)]
 mod tests {
-    use super::{tail_plan, tree_levels};
+    use super::{planned_state_bytes, tail_plan, tree_levels};
+
+    /// The device budget counts the state buffers the optimizer keeps: fp32 masters and the
+    /// decay mask (5 bytes an element), plus 4 bytes per buffer (SGD without momentum none, SGD
+    /// with momentum and Lion one, Adam two).
+    #[test]
+    fn planned_optimizer_bytes_follow_the_optimizers_state_buffers() {
+        let model = tessera_kernels::model::Model::new(crate::zoo::preset("gpt-mini-gpu").unwrap()).unwrap();
+        let optim = |states| planned_state_bytes(&model, 2, 1, 1, None, states, None).unwrap().device.optim;
+        let elems = optim(0) / 5;
+        assert!(elems >= model.num_params() as u64, "{elems} elements for {} parameters", model.num_params());
+        assert_eq!((optim(0), optim(1), optim(2)), (elems * 5, elems * 9, elems * 13));
+        let host = planned_state_bytes(&model, 2, 1, 1, Some(1.0), 2, None).unwrap();
+        assert_eq!((host.device.optim, host.host_optim), (0, elems * 13));
+        // On NVMe: the decay mask stays in host memory; each unit's three regions are whole blocks.
+        let nvme = planned_state_bytes(&model, 2, 1, 1, Some(1.0), 2, Some(4096)).unwrap();
+        assert_eq!(nvme.host_optim, elems);
+        assert!(nvme.nvme >= elems * 12 && nvme.nvme < elems * 12 + 3 * 4096 * (model.cfg.n_layer as u64 + 1));
+    }
 
     /// The micro-batch tree as [`super::Rank::step`] runs it over whole buffers, on symbolic
     /// sums: (expression in each slot, the slot holding the result).

@@ -7,12 +7,13 @@ use tessera_kernels::cuda::gpt;
 use super::hooks::Hooks;
 use super::{Rank, COMM_TIMEOUT};
 
-/// Which optimizer buffer.
+/// Which optimizer buffer: the masters, or state buffer `m` (Adam's and Lion's `exp_avg`,
+/// SGD's momentum buffer) or `v` (Adam's `exp_avg_sq`).
 #[derive(Clone, Copy)]
 enum Which {
     Master,
-    ExpAvg,
-    ExpAvgSq,
+    M,
+    V,
 }
 
 /// Helpers for the engine's driver (`gpu::compute::GpuRanks`): evaluation, small host-side gathers, and
@@ -63,11 +64,17 @@ impl Rank {
         self.step
     }
 
-    /// The Adam moments (`exp_avg`, `exp_avg_sq`) in the CPU layout, full length, gathered from
-    /// every rank (a collective at stages 1–3 with several ranks).
-    pub fn moments(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
-        let (m, v) = (self.shard_vec(Which::ExpAvg)?, self.shard_vec(Which::ExpAvgSq)?);
-        Ok((self.gather_cpu_layout(m)?, self.gather_cpu_layout(v)?))
+    /// The optimizer's state buffers in the CPU layout, full length, in `OptimizerKind::
+    /// state_names` order (Adam: `exp_avg`, `exp_avg_sq`; Lion: `exp_avg`; SGD with momentum:
+    /// `momentum_buffer`; none otherwise), gathered from every rank (a collective at stages 1–3
+    /// with several ranks).
+    pub fn optimizer_state(&mut self) -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::new();
+        for which in [Which::M, Which::V].into_iter().take(self.optim.states()) {
+            let own = self.shard_vec(which)?;
+            out.push(self.gather_cpu_layout(own)?);
+        }
+        Ok(out)
     }
 
     /// A shard-shaped f32 vector (this rank's optimizer pieces) of every rank → the CPU layout.
@@ -86,11 +93,16 @@ impl Rank {
         Ok(self.layout.unpad(&self.layout_full_from_shards(&shards)))
     }
 
-    /// Restores the Adam moments (CPU layout, full length, as a checkpoint holds them) and the
-    /// optimizer step count: this rank keeps its pieces.
-    pub fn load_moments(&mut self, m: &[f32], v: &[f32], steps: u64) -> Result<()> {
+    /// Restores the optimizer's state buffers (CPU layout, full length, as a checkpoint holds
+    /// them, in `OptimizerKind::state_names` order) and the optimizer step count: this rank keeps
+    /// its pieces.
+    pub fn load_optimizer_state(&mut self, bufs: &[&[f32]], steps: u64) -> Result<()> {
         let n = self.layout.cpu_units.last().map_or(0, |u| u.end);
-        for (name, b) in [("exp_avg", m), ("exp_avg_sq", v)] {
+        let names = self.optim.kind.state_names();
+        if bufs.len() != names.len() {
+            bail!("{} optimizer buffers given; {} keeps {} ({})", bufs.len(), self.optim.kind.name(), names.len(), names.join(", "));
+        }
+        for (name, b) in names.iter().zip(bufs) {
             if b.len() != n {
                 bail!("optimizer buffer `{name}` has {} values; the model has {n} parameters", b.len());
             }
@@ -104,13 +116,25 @@ impl Rank {
             }
             out
         };
-        let ((mh, md), (vh, vd)) = (self.split.cut(&cut(m)), self.split.cut(&cut(v)));
-        self.gpu.write(&mut self.m, 0, &md)?;
-        self.gpu.write(&mut self.v, 0, &vd)?;
+        let mut host_parts = Vec::new();
+        for (k, b) in bufs.iter().enumerate() {
+            let (h, d) = self.split.cut(&cut(b));
+            self.gpu.write(if k == 0 { &mut self.m } else { &mut self.v }, 0, &d)?;
+            host_parts.push(h);
+        }
         self.gpu.sync()?;
         if let Some(o) = self.off.as_mut() {
+            // Offload runs Adam only: both moments are here.
             let host = o.host.as_mut().context("the host optimizer state was lost in an earlier failed step")?;
-            (host.m, host.v) = (mh, vh);
+            let mut parts = host_parts.into_iter();
+            let (m, v) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+            match &host.nvme {
+                Some(store) => {
+                    store.write_buffer(1, &m).context("writing exp_avg to its swap file")?;
+                    store.write_buffer(2, &v).context("writing exp_avg_sq to its swap file")?;
+                }
+                None => (host.m, host.v) = (m, v),
+            }
         }
         self.step = steps;
         Ok(())
@@ -133,17 +157,21 @@ impl Rank {
     fn shard_vec(&self, which: Which) -> Result<Vec<f32>> {
         let dev = self.gpu.download(match which {
             Which::Master => self.master.ptr(),
-            Which::ExpAvg => self.m.ptr(),
-            Which::ExpAvgSq => self.v.ptr(),
+            Which::M => self.m.ptr(),
+            Which::V => self.v.ptr(),
         })?;
         let Some(o) = &self.off else { return Ok(dev) };
         let host = o.host.as_ref().context("the host optimizer state was lost in an earlier failed step")?;
-        let h = match which {
-            Which::Master => &host.master,
-            Which::ExpAvg => &host.m,
-            Which::ExpAvgSq => &host.v,
+        let k = match which {
+            Which::Master => 0,
+            Which::M => 1,
+            Which::V => 2,
         };
-        Ok(self.split.join(h, &dev))
+        if let Some(store) = &host.nvme {
+            let h = store.read_buffer(k).with_context(|| format!("reading the offloaded optimizer buffer {k} from NVMe"))?;
+            return Ok(self.split.join(&h, &dev));
+        }
+        Ok(self.split.join([&host.master, &host.m, &host.v][k], &dev))
     }
 
     fn layout_full_from_shards(&self, shards: &[Vec<f32>]) -> Vec<f32> {

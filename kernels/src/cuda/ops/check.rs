@@ -376,6 +376,28 @@ fn check_casts(gpu: &Gpu, seed: u64, rows: &mut Vec<CheckRow>) -> Result<()> {
     scale_f32(gpu, s, d_y.ptr(), 0.37)?;
     let want: Vec<f32> = want.iter().map(|a| a * 0.37).collect();
     rows.push(row_f32(format!("scale_f32 [{len}]"), &gpu.download(d_y.ptr())?, &want));
+    check_round_f16(gpu, seed, rows)
+}
+
+/// fp16 storage (`round_f16`) against the `half` crate bit for bit: normal values over fp16's
+/// whole range, halfway cases, overflow to ±inf, fp16 subnormals, f32 subnormals, ±0, ±inf, NaN.
+fn check_round_f16(gpu: &Gpu, seed: u64, rows: &mut Vec<CheckRow>) -> Result<()> {
+    let mut x: Vec<f32> = randv(seed, 32, 1 << 16, 1.0).iter().enumerate().map(|(i, v)| v * 2f32.powi((i % 48) as i32 - 30)).collect();
+    let edge = [65504.0f32, 65519.99, 65520.0, -65520.0, 1e6, 6.1e-5, 5.96e-8, 2.98e-8, 3.0e-8, 1e-40, -1e-40, 0.0, -0.0];
+    x.extend_from_slice(&edge);
+    x.extend_from_slice(&[1.0 + 2f32.powi(-11), 1.0 + 3.0 * 2f32.powi(-11), f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+    let d = gpu.upload(&x)?;
+    round_f16(gpu, &gpu.stream, d.ptr())?;
+    let got = gpu.download(d.ptr())?;
+    let key = |v: f32| if v.is_nan() { u32::MAX } else { v.to_bits() };
+    let differ = got.iter().zip(&x).filter(|(g, w)| key(**g) != key(half::f16::from_f32(**w).to_f32())).count();
+    rows.push(CheckRow {
+        name: format!("round_f16 [{}] = half::f16 round trip (bits; {differ} differ)", x.len()),
+        max_abs: 0.0,
+        max_rel: differ as f64,
+        tol: 0.0,
+        non_finite: false,
+    });
     Ok(())
 }
 
@@ -477,7 +499,7 @@ fn check_adamw(gpu: &Gpu, seed: u64, rows: &mut Vec<CheckRow>) -> Result<()> {
         (gpu.upload(&master)?, gpu.upload(&grad)?, gpu.upload(&m0)?, gpu.upload(&v0)?, gpu.upload(&decay)?);
     let d_param = gpu.alloc::<bf16>(len)?;
     let bufs =
-        AdamBufs { master: d_master.ptr(), param: d_param.ptr(), grad: d_grad.ptr(), m: d_m.ptr(), v: d_v.ptr(), decay: d_decay.ptr() };
+        OptimBufs { master: d_master.ptr(), param: d_param.ptr(), grad: d_grad.ptr(), m: d_m.ptr(), v: d_v.ptr(), decay: d_decay.ptr() };
     adamw(gpu, s, &bufs, &hp, grad_scale)?;
     let params =
         crate::optim::AdamParams { lr, betas, eps, weight_decay: wd, adam_w_mode: true, bias_correction: true, momentum_cycle: None };

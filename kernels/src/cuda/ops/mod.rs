@@ -718,6 +718,17 @@ pub fn add_f32(gpu: &Gpu, s: &CudaStream, dst: DPtr<f32>, src: DPtr<f32>) -> Res
     launch!(gpu, s, "add_f32", cfg; dst.raw, src.raw, len, vec)
 }
 
+/// x ← f32(f16(x)) in place: fp16 storage of f32 values (round to nearest even, beyond ±65504
+/// → ±inf, fp16 subnormals kept), as the CPU's `dtype::round_to(F16, …)` and the `half` crate.
+pub fn round_f16(gpu: &Gpu, s: &CudaStream, x: DPtr<f32>) -> Result<()> {
+    if x.len == 0 {
+        return Ok(());
+    }
+    assert!(x.len.div_ceil(256) <= i32::MAX as usize, "round_f16: {} elements exceed the grid limit", x.len);
+    let (len, cfg) = (x.len as u64, grid_1d(x.len, 256));
+    launch!(gpu, s, "round_f16", cfg; x.raw, len)
+}
+
 /// dst *= a.
 pub fn scale_f32(gpu: &Gpu, s: &CudaStream, dst: DPtr<f32>, a: f32) -> Result<()> {
     if dst.len == 0 {
@@ -810,8 +821,12 @@ pub struct AdamStep {
     /// √(1 − β2^step).
     pub bc2_sqrt: f32,
     pub eps: f32,
-    /// 1 − lr·wd (decoupled weight decay), applied where the decay mask is set.
+    /// 1 − lr·wd (decoupled weight decay, AdamW), applied where the decay mask is set; 1 for
+    /// Adam with an L2 penalty.
     pub decoupled_factor: f32,
+    /// Adam with an L2 penalty (`adam_w_mode = false`): `g ← g + wd·p` where the decay mask is
+    /// set; 0 for AdamW.
+    pub l2: f32,
 }
 
 impl AdamStep {
@@ -830,15 +845,37 @@ impl AdamStep {
             bc2_sqrt: bc2.sqrt() as f32,
             eps,
             decoupled_factor: (1.0 - lr64 * f64::from(weight_decay)) as f32,
+            l2: 0.0,
+        }
+    }
+
+    /// The scalars of update `step` (1-based) of the CPU optimizer `p` at learning rate `lr`,
+    /// from its own coefficient code (`AdamParams::coeffs`: this step's betas under a momentum
+    /// cycle, bias correction on or off, AdamW's decoupled decay or Adam's L2 penalty).
+    pub fn of(p: &crate::optim::AdamParams, lr: f32, step: u64) -> AdamStep {
+        let c = p.coeffs(lr, step);
+        let (decoupled, l2) = (c.has_decay && c.adam_w_mode, c.has_decay && !c.adam_w_mode);
+        AdamStep {
+            lr,
+            lerp_w: c.lerp_w,
+            beta2: c.beta2,
+            one_minus_beta2: c.one_minus_beta2,
+            step_size: c.step_size,
+            bc2_sqrt: c.bc2_sqrt,
+            eps: c.eps,
+            decoupled_factor: if decoupled { c.decoupled_factor } else { 1.0 },
+            l2: if l2 { c.l2 } else { 0.0 },
         }
     }
 }
 
-/// The buffers one [`adamw`] launch reads and writes, all as long as `master`: the fp32 masters
-/// and moments (updated in place), the gradient, the bf16 parameters (written: the new masters
-/// rounded) and the decay mask (1 where weight decay applies).
+/// The buffers one optimizer launch ([`adamw`], `cuda::optim::step`) reads and writes, as long
+/// as `master`: the fp32 masters and state (updated in place: Adam's `m` and `v`, Lion's `m`,
+/// SGD's momentum buffer in `m`; a buffer the optimizer does not keep is empty), the gradient,
+/// the bf16 parameters (written: the new masters rounded) and the decay mask (1 where weight
+/// decay applies).
 #[derive(Clone, Copy)]
-pub struct AdamBufs {
+pub struct OptimBufs {
     pub master: DPtr<f32>,
     pub param: DPtr<bf16>,
     pub grad: DPtr<f32>,
@@ -847,11 +884,12 @@ pub struct AdamBufs {
     pub decay: DPtr<u8>,
 }
 
-/// Fused AdamW on a flat shard, per element as `optim::adam` (AdamW mode): g = grad·grad_scale;
-/// p ← p·(1−lr·wd) where decay[i] != 0; m ← lerp(m, g, 1−β1); v ← β2·v + ((1−β2)·g)·g;
+/// Fused Adam/AdamW on a flat shard, per element as `optim::adam`: g = grad·grad_scale;
+/// p ← p·(1−lr·wd) where decay[i] != 0 (AdamW) or g ← g + wd·p there (Adam, `hp.l2`);
+/// m ← lerp(m, g, 1−β1); v ← β2·v + ((1−β2)·g)·g;
 /// p ← p − step_size·(m / (√v/√bc2 + eps)); master = p, param = bf16(p).
-pub fn adamw(gpu: &Gpu, s: &CudaStream, bufs: &AdamBufs, hp: &AdamStep, grad_scale: f32) -> Result<()> {
-    let AdamBufs { master, param, grad, m, v, decay } = *bufs;
+pub fn adamw(gpu: &Gpu, s: &CudaStream, bufs: &OptimBufs, hp: &AdamStep, grad_scale: f32) -> Result<()> {
+    let OptimBufs { master, param, grad, m, v, decay } = *bufs;
     let len = master.len;
     check_len("adamw param", param, len);
     check_len("adamw grad", grad, len);
@@ -865,5 +903,5 @@ pub fn adamw(gpu: &Gpu, s: &CudaStream, bufs: &AdamBufs, hp: &AdamStep, grad_sca
     let len_u = len as u64;
     let cfg = grid_1d(len, 256);
     launch!(gpu, s, "adamw", cfg; master.raw, param.raw, grad.raw, m.raw, v.raw, decay.raw, len_u,
-        hp.lerp_w, hp.beta2, hp.one_minus_beta2, hp.step_size, hp.bc2_sqrt, hp.eps, hp.decoupled_factor, grad_scale)
+        hp.lerp_w, hp.beta2, hp.one_minus_beta2, hp.step_size, hp.bc2_sqrt, hp.eps, hp.decoupled_factor, grad_scale, hp.l2)
 }
