@@ -166,7 +166,8 @@ fn train_ranks(config_path: &Path, common: &CommonArgs, opts: TrainOptions, loca
     let out = engine::train(&cfg, &opts)?;
     outln!("{}", out.summary.render());
     let dir = out.output_dir.display();
-    let pictures = if out.summary.pipeline.is_some() { format!(", {dir}/loss.svg and {dir}/pipeline.svg") } else { format!(" and {dir}/loss.svg") };
+    let pictures =
+        if out.summary.pipeline.is_some() { format!(", {dir}/loss.svg and {dir}/pipeline.svg") } else { format!(" and {dir}/loss.svg") };
     outln!("wrote {dir}/summary.json{pictures}");
     Ok(!out.interrupted)
 }

@@ -40,14 +40,14 @@ pub enum Device {
     /// The model's CPU kernels, unit by unit.
     Cpu(Box<Workspace>),
     /// Whole micro-batches on a GPU, staged through the host.
-    Cuda(Staged),
+    Cuda(Box<Staged>),
 }
 
 impl Device {
     pub fn new(kind: ComputeDevice) -> Device {
         match kind {
             ComputeDevice::Cpu => Device::Cpu(Box::default()),
-            ComputeDevice::Cuda => Device::Cuda(Staged::new(Whole::Gpu)),
+            ComputeDevice::Cuda => Device::Cuda(Box::new(Staged::new(Whole::Gpu))),
         }
     }
 

@@ -119,7 +119,9 @@ pub fn parse_body(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
         .map_err(|e| ApiError::invalid(None, format!("the request body is not UTF-8 text: invalid byte at offset {}", e.valid_up_to())))?;
     match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(m)) => Ok(m),
-        Ok(other) => Err(ApiError::invalid(None, format!("the request body must be a JSON object, got {}", crate::config::value::type_name(&other)))),
+        Ok(other) => {
+            Err(ApiError::invalid(None, format!("the request body must be a JSON object, got {}", crate::config::value::type_name(&other))))
+        }
         Err(e) => Err(ApiError::invalid(None, format!("the request body is not valid JSON: {e}"))),
     }
 }

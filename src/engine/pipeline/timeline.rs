@@ -51,7 +51,7 @@ pub fn bubble(ops: &[Timed], stages: usize) -> f64 {
     let t0 = ops.iter().map(|o| o.start_s).fold(f64::INFINITY, f64::min);
     let t1 = ops.iter().map(|o| o.end_s).fold(f64::NEG_INFINITY, f64::max);
     let busy: f64 = ops.iter().filter(|o| !matches!(o.op, Op::EmbedBackward(_))).map(|o| o.end_s - o.start_s).sum();
-    if !(t1 > t0) || stages == 0 {
+    if t1.partial_cmp(&t0) != Some(std::cmp::Ordering::Greater) || stages == 0 {
         return 0.0;
     }
     1.0 - busy / (stages as f64 * (t1 - t0))

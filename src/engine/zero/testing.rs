@@ -79,7 +79,7 @@ pub(super) fn two_steps_with(
         .map(|(r, comm)| {
             let mut w = ZeroWorker::new(r, Arc::clone(&plan), Arc::clone(&sampler), wrap(comm), Arc::clone(&states[r]));
             if STAGED.get() {
-                w.dev = Device::Cuda(super::super::device::Staged::new(super::super::device::Whole::Cpu));
+                w.dev = Device::Cuda(Box::new(super::super::device::Staged::new(super::super::device::Whole::Cpu)));
             }
             std::thread::spawn(move || {
                 for step in 0..2 {
