@@ -463,9 +463,15 @@ fn gpu_optimizers_and_fp16_train_like_the_cpu() {
         assert!(g1 < g0 - 0.2, "{name}: the GPU validation loss did not fall enough: {g0} → {g1}");
         assert!((g1 - c1).abs() < 0.15, "{name}: validation loss after 20 steps: GPU {g1}, CPU {c1}");
         if name == "fp16" {
-            let skipped = g["skipped_steps"].as_u64().unwrap();
-            assert!(skipped > 0, "fp16 from 2^20 should overflow at first: {g}");
-            assert_eq!(g["skipped_steps"], c["skipped_steps"], "fp16: GPU and CPU skipped different numbers of steps");
+            // Both start at 2^20 and must overflow and halve before they train. The counts are
+            // not compared: the GPU's gradients come from bf16 activations, so near a threshold
+            // its decisions can differ from the CPU's (the H200 run of 2026-12-04 18:47 UTC
+            // skipped 7 steps against the CPU's 4); the same gradient gives the same decision
+            // (`tessera gpu check`'s fp16 rows, at every scale from 2^0 to 2^40).
+            for (who, s) in [("GPU", &g), ("CPU", &c)] {
+                let skipped = s["skipped_steps"].as_u64().unwrap();
+                assert!(skipped > 0, "fp16 from 2^20 should overflow at first on the {who}: {s}");
+            }
         }
         if name == "sgd" {
             // 10 steps, then resumed for 10 more: the momentum buffer round-trips the checkpoint.
