@@ -390,6 +390,36 @@ mod tests {
         }
     }
 
+    /// Offload inside a pipeline: the optimizer's states in host memory or on NVMe (the
+    /// commit's), and at stage 3 the parameter shards on NVMe (what the owners send the stages
+    /// at the step's start is read from the swap files) keep the one-worker bits.
+    #[test]
+    fn pipelines_with_offload_give_the_bits_of_one_worker() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = |k: &str| format!("zero_optimization.{k}.nvme_path={}", dir.path().display());
+        let (one, _) = two_steps(1, 0, &[]);
+        let (opt_path, param_path) = (path("offload_optimizer"), path("offload_param"));
+        for (stage, sets) in [
+            (2, vec!["zero_optimization.offload_optimizer.device=cpu".to_string()]),
+            (1, vec!["zero_optimization.offload_optimizer.device=nvme".to_string(), opt_path.clone()]),
+            (
+                3,
+                vec![
+                    "zero_optimization.offload_param.device=nvme".to_string(),
+                    param_path.clone(),
+                    "zero_optimization.stage3_param_persistence_threshold=0".to_string(),
+                    "aio.block_size=4096".to_string(),
+                ],
+            ),
+        ] {
+            let mut all = sets.clone();
+            all.extend(["pipeline.stages=2".to_string(), "tessera.pipeline.schedule=1f1b".to_string()]);
+            let refs: Vec<&str> = all.iter().map(String::as_str).collect();
+            let (got, _) = two_steps(4, stage, &refs);
+            assert!(got == one, "ZeRO {stage} with {sets:?} in 2 stages × 2 replicas: not the one-worker bits");
+        }
+    }
+
     /// What a pipeline cannot take is refused by key when planned.
     #[test]
     fn pipelines_refuse_what_they_cannot_run() {
