@@ -79,6 +79,10 @@ impl Hooks<'_> {
         }
         for &(dst, src) in &tail.merges {
             ops::add_f32(&r.gpu, &r.gpu.stream, r.gbufs[dst].slice(unit.clone()), r.gbufs[src].slice(unit.clone()))?;
+            if r.fp16 {
+                // Every node of the micro-batch tree is stored in fp16, as the CPU's tree rounds it.
+                ops::round_f16(&r.gpu, &r.gpu.stream, r.gbufs[dst].slice(unit.clone()))?;
+            }
         }
         let fin = r.gbufs[tail.fin].ptr();
         if r.world == 1 {

@@ -702,6 +702,11 @@ impl Rank {
                 let (lv, top) = stack.pop().expect("len ≥ 2");
                 let (_, below) = *stack.last().expect("len ≥ 1");
                 ops::add_f32(&self.gpu, &self.gpu.stream, self.gbufs[below].ptr(), self.gbufs[top].ptr())?;
+                if self.fp16 {
+                    // Every node of the micro-batch tree is stored in fp16, as the CPU's tree
+                    // rounds it (`owner_sums::tree`).
+                    ops::round_f16(&self.gpu, &self.gpu.stream, self.gbufs[below].ptr())?;
+                }
                 free.push(top);
                 stack.last_mut().expect("len ≥ 1").0 = lv + 1;
             }
