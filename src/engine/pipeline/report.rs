@@ -47,7 +47,8 @@ impl PipelineTally {
     /// Takes replica 0's timed instructions of a committed step.
     pub fn add(&mut self, pp: &PipePlan, res: &StepResult) {
         self.activation_peak.resize(pp.stages, 0);
-        for (r, p) in res.per_rank.iter().enumerate().filter(|(r, _)| *r < pp.stages * pp.replicas) {
+        // (A step committed just before a recovery re-planned the world may have more ranks.)
+        for (r, p) in res.per_rank.iter().enumerate().take(pp.stages * pp.replicas) {
             let s = pp.stage_of(r);
             self.activation_peak[s] = self.activation_peak[s].max(p.activation_bytes_peak);
         }

@@ -1,6 +1,7 @@
 //! Pipeline schedules as pure instruction streams: what each stage runs, in order, for one
 //! step of `M` micro-batches over `S` stages ([`stream`]), and the step's timeline in unit time
-//! ([`simulate`]) that the tests and the schedule picture read.
+//! ([`simulate`]) that the tests and the schedule picture read (the bubble of a timeline is
+//! [`super::timeline::bubble`]'s, for unit time and measured steps alike).
 //!
 //! - **GPipe**: every forward, then every backward (at most `M` micro-batches in flight).
 //! - **1F1B** (PipeDream-flush, DeepSpeed's `TrainSchedule`): stage `p` runs `S − p − 1` warm-up
@@ -206,17 +207,6 @@ pub fn simulate(streams: &[Vec<Op>]) -> Result<Vec<Span>, String> {
     }
 }
 
-/// The fraction of the step's stage-time spent idle, in unit time: `1 − busy / (S · makespan)`,
-/// counting forwards and backwards only (the embeddings' backward is a lookup's scatter).
-pub fn bubble_fraction(spans: &[Span], stages: usize) -> f64 {
-    let makespan = spans.iter().filter(|e| !matches!(e.op, Op::EmbedBackward(_))).map(|e| e.end).max().unwrap_or(0);
-    let busy = spans.iter().filter(|e| !matches!(e.op, Op::EmbedBackward(_))).count();
-    if makespan == 0 {
-        return 0.0;
-    }
-    1.0 - busy as f64 / (stages * makespan) as f64
-}
-
 /// The most micro-batches stage `p` holds activations of at once (forwarded, not yet
 /// backwarded) in its stream.
 pub fn peak_in_flight(stream: &[Op]) -> usize {
@@ -270,7 +260,7 @@ mod tests {
                     }
                     let spans = simulate(&all).unwrap_or_else(|e| panic!("{schedule} S={stages} M={m}: {e}"));
                     let theory = (stages - 1) as f64 / (m + stages - 1) as f64;
-                    let got = bubble_fraction(&spans, stages);
+                    let got = super::super::timeline::bubble(&super::super::timeline::Timed::from_units(&spans), stages);
                     assert!((got - theory).abs() < 1e-12, "{schedule} S={stages} M={m}: bubble {got} against {theory}");
                 }
             }
