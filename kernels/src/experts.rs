@@ -8,6 +8,8 @@
 
 use std::ops::Range;
 
+use crate::wgrad::WeightGrads;
+
 /// Saved activations of one expert on one set of rows (its MLP's intermediate buffers).
 pub type ExpertActs = Vec<Vec<f32>>;
 
@@ -23,7 +25,13 @@ pub trait ExpertMlp {
     /// `acts` what [`ExpertMlp::backward`] needs.
     fn forward(&self, e: usize, p: &[f32], x: &[f32], acts: &mut ExpertActs) -> Vec<f32>;
     /// `dx` for `dy`; *adds* the parameter gradient into `g` (expert `e`'s range).
-    fn backward(&self, e: usize, p: &[f32], g: &mut [f32], acts: &mut ExpertActs, dy: &[f32]) -> Vec<f32>;
+    fn backward(&self, e: usize, p: &[f32], g: &mut [f32], acts: &mut ExpertActs, dy: &[f32]) -> Vec<f32> {
+        let base = self.expert_range(e).start;
+        self.backward_to(e, p, acts, dy, &mut WeightGrads::Now { g, base })
+    }
+    /// [`ExpertMlp::backward`] with the parameter gradient sent to `wg`, over the block's unit
+    /// (added at once, or recorded for a zero-bubble pipeline's weight pass).
+    fn backward_to(&self, e: usize, p: &[f32], acts: &mut ExpertActs, dy: &[f32], wg: &mut WeightGrads<'_>) -> Vec<f32>;
 }
 
 /// Runs an MoE block's experts on the rows of one micro-batch.
@@ -35,14 +43,14 @@ pub trait ExpertRunner {
     fn backward(&mut self, unit: usize, mlp: &dyn ExpertMlp, p: &[f32], d_out: Vec<Vec<f32>>) -> Vec<Vec<f32>>;
 }
 
-/// Every expert runs here, its gradient added into the block's gradient `g` (unit-relative).
-pub struct LocalExperts<'a> {
-    pub g: &'a mut [f32],
+/// Every expert runs here, its gradient sent to the block's `wg` (unit-relative).
+pub struct LocalExperts<'a, 'g> {
+    pub wg: &'a mut WeightGrads<'g>,
     /// Per expert: the saved activations of the last forward.
     pub acts: &'a mut Vec<ExpertActs>,
 }
 
-impl ExpertRunner for LocalExperts<'_> {
+impl ExpertRunner for LocalExperts<'_, '_> {
     fn forward(&mut self, _unit: usize, mlp: &dyn ExpertMlp, p: &[f32], rows: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
         self.acts.resize_with(mlp.num_experts(), Vec::new);
         // An expert without rows is skipped (nothing to compute, nothing to add), as any runner does.
@@ -60,8 +68,7 @@ impl ExpertRunner for LocalExperts<'_> {
                 if dy.is_empty() {
                     return Vec::new();
                 }
-                let r = mlp.expert_range(e);
-                mlp.backward(e, &p[r.clone()], &mut self.g[r], &mut self.acts[e], dy)
+                mlp.backward_to(e, &p[mlp.expert_range(e)], &mut self.acts[e], dy, self.wg)
             })
             .collect()
     }

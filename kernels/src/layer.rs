@@ -5,6 +5,7 @@ use std::ops::Range;
 
 use crate::experts::{ExpertMlp, ExpertRunner};
 use crate::tensor::Rng;
+use crate::wgrad::WeightGrads;
 
 /// How a parameter is initialised.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -175,9 +176,11 @@ pub trait Layer: Send + Sync {
     fn forward(&self, p: &[f32], x: &[f32], d: Dims, acts: &mut Acts, y: &mut [f32]);
     /// Given `dy`, accumulates parameter gradients into `g` and writes (overwrites) `dx`.
     /// Requires `acts` from a forward on the same `p` and `x`.
-    // Allowed: llm.c's backward, the one every layer implements (p, g, x, dy, shape, acts, dx).
+    // Allowed: llm.c's backward (p, g, x, dy, shape, acts, dx).
     #[allow(clippy::too_many_arguments)]
-    fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, acts: &mut Acts, dx: &mut [f32]);
+    fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, acts: &mut Acts, dx: &mut [f32]) {
+        self.backward_with(p, &mut WeightGrads::now(g), x, dy, d, acts, dx, None)
+    }
 
     /// The block's forward over a paged key/value cache (inference).
     fn paged(&self) -> &dyn crate::model::paged::PagedLayer;
@@ -195,21 +198,20 @@ pub trait Layer: Send + Sync {
         self.forward(p, x, d, acts, y)
     }
 
-    /// [`Layer::backward`] with the experts run by `experts`, which then keeps their parameter
-    /// gradients (the block's `g` gets the rest).
+    /// [`Layer::backward`] with the parameter gradients sent to `wg` (added at once, or
+    /// recorded for a zero-bubble pipeline's weight pass: then this is the input-gradient pass
+    /// alone) and the experts run by `experts`, which then keeps their parameter gradients (`wg`
+    /// gets the rest). `dx` is complete on return either way.
     #[allow(clippy::too_many_arguments)]
     fn backward_with(
         &self,
         p: &[f32],
-        g: &mut [f32],
+        wg: &mut WeightGrads<'_>,
         x: &[f32],
         dy: &[f32],
         d: Dims,
         acts: &mut Acts,
         dx: &mut [f32],
         experts: Option<&mut dyn ExpertRunner>,
-    ) {
-        let _ = experts;
-        self.backward(p, g, x, dy, d, acts, dx)
-    }
+    );
 }

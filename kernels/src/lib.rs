@@ -17,3 +17,4 @@ pub mod ops;
 pub mod optim;
 pub mod quant;
 pub mod tensor;
+pub mod wgrad;

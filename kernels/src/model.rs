@@ -11,7 +11,7 @@ use std::ops::Range;
 
 pub mod paged;
 mod stage;
-pub use stage::StageSpan;
+pub use stage::{StageSpan, WStash};
 
 use crate::experts::{ExpertMlp, ExpertRunner};
 use crate::gemm::matmul;
@@ -22,6 +22,7 @@ use crate::ops::moe::MoePass;
 pub use crate::ops::moe::{MoeBlockStats, MoeStats};
 use crate::ops::rope::{RopeScaling, RopeTable};
 use crate::ops::{attention, crossentropy, embedding, gelu, layernorm, linear, residual, rmsnorm, rope, swiglu};
+use crate::wgrad::WeightGrads;
 
 /// Which block design the model uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -544,9 +545,9 @@ impl Model {
         loss
     }
 
-    /// The head's backward after [`Model::head_forward`] on the same workspace: accumulates into
-    /// unit 0's gradients `g0` (the head, the final norm) and leaves d(stream) in `ws.dx`.
-    fn head_backward(&self, p0: &[f32], g0: &mut [f32], targets: &[u32], d: Dims, ws: &mut Workspace, dloss: f32) {
+    /// The head's backward after [`Model::head_forward`] on the same workspace: sends unit 0's
+    /// gradients (the head, the final norm) to `wg` and leaves d(stream) in `ws.dx`.
+    fn head_backward(&self, p0: &[f32], wg: &mut WeightGrads<'_>, targets: &[u32], d: Dims, ws: &mut Workspace, dloss: f32) {
         let (n, c, v) = (d.n(), d.c, self.cfg.vocab_size);
         let e = &self.embed;
         let x = ws.xs.last().expect("a begun workspace");
@@ -562,13 +563,20 @@ impl Model {
         crossentropy::crossentropy_backward(&mut logits, &probs, targets, n, v, dloss);
         let mut dxn = h.take(6, n * c);
         matmul(&mut dxn, &logits, wte, n, v, c, false, false, 0.0);
-        matmul(&mut g0[e.head.clone()], &logits, &xn, v, n, c, true, false, 1.0);
+        // d(head) += d(logits)ᵀ·xn: the weight half of a linear whose input is d(logits).
+        wg.linear(e.head.clone(), None, &xn, &logits, n, v, c);
         ws.dx.clear();
         ws.dx.resize(n * c, 0.0);
-        let (gw, gb) = split_two(g0, e.norm_w.clone(), e.norm_b.clone());
-        match gb {
-            Some(gb) => layernorm::layernorm_backward(&mut ws.dx, gw, gb, &dxn, x, &p0[e.norm_w.clone()], &mean, &rstd, n, c),
-            None => rmsnorm::rmsnorm_backward(&mut ws.dx, gw, &dxn, x, &p0[e.norm_w.clone()], &rstd, n, c),
+        let norm_w = &p0[e.norm_w.clone()];
+        match e.norm_b.clone() {
+            Some(b) => {
+                layernorm::layernorm_backward_input(&mut ws.dx, &dxn, x, norm_w, &mean, &rstd, n, c);
+                wg.layernorm(e.norm_w.clone(), b, &dxn, x, &mean, &rstd, c);
+            }
+            None => {
+                rmsnorm::rmsnorm_backward_input(&mut ws.dx, &dxn, x, norm_w, &rstd, n, c);
+                wg.rmsnorm(e.norm_w.clone(), &dxn, x, &rstd, c);
+            }
         }
         for (i, buf) in [xn, mean, rstd, logits, probs].into_iter().enumerate() {
             h.put(i, buf);
@@ -595,16 +603,27 @@ impl Model {
         let (p0, g0) = acc.unit(0);
         let loss = self.head_forward(p0, targets, d, ws);
         ws.loss_at = Some(std::time::Instant::now());
-        self.head_backward(p0, g0, targets, d, ws, dloss);
-        self.backward_blocks(acc, 0..self.blocks.len(), d, ws, noise_key, dloss);
+        self.head_backward(p0, &mut WeightGrads::now(g0), targets, d, ws, dloss);
+        self.backward_blocks(acc, 0..self.blocks.len(), d, ws, noise_key, dloss, None);
         self.embed_backward(acc, tokens, d, &ws.dx);
         loss
     }
 
     /// Backward through blocks `span` (after [`Model::forward_blocks`] on the same workspace),
-    /// from d(span output) in `ws.dx`; leaves d(span input) in `ws.dx` and marks each block's
-    /// gradients ready as it finishes.
-    fn backward_blocks(&self, acc: &mut dyn UnitAccess, span: Range<usize>, d: Dims, ws: &mut Workspace, noise_key: u64, dloss: f32) {
+    /// from d(span output) in `ws.dx`; leaves d(span input) in `ws.dx`. Without `stash` it adds
+    /// each block's gradients and marks them ready as it finishes; with one it is the
+    /// input-gradient pass alone, each block's weight gradients recorded in `stash`.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_blocks(
+        &self,
+        acc: &mut dyn UnitAccess,
+        span: Range<usize>,
+        d: Dims,
+        ws: &mut Workspace,
+        noise_key: u64,
+        dloss: f32,
+        mut stash: Option<&mut WStash>,
+    ) {
         let keep = !self.checkpoint_activations;
         ws.dx_prev.resize(d.n() * d.c, 0.0);
         // The router losses' gradients, for the MoE blocks' backward (scaled like the loss's):
@@ -638,10 +657,16 @@ impl Model {
                     m.dprob = Some(crate::ops::moe::aux_per_layer(&m.routing).1.iter().map(|v| v * scale).collect());
                 }
             }
-            block.backward_with(p, g, &ws.xs[k], &ws.dx, d, acts, &mut ws.dx_prev, runner(&mut experts));
-            drop(experts);
+            let mut wg = match stash.as_deref_mut() {
+                Some(s) => WeightGrads::Later(s.unit(i + 1)),
+                None => WeightGrads::now(g),
+            };
+            block.backward_with(p, &mut wg, &ws.xs[k], &ws.dx, d, acts, &mut ws.dx_prev, runner(&mut experts));
+            drop((wg, experts));
             std::mem::swap(&mut ws.dx, &mut ws.dx_prev);
-            acc.grads_ready(i + 1);
+            if stash.is_none() {
+                acc.grads_ready(i + 1);
+            }
         }
     }
 
@@ -650,7 +675,7 @@ impl Model {
     fn embed_backward(&self, acc: &mut dyn UnitAccess, tokens: &[u32], d: Dims, dx: &[f32]) {
         let (_, g0) = acc.unit(0);
         let e = &self.embed;
-        let (gwte, gwpe) = split_two(g0, e.wte.clone(), e.wpe.clone());
+        let (gwte, gwpe) = crate::wgrad::split_two(g0, e.wte.clone(), e.wpe.clone());
         embedding::embedding_backward(gwte, gwpe, dx, tokens, d.b, d.t, d.c);
         acc.grads_ready(0);
     }
@@ -715,33 +740,6 @@ fn set_pass(block: &dyn Layer, acts: &mut Acts, noise_key: Option<u64>, i: usize
 /// The runner an access handed out, as the blocks take it.
 fn runner<'a>(r: &'a mut Option<Box<dyn ExpertRunner + '_>>) -> Option<&'a mut dyn ExpertRunner> {
     r.as_mut().map(|b| &mut **b as &mut dyn ExpertRunner)
-}
-
-/// Two disjoint mutable views of `g` (the second optional).
-fn split_two(g: &mut [f32], a: Range<usize>, b: Option<Range<usize>>) -> (&mut [f32], Option<&mut [f32]>) {
-    match b {
-        None => (&mut g[a], None),
-        Some(b) => {
-            assert!(a.end <= b.start, "ranges must be ordered and disjoint");
-            let (lo, hi) = g.split_at_mut(b.start);
-            (&mut lo[a], Some(&mut hi[..b.end - b.start]))
-        }
-    }
-}
-
-/// Mutable views of several ordered, disjoint ranges of `g`.
-fn split_many<'a, const K: usize>(mut g: &'a mut [f32], ranges: [&Range<usize>; K]) -> [&'a mut [f32]; K] {
-    let mut base = 0;
-    let mut out: [&mut [f32]; K] = std::array::from_fn(|_| <&mut [f32]>::default());
-    for (k, r) in ranges.into_iter().enumerate() {
-        assert!(r.start >= base, "ranges must be ordered and disjoint");
-        let (_, rest) = std::mem::take(&mut g).split_at_mut(r.start - base);
-        let (mine, rest) = rest.split_at_mut(r.end - r.start);
-        out[k] = mine;
-        g = rest;
-        base = r.end;
-    }
-    out
 }
 
 /// Pre-LN GPT-2 block:
@@ -871,10 +869,6 @@ impl Layer for GptBlock {
         self.forward_with(p, x, d, a, y, None)
     }
 
-    fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, a: &mut Acts, dx: &mut [f32]) {
-        self.backward_with(p, g, x, dy, d, a, dx, None)
-    }
-
     fn forward_with(&self, p: &[f32], x: &[f32], d: Dims, a: &mut Acts, y: &mut [f32], experts: Option<&mut dyn ExpertRunner>) {
         // An MoE block keeps no dense-MLP activations.
         let f = if self.moe.is_some() { 0 } else { self.ff };
@@ -930,7 +924,7 @@ impl Layer for GptBlock {
     fn backward_with(
         &self,
         p: &[f32],
-        g: &mut [f32],
+        wg: &mut WeightGrads<'_>,
         x: &[f32],
         dy: &[f32],
         d: Dims,
@@ -940,19 +934,17 @@ impl Layer for GptBlock {
     ) {
         let f = if self.moe.is_some() { 0 } else { self.ff };
         let (n, c, (b, t)) = (d.n(), d.c, (d.b, d.t));
-        // The MoE feed-forward's input gradient first, while `g` is whole (its router, experts
-        // and the rest lie after the block's second norm).
+        // The MoE feed-forward's input gradient first (its router, experts and the rest lie
+        // after the block's second norm).
         let moe_dh = self.moe.as_ref().map(|m| {
             let ln2 = a.take(A_LN2, n * c);
             let mut dh = vec![0.0; n * c];
-            m.backward(p, g, &ln2, dy, &mut dh, &mut a.moe, experts);
+            m.backward(p, wg, &ln2, dy, &mut dh, &mut a.moe, experts);
             a.put(A_LN2, ln2);
             dh
         });
         let w = |k: usize| &p[self.p[k].clone()];
-        let r = &self.p;
-        let [g_ln1w, g_ln1b, g_qkvw, g_qkvb, g_pw, g_pb, g_ln2w, g_ln2b, g_fcw, g_fcb, g_fcpw, g_fcpb] =
-            split_many(g, [&r[0], &r[1], &r[2], &r[3], &r[4], &r[5], &r[6], &r[7], &r[8], &r[9], &r[10], &r[11]]);
+        let r = |k: usize| self.p[k].clone();
         // MLP branch: y = x2 + fcproj(gelu(fc(ln2(x2)))); dy flows to x2 and to the branch.
         let mut d_gl = a.take(B_D1, n * f);
         let mut d_fc = a.take(B_D2, n * f);
@@ -961,11 +953,13 @@ impl Layer for GptBlock {
             Some(dh) => d_ln[..n * c].copy_from_slice(&dh),
             None => {
                 d_gl.fill(0.0);
-                linear::linear_backward(&mut d_gl, g_fcpw, Some(g_fcpb), dy, a.buf(A_GELU, n * f), w(FCP_W), n, f, c);
+                linear::linear_backward_input(&mut d_gl, dy, w(FCP_W), n, f, c);
+                wg.linear(r(FCP_W), Some(r(FCP_B)), dy, a.buf(A_GELU, n * f), n, f, c);
                 d_fc.fill(0.0);
                 gelu::gelu_backward(&mut d_fc, a.buf(A_FC, n * f), &d_gl);
                 d_ln[..n * c].fill(0.0);
-                linear::linear_backward(&mut d_ln[..n * c], g_fcw, Some(g_fcb), &d_fc, a.buf(A_LN2, n * c), w(FC_W), n, c, f);
+                linear::linear_backward_input(&mut d_ln[..n * c], &d_fc, w(FC_W), n, c, f);
+                wg.linear(r(FC_W), Some(r(FC_B)), &d_fc, a.buf(A_LN2, n * c), n, c, f);
             }
         }
         // d(x2) = dy + LN2 backward. (Reused buffers: `d_ff` may be narrower than `d_model`,
@@ -974,23 +968,27 @@ impl Layer for GptBlock {
         dx2.resize(n * c, 0.0);
         dx2.copy_from_slice(dy);
         let (m2, r2) = (a.take(A_LN2_MEAN, n), a.take(A_LN2_RSTD, n));
-        layernorm::layernorm_backward(&mut dx2, g_ln2w, g_ln2b, &d_ln[..n * c], a.buf(A_X2, n * c), w(LN2_W), &m2, &r2, n, c);
+        layernorm::layernorm_backward_input(&mut dx2, &d_ln[..n * c], a.buf(A_X2, n * c), w(LN2_W), &m2, &r2, n, c);
+        wg.layernorm(r(LN2_W), r(LN2_B), &d_ln[..n * c], a.buf(A_X2, n * c), &m2, &r2, c);
         a.put(A_LN2_MEAN, m2);
         a.put(A_LN2_RSTD, r2);
         // Attention branch: x2 = x + proj(attn(qkv(ln1(x)))).
         let mut d_atty = std::mem::take(&mut d_fc);
         d_atty.resize(n * c, 0.0);
         d_atty.fill(0.0);
-        linear::linear_backward(&mut d_atty, g_pw, Some(g_pb), &dx2, a.buf(A_ATTY, n * c), w(PROJ_W), n, c, c);
+        linear::linear_backward_input(&mut d_atty, &dx2, w(PROJ_W), n, c, c);
+        wg.linear(r(PROJ_W), Some(r(PROJ_B)), &dx2, a.buf(A_ATTY, n * c), n, c, c);
         d_ln.fill(0.0);
         let (qkv, att) = (a.take(A_QKV, n * 3 * c), a.take(A_ATT, b * self.nh * t * t));
         attention::attention_backward(&mut d_ln, &d_atty, &qkv, &att, b, t, c, self.nh);
         let mut d_ln1 = d_atty;
         d_ln1.fill(0.0);
-        linear::linear_backward(&mut d_ln1, g_qkvw, Some(g_qkvb), &d_ln, a.buf(A_LN1, n * c), w(QKV_W), n, c, 3 * c);
+        linear::linear_backward_input(&mut d_ln1, &d_ln, w(QKV_W), n, c, 3 * c);
+        wg.linear(r(QKV_W), Some(r(QKV_B)), &d_ln, a.buf(A_LN1, n * c), n, c, 3 * c);
         dx.copy_from_slice(&dx2);
         let (m1, r1) = (a.take(A_LN1_MEAN, n), a.take(A_LN1_RSTD, n));
-        layernorm::layernorm_backward(dx, g_ln1w, g_ln1b, &d_ln1, x, w(LN1_W), &m1, &r1, n, c);
+        layernorm::layernorm_backward_input(dx, &d_ln1, x, w(LN1_W), &m1, &r1, n, c);
+        wg.layernorm(r(LN1_W), r(LN1_B), &d_ln1, x, &m1, &r1, c);
         for (slot, buf) in [(A_QKV, qkv), (A_ATT, att), (A_LN1_MEAN, m1), (A_LN1_RSTD, r1), (B_D1, dx2), (B_D2, d_ln1), (B_DQKV, d_ln)] {
             a.put(slot, buf);
         }
@@ -1125,10 +1123,6 @@ impl Layer for LlamaBlock {
         self.forward_with(p, x, d, a, y, None)
     }
 
-    fn backward(&self, p: &[f32], g: &mut [f32], x: &[f32], dy: &[f32], d: Dims, a: &mut Acts, dx: &mut [f32]) {
-        self.backward_with(p, g, x, dy, d, a, dx, None)
-    }
-
     fn forward_with(&self, p: &[f32], x: &[f32], d: Dims, a: &mut Acts, y: &mut [f32], experts: Option<&mut dyn ExpertRunner>) {
         // An MoE block keeps no dense-MLP activations.
         let f = if self.moe.is_some() { 0 } else { self.ff };
@@ -1190,7 +1184,7 @@ impl Layer for LlamaBlock {
     fn backward_with(
         &self,
         p: &[f32],
-        g: &mut [f32],
+        wg: &mut WeightGrads<'_>,
         x: &[f32],
         dy: &[f32],
         d: Dims,
@@ -1201,21 +1195,17 @@ impl Layer for LlamaBlock {
         let f = if self.moe.is_some() { 0 } else { self.ff };
         let (n, c, (b, t)) = (d.n(), d.c, (d.b, d.t));
         let (gr, nh) = (self.groups, self.groups.nh);
-        // The MoE feed-forward's input gradient first, while `g` is whole (its router, experts
-        // and shared expert lie after the block's second norm).
+        // The MoE feed-forward's input gradient first (its router, experts and shared expert
+        // lie after the block's second norm).
         let moe_dh = self.moe.as_ref().map(|m| {
             let h2 = a.take(LA_H2, n * c);
             let mut dh = vec![0.0; n * c];
-            m.backward(p, g, &h2, dy, &mut dh, &mut a.moe, experts);
+            m.backward(p, wg, &h2, dy, &mut dh, &mut a.moe, experts);
             a.put(LA_H2, h2);
             dh
         });
         let w = |k: usize| &p[self.p[k].clone()];
-        let r = &self.p;
-        let rest = r[6].end..g.len();
-        let [g_n1, g_qkv, g_wo, g_n2, g_gate, g_up, g_down, g_rest] =
-            split_many(g, [&r[0], &r[1], &r[2], &r[3], &r[4], &r[5], &r[6], &rest]);
-        let g_qkv_b = self.qkv_b.clone().map(|b| &mut g_rest[b.start - rest.start..b.end - rest.start]);
+        let r = |k: usize| self.p[k].clone();
         // MLP branch.
         let mut d_h = a.take(LB_DQKV, n * 3 * c);
         let mut d_sw = a.take(LB_D1, n * f);
@@ -1225,7 +1215,8 @@ impl Layer for LlamaBlock {
             Some(dh) => d_h[..n * c].copy_from_slice(&dh),
             None => {
                 d_sw.fill(0.0);
-                linear::linear_backward(&mut d_sw, g_down, None, dy, a.buf(LA_SW, n * f), w(L_DOWN), n, f, c);
+                linear::linear_backward_input(&mut d_sw, dy, w(L_DOWN), n, f, c);
+                wg.linear(r(L_DOWN), None, dy, a.buf(LA_SW, n * f), n, f, c);
                 d_gate.fill(0.0);
                 d_up.fill(0.0);
                 let (gate, up) = (a.take(LA_GATE, n * f), a.take(LA_UP, n * f));
@@ -1234,8 +1225,10 @@ impl Layer for LlamaBlock {
                 a.put(LA_UP, up);
                 d_h[..n * c].fill(0.0);
                 let h2 = a.take(LA_H2, n * c);
-                linear::linear_backward(&mut d_h[..n * c], g_gate, None, &d_gate, &h2, w(L_GATE), n, c, f);
-                linear::linear_backward(&mut d_h[..n * c], g_up, None, &d_up, &h2, w(L_UP), n, c, f);
+                linear::linear_backward_input(&mut d_h[..n * c], &d_gate, w(L_GATE), n, c, f);
+                wg.linear(r(L_GATE), None, &d_gate, &h2, n, c, f);
+                linear::linear_backward_input(&mut d_h[..n * c], &d_up, w(L_UP), n, c, f);
+                wg.linear(r(L_UP), None, &d_up, &h2, n, c, f);
                 a.put(LA_H2, h2);
             }
         }
@@ -1244,13 +1237,15 @@ impl Layer for LlamaBlock {
         dx2.resize(n * c, 0.0);
         dx2.copy_from_slice(dy);
         let r2 = a.take(LA_R2, n);
-        rmsnorm::rmsnorm_backward(&mut dx2, g_n2, &d_h[..n * c], a.buf(LA_X2, n * c), w(L_N2), &r2, n, c);
+        rmsnorm::rmsnorm_backward_input(&mut dx2, &d_h[..n * c], a.buf(LA_X2, n * c), w(L_N2), &r2, n, c);
+        wg.rmsnorm(r(L_N2), &d_h[..n * c], a.buf(LA_X2, n * c), &r2, c);
         a.put(LA_R2, r2);
         // Attention branch.
         let mut d_atty = std::mem::take(&mut d_gate);
         d_atty.resize(n * c, 0.0);
         d_atty.fill(0.0);
-        linear::linear_backward(&mut d_atty, g_wo, None, &dx2, a.buf(LA_ATTY, n * c), w(L_WO), n, c, c);
+        linear::linear_backward_input(&mut d_atty, &dx2, w(L_WO), n, c, c);
+        wg.linear(r(L_WO), None, &dx2, a.buf(LA_ATTY, n * c), n, c, c);
         d_h.fill(0.0);
         let (qkv, att) = (a.take(LA_QKV, n * gr.row()), a.take(LA_ATT, b * nh * t * t));
         let full = a.take(LA_QKVX, if self.grouped() { n * 3 * c } else { 0 });
@@ -1263,10 +1258,12 @@ impl Layer for LlamaBlock {
         rope::rope_backward_rows(d_qkv, t, gr.row(), c + gr.kv(), &RopeTable::with_inv_freq(t, &self.inv_freq));
         let mut d_h1 = d_atty;
         d_h1.fill(0.0);
-        linear::linear_backward(&mut d_h1, g_qkv, g_qkv_b, d_qkv, a.buf(LA_H1, n * c), w(L_QKV), n, c, gr.row());
+        linear::linear_backward_input(&mut d_h1, d_qkv, w(L_QKV), n, c, gr.row());
+        wg.linear(r(L_QKV), self.qkv_b.clone(), d_qkv, a.buf(LA_H1, n * c), n, c, gr.row());
         dx.copy_from_slice(&dx2);
         let r1 = a.take(LA_R1, n);
-        rmsnorm::rmsnorm_backward(dx, g_n1, &d_h1, x, w(L_N1), &r1, n, c);
+        rmsnorm::rmsnorm_backward_input(dx, &d_h1, x, w(L_N1), &r1, n, c);
+        wg.rmsnorm(r(L_N1), &d_h1, x, &r1, c);
         for (slot, buf) in [
             (LA_QKV, qkv),
             (LA_QKVX, full),

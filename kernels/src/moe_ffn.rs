@@ -22,6 +22,7 @@ use crate::model::{Arch, MoeConfig, NoisyGate};
 use crate::ops::moe::{self, MoeActs, NoiseKey, RouteSpec};
 use crate::ops::{gelu, linear, swiglu};
 use crate::tensor::exp_f32;
+use crate::wgrad::WeightGrads;
 
 /// One MLP of an MoE block — an expert, the shared expert or the residual MLP — of the
 /// block's own kind, its weights unit-relative.
@@ -89,36 +90,36 @@ impl Mlp {
         y
     }
 
-    /// `dx` for `dy`; adds the weights' gradients into `g` (same offsets as `p`).
-    fn backward(&self, p: &[f32], g: &mut [f32], off: usize, acts: &ExpertActs, dy: &[f32], c: usize) -> Vec<f32> {
+    /// `dx` for `dy`; sends the weights' gradients to `wg` (unit-relative ranges).
+    fn backward(&self, p: &[f32], off: usize, acts: &ExpertActs, dy: &[f32], c: usize, wg: &mut WeightGrads<'_>) -> Vec<f32> {
         let w = |r: &Range<usize>| &p[r.start - off..r.end - off];
         match self {
-            Mlp::Swiglu { gate: wg, up: wu, down: wd, f } => {
+            Mlp::Swiglu { gate: w_gate, up: wu, down: wd, f } => {
                 let [x, gate, up, sw] = &acts[..] else { panic!("an expert's backward without its forward") };
                 let (m, f) = (x.len() / c, *f);
                 let mut d_sw = vec![0.0; m * f];
-                linear::linear_backward(&mut d_sw, &mut g[wd.start - off..wd.end - off], None, dy, sw, w(wd), m, f, c);
+                linear::linear_backward_input(&mut d_sw, dy, w(wd), m, f, c);
+                wg.linear(wd.clone(), None, dy, sw, m, f, c);
                 let (mut d_gate, mut d_up) = (vec![0.0; m * f], vec![0.0; m * f]);
                 swiglu::swiglu_backward(&mut d_gate, &mut d_up, &d_sw, gate, up);
                 let mut dx = vec![0.0; m * c];
-                linear::linear_backward(&mut dx, &mut g[wg.start - off..wg.end - off], None, &d_gate, x, w(wg), m, c, f);
-                linear::linear_backward(&mut dx, &mut g[wu.start - off..wu.end - off], None, &d_up, x, w(wu), m, c, f);
+                linear::linear_backward_input(&mut dx, &d_gate, w(w_gate), m, c, f);
+                wg.linear(w_gate.clone(), None, &d_gate, x, m, c, f);
+                linear::linear_backward_input(&mut dx, &d_up, w(wu), m, c, f);
+                wg.linear(wu.clone(), None, &d_up, x, m, c, f);
                 dx
             }
             Mlp::Gelu { fc_w, fc_b, proj_w, proj_b, f } => {
                 let [x, fc, gl] = &acts[..] else { panic!("an expert's backward without its forward") };
                 let (m, f) = (x.len() / c, *f);
-                // A linear's bias follows its weight: one split gives both gradients.
                 let mut d_gl = vec![0.0; m * f];
-                {
-                    let (gw, gb) = g[proj_w.start - off..proj_b.end - off].split_at_mut(proj_w.end - proj_w.start);
-                    linear::linear_backward(&mut d_gl, gw, Some(gb), dy, gl, w(proj_w), m, f, c);
-                }
+                linear::linear_backward_input(&mut d_gl, dy, w(proj_w), m, f, c);
+                wg.linear(proj_w.clone(), Some(proj_b.clone()), dy, gl, m, f, c);
                 let mut d_fc = vec![0.0; m * f];
                 gelu::gelu_backward(&mut d_fc, fc, &d_gl);
                 let mut dx = vec![0.0; m * c];
-                let (gw, gb) = g[fc_w.start - off..fc_b.end - off].split_at_mut(fc_w.end - fc_w.start);
-                linear::linear_backward(&mut dx, gw, Some(gb), &d_fc, x, w(fc_w), m, c, f);
+                linear::linear_backward_input(&mut dx, &d_fc, w(fc_w), m, c, f);
+                wg.linear(fc_w.clone(), Some(fc_b.clone()), &d_fc, x, m, c, f);
                 dx
             }
         }
@@ -261,7 +262,7 @@ impl MoeFfn {
             Some(r) => r.forward(self.unit, self, p, rows),
             None => {
                 let mut g: [f32; 0] = [];
-                LocalExperts { g: &mut g, acts: &mut a.expert_acts }.forward(self.unit, self, p, rows)
+                LocalExperts { wg: &mut WeightGrads::now(&mut g), acts: &mut a.expert_acts }.forward(self.unit, self, p, rows)
             }
         };
         moe::combine(y, &a.outs, &a.routing, c);
@@ -297,13 +298,14 @@ impl MoeFfn {
         *acts = Some(a);
     }
 
-    /// `dh [n, c]` (overwritten) for `dy`; adds the router's, shared expert's and residual
-    /// MLP's gradients into the unit's `g` (and, when the block runs its experts itself, theirs).
+    /// `dh [n, c]` (overwritten) for `dy`; sends the router's, shared expert's and residual
+    /// MLP's gradients to `wg`, over the block's unit (and, when the block runs its experts
+    /// itself, theirs; a `runner` keeps them).
     #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
         p: &[f32],
-        g: &mut [f32],
+        wg: &mut WeightGrads<'_>,
         h: &[f32],
         dy: &[f32],
         dh: &mut [f32],
@@ -345,7 +347,7 @@ impl MoeFfn {
         let (d_outs, dw) = moe::combine_backward(&dy_moe, &a.outs, &a.routing, c);
         let d_rows = match runner {
             Some(r) => r.backward(self.unit, self, p, d_outs),
-            None => LocalExperts { g: &mut *g, acts: &mut a.expert_acts }.backward(self.unit, self, p, d_outs),
+            None => LocalExperts { wg: &mut *wg, acts: &mut a.expert_acts }.backward(self.unit, self, p, d_outs),
         };
         let mut dl = vec![0.0; n * e];
         moe::route_backward(&mut dl, &a.routing, &dw, a.dprob.as_deref(), self.cfg.gating, self.cfg.norm_topk);
@@ -357,18 +359,18 @@ impl MoeFfn {
         // (With Jitter the router saw h ⊙ jitter: its gradient reads that, and dh is scaled.)
         matmul(dh, &dl, &p[self.router.clone()], n, e, c, false, true, 0.0);
         if a.jitter.is_empty() {
-            matmul(&mut g[self.router.clone()], h, &dl, c, n, e, true, false, 1.0);
+            wg.linear(self.router.clone(), None, &dl, h, n, c, e);
         } else {
             let h_r: Vec<f32> = h.iter().zip(&a.jitter).map(|(x, j)| x * j).collect();
-            matmul(&mut g[self.router.clone()], &h_r, &dl, c, n, e, true, false, 1.0);
+            wg.linear(self.router.clone(), None, &dl, &h_r, n, c, e);
             dh.iter_mut().zip(&a.jitter).for_each(|(d, j)| *d *= j);
         }
         moe::dispatch_backward(dh, &d_rows, &a.routing, c);
         if let (Some(r), Some(ra), Some((d_out, dz))) = (&self.residual, a.residual.as_ref(), d_res) {
-            let dx = r.mlp.backward(p, g, 0, &ra.mlp, &d_out, c);
+            let dx = r.mlp.backward(p, 0, &ra.mlp, &d_out, c, wg);
             dh.iter_mut().zip(&dx).for_each(|(a, b)| *a += b);
-            let (gw, gb) = g[r.coef_w.start..r.coef_b.end].split_at_mut(r.coef_w.len());
-            linear::linear_backward(dh, gw, Some(gb), &dz, h, &p[r.coef_w.clone()], n, c, 2);
+            linear::linear_backward_input(dh, &dz, &p[r.coef_w.clone()], n, c, 2);
+            wg.linear(r.coef_w.clone(), Some(r.coef_b.clone()), &dz, h, n, c, 2);
         }
         if let (Some(s), Some((sa, zs))) = (&self.shared, shared_acts) {
             let [out, z] = &zs[..] else { panic!("shared expert outputs") };
@@ -381,9 +383,10 @@ impl MoeFfn {
                 let dot: f32 = d.iter().zip(&out[t * c..(t + 1) * c]).map(|(u, v)| u * v).sum();
                 dz[t] = dot * sig * (1.0 - sig);
             }
-            let dx = s.mlp.backward(p, g, 0, &sa, &d_out, c);
+            let dx = s.mlp.backward(p, 0, &sa, &d_out, c, wg);
             dh.iter_mut().zip(&dx).for_each(|(a, b)| *a += b);
-            linear::linear_backward(dh, &mut g[s.gate.clone()], None, &dz, h, &p[s.gate.clone()], n, c, 1);
+            linear::linear_backward_input(dh, &dz, &p[s.gate.clone()], n, c, 1);
+            wg.linear(s.gate.clone(), None, &dz, h, n, c, 1);
         }
         *acts = Some(a);
     }
@@ -406,8 +409,8 @@ impl ExpertMlp for MoeFfn {
         self.experts[e].forward(p, self.ranges[e].start, x, self.c, acts)
     }
 
-    fn backward(&self, e: usize, p: &[f32], g: &mut [f32], acts: &mut ExpertActs, dy: &[f32]) -> Vec<f32> {
-        self.experts[e].backward(p, g, self.ranges[e].start, acts, dy, self.c)
+    fn backward_to(&self, e: usize, p: &[f32], acts: &mut ExpertActs, dy: &[f32], wg: &mut WeightGrads<'_>) -> Vec<f32> {
+        self.experts[e].backward(p, self.ranges[e].start, acts, dy, self.c, wg)
     }
 }
 
@@ -497,7 +500,7 @@ mod tests {
                 let mut y = vec![0.0; n * c];
                 f.forward(&p, &h, &mut y, &mut acts, None);
                 let (mut g, mut dh) = (vec![0.0; p.len()], vec![0.0; n * c]);
-                f.backward(&p, &mut g, &h, &wy, &mut dh, &mut acts, None);
+                f.backward(&p, &mut WeightGrads::now(&mut g), &h, &wy, &mut dh, &mut acts, None);
                 let what = format!("{arch:?}, shared {shared:?}, residual {residual}");
                 check_grad(|x| run(&p, x), &h, &dh, 1e-2, 2e-2).unwrap_or_else(|e| panic!("{what} dh: {e}"));
                 check_grad(|q| run(q, &h), &p, &g, 1e-2, 2e-2).unwrap_or_else(|e| panic!("{what} dparams: {e}"));

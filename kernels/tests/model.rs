@@ -275,6 +275,7 @@ fn moe_recomputation_and_a_delegating_runner_give_identical_gradients() {
 fn recomputation_and_a_delegating_runner_give_identical_gradients(cfg: ModelConfig) {
     use tessera_kernels::experts::{ExpertMlp, ExpertRunner, LocalExperts};
     use tessera_kernels::model::UnitAccess;
+    use tessera_kernels::wgrad::WeightGrads;
     let mut model = Model::new(cfg).unwrap();
     let params = model.init_params(3);
     let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
@@ -297,12 +298,12 @@ fn recomputation_and_a_delegating_runner_give_identical_gradients(cfg: ModelConf
         fn forward(&mut self, unit: usize, mlp: &dyn ExpertMlp, p: &[f32], rows: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
             self.calls += 1;
             let g = &mut self.grads[self.units[unit].clone()];
-            LocalExperts { g, acts: &mut self.acts[unit] }.forward(unit, mlp, p, rows)
+            LocalExperts { wg: &mut WeightGrads::now(g), acts: &mut self.acts[unit] }.forward(unit, mlp, p, rows)
         }
         fn backward(&mut self, unit: usize, mlp: &dyn ExpertMlp, p: &[f32], d_out: Vec<Vec<f32>>) -> Vec<Vec<f32>> {
             self.calls += 1;
             let g = &mut self.grads[self.units[unit].clone()];
-            LocalExperts { g, acts: &mut self.acts[unit] }.backward(unit, mlp, p, d_out)
+            LocalExperts { wg: &mut WeightGrads::now(g), acts: &mut self.acts[unit] }.backward(unit, mlp, p, d_out)
         }
     }
     struct Access<'a> {
@@ -610,6 +611,116 @@ fn noisy_routing_follows_the_noise_key_in_training_only() {
         model.loss(&mut acc, &tokens, &tokens, 2, 5, &mut ws).to_bits()
     };
     assert_eq!(eval(&noisy), eval(&quiet), "evaluation routes without noise");
+}
+
+/// The zero-bubble split of every stage's backward: an input-gradient pass `B` (d(input) only:
+/// it adds no gradient and marks no unit ready) and, later, a weight pass `W` from `B`'s stash
+/// (it marks the stage's blocks ready, last to first). Three micro-batches in flight, `B` of the
+/// next before `W` of the last, each workspace reused for another forward right after its `B`:
+/// every micro-batch's gradients are its fused pass's bit for bit. GPT, LLaMA with grouped-query
+/// attention and q/k/v biases, GPT and LLaMA MoE (per-block loss, noise, drops, shared expert,
+/// residual MLP), untied heads, with and without recomputation, cut at every place.
+#[test]
+fn split_backward_gives_the_fused_bits_at_every_cut() {
+    use tessera_kernels::model::{AuxLoss, NoisyGate, StageSpan, UnitAccess, WStash};
+    /// A flat access that records which units were marked ready.
+    struct Marks<'a> {
+        flat: FlatAccess<'a>,
+        ready: Vec<usize>,
+    }
+    impl UnitAccess for Marks<'_> {
+        fn unit(&mut self, u: usize) -> (&[f32], &mut [f32]) {
+            self.flat.unit(u)
+        }
+        fn grads_ready(&mut self, u: usize) {
+            self.ready.push(u);
+        }
+    }
+    let mut gpt4 = tiny(Arch::Gpt);
+    gpt4.n_layer = 4;
+    let llama = ModelConfig { n_kv_head: 1, qkv_bias: true, tied_head: false, n_layer: 3, ..tiny(Arch::Llama) };
+    let mut llama_moe = tiny_moe(Some(3), tessera_kernels::model::Gating::SoftmaxThenTopK);
+    if let Some(m) = llama_moe.moe.as_mut() {
+        (m.aux_loss, m.noisy_gate, m.residual) = (AuxLoss::PerLayer, NoisyGate::Jitter, true);
+    }
+    let gpt_moe = ModelConfig { tied_head: false, ..tiny_gpt_moe(true) };
+    for (name, cfg) in [("gpt", gpt4), ("llama", llama), ("gpt-moe", gpt_moe), ("llama-moe", llama_moe)] {
+        for recompute in [false, true] {
+            let mut model = Model::new(cfg.clone()).expect("model");
+            assert_eq!(model.stage_refusal(), None, "{name}");
+            model.checkpoint_activations = recompute;
+            let params = model.init_params(7);
+            let (b, t, mbs) = (2, 5, 3);
+            let data: Vec<(Vec<u32>, Vec<u32>)> = (0..mbs as u32)
+                .map(|m| ((0..b * t).map(|i| (i as u32 * 7 + m) % 11).collect(), (0..b * t).map(|i| (i as u32 * 3 + 2 * m) % 11).collect()))
+                .collect();
+            let batch = |m: usize| MicroBatch { tokens: &data[m].0, targets: &data[m].1, b, t, noise_key: 40 + m as u64 };
+            let fused: Vec<(u32, Vec<f32>)> = (0..mbs)
+                .map(|m| {
+                    let mut g = vec![0.0; params.len()];
+                    let mut acc = FlatAccess { params: &params, grads: &mut g, units: model.units() };
+                    (model.forward_backward(&mut acc, batch(m), 0.5, &mut Workspace::default()).to_bits(), g)
+                })
+                .collect();
+            let l = cfg.n_layer;
+            for cut in (0..=l).map(|c| vec![0, c, l]).chain([vec![0, 1, l - 1, l]]) {
+                let what = format!("{name} recompute {recompute} cut {cut:?}");
+                let spans: Vec<StageSpan> = cut
+                    .windows(2)
+                    .enumerate()
+                    .map(|(s, w)| StageSpan { blocks: w[0]..w[1], embeds: s == 0, head: s + 2 == cut.len() })
+                    .collect();
+                let mut grads = vec![vec![0.0f32; params.len()]; mbs];
+                let mut wss: Vec<Vec<Workspace>> = spans.iter().map(|_| (0..mbs).map(|_| Workspace::default()).collect()).collect();
+                let mut flow: Vec<Option<Vec<f32>>> = vec![None; mbs];
+                for m in 0..mbs {
+                    for (span, ws) in spans.iter().zip(&mut wss) {
+                        let mut acc = FlatAccess { params: &params, grads: &mut grads[m], units: model.units() };
+                        let got = model.stage_forward(&mut acc, span, batch(m), flow[m].as_deref(), &mut ws[m]);
+                        flow[m] = Some(model.stage_output(&ws[m]).to_vec());
+                        if span.head {
+                            assert_eq!(got.map(f32::to_bits), Some(fused[m].0), "{what}: loss of micro-batch {m}");
+                            flow[m] = None;
+                        }
+                    }
+                }
+                for (s, span) in spans.iter().enumerate().rev() {
+                    let mut stashes: Vec<Option<WStash>> = (0..mbs).map(|_| None).collect();
+                    // B0 B1 W0 B2 W1 W2: B of the next micro-batch before W of the previous.
+                    for (is_b, m) in [(true, 0), (true, 1), (false, 0), (true, 2), (false, 1), (false, 2)] {
+                        let before = grads[m].clone();
+                        let mut acc =
+                            Marks { flat: FlatAccess { params: &params, grads: &mut grads[m], units: model.units() }, ready: vec![] };
+                        if is_b {
+                            let (dx, stash) = model.stage_backward_input(&mut acc, span, batch(m), flow[m].as_deref(), 0.5, &mut wss[s][m]);
+                            flow[m] = Some(dx.to_vec());
+                            assert!(acc.ready.is_empty(), "{what}: B marked {:?} ready", acc.ready);
+                            let want: Vec<usize> =
+                                span.head.then_some(0).into_iter().chain(span.blocks.clone().rev().map(|i| i + 1)).collect();
+                            assert_eq!(stash.units().collect::<Vec<_>>(), want, "{what}: the stash's units");
+                            stashes[m] = Some(stash);
+                            // The workspace is free: another micro-batch's forward overwrites it.
+                            let stream = vec![0.25; b * t * cfg.d_model];
+                            let input = (!span.embeds).then_some(&stream[..]);
+                            model.stage_forward(&mut acc, span, batch((m + 1) % mbs), input, &mut wss[s][m]);
+                            let same = grads[m].iter().zip(&before).all(|(a, b)| a.to_bits() == b.to_bits());
+                            assert!(same, "{what}: B of micro-batch {m} added gradients");
+                        } else {
+                            model.stage_backward_weight(&mut acc, stashes[m].take().expect("B ran"));
+                            let want: Vec<usize> = span.blocks.clone().rev().map(|i| i + 1).collect();
+                            assert_eq!(acc.ready, want, "{what}: W's ready units");
+                        }
+                    }
+                }
+                for m in 0..mbs {
+                    let mut acc = FlatAccess { params: &params, grads: &mut grads[m], units: model.units() };
+                    model.stage_embed_backward(&mut acc, &data[m].0, b, t, flow[m].as_deref().expect("d(embeddings)"));
+                    let same = grads[m].iter().zip(&fused[m].1).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{what}: micro-batch {m}'s gradients differ from the fused pass");
+                }
+            }
+        }
+    }
 }
 
 /// One micro-batch cut into pipeline stages (each stage's forward handing its stream to the

@@ -5,10 +5,18 @@
 //! The embeddings' backward runs where unit 0's gradients are summed, after the head's
 //! ([`Model::stage_embed_backward`]): the same additions in the same order as one worker
 //! makes, so a pipelined micro-batch's gradients are the unpipelined one's bits.
+//!
+//! A zero-bubble schedule (ZB-H1) splits a stage's backward in two: the input-gradient pass
+//! `B` ([`Model::stage_backward_input`]: d(stage input), what the previous stage waits for) and
+//! the weight-gradient pass `W` ([`Model::stage_backward_weight`]: the linears' `Xᵀ·dY`, the
+//! biases' and norm gains' sums), run later from what `B` kept ([`WStash`], one per
+//! micro-batch, so `B` of micro-batch `m + 1` may run before `W` of `m`). `B` then `W` adds
+//! the fused [`Model::stage_backward`]'s gradients bit for bit ([`crate::wgrad`]).
 
 use std::ops::Range;
 
 use super::{AuxLoss, MicroBatch, Model, UnitAccess, Workspace};
+use crate::wgrad::{UnitStash, WeightGrads};
 
 /// What one pipeline stage runs of the model.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,6 +27,34 @@ pub struct StageSpan {
     pub embeds: bool,
     /// Whether it ends with the final norm, the head and the loss (the last stage).
     pub head: bool,
+}
+
+/// What a stage's weight-gradient pass needs of one micro-batch, from its input-gradient pass
+/// ([`Model::stage_backward_input`]): per unit (unit 0's head and final norm on the last stage,
+/// then the span's blocks last to first) the deferred ops and copies of the operands they read
+/// (each linear's input and output gradient, each norm's input, statistics and output
+/// gradient). It borrows nothing: the micro-batch's workspace is free once `B` returns.
+#[derive(Debug, Default)]
+pub struct WStash {
+    units: Vec<UnitStash>,
+}
+
+impl WStash {
+    /// A fresh record for unit `u`.
+    pub(super) fn unit(&mut self, u: usize) -> &mut UnitStash {
+        self.units.push(UnitStash::new(u));
+        self.units.last_mut().expect("just pushed")
+    }
+
+    /// Bytes of operands held.
+    pub fn bytes(&self) -> usize {
+        self.units.iter().map(UnitStash::bytes).sum()
+    }
+
+    /// The units whose gradients the weight pass adds, in the order it adds them.
+    pub fn units(&self) -> impl Iterator<Item = usize> + '_ {
+        self.units.iter().map(|u| u.unit)
+    }
 }
 
 impl StageSpan {
@@ -98,16 +134,72 @@ impl Model {
         dloss: f32,
         ws: &'w mut Workspace,
     ) -> &'w [f32] {
+        self.stage_backward_pass(acc, span, batch, dy, dloss, ws, None)
+    }
+
+    /// The input-gradient half of [`Model::stage_backward`] (zero-bubble `B`): the same
+    /// arguments and the same d(the stage's input), but no parameter gradient is added and no
+    /// unit marked ready; the weight gradients wait in the returned [`WStash`] for
+    /// [`Model::stage_backward_weight`]. (An MoE block whose experts an [`crate::experts::ExpertRunner`]
+    /// runs still leaves their gradients with the runner, as the fused backward does.)
+    pub fn stage_backward_input<'w>(
+        &self,
+        acc: &mut dyn UnitAccess,
+        span: &StageSpan,
+        batch: MicroBatch<'_>,
+        dy: Option<&[f32]>,
+        dloss: f32,
+        ws: &'w mut Workspace,
+    ) -> (&'w [f32], WStash) {
+        let mut stash = WStash::default();
+        let dx = self.stage_backward_pass(acc, span, batch, dy, dloss, ws, Some(&mut stash));
+        (dx, stash)
+    }
+
+    /// The weight-gradient half (zero-bubble `W`) of the micro-batch whose
+    /// [`Model::stage_backward_input`] returned `stash`: adds the deferred gradients into `acc`'s
+    /// units and marks each block's unit ready (unit 0 is marked by
+    /// [`Model::stage_embed_backward`], which on the last stage must come after this, as one
+    /// worker adds the tied head's gradient before the embeddings'). Any passes of other
+    /// micro-batches may run in between; micro-batches accumulating into one gradient buffer
+    /// give the fused bits when their weight passes run in the fused order.
+    pub fn stage_backward_weight(&self, acc: &mut dyn UnitAccess, stash: WStash) {
+        for u in &stash.units {
+            let (_, g) = acc.unit(u.unit);
+            u.apply(g);
+            if u.unit != 0 {
+                acc.grads_ready(u.unit);
+            }
+        }
+    }
+
+    /// [`Model::stage_backward`] with `stash` (the input-gradient pass, the weight gradients
+    /// recorded) or without (fused).
+    #[allow(clippy::too_many_arguments)]
+    fn stage_backward_pass<'w>(
+        &self,
+        acc: &mut dyn UnitAccess,
+        span: &StageSpan,
+        batch: MicroBatch<'_>,
+        dy: Option<&[f32]>,
+        dloss: f32,
+        ws: &'w mut Workspace,
+        mut stash: Option<&mut WStash>,
+    ) -> &'w [f32] {
         let d = self.dims(batch.b, batch.t);
         if span.head {
             let (p0, g0) = acc.unit(0);
-            self.head_backward(p0, g0, batch.targets, d, ws, dloss);
+            let mut wg = match stash.as_deref_mut() {
+                Some(s) => WeightGrads::Later(s.unit(0)),
+                None => WeightGrads::now(g0),
+            };
+            self.head_backward(p0, &mut wg, batch.targets, d, ws, dloss);
         } else {
             let dy = dy.expect("a stage without the head takes d(its output) from the next stage");
             ws.dx.clear();
             ws.dx.extend_from_slice(dy);
         }
-        self.backward_blocks(acc, span.blocks.clone(), d, ws, batch.noise_key, dloss);
+        self.backward_blocks(acc, span.blocks.clone(), d, ws, batch.noise_key, dloss, stash);
         &ws.dx
     }
 

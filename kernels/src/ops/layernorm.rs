@@ -51,7 +51,8 @@ simd_dispatch!(fn forward_row(o: &mut [f32], x: &[f32], weight: &[f32], bias: &[
 /// With x̂ = (x−μ)·rstd and g = dout·w:
 ///   dinp += rstd · (g − mean(g) − x̂ · mean(g·x̂))
 ///   dweight += Σ_rows dout·x̂,   dbias += Σ_rows dout   (rows in order per column block)
-/// Shapes as in [`layernorm_forward`].
+/// Shapes as in [`layernorm_forward`]. The input half ([`layernorm_backward_input`]) then the
+/// weight half ([`layernorm_backward_weight`]): disjoint outputs, the same bits either way.
 pub fn layernorm_backward(
     dinp: &mut [f32],
     dweight: &mut [f32],
@@ -64,9 +65,25 @@ pub fn layernorm_backward(
     n: usize,
     c: usize,
 ) {
+    assert!(weight.len() == c && dweight.len() == c && dbias.len() == c, "layernorm_backward: weight/dweight/dbias must be [C]");
+    layernorm_backward_input(dinp, dout, inp, weight, mean, rstd, n, c);
+    layernorm_backward_weight(dweight, dbias, dout, inp, mean, rstd, n, c);
+}
+
+/// dinp += rstd · (g − mean(g) − x̂ · mean(g·x̂)) (the input half of [`layernorm_backward`]).
+pub fn layernorm_backward_input(
+    dinp: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
     assert!(dinp.len() == n * c && dout.len() == n * c && inp.len() == n * c, "layernorm_backward: dinp/dout/inp must be [N, C]");
     assert!(mean.len() == n && rstd.len() == n, "layernorm_backward: mean/rstd must be [N]");
-    assert!(weight.len() == c && dweight.len() == c && dbias.len() == c, "layernorm_backward: weight/dweight/dbias must be [C]");
+    assert!(weight.len() == c, "layernorm_backward: weight must be [C]");
     dinp.par_chunks_mut(c).enumerate().for_each_init(
         || (vec![0f32; c], vec![0f32; c]),
         |(g, xh), (r, di)| {
@@ -74,6 +91,22 @@ pub fn layernorm_backward(
             backward_row(di, g, xh, x, d, weight, mean[r], rstd[r]);
         },
     );
+}
+
+/// dweight += Σ_rows dout·x̂,  dbias += Σ_rows dout (the weight half of [`layernorm_backward`]).
+pub fn layernorm_backward_weight(
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+    dout: &[f32],
+    inp: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
+    assert!(dout.len() == n * c && inp.len() == n * c, "layernorm_backward: dout/inp must be [N, C]");
+    assert!(mean.len() == n && rstd.len() == n, "layernorm_backward: mean/rstd must be [N]");
+    assert!(dweight.len() == c && dbias.len() == c, "layernorm_backward: dweight/dbias must be [C]");
     reduce_cols(dbias, n, |r, j0, acc| add_assign(acc, &dout[r * c + j0..][..acc.len()]));
     reduce_cols(dweight, n, |r, j0, acc| {
         let w = acc.len();

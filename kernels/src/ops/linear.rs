@@ -23,6 +23,9 @@ pub fn linear_forward(out: &mut [f32], inp: &[f32], weight: &[f32], bias: Option
 
 /// dinp[n×ic] += dout · weightᵀ,  dweight[ic×oc] += inpᵀ · dout,  dbias[oc] += Σ_rows dout.
 /// All three accumulate; the bias sum adds rows in order per column block (thread-independent).
+/// The input half ([`linear_backward_input`]) then the weight half ([`linear_backward_weight`]),
+/// which a zero-bubble pipeline runs later: their outputs are disjoint, so either order gives
+/// the same bits.
 pub fn linear_backward(
     dinp: &mut [f32],
     dweight: &mut [f32],
@@ -34,7 +37,18 @@ pub fn linear_backward(
     ic: usize,
     oc: usize,
 ) {
+    linear_backward_input(dinp, dout, weight, n, ic, oc);
+    linear_backward_weight(dweight, dbias, dout, inp, n, ic, oc);
+}
+
+/// dinp[n×ic] += dout · weightᵀ (the input half of [`linear_backward`]).
+pub fn linear_backward_input(dinp: &mut [f32], dout: &[f32], weight: &[f32], n: usize, ic: usize, oc: usize) {
     matmul(dinp, dout, weight, n, oc, ic, false, true, 1.0);
+}
+
+/// dweight[ic×oc] += inpᵀ · dout,  dbias[oc] += Σ_rows dout (the weight half of
+/// [`linear_backward`]).
+pub fn linear_backward_weight(dweight: &mut [f32], dbias: Option<&mut [f32]>, dout: &[f32], inp: &[f32], n: usize, ic: usize, oc: usize) {
     matmul(dweight, inp, dout, ic, n, oc, true, false, 1.0);
     if let Some(dbias) = dbias {
         assert_eq!(dbias.len(), oc, "linear_backward: dbias must be [OC]");

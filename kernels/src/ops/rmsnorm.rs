@@ -24,7 +24,8 @@ pub fn rmsnorm_forward(out: &mut [f32], rstd: &mut [f32], inp: &[f32], weight: &
 
 /// With g = dout·w:  dinp += rstd · (g − x · rstd² · mean(g·x))
 ///                   dweight += Σ_rows dout · x · rstd   (rows in order per column block)
-/// Shapes as in [`rmsnorm_forward`].
+/// Shapes as in [`rmsnorm_forward`]. The input half ([`rmsnorm_backward_input`]) then the
+/// weight half ([`rmsnorm_backward_weight`]): disjoint outputs, the same bits either way.
 pub fn rmsnorm_backward(
     dinp: &mut [f32],
     dweight: &mut [f32],
@@ -35,9 +36,15 @@ pub fn rmsnorm_backward(
     n: usize,
     c: usize,
 ) {
+    rmsnorm_backward_input(dinp, dout, inp, weight, rstd, n, c);
+    rmsnorm_backward_weight(dweight, dout, inp, rstd, n, c);
+}
+
+/// dinp += rstd · (g − x · rstd² · mean(g·x)) (the input half of [`rmsnorm_backward`]).
+pub fn rmsnorm_backward_input(dinp: &mut [f32], dout: &[f32], inp: &[f32], weight: &[f32], rstd: &[f32], n: usize, c: usize) {
     assert!(dinp.len() == n * c && dout.len() == n * c && inp.len() == n * c, "rmsnorm_backward: dinp/dout/inp must be [N, C]");
     assert!(rstd.len() == n, "rmsnorm_backward: rstd must be [N]");
-    assert!(weight.len() == c && dweight.len() == c, "rmsnorm_backward: weight/dweight must be [C]");
+    assert!(weight.len() == c, "rmsnorm_backward: weight must be [C]");
     dinp.par_chunks_mut(c).enumerate().for_each_init(
         || vec![0f32; c],
         |g, (r, di)| {
@@ -50,6 +57,12 @@ pub fn rmsnorm_backward(
             }
         },
     );
+}
+
+/// dweight += Σ_rows dout · x · rstd (the weight half of [`rmsnorm_backward`]).
+pub fn rmsnorm_backward_weight(dweight: &mut [f32], dout: &[f32], inp: &[f32], rstd: &[f32], n: usize, c: usize) {
+    assert!(dout.len() == n * c && inp.len() == n * c, "rmsnorm_backward: dout/inp must be [N, C]");
+    assert!(rstd.len() == n && dweight.len() == c, "rmsnorm_backward: rstd must be [N], dweight [C]");
     reduce_cols(dweight, n, |r, j0, acc| {
         let w = acc.len();
         let (x, d) = (&inp[r * c + j0..][..w], &dout[r * c + j0..][..w]);

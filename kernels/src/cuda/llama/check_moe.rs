@@ -79,7 +79,7 @@ fn check_ffn(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     }
     let cpu_idx = acts.as_ref().map(|a| a.routing.idx.clone()).unwrap_or_default();
     let (mut g, mut dh) = (vec![0f32; layout.total()], vec![0f32; n * c]);
-    ffn.backward(&p, &mut g, &h, &dy, &mut dh, &mut acts, None);
+    ffn.backward(&p, &mut crate::wgrad::WeightGrads::now(&mut g), &h, &dy, &mut dh, &mut acts, None);
     // GPU.
     let st = &gpu.stream;
     let (dp, dgr) = (gpu.upload(&to_bf(&p))?, gpu.alloc::<f32>(layout.total())?);
