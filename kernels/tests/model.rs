@@ -723,6 +723,41 @@ fn split_backward_gives_the_fused_bits_at_every_cut() {
     }
 }
 
+/// What the zero-bubble stash costs: per micro-batch of `n` tokens, each dense block keeps what
+/// its weight pass reads — a GPT block `n·(12c + 2f + 4)` floats (each linear's input and output
+/// gradient, each LayerNorm's input, mean, rstd and output gradient), a LLaMA block
+/// `n·(9c + q + 3f + 2)` (`q` the q/k/v row; the two MLP inputs share one copy) — and the last
+/// stage's head `n·(v + 3c + 2)` (LayerNorm) or `n·(v + 3c + 1)` (RMSNorm): d(logits) is `n·v`.
+#[test]
+fn the_stash_holds_what_the_weight_pass_reads() {
+    use tessera_kernels::model::StageSpan;
+    let llama = ModelConfig { n_kv_head: 1, ..tiny(Arch::Llama) };
+    for cfg in [tiny(Arch::Gpt), llama] {
+        let model = Model::new(cfg.clone()).expect("model");
+        let params = model.init_params(5);
+        let (b, t) = (2, 5);
+        let n = b * t;
+        let tokens: Vec<u32> = (0..n).map(|i| (i * 7 % 11) as u32).collect();
+        let batch = MicroBatch { tokens: &tokens, targets: &tokens, b, t, noise_key: 0 };
+        let mut grads = vec![0.0; params.len()];
+        let mut acc = FlatAccess { params: &params, grads: &mut grads, units: model.units() };
+        let (c, f, v, l) = (cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.n_layer);
+        let (block, head) = match cfg.arch {
+            Arch::Gpt => (n * (12 * c + 2 * f + 4), n * (v + 3 * c + 2)),
+            Arch::Llama => (n * (9 * c + (c + 2 * c / cfg.n_head * cfg.n_kv_head) + 3 * f + 2), n * (v + 3 * c + 1)),
+        };
+        for span in [StageSpan::whole(&model), StageSpan { blocks: 1..l, embeds: false, head: false }] {
+            let mut ws = Workspace::default();
+            let input = tessera_kernels::gradcheck::randn(8, n * c, 1.0);
+            model.stage_forward(&mut acc, &span, batch, (!span.embeds).then_some(&input[..]), &mut ws);
+            let dy = tessera_kernels::gradcheck::randn(9, n * c, 1.0);
+            let (_, stash) = model.stage_backward_input(&mut acc, &span, batch, (!span.head).then_some(&dy[..]), 1.0, &mut ws);
+            let want = 4 * (span.blocks.len() * block + if span.head { head } else { 0 });
+            assert_eq!(stash.bytes(), want, "{:?} {span:?}", cfg.arch);
+        }
+    }
+}
+
 /// One micro-batch cut into pipeline stages (each stage's forward handing its stream to the
 /// next, the backwards handing d(stream) back, the embeddings' backward after the head's) gives
 /// the loss and every gradient of the uncut pass bit for bit: GPT, LLaMA, an MoE model with the
