@@ -9,7 +9,9 @@
 //! Each repetition runs the stage's forward, then either the fused backward or `B` then `W`
 //! (alternating, fresh gradients each time); the table shows the median of the repetitions.
 //! The stash is what `B` keeps for `W` (`WStash::bytes`); the workspace is the forward's
-//! activations (`Workspace::bytes`, after the backward).
+//! activations (`Workspace::bytes`, after the backward; with the split, the recycled stash's
+//! buffers waiting for the next `B` too). After the first split repetition, `B` copies into the
+//! previous stash's recycled buffers (`Workspace::recycle`), as a steady pipeline would.
 
 use std::time::Instant;
 
@@ -77,8 +79,10 @@ fn bench(case: &Case, reps: usize) -> Result<Row> {
             bs.push(start.elapsed().as_secs_f64() * 1e3);
             stash_bytes = stash.bytes();
             let start = Instant::now();
-            model.stage_backward_weight(&mut acc, stash);
+            let spent = model.stage_backward_weight(&mut acc, stash);
             wps.push(start.elapsed().as_secs_f64() * 1e3);
+            // As a steady pipeline does: the next B copies into this stash's memory.
+            ws.recycle(spent);
         }
         // Both ways give the same gradients (the tests check every family and cut; here the
         // benchmarked shapes).

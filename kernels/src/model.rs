@@ -356,6 +356,9 @@ pub struct Workspace {
     loss_at: Option<std::time::Instant>,
     /// The MoE blocks' routing in the last forward (empty for dense models).
     moe: MoeStats,
+    /// Buffers of a spent weight-gradient stash, for the next [`Model::stage_backward_input`]
+    /// to copy its operands into (at most one stash's: [`Workspace::recycle`]).
+    spare: Vec<Vec<f32>>,
 }
 
 impl Workspace {
@@ -383,11 +386,21 @@ impl Workspace {
         self.loss_at.take()
     }
 
-    /// Bytes of activation memory currently held.
+    /// Bytes of activation memory currently held (a recycled stash's buffers included).
     pub fn bytes(&self) -> usize {
         let xs: usize = self.xs.iter().map(|x| x.capacity() * 4).sum();
         let blocks: usize = self.blocks.iter().map(Acts::bytes).sum();
-        xs + blocks + self.head.bytes() + (self.dx.capacity() + self.dx_prev.capacity()) * 4
+        let spare: usize = self.spare.iter().map(|b| b.capacity() * 4).sum();
+        xs + blocks + self.head.bytes() + (self.dx.capacity() + self.dx_prev.capacity()) * 4 + spare
+    }
+
+    /// Keeps the buffers of `spent` (a stash [`Model::stage_backward_weight`] returned) for the
+    /// next [`Model::stage_backward_input`] on this workspace to copy into, unless it holds a
+    /// stash's buffers already (then `spent` is dropped): at most one stash's memory waits here.
+    pub fn recycle(&mut self, spent: WStash) {
+        if self.spare.is_empty() {
+            self.spare = spent.into_buffers();
+        }
     }
 }
 
@@ -658,7 +671,7 @@ impl Model {
                 }
             }
             let mut wg = match stash.as_deref_mut() {
-                Some(s) => WeightGrads::Later(s.unit(i + 1)),
+                Some(s) => s.unit(i + 1),
                 None => WeightGrads::now(g),
             };
             block.backward_with(p, &mut wg, &ws.xs[k], &ws.dx, d, acts, &mut ws.dx_prev, runner(&mut experts));

@@ -20,8 +20,9 @@ use crate::ops::{layernorm, linear, rmsnorm};
 pub enum WeightGrads<'g> {
     /// Added at once into `g`.
     Now { g: &'g mut [f32], base: usize },
-    /// Recorded, with copies of their operands, for [`UnitStash::apply`].
-    Later(&'g mut UnitStash),
+    /// Recorded, with copies of their operands, for [`UnitStash::apply`]; the copies reuse
+    /// `spare` buffers ([`UnitStash::into_buffers`] of spent stashes) before allocating.
+    Later { stash: &'g mut UnitStash, spare: &'g mut Vec<Vec<f32>> },
 }
 
 /// The recorded weight-gradient ops of one unit and one micro-batch, in the order the backward
@@ -70,8 +71,8 @@ impl WeightGrads<'_> {
                 let (gw, gb) = split_two(g, shift(&w, *base), b.map(|b| shift(&b, *base)));
                 linear::linear_backward_weight(gw, gb, dout, inp, n, ic, oc);
             }
-            WeightGrads::Later(s) => {
-                let (dout, inp) = (s.keep(dout), s.keep(inp));
+            WeightGrads::Later { stash: s, spare } => {
+                let (dout, inp) = (s.keep(dout, spare), s.keep(inp, spare));
                 s.ops.push(WeightOp::Linear { w, b, dout, inp, n, ic, oc });
             }
         }
@@ -86,8 +87,8 @@ impl WeightGrads<'_> {
                 let gb = gb.expect("a bias range");
                 layernorm::layernorm_backward_weight(gw, gb, dout, inp, mean, rstd, rstd.len(), c);
             }
-            WeightGrads::Later(s) => {
-                let (dout, inp, mean, rstd) = (s.keep(dout), s.keep(inp), s.keep(mean), s.keep(rstd));
+            WeightGrads::Later { stash: s, spare } => {
+                let (dout, inp, mean, rstd) = (s.keep(dout, spare), s.keep(inp, spare), s.keep(mean, spare), s.keep(rstd, spare));
                 s.ops.push(WeightOp::LayerNorm { w, b, dout, inp, mean, rstd, c });
             }
         }
@@ -99,8 +100,8 @@ impl WeightGrads<'_> {
             WeightGrads::Now { g, base } => {
                 rmsnorm::rmsnorm_backward_weight(&mut g[shift(&w, *base)], dout, inp, rstd, rstd.len(), c);
             }
-            WeightGrads::Later(s) => {
-                let (dout, inp, rstd) = (s.keep(dout), s.keep(inp), s.keep(rstd));
+            WeightGrads::Later { stash: s, spare } => {
+                let (dout, inp, rstd) = (s.keep(dout, spare), s.keep(inp, spare), s.keep(rstd, spare));
                 s.ops.push(WeightOp::RmsNorm { w, dout, inp, rstd, c });
             }
         }
@@ -113,13 +114,18 @@ impl UnitStash {
         UnitStash { unit, ..UnitStash::default() }
     }
 
-    /// A copy of `v`, or the kept copy of an equal operand (bit for bit).
-    fn keep(&mut self, v: &[f32]) -> Arc<Vec<f32>> {
+    /// A copy of `v` (into the smallest `spare` buffer that holds it, else a new one), or the
+    /// kept copy of an equal operand (bit for bit).
+    fn keep(&mut self, v: &[f32], spare: &mut Vec<Vec<f32>>) -> Arc<Vec<f32>> {
         let same = |k: &&Arc<Vec<f32>>| k.len() == v.len() && k.iter().zip(v).all(|(a, b)| a.to_bits() == b.to_bits());
         if let Some(k) = self.kept.iter().find(same) {
             return Arc::clone(k);
         }
-        let k = Arc::new(v.to_vec());
+        let fit = spare.iter().enumerate().filter(|(_, b)| b.capacity() >= v.len()).min_by_key(|(_, b)| b.capacity()).map(|(i, _)| i);
+        let mut buf = fit.map_or_else(|| Vec::with_capacity(v.len()), |i| spare.swap_remove(i));
+        buf.clear();
+        buf.extend_from_slice(v);
+        let k = Arc::new(buf);
         self.kept.push(Arc::clone(&k));
         k
     }
@@ -142,6 +148,12 @@ impl UnitStash {
                 }
             }
         }
+    }
+
+    /// The stash's buffers, its ops dropped: for another [`WeightGrads::Later`]'s `spare`.
+    pub fn into_buffers(self) -> impl Iterator<Item = Vec<f32>> {
+        drop(self.ops);
+        self.kept.into_iter().filter_map(|k| Arc::try_unwrap(k).ok())
     }
 
     /// Number of recorded ops.
@@ -200,7 +212,7 @@ mod tests {
         let mut now = start.clone();
         run(&mut WeightGrads::now(&mut now));
         let mut stash = UnitStash::new(3);
-        run(&mut WeightGrads::Later(&mut stash));
+        run(&mut WeightGrads::Later { stash: &mut stash, spare: &mut Vec::new() });
         assert_eq!(stash.len(), 3);
         // x, dy, dn, mean, rstd: five operands, x and dn and rstd shared.
         assert_eq!(stash.bytes(), 4 * (n * c + n * oc + n * c + n + n));
@@ -208,5 +220,16 @@ mod tests {
         stash.apply(&mut later);
         assert!(now.iter().zip(&later).all(|(a, b)| a.to_bits() == b.to_bits()));
         assert!(now.iter().zip(&start).any(|(a, b)| a != b), "the ops added nothing");
+        // Spent, its buffers serve the next recording: no new allocation, the same bits.
+        let mut spare: Vec<Vec<f32>> = stash.into_buffers().collect();
+        let held: Vec<*const f32> = spare.iter().map(|b| b.as_ptr()).collect();
+        assert_eq!(held.len(), 5);
+        let mut again = UnitStash::new(3);
+        run(&mut WeightGrads::Later { stash: &mut again, spare: &mut spare });
+        assert!(spare.is_empty(), "every spare buffer reused");
+        assert!(again.kept.iter().all(|k| held.contains(&k.as_ptr())));
+        let mut later = start.clone();
+        again.apply(&mut later);
+        assert!(now.iter().zip(&later).all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 }

@@ -616,7 +616,8 @@ fn noisy_routing_follows_the_noise_key_in_training_only() {
 /// The zero-bubble split of every stage's backward: an input-gradient pass `B` (d(input) only:
 /// it adds no gradient and marks no unit ready) and, later, a weight pass `W` from `B`'s stash
 /// (it marks the stage's blocks ready, last to first). Three micro-batches in flight, `B` of the
-/// next before `W` of the last, each workspace reused for another forward right after its `B`:
+/// next before `W` of the last, each workspace reused for another forward right after its `B`,
+/// a spent stash's memory reused by a later `B`:
 /// every micro-batch's gradients are its fused pass's bit for bit. GPT, LLaMA with grouped-query
 /// attention and q/k/v biases, GPT and LLaMA MoE (per-block loss, noise, drops, shared expert,
 /// residual MLP), untied heads, with and without recomputation, cut at every place.
@@ -706,9 +707,11 @@ fn split_backward_gives_the_fused_bits_at_every_cut() {
                             let same = grads[m].iter().zip(&before).all(|(a, b)| a.to_bits() == b.to_bits());
                             assert!(same, "{what}: B of micro-batch {m} added gradients");
                         } else {
-                            model.stage_backward_weight(&mut acc, stashes[m].take().expect("B ran"));
+                            let spent = model.stage_backward_weight(&mut acc, stashes[m].take().expect("B ran"));
                             let want: Vec<usize> = span.blocks.clone().rev().map(|i| i + 1).collect();
                             assert_eq!(acc.ready, want, "{what}: W's ready units");
+                            // Its memory serves a later B (W0's: B2's, on another workspace).
+                            wss[s][(m + 2) % mbs].recycle(spent);
                         }
                     }
                 }

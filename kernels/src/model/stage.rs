@@ -34,21 +34,35 @@ pub struct StageSpan {
 /// then the span's blocks last to first) the deferred ops and copies of the operands they read
 /// (each linear's input and output gradient, each norm's input, statistics and output
 /// gradient). It borrows nothing: the micro-batch's workspace is free once `B` returns.
+///
+/// Spent (returned by [`Model::stage_backward_weight`]), it holds only its buffers, which
+/// [`Workspace::recycle`] hands to the next `B` on that workspace, so a steady pipeline copies
+/// into memory it already has instead of allocating (and faulting in) a stash per micro-batch.
 #[derive(Debug, Default)]
 pub struct WStash {
     units: Vec<UnitStash>,
+    /// Buffers to copy operands into: during `B` the workspace's, when spent its own.
+    spare: Vec<Vec<f32>>,
 }
 
 impl WStash {
     /// A fresh record for unit `u`.
-    pub(super) fn unit(&mut self, u: usize) -> &mut UnitStash {
+    pub(super) fn unit(&mut self, u: usize) -> WeightGrads<'_> {
         self.units.push(UnitStash::new(u));
-        self.units.last_mut().expect("just pushed")
+        let stash = self.units.last_mut().expect("just pushed");
+        WeightGrads::Later { stash, spare: &mut self.spare }
     }
 
-    /// Bytes of operands held.
+    /// Bytes held: the operands, and a spent stash's buffers.
     pub fn bytes(&self) -> usize {
-        self.units.iter().map(UnitStash::bytes).sum()
+        self.units.iter().map(UnitStash::bytes).sum::<usize>() + self.spare.iter().map(|b| b.capacity() * 4).sum::<usize>()
+    }
+
+    /// Its buffers, for the next `B` ([`Workspace::recycle`]).
+    pub(super) fn into_buffers(self) -> Vec<Vec<f32>> {
+        let mut bufs = self.spare;
+        bufs.extend(self.units.into_iter().flat_map(UnitStash::into_buffers));
+        bufs
     }
 
     /// The units whose gradients the weight pass adds, in the order it adds them.
@@ -134,7 +148,8 @@ impl Model {
         dloss: f32,
         ws: &'w mut Workspace,
     ) -> &'w [f32] {
-        self.stage_backward_pass(acc, span, batch, dy, dloss, ws, None)
+        self.stage_backward_pass(acc, span, batch, dy, dloss, ws, None);
+        &ws.dx
     }
 
     /// The input-gradient half of [`Model::stage_backward`] (zero-bubble `B`): the same
@@ -151,9 +166,10 @@ impl Model {
         dloss: f32,
         ws: &'w mut Workspace,
     ) -> (&'w [f32], WStash) {
-        let mut stash = WStash::default();
-        let dx = self.stage_backward_pass(acc, span, batch, dy, dloss, ws, Some(&mut stash));
-        (dx, stash)
+        let mut stash = WStash { units: Vec::new(), spare: std::mem::take(&mut ws.spare) };
+        self.stage_backward_pass(acc, span, batch, dy, dloss, ws, Some(&mut stash));
+        ws.spare = std::mem::take(&mut stash.spare);
+        (&ws.dx, stash)
     }
 
     /// The weight-gradient half (zero-bubble `W`) of the micro-batch whose
@@ -163,7 +179,10 @@ impl Model {
     /// worker adds the tied head's gradient before the embeddings'). Any passes of other
     /// micro-batches may run in between; micro-batches accumulating into one gradient buffer
     /// give the fused bits when their weight passes run in the fused order.
-    pub fn stage_backward_weight(&self, acc: &mut dyn UnitAccess, stash: WStash) {
+    ///
+    /// Returns the spent stash: drop it, or hand its memory to the next `B` with
+    /// [`Workspace::recycle`].
+    pub fn stage_backward_weight(&self, acc: &mut dyn UnitAccess, stash: WStash) -> WStash {
         for u in &stash.units {
             let (_, g) = acc.unit(u.unit);
             u.apply(g);
@@ -171,26 +190,27 @@ impl Model {
                 acc.grads_ready(u.unit);
             }
         }
+        WStash { units: Vec::new(), spare: stash.into_buffers() }
     }
 
     /// [`Model::stage_backward`] with `stash` (the input-gradient pass, the weight gradients
     /// recorded) or without (fused).
     #[allow(clippy::too_many_arguments)]
-    fn stage_backward_pass<'w>(
+    fn stage_backward_pass(
         &self,
         acc: &mut dyn UnitAccess,
         span: &StageSpan,
         batch: MicroBatch<'_>,
         dy: Option<&[f32]>,
         dloss: f32,
-        ws: &'w mut Workspace,
+        ws: &mut Workspace,
         mut stash: Option<&mut WStash>,
-    ) -> &'w [f32] {
+    ) {
         let d = self.dims(batch.b, batch.t);
         if span.head {
             let (p0, g0) = acc.unit(0);
             let mut wg = match stash.as_deref_mut() {
-                Some(s) => WeightGrads::Later(s.unit(0)),
+                Some(s) => s.unit(0),
                 None => WeightGrads::now(g0),
             };
             self.head_backward(p0, &mut wg, batch.targets, d, ws, dloss);
@@ -200,7 +220,6 @@ impl Model {
             ws.dx.extend_from_slice(dy);
         }
         self.backward_blocks(acc, span.blocks.clone(), d, ws, batch.noise_key, dloss, stash);
-        &ws.dx
     }
 
     /// The embeddings' backward of one micro-batch from `dx`, d(the embeddings' output) that
