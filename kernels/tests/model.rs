@@ -637,6 +637,9 @@ fn split_backward_gives_the_fused_bits_at_every_cut() {
             self.ready.push(u);
         }
     }
+    // A stash travels with its micro-batch (an engine may hand it to another thread).
+    fn sendable<T: Send + 'static>() {}
+    sendable::<WStash>();
     let mut gpt4 = tiny(Arch::Gpt);
     gpt4.n_layer = 4;
     let llama = ModelConfig { n_kv_head: 1, qkv_bias: true, tied_head: false, n_layer: 3, ..tiny(Arch::Llama) };
