@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Pipeline bubble and throughput on CPU processes over QUIC (docs/PERFORMANCE.md).
 
-Runs `tessera train` on gpt-tiny for each (stages, micro-batches per step, schedule) and, in
+Runs `tessera train` on gpt-tiny with 8 blocks (a model folder written here, so 4 stages can hold
+2 chunks each) for each (stages, micro-batches per step, schedule: gpipe, 1f1b, interleaved with 2
+chunks a stage, zb-h1) and, in
 the same invocation, the unpipelined data-parallel run over the same number of processes as
-the peer row; prints one Markdown table: tokens/s, the theory's bubble (S-1)/(M+S-1), the
+the peer row; prints one Markdown table: tokens/s, the schedule's bubble in unit time, the
 measured bubble (replica 0's idle share of its stages, steps after the first), the peak
 micro-batches in flight and the peak activation bytes of stage 0, and whether the parameters
 are the plain run's bits.
@@ -30,7 +32,7 @@ cfg = os.path.join(repo, "configs/gpt-tiny.json")
 
 def run(out, procs, stages, m_total, schedule):
     batch = args.micro * m_total
-    cmd = [args.tessera, "train", "--config", cfg, "--output", out, "--steps", str(args.steps), "--no-progress",
+    cmd = [args.tessera, "train", "--config", cfg, "--model", model, "--output", out, "--steps", str(args.steps), "--no-progress",
            "--nprocs", str(procs), "--set", f"train_batch_size={batch}", "--set", f"train_micro_batch_size_per_gpu={args.micro}",
            "--set", f"tessera.seq_len={args.seq_len}", "--set", "tessera.eval_interval=0", "--set", "tessera.eval_iters=1",
            "--set", "tessera.checkpoint_interval=0", "--set", "zero_optimization.stage=1"]
@@ -45,18 +47,25 @@ def run(out, procs, stages, m_total, schedule):
 
 rows = []
 with tempfile.TemporaryDirectory() as tmp:
-    for m in (8, 16, 32):
+    with open(os.path.join(repo, "configs/models/gpt-tiny/config.json")) as f:
+        mcfg = json.load(f)
+    mcfg["n_layer"] = 8
+    model = os.path.join(tmp, "gpt-tiny-8")
+    os.makedirs(model)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(mcfg, f)
+    for m in (8, 16):
         # The peer: the same processes, unpipelined (each a data-parallel rank), same global batch.
         base = run(os.path.join(tmp, f"plain{m}"), args.procs, 1, m, None)
         rows.append((1, m, "data parallel", base, base))
         for stages in (2, 4):
             if args.procs % stages:
                 continue
-            for schedule in ("gpipe", "1f1b"):
+            for schedule in ("gpipe", "1f1b", "interleaved", "zb-h1"):
                 s = run(os.path.join(tmp, f"s{stages}m{m}{schedule}"), args.procs, stages, m, schedule)
                 rows.append((stages, m, schedule, s, base))
 
-print(f"gpt-tiny, {args.procs} worker processes (QUIC, mTLS), micro-batch {args.micro}×{args.seq_len} tokens, "
+print(f"gpt-tiny with 8 blocks, {args.procs} worker processes (QUIC, mTLS), micro-batch {args.micro}×{args.seq_len} tokens, "
       f"ZeRO-1, {args.steps} steps\n")
 print("| stages | micro-batches (per replica) | schedule | tokens/s | bubble (theory) | bubble (measured) | in flight, stage 0 | activations, stage 0 | bits = plain |")
 print("|---|---|---|---|---|---|---|---|---|")

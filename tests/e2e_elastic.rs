@@ -125,15 +125,15 @@ fn experts_regroup_after_a_kill_and_a_join_with_the_fault_free_bits() {
     assert!(sizes.windows(2).any(|w| w == [3, 4]) && sizes.contains(&3), "epoch sizes {sizes:?}");
 }
 
-/// Pipeline stages in an elastic run (2 stages × 2 replicas over 4 processes): a kill leaves 3
-/// ranks, which 2 stages do not divide, so the survivors' epoch runs 1 stage over 3 replicas; a
-/// join makes 4 again and 2 stages. Stages are placed, not stored: the run ends on the
-/// fault-free bits.
+/// Pipeline stages in an elastic run (2 stages × 2 replicas over 4 processes, the interleaved
+/// schedule with 2 chunks a stage): a kill leaves 3 ranks, which 2 stages do not divide, so the
+/// survivors' epoch runs 1 stage over 3 replicas; a join makes 4 again and 2 stages of 2
+/// chunks. Stages are placed, not stored: the run ends on the fault-free bits.
 #[test]
 fn a_pipeline_regroups_after_a_kill_and_a_join_with_the_fault_free_bits() {
     let tmp = tempfile::tempdir().unwrap();
     let faults = r#"[{"at_step": 2, "kind": "kill"}, {"at_step": 4, "kind": "join"}]"#;
-    let r = chaos_with(tmp.path(), faults, 8, 5, &["pipeline.stages=2"], &[]);
+    let r = chaos_with(tmp.path(), faults, 8, 5, &["pipeline.stages=2", "tessera.pipeline.schedule=interleaved"], &[]);
     let el = &r["faulted"]["elastic"];
     assert_eq!((el["workers_lost"].as_u64(), el["workers_joined"].as_u64()), (Some(1), Some(1)), "{r:#}");
     let log = std::fs::read_to_string(tmp.path().join("chaos/faulted.log")).unwrap();

@@ -58,8 +58,11 @@ pub struct Prepared {
 /// One pipeline instruction as a worker ran it ([`Prepared::timeline`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct TimedOp {
-    /// 0 forward, 1 backward, 2 embeddings backward.
+    /// 0 forward, 1 backward, 2 embeddings backward, 3 a backward's input half, 4 its
+    /// weight half.
     pub kind: u8,
+    /// The stage's chunk (the interleaved schedule's virtual stage; 0 otherwise).
+    pub chunk: u32,
     /// The micro-batch's index among its pipeline replica's.
     pub micro_batch: u32,
     /// Seconds from the start of the worker's prepare.

@@ -1,6 +1,6 @@
 //! DeepSpeed's `pipeline` section (`stages`, `partition`, `seed_layers`,
 //! `activation_checkpoint_interval`, `pipe_partitioned`, `grad_partitioned`) and the
-//! `tessera.pipeline` keys (`schedule`): pipeline parallelism (docs/PIPELINE.md). DeepSpeed
+//! `tessera.pipeline` keys (`schedule`, `virtual_stages`, `profile`): pipeline parallelism (docs/PIPELINE.md). DeepSpeed
 //! gives the stage count and the partition method to `PipelineModule` in code; here they are
 //! keys of the config.
 
@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use crate::config::error::{ConfigErrorKind, KindResult};
 use crate::config::reader::Obj;
+use crate::engine::pipeline::profile::BlockCosts;
 use crate::engine::pipeline::{PartitionMethod, Schedule};
 
 /// The pipeline a run asked for (`pipeline.stages` > 1 or the section present).
@@ -17,6 +18,9 @@ pub struct PipelineSection {
     pub stages: usize,
     pub partition: PartitionMethod,
     pub schedule: Schedule,
+    /// Chunks a stage (`tessera.pipeline.virtual_stages`, the interleaved schedule's; 1 for
+    /// the others).
+    pub chunks: usize,
     /// `activation_checkpoint_interval`: 0 keeps activations, 1 recomputes every block.
     pub recompute: bool,
 }
@@ -36,11 +40,43 @@ pub(crate) fn parse_pipeline(root: &Value) -> KindResult<Option<PipelineSection>
     let partition_text = p.string("partition", "parameters")?;
     let partition = PartitionMethod::parse(&partition_text)
         .map_err(|want| ConfigErrorKind::invalid(&p.path("partition"), &Value::String(partition_text.clone()), &want))?;
+    let partition = match (partition, Obj::at(root, "tessera.pipeline.profile")?) {
+        (PartitionMethod::Profile(None), prof) if prof.present() => PartitionMethod::Profile(Some(block_costs(&prof)?)),
+        (_, prof) if prof.present() => {
+            return Err(ConfigErrorKind::invalid(
+                &p.path("partition"),
+                &Value::String(partition_text.clone()),
+                "\"profile\" with tessera.pipeline.profile (the blocks' costs are read only by the profile partition)",
+            ))
+        }
+        (partition, _) => partition,
+    };
     let schedule_text = t.string("schedule", Schedule::OneFOneB.name())?;
     let schedule = Schedule::parse(&schedule_text).ok_or_else(|| {
         let names: Vec<String> = Schedule::ALL.iter().map(|s| format!("\"{s}\"")).collect();
         ConfigErrorKind::invalid(&t.path("schedule"), &Value::String(schedule_text.clone()), &names.join(" or "))
     })?;
+    let chunks = match (t.opt_u64("virtual_stages")?, schedule.chunked()) {
+        (None, true) => 2,
+        (None, false) | (Some(1), false) => 1,
+        (Some(n), true) if n >= 2 => {
+            usize::try_from(n).map_err(|_| ConfigErrorKind::invalid(&t.path("virtual_stages"), &Value::from(n), "a smaller integer"))?
+        }
+        (Some(n), true) => {
+            return Err(ConfigErrorKind::invalid(
+                &t.path("virtual_stages"),
+                &Value::from(n),
+                "at least 2 chunks a stage for the interleaved schedule",
+            ))
+        }
+        (Some(n), false) => {
+            return Err(ConfigErrorKind::invalid(
+                &t.path("virtual_stages"),
+                &Value::from(n),
+                &format!("1: the {schedule} schedule runs one chunk a stage (\"interleaved\" runs several)"),
+            ))
+        }
+    };
     let recompute = match p.u64("activation_checkpoint_interval", 0)? {
         0 => false,
         1 => true,
@@ -57,5 +93,20 @@ pub(crate) fn parse_pipeline(root: &Value) -> KindResult<Option<PipelineSection>
     for key in ["seed_layers", "pipe_partitioned", "grad_partitioned"] {
         p.bool(key, true)?;
     }
-    Ok(Some(PipelineSection { stages, partition, schedule, recompute }))
+    Ok(Some(PipelineSection { stages, partition, schedule, chunks, recompute }))
+}
+
+/// `tessera.pipeline.profile`: `blocks_ms` (a cost per block), `embeddings_ms`, `head_ms`, each
+/// a non-negative number (as `tessera train` records them; a user may give their own).
+fn block_costs(o: &Obj<'_>) -> KindResult<BlockCosts> {
+    o.only_keys(&["blocks_ms", "embeddings_ms", "head_ms"], "tessera.pipeline.profile")?;
+    let list = o.get("blocks_ms").cloned().unwrap_or(Value::Null);
+    let blocks_ms: Option<Vec<f64>> =
+        list.as_array().and_then(|a| a.iter().map(|v| v.as_f64().filter(|x| x.is_finite() && *x >= 0.0)).collect());
+    let blocks_ms = blocks_ms
+        .filter(|b| !b.is_empty())
+        .ok_or_else(|| ConfigErrorKind::invalid(&o.path("blocks_ms"), &list, "a list of non-negative milliseconds, one per block"))?;
+    let embeddings_ms = f64::from(o.non_negative_f32("embeddings_ms", 0.0)?);
+    let head_ms = f64::from(o.non_negative_f32("head_ms", 0.0)?);
+    Ok(BlockCosts { blocks_ms, embeddings_ms, head_ms })
 }

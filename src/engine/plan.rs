@@ -179,6 +179,50 @@ pub const MICRO_BATCHES_PER_STEP_MAX: usize = 1 << 20;
 
 /// Refuses batch settings past [`MICRO_BATCH_TOKENS_MAX`] or [`MICRO_BATCHES_PER_STEP_MAX`],
 /// naming the keys, the values and the limit, before anything is sized by them.
+/// The run's model (with its recomputation setting) and sequence length, as the config and
+/// the data ask for them; what [`Plan::new`] builds on, and what the pipeline's `profile`
+/// partition times.
+pub(crate) fn model_of(cfg: &Config, data: &Dataset) -> Result<(Model, usize)> {
+    model_source(cfg, data).map(|(_, m, t)| (m, t)).with_context(|| format!("config {}", cfg.source))
+}
+
+fn model_source(cfg: &Config, data: &Dataset) -> Result<(zoo::ModelSource, Model, usize)> {
+    let source = zoo::resolve(&cfg.tessera.model).map_err(|e| anyhow::anyhow!("tessera.model: {e}"))?;
+    let mut mcfg = source.config().clone();
+    let folder_config = source.folder().map(|f| f.dir.join(crate::hf::CONFIG_FILE).display().to_string());
+    match &folder_config {
+        None => mcfg.vocab_size = data.vocab_size,
+        Some(file) if data.vocab_size > mcfg.vocab_size => bail!(
+            "{file}: key `vocab_size` = {}, but the data's tokens need {} ({}): use the folder's own tokenizer.json, whose ids fit",
+            mcfg.vocab_size,
+            data.vocab_size,
+            cfg.tessera.tokenizer.as_deref().map_or("byte-level, with the end-of-text id".to_string(), |t| format!("tokenizer {t}"))
+        ),
+        Some(_) => {}
+    }
+    let seq_len = cfg.tessera.seq_len.unwrap_or(mcfg.max_seq_len);
+    if seq_len == 0 || seq_len > mcfg.max_seq_len {
+        let bound = match (&folder_config, source.folder()) {
+            (Some(file), Some(f)) => format!(" ({file}: {})", f.config.family.context_keys()),
+            _ => String::new(),
+        };
+        bail!("tessera.seq_len = {seq_len} is out of range: the model `{}` takes 1..={}{bound}", cfg.tessera.model, mcfg.max_seq_len);
+    }
+    if cfg.tessera.eval_iters > data::VAL_BATCHES_MAX {
+        return Err(data::DataError::TooManyValBatches { found: cfg.tessera.eval_iters, max: data::VAL_BATCHES_MAX }.into());
+    }
+    check_batch_bounds(cfg, seq_len)?;
+    if let Some(moe) = &cfg.tessera.moe {
+        mcfg = moe.apply(&mcfg, &cfg.tessera.model)?;
+    }
+    if cfg.tessera.moe.as_ref().is_some_and(|m| m.ep_size > 1) && cfg.tessera.device == ComputeDevice::Cuda {
+        bail!("tessera.moe.ep_size > 1 with tessera.device = \"cuda\": expert parallelism runs on CPU ranks; a GPU runs every expert (ep_size 1)");
+    }
+    let mut model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
+    model.checkpoint_activations = cfg.activation_checkpointing;
+    Ok((source, model, seq_len))
+}
+
 fn check_batch_bounds(cfg: &Config, seq_len: usize) -> Result<()> {
     let micro = cfg.micro_batch_per_gpu;
     let tokens = micro.checked_mul(seq_len).filter(|t| *t <= MICRO_BATCH_TOKENS_MAX);
@@ -256,39 +300,7 @@ impl Plan {
     }
 
     fn build(cfg: &Config, data: &Dataset) -> Result<Plan> {
-        let source = zoo::resolve(&cfg.tessera.model).map_err(|e| anyhow::anyhow!("tessera.model: {e}"))?;
-        let mut mcfg = source.config().clone();
-        let folder_config = source.folder().map(|f| f.dir.join(crate::hf::CONFIG_FILE).display().to_string());
-        match &folder_config {
-            None => mcfg.vocab_size = data.vocab_size,
-            Some(file) if data.vocab_size > mcfg.vocab_size => bail!(
-                "{file}: key `vocab_size` = {}, but the data's tokens need {} ({}): use the folder's own tokenizer.json, whose ids fit",
-                mcfg.vocab_size,
-                data.vocab_size,
-                cfg.tessera.tokenizer.as_deref().map_or("byte-level, with the end-of-text id".to_string(), |t| format!("tokenizer {t}"))
-            ),
-            Some(_) => {}
-        }
-        let seq_len = cfg.tessera.seq_len.unwrap_or(mcfg.max_seq_len);
-        if seq_len == 0 || seq_len > mcfg.max_seq_len {
-            let bound = match (&folder_config, source.folder()) {
-                (Some(file), Some(f)) => format!(" ({file}: {})", f.config.family.context_keys()),
-                _ => String::new(),
-            };
-            bail!("tessera.seq_len = {seq_len} is out of range: the model `{}` takes 1..={}{bound}", cfg.tessera.model, mcfg.max_seq_len);
-        }
-        if cfg.tessera.eval_iters > data::VAL_BATCHES_MAX {
-            return Err(data::DataError::TooManyValBatches { found: cfg.tessera.eval_iters, max: data::VAL_BATCHES_MAX }.into());
-        }
-        check_batch_bounds(cfg, seq_len)?;
-        if let Some(moe) = &cfg.tessera.moe {
-            mcfg = moe.apply(&mcfg, &cfg.tessera.model)?;
-        }
-        if cfg.tessera.moe.as_ref().is_some_and(|m| m.ep_size > 1) && cfg.tessera.device == ComputeDevice::Cuda {
-            bail!("tessera.moe.ep_size > 1 with tessera.device = \"cuda\": expert parallelism runs on CPU ranks; a GPU runs every expert (ep_size 1)");
-        }
-        let mut model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
-        model.checkpoint_activations = cfg.activation_checkpointing;
+        let (source, model, seq_len) = model_source(cfg, data)?;
         let flat = FlatLayout::new(model.layout().segments()).context("parameter layout")?;
         let micro_batches = cfg.train_batch_size / cfg.micro_batch_per_gpu;
         let world = cfg.world_size.max(1);
@@ -333,7 +345,7 @@ impl Plan {
                 if cfg.tessera.device == ComputeDevice::Cuda {
                     bail!("pipeline.stages = {} with tessera.device = \"cuda\": pipeline stages run on CPU ranks so far", p.stages);
                 }
-                let plan = PipePlan::new(&model, p.stages, world, p.schedule, p.partition.clone())
+                let plan = PipePlan::new(&model, p.stages, p.chunks, world, p.schedule, p.partition.clone())
                     .map_err(|e| anyhow::anyhow!("pipeline.stages = {}: {e}", p.stages))?;
                 Some(plan)
             }

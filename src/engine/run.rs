@@ -560,7 +560,7 @@ pub fn validate(cfg: &Config) -> Result<()> {
     let dataset = super::child::load_dataset(cfg)?;
     // The memory budget depends on the device the run gets (`--device cuda` counts its own
     // bytes), so `config check` leaves it to `train`.
-    let mut unbudgeted = cfg.clone();
+    let mut unbudgeted = super::pipeline::profile::resolve(cfg)?.unwrap_or_else(|| cfg.clone());
     unbudgeted.tessera.device_memory_bytes_max = None;
     let plan = Plan::new(&unbudgeted, &dataset)?;
     run_inputs(cfg, &plan, &dataset).map(drop)
@@ -1204,6 +1204,9 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
     }
     signals::install()?;
     let (started, started_at) = (Instant::now(), SystemTime::now());
+    // The profile partition's costs, measured once here for every rank and re-plan.
+    let profiled = super::pipeline::profile::resolve(cfg)?;
+    let cfg = profiled.as_ref().unwrap_or(cfg);
     // NCCL GPU ranks: what they do not implement is refused first, what they treat differently
     // is said; the plan comes from the config as the GPU reads it.
     let nccl = crate::gpu::train::nccl_run(cfg);

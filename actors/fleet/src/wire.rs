@@ -229,8 +229,8 @@ pub struct WirePrepared {
     /// `PhaseTimes`' forward, backward inner and backward allreduce seconds, as bits.
     pub phases_bits: [u64; 3],
     pub moe: Option<WireMoeTally>,
-    /// `TimedOp`s as (kind, micro-batch, start bits, end bits).
-    pub timeline: Vec<(u8, u32, u64, u64)>,
+    /// `TimedOp`s as (kind, chunk, micro-batch, start bits, end bits).
+    pub timeline: Vec<(u8, u32, u32, u64, u64)>,
     pub activation_bytes_peak: u64,
 }
 
@@ -282,7 +282,7 @@ impl WirePrepared {
             busy_micro_batches: p.busy_micro_batches as u64,
             phases_bits: [p.phases.forward_s, p.phases.backward_inner_s, p.phases.backward_allreduce_s].map(f64::to_bits),
             moe: p.moe.as_ref().map(WireMoeTally::new),
-            timeline: p.timeline.iter().map(|o| (o.kind, o.micro_batch, o.start_s.to_bits(), o.end_s.to_bits())).collect(),
+            timeline: p.timeline.iter().map(|o| (o.kind, o.chunk, o.micro_batch, o.start_s.to_bits(), o.end_s.to_bits())).collect(),
             activation_bytes_peak: p.activation_bytes_peak,
         }
     }
@@ -307,7 +307,13 @@ impl WirePrepared {
             timeline: self
                 .timeline
                 .iter()
-                .map(|&(kind, micro_batch, a, b)| TimedOp { kind, micro_batch, start_s: f64::from_bits(a), end_s: f64::from_bits(b) })
+                .map(|&(kind, chunk, micro_batch, a, b)| TimedOp {
+                    kind,
+                    chunk,
+                    micro_batch,
+                    start_s: f64::from_bits(a),
+                    end_s: f64::from_bits(b),
+                })
                 .collect(),
             activation_bytes_peak: self.activation_bytes_peak,
         }

@@ -19,18 +19,26 @@ pub struct PipelineSummary {
     pub stages: usize,
     pub replicas: usize,
     pub schedule: String,
-    /// Each stage's blocks `[first, end)`.
-    pub blocks_per_stage: Vec<[usize; 2]>,
+    /// Chunks a stage (the interleaved schedule's virtual stages; 1 for the others).
+    pub chunks_per_stage: usize,
+    /// The `profile` partition's costs the stages were cut by.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub profile: Option<super::profile::BlockCosts>,
+    /// Each stage's blocks `[first, end)`, per chunk.
+    pub blocks_per_stage: Vec<Vec<[usize; 2]>>,
     /// Micro-batches per replica and step.
     pub micro_batches_per_replica: usize,
-    /// `(S − 1)/(M + S − 1)`: the bubble of the schedule in unit time.
+    /// The schedule's bubble in unit time ([`schedule::bubble_in_theory`]): `(S − 1)/(M + S − 1)`
+    /// for GPipe and 1F1B.
     pub bubble_theory: f64,
     /// Replica 0's measured idle share of its stages between the step's first forward and
     /// last backward, averaged over the steps after the first (the first too when it is the
     /// only one).
     pub bubble_measured: f64,
-    /// The most micro-batches each stage holds activations of at once.
+    /// The most micro-batch chunks each stage holds activations of at once.
     pub peak_in_flight_per_stage: Vec<usize>,
+    /// The most weight stashes each stage holds at once (ZB-H1's; 0 for the other schedules).
+    pub peak_weight_stashes_per_stage: Vec<usize>,
     /// The most activation bytes any rank of each stage held at once, over the run.
     pub peak_activation_bytes_per_stage: Vec<u64>,
 }
@@ -75,11 +83,19 @@ impl PipelineTally {
             stages: s,
             replicas: pp.replicas,
             schedule: pp.schedule.name().to_string(),
-            blocks_per_stage: pp.spans.iter().map(|x| [x.blocks.start, x.blocks.end]).collect(),
+            chunks_per_stage: pp.chunks,
+            profile: match &pp.method {
+                super::PartitionMethod::Profile(c) => c.clone(),
+                _ => None,
+            },
+            blocks_per_stage: pp.blocks_per_stage(),
             micro_batches_per_replica: m,
-            bubble_theory: (s - 1) as f64 / (m + s - 1) as f64,
+            bubble_theory: schedule::bubble_in_theory(pp.schedule, s, pp.chunks, m),
             bubble_measured: measured,
-            peak_in_flight_per_stage: (0..s).map(|p| peak_in_flight(&schedule::stream(pp.schedule, s, p, m))).collect(),
+            peak_in_flight_per_stage: (0..s).map(|p| peak_in_flight(&schedule::stream(pp.schedule, s, pp.chunks, p, m))).collect(),
+            peak_weight_stashes_per_stage: (0..s)
+                .map(|p| schedule::peak_weight_stashes(&schedule::stream(pp.schedule, s, pp.chunks, p, m)))
+                .collect(),
             peak_activation_bytes_per_stage: (0..s).map(|p| self.activation_peak.get(p).copied().unwrap_or(0)).collect(),
         }
     }

@@ -1,12 +1,14 @@
 //! The picture of one pipeline step ([`svg`]): a row per stage, a box per instruction
-//! (forwards blue, backwards green, embeddings backwards grey, each labelled with its
-//! micro-batch), time to the right, the bubbles left blank; the title gives the bubble fraction.
+//! (forwards blue, backwards green — the zero-bubble schedule's input halves light green and
+//! weight halves orange —, embeddings backwards grey, each labelled with its micro-batch and
+//! chunk, [`Op::label`]), time to the right, the bubbles left blank; the title gives the bubble
+//! fraction.
 
 use std::fmt::Write;
 
 use tessera_actors::compute::TimedOp;
 
-use super::schedule::{Op, Span};
+use super::schedule::{Kind, Op, Span};
 
 /// One instruction as a stage ran it, in seconds from the step's start.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -20,22 +22,26 @@ pub struct Timed {
 impl Timed {
     /// As a worker reports it ([`TimedOp`]).
     pub fn op(&self) -> TimedOp {
-        let (kind, mb) = match self.op {
-            Op::Forward(m) => (0, m),
-            Op::Backward(m) => (1, m),
-            Op::EmbedBackward(m) => (2, m),
+        let kind = match self.op.kind {
+            Kind::Forward => 0,
+            Kind::Backward => 1,
+            Kind::EmbedBackward => 2,
+            Kind::Input => 3,
+            Kind::Weight => 4,
         };
-        TimedOp { kind, micro_batch: mb as u32, start_s: self.start_s, end_s: self.end_s }
+        TimedOp { kind, chunk: self.op.chunk as u32, micro_batch: self.op.mb as u32, start_s: self.start_s, end_s: self.end_s }
     }
 
     /// A worker's report back as an instruction of stage `stage`.
     pub fn from_op(stage: usize, o: &TimedOp) -> Timed {
-        let m = o.micro_batch as usize;
-        let op = match o.kind {
-            0 => Op::Forward(m),
-            1 => Op::Backward(m),
-            _ => Op::EmbedBackward(m),
+        let kind = match o.kind {
+            0 => Kind::Forward,
+            1 => Kind::Backward,
+            3 => Kind::Input,
+            4 => Kind::Weight,
+            _ => Kind::EmbedBackward,
         };
+        let op = Op { kind, mb: o.micro_batch as usize, chunk: o.chunk as usize };
         Timed { stage, op, start_s: o.start_s, end_s: o.end_s }
     }
 
@@ -50,7 +56,7 @@ impl Timed {
 pub fn bubble(ops: &[Timed], stages: usize) -> f64 {
     let t0 = ops.iter().map(|o| o.start_s).fold(f64::INFINITY, f64::min);
     let t1 = ops.iter().map(|o| o.end_s).fold(f64::NEG_INFINITY, f64::max);
-    let busy: f64 = ops.iter().filter(|o| !matches!(o.op, Op::EmbedBackward(_))).map(|o| o.end_s - o.start_s).sum();
+    let busy: f64 = ops.iter().filter(|o| o.op.kind != Kind::EmbedBackward).map(|o| o.end_s - o.start_s).sum();
     if t1.partial_cmp(&t0) != Some(std::cmp::Ordering::Greater) || stages == 0 {
         return 0.0;
     }
@@ -75,7 +81,7 @@ pub fn svg(ops: &[Timed], stages: usize, title: &str, unit: &str) -> String {
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{height}" font-family="sans-serif" font-size="11">
 <rect width="100%" height="100%" fill="white"/>
 <text x="{LEFT}" y="20" font-size="14">{title} — bubble {b:.1} %</text>
-<text x="{LEFT}" y="38" fill="#555">forward <tspan fill="#3b6fb6">■</tspan>  backward <tspan fill="#3a9a4a">■</tspan>  embeddings backward <tspan fill="#999">■</tspan>  idle: blank</text>
+<text x="{LEFT}" y="38" fill="#555">forward <tspan fill="#3b6fb6">■</tspan>  backward <tspan fill="#3a9a4a">■</tspan>  input half <tspan fill="#7cc47f">■</tspan>  weight half <tspan fill="#e08a2c">■</tspan>  embeddings backward <tspan fill="#999">■</tspan>  F3.1 = micro-batch 3, chunk 1  idle: blank</text>
 "##,
         w = LEFT + WIDTH + 20.0,
         title = escape(title),
@@ -94,11 +100,14 @@ pub fn svg(ops: &[Timed], stages: usize, title: &str, unit: &str) -> String {
     }
     for o in ops {
         let y = 50.0 + ROW * o.stage as f64;
-        let (fill, label) = match o.op {
-            Op::Forward(m) => ("#3b6fb6", format!("F{m}")),
-            Op::Backward(m) => ("#3a9a4a", format!("B{m}")),
-            Op::EmbedBackward(m) => ("#999999", format!("E{m}")),
+        let fill = match o.op.kind {
+            Kind::Forward => "#3b6fb6",
+            Kind::Backward => "#3a9a4a",
+            Kind::Input => "#7cc47f",
+            Kind::Weight => "#e08a2c",
+            Kind::EmbedBackward => "#999999",
         };
+        let label = o.op.label();
         let (a, b) = (x(o.start_s), x(o.end_s).max(x(o.start_s) + 1.5));
         let _ = writeln!(
             s,
@@ -142,7 +151,7 @@ mod tests {
     /// theory's bubble, 3/11.
     #[test]
     fn the_schedule_picture_shows_every_instruction_and_the_bubble() {
-        let spans = simulate(&streams(Schedule::OneFOneB, 4, 8)).expect("completes");
+        let spans = simulate(&streams(Schedule::OneFOneB, 4, 1, 8)).expect("completes");
         let ops = Timed::from_units(&spans);
         assert!((bubble(&ops, 4) - 3.0 / 11.0).abs() < 1e-12);
         let svg = svg(&ops, 4, "1f1b, 4 stages, 8 micro-batches", "units");

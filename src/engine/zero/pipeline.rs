@@ -18,11 +18,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_actors::compute::{ComputeError, MoeTally, PhaseTimes};
-use tessera_kernels::model::{noise_key_of, MicroBatch, UnitAccess, Workspace};
+use tessera_kernels::model::{noise_key_of, MicroBatch, UnitAccess, WStash, Workspace};
 use tessera_transport::tree::TreeSum;
 
 use super::super::moe_stats::tally_of;
-use super::super::pipeline::schedule::{self, Op};
+use super::super::pipeline::schedule::{self, Kind, Op};
 use super::super::pipeline::timeline::Timed;
 use super::super::pipeline::PipePlan;
 use super::super::plan::Plan;
@@ -30,15 +30,16 @@ use super::owner_sums::{tree, OwnerSums};
 use super::{clamp_to, Computed, ParamStore, ZeroWorker};
 
 /// Tags of the pipeline's point-to-point messages: "PIPE" in the high half, then the kind, the
-/// step (mod 1024) and the micro-batch (or unit).
+/// step (mod 1024), the receiving chunk and the micro-batch (or unit).
 const PIPE_TAG: u64 = 0x5049_5045 << 32;
 const FORWARD: u64 = 0;
 const BACKWARD: u64 = 1;
 const EMBED: u64 = 2;
 const PARAMS: u64 = 3;
 
-fn tag(kind: u64, step: u64, index: usize) -> u64 {
-    PIPE_TAG | (kind << 30) | ((step & 0x3ff) << 20) | (index as u64 & 0xf_ffff)
+fn tag(kind: u64, step: u64, chunk: usize, index: usize) -> u64 {
+    debug_assert!(chunk < 64 && index < 1 << 14, "chunk {chunk}, index {index}");
+    PIPE_TAG | (kind << 30) | ((step & 0x3ff) << 20) | ((chunk as u64 & 0x3f) << 14) | (index as u64 & 0x3fff)
 }
 
 /// The model's view of one instruction: the stage's parameters, and in a backward the
@@ -65,7 +66,7 @@ impl UnitAccess for PipeAccess<'_> {
     }
 }
 
-/// A micro-batch between its forward and the last instruction that needs it.
+/// A micro-batch's chunk between its forward and the last instruction that needs it.
 struct InFlight {
     ws: Workspace,
     tokens: Vec<u32>,
@@ -75,6 +76,8 @@ struct InFlight {
     grads: Vec<Option<Vec<f32>>>,
     /// d(embeddings) of a one-stage pipeline, kept for its embeddings' backward.
     dx0: Option<Vec<f32>>,
+    /// The weight gradients' inputs between a backward's input half and its weight half.
+    stash: Option<WStash>,
 }
 
 /// The stage's gradient trees: per unit the block in progress, and the finished block sums.
@@ -120,6 +123,75 @@ impl StageSums {
     }
 }
 
+/// One step of this rank's stage: what its instructions read.
+struct StageStep<'a> {
+    plan: &'a Plan,
+    pp: &'a PipePlan,
+    step: u64,
+    /// The stage and replica.
+    p: usize,
+    d: usize,
+    leaves: Vec<usize>,
+    blocks: Vec<(usize, u32)>,
+    params: Vec<Option<Vec<f32>>>,
+    dloss: f32,
+}
+
+/// One step of this rank's stage: what its instructions leave.
+#[derive(Default)]
+struct StageState {
+    flight: HashMap<(usize, usize), InFlight>,
+    pool: Vec<Workspace>,
+    sums: Option<StageSums>,
+    loss: f64,
+    moe: Option<MoeTally>,
+    /// The most bytes the micro-batches in flight held at once.
+    held_peak: usize,
+}
+
+impl StageStep<'_> {
+    /// The rank and chunk of the span before (`after` false) or after chunk `c` of this stage.
+    fn neighbour(&self, c: usize, after: bool) -> Option<(usize, usize)> {
+        let (p, d) = (self.p, self.d);
+        let n = if after { self.pp.after(p, c) } else { self.pp.before(p, c) };
+        n.map(|(q, qc)| (self.pp.rank(q, d), qc))
+    }
+
+    /// Where the instruction's result goes: (rank, tag), if anywhere.
+    fn destination(&self, op: Op) -> Option<(usize, u64)> {
+        let (k, c) = (op.mb, op.chunk);
+        match op.kind {
+            Kind::Forward => self.neighbour(c, true).map(|(to, tc)| (to, tag(FORWARD, self.step, tc, k))),
+            Kind::Backward | Kind::Input => match self.neighbour(c, false) {
+                Some((to, tc)) => Some((to, tag(BACKWARD, self.step, tc, k))),
+                None if self.pp.stages > 1 => Some((self.pp.last_rank(self.d), tag(EMBED, self.step, 0, k))),
+                None => None,
+            },
+            Kind::Weight | Kind::EmbedBackward => None,
+        }
+    }
+
+    /// Where the instruction's input comes from: (rank, tag), if anywhere.
+    fn source(&self, op: Op) -> Option<(usize, u64)> {
+        let (k, c) = (op.mb, op.chunk);
+        match op.kind {
+            Kind::Forward => self.neighbour(c, false).map(|(from, _)| (from, tag(FORWARD, self.step, c, k))),
+            Kind::Backward | Kind::Input => self.neighbour(c, true).map(|(from, _)| (from, tag(BACKWARD, self.step, c, k))),
+            Kind::EmbedBackward if self.pp.stages > 1 => Some((self.pp.rank(0, self.d), tag(EMBED, self.step, 0, k))),
+            Kind::EmbedBackward | Kind::Weight => None,
+        }
+    }
+
+    /// The chunk whose entry an instruction works on: the embeddings' backward finishes the
+    /// head's chunk's unit 0.
+    fn entry(&self, op: Op) -> (usize, usize) {
+        match op.kind {
+            Kind::EmbedBackward => (op.mb, self.pp.chunks - 1),
+            _ => (op.mb, op.chunk),
+        }
+    }
+}
+
 impl ZeroWorker {
     /// The step's forward and backward as pipeline stage, and the gradients' way to their
     /// owners; what [`ZeroWorker::compute_and_reduce`] is for an unpipelined rank.
@@ -128,134 +200,160 @@ impl ZeroWorker {
         let pp = plan.pipeline.as_ref().expect("a pipelined plan");
         let (me, p, d) = (self.rank, pp.stage_of(self.rank), pp.replica_of(self.rank));
         let t_step = Instant::now();
-        let stage_params = self.stage_params(pp, step, params)?;
-        let leaves = plan.leaves(pp.last_rank(d));
-        let blocks = plan.blocks[pp.last_rank(d)].clone();
-        let span = pp.spans[p].clone();
+        let at = StageStep {
+            plan: &plan,
+            pp,
+            step,
+            p,
+            d,
+            leaves: plan.leaves(pp.last_rank(d)),
+            blocks: plan.blocks[pp.last_rank(d)].clone(),
+            params: self.stage_params(pp, step, params)?,
+            dloss: scale / plan.micro_batches as f32,
+        };
         let n_units = plan.model.units().len();
-        let (mb, t) = (plan.micro, plan.seq_len);
-        let dloss = scale / plan.micro_batches as f32;
-        let ops = schedule::stream(pp.schedule, pp.stages, p, leaves.len());
-        let mut flight: HashMap<usize, InFlight> = HashMap::new();
-        let mut pool: Vec<Workspace> = Vec::new();
-        let mut sums = StageSums { trees: (0..n_units).map(|_| None).collect(), done: BTreeMap::new() };
-        let (mut loss, mut moe, mut phases) = (0.0f64, None::<MoeTally>, PhaseTimes::default());
+        let ops = schedule::stream(pp.schedule, pp.stages, pp.chunks, p, at.leaves.len());
+        let mut st = StageState {
+            sums: Some(StageSums { trees: (0..n_units).map(|_| None).collect(), done: BTreeMap::new() }),
+            ..StageState::default()
+        };
+        let mut phases = PhaseTimes::default();
         let mut timeline = Vec::with_capacity(ops.len());
-        let mut held_peak = 0usize;
-        let prev = (p > 0).then(|| pp.rank(p - 1, d));
-        let next = (p + 1 < pp.stages).then(|| pp.rank(p + 1, d));
-        let (first_rank, last_rank) = (pp.rank(0, d), pp.last_rank(d));
         let fail = |e: String| ComputeError::failed(format!("rank {me} (stage {p}, replica {d}): {e}"));
         for op in ops {
-            let k = op.mb();
-            let leaf = leaves[k];
             // What the instruction receives, before its compute starts.
-            let input = match op {
-                Op::Forward(_) => prev.map(|from| self.recv(from, tag(FORWARD, step, k))).transpose()?,
-                Op::Backward(_) => next.map(|from| self.recv(from, tag(BACKWARD, step, k))).transpose()?,
-                Op::EmbedBackward(_) if pp.stages > 1 => Some(self.recv(first_rank, tag(EMBED, step, k))?),
-                Op::EmbedBackward(_) => None,
-            };
+            let input = at.source(op).map(|(from, tag)| self.recv(from, tag)).transpose()?;
             let start = Instant::now();
-            if let Op::Forward(_) = op {
-                let mut f = InFlight {
-                    ws: pool.pop().unwrap_or_default(),
-                    tokens: vec![0; mb * t],
-                    targets: vec![0; mb * t],
-                    grads: vec![None; n_units],
-                    dx0: None,
-                };
-                self.sampler.fill(plan.first_sample(step, leaf), mb, &mut f.tokens, &mut f.targets);
-                flight.insert(k, f);
-            }
-            let f = flight.get_mut(&k).ok_or_else(|| fail(format!("{op:?} of a micro-batch not in flight")))?;
-            let batch = MicroBatch {
-                tokens: &f.tokens,
-                targets: &f.targets,
-                b: mb,
-                t,
-                noise_key: noise_key_of(self.sampler.seed(), step, leaf as u64),
-            };
-            let mut acc = PipeAccess {
-                params: &stage_params,
-                units: plan.model.units(),
-                grads: &mut f.grads,
-                backward: !matches!(op, Op::Forward(_)),
-                ready: Vec::new(),
-            };
-            // What the instruction sends, after its compute.
-            let mut out: Option<(usize, u64, Vec<f32>)> = None;
-            match op {
-                Op::Forward(_) => {
-                    let got = plan.model.stage_forward(&mut acc, &span, batch, input.as_deref(), &mut f.ws);
-                    if let Some(l) = got {
-                        loss += f64::from(l);
-                    }
-                    if let Some(m) = tally_of(f.ws.moe_stats()) {
-                        moe.get_or_insert_with(MoeTally::default).add(&m);
-                    }
-                    if let Some(to) = next {
-                        out = Some((to, tag(FORWARD, step, k), plan.model.stage_output(&f.ws).to_vec()));
-                    }
-                }
-                Op::Backward(_) => {
-                    let dx = plan.model.stage_backward(&mut acc, &span, batch, input.as_deref(), dloss, &mut f.ws).to_vec();
-                    out = match prev {
-                        Some(to) => Some((to, tag(BACKWARD, step, k), dx)),
-                        None if pp.stages > 1 => Some((last_rank, tag(EMBED, step, k), dx)),
-                        None => {
-                            f.dx0 = Some(dx);
-                            None
-                        }
-                    };
-                }
-                Op::EmbedBackward(_) => {
-                    let dx = input.or_else(|| f.dx0.take()).ok_or_else(|| fail(format!("no d(embeddings) for micro-batch {k}")))?;
-                    plan.model.stage_embed_backward(&mut acc, &f.tokens, mb, t, &dx);
-                }
-            }
-            for u in std::mem::take(&mut acc.ready) {
-                let g = f.grads[u].take().unwrap_or_else(|| vec![0.0; plan.model.units()[u].len()]);
-                sums.add(&plan, &blocks, leaf, u, g).map_err(fail)?;
-            }
-            held_peak = held_peak.max(flight.values().map(|f| f.ws.bytes()).sum());
+            let out = self.run_instruction(&at, op, input, &mut st).map_err(fail)?;
             let end = Instant::now();
             let secs = (end - start).as_secs_f64();
-            match op {
-                Op::Forward(_) => phases.forward_s += secs,
+            match op.kind {
+                Kind::Forward => phases.forward_s += secs,
                 _ => phases.backward_inner_s += secs,
             }
             timeline.push(Timed { stage: p, op, start_s: (start - t_step).as_secs_f64(), end_s: (end - t_step).as_secs_f64() });
-            // A micro-batch leaves once its last instruction here ran.
-            let done = match op {
-                Op::Backward(_) => !span.head,
-                Op::EmbedBackward(_) => true,
-                Op::Forward(_) => false,
-            };
-            if done {
-                if let Some(f) = flight.remove(&k) {
-                    pool.push(f.ws);
-                }
-            }
-            if let Some((to, tag, data)) = out {
+            if let (Some((to, tag)), Some(data)) = (at.destination(op), out) {
                 self.lane.call("sending a pipeline stream", move |c| c.send(to, tag, &data).map_err(ComputeError::from))??;
             }
         }
-        if !flight.is_empty() {
-            return Err(fail(format!("{} micro-batches were left unfinished by the schedule", flight.len())));
+        if !st.flight.is_empty() {
+            return Err(fail(format!("{} micro-batch chunks were left unfinished by the schedule", st.flight.len())));
         }
         let reduce = Instant::now();
+        let sums = st.sums.take().expect("the stage's sums");
         let grad = self.send_block_sums(&sums).map_err(|e| e.context(format!("rank {me} (stage {p}, replica {d})")))?;
         phases.backward_allreduce_s += reduce.elapsed().as_secs_f64();
         self.timeline = timeline;
-        self.activation_bytes_peak = held_peak as u64;
-        if let Some(m) = moe.as_mut().filter(|_| !span.head) {
-            // The last stage counts the micro-batches; the others add their blocks' routing.
-            m.micro_batches = 0;
-        }
+        self.activation_bytes_peak = st.held_peak as u64;
         // No speed is reported (`busy_micro_batches` 0): a pipeline's replicas keep equal blocks,
         // so the elastic driver never re-weights them.
-        Ok(Computed { loss, grad, busy_s: 0.0, busy_micro_batches: 0, phases, moe })
+        Ok(Computed { loss: st.loss, grad, busy_s: 0.0, busy_micro_batches: 0, phases, moe: st.moe })
+    }
+
+    /// Runs one instruction on its micro-batch chunk, adds the gradients it finishes to the
+    /// stage's trees, and returns what it sends (the forward's output stream, a backward's
+    /// d(input)).
+    fn run_instruction(
+        &self,
+        at: &StageStep<'_>,
+        op: Op,
+        input: Option<Vec<f32>>,
+        st: &mut StageState,
+    ) -> Result<Option<Vec<f32>>, String> {
+        let plan = at.plan;
+        let model = &plan.model;
+        let (mb, t) = (plan.micro, plan.seq_len);
+        let leaf = at.leaves[op.mb];
+        let span = at.pp.span(at.p, at.entry(op).1);
+        let key = at.entry(op);
+        if op.kind == Kind::Forward {
+            let mut f = InFlight {
+                ws: st.pool.pop().unwrap_or_default(),
+                tokens: vec![0; mb * t],
+                targets: vec![0; mb * t],
+                grads: vec![None; model.units().len()],
+                dx0: None,
+                stash: None,
+            };
+            self.sampler.fill(plan.first_sample(at.step, leaf), mb, &mut f.tokens, &mut f.targets);
+            st.flight.insert(key, f);
+        }
+        let f = st.flight.get_mut(&key).ok_or_else(|| format!("{op} of a micro-batch chunk not in flight"))?;
+        let batch = MicroBatch {
+            tokens: &f.tokens,
+            targets: &f.targets,
+            b: mb,
+            t,
+            noise_key: noise_key_of(self.sampler.seed(), at.step, leaf as u64),
+        };
+        let mut acc = PipeAccess {
+            params: &at.params,
+            units: model.units(),
+            grads: &mut f.grads,
+            backward: op.kind != Kind::Forward,
+            ready: Vec::new(),
+        };
+        let mut out = None;
+        match op.kind {
+            Kind::Forward => {
+                if let Some(l) = model.stage_forward(&mut acc, span, batch, input.as_deref(), &mut f.ws) {
+                    st.loss += f64::from(l);
+                }
+                // Every chunk adds its blocks' routing; the head's chunk counts the micro-batch.
+                let mut tally = tally_of(f.ws.moe_stats());
+                if let Some(m) = tally.as_mut() {
+                    m.micro_batches = u64::from(span.head);
+                } else if span.head && model.cfg.moe.is_some() {
+                    tally = Some(MoeTally { micro_batches: 1, ..MoeTally::default() });
+                }
+                if let Some(m) = tally {
+                    st.moe.get_or_insert_with(MoeTally::default).add(&m);
+                }
+                out = Some(model.stage_output(&f.ws).to_vec());
+            }
+            Kind::Backward => out = Some(model.stage_backward(&mut acc, span, batch, input.as_deref(), at.dloss, &mut f.ws).to_vec()),
+            Kind::Input => {
+                let (dx, stash) = model.stage_backward_input(&mut acc, span, batch, input.as_deref(), at.dloss, &mut f.ws);
+                out = Some(dx.to_vec());
+                f.stash = Some(stash);
+                // The weight half reads only its stash: the activations go back to the pool.
+                st.pool.push(std::mem::take(&mut f.ws));
+            }
+            Kind::Weight => {
+                let stash = f.stash.take().ok_or_else(|| format!("{op} before its input half"))?;
+                let spent = model.stage_backward_weight(&mut acc, stash);
+                // Its buffers serve the next input half run on a pooled workspace.
+                if let Some(ws) = st.pool.last_mut() {
+                    ws.recycle(spent);
+                }
+            }
+            Kind::EmbedBackward => {
+                let dx = input.or_else(|| f.dx0.take()).ok_or_else(|| format!("no d(embeddings) for micro-batch {}", op.mb))?;
+                model.stage_embed_backward(&mut acc, &f.tokens, mb, t, &dx);
+            }
+        }
+        if op.sends_grad() && at.destination(op).is_none() {
+            // One stage: d(embeddings) stays for its own embeddings' backward.
+            f.dx0 = out.take();
+        }
+        let sums = st.sums.as_mut().expect("the stage's sums");
+        for u in std::mem::take(&mut acc.ready) {
+            let g = f.grads[u].take().unwrap_or_else(|| vec![0.0; model.units()[u].len()]);
+            sums.add(plan, &at.blocks, leaf, u, g)?;
+        }
+        st.held_peak = st.held_peak.max(st.flight.values().map(|f| f.ws.bytes() + f.stash.as_ref().map_or(0, WStash::bytes)).sum());
+        // A micro-batch chunk leaves once its last instruction here ran.
+        let done = match op.kind {
+            Kind::Backward | Kind::Weight => !span.head,
+            Kind::EmbedBackward => true,
+            Kind::Forward | Kind::Input => false,
+        };
+        if done {
+            if let Some(f) = st.flight.remove(&key) {
+                st.pool.push(f.ws);
+            }
+        }
+        Ok(out)
     }
 
     fn recv(&mut self, from: usize, tag: u64) -> Result<Vec<f32>, ComputeError> {
@@ -287,7 +385,7 @@ impl ZeroWorker {
                 for r in (0..plan.world).filter(|&r| r != self.rank && pp.param_units(pp.stage_of(r)).contains(&u)) {
                     let data = vals.clone();
                     self.lane.call("sending a stage its parameters", move |c| {
-                        c.send(r, tag(PARAMS, step, u), &data).map_err(ComputeError::from)
+                        c.send(r, tag(PARAMS, step, 0, u), &data).map_err(ComputeError::from)
                     })??;
                 }
             }
@@ -307,7 +405,7 @@ impl ZeroWorker {
                 let vals = if o == self.rank {
                     read(piece.start + unit.start..piece.end + unit.start)?
                 } else {
-                    self.recv(o, tag(PARAMS, step, u))?
+                    self.recv(o, tag(PARAMS, step, 0, u))?
                 };
                 if vals.len() != piece.len() {
                     return Err(ComputeError::failed(format!("rank {o} sent {} values of unit {u}, expected {}", vals.len(), piece.len())));
@@ -358,8 +456,9 @@ impl ZeroWorker {
 mod tests {
     use super::super::testing::{plan_error, two_steps};
 
-    /// Every schedule, stage count, data-parallel size and ZeRO stage gives the one-worker
-    /// bits, also with recomputation, an uneven cut and MoE blocks in the stages.
+    /// Every schedule (GPipe, 1F1B, interleaved with 2 chunks a stage, ZB-H1), stage count,
+    /// data-parallel size and ZeRO stage gives the one-worker bits, also with recomputation, an
+    /// uneven cut and MoE blocks in the stages.
     #[test]
     fn pipelines_give_the_bits_of_one_worker() {
         let moe = ["tessera.moe.num_experts=4", "tessera.moe.k=2", "tessera.moe.expert_interval=1"];
@@ -374,6 +473,12 @@ mod tests {
                 (4, 4, "gpipe", 1, Some("zero_optimization.reduce_bucket_size=70000")),
                 (3, 3, "1f1b", 2, Some("pipeline.partition=type:gpt")),
                 (2, 1, "1f1b", 2, None),
+                (2, 2, "interleaved", 1, None),
+                (4, 2, "interleaved", 3, Some("pipeline.activation_checkpoint_interval=1")),
+                (2, 2, "zb-h1", 0, Some("pipeline.activation_checkpoint_interval=1")),
+                (4, 2, "zb-h1", 2, None),
+                (4, 4, "zb-h1", 3, Some("zero_optimization.reduce_bucket_size=70000")),
+                (2, 1, "zb-h1", 1, None),
             ] {
                 let mut sets: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
                 sets.push(format!("pipeline.stages={stages}"));
@@ -420,11 +525,39 @@ mod tests {
         }
     }
 
+    /// The `profile` partition cuts by the costs it is given (the head's time moves blocks off
+    /// the last stage) and keeps the one-worker bits; measured at the start of `train`, the
+    /// costs are recorded in the resolved config for every rank.
+    #[test]
+    fn the_profile_partition_cuts_by_the_costs_and_keeps_the_bits() {
+        let (one, _) = two_steps(1, 0, &[]);
+        let sets = [
+            "pipeline.stages=2",
+            "pipeline.partition=profile",
+            "tessera.pipeline.profile.blocks_ms=[1,1,1,1]",
+            "tessera.pipeline.profile.head_ms=2",
+        ];
+        let plan = super::super::testing::plan(2, 1, &sets);
+        assert_eq!(plan.pipeline.as_ref().expect("a pipeline").blocks_per_stage(), vec![vec![[0, 3]], vec![[3, 4]]]);
+        let (got, _) = two_steps(2, 1, &sets);
+        assert!(got == one, "the profile partition: not the one-worker bits");
+        let (cfg, _) = super::super::testing::setup(2, 1, &["pipeline.stages=2", "pipeline.partition=profile"]);
+        let resolved = crate::engine::pipeline::profile::resolve(&cfg).expect("measured").expect("a profile to measure");
+        let costs = &resolved.resolved["tessera"]["pipeline"]["profile"];
+        assert_eq!(costs["blocks_ms"].as_array().map(Vec::len), Some(4), "{costs}");
+        let sets = ["pipeline.stages=2".to_string(), "tessera.pipeline.profile.blocks_ms=[1,1,1]".to_string()];
+        let ctx = crate::config::ResolveContext::with_world(2);
+        let e = crate::config::from_str_named(r#"{"train_batch_size": 4}"#, "t.json", &sets, &ctx).unwrap_err().to_string();
+        assert!(e.contains("pipeline.partition") && e.contains("read only by the profile partition"), "{e}");
+        let e = plan_error(2, 1, &["pipeline.stages=2", "pipeline.partition=profile", "tessera.pipeline.profile.blocks_ms=[1,1,1]"]);
+        assert!(e.contains("has 3 costs, the model has 4 blocks"), "{e}");
+    }
+
     /// What a pipeline cannot take is refused by key when planned.
     #[test]
     fn pipelines_refuse_what_they_cannot_run() {
         let e = plan_error(4, 1, &["pipeline.stages=4", "pipeline.partition=type:moe"]);
-        assert!(e.contains("pipeline.stages = 4") && e.contains("every stage would not get one"), "{e}");
+        assert!(e.contains("pipeline.stages = 4") && e.contains("would not get one"), "{e}");
         let e = plan_error(8, 1, &["pipeline.stages=8"]);
         assert!(e.contains("8 stages for a model of 4 blocks"), "{e}");
         let e = plan_error(4, 1, &["pipeline.stages=2", "tessera.moe.num_experts=4", "tessera.moe.ep_size=2"]);
