@@ -381,8 +381,13 @@ impl Decoder {
             ws.hsel.slice(0..m * c)
         };
         let logits = ws.logits.slice(0..m * d.vocab);
-        self.gemm(Mat::new(logits.raw, Dt::F32), bf(hs), Mat::tr(self.w.head().raw, Dt::Bf16), (m, c, d.vocab))?;
-        gpu.mark("head gemm");
+        if m <= self.wq_rows_max.min(BF16_GEMV_ROWS_MAX) && c % 16 == 0 {
+            launch::gemv_f32(gpu, st, logits, hs, self.w.head(), m, (c, d.vocab))?;
+            gpu.mark("head gemv");
+        } else {
+            self.gemm(Mat::new(logits.raw, Dt::F32), bf(hs), Mat::tr(self.w.head().raw, Dt::Bf16), (m, c, d.vocab))?;
+            gpu.mark("head gemm");
+        }
         Ok(())
     }
 
@@ -395,11 +400,16 @@ impl Decoder {
         let (x, h) = (ws.x.slice(0..n * c), ws.h.slice(0..n * c));
         let (qkv, q, att, tmp) = (ws.qkv.slice(0..n * hh.row()), ws.q.slice(0..n * c), ws.att.slice(0..n * c), ws.tmp.slice(0..n * c));
         let cache = (self.kv[l].0.ptr(), self.kv[l].1.ptr());
-        self.linear(qkv, h, &w.qkv_w, (n, c, hh.row()))?;
-        gpu.mark("qkv gemm");
         let (qkv_b, inv_freq) = (w.qkv_b.as_ref().map(|b| b.ptr()), self.inv_freq.as_ref().map(|f| f.ptr()));
-        launch::qkv_store(gpu, st, q, cache, qkv, qkv_b, inv_freq, p, hh)?;
-        gpu.mark("qkv bias/rope + cache store");
+        if self.gemv_rows(&w.qkv_w, n) {
+            launch::gemv_qkv(gpu, st, q, cache, h, w.qkv_w.gemv(), (qkv_b, inv_freq), p, hh, c)?;
+            gpu.mark("qkv gemv + bias/rope + cache store");
+        } else {
+            self.linear(qkv, h, &w.qkv_w, (n, c, hh.row()))?;
+            gpu.mark("qkv gemm");
+            launch::qkv_store(gpu, st, q, cache, qkv, qkv_b, inv_freq, p, hh)?;
+            gpu.mark("qkv bias/rope + cache store");
+        }
         launch::paged_attention(gpu, st, att, q, cache, p, hh, self.opts.block_size, self.cfg.max_seq_len)?;
         gpu.mark("paged attention");
         self.linear(tmp, att, &w.o_w, (n, c, c))?;
