@@ -51,7 +51,14 @@ impl LoadedModel {
     /// CPU backend, or the GPU backend on CUDA device 0 (`--device cuda`), with `num_blocks`
     /// cache blocks of `block_size` positions, steps of up to `max_tokens` tokens of `max_seqs`
     /// sequences (every decode step of up to `max_seqs` sequences replays a CUDA graph).
-    pub fn backend(self, b: BackendChoice, block_size: usize, num_blocks: usize, max_seqs: usize, max_tokens: usize) -> Result<Box<dyn Backend>> {
+    pub fn backend(
+        self,
+        b: BackendChoice,
+        block_size: usize,
+        num_blocks: usize,
+        max_seqs: usize,
+        max_tokens: usize,
+    ) -> Result<Box<dyn Backend>> {
         match b.device {
             Device::Cpu => {
                 let weights = match b.weights.unwrap_or(Weights::F32) {

@@ -331,9 +331,15 @@ pub fn gemv_qkv(
     let (m_i, k_i, nh, nkv, hd) = (i32_of("m", m), i32_of("k", k), i32_of("nh", h.nh), i32_of("nkv", h.nkv), i32_of("hd", h.hd));
     let (pos, slot) = (p.pos.raw, p.slot.raw);
     match w.fmt {
-        F::Int8 => launch!(gpu, st, "dec_gemv_qkv_i8", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd),
-        F::Fp8 => launch!(gpu, st, "dec_gemv_qkv_e4m3", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd),
-        F::Bf16 => launch!(gpu, st, "dec_gemv_qkv_bf16", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd),
+        F::Int8 => {
+            launch!(gpu, st, "dec_gemv_qkv_i8", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
+        }
+        F::Fp8 => {
+            launch!(gpu, st, "dec_gemv_qkv_e4m3", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
+        }
+        F::Bf16 => {
+            launch!(gpu, st, "dec_gemv_qkv_bf16", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
+        }
     }
 }
 
