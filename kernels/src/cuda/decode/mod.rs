@@ -413,7 +413,7 @@ impl Decoder {
         launch::paged_attention(gpu, st, att, q, cache, p, hh, self.opts.block_size, self.cfg.max_seq_len)?;
         gpu.mark("paged attention");
         self.linear(tmp, att, &w.o_w, (n, c, c))?;
-        gpu.mark("out-projection gemm");
+        gpu.mark("out-projection (gemv or gemm)");
         let (mean, rstd) = (ws.mean.slice(0..n), ws.rstd.slice(0..n));
         // The norm after this block: the next block's first, or the final one.
         let (next_w, next_b) = match self.w.layers.get(l + 1) {
@@ -430,7 +430,7 @@ impl Decoder {
                 gpu.mark("residual + norm");
                 self.linear_gelu((pre, act), h, &w.up_w, bias(&w.up_b), (n, c, f))?;
                 self.linear(tmp, act, &w.down_w, (n, f, c))?;
-                gpu.mark("mlp down gemm");
+                gpu.mark("mlp down (gemv or gemm)");
                 let b = next_b.expect("GPT-2 norms have biases");
                 let ln = ops::ResidualLn { xo: x, out: h, mean, rstd, x, y: tmp, yb: bias(&w.down_b), w: next_w, b, n, c };
                 ops::residual_layernorm_forward(gpu, st, &ln)?;
@@ -442,11 +442,11 @@ impl Decoder {
                 launch::residual_rmsnorm(gpu, st, x, h, tmp, w.ln2_w.ptr(), n, c, d.eps)?;
                 gpu.mark("residual + norm");
                 self.linear(gu, h, &w.up_w, (n, c, 2 * f))?;
-                gpu.mark("mlp gate|up gemm");
+                gpu.mark("mlp gate|up (gemv or gemm)");
                 launch::swiglu_rows(gpu, st, act, gu, n, f)?;
                 gpu.mark("swiglu");
                 self.linear(tmp, act, &w.down_w, (n, f, c))?;
-                gpu.mark("mlp down gemm");
+                gpu.mark("mlp down (gemv or gemm)");
                 launch::residual_rmsnorm(gpu, st, x, h, tmp, next_w, n, c, d.eps)?;
                 gpu.mark("residual + norm");
                 Ok(())
