@@ -255,8 +255,8 @@ pub struct GenerateOpts {
     pub top_k: usize,
     pub seed: u64,
     pub tokenizer: Option<PathBuf>,
-    /// The linear layers' weights (f32, or int8 with per-channel scales).
-    pub weights: crate::infer::LinearFormat,
+    /// The device and the linear layers' format.
+    pub backend: crate::serve::model::BackendChoice,
 }
 
 /// The tokenizer to decode a checkpoint's tokens with: the one it was trained with (recorded in
@@ -334,7 +334,7 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
         bail!("the prompt encodes to no tokens; give --prompt some text");
     }
     let ctx = m.model.cfg.max_seq_len;
-    let mut engine = crate::serve::engine_for(m, 16, 0, o.weights, 1, 512)?;
+    let mut engine = crate::serve::engine_for(m, 16, 0, o.backend, 1, 512)?;
     let mut out = std::io::stdout();
     let streamed = show(&mut out, &codec.decode(&tokens[shown..])).and_then(|()| {
         let mut text = crate::infer::text::TextOut::new(Vec::new());

@@ -296,7 +296,7 @@ struct TrainArgs {
     /// --nprocs, --world or tessera.world — at most the GPUs present; with "quic" GPU ranks of the
     /// one engine, elastic with `tessera.elastic`: docs/GPU.md).
     #[arg(long, value_enum)]
-    device: Option<Device>,
+    device: Option<tessera::serve::model::Device>,
     /// (`tessera chaos run`) A worker-net file: each spawned worker in its own network
     /// namespace, the driver on their bridge (docs/ELASTIC.md).
     #[arg(long, value_name = "FILE", hide = true, requires = "nprocs")]
@@ -314,13 +314,6 @@ struct TrainArgs {
     /// (seconds).
     #[arg(long, value_name = "SECS", default_value_t = tessera::engine::JOIN_TIMEOUT_MS / 1000)]
     join_timeout: u64,
-}
-
-/// `train --device`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Device {
-    Cpu,
-    Cuda,
 }
 
 #[derive(Args)]
@@ -344,9 +337,14 @@ struct ServeArgs {
     /// Key/value cache blocks (0: enough for --max-seqs sequences of the full context).
     #[arg(long, default_value_t = 0)]
     kv_blocks: usize,
-    /// The linear layers' weights: f32, or int8 (weight-only, per-channel scales).
-    #[arg(long, default_value = "f32")]
-    weights: tessera::infer::LinearFormat,
+    /// Where the model runs: cpu (the paged CPU backend) or cuda (GPU 0: bf16, fused decode
+    /// kernels, CUDA graphs).
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: tessera::serve::model::Device,
+    /// The linear layers' weights (default: f32 on the CPU, bf16 on the GPU): f32 (CPU), bf16
+    /// (GPU), int8 (weight-only, per-channel scales; both), fp8 (e4m3, per-channel scales; GPU).
+    #[arg(long, value_enum)]
+    weights: Option<tessera::serve::model::Weights>,
     /// Sequences in a batch at most.
     #[arg(long, default_value_t = 32)]
     max_seqs: usize,
@@ -426,9 +424,14 @@ struct GenerateArgs {
     /// The tokenizer.json the model was trained with (byte-level if absent).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    /// The linear layers' weights: f32, or int8 (weight-only, per-channel scales).
-    #[arg(long, default_value = "f32")]
-    weights: tessera::infer::LinearFormat,
+    /// Where the model runs: cpu (the paged CPU backend) or cuda (GPU 0: bf16, fused decode
+    /// kernels, CUDA graphs).
+    #[arg(long, value_enum, default_value = "cpu")]
+    device: tessera::serve::model::Device,
+    /// The linear layers' weights (default: f32 on the CPU, bf16 on the GPU): f32 (CPU), bf16
+    /// (GPU), int8 (weight-only, per-channel scales; both), fp8 (e4m3, per-channel scales; GPU).
+    #[arg(long, value_enum)]
+    weights: Option<tessera::serve::model::Weights>,
 }
 
 #[derive(Args)]
@@ -524,7 +527,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
     match cli.cmd {
         Cmd::Train(mut a) => {
             if let Some(d) = a.device {
-                let name = if d == Device::Cuda { "cuda" } else { "cpu" };
+                let name = if d == tessera::serve::model::Device::Cuda { "cuda" } else { "cpu" };
                 a.common.set.push(format!("tessera.device={name}"));
             }
             if let Some(launcher) = tessera::launch::launcher_env(&|k| std::env::var(k).ok())? {
@@ -568,7 +571,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             top_k: a.top_k,
             seed: a.seed,
             tokenizer: a.tokenizer,
-            weights: a.weights,
+            backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights },
         })
         .map(|()| done),
         Cmd::Serve(a) => {
@@ -585,7 +588,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 addr: a.addr,
                 block_size: a.block_size,
                 kv_blocks: a.kv_blocks,
-                weights: a.weights,
+                backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights },
                 max_seqs: a.max_seqs,
                 max_batch_tokens: a.max_batch_tokens,
                 limits,

@@ -210,3 +210,37 @@ fn sigterm_finishes_the_requests_in_flight_then_exits() {
     assert!(status.success(), "{status}");
     assert!(TcpStream::connect(&srv.addr).is_err(), "still listening after exit");
 }
+
+/// `--weights` a device cannot hold is refused naming the flag; `--device cuda` without a GPU is
+/// refused naming the flag (the error is the driver's sentence), and with one it generates.
+#[test]
+fn the_device_and_weights_flags_are_honoured_or_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = model_folder(tmp.path());
+    let generate = |extra: &[&str]| {
+        Command::new(bin())
+            .args(["generate", "--checkpoint", model.to_str().unwrap(), "--prompt", "It is", "--tokens", "8", "--temperature", "0"])
+            .args(extra)
+            .output()
+            .expect("running tessera generate")
+    };
+    let err = |o: &std::process::Output| String::from_utf8_lossy(&o.stderr).into_owned();
+    for (extra, fragments) in [
+        (&["--weights", "fp8"][..], &["--weights fp8", "--device cuda"][..]),
+        (&["--weights", "bf16"][..], &["--weights bf16", "CPU backend holds f32 or int8"][..]),
+        (&["--device", "cuda", "--weights", "f32"][..], &["--weights f32", "GPU backend holds bf16, int8 or fp8"][..]),
+    ] {
+        let out = generate(extra);
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        assert!(fragments.iter().all(|f| err(&out).contains(f)), "{extra:?}: {}", err(&out));
+    }
+    let cpu = generate(&["--weights", "int8"]);
+    assert!(cpu.status.success(), "{}", err(&cpu));
+    let gpu = generate(&["--device", "cuda"]);
+    if gpu.status.success() {
+        assert!(gpu.stdout.len() > "It is".len(), "{:?}", String::from_utf8_lossy(&gpu.stdout));
+    } else {
+        println!("no GPU here: {}", err(&gpu));
+        assert!(err(&gpu).contains("--device cuda"), "{}", err(&gpu));
+    }
+}

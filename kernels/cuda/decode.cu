@@ -73,8 +73,8 @@ extern "C" __global__ void dec_qkv_store(bf16* __restrict__ q_out, bf16* __restr
 // g = h / (nh / nkv), position j in block tables[seq[r]·max_blocks + j / bs], offset j % bs.
 // One block (DEC_ATT_THREADS) per (token, head): a thread per key for the scores (dynamic shared
 // memory holds them: max_len floats), the softmax's max and sum by a fixed tree, then for the
-// output thread (part, d2) sums keys j ≡ part (mod parts) over the dimension pair d2 and the parts
-// are added in ascending order. f32 throughout, bf16 out; deterministic.
+// output thread (part, d8) sums keys j ≡ part (mod parts) over 8 dimensions and the parts are
+// added in ascending order. f32 throughout, bf16 out; deterministic.
 #define DEC_ATT_THREADS 256
 
 __device__ __forceinline__ float dec_block_reduce(float v, float* red, bool is_max) {
@@ -109,6 +109,7 @@ extern "C" __global__ void dec_paged_attention(bf16* __restrict__ y, const bf16*
     for (int j = threadIdx.x; j < len; j += blockDim.x) {
         const uint4* k4 = (const uint4*)dec_kv_row(kc, table, j, bs, nkv, g, hd);
         float acc = 0.0f;
+#pragma unroll 8
         for (int v = 0; v < (hd >> 3); v++) {
             const uint4 kv = k4[v];
             const float* qq = qs + 8 * v;
@@ -128,22 +129,31 @@ extern "C" __global__ void dec_paged_attention(bf16* __restrict__ y, const bf16*
         sum += e;
     }
     sum = dec_block_reduce(sum, red, false);  // ends with a barrier: every score is written
-    const int d2n = hd >> 1, parts = blockDim.x / d2n;
-    const int part = threadIdx.x / d2n, d2 = threadIdx.x - part * d2n;
-    float a0 = 0.0f, a1 = 0.0f;
+    // Thread (part, d8) sums keys j ≡ part (mod parts) over dimensions 8·d8 .. 8·d8 + 7 (one
+    // 16-byte load a key), the parts are then added in ascending order.
+    const int d8n = hd >> 3, parts = blockDim.x / d8n;
+    const int part = threadIdx.x / d8n, d8 = threadIdx.x - part * d8n;
+    float a[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) a[e] = 0.0f;
     if (part < parts) {
+#pragma unroll 4
         for (int j = part; j < len; j += parts) {
-            const u32 vv = ((const u32*)dec_kv_row(vc, table, j, bs, nkv, g, hd))[d2];
+            const uint4 vv = ((const uint4*)dec_kv_row(vc, table, j, bs, nkv, g, hd))[d8];
             const float p = sc[j];
-            a0 += p * bf2f((bf16)(vv & 0xffffu));
-            a1 += p * bf2f((bf16)(vv >> 16));
+            const u32 vs[4] = {vv.x, vv.y, vv.z, vv.w};
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                a[2 * e] += p * bf2f((bf16)(vs[e] & 0xffffu));
+                a[2 * e + 1] += p * bf2f((bf16)(vs[e] >> 16));
+            }
         }
     }
     __syncthreads();
-    float* acc = sc;  // reuse: [parts, hd]
+    float* acc = sc;  // reuse: [parts, hd] (parts · hd ≤ 8 · DEC_ATT_THREADS)
     if (part < parts) {
-        acc[part * hd + 2 * d2] = a0;
-        acc[part * hd + 2 * d2 + 1] = a1;
+#pragma unroll
+        for (int e = 0; e < 8; e++) acc[part * hd + 8 * d8 + e] = a[e];
     }
     __syncthreads();
     const float inv = 1.0f / sum;
@@ -265,6 +275,74 @@ __device__ __forceinline__ float dec_gelu(float x) {
 }
 
 #define DEC_WQ_ROWS 8
+// Chunks of 16 weights each lane loads before it computes with them (loads in flight per lane).
+#define DEC_GEMV_AHEAD 4
+
+// acc[r] += Σ over chunk q (16 weights from k = 16q) of x[r0 + r, k] · w[k] (unscaled), for the
+// rows r0 + r < m. `wa` (and for bf16 `wb`) hold the chunk's weights.
+template <int FMT>
+__device__ __forceinline__ void dec_gemv_chunk(float (&acc)[DEC_WQ_ROWS], const bf16* __restrict__ x, uint4 wa, uint4 wb, int q, int r0,
+                                               int m, int k) {
+    float wf[16];
+    if (FMT == 2) {
+        const u32 ws[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            wf[2 * i] = bf2f((bf16)(ws[i] & 0xffffu));
+            wf[2 * i + 1] = bf2f((bf16)(ws[i] >> 16));
+        }
+    } else {
+        dec_unpack4<FMT>(wa.x, wf);
+        dec_unpack4<FMT>(wa.y, wf + 4);
+        dec_unpack4<FMT>(wa.z, wf + 8);
+        dec_unpack4<FMT>(wa.w, wf + 12);
+    }
+#pragma unroll
+    for (int r = 0; r < DEC_WQ_ROWS; r++) {
+        if (r0 + r < m) {
+            const uint4* xr = (const uint4*)(x + (u64)(r0 + r) * k + 16 * q);
+            const uint4 a = xr[0], b = xr[1];
+            const u32 xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            float t = acc[r];
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                t += bf2f((bf16)(xs[i] & 0xffffu)) * wf[2 * i] + bf2f((bf16)(xs[i] >> 16)) * wf[2 * i + 1];
+            }
+            acc[r] = t;
+        }
+    }
+}
+
+// The dot products of output channel j (w's row j of k weights) with rows r0.. of x, each lane's
+// part: lane takes chunks q ≡ lane (mod 32) ascending, loading DEC_GEMV_AHEAD chunks before
+// computing with them (the same order of additions as one chunk at a time). Not yet reduced
+// over the warp.
+template <int FMT>
+__device__ __forceinline__ void dec_gemv_dot(float (&acc)[DEC_WQ_ROWS], const bf16* __restrict__ x, const unsigned char* __restrict__ w,
+                                             int j, int lane, int r0, int m, int k) {
+#pragma unroll
+    for (int r = 0; r < DEC_WQ_ROWS; r++) acc[r] = 0.0f;
+    const int k16 = k >> 4;
+    const uint4* wr = (const uint4*)(w + (u64)j * k * (FMT == 2 ? 2 : 1));
+    for (int q0 = lane; q0 < k16; q0 += 32 * DEC_GEMV_AHEAD) {
+        uint4 wa[DEC_GEMV_AHEAD], wb[DEC_GEMV_AHEAD];
+#pragma unroll
+        for (int u = 0; u < DEC_GEMV_AHEAD; u++) {
+            const int q = q0 + 32 * u;
+            wa[u] = make_uint4(0u, 0u, 0u, 0u);
+            wb[u] = wa[u];
+            if (q < k16) {
+                wa[u] = FMT == 2 ? wr[2 * q] : wr[q];
+                if (FMT == 2) wb[u] = wr[2 * q + 1];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < DEC_GEMV_AHEAD; u++) {
+            const int q = q0 + 32 * u;
+            if (q < k16) dec_gemv_chunk<FMT>(acc, x, wa[u], wb[u], q, r0, m, k);
+        }
+    }
+}
 
 // y[r, j] = epilogue(Σ_k x[r, k] · w[j, k] · s[j])  with w [n, k] (output channel j's row) of
 // int8 (FMT 0), e4m3 (1) or bf16 (2; `s` null), x [m, k] bf16. The product is rounded to bf16
@@ -280,41 +358,7 @@ __device__ __forceinline__ void dec_gemv_t(bf16* __restrict__ y, const bf16* __r
     const int lane = threadIdx.x & 31, r0 = blockIdx.y * DEC_WQ_ROWS;
     if (j >= n) return;  // warp-uniform
     float acc[DEC_WQ_ROWS];
-#pragma unroll
-    for (int r = 0; r < DEC_WQ_ROWS; r++) acc[r] = 0.0f;
-    const uint4* wr = (const uint4*)(w + (u64)j * k * (FMT == 2 ? 2 : 1));
-    for (int q = lane; q < (k >> 4); q += 32) {
-        float wf[16];
-        if (FMT == 2) {
-            const uint4 a = wr[2 * q], b = wr[2 * q + 1];
-            const u32 ws[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                wf[2 * i] = bf2f((bf16)(ws[i] & 0xffffu));
-                wf[2 * i + 1] = bf2f((bf16)(ws[i] >> 16));
-            }
-        } else {
-            const uint4 wv = wr[q];
-            dec_unpack4<FMT>(wv.x, wf);
-            dec_unpack4<FMT>(wv.y, wf + 4);
-            dec_unpack4<FMT>(wv.z, wf + 8);
-            dec_unpack4<FMT>(wv.w, wf + 12);
-        }
-#pragma unroll
-        for (int r = 0; r < DEC_WQ_ROWS; r++) {
-            if (r0 + r < m) {
-                const uint4* xr = (const uint4*)(x + (u64)(r0 + r) * k + 16 * q);
-                const uint4 a = xr[0], b = xr[1];
-                const u32 xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-                float t = acc[r];
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    t += bf2f((bf16)(xs[i] & 0xffffu)) * wf[2 * i] + bf2f((bf16)(xs[i] >> 16)) * wf[2 * i + 1];
-                }
-                acc[r] = t;
-            }
-        }
-    }
+    dec_gemv_dot<FMT>(acc, x, w, j, lane, r0, m, k);
     const float sj = s ? s[j] : 1.0f;
 #pragma unroll
     for (int r = 0; r < DEC_WQ_ROWS; r++) {
@@ -340,6 +384,92 @@ extern "C" __global__ void dec_gemv_bf16(bf16* __restrict__ y, const bf16* __res
                                          const bf16* __restrict__ bias, int gelu, int m, int k, int n) {
     dec_gemv_t<2>(y, x, w, s, bias, gelu, m, k, n);
 }
+
+// y[r, j] = Σ_k x[r, k] · w[j, k] in f32, not rounded (the LM head's logits of a few rows; w
+// bf16 [n, k]); the GEMV above otherwise.
+extern "C" __global__ void dec_gemv_f32out(float* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w, int m, int k,
+                                           int n) {
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, r0 = blockIdx.y * DEC_WQ_ROWS;
+    if (j >= n) return;  // warp-uniform
+    float acc[DEC_WQ_ROWS];
+    dec_gemv_dot<2>(acc, x, w, j, lane, r0, m, k);
+#pragma unroll
+    for (int r = 0; r < DEC_WQ_ROWS; r++) {
+        const float t = warp_sum(acc[r]);
+        if (lane == 0 && r0 + r < m) y[(u64)(r0 + r) * n + j] = t;
+    }
+}
+
+// The QKV projection of a few rows with dec_qkv_store's epilogue: for each pair (head h, i <
+// hd/2) of columns c0 = h·hd + i, c1 = c0 + hd/2 of the product [m, (nh + 2·nkv)·hd], the
+// product rounded to bf16 (the GEMV's output), then + bias (f32), RoPE where `inv_freq` is not
+// null, q to q_out and k, v into the cache at each row's slot — the bits of the GEMV followed by
+// dec_qkv_store. A block of 8 warps takes 4 pairs: warp w < 4 computes c0 of pair 4·blockIdx.x + w,
+// warp w + 4 its c1 (handed over in shared memory); blockIdx.y picks DEC_WQ_ROWS rows.
+template <int FMT>
+__device__ __forceinline__ void dec_gemv_qkv_t(bf16* __restrict__ q_out, bf16* __restrict__ kc, bf16* __restrict__ vc,
+                                               const bf16* __restrict__ x, const unsigned char* __restrict__ w, const float* __restrict__ s,
+                                               const bf16* __restrict__ bias, const double* __restrict__ inv_freq, const int* __restrict__ pos,
+                                               const int* __restrict__ slot, int m, int k, int nh, int nkv, int hd) {
+    __shared__ float other[4][DEC_WQ_ROWS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.y * DEC_WQ_ROWS;
+    const int half = hd >> 1, pair = blockIdx.x * 4 + (warp & 3), h = pair / half, i = pair - h * half;
+    const int c0 = h * hd + i, j = c0 + (warp >> 2) * half;
+    float acc[DEC_WQ_ROWS];
+    dec_gemv_dot<FMT>(acc, x, w, j, lane, r0, m, k);
+    const float sj = s ? s[j] : 1.0f;
+    float mine[DEC_WQ_ROWS];
+#pragma unroll
+    for (int r = 0; r < DEC_WQ_ROWS; r++) mine[r] = bf2f(f2bf(warp_sum(acc[r]) * sj));
+    if (warp >= 4 && lane == 0) {
+#pragma unroll
+        for (int r = 0; r < DEC_WQ_ROWS; r++) other[warp - 4][r] = mine[r];
+    }
+    __syncthreads();
+    if (warp >= 4 || lane != 0) return;
+    const float b0 = bias ? bf2f(bias[c0]) : 0.0f, b1 = bias ? bf2f(bias[c0 + half]) : 0.0f;
+#pragma unroll
+    for (int r = 0; r < DEC_WQ_ROWS; r++) {
+        if (r0 + r >= m) break;
+        const int row = r0 + r;
+        float a = mine[r], b = other[warp][r];
+        if (bias) {
+            a += b0;
+            b += b1;
+        }
+        if (inv_freq && h < nh + nkv) {
+            double sn, cs;
+            sincos((double)pos[row] * inv_freq[i], &sn, &cs);
+            const float cf = (float)cs, sf = (float)sn;
+            const float a2 = a * cf - b * sf, b2 = b * cf + a * sf;
+            a = a2;
+            b = b2;
+        }
+        const u64 sl = (u64)slot[row];
+        bf16* dst;
+        if (h < nh) {
+            dst = q_out + (u64)row * nh * hd + h * hd;
+        } else if (h < nh + nkv) {
+            dst = kc + (sl * nkv + (h - nh)) * hd;
+        } else {
+            dst = vc + (sl * nkv + (h - nh - nkv)) * hd;
+        }
+        dst[i] = f2bf(a);
+        dst[i + half] = f2bf(b);
+    }
+}
+
+#define DEC_GEMV_QKV(NAME, FMT)                                                                                                          \
+    extern "C" __global__ void NAME(bf16* __restrict__ q_out, bf16* __restrict__ kc, bf16* __restrict__ vc, const bf16* __restrict__ x, \
+                                    const unsigned char* __restrict__ w, const float* __restrict__ s, const bf16* __restrict__ bias,    \
+                                    const double* __restrict__ inv_freq, const int* __restrict__ pos, const int* __restrict__ slot,     \
+                                    int m, int k, int nh, int nkv, int hd) {                                                            \
+        dec_gemv_qkv_t<FMT>(q_out, kc, vc, x, w, s, bias, inv_freq, pos, slot, m, k, nh, nkv, hd);                                      \
+    }
+DEC_GEMV_QKV(dec_gemv_qkv_i8, 0)
+DEC_GEMV_QKV(dec_gemv_qkv_e4m3, 1)
+DEC_GEMV_QKV(dec_gemv_qkv_bf16, 2)
 
 // wd[k', j] = bf16(s[j] · w[j, k'])  ([k, n], the layout cuBLAS takes): the quantized weight
 // widened for a step of many rows (prefill), where the GEMM is compute-bound.

@@ -15,7 +15,7 @@ use tessera_kernels::cuda::decode::{DecodeOptions, WeightFormat};
 use tessera_kernels::model::{Arch, Model, ModelConfig};
 use tessera_kernels::tensor::Rng;
 
-use crate::infer::{GpuBackend, SeqStep};
+use crate::infer::{Backend, GpuBackend, SeqStep};
 use crate::zoo::{self, ModelSource};
 
 #[derive(Args, Debug, Clone)]
@@ -107,10 +107,7 @@ pub fn run(a: &DecodeBenchArgs) -> Result<()> {
     }
     drop(params);
     if !a.no_peer {
-        for row in peer(a, &cfg, &batches)? {
-            println!("{}", json(a, &row));
-            rows.push(row);
-        }
+        rows.extend(peer(a, &cfg, &batches)?);
     }
     print_table(a, &cfg, model.num_params(), &rows);
     Ok(())
@@ -262,22 +259,35 @@ fn peer(a: &DecodeBenchArgs, cfg: &ModelConfig, batches: &[usize]) -> Result<Vec
         cmd.arg(k).arg(v);
     }
     eprintln!("peer: {cmd:?}");
-    let out = cmd.output().with_context(|| format!("running the peer `python3 {}`", a.peer))?;
-    if !out.status.success() {
-        bail!("the peer `python3 {}` failed ({}):\n{}", a.peer, out.status, String::from_utf8_lossy(&out.stderr));
-    }
+    // Its lines are read as they come (a row measured before a time limit stops the peer stays).
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("running the peer `python3 {}`", a.peer))?;
+    let stdout = child.stdout.take().context("the peer's standard output")?;
     let mut rows = Vec::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.starts_with('{')) {
-        let v: serde_json::Value = serde_json::from_str(line).with_context(|| format!("the peer printed `{line}`: expected JSON"))?;
+    for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+        let line = line.context("reading the peer's output")?;
+        if !line.starts_with('{') {
+            continue;
+        }
+        let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("the peer printed `{line}`: expected JSON"))?;
         let num = |k: &str| v[k].as_f64().with_context(|| format!("the peer's line `{line}` has no number `{k}`"));
-        rows.push(Row {
+        let row = Row {
             quality: None,
             system: format!("HF transformers {} generate, static cache + compile", v["transformers"].as_str().unwrap_or("?")),
             batch: num("batch")? as usize,
             seconds: num("s")?,
             tok_s: num("new_tok_per_s")?,
             ms_step: num("ms_per_step")?,
-        });
+        };
+        println!("{}", json(a, &row));
+        rows.push(row);
+    }
+    let status = child.wait().context("waiting for the peer")?;
+    if !status.success() {
+        bail!("the peer `python3 {}` failed ({status}; its messages are above)", a.peer);
     }
     Ok(rows)
 }

@@ -37,4 +37,11 @@ pub trait Backend: Send {
     /// `want_logits`, in batch order. The result for a sequence does not depend on what else is
     /// in the batch beyond floating-point summation order, which is fixed per backend.
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>>;
+    /// Runs `batch` as [`Backend::step`] does and returns, instead of each wanted row of logits,
+    /// its greedy choice: the lowest index of the largest logit ([`super::sample::argmax`]). The
+    /// engine calls it when every sequence wanting logits samples greedily without a repetition
+    /// penalty; a GPU backend then moves token ids, not logits, to the host.
+    fn step_greedy(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<u32>> {
+        Ok(self.step(batch)?.iter().map(|l| super::sample::argmax(l)).collect())
+    }
 }

@@ -154,18 +154,26 @@ impl Engine {
             .collect();
         self.stats.computed_tokens += plan.work.iter().map(|w| w.len as u64).sum::<u64>();
         self.stats.prefix_hit_tokens += plan.cached_tokens as u64;
-        let mut logits = self.backend.step(&batch)?.into_iter();
+        let wanted: Vec<SeqId> = plan.work.iter().filter(|w| w.want_logits).map(|w| w.id).collect();
+        let greedy = wanted.iter().all(|id| self.live[id].sampler.is_greedy());
         let mut sampled = HashMap::new();
-        for w in plan.work.iter().filter(|w| w.want_logits) {
-            let mut l = logits.next().ok_or_else(|| anyhow::anyhow!("the backend returned fewer logits than asked for"))?;
-            ensure!(
-                l.len() == self.backend.vocab_size(),
-                "the backend returned {} logits, expected {}",
-                l.len(),
-                self.backend.vocab_size()
-            );
-            let live = self.live.get_mut(&w.id).expect("a planned sequence is live");
-            sampled.insert(w.id, live.sampler.sample(&mut l, self.sched.tokens(w.id)));
+        if greedy {
+            let ids = self.backend.step_greedy(&batch)?;
+            ensure!(ids.len() == wanted.len(), "the backend returned {} greedy tokens, expected {}", ids.len(), wanted.len());
+            sampled.extend(wanted.iter().copied().zip(ids));
+        } else {
+            let logits = self.backend.step(&batch)?;
+            ensure!(logits.len() == wanted.len(), "the backend returned {} rows of logits, expected {}", logits.len(), wanted.len());
+            for (id, mut l) in wanted.iter().copied().zip(logits) {
+                ensure!(
+                    l.len() == self.backend.vocab_size(),
+                    "the backend returned {} logits, expected {}",
+                    l.len(),
+                    self.backend.vocab_size()
+                );
+                let live = self.live.get_mut(&id).expect("a planned sequence is live");
+                sampled.insert(id, live.sampler.sample(&mut l, self.sched.tokens(id)));
+            }
         }
         self.sched.complete(&plan, |id| sampled.get(&id).copied());
         self.finish_sampled(&plan.work, &sampled)

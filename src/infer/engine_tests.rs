@@ -165,3 +165,59 @@ fn the_paged_cpu_backend_under_the_scheduler_generates_what_the_reference_does()
         assert_eq!(e.free_blocks(), blocks);
     }
 }
+
+/// A backend that counts which of `step` / `step_greedy` the engine calls, and whose greedy
+/// choice is the reference's argmax of the same logits.
+struct Counting {
+    inner: RecomputeBackend,
+    calls: std::sync::Arc<std::sync::Mutex<(usize, usize)>>,
+}
+
+impl super::backend::Backend for Counting {
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn max_seq_len(&self) -> usize {
+        self.inner.max_seq_len()
+    }
+    fn step(&mut self, batch: &[super::backend::SeqStep<'_>]) -> anyhow::Result<Vec<Vec<f32>>> {
+        self.calls.lock().unwrap().0 += 1;
+        self.inner.step(batch)
+    }
+    fn step_greedy(&mut self, batch: &[super::backend::SeqStep<'_>]) -> anyhow::Result<Vec<u32>> {
+        self.calls.lock().unwrap().1 += 1;
+        Ok(self.inner.step(batch)?.iter().map(|l| super::sample::argmax(l)).collect())
+    }
+}
+
+#[test]
+fn greedy_batches_ask_the_backend_for_token_ids_and_sampled_ones_for_logits() {
+    use super::backend::Backend;
+    // Greedy without a repetition penalty: only ids are needed. With a penalty, or sampled, the
+    // logits are (a batch with any such sequence asks for logits).
+    let plain = SamplingParams { temperature: 0.0, repetition_penalty: 1.0, ..SamplingParams::default() };
+    let all = requests();
+    let greedy: Vec<Request> = all.iter().map(|r| Request { sampling: plain, ..r.clone() }).collect();
+    for (reqs, want_logits) in [(&greedy, false), (&all, true)] {
+        let want: Vec<Vec<u32>> = reqs.iter().map(reference).collect();
+        let (m, p) = model();
+        let calls = std::sync::Arc::new(std::sync::Mutex::new((0, 0)));
+        let backend = Counting { inner: RecomputeBackend::new(m, p, 4, 64).unwrap(), calls: calls.clone() };
+        assert_eq!(backend.block_size(), 4);
+        let mut e = Engine::new(Box::new(backend), 64, 8).unwrap();
+        assert_eq!(run_all(&mut e, reqs, 1), want);
+        let (logits, ids) = *calls.lock().unwrap();
+        if want_logits {
+            // Every request here has a repetition penalty or samples.
+            assert_eq!((logits > 0, ids), (true, 0), "sampled requests need logits: {logits} step / {ids} step_greedy");
+        } else {
+            assert_eq!((logits, ids > 0), (0, true), "greedy requests need only ids: {logits} step / {ids} step_greedy");
+        }
+    }
+}

@@ -30,14 +30,6 @@ impl GpuBackend {
         &self.dec
     }
 
-    /// Runs `batch` as [`Backend::step`] does and returns, instead of the logits, the greedy
-    /// choice of each sequence that wanted logits (computed on the device: only the token ids
-    /// cross to the host).
-    pub fn step_greedy(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<u32>> {
-        let sb = self.run(batch)?;
-        Ok(self.dec.argmax(&sb)?)
-    }
-
     /// Runs `batch` kernel by kernel with GPU timing marks: (what, ms, launches) per kind of
     /// kernel, in order of first appearance (for `gpu decode-bench --profile`).
     pub fn profile_step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<(&'static str, f64, usize)>> {
@@ -80,5 +72,11 @@ impl Backend for GpuBackend {
     fn step(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>> {
         let sb = self.run(batch)?;
         Ok(self.dec.logits(&sb)?)
+    }
+
+    /// The greedy choices computed on the device: only the token ids cross to the host.
+    fn step_greedy(&mut self, batch: &[SeqStep<'_>]) -> Result<Vec<u32>> {
+        let sb = self.run(batch)?;
+        Ok(self.dec.argmax(&sb)?)
     }
 }

@@ -58,6 +58,12 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether [`Sampler::sample`] is the plain argmax of the logits (temperature 0, no
+    /// repetition penalty): then the logits themselves are not needed, only their argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature == 0.0 && self.params.repetition_penalty == 1.0
+    }
+
     /// The next token after `context` (the sequence so far, for the repetition penalty).
     /// `logits` is used as scratch.
     pub fn sample(&mut self, logits: &mut [f32], context: &[u32]) -> u32 {

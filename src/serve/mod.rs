@@ -23,10 +23,10 @@ use std::sync::{Arc, Mutex};
 
 use anyhow::{ensure, Context, Result};
 
-use crate::infer::{Engine, LinearFormat};
+use crate::infer::Engine;
 use http::{AppState, Limits};
 use metrics::Metrics;
-use model::LoadedModel;
+use model::{BackendChoice, LoadedModel};
 use worker::Worker;
 
 /// Options of `tessera serve`.
@@ -42,8 +42,8 @@ pub struct ServeOpts {
     /// Cache positions per block, and blocks in all (0: enough for `max_seqs` full sequences).
     pub block_size: usize,
     pub kv_blocks: usize,
-    /// The linear layers' weights: f32, or int8 with per-channel scales.
-    pub weights: LinearFormat,
+    /// The device and the linear layers' format.
+    pub backend: BackendChoice,
     pub max_seqs: usize,
     pub max_batch_tokens: usize,
     pub limits: Limits,
@@ -55,13 +55,15 @@ pub fn engine_for(
     m: LoadedModel,
     block_size: usize,
     kv_blocks: usize,
-    weights: LinearFormat,
+    backend: BackendChoice,
     max_seqs: usize,
     max_batch_tokens: usize,
 ) -> Result<Engine> {
     ensure!(block_size > 0, "--block-size must be at least 1");
+    ensure!(max_seqs > 0, "--max-seqs must be at least 1");
+    ensure!(max_batch_tokens > 0, "--max-batch-tokens must be at least 1");
     let blocks = if kv_blocks == 0 { m.model.cfg.max_seq_len.div_ceil(block_size) * max_seqs } else { kv_blocks };
-    Engine::new(m.backend(block_size, blocks, weights)?, max_batch_tokens, max_seqs)
+    Engine::new(m.backend(backend, block_size, blocks, max_seqs, max_batch_tokens)?, max_batch_tokens, max_seqs)
 }
 
 /// Runs the server until SIGTERM/SIGINT, then finishes the requests in flight.
@@ -71,7 +73,7 @@ pub fn serve(o: ServeOpts) -> Result<()> {
     let name = o.served_name.clone().unwrap_or_else(|| m.name.clone());
     let codec = Arc::new(std::mem::replace(&mut m.codec, crate::data::Codec::Bytes));
     let (bos, eos, chat) = (m.bos, m.eos.clone(), m.chat.take());
-    let engine = engine_for(m, o.block_size, o.kv_blocks, o.weights, o.max_seqs, o.max_batch_tokens)?;
+    let engine = engine_for(m, o.block_size, o.kv_blocks, o.backend, o.max_seqs, o.max_batch_tokens)?;
     let metrics = Arc::new(Metrics::default());
     let limits = Limits { max_prompt_tokens: o.limits.max_prompt_tokens.min(engine.max_seq_len().saturating_sub(1)), ..o.limits };
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel();

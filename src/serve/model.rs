@@ -7,12 +7,13 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use tessera_kernels::cuda::decode::{DecodeOptions, WeightFormat};
 use tessera_kernels::model::Model;
 
 use super::chat::ChatTemplate;
 use crate::data::Codec;
 use crate::hf;
-use crate::infer::{Backend, CpuBackend, CpuOptions, LinearFormat};
+use crate::infer::{Backend, CpuBackend, CpuOptions, GpuBackend, LinearFormat};
 
 /// A model ready to generate with.
 pub struct LoadedModel {
@@ -46,10 +47,81 @@ impl LoadedModel {
         Ok(self.bos.into_iter().chain(self.codec.encode(text)?).collect())
     }
 
-    /// The backend the engine runs this model on: the paged CPU backend with `num_blocks` cache
-    /// blocks of `block_size` positions, its linears in `weights`.
-    pub fn backend(self, block_size: usize, num_blocks: usize, weights: LinearFormat) -> Result<Box<dyn Backend>> {
-        Ok(Box::new(CpuBackend::new(self.model, self.params, CpuOptions { block_size, num_blocks, weights })?))
+    /// The backend the engine runs this model on (the one place a backend is chosen): the paged
+    /// CPU backend, or the GPU backend on CUDA device 0 (`--device cuda`), with `num_blocks`
+    /// cache blocks of `block_size` positions, steps of up to `max_tokens` tokens of `max_seqs`
+    /// sequences (every decode step of up to `max_seqs` sequences replays a CUDA graph).
+    pub fn backend(
+        self,
+        b: BackendChoice,
+        block_size: usize,
+        num_blocks: usize,
+        max_seqs: usize,
+        max_tokens: usize,
+    ) -> Result<Box<dyn Backend>> {
+        match b.device {
+            Device::Cpu => {
+                let weights = match b.weights.unwrap_or(Weights::F32) {
+                    Weights::F32 => LinearFormat::F32,
+                    Weights::Int8 => LinearFormat::Int8,
+                    w @ (Weights::Bf16 | Weights::Fp8) => {
+                        bail!("--weights {w}: the CPU backend holds f32 or int8 weights; {w} runs on the GPU (--device cuda)")
+                    }
+                };
+                Ok(Box::new(CpuBackend::new(self.model, self.params, CpuOptions { block_size, num_blocks, weights })?))
+            }
+            Device::Cuda => {
+                let weights = match b.weights.unwrap_or(Weights::Bf16) {
+                    Weights::Bf16 => WeightFormat::Bf16,
+                    Weights::Int8 => WeightFormat::Int8,
+                    Weights::Fp8 => WeightFormat::Fp8,
+                    Weights::F32 => bail!("--weights f32: the GPU backend holds bf16, int8 or fp8 weights (f32 is the CPU's)"),
+                };
+                let opts = DecodeOptions { num_blocks, block_size, max_tokens, max_seqs, graph_max: max_seqs, weights };
+                Ok(Box::new(GpuBackend::new(0, &self.model, &self.params, opts).context("--device cuda")?))
+            }
+        }
+    }
+}
+
+/// Where the engine's model runs and how its linear layers are held (`--device`, `--weights`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendChoice {
+    pub device: Device,
+    /// None: the device's own (f32 on the CPU, bf16 on the GPU).
+    pub weights: Option<Weights>,
+}
+
+/// `--device` of `train`, `serve` and `generate`: the CPU or NVIDIA GPUs (`serve` and
+/// `generate` run on the first one `CUDA_VISIBLE_DEVICES` shows).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+/// `serve --weights`, `generate --weights`: the linear layers' format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Weights {
+    /// The parameters as they are (CPU).
+    F32,
+    /// bf16 (GPU).
+    Bf16,
+    /// Int8 with one scale per output channel (CPU and GPU).
+    Int8,
+    /// fp8 e4m3 with one scale per output channel (GPU).
+    Fp8,
+}
+
+impl std::fmt::Display for Weights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Weights::F32 => "f32",
+            Weights::Bf16 => "bf16",
+            Weights::Int8 => "int8",
+            Weights::Fp8 => "fp8",
+        })
     }
 }
 

@@ -107,9 +107,10 @@ pub fn qkv_store(
     launch!(gpu, s, "dec_qkv_store", blocks(n, 256); q.raw, kc.raw, vc.raw, qkv.raw, b_raw, f_raw, p.pos.raw, p.slot.raw, n_i, nh, nkv, hd)
 }
 
-/// Shared memory of [`paged_attention`] for sequences up to `max_len` positions.
+/// Shared memory of [`paged_attention`] for sequences up to `max_len` positions (the scores,
+/// later the output's partial sums of up to 8 · ATT_THREADS floats).
 pub fn attention_smem_bytes(hd: usize, max_len: usize) -> usize {
-    4 * (hd + 32 + max_len.max(2 * ATT_THREADS as usize))
+    4 * (hd + 32 + max_len.max(8 * ATT_THREADS as usize))
 }
 
 /// y = attention of each token's q over its sequence's cache positions `0..=pos` (decode.cu
@@ -252,17 +253,93 @@ pub fn gemv(
     if m == 0 {
         return Ok(());
     }
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(GEMV_COLS_PER_BLOCK as usize) as u32, m.div_ceil(GEMV_ROWS) as u32, 1),
-        block_dim: (32 * GEMV_COLS_PER_BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = gemv_cfg(m, n);
     let (s_raw, b_raw, gelu_i) = (w.s.map_or(0, |s| s.raw), bias.map_or(0, |b| b.raw), i32::from(gelu));
     let (m_i, k_i, n_i) = (i32_of("m", m), i32_of("k", k), i32_of("n", n));
     match w.fmt {
         F::Int8 => launch!(gpu, st, "dec_gemv_i8", cfg; y.raw, x.raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
         F::Fp8 => launch!(gpu, st, "dec_gemv_e4m3", cfg; y.raw, x.raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
         F::Bf16 => launch!(gpu, st, "dec_gemv_bf16", cfg; y.raw, x.raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
+    }
+}
+
+/// `y [m, n] = x [m, k] · Wᵀ` in f32 for a few rows (decode.cu `dec_gemv_f32out`; the LM head),
+/// `w [n, k]` bf16, k a multiple of 16.
+pub fn gemv_f32(gpu: &Gpu, st: &CudaStream, y: DPtr<f32>, x: DPtr<bf16>, w: DPtr<bf16>, m: usize, (k, n): (usize, usize)) -> Result<()> {
+    check_len("gemv_f32 y [m, n]", y, m * n);
+    check_len("gemv_f32 x [m, k]", x, m * k);
+    check_len("gemv_f32 w [n, k]", w, n * k);
+    assert!(k % 16 == 0, "gemv_f32: k = {k} must be a multiple of 16");
+    if m == 0 {
+        return Ok(());
+    }
+    let (m_i, k_i, n_i) = (i32_of("m", m), i32_of("k", k), i32_of("n", n));
+    launch!(gpu, st, "dec_gemv_f32out", gemv_cfg(m, n); y.raw, x.raw, w.raw, m_i, k_i, n_i)
+}
+
+fn gemv_cfg(m: usize, n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(GEMV_COLS_PER_BLOCK as usize) as u32, m.div_ceil(GEMV_ROWS) as u32, 1),
+        block_dim: (32 * GEMV_COLS_PER_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The QKV projection of a few rows with [`qkv_store`]'s epilogue in one kernel (decode.cu
+/// `dec_gemv_qkv_*`): `x [m, k] · W` (W `[row, k]` in any format), bias, RoPE where `inv_freq`
+/// is given, q to `q [m, nh·hd]`, k and v into the cache at each token's slot — the bits of
+/// [`gemv`] followed by [`qkv_store`].
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_qkv(
+    gpu: &Gpu,
+    st: &CudaStream,
+    q: DPtr<bf16>,
+    (kc, vc): (DPtr<bf16>, DPtr<bf16>),
+    x: DPtr<bf16>,
+    w: GemvW,
+    (bias, inv_freq): (Option<DPtr<bf16>>, Option<DPtr<f64>>),
+    p: &StepPtrs,
+    h: Heads,
+    k: usize,
+) -> Result<()> {
+    use super::WeightFormat as F;
+    let (m, row) = (p.n(), h.row());
+    check_len("gemv_qkv q [m, nh·hd]", q, m * h.nh * h.hd);
+    check_len("gemv_qkv x [m, k]", x, m * k);
+    assert_eq!(kc.len, vc.len, "gemv_qkv: K and V caches differ");
+    if let Some(s) = w.s {
+        check_len("gemv_qkv s [row]", s, row);
+    }
+    if let Some(b) = bias {
+        check_len("gemv_qkv bias [row]", b, row);
+    }
+    if let Some(f) = inv_freq {
+        check_len("gemv_qkv inv_freq [hd/2]", f, h.hd / 2);
+    }
+    assert!((w.fmt == F::Bf16) == w.s.is_none(), "gemv_qkv: scales go with quantized weights only");
+    // 4 column pairs a block: hd % 8 == 0 (the decoder's check) makes the pairs a multiple of 4.
+    assert!(h.hd % 8 == 0 && k % 16 == 0, "gemv_qkv: hd = {} must be a multiple of 8, k = {k} of 16", h.hd);
+    if m == 0 {
+        return Ok(());
+    }
+    let cfg = LaunchConfig {
+        grid_dim: ((row / 2 / 4) as u32, m.div_ceil(GEMV_ROWS) as u32, 1),
+        block_dim: (32 * GEMV_COLS_PER_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (s_raw, b_raw, f_raw) = (w.s.map_or(0, |s| s.raw), bias.map_or(0, |b| b.raw), inv_freq.map_or(0, |f| f.raw));
+    let (m_i, k_i, nh, nkv, hd) = (i32_of("m", m), i32_of("k", k), i32_of("nh", h.nh), i32_of("nkv", h.nkv), i32_of("hd", h.hd));
+    let (pos, slot) = (p.pos.raw, p.slot.raw);
+    match w.fmt {
+        F::Int8 => {
+            launch!(gpu, st, "dec_gemv_qkv_i8", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
+        }
+        F::Fp8 => {
+            launch!(gpu, st, "dec_gemv_qkv_e4m3", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
+        }
+        F::Bf16 => {
+            launch!(gpu, st, "dec_gemv_qkv_bf16", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
+        }
     }
 }
 

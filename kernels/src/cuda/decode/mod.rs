@@ -381,8 +381,13 @@ impl Decoder {
             ws.hsel.slice(0..m * c)
         };
         let logits = ws.logits.slice(0..m * d.vocab);
-        self.gemm(Mat::new(logits.raw, Dt::F32), bf(hs), Mat::tr(self.w.head().raw, Dt::Bf16), (m, c, d.vocab))?;
-        gpu.mark("head gemm");
+        if m <= self.wq_rows_max.min(BF16_GEMV_ROWS_MAX) && c % 16 == 0 {
+            launch::gemv_f32(gpu, st, logits, hs, self.w.head(), m, (c, d.vocab))?;
+            gpu.mark("head gemv");
+        } else {
+            self.gemm(Mat::new(logits.raw, Dt::F32), bf(hs), Mat::tr(self.w.head().raw, Dt::Bf16), (m, c, d.vocab))?;
+            gpu.mark("head gemm");
+        }
         Ok(())
     }
 
@@ -395,15 +400,20 @@ impl Decoder {
         let (x, h) = (ws.x.slice(0..n * c), ws.h.slice(0..n * c));
         let (qkv, q, att, tmp) = (ws.qkv.slice(0..n * hh.row()), ws.q.slice(0..n * c), ws.att.slice(0..n * c), ws.tmp.slice(0..n * c));
         let cache = (self.kv[l].0.ptr(), self.kv[l].1.ptr());
-        self.linear(qkv, h, &w.qkv_w, (n, c, hh.row()))?;
-        gpu.mark("qkv gemm");
         let (qkv_b, inv_freq) = (w.qkv_b.as_ref().map(|b| b.ptr()), self.inv_freq.as_ref().map(|f| f.ptr()));
-        launch::qkv_store(gpu, st, q, cache, qkv, qkv_b, inv_freq, p, hh)?;
-        gpu.mark("qkv bias/rope + cache store");
+        if self.gemv_rows(&w.qkv_w, n) {
+            launch::gemv_qkv(gpu, st, q, cache, h, w.qkv_w.gemv(), (qkv_b, inv_freq), p, hh, c)?;
+            gpu.mark("qkv gemv + bias/rope + cache store");
+        } else {
+            self.linear(qkv, h, &w.qkv_w, (n, c, hh.row()))?;
+            gpu.mark("qkv gemm");
+            launch::qkv_store(gpu, st, q, cache, qkv, qkv_b, inv_freq, p, hh)?;
+            gpu.mark("qkv bias/rope + cache store");
+        }
         launch::paged_attention(gpu, st, att, q, cache, p, hh, self.opts.block_size, self.cfg.max_seq_len)?;
         gpu.mark("paged attention");
         self.linear(tmp, att, &w.o_w, (n, c, c))?;
-        gpu.mark("out-projection gemm");
+        gpu.mark("out-projection (gemv or gemm)");
         let (mean, rstd) = (ws.mean.slice(0..n), ws.rstd.slice(0..n));
         // The norm after this block: the next block's first, or the final one.
         let (next_w, next_b) = match self.w.layers.get(l + 1) {
@@ -420,7 +430,7 @@ impl Decoder {
                 gpu.mark("residual + norm");
                 self.linear_gelu((pre, act), h, &w.up_w, bias(&w.up_b), (n, c, f))?;
                 self.linear(tmp, act, &w.down_w, (n, f, c))?;
-                gpu.mark("mlp down gemm");
+                gpu.mark("mlp down (gemv or gemm)");
                 let b = next_b.expect("GPT-2 norms have biases");
                 let ln = ops::ResidualLn { xo: x, out: h, mean, rstd, x, y: tmp, yb: bias(&w.down_b), w: next_w, b, n, c };
                 ops::residual_layernorm_forward(gpu, st, &ln)?;
@@ -432,11 +442,11 @@ impl Decoder {
                 launch::residual_rmsnorm(gpu, st, x, h, tmp, w.ln2_w.ptr(), n, c, d.eps)?;
                 gpu.mark("residual + norm");
                 self.linear(gu, h, &w.up_w, (n, c, 2 * f))?;
-                gpu.mark("mlp gate|up gemm");
+                gpu.mark("mlp gate|up (gemv or gemm)");
                 launch::swiglu_rows(gpu, st, act, gu, n, f)?;
                 gpu.mark("swiglu");
                 self.linear(tmp, act, &w.down_w, (n, f, c))?;
-                gpu.mark("mlp down gemm");
+                gpu.mark("mlp down (gemv or gemm)");
                 launch::residual_rmsnorm(gpu, st, x, h, tmp, next_w, n, c, d.eps)?;
                 gpu.mark("residual + norm");
                 Ok(())
