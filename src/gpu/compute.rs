@@ -40,6 +40,8 @@ pub struct GpuRankOptions {
     pub abandons: bool,
     /// `offload_optimizer.device = "nvme"`: the swap files' directory and I/O options.
     pub nvme: Option<super::offload::NvmeSite>,
+    /// `offload_param` (stage 3): where the bf16 parameter shard lives.
+    pub params_offload: Option<super::param_offload::ParamOffloadOptions>,
     /// `tessera.device_memory_bytes_max`: the model states were checked against it before any
     /// GPU was touched; each rank checks everything it allocated (activations and scratch too)
     /// once built, before the first step ([`check_device_total`]).
@@ -123,6 +125,7 @@ fn build_rank(plan: &Plan, start: &GpuStart<'_>, opts: &GpuRankOptions, r: usize
         recompute: opts.recompute,
         fp16: opts.scaler.is_some(),
         nvme: opts.nvme.as_ref(),
+        params_offload: opts.params_offload.as_ref(),
     };
     let mut rank = Rank::new(gpu, comm, spec).with_context(|| format!("building GPU rank {r}"))?;
     rank.overlap = opts.overlap;
@@ -351,9 +354,16 @@ impl GpuRanks {
         })
     }
 
-    /// Each rank's model-state bytes in host memory (optimizer offload).
+    /// Each rank's model-state bytes in host memory (optimizer offload, and the parameter
+    /// shard of parameter offload).
     pub fn host_optim_bytes(&self) -> Vec<u64> {
-        self.states.iter().map(|st| lock(st).rank.state_bytes().host_optim).collect()
+        self.states
+            .iter()
+            .map(|st| {
+                let b = lock(st).rank.state_bytes();
+                b.host_optim + b.host_params
+            })
+            .collect()
     }
 
     /// The summary's device figures: the GPU, each rank's device memory, rank 0's offload.
@@ -387,7 +397,11 @@ pub fn describe(world: usize, gpu: &str, opts: &GpuRankOptions) -> String {
         )
     });
     let fp16 = if opts.scaler.is_some() { " (fp16 gradients, loss scaling)" } else { "" };
-    format!(" | {world} × {gpu} (NCCL) | bf16{fp16} | {}{off}", opts.optim.kind.name())
+    let params = opts.params_offload.as_ref().map_or(String::new(), |p| {
+        let to = if p.nvme.is_some() { "an NVMe swap file" } else { "page-locked host memory" };
+        format!(" | bf16 parameter shard offloaded to {to} ({:.1} MiB of host memory)", opts.states.host_params as f64 / (1u64 << 20) as f64)
+    });
+    format!(" | {world} × {gpu} (NCCL) | bf16{fp16} | {}{off}{params}", opts.optim.kind.name())
 }
 
 /// `offload`'s figures for the summary.
