@@ -399,7 +399,10 @@ pub fn describe(world: usize, gpu: &str, opts: &GpuRankOptions) -> String {
     let fp16 = if opts.scaler.is_some() { " (fp16 gradients, loss scaling)" } else { "" };
     let params = opts.params_offload.as_ref().map_or(String::new(), |p| {
         let to = if p.nvme.is_some() { "an NVMe swap file" } else { "page-locked host memory" };
-        format!(" | bf16 parameter shard offloaded to {to} ({:.1} MiB of host memory)", opts.states.host_params as f64 / (1u64 << 20) as f64)
+        format!(
+            " | bf16 parameter shard offloaded to {to} ({:.1} MiB of host memory)",
+            opts.states.host_params as f64 / (1u64 << 20) as f64
+        )
     });
     format!(" | {world} × {gpu} (NCCL) | bf16{fp16} | {}{off}{params}", opts.optim.kind.name())
 }

@@ -83,16 +83,14 @@ pub fn check(seed: u64, only: Option<&str>) -> Result<bool> {
         }
     };
     report("ops", &|| cuda::ops::check(&gpu, seed).map_err(Into::into));
-    report(
-        "optimizers: Adam/AdamW, SGD and Lion kernels against the CPU's OptimizerShard::step, bit for bit",
-        &|| cuda::optim::check(&gpu, seed).map_err(Into::into),
-    );
+    report("optimizers: Adam/AdamW, SGD and Lion kernels against the CPU's OptimizerShard::step, bit for bit", &|| {
+        cuda::optim::check(&gpu, seed).map_err(Into::into)
+    });
     report("attention", &|| cuda::attention::check(&gpu, seed).map_err(Into::into));
     report("model (2-layer GPT vs CPU f32)", &|| gpt::check(&gpu, seed).map_err(Into::into));
-    report(
-        "LLaMA family: RMSNorm, RoPE, SwiGLU, grouped-query attention (hd 64, 128) and 2-layer models vs the CPU (f32)",
-        &|| cuda::llama::check(&gpu, seed).map_err(Into::into),
-    );
+    report("LLaMA family: RMSNorm, RoPE, SwiGLU, grouped-query attention (hd 64, 128) and 2-layer models vs the CPU (f32)", &|| {
+        cuda::llama::check(&gpu, seed).map_err(Into::into)
+    });
     report(
         "decoding: paged attention, and small GPT-2 / LLaMA models stepped over a paged cache (prefill chunks, shared prefix, CUDA graphs) vs the CPU",
         &|| cuda::decode::check::check(&gpu, seed).map_err(Into::into),
@@ -100,14 +98,13 @@ pub fn check(seed: u64, only: Option<&str>) -> Result<bool> {
     report("GPT-2 124M: the first training steps on the GPU (bf16) against the CPU model (f32)", &|| check_gpt2_steps(gpu.clone(), seed));
     report("optimizer offload: the GPU adamw kernel against the host step, bit for bit", &|| check_adamw_offload(&gpu, seed));
     report(
-        "optimizer offload, and the optimizer during the backward (AdamW, Adam, SGD, Lion): training against the GPU optimizer \
-         after the backward, bit for bit",
+        "optimizer offload, parameter offload (ZeRO-3, host memory and NVMe), and the optimizer during the backward (AdamW, \
+         Adam, SGD, Lion): training against the GPU optimizer after the backward with the parameters on the GPU, bit for bit",
         &|| check_offload_training(gpu.clone(), seed),
     );
-    report(
-        "fp16: overflow decisions against the CPU gradient stored in fp16, and the dynamic loss scaler's skipped steps",
-        &|| check_fp16::check(gpu.clone(), seed),
-    );
+    report("fp16: overflow decisions against the CPU gradient stored in fp16, and the dynamic loss scaler's skipped steps", &|| {
+        check_fp16::check(gpu.clone(), seed)
+    });
     println!("{}", if all_ok { "all GPU checks passed" } else { "SOME GPU CHECKS FAILED" });
     Ok(all_ok)
 }

@@ -173,7 +173,8 @@ fn htod(dst: DPtr<bf16>, src: &[bf16], s: &CudaStream) -> Result<()> {
     }
     // SAFETY: `dst` covers `src.len()` elements (DPtr contract); the caller keeps `src` alive and
     // unwritten until the copy is done (module notes).
-    unsafe { cudarc::driver::result::memcpy_htod_async(dst.raw, src, s.cu_stream()) }.map_err(cuda::drv("copying parameters host → device"))?;
+    unsafe { cudarc::driver::result::memcpy_htod_async(dst.raw, src, s.cu_stream()) }
+        .map_err(cuda::drv("copying parameters host → device"))?;
     Ok(())
 }
 
@@ -184,7 +185,8 @@ fn dtoh(dst: &mut [bf16], src: DPtr<bf16>, s: &CudaStream) -> Result<()> {
         return Ok(());
     }
     // SAFETY: `src` covers `dst.len()` elements; nothing reads `dst` before the stream passes it.
-    unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src.raw, s.cu_stream()) }.map_err(cuda::drv("copying parameters device → host"))?;
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src.raw, s.cu_stream()) }
+        .map_err(cuda::drv("copying parameters device → host"))?;
     Ok(())
 }
 
@@ -375,7 +377,8 @@ fn write_piece(file: &SwapFile, place: &Placement, stats: &mut ParamOffloadStats
     let bytes = Placement::region_bytes(vals.len(), place.block);
     let mut b = AlignedBuf::new(bytes, place.block);
     as_bf16_mut(&mut b, vals.len()).copy_from_slice(vals);
-    file.write_at(place.file_off[u], &mut b, bytes).with_context(|| format!("writing unit {u}'s parameter piece to {}", file.path().display()))?;
+    file.write_at(place.file_off[u], &mut b, bytes)
+        .with_context(|| format!("writing unit {u}'s parameter piece to {}", file.path().display()))?;
     stats.nvme_write_bytes += bytes as u64;
     stats.nvme_write_s += t.elapsed().as_secs_f64();
     Ok(())
@@ -434,7 +437,8 @@ impl Swap {
     }
 
     fn read(&self, place: &Placement, u: usize) -> Result<AlignedBuf> {
-        Swap::read_region(&self.file, place, u).with_context(|| format!("reading unit {u}'s parameter piece from {}", self.file.path().display()))
+        Swap::read_region(&self.file, place, u)
+            .with_context(|| format!("reading unit {u}'s parameter piece from {}", self.file.path().display()))
     }
 }
 

@@ -142,7 +142,14 @@ pub struct OffloadPlanned<'a> {
 /// (the budget check at start uses it; [`Rank::state_bytes`] counts the same).
 /// `states`: the optimizer's f32 state buffers per element ([`Optimizer::states`]);
 /// `off`: what goes to host memory or NVMe (optimizer offload, parameter offload).
-pub fn planned_state_bytes(model: &Model, stage: u8, world: usize, m_local: usize, states: usize, off: OffloadPlanned<'_>) -> Result<StateBytes> {
+pub fn planned_state_bytes(
+    model: &Model,
+    stage: u8,
+    world: usize,
+    m_local: usize,
+    states: usize,
+    off: OffloadPlanned<'_>,
+) -> Result<StateBytes> {
     let OffloadPlanned { ratio, nvme_block, params: poff } = off;
     let opt_world = if stage == 0 { 1 } else { world.max(1) };
     let layout = GpuLayout::new(model, opt_world)?;
@@ -1083,6 +1090,30 @@ mod tests {
         let nvme = planned_state_bytes(&model, 2, 1, 1, 2, plan(Some(1.0), Some(4096))).unwrap();
         assert_eq!(nvme.host_optim, elems);
         assert!(nvme.nvme >= elems * 12 && nvme.nvme < elems * 12 + 3 * 4096 * (model.cfg.n_layer as u64 + 1));
+    }
+
+    /// Parameter offload (stage 3) takes the bf16 shard off the device into host memory (or,
+    /// past `max_in_cpu`, a swap file of whole blocks beside three page-locked piece buffers);
+    /// with the GPU optimizer the device adds one piece-sized output buffer.
+    #[test]
+    fn planned_parameter_offload_moves_the_shard_off_the_device() {
+        use crate::gpu::param_offload::ParamOffloadOptions;
+        let model = tessera_kernels::model::Model::new(crate::zoo::preset("gpt-mini-gpu").unwrap()).unwrap();
+        let cpu = ParamOffloadOptions { nvme: None, max_in_cpu: 0, buffer_count: 5, buffer_elems: usize::MAX };
+        let plan = |ratio, params| OffloadPlanned { ratio, nvme_block: None, params };
+        let kept = planned_state_bytes(&model, 3, 1, 1, 2, plan(Some(1.0), None)).unwrap();
+        let moved = planned_state_bytes(&model, 3, 1, 1, 2, plan(Some(1.0), Some(&cpu))).unwrap();
+        assert!(moved.device.params < kept.device.params);
+        assert_eq!(moved.host_params, kept.device.params - moved.device.params, "the shard's bytes move to the host");
+        assert_eq!((moved.nvme_params, moved.device.grads, moved.host_optim), (0, kept.device.grads, kept.host_optim));
+        // The GPU optimizer writes each piece's new values into a device buffer before the copy back.
+        let gpu_opt = planned_state_bytes(&model, 3, 1, 1, 2, plan(None, Some(&cpu))).unwrap();
+        assert!(gpu_opt.device.params > moved.device.params);
+        let site = crate::gpu::offload::NvmeSite { dir: std::env::temp_dir(), aio: crate::offload::AioOptions::default() };
+        let nvme = ParamOffloadOptions { nvme: Some(site), ..cpu };
+        let swapped = planned_state_bytes(&model, 3, 1, 1, 2, plan(Some(1.0), Some(&nvme))).unwrap();
+        assert!(swapped.nvme_params >= moved.host_params, "every piece in the swap file, on whole blocks");
+        assert_eq!(swapped.device, moved.device);
     }
 
     /// The micro-batch tree as [`super::Rank::step`] runs it over whole buffers, on symbolic
