@@ -71,22 +71,24 @@ bench() { # label, timeout, args...
 }
 : > "$OUT/bench.jsonl"
 timeout 20 $T gpu bench $B --budget-bytes 6000000000 --steps 1 --warmup 0 2>&1 | tail -1
-bench host 70 $B --budget-bytes 6000000000 --offload-ratio 1 --offload-param cpu --steps 4 --warmup 1
-bench device 50 $B --steps 4 --warmup 1
+bench host 150 $B --budget-bytes 6000000000 --offload-ratio 1 --offload-param cpu --steps 4 --warmup 1
+bench device 120 $B --steps 4 --warmup 1
 echo "== 4. DeepSpeed ZeRO-3, offload_param + offload_optimizer (cpu)"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$SRC"/whl/*.whl > "$OUT/pip.txt" 2>&1
 DS_BUILD_OPS=0 TORCH_CUDA_ARCH_LIST=9.0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
     --target /tmp/site "$SRC"/whl/deepspeed-*.tar.gz >> "$OUT/pip.txt" 2>&1 || { echo "deepspeed install failed"; tail -5 "$OUT/pip.txt"; }
 export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
 DS="--mode ds --zero 3 --offload 1 --offload-param 1 --layers 24 --d 2048 --heads 32 --mb 8 --seq 1024 --steps 4 --warmup 1 --compile 0"
-timeout 200 torchrun --nproc_per_node 1 scripts/peers/gpt2_torch.py $DS > "$OUT/ds.txt" 2>&1
+ONE="env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511"
+# (torchrun would read the script's --d as an abbreviation of its own options.)
+timeout 200 $ONE python3 scripts/peers/gpt2_torch.py $DS > "$OUT/ds.txt" 2>&1
 echo "deepspeed exit $?"; grep -E '^\{|Error|error:' "$OUT/ds.txt" | tail -4
 if ! grep -q '^{' "$OUT/ds.txt"; then
     echo "-- again with torch's AdamW on the CPU (torch_adam)"
-    timeout 150 torchrun --nproc_per_node 1 scripts/peers/gpt2_torch.py $DS --torch-adam 1 > "$OUT/ds_torch_adam.txt" 2>&1
+    timeout 150 $ONE python3 scripts/peers/gpt2_torch.py $DS --torch-adam 1 > "$OUT/ds_torch_adam.txt" 2>&1
     echo "deepspeed (torch_adam) exit $?"; grep -E '^\{|Error' "$OUT/ds_torch_adam.txt" | tail -3
 fi
 echo "== 5. optimizer on NVMe"
 mkdir -p /tmp/swap
-bench nvme 100 $B --budget-bytes 6000000000 --offload-ratio 1 --offload-param cpu --nvme /tmp/swap --steps 2 --warmup 1
+bench nvme 200 $B --budget-bytes 6000000000 --offload-ratio 1 --offload-param cpu --nvme /tmp/swap --steps 2 --warmup 1
 echo "== done $(date -u)"
