@@ -128,6 +128,9 @@ fn device_cuda_refuses_unsupported_options_naming_the_key() {
         assert!(text.contains(want), "{extra:?}: expected the error to say `{want}`:\n{text}");
         assert!(text.contains("--device cpu"), "{extra:?}: the error should point to --device cpu:\n{text}");
     }
+    // Parameter offload needs the stage with parameter shards.
+    let text = exits_1(&cuda_args(&cfg, &out, &["--set", "zero_optimization.offload_param={\"device\": \"cpu\"}"]), tmp.path());
+    assert!(text.contains("offload_param needs ZeRO stage 3"), "{text}");
     // Elastic runs: the NCCL trainer is not elastic; the error points to the engine's GPU ranks.
     let text = exits_1(&cuda_args(&cfg, &out, &["--nprocs", "2", "--set", "tessera.elastic.enabled=true"]), tmp.path());
     assert!(text.contains("tessera.gpu.collective = \"quic\""), "{text}");

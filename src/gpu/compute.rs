@@ -157,6 +157,7 @@ fn check_device_total(r: usize, rank: &Rank, max: u64, recompute: bool) -> Resul
     }
     let states = rank.state_bytes().device;
     let (st, act) = (states.total(), total.saturating_sub(states.total()));
+    let params = param_offload_hint(rank);
     let ac = if recompute {
         "activation checkpointing is on already"
     } else {
@@ -166,13 +167,22 @@ fn check_device_total(r: usize, rank: &Rank, max: u64, recompute: bool) -> Resul
         "GPU rank {r} holds {total} bytes on its device but tessera.device_memory_bytes_max = {max} ({} bytes over): model \
          states {st} (params {}, grads {}, fp32 masters and optimizer state {}), activations and scratch {act} for one \
          micro-batch; a smaller train_micro_batch_size_per_gpu or tessera.seq_len shrinks the activations, {ac}, \
-         zero_optimization.offload_optimizer moves the {} bytes of optimizer state to host memory",
+         zero_optimization.offload_optimizer moves the {} bytes of optimizer state to host memory{params}",
         total - max,
         states.params,
         states.grads,
         states.optim,
         states.optim
     )
+}
+
+/// The device-total hint's words on parameter offload: at stage 3 with the shard on the device.
+fn param_offload_hint(rank: &Rank) -> String {
+    let b = rank.state_bytes();
+    match (rank.stage, b.host_params + b.nvme_params) {
+        (3, 0) => ", zero_optimization.offload_param.device = \"cpu\" moves the bf16 parameter shard to host memory".into(),
+        _ => String::new(),
+    }
 }
 
 /// Rank `rank`'s compute: its block of each step's micro-batches through its [`Rank`].
