@@ -468,6 +468,9 @@ enum GpuCmd {
         /// Seed of the random inputs and initial parameters the checks use.
         #[arg(long, default_value_t = 7)]
         seed: u64,
+        /// Run only the sections whose title contains this text (case-insensitive), e.g. `offload`.
+        #[arg(long)]
+        only: Option<String>,
     },
     /// GPT-2 training throughput: one process per GPU, NCCL, ZeRO 0–3 (synthetic tokens, bf16).
     Bench(tessera::gpu::BenchArgs),
@@ -619,7 +622,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             cli::list_models();
             Ok(done)
         }
-        Cmd::Gpu(GpuCmd::Check { seed }) => Ok(if tessera::gpu::check(seed)? { done } else { ExitCode::FAILURE }),
+        Cmd::Gpu(GpuCmd::Check { seed, only }) => Ok(if tessera::gpu::check(seed, only.as_deref())? { done } else { ExitCode::FAILURE }),
         Cmd::Gpu(GpuCmd::Bench(a)) => tessera::gpu::bench(&a).map(|()| done),
         Cmd::Gpu(GpuCmd::DecodeBench(a)) => tessera::gpu::decode_bench::run(&a).map(|()| done),
         Cmd::Worker(a) => match (a.join, a.rank, a.world, a.control) {

@@ -108,8 +108,15 @@ fn device_cuda_refuses_unsupported_options_naming_the_key() {
             "needs ZeRO stage 1, 2 or 3",
         ),
         (
-            &["--set", "zero_optimization.offload_param={\"device\": \"cpu\"}", "--set", "zero_optimization.stage=3"],
-            "offload_param.device = \"cpu\"",
+            &[
+                "--set",
+                "zero_optimization.stage=3",
+                "--set",
+                "zero_optimization.offload_param={\"device\": \"nvme\", \"nvme_path\": \"/tmp\"}",
+                "--set",
+                "zero_optimization.offload_optimizer={\"device\": \"cpu\", \"ratio\": 0.5}",
+            ],
+            "with zero_optimization.offload_optimizer.ratio = 0.5",
         ),
         (
             &["--abandon-step", "3", "--set", "zero_optimization.offload_optimizer={\"device\": \"cpu\"}"],
@@ -121,6 +128,9 @@ fn device_cuda_refuses_unsupported_options_naming_the_key() {
         assert!(text.contains(want), "{extra:?}: expected the error to say `{want}`:\n{text}");
         assert!(text.contains("--device cpu"), "{extra:?}: the error should point to --device cpu:\n{text}");
     }
+    // Parameter offload needs the stage with parameter shards.
+    let text = exits_1(&cuda_args(&cfg, &out, &["--set", "zero_optimization.offload_param={\"device\": \"cpu\"}"]), tmp.path());
+    assert!(text.contains("offload_param needs ZeRO stage 3"), "{text}");
     // Elastic runs: the NCCL trainer is not elastic; the error points to the engine's GPU ranks.
     let text = exits_1(&cuda_args(&cfg, &out, &["--nprocs", "2", "--set", "tessera.elastic.enabled=true"]), tmp.path());
     assert!(text.contains("tessera.gpu.collective = \"quic\""), "{text}");
@@ -268,6 +278,68 @@ fn gpu_optimizer_offload_gives_the_same_bits() {
         let s = summary(Path::new(&two));
         assert_eq!(s["world_size"], 2);
         assert_eq!(b["params_blake3"], s["params_blake3"], "2 GPUs with offload (ZeRO-{stage}) differ from 1 GPU without");
+    }
+}
+
+/// Parameter offload at ZeRO-3 (`offload_param`: the bf16 shard in page-locked host memory, or
+/// in a swap file read ahead of each gather) gives the parameters of the run without it, bit for
+/// bit: with the GPU optimizer, with the optimizer in host memory and on NVMe, resumed from a
+/// checkpoint, and on 2 GPUs; the device then holds less than with the optimizer offload alone.
+#[test]
+fn gpu_parameter_offload_gives_the_same_bits() {
+    let Some(n) = gpus_or_skip() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = write(tmp.path(), "gpu.json", CONFIG);
+    let cfg = cfg.to_str().unwrap();
+    let dir = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
+    let swap = tmp.path().join("swap");
+    std::fs::create_dir_all(&swap).unwrap();
+    let (base, z3) = (dir("base"), "zero_optimization.stage=3");
+    ok(&cuda_args(cfg, &base, &["--set", z3]), tmp.path());
+    let b = summary(Path::new(&base));
+    let p_cpu = r#"zero_optimization.offload_param={"device": "cpu", "pin_memory": true}"#.to_string();
+    // max_in_cpu 0: every piece in the swap file; two read buffers.
+    let p_nvme = format!(
+        r#"zero_optimization.offload_param={{"device": "nvme", "nvme_path": "{}", "max_in_cpu": 0, "buffer_count": 2}}"#,
+        swap.display()
+    );
+    let o_cpu = r#"zero_optimization.offload_optimizer={"device": "cpu"}"#.to_string();
+    let o_nvme = format!(r#"zero_optimization.offload_optimizer={{"device": "nvme", "nvme_path": "{}"}}"#, swap.display());
+    let cases: [(&str, Vec<&str>); 5] = [
+        ("param-cpu", vec![&p_cpu]),
+        ("param-cpu-opt-cpu", vec![&p_cpu, &o_cpu]),
+        ("param-nvme", vec![&p_nvme]),
+        ("param-nvme-opt-nvme", vec![&p_nvme, &o_nvme]),
+        ("opt-cpu", vec![&o_cpu]),
+    ];
+    for (name, sets) in &cases {
+        let mut extra = vec!["--set", z3];
+        sets.iter().for_each(|s| extra.extend(["--set", s]));
+        let text = ok(&cuda_args(cfg, &dir(name), &extra), tmp.path());
+        if name.starts_with("param-cpu") {
+            assert!(text.contains("pin_memory` has no effect"), "{name}: no note on pin_memory:\n{text}");
+        }
+        assert_eq!(b["params_blake3"], summary(Path::new(&dir(name)))["params_blake3"], "{name}: parameter offload changed the parameters");
+    }
+    let params = |name: &str| summary(Path::new(&dir(name)))["model_state_bytes_per_rank"][0]["params"].as_u64().unwrap();
+    assert!(params("param-cpu-opt-cpu") < params("opt-cpu"), "the bf16 shard is still counted on the device");
+    let dev = |name: &str| summary(Path::new(&dir(name)))["device_bytes_per_rank"][0].as_u64().unwrap();
+    assert!(dev("param-cpu-opt-cpu") < dev("opt-cpu"), "parameter offload did not shrink the device memory");
+    // 10 steps, then resumed for 10 more: the shard is rebuilt from the checkpoint's masters.
+    let split = dir("param-split");
+    for more in [&["--steps", "10"][..], &["--resume", &format!("{split}/checkpoints")][..]] {
+        let extra: Vec<&str> = ["--set", z3, "--set", &p_nvme, "--set", &o_cpu].into_iter().chain(more.iter().copied()).collect();
+        ok(&cuda_args(cfg, &split, &extra), tmp.path());
+    }
+    assert_eq!(b["params_blake3"], summary(Path::new(&split))["params_blake3"], "parameter offload 10 + resume + 10 differ");
+    assert_eq!(std::fs::read_dir(&swap).unwrap().count(), 0, "the swap files outlived the runs");
+    if n < 2 {
+        println!("skipped the 2-GPU parameter offload runs: this machine has {n} GPU");
+        return;
+    }
+    for (name, p) in [("two-cpu", &p_cpu), ("two-nvme", &p_nvme)] {
+        ok(&cuda_args(cfg, &dir(name), &["--nprocs", "2", "--set", z3, "--set", p]), tmp.path());
+        assert_eq!(b["params_blake3"], summary(Path::new(&dir(name)))["params_blake3"], "{name}: 2 GPUs with parameter offload differ");
     }
 }
 

@@ -222,7 +222,7 @@ static ZERO: &[KeyInfo] = &[
     k("zero_optimization.offload_param.buffer_count", UInt, H, "nvme: parameter pieces read from the swap file and not yet used (the current one included) fit in this many buffers, bounding stage-3 prefetch; default 5"),
     k("zero_optimization.offload_param.buffer_size", UInt, H, "nvme: elements per buffer; a rank's piece of a gathered unit larger than it is refused at start; default 1e8"),
     k("zero_optimization.offload_param.max_in_cpu", UInt, H, "nvme: this many elements of each shard stay in host memory (out of the device budget, offloaded_bytes_per_rank.host), the rest go to the swap file; default 1e9"),
-    k("zero_optimization.offload_param.pin_memory", Bool, N, "no page-locked host memory on CPU ranks; default false"),
+    k("zero_optimization.offload_param.pin_memory", Bool, N, "no page-locked host memory on CPU ranks; GPU ranks (--device cuda) keep their host shard page-locked whatever it says (said at start); default false"),
     k("zero_optimization.zenflow", Opaque, N, ""),
     k("zero_optimization.sub_group_size", UInt, H, "elements per optimizer sub-group: with offload_optimizer.device = nvme, the chunk swapped in and out (rounded up to aio.block_size, so 0 — DeepSpeed's sub-group per parameter — swaps one block at a time); no effect otherwise (the step is elementwise); default 1e9"),
     k("zero_optimization.stage3_prefetch_bucket_size", UInt, H, "stage 3, CPU ranks: elements of upcoming units gathered ahead of use on the communication thread, within stage3_max_live_parameters; 0 = gather each unit at its use. GPU ranks prefetch the next unit. Default 5e7"),

@@ -38,6 +38,7 @@ pub fn check(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
         recompute: false,
         fp16: true,
         nvme: None,
+        params_offload: None,
     };
     let mut rows = overflow_decisions(&gpu, &model, spec(0), seed, b, t)?;
     rows.extend(dynamic_scaler_run(&gpu, spec(2), seed, b, t, model.cfg.vocab_size)?);

@@ -40,6 +40,8 @@ pub struct GpuRankOptions {
     pub abandons: bool,
     /// `offload_optimizer.device = "nvme"`: the swap files' directory and I/O options.
     pub nvme: Option<super::offload::NvmeSite>,
+    /// `offload_param` (stage 3): where the bf16 parameter shard lives.
+    pub params_offload: Option<super::param_offload::ParamOffloadOptions>,
     /// `tessera.device_memory_bytes_max`: the model states were checked against it before any
     /// GPU was touched; each rank checks everything it allocated (activations and scratch too)
     /// once built, before the first step ([`check_device_total`]).
@@ -123,6 +125,7 @@ fn build_rank(plan: &Plan, start: &GpuStart<'_>, opts: &GpuRankOptions, r: usize
         recompute: opts.recompute,
         fp16: opts.scaler.is_some(),
         nvme: opts.nvme.as_ref(),
+        params_offload: opts.params_offload.as_ref(),
     };
     let mut rank = Rank::new(gpu, comm, spec).with_context(|| format!("building GPU rank {r}"))?;
     rank.overlap = opts.overlap;
@@ -154,6 +157,7 @@ fn check_device_total(r: usize, rank: &Rank, max: u64, recompute: bool) -> Resul
     }
     let states = rank.state_bytes().device;
     let (st, act) = (states.total(), total.saturating_sub(states.total()));
+    let params = param_offload_hint(rank);
     let ac = if recompute {
         "activation checkpointing is on already"
     } else {
@@ -163,13 +167,22 @@ fn check_device_total(r: usize, rank: &Rank, max: u64, recompute: bool) -> Resul
         "GPU rank {r} holds {total} bytes on its device but tessera.device_memory_bytes_max = {max} ({} bytes over): model \
          states {st} (params {}, grads {}, fp32 masters and optimizer state {}), activations and scratch {act} for one \
          micro-batch; a smaller train_micro_batch_size_per_gpu or tessera.seq_len shrinks the activations, {ac}, \
-         zero_optimization.offload_optimizer moves the {} bytes of optimizer state to host memory",
+         zero_optimization.offload_optimizer moves the {} bytes of optimizer state to host memory{params}",
         total - max,
         states.params,
         states.grads,
         states.optim,
         states.optim
     )
+}
+
+/// The device-total hint's words on parameter offload: at stage 3 with the shard on the device.
+fn param_offload_hint(rank: &Rank) -> String {
+    let b = rank.state_bytes();
+    match (rank.stage, b.host_params + b.nvme_params) {
+        (3, 0) => ", zero_optimization.offload_param.device = \"cpu\" moves the bf16 parameter shard to host memory".into(),
+        _ => String::new(),
+    }
 }
 
 /// Rank `rank`'s compute: its block of each step's micro-batches through its [`Rank`].
@@ -351,9 +364,16 @@ impl GpuRanks {
         })
     }
 
-    /// Each rank's model-state bytes in host memory (optimizer offload).
+    /// Each rank's model-state bytes in host memory (optimizer offload, and the parameter
+    /// shard of parameter offload).
     pub fn host_optim_bytes(&self) -> Vec<u64> {
-        self.states.iter().map(|st| lock(st).rank.state_bytes().host_optim).collect()
+        self.states
+            .iter()
+            .map(|st| {
+                let b = lock(st).rank.state_bytes();
+                b.host_optim + b.host_params
+            })
+            .collect()
     }
 
     /// The summary's device figures: the GPU, each rank's device memory, rank 0's offload.
@@ -387,7 +407,14 @@ pub fn describe(world: usize, gpu: &str, opts: &GpuRankOptions) -> String {
         )
     });
     let fp16 = if opts.scaler.is_some() { " (fp16 gradients, loss scaling)" } else { "" };
-    format!(" | {world} × {gpu} (NCCL) | bf16{fp16} | {}{off}", opts.optim.kind.name())
+    let params = opts.params_offload.as_ref().map_or(String::new(), |p| {
+        let to = if p.nvme.is_some() { "an NVMe swap file" } else { "page-locked host memory" };
+        format!(
+            " | bf16 parameter shard offloaded to {to} ({:.1} MiB of host memory)",
+            opts.states.host_params as f64 / (1u64 << 20) as f64
+        )
+    });
+    format!(" | {world} × {gpu} (NCCL) | bf16{fp16} | {}{off}{params}", opts.optim.kind.name())
 }
 
 /// `offload`'s figures for the summary.

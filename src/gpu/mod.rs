@@ -8,6 +8,7 @@ pub mod compute;
 pub mod decode_bench;
 pub mod nvme;
 pub mod offload;
+pub mod param_offload;
 pub mod train;
 pub mod zero;
 
@@ -53,7 +54,8 @@ fn fusion_report(gpu: &Gpu) -> Result<()> {
 }
 
 /// Runs every GPU correctness check; returns whether all passed.
-pub fn check(seed: u64) -> Result<bool> {
+/// `only`: run just the sections whose title contains it (case-insensitive), e.g. `offload`.
+pub fn check(seed: u64, only: Option<&str>) -> Result<bool> {
     let gpu: Arc<Gpu> = Gpu::open(0)?;
     println!("GPU 0: {} ({}), NVRTC {:?}", gpu.name, gpu.arch(), cuda::nvrtc_version()?);
     let t = Instant::now();
@@ -61,9 +63,13 @@ pub fn check(seed: u64) -> Result<bool> {
     println!("kernels compiled (or loaded from the cache) in {:.2} s", t.elapsed().as_secs_f64());
     fusion_report(&gpu)?;
     let mut all_ok = true;
-    let mut report = |name: &str, rows: Result<Vec<cuda::CheckRow>>| {
+    let only = only.map(str::to_lowercase);
+    let mut report = |name: &str, rows: &dyn Fn() -> Result<Vec<cuda::CheckRow>>| {
+        if only.as_ref().is_some_and(|o| !name.to_lowercase().contains(o.as_str())) {
+            return;
+        }
         println!("— {name}");
-        match rows {
+        match rows() {
             Ok(rows) => {
                 for r in rows {
                     all_ok &= r.pass();
@@ -76,32 +82,29 @@ pub fn check(seed: u64) -> Result<bool> {
             }
         }
     };
-    report("ops", cuda::ops::check(&gpu, seed).map_err(Into::into));
-    report(
-        "optimizers: Adam/AdamW, SGD and Lion kernels against the CPU's OptimizerShard::step, bit for bit",
-        cuda::optim::check(&gpu, seed).map_err(Into::into),
-    );
-    report("attention", cuda::attention::check(&gpu, seed).map_err(Into::into));
-    report("model (2-layer GPT vs CPU f32)", gpt::check(&gpu, seed).map_err(Into::into));
-    report(
-        "LLaMA family: RMSNorm, RoPE, SwiGLU, grouped-query attention (hd 64, 128) and 2-layer models vs the CPU (f32)",
-        cuda::llama::check(&gpu, seed).map_err(Into::into),
-    );
+    report("ops", &|| cuda::ops::check(&gpu, seed).map_err(Into::into));
+    report("optimizers: Adam/AdamW, SGD and Lion kernels against the CPU's OptimizerShard::step, bit for bit", &|| {
+        cuda::optim::check(&gpu, seed).map_err(Into::into)
+    });
+    report("attention", &|| cuda::attention::check(&gpu, seed).map_err(Into::into));
+    report("model (2-layer GPT vs CPU f32)", &|| gpt::check(&gpu, seed).map_err(Into::into));
+    report("LLaMA family: RMSNorm, RoPE, SwiGLU, grouped-query attention (hd 64, 128) and 2-layer models vs the CPU (f32)", &|| {
+        cuda::llama::check(&gpu, seed).map_err(Into::into)
+    });
     report(
         "decoding: paged attention, and small GPT-2 / LLaMA models stepped over a paged cache (prefill chunks, shared prefix, CUDA graphs) vs the CPU",
-        cuda::decode::check::check(&gpu, seed).map_err(Into::into),
+        &|| cuda::decode::check::check(&gpu, seed).map_err(Into::into),
     );
-    report("GPT-2 124M: the first training steps on the GPU (bf16) against the CPU model (f32)", check_gpt2_steps(gpu.clone(), seed));
-    report("optimizer offload: the GPU adamw kernel against the host step, bit for bit", check_adamw_offload(&gpu, seed));
+    report("GPT-2 124M: the first training steps on the GPU (bf16) against the CPU model (f32)", &|| check_gpt2_steps(gpu.clone(), seed));
+    report("optimizer offload: the GPU adamw kernel against the host step, bit for bit", &|| check_adamw_offload(&gpu, seed));
     report(
-        "optimizer offload, and the optimizer during the backward (AdamW, Adam, SGD, Lion): training against the GPU optimizer \
-         after the backward, bit for bit",
-        check_offload_training(gpu.clone(), seed),
+        "optimizer offload, parameter offload (ZeRO-3, host memory and NVMe), and the optimizer during the backward (AdamW, \
+         Adam, SGD, Lion): training against the GPU optimizer after the backward with the parameters on the GPU, bit for bit",
+        &|| check_offload_training(gpu.clone(), seed),
     );
-    report(
-        "fp16: overflow decisions against the CPU gradient stored in fp16, and the dynamic loss scaler's skipped steps",
-        check_fp16::check(gpu.clone(), seed),
-    );
+    report("fp16: overflow decisions against the CPU gradient stored in fp16, and the dynamic loss scaler's skipped steps", &|| {
+        check_fp16::check(gpu.clone(), seed)
+    });
     println!("{}", if all_ok { "all GPU checks passed" } else { "SOME GPU CHECKS FAILED" });
     Ok(all_ok)
 }
@@ -136,6 +139,7 @@ fn check_gpt2_steps(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
             recompute: false,
             fp16: false,
             nvme: None,
+            params_offload: None,
         },
     )?;
     let (mut p, mut m, mut v) = (init.clone(), vec![0f32; init.len()], vec![0f32; init.len()]);
@@ -336,20 +340,30 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
     let init = model.init_params(seed);
     let shape = gpt::Shape::new(&model.cfg, b, t)?;
     let v = model.cfg.vocab_size;
-    /// Masters, exp_avg, exp_avg_sq, an evaluation loss and the host optimizer's figures.
-    type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, f32, Option<offload::OffloadStats>);
-    let run_on = |optim: zero::Optimizer,
-                  stage: u8,
-                  offload: Option<f64>,
-                  early: bool,
-                  nvme: Option<&offload::NvmeSite>|
+    /// Masters, exp_avg, exp_avg_sq, an evaluation loss, the host optimizer's figures and the
+    /// rank's bf16 parameter shard (bits).
+    type Outcome = (Vec<f32>, Vec<f32>, Vec<f32>, f32, Option<offload::OffloadStats>, Vec<u32>);
+    let run_params = |optim: zero::Optimizer,
+                      stage: u8,
+                      offload: Option<f64>,
+                      (early, nvme): (bool, Option<&offload::NvmeSite>),
+                      params_offload: Option<&param_offload::ParamOffloadOptions>|
      -> Result<Outcome> {
         let off = offload.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(1) });
-        let mut r = zero::Rank::new(
-            gpu.clone(),
-            None,
-            zero::RankSpec { model: &model, stage, shape, init: &init, optim, m_local, offload: off, recompute: false, fp16: false, nvme },
-        )?;
+        let spec = zero::RankSpec {
+            model: &model,
+            stage,
+            shape,
+            init: &init,
+            optim,
+            m_local,
+            offload: off,
+            recompute: false,
+            fp16: false,
+            nvme,
+            params_offload,
+        };
+        let mut r = zero::Rank::new(gpu.clone(), None, spec)?;
         r.early_adam = early;
         for step in 0..steps {
             let mbs: Vec<_> = (0..m_local).map(|j| batch(seed, step, j, b, t, v)).collect();
@@ -359,7 +373,11 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
         let loss = r.forward_loss(&x, &y)?;
         let mut st = r.optimizer_state()?.into_iter();
         let (mm, vv) = (st.next().unwrap_or_default(), st.next().unwrap_or_default());
-        Ok((r.masters()?, mm, vv, loss, r.offload_stats()))
+        let shard = r.params_shard()?.iter().map(|b| u32::from(b.to_bits())).collect();
+        Ok((r.masters()?, mm, vv, loss, r.offload_stats(), shard))
+    };
+    let run_on = |optim: zero::Optimizer, stage: u8, offload: Option<f64>, early: bool, nvme: Option<&offload::NvmeSite>| {
+        run_params(optim, stage, offload, (early, nvme), None)
     };
     let run_with = |optim: zero::Optimizer, stage: u8, offload: Option<f64>, early: bool| run_on(optim, stage, offload, early, None);
     let run = |stage: u8, clip: f32, offload: Option<f64>, early: bool| -> Result<Outcome> {
@@ -412,6 +430,10 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
             &[base.3.to_bits()],
         ));
     }
+    rows.extend(check_param_offload(&site, |optim, stage, offload, early, nvme, p| {
+        let o = run_params(optim, stage, offload, (early, nvme), p)?;
+        Ok(((o.0, o.1, o.2), o.3, o.5))
+    })?);
     // The other optimizers through the rank (decay mask, state buffers, the step count): the
     // update during the backward vs after it, at ZeRO-2 and ZeRO-3; Adam with an L2 penalty
     // also offloaded (the host step's L2 term) vs on the GPU.
@@ -428,6 +450,63 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
             let (o, base) = (run_with(optim, 2, Some(1.0), true)?, run_with(optim, 2, None, true)?);
             same(&mut rows, "offload vs GPU optimizer", &format!("{name}, ZeRO-2, ratio 1"), &o, &base);
         }
+    }
+    Ok(rows)
+}
+
+/// One training run of [`check_offload_training`]'s: (masters, exp_avg, exp_avg_sq), the
+/// evaluation loss after the steps, the bf16 parameter shard's bits.
+type ParamRun = ((Vec<f32>, Vec<f32>, Vec<f32>), f32, Vec<u32>);
+
+/// Parameter offload at ZeRO-3 against the parameters on the device, bit for bit: in host
+/// memory and on NVMe (every block unit in the swap file, two read buffers), with the GPU
+/// optimizer (during the backward and after it), the optimizer offloaded to host memory (whole
+/// and half of each piece, with clipping) and to NVMe. Compared: masters, moments, the bf16
+/// shard where it lives, and an evaluation loss after the steps (read through the offloaded
+/// shard).
+fn check_param_offload(
+    site: &offload::NvmeSite,
+    run: impl Fn(
+        zero::Optimizer,
+        u8,
+        Option<f64>,
+        bool,
+        Option<&offload::NvmeSite>,
+        Option<&param_offload::ParamOffloadOptions>,
+    ) -> Result<ParamRun>,
+) -> Result<Vec<cuda::CheckRow>> {
+    let cpu = param_offload::ParamOffloadOptions { nvme: None, max_in_cpu: 0, buffer_count: 5, buffer_elems: 100_000_000 };
+    // Only the embedding unit's piece (the largest) fits the memory part: the blocks are swapped.
+    let nvme = param_offload::ParamOffloadOptions { nvme: Some(site.clone()), max_in_cpu: 1 << 20, buffer_count: 2, ..cpu.clone() };
+    let mut rows = Vec::new();
+    // (tier, clip, optimizer offload ratio, optimizer on NVMe, the optimizer during the backward)
+    let cases: [(&param_offload::ParamOffloadOptions, f32, Option<f64>, bool, bool); 8] = [
+        (&cpu, 0.0, None, false, true),
+        (&cpu, 0.0, None, false, false),
+        (&cpu, 1.0, Some(1.0), false, true),
+        (&cpu, 0.0, Some(0.5), false, true),
+        (&nvme, 0.0, None, false, true),
+        (&nvme, 1.0, Some(1.0), false, true),
+        (&nvme, 0.0, Some(1.0), true, true),
+        (&cpu, 1.0, Some(1.0), true, true),
+    ];
+    for (p, clip, ratio, opt_nvme, early) in cases {
+        let optim = zero::Optimizer::adamw((0.9, 0.95), 1e-8, 0.1, clip);
+        let base = run(optim, 3, None, early, None, None)?;
+        let o = run(optim, 3, ratio, early, opt_nvme.then_some(site), Some(p))?;
+        let tier = if p.nvme.is_some() { "NVMe (blocks swapped)" } else { "host memory" };
+        let opt = match (ratio, opt_nvme) {
+            (None, _) => "GPU optimizer".to_string(),
+            (Some(r), false) => format!("optimizer offload ratio {r}"),
+            (Some(_), true) => "optimizer on NVMe".to_string(),
+        };
+        let tag = format!("ZeRO-3, clip {clip}, {opt}, optimizer during the backward {early}");
+        let what = format!("parameters in {tier} vs on the GPU");
+        rows.push(bits_row(format!("{what}, masters ({tag})"), &f32_bits(&o.0 .0), &f32_bits(&base.0 .0)));
+        rows.push(bits_row(format!("{what}, exp_avg ({tag})"), &f32_bits(&o.0 .1), &f32_bits(&base.0 .1)));
+        rows.push(bits_row(format!("{what}, exp_avg_sq ({tag})"), &f32_bits(&o.0 .2), &f32_bits(&base.0 .2)));
+        rows.push(bits_row(format!("{what}, bf16 shard ({tag})"), &o.2, &base.2));
+        rows.push(bits_row(format!("{what}, eval loss after the steps ({tag})"), &[o.1.to_bits()], &[base.1.to_bits()]));
     }
     Ok(rows)
 }
@@ -518,6 +597,17 @@ pub struct BenchArgs {
     /// Global gradient-norm clip (0 = off).
     #[arg(long, default_value_t = 0.0)]
     pub clip: f32,
+    /// Parameter offload at --zero 3 (`offload_param.device`): `cpu` keeps each rank's bf16
+    /// shard in page-locked host memory, `nvme` in a swap file under --param-nvme (all but
+    /// --param-max-in-cpu elements); each gather fetches the rank's piece ahead of use.
+    #[arg(long)]
+    pub offload_param: Option<String>,
+    /// With --offload-param nvme: the swap file's directory (`offload_param.nvme_path`).
+    #[arg(long)]
+    pub param_nvme: Option<std::path::PathBuf>,
+    /// With --offload-param nvme: elements of the shard kept in host memory (`max_in_cpu`).
+    #[arg(long, default_value_t = 0)]
+    pub param_max_in_cpu: usize,
     /// Seed of the initial parameters and the synthetic tokens.
     #[arg(long, default_value_t = 1234)]
     pub seed: u64,
@@ -737,17 +827,36 @@ fn bench_budget(a: &BenchArgs, model: &Model, world: usize) -> Result<zero::Stat
     }
     let n = bench_optimizer(a)?.states();
     let block = bench_nvme(a)?.map(|s| s.aio.block);
-    let states = zero::planned_state_bytes(model, a.zero, world, m / world, a.offload_ratio, n, block)?;
+    let params = bench_param_offload(a)?;
+    let off = zero::OffloadPlanned { ratio: a.offload_ratio, nvme_block: block, params: params.as_ref() };
+    let states = zero::planned_state_bytes(model, a.zero, world, m / world, n, off)?;
     if let Some(max) = a.budget_bytes {
         let hint = if a.offload_ratio.is_some() {
             "the optimizer is offloaded already".to_string()
         } else {
-            let all = zero::planned_state_bytes(model, a.zero, world, m / world, Some(1.0), n, block)?;
+            let all = zero::planned_state_bytes(model, a.zero, world, m / world, n, zero::OffloadPlanned { ratio: Some(1.0), ..off })?;
             format!("--offload-ratio 1 (the optimizer in host memory) brings them to {} bytes", all.device.total())
         };
         crate::offload::check_resident("each GPU rank", states.device, max, &hint)?;
     }
     Ok(states)
+}
+
+/// `--offload-param` (with `--param-nvme`, `--param-max-in-cpu`) as a rank's parameter offload.
+fn bench_param_offload(a: &BenchArgs) -> Result<Option<param_offload::ParamOffloadOptions>> {
+    let Some(dev) = a.offload_param.as_deref() else { return Ok(None) };
+    if a.zero != 3 {
+        bail!("--offload-param needs --zero 3 (the stage with parameter shards); this bench has --zero {}", a.zero);
+    }
+    let nvme = match (dev, &a.param_nvme) {
+        ("cpu", None) => None,
+        ("nvme", Some(dir)) if dir.is_dir() => Some(offload::NvmeSite { dir: dir.clone(), aio: crate::offload::AioOptions::default() }),
+        ("nvme", Some(dir)) => bail!("--param-nvme {}: not a directory", dir.display()),
+        ("nvme", None) => bail!("--offload-param nvme needs --param-nvme DIR (where the parameter swap file goes)"),
+        ("cpu", Some(_)) => bail!("--param-nvme goes with --offload-param nvme"),
+        (other, _) => bail!("--offload-param {other:?}: expected cpu or nvme"),
+    };
+    Ok(Some(param_offload::ParamOffloadOptions { nvme, max_in_cpu: a.param_max_in_cpu, buffer_count: 5, buffer_elems: usize::MAX }))
 }
 
 /// `--nvme DIR` as the swap site (the `aio` section's defaults).
@@ -796,6 +905,7 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     let nvme = bench_nvme(a)?;
     let offload = a.offload_ratio.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(world) });
     let states = bench_budget(a, &model, world)?;
+    let params_offload = bench_param_offload(a)?;
     let mut r = zero::Rank::new(
         gpu.clone(),
         comm,
@@ -810,6 +920,7 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
             recompute: a.recompute,
             fp16: a.fp16_scale.is_some(),
             nvme: nvme.as_ref(),
+            params_offload: params_offload.as_ref(),
         },
     )?;
     r.overlap = !a.no_overlap;
@@ -912,11 +1023,16 @@ fn bench_extra(
     let (free, total) = gpu.ctx.mem_get_info().map_err(cuda::drv("reading the device memory in use"))?;
     let mut extra = serde_json::json!({
         "state_GiB": gib(states.device.total()), "host_state_GiB": gib(states.host_optim),
+        "offload_param": a.offload_param, "host_param_GiB": gib(states.host_params), "nvme_param_GiB": gib(states.nvme_params),
         "used_GiB": gib((total - free) as u64), "offload_ratio": a.offload_ratio, "optimizer": a.optimizer,
         "fp16_scale": a.fp16_scale,
         "fusions": r.fusions(), "recompute": a.recompute, "early_adam": r.early_adam_active(),
         "gemm_tune": gpu.lt.as_ref().map_or("off", |l| if l.tuning() { "on" } else if l.routes_plain() { "route" } else { "off" }),
     });
+    if let (Some(p), Some(o)) = (r.param_offload_stats(), extra.as_object_mut()) {
+        // Over the warm-up and the timed steps.
+        o.insert("param_tier".into(), serde_json::to_value(p)?);
+    }
     if let (Some(end), Some(o)) = (r.offload_stats(), extra.as_object_mut()) {
         // The timed steps only (the figures at the end of the warm-up are subtracted).
         let w = warm_stats.unwrap_or_default();

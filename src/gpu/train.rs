@@ -40,7 +40,8 @@ use tessera_kernels::model::Arch;
 
 use super::compute::GpuRankOptions;
 use super::offload;
-use super::zero::{self, OffloadOptions, Optimizer, StateBytes};
+use super::param_offload::ParamOffloadOptions;
+use super::zero::{self, OffloadOptions, OffloadPlanned, Optimizer, StateBytes};
 use crate::config::{Config, OffloadDevice, OptimizerConfig, Precision};
 use crate::engine::Plan;
 use crate::zoo;
@@ -107,6 +108,13 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
                  and writing the last one behind the host step"
             ));
         }
+    }
+    if cfg.present_keys.iter().any(|k| k == "zero_optimization.offload_param.pin_memory") {
+        notes.push(
+            "`zero_optimization.offload_param.pin_memory` has no effect with `--device cuda`: the GPU ranks' host parameter shard \
+             is always page-locked (its copies run beside the compute)"
+                .into(),
+        );
     }
     // Honoured on the CPU path, without effect here: say so rather than ignore them silently.
     for key in cfg.present_keys.iter().filter(|k| GPU_IGNORED_KEYS.contains(&k.as_str())) {
@@ -186,14 +194,36 @@ fn check_offload(cfg: &Config) -> Result<()> {
             );
         }
     }
-    if let Some(o) = cfg.zero.offload_param.as_ref().filter(|o| o.device != OffloadDevice::None) {
-        bail!(
-            "zero_optimization.offload_param.device = \"{}\": `--device cuda` keeps parameters on the GPU (no offload); drop \
-             the section or use --device cpu",
-            offload_name(o.device)
-        );
+    if let Some(p) = cfg.zero.offload_param.as_ref().filter(|o| o.device == OffloadDevice::Nvme) {
+        let o = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device != OffloadDevice::None);
+        if let Some(o) = o.filter(|o| o.ratio > 0.0 && o.ratio < 1.0) {
+            bail!(
+                "zero_optimization.offload_param.device = \"{}\" with zero_optimization.offload_optimizer.ratio = {}: on the GPU a \
+                 parameter piece on NVMe is written whole, by the host or by the GPU optimizer; use ratio 1, \
+                 offload_param.device = \"cpu\", or --device cpu",
+                offload_name(p.device),
+                o.ratio
+            );
+        }
     }
     Ok(())
+}
+
+/// `offload_param` (stage 3; `OffloadPlan::new` refuses other stages and checks `nvme_path`): the
+/// tier of each rank's bf16 shard and its read-ahead bounds.
+fn param_offload_options(cfg: &Config) -> Result<Option<ParamOffloadOptions>> {
+    let plan = crate::offload::OffloadPlan::new(cfg)?;
+    let nvme = match plan.param {
+        crate::offload::Tier::Device => return Ok(None),
+        crate::offload::Tier::Host => None,
+        crate::offload::Tier::Nvme => Some(offload::NvmeSite { dir: plan.param_dir.clone().unwrap_or_default(), aio: plan.aio.clone() }),
+    };
+    Ok(Some(ParamOffloadOptions {
+        nvme,
+        max_in_cpu: plan.param_max_in_cpu,
+        buffer_count: plan.param_buffer_count,
+        buffer_elems: plan.param_buffer_elems,
+    }))
 }
 
 /// ZeRO tuning keys the CPU engine honours and the GPU path does not read.
@@ -254,12 +284,17 @@ pub fn rank_options(cfg: &Config, plan: &Plan, abandons: bool) -> Result<GpuRank
     let optim = Optimizer { kind: plan.optimizer, clip: plan.clip };
     let n = optim.states();
     let nvme = nvme_site(cfg)?;
+    let params_offload = param_offload_options(cfg)?;
     let block = nvme.as_ref().map(|s| s.aio.block);
-    let states = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, offload.map(|o| o.ratio), n, block)?;
-    let full_optim = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, None, n, None)?.device.optim;
-    check_gpu_budget(cfg, &states, offload, full_optim)?;
+    let off = OffloadPlanned { ratio: offload.map(|o| o.ratio), nvme_block: block, params: params_offload.as_ref() };
+    let states = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, n, off)?;
+    let full = zero::planned_state_bytes(&plan.model, plan.stage, world, m_local, n, OffloadPlanned::default())?.device;
+    check_gpu_budget(cfg, &states, offload, params_offload.is_some(), full)?;
     if nvme.is_some() {
         crate::offload::OffloadPlan::new(cfg)?.check_space(states.nvme * world as u64)?;
+    }
+    if params_offload.as_ref().is_some_and(|p| p.nvme.is_some()) {
+        crate::offload::OffloadPlan::new(cfg)?.check_param_space(states.nvme_params * world as u64)?;
     }
     let scaler = crate::bridge::loss_scaler(&cfg.precision)?;
     Ok(GpuRankOptions {
@@ -268,6 +303,7 @@ pub fn rank_options(cfg: &Config, plan: &Plan, abandons: bool) -> Result<GpuRank
         budget: cfg.tessera.device_memory_bytes_max,
         offload,
         nvme,
+        params_offload,
         recompute: cfg.activation_checkpointing,
         overlap: plan.overlap_comm,
         states,
@@ -293,8 +329,23 @@ fn nvme_site(cfg: &Config) -> Result<Option<offload::NvmeSite>> {
 /// as the CPU path's, with the GPU's counts: bf16 parameters and stage 3's gather buffers, f32
 /// gradient buffers of the micro-batch tree and the reduced shard, fp32 masters, moments and
 /// decay mask of the pieces not offloaded).
-fn check_gpu_budget(cfg: &Config, states: &StateBytes, offload: Option<OffloadOptions>, full_optim: u64) -> Result<()> {
+fn check_gpu_budget(
+    cfg: &Config,
+    states: &StateBytes,
+    offload: Option<OffloadOptions>,
+    params_offloaded: bool,
+    full: crate::offload::ResidentBytes,
+) -> Result<()> {
     let Some(max) = cfg.tessera.device_memory_bytes_max else { return Ok(()) };
+    let full_optim = full.optim;
+    let params_hint = match (cfg.zero.stage, params_offloaded) {
+        (3, false) => format!(
+            "; zero_optimization.offload_param.device = \"cpu\" moves the bf16 parameter shard ({} bytes with the gather buffers) \
+             to host memory",
+            full.params
+        ),
+        _ => String::new(),
+    };
     let hint = match offload {
         None => format!(
             "zero_optimization.offload_optimizer.device = \"cpu\" moves the {full_optim} bytes of fp32 masters and moments to host \
@@ -308,5 +359,5 @@ fn check_gpu_budget(cfg: &Config, states: &StateBytes, offload: Option<OffloadOp
                     of the micro-batch tree holds a full gradient buffer)"
             .to_string(),
     };
-    crate::offload::check_resident("each GPU rank", states.device, max, &hint)
+    crate::offload::check_resident("each GPU rank", states.device, max, &format!("{hint}{params_hint}"))
 }

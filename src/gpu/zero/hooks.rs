@@ -21,6 +21,8 @@ pub(super) struct Hooks<'a> {
     /// Stage 3: index of the next block use, and the uses in order (unit, phase).
     pub(super) use_idx: usize,
     pub(super) uses: Vec<(usize, Phase)>,
+    /// Parameters on NVMe: uses whose piece the swap reader was asked for.
+    pub(super) requested: usize,
 }
 
 impl Hooks<'_> {
@@ -34,8 +36,16 @@ impl Hooks<'_> {
         self.use_idx = 0;
         // Gathers read the parameter shard the last optimizer step wrote.
         self.r.order(&self.r.gpu.stream, &self.r.cstream)?;
+        if let Some(ph) = self.r.phost.as_mut() {
+            // Parameter offload: reads a forward's evaluation left unused are dropped, then the
+            // swap reader is asked for the embedding unit and the first uses.
+            ph.drain()?;
+            ph.request(0)?;
+        }
+        self.requested = 0;
+        self.request_ahead(0)?;
         let u0 = self.r.u0.as_ref().expect("stage 3 has a unit-0 buffer").ptr();
-        self.gather(0, u0)?;
+        self.gather(0, u0, 0)?;
         self.r.ready[0] = Some(record(&self.r.cstream)?);
         for k in 0..2.min(self.uses.len()) {
             self.gather_use(k)?;
@@ -43,10 +53,25 @@ impl Hooks<'_> {
         Ok(())
     }
 
-    fn gather(&self, u: usize, dst: DPtr<bf16>) -> Result<()> {
+    /// Gathers unit `u` into `dst` on the communication stream. With parameter offload the
+    /// rank's piece first comes host → device on that stream: straight into `dst` with one rank,
+    /// else into piece buffer `slot` (free: its previous gather was issued before on this stream).
+    fn gather(&mut self, u: usize, dst: DPtr<bf16>, slot: usize) -> Result<()> {
         let off = self.r.layout.shard_offset(u);
         let len = self.r.layout.units[u].len() / self.r.world;
-        let mine = self.r.params.slice(off..off + len);
+        let r = &mut *self.r;
+        let mine = match r.phost.as_mut() {
+            Some(ph) if r.world == 1 => {
+                ph.fetch(u, dst, &r.cstream)?;
+                return r.comm_issued();
+            }
+            Some(ph) => {
+                let piece = r.dpiece[slot].slice(0..len);
+                ph.fetch(u, piece, &r.cstream)?;
+                piece
+            }
+            None => r.params.slice(off..off + len),
+        };
         if self.r.world == 1 {
             self.r.gpu.copy(dst.cast(), mine.cast(), &self.r.cstream)?;
         } else {
@@ -55,11 +80,25 @@ impl Hooks<'_> {
         self.r.comm_issued()
     }
 
+    /// Parameters on NVMe: asks the swap reader for every use up to `k` + `buffer_count` − 1
+    /// not asked for yet (the reads it holds and those in flight stay within `buffer_count`
+    /// pieces, the one in use included).
+    fn request_ahead(&mut self, k: usize) -> Result<()> {
+        let Some(ph) = self.r.phost.as_mut() else { return Ok(()) };
+        let end = (k + ph.depth()).min(self.uses.len());
+        while self.requested < end {
+            ph.request(self.uses[self.requested].0)?;
+            self.requested += 1;
+        }
+        Ok(())
+    }
+
     /// Gathers block use `k` into pool slot `k % 2` and records its ready event.
     fn gather_use(&mut self, k: usize) -> Result<()> {
         let (u, _) = self.uses[k];
+        self.request_ahead(k)?;
         let dst = self.r.pool[k % 2].ptr();
-        self.gather(u, dst)?;
+        self.gather(u, dst, k % 2)?;
         let ev = record(&self.r.cstream)?;
         self.r.pool_ready.insert(k, ev);
         Ok(())
@@ -90,7 +129,8 @@ impl Hooks<'_> {
                 // Nothing later in this backward reads unit u's parameters or writes its
                 // gradient: the forward and backward of the blocks below use their own.
                 r.order(&r.gpu.stream, &r.ostream)?;
-                r.optim_unit(u, fin, hp, 1.0, &r.ostream)?;
+                let os = r.ostream.clone();
+                r.optim_unit(u, fin, hp, 1.0, &os)?;
                 r.stepped[u] = true;
             }
             return r.send_grad(u, tail.fin);

@@ -61,6 +61,7 @@ use tessera_kernels::optim::{AdamParams, OptimizerKind};
 use tessera_transport::nccl::NcclComm;
 
 use super::offload::{self, Offload, OffloadStats, Pipe, Split};
+use super::param_offload::{ParamHost, ParamOffloadOptions, ParamOffloadStats};
 use crate::offload::ResidentBytes;
 use hooks::Hooks;
 
@@ -120,29 +121,54 @@ pub struct StateBytes {
     /// NVMe optimizer offload: the swap files of the host parts' masters and moments (whole
     /// `aio.block_size` blocks per unit); `host_optim` then holds only their decay mask.
     pub nvme: u64,
+    /// Parameter offload (stage 3): the bf16 shard's pieces in page-locked host memory (with
+    /// NVMe: those within `max_in_cpu`, and the bounce buffers), and the parameter swap file.
+    pub host_params: u64,
+    pub nvme_params: u64,
+}
+
+/// Where a planned rank's optimizer and parameters go besides its device.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OffloadPlanned<'a> {
+    /// `offload_optimizer.ratio` (optimizer offload on).
+    pub ratio: Option<f64>,
+    /// Optimizer offload to NVMe: the swap files' block size.
+    pub nvme_block: Option<usize>,
+    /// `offload_param` (stage 3).
+    pub params: Option<&'a ParamOffloadOptions>,
 }
 
 /// The model-state bytes a rank of this geometry will hold, before anything is allocated
 /// (the budget check at start uses it; [`Rank::state_bytes`] counts the same).
 /// `states`: the optimizer's f32 state buffers per element ([`Optimizer::states`]);
-/// `nvme_block`: the offloaded part lives in swap files of this block size (NVMe offload).
+/// `off`: what goes to host memory or NVMe (optimizer offload, parameter offload).
 pub fn planned_state_bytes(
     model: &Model,
     stage: u8,
     world: usize,
     m_local: usize,
-    ratio: Option<f64>,
     states: usize,
-    nvme_block: Option<usize>,
+    off: OffloadPlanned<'_>,
 ) -> Result<StateBytes> {
+    let OffloadPlanned { ratio, nvme_block, params: poff } = off;
     let opt_world = if stage == 0 { 1 } else { world.max(1) };
     let layout = GpuLayout::new(model, opt_world)?;
     let split = Split::new((0..layout.units.len()).map(|u| layout.piece(u, 0).len()).collect(), ratio.unwrap_or(0.0));
     let levels = tree_levels(m_local) as u64;
     let (total, shard) = (layout.total as u64, layout.shard_len() as u64);
+    let (mut host_params, mut nvme_params) = (0, 0);
     let params = if stage == 3 {
         let blk = layout.units.get(1).map_or(0, |r| r.len()) as u64;
-        (shard + layout.units[0].len() as u64 + 2 * blk) * 2
+        let gathered = (layout.units[0].len() as u64 + 2 * blk) * 2;
+        match poff {
+            None => shard * 2 + gathered,
+            Some(o) => {
+                let pieces: Vec<usize> = (0..layout.units.len()).map(|u| layout.piece(u, 0).len()).collect();
+                let host = ParamHost::plan(&pieces, o);
+                (host_params, nvme_params) = (host.0, host.1);
+                gathered + offloaded_param_buffers(&pieces, &split, world) * 2
+            }
+        }
     } else {
         total * 2
     };
@@ -155,7 +181,18 @@ pub fn planned_state_bytes(
         host_optim: split.host_total as u64 * if nvme_block.is_some() { 1 } else { per_elem },
         nvme: nvme_block.map_or(0, |b| split.host.iter().map(|&h| ((h * 4).div_ceil(b) * b) as u64).sum::<u64>() * 3),
         host_staging: staged,
+        host_params,
+        nvme_params,
     })
+}
+
+/// Parameter offload: the device buffers a rank adds (elements) — with several ranks two piece
+/// buffers the all-gathers read from, and the device optimizer's output buffer (the largest
+/// device part of a piece).
+fn offloaded_param_buffers(pieces: &[usize], split: &Split, world: usize) -> u64 {
+    let big = pieces.iter().copied().max().unwrap_or(0);
+    let dev = (0..pieces.len()).map(|u| pieces[u] - split.host[u]).max().unwrap_or(0);
+    (if world > 1 { 2 * big } else { 0 } + dev) as u64
 }
 
 /// Buffers the micro-batch tree holds at once for `m_local` micro-batches: ⌊log2 M⌋ + 1.
@@ -214,6 +251,11 @@ pub struct Rank {
     /// Stage 3 only: the gathered embedding unit and two rotating block buffers.
     u0: Option<Buf<bf16>>,
     pool: Vec<Buf<bf16>>,
+    /// Parameter offload (stage 3): the shard off the device (`params` is then empty), the two
+    /// piece buffers the all-gathers read (several ranks) and the device optimizer's output.
+    phost: Option<ParamHost>,
+    dpiece: Vec<Buf<bf16>>,
+    opiece: Option<Buf<bf16>>,
     /// Optimizer shard (stage ≥ 1) or everything (stage 0): fp32 masters and the optimizer's
     /// state (`m`: Adam's and Lion's `exp_avg`, SGD's momentum buffer; `v`: Adam's `exp_avg_sq`;
     /// empty where the optimizer keeps no such buffer) — the device parts of the pieces
@@ -299,6 +341,8 @@ pub struct RankSpec<'a> {
     /// Optimizer offload to NVMe (`offload_optimizer.device = "nvme"`): where the host parts'
     /// masters and moments live instead of host memory (with `offload`).
     pub nvme: Option<&'a super::offload::NvmeSite>,
+    /// Parameter offload (`offload_param`, stage 3): where the bf16 shard lives instead.
+    pub params_offload: Option<&'a ParamOffloadOptions>,
 }
 
 impl RankSpec<'_> {
@@ -322,6 +366,18 @@ impl RankSpec<'_> {
         }
         if self.offload.is_some() && self.fp16 {
             bail!("zero_optimization.offload_optimizer with fp16.enabled: the host step starts before the loss scaler knows whether the step overflowed");
+        }
+        if let Some(p) = self.params_offload {
+            if stage != 3 {
+                bail!("zero_optimization.offload_param needs ZeRO stage 3 (the stage with parameter shards); this rank has stage {stage}");
+            }
+            let partial = self.offload.is_some_and(|o| o.ratio > 0.0 && o.ratio < 1.0);
+            if p.nvme.is_some() && partial {
+                bail!(
+                    "zero_optimization.offload_param.device = \"nvme\" with offload_optimizer.ratio strictly between 0 and 1: a \
+                     piece on NVMe is written whole, by the host or by the GPU optimizer; use ratio 1 or 0, or offload_param.device = \"cpu\""
+                );
+            }
         }
         if self.offload.is_some() && !self.optim.offloadable() {
             bail!("zero_optimization.offload_optimizer with optimizer {}: the host step runs Adam/AdamW only", self.optim.kind.name());
@@ -350,7 +406,7 @@ impl Rank {
     /// `spec` describes.
     pub fn new(gpu: Arc<Gpu>, comm: Option<NcclComm>, spec: RankSpec<'_>) -> Result<Rank> {
         spec.validate()?;
-        let RankSpec { model, stage, shape, init, optim, m_local, offload, recompute, fp16, nvme } = spec;
+        let RankSpec { model, stage, shape, init, optim, m_local, offload, recompute, fp16, nvme, params_offload } = spec;
         let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
         // Stage 0 shards nothing: one piece holds every unit.
         let opt_world = if stage == 0 { 1 } else { world };
@@ -360,7 +416,16 @@ impl Rank {
         let shard_len = layout.shard_len();
         let (master_h, mask_h) = optimizer_shard(&layout, &padded, opt_rank);
         let to_bf = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
-        let params = if stage == 3 { gpu.upload(&to_bf(&master_h))? } else { gpu.upload(&to_bf(&padded))? };
+        let pieces: Vec<usize> = (0..layout.units.len()).map(|u| layout.piece(u, opt_rank).len()).collect();
+        let phost = match params_offload {
+            Some(o) => Some(ParamHost::new(&gpu, rank, &pieces, &to_bf(&master_h), o)?),
+            None => None,
+        };
+        let params = match (stage, &phost) {
+            (3, Some(_)) => gpu.alloc::<bf16>(0)?,
+            (3, None) => gpu.upload(&to_bf(&master_h))?,
+            _ => gpu.upload(&to_bf(&padded))?,
+        };
         let (u0, pool) = if stage == 3 {
             let blk = layout.units.get(1).map_or(0, |r| r.len());
             (Some(gpu.alloc::<bf16>(layout.units[0].len())?), vec![gpu.alloc::<bf16>(blk)?, gpu.alloc::<bf16>(blk)?])
@@ -371,6 +436,15 @@ impl Rank {
             Split::new((0..layout.units.len()).map(|u| layout.piece(u, opt_rank).len()).collect(), offload.map_or(0.0, |o| o.ratio));
         let (master_host, master_dev) = split.cut(&master_h);
         let (mask_host, mask_dev) = split.cut(&mask_h);
+        let (dpiece, opiece) = match &phost {
+            Some(_) => {
+                let big = pieces.iter().copied().max().unwrap_or(0);
+                let dpiece = if world > 1 { vec![gpu.alloc::<bf16>(big)?, gpu.alloc::<bf16>(big)?] } else { Vec::new() };
+                let dev = (0..pieces.len()).map(|u| pieces[u] - split.host[u]).max().unwrap_or(0);
+                (dpiece, Some(gpu.alloc::<bf16>(dev)?))
+            }
+            None => (Vec::new(), None),
+        };
         let master = gpu.upload(&master_dev)?;
         let states = optim.states();
         let m = gpu.alloc::<f32>(if states >= 1 { split.dev_total } else { 0 })?;
@@ -410,6 +484,9 @@ impl Rank {
             params,
             u0,
             pool,
+            phost,
+            dpiece,
+            opiece,
             master,
             m,
             v,
@@ -628,7 +705,8 @@ impl Rank {
         let gathers = self.world > 1 && (self.stage == 1 || self.stage == 2);
         for u in 0..self.layout.units.len() {
             if !self.stepped[u] {
-                self.optim_unit(u, gshard, hp, scale, &self.gpu.stream)?;
+                let s = self.gpu.stream.clone();
+                self.optim_unit(u, gshard, hp, scale, &s)?;
             }
             let h = self.split.host[u];
             if gathers && h == 0 {
@@ -681,7 +759,7 @@ impl Rank {
             let mut ws = self.ws.take().expect("workspace present between micro-batches");
             let gpu = self.gpu.clone();
             let res = {
-                let mut hooks = Hooks { r: self, grads: g, tail: tail.as_ref(), early, use_idx: 0, uses: Vec::new() };
+                let mut hooks = Hooks { r: self, grads: g, tail: tail.as_ref(), early, use_idx: 0, uses: Vec::new(), requested: 0 };
                 hooks.begin().and_then(|_| gpt::forward_backward(&gpu, &mut hooks, &mut ws, tok, tgt, dloss).map_err(anyhow::Error::from))
             };
             let copied = gpu.copy(self.losses.slice(i * n..(i + 1) * n).cast(), ws.losses().cast(), &gpu.stream);
@@ -717,13 +795,16 @@ impl Rank {
     /// Whether this rank's steps run each unit's optimizer during the backward (see the module
     /// notes; every GPU optimizer is elementwise, so any of them may).
     pub fn early_adam_active(&self) -> bool {
-        self.early_adam && self.world == 1 && self.optim.clip <= 0.0 && !self.fp16
+        // Parameters on NVMe: the device optimizer's write-back waits for each unit's copy, which
+        // would stall the backward; they are stepped after it.
+        let swapped = self.phost.as_ref().is_some_and(|p| p.nvme_bytes() > 0);
+        self.early_adam && self.world == 1 && self.optim.clip <= 0.0 && !self.fp16 && !swapped
     }
 
     /// The optimizer over the device part of unit `u`'s piece (this rank's, or all of it at
     /// stage 0) on stream `s`, reading the reduced gradient `gshard` (the full buffer with one
     /// rank or at stage 0).
-    fn optim_unit(&self, u: usize, gshard: DPtr<f32>, hp: &OptimStep, scale: f32, s: &CudaStream) -> Result<()> {
+    fn optim_unit(&mut self, u: usize, gshard: DPtr<f32>, hp: &OptimStep, scale: f32, s: &CudaStream) -> Result<()> {
         let opt_rank = if self.stage == 0 { 0 } else { self.rank };
         let off = self.layout.shard_offset(u);
         let piece = self.layout.piece(u, opt_rank);
@@ -734,7 +815,12 @@ impl Rank {
         // The device part of the piece: [h, len).
         let sh = off + h..off + len;
         let dr = self.split.dev_range(u);
-        let param = if self.stage == 3 { self.params.slice(sh.clone()) } else { self.params.slice(piece.start + h..piece.end) };
+        let param = match (&self.opiece, self.stage) {
+            // Parameter offload: the new values land in the output buffer, then go back to the host.
+            (Some(o), _) => o.slice(0..len - h),
+            (None, 3) => self.params.slice(sh.clone()),
+            (None, _) => self.params.slice(piece.start + h..piece.end),
+        };
         // A state buffer the optimizer does not keep is empty: an empty view stands for it.
         let state = |b: &Buf<f32>| if b.is_empty() { b.slice(0..0) } else { b.slice(dr.clone()) };
         let bufs = ops::OptimBufs {
@@ -746,6 +832,10 @@ impl Rank {
             decay: self.decay.slice(dr.clone()),
         };
         tessera_kernels::cuda::optim::step(&self.gpu, s, &bufs, hp, scale)?;
+        if let Some(ph) = self.phost.as_mut() {
+            // (The next unit's kernel writes the output buffer after this copy: same stream.)
+            ph.store_dev(u, h..len, param, s)?;
+        }
         Ok(())
     }
 
@@ -794,6 +884,13 @@ impl Rank {
                 start..start + h
             };
             let o = self.off.as_mut().expect("a pipe implies offload");
+            if let Some(ph) = self.phost.as_mut() {
+                // Parameter offload: the new values go to the host shard itself (stage 3).
+                let vals = st.param.as_slice().map_err(cuda::drv("reading a parameter staging buffer"))?;
+                ph.store_host(u, 0..h, &vals[..h])?;
+                o.staging[u] = Some(st);
+                continue;
+            }
             {
                 let mut view = self.params.inner_mut().slice_mut(dst);
                 o.h2d.memcpy_htod(&st.param, &mut view).map_err(cuda::drv(format!("copying unit {u}'s parameters host → device")))?;
@@ -932,7 +1029,11 @@ impl Rank {
     pub fn state_bytes(&self) -> StateBytes {
         let b16 = |b: &Buf<bf16>| (b.len() * 2) as u64;
         let b32 = |b: &Buf<f32>| (b.len() * 4) as u64;
-        let params = b16(&self.params) + self.u0.as_ref().map_or(0, b16) + self.pool.iter().map(b16).sum::<u64>();
+        let params = b16(&self.params)
+            + self.u0.as_ref().map_or(0, b16)
+            + self.pool.iter().map(b16).sum::<u64>()
+            + self.dpiece.iter().map(b16).sum::<u64>()
+            + self.opiece.as_ref().map_or(0, b16);
         let grads = self.gshard.as_ref().map_or(0, b32) + self.gbufs.iter().map(b32).sum::<u64>();
         let optim = b32(&self.master) + b32(&self.m) + b32(&self.v) + self.decay.len() as u64;
         let (host_optim, host_staging, nvme) = match &self.off {
@@ -943,7 +1044,13 @@ impl Rank {
             ),
             None => (0, 0, 0),
         };
-        StateBytes { device: ResidentBytes { params, grads, optim }, host_optim, host_staging, nvme }
+        let (host_params, nvme_params) = self.phost.as_ref().map_or((0, 0), |p| (p.host_bytes(), p.nvme_bytes()));
+        StateBytes { device: ResidentBytes { params, grads, optim }, host_optim, host_staging, nvme, host_params, nvme_params }
+    }
+
+    /// The parameter tier's figures so far (parameter offload only).
+    pub fn param_offload_stats(&self) -> Option<ParamOffloadStats> {
+        self.phost.as_ref().map(|p| p.stats)
     }
 
     /// The host optimizer's figures so far (offload only).
@@ -964,7 +1071,7 @@ fn record(s: &CudaStream) -> Result<CudaEvent> {
 
 #[cfg(test)]
 mod tests {
-    use super::{planned_state_bytes, tail_plan, tree_levels};
+    use super::{planned_state_bytes, tail_plan, tree_levels, OffloadPlanned};
 
     /// The device budget counts the state buffers the optimizer keeps: fp32 masters and the
     /// decay mask (5 bytes an element), plus 4 bytes per buffer (SGD without momentum none, SGD
@@ -972,16 +1079,41 @@ mod tests {
     #[test]
     fn planned_optimizer_bytes_follow_the_optimizers_state_buffers() {
         let model = tessera_kernels::model::Model::new(crate::zoo::preset("gpt-mini-gpu").unwrap()).unwrap();
-        let optim = |states| planned_state_bytes(&model, 2, 1, 1, None, states, None).unwrap().device.optim;
+        let plan = |ratio, nvme_block| OffloadPlanned { ratio, nvme_block, params: None };
+        let optim = |states| planned_state_bytes(&model, 2, 1, 1, states, plan(None, None)).unwrap().device.optim;
         let elems = optim(0) / 5;
         assert!(elems >= model.num_params() as u64, "{elems} elements for {} parameters", model.num_params());
         assert_eq!((optim(0), optim(1), optim(2)), (elems * 5, elems * 9, elems * 13));
-        let host = planned_state_bytes(&model, 2, 1, 1, Some(1.0), 2, None).unwrap();
+        let host = planned_state_bytes(&model, 2, 1, 1, 2, plan(Some(1.0), None)).unwrap();
         assert_eq!((host.device.optim, host.host_optim), (0, elems * 13));
         // On NVMe: the decay mask stays in host memory; each unit's three regions are whole blocks.
-        let nvme = planned_state_bytes(&model, 2, 1, 1, Some(1.0), 2, Some(4096)).unwrap();
+        let nvme = planned_state_bytes(&model, 2, 1, 1, 2, plan(Some(1.0), Some(4096))).unwrap();
         assert_eq!(nvme.host_optim, elems);
         assert!(nvme.nvme >= elems * 12 && nvme.nvme < elems * 12 + 3 * 4096 * (model.cfg.n_layer as u64 + 1));
+    }
+
+    /// Parameter offload (stage 3) takes the bf16 shard off the device into host memory (or,
+    /// past `max_in_cpu`, a swap file of whole blocks beside three page-locked piece buffers);
+    /// with the GPU optimizer the device adds one piece-sized output buffer.
+    #[test]
+    fn planned_parameter_offload_moves_the_shard_off_the_device() {
+        use crate::gpu::param_offload::ParamOffloadOptions;
+        let model = tessera_kernels::model::Model::new(crate::zoo::preset("gpt-mini-gpu").unwrap()).unwrap();
+        let cpu = ParamOffloadOptions { nvme: None, max_in_cpu: 0, buffer_count: 5, buffer_elems: usize::MAX };
+        let plan = |ratio, params| OffloadPlanned { ratio, nvme_block: None, params };
+        let kept = planned_state_bytes(&model, 3, 1, 1, 2, plan(Some(1.0), None)).unwrap();
+        let moved = planned_state_bytes(&model, 3, 1, 1, 2, plan(Some(1.0), Some(&cpu))).unwrap();
+        assert!(moved.device.params < kept.device.params);
+        assert_eq!(moved.host_params, kept.device.params - moved.device.params, "the shard's bytes move to the host");
+        assert_eq!((moved.nvme_params, moved.device.grads, moved.host_optim), (0, kept.device.grads, kept.host_optim));
+        // The GPU optimizer writes each piece's new values into a device buffer before the copy back.
+        let gpu_opt = planned_state_bytes(&model, 3, 1, 1, 2, plan(None, Some(&cpu))).unwrap();
+        assert!(gpu_opt.device.params > moved.device.params);
+        let site = crate::gpu::offload::NvmeSite { dir: std::env::temp_dir(), aio: crate::offload::AioOptions::default() };
+        let nvme = ParamOffloadOptions { nvme: Some(site), ..cpu };
+        let swapped = planned_state_bytes(&model, 3, 1, 1, 2, plan(Some(1.0), Some(&nvme))).unwrap();
+        assert!(swapped.nvme_params >= moved.host_params, "every piece in the swap file, on whole blocks");
+        assert_eq!(swapped.device, moved.device);
     }
 
     /// The micro-batch tree as [`super::Rank::step`] runs it over whole buffers, on symbolic

@@ -28,7 +28,7 @@ impl Rank {
         // Forward only: no gradient is written; the hooks still need a buffer to name.
         let grads = self.gbufs[0].ptr();
         let res = {
-            let mut hooks = Hooks { r: self, grads, tail: None, early: None, use_idx: 0, uses: Vec::new() };
+            let mut hooks = Hooks { r: self, grads, tail: None, early: None, use_idx: 0, uses: Vec::new(), requested: 0 };
             hooks.begin().and_then(|_| gpt::forward_loss(&gpu, &mut hooks, &mut ws, tokens, targets).map_err(anyhow::Error::from))
         };
         let loss = res.and_then(|_| gpt::mean_loss(&gpu, &ws).map_err(anyhow::Error::from));
@@ -57,6 +57,20 @@ impl Rank {
         self.comm().wait(&self.cstream, COMM_TIMEOUT)?;
         let flat = self.gpu.download(recv.ptr())?;
         Ok(flat.chunks_exact(2).map(|w| f64::from_bits(u64::from(w[0].to_bits()) | (u64::from(w[1].to_bits()) << 32))).collect())
+    }
+
+    /// This rank's bf16 parameters, once its streams are idle: at stage 3 its shard (pieces unit
+    /// after unit) wherever it lives (the device, or host memory and NVMe with parameter
+    /// offload); otherwise the full padded buffer.
+    pub fn params_shard(&mut self) -> Result<Vec<tessera_kernels::cuda::bf16>> {
+        self.sync()?;
+        if let Some(o) = &self.off {
+            o.h2d.synchronize().map_err(tessera_kernels::cuda::drv("waiting for the parameter copies"))?;
+        }
+        match &self.phost {
+            Some(p) => p.read_shard(),
+            None => Ok(self.gpu.download(self.params.ptr())?),
+        }
     }
 
     /// Optimizer steps taken so far (Adam's bias-correction clock).

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Issue 32 on one GPU: parameter offload (ZeRO-3 `offload_param`) — its bits and its measurement,
+# with the DeepSpeed ZeRO-3 offload peer in the same call. Two halves:
+#   scripts/gpu_offload_param.sh build DEST — here (no GPU): stripped, gzipped `tessera` and the
+#       integration-test binary, this commit's tree and this script into DEST (a folder of the
+#       checkout that the device tool carries), plus the DeepSpeed sdist and the wheels it needs
+#       (pip download; DEST/whl).
+#   scripts/gpu_offload_param.sh run DEST — on the device, from the checkout's root: extracts the
+#       tree at this worktree's path (the test binary runs the `tessera` next to it), then
+#       1. `tessera gpu check --only offload` (optimizer and parameter offload rows, bit for bit);
+#       2. tests/e2e_gpu.rs gpu_parameter_offload_gives_the_same_bits;
+#       3. `gpu bench`, GPT 1.3B at ZeRO-3 (micro-batch 8 × 1024, activation checkpointing):
+#          parameters + optimizer in host memory under a 6 GB budget of model states (the model
+#          states need 25.4 GB), the unbudgeted run (same params_blake3), the optimizer on NVMe;
+#       4. DeepSpeed 0.19.8 ZeRO-3 with offload_param and offload_optimizer (cpu), same model
+#          shape and tokens per step (scripts/peers/gpt2_torch.py --mode ds).
+# Results under $OUT (check.txt, e2e.txt, bench.jsonl, ds.txt).
+set -uo pipefail
+mode=${1:-run}
+DEST=${2:-.device-bin-gpuoffload}
+WT=/work/wt/gpuoffload
+
+if [ "$mode" = build ]; then
+    set -e
+    cd "$WT"
+    cargo build --release -p tessera
+    cargo test --release --test tests --no-run
+    mkdir -p "$DEST"
+    strip -o "$DEST/tessera" target/release/tessera && gzip -f "$DEST/tessera"
+    bin=$(ls -t target/release/deps/tests-* | grep -v '\.d$' | head -1)
+    strip -o "$DEST/tests" "$bin" && gzip -f "$DEST/tests"
+    git archive HEAD -o "$DEST/tree.tar"
+    mkdir -p "$DEST/whl"
+    P="--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+    python3 -m pip download -q --no-deps deepspeed==0.19.8 --no-binary :all: -d "$DEST/whl"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d "$DEST/whl" \
+        hjson pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection "typing_extensions>=4.16"
+    ls -la "$DEST" "$DEST/whl"
+    exit 0
+fi
+
+SRC=$PWD/$DEST
+mkdir -p "$WT/target/release" && tar -xf "$SRC/tree.tar" -C "$WT"
+zcat "$SRC/tessera.gz" > "$WT/target/release/tessera" && zcat "$SRC/tests.gz" > "$WT/target/release/tests-e2e"
+chmod +x "$WT/target/release/tessera" "$WT/target/release/tests-e2e"
+cd "$WT"
+source scripts/device_env.sh
+export TESSERA_KERNEL_CACHE=/tmp/tessera-kernels
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+T=target/release/tessera
+echo "== $(nvidia-smi -L | head -1), $(nproc) CPU cores, $(free -g | awk '/Mem/ {print $2}') GiB; $(date -u)"
+
+echo "== 1. gpu check --only offload"
+timeout 150 $T gpu check --only offload 2>&1 | tee "$OUT/check.txt" | grep -E "FAIL|parameters in|passed|FAILED" | head -60
+
+echo "== 2. e2e: gpu_parameter_offload_gives_the_same_bits"
+timeout 170 target/release/tests-e2e e2e_gpu::gpu_parameter_offload --nocapture --test-threads 1 > "$OUT/e2e.txt" 2>&1
+echo "e2e exit $?"; tail -5 "$OUT/e2e.txt"
+
+echo "== 3. gpu bench: GPT 1.3B, ZeRO-3, under a 6 GB budget of model states"
+B="--model gpt2-1.3b --vocab 50304 --zero 3 --micro-batch 8 --seq 1024 --micro-batches 1 --recompute"
+bench() { # label, timeout, args...
+    local label=$1 limit=$2; shift 2
+    echo "-- $label: tessera gpu bench $*"
+    if line=$(timeout "$limit" $T gpu bench "$@" 2>"$OUT/$label.err" | tail -1) && [ -n "$line" ]; then
+        echo "$line"; echo "{\"label\": \"$label\", \"r\": $line}" >> "$OUT/bench.jsonl"
+    else
+        echo "FAILED or stopped: $label"; tail -3 "$OUT/$label.err"
+    fi
+}
+: > "$OUT/bench.jsonl"
+timeout 20 $T gpu bench $B --budget-bytes 6000000000 --steps 1 --warmup 0 2>&1 | tail -1
+bench host 150 $B --budget-bytes 6000000000 --offload-ratio 1 --offload-param cpu --steps 4 --warmup 1
+bench device 120 $B --steps 4 --warmup 1
+echo "== 4. DeepSpeed ZeRO-3, offload_param + offload_optimizer (cpu)"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$SRC"/whl/*.whl > "$OUT/pip.txt" 2>&1
+DS_BUILD_OPS=0 TORCH_CUDA_ARCH_LIST=9.0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+    --target /tmp/site "$SRC"/whl/deepspeed-*.tar.gz >> "$OUT/pip.txt" 2>&1 || { echo "deepspeed install failed"; tail -5 "$OUT/pip.txt"; }
+export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
+DS="--mode ds --zero 3 --offload 1 --offload-param 1 --layers 24 --d 2048 --heads 32 --mb 8 --seq 1024 --steps 4 --warmup 1 --compile 0"
+ONE="env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511"
+# (torchrun would read the script's --d as an abbreviation of its own options.)
+timeout 200 $ONE python3 scripts/peers/gpt2_torch.py $DS > "$OUT/ds.txt" 2>&1
+echo "deepspeed exit $?"; grep -E '^\{|Error|error:' "$OUT/ds.txt" | tail -4
+if ! grep -q '^{' "$OUT/ds.txt"; then
+    echo "-- again with torch's AdamW on the CPU (torch_adam)"
+    timeout 150 $ONE python3 scripts/peers/gpt2_torch.py $DS --torch-adam 1 > "$OUT/ds_torch_adam.txt" 2>&1
+    echo "deepspeed (torch_adam) exit $?"; grep -E '^\{|Error' "$OUT/ds_torch_adam.txt" | tail -3
+fi
+echo "== 5. optimizer on NVMe"
+mkdir -p /tmp/swap
+bench nvme 200 $B --budget-bytes 6000000000 --offload-ratio 1 --offload-param cpu --nvme /tmp/swap --steps 2 --warmup 1
+echo "== done $(date -u)"
