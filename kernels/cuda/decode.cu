@@ -351,14 +351,10 @@ __device__ __forceinline__ void dec_gemv_dot(float (&acc)[DEC_WQ_ROWS], const bf
 // GELU's exponential. One warp per output channel (blockDim = 32 · channels per block); lanes
 // take 16 weights at a time (k % 16 == 0), ascending, then a fixed xor tree; blockIdx.y picks
 // DEC_WQ_ROWS rows.
-template <int FMT>
-__device__ __forceinline__ void dec_gemv_t(bf16* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w,
-                                           const float* __restrict__ s, const bf16* __restrict__ bias, int gelu, int m, int k, int n) {
-    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31, r0 = blockIdx.y * DEC_WQ_ROWS;
-    if (j >= n) return;  // warp-uniform
-    float acc[DEC_WQ_ROWS];
-    dec_gemv_dot<FMT>(acc, x, w, j, lane, r0, m, k);
+// The GEMV's epilogue for output channel j (see dec_gemv_t): reduces each row's lane parts over
+// the warp and stores bf16(product · s[j]) (+ bias, GELU) to the rows r0 + r < m.
+__device__ __forceinline__ void dec_gemv_store(bf16* __restrict__ y, const float (&acc)[DEC_WQ_ROWS], const float* __restrict__ s,
+                                               const bf16* __restrict__ bias, int gelu, int j, int lane, int r0, int m, int n) {
     const float sj = s ? s[j] : 1.0f;
 #pragma unroll
     for (int r = 0; r < DEC_WQ_ROWS; r++) {
@@ -371,6 +367,77 @@ __device__ __forceinline__ void dec_gemv_t(bf16* __restrict__ y, const bf16* __r
         }
     }
 }
+
+// y[r, j] = epilogue(Σ_k x[r, k] · w[j, k] · s[j])  with w [n, k] (output channel j's row) of
+// int8 (FMT 0), e4m3 (1) or bf16 (2; `s` null), x [m, k] bf16. The product is rounded to bf16
+// (as a GEMM's output), then with `bias` (may be null): y = bf16(product + bias), and with `gelu`
+// y = bf16(gelu(that)) — the bits of a GEMM followed by ops.cu's bias (+ GELU) kernel up to the
+// GELU's exponential. One warp per output channel (blockDim = 32 · channels per block); lanes
+// take 16 weights at a time (k % 16 == 0), ascending, then a fixed xor tree; blockIdx.y picks
+// DEC_WQ_ROWS rows.
+template <int FMT>
+__device__ __forceinline__ void dec_gemv_t(bf16* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w,
+                                           const float* __restrict__ s, const bf16* __restrict__ bias, int gelu, int m, int k, int n) {
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31, r0 = blockIdx.y * DEC_WQ_ROWS;
+    if (j >= n) return;  // warp-uniform
+    float acc[DEC_WQ_ROWS];
+    dec_gemv_dot<FMT>(acc, x, w, j, lane, r0, m, k);
+    dec_gemv_store(y, acc, s, bias, gelu, j, lane, r0, m, n);
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPT-2's joins folded into the next GEMV: the residual add and LayerNorm as its prologue
+// ---------------------------------------------------------------------------------------------
+// Rows r0 .. r0 + DEC_WQ_ROWS - 1 (those < m) of xo = x + (y + yb) and hs = LN(xo)·lw + lb, the
+// arithmetic of ops.cu's residual_layernorm_fwd_vec (residual_row_regs, then ln_row_regs), so
+// the same bits: warp w takes row r0 + w (blockDim ≥ 32 · DEC_WQ_ROWS). hs [DEC_WQ_ROWS, c] bf16
+// in shared memory (16-byte aligned); only blocks with blockIdx.x == 0 store xo (which must not
+// alias x: the other blocks still read x). c % 128 == 0, c ≤ 128 · LN_MAXV. Ends with a barrier.
+__device__ __forceinline__ void dec_ln_prologue(bf16* hs, float* xo, const float* __restrict__ x, const bf16* __restrict__ y,
+                                                const bf16* __restrict__ yb, const bf16* __restrict__ lw, const bf16* __restrict__ lb, int r0,
+                                                int m, int c) {
+    __shared__ float stats[2][DEC_WQ_ROWS];  // mean and rstd (not needed by decoding)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row = r0 + warp;
+    if (warp < DEC_WQ_ROWS && row < m) {
+        const int nv = c >> 7;
+        float4 xv[LN_MAXV];
+        float* dst = blockIdx.x == 0 ? xo + (u64)row * c : nullptr;
+        residual_row_regs<LN_MAXV>(xv, nv, lane, dst, x + (u64)row * c, y + (u64)row * c, yb);
+        ln_row_regs<LN_MAXV>(xv, nv, warp, lane, hs, stats[0], stats[1], lw, lb, c);
+    }
+    __syncthreads();
+}
+
+// dec_gemv_t on the rows dec_ln_prologue makes (k = c): the residual + LayerNorm kernel and the
+// GEMV in one launch. Dynamic shared memory: DEC_WQ_ROWS · k bf16.
+template <int FMT>
+__device__ __forceinline__ void dec_gemv_ln_t(bf16* __restrict__ y, float* xo, const float* __restrict__ x, const bf16* __restrict__ ry,
+                                              const bf16* __restrict__ ryb, const bf16* __restrict__ lw, const bf16* __restrict__ lb,
+                                              const unsigned char* __restrict__ w, const float* __restrict__ s, const bf16* __restrict__ bias,
+                                              int gelu, int m, int k, int n) {
+    extern __shared__ __align__(16) unsigned char dec_dsm[];
+    bf16* hs = reinterpret_cast<bf16*>(dec_dsm);
+    const int r0 = blockIdx.y * DEC_WQ_ROWS;
+    dec_ln_prologue(hs, xo, x, ry, ryb, lw, lb, r0, m, k);
+    const int j = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (j >= n) return;  // warp-uniform
+    float acc[DEC_WQ_ROWS];
+    dec_gemv_dot<FMT>(acc, hs, w, j, lane, 0, m - r0, k);
+    dec_gemv_store(y, acc, s, bias, gelu, j, lane, r0, m, n);
+}
+
+#define DEC_GEMV_LN(NAME, FMT)                                                                                                          \
+    extern "C" __global__ void NAME(bf16* __restrict__ y, float* xo, const float* __restrict__ x, const bf16* __restrict__ ry,          \
+                                    const bf16* __restrict__ ryb, const bf16* __restrict__ lw, const bf16* __restrict__ lb,             \
+                                    const unsigned char* __restrict__ w, const float* __restrict__ s, const bf16* __restrict__ bias,    \
+                                    int gelu, int m, int k, int n) {                                                                    \
+        dec_gemv_ln_t<FMT>(y, xo, x, ry, ryb, lw, lb, w, s, bias, gelu, m, k, n);                                                      \
+    }
+DEC_GEMV_LN(dec_gemv_ln_i8, 0)
+DEC_GEMV_LN(dec_gemv_ln_e4m3, 1)
+DEC_GEMV_LN(dec_gemv_ln_bf16, 2)
 
 extern "C" __global__ void dec_gemv_i8(bf16* __restrict__ y, const bf16* __restrict__ x, const unsigned char* __restrict__ w, const float* __restrict__ s,
                                        const bf16* __restrict__ bias, int gelu, int m, int k, int n) {
@@ -407,17 +474,19 @@ extern "C" __global__ void dec_gemv_f32out(float* __restrict__ y, const bf16* __
 // null, q to q_out and k, v into the cache at each row's slot — the bits of the GEMV followed by
 // dec_qkv_store. A block of 8 warps takes 4 pairs: warp w < 4 computes c0 of pair 4·blockIdx.x + w,
 // warp w + 4 its c1 (handed over in shared memory); blockIdx.y picks DEC_WQ_ROWS rows.
+// `xr0`: the row of `x` that holds row r0 (r0 itself for x in global memory, 0 for rows staged
+// in shared memory by dec_ln_prologue).
 template <int FMT>
 __device__ __forceinline__ void dec_gemv_qkv_t(bf16* __restrict__ q_out, bf16* __restrict__ kc, bf16* __restrict__ vc,
-                                               const bf16* __restrict__ x, const unsigned char* __restrict__ w, const float* __restrict__ s,
-                                               const bf16* __restrict__ bias, const double* __restrict__ inv_freq, const int* __restrict__ pos,
-                                               const int* __restrict__ slot, int m, int k, int nh, int nkv, int hd) {
+                                               const bf16* __restrict__ x, int xr0, const unsigned char* __restrict__ w,
+                                               const float* __restrict__ s, const bf16* __restrict__ bias, const double* __restrict__ inv_freq,
+                                               const int* __restrict__ pos, const int* __restrict__ slot, int m, int k, int nh, int nkv, int hd) {
     __shared__ float other[4][DEC_WQ_ROWS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r0 = blockIdx.y * DEC_WQ_ROWS;
     const int half = hd >> 1, pair = blockIdx.x * 4 + (warp & 3), h = pair / half, i = pair - h * half;
     const int c0 = h * hd + i, j = c0 + (warp >> 2) * half;
     float acc[DEC_WQ_ROWS];
-    dec_gemv_dot<FMT>(acc, x, w, j, lane, r0, m, k);
+    dec_gemv_dot<FMT>(acc, x, w, j, lane, xr0, m - r0 + xr0, k);
     const float sj = s ? s[j] : 1.0f;
     float mine[DEC_WQ_ROWS];
 #pragma unroll
@@ -465,11 +534,38 @@ __device__ __forceinline__ void dec_gemv_qkv_t(bf16* __restrict__ q_out, bf16* _
                                     const unsigned char* __restrict__ w, const float* __restrict__ s, const bf16* __restrict__ bias,    \
                                     const double* __restrict__ inv_freq, const int* __restrict__ pos, const int* __restrict__ slot,     \
                                     int m, int k, int nh, int nkv, int hd) {                                                            \
-        dec_gemv_qkv_t<FMT>(q_out, kc, vc, x, w, s, bias, inv_freq, pos, slot, m, k, nh, nkv, hd);                                      \
+        dec_gemv_qkv_t<FMT>(q_out, kc, vc, x, blockIdx.y * DEC_WQ_ROWS, w, s, bias, inv_freq, pos, slot, m, k, nh, nkv, hd);            \
     }
 DEC_GEMV_QKV(dec_gemv_qkv_i8, 0)
 DEC_GEMV_QKV(dec_gemv_qkv_e4m3, 1)
 DEC_GEMV_QKV(dec_gemv_qkv_bf16, 2)
+
+// dec_gemv_qkv_t on the rows dec_ln_prologue makes (k = c): GPT-2's residual + LayerNorm, the
+// QKV GEMV and its epilogue in one launch. Dynamic shared memory: DEC_WQ_ROWS · k bf16.
+template <int FMT>
+__device__ __forceinline__ void dec_gemv_qkv_ln_t(bf16* __restrict__ q_out, bf16* __restrict__ kc, bf16* __restrict__ vc, float* xo,
+                                                  const float* __restrict__ x, const bf16* __restrict__ ry, const bf16* __restrict__ ryb,
+                                                  const bf16* __restrict__ lw, const bf16* __restrict__ lb, const unsigned char* __restrict__ w,
+                                                  const float* __restrict__ s, const bf16* __restrict__ bias, const double* __restrict__ inv_freq,
+                                                  const int* __restrict__ pos, const int* __restrict__ slot, int m, int k, int nh, int nkv,
+                                                  int hd) {
+    extern __shared__ __align__(16) unsigned char dec_dsm[];
+    bf16* hs = reinterpret_cast<bf16*>(dec_dsm);
+    dec_ln_prologue(hs, xo, x, ry, ryb, lw, lb, blockIdx.y * DEC_WQ_ROWS, m, k);
+    dec_gemv_qkv_t<FMT>(q_out, kc, vc, hs, 0, w, s, bias, inv_freq, pos, slot, m, k, nh, nkv, hd);
+}
+
+#define DEC_GEMV_QKV_LN(NAME, FMT)                                                                                                       \
+    extern "C" __global__ void NAME(bf16* __restrict__ q_out, bf16* __restrict__ kc, bf16* __restrict__ vc, float* xo,                  \
+                                    const float* __restrict__ x, const bf16* __restrict__ ry, const bf16* __restrict__ ryb,             \
+                                    const bf16* __restrict__ lw, const bf16* __restrict__ lb, const unsigned char* __restrict__ w,      \
+                                    const float* __restrict__ s, const bf16* __restrict__ bias, const double* __restrict__ inv_freq,    \
+                                    const int* __restrict__ pos, const int* __restrict__ slot, int m, int k, int nh, int nkv, int hd) { \
+        dec_gemv_qkv_ln_t<FMT>(q_out, kc, vc, xo, x, ry, ryb, lw, lb, w, s, bias, inv_freq, pos, slot, m, k, nh, nkv, hd);              \
+    }
+DEC_GEMV_QKV_LN(dec_gemv_qkv_ln_i8, 0)
+DEC_GEMV_QKV_LN(dec_gemv_qkv_ln_e4m3, 1)
+DEC_GEMV_QKV_LN(dec_gemv_qkv_ln_bf16, 2)
 
 // wd[k', j] = bf16(s[j] · w[j, k'])  ([k, n], the layout cuBLAS takes): the quantized weight
 // widened for a step of many rows (prefill), where the GEMM is compute-bound.

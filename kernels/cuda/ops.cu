@@ -288,6 +288,33 @@ extern "C" __global__ void layernorm_fwd_vec16(bf16* __restrict__ out, float* __
     layernorm_fwd_vec_t<2 * LN_MAXV>(out, mean, rstd, x, w, b, n, c);
 }
 
+// One row's residual add into registers (lane holds xv[k] = columns 4·(k·32 + lane) .. +3):
+// xv = x + (y + yb) (f32 + (bf16 + bf16)), also stored to `xo` unless it is null (xo may alias x).
+// Shared by residual_layernorm_fwd_vec and decode.cu's GEMV prologue, so both give the same bits.
+template <int MAXV>
+__device__ __forceinline__ void residual_row_regs(float4 (&xv)[MAXV], int nv, int lane, float* xo, const float* x, const bf16* __restrict__ y,
+                                                  const bf16* __restrict__ yb) {
+    const float4* xr = reinterpret_cast<const float4*>(x);
+    const uint2* yr = reinterpret_cast<const uint2*>(y);
+    const uint2* yb2 = reinterpret_cast<const uint2*>(yb);
+    float4* xor4 = reinterpret_cast<float4*>(xo);
+#pragma unroll
+    for (int k = 0; k < MAXV; k++) {
+        if (k < nv) {
+            const int q = k * 32 + lane;
+            const float4 a = xr[q];
+            const uint2 yv = yr[q], bv = yb2[q];
+            float4 o;
+            o.x = FADD(a.x, FADD(bf_lo(yv.x), bf_lo(bv.x)));
+            o.y = FADD(a.y, FADD(bf_hi(yv.x), bf_hi(bv.x)));
+            o.z = FADD(a.z, FADD(bf_lo(yv.y), bf_lo(bv.y)));
+            o.w = FADD(a.w, FADD(bf_hi(yv.y), bf_hi(bv.y)));
+            if (xo) xor4[q] = o;
+            xv[k] = o;
+        }
+    }
+}
+
 // The residual add of a projection and the LayerNorm after it in one pass:
 // xo = x + (y + yb) (f32, as residual_bias_add; xo may alias x), then out = LN(xo)·w + b with
 // mean and rstd, as layernorm_fwd_vec on xo — the same bits as the two kernels, without reading
@@ -300,26 +327,8 @@ __device__ __forceinline__ void residual_layernorm_fwd_vec_t(float* xo, bf16* __
     const int lane = threadIdx.x & 31;
     if (row >= n) return;  // warp-uniform
     const int nv = c >> 7;
-    const float4* xr = reinterpret_cast<const float4*>(x + (u64)row * c);
-    const uint2* yr = reinterpret_cast<const uint2*>(y + (u64)row * c);
-    const uint2* yb2 = reinterpret_cast<const uint2*>(yb);
-    float4* xor4 = reinterpret_cast<float4*>(xo + (u64)row * c);
     float4 xv[MAXV];
-#pragma unroll
-    for (int k = 0; k < MAXV; k++) {
-        if (k < nv) {
-            const int q = k * 32 + lane;
-            const float4 a = xr[q];
-            const uint2 yv = yr[q], bv = yb2[q];
-            float4 o;
-            o.x = FADD(a.x, FADD(bf_lo(yv.x), bf_lo(bv.x)));
-            o.y = FADD(a.y, FADD(bf_hi(yv.x), bf_hi(bv.x)));
-            o.z = FADD(a.z, FADD(bf_lo(yv.y), bf_lo(bv.y)));
-            o.w = FADD(a.w, FADD(bf_hi(yv.y), bf_hi(bv.y)));
-            xor4[q] = o;
-            xv[k] = o;
-        }
-    }
+    residual_row_regs<MAXV>(xv, nv, lane, xo + (u64)row * c, x + (u64)row * c, y + (u64)row * c, yb);
     ln_row_regs<MAXV>(xv, nv, row, lane, out, mean, rstd, w, b, c);
 }
 

@@ -49,8 +49,12 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("gqa_attention", include_str!("../../cuda/gqa_attention.cu")),
     // The mixture-of-experts routing, permutation, gather/combine and their backwards.
     ("moe", include_str!("../../cuda/moe.cu")),
-    // Decoding over a paged key/value cache; reuses llama.cu's RMSNorm and SwiGLU helpers.
-    ("decode", concat!(include_str!("../../cuda/llama.cu"), "\n", include_str!("../../cuda/decode.cu"))),
+    // Decoding over a paged key/value cache; reuses ops.cu's LayerNorm row path and llama.cu's
+    // RMSNorm and SwiGLU helpers.
+    (
+        "decode",
+        concat!(include_str!("../../cuda/ops.cu"), "\n", include_str!("../../cuda/llama.cu"), "\n", include_str!("../../cuda/decode.cu")),
+    ),
 ];
 
 /// The architecture module `name` compiles for on a GPU of compute capability `cc`, or `None`

@@ -143,7 +143,7 @@ fn check_gemv(gpu: &Gpu, seed: u64, fmt: WeightFormat, (m, k, n): (usize, usize,
     let (dw, dx, dy, db) = (gpu.upload(&bytes)?, gpu.upload(&bf(&x))?, gpu.alloc::<bf16>(m * n)?, gpu.upload(&bf(&bias))?);
     let ds = scales.as_ref().map(|s| gpu.upload(s)).transpose()?;
     let gw = launch::GemvW { w: dw.ptr().raw, s: ds.as_ref().map(|s| s.ptr()), fmt };
-    launch::gemv(gpu, &gpu.stream, dy.ptr(), dx.ptr(), gw, gelu.then(|| db.ptr()), gelu, m, (k, n))?;
+    launch::gemv(gpu, &gpu.stream, dy.ptr(), launch::GemvIn::Rows(dx.ptr()), gw, gelu.then(|| db.ptr()), gelu, m, (k, n))?;
     let gy: Vec<f32> = gpu.download(dy.ptr())?.iter().map(|v| v.to_f32()).collect();
     let what = if gelu { " + bias + GELU" } else { "" };
     let mut out = rows(&format!("{fmt} decode GEMV{what} [{m}×{k}]·[{k}×{n}]"), &gy, &cpu, 1e-2, 5e-2).to_vec();
@@ -287,5 +287,34 @@ fn check_model(gpu: &Arc<Gpu>, seed: u64, cfg: ModelConfig, fmt: WeightFormat) -
     let e = run_schedule(&mut eager, &model, &reference, seed)?.gpu;
     let same = g.iter().zip(&e).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
     out.push(CheckRow::same_bits(format!("decode: CUDA graph replay = kernel by kernel, bits {tag}"), same));
+    if cfg.arch == Arch::Gpt {
+        out.extend(check_unfolded(gpu, &model, &params, &reference, &g, opts(0), &tag, seed)?);
+    }
     Ok(out)
+}
+
+/// GPT-2's residual + LayerNorm folded into the next GEMV's prologue (the decode steps above)
+/// against the same schedule with the separate kernels: the prologue repeats
+/// `residual_layernorm_forward`'s arithmetic, so the logits should agree to the bit; the row
+/// passes within 1e-3 rms-relative (a wrong row, bias or weight is ~1e-1) and says in its name
+/// whether every bit agreed.
+#[allow(clippy::too_many_arguments)]
+fn check_unfolded(
+    gpu: &Arc<Gpu>,
+    model: &Model,
+    params: &[f32],
+    reference: &[f32],
+    folded: &[Vec<f32>],
+    opts: DecodeOptions,
+    tag: &str,
+    seed: u64,
+) -> Result<Vec<CheckRow>> {
+    let mut plain = Decoder::new(gpu.clone(), model, params, opts)?;
+    plain.set_gemv_rows_max(8);
+    plain.set_fold_norms(false);
+    let u = run_schedule(&mut plain, model, reference, seed)?.gpu;
+    let (f, u): (Vec<f32>, Vec<f32>) = (folded.concat(), u.concat());
+    let same = f.iter().zip(&u).all(|(a, b)| a.to_bits() == b.to_bits());
+    let bits = if same { "every bit equal" } else { "NOT bit-equal" };
+    Ok(rows(&format!("decode: residual + LayerNorm folded into the GEMVs = separate kernels ({bits}) {tag}"), &f, &u, 1e-3, 1e-2).to_vec())
 }

@@ -222,15 +222,73 @@ pub struct GemvW {
     pub fmt: super::WeightFormat,
 }
 
+/// GPT-2's join folded into a GEMV's prologue (decode.cu `dec_ln_prologue`): the GEMV's input
+/// rows are `LayerNorm(xo)·w + b` with `xo = x + (y + yb)` (f32 `[m, c]`, stored to `xo`, which
+/// must not overlap `x`), the bits of `ops::residual_layernorm_forward`.
+#[derive(Clone, Copy, Debug)]
+pub struct ResidualLnIn {
+    pub xo: DPtr<f32>,
+    pub x: DPtr<f32>,
+    pub y: DPtr<bf16>,
+    pub yb: DPtr<bf16>,
+    pub w: DPtr<bf16>,
+    pub b: DPtr<bf16>,
+}
+
+/// Where a GEMV's input rows `[m, k]` come from.
+#[derive(Clone, Copy, Debug)]
+pub enum GemvIn {
+    /// bf16 rows in device memory.
+    Rows(DPtr<bf16>),
+    /// Made in the kernel's prologue from the residual stream (see [`ResidualLnIn`]).
+    ResidualLn(ResidualLnIn),
+}
+
+/// LN_MAXV in ops.cu: the LayerNorm register path takes rows of up to 128 · this.
+const LN_MAXV: usize = 8;
+
+/// Whether a GEMV of input width `k` can fold the residual + LayerNorm into its prologue.
+pub fn ln_foldable(k: usize) -> bool {
+    k > 0 && k % 128 == 0 && k <= 128 * LN_MAXV && GEMV_ROWS * k * 2 <= 48 << 10
+}
+
+impl GemvIn {
+    /// Checks the input against `[m, k]`; returns (x or 0, the prologue's pointers or zeros, the
+    /// dynamic shared memory bytes).
+    fn args(&self, what: &str, m: usize, k: usize) -> (u64, [u64; 6], u32) {
+        match *self {
+            GemvIn::Rows(x) => {
+                check_len(&format!("{what} x [m, k]"), x, m * k);
+                (x.raw, [0; 6], 0)
+            }
+            GemvIn::ResidualLn(a) => {
+                assert!(ln_foldable(k), "{what}: the residual + LayerNorm prologue takes k % 128 == 0, k <= {}; got {k}", 128 * LN_MAXV);
+                check_len(&format!("{what} xo [m, k]"), a.xo, m * k);
+                check_len(&format!("{what} x [m, k]"), a.x, m * k);
+                check_len(&format!("{what} y [m, k]"), a.y, m * k);
+                for (name, p) in [("y bias", a.yb), ("norm weight", a.w), ("norm bias", a.b)] {
+                    check_len(&format!("{what} {name} [k]"), p, k);
+                }
+                let disjoint = a.xo.raw + a.xo.bytes() as u64 <= a.x.raw || a.x.raw + a.x.bytes() as u64 <= a.xo.raw;
+                assert!(disjoint, "{what}: the prologue's residual output must not overlap its input");
+                let al = a.xo.raw % 16 == 0 && a.x.raw % 16 == 0 && [a.y, a.yb, a.w, a.b].iter().all(|p| p.raw % 8 == 0);
+                assert!(al, "{what}: residual rows 16-byte and bf16 rows 8-byte aligned");
+                (0, [a.xo.raw, a.x.raw, a.y.raw, a.yb.raw, a.w.raw, a.b.raw], (GEMV_ROWS * k * 2) as u32)
+            }
+        }
+    }
+}
+
 /// `y [m, n] = epilogue(x [m, k] · W)` for a few rows (decode.cu `dec_gemv_*`; k a multiple of
 /// 16): the product rounded to bf16, then `+ bias` and GELU where asked (the bits of a GEMM and
-/// ops.cu's bias kernel; GELU up to its exponential).
+/// ops.cu's bias kernel; GELU up to its exponential). With [`GemvIn::ResidualLn`] the input rows
+/// are made in the kernel (`dec_gemv_ln_*`).
 #[allow(clippy::too_many_arguments)]
 pub fn gemv(
     gpu: &Gpu,
     st: &CudaStream,
     y: DPtr<bf16>,
-    x: DPtr<bf16>,
+    x: GemvIn,
     w: GemvW,
     bias: Option<DPtr<bf16>>,
     gelu: bool,
@@ -239,7 +297,7 @@ pub fn gemv(
 ) -> Result<()> {
     use super::WeightFormat as F;
     check_len("gemv y [m, n]", y, m * n);
-    check_len("gemv x [m, k]", x, m * k);
+    let (x_raw, [xo, xr, ry, ryb, lw, lb], smem) = x.args("gemv", m, k);
     if let Some(s) = w.s {
         check_len("gemv s [n]", s, n);
     }
@@ -253,13 +311,22 @@ pub fn gemv(
     if m == 0 {
         return Ok(());
     }
-    let cfg = gemv_cfg(m, n);
+    let cfg = LaunchConfig { shared_mem_bytes: smem, ..gemv_cfg(m, n) };
     let (s_raw, b_raw, gelu_i) = (w.s.map_or(0, |s| s.raw), bias.map_or(0, |b| b.raw), i32::from(gelu));
     let (m_i, k_i, n_i) = (i32_of("m", m), i32_of("k", k), i32_of("n", n));
-    match w.fmt {
-        F::Int8 => launch!(gpu, st, "dec_gemv_i8", cfg; y.raw, x.raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
-        F::Fp8 => launch!(gpu, st, "dec_gemv_e4m3", cfg; y.raw, x.raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
-        F::Bf16 => launch!(gpu, st, "dec_gemv_bf16", cfg; y.raw, x.raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
+    match (x, w.fmt) {
+        (GemvIn::Rows(_), F::Int8) => launch!(gpu, st, "dec_gemv_i8", cfg; y.raw, x_raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
+        (GemvIn::Rows(_), F::Fp8) => launch!(gpu, st, "dec_gemv_e4m3", cfg; y.raw, x_raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
+        (GemvIn::Rows(_), F::Bf16) => launch!(gpu, st, "dec_gemv_bf16", cfg; y.raw, x_raw, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i),
+        (GemvIn::ResidualLn(_), F::Int8) => {
+            launch!(gpu, st, "dec_gemv_ln_i8", cfg; y.raw, xo, xr, ry, ryb, lw, lb, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i)
+        }
+        (GemvIn::ResidualLn(_), F::Fp8) => {
+            launch!(gpu, st, "dec_gemv_ln_e4m3", cfg; y.raw, xo, xr, ry, ryb, lw, lb, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i)
+        }
+        (GemvIn::ResidualLn(_), F::Bf16) => {
+            launch!(gpu, st, "dec_gemv_ln_bf16", cfg; y.raw, xo, xr, ry, ryb, lw, lb, w.w, s_raw, b_raw, gelu_i, m_i, k_i, n_i)
+        }
     }
 }
 
@@ -288,14 +355,15 @@ fn gemv_cfg(m: usize, n: usize) -> LaunchConfig {
 /// The QKV projection of a few rows with [`qkv_store`]'s epilogue in one kernel (decode.cu
 /// `dec_gemv_qkv_*`): `x [m, k] · W` (W `[row, k]` in any format), bias, RoPE where `inv_freq`
 /// is given, q to `q [m, nh·hd]`, k and v into the cache at each token's slot — the bits of
-/// [`gemv`] followed by [`qkv_store`].
+/// [`gemv`] followed by [`qkv_store`]. With [`GemvIn::ResidualLn`] the input rows are made in
+/// the kernel (`dec_gemv_qkv_ln_*`).
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_qkv(
     gpu: &Gpu,
     st: &CudaStream,
     q: DPtr<bf16>,
     (kc, vc): (DPtr<bf16>, DPtr<bf16>),
-    x: DPtr<bf16>,
+    x: GemvIn,
     w: GemvW,
     (bias, inv_freq): (Option<DPtr<bf16>>, Option<DPtr<f64>>),
     p: &StepPtrs,
@@ -305,7 +373,7 @@ pub fn gemv_qkv(
     use super::WeightFormat as F;
     let (m, row) = (p.n(), h.row());
     check_len("gemv_qkv q [m, nh·hd]", q, m * h.nh * h.hd);
-    check_len("gemv_qkv x [m, k]", x, m * k);
+    let (x_raw, [xo, xr, ry, ryb, lw, lb], smem) = x.args("gemv_qkv", m, k);
     assert_eq!(kc.len, vc.len, "gemv_qkv: K and V caches differ");
     if let Some(s) = w.s {
         check_len("gemv_qkv s [row]", s, row);
@@ -325,21 +393,27 @@ pub fn gemv_qkv(
     let cfg = LaunchConfig {
         grid_dim: ((row / 2 / 4) as u32, m.div_ceil(GEMV_ROWS) as u32, 1),
         block_dim: (32 * GEMV_COLS_PER_BLOCK, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let (s_raw, b_raw, f_raw) = (w.s.map_or(0, |s| s.raw), bias.map_or(0, |b| b.raw), inv_freq.map_or(0, |f| f.raw));
     let (m_i, k_i, nh, nkv, hd) = (i32_of("m", m), i32_of("k", k), i32_of("nh", h.nh), i32_of("nkv", h.nkv), i32_of("hd", h.hd));
-    let (pos, slot) = (p.pos.raw, p.slot.raw);
-    match w.fmt {
-        F::Int8 => {
-            launch!(gpu, st, "dec_gemv_qkv_i8", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
+    let (pos, slot, out) = (p.pos.raw, p.slot.raw, (q.raw, kc.raw, vc.raw));
+    match (x, w.fmt) {
+        (GemvIn::Rows(_), F::Int8) => {
+            launch!(gpu, st, "dec_gemv_qkv_i8", cfg; out.0, out.1, out.2, x_raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
         }
-        F::Fp8 => {
-            launch!(gpu, st, "dec_gemv_qkv_e4m3", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
+        (GemvIn::Rows(_), F::Fp8) => {
+            launch!(gpu, st, "dec_gemv_qkv_e4m3", cfg; out.0, out.1, out.2, x_raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
         }
-        F::Bf16 => {
-            launch!(gpu, st, "dec_gemv_qkv_bf16", cfg; q.raw, kc.raw, vc.raw, x.raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
+        (GemvIn::Rows(_), F::Bf16) => {
+            launch!(gpu, st, "dec_gemv_qkv_bf16", cfg; out.0, out.1, out.2, x_raw, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd)
         }
+        (GemvIn::ResidualLn(_), F::Int8) => launch!(gpu, st, "dec_gemv_qkv_ln_i8", cfg;
+            out.0, out.1, out.2, xo, xr, ry, ryb, lw, lb, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd),
+        (GemvIn::ResidualLn(_), F::Fp8) => launch!(gpu, st, "dec_gemv_qkv_ln_e4m3", cfg;
+            out.0, out.1, out.2, xo, xr, ry, ryb, lw, lb, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd),
+        (GemvIn::ResidualLn(_), F::Bf16) => launch!(gpu, st, "dec_gemv_qkv_ln_bf16", cfg;
+            out.0, out.1, out.2, xo, xr, ry, ryb, lw, lb, w.w, s_raw, b_raw, f_raw, pos, slot, m_i, k_i, nh, nkv, hd),
     }
 }
 

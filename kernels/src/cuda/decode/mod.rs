@@ -10,6 +10,9 @@
 //!                    a = attention(q, K, V over the block table)       (dec_paged_attention)
 //!                    x += a·Wo + bo; h = LN2(x)                        (residual_layernorm)
 //!                    g = gelu(h·Wfc + bfc); x += g·Wfc2 + bfc2; h = LN1'(x) (or LNf)
+//!         steps of few tokens (every linear a GEMV): each join but the last is the prologue of
+//!         the GEMV after it (dec_gemv_ln_*, dec_gemv_qkv_ln_*: each block makes the normed rows
+//!         in shared memory; x ping-pongs between ws.x and ws.x2), 4 kernels a block instead of 6
 //! LLaMA:  x = wte[tok]; h = rms1(x)
 //!         per block: qkv = h·Wqkv; q, K[slot], V[slot] = rope(qkv + b)
 //!                    a = attention; x += a·Wo; h = rms2(x)             (dec_residual_rmsnorm)
@@ -169,6 +172,9 @@ struct Dims {
 /// Activations of one step (capacity `max_tokens` rows; logits `max_seqs` rows).
 struct Work {
     x: Buf<f32>,
+    /// GPT-2's residual stream between a block's two joins when they are folded into the GEMVs
+    /// (the prologue reads `x` while writing here: ping-pong).
+    x2: Buf<f32>,
     h: Buf<bf16>,
     qkv: Buf<bf16>,
     q: Buf<bf16>,
@@ -210,6 +216,9 @@ pub struct Decoder {
     ws: Work,
     /// Steps of up to this many tokens run quantized layers through the GEMV kernel.
     wq_rows_max: usize,
+    /// GPT-2 steps whose linear layers all run the GEMV fold each residual + LayerNorm into the
+    /// next GEMV's prologue (the final norm excepted).
+    fold_norms: bool,
 }
 
 impl Decoder {
@@ -266,6 +275,7 @@ impl Decoder {
             kv,
             ws,
             wq_rows_max: WQ_GEMV_ROWS_MAX,
+            fold_norms: true,
         })
     }
 
@@ -274,6 +284,12 @@ impl Decoder {
     /// bf16; the checks lower it to reach both paths).
     pub fn set_gemv_rows_max(&mut self, rows: usize) {
         self.wq_rows_max = rows;
+    }
+
+    /// Whether GPT-2's residual + LayerNorm joins run in the next GEMV's prologue (default on;
+    /// the checks turn it off to compare with the separate kernels).
+    pub fn set_fold_norms(&mut self, on: bool) {
+        self.fold_norms = on;
     }
 
     /// Blocks a sequence of the model's whole context needs (the block tables' width).
@@ -370,8 +386,9 @@ impl Decoder {
                 gpu.mark("embedding + norm");
             }
         }
+        let fold = self.folds(n);
         for l in 0..self.w.layers.len() {
-            self.block(l, &p)?;
+            self.block(l, &p, fold)?;
         }
         let hs = if rows_are_tokens {
             h.slice(0..m * c)
@@ -391,18 +408,46 @@ impl Decoder {
         Ok(())
     }
 
+    /// Whether a step of `n` tokens folds GPT-2's joins into the GEMVs (see `fold_norms`).
+    fn folds(&self, n: usize) -> bool {
+        let all_gemv = self.w.layers.iter().all(|w| self.gemv_rows(&w.qkv_w, n) && self.gemv_rows(&w.up_w, n));
+        self.fold_norms && self.dims.arch == Arch::Gpt && launch::ln_foldable(self.dims.c) && all_gemv
+    }
+
+    /// GPT-2's join after block `l - 1`'s MLP as the prologue of block `l`'s QKV GEMV: the
+    /// residual comes from `ws.x2` and goes back to `ws.x`.
+    fn join_into_qkv(&self, l: usize, n: usize) -> launch::ResidualLnIn {
+        let (c, ws) = (self.dims.c, &self.ws);
+        let (prev, w) = (&self.w.layers[l - 1], &self.w.layers[l]);
+        let b = |b: &Option<Buf<bf16>>| b.as_ref().expect("GPT-2 blocks have biases").ptr();
+        launch::ResidualLnIn {
+            xo: ws.x.slice(0..n * c),
+            x: ws.x2.slice(0..n * c),
+            y: ws.tmp.slice(0..n * c),
+            yb: b(&prev.down_b),
+            w: w.ln1_w.ptr(),
+            b: b(&w.ln1_b),
+        }
+    }
+
     /// Block `l`: attention then the MLP, ending with the next block's first norm (or the final
-    /// norm) in `ws.h`.
-    fn block(&self, l: usize, p: &StepPtrs) -> Result<()> {
+    /// norm) in `ws.h` — or, with `fold` (GPT-2, few tokens), with the residual in `ws.x2` and
+    /// the MLP's output in `ws.tmp` for the next block's QKV GEMV to join (the last block joins
+    /// into `ws.h` itself).
+    fn block(&self, l: usize, p: &StepPtrs, fold: bool) -> Result<()> {
         let (gpu, st, d, ws) = (&*self.gpu, &*self.gpu.stream, self.dims, &self.ws);
-        let (n, c, f, hh) = (p.n(), d.c, d.f, d.heads);
+        let (n, c, hh) = (p.n(), d.c, d.heads);
         let w = &self.w.layers[l];
-        let (x, h) = (ws.x.slice(0..n * c), ws.h.slice(0..n * c));
+        let h = ws.h.slice(0..n * c);
         let (qkv, q, att, tmp) = (ws.qkv.slice(0..n * hh.row()), ws.q.slice(0..n * c), ws.att.slice(0..n * c), ws.tmp.slice(0..n * c));
         let cache = (self.kv[l].0.ptr(), self.kv[l].1.ptr());
         let (qkv_b, inv_freq) = (w.qkv_b.as_ref().map(|b| b.ptr()), self.inv_freq.as_ref().map(|f| f.ptr()));
-        if self.gemv_rows(&w.qkv_w, n) {
-            launch::gemv_qkv(gpu, st, q, cache, h, w.qkv_w.gemv(), (qkv_b, inv_freq), p, hh, c)?;
+        if fold && l > 0 {
+            let x = launch::GemvIn::ResidualLn(self.join_into_qkv(l, n));
+            launch::gemv_qkv(gpu, st, q, cache, x, w.qkv_w.gemv(), (qkv_b, inv_freq), p, hh, c)?;
+            gpu.mark("residual + norm + qkv gemv + bias/rope + cache store");
+        } else if self.gemv_rows(&w.qkv_w, n) {
+            launch::gemv_qkv(gpu, st, q, cache, launch::GemvIn::Rows(h), w.qkv_w.gemv(), (qkv_b, inv_freq), p, hh, c)?;
             gpu.mark("qkv gemv + bias/rope + cache store");
         } else {
             self.linear(qkv, h, &w.qkv_w, (n, c, hh.row()))?;
@@ -414,44 +459,70 @@ impl Decoder {
         gpu.mark("paged attention");
         self.linear(tmp, att, &w.o_w, (n, c, c))?;
         gpu.mark("out-projection (gemv or gemm)");
-        let (mean, rstd) = (ws.mean.slice(0..n), ws.rstd.slice(0..n));
-        // The norm after this block: the next block's first, or the final one.
-        let (next_w, next_b) = match self.w.layers.get(l + 1) {
+        match d.arch {
+            Arch::Gpt => self.gpt_mlp(l, n, fold),
+            Arch::Llama => self.llama_mlp(l, n),
+        }
+    }
+
+    /// The norm after block `l`: the next block's first, or the final one.
+    fn next_norm(&self, l: usize) -> (DPtr<bf16>, Option<DPtr<bf16>>) {
+        match self.w.layers.get(l + 1) {
             Some(nx) => (nx.ln1_w.ptr(), nx.ln1_b.as_ref().map(|b| b.ptr())),
             None => (self.w.lnf_w.ptr(), self.w.lnf_b.as_ref().map(|b| b.ptr())),
-        };
-        match d.arch {
-            Arch::Gpt => {
-                let bias = |b: &Option<Buf<bf16>>| b.as_ref().expect("GPT-2 blocks have biases").ptr();
-                let (pre, act) = (ws.big.slice(0..n * f), ws.act.slice(0..n * f));
-                let ln2 =
-                    ops::ResidualLn { xo: x, out: h, mean, rstd, x, y: tmp, yb: bias(&w.o_b), w: w.ln2_w.ptr(), b: bias(&w.ln2_b), n, c };
-                ops::residual_layernorm_forward(gpu, st, &ln2)?;
-                gpu.mark("residual + norm");
-                self.linear_gelu((pre, act), h, &w.up_w, bias(&w.up_b), (n, c, f))?;
-                self.linear(tmp, act, &w.down_w, (n, f, c))?;
-                gpu.mark("mlp down (gemv or gemm)");
-                let b = next_b.expect("GPT-2 norms have biases");
-                let ln = ops::ResidualLn { xo: x, out: h, mean, rstd, x, y: tmp, yb: bias(&w.down_b), w: next_w, b, n, c };
-                ops::residual_layernorm_forward(gpu, st, &ln)?;
-                gpu.mark("residual + norm");
-                Ok(())
-            }
-            Arch::Llama => {
-                let (gu, act) = (ws.big.slice(0..2 * n * f), ws.act.slice(0..n * f));
-                launch::residual_rmsnorm(gpu, st, x, h, tmp, w.ln2_w.ptr(), n, c, d.eps)?;
-                gpu.mark("residual + norm");
-                self.linear(gu, h, &w.up_w, (n, c, 2 * f))?;
-                gpu.mark("mlp gate|up (gemv or gemm)");
-                launch::swiglu_rows(gpu, st, act, gu, n, f)?;
-                gpu.mark("swiglu");
-                self.linear(tmp, act, &w.down_w, (n, f, c))?;
-                gpu.mark("mlp down (gemv or gemm)");
-                launch::residual_rmsnorm(gpu, st, x, h, tmp, next_w, n, c, d.eps)?;
-                gpu.mark("residual + norm");
-                Ok(())
-            }
         }
+    }
+
+    /// GPT-2's second join and MLP of block `l` (the out-projection's output in `ws.tmp`).
+    fn gpt_mlp(&self, l: usize, n: usize, fold: bool) -> Result<()> {
+        let (gpu, st, d, ws) = (&*self.gpu, &*self.gpu.stream, self.dims, &self.ws);
+        let (c, f, w) = (d.c, d.f, &self.w.layers[l]);
+        let (x, x2, h, tmp) = (ws.x.slice(0..n * c), ws.x2.slice(0..n * c), ws.h.slice(0..n * c), ws.tmp.slice(0..n * c));
+        let (mean, rstd) = (ws.mean.slice(0..n), ws.rstd.slice(0..n));
+        let bias = |b: &Option<Buf<bf16>>| b.as_ref().expect("GPT-2 blocks have biases").ptr();
+        let (pre, act) = (ws.big.slice(0..n * f), ws.act.slice(0..n * f));
+        if fold {
+            let join = launch::ResidualLnIn { xo: x2, x, y: tmp, yb: bias(&w.o_b), w: w.ln2_w.ptr(), b: bias(&w.ln2_b) };
+            launch::gemv(gpu, st, act, launch::GemvIn::ResidualLn(join), w.up_w.gemv(), Some(bias(&w.up_b)), true, n, (c, f))?;
+            gpu.mark("residual + norm + mlp up gemv + bias + gelu");
+        } else {
+            let ln2 = ops::ResidualLn { xo: x, out: h, mean, rstd, x, y: tmp, yb: bias(&w.o_b), w: w.ln2_w.ptr(), b: bias(&w.ln2_b), n, c };
+            ops::residual_layernorm_forward(gpu, st, &ln2)?;
+            gpu.mark("residual + norm");
+            self.linear_gelu((pre, act), h, &w.up_w, bias(&w.up_b), (n, c, f))?;
+        }
+        self.linear(tmp, act, &w.down_w, (n, f, c))?;
+        gpu.mark("mlp down (gemv or gemm)");
+        if fold && l + 1 < self.w.layers.len() {
+            return Ok(()); // the next block's QKV GEMV joins
+        }
+        let (next_w, next_b) = self.next_norm(l);
+        let b = next_b.expect("GPT-2 norms have biases");
+        // Folded steps keep the residual in x2 after the first join: bring it back to x.
+        let from = if fold { x2 } else { x };
+        let ln = ops::ResidualLn { xo: x, out: h, mean, rstd, x: from, y: tmp, yb: bias(&w.down_b), w: next_w, b, n, c };
+        ops::residual_layernorm_forward(gpu, st, &ln)?;
+        gpu.mark("residual + norm");
+        Ok(())
+    }
+
+    /// LLaMA's second join and MLP of block `l` (the out-projection's output in `ws.tmp`).
+    fn llama_mlp(&self, l: usize, n: usize) -> Result<()> {
+        let (gpu, st, d, ws) = (&*self.gpu, &*self.gpu.stream, self.dims, &self.ws);
+        let (c, f, w) = (d.c, d.f, &self.w.layers[l]);
+        let (x, h, tmp) = (ws.x.slice(0..n * c), ws.h.slice(0..n * c), ws.tmp.slice(0..n * c));
+        let (gu, act) = (ws.big.slice(0..2 * n * f), ws.act.slice(0..n * f));
+        launch::residual_rmsnorm(gpu, st, x, h, tmp, w.ln2_w.ptr(), n, c, d.eps)?;
+        gpu.mark("residual + norm");
+        self.linear(gu, h, &w.up_w, (n, c, 2 * f))?;
+        gpu.mark("mlp gate|up (gemv or gemm)");
+        launch::swiglu_rows(gpu, st, act, gu, n, f)?;
+        gpu.mark("swiglu");
+        self.linear(tmp, act, &w.down_w, (n, f, c))?;
+        gpu.mark("mlp down (gemv or gemm)");
+        launch::residual_rmsnorm(gpu, st, x, h, tmp, self.next_norm(l).0, n, c, d.eps)?;
+        gpu.mark("residual + norm");
+        Ok(())
     }
 
     /// Whether a step of `m` tokens runs `w` through the GEMV kernel (else cuBLAS).
@@ -466,7 +537,7 @@ impl Decoder {
     fn linear(&self, y: DPtr<bf16>, x: DPtr<bf16>, w: &Linear, (m, k, n): (usize, usize, usize)) -> Result<()> {
         let (gpu, st) = (&*self.gpu, &*self.gpu.stream);
         if self.gemv_rows(w, m) {
-            return launch::gemv(gpu, st, y, x, w.gemv(), None, false, m, (k, n));
+            return launch::gemv(gpu, st, y, launch::GemvIn::Rows(x), w.gemv(), None, false, m, (k, n));
         }
         match w {
             Linear::Bf16(b) => self.gemm(bf(y), bf(x), Mat::tr(b.ptr().raw, Dt::Bf16), (m, k, n)),
@@ -490,7 +561,7 @@ impl Decoder {
     ) -> Result<()> {
         let (gpu, st) = (&*self.gpu, &*self.gpu.stream);
         if self.gemv_rows(w, m) {
-            launch::gemv(gpu, st, act, x, w.gemv(), Some(bias), true, m, (k, n))?;
+            launch::gemv(gpu, st, act, launch::GemvIn::Rows(x), w.gemv(), Some(bias), true, m, (k, n))?;
             gpu.mark("mlp up gemv + bias + gelu");
             return Ok(());
         }
@@ -516,6 +587,7 @@ impl Work {
         let big = if d.arch == Arch::Llama { 2 * d.f } else { d.f };
         Ok(Work {
             x: gpu.alloc(t * c)?,
+            x2: gpu.alloc(if d.arch == Arch::Gpt { t * c } else { 1 })?,
             h: gpu.alloc(t * c)?,
             qkv: gpu.alloc(t * d.heads.row())?,
             q: gpu.alloc(t * c)?,
@@ -543,7 +615,8 @@ impl Work {
             + self.big.len()
             + self.act.len()
             + self.hsel.len();
-        let b32 = self.x.len() + self.mean.len() + self.rstd.len() + self.logits.len() + self.next.len() + self.inputs.len();
+        let b32 =
+            self.x.len() + self.x2.len() + self.mean.len() + self.rstd.len() + self.logits.len() + self.next.len() + self.inputs.len();
         2 * b16 + 4 * b32
     }
 }
