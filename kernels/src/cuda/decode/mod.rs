@@ -287,7 +287,8 @@ impl Decoder {
     }
 
     /// Whether GPT-2's residual + LayerNorm joins run in the next GEMV's prologue (default on;
-    /// the checks turn it off to compare with the separate kernels).
+    /// the checks turn it off to compare with the separate kernels). Set it before the first step:
+    /// captured graphs keep the kernels they were captured with.
     pub fn set_fold_norms(&mut self, on: bool) {
         self.fold_norms = on;
     }
