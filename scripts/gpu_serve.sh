@@ -23,7 +23,7 @@ status=0
 for s in $steps; do
   echo "=== $s $(date -u +%T)"
   case $s in
-    check) timeout 90 "$bin"/gpu_decode --nocapture --test-threads 1 ;;
+    check) timeout 150 "$bin"/gpu_decode --nocapture --test-threads 1 ;;
     gpt2) timeout 150 "$bin"/tessera gpu decode-bench --model gpt2-small --vocab 50304 --batch 1,32 --prompt 128 --new 256 --profile --weights bf16,int8 ;;
     llama) timeout 170 "$bin"/tessera gpu decode-bench --model llama-1.1b --batch 1,32 --prompt 128 --new 256 --weights bf16 ;;
     serve-gpt2) serve gpt2 80 40 ;;
