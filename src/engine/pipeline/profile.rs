@@ -110,10 +110,11 @@ pub fn resolve(cfg: &Config) -> Result<Option<Config>> {
     let tessera = out.resolved.as_object_mut().context("the resolved config is an object")?.entry("tessera").or_insert_with(|| json!({}));
     let pipe = tessera.as_object_mut().context("`tessera` is an object")?.entry("pipeline").or_insert_with(|| json!({}));
     pipe.as_object_mut().context("`tessera.pipeline` is an object")?.insert("profile".into(), costs.to_json());
-    if let Some(p) = out.pipeline.as_mut() {
-        p.partition = PartitionMethod::Profile(Some(costs));
-    }
-    Ok(Some(out))
+    // Parsed again as the workers parse it, so the hash and every field agree with theirs.
+    let mut again = crate::config::from_str_named(&out.resolved.to_string(), &cfg.source, &[], &crate::config::ResolveContext::default())
+        .context("the resolved config with the measured costs")?;
+    again.source = cfg.source.clone();
+    Ok(Some(again))
 }
 
 #[cfg(test)]
