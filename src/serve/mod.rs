@@ -44,6 +44,9 @@ pub struct ServeOpts {
     pub kv_blocks: usize,
     /// The linear layers' weights: f32, or int8 with per-channel scales.
     pub weights: LinearFormat,
+    /// Rank processes holding the model's blocks (`--pipeline-parallel-size`); none: this
+    /// process runs the whole model.
+    pub pipeline: Option<usize>,
     pub max_seqs: usize,
     pub max_batch_tokens: usize,
     pub limits: Limits,
@@ -56,12 +59,13 @@ pub fn engine_for(
     block_size: usize,
     kv_blocks: usize,
     weights: LinearFormat,
+    pipeline: Option<usize>,
     max_seqs: usize,
     max_batch_tokens: usize,
 ) -> Result<Engine> {
     ensure!(block_size > 0, "--block-size must be at least 1");
     let blocks = if kv_blocks == 0 { m.model.cfg.max_seq_len.div_ceil(block_size) * max_seqs } else { kv_blocks };
-    Engine::new(m.backend(block_size, blocks, weights)?, max_batch_tokens, max_seqs)
+    Engine::new(m.backend(block_size, blocks, weights, pipeline)?, max_batch_tokens, max_seqs)
 }
 
 /// Runs the server until SIGTERM/SIGINT, then finishes the requests in flight.
@@ -71,8 +75,9 @@ pub fn serve(o: ServeOpts) -> Result<()> {
     let name = o.served_name.clone().unwrap_or_else(|| m.name.clone());
     let codec = Arc::new(std::mem::replace(&mut m.codec, crate::data::Codec::Bytes));
     let (bos, eos, chat) = (m.bos, m.eos.clone(), m.chat.take());
-    let engine = engine_for(m, o.block_size, o.kv_blocks, o.weights, o.max_seqs, o.max_batch_tokens)?;
+    let engine = engine_for(m, o.block_size, o.kv_blocks, o.weights, o.pipeline, o.max_seqs, o.max_batch_tokens)?;
     let metrics = Arc::new(Metrics::default());
+    let lost = Arc::new(std::sync::OnceLock::new());
     let limits = Limits { max_prompt_tokens: o.limits.max_prompt_tokens.min(engine.max_seq_len().saturating_sub(1)), ..o.limits };
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel();
     let state = Arc::new(AppState {
@@ -87,12 +92,13 @@ pub fn serve(o: ServeOpts) -> Result<()> {
         vocab_size: engine.vocab_size(),
         in_flight: AtomicUsize::new(0),
         draining: AtomicBool::new(false),
+        lost: lost.clone(),
         next_id: AtomicU64::new(0),
         seed_base: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     });
     let ctx = engine.max_seq_len();
-    let worker = Worker::new(engine, codec, eos, metrics);
+    let worker = Worker::new(engine, codec, eos, metrics, lost);
     let engine_thread = std::thread::Builder::new().name("tessera-engine".into()).spawn(move || worker.run(jobs_rx))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let served = rt.block_on(async {
@@ -108,6 +114,14 @@ pub fn serve(o: ServeOpts) -> Result<()> {
     drop(rt);
     engine_thread.join().map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
     served
+}
+
+/// `tessera serve-rank`: loads the model the server serves, dials the server and holds the
+/// blocks it assigns until it says stop ([`crate::infer::ranks`]).
+pub fn serve_rank(a: &crate::infer::ranks::rank::RankArgs, model: &std::path::Path, tokenizer: Option<&std::path::Path>) -> Result<()> {
+    let m = LoadedModel::load(model, tokenizer)?;
+    let (_endpoint, conn) = crate::infer::ranks::rank::connect(a)?;
+    crate::infer::ranks::rank::serve_rank(conn, a.rank, m.model, m.params)
 }
 
 /// Resolves on SIGTERM or SIGINT, after marking the server as draining.

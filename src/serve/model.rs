@@ -12,6 +12,7 @@ use tessera_kernels::model::Model;
 use super::chat::ChatTemplate;
 use crate::data::Codec;
 use crate::hf;
+use crate::infer::ranks::{ModelSource, PipelineBackend, PipelineOptions};
 use crate::infer::{Backend, CpuBackend, CpuOptions, LinearFormat};
 
 /// A model ready to generate with.
@@ -26,19 +27,22 @@ pub struct LoadedModel {
     /// Sampling one of these ends a text (the end-of-sequence tokens).
     pub eos: Vec<u32>,
     pub chat: Option<ChatTemplate>,
+    /// Where it was loaded from (what pipeline ranks load).
+    pub source: ModelSource,
 }
 
 impl LoadedModel {
     /// Loads a model folder (it has `config.json`) or a checkpoint (a run's checkpoint folder or
     /// one step of it); `tokenizer` overrides a checkpoint's recorded one (same file only).
     pub fn load(path: &Path, tokenizer: Option<&Path>) -> Result<LoadedModel> {
+        let source = ModelSource { model: path.to_path_buf(), tokenizer: tokenizer.map(Path::to_path_buf) };
         if path.join(hf::CONFIG_FILE).is_file() {
             if tokenizer.is_some() {
                 bail!("--tokenizer: a model folder is served with its own {} ({})", hf::TOKENIZER_FILE, path.display());
             }
-            return load_folder(path);
+            return load_folder(path, source);
         }
-        load_checkpoint(path, tokenizer)
+        load_checkpoint(path, tokenizer, source)
     }
 
     /// A completion prompt's tokens: the begin-of-sequence token, then the text's.
@@ -47,9 +51,16 @@ impl LoadedModel {
     }
 
     /// The backend the engine runs this model on: the paged CPU backend with `num_blocks` cache
-    /// blocks of `block_size` positions, its linears in `weights`.
-    pub fn backend(self, block_size: usize, num_blocks: usize, weights: LinearFormat) -> Result<Box<dyn Backend>> {
-        Ok(Box::new(CpuBackend::new(self.model, self.params, CpuOptions { block_size, num_blocks, weights })?))
+    /// blocks of `block_size` positions, its linears in `weights`; with `pipeline` ranks, its
+    /// blocks split over that many rank processes (`--pipeline-parallel-size`).
+    pub fn backend(self, block_size: usize, num_blocks: usize, weights: LinearFormat, pipeline: Option<usize>) -> Result<Box<dyn Backend>> {
+        match pipeline {
+            None => Ok(Box::new(CpuBackend::new(self.model, self.params, CpuOptions { block_size, num_blocks, weights })?)),
+            Some(ranks) => {
+                let opts = PipelineOptions { ranks, block_size, num_blocks, weights };
+                Ok(Box::new(PipelineBackend::spawn(self.model, self.params, &self.source, opts)?))
+            }
+        }
     }
 }
 
@@ -59,7 +70,7 @@ fn served_name(path: &Path) -> String {
     canon.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned())
 }
 
-fn load_folder(dir: &Path) -> Result<LoadedModel> {
+fn load_folder(dir: &Path, source: ModelSource) -> Result<LoadedModel> {
     let folder = hf::HfModel::open(dir)?;
     let Some(weights) = &folder.weights else {
         bail!("{}: the model folder has no weights (model.safetensors or an index); a trained model is needed to generate", dir.display())
@@ -82,7 +93,7 @@ fn load_folder(dir: &Path) -> Result<LoadedModel> {
     eos.sort_unstable();
     eos.dedup();
     let chat = ChatTemplate::from_files(&folder.companions)?;
-    Ok(LoadedModel { name: served_name(dir), model, params, codec, bos, eos, chat })
+    Ok(LoadedModel { name: served_name(dir), model, params, codec, bos, eos, chat, source })
 }
 
 /// `generation_config.json`'s `eos_token_id` (a number or a list of them).
@@ -103,7 +114,7 @@ fn generation_eos(files: &BTreeMap<String, String>) -> Result<Vec<u32>> {
         .collect()
 }
 
-fn load_checkpoint(path: &Path, tokenizer: Option<&Path>) -> Result<LoadedModel> {
+fn load_checkpoint(path: &Path, tokenizer: Option<&Path>, source: ModelSource) -> Result<LoadedModel> {
     let ck = crate::cli::load_checkpoint(path)?;
     let (model, params) = crate::cli::model_from_checkpoint(&ck)?;
     let tok: Option<PathBuf> = crate::cli::tokenizer_for(&ck, tokenizer)?;
@@ -119,5 +130,5 @@ fn load_checkpoint(path: &Path, tokenizer: Option<&Path>) -> Result<LoadedModel>
         _ => BTreeMap::new(),
     };
     let chat = ChatTemplate::from_files(&files).context("the checkpoint's recorded tokenizer settings (`extra.model_files`)")?;
-    Ok(LoadedModel { name: served_name(path), model, params, codec, bos, eos, chat })
+    Ok(LoadedModel { name: served_name(path), model, params, codec, bos, eos, chat, source })
 }
