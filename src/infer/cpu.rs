@@ -48,6 +48,11 @@ pub fn check_servable(model: &Model, params: usize) -> Result<()> {
         "{params} parameters for a model of {}: the checkpoint does not match its configuration",
         model.num_params()
     );
+    refuse_dropping_experts(model)
+}
+
+/// Refuses experts that drop tokens for capacity (see [`check_servable`]).
+pub fn refuse_dropping_experts(model: &Model) -> Result<()> {
     if let Some(cap) = model.cfg.moe.as_ref().and_then(|m| m.capacity).filter(|c| c.drop_tokens) {
         bail!(
             "the model's experts drop tokens over capacity (`drop_tokens` with eval_capacity_factor {}): inference routes \

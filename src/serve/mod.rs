@@ -71,7 +71,7 @@ pub fn engine_for(
 /// Runs the server until SIGTERM/SIGINT, then finishes the requests in flight.
 pub fn serve(o: ServeOpts) -> Result<()> {
     ensure!(o.limits.max_queue > 0, "--max-queue must be at least 1");
-    let mut m = LoadedModel::load(&o.model, o.tokenizer.as_deref())?;
+    let mut m = LoadedModel::load_with(&o.model, o.tokenizer.as_deref(), o.pipeline.is_some())?;
     let name = o.served_name.clone().unwrap_or_else(|| m.name.clone());
     let codec = Arc::new(std::mem::replace(&mut m.codec, crate::data::Codec::Bytes));
     let (bos, eos, chat) = (m.bos, m.eos.clone(), m.chat.take());
@@ -116,12 +116,13 @@ pub fn serve(o: ServeOpts) -> Result<()> {
     served
 }
 
-/// `tessera serve-rank`: loads the model the server serves, dials the server and holds the
-/// blocks it assigns until it says stop ([`crate::infer::ranks`]).
+/// `tessera serve-rank`: opens the model the server serves, dials the server and holds the
+/// blocks it assigns (reading only their weights from a model folder) until it says stop
+/// ([`crate::infer::ranks`]).
 pub fn serve_rank(a: &crate::infer::ranks::rank::RankArgs, model: &std::path::Path, tokenizer: Option<&std::path::Path>) -> Result<()> {
-    let m = LoadedModel::load(model, tokenizer)?;
+    let (m, load) = model::open_for_rank(model, tokenizer)?;
     let (_endpoint, conn) = crate::infer::ranks::rank::connect(a)?;
-    crate::infer::ranks::rank::serve_rank(conn, a.rank, m.model, m.params)
+    crate::infer::ranks::rank::serve_rank(conn, a.rank, m, &*load)
 }
 
 /// Resolves on SIGTERM or SIGINT, after marking the server as draining.

@@ -18,7 +18,7 @@ use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoin
 use super::wire::{FromRank, ToRank, WireSeq};
 use super::{stage_blocks, RankProcess};
 use crate::infer::backend::{check_step, Backend, BackendLost, SeqStep, StepRows};
-use crate::infer::cpu::{check_servable, LinearFormat};
+use crate::infer::cpu::{refuse_dropping_experts, LinearFormat};
 
 /// Bound on one step of one rank (a long prompt chunk of a large model on a slow CPU), ms. A
 /// rank that dies is seen at once (its process, or its connection closing); one that hangs
@@ -82,15 +82,23 @@ pub struct PipelineBackend {
 
 impl PipelineBackend {
     /// Starts `opts.ranks` ranks through `start` (rank, the control address, the folder of
-    /// certificates), hands each its blocks, and keeps unit 0 of `params` (the rest is dropped
-    /// here: the ranks load their own).
+    /// certificates), hands each its blocks, and keeps unit 0 of `params` — parameters of the
+    /// flat range from `base`, unit 0's at least (the rest is dropped here: the ranks read
+    /// their own).
     pub fn launch(
         model: Model,
         params: Vec<f32>,
+        base: usize,
         opts: PipelineOptions,
         start: &mut dyn FnMut(usize, SocketAddr, &Path) -> Result<Box<dyn RankProcess>>,
     ) -> Result<PipelineBackend> {
-        check_servable(&model, params.len())?;
+        refuse_dropping_experts(&model)?;
+        let unit0 = model.units_range(0..1);
+        ensure!(
+            unit0.start >= base && unit0.end <= base + params.len(),
+            "the serving process holds parameters {base}..{}, not the embeddings and head ({unit0:?})",
+            base + params.len()
+        );
         let spans = stage_blocks(&model, opts.ranks)?;
         let pki = pki_dir()?;
         let ca = ClusterCa::generate()?;
@@ -112,7 +120,7 @@ impl PipelineBackend {
                 return Err(e);
             }
         };
-        let head = params[model.units_range(0..1)].to_vec();
+        let head = params[unit0.start - base..unit0.end - base].to_vec();
         drop(params);
         let int8 =
             (opts.weights == LinearFormat::Int8).then(|| model.quantize_int8_units(&ParamsAt { params: &head, base: 0, int8: None }, 0..1));

@@ -97,8 +97,9 @@ pub struct ModelSource {
 
 impl PipelineBackend {
     /// Starts `opts.ranks` `tessera serve-rank` processes of this executable, each loading
-    /// `source` and keeping its blocks.
-    pub fn spawn(model: Model, params: Vec<f32>, source: &ModelSource, opts: PipelineOptions) -> Result<PipelineBackend> {
+    /// `source` and keeping its blocks; `params` from flat offset `base` (see
+    /// [`PipelineBackend::launch`]).
+    pub fn spawn(model: Model, params: Vec<f32>, base: usize, source: &ModelSource, opts: PipelineOptions) -> Result<PipelineBackend> {
         let exe = std::env::current_exe().context("finding the tessera executable")?;
         let mut start = |r: usize, control: SocketAddr, pki: &Path| -> Result<Box<dyn RankProcess>> {
             let mut c = Command::new(&exe);
@@ -113,6 +114,6 @@ impl PipelineBackend {
                 c.stdin(Stdio::null()).process_group(0).spawn().with_context(|| format!("starting {} serve-rank", exe.display()))?;
             Ok(Box::new(ChildRank(child)))
         };
-        PipelineBackend::launch(model, params, opts, &mut start)
+        PipelineBackend::launch(model, params, base, opts, &mut start)
     }
 }

@@ -39,13 +39,14 @@ pub struct Stage {
 }
 
 impl Stage {
-    /// Keeps `blocks`' parameters of the full flat `params` (dropped) and makes their cache.
-    pub fn new(model: Model, params: Vec<f32>, blocks: Range<usize>, block_size: usize, num_blocks: usize, int8: bool) -> Result<Stage> {
+    /// Loads `blocks`' parameters (`load`: the flat range of their units) and makes their cache.
+    pub fn new(model: Model, load: &WeightLoader, blocks: Range<usize>, block_size: usize, num_blocks: usize, int8: bool) -> Result<Stage> {
         let n = model.cfg.n_layer;
         ensure!(blocks.start < blocks.end && blocks.end <= n, "blocks {blocks:?}: expected a non-empty range of the model's {n}");
         let flat = model.units_range(blocks.start + 1..blocks.end + 1);
-        ensure!(params.len() == model.num_params(), "{} parameters for a model of {}", params.len(), model.num_params());
-        let (base, params) = (flat.start, params[flat].to_vec());
+        let params = load(&model, flat.clone()).with_context(|| format!("loading the parameters of blocks {blocks:?}"))?;
+        ensure!(params.len() == flat.len(), "{} parameters for blocks {blocks:?}, which have {}", params.len(), flat.len());
+        let base = flat.start;
         let cache = KvCache::for_layers(&model.cfg, blocks.clone(), num_blocks, block_size).map_err(anyhow::Error::msg)?;
         let int8 =
             int8.then(|| model.quantize_int8_units(&ParamsAt { params: &params, base, int8: None }, blocks.start + 1..blocks.end + 1));
@@ -76,6 +77,9 @@ impl Stage {
     }
 }
 
+/// Reads the parameters of a flat range of a model (a rank reads only its blocks').
+pub type WeightLoader = dyn Fn(&Model, Range<usize>) -> Result<Vec<f32>>;
+
 /// Dials the serving process with the rank's certificate (mutual TLS against the run's CA).
 pub fn connect(a: &RankArgs) -> Result<(ControlEndpoint, ControlConn)> {
     let tls =
@@ -85,11 +89,12 @@ pub fn connect(a: &RankArgs) -> Result<(ControlEndpoint, ControlConn)> {
     Ok((endpoint, conn))
 }
 
-/// A rank's life on `conn`: says what it loaded (`model`, `params`), takes its blocks, then
+/// A rank's life on `conn`: says what model it opened, takes its blocks (their parameters read
+/// through `load`), then
 /// runs steps until `Shutdown` (`Ok`) or until the serving process is gone (`Err`). A step that
 /// fails is reported (`Failed`) and ends the rank: its cache is no longer what the serving
 /// process believes.
-pub fn serve_rank(mut conn: ControlConn, rank: usize, model: Model, params: Vec<f32>) -> Result<()> {
+pub fn serve_rank(mut conn: ControlConn, rank: usize, model: Model, load: &WeightLoader) -> Result<()> {
     let cfg = &model.cfg;
     let hello = FromRank::Hello {
         rank: rank as u64,
@@ -105,7 +110,7 @@ pub fn serve_rank(mut conn: ControlConn, rank: usize, model: Model, params: Vec<
     let mut stage = match wire::recv(&mut conn, "Assign", &wait)? {
         ToRank::Assign { blocks_start, blocks_end, block_size, num_blocks, int8 } => {
             let blocks = blocks_start as usize..blocks_end as usize;
-            match Stage::new(model, params, blocks, block_size as usize, num_blocks as usize, int8) {
+            match Stage::new(model, load, blocks, block_size as usize, num_blocks as usize, int8) {
                 Ok(s) => s,
                 Err(e) => return fail(&mut conn, e),
             }

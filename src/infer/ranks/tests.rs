@@ -77,14 +77,14 @@ fn pipeline_loading(
             *slot.lock().unwrap() = Some(conn.clone());
             let model = Model::new(cfg).map_err(anyhow::Error::msg)?;
             let p = if p.len() == model.num_params() { p } else { model.init_params(1) };
-            serve_rank(conn, r, model, p)
+            serve_rank(conn, r, model, &move |_: &Model, range: std::ops::Range<usize>| Ok(p[range].to_vec()))
         });
         let conn = Arc::clone(conns.last().unwrap());
         Ok(Box::new(ThreadRank { handle: Some(handle), conn }))
     };
     let model = Model::new(cfg.clone()).unwrap();
     let opts = PipelineOptions { ranks, block_size: 4, num_blocks: 32, weights };
-    let b = PipelineBackend::launch(model, params.to_vec(), opts, &mut start)?;
+    let b = PipelineBackend::launch(model, params.to_vec(), 0, opts, &mut start)?;
     Ok((b, conns))
 }
 
