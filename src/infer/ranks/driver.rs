@@ -27,6 +27,10 @@ pub const RANK_STEP_TIMEOUT_MS: u64 = 600_000;
 /// How often the start-up waits look at the rank processes, ms.
 const ACCEPT_POLL_MS: u64 = 100;
 
+/// How a rank starts: (rank, the serving process's control address, the folder of the ranks'
+/// certificates) → its process.
+pub type StartRank<'a> = dyn FnMut(usize, SocketAddr, &Path) -> Result<Box<dyn RankProcess>> + 'a;
+
 /// The pipeline's geometry.
 #[derive(Clone, Copy, Debug)]
 pub struct PipelineOptions {
@@ -85,13 +89,7 @@ impl PipelineBackend {
     /// certificates), hands each its blocks, and keeps unit 0 of `params` — parameters of the
     /// flat range from `base`, unit 0's at least (the rest is dropped here: the ranks read
     /// their own).
-    pub fn launch(
-        model: Model,
-        params: Vec<f32>,
-        base: usize,
-        opts: PipelineOptions,
-        start: &mut dyn FnMut(usize, SocketAddr, &Path) -> Result<Box<dyn RankProcess>>,
-    ) -> Result<PipelineBackend> {
+    pub fn launch(model: Model, params: Vec<f32>, base: usize, opts: PipelineOptions, start: &mut StartRank) -> Result<PipelineBackend> {
         refuse_dropping_experts(&model)?;
         let unit0 = model.units_range(0..1);
         ensure!(

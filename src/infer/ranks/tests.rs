@@ -20,6 +20,9 @@ use super::{PipelineBackend, PipelineOptions, RankProcess};
 use crate::infer::backend::{Backend, BackendLost, SeqStep};
 use crate::infer::cpu::{CpuBackend, CpuOptions, LinearFormat};
 
+/// Each rank's connection, once it has one (to crash it).
+type RankConns = Vec<Arc<Mutex<Option<ControlConn>>>>;
+
 /// A rank on a thread: `stop` (and a test's `crash`) aborts its connection.
 struct ThreadRank {
     handle: Option<JoinHandle<Result<()>>>,
@@ -65,7 +68,7 @@ fn pipeline_loading(
     ranks: usize,
     weights: LinearFormat,
     loads: &dyn Fn(usize) -> ModelConfig,
-) -> Result<(PipelineBackend, Vec<Arc<Mutex<Option<ControlConn>>>>)> {
+) -> Result<(PipelineBackend, RankConns)> {
     let mut conns = Vec::new();
     let mut start = |r: usize, control: SocketAddr, pki: &Path| -> Result<Box<dyn RankProcess>> {
         let (cfg, pki) = (loads(r), pki.to_path_buf());
@@ -199,7 +202,7 @@ fn greedy_decoding_over_ranks_gives_transformers_tokens_and_the_one_process_bits
             let (run, pos): (&[u32], usize) =
                 if got.is_empty() { (&prompt, 0) } else { (&got[got.len() - 1..], prompt.len() + got.len() - 1) };
             let (a, b) = (one.step(&[step(run, pos, &table, true)]).unwrap(), two.step(&[step(run, pos, &table, true)]).unwrap());
-            assert_eq!(bits(&[b.clone()]), bits(&[a]), "{name}: logits at position {pos}");
+            assert_eq!(bits(std::slice::from_ref(&b)), bits(&[a]), "{name}: logits at position {pos}");
             got.push(argmax(&b[0]));
         }
         assert_eq!(got, want, "{name}: greedy tokens over two ranks against transformers' generate");
