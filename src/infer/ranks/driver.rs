@@ -179,7 +179,9 @@ impl PipelineBackend {
         wire::send(&mut conn, &step).and_then(|()| wire::send_bulk(&mut conn, &[&x])).map_err(|e| format!("sending it step {id}: {e}"))?;
         let deadline = Some(Instant::now() + Duration::from_millis(RANK_STEP_TIMEOUT_MS));
         let wait = Wait { what: "the rank's step", deadline, alive: &|| l.alive() };
-        match wire::recv(&mut conn, "Done", &wait).map_err(|e| format!("waiting for step {id}: {e}"))? {
+        // A closed connection says why (an idle timeout: the rank hung).
+        let why = |e: WireError| format!("{e}{}", conn.closed_reason().map(|r| format!(" ({r})")).unwrap_or_default());
+        match wire::recv(&mut conn.clone(), "Done", &wait).map_err(|e| format!("waiting for step {id}: {}", why(e)))? {
             FromRank::Done { id: got, y } if got == id => {
                 let mut ys = wire::recv_bulk(&mut conn, &[y], x.len(), &wait).map_err(|e| format!("reading step {id}: {e}"))?;
                 let y = ys.remove(0);
