@@ -129,4 +129,4 @@ impl Backend for CpuBackend {
 
 #[cfg(test)]
 #[path = "cpu_tests.rs"]
-mod tests;
+pub(crate) mod tests;

@@ -11,7 +11,7 @@ use super::*;
 /// f32 agreement between two summation orders of the same forward.
 const TOL: f64 = 2e-5;
 
-fn dense(arch: Arch) -> ModelConfig {
+pub(crate) fn dense(arch: Arch) -> ModelConfig {
     ModelConfig {
         arch,
         vocab_size: 37,
@@ -30,8 +30,9 @@ fn dense(arch: Arch) -> ModelConfig {
     }
 }
 
-/// One model of each family the CPU serves.
-fn families() -> Vec<(&'static str, ModelConfig)> {
+/// One model of each family the CPU serves, two blocks each (the pipeline ranks' tests take
+/// them with three).
+pub(crate) fn families() -> Vec<(&'static str, ModelConfig)> {
     let llama = dense(Arch::Llama);
     let scaling = tessera_kernels::ops::rope::RopeScaling {
         factor: 8.0,

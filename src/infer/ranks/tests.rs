@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use anyhow::Result;
-use tessera_kernels::model::{Arch, Gating, Model, ModelConfig, MoeConfig};
+use tessera_kernels::model::{Arch, Model, ModelConfig};
 use tessera_kernels::tensor::Rng;
 use tessera_transport::quic::ControlConn;
 
@@ -96,39 +96,15 @@ fn one_process(cfg: &ModelConfig, params: &[f32], weights: LinearFormat) -> CpuB
     CpuBackend::new(model, params.to_vec(), CpuOptions { block_size: 4, num_blocks: 32, weights }).unwrap()
 }
 
+/// A dense model of `arch` with three blocks (the CPU backend's tests' model).
 fn dense(arch: Arch) -> ModelConfig {
-    ModelConfig {
-        arch,
-        vocab_size: 37,
-        max_seq_len: 40,
-        n_layer: 3,
-        n_head: 4,
-        d_model: 32,
-        d_ff: 48,
-        rope_theta: 10000.0,
-        norm_eps: 1e-5,
-        n_kv_head: 4,
-        tied_head: true,
-        qkv_bias: false,
-        rope_scaling: None,
-        moe: None,
-    }
+    ModelConfig { n_layer: 3, ..crate::infer::cpu::tests::dense(arch) }
 }
 
-/// One model of each block family the CPU serves, three blocks each.
+/// One model of each block family the CPU serves (the CPU backend's tests' models), three
+/// blocks each.
 fn families() -> Vec<(&'static str, ModelConfig)> {
-    let llama = dense(Arch::Llama);
-    let mixtral = MoeConfig::mixtral(4, 2, 24, 0.02);
-    let qwen_moe = MoeConfig { norm_topk: false, shared_expert: Some(20), dense_layers: vec![0], ..MoeConfig::mixtral(4, 2, 16, 0.0) };
-    let gpt_moe = MoeConfig { sparse_step: 2, gating: Gating::TopKThenSoftmax, residual: true, ..MoeConfig::mixtral(4, 1, 24, 0.0) };
-    vec![
-        ("gpt2", dense(Arch::Gpt)),
-        ("llama-gqa-untied", ModelConfig { n_kv_head: 2, tied_head: false, ..llama.clone() }),
-        ("qwen2-mqa-bias", ModelConfig { n_kv_head: 1, qkv_bias: true, ..llama.clone() }),
-        ("mixtral", ModelConfig { n_kv_head: 2, moe: Some(mixtral), ..llama.clone() }),
-        ("qwen2-moe", ModelConfig { n_kv_head: 2, moe: Some(qwen_moe), ..llama }),
-        ("gpt-moe-residual", ModelConfig { moe: Some(gpt_moe), ..dense(Arch::Gpt) }),
-    ]
+    crate::infer::cpu::tests::families().into_iter().map(|(name, cfg)| (name, ModelConfig { n_layer: 3, ..cfg })).collect()
 }
 
 fn params(n: usize, seed: u64) -> Vec<f32> {
