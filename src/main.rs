@@ -37,7 +37,8 @@ enum Cmd {
     /// Load-test an OpenAI-compatible server: Poisson arrivals, random prompt and output
     /// lengths; prints throughput, time to first token and inter-token latency.
     BenchServe(BenchServeArgs),
-    /// Write a checkpoint as Hugging Face GPT-2 safetensors + config.json.
+    /// Write a checkpoint as a Hugging Face model folder (GPT-2, LLaMA, Mistral, Qwen2, Mixtral,
+    /// Qwen2-MoE): safetensors, config.json, the tokenizer's files.
     Export(ExportArgs),
     /// Inspect configs.
     #[command(subcommand)]
