@@ -31,10 +31,14 @@ enum Cmd {
     /// Serve a model folder or checkpoint over HTTP with the OpenAI API (completions, chat,
     /// streaming), batching requests continuously.
     Serve(Box<ServeArgs>),
+    /// One rank of `serve --pipeline-parallel-size` (started by the server, not by hand).
+    #[command(hide = true)]
+    ServeRank(ServeRankArgs),
     /// Load-test an OpenAI-compatible server: Poisson arrivals, random prompt and output
     /// lengths; prints throughput, time to first token and inter-token latency.
     BenchServe(BenchServeArgs),
-    /// Write a checkpoint as Hugging Face GPT-2 safetensors + config.json.
+    /// Write a checkpoint as a Hugging Face model folder (GPT-2, LLaMA, Mistral, Qwen2, Mixtral,
+    /// Qwen2-MoE): safetensors, config.json, the tokenizer's files.
     Export(ExportArgs),
     /// Inspect configs.
     #[command(subcommand)]
@@ -319,8 +323,9 @@ struct TrainArgs {
 #[derive(Args)]
 struct ServeArgs {
     /// A Hugging Face model folder (config.json, weights, tokenizer.json) or a checkpoint
-    /// directory (a step directory or a checkpoints root).
-    #[arg(long)]
+    /// directory (a step directory or a checkpoints root; `--checkpoint`, as `generate` names
+    /// it, is the same flag).
+    #[arg(long, visible_alias = "checkpoint")]
     model: PathBuf,
     /// A checkpoint's tokenizer.json (the one recorded at training when absent).
     #[arg(long)]
@@ -331,6 +336,12 @@ struct ServeArgs {
     /// Address to listen on (port 0: any free port, printed at start).
     #[arg(long, default_value = "127.0.0.1:8000")]
     addr: std::net::SocketAddr,
+    /// The IP to listen on, in place of --addr's (vLLM's `--host`; 0.0.0.0 for every interface).
+    #[arg(long)]
+    host: Option<std::net::IpAddr>,
+    /// The port to listen on, in place of --addr's (vLLM's `--port`).
+    #[arg(long)]
+    port: Option<u16>,
     /// Key/value cache positions per block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -345,6 +356,11 @@ struct ServeArgs {
     /// (GPU), int8 (weight-only, per-channel scales; both), fp8 (e4m3, per-channel scales; GPU).
     #[arg(long, value_enum)]
     weights: Option<tessera::serve::model::Weights>,
+    /// Split the model's blocks over N rank processes (pipeline parallelism, CPU; each holds a
+    /// contiguous run of blocks and their part of the key/value cache; QUIC with mutual TLS).
+    /// Absent: this process runs the whole model.
+    #[arg(long, visible_alias = "pp", value_name = "N")]
+    pipeline_parallel_size: Option<usize>,
     /// Sequences in a batch at most.
     #[arg(long, default_value_t = 32)]
     max_seqs: usize,
@@ -363,6 +379,25 @@ struct ServeArgs {
     /// Request body bytes at most (413 above).
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,
+}
+
+#[derive(Args)]
+struct ServeRankArgs {
+    /// This rank (0-based).
+    #[arg(long)]
+    rank: usize,
+    /// The server's control address (127.0.0.1:PORT).
+    #[arg(long)]
+    control: std::net::SocketAddr,
+    /// The folder of the ranks' certificates.
+    #[arg(long)]
+    pki: PathBuf,
+    /// The model the server serves.
+    #[arg(long)]
+    model: PathBuf,
+    /// The checkpoint's tokenizer the server was given.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -403,14 +438,14 @@ fn parse_range(s: &str) -> Result<(usize, usize), String> {
 #[derive(Args)]
 struct GenerateArgs {
     /// Checkpoint directory (a step directory or a checkpoints root), or a Hugging Face model
-    /// folder.
-    #[arg(long)]
+    /// folder (`--model`, as `serve` names it, is the same flag).
+    #[arg(long, visible_alias = "model")]
     checkpoint: PathBuf,
     /// Text to continue.
     #[arg(long, default_value = "It is a truth universally acknowledged")]
     prompt: String,
-    /// Tokens to generate.
-    #[arg(long, default_value_t = 200)]
+    /// Tokens to generate (`--max-new-tokens`, transformers' name, is the same flag).
+    #[arg(long, visible_alias = "max-new-tokens", default_value_t = 200)]
     tokens: usize,
     /// Softmax temperature (> 0; 0 or below means greedy: always the most likely token).
     #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
@@ -574,7 +609,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             top_k: a.top_k,
             seed: a.seed,
             tokenizer: a.tokenizer,
-            backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights },
+            backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights, pipeline: None },
         })
         .map(|()| done),
         Cmd::Serve(a) => {
@@ -588,15 +623,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 model: a.model,
                 tokenizer: a.tokenizer,
                 served_name: a.served_model_name,
-                addr: a.addr,
+                addr: std::net::SocketAddr::new(a.host.unwrap_or(a.addr.ip()), a.port.unwrap_or(a.addr.port())),
                 block_size: a.block_size,
                 kv_blocks: a.kv_blocks,
-                backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights },
+                backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights, pipeline: a.pipeline_parallel_size },
                 max_seqs: a.max_seqs,
                 max_batch_tokens: a.max_batch_tokens,
                 limits,
             })
             .map(|()| done)
+        }
+        Cmd::ServeRank(a) => {
+            let args = tessera::infer::ranks::rank::RankArgs { rank: a.rank, control: a.control, pki: a.pki };
+            tessera::serve::serve_rank(&args, &a.model, a.tokenizer.as_deref()).map(|()| done)
         }
         Cmd::BenchServe(a) => tessera::serve::bench::bench_serve(&tessera::serve::bench::BenchOpts {
             url: a.url,
