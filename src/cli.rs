@@ -229,13 +229,28 @@ pub fn model_from_checkpoint(ck: &CheckpointState) -> Result<(Model, Vec<f32>)> 
     let model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
     let mut flat = vec![0.0; model.num_params()];
     for spec in model.layout().specs() {
-        let t = ck.params.iter().find(|t| t.name == spec.name).with_context(|| format!("checkpoint lacks `{}`", spec.name))?;
+        let t = ck.params.iter().find(|t| t.name == spec.name).with_context(|| missing_tensor(ck, &spec.name))?;
         if t.shape != spec.shape {
             bail!("checkpoint tensor `{}` has shape {:?}, model `{}` expects {:?}", spec.name, t.shape, ck.model, spec.shape);
         }
         flat[spec.range()].copy_from_slice(&t.data);
     }
     Ok((model, flat))
+}
+
+/// Why `ck` lacks the rebuilt model's tensor `name`: said plainly when the checkpoint's blocks
+/// hold experts the rebuilt (dense) preset does not have — a preset trained with a
+/// `tessera.moe` section, whose manifest records the preset's name and not that section.
+fn missing_tensor(ck: &CheckpointState, name: &str) -> String {
+    if !name.contains(".moe.") && ck.params.iter().any(|t| t.name.contains(".moe.")) {
+        return format!(
+            "checkpoint lacks `{name}`: its blocks hold experts (`….moe.…` tensors) but its manifest records only the preset \
+             `{}` and no MoE configuration (a preset trained with a `tessera.moe` section), so the model cannot be rebuilt \
+             from it; serve or generate from a model whose config.json has the experts (e.g. `mixtral-tiny`, or a model folder)",
+            ck.model
+        );
+    }
+    format!("checkpoint lacks `{name}`")
 }
 
 pub(crate) fn load_checkpoint(path: &Path) -> Result<CheckpointState> {
@@ -555,6 +570,22 @@ mod tests {
             let e = carry_model_files(&state(serde_json::json!({ "model_files": bad })), &mut generated()).unwrap_err().to_string();
             assert!(e.contains("extra.model_files") && e.contains("not a model folder file Tessera carries"), "{e}");
         }
+    }
+
+    /// A preset trained with experts its manifest does not record is refused saying so; a
+    /// checkpoint merely missing a tensor names it.
+    #[test]
+    fn a_checkpoint_with_experts_of_a_dense_preset_is_refused_saying_why() {
+        let tensor = |name: &str| crate::checkpoint::NamedTensor { name: name.into(), shape: vec![256, 128], data: vec![0.0; 256 * 128] };
+        let mut ck = state(serde_json::json!({}));
+        ck.model = "gpt-tiny".into();
+        ck.params = vec![tensor("wte.weight"), tensor("h.0.moe.router.weight")];
+        let e = model_from_checkpoint(&ck).err().expect("refused").to_string();
+        assert!(e.contains("its blocks hold experts"), "{e}");
+        assert!(e.contains("preset `gpt-tiny` and no MoE configuration"), "{e}");
+        ck.params.pop();
+        let e = model_from_checkpoint(&ck).err().expect("refused").to_string();
+        assert!(e.starts_with("checkpoint lacks `") && !e.contains("experts"), "{e}");
     }
 
     /// A prompt opens with the begin-of-text token the run framed its documents with, and only

@@ -353,7 +353,8 @@ struct ServeArgs {
     #[arg(long, value_enum, default_value = "cpu")]
     device: tessera::serve::model::Device,
     /// The linear layers' weights (default: f32 on the CPU, bf16 on the GPU): f32 (CPU), bf16
-    /// (GPU), int8 (weight-only, per-channel scales; both), fp8 (e4m3, per-channel scales; GPU).
+    /// (GPU), int8 (weight-only, per-channel scales; both; on the CPU MoE experts too, routers
+    /// and norms stay f32), fp8 (e4m3, per-channel scales; GPU).
     #[arg(long, value_enum)]
     weights: Option<tessera::serve::model::Weights>,
     /// Split the model's blocks over N rank processes (pipeline parallelism, CPU; each holds a
@@ -464,7 +465,8 @@ struct GenerateArgs {
     #[arg(long, value_enum, default_value = "cpu")]
     device: tessera::serve::model::Device,
     /// The linear layers' weights (default: f32 on the CPU, bf16 on the GPU): f32 (CPU), bf16
-    /// (GPU), int8 (weight-only, per-channel scales; both), fp8 (e4m3, per-channel scales; GPU).
+    /// (GPU), int8 (weight-only, per-channel scales; both; on the CPU MoE experts too, routers
+    /// and norms stay f32), fp8 (e4m3, per-channel scales; GPU).
     #[arg(long, value_enum)]
     weights: Option<tessera::serve::model::Weights>,
 }
