@@ -214,10 +214,11 @@ pub fn checkpoint_hf_config(ck: &CheckpointState) -> Result<Option<hf::HfConfig>
 }
 
 /// A model rebuilt from a checkpoint: the model folder's config it recorded, or the preset
-/// named in the manifest with the vocabulary read off `wte.weight`; parameters copied into a
-/// flat buffer in layout order.
+/// named in the manifest with the vocabulary read off `wte.weight`, then the `tessera.moe`
+/// section the run had (`extra.moe`) as training applied it; parameters copied into a flat
+/// buffer in layout order.
 pub fn model_from_checkpoint(ck: &CheckpointState) -> Result<(Model, Vec<f32>)> {
-    let mcfg = match checkpoint_hf_config(ck)? {
+    let mut mcfg = match checkpoint_hf_config(ck)? {
         Some(h) => h.model,
         None => {
             let mut mcfg = zoo::preset(&ck.model).map_err(anyhow::Error::msg)?;
@@ -226,6 +227,14 @@ pub fn model_from_checkpoint(ck: &CheckpointState) -> Result<(Model, Vec<f32>)> 
             mcfg
         }
     };
+    if let Some(moe) = ck.extra.get("moe").filter(|v| !v.is_null()) {
+        let what = "the checkpoint's record of the run's `tessera.moe` section (manifest `extra.moe`)";
+        let root = serde_json::json!({ "tessera": { "moe": moe } });
+        let section = crate::config::moe::parse_moe(&root).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        if let Some(section) = section {
+            mcfg = section.apply(&mcfg, &ck.model).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        }
+    }
     let model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
     let mut flat = vec![0.0; model.num_params()];
     for spec in model.layout().specs() {
@@ -245,8 +254,9 @@ fn missing_tensor(ck: &CheckpointState, name: &str) -> String {
     if !name.contains(".moe.") && ck.params.iter().any(|t| t.name.contains(".moe.")) {
         return format!(
             "checkpoint lacks `{name}`: its blocks hold experts (`….moe.…` tensors) but its manifest records only the preset \
-             `{}` and no MoE configuration (a preset trained with a `tessera.moe` section), so the model cannot be rebuilt \
-             from it; serve or generate from a model whose config.json has the experts (e.g. `mixtral-tiny`, or a model folder)",
+             `{}` and no MoE configuration (a preset trained with a `tessera.moe` section by a Tessera older than \
+             `extra.moe`), so the model cannot be rebuilt from it; train it again, or serve a model whose config.json has \
+             the experts (e.g. `mixtral-tiny`, or a model folder)",
             ck.model
         );
     }
