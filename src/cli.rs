@@ -334,7 +334,7 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
         bail!("the prompt encodes to no tokens; give --prompt some text");
     }
     let ctx = m.model.cfg.max_seq_len;
-    let mut engine = crate::serve::engine_for(m, 16, 0, o.backend, 1, 512)?;
+    let mut engine = crate::serve::engine_for(m, 16, 0, o.backend.clone(), 1, 512)?;
     let mut out = std::io::stdout();
     let streamed = show(&mut out, &codec.decode(&tokens[shown..])).and_then(|()| {
         let mut text = crate::infer::text::TextOut::new(Vec::new());
