@@ -18,7 +18,7 @@ const TEMPLATE: &str =
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'].strip() }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}";
 
 /// The LLaMA fixture folder with a chat template, in `dir`.
-fn model_folder(dir: &Path) -> std::path::PathBuf {
+pub fn model_folder(dir: &Path) -> std::path::PathBuf {
     let src = repo().join("tests/fixtures/hf/llama");
     let dst = dir.join("tiny-llama");
     std::fs::create_dir_all(&dst).unwrap();
@@ -30,9 +30,9 @@ fn model_folder(dir: &Path) -> std::path::PathBuf {
     dst
 }
 
-struct Server {
-    child: Child,
-    addr: String,
+pub struct Server {
+    pub child: Child,
+    pub addr: String,
 }
 
 impl Drop for Server {
@@ -42,7 +42,7 @@ impl Drop for Server {
     }
 }
 
-fn start(model: &Path, extra: &[&str]) -> Server {
+pub fn start(model: &Path, extra: &[&str]) -> Server {
     let mut child = Command::new(bin())
         .args(["serve", "--model", model.to_str().unwrap(), "--addr", "127.0.0.1:0"])
         .args(extra)
@@ -57,7 +57,7 @@ fn start(model: &Path, extra: &[&str]) -> Server {
 }
 
 /// Sends raw bytes as one request; the status and the body (read to the end).
-fn raw(addr: &str, head: &str, body: &[u8]) -> (u16, String) {
+pub fn raw(addr: &str, head: &str, body: &[u8]) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let req = format!("{head}\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
@@ -70,7 +70,7 @@ fn raw(addr: &str, head: &str, body: &[u8]) -> (u16, String) {
     (status, text.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string()))
 }
 
-fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
+pub fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
     raw(addr, &format!("POST {path} HTTP/1.1"), body.as_bytes())
 }
 
