@@ -487,6 +487,10 @@ struct GenerateArgs {
     /// (GPU), int8 (weight-only, per-channel scales; both), fp8 (e4m3, per-channel scales; GPU).
     #[arg(long, value_enum)]
     weights: Option<tessera::serve::model::Weights>,
+    /// Split the model's blocks over N rank processes on this machine (pipeline parallelism,
+    /// CPU; as `serve --pipeline-parallel-size`). Absent: this process runs the whole model.
+    #[arg(long, visible_alias = "pp", value_name = "N")]
+    pipeline_parallel_size: Option<usize>,
 }
 
 #[derive(Args)]
@@ -629,7 +633,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
             top_k: a.top_k,
             seed: a.seed,
             tokenizer: a.tokenizer,
-            backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights, pipeline: None, ranks_join: None },
+            backend: tessera::serve::model::BackendChoice {
+                device: a.device,
+                weights: a.weights,
+                pipeline: a.pipeline_parallel_size,
+                ranks_join: None,
+            },
         })
         .map(|()| done),
         Cmd::Serve(a) => {

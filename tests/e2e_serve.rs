@@ -212,7 +212,8 @@ fn sigterm_finishes_the_requests_in_flight_then_exits() {
 }
 
 /// `--weights` a device cannot hold is refused naming the flag; `--device cuda` without a GPU is
-/// refused naming the flag (the error is the driver's sentence), and with one it generates.
+/// refused naming the flag (the error is the driver's sentence), and with one it generates;
+/// `--pipeline-parallel-size 2` generates the one-process text.
 #[test]
 fn the_device_and_weights_flags_are_honoured_or_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
@@ -236,6 +237,13 @@ fn the_device_and_weights_flags_are_honoured_or_refused_by_name() {
     }
     let cpu = generate(&["--weights", "int8"]);
     assert!(cpu.status.success(), "{}", err(&cpu));
+    // Over two pipeline ranks `generate` prints the one-process text, for both formats.
+    for extra in [&[][..], &["--weights", "int8"][..]] {
+        let one = generate(extra);
+        let two = generate(&[extra, &["--pipeline-parallel-size", "2"][..]].concat());
+        assert!(one.status.success() && two.status.success(), "{}{}", err(&one), err(&two));
+        assert_eq!(String::from_utf8_lossy(&two.stdout), String::from_utf8_lossy(&one.stdout), "{extra:?}");
+    }
     let gpu = generate(&["--device", "cuda"]);
     if gpu.status.success() {
         assert!(gpu.stdout.len() > "It is".len(), "{:?}", String::from_utf8_lossy(&gpu.stdout));
