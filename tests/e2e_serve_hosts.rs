@@ -15,11 +15,7 @@ use std::time::{Duration, Instant};
 use crate::common::{bin, repo};
 use crate::e2e_serve::{model_folder, post, raw, start, Server};
 
-#[path = "../chaos/src/netns.rs"]
-#[allow(dead_code)]
-mod netns;
-
-use netns::TestNet;
+use crate::e2e_hosts::netns::TestNet;
 
 /// 10.231.<SUBNET>.0/24 (77: chaos/tests/netns.rs, 78–80: e2e_hosts.rs).
 const SUBNET: u8 = 81;

@@ -133,7 +133,7 @@ impl LoadedModel {
         let hint = crate::launch::join_hint(&command, at, &d, token.as_ref())?;
         // The command's answer (how to join), not a log line: shown even with -q.
         eprintln!("serve: waiting for {} ranks at {at} (join with {hint})", opts.ranks);
-        let source = RankSource::Join { endpoint, auth, join_timeout_ms: j.join_timeout_ms };
+        let source = RankSource::Join { endpoint: Box::new(endpoint), auth, join_timeout_ms: j.join_timeout_ms };
         PipelineBackend::launch(self.model, &self.params, self.held.start, &*load, opts, source)
     }
 }

@@ -56,7 +56,7 @@ pub enum RankSource<'a> {
     /// `tessera serve-rank --join` processes from any host (`tessera serve --rank-listen`), at
     /// an endpoint [`crate::launch::rendezvous_endpoint`] bound (a join token, or `--certs`),
     /// within `join_timeout_ms`.
-    Join { endpoint: ControlEndpoint, auth: AgentAuth, join_timeout_ms: u64 },
+    Join { endpoint: Box<ControlEndpoint>, auth: AgentAuth, join_timeout_ms: u64 },
 }
 
 /// One rank as the serving process sees it.
@@ -354,7 +354,7 @@ type Opened = (ControlEndpoint, AgentAuth, Vec<Option<Box<dyn RankProcess>>>, u6
 fn open(source: RankSource, ranks: usize) -> Result<Opened> {
     match source {
         RankSource::Join { endpoint, auth, join_timeout_ms } => {
-            Ok((endpoint, auth, (0..ranks).map(|_| None).collect(), join_timeout_ms, None))
+            Ok((*endpoint, auth, (0..ranks).map(|_| None).collect(), join_timeout_ms, None))
         }
         RankSource::Spawn(start) => {
             let pki = pki_dir()?;

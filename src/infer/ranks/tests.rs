@@ -300,7 +300,7 @@ fn join_door() -> (SocketAddr, RankSource<'static>, AgentCredentials) {
     let d = crate::launch::DriverOpts { join_timeout_ms: 20_000, certs: None, token_file: None };
     let (endpoint, auth, token) = crate::launch::rendezvous_endpoint("127.0.0.1:0", &d).unwrap();
     let at = endpoint.local_addr().unwrap();
-    (at, RankSource::Join { endpoint, auth, join_timeout_ms: 20_000 }, AgentCredentials::Token(token.unwrap().text()))
+    (at, RankSource::Join { endpoint: Box::new(endpoint), auth, join_timeout_ms: 20_000 }, AgentCredentials::Token(token.unwrap().text()))
 }
 
 fn slot() -> Arc<Mutex<Option<ControlConn>>> {
