@@ -384,6 +384,8 @@ fn long_contexts_of_many_sequences_cross_in_bounded_frames_with_the_one_process_
     .unwrap();
     let pos = 60_000;
     let mut tables: Vec<Vec<u32>> = (0..6u32).map(|i| [vec![0; pos], vec![1 + i]].concat()).collect();
+    let whole_tables_bytes: usize = tables.iter().map(|t| 4 * t.len()).sum();
+    assert!(whole_tables_bytes > tessera_fleet::wire::FRAME_BYTES_MAX, "the step's tables fit one frame: {whole_tables_bytes} bytes");
     for k in 0..2 {
         let tokens: Vec<[u32; 1]> = (0..6u32).map(|i| [(i * 5 + k) % 37]).collect();
         let batch: Vec<SeqStep> = tables.iter().zip(&tokens).map(|(t, tok)| step(tok, pos + k as usize, t, true)).collect();
