@@ -297,10 +297,15 @@ fn a_rank_that_loaded_another_model_is_refused_at_start() {
 /// A server's ranks' endpoint on loopback with a join token, as `tessera serve --rank-listen`
 /// opens it: the source to launch with, and the token's credentials.
 fn join_door() -> (SocketAddr, RankSource<'static>, AgentCredentials) {
-    let d = crate::launch::DriverOpts { join_timeout_ms: 20_000, certs: None, token_file: None };
+    join_door_for(20_000)
+}
+
+/// As [`join_door`], waiting `join_timeout_ms` for the ranks.
+fn join_door_for(join_timeout_ms: u64) -> (SocketAddr, RankSource<'static>, AgentCredentials) {
+    let d = crate::launch::DriverOpts { join_timeout_ms, certs: None, token_file: None };
     let (endpoint, auth, token) = crate::launch::rendezvous_endpoint("127.0.0.1:0", &d).unwrap();
     let at = endpoint.local_addr().unwrap();
-    (at, RankSource::Join { endpoint: Box::new(endpoint), auth, join_timeout_ms: 20_000 }, AgentCredentials::Token(token.unwrap().text()))
+    (at, RankSource::Join { endpoint: Box::new(endpoint), auth, join_timeout_ms }, AgentCredentials::Token(token.unwrap().text()))
 }
 
 fn slot() -> Arc<Mutex<Option<ControlConn>>> {
@@ -394,4 +399,21 @@ fn long_contexts_of_many_sequences_cross_in_bounded_frames_with_the_one_process_
             t.push(7 + i as u32);
         }
     }
+}
+
+/// A rank that never comes: the start fails after the join timeout naming who joined, and the
+/// rank that did hears why.
+#[test]
+fn a_missing_rank_fails_the_start_after_the_join_timeout_naming_who_joined() {
+    let cfg = dense(Arch::Gpt);
+    let p = params(Model::new(cfg.clone()).unwrap().num_params(), 5);
+    let (at, source, token) = join_door_for(1_500);
+    let only = thread_rank("only", at, None, token, cfg.clone(), p.clone(), slot());
+    let opts = PipelineOptions { ranks: 2, block_size: 4, num_blocks: 32, weights: LinearFormat::F32 };
+    let unreachable = |_: &Model, r: std::ops::Range<usize>| -> Result<Vec<f32>> { anyhow::bail!("{r:?} is held") };
+    let e = PipelineBackend::launch(Model::new(cfg).unwrap(), &p, 0, &unreachable, opts, source).err().expect("one rank of two");
+    let e = format!("{e:#}");
+    assert!(e.contains(&format!("only 1 of 2 ranks joined {at} within 1500 ms (joined: serve-rank only at 127.0.0.1 (pid ")), "{e}");
+    let why = format!("{:#}", only.join().unwrap().unwrap_err());
+    assert!(why.contains("only 1 of 2 ranks joined"), "{why}");
 }
