@@ -92,7 +92,6 @@ pub fn connect(a: &AgentArgs) -> Result<(Arc<ControlEndpoint>, ControlConn)> {
 /// of its own: the server's join timeout bounds it (a server gone closes the connection, or its
 /// idle timeout does).
 pub fn serve_rank(mut conn: ControlConn, model: Model, load: &WeightLoader) -> Result<()> {
-    wire::send(&mut conn, &FromRank::Hello { pid: std::process::id(), model: format!("{:?}", model.cfg) })?;
     let gone = |conn: &ControlConn, e: WireError| {
         // The reason travels in the close frame, which can come just after the streams end.
         for _ in 0..CLOSE_REASON_POLLS {
@@ -104,6 +103,9 @@ pub fn serve_rank(mut conn: ControlConn, model: Model, load: &WeightLoader) -> R
         let why = conn.closed_reason().map(|r| format!(": {r}")).unwrap_or_default();
         anyhow::anyhow!("the serving process ended the connection ({e}){why}")
     };
+    let hello = FromRank::Hello { pid: std::process::id(), model: format!("{:?}", model.cfg) };
+    // A server that refuses this rank at once (every rank held) may close before the Hello.
+    wire::send(&mut conn, &hello).map_err(|e| gone(&conn, e))?;
     let wait = Wait { what: "the blocks to hold (Assign)", deadline: None, alive: &|| Ok(()) };
     let (rank, mut stage) = match wire::recv(&mut conn, "Assign", &wait).map_err(|e| gone(&conn, e))? {
         ToRank::Assign { rank, blocks_start, blocks_end, block_size, num_blocks, int8 } => {
