@@ -351,7 +351,8 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
     if !o.temperature.is_finite() {
         bail!("--temperature {}: expected a finite number (> 0 samples; 0 or below is greedy)", o.temperature);
     }
-    let mut m = crate::serve::model::LoadedModel::load(&o.checkpoint, o.tokenizer.as_deref())?;
+    // Over pipeline ranks this process holds the embeddings and the head only.
+    let mut m = crate::serve::model::LoadedModel::load_with(&o.checkpoint, o.tokenizer.as_deref(), o.backend.pipeline.is_some())?;
     let shown = usize::from(m.bos.is_some());
     let mut tokens = m.encode_prompt(&o.prompt).context("encoding the prompt")?;
     let codec = std::mem::replace(&mut m.codec, Codec::Bytes);
@@ -359,7 +360,7 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
         bail!("the prompt encodes to no tokens; give --prompt some text");
     }
     let ctx = m.model.cfg.max_seq_len;
-    let mut engine = crate::serve::engine_for(m, 16, 0, o.backend, 1, 512)?;
+    let mut engine = crate::serve::engine_for(m, 16, 0, o.backend.clone(), 1, 512)?;
     let mut out = std::io::stdout();
     let streamed = show(&mut out, &codec.decode(&tokens[shown..])).and_then(|()| {
         let mut text = crate::infer::text::TextOut::new(Vec::new());
