@@ -34,7 +34,7 @@ if [ "$mode" = build ]; then
     P="--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
     python3 -m pip download -q --no-deps deepspeed==0.19.8 --no-binary :all: -d .device-bin/whl
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P -d .device-bin/whl \
-        hjson pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection "typing_extensions>=4.16"
+        hjson pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection "typing_extensions>=4.16" ninja psutil py-cpuinfo msgpack einops
     ls -la .device-bin .device-bin/whl
     exit 0
 fi
@@ -81,7 +81,8 @@ echo "== 4. DeepSpeed ZeRO-3, offload_param + offload_optimizer (cpu)"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$SRC"/whl/*.whl > "$OUT/pip.txt" 2>&1
 DS_BUILD_OPS=0 TORCH_CUDA_ARCH_LIST=9.0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
     --target /tmp/site "$SRC"/whl/deepspeed-*.tar.gz >> "$OUT/pip.txt" 2>&1 || { echo "deepspeed install failed"; tail -5 "$OUT/pip.txt"; }
-export PYTHONPATH=/tmp/site TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
+# ninja (DeepSpeedCPUAdam is built just in time through torch.utils.cpp_extension) on the PATH.
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1
 DS="--mode ds --zero 3 --offload 1 --offload-param 1 --layers 24 --d 2048 --heads 32 --mb 8 --seq 1024 --steps 4 --warmup 1 --compile 0"
 ONE="env RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511"
 # (torchrun would read the script's --d as an abbreviation of its own options.)

@@ -88,10 +88,11 @@ fn device_cuda_refuses_unsupported_options_naming_the_key() {
     let cfg = write(tmp.path(), "gpu.json", CONFIG);
     let (cfg, out) = (cfg.to_str().unwrap().to_string(), tmp.path().join("run").to_str().unwrap().to_string());
     let offload_cpu = "zero_optimization.offload_optimizer={\"device\": \"cpu\"}";
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["--model", "llama-tiny"], "kernels run head dimensions 64 and 128"),
         (&["--model", "gpt-tiny"], "has head dimension 32"),
         (&["--set", "optimizer.type=\"Lamb\""], "optimizer.type = \"Lamb\""),
+        (&["--set", "optimizer={\"type\": \"Adagrad\", \"params\": {\"lr\": 0.01}}"], "optimizer.type = \"Adagrad\""),
         (&["--set", "optimizer={\"type\": \"SGD\", \"params\": {\"lr\": 0.01}}", "--set", offload_cpu], "with optimizer.type = \"SGD\""),
         (&["--set", "bf16.enabled=false", "--set", "fp16.enabled=true", "--set", offload_cpu], "fp16.enabled = true with"),
         (

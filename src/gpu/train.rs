@@ -95,6 +95,12 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
              ranks' shards); use Adam/AdamW, SGD or Lion, or --device cpu for Lamb"
         );
     }
+    if let OptimizerConfig::Adagrad { .. } = cfg.optimizer {
+        bail!(
+            "optimizer.type = \"Adagrad\": `--device cuda` has no Adagrad kernel yet; use Adam/AdamW, SGD or Lion, or \
+             --device cpu for Adagrad"
+        );
+    }
     check_offload(cfg)?;
     if cfg.zero.offload_optimizer.as_ref().is_some_and(|o| o.device == OffloadDevice::Nvme) {
         let swap_keys = [

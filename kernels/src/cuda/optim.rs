@@ -88,6 +88,7 @@ impl OptimStep {
             OptimizerKind::Lamb(_) => {
                 return Err(GpuError::Invalid("LAMB has no GPU kernel (its trust ratios need per-tensor norms across the shards)".into()))
             }
+            OptimizerKind::Adagrad(_) => return Err(GpuError::Invalid("Adagrad has no GPU kernel yet".into())),
         })
     }
 
@@ -110,9 +111,9 @@ impl OptimStep {
     }
 }
 
-/// Whether GPU ranks run `kind` (everything but LAMB).
+/// Whether GPU ranks run `kind` (everything but LAMB and Adagrad).
 pub fn supported(kind: &OptimizerKind) -> bool {
-    !matches!(kind, OptimizerKind::Lamb(_))
+    !matches!(kind, OptimizerKind::Lamb(_) | OptimizerKind::Adagrad(_))
 }
 
 fn check_len<T>(what: &str, p: DPtr<T>, len: usize) {
@@ -257,6 +258,7 @@ fn base_lr(kind: &OptimizerKind) -> f32 {
         OptimizerKind::Lamb(p) => p.lr,
         OptimizerKind::Lion(p) => p.lr,
         OptimizerKind::Sgd(p) => p.lr,
+        OptimizerKind::Adagrad(p) => p.lr,
     }
 }
 
