@@ -86,6 +86,10 @@ pub fn check(seed: u64, only: Option<&str>) -> Result<bool> {
     report("optimizers: Adam/AdamW, SGD and Lion kernels against the CPU's OptimizerShard::step, bit for bit", &|| {
         cuda::optim::check(&gpu, seed).map_err(Into::into)
     });
+    report(
+        "optimizers: LAMB (update, slot sums of squares, trust ratios, commit) against the CPU's OptimizerShard::step, bit for bit",
+        &|| cuda::lamb::check(&gpu, seed).map_err(Into::into),
+    );
     report("attention", &|| cuda::attention::check(&gpu, seed).map_err(Into::into));
     report("model (2-layer GPT vs CPU f32)", &|| gpt::check(&gpu, seed).map_err(Into::into));
     report("LLaMA family: RMSNorm, RoPE, SwiGLU, grouped-query attention (hd 64, 128) and 2-layer models vs the CPU (f32)", &|| {

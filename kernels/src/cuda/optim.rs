@@ -260,7 +260,7 @@ fn base_lr(kind: &OptimizerKind) -> f32 {
     }
 }
 
-fn normal(seed: u64, key: u64, len: usize, std: f32) -> Vec<f32> {
+pub(crate) fn normal(seed: u64, key: u64, len: usize, std: f32) -> Vec<f32> {
     let mut v = vec![0f32; len];
     crate::tensor::Rng::derive(seed, &[0x6f70_7469, key]).fill_normal(&mut v, std);
     // Keep every value normal: the GPU flushes subnormals, the CPU does not.
