@@ -103,7 +103,8 @@ pub fn check(seed: u64, only: Option<&str>) -> Result<bool> {
     report("optimizer offload: the GPU adamw kernel against the host step, bit for bit", &|| check_adamw_offload(&gpu, seed));
     report(
         "optimizer offload, parameter offload (ZeRO-3, host memory and NVMe), and the optimizer during the backward (AdamW, \
-         Adam, SGD, Lion): training against the GPU optimizer after the backward with the parameters on the GPU, bit for bit",
+         Adam, SGD, Lion): training against the GPU optimizer after the backward with the parameters on the GPU, bit for bit; \
+         LAMB through the rank at ZeRO 0-3 on one GPU",
         &|| check_offload_training(gpu.clone(), seed),
     );
     report("fp16: overflow decisions against the CPU gradient stored in fp16, and the dynamic loss scaler's skipped steps", &|| {
@@ -454,6 +455,23 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
             let (o, base) = (run_with(optim, 2, Some(1.0), true)?, run_with(optim, 2, None, true)?);
             same(&mut rows, "offload vs GPU optimizer", &format!("{name}, ZeRO-2, ratio 1"), &o, &base);
         }
+    }
+    // LAMB through the rank (its update over every tensor at once, `cuda::lamb::step`, whose
+    // kernels the optimizer rows compare with the CPU bit for bit): one GPU at ZeRO-1, 2 and 3
+    // gives ZeRO-0's bits, with the early-update flag on (LAMB never steps during the backward).
+    let lamb = tessera_kernels::optim::LambParams { lr: 2e-3, weight_decay: 0.01, ..Default::default() };
+    let optim = zero::Optimizer { kind: tessera_kernels::optim::OptimizerKind::Lamb(lamb), clip: 1.0 };
+    let base = run_with(optim, 0, None, false)?;
+    let moved = base.0.iter().zip(&init).any(|(a, b)| a != b);
+    rows.push(bits_row("LAMB: the masters moved (ZeRO-0, one GPU)".into(), &[u32::from(moved)], &[1]));
+    for stage in [1u8, 2, 3] {
+        let o = run_with(optim, stage, None, true)?;
+        same(&mut rows, "LAMB on one GPU vs ZeRO-0", &format!("ZeRO-{stage}, clip 1"), &o, &base);
+        rows.push(bits_row(
+            format!("LAMB on one GPU vs ZeRO-0, eval loss after the steps (ZeRO-{stage})"),
+            &[o.3.to_bits()],
+            &[base.3.to_bits()],
+        ));
     }
     Ok(rows)
 }

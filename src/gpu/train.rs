@@ -37,6 +37,7 @@
 use anyhow::{bail, Result};
 use tessera_kernels::cuda::gpt;
 use tessera_kernels::model::Arch;
+use tessera_kernels::optim::OptimizerKind;
 
 use super::compute::GpuRankOptions;
 use super::offload;
@@ -89,12 +90,8 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
         ),
         Precision::Bf16 => {}
     }
-    if let OptimizerConfig::Lamb { .. } = cfg.optimizer {
-        bail!(
-            "optimizer.type = \"Lamb\": `--device cuda` has no LAMB kernel (its trust ratios need per-tensor norms across the \
-             ranks' shards); use Adam/AdamW, SGD or Lion, or --device cpu for Lamb"
-        );
-    }
+    let lamb = matches!(cfg.optimizer, OptimizerConfig::Lamb { .. });
+    zero::refuse_split_lamb(lamb, cfg.zero.stage, cfg.world_size)?;
     check_offload(cfg)?;
     if cfg.zero.offload_optimizer.as_ref().is_some_and(|o| o.device == OffloadDevice::Nvme) {
         let swap_keys = [
@@ -281,6 +278,7 @@ pub fn rank_options(cfg: &Config, plan: &Plan, abandons: bool) -> Result<GpuRank
         );
     }
     let m_local = plan.micro_batches / world;
+    zero::refuse_split_lamb(matches!(plan.optimizer, OptimizerKind::Lamb(_)), plan.stage, world)?;
     let optim = Optimizer { kind: plan.optimizer, clip: plan.clip };
     let n = optim.states();
     let nvme = nvme_site(cfg)?;

@@ -23,6 +23,7 @@ use std::ops::Range;
 use cudarc::driver::{CudaStream, PushKernelArg};
 
 use super::ops::{launch, OptimBufs};
+use super::optim::LambStep;
 use super::{bf16, drv, grid_1d, Buf, CheckRow, DPtr, Gpu, GpuError, Result};
 use crate::optim::{FlatLayout, LambParams, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
 
@@ -36,9 +37,19 @@ pub struct LambSlots {
     dev: Vec<Range<usize>>,
 }
 
-/// Host tables of [`LambSlots`]: per slot its first element in the device buffer and its length,
-/// and per segment its device range, where segment `k` starts at `dev_start[k]`.
-pub fn slot_table(layout: &FlatLayout, dev_start: &[usize]) -> Result<(Vec<u64>, Vec<u32>, Vec<Range<usize>>)> {
+/// Host tables of [`LambSlots`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotTable {
+    /// Per slot: its first element in the device buffer.
+    pub starts: Vec<u64>,
+    /// Per slot: its length.
+    pub lens: Vec<u32>,
+    /// Per segment: its device range.
+    pub dev: Vec<Range<usize>>,
+}
+
+/// The [`SlotTable`] of `layout` where segment `k` starts at `dev_start[k]` of the device buffer.
+pub fn slot_table(layout: &FlatLayout, dev_start: &[usize]) -> Result<SlotTable> {
     let segs = layout.segments();
     if dev_start.len() != segs.len() {
         return Err(GpuError::Invalid(format!("LAMB slots: {} device starts for {} tensors", dev_start.len(), segs.len())));
@@ -54,14 +65,14 @@ pub fn slot_table(layout: &FlatLayout, dev_start: &[usize]) -> Result<(Vec<u64>,
         starts.push((dev[seg].start + (r.start - segs[seg].start)) as u64);
         lens.push(u32::try_from(r.len()).expect("a slot is at most one norm block"));
     }
-    Ok((starts, lens, dev))
+    Ok(SlotTable { starts, lens, dev })
 }
 
 impl LambSlots {
     /// The slots of `layout` with tensor `k` at `dev_start[k]` of the device buffers (ascending,
     /// not overlapping).
     pub fn new(gpu: &Gpu, layout: &FlatLayout, dev_start: &[usize]) -> Result<LambSlots> {
-        let (starts, lens, dev) = slot_table(layout, dev_start)?;
+        let SlotTable { starts, lens, dev } = slot_table(layout, dev_start)?;
         let partials = gpu.alloc::<f64>(2 * starts.len())?;
         Ok(LambSlots { layout: layout.clone(), starts: gpu.upload(&starts)?, lens: gpu.upload(&lens)?, partials, dev })
     }
@@ -72,7 +83,7 @@ impl LambSlots {
     }
 }
 
-/// One LAMB update (`step`, 1-based, at learning rate `lr`) over `bufs` laid out as `slots` says,
+/// One LAMB update (`hp.step`, 1-based, at learning rate `hp.lr`) over `bufs` laid out as `slots` says,
 /// with `u` as scratch (as long as `bufs.master`); the gradient is multiplied by `grad_scale`
 /// first. Waits for `s` once (the ratios are formed on the host). Returns each tensor's trust
 /// ratio (the CPU's `last_trust_ratios`).
@@ -82,11 +93,10 @@ pub fn step(
     slots: &mut LambSlots,
     bufs: &OptimBufs,
     u: DPtr<f32>,
-    hp: &LambParams,
-    lr: f32,
-    step: u64,
+    hp: &LambStep,
     grad_scale: f32,
 ) -> Result<Vec<f32>> {
+    let LambStep { params: hp, lr, step } = *hp;
     let OptimBufs { master, param, grad, m, v, decay } = *bufs;
     let len = master.len;
     for (what, n) in [("param", param.len), ("grad", grad.len), ("m", m.len), ("v", v.len), ("decay mask", decay.len), ("u", u.len)] {
@@ -229,7 +239,7 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
                 v: d_v.ptr(),
                 decay: d_mask.ptr(),
             };
-            let ratios = self::step(gpu, &gpu.stream, &mut slots, &bufs, d_u.ptr(), &hp, lr, step, 1.0)?;
+            let ratios = self::step(gpu, &gpu.stream, &mut slots, &bufs, d_u.ptr(), &LambStep { params: hp, lr, step }, 1.0)?;
             let gm = take(&gpu.download(d_master.ptr())?);
             let gp: Vec<f32> = gpu.download(d_param.ptr())?.iter().map(|b| b.to_f32()).collect();
             let mut same =
@@ -276,7 +286,7 @@ mod tests {
                 Some(s)
             })
             .collect();
-        let (dstarts, lens, dev) = slot_table(&layout, &starts).unwrap();
+        let SlotTable { starts: dstarts, lens, dev } = slot_table(&layout, &starts).unwrap();
         assert_eq!(dstarts.len(), layout.slots());
         assert!(layout.slots() > sizes.len(), "the big tensors span several slots");
         let host: Vec<f32> = (0..layout.total()).map(|i| ((i * 2654435761) % 1000) as f32 * 1e-3 - 0.5).collect();

@@ -12,14 +12,15 @@
 //! subnormal inputs and results to zero where the CPU keeps them. [`check`] compares several
 //! consecutive steps of each configuration with the CPU optimizer bit for bit.
 //!
-//! LAMB is not here: its trust ratios need per-tensor norms of the weights and of the updates
-//! across the ranks' shards; GPU ranks refuse it at start.
+//! LAMB is not elementwise (its trust ratios need per-tensor norms of the weights and of the
+//! updates): [`OptimStep::Lamb`] carries its scalars and `cuda::lamb::step` runs it over a buffer
+//! holding every tensor; [`step`] refuses it.
 
 use cudarc::driver::{CudaStream, PushKernelArg};
 
 use super::ops::{adamw, AdamStep, OptimBufs};
 use super::{bf16, drv, grid_1d, CheckRow, DPtr, Gpu, GpuError, Result};
-use crate::optim::{FlatLayout, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
+use crate::optim::{FlatLayout, LambParams, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
 
 /// SGD's scalars of one update (`optim::sgd`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -48,17 +49,27 @@ pub struct LionStep {
     pub after_decay: f32,
 }
 
+/// LAMB's update: its hyper-parameters, the learning rate and the 1-based update number
+/// (`cuda::lamb::step` forms the scalars with the CPU's own `LambParams` code).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LambStep {
+    pub params: LambParams,
+    pub lr: f32,
+    pub step: u64,
+}
+
 /// One update's scalars, by optimizer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum OptimStep {
     Adam(AdamStep),
     Sgd(SgdStep),
     Lion(LionStep),
+    Lamb(LambStep),
 }
 
 impl OptimStep {
     /// The scalars of update `step` (1-based) of `kind` at learning rate `lr` (this step's
-    /// betas under OneCycle's momentum cycle). LAMB is an error (see the module notes).
+    /// betas under OneCycle's momentum cycle).
     pub fn new(kind: &OptimizerKind, lr: f32, step: u64) -> Result<OptimStep> {
         if step == 0 {
             return Err(GpuError::Invalid("an optimizer update is numbered from 1; got update 0".into()));
@@ -85,9 +96,7 @@ impl OptimStep {
                     after_decay: c.after_decay,
                 })
             }
-            OptimizerKind::Lamb(_) => {
-                return Err(GpuError::Invalid("LAMB has no GPU kernel (its trust ratios need per-tensor norms across the shards)".into()))
-            }
+            OptimizerKind::Lamb(p) => OptimStep::Lamb(LambStep { params: *p, lr, step }),
         })
     }
 
@@ -97,21 +106,23 @@ impl OptimStep {
             OptimStep::Adam(a) => a.lr,
             OptimStep::Sgd(s) => s.lr,
             OptimStep::Lion(l) => l.lr,
+            OptimStep::Lamb(l) => l.lr,
         }
     }
 
     /// How many f32 state buffers (`m`, then `v`) the optimizer keeps per element.
     pub fn states(&self) -> usize {
         match self {
-            OptimStep::Adam(_) => 2,
+            OptimStep::Adam(_) | OptimStep::Lamb(_) => 2,
             OptimStep::Sgd(s) => usize::from(s.has_momentum),
             OptimStep::Lion(_) => 1,
         }
     }
 }
 
-/// Whether GPU ranks run `kind` (everything but LAMB).
-pub fn supported(kind: &OptimizerKind) -> bool {
+/// Whether `kind` runs unit by unit through [`step`] (everything but LAMB, which needs every
+/// tensor's norms first: `cuda::lamb::step`).
+pub fn elementwise(kind: &OptimizerKind) -> bool {
     !matches!(kind, OptimizerKind::Lamb(_))
 }
 
@@ -121,7 +132,8 @@ fn check_len<T>(what: &str, p: DPtr<T>, len: usize) {
 
 /// One update of `hp`'s optimizer over `bufs` (gradient multiplied by `grad_scale` first: the
 /// clipping coefficient). `bufs.m` / `bufs.v` must be as long as `master` where the optimizer
-/// keeps that state ([`OptimStep::states`]) and are not touched otherwise.
+/// keeps that state ([`OptimStep::states`]) and are not touched otherwise. LAMB is an error:
+/// it is not elementwise (`cuda::lamb::step`).
 pub fn step(gpu: &Gpu, s: &CudaStream, bufs: &OptimBufs, hp: &OptimStep, grad_scale: f32) -> Result<()> {
     let OptimBufs { master, param, grad, m, v: _, decay } = *bufs;
     let len = master.len;
@@ -129,6 +141,9 @@ pub fn step(gpu: &Gpu, s: &CudaStream, bufs: &OptimBufs, hp: &OptimStep, grad_sc
         OptimStep::Adam(a) => return adamw(gpu, s, bufs, a, grad_scale),
         OptimStep::Sgd(c) => (c.lr, c.weight_decay),
         OptimStep::Lion(c) => (c.lr, c.beta1),
+        OptimStep::Lamb(_) => {
+            return Err(GpuError::Invalid("LAMB is not elementwise: it runs over every tensor at once (cuda::lamb::step)".into()))
+        }
     };
     check_len("optimizer param", param, len);
     check_len("optimizer grad", grad, len);
@@ -163,7 +178,7 @@ pub fn step(gpu: &Gpu, s: &CudaStream, bufs: &OptimBufs, hp: &OptimStep, grad_sc
             // SAFETY: as above, for `lion` in ops.cu.
             unsafe { lb.launch(cfg) }.map(|_| ()).map_err(drv("launching ops.cu kernel `lion`"))
         }
-        OptimStep::Adam(_) => unreachable!("returned above"),
+        OptimStep::Adam(_) | OptimStep::Lamb(_) => unreachable!("returned above"),
     }
 }
 
@@ -275,7 +290,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optim::{AdamParams, LambParams, SgdParams};
+    use crate::optim::{AdamParams, SgdParams};
 
     /// The scalars each optimizer's kernel receives (no GPU needed).
     #[test]
@@ -296,8 +311,10 @@ mod tests {
         let plain = OptimStep::new(&OptimizerKind::Sgd(SgdParams { momentum: 0.0, ..sgd }), 0.05, 1).unwrap();
         assert_eq!(plain.states(), 0);
         let lamb = OptimizerKind::Lamb(LambParams::default());
-        assert!(!supported(&lamb));
-        assert!(OptimStep::new(&lamb, 1e-3, 1).unwrap_err().to_string().contains("LAMB"));
+        assert!(!elementwise(&lamb) && elementwise(&OptimizerKind::Adam(adam)));
+        let l = OptimStep::new(&lamb, 2e-3, 4).unwrap();
+        assert_eq!(l, OptimStep::Lamb(LambStep { params: LambParams::default(), lr: 2e-3, step: 4 }));
+        assert_eq!((l.lr(), l.states()), (2e-3, 2));
         assert!(OptimStep::new(&OptimizerKind::Adam(adam), 1e-3, 0).is_err(), "updates are numbered from 1");
     }
 }

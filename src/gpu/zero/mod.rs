@@ -1,7 +1,8 @@
 //! One GPU rank of a ZeRO run: parameters, gradients and optimizer state on the device, NCCL
 //! for the collectives on a communication stream that overlaps the compute stream. The optimizer
-//! is the CPU engine's (`OptimizerKind`: Adam/AdamW, SGD, Lion; not LAMB) as the elementwise
-//! kernels of `cuda::optim`.
+//! is the CPU engine's (`OptimizerKind`) as the elementwise kernels of `cuda::optim` (Adam/AdamW,
+//! SGD, Lion), or LAMB over every tensor at once (`cuda::lamb`; one GPU or ZeRO-0 only:
+//! [`refuse_split_lamb`]).
 //!
 //! - Stage 0: every rank holds everything; gradients are all-reduced unit by unit.
 //! - Stages 1 and 2: fp32 masters and Adam moments are split per unit across ranks; gradients
@@ -54,10 +55,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use tessera_kernels::cuda::gpt::{self, GpuLayout, Shape, Workspace};
+use tessera_kernels::cuda::lamb::LambSlots;
 use tessera_kernels::cuda::optim::OptimStep;
 use tessera_kernels::cuda::{self, bf16, ops, Buf, CudaEvent, CudaStream, DPtr, Gpu};
 use tessera_kernels::model::Model;
-use tessera_kernels::optim::{AdamParams, OptimizerKind};
+use tessera_kernels::optim::{AdamParams, FlatLayout, OptimizerKind};
 use tessera_transport::nccl::NcclComm;
 
 use super::offload::{self, Offload, OffloadStats, Pipe, Split};
@@ -286,6 +288,9 @@ pub struct Rank {
     off: Option<Offload>,
     /// The step prepared and not yet committed or abandoned.
     staged: Option<StagedStep>,
+    /// LAMB (one GPU, or ZeRO-0): the CPU layout's norm slots on the device and the update
+    /// scratch `u` (as long as the masters).
+    lamb: Option<(LambSlots, Buf<f32>)>,
     /// Why this rank refuses further steps (a commit that failed part-way, an abandoned step
     /// whose update had begun).
     torn: Option<String>,
@@ -358,8 +363,11 @@ impl RankSpec<'_> {
         if let Some(o) = self.offload.filter(|o| !(0.0..=1.0).contains(&o.ratio)) {
             bail!("zero_optimization.offload_optimizer.ratio = {}: expected a share from 0 to 1", o.ratio);
         }
-        if !tessera_kernels::cuda::optim::supported(&self.optim.kind) {
-            bail!("optimizer {}: GPU ranks have no kernel for it", self.optim.kind.name());
+        if self.params_offload.is_some() && !tessera_kernels::cuda::optim::elementwise(&self.optim.kind) {
+            bail!(
+                "optimizer.type = \"Lamb\" with zero_optimization.offload_param: LAMB's update on GPU ranks runs over every tensor \
+                 held on the device at once; drop offload_param, or use --device cpu"
+            );
         }
         if self.nvme.is_some() && self.offload.is_none() {
             bail!("NVMe optimizer offload without offload options: the rank needs offload_optimizer's ratio and threads");
@@ -386,6 +394,20 @@ impl RankSpec<'_> {
     }
 }
 
+/// LAMB's trust ratios need each tensor's norms over the CPU's fixed slots (tensor ∩ 16384-element
+/// block); a rank runs LAMB where it holds every tensor (one GPU, or ZeRO-0). With ZeRO 1–3 on
+/// several GPUs the ranks' pieces (units / world, padded) split slots, so it is refused.
+pub fn refuse_split_lamb(lamb: bool, stage: u8, world: usize) -> Result<()> {
+    if lamb && stage >= 1 && world > 1 {
+        bail!(
+            "optimizer.type = \"Lamb\" with zero_optimization.stage = {stage} on {world} GPUs: LAMB's per-tensor trust ratios \
+             need each tensor's norm over the CPU's fixed 16384-element blocks, which the GPU ranks' ZeRO pieces split (their \
+             partial sums are not exchanged); use zero_optimization.stage = 0 or one GPU for LAMB, or --device cpu"
+        );
+    }
+    Ok(())
+}
+
 /// This rank's optimizer shard of the padded parameters and of the decay mask, unit piece by
 /// unit piece.
 fn optimizer_shard(layout: &GpuLayout, padded: &[f32], opt_rank: usize) -> (Vec<f32>, Vec<u8>) {
@@ -408,6 +430,7 @@ impl Rank {
         spec.validate()?;
         let RankSpec { model, stage, shape, init, optim, m_local, offload, recompute, fp16, nvme, params_offload } = spec;
         let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
+        refuse_split_lamb(matches!(optim.kind, OptimizerKind::Lamb(_)), stage, world)?;
         // Stage 0 shards nothing: one piece holds every unit.
         let opt_world = if stage == 0 { 1 } else { world };
         let layout = GpuLayout::new(model, opt_world)?;
@@ -468,6 +491,13 @@ impl Rank {
         let losses = gpu.alloc::<f32>(shape.n() * m_local.max(1))?;
         let cstream = gpu.ctx.new_stream().map_err(cuda::drv("creating the communication stream"))?;
         let ostream = gpu.ctx.new_stream().map_err(cuda::drv("creating the optimizer stream"))?;
+        let lamb = match optim.kind {
+            OptimizerKind::Lamb(_) => {
+                let flat = FlatLayout::new(model.layout().segments()).context("LAMB's norm layout")?;
+                Some((LambSlots::new(&gpu, &flat, &layout.tensor_starts())?, gpu.alloc::<f32>(shard_len)?))
+            }
+            _ => None,
+        };
         let n_units = layout.units.len();
         Ok(Rank {
             gpu,
@@ -504,6 +534,7 @@ impl Rank {
             losses,
             split,
             off,
+            lamb,
             staged: None,
             torn: None,
         })
@@ -701,6 +732,21 @@ impl Rank {
     /// parameter gathers, and the host units' return (offload).
     fn update(&mut self, fin: usize, hp: &OptimStep, scale: f32, pipe: Option<Pipe>) -> Result<()> {
         let gshard = self.gshard_ptr(fin);
+        if let (Some((slots, u)), OptimStep::Lamb(l)) = (self.lamb.as_mut(), hp) {
+            // Every tensor is on this device (one GPU or ZeRO-0, no offload: checked at start).
+            let bufs = ops::OptimBufs {
+                master: self.master.ptr(),
+                param: self.params.ptr(),
+                grad: gshard,
+                m: self.m.ptr(),
+                v: self.v.ptr(),
+                decay: self.decay.ptr(),
+            };
+            cuda::lamb::step(&self.gpu, &self.gpu.stream, slots, &bufs, u.ptr(), l, scale)?;
+            self.step += 1;
+            self.gpu.mark("optimizer");
+            return Ok(());
+        }
         self.step += 1;
         let gathers = self.world > 1 && (self.stage == 1 || self.stage == 2);
         for u in 0..self.layout.units.len() {
@@ -793,12 +839,12 @@ impl Rank {
     }
 
     /// Whether this rank's steps run each unit's optimizer during the backward (see the module
-    /// notes; every GPU optimizer is elementwise, so any of them may).
+    /// notes; every GPU optimizer but LAMB is elementwise, so any of them may).
     pub fn early_adam_active(&self) -> bool {
         // Parameters on NVMe: the device optimizer's write-back waits for each unit's copy, which
         // would stall the backward; they are stepped after it.
         let swapped = self.phost.as_ref().is_some_and(|p| p.nvme_bytes() > 0);
-        self.early_adam && self.world == 1 && self.optim.clip <= 0.0 && !self.fp16 && !swapped
+        self.early_adam && self.world == 1 && self.optim.clip <= 0.0 && !self.fp16 && !swapped && self.lamb.is_none()
     }
 
     /// The optimizer over the device part of unit `u`'s piece (this rank's, or all of it at
