@@ -4,13 +4,13 @@
 # sequence at a time (--max-seqs 1, the peer: what serving without a batching scheduler gives),
 # in one invocation. Extra arguments go to bench-serve (e.g. --requests 500 --rate 8
 # --prompt-tokens 8:24 --output-tokens 8:32).
-# Environment: TESSERA_BIN (default target/release/tessera); SERVE_ARGS, more arguments of
+# Environment: SERVE_BIN (default target/release/tessera); SERVE_ARGS, more arguments of
 # `tessera serve` (e.g. "--device cuda"); SEQS, the --max-seqs values to run (default "32 1").
 # Usage: scripts/bench_serve.sh MODEL [bench-serve args...]
 set -euo pipefail
 model=$1
 shift
-bin=${TESSERA_BIN:-target/release/tessera}
+bin=${SERVE_BIN:-target/release/tessera}
 for seqs in ${SEQS:-32 1}; do
   log=$(mktemp)
   # shellcheck disable=SC2086 # SERVE_ARGS is a list of words

@@ -16,7 +16,7 @@ export TESSERA_KERNEL_CACHE=${TESSERA_KERNEL_CACHE:-/tmp/tessera-kernels} PYTHON
 steps=${*:-check gpt2 serve-gpt2 llama serve-llama}
 serve() { # ARCH LIMIT RATE
   timeout 60 python3 scripts/gpu_serve_model.py --arch "$1" --out "/tmp/serve-$1" || return 1
-  TESSERA_BIN="$bin/tessera" SERVE_ARGS="--device cuda" SEQS=64 timeout "$2" scripts/bench_serve.sh "/tmp/serve-$1" \
+  SERVE_BIN="$bin/tessera" SERVE_ARGS="--device cuda" SEQS=64 timeout "$2" scripts/bench_serve.sh "/tmp/serve-$1" \
     --requests 500 --rate "$3" --prompt-tokens 32:256 --output-tokens 16:256
 }
 status=0

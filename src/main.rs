@@ -31,6 +31,9 @@ enum Cmd {
     /// Serve a model folder or checkpoint over HTTP with the OpenAI API (completions, chat,
     /// streaming), batching requests continuously.
     Serve(Box<ServeArgs>),
+    /// One rank of `serve --pipeline-parallel-size` (started by the server, not by hand).
+    #[command(hide = true)]
+    ServeRank(ServeRankArgs),
     /// Load-test an OpenAI-compatible server: Poisson arrivals, random prompt and output
     /// lengths; prints throughput, time to first token and inter-token latency.
     BenchServe(BenchServeArgs),
@@ -345,6 +348,11 @@ struct ServeArgs {
     /// (GPU), int8 (weight-only, per-channel scales; both), fp8 (e4m3, per-channel scales; GPU).
     #[arg(long, value_enum)]
     weights: Option<tessera::serve::model::Weights>,
+    /// Split the model's blocks over N rank processes (pipeline parallelism, CPU; each holds a
+    /// contiguous run of blocks and their part of the key/value cache; QUIC with mutual TLS).
+    /// Absent: this process runs the whole model.
+    #[arg(long, visible_alias = "pp", value_name = "N")]
+    pipeline_parallel_size: Option<usize>,
     /// Sequences in a batch at most.
     #[arg(long, default_value_t = 32)]
     max_seqs: usize,
@@ -363,6 +371,25 @@ struct ServeArgs {
     /// Request body bytes at most (413 above).
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,
+}
+
+#[derive(Args)]
+struct ServeRankArgs {
+    /// This rank (0-based).
+    #[arg(long)]
+    rank: usize,
+    /// The server's control address (127.0.0.1:PORT).
+    #[arg(long)]
+    control: std::net::SocketAddr,
+    /// The folder of the ranks' certificates.
+    #[arg(long)]
+    pki: PathBuf,
+    /// The model the server serves.
+    #[arg(long)]
+    model: PathBuf,
+    /// The checkpoint's tokenizer the server was given.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -574,7 +601,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             top_k: a.top_k,
             seed: a.seed,
             tokenizer: a.tokenizer,
-            backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights },
+            backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights, pipeline: None },
         })
         .map(|()| done),
         Cmd::Serve(a) => {
@@ -591,12 +618,16 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 addr: a.addr,
                 block_size: a.block_size,
                 kv_blocks: a.kv_blocks,
-                backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights },
+                backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights, pipeline: a.pipeline_parallel_size },
                 max_seqs: a.max_seqs,
                 max_batch_tokens: a.max_batch_tokens,
                 limits,
             })
             .map(|()| done)
+        }
+        Cmd::ServeRank(a) => {
+            let args = tessera::infer::ranks::rank::RankArgs { rank: a.rank, control: a.control, pki: a.pki };
+            tessera::serve::serve_rank(&args, &a.model, a.tokenizer.as_deref()).map(|()| done)
         }
         Cmd::BenchServe(a) => tessera::serve::bench::bench_serve(&tessera::serve::bench::BenchOpts {
             url: a.url,

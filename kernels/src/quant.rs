@@ -79,6 +79,9 @@ impl QuantMatrix {
             assert_eq!(b.len(), oc, "int8 linear: bias must be [OC]");
         }
         let y = |j: usize, r: usize| self.scale[j] * dot_i8(&x[r * ic..][..ic], &self.q[j * ic..][..ic]) + bias.map_or(0.0, |b| b[j]);
+        if n == 0 {
+            return;
+        }
         if n == 1 {
             out.par_iter_mut().enumerate().with_min_len(64).for_each(|(j, o)| *o = y(j, 0));
             return;

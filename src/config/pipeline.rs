@@ -106,7 +106,15 @@ fn block_costs(o: &Obj<'_>) -> KindResult<BlockCosts> {
     let blocks_ms = blocks_ms
         .filter(|b| !b.is_empty())
         .ok_or_else(|| ConfigErrorKind::invalid(&o.path("blocks_ms"), &list, "a list of non-negative milliseconds, one per block"))?;
-    let embeddings_ms = f64::from(o.non_negative_f32("embeddings_ms", 0.0)?);
-    let head_ms = f64::from(o.non_negative_f32("head_ms", 0.0)?);
+    let ms = |key: &str| -> KindResult<f64> {
+        match o.get(key) {
+            None => Ok(0.0),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite() && *x >= 0.0)
+                .ok_or_else(|| ConfigErrorKind::invalid(&o.path(key), v, "a non-negative number of milliseconds")),
+        }
+    };
+    let (embeddings_ms, head_ms) = (ms("embeddings_ms")?, ms("head_ms")?);
     Ok(BlockCosts { blocks_ms, embeddings_ms, head_ms })
 }

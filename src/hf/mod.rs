@@ -22,7 +22,7 @@ pub use config::{parse, Family, HfConfig};
 pub use export::{config_doc, default_family, export, recorded_dtype, Exported, WeightFormat, SHARD_BYTES_MAX};
 pub use names::{extract, matrix, pieces, place, Piece};
 pub use special::{folder_begin_of_text, folder_end_of_text, folder_tokenizer};
-pub use weights::{read_params, WeightFiles, HEADER_BYTES_MAX};
+pub use weights::{read_params, read_params_in, WeightFiles, HEADER_BYTES_MAX};
 
 use tessera_kernels::model::Model;
 

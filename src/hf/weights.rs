@@ -208,33 +208,49 @@ fn to_f32(view: &safetensors::tensor::TensorView<'_>) -> Result<Vec<f32>, String
 /// first), shard by shard. A tied model's `lm_head.weight`, when a file holds one, must equal
 /// the embedding.
 pub fn read_params(w: &WeightFiles, family: Family, model: &Model) -> Result<Vec<f32>, HfError> {
+    read_params_in(w, family, model, 0..model.num_params())
+}
+
+/// The parameters of the flat range `within` only (whole parameters: a range of units, as a
+/// pipeline rank holds), as `read_params` places them, `within.len()` values. Files are mapped,
+/// not read: only the tensors of the range are touched.
+pub fn read_params_in(w: &WeightFiles, family: Family, model: &Model, within: std::ops::Range<usize>) -> Result<Vec<f32>, HfError> {
     w.check(family, model)?;
-    let mut flat = vec![0.0f32; model.num_params()];
+    let mut flat = vec![0.0f32; within.len()];
     let mut where_: BTreeMap<String, (usize, &tessera_kernels::layer::ParamSpec, super::names::Piece)> = BTreeMap::new();
-    for spec in model.layout().specs() {
+    let inside = |r: &std::ops::Range<usize>| r.start >= within.start && r.end <= within.end;
+    for spec in model.layout().specs().iter().filter(|s| inside(&s.range())) {
         for p in pieces(family, &model.cfg, spec).unwrap_or_default() {
             let file = w.tensors.get(&p.name).map_or(0, |e| e.file);
             where_.insert(p.name.clone(), (file, spec, p));
         }
     }
+    let wte = model.layout().specs().first().map(|s| s.range()).filter(|r| inside(r));
     let mut tied_copy = None;
     for (i, path) in w.files.iter().enumerate() {
-        let bytes = std::fs::read(path).map_err(|e| HfError::io("read", path, e))?;
+        let tied_here = wte.is_some() && model.cfg.tied_head && w.tensors.get("lm_head.weight").is_some_and(|e| e.file == i);
+        if !tied_here && !where_.values().any(|(f, _, _)| *f == i) {
+            continue;
+        }
+        let file = std::fs::File::open(path).map_err(|e| HfError::io("open", path, e))?;
+        // SAFETY: the mapping is read while this function runs; a weight file rewritten
+        // meanwhile by another program would give wrong values, as a read racing a write would.
+        let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| HfError::io("map", path, e))?;
         let st = SafeTensors::deserialize(&bytes)
             .map_err(|e| HfError::Config { file: path.display().to_string(), reason: format!("invalid safetensors file: {e}") })?;
         for (name, (_, spec, piece)) in where_.iter().filter(|(_, (f, _, _))| *f == i) {
             let view = st.tensor(name).map_err(|e| HfError::tensor(path.display(), name, e.to_string()))?;
             let data = to_f32(&view).map_err(|e| HfError::tensor(path.display(), name, e))?;
-            place(&mut flat[spec.range()], matrix(spec), piece, &data);
+            let r = spec.range();
+            place(&mut flat[r.start - within.start..r.end - within.start], matrix(spec), piece, &data);
         }
-        if model.cfg.tied_head && w.tensors.get("lm_head.weight").is_some_and(|e| e.file == i) {
+        if tied_here {
             let view = st.tensor("lm_head.weight").map_err(|e| HfError::tensor(path.display(), "lm_head.weight", e.to_string()))?;
             tied_copy = Some((path.clone(), to_f32(&view).map_err(|e| HfError::tensor(path.display(), "lm_head.weight", e))?));
         }
     }
-    if let Some((path, head)) = tied_copy {
-        let wte = model.layout().specs().first().map(|s| &flat[s.range()]);
-        if wte != Some(head.as_slice()) {
+    if let (Some((path, head)), Some(r)) = (tied_copy, wte) {
+        if flat[r.start - within.start..r.end - within.start] != *head.as_slice() {
             return Err(HfError::tensor(
                 path.display(),
                 "lm_head.weight",

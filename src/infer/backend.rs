@@ -1,6 +1,10 @@
 //! [`Backend`]: what the scheduler asks of a model with a paged key/value cache.
 
-use anyhow::Result;
+use std::collections::HashMap;
+
+use anyhow::{bail, ensure, Result};
+use tessera_kernels::model::ModelConfig;
+use tessera_kernels::ops::paged_attention::PagedSeq;
 
 /// One sequence's part of a forward step.
 #[derive(Debug, Clone, Copy)]
@@ -45,3 +49,62 @@ pub trait Backend: Send {
         Ok(self.step(batch)?.iter().map(|l| super::sample::argmax(l)).collect())
     }
 }
+
+/// Checks a step against a model and a cache of `num_blocks` blocks of `block_size` positions,
+/// before any kernel sees it; the error names the sequence (its index in the batch) and what is
+/// wrong: no tokens, positions past the context, a token outside the vocabulary, a table too
+/// short or naming a block past the cache, two sequences writing one block.
+pub fn check_step(cfg: &ModelConfig, block_size: usize, num_blocks: usize, batch: &[SeqStep<'_>]) -> Result<()> {
+    let (bs, blocks) = (block_size, num_blocks);
+    let mut writer: HashMap<u32, usize> = HashMap::new();
+    for (i, s) in batch.iter().enumerate() {
+        let end = s.start + s.tokens.len();
+        ensure!(!s.tokens.is_empty(), "sequence {i} of the step: no tokens to run");
+        ensure!(end <= cfg.max_seq_len, "sequence {i}: positions up to {end} exceed the model's context of {}", cfg.max_seq_len);
+        if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+            bail!("sequence {i}: token {t} is outside the vocabulary of {}", cfg.vocab_size);
+        }
+        let need = end.div_ceil(bs);
+        ensure!(s.block_table.len() >= need, "sequence {i}: {} positions need {need} blocks, its table has {}", end, s.block_table.len());
+        if let Some(b) = s.block_table[..need].iter().find(|&&b| b as usize >= blocks) {
+            bail!("sequence {i}: block {b} is past the cache's {blocks} blocks");
+        }
+        for &b in &s.block_table[s.start / bs..need] {
+            if let Some(j) = writer.insert(b, i).filter(|&j| j != i) {
+                bail!("sequences {j} and {i} of the step both write block {b}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A step as the paged kernels take it: every sequence's tokens as consecutive rows, each
+/// sequence's rows, and the rows whose logits are wanted (the last of each sequence that wants
+/// them, in batch order).
+pub struct StepRows<'a> {
+    pub tokens: Vec<u32>,
+    pub seqs: Vec<PagedSeq<'a>>,
+    pub wanted: Vec<usize>,
+}
+
+impl<'a> StepRows<'a> {
+    pub fn of(batch: &[SeqStep<'a>]) -> StepRows<'a> {
+        let tokens: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let (mut seqs, mut wanted, mut row) = (Vec::with_capacity(batch.len()), Vec::new(), 0);
+        for s in batch {
+            let rows = row..row + s.tokens.len();
+            row = rows.end;
+            if s.want_logits {
+                wanted.push(rows.end - 1);
+            }
+            seqs.push(PagedSeq { rows, start: s.start, table: s.block_table });
+        }
+        StepRows { tokens, seqs, wanted }
+    }
+}
+
+/// A backend that can run no step any more (a rank of a pipeline was lost): every step after
+/// fails with it, and the server answers 503 from then on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the model's backend is lost: {0}")]
+pub struct BackendLost(pub String);

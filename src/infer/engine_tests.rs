@@ -11,22 +11,7 @@ use super::sample::{Sampler, SamplingParams};
 use super::sched::SeqId;
 
 fn model() -> (Model, Vec<f32>) {
-    let cfg = ModelConfig {
-        arch: Arch::Llama,
-        vocab_size: 61,
-        max_seq_len: 48,
-        n_layer: 2,
-        n_head: 4,
-        d_model: 32,
-        d_ff: 48,
-        rope_theta: 10000.0,
-        norm_eps: 1e-5,
-        n_kv_head: 2,
-        tied_head: false,
-        qkv_bias: false,
-        rope_scaling: None,
-        moe: None,
-    };
+    let cfg = ModelConfig { vocab_size: 61, max_seq_len: 48, n_kv_head: 2, tied_head: false, ..super::cpu::tests::dense(Arch::Llama) };
     let m = Model::new(cfg).unwrap();
     let p = m.init_params(5);
     (m, p)

@@ -12,6 +12,7 @@
 //! - [`text`]: generated tokens as text, stop strings;
 //! - [`cpu`]: the paged CPU backend (f32 or int8 linears);
 //! - [`gpu`]: the paged GPU backend (bf16, int8 or fp8 linears, CUDA graphs for decode steps);
+//! - [`ranks`]: a model's blocks split over rank processes (pipeline parallelism) behind the same seam;
 //! - [`recompute`]: the reference backend (recomputes every position; the oracle of the others).
 
 pub mod backend;
@@ -19,6 +20,7 @@ pub mod blocks;
 pub mod cpu;
 pub mod engine;
 pub mod gpu;
+pub mod ranks;
 pub mod recompute;
 pub mod sample;
 pub mod sched;
@@ -29,7 +31,7 @@ mod engine_tests;
 #[cfg(test)]
 mod sched_tests;
 
-pub use backend::{Backend, SeqStep};
+pub use backend::{Backend, BackendLost, SeqStep};
 pub use cpu::{CpuBackend, CpuOptions, LinearFormat};
 pub use engine::{Engine, Event, Finish, Request};
 pub use gpu::GpuBackend;

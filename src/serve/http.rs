@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 
 use axum::body::Bytes;
@@ -53,6 +53,9 @@ pub struct AppState {
     pub in_flight: AtomicUsize,
     /// Set on SIGTERM: new requests are answered 503.
     pub draining: AtomicBool,
+    /// Set by the engine's thread when the backend is lost (a pipeline rank died): why. Every
+    /// request from then on is answered 503, and `/health` too.
+    pub lost: Arc<OnceLock<String>>,
     pub next_id: AtomicU64,
     /// Seeds of requests without one: this and the request's number.
     pub seed_base: u64,
@@ -92,6 +95,9 @@ async fn not_found(uri: axum::http::Uri) -> Response {
 async fn health(State(s): State<Arc<AppState>>) -> Response {
     if s.draining.load(Ordering::Relaxed) {
         return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "draining"}))).into_response();
+    }
+    if let Some(why) = s.lost.get() {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "unavailable", "reason": why}))).into_response();
     }
     Json(json!({"status": "ok"})).into_response()
 }
@@ -196,6 +202,9 @@ fn start(
     if s.draining.load(Ordering::Relaxed) {
         return Err(ApiError::new(503, "server_error", Some("shutting_down"), "the server is shutting down"));
     }
+    if let Some(why) = s.lost.get() {
+        return Err(lost(why));
+    }
     let body = body.map_err(|e| match e.status() {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
             413,
@@ -234,6 +243,11 @@ fn start(
         return Err(ApiError::new(503, "server_error", Some("shutting_down"), "the server is shutting down"));
     }
     Ok((req, rx, guard))
+}
+
+/// The answer of a server whose backend is lost: 503, with why.
+fn lost(why: &str) -> ApiError {
+    ApiError::new(503, "server_error", Some("backend_lost"), format!("the server cannot run the model any more: {why}"))
 }
 
 fn prompt_tokens(s: &AppState, p: &Prompt) -> Result<Vec<u32>, ApiError> {
@@ -363,6 +377,7 @@ async fn whole_response(s: &AppState, fmt: Format, mut rx: UnboundedReceiver<Out
                 return Json(fmt.whole(text, finish.as_str(), Format::usage(prompt_tokens, completion_tokens))).into_response();
             }
             Out::Failed(m) => return error_response(s, fmt.ep.name(), ApiError::new(500, "server_error", None, m)),
+            Out::Lost(m) => return error_response(s, fmt.ep.name(), lost(&m)),
         }
     }
     error_response(s, fmt.ep.name(), ApiError::new(500, "server_error", None, "the engine stopped before the answer was complete"))
@@ -420,6 +435,10 @@ impl futures_core::Stream for SseBody {
                 }
                 Some(Out::Failed(m)) => {
                     this.pending.push_back(data(&ApiError::new(500, "server_error", None, m).body()));
+                    this.done = true;
+                }
+                Some(Out::Lost(m)) => {
+                    this.pending.push_back(data(&lost(&m).body()));
                     this.done = true;
                 }
                 None => {

@@ -69,12 +69,13 @@ pub fn engine_for(
 /// Runs the server until SIGTERM/SIGINT, then finishes the requests in flight.
 pub fn serve(o: ServeOpts) -> Result<()> {
     ensure!(o.limits.max_queue > 0, "--max-queue must be at least 1");
-    let mut m = LoadedModel::load(&o.model, o.tokenizer.as_deref())?;
+    let mut m = LoadedModel::load_with(&o.model, o.tokenizer.as_deref(), o.backend.pipeline.is_some())?;
     let name = o.served_name.clone().unwrap_or_else(|| m.name.clone());
     let codec = Arc::new(std::mem::replace(&mut m.codec, crate::data::Codec::Bytes));
     let (bos, eos, chat) = (m.bos, m.eos.clone(), m.chat.take());
     let engine = engine_for(m, o.block_size, o.kv_blocks, o.backend, o.max_seqs, o.max_batch_tokens)?;
     let metrics = Arc::new(Metrics::default());
+    let lost = Arc::new(std::sync::OnceLock::new());
     let limits = Limits { max_prompt_tokens: o.limits.max_prompt_tokens.min(engine.max_seq_len().saturating_sub(1)), ..o.limits };
     let (jobs_tx, jobs_rx) = std::sync::mpsc::channel();
     let state = Arc::new(AppState {
@@ -89,12 +90,13 @@ pub fn serve(o: ServeOpts) -> Result<()> {
         vocab_size: engine.vocab_size(),
         in_flight: AtomicUsize::new(0),
         draining: AtomicBool::new(false),
+        lost: lost.clone(),
         next_id: AtomicU64::new(0),
         seed_base: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
         created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
     });
     let ctx = engine.max_seq_len();
-    let worker = Worker::new(engine, codec, eos, metrics);
+    let worker = Worker::new(engine, codec, eos, metrics, lost);
     let engine_thread = std::thread::Builder::new().name("tessera-engine".into()).spawn(move || worker.run(jobs_rx))?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let served = rt.block_on(async {
@@ -110,6 +112,15 @@ pub fn serve(o: ServeOpts) -> Result<()> {
     drop(rt);
     engine_thread.join().map_err(|_| anyhow::anyhow!("the engine thread panicked"))?;
     served
+}
+
+/// `tessera serve-rank`: opens the model the server serves, dials the server and holds the
+/// blocks it assigns (reading only their weights from a model folder) until it says stop
+/// ([`crate::infer::ranks`]).
+pub fn serve_rank(a: &crate::infer::ranks::rank::RankArgs, model: &std::path::Path, tokenizer: Option<&std::path::Path>) -> Result<()> {
+    let (m, load) = model::open_for_rank(model, tokenizer)?;
+    let (_endpoint, conn) = crate::infer::ranks::rank::connect(a)?;
+    crate::infer::ranks::rank::serve_rank(conn, a.rank, m, &*load)
 }
 
 /// Resolves on SIGTERM or SIGINT, after marking the server as draining.

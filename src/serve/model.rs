@@ -6,13 +6,14 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use tessera_kernels::cuda::decode::{DecodeOptions, WeightFormat};
 use tessera_kernels::model::Model;
 
 use super::chat::ChatTemplate;
 use crate::data::Codec;
 use crate::hf;
+use crate::infer::ranks::{ModelSource, PipelineBackend, PipelineOptions};
 use crate::infer::{Backend, CpuBackend, CpuOptions, GpuBackend, LinearFormat};
 
 /// A model ready to generate with.
@@ -20,26 +21,39 @@ pub struct LoadedModel {
     /// Its name in the API (`/v1/models`, the requests' `model`).
     pub name: String,
     pub model: Model,
+    /// The parameters of the flat range `held`: every one, or unit 0's only for a server
+    /// whose blocks live on pipeline ranks ([`LoadedModel::load_with`]).
     pub params: Vec<f32>,
+    pub held: std::ops::Range<usize>,
     pub codec: Codec,
     /// Put before a completion prompt (the tokenizer's begin-of-sequence token, when it adds one).
     pub bos: Option<u32>,
     /// Sampling one of these ends a text (the end-of-sequence tokens).
     pub eos: Vec<u32>,
     pub chat: Option<ChatTemplate>,
+    /// Where it was loaded from (what pipeline ranks load).
+    pub source: ModelSource,
 }
 
 impl LoadedModel {
     /// Loads a model folder (it has `config.json`) or a checkpoint (a run's checkpoint folder or
     /// one step of it); `tokenizer` overrides a checkpoint's recorded one (same file only).
     pub fn load(path: &Path, tokenizer: Option<&Path>) -> Result<LoadedModel> {
+        LoadedModel::load_with(path, tokenizer, false)
+    }
+
+    /// As [`LoadedModel::load`]; with `head_only`, a model folder's unit 0 (embeddings, final
+    /// norm, head) is all that is read (a checkpoint is read whole): what the serving process
+    /// of a pipeline holds.
+    pub fn load_with(path: &Path, tokenizer: Option<&Path>, head_only: bool) -> Result<LoadedModel> {
+        let source = ModelSource { model: path.to_path_buf(), tokenizer: tokenizer.map(Path::to_path_buf) };
         if path.join(hf::CONFIG_FILE).is_file() {
             if tokenizer.is_some() {
                 bail!("--tokenizer: a model folder is served with its own {} ({})", hf::TOKENIZER_FILE, path.display());
             }
-            return load_folder(path);
+            return load_folder(path, source, head_only);
         }
-        load_checkpoint(path, tokenizer)
+        load_checkpoint(path, tokenizer, source)
     }
 
     /// A completion prompt's tokens: the begin-of-sequence token, then the text's.
@@ -48,9 +62,10 @@ impl LoadedModel {
     }
 
     /// The backend the engine runs this model on (the one place a backend is chosen): the paged
-    /// CPU backend, or the GPU backend on CUDA device 0 (`--device cuda`), with `num_blocks`
-    /// cache blocks of `block_size` positions, steps of up to `max_tokens` tokens of `max_seqs`
-    /// sequences (every decode step of up to `max_seqs` sequences replays a CUDA graph).
+    /// CPU backend, its blocks split over `--pipeline-parallel-size` CPU rank processes, or the
+    /// GPU backend on CUDA device 0 (`--device cuda`), with `num_blocks` cache blocks of
+    /// `block_size` positions, steps of up to `max_tokens` tokens of `max_seqs` sequences (every
+    /// decode step of up to `max_seqs` sequences replays a CUDA graph).
     pub fn backend(
         self,
         b: BackendChoice,
@@ -68,9 +83,21 @@ impl LoadedModel {
                         bail!("--weights {w}: the CPU backend holds f32 or int8 weights; {w} runs on the GPU (--device cuda)")
                     }
                 };
-                Ok(Box::new(CpuBackend::new(self.model, self.params, CpuOptions { block_size, num_blocks, weights })?))
+                match b.pipeline {
+                    None => {
+                        ensure!(self.held == (0..self.model.num_params()), "the model was loaded without its blocks (for pipeline ranks)");
+                        Ok(Box::new(CpuBackend::new(self.model, self.params, CpuOptions { block_size, num_blocks, weights })?))
+                    }
+                    Some(ranks) => {
+                        let opts = PipelineOptions { ranks, block_size, num_blocks, weights };
+                        Ok(Box::new(PipelineBackend::spawn(self.model, self.params, self.held.start, &self.source, opts)?))
+                    }
+                }
             }
             Device::Cuda => {
+                if let Some(n) = b.pipeline {
+                    bail!("--pipeline-parallel-size {n} with --device cuda: pipeline ranks run on the CPU; the GPU backend holds the whole model on one device");
+                }
                 let weights = match b.weights.unwrap_or(Weights::Bf16) {
                     Weights::Bf16 => WeightFormat::Bf16,
                     Weights::Int8 => WeightFormat::Int8,
@@ -90,6 +117,9 @@ pub struct BackendChoice {
     pub device: Device,
     /// None: the device's own (f32 on the CPU, bf16 on the GPU).
     pub weights: Option<Weights>,
+    /// Rank processes holding the model's blocks (`--pipeline-parallel-size`, CPU); none: this
+    /// process runs the whole model.
+    pub pipeline: Option<usize>,
 }
 
 /// `--device` of `train`, `serve` and `generate`: the CPU or NVIDIA GPUs (`serve` and
@@ -125,19 +155,36 @@ impl std::fmt::Display for Weights {
     }
 }
 
+/// What a pipeline rank opens of `path`: the model, and how to read the parameters of a flat
+/// range of it — from a model folder only that range's tensors (the files are mapped); a
+/// checkpoint is read whole and the range cut from it.
+pub fn open_for_rank(path: &Path, tokenizer: Option<&Path>) -> Result<(Model, Box<crate::infer::ranks::rank::WeightLoader>)> {
+    if path.join(hf::CONFIG_FILE).is_file() {
+        let folder = hf::HfModel::open(path)?;
+        let model = Model::new(folder.config.model.clone()).map_err(anyhow::Error::msg)?;
+        let Some(weights) = folder.weights else { bail!("{}: the model folder has no weights", path.display()) };
+        let family = folder.config.family;
+        let load = move |m: &Model, r: std::ops::Range<usize>| Ok(hf::read_params_in(&weights, family, m, r)?);
+        return Ok((model, Box::new(load)));
+    }
+    let LoadedModel { model, params, .. } = LoadedModel::load(path, tokenizer)?;
+    Ok((model, Box::new(move |_: &Model, r: std::ops::Range<usize>| Ok(params[r].to_vec()))))
+}
+
 /// The name a path is served under: its last component.
 fn served_name(path: &Path) -> String {
     let canon = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     canon.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned())
 }
 
-fn load_folder(dir: &Path) -> Result<LoadedModel> {
+fn load_folder(dir: &Path, source: ModelSource, head_only: bool) -> Result<LoadedModel> {
     let folder = hf::HfModel::open(dir)?;
     let Some(weights) = &folder.weights else {
         bail!("{}: the model folder has no weights (model.safetensors or an index); a trained model is needed to generate", dir.display())
     };
     let model = Model::new(folder.config.model.clone()).map_err(anyhow::Error::msg)?;
-    let params = hf::read_params(weights, folder.config.family, &model)?;
+    let held = if head_only { model.units_range(0..1) } else { 0..model.num_params() };
+    let params = hf::read_params_in(weights, folder.config.family, &model, held.clone())?;
     let tok_path = dir.join(hf::TOKENIZER_FILE);
     let codec = Codec::from_tokenizer_file(&tok_path)?;
     let name = dir.display().to_string();
@@ -154,7 +201,7 @@ fn load_folder(dir: &Path) -> Result<LoadedModel> {
     eos.sort_unstable();
     eos.dedup();
     let chat = ChatTemplate::from_files(&folder.companions)?;
-    Ok(LoadedModel { name: served_name(dir), model, params, codec, bos, eos, chat })
+    Ok(LoadedModel { name: served_name(dir), model, params, held, codec, bos, eos, chat, source })
 }
 
 /// `generation_config.json`'s `eos_token_id` (a number or a list of them).
@@ -175,7 +222,7 @@ fn generation_eos(files: &BTreeMap<String, String>) -> Result<Vec<u32>> {
         .collect()
 }
 
-fn load_checkpoint(path: &Path, tokenizer: Option<&Path>) -> Result<LoadedModel> {
+fn load_checkpoint(path: &Path, tokenizer: Option<&Path>, source: ModelSource) -> Result<LoadedModel> {
     let ck = crate::cli::load_checkpoint(path)?;
     let (model, params) = crate::cli::model_from_checkpoint(&ck)?;
     let tok: Option<PathBuf> = crate::cli::tokenizer_for(&ck, tokenizer)?;
@@ -191,5 +238,6 @@ fn load_checkpoint(path: &Path, tokenizer: Option<&Path>) -> Result<LoadedModel>
         _ => BTreeMap::new(),
     };
     let chat = ChatTemplate::from_files(&files).context("the checkpoint's recorded tokenizer settings (`extra.model_files`)")?;
-    Ok(LoadedModel { name: served_name(path), model, params, codec, bos, eos, chat })
+    let held = 0..model.num_params();
+    Ok(LoadedModel { name: served_name(path), model, params, held, codec, bos, eos, chat, source })
 }

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, TryRecvError};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
@@ -14,7 +14,7 @@ use super::metrics::Metrics;
 use crate::data::Codec;
 use crate::infer::sched::SeqId;
 use crate::infer::text::TextOut;
-use crate::infer::{Engine, Finish, Request, SamplingParams};
+use crate::infer::{BackendLost, Engine, Finish, Request, SamplingParams};
 
 /// A generation job from a handler.
 pub struct Job {
@@ -31,8 +31,14 @@ pub struct Job {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Out {
     Text(String),
-    Done { finish: Finish, prompt_tokens: usize, completion_tokens: usize },
+    Done {
+        finish: Finish,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+    },
     Failed(String),
+    /// The backend is lost (a pipeline rank died): this and every later request fail.
+    Lost(String),
 }
 
 struct Live {
@@ -50,13 +56,15 @@ pub struct Worker {
     pub codec: Arc<Codec>,
     pub eos: Vec<u32>,
     pub metrics: Arc<Metrics>,
+    /// Set when the backend is lost ([`BackendLost`]), shared with the HTTP handlers.
+    pub lost: Arc<OnceLock<String>>,
     live: HashMap<SeqId, Live>,
     next_id: SeqId,
 }
 
 impl Worker {
-    pub fn new(engine: Engine, codec: Arc<Codec>, eos: Vec<u32>, metrics: Arc<Metrics>) -> Worker {
-        Worker { engine, codec, eos, metrics, live: HashMap::new(), next_id: 0 }
+    pub fn new(engine: Engine, codec: Arc<Codec>, eos: Vec<u32>, metrics: Arc<Metrics>, lost: Arc<OnceLock<String>>) -> Worker {
+        Worker { engine, codec, eos, metrics, lost, live: HashMap::new(), next_id: 0 }
     }
 
     /// Serves jobs until `rx` is closed (every sender dropped) and the last job is done.
@@ -131,9 +139,13 @@ impl Worker {
             Err(e) => {
                 let msg = format!("the model failed: {e:#}");
                 tracing::error!("{msg}");
+                let lost = e.downcast_ref::<BackendLost>().map(|l| {
+                    let _ = self.lost.set(l.0.clone());
+                    l.0.clone()
+                });
                 for (id, l) in self.live.drain() {
                     self.engine.abort(id);
-                    let _ = l.tx.send(Out::Failed(msg.clone()));
+                    let _ = l.tx.send(lost.clone().map_or_else(|| Out::Failed(msg.clone()), Out::Lost));
                 }
                 return;
             }

@@ -23,10 +23,12 @@ use crate::ops::rope::{self, RopeTable};
 use crate::ops::{embedding, gelu, layernorm, linear, residual, rmsnorm, swiglu};
 use crate::quant::QuantMatrix;
 
-/// The keys and values of every layer, in `num_blocks` blocks of `block_size` positions.
+/// The keys and values of a run of layers (every layer of the model, or a pipeline stage's
+/// blocks), in `num_blocks` blocks of `block_size` positions.
 #[derive(Debug)]
 pub struct KvCache {
-    layers: usize,
+    /// The model's layers this cache holds.
+    layers: Range<usize>,
     num_blocks: usize,
     block_size: usize,
     /// Floats per position and layer, of keys (and of values): `n_kv_head · head_dim`.
@@ -39,17 +41,29 @@ impl KvCache {
     /// A zeroed cache for `cfg`'s layers and key/value heads; the error names the product
     /// that does not fit in memory's address space.
     pub fn new(cfg: &ModelConfig, num_blocks: usize, block_size: usize) -> Result<KvCache, String> {
+        KvCache::for_layers(cfg, 0..cfg.n_layer, num_blocks, block_size)
+    }
+
+    /// A zeroed cache of `layers` only (a pipeline stage's blocks): a rank holds its part of
+    /// the cache, same block geometry as every other rank.
+    pub fn for_layers(cfg: &ModelConfig, layers: Range<usize>, num_blocks: usize, block_size: usize) -> Result<KvCache, String> {
+        if layers.start >= layers.end || layers.end > cfg.n_layer {
+            return Err(format!(
+                "a key/value cache of layers {layers:?}: expected a non-empty range within the model's {} layers",
+                cfg.n_layer
+            ));
+        }
         let kv = cfg.n_kv_head * cfg.head_dim();
         let per_layer = num_blocks.checked_mul(block_size).and_then(|p| p.checked_mul(kv));
-        let len = per_layer.and_then(|p| p.checked_mul(cfg.n_layer)).filter(|&l| l <= isize::MAX as usize / 8);
+        let len = per_layer.and_then(|p| p.checked_mul(layers.len())).filter(|&l| l <= isize::MAX as usize / 8);
         let Some(len) = len.filter(|_| num_blocks > 0 && block_size > 0) else {
             return Err(format!(
                 "a key/value cache of {num_blocks} blocks of {block_size} positions ({} layers of {kv} floats): expected \
                  positive sizes whose product fits in memory",
-                cfg.n_layer
+                layers.len()
             ));
         };
-        Ok(KvCache { layers: cfg.n_layer, num_blocks, block_size, kv, k: vec![0.0; len], v: vec![0.0; len] })
+        Ok(KvCache { layers, num_blocks, block_size, kv, k: vec![0.0; len], v: vec![0.0; len] })
     }
 
     /// Bytes one block holds (keys and values of every layer).
@@ -65,11 +79,22 @@ impl KvCache {
         self.block_size
     }
 
-    /// Layer `l`'s keys and values.
+    /// The model's layers this cache holds.
+    pub fn layers(&self) -> Range<usize> {
+        self.layers.clone()
+    }
+
+    /// Bytes of keys and values held.
+    pub fn bytes(&self) -> usize {
+        4 * (self.k.len() + self.v.len())
+    }
+
+    /// Layer `l`'s keys and values (`l` a layer of the model, within [`KvCache::layers`]).
     fn layer(&mut self, l: usize) -> (&mut [f32], &mut [f32]) {
-        assert!(l < self.layers, "kv cache: layer {l} of {}", self.layers);
+        assert!(self.layers.contains(&l), "kv cache: layer {l}, the cache holds layers {:?}", self.layers);
         let len = self.num_blocks * self.block_size * self.kv;
-        (&mut self.k[l * len..][..len], &mut self.v[l * len..][..len])
+        let i = l - self.layers.start;
+        (&mut self.k[i * len..][..len], &mut self.v[i * len..][..len])
     }
 }
 
@@ -282,27 +307,86 @@ impl PagedLayer for LlamaBlock {
     }
 }
 
+/// Where a paged forward finds its parameters: a window of the flat buffer that starts at flat
+/// offset `base` (the whole buffer at 0; a pipeline stage's blocks, which are contiguous units,
+/// or unit 0 alone), and the int8 copies of its linears when it has them.
+#[derive(Clone, Copy)]
+pub struct ParamsAt<'a> {
+    pub params: &'a [f32],
+    pub base: usize,
+    pub int8: Option<&'a QuantWeights>,
+}
+
+impl<'a> ParamsAt<'a> {
+    /// The whole flat buffer.
+    pub fn whole(params: &'a [f32], int8: Option<&'a QuantWeights>) -> ParamsAt<'a> {
+        ParamsAt { params, base: 0, int8 }
+    }
+}
+
 impl Model {
+    /// The flat range of units `units` (contiguous: unit 0, then the blocks in order).
+    pub fn units_range(&self, units: Range<usize>) -> Range<usize> {
+        self.units[units.start].start..self.units[units.end - 1].end
+    }
+
+    /// Unit `u`'s weights in `at`.
+    ///
+    /// # Panics
+    /// If `at` does not hold unit `u`.
+    fn unit_weights<'a>(&self, at: &ParamsAt<'a>, u: usize) -> UnitWeights<'a> {
+        let r = &self.units[u];
+        assert!(
+            r.start >= at.base && r.end - at.base <= at.params.len(),
+            "paged forward: unit {u} ({r:?}) is not in the parameters held ({} from {})",
+            at.params.len(),
+            at.base
+        );
+        UnitWeights { p: &at.params[r.start - at.base..r.end - at.base], int8: at.int8.and_then(|q| q.units.get(u)) }
+    }
+
     /// Every linear weight of the model (blocks' projections, the LM head) as int8 with
     /// per-output-channel scales, from the flat `params`.
     pub fn quantize_int8(&self, params: &[f32]) -> QuantWeights {
+        self.quantize_int8_units(&ParamsAt::whole(params, None), 0..self.units.len())
+    }
+
+    /// The int8 linears of `units` only (a pipeline stage's), from the parameters `at` holds.
+    pub fn quantize_int8_units(&self, at: &ParamsAt, units: Range<usize>) -> QuantWeights {
         let c = self.cfg.d_model;
-        let mut units = vec![HashMap::new(); self.units.len()];
-        let p0 = &params[self.units[0].clone()];
-        let head = self.embed.head.clone();
-        units[0].insert(head.start, QuantMatrix::from_out_in(&p0[head], self.cfg.vocab_size, c));
-        for (i, block) in self.blocks.iter().enumerate() {
-            let p = &params[self.units[i + 1].clone()];
-            for l in block.paged().paged_linears(c) {
-                units[i + 1].insert(l.weight.start, QuantMatrix::from_in_out(&p[l.weight.clone()], l.ic, l.oc));
+        let mut q = vec![HashMap::new(); self.units.len()];
+        for u in units {
+            let p = self.unit_weights(at, u).p;
+            if u == 0 {
+                let head = self.embed.head.clone();
+                q[0].insert(head.start, QuantMatrix::from_out_in(&p[head], self.cfg.vocab_size, c));
+                continue;
+            }
+            for l in self.blocks[u - 1].paged().paged_linears(c) {
+                q[u].insert(l.weight.start, QuantMatrix::from_in_out(&p[l.weight.clone()], l.ic, l.oc));
             }
         }
-        QuantWeights { units }
+        QuantWeights { units: q }
+    }
+
+    /// Each of a step's `n` rows' position (`seqs` cover the rows).
+    ///
+    /// # Panics
+    /// If a row has no sequence or is past the model's context.
+    pub fn paged_positions(&self, n: usize, seqs: &[PagedSeq]) -> Vec<usize> {
+        let mut pos = vec![usize::MAX; n];
+        for s in seqs {
+            s.rows.clone().for_each(|r| pos[r] = s.pos(r));
+        }
+        assert!(pos.iter().all(|&p| p < self.cfg.max_seq_len), "forward_paged: a row without a sequence, or past the context");
+        pos
     }
 
     /// One decoding step: `tokens` are the rows of `seqs` (each sequence's run of positions);
     /// writes every row's keys and values into `cache` and returns the logits `[v]` of each of
-    /// `logit_rows`, concatenated. MoE blocks route as in evaluation.
+    /// `logit_rows`, concatenated. MoE blocks route as in evaluation. The same as
+    /// [`Model::embed_paged`], [`Model::blocks_paged`] over every block and [`Model::head_paged`],
+    /// which pipeline stages run apart.
     ///
     /// # Panics
     /// If the sequences do not cover `tokens` in order, a position is past the model's context,
@@ -319,37 +403,59 @@ impl Model {
         logit_rows: &[usize],
         ws: &mut PagedWorkspace,
     ) -> Vec<f32> {
-        let (n, c) = (tokens.len(), self.cfg.d_model);
-        let mut pos = vec![usize::MAX; n];
-        for s in seqs {
-            s.rows.clone().for_each(|r| pos[r] = s.pos(r));
-        }
-        assert!(pos.iter().all(|&p| p < self.cfg.max_seq_len), "forward_paged: a row without a sequence, or past the context");
+        let at = ParamsAt::whole(params, int8);
+        let pos = self.paged_positions(tokens.len(), seqs);
+        let mut x = std::mem::take(&mut ws.x);
+        self.embed_paged(&at, tokens, &pos, &mut x);
+        self.blocks_paged(&at, 0..self.blocks.len(), cache, seqs, &pos, &mut x, ws);
+        let logits = self.head_paged(&at, &x, logit_rows);
+        ws.x = x;
+        logits
+    }
+
+    /// The embeddings of a step's rows (`tokens` at positions `pos`) into `x [n, c]`; `at`
+    /// holds unit 0.
+    pub fn embed_paged(&self, at: &ParamsAt, tokens: &[u32], pos: &[usize], x: &mut Vec<f32>) {
+        let c = self.cfg.d_model;
+        x.resize(tokens.len() * c, 0.0);
+        let (e, p0) = (&self.embed, self.unit_weights(at, 0).p);
+        embedding::embedding_forward_at(x, tokens, |r| pos[r], &p0[e.wte.clone()], e.wpe.clone().map(|r| &p0[r]), c);
+    }
+
+    /// `blocks` of the model on the stream `x [n, c]` of a step's rows (their positions `pos`),
+    /// in place: each block writes the rows' keys and values into its layer of `cache` and
+    /// attends over it. `at` holds the blocks' units, `cache` their layers.
+    #[allow(clippy::too_many_arguments)]
+    pub fn blocks_paged(
+        &self,
+        at: &ParamsAt,
+        blocks: Range<usize>,
+        cache: &mut KvCache,
+        seqs: &[PagedSeq],
+        pos: &[usize],
+        x: &mut Vec<f32>,
+        ws: &mut PagedWorkspace,
+    ) {
         if self.cfg.arch == Arch::Llama && ws.rope.is_none() {
             let inv = rope::inv_freq(self.cfg.head_dim(), self.cfg.rope_theta, self.cfg.rope_scaling.as_ref());
             ws.rope = Some(RopeTable::with_inv_freq(self.cfg.max_seq_len, &inv));
         }
-        let unit = |u: usize| UnitWeights { p: &params[self.units[u].clone()], int8: int8.map(|q| &q.units[u]) };
-        let (mut x, mut y) = (std::mem::take(&mut ws.x), std::mem::take(&mut ws.y));
-        x.resize(n * c, 0.0);
-        y.resize(n * c, 0.0);
-        let e = &self.embed;
-        let p0 = unit(0).p;
-        embedding::embedding_forward_at(&mut x, tokens, |r| pos[r], &p0[e.wte.clone()], e.wpe.clone().map(|r| &p0[r]), c);
+        let mut y = std::mem::take(&mut ws.y);
+        y.resize(x.len(), 0.0);
         let block_size = cache.block_size;
-        for (l, block) in self.blocks.iter().enumerate() {
+        for l in blocks {
             let (k, v) = cache.layer(l);
-            let mut step = PagedStep { seqs, pos: &pos, k, v, block_size, rope: ws.rope.as_ref(), scratch: &mut ws.acts };
-            block.paged().forward_paged(&unit(l + 1), &x, &mut step, &mut y);
-            std::mem::swap(&mut x, &mut y);
+            let mut step = PagedStep { seqs, pos, k, v, block_size, rope: ws.rope.as_ref(), scratch: &mut ws.acts };
+            self.blocks[l].paged().forward_paged(&self.unit_weights(at, l + 1), x, &mut step, &mut y);
+            std::mem::swap(x, &mut y);
         }
-        let logits = self.head_rows(&unit(0), &x, logit_rows);
-        (ws.x, ws.y) = (x, y);
-        logits
+        ws.y = y;
     }
 
-    /// Final norm and LM head of the stream's `rows` (`x [n, c]`): logits `[rows.len(), v]`.
-    fn head_rows(&self, w: &UnitWeights, x: &[f32], rows: &[usize]) -> Vec<f32> {
+    /// Final norm and LM head of the stream's `rows` (`x [n, c]`): logits `[rows.len(), v]`;
+    /// `at` holds unit 0.
+    pub fn head_paged(&self, at: &ParamsAt, x: &[f32], rows: &[usize]) -> Vec<f32> {
+        let w = self.unit_weights(at, 0);
         let (m, c, v) = (rows.len(), self.cfg.d_model, self.cfg.vocab_size);
         let e = &self.embed;
         let picked: Vec<f32> = rows.iter().flat_map(|&r| x[r * c..(r + 1) * c].iter().copied()).collect();

@@ -76,26 +76,25 @@ impl PartitionMethod {
     /// first and the last span (the embeddings and the head, measured by `profile`).
     fn weights(&self, model: &Model) -> Result<(Vec<f64>, (f64, f64)), String> {
         let l = model.cfg.n_layer;
-        if let PartitionMethod::Profile(costs) = self {
-            let c = costs.as_ref().ok_or("the blocks' costs are not measured yet (`tessera train` measures them at its start)")?;
-            if c.blocks_ms.len() != l {
-                return Err(format!("tessera.pipeline.profile.blocks_ms has {} costs, the model has {l} blocks", c.blocks_ms.len()));
-            }
-            if let Some(bad) = c.blocks_ms.iter().chain([&c.embeddings_ms, &c.head_ms]).find(|x| !(x.is_finite() && **x >= 0.0)) {
-                return Err(format!("tessera.pipeline.profile: the cost {bad} is not a non-negative number of milliseconds"));
-            }
-            return Ok((c.blocks_ms.clone(), (c.embeddings_ms, c.head_ms)));
-        }
-        let w = match self {
+        let blocks = match self {
             PartitionMethod::Parameters => (0..l).map(|i| model.units()[i + 1].len() as f64).collect(),
             PartitionMethod::Uniform => vec![1.0; l],
             PartitionMethod::Type(re) => {
                 let re = regex::RegexBuilder::new(re).case_insensitive(true).build().expect("checked when parsed");
                 (0..l).map(|i| f64::from(u8::from(block_kinds(model, i).iter().any(|k| re.is_match(k))))).collect()
             }
-            PartitionMethod::Profile(_) => unreachable!("returned above"),
+            PartitionMethod::Profile(costs) => {
+                let c = costs.as_ref().ok_or("the blocks' costs are not measured yet (`tessera train` measures them at its start)")?;
+                if c.blocks_ms.len() != l {
+                    return Err(format!("tessera.pipeline.profile.blocks_ms has {} costs, the model has {l} blocks", c.blocks_ms.len()));
+                }
+                if let Some(bad) = c.blocks_ms.iter().chain([&c.embeddings_ms, &c.head_ms]).find(|x| !(x.is_finite() && **x >= 0.0)) {
+                    return Err(format!("tessera.pipeline.profile: the cost {bad} is not a non-negative number of milliseconds"));
+                }
+                return Ok((c.blocks_ms.clone(), (c.embeddings_ms, c.head_ms)));
+            }
         };
-        Ok((w, (0.0, 0.0)))
+        Ok((blocks, (0.0, 0.0)))
     }
 }
 

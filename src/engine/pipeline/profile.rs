@@ -95,8 +95,7 @@ pub fn resolve(cfg: &Config) -> Result<Option<Config>> {
         return Ok(None);
     };
     let dataset = crate::engine::child::load_dataset(cfg)?;
-    let (model, seq_len) = crate::engine::plan::model_of(cfg, &dataset)?;
-    let mut model = model;
+    let (mut model, seq_len) = crate::engine::plan::model_of(cfg, &dataset)?;
     model.checkpoint_activations |= p.recompute;
     tracing::info!("pipeline.partition = \"profile\": timing {} blocks' forward and backward on one micro-batch", model.cfg.n_layer);
     let costs = measure(&model, cfg.micro_batch_per_gpu, seq_len);
@@ -106,14 +105,14 @@ pub fn resolve(cfg: &Config) -> Result<Option<Config>> {
         costs.embeddings_ms,
         costs.head_ms
     );
-    let mut out = cfg.clone();
-    let tessera = out.resolved.as_object_mut().context("the resolved config is an object")?.entry("tessera").or_insert_with(|| json!({}));
+    let mut resolved = cfg.resolved.clone();
+    let tessera = resolved.as_object_mut().context("the resolved config is an object")?.entry("tessera").or_insert_with(|| json!({}));
     let pipe = tessera.as_object_mut().context("`tessera` is an object")?.entry("pipeline").or_insert_with(|| json!({}));
     pipe.as_object_mut().context("`tessera.pipeline` is an object")?.insert("profile".into(), costs.to_json());
-    if let Some(p) = out.pipeline.as_mut() {
-        p.partition = PartitionMethod::Profile(Some(costs));
-    }
-    Ok(Some(out))
+    // Parsed again as the workers parse it, so the hash and every field agree with theirs.
+    let again = crate::config::from_str_named(&resolved.to_string(), &cfg.source, &[], &crate::config::ResolveContext::default())
+        .context("the resolved config with the measured costs")?;
+    Ok(Some(again))
 }
 
 #[cfg(test)]

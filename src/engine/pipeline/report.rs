@@ -79,6 +79,7 @@ impl PipelineTally {
             1 => self.bubbles[0],
             n => self.bubbles[1..].iter().sum::<f64>() / (n - 1) as f64,
         };
+        let streams = schedule::streams(pp.schedule, s, pp.chunks, m);
         PipelineSummary {
             stages: s,
             replicas: pp.replicas,
@@ -92,10 +93,8 @@ impl PipelineTally {
             micro_batches_per_replica: m,
             bubble_theory: schedule::bubble_in_theory(pp.schedule, s, pp.chunks, m),
             bubble_measured: measured,
-            peak_in_flight_per_stage: (0..s).map(|p| peak_in_flight(&schedule::stream(pp.schedule, s, pp.chunks, p, m))).collect(),
-            peak_weight_stashes_per_stage: (0..s)
-                .map(|p| schedule::peak_weight_stashes(&schedule::stream(pp.schedule, s, pp.chunks, p, m)))
-                .collect(),
+            peak_in_flight_per_stage: streams.iter().map(|st| peak_in_flight(st)).collect(),
+            peak_weight_stashes_per_stage: streams.iter().map(|st| schedule::peak_weight_stashes(st)).collect(),
             peak_activation_bytes_per_stage: (0..s).map(|p| self.activation_peak.get(p).copied().unwrap_or(0)).collect(),
         }
     }

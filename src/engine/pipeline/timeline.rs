@@ -81,7 +81,7 @@ pub fn svg(ops: &[Timed], stages: usize, title: &str, unit: &str) -> String {
         r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{height}" font-family="sans-serif" font-size="11">
 <rect width="100%" height="100%" fill="white"/>
 <text x="{LEFT}" y="20" font-size="14">{title} — bubble {b:.1} %</text>
-<text x="{LEFT}" y="38" fill="#555">forward <tspan fill="#3b6fb6">■</tspan>  backward <tspan fill="#3a9a4a">■</tspan>  input half <tspan fill="#7cc47f">■</tspan>  weight half <tspan fill="#e08a2c">■</tspan>  embeddings backward <tspan fill="#999">■</tspan>  F3.1 = micro-batch 3, chunk 1  idle: blank</text>
+<text x="{LEFT}" y="38" fill="#555">forward <tspan fill="#3b6fb6">■</tspan>  backward <tspan fill="#3a9a4a">■</tspan>  input half <tspan fill="#7cc47f">■</tspan>  weight half <tspan fill="#e08a2c">■</tspan>  embeddings backward <tspan fill="#999">■</tspan>  (F3.1: micro-batch 3, chunk 1)  idle: blank</text>
 "##,
         w = LEFT + WIDTH + 20.0,
         title = escape(title),

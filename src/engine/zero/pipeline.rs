@@ -264,8 +264,8 @@ impl ZeroWorker {
         let model = &plan.model;
         let (mb, t) = (plan.micro, plan.seq_len);
         let leaf = at.leaves[op.mb];
-        let span = at.pp.span(at.p, at.entry(op).1);
         let key = at.entry(op);
+        let span = at.pp.span(at.p, key.1);
         if op.kind == Kind::Forward {
             let mut f = InFlight {
                 ws: st.pool.pop().unwrap_or_default(),
