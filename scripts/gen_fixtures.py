@@ -41,6 +41,11 @@ it greedily (float64, its own key/value cache, `do_sample=False`), with the smal
 best logits over the steps: of GENERATE_SEEDS prompts, those whose every gap is at least GENERATE_MIN_GAP
 (so an f32 run must choose the same tokens), the one whose output has the most distinct tokens.
 
+`adagrad` -- `adagrad.json` (kernels/tests/fixtures): torch.optim.Adagrad itself (float64 tensors,
+foreach=False) over two param groups (weight decay 0.05 and 0) with lr_decay and an initial
+accumulator, the group lr written before each step as a scheduler does; float32-representable
+inputs, the parameters and the `sum` state after each step.
+
 Usage: python3 scripts/gen_fixtures.py kernels [OUT_DIR]   (default kernels/tests/fixtures)
        python3 scripts/gen_fixtures.py hf [OUT_DIR]        (default tests/fixtures/hf)
        python3 scripts/gen_fixtures.py moe-routing [OUT_DIR] (default kernels/tests/fixtures; DeepSpeed's
@@ -49,6 +54,7 @@ Usage: python3 scripts/gen_fixtures.py kernels [OUT_DIR]   (default kernels/test
        python3 scripts/gen_fixtures.py hf-gpu [OUT_DIR]    (default tests/fixtures/hf)
        python3 scripts/gen_fixtures.py hf-generate [DIR]   (default tests/fixtures/hf; reads the folders there)
        python3 scripts/gen_fixtures.py moe-ds [OUT_DIR]    (default kernels/tests/fixtures)
+       python3 scripts/gen_fixtures.py adagrad [OUT_DIR]   (default kernels/tests/fixtures)
 Needs: torch, safetensors; `hf` also transformers and tokenizers.
 """
 import copy
@@ -580,6 +586,49 @@ def moe_routing_main(out_dir):
     print(f"wrote {path}: {len(out)} tensors, {os.path.getsize(path)} bytes, deepspeed {deepspeed.__version__}")
 
 
+ADAGRAD = dict(lr_decay=0.1, eps=1e-10, initial_accumulator_value=0.1)
+ADAGRAD_SIZES = [7, 5]
+ADAGRAD_DECAY = [0.05, 0.0]
+ADAGRAD_LRS = [0.05, 0.04, 0.03, 0.05, 0.02, 0.01]
+
+
+def adagrad_main(out_dir):
+    import json
+
+    out_dir = out_dir or "kernels/tests/fixtures"
+    n = sum(ADAGRAD_SIZES)
+    f32 = lambda t: t.to(torch.float32).to(DT)
+    p0 = f32(torch.rand(n, dtype=DT) * 2 - 1)
+    grads = [f32((torch.rand(n, dtype=DT) * 2 - 1) * 10.0 ** torch.randint(-2, 2, (n,)).to(DT)) for _ in ADAGRAD_LRS]
+    params = [t.clone().requires_grad_(True) for t in torch.split(p0, ADAGRAD_SIZES)]
+    groups = [{"params": [t], "weight_decay": wd} for t, wd in zip(params, ADAGRAD_DECAY)]
+    opt = torch.optim.Adagrad(groups, lr=ADAGRAD_LRS[0], foreach=False, **ADAGRAD)
+    steps = []
+    for g, lr in zip(grads, ADAGRAD_LRS):
+        for t, gt in zip(params, torch.split(g, ADAGRAD_SIZES)):
+            t.grad = gt.clone()
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        flat = lambda ts: [x for t in ts for x in t.detach().tolist()]
+        steps.append({"p": flat(params), "sum": flat(opt.state[t]["sum"] for t in params)})
+    fixture = {
+        "about": f"torch {torch.__version__} torch.optim.Adagrad (float64, foreach=False); scripts/gen_fixtures.py adagrad",
+        "sizes": ADAGRAD_SIZES,
+        "weight_decay": ADAGRAD_DECAY,
+        **ADAGRAD,
+        "lr": ADAGRAD_LRS,
+        "p0": p0.tolist(),
+        "grads": [g.tolist() for g in grads],
+        "steps": steps,
+    }
+    path = os.path.join(out_dir, "adagrad.json")
+    with open(path, "w") as f:
+        json.dump(fixture, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}: {len(ADAGRAD_LRS)} steps of {n} parameters, torch {torch.__version__}")
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     out_dir = sys.argv[2] if len(sys.argv) > 2 else None
@@ -597,8 +646,10 @@ def main():
         moe_ds_main(out_dir)
     elif what == "hf-generate":
         hf_generate_main(out_dir)
+    elif what == "adagrad":
+        adagrad_main(out_dir)
     else:
-        sys.exit("usage: gen_fixtures.py kernels|hf|hf-moe|hf-gpu|hf-generate|moe-ds|moe-routing [OUT_DIR]")
+        sys.exit("usage: gen_fixtures.py kernels|hf|hf-moe|hf-gpu|hf-generate|moe-ds|moe-routing|adagrad [OUT_DIR]")
 
 
 if __name__ == "__main__":

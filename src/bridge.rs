@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use tessera_kernels::optim::{
-    AdamParams, DynamicLossScaler, LambParams, LionParams, LossScaler, LossScalerState, OptimError, OptimizerKind, SgdParams,
+    AdagradParams, AdamParams, DynamicLossScaler, LambParams, LionParams, LossScaler, LossScalerState, OptimError, OptimizerKind, SgdParams,
 };
 
 use crate::config::{Config, OptimizerConfig, Precision, SchedulerConfig};
@@ -23,8 +23,8 @@ pub fn precision(p: &Precision) -> Precision16 {
 
 /// The optimizer with its hyper-parameters. Under OneCycle with `cycle_momentum` the
 /// optimizers that have betas (Adam, AdamW, Lamb, Lion) carry the momentum cycle, which
-/// replaces their configured betas step by step as DeepSpeed's scheduler does; SGD has no
-/// betas and DeepSpeed does not cycle it (the config layer warns).
+/// replaces their configured betas step by step as DeepSpeed's scheduler does; SGD and Adagrad
+/// have no betas and DeepSpeed does not cycle them (the config layer warns).
 pub fn optimizer_kind(o: &OptimizerConfig, sched: Option<&SchedulerConfig>) -> OptimizerKind {
     let momentum_cycle = schedule::momentum_cycle(sched);
     match *o {
@@ -37,6 +37,9 @@ pub fn optimizer_kind(o: &OptimizerConfig, sched: Option<&SchedulerConfig>) -> O
         OptimizerConfig::Lion { lr, betas, weight_decay } => OptimizerKind::Lion(LionParams { lr, betas, weight_decay, momentum_cycle }),
         OptimizerConfig::Sgd { lr, momentum, dampening, weight_decay, nesterov } => {
             OptimizerKind::Sgd(SgdParams { lr, momentum, dampening, weight_decay, nesterov })
+        }
+        OptimizerConfig::Adagrad { lr, lr_decay, eps, weight_decay, initial_accumulator_value } => {
+            OptimizerKind::Adagrad(AdagradParams { lr, lr_decay, eps, weight_decay, initial_accumulator_value })
         }
     }
 }

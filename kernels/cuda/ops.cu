@@ -1022,6 +1022,27 @@ extern "C" __global__ void lion(float* __restrict__ master, bf16* __restrict__ p
 }
 
 // ---------------------------------------------------------------------------------------------
+// Adagrad (optim::adagrad, torch.optim.Adagrad), one thread per element; wd applies where
+// decay[i] is set (0 elsewhere, still added as the CPU adds it: g + 0·p):
+//   g ← g + wd·p;  s ← s + g·g;  p ← p + ((−clr)·g) / (√s + eps)
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void adagrad(float* __restrict__ master, bf16* __restrict__ param, const float* __restrict__ grad,
+                                   float* __restrict__ sum, const unsigned char* __restrict__ decay, u64 len, float neg_clr, float eps,
+                                   float wd, float grad_scale) {
+    const u64 i = gtid();
+    if (i >= len) return;
+    const float p0 = master[i];
+    const float g = FADD(FMUL(grad[i], grad_scale), FMUL(decay[i] ? wd : 0.0f, p0));
+    const float s1 = FADD(sum[i], FMUL(g, g));
+    const float std = FADD(__fsqrt_rn(s1), eps);
+    const float p1 = FADD(p0, FDIV(FMUL(neg_clr, g), std));
+    sum[i] = s1;
+    master[i] = p1;
+    param[i] = f2bf(p1);
+}
+
+// ---------------------------------------------------------------------------------------------
 // fp16 storage of f32 values (fp16 training's gradients, `engine::precision` on the CPU):
 // x ← f32(f16(x)), round to nearest even, beyond ±65504 → ±inf, f16 subnormals kept (PTX `cvt`
 // without .ftz, IEEE conversions, as the `half` crate's).

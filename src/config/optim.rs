@@ -42,6 +42,14 @@ pub enum OptimizerConfig {
         weight_decay: f32,
         nesterov: bool,
     },
+    /// torch.optim.Adagrad (what DeepSpeed builds for "Adagrad" without offload).
+    Adagrad {
+        lr: f32,
+        lr_decay: f32,
+        eps: f32,
+        weight_decay: f32,
+        initial_accumulator_value: f32,
+    },
 }
 
 impl OptimizerConfig {
@@ -51,13 +59,14 @@ impl OptimizerConfig {
             OptimizerConfig::Adam { lr, .. }
             | OptimizerConfig::Lamb { lr, .. }
             | OptimizerConfig::Lion { lr, .. }
-            | OptimizerConfig::Sgd { lr, .. } => *lr,
+            | OptimizerConfig::Sgd { lr, .. }
+            | OptimizerConfig::Adagrad { lr, .. } => *lr,
         }
     }
 }
 
-const SUPPORTED: &[&str] = &["Adam", "AdamW", "Lamb", "Lion", "SGD"];
-const UNSUPPORTED: &[&str] = &["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Adagrad", "MuAdam", "MuAdamW", "MuSGD", "Muon"];
+const SUPPORTED: &[&str] = &["Adam", "AdamW", "Lamb", "Lion", "SGD", "Adagrad"];
+const UNSUPPORTED: &[&str] = &["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "MuAdam", "MuAdamW", "MuSGD", "Muon"];
 const ADAM_KEYS: &[&str] = &[
     "lr",
     "betas",
@@ -74,6 +83,10 @@ const LAMB_KEYS: &[&str] =
     &["lr", "betas", "eps", "weight_decay", "bias_correction", "max_coeff", "min_coeff", "amsgrad", "eps_inside_sqrt"];
 const LION_KEYS: &[&str] = &["lr", "betas", "weight_decay", "set_grad_none"];
 const SGD_KEYS: &[&str] = &["lr", "momentum", "dampening", "weight_decay", "nesterov"];
+/// torch.optim.Adagrad's parameters, and DeepSpeedCPUAdagrad's `amsgrad` (false only: true is
+/// rejected for every type) and `fp32_optimizer_states` (states are always f32).
+const ADAGRAD_KEYS: &[&str] =
+    &["lr", "lr_decay", "eps", "weight_decay", "initial_accumulator_value", "maximize", "amsgrad", "fp32_optimizer_states"];
 
 /// Parse the `optimizer` section; a missing one is AdamW with the context's lr.
 pub(crate) fn parse_optimizer(root: &Value, ctx: &ResolveContext) -> KindResult<OptimizerConfig> {
@@ -132,6 +145,17 @@ pub(crate) fn parse_optimizer(root: &Value, ctx: &ResolveContext) -> KindResult<
             Ok(OptimizerConfig::Lion { lr, betas: p.betas("betas", (0.9, 0.999))?, weight_decay: wd })
         }
         "sgd" => parse_sgd(&p, &name, lr, wd),
+        "adagrad" => {
+            p.only_keys(ADAGRAD_KEYS, &name)?;
+            reject_true(&p, "maximize", "maximizing the objective is not implemented")?;
+            Ok(OptimizerConfig::Adagrad {
+                lr,
+                lr_decay: p.non_negative_f32("lr_decay", 0.0)?,
+                eps: p.non_negative_f32("eps", 1e-10)?,
+                weight_decay: wd,
+                initial_accumulator_value: p.non_negative_f32("initial_accumulator_value", 0.0)?,
+            })
+        }
         _ => Err(unknown_type("optimizer.type", &name, SUPPORTED, UNSUPPORTED)),
     }
 }
@@ -245,19 +269,21 @@ pub(crate) fn parse_scheduler(root: &Value, warnings: &mut Vec<String>) -> KindR
 /// OneCycle's `cycle_momentum` against the optimizer, as DeepSpeed's scheduler treats it: an
 /// optimizer with betas (Adam, AdamW, Lamb, Lion; also the default AdamW) gets
 /// `betas = (cycled momentum, 0.99)` every step, so both bounds must be valid betas and
-/// explicitly configured betas are replaced (a warning says so); SGD has no betas, and
-/// DeepSpeed disables the cycle for it with a warning, as Tessera does.
+/// explicitly configured betas are replaced (a warning says so); SGD and Adagrad have no betas,
+/// and DeepSpeed disables the cycle for them with a warning, as Tessera does.
 fn check_momentum_cycle(root: &Value, p: &Obj<'_>, o: &OneCycle, warnings: &mut Vec<String>) -> KindResult<()> {
     if !o.cycle_momentum {
         return Ok(());
     }
-    let sgd = root.pointer("/optimizer/type").and_then(Value::as_str).is_some_and(|t| t.eq_ignore_ascii_case("sgd"));
-    if sgd {
-        warnings.push(
-            "`scheduler.params.cycle_momentum` is true (DeepSpeed's default for OneCycle) but SGD has no betas: as in \
+    let no_betas = root
+        .pointer("/optimizer/type")
+        .and_then(Value::as_str)
+        .and_then(|t| ["SGD", "Adagrad"].into_iter().find(|n| n.eq_ignore_ascii_case(t)));
+    if let Some(name) = no_betas {
+        warnings.push(format!(
+            "`scheduler.params.cycle_momentum` is true (DeepSpeed's default for OneCycle) but {name} has no betas: as in \
              DeepSpeed, its momentum is not cycled; set cycle_momentum to false to silence this"
-                .to_string(),
-        );
+        ));
         return Ok(());
     }
     for (key, v) in [("cycle_min_mom", o.cycle_min_mom), ("cycle_max_mom", o.cycle_max_mom)] {

@@ -287,6 +287,34 @@ fn optimizer_params_are_checked_per_type() {
     assert!(matches!(cfg.optimizer, OptimizerConfig::Adam { adam_w_mode: false, lr, .. } if lr == 1e-3));
 }
 
+/// Adagrad: torch.optim.Adagrad's keys and defaults (eps 1e-10), `maximize` and `amsgrad`
+/// refused when true, a key of another optimizer refused by name, OneCycle's momentum cycle
+/// warned about and not applied (no betas, as DeepSpeed).
+#[test]
+fn adagrad_takes_torchs_parameters_and_refuses_the_rest_by_name() {
+    let cfg = load_value(
+        json!({"train_batch_size": 8, "optimizer": {"type": "adagrad",
+        "params": {"lr": 0.05, "lr_decay": 0.1, "weight_decay": 0.01, "initial_accumulator_value": 0.1, "maximize": false}}}),
+        &world(1),
+    )
+    .expect("loads");
+    let want = OptimizerConfig::Adagrad { lr: 0.05, lr_decay: 0.1, eps: 1e-10, weight_decay: 0.01, initial_accumulator_value: 0.1 };
+    assert_eq!(cfg.optimizer, want);
+    for (params, key) in [
+        (json!({"maximize": true}), "optimizer.params.maximize"),
+        (json!({"amsgrad": true}), "optimizer.params.amsgrad"),
+        (json!({"momentum": 0.9}), "optimizer.params.momentum"),
+        (json!({"lr_decay": -1.0}), "optimizer.params.lr_decay"),
+    ] {
+        let e = err_of(json!({"train_batch_size": 8, "optimizer": {"type": "Adagrad", "params": params}}), &world(1)).to_string();
+        assert!(e.contains(key), "{key}: {e}");
+    }
+    let one_cycle = json!({"type": "OneCycle", "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01}});
+    let cfg =
+        load_value(json!({"train_batch_size": 8, "optimizer": {"type": "Adagrad"}, "scheduler": one_cycle}), &world(1)).expect("loads");
+    assert!(cfg.warnings.iter().any(|w| w.contains("Adagrad has no betas")), "{:?}", cfg.warnings);
+}
+
 #[test]
 fn missing_optimizer_is_adamw_with_context_lr() {
     let ctx = ResolveContext { lr: Some(0.5), ..world(1) };

@@ -214,14 +214,27 @@ type Set = Vec<AlignedBuf>;
 pub type Publish<'a> = dyn FnMut(usize, &[f32]) -> Result<(), String> + 'a;
 
 impl OptimState {
-    /// Fresh state for `len` elements in `tier`; on NVMe the swap files are created (zeros) now,
+    /// Fresh state for `len` elements in `tier`; on NVMe the swap files are created now (at
+    /// [`OptimizerKind::state_init`]),
     /// or the state stays in memory and the error is returned beside it.
     pub fn new(kind: OptimizerKind, len: usize, tier: Tier, site: Option<&SwapSite>) -> (OptimState, Option<String>) {
         let faults = Faults::default();
         let mut st =
             OptimState { kind, len, tier, resident: None, swapped: Vec::new(), step: 0, site: None, faults, stats: SwapStats::default() };
         if let Some(site) = site.filter(|_| tier == Tier::Nvme) {
-            let files: io::Result<Vec<_>> = kind.state_names().iter().map(|n| Ok((*n, Swapped::create(site, n, len)?))).collect();
+            let init = kind.state_init();
+            let files: io::Result<Vec<_>> = kind
+                .state_names()
+                .iter()
+                .map(|n| {
+                    let mut f = Swapped::create(site, n, len)?;
+                    if init != 0.0 {
+                        // Created zero-filled; Adagrad's accumulator starts at its initial value.
+                        f.write_all(&vec![init; len])?;
+                    }
+                    Ok((*n, f))
+                })
+                .collect();
             match files {
                 Ok(f) => {
                     st.swapped = f;
@@ -517,5 +530,46 @@ impl SubGroupStep<'_> {
         }
         *scratch = Some(sc);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_kernels::optim::{AdagradParams, FlatLayout, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
+
+    use super::*;
+    use crate::offload::io::AioOptions;
+
+    /// The NVMe tier starts Adagrad's swap files at its initial accumulator and, stepped sub-group
+    /// by sub-group with read-ahead and write-behind, gives the in-memory shard's bits.
+    #[test]
+    fn nvme_adagrad_starts_from_its_initial_accumulator_and_keeps_the_bits() {
+        let tmp = tempfile::tempdir().unwrap();
+        let layout = FlatLayout::from_sizes(&[3000, 2000]).unwrap();
+        let (len, decay) = (layout.total(), [true, false]);
+        let params = AdagradParams { lr_decay: 0.1, weight_decay: 0.01, initial_accumulator_value: 0.1, ..AdagradParams::default() };
+        let kind = OptimizerKind::Adagrad(params);
+        // 4 KiB blocks: sub-groups of 1024 elements, five of them.
+        let aio = AioOptions { block: 4096, ..AioOptions::default() };
+        let site = SwapSite { dir: tmp.path().to_path_buf(), rank: 0, aio, chunk_elems: 1024, pipeline_read: true, pipeline_write: true };
+        let p0: Vec<f32> = (0..len).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
+        let (mut masters, e1) = Masters::new(p0.clone(), Tier::Nvme, Some(&site));
+        let (mut st, e2) = OptimState::new(kind, len, Tier::Nvme, Some(&site));
+        assert!(e1.is_none() && e2.is_none(), "{e1:?} {e2:?}");
+        assert!(st.state_buffers()[0].1.iter().all(|&s| s == 0.1), "the swap file did not start at the initial accumulator");
+        st.release();
+        let mut shard = OptimizerShard::new(kind, len);
+        let mut p = p0;
+        let ctx = StepContext { shard_range: 0..len, layout: &layout, decay: &decay };
+        for step in 0..3 {
+            let g: Vec<f32> = (0..len).map(|i| (((i * 13 + step * 7) % 29) as f32 - 14.0) / 100.0).collect();
+            st.step(&mut masters, &g, 0.05, &ctx, &mut LocalReduce, &mut |_, _| Ok(())).unwrap();
+            shard.step(&mut p, &g, 0.05, &ctx, &mut LocalReduce).unwrap();
+        }
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&masters), bits(&p), "masters");
+        assert_eq!(st.state_buffers()[0].0, "sum");
+        assert_eq!(bits(st.state_buffers()[0].1), bits(shard.state_buffers()[0].1), "sum");
+        assert_eq!(st.step_count(), 3);
     }
 }

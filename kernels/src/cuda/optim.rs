@@ -2,8 +2,8 @@
 //! ([`OptimStep`], made by the CPU optimizer's own coefficient code, so both sides round the
 //! same f64 values to f32 once) and one launch over a run of a flat shard ([`step`]):
 //! Adam/AdamW (the `adamw` kernel: AdamW's decoupled decay or Adam's L2 penalty, bias
-//! correction on or off), SGD (momentum, dampening, Nesterov, or none) and Lion, each in
-//! `cuda/ops.cu` beside the CPU kernel's formula.
+//! correction on or off), SGD (momentum, dampening, Nesterov, or none), Lion and Adagrad
+//! (`lr_decay`, initial accumulator), each in `cuda/ops.cu` beside the CPU kernel's formula.
 //!
 //! Every kernel is elementwise — one thread an element, no reduction, no atomics — so a step
 //! gives the same bits on every run and for any split of the shard, and on normal values the
@@ -20,7 +20,7 @@ use cudarc::driver::{CudaStream, PushKernelArg};
 
 use super::ops::{adamw, AdamStep, OptimBufs};
 use super::{bf16, drv, grid_1d, CheckRow, DPtr, Gpu, GpuError, Result};
-use crate::optim::{FlatLayout, LambParams, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
+use crate::optim::{AdagradCoeffs, FlatLayout, LambParams, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
 
 /// SGD's scalars of one update (`optim::sgd`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -65,6 +65,8 @@ pub enum OptimStep {
     Sgd(SgdStep),
     Lion(LionStep),
     Lamb(LambStep),
+    /// Adagrad's scalars (`optim::adagrad`: −lr/(1 + (t−1)·lr_decay), eps, weight decay).
+    Adagrad(AdagradCoeffs),
 }
 
 impl OptimStep {
@@ -97,16 +99,18 @@ impl OptimStep {
                 })
             }
             OptimizerKind::Lamb(p) => OptimStep::Lamb(LambStep { params: *p, lr, step }),
+            OptimizerKind::Adagrad(p) => OptimStep::Adagrad(p.coeffs(lr, step)),
         })
     }
 
-    /// The learning rate of this update.
+    /// The learning rate of this update (Adagrad's after its `lr_decay`).
     pub fn lr(&self) -> f32 {
         match self {
             OptimStep::Adam(a) => a.lr,
             OptimStep::Sgd(s) => s.lr,
             OptimStep::Lion(l) => l.lr,
             OptimStep::Lamb(l) => l.lr,
+            OptimStep::Adagrad(a) => -a.neg_clr,
         }
     }
 
@@ -115,7 +119,7 @@ impl OptimStep {
         match self {
             OptimStep::Adam(_) | OptimStep::Lamb(_) => 2,
             OptimStep::Sgd(s) => usize::from(s.has_momentum),
-            OptimStep::Lion(_) => 1,
+            OptimStep::Lion(_) | OptimStep::Adagrad(_) => 1,
         }
     }
 }
@@ -141,6 +145,7 @@ pub fn step(gpu: &Gpu, s: &CudaStream, bufs: &OptimBufs, hp: &OptimStep, grad_sc
         OptimStep::Adam(a) => return adamw(gpu, s, bufs, a, grad_scale),
         OptimStep::Sgd(c) => (c.lr, c.weight_decay),
         OptimStep::Lion(c) => (c.lr, c.beta1),
+        OptimStep::Adagrad(c) => (c.neg_clr, c.wd),
         OptimStep::Lamb(_) => {
             return Err(GpuError::Invalid("LAMB is not elementwise: it runs over every tensor at once (cuda::lamb::step)".into()))
         }
@@ -178,6 +183,14 @@ pub fn step(gpu: &Gpu, s: &CudaStream, bufs: &OptimBufs, hp: &OptimStep, grad_sc
             // SAFETY: as above, for `lion` in ops.cu.
             unsafe { lb.launch(cfg) }.map(|_| ()).map_err(drv("launching ops.cu kernel `lion`"))
         }
+        OptimStep::Adagrad(c) => {
+            let f = gpu.func("ops", "adagrad")?;
+            let mut lb = s.launch_builder(&f);
+            lb.arg(&master.raw).arg(&param.raw).arg(&grad.raw).arg(&m.raw).arg(&decay.raw).arg(&len_u);
+            lb.arg(&lr).arg(&c.eps).arg(&wd_or_b1).arg(&grad_scale);
+            // SAFETY: as above, for `adagrad` in ops.cu (`m` is the accumulator `sum`).
+            unsafe { lb.launch(cfg) }.map(|_| ()).map_err(drv("launching ops.cu kernel `adagrad`"))
+        }
         OptimStep::Adam(_) | OptimStep::Lamb(_) => unreachable!("returned above"),
     }
 }
@@ -191,7 +204,7 @@ const CHECK_STEPS: u64 = 3;
 
 /// The configurations [`check`] runs: each optimizer, with its less common options.
 fn check_kinds() -> Vec<(&'static str, OptimizerKind)> {
-    use crate::optim::{AdamParams, CycleShape, LionParams, MomentumCycle, SgdParams};
+    use crate::optim::{AdagradParams, AdamParams, CycleShape, LionParams, MomentumCycle, SgdParams};
     let adam = AdamParams { lr: 6e-4, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, ..AdamParams::default() };
     let shape = CycleShape { first_step_size: 2, second_step_size: 2, first_stair_count: 0, second_stair_count: 0 };
     let cycle = MomentumCycle { shape, decay_step_size: 0, min_mom: 0.85, max_mom: 0.95, decay_mom_rate: 0.0 };
@@ -205,6 +218,11 @@ fn check_kinds() -> Vec<(&'static str, OptimizerKind)> {
         ("SGD with momentum and dampening", OptimizerKind::Sgd(sgd)),
         ("SGD with Nesterov momentum", OptimizerKind::Sgd(SgdParams { dampening: 0.0, nesterov: true, ..sgd })),
         ("Lion", OptimizerKind::Lion(LionParams { lr: 1e-4, betas: (0.9, 0.99), weight_decay: 0.1, momentum_cycle: None })),
+        ("Adagrad", OptimizerKind::Adagrad(AdagradParams { lr: 1e-2, weight_decay: 0.01, ..AdagradParams::default() })),
+        (
+            "Adagrad with lr_decay and an initial accumulator",
+            OptimizerKind::Adagrad(AdagradParams { lr: 5e-2, lr_decay: 0.1, eps: 1e-8, weight_decay: 0.0, initial_accumulator_value: 0.1 }),
+        ),
     ]
 }
 
@@ -225,11 +243,12 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         let mut p = master0.clone();
         let (d_master, d_mask) = (gpu.upload(&master0)?, gpu.upload(&mask)?);
         let d_param = gpu.alloc::<bf16>(len)?;
-        let (d_m, d_v) = (gpu.alloc::<f32>(len)?, gpu.alloc::<f32>(len)?);
+        let init = vec![kind.state_init(); len];
+        let (d_m, d_v) = (gpu.upload(&init)?, gpu.upload(&init)?);
         let mut equal = true;
         for step in 1..=CHECK_STEPS {
             let grad = normal(seed, 80 + step, len, 1e-2);
-            let lr = 0.7f32.powi(step as i32 - 1) * base_lr(&kind);
+            let lr = 0.7f32.powi(step as i32 - 1) * kind.lr();
             let ctx = StepContext { shard_range: 0..len, layout: &layout, decay: &decay };
             cpu.step(&mut p, &grad, lr, &ctx, &mut LocalReduce).map_err(|e| GpuError::Invalid(format!("CPU {name} step: {e}")))?;
             let d_grad = gpu.upload(&grad)?;
@@ -264,15 +283,6 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         });
     }
     Ok(rows)
-}
-
-fn base_lr(kind: &OptimizerKind) -> f32 {
-    match kind {
-        OptimizerKind::Adam(p) => p.lr,
-        OptimizerKind::Lamb(p) => p.lr,
-        OptimizerKind::Lion(p) => p.lr,
-        OptimizerKind::Sgd(p) => p.lr,
-    }
 }
 
 pub(crate) fn normal(seed: u64, key: u64, len: usize, std: f32) -> Vec<f32> {
@@ -316,5 +326,10 @@ mod tests {
         assert_eq!(l, OptimStep::Lamb(LambStep { params: LambParams::default(), lr: 2e-3, step: 4 }));
         assert_eq!((l.lr(), l.states()), (2e-3, 2));
         assert!(OptimStep::new(&OptimizerKind::Adam(adam), 1e-3, 0).is_err(), "updates are numbered from 1");
+        let ada = crate::optim::AdagradParams { lr: 0.1, lr_decay: 0.5, eps: 1e-10, weight_decay: 0.01, initial_accumulator_value: 0.0 };
+        let OptimStep::Adagrad(a) = OptimStep::new(&OptimizerKind::Adagrad(ada), 0.1, 3).unwrap() else { panic!("Adagrad") };
+        // Step 3: lr / (1 + 2·0.5), formed in f64 and rounded once.
+        assert_eq!((a.neg_clr, a.eps, a.wd), ((-(f64::from(0.1f32) / 2.0)) as f32, 1e-10, 0.01));
+        assert!(elementwise(&OptimizerKind::Adagrad(ada)));
     }
 }

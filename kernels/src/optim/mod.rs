@@ -1,5 +1,5 @@
 //! Optimizer math for ZeRO-style sharded training over flat `f32` buffers: Adam/AdamW, LAMB,
-//! Lion and SGD shards, partition-independent deterministic norms, loss scaling and fp16/bf16
+//! Lion, SGD and Adagrad shards, partition-independent deterministic norms, loss scaling and fp16/bf16
 //! mixed-precision helpers, all matching DeepSpeed / PyTorch semantics.
 //!
 //! An [`OptimizerShard`] owns the fp32 optimizer state (moments) for one contiguous range
@@ -9,8 +9,10 @@
 //! (LAMB trust ratios, gradient norms) are reduced across shards through [`NormAllReduce`] in a
 //! way that yields identical bits for every world size (see [`norm`]).
 
+pub mod adagrad;
 pub mod adam;
 pub mod cycle;
+mod elementwise;
 mod error;
 pub mod lamb;
 pub mod lion;
@@ -24,8 +26,10 @@ mod shard;
 #[cfg(test)]
 mod tests;
 
+pub use self::adagrad::{AdagradCoeffs, AdagradParams};
 pub use self::adam::AdamParams;
 pub use self::cycle::{CycleShape, MomentumCycle, ONE_CYCLE_BETA2};
+pub use self::elementwise::ElementwiseStep;
 pub use self::error::OptimError;
 pub use self::lamb::LambParams;
 pub use self::lion::LionParams;

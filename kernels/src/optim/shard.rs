@@ -5,13 +5,15 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::adam::{adam_kernel, AdamParams};
+use super::adagrad::AdagradParams;
+use super::adam::AdamParams;
 use super::cycle::{check_step_betas, MomentumCycle};
+use super::elementwise::ElementwiseStep;
 use super::lamb::{lamb_commit_kernel, lamb_update_kernel, LambParams};
-use super::lion::{lion_kernel, LionParams};
+use super::lion::LionParams;
 use super::norm::{FlatLayout, NormAllReduce};
 use super::pieces::{shard_pieces, split_mut, split_ref, Piece};
-use super::sgd::{sgd_momentum_kernel, sgd_plain_kernel, SgdMomentum, SgdParams};
+use super::sgd::SgdParams;
 use super::OptimError;
 
 /// Elements per parallel task. Elementwise results do not depend on it.
@@ -25,16 +27,18 @@ pub enum OptimizerKind {
     Lamb(LambParams),
     Lion(LionParams),
     Sgd(SgdParams),
+    Adagrad(AdagradParams),
 }
 
 impl OptimizerKind {
-    /// Short lowercase name ("adam", "lamb", "lion", "sgd").
+    /// Short lowercase name ("adam", "lamb", "lion", "sgd", "adagrad").
     pub fn name(&self) -> &'static str {
         match self {
             Self::Adam(_) => "adam",
             Self::Lamb(_) => "lamb",
             Self::Lion(_) => "lion",
             Self::Sgd(_) => "sgd",
+            Self::Adagrad(_) => "adagrad",
         }
     }
 
@@ -45,27 +49,48 @@ impl OptimizerKind {
             Self::Lamb(p) => p.validate(),
             Self::Lion(p) => p.validate(),
             Self::Sgd(p) => p.validate(),
+            Self::Adagrad(p) => p.validate(),
         }
     }
 
-    /// OneCycle's momentum cycle when the params carry one (never for SGD, which has no betas).
+    /// OneCycle's momentum cycle when the params carry one (never for SGD and Adagrad, which
+    /// have no betas).
     pub fn momentum_cycle(&self) -> Option<&MomentumCycle> {
         match self {
             Self::Adam(p) => p.momentum_cycle.as_ref(),
             Self::Lamb(p) => p.momentum_cycle.as_ref(),
             Self::Lion(p) => p.momentum_cycle.as_ref(),
-            Self::Sgd(_) => None,
+            Self::Sgd(_) | Self::Adagrad(_) => None,
         }
     }
 
     /// The betas of update number `applied + 1`: OneCycle's cycled pair when the params carry
-    /// a momentum cycle, else the configured pair; `None` for SGD, which has none.
+    /// a momentum cycle, else the configured pair; `None` for SGD and Adagrad, which have none.
     pub fn betas_at(&self, applied: u64) -> Option<(f32, f32)> {
         match self {
             Self::Adam(p) => Some(p.betas_at(applied)),
             Self::Lamb(p) => Some(p.betas_at(applied)),
             Self::Lion(p) => Some(p.betas_at(applied)),
-            Self::Sgd(_) => None,
+            Self::Sgd(_) | Self::Adagrad(_) => None,
+        }
+    }
+
+    /// The base learning rate of the params.
+    pub fn lr(&self) -> f32 {
+        match self {
+            Self::Adam(p) => p.lr,
+            Self::Lamb(p) => p.lr,
+            Self::Lion(p) => p.lr,
+            Self::Sgd(p) => p.lr,
+            Self::Adagrad(p) => p.lr,
+        }
+    }
+
+    /// The value every state buffer starts at: Adagrad's `initial_accumulator_value`, else 0.
+    pub fn state_init(&self) -> f32 {
+        match self {
+            Self::Adagrad(p) => p.initial_accumulator_value,
+            _ => 0.0,
         }
     }
 
@@ -77,6 +102,7 @@ impl OptimizerKind {
             Self::Lion(_) => &["exp_avg"],
             Self::Sgd(p) if p.has_momentum() => &["momentum_buffer"],
             Self::Sgd(_) => &[],
+            Self::Adagrad(_) => &["sum"],
         }
     }
 }
@@ -95,11 +121,9 @@ pub struct StepContext<'a> {
 /// Algorithm-specific state; the params live next to the buffers they describe.
 #[derive(Debug, Clone)]
 enum Inner {
-    Adam {
-        p: AdamParams,
-        m: Vec<f32>,
-        v: Vec<f32>,
-    },
+    /// Adam, Lion, SGD, Adagrad: the state buffers in `state_names` order (`m` first), each as
+    /// long as the shard or empty where the optimizer keeps fewer.
+    Elementwise { kind: OptimizerKind, m: Vec<f32>, v: Vec<f32> },
     Lamb {
         p: LambParams,
         m: Vec<f32>,
@@ -107,14 +131,6 @@ enum Inner {
         /// Scratch for the update `u` between the two phases (not checkpointed).
         u: Vec<f32>,
         ratios: Vec<f32>,
-    },
-    Lion {
-        p: LionParams,
-        m: Vec<f32>,
-    },
-    Sgd {
-        p: SgdParams,
-        buf: Vec<f32>,
     },
 }
 
@@ -128,13 +144,14 @@ pub struct OptimizerShard {
 
 impl OptimizerShard {
     /// Zero-initialised state for a shard of `len` elements at step 0.
+    /// State at step 0 for a shard of `len` elements: every state buffer at
+    /// [`OptimizerKind::state_init`] (zeros but for Adagrad's initial accumulator).
     pub fn new(kind: OptimizerKind, len: usize) -> Self {
-        let z = || vec![0.0f32; len];
+        let states = kind.state_names().len();
+        let buf = |k: usize| if states > k { vec![kind.state_init(); len] } else { Vec::new() };
         let inner = match kind {
-            OptimizerKind::Adam(p) => Inner::Adam { p, m: z(), v: z() },
-            OptimizerKind::Lamb(p) => Inner::Lamb { p, m: z(), v: z(), u: Vec::new(), ratios: Vec::new() },
-            OptimizerKind::Lion(p) => Inner::Lion { p, m: z() },
-            OptimizerKind::Sgd(p) => Inner::Sgd { p, buf: if p.has_momentum() { z() } else { Vec::new() } },
+            OptimizerKind::Lamb(p) => Inner::Lamb { p, m: buf(0), v: buf(1), u: Vec::new(), ratios: Vec::new() },
+            kind => Inner::Elementwise { kind, m: buf(0), v: buf(1) },
         };
         Self { inner, step: 0, len }
     }
@@ -142,10 +159,8 @@ impl OptimizerShard {
     /// The optimizer and its hyper-parameters.
     pub fn kind(&self) -> OptimizerKind {
         match &self.inner {
-            Inner::Adam { p, .. } => OptimizerKind::Adam(*p),
+            Inner::Elementwise { kind, .. } => *kind,
             Inner::Lamb { p, .. } => OptimizerKind::Lamb(*p),
-            Inner::Lion { p, .. } => OptimizerKind::Lion(*p),
-            Inner::Sgd { p, .. } => OptimizerKind::Sgd(*p),
         }
     }
 
@@ -197,24 +212,16 @@ impl OptimizerShard {
         let pieces = shard_pieces(ctx.layout, ctx.decay, &ctx.shard_range, PAR_CHUNK);
         let step = self.step + 1;
         match &mut self.inner {
-            Inner::Adam { p, m, v } => {
-                let c = p.coeffs(lr, step);
+            Inner::Elementwise { kind, m, v } => {
+                let c = ElementwiseStep::new(kind, lr, step).expect("LAMB is not an elementwise shard");
                 let jobs = split_mut(master, &pieces).into_par_iter().zip(split_ref(grads, &pieces));
-                let jobs = jobs.zip(split_mut(m, &pieces)).zip(split_mut(v, &pieces));
-                jobs.zip(&pieces).for_each(|((((p, g), m), v), pc)| {
-                    adam_kernel(&c, pc.decay, p, g, m, v);
-                });
+                let jobs = jobs.zip(split_state(m, &pieces)).zip(split_state(v, &pieces));
+                jobs.zip(&pieces).for_each(|((((p, g), m), v), pc)| c.run(pc.decay, p, g, m, v));
             }
             Inner::Lamb { p, m, v, u, ratios } => {
                 let bufs = LambBufs { m, v, u, ratios };
                 lamb_step(p, bufs, step, lr, master, grads, ctx, &pieces, reducer)?;
             }
-            Inner::Lion { p, m } => {
-                let c = p.coeffs(lr, step);
-                let jobs = split_mut(master, &pieces).into_par_iter().zip(split_ref(grads, &pieces));
-                jobs.zip(split_mut(m, &pieces)).zip(&pieces).for_each(|(((p, g), m), pc)| lion_kernel(&c, pc.decay, p, g, m));
-            }
-            Inner::Sgd { p, buf } => sgd_step(p, buf, step, lr, master, grads, &pieces),
         }
         self.step = step;
         Ok(())
@@ -249,13 +256,8 @@ impl OptimizerShard {
     /// "momentum_buffer"), in [`OptimizerKind::state_names`] order.
     pub fn state_buffers(&self) -> Vec<(&'static str, &[f32])> {
         let names = self.kind().state_names();
-        let bufs: Vec<&[f32]> = match &self.inner {
-            Inner::Adam { m, v, .. } | Inner::Lamb { m, v, .. } => vec![m, v],
-            Inner::Lion { m, .. } => vec![m],
-            Inner::Sgd { p, buf } if p.has_momentum() => vec![buf],
-            Inner::Sgd { .. } => vec![],
-        };
-        names.iter().copied().zip(bufs).collect()
+        let (Inner::Elementwise { m, v, .. } | Inner::Lamb { m, v, .. }) = &self.inner;
+        names.iter().copied().zip([m.as_slice(), v.as_slice()]).collect()
     }
 
     /// Restores the step count and state buffers from a checkpoint. All-or-nothing: every
@@ -287,12 +289,9 @@ impl OptimizerShard {
     }
 
     fn state_buffers_mut(&mut self) -> Vec<&mut Vec<f32>> {
-        match &mut self.inner {
-            Inner::Adam { m, v, .. } | Inner::Lamb { m, v, .. } => vec![m, v],
-            Inner::Lion { m, .. } => vec![m],
-            Inner::Sgd { p, buf } if p.has_momentum() => vec![buf],
-            Inner::Sgd { .. } => vec![],
-        }
+        let states = self.kind().state_names().len();
+        let (Inner::Elementwise { m, v, .. } | Inner::Lamb { m, v, .. }) = &mut self.inner;
+        [m, v].into_iter().take(states).collect()
     }
 }
 
@@ -347,27 +346,11 @@ fn lamb_step(
     Ok(())
 }
 
-fn sgd_step(params: &SgdParams, buf: &mut [f32], step: u64, lr: f32, master: &mut [f32], grads: &[f32], pieces: &[Piece]) {
-    let wd_of = |pc: &Piece| if pc.decay { params.weight_decay } else { 0.0 };
-    if !params.has_momentum() {
-        split_mut(master, pieces)
-            .into_par_iter()
-            .zip(split_ref(grads, pieces))
-            .zip(pieces)
-            .for_each(|((p, g), pc)| sgd_plain_kernel(lr, wd_of(pc), p, g));
-        return;
+/// A state buffer cut like the masters, or one empty slice a piece where the optimizer does
+/// not keep that buffer.
+fn split_state<'a>(buf: &'a mut [f32], pieces: &[Piece]) -> Vec<&'a mut [f32]> {
+    if buf.is_empty() {
+        return pieces.iter().map(|_| <&mut [f32]>::default()).collect();
     }
-    let base = SgdMomentum {
-        lr,
-        wd: 0.0,
-        momentum: params.momentum,
-        one_minus_dampening: (1.0 - f64::from(params.dampening)) as f32,
-        nesterov: params.nesterov,
-        first: step == 1,
-    };
-    let jobs = split_mut(master, pieces).into_par_iter().zip(split_ref(grads, pieces));
-    jobs.zip(split_mut(buf, pieces)).zip(pieces).for_each(|(((p, g), b), pc)| {
-        let c = SgdMomentum { wd: wd_of(pc), ..base };
-        sgd_momentum_kernel(&c, p, g, b);
-    });
+    split_mut(buf, pieces)
 }

@@ -589,6 +589,26 @@ mod tests {
         }
     }
 
+    /// Every optimizer besides AdamW and Lamb (whose test is above) through the engine: its state
+    /// (SGD's momentum buffer, Lion's exp_avg, Adagrad's sum from its initial accumulator) is
+    /// sharded with the masters, and every world size and stage gives the one-worker bits.
+    #[test]
+    fn sgd_lion_and_adagrad_give_the_one_worker_bits_at_every_world_and_stage() {
+        for opt in [
+            r#"optimizer={"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}}"#,
+            r#"optimizer={"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.1}}"#,
+            r#"optimizer={"type": "Adagrad", "params": {"lr": 0.05, "lr_decay": 0.1, "weight_decay": 0.01, "initial_accumulator_value": 0.1}}"#,
+        ] {
+            let (one, _) = two_steps(1, 0, &[opt]);
+            let (adamw, _) = two_steps(1, 0, &[]);
+            assert_ne!(one, adamw, "{opt}: the optimizer changed nothing");
+            for (world, stage) in [(2, 1), (4, 2), (2, 3), (4, 3)] {
+                let (got, _) = two_steps(world, stage, &[opt]);
+                assert!(got == one, "{opt}: world {world} stage {stage} differs from one worker");
+            }
+        }
+    }
+
     /// A post-cycle momentum decay that would take beta1 out of [0, 1) within the run's steps
     /// is refused when the run is planned, naming the key; SGD, which is not cycled, is not.
     #[test]

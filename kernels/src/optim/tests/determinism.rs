@@ -4,8 +4,8 @@
 use std::ops::Range;
 
 use super::super::{
-    AdamParams, FlatLayout, LambParams, LionParams, LocalReduce, NormAllReduce, OptimizerKind, OptimizerShard, SgdParams, StepContext,
-    NORM_BLOCK,
+    AdagradParams, AdamParams, FlatLayout, LambParams, LionParams, LocalReduce, NormAllReduce, OptimizerKind, OptimizerShard, SgdParams,
+    StepContext, NORM_BLOCK,
 };
 use super::{assert_bits_eq, Rng, SharedSum, ThreadReduce};
 
@@ -118,6 +118,12 @@ fn optimizers_are_bit_identical_across_partitions() {
         OptimizerKind::Adam(AdamParams { weight_decay: 0.1, ..AdamParams::default() }),
         OptimizerKind::Lion(LionParams { weight_decay: 0.1, ..LionParams::default() }),
         OptimizerKind::Sgd(SgdParams { momentum: 0.9, weight_decay: 0.1, ..SgdParams::default() }),
+        OptimizerKind::Adagrad(AdagradParams {
+            lr_decay: 0.1,
+            weight_decay: 0.1,
+            initial_accumulator_value: 0.1,
+            ..AdagradParams::default()
+        }),
     ];
     let mut rng = Rng::new(11);
     let mut multi_shard_cases = 0;

@@ -1,5 +1,6 @@
 //! Tests of the optimizer module: scalar f64 references, sharding determinism, loss scaling.
 
+mod adagrad;
 mod cycle;
 mod determinism;
 mod misc;
