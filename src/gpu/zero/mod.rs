@@ -1,7 +1,7 @@
 //! One GPU rank of a ZeRO run: parameters, gradients and optimizer state on the device, NCCL
 //! for the collectives on a communication stream that overlaps the compute stream. The optimizer
 //! is the CPU engine's (`OptimizerKind`) as the elementwise kernels of `cuda::optim` (Adam/AdamW,
-//! SGD, Lion), or LAMB over every tensor at once (`cuda::lamb`; one GPU or ZeRO-0 only:
+//! SGD, Lion, Adagrad), or LAMB over every tensor at once (`cuda::lamb`; one GPU or ZeRO-0 only:
 //! [`refuse_split_lamb`]).
 //!
 //! - Stage 0: every rank holds everything; gradients are all-reduced unit by unit.
@@ -20,10 +20,10 @@
 //! that unit's share of the micro-batch tree's adds runs, then its reduction (so reductions
 //! overlap the rest of the backward with or without gradient accumulation).
 //!
-//! Optimizer offload ([`OffloadOptions`], `src/gpu/offload.rs`): the masters and moments of
-//! the host part of each unit's piece live in host memory and are stepped by CPU threads as
-//! each unit's reduced gradient reaches the host; the new bf16 parameters come back per unit
-//! and are gathered as without offload.
+//! Optimizer offload ([`OffloadOptions`], `src/gpu/offload.rs`): the masters and optimizer state
+//! of the host part of each unit's piece live in host memory and are stepped by CPU threads as
+//! each unit's reduced gradient reaches the host (any elementwise optimizer; LAMB is refused);
+//! the new bf16 parameters come back per unit and are gathered as without offload.
 //!
 //! Optimizer in the backward (one GPU, `gradient_clipping` off, unless
 //! `TESSERA_GPU_EARLY_ADAM=0`): as the last backward finishes a unit's gradient, that unit's
@@ -59,7 +59,7 @@ use tessera_kernels::cuda::lamb::LambSlots;
 use tessera_kernels::cuda::optim::OptimStep;
 use tessera_kernels::cuda::{self, bf16, ops, Buf, CudaEvent, CudaStream, DPtr, Gpu};
 use tessera_kernels::model::Model;
-use tessera_kernels::optim::{AdamParams, FlatLayout, OptimizerKind};
+use tessera_kernels::optim::{AdamParams, ElementwiseStep, FlatLayout, OptimizerKind};
 use tessera_transport::nccl::NcclComm;
 
 use super::offload::{self, Offload, OffloadStats, Pipe, Split};
@@ -95,9 +95,10 @@ impl Optimizer {
         self.kind.state_names().len()
     }
 
-    /// Whether the host step of optimizer offload (`offload::adamw_host`) runs it: Adam/AdamW.
+    /// Whether the host step of optimizer offload (`offload::HostStep`) runs it: every
+    /// elementwise optimizer (all but LAMB).
     pub fn offloadable(&self) -> bool {
-        matches!(self.kind, OptimizerKind::Adam(_))
+        tessera_kernels::cuda::optim::elementwise(&self.kind)
     }
 }
 
@@ -388,7 +389,10 @@ impl RankSpec<'_> {
             }
         }
         if self.offload.is_some() && !self.optim.offloadable() {
-            bail!("zero_optimization.offload_optimizer with optimizer {}: the host step runs Adam/AdamW only", self.optim.kind.name());
+            bail!(
+                "optimizer.type = \"Lamb\" with zero_optimization.offload_optimizer: the host step runs unit by unit as gradients \
+                 arrive, and LAMB's trust ratios need every tensor's norms first; drop the offload section, or use --device cpu"
+            );
         }
         Ok(())
     }
@@ -469,13 +473,20 @@ impl Rank {
             None => (Vec::new(), None),
         };
         let master = gpu.upload(&master_dev)?;
-        let states = optim.states();
-        let m = gpu.alloc::<f32>(if states >= 1 { split.dev_total } else { 0 })?;
-        let v = gpu.alloc::<f32>(if states >= 2 { split.dev_total } else { 0 })?;
+        let (states, init) = (optim.states(), optim.kind.state_init());
+        let state_buf = |k: usize| {
+            let n = if states > k { split.dev_total } else { 0 };
+            if init == 0.0 {
+                gpu.alloc::<f32>(n)
+            } else {
+                gpu.upload(&vec![init; n])
+            }
+        };
+        let (m, v) = (state_buf(0)?, state_buf(1)?);
         let decay = gpu.upload(&mask_dev)?;
         let off = match offload {
             None => None,
-            Some(o) => Some(Offload::new(&gpu, rank, &split, (master_host, mask_host), o, nvme)?),
+            Some(o) => Some(Offload::new(&gpu, rank, &split, (master_host, mask_host), (states, init), o, nvme)?),
         };
         let gshard = if stage >= 1 && world > 1 { Some(gpu.alloc::<f32>(shard_len)?) } else { None };
         // The micro-batch tree holds at most ⌊log2 M⌋ + 1 partial sums at once.
@@ -601,13 +612,17 @@ impl Rank {
             self.staged = Some(StagedStep::Pending { fin: c.fin, hp, scale: c.scale });
             return Ok(Prepared { loss, norm: c.norm, overflow: c.overflow });
         };
-        let OptimStep::Adam(adam_hp) = hp else {
-            bail!("rank {}: optimizer offload runs Adam/AdamW only (checked at start)", self.rank);
+        let host_hp = match hp {
+            OptimStep::Adam(a) => offload::HostStep::Adam(a),
+            _ => offload::HostStep::Cpu(
+                ElementwiseStep::new(&self.optim.kind, lr, self.step + 1)
+                    .with_context(|| format!("rank {}: optimizer offload with LAMB (refused at start)", self.rank))?,
+            ),
         };
         let mut host = off.host.take().context("the host optimizer state was lost in an earlier failed step")?;
         let split = self.split.clone();
         let (rank, clip) = (self.rank, self.optim.clip);
-        let (res, stats) = offload::run_step(&mut host, &split, adam_hp, rank, clip, |tx, pipe| {
+        let (res, stats) = offload::run_step(&mut host, &split, host_hp, rank, clip, |tx, pipe| {
             if let Some(o) = self.off.as_mut() {
                 o.tx = Some(tx);
             }
