@@ -226,6 +226,7 @@ fn state_chunks(b: &mut [f32], n: usize) -> Vec<&mut [f32]> {
     b.chunks_mut(CHUNK).collect()
 }
 
+/// Range `r` of a state buffer, or the empty buffer itself where the optimizer does not keep it.
 fn state_run(b: &mut [f32], r: std::ops::Range<usize>) -> &mut [f32] {
     if b.is_empty() {
         b
@@ -468,7 +469,9 @@ fn step_units(host: &mut HostState, split: &Split, ch: &Channels, st: &mut Offlo
             let (grad, param) = (&grad[..r.len()], &mut param[..r.len()]);
             match swap.as_mut() {
                 None => {
-                    let (master, m, v) = (&mut host.master[r.clone()], &mut host.m[r.clone()], &mut host.v[r.clone()]);
+                    // A state buffer the optimizer does not keep is empty (`state_run`).
+                    let (m, v) = (state_run(&mut host.m, r.clone()), state_run(&mut host.v, r.clone()));
+                    let master = &mut host.master[r.clone()];
                     let t = Instant::now();
                     host_step_par(&host.pool, &ch.order.hp, k, HostAdamBufs { master, m, v, grad, decay, param });
                     st.cpu_step_s += t.elapsed().as_secs_f64();

@@ -16,7 +16,8 @@
 //! moments and the ratios are the CPU's bits (`check`).
 //!
 //! Where ZeRO pieces of several ranks would split one slot, the slot's partial sum would have to
-//! be exchanged between ranks; that case is not run here (GPU ranks refuse LAMB, see docs/GPU.md).
+//! be exchanged between ranks; that case is not run here (GPU ranks refuse LAMB at ZeRO 1–3 on
+//! several GPUs, see docs/GPU.md; a design for the exchange is in the gpuoptim session notes).
 
 use std::ops::Range;
 
