@@ -1035,8 +1035,8 @@ extern "C" __global__ void adagrad(float* __restrict__ master, bf16* __restrict_
     const float p0 = master[i];
     const float g = FADD(FMUL(grad[i], grad_scale), FMUL(decay[i] ? wd : 0.0f, p0));
     const float s1 = FADD(sum[i], FMUL(g, g));
-    const float std = FADD(__fsqrt_rn(s1), eps);
-    const float p1 = FADD(p0, FDIV(FMUL(neg_clr, g), std));
+    const float denom = FADD(__fsqrt_rn(s1), eps);
+    const float p1 = FADD(p0, FDIV(FMUL(neg_clr, g), denom));
     sum[i] = s1;
     master[i] = p1;
     param[i] = f2bf(p1);
