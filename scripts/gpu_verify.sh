@@ -2,14 +2,16 @@
 # What CI cannot run, run on the GPU machine in one call: the GPU tests (tests/e2e_gpu.rs, the
 # kernels' gpu_ops/gpu_attention), a SIGTERM to a `--device cuda` run (exit 75, a checkpoint
 # that resumes to the uninterrupted bits), a real `torchrun --no-python tessera train` job of
-# two ranks against `--world 2`, and an export checked by scripts/check_export.py with torch +
-# transformers.
+# two ranks against `--world 2`, an export checked by scripts/check_export.py with torch +
+# transformers, and issue 28's run: a transformers-made LLaMA folder fine-tuned on the GPU from
+# the shipped corpus as Parquet, exported, and loaded by transformers with the same loss.
 #
 # Here (no GPU needed): build, then copy the stripped binaries into .device-bin/ (ignored):
 #   cargo test --workspace --release --no-run
 #   strip -o .device-bin/tessera target/release/tessera
 #   strip -o .device-bin/tests target/release/deps/tests-<hash>   (likewise gpu_ops, gpu_attention)
 #   echo "$PWD" > .device-bin/built_at    # the test binaries look for the repo where they were built
+#   python3 scripts/corpus_parquet.py .device-bin/corpus.parquet   # (pyarrow) the shipped corpus as Parquet
 # With the device tool: run(command="bash scripts/gpu_verify.sh", carry=[".device-bin"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,3 +56,21 @@ cp $W/torchrun.log "$OUT/"
 
 echo "== export checked with torch + transformers"
 timeout 120 $T export --checkpoint $W/w2/checkpoints --out $W/hf && timeout 300 python3 scripts/check_export.py $W/hf 2>&1 | tail -8
+
+echo "== a transformers-made LLaMA folder fine-tuned on the GPU from Parquet, exported, loaded by transformers"
+if [ -f .device-bin/corpus.parquet ]; then
+  cat > $W/ft.json <<'EOF'
+{ "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+  "optimizer": { "type": "AdamW", "params": { "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0 } },
+  "bf16": { "enabled": true }, "zero_optimization": { "stage": 1 }, "steps_per_print": 5,
+  "tessera": { "seq_len": 64, "steps": 20, "eval_interval": 10, "eval_iters": 1 } }
+EOF
+  timeout 240 $T train --config $W/ft.json --model tests/fixtures/hf/llama-gpu --data .device-bin/corpus.parquet --device cuda \
+    --output $W/llama --no-progress > $W/llama.log 2>&1
+  echo "train --device cuda: exit $?; $(grep -E '^val loss|^throughput' $W/llama.log | tr '\n' ' ')"
+  timeout 120 $T export --checkpoint $W/llama/checkpoints --out $W/llama-hf 2>&1 | head -1
+  timeout 300 python3 scripts/check_export.py $W/llama-hf 2>&1 | grep -E "^(OK|FAIL|SKIP)"
+  cp $W/llama.log "$OUT/" 2>/dev/null
+else
+  echo "skipped: no .device-bin/corpus.parquet (python3 scripts/corpus_parquet.py .device-bin/corpus.parquet here)"
+fi

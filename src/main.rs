@@ -37,7 +37,8 @@ enum Cmd {
     /// Load-test an OpenAI-compatible server: Poisson arrivals, random prompt and output
     /// lengths; prints throughput, time to first token and inter-token latency.
     BenchServe(BenchServeArgs),
-    /// Write a checkpoint as Hugging Face GPT-2 safetensors + config.json.
+    /// Write a checkpoint as a Hugging Face model folder (GPT-2, LLaMA, Mistral, Qwen2, Mixtral,
+    /// Qwen2-MoE): safetensors, config.json, the tokenizer's files.
     Export(ExportArgs),
     /// Inspect configs.
     #[command(subcommand)]
@@ -322,8 +323,9 @@ struct TrainArgs {
 #[derive(Args)]
 struct ServeArgs {
     /// A Hugging Face model folder (config.json, weights, tokenizer.json) or a checkpoint
-    /// directory (a step directory or a checkpoints root).
-    #[arg(long)]
+    /// directory (a step directory or a checkpoints root; `--checkpoint`, as `generate` names
+    /// it, is the same flag).
+    #[arg(long, visible_alias = "checkpoint")]
     model: PathBuf,
     /// A checkpoint's tokenizer.json (the one recorded at training when absent).
     #[arg(long)]
@@ -334,6 +336,12 @@ struct ServeArgs {
     /// Address to listen on (port 0: any free port, printed at start).
     #[arg(long, default_value = "127.0.0.1:8000")]
     addr: std::net::SocketAddr,
+    /// The IP to listen on, in place of --addr's (vLLM's `--host`; 0.0.0.0 for every interface).
+    #[arg(long)]
+    host: Option<std::net::IpAddr>,
+    /// The port to listen on, in place of --addr's (vLLM's `--port`).
+    #[arg(long)]
+    port: Option<u16>,
     /// Key/value cache positions per block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -430,14 +438,14 @@ fn parse_range(s: &str) -> Result<(usize, usize), String> {
 #[derive(Args)]
 struct GenerateArgs {
     /// Checkpoint directory (a step directory or a checkpoints root), or a Hugging Face model
-    /// folder.
-    #[arg(long)]
+    /// folder (`--model`, as `serve` names it, is the same flag).
+    #[arg(long, visible_alias = "model")]
     checkpoint: PathBuf,
     /// Text to continue.
     #[arg(long, default_value = "It is a truth universally acknowledged")]
     prompt: String,
-    /// Tokens to generate.
-    #[arg(long, default_value_t = 200)]
+    /// Tokens to generate (`--max-new-tokens`, transformers' name, is the same flag).
+    #[arg(long, visible_alias = "max-new-tokens", default_value_t = 200)]
     tokens: usize,
     /// Softmax temperature (> 0; 0 or below means greedy: always the most likely token).
     #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
@@ -615,7 +623,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 model: a.model,
                 tokenizer: a.tokenizer,
                 served_name: a.served_model_name,
-                addr: a.addr,
+                addr: std::net::SocketAddr::new(a.host.unwrap_or(a.addr.ip()), a.port.unwrap_or(a.addr.port())),
                 block_size: a.block_size,
                 kv_blocks: a.kv_blocks,
                 backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights, pipeline: a.pipeline_parallel_size },

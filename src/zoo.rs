@@ -103,13 +103,18 @@ impl ModelSource {
     }
 }
 
-/// `model` as a preset name, or (when it names a folder: it holds a `/` or is a directory) a
-/// Hugging Face model folder, opened and checked ([`HfModel::open`]).
+/// `model` as a preset name, or (when it names a folder: it holds a `/`, has a `config.json`, or
+/// is a directory and no preset's name) a Hugging Face model folder, opened and checked
+/// ([`HfModel::open`]: a directory without `config.json` is an error naming it).
 pub fn resolve(model: &str) -> Result<ModelSource, String> {
+    let folder = || HfModel::open(Path::new(model)).map(|f| ModelSource::Folder(Box::new(f))).map_err(|e| e.to_string());
     if crate::hf::is_folder(model) {
-        return HfModel::open(Path::new(model)).map(|f| ModelSource::Folder(Box::new(f))).map_err(|e| e.to_string());
+        return folder();
     }
-    preset(model).map(|c| ModelSource::Preset(Box::new(c)))
+    match preset(model) {
+        Err(_) if Path::new(model).is_dir() => folder(),
+        p => p.map(|c| ModelSource::Preset(Box::new(c))),
+    }
 }
 
 /// Looks a preset up by name; the error lists the valid names.

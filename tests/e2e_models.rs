@@ -188,6 +188,11 @@ fn a_folder_without_config_a_tokenizer_larger_than_the_model_and_a_longer_sequen
     let bare = copy_fixture("gpt2", &tmp.path().join("bare"), |f| f != "config.json");
     let said = refused(&bare, &data, &tmp.path().join("bare-out"), &[]);
     assert!(said.contains(&format!("{}: missing: ", bare.join("config.json").display())), "{said}");
+    // The same folder named bare, from its parent (no `/`): a folder, not an unknown preset.
+    let cfg = repo().join("configs/gpt-tiny.json");
+    let a = ["train", "--config", cfg.to_str().unwrap(), "--model", "bare", "--data", data.to_str().unwrap(), "--output", "bare-out2"];
+    let said = fails(&a, tmp.path());
+    assert!(said.contains("bare/config.json: missing: ") && !said.contains("unknown model"), "{said}");
 
     // The folder's tokenizer has 320 ids; its config (without weights) only 300.
     let model = copy_fixture("llama", tmp.path(), |f| !f.ends_with(".safetensors"));

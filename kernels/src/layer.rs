@@ -82,17 +82,27 @@ impl ParamLayout {
     }
 
     /// Fills a fresh flat buffer. Each parameter draws from its own stream keyed by
-    /// (seed, parameter index), so initialisation does not depend on layout changes elsewhere.
+    /// (seed, parameter index), so initialisation does not depend on layout changes elsewhere,
+    /// and the parameters fill in parallel (rayon's pool) with the bits of a serial fill: a
+    /// 1.3B model's 26 s on one core become a few seconds.
     pub fn init(&self, seed: u64) -> Vec<f32> {
+        use rayon::prelude::*;
         let mut flat = vec![0.0f32; self.total];
+        // The specs are packed back to back (`push`), so the buffer splits into their views.
+        let mut views = Vec::with_capacity(self.specs.len());
+        let mut rest = flat.as_mut_slice();
         for (i, spec) in self.specs.iter().enumerate() {
-            let view = &mut flat[spec.range()];
-            match spec.init {
-                Init::Zeros => {}
-                Init::Ones => view.fill(1.0),
-                Init::Normal(std) => Rng::derive(seed, &[0x1417, i as u64]).fill_normal(view, std),
-            }
+            let (view, tail) = std::mem::take(&mut rest).split_at_mut(spec.numel());
+            rest = tail;
+            views.push((i, spec.init, view));
         }
+        // Largest first, so the embedding does not start last.
+        views.sort_by_key(|(_, _, v)| std::cmp::Reverse(v.len()));
+        views.into_par_iter().with_max_len(1).for_each(|(i, init, view)| match init {
+            Init::Zeros => {}
+            Init::Ones => view.fill(1.0),
+            Init::Normal(std) => Rng::derive(seed, &[0x1417, i as u64]).fill_normal(view, std),
+        });
         flat
     }
 }

@@ -942,7 +942,9 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     }
     let m_local = m / world;
     let shape = gpt::Shape::new(&model.cfg, a.micro_batch, a.seq)?;
+    let t_init = Instant::now();
     let init = model.init_params(a.seed);
+    let init_s = t_init.elapsed().as_secs_f64();
     let optim = bench_optimizer(a)?;
     let nvme = bench_nvme(a)?;
     let offload = a.offload_ratio.map(|ratio| zero::OffloadOptions { ratio, threads: offload::default_threads(world) });
@@ -967,6 +969,12 @@ fn bench_rank(a: &BenchArgs, rank: usize, world: usize, id: Option<NcclId>) -> R
     )?;
     r.overlap = !a.no_overlap;
     r.sync()?;
+    if rank == 0 {
+        // Where a large model's start goes (and how much host memory it took), before step 0.
+        let rss = crate::engine::peak_rss_bytes() as f64 / 1e9;
+        let rank_s = t_init.elapsed().as_secs_f64() - init_s;
+        eprintln!("setup: parameters initialised in {init_s:.1} s, the rank built in {rank_s:.1} s; host peak RSS {rss:.1} GB");
+    }
     let micro_batches = |step: usize| -> Vec<_> {
         (0..m_local).map(|j| batch(a.seed, step, rank * m_local + j, a.micro_batch, a.seq, model.cfg.vocab_size)).collect()
     };

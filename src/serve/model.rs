@@ -171,10 +171,13 @@ pub fn open_for_rank(path: &Path, tokenizer: Option<&Path>) -> Result<(Model, Bo
     Ok((model, Box::new(move |_: &Model, r: std::ops::Range<usize>| Ok(params[r].to_vec()))))
 }
 
-/// The name a path is served under: its last component.
+/// The name a path is served under: its last component, past a checkpoint's own directories
+/// (`run/checkpoints` and `run/checkpoints/step_00000400` are served as `run`).
 fn served_name(path: &Path) -> String {
     let canon = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    canon.file_name().map_or_else(|| path.display().to_string(), |n| n.to_string_lossy().into_owned())
+    let own = |n: &str| n == "checkpoints" || n == "latest" || n.starts_with("step_");
+    let name = canon.ancestors().filter_map(Path::file_name).map(|n| n.to_string_lossy()).find(|n| !own(n));
+    name.map_or_else(|| path.display().to_string(), |n| n.into_owned())
 }
 
 fn load_folder(dir: &Path, source: ModelSource, head_only: bool) -> Result<LoadedModel> {
@@ -240,4 +243,20 @@ fn load_checkpoint(path: &Path, tokenizer: Option<&Path>, source: ModelSource) -
     let chat = ChatTemplate::from_files(&files).context("the checkpoint's recorded tokenizer settings (`extra.model_files`)")?;
     let held = 0..model.num_params();
     Ok(LoadedModel { name: served_name(path), model, params, held, codec, bos, eos, chat, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::served_name;
+
+    #[test]
+    fn a_checkpoint_is_served_under_its_run_s_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let step = tmp.path().join("my-run/checkpoints/step_00000004");
+        std::fs::create_dir_all(&step).unwrap();
+        assert_eq!(served_name(&step), "my-run");
+        assert_eq!(served_name(&tmp.path().join("my-run/checkpoints")), "my-run");
+        std::fs::create_dir_all(tmp.path().join("Llama-3-8B")).unwrap();
+        assert_eq!(served_name(&tmp.path().join("Llama-3-8B")), "Llama-3-8B");
+    }
 }

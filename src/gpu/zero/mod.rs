@@ -442,7 +442,11 @@ impl Rank {
         let padded: Vec<f32> = layout.pad(init);
         let shard_len = layout.shard_len();
         let (master_h, mask_h) = optimizer_shard(&layout, &padded, opt_rank);
-        let to_bf = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+        // In parallel: a 1.3B model's parameters are 1.3 G conversions (same bits in any order).
+        let to_bf = |x: &[f32]| {
+            use rayon::prelude::*;
+            x.par_iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()
+        };
         let pieces: Vec<usize> = (0..layout.units.len()).map(|u| layout.piece(u, opt_rank).len()).collect();
         let phost = match params_offload {
             Some(o) => Some(ParamHost::new(&gpu, rank, &pieces, &to_bf(&master_h), o)?),
