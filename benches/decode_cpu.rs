@@ -1,15 +1,17 @@
-//! CPU decoding benchmark (issue 31): greedy generation at batch 1 through the paged key/value
-//! cache ([`CpuBackend`], f32 and int8 linears) against the recomputation `tessera generate` did
-//! before it (the whole window through `Model::next_token_logits` for every token), in one run;
+//! CPU decoding benchmark (issue 31): greedy generation of `--batch` sequences together through
+//! the paged key/value cache ([`CpuBackend`], f32 and int8 linears; for an MoE model also int8
+//! with the experts left f32) against the recomputation `tessera generate` did before it (the
+//! whole window through `Model::next_token_logits` for every token; batch 1 only), in one run;
 //! and, with `--checkpoint`, the perplexity of a trained model on the shipped corpus's
-//! validation split with f32 and with int8 linears.
+//! validation split with the same formats.
 //!
-//! `cargo bench --bench decode_cpu -- [--model gpt2-small] [--vocab 256] [--prompt 16]
-//!  [--new 200] [--no-recompute] [--checkpoint DIR] [--windows 8]`
+//! `cargo bench --bench decode_cpu -- [--model gpt2-small] [--experts E --top-k K] [--vocab 256]
+//!  [--prompt 16] [--new 200] [--batch 1] [--no-recompute] [--checkpoint DIR] [--windows 8]`
 //!
 //! The default model is the issue's 86M one: gpt2-small's shape with the byte-level vocabulary
 //! (256) of a model trained on the shipped corpus; its weights are the seeded initialisation
-//! (speed does not depend on their values).
+//! (speed does not depend on their values). `--experts E` makes every block's MLP E experts of
+//! the preset's MLP width, `--top-k` (default 2) of them per token, routed as Mixtral does.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -17,8 +19,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use tessera::data::{self, DEFAULT_VAL_FRACTION};
 use tessera::infer::{Backend, CpuBackend, CpuOptions, LinearFormat, SeqStep};
-use tessera_kernels::model::paged::{KvCache, PagedWorkspace};
-use tessera_kernels::model::{Model, Workspace};
+use tessera_kernels::model::paged::{KvCache, PagedWorkspace, ParamsAt, QuantScope, QuantWeights};
+use tessera_kernels::model::{Model, MoeConfig, Workspace};
 use tessera_kernels::ops::paged_attention::PagedSeq;
 use tessera_kernels::tensor::Rng;
 
@@ -30,13 +32,27 @@ struct Opts {
     vocab: usize,
     prompt: usize,
     new: usize,
+    batch: usize,
+    experts: usize,
+    top_k: usize,
     recompute: bool,
     checkpoint: Option<PathBuf>,
     windows: usize,
 }
 
 fn parse() -> Result<Opts> {
-    let mut o = Opts { model: "gpt2-small".into(), vocab: 256, prompt: 16, new: 200, recompute: true, checkpoint: None, windows: 8 };
+    let mut o = Opts {
+        model: "gpt2-small".into(),
+        vocab: 256,
+        prompt: 16,
+        new: 200,
+        batch: 1,
+        experts: 0,
+        top_k: 2,
+        recompute: true,
+        checkpoint: None,
+        windows: 8,
+    };
     let mut args = std::env::args().skip(1).filter(|a| a != "--bench");
     while let Some(a) = args.next() {
         let mut val = || args.next().with_context(|| format!("{a} needs a value"));
@@ -46,14 +62,20 @@ fn parse() -> Result<Opts> {
             "--vocab" => o.vocab = num(val()?)?,
             "--prompt" => o.prompt = num(val()?)?,
             "--new" => o.new = num(val()?)?,
+            "--batch" => o.batch = num(val()?)?,
+            "--experts" => o.experts = num(val()?)?,
+            "--top-k" => o.top_k = num(val()?)?,
             "--windows" => o.windows = num(val()?)?,
             "--no-recompute" => o.recompute = false,
             "--checkpoint" => o.checkpoint = Some(PathBuf::from(val()?)),
             _ => bail!("unknown argument {a}: see the doc comment of benches/decode_cpu.rs"),
         }
     }
-    if o.prompt == 0 || o.new == 0 {
-        bail!("--prompt and --new must be positive");
+    if o.prompt == 0 || o.new == 0 || o.batch == 0 {
+        bail!("--prompt, --new and --batch must be positive");
+    }
+    if o.experts > 0 && !(1..=o.experts).contains(&o.top_k) {
+        bail!("--top-k {}: expected 1 to --experts ({})", o.top_k, o.experts);
     }
     Ok(o)
 }
@@ -74,26 +96,46 @@ fn recompute(model: &Model, params: &[f32], prompt: &[u32], new: usize) -> (Vec<
     (tokens[prompt.len()..].to_vec(), t0.elapsed().as_secs_f64())
 }
 
-/// Greedy tokens, seconds to the first token (prefill) and seconds of the rest, through a backend.
-fn paged(b: &mut CpuBackend, prompt: &[u32], new: usize) -> Result<(Vec<u32>, f64, f64)> {
-    let table: Vec<u32> = (0..b.num_blocks() as u32).collect();
+/// Greedy tokens of each of `prompts`, decoded together through a backend (every prompt in the
+/// first step, then a row per sequence a step; the cache's blocks split evenly between them),
+/// seconds of the first step (prefill) and seconds of the rest.
+fn paged(b: &mut CpuBackend, prompts: &[Vec<u32>], new: usize) -> Result<(Vec<Vec<u32>>, f64, f64)> {
+    let per = b.num_blocks() / prompts.len();
+    let tables: Vec<Vec<u32>> = (0..prompts.len()).map(|i| (i * per..(i + 1) * per).map(|k| k as u32).collect()).collect();
     let t0 = Instant::now();
-    let step = |b: &mut CpuBackend, tokens: &[u32], start: usize| -> Result<u32> {
-        let out = b.step(&[SeqStep { tokens, start, block_table: &table, want_logits: true }])?;
-        Ok(argmax(&out[0]))
-    };
-    let mut out = vec![step(b, prompt, 0)?];
+    let first: Vec<SeqStep> =
+        prompts.iter().zip(&tables).map(|(p, t)| SeqStep { tokens: p, start: 0, block_table: t, want_logits: true }).collect();
+    let mut out: Vec<Vec<u32>> = b.step(&first)?.iter().map(|l| vec![argmax(l)]).collect();
     let ttft = t0.elapsed().as_secs_f64();
-    while out.len() < new {
-        let pos = prompt.len() + out.len() - 1;
-        out.push(step(b, &out[out.len() - 1..], pos)?);
+    while out[0].len() < new {
+        let logits = {
+            let rows = out.iter().zip(prompts).zip(&tables);
+            let step: Vec<SeqStep> = rows
+                .map(|((o, p), t)| SeqStep { tokens: &o[o.len() - 1..], start: p.len() + o.len() - 1, block_table: t, want_logits: true })
+                .collect();
+            b.step(&step)?
+        };
+        out.iter_mut().zip(&logits).for_each(|(o, l)| o.push(argmax(l)));
     }
     Ok((out, ttft, t0.elapsed().as_secs_f64() - ttft))
+}
+
+/// The weight formats compared: f32, int8 with the MoE experts f32 (an MoE model only), int8.
+fn formats(moe: bool) -> Vec<(&'static str, LinearFormat, QuantScope)> {
+    let mut f = vec![("f32", LinearFormat::F32, QuantScope::All)];
+    if moe {
+        f.push(("int8, experts f32", LinearFormat::Int8, QuantScope::Dense));
+    }
+    f.push((if moe { "int8, experts int8" } else { "int8" }, LinearFormat::Int8, QuantScope::All));
+    f
 }
 
 fn speed(o: &Opts) -> Result<()> {
     let mut cfg = tessera::zoo::preset(&o.model).map_err(anyhow::Error::msg)?;
     cfg.vocab_size = o.vocab;
+    if o.experts > 0 {
+        cfg.moe = Some(MoeConfig::mixtral(o.experts, o.top_k, cfg.d_ff, 0.0));
+    }
     let len = o.prompt + o.new;
     if len > cfg.max_seq_len {
         bail!("--prompt {} + --new {} exceed {}'s context of {}", o.prompt, o.new, o.model, cfg.max_seq_len);
@@ -101,46 +143,51 @@ fn speed(o: &Opts) -> Result<()> {
     let model = Model::new(cfg.clone()).map_err(anyhow::Error::msg)?;
     let params = model.init_params(1);
     let mut rng = Rng::new(2);
-    let prompt: Vec<u32> = (0..o.prompt).map(|_| rng.gen_range(o.vocab as u64) as u32).collect();
+    let prompts: Vec<Vec<u32>> = (0..o.batch).map(|_| (0..o.prompt).map(|_| rng.gen_range(o.vocab as u64) as u32).collect()).collect();
     let threads = rayon::current_num_threads();
+    let moe = cfg.moe.as_ref().map_or(String::new(), |m| format!(", {} experts top-{} of width {}", m.num_experts, m.top_k, m.d_expert));
     println!(
-        "{} ({} parameters, vocab {}), prompt {}, {} new tokens, greedy, batch 1, {threads} threads",
+        "{}{moe} ({} parameters, vocab {}), prompt {}, {} new tokens, greedy, batch {}, {threads} threads",
         o.model,
         model.num_params(),
         o.vocab,
         o.prompt,
-        o.new
+        o.new,
+        o.batch
     );
-    println!("| path | linears | prefill s | decode s | decode tokens/s | all tokens/s | same tokens as f32 cache |");
-    println!("|---|---|---|---|---|---|---|");
-    let opts = CpuOptions { block_size: BLOCK_SIZE, num_blocks: len.div_ceil(BLOCK_SIZE), weights: LinearFormat::F32 };
-    let mut f32b = CpuBackend::new(Model::new(cfg.clone()).map_err(anyhow::Error::msg)?, params.clone(), opts)?;
-    // Warm-up (thread pool, first touch of the cache and the buffers); the timed run rewrites it all.
-    paged(&mut f32b, &prompt, 2)?;
-    let (want, ttft, rest) = paged(&mut f32b, &prompt, o.new)?;
-    let row = |path: &str, lin: &str, ttft: f64, rest: f64, got: &[u32]| {
-        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
-        let all = ttft + rest;
+    println!("| path | linears | weights held MB | prefill s | decode s | decode tokens/s | all tokens/s | same tokens as f32 cache |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let per = len.div_ceil(BLOCK_SIZE);
+    let opts = CpuOptions { block_size: BLOCK_SIZE, num_blocks: o.batch * per, weights: LinearFormat::F32 };
+    let (total, mut want) = (o.batch * o.new, Vec::new());
+    for (k, (name, weights, scope)) in formats(cfg.moe.is_some()).into_iter().enumerate() {
+        let model = Model::new(cfg.clone()).map_err(anyhow::Error::msg)?;
+        let mut b = CpuBackend::with_scope(model, params.clone(), CpuOptions { weights, ..opts }, scope)?;
+        if k == 0 {
+            // Warm-up (thread pool, first touch of the cache and the buffers); the timed runs rewrite it all.
+            paged(&mut b, &prompts, 2)?;
+        }
+        let (got, ttft, rest) = paged(&mut b, &prompts, o.new)?;
+        if k == 0 {
+            want = got.clone();
+        }
+        let same: usize = got.iter().zip(&want).map(|(g, w)| g.iter().zip(w).take_while(|(a, b)| a == b).count()).sum();
         println!(
-            "| {path} | {lin} | {ttft:.3} | {rest:.3} | {:.1} | {:.1} | {same} of {} |",
-            (o.new - 1) as f64 / rest,
-            o.new as f64 / all,
-            want.len()
+            "| paged KV cache | {name} | {:.1} | {ttft:.3} | {rest:.3} | {:.1} | {:.1} | {same} of {total} |",
+            b.weight_bytes() as f64 / 1e6,
+            (o.batch * (o.new - 1)) as f64 / rest,
+            total as f64 / (ttft + rest),
         );
-    };
-    row("paged KV cache", "f32", ttft, rest, &want);
-    drop(f32b);
-    let mut int8 = CpuBackend::new(model, params.clone(), CpuOptions { weights: LinearFormat::Int8, ..opts })?;
-    let (got, ttft, rest) = paged(&mut int8, &prompt, o.new)?;
-    row("paged KV cache", "int8", ttft, rest, &got);
-    if o.recompute {
+    }
+    if o.recompute && o.batch == 1 {
         let model = Model::new(cfg).map_err(anyhow::Error::msg)?;
-        let (got, secs) = recompute(&model, &params, &prompt, o.new);
+        let (got, secs) = recompute(&model, &params, &prompts[0], o.new);
         println!(
-            "| recompute the window (before) | f32 | – | – | – | {:.1} | {} of {} |",
+            "| recompute the window (before) | f32 | {:.1} | – | – | – | {:.1} | {} of {} |",
+            4.0 * params.len() as f64 / 1e6,
             o.new as f64 / secs,
-            got.iter().zip(&want).take_while(|(a, b)| a == b).count(),
-            want.len()
+            got.iter().zip(&want[0]).take_while(|(a, b)| a == b).count(),
+            o.new
         );
         println!("recompute: {secs:.2} s for {} tokens", o.new);
     }
@@ -165,7 +212,14 @@ fn perplexity(o: &Opts, dir: &std::path::Path) -> Result<()> {
     if windows.is_empty() {
         bail!("the validation split ({} tokens) holds no window of {} tokens", ds.val.len(), t + 1);
     }
-    let int8 = model.quantize_int8(&params);
+    let all = 0..model.units().len();
+    let moe = model.cfg.moe.is_some();
+    let quantized: Vec<(&str, Option<QuantWeights>)> = formats(moe)
+        .into_iter()
+        .map(|(name, w, scope)| {
+            (name, (w == LinearFormat::Int8).then(|| model.quantize_int8_scope(&ParamsAt::whole(&params, None), all.clone(), scope)))
+        })
+        .collect();
     println!(
         "checkpoint {} ({}, {} parameters), {} windows of {t} tokens of the validation split of {}",
         dir.display(),
@@ -174,32 +228,34 @@ fn perplexity(o: &Opts, dir: &std::path::Path) -> Result<()> {
         windows.len(),
         ds.source
     );
-    let (mb, f32_mb) = (int8.bytes() as f64 / 1e6, 4.0 * int8.numel() as f64 / 1e6);
-    println!("int8: the linear layers' {} weights in {mb:.1} MB ({f32_mb:.1} MB as f32)", int8.numel());
-    let (mut ce_loss, mut ce_f32, mut ce_int8) = (0f64, 0f64, 0f64);
+    println!("f32 parameters: {:.2} MB", 4.0 * params.len() as f64 / 1e6);
+    for (name, q) in &quantized {
+        if let Some(q) = q {
+            let (mb, f32_mb) = (q.bytes() as f64 / 1e6, 4.0 * q.numel() as f64 / 1e6);
+            println!("{name}: {} weights in {mb:.2} MB of int8 and scales ({f32_mb:.2} MB as f32)", q.numel());
+        }
+    }
+    let (mut ce_loss, mut ce) = (0f64, vec![0f64; quantized.len()]);
     let mut ws = Workspace::default();
     for w in &windows {
         let (x, y) = (&w[..t], &w[1..]);
         let mut acc = tessera_kernels::model::FlatAccess { params: &params, grads: &mut [], units: model.units() };
         ce_loss += f64::from(model.loss(&mut acc, x, y, 1, t, &mut ws));
-        for (q, sum) in [(None, &mut ce_f32), (Some(&int8), &mut ce_int8)] {
+        for ((_, q), sum) in quantized.iter().zip(&mut ce) {
             let mut cache = KvCache::new(&model.cfg, t.div_ceil(BLOCK_SIZE), BLOCK_SIZE).map_err(anyhow::Error::msg)?;
             let table: Vec<u32> = (0..cache.num_blocks() as u32).collect();
             let seqs = [PagedSeq { rows: 0..t, start: 0, table: &table }];
             let rows: Vec<usize> = (0..t).collect();
-            let logits = model.forward_paged(&params, q, &mut cache, x, &seqs, &rows, &mut PagedWorkspace::default());
+            let logits = model.forward_paged(&params, q.as_ref(), &mut cache, x, &seqs, &rows, &mut PagedWorkspace::default());
             *sum += mean_ce(&logits, y, model.cfg.vocab_size);
         }
     }
     let n = windows.len() as f64;
     println!("| linears | path | mean cross-entropy (nats) | perplexity |");
     println!("|---|---|---|---|");
-    for (lin, path, ce) in [
-        ("f32", "Model::loss (training forward)", ce_loss / n),
-        ("f32", "paged KV cache", ce_f32 / n),
-        ("int8", "paged KV cache", ce_int8 / n),
-    ] {
-        println!("| {lin} | {path} | {ce:.5} | {:.4} |", ce.exp());
+    println!("| f32 | Model::loss (training forward) | {:.5} | {:.4} |", ce_loss / n, (ce_loss / n).exp());
+    for ((name, _), sum) in quantized.iter().zip(&ce) {
+        println!("| {name} | paged KV cache | {:.5} | {:.4} |", sum / n, (sum / n).exp());
     }
     Ok(())
 }

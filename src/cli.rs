@@ -214,10 +214,11 @@ pub fn checkpoint_hf_config(ck: &CheckpointState) -> Result<Option<hf::HfConfig>
 }
 
 /// A model rebuilt from a checkpoint: the model folder's config it recorded, or the preset
-/// named in the manifest with the vocabulary read off `wte.weight`; parameters copied into a
-/// flat buffer in layout order.
+/// named in the manifest with the vocabulary read off `wte.weight`, then the `tessera.moe`
+/// section the run had (`extra.moe`) as training applied it; parameters copied into a flat
+/// buffer in layout order.
 pub fn model_from_checkpoint(ck: &CheckpointState) -> Result<(Model, Vec<f32>)> {
-    let mcfg = match checkpoint_hf_config(ck)? {
+    let mut mcfg = match checkpoint_hf_config(ck)? {
         Some(h) => h.model,
         None => {
             let mut mcfg = zoo::preset(&ck.model).map_err(anyhow::Error::msg)?;
@@ -226,16 +227,40 @@ pub fn model_from_checkpoint(ck: &CheckpointState) -> Result<(Model, Vec<f32>)> 
             mcfg
         }
     };
+    if let Some(moe) = ck.extra.get("moe").filter(|v| !v.is_null()) {
+        let what = "the checkpoint's record of the run's `tessera.moe` section (manifest `extra.moe`)";
+        let root = serde_json::json!({ "tessera": { "moe": moe } });
+        let section = crate::config::moe::parse_moe(&root).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        if let Some(section) = section {
+            mcfg = section.apply(&mcfg, &ck.model).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        }
+    }
     let model = Model::new(mcfg).map_err(anyhow::Error::msg)?;
     let mut flat = vec![0.0; model.num_params()];
     for spec in model.layout().specs() {
-        let t = ck.params.iter().find(|t| t.name == spec.name).with_context(|| format!("checkpoint lacks `{}`", spec.name))?;
+        let t = ck.params.iter().find(|t| t.name == spec.name).with_context(|| missing_tensor(ck, &spec.name))?;
         if t.shape != spec.shape {
             bail!("checkpoint tensor `{}` has shape {:?}, model `{}` expects {:?}", spec.name, t.shape, ck.model, spec.shape);
         }
         flat[spec.range()].copy_from_slice(&t.data);
     }
     Ok((model, flat))
+}
+
+/// Why `ck` lacks the rebuilt model's tensor `name`: said plainly when the checkpoint's blocks
+/// hold experts the rebuilt (dense) preset does not have — a preset trained with a
+/// `tessera.moe` section, whose manifest records the preset's name and not that section.
+fn missing_tensor(ck: &CheckpointState, name: &str) -> String {
+    if !name.contains(".moe.") && ck.params.iter().any(|t| t.name.contains(".moe.")) {
+        return format!(
+            "checkpoint lacks `{name}`: its blocks hold experts (`….moe.…` tensors) but its manifest records only the preset \
+             `{}` and no MoE configuration (a preset trained with a `tessera.moe` section by a Tessera older than \
+             `extra.moe`), so the model cannot be rebuilt from it; train it again, or serve a model whose config.json has \
+             the experts (e.g. `mixtral-tiny`, or a model folder)",
+            ck.model
+        );
+    }
+    format!("checkpoint lacks `{name}`")
 }
 
 pub(crate) fn load_checkpoint(path: &Path) -> Result<CheckpointState> {
@@ -326,7 +351,8 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
     if !o.temperature.is_finite() {
         bail!("--temperature {}: expected a finite number (> 0 samples; 0 or below is greedy)", o.temperature);
     }
-    let mut m = crate::serve::model::LoadedModel::load(&o.checkpoint, o.tokenizer.as_deref())?;
+    // Over pipeline ranks this process holds the embeddings and the head only.
+    let mut m = crate::serve::model::LoadedModel::load_with(&o.checkpoint, o.tokenizer.as_deref(), o.backend.pipeline.is_some())?;
     let shown = usize::from(m.bos.is_some());
     let mut tokens = m.encode_prompt(&o.prompt).context("encoding the prompt")?;
     let codec = std::mem::replace(&mut m.codec, Codec::Bytes);
@@ -334,7 +360,7 @@ pub fn generate(o: &GenerateOpts) -> Result<()> {
         bail!("the prompt encodes to no tokens; give --prompt some text");
     }
     let ctx = m.model.cfg.max_seq_len;
-    let mut engine = crate::serve::engine_for(m, 16, 0, o.backend, 1, 512)?;
+    let mut engine = crate::serve::engine_for(m, 16, 0, o.backend.clone(), 1, 512)?;
     let mut out = std::io::stdout();
     let streamed = show(&mut out, &codec.decode(&tokens[shown..])).and_then(|()| {
         let mut text = crate::infer::text::TextOut::new(Vec::new());
@@ -555,6 +581,22 @@ mod tests {
             let e = carry_model_files(&state(serde_json::json!({ "model_files": bad })), &mut generated()).unwrap_err().to_string();
             assert!(e.contains("extra.model_files") && e.contains("not a model folder file Tessera carries"), "{e}");
         }
+    }
+
+    /// A preset trained with experts its manifest does not record is refused saying so; a
+    /// checkpoint merely missing a tensor names it.
+    #[test]
+    fn a_checkpoint_with_experts_of_a_dense_preset_is_refused_saying_why() {
+        let tensor = |name: &str| crate::checkpoint::NamedTensor { name: name.into(), shape: vec![256, 128], data: vec![0.0; 256 * 128] };
+        let mut ck = state(serde_json::json!({}));
+        ck.model = "gpt-tiny".into();
+        ck.params = vec![tensor("wte.weight"), tensor("h.0.moe.router.weight")];
+        let e = model_from_checkpoint(&ck).err().expect("refused").to_string();
+        assert!(e.contains("its blocks hold experts"), "{e}");
+        assert!(e.contains("preset `gpt-tiny` and no MoE configuration"), "{e}");
+        ck.params.pop();
+        let e = model_from_checkpoint(&ck).err().expect("refused").to_string();
+        assert!(e.starts_with("checkpoint lacks `") && !e.contains("experts"), "{e}");
     }
 
     /// A prompt opens with the begin-of-text token the run framed its documents with, and only

@@ -227,7 +227,7 @@ pub struct AgentFlags {
 }
 
 /// Reads a join token: the first line of `r`, at most [`TOKEN_BYTES_MAX`] bytes.
-fn read_token(r: &mut impl std::io::Read, from: &str) -> Result<String> {
+pub fn read_token(r: &mut impl std::io::Read, from: &str) -> Result<String> {
     use std::io::{BufRead, Read};
     let mut text = String::new();
     std::io::BufReader::new(r.take(TOKEN_BYTES_MAX as u64))
@@ -351,7 +351,8 @@ pub struct DriverOpts {
 /// The coordinator's control endpoint on `listen` and how agents join it: with `--certs`, mutual
 /// TLS with the directory's certificates; otherwise a CA made for this run (in memory), a
 /// certificate for the coordinator and a join token pinning that CA. Returns also the token.
-fn rendezvous_endpoint(listen: &str, d: &DriverOpts) -> Result<(ControlEndpoint, AgentAuth, Option<JoinToken>)> {
+/// (Also where `tessera serve --rank-listen` waits for its `serve-rank`s.)
+pub fn rendezvous_endpoint(listen: &str, d: &DriverOpts) -> Result<(ControlEndpoint, AgentAuth, Option<JoinToken>)> {
     if let (Some(dir), Some(file)) = (&d.certs, &d.token_file) {
         bail!(
             "--token-file {} with --certs {}: agents of a cluster directory join with their own certificates, there is no \
@@ -404,15 +405,16 @@ fn write_token_file(path: &Path, t: &JoinToken) -> Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("--token-file {}: renaming {} into place", path.display(), tmp.display()))
 }
 
-/// How the coordinator's start line tells agents to join, and where the token is.
-fn join_hint(at: SocketAddr, d: &DriverOpts, token: Option<&JoinToken>) -> Result<String> {
+/// How the coordinator's start line tells its joiners (`command`: `tessera agent`, `tessera
+/// serve-rank --model DIR`) to join, and where the token is (written to `--token-file` here).
+pub fn join_hint(command: &str, at: SocketAddr, d: &DriverOpts, token: Option<&JoinToken>) -> Result<String> {
     Ok(match (token, &d.token_file) {
-        (None, _) => format!("`tessera agent --join {at} --certs DIR`"),
+        (None, _) => format!("`{command} --join {at} --certs DIR`"),
         (Some(t), Some(path)) => {
             write_token_file(path, t)?;
-            format!("`tessera agent --join {at} --token-file {}`", path.display())
+            format!("`{command} --join {at} --token-file {}`", path.display())
         }
-        (Some(t), None) => format!("`tessera agent --join {at} --token {}`", t.text()),
+        (Some(t), None) => format!("`{command} --join {at} --token {}`", t.text()),
     })
 }
 
@@ -482,7 +484,7 @@ pub fn coordinator(
     };
     let (endpoint, auth, token) = rendezvous_endpoint(&listen, d)?;
     let at = endpoint.local_addr()?;
-    let hint = join_hint(at, d, token.as_ref())?;
+    let hint = join_hint("tessera agent", at, d, token.as_ref())?;
     // The command's answer (how to join), not a log line: shown even with -q.
     eprintln!("coordinator: waiting for {nodes} agents at {at} (join with {hint})");
     drive(config, common, opts, (endpoint, auth), nodes, d, Arc::new(Mutex::new(Vec::new())))
@@ -674,7 +676,7 @@ pub fn launch(config: &Path, common: &CommonArgs, opts: TrainOptions, l: &Launch
         // The launched agents get the token over ssh; the file is for agents started by hand
         // (an elastic run's joins).
         // The command's answer (how to join), not a log line: shown even with -q.
-        eprintln!("launch: more agents can join with {}", join_hint(at, d, token.as_ref())?);
+        eprintln!("launch: more agents can join with {}", join_hint("tessera agent", at, d, token.as_ref())?);
     }
     let exe = std::env::current_exe().context("finding the tessera executable")?;
     let cwd = std::env::current_dir().context("the current directory")?;

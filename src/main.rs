@@ -31,8 +31,8 @@ enum Cmd {
     /// Serve a model folder or checkpoint over HTTP with the OpenAI API (completions, chat,
     /// streaming), batching requests continuously.
     Serve(Box<ServeArgs>),
-    /// One rank of `serve --pipeline-parallel-size` (started by the server, not by hand).
-    #[command(hide = true)]
+    /// One rank of `serve --pipeline-parallel-size N --rank-listen ADDR` on this host: join the
+    /// server, hold the blocks it assigns and run them until it stops.
     ServeRank(ServeRankArgs),
     /// Load-test an OpenAI-compatible server: Poisson arrivals, random prompt and output
     /// lengths; prints throughput, time to first token and inter-token latency.
@@ -353,7 +353,8 @@ struct ServeArgs {
     #[arg(long, value_enum, default_value = "cpu")]
     device: tessera::serve::model::Device,
     /// The linear layers' weights (default: f32 on the CPU, bf16 on the GPU): f32 (CPU), bf16
-    /// (GPU), int8 (weight-only, per-channel scales; both), fp8 (e4m3, per-channel scales; GPU).
+    /// (GPU), int8 (weight-only, per-channel scales; both; on the CPU MoE experts too, routers
+    /// and norms stay f32), fp8 (e4m3, per-channel scales; GPU).
     #[arg(long, value_enum)]
     weights: Option<tessera::serve::model::Weights>,
     /// Split the model's blocks over N rank processes (pipeline parallelism, CPU; each holds a
@@ -361,6 +362,21 @@ struct ServeArgs {
     /// Absent: this process runs the whole model.
     #[arg(long, visible_alias = "pp", value_name = "N")]
     pipeline_parallel_size: Option<usize>,
+    /// Wait for the N ranks at this address (`tessera serve-rank --join HOST:PORT` on any host,
+    /// with the join token printed here or --certs) instead of starting them on this machine.
+    #[arg(long, value_name = "ADDR:PORT", requires = "pipeline_parallel_size")]
+    rank_listen: Option<String>,
+    /// With --rank-listen: a cluster directory (`tessera cluster init DIR --nodes N`): ranks
+    /// present their own node-<rank> certificates.
+    #[arg(long, value_name = "DIR", requires = "rank_listen")]
+    certs: Option<PathBuf>,
+    /// With --rank-listen: write the ranks' join token to this file (mode 0600) instead of
+    /// printing it.
+    #[arg(long, value_name = "PATH", requires = "rank_listen")]
+    token_file: Option<PathBuf>,
+    /// With --rank-listen: how long to wait for every rank to join (seconds).
+    #[arg(long, value_name = "SECS", default_value_t = tessera::engine::JOIN_TIMEOUT_MS / 1000)]
+    join_timeout: u64,
     /// Sequences in a batch at most.
     #[arg(long, default_value_t = 32)]
     max_seqs: usize,
@@ -383,21 +399,34 @@ struct ServeArgs {
 
 #[derive(Args)]
 struct ServeRankArgs {
-    /// This rank (0-based).
+    /// The server's ranks' address, HOST:PORT (its --rank-listen).
     #[arg(long)]
-    rank: usize,
-    /// The server's control address (127.0.0.1:PORT).
-    #[arg(long)]
-    control: std::net::SocketAddr,
-    /// The folder of the ranks' certificates.
-    #[arg(long)]
-    pki: PathBuf,
-    /// The model the server serves.
+    join: String,
+    /// The model the server serves, at this host's path (the same weights: checked).
     #[arg(long)]
     model: PathBuf,
     /// The checkpoint's tokenizer the server was given.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Take this rank (default: any free rank, in join order).
+    #[arg(long)]
+    rank: Option<usize>,
+    /// This rank's name in the server's messages (default <hostname>-<pid>).
+    #[arg(long)]
+    name: Option<String>,
+    /// A cluster directory with ca.pem and node-<rank>.{pem,key} (when the server runs with
+    /// --certs).
+    #[arg(long, value_name = "DIR")]
+    certs: Option<PathBuf>,
+    /// The server's join token (`-`: read it from standard input; default $TESSERA_JOIN_TOKEN).
+    #[arg(long, value_name = "TOKEN")]
+    token: Option<String>,
+    /// A file holding the join token (`tessera serve --token-file`).
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<PathBuf>,
+    /// How long to keep trying to reach the server (seconds).
+    #[arg(long, value_name = "SECS", default_value_t = tessera::engine::AGENT_CONNECT_TIMEOUT_MS / 1000)]
+    connect_timeout: u64,
 }
 
 #[derive(Args)]
@@ -464,9 +493,14 @@ struct GenerateArgs {
     #[arg(long, value_enum, default_value = "cpu")]
     device: tessera::serve::model::Device,
     /// The linear layers' weights (default: f32 on the CPU, bf16 on the GPU): f32 (CPU), bf16
-    /// (GPU), int8 (weight-only, per-channel scales; both), fp8 (e4m3, per-channel scales; GPU).
+    /// (GPU), int8 (weight-only, per-channel scales; both; on the CPU MoE experts too, routers
+    /// and norms stay f32), fp8 (e4m3, per-channel scales; GPU).
     #[arg(long, value_enum)]
     weights: Option<tessera::serve::model::Weights>,
+    /// Split the model's blocks over N rank processes on this machine (pipeline parallelism,
+    /// CPU; as `serve --pipeline-parallel-size`). Absent: this process runs the whole model.
+    #[arg(long, visible_alias = "pp", value_name = "N")]
+    pipeline_parallel_size: Option<usize>,
 }
 
 #[derive(Args)]
@@ -609,10 +643,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
             top_k: a.top_k,
             seed: a.seed,
             tokenizer: a.tokenizer,
-            backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights, pipeline: None },
+            backend: tessera::serve::model::BackendChoice {
+                device: a.device,
+                weights: a.weights,
+                pipeline: a.pipeline_parallel_size,
+                ranks_join: None,
+            },
         })
         .map(|()| done),
         Cmd::Serve(a) => {
+            let (certs, token_file, join_timeout_ms) = (a.certs, a.token_file, a.join_timeout.saturating_mul(1000));
+            let ranks_join = a.rank_listen.map(|listen| tessera::serve::model::RanksJoin { listen, certs, token_file, join_timeout_ms });
             let limits = tessera::serve::http::Limits {
                 max_queue: a.max_queue,
                 max_prompt_tokens: a.max_prompt_tokens,
@@ -626,7 +667,12 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 addr: std::net::SocketAddr::new(a.host.unwrap_or(a.addr.ip()), a.port.unwrap_or(a.addr.port())),
                 block_size: a.block_size,
                 kv_blocks: a.kv_blocks,
-                backend: tessera::serve::model::BackendChoice { device: a.device, weights: a.weights, pipeline: a.pipeline_parallel_size },
+                backend: tessera::serve::model::BackendChoice {
+                    device: a.device,
+                    weights: a.weights,
+                    pipeline: a.pipeline_parallel_size,
+                    ranks_join,
+                },
                 max_seqs: a.max_seqs,
                 max_batch_tokens: a.max_batch_tokens,
                 limits,
@@ -634,8 +680,17 @@ fn run(cli: Cli) -> Result<ExitCode> {
             .map(|()| done)
         }
         Cmd::ServeRank(a) => {
-            let args = tessera::infer::ranks::rank::RankArgs { rank: a.rank, control: a.control, pki: a.pki };
-            tessera::serve::serve_rank(&args, &a.model, a.tokenizer.as_deref()).map(|()| done)
+            let flags = tessera::launch::AgentFlags {
+                join: Some(a.join),
+                name: a.name,
+                rank: a.rank,
+                certs: a.certs,
+                token: a.token,
+                token_file: a.token_file,
+                connect_timeout_ms: a.connect_timeout.saturating_mul(1000),
+                ..Default::default()
+            };
+            tessera::serve::serve_rank(&flags, &a.model, a.tokenizer.as_deref()).map(|()| done)
         }
         Cmd::BenchServe(a) => tessera::serve::bench::bench_serve(&tessera::serve::bench::BenchOpts {
             url: a.url,

@@ -18,7 +18,7 @@ use crate::common::*;
 
 #[path = "../chaos/src/netns.rs"]
 #[allow(dead_code)]
-mod netns;
+pub mod netns;
 #[path = "../chaos/src/proxy.rs"]
 #[allow(dead_code)]
 mod proxy;

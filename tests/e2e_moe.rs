@@ -2,7 +2,8 @@
 //! rank, two ranks under ZeRO-2 and two worker processes under ZeRO-3, a resume under another
 //! world size continues them, and its export reads back as the trained parameters and loads in
 //! transformers with the same loss; the shipped `configs/mixtral-tiny.json` trains its preset
-//! to the same bits on one and two ranks, and exports.
+//! to the same bits on one and two ranks, and exports; a dense preset trained with a
+//! `tessera.moe` section generates from its checkpoint (which records the section).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -104,4 +105,19 @@ fn the_shipped_mixtral_tiny_config_trains_its_preset_to_the_same_bits_and_export
     let said = ok(&["export", "--checkpoint", c.to_str().unwrap(), "--out", export.to_str().unwrap()], tmp.path());
     assert!(said.contains("MixtralForCausalLM"), "{said}");
     check_export(&export);
+}
+
+/// A dense preset given experts by a `tessera.moe` section: its checkpoint records the section
+/// (`extra.moe`), so `generate` rebuilds the experts (before, it rebuilt the dense preset and
+/// found no tensor for its MLPs).
+#[test]
+fn a_dense_preset_trained_with_a_moe_section_generates_from_its_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = text(tmp.path());
+    let out = tmp.path().join("run");
+    train(Path::new("gpt-tiny"), &data, &out, "2", &["--set", r#"tessera.moe={"num_experts": 4, "k": 2, "drop_tokens": false}"#]);
+    let ck = out.join("checkpoints");
+    let said =
+        ok(&["generate", "--checkpoint", ck.to_str().unwrap(), "--tokens", "4", "--temperature", "0", "--prompt", "It is"], tmp.path());
+    assert!(said.starts_with("It is"), "{said}");
 }

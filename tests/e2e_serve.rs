@@ -18,7 +18,7 @@ const TEMPLATE: &str =
     "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'].strip() }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}";
 
 /// The LLaMA fixture folder with a chat template, in `dir`.
-fn model_folder(dir: &Path) -> std::path::PathBuf {
+pub fn model_folder(dir: &Path) -> std::path::PathBuf {
     let src = repo().join("tests/fixtures/hf/llama");
     let dst = dir.join("tiny-llama");
     std::fs::create_dir_all(&dst).unwrap();
@@ -30,9 +30,9 @@ fn model_folder(dir: &Path) -> std::path::PathBuf {
     dst
 }
 
-struct Server {
-    child: Child,
-    addr: String,
+pub struct Server {
+    pub child: Child,
+    pub addr: String,
 }
 
 impl Drop for Server {
@@ -42,7 +42,7 @@ impl Drop for Server {
     }
 }
 
-fn start(model: &Path, extra: &[&str]) -> Server {
+pub fn start(model: &Path, extra: &[&str]) -> Server {
     let mut child = Command::new(bin())
         .args(["serve", "--model", model.to_str().unwrap(), "--addr", "127.0.0.1:0"])
         .args(extra)
@@ -57,7 +57,7 @@ fn start(model: &Path, extra: &[&str]) -> Server {
 }
 
 /// Sends raw bytes as one request; the status and the body (read to the end).
-fn raw(addr: &str, head: &str, body: &[u8]) -> (u16, String) {
+pub fn raw(addr: &str, head: &str, body: &[u8]) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
     let req = format!("{head}\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len());
@@ -70,7 +70,7 @@ fn raw(addr: &str, head: &str, body: &[u8]) -> (u16, String) {
     (status, text.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string()))
 }
 
-fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
+pub fn post(addr: &str, path: &str, body: &str) -> (u16, String) {
     raw(addr, &format!("POST {path} HTTP/1.1"), body.as_bytes())
 }
 
@@ -212,7 +212,8 @@ fn sigterm_finishes_the_requests_in_flight_then_exits() {
 }
 
 /// `--weights` a device cannot hold is refused naming the flag; `--device cuda` without a GPU is
-/// refused naming the flag (the error is the driver's sentence), and with one it generates.
+/// refused naming the flag (the error is the driver's sentence), and with one it generates;
+/// `--pipeline-parallel-size 2` generates the one-process text.
 #[test]
 fn the_device_and_weights_flags_are_honoured_or_refused_by_name() {
     let tmp = tempfile::tempdir().unwrap();
@@ -236,6 +237,13 @@ fn the_device_and_weights_flags_are_honoured_or_refused_by_name() {
     }
     let cpu = generate(&["--weights", "int8"]);
     assert!(cpu.status.success(), "{}", err(&cpu));
+    // Over two pipeline ranks `generate` prints the one-process text, for both formats.
+    for extra in [&[][..], &["--weights", "int8"][..]] {
+        let one = generate(extra);
+        let two = generate(&[extra, &["--pipeline-parallel-size", "2"][..]].concat());
+        assert!(one.status.success() && two.status.success(), "{}{}", err(&one), err(&two));
+        assert_eq!(String::from_utf8_lossy(&two.stdout), String::from_utf8_lossy(&one.stdout), "{extra:?}");
+    }
     let gpu = generate(&["--device", "cuda"]);
     if gpu.status.success() {
         assert!(gpu.stdout.len() > "It is".len(), "{:?}", String::from_utf8_lossy(&gpu.stdout));

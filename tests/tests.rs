@@ -16,6 +16,7 @@ mod e2e_outputs;
 mod e2e_pipeline;
 mod e2e_procs;
 mod e2e_serve;
+mod e2e_serve_hosts;
 mod e2e_signals;
 mod e2e_train;
 mod e2e_zero;

@@ -12,15 +12,21 @@
 //! token, never through the runner. The load-balancing loss's gradient reaches the router
 //! through `MoeActs::dprob` (the model forms it over every block, or per block); the z-loss's
 //! is the block's own.
+//!
+//! Inference may hold int8 copies of the MLPs' linears ([`MoeFfn::linears`], [`MoeFfn::forward_with`]):
+//! every expert's, the shared expert's and the residual MLP's; the router, the shared expert's
+//! gate and the residual mixer stay f32, so routing reads the f32 router.
 
 use std::ops::Range;
 
 use crate::experts::{ExpertActs, ExpertMlp, ExpertRunner, LocalExperts};
 use crate::gemm::matmul;
 use crate::layer::{Init, ParamLayout, ParamSpec};
+use crate::model::paged::LinearSpec;
 use crate::model::{Arch, MoeConfig, NoisyGate};
 use crate::ops::moe::{self, MoeActs, NoiseKey, RouteSpec};
 use crate::ops::{gelu, linear, swiglu};
+use crate::quant::{self, QuantUnit};
 use crate::tensor::exp_f32;
 use crate::wgrad::WeightGrads;
 
@@ -59,10 +65,23 @@ impl Mlp {
         }
     }
 
-    /// `y` for `x [m, c]`, `p` the weights' owner (offsets `off` below the ranges); keeps in
-    /// `acts` what the backward needs (SwiGLU `[x, gate, up, sw]`, GELU `[x, fc, gelu]`).
-    fn forward(&self, p: &[f32], off: usize, x: &[f32], c: usize, acts: &mut ExpertActs) -> Vec<f32> {
+    /// The MLP's linears (weights unit-relative), for width `c`.
+    fn linears(&self, c: usize) -> Vec<LinearSpec> {
+        let spec = |w: &Range<usize>, ic, oc| LinearSpec { weight: w.clone(), ic, oc, moe: true };
+        match self {
+            Mlp::Swiglu { gate, up, down, f } => vec![spec(gate, c, *f), spec(up, c, *f), spec(down, *f, c)],
+            Mlp::Gelu { fc_w, proj_w, f, .. } => vec![spec(fc_w, c, *f), spec(proj_w, *f, c)],
+        }
+    }
+
+    /// `y` for `x [m, c]`, `p` the weights' owner (offsets `off` below the ranges), each linear
+    /// through its int8 copy in `int8` (the unit's) when there is one; keeps in `acts` what the
+    /// backward needs (SwiGLU `[x, gate, up, sw]`, GELU `[x, fc, gelu]`).
+    fn forward(&self, p: &[f32], off: usize, x: &[f32], c: usize, acts: &mut ExpertActs, int8: Option<&QuantUnit>) -> Vec<f32> {
         let w = |r: &Range<usize>| &p[r.start - off..r.end - off];
+        let lin = |out: &mut [f32], x: &[f32], wr: &Range<usize>, b: Option<&Range<usize>>, ic: usize, oc: usize| {
+            quant::linear_forward(int8, wr.start, out, x, w(wr), b.map(w), ic, oc);
+        };
         let m = x.len() / c;
         let mut y = vec![0.0; m * c];
         match self {
@@ -70,20 +89,20 @@ impl Mlp {
                 let f = *f;
                 let mut gate = vec![0.0; m * f];
                 let mut up = vec![0.0; m * f];
-                linear::linear_forward(&mut gate, x, w(wg), None, m, c, f);
-                linear::linear_forward(&mut up, x, w(wu), None, m, c, f);
+                lin(&mut gate, x, wg, None, c, f);
+                lin(&mut up, x, wu, None, c, f);
                 let mut sw = vec![0.0; m * f];
                 swiglu::swiglu_forward(&mut sw, &gate, &up);
-                linear::linear_forward(&mut y, &sw, w(wd), None, m, f, c);
+                lin(&mut y, &sw, wd, None, f, c);
                 *acts = vec![x.to_vec(), gate, up, sw];
             }
             Mlp::Gelu { fc_w, fc_b, proj_w, proj_b, f } => {
                 let f = *f;
                 let mut fc = vec![0.0; m * f];
-                linear::linear_forward(&mut fc, x, w(fc_w), Some(w(fc_b)), m, c, f);
+                lin(&mut fc, x, fc_w, Some(fc_b), c, f);
                 let mut gl = vec![0.0; m * f];
                 gelu::gelu_forward(&mut gl, &fc);
-                linear::linear_forward(&mut y, &gl, w(proj_w), Some(w(proj_b)), m, f, c);
+                lin(&mut y, &gl, proj_w, Some(proj_b), f, c);
                 *acts = vec![x.to_vec(), fc, gl];
             }
         }
@@ -221,9 +240,36 @@ impl MoeFfn {
         (MoeFfn { unit: l + 1, c, cfg: cfg.clone(), router, experts, ranges, shared, residual }, specs)
     }
 
+    /// The linears of the FFN's MLPs — each expert's, then the shared expert's and the residual
+    /// MLP's — unit-relative (what int8 inference quantizes; the router and gates are not here).
+    pub fn linears(&self) -> Vec<LinearSpec> {
+        let shared = self.shared.iter().map(|s| &s.mlp);
+        let residual = self.residual.iter().map(|r| &r.mlp);
+        self.experts.iter().chain(shared).chain(residual).flat_map(|m| m.linears(self.c)).collect()
+    }
+
     /// The FFN of the normed stream `h [n, c]` into `y` (overwritten); keeps what the backward
     /// needs in `acts`.
     pub fn forward(&self, p: &[f32], h: &[f32], y: &mut [f32], acts: &mut Option<MoeActs>, runner: Option<&mut dyn ExpertRunner>) {
+        self.forward_with(p, None, h, y, acts, runner);
+    }
+
+    /// [`MoeFfn::forward`] with int8 copies of the MLPs' linears ([`MoeFfn::linears`]) where
+    /// `int8` (the block unit's) holds them: inference, whose experts run here, never through a
+    /// runner.
+    ///
+    /// # Panics
+    /// With both `int8` and a `runner`.
+    pub fn forward_with(
+        &self,
+        p: &[f32],
+        int8: Option<&QuantUnit>,
+        h: &[f32],
+        y: &mut [f32],
+        acts: &mut Option<MoeActs>,
+        runner: Option<&mut dyn ExpertRunner>,
+    ) {
+        assert!(int8.is_none() || runner.is_none(), "int8 experts run in their block, not through a runner");
         let (c, e) = (self.c, self.cfg.num_experts);
         let n = h.len() / c;
         let mut a = acts.take().unwrap_or_default();
@@ -258,17 +304,28 @@ impl MoeFfn {
         a.routing = moe::route_with(&a.logits, n, &spec);
         a.z = moe::z_loss(&a.logits, n, e);
         let rows = moe::dispatch(h, &a.routing, c);
-        a.outs = match runner {
-            Some(r) => r.forward(self.unit, self, p, rows),
-            None => {
+        a.outs = match (runner, int8) {
+            (Some(r), _) => r.forward(self.unit, self, p, rows),
+            (None, None) => {
                 let mut g: [f32; 0] = [];
                 LocalExperts { wg: &mut WeightGrads::now(&mut g), acts: &mut a.expert_acts }.forward(self.unit, self, p, rows)
+            }
+            // As `LocalExperts`, each expert's linears through their int8 copies; nothing kept.
+            (None, Some(_)) => {
+                let run = |(e, x): (usize, &Vec<f32>)| {
+                    if x.is_empty() {
+                        Vec::new()
+                    } else {
+                        self.experts[e].forward(p, 0, x, c, &mut Vec::new(), int8)
+                    }
+                };
+                rows.iter().enumerate().map(run).collect()
             }
         };
         moe::combine(y, &a.outs, &a.routing, c);
         a.residual = self.residual.as_ref().map(|r| {
             let mut ra = ResidualActs::default();
-            ra.out = r.mlp.forward(p, 0, h, c, &mut ra.mlp);
+            ra.out = r.mlp.forward(p, 0, h, c, &mut ra.mlp, int8);
             ra.moe_out = y.to_vec();
             ra.q = vec![0.0; n * 2];
             linear::linear_forward(&mut ra.q, h, &p[r.coef_w.clone()], Some(&p[r.coef_b.clone()]), n, c, 2);
@@ -285,7 +342,7 @@ impl MoeFfn {
         });
         if let Some(s) = &self.shared {
             let mut sa = Vec::new();
-            let out = s.mlp.forward(p, 0, h, c, &mut sa);
+            let out = s.mlp.forward(p, 0, h, c, &mut sa, int8);
             let mut z = vec![0.0; n];
             matmul(&mut z, h, &p[s.gate.clone()], n, c, 1, false, false, 0.0);
             for t in 0..n {
@@ -406,7 +463,7 @@ impl ExpertMlp for MoeFfn {
     }
 
     fn forward(&self, e: usize, p: &[f32], x: &[f32], acts: &mut ExpertActs) -> Vec<f32> {
-        self.experts[e].forward(p, self.ranges[e].start, x, self.c, acts)
+        self.experts[e].forward(p, self.ranges[e].start, x, self.c, acts, None)
     }
 
     fn backward_to(&self, e: usize, p: &[f32], acts: &mut ExpertActs, dy: &[f32], wg: &mut WeightGrads<'_>) -> Vec<f32> {
@@ -508,6 +565,45 @@ mod tests {
         }
     }
 
+    /// Int8 inference: the FFN's linears are every weight matrix of its MLPs (each expert's,
+    /// the shared expert's, the residual MLP's) and nothing else; each round-trips through
+    /// [`QuantMatrix`] within half its channel's scale; and `forward_with` the int8 copies is the
+    /// f32 forward of the dequantized weights (same routing: the router stays f32).
+    #[test]
+    fn int8_mlps_round_trip_within_half_a_step_and_match_their_dequantized_forward() {
+        use crate::quant::QuantMatrix;
+        let (c, n) = (8, 6);
+        for arch in [Arch::Gpt, Arch::Llama] {
+            let cfg = cfg(2, Some(7), true);
+            let (f, p) = ffn(arch, &cfg, c);
+            let lin = f.linears();
+            let per_mlp = if arch == Arch::Llama { 3 } else { 2 };
+            assert_eq!(lin.len(), per_mlp * (cfg.num_experts + 2), "{arch:?}: every MLP's matrices");
+            assert!(lin.iter().all(|l| l.moe && l.weight.len() == l.ic * l.oc));
+            assert!(lin.iter().all(|l| !l.weight.contains(&f.router.start)), "{arch:?}: the router stays f32");
+            let (mut q, mut deq) = (QuantUnit::new(), p.clone());
+            for l in &lin {
+                let w = &p[l.weight.clone()];
+                let m = QuantMatrix::from_in_out(w, l.ic, l.oc);
+                let back = m.dequantize();
+                for (k, (a, b)) in w.iter().zip(&back).enumerate() {
+                    let bound = 0.5 * m.scales()[k % l.oc] * (1.0 + 1e-5);
+                    assert!((a - b).abs() <= bound, "{arch:?} {:?}[{k}]: {a} vs {b}, bound {bound}", l.weight);
+                }
+                deq[l.weight.clone()].copy_from_slice(&back);
+                q.insert(l.weight.start, m);
+            }
+            let h = randn(9, n * c, 1.0);
+            let (mut got, mut want, mut plain) = (vec![0.0; n * c], vec![0.0; n * c], vec![0.0; n * c]);
+            f.forward_with(&p, Some(&q), &h, &mut got, &mut None, None);
+            f.forward(&deq, &h, &mut want, &mut None, None);
+            f.forward(&p, &h, &mut plain, &mut None, None);
+            let (e, e_f32) = (crate::gradcheck::rel_err(&got, &want), crate::gradcheck::rel_err(&got, &plain));
+            assert!(e < 1e-5, "{arch:?}: int8 forward vs the dequantized weights' f32 forward: rel err {e:e}");
+            assert!(e_f32 > 1e-6 && e_f32 < 2e-2, "{arch:?}: int8 forward vs the f32 weights: rel err {e_f32:e}");
+        }
+    }
+
     /// The residual mix is DeepSpeed's: `y = q₀·experts + q₁·mlp` with `q = softmax(h·W + b)`;
     /// with the mixer's bias pushing all weight to the MLP, the block is the MLP alone.
     #[test]
@@ -521,7 +617,7 @@ mod tests {
         let h = randn(7, n * c, 1.0);
         let mut y = vec![0.0; n * c];
         f.forward(&p, &h, &mut y, &mut None, None);
-        let want = r.mlp.forward(&p, 0, &h, c, &mut Vec::new());
+        let want = r.mlp.forward(&p, 0, &h, c, &mut Vec::new(), None);
         assert!(y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-6), "{y:?} vs {want:?}");
         // Equal logits: the mean of the two.
         p[r.coef_b.clone()].fill(0.0);

@@ -10,8 +10,11 @@
 //! is one dot product over `i` in a fixed lane order, so a row's result does not depend on the
 //! other rows or on threads.
 
+use std::collections::HashMap;
+
 use rayon::prelude::*;
 
+use crate::ops::linear;
 use crate::tensor::simd_dispatch;
 
 /// Lanes of the int8 dot product's partial sums.
@@ -54,6 +57,11 @@ impl QuantMatrix {
 
     pub fn shape(&self) -> (usize, usize) {
         (self.ic, self.oc)
+    }
+
+    /// Each output channel's scale (`max |W_·j| / 127`).
+    pub fn scales(&self) -> &[f32] {
+        &self.scale
     }
 
     /// Bytes held (int8 weights and f32 scales).
@@ -101,6 +109,29 @@ impl QuantMatrix {
             }
         });
         out.par_chunks_mut(oc).enumerate().for_each(|(r, row)| row.iter_mut().enumerate().for_each(|(j, o)| *o = t[j * n + r]));
+    }
+}
+
+/// A unit's int8 linears, keyed by each weight's offset in the unit.
+pub type QuantUnit = HashMap<usize, QuantMatrix>;
+
+/// `out [n, oc] = x [n, ic] · W (+ bias)`, overwriting `out`: through `int8`'s copy of the weight
+/// at unit offset `at` when it holds one, else through the f32 weight `w [ic, oc]`.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_forward(
+    int8: Option<&QuantUnit>,
+    at: usize,
+    out: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    ic: usize,
+    oc: usize,
+) {
+    let n = x.len() / ic;
+    match int8.and_then(|q| q.get(&at)) {
+        Some(m) => m.forward(out, x, bias, n),
+        None => linear::linear_forward(out, x, w, bias, n, ic, oc),
     }
 }
 

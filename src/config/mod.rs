@@ -9,7 +9,7 @@ mod elastic;
 mod error;
 mod keys;
 mod legacy;
-mod moe;
+pub(crate) mod moe;
 mod optim;
 mod overrides;
 mod pipeline;

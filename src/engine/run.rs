@@ -380,6 +380,9 @@ fn save_checkpoint(cfg: &Config, plan: &Plan, ranks: &Ranks, step: u64, root: &P
             "tokenizer": data::tokenizer_record(cfg.tessera.tokenizer.as_deref().map(Path::new))?,
             "data": data,
             "model_config": plan.model_record(),
+            // The `tessera.moe` section as resolved: a dense preset or folder trained with it has
+            // experts its own config does not describe (`cli::model_from_checkpoint` applies it).
+            "moe": cfg.resolved.pointer("/tessera/moe").cloned().unwrap_or_default(),
             "model_files": plan.model_files(cfg.tessera.tokenizer.as_deref()),
             "data_bos": cfg.tessera.data_bos,
         }),

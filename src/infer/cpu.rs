@@ -5,7 +5,7 @@
 //! scheduler hands it before the kernels see it.
 
 use anyhow::{bail, ensure, Result};
-use tessera_kernels::model::paged::{KvCache, PagedWorkspace, QuantWeights};
+use tessera_kernels::model::paged::{KvCache, PagedWorkspace, ParamsAt, QuantScope, QuantWeights};
 use tessera_kernels::model::Model;
 
 use super::backend::{check_step, Backend, SeqStep, StepRows};
@@ -15,8 +15,9 @@ use super::backend::{check_step, Backend, SeqStep, StepRows};
 pub enum LinearFormat {
     /// The parameters as they are.
     F32,
-    /// Int8 with one scale per output channel (attention and dense-MLP projections, LM head;
-    /// experts, routers and norms stay f32).
+    /// Int8 with one scale per output channel: attention projections, dense MLPs, every MoE
+    /// expert's MLP (and the shared expert's and residual MLP's), the LM head. Routers, the
+    /// shared expert's gate, the residual mixer, norms and embeddings stay f32.
     Int8,
 }
 
@@ -75,9 +76,16 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// Refuses what it cannot run ([`check_servable`]).
     pub fn new(model: Model, params: Vec<f32>, opts: CpuOptions) -> Result<CpuBackend> {
+        CpuBackend::with_scope(model, params, opts, QuantScope::All)
+    }
+
+    /// [`CpuBackend::new`] whose int8 weights (with [`LinearFormat::Int8`]) are the linears
+    /// `scope` names (`benches/decode_cpu.rs` compares int8 experts with f32 ones).
+    pub fn with_scope(model: Model, params: Vec<f32>, opts: CpuOptions, scope: QuantScope) -> Result<CpuBackend> {
         check_servable(&model, params.len())?;
         let cache = KvCache::new(&model.cfg, opts.num_blocks, opts.block_size).map_err(anyhow::Error::msg)?;
-        let int8 = (opts.weights == LinearFormat::Int8).then(|| model.quantize_int8(&params));
+        let all = 0..model.units().len();
+        let int8 = (opts.weights == LinearFormat::Int8).then(|| model.quantize_int8_scope(&ParamsAt::whole(&params, None), all, scope));
         Ok(CpuBackend { model, params, int8, cache, ws: PagedWorkspace::default() })
     }
 
@@ -88,6 +96,12 @@ impl CpuBackend {
     /// The int8 weights, when the backend holds them.
     pub fn int8(&self) -> Option<&QuantWeights> {
         self.int8.as_ref()
+    }
+
+    /// Bytes of weights held: the f32 parameters (all of them: the int8 path reads only the
+    /// copies, but the flat buffer is kept whole) and the int8 copies with their scales.
+    pub fn weight_bytes(&self) -> usize {
+        4 * self.params.len() + self.int8.as_ref().map_or(0, QuantWeights::bytes)
     }
 }
 

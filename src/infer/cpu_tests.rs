@@ -3,6 +3,7 @@
 //! batches and prefix blocks shared between sequences; int8 weights against f32; bad steps.
 
 use tessera_kernels::gradcheck::rel_err;
+use tessera_kernels::model::paged::{ParamsAt, QuantScope};
 use tessera_kernels::model::{Arch, Gating, Model, ModelConfig, MoeConfig, Workspace};
 use tessera_kernels::tensor::Rng;
 
@@ -176,6 +177,10 @@ fn int8_weights_stay_close_to_f32() {
         let (mut q, _, _) = backend(&cfg, LinearFormat::Int8);
         let stats = q.int8().unwrap();
         assert!(stats.numel() > 0 && stats.bytes() < 4 * stats.numel() / 3, "{name}: int8 holds {} bytes", stats.bytes());
+        // MoE blocks' experts are int8 too: more than the dense-only scope holds, by exactly
+        // their MLPs' matrices.
+        let moe = int8_experts(&q);
+        assert_eq!(moe > 0, cfg.moe.is_some(), "{name}: the MoE blocks' MLPs are quantized");
         let seq = tokens(12, cfg.vocab_size, 10);
         // A prompt chunk whose logits nobody wants runs no head (int8 with no rows was a panic).
         assert!(q.step(&[step(&seq[..5], 0, &[0, 1, 2], false)]).unwrap().is_empty(), "{name}");
@@ -264,11 +269,16 @@ fn decoding_matches_transformers_for_every_family() {
 
 /// A folder's model behind a backend of 8 blocks of 8 positions.
 fn folder_backend(name: &str) -> CpuBackend {
+    folder_backend_as(name, LinearFormat::F32)
+}
+
+/// [`folder_backend`] with `weights`.
+fn folder_backend_as(name: &str, weights: LinearFormat) -> CpuBackend {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name);
     let hf = crate::hf::HfModel::open(&dir).unwrap();
     let model = Model::new(hf.config.model.clone()).unwrap();
     let params = crate::hf::read_params(hf.weights.as_ref().unwrap(), hf.config.family, &model).unwrap();
-    CpuBackend::new(model, params, CpuOptions { block_size: 8, num_blocks: 8, weights: LinearFormat::F32 }).unwrap()
+    CpuBackend::new(model, params, CpuOptions { block_size: 8, num_blocks: 8, weights }).unwrap()
 }
 
 /// transformers' greedy `generate` (float64, `scripts/gen_fixtures.py hf-generate`: prompts whose
@@ -291,4 +301,57 @@ fn greedy_decoding_matches_transformers_generate() {
         }
         assert_eq!(got, want, "{name}: greedy tokens against transformers' generate");
     }
+}
+
+/// Greedy decoding of `prompt` to `len` tokens: each step's logits and the tokens.
+fn greedy(b: &mut CpuBackend, prompt: &[u32], len: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
+    let table: Vec<u32> = (0..8).rev().collect();
+    let argmax = |x: &[f32]| x.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &v)| if v > m.1 { (i, v) } else { m }).0 as u32;
+    let mut logits = b.step(&[step(prompt, 0, &table, true)]).unwrap();
+    let mut got = vec![argmax(&logits[0])];
+    while got.len() < len {
+        let pos = prompt.len() + got.len() - 1;
+        let out = b.step(&[step(&got[got.len() - 1..], pos, &table, true)]).unwrap();
+        got.push(argmax(&out[0]));
+        logits.extend(out);
+    }
+    (logits, got)
+}
+
+/// Int8 experts (every linear int8, routers f32) on the transformers-made MoE folders: every
+/// greedy step's logits within [`INT8_TOL`] of the f32 backend's, the same greedy tokens as
+/// transformers' `generate`, and the same bits on a second run.
+#[test]
+fn int8_experts_stay_close_to_f32_on_the_moe_folders() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/generate.json");
+    let fixture: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    for name in ["mixtral", "qwen2-moe"] {
+        let (prompt, want) = (ids(&fixture[name]["prompt"]), ids(&fixture[name]["generated"]));
+        let mut q = folder_backend_as(name, LinearFormat::Int8);
+        assert!(int8_experts(&q) > 0, "{name}: the experts are int8");
+        let (f_logits, f_tokens) = greedy(&mut folder_backend(name), &prompt, want.len());
+        let (q_logits, q_tokens) = greedy(&mut q, &prompt, want.len());
+        assert_eq!(f_tokens, want, "{name}: f32 greedy tokens against transformers' generate");
+        assert_eq!(q_tokens, want, "{name}: int8 greedy tokens against transformers' generate");
+        for (k, (got, f)) in q_logits.iter().zip(&f_logits).enumerate() {
+            let e = rel_err(got, f);
+            assert!(e < INT8_TOL && e > 1e-7, "{name}: step {k}: int8 logits rel err {e:e} against f32");
+        }
+        let (again, _) = greedy(&mut folder_backend_as(name, LinearFormat::Int8), &prompt, want.len());
+        assert_eq!(again, q_logits, "{name}: int8 decoding is deterministic");
+    }
+}
+
+/// Int8 logits against f32 (relative error, `rel_err`) on the MoE folders.
+const INT8_TOL: f64 = 5e-2;
+
+/// The weights of `b`'s MoE MLPs (experts, shared expert, residual MLP) it holds as int8:
+/// checks its int8 weights are the dense-only scope's plus exactly those.
+fn int8_experts(b: &CpuBackend) -> usize {
+    let model = b.model();
+    let dense = model.quantize_int8_scope(&ParamsAt::whole(&b.params, None), 0..model.units().len(), QuantScope::Dense);
+    let moe: usize = (0..model.cfg.n_layer).flat_map(|l| model.block_linears(l)).filter(|l| l.moe).map(|l| l.ic * l.oc).sum();
+    assert_eq!(b.int8().unwrap().numel(), dense.numel() + moe);
+    moe
 }

@@ -114,13 +114,27 @@ pub fn serve(o: ServeOpts) -> Result<()> {
     served
 }
 
-/// `tessera serve-rank`: opens the model the server serves, dials the server and holds the
-/// blocks it assigns (reading only their weights from a model folder) until it says stop
+/// `tessera serve-rank`: opens the model the server serves, joins the server (`--join`, as an
+/// agent joins a coordinator: `launch::agent_args` reads the flags) and holds the blocks it
+/// assigns (reading only their weights from a model folder) until it says stop
 /// ([`crate::infer::ranks`]).
-pub fn serve_rank(a: &crate::infer::ranks::rank::RankArgs, model: &std::path::Path, tokenizer: Option<&std::path::Path>) -> Result<()> {
+pub fn serve_rank(f: &crate::launch::AgentFlags, model: &std::path::Path, tokenizer: Option<&std::path::Path>) -> Result<()> {
+    let mut f = f.clone();
+    if f.token.as_deref() == Some("-") {
+        f.token = Some(crate::launch::read_token(&mut std::io::stdin().lock(), "standard input")?);
+    }
+    let no_proof = f.certs.is_none() && f.token.is_none() && f.token_file.is_none();
+    if no_proof && std::env::var(crate::launch::TOKEN_ENV).map_or(true, |t| t.trim().is_empty()) {
+        anyhow::bail!(
+            "tessera serve-rank needs the server's join token (--token TOKEN, --token - to read it from standard input, \
+             --token-file PATH or ${}) or a cluster directory (--certs DIR)",
+            crate::launch::TOKEN_ENV
+        );
+    }
+    let args = crate::launch::agent_args(&f, &|k| std::env::var(k).ok())?;
     let (m, load) = model::open_for_rank(model, tokenizer)?;
-    let (_endpoint, conn) = crate::infer::ranks::rank::connect(a)?;
-    crate::infer::ranks::rank::serve_rank(conn, a.rank, m, &*load)
+    let (_endpoint, conn) = crate::infer::ranks::rank::connect(&args)?;
+    crate::infer::ranks::rank::serve_rank(conn, m, &*load)
 }
 
 /// Resolves on SIGTERM or SIGINT, after marking the server as draining.

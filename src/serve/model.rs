@@ -13,7 +13,8 @@ use tessera_kernels::model::Model;
 use super::chat::ChatTemplate;
 use crate::data::Codec;
 use crate::hf;
-use crate::infer::ranks::{ModelSource, PipelineBackend, PipelineOptions};
+use crate::infer::ranks::rank::WeightLoader;
+use crate::infer::ranks::{ModelSource, PipelineBackend, PipelineOptions, RankSource};
 use crate::infer::{Backend, CpuBackend, CpuOptions, GpuBackend, LinearFormat};
 
 /// A model ready to generate with.
@@ -86,11 +87,12 @@ impl LoadedModel {
                 match b.pipeline {
                     None => {
                         ensure!(self.held == (0..self.model.num_params()), "the model was loaded without its blocks (for pipeline ranks)");
+                        ensure!(b.ranks_join.is_none(), "--rank-listen needs --pipeline-parallel-size N: how many ranks to wait for");
                         Ok(Box::new(CpuBackend::new(self.model, self.params, CpuOptions { block_size, num_blocks, weights })?))
                     }
                     Some(ranks) => {
                         let opts = PipelineOptions { ranks, block_size, num_blocks, weights };
-                        Ok(Box::new(PipelineBackend::spawn(self.model, self.params, self.held.start, &self.source, opts)?))
+                        Ok(Box::new(self.pipeline(b.ranks_join.as_ref(), opts)?))
                     }
                 }
             }
@@ -111,8 +113,33 @@ impl LoadedModel {
     }
 }
 
+impl LoadedModel {
+    /// The model over pipeline ranks: spawned here, or joining at `join` from other hosts. The
+    /// ranks' blocks are checked against this model's parameters: those held, else read again
+    /// from the folder (a range at a time).
+    fn pipeline(self, join: Option<&RanksJoin>, opts: PipelineOptions) -> Result<PipelineBackend> {
+        let all = self.held == (0..self.model.num_params());
+        let load: Box<WeightLoader> = match all {
+            true => Box::new(|_: &Model, r: std::ops::Range<usize>| bail!("parameters {r:?} are held already")),
+            false => open_for_rank(&self.source.model, self.source.tokenizer.as_deref())?.1,
+        };
+        let Some(j) = join else {
+            return PipelineBackend::spawn(self.model, &self.params, self.held.start, &*load, &self.source, opts);
+        };
+        let d = crate::launch::DriverOpts { join_timeout_ms: j.join_timeout_ms, certs: j.certs.clone(), token_file: j.token_file.clone() };
+        let (endpoint, auth, token) = crate::launch::rendezvous_endpoint(&j.listen, &d).context("--rank-listen")?;
+        let at = endpoint.local_addr()?;
+        let command = format!("tessera serve-rank --model {}", self.source.model.display());
+        let hint = crate::launch::join_hint(&command, at, &d, token.as_ref())?;
+        // The command's answer (how to join), not a log line: shown even with -q.
+        eprintln!("serve: waiting for {} ranks at {at} (join with {hint})", opts.ranks);
+        let source = RankSource::Join { endpoint: Box::new(endpoint), auth, join_timeout_ms: j.join_timeout_ms };
+        PipelineBackend::launch(self.model, &self.params, self.held.start, &*load, opts, source)
+    }
+}
+
 /// Where the engine's model runs and how its linear layers are held (`--device`, `--weights`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct BackendChoice {
     pub device: Device,
     /// None: the device's own (f32 on the CPU, bf16 on the GPU).
@@ -120,6 +147,19 @@ pub struct BackendChoice {
     /// Rank processes holding the model's blocks (`--pipeline-parallel-size`, CPU); none: this
     /// process runs the whole model.
     pub pipeline: Option<usize>,
+    /// The ranks join from other hosts (`--rank-listen`); none: this process starts them.
+    pub ranks_join: Option<RanksJoin>,
+}
+
+/// `tessera serve --rank-listen ADDR`: where `tessera serve-rank --join` processes join, and how
+/// they prove they belong (as `tessera coordinator`'s agents: a join token, printed or written
+/// to `token_file`, or a cluster directory's certificates).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RanksJoin {
+    pub listen: String,
+    pub certs: Option<PathBuf>,
+    pub token_file: Option<PathBuf>,
+    pub join_timeout_ms: u64,
 }
 
 /// `--device` of `train`, `serve` and `generate`: the CPU or NVIDIA GPUs (`serve` and

@@ -279,20 +279,22 @@ pub(super) fn send_start(stream: &mut (impl ControlIo + ?Sized), plan: &dyn Flee
 }
 
 /// An agent that said `Join` and proved it belongs to the run.
-struct Joined {
-    conn: ControlConn,
-    name: String,
-    pid: u32,
-    peer: SocketAddr,
-    rank: Option<usize>,
+pub struct Joined {
+    pub conn: ControlConn,
+    pub name: String,
+    pub pid: u32,
+    pub peer: SocketAddr,
+    /// The rank it asked for (`--rank`), or its certificate names.
+    pub rank: Option<usize>,
     /// The agent's own public key, to certify (token agents).
-    public_key: Option<Vec<u8>>,
+    pub public_key: Option<Vec<u8>>,
     /// Its machine and pid namespace ([`crate::join::host_id`]).
-    host: String,
+    pub host: String,
 }
 
 impl Joined {
-    fn who(&self) -> String {
+    /// "agent NAME at IP (pid PID)".
+    pub fn who(&self) -> String {
         format!("agent {} at {} (pid {})", self.name, self.peer.ip(), self.pid)
     }
 }
@@ -324,12 +326,12 @@ pub fn assign_ranks(requested: &[Option<usize>], names: &[String], world: usize)
 }
 
 /// Why a connection is not an agent of this run (it is refused, the run goes on).
-struct NotAdmitted(String);
+pub struct NotAdmitted(pub String);
 
 /// Reads a new connection's `Join`, authenticates it (`auth`) and checks it against the run.
 /// `Ok(Err(_))`: a stranger, refused; `Err(_)`: an authenticated agent that cannot take part,
-/// which fails the run with the reason.
-fn read_join(mut conn: ControlConn, nodes: usize, auth: &AgentAuth) -> Result<std::result::Result<Joined, NotAdmitted>> {
+/// which fails the run with the reason. (Also how `tessera serve-rank`s join a server.)
+pub fn read_join(mut conn: ControlConn, nodes: usize, auth: &AgentAuth) -> Result<std::result::Result<Joined, NotAdmitted>> {
     let peer = conn.remote_address();
     let wait = Wait { what: "Join", deadline: Some(Instant::now() + Duration::from_millis(JOIN_MESSAGE_TIMEOUT_MS)), alive: &|| Ok(()) };
     let join = match wire::recv(&mut conn, "Join", &wait) {

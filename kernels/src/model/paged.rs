@@ -1,7 +1,9 @@
 //! Inference over a paged key/value cache: the model's forward on one decoding step — rows of
 //! several sequences, each a run of positions after what the cache already holds — that writes
 //! each row's keys and values into its sequence's cache blocks and attends over them
-//! ([`crate::ops::paged_attention`]), and optional int8 weight-only linears ([`QuantMatrix`]).
+//! ([`crate::ops::paged_attention`]), and optional int8 weight-only linears ([`QuantMatrix`]):
+//! every projection, the LM head and the MoE blocks' expert MLPs; routers, gates and norms stay
+//! f32.
 //!
 //! The math is the training forward's ([`super::Model::loss`]) row by row: the same ops (norms,
 //! linears, RoPE, GELU/SwiGLU, the MoE feed-forward routed as in evaluation), with attention
@@ -9,7 +11,6 @@
 //! chunk or many, gives the logits [`super::Model::next_token_logits`] gives for it, to f32
 //! summation order.
 
-use std::collections::HashMap;
 use std::ops::Range;
 
 use super::{Arch, GptBlock, LlamaBlock, Model, ModelConfig};
@@ -20,8 +21,8 @@ use crate::layer::Acts;
 use crate::ops::gqa::Groups;
 use crate::ops::paged_attention::{self, PagedSeq};
 use crate::ops::rope::{self, RopeTable};
-use crate::ops::{embedding, gelu, layernorm, linear, residual, rmsnorm, swiglu};
-use crate::quant::QuantMatrix;
+use crate::ops::{embedding, gelu, layernorm, residual, rmsnorm, swiglu};
+use crate::quant::{self, QuantMatrix, QuantUnit};
 
 /// The keys and values of a run of layers (every layer of the model, or a pipeline stage's
 /// blocks), in `num_blocks` blocks of `block_size` positions.
@@ -99,11 +100,12 @@ impl KvCache {
 }
 
 /// A model's linear weights as int8 ([`QuantMatrix`]), per unit, keyed by the weight's
-/// unit-relative offset: every block's attention and dense-MLP projections and the LM head.
-/// (Experts, routers and the shared expert's small gate stay f32.)
+/// unit-relative offset: every block's attention projections, its dense MLP or its MoE
+/// feed-forward's MLPs (each expert's, the shared expert's, the residual MLP's), and the LM head.
+/// (Routers, the shared expert's gate, the residual mixer, norms and embeddings stay f32.)
 #[derive(Debug, Default)]
 pub struct QuantWeights {
-    units: Vec<HashMap<usize, QuantMatrix>>,
+    units: Vec<QuantUnit>,
 }
 
 impl QuantWeights {
@@ -116,30 +118,44 @@ impl QuantWeights {
     pub fn numel(&self) -> usize {
         self.units.iter().flat_map(|u| u.values()).map(|m| m.shape().0 * m.shape().1).sum()
     }
+
+    /// Unit `u`'s int8 linears (empty for a unit not quantized here).
+    pub fn unit(&self, u: usize) -> Option<&QuantUnit> {
+        self.units.get(u)
+    }
 }
 
 /// A linear layer of a block: its weight `[ic, oc]` (unit-relative) and shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LinearSpec {
     pub weight: Range<usize>,
     pub ic: usize,
     pub oc: usize,
+    /// A linear of an MoE feed-forward's MLPs (an expert's, the shared expert's or the residual
+    /// MLP's), not of the block's attention or dense MLP.
+    pub moe: bool,
+}
+
+/// Which linears [`Model::quantize_int8_scope`] makes int8.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantScope {
+    /// Every linear of [`PagedLayer::paged_linears`] and the LM head.
+    All,
+    /// All but the MoE feed-forwards' MLPs ([`LinearSpec::moe`]), which stay f32.
+    Dense,
 }
 
 /// One unit's parameters, and its int8 linears if the model is quantized.
 pub struct UnitWeights<'a> {
     pub p: &'a [f32],
-    pub int8: Option<&'a HashMap<usize, QuantMatrix>>,
+    pub int8: Option<&'a QuantUnit>,
 }
 
 impl UnitWeights<'_> {
     /// `out = x · W (+ b)` through the int8 copy of `w` when there is one.
     fn linear(&self, out: &mut [f32], x: &[f32], w: &Range<usize>, b: Option<&Range<usize>>, ic: usize, oc: usize) {
-        let n = x.len() / ic;
         let bias = b.map(|r| &self.p[r.clone()]);
-        match self.int8.and_then(|q| q.get(&w.start)) {
-            Some(m) => m.forward(out, x, bias, n),
-            None => linear::linear_forward(out, x, &self.p[w.clone()], bias, n, ic, oc),
-        }
+        quant::linear_forward(self.int8, w.start, out, x, &self.p[w.clone()], bias, ic, oc);
     }
 }
 
@@ -217,13 +233,11 @@ pub trait PagedLayer {
 
 impl PagedLayer for GptBlock {
     fn paged_linears(&self, c: usize) -> Vec<LinearSpec> {
-        let mut l = vec![
-            LinearSpec { weight: self.p[QKV_W].clone(), ic: c, oc: 3 * c },
-            LinearSpec { weight: self.p[PROJ_W].clone(), ic: c, oc: c },
-        ];
-        if self.moe.is_none() {
-            l.push(LinearSpec { weight: self.p[FC_W].clone(), ic: c, oc: self.ff });
-            l.push(LinearSpec { weight: self.p[FCP_W].clone(), ic: self.ff, oc: c });
+        let dense = |weight: &Range<usize>, ic, oc| LinearSpec { weight: weight.clone(), ic, oc, moe: false };
+        let mut l = vec![dense(&self.p[QKV_W], c, 3 * c), dense(&self.p[PROJ_W], c, c)];
+        match &self.moe {
+            Some(m) => l.extend(m.linears()),
+            None => l.extend([dense(&self.p[FC_W], c, self.ff), dense(&self.p[FCP_W], self.ff, c)]),
         }
         l
     }
@@ -243,7 +257,7 @@ impl PagedLayer for GptBlock {
         layernorm::layernorm_forward(&mut h, &mut mean, &mut rstd, &x2, r(LN2_W), r(LN2_B), n, c);
         let mut tmp = s.scratch.take(S_TMP, n * c);
         match &self.moe {
-            Some(m) => m.forward(p, &h, &mut tmp, &mut s.scratch.moe, None),
+            Some(m) => m.forward_with(p, w.int8, &h, &mut tmp, &mut s.scratch.moe, None),
             None => {
                 let (f, mut fc, mut act) = (self.ff, s.scratch.take(S_FC, n * self.ff), s.scratch.take(S_ACT, n * self.ff));
                 w.linear(&mut fc, &h, &self.p[FC_W], Some(&self.p[FC_B]), c, f);
@@ -262,14 +276,14 @@ impl PagedLayer for GptBlock {
 
 impl PagedLayer for LlamaBlock {
     fn paged_linears(&self, c: usize) -> Vec<LinearSpec> {
-        let mut l = vec![
-            LinearSpec { weight: self.p[L_QKV].clone(), ic: c, oc: self.groups.row() },
-            LinearSpec { weight: self.p[L_WO].clone(), ic: c, oc: c },
-        ];
-        if self.moe.is_none() {
-            l.push(LinearSpec { weight: self.p[L_GATE].clone(), ic: c, oc: self.ff });
-            l.push(LinearSpec { weight: self.p[L_UP].clone(), ic: c, oc: self.ff });
-            l.push(LinearSpec { weight: self.p[L_DOWN].clone(), ic: self.ff, oc: c });
+        let dense = |weight: &Range<usize>, ic, oc| LinearSpec { weight: weight.clone(), ic, oc, moe: false };
+        let mut l = vec![dense(&self.p[L_QKV], c, self.groups.row()), dense(&self.p[L_WO], c, c)];
+        match &self.moe {
+            Some(m) => l.extend(m.linears()),
+            None => {
+                let f = self.ff;
+                l.extend([dense(&self.p[L_GATE], c, f), dense(&self.p[L_UP], c, f), dense(&self.p[L_DOWN], f, c)]);
+            }
         }
         l
     }
@@ -287,7 +301,7 @@ impl PagedLayer for LlamaBlock {
         rmsnorm::rmsnorm_forward(&mut h, &mut rstd, &x2, r(L_N2), n, c, self.eps);
         let mut tmp = s.scratch.take(S_TMP, n * c);
         match &self.moe {
-            Some(m) => m.forward(p, &h, &mut tmp, &mut s.scratch.moe, None),
+            Some(m) => m.forward_with(p, w.int8, &h, &mut tmp, &mut s.scratch.moe, None),
             None => {
                 let f = self.ff;
                 let (mut gate, mut up, mut act) = (s.scratch.take(S_FC, n * f), s.scratch.take(S_UP, n * f), s.scratch.take(S_ACT, n * f));
@@ -345,16 +359,26 @@ impl Model {
         UnitWeights { p: &at.params[r.start - at.base..r.end - at.base], int8: at.int8.and_then(|q| q.units.get(u)) }
     }
 
-    /// Every linear weight of the model (blocks' projections, the LM head) as int8 with
-    /// per-output-channel scales, from the flat `params`.
+    /// Every linear weight of the model (blocks' projections and MLPs, every expert's, the LM
+    /// head) as int8 with per-output-channel scales, from the flat `params`.
     pub fn quantize_int8(&self, params: &[f32]) -> QuantWeights {
         self.quantize_int8_units(&ParamsAt::whole(params, None), 0..self.units.len())
     }
 
     /// The int8 linears of `units` only (a pipeline stage's), from the parameters `at` holds.
     pub fn quantize_int8_units(&self, at: &ParamsAt, units: Range<usize>) -> QuantWeights {
+        self.quantize_int8_scope(at, units, QuantScope::All)
+    }
+
+    /// Block `l`'s linear layers, weights relative to its unit (what int8 quantizes).
+    pub fn block_linears(&self, l: usize) -> Vec<LinearSpec> {
+        self.blocks[l].paged().paged_linears(self.cfg.d_model)
+    }
+
+    /// [`Model::quantize_int8_units`] of the linears `scope` names.
+    pub fn quantize_int8_scope(&self, at: &ParamsAt, units: Range<usize>, scope: QuantScope) -> QuantWeights {
         let c = self.cfg.d_model;
-        let mut q = vec![HashMap::new(); self.units.len()];
+        let mut q = vec![QuantUnit::new(); self.units.len()];
         for u in units {
             let p = self.unit_weights(at, u).p;
             if u == 0 {
@@ -362,7 +386,7 @@ impl Model {
                 q[0].insert(head.start, QuantMatrix::from_out_in(&p[head], self.cfg.vocab_size, c));
                 continue;
             }
-            for l in self.blocks[u - 1].paged().paged_linears(c) {
+            for l in self.block_linears(u - 1).into_iter().filter(|l| scope == QuantScope::All || !l.moe) {
                 q[u].insert(l.weight.start, QuantMatrix::from_in_out(&p[l.weight.clone()], l.ic, l.oc));
             }
         }

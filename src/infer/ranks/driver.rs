@@ -8,15 +8,20 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use tessera_fleet::rendezvous::{node_name, COORDINATOR_NAME, EXIT_TIMEOUT_MS, STARTUP_TIMEOUT_MS};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tessera_fleet::rendezvous::{
+    assign_ranks, node_name, read_join, AgentAuth, Joined, NotAdmitted, COORDINATOR_NAME, EXIT_TIMEOUT_MS, STARTUP_TIMEOUT_MS,
+};
 use tessera_fleet::wire::{self, Wait, WireError};
 use tessera_kernels::model::paged::{ParamsAt, QuantWeights};
 use tessera_kernels::model::Model;
-use tessera_transport::quic::pki::check_cert_names_node;
-use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, ALPN_CONTROL};
+use tessera_transport::quic::{ClientAuth, ClusterCa, ControlConn, ControlEndpoint, RefusalLog, ALPN_CONTROL};
 
-use super::wire::{FromRank, ToRank, WireSeq};
-use super::{stage_blocks, RankProcess};
+use super::rank::WeightLoader;
+use super::tables::TableSender;
+use super::wire::{FromRank, TableUpdate, ToRank, WireSeq};
+use super::{span_blake3, stage_blocks, RankProcess};
 use crate::infer::backend::{check_step, Backend, BackendLost, SeqStep, StepRows};
 use crate::infer::cpu::{refuse_dropping_experts, LinearFormat};
 
@@ -26,6 +31,8 @@ use crate::infer::cpu::{refuse_dropping_experts, LinearFormat};
 pub const RANK_STEP_TIMEOUT_MS: u64 = 600_000;
 /// How often the start-up waits look at the rank processes, ms.
 const ACCEPT_POLL_MS: u64 = 100;
+/// Bound on a joined rank's `Hello` (it opened its model before dialling), ms.
+const HELLO_TIMEOUT_MS: u64 = 10_000;
 
 /// How a rank starts: (rank, the serving process's control address, the folder of the ranks'
 /// certificates) → its process.
@@ -41,20 +48,32 @@ pub struct PipelineOptions {
     pub weights: LinearFormat,
 }
 
+/// Where a pipeline's ranks come from.
+pub enum RankSource<'a> {
+    /// Started here by `start` (rank, the control address, the folder of certificates made for
+    /// this server → its process); each joins with its `node-<r>` certificate (mutual TLS).
+    Spawn(&'a mut StartRank<'a>),
+    /// `tessera serve-rank --join` processes from any host (`tessera serve --rank-listen`), at
+    /// an endpoint [`crate::launch::rendezvous_endpoint`] bound (a join token, or `--certs`),
+    /// within `join_timeout_ms`.
+    Join { endpoint: Box<ControlEndpoint>, auth: AgentAuth, join_timeout_ms: u64 },
+}
+
 /// One rank as the serving process sees it.
 struct Link {
     conn: ControlConn,
     process: Mutex<Box<dyn RankProcess>>,
     blocks: Range<usize>,
-    pid: u32,
+    /// "pid 42 at 10.0.0.2".
+    at: String,
 }
 
 impl Link {
     fn who(&self, r: usize) -> String {
-        format!("rank {r} (blocks {}..{}, pid {})", self.blocks.start, self.blocks.end, self.pid)
+        format!("rank {r} (blocks {}..{}, {})", self.blocks.start, self.blocks.end, self.at)
     }
 
-    /// `Err` once the rank's process (or thread) has ended.
+    /// `Err` once the rank's process (or thread, or connection) has ended.
     fn alive(&self) -> Result<(), WireError> {
         match self.process.lock().unwrap_or_else(|p| p.into_inner()).exited() {
             Some(how) => Err(WireError::Control(format!("its process {how}"))),
@@ -63,12 +82,25 @@ impl Link {
     }
 }
 
+/// A rank on another host, watched through its connection.
+struct Remote(ControlConn);
+
+impl RankProcess for Remote {
+    fn exited(&mut self) -> Option<String> {
+        self.0.closed_reason().map(|r| format!("is unreachable: its connection closed ({r})"))
+    }
+
+    fn stop(&mut self) {
+        self.0.abort("the pipeline stops");
+    }
+}
+
 /// A model served with its blocks split over rank processes (pipeline parallelism): this
 /// process holds unit 0 (embeddings, final norm, head) and runs the embeddings and the head;
 /// rank `r` holds blocks `spans[r]` and their layers of the paged cache. A step's stream goes
-/// through the ranks in order over their control connections (QUIC, mutual TLS against a CA
-/// made for this server). The same ops on the same rows as [`crate::infer::CpuBackend`]: the
-/// same logits, bit for bit.
+/// through the ranks in order over their control connections (QUIC; mutual TLS, or a join
+/// token over TLS pinned to this server's CA). The same ops on the same rows as
+/// [`crate::infer::CpuBackend`]: the same logits, bit for bit.
 pub struct PipelineBackend {
     model: Model,
     /// Unit 0's parameters, and its int8 head.
@@ -77,49 +109,57 @@ pub struct PipelineBackend {
     block_size: usize,
     num_blocks: usize,
     links: Vec<Link>,
+    tables: TableSender,
     lost: Option<BackendLost>,
     next_id: u64,
     /// Removed when the backend is dropped.
-    pki: PathBuf,
-    _endpoint: ControlEndpoint,
+    pki: Option<PathBuf>,
+    /// Refuses ranks that come once every rank is held; stopped with the backend.
+    door: Option<Door>,
 }
 
 impl PipelineBackend {
-    /// Starts `opts.ranks` ranks through `start` (rank, the control address, the folder of
-    /// certificates), hands each its blocks, and keeps unit 0 of `params` — parameters of the
-    /// flat range from `base`, unit 0's at least (the rest is dropped here: the ranks read
-    /// their own).
-    pub fn launch(model: Model, params: Vec<f32>, base: usize, opts: PipelineOptions, start: &mut StartRank) -> Result<PipelineBackend> {
+    /// Gathers `opts.ranks` ranks from `source`, hands each its blocks, checks that what each
+    /// holds is this model's (`load` reads the parameters of a flat range outside `params`, for
+    /// the check), and keeps unit 0 of `params` (parameters of the flat range from `base`, unit
+    /// 0's at least).
+    pub fn launch(
+        model: Model,
+        params: &[f32],
+        base: usize,
+        load: &WeightLoader,
+        opts: PipelineOptions,
+        source: RankSource,
+    ) -> Result<PipelineBackend> {
         refuse_dropping_experts(&model)?;
         let unit0 = model.units_range(0..1);
+        let held = base..base + params.len();
         ensure!(
-            unit0.start >= base && unit0.end <= base + params.len(),
-            "the serving process holds parameters {base}..{}, not the embeddings and head ({unit0:?})",
-            base + params.len()
+            unit0.start >= held.start && unit0.end <= held.end,
+            "the serving process holds parameters {held:?}, not the embeddings and head ({unit0:?})"
         );
         let spans = stage_blocks(&model, opts.ranks)?;
-        let pki = pki_dir()?;
-        let ca = ClusterCa::generate()?;
-        for r in 0..opts.ranks {
-            ca.issue_to_dir(&pki, &node_name(r)).with_context(|| format!("the identity of rank {r}"))?;
+        let mut expected = Vec::with_capacity(spans.len());
+        for s in &spans {
+            let flat = model.units_range(s.start + 1..s.end + 1);
+            expected.push(match flat.start >= held.start && flat.end <= held.end {
+                true => span_blake3(&params[flat.start - base..flat.end - base]),
+                false => span_blake3(&load(&model, flat).with_context(|| format!("reading the parameters of blocks {s:?}"))?),
+            });
         }
-        let server = ca.issue(COORDINATOR_NAME)?.server_config_for(ALPN_CONTROL, ClientAuth::Required)?;
-        let endpoint = ControlEndpoint::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), Some(server))?;
-        let control = endpoint.local_addr()?;
-        let mut procs: Vec<Option<Box<dyn RankProcess>>> = Vec::with_capacity(opts.ranks);
-        for r in 0..opts.ranks {
-            procs.push(Some(start(r, control, &pki).with_context(|| format!("starting rank {r}"))?));
-        }
-        let links = accept_ranks(&endpoint, &model, procs, &spans);
+        let (endpoint, auth, mut procs, join_timeout_ms, pki) = open(source, opts.ranks)?;
+        let gathered = gather(&endpoint, &auth, join_timeout_ms, &model, &mut procs, spans.len());
+        let links = gathered.and_then(|members| place(members, procs, &spans));
         let links = match links {
             Ok(l) => l,
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&pki);
+                if let Some(p) = &pki {
+                    let _ = std::fs::remove_dir_all(p);
+                }
                 return Err(e);
             }
         };
         let head = params[unit0.start - base..unit0.end - base].to_vec();
-        drop(params);
         let int8 =
             (opts.weights == LinearFormat::Int8).then(|| model.quantize_int8_units(&ParamsAt { params: &head, base: 0, int8: None }, 0..1));
         let mut b = PipelineBackend {
@@ -129,12 +169,14 @@ impl PipelineBackend {
             block_size: opts.block_size,
             num_blocks: opts.num_blocks,
             links,
+            tables: TableSender::default(),
             lost: None,
             next_id: 0,
             pki,
-            _endpoint: endpoint,
+            door: None,
         };
-        b.assign(opts)?;
+        b.assign(opts, &expected)?;
+        b.door = Some(Door::open(endpoint, auth, b.links.iter().enumerate().map(|(r, l)| l.who(r)).collect())?);
         Ok(b)
     }
 
@@ -143,10 +185,12 @@ impl PipelineBackend {
         self.links.iter().map(|l| l.blocks.clone()).collect()
     }
 
-    /// Sends each rank its blocks and waits for it to hold them.
-    fn assign(&mut self, opts: PipelineOptions) -> Result<()> {
+    /// Sends each rank its blocks, waits for it to hold them and checks that they are this
+    /// model's (`expected[r]`: the fingerprint of rank `r`'s blocks' parameters).
+    fn assign(&mut self, opts: PipelineOptions, expected: &[String]) -> Result<()> {
         for (r, l) in self.links.iter_mut().enumerate() {
             let msg = ToRank::Assign {
+                rank: r as u64,
                 blocks_start: l.blocks.start as u64,
                 blocks_end: l.blocks.end as u64,
                 block_size: opts.block_size as u64,
@@ -161,7 +205,16 @@ impl PipelineBackend {
             let who = l.who(r);
             let wait = Wait { what: "Ready", deadline, alive: &|| l.alive() };
             match wire::recv(&mut l.conn.clone(), "Ready", &wait).with_context(|| format!("{who} while loading its blocks"))? {
-                FromRank::Ready { param_bytes, cache_bytes } => {
+                FromRank::Ready { params_blake3, .. } if params_blake3 != expected[r] => {
+                    let why = format!(
+                        "{who} loaded other weights for its blocks than this server's model (BLAKE3 {params_blake3}, the server's {}): \
+                         every rank needs the served model at its --model",
+                        expected[r]
+                    );
+                    l.conn.abort(&why);
+                    bail!(why)
+                }
+                FromRank::Ready { param_bytes, cache_bytes, .. } => {
                     tracing::info!("{who}: {param_bytes} bytes of parameters, {cache_bytes} bytes of key/value cache");
                 }
                 FromRank::Failed { why } => bail!("{who} could not hold its blocks: {why}"),
@@ -171,15 +224,20 @@ impl PipelineBackend {
         Ok(())
     }
 
-    /// Runs rank `r`'s blocks on the stream `x` of the step `seqs`.
-    fn run_rank(&self, r: usize, id: u64, seqs: &[WireSeq], x: Vec<f32>) -> Result<Vec<f32>, String> {
+    /// Runs rank `r`'s blocks on the stream `x` of the step `seqs`, after the table changes
+    /// `tables`.
+    fn run_rank(&self, r: usize, id: u64, tables: &[Vec<TableUpdate>], seqs: &[WireSeq], x: Vec<f32>) -> Result<Vec<f32>, String> {
         let l = &self.links[r];
         let mut conn = l.conn.clone();
+        for updates in tables {
+            let msg = ToRank::Tables { updates: updates.clone() };
+            wire::send(&mut conn, &msg).map_err(|e| format!("sending it the tables of step {id}: {e}"))?;
+        }
         let step = ToRank::Step { id, seqs: seqs.to_vec(), x: wire::describe(&[("x", &x)]).remove(0) };
         wire::send(&mut conn, &step).and_then(|()| wire::send_bulk(&mut conn, &[&x])).map_err(|e| format!("sending it step {id}: {e}"))?;
         let deadline = Some(Instant::now() + Duration::from_millis(RANK_STEP_TIMEOUT_MS));
         let wait = Wait { what: "the rank's step", deadline, alive: &|| l.alive() };
-        // A closed connection says why (an idle timeout: the rank hung).
+        // A closed connection says why (an idle timeout: the rank hung, or its host is cut off).
         let why = |e: WireError| format!("{e}{}", conn.closed_reason().map(|r| format!(" ({r})")).unwrap_or_default());
         match wire::recv(&mut conn.clone(), "Done", &wait).map_err(|e| format!("waiting for step {id}: {}", why(e)))? {
             FromRank::Done { id: got, y } if got == id => {
@@ -239,17 +297,14 @@ impl Backend for PipelineBackend {
         let mut x = Vec::new();
         self.model.embed_paged(&at, &rows.tokens, &pos, &mut x);
         let bs = self.block_size;
-        let seqs: Vec<WireSeq> = batch
-            .iter()
-            .map(|s| {
-                let need = (s.start + s.tokens.len()).div_ceil(bs);
-                WireSeq { tokens: s.tokens.to_vec(), start: s.start as u64, table: s.block_table[..need].to_vec() }
-            })
-            .collect();
+        let tables: Vec<&[u32]> = batch.iter().map(|s| &s.block_table[..(s.start + s.tokens.len()).div_ceil(bs)]).collect();
+        let (slots, updates) = self.tables.step(&tables);
+        let seqs: Vec<WireSeq> =
+            batch.iter().zip(slots).map(|(s, slot)| WireSeq { rows: s.tokens.len() as u32, start: s.start as u64, slot }).collect();
         let id = self.next_id;
         self.next_id += 1;
         for r in 0..self.links.len() {
-            x = match self.run_rank(r, id, &seqs, x) {
+            x = match self.run_rank(r, id, &updates, &seqs, x) {
                 Ok(y) => y,
                 Err(why) => return Err(self.lose(r, why).into()),
             };
@@ -274,7 +329,10 @@ impl Drop for PipelineBackend {
             }
             p.stop();
         }
-        let _ = std::fs::remove_dir_all(&self.pki);
+        self.door.take();
+        if let Some(p) = &self.pki {
+            let _ = std::fs::remove_dir_all(p);
+        }
     }
 }
 
@@ -287,49 +345,202 @@ fn pki_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// Accepts one connection per rank (each presenting its rank's certificate), reads each
-/// `Hello` and checks the model it loaded against `model`; fails at once when a rank's
-/// process ends, and after [`STARTUP_TIMEOUT_MS`].
-fn accept_ranks(
+/// The control endpoint, how ranks prove they belong, the spawned ranks' processes (by rank),
+/// the join timeout and the folder of certificates made here.
+type Opened = (ControlEndpoint, AgentAuth, Vec<Option<Box<dyn RankProcess>>>, u64, Option<PathBuf>);
+
+/// Opens the door the ranks join by: for spawned ranks a loopback endpoint, a CA made for this
+/// server and a `node-<r>` certificate for each (in a private folder), then the processes.
+fn open(source: RankSource, ranks: usize) -> Result<Opened> {
+    match source {
+        RankSource::Join { endpoint, auth, join_timeout_ms } => {
+            Ok((*endpoint, auth, (0..ranks).map(|_| None).collect(), join_timeout_ms, None))
+        }
+        RankSource::Spawn(start) => {
+            let pki = pki_dir()?;
+            let ca = ClusterCa::generate()?;
+            for r in 0..ranks {
+                ca.issue_to_dir(&pki, &node_name(r)).with_context(|| format!("the identity of rank {r}"))?;
+            }
+            let server = ca.issue(COORDINATOR_NAME)?.server_config_for(ALPN_CONTROL, ClientAuth::Required)?;
+            let endpoint = ControlEndpoint::bind(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0), Some(server))?;
+            let control = endpoint.local_addr()?;
+            let mut procs = Vec::with_capacity(ranks);
+            for r in 0..ranks {
+                procs.push(Some(start(r, control, &pki).with_context(|| format!("starting rank {r}"))?));
+            }
+            Ok((endpoint, AgentAuth::Certs { dir: pki.clone() }, procs, STARTUP_TIMEOUT_MS, Some(pki)))
+        }
+    }
+}
+
+/// Waits (bounded by `join_timeout_ms`) for `ranks` ranks to join at `endpoint` ([`admit`]).
+/// Fails at once when a spawned rank's process ends, when a rank loaded another model or when
+/// two ask for the same rank; the ranks that joined then hear why (their connections close with
+/// it).
+fn gather(
     endpoint: &ControlEndpoint,
+    auth: &AgentAuth,
+    join_timeout_ms: u64,
     model: &Model,
-    mut procs: Vec<Option<Box<dyn RankProcess>>>,
-    spans: &[Range<usize>],
-) -> Result<Vec<Link>> {
-    let deadline = Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS);
-    let mut links: Vec<Option<Link>> = (0..spans.len()).map(|_| None).collect();
-    while links.iter().any(Option::is_none) {
-        for (r, p) in procs.iter_mut().enumerate() {
-            if let Some(how) = p.as_mut().and_then(|p| p.exited()) {
-                bail!("rank {r} {how} during start-up");
+    procs: &mut [Option<Box<dyn RankProcess>>],
+    ranks: usize,
+) -> Result<Vec<Joined>> {
+    let at = endpoint.local_addr().map(|a| a.to_string()).unwrap_or_else(|_| "the control endpoint".into());
+    let deadline = Instant::now() + Duration::from_millis(join_timeout_ms);
+    let mut members: Vec<Joined> = Vec::new();
+    let mut refusals = RefusalLog::new("serve: refused a connection to the ranks' endpoint");
+    let ours = format!("{:?}", model.cfg);
+    while members.len() < ranks {
+        let next = procs.iter_mut().enumerate().find_map(|(r, p)| Some((r, p.as_mut()?.exited()?)));
+        let got = match next {
+            Some((r, how)) => Err(anyhow::anyhow!("rank {r} {how} during start-up")),
+            None if Instant::now() >= deadline => {
+                let joined = if members.is_empty() { "none".into() } else { members.iter().map(who).collect::<Vec<_>>().join(", ") };
+                Err(anyhow::anyhow!("only {} of {ranks} ranks joined {at} within {join_timeout_ms} ms (joined: {joined})", members.len()))
+            }
+            None => admit(endpoint, auth, &ours, &members, ranks, &mut refusals),
+        };
+        match got {
+            Ok(Some(j)) => {
+                tracing::info!("serve: {} joined ({} of {ranks})", who(&j), members.len() + 1);
+                members.push(j);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                for m in &members {
+                    m.conn.abort(&format!("{e:#}"));
+                }
+                return Err(e);
             }
         }
-        ensure!(Instant::now() < deadline, "the ranks did not connect within {STARTUP_TIMEOUT_MS} ms");
-        let mut conn = match endpoint.accept(ACCEPT_POLL_MS) {
-            Ok(Some(c)) => c,
-            Ok(None) => continue,
-            Err(why) => {
-                tracing::warn!("refused a connection to the pipeline's control endpoint: {why}");
-                continue;
-            }
-        };
-        let wait = Wait { what: "Hello", deadline: Some(deadline), alive: &|| Ok(()) };
-        let FromRank::Hello { rank, pid, num_params, n_layer, d_model, vocab_size } = wire::recv(&mut conn, "Hello", &wait)? else {
-            bail!("a rank opened with another message than Hello");
-        };
-        let r = rank as usize;
-        ensure!(r < spans.len() && links[r].is_none(), "a rank said it is rank {rank}: not a free rank of {}", spans.len());
-        let cert = conn.peer_certificate().context("a rank connected without a certificate")?;
-        check_cert_names_node(&cert, &node_name(r)).map_err(|e| anyhow::anyhow!("a rank claiming rank {r}: {e}"))?;
-        let cfg = &model.cfg;
-        let theirs = (num_params, n_layer, d_model, vocab_size);
-        let ours = (model.num_params() as u64, cfg.n_layer as u64, cfg.d_model as u64, cfg.vocab_size as u64);
-        ensure!(
-            theirs == ours,
-            "rank {r} loaded another model: (parameters, layers, width, vocabulary) = {theirs:?}, this server has {ours:?}"
-        );
-        let process = Mutex::new(procs[r].take().expect("a rank connects once"));
-        links[r] = Some(Link { conn, process, blocks: spans[r].clone(), pid });
     }
-    Ok(links.into_iter().flatten().collect())
+    Ok(members)
+}
+
+/// One connection to the ranks' endpoint, if one comes within a poll: it proves it belongs
+/// (`auth`: [`read_join`], as agents join a coordinator; a stranger is refused and logged,
+/// `Ok(None)`) and says what model it loaded (its `ModelConfig`, which must be `ours`); a rank
+/// it asks for must be free (`members` hold the others). `Err`: a rank that cannot take part
+/// (its connection closes with why).
+fn admit(
+    endpoint: &ControlEndpoint,
+    auth: &AgentAuth,
+    ours: &str,
+    members: &[Joined],
+    ranks: usize,
+    refusals: &mut RefusalLog,
+) -> Result<Option<Joined>> {
+    let conn = match endpoint.accept(ACCEPT_POLL_MS) {
+        Ok(Some(c)) => c,
+        Ok(None) => return Ok(None),
+        Err(why) => {
+            refusals.refused(&why);
+            return Ok(None);
+        }
+    };
+    let mut j = match read_join(conn, ranks, auth)? {
+        Ok(j) => j,
+        Err(NotAdmitted(why)) => {
+            refusals.refused(&why);
+            return Ok(None);
+        }
+    };
+    let who = who(&j);
+    let wait = Wait { what: "Hello", deadline: Some(Instant::now() + Duration::from_millis(HELLO_TIMEOUT_MS)), alive: &|| Ok(()) };
+    let theirs = match wire::recv(&mut j.conn, "Hello", &wait).with_context(|| format!("{who}: its Hello"))? {
+        FromRank::Hello { model, .. } => model,
+        other => bail!("{who} opened with {other:?} instead of Hello"),
+    };
+    let refuse = |why: String| {
+        j.conn.abort(&why);
+        Err(anyhow::anyhow!(why))
+    };
+    if theirs != ours {
+        return refuse(format!("{who} loaded another model than this server's: {}", config_difference(&theirs, ours)));
+    }
+    if let Some(other) = j.rank.and_then(|r| members.iter().find(|m| m.rank == Some(r))) {
+        return refuse(format!("{who} asks for rank {}, which {} asked for first", j.rank.unwrap_or_default(), self::who(other)));
+    }
+    Ok(Some(j))
+}
+
+/// "serve-rank NAME at IP (pid PID)".
+fn who(j: &Joined) -> String {
+    format!("serve-rank {} at {} (pid {})", j.name, j.peer.ip(), j.pid)
+}
+
+/// Where two `ModelConfig` `Debug` texts first differ: "n_layer: 2 (the server's: 3)".
+fn config_difference(theirs: &str, ours: &str) -> String {
+    let split =
+        |s: &str| s.split([',', '{', '}', '(', ')']).map(str::trim).filter(|p| !p.is_empty()).map(str::to_string).collect::<Vec<_>>();
+    let (a, b) = (split(theirs), split(ours));
+    match a.iter().zip(&b).find(|(x, y)| x != y) {
+        Some((x, y)) => format!("{x} (the server's: {y})"),
+        None => format!("{theirs} (the server's: {ours})"),
+    }
+}
+
+/// Gives the members their ranks (asked-for ones first, the others in join order) and links
+/// each to its process: the spawned one of its rank, or its connection.
+fn place(members: Vec<Joined>, mut procs: Vec<Option<Box<dyn RankProcess>>>, spans: &[Range<usize>]) -> Result<Vec<Link>> {
+    let names: Vec<String> = members.iter().map(|m| m.name.clone()).collect();
+    let ranks = assign_ranks(&members.iter().map(|m| m.rank).collect::<Vec<_>>(), &names, spans.len())?;
+    let mut links: Vec<Option<Link>> = (0..spans.len()).map(|_| None).collect();
+    for (m, r) in members.into_iter().zip(ranks) {
+        let at = format!("pid {} at {}", m.pid, m.peer.ip());
+        let conn = m.conn;
+        let process = procs[r].take().unwrap_or_else(|| Box::new(Remote(conn.clone())));
+        links[r] = Some(Link { conn, process: Mutex::new(process), blocks: spans[r].clone(), at });
+    }
+    links.into_iter().enumerate().map(|(r, l)| l.with_context(|| format!("no rank {r}"))).collect()
+}
+
+/// The ranks' endpoint once every rank is held: a thread that refuses whoever else joins,
+/// naming the ranks that hold the spans (a second `serve-rank --rank 1` hears who has it).
+struct Door {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// The ranks' connections run on its runtime: it lives as long as they do.
+    _endpoint: Arc<ControlEndpoint>,
+}
+
+impl Door {
+    fn open(endpoint: ControlEndpoint, auth: AgentAuth, holders: Vec<String>) -> Result<Door> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let endpoint = Arc::new(endpoint);
+        let ours = Arc::clone(&endpoint);
+        let thread = std::thread::Builder::new()
+            .name("tessera-serve-door".into())
+            .spawn(move || {
+                let full = format!("every rank of this server is held ({})", holders.join("; "));
+                let mut refusals = RefusalLog::new("serve: refused a connection to the ranks' endpoint");
+                while !flag.load(Ordering::Relaxed) {
+                    match ours.accept(ACCEPT_POLL_MS) {
+                        Ok(Some(conn)) => match read_join(conn, holders.len(), &auth) {
+                            Ok(Ok(j)) => {
+                                tracing::warn!("serve: refused {}: {full}", who(&j));
+                                j.conn.abort(&full);
+                            }
+                            Ok(Err(NotAdmitted(why))) => refusals.refused(&why),
+                            Err(e) => tracing::warn!("serve: refused a rank: {e:#}"),
+                        },
+                        Ok(None) => {}
+                        Err(why) => refusals.refused(&why),
+                    }
+                }
+            })
+            .context("starting the thread that refuses more ranks")?;
+        Ok(Door { stop, thread: Some(thread), _endpoint: endpoint })
+    }
+}
+
+impl Drop for Door {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }

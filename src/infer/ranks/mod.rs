@@ -6,14 +6,23 @@
 //!
 //! - [`driver`]: the serving process's side (start, certificates, checks, steps, loss);
 //! - [`rank`]: a rank's side ([`rank::Stage`], [`rank::serve_rank`]);
-//! - [`wire`]: their messages.
+//! - [`wire`]: their messages;
+//! - [`tables`]: the block tables, kept on every rank and sent as changes.
 //!
-//! # Transport
-//! Each rank dials the serving process's control endpoint (QUIC, mutual TLS against a CA made
-//! for this server, the rank's certificate issued to `node-<r>`, checked against the rank it
-//! claims), as `train --nprocs` workers do. A step's residual stream `[rows, d_model]` goes
-//! out to rank 0, back, out to rank 1, … (a bulk f32 transfer with its CRC32C each way), with
-//! the step's tokens, positions and block tables.
+//! # Transport and joining
+//! Each rank dials the serving process's control endpoint (QUIC) and joins it as an agent joins
+//! a coordinator (`tessera_fleet::agent::dial` → `tessera_fleet::rendezvous::read_join`): ranks
+//! the server starts itself (`--pipeline-parallel-size N`) present `node-<r>` certificates of a
+//! CA made for this server (mutual TLS); ranks started by hand on other hosts (`tessera serve
+//! --rank-listen ADDR`, then `tessera serve-rank --join ADDR` on each host) present the join
+//! token the server printed (its secret over TLS pinned to the server's CA) or, with `--certs
+//! DIR` (`tessera cluster init`), their own `node-<r>` certificates. A rank then says what model
+//! it loaded (refused by the key that differs), takes its rank (the one it asked for, else in
+//! join order) and blocks, and proves its blocks' parameters are the server's
+//! ([`span_blake3`]). Once every rank is held, a rank that joins is refused, naming who holds
+//! the ranks. A step's residual stream `[rows, d_model]` goes out to rank 0, back, out to rank
+//! 1, … (a bulk f32 transfer with its CRC32C each way), after the step's block-table changes
+//! ([`tables`]).
 //!
 //! # Bits
 //! The stages run [`tessera_kernels::model::Model::blocks_paged`] on their blocks, the serving
@@ -21,12 +30,13 @@
 //! same rows, so the logits are the one-process backend's bit for bit (`ranks::tests`).
 //!
 //! # Loss
-//! A rank whose process ends, whose connection closes or that reports a failed step makes the
-//! backend lost ([`crate::infer::BackendLost`]): every rank is stopped, the step and every later
+//! A rank whose process ends, whose connection closes (a host cut off or killed: QUIC's idle
+//! timeout, 10 s) or that reports a failed step makes the backend lost ([`crate::infer::BackendLost`]): every rank is stopped, the step and every later
 //! one fail with the rank's name and how it ended, and `tessera serve` answers 503.
 
 pub mod driver;
 pub mod rank;
+pub mod tables;
 pub mod wire;
 
 #[cfg(test)]
@@ -42,7 +52,7 @@ use anyhow::{ensure, Context, Result};
 use tessera_actors::liveness::Exit;
 use tessera_kernels::model::Model;
 
-pub use driver::{PipelineBackend, PipelineOptions};
+pub use driver::{PipelineBackend, PipelineOptions, RankSource};
 
 /// A rank's process as the serving process watches it.
 pub trait RankProcess: Send {
@@ -88,6 +98,12 @@ pub fn stage_blocks(model: &Model, ranks: usize) -> Result<Vec<Range<usize>>> {
     Ok(cuts.windows(2).map(|w| w[0]..w[1]).collect())
 }
 
+/// The fingerprint of a run of blocks' parameters (`checkpoint::params_blake3` of the flat
+/// range): a rank's must be the server's.
+pub fn span_blake3(params: &[f32]) -> String {
+    crate::checkpoint::params_blake3(&[("blocks", params)])
+}
+
 /// What a rank process loads: the model the server serves (the same path and tokenizer).
 #[derive(Clone, Debug)]
 pub struct ModelSource {
@@ -96,15 +112,22 @@ pub struct ModelSource {
 }
 
 impl PipelineBackend {
-    /// Starts `opts.ranks` `tessera serve-rank` processes of this executable, each loading
-    /// `source` and keeping its blocks; `params` from flat offset `base` (see
-    /// [`PipelineBackend::launch`]).
-    pub fn spawn(model: Model, params: Vec<f32>, base: usize, source: &ModelSource, opts: PipelineOptions) -> Result<PipelineBackend> {
+    /// Starts `opts.ranks` `tessera serve-rank` processes of this executable on this machine,
+    /// each loading `source` and joining with its certificate (see [`PipelineBackend::launch`]
+    /// for the rest).
+    pub fn spawn(
+        model: Model,
+        params: &[f32],
+        base: usize,
+        load: &rank::WeightLoader,
+        source: &ModelSource,
+        opts: PipelineOptions,
+    ) -> Result<PipelineBackend> {
         let exe = std::env::current_exe().context("finding the tessera executable")?;
         let mut start = |r: usize, control: SocketAddr, pki: &Path| -> Result<Box<dyn RankProcess>> {
             let mut c = Command::new(&exe);
-            c.args(["serve-rank", "--rank", &r.to_string(), "--control", &control.to_string()]).arg("--pki").arg(pki);
-            c.arg("--model").arg(&source.model);
+            c.args(["serve-rank", "--rank", &r.to_string(), "--join", &control.to_string()]).arg("--certs").arg(pki);
+            c.args(["--name", &format!("local-{r}")]).arg("--model").arg(&source.model);
             if let Some(t) = &source.tokenizer {
                 c.arg("--tokenizer").arg(t);
             }
@@ -114,6 +137,6 @@ impl PipelineBackend {
                 c.stdin(Stdio::null()).process_group(0).spawn().with_context(|| format!("starting {} serve-rank", exe.display()))?;
             Ok(Box::new(ChildRank(child)))
         };
-        PipelineBackend::launch(model, params, base, opts, &mut start)
+        PipelineBackend::launch(model, params, base, load, opts, RankSource::Spawn(&mut start))
     }
 }

@@ -2,29 +2,21 @@
 //! their layers of the paged cache), and [`serve_rank`], which answers the serving process's
 //! steps on the control connection until it says stop or goes away.
 
-use std::net::SocketAddr;
 use std::ops::Range;
-use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use tessera_fleet::rendezvous::{node_name, COORDINATOR_NAME, STARTUP_TIMEOUT_MS};
-use tessera_fleet::wire::{self, Wait};
+use tessera_fleet::agent::AgentArgs;
+use tessera_fleet::rendezvous::STARTUP_TIMEOUT_MS;
+use tessera_fleet::wire::{self, Wait, WireError};
 use tessera_kernels::model::paged::{KvCache, PagedWorkspace, ParamsAt, QuantWeights};
 use tessera_kernels::model::Model;
-use tessera_transport::quic::{ControlConn, ControlEndpoint, NodeTls, ALPN_CONTROL};
+use tessera_transport::quic::{ControlConn, ControlEndpoint};
 
-use super::wire::{FromRank, ToRank, WireSeq};
+use super::tables::TableStore;
+use super::wire::{FromRank, ToRank};
 use crate::infer::backend::{check_step, SeqStep, StepRows};
-
-/// What `tessera serve-rank` is started with.
-#[derive(Debug, Clone)]
-pub struct RankArgs {
-    pub rank: usize,
-    /// The serving process's control address.
-    pub control: SocketAddr,
-    /// The folder of the run's certificates (`ca.pem`, `node-<rank>.pem`/`.key`).
-    pub pki: PathBuf,
-}
 
 /// One pipeline stage of a served model: blocks `blocks` and their layers of the cache.
 pub struct Stage {
@@ -77,72 +69,98 @@ impl Stage {
     }
 }
 
+/// How many times (10 ms apart) a rank whose server ended the connection looks for the close
+/// frame that says why.
+const CLOSE_REASON_POLLS: usize = 50;
+
 /// Reads the parameters of a flat range of a model (a rank reads only its blocks').
 pub type WeightLoader = dyn Fn(&Model, Range<usize>) -> Result<Vec<f32>>;
 
-/// Dials the serving process with the rank's certificate (mutual TLS against the run's CA).
-pub fn connect(a: &RankArgs) -> Result<(ControlEndpoint, ControlConn)> {
-    let tls =
-        NodeTls::load(&a.pki, &node_name(a.rank)).with_context(|| format!("loading {} from {}", node_name(a.rank), a.pki.display()))?;
-    let endpoint = ControlEndpoint::bind(SocketAddr::new(a.control.ip(), 0), None)?;
-    let conn = endpoint.connect(a.control, COORDINATOR_NAME, tls.client_config_for(ALPN_CONTROL)?, STARTUP_TIMEOUT_MS)?;
-    Ok((endpoint, conn))
+/// Dials the serving process (`a.join`) and joins it as an agent joins a coordinator
+/// ([`tessera_fleet::agent::dial`]: its certificate, or the join token's secret over TLS pinned
+/// to the server's CA; retried until `a.connect_timeout_ms`). Keep the endpoint as long as the
+/// connection.
+pub fn connect(a: &AgentArgs) -> Result<(Arc<ControlEndpoint>, ControlConn)> {
+    let d = tessera_fleet::agent::dial(a).map_err(|e| anyhow::anyhow!("serve-rank: {e:#}"))?;
+    Ok((d.endpoint, d.conn))
 }
 
-/// A rank's life on `conn`: says what model it opened, takes its blocks (their parameters read
-/// through `load`), then
-/// runs steps until `Shutdown` (`Ok`) or until the serving process is gone (`Err`). A step that
-/// fails is reported (`Failed`) and ends the rank: its cache is no longer what the serving
-/// process believes.
-pub fn serve_rank(mut conn: ControlConn, rank: usize, model: Model, load: &WeightLoader) -> Result<()> {
-    let cfg = &model.cfg;
-    let hello = FromRank::Hello {
-        rank: rank as u64,
-        pid: std::process::id(),
-        num_params: model.num_params() as u64,
-        n_layer: cfg.n_layer as u64,
-        d_model: cfg.d_model as u64,
-        vocab_size: cfg.vocab_size as u64,
+/// A rank's life on `conn`: says what model it opened, takes its rank and blocks (their
+/// parameters read through `load`), then runs steps until `Shutdown` (`Ok`) or until the serving
+/// process is gone (`Err`). A step that fails is reported (`Failed`) and ends the rank: its cache
+/// is no longer what the serving process believes. The wait for the assignment has no deadline
+/// of its own: the server's join timeout bounds it (a server gone closes the connection, or its
+/// idle timeout does).
+pub fn serve_rank(mut conn: ControlConn, model: Model, load: &WeightLoader) -> Result<()> {
+    let gone = |conn: &ControlConn, e: WireError| {
+        // The reason travels in the close frame, which can come just after the streams end.
+        for _ in 0..CLOSE_REASON_POLLS {
+            if conn.is_closed() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let why = conn.closed_reason().map(|r| format!(": {r}")).unwrap_or_default();
+        anyhow::anyhow!("the serving process ended the connection ({e}){why}")
     };
-    wire::send(&mut conn, &hello)?;
-    let deadline = Some(std::time::Instant::now() + std::time::Duration::from_millis(STARTUP_TIMEOUT_MS));
-    let wait = Wait { what: "the blocks to hold (Assign)", deadline, alive: &|| Ok(()) };
-    let mut stage = match wire::recv(&mut conn, "Assign", &wait)? {
-        ToRank::Assign { blocks_start, blocks_end, block_size, num_blocks, int8 } => {
+    let hello = FromRank::Hello { pid: std::process::id(), model: format!("{:?}", model.cfg) };
+    // A server that refuses this rank at once (every rank held) may close before the Hello.
+    wire::send(&mut conn, &hello).map_err(|e| gone(&conn, e))?;
+    let wait = Wait { what: "the blocks to hold (Assign)", deadline: None, alive: &|| Ok(()) };
+    let (rank, mut stage) = match wire::recv(&mut conn, "Assign", &wait).map_err(|e| gone(&conn, e))? {
+        ToRank::Assign { rank, blocks_start, blocks_end, block_size, num_blocks, int8 } => {
             let blocks = blocks_start as usize..blocks_end as usize;
             match Stage::new(model, load, blocks, block_size as usize, num_blocks as usize, int8) {
-                Ok(s) => s,
+                Ok(s) => (rank, s),
                 Err(e) => return fail(&mut conn, e),
             }
         }
         ToRank::Shutdown => return Ok(()),
         other => bail!("the serving process opened with {other:?} instead of Assign"),
     };
-    let ready = FromRank::Ready { param_bytes: stage.param_bytes() as u64, cache_bytes: stage.cache_bytes() as u64 };
+    tracing::info!("serve-rank: rank {rank}, blocks {:?}", stage.blocks);
+    let ready = FromRank::Ready {
+        param_bytes: stage.param_bytes() as u64,
+        cache_bytes: stage.cache_bytes() as u64,
+        params_blake3: super::span_blake3(&stage.params),
+    };
     wire::send(&mut conn, &ready)?;
-    let c = stage.model.cfg.d_model;
+    let cfg = &stage.model.cfg;
+    let (c, mut tables) = (cfg.d_model, TableStore::new(cfg.max_seq_len.div_ceil(stage.cache.block_size())));
+    let mut zeros: Vec<u32> = Vec::new();
     loop {
         let wait = Wait { what: "a step", deadline: None, alive: &|| Ok(()) };
-        let msg = wire::recv(&mut conn, "Step or Shutdown", &wait).context("the serving process is gone")?;
-        let (id, seqs, desc) = match msg {
+        let (id, seqs, desc) = match wire::recv(&mut conn, "Tables, Step or Shutdown", &wait).map_err(|e| gone(&conn, e))? {
+            ToRank::Tables { updates } => {
+                if let Err(e) = updates.iter().try_for_each(|u| tables.apply(u)) {
+                    return fail(&mut conn, e.context("the serving process's block tables"));
+                }
+                continue;
+            }
             ToRank::Step { id, seqs, x } => (id, seqs, x),
             ToRank::Shutdown => return Ok(()),
             other => bail!("the serving process sent {other:?} during the steps"),
         };
-        let rows: usize = seqs.iter().map(|s| s.tokens.len()).sum();
-        let wait = Wait { what: "a step's stream", deadline, alive: &|| Ok(()) };
+        let rows: usize = seqs.iter().map(|s| s.rows as usize).sum();
+        let wait =
+            Wait { what: "a step's stream", deadline: Some(Instant::now() + Duration::from_millis(STARTUP_TIMEOUT_MS)), alive: &|| Ok(()) };
         let mut x = wire::recv_bulk(&mut conn, std::slice::from_ref(&desc), rows * c, &wait)?.remove(0);
-        let batch: Vec<SeqStep> = seqs.iter().map(seq_step).collect();
-        if let Err(e) = stage.run(&batch, &mut x) {
+        // The token ids stay in the serving process; the checks need only how many rows each
+        // sequence has.
+        zeros.resize(zeros.len().max(seqs.iter().map(|s| s.rows as usize).max().unwrap_or(0)), 0);
+        let batch: Result<Vec<SeqStep>> = seqs
+            .iter()
+            .map(|s| {
+                let block_table = tables.table(s.slot)?;
+                Ok(SeqStep { tokens: &zeros[..s.rows as usize], start: s.start as usize, block_table, want_logits: false })
+            })
+            .collect();
+        if let Err(e) = batch.and_then(|b| stage.run(&b, &mut x)) {
             return fail(&mut conn, e.context(format!("step {id}")));
         }
         wire::send(&mut conn, &FromRank::Done { id, y: wire::describe(&[("y", &x)]).remove(0) })?;
         wire::send_bulk(&mut conn, &[&x])?;
     }
-}
-
-fn seq_step(s: &WireSeq) -> SeqStep<'_> {
-    SeqStep { tokens: &s.tokens, start: s.start as usize, block_table: &s.table, want_logits: false }
 }
 
 /// Tells the serving process why this rank stops, and stops.

@@ -15,8 +15,10 @@ use tessera_kernels::model::{Arch, Model, ModelConfig};
 use tessera_kernels::tensor::Rng;
 use tessera_transport::quic::ControlConn;
 
-use super::rank::{connect, serve_rank, RankArgs};
-use super::{PipelineBackend, PipelineOptions, RankProcess};
+use tessera_fleet::agent::{AgentArgs, AgentCredentials};
+
+use super::rank::{connect, serve_rank};
+use super::{PipelineBackend, PipelineOptions, RankProcess, RankSource};
 use crate::infer::backend::{Backend, BackendLost, SeqStep};
 use crate::infer::cpu::{CpuBackend, CpuOptions, LinearFormat};
 
@@ -61,6 +63,39 @@ fn pipeline(
     pipeline_loading(cfg, params, ranks, weights, &|_| cfg.clone()).unwrap()
 }
 
+/// A rank as `tessera serve-rank` runs it, on a thread: joins at `join` (`rank`, with
+/// `credentials`), loads `cfg` with `params` (the model's own initialisation when they do not
+/// fit it) and serves; its connection goes into `slot` once it has one.
+fn thread_rank(
+    name: &str,
+    join: SocketAddr,
+    rank: Option<usize>,
+    credentials: AgentCredentials,
+    cfg: ModelConfig,
+    params: Vec<f32>,
+    slot: Arc<Mutex<Option<ControlConn>>>,
+) -> JoinHandle<Result<()>> {
+    let name = name.to_string();
+    std::thread::spawn(move || {
+        let args = AgentArgs {
+            join: join.to_string(),
+            name,
+            rank,
+            world: None,
+            advertise: None,
+            quic_port: 0,
+            credentials,
+            connect_timeout_ms: 10_000,
+            worker_net: None,
+        };
+        let (_endpoint, conn) = connect(&args)?;
+        *slot.lock().unwrap() = Some(conn.clone());
+        let model = Model::new(cfg).map_err(anyhow::Error::msg)?;
+        let p = if params.len() == model.num_params() { params } else { model.init_params(1) };
+        serve_rank(conn, model, &move |_: &Model, range: std::ops::Range<usize>| Ok(p[range].to_vec()))
+    })
+}
+
 /// As [`pipeline`], rank `r` loading the model `loads(r)`.
 fn pipeline_loading(
     cfg: &ModelConfig,
@@ -69,25 +104,29 @@ fn pipeline_loading(
     weights: LinearFormat,
     loads: &dyn Fn(usize) -> ModelConfig,
 ) -> Result<(PipelineBackend, RankConns)> {
+    pipeline_with(cfg, params, ranks, PipelineOptions { ranks, block_size: 4, num_blocks: 32, weights }, &|r| (loads(r), params.to_vec()))
+}
+
+/// As [`pipeline`], with `opts`, rank `r` loading the model and parameters `loads(r)`.
+fn pipeline_with(
+    cfg: &ModelConfig,
+    params: &[f32],
+    ranks: usize,
+    opts: PipelineOptions,
+    loads: &dyn Fn(usize) -> (ModelConfig, Vec<f32>),
+) -> Result<(PipelineBackend, RankConns)> {
     let mut conns = Vec::new();
     let mut start = |r: usize, control: SocketAddr, pki: &Path| -> Result<Box<dyn RankProcess>> {
-        let (cfg, pki) = (loads(r), pki.to_path_buf());
-        let p = if cfg.n_layer == params.len() { Vec::new() } else { params.to_vec() };
+        let (cfg, p) = loads(r);
         let slot = Arc::new(Mutex::new(None));
         conns.push(Arc::clone(&slot));
-        let handle = std::thread::spawn(move || {
-            let (_endpoint, conn) = connect(&RankArgs { rank: r, control, pki })?;
-            *slot.lock().unwrap() = Some(conn.clone());
-            let model = Model::new(cfg).map_err(anyhow::Error::msg)?;
-            let p = if p.len() == model.num_params() { p } else { model.init_params(1) };
-            serve_rank(conn, r, model, &move |_: &Model, range: std::ops::Range<usize>| Ok(p[range].to_vec()))
-        });
-        let conn = Arc::clone(conns.last().unwrap());
-        Ok(Box::new(ThreadRank { handle: Some(handle), conn }))
+        let handle =
+            thread_rank(&format!("local-{r}"), control, Some(r), AgentCredentials::Certs(pki.to_path_buf()), cfg, p, Arc::clone(&slot));
+        Ok(Box::new(ThreadRank { handle: Some(handle), conn: slot }))
     };
     let model = Model::new(cfg.clone()).unwrap();
-    let opts = PipelineOptions { ranks, block_size: 4, num_blocks: 32, weights };
-    let b = PipelineBackend::launch(model, params.to_vec(), 0, opts, &mut start)?;
+    let unreachable = |_: &Model, r: std::ops::Range<usize>| -> Result<Vec<f32>> { anyhow::bail!("{r:?} is held") };
+    let b = PipelineBackend::launch(model, params, 0, &unreachable, PipelineOptions { ranks, ..opts }, RankSource::Spawn(&mut start))?;
     Ok((b, conns))
 }
 
@@ -245,7 +284,136 @@ fn a_rank_that_loaded_another_model_is_refused_at_start() {
     let p = params(Model::new(cfg.clone()).unwrap().num_params(), 7);
     let other = |r: usize| if r == 1 { ModelConfig { d_ff: 64, ..cfg.clone() } } else { cfg.clone() };
     let e = pipeline_loading(&cfg, &p, 2, LinearFormat::F32, &other).err().expect("a rank with another model");
-    assert!(format!("{e:#}").contains("rank 1 loaded another model"), "{e:#}");
+    let e = format!("{e:#}");
+    assert!(
+        e.contains("serve-rank local-1 at 127.0.0.1 (pid ")
+            && e.contains("loaded another model than this server's: d_ff: 64 (the server's: d_ff: 48)"),
+        "{e}"
+    );
     let e = pipeline_loading(&cfg, &p, 4, LinearFormat::F32, &|_| cfg.clone()).err().expect("more ranks than blocks");
     assert!(format!("{e:#}").contains("--pipeline-parallel-size 4: expected 1 to the model's 3 blocks"), "{e:#}");
+}
+
+/// A server's ranks' endpoint on loopback with a join token, as `tessera serve --rank-listen`
+/// opens it: the source to launch with, and the token's credentials.
+fn join_door() -> (SocketAddr, RankSource<'static>, AgentCredentials) {
+    join_door_for(20_000)
+}
+
+/// As [`join_door`], waiting `join_timeout_ms` for the ranks.
+fn join_door_for(join_timeout_ms: u64) -> (SocketAddr, RankSource<'static>, AgentCredentials) {
+    let d = crate::launch::DriverOpts { join_timeout_ms, certs: None, token_file: None };
+    let (endpoint, auth, token) = crate::launch::rendezvous_endpoint("127.0.0.1:0", &d).unwrap();
+    let at = endpoint.local_addr().unwrap();
+    (at, RankSource::Join { endpoint: Box::new(endpoint), auth, join_timeout_ms }, AgentCredentials::Token(token.unwrap().text()))
+}
+
+fn slot() -> Arc<Mutex<Option<ControlConn>>> {
+    Arc::new(Mutex::new(None))
+}
+
+/// Ranks that join with the server's token (one asking for rank 1, one for any) serve with the
+/// one-process bits; once both are held, a third asking for rank 1 is refused, told who holds
+/// the ranks.
+#[test]
+fn ranks_joining_with_a_token_serve_and_a_late_claim_hears_who_holds_the_ranks() {
+    let cfg = dense(Arch::Llama);
+    let p = params(Model::new(cfg.clone()).unwrap().num_params(), 5);
+    let (at, source, token) = join_door();
+    let late = thread_rank("b", at, Some(1), token.clone(), cfg.clone(), p.clone(), slot());
+    let any = thread_rank("a", at, None, token.clone(), cfg.clone(), p.clone(), slot());
+    let model = Model::new(cfg.clone()).unwrap();
+    let opts = PipelineOptions { ranks: 2, block_size: 4, num_blocks: 32, weights: LinearFormat::F32 };
+    let unreachable = |_: &Model, r: std::ops::Range<usize>| -> Result<Vec<f32>> { anyhow::bail!("{r:?} is held") };
+    let mut b = PipelineBackend::launch(model, &p, 0, &unreachable, opts, source).unwrap();
+    assert_eq!(bits(&scenario(&mut b)), bits(&scenario(&mut one_process(&cfg, &p, LinearFormat::F32))));
+    let third = thread_rank("c", at, Some(1), token, cfg.clone(), p.clone(), slot()).join().unwrap().unwrap_err();
+    let e = format!("{third:#}");
+    assert!(e.contains("every rank of this server is held") && e.contains("rank 1 (blocks 1..3, pid "), "{e}");
+    drop(b);
+    late.join().unwrap().unwrap();
+    any.join().unwrap().unwrap();
+}
+
+/// Two ranks asking for the same rank: the start fails naming both, and both hear why.
+#[test]
+fn two_ranks_asking_for_one_rank_fail_the_start_naming_both() {
+    let cfg = dense(Arch::Gpt);
+    let p = params(Model::new(cfg.clone()).unwrap().num_params(), 5);
+    let (at, source, token) = join_door();
+    let first = thread_rank("first", at, Some(1), token.clone(), cfg.clone(), p.clone(), slot());
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let second = thread_rank("second", at, Some(1), token, cfg.clone(), p.clone(), slot());
+    let opts = PipelineOptions { ranks: 2, block_size: 4, num_blocks: 32, weights: LinearFormat::F32 };
+    let unreachable = |_: &Model, r: std::ops::Range<usize>| -> Result<Vec<f32>> { anyhow::bail!("{r:?} is held") };
+    let e = PipelineBackend::launch(Model::new(cfg).unwrap(), &p, 0, &unreachable, opts, source).err().expect("two claims of rank 1");
+    let e = format!("{e:#}");
+    assert!(e.contains("serve-rank second at 127.0.0.1") && e.contains("asks for rank 1, which serve-rank first at 127.0.0.1"), "{e}");
+    for h in [first, second] {
+        let why = format!("{:#}", h.join().unwrap().unwrap_err());
+        assert!(why.contains("asks for rank 1"), "{why}");
+    }
+}
+
+/// A rank whose blocks hold other weights than the server's model (the same shapes) is refused
+/// by name at start.
+#[test]
+fn a_rank_with_other_weights_is_refused_at_start() {
+    let cfg = dense(Arch::Gpt);
+    let p = params(Model::new(cfg.clone()).unwrap().num_params(), 7);
+    let mut other = p.clone();
+    let last = other.len() - 1;
+    other[last] += 1e-3;
+    let opts = PipelineOptions { ranks: 2, block_size: 4, num_blocks: 32, weights: LinearFormat::F32 };
+    let loads = |r: usize| (cfg.clone(), if r == 1 { other.clone() } else { p.clone() });
+    let e = pipeline_with(&cfg, &p, 2, opts, &loads).err().expect("a rank with other weights");
+    let e = format!("{e:#}");
+    assert!(e.contains("rank 1 (blocks 1..3") && e.contains("loaded other weights for its blocks than this server's model"), "{e}");
+}
+
+/// Six sequences decoding at position 60,000 with one-position blocks: 360,006 table entries in
+/// a step, more than a 1 MiB frame holds (the old step frame carried every table whole and the
+/// backend was lost). They cross as table changes in bounded frames, then one entry a sequence,
+/// and the logits are the one-process backend's bits.
+#[test]
+fn long_contexts_of_many_sequences_cross_in_bounded_frames_with_the_one_process_bits() {
+    let cfg = ModelConfig { max_seq_len: 70_000, ..dense(Arch::Llama) };
+    let p = params(Model::new(cfg.clone()).unwrap().num_params(), 9);
+    let opts = PipelineOptions { ranks: 2, block_size: 1, num_blocks: 16, weights: LinearFormat::F32 };
+    let (mut two, _) = pipeline_with(&cfg, &p, 2, opts, &|_| (cfg.clone(), p.clone())).unwrap();
+    let mut one = CpuBackend::new(
+        Model::new(cfg.clone()).unwrap(),
+        p.clone(),
+        CpuOptions { block_size: 1, num_blocks: 16, weights: LinearFormat::F32 },
+    )
+    .unwrap();
+    let pos = 60_000;
+    let mut tables: Vec<Vec<u32>> = (0..6u32).map(|i| [vec![0; pos], vec![1 + i]].concat()).collect();
+    let whole_tables_bytes: usize = tables.iter().map(|t| 4 * t.len()).sum();
+    assert!(whole_tables_bytes > tessera_fleet::wire::FRAME_BYTES_MAX, "the step's tables fit one frame: {whole_tables_bytes} bytes");
+    for k in 0..2 {
+        let tokens: Vec<[u32; 1]> = (0..6u32).map(|i| [(i * 5 + k) % 37]).collect();
+        let batch: Vec<SeqStep> = tables.iter().zip(&tokens).map(|(t, tok)| step(tok, pos + k as usize, t, true)).collect();
+        assert_eq!(bits(&[two.step(&batch).unwrap()]), bits(&[one.step(&batch).unwrap()]), "step {k}");
+        for (i, t) in tables.iter_mut().enumerate() {
+            t.push(7 + i as u32);
+        }
+    }
+}
+
+/// A rank that never comes: the start fails after the join timeout naming who joined, and the
+/// rank that did hears why.
+#[test]
+fn a_missing_rank_fails_the_start_after_the_join_timeout_naming_who_joined() {
+    let cfg = dense(Arch::Gpt);
+    let p = params(Model::new(cfg.clone()).unwrap().num_params(), 5);
+    let (at, source, token) = join_door_for(1_500);
+    let only = thread_rank("only", at, None, token, cfg.clone(), p.clone(), slot());
+    let opts = PipelineOptions { ranks: 2, block_size: 4, num_blocks: 32, weights: LinearFormat::F32 };
+    let unreachable = |_: &Model, r: std::ops::Range<usize>| -> Result<Vec<f32>> { anyhow::bail!("{r:?} is held") };
+    let e = PipelineBackend::launch(Model::new(cfg).unwrap(), &p, 0, &unreachable, opts, source).err().expect("one rank of two");
+    let e = format!("{e:#}");
+    assert!(e.contains(&format!("only 1 of 2 ranks joined {at} within 1500 ms (joined: serve-rank only at 127.0.0.1 (pid ")), "{e}");
+    let why = format!("{:#}", only.join().unwrap().unwrap_err());
+    assert!(why.contains("only 1 of 2 ranks joined"), "{why}");
 }
