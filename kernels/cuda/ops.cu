@@ -1031,6 +1031,27 @@ extern "C" __global__ void lion(float* __restrict__ master, bf16* __restrict__ p
 }
 
 // ---------------------------------------------------------------------------------------------
+// Adagrad (optim::adagrad, torch.optim.Adagrad), one thread per element; wd applies where
+// decay[i] is set (0 elsewhere, still added as the CPU adds it: g + 0·p):
+//   g ← g + wd·p;  s ← s + g·g;  p ← p + ((−clr)·g) / (√s + eps)
+// ---------------------------------------------------------------------------------------------
+
+extern "C" __global__ void adagrad(float* __restrict__ master, bf16* __restrict__ param, const float* __restrict__ grad,
+                                   float* __restrict__ sum, const unsigned char* __restrict__ decay, u64 len, float neg_clr, float eps,
+                                   float wd, float grad_scale) {
+    const u64 i = gtid();
+    if (i >= len) return;
+    const float p0 = master[i];
+    const float g = FADD(FMUL(grad[i], grad_scale), FMUL(decay[i] ? wd : 0.0f, p0));
+    const float s1 = FADD(sum[i], FMUL(g, g));
+    const float denom = FADD(__fsqrt_rn(s1), eps);
+    const float p1 = FADD(p0, FDIV(FMUL(neg_clr, g), denom));
+    sum[i] = s1;
+    master[i] = p1;
+    param[i] = f2bf(p1);
+}
+
+// ---------------------------------------------------------------------------------------------
 // fp16 storage of f32 values (fp16 training's gradients, `engine::precision` on the CPU):
 // x ← f32(f16(x)), round to nearest even, beyond ±65504 → ±inf, f16 subnormals kept (PTX `cvt`
 // without .ftz, IEEE conversions, as the `half` crate's).
@@ -1044,4 +1065,77 @@ extern "C" __global__ void round_f16(float* x, u64 len) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x[i]));
     asm("cvt.f32.f16 %0, %1;" : "=f"(y) : "h"(h));
     x[i] = y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// LAMB (optim::lamb), in the CPU step's two phases. Phase 1 (`lamb_update`) writes only the
+// scratch u; the norms of the weights and of u per tensor come from `lamb_sumsq_slots` over the
+// CPU's slots (FlatLayout: tensor ∩ 16384-element block), the trust ratios from the host; phase 2
+// (`lamb_commit`) recomputes the moments (the same bits), stores them and steps p with the
+// tensor's step_size·ratio (multiplied on the host in f32, as the CPU does left to right).
+//   m' ← β1·m + (1−β1)·g;  v' ← β2·v + ((1−β2)·g)·g;  u ← m'/(√v' + eps) + wd·p
+//   p ← p − (step_size·ratio)·u
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void lamb_moments(float g, float m, float v, float beta1, float omb1, float beta2, float omb2, float* m1,
+                                             float* v1) {
+    *m1 = FADD(FMUL(beta1, m), FMUL(omb1, g));
+    *v1 = FADD(FMUL(beta2, v), FMUL(FMUL(omb2, g), g));
+}
+
+extern "C" __global__ void lamb_update(float* __restrict__ u, const float* __restrict__ master, const float* __restrict__ grad,
+                                       const float* __restrict__ m, const float* __restrict__ v, const unsigned char* __restrict__ decay,
+                                       u64 len, float beta1, float omb1, float beta2, float omb2, float eps, float wd, float grad_scale) {
+    const u64 i = gtid();
+    if (i >= len) return;
+    float m1, v1;
+    lamb_moments(FMUL(grad[i], grad_scale), m[i], v[i], beta1, omb1, beta2, omb2, &m1, &v1);
+    u[i] = FADD(FDIV(m1, FADD(__fsqrt_rn(v1), eps)), FMUL(decay[i] ? wd : 0.0f, master[i]));
+}
+
+// One slot a group of 8 consecutive threads: lane l sums x[start + l + 8j]² in f64, ascending j
+// (explicit round-to-nearest, never an FMA: the CPU's `*l += v * v`); the lanes combine as
+// ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) through the xor shuffles (IEEE addition commutes).
+// `starts[k]` is slot k's first element in x (device coordinates), `lens[k]` its length; out[k]
+// its sum. Two buffers at once: x0 → out[k], x1 → out[nslots + k].
+extern "C" __global__ void lamb_sumsq_slots(double* __restrict__ out, const float* __restrict__ x0, const float* __restrict__ x1,
+                                            const u64* __restrict__ starts, const unsigned int* __restrict__ lens, u64 nslots) {
+    const u64 i = gtid();
+    const u64 k = i >> 3;
+    const u32 l = (u32)(i & 7);
+    double a0 = 0.0, a1 = 0.0;
+    if (k < nslots) {
+        const u64 s = starts[k];
+        const u32 n = lens[k];
+        for (u32 p = l; p < n; p += 8) {
+            const double w = (double)x0[s + p], z = (double)x1[s + p];
+            a0 = __dadd_rn(a0, __dmul_rn(w, w));
+            a1 = __dadd_rn(a1, __dmul_rn(z, z));
+        }
+    }
+    // The whole warp takes part (blockDim is a multiple of 32 and 8 | 32).
+    a0 = __dadd_rn(a0, __shfl_xor_sync(0xffffffffu, a0, 1));
+    a1 = __dadd_rn(a1, __shfl_xor_sync(0xffffffffu, a1, 1));
+    a0 = __dadd_rn(a0, __shfl_xor_sync(0xffffffffu, a0, 2));
+    a1 = __dadd_rn(a1, __shfl_xor_sync(0xffffffffu, a1, 2));
+    a0 = __dadd_rn(a0, __shfl_xor_sync(0xffffffffu, a0, 4));
+    a1 = __dadd_rn(a1, __shfl_xor_sync(0xffffffffu, a1, 4));
+    if (l == 0 && k < nslots) {
+        out[k] = a0;
+        out[nslots + k] = a1;
+    }
+}
+
+extern "C" __global__ void lamb_commit(float* __restrict__ master, bf16* __restrict__ param, const float* __restrict__ grad,
+                                       float* __restrict__ m, float* __restrict__ v, const float* __restrict__ u, u64 len, float beta1,
+                                       float omb1, float beta2, float omb2, float step_ratio, float grad_scale) {
+    const u64 i = gtid();
+    if (i >= len) return;
+    float m1, v1;
+    lamb_moments(FMUL(grad[i], grad_scale), m[i], v[i], beta1, omb1, beta2, omb2, &m1, &v1);
+    m[i] = m1;
+    v[i] = v1;
+    const float p1 = FSUB(master[i], FMUL(step_ratio, u[i]));
+    master[i] = p1;
+    param[i] = f2bf(p1);
 }

@@ -83,9 +83,13 @@ pub fn check(seed: u64, only: Option<&str>) -> Result<bool> {
         }
     };
     report("ops", &|| cuda::ops::check(&gpu, seed).map_err(Into::into));
-    report("optimizers: Adam/AdamW, SGD and Lion kernels against the CPU's OptimizerShard::step, bit for bit", &|| {
+    report("optimizers: Adam/AdamW, SGD, Lion and Adagrad kernels against the CPU's OptimizerShard::step, bit for bit", &|| {
         cuda::optim::check(&gpu, seed).map_err(Into::into)
     });
+    report(
+        "optimizers: LAMB (update, slot sums of squares, trust ratios, commit) against the CPU's OptimizerShard::step, bit for bit",
+        &|| cuda::lamb::check(&gpu, seed).map_err(Into::into),
+    );
     report("attention", &|| cuda::attention::check(&gpu, seed).map_err(Into::into));
     report("model (2-layer GPT vs CPU f32)", &|| gpt::check(&gpu, seed).map_err(Into::into));
     report("LLaMA family: RMSNorm, RoPE, SwiGLU, grouped-query attention (hd 64, 128) and 2-layer models vs the CPU (f32)", &|| {
@@ -99,7 +103,9 @@ pub fn check(seed: u64, only: Option<&str>) -> Result<bool> {
     report("optimizer offload: the GPU adamw kernel against the host step, bit for bit", &|| check_adamw_offload(&gpu, seed));
     report(
         "optimizer offload, parameter offload (ZeRO-3, host memory and NVMe), and the optimizer during the backward (AdamW, \
-         Adam, SGD, Lion): training against the GPU optimizer after the backward with the parameters on the GPU, bit for bit",
+         Adam, SGD, Lion, Adagrad; offloaded with each): training against the GPU optimizer after the backward with the \
+         parameters on the GPU, bit for bit; \
+         LAMB through the rank at ZeRO 0-3 on one GPU",
         &|| check_offload_training(gpu.clone(), seed),
     );
     report("fp16: overflow decisions against the CPU gradient stored in fp16, and the dynamic loss scaler's skipped steps", &|| {
@@ -447,9 +453,34 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
             rows.push(bits_row(format!("{name}: the masters moved (ZeRO-{stage})"), &[u32::from(moved)], &[1]));
         }
         if optim.offloadable() {
-            let (o, base) = (run_with(optim, 2, Some(1.0), true)?, run_with(optim, 2, None, true)?);
-            same(&mut rows, "offload vs GPU optimizer", &format!("{name}, ZeRO-2, ratio 1"), &o, &base);
+            // Host memory (all of each piece, and half of it beside the GPU kernel), then swap
+            // files (the initial accumulator written into them).
+            let base = run_with(optim, 2, None, true)?;
+            for ratio in [1.0, 0.5] {
+                let o = run_with(optim, 2, Some(ratio), true)?;
+                same(&mut rows, "offload vs GPU optimizer", &format!("{name}, ZeRO-2, ratio {ratio}"), &o, &base);
+            }
+            let o = run_on(optim, 2, Some(1.0), true, Some(&site))?;
+            same(&mut rows, "NVMe offload vs GPU optimizer", &format!("{name}, ZeRO-2, ratio 1"), &o, &base);
+            rows.push(bits_row(format!("offload vs GPU optimizer, eval loss ({name}, NVMe)"), &[o.3.to_bits()], &[base.3.to_bits()]));
         }
+    }
+    // LAMB through the rank (its update over every tensor at once, `cuda::lamb::step`, whose
+    // kernels the optimizer rows compare with the CPU bit for bit): one GPU at ZeRO-1, 2 and 3
+    // gives ZeRO-0's bits, with the early-update flag on (LAMB never steps during the backward).
+    let lamb = tessera_kernels::optim::LambParams { lr: 2e-3, weight_decay: 0.01, ..Default::default() };
+    let optim = zero::Optimizer { kind: tessera_kernels::optim::OptimizerKind::Lamb(lamb), clip: 1.0 };
+    let base = run_with(optim, 0, None, false)?;
+    let moved = base.0.iter().zip(&init).any(|(a, b)| a != b);
+    rows.push(bits_row("LAMB: the masters moved (ZeRO-0, one GPU)".into(), &[u32::from(moved)], &[1]));
+    for stage in [1u8, 2, 3] {
+        let o = run_with(optim, stage, None, true)?;
+        same(&mut rows, "LAMB on one GPU vs ZeRO-0", &format!("ZeRO-{stage}, clip 1"), &o, &base);
+        rows.push(bits_row(
+            format!("LAMB on one GPU vs ZeRO-0, eval loss after the steps (ZeRO-{stage})"),
+            &[o.3.to_bits()],
+            &[base.3.to_bits()],
+        ));
     }
     Ok(rows)
 }
@@ -513,7 +544,7 @@ fn check_param_offload(
 
 /// The optimizers besides AdamW that [`check_offload_training`] trains with.
 fn other_optimizers() -> Vec<(&'static str, tessera_kernels::optim::OptimizerKind)> {
-    use tessera_kernels::optim::{AdamParams, LionParams, OptimizerKind, SgdParams};
+    use tessera_kernels::optim::{AdagradParams, AdamParams, LionParams, OptimizerKind, SgdParams};
     let adam = AdamParams { lr: 2e-3, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, ..AdamParams::default() };
     vec![
         ("Adam (L2 penalty, no bias correction)", OptimizerKind::Adam(AdamParams { adam_w_mode: false, bias_correction: false, ..adam })),
@@ -522,6 +553,16 @@ fn other_optimizers() -> Vec<(&'static str, tessera_kernels::optim::OptimizerKin
             OptimizerKind::Sgd(SgdParams { lr: 2e-3, momentum: 0.9, dampening: 0.0, weight_decay: 0.01, nesterov: true }),
         ),
         ("Lion", OptimizerKind::Lion(LionParams { lr: 2e-3, betas: (0.9, 0.99), weight_decay: 0.1, momentum_cycle: None })),
+        (
+            "Adagrad (lr_decay, initial accumulator)",
+            OptimizerKind::Adagrad(AdagradParams {
+                lr: 1e-2,
+                lr_decay: 0.1,
+                eps: 1e-10,
+                weight_decay: 0.01,
+                initial_accumulator_value: 0.1,
+            }),
+        ),
     ]
 }
 
@@ -580,8 +621,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 3e-4)]
     pub lr: f32,
     /// The optimizer: `adamw` (betas 0.9/0.95, weight decay 0.1), `adam` (the same with an L2
-    /// penalty instead of decoupled decay), `sgd` (momentum 0.9, weight decay 0.1) or `lion`
-    /// (betas 0.9/0.99, weight decay 0.1).
+    /// penalty instead of decoupled decay), `sgd` (momentum 0.9, weight decay 0.1), `lion`
+    /// (betas 0.9/0.99, weight decay 0.1) or `adagrad` (weight decay 0.1).
     #[arg(long, default_value = "adamw")]
     pub optimizer: String,
     /// fp16 (`fp16.enabled` with a static `loss_scale` of this value): each micro-batch's
@@ -873,14 +914,15 @@ fn bench_nvme(a: &BenchArgs) -> Result<Option<offload::NvmeSite>> {
 
 /// `--optimizer` (and `--clip`) as the rank's optimizer.
 fn bench_optimizer(a: &BenchArgs) -> Result<zero::Optimizer> {
-    use tessera_kernels::optim::{AdamParams, LionParams, OptimizerKind, SgdParams};
+    use tessera_kernels::optim::{AdagradParams, AdamParams, LionParams, OptimizerKind, SgdParams};
     let adam = AdamParams { lr: a.lr, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, ..AdamParams::default() };
     let kind = match a.optimizer.as_str() {
         "adamw" => OptimizerKind::Adam(adam),
         "adam" => OptimizerKind::Adam(AdamParams { adam_w_mode: false, ..adam }),
         "sgd" => OptimizerKind::Sgd(SgdParams { lr: a.lr, momentum: 0.9, dampening: 0.0, weight_decay: 0.1, nesterov: false }),
         "lion" => OptimizerKind::Lion(LionParams { lr: a.lr, betas: (0.9, 0.99), weight_decay: 0.1, momentum_cycle: None }),
-        other => bail!("--optimizer {other:?}: expected adamw, adam, sgd or lion"),
+        "adagrad" => OptimizerKind::Adagrad(AdagradParams { lr: a.lr, weight_decay: 0.1, ..AdagradParams::default() }),
+        other => bail!("--optimizer {other:?}: expected adamw, adam, sgd, lion or adagrad"),
     };
     Ok(zero::Optimizer { kind, clip: a.clip })
 }

@@ -1,5 +1,6 @@
 //! NVMe optimizer offload on GPU ranks (`offload_optimizer.device = "nvme"`): the host part of
-//! each unit's optimizer piece — fp32 masters and Adam's two moments — lives in three swap files
+//! each unit's optimizer piece — fp32 masters and up to two state buffers (Adam's moments; Lion's
+//! `exp_avg`, SGD's momentum or Adagrad's `sum` in the second file, the third unused) — lives in three swap files
 //! under `nvme_path` ([`crate::offload::io`]: O_DIRECT where the filesystem allows it, io_uring
 //! requests of `aio.block_size`), each unit's region starting on a block boundary, so one unit
 //! moves in whole-block requests.

@@ -1,12 +1,16 @@
 //! ZeRO-Offload on the GPU (`zero_optimization.offload_optimizer.device = "cpu"` with
-//! `--device cuda`): the rank's fp32 masters and Adam moments live in host memory and the AdamW
-//! step runs on CPU cores, unit by unit, as each unit's reduced gradient arrives.
+//! `--device cuda`): the rank's fp32 masters and optimizer state live in host memory and the
+//! optimizer step runs on CPU cores, unit by unit, as each unit's reduced gradient arrives.
+//! Every elementwise optimizer runs there ([`HostStep`]): Adam/AdamW through [`adamw_host`], SGD,
+//! Lion and Adagrad through the CPU engine's own kernels ([`ElementwiseStep`], what
+//! `OptimizerShard::step` runs). LAMB is not elementwise (its trust ratios need every tensor's
+//! norms before any update) and is refused with offload at start.
 //!
 //! The pipeline of one step (driven by [`super::zero::Rank::step`] through [`run_step`]):
 //! 1. during the backward of the last micro-batch, as unit `u`'s gradient is final (after the
 //!    micro-batch tree's adds for that unit and its reduce-scatter), its host part is copied
 //!    device → host into a page-locked staging buffer on a copy stream (`d2h`);
-//! 2. a worker thread waits for each unit's copy, then runs [`adamw_host`] over the unit's host
+//! 2. a worker thread waits for each unit's copy, then runs the [`HostStep`] over the unit's host
 //!    part on a pool of CPU threads, writing the new fp32 masters and moments in place and the
 //!    bf16 parameters into a page-locked staging buffer — with `gradient_clipping` off this
 //!    overlaps the rest of the backward; with clipping on it starts once the global norm (on the
@@ -24,7 +28,10 @@
 //! reading ahead and hands it to a writer thread after the step — the same host step, the same
 //! bits.
 //!
-//! Same bits: [`adamw_host`] evaluates the GPU `adamw` kernel's expression (kernels/cuda/ops.cu)
+//! Same bits as the GPU optimizer: SGD, Lion and Adagrad run the CPU's kernels, which the GPU
+//! kernels reproduce operation by operation on normal values (`tessera gpu check`'s optimizer
+//! rows); a subnormal input or result, which the GPU flushes to zero, is kept here. Adam:
+//! [`adamw_host`] evaluates the GPU `adamw` kernel's expression (kernels/cuda/ops.cu)
 //! in the same order with the same f32 roundings. The kernel's module is compiled with
 //! `--use_fast_math`, so its explicit round-to-nearest operations (`__fadd_rn`, `__fmul_rn`,
 //! `__fdiv_rn`, `__fsqrt_rn`: never contracted into FMAs) flush subnormal inputs and results to
@@ -41,6 +48,7 @@ use half::bf16;
 use rayon::prelude::*;
 use tessera_kernels::cuda::ops::{AdamStep, EventFlags, PinnedHostSlice};
 use tessera_kernels::cuda::{self, CudaEvent, CudaStream, Gpu};
+use tessera_kernels::optim::ElementwiseStep;
 
 use super::nvme::{NvmeStore, UnitState};
 use super::zero::OffloadOptions;
@@ -170,6 +178,63 @@ pub fn adamw_host_par(pool: &rayon::ThreadPool, hp: &AdamStep, grad_scale: f32, 
     });
 }
 
+/// One update of the host step's optimizer (LAMB never: refused with offload at start).
+#[derive(Clone, Copy, Debug)]
+pub enum HostStep {
+    /// Adam/AdamW: the GPU `adamw` kernel's expression with its flushes ([`adamw_host`]).
+    Adam(AdamStep),
+    /// SGD, Lion, Adagrad: the CPU engine's kernels.
+    Cpu(ElementwiseStep),
+}
+
+/// [`HostStep`] over `bufs` on `pool`'s threads: the gradient multiplied by `grad_scale` (the
+/// clipping coefficient, one f32 rounding as the GPU kernels do it), then the optimizer over each
+/// run of elements with one decay flag. `bufs.m` / `bufs.v` are as long as the masters where the
+/// optimizer keeps that buffer and may be empty otherwise.
+pub fn host_step_par(pool: &rayon::ThreadPool, hp: &HostStep, grad_scale: f32, bufs: HostAdamBufs<'_>) {
+    let step = match hp {
+        HostStep::Adam(a) => return adamw_host_par(pool, a, grad_scale, bufs),
+        HostStep::Cpu(step) => step,
+    };
+    let HostAdamBufs { master, m, v, grad, decay, param } = bufs;
+    let n = master.len();
+    assert!(grad.len() == n && decay.len() == n && param.len() == n, "host_step_par: lengths differ");
+    let (mc, vc) = (state_chunks(m, n), state_chunks(v, n));
+    pool.install(|| {
+        let jobs = master.par_chunks_mut(CHUNK).zip(mc).zip(vc).zip(grad.par_chunks(CHUNK));
+        jobs.zip(decay.par_chunks(CHUNK)).zip(param.par_chunks_mut(CHUNK)).for_each(|(((((p, m), v), g), d), out)| {
+            let g: Vec<f32> = g.iter().map(|&x| x * grad_scale).collect();
+            let mut at = 0;
+            while at < p.len() {
+                let end = at + d[at..].iter().position(|&x| x != d[at]).unwrap_or(p.len() - at);
+                let (mr, vr) = (state_run(m, at..end), state_run(v, at..end));
+                step.run(d[at] != 0, &mut p[at..end], &g[at..end], mr, vr);
+                at = end;
+            }
+            out.iter_mut().zip(p.iter()).for_each(|(o, &x)| *o = bf16::from_f32(x));
+        });
+    });
+}
+
+/// A state buffer of `n` values in [`CHUNK`]s, or one empty slice a chunk where the optimizer
+/// does not keep it.
+fn state_chunks(b: &mut [f32], n: usize) -> Vec<&mut [f32]> {
+    if b.is_empty() {
+        return (0..n.div_ceil(CHUNK)).map(|_| <&mut [f32]>::default()).collect();
+    }
+    assert!(b.len() == n, "host step: a state buffer of {} values for {n} masters", b.len());
+    b.chunks_mut(CHUNK).collect()
+}
+
+/// Range `r` of a state buffer, or the empty buffer itself where the optimizer does not keep it.
+fn state_run(b: &mut [f32], r: std::ops::Range<usize>) -> &mut [f32] {
+    if b.is_empty() {
+        b
+    } else {
+        &mut b[r]
+    }
+}
+
 /// Where each unit's optimizer piece is stepped: its first `host[u]` elements on the host, the
 /// rest on the GPU. Pieces are laid out unit after unit in both places.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -278,7 +343,8 @@ impl OffloadStats {
 }
 
 /// The host optimizer state of a rank's pieces (their host parts): in host memory, or with
-/// `nvme` in its swap files (then `master`, `m` and `v` are empty).
+/// `nvme` in its swap files (then `master`, `m` and `v` are empty). `m` and `v` are the
+/// optimizer's state buffers in `state_names` order, empty where it keeps fewer.
 pub struct HostState {
     pub master: Vec<f32>,
     pub m: Vec<f32>,
@@ -335,7 +401,7 @@ pub fn default_threads(local_ranks: usize) -> usize {
 
 /// What the worker is told for one step.
 pub struct StepOrder {
-    pub hp: AdamStep,
+    pub hp: HostStep,
     /// Units whose host part is non-empty: how many staging buffers will arrive.
     pub expected: usize,
 }
@@ -403,16 +469,18 @@ fn step_units(host: &mut HostState, split: &Split, ch: &Channels, st: &mut Offlo
             let (grad, param) = (&grad[..r.len()], &mut param[..r.len()]);
             match swap.as_mut() {
                 None => {
-                    let (master, m, v) = (&mut host.master[r.clone()], &mut host.m[r.clone()], &mut host.v[r.clone()]);
+                    // A state buffer the optimizer does not keep is empty (`state_run`).
+                    let (m, v) = (state_run(&mut host.m, r.clone()), state_run(&mut host.v, r.clone()));
+                    let master = &mut host.master[r.clone()];
                     let t = Instant::now();
-                    adamw_host_par(&host.pool, &ch.order.hp, k, HostAdamBufs { master, m, v, grad, decay, param });
+                    host_step_par(&host.pool, &ch.order.hp, k, HostAdamBufs { master, m, v, grad, decay, param });
                     st.cpu_step_s += t.elapsed().as_secs_f64();
                 }
                 Some((next, put)) => {
                     let mut state = next(u).map_err(|e| format!("reading unit {u}'s optimizer state from NVMe: {e}"))?;
                     let (master, m, v) = state.slices();
                     let t = Instant::now();
-                    adamw_host_par(&host.pool, &ch.order.hp, k, HostAdamBufs { master, m, v, grad, decay, param });
+                    host_step_par(&host.pool, &ch.order.hp, k, HostAdamBufs { master, m, v, grad, decay, param });
                     st.cpu_step_s += t.elapsed().as_secs_f64();
                     put(state).map_err(|e| format!("queueing unit {u}'s optimizer state for NVMe: {e}"))?;
                 }
@@ -446,14 +514,15 @@ pub struct Offload {
 
 impl Offload {
     /// Rank `rank`'s host side: the host parts (`master_host`, `mask_host`) of its optimizer
-    /// pieces as `split` cuts them, fresh moments (in swap files under `nvme`'s directory when
-    /// given), `threads` CPU threads, a staging pair per unit with a host part, and the two copy
-    /// streams.
+    /// pieces as `split` cuts them, fresh state (`states` buffers at `init`, in swap files under
+    /// `nvme`'s directory when given), `threads` CPU threads, a staging pair per unit with a host
+    /// part, and the two copy streams.
     pub fn new(
         gpu: &Gpu,
         rank: usize,
         split: &Split,
         (master_host, mask_host): (Vec<f32>, Vec<u8>),
+        (states, init): (usize, f32),
         o: OffloadOptions,
         nvme: Option<&NvmeSite>,
     ) -> Result<Offload> {
@@ -465,9 +534,16 @@ impl Offload {
             .context("starting the host optimizer's threads")?;
         let n = split.host_total;
         let host = match nvme {
-            None => HostState { master: master_host, m: vec![0.0; n], v: vec![0.0; n], nvme: None, decay: mask_host, pool, threads },
+            None => {
+                let buf = |k: usize| if states > k { vec![init; n] } else { Vec::new() };
+                HostState { master: master_host, m: buf(0), v: buf(1), nvme: None, decay: mask_host, pool, threads }
+            }
             Some(site) => {
                 let store = NvmeStore::create(&site.dir, rank, &site.aio, split, &master_host)?;
+                if init != 0.0 {
+                    // The files start zero-filled; Adagrad's accumulator starts at its value.
+                    store.write_buffer(1, &vec![init; n]).context("writing the initial accumulator to its swap file")?;
+                }
                 HostState { master: Vec::new(), m: Vec::new(), v: Vec::new(), nvme: Some(store), decay: mask_host, pool, threads }
             }
         };
@@ -504,7 +580,7 @@ pub struct Pipe {
 pub fn run_step<T>(
     host: &mut HostState,
     split: &Split,
-    hp: AdamStep,
+    hp: HostStep,
     rank: usize,
     clip: f32,
     step: impl FnOnce(Sender<Staging>, Pipe) -> Result<T>,
@@ -587,6 +663,58 @@ mod tests {
             assert_eq!(bits(&v), bits(bufs[1].1), "exp_avg_sq, betas {betas:?}");
             assert!(out.iter().zip(&p).all(|(b, x)| *b == bf16::from_f32(*x)));
             assert_ne!(bits(&p), bits(&master), "the step changed nothing");
+        }
+    }
+
+    /// SGD (with and without momentum: no state buffer at all), Lion and Adagrad (from its
+    /// initial accumulator) through the host step: the CPU optimizer's bits over three steps,
+    /// with a clipping coefficient, decay runs that cross the host step's chunks, and bf16
+    /// parameters that are the new masters rounded.
+    #[test]
+    fn the_host_step_of_the_other_optimizers_is_the_cpu_optimizers() {
+        use tessera_kernels::optim::{AdagradParams, ElementwiseStep, LionParams, SgdParams};
+        let len = 3 * CHUNK + 1000;
+        let cuts = [0, 5000, CHUNK + 7, 2 * CHUNK + 300, len];
+        let layout = FlatLayout::new(cuts.windows(2).map(|w| w[0]..w[1]).collect()).unwrap();
+        let flags = [true, false, true, false];
+        let decay: Vec<u8> = layout.segments().iter().zip(&flags).flat_map(|(r, &d)| std::iter::repeat_n(u8::from(d), r.len())).collect();
+        let ctx = StepContext { shard_range: 0..len, layout: &layout, decay: &flags };
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let sgd = SgdParams { lr: 0.05, momentum: 0.9, dampening: 0.1, weight_decay: 0.01, nesterov: false };
+        for kind in [
+            OptimizerKind::Sgd(sgd),
+            OptimizerKind::Sgd(SgdParams { momentum: 0.0, dampening: 0.0, ..sgd }),
+            OptimizerKind::Lion(LionParams { lr: 1e-3, betas: (0.9, 0.99), weight_decay: 0.1, momentum_cycle: None }),
+            OptimizerKind::Adagrad(AdagradParams {
+                lr: 0.05,
+                lr_decay: 0.1,
+                eps: 1e-10,
+                weight_decay: 0.01,
+                initial_accumulator_value: 0.1,
+            }),
+        ] {
+            let mut shard = OptimizerShard::new(kind, len);
+            let mut p_cpu = randv(2, 0, len, 0.02);
+            let mut p = p_cpu.clone();
+            let states = kind.state_names().len();
+            let buf = |k: usize| if states > k { vec![kind.state_init(); len] } else { Vec::new() };
+            let (mut m, mut v) = (buf(0), buf(1));
+            let mut out = vec![bf16::ZERO; len];
+            for step in 1..=3u64 {
+                let grad = randv(2, step, len, 1e-2);
+                let (k, lr) = (0.75f32, 0.05 / step as f32);
+                let scaled: Vec<f32> = grad.iter().map(|g| g * k).collect();
+                shard.step(&mut p_cpu, &scaled, lr, &ctx, &mut LocalReduce).unwrap();
+                let hp = HostStep::Cpu(ElementwiseStep::new(&kind, lr, step).unwrap());
+                let bufs = HostAdamBufs { master: &mut p, m: &mut m, v: &mut v, grad: &grad, decay: &decay, param: &mut out };
+                host_step_par(&pool, &hp, k, bufs);
+                assert_eq!(bits(&p), bits(&p_cpu), "{} step {step}: masters", kind.name());
+            }
+            for ((name, want), got) in shard.state_buffers().into_iter().zip([&m, &v]) {
+                assert_eq!(bits(got), bits(want), "{}: {name}", kind.name());
+            }
+            assert!(out.iter().zip(&p).all(|(b, x)| *b == bf16::from_f32(*x)), "{}: bf16 parameters", kind.name());
         }
     }
 

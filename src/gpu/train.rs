@@ -13,8 +13,8 @@
 //! - the data sampler: global micro-batch `i` of step `s` holds the same tokens as on the CPU;
 //! - the LR schedule ([`crate::schedule::lr_at`] on the applied-step clock) and OneCycle's
 //!   momentum cycle (the betas of each step), the optimizer (`optimizer.type`: Adam/AdamW with
-//!   or without bias correction, SGD, Lion — the CPU optimizer's own scalars on elementwise GPU
-//!   kernels, `tessera_kernels::cuda::optim`), `gradient_clipping`,
+//!   or without bias correction, SGD, Lion, Adagrad — the CPU optimizer's own scalars on
+//!   elementwise GPU kernels, `tessera_kernels::cuda::optim`; LAMB, `cuda::lamb`), `gradient_clipping`,
 //!   `zero_optimization.stage`, `tessera.steps`, evaluation on the same validation batches
 //!   (`tessera.eval_interval`, `eval_iters`), the monitors, `loss.svg`, `summary.json` (the
 //!   keys that apply, plus the device figures) and checkpoints in the CPU format: fp32 masters
@@ -37,6 +37,7 @@
 use anyhow::{bail, Result};
 use tessera_kernels::cuda::gpt;
 use tessera_kernels::model::Arch;
+use tessera_kernels::optim::OptimizerKind;
 
 use super::compute::GpuRankOptions;
 use super::offload;
@@ -89,18 +90,8 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
         ),
         Precision::Bf16 => {}
     }
-    if let OptimizerConfig::Lamb { .. } = cfg.optimizer {
-        bail!(
-            "optimizer.type = \"Lamb\": `--device cuda` has no LAMB kernel (its trust ratios need per-tensor norms across the \
-             ranks' shards); use Adam/AdamW, SGD or Lion, or --device cpu for Lamb"
-        );
-    }
-    if let OptimizerConfig::Adagrad { .. } = cfg.optimizer {
-        bail!(
-            "optimizer.type = \"Adagrad\": `--device cuda` has no Adagrad kernel yet; use Adam/AdamW, SGD or Lion, or \
-             --device cpu for Adagrad"
-        );
-    }
+    let lamb = matches!(cfg.optimizer, OptimizerConfig::Lamb { .. });
+    zero::refuse_split_lamb(lamb, cfg.zero.stage, cfg.world_size)?;
     check_offload(cfg)?;
     if cfg.zero.offload_optimizer.as_ref().is_some_and(|o| o.device == OffloadDevice::Nvme) {
         let swap_keys = [
@@ -165,9 +156,9 @@ fn check_model(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Refuses an offload the GPU trainer cannot do: the optimizer at ZeRO stage 0, of another
-/// optimizer than Adam/AdamW, by a share outside 0..=1 (NVMe: other than 1), or the parameters at
-/// all. An NVMe `nvme_path` is checked where the swap site is made ([`nvme_site`]).
+/// Refuses an offload the GPU trainer cannot do: the optimizer at ZeRO stage 0, with LAMB (not
+/// elementwise: the host step runs unit by unit), by a share outside 0..=1 (NVMe: other than 1),
+/// or NVMe parameters with a partial optimizer share. An NVMe `nvme_path` is checked where the swap site is made ([`nvme_site`]).
 fn check_offload(cfg: &Config) -> Result<()> {
     if let Some(o) = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device != OffloadDevice::None) {
         if cfg.zero.stage == 0 {
@@ -177,12 +168,12 @@ fn check_offload(cfg: &Config) -> Result<()> {
                 offload_name(o.device)
             );
         }
-        if !matches!(cfg.optimizer, OptimizerConfig::Adam { .. }) {
+        if matches!(cfg.optimizer, OptimizerConfig::Lamb { .. }) {
             bail!(
-                "zero_optimization.offload_optimizer.device = \"{}\" with optimizer.type = \"{}\": the GPU ranks' host optimizer \
-                 step runs Adam/AdamW only; drop the offload section, use Adam/AdamW, or --device cpu",
-                offload_name(o.device),
-                if matches!(cfg.optimizer, OptimizerConfig::Lion { .. }) { "Lion" } else { "SGD" }
+                "zero_optimization.offload_optimizer.device = \"{}\" with optimizer.type = \"Lamb\": the GPU ranks' host step runs \
+                 unit by unit as gradients arrive, and LAMB's trust ratios need every tensor's norms first; drop the offload \
+                 section, use another optimizer, or --device cpu",
+                offload_name(o.device)
             );
         }
         if !(0.0..=1.0).contains(&o.ratio) {
@@ -287,6 +278,7 @@ pub fn rank_options(cfg: &Config, plan: &Plan, abandons: bool) -> Result<GpuRank
         );
     }
     let m_local = plan.micro_batches / world;
+    zero::refuse_split_lamb(matches!(plan.optimizer, OptimizerKind::Lamb(_)), plan.stage, world)?;
     let optim = Optimizer { kind: plan.optimizer, clip: plan.clip };
     let n = optim.states();
     let nvme = nvme_site(cfg)?;

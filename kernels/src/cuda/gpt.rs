@@ -170,6 +170,12 @@ impl GpuLayout {
         out
     }
 
+    /// Where each of the model's tensors starts in the padded buffer, in the CPU layout's order
+    /// (the segments of `model.layout()`).
+    pub fn tensor_starts(&self) -> Vec<usize> {
+        self.decay_tensors.iter().map(|(r, _)| r.start).collect()
+    }
+
     /// 1 where weight decay applies, per element of the padded buffer.
     pub fn decay_mask(&self) -> Vec<u8> {
         let mut m = vec![0u8; self.total];

@@ -19,6 +19,7 @@ pub mod attention;
 pub mod blas;
 pub mod decode;
 pub mod gpt;
+pub mod lamb;
 pub mod llama;
 pub mod lt;
 pub mod ops;

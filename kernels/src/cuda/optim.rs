@@ -2,8 +2,8 @@
 //! ([`OptimStep`], made by the CPU optimizer's own coefficient code, so both sides round the
 //! same f64 values to f32 once) and one launch over a run of a flat shard ([`step`]):
 //! Adam/AdamW (the `adamw` kernel: AdamW's decoupled decay or Adam's L2 penalty, bias
-//! correction on or off), SGD (momentum, dampening, Nesterov, or none) and Lion, each in
-//! `cuda/ops.cu` beside the CPU kernel's formula.
+//! correction on or off), SGD (momentum, dampening, Nesterov, or none), Lion and Adagrad
+//! (`lr_decay`, initial accumulator), each in `cuda/ops.cu` beside the CPU kernel's formula.
 //!
 //! Every kernel is elementwise — one thread an element, no reduction, no atomics — so a step
 //! gives the same bits on every run and for any split of the shard, and on normal values the
@@ -12,14 +12,15 @@
 //! subnormal inputs and results to zero where the CPU keeps them. [`check`] compares several
 //! consecutive steps of each configuration with the CPU optimizer bit for bit.
 //!
-//! LAMB is not here: its trust ratios need per-tensor norms of the weights and of the updates
-//! across the ranks' shards; GPU ranks refuse it at start.
+//! LAMB is not elementwise (its trust ratios need per-tensor norms of the weights and of the
+//! updates): [`OptimStep::Lamb`] carries its scalars and `cuda::lamb::step` runs it over a buffer
+//! holding every tensor; [`step`] refuses it.
 
 use cudarc::driver::{CudaStream, PushKernelArg};
 
 use super::ops::{adamw, AdamStep, OptimBufs};
 use super::{bf16, drv, grid_1d, CheckRow, DPtr, Gpu, GpuError, Result};
-use crate::optim::{FlatLayout, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
+use crate::optim::{AdagradCoeffs, FlatLayout, LambParams, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
 
 /// SGD's scalars of one update (`optim::sgd`).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -48,17 +49,29 @@ pub struct LionStep {
     pub after_decay: f32,
 }
 
+/// LAMB's update: its hyper-parameters, the learning rate and the 1-based update number
+/// (`cuda::lamb::step` forms the scalars with the CPU's own `LambParams` code).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LambStep {
+    pub params: LambParams,
+    pub lr: f32,
+    pub step: u64,
+}
+
 /// One update's scalars, by optimizer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum OptimStep {
     Adam(AdamStep),
     Sgd(SgdStep),
     Lion(LionStep),
+    Lamb(LambStep),
+    /// Adagrad's scalars (`optim::adagrad`: −lr/(1 + (t−1)·lr_decay), eps, weight decay).
+    Adagrad(AdagradCoeffs),
 }
 
 impl OptimStep {
     /// The scalars of update `step` (1-based) of `kind` at learning rate `lr` (this step's
-    /// betas under OneCycle's momentum cycle). LAMB is an error (see the module notes).
+    /// betas under OneCycle's momentum cycle).
     pub fn new(kind: &OptimizerKind, lr: f32, step: u64) -> Result<OptimStep> {
         if step == 0 {
             return Err(GpuError::Invalid("an optimizer update is numbered from 1; got update 0".into()));
@@ -85,35 +98,36 @@ impl OptimStep {
                     after_decay: c.after_decay,
                 })
             }
-            OptimizerKind::Lamb(_) => {
-                return Err(GpuError::Invalid("LAMB has no GPU kernel (its trust ratios need per-tensor norms across the shards)".into()))
-            }
-            OptimizerKind::Adagrad(_) => return Err(GpuError::Invalid("Adagrad has no GPU kernel yet".into())),
+            OptimizerKind::Lamb(p) => OptimStep::Lamb(LambStep { params: *p, lr, step }),
+            OptimizerKind::Adagrad(p) => OptimStep::Adagrad(p.coeffs(lr, step)),
         })
     }
 
-    /// The learning rate of this update.
+    /// The learning rate of this update (Adagrad's after its `lr_decay`).
     pub fn lr(&self) -> f32 {
         match self {
             OptimStep::Adam(a) => a.lr,
             OptimStep::Sgd(s) => s.lr,
             OptimStep::Lion(l) => l.lr,
+            OptimStep::Lamb(l) => l.lr,
+            OptimStep::Adagrad(a) => -a.neg_clr,
         }
     }
 
     /// How many f32 state buffers (`m`, then `v`) the optimizer keeps per element.
     pub fn states(&self) -> usize {
         match self {
-            OptimStep::Adam(_) => 2,
+            OptimStep::Adam(_) | OptimStep::Lamb(_) => 2,
             OptimStep::Sgd(s) => usize::from(s.has_momentum),
-            OptimStep::Lion(_) => 1,
+            OptimStep::Lion(_) | OptimStep::Adagrad(_) => 1,
         }
     }
 }
 
-/// Whether GPU ranks run `kind` (everything but LAMB and Adagrad).
-pub fn supported(kind: &OptimizerKind) -> bool {
-    !matches!(kind, OptimizerKind::Lamb(_) | OptimizerKind::Adagrad(_))
+/// Whether `kind` runs unit by unit through [`step`] (everything but LAMB, which needs every
+/// tensor's norms first: `cuda::lamb::step`).
+pub fn elementwise(kind: &OptimizerKind) -> bool {
+    !matches!(kind, OptimizerKind::Lamb(_))
 }
 
 fn check_len<T>(what: &str, p: DPtr<T>, len: usize) {
@@ -122,7 +136,8 @@ fn check_len<T>(what: &str, p: DPtr<T>, len: usize) {
 
 /// One update of `hp`'s optimizer over `bufs` (gradient multiplied by `grad_scale` first: the
 /// clipping coefficient). `bufs.m` / `bufs.v` must be as long as `master` where the optimizer
-/// keeps that state ([`OptimStep::states`]) and are not touched otherwise.
+/// keeps that state ([`OptimStep::states`]) and are not touched otherwise. LAMB is an error:
+/// it is not elementwise (`cuda::lamb::step`).
 pub fn step(gpu: &Gpu, s: &CudaStream, bufs: &OptimBufs, hp: &OptimStep, grad_scale: f32) -> Result<()> {
     let OptimBufs { master, param, grad, m, v: _, decay } = *bufs;
     let len = master.len;
@@ -130,6 +145,10 @@ pub fn step(gpu: &Gpu, s: &CudaStream, bufs: &OptimBufs, hp: &OptimStep, grad_sc
         OptimStep::Adam(a) => return adamw(gpu, s, bufs, a, grad_scale),
         OptimStep::Sgd(c) => (c.lr, c.weight_decay),
         OptimStep::Lion(c) => (c.lr, c.beta1),
+        OptimStep::Adagrad(c) => (c.neg_clr, c.wd),
+        OptimStep::Lamb(_) => {
+            return Err(GpuError::Invalid("LAMB is not elementwise: it runs over every tensor at once (cuda::lamb::step)".into()))
+        }
     };
     check_len("optimizer param", param, len);
     check_len("optimizer grad", grad, len);
@@ -164,7 +183,15 @@ pub fn step(gpu: &Gpu, s: &CudaStream, bufs: &OptimBufs, hp: &OptimStep, grad_sc
             // SAFETY: as above, for `lion` in ops.cu.
             unsafe { lb.launch(cfg) }.map(|_| ()).map_err(drv("launching ops.cu kernel `lion`"))
         }
-        OptimStep::Adam(_) => unreachable!("returned above"),
+        OptimStep::Adagrad(c) => {
+            let f = gpu.func("ops", "adagrad")?;
+            let mut lb = s.launch_builder(&f);
+            lb.arg(&master.raw).arg(&param.raw).arg(&grad.raw).arg(&m.raw).arg(&decay.raw).arg(&len_u);
+            lb.arg(&lr).arg(&c.eps).arg(&wd_or_b1).arg(&grad_scale);
+            // SAFETY: as above, for `adagrad` in ops.cu (`m` is the accumulator `sum`).
+            unsafe { lb.launch(cfg) }.map(|_| ()).map_err(drv("launching ops.cu kernel `adagrad`"))
+        }
+        OptimStep::Adam(_) | OptimStep::Lamb(_) => unreachable!("returned above"),
     }
 }
 
@@ -177,7 +204,7 @@ const CHECK_STEPS: u64 = 3;
 
 /// The configurations [`check`] runs: each optimizer, with its less common options.
 fn check_kinds() -> Vec<(&'static str, OptimizerKind)> {
-    use crate::optim::{AdamParams, CycleShape, LionParams, MomentumCycle, SgdParams};
+    use crate::optim::{AdagradParams, AdamParams, CycleShape, LionParams, MomentumCycle, SgdParams};
     let adam = AdamParams { lr: 6e-4, betas: (0.9, 0.95), eps: 1e-8, weight_decay: 0.1, ..AdamParams::default() };
     let shape = CycleShape { first_step_size: 2, second_step_size: 2, first_stair_count: 0, second_stair_count: 0 };
     let cycle = MomentumCycle { shape, decay_step_size: 0, min_mom: 0.85, max_mom: 0.95, decay_mom_rate: 0.0 };
@@ -191,6 +218,11 @@ fn check_kinds() -> Vec<(&'static str, OptimizerKind)> {
         ("SGD with momentum and dampening", OptimizerKind::Sgd(sgd)),
         ("SGD with Nesterov momentum", OptimizerKind::Sgd(SgdParams { dampening: 0.0, nesterov: true, ..sgd })),
         ("Lion", OptimizerKind::Lion(LionParams { lr: 1e-4, betas: (0.9, 0.99), weight_decay: 0.1, momentum_cycle: None })),
+        ("Adagrad", OptimizerKind::Adagrad(AdagradParams { lr: 1e-2, weight_decay: 0.01, ..AdagradParams::default() })),
+        (
+            "Adagrad with lr_decay and an initial accumulator",
+            OptimizerKind::Adagrad(AdagradParams { lr: 5e-2, lr_decay: 0.1, eps: 1e-8, weight_decay: 0.0, initial_accumulator_value: 0.1 }),
+        ),
     ]
 }
 
@@ -211,11 +243,12 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         let mut p = master0.clone();
         let (d_master, d_mask) = (gpu.upload(&master0)?, gpu.upload(&mask)?);
         let d_param = gpu.alloc::<bf16>(len)?;
-        let (d_m, d_v) = (gpu.alloc::<f32>(len)?, gpu.alloc::<f32>(len)?);
+        let init = vec![kind.state_init(); len];
+        let (d_m, d_v) = (gpu.upload(&init)?, gpu.upload(&init)?);
         let mut equal = true;
         for step in 1..=CHECK_STEPS {
             let grad = normal(seed, 80 + step, len, 1e-2);
-            let lr = 0.7f32.powi(step as i32 - 1) * base_lr(&kind);
+            let lr = 0.7f32.powi(step as i32 - 1) * kind.lr();
             let ctx = StepContext { shard_range: 0..len, layout: &layout, decay: &decay };
             cpu.step(&mut p, &grad, lr, &ctx, &mut LocalReduce).map_err(|e| GpuError::Invalid(format!("CPU {name} step: {e}")))?;
             let d_grad = gpu.upload(&grad)?;
@@ -252,17 +285,7 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
     Ok(rows)
 }
 
-fn base_lr(kind: &OptimizerKind) -> f32 {
-    match kind {
-        OptimizerKind::Adam(p) => p.lr,
-        OptimizerKind::Lamb(p) => p.lr,
-        OptimizerKind::Lion(p) => p.lr,
-        OptimizerKind::Sgd(p) => p.lr,
-        OptimizerKind::Adagrad(p) => p.lr,
-    }
-}
-
-fn normal(seed: u64, key: u64, len: usize, std: f32) -> Vec<f32> {
+pub(crate) fn normal(seed: u64, key: u64, len: usize, std: f32) -> Vec<f32> {
     let mut v = vec![0f32; len];
     crate::tensor::Rng::derive(seed, &[0x6f70_7469, key]).fill_normal(&mut v, std);
     // Keep every value normal: the GPU flushes subnormals, the CPU does not.
@@ -277,7 +300,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optim::{AdamParams, LambParams, SgdParams};
+    use crate::optim::{AdamParams, SgdParams};
 
     /// The scalars each optimizer's kernel receives (no GPU needed).
     #[test]
@@ -298,8 +321,15 @@ mod tests {
         let plain = OptimStep::new(&OptimizerKind::Sgd(SgdParams { momentum: 0.0, ..sgd }), 0.05, 1).unwrap();
         assert_eq!(plain.states(), 0);
         let lamb = OptimizerKind::Lamb(LambParams::default());
-        assert!(!supported(&lamb));
-        assert!(OptimStep::new(&lamb, 1e-3, 1).unwrap_err().to_string().contains("LAMB"));
+        assert!(!elementwise(&lamb) && elementwise(&OptimizerKind::Adam(adam)));
+        let l = OptimStep::new(&lamb, 2e-3, 4).unwrap();
+        assert_eq!(l, OptimStep::Lamb(LambStep { params: LambParams::default(), lr: 2e-3, step: 4 }));
+        assert_eq!((l.lr(), l.states()), (2e-3, 2));
         assert!(OptimStep::new(&OptimizerKind::Adam(adam), 1e-3, 0).is_err(), "updates are numbered from 1");
+        let ada = crate::optim::AdagradParams { lr: 0.1, lr_decay: 0.5, eps: 1e-10, weight_decay: 0.01, initial_accumulator_value: 0.0 };
+        let OptimStep::Adagrad(a) = OptimStep::new(&OptimizerKind::Adagrad(ada), 0.1, 3).unwrap() else { panic!("Adagrad") };
+        // Step 3: lr / (1 + 2·0.5), formed in f64 and rounded once.
+        assert_eq!((a.neg_clr, a.eps, a.wd), ((-(f64::from(0.1f32) / 2.0)) as f32, 1e-10, 0.01));
+        assert!(elementwise(&OptimizerKind::Adagrad(ada)));
     }
 }

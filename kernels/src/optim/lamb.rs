@@ -107,13 +107,13 @@ impl LambParams {
 /// Per-step f32 scalars of the LAMB kernels.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LambCoeffs {
-    beta1: f32,
-    one_minus_beta1: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    eps: f32,
-    weight_decay: f32,
-    pub step_size: f32,
+    pub(crate) beta1: f32,
+    pub(crate) one_minus_beta1: f32,
+    pub(crate) beta2: f32,
+    pub(crate) one_minus_beta2: f32,
+    pub(crate) eps: f32,
+    pub(crate) weight_decay: f32,
+    pub(crate) step_size: f32,
 }
 
 /// The new moments of one element: m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g·g. Both passes

@@ -102,6 +102,13 @@ impl FlatLayout {
         self.slots.len()
     }
 
+    /// Every slot in global slot order: its segment and its global range (the order and the
+    /// extents the partials of [`FlatLayout::partial_sumsq`] follow; a device that sums the same
+    /// slots in the same lane order reproduces them).
+    pub fn slot_ranges(&self) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
+        self.slots.iter().map(|s| (s.segment, s.range.clone()))
+    }
+
     /// Index of the segment holding global element `index` (skipping empty segments), if any.
     pub fn segment_of(&self, index: usize) -> Option<usize> {
         if index >= self.total {

@@ -1,7 +1,8 @@
 //! One GPU rank of a ZeRO run: parameters, gradients and optimizer state on the device, NCCL
 //! for the collectives on a communication stream that overlaps the compute stream. The optimizer
-//! is the CPU engine's (`OptimizerKind`: Adam/AdamW, SGD, Lion; not LAMB) as the elementwise
-//! kernels of `cuda::optim`.
+//! is the CPU engine's (`OptimizerKind`) as the elementwise kernels of `cuda::optim` (Adam/AdamW,
+//! SGD, Lion, Adagrad), or LAMB over every tensor at once (`cuda::lamb`; one GPU or ZeRO-0 only:
+//! [`refuse_split_lamb`]).
 //!
 //! - Stage 0: every rank holds everything; gradients are all-reduced unit by unit.
 //! - Stages 1 and 2: fp32 masters and Adam moments are split per unit across ranks; gradients
@@ -19,10 +20,10 @@
 //! that unit's share of the micro-batch tree's adds runs, then its reduction (so reductions
 //! overlap the rest of the backward with or without gradient accumulation).
 //!
-//! Optimizer offload ([`OffloadOptions`], `src/gpu/offload.rs`): the masters and moments of
-//! the host part of each unit's piece live in host memory and are stepped by CPU threads as
-//! each unit's reduced gradient reaches the host; the new bf16 parameters come back per unit
-//! and are gathered as without offload.
+//! Optimizer offload ([`OffloadOptions`], `src/gpu/offload.rs`): the masters and optimizer state
+//! of the host part of each unit's piece live in host memory and are stepped by CPU threads as
+//! each unit's reduced gradient reaches the host (any elementwise optimizer; LAMB is refused);
+//! the new bf16 parameters come back per unit and are gathered as without offload.
 //!
 //! Optimizer in the backward (one GPU, `gradient_clipping` off, unless
 //! `TESSERA_GPU_EARLY_ADAM=0`): as the last backward finishes a unit's gradient, that unit's
@@ -54,10 +55,11 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use tessera_kernels::cuda::gpt::{self, GpuLayout, Shape, Workspace};
+use tessera_kernels::cuda::lamb::LambSlots;
 use tessera_kernels::cuda::optim::OptimStep;
 use tessera_kernels::cuda::{self, bf16, ops, Buf, CudaEvent, CudaStream, DPtr, Gpu};
 use tessera_kernels::model::Model;
-use tessera_kernels::optim::{AdamParams, OptimizerKind};
+use tessera_kernels::optim::{AdamParams, ElementwiseStep, FlatLayout, OptimizerKind};
 use tessera_transport::nccl::NcclComm;
 
 use super::offload::{self, Offload, OffloadStats, Pipe, Split};
@@ -93,9 +95,10 @@ impl Optimizer {
         self.kind.state_names().len()
     }
 
-    /// Whether the host step of optimizer offload (`offload::adamw_host`) runs it: Adam/AdamW.
+    /// Whether the host step of optimizer offload (`offload::HostStep`) runs it: every
+    /// elementwise optimizer (all but LAMB).
     pub fn offloadable(&self) -> bool {
-        matches!(self.kind, OptimizerKind::Adam(_))
+        tessera_kernels::cuda::optim::elementwise(&self.kind)
     }
 }
 
@@ -286,6 +289,9 @@ pub struct Rank {
     off: Option<Offload>,
     /// The step prepared and not yet committed or abandoned.
     staged: Option<StagedStep>,
+    /// LAMB (one GPU, or ZeRO-0): the CPU layout's norm slots on the device and the update
+    /// scratch `u` (as long as the masters).
+    lamb: Option<(LambSlots, Buf<f32>)>,
     /// Why this rank refuses further steps (a commit that failed part-way, an abandoned step
     /// whose update had begun).
     torn: Option<String>,
@@ -358,8 +364,11 @@ impl RankSpec<'_> {
         if let Some(o) = self.offload.filter(|o| !(0.0..=1.0).contains(&o.ratio)) {
             bail!("zero_optimization.offload_optimizer.ratio = {}: expected a share from 0 to 1", o.ratio);
         }
-        if !tessera_kernels::cuda::optim::supported(&self.optim.kind) {
-            bail!("optimizer {}: GPU ranks have no kernel for it", self.optim.kind.name());
+        if self.params_offload.is_some() && !tessera_kernels::cuda::optim::elementwise(&self.optim.kind) {
+            bail!(
+                "optimizer.type = \"Lamb\" with zero_optimization.offload_param: LAMB's update on GPU ranks runs over every tensor \
+                 held on the device at once; drop offload_param, or use --device cpu"
+            );
         }
         if self.nvme.is_some() && self.offload.is_none() {
             bail!("NVMe optimizer offload without offload options: the rank needs offload_optimizer's ratio and threads");
@@ -380,10 +389,27 @@ impl RankSpec<'_> {
             }
         }
         if self.offload.is_some() && !self.optim.offloadable() {
-            bail!("zero_optimization.offload_optimizer with optimizer {}: the host step runs Adam/AdamW only", self.optim.kind.name());
+            bail!(
+                "optimizer.type = \"Lamb\" with zero_optimization.offload_optimizer: the host step runs unit by unit as gradients \
+                 arrive, and LAMB's trust ratios need every tensor's norms first; drop the offload section, or use --device cpu"
+            );
         }
         Ok(())
     }
+}
+
+/// LAMB's trust ratios need each tensor's norms over the CPU's fixed slots (tensor ∩ 16384-element
+/// block); a rank runs LAMB where it holds every tensor (one GPU, or ZeRO-0). With ZeRO 1–3 on
+/// several GPUs the ranks' pieces (units / world, padded) split slots, so it is refused.
+pub fn refuse_split_lamb(lamb: bool, stage: u8, world: usize) -> Result<()> {
+    if lamb && stage >= 1 && world > 1 {
+        bail!(
+            "optimizer.type = \"Lamb\" with zero_optimization.stage = {stage} on {world} GPUs: LAMB's per-tensor trust ratios \
+             need each tensor's norm over the CPU's fixed 16384-element blocks, which the GPU ranks' ZeRO pieces split (their \
+             partial sums are not exchanged); use zero_optimization.stage = 0 or one GPU for LAMB, or --device cpu"
+        );
+    }
+    Ok(())
 }
 
 /// This rank's optimizer shard of the padded parameters and of the decay mask, unit piece by
@@ -408,6 +434,7 @@ impl Rank {
         spec.validate()?;
         let RankSpec { model, stage, shape, init, optim, m_local, offload, recompute, fp16, nvme, params_offload } = spec;
         let (rank, world) = comm.as_ref().map_or((0, 1), |c| (c.rank(), c.world()));
+        refuse_split_lamb(matches!(optim.kind, OptimizerKind::Lamb(_)), stage, world)?;
         // Stage 0 shards nothing: one piece holds every unit.
         let opt_world = if stage == 0 { 1 } else { world };
         let layout = GpuLayout::new(model, opt_world)?;
@@ -450,13 +477,20 @@ impl Rank {
             None => (Vec::new(), None),
         };
         let master = gpu.upload(&master_dev)?;
-        let states = optim.states();
-        let m = gpu.alloc::<f32>(if states >= 1 { split.dev_total } else { 0 })?;
-        let v = gpu.alloc::<f32>(if states >= 2 { split.dev_total } else { 0 })?;
+        let (states, init) = (optim.states(), optim.kind.state_init());
+        let state_buf = |k: usize| {
+            let n = if states > k { split.dev_total } else { 0 };
+            if init == 0.0 {
+                gpu.alloc::<f32>(n)
+            } else {
+                gpu.upload(&vec![init; n])
+            }
+        };
+        let (m, v) = (state_buf(0)?, state_buf(1)?);
         let decay = gpu.upload(&mask_dev)?;
         let off = match offload {
             None => None,
-            Some(o) => Some(Offload::new(&gpu, rank, &split, (master_host, mask_host), o, nvme)?),
+            Some(o) => Some(Offload::new(&gpu, rank, &split, (master_host, mask_host), (states, init), o, nvme)?),
         };
         let gshard = if stage >= 1 && world > 1 { Some(gpu.alloc::<f32>(shard_len)?) } else { None };
         // The micro-batch tree holds at most ⌊log2 M⌋ + 1 partial sums at once.
@@ -472,6 +506,13 @@ impl Rank {
         let losses = gpu.alloc::<f32>(shape.n() * m_local.max(1))?;
         let cstream = gpu.ctx.new_stream().map_err(cuda::drv("creating the communication stream"))?;
         let ostream = gpu.ctx.new_stream().map_err(cuda::drv("creating the optimizer stream"))?;
+        let lamb = match optim.kind {
+            OptimizerKind::Lamb(_) => {
+                let flat = FlatLayout::new(model.layout().segments()).context("LAMB's norm layout")?;
+                Some((LambSlots::new(&gpu, &flat, &layout.tensor_starts())?, gpu.alloc::<f32>(shard_len)?))
+            }
+            _ => None,
+        };
         let n_units = layout.units.len();
         Ok(Rank {
             gpu,
@@ -508,6 +549,7 @@ impl Rank {
             losses,
             split,
             off,
+            lamb,
             staged: None,
             torn: None,
         })
@@ -574,13 +616,17 @@ impl Rank {
             self.staged = Some(StagedStep::Pending { fin: c.fin, hp, scale: c.scale });
             return Ok(Prepared { loss, norm: c.norm, overflow: c.overflow });
         };
-        let OptimStep::Adam(adam_hp) = hp else {
-            bail!("rank {}: optimizer offload runs Adam/AdamW only (checked at start)", self.rank);
+        let host_hp = match hp {
+            OptimStep::Adam(a) => offload::HostStep::Adam(a),
+            _ => offload::HostStep::Cpu(
+                ElementwiseStep::new(&self.optim.kind, lr, self.step + 1)
+                    .with_context(|| format!("rank {}: optimizer offload with LAMB (refused at start)", self.rank))?,
+            ),
         };
         let mut host = off.host.take().context("the host optimizer state was lost in an earlier failed step")?;
         let split = self.split.clone();
         let (rank, clip) = (self.rank, self.optim.clip);
-        let (res, stats) = offload::run_step(&mut host, &split, adam_hp, rank, clip, |tx, pipe| {
+        let (res, stats) = offload::run_step(&mut host, &split, host_hp, rank, clip, |tx, pipe| {
             if let Some(o) = self.off.as_mut() {
                 o.tx = Some(tx);
             }
@@ -705,6 +751,21 @@ impl Rank {
     /// parameter gathers, and the host units' return (offload).
     fn update(&mut self, fin: usize, hp: &OptimStep, scale: f32, pipe: Option<Pipe>) -> Result<()> {
         let gshard = self.gshard_ptr(fin);
+        if let (Some((slots, u)), OptimStep::Lamb(l)) = (self.lamb.as_mut(), hp) {
+            // Every tensor is on this device (one GPU or ZeRO-0, no offload: checked at start).
+            let bufs = ops::OptimBufs {
+                master: self.master.ptr(),
+                param: self.params.ptr(),
+                grad: gshard,
+                m: self.m.ptr(),
+                v: self.v.ptr(),
+                decay: self.decay.ptr(),
+            };
+            cuda::lamb::step(&self.gpu, &self.gpu.stream, slots, &bufs, u.ptr(), l, scale)?;
+            self.step += 1;
+            self.gpu.mark("optimizer");
+            return Ok(());
+        }
         self.step += 1;
         let gathers = self.world > 1 && (self.stage == 1 || self.stage == 2);
         for u in 0..self.layout.units.len() {
@@ -797,12 +858,12 @@ impl Rank {
     }
 
     /// Whether this rank's steps run each unit's optimizer during the backward (see the module
-    /// notes; every GPU optimizer is elementwise, so any of them may).
+    /// notes; every GPU optimizer but LAMB is elementwise, so any of them may).
     pub fn early_adam_active(&self) -> bool {
         // Parameters on NVMe: the device optimizer's write-back waits for each unit's copy, which
         // would stall the backward; they are stepped after it.
         let swapped = self.phost.as_ref().is_some_and(|p| p.nvme_bytes() > 0);
-        self.early_adam && self.world == 1 && self.optim.clip <= 0.0 && !self.fp16 && !swapped
+        self.early_adam && self.world == 1 && self.optim.clip <= 0.0 && !self.fp16 && !swapped && self.lamb.is_none()
     }
 
     /// The optimizer over the device part of unit `u`'s piece (this rank's, or all of it at

@@ -138,16 +138,18 @@ impl Rank {
         }
         self.gpu.sync()?;
         if let Some(o) = self.off.as_mut() {
-            // Offload runs Adam only: both moments are here.
+            // The optimizer's state buffers in `state_names` order (none, `m`, or `m` and `v`).
             let host = o.host.as_mut().context("the host optimizer state was lost in an earlier failed step")?;
-            let mut parts = host_parts.into_iter();
-            let (m, v) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
             match &host.nvme {
                 Some(store) => {
-                    store.write_buffer(1, &m).context("writing exp_avg to its swap file")?;
-                    store.write_buffer(2, &v).context("writing exp_avg_sq to its swap file")?;
+                    for (k, (part, name)) in host_parts.iter().zip(names).enumerate() {
+                        store.write_buffer(k + 1, part).with_context(|| format!("writing {name} to its swap file"))?;
+                    }
                 }
-                None => (host.m, host.v) = (m, v),
+                None => {
+                    let mut parts = host_parts.into_iter();
+                    (host.m, host.v) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+                }
             }
         }
         self.step = steps;

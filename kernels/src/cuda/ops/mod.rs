@@ -44,6 +44,7 @@ macro_rules! launch {
         unsafe { lb.launch($cfg) }.map(|_| ()).map_err(drv(concat!("launching ops.cu kernel `", $name, "`")))
     }};
 }
+pub(crate) use launch;
 
 /// Threads per block of the elementwise kernels (each thread handles 8 elements).
 const EW_THREADS: u32 = 256;
