@@ -185,20 +185,8 @@ struct AgentCliArgs {
     /// The UDP port of this agent's QUIC socket (0 = any).
     #[arg(long, default_value_t = 0)]
     quic_port: u16,
-    /// A cluster directory with ca.pem and node-<rank>.{pem,key} (when the coordinator runs
-    /// with --certs).
-    #[arg(long, value_name = "DIR")]
-    certs: Option<PathBuf>,
-    /// The coordinator's join token (`-`: read it from standard input; default
-    /// $TESSERA_JOIN_TOKEN).
-    #[arg(long, value_name = "TOKEN")]
-    token: Option<String>,
-    /// A file holding the join token (`tessera coordinator --token-file`).
-    #[arg(long, value_name = "PATH")]
-    token_file: Option<PathBuf>,
-    /// How long to keep trying to reach the coordinator (seconds).
-    #[arg(long, value_name = "SECS", default_value_t = tessera::engine::AGENT_CONNECT_TIMEOUT_MS / 1000)]
-    connect_timeout: u64,
+    #[command(flatten)]
+    proof: JoinProofArgs,
     /// (`tessera chaos run`) A worker-net file: this agent's QUIC traffic through the fault
     /// link it names (docs/ELASTIC.md).
     #[arg(long, value_name = "FILE", hide = true)]
@@ -414,17 +402,27 @@ struct ServeRankArgs {
     /// This rank's name in the server's messages (default <hostname>-<pid>).
     #[arg(long)]
     name: Option<String>,
-    /// A cluster directory with ca.pem and node-<rank>.{pem,key} (when the server runs with
-    /// --certs).
+    #[command(flatten)]
+    proof: JoinProofArgs,
+}
+
+/// How a joining process proves itself and how long it tries: `tessera agent` to a
+/// coordinator, `tessera serve-rank` to a server (`--rank-listen`).
+#[derive(Args)]
+struct JoinProofArgs {
+    /// A cluster directory with ca.pem and node-<rank>.{pem,key} (when the coordinator or
+    /// server runs with --certs).
     #[arg(long, value_name = "DIR")]
     certs: Option<PathBuf>,
-    /// The server's join token (`-`: read it from standard input; default $TESSERA_JOIN_TOKEN).
+    /// The join token the coordinator or server printed (`-`: read it from standard input;
+    /// default $TESSERA_JOIN_TOKEN).
     #[arg(long, value_name = "TOKEN")]
     token: Option<String>,
-    /// A file holding the join token (`tessera serve --token-file`).
+    /// A file holding the join token (`tessera coordinator --token-file`, `tessera serve
+    /// --token-file`).
     #[arg(long, value_name = "PATH")]
     token_file: Option<PathBuf>,
-    /// How long to keep trying to reach the server (seconds).
+    /// How long to keep trying to reach the coordinator or server (seconds).
     #[arg(long, value_name = "SECS", default_value_t = tessera::engine::AGENT_CONNECT_TIMEOUT_MS / 1000)]
     connect_timeout: u64,
 }
@@ -684,10 +682,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 join: Some(a.join),
                 name: a.name,
                 rank: a.rank,
-                certs: a.certs,
-                token: a.token,
-                token_file: a.token_file,
-                connect_timeout_ms: a.connect_timeout.saturating_mul(1000),
+                certs: a.proof.certs,
+                token: a.proof.token,
+                token_file: a.proof.token_file,
+                connect_timeout_ms: a.proof.connect_timeout.saturating_mul(1000),
                 ..Default::default()
             };
             tessera::serve::serve_rank(&flags, &a.model, a.tokenizer.as_deref()).map(|()| done)
@@ -738,10 +736,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 rank: a.rank,
                 advertise: a.advertise,
                 quic_port: a.quic_port,
-                certs: a.certs,
-                token: a.token,
-                token_file: a.token_file,
-                connect_timeout_ms: a.connect_timeout.saturating_mul(1000),
+                certs: a.proof.certs,
+                token: a.proof.token,
+                token_file: a.proof.token_file,
+                connect_timeout_ms: a.proof.connect_timeout.saturating_mul(1000),
                 worker_net: a.worker_net,
                 faults,
             };
