@@ -178,8 +178,7 @@ pub enum Weights {
     F32,
     /// bf16 (GPU).
     Bf16,
-    /// Int8 with one scale per output channel (CPU and GPU; on the CPU the f32 weights stay held
-    /// beside the int8 copies: fewer bytes read a token, not less memory).
+    /// Int8 with one scale per output channel (CPU and GPU).
     Int8,
     /// fp8 e4m3 with one scale per output channel (GPU).
     Fp8,
