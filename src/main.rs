@@ -185,20 +185,8 @@ struct AgentCliArgs {
     /// The UDP port of this agent's QUIC socket (0 = any).
     #[arg(long, default_value_t = 0)]
     quic_port: u16,
-    /// A cluster directory with ca.pem and node-<rank>.{pem,key} (when the coordinator runs
-    /// with --certs).
-    #[arg(long, value_name = "DIR")]
-    certs: Option<PathBuf>,
-    /// The coordinator's join token (`-`: read it from standard input; default
-    /// $TESSERA_JOIN_TOKEN).
-    #[arg(long, value_name = "TOKEN")]
-    token: Option<String>,
-    /// A file holding the join token (`tessera coordinator --token-file`).
-    #[arg(long, value_name = "PATH")]
-    token_file: Option<PathBuf>,
-    /// How long to keep trying to reach the coordinator (seconds).
-    #[arg(long, value_name = "SECS", default_value_t = tessera::engine::AGENT_CONNECT_TIMEOUT_MS / 1000)]
-    connect_timeout: u64,
+    #[command(flatten)]
+    proof: JoinProofArgs,
     /// (`tessera chaos run`) A worker-net file: this agent's QUIC traffic through the fault
     /// link it names (docs/ELASTIC.md).
     #[arg(long, value_name = "FILE", hide = true)]
@@ -348,20 +336,8 @@ struct ServeArgs {
     /// Key/value cache blocks (0: enough for --max-seqs sequences of the full context).
     #[arg(long, default_value_t = 0)]
     kv_blocks: usize,
-    /// Where the model runs: cpu (the paged CPU backend) or cuda (GPU 0: bf16, fused decode
-    /// kernels, CUDA graphs).
-    #[arg(long, value_enum, default_value = "cpu")]
-    device: tessera::serve::model::Device,
-    /// The linear layers' weights (default: f32 on the CPU, bf16 on the GPU): f32 (CPU), bf16
-    /// (GPU), int8 (weight-only, per-channel scales; both; on the CPU MoE experts too, routers
-    /// and norms stay f32), fp8 (e4m3, per-channel scales; GPU).
-    #[arg(long, value_enum)]
-    weights: Option<tessera::serve::model::Weights>,
-    /// Split the model's blocks over N rank processes (pipeline parallelism, CPU; each holds a
-    /// contiguous run of blocks and their part of the key/value cache; QUIC with mutual TLS).
-    /// Absent: this process runs the whole model.
-    #[arg(long, visible_alias = "pp", value_name = "N")]
-    pipeline_parallel_size: Option<usize>,
+    #[command(flatten)]
+    backend: BackendArgs,
     /// Wait for the N ranks at this address (`tessera serve-rank --join HOST:PORT` on any host,
     /// with the join token printed here or --certs) instead of starting them on this machine.
     #[arg(long, value_name = "ADDR:PORT", requires = "pipeline_parallel_size")]
@@ -414,17 +390,27 @@ struct ServeRankArgs {
     /// This rank's name in the server's messages (default <hostname>-<pid>).
     #[arg(long)]
     name: Option<String>,
-    /// A cluster directory with ca.pem and node-<rank>.{pem,key} (when the server runs with
-    /// --certs).
+    #[command(flatten)]
+    proof: JoinProofArgs,
+}
+
+/// How a joining process proves itself and how long it tries: `tessera agent` to a
+/// coordinator, `tessera serve-rank` to a server (`--rank-listen`).
+#[derive(Args)]
+struct JoinProofArgs {
+    /// A cluster directory with ca.pem and node-<rank>.{pem,key} (when the coordinator or
+    /// server runs with --certs).
     #[arg(long, value_name = "DIR")]
     certs: Option<PathBuf>,
-    /// The server's join token (`-`: read it from standard input; default $TESSERA_JOIN_TOKEN).
+    /// The join token the coordinator or server printed (`-`: read it from standard input;
+    /// default $TESSERA_JOIN_TOKEN).
     #[arg(long, value_name = "TOKEN")]
     token: Option<String>,
-    /// A file holding the join token (`tessera serve --token-file`).
+    /// A file holding the join token (`tessera coordinator --token-file`, `tessera serve
+    /// --token-file`).
     #[arg(long, value_name = "PATH")]
     token_file: Option<PathBuf>,
-    /// How long to keep trying to reach the server (seconds).
+    /// How long to keep trying to reach the coordinator or server (seconds).
     #[arg(long, value_name = "SECS", default_value_t = tessera::engine::AGENT_CONNECT_TIMEOUT_MS / 1000)]
     connect_timeout: u64,
 }
@@ -488,6 +474,13 @@ struct GenerateArgs {
     /// The tokenizer.json the model was trained with (byte-level if absent).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    backend: BackendArgs,
+}
+
+/// Where `serve` and `generate` run the model (`serve::model::BackendChoice`).
+#[derive(Args)]
+struct BackendArgs {
     /// Where the model runs: cpu (the paged CPU backend) or cuda (GPU 0: bf16, fused decode
     /// kernels, CUDA graphs).
     #[arg(long, value_enum, default_value = "cpu")]
@@ -497,10 +490,23 @@ struct GenerateArgs {
     /// and norms stay f32), fp8 (e4m3, per-channel scales; GPU).
     #[arg(long, value_enum)]
     weights: Option<tessera::serve::model::Weights>,
-    /// Split the model's blocks over N rank processes on this machine (pipeline parallelism,
-    /// CPU; as `serve --pipeline-parallel-size`). Absent: this process runs the whole model.
+    /// Split the model's blocks over N rank processes (pipeline parallelism, CPU; each holds a
+    /// contiguous run of blocks and their part of the key/value cache; QUIC with mutual TLS; on
+    /// this machine, or with `serve --rank-listen` joining from others). Absent: this process
+    /// runs the whole model.
     #[arg(long, visible_alias = "pp", value_name = "N")]
     pipeline_parallel_size: Option<usize>,
+}
+
+impl BackendArgs {
+    fn choice(self, ranks_join: Option<tessera::serve::model::RanksJoin>) -> tessera::serve::model::BackendChoice {
+        tessera::serve::model::BackendChoice {
+            device: self.device,
+            weights: self.weights,
+            pipeline: self.pipeline_parallel_size,
+            ranks_join,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -643,12 +649,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             top_k: a.top_k,
             seed: a.seed,
             tokenizer: a.tokenizer,
-            backend: tessera::serve::model::BackendChoice {
-                device: a.device,
-                weights: a.weights,
-                pipeline: a.pipeline_parallel_size,
-                ranks_join: None,
-            },
+            backend: a.backend.choice(None),
         })
         .map(|()| done),
         Cmd::Serve(a) => {
@@ -667,12 +668,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 addr: std::net::SocketAddr::new(a.host.unwrap_or(a.addr.ip()), a.port.unwrap_or(a.addr.port())),
                 block_size: a.block_size,
                 kv_blocks: a.kv_blocks,
-                backend: tessera::serve::model::BackendChoice {
-                    device: a.device,
-                    weights: a.weights,
-                    pipeline: a.pipeline_parallel_size,
-                    ranks_join,
-                },
+                backend: a.backend.choice(ranks_join),
                 max_seqs: a.max_seqs,
                 max_batch_tokens: a.max_batch_tokens,
                 limits,
@@ -684,10 +680,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 join: Some(a.join),
                 name: a.name,
                 rank: a.rank,
-                certs: a.certs,
-                token: a.token,
-                token_file: a.token_file,
-                connect_timeout_ms: a.connect_timeout.saturating_mul(1000),
+                certs: a.proof.certs,
+                token: a.proof.token,
+                token_file: a.proof.token_file,
+                connect_timeout_ms: a.proof.connect_timeout.saturating_mul(1000),
                 ..Default::default()
             };
             tessera::serve::serve_rank(&flags, &a.model, a.tokenizer.as_deref()).map(|()| done)
@@ -738,10 +734,10 @@ fn run(cli: Cli) -> Result<ExitCode> {
                 rank: a.rank,
                 advertise: a.advertise,
                 quic_port: a.quic_port,
-                certs: a.certs,
-                token: a.token,
-                token_file: a.token_file,
-                connect_timeout_ms: a.connect_timeout.saturating_mul(1000),
+                certs: a.proof.certs,
+                token: a.proof.token,
+                token_file: a.proof.token_file,
+                connect_timeout_ms: a.proof.connect_timeout.saturating_mul(1000),
                 worker_net: a.worker_net,
                 faults,
             };

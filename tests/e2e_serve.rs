@@ -280,33 +280,8 @@ fn serve_over_two_pipeline_ranks_answers_as_one_process_and_503s_when_a_rank_die
     let (one, two) = (start(&folder, &[]), start(&folder, &["--pipeline-parallel-size", "2"]));
     let ranks = rank_pids(two.child.id());
     assert_eq!(ranks.len(), 2, "rank processes: {ranks:?}");
-    for body in [
-        r#"{"model": "tiny-llama", "prompt": "It is a truth", "max_tokens": 20, "temperature": 0, "ignore_eos": true}"#,
-        r#"{"model": "tiny-llama", "prompt": "Once", "max_tokens": 20, "temperature": 0.9, "top_p": 0.9, "seed": 5}"#,
-        r#"{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "seed": 3}"#,
-    ] {
-        let path = if body.contains("messages") { "/v1/chat/completions" } else { "/v1/completions" };
-        let (a, b) = (post(&one.addr, path, body), post(&two.addr, path, body));
-        let text = |s: &str| {
-            let v: serde_json::Value = serde_json::from_str(s).unwrap();
-            let c = &v["choices"][0];
-            c["text"].as_str().or(c["message"]["content"].as_str()).map(str::to_string).unwrap_or_else(|| panic!("{s}"))
-        };
-        assert_eq!((a.0, b.0), (200, 200), "{a:?} {b:?}");
-        assert_eq!(text(&b.1), text(&a.1), "{body}");
-    }
-    let ok = Command::new("python3").args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
-    if ok {
-        let out = Command::new("python3")
-            .arg(repo().join("scripts/check_serve_openai.py"))
-            .args([&format!("http://{}", two.addr), "tiny-llama"])
-            .output()
-            .unwrap();
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && text.contains("OK: "), "check_serve_openai.py over two ranks:\n{text}");
-    } else {
-        eprintln!("skipping the openai client check over ranks: python3 cannot import openai (pip install openai)");
-    }
+    answers_as_one_process(&one, &two);
+    openai_checks_pass(&two.addr, "two ranks");
     // Rank 1 stops (SIGSTOP), a request comes and waits on it, then rank 1 is killed.
     // SAFETY: signalling processes this test's server started.
     assert_eq!(unsafe { libc::kill(ranks[1], libc::SIGSTOP) }, 0);
@@ -333,4 +308,40 @@ fn serve_over_two_pipeline_ranks_answers_as_one_process_and_503s_when_a_rank_die
         assert!(began.elapsed() < Duration::from_secs(20), "rank 0 still runs after the pipeline was lost");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Greedy, seeded and chat requests get the same answers from `two` (a server over ranks) as
+/// from `one` (one process).
+pub fn answers_as_one_process(one: &Server, two: &Server) {
+    for body in [
+        r#"{"model": "tiny-llama", "prompt": "It is a truth", "max_tokens": 20, "temperature": 0, "ignore_eos": true}"#,
+        r#"{"model": "tiny-llama", "prompt": "Once", "max_tokens": 20, "temperature": 0.9, "top_p": 0.9, "seed": 5}"#,
+        r#"{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "seed": 3}"#,
+    ] {
+        let path = if body.contains("messages") { "/v1/chat/completions" } else { "/v1/completions" };
+        let (a, b) = (post(&one.addr, path, body), post(&two.addr, path, body));
+        let text = |s: &str| {
+            let v: serde_json::Value = serde_json::from_str(s).unwrap();
+            let c = &v["choices"][0];
+            c["text"].as_str().or(c["message"]["content"].as_str()).map(str::to_string).unwrap_or_else(|| panic!("{s}"))
+        };
+        assert_eq!((a.0, b.0), (200, 200), "{a:?} {b:?}");
+        assert_eq!(text(&b.1), text(&a.1), "{body}");
+    }
+}
+
+/// The official `openai` client's checks (scripts/check_serve_openai.py) against `addr`, when
+/// python3 can import it (else a printed skip); `what` names the server in the message.
+pub fn openai_checks_pass(addr: &str, what: &str) {
+    if !Command::new("python3").args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipping the openai client check over {what}: python3 cannot import openai (pip install openai)");
+        return;
+    }
+    let out = Command::new("python3")
+        .arg(repo().join("scripts/check_serve_openai.py"))
+        .args([&format!("http://{addr}"), "tiny-llama"])
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("OK: "), "check_serve_openai.py over {what}:\n{text}");
 }

@@ -13,7 +13,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::{bin, repo};
-use crate::e2e_serve::{model_folder, post, raw, start, Server};
+use crate::e2e_serve::{answers_as_one_process, model_folder, openai_checks_pass, post, raw, start, Server};
 
 use crate::e2e_hosts::netns::TestNet;
 
@@ -79,13 +79,6 @@ fn serve_over_hosts(
     (Server { child, addr }, started)
 }
 
-/// The answer's text (completion or chat).
-fn answer(s: &str) -> String {
-    let v: serde_json::Value = serde_json::from_str(s).unwrap();
-    let c = &v["choices"][0];
-    c["text"].as_str().or(c["message"]["content"].as_str()).map(str::to_string).unwrap_or_else(|| panic!("{s}"))
-}
-
 /// The request waits on the lost rank, then is answered 503 naming it (within 40 s: QUIC's
 /// 10 s idle timeout, not a hang); `/health` says so too.
 fn answers_503_naming(addr: &str, who: &str) {
@@ -119,26 +112,8 @@ fn serve_ranks_on_namespace_hosts_answer_as_one_process_and_503_when_cut_off_or_
         vec![rank(&net, 1, &join, &folder, &[&tf[..], &["--rank", "1"]].concat()), rank(&net, 0, &join, &folder, &tf)]
     });
     let one = start(&folder, &[]);
-    for body in [
-        r#"{"model": "tiny-llama", "prompt": "It is a truth", "max_tokens": 20, "temperature": 0, "ignore_eos": true}"#,
-        r#"{"model": "tiny-llama", "prompt": "Once", "max_tokens": 20, "temperature": 0.9, "top_p": 0.9, "seed": 5}"#,
-        r#"{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "seed": 3}"#,
-    ] {
-        let path = if body.contains("messages") { "/v1/chat/completions" } else { "/v1/completions" };
-        let (a, b) = (post(&one.addr, path, body), post(&two.addr, path, body));
-        assert_eq!((a.0, b.0), (200, 200), "{a:?} {b:?}");
-        assert_eq!(answer(&b.1), answer(&a.1), "{body}");
-    }
-    if Command::new("python3").args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success()) {
-        let out = Command::new("python3")
-            .arg(repo().join("scripts/check_serve_openai.py"))
-            .args([&format!("http://{}", two.addr), "tiny-llama"])
-            .output()
-            .unwrap();
-        assert!(out.status.success() && text(&out).contains("OK: "), "check_serve_openai.py over two namespace hosts:\n{}", text(&out));
-    } else {
-        eprintln!("skipping the openai client check: python3 cannot import openai (pip install openai)");
-    }
+    answers_as_one_process(&one, &two);
+    openai_checks_pass(&two.addr, "two namespace hosts");
     // A third rank asking for rank 1 hears who holds the ranks; the server keeps serving.
     let third = finish(rank(&net, 1, &join, &folder, &[&tf[..], &["--rank", "1"]].concat()));
     assert!(!third.status.success() && text(&third).contains("every rank of this server is held (rank 0 (blocks 0..1"), "{}", text(&third));

@@ -83,8 +83,8 @@ impl ParamLayout {
 
     /// Fills a fresh flat buffer. Each parameter draws from its own stream keyed by
     /// (seed, parameter index), so initialisation does not depend on layout changes elsewhere,
-    /// and the parameters fill in parallel (rayon's pool) with the bits of a serial fill: a
-    /// 1.3B model's 26 s on one core become a few seconds.
+    /// and the parameters fill in parallel (rayon's pool) with the bits of a serial fill (a
+    /// 1.3B model's fill took 26 s on one core of the dev box).
     pub fn init(&self, seed: u64) -> Vec<f32> {
         use rayon::prelude::*;
         let mut flat = vec![0.0f32; self.total];

@@ -69,6 +69,8 @@ pub struct CpuBackend {
     model: Model,
     params: Vec<f32>,
     int8: Option<QuantWeights>,
+    /// Bytes of `params` given back to the system under int8 ([`release_replaced`]).
+    released: usize,
     cache: KvCache,
     ws: PagedWorkspace,
 }
@@ -81,12 +83,13 @@ impl CpuBackend {
 
     /// [`CpuBackend::new`] whose int8 weights (with [`LinearFormat::Int8`]) are the linears
     /// `scope` names (`benches/decode_cpu.rs` compares int8 experts with f32 ones).
-    pub fn with_scope(model: Model, params: Vec<f32>, opts: CpuOptions, scope: QuantScope) -> Result<CpuBackend> {
+    pub fn with_scope(model: Model, mut params: Vec<f32>, opts: CpuOptions, scope: QuantScope) -> Result<CpuBackend> {
         check_servable(&model, params.len())?;
         let cache = KvCache::new(&model.cfg, opts.num_blocks, opts.block_size).map_err(anyhow::Error::msg)?;
         let all = 0..model.units().len();
         let int8 = (opts.weights == LinearFormat::Int8).then(|| model.quantize_int8_scope(&ParamsAt::whole(&params, None), all, scope));
-        Ok(CpuBackend { model, params, int8, cache, ws: PagedWorkspace::default() })
+        let released = int8.as_ref().map_or(0, |q| release_replaced(&model, &mut params, q));
+        Ok(CpuBackend { model, params, int8, released, cache, ws: PagedWorkspace::default() })
     }
 
     pub fn model(&self) -> &Model {
@@ -98,11 +101,40 @@ impl CpuBackend {
         self.int8.as_ref()
     }
 
-    /// Bytes of weights held: the f32 parameters (all of them: the int8 path reads only the
-    /// copies, but the flat buffer is kept whole) and the int8 copies with their scales.
+    /// Bytes of weights held: the f32 parameters less the pages given back under int8, and
+    /// the int8 copies with their scales.
     pub fn weight_bytes(&self) -> usize {
-        4 * self.params.len() + self.int8.as_ref().map_or(0, QuantWeights::bytes)
+        4 * self.params.len() - self.released + self.int8.as_ref().map_or(0, QuantWeights::bytes)
     }
+}
+
+/// Gives the whole pages of `params` that only int8-replaced matrices occupy back to the system
+/// (`madvise(MADV_DONTNEED)`: they read as zeros from then on, and the int8 path never reads
+/// them), so int8 holds about a quarter of f32's bytes rather than both. The token embedding
+/// stays: the embedding reads it as f32 (a tied LM head is quantized from it). Returns the
+/// bytes given back.
+fn release_replaced(model: &Model, params: &mut [f32], q: &QuantWeights) -> usize {
+    let keep = model.layout().get("wte.weight").map_or(0..0, |s| s.range());
+    // SAFETY: sysconf only reads a system constant.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(4096);
+    let base = params.as_mut_ptr() as usize;
+    let mut released = 0;
+    for r in q.replaced(model.units()) {
+        if r.start < keep.end && keep.start < r.end {
+            continue;
+        }
+        let (lo, hi) = ((base + 4 * r.start).next_multiple_of(page), (base + 4 * r.end) / page * page);
+        if hi <= lo {
+            continue;
+        }
+        // SAFETY: [lo, hi) lies inside `params` (rounded inwards to pages), which this function
+        // borrows mutably: no reference into it is alive, and MADV_DONTNEED on private memory
+        // only replaces those pages' contents with zeros, as a write of zeros would.
+        if unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) } == 0 {
+            released += hi - lo;
+        }
+    }
+    released
 }
 
 impl Backend for CpuBackend {

@@ -355,3 +355,24 @@ fn int8_experts(b: &CpuBackend) -> usize {
     assert_eq!(b.int8().unwrap().numel(), dense.numel() + moe);
     moe
 }
+
+/// Under int8 the f32 pages only the replaced matrices held go back to the system: a model of
+/// wider matrices (each many pages) holds well under its f32 bytes, and decodes as the int8
+/// copies say (what it reads of the given-back pages is nothing: its logits stay close to f32).
+#[test]
+fn int8_gives_the_replaced_f32_pages_back() {
+    let wide = |cfg: ModelConfig| ModelConfig { d_model: 256, d_ff: 512, vocab_size: 300, ..cfg };
+    for (name, cfg) in
+        [("gpt2 tied", wide(dense(Arch::Gpt))), ("llama untied", ModelConfig { tied_head: false, ..wide(dense(Arch::Llama)) })]
+    {
+        let (mut f, _, _) = backend(&cfg, LinearFormat::F32);
+        let (mut q, _, _) = backend(&cfg, LinearFormat::Int8);
+        let (fb, qb) = (f.weight_bytes(), q.weight_bytes());
+        assert!(q.released > 0 && qb < fb / 2, "{name}: int8 holds {qb} bytes ({} given back), f32 {fb}", q.released);
+        let seq = tokens(12, cfg.vocab_size, 10);
+        let want = f.step(&[step(&seq, 0, &[0, 1, 2], true)]).unwrap();
+        let got = q.step(&[step(&seq, 0, &[0, 1, 2], true)]).unwrap();
+        let e = rel_err(&got[0], &want[0]);
+        assert!(e < 0.05 && e > 1e-6, "{name}: int8 logits rel err {e:e} against f32");
+    }
+}

@@ -114,6 +114,16 @@ impl QuantWeights {
         self.units.iter().flat_map(|u| u.values()).map(QuantMatrix::bytes).sum()
     }
 
+    /// The flat ranges the int8 matrices replace, for a model whose unit `u` starts at
+    /// `units[u].start` (each unit's matrices are keyed by their offset in it).
+    pub fn replaced(&self, units: &[Range<usize>]) -> Vec<Range<usize>> {
+        let mut out: Vec<Range<usize>> = (self.units.iter().zip(units))
+            .flat_map(|(q, u)| q.iter().map(move |(at, m)| u.start + at..u.start + at + m.shape().0 * m.shape().1))
+            .collect();
+        out.sort_by_key(|r| r.start);
+        out
+    }
+
     /// Floats replaced by int8 (the quantized matrices' sizes).
     pub fn numel(&self) -> usize {
         self.units.iter().flat_map(|u| u.values()).map(|m| m.shape().0 * m.shape().1).sum()
