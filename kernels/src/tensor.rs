@@ -258,6 +258,7 @@ pub fn has_avx512() -> bool {
 /// with AVX-512F when the CPU has it, else for the baseline target. Only the vector width
 /// changes: Rust never contracts `a*b + c` into an FMA or reassociates, so every lane executes
 /// the same IEEE operations and both paths give identical bits.
+#[macro_export]
 macro_rules! simd_dispatch {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:path) => {
         $(#[$meta])*
@@ -275,7 +276,7 @@ macro_rules! simd_dispatch {
         }
     };
 }
-pub(crate) use simd_dispatch;
+pub use simd_dispatch;
 
 /// Columns per task in [`reduce_cols`] (a multiple of every vector width).
 const REDUCE_COLS_BLOCK: usize = 64;
