@@ -88,12 +88,11 @@ fn device_cuda_refuses_unsupported_options_naming_the_key() {
     let cfg = write(tmp.path(), "gpu.json", CONFIG);
     let (cfg, out) = (cfg.to_str().unwrap().to_string(), tmp.path().join("run").to_str().unwrap().to_string());
     let offload_cpu = "zero_optimization.offload_optimizer={\"device\": \"cpu\"}";
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["--model", "llama-tiny"], "kernels run head dimensions 64 and 128"),
         (&["--model", "gpt-tiny"], "has head dimension 32"),
         (&["--nprocs", "2", "--set", "optimizer.type=\"Lamb\""], "optimizer.type = \"Lamb\" with zero_optimization.stage = 2 on 2 GPUs"),
         (&["--set", "optimizer={\"type\": \"Lamb\", \"params\": {\"lr\": 0.01}}", "--set", offload_cpu], "with optimizer.type = \"Lamb\""),
-        (&["--set", "bf16.enabled=false", "--set", "fp16.enabled=true", "--set", offload_cpu], "fp16.enabled = true with"),
         (
             &[
                 "--set",
@@ -479,8 +478,8 @@ fn gpu_one_cycle_momentum_cycles_the_betas_and_resumes_bit_exactly() {
 /// threads at ZeRO-1, and two worker processes at ZeRO-3 (the GPU shared) give the same
 /// parameters; the loss falls and the summary says where the ranks computed.
 /// Every optimizer the CPU engine runs (LAMB on one GPU; SGD, Lion and Adagrad also with optimizer
-/// offload), and fp16 under the dynamic loss scaler, on the
-/// GPU ranks: each run's validation loss falls and lands close to the CPU run of the same config;
+/// offload), and fp16 under the dynamic loss scaler (also with the optimizer offloaded: the same
+/// skipped steps and bits as on the GPU), on the GPU ranks: each run's validation loss falls and lands close to the CPU run of the same config;
 /// SGD's momentum buffer and Adagrad's `sum` resume bit-exactly; fp16 from an overflowing scale (2^20 and 2^19
 /// overflow by a clear margin, 2^18 fits) skips the same steps as the CPU. (With a short growth
 /// window the scale returns to the threshold again and again, where the GPU's bf16 gradient and
@@ -552,6 +551,13 @@ fn gpu_optimizers_and_fp16_train_like_the_cpu() {
                 let skipped = s["skipped_steps"].as_u64().unwrap();
                 assert!(skipped > 0, "fp16 from 2^20 should overflow at first on the {who}: {s}");
             }
+            // The optimizer offloaded to host memory: the host step waits for the scaler's verdict
+            // and hands overflowing steps back unstepped; the same skips, the same bits.
+            let off = dir("fp16-offload");
+            ok(&cuda_args(cfg, &off, &[extra, &["--set", offload]].concat()), tmp.path());
+            let o = summary(Path::new(&off));
+            assert_eq!(o["skipped_steps"], g["skipped_steps"], "fp16 with optimizer offload skipped other steps: {o}");
+            assert_eq!(o["params_blake3"], g["params_blake3"], "fp16 with optimizer offload ended on other parameters");
         }
         if name == "sgd" || name == "adagrad" {
             // 10 steps, then resumed for 10 more: the momentum buffer (Adagrad: `sum`) round-trips

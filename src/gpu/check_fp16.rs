@@ -1,6 +1,7 @@
 //! `tessera gpu check` rows for fp16 on GPU ranks (`zero::RankSpec::fp16`): the overflow
-//! decisions against the CPU model's gradient stored in fp16, and a run under DeepSpeed's
-//! dynamic loss scaler whose skipped steps leave the state bit for bit as it was.
+//! decisions against the CPU model's gradient stored in fp16, a run under DeepSpeed's dynamic
+//! loss scaler whose skipped steps leave the state bit for bit as it was, and the same run with
+//! the optimizer offloaded (host memory, a partial share, NVMe) against the GPU optimizer.
 
 use std::sync::Arc;
 
@@ -9,7 +10,7 @@ use tessera_kernels::cuda::{self, gpt, Gpu};
 use tessera_kernels::model::{FlatAccess, MicroBatch, Model, Workspace};
 use tessera_kernels::optim::{DynamicLossScaler, StepOutcome};
 
-use super::{batch, bits_row, f32_bits, zero};
+use super::{batch, bits_row, f32_bits, offload, zero};
 use crate::zoo;
 
 /// fp16's threshold: an f32 at or beyond it rounds to ±inf in fp16 (65504 + half an ulp).
@@ -41,8 +42,50 @@ pub fn check(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
         params_offload: None,
     };
     let mut rows = overflow_decisions(&gpu, &model, spec(0), seed, b, t)?;
-    rows.extend(dynamic_scaler_run(&gpu, spec(2), seed, b, t, model.cfg.vocab_size)?);
+    let v = model.cfg.vocab_size;
+    rows.extend(dynamic_scaler_run(&gpu, spec(2), seed, b, t, v)?);
+    // The optimizer offloaded: the host worker waits for the scaler's verdict and hands an
+    // overflowing step's units back unstepped.
+    let on_gpu = scaler_steps(&gpu, spec(2), seed, b, t, v)?;
+    let site = offload::NvmeSite { dir: std::env::temp_dir(), aio: crate::offload::AioOptions::default() };
+    for (ratio, nvme) in [(1.0, None), (0.5, None), (1.0, Some(&site))] {
+        let off = zero::OffloadOptions { ratio, threads: offload::default_threads(1) };
+        let o = scaler_steps(&gpu, zero::RankSpec { offload: Some(off), nvme, ..spec(2) }, seed, b, t, v)?;
+        let tier = if nvme.is_some() { "NVMe" } else { "host memory" };
+        let tag = format!("fp16 with the optimizer offloaded ({tier}, ratio {ratio}, ZeRO-2) vs on the GPU");
+        rows.push(bits_row(format!("{tag}: steps skipped ({} of {SCALER_STEPS}) and loss scales", o.1), &o.2, &on_gpu.2));
+        rows.push(bits_row(format!("{tag}: masters and moments after {SCALER_STEPS} steps"), &o.0, &on_gpu.0));
+    }
     Ok(rows)
+}
+
+/// Steps of [`scaler_steps`] and [`dynamic_scaler_run`].
+const SCALER_STEPS: usize = 12;
+
+/// Every bit of the masters and the optimizer state, in order.
+fn state_bits(r: &mut zero::Rank) -> Result<Vec<u32>> {
+    let mut bits = f32_bits(&r.masters()?);
+    r.optimizer_state()?.iter().for_each(|b| bits.extend(f32_bits(b)));
+    Ok(bits)
+}
+
+/// [`SCALER_STEPS`] steps from 2^24 under DeepSpeed's dynamic scaler (as [`dynamic_scaler_run`]):
+/// the state's bits after them, how many were skipped, and the scale after each step's bits.
+fn scaler_steps(gpu: &Arc<Gpu>, spec: zero::RankSpec<'_>, seed: u64, b: usize, t: usize, v: usize) -> Result<(Vec<u32>, usize, Vec<u32>)> {
+    let mut rank = zero::Rank::new(gpu.clone(), None, spec)?;
+    let mut scaler = DynamicLossScaler::new(24, 2, 1.0, 1)?;
+    let (mut skipped, mut scales) = (0, Vec::new());
+    for step in 0..SCALER_STEPS {
+        let p = rank.prepare(&[batch(seed, step, 0, b, t, v)], 1e-3, 1.0, scaler.scale())?;
+        if let StepOutcome::SkippedOverflow { .. } = scaler.update(p.overflow)? {
+            rank.skip()?;
+            skipped += 1;
+        } else {
+            rank.commit()?;
+        }
+        scales.push(scaler.scale().to_bits());
+    }
+    Ok((state_bits(&mut rank)?, skipped, scales))
 }
 
 /// At each scale of [`SCALE_POWERS`], whether the GPU rank reports an overflow against whether
@@ -104,13 +147,7 @@ fn dynamic_scaler_run(gpu: &Arc<Gpu>, spec: zero::RankSpec<'_>, seed: u64, b: us
     let mut rank = zero::Rank::new(gpu.clone(), None, spec)?;
     let mut scaler = DynamicLossScaler::new(24, 2, 1.0, 1)?;
     let (mut skipped, mut applied, mut kept_bits, mut moved, mut scales) = (0, 0, true, true, Vec::new());
-    // Every bit of the masters and the optimizer state, in order.
-    let state_bits = |r: &mut zero::Rank| -> Result<Vec<u32>> {
-        let mut bits = f32_bits(&r.masters()?);
-        r.optimizer_state()?.iter().for_each(|b| bits.extend(f32_bits(b)));
-        Ok(bits)
-    };
-    for step in 0..12 {
+    for step in 0..SCALER_STEPS {
         let before = state_bits(&mut rank)?;
         let p = rank.prepare(&[batch(seed, step, 0, b, t, v)], 1e-3, 1.0, scaler.scale())?;
         let outcome = scaler.update(p.overflow)?;

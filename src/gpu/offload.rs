@@ -15,7 +15,9 @@
 //!    bf16 parameters into a page-locked staging buffer — with `gradient_clipping` off this
 //!    overlaps the rest of the backward; with clipping on it starts once the global norm (on the
 //!    GPU, from the device gradient shard) is known, and overlaps the copies and gathers of the
-//!    units stepped before;
+//!    units stepped before; with fp16 it waits the same way for the loss scaler's verdict, and
+//!    on an overflow hands every unit back unstepped (the step is skipped; with NVMe each unit's
+//!    state is read and written back unchanged, keeping the swap pipeline's order);
 //! 3. the new bf16 parameters go host → device on a second copy stream (`h2d`) and are
 //!    all-gathered on the communication stream as without offload; the next forward waits per
 //!    unit (events).
@@ -469,7 +471,8 @@ pub struct StepOrder {
 
 /// The worker of one step: steps each unit's host part as its staging buffer arrives (in
 /// arrival order) and sends it back with the new bf16 parameters. `scale` delivers the
-/// gradient-clipping coefficient before the first unit is stepped. With NVMe the units' states
+/// gradient's multiplier (the clipping coefficient over the loss scale) before the first unit is
+/// stepped, or `None` for an fp16 overflow: then every unit goes back unstepped. With NVMe the units' states
 /// come from the swap pipeline (read ahead in the backward's order: last unit first) and go back
 /// to it. Returns its figures, or why the swap files could not be written back.
 pub fn worker(
@@ -477,7 +480,7 @@ pub fn worker(
     split: &Split,
     order: StepOrder,
     units: Receiver<Staging>,
-    scale: Receiver<f32>,
+    scale: Receiver<Option<f32>>,
     done: Sender<Result<Staging, String>>,
 ) -> Result<OffloadStats, String> {
     let mut st = OffloadStats { steps: 1, threads: host.threads, ..OffloadStats::default() };
@@ -498,7 +501,7 @@ pub fn worker(
 struct Channels {
     order: StepOrder,
     units: Receiver<Staging>,
-    scale: Receiver<f32>,
+    scale: Receiver<Option<f32>>,
     done: Sender<Result<Staging, String>>,
 }
 
@@ -508,7 +511,8 @@ type Swap<'a> = (&'a mut dyn FnMut(usize) -> std::io::Result<UnitState>, &'a mut
 /// The worker's loop over the step's units (see [`worker`]); stops at the first failure, which
 /// it reports through `done`.
 fn step_units(host: &mut HostState, split: &Split, ch: &Channels, st: &mut OffloadStats, mut swap: Option<Swap<'_>>) {
-    let mut coeff: Option<f32> = None;
+    // `Some(None)`: the step overflowed (fp16) and is skipped.
+    let mut coeff: Option<Option<f32>> = None;
     for _ in 0..ch.order.expected {
         let Ok(mut s) = ch.units.recv() else { return };
         let u = s.u;
@@ -522,7 +526,18 @@ fn step_units(host: &mut HostState, split: &Split, ch: &Channels, st: &mut Offlo
             let grad = s.grad.as_slice().map_err(|e| format!("reading unit {u}'s gradient staging: {e:?}"))?;
             let k = match coeff {
                 Some(k) => k,
-                None => *coeff.insert(ch.scale.recv().map_err(|_| "the step ended before the clipping coefficient was known".to_string())?),
+                None => {
+                    *coeff.insert(ch.scale.recv().map_err(|_| "the step ended before the gradient's multiplier was known".to_string())?)
+                }
+            };
+            let Some(k) = k else {
+                st.steps = 0;
+                if let Some((next, put)) = swap.as_mut() {
+                    // Skipped: the state goes back as it was read (the pipeline reads every unit ahead).
+                    let state = next(u).map_err(|e| format!("reading unit {u}'s optimizer state from NVMe: {e}"))?;
+                    put(state).map_err(|e| format!("queueing unit {u}'s optimizer state for NVMe: {e}"))?;
+                }
+                return Ok(());
             };
             let param = s.param.as_mut_slice().map_err(|e| format!("reading unit {u}'s parameter staging: {e:?}"))?;
             let r = split.host_range(u);
@@ -628,7 +643,8 @@ pub struct NvmeSite {
 
 /// What the issuing thread keeps of one step's host pipeline.
 pub struct Pipe {
-    pub scale: Sender<f32>,
+    /// The gradient's multiplier for the host step, or `None`: the step overflowed, skip it.
+    pub scale: Sender<Option<f32>>,
     pub done: Receiver<Result<Staging, String>>,
     pub expected: usize,
 }
@@ -636,23 +652,24 @@ pub struct Pipe {
 /// Runs one step with its host pipeline: starts [`worker`] over `host` on a scoped thread, then
 /// `step` with the sender the rank hands each unit's staging to and the issuing side's [`Pipe`].
 /// `step` must drop the sender before it returns (the worker waits for units that will not
-/// come otherwise). With `clip` off the clipping coefficient is 1, known before the backward.
+/// come otherwise). `known_scale`: the gradient's multiplier when it is known before the
+/// backward (1 without clipping and fp16); otherwise `step` sends it through [`Pipe::scale`].
 /// Returns `step`'s result and the worker's figures (`None` if it could not start).
 pub fn run_step<T>(
     host: &mut HostState,
     split: &Split,
     hp: HostStep,
     rank: usize,
-    clip: f32,
+    known_scale: Option<f32>,
     step: impl FnOnce(Sender<Staging>, Pipe) -> Result<T>,
 ) -> (Result<T>, Option<std::thread::Result<Result<OffloadStats, String>>>) {
     let expected = split.host.iter().filter(|&&h| h > 0).count();
     let (unit_tx, unit_rx) = mpsc::channel();
     let (scale_tx, scale_rx) = mpsc::channel();
     let (done_tx, done_rx) = mpsc::channel();
-    if clip <= 0.0 {
-        // No clipping: each unit can be stepped as soon as its gradient arrives.
-        let _ = scale_tx.send(1.0);
+    if let Some(k) = known_scale {
+        // Each unit can be stepped as soon as its gradient arrives.
+        let _ = scale_tx.send(Some(k));
     }
     std::thread::scope(|s| {
         let order = StepOrder { hp, expected };

@@ -70,12 +70,6 @@ pub fn check_supported(cfg: &Config) -> Result<Vec<String>> {
     let mut notes = Vec::new();
     match cfg.precision {
         Precision::Fp16(_) => {
-            if cfg.zero.offload_optimizer.as_ref().is_some_and(|o| o.device != OffloadDevice::None) {
-                bail!(
-                    "fp16.enabled = true with zero_optimization.offload_optimizer on `--device cuda`: the host optimizer steps \
-                     each unit before the loss scaler knows whether the step overflowed; drop one of them, or use --device cpu"
-                );
-            }
             notes.push(
                 "fp16.enabled: `--device cuda` keeps bf16 parameters and activations (its model kernels are bf16) and stores \
                  each micro-batch's gradient in fp16 under the loss scaler (DeepSpeed's dynamic scaler, the CPU path's): \

@@ -39,7 +39,9 @@
 //! non-finite one is an overflow ([`Prepared::overflow`]) and the caller's loss scaler decides
 //! whether the step is committed or skipped ([`Rank::skip`]). The update multiplies the gradient
 //! by 1/scale (and the clipping coefficient) as it reads it. The optimizer then never runs during
-//! the backward, and optimizer offload is refused (both update before the overflow is known).
+//! the backward. With optimizer offload the host worker waits for the verdict as it waits for
+//! the clipping coefficient: on an overflow it hands every unit back unstepped, the device part
+//! is not updated, and the prepared step can only be skipped ([`StagedStep::Overflowed`]).
 //!
 //! Determinism: a rank's micro-batches are combined by a fixed binary tree, ranks hold aligned
 //! blocks of micro-batches, and with two ranks NCCL's sum is one IEEE add — so one GPU running
@@ -304,6 +306,9 @@ enum StagedStep {
     Pending { fin: usize, hp: OptimStep, scale: f32 },
     /// The update ran with the backward (optimizer offload).
     Applied,
+    /// fp16 with optimizer offload: the gradient overflowed, so nothing was updated (the host
+    /// worker handed its units back unstepped); the step can only be skipped.
+    Overflowed,
 }
 
 /// What a step's computation leaves for its update.
@@ -372,9 +377,6 @@ impl RankSpec<'_> {
         }
         if self.nvme.is_some() && self.offload.is_none() {
             bail!("NVMe optimizer offload without offload options: the rank needs offload_optimizer's ratio and threads");
-        }
-        if self.offload.is_some() && self.fp16 {
-            bail!("zero_optimization.offload_optimizer with fp16.enabled: the host step starts before the loss scaler knows whether the step overflowed");
         }
         if let Some(p) = self.params_offload {
             if stage != 3 {
@@ -625,15 +627,22 @@ impl Rank {
         };
         let mut host = off.host.take().context("the host optimizer state was lost in an earlier failed step")?;
         let split = self.split.clone();
-        let (rank, clip) = (self.rank, self.optim.clip);
-        let (res, stats) = offload::run_step(&mut host, &split, host_hp, rank, clip, |tx, pipe| {
+        // Known before the backward only without clipping and fp16 (no norm, no overflow to wait for).
+        let known_scale = (self.optim.clip <= 0.0 && !self.fp16).then_some(1.0);
+        let rank = self.rank;
+        let (res, stats) = offload::run_step(&mut host, &split, host_hp, rank, known_scale, |tx, pipe| {
             if let Some(o) = self.off.as_mut() {
                 o.tx = Some(tx);
             }
             self.stepped.fill(false);
-            let res = self.compute(mbs, dloss, 1.0, &hp, Some(&pipe)).and_then(|c| {
-                self.update(c.fin, &hp, c.scale, Some(pipe))?;
-                Ok(Prepared { loss: self.local_loss(m_local)?, norm: c.norm, overflow: false })
+            let res = self.compute(mbs, dloss * loss_scale, loss_scale, &hp, Some(&pipe)).and_then(|c| {
+                if c.overflow {
+                    // The worker hands the units back unstepped; the device part is not updated.
+                    self.take_back_units(pipe)?;
+                } else {
+                    self.update(c.fin, &hp, c.scale, Some(pipe))?;
+                }
+                Ok(Prepared { loss: self.local_loss(m_local)?, norm: c.norm, overflow: c.overflow })
             });
             // Ends the worker if the step stopped early (it waits for units that will not come).
             if let Some(o) = self.off.as_mut() {
@@ -652,8 +661,8 @@ impl Rank {
             Some(Err(_)) => bail!("rank {}: the host optimizer thread panicked", self.rank),
             None => {}
         }
-        if res.is_ok() {
-            self.staged = Some(StagedStep::Applied);
+        if let Ok(p) = &res {
+            self.staged = Some(if p.overflow { StagedStep::Overflowed } else { StagedStep::Applied });
         }
         res
     }
@@ -666,6 +675,9 @@ impl Rank {
                 self.torn = Some(format!("a failed commit left the optimizer state part-way through a step ({e:#})"));
             }),
             Some(StagedStep::Applied) => Ok(()),
+            Some(StagedStep::Overflowed) => {
+                bail!("rank {}: commit of a step whose fp16 gradient overflowed (nothing was updated): skip it", self.rank)
+            }
             None => bail!("rank {}: commit without a prepared step", self.rank),
         }
     }
@@ -677,6 +689,7 @@ impl Rank {
     pub fn skip(&mut self) -> Result<()> {
         match self.staged.take() {
             Some(StagedStep::Pending { .. }) if !self.stepped.iter().any(|&s| s) => Ok(()),
+            Some(StagedStep::Overflowed) => Ok(()),
             Some(_) => {
                 self.torn = Some("a skipped step had already updated units during its backward".into());
                 bail!("rank {}: the step to skip had already updated units (the optimizer ran during the backward)", self.rank)
@@ -691,7 +704,7 @@ impl Rank {
         let applied = match self.staged.take() {
             Some(StagedStep::Applied) => true,
             Some(StagedStep::Pending { .. }) => self.stepped.iter().any(|&s| s),
-            None => false,
+            Some(StagedStep::Overflowed) | None => false,
         };
         if applied {
             self.torn = Some(
@@ -731,9 +744,10 @@ impl Rank {
             _ => 1.0,
         };
         let scale = clip * (1.0 / loss_scale);
-        if let (Some(p), true) = (pipe, self.optim.clip > 0.0) {
-            // A worker that already stopped reports why through `done`.
-            let _ = p.scale.send(scale);
+        if let (Some(p), true) = (pipe, self.optim.clip > 0.0 || self.fp16) {
+            // The host worker waits for this (`None`: skip). A worker that already stopped
+            // reports why through `done`.
+            let _ = p.scale.send((!overflow).then_some(scale));
         }
         Ok(Computed { fin, norm, scale, overflow })
     }
@@ -927,18 +941,7 @@ impl Rank {
         }
         let arrived = std::time::Instant::now();
         for _ in 0..p.expected {
-            let st = match p.done.recv_timeout(offload::HOST_STEP_TIMEOUT) {
-                Ok(Ok(st)) => st,
-                Ok(Err(e)) => bail!("rank {}: the host optimizer step failed: {e}", self.rank),
-                Err(RecvTimeoutError::Timeout) => bail!(
-                    "rank {}: the host optimizer step of a unit did not finish within {} s",
-                    self.rank,
-                    offload::HOST_STEP_TIMEOUT.as_secs()
-                ),
-                Err(RecvTimeoutError::Disconnected) => {
-                    bail!("rank {}: the host optimizer thread stopped before the step was done", self.rank)
-                }
-            };
+            let st = self.host_unit(&p)?;
             let u = st.u;
             let h = self.split.host[u];
             let dst = if self.stage == 3 {
@@ -982,6 +985,34 @@ impl Rank {
             self.cstream.wait(&ev).map_err(cuda::drv("waiting for the parameter copies"))?;
         }
         self.gpu.mark("host optimizer");
+        Ok(())
+    }
+
+    /// The next unit the host worker hands back (stepped, or not when the step overflowed).
+    fn host_unit(&self, p: &Pipe) -> Result<offload::Staging> {
+        match p.done.recv_timeout(offload::HOST_STEP_TIMEOUT) {
+            Ok(Ok(st)) => Ok(st),
+            Ok(Err(e)) => bail!("rank {}: the host optimizer step failed: {e}", self.rank),
+            Err(RecvTimeoutError::Timeout) => bail!(
+                "rank {}: the host optimizer step of a unit did not finish within {} s",
+                self.rank,
+                offload::HOST_STEP_TIMEOUT.as_secs()
+            ),
+            Err(RecvTimeoutError::Disconnected) => {
+                bail!("rank {}: the host optimizer thread stopped before the step was done", self.rank)
+            }
+        }
+    }
+
+    /// fp16 overflow with optimizer offload: takes back every unit the worker hands back
+    /// unstepped (its staging buffers, for the next step); nothing is copied or gathered.
+    fn take_back_units(&mut self, p: Pipe) -> Result<()> {
+        for _ in 0..p.expected {
+            let st = self.host_unit(&p)?;
+            let u = st.u;
+            self.off.as_mut().expect("a pipe implies offload").staging[u] = Some(st);
+        }
+        self.gpu.mark("host optimizer (skipped)");
         Ok(())
     }
 
