@@ -108,7 +108,7 @@ pub fn check(seed: u64, only: Option<&str>) -> Result<bool> {
          LAMB through the rank at ZeRO 0-3 on one GPU",
         &|| check_offload_training(gpu.clone(), seed),
     );
-    report("fp16: overflow decisions against the CPU gradient stored in fp16, and the dynamic loss scaler's skipped steps", &|| {
+    report("fp16: overflow decisions against the CPU gradient stored in fp16, the dynamic loss scaler's skipped steps, and fp16 with the optimizer offloaded", &|| {
         check_fp16::check(gpu.clone(), seed)
     });
     println!("{}", if all_ok { "all GPU checks passed" } else { "SOME GPU CHECKS FAILED" });
