@@ -191,6 +191,14 @@ fn sigterm_finishes_the_requests_in_flight_then_exits() {
         .collect();
     let mut first = [0u8; 64];
     assert!(streams[0].read(&mut first).unwrap() > 0);
+    // Every request accepted (read and queued) before the signal: a request the server has not
+    // read yet when SIGTERM comes is not in flight, and is refused like any new one. (On a loaded
+    // machine the last of the 16 may still be unread when the first token arrives.)
+    let began = Instant::now();
+    while metric(&srv.addr, "tessera_serve_in_flight") < 16.0 {
+        assert!(began.elapsed() < Duration::from_secs(60), "the server did not accept all 16 requests");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // SAFETY: signalling the child this test started.
     assert_eq!(unsafe { libc::kill(srv.child.id() as i32, libc::SIGTERM) }, 0);
     for (i, s) in streams.iter_mut().enumerate() {
