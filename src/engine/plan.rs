@@ -327,12 +327,6 @@ impl Plan {
             }
         }
         if cfg.tessera.device == ComputeDevice::Cuda {
-            if matches!(cfg.precision, crate::config::Precision::Fp16(_)) {
-                bail!(
-                    "fp16.enabled with tessera.device = \"cuda\": GPU ranks compute in bf16 (the GPU kernels' type); \
-                     use bf16.enabled"
-                );
-            }
             super::device::check_model(&model, cfg.micro_batch_per_gpu, seq_len)
                 .map_err(|e| anyhow::anyhow!("tessera.device = \"cuda\": {e}"))?;
         }

@@ -1222,6 +1222,13 @@ pub fn train(cfg: &Config, opts: &TrainOptions) -> Result<TrainOutcome> {
         }
         false => None,
     };
+    if !nccl && cfg.tessera.device == config::ComputeDevice::Cuda && matches!(cfg.precision, config::Precision::Fp16(_)) {
+        tracing::warn!(
+            "fp16.enabled with the engine's GPU ranks: the working parameters are the masters rounded to fp16, and the device \
+             computes each micro-batch from them in bf16 (its kernels' type); the gradients come back in f32 and are stored in \
+             fp16 under the loss scaler (overflowing steps skipped), as on CPU ranks"
+        );
+    }
     let (user, cfg) = (cfg, gpu_cfg.as_ref().unwrap_or(cfg));
     let (mut run, dataset) = start_run(cfg, opts, nccl.then_some(user))?;
     // A second signal removes the save it interrupts (the last complete checkpoint stays).

@@ -56,6 +56,15 @@ pub fn check(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow>> {
         rows.push(bits_row(format!("{tag}: steps skipped ({} of {SCALER_STEPS}) and loss scales", o.1), &o.2, &on_gpu.2));
         rows.push(bits_row(format!("{tag}: masters and moments after {SCALER_STEPS} steps"), &o.0, &on_gpu.0));
     }
+    // LAMB's two-phase host step under the scaler (an overflow hands every held unit back).
+    let lamb = tessera_kernels::optim::LambParams { lr: 2e-3, weight_decay: 0.01, ..Default::default() };
+    let lamb = zero::Optimizer { kind: tessera_kernels::optim::OptimizerKind::Lamb(lamb), clip: 0.0 };
+    let on_gpu = scaler_steps(&gpu, zero::RankSpec { optim: lamb, ..spec(2) }, seed, b, t, v)?;
+    let off = zero::OffloadOptions { ratio: 1.0, threads: offload::default_threads(1) };
+    let o = scaler_steps(&gpu, zero::RankSpec { optim: lamb, offload: Some(off), ..spec(2) }, seed, b, t, v)?;
+    let tag = "fp16 with LAMB offloaded (host memory, ratio 1, ZeRO-2, one GPU) vs on the GPU";
+    rows.push(bits_row(format!("{tag}: steps skipped ({} of {SCALER_STEPS}) and loss scales", o.1), &o.2, &on_gpu.2));
+    rows.push(bits_row(format!("{tag}: masters and moments after {SCALER_STEPS} steps"), &o.0, &on_gpu.0));
     Ok(rows)
 }
 

@@ -6,6 +6,7 @@
 mod check_fp16;
 pub mod compute;
 pub mod decode_bench;
+pub mod lamb_host;
 pub mod nvme;
 pub mod offload;
 pub mod param_offload;
@@ -105,7 +106,7 @@ pub fn check(seed: u64, only: Option<&str>) -> Result<bool> {
         "optimizer offload, parameter offload (ZeRO-3, host memory and NVMe), and the optimizer during the backward (AdamW, \
          Adam, SGD, Lion, Adagrad; offloaded with each): training against the GPU optimizer after the backward with the \
          parameters on the GPU, bit for bit; \
-         LAMB through the rank at ZeRO 0-3 on one GPU",
+         LAMB through the rank at ZeRO 0-3 on one GPU, and offloaded",
         &|| check_offload_training(gpu.clone(), seed),
     );
     report("fp16: overflow decisions against the CPU gradient stored in fp16, the dynamic loss scaler's skipped steps, and fp16 with the optimizer offloaded", &|| {
@@ -481,6 +482,15 @@ fn check_offload_training(gpu: Arc<Gpu>, seed: u64) -> Result<Vec<cuda::CheckRow
             &[o.3.to_bits()],
             &[base.3.to_bits()],
         ));
+    }
+    // LAMB with the optimizer in host memory (its two-phase host step, `lamb_host`) against the
+    // GPU's LAMB at the same stage.
+    for (stage, clip) in [(1u8, 1.0f32), (2, 0.0), (3, 1.0)] {
+        let optim = zero::Optimizer { kind: tessera_kernels::optim::OptimizerKind::Lamb(lamb), clip };
+        let (o, base) = (run_with(optim, stage, Some(1.0), true)?, run_with(optim, stage, None, true)?);
+        let tag = format!("LAMB, ZeRO-{stage}, clip {clip}, ratio 1");
+        same(&mut rows, "offload vs GPU optimizer", &tag, &o, &base);
+        rows.push(bits_row(format!("offload vs GPU optimizer, eval loss after the steps ({tag})"), &[o.3.to_bits()], &[base.3.to_bits()]));
     }
     Ok(rows)
 }

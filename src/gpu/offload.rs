@@ -4,7 +4,9 @@
 //! Every elementwise optimizer runs there ([`HostStep`]): Adam/AdamW through [`adamw_host`], SGD,
 //! Lion and Adagrad through the CPU engine's own kernels ([`ElementwiseStep`], what
 //! `OptimizerShard::step` runs). LAMB is not elementwise (its trust ratios need every tensor's
-//! norms before any update) and is refused with offload at start.
+//! norms before any update): with the whole shard on the host of one rank its host step runs in
+//! two phases around the norms ([`super::lamb_host`]: each unit's update as its gradient arrives,
+//! every unit stepped once all are in); other LAMB offloads are refused at start.
 //!
 //! The pipeline of one step (driven by [`super::zero::Rank::step`] through [`run_step`]):
 //! 1. during the backward of the last micro-batch, as unit `u`'s gradient is final (after the
@@ -53,9 +55,11 @@ use anyhow::{Context, Result};
 use half::bf16;
 use rayon::prelude::*;
 use tessera_kernels::cuda::ops::{AdamStep, EventFlags, PinnedHostSlice};
+use tessera_kernels::cuda::optim::LambStep;
 use tessera_kernels::cuda::{self, CudaEvent, CudaStream, Gpu};
 use tessera_kernels::optim::ElementwiseStep;
 
+use super::lamb_host::{LambHost, State as LambState, StateMut as LambStateMut};
 use super::nvme::{NvmeStore, UnitState};
 use super::zero::OffloadOptions;
 
@@ -241,13 +245,15 @@ pub fn adamw_host_par(pool: &rayon::ThreadPool, hp: &AdamStep, grad_scale: f32, 
     });
 }
 
-/// One update of the host step's optimizer (LAMB never: refused with offload at start).
+/// One update of the host step's optimizer.
 #[derive(Clone, Copy, Debug)]
 pub enum HostStep {
     /// Adam/AdamW: the GPU `adamw` kernel's expression with its flushes ([`adamw_host`]).
     Adam(AdamStep),
     /// SGD, Lion, Adagrad: the CPU engine's kernels.
     Cpu(ElementwiseStep),
+    /// LAMB: two phases around the trust ratios ([`super::lamb_host`]), not unit by unit.
+    Lamb(LambStep),
 }
 
 /// [`HostStep`] over `bufs` on `pool`'s threads: the gradient multiplied by `grad_scale` (the
@@ -258,6 +264,7 @@ pub fn host_step_par(pool: &rayon::ThreadPool, hp: &HostStep, grad_scale: f32, b
     let step = match hp {
         HostStep::Adam(a) => return adamw_host_par(pool, a, grad_scale, bufs),
         HostStep::Cpu(step) => step,
+        HostStep::Lamb(_) => unreachable!("LAMB is not elementwise: the worker steps it through lamb_host"),
     };
     let HostAdamBufs { master, m, v, grad, decay, param } = bufs;
     let n = master.len();
@@ -416,6 +423,8 @@ pub struct HostState {
     pub decay: Vec<u8>,
     pub pool: rayon::ThreadPool,
     pub threads: usize,
+    /// LAMB's norm layout and scratch (LAMB only).
+    pub lamb: Option<LambHost>,
 }
 
 /// Page-locked staging of one unit's host part: the reduced gradient in, the bf16 parameters
@@ -511,26 +520,22 @@ type Swap<'a> = (&'a mut dyn FnMut(usize) -> std::io::Result<UnitState>, &'a mut
 /// The worker's loop over the step's units (see [`worker`]); stops at the first failure, which
 /// it reports through `done`.
 fn step_units(host: &mut HostState, split: &Split, ch: &Channels, st: &mut OffloadStats, mut swap: Option<Swap<'_>>) {
+    if let HostStep::Lamb(hp) = ch.order.hp {
+        if swap.is_some() {
+            let _ = ch.done.send(Err("LAMB's host step keeps its state in host memory (NVMe is refused at start)".into()));
+            return;
+        }
+        return lamb_units(host, split, ch, st, &hp);
+    }
     // `Some(None)`: the step overflowed (fp16) and is skipped.
     let mut coeff: Option<Option<f32>> = None;
     for _ in 0..ch.order.expected {
         let Ok(mut s) = ch.units.recv() else { return };
         let u = s.u;
         let res = (|| -> Result<(), String> {
-            if let Some(ev) = s.grad_ready.take() {
-                ev.synchronize().map_err(|e| format!("waiting for unit {u}'s gradient copy to the host: {e:?}"))?;
-            }
-            if let Some(ev) = s.param_free.take() {
-                ev.synchronize().map_err(|e| format!("waiting for unit {u}'s previous parameter copy to the GPU: {e:?}"))?;
-            }
+            wait_copies(&mut s)?;
             let grad = s.grad.as_slice().map_err(|e| format!("reading unit {u}'s gradient staging: {e:?}"))?;
-            let k = match coeff {
-                Some(k) => k,
-                None => {
-                    *coeff.insert(ch.scale.recv().map_err(|_| "the step ended before the gradient's multiplier was known".to_string())?)
-                }
-            };
-            let Some(k) = k else {
+            let Some(k) = multiplier(&mut coeff, ch)? else {
                 st.steps = 0;
                 if let Some((next, put)) = swap.as_mut() {
                     // Skipped: the state goes back as it was read (the pipeline reads every unit ahead).
@@ -570,6 +575,100 @@ fn step_units(host: &mut HostState, split: &Split, ch: &Channels, st: &mut Offlo
     }
 }
 
+/// Waits for unit `s.u`'s gradient copy to the host and for its previous parameter copy to the
+/// GPU (the staging buffers are the worker's from then on).
+fn wait_copies(s: &mut Staging) -> Result<(), String> {
+    let u = s.u;
+    if let Some(ev) = s.grad_ready.take() {
+        ev.synchronize().map_err(|e| format!("waiting for unit {u}'s gradient copy to the host: {e:?}"))?;
+    }
+    if let Some(ev) = s.param_free.take() {
+        ev.synchronize().map_err(|e| format!("waiting for unit {u}'s previous parameter copy to the GPU: {e:?}"))?;
+    }
+    Ok(())
+}
+
+/// The step's gradient multiplier, received once (`None`: an fp16 overflow, skip the step).
+fn multiplier(coeff: &mut Option<Option<f32>>, ch: &Channels) -> Result<Option<f32>, String> {
+    match *coeff {
+        Some(k) => Ok(k),
+        None => Ok(*coeff.insert(ch.scale.recv().map_err(|_| "the step ended before the gradient's multiplier was known".to_string())?)),
+    }
+}
+
+/// LAMB's host step (see [`super::lamb_host`]): phase 1 for each unit as it arrives, holding its
+/// staging; once all are in, the trust ratios, then each unit committed and handed back in
+/// arrival order. An fp16 overflow hands every unit back unstepped.
+fn lamb_units(host: &mut HostState, split: &Split, ch: &Channels, st: &mut OffloadStats, hp: &LambStep) {
+    let HostState { master, m, v, decay, pool, lamb, .. } = host;
+    let Some(lamb) = lamb.as_mut() else {
+        let _ = ch.done.send(Err("LAMB's host step has no norm layout (the rank was built for another optimizer)".into()));
+        return;
+    };
+    let c = hp.params.coeffs(hp.lr, hp.step);
+    let (mut coeff, mut held) = (None, Vec::with_capacity(ch.order.expected));
+    let mut skip = false;
+    for _ in 0..ch.order.expected {
+        let Ok(mut s) = ch.units.recv() else { return };
+        let u = s.u;
+        let res = (|| -> Result<(), String> {
+            wait_copies(&mut s)?;
+            let Some(k) = multiplier(&mut coeff, ch)? else {
+                (skip, st.steps) = (true, 0);
+                return Ok(());
+            };
+            let r = split.host_range(u);
+            let grad = s.grad.as_mut_slice().map_err(|e| format!("reading unit {u}'s gradient staging: {e:?}"))?;
+            let grad = &mut grad[..r.len()];
+            let t = Instant::now();
+            // The multiplier applied once, as the GPU kernels apply it (one f32 rounding).
+            pool.install(|| grad.par_chunks_mut(CHUNK).for_each(|g| g.iter_mut().for_each(|x| *x *= k)));
+            let state = LambState { master, m, v, decay };
+            lamb.update(pool, &c, u, r.start, state, grad);
+            st.cpu_step_s += t.elapsed().as_secs_f64();
+            Ok(())
+        })();
+        if let Err(e) = res {
+            let _ = ch.done.send(Err(e));
+            return;
+        }
+        held.push(s);
+    }
+    if skip {
+        for s in held {
+            if ch.done.send(Ok(s)).is_err() {
+                return;
+            }
+        }
+        return;
+    }
+    let t = Instant::now();
+    let ratios = lamb.ratios(pool, hp, master);
+    st.cpu_step_s += t.elapsed().as_secs_f64();
+    for mut s in held {
+        let u = s.u;
+        let res = (|| -> Result<(), String> {
+            let r = split.host_range(u);
+            let grad = s.grad.as_slice().map_err(|e| format!("reading unit {u}'s gradient staging: {e:?}"))?;
+            let t = Instant::now();
+            lamb.commit(pool, &c, &ratios, u, r.start, LambStateMut { master, m, v }, &grad[..r.len()]);
+            let param = s.param.as_mut_slice().map_err(|e| format!("reading unit {u}'s parameter staging: {e:?}"))?;
+            let src = &master[r.clone()];
+            pool.install(|| {
+                param[..r.len()].par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(o, p)| {
+                    o.iter_mut().zip(p).for_each(|(o, &x)| *o = bf16::from_f32(x));
+                })
+            });
+            st.cpu_step_s += t.elapsed().as_secs_f64();
+            Ok(())
+        })();
+        let failed = res.is_err();
+        if ch.done.send(res.map(|()| s)).is_err() || failed {
+            return;
+        }
+    }
+}
+
 /// How long the issuing thread waits for one unit's host step before giving up.
 pub const HOST_STEP_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -592,7 +691,7 @@ impl Offload {
     /// Rank `rank`'s host side: the host parts (`master_host`, `mask_host`) of its optimizer
     /// pieces as `split` cuts them, fresh state (`states` buffers at `init`, in swap files under
     /// `nvme`'s directory when given), `threads` CPU threads, a staging pair per unit with a host
-    /// part, and the two copy streams.
+    /// part, and the two copy streams; `lamb`: LAMB's norm layout (LAMB only).
     pub fn new(
         gpu: &Gpu,
         rank: usize,
@@ -600,7 +699,7 @@ impl Offload {
         (master_host, mask_host): (Vec<f32>, Vec<u8>),
         (states, init): (usize, f32),
         o: OffloadOptions,
-        nvme: Option<&NvmeSite>,
+        (nvme, lamb): (Option<&NvmeSite>, Option<LambHost>),
     ) -> Result<Offload> {
         let threads = o.threads.max(1);
         let pool = rayon::ThreadPoolBuilder::new()
@@ -612,7 +711,7 @@ impl Offload {
         let host = match nvme {
             None => {
                 let buf = |k: usize| if states > k { vec![init; n] } else { Vec::new() };
-                HostState { master: master_host, m: buf(0), v: buf(1), nvme: None, decay: mask_host, pool, threads }
+                HostState { master: master_host, m: buf(0), v: buf(1), nvme: None, decay: mask_host, pool, threads, lamb }
             }
             Some(site) => {
                 let store = NvmeStore::create(&site.dir, rank, &site.aio, split, &master_host)?;
@@ -620,7 +719,7 @@ impl Offload {
                     // The files start zero-filled; Adagrad's accumulator starts at its value.
                     store.write_buffer(1, &vec![init; n]).context("writing the initial accumulator to its swap file")?;
                 }
-                HostState { master: Vec::new(), m: Vec::new(), v: Vec::new(), nvme: Some(store), decay: mask_host, pool, threads }
+                HostState { master: Vec::new(), m: Vec::new(), v: Vec::new(), nvme: Some(store), decay: mask_host, pool, threads, lamb }
             }
         };
         let mut staging = Vec::with_capacity(split.units());
@@ -856,7 +955,9 @@ mod tests {
             }
             let (mut master, mut grad, mut m) = (randv(7, 0, len, 0.02), randv(7, 1, len, 1e-2), randv(7, 2, len, 1e-3));
             let mut v: Vec<f32> = randv(7, 3, len, 1e-3).iter().map(|x| x * x).collect();
-            (spice(&mut master, 0), spice(&mut grad, 1), spice(&mut m, 2), spice(&mut v, 3));
+            for (k, buf) in [&mut master, &mut grad, &mut m, &mut v].into_iter().enumerate() {
+                spice(buf, k);
+            }
             let decay: Vec<u8> = (0..len).map(|i| u8::from(i % 5 != 0)).collect();
             let (mut em, mut ev, mut ep) = (m.clone(), v.clone(), master.clone());
             let c = Coeffs::new(&hp, 0.75);

@@ -150,8 +150,8 @@ fn check_model(name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Refuses an offload the GPU trainer cannot do: the optimizer at ZeRO stage 0, with LAMB (not
-/// elementwise: the host step runs unit by unit), by a share outside 0..=1 (NVMe: other than 1),
+/// Refuses an offload the GPU trainer cannot do: the optimizer at ZeRO stage 0, with LAMB on NVMe
+/// or partly (its host step needs every tensor in host memory), by a share outside 0..=1 (NVMe: other than 1),
 /// or NVMe parameters with a partial optimizer share. An NVMe `nvme_path` is checked where the swap site is made ([`nvme_site`]).
 fn check_offload(cfg: &Config) -> Result<()> {
     if let Some(o) = cfg.zero.offload_optimizer.as_ref().filter(|o| o.device != OffloadDevice::None) {
@@ -162,12 +162,13 @@ fn check_offload(cfg: &Config) -> Result<()> {
                 offload_name(o.device)
             );
         }
-        if matches!(cfg.optimizer, OptimizerConfig::Lamb { .. }) {
+        if matches!(cfg.optimizer, OptimizerConfig::Lamb { .. }) && (o.device == OffloadDevice::Nvme || o.ratio < 1.0) {
             bail!(
-                "zero_optimization.offload_optimizer.device = \"{}\" with optimizer.type = \"Lamb\": the GPU ranks' host step runs \
-                 unit by unit as gradients arrive, and LAMB's trust ratios need every tensor's norms first; drop the offload \
-                 section, use another optimizer, or --device cpu",
-                offload_name(o.device)
+                "zero_optimization.offload_optimizer.device = \"{}\" (ratio {}) with optimizer.type = \"Lamb\": the GPU ranks' \
+                 LAMB host step needs every tensor's state in host memory (its trust ratios span whole tensors, and it reads the \
+                 state twice a step); use device \"cpu\" with ratio 1, another optimizer, or --device cpu",
+                offload_name(o.device),
+                o.ratio
             );
         }
         if !(0.0..=1.0).contains(&o.ratio) {

@@ -73,7 +73,7 @@ impl LambParams {
 
     /// The f32 scalars of one step at learning rate `lr` and 1-based step `step` (this step's
     /// betas, bias corrections included).
-    pub(crate) fn coeffs(&self, lr: f32, step: u64) -> LambCoeffs {
+    pub fn coeffs(&self, lr: f32, step: u64) -> LambCoeffs {
         let betas = step_betas(self.betas, self.momentum_cycle.as_ref(), step);
         let (b1, b2) = (f64::from(betas.0), f64::from(betas.1));
         let (bc1, bc2) = bias_corrections(b1, b2, step, self.bias_correction);
@@ -106,7 +106,7 @@ impl LambParams {
 
 /// Per-step f32 scalars of the LAMB kernels.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct LambCoeffs {
+pub struct LambCoeffs {
     pub(crate) beta1: f32,
     pub(crate) one_minus_beta1: f32,
     pub(crate) beta2: f32,
@@ -126,7 +126,7 @@ fn lamb_moments(c: &LambCoeffs, g: f32, m: f32, v: f32) -> (f32, f32) {
 // Phase 1, writing only the scratch `u`: u ← m'/(√v' + eps) + wd·p, with m', v' the new
 // moments; the state itself is untouched until the norms are known (a failed norm all-reduce
 // leaves the shard as it was).
-pub(crate) fn lamb_update_kernel(c: &LambCoeffs, decay: bool, p: &[f32], g: &[f32], m: &[f32], v: &[f32], u: &mut [f32]) {
+pub fn lamb_update_kernel(c: &LambCoeffs, decay: bool, p: &[f32], g: &[f32], m: &[f32], v: &[f32], u: &mut [f32]) {
     let wd = if decay { c.weight_decay } else { 0.0 };
     let elems = p.iter().zip(g).zip(m).zip(v).zip(u.iter_mut());
     for ((((&p, &g), &m), &v), u) in elems {
@@ -137,7 +137,7 @@ pub(crate) fn lamb_update_kernel(c: &LambCoeffs, decay: bool, p: &[f32], g: &[f3
 
 // Phase 2, once the norms are in: the moments are stored (recomputed, the same bits as phase 1's)
 // and p ← p − (step_size·ratio)·u (DeepSpeed multiplies step_size·ratio·u left to right).
-pub(crate) fn lamb_commit_kernel(c: &LambCoeffs, ratio: f32, g: &[f32], m: &mut [f32], v: &mut [f32], p: &mut [f32], u: &[f32]) {
+pub fn lamb_commit_kernel(c: &LambCoeffs, ratio: f32, g: &[f32], m: &mut [f32], v: &mut [f32], p: &mut [f32], u: &[f32]) {
     let elems = g.iter().zip(m.iter_mut()).zip(v.iter_mut()).zip(p.iter_mut()).zip(u);
     for ((((&g, m), v), p), &u) in elems {
         (*m, *v) = lamb_moments(c, g, *m, *v);

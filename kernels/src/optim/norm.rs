@@ -202,10 +202,11 @@ fn build_block_index(slots: &[Slot], total: usize) -> Vec<usize> {
     (0..=blocks).map(|k| slots.partition_point(|s| s.range.start < k * NORM_BLOCK)).collect()
 }
 
-// Sum of squares in f64 with a fixed order: lane j accumulates x[i]^2 for i ≡ j (mod 8) in index
-// order, then lanes combine as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)). The order depends only on the
-// slice itself (a slot), never on threads or partitioning, and the lanes let the loop vectorise.
-fn sumsq_f64(x: &[f32]) -> f64 {
+/// Sum of squares in f64 with a fixed order: lane j accumulates x[i]^2 for i ≡ j (mod 8) in index
+/// order, then lanes combine as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)). The order depends only on the
+/// slice itself (a slot), never on threads or partitioning, and the lanes let the loop vectorise;
+/// a host summing the same slots with it reproduces [`FlatLayout::partial_sumsq`]'s partials.
+pub fn sumsq_f64(x: &[f32]) -> f64 {
     let mut lanes = [0.0f64; SUM_LANES];
     let mut chunks = x.chunks_exact(SUM_LANES);
     for c in &mut chunks {

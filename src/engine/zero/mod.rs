@@ -631,19 +631,24 @@ mod tests {
     /// ([`super::super::device::Staged`]). With the CPU's arithmetic behind that staging, every
     /// stage and world size gives the unit-by-unit bits: the unit events, the collectives they
     /// drive (stage 3's gathers at the forward uses, the buckets at the backward's) and the
-    /// gradients are the same.
+    /// gradients are the same. So does fp16 (the gradients handed back are stored in fp16 under
+    /// the loss scale, as `gradient_fed_replicas_stay_bit_identical_to_their_owners` sets it up;
+    /// the skip itself is the engine's, tested there and on the GPU by `tests/e2e_gpu.rs`).
     #[test]
     fn whole_micro_batches_staged_as_on_the_gpu_give_the_unit_by_unit_bits() {
-        let (one, _) = two_steps(1, 0, &[]);
-        for (world, stage) in [(1, 0), (2, 1), (4, 2), (2, 3), (4, 3)] {
-            let sets = ["zero_optimization.stage3_param_persistence_threshold=0"];
-            STAGED.set(true);
-            let (staged, ops_staged) = two_steps(world, stage, &sets);
-            STAGED.set(false);
-            let (direct, ops_direct) = two_steps(world, stage, &sets);
-            assert_eq!(staged, direct, "world {world}, stage {stage}: staged bits differ");
-            assert_eq!(ops_staged, ops_direct, "world {world}, stage {stage}: other collectives");
-            assert_eq!(staged, one, "world {world}, stage {stage}: not the one-rank bits");
+        let fp16 = ["bf16.enabled=false", "fp16.enabled=true", "fp16.initial_scale_power=18", "fp16.hysteresis=1"];
+        for extra in [&[][..], &fp16[..]] {
+            let (one, _) = two_steps(1, 0, extra);
+            for (world, stage) in [(1, 0), (2, 1), (4, 2), (2, 3), (4, 3)] {
+                let sets: Vec<&str> = ["zero_optimization.stage3_param_persistence_threshold=0"].iter().chain(extra).copied().collect();
+                STAGED.set(true);
+                let (staged, ops_staged) = two_steps(world, stage, &sets);
+                STAGED.set(false);
+                let (direct, ops_direct) = two_steps(world, stage, &sets);
+                assert_eq!(staged, direct, "world {world}, stage {stage}, {extra:?}: staged bits differ");
+                assert_eq!(ops_staged, ops_direct, "world {world}, stage {stage}, {extra:?}: other collectives");
+                assert_eq!(staged, one, "world {world}, stage {stage}, {extra:?}: not the one-rank bits");
+            }
         }
     }
 

@@ -64,6 +64,7 @@ use tessera_kernels::model::Model;
 use tessera_kernels::optim::{AdamParams, ElementwiseStep, FlatLayout, OptimizerKind};
 use tessera_transport::nccl::NcclComm;
 
+use super::lamb_host::LambHost;
 use super::offload::{self, Offload, OffloadStats, Pipe, Split};
 use super::param_offload::{ParamHost, ParamOffloadOptions, ParamOffloadStats};
 use crate::offload::ResidentBytes;
@@ -390,11 +391,16 @@ impl RankSpec<'_> {
                 );
             }
         }
-        if self.offload.is_some() && !self.optim.offloadable() {
-            bail!(
-                "optimizer.type = \"Lamb\" with zero_optimization.offload_optimizer: the host step runs unit by unit as gradients \
-                 arrive, and LAMB's trust ratios need every tensor's norms first; drop the offload section, or use --device cpu"
-            );
+        if let Some(o) = self.offload.filter(|_| !self.optim.offloadable()) {
+            if o.ratio < 1.0 || self.nvme.is_some() {
+                bail!(
+                    "optimizer.type = \"Lamb\" with zero_optimization.offload_optimizer (ratio {}{}): LAMB's host step needs every \
+                     tensor's state in host memory (its trust ratios span whole tensors, and it reads the state twice); use \
+                     device \"cpu\" with ratio 1, or --device cpu",
+                    o.ratio,
+                    if self.nvme.is_some() { ", device \"nvme\"" } else { "" }
+                );
+            }
         }
         Ok(())
     }
@@ -490,9 +496,17 @@ impl Rank {
         };
         let (m, v) = (state_buf(0)?, state_buf(1)?);
         let decay = gpu.upload(&mask_dev)?;
+        let flat = || FlatLayout::new(model.layout().segments()).context("LAMB's norm layout");
+        let lamb_host = match (optim.kind, offload) {
+            (OptimizerKind::Lamb(_), Some(_)) => {
+                let host_units: Vec<_> = (0..layout.units.len()).map(|u| split.host_range(u)).collect();
+                Some(LambHost::new(flat()?, &layout.tensor_starts(), &layout.units, &host_units)?)
+            }
+            _ => None,
+        };
         let off = match offload {
             None => None,
-            Some(o) => Some(Offload::new(&gpu, rank, &split, (master_host, mask_host), (states, init), o, nvme)?),
+            Some(o) => Some(Offload::new(&gpu, rank, &split, (master_host, mask_host), (states, init), o, (nvme, lamb_host))?),
         };
         let gshard = if stage >= 1 && world > 1 { Some(gpu.alloc::<f32>(shard_len)?) } else { None };
         // The micro-batch tree holds at most ⌊log2 M⌋ + 1 partial sums at once.
@@ -508,10 +522,10 @@ impl Rank {
         let losses = gpu.alloc::<f32>(shape.n() * m_local.max(1))?;
         let cstream = gpu.ctx.new_stream().map_err(cuda::drv("creating the communication stream"))?;
         let ostream = gpu.ctx.new_stream().map_err(cuda::drv("creating the optimizer stream"))?;
-        let lamb = match optim.kind {
-            OptimizerKind::Lamb(_) => {
-                let flat = FlatLayout::new(model.layout().segments()).context("LAMB's norm layout")?;
-                Some((LambSlots::new(&gpu, &flat, &layout.tensor_starts())?, gpu.alloc::<f32>(shard_len)?))
+        // (With optimizer offload LAMB steps on the host: `lamb_host` above.)
+        let lamb = match (optim.kind, offload) {
+            (OptimizerKind::Lamb(_), None) => {
+                Some((LambSlots::new(&gpu, &flat()?, &layout.tensor_starts())?, gpu.alloc::<f32>(shard_len)?))
             }
             _ => None,
         };
@@ -620,9 +634,10 @@ impl Rank {
         };
         let host_hp = match hp {
             OptimStep::Adam(a) => offload::HostStep::Adam(a),
+            OptimStep::Lamb(l) => offload::HostStep::Lamb(l),
             _ => offload::HostStep::Cpu(
                 ElementwiseStep::new(&self.optim.kind, lr, self.step + 1)
-                    .with_context(|| format!("rank {}: optimizer offload with LAMB (refused at start)", self.rank))?,
+                    .with_context(|| format!("rank {}: the host step of {}", self.rank, self.optim.kind.name()))?,
             ),
         };
         let mut host = off.host.take().context("the host optimizer state was lost in an earlier failed step")?;
@@ -877,7 +892,7 @@ impl Rank {
         // Parameters on NVMe: the device optimizer's write-back waits for each unit's copy, which
         // would stall the backward; they are stepped after it.
         let swapped = self.phost.as_ref().is_some_and(|p| p.nvme_bytes() > 0);
-        self.early_adam && self.world == 1 && self.optim.clip <= 0.0 && !self.fp16 && !swapped && self.lamb.is_none()
+        self.early_adam && self.world == 1 && self.optim.clip <= 0.0 && !self.fp16 && !swapped && self.optim.offloadable()
     }
 
     /// The optimizer over the device part of unit `u`'s piece (this rank's, or all of it at
