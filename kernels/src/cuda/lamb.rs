@@ -24,7 +24,7 @@ use std::ops::Range;
 use cudarc::driver::{CudaStream, PushKernelArg};
 
 use super::ops::{launch, OptimBufs};
-use super::optim::LambStep;
+use super::optim::{bits, LambStep};
 use super::{bf16, drv, grid_1d, Buf, CheckRow, DPtr, Gpu, GpuError, Result};
 use crate::optim::{FlatLayout, LambParams, LocalReduce, OptimizerKind, OptimizerShard, StepContext};
 
@@ -263,10 +263,6 @@ pub fn check(gpu: &Gpu, seed: u64) -> Result<Vec<CheckRow>> {
         });
     }
     Ok(rows)
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 #[cfg(test)]

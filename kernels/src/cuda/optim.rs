@@ -293,7 +293,8 @@ pub(crate) fn normal(seed: u64, key: u64, len: usize, std: f32) -> Vec<f32> {
     v
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
+/// Every value's bits (the check rows compare them).
+pub(super) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
