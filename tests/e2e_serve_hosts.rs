@@ -106,7 +106,9 @@ fn serve_ranks_on_namespace_hosts_answer_as_one_process_and_503_when_cut_off_or_
     let tmp = tempfile::tempdir().unwrap();
     let folder = model_folder(tmp.path());
     let token = tmp.path().join("token");
-    let join = format!("{gw}:47700");
+    // The server listens in the root namespace, where other tests' sockets take ephemeral ports
+    // (32768–60999): fixed ports below that range cannot collide with them.
+    let join = format!("{gw}:29700");
     let tf = ["--token-file", token.to_str().unwrap()];
     let (two, ranks) = serve_over_hosts(&folder, &join, &tf, Some(&token), &|| {
         vec![rank(&net, 1, &join, &folder, &[&tf[..], &["--rank", "1"]].concat()), rank(&net, 0, &join, &folder, &tf)]
@@ -137,7 +139,7 @@ fn serve_ranks_on_namespace_hosts_answer_as_one_process_and_503_when_cut_off_or_
 
     // A rank of another model is refused at start, by the key that differs.
     let gpt2 = repo().join("tests/fixtures/hf/gpt2");
-    let join = format!("{gw}:47701");
+    let join = format!("{gw}:29701");
     let token = tmp.path().join("token2");
     let tf = ["--token-file", token.to_str().unwrap()];
     let mut server = Command::new(bin())
@@ -179,7 +181,7 @@ fn serve_ranks_on_namespace_hosts_answer_as_one_process_and_503_when_cut_off_or_
     let certs = tmp.path().join("certs");
     let init = Command::new(bin()).args(["cluster", "init", certs.to_str().unwrap(), "--nodes", "2"]).output().unwrap();
     assert!(init.status.success(), "{}", text(&init));
-    let join = format!("{gw}:47702");
+    let join = format!("{gw}:29702");
     let c = certs.to_str().unwrap();
     let (two, mut ranks) = serve_over_hosts(&folder, &join, &["--certs", c], None, &|| {
         (0..HOSTS).map(|i| rank(&net, i, &join, &folder, &["--certs", c, "--rank", &i.to_string()])).collect()
