@@ -141,10 +141,12 @@ fn training_across_namespace_hosts_clean_and_through_a_fault_proxy() {
         Ok(a) => a,
         Err(why) => panic!("attaching the root namespace to the test bridge: {why}"),
     };
-    let port = 47600u16;
+    // Root-namespace ports below the ephemeral range (32768–60999), where other tests' sockets
+    // cannot take them.
+    let port = 29610u16;
     let faults = LinkFaults { delay_ms: 1, jitter_ms: 2, loss: 0.02, reorder: 0.05, reorder_ms: 5, duplicate: 0.02 };
     let proxy = FaultProxy::start((gw, port).into(), (net.addr(0), port).into(), faults, 2026).expect("starting the fault proxy");
-    let join = format!("{gw}:47501");
+    let join = format!("{gw}:29511");
     let mut coord = Command::new(bin());
     coord.arg("coordinator").args(run_flags(&tmp.path().join("faults"))).args(["--listen", &join, "--nodes", "3"]);
     let started = Instant::now();
