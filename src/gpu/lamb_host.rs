@@ -28,8 +28,7 @@ use tessera_kernels::optim::lamb::{lamb_commit_kernel, lamb_update_kernel, LambC
 use tessera_kernels::optim::norm::sumsq_f64;
 use tessera_kernels::optim::FlatLayout;
 
-/// Elements of one parallel job (a tensor is cut into pieces this long: elementwise, the same bits).
-const PIECE: usize = 1 << 15;
+use super::offload::CHUNK;
 
 /// The norm layout of LAMB's host step and its scratch (see the module notes).
 pub struct LambHost {
@@ -37,7 +36,8 @@ pub struct LambHost {
     layout: FlatLayout,
     /// Per slot, in global slot order: its range in the host arrays.
     slots: Vec<Range<usize>>,
-    /// Per unit: its tensors' pieces (tensor index, range in the host arrays).
+    /// Per unit: its tensors' pieces (tensor index, range in the host arrays), at most
+    /// [`CHUNK`] long (elementwise jobs: the same bits however cut).
     pieces: Vec<Vec<(usize, Range<usize>)>>,
     /// Phase 1's update `u`, as long as the host arrays.
     u: Vec<f32>,
@@ -68,7 +68,7 @@ impl LambHost {
                     let (lo, hi) = (r.start.max(unit.start), r.end.min(unit.end));
                     let mut at = lo;
                     while at < hi {
-                        let end = (at + PIECE).min(hi);
+                        let end = (at + CHUNK).min(hi);
                         out.push((k, at..end));
                         at = end;
                     }

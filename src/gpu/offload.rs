@@ -64,7 +64,7 @@ use super::nvme::{NvmeStore, UnitState};
 use super::zero::OffloadOptions;
 
 /// Elements per task of the host step (a few hundred KiB of each stream per task).
-const CHUNK: usize = 1 << 15;
+pub(super) const CHUNK: usize = 1 << 15;
 
 /// Flush a subnormal to a zero of the same sign (the GPU's `.ftz` arithmetic).
 #[inline(always)]

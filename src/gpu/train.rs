@@ -162,15 +162,8 @@ fn check_offload(cfg: &Config) -> Result<()> {
                 offload_name(o.device)
             );
         }
-        if matches!(cfg.optimizer, OptimizerConfig::Lamb { .. }) && (o.device == OffloadDevice::Nvme || o.ratio < 1.0) {
-            bail!(
-                "zero_optimization.offload_optimizer.device = \"{}\" (ratio {}) with optimizer.type = \"Lamb\": the GPU ranks' \
-                 LAMB host step needs every tensor's state in host memory (its trust ratios span whole tensors, and it reads the \
-                 state twice a step); use device \"cpu\" with ratio 1, another optimizer, or --device cpu",
-                offload_name(o.device),
-                o.ratio
-            );
-        }
+        let lamb = matches!(cfg.optimizer, OptimizerConfig::Lamb { .. });
+        zero::refuse_partial_lamb_offload(lamb, f64::from(o.ratio), o.device == OffloadDevice::Nvme)?;
         if !(0.0..=1.0).contains(&o.ratio) {
             bail!(
                 "zero_optimization.offload_optimizer.ratio = {}: expected the share of the optimizer to offload, from 0 to 1 \

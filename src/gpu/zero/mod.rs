@@ -391,16 +391,8 @@ impl RankSpec<'_> {
                 );
             }
         }
-        if let Some(o) = self.offload.filter(|_| !self.optim.offloadable()) {
-            if o.ratio < 1.0 || self.nvme.is_some() {
-                bail!(
-                    "optimizer.type = \"Lamb\" with zero_optimization.offload_optimizer (ratio {}{}): LAMB's host step needs every \
-                     tensor's state in host memory (its trust ratios span whole tensors, and it reads the state twice); use \
-                     device \"cpu\" with ratio 1, or --device cpu",
-                    o.ratio,
-                    if self.nvme.is_some() { ", device \"nvme\"" } else { "" }
-                );
-            }
+        if let Some(o) = self.offload {
+            refuse_partial_lamb_offload(!self.optim.offloadable(), o.ratio, self.nvme.is_some())?;
         }
         Ok(())
     }
@@ -415,6 +407,21 @@ pub fn refuse_split_lamb(lamb: bool, stage: u8, world: usize) -> Result<()> {
             "optimizer.type = \"Lamb\" with zero_optimization.stage = {stage} on {world} GPUs: LAMB's per-tensor trust ratios \
              need each tensor's norm over the CPU's fixed 16384-element blocks, which the GPU ranks' ZeRO pieces split (their \
              partial sums are not exchanged); use zero_optimization.stage = 0 or one GPU for LAMB, or --device cpu"
+        );
+    }
+    Ok(())
+}
+
+/// Refuses LAMB with optimizer offload on NVMe or of a `ratio` below 1: its host step
+/// ([`super::lamb_host`]) needs every tensor's state in host memory.
+pub fn refuse_partial_lamb_offload(lamb: bool, ratio: f64, nvme: bool) -> Result<()> {
+    if lamb && (nvme || ratio < 1.0) {
+        bail!(
+            "zero_optimization.offload_optimizer.device = \"{}\" (ratio {}) with optimizer.type = \"Lamb\": the GPU ranks' \
+             LAMB host step needs every tensor's state in host memory (its trust ratios span whole tensors, and it reads the \
+             state twice a step); use device \"cpu\" with ratio 1, another optimizer, or --device cpu",
+            if nvme { "nvme" } else { "cpu" },
+            ratio as f32 // as the config holds it
         );
     }
     Ok(())
